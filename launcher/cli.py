@@ -1,0 +1,88 @@
+"""`lmlaunch`: one small module per subcommand (launcher/commands/), imported lazily.
+
+Nothing here imports torch: status, logs, cancel, validate and dry-run stay fast.
+Errors a user caused print one message and exit 2 (no traceback unless LMLAUNCH_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from launcher.context import Context
+from launcher.errors import ExitCode, UserError
+
+# subcommand -> (module under launcher.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("validate", "check a job spec (and its plan) without submitting"),
+    "submit": ("submit", "submit a job spec to SLURM (or print the plan with --dry-run)"),
+    "run": ("run", "run a job spec locally on CPU (the same entry a SLURM task runs)"),
+    "profiles": ("profiles", "list cluster profiles"),
+    "schema": ("schema", "write the JSON Schema of the job spec (for editors)"),
+    "data": ("data", "prepare tokenized training data"),
+    "cluster": ("cluster", "start, stop or inspect the local single-machine SLURM cluster"),
+    "status": ("status", "show runs: state, step, loss, throughput"),
+    "logs": ("logs", "show or follow a run's logs"),
+    "cancel": ("cancel", "cancel a run (never requeued)"),
+    "history": ("history", "a run's attempts: why each ended, goodput"),
+    "report": ("report", "plot a run's loss and throughput to a PNG"),
+    "preempt": ("preempt", "rehearse preemption of a running job"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmlaunch",
+        description="Launch, watch and resume language-model training on SLURM.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = _load(module)
+        if mod is not None:
+            mod.add_arguments(p)
+    return parser
+
+
+def _load(module: str):
+    try:
+        return importlib.import_module(f"launcher.commands.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"launcher.commands.{module}":
+            return None
+        raise
+
+
+def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
+    ctx = ctx or Context.default()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Only the chosen subcommand's module is imported (fast start).
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=chosen if chosen in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help(ctx.stdout)
+        return ExitCode.USAGE
+    mod = _load(COMMANDS[args.command][0])
+    if mod is None:
+        ctx.err(f"lmlaunch {args.command}: not available in this build")
+        return ExitCode.FAILURE
+    try:
+        return int(mod.run(args, ctx) or 0)
+    except UserError as exc:
+        if os.environ.get("LMLAUNCH_DEBUG") == "1":
+            raise
+        ctx.err(f"error: {exc.message}")
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        return ExitCode.INTERRUPTED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""lmlaunch profiles [--json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from launcher.context import Context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher.profiles import available_profiles, load_profile_file, profile_summary
+
+    rows = [profile_summary(load_profile_file(path)) for path in available_profiles().values()]
+    if args.json:
+        ctx.out(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        parts = ", ".join(f"{k} (max {v})" for k, v in row["partitions"].items())
+        gpus = f"{row['gpus_per_node']} GPUs/node" if row["gpus_per_node"] else "CPU only"
+        ctx.out(f"{row['name']:<14} {gpus:<14} partitions: {parts}")
+        if row["description"]:
+            ctx.out(f"{'':<14} {row['description']}")
+    return 0

@@ -1,0 +1,72 @@
+"""lmlaunch submit job.yaml [overrides...] [--cluster NAME] [--dry-run [--json]] [--new|--resume]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from launcher.context import Context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.zero_stage=3")
+    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    p.add_argument("--dry-run", action="store_true", help="print the plan; call no SLURM command")
+    p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--new", action="store_true", help="start over if the run name exists (old run is archived)")
+    g.add_argument("--resume", action="store_true", help="continue the existing run of this name")
+
+
+def render_dry_run(plan, script: str) -> str:
+    lines = []
+    t = plan.topology
+    lines.append(f"# lmlaunch plan for run '{plan.run_name}' on cluster '{plan.profile}'")
+    lines.append(
+        f"# topology: nodes({t.nodes}) x tasks_per_node({t.tasks_per_node}) = world_size({t.world_size}); "
+        f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
+        f"= global_batch({t.global_batch_size})"
+    )
+    for note in plan.notes:
+        lines.append(f"# note: {note}")
+    lines.append("")
+    lines.append("## job script (as submitted)")
+    lines.append(script.rstrip("\n"))
+    lines.append("")
+    lines.append("## environment of every task")
+    for name in sorted(plan.env):
+        lines.append(f"{name}={plan.env[name]}    # {plan.env_reasons.get(name, '')}")
+    for o in plan.env_overrides:
+        lines.append(f"# override: {o.name}: profile {o.profile_value!r} -> job {o.job_value!r}")
+    for name in plan.passthrough:
+        lines.append(f"{name}=<passed through from the submitting shell; value never written>")
+    if plan.deepspeed is not None:
+        lines.append("")
+        lines.append("## DeepSpeed config")
+        lines.append(json.dumps(plan.deepspeed, indent=2, sort_keys=True))
+    lines.append("")
+    lines.append("## Trainer arguments")
+    lines.append(json.dumps(plan.trainer, indent=2, sort_keys=True))
+    lines.append("")
+    lines.append("## run directory")
+    for k, v in plan.paths.__dict__.items():
+        lines.append(f"{k}: {v}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher.resolve import resolve
+    from launcher.submit import render_script
+
+    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ)
+    if args.dry_run:
+        script = render_script(r.plan)
+        if args.json:
+            ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script}, indent=2, sort_keys=True))
+        else:
+            ctx.out(render_dry_run(r.plan, script))
+        return 0
+    from launcher.submit import submit_plan
+
+    return submit_plan(r, ctx, new=args.new, resume=args.resume)

@@ -1,0 +1,29 @@
+"""lmlaunch validate job.yaml [overrides...] [--cluster NAME]"""
+
+from __future__ import annotations
+
+import argparse
+
+from launcher.context import Context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. resources.nodes=4")
+    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher.resolve import resolve
+
+    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ)
+    t = r.plan.topology
+    ctx.out(
+        f"ok: {args.spec} is valid for cluster '{r.profile.name}': "
+        f"nodes({t.nodes}) x tasks_per_node({t.tasks_per_node}) = world_size({t.world_size}); "
+        f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
+        f"= global_batch({t.global_batch_size})"
+    )
+    for note in r.plan.notes:
+        ctx.out(f"note: {note}")
+    return 0

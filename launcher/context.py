@@ -1,0 +1,25 @@
+"""The command environment (streams, process env), injectable so tests can capture it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+
+@dataclass
+class Context:
+    stdout: TextIO
+    stderr: TextIO
+    environ: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def default(cls) -> Context:
+        return cls(stdout=sys.stdout, stderr=sys.stderr, environ=dict(os.environ))
+
+    def out(self, text: str = "") -> None:
+        print(text, file=self.stdout)
+
+    def err(self, text: str) -> None:
+        print(text, file=self.stderr)

@@ -1,0 +1,60 @@
+"""The task environment: the profile's fabric preset, the runtime's own variables and the
+job's overrides, each with the reason it is set. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.profiles import Profile
+from launcher.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class EnvOverride:
+    """A profile variable the job replaced."""
+
+    name: str
+    profile_value: str
+    job_value: str
+
+
+@dataclass(frozen=True)
+class TaskEnv:
+    values: dict[str, str]
+    reasons: dict[str, str]
+    overrides: tuple[EnvOverride, ...]
+    passthrough: tuple[str, ...]
+
+
+def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: int) -> TaskEnv:
+    values: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+
+    def put(name: str, value: str, why: str) -> None:
+        values[name] = value
+        reasons[name] = why
+
+    put("PYTHONUNBUFFERED", "1", "logs appear as they are written, not when a buffer fills")
+    put("OMP_NUM_THREADS", str(cpus_per_task), "one intra-op thread per allocated core, no oversubscription")
+    put("TOKENIZERS_PARALLELISM", "false", "no tokenizer thread pools forked into DataLoader workers")
+    put("LMLAUNCH_RUN_DIR", run_dir, "where the task finds its plan, checkpoints and heartbeat")
+    if profile.gpus_per_node > 0 or spec.resources.gpus_per_node > 0:
+        put(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "3",
+            "a failed or timed-out collective tears down the process group instead of hanging",
+        )
+    for name, var in profile.env.items():
+        put(name, var.value, var.why)
+
+    overrides = []
+    for name, value in spec.env.vars.items():
+        if name in values and values[name] != value:
+            overrides.append(EnvOverride(name, values[name], value))
+        put(name, value, "set by the job spec (env.vars)")
+    return TaskEnv(
+        values=values,
+        reasons=reasons,
+        overrides=tuple(overrides),
+        passthrough=tuple(spec.env.passthrough),
+    )

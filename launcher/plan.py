@@ -1,0 +1,298 @@
+"""spec + profile -> LaunchPlan: everything the cluster will see, computed without any I/O.
+
+The plan is the seam of the product: ``--dry-run`` prints it, ``submit`` hands it to
+submitit, and each task reads it back from the run directory (``plan.json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from launcher.deepspeed_config import render_deepspeed
+from launcher.errors import SpecError, did_you_mean
+from launcher.nccl import EnvOverride, render_env
+from launcher.profiles import Profile
+from launcher.spec import JobSpec, format_minutes, mem_to_mb
+
+PLAN_VERSION = 1
+TASK_TARGET = "lmtrain.task:TrainTask"
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    tasks_per_node: int
+    world_size: int
+    accelerator: str  # "gpu" | "cpu"
+    micro_batch_size: int
+    grad_accum: int
+    global_batch_size: int
+
+
+@dataclass(frozen=True)
+class SlurmParams:
+    """The sbatch parameters, one source for the script and for submitit."""
+
+    job_name: str
+    partition: str
+    nodes: int
+    ntasks_per_node: int
+    cpus_per_task: int
+    gpus_per_node: int  # 0: no GRES
+    gres: str | None
+    mem: str | None
+    time_minutes: int
+    time: str
+    account: str | None
+    qos: str | None
+    constraint: str | None
+    exclusive: bool
+    signal: str  # e.g. "USR2@120": to every task of every step (no B:)
+    signal_name: str
+    warning_seconds: int
+    requeue: bool
+    open_mode: str
+    output: str
+    error: str
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    run_dir: str
+    submitit_dir: str
+    logs_dir: str
+    checkpoint_dir: str
+    heartbeat: str
+    ledger: str
+    plan_json: str
+    spec_yaml: str
+    deepspeed_json: str | None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    version: int
+    run_name: str
+    profile: str
+    topology: Topology
+    slurm: SlurmParams
+    env: dict[str, str]
+    env_reasons: dict[str, str]
+    env_overrides: tuple[EnvOverride, ...]
+    passthrough: tuple[str, ...]
+    setup: tuple[str, ...]
+    python: str
+    srun_args: tuple[str, ...]
+    deepspeed: dict[str, Any] | None
+    trainer: dict[str, Any]
+    task: dict[str, Any]
+    paths: RunPaths
+    preemption: dict[str, Any]
+    spec: dict[str, Any]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LaunchPlan:
+        return cls(
+            **{
+                **d,
+                "topology": Topology(**d["topology"]),
+                "slurm": SlurmParams(**d["slurm"]),
+                "paths": RunPaths(**d["paths"]),
+                "env_overrides": tuple(EnvOverride(**o) for o in d["env_overrides"]),
+                "passthrough": tuple(d["passthrough"]),
+                "setup": tuple(d["setup"]),
+                "srun_args": tuple(d["srun_args"]),
+                "notes": tuple(d.get("notes", ())),
+            }
+        )
+
+
+def _topology(spec: JobSpec, profile: Profile) -> Topology:
+    r = spec.resources
+    problems = []
+    if r.gpus_per_node > profile.gpus_per_node:
+        problems.append(
+            f"resources.gpus_per_node({r.gpus_per_node}) is above what profile '{profile.name}' "
+            f"nodes have: gpus_per_node({profile.gpus_per_node})"
+        )
+    tasks = spec.tasks_per_node
+    if r.gpus_per_node == 0 and tasks > profile.max_tasks_per_node:
+        problems.append(
+            f"resources.tasks_per_node({tasks}) is above profile '{profile.name}' "
+            f"max_tasks_per_node({profile.max_tasks_per_node})"
+        )
+    world = r.nodes * tasks
+    mbs = spec.data.micro_batch_size
+    gbs = spec.trainer.global_batch_size
+    per_step = mbs * world
+    if gbs % per_step:
+        problems.append(
+            f"trainer.global_batch_size({gbs}) is not a multiple of data.micro_batch_size({mbs}) "
+            f"x world_size({world}) = {per_step}; world_size = resources.nodes({r.nodes}) x "
+            f"{'gpus_per_node' if r.gpus_per_node else 'tasks_per_node'}({tasks})"
+        )
+    if problems:
+        raise SpecError(problems)
+    return Topology(
+        nodes=r.nodes,
+        tasks_per_node=tasks,
+        world_size=world,
+        accelerator="gpu" if r.gpus_per_node > 0 else "cpu",
+        micro_batch_size=mbs,
+        grad_accum=gbs // per_step,
+        global_batch_size=gbs,
+    )
+
+
+def _slurm(spec: JobSpec, profile: Profile, topo: Topology, paths: RunPaths) -> SlurmParams:
+    r = spec.resources
+    partition = r.partition or profile.default_partition
+    if partition not in profile.partitions:
+        raise SpecError(
+            [
+                f"resources.partition '{partition}' is not a partition of profile '{profile.name}'"
+                f"{did_you_mean(partition, profile.partitions)}; allowed: {', '.join(profile.partitions)}"
+            ]
+        )
+    part = profile.partitions[partition]
+    if r.time_minutes > part.max_minutes:
+        raise SpecError(
+            [
+                f"resources.time({r.time}) = {r.time_minutes} min is above partition '{partition}' "
+                f"max_time({part.max_time}) = {part.max_minutes} min"
+            ]
+        )
+    cpus = r.cpus_per_task or profile.cpus_per_gpu
+    mem = r.mem
+    if mem is None and profile.mem_per_gpu and r.gpus_per_node:
+        mem = f"{mem_to_mb(profile.mem_per_gpu) * r.gpus_per_node}M"
+    gres = None
+    if r.gpus_per_node:
+        gres = f"{profile.gres_name}:{r.gpus_per_node}"
+    signal_name = spec.preemption.signal
+    log_pattern = str(PurePosixPath(paths.logs_dir) / "%j_%t.log")
+    return SlurmParams(
+        job_name=spec.name,
+        partition=partition,
+        nodes=topo.nodes,
+        ntasks_per_node=topo.tasks_per_node,
+        cpus_per_task=cpus,
+        gpus_per_node=r.gpus_per_node,
+        gres=gres,
+        mem=mem,
+        time_minutes=r.time_minutes,
+        time=format_minutes(r.time_minutes),
+        account=r.account or profile.account,
+        qos=r.qos or profile.qos,
+        constraint=r.constraint,
+        exclusive=profile.exclusive if r.exclusive is None else r.exclusive,
+        signal=f"{signal_name}@{spec.preemption.warning_seconds}",
+        signal_name=signal_name,
+        warning_seconds=spec.preemption.warning_seconds,
+        requeue=True,
+        open_mode="append",
+        output=log_pattern,
+        error=log_pattern,
+    )
+
+
+def _trainer_args(spec: JobSpec, topo: Topology) -> dict[str, Any]:
+    t = spec.trainer
+    strategy = t.strategy
+    notes = []
+    if topo.accelerator == "cpu" and strategy == "deepspeed":
+        strategy = "ddp"
+        notes.append("DeepSpeed needs CUDA under Lightning: this CPU run uses DDP on gloo")
+    precision = t.precision
+    if topo.accelerator == "cpu" and precision == "16-mixed":
+        precision = "bf16-mixed"
+        notes.append("16-mixed needs CUDA: this CPU run uses bf16-mixed")
+    return {
+        "accelerator": topo.accelerator,
+        "devices": topo.tasks_per_node,
+        "num_nodes": topo.nodes,
+        "strategy": strategy,
+        "process_group_backend": "nccl" if topo.accelerator == "gpu" else "gloo",
+        "precision": precision,
+        "max_steps": t.max_steps,
+        "accumulate_grad_batches": topo.grad_accum,
+        "gradient_clip_val": t.gradient_clip_val,
+        "val_check_interval": t.val_check_interval,
+        "limit_val_batches": t.limit_val_batches,
+        "log_every_n_steps": t.log_every_n_steps,
+        "use_distributed_sampler": False,  # lmtrain's resumable sampler shards the data
+        "enable_checkpointing": False,  # lmtrain owns checkpoints (atomic, complete-marked)
+        "seed": t.seed,
+        "notes": notes,
+    }
+
+
+def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
+    run_dir = PurePosixPath(runs_root) / spec.name
+    ckpt = spec.checkpoint.dir or str(run_dir / "checkpoints")
+    return RunPaths(
+        run_dir=str(run_dir),
+        submitit_dir=str(run_dir / "submitit"),
+        logs_dir=str(run_dir / "logs"),
+        checkpoint_dir=str(ckpt),
+        heartbeat=str(run_dir / "metrics" / "heartbeat.jsonl"),
+        ledger=str(run_dir / "attempts.jsonl"),
+        plan_json=str(run_dir / "plan.json"),
+        spec_yaml=str(run_dir / "spec.yaml"),
+        deepspeed_json=str(run_dir / "deepspeed.json") if spec.trainer.strategy == "deepspeed" else None,
+    )
+
+
+def make_plan(spec: JobSpec, profile: Profile, *, runs_root: str) -> LaunchPlan:
+    """The whole launch, as data. Raises SpecError with the arithmetic when it cannot work."""
+    topo = _topology(spec, profile)
+    paths = run_paths(spec, runs_root)
+    slurm = _slurm(spec, profile, topo, paths)
+    env = render_env(spec, profile, run_dir=paths.run_dir, cpus_per_task=slurm.cpus_per_task)
+    trainer = _trainer_args(spec, topo)
+    notes = tuple(trainer.pop("notes"))
+    deepspeed = None
+    if trainer["strategy"] == "deepspeed":
+        deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum)
+    srun_args: tuple[str, ...] = ()
+    if profile.container is not None:
+        srun_args = (f"--container-image={profile.container.image}",)
+        if profile.container.mounts:
+            srun_args += (f"--container-mounts={','.join(profile.container.mounts)}",)
+    preemption = {
+        **spec.preemption.model_dump(),
+        "cluster_sends_user_signal": profile.sends_user_signal_on_preemption,
+        "grace_seconds": profile.partitions[slurm.partition].grace_seconds,
+    }
+    return LaunchPlan(
+        version=PLAN_VERSION,
+        run_name=spec.name,
+        profile=profile.name,
+        topology=topo,
+        slurm=slurm,
+        env=env.values,
+        env_reasons=env.reasons,
+        env_overrides=env.overrides,
+        passthrough=env.passthrough,
+        setup=tuple(profile.setup),
+        python=profile.python,
+        srun_args=srun_args,
+        deepspeed=deepspeed,
+        trainer=trainer,
+        task={"target": TASK_TARGET, "run_dir": paths.run_dir},
+        paths=paths,
+        preemption=preemption,
+        spec=spec.model_dump(mode="json"),
+        notes=notes,
+    )

@@ -1,0 +1,393 @@
+"""The job spec: one typed, strict source of truth for what a user may write in job.yaml.
+
+Every field carries a docstring (it becomes the JSON Schema description and the reference
+documentation). Unknown keys are rejected. Cross-field rules that need the cluster profile
+(topology against the profile's GPUs, time against the partition) live in :mod:`launcher.plan`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from launcher.model_types import KNOWN_CAUSAL_LM_TYPES
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MEM_RE = re.compile(r"^[1-9][0-9]*[KMGT]?$")
+SIGNAL_NAMES = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")
+# Signals that NCCL / the runtime may use themselves, so a warning signal must not be one.
+_TIME_RE = re.compile(
+    r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+    r"|(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)"
+    r"|(?P<mm>\d+):(?P<ss>\d+)"
+    r"|(?P<only_m>\d+))$"
+)
+
+
+def parse_slurm_time(value: str | int) -> int:
+    """SLURM time string -> whole minutes (rounded up), as ``sbatch --time`` accepts it.
+
+    Accepted: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError("time must be positive")
+        return value
+    text = str(value).strip()
+    m = _TIME_RE.match(text)
+    if not m:
+        raise ValueError(
+            f"'{value}' is not a SLURM time; use MM, HH:MM:SS, D-HH or D-HH:MM:SS"
+        )
+    g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+    if "d" in g:
+        seconds = g["d"] * 86400 + g["dh"] * 3600 + g.get("dm", 0) * 60 + g.get("ds", 0)
+    elif "h" in g:
+        seconds = g["h"] * 3600 + g["m"] * 60 + g["s"]
+    elif "mm" in g:
+        seconds = g["mm"] * 60 + g["ss"]
+    else:
+        seconds = g["only_m"] * 60
+    if seconds <= 0:
+        raise ValueError("time must be positive")
+    return -(-seconds // 60)
+
+
+def format_minutes(minutes: int) -> str:
+    d, rem = divmod(minutes, 1440)
+    h, m = divmod(rem, 60)
+    return f"{d}-{h:02d}:{m:02d}:00" if d else f"{h:02d}:{m:02d}:00"
+
+
+def mem_to_mb(value: str) -> int:
+    """'64G' -> 65536 (SLURM's default unit is MB)."""
+    unit = value[-1] if value[-1] in "KMGT" else "M"
+    number = int(value[:-1] if value[-1] in "KMGT" else value)
+    return {"K": number // 1024, "M": number, "G": number * 1024, "T": number * 1024 * 1024}[unit]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class Resources(_Strict):
+    nodes: int = Field(1, ge=1, le=4096)
+    """Number of nodes (SLURM --nodes)."""
+    gpus_per_node: int = Field(0, ge=0, le=64)
+    """GPUs used on each node; one task per GPU. 0 runs on CPU (gloo) with tasks_per_node tasks."""
+    tasks_per_node: int | None = Field(None, ge=1, le=256)
+    """Tasks (ranks) per node for CPU jobs. For GPU jobs it is always gpus_per_node."""
+    cpus_per_task: int | None = Field(None, ge=1, le=1024)
+    """CPU cores per task; defaults to the profile's cpus_per_gpu (or 1 on CPU)."""
+    mem: str | None = None
+    """Memory per node as SLURM writes it (e.g. 64G, 500M); defaults to the profile's mem_per_gpu x GPUs."""
+    time: str = "01:00:00"
+    """Wall-clock limit (HH:MM:SS, D-HH:MM:SS or minutes); at most the partition's max_time."""
+    partition: str | None = None
+    """Partition override; defaults to the profile's default partition."""
+    account: str | None = None
+    """Account override (SLURM --account)."""
+    qos: str | None = None
+    """QOS override (SLURM --qos)."""
+    constraint: str | None = None
+    """Node feature constraint (SLURM --constraint), e.g. 'h100&ib'."""
+    exclusive: bool | None = None
+    """Whole nodes (SLURM --exclusive); defaults to the profile's choice."""
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time(cls, v: Any) -> str:
+        if isinstance(v, bool):
+            raise ValueError("time must be a SLURM time string such as 04:00:00")
+        parse_slurm_time(v)
+        return str(v)
+
+    @field_validator("mem")
+    @classmethod
+    def _mem(cls, v: str | None) -> str | None:
+        if v is not None and not MEM_RE.match(v):
+            raise ValueError(f"'{v}' is not a SLURM memory size; use e.g. 64G or 500M")
+        return v
+
+    @field_validator("partition", "account", "qos", "constraint")
+    @classmethod
+    def _slurm_word(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[A-Za-z0-9_.,&|:*\[\]-]+$", v):
+            raise ValueError(
+                f"'{v}' has characters SLURM does not accept here (allowed: letters, digits, _ . , & | : * [ ] -)"
+            )
+        return v
+
+    @property
+    def time_minutes(self) -> int:
+        return parse_slurm_time(self.time)
+
+
+class ModelSpec(_Strict):
+    type: str | None = None
+    """A transformers model type (AutoConfig), initialised from scratch: gpt2, llama, mistral, ..."""
+    pretrained: str | None = None
+    """A local directory with a pretrained model (config.json + weights). Exclusive with type."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the model config (n_layer, hidden_size, vocab_size, ...)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel; sdpa uses PyTorch's scaled_dot_product_attention."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.type is None) == (self.pretrained is None):
+            raise ValueError("set exactly one of model.type or model.pretrained")
+        if self.type is not None and self.type not in KNOWN_CAUSAL_LM_TYPES:
+            from launcher.errors import did_you_mean
+
+            raise ValueError(
+                f"unknown model type '{self.type}'{did_you_mean(self.type, KNOWN_CAUSAL_LM_TYPES)}; "
+                f"causal LM types include {', '.join(sorted(KNOWN_CAUSAL_LM_TYPES)[:12])}, ..."
+            )
+        return self
+
+
+class DataSpec(_Strict):
+    path: str
+    """Directory made by `lmlaunch data prepare` (tokens.bin + meta.json)."""
+    seq_len: int = Field(..., ge=8, le=1_048_576)
+    """Tokens per sample."""
+    micro_batch_size: int = Field(..., ge=1, le=65536)
+    """Samples per device per forward/backward."""
+    num_workers: int = Field(2, ge=0, le=64)
+    """DataLoader worker processes per task."""
+    val_fraction: float = Field(0.01, ge=0.0, lt=0.5)
+    """Fraction of samples held out for validation."""
+
+
+class TrainerSpec(_Strict):
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
+    """Distributed strategy."""
+    zero_stage: Literal[1, 2, 3] | None = None
+    """DeepSpeed ZeRO stage (strategy deepspeed only)."""
+    offload_optimizer: bool = False
+    """Offload optimizer state to CPU (DeepSpeed ZeRO stage >= 2)."""
+    offload_params: bool = False
+    """Offload parameters to CPU (DeepSpeed ZeRO stage 3)."""
+    precision: Literal["bf16-mixed", "16-mixed", "32-true"] = "bf16-mixed"
+    """Numeric precision (Lightning names). CPU runs use bf16-mixed or 32-true."""
+    global_batch_size: int = Field(..., ge=1)
+    """Samples per optimizer step over all ranks; accumulation is derived from it."""
+    max_steps: int = Field(..., ge=1)
+    """Optimizer steps to train."""
+    gradient_clip_val: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value (null: no clipping)."""
+    val_check_interval: int | None = Field(None, ge=1)
+    """Validate every N optimizer steps (null: only at the end)."""
+    limit_val_batches: int = Field(20, ge=0)
+    """Validation batches per validation run."""
+    log_every_n_steps: int = Field(10, ge=1)
+    """Log metrics every N optimizer steps (logging syncs the host)."""
+    seed: int = Field(1234, ge=0)
+    """Seed for model init, data order and dropout."""
+
+    @model_validator(mode="after")
+    def _zero(self) -> TrainerSpec:
+        if self.zero_stage is not None and self.strategy != "deepspeed":
+            raise ValueError(
+                f"trainer.zero_stage({self.zero_stage}) needs trainer.strategy: deepspeed "
+                f"(strategy is '{self.strategy}')"
+            )
+        if self.strategy == "deepspeed" and self.zero_stage is None:
+            raise ValueError("trainer.strategy deepspeed needs trainer.zero_stage (1, 2 or 3)")
+        if self.offload_optimizer and (self.zero_stage or 0) < 2:
+            raise ValueError(
+                f"trainer.offload_optimizer needs DeepSpeed zero_stage >= 2 (zero_stage is {self.zero_stage})"
+            )
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(
+                f"trainer.offload_params needs DeepSpeed zero_stage 3 (zero_stage is {self.zero_stage})"
+            )
+        return self
+
+
+class OptimSpec(_Strict):
+    lr: float = Field(3e-4, gt=0, lt=1)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay (not applied to norms and biases)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate schedule after warmup."""
+    min_lr: float = Field(0.0, ge=0)
+    """Final learning rate of cosine/linear decay."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas {list(v)} must each be in [0, 1)")
+        return v
+
+    @model_validator(mode="after")
+    def _min_lr(self) -> OptimSpec:
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr({self.min_lr}) is above optim.lr({self.lr})")
+        return self
+
+
+class CheckpointSpec(_Strict):
+    dir: str | None = None
+    """Checkpoint directory; defaults to <run dir>/checkpoints."""
+    every_n_steps: int = Field(100, ge=1)
+    """Periodic checkpoint, the fallback when no warning signal comes."""
+    keep_last: int = Field(3, ge=1)
+    """Complete checkpoints to keep."""
+
+
+class PreemptionSpec(_Strict):
+    signal: Literal["USR1", "USR2", "URG", "XCPU", "HUP"] = "USR2"
+    """Warning signal SLURM sends before the time limit (--signal). USR1 may clash with NCCL."""
+    warning_seconds: int = Field(120, ge=10, le=65535)
+    """Seconds before the time limit that the warning signal is sent (it may come 60 s early)."""
+    max_requeues: int = Field(20, ge=0)
+    """Requeues allowed in total (preemptions + timeouts + node failures)."""
+    max_timeouts: int = Field(10, ge=0)
+    """Requeues after reaching the time limit."""
+    max_crash_retries: int = Field(2, ge=0)
+    """Requeues after a crash (non-zero exit with no signal)."""
+    no_progress_attempts: int = Field(3, ge=1)
+    """Stop when the global step did not advance over this many attempts."""
+
+
+class EnvSpec(_Strict):
+    vars: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for every task (overriding the profile's)."""
+    passthrough: list[str] = Field(default_factory=list)
+    """Names of variables (secrets) taken from the submitting shell; never written anywhere."""
+
+    @field_validator("vars")
+    @classmethod
+    def _names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if not ENV_NAME_RE.match(name):
+                raise ValueError(f"'{name}' is not a valid environment variable name")
+            if "\x00" in value:
+                raise ValueError(f"env.vars.{name} contains a NUL byte")
+        return v
+
+    @field_validator("passthrough")
+    @classmethod
+    def _pass(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not ENV_NAME_RE.match(name):
+                raise ValueError(f"'{name}' is not a valid environment variable name")
+        return v
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> EnvSpec:
+        both = sorted(set(self.vars) & set(self.passthrough))
+        if both:
+            raise ValueError(
+                f"{', '.join(both)} in both env.vars and env.passthrough: a secret is passed by name only"
+            )
+        return self
+
+
+class WandbSpec(_Strict):
+    project: str
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team)."""
+    mode: Literal["online", "offline"] = "online"
+    """offline writes locally and syncs later."""
+
+
+class LoggingSpec(_Strict):
+    tensorboard: bool = True
+    """TensorBoard logs in <run dir>/tensorboard."""
+    csv: bool = True
+    """CSV metrics in <run dir>/csv."""
+    wandb: WandbSpec | None = None
+    """Weights & Biases; the key comes by env.passthrough: [WANDB_API_KEY]."""
+    heartbeat_every_n_steps: int = Field(1, ge=1)
+    """Write the JSON-lines heartbeat the monitor reads every N steps."""
+
+
+class JobSpec(_Strict):
+    """A training job: what to train, on what data, with which resources and cluster."""
+
+    name: str
+    """Run name: the SLURM job name and the run directory name (letters, digits, . _ -)."""
+    cluster: str = "local"
+    """Cluster profile name (a file in cluster_profiles/)."""
+    resources: Resources = Field(default_factory=Resources)
+    """Nodes, GPUs, CPUs, memory, time and partition."""
+    model: ModelSpec
+    """The causal language model."""
+    data: DataSpec
+    """Tokenized training data."""
+    trainer: TrainerSpec
+    """Strategy, precision, batch and steps."""
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    """Optimizer and learning-rate schedule."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpoint location, frequency and retention."""
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
+    """Warning signal and requeue limits."""
+    env: EnvSpec = Field(default_factory=EnvSpec)
+    """Extra environment and secrets passed by name."""
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
+    """Loggers and heartbeat."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(
+                f"'{v}' is not a valid run name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return v
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"'{v}' is not a valid profile name")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> JobSpec:
+        gpus = self.resources.gpus_per_node
+        if gpus > 0 and self.resources.tasks_per_node not in (None, gpus):
+            raise ValueError(
+                f"resources.tasks_per_node({self.resources.tasks_per_node}) must equal "
+                f"resources.gpus_per_node({gpus}): one task per GPU"
+            )
+        if self.preemption.warning_seconds >= self.resources.time_minutes * 60:
+            raise ValueError(
+                f"preemption.warning_seconds({self.preemption.warning_seconds}) is not shorter than "
+                f"resources.time({self.resources.time}) = {self.resources.time_minutes * 60} s"
+            )
+        if self.optim.warmup_steps > self.trainer.max_steps:
+            raise ValueError(
+                f"optim.warmup_steps({self.optim.warmup_steps}) is above trainer.max_steps({self.trainer.max_steps})"
+            )
+        return self
+
+    # --- derived values ---------------------------------------------------------------
+    @property
+    def tasks_per_node(self) -> int:
+        r = self.resources
+        return r.gpus_per_node if r.gpus_per_node > 0 else (r.tasks_per_node or 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nodes * self.tasks_per_node

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Idempotent setup of everything lmlaunch needs on a fresh Debian machine:
+# system packages for the local SLURM cluster (as root), a virtualenv with torch pinned
+# first (the CPU wheel on this machine kind), the package itself, and the demo corpus.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${LMLAUNCH_VENV:-$ROOT/.venv}
+TORCH_VERSION=${LMLAUNCH_TORCH_VERSION:-2.13.0}
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+# 1. System packages for the local cluster (slurm-wlm, munge, accounting on MariaDB).
+need=()
+for pkg in slurm-wlm munge slurmdbd mariadb-server; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
+done
+if ((${#need[@]})); then
+  if [ "$(id -u)" = 0 ]; then
+    log "installing ${need[*]} (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    log "missing system packages: ${need[*]}; as root run: apt-get install -y ${need[*]}"
+  fi
+fi
+
+# 2. Python environment: torch pinned first so nothing pulls a CUDA build.
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  log "installing torch==$TORCH_VERSION"
+  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+fi
+stamp="$VENV/.lmlaunch-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  log "installing lmlaunch (editable) with dev extras"
+  "$PY" -m pip install -q -e ".[dev]"
+  touch "$stamp"
+fi
+
+# 3. The demo corpus, tokenized (skipped when already prepared).
+if "$VENV/bin/lmlaunch" data --help >/dev/null 2>&1; then
+  "$VENV/bin/lmlaunch" data prepare --shipped-corpus --out "$ROOT/data/prepared/tiny" --if-missing
+fi
+log "ready: $VENV/bin/lmlaunch"

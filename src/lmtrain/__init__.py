@@ -1,0 +1,1 @@
+"""lmtrain: what every SLURM task (or local process) runs. Imports torch; never imported by the CLI."""

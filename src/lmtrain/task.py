@@ -1,0 +1,22 @@
+"""The picklable callable that submitit runs in every SLURM task.
+
+It is deliberately light (no torch at import): the login node pickles it at submit time.
+On the allocation, submitit's ``_submit`` unpickles it and calls it once per task; the
+heavy imports happen inside ``__call__``. Calling it replaces submitit's signal handlers
+with lmtrain's own (one owner of signals), so this class has no ``checkpoint`` method.
+"""
+
+from __future__ import annotations
+
+
+class TrainTask:
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def __call__(self) -> int:
+        from lmtrain.entry import run_slurm_task
+
+        return run_slurm_task(self.run_dir)
+
+    def __repr__(self) -> str:
+        return f"TrainTask(run_dir={self.run_dir!r})"
