@@ -1,0 +1,486 @@
+"""`lmlaunch cluster up | down | status`: a real SLURM cluster on this machine.
+
+Debian's slurm-wlm runs one controller and two `slurmd -N` daemons (virtual nodes n1, n2 on
+127.0.0.1, distinct ports); slurmdbd on a MariaDB server (loopback, data under the state
+directory) gives real accounting. ``up`` is idempotent and fast when the cluster already runs;
+``down`` stops only what ``up`` started, by its pid files.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher import slurm
+from launcher.errors import SlurmUnavailable, UserError
+from launcher.localcluster.config import (
+    CLUSTER_NAME,
+    NODES,
+    Layout,
+    Ports,
+    render_slurm_conf,
+    render_slurmdbd_conf,
+)
+from launcher.localcluster.daemons import (
+    ClusterError,
+    alive,
+    port_open,
+    read_pid,
+    run_checked,
+    running_from_pidfile,
+    spawn,
+    stop,
+    wait_until,
+)
+
+APT_PACKAGES = ("slurm-wlm", "munge", "slurmdbd", "mariadb-server")
+# the programs each package brings (what `up` needs on PATH)
+REQUIRED_PROGRAMS = {
+    "slurmctld": "slurm-wlm",
+    "slurmd": "slurm-wlm",
+    "sinfo": "slurm-wlm",
+    "sacctmgr": "slurm-wlm",
+    "munged": "munge",
+    "slurmdbd": "slurmdbd",
+    "mariadbd": "mariadb-server",
+    "mariadb-install-db": "mariadb-server",
+}
+SYSTEM_SLURM_CONF = Path("/etc/slurm/slurm.conf")
+MUNGE_KEY = Path("/etc/munge/munge.key")
+MUNGE_SOCKET_DIR = Path("/run/munge")
+HOSTS_MARKER = "# lmlaunch local cluster nodes"
+DB_NAME = "slurm_acct_db"
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Settings:
+    preempt_send_user_signal: bool = False
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or next(
+        (str(p) for d in ("/usr/sbin", "/sbin") if (p := Path(d) / name).exists()), None
+    )
+
+
+def _sbin_env() -> dict[str, str]:
+    env = dict(os.environ)
+    if "/usr/sbin" not in env.get("PATH", "").split(":"):
+        env["PATH"] = env.get("PATH", "") + ":/usr/sbin:/sbin"
+    return env
+
+
+# --------------------------------------------------------------------------- packages
+
+
+def missing_packages() -> list[str]:
+    missing = []
+    for prog, pkg in REQUIRED_PROGRAMS.items():
+        if _which(prog) is None and pkg not in missing:
+            missing.append(pkg)
+    return missing
+
+
+def ensure_packages(say: Say) -> None:
+    missing = missing_packages()
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        raise UserError(
+            f"the local SLURM cluster needs the Debian packages {' '.join(missing)}; as root run:\n"
+            f"  apt-get install -y {' '.join(APT_PACKAGES)}\n"
+            "then `lmlaunch cluster up` again",
+            exit_code=1,
+        )
+    if shutil.which("apt-get") is None:
+        raise UserError(
+            f"the local SLURM cluster needs {' '.join(missing)} and this machine has no apt-get; "
+            "install SLURM (slurmctld, slurmd, slurmdbd), munge and MariaDB with your package manager",
+            exit_code=1,
+        )
+    say(f"installing {' '.join(APT_PACKAGES)} (apt-get)")
+    env = {**_sbin_env(), "DEBIAN_FRONTEND": "noninteractive"}
+    run_checked(["apt-get", "update", "-qq"], "apt-get update", env=env, timeout=600)
+    run_checked(["apt-get", "install", "-y", "-qq", *APT_PACKAGES], "apt-get install", env=env, timeout=1200)
+    still = missing_packages()
+    if still:
+        raise ClusterError(f"after apt-get install, still missing: {' '.join(still)}")
+
+
+# --------------------------------------------------------------------------- munge
+
+
+def munge_works() -> bool:
+    munge, unmunge = _which("munge"), _which("unmunge")
+    if not munge or not unmunge:
+        return False
+    try:
+        cred = subprocess.run([munge, "-n"], capture_output=True, timeout=10)
+        if cred.returncode != 0:
+            return False
+        out = subprocess.run([unmunge], input=cred.stdout, capture_output=True, timeout=10)
+        return out.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def ensure_munge(layout: Layout, say: Say) -> None:
+    if munge_works():
+        return
+    if os.geteuid() != 0:
+        raise UserError(
+            "munged is not running and starting it needs root: as root run `lmlaunch cluster up` "
+            "(or `runuser -u munge -- munged`)",
+            exit_code=1,
+        )
+    if not MUNGE_KEY.exists():
+        say(f"creating munge key {MUNGE_KEY}")
+        MUNGE_KEY.parent.mkdir(parents=True, exist_ok=True)
+        run_checked([_which("mungekey") or "mungekey", "--create", f"--keyfile={MUNGE_KEY}"], "mungekey")
+        shutil.chown(MUNGE_KEY, "munge", "munge")
+        MUNGE_KEY.chmod(0o400)
+    for d, mode in ((MUNGE_SOCKET_DIR, 0o755), (Path("/var/log/munge"), 0o700), (Path("/var/lib/munge"), 0o700)):
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.chown(d, "munge", "munge")
+        d.chmod(mode)
+    pidfile = MUNGE_SOCKET_DIR / "munged.pid"
+    say("starting munged")
+    run_checked(
+        ["runuser", "-u", "munge", "--", _which("munged") or "munged", f"--pid-file={pidfile}"],
+        "munged",
+        env=_sbin_env(),
+    )
+    wait_until(munge_works, 15, "munged", Path("/var/log/munge/munged.log"))
+    # record that we started it, so `down` stops it and nothing else
+    layout.run.mkdir(parents=True, exist_ok=True)
+    pid = read_pid(pidfile)
+    if pid:
+        layout.pidfile("munged").write_text(f"{pid}\n")
+
+
+# --------------------------------------------------------------------------- MariaDB + slurmdbd
+
+
+def _db_password(layout: Layout) -> str:
+    pw_file = layout.etc / "db-password"
+    if pw_file.exists():
+        return pw_file.read_text().strip()
+    pw = secrets.token_hex(16)
+    pw_file.write_text(pw + "\n")
+    pw_file.chmod(0o600)
+    return pw
+
+
+def ensure_mariadb(layout: Layout, ports: Ports, password: str, say: Say) -> None:
+    if running_from_pidfile(layout.pidfile("mariadb")) and port_open(ports.mariadb):
+        return
+    if port_open(ports.mariadb):
+        raise ClusterError(
+            f"port {ports.mariadb} on 127.0.0.1 is taken by a process the local cluster did not start; "
+            "stop it, then `lmlaunch cluster up`"
+        )
+    fresh = not (layout.mysql_data / "mysql").exists()
+    for d in (layout.mysql, layout.mysql_data, layout.mysql_run):
+        d.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            shutil.chown(d, "mysql", "mysql")
+        d.chmod(0o750 if d != layout.mysql_run else 0o755)
+    user = ["--user=mysql"] if os.geteuid() == 0 else []
+    if fresh:
+        say(f"initialising MariaDB data in {layout.mysql_data}")
+        run_checked(
+            [
+                _which("mariadb-install-db") or "mariadb-install-db",
+                "--no-defaults",
+                *user,
+                f"--datadir={layout.mysql_data}",
+                "--auth-root-authentication-method=socket",
+                "--skip-test-db",
+            ],
+            "mariadb-install-db",
+            env=_sbin_env(),
+            timeout=300,
+        )
+    say(f"starting MariaDB on 127.0.0.1:{ports.mariadb}")
+    log = layout.logfile("mariadb")
+    spawn(
+        [
+            _which("mariadbd") or "mariadbd",
+            "--no-defaults",
+            *user,
+            f"--datadir={layout.mysql_data}",
+            f"--socket={layout.mysql_socket}",
+            f"--pid-file={layout.pidfile('mariadb')}",
+            f"--port={ports.mariadb}",
+            "--bind-address=127.0.0.1",
+            "--skip-name-resolve",
+            "--innodb-buffer-pool-size=64M",
+            "--innodb-lock-wait-timeout=900",
+            f"--log-error={log}",
+        ],
+        env=_sbin_env(),
+    )
+    if os.geteuid() == 0:
+        log.touch(exist_ok=True)
+        shutil.chown(log, "mysql", "mysql")
+    wait_until(
+        lambda: layout.mysql_socket.exists() and port_open(ports.mariadb), 90, "MariaDB", log
+    )
+    sql = (
+        f"CREATE DATABASE IF NOT EXISTS {DB_NAME};"
+        f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"GRANT ALL ON {DB_NAME}.* TO 'slurm'@'127.0.0.1';"
+        "FLUSH PRIVILEGES;"
+    )
+    run_checked(
+        [_which("mariadb") or "mariadb", "--no-defaults", f"--socket={layout.mysql_socket}", "-u", "root", "-e", sql],
+        "creating the accounting database",
+    )
+
+
+def _conf_env(layout: Layout) -> dict[str, str]:
+    # SLURM_CONF makes slurmdbd find slurmdbd.conf next to our slurm.conf
+    return {**_sbin_env(), "SLURM_CONF": str(layout.slurm_conf)}
+
+
+def ensure_slurmdbd(layout: Layout, ports: Ports, say: Say) -> None:
+    if running_from_pidfile(layout.pidfile("slurmdbd")) and port_open(ports.slurmdbd):
+        return
+    say(f"starting slurmdbd on 127.0.0.1:{ports.slurmdbd}")
+    run_checked([_which("slurmdbd") or "slurmdbd"], "slurmdbd", env=_conf_env(layout))
+    wait_until(lambda: port_open(ports.slurmdbd), 60, "slurmdbd", layout.logfile("slurmdbd"))
+
+
+def register_accounting(say: Say) -> None:
+    """cluster, account and users in the accounting database (idempotent)."""
+    existing = slurm.sacctmgr(["list", "cluster", "format=Cluster", "-n", "-P"])
+    if CLUSTER_NAME not in existing.split():
+        say(f"registering cluster '{CLUSTER_NAME}' with slurmdbd")
+        slurm.sacctmgr(["add", "cluster", CLUSTER_NAME])
+    slurm.sacctmgr(["add", "account", "lmlaunch", f"cluster={CLUSTER_NAME}", "Description=lmlaunch", "Organization=lmlaunch"])
+    users = {getpass.getuser(), "root"}
+    if os.environ.get("SUDO_USER"):
+        users.add(os.environ["SUDO_USER"])
+    for u in sorted(users):
+        slurm.sacctmgr(["add", "user", u, "account=lmlaunch", f"cluster={CLUSTER_NAME}"])
+
+
+# --------------------------------------------------------------------------- slurmctld + slurmd
+
+
+def _conf_is_ours(layout: Layout) -> bool:
+    return SYSTEM_SLURM_CONF.is_symlink() and os.readlink(SYSTEM_SLURM_CONF) == str(layout.slurm_conf)
+
+
+def install_system_conf(layout: Layout, say: Say) -> None:
+    """Link /etc/slurm/slurm.conf to ours so every SLURM command finds it: the CLI, tests, the
+    jobs and srun inside them, without anyone exporting SLURM_CONF."""
+    if os.geteuid() != 0 or _conf_is_ours(layout):
+        return
+    if SYSTEM_SLURM_CONF.exists() or SYSTEM_SLURM_CONF.is_symlink():
+        say(
+            f"note: {SYSTEM_SLURM_CONF} exists and is not the local cluster's; SLURM commands use it "
+            f"unless SLURM_CONF={layout.slurm_conf} is exported"
+        )
+        return
+    SYSTEM_SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
+    SYSTEM_SLURM_CONF.symlink_to(layout.slurm_conf)
+
+
+def ensure_hosts(say: Say) -> None:
+    """The node names must resolve: Lightning's MASTER_ADDR is the first node of SLURM_NODELIST."""
+    import socket
+
+    unresolved = []
+    for n in NODES:
+        try:
+            socket.gethostbyname(n)
+        except OSError:
+            unresolved.append(n)
+    if not unresolved:
+        return
+    hosts = Path("/etc/hosts")
+    if os.geteuid() != 0:
+        raise UserError(
+            f"node names {', '.join(unresolved)} do not resolve; as root add to /etc/hosts:\n"
+            f"  127.0.0.1 {' '.join(NODES)}",
+            exit_code=1,
+        )
+    say(f"adding '127.0.0.1 {' '.join(NODES)}' to /etc/hosts")
+    with hosts.open("a") as f:
+        f.write(f"127.0.0.1 {' '.join(NODES)}  {HOSTS_MARKER}\n")
+
+
+def _nodes_ready() -> bool:
+    try:
+        info = {n.name: n.state for n in slurm.nodes(timeout=10)}
+    except (SlurmUnavailable, UserError):
+        return False
+    return all(info.get(n, "").rstrip("*~#") in {"idle", "mix", "alloc", "comp"} for n in NODES) and not any(
+        info.get(n, "").endswith("*") for n in NODES
+    )
+
+
+def ensure_slurmctld(layout: Layout, say: Say) -> None:
+    if running_from_pidfile(layout.pidfile("slurmctld")) and slurm.ping(timeout=5):
+        return
+    say("starting slurmctld")
+    run_checked([_which("slurmctld") or "slurmctld", "-f", str(layout.slurm_conf)], "slurmctld", env=_conf_env(layout))
+    wait_until(lambda: slurm.ping(timeout=5), 60, "slurmctld", layout.logfile("slurmctld"), poll=0.5)
+
+
+def ensure_slurmd(layout: Layout, say: Say) -> None:
+    for n in NODES:
+        if running_from_pidfile(layout.run / f"slurmd-{n}.pid"):
+            continue
+        (layout.spool / f"slurmd-{n}").mkdir(parents=True, exist_ok=True)
+        say(f"starting slurmd -N {n}")
+        run_checked([_which("slurmd") or "slurmd", "-N", n, "-f", str(layout.slurm_conf)], f"slurmd {n}", env=_conf_env(layout))
+    log = layout.log / "slurmd-n1.log"
+    try:
+        wait_until(_nodes_ready, 60, "nodes n1 and n2 (idle in sinfo)", log, poll=0.5)
+    except ClusterError:
+        # nodes left DOWN/DRAIN by an earlier crash: resume them once and wait again
+        for n in NODES:
+            slurm.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], check=False)
+        wait_until(_nodes_ready, 30, "nodes n1 and n2 (idle in sinfo)", log, poll=0.5)
+
+
+# --------------------------------------------------------------------------- up / down / status
+
+
+def _load_settings(layout: Layout) -> Settings | None:
+    try:
+        return Settings(**json.loads(layout.settings.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _our_daemons(layout: Layout) -> dict[str, Path]:
+    files = {"slurmctld": layout.pidfile("slurmctld")}
+    files.update({f"slurmd {n}": layout.run / f"slurmd-{n}.pid" for n in NODES})
+    files["slurmdbd"] = layout.pidfile("slurmdbd")
+    files["mariadb"] = layout.pidfile("mariadb")
+    files["munged"] = layout.pidfile("munged")
+    return files
+
+
+def is_up(layout: Layout) -> bool:
+    """All daemons of ours alive, the controller answering and both nodes usable."""
+    daemons = _our_daemons(layout)
+    daemons.pop("munged")  # may be the system's
+    if not all(running_from_pidfile(p) for p in daemons.values()):
+        return False
+    return slurm.ping(timeout=5) and _nodes_ready()
+
+
+def up(
+    say: Say,
+    *,
+    preempt_send_user_signal: bool | None = None,
+    layout: Layout | None = None,
+    ports: Ports = Ports(),
+) -> bool:
+    """Start the cluster; True when it was already running (and nothing had to change)."""
+    layout = layout or Layout.default()
+    current = _load_settings(layout)
+    wanted = Settings(
+        preempt_send_user_signal=(
+            preempt_send_user_signal
+            if preempt_send_user_signal is not None
+            else (current.preempt_send_user_signal if current else False)
+        )
+    )
+    if current == wanted and layout.slurm_conf.exists() and is_up(layout):
+        return True
+
+    ensure_packages(say)
+    user = getpass.getuser()
+    for d in (layout.root, layout.etc, layout.run, layout.log, layout.ctld_state, layout.spool):
+        d.mkdir(parents=True, exist_ok=True)
+    layout.root.chmod(0o755)  # the mysql user must traverse to its own directory
+    layout.etc.chmod(0o755)
+    ensure_munge(layout, say)
+    password = _db_password(layout)
+    layout.slurm_conf.write_text(
+        render_slurm_conf(layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=ports)
+    )
+    dbd = layout.slurmdbd_conf
+    dbd.write_text(render_slurmdbd_conf(layout, user=user, db_password=password, ports=ports))
+    dbd.chmod(0o600)  # slurmdbd refuses a readable config; it holds the DB password
+    install_system_conf(layout, say)
+    ensure_hosts(say)
+
+    ensure_mariadb(layout, ports, password, say)
+    ensure_slurmdbd(layout, ports, say)
+    register_accounting(say)
+    controller_was_up = running_from_pidfile(layout.pidfile("slurmctld")) and slurm.ping(timeout=5)
+    ensure_slurmctld(layout, say)
+    if controller_was_up and current != wanted:
+        say("reconfiguring slurmctld (preempt_send_user_signal changed)")
+        slurm.run(["scontrol", "reconfigure"])
+    ensure_slurmd(layout, say)
+    layout.settings.write_text(json.dumps(wanted.__dict__) + "\n")
+    return False
+
+
+def down(say: Say, *, layout: Layout | None = None) -> list[str]:
+    """Stop the daemons `up` started, by their pid files (controller and nodes first)."""
+    layout = layout or Layout.default()
+    stopped = []
+    for name, pidfile in _our_daemons(layout).items():
+        line = stop(pidfile, name)
+        if line:
+            say(line)
+            stopped.append(name)
+    return stopped
+
+
+@dataclass(frozen=True)
+class Status:
+    state_dir: str
+    daemons: dict[str, int | None]  # name -> pid (None: not running)
+    controller: bool
+    nodes: list[slurm.NodeInfo]
+    partitions: list[slurm.PartitionInfo]
+    settings: Settings | None
+    problem: str | None
+
+
+def status(layout: Layout | None = None) -> Status:
+    layout = layout or Layout.default()
+    daemons = {name: running_from_pidfile(p) for name, p in _our_daemons(layout).items()}
+    controller = slurm.ping(timeout=5)
+    nodes: list[slurm.NodeInfo] = []
+    parts: list[slurm.PartitionInfo] = []
+    problem = None
+    if controller:
+        try:
+            nodes = slurm.nodes(timeout=10)
+            parts = slurm.partitions(timeout=10)
+        except (SlurmUnavailable, UserError) as exc:
+            problem = exc.message
+    return Status(str(layout.root), daemons, controller, nodes, parts, _load_settings(layout), problem)
+
+
+def wait_nodes_idle(timeout: float = 60.0) -> None:
+    """Block until both nodes are usable (after a test ran a job that drained one, say)."""
+    deadline = time.monotonic() + timeout
+    while not _nodes_ready():
+        if time.monotonic() > deadline:
+            raise ClusterError("nodes n1/n2 are not usable; see `lmlaunch cluster status`")
+        time.sleep(0.5)
+
+
+__all__ = ["up", "down", "status", "is_up", "Layout", "Ports", "Settings", "alive"]

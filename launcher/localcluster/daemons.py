@@ -1,0 +1,120 @@
+"""Process helpers for the local cluster: pid files, liveness, ports, waiting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from launcher.errors import UserError
+
+
+class ClusterError(UserError):
+    """The local cluster could not be started (exit code 1); the message names the log to read."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, exit_code=1)
+
+
+def read_pid(pidfile: Path) -> int | None:
+    try:
+        text = pidfile.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie still answers kill(0); look at its state
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def running_from_pidfile(pidfile: Path) -> int | None:
+    pid = read_pid(pidfile)
+    return pid if alive(pid) else None
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, log: Path | None, poll: float = 0.3) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            tail = ""
+            if log is not None and log.exists():
+                lines = log.read_text(errors="replace").splitlines()[-8:]
+                tail = "\n  " + "\n  ".join(lines)
+            where = f" (log: {log})" if log is not None else ""
+            raise ClusterError(f"{what} did not come up within {timeout:.0f} s{where}{tail}")
+        time.sleep(poll)
+
+
+def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+    """Start a daemon detached from this process (own session, no inherited stdio)."""
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen(
+            list(args),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        if log is not None:
+            out.close()
+
+
+def run_checked(args: Sequence[str], what: str, *, env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    try:
+        proc = subprocess.run(list(args), capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"{what}: `{' '.join(args)}` did not finish within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise ClusterError(f"{what} failed: `{' '.join(args)}`: {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout
+
+
+def stop(pidfile: Path, name: str, timeout: float = 20.0) -> str | None:
+    """SIGTERM the daemon named by ``pidfile`` (then SIGKILL); returns a line for the user."""
+    pid = running_from_pidfile(pidfile)
+    if pid is None:
+        if pidfile.exists():
+            pidfile.unlink(missing_ok=True)
+        return None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        how = "killed"
+    else:
+        how = "stopped"
+    pidfile.unlink(missing_ok=True)
+    return f"{how} {name} (pid {pid})"

@@ -1,0 +1,434 @@
+"""The one place that runs SLURM commands (squeue, sacct, scontrol, scancel, sinfo, sacctmgr).
+
+Every call has a timeout and returns parsed records. When SLURM is not installed, the
+controller does not answer or no configuration can be found, the caller gets
+:class:`launcher.errors.SlurmUnavailable` (exit code 3) with one message saying what to do,
+never a traceback. (submitit runs ``sbatch`` itself when submitting; ``launcher.submit``
+turns its failures into the same error.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.errors import SlurmUnavailable, UserError
+
+DEFAULT_TIMEOUT_S = 30.0
+FIELD_SEP = "\x1f"  # unit separator: never part of a job name, node list or reason
+
+# What the messages of the SLURM clients say when the controller or the config is missing.
+_DOWN_MARKERS = (
+    "Unable to contact slurm controller",
+    "Connection refused",
+    "Could not establish a configuration source",
+    "Socket timed out",
+    "Zero Bytes were transmitted",
+    "Unable to establish connection",
+)
+_NO_ACCOUNTING_MARKERS = (
+    "Slurm accounting storage is disabled",
+    "Problem talking to the database",
+    "slurmdbd: Connection refused",
+)
+
+# SLURM job states -> the few states lmlaunch talks about (one table, like torchx).
+STATE_GROUPS: dict[str, str] = {
+    "PENDING": "queued",
+    "CONFIGURING": "queued",
+    "REQUEUED": "queued",
+    "REQUEUE_HOLD": "queued",
+    "REQUEUE_FED": "queued",
+    "RESV_DEL_HOLD": "queued",
+    "SUSPENDED": "queued",
+    "RUNNING": "running",
+    "COMPLETING": "running",
+    "SIGNALING": "running",
+    "STAGE_OUT": "running",
+    "RESIZING": "running",
+    "STOPPED": "running",
+    "PREEMPTED": "preempted",
+    "COMPLETED": "completed",
+    "CANCELLED": "cancelled",
+    "FAILED": "failed",
+    "NODE_FAIL": "failed",
+    "BOOT_FAIL": "failed",
+    "OUT_OF_MEMORY": "failed",
+    "DEADLINE": "failed",
+    "TIMEOUT": "timeout",
+}
+ACTIVE_GROUPS = frozenset({"queued", "running"})
+
+
+def state_group(state: str) -> str:
+    """'CANCELLED by 0' -> 'cancelled'; unknown states -> 'unknown'."""
+    word = state.split()[0].rstrip("+") if state.strip() else ""
+    return STATE_GROUPS.get(word, "unknown")
+
+
+def is_active(state: str) -> bool:
+    """Queued or running (the job may still use resources or start)."""
+    return state_group(state) in ACTIVE_GROUPS
+
+
+# --------------------------------------------------------------------------- running commands
+
+LOCAL_CLUSTER_CONF_CANDIDATES = (
+    Path("/var/lib/lmlaunch-cluster/etc/slurm.conf"),
+    Path.home() / ".lmlaunch" / "cluster" / "etc" / "slurm.conf",
+)
+
+
+def slurm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for SLURM clients.
+
+    SLURM_CONF is kept if set; otherwise, when there is no /etc/slurm/slurm.conf but the local
+    cluster wrote one, point at it (a non-root `lmlaunch cluster up` cannot install it in /etc).
+    """
+    env = dict(os.environ if environ is None else environ)
+    if "SLURM_CONF" not in env and not Path("/etc/slurm/slurm.conf").exists():
+        for cand in LOCAL_CLUSTER_CONF_CANDIDATES:
+            if cand.exists():
+                env["SLURM_CONF"] = str(cand)
+                break
+    return env
+
+
+def _missing(cmd: str) -> SlurmUnavailable:
+    return SlurmUnavailable(
+        f"SLURM command '{cmd}' not found on PATH: this machine has no SLURM client. "
+        "Install it (Debian: apt-get install slurm-client) or start the local cluster with "
+        "`lmlaunch cluster up` (as root it installs slurm-wlm itself)."
+    )
+
+
+def run(
+    args: Sequence[str],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    check: bool = True,
+    input: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run one SLURM client command; SlurmUnavailable when SLURM is missing or down.
+
+    With ``check``, any other non-zero exit raises UserError (exit code 1) with SLURM's message.
+    """
+    cmd = list(args)
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        raise _missing(cmd[0])
+    try:
+        proc = subprocess.run(
+            [exe, *cmd[1:]],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=slurm_env(),
+            input=input,
+        )
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(
+            f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s: the SLURM controller is "
+            "overloaded or down (local cluster: `lmlaunch cluster status`)"
+        ) from None
+    if proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip()
+        if any(m in msg for m in _DOWN_MARKERS):
+            raise SlurmUnavailable(
+                f"the SLURM controller does not answer (`{cmd[0]}`: {_first_line(msg)}). "
+                "Local cluster: start it with `lmlaunch cluster up`."
+            )
+        if check:
+            raise UserError(f"`{' '.join(cmd)}` failed: {msg or f'exit code {proc.returncode}'}", exit_code=1)
+    return proc
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""
+
+
+def _rows(stdout: str, n_fields: int) -> list[list[str]]:
+    rows = []
+    for line in stdout.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split(FIELD_SEP)
+        if len(parts) != n_fields:
+            continue  # a line wrapped by a name we do not expect; skip rather than mis-assign
+        rows.append([p.strip() for p in parts])
+    return rows
+
+
+# --------------------------------------------------------------------------- controller, nodes
+
+
+def ping(timeout: float = 10.0) -> bool:
+    """True when slurmctld answers (`scontrol ping`)."""
+    try:
+        proc = run(["scontrol", "ping"], timeout=timeout, check=False)
+    except SlurmUnavailable:
+        return False
+    return proc.returncode == 0 and "UP" in proc.stdout
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    state: str  # lower case as sinfo prints it: idle, allocated, mixed, down*, drained ...
+    partitions: tuple[str, ...]
+    cpus: int
+    reason: str
+
+
+def nodes(timeout: float = DEFAULT_TIMEOUT_S) -> list[NodeInfo]:
+    """One record per node (merged over partitions)."""
+    fmt = FIELD_SEP.join(["%N", "%t", "%R", "%c", "%E"])
+    proc = run(["sinfo", "-h", "-N", "-o", fmt], timeout=timeout)
+    merged: dict[str, NodeInfo] = {}
+    for name, state, part, cpus, reason in _rows(proc.stdout, 5):
+        prev = merged.get(name)
+        parts = (prev.partitions if prev else ()) + (part,)
+        merged[name] = NodeInfo(name, state, parts, int(cpus) if cpus.isdigit() else 0, reason)
+    return list(merged.values())
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    name: str
+    default: bool
+    available: str
+    time_limit: str
+    nodes: str
+    state_summary: str  # allocated/idle/other/total
+
+
+def partitions(timeout: float = DEFAULT_TIMEOUT_S) -> list[PartitionInfo]:
+    fmt = FIELD_SEP.join(["%P", "%a", "%l", "%N", "%F"])
+    proc = run(["sinfo", "-h", "-o", fmt], timeout=timeout)
+    out = []
+    for name, avail, limit, nodelist, summary in _rows(proc.stdout, 5):
+        out.append(PartitionInfo(name.rstrip("*"), name.endswith("*"), avail, limit, nodelist, summary))
+    return out
+
+
+def partition_config(name: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str]:
+    """`scontrol show partition NAME` as key -> value."""
+    proc = run(["scontrol", "-o", "show", "partition", name], timeout=timeout)
+    return _key_values(proc.stdout)
+
+
+def config(timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str]:
+    """`scontrol show config` as key -> value."""
+    proc = run(["scontrol", "show", "config"], timeout=timeout)
+    out: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        if " = " in line:
+            k, v = line.split(" = ", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _key_values(text: str) -> dict[str, str]:
+    """Parse scontrol's one-line `Key=Value Key=Value` output (values have no spaces, except a
+    few trailing fields such as Command/WorkDir which scontrol prints last)."""
+    out: dict[str, str] = {}
+    key = None
+    for token in text.strip().split(" "):
+        if "=" in token and not token.startswith("="):
+            key, value = token.split("=", 1)
+            out[key] = value
+        elif key is not None and token:
+            out[key] += " " + token
+    return out
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    job_id: str
+    name: str
+    state: str  # SLURM state, upper case: PENDING, RUNNING, ...
+    reason: str
+    nodes: str
+    partition: str
+    elapsed: str
+    user: str
+    restarts: int
+
+    @property
+    def group(self) -> str:
+        return state_group(self.state)
+
+
+def squeue(
+    job_ids: Iterable[str] | None = None,
+    *,
+    name: str | None = None,
+    user: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[QueuedJob]:
+    """Jobs the controller knows now (queued, running, recently finished within MinJobAge)."""
+    fmt = FIELD_SEP.join(["%i", "%T", "%r", "%N", "%P", "%M", "%u", "%j"])
+    cmd = ["squeue", "-h", "-o", fmt]
+    ids = [str(j) for j in job_ids] if job_ids is not None else None
+    if ids is not None:
+        if not ids:
+            return []
+        cmd += ["--states=all", "-j", ",".join(ids)]
+    if name is not None:
+        cmd += ["-n", name]
+    if user is not None:
+        cmd += ["-u", user]
+    proc = run(cmd, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        # squeue -j with only unknown (long gone) ids exits 1 with "Invalid job id specified"
+        if "Invalid job id" in proc.stderr:
+            return []
+        raise UserError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}", exit_code=1)
+    out = []
+    for jid, state, reason, nodelist, part, elapsed, usr, jname in _rows(proc.stdout, 8):
+        out.append(QueuedJob(jid, jname, state, reason, nodelist, part, elapsed, usr, 0))
+    return out
+
+
+@dataclass(frozen=True)
+class AccountedJob:
+    job_id: str
+    name: str
+    state: str  # e.g. COMPLETED, CANCELLED by 0, PREEMPTED, REQUEUED
+    exit_code: str
+    start: str
+    end: str
+    elapsed: str
+    nodes: str
+    partition: str
+    submit: str
+
+    @property
+    def group(self) -> str:
+        return state_group(self.state)
+
+
+def sacct(
+    job_ids: Iterable[str],
+    *,
+    duplicates: bool = False,
+    steps: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[AccountedJob]:
+    """Accounting records of jobs; with ``duplicates`` (`sacct -D`) one row per attempt of a
+    requeued job. Raises SlurmUnavailable when the cluster has no accounting."""
+    ids = [str(j) for j in job_ids]
+    if not ids:
+        return []
+    fields = ["JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList", "Partition", "Submit"]
+    cmd = ["sacct", "-n", "-P", f"--delimiter={FIELD_SEP}", f"--format={','.join(fields)}", "-j", ",".join(ids)]
+    if not steps:
+        cmd.append("-X")
+    if duplicates:
+        cmd.append("-D")
+    proc = run(cmd, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        msg = proc.stderr.strip()
+        if any(m in msg for m in _NO_ACCOUNTING_MARKERS):
+            raise SlurmUnavailable(
+                f"SLURM accounting does not answer (`sacct`: {_first_line(msg)}); job states after "
+                "completion need slurmdbd. Local cluster: `lmlaunch cluster up` starts it."
+            )
+        raise UserError(f"`{' '.join(cmd)}` failed: {msg}", exit_code=1)
+    return [AccountedJob(*row) for row in _rows(proc.stdout, len(fields))]
+
+
+def show_job(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str] | None:
+    """`scontrol show job` as key -> value, or None when the controller forgot the job."""
+    proc = run(["scontrol", "-o", "show", "job", str(job_id)], timeout=timeout, check=False)
+    if proc.returncode != 0:
+        if "Invalid job id" in proc.stderr:
+            return None
+        raise UserError(f"`scontrol show job {job_id}` failed: {proc.stderr.strip()}", exit_code=1)
+    return _key_values(proc.stdout.splitlines()[0]) if proc.stdout.strip() else None
+
+
+def job_state(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
+    """The current SLURM state of a job: from the controller while it knows the job, then from
+    accounting. 'UNKNOWN' when neither knows it."""
+    q = squeue([job_id], timeout=timeout)
+    if q:
+        return q[0].state
+    rows = sacct([job_id], timeout=timeout)
+    return rows[-1].state if rows else "UNKNOWN"
+
+
+def restart_count(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+    info = show_job(job_id, timeout=timeout)
+    if not info:
+        return 0
+    value = info.get("Restarts", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def cancel(job_ids: Iterable[str], *, signal: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """scancel the jobs (or send them a signal with ``signal``, e.g. 'USR2')."""
+    ids = [str(j) for j in job_ids]
+    if not ids:
+        return
+    cmd = ["scancel"]
+    if signal:
+        cmd += [f"--signal={signal}"]
+    run([*cmd, *ids], timeout=timeout)
+
+
+def requeue(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """`scontrol requeue` (kills the running job; it restarts later with the same id)."""
+    run(["scontrol", "requeue", str(job_id)], timeout=timeout)
+
+
+def start_now(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Let a requeued job start at once instead of after its ~2 min BeginTime delay."""
+    run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=timeout)
+
+
+def wait_for(
+    job_id: str,
+    groups: Iterable[str],
+    *,
+    timeout: float,
+    poll: float = 2.0,
+    start_requeued: bool = False,
+) -> str:
+    """Poll until the job's state falls in one of ``groups`` (e.g. {'running'}); return the
+    SLURM state. With ``start_requeued``, a job pending on its requeue BeginTime is started now.
+    Raises TimeoutError with the last state seen."""
+    wanted = set(groups)
+    deadline = time.monotonic() + timeout
+    state = "UNKNOWN"
+    while True:
+        state = job_state(job_id)
+        if state_group(state) in wanted:
+            return state
+        if start_requeued and state == "PENDING":
+            info = show_job(job_id) or {}
+            if info.get("Reason") == "BeginTime":
+                start_now(job_id)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (waited for {sorted(wanted)})")
+        time.sleep(poll)
+
+
+# --------------------------------------------------------------------------- accounting admin
+
+
+def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
+    """`sacctmgr -i ARGS` (immediate, no prompt); 'Nothing new added' is not an error."""
+    proc = run(["sacctmgr", "-i", *args], timeout=timeout, check=False)
+    text = (proc.stdout + proc.stderr).strip()
+    if proc.returncode != 0 and "Nothing new added" not in text and "already exists" not in text:
+        raise UserError(f"`sacctmgr {' '.join(args)}` failed: {text}", exit_code=1)
+    return text
