@@ -13,6 +13,8 @@ class Context:
     stdout: TextIO
     stderr: TextIO
     environ: dict[str, str] = field(default_factory=dict)
+    python: str = field(default_factory=lambda: sys.executable)
+    """The interpreter running lmlaunch; what a profile's ``python: auto`` resolves to."""
 
     @classmethod
     def default(cls) -> Context:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from launcher.deepspeed_config import render_deepspeed
 from launcher.errors import SpecError, did_you_mean
 from launcher.nccl import EnvOverride, render_env
-from launcher.profiles import Profile
+from launcher.profiles import Profile, check_slurm_path
 from launcher.spec import JobSpec, format_minutes, mem_to_mb
 
 PLAN_VERSION = 1
@@ -56,8 +57,10 @@ class SlurmParams:
     warning_seconds: int
     requeue: bool
     open_mode: str
-    output: str
-    error: str
+    output: str  # the batch shell's stdout (#SBATCH --output), as submitit writes it
+    error: str  # the batch shell's stderr (#SBATCH --error)
+    task_output: str = ""  # each task's stdout (srun --output), %t = task rank
+    task_error: str = ""  # each task's stderr (srun --error)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class LaunchPlan:
     preemption: dict[str, Any]
     spec: dict[str, Any]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    rendezvous: dict[str, str] = field(default_factory=dict)
+    """How MASTER_PORT is chosen: a shell command run on the batch host at every start."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,9 +123,17 @@ class LaunchPlan:
         )
 
 
-def _topology(spec: JobSpec, profile: Profile) -> Topology:
+# Asks the kernel for a free port on the batch host (the first node of the allocation, where
+# rank 0's TCP store listens). Run at every start of the batch script, so requeued attempts
+# and other jobs on the same node never share a port (Lightning's default, 15000 + the last
+# four digits of the job id, collides for job ids 10000 apart).
+_FREE_PORT_CODE = (
+    'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+)
+
+
+def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
     r = spec.resources
-    problems = []
     if r.gpus_per_node > profile.gpus_per_node:
         problems.append(
             f"resources.gpus_per_node({r.gpus_per_node}) is above what profile '{profile.name}' "
@@ -142,8 +155,6 @@ def _topology(spec: JobSpec, profile: Profile) -> Topology:
             f"x world_size({world}) = {per_step}; world_size = resources.nodes({r.nodes}) x "
             f"{'gpus_per_node' if r.gpus_per_node else 'tasks_per_node'}({tasks})"
         )
-    if problems:
-        raise SpecError(problems)
     return Topology(
         nodes=r.nodes,
         tasks_per_node=tasks,
@@ -155,24 +166,33 @@ def _topology(spec: JobSpec, profile: Profile) -> Topology:
     )
 
 
-def _slurm(spec: JobSpec, profile: Profile, topo: Topology, paths: RunPaths) -> SlurmParams:
+def _slurm(
+    spec: JobSpec, profile: Profile, topo: Topology, paths: RunPaths, problems: list[str]
+) -> SlurmParams:
     r = spec.resources
-    partition = r.partition or profile.default_partition
-    if partition not in profile.partitions:
-        raise SpecError(
-            [
-                f"resources.partition '{partition}' is not a partition of profile '{profile.name}'"
-                f"{did_you_mean(partition, profile.partitions)}; allowed: {', '.join(profile.partitions)}"
-            ]
+    by_kind = {
+        "default": profile.default_partition,
+        "preemptible": profile.preemptible_partition,
+        "high_priority": profile.high_priority_partition,
+    }
+    partition = r.partition or by_kind[r.partition_kind] or profile.default_partition
+    if r.partition is None and by_kind[r.partition_kind] is None:
+        problems.append(
+            f"resources.partition_kind({r.partition_kind}): profile '{profile.name}' has no "
+            f"{r.partition_kind} partition; its partitions: {', '.join(profile.partitions)}"
         )
-    part = profile.partitions[partition]
-    if r.time_minutes > part.max_minutes:
-        raise SpecError(
-            [
+    elif partition not in profile.partitions:
+        problems.append(
+            f"resources.partition '{partition}' is not a partition of profile '{profile.name}'"
+            f"{did_you_mean(partition, profile.partitions)}; allowed: {', '.join(profile.partitions)}"
+        )
+    else:
+        part = profile.partitions[partition]
+        if r.time_minutes > part.max_minutes:
+            problems.append(
                 f"resources.time({r.time}) = {r.time_minutes} min is above partition '{partition}' "
                 f"max_time({part.max_time}) = {part.max_minutes} min"
-            ]
-        )
+            )
     cpus = r.cpus_per_task or profile.cpus_per_gpu
     mem = r.mem
     if mem is None and profile.mem_per_gpu and r.gpus_per_node:
@@ -181,7 +201,9 @@ def _slurm(spec: JobSpec, profile: Profile, topo: Topology, paths: RunPaths) -> 
     if r.gpus_per_node:
         gres = f"{profile.gres_name}:{r.gpus_per_node}"
     signal_name = spec.preemption.signal
-    log_pattern = str(PurePosixPath(paths.logs_dir) / "%j_%t.log")
+    # submitit's file names (submitit.core.utils.JobPaths): the batch shell writes task 0's
+    # name, each srun task its own.
+    submitit_dir = PurePosixPath(paths.submitit_dir)
     return SlurmParams(
         job_name=spec.name,
         partition=partition,
@@ -202,8 +224,10 @@ def _slurm(spec: JobSpec, profile: Profile, topo: Topology, paths: RunPaths) -> 
         warning_seconds=spec.preemption.warning_seconds,
         requeue=True,
         open_mode="append",
-        output=log_pattern,
-        error=log_pattern,
+        output=str(submitit_dir / "%j_0_log.out"),
+        error=str(submitit_dir / "%j_0_log.err"),
+        task_output=str(submitit_dir / "%j_%t_log.out"),
+        task_error=str(submitit_dir / "%j_%t_log.err"),
     )
 
 
@@ -254,11 +278,30 @@ def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
     )
 
 
-def make_plan(spec: JobSpec, profile: Profile, *, runs_root: str) -> LaunchPlan:
-    """The whole launch, as data. Raises SpecError with the arithmetic when it cannot work."""
-    topo = _topology(spec, profile)
+def make_plan(
+    spec: JobSpec, profile: Profile, *, runs_root: str, python: str | None = None
+) -> LaunchPlan:
+    """The whole launch, as data. Raises SpecError with the arithmetic when it cannot work.
+
+    ``runs_root`` is absolute and already expanded (see :func:`launcher.resolve.runs_root_for`);
+    ``python`` is the interpreter command tasks run (default: the profile's ``python``; a
+    profile with ``python: auto`` needs it given).
+    """
+    if not runs_root.startswith("/"):
+        raise SpecError([f"runs root '{runs_root}' must be an absolute path"])
+    check_slurm_path(runs_root, "runs root")
+    if python is None:
+        if profile.python == "auto":
+            raise SpecError(
+                [f"profile '{profile.name}' has python: auto; the plan needs the interpreter path"]
+            )
+        python = profile.python
+    problems: list[str] = []
+    topo = _topology(spec, profile, problems)
     paths = run_paths(spec, runs_root)
-    slurm = _slurm(spec, profile, topo, paths)
+    slurm = _slurm(spec, profile, topo, paths, problems)
+    if problems:
+        raise SpecError(problems)
     env = render_env(spec, profile, run_dir=paths.run_dir, cpus_per_task=slurm.cpus_per_task)
     trainer = _trainer_args(spec, topo)
     notes = tuple(trainer.pop("notes"))
@@ -270,6 +313,18 @@ def make_plan(spec: JobSpec, profile: Profile, *, runs_root: str) -> LaunchPlan:
         srun_args = (f"--container-image={profile.container.image}",)
         if profile.container.mounts:
             srun_args += (f"--container-mounts={','.join(profile.container.mounts)}",)
+    part = profile.partitions[slurm.partition]
+    if part.preemptible:
+        grace = f"{part.grace_seconds} s" if part.grace_seconds is not None else "the partition's GraceTime"
+        signal = (
+            f"SIG{slurm.signal_name} and SIGTERM"
+            if profile.sends_user_signal_on_preemption
+            else "SIGTERM only (the cluster does not send the user signal on preemption)"
+        )
+        notes += (
+            f"partition '{slurm.partition}' is preemptible: on preemption the tasks get {signal}, "
+            f"then SIGKILL after {grace}; the job checkpoints and requeues",
+        )
     preemption = {
         **spec.preemption.model_dump(),
         "cluster_sends_user_signal": profile.sends_user_signal_on_preemption,
@@ -286,7 +341,7 @@ def make_plan(spec: JobSpec, profile: Profile, *, runs_root: str) -> LaunchPlan:
         env_overrides=env.overrides,
         passthrough=env.passthrough,
         setup=tuple(profile.setup),
-        python=profile.python,
+        python=python,
         srun_args=srun_args,
         deepspeed=deepspeed,
         trainer=trainer,
@@ -295,4 +350,11 @@ def make_plan(spec: JobSpec, profile: Profile, *, runs_root: str) -> LaunchPlan:
         preemption=preemption,
         spec=spec.model_dump(mode="json"),
         notes=notes,
+        rendezvous={
+            "master_addr": "first node of the allocation (Lightning reads SLURM_NODELIST)",
+            "master_port": "free port the kernel gives the batch host at every start",
+            "master_port_command": " ".join(
+                shlex.quote(x) for x in [*shlex.split(python), "-c", _FREE_PORT_CODE]
+            ),
+        },
     )

@@ -1,16 +1,21 @@
 """From CLI arguments to a validated spec, profile and plan (the shared front of validate,
-submit and run). Reads files; the planning itself stays pure in launcher.plan."""
+submit and run). Reads files and the environment; the planning itself stays pure in
+launcher.plan."""
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePosixPath
 
-from launcher.jobfile import load_job
+from launcher.errors import SpecError
+from launcher.jobfile import load_job_with_origin
 from launcher.plan import LaunchPlan, make_plan
-from launcher.profiles import Profile, load_profile
+from launcher.profiles import Profile, check_slurm_path, expand_path, load_profile
 from launcher.spec import JobSpec
+from launcher.validation import located
 
 
 @dataclass(frozen=True)
@@ -20,22 +25,55 @@ class Resolved:
     plan: LaunchPlan
 
 
-def runs_root_for(profile: Profile, environ: dict[str, str] | None = None) -> str:
-    """LMLAUNCH_RUNS_ROOT overrides the profile's runs_root (tests, scratch space)."""
+def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) -> str:
+    """The absolute runs root: LMLAUNCH_RUNS_ROOT, else the profile's runs_root.
+
+    ``~`` and ``$VARS`` are expanded from ``environ``; an unset variable, a relative result
+    or a character SLURM cannot take in an --output path is a clear error.
+    """
     env = os.environ if environ is None else environ
-    root = env.get("LMLAUNCH_RUNS_ROOT") or str(profile.runs_root_path)
-    return str(Path(os.path.expanduser(root)).absolute())
+    if env.get("LMLAUNCH_RUNS_ROOT"):
+        raw, what = env["LMLAUNCH_RUNS_ROOT"], "LMLAUNCH_RUNS_ROOT"
+    else:
+        raw, what = profile.runs_root, f"profile '{profile.name}' runs_root"
+    root = expand_path(raw, env, what)
+    if not root.startswith("/"):
+        cwd = env.get("PWD") if environ is not None and env.get("PWD") else os.getcwd()
+        root = str(PurePosixPath(cwd) / root)
+    root = os.path.normpath(root)
+    check_slurm_path(root, what)
+    return root
 
 
 def resolve(
     spec_path: str,
     overrides: list[str] | None = None,
     cluster: str | None = None,
-    environ: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    python: str | None = None,
 ) -> Resolved:
-    spec = load_job(spec_path, overrides or [])
+    """Load and validate the spec (with overrides), its profile, and plan the launch.
+
+    Every problem names the spec file and, where it can, the line or override it came from.
+    """
+    env = os.environ if environ is None else environ
+    spec, origin = load_job_with_origin(spec_path, overrides or [])
     if cluster:
         spec = spec.model_copy(update={"cluster": cluster})
-    profile = load_profile(spec.cluster)
-    plan = make_plan(spec, profile, runs_root=runs_root_for(profile, environ))
+    try:
+        try:
+            profile = load_profile(spec.cluster, env)
+        except SpecError as exc:
+            if exc.source is not None:  # the profile file itself is broken
+                raise
+            where = "--cluster" if cluster else (origin.locate(("cluster",)) or "cluster")
+            raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
+        runs_root = runs_root_for(profile, env)
+        plan = make_plan(
+            spec, profile, runs_root=runs_root, python=profile.python_command(python or sys.executable)
+        )
+    except SpecError as exc:
+        if exc.source is not None:
+            raise
+        raise SpecError([located(p, origin) for p in exc.problems], source=str(spec_path)) from None
     return Resolved(spec=spec, profile=profile, plan=plan)

@@ -70,10 +70,39 @@ def mem_to_mb(value: str) -> int:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    # strict: `nodes: yes` or `nodes: "4"` is an error, not 1 or 4 (YAML already types scalars).
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True
+    )
+
+
+# Variables the launcher or the runtime owns: a job setting them would break the launch.
+RESERVED_ENV = {
+    "MASTER_ADDR": "the rendezvous address is derived from the allocation by Lightning",
+    "MASTER_PORT": "lmlaunch picks a free port on the first node at every start",
+    "WORLD_SIZE": "derived from the topology",
+    "RANK": "set per task by SLURM/Lightning",
+    "LOCAL_RANK": "set per task by SLURM/Lightning",
+    "NODE_RANK": "set per task by SLURM/Lightning",
+    "CUDA_VISIBLE_DEVICES": "SLURM binds GPUs; Lightning selects cuda:{local_rank}",
+    "LMLAUNCH_RUN_DIR": "set by lmlaunch to the run directory",
+}
+RESERVED_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SUBMITIT_")
+
+
+def reserved_env_reason(name: str) -> str | None:
+    """Why ``name`` may not be set by a job, or None when it may."""
+    if name in RESERVED_ENV:
+        return RESERVED_ENV[name]
+    for prefix in RESERVED_ENV_PREFIXES:
+        if name.startswith(prefix):
+            return f"{prefix}* variables belong to SLURM and submitit"
+    return None
 
 
 class Resources(_Strict):
+    """What to ask SLURM for; unset values come from the cluster profile."""
+
     nodes: int = Field(1, ge=1, le=4096)
     """Number of nodes (SLURM --nodes)."""
     gpus_per_node: int = Field(0, ge=0, le=64)
@@ -87,7 +116,9 @@ class Resources(_Strict):
     time: str = "01:00:00"
     """Wall-clock limit (HH:MM:SS, D-HH:MM:SS or minutes); at most the partition's max_time."""
     partition: str | None = None
-    """Partition override; defaults to the profile's default partition."""
+    """Partition by name; defaults to the partition of partition_kind in the profile."""
+    partition_kind: Literal["default", "preemptible", "high_priority"] = "default"
+    """Partition by role, portable across profiles: the profile's default, preemptible or high-priority partition."""
     account: str | None = None
     """Account override (SLURM --account)."""
     qos: str | None = None
@@ -127,6 +158,8 @@ class Resources(_Strict):
 
 
 class ModelSpec(_Strict):
+    """The causal language model: a transformers type built from scratch, or a local directory."""
+
     type: str | None = None
     """A transformers model type (AutoConfig), initialised from scratch: gpt2, llama, mistral, ..."""
     pretrained: str | None = None
@@ -155,6 +188,8 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
+    """Tokenized training data and how it is batched."""
+
     path: str
     """Directory made by `lmlaunch data prepare` (tokens.bin + meta.json)."""
     seq_len: int = Field(..., ge=8, le=1_048_576)
@@ -168,6 +203,8 @@ class DataSpec(_Strict):
 
 
 class TrainerSpec(_Strict):
+    """Lightning Trainer settings; gradient accumulation is derived from global_batch_size."""
+
     strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
     """Distributed strategy."""
     zero_stage: Literal[1, 2, 3] | None = None
@@ -214,6 +251,8 @@ class TrainerSpec(_Strict):
 
 
 class OptimSpec(_Strict):
+    """AdamW and the learning-rate schedule."""
+
     lr: float = Field(3e-4, gt=0, lt=1)
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -228,6 +267,16 @@ class OptimSpec(_Strict):
     """Learning-rate schedule after warmup."""
     min_lr: float = Field(0.0, ge=0)
     """Final learning rate of cosine/linear decay."""
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_list(cls, v: Any) -> Any:
+        # YAML has lists, not tuples.
+        if isinstance(v, list):
+            if len(v) != 2:
+                raise ValueError(f"betas must be two numbers [beta1, beta2], got {len(v)}")
+            return tuple(v)
+        return v
 
     @field_validator("betas")
     @classmethod
@@ -244,6 +293,8 @@ class OptimSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
+    """Where and how often complete checkpoints are written."""
+
     dir: str | None = None
     """Checkpoint directory; defaults to <run dir>/checkpoints."""
     every_n_steps: int = Field(100, ge=1)
@@ -253,6 +304,8 @@ class CheckpointSpec(_Strict):
 
 
 class PreemptionSpec(_Strict):
+    """The time-limit warning signal and how often the job may requeue itself."""
+
     signal: Literal["USR1", "USR2", "URG", "XCPU", "HUP"] = "USR2"
     """Warning signal SLURM sends before the time limit (--signal). USR1 may clash with NCCL."""
     warning_seconds: int = Field(120, ge=10, le=65535)
@@ -267,18 +320,44 @@ class PreemptionSpec(_Strict):
     """Stop when the global step did not advance over this many attempts."""
 
 
+def _check_env_name(name: str, where: str) -> None:
+    if not ENV_NAME_RE.match(name):
+        raise ValueError(
+            f"{where}: {name!r} is not a valid environment variable name (letters, digits, _; not starting with a digit)"
+        )
+    reason = reserved_env_reason(name)
+    if reason:
+        raise ValueError(f"{where}: {name} may not be set by a job: {reason}")
+
+
 class EnvSpec(_Strict):
+    """Environment of every task: plain variables, and secrets passed by name only."""
+
     vars: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for every task (overriding the profile's)."""
     passthrough: list[str] = Field(default_factory=list)
     """Names of variables (secrets) taken from the submitting shell; never written anywhere."""
 
+    @field_validator("vars", mode="before")
+    @classmethod
+    def _numbers_as_text(cls, v: Any) -> Any:
+        # `OMP_NUM_THREADS: 4` means the text "4"; a YAML boolean is ambiguous (True? 1? yes?).
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for name, value in v.items():
+            if isinstance(value, bool):
+                raise ValueError(
+                    f"env.vars.{name}: {value!r} is a YAML boolean; quote the text you mean, e.g. \"1\" or \"true\""
+                )
+            out[name] = str(value) if isinstance(value, (int, float)) else value
+        return out
+
     @field_validator("vars")
     @classmethod
     def _names(cls, v: dict[str, str]) -> dict[str, str]:
         for name, value in v.items():
-            if not ENV_NAME_RE.match(name):
-                raise ValueError(f"'{name}' is not a valid environment variable name")
+            _check_env_name(name, "env.vars")
             if "\x00" in value:
                 raise ValueError(f"env.vars.{name} contains a NUL byte")
         return v
@@ -287,8 +366,10 @@ class EnvSpec(_Strict):
     @classmethod
     def _pass(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not ENV_NAME_RE.match(name):
-                raise ValueError(f"'{name}' is not a valid environment variable name")
+            _check_env_name(name, "env.passthrough")
+        dupes = sorted({n for n in v if v.count(n) > 1})
+        if dupes:
+            raise ValueError(f"env.passthrough names {', '.join(dupes)} more than once")
         return v
 
     @model_validator(mode="after")
@@ -302,6 +383,8 @@ class EnvSpec(_Strict):
 
 
 class WandbSpec(_Strict):
+    """Weights & Biases logging."""
+
     project: str
     """W&B project."""
     entity: str | None = None
@@ -311,6 +394,8 @@ class WandbSpec(_Strict):
 
 
 class LoggingSpec(_Strict):
+    """Metric loggers."""
+
     tensorboard: bool = True
     """TensorBoard logs in <run dir>/tensorboard."""
     csv: bool = True
@@ -365,6 +450,11 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:
+        if self.resources.partition is not None and self.resources.partition_kind != "default":
+            raise ValueError(
+                f"resources.partition({self.resources.partition}) and "
+                f"resources.partition_kind({self.resources.partition_kind}) both pick a partition; set one"
+            )
         gpus = self.resources.gpus_per_node
         if gpus > 0 and self.resources.tasks_per_node not in (None, gpus):
             raise ValueError(

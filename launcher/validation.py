@@ -1,13 +1,77 @@
-"""Turn pydantic errors into messages that teach: key path, line, what is allowed, closest key."""
+"""Turn validation problems into messages that teach: key path, where it was written (line of
+the YAML file or the command-line override), what is allowed, the closest valid key."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from launcher.errors import closest
 from launcher.yamlio import LoadedYaml
+
+# A message that starts with its own key path, e.g. "trainer.zero_stage(2) needs ...".
+_LEADING_PATH = re.compile(r"^([a-z_]+(?:\.[A-Za-z_0-9]+)+)")
+_QUOTED = re.compile(r"'([^']*)'")
+
+
+@dataclass
+class Origin:
+    """Where the values of a document came from: a YAML file and dotted overrides."""
+
+    loaded: LoadedYaml | None = None
+    overrides: dict[tuple[str, ...], str] = field(default_factory=dict)
+
+    def locate(self, path: tuple) -> str | None:
+        """'line 7', "override 'resources.nodes=4'" or None."""
+        path = tuple(path)
+        # An override that set this key or one of its parents decides the value.
+        for opath, text in self.overrides.items():
+            if path[: len(opath)] == opath:
+                return f"override '{text}'"
+        if self.loaded is not None and path in self.loaded.lines:
+            return f"line {self.loaded.lines[path]}"
+        # The key is not in the file: an override below this path (e.g. a model-level check
+        # on a section the override changed), else the closest enclosing key in the file.
+        for opath, text in self.overrides.items():
+            if opath[: len(path)] == path and path:
+                return f"override '{text}'"
+        if self.loaded is not None:
+            line = self.loaded.line_of(path)
+            if line is not None:
+                return f"line {line}"
+        return None
+
+
+def dotted(path: tuple) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def leading_path(message: str) -> tuple[str, ...] | None:
+    m = _LEADING_PATH.match(message)
+    return tuple(m.group(1).split(".")) if m else None
+
+
+def located(message: str, origin: Origin | None, path: tuple = ()) -> str:
+    """Prefix a message with where its key was written.
+
+    A message that names its own key path first ("trainer.zero_stage(2) needs ...") gets
+    ``line N: `` in front; otherwise the key path is written too: ``resources.nodes (line 7): ...``.
+    """
+    own = leading_path(message)
+    if own is not None:
+        where = origin.locate(own) if origin else None
+        return f"{where}: {message}" if where else message
+    if not path:
+        return message
+    where = origin.locate(path) if origin else None
+    head = dotted(path) + (f" ({where})" if where else "")
+    return f"{head}: {message}"
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
@@ -16,10 +80,10 @@ def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
     for part in path:
         if isinstance(part, int) or not (isinstance(current, type) and issubclass(current, BaseModel)):
             return []
-        field = current.model_fields.get(part)
-        if field is None:
+        fld = current.model_fields.get(part)
+        if fld is None:
             return []
-        current = _unwrap(field.annotation)
+        current = _unwrap(fld.annotation)
     if isinstance(current, type) and issubclass(current, BaseModel):
         return list(current.model_fields)
     return []
@@ -34,37 +98,54 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
-def dotted(path: tuple) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "a whole number",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string (quote it)",
+    "dict_type": "a mapping of keys to values",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "model_type": "a mapping of keys to values",
+    "model_attributes_type": "a mapping of keys to values",
+}
 
 
 def format_validation_error(
-    exc: ValidationError, loaded: LoadedYaml | None, model: type[BaseModel]
+    exc: ValidationError, origin: Origin | LoadedYaml | None, model: type[BaseModel]
 ) -> list[str]:
+    if isinstance(origin, LoadedYaml):
+        origin = Origin(loaded=origin)
     problems = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        line = loaded.line_of(loc) if loaded is not None else None
-        where = dotted(loc) + (f" (line {line})" if line else "")
         kind = err["type"]
         msg = err["msg"]
+        got = err.get("input")
         if kind == "extra_forbidden":
             parent, key = loc[:-1], str(loc[-1])
             valid = _fields_at(model, parent)
             match = closest(key, valid)
             hint = f"; did you mean '{match}'?" if match else ""
-            problems.append(
-                f"{where}: unknown key '{key}'{hint} Valid keys here: {', '.join(valid)}"
-            )
+            text = f"unknown key '{key}'{hint} Valid keys here: {', '.join(valid)}"
         elif kind == "missing":
-            problems.append(f"{where}: required key is missing")
+            text = "required key is missing"
         elif kind in ("literal_error", "enum"):
-            problems.append(f"{where}: {msg} (got {err.get('input')!r})")
-        elif kind == "value_error":
-            problems.append(f"{where}: {msg.removeprefix('Value error, ')}")
+            allowed = _QUOTED.findall(str((err.get("ctx") or {}).get("expected", "")))
+            hint = ""
+            if isinstance(got, str) and allowed:
+                match = closest(got, allowed)
+                hint = f"; did you mean '{match}'?" if match else ""
+            text = f"{msg} (got {got!r}){hint}"
+        elif kind in ("value_error", "assertion_error"):
+            text = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        elif kind in _TYPE_WORDS:
+            text = f"must be {_TYPE_WORDS[kind]} (got {got!r})"
         else:
-            problems.append(f"{where}: {msg} (got {err.get('input')!r})")
+            text = f"{msg} (got {got!r})"
+        problems.append(located(text, origin, loc))
     return problems

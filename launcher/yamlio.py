@@ -7,6 +7,7 @@ that schema errors can say ``resources.nodes (line 7)``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,26 @@ class LoadedYaml:
 
 
 class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys."""
+    """SafeLoader that rejects duplicate keys and reads scalars the way people mean them.
+
+    YAML 1.1 (PyYAML) reads ``time: 4:00:00`` as the base-60 integer 14400 and ``lr: 3e-4``
+    as a string. Here a colon-separated number stays a string (a SLURM time) and a number
+    with an exponent but no dot is a float (as in YAML 1.2 and JSON).
+    """
+
+
+# Per first character, the implicit resolvers are tried in order; the first match wins.
+_LineLoader.yaml_implicit_resolvers = {
+    k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+_FLOAT_EXP = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+for _first in "+-0123456789":
+    _LineLoader.yaml_implicit_resolvers.setdefault(_first, [])
+    _LineLoader.yaml_implicit_resolvers[_first][:0] = [
+        ("tag:yaml.org,2002:str", _SEXAGESIMAL),
+        ("tag:yaml.org,2002:float", _FLOAT_EXP),
+    ]
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -94,6 +114,19 @@ def load_yaml_text(text: str, source: str) -> LoadedYaml:
     if node is not None:
         _record_lines(node, (), lines)
     return LoadedYaml(data=data, source=source, lines=lines)
+
+
+def parse_scalar(text: str) -> Any:
+    """A command-line value read like a YAML value in a file (``4`` -> 4, ``4:00:00`` stays text).
+
+    Anything that is not a plain scalar or flow list/mapping (a tag, broken YAML) stays text.
+    """
+    if not text.strip():
+        return ""
+    try:
+        return yaml.load(text, Loader=_LineLoader)  # noqa: S506 - _LineLoader is a SafeLoader
+    except yaml.YAMLError:
+        return text
 
 
 def load_yaml_file(path: str | Path) -> LoadedYaml:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from launcher.context import Context
+
+if TYPE_CHECKING:
+    from launcher.plan import LaunchPlan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true", help="continue the existing run of this name")
 
 
-def render_dry_run(plan, script: str) -> str:
+def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | None = None) -> str:
+    """The plan for people: topology arithmetic, the job script exactly as submitted, the task
+    environment with the reason for each variable, DeepSpeed JSON, Trainer arguments, paths.
+
+    Secrets passed by name are listed by name, with whether the submitting shell has them;
+    their values are never read into the output.
+    """
     lines = []
     t = plan.topology
     lines.append(f"# lmlaunch plan for run '{plan.run_name}' on cluster '{plan.profile}'")
@@ -40,7 +51,11 @@ def render_dry_run(plan, script: str) -> str:
     for o in plan.env_overrides:
         lines.append(f"# override: {o.name}: profile {o.profile_value!r} -> job {o.job_value!r}")
     for name in plan.passthrough:
-        lines.append(f"{name}=<passed through from the submitting shell; value never written>")
+        state = "" if environ is None else (" (set here)" if environ.get(name) else " (NOT set in this shell)")
+        lines.append(f"{name}=<passed through from the submitting shell{state}; value never written>")
+    port = plan.rendezvous.get("master_port")
+    if port:
+        lines.append(f"MASTER_PORT=<{port}>")
     if plan.deepspeed is not None:
         lines.append("")
         lines.append("## DeepSpeed config")
@@ -59,13 +74,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     from launcher.resolve import resolve
     from launcher.submit import render_script
 
-    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ)
+    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
     if args.dry_run:
         script = render_script(r.plan)
         if args.json:
             ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script}, indent=2, sort_keys=True))
         else:
-            ctx.out(render_dry_run(r.plan, script))
+            ctx.out(render_dry_run(r.plan, script, ctx.environ))
         return 0
     from launcher.submit import submit_plan
 

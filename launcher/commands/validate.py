@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, ctx: Context) -> int:
     from launcher.resolve import resolve
 
-    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ)
+    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
     t = r.plan.topology
     ctx.out(
         f"ok: {args.spec} is valid for cluster '{r.profile.name}': "
