@@ -1,0 +1,196 @@
+"""Run directories and the local registry of submitted runs (docs/run-directory.md).
+
+A run directory ``<runs_root>/<run name>/`` (mode 0700) holds everything of one run: the
+resolved spec, the plan, the DeepSpeed JSON, submitit's folder, logs per attempt and rank,
+checkpoints and metrics. The registry (``$LMLAUNCH_HOME/registry/<run name>.json``, default
+``~/.lmlaunch``) maps run names to their job ids over time, so status/logs/cancel take a run
+name or a job id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from launcher.errors import UserError
+from launcher.plan import LaunchPlan
+
+PRIVATE_DIR_MODE = 0o700
+# created at submit time; lmtrain creates the rest (checkpoints/, metrics/ ...) under the same 0700 root
+SUBDIRS = ("submitit", "logs", "metrics", "checkpoints")
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def lmlaunch_home(environ: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    return Path(os.path.expanduser(env.get("LMLAUNCH_HOME") or "~/.lmlaunch")).absolute()
+
+
+def registry_dir(environ: Mapping[str, str] | None = None) -> Path:
+    return lmlaunch_home(environ) / "registry"
+
+
+@dataclass
+class RunRecord:
+    """One run as the launcher knows it; the live state comes from SLURM and the markers."""
+
+    name: str
+    profile: str
+    run_dir: str
+    spec_path: str | None
+    job_ids: list[str] = field(default_factory=list)
+    submitted_at: list[float] = field(default_factory=list)
+    state: str = "submitted"  # submitted | cancelled
+    max_steps: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunRecord:
+        known = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
+        return cls(**known)
+
+    @property
+    def last_job_id(self) -> str | None:
+        return self.job_ids[-1] if self.job_ids else None
+
+
+def _record_path(name: str, environ: Mapping[str, str] | None = None) -> Path:
+    return registry_dir(environ) / f"{name}.json"
+
+
+def load_record(name: str, environ: Mapping[str, str] | None = None) -> RunRecord | None:
+    path = _record_path(name, environ)
+    try:
+        return RunRecord.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"{path}: unreadable registry entry ({exc}); remove it or repair it", exit_code=1) from None
+
+
+def save_record(rec: RunRecord, environ: Mapping[str, str] | None = None) -> Path:
+    """Write atomically (tmp + rename) so a reader never sees half a record."""
+    path = _record_path(rec.name, environ)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(rec.to_dict(), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def delete_record(name: str, environ: Mapping[str, str] | None = None) -> None:
+    _record_path(name, environ).unlink(missing_ok=True)
+
+
+def list_records(environ: Mapping[str, str] | None = None) -> list[RunRecord]:
+    d = registry_dir(environ)
+    if not d.is_dir():
+        return []
+    out = []
+    for p in sorted(d.glob("*.json")):
+        try:
+            out.append(RunRecord.from_dict(json.loads(p.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # a broken entry must not hide the others; `find_run` names it
+    return out
+
+
+def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
+    """A run by name, or by any of its job ids."""
+    rec = load_record(ref, environ) if "/" not in ref else None
+    if rec is not None:
+        return rec
+    records = list_records(environ)
+    for r in records:
+        if ref in r.job_ids:
+            return r
+    from launcher.errors import did_you_mean
+
+    names = [r.name for r in records]
+    raise UserError(
+        f"no run named or with job id '{ref}' in the registry ({registry_dir(environ)})"
+        f"{did_you_mean(ref, names)}; known runs: {', '.join(names) or 'none'}"
+    )
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def check_private(path: Path) -> None:
+    """Refuse a run directory others may write into: they could plant a plan or a pickle that
+    the job would execute."""
+    st = path.stat()
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UserError(
+            f"run directory {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"lmlaunch only uses private run directories: `chmod 700 {path}` if it is yours, or pick another run name"
+        )
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise UserError(f"run directory {path} belongs to another user (uid {st.st_uid}); pick another run name")
+
+
+def _mkdir_private(path: Path) -> None:
+    path.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+    path.chmod(PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask
+
+
+def prepare_run_dir(run_dir: Path) -> bool:
+    """Create the run directory tree (0700); True when this call created the run directory."""
+    created = not run_dir.exists()
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    if created:
+        _mkdir_private(run_dir)
+    else:
+        if not run_dir.is_dir():
+            raise UserError(f"{run_dir} exists and is not a directory")
+        check_private(run_dir)
+    for sub in SUBDIRS:
+        _mkdir_private(run_dir / sub)
+    return created
+
+
+def write_launch_files(plan: LaunchPlan) -> list[Path]:
+    """spec.yaml, plan.json and deepspeed.json (when planned), written atomically, mode 0600."""
+    p = plan.paths
+    files = [
+        (Path(p.spec_yaml), yaml.safe_dump(plan.spec, sort_keys=False)),
+        (Path(p.plan_json), plan.to_json() + "\n"),
+    ]
+    if plan.deepspeed is not None and p.deepspeed_json:
+        files.append((Path(p.deepspeed_json), json.dumps(plan.deepspeed, indent=2, sort_keys=True) + "\n"))
+    for path, text in files:
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return [f for f, _ in files]
+
+
+def archive_run_dir(run_dir: Path) -> Path:
+    """Rename an old run directory out of the way (``--new``): ``<name>.archived-<time>``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = run_dir.with_name(f"{run_dir.name}.archived-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = run_dir.with_name(f"{run_dir.name}.archived-{stamp}-{n}")
+    os.rename(run_dir, target)
+    return target
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
