@@ -65,12 +65,13 @@ class TokenMeta:
     sources: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def np_dtype(self) -> type[np.unsignedinteger]:
-        return _DTYPES[self.dtype]
+    def np_dtype(self) -> np.dtype:
+        """The on-disk dtype (little-endian, as prepare writes it)."""
+        return np.dtype(_DTYPES[self.dtype]).newbyteorder("<")
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.np_dtype).itemsize
+        return self.np_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -192,31 +193,57 @@ def collect_inputs(inputs: Sequence[str | Path]) -> list[Path]:
 
 
 def iter_documents(path: Path) -> Iterator[str]:
-    """The documents in one input file: the whole .txt file, or each .jsonl line's "text"."""
+    """The documents in one input file: the whole .txt file, or each .jsonl line's "text".
+
+    .jsonl files are streamed line by line, so inputs larger than memory work.
+    """
     try:
-        raw = path.read_bytes()
+        if path.suffix == ".txt":
+            raw = path.read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from exc
+            if text:
+                yield text
+            return
+        with open(path, "rb") as f:
+            for lineno, bline in enumerate(f, start=1):
+                try:
+                    line = bline.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 text (invalid byte at column {exc.start + 1})") from exc
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not a JSON object ({exc.msg} at column {exc.colno})") from exc
+                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                    found = f"keys {sorted(obj)}" if isinstance(obj, dict) else f"a JSON {type(obj).__name__}"
+                    raise DataError(f'{path}:{lineno}: each line must be a JSON object with a string "text" (found {found})')
+                if obj["text"]:
+                    yield obj["text"]
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from exc
-    if path.suffix == ".txt":
-        if text:
-            yield text
+
+
+def _encoded(tok: ByteTokenizer | HFTokenizer, docs: Iterator[str], batch: int = 256) -> Iterator[np.ndarray]:
+    """Each document's ids followed by eos, as an int64 array."""
+    eos = np.array([tok.eos_id], dtype=np.int64)
+    if isinstance(tok, ByteTokenizer):
+        for doc in docs:
+            yield np.concatenate([np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int64), eos])
         return
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: not a JSON object ({exc.msg} at column {exc.colno})") from exc
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise DataError(f'{path}:{lineno}: each line needs a string field "text" (found {keys})')
-        if obj["text"]:
-            yield obj["text"]
+    pending: list[str] = []
+    for doc in docs:
+        pending.append(doc)
+        if len(pending) == batch:
+            for ids in tok.encode_batch(pending):
+                yield np.asarray(ids + [tok.eos_id], dtype=np.int64)
+            pending = []
+    for ids in tok.encode_batch(pending) if pending else []:
+        yield np.asarray(ids + [tok.eos_id], dtype=np.int64)
 
 
 def _sha256_file(path: Path) -> str:
@@ -259,7 +286,7 @@ def prepare(
     files = collect_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     dtype = dtype_for_vocab(tok.vocab_size)
-    np_dtype = _DTYPES[dtype]
+    out_dtype = np.dtype(_DTYPES[dtype]).newbyteorder("<")  # the file is little-endian everywhere
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -270,32 +297,29 @@ def prepare(
         n_docs = 0
         with open(tmp / TOKENS_FILE, "wb") as f:
             for path in files:
-                docs = list(iter_documents(path))
-                ids_per_doc = (
-                    tok.encode_batch(docs) if isinstance(tok, HFTokenizer) else [tok.encode(d) for d in docs]
-                )
                 file_tokens = 0
-                for ids in ids_per_doc:
-                    arr = np.asarray(ids + [tok.eos_id], dtype=np.int64)
-                    if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
+                file_docs = 0
+                for arr in _encoded(tok, iter_documents(path)):
+                    if arr.min() < 0 or arr.max() >= tok.vocab_size:
                         raise DataError(
                             f"{path}: the tokenizer produced id {int(arr.max())} outside its "
                             f"vocabulary of {tok.vocab_size}"
                         )
-                    buf = arr.astype(np.dtype(np_dtype).newbyteorder("<")).tobytes()
+                    buf = arr.astype(out_dtype).tobytes()
                     f.write(buf)
                     h.update(buf)
                     file_tokens += arr.size
+                    file_docs += 1
                 sources.append(
                     {
                         "path": str(path.absolute()),
                         "sha256": _sha256_file(path),
-                        "documents": len(docs),
+                        "documents": file_docs,
                         "tokens": file_tokens,
                     }
                 )
                 total += file_tokens
-                n_docs += len(docs)
+                n_docs += file_docs
             f.flush()
             os.fsync(f.fileno())
         if n_docs == 0:

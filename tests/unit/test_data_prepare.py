@@ -1,0 +1,313 @@
+"""`lmlaunch data prepare`: tokenizers, the token file format, atomic writes, errors, the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launcher.cli import main
+from launcher.context import Context
+from lmtrain.prepare import DataError, prepare, read_meta, shipped_corpus_files
+from lmtrain.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), Context(stdout=out, stderr=err, environ={}))
+    return code, out.getvalue(), err.getvalue()
+
+
+# --- the byte tokenizer ------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_round_trips_unicode_text():
+    tok = ByteTokenizer()
+    text = "Grüße, 世界! tabs\tand\nnewlines — and emoji 🚀"
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert (tok.vocab_size, tok.eos_id) == (260, 256) == (BYTE_VOCAB_SIZE, BYTE_EOS_ID)
+
+
+def test_byte_tokenizer_decode_shows_eos_only_when_asked_and_rejects_foreign_ids():
+    tok = ByteTokenizer()
+    ids = tok.encode("one") + [256] + tok.encode("two")
+    assert tok.decode(ids) == "onetwo"
+    assert tok.decode(ids, skip_special=False) == "one<eos>two"
+    with pytest.raises(ValueError, match="outside the byte vocabulary"):
+        tok.decode([300])
+
+
+# --- the prepared format -----------------------------------------------------------------------
+
+
+def test_prepare_writes_documents_as_flat_uint16_with_eos_after_each(tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_text("hello world", encoding="utf-8")
+    jl = write_jsonl(tmp_path / "b.jsonl", ["first doc", "", "second"])
+    res = prepare([txt, jl], tmp_path / "out")
+    tokens = np.fromfile(tmp_path / "out" / "tokens.bin", dtype="<u2")
+    expected = b"hello world" + b"\x00" + b"first doc" + b"\x00" + b"second" + b"\x00"
+    want = [256 if c == 0 else c for c in expected]
+    assert tokens.tolist() == want
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["dtype"] == "uint16" and meta["num_tokens"] == len(want) == res.meta.num_tokens
+    assert meta["vocab_size"] == 260 and meta["eos_id"] == 256
+    assert meta["num_documents"] == 3  # the empty jsonl text is not a document
+    assert meta["tokenizer"]["kind"] == "bytes"
+    assert [s["path"] for s in meta["sources"]] == [str(txt), str(jl)]
+    assert meta["sources"][0]["sha256"] == sha256(txt)
+    assert meta["tokens_sha256"] == sha256(tmp_path / "out" / "tokens.bin")
+
+
+def test_prepare_reads_directories_in_sorted_order(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "b.txt").write_text("B", encoding="utf-8")
+    (corpus / "a.txt").write_text("A", encoding="utf-8")
+    write_jsonl(corpus / "sub" / "c.jsonl", ["C"])
+    (corpus / "notes.md").write_text("ignored", encoding="utf-8")
+    prepare([corpus], tmp_path / "out")
+    tokens = np.fromfile(tmp_path / "out" / "tokens.bin", dtype="<u2").tolist()
+    assert tokens == [ord("A"), 256, ord("B"), 256, ord("C"), 256]
+
+
+def test_prepare_is_deterministic_same_sha256_twice(tmp_path):
+    files = shipped_corpus_files()
+    prepare(files, tmp_path / "one")
+    prepare(files, tmp_path / "two")
+    assert sha256(tmp_path / "one" / "tokens.bin") == sha256(tmp_path / "two" / "tokens.bin")
+    assert (tmp_path / "one" / "meta.json").read_bytes() == (tmp_path / "two" / "meta.json").read_bytes()
+
+
+def test_shipped_corpus_is_about_a_megabyte_of_english_prose(tmp_path):
+    res = prepare(shipped_corpus_files(), tmp_path / "tiny")
+    assert 500_000 <= res.meta.num_tokens <= 2_000_000
+    assert res.meta.num_documents >= 100
+    text = ByteTokenizer().decode(np.fromfile(tmp_path / "tiny" / "tokens.bin", dtype="<u2").tolist())
+    words = text.lower().split()
+    # Real English: the most common words are function words, not random tokens.
+    for w in ("the", "of", "to", "and", "a", "is"):
+        assert words.count(w) > 2000, w
+    assert "GNU GENERAL PUBLIC LICENSE" in text and "Return a new" in text
+
+
+def test_prepare_replaces_existing_output_whole_and_leaves_no_temporaries(tmp_path):
+    out = tmp_path / "out"
+    prepare([write_jsonl(tmp_path / "a.jsonl", ["old text"])], out)
+    prepare([write_jsonl(tmp_path / "b.jsonl", ["new"])], out)
+    assert np.fromfile(out / "tokens.bin", dtype="<u2").tolist() == [ord(c) for c in "new"] + [256]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "out"]
+
+
+def test_failed_prepare_keeps_previous_output_intact(tmp_path):
+    out = tmp_path / "out"
+    prepare([write_jsonl(tmp_path / "good.jsonl", ["kept"])], out)
+    before = (sha256(out / "tokens.bin"), (out / "meta.json").read_text())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "typo"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: .*\"text\".*txt"):
+        prepare([bad], out)
+    assert (sha256(out / "tokens.bin"), (out / "meta.json").read_text()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out"]
+
+
+def test_if_missing_keeps_valid_data_and_rebuilds_corrupt_data(tmp_path):
+    out = tmp_path / "out"
+    src = write_jsonl(tmp_path / "a.jsonl", ["abc"])
+    first = prepare([src], out)
+    assert not first.skipped
+    again = prepare([write_jsonl(tmp_path / "b.jsonl", ["other"])], out, if_missing=True)
+    assert again.skipped and again.meta == first.meta
+    (out / "tokens.bin").write_bytes(b"\x00")  # truncated
+    rebuilt = prepare([src], out, if_missing=True)
+    assert not rebuilt.skipped
+    assert read_meta(out, verify_checksum=True).num_tokens == 4
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def put(d: Path, name: str, content: str | bytes | None) -> Path:
+    """Create ``d/name``: a file with ``content``, or a directory when content is None."""
+    p = d / name
+    if content is None:
+        p.mkdir()
+    elif isinstance(content, bytes):
+        p.write_bytes(content)
+    else:
+        p.write_text(content, encoding="utf-8")
+    return p
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "missing.txt", r"missing\.txt: no such file or directory"),
+        (lambda d: put(d, "t.csv", "a,b"), r"unsupported input type '\.csv'"),
+        (lambda d: put(d, "e.txt", ""), r"empty corpus"),
+        (lambda d: write_jsonl(d / "e.jsonl", ["", ""]), r"empty corpus"),
+        (lambda d: put(d, "n.jsonl", '{"text": "ok"}\nnot json\n'), r"n\.jsonl:2: not a JSON object"),
+        (lambda d: put(d, "l.jsonl", '["text"]\n'), r"l\.jsonl:1: .*found a JSON list"),
+        (lambda d: put(d, "u.txt", b"ok\xff\xfe"), r"u\.txt: not UTF-8 text \(invalid byte at offset 2\)"),
+        (lambda d: put(d, "empty", None), r"empty: directory holds no \.txt or \.jsonl files"),
+    ],
+    ids=["missing", "csv", "empty-txt", "empty-jsonl", "bad-json", "not-object", "not-utf8", "empty-dir"],
+)
+def test_bad_input_is_a_clear_data_error(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(DataError, match=message):
+        prepare([path], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+
+
+# --- meta validation ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def prepared(tmp_path) -> Path:
+    prepare([write_jsonl(tmp_path / "a.jsonl", ["some text", "more text"])], tmp_path / "d")
+    return tmp_path / "d"
+
+
+def _edit_meta(d: Path, **changes) -> None:
+    meta = json.loads((d / "meta.json").read_text())
+    meta.update(changes)
+    (d / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda d: (d / "meta.json").unlink(), r"meta\.json: missing \(not a prepared data directory\)"),
+        (lambda d: (d / "meta.json").write_text("{nope"), r"meta\.json: not valid JSON"),
+        (lambda d: _edit_meta(d, format="other"), r"'format' must be 'lmtrain-tokens'"),
+        (lambda d: _edit_meta(d, version=9), r"'version' is 9, this lmtrain reads version 1"),
+        (lambda d: _edit_meta(d, dtype="int8"), r"'dtype' must be one of \['uint16', 'uint32'\]"),
+        (lambda d: _edit_meta(d, num_tokens="12"), r"'num_tokens' must be an integer >= 1"),
+        (lambda d: _edit_meta(d, eos_id=400), r"'eos_id' \(400\) must be < 'vocab_size' \(260\)"),
+        (lambda d: _edit_meta(d, vocab_size=70000), r"'vocab_size' \(70000\) does not fit 'dtype' uint16"),
+        (lambda d: (d / "tokens.bin").unlink(), r"tokens\.bin: missing"),
+        (lambda d: (d / "tokens.bin").write_bytes(b"\x01\x00" * 3), r"6 bytes, but meta\.json says num_tokens\(20\) x uint16\(2 bytes\) = 40 bytes"),
+    ],
+    ids=["no-meta", "bad-json", "format", "version", "dtype", "num-tokens-type", "eos", "vocab-dtype", "no-tokens", "truncated"],
+)
+def test_read_meta_rejects_corrupt_prepared_data(prepared, corrupt, message):
+    corrupt(prepared)
+    with pytest.raises(DataError, match=message) as exc:
+        read_meta(prepared)
+    assert "lmlaunch data prepare" in str(exc.value) or "meta.json" in str(exc.value)
+
+
+def test_read_meta_checksum_catches_flipped_tokens(prepared):
+    data = bytearray((prepared / "tokens.bin").read_bytes())
+    data[0] ^= 1
+    (prepared / "tokens.bin").write_bytes(bytes(data))
+    read_meta(prepared)  # the size still matches: only the checksum can tell
+    with pytest.raises(DataError, match="does not match meta.json tokens_sha256"):
+        read_meta(prepared, verify_checksum=True)
+
+
+def test_read_meta_on_missing_directory_says_how_to_make_it(tmp_path):
+    with pytest.raises(DataError, match=r"no such directory; make it with: lmlaunch data prepare"):
+        read_meta(tmp_path / "nothing")
+
+
+# --- a local transformers tokenizer ------------------------------------------------------------
+
+
+def _save_word_tokenizer(d: Path, *, eos: bool = True) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "</s>": 1, "the": 2, "cat": 3, "sat": 4, "on": 5, "mat": 6}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    kwargs = {"eos_token": "</s>"} if eos else {}
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", **kwargs).save_pretrained(str(d))
+    return d
+
+
+def test_prepare_with_a_local_tokenizer_directory(tmp_path):
+    tok_dir = _save_word_tokenizer(tmp_path / "tok")
+    src = write_jsonl(tmp_path / "a.jsonl", ["the cat sat", "on the mat dog"])
+    res = prepare([src], tmp_path / "out", tokenizer=tok_dir)
+    tokens = np.fromfile(tmp_path / "out" / "tokens.bin", dtype="<u2").tolist()
+    assert tokens == [2, 3, 4, 1, 5, 2, 6, 0, 1]
+    assert res.meta.vocab_size == 7 and res.meta.eos_id == 1
+    assert res.meta.tokenizer["kind"] == "huggingface"
+    assert res.meta.tokenizer["path"] == str(tok_dir.resolve())
+
+
+def test_bad_tokenizer_directories_are_clear_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    src = write_jsonl(tmp_path / "a.jsonl", ["the cat"])
+    code, _, err = cli("data", "prepare", str(src), "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "empty"))
+    assert code == 2 and "cannot load a tokenizer from this directory" in err
+    code, _, err = cli("data", "prepare", str(src), "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "none"))
+    assert code == 2 and "not a directory" in err
+    no_eos = _save_word_tokenizer(tmp_path / "noeos", eos=False)
+    code, _, err = cli("data", "prepare", str(src), "--out", str(tmp_path / "o"), "--tokenizer", str(no_eos))
+    assert code == 2 and "has no eos_token" in err
+    assert not (tmp_path / "o").exists()
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_prepare_shipped_corpus_then_if_missing_skips(tmp_path):
+    out = tmp_path / "prepared" / "tiny"
+    code, stdout, _ = cli("data", "prepare", "--shipped-corpus", "--out", str(out), "--if-missing")
+    assert code == 0 and "156 documents from 2 files" in stdout and "uint16, vocab_size 260" in stdout
+    stamp = (out / "tokens.bin").stat().st_mtime_ns
+    code, stdout, _ = cli("data", "prepare", "--shipped-corpus", "--out", str(out), "--if-missing")
+    assert code == 0 and "--if-missing: kept as is" in stdout
+    assert (out / "tokens.bin").stat().st_mtime_ns == stamp
+    code, stdout, _ = cli("data", "info", str(out), "--verify")
+    assert code == 0 and "sha256 verified" in stdout and "vocab_size 260" in stdout
+
+
+def test_cli_prepare_bad_arguments_exit_2(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["x"])
+    code, _, err = cli("data", "prepare", "--out", str(tmp_path / "o"))
+    assert code == 2 and "nothing to tokenize" in err
+    code, _, err = cli("data", "prepare", str(src), "--shipped-corpus", "--out", str(tmp_path / "o"))
+    assert code == 2 and "not both" in err
+    code, _, err = cli("data", "prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o"))
+    assert code == 2 and "nope.txt: no such file or directory" in err
+    code, _, err = cli("data", "info", str(tmp_path / "o"))
+    assert code == 2 and "no such directory" in err
+    code, _, err = cli("data")
+    assert code == 2 and "usage: lmlaunch data" in err
+
+
+def test_data_command_never_imports_torch_for_byte_prepare(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["x"])
+    code = (
+        "import sys, launcher.commands.data\n"
+        "assert 'torch' not in sys.modules, 'imported at module import'\n"
+        "from launcher.cli import main\n"
+        f"rc = main(['data', 'prepare', {str(src)!r}, '--out', {str(tmp_path / 'o')!r}])\n"
+        "heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules]\n"
+        "print(heavy); sys.exit(rc or (1 if heavy else 0))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
