@@ -65,7 +65,14 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
     # Only the chosen subcommand's module is imported (fast start).
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=chosen if chosen in COMMANDS else None)
-    args = parser.parse_args(argv)
+    # Dotted overrides may follow options (`submit job.yaml --dry-run nodes=2`): argparse
+    # leaves positionals after an option unparsed, so they join the overrides here.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:
         parser.print_help(ctx.stdout)
         return ExitCode.USAGE

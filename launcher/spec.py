@@ -157,6 +157,9 @@ class Resources(_Strict):
         return parse_slurm_time(self.time)
 
 
+_COMMON_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "opt")
+
+
 class ModelSpec(_Strict):
     """The causal language model: a transformers type built from scratch, or a local directory."""
 
@@ -180,9 +183,11 @@ class ModelSpec(_Strict):
         if self.type is not None and self.type not in KNOWN_CAUSAL_LM_TYPES:
             from launcher.errors import did_you_mean
 
+            common = [t for t in _COMMON_TYPES if t in KNOWN_CAUSAL_LM_TYPES]
             raise ValueError(
-                f"unknown model type '{self.type}'{did_you_mean(self.type, KNOWN_CAUSAL_LM_TYPES)}; "
-                f"causal LM types include {', '.join(sorted(KNOWN_CAUSAL_LM_TYPES)[:12])}, ..."
+                f"model.type({self.type}) is not a transformers causal LM type"
+                f"{did_you_mean(self.type, KNOWN_CAUSAL_LM_TYPES)}; {len(KNOWN_CAUSAL_LM_TYPES)} "
+                f"types are known, e.g. {', '.join(common)}"
             )
         return self
 

@@ -130,8 +130,8 @@ def format_validation_error(
             parent, key = loc[:-1], str(loc[-1])
             valid = _fields_at(model, parent)
             match = closest(key, valid)
-            hint = f"; did you mean '{match}'?" if match else ""
-            text = f"unknown key '{key}'{hint} Valid keys here: {', '.join(valid)}"
+            hint = f" (did you mean '{match}'?)" if match else ""
+            text = f"unknown key '{key}'{hint}; valid keys here: {', '.join(valid)}"
         elif kind == "missing":
             text = "required key is missing"
         elif kind in ("literal_error", "enum"):
@@ -139,8 +139,8 @@ def format_validation_error(
             hint = ""
             if isinstance(got, str) and allowed:
                 match = closest(got, allowed)
-                hint = f"; did you mean '{match}'?" if match else ""
-            text = f"{msg} (got {got!r}){hint}"
+                hint = f" (did you mean '{match}'?)" if match else ""
+            text = f"{msg}, got {got!r}{hint}"
         elif kind in ("value_error", "assertion_error"):
             text = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         elif kind in _TYPE_WORDS:

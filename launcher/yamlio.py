@@ -100,9 +100,11 @@ def load_yaml_text(text: str, source: str) -> LoadedYaml:
         where = f"line {mark.line + 1}: " if mark else ""
         problem = exc.problem or str(exc)
         if "could not determine a constructor" in problem:
+            tag = problem.split("for the tag")[-1].strip().strip("'")
+            tag = tag.replace("tag:yaml.org,2002:", "!!")
             problem = (
-                f"{problem.split('for the tag')[-1].strip() or 'tag'} is not allowed: only plain "
-                "YAML (mappings, lists, strings, numbers, booleans) is accepted"
+                f"the tag '{tag}' is not allowed: only plain YAML (mappings, lists, strings, "
+                "numbers, booleans) is accepted"
             )
         raise SpecError([f"{where}{problem}"], source=source) from None
     except yaml.YAMLError as exc:
