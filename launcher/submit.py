@@ -82,10 +82,11 @@ def render_script(plan: LaunchPlan) -> str:
 # --------------------------------------------------------------------------- submission
 
 
-def _submit_with_submitit(plan: LaunchPlan) -> str:
+def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
     """sbatch the plan through submitit's SlurmExecutor; returns the job id.
 
-    The callable is ``lmtrain.task.TrainTask(run_dir)``, pickled by reference: the login node
+    The callable (``fn``, tests pass a trivial one) defaults to
+    ``lmtrain.task.TrainTask(run_dir)``, pickled by reference: the login node
     never imports torch, the task imports it when called on the allocation. The command srun
     starts is :func:`submit_command` and the script is exactly :func:`render_script`.
     """
@@ -112,7 +113,7 @@ def _submit_with_submitit(plan: LaunchPlan) -> str:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            job = executor.submit(TrainTask(plan.paths.run_dir))
+            job = executor.submit(fn if fn is not None else TrainTask(plan.paths.run_dir))
     except FailedJobError as exc:
         msg = (str(exc) or captured.getvalue()).strip()
         if any(m in msg for m in slurm._DOWN_MARKERS):

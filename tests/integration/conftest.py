@@ -1,0 +1,97 @@
+"""Integration tests against the real local SLURM cluster (`lmlaunch cluster up`).
+
+The session fixture starts the cluster (fast when it already runs). Tests are skipped only
+when SLURM cannot be installed on this machine (not root and the packages are missing).
+Other people submit to the same cluster at the same time: every test uses a unique run name
+and waits for its own job ids only.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launcher import slurm
+from launcher.cli import main
+from launcher.context import Context
+from launcher.errors import UserError
+
+from slurm_helpers import REPO  # noqa: F401  (tests/integration is on sys.path)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.slurm)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The local cluster, started once per session."""
+    from launcher.localcluster import cluster
+
+    if cluster.missing_packages() and os.geteuid() != 0:
+        pytest.skip(
+            "SLURM cannot be installed here: missing Debian packages "
+            f"{' '.join(cluster.missing_packages())} and not root (apt-get install -y {' '.join(cluster.APT_PACKAGES)})"
+        )
+    lines: list[str] = []
+    try:
+        cluster.up(lines.append)
+    except UserError as exc:
+        pytest.fail(f"`lmlaunch cluster up` failed: {exc.message}\n" + "\n".join(lines))
+    return cluster.Layout.default()
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def lm_env(tmp_path, monkeypatch) -> dict[str, str]:
+    """A private LMLAUNCH_HOME (registry) and runs root for one test."""
+    home = tmp_path / "home"
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("LMLAUNCH_HOME", str(home))
+    monkeypatch.setenv("LMLAUNCH_RUNS_ROOT", str(runs))
+    return dict(os.environ)
+
+
+@pytest.fixture
+def cli(lm_env):
+    """Run `lmlaunch ARGS...` in-process with captured output and the test's environment."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> CliResult:
+        out, err = io.StringIO(), io.StringIO()
+        ctx = Context(stdout=out, stderr=err, environ=dict(env or lm_env))
+        code = main([str(a) for a in args], ctx)
+        return CliResult(code, out.getvalue(), err.getvalue())
+
+    return run
+
+
+@pytest.fixture
+def run_name(request) -> str:
+    """Unique per test: concurrent sessions share the cluster."""
+    stem = request.node.name.removeprefix("test_").replace("_", "-")[:24]
+    return f"it-{stem}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def own_jobs():
+    """Job ids a test started; any still queued or running at the end are cancelled."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        try:
+            slurm.cancel(ids)
+        except UserError:
+            pass
