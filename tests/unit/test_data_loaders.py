@@ -122,3 +122,13 @@ def test_loader_resume_matches_uninterrupted_order_despite_prefetch(numbered, wo
     tail, end_state = _train_ids(numbered, rank, 15, workers, state=state)
     assert head + tail == straight
     assert (end_state["epoch"], end_state["index"]) == (1, 9 * 3)
+
+
+def test_datasets_pickle_to_workers_without_their_tokens(numbered):
+    import pickle
+
+    train, _ = TokenData(numbered).split(SEQ, 0.1)
+    train[0]  # opens the memmap in this process
+    blob = pickle.dumps(train)
+    assert len(blob) < 2000  # path and metadata only; each worker maps the file itself
+    assert torch.equal(pickle.loads(blob)[5]["input_ids"], train[5]["input_ids"])

@@ -311,3 +311,20 @@ def test_data_command_never_imports_torch_for_byte_prepare(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_vocabularies_beyond_uint16_are_stored_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lmtrain.data import TokenData
+
+    vocab = {"[UNK]": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 70_000)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="</s>").save_pretrained(str(tmp_path / "tok"))
+    src = write_jsonl(tmp_path / "a.jsonl", ["w2 w65535 w65536 w69999"])
+    res = prepare([src], tmp_path / "out", tokenizer=tmp_path / "tok")
+    assert res.meta.dtype == "uint32" and res.meta.vocab_size == 70_000
+    train, _ = TokenData(tmp_path / "out").split(5, 0.0)
+    assert train[0]["input_ids"].tolist() == [2, 65535, 65536, 69999, 1]
