@@ -64,7 +64,9 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
     if args.shipped_corpus and args.inputs:
         raise UserError("give INPUT files or --shipped-corpus, not both")
     if not args.shipped_corpus and not args.inputs:
-        raise UserError("nothing to tokenize: give INPUT files/directories (.txt, .jsonl) or --shipped-corpus")
+        raise UserError(
+            "nothing to tokenize: give INPUT files/directories (.txt, .jsonl) or --shipped-corpus"
+        )
     inputs = shipped_corpus_files() if args.shipped_corpus else args.inputs
     result = prepare(inputs, args.out, tokenizer=args.tokenizer, if_missing=args.if_missing)
     m = result.meta

@@ -81,7 +81,9 @@ class TokenWindows(Dataset):
     process, so pickling the dataset to DataLoader workers never copies the tokens.
     """
 
-    def __init__(self, tokens_path: str | Path, meta: TokenMeta, seq_len: int, start: int, count: int) -> None:
+    def __init__(
+        self, tokens_path: str | Path, meta: TokenMeta, seq_len: int, start: int, count: int
+    ) -> None:
         self.tokens_path = str(tokens_path)
         self.meta = meta
         self.seq_len = seq_len
@@ -95,7 +97,9 @@ class TokenWindows(Dataset):
     @property
     def tokens(self) -> np.memmap:
         if self._tokens is None:
-            self._tokens = np.memmap(self.tokens_path, dtype=self.meta.np_dtype, mode="r", shape=(self.meta.num_tokens,))
+            self._tokens = np.memmap(
+                self.tokens_path, dtype=self.meta.np_dtype, mode="r", shape=(self.meta.num_tokens,)
+            )
         return self._tokens
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
@@ -311,7 +315,9 @@ class ResumableDistributedSampler(Sampler[int]):
         would not be the same order)."""
         missing = [k for k in ("epoch", "seed", "world_size") if k not in state]
         if missing:
-            raise DataError(f"sampler state lacks {missing}; it was not written by ResumableDistributedSampler")
+            raise DataError(
+                f"sampler state lacks {missing}; it was not written by ResumableDistributedSampler"
+            )
         if int(state["seed"]) != self.seed:
             raise DataError(
                 f"the checkpoint's data order was seeded with {state['seed']}, this run with "

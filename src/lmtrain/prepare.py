@@ -114,7 +114,9 @@ def read_meta(path: str | Path, *, verify_checksum: bool = False) -> TokenMeta:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise DataError(f"{meta_path}: 'format' must be '{FORMAT}' (this is not lmtrain token data){hint}")
     if raw.get("version") != VERSION:
-        raise DataError(f"{meta_path}: 'version' is {raw.get('version')!r}, this lmtrain reads version {VERSION}{hint}")
+        raise DataError(
+            f"{meta_path}: 'version' is {raw.get('version')!r}, this lmtrain reads version {VERSION}{hint}"
+        )
 
     def need_int(key: str, minimum: int) -> int:
         v = raw.get(key)
@@ -185,7 +187,9 @@ def collect_inputs(inputs: Sequence[str | Path]) -> list[Path]:
             files.extend(found)
         elif p.is_file():
             if p.suffix not in INPUT_SUFFIXES:
-                raise DataError(f"{p}: unsupported input type '{p.suffix}'; allowed: {', '.join(INPUT_SUFFIXES)}")
+                raise DataError(
+                    f"{p}: unsupported input type '{p.suffix}'; allowed: {', '.join(INPUT_SUFFIXES)}"
+                )
             files.append(p)
         else:
             raise DataError(f"{p}: no such file or directory")
@@ -212,16 +216,22 @@ def iter_documents(path: Path) -> Iterator[str]:
                 try:
                     line = bline.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not UTF-8 text (invalid byte at column {exc.start + 1})") from exc
+                    raise DataError(
+                        f"{path}:{lineno}: not UTF-8 text (invalid byte at column {exc.start + 1})"
+                    ) from exc
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not a JSON object ({exc.msg} at column {exc.colno})") from exc
+                    raise DataError(
+                        f"{path}:{lineno}: not a JSON object ({exc.msg} at column {exc.colno})"
+                    ) from exc
                 if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                     found = f"keys {sorted(obj)}" if isinstance(obj, dict) else f"a JSON {type(obj).__name__}"
-                    raise DataError(f'{path}:{lineno}: each line must be a JSON object with a string "text" (found {found})')
+                    raise DataError(
+                        f'{path}:{lineno}: each line must be a JSON object with a string "text" (found {found})'
+                    )
                 if obj["text"]:
                     yield obj["text"]
     except OSError as exc:
@@ -325,7 +335,7 @@ def prepare(
         if n_docs == 0:
             raise DataError(
                 f"empty corpus: {', '.join(str(p) for p in files)} hold no text "
-                "(.txt files are empty, or .jsonl lines have empty \"text\")"
+                '(.txt files are empty, or .jsonl lines have empty "text")'
             )
         meta = TokenMeta(
             dtype=dtype,

@@ -60,7 +60,9 @@ def test_split_needs_at_least_one_training_window(numbered):
 
 def test_check_vocab_names_the_model_key(numbered):
     TokenData(numbered).check_vocab(260)
-    with pytest.raises(DataError, match=r"model vocab_size\(128\) < data vocab_size\(260\).*model\.config\.vocab_size >= 260"):
+    with pytest.raises(
+        DataError, match=r"model vocab_size\(128\) < data vocab_size\(260\).*model\.config\.vocab_size >= 260"
+    ):
         TokenData(numbered).check_vocab(128)
 
 
@@ -100,7 +102,13 @@ def test_train_ranks_see_disjoint_samples_through_the_loader(numbered):
 
 
 def _train_ids(path: Path, rank: int, steps: int, workers: int, state=None):
-    train, _, sampler = make_dataloaders(spec(path, num_workers=workers), world_size=2, rank=rank, seed=5, prefetch_factor=4 if workers else None)
+    train, _, sampler = make_dataloaders(
+        spec(path, num_workers=workers),
+        world_size=2,
+        rank=rank,
+        seed=5,
+        prefetch_factor=4 if workers else None,
+    )
     if state is not None:
         sampler.load_state_dict(state)
     it = iter(train)

@@ -206,9 +206,23 @@ def _edit_meta(d: Path, **changes) -> None:
         (lambda d: _edit_meta(d, eos_id=400), r"'eos_id' \(400\) must be < 'vocab_size' \(260\)"),
         (lambda d: _edit_meta(d, vocab_size=70000), r"'vocab_size' \(70000\) does not fit 'dtype' uint16"),
         (lambda d: (d / "tokens.bin").unlink(), r"tokens\.bin: missing"),
-        (lambda d: (d / "tokens.bin").write_bytes(b"\x01\x00" * 3), r"6 bytes, but meta\.json says num_tokens\(20\) x uint16\(2 bytes\) = 40 bytes"),
+        (
+            lambda d: (d / "tokens.bin").write_bytes(b"\x01\x00" * 3),
+            r"6 bytes, but meta\.json says num_tokens\(20\) x uint16\(2 bytes\) = 40 bytes",
+        ),
     ],
-    ids=["no-meta", "bad-json", "format", "version", "dtype", "num-tokens-type", "eos", "vocab-dtype", "no-tokens", "truncated"],
+    ids=[
+        "no-meta",
+        "bad-json",
+        "format",
+        "version",
+        "dtype",
+        "num-tokens-type",
+        "eos",
+        "vocab-dtype",
+        "no-tokens",
+        "truncated",
+    ],
 )
 def test_read_meta_rejects_corrupt_prepared_data(prepared, corrupt, message):
     corrupt(prepared)
@@ -260,9 +274,13 @@ def test_prepare_with_a_local_tokenizer_directory(tmp_path):
 def test_bad_tokenizer_directories_are_clear_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     src = write_jsonl(tmp_path / "a.jsonl", ["the cat"])
-    code, _, err = cli("data", "prepare", str(src), "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "empty"))
+    code, _, err = cli(
+        "data", "prepare", str(src), "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "empty")
+    )
     assert code == 2 and "cannot load a tokenizer from this directory" in err
-    code, _, err = cli("data", "prepare", str(src), "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "none"))
+    code, _, err = cli(
+        "data", "prepare", str(src), "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "none")
+    )
     assert code == 2 and "not a directory" in err
     no_eos = _save_word_tokenizer(tmp_path / "noeos", eos=False)
     code, _, err = cli("data", "prepare", str(src), "--out", str(tmp_path / "o"), "--tokenizer", str(no_eos))
@@ -322,7 +340,9 @@ def test_vocabularies_beyond_uint16_are_stored_as_uint32(tmp_path):
     vocab = {"[UNK]": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 70_000)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="</s>").save_pretrained(str(tmp_path / "tok"))
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="</s>").save_pretrained(
+        str(tmp_path / "tok")
+    )
     src = write_jsonl(tmp_path / "a.jsonl", ["w2 w65535 w65536 w69999"])
     res = prepare([src], tmp_path / "out", tokenizer=tmp_path / "tok")
     assert res.meta.dtype == "uint32" and res.meta.vocab_size == 70_000

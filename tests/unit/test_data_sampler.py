@@ -11,7 +11,9 @@ from lmtrain.data import DataError, ResumableDistributedSampler
 
 
 def make(n=24, w=1, r=0, seed=3, b=2, drop_last=True) -> ResumableDistributedSampler:
-    return ResumableDistributedSampler(n, world_size=w, rank=r, seed=seed, batch_size_per_rank=b, drop_last=drop_last)
+    return ResumableDistributedSampler(
+        n, world_size=w, rank=r, seed=seed, batch_size_per_rank=b, drop_last=drop_last
+    )
 
 
 def take(sampler: ResumableDistributedSampler, batches: int, *, advance: bool = True) -> list[list[int]]:
@@ -36,7 +38,7 @@ def test_rank_shards_are_disjoint_and_their_union_is_the_epoch(n, w, b):
     assert len(set(union)) == len(union) == usable
     assert set(union) == set(samplers[0].permutation(0)[:usable].tolist())
     # The infinite iterator starts with exactly that epoch, then goes on with the next one.
-    for s, shard in zip(samplers, shards):
+    for s, shard in zip(samplers, shards, strict=True):
         assert list(itertools.islice(iter(s), len(shard))) == shard
 
 
@@ -148,5 +150,7 @@ def test_advance_only_takes_whole_micro_batches():
 def test_sampler_arguments_are_checked():
     with pytest.raises(ValueError, match=r"rank\(2\) must be in \[0, world_size\(2\)\)"):
         make(24, w=2, r=2)
-    with pytest.raises(DataError, match=r"fewer than one global step of world_size\(4\) x micro_batch_size\(8\) = 32"):
+    with pytest.raises(
+        DataError, match=r"fewer than one global step of world_size\(4\) x micro_batch_size\(8\) = 32"
+    ):
         make(24, w=4, b=8)
