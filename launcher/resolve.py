@@ -28,15 +28,19 @@ class Resolved:
 def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) -> str:
     """The absolute runs root: LMLAUNCH_RUNS_ROOT, else the profile's runs_root.
 
-    ``~`` and ``$VARS`` are expanded from ``environ``; an unset variable, a relative result
+    ``~`` (and in a profile's runs_root ``$VARS``) is expanded from ``environ``; an unset variable, a relative result
     or a character SLURM cannot take in an --output path is a clear error.
     """
     env = os.environ if environ is None else environ
     if env.get("LMLAUNCH_RUNS_ROOT"):
-        raw, what = env["LMLAUNCH_RUNS_ROOT"], "LMLAUNCH_RUNS_ROOT"
+        # The shell expanded $VARS in the variable already; a '$' left in it is literal.
+        what = "LMLAUNCH_RUNS_ROOT"
+        root = env["LMLAUNCH_RUNS_ROOT"]
+        if root == "~" or root.startswith("~/"):
+            root = expand_path(root.replace("$", "\0"), env, what).replace("\0", "$")
     else:
-        raw, what = profile.runs_root, f"profile '{profile.name}' runs_root"
-    root = expand_path(raw, env, what)
+        what = f"profile '{profile.name}' runs_root"
+        root = expand_path(profile.runs_root, env, what)
     if not root.startswith("/"):
         cwd = env.get("PWD") if environ is not None and env.get("PWD") else os.getcwd()
         root = str(PurePosixPath(cwd) / root)

@@ -442,7 +442,7 @@ class JobSpec(_Strict):
     def _name(cls, v: str) -> str:
         if not NAME_RE.match(v):
             raise ValueError(
-                f"'{v}' is not a valid run name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+                f"{v!r} is not a valid run name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
         return v
 
@@ -450,7 +450,7 @@ class JobSpec(_Strict):
     @classmethod
     def _cluster(cls, v: str) -> str:
         if not NAME_RE.match(v):
-            raise ValueError(f"'{v}' is not a valid profile name")
+            raise ValueError(f"{v!r} is not a valid profile name (letters, digits, . _ -)")
         return v
 
     @model_validator(mode="after")

@@ -85,7 +85,7 @@ CASES: list[Case] = [
     Case("time_not_slurm", edit('  time: "00:20:00"', "  time: 1 hour"), "{spec}: resources.time (line 6): '1 hour' is not a SLURM time; use MM, HH:MM:SS, D-HH or D-HH:MM:SS"),
     Case("partition_with_space", edit("  nodes: 2", '  nodes: 2\n  partition: "low high"'), "{spec}: resources.partition (line 5): 'low high' has characters SLURM does not accept here (allowed: letters, digits, _ . , & | : * [ ] -)"),
     Case("name_with_space", edit("name: t", "name: my job"), "{spec}: name (line 1): 'my job' is not a valid run name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"),
-    Case("name_with_shell", edit("name: t", "name: \"a'; echo foo\""), "{spec}: name (line 1): 'a'; echo foo' is not a valid run name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"),
+    Case("name_with_shell", edit("name: t", "name: \"a'; echo foo\""), '{spec}: name (line 1): "a\'; echo foo" is not a valid run name: 1-64 letters, digits, \'.\', \'_\' or \'-\', starting with a letter or digit'),
     Case("missing_required_key", edit("  seq_len: 128\n", ""), '{spec}: data.seq_len (line 9): required key is missing'),
     Case("missing_section", edit("trainer:\n  global_batch_size: 16\n  max_steps: 10\n  precision: 32-true\n", ""), '{spec}: trainer: required key is missing'),
     Case("wandb_without_project", add("logging:\n  wandb: {mode: offline}\n"), '{spec}: logging.wandb.project (line 18): required key is missing'),
