@@ -1,0 +1,106 @@
+"""The local SLURM cluster itself: idempotent `up`, status, partitions set up for real
+preemption, accounting, and a preempted job requeued with its restart count."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher import slurm
+from launcher.localcluster.config import Layout, render_slurm_conf
+from slurm_helpers import wait_accounted, wait_terminal
+
+LMLAUNCH = str(Path(sys.executable).parent / "lmlaunch")
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([LMLAUNCH, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cluster_up_on_a_running_cluster_reports_it_quickly(slurm_cluster):
+    start = time.monotonic()
+    proc = _cli("cluster", "up")
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "already running" in proc.stdout
+    assert elapsed < 10, f"`cluster up` on a running cluster took {elapsed:.1f} s"
+
+
+def test_cluster_status_shows_daemons_nodes_and_partitions(slurm_cluster):
+    proc = _cli("cluster", "status")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for daemon in ("slurmctld", "slurmd n1", "slurmd n2", "slurmdbd", "mariadb"):
+        line = next(l for l in out.splitlines() if l.strip().startswith(daemon))
+        assert "pid " in line, line
+    nodes = {n.name: n for n in slurm.nodes()}
+    assert set(nodes) >= {"n1", "n2"}
+    assert all(set(nodes[n].partitions) == {"low", "high"} for n in ("n1", "n2"))
+    assert "low*" in out and "high" in out and "n[1-2]" in out
+
+
+def test_partitions_are_set_up_for_requeue_preemption(slurm_cluster):
+    cfg = slurm.config()
+    assert cfg["PreemptType"] == "preempt/partition_prio"
+    assert cfg["PreemptMode"] == "REQUEUE"
+    assert cfg["AccountingStorageType"] == "accounting_storage/slurmdbd"
+    assert cfg["ProctrackType"] == "proctrack/linuxproc"
+    low, high = slurm.partition_config("low"), slurm.partition_config("high")
+    assert low["Default"] == "YES" and high["Default"] == "NO"
+    assert int(high["PriorityTier"]) > int(low["PriorityTier"])
+    assert low["PreemptMode"] == "REQUEUE" and low["GraceTime"] == "30"
+    # the live setting matches what `up` recorded (default: off, as the local profile says)
+    sends = "preempt_send_user_signal" in cfg.get("SlurmctldParameters", "")
+    assert sends is False or "preempt_send_user_signal" in Path(slurm_cluster.slurm_conf).read_text()
+
+
+def test_preempt_user_signal_option_renders_slurmctld_parameter():
+    layout = Layout(Path("/tmp/x"))
+    on = render_slurm_conf(layout, user="root", preempt_send_user_signal=True)
+    off = render_slurm_conf(layout, user="root", preempt_send_user_signal=False)
+    assert "SlurmctldParameters=preempt_send_user_signal" in on.splitlines()
+    assert "preempt_send_user_signal" not in off
+
+
+def _sbatch(*args: str) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=30,
+                          env=slurm.slurm_env())
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def test_exclusive_high_job_preempts_low_job_which_restarts_with_restart_count(slurm_cluster, tmp_path, own_jobs, run_name):
+    marks = tmp_path / "attempts.txt"
+    script = tmp_path / "low.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        f'echo "attempt restart_count=${{SLURM_RESTART_COUNT:-0}} node=$SLURMD_NODENAME" >> {marks}\n'
+        'if [ -n "$SLURM_RESTART_COUNT" ]; then exit 0; fi\n'
+        "sleep 300\n"
+    )
+    # the low job holds n2 alone, so the high job preempts nobody else's work
+    low = _sbatch("-J", run_name, "-p", "low", "-w", "n2", "-N", "1", "-n", "1", "--exclusive", "--requeue",
+                  "-o", str(tmp_path / "low-%j.out"), str(script))
+    own_jobs.append(low)
+    slurm.wait_for(low, {"running"}, timeout=120, poll=0.5)
+    high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", "n2", "-N", "1", "-n", "1", "--exclusive",
+                   "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 2")
+    own_jobs.append(high)
+
+    deadline = time.monotonic() + 90
+    while slurm.restart_count(low) < 1:
+        assert time.monotonic() < deadline, f"low job {low} was not requeued: {slurm.show_job(low)}"
+        time.sleep(0.5)
+    assert wait_terminal(high, timeout=120) == "COMPLETED"
+    # requeued jobs keep their id and wait ~2 min (BeginTime); start_now skips that
+    assert wait_terminal(low, timeout=120) == "COMPLETED"
+    lines = marks.read_text().splitlines()
+    assert lines == ["attempt restart_count=0 node=n2", "attempt restart_count=1 node=n2"]
+
+    wait_accounted(low)
+    attempts = slurm.sacct([low], duplicates=True)
+    states = [a.state.split()[0] for a in attempts]
+    assert len(attempts) == 2 and states[-1] == "COMPLETED", attempts
+    assert states[0] in {"PREEMPTED", "REQUEUED"}, attempts

@@ -1,0 +1,48 @@
+"""What each task of a submitted plan sees, with a trivial callable in place of training:
+two tasks on n1 and n2 launched by srun, the planned variables exported, accounting states."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from submitit.helpers import CommandFunction
+
+from launcher import runs
+from launcher.resolve import resolve
+from launcher.submit import _submit_with_submitit
+from slurm_helpers import REPO, wait_accounted, wait_terminal
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        if "=" in line:
+            k, v = line.split("=", 1)
+            out[k] = v
+    return out
+
+
+def test_two_tasks_run_on_n1_and_n2_with_the_planned_environment(slurm_cluster, lm_env, run_name, own_jobs):
+    plan = resolve(str(REPO / "jobs" / "tiny-cpu.yaml"), [f"name={run_name}"], environ=lm_env, python=sys.executable).plan
+    run_dir = Path(plan.paths.run_dir)
+    runs.prepare_run_dir(run_dir)
+    runs.write_launch_files(plan)
+    dump = CommandFunction(["bash", "-c", 'env > "$LMLAUNCH_RUN_DIR/env-$SLURM_PROCID.txt"; echo "$SLURMD_NODENAME"'])
+    job_id = _submit_with_submitit(plan, dump)
+    own_jobs.append(job_id)
+
+    assert wait_terminal(job_id, timeout=180) == "COMPLETED"
+    assert wait_accounted(job_id).state == "COMPLETED"
+    envs = [_env_file(run_dir / f"env-{rank}.txt") for rank in (0, 1)]
+    assert [e["SLURMD_NODENAME"] for e in envs] == ["n1", "n2"]
+    for rank, e in enumerate(envs):
+        assert e["SLURM_PROCID"] == str(rank) and e["SLURM_NODEID"] == str(rank)
+        assert e["SLURM_NTASKS"] == "2" and e["SLURM_NNODES"] == "2"
+        assert e["SLURM_JOB_NAME"] == run_name and e["SLURM_JOB_ID"] == job_id
+        assert e["SLURM_JOB_NODELIST"] == "n[1-2]"
+        for name, value in plan.env.items():
+            assert e.get(name) == value, f"rank {rank}: {name}={e.get(name)!r}, planned {value!r}"
+    # submitit's per-task outputs sit in the private submitit folder
+    for rank in (0, 1):
+        assert (run_dir / "submitit" / f"{job_id}_{rank}_result.pkl").exists()
