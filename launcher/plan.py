@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -121,15 +120,6 @@ class LaunchPlan:
                 "notes": tuple(d.get("notes", ())),
             }
         )
-
-
-# Asks the kernel for a free port on the batch host (the first node of the allocation, where
-# rank 0's TCP store listens). Run at every start of the batch script, so requeued attempts
-# and other jobs on the same node never share a port (Lightning's default, 15000 + the last
-# four digits of the job id, collides for job ids 10000 apart).
-_FREE_PORT_CODE = (
-    'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
-)
 
 
 def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
@@ -351,10 +341,10 @@ def make_plan(
         spec=spec.model_dump(mode="json"),
         notes=notes,
         rendezvous={
-            "master_addr": "first node of the allocation (Lightning reads SLURM_NODELIST)",
-            "master_port": "free port the kernel gives the batch host at every start",
-            "master_port_command": " ".join(
-                shlex.quote(x) for x in [*shlex.split(python), "-c", _FREE_PORT_CODE]
+            "master_addr": "global rank 0's node (lmtrain.env.rendezvous)",
+            "master_port": (
+                "a free port rank 0 binds on its node at every attempt, published in "
+                "<run_dir>/rendezvous/ (Lightning's job-id port collides between jobs)"
             ),
         },
     )

@@ -78,8 +78,8 @@ class _Strict(BaseModel):
 
 # Variables the launcher or the runtime owns: a job setting them would break the launch.
 RESERVED_ENV = {
-    "MASTER_ADDR": "the rendezvous address is derived from the allocation by Lightning",
-    "MASTER_PORT": "lmlaunch picks a free port on the first node at every start",
+    "MASTER_ADDR": "lmtrain's rank 0 publishes its own address at every attempt",
+    "MASTER_PORT": "lmtrain's rank 0 picks a free port on its node at every attempt",
     "WORLD_SIZE": "derived from the topology",
     "RANK": "set per task by SLURM/Lightning",
     "LOCAL_RANK": "set per task by SLURM/Lightning",

@@ -13,8 +13,10 @@ from launcher.plan import LaunchPlan
 
 
 def setup_lines(plan: LaunchPlan) -> list[str]:
-    """Profile setup, every planned variable exported with its value shell-quoted, then a
-    MASTER_PORT chosen on this (the batch) host at every start of the script."""
+    """Profile setup, then every planned variable exported with its value shell-quoted.
+
+    MASTER_PORT is not set here: lmtrain's rank 0 picks a free port on its own node at every
+    attempt (see ``plan.rendezvous``)."""
     lines = [
         f"# lmlaunch: run {plan.run_name}, profile {plan.profile}; "
         f"rerun this plan with: lmlaunch submit {plan.paths.spec_yaml} --dry-run"
@@ -22,9 +24,6 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     lines += list(plan.setup)
     for name in sorted(plan.env):
         lines.append(f"export {name}={shlex.quote(plan.env[name])}")
-    port_cmd = plan.rendezvous.get("master_port_command")
-    if port_cmd:
-        lines.append(f'export MASTER_PORT="$({port_cmd})"')
     return lines
 
 

@@ -152,7 +152,6 @@ def test_hostile_env_value_reaches_tasks_unchanged_and_runs_nothing(value, tmp_p
     assert env["HOSTILE"] == value
     for name, planned in plan.env.items():
         assert env[name] == planned
-    assert 1024 <= int(env["MASTER_PORT"]) <= 65535
     assert list(sandbox.iterdir()) == []  # no canary
 
 
