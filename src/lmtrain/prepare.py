@@ -16,11 +16,12 @@ Format of a prepared directory::
 Inputs: ``.txt`` files (one document per file) and ``.jsonl`` files (one document per line,
 a JSON object with a string ``"text"``); directories are searched for both, in sorted order.
 The same inputs and tokenizer always give the same bytes. The directory is written under a
-temporary name and renamed into place, so a reader never sees half of it.
+temporary name and renamed into place, so a reader never sees a half-written or mixed directory.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -352,34 +353,47 @@ def prepare(
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o755)
-        _replace_dir(tmp, out, keep_existing=if_missing)
+        installed = _replace_dir(tmp, out, keep_existing=if_missing)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return PrepareResult(out=out, meta=read_meta(out), skipped=False)
+    return PrepareResult(out=out, meta=read_meta(out), skipped=not installed)
 
 
-def _replace_dir(tmp: Path, out: Path, *, keep_existing: bool) -> None:
-    """Move the finished ``tmp`` directory to ``out``; readers see the old or the new, never half."""
+def _replace_dir(tmp: Path, out: Path, *, keep_existing: bool) -> bool:
+    """Move the finished ``tmp`` directory to ``out``; False when valid data that appeared in
+    the meantime was kept instead (``keep_existing``).
+
+    A reader sees the old data, the new data, or (for the instant between two renames when
+    replacing) no directory, which read_meta reports; never a mix of the two.
+    """
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out}: exists and is not a directory")
-    if not out.exists():
-        try:
-            os.rename(tmp, out)
-            _fsync_dir(out.parent)
-            return
-        except OSError:
-            if not out.exists():
-                raise
-            # Someone else (a concurrent `prepare --if-missing`) finished first.
-            if keep_existing:
-                shutil.rmtree(tmp, ignore_errors=True)
-                return
+    try:
+        os.rename(tmp, out)  # succeeds when out is absent (or an empty directory)
+        _fsync_dir(out.parent)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if keep_existing and _is_valid(out):
+        # A concurrent `prepare --if-missing` finished first: keep its data.
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
     os.rename(out, old / "data")
     os.rename(tmp, out)
     _fsync_dir(out.parent)
     shutil.rmtree(old, ignore_errors=True)
+    return True
+
+
+def _is_valid(out: Path) -> bool:
+    try:
+        read_meta(out)
+    except DataError:
+        return False
+    return True
 
 
 def _fsync_dir(path: Path) -> None:

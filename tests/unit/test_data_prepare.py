@@ -348,3 +348,26 @@ def test_vocabularies_beyond_uint16_are_stored_as_uint32(tmp_path):
     assert res.meta.dtype == "uint32" and res.meta.vocab_size == 70_000
     train, _ = TokenData(tmp_path / "out").split(5, 0.0)
     assert train[0]["input_ids"].tolist() == [2, 65535, 65536, 69999, 1]
+
+
+def test_if_missing_keeps_data_a_concurrent_prepare_finished_first(tmp_path, monkeypatch):
+    import lmtrain.prepare as prep
+
+    out = tmp_path / "out"
+    theirs = write_jsonl(tmp_path / "theirs.jsonl", ["first finisher"])
+    real_collect = prep.collect_inputs
+
+    def collect_while_another_process_finishes(inputs):
+        monkeypatch.setattr(prep, "collect_inputs", real_collect)
+        prep.prepare([theirs], out)  # the other process lands while this call is tokenizing
+        return real_collect(inputs)
+
+    monkeypatch.setattr(prep, "collect_inputs", collect_while_another_process_finishes)
+    res = prep.prepare([write_jsonl(tmp_path / "mine.jsonl", ["second"])], out, if_missing=True)
+    assert res.skipped
+    assert [s["path"] for s in read_meta(out).sources] == [str(theirs)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.jsonl", "out", "theirs.jsonl"]
+    replaced = prep.prepare([tmp_path / "mine.jsonl"], out)  # without --if-missing: replaced
+    assert not replaced.skipped and [s["path"] for s in replaced.meta.sources] == [
+        str(tmp_path / "mine.jsonl")
+    ]
