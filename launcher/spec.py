@@ -113,7 +113,7 @@ class Resources(_Strict):
     """CPU cores per task; defaults to the profile's cpus_per_gpu (or 1 on CPU)."""
     mem: str | None = None
     """Memory per node as SLURM writes it (e.g. 64G, 500M); defaults to the profile's mem_per_gpu x GPUs."""
-    time: str = "01:00:00"
+    time: str | int = "01:00:00"
     """Wall-clock limit (HH:MM:SS, D-HH:MM:SS or minutes); at most the partition's max_time."""
     partition: str | None = None
     """Partition by name; defaults to the partition of partition_kind in the profile."""
