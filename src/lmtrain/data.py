@@ -20,9 +20,15 @@ How the runtime uses this module (the contract with module.py / entry.py)::
     #    runs before fit starts iterating, so it is the place):
     #        sampler.load_state_dict(checkpoint["data_sampler"])
     #    A different world_size or micro batch size re-shards from the saved global position.
+    #    sampler.resharded_from is then (old world_size, old micro batch), else None: log it.
     # 4. Lightning: Trainer(use_distributed_sampler=False) (the plan sets it) so it does not
     #    replace the sampler. The train loader is infinite (no __len__): bound training by
     #    max_steps and use an integer val_check_interval.
+    # 5. The model must hold every id: TokenData(spec.data.path).check_vocab(config.vocab_size)
+    #    (the loaders' datasets carry the same metadata: train_loader.dataset.meta).
+
+tests/unit/test_data_resume_lightning.py runs exactly this under a Lightning Trainer with
+prefetching workers and checks the resumed run trains on the uninterrupted run's samples.
 
 The sampler is infinite over epochs: epoch ``e`` is a permutation of all windows from
 ``seed + e``. In each step every rank takes its own consecutive slice of ``batch_size_per_rank``
