@@ -1,0 +1,132 @@
+"""lmlaunch run job.yaml --local [--devices N] [--max-steps K] [overrides...] [--new|--resume]
+
+Runs the job on this machine's CPU with N processes on gloo, through the same entry a SLURM
+task runs (lmtrain.entry), in a run directory laid out like a submitted run's
+(``<runs root>/<name>-local``). The plan is made for 1 node x N tasks on the ``local``
+profile; DeepSpeed falls back to DDP (a notice says so). Exits with the training's exit code.
+
+No torch import at module import time: the heavy work happens in the child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from launcher.context import Context
+from launcher.errors import UserError
+
+LOCAL_PROFILE = "local"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=20")
+    p.add_argument("--local", action="store_true", help="run here on CPU (the only mode of `run`)")
+    p.add_argument("--devices", type=int, default=None, help="local processes (ranks); default: the spec's world size")
+    p.add_argument("--max-steps", type=int, default=None, help="train only K optimizer steps")
+    p.add_argument("--name", help="run name (default: <spec name>-local)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--new", action="store_true", help="start over if the run exists (the old run dir is archived)")
+    g.add_argument("--resume", action="store_true", help="continue the existing local run from its newest checkpoint")
+
+
+def local_overrides(spec, profile, *, devices: int, max_steps: int | None, name: str) -> tuple[list[str], list[str]]:
+    """Dotted overrides that turn ``spec`` into a 1-node x ``devices`` CPU job on the local
+    profile, and the notices to print about what changed."""
+    notices = []
+    part = profile.partitions[profile.default_partition]
+    cpus = max(1, (os.cpu_count() or 1) // devices)
+    out = [
+        f"name={name}",
+        f"cluster={profile.name}",
+        "resources.nodes=1",
+        "resources.gpus_per_node=0",
+        f"resources.tasks_per_node={devices}",
+        f"resources.cpus_per_task={cpus}",
+        f"resources.time={part.max_time}",
+        *(f"resources.{k}=null" for k in ("partition", "account", "qos", "constraint", "mem", "exclusive")),
+    ]
+    if spec.resources.gpus_per_node:
+        notices.append(
+            f"local run: {spec.resources.nodes} node(s) x {spec.resources.gpus_per_node} GPU(s) become "
+            f"1 node x {devices} CPU process(es) on gloo"
+        )
+    if max_steps is not None:
+        out.append(f"trainer.max_steps={max_steps}")
+        if spec.optim.warmup_steps > max_steps:
+            out.append(f"optim.warmup_steps={max_steps}")
+            notices.append(f"optim.warmup_steps({spec.optim.warmup_steps}) capped at --max-steps({max_steps})")
+    return out, notices
+
+
+def prepare_local_run(
+    spec_path: str,
+    overrides: list[str],
+    *,
+    devices: int | None,
+    max_steps: int | None,
+    name: str | None,
+    environ: dict[str, str],
+    new: bool = False,
+    resume: bool = False,
+    say=print,
+):
+    """Plan a local run and write its run directory (spec.yaml, plan.json); return the plan."""
+    from launcher.jobfile import load_job
+    from launcher.plan import make_plan
+    from launcher.profiles import load_profile
+    from launcher.resolve import runs_root_for
+    from launcher.runs import archive_run_dir, prepare_run_dir, write_launch_files
+
+    user_spec = load_job(spec_path, overrides)
+    devices = devices if devices is not None else user_spec.world_size
+    if devices < 1:
+        raise UserError(f"--devices must be >= 1, got {devices}")
+    if max_steps is not None and max_steps < 1:
+        raise UserError(f"--max-steps must be >= 1, got {max_steps}")
+    profile = load_profile(LOCAL_PROFILE, environ)
+    name = name or f"{user_spec.name}-local"
+    extra, notices = local_overrides(user_spec, profile, devices=devices, max_steps=max_steps, name=name)
+    spec = load_job(spec_path, [*overrides, *extra])
+    plan = make_plan(spec, profile, runs_root=runs_root_for(profile, environ), python=sys.executable)
+
+    run_dir = Path(plan.paths.run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if new:
+            say(f"archived the previous run to {archive_run_dir(run_dir)}")
+        elif not resume:
+            raise UserError(
+                f"run directory {run_dir} exists: pass --resume to continue it from its newest "
+                f"checkpoint, or --new to archive it and start over"
+            )
+    prepare_run_dir(run_dir)
+    write_launch_files(plan)
+    t = plan.topology
+    say(
+        f"local run '{plan.run_name}': {t.world_size} process(es) on CPU, "
+        f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
+        f"= global_batch({t.global_batch_size}); run dir {run_dir}"
+    )
+    for note in (*notices, *plan.notes):
+        say(f"notice: {note}")
+    return plan
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    if not args.local:
+        raise UserError(
+            "`lmlaunch run` runs on this machine and needs --local; to run on SLURM use `lmlaunch submit`"
+        )
+    plan = prepare_local_run(
+        args.spec, args.overrides, devices=args.devices, max_steps=args.max_steps, name=args.name,
+        environ=ctx.environ, new=args.new, resume=args.resume, say=ctx.out,
+    )
+    from lmtrain.local import launch
+
+    code = launch(plan.paths.run_dir, plan.topology.world_size, plan_env=plan.env, out=ctx.stdout,
+                  threads_per_proc=plan.slurm.cpus_per_task)
+    ctx.out(f"local run '{plan.run_name}' exited with code {code}; run dir {plan.paths.run_dir}")
+    return code

@@ -1,0 +1,310 @@
+"""Lightning callbacks of the runtime: heartbeat, checkpoints, RNG-neutral validation, the
+stop-at-step-boundary slot (filled by preemption handling), and the run-directory loggers.
+
+Heartbeat and ledger formats: docs/run-directory.md. Lines are whole JSON objects written with
+one ``write`` and flushed, so a reader that skips an unparsable last line never sees half a line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+from lmtrain.checkpoint import CheckpointManager, capture_rng, restore_rng
+
+log = logging.getLogger(__name__)
+
+
+def append_jsonl(path: str | Path, obj: dict[str, Any]) -> None:
+    """Append one JSON line in a single write (O_APPEND), flushed."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(obj, sort_keys=False) + "\n").encode()
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class RunInfo:
+    """Who this attempt is (for heartbeat, ledger and checkpoint metadata)."""
+
+    run_dir: str
+    attempt: int
+    job_id: str
+    restart_count: int
+    world_size: int
+    rank: int
+    nodes: list[str]
+    max_steps: int
+
+    def base(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "job_id": self.job_id, "world_size": self.world_size}
+
+
+class Heartbeat:
+    """Rank 0's JSON-lines heartbeat (``metrics/heartbeat.jsonl``); no-op on other ranks."""
+
+    def __init__(self, path: str | Path, info: RunInfo) -> None:
+        self.path = Path(path)
+        self.info = info
+        self.enabled = info.rank == 0
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        append_jsonl(self.path, {"time": time.time(), "event": event, **fields, **self.info.base()})
+
+
+@dataclass
+class StopRequest:
+    """A request to stop at the next optimizer-step boundary, checkpoint, and exit.
+
+    A signal handler (lmtrain.preemption) only calls :meth:`request`: it sets fields, no I/O.
+    ``armed`` turns on the per-step cross-rank agreement in :class:`StopAtStepBoundary`
+    (one small all-reduce per ``check_every_n_steps``); without a handler it stays off and
+    costs nothing.
+    """
+
+    armed: bool = False
+    check_every_n_steps: int = 1
+    requested: bool = False
+    reason: str | None = None  # a ledger reason: preempted, timeout, cancelled, ...
+    detail: str | None = None
+    requested_at: float | None = None
+    agreed_step: int | None = None  # set when all ranks agreed and the checkpoint is on disk
+    checkpoint_path: str | None = None
+
+    def request(self, reason: str, detail: str | None = None) -> None:
+        if not self.requested:
+            self.reason, self.detail, self.requested_at = reason, detail, time.time()
+        self.requested = True
+
+
+class CheckpointCallback(pl.Callback):
+    """Periodic and final checkpoints (collective), and exact restoration of per-rank RNG state.
+
+    ``rank_state`` returns what each rank saves besides Lightning's checkpoint (data position);
+    RNG states are added here. On resume the saved RNG state is restored at the start of the
+    first training batch, after everything that may draw random numbers while the fit starts
+    (DataLoader iterator creation, validation) has run, so the random stream of the resumed
+    run continues exactly where the saved one stopped.
+    """
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        rank_state: Callable[[], dict[str, Any]],
+        heartbeat: Heartbeat,
+        *,
+        resume_rng: dict[str, Any] | None = None,
+        resumed_step: int | None = None,
+        save_at_end: bool = True,
+    ) -> None:
+        self.manager = manager
+        self.rank_state = rank_state
+        self.heartbeat = heartbeat
+        self._pending_rng = resume_rng
+        self.last_saved_step = resumed_step
+        self._seen_step: int | None = None
+        self.save_at_end = save_at_end
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._seen_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._pending_rng is not None:
+            restore_rng(self._pending_rng)
+            self._pending_rng = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:
+            return  # mid-accumulation: not a step boundary
+        self._seen_step = step
+        if step % self.manager.every_n_steps == 0 and step < trainer.max_steps:
+            self.save(trainer, step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.save_at_end:
+            self.save(trainer, trainer.global_step)
+
+    def save(self, trainer: pl.Trainer, step: int) -> str | None:
+        """Collective: every rank must call it at the same step."""
+        if step == self.last_saved_step:
+            return None
+        state = {"rng": capture_rng(), **self.rank_state()}
+        path, seconds = self.manager.save(trainer, step=step, rank_state=state)
+        self.last_saved_step = step
+        self.heartbeat.emit("checkpoint", step=step, path=str(path), seconds=round(seconds, 3))
+        log.info("checkpoint step-%d complete in %.2fs: %s", step, seconds, path)
+        return str(path)
+
+
+class StopAtStepBoundary(pl.Callback):
+    """The hook point for preemption: when a stop was requested on any rank, all ranks agree at
+    an optimizer-step boundary, checkpoint together and stop the Trainer.
+
+    Must come after :class:`CheckpointCallback` in the callback list (it uses its ``save``).
+    """
+
+    def __init__(self, stop: StopRequest, checkpoints: CheckpointCallback) -> None:
+        self.stop = stop
+        self.checkpoints = checkpoints
+        self._seen_step: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._seen_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if not self.stop.armed or step == self._seen_step:
+            return
+        self._seen_step = step
+        if step % self.stop.check_every_n_steps:
+            return
+        # One collective: True on every rank when any rank was asked to stop.
+        if not trainer.strategy.reduce_boolean_decision(self.stop.requested, all=False):
+            return
+        if not self.stop.requested:
+            self.stop.request("peer", "another rank was asked to stop")
+        path = self.checkpoints.save(trainer, step)
+        self.stop.agreed_step = step
+        self.stop.checkpoint_path = path or str(self.checkpoints.manager.dir / f"step-{step}")
+        trainer.should_stop = True
+
+
+class RngNeutralValidation(pl.Callback):
+    """Validation must not move the training random stream (DataLoader iterator creation draws
+    from the global torch RNG): save it before validation, restore it after. This keeps a run
+    that resumes from a checkpoint bit-identical to one that did not stop."""
+
+    def __init__(self) -> None:
+        self._saved: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._saved = (torch.get_rng_state(), cuda)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._saved is None:
+            return
+        cpu, cuda = self._saved
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        self._saved = None
+
+
+class MetricsHeartbeat(pl.Callback):
+    """The heartbeat's ``step`` lines (called by the module on its logging steps, thinned to every
+    ``every_n_steps``) and ``val`` lines."""
+
+    def __init__(self, heartbeat: Heartbeat, every_n_steps: int = 1) -> None:
+        self.heartbeat = heartbeat
+        self.every_n_steps = every_n_steps
+
+    def step_metrics(self, metrics: dict[str, Any], max_steps: int) -> None:
+        step = metrics["step"]
+        if step % self.every_n_steps and step != max_steps:
+            return
+        self.heartbeat.emit("step", max_steps=max_steps, **metrics)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        val = trainer.callback_metrics.get("val/loss")
+        if val is not None:
+            self.heartbeat.emit("val", step=trainer.global_step, val_loss=float(val))
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv; on resume we append to it."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r") as f:
+                header = f.readline().strip()
+            if header:
+                self.metrics_keys = sorted(header.split(","))
+
+
+class ResumableCSVLogger(CSVLogger):
+    """CSVLogger whose fixed version directory survives resume (rows are appended)."""
+
+    @property
+    def experiment(self):
+        if self._experiment is not None:
+            return self._experiment
+        os.makedirs(self.root_dir, exist_ok=True)
+        self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def make_loggers(run_dir: str | Path, logging_spec: dict[str, Any], run_name: str) -> list[Any]:
+    """TensorBoard and CSV in the run directory with a fixed version (0), so every attempt of a
+    run writes into the same directories; W&B with an id derived from the run directory."""
+    loggers: list[Any] = []
+    run_dir = str(run_dir)
+    if logging_spec.get("tensorboard", True):
+        loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=0, default_hp_metric=False))
+    if logging_spec.get("csv", True):
+        loggers.append(ResumableCSVLogger(save_dir=run_dir, name="csv", version=0))
+    wandb = logging_spec.get("wandb")
+    if wandb:
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(
+            WandbLogger(
+                project=wandb["project"],
+                entity=wandb.get("entity"),
+                name=run_name,
+                id=wandb_run_id(run_dir),
+                resume="allow",
+                offline=wandb.get("mode") == "offline",
+                save_dir=run_dir,
+            )
+        )
+    return loggers
+
+
+def wandb_run_id(run_dir: str) -> str:
+    """A stable W&B run id for the run directory: every attempt logs into the same W&B run."""
+    import hashlib
+
+    return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+
+
+def logger_identity(run_dir: str, logging_spec: dict[str, Any]) -> dict[str, Any]:
+    ident: dict[str, Any] = {"tensorboard_version": 0, "csv_version": 0}
+    if logging_spec.get("wandb"):
+        ident["wandb_id"] = wandb_run_id(run_dir)
+    return ident
+
+
+__all__ = [
+    "CheckpointCallback",
+    "Heartbeat",
+    "MetricsHeartbeat",
+    "ResumableCSVLogger",
+    "RngNeutralValidation",
+    "RunInfo",
+    "StopAtStepBoundary",
+    "StopRequest",
+    "append_jsonl",
+    "make_loggers",
+]

@@ -1,0 +1,280 @@
+"""lmtrain's checkpoint format: atomic, complete-marked step directories.
+
+Layout under ``checkpoints/`` (docs/run-directory.md)::
+
+    step-<S>/                 a finished checkpoint of global step S
+      lightning.ckpt          model, optimizer, scheduler, loops (Lightning's trainer.save_checkpoint;
+                              a file for DDP, a directory of shards for DeepSpeed / sharded FSDP)
+      rank-<R>.pt             per-rank state: RNG states (python, numpy, torch, cuda), data position
+      meta.json               step, world size, strategy, ZeRO stage, logger identity, time
+      COMPLETE                written last, after every rank finished and everything was fsynced
+    latest                    text: the name of the newest complete step directory (updated last)
+    .step-<S>.tmp/            a checkpoint being written (ignored; removed by the next save)
+
+Write protocol (every rank calls :meth:`CheckpointManager.save` at the same step boundary):
+
+1. rank 0 clears ``.step-S.tmp`` and creates it; barrier;
+2. ``trainer.save_checkpoint(.step-S.tmp/lightning.ckpt)`` (collective for DeepSpeed/FSDP;
+   rank 0 writes for DDP); every rank writes ``rank-R.pt`` (tmp name, fsync, rename) and fsyncs
+   the shard files it wrote; barrier: every rank finished its part;
+3. rank 0 fsyncs the rest, writes ``meta.json``, renames ``.step-S.tmp`` -> ``step-S``, fsyncs
+   the directory, writes ``COMPLETE`` (fsync), then points ``latest`` at it (tmp + rename);
+   then removes checkpoints beyond ``keep_last``; barrier.
+
+A crash at any point leaves either a ``.tmp`` directory or a ``step-S`` without ``COMPLETE``;
+resume only ever considers ``step-*`` directories that contain ``COMPLETE`` (newest first),
+whatever ``latest`` says. Everything is loaded with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+STEP_RE = re.compile(r"^step-(\d+)$")
+LIGHTNING_NAME = "lightning.ckpt"
+COMPLETE_NAME = "COMPLETE"
+LATEST_NAME = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed from as things are (the message says what to do)."""
+
+
+# --- file primitives ---------------------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def torch_save_atomic(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- RNG state (as plain tensors / numbers, so weights_only=True can load it) ----------------
+def capture_rng() -> dict[str, Any]:
+    version, py_state, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "name": np_name,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- reading checkpoints -------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompleteCheckpoint:
+    step: int
+    path: Path
+
+    @property
+    def lightning_path(self) -> Path:
+        return self.path / LIGHTNING_NAME
+
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.path / "meta.json").read_text())
+
+    def rank_state(self, rank: int) -> dict[str, Any] | None:
+        p = self.path / f"rank-{rank}.pt"
+        if not p.exists():
+            return None
+        return torch.load(p, map_location="cpu", weights_only=True)
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[CompleteCheckpoint]:
+    """Every complete checkpoint, oldest first. Directories without COMPLETE are ignored."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = STEP_RE.match(child.name)
+        if m and child.is_dir() and (child / COMPLETE_NAME).is_file():
+            found.append(CompleteCheckpoint(step=int(m.group(1)), path=child))
+    return sorted(found, key=lambda c: c.step)
+
+
+def newest_complete(ckpt_dir: str | Path) -> CompleteCheckpoint | None:
+    found = complete_checkpoints(ckpt_dir)
+    return found[-1] if found else None
+
+
+def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int) -> None:
+    """Raise CheckpointError when this attempt cannot load ``ckpt`` as it is."""
+    meta = ckpt.meta()
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{ckpt.path} has checkpoint format {meta.get('format')!r}; this lmtrain reads format {FORMAT_VERSION}"
+        )
+    old_strategy, old_world = meta["strategy"], int(meta["world_size"])
+    if (old_strategy == "deepspeed" or strategy == "deepspeed") and old_world != world_size:
+        stage = meta.get("zero_stage")
+        raise CheckpointError(
+            f"{ckpt.path} was written by DeepSpeed ZeRO-{stage} on {old_world} ranks, and this attempt has "
+            f"{world_size} ranks: ZeRO optimizer shards only load at the same data-parallel world size. "
+            f"Either run with {old_world} ranks again, or convert it to one fp32 state dict with "
+            f"`python {ckpt.lightning_path}/zero_to_fp32.py {ckpt.lightning_path} <out_dir>` "
+            f"(or lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict) "
+            f"and start a new run from those weights (the optimizer state is not carried over)."
+        )
+    if old_strategy != strategy and "deepspeed" in (old_strategy, strategy):
+        raise CheckpointError(
+            f"{ckpt.path} was written with strategy {old_strategy} and this attempt uses {strategy}: "
+            f"DeepSpeed and DDP/FSDP checkpoints are different formats. Use the same trainer.strategy, "
+            f"or convert with {ckpt.lightning_path}/zero_to_fp32.py and start a new run."
+        )
+
+
+# --- writing checkpoints ------------------------------------------------------------------
+class CheckpointManager:
+    """Writes and prunes complete-marked checkpoints. Every rank calls ``save`` collectively."""
+
+    def __init__(
+        self,
+        ckpt_dir: str | Path,
+        *,
+        keep_last: int,
+        every_n_steps: int,
+        strategy: str,
+        zero_stage: int | None,
+        identity: dict[str, Any],
+    ) -> None:
+        self.dir = Path(ckpt_dir)
+        self.keep_last = keep_last
+        self.every_n_steps = every_n_steps
+        self.strategy = strategy
+        self.zero_stage = zero_stage
+        self.identity = identity  # logger identity, job id, attempt: recorded in meta.json
+
+    def save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
+        """Collective: write checkpoint ``step`` and return (its path, seconds taken)."""
+        t0 = time.perf_counter()
+        strategy = trainer.strategy
+        rank, world = trainer.global_rank, trainer.world_size
+        final = self.dir / f"step-{step}"
+        tmp = self.dir / f".step-{step}.tmp"
+        if rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            if final.exists():  # an incomplete leftover of the same step (complete ones are skipped)
+                shutil.rmtree(final)
+            tmp.mkdir()
+        strategy.barrier("lmtrain.checkpoint.begin")
+
+        trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
+        torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world}, tmp / f"rank-{rank}.pt")
+        for path in _files_written_by(tmp, rank):
+            fsync_file(path)
+        strategy.barrier("lmtrain.checkpoint.ranks_done")
+
+        if rank == 0:
+            for path in _all_files(tmp):
+                fsync_file(path)
+            meta = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "world_size": world,
+                "strategy": self.strategy,
+                "zero_stage": self.zero_stage,
+                "time": time.time(),
+                **self.identity,
+            }
+            write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
+            fsync_dir(tmp)
+            os.replace(tmp, final)
+            fsync_dir(self.dir)
+            write_text_atomic(final / COMPLETE_NAME, f"{step}\n")
+            write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
+            self.prune()
+        strategy.barrier("lmtrain.checkpoint.end")
+        return final, time.perf_counter() - t0
+
+    def prune(self) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints; drop stale temporaries."""
+        complete = complete_checkpoints(self.dir)
+        for old in complete[: max(0, len(complete) - self.keep_last)]:
+            shutil.rmtree(old.path, ignore_errors=True)
+        newest = complete[-1].step if complete else -1
+        for child in self.dir.iterdir():
+            m = STEP_RE.match(child.name)
+            if m and int(m.group(1)) < newest and not (child / COMPLETE_NAME).exists():
+                shutil.rmtree(child, ignore_errors=True)  # an interrupted write, superseded
+            elif child.name.startswith(".step-") and child.name.endswith(".tmp"):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def _all_files(root: Path):
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            yield Path(dirpath) / name
+
+
+def _files_written_by(root: Path, rank: int):
+    """The files rank ``rank`` wrote itself (its rank file, DeepSpeed's per-rank shards)."""
+    tag = f"rank_{rank}_"
+    for path in _all_files(root):
+        if path.name == f"rank-{rank}.pt" or tag in path.name:
+            yield path
+
+

@@ -1,0 +1,439 @@
+"""What every SLURM task (and every local process) runs: plan.json -> Trainer -> fit/resume.
+
+``run_slurm_task(run_dir)`` is called by :class:`lmtrain.task.TrainTask` in each srun task
+(submitit's runner unpickles and calls it); ``python -m lmtrain.entry RUN_DIR`` is what
+``lmlaunch run --local`` starts in each local process. Both go through :func:`run_task`:
+
+1. read the plan and this task's environment (SLURM's, or the local launcher's);
+2. rendezvous: rank 0 picks the attempt number and a free MASTER_PORT and publishes them;
+3. tee this rank's output into ``logs/attempt-<N>/rank-<R>.log``;
+4. build data, model and Trainer from the plan; resume from the newest complete checkpoint;
+5. train; write the ledger ``end`` line, the heartbeat ``end`` event and ``DONE`` (rank 0).
+
+Preemption (issue 5) plugs in through :class:`lmtrain.callbacks.StopRequest` (a signal handler
+only calls ``stop.request(reason)``, after ``stop.armed = True``) and the ``hooks`` argument:
+its callbacks join the Trainer's, and ``hooks.on_end(outcome)`` runs on every rank after the
+checkpoint is complete (rank 0 requeues there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+log = logging.getLogger("lmtrain")
+
+
+@dataclass
+class Outcome:
+    """How this attempt ended (what the ledger's ``end`` line says)."""
+
+    reason: str  # completed | preempted | timeout | cancelled | crashed | ...
+    end_step: int
+    detail: str | None = None
+    requeued: bool = False
+    exit_code: int = 0
+
+
+@dataclass
+class Hooks:
+    """Extension points for the caller (preemption handling, tests).
+
+    ``setup(ctx)`` runs on every rank before the Trainer is built and may return callbacks;
+    ``on_end(ctx, outcome)`` runs on every rank after training stopped (checkpoint complete) and
+    before the ledger ``end`` line is written; it may change ``outcome`` (e.g. ``requeued``).
+    """
+
+    setup: Callable[[RunContext], list[Any]] | None = None
+    on_end: Callable[[RunContext, Outcome], None] | None = None
+    callbacks: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class RunContext:
+    plan: Any  # launcher.plan.LaunchPlan
+    env: Any  # lmtrain.env.TaskEnv
+    attempt: int
+    run_dir: Path
+    stop: Any  # lmtrain.callbacks.StopRequest
+    trainer: Any = None
+    start_step: int = 0
+
+
+def run_slurm_task(run_dir: str) -> int:
+    """The body of every SLURM task (via lmtrain.task.TrainTask)."""
+    return run_task(run_dir)
+
+
+def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
+    from launcher.plan import LaunchPlan
+    from lmtrain.env import read_env, rendezvous
+
+    run_dir = Path(run_dir)
+    plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    env = read_env()
+    if env.world_size != plan.topology.world_size:
+        raise RuntimeError(
+            f"this task sees world_size {env.world_size} ({env.launcher}) but the plan has "
+            f"nodes({plan.topology.nodes}) x tasks_per_node({plan.topology.tasks_per_node}) = "
+            f"{plan.topology.world_size}; the job must be started with the plan's topology"
+        )
+    attempt = _next_attempt(Path(plan.paths.ledger)) if env.rank == 0 else None
+    rv = rendezvous(env, run_dir, attempt=attempt)
+    log_path = Path(plan.paths.logs_dir) / f"attempt-{rv.attempt}" / f"rank-{env.rank}.log"
+    with _rank_log(log_path, env.rank):
+        log.info(
+            "lmtrain: run %s attempt %d, rank %d/%d (local %d, node %d), job %s, master %s:%d",
+            plan.run_name, rv.attempt, env.rank, env.world_size, env.local_rank, env.node_rank,
+            env.job_id, rv.addr, rv.port,
+        )
+        for note in plan.notes:
+            log.warning("notice: %s", note)
+        return _train(plan, env, rv.attempt, run_dir, hooks or Hooks())
+
+
+def _next_attempt(ledger: Path) -> int:
+    """1 + the number of attempts already in the ledger."""
+    n = 0
+    if ledger.exists():
+        for line in ledger.read_text().splitlines():
+            try:
+                if json.loads(line).get("event") == "start":
+                    n += 1
+            except json.JSONDecodeError:
+                continue  # a line being written when an earlier attempt died
+    return n + 1
+
+
+class _Tee:
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, data: str) -> int:
+        for s in self.streams:
+            s.write(data)
+            s.flush()
+        return len(data)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.streams[0].fileno()
+
+
+@contextlib.contextmanager
+def _rank_log(path: Path, rank: int):
+    """Tee Python's stdout/stderr (and logging) into this rank's own log file. Output of C
+    libraries (NCCL) still goes to the task's stdout, which submitit keeps per task."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a", buffering=1)
+    old_out, old_err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(old_out, f), _Tee(old_err, f)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    # Lightning installs its own stderr handlers at import; route its records through ours
+    # (into the rank log) instead of printing them twice.
+    import lightning.pytorch  # noqa: F401  (installs those handlers now)
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+        sys.stdout, sys.stderr = old_out, old_err
+        f.close()
+
+
+def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
+    from lmtrain.callbacks import Heartbeat, RunInfo, StopRequest, append_jsonl
+    from lmtrain.checkpoint import check_compatible, newest_complete
+
+    t, paths = plan.trainer, plan.paths
+    max_steps = int(t["max_steps"])
+    is_zero = env.rank == 0
+    info = RunInfo(
+        run_dir=str(run_dir), attempt=attempt, job_id=env.job_id, restart_count=env.restart_count,
+        world_size=env.world_size, rank=env.rank, nodes=list(env.nodes), max_steps=max_steps,
+    )
+    heartbeat = Heartbeat(paths.heartbeat, info)
+    stop = StopRequest()
+    ctx = RunContext(plan=plan, env=env, attempt=attempt, run_dir=run_dir, stop=stop)
+
+    _configure_torch(t, env)
+
+    # --- resume point -----------------------------------------------------------------------
+    ckpt = newest_complete(paths.checkpoint_dir)
+    start_step = 0
+    rank_state = None
+    if ckpt is not None:
+        check_compatible(ckpt, strategy=t["strategy"], world_size=env.world_size)
+        start_step = ckpt.step
+        rank_state = ckpt.rank_state(env.rank)
+    ctx.start_step = start_step
+
+    if is_zero:
+        append_jsonl(paths.ledger, {
+            "event": "start", "attempt": attempt, "job_id": env.job_id, "restart_count": env.restart_count,
+            "time": time.time(), "start_step": start_step, "nodes": list(env.nodes), "world_size": env.world_size,
+        })
+    heartbeat.emit("start", step=start_step, max_steps=max_steps,
+                   resumed_from=str(ckpt.path) if ckpt is not None else None)
+
+    outcome = Outcome(reason="crashed", end_step=start_step, exit_code=1)
+    try:
+        if start_step >= max_steps:
+            log.info("checkpoint step-%d is already at max_steps(%d): nothing to train", start_step, max_steps)
+            outcome = Outcome(reason="completed", end_step=start_step, detail="already at max_steps")
+        else:
+            outcome = _fit(plan, env, ctx, hooks, heartbeat, ckpt, rank_state)
+    except BaseException as exc:
+        outcome = Outcome(
+            reason=stop.reason or "crashed",
+            end_step=ctx.trainer.global_step if ctx.trainer is not None else start_step,
+            detail=f"{type(exc).__name__}: {exc}"[:2000],
+            exit_code=1,
+        )
+        log.error("training failed:\n%s", traceback.format_exc())
+        raise
+    finally:
+        if hooks.on_end is not None:
+            hooks.on_end(ctx, outcome)
+        if is_zero:
+            if outcome.reason == "completed":
+                _write_marker(run_dir / "DONE", f"{outcome.end_step}\n")
+            append_jsonl(paths.ledger, {
+                "event": "end", "attempt": attempt, "job_id": env.job_id, "time": time.time(),
+                "end_step": outcome.end_step, "reason": outcome.reason, "detail": outcome.detail,
+                "requeued": outcome.requeued,
+            })
+        heartbeat.emit("end", step=outcome.end_step, reason=outcome.reason)
+    return outcome.exit_code
+
+
+def _write_marker(path: Path, text: str) -> None:
+    from lmtrain.checkpoint import write_text_atomic
+
+    write_text_atomic(path, text)
+
+
+def _configure_torch(t: dict[str, Any], env) -> None:
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK")
+    if t["accelerator"] == "cpu" and threads:
+        torch.set_num_threads(max(1, int(threads)))
+    if t["accelerator"] == "gpu":
+        torch.backends.cuda.matmul.allow_tf32 = True  # 32-true matmuls on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def build_strategy(plan, env, model_spec: dict[str, Any]):
+    """Lightning strategy object for the plan: DDP, FSDP or DeepSpeed, with our cluster env."""
+    t = plan.trainer
+    from lmtrain.env import cluster_environment
+
+    cluster = cluster_environment(env)
+    backend = t["process_group_backend"]
+    name = t["strategy"]
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(
+            cluster_environment=cluster,
+            process_group_backend=backend,
+            gradient_as_bucket_view=True,  # grads live in the buckets: no extra copy
+            find_unused_parameters=False,
+        )
+    if name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return FSDPStrategy(
+            cluster_environment=cluster,
+            process_group_backend=backend,
+            auto_wrap_policy=_block_classes(model_spec),
+            sharding_strategy="FULL_SHARD",
+            state_dict_type="sharded",  # every rank writes its shard: a collective save
+            limit_all_gathers=True,
+        )
+    if name == "deepspeed":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        config = dict(plan.deepspeed or {})
+        # Lightning sets gradient_accumulation_steps from the Trainer and refuses it in the config.
+        accum = config.pop("gradient_accumulation_steps", t["accumulate_grad_batches"])
+        if accum != t["accumulate_grad_batches"]:
+            raise RuntimeError(
+                f"plan inconsistency: deepspeed gradient_accumulation_steps({accum}) != "
+                f"trainer accumulate_grad_batches({t['accumulate_grad_batches']})"
+            )
+        return DeepSpeedStrategy(config=config, cluster_environment=cluster, process_group_backend=backend)
+    raise RuntimeError(f"unknown strategy '{name}' in plan.json (allowed: ddp, fsdp, deepspeed)")
+
+
+def _block_classes(model_spec: dict[str, Any]) -> set[type]:
+    """The transformer block classes of the model (FSDP wraps each one)."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+
+    from lmtrain.model import build_config
+
+    config = build_config(model_spec)
+    model_cls = AutoModelForCausalLM._model_mapping[type(config)]
+    module = importlib.import_module(model_cls.__module__)
+    names = getattr(model_cls, "_no_split_modules", None) or []
+    classes = {getattr(module, n) for n in names if hasattr(module, n)}
+    if not classes:
+        raise RuntimeError(f"cannot find the transformer block class of {model_cls.__name__} for FSDP wrapping")
+    return classes
+
+
+def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) -> Outcome:
+    import lightning.pytorch as pl
+
+    from lmtrain.callbacks import (
+        CheckpointCallback,
+        MetricsHeartbeat,
+        RngNeutralValidation,
+        StopAtStepBoundary,
+        logger_identity,
+        make_loggers,
+    )
+    from lmtrain.checkpoint import CheckpointManager
+    from lmtrain.data import TokenData, make_dataloaders
+    from lmtrain.model import build_config
+    from lmtrain.module import LMModule, OptimSettings, RuntimeSettings
+
+    spec, t, paths = plan.spec, plan.trainer, plan.paths
+    stop = ctx.stop
+    max_steps = int(t["max_steps"])
+    data_spec = SimpleNamespace(**spec["data"])
+    seed = int(t["seed"])
+
+    # --- data -----------------------------------------------------------------------------
+    config = build_config(spec["model"])
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None:
+        TokenData(data_spec.path).check_vocab(int(vocab))
+    train_loader, val_loader, sampler = make_dataloaders(data_spec, world_size=env.world_size, rank=env.rank, seed=seed)
+    resume_rng = None
+    if ckpt is not None:
+        state = rank_state if rank_state is not None else ckpt.rank_state(0)
+        if state is None:
+            raise RuntimeError(f"{ckpt.path} has no rank-{env.rank}.pt nor rank-0.pt: not a complete lmtrain checkpoint")
+        sampler.load_state_dict(state["data_sampler"])
+        if rank_state is not None and int(rank_state.get("world_size", env.world_size)) == env.world_size:
+            resume_rng = rank_state["rng"]
+        else:
+            log.warning(
+                "resuming step-%d on %d ranks (written on %s): data position re-sharded, RNG streams start fresh",
+                ckpt.step, env.world_size, (rank_state or state).get("world_size"),
+            )
+
+    # --- model ----------------------------------------------------------------------------
+    pl.seed_everything(seed, workers=True, verbose=False)
+    accum = int(t["accumulate_grad_batches"])
+    rt = RuntimeSettings(
+        strategy=t["strategy"], precision=t["precision"], accelerator=t["accelerator"],
+        clip_val=t["gradient_clip_val"], seq_len=int(data_spec.seq_len), micro_batch_size=int(data_spec.micro_batch_size),
+        world_size=env.world_size, accumulate=accum, log_every_n_steps=int(t["log_every_n_steps"]),
+        offload_optimizer=bool(spec["trainer"].get("offload_optimizer")),
+    )
+    module = LMModule(spec["model"], OptimSettings.from_spec(spec["optim"], max_steps), rt, seed)
+    module.data_sampler = sampler
+
+    # --- callbacks, loggers ---------------------------------------------------------------
+    manager = CheckpointManager(
+        paths.checkpoint_dir,
+        keep_last=int(spec["checkpoint"]["keep_last"]),
+        every_n_steps=int(spec["checkpoint"]["every_n_steps"]),
+        strategy=t["strategy"],
+        zero_stage=spec["trainer"].get("zero_stage") if t["strategy"] == "deepspeed" else None,
+        identity={"job_id": env.job_id, "attempt": ctx.attempt,
+                  "logger": logger_identity(str(ctx.run_dir), spec["logging"])},
+    )
+    ckpt_cb = CheckpointCallback(
+        manager, lambda: {"data_sampler": sampler.state_dict()}, heartbeat,
+        resume_rng=resume_rng, resumed_step=ckpt.step if ckpt is not None else None,
+    )
+    metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=int(spec["logging"]["heartbeat_every_n_steps"]))
+    module.metrics_sink = metrics_cb.step_metrics
+    callbacks = [ckpt_cb, StopAtStepBoundary(stop, ckpt_cb), RngNeutralValidation(), metrics_cb]
+    if hooks.setup is not None:
+        callbacks += list(hooks.setup(ctx) or [])
+    callbacks += hooks.callbacks
+    loggers = make_loggers(ctx.run_dir, spec["logging"], plan.run_name)
+
+    # --- trainer ----------------------------------------------------------------------------
+    validate = val_loader is not None and int(t["limit_val_batches"]) > 0
+    vci_steps = t["val_check_interval"] or max_steps  # null: validate once, at the end
+    trainer = pl.Trainer(
+        accelerator=t["accelerator"],
+        devices=int(t["devices"]),
+        num_nodes=int(t["num_nodes"]),
+        strategy=build_strategy(plan, env, spec["model"]),
+        precision=t["precision"],
+        max_steps=max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=accum,
+        gradient_clip_val=None,  # the module clips (see lmtrain.module)
+        val_check_interval=int(vci_steps) * accum if validate else None,
+        check_val_every_n_epoch=None,
+        limit_val_batches=int(t["limit_val_batches"]) if validate else 0,
+        num_sanity_val_steps=0,
+        log_every_n_steps=int(t["log_every_n_steps"]),
+        use_distributed_sampler=False,  # lmtrain's resumable sampler shards the data
+        enable_checkpointing=False,  # lmtrain owns checkpoints
+        enable_progress_bar=False,  # a progress bar would sync the host every step
+        enable_model_summary=env.rank == 0,
+        logger=loggers or False,
+        callbacks=callbacks,
+        default_root_dir=str(ctx.run_dir),
+    )
+    ctx.trainer = trainer
+    fit_kwargs: dict[str, Any] = {}
+    if ckpt is not None:
+        fit_kwargs = {"ckpt_path": str(ckpt.lightning_path), "weights_only": True}
+        log.info("resuming from %s (step %d)", ckpt.path, ckpt.step)
+    trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader if validate else None, **fit_kwargs)
+
+    step = trainer.global_step
+    if stop.agreed_step is not None:
+        return Outcome(reason=stop.reason or "preempted", end_step=step,
+                       detail=f"{stop.detail or stop.reason}; checkpoint step-{stop.agreed_step} complete")
+    if step >= max_steps:
+        return Outcome(reason="completed", end_step=step)
+    return Outcome(reason="crashed", end_step=step, detail=f"the Trainer stopped at step {step} < max_steps({max_steps})", exit_code=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m lmtrain.entry RUN_DIR", file=sys.stderr)
+        return 2
+    return run_task(args[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

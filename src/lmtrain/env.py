@@ -1,0 +1,214 @@
+"""Who am I and how do I reach the others: SLURM's (or the local launcher's) environment,
+and a rendezvous that gives each job attempt its own MASTER_PORT.
+
+Lightning's SLURMEnvironment derives MASTER_PORT from the last 4 digits of the job id
+(+15000), which collides between jobs on one node (and between a job and its requeue when the
+old processes have not released the port yet). Instead global rank 0 binds a free port on its
+node and publishes ``{addr, port, attempt}`` in ``<run_dir>/rendezvous/<job>-<restart>.json``
+(atomic rename); the other ranks wait for that file. MASTER_ADDR/MASTER_PORT are then set in
+the environment before Lightning reads them (its SLURMEnvironment honours both).
+
+The attempt number (1-based, docs/run-directory.md) is decided by rank 0 from the ledger and
+published the same way, so every rank names its log ``logs/attempt-<N>/rank-<R>.log`` alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LOCAL_LAUNCHER_VAR = "LMTRAIN_LAUNCHER"  # "local": started by lmtrain.local, not by srun
+RENDEZVOUS_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class TaskEnv:
+    launcher: str  # "slurm" | "local"
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    num_nodes: int
+    job_id: str
+    restart_count: int
+    nodes: tuple[str, ...]
+
+    @property
+    def rendezvous_key(self) -> str:
+        return f"{self.job_id}-{self.restart_count}"
+
+
+def _int(environ: dict[str, str], *names: str, default: int | None = None) -> int:
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    if default is None:
+        raise RuntimeError(f"none of {', '.join(names)} is set: is this task started by srun or lmtrain.local?")
+    return default
+
+
+def read_env(environ: dict[str, str] | None = None) -> TaskEnv:
+    env = dict(os.environ if environ is None else environ)
+    if env.get(LOCAL_LAUNCHER_VAR) == "local":
+        world = _int(env, "WORLD_SIZE")
+        return TaskEnv(
+            launcher="local",
+            rank=_int(env, "RANK"),
+            local_rank=_int(env, "LOCAL_RANK"),
+            node_rank=_int(env, "NODE_RANK", default=0),
+            world_size=world,
+            num_nodes=1,
+            job_id=env.get("LMTRAIN_JOB_ID", f"local-{os.getppid()}"),
+            restart_count=0,
+            nodes=(socket.gethostname(),),
+        )
+    if "SLURM_PROCID" not in env:
+        raise RuntimeError(
+            "not inside a SLURM task (SLURM_PROCID is unset) and not started by `lmlaunch run --local`"
+        )
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    else:
+        job_id = env.get("SLURM_JOB_ID", "unknown")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    return TaskEnv(
+        launcher="slurm",
+        rank=_int(env, "SLURM_PROCID"),
+        local_rank=_int(env, "SLURM_LOCALID"),
+        node_rank=_int(env, "SLURM_NODEID"),
+        world_size=_int(env, "SLURM_NTASKS"),
+        num_nodes=_int(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1),
+        job_id=job_id,
+        restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
+        nodes=tuple(expand_hostlist(nodelist)) if nodelist else (socket.gethostname(),),
+    )
+
+
+_BRACKET = re.compile(r"^(?P<pre>[^\[]*)\[(?P<ranges>[^\]]+)\](?P<post>.*)$")
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """SLURM hostlist -> host names: ``n[1-3,7],gpu-[01-02]-ib`` -> n1 n2 n3 n7 gpu-01-ib gpu-02-ib."""
+    hosts: list[str] = []
+    for item in _split_top_level(text):
+        hosts.extend(_expand_one(item))
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, cur = [], 0, []
+    for ch in text.strip():
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if cur:
+        items.append("".join(cur))
+    return [i for i in items if i]
+
+
+def _expand_one(item: str) -> list[str]:
+    m = _BRACKET.match(item)
+    if not m:
+        return [item]
+    out = []
+    for part in m.group("ranges").split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            width = len(lo)
+            numbers = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+        else:
+            numbers = [part]
+        for n in numbers:
+            out.extend(_expand_one(f"{m.group('pre')}{n}{m.group('post')}"))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _resolvable(host: str) -> bool:
+    try:
+        socket.gethostbyname(host)
+        return True
+    except OSError:
+        return False
+
+
+def main_address(env: TaskEnv) -> str:
+    """Rank 0's reachable address: the first node's name if it resolves, else this host."""
+    if env.launcher == "local":
+        return "127.0.0.1"
+    first = env.nodes[0] if env.nodes else socket.gethostname()
+    if _resolvable(first):
+        return first
+    host = socket.gethostname()
+    return socket.gethostbyname(host) if _resolvable(host) else "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    addr: str
+    port: int
+    attempt: int
+
+
+def rendezvous(env: TaskEnv, run_dir: str | Path, *, attempt: int | None, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> Rendezvous:
+    """Rank 0 (with ``attempt`` given) publishes address, port and attempt; others wait for it.
+
+    Sets MASTER_ADDR and MASTER_PORT in os.environ (an already set MASTER_PORT/ADDR, e.g. from
+    the local launcher, is kept and published as it is).
+    """
+    path = Path(run_dir) / "rendezvous" / f"{env.rendezvous_key}.json"
+    if env.rank == 0:
+        if attempt is None:
+            raise ValueError("rank 0 must decide the attempt number")
+        addr = os.environ.get("MASTER_ADDR") or main_address(env)
+        port = int(os.environ.get("MASTER_PORT") or free_port())
+        rv = Rendezvous(addr=addr, port=port, attempt=attempt)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(rv.__dict__))
+        os.replace(tmp, path)
+    else:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                rv = Rendezvous(**json.loads(path.read_text()))
+                break
+            except (FileNotFoundError, json.JSONDecodeError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"rank {env.rank}: rank 0 did not publish {path} within {timeout_s:.0f}s "
+                        "(did rank 0 start? is the run directory on a filesystem all nodes share?)"
+                    ) from None
+                time.sleep(0.2)
+    os.environ["MASTER_ADDR"] = rv.addr
+    os.environ["MASTER_PORT"] = str(rv.port)
+    return rv
+
+
+def cluster_environment(env: TaskEnv):
+    """Lightning's cluster plugin: SLURM without Lightning's auto-requeue (lmtrain owns signals),
+    or the plain environment of the local launcher (LOCAL_RANK/NODE_RANK/WORLD_SIZE)."""
+    if env.launcher == "slurm":
+        from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+        return SLURMEnvironment(auto_requeue=False)
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    return LightningEnvironment()

@@ -1,0 +1,138 @@
+"""The local multi-process launcher: N processes on this machine, the same entry as a SLURM task.
+
+``lmlaunch run job.yaml --local --devices N`` writes a run directory like ``submit`` does (plan
+made for 1 node x N tasks on CPU) and calls :func:`launch`, which starts ``python -m
+lmtrain.entry RUN_DIR`` N times with the environment Lightning's LightningEnvironment reads
+(RANK, LOCAL_RANK, NODE_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and the plan's own
+variables. Rank 0's output is streamed; every rank also writes its
+``logs/attempt-<N>/rank-<R>.log``. If one process fails the others are stopped, and the exit
+code of the first failure is returned.
+
+No torch import here: the CLI imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TextIO
+
+TERMINATE_GRACE_S = 15.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env(
+    rank: int,
+    nprocs: int,
+    *,
+    port: int,
+    job_id: str,
+    plan_env: Mapping[str, str],
+    base: Mapping[str, str] | None = None,
+    threads: int = 1,
+) -> dict[str, str]:
+    """The environment of local rank ``rank``: SLURM's variables removed (this is not a SLURM
+    task even inside an salloc shell), the plan's variables, and the rendezvous."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("SLURM_")}
+    env.update(plan_env)
+    env.update(
+        {
+            "LMTRAIN_LAUNCHER": "local",
+            "LMTRAIN_JOB_ID": job_id,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def launch(
+    run_dir: str | Path,
+    nprocs: int,
+    *,
+    plan_env: Mapping[str, str] | None = None,
+    command: Sequence[str] | None = None,
+    out: TextIO | None = None,
+    threads_per_proc: int | None = None,
+) -> int:
+    """Run ``command`` (default: the lmtrain entry on ``run_dir``) in ``nprocs`` local processes."""
+    run_dir = Path(run_dir)
+    out = out or sys.stdout
+    cmd = list(command) if command else [sys.executable, "-u", "-m", "lmtrain.entry", str(run_dir)]
+    threads = threads_per_proc or max(1, (os.cpu_count() or 1) // nprocs)
+    port = _free_port()
+    job_id = f"local-{os.getpid()}-{int(time.time())}"
+    side_logs = run_dir / "logs" / "local"
+    side_logs.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    pump: threading.Thread | None = None
+    try:
+        for rank in range(nprocs):
+            env = worker_env(rank, nprocs, port=port, job_id=job_id, plan_env=plan_env or {}, threads=threads)
+            if rank == 0:
+                p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                pump = threading.Thread(target=_pump, args=(p.stdout, out), daemon=True)
+                pump.start()
+            else:
+                # Other ranks tee into their own rank log; this file keeps what came before it.
+                with open(side_logs / f"rank-{rank}.out", "ab") as f:
+                    p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+            procs.append(p)
+        code = _wait_all(procs)
+    except KeyboardInterrupt:
+        _terminate(procs)
+        raise
+    finally:
+        if pump is not None:
+            pump.join(timeout=5)
+    return code
+
+
+def _pump(stream, out: TextIO) -> None:
+    for line in stream:
+        out.write(line)
+        out.flush()
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int:
+    """Wait for every process; on the first failure stop the rest and return its code."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            _terminate(procs)
+            return failed[0] if failed[0] > 0 else 128 - failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+
+
+def _terminate(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,269 @@
+"""The LightningModule: causal-LM loss, AdamW with weight-decay groups, LR schedule, clipping
+and step metrics that cost no host sync except on logging steps.
+
+Gradient clipping is done here, not by the Trainer's ``gradient_clip_val``:
+
+- Lightning refuses ``gradient_clip_val`` with an optimizer that unscales gradients itself
+  (``AdamW(fused=True)`` under 16-mixed), and fused AdamW is the fastest CUDA implementation.
+  So the Trainer gets no ``gradient_clip_val`` and ``on_before_optimizer_step`` clips with
+  ``torch.nn.utils.clip_grad_norm_(foreach=True)`` (one fused kernel pass, no host sync; the
+  returned norm stays on the device until a logging step reads it).
+- Under 16-mixed the GradScaler must unscale before clipping; Lightning unscales before
+  ``on_before_optimizer_step`` only for optimizers that do not unscale themselves, so 16-mixed
+  uses the foreach (not fused) AdamW. bf16-mixed and 32-true on CUDA use fused AdamW.
+- FSDP shards gradients: the norm is the FSDP module's own ``clip_grad_norm_``.
+- DeepSpeed clips itself from its config (``gradient_clipping``); its norm is read from the engine.
+- On CPU AdamW runs with ``foreach=True``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lmtrain.model import ModelShape, build_model, compile_model, model_shape, peak_flops_per_device
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    warmup_steps: int
+    schedule: str
+    min_lr: float
+    max_steps: int
+
+    @classmethod
+    def from_spec(cls, optim: dict[str, Any], max_steps: int) -> OptimSettings:
+        return cls(
+            lr=float(optim["lr"]),
+            betas=(float(optim["betas"][0]), float(optim["betas"][1])),
+            eps=float(optim["eps"]),
+            weight_decay=float(optim["weight_decay"]),
+            warmup_steps=int(optim["warmup_steps"]),
+            schedule=str(optim["schedule"]),
+            min_lr=float(optim["min_lr"]),
+            max_steps=int(max_steps),
+        )
+
+
+def lr_at(step: int, s: OptimSettings) -> float:
+    """Learning rate for the optimizer step with 0-based index ``step``.
+
+    Linear warmup from lr/warmup to lr over ``warmup_steps`` steps, then cosine or linear decay
+    from lr to ``min_lr`` at ``max_steps``, or constant lr.
+    """
+    if s.warmup_steps > 0 and step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    if s.schedule == "constant":
+        return s.lr
+    decay_steps = max(1, s.max_steps - s.warmup_steps)
+    progress = min(1.0, (step - s.warmup_steps) / decay_steps)
+    if s.schedule == "cosine":
+        return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1.0 + math.cos(math.pi * progress))
+    if s.schedule == "linear":
+        return s.lr - (s.lr - s.min_lr) * progress
+    raise ValueError(f"unknown schedule '{s.schedule}' (allowed: cosine, linear, constant)")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: decay for matrices and embeddings (ndim >= 2); none for 1-D tensors
+    (biases, LayerNorm/RMSNorm weights). Tied weights appear once."""
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        # ZeRO-3 flattens partitioned params to 1-D; ds_shape keeps the real shape.
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (decay if ndim >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """How the module runs: strategy-dependent choices made by the entry."""
+
+    strategy: str  # ddp | fsdp | deepspeed
+    precision: str
+    accelerator: str  # cpu | gpu
+    clip_val: float | None
+    seq_len: int
+    micro_batch_size: int
+    world_size: int
+    accumulate: int
+    log_every_n_steps: int
+    offload_optimizer: bool = False
+
+
+class LMModule(pl.LightningModule):
+    def __init__(self, model_spec: dict[str, Any], optim: OptimSettings, rt: RuntimeSettings, seed: int) -> None:
+        super().__init__()
+        self.model_spec = model_spec
+        self.optim_settings = optim
+        self.rt = rt
+        self.seed = seed
+        self.model: nn.Module | None = None
+        self.shape: ModelShape | None = None
+        # Step metrics live on the device between logging steps (no .item() per step).
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._grad_norm: torch.Tensor | None = None
+        self._last_log_time: float | None = None
+        self._last_log_step: int | None = None
+        self._seen_step: int | None = None
+        self._peak_flops: float | None = None
+        self.last_metrics: dict[str, float | None] = {}
+        # Set by the entry: called with each logging step's metrics (the heartbeat), and the
+        # train sampler whose consumed position advances once per micro batch.
+        self.metrics_sink: Callable[[dict[str, Any], int], None] | None = None
+        self.data_sampler: Any = None
+
+    # --- model ---------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = build_model(self.model_spec, seed=self.seed)
+        self.shape = model_shape(model)
+        if self.model_spec.get("compile"):
+            model = compile_model(model)
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        input_ids, labels = _unpack(batch)
+        # input_ids, labels: (B, T); transformers shifts the labels inside the loss.
+        return self(input_ids, labels=labels).loss
+
+    # --- training --------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.data_sampler is not None:
+            self.data_sampler.advance()  # this micro batch is consumed (checkpointed position)
+        loss = self._loss(batch)
+        d = loss.detach()
+        self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+        self._loss_count += 1
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.rt.strategy == "deepspeed" or self.rt.clip_val is None:
+            return
+        if self.rt.strategy == "fsdp":
+            self._grad_norm = self.trainer.strategy.model.clip_grad_norm_(self.rt.clip_val)
+            return
+        # foreach=None: the multi-tensor kernel on CUDA; the result stays a device tensor.
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.rt.clip_val)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Called per micro batch; act once per optimizer step, on logging steps only.
+        # Losses keep summing on the device between logging steps (the logged loss is the
+        # mean over the window).
+        step = self.trainer.global_step
+        if step == self._seen_step:
+            return  # still accumulating gradients
+        self._seen_step = step
+        if step % self.rt.log_every_n_steps and step != self.trainer.max_steps:
+            return
+        self._log_step_metrics(step)
+
+    def _log_step_metrics(self, step: int) -> None:
+        now = time.perf_counter()
+        loss = (self._loss_sum / self._loss_count).float()
+        if self.trainer.world_size > 1:
+            loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
+        grad_norm = self._read_grad_norm()
+        metrics: dict[str, float | None] = {
+            "loss": float(loss.item()),  # the one host sync, on logging steps only
+            "lr": float(self.trainer.optimizers[0].param_groups[0]["lr"]),
+            "grad_norm": grad_norm,
+            "tokens_per_s": None,
+            "mfu": None,
+        }
+        if self._last_log_time is not None and self._last_log_step is not None and step > self._last_log_step:
+            steps = step - self._last_log_step
+            tokens = steps * self.rt.micro_batch_size * self.rt.seq_len * self.rt.accumulate * self.rt.world_size
+            tps = tokens / max(now - self._last_log_time, 1e-9)
+            metrics["tokens_per_s"] = tps
+            if self._peak_flops and self.shape is not None:
+                per_device = tps / self.rt.world_size
+                metrics["mfu"] = per_device * self.shape.flops_per_token(self.rt.seq_len) / self._peak_flops
+        self._last_log_time = now
+        self._last_log_step = step
+        self._loss_sum, self._loss_count = None, 0
+        self.last_metrics = {"step": step, **metrics}
+        if self.metrics_sink is not None:
+            self.metrics_sink(self.last_metrics, self.trainer.max_steps)
+        self.log_dict(
+            {f"train/{k}": v for k, v in metrics.items() if v is not None},
+            on_step=True,
+            on_epoch=False,
+            rank_zero_only=True,
+            batch_size=self.rt.micro_batch_size,
+        )
+
+    def _read_grad_norm(self) -> float | None:
+        if self.rt.strategy == "deepspeed":
+            engine = self.trainer.strategy.model
+            norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+            return None if norm is None else float(norm)
+        if self._grad_norm is None:
+            return None
+        return float(self._grad_norm.item())
+
+    def on_train_start(self) -> None:
+        self._peak_flops = peak_flops_per_device(self.rt.precision)
+        self._last_log_time = time.perf_counter()
+        self._last_log_step = self.trainer.global_step
+        self._seen_step = self.trainer.global_step
+
+    # --- validation --------------------------------------------------------------------
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=self.rt.micro_batch_size)
+        return loss
+
+    # --- optimizer ----------------------------------------------------------------------
+    def configure_optimizers(self):
+        s = self.optim_settings
+        groups = param_groups(self.model, s.weight_decay)
+        optimizer = self._make_optimizer(groups)
+        # LambdaLR multiplies the base lr; the schedule is defined in absolute lr.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_at(i, s) / s.lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    def _make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        s = self.optim_settings
+        kwargs = {"lr": s.lr, "betas": s.betas, "eps": s.eps}
+        if self.rt.strategy == "deepspeed" and self.rt.offload_optimizer:
+            # ZeRO-Offload refuses a torch optimizer (zero_force_ds_cpu_optimizer): its CPU Adam
+            # does the step on the host.
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        if self.rt.accelerator == "gpu":
+            fused = not self.rt.precision.startswith("16")  # see the module docstring
+            return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **kwargs)
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept {'input_ids', 'labels'} dicts, (input_ids, labels) tuples or a bare (B, T) tensor."""
+    if isinstance(batch, dict):
+        ids = batch["input_ids"]
+        return ids, batch.get("labels", ids)
+    if isinstance(batch, (tuple, list)):
+        return batch[0], batch[1] if len(batch) > 1 else batch[0]
+    return batch, batch

@@ -1,0 +1,33 @@
+"""Test helper run as each local rank: the real lmtrain entry, plus a callback that asks the
+run to stop at a given optimizer step (as a preemption signal handler would), so that the
+stop -> collective agreement -> checkpoint -> exit path runs for real.
+
+usage: python _train_with_stop.py RUN_DIR STOP_AT_STEP   (STOP_AT_STEP 0: never)
+"""
+
+import sys
+
+import lightning.pytorch as pl
+
+from lmtrain.entry import Hooks, run_task
+
+
+def main() -> int:
+    run_dir, stop_at = sys.argv[1], int(sys.argv[2])
+
+    def setup(ctx):
+        ctx.stop.armed = True
+
+        class RequestStop(pl.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                # Only rank 0 is "signalled": the others learn it through the agreement.
+                if stop_at and trainer.global_step == stop_at - 1 and trainer.global_rank == 0:
+                    ctx.stop.request("preempted", "test: stop requested")
+
+        return [RequestStop()]
+
+    return run_task(run_dir, hooks=Hooks(setup=setup))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

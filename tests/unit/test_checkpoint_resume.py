@@ -1,0 +1,101 @@
+"""A run stopped at step k (through the stop-request path preemption uses) and resumed from its
+checkpoint gives bit-identical per-step losses, gradient norms and final weights to a run that
+was never interrupted. Real processes through the real entry (lmtrain.local), CPU/gloo."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.commands.run import prepare_local_run
+from lmtrain.checkpoint import complete_checkpoints
+from lmtrain.local import launch
+
+HELPER = Path(__file__).with_name("_train_with_stop.py")
+# Small enough for seconds per run; dropout stays on (GPT-2's 0.1) so the RNG restore matters.
+OVERRIDES = [
+    "model.config.n_layer=1",
+    "model.config.n_embd=32",
+    "model.config.n_head=2",
+    "model.config.n_positions=32",
+    "data.seq_len=32",
+    "data.micro_batch_size=4",
+    "trainer.global_batch_size=8",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=6",
+    "trainer.limit_val_batches=2",
+    "checkpoint.every_n_steps=5",
+    "checkpoint.keep_last=2",
+    "optim.warmup_steps=3",
+]
+MAX_STEPS = 12
+
+
+def _plan(repo, name: str, devices: int):
+    return prepare_local_run(
+        str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES, devices=devices, max_steps=MAX_STEPS,
+        name=name, environ=dict(__import__("os").environ), say=lambda *_: None, resume=True,
+    )
+
+
+def _launch(plan, stop_at: int) -> int:
+    run_dir = plan.paths.run_dir
+    return launch(
+        run_dir, plan.topology.world_size, plan_env=plan.env, threads_per_proc=1,
+        command=[sys.executable, "-u", str(HELPER), run_dir, str(stop_at)],
+        out=open(Path(run_dir) / "launcher.out", "a"),
+    )
+
+
+def _steps(run_dir: str) -> dict[int, tuple[float, float]]:
+    out = {}
+    for line in Path(run_dir, "metrics", "heartbeat.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if d["event"] == "step":
+            assert d["step"] not in out, f"step {d['step']} logged twice"
+            out[d["step"]] = (d["loss"], d["grad_norm"])
+    return out
+
+
+def _final_weights(run_dir: str) -> dict[str, torch.Tensor]:
+    last = complete_checkpoints(Path(run_dir) / "checkpoints")[-1]
+    assert last.step == MAX_STEPS
+    return torch.load(last.lightning_path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def _ledger(run_dir: str) -> list[dict]:
+    return [json.loads(x) for x in Path(run_dir, "attempts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(repo, runs_root, devices):
+    straight = _plan(repo, f"straight-{devices}", devices)
+    assert _launch(straight, stop_at=0) == 0
+
+    stopped = _plan(repo, f"stopped-{devices}", devices)
+    assert _launch(stopped, stop_at=7) == 0
+    ledger = _ledger(stopped.paths.run_dir)
+    assert ledger[-1]["reason"] == "preempted" and ledger[-1]["end_step"] == 7
+    assert [c.step for c in complete_checkpoints(stopped.paths.checkpoint_dir)] == [5, 7]
+    assert not Path(stopped.paths.run_dir, "DONE").exists()
+
+    assert _launch(stopped, stop_at=0) == 0
+    ledger = _ledger(stopped.paths.run_dir)
+    assert [(e["event"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger] == [
+        ("start", 0, None, None), ("end", None, 7, "preempted"),
+        ("start", 7, None, None), ("end", None, MAX_STEPS, "completed"),
+    ]
+    assert Path(stopped.paths.run_dir, "DONE").exists()
+
+    a, b = _steps(straight.paths.run_dir), _steps(stopped.paths.run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, MAX_STEPS + 1))
+    assert a == b  # bit-identical floats: losses and gradient norms of every step
+    wa, wb = _final_weights(straight.paths.run_dir), _final_weights(stopped.paths.run_dir)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # keep_last=2: of 5, 7, 10, 12 only the newest two remain
+    assert [c.step for c in complete_checkpoints(stopped.paths.checkpoint_dir)] == [10, 12]
