@@ -84,4 +84,4 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return 0
     from launcher.submit import submit_plan
 
-    return submit_plan(r, ctx, new=args.new, resume=args.resume)
+    return submit_plan(r, ctx, new=args.new, resume=args.resume, spec_path=args.spec)

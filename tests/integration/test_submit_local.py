@@ -67,6 +67,7 @@ def test_submit_creates_private_run_dir_registry_and_the_rendered_script(slurm_c
     rec = runs.load_record(run_name, lm_env)
     assert rec is not None and rec.job_ids == [job_id]
     assert rec.run_dir == str(run_dir) and rec.profile == "local" and rec.max_steps == 12
+    assert rec.spec_path == SPEC
     assert runs.find_run(job_id, lm_env).name == run_name
 
 
