@@ -17,12 +17,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from launcher.errors import UserError
-from launcher.plan import LaunchPlan
+
+if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml import on that path
+    from launcher.plan import LaunchPlan
 
 PRIVATE_DIR_MODE = 0o700
 # created at submit time; lmtrain creates the rest (checkpoints/, metrics/ ...) under the same 0700 root
@@ -164,6 +164,8 @@ def prepare_run_dir(run_dir: Path) -> bool:
 
 def write_launch_files(plan: LaunchPlan) -> list[Path]:
     """spec.yaml, plan.json and deepspeed.json (when planned), written atomically, mode 0600."""
+    import yaml
+
     p = plan.paths
     files = [
         (Path(p.spec_yaml), yaml.safe_dump(plan.spec, sort_keys=False)),

@@ -432,3 +432,53 @@ def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
     if proc.returncode != 0 and "Nothing new added" not in text and "already exists" not in text:
         raise UserError(f"`sacctmgr {' '.join(args)}` failed: {text}", exit_code=1)
     return text
+
+
+# --------------------------------------------------------------------------- batched status (lmlaunch status)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """What `lmlaunch status` needs of one job, from ONE squeue call for all runs."""
+
+    job_id: str
+    state: str
+    reason: str  # PENDING: Priority, Resources, BeginTime, Dependency ...; 'None' otherwise
+    restarts: int  # SLURM_RESTART_COUNT of the current attempt (requeues so far)
+    time_limit: str
+    num_nodes: int
+    elapsed: str
+    nodelist: str
+    partition: str
+    start: str
+    submit: str
+
+    @property
+    def group(self) -> str:
+        return state_group(self.state)
+
+
+def squeue_status(job_ids: Iterable[str], *, timeout: float = DEFAULT_TIMEOUT_S) -> list[JobStatus]:
+    """One `squeue -O` call for many job ids (any state the controller still remembers), with
+    the pending reason and the restart count that the short `-o` format cannot print."""
+    ids = sorted({str(j) for j in job_ids})
+    if not ids:
+        return []
+    fields = ["JobID", "State", "Reason", "RestartCnt", "TimeLimit", "NumNodes", "TimeUsed",
+              "NodeList", "Partition", "StartTime", "SubmitTime"]
+    fmt = ",".join(f"{f}:{FIELD_SEP}" for f in fields)  # `Field:suffix`: unpadded, separated
+    cmd = ["squeue", "-h", "--states=all", "-j", ",".join(ids), "-O", fmt]
+    proc = run(cmd, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        if "Invalid job id" in proc.stderr:
+            return []
+        raise UserError(f"`squeue -O ... -j <{len(ids)} ids>` failed: {proc.stderr.strip()}", exit_code=1)
+    out = []
+    for line in proc.stdout.splitlines():
+        parts = [p.strip() for p in line.split(FIELD_SEP)]
+        if len(parts) < len(fields):
+            continue
+        jid, state, reason, restarts, limit, nnodes, used, nodelist, part, start, submit = parts[: len(fields)]
+        out.append(JobStatus(jid, state, reason, int(restarts) if restarts.isdigit() else 0, limit,
+                             int(nnodes) if nnodes.isdigit() else 0, used, nodelist, part, start, submit))
+    return out
