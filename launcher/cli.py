@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "history": ("history", "a run's attempts: why each ended, goodput"),
     "report": ("report", "plot a run's loss and throughput to a PNG"),
     "preempt": ("preempt", "rehearse preemption of a running job"),
+    "completion": ("completion", "print a shell completion script (bash, zsh)"),
+    "_runs": ("runs_list", argparse.SUPPRESS),  # run names for shell completion (hidden)
 }
 
 
@@ -40,10 +42,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
+        listed = {} if help_text == argparse.SUPPRESS else {"help": help_text}  # hidden: not in --help
         if only is not None and name != only:
-            sub.add_parser(name, help=help_text)
+            sub.add_parser(name, **listed)
             continue
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, description=listed.get("help"), **listed)
         mod = _load(module)
         if mod is not None:
             mod.add_arguments(p)

@@ -1,0 +1,69 @@
+"""lmlaunch cancel RUN [--json]: mark the run CANCELLED (never requeued), then scancel its jobs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from launcher.context import Context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run name or one of its job ids")
+    p.add_argument("--json", action="store_true", help="what was done, as JSON")
+
+
+def cancel_run(rec, environ=None) -> dict:
+    """The order matters: the CANCELLED marker is on disk BEFORE scancel's SIGTERM reaches the
+    tasks, so the runtime reads it as a user cancel and never requeues."""
+    from launcher import runs, slurm
+    from launcher.errors import SlurmUnavailable
+
+    run_dir = Path(rec.run_dir)
+    now = time.time()
+    user = os.environ.get("USER") or str(os.getuid())
+    marker = {"time": now, "user": user, "job_ids": list(rec.job_ids)}
+    if run_dir.is_dir():
+        tmp = run_dir / f".CANCELLED.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(marker) + "\n")
+        os.replace(tmp, run_dir / "CANCELLED")
+
+    active: list[str] = []
+    message = ""
+    try:
+        active = [j.job_id for j in slurm.squeue_status(rec.job_ids) if slurm.is_active(j.state)]
+        if active:
+            slurm.cancel(active)
+    except SlurmUnavailable as exc:
+        message = f"SLURM unreachable, nothing was scancelled: {exc.message}"
+
+    rec.state = "cancelled"
+    runs.save_record(rec, environ)
+    if run_dir.is_dir():
+        line = {"event": "cancel_requested", "time": now, "user": user, "job_ids": active or list(rec.job_ids[-1:])}
+        with open(run_dir / "attempts.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+    return {"name": rec.name, "cancelled_jobs": active, "marker": str(run_dir / "CANCELLED"), "message": message}
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher import runs
+    from launcher.errors import ExitCode
+
+    rec = runs.find_run(args.run, ctx.environ or None)
+    result = cancel_run(rec, ctx.environ or None)
+    if args.json:
+        ctx.out(json.dumps(result, indent=2))
+    else:
+        if result["cancelled_jobs"]:
+            ctx.out(f"cancelled run '{rec.name}': scancel {' '.join(result['cancelled_jobs'])}")
+        elif not result["message"]:
+            ctx.out(f"run '{rec.name}' had no queued or running job; marked cancelled")
+        ctx.out(f"marker {result['marker']}: the run will not be requeued")
+    if result["message"]:
+        ctx.err(result["message"])
+        return ExitCode.UNAVAILABLE
+    return 0

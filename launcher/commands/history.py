@@ -1,0 +1,42 @@
+"""lmlaunch history RUN [--json]: the attempts ledger with goodput, steps lost and queue wait."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from launcher.context import Context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run name or one of its job ids")
+    p.add_argument("--json", action="store_true", help="the attempts as JSON")
+
+
+def load_history(rec):
+    """The ledger, the whole heartbeat (for training time per attempt) and ONE `sacct -D` call."""
+    from launcher import monitor
+
+    run_dir = Path(rec.run_dir)
+    ledger = monitor.read_jsonl(run_dir / "attempts.jsonl")
+    heartbeat = monitor.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+    times, message = monitor.sacct_attempt_times(rec.job_ids)
+    h = monitor.build_history(rec.name, ledger, heartbeat, times)
+    if message:
+        h.notes.append(f"queue wait unknown: {message}")
+    return h
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher import runs
+
+    rec = runs.find_run(args.run, ctx.environ or None)
+    h = load_history(rec)
+    if args.json:
+        ctx.out(json.dumps(h.to_dict(), indent=2))
+        return 0
+    from launcher.monitor_view import history_view, make_console
+
+    make_console(ctx).print(history_view(h))
+    return 0

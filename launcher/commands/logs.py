@@ -1,0 +1,145 @@
+"""lmlaunch logs RUN [-f] [--rank N] [--attempt K] [--errors] [--json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from launcher.context import Context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run name or one of its job ids")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new output and new attempts until the run ends")
+    p.add_argument("--rank", type=int, default=0, help="global rank whose log to show (default 0)")
+    p.add_argument("--attempt", type=int, default=None, help="only this attempt (1-based)")
+    p.add_argument("--errors", action="store_true", help="only tracebacks and error lines")
+    p.add_argument("--json", action="store_true", help="the log files (attempt, path, size) as JSON, no content")
+    p.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+
+
+def print_logs(
+    run_dir: Path,
+    job_ids: list[str],
+    out: TextIO,
+    *,
+    rank: int = 0,
+    attempt: int | None = None,
+    errors: bool = False,
+    follow: bool = False,
+    finished: Callable[[], bool] = lambda: True,
+    interval: float = 1.0,
+) -> int:
+    """Print every attempt's log in order with a marker line before each; with ``follow``, keep
+    polling for new output and new attempts until ``finished()`` and nothing new arrived.
+    Returns the number of files shown."""
+    from launcher import monitor
+
+    offsets: dict[Path, int] = {}
+    shown: list[Path] = []
+    pending = ""  # a last line without its newline yet (follow)
+
+    def emit(text: str, final: bool) -> None:
+        nonlocal pending
+        text = pending + text
+        lines = text.split("\n")
+        pending = "" if final else lines.pop()
+        if final and lines and lines[-1] == "":
+            lines.pop()
+        if errors:
+            lines = monitor.error_lines(lines)
+        for line in lines:
+            out.write(line + "\n")
+        out.flush()
+
+    def poll(final: bool) -> bool:
+        nonlocal pending
+        ledger = monitor.read_jsonl(run_dir / "attempts.jsonl")
+        grew = False
+        for src in monitor.log_sources(run_dir, job_ids, rank=rank, attempt=attempt):
+            if src.path not in offsets:
+                if pending:
+                    emit("\n", True)
+                out.write(monitor.attempt_marker(src.attempt, ledger, src.label) + "\n")
+                offsets[src.path] = 0
+                shown.append(src.path)
+                grew = True
+            try:
+                with open(src.path, "rb") as f:
+                    f.seek(offsets[src.path])
+                    data = f.read()
+            except OSError:
+                continue
+            if data:
+                offsets[src.path] += len(data)
+                emit(data.decode("utf-8", errors="replace"), final=not follow)
+                grew = True
+        return grew
+
+    poll(final=not follow)
+    if not follow:
+        return len(shown)
+    quiet = 0
+    while True:
+        time.sleep(interval)
+        grew = poll(final=False)
+        quiet = 0 if grew else quiet + 1
+        if quiet >= 2 and finished():
+            if pending:
+                emit("\n", True)
+            return len(shown)
+
+
+def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> Callable[[], bool]:
+    """The run is over: DONE/CANCELLED marker, or SLURM says its job is neither queued nor running."""
+    last = {"t": 0.0, "v": False}
+
+    def finished() -> bool:
+        if (run_dir / "DONE").exists() or (run_dir / "CANCELLED").exists():
+            return True
+        if time.monotonic() - last["t"] >= every_s and job_ids:
+            from launcher import slurm
+            from launcher.errors import UserError
+
+            last["t"] = time.monotonic()
+            try:
+                jobs = slurm.squeue_status([job_ids[-1]])
+                last["v"] = not any(slurm.is_active(j.state) for j in jobs)
+            except UserError:
+                last["v"] = False  # SLURM unreachable: keep following
+        return last["v"]
+
+    return finished
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher import monitor, runs
+    from launcher.errors import UserError
+
+    rec = runs.find_run(args.run, ctx.environ or None)
+    run_dir = Path(rec.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run '{rec.name}': its run directory {run_dir} does not exist", exit_code=1)
+    if args.attempt is not None:
+        known = [n for n, _ in monitor.attempt_dirs(run_dir)]
+        if known and args.attempt not in known:
+            raise UserError(f"--attempt {args.attempt}: run '{rec.name}' has attempts {', '.join(map(str, known))}")
+    if args.json:
+        srcs = monitor.log_sources(run_dir, rec.job_ids, rank=args.rank, attempt=args.attempt)
+        ctx.out(json.dumps([
+            {"attempt": s.attempt, "job_id": s.job_id, "label": s.label, "path": str(s.path),
+             "bytes": s.path.stat().st_size} for s in srcs
+        ], indent=2))
+        return 0
+    n = print_logs(
+        run_dir, rec.job_ids, ctx.stdout, rank=args.rank, attempt=args.attempt, errors=args.errors,
+        follow=args.follow, finished=_finished_check(run_dir, rec.job_ids), interval=args.interval,
+    )
+    if n == 0 and not args.follow:
+        ctx.err(f"run '{rec.name}': no logs yet for rank {args.rank} (looked in {run_dir / 'logs'} and "
+                f"{run_dir / 'submitit'}); the job may still be queued: `lmlaunch status {rec.name}`")
+    return 0

@@ -1,0 +1,41 @@
+"""lmlaunch report RUN [-o report.png] [--json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from launcher.context import Context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run name or one of its job ids")
+    p.add_argument("-o", "--output", help="PNG to write (default: <run dir>/report.png)")
+    p.add_argument("--json", action="store_true", help="the summary as JSON (the PNG is still written)")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher import monitor, runs
+    from launcher.commands.history import load_history
+    from launcher.errors import UserError
+    from launcher.report import build_report, draw_png
+
+    rec = runs.find_run(args.run, ctx.environ or None)
+    run_dir = Path(rec.run_dir)
+    heartbeat = monitor.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+    data = build_report(rec.name, heartbeat, load_history(rec))
+    if not data.steps:
+        raise UserError(f"run '{rec.name}' has no training steps in {run_dir / 'metrics' / 'heartbeat.jsonl'} yet; "
+                        f"nothing to plot (`lmlaunch status {rec.name}`)", exit_code=1)
+    out = Path(args.output) if args.output else run_dir / "report.png"
+    if out.suffix.lower() != ".png":
+        raise UserError(f"-o {out}: the report is a PNG; give a path ending in .png")
+    draw_png(data, out)
+    if args.json:
+        ctx.out(json.dumps({**data.to_dict(), "png": str(out)}, indent=2))
+    else:
+        for line in data.summary:
+            ctx.out(line)
+        ctx.out(f"wrote {out}")
+    return 0

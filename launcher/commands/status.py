@@ -1,0 +1,66 @@
+"""lmlaunch status [RUN|JOBID] [--watch] [--json] [--all]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from launcher.context import Context
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help="a run name or one of its job ids (default: all runs)")
+    p.add_argument("--watch", "-w", action="store_true", help="refresh in place until Ctrl-C")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch (default 2)")
+    p.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # --watch: stop after N refreshes (tests)
+    p.add_argument("--json", action="store_true", help="rows as JSON (for scripts)")
+    p.add_argument("--all", "-a", action="store_true", help="also runs that ended more than a day ago")
+
+
+def _collect(args: argparse.Namespace, ctx: Context):
+    from launcher import monitor, runs
+
+    env = ctx.environ or None
+    records = [runs.find_run(args.run, env)] if args.run else runs.list_records(env)
+    now = time.time()
+    rows, view = monitor.gather_status(records, environ=env, now=now)
+    hidden = 0
+    if not args.run and not args.all:
+        keep = [monitor.is_recent_or_active(r, rec, now) for r, rec in zip(rows, records)]
+        hidden = keep.count(False)
+        rows = [r for r, k in zip(rows, keep) if k]
+    return rows, view, hidden, now
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.interval <= 0:
+        from launcher.errors import UserError
+
+        raise UserError(f"--interval must be a positive number of seconds, got {args.interval}")
+    rows, view, hidden, now = _collect(args, ctx)
+    if args.json:
+        ctx.out(json.dumps({
+            "slurm": {"reachable": view.reachable, "message": view.message, "calls": view.calls},
+            "hidden": hidden,
+            "runs": [r.to_dict() for r in rows],
+        }, indent=2))
+        return 0
+
+    from launcher.monitor_view import make_console, status_view
+
+    console = make_console(ctx)
+    if not args.watch:
+        console.print(status_view(rows, view, hidden=hidden))
+        return 0
+    from rich.live import Live
+
+    n = 1
+    with Live(status_view(rows, view, hidden=hidden, now=now), console=console, auto_refresh=False,
+              redirect_stdout=False, redirect_stderr=False) as live:
+        while args.count is None or n < args.count:
+            time.sleep(args.interval)
+            rows, view, hidden, now = _collect(args, ctx)
+            live.update(status_view(rows, view, hidden=hidden, now=now), refresh=True)
+            n += 1
+    return 0

@@ -1,0 +1,174 @@
+"""Rich renderings of launcher.monitor's row models: the status table, the history table.
+
+Pure: each function takes rows and returns a renderable; the commands print them on a Console
+(tests print them on a fixed-width Console writing to a StringIO). rich is imported here only,
+so `status --json` never loads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from launcher.monitor import UNREACHABLE, History, SlurmView, StatusRow, format_duration
+
+GROUP_STYLE = {
+    "queued": "yellow",
+    "running": "bold green",
+    "completed": "cyan",
+    "preempted": "magenta",
+    "cancelled": "dim",
+    "failed": "bold red",
+    "timeout": "red",
+    "unknown": "bold yellow",
+}
+BAR_WIDTH = 12
+PIPE_WIDTH = 200  # output to a file or pipe: wide enough that no column is squeezed away
+
+
+def make_console(ctx) -> Console:
+    """A Console on the command's stdout; a terminal's own width, COLUMNS, or PIPE_WIDTH."""
+    isatty = getattr(ctx.stdout, "isatty", lambda: False)()
+    cols = (ctx.environ or {}).get("COLUMNS", "")
+    width = None if isatty else (int(cols) if cols.isdigit() else PIPE_WIDTH)
+    return Console(file=ctx.stdout, width=width, highlight=False, soft_wrap=False)
+
+
+def progress_bar(step: int | None, max_steps: int | None, width: int = BAR_WIDTH) -> Text:
+    """`━━━━━━╺━━━━━  75/150` (no rich.progress import: status must start fast)."""
+    if step is None:
+        return Text("-", style="dim")
+    if not max_steps:
+        return Text(f"{step}")
+    frac = max(0.0, min(1.0, step / max_steps))
+    filled = int(round(frac * width))
+    t = Text()
+    t.append("━" * filled, style="green" if frac < 1 else "cyan")
+    if filled < width:
+        t.append("╺" if filled else "━", style="grey37")
+        t.append("━" * (width - filled - 1), style="grey37")
+    t.append(f" {step}/{max_steps}")
+    return t
+
+
+def _state_text(r: StatusRow) -> Text:
+    t = Text(r.state, style=GROUP_STYLE.get(r.group, ""))
+    if r.reason:
+        t.append(f" ({r.reason})", style="yellow")
+    return t
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _tokens(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v >= 1e6:
+        return f"{v / 1e6:.2f}M"
+    if v >= 1e4:
+        return f"{v / 1e3:.1f}k"
+    return f"{v:.0f}"
+
+
+def status_table(rows: Sequence[StatusRow]) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False, expand=False)
+    table.add_column("RUN", no_wrap=True, overflow="ellipsis", max_width=28, min_width=8)
+    table.add_column("JOB", no_wrap=True, min_width=3)
+    table.add_column("STATE", no_wrap=True, min_width=9)
+    table.add_column("NODES", justify="right", min_width=5)
+    table.add_column("TIME/LIMIT", no_wrap=True, min_width=10)
+    table.add_column("ATT", justify="right", min_width=3)
+    table.add_column("PROGRESS", no_wrap=True, min_width=BAR_WIDTH + 4)
+    table.add_column("LOSS", justify="right", min_width=5)
+    table.add_column("TOK/S", justify="right", min_width=5)
+    table.add_column("MFU", justify="right", min_width=4)
+    table.add_column("CKPT", no_wrap=True, overflow="ellipsis", min_width=4)
+    table.add_column("ETA", justify="right", min_width=4)
+    for r in rows:
+        ck = "-" if r.checkpoint_step is None else f"{r.checkpoint_step} ({format_duration(r.checkpoint_age_s)} ago)"
+        limit = f"{r.elapsed or '-'}/{r.time_limit or '-'}"
+        att = f"{r.attempt}" + ("↻" if r.requeued else "")
+        table.add_row(
+            r.name,
+            r.job_id or "-",
+            _state_text(r),
+            "-" if r.nodes is None else str(r.nodes),
+            limit,
+            att if r.attempt else "-",
+            progress_bar(r.step, r.max_steps),
+            _fmt(r.loss, ".3f"),
+            _tokens(r.tokens_per_s),
+            "-" if r.mfu is None else f"{100 * r.mfu:.1f}%",
+            ck,
+            format_duration(r.eta_s) if r.eta_s is not None else "-",
+        )
+    return table
+
+
+def status_view(rows: Sequence[StatusRow], view: SlurmView, *, hidden: int = 0, now: float | None = None) -> Group:
+    """The table plus what a reader needs around it: SLURM unreachable, notes, hidden runs."""
+    parts: list = []
+    if not view.reachable:
+        parts.append(Text(f"SLURM unreachable: {view.message}\nshowing what the registry and the run "
+                          f"directories say; state is '{UNREACHABLE}'", style="bold yellow"))
+    elif view.message:
+        parts.append(Text(view.message, style="yellow"))
+    if rows:
+        parts.append(status_table(rows))
+    else:
+        parts.append(Text("no runs registered" + (f" in the last day ({hidden} older: --all)" if hidden else ""
+                                                   ) + "; submit one with `lmlaunch submit JOB.yaml`"))
+    notes = [f"{r.name}: {r.note}" for r in rows if r.note]
+    for n in notes:
+        parts.append(Text(f"  · {n}", style="dim"))
+    if rows and hidden:
+        parts.append(Text(f"{hidden} older finished run(s) hidden; --all shows them", style="dim"))
+    if now is not None:
+        parts.append(Text(time.strftime("updated %H:%M:%S", time.localtime(now)), style="dim"))
+    return Group(*parts)
+
+
+def _clock(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%m-%d %H:%M:%S", time.localtime(t))
+
+
+def history_view(h: History) -> Group:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for col, kw in (
+        ("ATT", {"justify": "right"}), ("JOB", {}), ("NODES", {}), ("STARTED", {"no_wrap": True}),
+        ("QUEUED", {"justify": "right"}), ("STEPS", {"no_wrap": True}), ("ENDED", {}),
+        ("LOST", {"justify": "right"}), ("TRAIN/ALLOC", {"no_wrap": True}), ("GOODPUT", {"justify": "right"}),
+    ):
+        table.add_column(col, **kw)
+    for a in h.attempts:
+        style = {"completed": "cyan", "preempted": "magenta", "timeout": "red", "crashed": "bold red",
+                 "cancelled": "dim", "running": "bold green", "unknown": "bold yellow"}.get(a.reason, "")
+        steps = f"{'-' if a.start_step is None else a.start_step} → {'-' if a.end_step is None else a.end_step}"
+        ended = Text(a.reason + (" ↻" if a.requeued else ""), style=style)
+        good = "-" if not a.alloc_s or a.train_s is None else f"{100 * min(1.0, a.train_s / a.alloc_s):.0f}%"
+        table.add_row(
+            str(a.attempt), a.job_id or "-", ",".join(a.nodes) or "-", _clock(a.start_time),
+            format_duration(a.queue_wait_s), steps, ended,
+            "-" if a.steps_lost is None else str(a.steps_lost),
+            f"{format_duration(a.train_s)}/{format_duration(a.alloc_s)}", good,
+        )
+    summary = Text()
+    summary.append(f"{h.name}: {len(h.attempts)} attempt(s)", style="bold")
+    summary.append(f" · goodput {'-' if h.goodput is None else f'{100 * h.goodput:.0f}%'}")
+    summary.append(f" · steps lost to stops {h.steps_lost_total}")
+    summary.append(f" · queue wait {format_duration(h.queue_wait_total_s)}")
+    if h.cancel_requested:
+        summary.append(f" · cancel requested {_clock(h.cancel_requested)}", style="yellow")
+    parts: list = [summary, table]
+    for a in h.attempts:
+        if a.detail:
+            parts.append(Text(f"  attempt {a.attempt}: {a.detail}", style="dim"))
+    for n in h.notes:
+        parts.append(Text(n, style="yellow"))
+    return Group(*parts)
