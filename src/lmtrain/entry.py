@@ -419,6 +419,9 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader if validate else None, **fit_kwargs)
 
     step = trainer.global_step
+    if validate and step >= max_steps and max_steps % int(vci_steps):
+        # The last interval did not end on a validation step: validate the final weights.
+        trainer.validate(module, dataloaders=val_loader, verbose=False)
     if stop.agreed_step is not None:
         return Outcome(reason=stop.reason or "preempted", end_step=step,
                        detail=f"{stop.detail or stop.reason}; checkpoint step-{stop.agreed_step} complete")

@@ -1,0 +1,105 @@
+"""The checkpoint protocol on disk: complete-marked step dirs, the latest pointer, keep_last,
+incomplete directories ignored, per-rank RNG state round trip, and the ZeRO world-size check.
+Uses a real (single-process) Lightning Trainer."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lmtrain.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    capture_rng,
+    check_compatible,
+    complete_checkpoints,
+    newest_complete,
+    restore_rng,
+)
+
+
+class SaveEveryStep(pl.Callback):
+    def __init__(self, manager):
+        self.manager = manager
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.manager.save(trainer, step=trainer.global_step, rank_state={"rng": capture_rng(), "data_sampler": {"pos": batch_idx}})
+
+
+def _train_saving_each_step(ckpt_dir, steps: int, keep_last: int):
+    manager = CheckpointManager(ckpt_dir, keep_last=keep_last, every_n_steps=1, strategy="ddp", zero_stage=None,
+                                identity={"job_id": "7", "attempt": 1})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveEveryStep(manager)])
+    trainer.fit(BoringModel())
+    return manager
+
+
+def test_complete_checkpoints_latest_pointer_and_keep_last(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    _train_saving_each_step(ckpt, steps=4, keep_last=2)
+    assert [c.step for c in complete_checkpoints(ckpt)] == [3, 4]
+    assert (ckpt / "latest").read_text().strip() == "step-4"
+    newest = newest_complete(ckpt)
+    assert newest.step == 4
+    assert sorted(p.name for p in newest.path.iterdir()) == ["COMPLETE", "lightning.ckpt", "meta.json", "rank-0.pt"]
+    meta = newest.meta()
+    assert meta["step"] == 4 and meta["world_size"] == 1 and meta["job_id"] == "7"
+    # everything loads with weights_only=True
+    assert newest.rank_state(0)["data_sampler"] == {"pos": 3}
+    assert "state_dict" in torch.load(newest.lightning_path, weights_only=True)
+    assert not list(ckpt.glob(".step-*"))  # no temporaries left
+
+
+def test_incomplete_directories_are_never_resumed_from(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    _train_saving_each_step(ckpt, steps=2, keep_last=5)
+    # a crash after the rename but before COMPLETE, and one in the middle of writing
+    shutil.copytree(ckpt / "step-2", ckpt / "step-9")
+    (ckpt / "step-9" / "COMPLETE").unlink()
+    (ckpt / ".step-11.tmp").mkdir()
+    (ckpt / "latest").write_text("step-9\n")  # even a pointer to it is not trusted
+    assert newest_complete(ckpt).step == 2
+    CheckpointManager(ckpt, keep_last=5, every_n_steps=1, strategy="ddp", zero_stage=None, identity={}).prune()
+    assert not (ckpt / ".step-11.tmp").exists()
+    assert (ckpt / "step-9").exists()  # newer than the newest complete one: left for inspection
+
+
+def test_rng_state_round_trips_through_weights_only_load(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = capture_rng()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def _fake_complete(tmp_path, **meta):
+    d = tmp_path / "checkpoints" / "step-10"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"format": 1, "step": 10, **meta}))
+    (d / "COMPLETE").write_text("10\n")
+    return newest_complete(tmp_path / "checkpoints")
+
+
+def test_zero_checkpoint_on_another_world_size_says_how_to_convert(tmp_path):
+    ckpt = _fake_complete(tmp_path, strategy="deepspeed", zero_stage=3, world_size=16)
+    with pytest.raises(CheckpointError) as e:
+        check_compatible(ckpt, strategy="deepspeed", world_size=8)
+    msg = str(e.value)
+    assert "ZeRO-3 on 16 ranks" in msg and "8 ranks" in msg and "zero_to_fp32" in msg
+    check_compatible(ckpt, strategy="deepspeed", world_size=16)  # same size: fine
+
+
+def test_ddp_checkpoint_may_resume_on_another_world_size(tmp_path):
+    ckpt = _fake_complete(tmp_path, strategy="ddp", zero_stage=None, world_size=2)
+    check_compatible(ckpt, strategy="ddp", world_size=4)

@@ -1,0 +1,62 @@
+"""Task environment: SLURM hostlists, SLURM/local variables, and the MASTER_PORT rendezvous."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from lmtrain.env import expand_hostlist, read_env, rendezvous
+
+
+@pytest.mark.parametrize(
+    "text,hosts",
+    [
+        ("n1", ["n1"]),
+        ("n[1-2]", ["n1", "n2"]),
+        ("gpu-[01-03,07],login1", ["gpu-01", "gpu-02", "gpu-03", "gpu-07", "login1"]),
+        ("a[1-2]-ib[3-4]", ["a1-ib3", "a1-ib4", "a2-ib3", "a2-ib4"]),
+    ],
+)
+def test_slurm_hostlist_expands(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+def test_slurm_variables_give_rank_world_job_and_restart():
+    env = read_env({
+        "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4",
+        "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "812", "SLURM_RESTART_COUNT": "2",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+    })
+    assert (env.launcher, env.rank, env.local_rank, env.node_rank, env.world_size) == ("slurm", 3, 1, 1, 4)
+    assert env.nodes == ("n1", "n2") and env.rendezvous_key == "812-2"
+
+
+def test_array_task_job_id_is_array_id_underscore_task():
+    env = read_env({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
+                    "SLURM_JOB_ID": "900", "SLURM_ARRAY_JOB_ID": "899", "SLURM_ARRAY_TASK_ID": "1"})
+    assert env.job_id == "899_1" and env.restart_count == 0
+
+
+def test_local_launcher_variables_win_over_slurm_ones():
+    env = read_env({"LMTRAIN_LAUNCHER": "local", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+                    "LMTRAIN_JOB_ID": "local-1", "SLURM_PROCID": "0"})
+    assert (env.launcher, env.rank, env.world_size, env.job_id) == ("local", 1, 2, "local-1")
+
+
+def test_rank0_publishes_a_port_and_attempt_that_other_ranks_adopt(tmp_path, monkeypatch):
+    base = {"SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "55",
+            "SLURM_JOB_NODELIST": "localhost"}
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    r1 = read_env({**base, "SLURM_PROCID": "1"})
+    r0 = read_env({**base, "SLURM_PROCID": "0"})
+    got = {}
+    waiter = threading.Thread(target=lambda: got.setdefault("r1", rendezvous(r1, tmp_path, attempt=None, timeout_s=20)))
+    waiter.start()  # rank 1 starts first and waits for rank 0's file
+    published = rendezvous(r0, tmp_path, attempt=3)
+    waiter.join()
+    assert got["r1"] == published and published.attempt == 3 and 1024 < published.port < 65536
+    assert os.environ["MASTER_PORT"] == str(published.port)
+    assert (tmp_path / "rendezvous" / "55-0.json").exists()
