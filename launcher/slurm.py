@@ -482,3 +482,52 @@ def squeue_status(job_ids: Iterable[str], *, timeout: float = DEFAULT_TIMEOUT_S)
         out.append(JobStatus(jid, state, reason, int(restarts) if restarts.isdigit() else 0, limit,
                              int(nnodes) if nnodes.isdigit() else 0, used, nodelist, part, start, submit))
     return out
+
+
+# --------------------------------------------------------------------------- preemption rehearsal (lmlaunch preempt)
+
+
+def signal_steps(job_id: str, signal: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Send ``signal`` (e.g. 'USR2', 'TERM') to every task of every step of a job, not to the
+    batch shell (plain `scancel --signal`: what SLURM's time-limit --signal without B: does)."""
+    run(["scancel", f"--signal={signal}", str(job_id)], timeout=timeout)
+
+
+def hostnames(nodelist: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """'n[1-2]' -> ['n1', 'n2'] (`scontrol show hostnames`)."""
+    if not nodelist or nodelist in ("(null)", "None"):
+        return []
+    proc = run(["scontrol", "show", "hostnames", nodelist], timeout=timeout)
+    return [h.strip() for h in proc.stdout.splitlines() if h.strip()]
+
+
+def submit_holder(
+    *,
+    name: str,
+    partition: str,
+    nodelist: str,
+    num_nodes: int,
+    seconds: int,
+    output: str = "/dev/null",
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> str:
+    """sbatch an `--exclusive` job that holds ``nodelist`` for ``seconds`` (a high-priority
+    partition makes it preempt the low-priority jobs on those nodes); returns its job id."""
+    minutes = max(1, -(-seconds // 60) + 1)
+    proc = run(
+        [
+            "sbatch", "--parsable", "-J", name, "-p", partition, "-w", nodelist, "-N", str(num_nodes),
+            "--exclusive", f"--time={minutes}", "-o", output, "-e", output, "--wrap", f"sleep {int(seconds)}",
+        ],
+        timeout=timeout,
+    )
+    return proc.stdout.strip().split(";")[0]
+
+
+def set_node_state(node: str, state: str, reason: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """`scontrol update NodeName=NODE State=STATE [Reason=...]` (DOWN needs a reason; RESUME
+    brings a DOWN or DRAINED node back)."""
+    args = ["scontrol", "update", f"NodeName={node}", f"State={state}"]
+    if reason is not None:
+        args.append(f"Reason={reason}")
+    run(args, timeout=timeout)

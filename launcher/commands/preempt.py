@@ -1,0 +1,244 @@
+"""lmlaunch preempt RUN [--mode signal|term|requeue|node-failure] [--start-now] [--json]
+
+Rehearse what a real cluster does to a running job, on a real SLURM (every SLURM call goes
+through launcher.slurm):
+
+- ``signal``: the warning signal of the run's plan (``preemption.signal``, e.g. USR2) to every
+  task of every step, as SLURM sends it before the time limit (``--signal`` without ``B:``);
+- ``term``: SIGTERM to every task, as preemption without ``preempt_send_user_signal`` sends it;
+  the job is not requeued by SLURM, so the runtime decides (it requeues itself unless the run
+  was cancelled);
+- ``requeue`` (default): a real preemption: an ``--exclusive`` job on the profile's
+  high-priority partition over the job's nodes; SLURM signals, requeues the victim, and the
+  preemptor is cancelled as soon as the victim is requeued;
+- ``node-failure``: one node of the job is set DOWN (SLURM kills the job and requeues it as a
+  node failure), then RESUMEd, always, even when waiting fails.
+
+``--start-now`` lets a requeued job start at once instead of after SLURM's ~2 min BeginTime
+delay. The command prints what it did and how long SLURM took; ``--json`` prints it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.context import Context
+from launcher.errors import ExitCode, UserError
+
+MODES = ("signal", "term", "requeue", "node-failure")
+ENDED = {"completed", "cancelled", "failed", "timeout"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run name or one of its job ids")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="requeue",
+        help="signal: the plan's warning signal; term: SIGTERM; requeue: a preempting high-priority "
+        "exclusive job (default); node-failure: set one of the job's nodes DOWN, then RESUME",
+    )
+    p.add_argument("--node", help="node-failure: the node to set DOWN (default: the job's last node)")
+    p.add_argument("--partition", help="requeue: the partition of the preempting job (default: the profile's high-priority one)")
+    p.add_argument("--start-now", action="store_true", help="start the requeued job at once (skip SLURM's BeginTime delay)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for SLURM to requeue the job (default 180)")
+    p.add_argument("--json", action="store_true", help="print what was done as JSON")
+
+
+@dataclass(frozen=True)
+class Victim:
+    """The running job of a run, as the controller sees it now."""
+
+    run: str
+    run_dir: str
+    profile: str
+    job_id: str
+    nodes: list[str]
+    nodelist: str
+    restarts: int
+    signal: str  # the plan's warning signal name (USR2 ...)
+
+
+def running_job(rec) -> Victim:
+    """The run's newest job, which must be RUNNING; a UserError saying why not otherwise."""
+    from launcher import slurm
+
+    job_id = rec.last_job_id
+    if job_id is None:
+        raise UserError(f"run '{rec.name}' has no SLURM job (submit it with `lmlaunch submit`): nothing to preempt")
+    info = slurm.show_job(job_id)
+    if info is None:
+        raise UserError(
+            f"run '{rec.name}': job {job_id} is no longer known to the SLURM controller (it ended): nothing to preempt",
+            exit_code=ExitCode.FAILURE,
+        )
+    state = info.get("JobState", "UNKNOWN")
+    if state != "RUNNING":
+        hint = " (wait until it starts: `lmlaunch status`)" if slurm.is_active(state) else ""
+        raise UserError(
+            f"run '{rec.name}': job {job_id} is {state}, not RUNNING: only a running job can be preempted{hint}",
+            exit_code=ExitCode.FAILURE,
+        )
+    nodelist = info.get("NodeList", "")
+    restarts = info.get("Restarts", "0")
+    return Victim(
+        run=rec.name,
+        run_dir=rec.run_dir,
+        profile=rec.profile,
+        job_id=job_id,
+        nodes=slurm.hostnames(nodelist),
+        nodelist=nodelist,
+        restarts=int(restarts) if restarts.isdigit() else 0,
+        signal=_plan_signal(Path(rec.run_dir)),
+    )
+
+
+def _plan_signal(run_dir: Path) -> str:
+    try:
+        return str(json.loads((run_dir / "plan.json").read_text())["slurm"]["signal_name"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{run_dir / 'plan.json'}: cannot read the run's warning signal (slurm.signal_name): {exc}") from None
+
+
+def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict:
+    """Poll until SLURM requeued the job (its restart count grew) or it ended otherwise."""
+    from launcher import slurm
+
+    deadline = time.monotonic() + timeout
+    state = "UNKNOWN"
+    while True:
+        info = slurm.show_job(victim.job_id)
+        if info is None:
+            return {"requeued": False, "state": "UNKNOWN"}
+        state = info.get("JobState", "UNKNOWN")
+        restarts = info.get("Restarts", "0")
+        if restarts.isdigit() and int(restarts) > victim.restarts:
+            return {"requeued": True, "state": state, "restarts": int(restarts)}
+        if slurm.state_group(state) in ENDED:
+            return {"requeued": False, "state": state}
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"job {victim.job_id} was not requeued within {timeout:.0f} s (still {state})", exit_code=ExitCode.FAILURE
+            )
+        time.sleep(poll)
+
+
+def start_when_pending(job_id: str, *, timeout: float = 60.0, poll: float = 0.25) -> bool:
+    """Once the requeued job is PENDING again, let it start now (not after BeginTime)."""
+    from launcher import slurm
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = slurm.show_job(job_id) or {}
+        state = info.get("JobState", "UNKNOWN")
+        if state == "PENDING":
+            try:
+                slurm.start_now(job_id)
+            except UserError:
+                time.sleep(poll)  # the controller may still be finishing the requeue
+                continue
+            return True
+        if slurm.state_group(state) != "queued":
+            return False  # started already, or ended
+        time.sleep(poll)
+    return False
+
+
+def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: str | None = None,
+            timeout: float = 180.0, start_now: bool = False, environ=None) -> dict:
+    """Do it; return what was done (times are seconds since the epoch / durations in s)."""
+    from launcher import slurm
+
+    result: dict = {"run": victim.run, "job_id": victim.job_id, "mode": mode, "nodes": victim.nodes}
+    t0 = time.time()
+    result["signalled_at"] = t0
+    if mode == "signal":
+        slurm.signal_steps(victim.job_id, victim.signal)
+        result["signal"] = victim.signal
+        return result
+    if mode == "term":
+        slurm.signal_steps(victim.job_id, "TERM")
+        result["signal"] = "TERM"
+        return result
+    if mode == "requeue":
+        high = partition or _high_partition(victim.profile, environ)
+        holder = slurm.submit_holder(
+            name=f"preempt-{victim.run}"[:120], partition=high, nodelist=victim.nodelist,
+            num_nodes=len(victim.nodes) or 1, seconds=int(timeout) + 60,
+        )
+        result.update(preemptor_job_id=holder, partition=high)
+        try:
+            result.update(wait_requeued(victim, timeout=timeout))
+        finally:
+            slurm.cancel([holder])
+    elif mode == "node-failure":
+        down = node or (victim.nodes[-1] if victim.nodes else None)
+        if down is None or down not in victim.nodes:
+            raise UserError(f"--node {down}: job {victim.job_id} runs on {', '.join(victim.nodes) or 'no node'}")
+        result["node"] = down
+        slurm.set_node_state(down, "DOWN", reason=f"lmlaunch preempt --mode node-failure of job {victim.job_id}")
+        try:
+            result.update(wait_requeued(victim, timeout=timeout))
+        finally:
+            slurm.set_node_state(down, "RESUME")
+        result["node_resumed"] = True
+    else:
+        raise UserError(f"--mode {mode!r}: allowed: {', '.join(MODES)}")
+    result["requeue_seconds"] = round(time.time() - t0, 3)
+    if start_now and result.get("requeued"):
+        result["started_now"] = start_when_pending(victim.job_id)
+    return result
+
+
+def _high_partition(profile_name: str, environ) -> str:
+    from launcher.profiles import load_profile
+
+    profile = load_profile(profile_name, environ)
+    if not profile.high_priority_partition:
+        raise UserError(
+            f"profile '{profile_name}' names no high_priority_partition to preempt from; pass --partition "
+            f"(its partitions: {', '.join(profile.partitions)})"
+        )
+    return profile.high_priority_partition
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher import runs
+
+    if args.timeout <= 0:
+        raise UserError(f"--timeout must be > 0, got {args.timeout}")
+    rec = runs.find_run(args.run, ctx.environ or None)
+    victim = running_job(rec)
+    result = preempt(victim, args.mode, node=args.node, partition=args.partition, timeout=args.timeout,
+                     start_now=args.start_now, environ=ctx.environ or None)
+    if args.json:
+        ctx.out(json.dumps(result, indent=2))
+    else:
+        ctx.out(_describe(result))
+    if args.mode in ("requeue", "node-failure") and not result.get("requeued"):
+        return ExitCode.FAILURE
+    return 0
+
+
+def _describe(r: dict) -> str:
+    job = f"job {r['job_id']} of run '{r['run']}'"
+    if r["mode"] in ("signal", "term"):
+        return f"sent SIG{r['signal']} to every task of {job} on {', '.join(r['nodes'])}"
+    how = (
+        f"preempting job {r['preemptor_job_id']} on partition {r['partition']} (cancelled again)"
+        if r["mode"] == "requeue"
+        else f"node {r['node']} set DOWN, then RESUMEd"
+    )
+    if r.get("requeued"):
+        tail = f"; SLURM requeued it after {r['requeue_seconds']:.1f} s (restart {r['restarts']})"
+        if r.get("started_now"):
+            tail += "; started again at once"
+        elif r.get("started_now") is None:
+            tail += "; it starts after SLURM's BeginTime delay (~2 min), or pass --start-now"
+    else:
+        tail = f"; it was not requeued: it ended {r['state']}"
+    return f"{job}: {how}{tail}"
