@@ -28,28 +28,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=None, help="local processes (ranks); default: the spec's world size")
     p.add_argument("--max-steps", type=int, default=None, help="train only K optimizer steps")
     p.add_argument("--name", help="run name (default: <spec name>-local)")
+    p.add_argument("--gpus", action="store_true",
+                   help="one process per local GPU (--devices of them), planned with the spec's cluster profile")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--new", action="store_true", help="start over if the run exists (the old run dir is archived)")
     g.add_argument("--resume", action="store_true", help="continue the existing local run from its newest checkpoint")
 
 
-def local_overrides(spec, profile, *, devices: int, max_steps: int | None, name: str) -> tuple[list[str], list[str]]:
-    """Dotted overrides that turn ``spec`` into a 1-node x ``devices`` CPU job on the local
-    profile, and the notices to print about what changed."""
+def local_overrides(
+    spec, profile, *, devices: int, max_steps: int | None, name: str, gpus: bool = False
+) -> tuple[list[str], list[str]]:
+    """Dotted overrides that turn ``spec`` into a 1-node x ``devices`` job on this machine (CPU
+    processes on the local profile, or with ``gpus`` one process per local GPU), and the notices
+    to print about what changed."""
     notices = []
     part = profile.partitions[profile.default_partition]
     cpus = max(1, (os.cpu_count() or 1) // devices)
+    shape = (
+        [f"resources.gpus_per_node={devices}", "resources.tasks_per_node=null"]
+        if gpus
+        else ["resources.gpus_per_node=0", f"resources.tasks_per_node={devices}"]
+    )
     out = [
         f"name={name}",
         f"cluster={profile.name}",
         "resources.nodes=1",
-        "resources.gpus_per_node=0",
-        f"resources.tasks_per_node={devices}",
+        *shape,
         f"resources.cpus_per_task={cpus}",
         f"resources.time={part.max_time}",
         *(f"resources.{k}=null" for k in ("partition", "account", "qos", "constraint", "mem", "exclusive")),
     ]
-    if spec.resources.gpus_per_node:
+    if spec.resources.gpus_per_node and not gpus:
         notices.append(
             f"local run: {spec.resources.nodes} node(s) x {spec.resources.gpus_per_node} GPU(s) become "
             f"1 node x {devices} CPU process(es) on gloo"
@@ -72,9 +81,13 @@ def prepare_local_run(
     environ: dict[str, str],
     new: bool = False,
     resume: bool = False,
+    gpus: bool = False,
     say=print,
 ):
-    """Plan a local run and write its run directory (spec.yaml, plan.json); return the plan."""
+    """Plan a local run and write its run directory (spec.yaml, plan.json); return the plan.
+
+    CPU (default): the ``local`` profile, ``devices`` processes on gloo. ``gpus``: one process per
+    local GPU, planned with the spec's own cluster profile (its GPU shape, NCCL, DeepSpeed)."""
     from launcher.jobfile import load_job
     from launcher.plan import make_plan
     from launcher.profiles import load_profile
@@ -87,9 +100,9 @@ def prepare_local_run(
         raise UserError(f"--devices must be >= 1, got {devices}")
     if max_steps is not None and max_steps < 1:
         raise UserError(f"--max-steps must be >= 1, got {max_steps}")
-    profile = load_profile(LOCAL_PROFILE, environ)
+    profile = load_profile(user_spec.cluster if gpus else LOCAL_PROFILE, environ)
     name = name or f"{user_spec.name}-local"
-    extra, notices = local_overrides(user_spec, profile, devices=devices, max_steps=max_steps, name=name)
+    extra, notices = local_overrides(user_spec, profile, devices=devices, max_steps=max_steps, name=name, gpus=gpus)
     spec = load_job(spec_path, [*overrides, *extra])
     plan = make_plan(spec, profile, runs_root=runs_root_for(profile, environ), python=sys.executable)
 
@@ -122,7 +135,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         )
     plan = prepare_local_run(
         args.spec, args.overrides, devices=args.devices, max_steps=args.max_steps, name=args.name,
-        environ=ctx.environ, new=args.new, resume=args.resume, say=ctx.out,
+        environ=ctx.environ, new=args.new, resume=args.resume, gpus=args.gpus, say=ctx.out,
     )
     from lmtrain.local import launch
 

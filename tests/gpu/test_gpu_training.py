@@ -1,0 +1,110 @@
+"""GPU runs through the same entry a SLURM task runs (lmtrain.entry via the local launcher, one
+process per GPU): GPT-2 with bf16 + torch.compile, and DeepSpeed ZeRO stages 1, 2 and 3 for 50
+steps each with a falling loss. Marked ``gpu``; skipped where CUDA is absent.
+
+Run on a GPU machine: ``pytest -m gpu tests/gpu -v``. The cluster profile's NCCL variables
+(InfiniBand HCAs, ib0) are not applied here: a single-node test box may have neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+GPT2_SMALL = [
+    "model.type=gpt2",
+    "model.config={n_layer: 4, n_head: 4, n_embd: 256, n_positions: 256, vocab_size: 260, bos_token_id: 256, eos_token_id: 256}",
+    "data.seq_len=256",
+    "data.micro_batch_size=16",
+    "data.num_workers=2",
+    "trainer.global_batch_size=16",
+    "trainer.log_every_n_steps=5",
+    "trainer.val_check_interval=null",
+    "trainer.limit_val_batches=4",
+    "trainer.gradient_clip_val=1.0",
+    "optim.lr=1.0e-3",
+    "optim.warmup_steps=5",
+    "optim.min_lr=1.0e-4",
+    "checkpoint.every_n_steps=25",
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from lmtrain.data import prepare, shipped_corpus_files
+
+    out = tmp_path_factory.mktemp("data") / "tiny"
+    prepare(shipped_corpus_files(), out)
+    return out
+
+
+def _run(tmp_path: Path, name: str, overrides: list[str], data_dir: Path, steps: int) -> list[dict]:
+    from launcher.commands.run import prepare_local_run
+    from lmtrain.local import launch
+
+    spec = REPO / "jobs" / ("gpt2-124m.yaml" if "zero" not in name else "llama-1b-zero2.yaml")
+    env = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs")}
+    plan = prepare_local_run(
+        str(spec), [*GPT2_SMALL, f"data.path={data_dir}", *overrides], devices=1, max_steps=steps,
+        name=name, environ=env, gpus=True, resume=True, say=print,
+    )
+    assert plan.trainer["accelerator"] == "gpu"
+    log = Path(plan.paths.run_dir) / "launcher.out"
+    with open(log, "w") as out:
+        code = launch(plan.paths.run_dir, 1, plan_env={}, out=out)
+    assert code == 0, log.read_text()[-6000:]
+    lines = [json.loads(x) for x in Path(plan.paths.heartbeat).read_text().splitlines()]
+    ledger = [json.loads(x) for x in Path(plan.paths.ledger).read_text().splitlines()]
+    assert ledger[-1]["reason"] == "completed"
+    return lines
+
+
+def _assert_falls(lines: list[dict], factor: float = 0.75) -> None:
+    steps = [d for d in lines if d["event"] == "step"]
+    assert len(steps) >= 5
+    first, last = steps[0]["loss"], steps[-1]["loss"]
+    assert last < factor * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    print(f"loss {first:.3f} -> {last:.3f}; tokens/s {steps[-1]['tokens_per_s']}; mfu {steps[-1]['mfu']}")
+
+
+def test_gpt2_bf16_compile_trains_through_the_entry(tmp_path, data_dir):
+    lines = _run(tmp_path, "gpu-gpt2", ["model.compile=true", "trainer.precision=bf16-mixed"], data_dir, 50)
+    _assert_falls(lines)
+    steps = [d for d in lines if d["event"] == "step"]
+    assert steps[-1]["tokens_per_s"] > 0
+    assert steps[-1]["mfu"] is None or 0 < steps[-1]["mfu"] < 1
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_stage_trains_50_steps_with_falling_loss(tmp_path, data_dir, stage):
+    pytest.importorskip("deepspeed")
+    lines = _run(
+        tmp_path, f"gpu-zero{stage}",
+        ["trainer.strategy=deepspeed", f"trainer.zero_stage={stage}", "trainer.precision=bf16-mixed",
+         "model.compile=false", "model.activation_checkpointing=true"],
+        data_dir, 50,
+    )
+    _assert_falls(lines)
+    ckpts = [d for d in lines if d["event"] == "checkpoint"]
+    assert [c["step"] for c in ckpts] == [25, 50]
+
+
+def test_deepspeed_checkpoint_resumes_on_the_same_world_size(tmp_path, data_dir):
+    pytest.importorskip("deepspeed")
+    over = ["trainer.strategy=deepspeed", "trainer.zero_stage=2", "trainer.precision=bf16-mixed", "model.compile=false"]
+    _run(tmp_path, "gpu-zero-resume", over, data_dir, 25)
+    lines = _run(tmp_path, "gpu-zero-resume", over, data_dir, 50)  # same run dir: resumes at 25
+    starts = [d for d in lines if d["event"] == "start"]
+    assert [s["step"] for s in starts] == [0, 25]
