@@ -22,6 +22,7 @@ from typing import Any
 HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
 UNREACHABLE = "unknown (SLURM unreachable)"
 CACHE_FILE = "cache/final-jobs.json"  # under $LMLAUNCH_HOME: sacct rows of jobs that can no longer change
+SLURM_TIMEOUT_S = 10.0  # status waits this long for a busy controller, then shows the run dirs alone
 
 # --------------------------------------------------------------------------- reading run directories
 
@@ -194,7 +195,7 @@ def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = N
         return view
     try:
         view.calls.append("squeue")
-        for q in slurm.squeue_status(ids):
+        for q in slurm.squeue_status(ids, timeout=SLURM_TIMEOUT_S):
             view.jobs[q.job_id] = SlurmJob(q.job_id, q.state, q.reason, q.restarts + 1, q.time_limit,
                                            q.num_nodes, q.elapsed, q.nodelist, "squeue")
     except (SlurmUnavailable, UserError) as exc:
@@ -209,7 +210,7 @@ def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = N
     if missing:
         try:
             view.calls.append("sacct")
-            rows = slurm.sacct(missing, duplicates=True)
+            rows = slurm.sacct(missing, duplicates=True, timeout=SLURM_TIMEOUT_S)
         except (SlurmUnavailable, UserError) as exc:
             view.message = f"accounting: {exc.message}"
             rows = []

@@ -1,0 +1,165 @@
+"""launcher.monitor: pure readings of run directories and the row models of status/history/logs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher import monitor, runs
+from launcher.monitor import SlurmJob
+from monitor_synth import T0, make_run
+
+
+def _row(home, name, job, *, reachable=True, now=T0):
+    rec = runs.load_record(name, {"LMLAUNCH_HOME": str(home)})
+    from pathlib import Path
+
+    return monitor.build_row(rec, monitor.read_run_files(Path(rec.run_dir)), job, slurm_reachable=reachable, now=now)
+
+
+def test_read_tail_reads_only_the_last_bytes_and_drops_cut_and_partial_lines(tmp_path):
+    p = tmp_path / "hb.jsonl"
+    lines = [json.dumps({"event": "step", "step": i, "pad": "x" * 100}) for i in range(1000)]
+    p.write_text("\n".join(lines) + "\n" + '{"event": "step", "st')  # a write in progress
+    tail = monitor.read_tail(p, max_bytes=4096)
+    assert 20 < len(tail) < 40  # ~4 KB of ~130-byte lines, not the whole file
+    assert tail[-1]["step"] == 999
+    assert [t["step"] for t in tail] == list(range(1000 - len(tail), 1000))  # the cut first line is gone
+
+
+def test_read_tail_of_missing_file_is_empty(tmp_path):
+    assert monitor.read_tail(tmp_path / "nope.jsonl") == []
+
+
+@pytest.mark.parametrize("text,secs", [("1-02:03:04", 93784), ("2:00:00", 7200), ("20:00", 1200), ("0:33", 33),
+                                       ("30", 1800), ("UNLIMITED", None), ("", None)])
+def test_slurm_durations_parse(text, secs):
+    assert monitor.parse_slurm_duration(text) == secs
+
+
+@pytest.mark.parametrize("nodelist,n", [("n[1-2]", 2), ("n1", 1), ("n[1-3,7],gpu5", 5), ("", 0), ("None assigned", 0)])
+def test_hostlists_count_nodes(nodelist, n):
+    assert monitor._count_nodes(nodelist) == n
+
+
+def test_running_row_has_step_loss_rate_eta_and_checkpoint_age(tmp_path):
+    make_run(tmp_path, "r", attempts=[{"job_id": "101", "start_step": 0, "end_step": 40, "t0": T0 - 100, "t1": T0}],
+             checkpoint_step=30)
+    job = SlurmJob("101", "RUNNING", "None", 1, "20:00", 2, "1:40", "n[1-2]")
+    row = _row(tmp_path, "r", job)
+    assert (row.state, row.group, row.reason, row.attempt, row.step, row.max_steps) == ("RUNNING", "running", None, 1, 40, 100)
+    assert row.loss == pytest.approx(5.0 - 0.8) and row.tokens_per_s == 5040.0 and row.mfu == pytest.approx(0.31)
+    assert row.checkpoint_step == 30 and row.checkpoint_age_s == pytest.approx(90)
+    assert row.nodes == 2 and row.elapsed == "1:40" and row.time_limit == "20:00"
+    # 10 steps per 24 s in this heartbeat -> 60 remaining steps take 144 s
+    assert row.eta_s == pytest.approx(60 / (30 / 72), rel=1e-6)
+    assert row.progress == pytest.approx(0.4)
+
+
+def test_pending_row_shows_its_reason_and_attempt_one(tmp_path):
+    make_run(tmp_path, "p", attempts=[])
+    row = _row(tmp_path, "p", SlurmJob("101", "PENDING", "Resources", 1, "20:00", 2, "0:00", ""))
+    assert (row.state, row.group, row.reason, row.attempt, row.step) == ("PENDING", "queued", "Resources", 1, None)
+    assert row.eta_s is None
+
+
+def test_requeued_job_pending_on_begin_time_counts_as_the_next_attempt(tmp_path):
+    make_run(tmp_path, "q", attempts=[{"job_id": "101", "start_step": 0, "end_step": 30, "t0": T0 - 100, "t1": T0 - 10,
+                                       "reason": "preempted", "requeued": True}], checkpoint_step=30)
+    row = _row(tmp_path, "q", SlurmJob("101", "PENDING", "BeginTime", 2, "20:00", 2, "0:00", ""))
+    assert (row.state, row.reason, row.attempt, row.requeued, row.step) == ("PENDING", "BeginTime", 2, True, 30)
+    assert "requeued" in row.note
+
+
+def test_second_attempt_running_before_its_ledger_line_is_still_attempt_two(tmp_path):
+    make_run(tmp_path, "q2", attempts=[{"job_id": "101", "start_step": 0, "end_step": 30, "t0": T0 - 100, "t1": T0 - 10}])
+    row = _row(tmp_path, "q2", SlurmJob("101", "RUNNING", "None", 2, "20:00", 2, "0:05", "n[1-2]"))
+    assert row.attempt == 2
+
+
+def test_attempts_count_across_the_job_ids_of_a_resumed_run(tmp_path):
+    make_run(tmp_path, "m", job_ids=("101", "205"), attempts=[
+        {"job_id": "101", "start_step": 0, "end_step": 30, "t0": T0 - 300, "t1": T0 - 200, "reason": "timeout"},
+        {"job_id": "205", "start_step": 30, "end_step": 60, "t0": T0 - 100, "t1": T0 - 1},
+    ])
+    row = _row(tmp_path, "m", SlurmJob("205", "RUNNING", "None", 1, "20:00", 2, "1:39", "n[1-2]"))
+    assert row.attempt == 2 and row.job_id == "205"
+
+
+def test_unreachable_slurm_keeps_heartbeat_information(tmp_path):
+    make_run(tmp_path, "u", attempts=[{"job_id": "101", "start_step": 0, "end_step": 50, "t0": T0 - 100, "t1": T0}])
+    row = _row(tmp_path, "u", None, reachable=False)
+    assert row.state == "unknown (SLURM unreachable)" and row.group == "unknown"
+    assert row.step == 50 and row.attempt == 1 and row.loss is not None
+
+
+def test_markers_decide_when_slurm_forgot_the_job(tmp_path):
+    make_run(tmp_path, "d", markers=("DONE",))
+    make_run(tmp_path, "c", markers=("CANCELLED",))
+    make_run(tmp_path, "x")
+    assert _row(tmp_path, "d", None).state == "COMPLETED"
+    assert _row(tmp_path, "c", None).state == "CANCELLED"
+    x = _row(tmp_path, "x", None)
+    assert x.state == "UNKNOWN" and "neither squeue nor sacct" in x.note
+
+
+def test_history_goodput_steps_lost_and_queue_wait():
+    ledger = [
+        {"event": "start", "attempt": 1, "job_id": "7", "time": 1000.0, "start_step": 0, "nodes": ["n1"]},
+        {"event": "end", "attempt": 1, "job_id": "7", "time": 1100.0, "end_step": 45, "reason": "preempted", "requeued": True},
+        {"event": "start", "attempt": 2, "job_id": "7", "time": 1200.0, "start_step": 40, "nodes": ["n2"]},
+        {"event": "end", "attempt": 2, "job_id": "7", "time": 1300.0, "end_step": 100, "reason": "completed"},
+        {"event": "cancel_requested", "time": 1400.0},
+    ]
+    beats = [{"event": "step", "attempt": 1, "time": 1010.0 + i, "step": i} for i in range(0, 81, 10)]
+    beats += [{"event": "step", "attempt": 2, "time": 1220.0 + i, "step": 40 + i} for i in range(0, 61, 10)]
+    sacct = {"7": [(990.0, 995.0, 1105.0), (1150.0, 1195.0, 1305.0)]}
+    h = monitor.build_history("r", ledger, beats, sacct, now=2000.0)
+    a1, a2 = h.attempts
+    assert (a1.reason, a1.requeued, a1.steps_lost, a1.queue_wait_s, a1.alloc_s) == ("preempted", True, 5, 5.0, 110.0)
+    assert (a2.reason, a2.steps_lost, a2.queue_wait_s, a2.alloc_s) == ("completed", None, 45.0, 110.0)
+    assert a1.train_s == 80.0 and a2.train_s == 60.0
+    assert h.goodput == pytest.approx(140 / 220)
+    assert h.steps_lost_total == 5 and h.queue_wait_total_s == 50.0 and h.cancel_requested == 1400.0
+
+
+def test_history_attempt_without_end_line_is_unknown_and_lost_steps_come_from_heartbeat():
+    ledger = [
+        {"event": "start", "attempt": 1, "job_id": "7", "time": 1000.0, "start_step": 0},
+        {"event": "start", "attempt": 2, "job_id": "7", "time": 1200.0, "start_step": 20},
+    ]
+    beats = [{"event": "step", "attempt": 1, "time": 1000.0 + s, "step": s} for s in (10, 20, 30)]
+    h = monitor.build_history("r", ledger, beats, None, now=1_000_000.0)
+    assert [a.reason for a in h.attempts] == ["unknown", "unknown"]
+    assert h.attempts[0].steps_lost == 10 and h.attempts[0].end_time == 1030.0
+
+
+def test_error_filter_keeps_whole_tracebacks_and_error_lines():
+    lines = ["step 1 ok", "Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+             "    boom()", "RuntimeError: boom", "step 2 ok", "srun: error: n2: task 1: Exited with exit code 1",
+             "2026 [rank 0] ERROR lmtrain: failed", "all fine"]
+    assert monitor.error_lines(lines) == lines[1:5] + lines[6:8]
+
+
+def test_log_sources_fall_back_to_submitit_files_of_each_job(tmp_path):
+    run_dir = tmp_path / "r"
+    (run_dir / "submitit").mkdir(parents=True)
+    for j in ("11", "12"):
+        (run_dir / "submitit" / f"{j}_0_log.out").write_text(f"out {j}\n")
+        (run_dir / "submitit" / f"{j}_0_log.err").write_text(f"err {j}\n")
+    (run_dir / "submitit" / "12_1_log.out").write_text("rank 1\n")
+    srcs = monitor.log_sources(run_dir, ["11", "12"])
+    assert [s.path.name for s in srcs] == ["11_0_log.out", "11_0_log.err", "12_0_log.out", "12_0_log.err"]
+    assert [s.path.name for s in monitor.log_sources(run_dir, ["11", "12"], rank=1)] == ["12_1_log.out"]
+    (run_dir / "logs" / "attempt-2").mkdir(parents=True)
+    (run_dir / "logs" / "attempt-10").mkdir(parents=True)
+    (run_dir / "logs" / "attempt-2" / "rank-0.log").write_text("a2\n")
+    (run_dir / "logs" / "attempt-10" / "rank-0.log").write_text("a10\n")
+    assert [s.attempt for s in monitor.log_sources(run_dir, ["11", "12"])] == [2, 10]  # numeric order, per-attempt logs win
+
+
+def test_unreachable_slurm_is_reported_not_raised(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no squeue on PATH
+    view = monitor.query_slurm(["1", "2"], environ={"LMLAUNCH_HOME": str(tmp_path)})
+    assert not view.reachable and "squeue" in view.message and view.jobs == {}
