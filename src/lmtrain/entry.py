@@ -96,7 +96,7 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
             plan.run_name, rv.attempt, env.rank, env.world_size, env.local_rank, env.node_rank,
             env.job_id, rv.addr, rv.port,
         )
-        for note in plan.notes:
+        for note in plan.notes if env.rank == 0 else ():
             log.warning("notice: %s", note)
         return _train(plan, env, rv.attempt, run_dir, hooks or Hooks())
 
