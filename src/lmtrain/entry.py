@@ -42,6 +42,7 @@ class Outcome:
     detail: str | None = None
     requeued: bool = False
     exit_code: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # ledger extras: signal_time, checkpoint_seconds, ...
 
 
 @dataclass
@@ -67,6 +68,7 @@ class RunContext:
     stop: Any  # lmtrain.callbacks.StopRequest
     trainer: Any = None
     start_step: int = 0
+    preemption: Any = None  # lmtrain.preemption.Preemption
 
 
 def run_slurm_task(run_dir: str) -> int:
@@ -76,6 +78,7 @@ def run_slurm_task(run_dir: str) -> int:
 
 def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     from launcher.plan import LaunchPlan
+    from lmtrain import preemption
     from lmtrain.env import read_env, rendezvous
 
     run_dir = Path(run_dir)
@@ -88,7 +91,11 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
             f"{plan.topology.world_size}; the job must be started with the plan's topology"
         )
     attempt = _next_attempt(Path(plan.paths.ledger)) if env.rank == 0 else None
+    # Rank 0 decides whether this attempt trains at all (DONE / CANCELLED / loop guards) and
+    # publishes the answer before the rendezvous, so every rank reads the same one after it.
+    gate = preemption.decide_start(plan, env, run_dir) if env.rank == 0 else None
     rv = rendezvous(env, run_dir, attempt=attempt)
+    gate = gate or preemption.read_gate(run_dir, env)
     log_path = Path(plan.paths.logs_dir) / f"attempt-{rv.attempt}" / f"rank-{env.rank}.log"
     with _rank_log(log_path, env.rank):
         log.info(
@@ -98,6 +105,8 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
         )
         for note in plan.notes if env.rank == 0 else ():
             log.warning("notice: %s", note)
+        if gate.exit:
+            return preemption.finish_without_training(plan, env, rv.attempt, gate)
         return _train(plan, env, rv.attempt, run_dir, hooks or Hooks())
 
 
@@ -167,7 +176,8 @@ def _rank_log(path: Path, rank: int):
 
 def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
     from lmtrain.callbacks import Heartbeat, RunInfo, StopRequest, append_jsonl
-    from lmtrain.checkpoint import check_compatible, newest_complete
+    from lmtrain.checkpoint import CheckpointError, check_compatible, newest_complete
+    from lmtrain.preemption import Preemption
 
     t, paths = plan.trainer, plan.paths
     max_steps = int(t["max_steps"])
@@ -179,6 +189,9 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
     heartbeat = Heartbeat(paths.heartbeat, info)
     stop = StopRequest()
     ctx = RunContext(plan=plan, env=env, attempt=attempt, run_dir=run_dir, stop=stop)
+    # lmtrain owns SIGTERM and the warning signal from here on (handlers only record).
+    ctx.preemption = Preemption(plan, env, run_dir, stop, attempt)
+    ctx.preemption.start()
 
     _configure_torch(t, env)
 
@@ -187,7 +200,23 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
     start_step = 0
     rank_state = None
     if ckpt is not None:
-        check_compatible(ckpt, strategy=t["strategy"], world_size=env.world_size)
+        try:
+            check_compatible(ckpt, strategy=t["strategy"], world_size=env.world_size)
+        except CheckpointError as exc:
+            # Not retryable: say so in the rank log and the ledger, exit non-zero, never requeue.
+            log.error("cannot resume: %s", exc)
+            if is_zero:
+                now = time.time()
+                append_jsonl(paths.ledger, {
+                    "event": "start", "attempt": attempt, "job_id": env.job_id, "restart_count": env.restart_count,
+                    "time": now, "start_step": ckpt.step, "nodes": list(env.nodes), "world_size": env.world_size,
+                })
+                append_jsonl(paths.ledger, {
+                    "event": "end", "attempt": attempt, "job_id": env.job_id, "time": now, "end_step": ckpt.step,
+                    "reason": "crashed", "detail": f"cannot resume: {exc}"[:2000], "requeued": False,
+                })
+            ctx.preemption.signals.restore()
+            return 2
         start_step = ckpt.step
         rank_state = ckpt.rank_state(env.rank)
     ctx.start_step = start_step
@@ -208,8 +237,10 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
         else:
             outcome = _fit(plan, env, ctx, hooks, heartbeat, ckpt, rank_state)
     except BaseException as exc:
+        from lmtrain.watchdog import hang_reason
+
         outcome = Outcome(
-            reason=stop.reason or "crashed",
+            reason=stop.reason or hang_reason(exc, paths.logs_dir, attempt) or "crashed",
             end_step=ctx.trainer.global_step if ctx.trainer is not None else start_step,
             detail=f"{type(exc).__name__}: {exc}"[:2000],
             exit_code=1,
@@ -217,17 +248,21 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
         log.error("training failed:\n%s", traceback.format_exc())
         raise
     finally:
+        ctx.preemption.decide(ctx, outcome)  # reason, requeue decision (rank 0 asks SLURM)
         if hooks.on_end is not None:
             hooks.on_end(ctx, outcome)
         if is_zero:
             if outcome.reason == "completed":
                 _write_marker(run_dir / "DONE", f"{outcome.end_step}\n")
-            append_jsonl(paths.ledger, {
+            from lmtrain.watchdog import write_end_once  # the hang watchdog may have written it
+
+            write_end_once(paths.ledger, {
                 "event": "end", "attempt": attempt, "job_id": env.job_id, "time": time.time(),
                 "end_step": outcome.end_step, "reason": outcome.reason, "detail": outcome.detail,
-                "requeued": outcome.requeued,
+                "requeued": outcome.requeued, **outcome.extra,
             })
-        heartbeat.emit("end", step=outcome.end_step, reason=outcome.reason)
+        heartbeat.emit("end", step=outcome.end_step, reason=outcome.reason, **outcome.extra)
+        ctx.preemption.after_end(ctx, outcome)  # scontrol requeue comes LAST
     return outcome.exit_code
 
 
@@ -252,15 +287,18 @@ def build_strategy(plan, env, model_spec: dict[str, Any]):
     """Lightning strategy object for the plan: DDP, FSDP or DeepSpeed, with our cluster env."""
     t = plan.trainer
     from lmtrain.env import cluster_environment
+    from lmtrain.watchdog import process_group_timeout
 
     cluster = cluster_environment(env)
     backend = t["process_group_backend"]
+    timeout = process_group_timeout(plan.spec)  # every collective (gloo and NCCL): spec watchdog.collective_timeout_s
     name = t["strategy"]
     if name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(
             cluster_environment=cluster,
+            timeout=timeout,
             process_group_backend=backend,
             gradient_as_bucket_view=True,  # grads live in the buckets: no extra copy
             find_unused_parameters=False,
@@ -270,6 +308,7 @@ def build_strategy(plan, env, model_spec: dict[str, Any]):
 
         return FSDPStrategy(
             cluster_environment=cluster,
+            timeout=timeout,
             process_group_backend=backend,
             auto_wrap_policy=_block_classes(model_spec),
             sharding_strategy="FULL_SHARD",
@@ -287,8 +326,23 @@ def build_strategy(plan, env, model_spec: dict[str, Any]):
                 f"plan inconsistency: deepspeed gradient_accumulation_steps({accum}) != "
                 f"trainer accumulate_grad_batches({t['accumulate_grad_batches']})"
             )
-        return DeepSpeedStrategy(config=config, cluster_environment=cluster, process_group_backend=backend)
+        return DeepSpeedStrategy(
+            config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
+        )
     raise RuntimeError(f"unknown strategy '{name}' in plan.json (allowed: ddp, fsdp, deepspeed)")
+
+
+def _watchdog_callbacks(plan, env, ctx: RunContext, heartbeat) -> list[Any]:
+    """The hang watchdog (lmtrain.watchdog), unless the spec turned it off."""
+    from lmtrain.watchdog import WatchdogCallback, watchdog_settings
+
+    w = watchdog_settings(plan.spec)
+    if w["hang_timeout_s"] is None:
+        return []
+    return [WatchdogCallback(
+        timeout_s=float(w["hang_timeout_s"]), grace_s=float(w["exit_grace_s"]), logs_dir=plan.paths.logs_dir,
+        ledger=plan.paths.ledger, attempt=ctx.attempt, rank=env.rank, job_id=env.job_id, heartbeat=heartbeat,
+    )]
 
 
 def _block_classes(model_spec: dict[str, Any]) -> set[type]:
@@ -379,10 +433,12 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     )
     metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=int(spec["logging"]["heartbeat_every_n_steps"]))
     module.metrics_sink = metrics_cb.step_metrics
-    callbacks = [ckpt_cb, StopAtStepBoundary(stop, ckpt_cb), RngNeutralValidation(), metrics_cb]
+    stop_cb = ctx.preemption.callback(ckpt_cb) if ctx.preemption is not None else StopAtStepBoundary(stop, ckpt_cb)
+    callbacks = [ckpt_cb, stop_cb, RngNeutralValidation(), metrics_cb]
     if hooks.setup is not None:
         callbacks += list(hooks.setup(ctx) or [])
     callbacks += hooks.callbacks
+    callbacks += _watchdog_callbacks(plan, env, ctx, heartbeat)  # last: it beats after checkpoint writes
     loggers = make_loggers(ctx.run_dir, spec["logging"], plan.run_name)
 
     # --- trainer ----------------------------------------------------------------------------
