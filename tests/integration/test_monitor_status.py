@@ -1,0 +1,158 @@
+"""`lmlaunch status --json`, `cancel` and `history` against the real local cluster: a running
+run, a pending run (cancelled through `lmlaunch cancel`), the same run preempted by an exclusive
+job on the `high` partition and requeued, and finally finished, each with the right state,
+reason, attempt and step."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from launcher import slurm
+from slurm_helpers import REPO, wait_terminal
+
+MAX_STEPS = 60
+OVERRIDES = (
+    "resources.nodes=1",  # one node: the preempting job then needs that node only
+    f"trainer.max_steps={MAX_STEPS}",
+    "optim.warmup_steps=3",
+    "trainer.val_check_interval=30",
+    "trainer.log_every_n_steps=5",
+    "checkpoint.every_n_steps=10",
+)
+
+
+def _status(cli, *args) -> dict:
+    r = cli("status", "--json", "--all", *args)
+    assert r.code == 0, r.err
+    return json.loads(r.out)
+
+
+def _row(cli, name) -> dict:
+    data = _status(cli, name)
+    assert data["slurm"]["reachable"], data
+    (row,) = data["runs"]
+    return row
+
+
+def _wait_row(cli, name, pred, timeout: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout
+    row = {}
+    while time.monotonic() < deadline:
+        row = _row(cli, name)
+        if pred(row):
+            return row
+        time.sleep(1.0)
+    raise AssertionError(f"{name}: {what} not seen within {timeout:.0f} s; last row {row}")
+
+
+def _submit(cli, name, *extra) -> str:
+    r = cli("submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={name}", *OVERRIDES, *extra)
+    assert r.code == 0, r.err
+    assert f"lmlaunch status {name}" in r.out and f"lmlaunch cancel {name}" in r.out  # next commands
+    return re.search(r"job (\d+)", r.out).group(1)
+
+
+def _sbatch(*args: str) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=30,
+                          env=slurm.slurm_env())
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def test_status_follows_a_run_through_running_pending_preempted_requeued_and_finished(
+    slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path
+):
+    job = _submit(cli, run_name)
+    own_jobs.append(job)
+    run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+
+    # running: steps advance and a checkpoint is written
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING" and (r["checkpoint_step"] or 0) >= 10,
+                    240, "RUNNING with a checkpoint")
+    assert (row["job_id"], row["group"], row["reason"], row["attempt"], row["requeued"]) == (job, "running", None, 1, False)
+    assert row["step"] >= 10 and row["max_steps"] == MAX_STEPS and row["nodes"] == 1 and row["loss"] is not None
+    assert row["time_limit"] == "20:00" and row["tokens_per_s"] > 0
+
+    # pending: a run that needs every CPU of both nodes cannot start beside it
+    pending_name = run_name + "-pd"
+    pjob = _submit(cli, pending_name, "resources.nodes=2", "resources.cpus_per_task=4")
+    own_jobs.append(pjob)
+    prow = _wait_row(cli, pending_name, lambda r: r["state"] == "PENDING" and r["reason"], 30, "PENDING with a reason")
+    assert prow["reason"] in ("Resources", "Priority"), prow
+    assert (prow["attempt"], prow["step"], prow["group"]) == (1, None, "queued")
+    # ... and cancelled: marker first, then scancel, registry and ledger updated
+    r = cli("cancel", pending_name, "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["cancelled_jobs"] == [pjob]
+    pdir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / pending_name
+    assert json.loads((pdir / "CANCELLED").read_text())["job_ids"] == [pjob]
+    ledger = [json.loads(x) for x in (pdir / "attempts.jsonl").read_text().splitlines()]
+    assert ledger[-1]["event"] == "cancel_requested" and ledger[-1]["job_ids"] == [pjob]
+    crow = _wait_row(cli, pending_name, lambda r: r["state"] == "CANCELLED", 30, "CANCELLED")
+    assert crow["group"] == "cancelled"
+
+    # finished: it trains to max_steps
+    assert wait_terminal(job, timeout=300) == "COMPLETED"
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "COMPLETED" and r["step"] == MAX_STEPS, 30, "COMPLETED")
+    assert (row["attempt"], row["requeued"], row["group"], row["eta_s"]) == (1, False, "completed", None)
+    assert (run_dir / "DONE").exists()
+
+    # history: one completed attempt, its queue wait from sacct -D, goodput from the heartbeat
+    r = cli("history", run_name, "--json")
+    assert r.code == 0, r.err
+    h = json.loads(r.out)
+    (a,) = h["attempts"]
+    assert (a["attempt"], a["job_id"], a["reason"], a["end_step"]) == (1, job, "completed", MAX_STEPS)
+    assert a["queue_wait_s"] is not None and 0 < h["goodput"] <= 1
+
+    # logs: the attempt with its marker line
+    r = cli("logs", run_name)
+    assert r.code == 0
+    assert r.out.splitlines()[0].startswith(f"──── attempt 1 · job {job}")
+
+
+def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next_attempt(
+    slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path
+):
+    """SLURM's side of preemption, independent of the training runtime: a registered run whose
+    job (a plain sleep) is preempted by an exclusive job on `high` and requeued by SLURM."""
+    from launcher import runs
+
+    run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+    (run_dir / "metrics").mkdir(parents=True)
+    job = _sbatch("-J", run_name, "-p", "low", "-N", "1", "-n", "1", "--requeue", "-t", "5",
+                  "-o", str(tmp_path / "low-%j.out"), "--wrap", "sleep 600")
+    own_jobs.append(job)
+    runs.save_record(runs.RunRecord(name=run_name, profile="local", run_dir=str(run_dir), spec_path=None,
+                                    job_ids=[job], submitted_at=[time.time()], max_steps=100), lm_env)
+    slurm.wait_for(job, {"running"}, timeout=120, poll=1.0)
+    now = time.time()
+    (run_dir / "attempts.jsonl").write_text(json.dumps(
+        {"event": "start", "attempt": 1, "job_id": job, "time": now, "start_step": 0, "nodes": ["n1"]}) + "\n")
+    (run_dir / "metrics" / "heartbeat.jsonl").write_text("".join(json.dumps(
+        {"time": now + i, "event": "step", "step": 10 * i, "max_steps": 100, "loss": 4.0, "tokens_per_s": 100.0,
+         "attempt": 1, "job_id": job}) + "\n" for i in range(1, 4)))
+    row = _row(cli, run_name)
+    assert (row["state"], row["attempt"], row["step"], row["requeued"]) == ("RUNNING", 1, 30, False)
+
+    node = slurm.squeue_status([job])[0].nodelist
+    high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", node, "-N", "1", "-n", "1", "--exclusive",
+                   "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 1")
+    own_jobs.append(high)
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "PENDING" and r["reason"] == "BeginTime", 120,
+                    "PENDING (BeginTime) after preemption")
+    assert (row["attempt"], row["requeued"], row["step"], row["group"]) == (2, True, 30, "queued")
+    assert "requeued" in row["note"]
+
+    slurm.start_now(job)
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING", 120, "RUNNING again")
+    assert (row["attempt"], row["requeued"]) == (2, True)
+
+    r = cli("cancel", run_name)
+    assert r.code == 0 and f"scancel {job}" in r.out, r.out + r.err
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "CANCELLED", 30, "CANCELLED")
+    assert runs.load_record(run_name, lm_env).state == "cancelled"
