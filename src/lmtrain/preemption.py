@@ -407,11 +407,28 @@ def _slurm_job_facts(job_id: str) -> dict[str, str] | None:
 
 
 def _seconds_left(info: dict[str, str] | None, at: float) -> float | None:
-    end = (info or {}).get("EndTime", "")
+    """Seconds from ``at`` to the job's time limit: StartTime + TimeLimit. Not EndTime: when
+    SLURM preempts a job it moves EndTime to now + GraceTime (seen on 22.05), which would read
+    as "at the time limit" and turn every preemption into a timeout."""
+    info = info or {}
     try:
-        return time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S")) - at
+        start = time.mktime(time.strptime(info.get("StartTime", ""), "%Y-%m-%dT%H:%M:%S"))
     except ValueError:
         return None  # Unknown / None
+    limit = _limit_seconds(info.get("TimeLimit", ""))
+    return None if limit is None else start + limit - at
+
+
+def _limit_seconds(text: str) -> float | None:
+    """SLURM's TimeLimit ('D-HH:MM:SS', 'HH:MM:SS', 'MM:SS', 'UNLIMITED') in seconds."""
+    days, _, hms = text.rpartition("-")
+    parts = hms.split(":")
+    if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 3 or (days and not days.isdigit()):
+        return None
+    secs = 0
+    for p in parts:
+        secs = secs * 60 + int(p)
+    return secs + int(days or 0) * 86400
 
 
 def _previous_attempt_state(job_id: str) -> str | None:
