@@ -23,7 +23,15 @@ Write protocol (every rank calls :meth:`CheckpointManager.save` at the same step
 
 A crash at any point leaves either a ``.tmp`` directory or a ``step-S`` without ``COMPLETE``;
 resume only ever considers ``step-*`` directories that contain ``COMPLETE`` (newest first),
-whatever ``latest`` says. Everything is loaded with ``torch.load(weights_only=True)``.
+whatever ``latest`` says. ``COMPLETE`` holds a manifest (every file and its size); a directory
+whose files do not match it (a deletion that was interrupted) is not complete either. Deleting
+a checkpoint first renames it to ``.trash-step-S-<pid>`` (one atomic step: it stops being a
+checkpoint at once), then removes it; leftovers of interrupted saves and deletions are removed
+by the next ``prune``. Everything is loaded with ``torch.load(weights_only=True)``.
+
+Tests kill a saving process at every step of this protocol: with ``LMLAUNCH_TEST_KILL_AT=<n>``
+in the environment (test-only), the n-th write/fsync/rename/marker step of this process
+SIGKILLs it (``0`` counts the steps without killing; :func:`test_kill_points_seen`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +64,31 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from as things are (the message says what to do)."""
 
 
+# --- test-only kill points ----------------------------------------------------------------------
+TEST_KILL_ENV = "LMLAUNCH_TEST_KILL_AT"
+_kill_points_seen = 0
+
+
+def _test_kill_point(label: str) -> None:
+    """Test-only: with LMLAUNCH_TEST_KILL_AT=<n>, SIGKILL this process at its n-th step."""
+    at = os.environ.get(TEST_KILL_ENV)
+    if not at:
+        return
+    global _kill_points_seen
+    _kill_points_seen += 1
+    if _kill_points_seen == int(at):
+        log.warning("test: SIGKILL at checkpoint step %d (%s)", _kill_points_seen, label)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_kill_points_seen() -> int:
+    """How many kill points this process passed (with LMLAUNCH_TEST_KILL_AT set)."""
+    return _kill_points_seen
+
+
+test_kill_points_seen.__test__ = False  # not a pytest test
+
+
 # --- file primitives ---------------------------------------------------------------------------
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -62,6 +96,7 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    _test_kill_point(f"fsync dir {path.name}")
 
 
 def fsync_file(path: Path) -> None:
@@ -70,6 +105,7 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    _test_kill_point(f"fsync {path.name}")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -77,8 +113,11 @@ def write_text_atomic(path: Path, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
+        _test_kill_point(f"wrote {tmp.name}")
         os.fsync(f.fileno())
+    _test_kill_point(f"fsynced {tmp.name}")
     os.replace(tmp, path)
+    _test_kill_point(f"renamed {path.name}")
     fsync_dir(path.parent)
 
 
@@ -87,8 +126,55 @@ def torch_save_atomic(obj: Any, path: Path) -> None:
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
+        _test_kill_point(f"wrote {tmp.name}")
         os.fsync(f.fileno())
+    _test_kill_point(f"fsynced {tmp.name}")
     os.replace(tmp, path)
+    _test_kill_point(f"renamed {path.name}")
+    fsync_dir(path.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory so that no crash leaves a part of it looking complete: rename it out of
+    the ``step-*`` namespace first (atomic), then remove it."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.replace(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+    _test_kill_point(f"removed {path.name}")
+
+
+def manifest(root: Path) -> dict[str, int]:
+    """Every file under ``root`` (relative path -> size), but the COMPLETE marker."""
+    out = {}
+    for path in _all_files(root):
+        rel = path.relative_to(root).as_posix()
+        if rel != COMPLETE_NAME and not path.name.startswith("."):
+            out[rel] = path.stat().st_size
+    return out
+
+
+def is_complete(path: Path) -> bool:
+    """COMPLETE is there and, when it has a manifest, every file it names is there at its size.
+    (A COMPLETE without a manifest, as older lmtrain wrote, is trusted as it is.)"""
+    marker = path / COMPLETE_NAME
+    try:
+        text = marker.read_text()
+    except OSError:
+        return False
+    try:
+        files = json.loads(text).get("files")
+    except (json.JSONDecodeError, AttributeError):
+        return True
+    if not isinstance(files, dict):
+        return True
+    for rel, size in files.items():
+        try:
+            if (path / rel).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 # --- RNG state (as plain tensors / numbers, so weights_only=True can load it) ----------------
@@ -150,7 +236,10 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[CompleteCheckpoint]:
     for child in root.iterdir():
         m = STEP_RE.match(child.name)
         if m and child.is_dir() and (child / COMPLETE_NAME).is_file():
-            found.append(CompleteCheckpoint(step=int(m.group(1)), path=child))
+            if is_complete(child):
+                found.append(CompleteCheckpoint(step=int(m.group(1)), path=child))
+            else:
+                log.warning("%s has COMPLETE but its files do not match its manifest: ignored", child)
     return sorted(found, key=lambda c: c.step)
 
 
@@ -217,12 +306,14 @@ class CheckpointManager:
             self.dir.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
-            if final.exists():  # an incomplete leftover of the same step (complete ones are skipped)
-                shutil.rmtree(final)
+            if final.exists():  # a leftover of the same step (an older write of it): replace it
+                remove_tree(final)
             tmp.mkdir()
+            _test_kill_point("created tmp dir")
         strategy.barrier("lmtrain.checkpoint.begin")
 
         trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
+        _test_kill_point(f"rank {rank} saved {LIGHTNING_NAME}")
         torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
@@ -243,8 +334,9 @@ class CheckpointManager:
             write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
             fsync_dir(tmp)
             os.replace(tmp, final)
+            _test_kill_point("renamed tmp dir")
             fsync_dir(self.dir)
-            write_text_atomic(final / COMPLETE_NAME, f"{step}\n")
+            write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": manifest(final)}) + "\n")
             write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
             self.prune()
         strategy.barrier("lmtrain.checkpoint.end")
@@ -254,14 +346,19 @@ class CheckpointManager:
         """Keep the newest ``keep_last`` complete checkpoints; drop stale temporaries."""
         complete = complete_checkpoints(self.dir)
         for old in complete[: max(0, len(complete) - self.keep_last)]:
-            shutil.rmtree(old.path, ignore_errors=True)
+            remove_tree(old.path)
         newest = complete[-1].step if complete else -1
+        kept = {c.path.name for c in complete}
         for child in self.dir.iterdir():
             m = STEP_RE.match(child.name)
-            if m and int(m.group(1)) < newest and not (child / COMPLETE_NAME).exists():
-                shutil.rmtree(child, ignore_errors=True)  # an interrupted write, superseded
+            if m and int(m.group(1)) < newest and child.name not in kept and child.is_dir():
+                remove_tree(child)  # an interrupted write or deletion, superseded
             elif child.name.startswith(".step-") and child.name.endswith(".tmp"):
-                shutil.rmtree(child, ignore_errors=True)
+                shutil.rmtree(child, ignore_errors=True)  # an interrupted write (never complete)
+            elif child.name.startswith(".trash-"):
+                shutil.rmtree(child, ignore_errors=True)  # an interrupted deletion
+            elif child.name.startswith(f".{LATEST_NAME}.tmp-"):
+                child.unlink(missing_ok=True)  # an interrupted pointer update
 
 
 def _all_files(root: Path):

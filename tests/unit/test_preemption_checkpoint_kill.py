@@ -1,0 +1,169 @@
+"""SIGKILL at every step of a checkpoint write never leaves a checkpoint that a restart loads but
+is incomplete.
+
+Each trial forks a process that saves step 2 over a directory holding a complete step 1 (and
+keep_last=1, so the save also deletes step 1) with two ranks (two threads, each with its own
+rank, meeting at real barriers, writing their own rank files), and SIGKILLs itself at the n-th
+write/fsync/rename/marker step (LMLAUNCH_TEST_KILL_AT=n): between the ranks' files, before and
+after the rename, the COMPLETE marker, the ``latest`` pointer and the deletion of the old
+checkpoint. After each kill the newest complete checkpoint must load entirely and hold exactly
+what was saved for its step; then a next save (step 3) must succeed over the debris.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtrain import checkpoint as ck
+
+WORLD = 2
+
+
+class _Strategy:
+    def __init__(self, barrier: threading.Barrier) -> None:
+        self._barrier = barrier
+
+    def barrier(self, name: str | None = None) -> None:
+        self._barrier.wait(timeout=30)
+
+
+class _Trainer:
+    """What CheckpointManager.save uses of a Trainer: rank, world size, barrier, save_checkpoint
+    (rank 0 writes Lightning's file, as under DDP)."""
+
+    def __init__(self, rank: int, barrier: threading.Barrier, step: int) -> None:
+        self.global_rank, self.world_size, self.step = rank, WORLD, step
+        self.strategy = _Strategy(barrier)
+
+    def save_checkpoint(self, path: str) -> None:
+        if self.global_rank == 0:
+            torch.save({"state_dict": _weights(self.step), "global_step": self.step}, path)
+
+
+def _weights(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}
+
+
+def _save(ckpt_dir: Path, step: int) -> None:
+    """Both ranks save ``step`` (threads), as every rank does at a step boundary."""
+    manager = ck.CheckpointManager(ckpt_dir, keep_last=1, every_n_steps=1, strategy="ddp", zero_stage=None,
+                                   identity={"job_id": "1", "attempt": 1})
+    barrier = threading.Barrier(WORLD)
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            manager.save(_Trainer(rank, barrier, step), step=step,
+                         rank_state={"data_sampler": {"pos": step * 10 + rank}})
+        except BaseException as exc:  # surfaced by the caller
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _in_child(fn, kill_at: int | None, report: Path | None = None) -> int:
+    """Run ``fn`` in a forked child (optionally with the kill point armed); its wait status."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if kill_at is not None:
+                os.environ[ck.TEST_KILL_ENV] = str(kill_at)
+            fn()
+            if report is not None:
+                report.write_text(str(ck.test_kill_points_seen()))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def _assert_loads_completely(ckpt_dir: Path) -> int:
+    newest = ck.newest_complete(ckpt_dir)
+    assert newest is not None, f"no complete checkpoint in {sorted(p.name for p in ckpt_dir.iterdir())}"
+    step = newest.step
+    meta = newest.meta()
+    assert meta["step"] == step and meta["world_size"] == WORLD
+    state = torch.load(newest.lightning_path, map_location="cpu", weights_only=True)
+    assert state["global_step"] == step
+    assert all(torch.equal(state["state_dict"][k], v) for k, v in _weights(step).items())
+    for rank in range(WORLD):
+        rs = newest.rank_state(rank)
+        assert rs is not None, f"step-{step} is marked complete but has no rank-{rank}.pt"
+        assert rs["data_sampler"] == {"pos": step * 10 + rank} and rs["step"] == step
+    return step
+
+
+@pytest.fixture(scope="module")
+def step1_template(tmp_path_factory) -> tuple[Path, int]:
+    """A checkpoint dir with a complete step 1, and how many kill points saving step 2 passes."""
+    root = tmp_path_factory.mktemp("kill-template")
+    template = root / "checkpoints"
+    assert _in_child(lambda: _save(template, 1), kill_at=None) == 0
+    probe = root / "probe"
+    shutil.copytree(template, probe)
+    report = root / "points"
+    assert _in_child(lambda: _save(probe, 2), kill_at=0, report=report) == 0
+    return template, int(report.read_text())
+
+
+def test_save_passes_at_least_20_kill_points(step1_template):
+    _, points = step1_template
+    assert points >= 20, points
+
+
+def test_sigkill_at_every_checkpoint_step_leaves_a_loadable_complete_checkpoint(step1_template, tmp_path):
+    template, points = step1_template
+    resumed_from = []
+    for n in range(1, points + 1):
+        ckpt_dir = tmp_path / f"kill-{n}" / "checkpoints"
+        shutil.copytree(template, ckpt_dir)
+        status = _in_child(lambda: _save(ckpt_dir, 2), kill_at=n)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (n, status)
+        step = _assert_loads_completely(ckpt_dir)
+        resumed_from.append(step)
+        # the pointer may lag behind (killed before its update) but never names a newer step
+        latest = (ckpt_dir / "latest").read_text().strip()
+        assert int(latest.removeprefix("step-")) <= step
+        # the restarted job saves again over whatever the kill left behind
+        assert _in_child(lambda: _save(ckpt_dir, 3), kill_at=None) == 0
+        assert _assert_loads_completely(ckpt_dir) == 3
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step-3"], n
+        shutil.rmtree(ckpt_dir.parent)
+    # early kills resume from step 1, late ones (after COMPLETE) from step 2
+    assert resumed_from[0] == 1 and resumed_from[-1] == 2
+    assert resumed_from == sorted(resumed_from)
+
+
+def test_checkpoint_whose_files_do_not_match_its_manifest_is_not_complete(step1_template, tmp_path):
+    template, _ = step1_template
+    ckpt_dir = tmp_path / "checkpoints"
+    shutil.copytree(template, ckpt_dir)
+    assert _in_child(lambda: _save(ckpt_dir, 2), kill_at=None) == 0
+    # keep_last=1 removed step 1; bring a copy of step 2 back as a "step-5" missing a rank file,
+    # with the COMPLETE (manifest) of step 2: the way an interrupted plain rmtree could leave it
+    shutil.copytree(ckpt_dir / "step-2", ckpt_dir / "step-5")
+    (ckpt_dir / "step-5" / "rank-1.pt").unlink()
+    (ckpt_dir / "latest").write_text("step-5\n")
+    assert json.loads((ckpt_dir / "step-2" / "COMPLETE").read_text())["files"]["rank-1.pt"] > 0
+    assert ck.newest_complete(ckpt_dir).step == 2
+    # latest naming a deleted directory falls back the same way
+    (ckpt_dir / "latest").write_text("step-9\n")
+    assert ck.newest_complete(ckpt_dir).step == 2
