@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # rich is imported where it renders: plain `status` never loads it
+    from rich.console import Console, Group
+    from rich.table import Table
+    from rich.text import Text
 
 from launcher.monitor import UNREACHABLE, History, SlurmView, StatusRow, format_duration
 
@@ -32,6 +35,8 @@ PIPE_WIDTH = 200  # output to a file or pipe: wide enough that no column is sque
 
 def make_console(ctx) -> Console:
     """A Console on the command's stdout; a terminal's own width, COLUMNS, or PIPE_WIDTH."""
+    from rich.console import Console
+
     isatty = getattr(ctx.stdout, "isatty", lambda: False)()
     cols = (ctx.environ or {}).get("COLUMNS", "")
     width = None if isatty else (int(cols) if cols.isdigit() else PIPE_WIDTH)
@@ -40,6 +45,8 @@ def make_console(ctx) -> Console:
 
 def progress_bar(step: int | None, max_steps: int | None, width: int = BAR_WIDTH) -> Text:
     """`━━━━━━╺━━━━━  75/150` (no rich.progress import: status must start fast)."""
+    from rich.text import Text
+
     if step is None:
         return Text("-", style="dim")
     if not max_steps:
@@ -56,6 +63,8 @@ def progress_bar(step: int | None, max_steps: int | None, width: int = BAR_WIDTH
 
 
 def _state_text(r: StatusRow) -> Text:
+    from rich.text import Text
+
     t = Text(r.state, style=GROUP_STYLE.get(r.group, ""))
     if r.reason:
         t.append(f" ({r.reason})", style="yellow")
@@ -76,7 +85,92 @@ def _tokens(v: float | None) -> str:
     return f"{v:.0f}"
 
 
+ANSI = {"yellow": "33", "bold green": "1;32", "cyan": "36", "magenta": "35", "dim": "2", "bold red": "1;31",
+        "red": "31", "bold yellow": "1;33", "green": "32", "grey37": "90", "bold": "1"}
+COLUMNS = ("RUN", "JOB", "STATE", "NODES", "TIME/LIMIT", "ATT", "PROGRESS", "LOSS", "TOK/S", "MFU", "CKPT", "ETA")
+RIGHT = {"NODES", "ATT", "LOSS", "TOK/S", "MFU", "ETA"}
+
+
+def _paint(text: str, style: str, color: bool) -> str:
+    return f"\x1b[{ANSI[style]}m{text}\x1b[0m" if color and style in ANSI else text
+
+
+def _bar_plain(step: int | None, max_steps: int | None, color: bool) -> tuple[str, int]:
+    """The progress bar as (text with optional ANSI colors, printed width)."""
+    if step is None:
+        return "-", 1
+    if not max_steps:
+        return str(step), len(str(step))
+    frac = max(0.0, min(1.0, step / max_steps))
+    filled = int(round(frac * BAR_WIDTH))
+    done = _paint("━" * filled, "green" if frac < 1 else "cyan", color)
+    rest = ""
+    if filled < BAR_WIDTH:
+        rest = _paint(("╺" if filled else "━") + "━" * (BAR_WIDTH - filled - 1), "grey37", color)
+    tail = f" {step}/{max_steps}"
+    return done + rest + tail, BAR_WIDTH + len(tail)
+
+
+def status_lines(rows: Sequence[StatusRow], *, color: bool = False) -> list[str]:
+    """The status table as lines, laid out by hand: a rich Table measures every cell and costs
+    ~0.5 s for 200 runs, longer than the whole status budget (bench/status_latency.py)."""
+    cells: list[list[tuple[str, int]]] = []  # (text, printed width) per column
+    for r in rows:
+        state = _paint(r.state, GROUP_STYLE.get(r.group, ""), color)
+        width = len(r.state)
+        if r.reason:
+            state += _paint(f" ({r.reason})", "yellow", color)
+            width += len(r.reason) + 3
+        ck = "-" if r.checkpoint_step is None else f"{r.checkpoint_step} ({format_duration(r.checkpoint_age_s)} ago)"
+        att = (f"{r.attempt}" + ("↻" if r.requeued else "")) if r.attempt else "-"
+        plain = [
+            r.name, r.job_id or "-", None, "-" if r.nodes is None else str(r.nodes),
+            f"{r.elapsed or '-'}/{r.time_limit or '-'}", att, None, _fmt(r.loss, ".3f"), _tokens(r.tokens_per_s),
+            "-" if r.mfu is None else f"{100 * r.mfu:.1f}%", ck, format_duration(r.eta_s) if r.eta_s is not None else "-",
+        ]
+        row = [(t, len(t)) if t is not None else ("", 0) for t in plain]
+        row[2] = (state, width)
+        row[6] = _bar_plain(r.step, r.max_steps, color)
+        cells.append(row)
+    widths = [max([len(h)] + [c[i][1] for c in cells]) for i, h in enumerate(COLUMNS)]
+    out = ["  ".join(_paint(h.ljust(w) if h not in RIGHT else h.rjust(w), "bold", color)
+                     for h, w in zip(COLUMNS, widths)).rstrip()]
+    for row in cells:
+        parts = []
+        for h, w, (text, n) in zip(COLUMNS, widths, row):
+            pad = " " * (w - n)
+            parts.append(pad + text if h in RIGHT else text + pad)
+        out.append("  ".join(parts).rstrip())
+    return out
+
+
+def status_text(rows: Sequence[StatusRow], view: SlurmView, *, hidden: int = 0, now: float | None = None,
+                color: bool = False) -> str:
+    """The whole status screen as text (what `status` prints; `--watch` shows it through rich.live)."""
+    parts: list[str] = []
+    if not view.reachable:
+        parts.append(_paint(f"SLURM unreachable: {view.message}\nshowing what the registry and the run "
+                            f"directories say; state is '{UNREACHABLE}'", "bold yellow", color))
+    elif view.message:
+        parts.append(_paint(view.message, "yellow", color))
+    if rows:
+        parts.extend(status_lines(rows, color=color))
+    else:
+        parts.append("no runs registered" + (f" in the last day ({hidden} older: --all)" if hidden else "")
+                     + "; submit one with `lmlaunch submit JOB.yaml`")
+    for r in rows:
+        if r.note:
+            parts.append(_paint(f"  · {r.name}: {r.note}", "dim", color))
+    if rows and hidden:
+        parts.append(_paint(f"{hidden} older finished run(s) hidden; --all shows them", "dim", color))
+    if now is not None:
+        parts.append(_paint(time.strftime("updated %H:%M:%S", time.localtime(now)), "dim", color))
+    return "\n".join(parts)
+
+
 def status_table(rows: Sequence[StatusRow]) -> Table:
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold", pad_edge=False, expand=False)
     table.add_column("RUN", no_wrap=True, overflow="ellipsis", max_width=28, min_width=8)
     table.add_column("JOB", no_wrap=True, min_width=3)
@@ -111,27 +205,11 @@ def status_table(rows: Sequence[StatusRow]) -> Table:
     return table
 
 
-def status_view(rows: Sequence[StatusRow], view: SlurmView, *, hidden: int = 0, now: float | None = None) -> Group:
-    """The table plus what a reader needs around it: SLURM unreachable, notes, hidden runs."""
-    parts: list = []
-    if not view.reachable:
-        parts.append(Text(f"SLURM unreachable: {view.message}\nshowing what the registry and the run "
-                          f"directories say; state is '{UNREACHABLE}'", style="bold yellow"))
-    elif view.message:
-        parts.append(Text(view.message, style="yellow"))
-    if rows:
-        parts.append(status_table(rows))
-    else:
-        parts.append(Text("no runs registered" + (f" in the last day ({hidden} older: --all)" if hidden else ""
-                                                   ) + "; submit one with `lmlaunch submit JOB.yaml`"))
-    notes = [f"{r.name}: {r.note}" for r in rows if r.note]
-    for n in notes:
-        parts.append(Text(f"  · {n}", style="dim"))
-    if rows and hidden:
-        parts.append(Text(f"{hidden} older finished run(s) hidden; --all shows them", style="dim"))
-    if now is not None:
-        parts.append(Text(time.strftime("updated %H:%M:%S", time.localtime(now)), style="dim"))
-    return Group(*parts)
+def status_view(rows: Sequence[StatusRow], view: SlurmView, *, hidden: int = 0, now: float | None = None) -> Text:
+    """status_text as a rich renderable (for rich.live in --watch)."""
+    from rich.text import Text
+
+    return Text.from_ansi(status_text(rows, view, hidden=hidden, now=now, color=True))
 
 
 def _clock(t: float | None) -> str:
@@ -139,6 +217,10 @@ def _clock(t: float | None) -> str:
 
 
 def history_view(h: History) -> Group:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(box=None, header_style="bold", pad_edge=False)
     for col, kw in (
         ("ATT", {"justify": "right"}), ("JOB", {}), ("NODES", {}), ("STARTED", {"no_wrap": True}),

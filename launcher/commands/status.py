@@ -44,16 +44,20 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             "slurm": {"reachable": view.reachable, "message": view.message, "calls": view.calls},
             "hidden": hidden,
             "runs": [r.to_dict() for r in rows],
-        }, indent=2))
+        }, indent=2 if getattr(ctx.stdout, "isatty", lambda: False)() else None))
         return 0
+
+    if not args.watch:
+        from launcher.monitor_view import status_text
+
+        color = getattr(ctx.stdout, "isatty", lambda: False)() and "NO_COLOR" not in ctx.environ
+        ctx.out(status_text(rows, view, hidden=hidden, color=color))
+        return 0
+    from rich.live import Live
 
     from launcher.monitor_view import make_console, status_view
 
     console = make_console(ctx)
-    if not args.watch:
-        console.print(status_view(rows, view, hidden=hidden))
-        return 0
-    from rich.live import Live
 
     n = 1
     with Live(status_view(rows, view, hidden=hidden, now=now), console=console, auto_refresh=False,

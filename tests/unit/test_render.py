@@ -94,7 +94,11 @@ def test_status_command_without_slurm_prints_json_and_a_table(tmp_path, monkeypa
     assert data["runs"][0]["state"] == "unknown (SLURM unreachable)" and data["runs"][0]["step"] == 20
     out = io.StringIO()
     assert main(["status", "r"], Context(out, io.StringIO(), env)) == 0
-    assert "SLURM unreachable" in out.getvalue() and max(map(len, out.getvalue().splitlines())) <= 120
+    text = out.getvalue()
+    assert text.startswith("SLURM unreachable: SLURM command 'squeue' not found")
+    assert "\x1b[" not in text  # no colors into a pipe
+    table = text.splitlines()[2:]
+    assert table[0].split()[:3] == ["RUN", "JOB", "STATE"] and "unknown (SLURM unreachable)" in table[1]
 
 
 def test_history_table_at_120_columns(tmp_path):

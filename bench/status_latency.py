@@ -1,0 +1,87 @@
+"""`lmlaunch status` cold start (a new process each time) with 200 registered runs, against
+`squeue` itself measured in the same run. Prints JSON with the times and their ratio.
+
+    python bench/status_latency.py [--runs 200] [--repeat 7]
+
+The 200 runs get synthetic run directories (heartbeat, ledger, checkpoint) in a temporary
+LMLAUNCH_HOME; their job ids are real ones from this cluster's accounting (reused round-robin),
+so squeue and sacct do real work. The first status call also asks sacct about the jobs the
+controller has forgotten and caches their final states; later calls need squeue only — both
+are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "unit"))
+
+
+def _time(cmd: list[str], env: dict[str, str], repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        out.append(time.perf_counter() - t)
+        if p.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed: {p.stderr}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--repeat", type=int, default=7)
+    args = ap.parse_args()
+
+    from launcher import slurm
+    from monitor_synth import make_run
+
+    acct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-7days"], capture_output=True,
+                          text=True, env=slurm.slurm_env())
+    real_ids = [j for j in acct.stdout.split() if j.isdigit()] or ["1"]
+    home = Path(tempfile.mkdtemp(prefix="lmlaunch-bench-"))
+    try:
+        now = time.time()
+        for i in range(args.runs):
+            jid = real_ids[i % len(real_ids)]
+            make_run(home, f"bench-{i:03d}", job_ids=(jid,), submitted_at=now - 60, checkpoint_step=40, attempts=[
+                {"job_id": jid, "start_step": 0, "end_step": 50, "t0": now - 300, "t1": now - 10}])
+        env = {**os.environ, "LMLAUNCH_HOME": str(home), "COLUMNS": "160"}
+        lmlaunch = shutil.which("lmlaunch", path=str(Path(sys.executable).parent)) or "lmlaunch"
+        squeue = _time(["squeue", "-h"], {**env, **slurm.slurm_env()}, args.repeat)
+        first = _time([lmlaunch, "status", "--all"], env, 1)  # fills the final-jobs cache (one sacct call)
+        table = _time([lmlaunch, "status", "--all"], env, args.repeat)
+        js = _time([lmlaunch, "status", "--all", "--json"], env, args.repeat)
+        python = _time([sys.executable, "-c", "pass"], env, args.repeat)
+        med = statistics.median
+        result = {
+            "runs": args.runs,
+            "distinct_job_ids": len(set(real_ids[: args.runs])),
+            "squeue_s": round(med(squeue), 4),
+            "python_startup_s": round(med(python), 4),
+            "status_first_call_s": round(first[0], 4),
+            "status_table_s": round(med(table), 4),
+            "status_json_s": round(med(js), 4),
+            "ratio_status_table_vs_squeue": round(med(table) / med(squeue), 1),
+            "ratio_status_json_vs_squeue": round(med(js) / med(squeue), 1),
+            "goal_s": 0.25,
+            "meets_goal": med(table) < 0.25,
+        }
+        print(json.dumps(result, indent=2))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
