@@ -44,6 +44,22 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
             "3",
             "a failed or timed-out collective tears down the process group instead of hanging",
         )
+        # torch >= 2.2 reads the TORCH_NCCL_* names; the NCCL_* spellings are deprecated.
+        put(
+            "TORCH_NCCL_DUMP_ON_TIMEOUT",
+            "1",
+            "on a collective timeout the NCCL watchdog writes its flight recorder (which collective, which ranks)",
+        )
+        put(
+            "TORCH_NCCL_TRACE_BUFFER_SIZE",
+            "2000",
+            "the flight recorder keeps the last 2000 collectives (0 records nothing to dump)",
+        )
+        put(
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+            f"{run_dir}/logs/nccl-flight-rank-",
+            "the flight recorder dump goes into the run directory (torch appends the rank)",
+        )
     for name, var in profile.env.items():
         put(name, var.value, var.why)
 

@@ -325,6 +325,22 @@ class PreemptionSpec(_Strict):
     """Stop when the global step did not advance over this many attempts."""
 
 
+class WatchdogSpec(_Strict):
+    """Hang detection: a timeout on every collective, and a watchdog on each rank's progress."""
+
+    collective_timeout_s: int = Field(1800, ge=10, le=86400)
+    """Seconds any collective may wait for its peers (the process group's timeout, gloo and NCCL);
+    on GPUs TORCH_NCCL_ASYNC_ERROR_HANDLING=3 tears the process down when it expires. Must cover
+    the longest legitimate wait, e.g. rank 0 writing a DDP checkpoint while the others wait."""
+    hang_timeout_s: int | None = Field(1200, ge=5, le=86400)
+    """A rank that makes no progress (no training or validation batch, no checkpoint write) for this
+    many seconds writes the stacks of all its threads to logs/attempt-<N>/stacks-rank-<R>.txt and
+    exits with code 124; the attempts ledger says `hang`. null turns the watchdog off."""
+    exit_grace_s: int = Field(15, ge=1, le=600)
+    """When a C call holds the interpreter so the watchdog thread cannot run, a C-level timer dumps
+    the stacks and ends the process this many seconds after hang_timeout_s."""
+
+
 def _check_env_name(name: str, where: str) -> None:
     if not ENV_NAME_RE.match(name):
         raise ValueError(
@@ -432,6 +448,8 @@ class JobSpec(_Strict):
     """Checkpoint location, frequency and retention."""
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     """Warning signal and requeue limits."""
+    watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec)
+    """Collective timeout and the hang watchdog."""
     env: EnvSpec = Field(default_factory=EnvSpec)
     """Extra environment and secrets passed by name."""
     logging: LoggingSpec = Field(default_factory=LoggingSpec)

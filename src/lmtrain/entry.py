@@ -248,7 +248,10 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
         log.error("training failed:\n%s", traceback.format_exc())
         raise
     finally:
+        hung = outcome.reason == "hang"  # lmtrain.watchdog: a rank of this attempt stopped making progress
         ctx.preemption.decide(ctx, outcome)  # reason, requeue decision (rank 0 asks SLURM)
+        if hung and outcome.reason == "crashed":
+            outcome.reason = "hang"  # same retry rules as a crash; the ledger says why
         if hooks.on_end is not None:
             hooks.on_end(ctx, outcome)
         if is_zero:

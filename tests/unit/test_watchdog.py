@@ -1,0 +1,117 @@
+"""The hang watchdog (lmtrain.watchdog) in real processes: it ends a stalled process with its
+stacks on disk, also when the stalled thread holds the GIL, and leaves a beating one alone.
+The cluster test (tests/integration/test_faults_hang.py) runs it inside a 2-rank SLURM job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lmtrain import watchdog
+from lmtrain.watchdog import EXIT_HANG, hang_markers, hang_reason, write_end_once
+
+PRELUDE = """
+import sys, time
+from lmtrain.watchdog import ProgressWatchdog
+reports = []
+wd = ProgressWatchdog(timeout_s={timeout}, grace_s={grace}, stacks_file={stacks!r}, marker_file={marker!r},
+                      rank=1, attempt=3, on_hang=lambda r: print("REPORT", r.step, flush=True))
+wd.start()
+"""
+
+
+def _run(tmp_path: Path, body: str, *, timeout: float = 1.0, grace: float = 2.0, limit: float = 30.0):
+    stacks, marker = tmp_path / "stacks-rank-1.txt", tmp_path / "hang-rank-1.json"
+    code = PRELUDE.format(timeout=timeout, grace=grace, stacks=str(stacks), marker=str(marker)) + textwrap.dedent(body)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=limit)
+    return proc, time.monotonic() - t0, stacks, marker
+
+
+def test_stalled_main_thread_is_dumped_and_exits_124_within_timeout_plus_linger(tmp_path):
+    proc, elapsed, stacks, marker = _run(tmp_path, """
+        for step in range(5):
+            wd.beat(step); time.sleep(0.05)
+        def stuck_in_a_collective():
+            time.sleep(60)
+        stuck_in_a_collective()
+    """)
+    assert proc.returncode == EXIT_HANG, proc.stderr
+    assert elapsed < 1.0 + 1.0 + watchdog.LINGER_S + 3.0  # timeout + poll + linger + interpreter start
+    text = stacks.read_text()
+    assert "made no progress" in text and "after step 4" in text
+    assert "stuck_in_a_collective" in text  # the main thread's frame, from the watchdog thread
+    assert "lmtrain-hang-watchdog" in text or "Thread" in text
+    assert "REPORT 4" in proc.stdout
+    rep = json.loads(marker.read_text())
+    assert rep["rank"] == 1 and rep["attempt"] == 3 and rep["step"] == 4
+
+
+def test_thread_holding_the_gil_is_ended_by_the_c_level_timer(tmp_path):
+    # sre's matching loop never releases the GIL: the Python watchdog thread cannot run, the
+    # C-level faulthandler timer must still dump the stacks and end the process.
+    proc, elapsed, stacks, marker = _run(tmp_path, """
+        import re
+        wd.beat(7)
+        def regex_holding_the_gil():
+            re.match(r"(a+)+$", "a" * 64 + "b")
+        regex_holding_the_gil()
+    """, timeout=1.0, grace=2.0)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)  # faulthandler's _exit(1)
+    assert elapsed < 1.0 + 2.0 + watchdog.REARM_EVERY_S + 4.0
+    text = stacks.read_text()
+    assert "regex_holding_the_gil" in text and "Timeout" in text
+    assert not marker.exists()  # the Python thread never ran
+
+
+def test_beating_process_is_left_alone_and_leaves_no_stacks_file(tmp_path):
+    proc, _, stacks, marker = _run(tmp_path, """
+        for step in range(30):
+            wd.beat(step); time.sleep(0.1)
+        wd.stop()
+        time.sleep(3.0)  # past timeout + grace: the C timer is disarmed too
+        print("survived", flush=True)
+    """, timeout=1.0, grace=1.0)
+    assert proc.returncode == 0, proc.stderr
+    assert "survived" in proc.stdout
+    assert not stacks.exists() and not marker.exists()
+
+
+def test_hang_reason_names_peer_hangs_and_collective_timeouts_only(tmp_path):
+    logs = tmp_path / "logs"
+    (logs / "attempt-2").mkdir(parents=True)
+    assert hang_reason(ValueError("loss is nan"), logs, 2) is None
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 15000ms for recv")
+    assert hang_reason(gloo, logs, 2) == "hang"
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:4040")
+    assert hang_reason(closed, logs, 2) is None  # a peer that crashed is not a hang by itself
+    (logs / "attempt-2" / "hang-rank-1.json").write_text(json.dumps({"rank": 1, "step": 5}))
+    assert hang_markers(logs, 2) == [{"rank": 1, "step": 5}]
+    assert hang_reason(closed, logs, 2) == "hang"  # ... unless that peer's watchdog says it hung
+    assert hang_reason(None, logs, 1) is None  # other attempts are not this one
+
+
+def test_ledger_end_line_is_written_once_per_attempt(tmp_path):
+    ledger = tmp_path / "attempts.jsonl"
+    assert write_end_once(ledger, {"event": "end", "attempt": 1, "reason": "hang"})
+    assert not write_end_once(ledger, {"event": "end", "attempt": 1, "reason": "crashed"})
+    assert write_end_once(ledger, {"event": "end", "attempt": 2, "reason": "completed"})
+    lines = [json.loads(x) for x in ledger.read_text().splitlines()]
+    assert [(x["attempt"], x["reason"]) for x in lines] == [(1, "hang"), (2, "completed")]
+
+
+@pytest.mark.parametrize("field,value", [("hang_timeout_s", 4), ("collective_timeout_s", 5), ("exit_grace_s", 0)])
+def test_watchdog_spec_bounds_are_enforced(field, value):
+    from pydantic import ValidationError
+
+    from launcher.spec import WatchdogSpec
+
+    with pytest.raises(ValidationError, match=field):
+        WatchdogSpec(**{field: value})
+    assert WatchdogSpec(hang_timeout_s=None).hang_timeout_s is None
