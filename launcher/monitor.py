@@ -487,10 +487,10 @@ def gather_status(
     files = [read_run_files(Path(r.run_dir)) for r in records]
     t.join()
     view = result["v"]
-    if any(r.last_job_id and r.last_job_id not in view.jobs for r in records) or not view.reachable:
-        for r, f in zip(records, files):
-            if f.exists and (not r.last_job_id or r.last_job_id not in view.jobs):
-                f.plan_time = read_plan_time(Path(r.run_dir))
+    for r, f in zip(records, files):
+        job = view.jobs.get(r.last_job_id or "")
+        if f.exists and (job is None or not job.time_limit):  # sacct rows carry no limit: the plan has it
+            f.plan_time = read_plan_time(Path(r.run_dir))
     rows = [
         build_row(r, f, view.jobs.get(r.last_job_id or ""), slurm_reachable=view.reachable, now=now)
         for r, f in zip(records, files)
