@@ -394,6 +394,8 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     if vocab is not None:
         TokenData(data_spec.path).check_vocab(int(vocab))
     train_loader, val_loader, sampler = make_dataloaders(data_spec, world_size=env.world_size, rank=env.rank, seed=seed)
+    if ctx.preemption is not None:
+        ctx.preemption.guard_workers(train_loader, val_loader)  # workers ignore SIGTERM / the warning
     resume_rng = None
     if ckpt is not None:
         state = rank_state if rank_state is not None else ckpt.rank_state(0)

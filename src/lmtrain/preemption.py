@@ -124,6 +124,42 @@ class SignalOwner:
         self._previous = None
 
 
+class WorkerSignalGuard:
+    """A DataLoader ``worker_init_fn``: workers ignore SIGTERM and the warning signal.
+
+    SLURM signals every process of a task, workers included. torch's workers install a C
+    SIGTERM handler that kills the worker, and the training process would then fail at its next
+    batch ("DataLoader worker exited unexpectedly") before it could reach the step boundary and
+    checkpoint. Ignoring both lets the training process stop and shut its workers down itself
+    (a worker whose parent died exits through torch's watchdog). Lightning's worker seeding
+    (``seed_everything(workers=True)``) still runs, as Lightning would have added it.
+    Picklable, so it also works with the spawn start method.
+    """
+
+    def __init__(self, signums: tuple[int, ...], rank: int, inner=None) -> None:
+        self.signums = tuple(int(s) for s in signums)
+        self.rank = rank
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in self.signums:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
+        elif os.environ.get("PL_SEED_WORKERS") == "1":
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            pl_worker_init_function(worker_id, rank=self.rank)
+
+
+def guard_dataloader_workers(loaders, signums: tuple[int, ...], rank: int) -> None:
+    """Give every multi-process DataLoader the :class:`WorkerSignalGuard`."""
+    for loader in loaders:
+        if loader is not None and getattr(loader, "num_workers", 0) > 0:
+            if not isinstance(loader.worker_init_fn, WorkerSignalGuard):
+                loader.worker_init_fn = WorkerSignalGuard(signums, rank, inner=loader.worker_init_fn)
+
+
 def signal_number(name: str) -> int:
     """'USR2' / 'SIGUSR2' -> signal.SIGUSR2."""
     key = "SIG" + name.upper().removeprefix("SIG")
@@ -599,6 +635,9 @@ class Preemption:
     def callback(self, checkpoints) -> StopAgreement:
         return StopAgreement(self, checkpoints)
 
+    def guard_workers(self, *loaders) -> None:
+        guard_dataloader_workers(loaders, self.signals.signums, self.env.rank)
+
     def decide(self, ctx, outcome) -> None:
         """Every rank: settle the outcome; rank 0 also asks SLURM and applies the loop guards."""
         from lmtrain.checkpoint import newest_complete
@@ -674,6 +713,6 @@ class Preemption:
 
 __all__ = [
     "AgreedStop", "AttemptRow", "Decision", "EndFacts", "Gate", "Policy", "Preemption", "SignalOwner",
-    "StartFacts", "StopAgreement", "attempt_rows", "decide", "decide_start", "finish_without_training",
+    "StartFacts", "StopAgreement", "WorkerSignalGuard", "attempt_rows", "guard_dataloader_workers", "decide", "decide_start", "finish_without_training",
     "read_gate", "read_jsonl", "start_gate", "steps_without_progress",
 ]

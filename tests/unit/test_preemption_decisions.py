@@ -1,0 +1,277 @@
+"""Why an attempt ended and whether the job runs again (lmtrain.preemption.decide / start_gate),
+the signal handlers (record only, the training process only, restored afterwards), and the start
+gate through the real entry (finished, cancelled and stuck runs exit without training)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtrain.callbacks import StopRequest
+from lmtrain.preemption import (
+    AttemptRow,
+    EndFacts,
+    Policy,
+    SignalOwner,
+    StartFacts,
+    decide,
+    guard_dataloader_workers,
+    start_gate,
+    steps_without_progress,
+)
+
+POLICY = Policy(signal="USR2", warning_seconds=120, max_requeues=5, max_timeouts=2, max_crash_retries=1,
+                no_progress_attempts=3, cluster_sends_user_signal=False)
+
+
+def _facts(**kw) -> EndFacts:
+    base = dict(end_step=40, start_step=20, max_steps=100, checkpoint_step=40, stopped=True, crashed=False,
+                launcher="slurm", job_id="12", slurm_state="RUNNING")
+    return EndFacts(**{**base, **kw})
+
+
+# --------------------------------------------------------------------------- decide
+def test_warning_signal_near_the_time_limit_is_a_timeout_and_the_job_requeues_itself():
+    d = decide(_facts(warning=True, seconds_left=150.0), POLICY)
+    assert (d.reason, d.requeued, d.action, d.exit_code) == ("timeout", True, "requeue", 0)
+    assert "SIGUSR2 150 s before the time limit" in d.detail and "checkpoint step-40 complete" in d.detail
+
+
+def test_sigterm_of_a_preemption_is_not_requeued_twice():
+    for state in ("PREEMPTED", "REQUEUED", "PENDING"):
+        d = decide(_facts(term=True, seconds_left=900.0, slurm_state=state), POLICY)
+        assert (d.reason, d.requeued, d.action) == ("preempted", True, None), state
+        assert "requeued by SLURM" in d.detail
+
+
+def test_sigterm_while_slurm_still_runs_the_job_requeues_it():
+    d = decide(_facts(term=True, seconds_left=900.0, slurm_state="RUNNING"), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("preempted", True, "requeue")
+
+
+def test_user_signal_on_preemption_far_from_the_limit_is_a_preemption():
+    policy = Policy(**{**POLICY.__dict__, "cluster_sends_user_signal": True})
+    d = decide(_facts(warning=True, seconds_left=3000.0, slurm_state="PREEMPTED"), policy)
+    assert (d.reason, d.action) == ("preempted", None)
+    d = decide(_facts(warning=True, term=True, seconds_left=3000.0, slurm_state="PREEMPTED"), policy)
+    assert d.reason == "preempted"
+    # the same signal near the limit is the time-limit warning
+    assert decide(_facts(warning=True, seconds_left=100.0), policy).reason == "timeout"
+
+
+def test_cancel_is_never_requeued():
+    d = decide(_facts(term=True, cancelled_marker=True), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("cancelled", False, None)
+    assert "CANCELLED marker" in d.detail
+    d = decide(_facts(term=True, slurm_state="CANCELLED by 0"), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("cancelled", False, None)
+
+
+def test_a_finished_run_is_never_requeued_even_when_signalled():
+    d = decide(_facts(end_step=100, checkpoint_step=100, warning=True, seconds_left=60.0), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("completed", False, None)
+
+
+def test_crash_requeues_at_most_max_crash_retries_times():
+    d = decide(_facts(stopped=False, crashed=True, error="RuntimeError: boom"), POLICY)
+    assert (d.reason, d.requeued, d.action, d.exit_code) == ("crashed", True, "requeue", 1)
+    history = [AttemptRow(1, "12", 0, 20, "crashed", True)]
+    d = decide(_facts(stopped=False, crashed=True, error="RuntimeError: boom", history=history), POLICY)
+    assert (d.reason, d.requeued, d.action, d.exit_code) == ("crashed", False, None, 1)
+    assert "max_crash_retries(1) reached" in d.detail and "RuntimeError: boom" in d.detail
+
+
+def test_max_requeues_stops_the_job_and_cancels_a_requeue_slurm_started():
+    d = decide(_facts(term=True, seconds_left=900.0, restart_count=5), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("limit_reached", False, None)
+    assert "max_requeues(5) reached" in d.detail
+    d = decide(_facts(term=True, seconds_left=900.0, restart_count=5, slurm_state="PREEMPTED"), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("limit_reached", False, "cancel")
+
+
+def test_max_timeouts_stops_the_job_with_the_reason():
+    history = [AttemptRow(1, "12", 0, 10, "timeout", True), AttemptRow(2, "12", 10, 20, "timeout", True)]
+    d = decide(_facts(warning=True, seconds_left=100.0, history=history, restart_count=2), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("limit_reached", False, None)
+    assert "max_timeouts(2) reached (3 time limits)" in d.detail and d.detail.startswith("timeout:")
+
+
+def test_no_progress_over_k_attempts_stops_the_job():
+    history = [AttemptRow(1, "12", 20, 20, "preempted", True), AttemptRow(2, "12", 20, 20, "preempted", True)]
+    d = decide(_facts(term=True, seconds_left=900.0, end_step=20, checkpoint_step=20, history=history), POLICY)
+    assert (d.reason, d.requeued) == ("no_progress", False)
+    assert "stayed at 20 over 3 attempts" in d.detail
+    # one attempt that moved the step resets the count
+    history[0] = AttemptRow(1, "12", 10, 20, "preempted", True)
+    assert steps_without_progress([10, 20], 20) == 1
+    assert steps_without_progress([20, 20], 20) == 2
+    d = decide(_facts(term=True, seconds_left=900.0, end_step=21, checkpoint_step=21, history=history), POLICY)
+    assert d.reason == "preempted"
+
+
+def test_local_runs_are_never_requeued():
+    d = decide(_facts(term=True, launcher="local", slurm_state=None), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("preempted", False, None)
+    d = decide(_facts(warning=True, launcher="local", slurm_state=None), POLICY)
+    assert d.reason == "timeout"  # no time limit known, the cluster does not send it on preemption
+
+
+# --------------------------------------------------------------------------- start gate
+def _start(**kw) -> StartFacts:
+    base = dict(done_marker=False, cancelled_marker=False, start_step=30, restart_count=1, job_id="12", history=[])
+    return StartFacts(**{**base, **kw})
+
+
+def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start():
+    history = [AttemptRow(1, "12", 0, 20, "preempted", True), AttemptRow(2, "12", 20)]
+    gate = start_gate(_start(history=history), POLICY)
+    assert not gate.exit
+    end = gate.previous_end
+    assert (end["event"], end["attempt"], end["reason"], end["end_step"], end["requeued"]) == (
+        "end", 2, "node_failure", 30, True)
+    # accounting may know better
+    gate = start_gate(_start(history=[AttemptRow(1, "12", 0)], previous_state="PREEMPTED"), POLICY)
+    assert gate.previous_end["reason"] == "preempted" and "SLURM: PREEMPTED" in gate.previous_end["detail"]
+
+
+def test_start_gate_refuses_finished_cancelled_and_stuck_runs():
+    assert start_gate(_start(done_marker=True), POLICY).reason == "completed"
+    assert start_gate(_start(cancelled_marker=True), POLICY).reason == "cancelled"
+    gate = start_gate(_start(restart_count=6), POLICY)
+    assert (gate.exit, gate.reason) == (True, "limit_reached") and "max_requeues(5)" in gate.detail
+    stuck = [AttemptRow(i, "12", 30, 30, "preempted", True) for i in (1, 2, 3)]
+    gate = start_gate(_start(history=stuck), POLICY)
+    assert (gate.exit, gate.reason) == (True, "no_progress")
+    assert not start_gate(_start(history=stuck[:2]), POLICY).exit
+
+
+# --------------------------------------------------------------------------- handlers
+def test_handlers_only_record_and_are_restored():
+    before_term, before_usr2 = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2)
+    stop = StopRequest()
+    owner = SignalOwner(stop, "USR2")
+    owner.install()
+    owner.install()  # again, as after Lightning's registration: the first originals are kept
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.01)
+        assert stop.requested and stop.reason == "timeout" and owner.record.warning_at is not None
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert owner.record.term_at is not None and owner.record.count == 2
+        assert stop.reason == "timeout"  # the first request's reason is kept; the decision comes later
+    finally:
+        owner.restore()
+    assert signal.getsignal(signal.SIGTERM) is before_term and signal.getsignal(signal.SIGUSR2) is before_usr2
+
+
+class _SignalsItself(torch.utils.data.Dataset):
+    """A DataLoader worker that receives the signals itself (as with scancel, every process of
+    the task gets them) and reports what its copy of the handler state saw."""
+
+    def __init__(self, stop: StopRequest) -> None:
+        self.stop = stop
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        return torch.tensor([os.getpid(), int(self.stop.requested)])
+
+
+def test_handlers_are_inert_in_dataloader_workers():
+    stop = StopRequest()
+    owner = SignalOwner(stop, "USR2")
+    owner.install()
+    try:
+        loader = torch.utils.data.DataLoader(_SignalsItself(stop), num_workers=1, batch_size=None,
+                                             multiprocessing_context="fork")
+        guard_dataloader_workers([loader], owner.signums, rank=0)  # what the entry does to its loaders
+        # an unguarded worker dies of SIGTERM (torch's own handler): "worker exited unexpectedly"
+        got = [t.tolist() for t in loader]
+    finally:
+        owner.restore()
+    assert len(got) == 2
+    assert all(pid != os.getpid() and requested == 0 for pid, requested in got)
+    assert not stop.requested and owner.record.count == 0  # the training process saw nothing
+
+
+# --------------------------------------------------------------------------- the gate through the entry
+@pytest.fixture
+def local_run(repo, runs_root, monkeypatch):
+    """A 1-process local run directory, and this process set up as its rank 0."""
+    from launcher.commands.run import prepare_local_run
+
+    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), ["model.config.n_layer=1"], devices=1,
+                             max_steps=10, name="gate", environ=dict(os.environ), say=lambda *_: None)
+    for k, v in {"LMTRAIN_LAUNCHER": "local", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "LMTRAIN_JOB_ID": f"local-test-{time.time()}"}.items():
+        monkeypatch.setenv(k, v)
+    return plan
+
+
+def _ledger(plan) -> list[dict]:
+    return [json.loads(x) for x in Path(plan.paths.ledger).read_text().splitlines()]
+
+
+def test_a_requeued_finished_run_exits_at_once_without_training(local_run):
+    from lmtrain.entry import run_task
+
+    Path(local_run.paths.run_dir, "DONE").write_text("10\n")
+    assert run_task(local_run.paths.run_dir) == 0
+    start, end = _ledger(local_run)
+    assert start["event"] == "start" and start["attempt"] == 1
+    assert (end["event"], end["reason"], end["requeued"], end["skipped"]) == ("end", "completed", False, True)
+    assert not Path(local_run.paths.checkpoint_dir).exists() or not any(Path(local_run.paths.checkpoint_dir).iterdir())
+
+
+def test_a_cancelled_run_exits_at_once_and_records_the_missing_end_of_the_killed_attempt(local_run):
+    from lmtrain.entry import run_task
+
+    ledger = Path(local_run.paths.ledger)
+    ledger.write_text(json.dumps({"event": "start", "attempt": 1, "job_id": "7", "start_step": 0}) + "\n")
+    Path(local_run.paths.run_dir, "CANCELLED").write_text("")
+    assert run_task(local_run.paths.run_dir) == 0
+    lines = _ledger(local_run)
+    assert [(e["event"], e["attempt"], e.get("reason")) for e in lines] == [
+        ("start", 1, None), ("end", 1, "node_failure"), ("start", 2, None), ("end", 2, "cancelled")]
+
+
+def test_a_run_that_made_no_progress_over_k_attempts_is_stopped(local_run):
+    from lmtrain.entry import run_task
+
+    lines = []
+    for n in (1, 2, 3):
+        lines += [{"event": "start", "attempt": n, "job_id": "7", "start_step": 0},
+                  {"event": "end", "attempt": n, "job_id": "7", "end_step": 0, "reason": "crashed", "requeued": True}]
+    Path(local_run.paths.ledger).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert run_task(local_run.paths.run_dir) == 0
+    end = _ledger(local_run)[-1]
+    assert (end["attempt"], end["reason"]) == (4, "no_progress") and "no_progress_attempts=3" in end["detail"]
+
+
+def test_resuming_a_zero_checkpoint_on_another_world_size_fails_with_how_to_convert(local_run):
+    from lmtrain.entry import run_task
+
+    step = Path(local_run.paths.checkpoint_dir) / "step-4"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"format": 1, "step": 4, "world_size": 2, "strategy": "deepspeed",
+                                                "zero_stage": 2}))
+    (step / "COMPLETE").write_text("4\n")
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_task(local_run.paths.run_dir) == 2
+    end = _ledger(local_run)[-1]
+    assert (end["reason"], end["requeued"]) == ("crashed", False)
+    assert "ZeRO-2 on 2 ranks" in end["detail"] and "zero_to_fp32" in end["detail"]
+    log_text = Path(local_run.paths.logs_dir, "attempt-1", "rank-0.log").read_text()
+    assert "cannot resume" in log_text and "zero_to_fp32" in log_text
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers given back
