@@ -1,0 +1,475 @@
+"""Training throughput: the project's real training path against a baseline, in one process.
+
+For each configuration, one process trains the same model on the same batches twice:
+
+- ``handwritten`` configurations (gpt2-124m, llama-1b, smoke):
+  (a) bench/handwritten_loop.py — a hand-written PyTorch loop (torch.compile and fused AdamW on
+      CUDA, bf16 autocast, clip 1.0);
+  (b) the project's path — ``lmtrain.entry.run_task`` on a run directory planned by
+      ``launcher.commands.run.prepare_local_run`` (``launcher.plan.make_plan`` with the job's
+      cluster profile): the same entry, LMModule, callbacks, loggers, strategy and Trainer
+      construction a SLURM task runs, in this process (1 rank).
+- ``deepspeed`` configurations (zero1, zero2, zero3):
+  (a) the project's path with ``trainer.strategy=ddp`` (its own non-DeepSpeed path);
+  (b) the project's path with ``trainer.strategy=deepspeed`` and ``zero_stage`` 1, 2 or 3.
+
+Both sides are timed after ``warmup`` steps (compilation, allocator and loader warm-up excluded),
+with ``torch.cuda.synchronize()`` at both ends of the timed window. One JSON line per
+configuration: tokens/s and MFU of (a) and (b) and the ratio (b)/(a).
+
+Data: the shipped corpus prepared at data/prepared/tiny (byte-level, vocab 260; prepared here
+when missing). Both sides read it through the same ``lmtrain.data.make_dataloaders`` with the
+same seed, so they train on identical batches in the same order. The models keep their job's
+vocabulary (50304 for GPT-2, 32000 for Llama): the ids are < 260, which does not change the
+work per token.
+
+MFU = tokens/s x flops_per_token / peak, flops_per_token = 6 N + 12 L H T (N: parameters that
+take part in a matmul per token — lmtrain.model.model_shape; L layers, H hidden size, T sequence
+length), peak 989.5e12 FLOP/s (H100 SXM / H200 dense bf16). MFU is null on CPU, on other GPUs
+and for non-bf16 precision.
+
+    python bench/throughput.py --smoke                 # tiny GPT-2 on CPU, 32-true (< 60 s)
+    python bench/throughput.py --config gpt2-124m      # one configuration (needs CUDA)
+    python bench/throughput.py --config all --out bench/throughput.jsonl   # every GPU config,
+                                                       # one subprocess each
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+# Importable without `pip install -e .` (the GPU machine gets the working tree only).
+for _p in (REPO / "src", REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+H100_BF16_PEAK = 989.5e12  # dense bf16 FLOP/s of an H100 SXM (and an H200: same tensor cores)
+FLOPS_FORMULA = "flops_per_token = 6*N + 12*L*H*T (N = matmul parameters, L layers, H hidden size, T seq len)"
+DATA_DIR = REPO / "data" / "prepared" / "tiny"
+DATA_NOTE = (
+    "shipped corpus data/prepared/tiny (byte-level, vocab 260), identical batches for (a) and (b) "
+    "from lmtrain.data.make_dataloaders with the same seed"
+)
+# Every configuration: no validation and no periodic checkpoint inside the run.
+COMMON = ("trainer.val_check_interval=null", "trainer.limit_val_batches=0", "checkpoint.every_n_steps=1000000")
+GPT2_124M = (
+    "data.micro_batch_size=16", "data.seq_len=1024", "trainer.global_batch_size=16",
+    "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=1.0", "trainer.strategy=ddp",
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    description: str
+    spec: str  # a job spec under jobs/
+    overrides: tuple[str, ...]
+    gpu: bool
+    warmup: int
+    steps: int
+    kind: str = "handwritten"  # handwritten: (a) = hand-written loop; deepspeed: (a) = project ddp
+    b_overrides: tuple[str, ...] = ()  # (b) only (the DeepSpeed strategy)
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            "gpt2-124m", "GPT-2 124M, B=16, T=1024, bf16-mixed, clip 1.0, compile; hand-written loop vs project path",
+            "jobs/gpt2-124m.yaml", (*GPT2_124M, "model.compile=true"), gpu=True, warmup=10, steps=50,
+        ),
+        BenchConfig(
+            "llama-1b", "Llama ~1.1B (jobs/llama-1b-zero2.yaml model), B=4, T=2048, bf16-mixed, clip 1.0, compile, "
+            "one GPU without DeepSpeed; hand-written loop vs project path",
+            "jobs/llama-1b-zero2.yaml",
+            ("trainer.strategy=ddp", "trainer.zero_stage=null", "model.compile=true", "data.micro_batch_size=4",
+             "data.seq_len=2048", "trainer.global_batch_size=4", "trainer.precision=bf16-mixed",
+             "trainer.gradient_clip_val=1.0"),
+            gpu=True, warmup=8, steps=30,
+        ),
+        *(
+            BenchConfig(
+                f"zero{k}", f"GPT-2 124M, B=16, T=1024, bf16-mixed, clip 1.0, no compile; project path DeepSpeed "
+                f"ZeRO-{k} on one GPU vs project path DDP (its own non-DeepSpeed path)",
+                "jobs/gpt2-124m.yaml", (*GPT2_124M, "model.compile=false"), gpu=True, warmup=10, steps=50,
+                kind="deepspeed", b_overrides=("trainer.strategy=deepspeed", f"trainer.zero_stage={k}"),
+            )
+            for k in (1, 2, 3)
+        ),
+        BenchConfig(
+            "smoke", "CPU smoke: tiny GPT-2 (2 layers, 128 wide), B=8, T=128, 32-true, clip 1.0; "
+            "hand-written loop vs project path (not a performance figure)",
+            "jobs/tiny-cpu.yaml",
+            ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
+             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0"),
+            gpu=False, warmup=3, steps=10,
+        ),
+        BenchConfig(
+            "smoke-deepspeed", "CPU smoke of the deepspeed configurations' mechanics: project path twice in one "
+            "process (DeepSpeed needs CUDA, so (b) falls back to DDP on CPU; see b_strategy)",
+            "jobs/tiny-cpu.yaml",
+            ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
+             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0"),
+            gpu=False, warmup=3, steps=10, kind="deepspeed",
+            b_overrides=("trainer.strategy=deepspeed", "trainer.zero_stage=2"),
+        ),
+    )
+}
+GPU_CONFIGS = ("gpt2-124m", "llama-1b", "zero1", "zero2", "zero3")
+
+
+# --------------------------------------------------------------------------- environment
+def ensure_data(path: Path = DATA_DIR) -> Path:
+    """The prepared shipped corpus (``lmlaunch data prepare`` output); made here when missing."""
+    from lmtrain.prepare import prepare, shipped_corpus_files
+
+    if not (path / "meta.json").is_file():
+        prepare(shipped_corpus_files(), path, if_missing=True)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def set_single_rank_env(job_id: str) -> None:
+    """This process is rank 0 of 1, as ``lmtrain.local`` starts a rank (lmtrain.env.read_env)."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        del os.environ[key]  # not a SLURM task, even inside an allocation
+    os.environ.update({
+        "LMTRAIN_LAUNCHER": "local", "LMTRAIN_JOB_ID": job_id, "RANK": "0", "LOCAL_RANK": "0",
+        "NODE_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port()), "PYTHONUNBUFFERED": "1",
+    })
+
+
+def apply_plan_env(plan) -> list[str]:
+    """The plan's process environment minus what is about the cluster fabric (NCCL/IB names,
+    run-dir paths) — e.g. CUDA_DEVICE_MAX_CONNECTIONS; set before CUDA starts, for both sides."""
+    keep = {k: v for k, v in plan.env.items() if not k.startswith(("NCCL_", "TORCH_NCCL_", "LMLAUNCH_"))}
+    os.environ.update(keep)
+    return sorted(keep)
+
+
+def make_run(cfg: BenchConfig, runs_root: Path, name: str, extra: tuple[str, ...], max_steps: int, data: Path):
+    """Plan a 1-rank run of the job (the same planning ``lmlaunch run --local [--gpus]`` does) and
+    write its run directory; return the plan."""
+    from launcher.commands.run import prepare_local_run
+
+    env = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(runs_root)}
+    return prepare_local_run(
+        str(REPO / cfg.spec), [f"data.path={data}", *COMMON, *cfg.overrides, *extra], devices=1,
+        max_steps=max_steps, name=name, environ=env, new=True, gpus=cfg.gpu, say=lambda m: print(m, file=sys.stderr),
+    )
+
+
+def versions() -> dict[str, Any]:
+    import lightning
+    import torch
+    import transformers
+
+    try:
+        import deepspeed  # noqa: PLC0415
+
+        ds = deepspeed.__version__
+    except Exception:  # not installed, or its import fails without CUDA tooling
+        ds = None
+    return {"torch": torch.__version__, "lightning": lightning.__version__,
+            "transformers": transformers.__version__, "deepspeed": ds, "python": platform.python_version()}
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
+
+
+def peak_flops(precision: str) -> float | None:
+    """Dense bf16 peak of this GPU (989.5e12 for H100 SXM and H200), or None."""
+    import torch
+
+    if not torch.cuda.is_available() or not precision.startswith("bf16"):
+        return None
+    name = torch.cuda.get_device_name()
+    if ("H100" in name and "PCIe" not in name and "NVL" not in name) or "H200" in name:
+        return H100_BF16_PEAK
+    return None
+
+
+def model_facts(model_spec: dict[str, Any], seq_len: int) -> dict[str, Any]:
+    """N, L, H and FLOPs per token of the model, from a meta-device instance (no memory)."""
+    import torch
+
+    from lmtrain.model import build_model, model_shape
+
+    with torch.device("meta"):
+        shape = model_shape(build_model({**model_spec, "compile": False}, seed=0))
+    return {
+        "model_type": model_spec.get("type"), "n_params": shape.total_params, "matmul_params": shape.matmul_params,
+        "n_layer": shape.n_layer, "hidden_size": shape.d_model,
+        "flops_per_token": shape.flops_per_token(seq_len),
+    }
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    try:
+        torch._dynamo.reset()  # drop compiled graphs (and what they hold) of the side that ran first
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------- the project path
+def _probe_class():
+    import lightning.pytorch as pl
+    import torch
+
+    from lmtrain.callbacks import CheckpointCallback
+
+    class StepProbe(pl.Callback):
+        """Times optimizer steps ``start`` .. ``end`` of the project path (CUDA synchronized), notes
+        when the first step ended, and turns off the end-of-training checkpoint (after the
+        window: its cost is bench/checkpoint_speed.py's subject, and a 1B model's is 13 GB)."""
+
+        def __init__(self, start: int | None, end: int | None, *, save_at_end: bool = False, on_step=None) -> None:
+            self.start, self.end, self.save_at_end, self.on_step = start, end, save_at_end, on_step
+            self.t0: float | None = None
+            self.t1: float | None = None
+            self.first_step_done_at: float | None = None  # time.time() after the first step of this fit
+            self.first_step: int | None = None
+            self._losses: list[Any] = []
+            self.max_mem_gib: float | None = None
+            self.strategy_name: str | None = None
+
+        def _sync(self, pl_module) -> None:
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.strategy_name = type(trainer.strategy).__name__
+            if not self.save_at_end:
+                for cb in trainer.callbacks:
+                    if isinstance(cb, CheckpointCallback):
+                        cb.save_at_end = False
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            step = trainer.global_step
+            if self.first_step_done_at is None:
+                self._sync(pl_module)
+                self.first_step_done_at = time.time()
+                self.first_step = step
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            if self.start is not None and step == self.start + 1 or step == self.end:
+                self._losses.append(loss.detach())
+            if step == self.start and self.t0 is None:
+                self._sync(pl_module)
+                self.t0 = time.perf_counter()
+            elif step == self.end and self.t0 is not None and self.t1 is None:
+                self._sync(pl_module)
+                self.t1 = time.perf_counter()
+                if pl_module.device.type == "cuda":
+                    self.max_mem_gib = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            if self.on_step is not None:
+                self.on_step(step)
+
+        def losses(self) -> list[float]:
+            return [float(x.float().item()) for x in self._losses]
+
+    return StepProbe
+
+
+def run_project_path(run_dir: str | Path, probe) -> None:
+    """``lmtrain.entry.run_task`` on ``run_dir`` in this process, with ``probe`` among its callbacks."""
+    from lmtrain.entry import Hooks, run_task
+
+    code = run_task(run_dir, hooks=Hooks(callbacks=[probe]))
+    if code != 0:
+        logs = sorted(Path(run_dir, "logs").glob("attempt-*/rank-0.log"))
+        raise RuntimeError(f"the project path exited with code {code}; see {logs[-1] if logs else run_dir}")
+
+
+def project_side(plan, warmup: int, steps: int) -> dict[str, Any]:
+    probe = _probe_class()(warmup, warmup + steps)
+    run_project_path(plan.paths.run_dir, probe)
+    if probe.t0 is None or probe.t1 is None:
+        raise RuntimeError(f"the project path did not reach step {warmup + steps} (run dir {plan.paths.run_dir})")
+    t, topo = plan.trainer, plan.topology
+    tokens = steps * topo.micro_batch_size * topo.grad_accum * topo.world_size * int(plan.spec["data"]["seq_len"])
+    losses = probe.losses()
+    out = {
+        "name": f"project path ({t['strategy']}" + (f" ZeRO-{plan.spec['trainer']['zero_stage']}" if t["strategy"] == "deepspeed" else "") + ")",
+        "strategy": t["strategy"], "lightning_strategy": probe.strategy_name, "precision": t["precision"],
+        "compile": bool(plan.spec["model"].get("compile")), "seconds": probe.t1 - probe.t0, "tokens": tokens,
+        "loss_first": losses[0], "loss_last": losses[-1], "max_mem_gib": probe.max_mem_gib,
+    }
+    del probe
+    free_memory()
+    return out
+
+
+def handwritten_side(plan, warmup: int, steps: int) -> dict[str, Any]:
+    import torch
+
+    from handwritten_loop import train_handwritten
+    from lmtrain.data import make_dataloaders
+    from lmtrain.module import OptimSettings
+
+    spec, t = plan.spec, plan.trainer
+    if plan.topology.grad_accum != 1 or plan.topology.world_size != 1:
+        raise RuntimeError("the hand-written baseline trains one micro batch per step on one rank")
+    device = torch.device("cuda", 0) if t["accelerator"] == "gpu" else torch.device("cpu")
+    loader, _val, _sampler = make_dataloaders(SimpleNamespace(**spec["data"]), world_size=1, rank=0, seed=int(t["seed"]))
+    res = train_handwritten(
+        spec["model"], OptimSettings.from_spec(spec["optim"], int(t["max_steps"])), loader, device=device,
+        bf16=device.type == "cuda" and t["precision"].startswith("bf16"), clip=t["gradient_clip_val"],
+        warmup=warmup, steps=steps, seed=int(t["seed"]),
+    )
+    del loader, _val, _sampler
+    free_memory()
+    return {
+        "name": "hand-written loop" + (" (torch.compile)" if res.compiled else ""), "strategy": None,
+        "precision": "bf16 autocast" if device.type == "cuda" and t["precision"].startswith("bf16") else "fp32",
+        "compile": res.compiled, "optimizer": res.optimizer, "seconds": res.seconds, "tokens": res.tokens,
+        "loss_first": res.loss_first, "loss_last": res.loss_last, "max_mem_gib": res.max_mem_gib,
+    }
+
+
+# --------------------------------------------------------------------------- one configuration
+def run_config(cfg: BenchConfig, *, warmup: int, steps: int, work: Path, threads: int) -> dict[str, Any]:
+    import torch
+
+    if cfg.gpu and not torch.cuda.is_available():
+        raise SystemExit(f"configuration {cfg.name} needs a CUDA GPU (none here); on CPU run --smoke")
+    if not cfg.gpu:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the project path's _configure_torch reads it
+        torch.set_num_threads(threads)
+    set_single_rank_env(f"bench-{os.getpid()}")
+    data = ensure_data()
+    runs = work / "runs"
+    max_steps = warmup + steps
+    plan_a = make_run(cfg, runs, f"bench-{cfg.name}-a", (), max_steps, data) if cfg.kind == "deepspeed" else None
+    plan_b = make_run(cfg, runs, f"bench-{cfg.name}-b", cfg.b_overrides, max_steps, data)
+    env_applied = apply_plan_env(plan_b) if cfg.gpu else []
+
+    started = time.time()
+    a = project_side(plan_a, warmup, steps) if plan_a is not None else handwritten_side(plan_b, warmup, steps)
+    b = project_side(plan_b, warmup, steps)
+    facts = model_facts(plan_b.spec["model"], int(plan_b.spec["data"]["seq_len"]))
+    peak = peak_flops(plan_b.trainer["precision"])
+    line: dict[str, Any] = {
+        "bench": "throughput", "config": cfg.name, "description": cfg.description,
+        "mode": "gpu" if cfg.gpu else "cpu-smoke",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "device": device_name(), **versions(),
+        "data": DATA_NOTE, **facts,
+        "seq_len": int(plan_b.spec["data"]["seq_len"]), "micro_batch_size": plan_b.topology.micro_batch_size,
+        "tokens_per_step": plan_b.topology.micro_batch_size * int(plan_b.spec["data"]["seq_len"]),
+        "precision": plan_b.trainer["precision"], "warmup_steps": warmup, "timed_steps": steps,
+        "flops_formula": FLOPS_FORMULA, "peak_flops": peak, "plan_env_applied": env_applied,
+        "wall_s": round(time.time() - started, 2),
+    }
+    for key, side in (("a", a), ("b", b)):
+        tps = side["tokens"] / side["seconds"]
+        side["tokens_per_s"] = tps
+        side["mfu"] = tps * facts["flops_per_token"] / peak if peak else None
+        line[f"{key}_name"] = side["name"]
+        line[f"tokens_per_s_{key}"] = tps
+        line[f"mfu_{key}"] = side["mfu"]
+        line[key] = side
+    line["b_strategy"] = b["strategy"]
+    line["ratio"] = line["tokens_per_s_b"] / line["tokens_per_s_a"]
+    line["ratio_meaning"] = f"tokens/s of (b) {b['name']} / (a) {a['name']}"
+    return line
+
+
+def emit(line: dict[str, Any], out: Path | None) -> None:
+    text = json.dumps(line, sort_keys=False)
+    print(text, flush=True)
+    if out is not None:
+        with open(out, "a") as f:
+            f.write(text + "\n")
+
+
+def run_all(names: list[str], args: argparse.Namespace) -> int:
+    """Each configuration in its own process (CUDA, process groups and DeepSpeed state start clean)."""
+    failed = 0
+    for name in names:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--config", name]
+        for flag in ("warmup", "steps"):
+            if getattr(args, flag) is not None:
+                cmd += [f"--{flag}", str(getattr(args, flag))]
+        if args.out is not None:
+            cmd += ["--out", str(args.out)]
+        print(f"== {' '.join(cmd)}", file=sys.stderr, flush=True)
+        code = subprocess.call(cmd)
+        if code != 0:
+            failed += 1
+            emit({"bench": "throughput", "config": name, "error": f"exit code {code}"}, args.out)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=None, help=f"one of {', '.join(CONFIGS)}, or 'all' (the GPU ones)")
+    p.add_argument("--smoke", action="store_true", help="the tiny CPU configuration (same as --config smoke)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the config's)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default: the config's)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: a shared machine)")
+    p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    p.add_argument("--keep", action="store_true", help="keep the run directories (printed on stderr)")
+    args = p.parse_args(argv)
+    name = "smoke" if args.smoke and args.config is None else args.config
+    if name is None:
+        p.error("give --smoke or --config NAME")
+    if name == "all":
+        return run_all(list(GPU_CONFIGS), args)
+    if name not in CONFIGS:
+        p.error(f"unknown --config {name!r}; choose from {', '.join(CONFIGS)}, all")
+    cfg = CONFIGS[name]
+    warmup = args.warmup if args.warmup is not None else cfg.warmup
+    steps = args.steps if args.steps is not None else cfg.steps
+    if warmup < 1 or steps < 1:
+        p.error("--warmup and --steps must be >= 1")
+    work = Path(tempfile.mkdtemp(prefix=f"lmbench-{name}-"))
+    try:
+        line = run_config(cfg, warmup=warmup, steps=steps, work=work, threads=args.threads)
+    finally:
+        if args.keep:
+            print(f"run directories kept under {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    emit(line, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
