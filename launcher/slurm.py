@@ -531,3 +531,34 @@ def set_node_state(node: str, state: str, reason: str | None = None, *, timeout:
     if reason is not None:
         args.append(f"Reason={reason}")
     run(args, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- submission reconciliation (launcher.submit)
+
+
+def _epoch(slurm_time: str) -> float | None:
+    """SLURM's local-time ``2026-11-23T09:33:13`` -> seconds since the epoch (None: unknown/N/A)."""
+    try:
+        return time.mktime(time.strptime(slurm_time.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Ids of this user's jobs called ``name`` that the controller received at or after ``since``
+    (epoch seconds; SubmitTime has whole seconds, so compare with a second of slack), oldest first.
+    Used to find a job whose ``sbatch`` timed out on the client side but reached the controller."""
+    import getpass
+
+    fmt = ",".join(f"{f}:{FIELD_SEP}" for f in ("JobID", "SubmitTime", "Name"))
+    cmd = ["squeue", "-h", "--states=all", "-u", getpass.getuser(), "-n", name, "-O", fmt]
+    proc = run(cmd, timeout=timeout)
+    found: list[tuple[float, str]] = []
+    for line in proc.stdout.splitlines():
+        parts = [p.strip() for p in line.split(FIELD_SEP)]
+        if len(parts) < 3 or parts[2] != name:
+            continue
+        submitted = _epoch(parts[1])
+        if submitted is not None and submitted >= int(since) - 1:
+            found.append((submitted, parts[0]))
+    return [jid for _, jid in sorted(found)]

@@ -91,6 +91,9 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
     """
     import contextlib
     import io
+    import subprocess
+    import time
+    from pathlib import Path
 
     from submitit.core.utils import FailedJobError
     from submitit.slurm.slurm import SlurmExecutor
@@ -99,10 +102,17 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
     from launcher.errors import SlurmUnavailable, UserError
     from lmtrain.task import TrainTask
 
+    sbatch_timeout = sbatch_timeout_s()
+
     class PlanExecutor(SlurmExecutor):
         @property
         def _submitit_command_str(self) -> str:
             return submit_command(plan)
+
+        def _make_submission_command(self, submission_file_path: Any) -> list[str]:
+            # A client-side limit: a controller that accepted the job but answers late must not
+            # block `submit` forever; the job is then found by name and submit time (below).
+            return ["timeout", "--kill-after=5", str(sbatch_timeout), "sbatch", str(submission_file_path)]
 
     try:
         executor = PlanExecutor(folder=plan.paths.submitit_dir)
@@ -110,11 +120,17 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
         raise SlurmUnavailable(f"cannot submit: {exc} (no SLURM client on this machine)") from None
     executor.update_parameters(**executor_parameters(plan))
     captured = io.StringIO()
+    folder = Path(plan.paths.submitit_dir)
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    started = time.time()
     try:
         with contextlib.redirect_stderr(captured):
             job = executor.submit(fn if fn is not None else TrainTask(plan.paths.run_dir))
     except FailedJobError as exc:
         msg = (str(exc) or captured.getvalue()).strip()
+        cause = exc.__cause__
+        if isinstance(cause, subprocess.CalledProcessError) and cause.returncode in (124, 137):
+            return _reconcile_timed_out_sbatch(plan, folder, before, started, sbatch_timeout)
         if any(m in msg for m in slurm._DOWN_MARKERS):
             raise SlurmUnavailable(
                 f"sbatch could not reach the SLURM controller: {msg.splitlines()[0]}. "
@@ -124,6 +140,71 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
     except FileNotFoundError as exc:
         raise SlurmUnavailable(f"cannot submit: {exc.filename or exc} not found (no SLURM client)") from None
     return str(job.job_id)
+
+
+SBATCH_TIMEOUT_VAR = "LMLAUNCH_SBATCH_TIMEOUT_S"
+DEFAULT_SBATCH_TIMEOUT_S = 60
+RECONCILE_WAIT_S = 60.0  # how long to wait for the controller to answer before giving up
+
+
+def sbatch_timeout_s() -> int:
+    """Seconds `sbatch` may take before submit stops waiting and reconciles (env LMLAUNCH_SBATCH_TIMEOUT_S)."""
+    import os
+
+    from launcher.errors import UserError
+
+    text = os.environ.get(SBATCH_TIMEOUT_VAR, str(DEFAULT_SBATCH_TIMEOUT_S))
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"{SBATCH_TIMEOUT_VAR}={text!r}: expected a whole number of seconds >= 1")
+    return int(text)
+
+
+def _reconcile_timed_out_sbatch(plan: LaunchPlan, folder: Any, before: set[Any], started: float, limit: int) -> str:
+    """`sbatch` did not answer within ``limit`` s: the controller may or may not have queued the
+    job. Ask it (by run name and submit time) instead of submitting a second time; when the job
+    is there, finish what submitit would have done (name the script and the pickle after the job
+    id; the task waits up to 60 s for its pickle). Raises SlurmUnavailable when it cannot tell."""
+    import re
+    import time
+    from pathlib import Path
+
+    from launcher import slurm
+    from launcher.errors import SlurmUnavailable
+
+    deadline = time.monotonic() + RECONCILE_WAIT_S
+    ids: list[str] = []
+    while True:
+        try:
+            ids = slurm.jobs_submitted_since(plan.slurm.job_name, started, timeout=10)
+            break
+        except SlurmUnavailable:
+            if time.monotonic() > deadline:
+                raise SlurmUnavailable(
+                    f"sbatch did not answer within {limit} s and the controller still does not answer: "
+                    f"it is unknown whether run '{plan.run_name}' was queued. Check `squeue -n {plan.run_name}` "
+                    "before submitting again (`lmlaunch submit ... --resume` refuses while a job of the run is queued)."
+                ) from None
+            time.sleep(2.0)
+    if not ids:
+        raise SlurmUnavailable(
+            f"sbatch did not answer within {limit} s and the controller has no job '{plan.run_name}' submitted "
+            "since then: nothing was queued; submit again"
+        )
+    job_id = ids[-1]
+    new = [p for p in Path(folder).iterdir() if p not in before]
+    hexname = re.compile(r"^[0-9a-f]{32}\.pkl$")
+    pickles = [p for p in new if hexname.match(p.name)]
+    scripts = [p for p in new if p.name.startswith(".submission_file_") and p.name.endswith(".sh")]
+    if len(pickles) != 1 or len(scripts) != 1:
+        raise SlurmUnavailable(
+            f"sbatch timed out but job {job_id} of run '{plan.run_name}' was queued; its submitit files are "
+            f"ambiguous ({[p.name for p in new]}): cancel it with `scancel {job_id}` and submit again"
+        )
+    pickles[0].rename(Path(folder) / f"{job_id}_submitted.pkl")
+    target = Path(folder) / f"{job_id}_submission.sh"
+    scripts[0].rename(target)
+    scripts[0].symlink_to(target)  # as submitit keeps it
+    return job_id
 
 
 def submit_plan(
