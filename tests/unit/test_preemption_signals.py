@@ -1,0 +1,184 @@
+"""Real signals to real local training processes (lmtrain.local's environment, gloo, CPU): the
+handler records, all ranks agree at the next step boundary through one collective, the
+checkpoint is complete on every rank, the ledger says why, and a run resumed after two stops is
+bit-identical to one that never stopped (per-step losses, gradient norms, final weights), with
+the same TensorBoard and CSV directories.
+
+Signals come two ways: sent by the rank process to itself at a known step (the helper
+``_preempt_worker.py``), and sent from here with ``os.kill`` while the run trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from launcher.commands.run import prepare_local_run
+from lmtrain.checkpoint import complete_checkpoints
+from lmtrain.local import _free_port, worker_env
+
+HELPER = Path(__file__).with_name("_preempt_worker.py")
+MAX_STEPS = 30
+OVERRIDES = [
+    "model.config.n_layer=1",
+    "model.config.n_embd=32",
+    "model.config.n_head=2",
+    "model.config.n_positions=32",
+    "data.seq_len=32",
+    "data.micro_batch_size=4",
+    "trainer.global_batch_size=8",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=null",
+    "checkpoint.every_n_steps=100",  # only the stop checkpoints and the final one
+    "checkpoint.keep_last=5",
+    "optim.warmup_steps=3",
+]
+
+
+def _plan(repo, name: str, devices: int):
+    return prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES, devices=devices, max_steps=MAX_STEPS,
+                             name=name, environ=dict(os.environ), say=lambda *_: None, resume=True)
+
+
+def _start(plan, *args: str) -> list[subprocess.Popen]:
+    run_dir = plan.paths.run_dir
+    n = plan.topology.world_size
+    port, job_id = _free_port(), f"local-test-{time.time_ns()}"
+    out = open(Path(run_dir) / "ranks.out", "ab")
+    return [
+        subprocess.Popen([sys.executable, "-u", str(HELPER), run_dir, *args], stdout=out, stderr=subprocess.STDOUT,
+                         env=worker_env(r, n, port=port, job_id=job_id, plan_env=plan.env, threads=1))
+        for r in range(n)
+    ]
+
+
+def _wait(procs: list[subprocess.Popen], run_dir: str) -> None:
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0] * len(procs), f"{codes}\n" + Path(run_dir, "ranks.out").read_text()[-4000:]
+
+
+def _run(plan, *args: str) -> None:
+    _wait(_start(plan, *args), plan.paths.run_dir)
+
+
+def _jsonl(path) -> list[dict]:
+    return [json.loads(x) for x in Path(path).read_text().splitlines()]
+
+
+def _wait_for_step(plan, attempt: int, step: int, procs) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        hb = Path(plan.paths.heartbeat)
+        if hb.exists() and any(e["event"] == "step" and e["attempt"] == attempt and e["step"] >= step
+                               for e in _jsonl(hb)):
+            return
+        assert all(p.poll() is None for p in procs), "a rank exited before the signal"
+        time.sleep(0.05)
+    raise TimeoutError(f"attempt {attempt} did not reach step {step}")
+
+
+def _ends(plan) -> list[dict]:
+    return [e for e in _jsonl(plan.paths.ledger) if e["event"] == "end"]
+
+
+def _stop_logged(plan, attempt: int, rank: int) -> int:
+    text = Path(plan.paths.logs_dir, f"attempt-{attempt}", f"rank-{rank}.log").read_text()
+    return int(text.split("stop agreed at step ")[1].split()[0])
+
+
+def _steps(plan) -> dict[int, tuple[float, float]]:
+    out: dict[int, tuple[float, float]] = {}
+    for e in _jsonl(plan.paths.heartbeat):
+        if e["event"] == "step":
+            assert e["step"] not in out, f"step {e['step']} logged twice"
+            out[e["step"]] = (e["loss"], e["grad_norm"])
+    return out
+
+
+def _final_weights(plan) -> dict[str, torch.Tensor]:
+    last = complete_checkpoints(plan.paths.checkpoint_dir)[-1]
+    assert last.step == MAX_STEPS
+    return torch.load(last.lightning_path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_two_signalled_stops_resume_bit_identical_to_an_uninterrupted_run(repo, runs_root):
+    straight = _plan(repo, "straight", 1)
+    _run(straight)
+
+    run = _plan(repo, "signalled", 1)
+    # attempt 1: the warning signal arrives during step 11 -> stop, checkpoint step-11
+    _run(run, "11:0:USR2")
+    end = _ends(run)[-1]
+    assert (end["reason"], end["end_step"], end["stop_step"], end["signal"]) == ("timeout", 11, 11, "SIGUSR2")
+    assert 0 <= end["checkpoint_seconds"] < 30 and end["signal_time"] <= end["time"]
+    assert [c.step for c in complete_checkpoints(run.paths.checkpoint_dir)] == [11]
+    # attempt 2: SIGTERM from outside while it trains (steps slowed from step 15 so it cannot finish first)
+    procs = _start(run, "sleep:15:0.3")
+    _wait_for_step(run, 2, 16, procs)
+    os.kill(procs[0].pid, signal.SIGTERM)
+    _wait(procs, run.paths.run_dir)
+    end = _ends(run)[-1]
+    stopped_at = end["end_step"]
+    assert end["reason"] == "preempted" and end["signal"] == "SIGTERM" and 16 <= stopped_at < MAX_STEPS
+    assert complete_checkpoints(run.paths.checkpoint_dir)[-1].step == stopped_at
+    # attempt 3: to the end
+    _run(run)
+    ledger = _jsonl(run.paths.ledger)
+    assert [(e["event"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger] == [
+        ("start", 0, None, None), ("end", None, 11, "timeout"),
+        ("start", 11, None, None), ("end", None, stopped_at, "preempted"),
+        ("start", stopped_at, None, None), ("end", None, MAX_STEPS, "completed"),
+    ]
+    assert all(e["requeued"] is False for e in ledger if e["event"] == "end")  # local runs never requeue
+    assert Path(run.paths.run_dir, "DONE").exists()
+    hb_events = [e["event"] for e in _jsonl(run.paths.heartbeat)]
+    assert hb_events.count("end") == 3 and "checkpoint" in hb_events
+
+    a, b = _steps(straight), _steps(run)
+    assert sorted(a) == sorted(b) == list(range(1, MAX_STEPS + 1))
+    assert a == b  # bit-identical losses and gradient norms at every step
+    wa, wb = _final_weights(straight), _final_weights(run)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # the logger identity survived: one TensorBoard version dir, one CSV that every attempt appended to
+    assert sorted(p.name for p in Path(run.paths.run_dir, "tensorboard").iterdir()) == ["version_0"]
+    assert sorted(p.name for p in Path(run.paths.run_dir, "csv").iterdir()) == ["version_0"]
+    rows = Path(run.paths.run_dir, "csv", "version_0", "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged_steps = {int(r.split(",")[header.index("step")]) for r in rows[1:] if r.split(",")[header.index("step")]}
+    assert min(logged_steps) < 11 and max(logged_steps) >= MAX_STEPS - 1 and any(11 < s < stopped_at for s in logged_steps)
+
+
+def test_a_signal_to_one_rank_stops_both_ranks_at_the_same_step(repo, runs_root):
+    run = _plan(repo, "one-rank", 2)
+    # only rank 1 gets the warning signal, during step 5
+    _run(run, "5:1:USR2")
+    assert _stop_logged(run, 1, 0) == _stop_logged(run, 1, 1) == 5
+    end = _ends(run)[-1]
+    assert (end["reason"], end["end_step"], end["signal"]) == ("timeout", 5, "SIGUSR2")  # rank 0 learned it
+    ckpt = complete_checkpoints(run.paths.checkpoint_dir)[-1]
+    assert ckpt.step == 5 and {p.name for p in ckpt.path.iterdir()} >= {"rank-0.pt", "rank-1.pt", "COMPLETE"}
+
+    # SIGTERM from outside to rank 1 only, while both train
+    procs = _start(run, "sleep:8:0.3")
+    _wait_for_step(run, 2, 9, procs)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    _wait(procs, run.paths.run_dir)
+    end = _ends(run)[-1]
+    step = end["end_step"]
+    assert end["reason"] == "preempted" and end["signal"] == "SIGTERM" and 9 <= step < MAX_STEPS
+    assert _stop_logged(run, 2, 0) == _stop_logged(run, 2, 1) == step
+    ckpt = complete_checkpoints(run.paths.checkpoint_dir)[-1]
+    assert ckpt.step == step and ckpt.rank_state(1)["step"] == ckpt.rank_state(0)["step"] == step
