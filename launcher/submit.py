@@ -207,6 +207,35 @@ def _reconcile_timed_out_sbatch(plan: LaunchPlan, folder: Any, before: set[Any],
     return job_id
 
 
+def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
+    """Two runs must never write into one checkpoint directory (each would resume from, and
+    prune, the other's checkpoints). Only a checkpoint.dir outside the run directory can clash."""
+    import json
+    import os
+    from pathlib import Path
+
+    from launcher import runs
+    from launcher.errors import UserError
+
+    mine = os.path.realpath(plan.paths.checkpoint_dir)
+    if mine.startswith(os.path.realpath(plan.paths.run_dir) + os.sep):
+        return
+    for rec in runs.list_records(env):
+        if rec.name == plan.run_name:
+            continue
+        try:
+            other = json.loads((Path(rec.run_dir) / "plan.json").read_text())["paths"]["checkpoint_dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # an archived or removed run directory holds no checkpoints of a live run
+        if os.path.realpath(other) == mine:
+            raise UserError(
+                f"checkpoint.dir {plan.paths.checkpoint_dir} is already the checkpoint directory of run "
+                f"'{rec.name}' ({rec.run_dir}); two runs must not share one (each would resume from and prune "
+                f"the other's checkpoints). Give this run its own checkpoint.dir, or leave it unset "
+                f"(<run dir>/checkpoints)"
+            )
+
+
 def submit_plan(
     resolved: Any,
     ctx: Any,
@@ -246,6 +275,7 @@ def submit_plan(
     if resume and not run_dir.is_dir():
         raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; submit without --resume")
 
+    _refuse_shared_checkpoint_dir(plan, env)
     if not slurm.ping():
         raise SlurmUnavailable(
             "the SLURM controller does not answer (`scontrol ping`); nothing was submitted. "
