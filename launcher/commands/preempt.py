@@ -127,6 +127,19 @@ def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict
         time.sleep(poll)
 
 
+def wait_off_nodes(job_id: str, *, timeout: float, poll: float = 0.25) -> bool:
+    """Wait until the job's tasks are gone (it is no longer RUNNING or COMPLETING)."""
+    from launcher import slurm
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = slurm.show_job(job_id)
+        if info is None or info.get("JobState") not in ("RUNNING", "COMPLETING"):
+            return True
+        time.sleep(poll)
+    return False
+
+
 def start_when_pending(job_id: str, *, timeout: float = 60.0, poll: float = 0.25) -> bool:
     """Once the requeued job is PENDING again, let it start now (not after BeginTime)."""
     from launcher import slurm
@@ -142,9 +155,9 @@ def start_when_pending(job_id: str, *, timeout: float = 60.0, poll: float = 0.25
                 time.sleep(poll)  # the controller may still be finishing the requeue
                 continue
             return True
-        if slurm.state_group(state) != "queued":
-            return False  # started already, or ended
-        time.sleep(poll)
+        if slurm.state_group(state) in ENDED:
+            return False
+        time.sleep(poll)  # still being killed (COMPLETING) or requeued: PENDING comes next
     return False
 
 
@@ -183,15 +196,31 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
         slurm.set_node_state(down, "DOWN", reason=f"lmlaunch preempt --mode node-failure of job {victim.job_id}")
         try:
             result.update(wait_requeued(victim, timeout=timeout))
+            # a failed node stays down until the job's tasks are gone from it (as a real one would)
+            result["tasks_gone"] = wait_off_nodes(victim.job_id, timeout=timeout)
         finally:
-            slurm.set_node_state(down, "RESUME")
-        result["node_resumed"] = True
+            result["node_resumed"] = resume_node(down)
     else:
         raise UserError(f"--mode {mode!r}: allowed: {', '.join(MODES)}")
     result["requeue_seconds"] = round(time.time() - t0, 3)
     if start_now and result.get("requeued"):
         result["started_now"] = start_when_pending(victim.job_id)
     return result
+
+
+def resume_node(node: str) -> bool:
+    """Set ``node`` back to service. SLURM refuses RESUME for a node that is not DOWN/DRAINED;
+    with ReturnToService=2 a DOWN node whose slurmd answers may already be back by itself."""
+    from launcher import slurm
+
+    try:
+        slurm.set_node_state(node, "RESUME")
+        return True
+    except UserError:
+        state = next((n.state for n in slurm.nodes() if n.name == node), "unknown")
+        if state.rstrip("*~#!%$@^-+").startswith(("down", "drain", "fail")):
+            raise
+        return True  # already back in service
 
 
 def _high_partition(profile_name: str, environ) -> str:

@@ -268,6 +268,8 @@ class EndFacts:
     restart_count: int = 0
     slurm_state: str | None = None  # JobState now; None: not SLURM or SLURM did not answer
     seconds_left: float | None = None  # until the job's time limit, at the signal
+    slurm_restarts: int | None = None  # the job's Restarts now: above restart_count = SLURM requeued it already
+    nodes_down: list[str] = field(default_factory=list)  # this attempt's nodes that SLURM has DOWN/failed now
     history: list[AttemptRow] = field(default_factory=list)  # earlier attempts of the run
 
 
@@ -318,7 +320,13 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         sig = _signal_names(f)
         return Decision("cancelled", f"{why}{'; ' + sig if sig else ''}; {ckpt}; never requeued", requeued=False)
 
-    if f.warning or f.term or (f.stopped and not f.crashed):
+    if f.nodes_down:
+        # SLURM set a node of this job DOWN: it kills the steps (SIGTERM when the node's slurmd
+        # still answers) and requeues the job itself (NODE_FAIL in accounting).
+        reason, why = "node_failure", f"node {', '.join(f.nodes_down)} DOWN" + (
+            f" ({_signal_names(f)})" if f.warning or f.term else "")
+        detail = f"{why}; {ckpt}"
+    elif f.warning or f.term or (f.stopped and not f.crashed):
         reason, why = classify_stop(f, policy)
         detail = f"{why}; {ckpt}"
         if f.crashed and f.error:
@@ -329,7 +337,8 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         detail += f"; resumes from {ckpt}" if f.checkpoint_step is not None else ""
     exit_code = 1 if reason == "crashed" else 0
 
-    slurm_requeues = state in _SLURM_REQUEUEING
+    slurm_requeues = state in _SLURM_REQUEUEING or (
+        f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
     if f.launcher != "slurm":
         return Decision(reason, detail + "; local run: not requeued", requeued=False, exit_code=exit_code)
 
@@ -465,6 +474,18 @@ def _limit_seconds(text: str) -> float | None:
     for p in parts:
         secs = secs * 60 + int(p)
     return secs + int(days or 0) * 86400
+
+
+def _nodes_down(nodes: list[str]) -> list[str]:
+    """Which of ``nodes`` SLURM has DOWN / failing now (sinfo), from the main loop only."""
+    try:
+        from launcher import slurm
+
+        states = {n.name: n.state for n in slurm.nodes(timeout=SLURM_QUERY_TIMEOUT_S)}
+    except Exception as exc:
+        log.warning("could not read the node states from SLURM: %s", exc)
+        return []
+    return [n for n in nodes if states.get(n, "").rstrip("*~#!%$@^-+").startswith(("down", "fail"))]
 
 
 def _previous_attempt_state(job_id: str) -> str | None:
@@ -675,6 +696,8 @@ class Preemption:
             cancelled_marker=(self.run_dir / "CANCELLED").exists(), launcher=self.env.launcher,
             job_id=self.env.job_id, restart_count=self.env.restart_count,
             slurm_state=(info or {}).get("JobState"),
+            slurm_restarts=int(info["Restarts"]) if info and str(info.get("Restarts", "")).isdigit() else None,
+            nodes_down=_nodes_down(self.env.nodes) if info is not None else [],
             seconds_left=_seconds_left(info, signal_time) if signal_time is not None else None,
             history=history,
         )
