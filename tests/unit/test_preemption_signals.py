@@ -115,11 +115,12 @@ def _final_weights(plan) -> dict[str, torch.Tensor]:
 
 def test_two_signalled_stops_resume_bit_identical_to_an_uninterrupted_run(repo, runs_root):
     straight = _plan(repo, "straight", 1)
-    _run(straight)
-
     run = _plan(repo, "signalled", 1)
-    # attempt 1: the warning signal arrives during step 11 -> stop, checkpoint step-11
+    # the reference run, and attempt 1 of the signalled run beside it (one process each):
+    # the warning signal arrives during step 11 -> stop, checkpoint step-11
+    reference = _start(straight)
     _run(run, "11:0:USR2")
+    _wait(reference, straight.paths.run_dir)
     end = _ends(run)[-1]
     assert (end["reason"], end["end_step"], end["stop_step"], end["signal"]) == ("timeout", 11, 11, "SIGUSR2")
     assert 0 <= end["checkpoint_seconds"] < 30 and end["signal_time"] <= end["time"]
