@@ -310,6 +310,8 @@ def run_project_path(run_dir: str | Path, probe) -> None:
     """``lmtrain.entry.run_task`` on ``run_dir`` in this process, with ``probe`` among its callbacks."""
     from lmtrain.entry import Hooks, run_task
 
+    # Lightning's LightningEnvironment.teardown deletes WORLD_SIZE after each fit: set it again.
+    set_single_rank_env(os.environ.get("LMTRAIN_JOB_ID") or f"bench-{os.getpid()}")
     code = run_task(run_dir, hooks=Hooks(callbacks=[probe]))
     if code != 0:
         logs = sorted(Path(run_dir, "logs").glob("attempt-*/rank-0.log"))
@@ -363,7 +365,10 @@ def handwritten_side(plan, warmup: int, steps: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- one configuration
-def run_config(cfg: BenchConfig, *, warmup: int, steps: int, work: Path, threads: int) -> dict[str, Any]:
+def run_config(
+    cfg: BenchConfig, *, warmup: int, steps: int, work: Path, threads: int, order: str = "ab",
+    repeat: int = 1,
+) -> dict[str, Any]:
     import torch
 
     if cfg.gpu and not torch.cuda.is_available():
@@ -373,15 +378,30 @@ def run_config(cfg: BenchConfig, *, warmup: int, steps: int, work: Path, threads
         torch.set_num_threads(threads)
     set_single_rank_env(f"bench-{os.getpid()}")
     data = ensure_data()
-    runs = work / "runs"
     max_steps = warmup + steps
-    plan_a = make_run(cfg, runs, f"bench-{cfg.name}-a", (), max_steps, data) if cfg.kind == "deepspeed" else None
-    plan_b = make_run(cfg, runs, f"bench-{cfg.name}-b", cfg.b_overrides, max_steps, data)
-    env_applied = apply_plan_env(plan_b) if cfg.gpu else []
 
+    def plans(r: int):
+        """Fresh run directories for round ``r`` (a finished run dir would not train again)."""
+        a = make_run(cfg, work / "runs", f"bench-{cfg.name}-a{r}", (), max_steps, data) if cfg.kind == "deepspeed" else None
+        return a, make_run(cfg, work / "runs", f"bench-{cfg.name}-b{r}", cfg.b_overrides, max_steps, data)
+
+    plan_a, plan_b = plans(0)
+    env_applied = apply_plan_env(plan_b) if cfg.gpu else []
     started = time.time()
-    a = project_side(plan_a, warmup, steps) if plan_a is not None else handwritten_side(plan_b, warmup, steps)
-    b = project_side(plan_b, warmup, steps)
+    # The side that trains first in a process can be slower (seen on CPU: whichever ran first).
+    # --repeat N alternates the order (ab, ba, ab, ...) and each side reports its best round.
+    rounds: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    for r in range(repeat):
+        pa, pb = (plan_a, plan_b) if r == 0 else plans(r)
+        for side in order if r % 2 == 0 else order[::-1]:
+            if side == "b":
+                res = project_side(pb, warmup, steps)
+            else:
+                res = project_side(pa, warmup, steps) if pa is not None else handwritten_side(pb, warmup, steps)
+            res["tokens_per_s"] = res["tokens"] / res["seconds"]
+            rounds[side].append(res)
+    a = dict(max(rounds["a"], key=lambda x: x["tokens_per_s"]))
+    b = dict(max(rounds["b"], key=lambda x: x["tokens_per_s"]))
     facts = model_facts(plan_b.spec["model"], int(plan_b.spec["data"]["seq_len"]))
     peak = peak_flops(plan_b.trainer["precision"])
     line: dict[str, Any] = {
@@ -393,13 +413,14 @@ def run_config(cfg: BenchConfig, *, warmup: int, steps: int, work: Path, threads
         "data": DATA_NOTE, **facts,
         "seq_len": int(plan_b.spec["data"]["seq_len"]), "micro_batch_size": plan_b.topology.micro_batch_size,
         "tokens_per_step": plan_b.topology.micro_batch_size * int(plan_b.spec["data"]["seq_len"]),
-        "precision": plan_b.trainer["precision"], "warmup_steps": warmup, "timed_steps": steps,
+        "precision": plan_b.trainer["precision"], "warmup_steps": warmup, "timed_steps": steps, "order": order,
+        "repeat": repeat,
         "flops_formula": FLOPS_FORMULA, "peak_flops": peak, "plan_env_applied": env_applied,
         "wall_s": round(time.time() - started, 2),
     }
     for key, side in (("a", a), ("b", b)):
-        tps = side["tokens"] / side["seconds"]
-        side["tokens_per_s"] = tps
+        tps = side["tokens_per_s"]
+        side["rounds_tokens_per_s"] = [x["tokens_per_s"] for x in rounds[key]]
         side["mfu"] = tps * facts["flops_per_token"] / peak if peak else None
         line[f"{key}_name"] = side["name"]
         line[f"tokens_per_s_{key}"] = tps
@@ -424,6 +445,7 @@ def run_all(names: list[str], args: argparse.Namespace) -> int:
     failed = 0
     for name in names:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--config", name]
+        cmd += ["--order", args.order, "--repeat", str(args.repeat)]
         for flag in ("warmup", "steps"):
             if getattr(args, flag) is not None:
                 cmd += [f"--{flag}", str(getattr(args, flag))]
@@ -444,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the config's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: the config's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: a shared machine)")
+    p.add_argument("--order", choices=("ab", "ba"), default="ab", help="which side trains first (default ab)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds, alternating the order; each side reports its best round (default 1)")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed on stderr)")
     args = p.parse_args(argv)
@@ -457,11 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = CONFIGS[name]
     warmup = args.warmup if args.warmup is not None else cfg.warmup
     steps = args.steps if args.steps is not None else cfg.steps
-    if warmup < 1 or steps < 1:
-        p.error("--warmup and --steps must be >= 1")
+    if warmup < 1 or steps < 1 or args.repeat < 1:
+        p.error("--warmup, --steps and --repeat must be >= 1")
     work = Path(tempfile.mkdtemp(prefix=f"lmbench-{name}-"))
     try:
-        line = run_config(cfg, warmup=warmup, steps=steps, work=work, threads=args.threads)
+        line = run_config(cfg, warmup=warmup, steps=steps, work=work, threads=args.threads, order=args.order,
+                          repeat=args.repeat)
     finally:
         if args.keep:
             print(f"run directories kept under {work}", file=sys.stderr)
