@@ -267,6 +267,7 @@ class EndFacts:
     job_id: str = ""
     restart_count: int = 0
     slurm_state: str | None = None  # JobState now; None: not SLURM or SLURM did not answer
+    preempting: bool = False  # scontrol shows a PreemptTime: SLURM is preempting (and will requeue) it
     seconds_left: float | None = None  # until the job's time limit, at the signal
     slurm_restarts: int | None = None  # the job's Restarts now: above restart_count = SLURM requeued it already
     nodes_down: list[str] = field(default_factory=list)  # this attempt's nodes that SLURM has DOWN/failed now
@@ -303,7 +304,7 @@ def classify_stop(f: EndFacts, policy: Policy) -> tuple[str, str]:
     if f.term:
         return "preempted", f"SIGTERM{when}" + (f" (JobState {state})" if state else "")
     if f.warning:
-        if left is None and not policy.cluster_sends_user_signal and state not in ("PREEMPTED",):
+        if left is None and not policy.cluster_sends_user_signal and state != "PREEMPTED" and not f.preempting:
             return "timeout", f"{f.warning_name} (time to the limit unknown: taken as the time-limit warning)"
         return "preempted", f"{f.warning_name}{when}, not at the time limit"
     return f.requested_reason or "preempted", "stop requested"
@@ -337,7 +338,8 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         detail += f"; resumes from {ckpt}" if f.checkpoint_step is not None else ""
     exit_code = 1 if reason == "crashed" else 0
 
-    slurm_requeues = state in _SLURM_REQUEUEING or (
+    # During the partition's GraceTime a preempted job still shows RUNNING, with a PreemptTime.
+    slurm_requeues = state in _SLURM_REQUEUEING or f.preempting or (
         f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
     if f.launcher != "slurm":
         return Decision(reason, detail + "; local run: not requeued", requeued=False, exit_code=exit_code)
@@ -372,7 +374,8 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
                         exit_code=exit_code)
 
     if slurm_requeues:
-        return Decision(reason, detail + f"; requeued by SLURM (JobState {state})", requeued=True, exit_code=exit_code)
+        by = f"JobState {state}" + (", PreemptTime set" if f.preempting else "")
+        return Decision(reason, detail + f"; requeued by SLURM ({by})", requeued=True, exit_code=exit_code)
     return Decision(reason, detail + "; requeued (scontrol requeue)", requeued=True, action="requeue",
                     exit_code=exit_code)
 
@@ -486,6 +489,33 @@ def _nodes_down(nodes: list[str]) -> list[str]:
         log.warning("could not read the node states from SLURM: %s", exc)
         return []
     return [n for n in nodes if states.get(n, "").rstrip("*~#!%$@^-+").startswith(("down", "fail"))]
+
+
+def _nodes_failed(env, info: dict[str, str]) -> list[str]:
+    """Nodes of this attempt that failed: DOWN in sinfo now, or, when SLURM already requeued the
+    job while it runs (Restarts grew: it does so at once on a node failure, only after the tasks
+    ended on a preemption), NODE_FAIL in accounting for this attempt. A DOWN node whose slurmd
+    still answers may be back in service within seconds (ReturnToService=2), hence both."""
+    down = _nodes_down(env.nodes)
+    restarts = info.get("Restarts", "")
+    if down or not restarts.isdigit() or int(restarts) <= env.restart_count:
+        return down
+    from launcher import slurm
+
+    for _ in range(6):  # accounting lags the controller by a moment
+        try:
+            rows = slurm.sacct([env.job_id], duplicates=True, timeout=SLURM_QUERY_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("could not read job %s from accounting: %s", env.job_id, exc)
+            return []
+        if len(rows) > env.restart_count and _state_word(rows[env.restart_count].state):
+            word = _state_word(rows[env.restart_count].state)
+            if word == "NODE_FAIL":
+                return [f"{rows[env.restart_count].nodes} (NODE_FAIL)"]
+            if word not in ("RUNNING", "COMPLETING", "PENDING"):
+                return []
+        time.sleep(0.5)
+    return []
 
 
 def _previous_attempt_state(job_id: str) -> str | None:
@@ -696,8 +726,9 @@ class Preemption:
             cancelled_marker=(self.run_dir / "CANCELLED").exists(), launcher=self.env.launcher,
             job_id=self.env.job_id, restart_count=self.env.restart_count,
             slurm_state=(info or {}).get("JobState"),
+            preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),
             slurm_restarts=int(info["Restarts"]) if info and str(info.get("Restarts", "")).isdigit() else None,
-            nodes_down=_nodes_down(self.env.nodes) if info is not None else [],
+            nodes_down=_nodes_failed(self.env, info) if info is not None else [],
             seconds_left=_seconds_left(info, signal_time) if signal_time is not None else None,
             history=history,
         )

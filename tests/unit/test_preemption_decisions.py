@@ -50,6 +50,16 @@ def test_sigterm_of_a_preemption_is_not_requeued_twice():
         assert "requeued by SLURM" in d.detail
 
 
+def test_sigterm_in_the_grace_time_of_a_preemption_is_left_to_slurm():
+    # the job still shows RUNNING during GraceTime, but with a PreemptTime
+    d = decide(_facts(term=True, seconds_left=900.0, slurm_state="RUNNING", preempting=True), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("preempted", True, None)
+    assert "PreemptTime set" in d.detail
+    # or SLURM already counted the requeue
+    d = decide(_facts(term=True, seconds_left=900.0, slurm_state="RUNNING", restart_count=1, slurm_restarts=2), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("preempted", True, None)
+
+
 def test_sigterm_while_slurm_still_runs_the_job_requeues_it():
     d = decide(_facts(term=True, seconds_left=900.0, slurm_state="RUNNING"), POLICY)
     assert (d.reason, d.requeued, d.action) == ("preempted", True, "requeue")
