@@ -1,0 +1,97 @@
+"""The GPU benchmarks run end to end in their CPU smoke mode (tiny GPT-2, 32-true, 1 thread).
+
+Each bench runs as its own process, exactly as a user starts it, and its JSON line is checked
+field by field: the figures are CPU smoke timings, so only their sanity is pinned (positive,
+finite, consistent with each other), never their size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _bench_lines(script: str, tmp_path: Path, *args: str) -> list[dict]:
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), "--smoke", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    lines = []
+    for text in proc.stdout.splitlines():
+        if text.startswith("{"):
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and "bench" in obj:
+                lines.append(obj)
+    assert lines, f"{script} printed no JSON line:\n{proc.stdout[-3000:]}"
+    return lines
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_throughput_smoke_compares_handwritten_loop_and_project_path_on_identical_batches(tmp_path):
+    (line,) = _bench_lines("throughput.py", tmp_path, "--out", str(tmp_path / "tp.jsonl"))
+    for key in (
+        "config", "mode", "date", "command", "device", "torch", "lightning", "transformers", "data", "model_type",
+        "n_params", "matmul_params", "n_layer", "hidden_size", "flops_per_token", "seq_len", "micro_batch_size",
+        "tokens_per_step", "precision", "warmup_steps", "timed_steps", "flops_formula", "peak_flops",
+        "a_name", "b_name", "tokens_per_s_a", "tokens_per_s_b", "mfu_a", "mfu_b", "ratio", "a", "b",
+    ):
+        assert key in line, f"missing {key}"
+    assert line["bench"] == "throughput" and line["config"] == "smoke" and line["mode"] == "cpu-smoke"
+    assert line["device"].startswith("cpu") and line["precision"] == "32-true"
+    assert line["a_name"].startswith("hand-written loop") and line["b_name"] == "project path (ddp)"
+    assert _positive(line["tokens_per_s_a"]) and _positive(line["tokens_per_s_b"])
+    assert line["ratio"] == pytest.approx(line["tokens_per_s_b"] / line["tokens_per_s_a"], rel=1e-12)
+    # No peak FLOP/s is known for a CPU: MFU is null, never a guess.
+    assert line["peak_flops"] is None and line["mfu_a"] is None and line["mfu_b"] is None
+    assert "6*N + 12*L*H*T" in line["flops_formula"]
+    n, L, H, T = line["matmul_params"], line["n_layer"], line["hidden_size"], line["seq_len"]
+    assert line["flops_per_token"] == 6 * n + 12 * L * H * T
+    assert 0 < n < line["n_params"]  # position embeddings are lookups, not matmuls
+    for side in (line["a"], line["b"]):
+        assert side["tokens"] == line["timed_steps"] * line["tokens_per_step"]
+        assert _positive(side["seconds"])
+        assert side["tokens_per_s"] == pytest.approx(side["tokens"] / side["seconds"])
+        assert math.isfinite(side["loss_first"]) and math.isfinite(side["loss_last"])
+    # Same initial weights, same batches, same optimizer: the first timed step has the same loss.
+    assert line["a"]["loss_first"] == pytest.approx(line["b"]["loss_first"], rel=1e-4)
+    assert line["a"]["optimizer"] == "AdamW(foreach=True)" and line["a"]["compile"] is False
+    # --out got the same line.
+    assert json.loads((tmp_path / "tp.jsonl").read_text().splitlines()[-1]) == line
+
+
+def test_checkpoint_speed_smoke_stops_on_sigterm_checkpoints_and_resumes_in_a_new_process(tmp_path):
+    (line,) = _bench_lines("checkpoint_speed.py", tmp_path)
+    for key in (
+        "config", "mode", "device", "torch", "model_type", "n_params", "strategy", "precision", "stop_signal",
+        "reason", "signal_step", "checkpoint_step", "stop_to_complete_s", "save_s", "checkpoint_bytes",
+        "resume_to_first_step_s", "resume_import_s", "resume_start_step", "resume_first_step",
+    ):
+        assert key in line, f"missing {key}"
+    assert line["bench"] == "checkpoint_speed" and line["mode"] == "cpu-smoke"
+    assert line["stop_signal"] == "SIGTERM" and line["reason"] == "preempted"
+    # The stop is agreed at the first step boundary after the signal, and the checkpoint is of that step.
+    assert line["checkpoint_step"] == line["signal_step"] + 1
+    assert _positive(line["save_s"]) and line["stop_to_complete_s"] >= line["save_s"]
+    assert line["checkpoint_bytes"] > 4 * line["n_params"]  # weights + AdamW moments at least
+    # The new process resumed from that checkpoint and trained the next step.
+    assert line["resume_start_step"] == line["checkpoint_step"]
+    assert line["resume_first_step"] == line["checkpoint_step"] + 1
+    assert _positive(line["resume_import_s"]) and line["resume_to_first_step_s"] > line["resume_import_s"]
+    assert not list(tmp_path.glob("lmbench-*")), "the bench left its run directories behind"
