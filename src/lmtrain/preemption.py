@@ -338,8 +338,10 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         detail += f"; resumes from {ckpt}" if f.checkpoint_step is not None else ""
     exit_code = 1 if reason == "crashed" else 0
 
-    # During the partition's GraceTime a preempted job still shows RUNNING, with a PreemptTime.
-    slurm_requeues = state in _SLURM_REQUEUEING or f.preempting or (
+    # During the partition's GraceTime a preempted job still shows RUNNING, with a PreemptTime;
+    # it must requeue itself all the same: slurm 22.05 ends a preempted job whose tasks exit
+    # within GraceTime as COMPLETED and never requeues it (seen on the local cluster).
+    slurm_requeues = state in _SLURM_REQUEUEING or (
         f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
     if f.launcher != "slurm":
         return Decision(reason, detail + "; local run: not requeued", requeued=False, exit_code=exit_code)
@@ -374,9 +376,9 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
                         exit_code=exit_code)
 
     if slurm_requeues:
-        by = f"JobState {state}" + (", PreemptTime set" if f.preempting else "")
-        return Decision(reason, detail + f"; requeued by SLURM ({by})", requeued=True, exit_code=exit_code)
-    return Decision(reason, detail + "; requeued (scontrol requeue)", requeued=True, action="requeue",
+        return Decision(reason, detail + f"; requeued by SLURM (JobState {state})", requeued=True, exit_code=exit_code)
+    by = " during the preemption's GraceTime (PreemptTime set)" if f.preempting else ""
+    return Decision(reason, detail + f"; requeued (scontrol requeue{by})", requeued=True, action="requeue",
                     exit_code=exit_code)
 
 

@@ -50,10 +50,11 @@ def test_sigterm_of_a_preemption_is_not_requeued_twice():
         assert "requeued by SLURM" in d.detail
 
 
-def test_sigterm_in_the_grace_time_of_a_preemption_is_left_to_slurm():
-    # the job still shows RUNNING during GraceTime, but with a PreemptTime
+def test_sigterm_in_the_grace_time_of_a_preemption_requeues_itself():
+    # the job still shows RUNNING during GraceTime, with a PreemptTime; slurm 22.05 ends a
+    # preempted job whose tasks exit in time as COMPLETED (never requeued): requeue it ourselves
     d = decide(_facts(term=True, seconds_left=900.0, slurm_state="RUNNING", preempting=True), POLICY)
-    assert (d.reason, d.requeued, d.action) == ("preempted", True, None)
+    assert (d.reason, d.requeued, d.action) == ("preempted", True, "requeue")
     assert "PreemptTime set" in d.detail
     # or SLURM already counted the requeue
     d = decide(_facts(term=True, seconds_left=900.0, slurm_state="RUNNING", restart_count=1, slurm_restarts=2), POLICY)
