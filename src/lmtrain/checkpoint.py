@@ -375,3 +375,25 @@ def _files_written_by(root: Path, rank: int):
             yield path
 
 
+
+
+def agreed_checkpoint(ckpt_dir: str | Path, name: str | None, *, wait_s: float = 60.0) -> CompleteCheckpoint | None:
+    """The checkpoint rank 0 chose to resume from (published in the rendezvous), as this rank
+    sees it. Every rank resumes from the same step whatever its own listing of a shared
+    filesystem says at this instant (a newer checkpoint that appears, or attribute caches that
+    lag). Waits up to ``wait_s`` for it to look complete here; CheckpointError if it never does."""
+    if name is None:
+        return None
+    m = STEP_RE.match(name)
+    if not m:
+        raise CheckpointError(f"rank 0 published '{name}' as the checkpoint to resume: not a step-<S> directory name")
+    path = Path(ckpt_dir) / name
+    deadline = time.monotonic() + wait_s
+    while not is_complete(path):
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"rank 0 resumes from {path}, but this node does not see it complete after {wait_s:.0f} s: "
+                f"is {ckpt_dir} on a filesystem every node shares, and in sync?"
+            )
+        time.sleep(0.5)
+    return CompleteCheckpoint(step=int(m.group(1)), path=path)

@@ -94,7 +94,10 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     # Rank 0 decides whether this attempt trains at all (DONE / CANCELLED / loop guards) and
     # publishes the answer before the rendezvous, so every rank reads the same one after it.
     gate = preemption.decide_start(plan, env, run_dir) if env.rank == 0 else None
-    rv = rendezvous(env, run_dir, attempt=attempt)
+    # Rank 0 alone lists the checkpoints; every rank resumes from its choice (shared filesystems
+    # may show each node a different listing for a moment).
+    resume = _newest_checkpoint_name(plan) if env.rank == 0 else None
+    rv = rendezvous(env, run_dir, attempt=attempt, resume=resume)
     gate = gate or preemption.read_gate(run_dir, env)
     log_path = Path(plan.paths.logs_dir) / f"attempt-{rv.attempt}" / f"rank-{env.rank}.log"
     with _rank_log(log_path, env.rank):
@@ -107,7 +110,17 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
             log.warning("notice: %s", note)
         if gate.exit:
             return preemption.finish_without_training(plan, env, rv.attempt, gate)
-        return _train(plan, env, rv.attempt, run_dir, hooks or Hooks())
+        return _train(plan, env, rv.attempt, run_dir, hooks or Hooks(), resume=rv.resume)
+
+
+def _newest_checkpoint_name(plan) -> str | None:
+    from lmtrain.checkpoint import newest_complete
+
+    ckpt = newest_complete(plan.paths.checkpoint_dir)
+    return ckpt.path.name if ckpt is not None else None
+
+
+_LIST_LOCALLY = "<list locally>"
 
 
 def _next_attempt(ledger: Path) -> int:
@@ -174,9 +187,9 @@ def _rank_log(path: Path, rank: int):
         f.close()
 
 
-def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
+def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | None = _LIST_LOCALLY) -> int:
     from lmtrain.callbacks import Heartbeat, RunInfo, StopRequest, append_jsonl
-    from lmtrain.checkpoint import CheckpointError, check_compatible, newest_complete
+    from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, check_compatible, newest_complete
     from lmtrain.preemption import Preemption
 
     t, paths = plan.trainer, plan.paths
@@ -195,10 +208,17 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks) -> int:
 
     _configure_torch(t, env)
 
-    # --- resume point -----------------------------------------------------------------------
-    ckpt = newest_complete(paths.checkpoint_dir)
+    # --- resume point (rank 0's choice, published in the rendezvous) ------------------------
     start_step = 0
     rank_state = None
+    try:
+        if resume == _LIST_LOCALLY:
+            ckpt = newest_complete(paths.checkpoint_dir)
+        else:
+            ckpt = agreed_checkpoint(paths.checkpoint_dir, resume)
+    except CheckpointError as exc:
+        ctx.preemption.signals.restore()
+        raise RuntimeError(f"rank {env.rank}: {exc}") from None
     if ckpt is not None:
         try:
             check_compatible(ckpt, strategy=t["strategy"], world_size=env.world_size)

@@ -165,10 +165,20 @@ class Rendezvous:
     addr: str
     port: int
     attempt: int
+    resume: str | None = None  # the checkpoint (step-<S>) rank 0 chose; every rank resumes from it
 
 
-def rendezvous(env: TaskEnv, run_dir: str | Path, *, attempt: int | None, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> Rendezvous:
-    """Rank 0 (with ``attempt`` given) publishes address, port and attempt; others wait for it.
+def rendezvous(
+    env: TaskEnv,
+    run_dir: str | Path,
+    *,
+    attempt: int | None,
+    resume: str | None = None,
+    timeout_s: float = RENDEZVOUS_TIMEOUT_S,
+) -> Rendezvous:
+    """Rank 0 (with ``attempt`` given) publishes address, port, attempt and the checkpoint to
+    resume from (``resume``: rank 0 lists the checkpoints, the others use its choice); others
+    wait for it.
 
     Sets MASTER_ADDR and MASTER_PORT in os.environ (an already set MASTER_PORT/ADDR, e.g. from
     the local launcher, is kept and published as it is).
@@ -179,7 +189,7 @@ def rendezvous(env: TaskEnv, run_dir: str | Path, *, attempt: int | None, timeou
             raise ValueError("rank 0 must decide the attempt number")
         addr = os.environ.get("MASTER_ADDR") or main_address(env)
         port = int(os.environ.get("MASTER_PORT") or free_port())
-        rv = Rendezvous(addr=addr, port=port, attempt=attempt)
+        rv = Rendezvous(addr=addr, port=port, attempt=attempt, resume=resume)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(rv.__dict__))
