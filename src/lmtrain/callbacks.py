@@ -282,11 +282,31 @@ def make_loggers(run_dir: str | Path, logging_spec: dict[str, Any], run_name: st
     return loggers
 
 
-def wandb_run_id(run_dir: str) -> str:
-    """A stable W&B run id for the run directory: every attempt logs into the same W&B run."""
-    import hashlib
+WANDB_ID_FILE = "wandb_id"
 
-    return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+
+def wandb_run_id(run_dir: str) -> str:
+    """The run's W&B run id, persisted in ``<run_dir>/wandb_id``: every attempt of the run logs
+    into the same W&B run (with resume="allow"). Made once, at random (a run started over with
+    ``--new`` at the same path gets a new one); the first rank to create the file wins."""
+    import uuid
+
+    path = Path(run_dir) / WANDB_ID_FILE
+    try:
+        existing = path.read_text().strip()
+        if existing:
+            return existing
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(f".{WANDB_ID_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(uuid.uuid4().hex[:16] + "\n")
+    try:
+        os.link(tmp, path)  # atomic create-if-absent: concurrent ranks agree on one id
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
 
 
 def logger_identity(run_dir: str, logging_spec: dict[str, Any]) -> dict[str, Any]:
