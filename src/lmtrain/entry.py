@@ -83,6 +83,7 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
 
     run_dir = Path(run_dir)
     plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    preemption.own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
     env = read_env()
     if env.world_size != plan.topology.world_size:
         raise RuntimeError(

@@ -115,6 +115,10 @@ class SignalOwner:
                 rec.warning_at = now
             self.stop.request("timeout", self.warning_name)
 
+    @property
+    def installed(self) -> bool:
+        return self._previous is not None
+
     def restore(self) -> None:
         if self._previous is None or os.getpid() != self.pid:
             return
@@ -122,6 +126,37 @@ class SignalOwner:
             for signum, handler in self._previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous = None
+
+
+_EARLY: SignalOwner | None = None
+
+
+def own_signals(plan) -> SignalOwner:
+    """Take the signals over as soon as the task starts, before the rendezvous and the imports of
+    the model: until then submitit's USR2 handler (checkpoint_and_try_requeue) would requeue the
+    job from inside the handler. What arrives now is kept and acted on at the first step
+    boundary (:class:`Preemption` adopts this owner)."""
+    global _EARLY
+    from lmtrain.callbacks import StopRequest
+
+    if _EARLY is None or _EARLY.pid != os.getpid() or not _EARLY.installed:
+        _EARLY = SignalOwner(StopRequest(), Policy.from_plan(plan.preemption).signal)
+    _EARLY.install()
+    return _EARLY
+
+
+def _adopt_early(stop, warning_signal: str) -> SignalOwner | None:
+    early = _EARLY
+    if early is None or early.pid != os.getpid() or not early.installed:
+        return None
+    if early.warning_signum != signal_number(warning_signal):
+        early.restore()
+        return None
+    before, early.stop = early.stop, stop
+    if before.requested:
+        stop.request(before.reason, before.detail)
+        stop.requested_at = before.requested_at
+    return early
 
 
 class WorkerSignalGuard:
@@ -571,10 +606,19 @@ def read_gate(run_dir: Path, env) -> Gate:
 
 def finish_without_training(plan, env, attempt: int, gate: Gate) -> int:
     """An attempt the gate refused: rank 0 writes its start and end lines; every rank exits 0."""
+    log.warning("attempt %d ends before training: %s (%s)", attempt, gate.reason, gate.detail)
+    try:
+        _write_skipped_attempt(plan, env, attempt, gate)
+    finally:
+        if _EARLY is not None:
+            _EARLY.restore()
+    return 0
+
+
+def _write_skipped_attempt(plan, env, attempt: int, gate: Gate) -> None:
     from lmtrain.callbacks import append_jsonl
     from lmtrain.checkpoint import newest_complete
 
-    log.warning("attempt %d ends before training: %s (%s)", attempt, gate.reason, gate.detail)
     if env.rank == 0:
         ckpt = newest_complete(plan.paths.checkpoint_dir)
         step = ckpt.step if ckpt is not None else 0
@@ -589,7 +633,6 @@ def finish_without_training(plan, env, attempt: int, gate: Gate) -> int:
         })
         append_jsonl(plan.paths.heartbeat, {"time": now, "event": "end", "step": step, "reason": gate.reason,
                                             "attempt": attempt, "job_id": env.job_id, "world_size": env.world_size})
-    return 0
 
 
 # --------------------------------------------------------------------------- the agreement callback
@@ -677,7 +720,7 @@ class Preemption:
     def __init__(self, plan, env, run_dir: Path, stop, attempt: int) -> None:
         self.plan, self.env, self.run_dir, self.stop, self.attempt = plan, env, Path(run_dir), stop, attempt
         self.policy = Policy.from_plan(plan.preemption)
-        self.signals = SignalOwner(stop, self.policy.signal)
+        self.signals = _adopt_early(stop, self.policy.signal) or SignalOwner(stop, self.policy.signal)
         self.agreed: AgreedStop | None = None
         self._action: str | None = None
         stop.armed = True

@@ -286,3 +286,26 @@ def test_resuming_a_zero_checkpoint_on_another_world_size_fails_with_how_to_conv
     log_text = Path(local_run.paths.logs_dir, "attempt-1", "rank-0.log").read_text()
     assert "cannot resume" in log_text and "zero_to_fp32" in log_text
     assert signal.getsignal(signal.SIGTERM) is before  # handlers given back
+
+
+def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch):
+    """The task owns the signals from its first line (submitit's USR2 handler would requeue from
+    inside the handler): a warning that arrives before the Trainer exists becomes a stop."""
+    from types import SimpleNamespace
+
+    from lmtrain import preemption
+
+    before = signal.getsignal(signal.SIGUSR2)
+    plan = SimpleNamespace(preemption={"signal": "USR2"}, trainer={"max_steps": 10})
+    early = preemption.own_signals(plan)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.01)
+        stop = StopRequest()
+        env = SimpleNamespace(rank=0, launcher="local", job_id="x", restart_count=0, nodes=("h",))
+        ctl = preemption.Preemption(plan, env, Path("."), stop, attempt=1)
+        assert ctl.signals is early and stop.requested and stop.reason == "timeout" and stop.armed
+        assert ctl.signals.record.warning_at is not None
+    finally:
+        early.restore()
+    assert signal.getsignal(signal.SIGUSR2) is before
