@@ -10,10 +10,13 @@
 4. build data, model and Trainer from the plan; resume from the newest complete checkpoint;
 5. train; write the ledger ``end`` line, the heartbeat ``end`` event and ``DONE`` (rank 0).
 
-Preemption (issue 5) plugs in through :class:`lmtrain.callbacks.StopRequest` (a signal handler
-only calls ``stop.request(reason)``, after ``stop.armed = True``) and the ``hooks`` argument:
-its callbacks join the Trainer's, and ``hooks.on_end(outcome)`` runs on every rank after the
-checkpoint is complete (rank 0 requeues there).
+Preemption (issue 5, :mod:`lmtrain.preemption`): the task owns SIGTERM and the warning signal
+from its first line (handlers only record); a start gate (rank 0, before the rendezvous) ends
+an attempt of a finished, cancelled or stuck run at once; the stop is agreed by all ranks at a
+step boundary and checkpointed collectively; after the fit rank 0 decides the ledger reason,
+writes the ``end`` line, and only then requeues (``scontrol requeue``) when the job must.
+The ``hooks`` argument is for tests and tools: its callbacks join the Trainer's, and
+``hooks.on_end(ctx, outcome)`` runs on every rank after the checkpoint is complete.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ The path of a stop (issue 5, docs/run-directory.md for the ledger):
    deadlock when ranks get the signal at different times): from then on ours are the only
    ones. A handler records the signal (which, when) and calls ``StopRequest.request``; it does
    no I/O and no collective. In any other process (a forked DataLoader worker inherits the
-   handlers) it does nothing.
+   handlers) it does nothing, and DataLoader workers ignore both signals
+   (:class:`WorkerSignalGuard`: torch's own worker SIGTERM handler would kill them and crash
+   the training process before it reaches the step boundary).
 2. :class:`StopAgreement`, at every optimizer-step boundary, runs ONE all-reduce (MAX) of a
    4-number tensor ``[stop requested, SIGTERM seen, warning seen, -first signal time]``: every
    rank learns at the same step that some rank was asked to stop, and which signals arrived
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import threading
