@@ -693,6 +693,10 @@ class StopAgreement(pl.Callback):
         self.stop.agreed_step = step
         self.stop.checkpoint_path = agreed.checkpoint_path
         trainer.should_stop = True
+        if step < trainer.max_steps:
+            # Lightning validates once more when should_stop is set (as for early stopping): not
+            # on the way out of a preemption, the grace time is for the exit and the requeue.
+            trainer.limit_val_batches = 0
 
     def _exchange(self, trainer, pl_module, step: int) -> AgreedStop | None:
         import torch
