@@ -187,3 +187,32 @@ def test_a_signal_to_one_rank_stops_both_ranks_at_the_same_step(repo, runs_root)
     assert _stop_logged(run, 2, 0) == _stop_logged(run, 2, 1) == step
     ckpt = complete_checkpoints(run.paths.checkpoint_dir)[-1]
     assert ckpt.step == step and ckpt.rank_state(1)["step"] == ckpt.rank_state(0)["step"] == step
+
+
+def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previous_complete_one(repo, runs_root):
+    """A real training process SIGKILLed inside its second periodic checkpoint (every 5 steps; a
+    1-rank save passes about 24 kill points, so the 30th is inside step-10's write): no end line
+    is written; the next attempt records the killed one, skips the partial step-10 and resumes
+    from step-5."""
+    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), [*OVERRIDES, "checkpoint.every_n_steps=5"],
+                             devices=1, max_steps=12, name="killed", environ=dict(os.environ),
+                             say=lambda *_: None)
+    env = {**plan.env, "LMLAUNCH_TEST_KILL_AT": "30"}
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-u", str(HELPER), plan.paths.run_dir],
+                         env=worker_env(0, 1, port=port, job_id="local-killed", plan_env=env, threads=1),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    assert p.wait(timeout=300) == -signal.SIGKILL
+    ckpt_dir = Path(plan.paths.checkpoint_dir)
+    assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5]
+    assert any(x.name in ("step-10", ".step-10.tmp") for x in ckpt_dir.iterdir())  # the partial write
+    assert [e["event"] for e in _jsonl(plan.paths.ledger)] == ["start"]
+
+    _run(plan)
+    ledger = _jsonl(plan.paths.ledger)
+    assert [(e["event"], e["attempt"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger] == [
+        ("start", 1, 0, None, None), ("end", 1, None, 5, "node_failure"),
+        ("start", 2, 5, None, None), ("end", 2, None, 12, "completed"),
+    ]
+    assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5, 10, 12]
+    assert sorted(x.name for x in ckpt_dir.iterdir()) == ["latest", "step-10", "step-12", "step-5"]  # no debris
