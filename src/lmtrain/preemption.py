@@ -50,6 +50,9 @@ _SLURM_REQUEUEING = ("PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PE
 WARNING_SLACK_S = 90.0
 SLURM_QUERY_TIMEOUT_S = 10.0
 GATE_NAME = "{key}.gate.json"
+# docs/run-directory.md: what the ledger's `reason` may say.
+LEDGER_REASONS = frozenset({"completed", "preempted", "timeout", "node_failure", "cancelled", "crashed",
+                            "no_progress", "limit_reached", "hang"})
 
 
 # --------------------------------------------------------------------------- signals
@@ -343,7 +346,8 @@ def classify_stop(f: EndFacts, policy: Policy) -> tuple[str, str]:
         if left is None and not policy.cluster_sends_user_signal and state != "PREEMPTED" and not f.preempting:
             return "timeout", f"{f.warning_name} (time to the limit unknown: taken as the time-limit warning)"
         return "preempted", f"{f.warning_name}{when}, not at the time limit"
-    return f.requested_reason or "preempted", "stop requested"
+    reason = f.requested_reason if f.requested_reason in LEDGER_REASONS else "preempted"
+    return reason, f"stop requested ({f.requested_reason})" if f.requested_reason else "stop requested"
 
 
 def decide(f: EndFacts, policy: Policy) -> Decision:
@@ -740,7 +744,18 @@ class Preemption:
         guard_dataloader_workers(loaders, self.signals.signums, self.env.rank)
 
     def decide(self, ctx, outcome) -> None:
-        """Every rank: settle the outcome; rank 0 also asks SLURM and applies the loop guards."""
+        """Every rank: settle the outcome; rank 0 also asks SLURM and applies the loop guards.
+
+        Runs in the entry's ``finally``: a failure here must not cost the ledger ``end`` line, so
+        it is logged and the outcome kept as the fit left it (no requeue)."""
+        try:
+            self._decide(ctx, outcome)
+        except Exception as exc:
+            log.exception("preemption decision failed; the attempt ends as the fit left it")
+            outcome.detail = f"{outcome.detail or outcome.reason}; (preemption decision failed: {exc})"[:2000]
+            self._action = None
+
+    def _decide(self, ctx, outcome) -> None:
         from lmtrain.checkpoint import newest_complete
 
         agreed = self.agreed
@@ -756,7 +771,13 @@ class Preemption:
             outcome.extra["signal"] = _signal_names(EndFacts(0, 0, 0, None, False, False, term=term,
                                                              warning=warning, warning_name=self.signals.warning_name))
         if agreed is not None and agreed.checkpoint_done_at is not None and signal_time is not None:
-            outcome.extra["checkpoint_seconds"] = round(agreed.checkpoint_done_at - signal_time, 3)
+            seconds = agreed.checkpoint_done_at - signal_time
+            outcome.extra["checkpoint_seconds"] = round(seconds, 3)
+            grace = self.plan.preemption.get("grace_seconds")
+            if term and grace and seconds > 0.5 * grace and self.env.rank == 0:
+                log.warning("SIGTERM to checkpoint complete took %.1f s of the partition's GraceTime of %s s: "
+                            "a slower save would be killed (raise GraceTime, or checkpoint less state)",
+                            seconds, grace)
         if self.env.rank != 0:
             if outcome.reason != "completed" and agreed is not None and not crashed:
                 outcome.reason = "preempted"  # rank 0 writes the real reason; others only exit cleanly

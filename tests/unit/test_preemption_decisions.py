@@ -309,3 +309,26 @@ def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch):
     finally:
         early.restore()
     assert signal.getsignal(signal.SIGUSR2) is before
+
+
+def test_a_stop_requested_by_a_peer_without_a_signal_gets_a_ledger_reason():
+    d = decide(_facts(requested_reason="peer", launcher="local", slurm_state=None), POLICY)
+    assert d.reason == "preempted" and "stop requested (peer)" in d.detail
+    d = decide(_facts(requested_reason="timeout", launcher="local", slurm_state=None), POLICY)
+    assert d.reason == "timeout"
+
+
+def test_a_failing_decision_still_lets_the_attempt_end(tmp_path):
+    from types import SimpleNamespace
+
+    from lmtrain.entry import Outcome
+    from lmtrain.preemption import Preemption
+
+    plan = SimpleNamespace(preemption={"signal": "USR2"}, trainer={"max_steps": 10},
+                           paths=SimpleNamespace(checkpoint_dir=str(tmp_path), ledger=str(tmp_path / "attempts.jsonl")))
+    env = SimpleNamespace(rank=0, launcher="local", job_id="1", restart_count=0, nodes=("h",))
+    ctl = Preemption(plan, env, tmp_path, StopRequest(), attempt=1)
+    outcome = Outcome(reason="completed", end_step=3)
+    ctl.decide(None, outcome)  # a bug inside (no context): caught, logged
+    assert outcome.reason == "completed" and "preemption decision failed" in outcome.detail
+    ctl.after_end(None, outcome)  # nothing to do; restores the handlers
