@@ -50,8 +50,9 @@ TEST_HANG_STEP_VAR = "LMLAUNCH_TEST_HANG_STEP"
 REARM_EVERY_S = 1.0  # the C-level timer is re-armed at most this often (each re-arm starts a thread)
 LINGER_S = 2.0  # after dumping, wait a moment so peers that hang on us dump while still stuck
 
-# Words of the errors torch raises when a collective times out (gloo, NCCL) or a peer is gone.
-_COLLECTIVE_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "Watchdog caught collective operation timeout")
+# Words of the errors torch raises when a collective times out (gloo: "Timed out waiting ... for
+# recv", "Application timeout caused pair closure"; NCCL: "Watchdog caught collective operation timeout").
+_COLLECTIVE_TIMEOUT_MARKERS = ("Timed out", "timed out", "Application timeout", "collective operation timeout")
 
 
 def stacks_path(logs_dir: str | Path, attempt: int, rank: int) -> Path:
@@ -78,11 +79,8 @@ def hang_reason(exc: BaseException | None, logs_dir: str | Path, attempt: int) -
     or the error is a collective timeout. None otherwise (a plain crash)."""
     if hang_markers(logs_dir, attempt):
         return REASON_HANG
-    if exc is not None:
-        text = f"{type(exc).__name__}: {exc}"
-        if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError") or "gloo" in text.lower():
-            if any(m in text for m in _COLLECTIVE_TIMEOUT_MARKERS):
-                return REASON_HANG
+    if exc is not None and any(m in f"{exc}" for m in _COLLECTIVE_TIMEOUT_MARKERS):
+        return REASON_HANG
     return None
 
 

@@ -75,3 +75,38 @@ def test_hung_rank_dumps_all_stacks_and_every_task_exits_within_timeout_plus_gra
     assert ends[0]["reason"] == "hang" and ends[0]["requeued"] is False, ends
     assert "no progress" in ends[0]["detail"] or "hang" in ends[0]["detail"].lower() or "peer" in ends[0]["detail"]
     assert not (run_dir / "DONE").exists()
+
+
+def test_collective_timeout_from_the_spec_ends_the_waiting_rank_with_reason_hang(
+    slurm_cluster, cli, lm_env, run_name, own_jobs
+):
+    # the process group's timeout (10 s) expires long before the watchdog (25 s) would fire
+    r = cli(
+        "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}",
+        "trainer.max_steps=40", "optim.warmup_steps=2", "trainer.val_check_interval=null",
+        "trainer.limit_val_batches=0", "checkpoint.every_n_steps=100",
+        "watchdog.collective_timeout_s=10", "watchdog.hang_timeout_s=25", f"watchdog.exit_grace_s={GRACE_S}",
+        "preemption.max_crash_retries=0",
+        "env.vars.LMLAUNCH_TEST_HANG_RANK=1", f"env.vars.LMLAUNCH_TEST_HANG_STEP={HANG_STEP}",
+    )
+    assert r.code == 0, r.err
+    job_id = re.search(r"job (\d+)", r.out).group(1)
+    own_jobs.append(job_id)
+    run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+
+    ledger = run_dir / "attempts.jsonl"
+    deadline = time.monotonic() + 240
+    while not [e for e in _jsonl(ledger) if e["event"] == "end"]:
+        assert time.monotonic() < deadline, _jsonl(ledger)
+        time.sleep(1.0)
+    end = [e for e in _jsonl(ledger) if e["event"] == "end"][0]
+    start = [e for e in _jsonl(ledger) if e["event"] == "start"][0]
+    # rank 0 gave up inside the collective after the spec's 10 s, not after the watchdog's 25 s
+    assert end["reason"] == "hang", end
+    assert "timeout" in end["detail"].lower() or "timed out" in end["detail"].lower(), end["detail"]
+    assert not (run_dir / "logs" / "attempt-1" / "hang-rank-0.json").exists()
+    assert end["time"] - start["time"] < 25, (start, end)
+    # rank 1 (asleep) is then ended by its own watchdog: the whole job ends
+    state = wait_terminal(job_id, timeout=120)
+    assert slurm.state_group(state) == "failed", state
+    assert json.loads((run_dir / "logs" / "attempt-1" / "hang-rank-1.json").read_text())["step"] == HANG_STEP

@@ -89,6 +89,8 @@ def test_hang_reason_names_peer_hangs_and_collective_timeouts_only(tmp_path):
     assert hang_reason(ValueError("loss is nan"), logs, 2) is None
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 15000ms for recv")
     assert hang_reason(gloo, logs, 2) == "hang"
+    # what gloo raised on the real cluster when watchdog.collective_timeout_s expired
+    assert hang_reason(RuntimeError("Application timeout caused pair closure"), logs, 2) == "hang"
     closed = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:4040")
     assert hang_reason(closed, logs, 2) is None  # a peer that crashed is not a hang by itself
     (logs / "attempt-2" / "hang-rank-1.json").write_text(json.dumps({"rank": 1, "step": 5}))
