@@ -135,14 +135,22 @@ def check_private(path: Path) -> None:
     st = path.stat()
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UserError(
-            f"run directory {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"{_what(path)} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
             f"lmlaunch only uses private run directories: `chmod 700 {path}` if it is yours, or pick another run name"
         )
     if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
         raise UserError(f"run directory {path} belongs to another user (uid {st.st_uid}); pick another run name")
 
 
+def _what(path: Path) -> str:
+    return f"{path.name} folder of the run directory" if path.name in SUBDIRS else "run directory"
+
+
 def _mkdir_private(path: Path) -> None:
+    if path.exists() and not path.is_symlink() and path.is_dir():
+        check_private(path)  # an existing one others could write into may hold planted files: refuse
+    elif path.is_symlink():
+        raise UserError(f"{path} is a symbolic link; lmlaunch only uses real, private directories in a run directory")
     path.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
     path.chmod(PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask
 

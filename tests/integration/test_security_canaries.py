@@ -96,3 +96,19 @@ def test_quoted_spaced_runs_root_trains_privately_and_secret_canaries_appear_now
     for p in Path(lm_env["LMLAUNCH_HOME"]).rglob("*"):
         if p.is_file():
             assert wandb.encode() not in p.read_bytes(), p
+
+
+def test_group_writable_submitit_folder_of_an_existing_run_is_refused(slurm_cluster, cli, lm_env, run_name):
+    run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+    (run_dir / "submitit").mkdir(parents=True)
+    os.chmod(run_dir, 0o700)
+    os.chmod(run_dir / "submitit", 0o777)
+    planted = run_dir / "submitit" / "planted.pkl"
+    planted.write_bytes(b"not ours")
+    r = cli("submit", SPEC, f"name={run_name}", "trainer.max_steps=5", "optim.warmup_steps=1", "--resume")
+    assert r.code == 2, r.out + r.err
+    assert "submitit folder of the run directory" in r.err and "writable by group or others" in r.err
+    assert str(run_dir / "submitit") in r.err
+    assert stat.S_IMODE((run_dir / "submitit").stat().st_mode) == 0o777  # left as found, nothing submitted
+    assert not (run_dir / "plan.json").exists()
+    assert [j.job_id for j in slurm.squeue(name=run_name)] == []
