@@ -86,23 +86,27 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
 
     run_dir = Path(run_dir)
     plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
-    preemption.own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
-    env = read_env()
-    if env.world_size != plan.topology.world_size:
-        raise RuntimeError(
-            f"this task sees world_size {env.world_size} ({env.launcher}) but the plan has "
-            f"nodes({plan.topology.nodes}) x tasks_per_node({plan.topology.tasks_per_node}) = "
-            f"{plan.topology.world_size}; the job must be started with the plan's topology"
-        )
-    attempt = _next_attempt(Path(plan.paths.ledger)) if env.rank == 0 else None
-    # Rank 0 decides whether this attempt trains at all (DONE / CANCELLED / loop guards) and
-    # publishes the answer before the rendezvous, so every rank reads the same one after it.
-    gate = preemption.decide_start(plan, env, run_dir) if env.rank == 0 else None
-    # Rank 0 alone lists the checkpoints; every rank resumes from its choice (shared filesystems
-    # may show each node a different listing for a moment).
-    resume = _newest_checkpoint_name(plan) if env.rank == 0 else None
-    rv = rendezvous(env, run_dir, attempt=attempt, resume=resume)
-    gate = gate or preemption.read_gate(run_dir, env)
+    signals = preemption.own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
+    try:
+        env = read_env()
+        if env.world_size != plan.topology.world_size:
+            raise RuntimeError(
+                f"this task sees world_size {env.world_size} ({env.launcher}) but the plan has "
+                f"nodes({plan.topology.nodes}) x tasks_per_node({plan.topology.tasks_per_node}) = "
+                f"{plan.topology.world_size}; the job must be started with the plan's topology"
+            )
+        attempt = _next_attempt(Path(plan.paths.ledger)) if env.rank == 0 else None
+        # Rank 0 decides whether this attempt trains at all (DONE / CANCELLED / loop guards) and
+        # publishes the answer before the rendezvous, so every rank reads the same one after it.
+        gate = preemption.decide_start(plan, env, run_dir) if env.rank == 0 else None
+        # Rank 0 alone lists the checkpoints; every rank resumes from its choice (shared filesystems
+        # may show each node a different listing for a moment).
+        resume = _newest_checkpoint_name(plan) if env.rank == 0 else None
+        rv = rendezvous(env, run_dir, attempt=attempt, resume=resume)
+        gate = gate or preemption.read_gate(run_dir, env)
+    except BaseException:
+        signals.restore()  # this attempt never reaches training: give the handlers back
+        raise
     log_path = Path(plan.paths.logs_dir) / f"attempt-{rv.attempt}" / f"rank-{env.rank}.log"
     with _rank_log(log_path, env.rank):
         log.info(

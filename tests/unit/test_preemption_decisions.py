@@ -332,3 +332,13 @@ def test_a_failing_decision_still_lets_the_attempt_end(tmp_path):
     ctl.decide(None, outcome)  # a bug inside (no context): caught, logged
     assert outcome.reason == "completed" and "preemption decision failed" in outcome.detail
     ctl.after_end(None, outcome)  # nothing to do; restores the handlers
+
+
+def test_an_attempt_that_fails_before_training_gives_the_signal_handlers_back(local_run, monkeypatch):
+    from lmtrain.entry import run_task
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # not the plan's topology
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2)
+    with pytest.raises(RuntimeError, match="world_size 2"):
+        run_task(local_run.paths.run_dir)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2)) == before
