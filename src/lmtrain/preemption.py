@@ -385,6 +385,11 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
     if f.launcher != "slurm":
         return Decision(reason, detail + "; local run: not requeued", requeued=False, exit_code=exit_code)
+    if state == "COMPLETING" and not slurm_requeues and reason != "timeout":
+        # SLURM is tearing the job down and accounting did not say why (scancel shows COMPLETING,
+        # not CANCELLED, while the tasks run): a requeue could undo a user's cancel.
+        return Decision(reason, detail + "; JobState COMPLETING and accounting did not say why (a bare scancel?): "
+                        "not requeued", requeued=False, exit_code=exit_code)
 
     # --- loop guards --------------------------------------------------------------------------
     job_hist = [a for a in f.history if a.job_id == f.job_id]
@@ -558,6 +563,35 @@ def _nodes_failed(env, info: dict[str, str]) -> list[str]:
                 return []
         time.sleep(0.5)
     return []
+
+
+# Terminal states accounting records for an attempt the moment SLURM ends it (the controller
+# shows them all as COMPLETING while the tasks still run).
+_ENDING_STATES = ("CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "FAILED", "OUT_OF_MEMORY", "DEADLINE")
+
+
+def _why_completing(env, info: dict[str, str] | None) -> str | None:
+    """The real state behind ``JobState=COMPLETING`` (slurm 22.05 prints COMPLETING for a job
+    being cancelled, timed out, failed or requeued): this attempt's row in accounting."""
+    info = info or {}
+    if _state_word(info.get("JobState")) != "COMPLETING":
+        return None
+    restarts = info.get("Restarts", "")
+    if restarts.isdigit() and int(restarts) > env.restart_count:
+        return None  # a requeue: the Restarts rule already covers it
+    from launcher import slurm
+
+    for _ in range(6):  # accounting lags the controller by a moment
+        try:
+            rows = slurm.sacct([env.job_id], duplicates=True, timeout=SLURM_QUERY_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("could not read job %s from accounting: %s", env.job_id, exc)
+            return None
+        row = rows[env.restart_count] if len(rows) > env.restart_count else (rows[-1] if rows else None)
+        if row is not None and _state_word(row.state) in _ENDING_STATES:
+            return row.state
+        time.sleep(0.5)
+    return None
 
 
 def _previous_attempt_state(job_id: str) -> str | None:
@@ -796,7 +830,7 @@ class Preemption:
             error=outcome.detail if crashed else None,
             cancelled_marker=(self.run_dir / "CANCELLED").exists(), launcher=self.env.launcher,
             job_id=self.env.job_id, restart_count=self.env.restart_count,
-            slurm_state=(info or {}).get("JobState"),
+            slurm_state=_why_completing(self.env, info) or (info or {}).get("JobState"),
             preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),
             slurm_restarts=int(info["Restarts"]) if info and str(info.get("Restarts", "")).isdigit() else None,
             nodes_down=_nodes_failed(self.env, info) if info is not None else [],

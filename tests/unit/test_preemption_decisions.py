@@ -84,6 +84,16 @@ def test_cancel_is_never_requeued():
     assert (d.reason, d.requeued, d.action) == ("cancelled", False, None)
 
 
+def test_a_job_slurm_is_ending_for_an_unknown_reason_is_not_requeued():
+    # a bare scancel shows JobState=COMPLETING while the tasks run; with accounting it reads
+    # CANCELLED (-> cancelled, above); without it, a requeue could undo the user's cancel
+    d = decide(_facts(term=True, seconds_left=900.0, slurm_state="COMPLETING"), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("preempted", False, None)
+    assert "COMPLETING" in d.detail
+    d = decide(_facts(term=True, seconds_left=900.0, slurm_state="CANCELLED by 0"), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("cancelled", False, None)
+
+
 def test_a_finished_run_is_never_requeued_even_when_signalled():
     d = decide(_facts(end_step=100, checkpoint_step=100, warning=True, seconds_left=60.0), POLICY)
     assert (d.reason, d.requeued, d.action) == ("completed", False, None)
