@@ -43,7 +43,7 @@ def test_stalled_main_thread_is_dumped_and_exits_124_within_timeout_plus_linger(
         stuck_in_a_collective()
     """)
     assert proc.returncode == EXIT_HANG, proc.stderr
-    assert elapsed < 1.0 + 1.0 + watchdog.LINGER_S + 3.0  # timeout + poll + linger + interpreter start
+    assert elapsed < 1.0 + 1.0 + watchdog.LINGER_S + 10.0  # timeout + poll + linger + interpreter start (busy machine)
     text = stacks.read_text()
     assert "made no progress" in text and "after step 4" in text
     assert "stuck_in_a_collective" in text  # the main thread's frame, from the watchdog thread
@@ -64,7 +64,7 @@ def test_thread_holding_the_gil_is_ended_by_the_c_level_timer(tmp_path):
         regex_holding_the_gil()
     """, timeout=1.0, grace=2.0)
     assert proc.returncode == 1, (proc.returncode, proc.stderr)  # faulthandler's _exit(1)
-    assert elapsed < 1.0 + 2.0 + watchdog.REARM_EVERY_S + 4.0
+    assert elapsed < 1.0 + 2.0 + watchdog.REARM_EVERY_S + 10.0
     text = stacks.read_text()
     assert "regex_holding_the_gil" in text and "Timeout" in text
     assert not marker.exists()  # the Python thread never ran
