@@ -143,7 +143,9 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
 
 
 SBATCH_TIMEOUT_VAR = "LMLAUNCH_SBATCH_TIMEOUT_S"
-DEFAULT_SBATCH_TIMEOUT_S = 60
+# Below submitit's 60 s: a task that starts while submit still waits for sbatch waits up to 60 s
+# for its pickle, which the reconciliation names after the job id.
+DEFAULT_SBATCH_TIMEOUT_S = 30
 RECONCILE_WAIT_S = 60.0  # how long to wait for the controller to answer before giving up
 
 
