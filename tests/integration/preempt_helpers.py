@@ -1,0 +1,227 @@
+"""Helpers of the preemption integration tests (tests/integration/test_preempt_*.py).
+
+One tiny spec for every scenario (SPEC + BASE overrides): 2 nodes x 1 task, gloo, a loss in
+the heartbeat at every step, a periodic checkpoint every 10 steps. Scenarios that compare
+weights use the same overrides as the uninterrupted reference run (only the run name differs,
+which does not enter the numbers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import re
+import time
+from pathlib import Path
+
+from launcher import slurm
+from launcher.cli import main
+from launcher.context import Context
+from launcher.errors import UserError
+from slurm_helpers import REPO, wait_terminal
+
+SPEC = REPO / "jobs" / "tiny-cpu.yaml"
+MAX_STEPS = 80
+EVERY = 10
+BASE = (
+    f"trainer.max_steps={MAX_STEPS}",
+    "optim.warmup_steps=3",
+    "trainer.val_check_interval=null",
+    "trainer.log_every_n_steps=1",
+    "logging.heartbeat_every_n_steps=1",
+    f"checkpoint.every_n_steps={EVERY}",
+    "checkpoint.keep_last=2",
+)
+
+
+def lm(environ: dict[str, str], *args: str) -> tuple[int, str, str]:
+    """`lmlaunch ARGS` in-process with ``environ`` (registry and runs root of the caller)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = main([str(a) for a in args], Context(stdout=out, stderr=err, environ=dict(environ)))
+    return code, out.getvalue(), err.getvalue()
+
+
+def submit(environ: dict[str, str], name: str, *overrides: str) -> tuple[str, Path]:
+    """Submit the tiny spec; return (job id, run dir)."""
+    code, out, err = lm(environ, "submit", SPEC, f"name={name}", *BASE, *overrides)
+    assert code == 0, out + err
+    job_id = re.search(r"job (\d+)", out).group(1)
+    return job_id, Path(environ["LMLAUNCH_RUNS_ROOT"]) / name
+
+
+def jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    return out
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    return jsonl(run_dir / "attempts.jsonl")
+
+
+def starts(run_dir: Path) -> list[dict]:
+    return [e for e in ledger(run_dir) if e.get("event") == "start"]
+
+
+def ends(run_dir: Path) -> list[dict]:
+    return [e for e in ledger(run_dir) if e.get("event") == "end"]
+
+
+def beats(run_dir: Path) -> list[dict]:
+    return jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+
+
+def current_step(run_dir: Path, attempt: int | None = None) -> int:
+    """Newest step in the heartbeat (of ``attempt`` when given); -1 before the first."""
+    steps = [b["step"] for b in beats(run_dir) if b.get("event") == "step" and (attempt is None or b["attempt"] == attempt)]
+    return max(steps, default=-1)
+
+
+def wait_step(run_dir: Path, step: int, *, attempt: int | None = None, timeout: float = 180.0, job_id: str | None = None) -> int:
+    """Wait until the run logged ``step`` (in ``attempt``); return the step seen. Starts a
+    requeued ``job_id`` at once while it waits for its BeginTime."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = current_step(run_dir, attempt)
+        if seen >= step:
+            return seen
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{run_dir.name}: step {step} (attempt {attempt}) not reached in {timeout:.0f} s; "
+                                 f"ledger {ledger(run_dir)}\n{log_tail(run_dir)}")
+        if job_id is not None:
+            start_if_begin_time(job_id)
+        time.sleep(0.2)
+
+
+def start_if_begin_time(job_id: str) -> None:
+    info = slurm.show_job(job_id) or {}
+    if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
+        with contextlib.suppress(UserError):
+            slurm.start_now(job_id)
+
+
+def wait_attempt_running(run_dir: Path, attempt: int, job_id: str, timeout: float = 120.0) -> None:
+    """Wait until ``attempt`` wrote its ledger start line (starting the requeued job at once)."""
+    deadline = time.monotonic() + timeout
+    while not any(s["attempt"] == attempt for s in starts(run_dir)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"attempt {attempt} of job {job_id} did not start in {timeout:.0f} s: "
+                                 f"{slurm.show_job(job_id)}\n{ledger(run_dir)}\n{log_tail(run_dir)}")
+        start_if_begin_time(job_id)
+        time.sleep(0.2)
+
+
+def finish(job_id: str, run_dir: Path, timeout: float = 300.0) -> str:
+    state = wait_terminal(job_id, timeout=timeout)
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{ledger(run_dir)}\n{log_tail(run_dir)}"
+    return state
+
+
+def log_tail(run_dir: Path, chars: int = 1500) -> str:
+    parts = []
+    for p in sorted((run_dir / "logs").rglob("rank-0.log"))[-2:]:
+        parts.append(f"--- {p}\n" + p.read_text(errors="replace")[-chars:])
+    for p in sorted((run_dir / "submitit").glob("*_0_log.err"))[-1:]:
+        parts.append(f"--- {p}\n" + p.read_text(errors="replace")[-chars:])
+    return "\n".join(parts)
+
+
+def losses_by_step(run_dir: Path) -> dict[int, list[float]]:
+    """Every loss the heartbeat recorded for each step (a step redone after a crash appears twice)."""
+    out: dict[int, list[float]] = {}
+    for b in beats(run_dir):
+        if b.get("event") == "step" and b.get("loss") is not None:
+            out.setdefault(int(b["step"]), []).append(b["loss"])
+    return out
+
+
+def assert_losses_match(run_dir: Path, reference: dict[int, float], missing_ok: frozenset[int] = frozenset()) -> None:
+    """Every step's loss equals the reference's (a step redone after a kill too). ``missing_ok``:
+    steps whose heartbeat line may be missing (a task killed after the step's checkpoint was
+    complete but before the line was written; the next attempt starts after that step)."""
+    got = losses_by_step(run_dir)
+    missing = set(reference) - set(got)
+    assert set(got) <= set(reference) and missing <= missing_ok, (
+        f"steps logged {sorted(got)} != reference {sorted(reference)} (missing {sorted(missing)})")
+    diff = {s: (v, reference[s]) for s, vs in got.items() for v in vs if v != reference[s]}
+    assert not diff, f"per-step losses differ from the uninterrupted run at steps {sorted(diff)}: {diff}"
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The model weights of the newest complete checkpoint (what the runtime resumes from)."""
+    import torch
+
+    from lmtrain.checkpoint import newest_complete
+
+    ckpt = newest_complete(run_dir / "checkpoints")
+    assert ckpt is not None, f"{run_dir}: no complete checkpoint"
+    state = torch.load(ckpt.lightning_path, map_location="cpu", weights_only=True)
+    return {"step": ckpt.step, "state_dict": state["state_dict"]}
+
+
+def weights_digest(weights: dict) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weights["state_dict"]):
+        t = weights["state_dict"][name]
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def assert_weights_identical(run_dir: Path, reference: dict) -> None:
+    got = final_weights(run_dir)
+    assert got["step"] == reference["step"] == MAX_STEPS, (got["step"], reference["step"])
+    assert weights_digest(got) == reference["digest"], (
+        f"final weights of {run_dir.name} differ from the uninterrupted run: "
+        + ", ".join(n for n, t in got["state_dict"].items() if not t.equal(reference["weights"]["state_dict"][n]))
+    )
+
+
+def preempt(environ: dict[str, str], run: str, mode: str, *extra: str) -> dict:
+    """`lmlaunch preempt RUN --mode MODE --json`; returns its JSON."""
+    code, out, err = lm(environ, "preempt", run, "--mode", mode, "--json", *extra)
+    assert code == 0, f"lmlaunch preempt {run} --mode {mode} exited {code}: {out}{err}"
+    return json.loads(out)
+
+
+@contextlib.contextmanager
+def user_signal_on_preemption(enabled: bool):
+    """Switch the cluster's SlurmctldParameters=preempt_send_user_signal, restore it afterwards."""
+    from launcher.localcluster import cluster
+
+    settings = cluster.status().settings
+    previous = settings.preempt_send_user_signal if settings else False
+    lines: list[str] = []
+    if previous != enabled:
+        cluster.up(lines.append, preempt_send_user_signal=enabled)
+    try:
+        yield
+    finally:
+        if previous != enabled:
+            cluster.up(lines.append, preempt_send_user_signal=previous)
+
+
+def cluster_sends_user_signal() -> bool:
+    return "preempt_send_user_signal" in slurm.config().get("SlurmctldParameters", "")
+
+
+INJECT_DIR = REPO / "tests" / "integration" / "preempt_inject"
+
+
+def inject(**env_vars: str) -> tuple[str, ...]:
+    """Overrides that load the test-only fault injection (preempt_inject/sitecustomize.py) in
+    the tasks with these LMTRAIN_TEST_* variables."""
+    return (f"env.vars.PYTHONPATH={INJECT_DIR}", *(f"env.vars.{k}={v}" for k, v in env_vars.items()))
+
+
+def wait_ended(job_id: str, timeout: float = 240.0) -> str:
+    """Wait for the job to leave the queue (no BeginTime skipping: nothing should requeue it)."""
+    return slurm.wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, timeout=timeout, poll=1.0)

@@ -1,0 +1,219 @@
+"""Issue 5, "Done when" 1, 2, 6 and 7 on the real 2-node local cluster (CPU, gloo): a run that is
+preempted (by a high-priority exclusive job, with and without the user signal), loses a node,
+or is preempted ten times resumes where it stopped and ends with the weights and per-step
+losses of an uninterrupted run of the same spec, bit for bit.
+
+The uninterrupted reference is one SLURM job of the same spec and topology (2 nodes x 1 task),
+run once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import uuid
+
+import pytest
+
+from launcher import slurm
+from preempt_helpers import (
+    BASE,
+    SPEC,
+    EVERY,
+    MAX_STEPS,
+    assert_losses_match,
+    assert_weights_identical,
+    cluster_sends_user_signal,
+    ends,
+    final_weights,
+    finish,
+    inject,
+    ledger,
+    lm,
+    log_tail,
+    losses_by_step,
+    preempt,
+    starts,
+    submit,
+    user_signal_on_preemption,
+    wait_attempt_running,
+    wait_ended,
+    wait_step,
+    weights_digest,
+)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One registry and runs root for the module (the reference run is shared by its tests)."""
+    root = tmp_path_factory.mktemp("preempt")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LMLAUNCH_HOME", str(root / "home"))
+        mp.setenv("LMLAUNCH_RUNS_ROOT", str(root / "runs"))
+        import os
+
+        yield dict(os.environ)
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    ids: list[str] = []
+    yield ids
+    if ids:
+        try:
+            slurm.cancel(ids)
+        except Exception:  # noqa: BLE001  (cleanup must not hide the test's own failure)
+            pass
+
+
+@pytest.fixture
+def name(request) -> str:
+    return f"pr-{request.node.name.removeprefix('test_')[:20].replace('_', '-')}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, env, jobs):
+    """The uninterrupted run: its per-step losses and final weights."""
+    name = f"pr-reference-{uuid.uuid4().hex[:6]}"
+    job, run_dir = submit(env, name)
+    jobs.append(job)
+    finish(job, run_dir)
+    assert [e["reason"] for e in ends(run_dir)] == ["completed"]
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1)) and all(len(v) == 1 for v in losses.values())
+    weights = final_weights(run_dir)
+    return {"losses": {s: v[0] for s, v in losses.items()}, "weights": weights, "step": weights["step"],
+            "digest": weights_digest(weights)}
+
+
+def _check_resumed_exactly(run_dir, reference, missing_ok=frozenset()) -> None:
+    assert ends(run_dir)[-1]["reason"] == "completed" and ends(run_dir)[-1]["end_step"] == MAX_STEPS
+    assert_losses_match(run_dir, reference["losses"], missing_ok)
+    assert_weights_identical(run_dir, reference)
+
+
+def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, env, jobs, name):
+    """Preemption by a high-priority exclusive job at a random step, the cluster sending the
+    warning signal (preempt_send_user_signal) and SIGTERM."""
+    with user_signal_on_preemption(True):
+        assert cluster_sends_user_signal()
+        job, run_dir = submit(env, name)
+        jobs.append(job)
+        seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)
+        r = preempt(env, name, "requeue", "--start-now")
+    assert r["requeued"], r
+    finish(job, run_dir)
+
+    first, second = ends(run_dir)[0], starts(run_dir)[1]
+    assert first["reason"] == "preempted", first
+    assert seen <= first["end_step"] < MAX_STEPS, (seen, first)
+    # resumed at the very step it stopped: the stop checkpoint, not an older periodic one
+    assert second["start_step"] == first["end_step"], (first, second)
+    assert second["restart_count"] == 1 and second["job_id"] == job
+    _check_resumed_exactly(run_dir, reference)
+
+
+def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(reference, env, jobs, name):
+    """The cluster does not send the user signal: SIGTERM, then SIGKILL after GraceTime."""
+    with user_signal_on_preemption(False):
+        assert not cluster_sends_user_signal()
+        job, run_dir = submit(env, name)
+        jobs.append(job)
+        seen = wait_step(run_dir, random.randint(EVERY + 2, MAX_STEPS - 15), attempt=1)
+        r = preempt(env, name, "requeue", "--start-now")
+    assert r["requeued"], r
+    finish(job, run_dir)
+
+    first, second = ends(run_dir)[0], starts(run_dir)[1]
+    assert first["reason"] == "preempted", first
+    assert second["start_step"] > 0, "resumed from step 0"
+    assert second["start_step"] >= seen, (seen, second)  # newer than any periodic checkpoint before the signal
+    assert second["start_step"] == first["end_step"], (first, second)
+    _check_resumed_exactly(run_dir, reference)
+
+
+def test_node_failure_requeues_and_resumes_from_last_checkpoint(reference, env, jobs, name):
+    """`scontrol update NodeName=n2 State=DOWN`: SLURM kills the job's steps and requeues it
+    (NODE_FAIL). On this one-machine cluster n2's slurmd still answers, so the tasks get SIGTERM
+    and may checkpoint in time; either way the next attempt resumes from the newest complete
+    checkpoint and the ledger says node_failure."""
+    job, run_dir = submit(env, name)
+    jobs.append(job)
+    wait_step(run_dir, EVERY + 3, attempt=1)
+    r = preempt(env, name, "node-failure", "--start-now")
+    assert r["requeued"] and r["node_resumed"], r
+    assert {n.name: n.state for n in slurm.nodes()}[r["node"]].rstrip("*~#!%$@^-+") not in {"down", "drain", "drained"}
+    finish(job, run_dir)
+
+    attempts = starts(run_dir)
+    assert len(attempts) == 2 and attempts[1]["restart_count"] == 1, attempts
+    first_end = [e for e in ends(run_dir) if e["attempt"] == 1]
+    assert len(first_end) == 1 and first_end[0]["reason"] == "node_failure", first_end
+    assert first_end[0]["requeued"] is True
+    assert not [e for e in ledger(run_dir) if e["event"].endswith("_failed")], ledger(run_dir)  # no second requeue
+    # resumed from the newest complete checkpoint of attempt 1: the stop checkpoint when the
+    # tasks had the time, else the last periodic one
+    assert attempts[1]["start_step"] >= EVERY
+    assert attempts[1]["start_step"] in (first_end[0]["end_step"], first_end[0]["end_step"] // EVERY * EVERY), (
+        first_end, attempts)
+    _check_resumed_exactly(run_dir, reference)
+
+
+def test_storm_of_ten_preemptions_completes_bit_identical(reference, env, jobs, name):
+    job, run_dir = submit(env, name)
+    jobs.append(job)
+    for attempt in range(1, 11):
+        wait_attempt_running(run_dir, attempt, job)
+        start = starts(run_dir)[-1]["start_step"]
+        wait_step(run_dir, start + 1, attempt=attempt, job_id=job)
+        r = preempt(env, name, "requeue", "--start-now")
+        assert r["requeued"], (attempt, r)
+    finish(job, run_dir)
+
+    reasons = [e["reason"] for e in ends(run_dir)]
+    assert reasons == ["preempted"] * 10 + ["completed"], reasons
+    s, e = starts(run_dir), ends(run_dir)
+    for prev, nxt in zip(e, s[1:]):
+        assert nxt["start_step"] == prev["end_step"], (prev, nxt)
+    _check_resumed_exactly(run_dir, reference)
+
+
+def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(reference, env, jobs, name, tmp_path):
+    """Every task SIGKILLed at points of a checkpoint write (fault injection in the tasks): each
+    restart (`lmlaunch submit --resume`) loads the newest COMPLETE checkpoint, whatever `latest`
+    says, and the run still ends bit-identical to the uninterrupted one."""
+    kills = {
+        # rank 0 dies after renaming .step-20.tmp to step-20, before COMPLETE; rank 1 at the end barrier
+        "1": {"step": 20, "points": {"0": "before_complete"}},
+        # between the ranks' files: rank 1 wrote rank-1.pt, rank 0 never writes rank-0.pt
+        "2": {"step": 20, "points": {"0": "before_rank_file", "1": "after_rank_file"}},
+        # step-30 is COMPLETE but `latest` still names step-20
+        "3": {"step": 30, "points": {"0": "before_latest"}},
+    }
+    plan = tmp_path / "kills.json"
+    plan.write_text(json.dumps(kills))
+    overrides = inject(LMTRAIN_TEST_KILL_PLAN=str(plan))
+    expected_starts = [0, 10, 10, 30]
+
+    job, run_dir = submit(env, name, *overrides)
+    jobs.append(job)
+    for attempt in (1, 2, 3):
+        state = wait_ended(job)
+        assert slurm.state_group(state) != "completed" or ends(run_dir)[-1]["reason"] != "completed", (
+            f"attempt {attempt} was not killed\n{log_tail(run_dir)}")
+        ckpts = run_dir / "checkpoints"
+        complete = sorted(int(p.parent.name[5:]) for p in ckpts.glob("step-*/COMPLETE"))
+        assert complete and complete[-1] == expected_starts[attempt], (attempt, complete, sorted(os.listdir(ckpts)))
+        if attempt == 3:
+            assert (ckpts / "latest").read_text().strip() == "step-20"  # the pointer is stale; COMPLETE rules
+        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, *overrides, "--resume")
+        assert code == 0, out + err
+        job = re.search(r"job (\d+)", out).group(1)
+        jobs.append(job)
+    finish(job, run_dir)
+
+    assert [s["start_step"] for s in starts(run_dir)] == expected_starts, starts(run_dir)
+    # step 30's heartbeat line comes after its checkpoint, which was complete when rank 0 died
+    _check_resumed_exactly(run_dir, reference, missing_ok=frozenset({30}))

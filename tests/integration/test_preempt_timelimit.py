@@ -1,0 +1,63 @@
+"""Issue 5, "Done when" 3: a time limit shorter than the run. With resources.time = 2 min and
+the warning signal 60 s before it, a run that needs longer checkpoints at the warning, requeues
+itself and is resumed until it is done; with preemption.max_timeouts = 0 it stops at the first
+time limit, not requeued, and the ledger says why.
+
+Both runs are submitted together (each takes one CPU of each node; their steps are slowed by a
+test-only sleep, so they hardly use the CPU) to keep the test at one pair of time limits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher import slurm
+from preempt_helpers import ends, finish, inject, log_tail, starts, submit, wait_ended
+from slurm_helpers import wait_accounted
+
+TIME_LIMIT = ("resources.time=00:02:00", "preemption.warning_seconds=60")
+SLOW = inject(LMTRAIN_TEST_STEP_SLEEP="0.6")
+STEPS = "trainer.max_steps=70"  # ~70 s of steps: more than one attempt gets before its warning
+
+
+@pytest.fixture(scope="module")
+def runs(slurm_cluster, tmp_path_factory):
+    import os
+
+    root = tmp_path_factory.mktemp("timelimit")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LMLAUNCH_HOME", str(root / "home"))
+        mp.setenv("LMLAUNCH_RUNS_ROOT", str(root / "runs"))
+        env = dict(os.environ)
+        requeue = submit(env, "tl-requeues", STEPS, *TIME_LIMIT, *SLOW)
+        capped = submit(env, "tl-capped", STEPS, *TIME_LIMIT, *SLOW, "preemption.max_timeouts=0")
+        try:
+            yield {"requeues": requeue, "capped": capped}
+        finally:
+            for job, _ in (requeue, capped):
+                if slurm.is_active(slurm.job_state(job)):
+                    slurm.cancel([job])
+
+
+def test_time_limit_shorter_than_run_requeues_until_done(runs):
+    job, run_dir = runs["requeues"]
+    finish(job, run_dir, timeout=480)
+    reasons = [e["reason"] for e in ends(run_dir)]
+    assert reasons[-1] == "completed" and len(reasons) >= 2, reasons
+    assert set(reasons[:-1]) == {"timeout"}, ends(run_dir)
+    for prev, nxt in zip(ends(run_dir), starts(run_dir)[1:]):
+        assert prev["requeued"] is True and nxt["start_step"] == prev["end_step"] > 0, (prev, nxt)
+    assert (run_dir / "DONE").exists()
+    assert slurm.restart_count(job) == len(reasons) - 1
+
+
+def test_time_limit_stops_at_max_timeouts_with_the_reason(runs):
+    job, run_dir = runs["capped"]
+    state = wait_ended(job, timeout=240)
+    end = ends(run_dir)
+    assert len(starts(run_dir)) == 1 and len(end) == 1, (end, log_tail(run_dir))
+    assert end[0]["reason"] == "limit_reached" and end[0]["requeued"] is False, end
+    assert "max_timeouts(0)" in end[0]["detail"], end
+    assert 0 < end[0]["end_step"] < 70 and not (run_dir / "DONE").exists()
+    assert slurm.restart_count(job) == 0 and slurm.state_group(state) != "queued"
+    wait_accounted(job)
