@@ -562,3 +562,11 @@ def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TI
         if submitted is not None and submitted >= int(since) - 1:
             found.append((submitted, parts[0]))
     return [jid for _, jid in sorted(found)]
+
+
+def nodes_completing(names: Iterable[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Nodes (of ``names``, or all) still cleaning up a job (sinfo state `comp`/`*+comp`). A
+    requeued job started on them before that finished, or within the second its credential was
+    revoked, is killed by SLURM as "non-startable: Job credential revoked" and ends FAILED."""
+    wanted = set(names) if names is not None else None
+    return [n.name for n in nodes(timeout=timeout) if "comp" in n.state and (wanted is None or n.name in wanted)]

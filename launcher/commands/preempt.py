@@ -140,15 +140,25 @@ def wait_off_nodes(job_id: str, *, timeout: float, poll: float = 0.25) -> bool:
     return False
 
 
-def start_when_pending(job_id: str, *, timeout: float = 60.0, poll: float = 0.25) -> bool:
-    """Once the requeued job is PENDING again, let it start now (not after BeginTime)."""
+REQUEUE_SETTLE_S = 2.0  # slurmd refuses a job credential from the second its previous run was revoked
+
+
+def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: float = 60.0,
+                       poll: float = 0.25) -> bool:
+    """Once the requeued job is PENDING again and its previous run is gone from ``nodes``, let
+    it start now (not after BeginTime). Started earlier, SLURM kills it as "non-startable: Job
+    credential revoked" and it ends FAILED."""
     from launcher import slurm
 
     deadline = time.monotonic() + timeout
+    pending_since = None
     while time.monotonic() < deadline:
         info = slurm.show_job(job_id) or {}
         state = info.get("JobState", "UNKNOWN")
-        if state == "PENDING":
+        if state == "PENDING" and pending_since is None:
+            pending_since = time.monotonic()
+        if (state == "PENDING" and time.monotonic() - pending_since >= REQUEUE_SETTLE_S
+                and not slurm.nodes_completing(nodes)):
             try:
                 slurm.start_now(job_id)
             except UserError:
@@ -204,7 +214,7 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
         raise UserError(f"--mode {mode!r}: allowed: {', '.join(MODES)}")
     result["requeue_seconds"] = round(time.time() - t0, 3)
     if start_now and result.get("requeued"):
-        result["started_now"] = start_when_pending(victim.job_id)
+        result["started_now"] = start_when_pending(victim.job_id, victim.nodes)
     return result
 
 

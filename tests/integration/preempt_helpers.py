@@ -20,7 +20,7 @@ from launcher import slurm
 from launcher.cli import main
 from launcher.context import Context
 from launcher.errors import UserError
-from slurm_helpers import REPO, wait_terminal
+from slurm_helpers import REPO, TERMINAL
 
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"
 MAX_STEPS = 80
@@ -101,9 +101,18 @@ def wait_step(run_dir: Path, step: int, *, attempt: int | None = None, timeout: 
         time.sleep(0.2)
 
 
+_PENDING_SINCE: dict[tuple[str, str | None], float] = {}
+
+
 def start_if_begin_time(job_id: str) -> None:
+    """Start a job waiting for its requeue BeginTime, once no node is still cleaning up a job
+    and its BeginTime (set at the requeue) is 2 s old (see launcher.commands.preempt)."""
     info = slurm.show_job(job_id) or {}
     if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
+        key = (job_id, info.get("Restarts"))
+        first_seen = _PENDING_SINCE.setdefault(key, time.monotonic())
+        if time.monotonic() - first_seen < 2.0 or slurm.nodes_completing():
+            return
         with contextlib.suppress(UserError):
             slurm.start_now(job_id)
 
@@ -120,7 +129,17 @@ def wait_attempt_running(run_dir: Path, attempt: int, job_id: str, timeout: floa
 
 
 def finish(job_id: str, run_dir: Path, timeout: float = 300.0) -> str:
-    state = wait_terminal(job_id, timeout=timeout)
+    """Wait for the job to end COMPLETED, starting its requeued attempts at once (safely: see
+    start_if_begin_time; slurm_helpers.wait_terminal starts them within the second of the requeue,
+    which SLURM may kill as "Job credential revoked")."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = slurm.job_state(job_id)
+        if slurm.state_group(state) in TERMINAL:
+            break
+        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout:.0f} s\n{log_tail(run_dir)}"
+        start_if_begin_time(job_id)
+        time.sleep(0.5)
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{ledger(run_dir)}\n{log_tail(run_dir)}"
     return state
 
