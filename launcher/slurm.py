@@ -404,11 +404,14 @@ def wait_for(
     start_requeued: bool = False,
 ) -> str:
     """Poll until the job's state falls in one of ``groups`` (e.g. {'running'}); return the
-    SLURM state. With ``start_requeued``, a job pending on its requeue BeginTime is started now.
-    Raises TimeoutError with the last state seen."""
+    SLURM state. With ``start_requeued``, a job pending on its requeue BeginTime is started
+    once it has waited 2 s and no node is still completing a job (started within the second of
+    its requeue, SLURM kills it: 'Job credential revoked').
+    Raises TimeoutError with the last state seen, the pending reason and what the nodes run."""
     wanted = set(groups)
     deadline = time.monotonic() + timeout
     state = "UNKNOWN"
+    pending_since: dict[str | None, float] = {}
     while True:
         state = job_state(job_id)
         if state_group(state) in wanted:
@@ -416,10 +419,25 @@ def wait_for(
         if start_requeued and state == "PENDING":
             info = show_job(job_id) or {}
             if info.get("Reason") == "BeginTime":
-                start_now(job_id)
+                first = pending_since.setdefault(info.get("Restarts"), time.monotonic())
+                if time.monotonic() - first >= 2.0 and not nodes_completing():
+                    start_now(job_id)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (waited for {sorted(wanted)})")
+            raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (waited for {sorted(wanted)})"
+                               + _why_waiting(job_id))
         time.sleep(poll)
+
+
+def _why_waiting(job_id: str) -> str:
+    """For a timeout message: the job's reason and the other active jobs (best effort)."""
+    try:
+        info = show_job(job_id) or {}
+        others = [f"{j.job_id} {j.name} {j.state} on {j.nodes or '-'} ({j.partition})"
+                  for j in squeue() if j.job_id != job_id and is_active(j.state)]
+    except UserError:
+        return ""
+    return (f"; reason {info.get('Reason', '?')}, nodes {info.get('ReqNodeList', '?')}; other active jobs: "
+            + ("; ".join(others) or "none"))
 
 
 # --------------------------------------------------------------------------- accounting admin

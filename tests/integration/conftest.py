@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from launcher.cli import main
 from launcher.context import Context
 from launcher.errors import UserError
 
-from slurm_helpers import REPO  # noqa: F401  (tests/integration is on sys.path)
+from slurm_helpers import REPO, cancel_orphaned_test_jobs, claim_session, job_name  # noqa: F401  (tests/integration is on sys.path)
 
 
 def pytest_collection_modifyitems(items):
@@ -45,7 +44,16 @@ def slurm_cluster():
         cluster.up(lines.append)
     except UserError as exc:
         pytest.fail(f"`lmlaunch cluster up` failed: {exc.message}\n" + "\n".join(lines))
-    return cluster.Layout.default()
+    layout = cluster.Layout.default()
+    leases = layout.root / "test-sessions"
+    orphans = cancel_orphaned_test_jobs(leases)
+    lease = claim_session(leases)
+    if orphans:
+        print(f"cancelled {len(orphans)} job(s) of test sessions that are gone: "
+              + ", ".join(f"{j.job_id} {j.name}" for j in orphans))
+        cluster.wait_nodes_idle(60)
+    yield layout
+    lease.unlink(missing_ok=True)
 
 
 @dataclass
@@ -82,7 +90,7 @@ def cli(lm_env):
 def run_name(request) -> str:
     """Unique per test: concurrent sessions share the cluster."""
     stem = request.node.name.removeprefix("test_").replace("_", "-")[:24]
-    return f"it-{stem}-{uuid.uuid4().hex[:6]}"
+    return job_name("it", stem)
 
 
 @pytest.fixture

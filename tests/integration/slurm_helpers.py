@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import secrets
 import time
+import uuid
 from pathlib import Path
 
 from launcher import slurm
@@ -26,3 +31,71 @@ def wait_accounted(job_id: str, timeout: float = 30.0) -> slurm.AccountedJob:
         if time.monotonic() > deadline:
             raise AssertionError(f"sacct has no final state for job {job_id}: {rows}")
         time.sleep(1.0)
+
+
+# --------------------------------------------------------------------------- test sessions
+#
+# Every job a test submits is named `<it|pr>-<stem>-<SESSION><random>`, so a session can tell its
+# jobs from those of a test session that is gone: a run that was killed, or a machine snapshot
+# whose saved controller state comes back with the queue it had (seen in CI: a two-node job from
+# an earlier session held n2 and the first test's job stayed PENDING for 120 s). Sessions running
+# now (helpers sharing the cluster) hold a lease file with their pid and its start time.
+
+SESSION = secrets.token_hex(3)
+TEST_JOB = re.compile(r"^(?:preempt-)?(?:it|pr)-")
+
+
+def job_name(prefix: str, stem: str) -> str:
+    """A unique test job name carrying this session's token."""
+    return f"{prefix}-{stem}-{SESSION}{uuid.uuid4().hex[:4]}"
+
+
+def _proc_start(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks since boot
+
+
+def _lease_alive(path: Path) -> bool:
+    try:
+        lease = json.loads(path.read_text())
+        return _proc_start(int(lease["pid"])) == str(lease["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def claim_session(lease_dir: Path) -> Path:
+    """Write this session's lease; return its path (remove it when the session ends)."""
+    lease_dir.mkdir(parents=True, exist_ok=True)
+    path = lease_dir / f"{SESSION}.json"
+    path.write_text(json.dumps({"pid": os.getpid(), "start": _proc_start(os.getpid())}))
+    return path
+
+
+def cancel_orphaned_test_jobs(
+    lease_dir: Path, *, among: list[str] | None = None, timeout: float = 60.0
+) -> list[slurm.QueuedJob]:
+    """Cancel test jobs (of ``among``, default all) no live session owns, and drop dead leases;
+    wait until they are gone. Jobs with other names (a user's, the demo's) are never touched."""
+    live = set()
+    for lease in lease_dir.glob("*.json"):
+        if _lease_alive(lease):
+            live.add(lease.stem)
+        else:
+            lease.unlink(missing_ok=True)
+    orphans = [
+        j for j in (slurm.squeue(among) if among is not None else slurm.squeue())
+        if TEST_JOB.match(j.name) and slurm.is_active(j.state) and not any(f"-{t}" in j.name for t in live)
+    ]
+    if orphans:
+        slurm.cancel([j.job_id for j in orphans])
+        deadline = time.monotonic() + timeout
+        ids = [j.job_id for j in orphans]
+        while any(slurm.is_active(j.state) for j in slurm.squeue(ids)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"orphaned test jobs {ids} still active {timeout:.0f} s after scancel")
+            time.sleep(0.5)
+    return orphans
+

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from launcher import slurm
 from launcher.localcluster.config import Layout, render_slurm_conf
-from slurm_helpers import wait_accounted, wait_terminal
+from slurm_helpers import cancel_orphaned_test_jobs, claim_session, wait_accounted, wait_terminal
 
 LMLAUNCH = str(Path(sys.executable).parent / "lmlaunch")
 
@@ -104,3 +104,25 @@ def test_exclusive_high_job_preempts_low_job_which_restarts_with_restart_count(s
     states = [a.state.split()[0] for a in attempts]
     assert len(attempts) == 2 and states[-1] == "COMPLETED", attempts
     assert states[0] in {"PREEMPTED", "REQUEUED"}, attempts
+
+
+def test_jobs_of_a_test_session_that_is_gone_are_cancelled_and_live_ones_kept(slurm_cluster, tmp_path, own_jobs, run_name):
+    """A killed session (or a machine snapshot restoring the controller's saved queue) leaves
+    test jobs behind; the next session cancels them, never a live session's or a user's."""
+    leases = tmp_path / "leases"
+    dead_lease = leases / "dead00.json"
+    leases.mkdir()
+    dead_lease.write_text('{"pid": 1, "start": "-1"}')  # pid 1 lives, but started at another time
+    hold = ["-p", "low", "-N", "1", "-n", "1", "--hold", "-o", "/dev/null", "--wrap", "sleep 60"]
+    orphan = _sbatch("-J", "it-left-behind-dead00beef", *hold)
+    untokened = _sbatch("-J", "it-from-before-tokens-b2feef", *hold)
+    mine = _sbatch("-J", run_name, *hold)
+    users = _sbatch("-J", f"a-users-job-{run_name}", *hold)
+    own_jobs += [orphan, untokened, mine, users]
+    claim_session(leases)  # this session, alive
+    # only among these jobs: other sessions sharing the cluster hold no lease in tmp_path
+    cancelled = {j.job_id for j in cancel_orphaned_test_jobs(leases, among=own_jobs)}
+    assert cancelled == {orphan, untokened}
+    assert not dead_lease.exists()
+    assert slurm.job_state(mine) == "PENDING" and slurm.job_state(users) == "PENDING"
+    assert slurm.state_group(slurm.job_state(orphan)) == "cancelled"

@@ -13,11 +13,11 @@ import json
 import os
 import random
 import re
-import uuid
 
 import pytest
 
 from launcher import slurm
+from slurm_helpers import job_name
 from preempt_helpers import (
     BASE,
     SPEC,
@@ -70,13 +70,13 @@ def jobs():
 
 @pytest.fixture
 def name(request) -> str:
-    return f"pr-{request.node.name.removeprefix('test_')[:20].replace('_', '-')}-{uuid.uuid4().hex[:6]}"
+    return job_name("pr", request.node.name.removeprefix("test_")[:20].replace("_", "-"))
 
 
 @pytest.fixture(scope="module")
 def reference(slurm_cluster, env, jobs):
     """The uninterrupted run: its per-step losses and final weights."""
-    name = f"pr-reference-{uuid.uuid4().hex[:6]}"
+    name = job_name("pr", "reference")
     job, run_dir = submit(env, name)
     jobs.append(job)
     finish(job, run_dir)
