@@ -7,7 +7,9 @@ The 200 runs get synthetic run directories (heartbeat, ledger, checkpoint) in a 
 LMLAUNCH_HOME; their job ids are real ones from this cluster's accounting (reused round-robin),
 so squeue and sacct do real work. The first status call also asks sacct about the jobs the
 controller has forgotten and caches their final states; later calls need squeue only — both
-are reported.
+are reported. The run directories are aged by a minute (ended runs); `status_uncached_s` drops
+the run-directory and registry caches before each call (every file read again), the baseline
+for `status_table_s` (unchanged directories served from launcher/status_cache.py).
 """
 
 from __future__ import annotations
@@ -60,7 +62,18 @@ def main() -> None:
         env = {**os.environ, "LMLAUNCH_HOME": str(home), "COLUMNS": "160"}
         lmlaunch = shutil.which("lmlaunch", path=str(Path(sys.executable).parent)) or "lmlaunch"
         squeue = _time(["squeue", "-h"], {**env, **slurm.slurm_env()}, args.repeat)
+        # runs that ended a while ago (files changed within 2 s are never cached: status_cache.RACY_S)
+        t_old = time.time() - 60
+        for root, dirs, files in os.walk(home):
+            for n in files + dirs:
+                os.utime(os.path.join(root, n), (t_old, t_old))
         first = _time([lmlaunch, "status", "--all"], env, 1)  # fills the final-jobs cache (one sacct call)
+        uncached = []
+        for _ in range(args.repeat):  # the run-directory and registry caches dropped before each call
+            for f in ("cache/run-files.json", "cache/registry-index.json"):
+                (home / f).unlink(missing_ok=True)
+            uncached += _time([lmlaunch, "status", "--all"], env, 1)
+        _time([lmlaunch, "status", "--all"], env, 1)  # fills them again
         table = _time([lmlaunch, "status", "--all"], env, args.repeat)
         js = _time([lmlaunch, "status", "--all", "--json"], env, args.repeat)
         python = _time([sys.executable, "-c", "pass"], env, args.repeat)
@@ -71,7 +84,9 @@ def main() -> None:
             "squeue_s": round(med(squeue), 4),
             "python_startup_s": round(med(python), 4),
             "status_first_call_s": round(first[0], 4),
+            "status_uncached_s": round(med(uncached), 4),
             "status_table_s": round(med(table), 4),
+            "ratio_status_cached_vs_uncached": round(med(table) / med(uncached), 2),
             "status_json_s": round(med(js), 4),
             "ratio_status_table_vs_squeue": round(med(table) / med(squeue), 1),
             "ratio_status_json_vs_squeue": round(med(js) / med(squeue), 1),

@@ -476,7 +476,8 @@ def gather_status(
     now: float | None = None,
 ) -> tuple[list[StatusRow], SlurmView]:
     """Rows for ``records``: one squeue (+ at most one sacct) call, run directories read while
-    SLURM answers (the two overlap: SLURM's answer is a subprocess wait)."""
+    SLURM answers (the two overlap: SLURM's answer is a subprocess wait); a run directory whose
+    files have not changed since the last call is not read again (launcher/status_cache.py)."""
     import threading
 
     now = time.time() if now is None else now
@@ -484,13 +485,11 @@ def gather_status(
     result: dict[str, SlurmView] = {}
     t = threading.Thread(target=lambda: result.setdefault("v", query_slurm(ids, environ=environ)))
     t.start()
-    files = [read_run_files(Path(r.run_dir)) for r in records]
+    from launcher import status_cache  # unchanged run directories are not read again
+
+    files = status_cache.read_all([r.run_dir for r in records], environ)
     t.join()
     view = result["v"]
-    for r, f in zip(records, files):
-        job = view.jobs.get(r.last_job_id or "")
-        if f.exists and (job is None or not job.time_limit):  # sacct rows carry no limit: the plan has it
-            f.plan_time = read_plan_time(Path(r.run_dir))
     rows = [
         build_row(r, f, view.jobs.get(r.last_job_id or ""), slurm_reachable=view.reachable, now=now)
         for r, f in zip(records, files)

@@ -95,17 +95,81 @@ def delete_record(name: str, environ: Mapping[str, str] | None = None) -> None:
     _record_path(name, environ).unlink(missing_ok=True)
 
 
+REGISTRY_INDEX = "cache/registry-index.json"  # under $LMLAUNCH_HOME: a read-through copy of the registry
+
+
 def list_records(environ: Mapping[str, str] | None = None) -> list[RunRecord]:
+    """Every registry entry, by name. The per-run files are the truth; a single index file
+    (``$LMLAUNCH_HOME/cache/registry-index.json``) holds a copy of each record with the identity of
+    the file it came from (inode, mtime, size). One directory listing and one stat per entry then
+    tell which copies are current; only new or changed entries are read and parsed, and the index
+    is rewritten (atomically) when any was. Nothing else needs to keep it up to date."""
     d = registry_dir(environ)
-    if not d.is_dir():
+    try:
+        with os.scandir(d) as it:
+            names = sorted(e.name for e in it if e.name.endswith(".json") and not e.name.startswith("."))
+    except OSError:  # no registry yet (or not a directory)
         return []
+    index_path = lmlaunch_home(environ) / REGISTRY_INDEX
+    index = _load_index(index_path)
+    fresh: dict[str, list[Any]] = {}
     out = []
-    for p in sorted(d.glob("*.json")):
+    base = str(d)
+    for name in names:
+        path = os.path.join(base, name)
         try:
-            out.append(RunRecord.from_dict(json.loads(p.read_text())))
-        except (OSError, ValueError, TypeError):
-            continue  # a broken entry must not hide the others; `find_run` names it
+            st = os.stat(path)
+        except OSError:
+            continue  # removed meanwhile
+        ident = [st.st_ino, st.st_mtime_ns, st.st_size]
+        known = index.get(name)
+        data = known[1] if known is not None and known[0] == ident else None
+        if data is None:
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+                rec = RunRecord.from_dict(data)
+            except (OSError, ValueError, TypeError):
+                continue  # a broken entry must not hide the others; `find_run` names it
+            if not _racy(st.st_mtime_ns):
+                fresh[name] = [ident, data]
+        else:
+            rec = RunRecord.from_dict(data)
+            fresh[name] = known
+        out.append(rec)
+    if fresh != index:
+        _save_index(index_path, fresh)
     return out
+
+
+def _racy(mtime_ns: int, window_s: float = 2.0) -> bool:
+    """A file changed within the last ``window_s``: it may change again within the file system's
+    timestamp granularity without its mtime moving, so its copy is not indexed yet."""
+    return time.time() - mtime_ns / 1e9 < window_s
+
+
+def _load_index(path: Path) -> dict[str, list[Any]]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) and data.get("version") == 1 else None
+    if not isinstance(entries, dict):
+        return {}
+    return {k: v for k, v in entries.items()
+            if isinstance(v, list) and len(v) == 2 and isinstance(v[0], list) and isinstance(v[1], dict)}
+
+
+def _save_index(path: Path, entries: dict[str, list[Any]]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"version": 1, "entries": entries}, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an index that cannot be written only costs the next call reading every entry
 
 
 def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:

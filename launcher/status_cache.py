@@ -1,0 +1,167 @@
+"""What `lmlaunch status` last read from each run directory, kept between calls.
+
+A status refresh over many runs spent most of its time opening and parsing the same unchanged
+files again (heartbeat tail, ledger, checkpoint pointer, markers, plan: 5 reads x 1000 runs).
+The run directory stays the only truth: this cache holds, per run directory, the *identity* of
+each file a row is built from (inode, size, mtime in ns; or absent) and a compact copy of what
+was read. One ``stat`` per watched file tells whether the copy is current; only runs with a changed
+file are read again. A file changed within the last ``RACY_S`` seconds is never cached: it may
+change again within the file system's timestamp granularity without its identity moving.
+
+The compact copy keeps exactly the lines ``monitor.build_row`` looks at (the last step line,
+the last line with a step or max_steps, the last line, and the first step line of the last
+attempt for the rate), so a row built from it is the row built from the full reading
+(pinned by tests/unit/test_status_cache.py).
+
+Stored at ``$LMLAUNCH_HOME/cache/run-files.json`` (private, rewritten atomically only when an
+entry changed); a missing, corrupt or foreign-version file only costs one full reading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from launcher.monitor import Checkpoint, RunFiles, read_run_files
+
+CACHE_FILE = "cache/run-files.json"
+VERSION = 1
+RACY_S = 2.0
+# the files a status row is built from, relative to the run directory. "" is the directory
+# itself: DONE, CANCELLED and plan.json are only ever created, removed or replaced by rename,
+# each of which moves the directory's mtime, so they need no stat of their own.
+WATCHED = ("", "metrics/heartbeat.jsonl", "attempts.jsonl", "checkpoints/latest")
+ROW_KEYS = ("time", "event", "step", "max_steps", "attempt", "loss", "tokens_per_s", "mfu")  # heartbeat keys build_row reads
+
+
+def identity(run_dir: str) -> tuple[list[Any], int] | None:
+    """[(ino, size, mtime_ns) or None per watched file], newest mtime; None when unreadable."""
+    ident: list[Any] = []
+    newest = 0
+    for rel in WATCHED:
+        try:
+            st = os.stat(os.path.join(run_dir, rel) if rel else run_dir)
+        except FileNotFoundError:
+            if not rel:
+                return [None] * len(WATCHED), 0  # no run directory: nothing to read, nothing racy
+            ident.append(None)
+            continue
+        except OSError:
+            return None
+        ident.append([st.st_ino, st.st_size, st.st_mtime_ns])
+        newest = max(newest, st.st_mtime_ns)
+    return ident, newest
+
+
+def compact_heartbeat(beats: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The heartbeat lines build_row uses, in their order."""
+    if not beats:
+        return []
+    keep: set[int] = {len(beats) - 1}
+    for want in (lambda b: b.get("event") == "step",
+                 lambda b: b.get("step") is not None,
+                 lambda b: bool(b.get("max_steps"))):
+        i = next((i for i in range(len(beats) - 1, -1, -1) if want(beats[i])), None)
+        if i is not None:
+            keep.add(i)
+    steps = [i for i, b in enumerate(beats) if b.get("event") == "step" and b.get("step") is not None and b.get("time")]
+    if steps:
+        last = beats[steps[-1]].get("attempt")
+        keep.add(steps[-1])
+        keep.add(next(i for i in steps if beats[i].get("attempt") == last))
+    return [{k: beats[i][k] for k in ROW_KEYS if k in beats[i]} for i in sorted(keep)]
+
+
+def compact_ledger(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The ledger's start lines (build_row counts attempts from them), with the keys it reads."""
+    return [{"event": "start", "attempt": e.get("attempt"), "job_id": e.get("job_id")}
+            for e in ledger if e.get("event") == "start"]
+
+
+def _to_json(f: RunFiles) -> dict[str, Any]:
+    ck = f.checkpoint
+    return {
+        "heartbeat": compact_heartbeat(f.heartbeat),
+        "ledger": compact_ledger(f.ledger),
+        "checkpoint": [ck.step, ck.path, ck.mtime] if ck else None,
+        "done": f.done,
+        "cancelled": f.cancelled,
+        "plan_time": f.plan_time,
+        "exists": f.exists,
+    }
+
+
+def _from_json(d: Mapping[str, Any]) -> RunFiles:
+    ck = d.get("checkpoint")
+    return RunFiles(
+        heartbeat=list(d["heartbeat"]),
+        ledger=list(d["ledger"]),
+        checkpoint=Checkpoint(int(ck[0]), str(ck[1]), float(ck[2])) if ck else None,
+        done=bool(d["done"]),
+        cancelled=bool(d["cancelled"]),
+        plan_time=d.get("plan_time"),
+        exists=bool(d["exists"]),
+    )
+
+
+def _path(environ: Mapping[str, str] | None) -> Path:
+    from launcher.runs import lmlaunch_home
+
+    return lmlaunch_home(environ) / CACHE_FILE
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("runs"), dict):
+        return {}
+    return data["runs"]
+
+
+def _save(path: Path, entries: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"version": VERSION, "runs": entries}, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs the next status a full reading
+
+
+def read_all(run_dirs: Sequence[str], environ: Mapping[str, str] | None = None) -> list[RunFiles]:
+    """RunFiles (with the plan's time limit) for each run directory, from the cache where every
+    watched file is unchanged, read afresh otherwise. Entries of runs not asked about are kept
+    (``status RUN`` must not empty the cache that ``status`` filled)."""
+    path = _path(environ)
+    cached = _load(path)
+    changed = False
+    now_ns = time.time_ns()
+    out: list[RunFiles] = []
+    for run_dir in run_dirs:
+        got = identity(run_dir)
+        entry = cached.get(run_dir)
+        if got is not None and isinstance(entry, dict) and entry.get("id") == got[0]:
+            try:
+                out.append(_from_json(entry["files"]))
+                continue
+            except (KeyError, TypeError, ValueError, IndexError):
+                pass  # a damaged entry: read afresh
+        files = read_run_files(Path(run_dir), with_plan_time=True)
+        out.append(files)
+        if got is None or now_ns - got[1] < RACY_S * 1e9:
+            if cached.pop(run_dir, None) is not None:
+                changed = True
+            continue
+        cached[run_dir] = {"id": got[0], "files": _to_json(files)}
+        changed = True
+    if changed:
+        _save(path, cached)
+    return out
