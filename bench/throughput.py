@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,7 +60,6 @@ for _p in (REPO / "src", REPO):
         sys.path.insert(0, str(_p))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-H100_BF16_PEAK = 989.5e12  # dense bf16 FLOP/s of an H100 SXM (and an H200: same tensor cores)
 FLOPS_FORMULA = "flops_per_token = 6*N + 12*L*H*T (N = matmul parameters, L layers, H hidden size, T seq len)"
 DATA_DIR = REPO / "data" / "prepared" / "tiny"
 DATA_NOTE = (
@@ -206,15 +205,11 @@ def device_name() -> str:
 
 
 def peak_flops(precision: str) -> float | None:
-    """Dense bf16 peak of this GPU (989.5e12 for H100 SXM and H200), or None."""
-    import torch
+    """Dense peak FLOP/s of this GPU for the precision (lmtrain.model's table, the one the
+    training heartbeat's MFU uses: 989.5e12 bf16 for H100 SXM and H200), or None."""
+    from lmtrain.model import peak_flops_per_device
 
-    if not torch.cuda.is_available() or not precision.startswith("bf16"):
-        return None
-    name = torch.cuda.get_device_name()
-    if ("H100" in name and "PCIe" not in name and "NVL" not in name) or "H200" in name:
-        return H100_BF16_PEAK
-    return None
+    return peak_flops_per_device(precision)
 
 
 def model_facts(model_spec: dict[str, Any], seq_len: int) -> dict[str, Any]:

@@ -169,12 +169,12 @@ def _load_cache(environ: Mapping[str, str] | None) -> dict[str, dict[str, Any]]:
 
 
 def _save_cache(cache: dict[str, dict[str, Any]], environ: Mapping[str, str] | None) -> None:
+    from launcher.atomic import write_private
+
     path = _cache_path(environ)
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, sort_keys=True))
-        os.replace(tmp, path)
+        write_private(path, json.dumps(cache, sort_keys=True))
     except OSError:
         pass  # a cache that cannot be written only costs the next status one sacct call
 

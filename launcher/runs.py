@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launcher.atomic import write_private
+
 from launcher.errors import UserError
 
 if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml import on that path
@@ -85,9 +87,7 @@ def save_record(rec: RunRecord, environ: Mapping[str, str] | None = None) -> Pat
     """Write atomically (tmp + rename) so a reader never sees half a record."""
     path = _record_path(rec.name, environ)
     path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(rec.to_dict(), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_private(path, json.dumps(rec.to_dict(), indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -164,10 +164,7 @@ def _load_index(path: Path) -> dict[str, list[Any]]:
 def _save_index(path: Path, entries: dict[str, list[Any]]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"version": 1, "entries": entries}, f, separators=(",", ":"))
-        os.replace(tmp, path)
+        write_private(path, json.dumps({"version": 1, "entries": entries}, separators=(",", ":")))
     except OSError:
         pass  # an index that cannot be written only costs the next call reading every entry
 
@@ -246,11 +243,7 @@ def write_launch_files(plan: LaunchPlan) -> list[Path]:
     if plan.deepspeed is not None and p.deepspeed_json:
         files.append((Path(p.deepspeed_json), json.dumps(plan.deepspeed, indent=2, sort_keys=True) + "\n"))
     for path, text in files:
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        write_private(path, text)
     return [f for f, _ in files]
 
 

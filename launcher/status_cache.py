@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from launcher.atomic import write_private
 from launcher.monitor import Checkpoint, RunFiles, read_run_files
 
 CACHE_FILE = "cache/run-files.json"
@@ -128,10 +129,7 @@ def _load(path: Path) -> dict[str, Any]:
 def _save(path: Path, entries: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"version": VERSION, "runs": entries}, f, separators=(",", ":"))
-        os.replace(tmp, path)
+        write_private(path, json.dumps({"version": VERSION, "runs": entries}, separators=(",", ":")))
     except OSError:
         pass  # a cache that cannot be written only costs the next status a full reading
 

@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from launcher.atomic import write_private
 from launcher.context import Context
 
 
@@ -27,9 +28,7 @@ def cancel_run(rec, environ=None) -> dict:
     user = os.environ.get("USER") or str(os.getuid())
     marker = {"time": now, "user": user, "job_ids": list(rec.job_ids)}
     if run_dir.is_dir():
-        tmp = run_dir / f".CANCELLED.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(marker) + "\n")
-        os.replace(tmp, run_dir / "CANCELLED")
+        write_private(run_dir / "CANCELLED", json.dumps(marker) + "\n")
 
     active: list[str] = []
     message = ""

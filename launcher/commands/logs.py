@@ -57,7 +57,6 @@ def print_logs(
         out.flush()
 
     def poll(final: bool) -> bool:
-        nonlocal pending
         ledger = monitor.read_jsonl(run_dir / "attempts.jsonl")
         grew = False
         for src in monitor.log_sources(run_dir, job_ids, rank=rank, attempt=attempt):

@@ -142,10 +142,10 @@ def _first_attr(cfg: Any, names: tuple[str, ...]) -> int:
 # Dense peak FLOP/s per device for MFU, by precision. Only hardware we can name exactly;
 # unknown devices (and CPUs) report MFU as null rather than a guess.
 _PEAK_FLOPS = {
-    "H100 80GB HBM3": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
+    "H100 80GB HBM3": {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12},  # SXM: 1979 sparse / 2
     "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
     "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H200": {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12},  # same tensor cores as H100 SXM
     "A100-SXM4-80GB": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "A100-SXM4-40GB": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "A100 80GB PCIe": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},

@@ -5,6 +5,7 @@ number of runs. SLURM calls are counted by wrappers on PATH that log each invoca
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -58,6 +59,13 @@ def _register_old_runs(home: Path, run_name: str, submitted: int, count: int = S
     assert len(list((home / "registry").glob("*.json"))) == submitted + count
 
 
+def _age(tree: Path, seconds: float = 60.0) -> None:
+    t = time.time() - seconds
+    for root, dirs, files in os.walk(tree):
+        for n in files + dirs:
+            os.utime(os.path.join(root, n), (t, t), follow_symlinks=False)
+
+
 def _status_refreshes(lm_env: dict, path: str, log: Path, n: int = 5) -> tuple[list[float], list[list[str]]]:
     lmlaunch = str(Path(sys.executable).parent / "lmlaunch")
     env = {**lm_env, "PATH": path, "COLUMNS": "160"}
@@ -74,7 +82,7 @@ def _status_refreshes(lm_env: dict, path: str, log: Path, n: int = 5) -> tuple[l
     return times, per_refresh
 
 
-def test_100_fast_submissions_then_status_of_1000_runs_calls_slurm_at_most_twice_per_refresh(
+def test_100_fast_submissions_then_status_of_1000_runs_calls_slurm_at_most_twice_and_rereads_no_unchanged_run(
     slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path, monkeypatch
 ):
     path, log = _counting_path(tmp_path)
@@ -98,14 +106,27 @@ def test_100_fast_submissions_then_status_of_1000_runs_calls_slurm_at_most_twice
         assert len(held) == SUBMITTED and {j.state for j in held} == {"PENDING"}
         assert len(set(ids)) == SUBMITTED
 
-        _register_old_runs(Path(lm_env["LMLAUNCH_HOME"]), run_name, SUBMITTED)
+        home = Path(lm_env["LMLAUNCH_HOME"])
+        _register_old_runs(home, run_name, SUBMITTED)
+        for tree in (home, Path(lm_env["LMLAUNCH_RUNS_ROOT"])):  # nothing changed in the last minute
+            _age(tree)
         times, per_refresh = _status_refreshes(lm_env, path, log)
-        print(f"status over {SUBMITTED + SYNTHETIC} runs: median {statistics.median(times):.3f} s; "
+        print(f"status over {SUBMITTED + SYNTHETIC} runs: median {statistics.median(times):.3f} s "
+              f"(latency: bench/status_latency.py --runs 1000); "
               f"SLURM calls per refresh: {[[c.split()[0] for c in calls] for calls in per_refresh]}")
         # bounded: one squeue for all jobs (+ at most one sacct for jobs the controller forgot)
         for calls in per_refresh:
             assert sum(c.startswith("squeue ") for c in calls) == 1, calls
             assert sum(c.startswith("sacct ") for c in calls) <= 1 and len(calls) <= 2, calls
+        # bounded reading too: every run directory and registry entry is served from the caches
+        # (one stat per watched file), which later refreshes never needed to rewrite
+        caches = home / "cache"
+        run_files = json.loads((caches / "run-files.json").read_text())["runs"]
+        index = json.loads((caches / "registry-index.json").read_text())["entries"]
+        assert len(run_files) == len(index) == SUBMITTED + SYNTHETIC
+        written = {f: (caches / f).stat().st_mtime_ns for f in ("run-files.json", "registry-index.json")}
+        _status_refreshes(lm_env, path, log, n=2)
+        assert written == {f: (caches / f).stat().st_mtime_ns for f in written}
     finally:
         if ids:
             slurm.cancel(ids)

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from launcher import runs, slurm
 from launcher.resolve import resolve
