@@ -14,7 +14,7 @@ from pathlib import Path
 from launcher import slurm
 from slurm_helpers import REPO, wait_terminal
 
-MAX_STEPS = 60
+MAX_STEPS = 150
 OVERRIDES = (
     "resources.nodes=1",  # one node: the preempting job then needs that node only
     f"trainer.max_steps={MAX_STEPS}",
@@ -77,6 +77,22 @@ def test_status_follows_a_run_through_running_pending_preempted_requeued_and_fin
     assert row["step"] >= 10 and row["max_steps"] == MAX_STEPS and row["nodes"] == 1 and row["loss"] is not None
     assert row["time_limit"] == "20:00" and row["tokens_per_s"] > 0
 
+    # preempted and requeued: an exclusive job on `high` takes its node, the runtime checkpoints
+    # on SIGTERM and requeues the job, which waits for SLURM's BeginTime as the next attempt
+    r = cli("preempt", run_name, "--mode", "requeue", "--json")
+    assert r.code == 0, r.out + r.err
+    assert json.loads(r.out)["requeued"], r.out
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "PENDING" and r["reason"] == "BeginTime", 60,
+                    "PENDING (BeginTime) after the preemption")
+    assert (row["job_id"], row["group"], row["attempt"], row["requeued"]) == (job, "queued", 2, True), row
+    stop = json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[-1])
+    assert (stop["event"], stop["reason"]) == ("end", "preempted"), stop
+    assert row["step"] == row["checkpoint_step"] == stop["end_step"] < MAX_STEPS, row
+    slurm.wait_for(job, {"running"}, timeout=120, poll=1.0, start_requeued=True)  # skip the ~2 min delay
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING" and r["step"] > stop["end_step"], 120,
+                    "RUNNING again past the stop step")
+    assert (row["attempt"], row["requeued"], row["group"]) == (2, True, "running"), row
+
     # pending: a run that needs every CPU of both nodes cannot start beside it
     pending_name = run_name + "-pd"
     pjob = _submit(cli, pending_name, "resources.nodes=2", "resources.cpus_per_task=4")
@@ -98,21 +114,27 @@ def test_status_follows_a_run_through_running_pending_preempted_requeued_and_fin
     # finished: it trains to max_steps
     assert wait_terminal(job, timeout=300) == "COMPLETED"
     row = _wait_row(cli, run_name, lambda r: r["state"] == "COMPLETED" and r["step"] == MAX_STEPS, 30, "COMPLETED")
-    assert (row["attempt"], row["requeued"], row["group"], row["eta_s"]) == (1, False, "completed", None)
+    assert (row["attempt"], row["requeued"], row["group"], row["eta_s"]) == (2, True, "completed", None)
     assert (run_dir / "DONE").exists()
 
-    # history: one completed attempt, its queue wait from sacct -D, goodput from the heartbeat
+    # history: the preempted attempt (no step lost: the next one starts at its stop step) and
+    # the completed one, queue waits from sacct -D, goodput from the heartbeat
     r = cli("history", run_name, "--json")
     assert r.code == 0, r.err
     h = json.loads(r.out)
-    (a,) = h["attempts"]
-    assert (a["attempt"], a["job_id"], a["reason"], a["end_step"]) == (1, job, "completed", MAX_STEPS)
-    assert a["queue_wait_s"] is not None and 0 < h["goodput"] <= 1
+    a1, a2 = h["attempts"]
+    assert (a1["attempt"], a1["job_id"], a1["reason"], a1["end_step"], a1["requeued"]) == (
+        1, job, "preempted", stop["end_step"], True)
+    assert a1["steps_lost"] == 0 and a2["start_step"] == stop["end_step"]
+    assert (a2["attempt"], a2["job_id"], a2["reason"], a2["end_step"]) == (2, job, "completed", MAX_STEPS)
+    assert a1["queue_wait_s"] is not None and 0 < h["goodput"] <= 1
 
-    # logs: the attempt with its marker line
+    # logs: both attempts in order, each after its marker line
     r = cli("logs", run_name)
     assert r.code == 0
-    assert r.out.splitlines()[0].startswith(f"──── attempt 1 · job {job}")
+    markers = [line for line in r.out.splitlines() if line.startswith("──── attempt ")]
+    assert [m.split(" · ")[0:2] for m in markers] == [["──── attempt 1", f"job {job}"], ["──── attempt 2", f"job {job}"]]
+    assert r.out.splitlines()[0] == markers[0]
 
 
 def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next_attempt(
