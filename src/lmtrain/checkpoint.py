@@ -90,22 +90,21 @@ test_kill_points_seen.__test__ = False  # not a pytest test
 
 
 # --- file primitives ---------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
+def _fsync(path: Path, kill_point: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _test_kill_point(f"fsync dir {path.name}")
+    _test_kill_point(kill_point)
+
+
+def fsync_dir(path: Path) -> None:
+    _fsync(path, f"fsync dir {path.name}")
 
 
 def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _test_kill_point(f"fsync {path.name}")
+    _fsync(path, f"fsync {path.name}")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
