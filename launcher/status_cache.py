@@ -137,7 +137,8 @@ def _save(path: Path, entries: dict[str, Any]) -> None:
 def read_all(run_dirs: Sequence[str], environ: Mapping[str, str] | None = None) -> list[RunFiles]:
     """RunFiles (with the plan's time limit) for each run directory, from the cache where every
     watched file is unchanged, read afresh otherwise. Entries of runs not asked about are kept
-    (``status RUN`` must not empty the cache that ``status`` filled)."""
+    (``status RUN`` must not empty the cache that ``status`` filled) while their directory
+    exists; those of removed or archived directories are dropped."""
     path = _path(environ)
     cached = _load(path)
     changed = False
@@ -159,6 +160,10 @@ def read_all(run_dirs: Sequence[str], environ: Mapping[str, str] | None = None) 
                 changed = True
             continue
         cached[run_dir] = {"id": got[0], "files": _to_json(files)}
+        changed = True
+    asked = set(run_dirs)
+    for gone in [d for d in cached if d not in asked and not os.path.isdir(d)]:
+        del cached[gone]
         changed = True
     if changed:
         _save(path, cached)

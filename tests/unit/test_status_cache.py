@@ -145,13 +145,17 @@ def test_a_corrupt_or_foreign_cache_costs_one_full_reading(home, reads):
     assert reads == [dirs[0]]
 
 
-def test_status_of_one_run_keeps_the_other_entries(home, reads):
+def test_status_of_one_run_keeps_the_other_entries_while_their_directories_exist(home, reads):
     dirs = _runs(home, 3)
     status_cache.read_all(dirs)
     status_cache.read_all(dirs[:1])
     reads.clear()
     status_cache.read_all(dirs)
     assert reads == []
+    os.rename(dirs[2], dirs[2] + ".archived-20261123")  # `submit --new` archives the old directory
+    status_cache.read_all(dirs[:1])
+    cached = json.loads((home / status_cache.CACHE_FILE).read_text())["runs"]
+    assert sorted(cached) == sorted(dirs[:2])
 
 
 def test_the_compact_heartbeat_gives_the_row_of_the_full_tail():
