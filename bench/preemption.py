@@ -55,15 +55,9 @@ def cli(environ: dict[str, str], *args: str) -> str:
 
 
 def jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    from launcher.monitor import read_jsonl  # skips a line being written
+
+    return read_jsonl(path)
 
 
 def steps(run_dir: Path, attempt: int) -> list[dict]:

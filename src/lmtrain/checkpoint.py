@@ -46,6 +46,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,10 +108,12 @@ def fsync_file(path: Path) -> None:
     _fsync(path, f"fsync {path.name}")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, mode: str, write: Callable[[Any], None]) -> None:
+    """``write(file)`` into a temporary beside ``path``, fsync it, rename it over ``path``, fsync
+    the directory (with the kill points the fault-injection tests stop at)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, mode) as f:
+        write(f)
         f.flush()
         _test_kill_point(f"wrote {tmp.name}")
         os.fsync(f.fileno())
@@ -118,19 +121,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
     _test_kill_point(f"renamed {path.name}")
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    _write_atomic(path, "w", lambda f: f.write(text))
 
 
 def torch_save_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        _test_kill_point(f"wrote {tmp.name}")
-        os.fsync(f.fileno())
-    _test_kill_point(f"fsynced {tmp.name}")
-    os.replace(tmp, path)
-    _test_kill_point(f"renamed {path.name}")
-    fsync_dir(path.parent)
+    _write_atomic(path, "wb", lambda f: torch.save(obj, f))
 
 
 def remove_tree(path: Path) -> None:

@@ -16,7 +16,7 @@ import re
 import time
 from pathlib import Path
 
-from launcher import slurm
+from launcher import monitor, slurm
 from launcher.cli import main
 from launcher.context import Context
 from launcher.errors import UserError
@@ -52,15 +52,7 @@ def submit(environ: dict[str, str], name: str, *overrides: str) -> tuple[str, Pa
 
 
 def jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written
-    return out
+    return monitor.read_jsonl(path)  # skips a line being written
 
 
 def ledger(run_dir: Path) -> list[dict]:
