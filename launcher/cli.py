@@ -83,15 +83,45 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
     if mod is None:
         ctx.err(f"lmlaunch {args.command}: not available in this build")
         return ExitCode.FAILURE
+    debug = os.environ.get("LMLAUNCH_DEBUG") == "1"
     try:
-        return int(mod.run(args, ctx) or 0)
+        code = int(mod.run(args, ctx) or 0)
+        ctx.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except UserError as exc:
-        if os.environ.get("LMLAUNCH_DEBUG") == "1":
+        if debug:
             raise
         ctx.err(f"error: {exc.message}")
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
+    except BrokenPipeError:
+        # `lmlaunch submit ... --dry-run | head -1`: the reader is gone; end quietly, as `cat` does.
+        _silence_stdout(ctx)
+        return ExitCode.BROKEN_PIPE
+    except Exception as exc:  # a bug, not the user's doing: one line unless debugging
+        if debug:
+            raise
+        ctx.err(
+            f"error: lmlaunch {args.command} failed unexpectedly: {type(exc).__name__}: "
+            f"{_short(str(exc))} (LMLAUNCH_DEBUG=1 shows the traceback)"
+        )
+        return ExitCode.FAILURE
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _silence_stdout(ctx: Context) -> None:
+    """Point stdout at /dev/null so the interpreter's final flush raises nothing."""
+    if ctx.stdout is sys.stdout:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
 
 
 if __name__ == "__main__":  # pragma: no cover

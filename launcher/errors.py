@@ -11,6 +11,8 @@ import difflib
 import enum
 from collections.abc import Iterable
 
+from launcher.text_rules import escape_controls
+
 
 class ExitCode(enum.IntEnum):
     OK = 0
@@ -18,6 +20,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad input: spec, profile, override, arguments. Nothing was submitted.
     UNAVAILABLE = 3  # SLURM is absent or its controller does not answer
     INTERRUPTED = 130
+    BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (`... | head -1`)
 
 
 class UserError(Exception):
@@ -39,9 +42,9 @@ class SpecError(UserError):
     """One or more problems in a job spec, cluster profile or override (exit code 2)."""
 
     def __init__(self, problems: list[str], *, source: str | None = None) -> None:
-        self.problems = list(problems)
+        self.problems = [_one_line(p) for p in problems]
         self.source = source
-        head = f"{source}: " if source else ""
+        head = f"{_one_line(source, 200)}: " if source else ""
         if len(self.problems) == 1:
             text = head + self.problems[0]
         else:
@@ -49,6 +52,17 @@ class SpecError(UserError):
                 f"  - {p}" for p in self.problems
             )
         super().__init__(text, exit_code=ExitCode.USAGE)
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    """A problem as one printable line: control characters escaped, at most ``limit`` characters.
+
+    Messages quote what the user wrote; a value holding "\n#SBATCH ..." or 5000 characters
+    must not spread over the terminal."""
+    text = escape_controls(text)
+    if len(text) > limit:
+        text = text[: limit - 30] + f"… ({len(text) - limit + 30} more characters)"
+    return text
 
 
 class SlurmUnavailable(UserError):

@@ -15,25 +15,36 @@ from pydantic import ValidationError
 
 from launcher.errors import SpecError
 from launcher.spec import JobSpec
+from launcher.text_rules import brief, check_override_text
 from launcher.validation import Origin, format_validation_error
 from launcher.yamlio import load_yaml_file, parse_scalar
 
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
-    """'trainer.zero_stage=3' -> (('trainer', 'zero_stage'), 3). Values are read as YAML."""
+    """'trainer.zero_stage=3' -> (('trainer', 'zero_stage'), 3). Values are read as YAML.
+
+    An override is one line: a control character (a newline above all) is an error, never cut."""
+    try:
+        check_override_text(text)
+    except ValueError as exc:
+        raise SpecError([str(exc)]) from None
     if "=" not in text:
         raise SpecError(
-            [f"override '{text}' must look like key.path=value (e.g. resources.nodes=4)"]
+            [f"override {brief(text)} must look like key.path=value (e.g. resources.nodes=4)"]
         )
     key, _, raw = text.partition("=")
     parts = tuple(key.strip().split("."))
-    if not all(_KEY.match(p) for p in parts):
+    if len(parts) > 16 or not all(_KEY.fullmatch(p) for p in parts):
         raise SpecError(
-            [f"override '{text}': '{key}' is not a dotted key path (e.g. trainer.max_steps)"]
+            [f"override {brief(text)}: {brief(key)} is not a dotted key path (e.g. trainer.max_steps)"]
         )
-    return parts, parse_scalar(raw)
+    try:
+        value = parse_scalar(raw)
+    except ValueError as exc:
+        raise SpecError([f"override {brief(text)}: {exc}"]) from None
+    return parts, value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, dict[tuple[str, ...], str]]:
@@ -50,8 +61,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, dict[tuple[
             if not isinstance(child, dict):
                 raise SpecError(
                     [
-                        f"override '{text}': {'.'.join(parts[: i + 1])} is "
-                        f"{type(child).__name__} {child!r}, not a mapping with keys"
+                        f"override {brief(text)}: {'.'.join(parts[: i + 1])} is "
+                        f"{type(child).__name__} {brief(child)}, not a mapping with keys"
                     ]
                 )
             node = child
@@ -68,25 +79,36 @@ def validate_data(data: Any, origin: Origin | None, source: str) -> JobSpec:
         )
     bad_keys = [k for k in data if not isinstance(k, str)]
     if bad_keys:
-        raise SpecError([f"top-level key {bad_keys[0]!r} is not a name"], source=source)
+        raise SpecError([f"top-level key {brief(bad_keys[0])} is not a name"], source=source)
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc, origin, JobSpec), source=source) from None
 
 
-def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
-    """Relative data/checkpoint/pretrained paths are relative to the spec file's directory."""
+def resolve_paths(spec: JobSpec, base: Path, origin: Origin | None = None) -> JobSpec:
+    """Relative data/checkpoint/pretrained paths are relative to the spec file's directory.
 
-    def absolute(p: str | None) -> str | None:
+    A path that cannot be resolved (a symlink loop, a name too long, ~user unknown) is an error
+    naming its key, not a traceback."""
+
+    def absolute(p: str | None, key: tuple[str, str]) -> str | None:
         if p is None:
             return None
-        q = Path(p).expanduser()
-        return str(q if q.is_absolute() else (base / q).resolve())
+        try:
+            q = Path(p).expanduser()
+            return str(q if q.is_absolute() else (base / q).resolve())
+        except (OSError, RuntimeError) as exc:
+            where = origin.locate(key) if origin else None
+            head = ".".join(key) + (f" ({where})" if where else "")
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise SpecError([f"{head}: cannot resolve the path {brief(p)}: {reason}"]) from None
 
-    data = spec.data.model_copy(update={"path": absolute(spec.data.path)})
-    ckpt = spec.checkpoint.model_copy(update={"dir": absolute(spec.checkpoint.dir)})
-    model = spec.model.model_copy(update={"pretrained": absolute(spec.model.pretrained)})
+    data = spec.data.model_copy(update={"path": absolute(spec.data.path, ("data", "path"))})
+    ckpt = spec.checkpoint.model_copy(update={"dir": absolute(spec.checkpoint.dir, ("checkpoint", "dir"))})
+    model = spec.model.model_copy(
+        update={"pretrained": absolute(spec.model.pretrained, ("model", "pretrained"))}
+    )
     return spec.model_copy(update={"data": data, "checkpoint": ckpt, "model": model})
 
 
@@ -94,7 +116,7 @@ def load_job_with_origin(
     path: str | Path, overrides: list[str] | None = None
 ) -> tuple[JobSpec, Origin]:
     """Load, override and validate a job spec; also where each value came from."""
-    loaded = load_yaml_file(path)
+    loaded = load_yaml_file(path, "job spec")
     data = loaded.data
     origin = Origin(loaded=loaded)
     if overrides:
@@ -102,7 +124,14 @@ def load_job_with_origin(
             raise SpecError(["a job spec must be a YAML mapping of keys to values"], source=str(path))
         data, origin.overrides = apply_overrides(data, overrides)
     spec = validate_data(data, origin, str(path))
-    return resolve_paths(spec, Path(path).resolve().parent), origin
+    try:
+        base = Path(path).resolve().parent
+    except (OSError, RuntimeError) as exc:
+        raise SpecError([f"cannot resolve the spec's directory: {exc}"], source=str(path)) from None
+    try:
+        return resolve_paths(spec, base, origin), origin
+    except SpecError as exc:
+        raise SpecError(exc.problems, source=str(path)) from None
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:

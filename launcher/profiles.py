@@ -16,7 +16,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from launcher.errors import SpecError, did_you_mean
-from launcher.spec import ENV_NAME_RE, MEM_RE, parse_slurm_time
+from launcher.spec import parse_slurm_time
+from launcher.text_rules import (
+    ENV_NAME,
+    GRES_NAME,
+    SLURM_WORD,
+    EnvValue,
+    MemSize,
+    OneLine,
+    PathText,
+    ShellLine,
+    SlurmWord,
+    brief,
+)
 from launcher.validation import format_validation_error
 from launcher.yamlio import load_yaml_file
 
@@ -25,7 +37,7 @@ REPO_PROFILES = Path(__file__).resolve().parent.parent / "cluster_profiles"
 
 class _Strict(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True
+        extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True, allow_inf_nan=False
     )
 
 
@@ -35,26 +47,52 @@ _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))"
 _SLURM_PATH_BAD = re.compile(r"[%\\\x00-\x1f\x7f]")
 
 
+def _account() -> dict[str, str]:
+    """USER/LOGNAME/HOME of this process's account from the password database (as ``~`` does)."""
+    import pwd
+
+    try:
+        entry = pwd.getpwuid(os.getuid())
+    except KeyError:  # a uid with no entry (some containers)
+        return {}
+    return {"USER": entry.pw_name, "LOGNAME": entry.pw_name, "HOME": entry.pw_dir}
+
+
 def expand_path(raw: str, environ: Mapping[str, str], what: str) -> str:
     """Expand ``~`` and ``$VAR``/``${VAR}`` from ``environ``; an unset variable is an error.
 
+    Cron, containers and some batch shells run without ``$USER``, ``$LOGNAME`` or ``$HOME``:
+    those three fall back to this account's entry in the password database, as ``~`` does.
     ``what`` names where the path came from (for the message).
     """
+    fallback: dict[str, str] | None = None
+
+    def lookup(name: str) -> str | None:
+        nonlocal fallback
+        value = environ.get(name)
+        if value:
+            return value
+        if name in ("USER", "LOGNAME", "HOME"):
+            if fallback is None:
+                fallback = _account()
+            return fallback.get(name) or None
+        return None
+
     text = raw
     if text == "~" or text.startswith("~/"):
-        home = environ.get("HOME")
+        home = lookup("HOME")
         if not home:
-            raise SpecError([f"{what} '{raw}' starts with ~ but HOME is not set in this shell"])
+            raise SpecError([f"{what} {brief(raw)} starts with ~ but HOME is not set and this account has no home"])
         text = home + text[1:]
-    missing = [a or b for a, b in _VAR.findall(text) if not environ.get(a or b)]
+    missing = [a or b for a, b in _VAR.findall(text) if not lookup(a or b)]
     if missing:
         raise SpecError(
             [
-                f"{what} '{raw}' uses ${missing[0]}, which is not set (or empty) in this shell; "
+                f"{what} {brief(raw)} uses ${missing[0]}, which is not set (or empty) in this shell; "
                 f"set {missing[0]}, or set LMLAUNCH_RUNS_ROOT to the runs root to use"
             ]
         )
-    return _VAR.sub(lambda m: environ[m.group(1) or m.group(2)], text)
+    return _VAR.sub(lambda m: lookup(m.group(1) or m.group(2)) or "", text)
 
 
 def check_slurm_path(path: str, what: str) -> None:
@@ -63,7 +101,7 @@ def check_slurm_path(path: str, what: str) -> None:
     if bad:
         raise SpecError(
             [
-                f"{what} {path!r} contains {bad.group()!r}, which SLURM cannot take in a "
+                f"{what} {brief(path)} contains {bad.group()!r}, which SLURM cannot take in a "
                 "#SBATCH --output path (no '%', backslash, line breaks or control characters); "
                 "choose another directory"
             ]
@@ -94,9 +132,9 @@ class Partition(_Strict):
 class EnvVar(_Strict):
     """A fabric variable with its reason."""
 
-    value: str
+    value: EnvValue
     """Value exported in every task."""
-    why: str
+    why: OneLine
     """One line: why this cluster needs it."""
 
     @field_validator("value", mode="before")
@@ -117,9 +155,9 @@ class EnvVar(_Strict):
 class Container(_Strict):
     """A container the tasks run in (pyxis/enroot)."""
 
-    image: str
+    image: OneLine
     """Container image (pyxis/enroot --container-image)."""
-    mounts: list[str] = Field(default_factory=list)
+    mounts: list[OneLine] = Field(default_factory=list, max_length=1000)
     """Bind mounts src:dst."""
 
 
@@ -128,66 +166,64 @@ class Profile(_Strict):
 
     name: str
     """Profile name (the file's stem)."""
-    description: str = ""
+    description: OneLine = ""
     """What cluster this is."""
-    partitions: dict[str, Partition]
+    partitions: dict[str, Partition] = Field(..., min_length=1, max_length=1000)
     """Partitions jobs may use, by name."""
-    default_partition: str
+    default_partition: SlurmWord
     """Partition used when the job names none."""
-    preemptible_partition: str | None = None
+    preemptible_partition: SlurmWord | None = None
     """Low-priority partition where jobs may be preempted."""
-    high_priority_partition: str | None = None
+    high_priority_partition: SlurmWord | None = None
     """High-priority partition (preempts the preemptible one)."""
-    account: str | None = None
+    account: SlurmWord | None = None
     """Default SLURM account."""
-    qos: str | None = None
+    qos: SlurmWord | None = None
     """Default QOS."""
-    gpus_per_node: int = Field(0, ge=0)
+    gpus_per_node: int = Field(0, ge=0, le=64)
     """GPUs in each node (0: a CPU-only cluster)."""
     gres_name: str = "gpu"
     """GRES name for GPUs (gpu, or typed like gpu:h100)."""
-    cpus_per_gpu: int = Field(1, ge=1)
+    cpus_per_gpu: int = Field(1, ge=1, le=1024)
     """CPU cores per GPU task (or per CPU task on a CPU-only cluster)."""
-    mem_per_gpu: str | None = None
+    mem_per_gpu: MemSize | None = None
     """Memory per GPU (e.g. 200G); the job's mem per node defaults to this x GPUs."""
-    max_tasks_per_node: int = Field(64, ge=1)
+    max_tasks_per_node: int = Field(64, ge=1, le=4096)
     """Most tasks a node runs (CPU-only clusters: cores per node)."""
     exclusive: bool = False
     """Request whole nodes by default."""
-    runs_root: str
+    runs_root: PathText
     """Root of run directories on a filesystem every node sees (~ and $VARS expanded)."""
-    setup: list[str] = Field(default_factory=list)
+    setup: list[ShellLine] = Field(default_factory=list, max_length=1000)
     """Shell lines run in the batch script before the tasks start (module load, venv)."""
-    python: str = "python"
+    python: OneLine = "python"
     """Python interpreter on the nodes (after setup). 'auto': the interpreter running lmlaunch (clusters that share its venv, such as local)."""
     container: Container | None = None
     """Run tasks in this container (pyxis)."""
     sends_user_signal_on_preemption: bool = False
     """The cluster sets SlurmctldParameters=preempt_send_user_signal."""
-    env: dict[str, EnvVar] = Field(default_factory=dict)
+    env: dict[str, EnvVar] = Field(default_factory=dict, max_length=1000)
     """NCCL / fabric environment, each with its reason."""
 
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, EnvVar]) -> dict[str, EnvVar]:
         for name in v:
-            if not ENV_NAME_RE.match(name):
-                raise ValueError(f"'{name}' is not a valid environment variable name")
+            ENV_NAME.check(name)
+        return v
+
+    @field_validator("partitions")
+    @classmethod
+    def _partition_names(cls, v: dict[str, Partition]) -> dict[str, Partition]:
+        for name in v:
+            SLURM_WORD.check(name)
         return v
 
     @field_validator("python")
     @classmethod
     def _python(cls, v: str) -> str:
-        if not v.strip() or any(c in v for c in "\n\r\x00"):
+        if not v.strip():
             raise ValueError("python must be 'auto' or an interpreter command on one line")
-        return v
-
-    @field_validator("setup")
-    @classmethod
-    def _setup(cls, v: list[str]) -> list[str]:
-        for i, line in enumerate(v):
-            if "\n" in line or "\r" in line:
-                raise ValueError(f"setup[{i}] holds a line break; write one shell line per list item")
         return v
 
     @field_validator("runs_root")
@@ -197,12 +233,6 @@ class Profile(_Strict):
             raise ValueError("runs_root must be a directory path")
         return v
 
-    @field_validator("mem_per_gpu")
-    @classmethod
-    def _mem(cls, v: str | None) -> str | None:
-        if v is not None and not MEM_RE.match(v):
-            raise ValueError(f"'{v}' is not a SLURM memory size; use e.g. 200G")
-        return v
 
     @model_validator(mode="after")
     def _parts(self) -> Profile:
@@ -211,11 +241,13 @@ class Profile(_Strict):
             value = getattr(self, field)
             if value is not None and value not in self.partitions:
                 raise ValueError(
-                    f"{field} '{value}' is not among partitions ({', '.join(names)})"
+                    f"{field} {brief(value)} is not among partitions ({', '.join(names)})"
                     f"{did_you_mean(value, names)}"
                 )
-        if not re.match(r"^[A-Za-z0-9_:.-]+$", self.gres_name):
-            raise ValueError(f"gres_name '{self.gres_name}' is not a GRES name")
+        try:
+            GRES_NAME.check(self.gres_name)
+        except ValueError as exc:
+            raise ValueError(f"gres_name: {exc}") from None
         return self
 
     @property
@@ -249,13 +281,13 @@ def available_profiles(environ: Mapping[str, str] | None = None) -> dict[str, Pa
 
 
 def load_profile_file(path: str | Path) -> Profile:
-    loaded = load_yaml_file(path)
+    loaded = load_yaml_file(path, "cluster profile")
     data = loaded.data
     if not isinstance(data, dict):
         raise SpecError(["a cluster profile must be a YAML mapping"], source=str(path))
     if "name" in data and data["name"] != Path(path).stem:
         raise SpecError(
-            [f"name '{data['name']}' differs from the file name; a profile is named by its file ({Path(path).stem})"],
+            [f"name {brief(data['name'])} differs from the file name; a profile is named by its file ({Path(path).stem})"],
             source=str(path),
         )
     data = {"name": Path(path).stem, **data}
@@ -270,7 +302,7 @@ def load_profile(name: str, environ: Mapping[str, str] | None = None) -> Profile
     if name not in profiles:
         raise SpecError(
             [
-                f"cluster: unknown profile '{name}'{did_you_mean(name, profiles)}; "
+                f"cluster: unknown profile {brief(name)}{did_you_mean(name, profiles)}; "
                 f"available: {', '.join(sorted(profiles)) or 'none'}"
             ]
         )

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from launcher.atomic import write_private
 
 from launcher.errors import UserError
+from launcher.text_rules import RUN_NAME, brief
 
 if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml import on that path
     from launcher.plan import LaunchPlan
@@ -170,8 +171,9 @@ def _save_index(path: Path, entries: dict[str, list[Any]]) -> None:
 
 
 def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
-    """A run by name, or by any of its job ids."""
-    rec = load_record(ref, environ) if "/" not in ref else None
+    """A run by name, or by any of its job ids. A reference that is not a valid run name (a path,
+    a line break, 5000 characters) names no registry file: it is only compared with job ids."""
+    rec = load_record(ref, environ) if RUN_NAME.ok(ref) else None
     if rec is not None:
         return rec
     records = list_records(environ)
@@ -182,8 +184,8 @@ def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
 
     names = [r.name for r in records]
     raise UserError(
-        f"no run named or with job id '{ref}' in the registry ({registry_dir(environ)})"
-        f"{did_you_mean(ref, names)}; known runs: {', '.join(names) or 'none'}"
+        f"no run named or with job id {brief(ref)} in the registry ({registry_dir(environ)})"
+        f"{did_you_mean(ref[:100], names)}; known runs: {', '.join(names) or 'none'}"
     )
 
 

@@ -12,18 +12,29 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from launcher.model_config import check_model_config
 from launcher.model_types import KNOWN_CAUSAL_LM_TYPES
+from launcher.text_rules import (
+    ENV_NAME,
+    EnvValue,
+    MemSize,
+    OneLine,
+    PathText,
+    ProfileName,
+    RunName,
+    SlurmWord,
+    brief,
+    escape_controls,
+)
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-MEM_RE = re.compile(r"^[1-9][0-9]*[KMGT]?$")
 SIGNAL_NAMES = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")
 # Signals that NCCL / the runtime may use themselves, so a warning signal must not be one.
+# Matched with fullmatch (no '$' that also matches before a final newline); each part bounded.
 _TIME_RE = re.compile(
-    r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
-    r"|(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)"
-    r"|(?P<mm>\d+):(?P<ss>\d+)"
-    r"|(?P<only_m>\d+))$"
+    r"(?:(?P<d>\d{1,4})-(?P<dh>\d{1,2})(?::(?P<dm>\d{1,2})(?::(?P<ds>\d{1,2}))?)?"
+    r"|(?P<h>\d{1,5}):(?P<m>\d{1,2}):(?P<s>\d{1,2})"
+    r"|(?P<mm>\d{1,7}):(?P<ss>\d{1,2})"
+    r"|(?P<only_m>\d{1,7}))"
 )
 
 
@@ -35,12 +46,14 @@ def parse_slurm_time(value: str | int) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
             raise ValueError("time must be positive")
+        if value > 9_999_999:
+            raise ValueError(f"time {value} minutes is beyond any SLURM limit (at most 9999999)")
         return value
-    text = str(value).strip()
-    m = _TIME_RE.match(text)
+    text = str(value)
+    m = _TIME_RE.fullmatch(text)
     if not m:
         raise ValueError(
-            f"'{value}' is not a SLURM time; use MM, HH:MM:SS, D-HH or D-HH:MM:SS"
+            f"{brief(text)} is not a SLURM time; use MM, HH:MM:SS, D-HH or D-HH:MM:SS"
         )
     g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
     if "d" in g:
@@ -71,8 +84,9 @@ def mem_to_mb(value: str) -> int:
 
 class _Strict(BaseModel):
     # strict: `nodes: yes` or `nodes: "4"` is an error, not 1 or 4 (YAML already types scalars).
+    # allow_inf_nan=False: `.inf`, `.nan` or `1e400` (read as inf) is an error, never a value.
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True
+        extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True, allow_inf_nan=False
     )
 
 
@@ -111,19 +125,19 @@ class Resources(_Strict):
     """Tasks (ranks) per node for CPU jobs. For GPU jobs it is always gpus_per_node."""
     cpus_per_task: int | None = Field(None, ge=1, le=1024)
     """CPU cores per task; defaults to the profile's cpus_per_gpu (or 1 on CPU)."""
-    mem: str | None = None
+    mem: MemSize | None = None
     """Memory per node as SLURM writes it (e.g. 64G, 500M); defaults to the profile's mem_per_gpu x GPUs."""
     time: str | int = "01:00:00"
     """Wall-clock limit (HH:MM:SS, D-HH:MM:SS or minutes); at most the partition's max_time."""
-    partition: str | None = None
+    partition: SlurmWord | None = None
     """Partition by name; defaults to the partition of partition_kind in the profile."""
     partition_kind: Literal["default", "preemptible", "high_priority"] = "default"
     """Partition by role, portable across profiles: the profile's default, preemptible or high-priority partition."""
-    account: str | None = None
+    account: SlurmWord | None = None
     """Account override (SLURM --account)."""
-    qos: str | None = None
+    qos: SlurmWord | None = None
     """QOS override (SLURM --qos)."""
-    constraint: str | None = None
+    constraint: SlurmWord | None = None
     """Node feature constraint (SLURM --constraint), e.g. 'h100&ib'."""
     exclusive: bool | None = None
     """Whole nodes (SLURM --exclusive); defaults to the profile's choice."""
@@ -135,22 +149,6 @@ class Resources(_Strict):
             raise ValueError("time must be a SLURM time string such as 04:00:00")
         parse_slurm_time(v)
         return str(v)
-
-    @field_validator("mem")
-    @classmethod
-    def _mem(cls, v: str | None) -> str | None:
-        if v is not None and not MEM_RE.match(v):
-            raise ValueError(f"'{v}' is not a SLURM memory size; use e.g. 64G or 500M")
-        return v
-
-    @field_validator("partition", "account", "qos", "constraint")
-    @classmethod
-    def _slurm_word(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[A-Za-z0-9_.,&|:*\[\]-]+$", v):
-            raise ValueError(
-                f"'{v}' has characters SLURM does not accept here (allowed: letters, digits, _ . , & | : * [ ] -)"
-            )
-        return v
 
     @property
     def time_minutes(self) -> int:
@@ -165,7 +163,7 @@ class ModelSpec(_Strict):
 
     type: str | None = None
     """A transformers model type (AutoConfig), initialised from scratch: gpt2, llama, mistral, ..."""
-    pretrained: str | None = None
+    pretrained: PathText | None = None
     """A local directory with a pretrained model (config.json + weights). Exclusive with type."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the model config (n_layer, hidden_size, vocab_size, ...)."""
@@ -175,6 +173,12 @@ class ModelSpec(_Strict):
     """Compile the model with torch.compile."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel; sdpa uses PyTorch's scaled_dot_product_attention."""
+
+    @field_validator("config")
+    @classmethod
+    def _config(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_model_config(v)
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -195,7 +199,7 @@ class ModelSpec(_Strict):
 class DataSpec(_Strict):
     """Tokenized training data and how it is batched."""
 
-    path: str
+    path: PathText
     """Directory made by `lmlaunch data prepare` (tokens.bin + meta.json)."""
     seq_len: int = Field(..., ge=8, le=1_048_576)
     """Tokens per sample."""
@@ -220,20 +224,20 @@ class TrainerSpec(_Strict):
     """Offload parameters to CPU (DeepSpeed ZeRO stage 3)."""
     precision: Literal["bf16-mixed", "16-mixed", "32-true"] = "bf16-mixed"
     """Numeric precision (Lightning names). CPU runs use bf16-mixed or 32-true."""
-    global_batch_size: int = Field(..., ge=1)
+    global_batch_size: int = Field(..., ge=1, le=1 << 24)
     """Samples per optimizer step over all ranks; accumulation is derived from it."""
-    max_steps: int = Field(..., ge=1)
+    max_steps: int = Field(..., ge=1, le=10**10)
     """Optimizer steps to train."""
     gradient_clip_val: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this value (null: no clipping)."""
-    val_check_interval: int | None = Field(None, ge=1)
+    val_check_interval: int | None = Field(None, ge=1, le=10**10)
     """Validate every N optimizer steps (null: only at the end)."""
-    limit_val_batches: int = Field(20, ge=0)
+    limit_val_batches: int = Field(20, ge=0, le=10**9)
     """Validation batches per validation run."""
-    log_every_n_steps: int = Field(10, ge=1)
+    log_every_n_steps: int = Field(10, ge=1, le=10**9)
     """Log metrics every N optimizer steps (logging syncs the host)."""
-    seed: int = Field(1234, ge=0)
-    """Seed for model init, data order and dropout."""
+    seed: int = Field(1234, ge=0, le=2**32 - 1)
+    """Seed for model init, data order and dropout (0 to 2**32-1, what numpy accepts)."""
 
     @model_validator(mode="after")
     def _zero(self) -> TrainerSpec:
@@ -266,7 +270,7 @@ class OptimSpec(_Strict):
     """AdamW epsilon."""
     weight_decay: float = Field(0.1, ge=0)
     """Decoupled weight decay (not applied to norms and biases)."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=10**10)
     """Linear warmup steps."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Learning-rate schedule after warmup."""
@@ -300,11 +304,11 @@ class OptimSpec(_Strict):
 class CheckpointSpec(_Strict):
     """Where and how often complete checkpoints are written."""
 
-    dir: str | None = None
+    dir: PathText | None = None
     """Checkpoint directory; defaults to <run dir>/checkpoints."""
-    every_n_steps: int = Field(100, ge=1)
+    every_n_steps: int = Field(100, ge=1, le=10**10)
     """Periodic checkpoint, the fallback when no warning signal comes."""
-    keep_last: int = Field(3, ge=1)
+    keep_last: int = Field(3, ge=1, le=10_000)
     """Complete checkpoints to keep."""
 
 
@@ -315,13 +319,13 @@ class PreemptionSpec(_Strict):
     """Warning signal SLURM sends before the time limit (--signal). USR1 may clash with NCCL."""
     warning_seconds: int = Field(120, ge=10, le=65535)
     """Seconds before the time limit that the warning signal is sent (it may come 60 s early)."""
-    max_requeues: int = Field(20, ge=0)
+    max_requeues: int = Field(20, ge=0, le=100_000)
     """Requeues allowed in total (preemptions + timeouts + node failures)."""
-    max_timeouts: int = Field(10, ge=0)
+    max_timeouts: int = Field(10, ge=0, le=100_000)
     """Requeues after reaching the time limit."""
-    max_crash_retries: int = Field(2, ge=0)
+    max_crash_retries: int = Field(2, ge=0, le=100_000)
     """Requeues after a crash (non-zero exit with no signal)."""
-    no_progress_attempts: int = Field(3, ge=1)
+    no_progress_attempts: int = Field(3, ge=1, le=100_000)
     """Stop when the global step did not advance over this many attempts."""
 
 
@@ -342,10 +346,10 @@ class WatchdogSpec(_Strict):
 
 
 def _check_env_name(name: str, where: str) -> None:
-    if not ENV_NAME_RE.match(name):
-        raise ValueError(
-            f"{where}: {name!r} is not a valid environment variable name (letters, digits, _; not starting with a digit)"
-        )
+    try:
+        ENV_NAME.check(name)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     reason = reserved_env_reason(name)
     if reason:
         raise ValueError(f"{where}: {name} may not be set by a job: {reason}")
@@ -354,9 +358,9 @@ def _check_env_name(name: str, where: str) -> None:
 class EnvSpec(_Strict):
     """Environment of every task: plain variables, and secrets passed by name only."""
 
-    vars: dict[str, str] = Field(default_factory=dict)
+    vars: dict[str, EnvValue] = Field(default_factory=dict, max_length=1000)
     """Extra environment variables for every task (overriding the profile's)."""
-    passthrough: list[str] = Field(default_factory=list)
+    passthrough: list[str] = Field(default_factory=list, max_length=1000)
     """Names of variables (secrets) taken from the submitting shell; never written anywhere."""
 
     @field_validator("vars", mode="before")
@@ -369,7 +373,7 @@ class EnvSpec(_Strict):
         for name, value in v.items():
             if isinstance(value, bool):
                 raise ValueError(
-                    f"env.vars.{name}: {value!r} is a YAML boolean; quote the text you mean, e.g. \"1\" or \"true\""
+                    f"env.vars.{escape_controls(str(name)[:64])}: {value!r} is a YAML boolean; quote the text you mean, e.g. \"1\" or \"true\""
                 )
             out[name] = str(value) if isinstance(value, (int, float)) else value
         return out
@@ -377,10 +381,8 @@ class EnvSpec(_Strict):
     @field_validator("vars")
     @classmethod
     def _names(cls, v: dict[str, str]) -> dict[str, str]:
-        for name, value in v.items():
+        for name in v:
             _check_env_name(name, "env.vars")
-            if "\x00" in value:
-                raise ValueError(f"env.vars.{name} contains a NUL byte")
         return v
 
     @field_validator("passthrough")
@@ -406,9 +408,9 @@ class EnvSpec(_Strict):
 class WandbSpec(_Strict):
     """Weights & Biases logging."""
 
-    project: str
+    project: OneLine
     """W&B project."""
-    entity: str | None = None
+    entity: OneLine | None = None
     """W&B entity (team)."""
     mode: Literal["online", "offline"] = "online"
     """offline writes locally and syncs later."""
@@ -430,9 +432,9 @@ class LoggingSpec(_Strict):
 class JobSpec(_Strict):
     """A training job: what to train, on what data, with which resources and cluster."""
 
-    name: str
+    name: RunName
     """Run name: the SLURM job name and the run directory name (letters, digits, . _ -)."""
-    cluster: str = "local"
+    cluster: ProfileName = "local"
     """Cluster profile name (a file in cluster_profiles/)."""
     resources: Resources = Field(default_factory=Resources)
     """Nodes, GPUs, CPUs, memory, time and partition."""
@@ -454,22 +456,6 @@ class JobSpec(_Strict):
     """Extra environment and secrets passed by name."""
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
     """Loggers and heartbeat."""
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError(
-                f"{v!r} is not a valid run name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            )
-        return v
-
-    @field_validator("cluster")
-    @classmethod
-    def _cluster(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError(f"{v!r} is not a valid profile name (letters, digits, . _ -)")
-        return v
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:

@@ -6,10 +6,33 @@ text (submitit renders both from the same parameters).
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
 from launcher.plan import LaunchPlan
+# C0 controls and DEL: what breaks a line or a terminal in a single-quoted word.
+_NEEDS_ESCAPE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def shell_quote(value: str) -> str:
+    """``value`` as one shell word on one line.
+
+    Plain text is single-quoted (``shlex.quote``). Text with a line break or another control
+    character is written in bash's ``$'...'`` form with the character escaped, so no value
+    ever spreads the script over extra lines (a line reading ``#SBATCH ...`` inside a quoted
+    value is harmless to sbatch, but not to the person reading the dry run)."""
+    if not _NEEDS_ESCAPE.search(value):
+        return shlex.quote(value)
+    out = []
+    for ch in value:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif _NEEDS_ESCAPE.fullmatch(ch):
+            out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(ch, f"\\x{ord(ch):02x}"))
+        else:
+            out.append(ch)
+    return "$'" + "".join(out) + "'"
 
 
 def setup_lines(plan: LaunchPlan) -> list[str]:
@@ -23,7 +46,7 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     ]
     lines += list(plan.setup)
     for name in sorted(plan.env):
-        lines.append(f"export {name}={shlex.quote(plan.env[name])}")
+        lines.append(f"export {name}={shell_quote(plan.env[name])}")
     return lines
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from launcher.errors import closest
+from launcher.text_rules import brief, escape_controls
 from launcher.yamlio import LoadedYaml
 
 # A message that starts with its own key path, e.g. "trainer.zero_stage(2) needs ...".
@@ -48,6 +49,9 @@ class Origin:
 def dotted(path: tuple) -> str:
     out = ""
     for part in path:
+        if not isinstance(part, int):
+            part = escape_controls(str(part))
+            part = part if len(part) <= 40 else part[:39] + "…"
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "(top level)"
 
@@ -129,23 +133,23 @@ def format_validation_error(
         if kind == "extra_forbidden":
             parent, key = loc[:-1], str(loc[-1])
             valid = _fields_at(model, parent)
-            match = closest(key, valid)
+            match = closest(key, valid) if len(key) <= 100 else None
             hint = f" (did you mean '{match}'?)" if match else ""
-            text = f"unknown key '{key}'{hint}; valid keys here: {', '.join(valid)}"
+            text = f"unknown key {brief(key)}{hint}; valid keys here: {', '.join(valid)}"
         elif kind == "missing":
             text = "required key is missing"
         elif kind in ("literal_error", "enum"):
             allowed = _QUOTED.findall(str((err.get("ctx") or {}).get("expected", "")))
             hint = ""
-            if isinstance(got, str) and allowed:
+            if isinstance(got, str) and allowed and len(got) <= 100:
                 match = closest(got, allowed)
                 hint = f" (did you mean '{match}'?)" if match else ""
-            text = f"{msg}, got {got!r}{hint}"
+            text = f"{msg}, got {brief(got)}{hint}"
         elif kind in ("value_error", "assertion_error"):
             text = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         elif kind in _TYPE_WORDS:
-            text = f"must be {_TYPE_WORDS[kind]} (got {got!r})"
+            text = f"must be {_TYPE_WORDS[kind]} (got {brief(got)})"
         else:
-            text = f"{msg} (got {got!r})"
+            text = f"{msg} (got {brief(got)})"
         problems.append(located(text, origin, loc))
     return problems

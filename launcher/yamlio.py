@@ -1,13 +1,22 @@
-"""Safe YAML loading that remembers the line of every key.
+"""Safe, bounded YAML loading that remembers the line of every key.
 
 Only plain YAML is accepted (``yaml.SafeLoader``): tags such as ``!!python/object`` are an
 error, never an object. Each mapping key's line is recorded against its dotted key path so
 that schema errors can say ``resources.nodes (line 7)``.
+
+Bounded, so that no document can hang the CLI or exhaust its memory: the file must be a
+regular file of at most ``MAX_FILE_BYTES``; nesting is at most ``MAX_DEPTH`` deep (checked on
+the event stream before anything recursive runs); a document may not refer to itself through
+an alias, and expanded through its aliases it holds at most ``MAX_VALUES`` values (a
+"billion laughs" bomb of a few hundred bytes is refused, not expanded); an integer has at most
+``MAX_INT_DIGITS`` digits.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +24,12 @@ from typing import Any
 import yaml
 
 from launcher.errors import SpecError
+from launcher.text_rules import brief, escape_controls
+
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_VALUES = 100_000
+MAX_INT_DIGITS = 19  # |n| < 10**19: every integer a spec or profile means fits in 64 bits
 
 
 @dataclass
@@ -76,25 +91,145 @@ _LineLoader.add_constructor(
 )
 
 
-def _record_lines(node: yaml.Node, path: tuple, lines: dict) -> None:
+class _Limit(yaml.YAMLError):
+    """A document beyond the bounds above; ``line`` is 1-based or None."""
+
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+
+
+def _construct_int(loader: _LineLoader, node: yaml.ScalarNode) -> int:
+    digits = sum(c.isdigit() for c in str(node.value))
+    if digits > MAX_INT_DIGITS:
+        raise _Limit(
+            f"the integer {brief(node.value, 30)} has {digits} digits; at most {MAX_INT_DIGITS}",
+            node.start_mark.line + 1,
+        )
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_LineLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)  # type: ignore[arg-type]
+
+
+def _check_events(text: str) -> None:
+    """Nesting depth and alias count on the event stream (iterative: no recursion to exhaust)."""
+    depth = 0
+    aliases = 0
+    for event in yaml.parse(text, Loader=_LineLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _Limit(
+                    f"nesting is deeper than {MAX_DEPTH} levels of lists and mappings",
+                    event.start_mark.line + 1,
+                )
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+        elif isinstance(event, yaml.AliasEvent):
+            aliases += 1
+            if aliases > MAX_VALUES:
+                raise _Limit(f"more than {MAX_VALUES} aliases", event.start_mark.line + 1)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = key_node.value
-            sub = path + (key,)
-            lines[sub] = key_node.start_mark.line + 1
-            _record_lines(value_node, sub, lines)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            sub = path + (i,)
-            lines[sub] = item.start_mark.line + 1
-            _record_lines(item, sub, lines)
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """The document expanded through its aliases: no cycle, at most MAX_VALUES values and
+    MAX_DEPTH levels. Shared nodes are measured once (memoised), so a bomb costs its size in
+    the file, not its expanded size."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            kids = _children(node)
+            size[key] = min(1 + sum(size[id(c)] for c in kids), MAX_VALUES + 1)
+            depth[key] = 1 + max((depth[id(c)] for c in kids), default=0)
+            on_path.discard(key)
+            if size[key] > MAX_VALUES:
+                raise _Limit(
+                    f"the document expands to more than {MAX_VALUES} values through its aliases "
+                    "(&anchor / *alias); a job spec holds a few hundred",
+                    node.start_mark.line + 1,
+                )
+            if depth[key] > MAX_DEPTH:
+                raise _Limit(
+                    f"nesting is deeper than {MAX_DEPTH} levels once aliases are expanded",
+                    node.start_mark.line + 1,
+                )
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise _Limit(
+                "an alias refers to the list or mapping that contains it (a structure that never ends)",
+                node.start_mark.line + 1,
+            )
+        on_path.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in on_path:
+                raise _Limit(
+                    "an alias refers to the list or mapping that contains it (a structure that never ends)",
+                    child.start_mark.line + 1,
+                )
+            if id(child) not in size:
+                stack.append((child, False))
+
+
+def _bounded_load(text: str) -> tuple[yaml.Node | None, Any]:
+    """Compose and construct one document within the bounds; raises _Limit or yaml.YAMLError."""
+    _check_events(text)
+    loader = _LineLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _check_expansion(node)
+        return node, loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _record_lines(root: yaml.Node, lines: dict) -> None:
+    """Line of every key path (bounded: the document passed _check_expansion)."""
+    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                sub = path + (key_node.value,)
+                lines[sub] = key_node.start_mark.line + 1
+                stack.append((value_node, sub))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                sub = path + (i,)
+                lines[sub] = item.start_mark.line + 1
+                stack.append((item, sub))
 
 
 def load_yaml_text(text: str, source: str) -> LoadedYaml:
-    """Parse YAML text safely; errors name the source and line."""
+    """Parse YAML text safely and within bounds; errors name the source and line."""
+    if len(text) > MAX_FILE_BYTES:
+        raise SpecError([f"the document is {len(text)} characters; at most {MAX_FILE_BYTES}"], source=source)
     try:
-        node = yaml.compose(text, Loader=_LineLoader)
-        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - _LineLoader is a SafeLoader
+        node, data = _bounded_load(text)
+    except _Limit as exc:
+        where = f"line {exc.line}: " if exc.line else ""
+        raise SpecError([f"{where}{exc.message}"], source=source) from None
+    except RecursionError:
+        raise SpecError([f"nesting is too deep (at most {MAX_DEPTH} levels)"], source=source) from None
     except yaml.constructor.ConstructorError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}: " if mark else ""
@@ -114,7 +249,7 @@ def load_yaml_text(text: str, source: str) -> LoadedYaml:
         raise SpecError([f"{where}invalid YAML: {problem}"], source=source) from None
     lines: dict = {}
     if node is not None:
-        _record_lines(node, (), lines)
+        _record_lines(node, lines)
     return LoadedYaml(data=data, source=source, lines=lines)
 
 
@@ -122,21 +257,60 @@ def parse_scalar(text: str) -> Any:
     """A command-line value read like a YAML value in a file (``4`` -> 4, ``4:00:00`` stays text).
 
     Anything that is not a plain scalar or flow list/mapping (a tag, broken YAML) stays text.
+    A value beyond the bounds (a 30-digit integer, an alias bomb) raises ValueError.
     """
     if not text.strip():
         return ""
     try:
-        return yaml.load(text, Loader=_LineLoader)  # noqa: S506 - _LineLoader is a SafeLoader
+        return _bounded_load(text)[1]
+    except _Limit as exc:
+        raise ValueError(exc.message) from None
+    except RecursionError:
+        raise ValueError(f"nesting is too deep (at most {MAX_DEPTH} levels)") from None
     except yaml.YAMLError:
         return text
 
 
-def load_yaml_file(path: str | Path) -> LoadedYaml:
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def read_text_bounded(path: str | Path, what: str = "file", limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes; SpecError otherwise.
+
+    Not-regular files (a directory, /dev/zero, a FIFO that would block) are refused before they
+    are opened; every OSError (a symlink loop, a name too long) becomes one clear message.
+    """
     p = Path(path)
+    shown = escape_controls(str(p))
+    if len(shown) > 200:
+        shown = f"{shown[:120]}…{shown[-40:]} ({len(shown)} characters)"
     try:
-        text = p.read_text(encoding="utf-8")
+        st = os.stat(p)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise SpecError([f"{what} {shown} is {kind}, not a regular file"])
+        if st.st_size > limit:
+            raise SpecError([f"{what} {shown} is {st.st_size} bytes; at most {limit} ({limit >> 10} KiB)"])
+        with open(p, "rb") as f:
+            raw = f.read(limit + 1)
     except FileNotFoundError:
-        raise SpecError([f"file not found: {p}"]) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise SpecError([f"cannot read {p}: {exc}"]) from None
-    return load_yaml_text(text, str(p))
+        raise SpecError([f"{what} not found: {shown}"]) from None
+    except OSError as exc:
+        raise SpecError([f"cannot read {what} {shown}: {exc.strerror or exc}"]) from None
+    if len(raw) > limit:
+        raise SpecError([f"{what} {shown} is more than {limit} bytes ({limit >> 10} KiB)"])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError([f"{what} {shown} is not UTF-8 text (byte {exc.start})"]) from None
+
+
+def load_yaml_file(path: str | Path, what: str = "file") -> LoadedYaml:
+    text = read_text_bounded(path, what)
+    return load_yaml_text(text, str(path))

@@ -36,6 +36,14 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] 
   log "installing torch==$TORCH_VERSION"
   "$PY" -m pip install -q "torch==$TORCH_VERSION"
 fi
+DS_VERSION=${LMLAUNCH_DEEPSPEED_VERSION:-0.19.8}
+if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('deepspeed') == '$DS_VERSION' else 1)" 2>/dev/null; then
+  # From source with no ops compiled ahead of time (no CUDA toolkit here); without build
+  # isolation so its setup.py sees the pinned torch instead of pulling another one.
+  log "installing deepspeed==$DS_VERSION (DS_BUILD_OPS=0)"
+  "$PY" -m pip install -q setuptools wheel
+  DS_BUILD_OPS=0 "$PY" -m pip install -q --no-build-isolation "deepspeed==$DS_VERSION"
+fi
 stamp="$VENV/.lmlaunch-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "installing lmlaunch (editable) with dev extras"

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from launcher.context import Context
+from launcher.text_rules import brief, escape_controls
 
 if TYPE_CHECKING:
     from launcher.plan import LaunchPlan
@@ -47,9 +48,9 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     lines.append("")
     lines.append("## environment of every task")
     for name in sorted(plan.env):
-        lines.append(f"{name}={plan.env[name]}    # {plan.env_reasons.get(name, '')}")
+        lines.append(f"{name}={escape_controls(plan.env[name])}    # {plan.env_reasons.get(name, '')}")
     for o in plan.env_overrides:
-        lines.append(f"# override: {o.name}: profile {o.profile_value!r} -> job {o.job_value!r}")
+        lines.append(f"# override: {o.name}: profile {brief(o.profile_value, 200)} -> job {brief(o.job_value, 200)}")
     for name in plan.passthrough:
         state = "" if environ is None else (" (set here)" if environ.get(name) else " (NOT set in this shell)")
         lines.append(f"{name}=<passed through from the submitting shell{state}; value never written>")
@@ -67,7 +68,9 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     lines.append("## run directory")
     for k, v in plan.paths.__dict__.items():
         lines.append(f"{k}: {v}")
-    return "\n".join(lines)
+    # Values with line breaks were escaped above (and in the script by submit.shell_quote); any
+    # other control character left in a line (a terminal escape in a note or a path) shows escaped.
+    return "\n".join(escape_controls(line) for line in "\n".join(lines).split("\n"))
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

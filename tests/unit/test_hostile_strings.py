@@ -169,6 +169,15 @@ def test_hostile_data_and_checkpoint_paths_stay_out_of_the_script(value, tmp_pat
     benign = plan_for(write_spec(tmp_path, BASE), {"LMLAUNCH_RUNS_ROOT": "/runs"})
     text = BASE.replace("  path: /data/tiny", "  path: " + json.dumps("/data/" + value))
     text += "checkpoint:\n  dir: " + json.dumps("/ckpt/" + value) + "\n"
+    if SLURM_UNSAFE.search(value) and "\\" not in value:  # a line break: no path holds one
+        out, err = io.StringIO(), io.StringIO()
+        ctx = Context(stdout=out, stderr=err, environ={"LMLAUNCH_RUNS_ROOT": "/runs"})
+        assert main(["validate", str(write_spec(tmp_path, text))], ctx) == 2
+        assert "data.path (line 10): " in err.getvalue()
+        assert "is not a usable path (it holds the control character '\\n')" in err.getvalue()
+        assert "checkpoint.dir (line 18): " in err.getvalue()
+        assert "\n#SBATCH" not in err.getvalue()  # shown escaped, on one line
+        return
     plan = plan_for(write_spec(tmp_path, text), {"LMLAUNCH_RUNS_ROOT": "/runs"})
     assert render_script(plan) == render_script(benign)
     again = LaunchPlan.from_dict(json.loads(plan.to_json()))
