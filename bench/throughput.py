@@ -122,7 +122,7 @@ CONFIGS: dict[str, BenchConfig] = {
         ),
         BenchConfig(
             "smoke-deepspeed", "CPU smoke of the deepspeed configurations' mechanics: project path twice in one "
-            "process (DeepSpeed needs CUDA, so (b) falls back to DDP on CPU; see b_strategy)",
+            "process ((a) DDP, (b) DeepSpeed ZeRO-2 on its CPU accelerator; see b_strategy)",
             "jobs/tiny-cpu.yaml",
             ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
              "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0"),

@@ -60,6 +60,12 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
             f"{run_dir}/logs/nccl-flight-rank-",
             "the flight recorder dump goes into the run directory (torch appends the rank)",
         )
+    if spec.trainer.strategy == "deepspeed" and spec.resources.gpus_per_node == 0:
+        put(
+            "DS_ACCELERATOR",
+            "cpu",
+            "DeepSpeed on CPU processes: its CPU accelerator (gloo), not CUDA detection",
+        )
     for name, var in profile.env.items():
         put(name, var.value, var.why)
 

@@ -225,9 +225,6 @@ def _trainer_args(spec: JobSpec, topo: Topology) -> dict[str, Any]:
     t = spec.trainer
     strategy = t.strategy
     notes = []
-    if topo.accelerator == "cpu" and strategy == "deepspeed":
-        strategy = "ddp"
-        notes.append("DeepSpeed needs CUDA under Lightning: this CPU run uses DDP on gloo")
     precision = t.precision
     if topo.accelerator == "cpu" and precision == "16-mixed":
         precision = "bf16-mixed"
@@ -250,6 +247,23 @@ def _trainer_args(spec: JobSpec, topo: Topology) -> dict[str, Any]:
         "seed": t.seed,
         "notes": notes,
     }
+
+
+def _strategy_problems(spec: JobSpec, topo: Topology) -> list[str]:
+    """Combinations that cannot run as planned, refused before any queue time is spent.
+
+    Every strategy runs on CPU processes too (DeepSpeed with its CPU accelerator, FSDP as
+    FSDP2); what cannot is offloading to a CPU the job already runs on."""
+    t = spec.trainer
+    problems = []
+    if topo.accelerator == "cpu" and (t.offload_optimizer or t.offload_params):
+        what = "trainer.offload_optimizer" if t.offload_optimizer else "trainer.offload_params"
+        problems.append(
+            f"{what} moves state from GPUs to the CPU, and this job runs on CPU processes "
+            f"(resources.gpus_per_node is 0): remove it (DeepSpeed's CPU Adam it would need is "
+            f"not built here: DS_BUILD_OPS=0)"
+        )
+    return problems
 
 
 def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
@@ -288,6 +302,7 @@ def make_plan(
         python = profile.python
     problems: list[str] = []
     topo = _topology(spec, profile, problems)
+    problems += _strategy_problems(spec, topo)
     paths = run_paths(spec, runs_root)
     slurm = _slurm(spec, profile, topo, paths, problems)
     if problems:

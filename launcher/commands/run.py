@@ -3,7 +3,8 @@
 Runs the job on this machine's CPU with N processes on gloo, through the same entry a SLURM
 task runs (lmtrain.entry), in a run directory laid out like a submitted run's
 (``<runs root>/<name>-local``). The plan is made for 1 node x N tasks on the ``local``
-profile; DeepSpeed falls back to DDP (a notice says so). Exits with the training's exit code.
+profile; every strategy runs as planned (DeepSpeed on its CPU accelerator, FSDP as FSDP2, on
+gloo). Exits with the training's exit code.
 
 No torch import at module import time: the heavy work happens in the child processes.
 """

@@ -314,55 +314,6 @@ def _configure_torch(t: dict[str, Any], env) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def build_strategy(plan, env, model_spec: dict[str, Any]):
-    """Lightning strategy object for the plan: DDP, FSDP or DeepSpeed, with our cluster env."""
-    t = plan.trainer
-    from lmtrain.env import cluster_environment
-    from lmtrain.watchdog import process_group_timeout
-
-    cluster = cluster_environment(env)
-    backend = t["process_group_backend"]
-    timeout = process_group_timeout(plan.spec)  # every collective (gloo and NCCL): spec watchdog.collective_timeout_s
-    name = t["strategy"]
-    if name == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
-        return DDPStrategy(
-            cluster_environment=cluster,
-            timeout=timeout,
-            process_group_backend=backend,
-            gradient_as_bucket_view=True,  # grads live in the buckets: no extra copy
-            find_unused_parameters=False,
-        )
-    if name == "fsdp":
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        return FSDPStrategy(
-            cluster_environment=cluster,
-            timeout=timeout,
-            process_group_backend=backend,
-            auto_wrap_policy=_block_classes(model_spec),
-            sharding_strategy="FULL_SHARD",
-            state_dict_type="sharded",  # every rank writes its shard: a collective save
-            limit_all_gathers=True,
-        )
-    if name == "deepspeed":
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        config = dict(plan.deepspeed or {})
-        # Lightning sets gradient_accumulation_steps from the Trainer and refuses it in the config.
-        accum = config.pop("gradient_accumulation_steps", t["accumulate_grad_batches"])
-        if accum != t["accumulate_grad_batches"]:
-            raise RuntimeError(
-                f"plan inconsistency: deepspeed gradient_accumulation_steps({accum}) != "
-                f"trainer accumulate_grad_batches({t['accumulate_grad_batches']})"
-            )
-        return DeepSpeedStrategy(
-            config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
-        )
-    raise RuntimeError(f"unknown strategy '{name}' in plan.json (allowed: ddp, fsdp, deepspeed)")
-
-
 def _watchdog_callbacks(plan, env, ctx: RunContext, heartbeat) -> list[Any]:
     """The hang watchdog (lmtrain.watchdog), unless the spec turned it off."""
     from lmtrain.watchdog import WatchdogCallback, watchdog_settings
@@ -374,24 +325,6 @@ def _watchdog_callbacks(plan, env, ctx: RunContext, heartbeat) -> list[Any]:
         timeout_s=float(w["hang_timeout_s"]), grace_s=float(w["exit_grace_s"]), logs_dir=plan.paths.logs_dir,
         ledger=plan.paths.ledger, attempt=ctx.attempt, rank=env.rank, job_id=env.job_id, heartbeat=heartbeat,
     )]
-
-
-def _block_classes(model_spec: dict[str, Any]) -> set[type]:
-    """The transformer block classes of the model (FSDP wraps each one)."""
-    import importlib
-
-    from transformers import AutoModelForCausalLM
-
-    from lmtrain.model import build_config
-
-    config = build_config(model_spec)
-    model_cls = AutoModelForCausalLM._model_mapping[type(config)]
-    module = importlib.import_module(model_cls.__module__)
-    names = getattr(model_cls, "_no_split_modules", None) or []
-    classes = {getattr(module, n) for n in names if hasattr(module, n)}
-    if not classes:
-        raise RuntimeError(f"cannot find the transformer block class of {model_cls.__name__} for FSDP wrapping")
-    return classes
 
 
 def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) -> Outcome:
@@ -409,6 +342,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     from lmtrain.data import TokenData, make_dataloaders
     from lmtrain.model import build_config
     from lmtrain.module import LMModule, OptimSettings, RuntimeSettings
+    from lmtrain.strategies import build_strategy
 
     spec, t, paths = plan.spec, plan.trainer, plan.paths
     stop = ctx.stop
@@ -481,7 +415,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
         accelerator=t["accelerator"],
         devices=int(t["devices"]),
         num_nodes=int(t["num_nodes"]),
-        strategy=build_strategy(plan, env, spec["model"]),
+        strategy=build_strategy(plan, env),
         precision=t["precision"],
         max_steps=max_steps,
         max_epochs=-1,

@@ -81,12 +81,40 @@ def build_model(model_spec: dict[str, Any], *, seed: int) -> nn.Module:
         )
     else:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        if _zero3_partitioned(model):
+            _init_zero3_weights(model)
     if model_spec.get("activation_checkpointing"):
         # Non-reentrant checkpointing works with DDP, FSDP, ZeRO-3 and torch.compile.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model.config, "use_cache"):
             model.config.use_cache = False
     return model
+
+
+def _zero3_partitioned(model: nn.Module) -> bool:
+    """Built under DeepSpeed ZeRO-3's ``zero.Init`` (Lightning enters it around configure_model):
+    every parameter is already a partition (``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _init_zero3_weights(model: nn.Module) -> None:
+    """Initialise a model whose parameters ZeRO-3 partitioned while it was built.
+
+    transformers initialises weights after construction; under a ``zero.Init`` it did not enter
+    itself, that init ran on the empty partitions and did nothing (the weights kept PyTorch's
+    layer defaults: a loss of ~80 instead of ln(vocab)), and it marked every module initialised.
+    Clear the marks and run transformers' ZeRO-3 initialisation: each module's parameters are
+    gathered, rank 0 initialises them from the seeded RNG (the same stream, in the same order,
+    as the unpartitioned model's init) and they are partitioned again."""
+    from transformers.integrations.deepspeed import initialize_weights_zero3
+
+    for module in model.modules():
+        module._is_hf_initialized = False
+    for p in model.parameters():
+        if getattr(p, "_is_hf_initialized", False):
+            p._is_hf_initialized = False
+    initialize_weights_zero3(model)
+    model.tie_weights()
 
 
 def compile_model(model: nn.Module) -> nn.Module:
@@ -98,6 +126,30 @@ def compile_model(model: nn.Module) -> nn.Module:
     """
     model.compile()
     return model
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a transformers model (the classes it names in
+    ``_no_split_modules``): the units FSDP shards and gathers one at a time."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise RuntimeError(
+            f"cannot find the transformer blocks of {type(model).__name__} "
+            f"(_no_split_modules: {sorted(names) or 'none'}) to shard with FSDP"
+        )
+    return blocks
+
+
+def shard_fsdp2(model: nn.Module, mesh: Any) -> None:
+    """FSDP2: shard each transformer block, then the root (embeddings, final norm, head), over
+    ``mesh`` (the data-parallel mesh). Each block's parameters are gathered just before its
+    forward/backward and freed after; the root's group holds what no block owns."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def model_shape(model: nn.Module) -> ModelShape:

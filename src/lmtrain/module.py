@@ -11,7 +11,8 @@ Gradient clipping is done here, not by the Trainer's ``gradient_clip_val``:
 - Under 16-mixed the GradScaler must unscale before clipping; Lightning unscales before
   ``on_before_optimizer_step`` only for optimizers that do not unscale themselves, so 16-mixed
   uses the foreach (not fused) AdamW. bf16-mixed and 32-true on CUDA use fused AdamW.
-- FSDP shards gradients: the norm is the FSDP module's own ``clip_grad_norm_``.
+- FSDP2 shards gradients as DTensors: ``clip_grad_norm_`` reduces the norm over the shards
+  (the result is a DTensor; its full value is read on logging steps).
 - DeepSpeed clips itself from its config (``gradient_clipping``); its norm is read from the engine.
 - On CPU AdamW runs with ``foreach=True``.
 """
@@ -27,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lmtrain.model import ModelShape, build_model, compile_model, model_shape, peak_flops_per_device
+from lmtrain.model import ModelShape, build_model, compile_model, model_shape, peak_flops_per_device, shard_fsdp2
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ class LMModule(pl.LightningModule):
         self.shape = model_shape(model)
         if self.model_spec.get("compile"):
             model = compile_model(model)
+        if self.rt.strategy == "fsdp":
+            shard_fsdp2(model, self.device_mesh["data_parallel"])  # set by ModelParallelStrategy
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
@@ -160,9 +163,6 @@ class LMModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.rt.strategy == "deepspeed" or self.rt.clip_val is None:
-            return
-        if self.rt.strategy == "fsdp":
-            self._grad_norm = self.trainer.strategy.model.clip_grad_norm_(self.rt.clip_val)
             return
         # foreach=None: the multi-tensor kernel on CUDA; the result stays a device tensor.
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.rt.clip_val)
@@ -221,7 +221,10 @@ class LMModule(pl.LightningModule):
             return None if norm is None else float(norm)
         if self._grad_norm is None:
             return None
-        return float(self._grad_norm.item())
+        norm = self._grad_norm
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        return float(norm.item())
 
     def on_train_start(self) -> None:
         self._peak_flops = peak_flops_per_device(self.rt.precision)

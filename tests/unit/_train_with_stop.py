@@ -3,9 +3,14 @@ run to stop at a given optimizer step (as a preemption signal handler would), so
 stop -> collective agreement -> checkpoint -> exit path runs for real.
 
 usage: python _train_with_stop.py RUN_DIR STOP_AT_STEP   (STOP_AT_STEP 0: never)
+
+Rank 0 also writes the config the DeepSpeed engine was initialised with (``engine.config``) to
+``RUN_DIR/engine-deepspeed.json`` when the strategy is DeepSpeed.
 """
 
+import json
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 
@@ -24,7 +29,13 @@ def main() -> int:
                 if stop_at and trainer.global_step == stop_at - 1 and trainer.global_rank == 0:
                     ctx.stop.request("preempted", "test: stop requested")
 
-        return [RequestStop()]
+        class DumpEngineConfig(pl.Callback):
+            def on_train_start(self, trainer, pl_module):
+                engine = trainer.strategy.model
+                if trainer.global_rank == 0 and hasattr(engine, "config") and hasattr(engine, "zero_optimization_stage"):
+                    Path(run_dir, "engine-deepspeed.json").write_text(json.dumps(engine.config, sort_keys=True))
+
+        return [RequestStop(), DumpEngineConfig()]
 
     return run_task(run_dir, hooks=Hooks(setup=setup))
 

@@ -1,6 +1,8 @@
 """A run stopped at step k (through the stop-request path preemption uses) and resumed from its
 checkpoint gives bit-identical per-step losses, gradient norms and final weights to a run that
-was never interrupted. Real processes through the real entry (lmtrain.local), CPU/gloo."""
+was never interrupted: DDP on 1 and 2 processes, and on 2 processes FSDP2 and DeepSpeed ZeRO 1,
+2 and 3 (sharded checkpoints: every rank writes its own shards). Real processes through the
+real entry (lmtrain.local), CPU/gloo."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint import complete_checkpoints
 from lmtrain.local import launch
+from lmtrain.weights import lightning_state_dict
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
 # Small enough for seconds per run; dropout stays on (GPT-2's 0.1) so the RNG restore matters.
@@ -35,9 +38,18 @@ OVERRIDES = [
 MAX_STEPS = 12
 
 
-def _plan(repo, name: str, devices: int):
+STRATEGIES = {
+    "ddp": ["trainer.strategy=ddp"],
+    "fsdp": ["trainer.strategy=fsdp"],
+    "zero1": ["trainer.strategy=deepspeed", "trainer.zero_stage=1"],
+    "zero2": ["trainer.strategy=deepspeed", "trainer.zero_stage=2"],
+    "zero3": ["trainer.strategy=deepspeed", "trainer.zero_stage=3"],
+}
+
+
+def _plan(repo, name: str, devices: int, strategy: str = "ddp"):
     return prepare_local_run(
-        str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES, devices=devices, max_steps=MAX_STEPS,
+        str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES + STRATEGIES[strategy], devices=devices, max_steps=MAX_STEPS,
         name=name, environ=dict(__import__("os").environ), say=lambda *_: None, resume=True,
     )
 
@@ -64,19 +76,28 @@ def _steps(run_dir: str) -> dict[int, tuple[float, float]]:
 def _final_weights(run_dir: str) -> dict[str, torch.Tensor]:
     last = complete_checkpoints(Path(run_dir) / "checkpoints")[-1]
     assert last.step == MAX_STEPS
-    return torch.load(last.lightning_path, map_location="cpu", weights_only=True)["state_dict"]
+    return lightning_state_dict(last.path)
 
 
 def _ledger(run_dir: str) -> list[dict]:
     return [json.loads(x) for x in Path(run_dir, "attempts.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(repo, runs_root, devices):
-    straight = _plan(repo, f"straight-{devices}", devices)
+@pytest.mark.parametrize(
+    "devices, strategy",
+    [(1, "ddp"), *(pytest.param(2, s, marks=pytest.mark.slow) for s in STRATEGIES)],
+    ids=["ddp-1", *(f"{s}-2" for s in STRATEGIES)],
+)
+def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(repo, runs_root, devices, strategy):
+    straight = _plan(repo, f"straight-{devices}", devices, strategy)
     assert _launch(straight, stop_at=0) == 0
+    assert json.loads(Path(straight.paths.plan_json).read_text())["trainer"]["strategy"] == strategy.rstrip("123").replace("zero", "deepspeed")
+    if strategy.startswith("zero"):
+        # the engine runs the plan's deepspeed.json, key for key
+        engine = json.loads(Path(straight.paths.run_dir, "engine-deepspeed.json").read_text())
+        assert engine == json.loads(Path(straight.paths.deepspeed_json).read_text())
 
-    stopped = _plan(repo, f"stopped-{devices}", devices)
+    stopped = _plan(repo, f"stopped-{devices}", devices, strategy)
     assert _launch(stopped, stop_at=7) == 0
     ledger = _ledger(stopped.paths.run_dir)
     assert ledger[-1]["reason"] == "preempted" and ledger[-1]["end_step"] == 7

@@ -1,0 +1,123 @@
+"""The Lightning strategy of a plan: DDP, FSDP2 or DeepSpeed ZeRO 1/2/3, on GPUs and on CPUs.
+
+One owner for "which strategy object runs this plan", so that the plan's ``trainer.strategy``
+and ``deepspeed.json`` are exactly what the Trainer gets:
+
+- ``ddp``: Lightning's DDPStrategy (NCCL on GPUs, gloo on CPUs).
+- ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's
+  ModelParallelStrategy with a data-parallel mesh of the whole world and no tensor
+  parallelism; :meth:`lmtrain.module.LMModule.configure_model` shards each transformer block
+  and then the root. FSDP1 refuses CPUs in torch itself ("FSDP needs a non-CPU accelerator
+  device"); FSDP2 runs on both. Checkpoints are torch.distributed.checkpoint (DCP) directories,
+  one shard file per rank, which DCP reshards when the world size changes.
+- ``deepspeed``: Lightning's DeepSpeedStrategy initialised with the plan's DeepSpeed config key
+  for key. On CPUs (``DS_ACCELERATOR=cpu``, gloo) three CUDA-only assumptions of Lightning's
+  strategy are overridden in :class:`CPUDeepSpeedStrategy` (verified with lightning 2.6,
+  deepspeed 0.19: ZeRO 1, 2 and 3 train, save their sharded checkpoint and resume).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
+from lightning.fabric.utilities.seed import reset_seed
+
+from lmtrain.env import cluster_environment
+from lmtrain.watchdog import process_group_timeout
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeedStrategy on CPU processes (DeepSpeed's CPU accelerator, gloo).
+
+    Lightning's strategy assumes CUDA in three places; each override replaces one of them:
+
+    - ``setup_environment`` refuses any accelerator but CUDA: skip the check, run DDP's setup.
+    - ``setup_distributed`` validates device indices, which CPU devices do not have ([None,
+      None]): skip that, do the rest (seed, ranks, ``deepspeed.init_distributed``).
+    - ``root_device`` is ``cpu`` without an index, and DeepSpeed needs an integer device rank:
+      ``cpu:<local rank>`` (CPU tensors ignore the index).
+    """
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # Strategy.setup_environment + self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", self.local_rank)
+
+
+def _use_deepspeed_cpu_accelerator() -> None:
+    """DeepSpeed picks its accelerator once per process (DS_ACCELERATOR, else detection); the plan
+    exports DS_ACCELERATOR=cpu to CPU jobs, and a process started otherwise (a benchmark, a
+    notebook) gets it here, before DeepSpeed's first look. A process where DeepSpeed already
+    chose another accelerator cannot run a CPU job: say so."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    if os.environ["DS_ACCELERATOR"] != "cpu" or name != "cpu":
+        raise RuntimeError(
+            f"this CPU job needs DeepSpeed's CPU accelerator, but DS_ACCELERATOR is "
+            f"{os.environ['DS_ACCELERATOR']!r} and DeepSpeed chose {name!r}"
+        )
+
+
+def deepspeed_config_for_lightning(plan: Any) -> dict[str, Any]:
+    """The plan's DeepSpeed config as Lightning takes it: Lightning sets gradient accumulation
+    from the Trainer (and refuses it in the config), and puts it back in the engine's config."""
+    t = plan.trainer
+    config = dict(plan.deepspeed or {})
+    accum = config.pop("gradient_accumulation_steps", t["accumulate_grad_batches"])
+    if accum != t["accumulate_grad_batches"]:
+        raise RuntimeError(
+            f"plan inconsistency: deepspeed gradient_accumulation_steps({accum}) != "
+            f"trainer accumulate_grad_batches({t['accumulate_grad_batches']})"
+        )
+    return config
+
+
+def build_strategy(plan: Any, env: Any) -> Any:
+    """The Lightning strategy object for the plan, with lmtrain's cluster environment and the
+    spec's collective timeout."""
+    t = plan.trainer
+    cluster = cluster_environment(env)
+    backend = t["process_group_backend"]
+    timeout = process_group_timeout(plan.spec)  # every collective: spec watchdog.collective_timeout_s
+    name = t["strategy"]
+    if name == "ddp":
+        return DDPStrategy(
+            cluster_environment=cluster,
+            timeout=timeout,
+            process_group_backend=backend,
+            gradient_as_bucket_view=True,  # grads live in the buckets: no extra copy
+            find_unused_parameters=False,
+        )
+    if name == "fsdp":
+        strategy = ModelParallelStrategy(
+            data_parallel_size=plan.topology.world_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,  # every rank writes its own shard (DCP): no gather
+            process_group_backend=backend,
+            timeout=timeout,
+        )
+        strategy.cluster_environment = cluster
+        return strategy
+    if name == "deepspeed":
+        config = deepspeed_config_for_lightning(plan)
+        if t["accelerator"] == "cpu":
+            _use_deepspeed_cpu_accelerator()
+            return CPUDeepSpeedStrategy(
+                config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
+            )
+        return DeepSpeedStrategy(
+            config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
+        )
+    raise RuntimeError(f"unknown strategy '{name}' in plan.json (allowed: ddp, fsdp, deepspeed)")
