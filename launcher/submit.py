@@ -261,6 +261,36 @@ def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
             )
 
 
+def continuation_note(plan: LaunchPlan, run_dir: Any) -> str | None:
+    """For ``--resume`` of a run that finished (DONE): what continuing it to the plan's
+    max_steps means (None when it did not finish). A finished run whose max_steps is not raised
+    has nothing to train: an error, before anything is submitted."""
+    import json
+    from pathlib import Path
+
+    from launcher.errors import UserError
+    from launcher.lr_schedule import extension_note
+
+    done = Path(run_dir) / "DONE"
+    if not done.exists():
+        return None
+    text = done.read_text().strip()
+    step = int(text) if text.isdigit() else None
+    new_max = int(plan.trainer["max_steps"])
+    if step is None or step >= new_max:
+        raise UserError(
+            f"run '{plan.run_name}' already finished at step {text or '?'} and trainer.max_steps is {new_max}: "
+            f"nothing to train. To continue it, raise trainer.max_steps (the override "
+            f"trainer.max_steps={max(new_max, step or 0) * 2}, or --max-steps for a local run)"
+        )
+    try:
+        old = json.loads(Path(plan.paths.plan_json).read_text())
+        old_max, old_optim = int(old["trainer"]["max_steps"]), old["spec"]["optim"]
+    except (OSError, ValueError, KeyError, TypeError):
+        old_max, old_optim = step, plan.spec["optim"]
+    return extension_note(old_optim, plan.spec["optim"], step=step, old_max_steps=old_max, new_max_steps=new_max)
+
+
 def submit_plan(
     resolved: Any,
     ctx: Any,
@@ -299,6 +329,7 @@ def submit_plan(
         )
     if resume and not run_dir.is_dir():
         raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; submit without --resume")
+    continuation = continuation_note(plan, run_dir) if resume else None
 
     _refuse_shared_checkpoint_dir(plan, env)
     if not slurm.ping():
@@ -352,8 +383,12 @@ def submit_plan(
                 cancelled.unlink()
                 undo.append(lambda d=data: cancelled.write_bytes(d))
                 notes.append("the CANCELLED marker of the earlier job was removed: this run may be requeued again")
-            if (run_dir / "DONE").exists():
-                notes.append("this run already reached max_steps (DONE marker); raise trainer.max_steps to train further")
+            done = run_dir / "DONE"
+            if continuation is not None and done.exists():
+                data = done.read_bytes()
+                done.unlink()
+                undo.append(lambda d=data: done.write_bytes(d))
+                notes.append(continuation)
         runs.write_launch_files(plan)
         job_id = _submit_with_submitit(plan)
     except BaseException:

@@ -186,6 +186,29 @@ class StopAtStepBoundary(pl.Callback):
         trainer.should_stop = True
 
 
+class RealignAccumulation(pl.Callback):
+    """Resuming on another world size changes the gradient accumulation (the global batch stays):
+    Lightning restores its count of micro batches from the checkpoint and steps the optimizer when
+    that count is a multiple of the *new* accumulation, so a count written with accumulation 1
+    (7 micro batches at step 7) and read with accumulation 2 would step after one micro batch, on
+    half a batch. Rescale the restored counts to ``steps x new accumulation`` before training."""
+
+    def __init__(self, old_accumulate: int, new_accumulate: int) -> None:
+        self.old = old_accumulate
+        self.new = new_accumulate
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        for part in (progress.current, progress.total):
+            # Shift every count by the same amount: the checkpoint was written in on_train_batch_end,
+            # where `completed` is one behind `ready`, and Lightning adds that one back on restart.
+            shift = part.ready // self.old * self.new - part.ready
+            for name in ("ready", "started", "processed", "completed"):
+                setattr(part, name, getattr(part, name) + shift)
+        log.info("gradient accumulation %d -> %d: micro-batch counts rescaled (%d in this epoch)",
+                 self.old, self.new, progress.current.ready)
+
+
 class RngNeutralValidation(pl.Callback):
     """Validation must not move the training random stream (DataLoader iterator creation draws
     from the global torch RNG): save it before validation, restore it after. This keeps a run

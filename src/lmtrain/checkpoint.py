@@ -40,11 +40,9 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -54,11 +52,24 @@ import torch
 
 log = logging.getLogger(__name__)
 
+from launcher.checkpoint_index import (  # noqa: F401  (re-exported: the runtime's readers)
+    COMPLETE_NAME,
+    LATEST_NAME,
+    LIGHTNING_NAME,
+    STEP_RE,
+    CompleteCheckpoint,
+    complete_checkpoints,
+    is_complete,
+    newest_complete,
+)
+
 FORMAT_VERSION = 1
-STEP_RE = re.compile(r"^step-(\d+)$")
-LIGHTNING_NAME = "lightning.ckpt"
-COMPLETE_NAME = "COMPLETE"
-LATEST_NAME = "latest"
+# A DeepSpeed checkpoint's universal form (lmtrain.elastic): universal-step-S beside step-S.
+UNIVERSAL_PREFIX = "universal-"
+
+
+def universal_complete(ckpt: CompleteCheckpoint) -> bool:
+    return (ckpt.path.parent / f"{UNIVERSAL_PREFIX}{ckpt.path.name}" / COMPLETE_NAME).is_file()
 
 
 class CheckpointError(RuntimeError):
@@ -151,29 +162,6 @@ def manifest(root: Path) -> dict[str, int]:
     return out
 
 
-def is_complete(path: Path) -> bool:
-    """COMPLETE is there and, when it has a manifest, every file it names is there at its size.
-    (A COMPLETE without a manifest, as older lmtrain wrote, is trusted as it is.)"""
-    marker = path / COMPLETE_NAME
-    try:
-        text = marker.read_text()
-    except OSError:
-        return False
-    try:
-        files = json.loads(text).get("files")
-    except (json.JSONDecodeError, AttributeError):
-        return True
-    if not isinstance(files, dict):
-        return True
-    for rel, size in files.items():
-        try:
-            if (path / rel).stat().st_size != size:
-                return False
-        except OSError:
-            return False
-    return True
-
-
 # --- RNG state (as plain tensors / numbers, so weights_only=True can load it) ----------------
 def capture_rng() -> dict[str, Any]:
     version, py_state, gauss = random.getstate()
@@ -204,55 +192,20 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# --- reading checkpoints -------------------------------------------------------------------
-@dataclass(frozen=True)
-class CompleteCheckpoint:
-    step: int
-    path: Path
-
-    @property
-    def lightning_path(self) -> Path:
-        return self.path / LIGHTNING_NAME
-
-    def meta(self) -> dict[str, Any]:
-        return json.loads((self.path / "meta.json").read_text())
-
-    def rank_state(self, rank: int) -> dict[str, Any] | None:
-        p = self.path / f"rank-{rank}.pt"
-        if not p.exists():
-            return None
-        return torch.load(p, map_location="cpu", weights_only=True)
-
-
-def complete_checkpoints(ckpt_dir: str | Path) -> list[CompleteCheckpoint]:
-    """Every complete checkpoint, oldest first. Directories without COMPLETE are ignored."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        m = STEP_RE.match(child.name)
-        if m and child.is_dir() and (child / COMPLETE_NAME).is_file():
-            if is_complete(child):
-                found.append(CompleteCheckpoint(step=int(m.group(1)), path=child))
-            else:
-                log.warning("%s has COMPLETE but its files do not match its manifest: ignored", child)
-    return sorted(found, key=lambda c: c.step)
-
-
-def newest_complete(ckpt_dir: str | Path) -> CompleteCheckpoint | None:
-    found = complete_checkpoints(ckpt_dir)
-    return found[-1] if found else None
+# --- reading checkpoints: launcher.checkpoint_index (torch-free, shared with the launcher) ---
 
 
 def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int) -> None:
-    """Raise CheckpointError when this attempt cannot load ``ckpt`` as it is."""
+    """Raise CheckpointError when this attempt cannot load ``ckpt`` (or, for a ZeRO checkpoint on
+    another world size, its universal form, which lmtrain.elastic makes before the rendezvous)."""
     meta = ckpt.meta()
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(
             f"{ckpt.path} has checkpoint format {meta.get('format')!r}; this lmtrain reads format {FORMAT_VERSION}"
         )
     old_strategy, old_world = meta["strategy"], int(meta["world_size"])
+    if old_strategy == strategy == "deepspeed" and old_world != world_size and universal_complete(ckpt):
+        return  # resumed through its universal form
     if (old_strategy == "deepspeed" or strategy == "deepspeed") and old_world != world_size:
         stage = meta.get("zero_stage")
         raise CheckpointError(
@@ -347,7 +300,7 @@ class CheckpointManager:
         newest = complete[-1].step if complete else -1
         kept = {c.path.name for c in complete}
         for child in self.dir.iterdir():
-            m = STEP_RE.match(child.name)
+            m = STEP_RE.fullmatch(child.name)
             if m and int(m.group(1)) < newest and child.name not in kept and child.is_dir():
                 remove_tree(child)  # an interrupted write or deletion, superseded
             elif child.name.startswith(".step-") and child.name.endswith(".tmp"):
@@ -356,6 +309,10 @@ class CheckpointManager:
                 shutil.rmtree(child, ignore_errors=True)  # an interrupted deletion
             elif child.name.startswith(f".{LATEST_NAME}.tmp-"):
                 child.unlink(missing_ok=True)  # an interrupted pointer update
+            elif child.name.startswith(UNIVERSAL_PREFIX) and not (self.dir / child.name[len(UNIVERSAL_PREFIX):]).exists():
+                shutil.rmtree(child, ignore_errors=True)  # the universal form of a pruned checkpoint
+            elif child.name.startswith(f".{UNIVERSAL_PREFIX}") and child.name.endswith(".tmp"):
+                shutil.rmtree(child, ignore_errors=True)  # an interrupted conversion
 
 
 def _all_files(root: Path):
@@ -381,7 +338,7 @@ def agreed_checkpoint(ckpt_dir: str | Path, name: str | None, *, wait_s: float =
     lag). Waits up to ``wait_s`` for it to look complete here; CheckpointError if it never does."""
     if name is None:
         return None
-    m = STEP_RE.match(name)
+    m = STEP_RE.fullmatch(name)
     if not m:
         raise CheckpointError(f"rank 0 published '{name}' as the checkpoint to resume: not a step-<S> directory name")
     path = Path(ckpt_dir) / name

@@ -102,6 +102,8 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
         # Rank 0 alone lists the checkpoints; every rank resumes from its choice (shared filesystems
         # may show each node a different listing for a moment).
         resume = _newest_checkpoint_name(plan) if env.rank == 0 else None
+        if resume is not None:
+            _convert_for_world_size(plan, env, resume)  # ZeRO on another world size: universal form
         rv = rendezvous(env, run_dir, attempt=attempt, resume=resume)
         gate = gate or preemption.read_gate(run_dir, env)
     except BaseException:
@@ -126,6 +128,15 @@ def _newest_checkpoint_name(plan) -> str | None:
 
     ckpt = newest_complete(plan.paths.checkpoint_dir)
     return ckpt.path.name if ckpt is not None else None
+
+
+def _convert_for_world_size(plan, env, name: str) -> None:
+    from lmtrain.checkpoint import agreed_checkpoint
+    from lmtrain.elastic import ensure_universal, needs_universal
+
+    ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, name)
+    if ckpt is not None and needs_universal(ckpt, strategy=plan.trainer["strategy"], world_size=env.world_size):
+        ensure_universal(ckpt)
 
 
 _LIST_LOCALLY = "<list locally>"
@@ -333,6 +344,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     from lmtrain.callbacks import (
         CheckpointCallback,
         MetricsHeartbeat,
+        RealignAccumulation,
         RngNeutralValidation,
         StopAtStepBoundary,
         logger_identity,
@@ -342,6 +354,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     from lmtrain.data import TokenData, make_dataloaders
     from lmtrain.model import build_config
     from lmtrain.module import LMModule, OptimSettings, RuntimeSettings
+    from lmtrain.elastic import needs_universal, universal_dir
     from lmtrain.strategies import build_strategy
 
     spec, t, paths = plan.spec, plan.trainer, plan.paths
@@ -359,6 +372,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     if ctx.preemption is not None:
         ctx.preemption.guard_workers(train_loader, val_loader)  # workers ignore SIGTERM / the warning
     resume_rng = None
+    realign = None
     if ckpt is not None:
         state = rank_state if rank_state is not None else ckpt.rank_state(0)
         if state is None:
@@ -367,10 +381,15 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
         if rank_state is not None and int(rank_state.get("world_size", env.world_size)) == env.world_size:
             resume_rng = rank_state["rng"]
         else:
+            old_world = int((rank_state or state).get("world_size", env.world_size))
             log.warning(
-                "resuming step-%d on %d ranks (written on %s): data position re-sharded, RNG streams start fresh",
-                ckpt.step, env.world_size, (rank_state or state).get("world_size"),
+                "resuming step-%d on %d ranks (written on %d): data position re-sharded, RNG streams start fresh",
+                ckpt.step, env.world_size, old_world,
             )
+            old_accum = plan.topology.global_batch_size // (plan.topology.micro_batch_size * old_world)
+            realign = RealignAccumulation(old_accum, int(t["accumulate_grad_batches"]))
+
+    universal = ckpt is not None and needs_universal(ckpt, strategy=t["strategy"], world_size=env.world_size)
 
     # --- model ----------------------------------------------------------------------------
     pl.seed_everything(seed, workers=True, verbose=False)
@@ -401,7 +420,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=int(spec["logging"]["heartbeat_every_n_steps"]))
     module.metrics_sink = metrics_cb.step_metrics
     stop_cb = ctx.preemption.callback(ckpt_cb) if ctx.preemption is not None else StopAtStepBoundary(stop, ckpt_cb)
-    callbacks = [ckpt_cb, stop_cb, RngNeutralValidation(), metrics_cb]
+    callbacks = [ckpt_cb, stop_cb, RngNeutralValidation(), metrics_cb, *([realign] if realign else [])]
     if hooks.setup is not None:
         callbacks += list(hooks.setup(ctx) or [])
     callbacks += hooks.callbacks
@@ -415,7 +434,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
         accelerator=t["accelerator"],
         devices=int(t["devices"]),
         num_nodes=int(t["num_nodes"]),
-        strategy=build_strategy(plan, env),
+        strategy=build_strategy(plan, env, load_universal=universal),
         precision=t["precision"],
         max_steps=max_steps,
         max_epochs=-1,
@@ -437,8 +456,9 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     ctx.trainer = trainer
     fit_kwargs: dict[str, Any] = {}
     if ckpt is not None:
-        fit_kwargs = {"ckpt_path": str(ckpt.lightning_path), "weights_only": True}
-        log.info("resuming from %s (step %d)", ckpt.path, ckpt.step)
+        path = universal_dir(ckpt) if universal else ckpt.lightning_path
+        fit_kwargs = {"ckpt_path": str(path), "weights_only": True}
+        log.info("resuming from %s (step %d)", path, ckpt.step)
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader if validate else None, **fit_kwargs)
 
     step = trainer.global_step

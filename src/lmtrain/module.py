@@ -19,7 +19,6 @@ Gradient clipping is done here, not by the Trainer's ``gradient_clip_val``:
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,51 +27,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from launcher.lr_schedule import OptimSettings, lr_at  # noqa: F401  (lr_at: re-exported for callers)
 from lmtrain.model import ModelShape, build_model, compile_model, model_shape, peak_flops_per_device, shard_fsdp2
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    warmup_steps: int
-    schedule: str
-    min_lr: float
-    max_steps: int
-
-    @classmethod
-    def from_spec(cls, optim: dict[str, Any], max_steps: int) -> OptimSettings:
-        return cls(
-            lr=float(optim["lr"]),
-            betas=(float(optim["betas"][0]), float(optim["betas"][1])),
-            eps=float(optim["eps"]),
-            weight_decay=float(optim["weight_decay"]),
-            warmup_steps=int(optim["warmup_steps"]),
-            schedule=str(optim["schedule"]),
-            min_lr=float(optim["min_lr"]),
-            max_steps=int(max_steps),
-        )
-
-
-def lr_at(step: int, s: OptimSettings) -> float:
-    """Learning rate for the optimizer step with 0-based index ``step``.
-
-    Linear warmup from lr/warmup to lr over ``warmup_steps`` steps, then cosine or linear decay
-    from lr to ``min_lr`` at ``max_steps``, or constant lr.
-    """
-    if s.warmup_steps > 0 and step < s.warmup_steps:
-        return s.lr * (step + 1) / s.warmup_steps
-    if s.schedule == "constant":
-        return s.lr
-    decay_steps = max(1, s.max_steps - s.warmup_steps)
-    progress = min(1.0, (step - s.warmup_steps) / decay_steps)
-    if s.schedule == "cosine":
-        return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1.0 + math.cos(math.pi * progress))
-    if s.schedule == "linear":
-        return s.lr - (s.lr - s.min_lr) * progress
-    raise ValueError(f"unknown schedule '{s.schedule}' (allowed: cosine, linear, constant)")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -159,6 +115,12 @@ class LMModule(pl.LightningModule):
         d = loss.detach()
         self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
         self._loss_count += 1
+        if self.rt.strategy == "deepspeed" and self.rt.accumulate > 1:
+            # Lightning divides the returned loss by accumulate_grad_batches, and DeepSpeed's
+            # engine.backward divides it by gradient_accumulation_steps again: gradients (and the
+            # norm that gradient_clipping compares) would be 1/accumulation of the mean gradient.
+            # Undo Lightning's division so DeepSpeed's own gives the mean, as DDP and FSDP have it.
+            return loss * self.rt.accumulate
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

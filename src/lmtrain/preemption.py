@@ -436,6 +436,8 @@ class StartFacts:
     job_id: str
     history: list[AttemptRow]
     previous_state: str | None = None  # SLURM's state of the previous attempt (sacct -D), if known
+    max_steps: int | None = None  # the plan's trainer.max_steps (None: a DONE marker is final)
+    done_step: int | None = None  # the step the DONE marker records (None: unknown, final)
 
 
 @dataclass
@@ -472,8 +474,10 @@ def start_gate(f: StartFacts, policy: Policy) -> Gate:
             "requeued": True,
         }
         prev.reason, prev.end_step, prev.requeued = reason, f.start_step, True
-    if f.done_marker:
+    if f.done_marker and (f.max_steps is None or f.done_step is None or f.done_step >= f.max_steps):
         return Gate(True, "completed", "the run already finished (DONE marker): not training again", previous_end)
+    # DONE at a step below max_steps: the run was continued to a larger
+    # trainer.max_steps (submit --resume trainer.max_steps=N); it trains on.
     if f.cancelled_marker:
         return Gate(True, "cancelled", "the run is cancelled (CANCELLED marker): not training again", previous_end)
     if f.restart_count > policy.max_requeues:
@@ -623,13 +627,23 @@ def decide_start(plan, env, run_dir: Path) -> Gate:
     previous_state = None
     if history and history[-1].reason is None and env.launcher == "slurm" and env.restart_count > 0:
         previous_state = _previous_attempt_state(env.job_id)
+    done = run_dir / "DONE"
+    try:
+        done_text = done.read_text().strip()
+    except OSError:
+        done_text = ""
     gate = start_gate(StartFacts(
-        done_marker=(run_dir / "DONE").exists(), cancelled_marker=(run_dir / "CANCELLED").exists(),
+        done_step=int(done_text) if done_text.isdigit() else None,
+        done_marker=done.exists(), cancelled_marker=(run_dir / "CANCELLED").exists(),
         start_step=ckpt.step if ckpt is not None else 0, restart_count=env.restart_count, job_id=env.job_id,
-        history=history, previous_state=previous_state,
+        history=history, previous_state=previous_state, max_steps=int(plan.trainer["max_steps"]),
     ), policy)
     if gate.previous_end is not None:
         append_jsonl(plan.paths.ledger, gate.previous_end)
+    if not gate.exit and done.exists():
+        log.warning("the run finished at step %s before; continuing to trainer.max_steps(%s)",
+                    done.read_text().strip(), plan.trainer["max_steps"])
+        done.unlink(missing_ok=True)
     path = gate_path(run_dir, env)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

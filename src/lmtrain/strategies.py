@@ -84,9 +84,10 @@ def deepspeed_config_for_lightning(plan: Any) -> dict[str, Any]:
     return config
 
 
-def build_strategy(plan: Any, env: Any) -> Any:
+def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
     """The Lightning strategy object for the plan, with lmtrain's cluster environment and the
-    spec's collective timeout."""
+    spec's collective timeout. ``load_universal``: the DeepSpeed engine resumes a universal
+    checkpoint (lmtrain.elastic; the one key added to the plan's DeepSpeed config)."""
     t = plan.trainer
     cluster = cluster_environment(env)
     backend = t["process_group_backend"]
@@ -112,6 +113,8 @@ def build_strategy(plan: Any, env: Any) -> Any:
         return strategy
     if name == "deepspeed":
         config = deepspeed_config_for_lightning(plan)
+        if load_universal:
+            config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
         if t["accelerator"] == "cpu":
             _use_deepspeed_cpu_accelerator()
             return CPUDeepSpeedStrategy(

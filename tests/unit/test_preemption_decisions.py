@@ -172,6 +172,14 @@ def test_start_gate_refuses_finished_cancelled_and_stuck_runs():
     assert not start_gate(_start(history=stuck[:2]), POLICY).exit
 
 
+def test_a_finished_run_continued_to_a_larger_max_steps_trains_on():
+    assert start_gate(_start(done_marker=True, done_step=30, max_steps=30), POLICY).reason == "completed"
+    assert start_gate(_start(done_marker=True, done_step=30, max_steps=20), POLICY).reason == "completed"
+    assert start_gate(_start(done_marker=True, done_step=None, max_steps=60), POLICY).reason == "completed"
+    gate = start_gate(_start(done_marker=True, done_step=30, max_steps=60), POLICY)
+    assert not gate.exit
+
+
 # --------------------------------------------------------------------------- handlers
 def test_handlers_only_record_and_are_restored():
     before_term, before_usr2 = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2)

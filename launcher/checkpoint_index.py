@@ -1,0 +1,88 @@
+"""Reading lmtrain's checkpoint directories without torch: which step directories are complete,
+the newest one, its meta.json. The runtime (lmtrain.checkpoint) writes them and re-exports these
+readers; the launcher uses them to plan a resume (world size, strategy) before queue time is
+spent. The layout and the write protocol are described in lmtrain.checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("lmtrain.checkpoint")
+
+STEP_RE = re.compile(r"step-(\d+)")  # matched with fullmatch
+LIGHTNING_NAME = "lightning.ckpt"
+COMPLETE_NAME = "COMPLETE"
+LATEST_NAME = "latest"
+
+
+def is_complete(path: Path) -> bool:
+    """COMPLETE is there and, when it has a manifest, every file it names is there at its size.
+    (A COMPLETE without a manifest, as older lmtrain wrote, is trusted as it is.)"""
+    marker = path / COMPLETE_NAME
+    try:
+        text = marker.read_text()
+    except OSError:
+        return False
+    try:
+        files = json.loads(text).get("files")
+    except (json.JSONDecodeError, AttributeError):
+        return True
+    if not isinstance(files, dict):
+        return True
+    for rel, size in files.items():
+        try:
+            if (path / rel).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class CompleteCheckpoint:
+    step: int
+    path: Path
+
+    @property
+    def lightning_path(self) -> Path:
+        return self.path / LIGHTNING_NAME
+
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.path / "meta.json").read_text())
+
+    def rank_state(self, rank: int) -> dict[str, Any] | None:
+        p = self.path / f"rank-{rank}.pt"
+        if not p.exists():
+            return None
+        import torch  # the runtime's call only: the launcher never reads rank states
+
+        return torch.load(p, map_location="cpu", weights_only=True)
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[CompleteCheckpoint]:
+    """Every complete checkpoint, oldest first. Directories without COMPLETE are ignored."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = STEP_RE.fullmatch(child.name)
+        if m and child.is_dir() and (child / COMPLETE_NAME).is_file():
+            if is_complete(child):
+                found.append(CompleteCheckpoint(step=int(m.group(1)), path=child))
+            else:
+                log.warning("%s has COMPLETE but its files do not match its manifest: ignored", child)
+    return sorted(found, key=lambda c: c.step)
+
+
+def newest_complete(ckpt_dir: str | Path) -> CompleteCheckpoint | None:
+    found = complete_checkpoints(ckpt_dir)
+    return found[-1] if found else None
+
+
