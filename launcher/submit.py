@@ -291,6 +291,43 @@ def continuation_note(plan: LaunchPlan, run_dir: Any) -> str | None:
     return extension_note(old_optim, plan.spec["optim"], step=step, old_max_steps=old_max, new_max_steps=new_max)
 
 
+def resume_note(plan: LaunchPlan) -> str | None:
+    """What resuming the newest complete checkpoint at this plan's topology means, or None when
+    there is none. A checkpoint of another strategy cannot be resumed: an error, before anything
+    is submitted (each strategy has its own checkpoint format)."""
+    from launcher.checkpoint_index import newest_complete
+    from launcher.errors import UserError
+
+    ckpt = newest_complete(plan.paths.checkpoint_dir)
+    if ckpt is None:
+        return None
+    try:
+        meta = ckpt.meta()
+        old_strategy, old_world = str(meta["strategy"]), int(meta["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the runtime's own check reports an unreadable checkpoint
+    strategy, world = plan.trainer["strategy"], plan.topology.world_size
+    if old_strategy != strategy:
+        raise UserError(
+            f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
+            f"{old_strategy} and this plan uses {strategy}: each strategy has its own checkpoint format, so it "
+            f"cannot be resumed as it is. Resume with trainer.strategy={old_strategy}, or export it "
+            f"(`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run with model.pretrained: DIR"
+        )
+    if old_world == world:
+        return None
+    how = {
+        "ddp": "the DDP checkpoint holds full tensors",
+        "fsdp": "torch.distributed.checkpoint reshards the FSDP shards",
+        "deepspeed": "rank 0 converts the ZeRO checkpoint to DeepSpeed's universal checkpoint when the job starts",
+    }[strategy]
+    return (
+        f"resuming {ckpt.path.name} (written on {old_world} ranks) on {world} ranks: {how}; the global batch "
+        f"stays {plan.topology.global_batch_size} (gradient accumulation {plan.topology.grad_accum} per rank) "
+        f"and the data order is kept"
+    )
+
+
 def submit_plan(
     resolved: Any,
     ctx: Any,
@@ -330,6 +367,7 @@ def submit_plan(
     if resume and not run_dir.is_dir():
         raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; submit without --resume")
     continuation = continuation_note(plan, run_dir) if resume else None
+    reshard = resume_note(plan) if resume else None
 
     _refuse_shared_checkpoint_dir(plan, env)
     if not slurm.ping():
@@ -389,6 +427,8 @@ def submit_plan(
                 done.unlink()
                 undo.append(lambda d=data: done.write_bytes(d))
                 notes.append(continuation)
+            if reshard is not None:
+                notes.append(reshard)
         runs.write_launch_files(plan)
         job_id = _submit_with_submitit(plan)
     except BaseException:

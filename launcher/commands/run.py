@@ -94,7 +94,7 @@ def prepare_local_run(
     from launcher.profiles import load_profile
     from launcher.resolve import runs_root_for
     from launcher.runs import archive_run_dir, prepare_run_dir, write_launch_files
-    from launcher.submit import continuation_note
+    from launcher.submit import continuation_note, resume_note
 
     user_spec = load_job(spec_path, overrides)
     devices = devices if devices is not None else user_spec.world_size
@@ -118,6 +118,7 @@ def prepare_local_run(
                 f"checkpoint, or --new to archive it and start over"
             )
     continuation = continuation_note(plan, run_dir) if resume and run_dir.is_dir() else None
+    reshard = resume_note(plan) if resume and run_dir.is_dir() else None
     prepare_run_dir(run_dir)
     write_launch_files(plan)
     t = plan.topology
@@ -126,7 +127,7 @@ def prepare_local_run(
         f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
         f"= global_batch({t.global_batch_size}); run dir {run_dir}"
     )
-    for note in (*notices, *plan.notes, *([continuation] if continuation else [])):
+    for note in (*notices, *plan.notes, *(n for n in (continuation, reshard) if n)):
         say(f"notice: {note}")
     return plan
 

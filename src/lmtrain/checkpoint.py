@@ -204,23 +204,17 @@ def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int
             f"{ckpt.path} has checkpoint format {meta.get('format')!r}; this lmtrain reads format {FORMAT_VERSION}"
         )
     old_strategy, old_world = meta["strategy"], int(meta["world_size"])
-    if old_strategy == strategy == "deepspeed" and old_world != world_size and universal_complete(ckpt):
-        return  # resumed through its universal form
-    if (old_strategy == "deepspeed" or strategy == "deepspeed") and old_world != world_size:
-        stage = meta.get("zero_stage")
+    if old_strategy != strategy:
         raise CheckpointError(
-            f"{ckpt.path} was written by DeepSpeed ZeRO-{stage} on {old_world} ranks, and this attempt has "
-            f"{world_size} ranks: ZeRO optimizer shards only load at the same data-parallel world size. "
-            f"Either run with {old_world} ranks again, or convert it to one fp32 state dict with "
-            f"`python {ckpt.lightning_path}/zero_to_fp32.py {ckpt.lightning_path} <out_dir>` "
-            f"(or lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict) "
-            f"and start a new run from those weights (the optimizer state is not carried over)."
+            f"{ckpt.path} was written with strategy {old_strategy} and this attempt uses {strategy}: each "
+            f"strategy has its own checkpoint format. Use the same trainer.strategy, or export the checkpoint "
+            f"(`lmlaunch export RUN --to hf DIR`) and start a new run with model.pretrained: DIR."
         )
-    if old_strategy != strategy and "deepspeed" in (old_strategy, strategy):
+    if strategy == "deepspeed" and old_world != world_size and not universal_complete(ckpt):
         raise CheckpointError(
-            f"{ckpt.path} was written with strategy {old_strategy} and this attempt uses {strategy}: "
-            f"DeepSpeed and DDP/FSDP checkpoints are different formats. Use the same trainer.strategy, "
-            f"or convert with {ckpt.lightning_path}/zero_to_fp32.py and start a new run."
+            f"{ckpt.path} was written by DeepSpeed ZeRO-{meta.get('zero_stage')} on {old_world} ranks and this "
+            f"attempt has {world_size}: ZeRO partitions load only at the same world size, and its universal form "
+            f"(made by rank 0 at the start of the attempt) is missing: see rank 0's log for the conversion error."
         )
 
 

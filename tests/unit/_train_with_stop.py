@@ -5,7 +5,9 @@ stop -> collective agreement -> checkpoint -> exit path runs for real.
 usage: python _train_with_stop.py RUN_DIR STOP_AT_STEP   (STOP_AT_STEP 0: never)
 
 Rank 0 also writes the config the DeepSpeed engine was initialised with (``engine.config``) to
-``RUN_DIR/engine-deepspeed.json`` when the strategy is DeepSpeed.
+``RUN_DIR/engine-deepspeed.json`` when the strategy is DeepSpeed, and, when training ends, the
+trained model's logits on a fixed input (every rank takes part in the forward: ZeRO-3 and FSDP
+gather their shards) to ``RUN_DIR/final-logits.pt``.
 """
 
 import json
@@ -35,7 +37,19 @@ def main() -> int:
                 if trainer.global_rank == 0 and hasattr(engine, "config") and hasattr(engine, "zero_optimization_stage"):
                     Path(run_dir, "engine-deepspeed.json").write_text(json.dumps(engine.config, sort_keys=True))
 
-        return [RequestStop(), DumpEngineConfig()]
+        class DumpFinalLogits(pl.Callback):
+            def on_train_end(self, trainer, pl_module):
+                import torch
+
+                ids = (torch.arange(32) * 7 % 256).unsqueeze(0)  # (1, T)
+                pl_module.eval()
+                with torch.no_grad():
+                    logits = pl_module.model(input_ids=ids, use_cache=False).logits  # (1, T, vocab)
+                pl_module.train()
+                if trainer.global_rank == 0:
+                    torch.save({"input_ids": ids, "logits": logits.detach().cpu()}, Path(run_dir, "final-logits.pt"))
+
+        return [RequestStop(), DumpEngineConfig(), DumpFinalLogits()]
 
     return run_task(run_dir, hooks=Hooks(setup=setup))
 

@@ -1,0 +1,60 @@
+"""lmlaunch export RUN [--step N] --to hf DIR: a checkpoint of any strategy as a transformers model
+directory plus its tokenizer (``AutoModelForCausalLM.from_pretrained(DIR)``; ``model.pretrained: DIR``
+fine-tunes from it). RUN is a run name, one of its job ids, or a run directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from launcher.context import Context
+from launcher.errors import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run name, one of its job ids, or a run directory")
+    p.add_argument("--to", required=True, choices=["hf"], help="hf: a transformers save_pretrained directory")
+    p.add_argument("out", metavar="DIR", help="output directory (must not exist or be empty)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of step N (default: the newest complete one)")
+
+
+def _run_dir(ref: str, ctx: Context) -> Path:
+    p = Path(ref)
+    if p.is_dir() and (p / "plan.json").is_file():
+        return p
+    from launcher import runs
+
+    return Path(runs.find_run(ref, ctx.environ or None).run_dir)
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher.checkpoint_index import complete_checkpoints
+
+    run_dir = _run_dir(args.run, ctx)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    ckpts = complete_checkpoints(plan["paths"]["checkpoint_dir"])
+    if not ckpts:
+        raise UserError(f"run {run_dir.name} has no complete checkpoint in {plan['paths']['checkpoint_dir']}")
+    if args.step is None:
+        ckpt = ckpts[-1]
+    else:
+        found = [c for c in ckpts if c.step == args.step]
+        if not found:
+            raise UserError(
+                f"--step {args.step}: run {run_dir.name} has no complete checkpoint of that step; "
+                f"complete: {', '.join(str(c.step) for c in ckpts)}"
+            )
+        ckpt = found[0]
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} exists and is not an empty directory: choose a new one")
+    from lmtrain.export import export_hf  # torch and transformers: only this command needs them
+
+    summary = export_hf(plan, ckpt, out)
+    ctx.out(
+        f"exported {run_dir.name} step {summary['step']} ({summary['strategy']}, {summary['parameters']:,} "
+        f"parameters, {summary['tokenizer']} tokenizer) to {out}\n"
+        f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}); fine-tune it: model.pretrained: {out}"
+    )
+    return 0

@@ -1,0 +1,111 @@
+"""A checkpoint of any strategy as a transformers model directory (``save_pretrained``) with
+its tokenizer, so that ``AutoModelForCausalLM.from_pretrained(DIR)`` gives the trained model
+and ``model.pretrained: DIR`` fine-tunes from it.
+
+The weights come from :mod:`lmtrain.weights` (DDP file, FSDP2 DCP shards, ZeRO partitions, all
+assembled on one CPU process); the architecture from the run's own plan (``plan.json``: the
+model type and config overrides it trained with). The tokenizer is the one the run's data was
+prepared with (``meta.json`` of ``data.path``): a transformers tokenizer directory is saved
+again; lmlaunch's byte tokenizer (ids 0..255 = UTF-8 bytes, 256 = ``<eos>``) is written as a
+``tokenizers`` byte-level tokenizer that gives the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher.checkpoint_index import CompleteCheckpoint
+from lmtrain.model import build_config
+from lmtrain.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
+from lmtrain.weights import model_state_dict
+
+log = logging.getLogger(__name__)
+
+
+def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Path) -> dict[str, Any]:
+    """Write ``out_dir`` (config.json, model.safetensors, tokenizer files); return a summary."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    model_spec = plan["spec"]["model"]
+    config = build_config(model_spec)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = model_state_dict(ckpt.path)
+    expected = set(model.state_dict())
+    # A tied output embedding is the input embedding: sharded checkpoints store it once.
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = sorted(expected - set(state) - tied)
+    if missing:
+        raise RuntimeError(f"{ckpt.path}: the checkpoint has no weights for {missing[:5]}")
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise RuntimeError(f"{ckpt.path}: weights {unexpected[:5]} do not belong to a {type(model).__name__}")
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer = save_tokenizer(plan["spec"]["data"]["path"], out)
+    summary = {
+        "checkpoint": str(ckpt.path),
+        "step": ckpt.step,
+        "strategy": ckpt.meta().get("strategy"),
+        "model_type": config.model_type,
+        "parameters": sum(t.numel() for t in state.values()),
+        "tokenizer": tokenizer,
+        "out": str(out),
+    }
+    (out / "lmlaunch_export.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def save_tokenizer(data_path: str, out: Path) -> str:
+    """Save the tokenizer the data was prepared with into ``out``; return its kind."""
+    meta = json.loads((Path(data_path) / "meta.json").read_text())
+    tok = meta.get("tokenizer") or {}
+    if tok.get("kind") == "huggingface":
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tok["path"], local_files_only=True).save_pretrained(out)
+        return "huggingface"
+    byte_tokenizer().save_pretrained(out)
+    return "bytes"
+
+
+def byte_tokenizer():
+    """lmlaunch's byte tokenizer as a transformers fast tokenizer: each UTF-8 byte is one token
+    whose id is the byte's value, ``<eos>`` is 256, 257..259 are reserved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins of the bytes, GPT-2's mapping
+    by_byte = _bytes_to_unicode()
+    assert sorted(alphabet) == sorted(by_byte.values())
+    vocab = {by_byte[b]: b for b in range(256)}
+    vocab["<eos>"] = BYTE_EOS_ID
+    for i in range(BYTE_EOS_ID + 1, BYTE_VOCAB_SIZE):
+        vocab[f"<reserved_{i}>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.add_special_tokens({"additional_special_tokens": [f"<reserved_{i}>" for i in range(BYTE_EOS_ID + 1, BYTE_VOCAB_SIZE)]})
+    return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer emits)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}

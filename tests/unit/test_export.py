@@ -1,0 +1,81 @@
+"""`lmlaunch export RUN --to hf DIR` turns the newest checkpoint of any strategy (DDP file, FSDP2
+DCP shards, ZeRO partitions) into a transformers directory: from_pretrained(DIR) gives the
+logits the trained model gave at the end of training (computed by all ranks of the training
+run itself, tests/unit/_train_with_stop.py), the tokenizer gives lmlaunch's byte ids, and
+`model.pretrained: DIR` fine-tunes from it."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.cli import main
+from launcher.context import Context
+from tests.unit.test_checkpoint_resume import _launch, _plan
+
+
+def lm(runs_root: Path, *args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = main([str(a) for a in args], Context(stdout=out, stderr=out, environ={"LMLAUNCH_RUNS_ROOT": str(runs_root)}))
+    return code, out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_export_gives_the_trained_models_logits_and_byte_ids(repo, runs_root, tmp_path, strategy):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plan = _plan(repo, f"export-{strategy}", 2, strategy)
+    assert _launch(plan, stop_at=0) == 0
+    trained = torch.load(Path(plan.paths.run_dir, "final-logits.pt"), weights_only=True)
+
+    out = tmp_path / "hf"
+    code, text = lm(runs_root, "export", plan.paths.run_dir, "--to", "hf", out)
+    assert code == 0, text
+    assert f"exported export-{strategy} step 12" in text
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(input_ids=trained["input_ids"]).logits
+    assert torch.allclose(logits, trained["logits"], atol=1e-5, rtol=0), (logits - trained["logits"]).abs().max()
+
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "héllo, wörld\n"
+    assert tok(text, add_special_tokens=False)["input_ids"] == list(text.encode("utf-8"))
+    assert tok.eos_token_id == 256 and tok.decode(list(text.encode("utf-8"))) == text
+    assert json.loads((out / "lmlaunch_export.json").read_text())["step"] == 12
+
+
+@pytest.mark.slow
+def test_a_run_fine_tunes_from_an_exported_directory(repo, runs_root, tmp_path):
+    plan = _plan(repo, "export-src", 1, "ddp")
+    assert _launch(plan, stop_at=0) == 0
+    out = tmp_path / "hf"
+    assert lm(runs_root, "export", plan.paths.run_dir, "--to", "hf", out)[0] == 0
+    code, text = lm(runs_root, "run", repo / "jobs" / "tiny-cpu.yaml", "--local", "--devices", "1", "--max-steps", "2",
+                    "--name", "finetune", "model.type=null", f"model.pretrained={out}", "model.config={}",
+                    "trainer.log_every_n_steps=1", "data.seq_len=32")
+    assert code == 0, text[-3000:]
+    beats = [json.loads(x) for x in (runs_root / "finetune" / "metrics" / "heartbeat.jsonl").read_text().splitlines()]
+    first = [b for b in beats if b["event"] == "step"][0]
+    src = [json.loads(x) for x in Path(plan.paths.run_dir, "metrics", "heartbeat.jsonl").read_text().splitlines()]
+    src_first = [b for b in src if b["event"] == "step"][0]
+    # starts from the trained weights, not from scratch (ln 260 = 5.56)
+    assert first["loss"] < src_first["loss"] - 0.3, (first["loss"], src_first["loss"])
+
+
+def test_export_refuses_a_non_empty_output_and_an_unknown_step(runs_root, tmp_path):
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoints" / "step-3").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-3" / "COMPLETE").write_text("{}")
+    (run_dir / "plan.json").write_text(json.dumps({"paths": {"checkpoint_dir": str(run_dir / "checkpoints")}}))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("")
+    code, text = lm(runs_root, "export", run_dir, "--to", "hf", busy)
+    assert code == 2 and "exists and is not an empty directory" in text
+    code, text = lm(runs_root, "export", run_dir, "--to", "hf", tmp_path / "new", "--step", "9")
+    assert code == 2 and "--step 9: run r has no complete checkpoint of that step; complete: 3" in text
