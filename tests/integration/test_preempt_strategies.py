@@ -2,6 +2,7 @@
 DeepSpeed ZeRO 1, 2 and 3) is really preempted by a high-priority exclusive job at a random
 step, requeued, and resumes from its sharded checkpoint; its per-step losses and final weights
 equal an uninterrupted run of the same strategy, bit for bit. (DDP: test_preempt_resume.py.)
+A cancelled run resumed with other resources continues on 4 ranks (ZeRO-2) and on 1 (FSDP2).
 
 The final weights are read with lmtrain.weights (DCP shards and ZeRO partitions assembled on
 one CPU process), which is also what `lmlaunch export` uses.
@@ -10,6 +11,7 @@ one CPU process), which is also what `lmlaunch export` uses.
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,21 @@ import torch
 from launcher import slurm
 from lmtrain.checkpoint import complete_checkpoints
 from lmtrain.weights import lightning_state_dict
-from preempt_helpers import MAX_STEPS, assert_losses_match, ends, finish, losses_by_step, preempt, starts, submit, wait_step
+from preempt_helpers import (
+    BASE,
+    MAX_STEPS,
+    SPEC,
+    assert_losses_match,
+    ends,
+    finish,
+    lm,
+    losses_by_step,
+    preempt,
+    starts,
+    submit,
+    wait_ended,
+    wait_step,
+)
 from slurm_helpers import job_name
 
 STRATEGIES = {
@@ -97,3 +113,50 @@ def test_sharded_strategy_preempted_and_resumed_equals_uninterrupted(strategy, s
     assert weights.keys() == ref_weights.keys()
     differ = [k for k in weights if not torch.equal(weights[k], ref_weights[k])]
     assert not differ, f"{strategy}: final weights differ from the uninterrupted run in {differ}"
+
+
+NO_DROPOUT = ("model.config.resid_pdrop=0.0", "model.config.embd_pdrop=0.0", "model.config.attn_pdrop=0.0")
+ELASTIC = {
+    # strategy, resources of the second job: 2 ranks -> 4 (2 nodes x 2 tasks) or -> 1 (1 node x 1 task)
+    "zero2-2to4": ("zero2", ("resources.tasks_per_node=2",), 4),  # micro batch 4: accumulation 2 -> 1
+    "fsdp-2to1": ("fsdp", ("resources.nodes=1",), 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ELASTIC))
+def test_a_cancelled_run_resumed_with_other_resources_continues_on_the_new_world_size(case, slurm_cluster, env, jobs):
+    """Submit on 2 ranks, cancel, `submit --resume` with other resources: the job starts on the new
+    world size from the cancel's checkpoint (ZeRO via the universal checkpoint, FSDP via DCP
+    resharding) and its losses follow an uninterrupted 2-rank run (tolerance: see
+    tests/unit/test_elastic_resume.py; dropout off)."""
+    strategy, resources, world = ELASTIC[case]
+    overrides = (*STRATEGIES[strategy], *NO_DROPOUT, "data.micro_batch_size=4")
+    ref_name = job_name("pr", f"eref-{strategy}")
+    job, ref_dir = submit(env, ref_name, *overrides)
+    jobs.append(job)
+    finish(job, ref_dir)
+    reference = {s: v[0] for s, v in losses_by_step(ref_dir).items()}
+
+    name = job_name("pr", f"el-{case}")
+    job, run_dir = submit(env, name, *overrides)
+    jobs.append(job)
+    wait_step(run_dir, 25, attempt=1)
+    code, out, err = lm(env, "cancel", name)
+    assert code == 0, out + err
+    wait_ended(job)
+    stop = ends(run_dir)[0]
+    assert stop["reason"] == "cancelled", stop
+
+    code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, *overrides, *resources, "--resume")
+    assert code == 0, out + err
+    assert f"on {world} ranks" in out, out  # the resume note says how it reshards
+    job2 = re.search(r"job (\d+)", out).group(1)
+    jobs.append(job2)
+    finish(job2, run_dir)
+    second = starts(run_dir)[-1]
+    assert second["world_size"] == world and second["start_step"] == stop["end_step"], second
+    assert ends(run_dir)[-1]["reason"] == "completed" and ends(run_dir)[-1]["end_step"] == MAX_STEPS
+    got = {s: v[-1] for s, v in losses_by_step(run_dir).items()}
+    assert sorted(got) == list(range(1, MAX_STEPS + 1))
+    for step in range(stop["end_step"] + 1, MAX_STEPS + 1):
+        assert got[step] == pytest.approx(reference[step], rel=1e-3), (step, got[step], reference[step])
