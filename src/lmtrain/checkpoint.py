@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import os
 import random
 import shutil
@@ -152,12 +153,16 @@ def remove_tree(path: Path) -> None:
     _test_kill_point(f"removed {path.name}")
 
 
+_OWN_TEMPORARY = re.compile(r"\..+\.tmp-\d+")  # _write_atomic's names
+
+
 def manifest(root: Path) -> dict[str, int]:
-    """Every file under ``root`` (relative path -> size), but the COMPLETE marker."""
+    """Every file under ``root`` (relative path -> size), but the COMPLETE marker and lmtrain's own
+    temporaries. Dot files are listed: FSDP2's DCP directory keeps its index in ``.metadata``."""
     out = {}
     for path in _all_files(root):
         rel = path.relative_to(root).as_posix()
-        if rel != COMPLETE_NAME and not path.name.startswith("."):
+        if rel != COMPLETE_NAME and not _OWN_TEMPORARY.fullmatch(path.name):
             out[rel] = path.stat().st_size
     return out
 

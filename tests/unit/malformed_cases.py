@@ -137,6 +137,7 @@ CASES: list[Case] = [
     Case("yaml_tab_indent", edit("  nodes: 2", "\tnodes: 2"), "{spec}: line 4: invalid YAML: found character '\\t' that cannot start any token"),
     Case("yaml_empty_file", "", '{spec}: a job spec must be a YAML mapping of keys to values, got an empty file'),
     Case("yaml_top_level_list", "- name: t\n", '{spec}: a job spec must be a YAML mapping of keys to values, got a YAML list'),
+    Case("offload_on_cpu", edit("  precision: 32-true", "  precision: 32-true\n  strategy: deepspeed\n  zero_stage: 2\n  offload_optimizer: true"), "{spec}: line 19: trainer.offload_optimizer moves state from GPUs to the CPU, and this job runs on CPU processes (resources.gpus_per_node is 0): remove it (DeepSpeed's CPU Adam it would need is not built here: DS_BUILD_OPS=0)"),
     Case("missing_file", None, 'job spec not found: {spec}'),
     # --- the runs root (from the environment) ---
     Case("runs_root_var_unset", BASE, "{spec}: profile 'scratch' runs_root '/scratch/$SCRATCH_GROUP/runs' uses $SCRATCH_GROUP, which is not set (or empty) in this shell; set SCRATCH_GROUP, or set LMLAUNCH_RUNS_ROOT to the runs root to use", argv=["--cluster", "scratch"], environ={"LMLAUNCH_RUNS_ROOT": "", "LMLAUNCH_PROFILES_DIR": "{profiles}"}),

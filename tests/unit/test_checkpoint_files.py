@@ -91,13 +91,23 @@ def _fake_complete(tmp_path, **meta):
     return newest_complete(tmp_path / "checkpoints")
 
 
-def test_zero_checkpoint_on_another_world_size_says_how_to_convert(tmp_path):
+def test_zero_checkpoint_on_another_world_size_loads_only_through_its_universal_form(tmp_path):
     ckpt = _fake_complete(tmp_path, strategy="deepspeed", zero_stage=3, world_size=16)
     with pytest.raises(CheckpointError) as e:
         check_compatible(ckpt, strategy="deepspeed", world_size=8)
     msg = str(e.value)
-    assert "ZeRO-3 on 16 ranks" in msg and "8 ranks" in msg and "zero_to_fp32" in msg
+    assert "ZeRO-3 on 16 ranks and this attempt has 8" in msg and "universal form" in msg
     check_compatible(ckpt, strategy="deepspeed", world_size=16)  # same size: fine
+    universal = ckpt.path.parent / f"universal-{ckpt.path.name}"
+    universal.mkdir()
+    (universal / "COMPLETE").write_text("10\n")  # what lmtrain.elastic leaves when the conversion is done
+    check_compatible(ckpt, strategy="deepspeed", world_size=8)
+
+
+def test_a_checkpoint_of_another_strategy_is_refused(tmp_path):
+    ckpt = _fake_complete(tmp_path, strategy="fsdp", zero_stage=None, world_size=2)
+    with pytest.raises(CheckpointError, match="written with strategy fsdp and this attempt uses ddp"):
+        check_compatible(ckpt, strategy="ddp", world_size=2)
 
 
 def test_ddp_checkpoint_may_resume_on_another_world_size(tmp_path):

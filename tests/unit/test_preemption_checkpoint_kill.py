@@ -8,6 +8,10 @@ write/fsync/rename/marker step (LMLAUNCH_TEST_KILL_AT=n): between the ranks' fil
 after the rename, the COMPLETE marker, the ``latest`` pointer and the deletion of the old
 checkpoint. After each kill the newest complete checkpoint must load entirely and hold exactly
 what was saved for its step; then a next save (step 3) must succeed over the debris.
+
+Three layouts of ``lightning.ckpt``: one file written by rank 0 (DDP); DeepSpeed's directory
+(every rank writes its own ``zero_pp_rank_R_..._optim_states.pt`` in parallel, rank 0 the model
+states and ``latest``); FSDP2's DCP directory (``__R_0.distcp`` per rank, rank 0 ``.metadata``).
 """
 
 from __future__ import annotations
@@ -35,17 +39,40 @@ class _Strategy:
         self._barrier.wait(timeout=30)
 
 
+def _shard_files(layout: str) -> dict[int, list[str]]:
+    """The files each rank writes inside lightning.ckpt (besides rank 0's model file)."""
+    if layout == "zero":
+        return {r: [f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt"] for r in range(WORLD)}
+    if layout == "dcp":
+        return {r: [f"__{r}_0.distcp"] for r in range(WORLD)}
+    return {r: [] for r in range(WORLD)}
+
+
 class _Trainer:
     """What CheckpointManager.save uses of a Trainer: rank, world size, barrier, save_checkpoint
-    (rank 0 writes Lightning's file, as under DDP)."""
+    (layout "file": rank 0 writes Lightning's file, as under DDP; "zero"/"dcp": every rank writes
+    its own shard into the directory, as DeepSpeed and FSDP2 do)."""
 
-    def __init__(self, rank: int, barrier: threading.Barrier, step: int) -> None:
-        self.global_rank, self.world_size, self.step = rank, WORLD, step
+    def __init__(self, rank: int, barrier: threading.Barrier, step: int, layout: str) -> None:
+        self.global_rank, self.world_size, self.step, self.layout = rank, WORLD, step, layout
         self.strategy = _Strategy(barrier)
 
     def save_checkpoint(self, path: str) -> None:
+        if self.layout == "file":
+            if self.global_rank == 0:
+                torch.save({"state_dict": _weights(self.step), "global_step": self.step}, path)
+            return
+        root = Path(path)
+        for rel in _shard_files(self.layout)[self.global_rank]:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"shard": _weights(self.step * 100 + self.global_rank)}, root / rel)
         if self.global_rank == 0:
-            torch.save({"state_dict": _weights(self.step), "global_step": self.step}, path)
+            model = "checkpoint/mp_rank_00_model_states.pt" if self.layout == "zero" else ".metadata"
+            (root / model).parent.mkdir(parents=True, exist_ok=True)
+            with open(root / model, "wb") as f:  # torch.save refuses a path named ".metadata"
+                torch.save({"state_dict": _weights(self.step), "global_step": self.step}, f)
+            if self.layout == "zero":
+                (root / "latest").write_text("checkpoint")
 
 
 def _weights(step: int) -> dict[str, torch.Tensor]:
@@ -53,7 +80,7 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}
 
 
-def _save(ckpt_dir: Path, step: int) -> None:
+def _save(ckpt_dir: Path, step: int, layout: str = "file") -> None:
     """Both ranks save ``step`` (threads), as every rank does at a step boundary."""
     manager = ck.CheckpointManager(ckpt_dir, keep_last=1, every_n_steps=1, strategy="ddp", zero_stage=None,
                                    identity={"job_id": "1", "attempt": 1})
@@ -62,7 +89,7 @@ def _save(ckpt_dir: Path, step: int) -> None:
 
     def rank_main(rank: int) -> None:
         try:
-            manager.save(_Trainer(rank, barrier, step), step=step,
+            manager.save(_Trainer(rank, barrier, step, layout), step=step,
                          rank_state={"data_sampler": {"pos": step * 10 + rank}})
         except BaseException as exc:  # surfaced by the caller
             errors.append(exc)
@@ -95,15 +122,23 @@ def _in_child(fn, kill_at: int | None, report: Path | None = None) -> int:
     return status
 
 
-def _assert_loads_completely(ckpt_dir: Path) -> int:
+def _assert_loads_completely(ckpt_dir: Path, layout: str = "file") -> int:
     newest = ck.newest_complete(ckpt_dir)
     assert newest is not None, f"no complete checkpoint in {sorted(p.name for p in ckpt_dir.iterdir())}"
     step = newest.step
     meta = newest.meta()
     assert meta["step"] == step and meta["world_size"] == WORLD
-    state = torch.load(newest.lightning_path, map_location="cpu", weights_only=True)
+    model = {"file": "", "zero": "checkpoint/mp_rank_00_model_states.pt", "dcp": ".metadata"}[layout]
+    with open(newest.lightning_path / model if model else newest.lightning_path, "rb") as f:
+        state = torch.load(f, map_location="cpu", weights_only=True)
     assert state["global_step"] == step
     assert all(torch.equal(state["state_dict"][k], v) for k, v in _weights(step).items())
+    listed = json.loads((newest.path / ck.COMPLETE_NAME).read_text())["files"]
+    for rank, rels in _shard_files(layout).items():
+        for rel in rels:  # every rank's shard is there, holds this step's data, and is in the manifest
+            shard = torch.load(newest.lightning_path / rel, map_location="cpu", weights_only=True)["shard"]
+            assert all(torch.equal(shard[k], v) for k, v in _weights(step * 100 + rank).items())
+            assert f"{ck.LIGHTNING_NAME}/{rel}" in listed
     for rank in range(WORLD):
         rs = newest.rank_state(rank)
         assert rs is not None, f"step-{step} is marked complete but has no rank-{rank}.pt"
@@ -111,40 +146,41 @@ def _assert_loads_completely(ckpt_dir: Path) -> int:
     return step
 
 
-@pytest.fixture(scope="module")
-def step1_template(tmp_path_factory) -> tuple[Path, int]:
-    """A checkpoint dir with a complete step 1, and how many kill points saving step 2 passes."""
-    root = tmp_path_factory.mktemp("kill-template")
+@pytest.fixture(scope="module", params=["file", "zero", "dcp"])
+def step1_template(request, tmp_path_factory) -> tuple[Path, int, str]:
+    """A checkpoint dir with a complete step 1, how many kill points saving step 2 passes, the layout."""
+    layout = request.param
+    root = tmp_path_factory.mktemp(f"kill-template-{layout}")
     template = root / "checkpoints"
-    assert _in_child(lambda: _save(template, 1), kill_at=None) == 0
+    assert _in_child(lambda: _save(template, 1, layout), kill_at=None) == 0
     probe = root / "probe"
     shutil.copytree(template, probe)
     report = root / "points"
-    assert _in_child(lambda: _save(probe, 2), kill_at=0, report=report) == 0
-    return template, int(report.read_text())
+    assert _in_child(lambda: _save(probe, 2, layout), kill_at=0, report=report) == 0
+    return template, int(report.read_text()), layout
 
 
 def test_save_passes_at_least_20_kill_points(step1_template):
-    _, points = step1_template
-    assert points >= 20, points
+    _, points, layout = step1_template
+    assert points >= 20 + (2 if layout != "file" else 0), points  # + each rank's shard fsync
 
 
 def test_sigkill_at_every_checkpoint_step_leaves_a_loadable_complete_checkpoint(step1_template, tmp_path):
-    template, points = step1_template
+    template, points, layout = step1_template
     resumed_from = []
     for n in range(1, points + 1):
         ckpt_dir = tmp_path / f"kill-{n}" / "checkpoints"
         shutil.copytree(template, ckpt_dir)
-        status = _in_child(lambda: _save(ckpt_dir, 2), kill_at=n)
+        status = _in_child(lambda: _save(ckpt_dir, 2, layout), kill_at=n)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (n, status)
-        step = _assert_loads_completely(ckpt_dir)
+        step = _assert_loads_completely(ckpt_dir, layout)
         resumed_from.append(step)
         # the pointer may lag behind (killed before its update) but never names a newer step
         latest = (ckpt_dir / "latest").read_text().strip()
         assert int(latest.removeprefix("step-")) <= step
         # the restarted job saves again over whatever the kill left behind
-        assert _in_child(lambda: _save(ckpt_dir, 3), kill_at=None) == 0
-        assert _assert_loads_completely(ckpt_dir) == 3
+        assert _in_child(lambda: _save(ckpt_dir, 3, layout), kill_at=None) == 0
+        assert _assert_loads_completely(ckpt_dir, layout) == 3
         assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step-3"], n
         shutil.rmtree(ckpt_dir.parent)
     # early kills resume from step 1, late ones (after COMPLETE) from step 2
@@ -153,10 +189,10 @@ def test_sigkill_at_every_checkpoint_step_leaves_a_loadable_complete_checkpoint(
 
 
 def test_checkpoint_whose_files_do_not_match_its_manifest_is_not_complete(step1_template, tmp_path):
-    template, _ = step1_template
+    template, _, layout = step1_template
     ckpt_dir = tmp_path / "checkpoints"
     shutil.copytree(template, ckpt_dir)
-    assert _in_child(lambda: _save(ckpt_dir, 2), kill_at=None) == 0
+    assert _in_child(lambda: _save(ckpt_dir, 2, layout), kill_at=None) == 0
     # keep_last=1 removed step 1; bring a copy of step 2 back as a "step-5" missing a rank file,
     # with the COMPLETE (manifest) of step 2: the way an interrupted plain rmtree could leave it
     shutil.copytree(ckpt_dir / "step-2", ckpt_dir / "step-5")
@@ -164,6 +200,11 @@ def test_checkpoint_whose_files_do_not_match_its_manifest_is_not_complete(step1_
     (ckpt_dir / "latest").write_text("step-5\n")
     assert json.loads((ckpt_dir / "step-2" / "COMPLETE").read_text())["files"]["rank-1.pt"] > 0
     assert ck.newest_complete(ckpt_dir).step == 2
+    if layout != "file":  # a missing shard of a sharded checkpoint is caught the same way
+        shutil.copytree(ckpt_dir / "step-2", ckpt_dir / "step-6")
+        rel = _shard_files(layout)[1][0]
+        (ckpt_dir / "step-6" / ck.LIGHTNING_NAME / rel).unlink()
+        assert ck.newest_complete(ckpt_dir).step == 2
     # latest naming a deleted directory falls back the same way
     (ckpt_dir / "latest").write_text("step-9\n")
     assert ck.newest_complete(ckpt_dir).step == 2
