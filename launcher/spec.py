@@ -215,7 +215,7 @@ class TrainerSpec(_Strict):
     """Lightning Trainer settings; gradient accumulation is derived from global_batch_size."""
 
     strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
-    """Distributed strategy."""
+    """Distributed strategy, on GPUs and on CPU processes alike: ddp; fsdp (FSDP2, each transformer block sharded, DCP checkpoints); deepspeed (ZeRO stage zero_stage; its CPU accelerator on CPU jobs)."""
     zero_stage: Literal[1, 2, 3] | None = None
     """DeepSpeed ZeRO stage (strategy deepspeed only)."""
     offload_optimizer: bool = False

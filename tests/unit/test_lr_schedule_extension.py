@@ -49,3 +49,35 @@ def test_a_constant_schedule_stays_constant():
     optim = {**OPTIM, "schedule": "constant"}
     assert extension_note(optim, optim, step=150, old_max_steps=150, new_max_steps=300).endswith(
         "the learning rate stays constant at 0.003")
+
+
+@pytest.mark.slow
+def test_a_finished_local_run_resumed_with_a_larger_max_steps_trains_on(repo, runs_root):
+    """`run --local --resume --max-steps 8` of a run that finished at step 4: trains steps 5-8 from
+    the step-4 checkpoint (the same gate a requeued or resubmitted SLURM job goes through)."""
+    import io
+
+    from launcher.cli import main
+    from launcher.context import Context
+
+    def run(*extra: str) -> tuple[int, str]:
+        out = io.StringIO()
+        code = main(["run", str(repo / "jobs" / "tiny-cpu.yaml"), "--local", "--devices", "2", "--name", "cont",
+                     "model.config.n_layer=1", "trainer.log_every_n_steps=1", *extra],
+                    Context(stdout=out, stderr=out, environ={"LMLAUNCH_RUNS_ROOT": str(runs_root)}))
+        return code, out.getvalue()
+
+    assert run("--max-steps", "4")[0] == 0
+    code, text = run("--max-steps", "4", "--resume")
+    assert code == 2 and "already finished at step 4 and trainer.max_steps is 4: nothing to train" in text
+    code, text = run("--max-steps", "8", "--resume")
+    assert code == 0, text[-3000:]
+    assert "notice: continuing from step 4 to trainer.max_steps(8)" in text
+    run_dir = runs_root / "cont"
+    ledger = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger] == [
+        ("start", 0, None, None), ("end", None, 4, "completed"), ("start", 4, None, None), ("end", None, 8, "completed")]
+    assert (run_dir / "DONE").read_text().strip() == "8"
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics" / "heartbeat.jsonl").read_text().splitlines()
+             if json.loads(x)["event"] == "step"]
+    assert steps == list(range(1, 9))
