@@ -216,10 +216,13 @@ def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int
             f"(`lmlaunch export RUN --to hf DIR`) and start a new run with model.pretrained: DIR."
         )
     if strategy == "deepspeed" and old_world != world_size and not universal_complete(ckpt):
+        error = ckpt.path.parent / f".{UNIVERSAL_PREFIX}{ckpt.path.name}.error"
+        why = error.read_text().strip() if error.is_file() else "no conversion was attempted"
         raise CheckpointError(
             f"{ckpt.path} was written by DeepSpeed ZeRO-{meta.get('zero_stage')} on {old_world} ranks and this "
-            f"attempt has {world_size}: ZeRO partitions load only at the same world size, and its universal form "
-            f"(made by rank 0 at the start of the attempt) is missing: see rank 0's log for the conversion error."
+            f"attempt has {world_size}: ZeRO partitions load only at the same world size, and converting it to "
+            f"DeepSpeed's universal checkpoint failed ({why}). Resume with {old_world} ranks, or export it "
+            f"(`lmlaunch export RUN --to hf DIR`) and start a new run with model.pretrained: DIR."
         )
 
 
@@ -312,6 +315,8 @@ class CheckpointManager:
                 shutil.rmtree(child, ignore_errors=True)  # the universal form of a pruned checkpoint
             elif child.name.startswith(f".{UNIVERSAL_PREFIX}") and child.name.endswith(".tmp"):
                 shutil.rmtree(child, ignore_errors=True)  # an interrupted conversion
+            elif child.name.startswith(f".{UNIVERSAL_PREFIX}") and child.name.endswith(".error"):
+                child.unlink(missing_ok=True)  # why an old conversion failed
 
 
 def _all_files(root: Path):

@@ -54,6 +54,7 @@ def ensure_universal(ckpt: CompleteCheckpoint) -> Path:
     out = universal_dir(ckpt)
     if is_converted(ckpt):
         return out
+    failure_path(ckpt).unlink(missing_ok=True)
     source = ckpt.lightning_path
     tag = (source / "latest").read_text().strip()
     tmp = out.with_name(f".{out.name}.tmp")
@@ -82,3 +83,12 @@ def ensure_universal(ckpt: CompleteCheckpoint) -> Path:
     write_text_atomic(out / DONE_NAME, f"{ckpt.step}\n")
     log.warning("universal checkpoint ready in %.1f s: %s", time.perf_counter() - started, out)
     return out
+
+
+def failure_path(ckpt: CompleteCheckpoint) -> Path:
+    return ckpt.path.parent / f".{PREFIX}{ckpt.path.name}.error"
+
+
+def record_failure(ckpt: CompleteCheckpoint, text: str) -> None:
+    """Why the conversion failed, for the message every rank gives (check_compatible)."""
+    write_text_atomic(failure_path(ckpt), text[-2000:])

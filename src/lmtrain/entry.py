@@ -131,12 +131,19 @@ def _newest_checkpoint_name(plan) -> str | None:
 
 
 def _convert_for_world_size(plan, env, name: str) -> None:
+    """Rank 0, before the rendezvous: a ZeRO checkpoint resumed on another world size gets its
+    universal form. A failed conversion is recorded beside the checkpoint (every rank then
+    refuses to resume with that reason, lmtrain.checkpoint.check_compatible), not raised here."""
     from lmtrain.checkpoint import agreed_checkpoint
-    from lmtrain.elastic import ensure_universal, needs_universal
+    from lmtrain.elastic import ensure_universal, needs_universal, record_failure
 
     ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, name)
     if ckpt is not None and needs_universal(ckpt, strategy=plan.trainer["strategy"], world_size=env.world_size):
-        ensure_universal(ckpt)
+        try:
+            ensure_universal(ckpt)
+        except Exception as exc:  # the attempt ends with this reason in the ledger
+            log.error("converting %s to a universal checkpoint failed: %s", ckpt.path, exc)
+            record_failure(ckpt, f"{type(exc).__name__}: {exc}")
 
 
 _LIST_LOCALLY = "<list locally>"

@@ -93,13 +93,35 @@ def run_name(request) -> str:
     return job_name("it", stem)
 
 
+def _cancel_quietly(ids: list[str]) -> None:
+    if ids:
+        try:
+            slurm.cancel(ids)
+        except UserError:
+            pass  # cleanup must not hide the test's own failure
+
+
 @pytest.fixture
 def own_jobs():
     """Job ids a test started; any still queued or running at the end are cancelled."""
     ids: list[str] = []
     yield ids
-    if ids:
-        try:
-            slurm.cancel(ids)
-        except UserError:
-            pass
+    _cancel_quietly(ids)
+
+
+@pytest.fixture(scope="module")
+def module_env(tmp_path_factory):
+    """One registry and runs root for a test module (tests that share a reference run)."""
+    root = tmp_path_factory.mktemp("module")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LMLAUNCH_HOME", str(root / "home"))
+        mp.setenv("LMLAUNCH_RUNS_ROOT", str(root / "runs"))
+        yield dict(os.environ)
+
+
+@pytest.fixture(scope="module")
+def module_jobs():
+    """Job ids a test module started; any still queued or running at its end are cancelled."""
+    ids: list[str] = []
+    yield ids
+    _cancel_quietly(ids)

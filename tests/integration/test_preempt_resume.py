@@ -46,26 +46,13 @@ from preempt_helpers import (
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """One registry and runs root for the module (the reference run is shared by its tests)."""
-    root = tmp_path_factory.mktemp("preempt")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LMLAUNCH_HOME", str(root / "home"))
-        mp.setenv("LMLAUNCH_RUNS_ROOT", str(root / "runs"))
-        import os
-
-        yield dict(os.environ)
+def env(module_env):
+    return module_env  # one registry and runs root for the module (conftest)
 
 
 @pytest.fixture(scope="module")
-def jobs():
-    ids: list[str] = []
-    yield ids
-    if ids:
-        try:
-            slurm.cancel(ids)
-        except Exception:  # noqa: BLE001  (cleanup must not hide the test's own failure)
-            pass
+def jobs(module_jobs):
+    return module_jobs
 
 
 @pytest.fixture

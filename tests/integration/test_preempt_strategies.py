@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import slurm
 from lmtrain.checkpoint import complete_checkpoints
 from lmtrain.weights import lightning_state_dict
 from preempt_helpers import (
@@ -53,25 +52,13 @@ SHARDS = {
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("strategies")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LMLAUNCH_HOME", str(root / "home"))
-        mp.setenv("LMLAUNCH_RUNS_ROOT", str(root / "runs"))
-        import os
-
-        yield dict(os.environ)
+def env(module_env):
+    return module_env  # one registry and runs root for the module (conftest)
 
 
 @pytest.fixture(scope="module")
-def jobs():
-    ids: list[str] = []
-    yield ids
-    if ids:
-        try:
-            slurm.cancel(ids)
-        except Exception:  # noqa: BLE001  (cleanup must not hide the test's own failure)
-            pass
+def jobs(module_jobs):
+    return module_jobs
 
 
 def _final(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:

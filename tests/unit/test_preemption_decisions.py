@@ -288,22 +288,48 @@ def test_a_run_that_made_no_progress_over_k_attempts_is_stopped(local_run):
     assert (end["attempt"], end["reason"]) == (4, "no_progress") and "no_progress_attempts=3" in end["detail"]
 
 
-def test_resuming_a_zero_checkpoint_on_another_world_size_fails_with_how_to_convert(local_run):
-    from lmtrain.entry import run_task
-
-    step = Path(local_run.paths.checkpoint_dir) / "step-4"
+def _fake_zero_checkpoint(plan) -> None:
+    step = Path(plan.paths.checkpoint_dir) / "step-4"
     step.mkdir(parents=True)
     (step / "meta.json").write_text(json.dumps({"format": 1, "step": 4, "world_size": 2, "strategy": "deepspeed",
                                                 "zero_stage": 2}))
     (step / "COMPLETE").write_text("4\n")
+
+
+def test_resuming_a_checkpoint_of_another_strategy_fails_and_says_why(local_run):
+    from lmtrain.entry import run_task
+
+    _fake_zero_checkpoint(local_run)
     before = signal.getsignal(signal.SIGTERM)
     assert run_task(local_run.paths.run_dir) == 2
     end = _ledger(local_run)[-1]
     assert (end["reason"], end["requeued"]) == ("crashed", False)
-    assert "ZeRO-2 on 2 ranks" in end["detail"] and "zero_to_fp32" in end["detail"]
+    assert "written with strategy deepspeed and this attempt uses ddp" in end["detail"]
     log_text = Path(local_run.paths.logs_dir, "attempt-1", "rank-0.log").read_text()
-    assert "cannot resume" in log_text and "zero_to_fp32" in log_text
+    assert "cannot resume" in log_text and "lmlaunch export" in log_text
     assert signal.getsignal(signal.SIGTERM) is before  # handlers given back
+
+
+def test_a_zero_checkpoint_whose_universal_conversion_fails_ends_the_attempt_with_the_reason(repo, runs_root, monkeypatch):
+    """A ZeRO-2 checkpoint of 2 ranks resumed on 1: rank 0 converts it before the rendezvous; this
+    one has no DeepSpeed files, so the conversion fails and the attempt ends, not requeued, with
+    DeepSpeed's error in the ledger."""
+    from launcher.commands.run import prepare_local_run
+    from lmtrain.entry import run_task
+
+    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), ["model.config.n_layer=1", "trainer.strategy=deepspeed",
+                             "trainer.zero_stage=2"], devices=1, max_steps=10, name="gate-zero", environ=dict(os.environ),
+                             say=lambda *_: None)
+    for k, v in {"LMTRAIN_LAUNCHER": "local", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29556", "LMTRAIN_JOB_ID": f"local-test-{time.time()}",
+                 "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(k, v)
+    _fake_zero_checkpoint(plan)
+    assert run_task(plan.paths.run_dir) == 2
+    end = _ledger(plan)[-1]
+    assert (end["reason"], end["requeued"]) == ("crashed", False)
+    assert "ZeRO-2 on 2 ranks and this attempt has 1" in end["detail"]
+    assert "converting it to DeepSpeed's universal checkpoint failed (FileNotFoundError" in end["detail"]
 
 
 def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch):
