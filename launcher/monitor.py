@@ -19,6 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import hostlist
+
 HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
 UNREACHABLE = "unknown (SLURM unreachable)"
 CACHE_FILE = "cache/final-jobs.json"  # under $LMLAUNCH_HOME: sacct rows of jobs that can no longer change
@@ -238,15 +240,10 @@ def _count_nodes(nodelist: str) -> int:
     """'n[1-3,7],gpu5' -> 5 (SLURM hostlist notation)."""
     if not nodelist or nodelist in ("None assigned", "(null)"):
         return 0
-    total = 0
-    for m in re.finditer(r"[^,\[]+(?:\[([^\]]*)\])?", nodelist):
-        if m.group(1) is None:
-            total += 1
-            continue
-        for part in m.group(1).split(","):
-            lo, _, hi = part.partition("-")
-            total += (int(hi) - int(lo) + 1) if hi.isdigit() and lo.isdigit() else 1
-    return total
+    try:
+        return len(hostlist.expand_hostlist(nodelist))
+    except hostlist.BadHostlist:
+        return nodelist.count(",") + 1  # not SLURM's notation after all: one name per item
 
 
 def _sacct_elapsed(text: str) -> str:

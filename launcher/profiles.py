@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from launcher.errors import SpecError, did_you_mean
-from launcher.spec import parse_slurm_time
+from launcher.spec import StrictModel, parse_slurm_time
 from launcher.text_rules import (
     ENV_NAME,
     GRES_NAME,
@@ -33,12 +33,6 @@ from launcher.validation import format_validation_error
 from launcher.yamlio import load_yaml_file
 
 REPO_PROFILES = Path(__file__).resolve().parent.parent / "cluster_profiles"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True, allow_inf_nan=False
-    )
 
 
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
@@ -108,7 +102,7 @@ def check_slurm_path(path: str, what: str) -> None:
         )
 
 
-class Partition(_Strict):
+class Partition(StrictModel):
     """A SLURM partition of the cluster."""
 
     max_time: str
@@ -129,7 +123,7 @@ class Partition(_Strict):
         return parse_slurm_time(self.max_time)
 
 
-class EnvVar(_Strict):
+class EnvVar(StrictModel):
     """A fabric variable with its reason."""
 
     value: EnvValue
@@ -152,7 +146,7 @@ class EnvVar(_Strict):
         return v.strip()
 
 
-class Container(_Strict):
+class Container(StrictModel):
     """A container the tasks run in (pyxis/enroot)."""
 
     image: OneLine
@@ -161,7 +155,7 @@ class Container(_Strict):
     """Bind mounts src:dst."""
 
 
-class Profile(_Strict):
+class Profile(StrictModel):
     """A cluster: partitions, hardware per node, filesystem, setup and fabric environment."""
 
     name: str

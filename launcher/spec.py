@@ -82,8 +82,12 @@ def mem_to_mb(value: str) -> int:
     return {"K": number // 1024, "M": number, "G": number * 1024, "T": number * 1024 * 1024}[unit]
 
 
-class _Strict(BaseModel):
-    # strict: `nodes: yes` or `nodes: "4"` is an error, not 1 or 4 (YAML already types scalars).
+class StrictModel(BaseModel):
+    """The base of every schema a user writes (job spec, cluster profile).
+
+    strict: `nodes: yes` or `nodes: "4"` is an error, not 1 or 4 (YAML already types scalars);
+    unknown keys are errors; every field's docstring is its documentation."""
+
     # allow_inf_nan=False: `.inf`, `.nan` or `1e400` (read as inf) is an error, never a value.
     model_config = ConfigDict(
         extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True, allow_inf_nan=False
@@ -114,7 +118,7 @@ def reserved_env_reason(name: str) -> str | None:
     return None
 
 
-class Resources(_Strict):
+class Resources(StrictModel):
     """What to ask SLURM for; unset values come from the cluster profile."""
 
     nodes: int = Field(1, ge=1, le=4096)
@@ -158,7 +162,7 @@ class Resources(_Strict):
 _COMMON_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "opt")
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     """The causal language model: a transformers type built from scratch, or a local directory."""
 
     type: str | None = None
@@ -196,7 +200,7 @@ class ModelSpec(_Strict):
         return self
 
 
-class DataSpec(_Strict):
+class DataSpec(StrictModel):
     """Tokenized training data and how it is batched."""
 
     path: PathText
@@ -211,7 +215,7 @@ class DataSpec(_Strict):
     """Fraction of samples held out for validation."""
 
 
-class TrainerSpec(_Strict):
+class TrainerSpec(StrictModel):
     """Lightning Trainer settings; gradient accumulation is derived from global_batch_size."""
 
     strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
@@ -259,7 +263,7 @@ class TrainerSpec(_Strict):
         return self
 
 
-class OptimSpec(_Strict):
+class OptimSpec(StrictModel):
     """AdamW and the learning-rate schedule."""
 
     lr: float = Field(3e-4, gt=0, lt=1)
@@ -301,7 +305,7 @@ class OptimSpec(_Strict):
         return self
 
 
-class CheckpointSpec(_Strict):
+class CheckpointSpec(StrictModel):
     """Where and how often complete checkpoints are written."""
 
     dir: PathText | None = None
@@ -312,7 +316,7 @@ class CheckpointSpec(_Strict):
     """Complete checkpoints to keep."""
 
 
-class PreemptionSpec(_Strict):
+class PreemptionSpec(StrictModel):
     """The time-limit warning signal and how often the job may requeue itself."""
 
     signal: Literal["USR1", "USR2", "URG", "XCPU", "HUP"] = "USR2"
@@ -329,7 +333,7 @@ class PreemptionSpec(_Strict):
     """Stop when the global step did not advance over this many attempts."""
 
 
-class WatchdogSpec(_Strict):
+class WatchdogSpec(StrictModel):
     """Hang detection: a timeout on every collective, and a watchdog on each rank's progress."""
 
     collective_timeout_s: int = Field(1800, ge=10, le=86400)
@@ -355,7 +359,7 @@ def _check_env_name(name: str, where: str) -> None:
         raise ValueError(f"{where}: {name} may not be set by a job: {reason}")
 
 
-class EnvSpec(_Strict):
+class EnvSpec(StrictModel):
     """Environment of every task: plain variables, and secrets passed by name only."""
 
     vars: dict[str, EnvValue] = Field(default_factory=dict, max_length=1000)
@@ -405,7 +409,7 @@ class EnvSpec(_Strict):
         return self
 
 
-class WandbSpec(_Strict):
+class WandbSpec(StrictModel):
     """Weights & Biases logging."""
 
     project: OneLine
@@ -416,7 +420,7 @@ class WandbSpec(_Strict):
     """offline writes locally and syncs later."""
 
 
-class LoggingSpec(_Strict):
+class LoggingSpec(StrictModel):
     """Metric loggers."""
 
     tensorboard: bool = True
@@ -429,7 +433,7 @@ class LoggingSpec(_Strict):
     """Write the JSON-lines heartbeat the monitor reads every N steps."""
 
 
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     """A training job: what to train, on what data, with which resources and cluster."""
 
     name: RunName

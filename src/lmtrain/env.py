@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
+
+from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,51 +89,6 @@ def read_env(environ: dict[str, str] | None = None) -> TaskEnv:
         restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
         nodes=tuple(expand_hostlist(nodelist)) if nodelist else (socket.gethostname(),),
     )
-
-
-_BRACKET = re.compile(r"^(?P<pre>[^\[]*)\[(?P<ranges>[^\]]+)\](?P<post>.*)$")
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """SLURM hostlist -> host names: ``n[1-3,7],gpu-[01-02]-ib`` -> n1 n2 n3 n7 gpu-01-ib gpu-02-ib."""
-    hosts: list[str] = []
-    for item in _split_top_level(text):
-        hosts.extend(_expand_one(item))
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    items, depth, cur = [], 0, []
-    for ch in text.strip():
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            items.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if cur:
-        items.append("".join(cur))
-    return [i for i in items if i]
-
-
-def _expand_one(item: str) -> list[str]:
-    m = _BRACKET.match(item)
-    if not m:
-        return [item]
-    out = []
-    for part in m.group("ranges").split(","):
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            width = len(lo)
-            numbers = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
-        else:
-            numbers = [part]
-        for n in numbers:
-            out.extend(_expand_one(f"{m.group('pre')}{n}{m.group('post')}"))
-    return out
 
 
 def free_port() -> int:
