@@ -69,8 +69,18 @@ FORMAT_VERSION = 1
 UNIVERSAL_PREFIX = "universal-"
 
 
+def universal_dir(ckpt: CompleteCheckpoint) -> Path:
+    """Where lmtrain.elastic puts the universal form of a ZeRO checkpoint."""
+    return ckpt.path.parent / f"{UNIVERSAL_PREFIX}{ckpt.path.name}"
+
+
+def universal_error_path(ckpt: CompleteCheckpoint) -> Path:
+    """Why the conversion of ``ckpt`` failed (written by rank 0, read by every rank)."""
+    return ckpt.path.parent / f".{UNIVERSAL_PREFIX}{ckpt.path.name}.error"
+
+
 def universal_complete(ckpt: CompleteCheckpoint) -> bool:
-    return (ckpt.path.parent / f"{UNIVERSAL_PREFIX}{ckpt.path.name}" / COMPLETE_NAME).is_file()
+    return (universal_dir(ckpt) / COMPLETE_NAME).is_file()
 
 
 class CheckpointError(RuntimeError):
@@ -216,7 +226,7 @@ def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int
             f"(`lmlaunch export RUN --to hf DIR`) and start a new run with model.pretrained: DIR."
         )
     if strategy == "deepspeed" and old_world != world_size and not universal_complete(ckpt):
-        error = ckpt.path.parent / f".{UNIVERSAL_PREFIX}{ckpt.path.name}.error"
+        error = universal_error_path(ckpt)
         why = error.read_text().strip() if error.is_file() else "no conversion was attempted"
         raise CheckpointError(
             f"{ckpt.path} was written by DeepSpeed ZeRO-{meta.get('zero_stage')} on {old_world} ranks and this "

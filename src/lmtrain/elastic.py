@@ -27,8 +27,14 @@ import sys
 import time
 from pathlib import Path
 
-from lmtrain.checkpoint import UNIVERSAL_PREFIX as PREFIX
-from lmtrain.checkpoint import CompleteCheckpoint, fsync_dir, universal_complete, write_text_atomic
+from lmtrain.checkpoint import (  # noqa: F401  (universal_dir: re-exported for the entry)
+    CompleteCheckpoint,
+    fsync_dir,
+    universal_complete,
+    universal_dir,
+    universal_error_path,
+    write_text_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +47,12 @@ def needs_universal(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int)
     return meta.get("strategy") == "deepspeed" and strategy == "deepspeed" and int(meta["world_size"]) != world_size
 
 
-def universal_dir(ckpt: CompleteCheckpoint) -> Path:
-    return ckpt.path.parent / f"{PREFIX}{ckpt.path.name}"
-
-
-def is_converted(ckpt: CompleteCheckpoint) -> bool:
-    return universal_complete(ckpt)
-
-
 def ensure_universal(ckpt: CompleteCheckpoint) -> Path:
     """Rank 0: the universal form of ``ckpt`` (converted now unless it already is)."""
     out = universal_dir(ckpt)
-    if is_converted(ckpt):
+    if universal_complete(ckpt):
         return out
-    failure_path(ckpt).unlink(missing_ok=True)
+    universal_error_path(ckpt).unlink(missing_ok=True)
     source = ckpt.lightning_path
     tag = (source / "latest").read_text().strip()
     tmp = out.with_name(f".{out.name}.tmp")
@@ -85,10 +83,6 @@ def ensure_universal(ckpt: CompleteCheckpoint) -> Path:
     return out
 
 
-def failure_path(ckpt: CompleteCheckpoint) -> Path:
-    return ckpt.path.parent / f".{PREFIX}{ckpt.path.name}.error"
-
-
 def record_failure(ckpt: CompleteCheckpoint, text: str) -> None:
     """Why the conversion failed, for the message every rank gives (check_compatible)."""
-    write_text_atomic(failure_path(ckpt), text[-2000:])
+    write_text_atomic(universal_error_path(ckpt), text[-2000:])
