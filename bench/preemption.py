@@ -38,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher import slurm
+from launcher.core import slurm
+from launcher import rehearsal
 from launcher.cli import main as lmlaunch
 from launcher.context import Context
 
@@ -55,7 +56,7 @@ def cli(environ: dict[str, str], *args: str) -> str:
 
 
 def jsonl(path: Path) -> list[dict]:
-    from launcher.monitor import read_jsonl  # skips a line being written
+    from launcher.core.rundir import read_jsonl  # skips a line being written
 
     return read_jsonl(path)
 
@@ -79,7 +80,7 @@ def poll(what: str, fn, timeout: float = 240.0, job_id: str | None = None):
         if job_id is not None:
             info = slurm.show_job(job_id) or {}
             if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-                slurm.start_now(job_id)
+                rehearsal.start_now(job_id)
         time.sleep(0.1)
 
 
@@ -141,7 +142,7 @@ def run(max_steps: int, keep: bool) -> int:
         poll("the end of attempt 2", lambda: any(e["attempt"] == 2 for e in ledger(run_dir, "end")), job_id=job)
         records.append(stop_record(run_dir, 2, "preemption_" + ("user_signal" if "preempt_send_user_signal" in
                                    slurm.config().get("SlurmctldParameters", "") else "sigterm"), baseline, sent))
-        state = slurm.wait_for(job, {"completed", "failed", "cancelled", "timeout"}, timeout=300, poll=1.0,
+        state = rehearsal.wait_for(job, {"completed", "failed", "cancelled", "timeout"}, timeout=300, poll=1.0,
                                start_requeued=True)
     finally:
         if slurm.is_active(slurm.job_state(job)):

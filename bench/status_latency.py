@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
 
-    from launcher import slurm
+    from launcher.core import slurm
     from monitor_synth import make_run
 
     acct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-7days"], capture_output=True,

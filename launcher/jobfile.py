@@ -13,11 +13,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from launcher.errors import SpecError
-from launcher.spec import JobSpec
-from launcher.text_rules import brief, check_override_text
-from launcher.validation import Origin, format_validation_error
-from launcher.yamlio import load_yaml_file, parse_scalar
+from launcher.core.errors import SpecError
+from launcher.core.spec import JobSpec
+from launcher.core.text_rules import brief, check_override_text
+from launcher.core.validation import Origin, format_validation_error
+from launcher.core.yamlio import load_yaml_file, parse_scalar
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 

@@ -1,297 +1,19 @@
-"""What `lmlaunch status`, `history`, `logs` and `report` know about runs (no rendering here).
-
-The only I/O is at the edges: :func:`query_slurm` makes ONE ``squeue`` call for the current job
-of every run and at most ONE ``sacct`` call (only for the jobs the controller has forgotten);
-run directories are read directly (the heartbeat by its last few KB only, the small attempts
-ledger whole). Everything else is pure functions from those readings to row models, so the
-renderers and tests work on synthetic run directories. Formats: docs/run-directory.md.
-"""
+"""What `lmlaunch status` and `history` show about runs, as row models (no rendering here:
+launcher/monitor_view.py draws them; no reading either: launcher/run_files.py reads the run
+directories, launcher/slurm_view.py asks SLURM). Pure functions from those readings to rows,
+so renderers and tests work on synthetic run directories."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-import hostlist
-
-HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
-UNREACHABLE = "unknown (SLURM unreachable)"
-CACHE_FILE = "cache/final-jobs.json"  # under $LMLAUNCH_HOME: sacct rows of jobs that can no longer change
-SLURM_TIMEOUT_S = 10.0  # status waits this long for a busy controller, then shows the run dirs alone
-
-# --------------------------------------------------------------------------- reading run directories
-
-
-def parse_jsonl(text: str) -> list[dict[str, Any]]:
-    """JSON lines; a line that does not parse (a write in progress, a cut tail) is skipped."""
-    out = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
-
-
-def read_tail(path: Path, max_bytes: int = HEARTBEAT_TAIL_BYTES) -> list[dict[str, Any]]:
-    """The last whole JSON lines of ``path`` within its last ``max_bytes`` (never the whole file)."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - max_bytes)
-            f.seek(start)
-            data = f.read()
-    except OSError:
-        return []
-    if start > 0:
-        nl = data.find(b"\n")
-        data = data[nl + 1 :] if nl >= 0 else b""  # the first line is cut: drop it
-    return parse_jsonl(data.decode("utf-8", errors="replace"))
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        return parse_jsonl(path.read_text(errors="replace"))
-    except OSError:
-        return []
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    step: int
-    path: str
-    mtime: float
-
-
-def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The newest complete checkpoint (``checkpoints/latest`` names it; its COMPLETE marker dates it)."""
-    ckdir = run_dir / "checkpoints"
-    try:
-        name = (ckdir / "latest").read_text().strip()
-    except OSError:
-        return None
-    m = re.search(r"step-(\d+)", name)
-    if not m:
-        return None
-    path = ckdir / Path(name).name
-    try:
-        mtime = (path / "COMPLETE").stat().st_mtime
-    except OSError:
-        try:
-            mtime = (ckdir / "latest").stat().st_mtime
-        except OSError:
-            return None
-    return Checkpoint(int(m.group(1)), str(path), mtime)
-
-
-@dataclass
-class RunFiles:
-    """What one run directory says, read cheaply."""
-
-    heartbeat: list[dict[str, Any]] = field(default_factory=list)  # the tail only
-    ledger: list[dict[str, Any]] = field(default_factory=list)
-    checkpoint: Checkpoint | None = None
-    done: bool = False
-    cancelled: bool = False
-    plan_time: str | None = None  # the planned time limit, for jobs SLURM has forgotten
-    exists: bool = True
-
-
-def read_run_files(run_dir: Path, *, with_plan_time: bool = False) -> RunFiles:
-    if not run_dir.is_dir():
-        return RunFiles(exists=False)
-    rf = RunFiles(
-        heartbeat=read_tail(run_dir / "metrics" / "heartbeat.jsonl"),
-        ledger=read_jsonl(run_dir / "attempts.jsonl"),
-        checkpoint=latest_checkpoint(run_dir),
-        done=(run_dir / "DONE").exists(),
-        cancelled=(run_dir / "CANCELLED").exists(),
-    )
-    if with_plan_time:
-        rf.plan_time = read_plan_time(run_dir)
-    return rf
-
-
-def read_plan_time(run_dir: Path) -> str | None:
-    try:
-        return str(json.loads((run_dir / "plan.json").read_text())["slurm"]["time"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-# --------------------------------------------------------------------------- SLURM (one call each)
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """One job as status shows it, whichever of squeue/sacct knew it."""
-
-    job_id: str
-    state: str  # SLURM's word: PENDING, RUNNING, COMPLETED, PREEMPTED, CANCELLED ...
-    reason: str
-    attempts: int  # SLURM attempts of this job id so far (requeues + 1)
-    time_limit: str = ""
-    num_nodes: int = 0
-    elapsed: str = ""
-    nodelist: str = ""
-    source: str = "squeue"
-
-
-@dataclass
-class SlurmView:
-    jobs: dict[str, SlurmJob]
-    reachable: bool = True
-    message: str = ""
-    calls: list[str] = field(default_factory=list)  # which SLURM commands ran (pinned by tests)
-
-
-def _cache_path(environ: Mapping[str, str] | None) -> Path:
-    from launcher.runs import lmlaunch_home
-
-    return lmlaunch_home(environ) / CACHE_FILE
-
-
-def _load_cache(environ: Mapping[str, str] | None) -> dict[str, dict[str, Any]]:
-    try:
-        data = json.loads(_cache_path(environ).read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_cache(cache: dict[str, dict[str, Any]], environ: Mapping[str, str] | None) -> None:
-    from launcher.atomic import write_private
-
-    path = _cache_path(environ)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_private(path, json.dumps(cache, sort_keys=True))
-    except OSError:
-        pass  # a cache that cannot be written only costs the next status one sacct call
-
-
-def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = None, cache: bool = True) -> SlurmView:
-    """ONE squeue call for all ``job_ids``; ONE sacct call for those squeue no longer knows.
-
-    A job the controller has forgotten is finished for good, so its sacct answer is cached
-    (``$LMLAUNCH_HOME/cache/final-jobs.json``) and later calls skip sacct for it.
-    Never raises for an unreachable SLURM: the view says so instead.
-    """
-    from launcher import slurm
-    from launcher.errors import SlurmUnavailable, UserError
-
-    ids = sorted({str(j) for j in job_ids if j}, key=_job_sort_key)
-    view = SlurmView(jobs={})
-    if not ids:
-        return view
-    try:
-        view.calls.append("squeue")
-        for q in slurm.squeue_status(ids, timeout=SLURM_TIMEOUT_S):
-            view.jobs[q.job_id] = SlurmJob(q.job_id, q.state, q.reason, q.restarts + 1, q.time_limit,
-                                           q.num_nodes, q.elapsed, q.nodelist, "squeue")
-    except (SlurmUnavailable, UserError) as exc:
-        view.reachable = False
-        view.message = exc.message
-        return view
-    cached = _load_cache(environ) if cache else {}
-    missing = [j for j in ids if j not in view.jobs and j not in cached]
-    for j in ids:
-        if j not in view.jobs and j in cached:
-            view.jobs[j] = SlurmJob(**{**cached[j], "source": "cache"})
-    if missing:
-        try:
-            view.calls.append("sacct")
-            rows = slurm.sacct(missing, duplicates=True, timeout=SLURM_TIMEOUT_S)
-        except (SlurmUnavailable, UserError) as exc:
-            view.message = f"accounting: {exc.message}"
-            rows = []
-        by_job: dict[str, list[Any]] = {}
-        for r in rows:
-            by_job.setdefault(r.job_id, []).append(r)
-        for jid, attempts in by_job.items():
-            last = attempts[-1]
-            job = SlurmJob(jid, last.state.split()[0], "", len(attempts), "", _count_nodes(last.nodes),
-                           _sacct_elapsed(last.elapsed), last.nodes, "sacct")
-            view.jobs[jid] = job
-            if cache and not slurm.is_active(last.state):
-                cached[jid] = {k: v for k, v in asdict(job).items() if k != "source"}
-        if cache and by_job:
-            _save_cache(cached, environ)
-    return view
-
-
-def _job_sort_key(jid: str) -> tuple[int, str]:
-    head = jid.split("_")[0]
-    return (int(head) if head.isdigit() else 0, jid)
-
-
-def _count_nodes(nodelist: str) -> int:
-    """'n[1-3,7],gpu5' -> 5 (SLURM hostlist notation)."""
-    if not nodelist or nodelist in ("None assigned", "(null)"):
-        return 0
-    try:
-        return len(hostlist.expand_hostlist(nodelist))
-    except hostlist.BadHostlist:
-        return nodelist.count(",") + 1  # not SLURM's notation after all: one name per item
-
-
-def _sacct_elapsed(text: str) -> str:
-    """sacct's 00:00:33 -> squeue's 0:33 (one format in the table)."""
-    days, _, hms = text.rpartition("-")
-    parts = hms.split(":")
-    if not all(p.isdigit() for p in parts):
-        return text
-    secs = 0
-    for p in parts:
-        secs = secs * 60 + int(p)
-    secs += int(days) * 86400 if days.isdigit() else 0
-    return format_duration(secs, slurm_style=True)
-
-
-def parse_slurm_duration(text: str) -> float | None:
-    """'1-02:03:04', '2:00:00', '20:00', '0:33', 'UNLIMITED' -> seconds (None when not a duration)."""
-    if not text or not text[0].isdigit():
-        return None
-    days, _, hms = text.rpartition("-") if "-" in text else ("", "", text)
-    parts = hms.split(":")
-    if not all(p.isdigit() for p in parts) or len(parts) > 3:
-        return None
-    secs = 0
-    for p in parts:
-        secs = secs * 60 + int(p)
-    if len(parts) == 1:
-        secs *= 60  # a bare number in a time limit is minutes
-    return float(secs + (int(days) * 86400 if days.isdigit() else 0))
-
-
-def format_duration(secs: float | None, *, slurm_style: bool = False) -> str:
-    if secs is None:
-        return "-"
-    s = int(round(secs))
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    if slurm_style:
-        hms = f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-        return f"{d}-{h:02d}:{m:02d}:{s:02d}" if d else hms
-    if d:
-        return f"{d}d{h:02d}h"
-    if h:
-        return f"{h}h{m:02d}m"
-    if m:
-        return f"{m}m{s:02d}s"
-    return f"{s}s"
+from launcher import status_cache
+from launcher.core import slurm
+from launcher.run_files import RunFiles
+from launcher.slurm_view import UNREACHABLE, SlurmJob, SlurmView, format_duration, query_slurm
 
 
 # --------------------------------------------------------------------------- status rows (pure)
@@ -387,9 +109,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         elif files.cancelled or rec.state == "cancelled":
             note = "CANCELLED marker"
     elif job is not None:
-        from launcher.slurm import state_group
-
-        state, group = job.state, state_group(job.state)
+        state, group = job.state, slurm.state_group(job.state)
         if group == "queued" and job.reason and job.reason != "None":
             reason = job.reason
         if requeued and group == "queued":
@@ -447,7 +167,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
 def _normalize_limit(text: str | None) -> str | None:
     if not text:
         return None
-    secs = parse_slurm_duration(text)
+    secs = slurm.parse_duration(text)
     return format_duration(secs, slurm_style=True) if secs is not None else text
 
 
@@ -482,8 +202,6 @@ def gather_status(
     result: dict[str, SlurmView] = {}
     t = threading.Thread(target=lambda: result.setdefault("v", query_slurm(ids, environ=environ)))
     t.start()
-    from launcher import status_cache  # unchanged run directories are not read again
-
     files = status_cache.read_all([r.run_dir for r in records], environ)
     t.join()
     view = result["v"]
@@ -498,7 +216,7 @@ def gather_status(
 
 
 @dataclass
-class AttemptRow:
+class HistoryRow:
     """One attempt of a run, from the ledger (and sacct -D for its queue wait)."""
 
     attempt: int
@@ -523,7 +241,7 @@ class AttemptRow:
 @dataclass
 class History:
     name: str
-    attempts: list[AttemptRow]
+    attempts: list[HistoryRow]
     goodput: float | None  # sum(train_s) / sum(alloc_s)
     steps_lost_total: int
     queue_wait_total_s: float | None
@@ -540,14 +258,6 @@ class History:
             "notes": self.notes,
             "attempts": [a.to_dict() for a in self.attempts],
         }
-
-
-def parse_sacct_time(text: str) -> float | None:
-    """sacct's local ISO time (2026-11-23T09:15:35) -> epoch seconds; Unknown/None -> None."""
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except (TypeError, ValueError):
-        return None
 
 
 def build_history(
@@ -575,7 +285,7 @@ def build_history(
             spans.setdefault(int(b["attempt"]), []).append(float(b["time"]))
 
     per_job_index: dict[str, int] = {}
-    rows: list[AttemptRow] = []
+    rows: list[HistoryRow] = []
     for i, s in enumerate(starts):
         n = int(s.get("attempt") or i + 1)
         e = ends.get(n)
@@ -605,7 +315,7 @@ def build_history(
         train = None
         if spans.get(n) and len(spans[n]) >= 2:
             train = max(spans[n]) - min(spans[n])
-        rows.append(AttemptRow(
+        rows.append(HistoryRow(
             attempt=n, job_id=jid, nodes=list(s.get("nodes") or []), start_time=t0, end_time=t1,
             start_step=_int(s.get("start_step")), end_step=_int(e.get("end_step")) if e else None,
             reason=reason, detail=str(e.get("detail") or "") if e else "",
@@ -648,110 +358,3 @@ def _last_step_of(heartbeat: Sequence[Mapping[str, Any]], attempt: int) -> int |
 
 def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def sacct_attempt_times(job_ids: Sequence[str]) -> tuple[dict[str, list[tuple[float | None, float | None, float | None]]], str]:
-    """ONE `sacct -D` call: (submit, start, end) of every attempt of every job, in order.
-    Returns the map and a message ('' when accounting answered)."""
-    from launcher import slurm
-    from launcher.errors import SlurmUnavailable, UserError
-
-    try:
-        rows = slurm.sacct(list(job_ids), duplicates=True)
-    except (SlurmUnavailable, UserError) as exc:
-        return {}, exc.message
-    out: dict[str, list[tuple[float | None, float | None, float | None]]] = {}
-    for r in rows:
-        out.setdefault(r.job_id, []).append((parse_sacct_time(r.submit), parse_sacct_time(r.start), parse_sacct_time(r.end)))
-    return out, ""
-
-
-# --------------------------------------------------------------------------- logs (pure listing)
-
-
-@dataclass(frozen=True)
-class LogSource:
-    """One file to show: an attempt's rank log, or submitit's per-task file of a job."""
-
-    attempt: int | None
-    job_id: str | None
-    path: Path
-    label: str
-
-
-def attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    out = []
-    try:
-        for p in (run_dir / "logs").iterdir():
-            m = re.fullmatch(r"attempt-(\d+)", p.name)
-            if m and p.is_dir():
-                out.append((int(m.group(1)), p))
-    except OSError:
-        return []
-    return sorted(out)
-
-
-def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt: int | None = None) -> list[LogSource]:
-    """The files of ``rank`` for every attempt in order (or only ``attempt``); submitit's
-    ``%j_%t_log.out/.err`` of each job when an attempt has no log of its own."""
-    out = []
-    for n, d in attempt_dirs(run_dir):
-        if attempt is not None and n != attempt:
-            continue
-        p = d / f"rank-{rank}.log"
-        if p.exists():
-            out.append(LogSource(n, None, p, f"attempt {n}, rank {rank}"))
-    if out or (attempt is not None and attempt_dirs(run_dir)):
-        return out
-    sub = run_dir / "submitit"
-    for jid in job_ids:
-        for ext in ("out", "err"):
-            p = sub / f"{jid}_{rank}_log.{ext}"
-            if p.exists():
-                out.append(LogSource(None, jid, p, f"job {jid}, task {rank}, submitit {ext}"))
-    return out
-
-
-_ERROR_LINE = re.compile(
-    r"(Traceback \(most recent call last\)|\b[A-Z][A-Za-z]*(Error|Exception)\b|\bERROR\b|\bCRITICAL\b|\bFATAL\b|"
-    r"srun: error|slurmstepd: error|\bKilled\b|OOM|out of memory|DUE TO (TIME LIMIT|PREEMPTION)|CANCELLED AT)"
-)
-
-
-def error_lines(lines: Iterable[str]) -> list[str]:
-    """Tracebacks (whole) and error lines; everything else dropped."""
-    out: list[str] = []
-    in_tb = False
-    for line in lines:
-        if line.startswith("Traceback (most recent call last)"):
-            in_tb = True
-            out.append(line)
-            continue
-        if in_tb:
-            out.append(line)
-            if line and not line[0].isspace():
-                in_tb = False  # the exception line closes the traceback
-            continue
-        if _ERROR_LINE.search(line):
-            out.append(line)
-    return out
-
-
-def attempt_marker(n: int | None, ledger: Sequence[Mapping[str, Any]], label: str) -> str:
-    """The line between attempts: who ran it, from which step, and how the previous one ended."""
-    if n is None:
-        return f"──── {label} ────"
-    start = next((e for e in ledger if e.get("event") == "start" and e.get("attempt") == n), None)
-    end = next((e for e in ledger if e.get("event") == "end" and e.get("attempt") == n), None)
-    bits = [f"attempt {n}"]
-    if start:
-        bits.append(f"job {start.get('job_id')}")
-        if start.get("nodes"):
-            bits.append("on " + ",".join(start["nodes"]))
-        if start.get("start_step") is not None:
-            bits.append(f"from step {start['start_step']}")
-        if start.get("time"):
-            bits.append("started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(start["time"]))))
-    if end:
-        bits.append(f"ended {end.get('reason')} at step {end.get('end_step')}")
-    return f"──── {' · '.join(bits)} ────"

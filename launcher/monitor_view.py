@@ -17,7 +17,9 @@ if TYPE_CHECKING:  # rich is imported where it renders: plain `status` never loa
     from rich.table import Table
     from rich.text import Text
 
-from launcher.monitor import UNREACHABLE, History, SlurmView, StatusRow, format_duration
+from launcher.slurm_view import UNREACHABLE, SlurmView, format_duration
+
+from launcher.monitor import History, StatusRow
 
 GROUP_STYLE = {
     "queued": "yellow",

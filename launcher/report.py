@@ -42,7 +42,7 @@ class ReportData:
 
 def build_report(name: str, heartbeat: Sequence[Mapping[str, Any]], history: Any) -> ReportData:
     """Pure: heartbeat lines + monitor.History -> the series to plot and the summary lines."""
-    from launcher.monitor import format_duration
+    from launcher.slurm_view import format_duration
 
     r = ReportData(name)
     for b in heartbeat:

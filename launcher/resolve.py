@@ -1,6 +1,6 @@
 """From CLI arguments to a validated spec, profile and plan (the shared front of validate,
 submit and run). Reads files and the environment; the planning itself stays pure in
-launcher.plan."""
+launcher.core.plan."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from launcher.errors import SpecError
+from launcher.core.errors import SpecError
 from launcher.jobfile import load_job_with_origin
-from launcher.plan import LaunchPlan, make_plan
-from launcher.profiles import Profile, check_slurm_path, expand_path, load_profile
-from launcher.spec import JobSpec
-from launcher.validation import located
+from launcher.core.plan import LaunchPlan, make_plan
+from launcher.core.profiles import Profile, check_slurm_path, expand_path, load_profile
+from launcher.core.spec import JobSpec
+from launcher.core.validation import located
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.atomic import write_private
+from launcher.core.atomic import write_private
 
-from launcher.errors import UserError
-from launcher.text_rules import RUN_NAME, brief
+from launcher.core.errors import UserError
+from launcher.core.text_rules import RUN_NAME, brief
 
 if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml import on that path
-    from launcher.plan import LaunchPlan
+    from launcher.core.plan import LaunchPlan
 
 PRIVATE_DIR_MODE = 0o700
 # created at submit time; lmtrain creates the rest (checkpoints/, metrics/ ...) under the same 0700 root
@@ -180,7 +180,7 @@ def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
     for r in records:
         if ref in r.job_ids:
             return r
-    from launcher.errors import did_you_mean
+    from launcher.core.errors import did_you_mean
 
     names = [r.name for r in records]
     raise UserError(

@@ -26,29 +26,34 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launcher.atomic import write_private
-from launcher.monitor import Checkpoint, RunFiles, read_run_files
+from launcher.core.atomic import write_private
+from launcher.core.rundir import HEARTBEAT, LEDGER, checkpoint_dir_of
+from launcher.run_files import Checkpoint, RunFiles, read_run_files
+from launcher.runs import lmlaunch_home
 
 CACHE_FILE = "cache/run-files.json"
-VERSION = 1
+VERSION = 2
 RACY_S = 2.0
 # the files a status row is built from, relative to the run directory. "" is the directory
 # itself: DONE, CANCELLED and plan.json are only ever created, removed or replaced by rename,
 # each of which moves the directory's mtime, so they need no stat of their own.
-WATCHED = ("", "metrics/heartbeat.jsonl", "attempts.jsonl", "checkpoints/latest")
+WATCHED = ("", HEARTBEAT, LEDGER)  # and the checkpoint directory (the plan says where)
 ROW_KEYS = ("time", "event", "step", "max_steps", "attempt", "loss", "tokens_per_s", "mfu")  # heartbeat keys build_row reads
 
 
-def identity(run_dir: str) -> tuple[list[Any], int] | None:
-    """[(ino, size, mtime_ns) or None per watched file], newest mtime; None when unreadable."""
+def identity(run_dir: str, checkpoint_dir: str) -> tuple[list[Any], int] | None:
+    """[(ino, size, mtime_ns) or None per watched file], newest mtime; None when unreadable.
+    A checkpoint becomes the newest complete one by renames inside its directory (the
+    directory's mtime moves), and ``latest`` is replaced last."""
     ident: list[Any] = []
     newest = 0
-    for rel in WATCHED:
+    paths = [os.path.join(run_dir, rel) if rel else run_dir for rel in WATCHED] + [checkpoint_dir]
+    for i, path in enumerate(paths):
         try:
-            st = os.stat(os.path.join(run_dir, rel) if rel else run_dir)
+            st = os.stat(path)
         except FileNotFoundError:
-            if not rel:
-                return [None] * len(WATCHED), 0  # no run directory: nothing to read, nothing racy
+            if i == 0:
+                return [None] * len(paths), 0  # no run directory: nothing to read, nothing racy
             ident.append(None)
             continue
         except OSError:
@@ -110,8 +115,6 @@ def _from_json(d: Mapping[str, Any]) -> RunFiles:
 
 
 def _path(environ: Mapping[str, str] | None) -> Path:
-    from launcher.runs import lmlaunch_home
-
     return lmlaunch_home(environ) / CACHE_FILE
 
 
@@ -145,8 +148,11 @@ def read_all(run_dirs: Sequence[str], environ: Mapping[str, str] | None = None) 
     now_ns = time.time_ns()
     out: list[RunFiles] = []
     for run_dir in run_dirs:
-        got = identity(run_dir)
         entry = cached.get(run_dir)
+        # the plan names the checkpoint directory; a new plan moves the run directory's mtime
+        ckpt_dir = entry.get("ckpt_dir") if isinstance(entry, dict) else None
+        ckpt_dir = ckpt_dir if isinstance(ckpt_dir, str) else str(checkpoint_dir_of(run_dir))
+        got = identity(run_dir, ckpt_dir)
         if got is not None and isinstance(entry, dict) and entry.get("id") == got[0]:
             try:
                 out.append(_from_json(entry["files"]))
@@ -159,7 +165,7 @@ def read_all(run_dirs: Sequence[str], environ: Mapping[str, str] | None = None) 
             if cached.pop(run_dir, None) is not None:
                 changed = True
             continue
-        cached[run_dir] = {"id": got[0], "files": _to_json(files)}
+        cached[run_dir] = {"id": got[0], "ckpt_dir": ckpt_dir, "files": _to_json(files)}
         changed = True
     asked = set(run_dirs)
     for gone in [d for d in cached if d not in asked and not os.path.isdir(d)]:

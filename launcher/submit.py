@@ -10,7 +10,7 @@ import re
 import shlex
 from typing import Any
 
-from launcher.plan import LaunchPlan
+from launcher.core.plan import LaunchPlan
 # C0 controls and DEL: what breaks a line or a terminal in a single-quoted word.
 _NEEDS_ESCAPE = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -121,8 +121,8 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
     from submitit.core.utils import FailedJobError
     from submitit.slurm.slurm import SlurmExecutor
 
-    from launcher import slurm
-    from launcher.errors import SlurmUnavailable, UserError
+    from launcher.core import slurm
+    from launcher.core.errors import SlurmUnavailable, UserError
     from lmtrain.task import TrainTask
 
     sbatch_timeout = sbatch_timeout_s()
@@ -176,7 +176,7 @@ def sbatch_timeout_s() -> int:
     """Seconds `sbatch` may take before submit stops waiting and reconciles (env LMLAUNCH_SBATCH_TIMEOUT_S)."""
     import os
 
-    from launcher.errors import UserError
+    from launcher.core.errors import UserError
 
     text = os.environ.get(SBATCH_TIMEOUT_VAR, str(DEFAULT_SBATCH_TIMEOUT_S))
     if not text.isdigit() or int(text) < 1:
@@ -193,8 +193,8 @@ def _reconcile_timed_out_sbatch(plan: LaunchPlan, folder: Any, before: set[Any],
     import time
     from pathlib import Path
 
-    from launcher import slurm
-    from launcher.errors import SlurmUnavailable
+    from launcher.core import slurm
+    from launcher.core.errors import SlurmUnavailable
 
     deadline = time.monotonic() + RECONCILE_WAIT_S
     ids: list[str] = []
@@ -240,7 +240,7 @@ def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
     from pathlib import Path
 
     from launcher import runs
-    from launcher.errors import UserError
+    from launcher.core.errors import UserError
 
     mine = os.path.realpath(plan.paths.checkpoint_dir)
     if mine.startswith(os.path.realpath(plan.paths.run_dir) + os.sep):
@@ -268,8 +268,8 @@ def continuation_note(plan: LaunchPlan, run_dir: Any) -> str | None:
     import json
     from pathlib import Path
 
-    from launcher.errors import UserError
-    from launcher.lr_schedule import extension_note
+    from launcher.core.errors import UserError
+    from launcher.core.lr_schedule import extension_note
 
     done = Path(run_dir) / "DONE"
     if not done.exists():
@@ -295,8 +295,8 @@ def resume_note(plan: LaunchPlan) -> str | None:
     """What resuming the newest complete checkpoint at this plan's topology means, or None when
     there is none. A checkpoint of another strategy cannot be resumed: an error, before anything
     is submitted (each strategy has its own checkpoint format)."""
-    from launcher.checkpoint_index import newest_complete
-    from launcher.errors import UserError
+    from launcher.core.checkpoint_index import newest_complete
+    from launcher.core.errors import UserError
 
     ckpt = newest_complete(plan.paths.checkpoint_dir)
     if ckpt is None:
@@ -348,8 +348,10 @@ def submit_plan(
     import time
     from pathlib import Path
 
-    from launcher import runs, slurm
-    from launcher.errors import SlurmUnavailable, UserError
+    from launcher.core import slurm
+
+    from launcher import runs
+    from launcher.core.errors import SlurmUnavailable, UserError
 
     plan: LaunchPlan = resolved.plan
     env = ctx.environ or None

@@ -25,7 +25,8 @@ exec "$VENV/bin/python" - "$NAME" <<'PY'
 import json, sys, time
 from pathlib import Path
 
-from launcher import runs, slurm
+from launcher import rehearsal, runs
+from launcher.core import slurm
 
 name = sys.argv[1]
 rec = runs.find_run(name)
@@ -64,7 +65,7 @@ while True:
         final = state
         break
     if state == "PENDING" and (slurm.show_job(job) or {}).get("Reason") == "BeginTime":
-        slurm.start_now(job)  # a requeued attempt: do not wait the 2 min BeginTime
+        rehearsal.start_now(job)  # a requeued attempt: do not wait the 2 min BeginTime
     time.sleep(3)
 
 print()

@@ -1,0 +1,29 @@
+"""One module per `lmlaunch` subcommand, each with `add_arguments(parser)` and `run(args, ctx)`.
+
+The table below is the one list of subcommands: the CLI builds its parser from it and shell
+completion lists it. Modules are imported lazily by the CLI (only the chosen one).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# subcommand -> (module under launcher.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("validate", "check a job spec (and its plan) without submitting"),
+    "submit": ("submit", "submit a job spec to SLURM (or print the plan with --dry-run)"),
+    "run": ("run", "run a job spec locally on CPU (the same entry a SLURM task runs)"),
+    "profiles": ("profiles", "list cluster profiles"),
+    "schema": ("schema", "write the JSON Schema of the job spec (for editors)"),
+    "data": ("data", "prepare tokenized training data"),
+    "cluster": ("cluster", "start, stop or inspect the local single-machine SLURM cluster"),
+    "status": ("status", "show runs: state, step, loss, throughput"),
+    "logs": ("logs", "show or follow a run's logs"),
+    "cancel": ("cancel", "cancel a run (never requeued)"),
+    "history": ("history", "a run's attempts: why each ended, goodput"),
+    "report": ("report", "plot a run's loss and throughput to a PNG"),
+    "export": ("export", "a checkpoint of any strategy as a transformers model directory"),
+    "preempt": ("preempt", "rehearse preemption of a running job"),
+    "completion": ("completion", "print a shell completion script (bash, zsh)"),
+    "_runs": ("runs_list", argparse.SUPPRESS),  # run names for shell completion (hidden)
+}

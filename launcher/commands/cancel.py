@@ -8,7 +8,8 @@ import os
 import time
 from pathlib import Path
 
-from launcher.atomic import write_private
+from launcher.core import rundir
+from launcher.core.atomic import write_private
 from launcher.context import Context
 
 
@@ -20,15 +21,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cancel_run(rec, environ=None) -> dict:
     """The order matters: the CANCELLED marker is on disk BEFORE scancel's SIGTERM reaches the
     tasks, so the runtime reads it as a user cancel and never requeues."""
-    from launcher import runs, slurm
-    from launcher.errors import SlurmUnavailable
+    from launcher.core import slurm
+    from launcher import runs
+    from launcher.core.errors import SlurmUnavailable
 
     run_dir = Path(rec.run_dir)
     now = time.time()
     user = os.environ.get("USER") or str(os.getuid())
     marker = {"time": now, "user": user, "job_ids": list(rec.job_ids)}
     if run_dir.is_dir():
-        write_private(run_dir / "CANCELLED", json.dumps(marker) + "\n")
+        write_private(run_dir / rundir.CANCELLED, json.dumps(marker) + "\n")
 
     active: list[str] = []
     message = ""
@@ -42,15 +44,15 @@ def cancel_run(rec, environ=None) -> dict:
     rec.state = "cancelled"
     runs.save_record(rec, environ)
     if run_dir.is_dir():
-        line = {"event": "cancel_requested", "time": now, "user": user, "job_ids": active or list(rec.job_ids[-1:])}
-        with open(run_dir / "attempts.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
-    return {"name": rec.name, "cancelled_jobs": active, "marker": str(run_dir / "CANCELLED"), "message": message}
+        rundir.Ledger(run_dir / rundir.LEDGER).write(rundir.LedgerNote(
+            event="cancel_requested", time=now, fields={"user": user, "job_ids": active or list(rec.job_ids[-1:])},
+        ))
+    return {"name": rec.name, "cancelled_jobs": active, "marker": str(run_dir / rundir.CANCELLED), "message": message}
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     from launcher import runs
-    from launcher.errors import ExitCode
+    from launcher.core.errors import ExitCode
 
     rec = runs.find_run(args.run, ctx.environ or None)
     result = cancel_run(rec, ctx.environ or None)

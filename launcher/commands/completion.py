@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from launcher.commands import COMMANDS
 from launcher.context import Context
 
 RUN_COMMANDS = ("status", "logs", "cancel", "history", "report")
@@ -67,8 +68,6 @@ _lmlaunch_complete() {{
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.cli import COMMANDS
-
     visible = [c for c in COMMANDS if not c.startswith("_")]
     ctx.out(script(args.shell, visible))
     return 0

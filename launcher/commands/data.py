@@ -12,7 +12,7 @@ import argparse
 import json
 
 from launcher.context import Context
-from launcher.errors import ExitCode, UserError
+from launcher.core.errors import ExitCode, UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

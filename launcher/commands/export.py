@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from launcher.context import Context
-from launcher.errors import UserError
+from launcher.core.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def _run_dir(ref: str, ctx: Context) -> Path:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.checkpoint_index import complete_checkpoints
+    from launcher.core.checkpoint_index import complete_checkpoints
 
     run_dir = _run_dir(args.run, ctx)
     plan = json.loads((run_dir / "plan.json").read_text())

@@ -17,11 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_history(rec):
     """The ledger, the whole heartbeat (for training time per attempt) and ONE `sacct -D` call."""
     from launcher import monitor
+    from launcher import slurm_view
+    from launcher.core import rundir
 
     run_dir = Path(rec.run_dir)
-    ledger = monitor.read_jsonl(run_dir / "attempts.jsonl")
-    heartbeat = monitor.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
-    times, message = monitor.sacct_attempt_times(rec.job_ids)
+    ledger = rundir.read_jsonl(run_dir / "attempts.jsonl")
+    heartbeat = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+    times, message = slurm_view.sacct_attempt_times(rec.job_ids)
     h = monitor.build_history(rec.name, ledger, heartbeat, times)
     if message:
         h.notes.append(f"queue wait unknown: {message}")

@@ -37,7 +37,8 @@ def print_logs(
     """Print every attempt's log in order with a marker line before each; with ``follow``, keep
     polling for new output and new attempts until ``finished()`` and nothing new arrived.
     Returns the number of files shown."""
-    from launcher import monitor
+    from launcher import run_files
+    from launcher.core import rundir
 
     offsets: dict[Path, int] = {}
     shown: list[Path] = []
@@ -51,19 +52,19 @@ def print_logs(
         if final and lines and lines[-1] == "":
             lines.pop()
         if errors:
-            lines = monitor.error_lines(lines)
+            lines = run_files.error_lines(lines)
         for line in lines:
             out.write(line + "\n")
         out.flush()
 
     def poll(final: bool) -> bool:
-        ledger = monitor.read_jsonl(run_dir / "attempts.jsonl")
+        ledger = rundir.read_jsonl(run_dir / "attempts.jsonl")
         grew = False
-        for src in monitor.log_sources(run_dir, job_ids, rank=rank, attempt=attempt):
+        for src in run_files.log_sources(run_dir, job_ids, rank=rank, attempt=attempt):
             if src.path not in offsets:
                 if pending:
                     emit("\n", True)
-                out.write(monitor.attempt_marker(src.attempt, ledger, src.label) + "\n")
+                out.write(run_files.attempt_marker(src.attempt, ledger, src.label) + "\n")
                 offsets[src.path] = 0
                 shown.append(src.path)
                 grew = True
@@ -101,8 +102,8 @@ def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> 
         if (run_dir / "DONE").exists() or (run_dir / "CANCELLED").exists():
             return True
         if time.monotonic() - last["t"] >= every_s and job_ids:
-            from launcher import slurm
-            from launcher.errors import UserError
+            from launcher.core import slurm
+            from launcher.core.errors import UserError
 
             last["t"] = time.monotonic()
             try:
@@ -116,19 +117,19 @@ def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> 
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import monitor, runs
-    from launcher.errors import UserError
+    from launcher import run_files, runs
+    from launcher.core.errors import UserError
 
     rec = runs.find_run(args.run, ctx.environ or None)
     run_dir = Path(rec.run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run '{rec.name}': its run directory {run_dir} does not exist", exit_code=1)
     if args.attempt is not None:
-        known = [n for n, _ in monitor.attempt_dirs(run_dir)]
+        known = [n for n, _ in run_files.attempt_dirs(run_dir)]
         if known and args.attempt not in known:
             raise UserError(f"--attempt {args.attempt}: run '{rec.name}' has attempts {', '.join(map(str, known))}")
     if args.json:
-        srcs = monitor.log_sources(run_dir, rec.job_ids, rank=args.rank, attempt=args.attempt)
+        srcs = run_files.log_sources(run_dir, rec.job_ids, rank=args.rank, attempt=args.attempt)
         ctx.out(json.dumps([
             {"attempt": s.attempt, "job_id": s.job_id, "label": s.label, "path": str(s.path),
              "bytes": s.path.stat().st_size} for s in srcs

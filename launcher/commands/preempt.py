@@ -1,7 +1,7 @@
 """lmlaunch preempt RUN [--mode signal|term|requeue|node-failure] [--start-now] [--json]
 
 Rehearse what a real cluster does to a running job, on a real SLURM (every SLURM call goes
-through launcher.slurm):
+through launcher.core.slurm):
 
 - ``signal``: the warning signal of the run's plan (``preemption.signal``, e.g. USR2) to every
   task of every step, as SLURM sends it before the time limit (``--signal`` without ``B:``);
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.context import Context
-from launcher.errors import ExitCode, UserError
+from launcher.core.errors import ExitCode, UserError
 
 MODES = ("signal", "term", "requeue", "node-failure")
 ENDED = {"completed", "cancelled", "failed", "timeout"}
@@ -65,7 +65,8 @@ class Victim:
 
 def running_job(rec) -> Victim:
     """The run's newest job, which must be RUNNING; a UserError saying why not otherwise."""
-    from launcher import slurm
+    from launcher.core import slurm
+    from launcher import rehearsal
 
     job_id = rec.last_job_id
     if job_id is None:
@@ -90,7 +91,7 @@ def running_job(rec) -> Victim:
         run_dir=rec.run_dir,
         profile=rec.profile,
         job_id=job_id,
-        nodes=slurm.hostnames(nodelist),
+        nodes=rehearsal.hostnames(nodelist),
         nodelist=nodelist,
         restarts=int(restarts) if restarts.isdigit() else 0,
         signal=_plan_signal(Path(rec.run_dir)),
@@ -106,7 +107,7 @@ def _plan_signal(run_dir: Path) -> str:
 
 def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict:
     """Poll until SLURM requeued the job (its restart count grew) or it ended otherwise."""
-    from launcher import slurm
+    from launcher.core import slurm
 
     deadline = time.monotonic() + timeout
     state = "UNKNOWN"
@@ -129,7 +130,7 @@ def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict
 
 def wait_off_nodes(job_id: str, *, timeout: float, poll: float = 0.25) -> bool:
     """Wait until the job's tasks are gone (it is no longer RUNNING or COMPLETING)."""
-    from launcher import slurm
+    from launcher.core import slurm
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -148,7 +149,8 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
     """Once the requeued job is PENDING again and its previous run is gone from ``nodes``, let
     it start now (not after BeginTime). Started earlier, SLURM kills it as "non-startable: Job
     credential revoked" and it ends FAILED."""
-    from launcher import slurm
+    from launcher.core import slurm
+    from launcher import rehearsal
 
     deadline = time.monotonic() + timeout
     pending_since = None
@@ -158,9 +160,9 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
         if state == "PENDING" and pending_since is None:
             pending_since = time.monotonic()
         if (state == "PENDING" and time.monotonic() - pending_since >= REQUEUE_SETTLE_S
-                and not slurm.nodes_completing(nodes)):
+                and not rehearsal.nodes_completing(nodes)):
             try:
-                slurm.start_now(job_id)
+                rehearsal.start_now(job_id)
             except UserError:
                 time.sleep(poll)  # the controller may still be finishing the requeue
                 continue
@@ -174,22 +176,23 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
 def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: str | None = None,
             timeout: float = 180.0, start_now: bool = False, environ=None) -> dict:
     """Do it; return what was done (times are seconds since the epoch / durations in s)."""
-    from launcher import slurm
+    from launcher.core import slurm
+    from launcher import rehearsal
 
     result: dict = {"run": victim.run, "job_id": victim.job_id, "mode": mode, "nodes": victim.nodes}
     t0 = time.time()
     result["signalled_at"] = t0
     if mode == "signal":
-        slurm.signal_steps(victim.job_id, victim.signal)
+        rehearsal.signal_steps(victim.job_id, victim.signal)
         result["signal"] = victim.signal
         return result
     if mode == "term":
-        slurm.signal_steps(victim.job_id, "TERM")
+        rehearsal.signal_steps(victim.job_id, "TERM")
         result["signal"] = "TERM"
         return result
     if mode == "requeue":
         high = partition or _high_partition(victim.profile, environ)
-        holder = slurm.submit_holder(
+        holder = rehearsal.submit_holder(
             name=f"preempt-{victim.run}"[:120], partition=high, nodelist=victim.nodelist,
             num_nodes=len(victim.nodes) or 1, seconds=int(timeout) + 60,
         )
@@ -203,7 +206,7 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
         if down is None or down not in victim.nodes:
             raise UserError(f"--node {down}: job {victim.job_id} runs on {', '.join(victim.nodes) or 'no node'}")
         result["node"] = down
-        slurm.set_node_state(down, "DOWN", reason=f"lmlaunch preempt --mode node-failure of job {victim.job_id}")
+        rehearsal.set_node_state(down, "DOWN", reason=f"lmlaunch preempt --mode node-failure of job {victim.job_id}")
         try:
             result.update(wait_requeued(victim, timeout=timeout))
             # a failed node stays down until the job's tasks are gone from it (as a real one would)
@@ -221,10 +224,11 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
 def resume_node(node: str) -> bool:
     """Set ``node`` back to service. SLURM refuses RESUME for a node that is not DOWN/DRAINED;
     with ReturnToService=2 a DOWN node whose slurmd answers may already be back by itself."""
-    from launcher import slurm
+    from launcher.core import slurm
+    from launcher import rehearsal
 
     try:
-        slurm.set_node_state(node, "RESUME")
+        rehearsal.set_node_state(node, "RESUME")
         return True
     except UserError:
         state = next((n.state for n in slurm.nodes() if n.name == node), "unknown")
@@ -234,7 +238,7 @@ def resume_node(node: str) -> bool:
 
 
 def _high_partition(profile_name: str, environ) -> str:
-    from launcher.profiles import load_profile
+    from launcher.core.profiles import load_profile
 
     profile = load_profile(profile_name, environ)
     if not profile.high_priority_partition:

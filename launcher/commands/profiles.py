@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.profiles import available_profiles, load_profile_file, profile_summary
+    from launcher.core.profiles import available_profiles, load_profile_file, profile_summary
 
     rows = [profile_summary(load_profile_file(path)) for path in available_profiles().values()]
     if args.json:

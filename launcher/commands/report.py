@@ -16,14 +16,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import monitor, runs
+    from launcher import runs
+    from launcher.core import rundir
     from launcher.commands.history import load_history
-    from launcher.errors import UserError
+    from launcher.core.errors import UserError
     from launcher.report import build_report, draw_png
 
     rec = runs.find_run(args.run, ctx.environ or None)
     run_dir = Path(rec.run_dir)
-    heartbeat = monitor.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+    heartbeat = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
     data = build_report(rec.name, heartbeat, load_history(rec))
     if not data.steps:
         raise UserError(f"run '{rec.name}' has no training steps in {run_dir / 'metrics' / 'heartbeat.jsonl'} yet; "

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def job_schema() -> dict[str, Any]:
-    from launcher.spec import JobSpec
+    from launcher.core.spec import JobSpec
 
     schema = JobSpec.model_json_schema()
     schema["$schema"] = DRAFT
@@ -32,7 +32,7 @@ def job_schema() -> dict[str, Any]:
 
 
 def profile_schema() -> dict[str, Any]:
-    from launcher.profiles import Profile
+    from launcher.core.profiles import Profile
 
     schema = Profile.model_json_schema()
     schema["$schema"] = DRAFT
@@ -102,7 +102,7 @@ def reference_markdown() -> str:
     out = [
         "# Job spec and cluster profile reference",
         "",
-        "Generated from the schemas in `launcher/spec.py` and `launcher/profiles.py` by",
+        "Generated from the schemas in `launcher/core/spec.py` and `launcher/core/profiles.py` by",
         "`lmlaunch schema --format markdown -o docs/spec-reference.md`; do not edit by hand",
         "(a test checks it is up to date). Unknown keys are errors. Editors can validate job",
         "specs with `lmlaunch schema -o job.schema.json`.",

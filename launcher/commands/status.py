@@ -35,7 +35,7 @@ def _collect(args: argparse.Namespace, ctx: Context):
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.interval <= 0:
-        from launcher.errors import UserError
+        from launcher.core.errors import UserError
 
         raise UserError(f"--interval must be a positive number of seconds, got {args.interval}")
     rows, view, hidden, now = _collect(args, ctx)

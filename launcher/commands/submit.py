@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from launcher.context import Context
-from launcher.text_rules import brief, escape_controls
+from launcher.core.text_rules import brief, escape_controls
 
 if TYPE_CHECKING:
-    from launcher.plan import LaunchPlan
+    from launcher.core.plan import LaunchPlan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

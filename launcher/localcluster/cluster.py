@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher import slurm
-from launcher.errors import SlurmUnavailable, UserError
+from launcher.core import slurm
+from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.localcluster.config import (
     CLUSTER_NAME,
     NODES,

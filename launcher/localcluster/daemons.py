@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from launcher.errors import UserError
+from launcher.core.errors import UserError
 
 
 class ClusterError(UserError):

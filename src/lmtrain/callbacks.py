@@ -7,7 +7,6 @@ one ``write`` and flushed, so a reader that skips an unparsable last line never 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -20,21 +19,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from launcher.core.rundir import append_jsonl
 from lmtrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
-
-
-def append_jsonl(path: str | Path, obj: dict[str, Any]) -> None:
-    """Append one JSON line in a single write (O_APPEND), flushed."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    data = (json.dumps(obj, sort_keys=False) + "\n").encode()
-    fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -73,7 +61,7 @@ class StopRequest:
     """A request to stop at the next optimizer-step boundary, checkpoint, and exit.
 
     A signal handler (lmtrain.preemption) only calls :meth:`request`: it sets fields, no I/O.
-    ``armed`` turns on the per-step cross-rank agreement in :class:`StopAtStepBoundary`
+    ``armed`` turns on the per-step cross-rank agreement in :class:`lmtrain.preemption.StopAgreement`
     (one small all-reduce per ``check_every_n_steps``); without a handler it stays off and
     costs nothing.
     """
@@ -151,39 +139,6 @@ class CheckpointCallback(pl.Callback):
         self.heartbeat.emit("checkpoint", step=step, path=str(path), seconds=round(seconds, 3))
         log.info("checkpoint step-%d complete in %.2fs: %s", step, seconds, path)
         return str(path)
-
-
-class StopAtStepBoundary(pl.Callback):
-    """The hook point for preemption: when a stop was requested on any rank, all ranks agree at
-    an optimizer-step boundary, checkpoint together and stop the Trainer.
-
-    Must come after :class:`CheckpointCallback` in the callback list (it uses its ``save``).
-    """
-
-    def __init__(self, stop: StopRequest, checkpoints: CheckpointCallback) -> None:
-        self.stop = stop
-        self.checkpoints = checkpoints
-        self._seen_step: int | None = None
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._seen_step = trainer.global_step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if not self.stop.armed or step == self._seen_step:
-            return
-        self._seen_step = step
-        if step % self.stop.check_every_n_steps:
-            return
-        # One collective: True on every rank when any rank was asked to stop.
-        if not trainer.strategy.reduce_boolean_decision(self.stop.requested, all=False):
-            return
-        if not self.stop.requested:
-            self.stop.request("peer", "another rank was asked to stop")
-        path = self.checkpoints.save(trainer, step)
-        self.stop.agreed_step = step
-        self.stop.checkpoint_path = path or str(self.checkpoints.manager.dir / f"step-{step}")
-        trainer.should_stop = True
 
 
 class RealignAccumulation(pl.Callback):
@@ -346,8 +301,6 @@ __all__ = [
     "ResumableCSVLogger",
     "RngNeutralValidation",
     "RunInfo",
-    "StopAtStepBoundary",
     "StopRequest",
-    "append_jsonl",
     "make_loggers",
 ]

@@ -53,7 +53,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-from launcher.checkpoint_index import (  # noqa: F401  (re-exported: the runtime's readers)
+from launcher.core.checkpoint_index import (  # noqa: F401  (re-exported: the runtime's readers)
     COMPLETE_NAME,
     LATEST_NAME,
     LIGHTNING_NAME,
@@ -207,7 +207,7 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# --- reading checkpoints: launcher.checkpoint_index (torch-free, shared with the launcher) ---
+# --- reading checkpoints: launcher.core.checkpoint_index (torch-free, shared with the launcher) ---
 
 
 def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int) -> None:

@@ -382,7 +382,7 @@ def make_dataloaders(
     """Train loader (infinite, resumable), validation loader (None when val_fraction is 0
     or there are no validation windows) and the train sampler, for one rank.
 
-    ``data_spec`` is a ``launcher.spec.DataSpec`` (or anything with ``path``, ``seq_len``,
+    ``data_spec`` is a ``launcher.core.spec.DataSpec`` (or anything with ``path``, ``seq_len``,
     ``micro_batch_size``, ``num_workers`` and ``val_fraction``). ``pin_memory`` defaults to
     whether CUDA is available; workers persist across iterations when there are any.
     """

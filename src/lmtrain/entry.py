@@ -64,7 +64,7 @@ class Hooks:
 
 @dataclass
 class RunContext:
-    plan: Any  # launcher.plan.LaunchPlan
+    plan: Any  # launcher.core.plan.LaunchPlan
     env: Any  # lmtrain.env.TaskEnv
     attempt: int
     run_dir: Path
@@ -80,13 +80,15 @@ def run_slurm_task(run_dir: str) -> int:
 
 
 def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
-    from launcher.plan import LaunchPlan
+    from launcher.core.plan import LaunchPlan
+    from launcher.core.rundir import Ledger
     from lmtrain import preemption
     from lmtrain.env import read_env, rendezvous
+    from lmtrain.signals import own_signals
 
     run_dir = Path(run_dir)
     plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
-    signals = preemption.own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
+    signals = own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
     try:
         env = read_env()
         if env.world_size != plan.topology.world_size:
@@ -95,7 +97,7 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
                 f"nodes({plan.topology.nodes}) x tasks_per_node({plan.topology.tasks_per_node}) = "
                 f"{plan.topology.world_size}; the job must be started with the plan's topology"
             )
-        attempt = _next_attempt(Path(plan.paths.ledger)) if env.rank == 0 else None
+        attempt = Ledger(plan.paths.ledger).next_attempt() if env.rank == 0 else None
         # Rank 0 decides whether this attempt trains at all (DONE / CANCELLED / loop guards) and
         # publishes the answer before the rendezvous, so every rank reads the same one after it.
         gate = preemption.decide_start(plan, env, run_dir) if env.rank == 0 else None
@@ -147,19 +149,6 @@ def _convert_for_world_size(plan, env, name: str) -> None:
 
 
 _LIST_LOCALLY = "<list locally>"
-
-
-def _next_attempt(ledger: Path) -> int:
-    """1 + the number of attempts already in the ledger."""
-    n = 0
-    if ledger.exists():
-        for line in ledger.read_text().splitlines():
-            try:
-                if json.loads(line).get("event") == "start":
-                    n += 1
-            except json.JSONDecodeError:
-                continue  # a line being written when an earlier attempt died
-    return n + 1
 
 
 class _Tee:
@@ -214,13 +203,15 @@ def _rank_log(path: Path, rank: int):
 
 
 def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | None = _LIST_LOCALLY) -> int:
-    from lmtrain.callbacks import Heartbeat, RunInfo, StopRequest, append_jsonl
+    from launcher.core.rundir import AttemptEnd, AttemptStart, Ledger
+    from lmtrain.callbacks import Heartbeat, RunInfo, StopRequest
     from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, check_compatible, newest_complete
     from lmtrain.preemption import Preemption
 
     t, paths = plan.trainer, plan.paths
     max_steps = int(t["max_steps"])
     is_zero = env.rank == 0
+    ledger = Ledger(paths.ledger)
     info = RunInfo(
         run_dir=str(run_dir), attempt=attempt, job_id=env.job_id, restart_count=env.restart_count,
         world_size=env.world_size, rank=env.rank, nodes=list(env.nodes), max_steps=max_steps,
@@ -253,14 +244,12 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
             log.error("cannot resume: %s", exc)
             if is_zero:
                 now = time.time()
-                append_jsonl(paths.ledger, {
-                    "event": "start", "attempt": attempt, "job_id": env.job_id, "restart_count": env.restart_count,
-                    "time": now, "start_step": ckpt.step, "nodes": list(env.nodes), "world_size": env.world_size,
-                })
-                append_jsonl(paths.ledger, {
-                    "event": "end", "attempt": attempt, "job_id": env.job_id, "time": now, "end_step": ckpt.step,
-                    "reason": "crashed", "detail": f"cannot resume: {exc}"[:2000], "requeued": False,
-                })
+                ledger.write(AttemptStart(
+                    attempt=attempt, job_id=env.job_id, restart_count=env.restart_count, time=now,
+                    start_step=ckpt.step, nodes=list(env.nodes), world_size=env.world_size,
+                ))
+                ledger.write(AttemptEnd(attempt=attempt, job_id=env.job_id, time=now, end_step=ckpt.step,
+                                        reason="crashed", detail=f"cannot resume: {exc}"[:2000]))
             ctx.preemption.signals.restore()
             return 2
         start_step = ckpt.step
@@ -268,10 +257,10 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
     ctx.start_step = start_step
 
     if is_zero:
-        append_jsonl(paths.ledger, {
-            "event": "start", "attempt": attempt, "job_id": env.job_id, "restart_count": env.restart_count,
-            "time": time.time(), "start_step": start_step, "nodes": list(env.nodes), "world_size": env.world_size,
-        })
+        ledger.write(AttemptStart(
+            attempt=attempt, job_id=env.job_id, restart_count=env.restart_count, time=time.time(),
+            start_step=start_step, nodes=list(env.nodes), world_size=env.world_size,
+        ))
     heartbeat.emit("start", step=start_step, max_steps=max_steps,
                    resumed_from=str(ckpt.path) if ckpt is not None else None)
 
@@ -303,13 +292,10 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         if is_zero:
             if outcome.reason == "completed":
                 _write_marker(run_dir / "DONE", f"{outcome.end_step}\n")
-            from lmtrain.watchdog import write_end_once  # the hang watchdog may have written it
-
-            write_end_once(paths.ledger, {
-                "event": "end", "attempt": attempt, "job_id": env.job_id, "time": time.time(),
-                "end_step": outcome.end_step, "reason": outcome.reason, "detail": outcome.detail,
-                "requeued": outcome.requeued, **outcome.extra,
-            })
+            ledger.write_end_once(AttemptEnd(  # the hang watchdog may have written it
+                attempt=attempt, job_id=env.job_id, time=time.time(), end_step=outcome.end_step,
+                reason=outcome.reason, detail=outcome.detail, requeued=outcome.requeued, extra=outcome.extra,
+            ))
         heartbeat.emit("end", step=outcome.end_step, reason=outcome.reason, **outcome.extra)
         ctx.preemption.after_end(ctx, outcome)  # scontrol requeue comes LAST
     return outcome.exit_code
@@ -353,7 +339,6 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
         MetricsHeartbeat,
         RealignAccumulation,
         RngNeutralValidation,
-        StopAtStepBoundary,
         logger_identity,
         make_loggers,
     )
@@ -426,7 +411,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     )
     metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=int(spec["logging"]["heartbeat_every_n_steps"]))
     module.metrics_sink = metrics_cb.step_metrics
-    stop_cb = ctx.preemption.callback(ckpt_cb) if ctx.preemption is not None else StopAtStepBoundary(stop, ckpt_cb)
+    stop_cb = ctx.preemption.callback(ckpt_cb)
     callbacks = [ckpt_cb, stop_cb, RngNeutralValidation(), metrics_cb, *([realign] if realign else [])]
     if hooks.setup is not None:
         callbacks += list(hooks.setup(ctx) or [])

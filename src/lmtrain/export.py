@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from launcher.checkpoint_index import CompleteCheckpoint
+from launcher.core.checkpoint_index import CompleteCheckpoint
 from lmtrain.model import build_config
 from lmtrain.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from lmtrain.weights import model_state_dict

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from launcher.lr_schedule import OptimSettings, lr_at  # noqa: F401  (lr_at: re-exported for callers)
+from launcher.core.lr_schedule import OptimSettings, lr_at  # noqa: F401  (lr_at: re-exported for callers)
 from lmtrain.model import ModelShape, build_model, compile_model, model_shape, peak_flops_per_device, shard_fsdp2
 
 

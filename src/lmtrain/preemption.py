@@ -20,7 +20,7 @@ The path of a stop (issue 5, docs/run-directory.md for the ledger):
    where. All ranks then take part in the checkpoint (CheckpointManager.save: COMPLETE after
    every rank finished, ``latest`` last) and the Trainer stops.
 3. After the fit, rank 0 :func:`decide` s the ledger reason from the signals, the run's markers
-   (``CANCELLED``, ``DONE``), the job's SLURM state (``launcher.slurm``, from the main loop,
+   (``CANCELLED``, ``DONE``), the job's SLURM state (``launcher.core.slurm``, from the main loop,
    never from the handler) and the loop guards; the ledger ``end`` line is written; then
    :meth:`Preemption.after_end` calls ``scontrol requeue`` LAST when the job must requeue
    itself (a time limit; a stop whose job SLURM is not already requeueing).
@@ -35,579 +35,26 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import lightning.pytorch as pl
+
+from launcher.core import slurm
+from launcher.core.checkpoint_index import newest_complete
+from launcher.core.rundir import (
+    DONE, AttemptEnd, AttemptStart, Ledger, LedgerNote, append_jsonl, is_cancelled, read_done_step,
+)
+from lmtrain.job_facts import (
+    _nodes_failed, _previous_attempt_state, _seconds_left, _slurm_job_facts, _why_completing,
+)
+from lmtrain.policy import (
+    GATE_NAME, SLURM_QUERY_TIMEOUT_S, EndFacts, Policy, StartFacts, Gate, _signal_names, decide, start_gate,
+)
+from lmtrain.signals import SignalOwner, _adopt_early, guard_dataloader_workers, release_early_signals
 
 log = logging.getLogger(__name__)
-
-# SLURM states in which the controller already takes care of the job: do not requeue it again.
-_SLURM_REQUEUEING = ("PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING", "CONFIGURING")
-# The time-limit warning may arrive up to 60 s before warning_seconds; allow that much slack.
-WARNING_SLACK_S = 90.0
-SLURM_QUERY_TIMEOUT_S = 10.0
-GATE_NAME = "{key}.gate.json"
-# docs/run-directory.md: what the ledger's `reason` may say.
-LEDGER_REASONS = frozenset({"completed", "preempted", "timeout", "node_failure", "cancelled", "crashed",
-                            "no_progress", "limit_reached", "hang"})
-
-
-# --------------------------------------------------------------------------- signals
-@dataclass
-class SignalRecord:
-    """What the handlers saw in this process (written only by the handler, read by the loop)."""
-
-    term_at: float | None = None
-    warning_at: float | None = None
-    count: int = 0
-
-    @property
-    def first_at(self) -> float | None:
-        times = [t for t in (self.term_at, self.warning_at) if t is not None]
-        return min(times) if times else None
-
-
-class SignalOwner:
-    """lmtrain's handlers for the warning signal and SIGTERM: record, request a stop, nothing more.
-
-    ``install`` may be called again (after Lightning registered its handlers); ``restore`` puts
-    back what was there before the first ``install``.
-    """
-
-    def __init__(self, stop, warning_signal: str = "USR2") -> None:
-        self.stop = stop
-        self.warning_signum = signal_number(warning_signal)
-        self.warning_name = "SIG" + warning_signal.upper().removeprefix("SIG")
-        self.record = SignalRecord()
-        self.pid = os.getpid()
-        self._previous: dict[int, Any] | None = None
-
-    @property
-    def signums(self) -> tuple[int, ...]:
-        return (self.warning_signum, signal.SIGTERM)
-
-    def install(self) -> bool:
-        """(Re-)install the handlers. Only possible in the main thread of the owning process."""
-        if threading.current_thread() is not threading.main_thread() or os.getpid() != self.pid:
-            return False
-        first = self._previous is None
-        if first:
-            self._previous = {}
-        for signum in self.signums:
-            previous = signal.signal(signum, self._handle)
-            if first:
-                self._previous[signum] = previous
-        return True
-
-    def _handle(self, signum: int, frame) -> None:
-        # Runs between two bytecodes of the main thread: set fields only (no I/O, no locks,
-        # no collectives, nothing that can block).
-        if os.getpid() != self.pid:
-            return  # a forked DataLoader worker: the training process handles the signal
-        now = time.time()
-        rec = self.record
-        rec.count += 1
-        if signum == signal.SIGTERM:
-            if rec.term_at is None:
-                rec.term_at = now
-            self.stop.request("preempted", "SIGTERM")
-        else:
-            if rec.warning_at is None:
-                rec.warning_at = now
-            self.stop.request("timeout", self.warning_name)
-
-    @property
-    def installed(self) -> bool:
-        return self._previous is not None
-
-    def restore(self) -> None:
-        if self._previous is None or os.getpid() != self.pid:
-            return
-        if threading.current_thread() is threading.main_thread():
-            for signum, handler in self._previous.items():
-                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        self._previous = None
-
-
-_EARLY: SignalOwner | None = None
-
-
-def own_signals(plan) -> SignalOwner:
-    """Take the signals over as soon as the task starts, before the rendezvous and the imports of
-    the model: until then submitit's USR2 handler (checkpoint_and_try_requeue) would requeue the
-    job from inside the handler. What arrives now is kept and acted on at the first step
-    boundary (:class:`Preemption` adopts this owner)."""
-    global _EARLY
-    from lmtrain.callbacks import StopRequest
-
-    if _EARLY is None or _EARLY.pid != os.getpid() or not _EARLY.installed:
-        _EARLY = SignalOwner(StopRequest(), Policy.from_plan(plan.preemption).signal)
-    _EARLY.install()
-    return _EARLY
-
-
-def _adopt_early(stop, warning_signal: str) -> SignalOwner | None:
-    early = _EARLY
-    if early is None or early.pid != os.getpid() or not early.installed:
-        return None
-    if early.warning_signum != signal_number(warning_signal):
-        early.restore()
-        return None
-    before, early.stop = early.stop, stop
-    if before.requested:
-        stop.request(before.reason, before.detail)
-        stop.requested_at = before.requested_at
-    return early
-
-
-class WorkerSignalGuard:
-    """A DataLoader ``worker_init_fn``: workers ignore SIGTERM and the warning signal.
-
-    SLURM signals every process of a task, workers included. torch's workers install a C
-    SIGTERM handler that kills the worker, and the training process would then fail at its next
-    batch ("DataLoader worker exited unexpectedly") before it could reach the step boundary and
-    checkpoint. Ignoring both lets the training process stop and shut its workers down itself
-    (a worker whose parent died exits through torch's watchdog). Lightning's worker seeding
-    (``seed_everything(workers=True)``) still runs, as Lightning would have added it.
-    Picklable, so it also works with the spawn start method.
-    """
-
-    def __init__(self, signums: tuple[int, ...], rank: int, inner=None) -> None:
-        self.signums = tuple(int(s) for s in signums)
-        self.rank = rank
-        self.inner = inner
-
-    def __call__(self, worker_id: int) -> None:
-        for signum in self.signums:
-            signal.signal(signum, signal.SIG_IGN)
-        if self.inner is not None:
-            self.inner(worker_id)
-        elif os.environ.get("PL_SEED_WORKERS") == "1":
-            from lightning.fabric.utilities.seed import pl_worker_init_function
-
-            pl_worker_init_function(worker_id, rank=self.rank)
-
-
-def guard_dataloader_workers(loaders, signums: tuple[int, ...], rank: int) -> None:
-    """Give every multi-process DataLoader the :class:`WorkerSignalGuard`."""
-    for loader in loaders:
-        if loader is not None and getattr(loader, "num_workers", 0) > 0:
-            if not isinstance(loader.worker_init_fn, WorkerSignalGuard):
-                loader.worker_init_fn = WorkerSignalGuard(signums, rank, inner=loader.worker_init_fn)
-
-
-def signal_number(name: str) -> int:
-    """'USR2' / 'SIGUSR2' -> signal.SIGUSR2."""
-    key = "SIG" + name.upper().removeprefix("SIG")
-    try:
-        return int(getattr(signal, key))
-    except AttributeError:
-        raise ValueError(f"unknown signal {name!r} in plan.preemption.signal") from None
-
-
-# --------------------------------------------------------------------------- the ledger
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Whole JSON lines of a ledger/heartbeat file; a line being written (or torn) is skipped."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
-
-
-@dataclass
-class AttemptRow:
-    """One attempt of the run as the ledger tells it."""
-
-    attempt: int
-    job_id: str | None
-    start_step: int
-    end_step: int | None = None
-    reason: str | None = None  # None: no end line (yet)
-    requeued: bool = False
-    skipped: bool = False  # ended by the start gate, without training
-
-
-def attempt_rows(entries: list[dict[str, Any]]) -> list[AttemptRow]:
-    rows: dict[int, AttemptRow] = {}
-    for e in entries:
-        n = e.get("attempt")
-        if not isinstance(n, int):
-            continue
-        if e.get("event") == "start":
-            rows[n] = AttemptRow(attempt=n, job_id=e.get("job_id"), start_step=int(e.get("start_step") or 0))
-        elif e.get("event") == "end" and n in rows:
-            row = rows[n]
-            row.end_step = e.get("end_step")
-            row.reason = e.get("reason")
-            row.requeued = bool(e.get("requeued"))
-            row.skipped = bool(e.get("skipped"))
-    return [rows[n] for n in sorted(rows)]
-
-
-def steps_without_progress(starts: list[int], current: int) -> int:
-    """How many consecutive attempts, newest last, ended where they started: attempt i made
-    progress when the next one started later (``current`` is where the newest one got to)."""
-    ends = [*starts[1:], current]
-    n = 0
-    for start, end in zip(reversed(starts), reversed(ends)):
-        if end > start:
-            break
-        n += 1
-    return n
-
-
-# --------------------------------------------------------------------------- decisions (pure)
-@dataclass
-class Policy:
-    """plan.preemption (spec.preemption + what the profile says about the cluster)."""
-
-    signal: str = "USR2"
-    warning_seconds: int = 120
-    max_requeues: int = 20
-    max_timeouts: int = 10
-    max_crash_retries: int = 2
-    no_progress_attempts: int = 3
-    cluster_sends_user_signal: bool = False
-
-    @classmethod
-    def from_plan(cls, preemption: dict[str, Any]) -> Policy:
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in preemption.items() if k in names and v is not None})
-
-
-@dataclass
-class EndFacts:
-    """Everything rank 0 knows when an attempt's training ended."""
-
-    end_step: int
-    start_step: int
-    max_steps: int
-    checkpoint_step: int | None  # newest complete checkpoint now
-    stopped: bool  # all ranks agreed on a stop and its checkpoint is complete
-    crashed: bool  # an exception, or the Trainer stopped early without a stop
-    term: bool = False
-    warning: bool = False
-    warning_name: str = "SIGUSR2"
-    requested_reason: str | None = None  # a stop requested without a signal (tests, tools)
-    error: str | None = None
-    cancelled_marker: bool = False
-    launcher: str = "slurm"
-    job_id: str = ""
-    restart_count: int = 0
-    slurm_state: str | None = None  # JobState now; None: not SLURM or SLURM did not answer
-    preempting: bool = False  # scontrol shows a PreemptTime: SLURM is preempting (and will requeue) it
-    seconds_left: float | None = None  # until the job's time limit, at the signal
-    slurm_restarts: int | None = None  # the job's Restarts now: above restart_count = SLURM requeued it already
-    nodes_down: list[str] = field(default_factory=list)  # this attempt's nodes that SLURM has DOWN/failed now
-    history: list[AttemptRow] = field(default_factory=list)  # earlier attempts of the run
-
-
-@dataclass
-class Decision:
-    reason: str
-    detail: str
-    requeued: bool  # the job will run again (by SLURM or by us)
-    action: str | None = None  # "requeue" | "cancel" | None: what rank 0 does LAST
-    exit_code: int = 0
-
-
-def _state_word(state: str | None) -> str:
-    return state.split()[0].rstrip("+").upper() if state and state.strip() else ""
-
-
-def _signal_names(f: EndFacts) -> str:
-    names = [n for n, seen in ((f.warning_name, f.warning), ("SIGTERM", f.term)) if seen]
-    return " + ".join(names)
-
-
-def classify_stop(f: EndFacts, policy: Policy) -> tuple[str, str]:
-    """(reason, why) of a stop: timeout, preempted, or a requested reason."""
-    state = _state_word(f.slurm_state)
-    left = f.seconds_left
-    near_limit = left is not None and left <= policy.warning_seconds + WARNING_SLACK_S
-    sigs = _signal_names(f)
-    when = f" {left:.0f} s before the time limit" if left is not None else ""
-    if state == "TIMEOUT" or ((f.warning or f.term) and near_limit):
-        return "timeout", f"{sigs}{when}"
-    if f.term:
-        return "preempted", f"SIGTERM{when}" + (f" (JobState {state})" if state else "")
-    if f.warning:
-        if left is None and not policy.cluster_sends_user_signal and state != "PREEMPTED" and not f.preempting:
-            return "timeout", f"{f.warning_name} (time to the limit unknown: taken as the time-limit warning)"
-        return "preempted", f"{f.warning_name}{when}, not at the time limit"
-    reason = f.requested_reason if f.requested_reason in LEDGER_REASONS else "preempted"
-    return reason, f"stop requested ({f.requested_reason})" if f.requested_reason else "stop requested"
-
-
-def decide(f: EndFacts, policy: Policy) -> Decision:
-    """Why the attempt ended, and whether (and by whom) the job runs again."""
-    state = _state_word(f.slurm_state)
-    ckpt = f"checkpoint step-{f.checkpoint_step} complete" if f.checkpoint_step is not None else "no checkpoint"
-    if f.end_step >= f.max_steps and not f.crashed:
-        return Decision("completed", f"reached max_steps({f.max_steps})", requeued=False)
-    if f.cancelled_marker or state == "CANCELLED":
-        why = "CANCELLED marker in the run directory" if f.cancelled_marker else "JobState CANCELLED"
-        sig = _signal_names(f)
-        return Decision("cancelled", f"{why}{'; ' + sig if sig else ''}; {ckpt}; never requeued", requeued=False)
-
-    if f.nodes_down:
-        # SLURM set a node of this job DOWN: it kills the steps (SIGTERM when the node's slurmd
-        # still answers) and requeues the job itself (NODE_FAIL in accounting).
-        reason, why = "node_failure", f"node {', '.join(f.nodes_down)} DOWN" + (
-            f" ({_signal_names(f)})" if f.warning or f.term else "")
-        detail = f"{why}; {ckpt}"
-    elif f.warning or f.term or (f.stopped and not f.crashed):
-        reason, why = classify_stop(f, policy)
-        detail = f"{why}; {ckpt}"
-        if f.crashed and f.error:
-            detail += f"; then {f.error}"
-    else:
-        reason = "crashed"
-        detail = f.error or "the Trainer stopped before max_steps without a stop request"
-        detail += f"; resumes from {ckpt}" if f.checkpoint_step is not None else ""
-    exit_code = 1 if reason == "crashed" else 0
-
-    # During the partition's GraceTime a preempted job still shows RUNNING, with a PreemptTime;
-    # it must requeue itself all the same: slurm 22.05 ends a preempted job whose tasks exit
-    # within GraceTime as COMPLETED and never requeues it (seen on the local cluster).
-    slurm_requeues = state in _SLURM_REQUEUEING or (
-        f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
-    if f.launcher != "slurm":
-        return Decision(reason, detail + "; local run: not requeued", requeued=False, exit_code=exit_code)
-    if state == "COMPLETING" and not slurm_requeues and reason != "timeout":
-        # SLURM is tearing the job down and accounting did not say why (scancel shows COMPLETING,
-        # not CANCELLED, while the tasks run): a requeue could undo a user's cancel.
-        return Decision(reason, detail + "; JobState COMPLETING and accounting did not say why (a bare scancel?): "
-                        "not requeued", requeued=False, exit_code=exit_code)
-
-    # --- loop guards --------------------------------------------------------------------------
-    job_hist = [a for a in f.history if a.job_id == f.job_id]
-    stop_why = None
-    stop_reason = "limit_reached"
-    if reason == "crashed":
-        retries = sum(1 for a in job_hist if a.reason == "crashed" and a.requeued)
-        if retries >= policy.max_crash_retries:
-            stop_why, stop_reason = f"max_crash_retries({policy.max_crash_retries}) reached", "crashed"
-    if stop_why is None and f.restart_count >= policy.max_requeues:
-        stop_why = f"max_requeues({policy.max_requeues}) reached ({f.restart_count} requeues)"
-    if stop_why is None and reason == "timeout":
-        timeouts = 1 + sum(1 for a in job_hist if a.reason == "timeout")
-        if timeouts > policy.max_timeouts:
-            stop_why = f"max_timeouts({policy.max_timeouts}) reached ({timeouts} time limits)"
-    if stop_why is None:
-        starts = [a.start_step for a in f.history if not a.skipped] + [f.start_step]
-        current = f.checkpoint_step if f.checkpoint_step is not None else f.start_step
-        stuck = steps_without_progress(starts, current)
-        if stuck >= policy.no_progress_attempts:
-            stop_why, stop_reason = (
-                f"the global step stayed at {current} over {stuck} attempts "
-                f"(no_progress_attempts={policy.no_progress_attempts})"
-            ), "no_progress"
-    if stop_why is not None:
-        detail = f"{reason}: {detail}; {stop_why}; not requeued"
-        # SLURM requeues a preempted job by itself: cancel it so it does not start again.
-        return Decision(stop_reason, detail, requeued=False, action="cancel" if slurm_requeues else None,
-                        exit_code=exit_code)
-
-    if slurm_requeues:
-        return Decision(reason, detail + f"; requeued by SLURM (JobState {state})", requeued=True, exit_code=exit_code)
-    by = " during the preemption's GraceTime (PreemptTime set)" if f.preempting else ""
-    return Decision(reason, detail + f"; requeued (scontrol requeue{by})", requeued=True, action="requeue",
-                    exit_code=exit_code)
-
-
-@dataclass
-class StartFacts:
-    done_marker: bool
-    cancelled_marker: bool
-    start_step: int  # newest complete checkpoint
-    restart_count: int
-    job_id: str
-    history: list[AttemptRow]
-    previous_state: str | None = None  # SLURM's state of the previous attempt (sacct -D), if known
-    max_steps: int | None = None  # the plan's trainer.max_steps (None: a DONE marker is final)
-    done_step: int | None = None  # the step the DONE marker records (None: unknown, final)
-
-
-@dataclass
-class Gate:
-    """The start gate's answer: ``exit`` -> end this attempt at once with ``reason``."""
-
-    exit: bool
-    reason: str | None = None
-    detail: str | None = None
-    previous_end: dict[str, Any] | None = None  # an end line for an earlier attempt without one
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__)
-
-
-_PREVIOUS_REASONS = {"NODE_FAIL": "node_failure", "PREEMPTED": "preempted", "TIMEOUT": "timeout",
-                     "CANCELLED": "cancelled", "OUT_OF_MEMORY": "crashed", "FAILED": "crashed"}
-
-
-def start_gate(f: StartFacts, policy: Policy) -> Gate:
-    """Before training: record an earlier attempt that never wrote its end, and refuse to train a
-    run that is finished, cancelled or over a loop guard."""
-    previous_end = None
-    if f.history and f.history[-1].reason is None:
-        prev = f.history[-1]
-        reason = _PREVIOUS_REASONS.get(_state_word(f.previous_state), "node_failure")
-        seen = f" (SLURM: {_state_word(f.previous_state)})" if f.previous_state else ""
-        previous_end = {
-            "event": "end", "attempt": prev.attempt, "job_id": prev.job_id, "time": time.time(),
-            "end_step": f.start_step, "reason": reason,
-            "detail": (f"attempt {prev.attempt} has no end line: its tasks were killed without a chance to "
-                       f"write it (node failure, SIGKILL){seen}; recorded at the start of the next attempt, "
-                       f"which resumes from step {f.start_step}"),
-            "requeued": True,
-        }
-        prev.reason, prev.end_step, prev.requeued = reason, f.start_step, True
-    if f.done_marker and (f.max_steps is None or f.done_step is None or f.done_step >= f.max_steps):
-        return Gate(True, "completed", "the run already finished (DONE marker): not training again", previous_end)
-    # DONE at a step below max_steps: the run was continued to a larger
-    # trainer.max_steps (submit --resume trainer.max_steps=N); it trains on.
-    if f.cancelled_marker:
-        return Gate(True, "cancelled", "the run is cancelled (CANCELLED marker): not training again", previous_end)
-    if f.restart_count > policy.max_requeues:
-        return Gate(True, "limit_reached",
-                    f"max_requeues({policy.max_requeues}) reached ({f.restart_count} requeues): not training again",
-                    previous_end)
-    starts = [a.start_step for a in f.history if not a.skipped]
-    stuck = steps_without_progress(starts, f.start_step) if starts else 0
-    if stuck >= policy.no_progress_attempts:
-        return Gate(True, "no_progress",
-                    f"the global step stayed at {f.start_step} over the last {stuck} attempts "
-                    f"(no_progress_attempts={policy.no_progress_attempts}): not training again", previous_end)
-    return Gate(False, previous_end=previous_end)
-
-
-# --------------------------------------------------------------------------- SLURM facts (main loop only)
-def _slurm_job_facts(job_id: str) -> dict[str, str] | None:
-    """`scontrol show job` of this job, or None when SLURM does not answer in time."""
-    try:
-        from launcher import slurm
-
-        return slurm.show_job(job_id, timeout=SLURM_QUERY_TIMEOUT_S)
-    except Exception as exc:  # SLURM down, no client, a timeout: decide without it
-        log.warning("could not read the state of job %s from SLURM: %s", job_id, exc)
-        return None
-
-
-def _seconds_left(info: dict[str, str] | None, at: float) -> float | None:
-    """Seconds from ``at`` to the job's time limit: StartTime + TimeLimit. Not EndTime: when
-    SLURM preempts a job it moves EndTime to now + GraceTime (seen on 22.05), which would read
-    as "at the time limit" and turn every preemption into a timeout."""
-    info = info or {}
-    try:
-        start = time.mktime(time.strptime(info.get("StartTime", ""), "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None  # Unknown / None
-    limit = _limit_seconds(info.get("TimeLimit", ""))
-    return None if limit is None else start + limit - at
-
-
-def _limit_seconds(text: str) -> float | None:
-    """SLURM's TimeLimit ('D-HH:MM:SS', 'HH:MM:SS', 'MM:SS', 'UNLIMITED') in seconds."""
-    days, _, hms = text.rpartition("-")
-    parts = hms.split(":")
-    if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 3 or (days and not days.isdigit()):
-        return None
-    secs = 0
-    for p in parts:
-        secs = secs * 60 + int(p)
-    return secs + int(days or 0) * 86400
-
-
-def _nodes_down(nodes: list[str]) -> list[str]:
-    """Which of ``nodes`` SLURM has DOWN / failing now (sinfo), from the main loop only."""
-    try:
-        from launcher import slurm
-
-        states = {n.name: n.state for n in slurm.nodes(timeout=SLURM_QUERY_TIMEOUT_S)}
-    except Exception as exc:
-        log.warning("could not read the node states from SLURM: %s", exc)
-        return []
-    return [n for n in nodes if states.get(n, "").rstrip("*~#!%$@^-+").startswith(("down", "fail"))]
-
-
-def _nodes_failed(env, info: dict[str, str]) -> list[str]:
-    """Nodes of this attempt that failed: DOWN in sinfo now, or, when SLURM already requeued the
-    job while it runs (Restarts grew: it does so at once on a node failure, only after the tasks
-    ended on a preemption), NODE_FAIL in accounting for this attempt. A DOWN node whose slurmd
-    still answers may be back in service within seconds (ReturnToService=2), hence both."""
-    down = _nodes_down(env.nodes)
-    restarts = info.get("Restarts", "")
-    if down or not restarts.isdigit() or int(restarts) <= env.restart_count:
-        return down
-    from launcher import slurm
-
-    for _ in range(6):  # accounting lags the controller by a moment
-        try:
-            rows = slurm.sacct([env.job_id], duplicates=True, timeout=SLURM_QUERY_TIMEOUT_S)
-        except Exception as exc:
-            log.warning("could not read job %s from accounting: %s", env.job_id, exc)
-            return []
-        if len(rows) > env.restart_count and _state_word(rows[env.restart_count].state):
-            word = _state_word(rows[env.restart_count].state)
-            if word == "NODE_FAIL":
-                return [f"{rows[env.restart_count].nodes} (NODE_FAIL)"]
-            if word not in ("RUNNING", "COMPLETING", "PENDING"):
-                return []
-        time.sleep(0.5)
-    return []
-
-
-# Terminal states accounting records for an attempt the moment SLURM ends it (the controller
-# shows them all as COMPLETING while the tasks still run).
-_ENDING_STATES = ("CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "FAILED", "OUT_OF_MEMORY", "DEADLINE")
-
-
-def _why_completing(env, info: dict[str, str] | None) -> str | None:
-    """The real state behind ``JobState=COMPLETING`` (slurm 22.05 prints COMPLETING for a job
-    being cancelled, timed out, failed or requeued): this attempt's row in accounting."""
-    info = info or {}
-    if _state_word(info.get("JobState")) != "COMPLETING":
-        return None
-    restarts = info.get("Restarts", "")
-    if restarts.isdigit() and int(restarts) > env.restart_count:
-        return None  # a requeue: the Restarts rule already covers it
-    from launcher import slurm
-
-    for _ in range(6):  # accounting lags the controller by a moment
-        try:
-            rows = slurm.sacct([env.job_id], duplicates=True, timeout=SLURM_QUERY_TIMEOUT_S)
-        except Exception as exc:
-            log.warning("could not read job %s from accounting: %s", env.job_id, exc)
-            return None
-        row = rows[env.restart_count] if len(rows) > env.restart_count else (rows[-1] if rows else None)
-        if row is not None and _state_word(row.state) in _ENDING_STATES:
-            return row.state
-        time.sleep(0.5)
-    return None
-
-
-def _previous_attempt_state(job_id: str) -> str | None:
-    """SLURM accounting's state of the previous run of this job (`sacct -D`), if it has one."""
-    try:
-        from launcher import slurm
-
-        rows = slurm.sacct([job_id], duplicates=True, timeout=SLURM_QUERY_TIMEOUT_S)
-    except Exception as exc:
-        log.warning("could not read the earlier attempts of job %s from accounting: %s", job_id, exc)
-        return None
-    return rows[-2].state if len(rows) >= 2 else None
 
 
 # --------------------------------------------------------------------------- the start gate (I/O)
@@ -617,33 +64,26 @@ def gate_path(run_dir: Path, env) -> Path:
 
 def decide_start(plan, env, run_dir: Path) -> Gate:
     """Rank 0, before the rendezvous: decide, append a missing end line, publish the answer."""
-    from lmtrain.callbacks import append_jsonl
-    from lmtrain.checkpoint import newest_complete
-
     policy = Policy.from_plan(plan.preemption)
     run_dir = Path(run_dir)
-    history = attempt_rows(read_jsonl(plan.paths.ledger))
+    ledger = Ledger(plan.paths.ledger)
+    history = ledger.attempts()
     ckpt = newest_complete(plan.paths.checkpoint_dir)
     previous_state = None
     if history and history[-1].reason is None and env.launcher == "slurm" and env.restart_count > 0:
         previous_state = _previous_attempt_state(env.job_id)
-    done = run_dir / "DONE"
-    try:
-        done_text = done.read_text().strip()
-    except OSError:
-        done_text = ""
+    done, done_step = read_done_step(run_dir)
     gate = start_gate(StartFacts(
-        done_step=int(done_text) if done_text.isdigit() else None,
-        done_marker=done.exists(), cancelled_marker=(run_dir / "CANCELLED").exists(),
+        done_step=done_step, done_marker=done, cancelled_marker=is_cancelled(run_dir),
         start_step=ckpt.step if ckpt is not None else 0, restart_count=env.restart_count, job_id=env.job_id,
         history=history, previous_state=previous_state, max_steps=int(plan.trainer["max_steps"]),
     ), policy)
     if gate.previous_end is not None:
-        append_jsonl(plan.paths.ledger, gate.previous_end)
-    if not gate.exit and done.exists():
+        append_jsonl(ledger.path, gate.previous_end)  # an AttemptEnd, as JSON (the gate travels as JSON)
+    if not gate.exit and done:
         log.warning("the run finished at step %s before; continuing to trainer.max_steps(%s)",
-                    done.read_text().strip(), plan.trainer["max_steps"])
-        done.unlink(missing_ok=True)
+                    done_step, plan.trainer["max_steps"])
+        (run_dir / DONE).unlink(missing_ok=True)
     path = gate_path(run_dir, env)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -663,33 +103,25 @@ def finish_without_training(plan, env, attempt: int, gate: Gate) -> int:
     try:
         _write_skipped_attempt(plan, env, attempt, gate)
     finally:
-        if _EARLY is not None:
-            _EARLY.restore()
+        release_early_signals()
     return 0
 
 
 def _write_skipped_attempt(plan, env, attempt: int, gate: Gate) -> None:
-    from lmtrain.callbacks import append_jsonl
-    from lmtrain.checkpoint import newest_complete
-
     if env.rank == 0:
         ckpt = newest_complete(plan.paths.checkpoint_dir)
         step = ckpt.step if ckpt is not None else 0
         now = time.time()
-        append_jsonl(plan.paths.ledger, {
-            "event": "start", "attempt": attempt, "job_id": env.job_id, "restart_count": env.restart_count,
-            "time": now, "start_step": step, "nodes": list(env.nodes), "world_size": env.world_size,
-        })
-        append_jsonl(plan.paths.ledger, {
-            "event": "end", "attempt": attempt, "job_id": env.job_id, "time": now, "end_step": step,
-            "reason": gate.reason, "detail": gate.detail, "requeued": False, "skipped": True,
-        })
+        ledger = Ledger(plan.paths.ledger)
+        ledger.write(AttemptStart(attempt=attempt, job_id=env.job_id, restart_count=env.restart_count, time=now,
+                                  start_step=step, nodes=list(env.nodes), world_size=env.world_size))
+        ledger.write(AttemptEnd(attempt=attempt, job_id=env.job_id, time=now, end_step=step,
+                                reason=gate.reason or "", detail=gate.detail or "", skipped=True))
         append_jsonl(plan.paths.heartbeat, {"time": now, "event": "end", "step": step, "reason": gate.reason,
                                             "attempt": attempt, "job_id": env.job_id, "world_size": env.world_size})
 
 
 # --------------------------------------------------------------------------- the agreement callback
-import lightning.pytorch as pl  # noqa: E402  (the pure parts above do not need it)
 
 
 @dataclass
@@ -707,8 +139,7 @@ class AgreedStop:
 class StopAgreement(pl.Callback):
     """At every optimizer-step boundary: one all-reduce decides whether all ranks stop now.
 
-    Replaces :class:`lmtrain.callbacks.StopAtStepBoundary`; must come after the
-    CheckpointCallback (it uses its collective ``save``).
+    Must come after the CheckpointCallback (it uses its collective ``save``).
     """
 
     def __init__(self, controller: Preemption, checkpoints) -> None:
@@ -804,8 +235,6 @@ class Preemption:
             self._action = None
 
     def _decide(self, ctx, outcome) -> None:
-        from lmtrain.checkpoint import newest_complete
-
         agreed = self.agreed
         rec = self.signals.record
         term = bool(agreed.term if agreed else rec.term_at is not None)
@@ -835,7 +264,7 @@ class Preemption:
         if self.env.launcher == "slurm" and outcome.end_step < int(self.plan.trainer["max_steps"]):
             info = _slurm_job_facts(self.env.job_id)
         ckpt = newest_complete(self.plan.paths.checkpoint_dir)
-        history = [a for a in attempt_rows(read_jsonl(self.plan.paths.ledger)) if a.attempt != self.attempt]
+        history = [a for a in Ledger(self.plan.paths.ledger).attempts() if a.attempt != self.attempt]
         facts = EndFacts(
             end_step=outcome.end_step, start_step=ctx.start_step, max_steps=int(self.plan.trainer["max_steps"]),
             checkpoint_step=ckpt.step if ckpt is not None else None, stopped=agreed is not None, crashed=crashed,
@@ -862,8 +291,6 @@ class Preemption:
         try:
             if self.env.rank != 0 or self._action is None:
                 return
-            from launcher import slurm
-
             try:
                 if self._action == "requeue":
                     log.info("requeueing job %s (scontrol requeue)", self.env.job_id)
@@ -872,20 +299,16 @@ class Preemption:
                     log.info("cancelling job %s: %s", self.env.job_id, outcome.detail)
                     slurm.cancel([self.env.job_id], timeout=SLURM_QUERY_TIMEOUT_S)
             except Exception as exc:
-                from lmtrain.callbacks import append_jsonl
-
                 log.error("%s of job %s failed: %s", self._action, self.env.job_id, exc)
-                append_jsonl(self.plan.paths.ledger, {
-                    "event": f"{self._action}_failed", "attempt": self.attempt, "job_id": self.env.job_id,
-                    "time": time.time(), "detail": str(exc)[:500],
-                })
+                Ledger(self.plan.paths.ledger).write(LedgerNote(
+                    event=f"{self._action}_failed", time=time.time(),
+                    fields={"attempt": self.attempt, "job_id": self.env.job_id, "detail": str(exc)[:500]},
+                ))
                 outcome.exit_code = outcome.exit_code or 1
         finally:
             self.signals.restore()
 
 
 __all__ = [
-    "AgreedStop", "AttemptRow", "Decision", "EndFacts", "Gate", "Policy", "Preemption", "SignalOwner",
-    "StartFacts", "StopAgreement", "WorkerSignalGuard", "attempt_rows", "guard_dataloader_workers", "decide", "decide_start", "finish_without_training",
-    "read_gate", "read_jsonl", "start_gate", "steps_without_progress",
+    "AgreedStop", "Preemption", "StopAgreement", "decide_start", "finish_without_training", "gate_path", "read_gate",
 ]

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from launcher.errors import UserError
+from launcher.core.errors import UserError
 from lmtrain.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 FORMAT = "lmtrain-tokens"

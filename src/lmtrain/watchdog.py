@@ -12,7 +12,7 @@ watchdog on the progress of its training loop:
   ``hang_timeout_s`` it writes all thread stacks (``faulthandler.dump_traceback(all_threads=True)``)
   to ``logs/attempt-<N>/stacks-rank-<R>.txt``, leaves a marker ``hang-rank-<R>.json`` next to
   it, writes the ledger ``end`` line with reason ``hang`` (rank 0; once per process, see
-  :func:`write_end_once`) and ends the process with :data:`EXIT_HANG`, so SLURM sees a failed
+  :meth:`launcher.core.rundir.Ledger.write_end_once`) and ends the process with :data:`EXIT_HANG`, so SLURM sees a failed
   task and the requeue logic can read why;
 - the Python thread needs the GIL. A C call that holds it forever would keep the thread from
   running, so a C-level timer (``faulthandler.dump_traceback_later(exit=True)``, a thread of
@@ -40,6 +40,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+
+from launcher.core.rundir import AttemptEnd, Ledger
 
 log = logging.getLogger(__name__)
 
@@ -82,26 +85,6 @@ def hang_reason(exc: BaseException | None, logs_dir: str | Path, attempt: int) -
     if exc is not None and any(m in f"{exc}" for m in _COLLECTIVE_TIMEOUT_MARKERS):
         return REASON_HANG
     return None
-
-
-# --------------------------------------------------------------------------- the ledger end line, once
-
-_end_lock = threading.Lock()
-_end_written: dict[str, bool] = {}
-
-
-def write_end_once(ledger: str | Path, line: dict[str, Any]) -> bool:
-    """Append the ledger ``end`` line of this process's attempt unless one was already written
-    by this process (the watchdog thread and the main thread may both try). True if written."""
-    from lmtrain.callbacks import append_jsonl
-
-    key = f"{ledger}:{line.get('attempt')}"
-    with _end_lock:
-        if _end_written.get(key):
-            return False
-        append_jsonl(ledger, line)
-        _end_written[key] = True
-        return True
 
 
 # --------------------------------------------------------------------------- the watchdog
@@ -315,10 +298,10 @@ class _WatchdogHooks:
     def _report(self, report: HangReport) -> None:
         if self.rank != 0:
             return  # rank 0 writes the ledger (its own watchdog, or hang_reason when its collective fails)
-        write_end_once(self.ledger, {
-            "event": "end", "attempt": self.attempt, "job_id": self.job_id, "time": report.time,
-            "end_step": report.step, "reason": REASON_HANG, "detail": report.detail(), "requeued": False,
-        })
+        Ledger(self.ledger).write_end_once(AttemptEnd(
+            attempt=self.attempt, job_id=self.job_id, time=report.time, end_step=report.step,
+            reason=REASON_HANG, detail=report.detail(),
+        ))
         if self.heartbeat is not None:
             self.heartbeat.emit("end", step=report.step, reason=REASON_HANG)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import slurm
+from launcher.core import slurm
 from launcher.cli import main
 from launcher.context import Context
-from launcher.errors import UserError
+from launcher.core.errors import UserError
 
 from slurm_helpers import REPO, cancel_orphaned_test_jobs, claim_session, job_name  # noqa: F401  (tests/integration is on sys.path)
 

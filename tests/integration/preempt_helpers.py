@@ -16,10 +16,14 @@ import re
 import time
 from pathlib import Path
 
-from launcher import monitor, slurm
+from launcher.core import slurm
+from launcher import rehearsal
+
+
+from launcher.core import rundir
 from launcher.cli import main
 from launcher.context import Context
-from launcher.errors import UserError
+from launcher.core.errors import UserError
 from slurm_helpers import REPO, TERMINAL
 
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"
@@ -52,7 +56,7 @@ def submit(environ: dict[str, str], name: str, *overrides: str) -> tuple[str, Pa
 
 
 def jsonl(path: Path) -> list[dict]:
-    return monitor.read_jsonl(path)  # skips a line being written
+    return rundir.read_jsonl(path)  # skips a line being written
 
 
 def ledger(run_dir: Path) -> list[dict]:
@@ -103,10 +107,10 @@ def start_if_begin_time(job_id: str) -> None:
     if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
         key = (job_id, info.get("Restarts"))
         first_seen = _PENDING_SINCE.setdefault(key, time.monotonic())
-        if time.monotonic() - first_seen < 2.0 or slurm.nodes_completing():
+        if time.monotonic() - first_seen < 2.0 or rehearsal.nodes_completing():
             return
         with contextlib.suppress(UserError):
-            slurm.start_now(job_id)
+            rehearsal.start_now(job_id)
 
 
 def wait_attempt_running(run_dir: Path, attempt: int, job_id: str, timeout: float = 120.0) -> None:
@@ -235,4 +239,4 @@ def inject(**env_vars: str) -> tuple[str, ...]:
 
 def wait_ended(job_id: str, timeout: float = 240.0) -> str:
     """Wait for the job to leave the queue (no BeginTime skipping: nothing should requeue it)."""
-    return slurm.wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, timeout=timeout, poll=1.0)
+    return rehearsal.wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, timeout=timeout, poll=1.0)

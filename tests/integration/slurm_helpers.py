@@ -10,7 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
-from launcher import slurm
+from launcher.core import slurm
+from launcher import rehearsal
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"completed", "cancelled", "failed", "timeout", "preempted"}
@@ -18,7 +19,7 @@ TERMINAL = {"completed", "cancelled", "failed", "timeout", "preempted"}
 
 def wait_terminal(job_id: str, timeout: float) -> str:
     """Wait for one of our jobs to end (requeued attempts are started at once)."""
-    return slurm.wait_for(job_id, TERMINAL, timeout=timeout, poll=1.0, start_requeued=True)
+    return rehearsal.wait_for(job_id, TERMINAL, timeout=timeout, poll=1.0, start_requeued=True)
 
 
 def wait_accounted(job_id: str, timeout: float = 30.0) -> slurm.AccountedJob:

@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import slurm
+from launcher.core import slurm
+from launcher import rehearsal
 from launcher.localcluster.config import Layout, render_slurm_conf
 from slurm_helpers import cancel_orphaned_test_jobs, claim_session, wait_accounted, wait_terminal
 
@@ -84,7 +85,7 @@ def test_exclusive_high_job_preempts_low_job_which_restarts_with_restart_count(s
     low = _sbatch("-J", run_name, "-p", "low", "-w", "n2", "-N", "1", "-n", "1", "--exclusive", "--requeue",
                   "-o", str(tmp_path / "low-%j.out"), str(script))
     own_jobs.append(low)
-    slurm.wait_for(low, {"running"}, timeout=120, poll=0.5)
+    rehearsal.wait_for(low, {"running"}, timeout=120, poll=0.5)
     high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", "n2", "-N", "1", "-n", "1", "--exclusive",
                    "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 2")
     own_jobs.append(high)

@@ -11,7 +11,9 @@ import re
 import time
 from pathlib import Path
 
-from launcher import runs, slurm
+from launcher.core import slurm
+
+from launcher import runs
 from launcher.localcluster import cluster
 from launcher.localcluster.daemons import stop
 from slurm_helpers import REPO, wait_terminal

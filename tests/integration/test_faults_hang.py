@@ -10,7 +10,7 @@ import re
 import time
 from pathlib import Path
 
-from launcher import slurm
+from launcher.core import slurm
 from slurm_helpers import REPO, wait_terminal
 
 HANG_TIMEOUT_S = 12

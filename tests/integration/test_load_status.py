@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import slurm
+from launcher.core import slurm
 from slurm_helpers import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))

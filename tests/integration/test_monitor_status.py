@@ -11,7 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from launcher import slurm
+from launcher.core import slurm
+from launcher import rehearsal
 from slurm_helpers import REPO, wait_terminal
 
 MAX_STEPS = 150
@@ -88,7 +89,7 @@ def test_status_follows_a_run_through_running_pending_preempted_requeued_and_fin
     stop = json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[-1])
     assert (stop["event"], stop["reason"]) == ("end", "preempted"), stop
     assert row["step"] == row["checkpoint_step"] == stop["end_step"] < MAX_STEPS, row
-    slurm.wait_for(job, {"running"}, timeout=120, poll=1.0, start_requeued=True)  # skip the ~2 min delay
+    rehearsal.wait_for(job, {"running"}, timeout=120, poll=1.0, start_requeued=True)  # skip the ~2 min delay
     row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING" and r["step"] > stop["end_step"], 120,
                     "RUNNING again past the stop step")
     assert (row["attempt"], row["requeued"], row["group"]) == (2, True, "running"), row
@@ -151,7 +152,7 @@ def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next
     own_jobs.append(job)
     runs.save_record(runs.RunRecord(name=run_name, profile="local", run_dir=str(run_dir), spec_path=None,
                                     job_ids=[job], submitted_at=[time.time()], max_steps=100), lm_env)
-    slurm.wait_for(job, {"running"}, timeout=120, poll=1.0)
+    rehearsal.wait_for(job, {"running"}, timeout=120, poll=1.0)
     now = time.time()
     (run_dir / "attempts.jsonl").write_text(json.dumps(
         {"event": "start", "attempt": 1, "job_id": job, "time": now, "start_step": 0, "nodes": ["n1"]}) + "\n")
@@ -170,7 +171,7 @@ def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next
     assert (row["attempt"], row["requeued"], row["step"], row["group"]) == (2, True, 30, "queued")
     assert "requeued" in row["note"]
 
-    slurm.start_now(job)
+    rehearsal.start_now(job)
     row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING", 120, "RUNNING again")
     assert (row["attempt"], row["requeued"]) == (2, True)
 

@@ -1,4 +1,4 @@
-"""Issue 5, "Done when" 5: a user cancel, through `lmlaunch cancel` (CANCELLED marker, then
+"""A user cancel, through `lmlaunch cancel` (CANCELLED marker, then
 scancel) or a bare `scancel`, is never requeued and the ledger says `cancelled`.
 
 Both runs train at the same time (each holds one CPU of each node) to keep the test short.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from launcher import slurm
+from launcher.core import slurm
 from preempt_helpers import ends, lm, log_tail, starts, submit, wait_step
 from slurm_helpers import wait_accounted
 

@@ -1,4 +1,4 @@
-"""Issue 5, "Done when" 1, 2, 6 and 7 on the real 2-node local cluster (CPU, gloo): a run that is
+"""Preemption and resume on the real 2-node local cluster (CPU, gloo): a run that is
 preempted (by a high-priority exclusive job, with and without the user signal), loses a node,
 or is preempted ten times resumes where it stopped and ends with the weights and per-step
 losses of an uninterrupted run of the same spec, bit for bit.
@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from launcher import slurm
+from launcher.core import slurm
 from slurm_helpers import job_name
 from preempt_helpers import (
     BASE,

@@ -1,4 +1,4 @@
-"""Issue 12 on the real 2-node local cluster (CPU, gloo): a job of each sharded strategy (FSDP2,
+"""Every sharded strategy on the real 2-node local cluster (CPU, gloo): a job of each sharded strategy (FSDP2,
 DeepSpeed ZeRO 1, 2 and 3) is really preempted by a high-priority exclusive job at a random
 step, requeued, and resumes from its sharded checkpoint; its per-step losses and final weights
 equal an uninterrupted run of the same strategy, bit for bit. (DDP: test_preempt_resume.py.)

@@ -1,4 +1,4 @@
-"""Issue 5, "Done when" 3: a time limit shorter than the run. With resources.time = 2 min and
+"""A time limit shorter than the run. With resources.time = 2 min and
 the warning signal 60 s before it, a run that needs longer checkpoints at the warning, requeues
 itself and is resumed until it is done; with preemption.max_timeouts = 0 it stops at the first
 time limit, not requeued, and the ledger says why.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import slurm
+from launcher.core import slurm
 from preempt_helpers import ends, finish, inject, log_tail, starts, submit, wait_ended
 from slurm_helpers import wait_accounted
 

@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from launcher import slurm
+from launcher.core import slurm
 from slurm_helpers import REPO, wait_terminal
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")

@@ -13,7 +13,11 @@ import sys
 from pathlib import Path
 
 
-from launcher import runs, slurm
+from launcher.core import slurm
+from launcher import rehearsal
+
+
+from launcher import runs
 from launcher.resolve import resolve
 from launcher.submit import render_script
 
@@ -87,7 +91,7 @@ def test_same_run_name_is_refused_then_resume_and_new_work(slurm_cluster, cli, l
     assert runs.load_record(run_name, lm_env).job_ids == [job1]
 
     slurm.cancel([job1])
-    slurm.wait_for(job1, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
+    rehearsal.wait_for(job1, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
     (run_dir / "CANCELLED").write_text("test\n")
     resumed = cli("submit", SPEC, f"name={run_name}", *SMALL, "--resume")
     assert resumed.code == 0, resumed.err
@@ -99,7 +103,7 @@ def test_same_run_name_is_refused_then_resume_and_new_work(slurm_cluster, cli, l
     assert (run_dir / "submitit" / f"{job1}_submission.sh").exists()
     assert (run_dir / "submitit" / f"{job2}_submission.sh").exists()
 
-    slurm.wait_for(job2, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
+    rehearsal.wait_for(job2, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
     fresh = cli("submit", SPEC, f"name={run_name}", *SMALL, "--new")
     assert fresh.code == 0, fresh.err
     job3 = _job_id(fresh.out)

@@ -9,7 +9,9 @@ import re
 import stat
 from pathlib import Path
 
-from launcher import runs, slurm
+from launcher.core import slurm
+
+from launcher import runs
 from slurm_helpers import REPO, wait_accounted, wait_terminal
 
 MAX_STEPS = 30

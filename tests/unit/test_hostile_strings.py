@@ -21,7 +21,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.plan import LaunchPlan
+from launcher.core.plan import LaunchPlan
 from launcher.resolve import resolve
 from launcher.submit import render_script
 from tests.unit.malformed_cases import BASE

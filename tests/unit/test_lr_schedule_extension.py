@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.errors import UserError
-from launcher.lr_schedule import OptimSettings, extension_note, lr_at
+from launcher.core.errors import UserError
+from launcher.core.lr_schedule import OptimSettings, extension_note, lr_at
 from launcher.submit import continuation_note
 
 OPTIM = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "warmup_steps": 10,

@@ -7,7 +7,14 @@ import json
 import pytest
 
 from launcher import monitor, runs
-from launcher.monitor import SlurmJob
+from launcher.core import slurm
+
+from launcher import slurm_view
+
+from launcher.core import rundir
+
+from launcher import run_files
+from launcher.slurm_view import SlurmJob
 from monitor_synth import T0, make_run
 
 
@@ -15,32 +22,33 @@ def _row(home, name, job, *, reachable=True, now=T0):
     rec = runs.load_record(name, {"LMLAUNCH_HOME": str(home)})
     from pathlib import Path
 
-    return monitor.build_row(rec, monitor.read_run_files(Path(rec.run_dir)), job, slurm_reachable=reachable, now=now)
+    return monitor.build_row(rec, run_files.read_run_files(Path(rec.run_dir)), job, slurm_reachable=reachable, now=now)
 
 
 def test_read_tail_reads_only_the_last_bytes_and_drops_cut_and_partial_lines(tmp_path):
     p = tmp_path / "hb.jsonl"
     lines = [json.dumps({"event": "step", "step": i, "pad": "x" * 100}) for i in range(1000)]
     p.write_text("\n".join(lines) + "\n" + '{"event": "step", "st')  # a write in progress
-    tail = monitor.read_tail(p, max_bytes=4096)
+    tail = rundir.read_tail(p, max_bytes=4096)
     assert 20 < len(tail) < 40  # ~4 KB of ~130-byte lines, not the whole file
     assert tail[-1]["step"] == 999
     assert [t["step"] for t in tail] == list(range(1000 - len(tail), 1000))  # the cut first line is gone
 
 
 def test_read_tail_of_missing_file_is_empty(tmp_path):
-    assert monitor.read_tail(tmp_path / "nope.jsonl") == []
+    assert rundir.read_tail(tmp_path / "nope.jsonl") == []
 
 
 @pytest.mark.parametrize("text,secs", [("1-02:03:04", 93784), ("2:00:00", 7200), ("20:00", 1200), ("0:33", 33),
-                                       ("30", 1800), ("UNLIMITED", None), ("", None)])
+                                       ("30", 1800), ("2-3", 183600), ("2-03:04", 183840), ("UNLIMITED", None), ("", None),
+                                       ("Partition_Limit", None)])
 def test_slurm_durations_parse(text, secs):
-    assert monitor.parse_slurm_duration(text) == secs
+    assert slurm.parse_duration(text) == secs
 
 
 @pytest.mark.parametrize("nodelist,n", [("n[1-2]", 2), ("n1", 1), ("n[1-3,7],gpu5", 5), ("", 0), ("None assigned", 0)])
 def test_hostlists_count_nodes(nodelist, n):
-    assert monitor._count_nodes(nodelist) == n
+    assert slurm_view._count_nodes(nodelist) == n
 
 
 def test_running_row_has_step_loss_rate_eta_and_checkpoint_age(tmp_path):
@@ -139,7 +147,7 @@ def test_error_filter_keeps_whole_tracebacks_and_error_lines():
     lines = ["step 1 ok", "Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
              "    boom()", "RuntimeError: boom", "step 2 ok", "srun: error: n2: task 1: Exited with exit code 1",
              "2026 [rank 0] ERROR lmtrain: failed", "all fine"]
-    assert monitor.error_lines(lines) == lines[1:5] + lines[6:8]
+    assert run_files.error_lines(lines) == lines[1:5] + lines[6:8]
 
 
 def test_log_sources_fall_back_to_submitit_files_of_each_job(tmp_path):
@@ -149,17 +157,17 @@ def test_log_sources_fall_back_to_submitit_files_of_each_job(tmp_path):
         (run_dir / "submitit" / f"{j}_0_log.out").write_text(f"out {j}\n")
         (run_dir / "submitit" / f"{j}_0_log.err").write_text(f"err {j}\n")
     (run_dir / "submitit" / "12_1_log.out").write_text("rank 1\n")
-    srcs = monitor.log_sources(run_dir, ["11", "12"])
+    srcs = run_files.log_sources(run_dir, ["11", "12"])
     assert [s.path.name for s in srcs] == ["11_0_log.out", "11_0_log.err", "12_0_log.out", "12_0_log.err"]
-    assert [s.path.name for s in monitor.log_sources(run_dir, ["11", "12"], rank=1)] == ["12_1_log.out"]
+    assert [s.path.name for s in run_files.log_sources(run_dir, ["11", "12"], rank=1)] == ["12_1_log.out"]
     (run_dir / "logs" / "attempt-2").mkdir(parents=True)
     (run_dir / "logs" / "attempt-10").mkdir(parents=True)
     (run_dir / "logs" / "attempt-2" / "rank-0.log").write_text("a2\n")
     (run_dir / "logs" / "attempt-10" / "rank-0.log").write_text("a10\n")
-    assert [s.attempt for s in monitor.log_sources(run_dir, ["11", "12"])] == [2, 10]  # numeric order, per-attempt logs win
+    assert [s.attempt for s in run_files.log_sources(run_dir, ["11", "12"])] == [2, 10]  # numeric order, per-attempt logs win
 
 
 def test_unreachable_slurm_is_reported_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no squeue on PATH
-    view = monitor.query_slurm(["1", "2"], environ={"LMLAUNCH_HOME": str(tmp_path)})
+    view = slurm_view.query_slurm(["1", "2"], environ={"LMLAUNCH_HOME": str(tmp_path)})
     assert not view.reachable and "squeue" in view.message and view.jobs == {}

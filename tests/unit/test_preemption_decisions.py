@@ -14,17 +14,9 @@ import pytest
 import torch
 
 from lmtrain.callbacks import StopRequest
-from lmtrain.preemption import (
-    AttemptRow,
-    EndFacts,
-    Policy,
-    SignalOwner,
-    StartFacts,
-    decide,
-    guard_dataloader_workers,
-    start_gate,
-    steps_without_progress,
-)
+from launcher.core.rundir import LedgerAttempt as AttemptRow
+from lmtrain.policy import EndFacts, Policy, StartFacts, decide, start_gate, steps_without_progress
+from lmtrain.signals import SignalOwner, guard_dataloader_workers
 
 POLICY = Policy(signal="USR2", warning_seconds=120, max_requeues=5, max_timeouts=2, max_crash_retries=1,
                 no_progress_attempts=3, cluster_sends_user_signal=False)
@@ -338,10 +330,11 @@ def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch):
     from types import SimpleNamespace
 
     from lmtrain import preemption
+    from lmtrain.signals import own_signals
 
     before = signal.getsignal(signal.SIGUSR2)
     plan = SimpleNamespace(preemption={"signal": "USR2"}, trainer={"max_steps": 10})
-    early = preemption.own_signals(plan)
+    early = own_signals(plan)
     try:
         os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.01)

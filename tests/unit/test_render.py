@@ -11,10 +11,14 @@ from pathlib import Path
 from rich.console import Console
 
 from launcher import monitor, runs
+
+from launcher.core import rundir
+
+from launcher import run_files
 from launcher.cli import main
 from launcher.commands.logs import print_logs
 from launcher.context import Context
-from launcher.monitor import SlurmJob, SlurmView
+from launcher.slurm_view import SlurmJob, SlurmView
 from launcher.monitor_view import history_view, status_view
 from monitor_synth import T0, make_run
 
@@ -46,7 +50,7 @@ def _status_rows(home: Path):
     env = {"LMLAUNCH_HOME": str(home)}
     rows = []
     for rec in runs.list_records(env):
-        files = monitor.read_run_files(Path(rec.run_dir), with_plan_time=True)
+        files = run_files.read_run_files(Path(rec.run_dir), with_plan_time=True)
         rows.append(monitor.build_row(rec, files, jobs[rec.last_job_id], slurm_reachable=True, now=T0))
     return rows, jobs
 
@@ -75,7 +79,7 @@ def test_status_table_at_150_columns_shows_every_column_for_each_state(tmp_path)
 def test_status_when_slurm_is_unreachable_says_so_above_the_table(tmp_path):
     make_run(tmp_path, "r", attempts=[{"job_id": "9", "start_step": 0, "end_step": 20, "t0": T0 - 60, "t1": T0}])
     rec = runs.load_record("r", {"LMLAUNCH_HOME": str(tmp_path)})
-    row = monitor.build_row(rec, monitor.read_run_files(Path(rec.run_dir)), None, slurm_reachable=False, now=T0)
+    row = monitor.build_row(rec, run_files.read_run_files(Path(rec.run_dir)), None, slurm_reachable=False, now=T0)
     text = _render(status_view([row], SlurmView({}, reachable=False, message="SLURM command 'squeue' not found")))
     assert text.startswith("SLURM unreachable: SLURM command 'squeue' not found")
     assert "unknown (SLURM unreachable)" in text and "20/100" in text
@@ -108,8 +112,8 @@ def test_history_table_at_120_columns(tmp_path):
         {"job_id": "7", "start_step": 40, "end_step": 100, "t0": T0 - 600, "t1": T0 - 400, "reason": "completed"},
     ])
     run_dir = tmp_path / "runs" / "h"
-    h = monitor.build_history("h", monitor.read_jsonl(run_dir / "attempts.jsonl"),
-                              monitor.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl"),
+    h = monitor.build_history("h", rundir.read_jsonl(run_dir / "attempts.jsonl"),
+                              rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl"),
                               {"7": [(T0 - 1010, T0 - 1000, T0 - 800), (T0 - 700, T0 - 600, T0 - 400)]}, now=T0)
     text = _render(history_view(h), width=120)
     lines = text.splitlines()

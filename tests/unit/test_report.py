@@ -8,6 +8,8 @@ import struct
 from pathlib import Path
 
 from launcher import monitor
+
+from launcher.core import rundir
 from launcher.cli import main
 from launcher.context import Context
 from launcher.report import DPI, FIGSIZE_IN, build_report
@@ -33,8 +35,8 @@ def _run(home: Path) -> Path:
 
 def test_report_marks_each_stop_and_summarizes(tmp_path):
     run_dir = _run(tmp_path)
-    beats = monitor.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
-    h = monitor.build_history("rep", monitor.read_jsonl(run_dir / "attempts.jsonl"), beats, None, now=T0)
+    beats = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+    h = monitor.build_history("rep", rundir.read_jsonl(run_dir / "attempts.jsonl"), beats, None, now=T0)
     r = build_report("rep", beats, h)
     assert [(s.attempt, s.step, s.reason) for s in r.stops] == [(1, 50, "preempted")]
     assert r.summary[0] == "run rep: 2 attempt(s), 1 stop(s) (preempted)"

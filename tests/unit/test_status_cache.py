@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 from launcher import monitor, runs, status_cache
-from launcher.monitor import RunFiles, SlurmJob
+
+from launcher import run_files
+from launcher.run_files import RunFiles
+from launcher.slurm_view import SlurmJob
 from monitor_synth import make_run, write_jsonl
 
 NOW = time.time()
@@ -74,7 +77,7 @@ def test_a_second_call_reads_no_unchanged_run_directory_and_gives_the_same_rows(
     reads.clear()
     second = status_cache.read_all(dirs)
     assert reads == []
-    full = [monitor.read_run_files(Path(d), with_plan_time=True) for d in dirs]
+    full = [run_files.read_run_files(Path(d), with_plan_time=True) for d in dirs]
     running = SlurmJob("11", "RUNNING", "None", 1, "1:00:00", 2, "5:00", "n[1-2]")
     for job in (None, running):
         assert _rows(dirs, second, job) == _rows(dirs, full, job) == _rows(dirs, first, job)
@@ -107,7 +110,7 @@ def test_any_change_to_a_run_directory_is_seen_on_the_next_call(home, reads, cha
     reads.clear()
     got = status_cache.read_all(dirs)
     assert reads == [dirs[1]]
-    expect = monitor.read_run_files(d, with_plan_time=True)
+    expect = run_files.read_run_files(d, with_plan_time=True)
     assert _rows(dirs[1:2], got[1:2]) == _rows(dirs[1:2], [expect])
     if change == "heartbeat":
         assert got[1].heartbeat[-1]["step"] == 60

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from lmtrain import watchdog
-from lmtrain.watchdog import EXIT_HANG, hang_markers, hang_reason, write_end_once
+from launcher.core.rundir import AttemptEnd, Ledger
+from lmtrain.watchdog import EXIT_HANG, hang_markers, hang_reason
 
 PRELUDE = """
 import sys, time
@@ -100,11 +101,15 @@ def test_hang_reason_names_peer_hangs_and_collective_timeouts_only(tmp_path):
 
 
 def test_ledger_end_line_is_written_once_per_attempt(tmp_path):
-    ledger = tmp_path / "attempts.jsonl"
-    assert write_end_once(ledger, {"event": "end", "attempt": 1, "reason": "hang"})
-    assert not write_end_once(ledger, {"event": "end", "attempt": 1, "reason": "crashed"})
-    assert write_end_once(ledger, {"event": "end", "attempt": 2, "reason": "completed"})
-    lines = [json.loads(x) for x in ledger.read_text().splitlines()]
+    ledger = Ledger(tmp_path / "attempts.jsonl")
+
+    def end(attempt: int, reason: str) -> AttemptEnd:
+        return AttemptEnd(attempt=attempt, job_id="7", time=1.0, end_step=3, reason=reason)
+
+    assert ledger.write_end_once(end(1, "hang"))
+    assert not ledger.write_end_once(end(1, "crashed"))  # the watchdog's thread and the entry both try
+    assert ledger.write_end_once(end(2, "completed"))
+    lines = [json.loads(x) for x in ledger.path.read_text().splitlines()]
     assert [(x["attempt"], x["reason"]) for x in lines] == [(1, "hang"), (2, "completed")]
 
 
@@ -112,7 +117,7 @@ def test_ledger_end_line_is_written_once_per_attempt(tmp_path):
 def test_watchdog_spec_bounds_are_enforced(field, value):
     from pydantic import ValidationError
 
-    from launcher.spec import WatchdogSpec
+    from launcher.core.spec import WatchdogSpec
 
     with pytest.raises(ValidationError, match=field):
         WatchdogSpec(**{field: value})

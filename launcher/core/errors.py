@@ -11,7 +11,7 @@ import difflib
 import enum
 from collections.abc import Iterable
 
-from launcher.text_rules import escape_controls
+from launcher.core.text_rules import escape_controls
 
 
 class ExitCode(enum.IntEnum):

@@ -2,7 +2,7 @@
 
 Every call has a timeout and returns parsed records. When SLURM is not installed, the
 controller does not answer or no configuration can be found, the caller gets
-:class:`launcher.errors.SlurmUnavailable` (exit code 3) with one message saying what to do,
+:class:`launcher.core.errors.SlurmUnavailable` (exit code 3) with one message saying what to do,
 never a traceback. (submitit runs ``sbatch`` itself when submitting; ``launcher.submit``
 turns its failures into the same error.)
 """
@@ -10,6 +10,7 @@ turns its failures into the same error.)
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.errors import SlurmUnavailable, UserError
+from launcher.core.errors import SlurmUnavailable, UserError
 
 DEFAULT_TIMEOUT_S = 30.0
 FIELD_SEP = "\x1f"  # unit separator: never part of a job name, node list or reason
@@ -74,6 +75,40 @@ def state_group(state: str) -> str:
 def is_active(state: str) -> bool:
     """Queued or running (the job may still use resources or start)."""
     return state_group(state) in ACTIVE_GROUPS
+
+
+# --------------------------------------------------------------------------- SLURM's time notations
+
+
+def parse_time(text: str | None) -> float | None:
+    """SLURM's local time (``2026-11-23T09:33:13``, as squeue/sacct/scontrol print it) -> epoch
+    seconds; ``Unknown``, ``None``, ``N/A`` and anything else -> None."""
+    try:
+        return time.mktime(time.strptime((text or "").strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+_DURATION = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def parse_duration(text: str | None) -> float | None:
+    """A SLURM duration in seconds: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
+    ``D-HH:MM:SS`` (sbatch --time's forms; squeue/sacct/scontrol print the last three).
+    ``UNLIMITED``, ``INVALID``, ``Partition_Limit`` and anything else -> None."""
+    m = _DURATION.fullmatch((text or "").strip())
+    if m is None:
+        return None
+    days, a, b, c = m.groups()
+    nums = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:  # D-HH[:MM[:SS]]
+        h, mi, se = (nums + [0, 0])[:3]
+        return float(int(days) * 86400 + h * 3600 + mi * 60 + se)
+    if len(nums) == 1:  # a bare number is minutes
+        return float(nums[0] * 60)
+    if len(nums) == 2:  # MM:SS
+        return float(nums[0] * 60 + nums[1])
+    return float(nums[0] * 3600 + nums[1] * 60 + nums[2])
 
 
 # --------------------------------------------------------------------------- running commands
@@ -390,56 +425,6 @@ def requeue(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     run(["scontrol", "requeue", str(job_id)], timeout=timeout)
 
 
-def start_now(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Let a requeued job start at once instead of after its ~2 min BeginTime delay."""
-    run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=timeout)
-
-
-def wait_for(
-    job_id: str,
-    groups: Iterable[str],
-    *,
-    timeout: float,
-    poll: float = 2.0,
-    start_requeued: bool = False,
-) -> str:
-    """Poll until the job's state falls in one of ``groups`` (e.g. {'running'}); return the
-    SLURM state. With ``start_requeued``, a job pending on its requeue BeginTime is started
-    once it has waited 2 s and no node is still completing a job (started within the second of
-    its requeue, SLURM kills it: 'Job credential revoked').
-    Raises TimeoutError with the last state seen, the pending reason and what the nodes run."""
-    wanted = set(groups)
-    deadline = time.monotonic() + timeout
-    state = "UNKNOWN"
-    pending_since: dict[str | None, float] = {}
-    while True:
-        state = job_state(job_id)
-        if state_group(state) in wanted:
-            return state
-        if start_requeued and state == "PENDING":
-            info = show_job(job_id) or {}
-            if info.get("Reason") == "BeginTime":
-                first = pending_since.setdefault(info.get("Restarts"), time.monotonic())
-                if time.monotonic() - first >= 2.0 and not nodes_completing():
-                    start_now(job_id)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (waited for {sorted(wanted)})"
-                               + _why_waiting(job_id))
-        time.sleep(poll)
-
-
-def _why_waiting(job_id: str) -> str:
-    """For a timeout message: the job's reason and the other active jobs (best effort)."""
-    try:
-        info = show_job(job_id) or {}
-        others = [f"{j.job_id} {j.name} {j.state} on {j.nodes or '-'} ({j.partition})"
-                  for j in squeue() if j.job_id != job_id and is_active(j.state)]
-    except UserError:
-        return ""
-    return (f"; reason {info.get('Reason', '?')}, nodes {info.get('ReqNodeList', '?')}; other active jobs: "
-            + ("; ".join(others) or "none"))
-
-
 # --------------------------------------------------------------------------- accounting admin
 
 
@@ -502,64 +487,9 @@ def squeue_status(job_ids: Iterable[str], *, timeout: float = DEFAULT_TIMEOUT_S)
     return out
 
 
-# --------------------------------------------------------------------------- preemption rehearsal (lmlaunch preempt)
-
-
-def signal_steps(job_id: str, signal: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Send ``signal`` (e.g. 'USR2', 'TERM') to every task of every step of a job, not to the
-    batch shell (plain `scancel --signal`: what SLURM's time-limit --signal without B: does)."""
-    run(["scancel", f"--signal={signal}", str(job_id)], timeout=timeout)
-
-
-def hostnames(nodelist: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
-    """'n[1-2]' -> ['n1', 'n2'] (`scontrol show hostnames`)."""
-    if not nodelist or nodelist in ("(null)", "None"):
-        return []
-    proc = run(["scontrol", "show", "hostnames", nodelist], timeout=timeout)
-    return [h.strip() for h in proc.stdout.splitlines() if h.strip()]
-
-
-def submit_holder(
-    *,
-    name: str,
-    partition: str,
-    nodelist: str,
-    num_nodes: int,
-    seconds: int,
-    output: str = "/dev/null",
-    timeout: float = DEFAULT_TIMEOUT_S,
-) -> str:
-    """sbatch an `--exclusive` job that holds ``nodelist`` for ``seconds`` (a high-priority
-    partition makes it preempt the low-priority jobs on those nodes); returns its job id."""
-    minutes = max(1, -(-seconds // 60) + 1)
-    proc = run(
-        [
-            "sbatch", "--parsable", "-J", name, "-p", partition, "-w", nodelist, "-N", str(num_nodes),
-            "--exclusive", f"--time={minutes}", "-o", output, "-e", output, "--wrap", f"sleep {int(seconds)}",
-        ],
-        timeout=timeout,
-    )
-    return proc.stdout.strip().split(";")[0]
-
-
-def set_node_state(node: str, state: str, reason: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """`scontrol update NodeName=NODE State=STATE [Reason=...]` (DOWN needs a reason; RESUME
-    brings a DOWN or DRAINED node back)."""
-    args = ["scontrol", "update", f"NodeName={node}", f"State={state}"]
-    if reason is not None:
-        args.append(f"Reason={reason}")
-    run(args, timeout=timeout)
-
-
 # --------------------------------------------------------------------------- submission reconciliation (launcher.submit)
 
 
-def _epoch(slurm_time: str) -> float | None:
-    """SLURM's local-time ``2026-11-23T09:33:13`` -> seconds since the epoch (None: unknown/N/A)."""
-    try:
-        return time.mktime(time.strptime(slurm_time.strip(), "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None
 
 
 def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
@@ -576,15 +506,7 @@ def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TI
         parts = [p.strip() for p in line.split(FIELD_SEP)]
         if len(parts) < 3 or parts[2] != name:
             continue
-        submitted = _epoch(parts[1])
+        submitted = parse_time(parts[1])
         if submitted is not None and submitted >= int(since) - 1:
             found.append((submitted, parts[0]))
     return [jid for _, jid in sorted(found)]
-
-
-def nodes_completing(names: Iterable[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
-    """Nodes (of ``names``, or all) still cleaning up a job (sinfo state `comp`/`*+comp`). A
-    requeued job started on them before that finished, or within the second its credential was
-    revoked, is killed by SLURM as "non-startable: Job credential revoked" and ends FAILED."""
-    wanted = set(names) if names is not None else None
-    return [n.name for n in nodes(timeout=timeout) if "comp" in n.state and (wanted is None or n.name in wanted)]

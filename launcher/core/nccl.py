@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.profiles import Profile
-from launcher.spec import JobSpec
+from launcher.core.profiles import Profile
+from launcher.core.spec import JobSpec
 
 
 @dataclass(frozen=True)

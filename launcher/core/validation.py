@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from launcher.errors import closest
-from launcher.text_rules import brief, escape_controls
-from launcher.yamlio import LoadedYaml
+from launcher.core.errors import closest
+from launcher.core.text_rules import brief, escape_controls
+from launcher.core.yamlio import LoadedYaml
 
 # A message that starts with its own key path, e.g. "trainer.zero_stage(2) needs ...".
 _LEADING_PATH = re.compile(r"^([a-z_]+(?:\.[A-Za-z_0-9]+)+)")

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from launcher.errors import SpecError, did_you_mean
-from launcher.spec import StrictModel, parse_slurm_time
-from launcher.text_rules import (
+from launcher.core.errors import SpecError, did_you_mean
+from launcher.core.spec import StrictModel, parse_slurm_time
+from launcher.core.text_rules import (
     ENV_NAME,
     GRES_NAME,
     SLURM_WORD,
@@ -29,10 +29,10 @@ from launcher.text_rules import (
     SlurmWord,
     brief,
 )
-from launcher.validation import format_validation_error
-from launcher.yamlio import load_yaml_file
+from launcher.core.validation import format_validation_error
+from launcher.core.yamlio import load_yaml_file
 
-REPO_PROFILES = Path(__file__).resolve().parent.parent / "cluster_profiles"
+REPO_PROFILES = Path(__file__).resolve().parents[2] / "cluster_profiles"
 
 
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")

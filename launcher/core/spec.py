@@ -2,7 +2,7 @@
 
 Every field carries a docstring (it becomes the JSON Schema description and the reference
 documentation). Unknown keys are rejected. Cross-field rules that need the cluster profile
-(topology against the profile's GPUs, time against the partition) live in :mod:`launcher.plan`.
+(topology against the profile's GPUs, time against the partition) live in :mod:`launcher.core.plan`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from launcher.model_config import check_model_config
-from launcher.model_types import KNOWN_CAUSAL_LM_TYPES
-from launcher.text_rules import (
+from launcher.core.model_config import check_model_config
+from launcher.core.model_types import KNOWN_CAUSAL_LM_TYPES
+from launcher.core.text_rules import (
     ENV_NAME,
     EnvValue,
     MemSize,
@@ -189,7 +189,7 @@ class ModelSpec(StrictModel):
         if (self.type is None) == (self.pretrained is None):
             raise ValueError("set exactly one of model.type or model.pretrained")
         if self.type is not None and self.type not in KNOWN_CAUSAL_LM_TYPES:
-            from launcher.errors import did_you_mean
+            from launcher.core.errors import did_you_mean
 
             common = [t for t in _COMMON_TYPES if t in KNOWN_CAUSAL_LM_TYPES]
             raise ValueError(

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from launcher.deepspeed_config import render_deepspeed
-from launcher.errors import SpecError, did_you_mean
-from launcher.nccl import EnvOverride, render_env
-from launcher.profiles import Profile, check_slurm_path
-from launcher.spec import JobSpec, format_minutes, mem_to_mb
+from launcher.core.deepspeed_config import render_deepspeed
+from launcher.core.errors import SpecError, did_you_mean
+from launcher.core.nccl import EnvOverride, render_env
+from launcher.core.profiles import Profile, check_slurm_path
+from launcher.core.spec import JobSpec, format_minutes, mem_to_mb
 
 PLAN_VERSION = 1
 TASK_TARGET = "lmtrain.task:TrainTask"

@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from launcher.errors import SpecError
-from launcher.text_rules import brief, escape_controls
+from launcher.core.errors import SpecError
+from launcher.core.text_rules import brief, escape_controls
 
 MAX_FILE_BYTES = 1 << 20
 MAX_DEPTH = 32

@@ -1,6 +1,6 @@
 """Model types that transformers can build as a causal LM (AutoModelForCausalLM).
 
-Generated from transformers 5.23.0 by `python -m launcher.model_types`; kept static so that
+Generated from transformers 5.23.0 by `python -m launcher.core.model_types`; kept static so that
 validating a spec never imports transformers. A test checks it against the installed one.
 """
 

@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any
 
-from launcher.text_rules import CONTROL, IDENTIFIER, brief, escape_controls
+from launcher.core.text_rules import CONTROL, IDENTIFIER, brief, escape_controls
 
 # Attributes that transformers configs hold as whole numbers.
 _INT_EXACT = frozenset(

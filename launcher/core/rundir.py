@@ -1,0 +1,237 @@
+"""The run directory's contract: its files, their records, one writer and one reader for each.
+
+Both sides use this module: the runtime (lmtrain) writes the ledger, the heartbeat and the
+markers; the CLI (status, history, logs, report, cancel) and the test fixtures read them.
+Paths come from the plan (:class:`launcher.core.plan.RunPaths`); :func:`paths_of` finds them
+from a run directory alone (its plan.json), so a ``checkpoint.dir`` outside the run directory
+is where the monitor looks too.
+
+Files (relative to the run directory unless the plan says otherwise):
+
+- ``attempts.jsonl`` -- the ledger: one :class:`AttemptStart` and one :class:`AttemptEnd` line
+  per attempt (rank 0), plus :class:`LedgerNote` lines (``cancel_requested``, ``requeue_failed``).
+- ``metrics/heartbeat.jsonl`` -- rank 0's step lines (read by its tail only).
+- ``DONE`` (the final step), ``CANCELLED`` (who and when): markers, created atomically.
+- ``plan.json`` -- the plan every attempt runs.
+
+Every reader skips a line that does not parse (a write in progress, or the torn last line of
+an attempt that was SIGKILLed). Every writer appends a whole line in one ``write`` (O_APPEND).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+LEDGER = "attempts.jsonl"
+HEARTBEAT = "metrics/heartbeat.jsonl"
+PLAN = "plan.json"
+DONE = "DONE"
+CANCELLED = "CANCELLED"
+CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
+HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
+
+
+# --------------------------------------------------------------------------- JSON lines
+def append_jsonl(path: str | Path, obj: Mapping[str, Any]) -> None:
+    """Append one JSON line in a single write (O_APPEND): concurrent writers never interleave."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(dict(obj)) + "\n").encode()
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def parse_jsonl(text: str) -> list[dict[str, Any]]:
+    """JSON objects, one per line; a line that does not parse is skipped."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    try:
+        return parse_jsonl(Path(path).read_text(errors="replace"))
+    except OSError:
+        return []
+
+
+def read_tail(path: str | Path, max_bytes: int = HEARTBEAT_TAIL_BYTES) -> list[dict[str, Any]]:
+    """The last whole JSON lines of ``path`` within its last ``max_bytes`` (never the whole file)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            f.seek(start)
+            data = f.read()
+    except OSError:
+        return []
+    if start > 0:
+        nl = data.find(b"\n")
+        data = data[nl + 1 :] if nl >= 0 else b""  # the first line is cut: drop it
+    return parse_jsonl(data.decode("utf-8", errors="replace"))
+
+
+# --------------------------------------------------------------------------- ledger records
+@dataclass(frozen=True)
+class AttemptStart:
+    """Rank 0, when an attempt begins (after the start gate, before training)."""
+
+    attempt: int
+    job_id: str | None
+    restart_count: int
+    time: float
+    start_step: int
+    nodes: list[str]
+    world_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": "start", **asdict(self)}
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """Rank 0 (or the hang watchdog), once per attempt: why it ended and what happens next."""
+
+    attempt: int
+    job_id: str | None
+    time: float
+    end_step: int
+    reason: str
+    detail: str | None = None
+    requeued: bool = False
+    skipped: bool = False  # ended by the start gate, without training
+    extra: Mapping[str, Any] = field(default_factory=dict)  # e.g. the universal conversion's facts
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"event": "end", **asdict(self)}
+        d.pop("extra")
+        if not self.skipped:
+            d.pop("skipped")
+        return {**d, **self.extra}
+
+
+@dataclass(frozen=True)
+class LedgerNote:
+    """Any other ledger line: ``cancel_requested`` (the CLI), ``requeue_failed``/``cancel_failed``."""
+
+    event: str
+    time: float
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": self.event, "time": self.time, **self.fields}
+
+
+@dataclass
+class LedgerAttempt:
+    """One attempt as the ledger tells it (the runtime's view: what the start gate and the
+    end decision need). The monitor's fuller view is ``launcher.monitor.HistoryRow``."""
+
+    attempt: int
+    job_id: str | None
+    start_step: int
+    end_step: int | None = None
+    reason: str | None = None  # None: no end line (yet)
+    requeued: bool = False
+    skipped: bool = False
+
+
+_END_LOCK = threading.Lock()
+
+
+class Ledger:
+    """``attempts.jsonl``: the one writer and reader of the attempt records."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def write(self, record: AttemptStart | AttemptEnd | LedgerNote) -> None:
+        append_jsonl(self.path, record.to_json())
+
+    def write_end_once(self, end: AttemptEnd) -> bool:
+        """Write ``end`` unless the attempt already has an end line (the hang watchdog's thread
+        and the entry's ``finally`` may both try); True when written."""
+        with _END_LOCK:
+            if any(e.get("event") == "end" and e.get("attempt") == end.attempt for e in self.entries()):
+                return False
+            self.write(end)
+            return True
+
+    def entries(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.path)
+
+    def attempts(self) -> list[LedgerAttempt]:
+        return attempts_of(self.entries())
+
+    def next_attempt(self) -> int:
+        """1 + the number of attempts already started."""
+        return 1 + sum(1 for e in self.entries() if e.get("event") == "start")
+
+
+def attempts_of(entries: Sequence[Mapping[str, Any]]) -> list[LedgerAttempt]:
+    rows: dict[int, LedgerAttempt] = {}
+    for e in entries:
+        n = e.get("attempt")
+        if not isinstance(n, int):
+            continue
+        if e.get("event") == "start":
+            rows[n] = LedgerAttempt(attempt=n, job_id=e.get("job_id"), start_step=int(e.get("start_step") or 0))
+        elif e.get("event") == "end" and n in rows:
+            row = rows[n]
+            row.end_step = e.get("end_step")
+            row.reason = e.get("reason")
+            row.requeued = bool(e.get("requeued"))
+            row.skipped = bool(e.get("skipped"))
+    return [rows[n] for n in sorted(rows)]
+
+
+# --------------------------------------------------------------------------- markers and paths
+def read_done_step(run_dir: str | Path) -> tuple[bool, int | None]:
+    """(DONE exists, the step it names)."""
+    try:
+        text = (Path(run_dir) / DONE).read_text().strip()
+    except FileNotFoundError:
+        return False, None
+    except OSError:
+        return True, None
+    return True, int(text) if text.isdigit() else None
+
+
+def is_cancelled(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / CANCELLED).exists()
+
+
+def checkpoint_dir_of(run_dir: str | Path) -> Path:
+    """Where the run's checkpoints are: the plan's ``paths.checkpoint_dir``, else the default."""
+    run_dir = Path(run_dir)
+    try:
+        d = json.loads((run_dir / PLAN).read_text())["paths"]["checkpoint_dir"]
+        if isinstance(d, str) and d:
+            return Path(d)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return run_dir / CHECKPOINTS
+
+
+__all__ = [
+    "CANCELLED", "CHECKPOINTS", "DONE", "HEARTBEAT", "LEDGER", "PLAN", "AttemptEnd", "AttemptStart", "Ledger",
+    "LedgerAttempt", "LedgerNote", "append_jsonl", "attempts_of", "checkpoint_dir_of", "is_cancelled",
+    "parse_jsonl", "read_done_step", "read_jsonl", "read_tail",
+]

@@ -1,0 +1,164 @@
+"""Reading a run directory for the monitor: the files a status row, a history and the logs
+are built from (formats and their one writer: ``launcher.core.rundir``; docs/run-directory.md).
+Cheap by design: the heartbeat by its last few KB only, the small ledger whole."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher.core.checkpoint_index import newest_complete
+from launcher.core.rundir import (
+    CANCELLED, DONE, HEARTBEAT, LEDGER, PLAN, checkpoint_dir_of, read_jsonl, read_tail,
+)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str
+    mtime: float
+
+
+def newest_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:
+    """The run's newest COMPLETE checkpoint (the one the next attempt resumes from), dated by
+    its COMPLETE marker."""
+    ckpt = newest_complete(checkpoint_dir)
+    if ckpt is None:
+        return None
+    try:
+        mtime = (ckpt.path / "COMPLETE").stat().st_mtime
+    except OSError:
+        return None
+    return Checkpoint(ckpt.step, str(ckpt.path), mtime)
+
+
+@dataclass
+class RunFiles:
+    """What one run directory says, read cheaply."""
+
+    heartbeat: list[dict[str, Any]] = field(default_factory=list)  # the tail only
+    ledger: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+    done: bool = False
+    cancelled: bool = False
+    plan_time: str | None = None  # the planned time limit, for jobs SLURM has forgotten
+    exists: bool = True
+
+
+def read_run_files(run_dir: Path, *, with_plan_time: bool = False) -> RunFiles:
+    if not run_dir.is_dir():
+        return RunFiles(exists=False)
+    rf = RunFiles(
+        heartbeat=read_tail(run_dir / HEARTBEAT),
+        ledger=read_jsonl(run_dir / LEDGER),
+        checkpoint=newest_checkpoint(checkpoint_dir_of(run_dir)),
+        done=(run_dir / DONE).exists(),
+        cancelled=(run_dir / CANCELLED).exists(),
+    )
+    if with_plan_time:
+        rf.plan_time = read_plan_time(run_dir)
+    return rf
+
+
+def read_plan_time(run_dir: Path) -> str | None:
+    try:
+        return str(json.loads((run_dir / PLAN).read_text())["slurm"]["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------- logs (pure listing)
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """One file to show: an attempt's rank log, or submitit's per-task file of a job."""
+
+    attempt: int | None
+    job_id: str | None
+    path: Path
+    label: str
+
+
+def attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    out = []
+    try:
+        for p in (run_dir / "logs").iterdir():
+            m = re.fullmatch(r"attempt-(\d+)", p.name)
+            if m and p.is_dir():
+                out.append((int(m.group(1)), p))
+    except OSError:
+        return []
+    return sorted(out)
+
+
+def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt: int | None = None) -> list[LogSource]:
+    """The files of ``rank`` for every attempt in order (or only ``attempt``); submitit's
+    ``%j_%t_log.out/.err`` of each job when an attempt has no log of its own."""
+    out = []
+    for n, d in attempt_dirs(run_dir):
+        if attempt is not None and n != attempt:
+            continue
+        p = d / f"rank-{rank}.log"
+        if p.exists():
+            out.append(LogSource(n, None, p, f"attempt {n}, rank {rank}"))
+    if out or (attempt is not None and attempt_dirs(run_dir)):
+        return out
+    sub = run_dir / "submitit"
+    for jid in job_ids:
+        for ext in ("out", "err"):
+            p = sub / f"{jid}_{rank}_log.{ext}"
+            if p.exists():
+                out.append(LogSource(None, jid, p, f"job {jid}, task {rank}, submitit {ext}"))
+    return out
+
+
+_ERROR_LINE = re.compile(
+    r"(Traceback \(most recent call last\)|\b[A-Z][A-Za-z]*(Error|Exception)\b|\bERROR\b|\bCRITICAL\b|\bFATAL\b|"
+    r"srun: error|slurmstepd: error|\bKilled\b|OOM|out of memory|DUE TO (TIME LIMIT|PREEMPTION)|CANCELLED AT)"
+)
+
+
+def error_lines(lines: Iterable[str]) -> list[str]:
+    """Tracebacks (whole) and error lines; everything else dropped."""
+    out: list[str] = []
+    in_tb = False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            in_tb = True
+            out.append(line)
+            continue
+        if in_tb:
+            out.append(line)
+            if line and not line[0].isspace():
+                in_tb = False  # the exception line closes the traceback
+            continue
+        if _ERROR_LINE.search(line):
+            out.append(line)
+    return out
+
+
+def attempt_marker(n: int | None, ledger: Sequence[Mapping[str, Any]], label: str) -> str:
+    """The line between attempts: who ran it, from which step, and how the previous one ended."""
+    if n is None:
+        return f"──── {label} ────"
+    start = next((e for e in ledger if e.get("event") == "start" and e.get("attempt") == n), None)
+    end = next((e for e in ledger if e.get("event") == "end" and e.get("attempt") == n), None)
+    bits = [f"attempt {n}"]
+    if start:
+        bits.append(f"job {start.get('job_id')}")
+        if start.get("nodes"):
+            bits.append("on " + ",".join(start["nodes"]))
+        if start.get("start_step") is not None:
+            bits.append(f"from step {start['start_step']}")
+        if start.get("time"):
+            bits.append("started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(start["time"]))))
+    if end:
+        bits.append(f"ended {end.get('reason')} at step {end.get('end_step')}")
+    return f"──── {' · '.join(bits)} ────"

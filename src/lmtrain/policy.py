@@ -1,0 +1,262 @@
+"""Why an attempt ended and whether the job runs again: pure decisions, no I/O.
+
+:func:`start_gate` (before an attempt trains) and :func:`decide` (after it) take facts that
+the controller (``lmtrain.preemption``) gathered from the run directory and SLURM, and a
+:class:`Policy` (``plan.preemption``). docs/run-directory.md lists the ledger reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.core.rundir import AttemptEnd, LedgerAttempt
+
+# SLURM states in which the controller already takes care of the job: do not requeue it again.
+_SLURM_REQUEUEING = ("PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING", "CONFIGURING")
+# The time-limit warning may arrive up to 60 s before warning_seconds; allow that much slack.
+WARNING_SLACK_S = 90.0
+SLURM_QUERY_TIMEOUT_S = 10.0
+GATE_NAME = "{key}.gate.json"
+# docs/run-directory.md: what the ledger's `reason` may say.
+LEDGER_REASONS = frozenset({"completed", "preempted", "timeout", "node_failure", "cancelled", "crashed",
+                            "no_progress", "limit_reached", "hang"})
+
+
+def steps_without_progress(starts: list[int], current: int) -> int:
+    """How many consecutive attempts, newest last, ended where they started: attempt i made
+    progress when the next one started later (``current`` is where the newest one got to)."""
+    ends = [*starts[1:], current]
+    n = 0
+    for start, end in zip(reversed(starts), reversed(ends)):
+        if end > start:
+            break
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------- decisions (pure)
+@dataclass
+class Policy:
+    """plan.preemption (spec.preemption + what the profile says about the cluster)."""
+
+    signal: str = "USR2"
+    warning_seconds: int = 120
+    max_requeues: int = 20
+    max_timeouts: int = 10
+    max_crash_retries: int = 2
+    no_progress_attempts: int = 3
+    cluster_sends_user_signal: bool = False
+
+    @classmethod
+    def from_plan(cls, preemption: dict[str, Any]) -> Policy:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in preemption.items() if k in names and v is not None})
+
+
+@dataclass
+class EndFacts:
+    """Everything rank 0 knows when an attempt's training ended."""
+
+    end_step: int
+    start_step: int
+    max_steps: int
+    checkpoint_step: int | None  # newest complete checkpoint now
+    stopped: bool  # all ranks agreed on a stop and its checkpoint is complete
+    crashed: bool  # an exception, or the Trainer stopped early without a stop
+    term: bool = False
+    warning: bool = False
+    warning_name: str = "SIGUSR2"
+    requested_reason: str | None = None  # a stop requested without a signal (tests, tools)
+    error: str | None = None
+    cancelled_marker: bool = False
+    launcher: str = "slurm"
+    job_id: str = ""
+    restart_count: int = 0
+    slurm_state: str | None = None  # JobState now; None: not SLURM or SLURM did not answer
+    preempting: bool = False  # scontrol shows a PreemptTime: SLURM is preempting (and will requeue) it
+    seconds_left: float | None = None  # until the job's time limit, at the signal
+    slurm_restarts: int | None = None  # the job's Restarts now: above restart_count = SLURM requeued it already
+    nodes_down: list[str] = field(default_factory=list)  # this attempt's nodes that SLURM has DOWN/failed now
+    history: list[LedgerAttempt] = field(default_factory=list)  # earlier attempts of the run
+
+
+@dataclass
+class Decision:
+    reason: str
+    detail: str
+    requeued: bool  # the job will run again (by SLURM or by us)
+    action: str | None = None  # "requeue" | "cancel" | None: what rank 0 does LAST
+    exit_code: int = 0
+
+
+def _state_word(state: str | None) -> str:
+    return state.split()[0].rstrip("+").upper() if state and state.strip() else ""
+
+
+def _signal_names(f: EndFacts) -> str:
+    names = [n for n, seen in ((f.warning_name, f.warning), ("SIGTERM", f.term)) if seen]
+    return " + ".join(names)
+
+
+def classify_stop(f: EndFacts, policy: Policy) -> tuple[str, str]:
+    """(reason, why) of a stop: timeout, preempted, or a requested reason."""
+    state = _state_word(f.slurm_state)
+    left = f.seconds_left
+    near_limit = left is not None and left <= policy.warning_seconds + WARNING_SLACK_S
+    sigs = _signal_names(f)
+    when = f" {left:.0f} s before the time limit" if left is not None else ""
+    if state == "TIMEOUT" or ((f.warning or f.term) and near_limit):
+        return "timeout", f"{sigs}{when}"
+    if f.term:
+        return "preempted", f"SIGTERM{when}" + (f" (JobState {state})" if state else "")
+    if f.warning:
+        if left is None and not policy.cluster_sends_user_signal and state != "PREEMPTED" and not f.preempting:
+            return "timeout", f"{f.warning_name} (time to the limit unknown: taken as the time-limit warning)"
+        return "preempted", f"{f.warning_name}{when}, not at the time limit"
+    reason = f.requested_reason if f.requested_reason in LEDGER_REASONS else "preempted"
+    return reason, f"stop requested ({f.requested_reason})" if f.requested_reason else "stop requested"
+
+
+def decide(f: EndFacts, policy: Policy) -> Decision:
+    """Why the attempt ended, and whether (and by whom) the job runs again."""
+    state = _state_word(f.slurm_state)
+    ckpt = f"checkpoint step-{f.checkpoint_step} complete" if f.checkpoint_step is not None else "no checkpoint"
+    if f.end_step >= f.max_steps and not f.crashed:
+        return Decision("completed", f"reached max_steps({f.max_steps})", requeued=False)
+    if f.cancelled_marker or state == "CANCELLED":
+        why = "CANCELLED marker in the run directory" if f.cancelled_marker else "JobState CANCELLED"
+        sig = _signal_names(f)
+        return Decision("cancelled", f"{why}{'; ' + sig if sig else ''}; {ckpt}; never requeued", requeued=False)
+
+    if f.nodes_down:
+        # SLURM set a node of this job DOWN: it kills the steps (SIGTERM when the node's slurmd
+        # still answers) and requeues the job itself (NODE_FAIL in accounting).
+        reason, why = "node_failure", f"node {', '.join(f.nodes_down)} DOWN" + (
+            f" ({_signal_names(f)})" if f.warning or f.term else "")
+        detail = f"{why}; {ckpt}"
+    elif f.warning or f.term or (f.stopped and not f.crashed):
+        reason, why = classify_stop(f, policy)
+        detail = f"{why}; {ckpt}"
+        if f.crashed and f.error:
+            detail += f"; then {f.error}"
+    else:
+        reason = "crashed"
+        detail = f.error or "the Trainer stopped before max_steps without a stop request"
+        detail += f"; resumes from {ckpt}" if f.checkpoint_step is not None else ""
+    exit_code = 1 if reason == "crashed" else 0
+
+    # During the partition's GraceTime a preempted job still shows RUNNING, with a PreemptTime;
+    # it must requeue itself all the same: slurm 22.05 ends a preempted job whose tasks exit
+    # within GraceTime as COMPLETED and never requeues it (seen on the local cluster).
+    slurm_requeues = state in _SLURM_REQUEUEING or (
+        f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
+    if f.launcher != "slurm":
+        return Decision(reason, detail + "; local run: not requeued", requeued=False, exit_code=exit_code)
+    if state == "COMPLETING" and not slurm_requeues and reason != "timeout":
+        # SLURM is tearing the job down and accounting did not say why (scancel shows COMPLETING,
+        # not CANCELLED, while the tasks run): a requeue could undo a user's cancel.
+        return Decision(reason, detail + "; JobState COMPLETING and accounting did not say why (a bare scancel?): "
+                        "not requeued", requeued=False, exit_code=exit_code)
+
+    # --- loop guards --------------------------------------------------------------------------
+    job_hist = [a for a in f.history if a.job_id == f.job_id]
+    stop_why = None
+    stop_reason = "limit_reached"
+    if reason == "crashed":
+        retries = sum(1 for a in job_hist if a.reason == "crashed" and a.requeued)
+        if retries >= policy.max_crash_retries:
+            stop_why, stop_reason = f"max_crash_retries({policy.max_crash_retries}) reached", "crashed"
+    if stop_why is None and f.restart_count >= policy.max_requeues:
+        stop_why = f"max_requeues({policy.max_requeues}) reached ({f.restart_count} requeues)"
+    if stop_why is None and reason == "timeout":
+        timeouts = 1 + sum(1 for a in job_hist if a.reason == "timeout")
+        if timeouts > policy.max_timeouts:
+            stop_why = f"max_timeouts({policy.max_timeouts}) reached ({timeouts} time limits)"
+    if stop_why is None:
+        starts = [a.start_step for a in f.history if not a.skipped] + [f.start_step]
+        current = f.checkpoint_step if f.checkpoint_step is not None else f.start_step
+        stuck = steps_without_progress(starts, current)
+        if stuck >= policy.no_progress_attempts:
+            stop_why, stop_reason = (
+                f"the global step stayed at {current} over {stuck} attempts "
+                f"(no_progress_attempts={policy.no_progress_attempts})"
+            ), "no_progress"
+    if stop_why is not None:
+        detail = f"{reason}: {detail}; {stop_why}; not requeued"
+        # SLURM requeues a preempted job by itself: cancel it so it does not start again.
+        return Decision(stop_reason, detail, requeued=False, action="cancel" if slurm_requeues else None,
+                        exit_code=exit_code)
+
+    if slurm_requeues:
+        return Decision(reason, detail + f"; requeued by SLURM (JobState {state})", requeued=True, exit_code=exit_code)
+    by = " during the preemption's GraceTime (PreemptTime set)" if f.preempting else ""
+    return Decision(reason, detail + f"; requeued (scontrol requeue{by})", requeued=True, action="requeue",
+                    exit_code=exit_code)
+
+
+@dataclass
+class StartFacts:
+    done_marker: bool
+    cancelled_marker: bool
+    start_step: int  # newest complete checkpoint
+    restart_count: int
+    job_id: str
+    history: list[LedgerAttempt]
+    previous_state: str | None = None  # SLURM's state of the previous attempt (sacct -D), if known
+    max_steps: int | None = None  # the plan's trainer.max_steps (None: a DONE marker is final)
+    done_step: int | None = None  # the step the DONE marker records (None: unknown, final)
+
+
+@dataclass
+class Gate:
+    """The start gate's answer: ``exit`` -> end this attempt at once with ``reason``."""
+
+    exit: bool
+    reason: str | None = None
+    detail: str | None = None
+    previous_end: dict[str, Any] | None = None  # an end line for an earlier attempt without one
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+_PREVIOUS_REASONS = {"NODE_FAIL": "node_failure", "PREEMPTED": "preempted", "TIMEOUT": "timeout",
+                     "CANCELLED": "cancelled", "OUT_OF_MEMORY": "crashed", "FAILED": "crashed"}
+
+
+def start_gate(f: StartFacts, policy: Policy) -> Gate:
+    """Before training: record an earlier attempt that never wrote its end, and refuse to train a
+    run that is finished, cancelled or over a loop guard."""
+    previous_end = None
+    if f.history and f.history[-1].reason is None:
+        prev = f.history[-1]
+        reason = _PREVIOUS_REASONS.get(_state_word(f.previous_state), "node_failure")
+        seen = f" (SLURM: {_state_word(f.previous_state)})" if f.previous_state else ""
+        previous_end = AttemptEnd(
+            attempt=prev.attempt, job_id=prev.job_id, time=time.time(), end_step=f.start_step, reason=reason,
+            detail=(f"attempt {prev.attempt} has no end line: its tasks were killed without a chance to "
+                    f"write it (node failure, SIGKILL){seen}; recorded at the start of the next attempt, "
+                    f"which resumes from step {f.start_step}"),
+            requeued=True,
+        ).to_json()
+        prev.reason, prev.end_step, prev.requeued = reason, f.start_step, True
+    if f.done_marker and (f.max_steps is None or f.done_step is None or f.done_step >= f.max_steps):
+        return Gate(True, "completed", "the run already finished (DONE marker): not training again", previous_end)
+    # DONE at a step below max_steps: the run was continued to a larger
+    # trainer.max_steps (submit --resume trainer.max_steps=N); it trains on.
+    if f.cancelled_marker:
+        return Gate(True, "cancelled", "the run is cancelled (CANCELLED marker): not training again", previous_end)
+    if f.restart_count > policy.max_requeues:
+        return Gate(True, "limit_reached",
+                    f"max_requeues({policy.max_requeues}) reached ({f.restart_count} requeues): not training again",
+                    previous_end)
+    starts = [a.start_step for a in f.history if not a.skipped]
+    stuck = steps_without_progress(starts, f.start_step) if starts else 0
+    if stuck >= policy.no_progress_attempts:
+        return Gate(True, "no_progress",
+                    f"the global step stayed at {f.start_step} over the last {stuck} attempts "
+                    f"(no_progress_attempts={policy.no_progress_attempts}): not training again", previous_end)
+    return Gate(False, previous_end=previous_end)

@@ -1,0 +1,179 @@
+"""The task's signals: one owner of the warning signal and SIGTERM in the training process.
+
+Handlers only record (which signal, when) and call ``StopRequest.request``: no I/O, no
+collective. The stop itself is agreed at a step boundary (``lmtrain.preemption.StopAgreement``).
+:func:`own_signals` takes the signals over as soon as the task starts; DataLoader workers
+ignore both (:class:`WorkerSignalGuard`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lmtrain.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SignalRecord:
+    """What the handlers saw in this process (written only by the handler, read by the loop)."""
+
+    term_at: float | None = None
+    warning_at: float | None = None
+    count: int = 0
+
+    @property
+    def first_at(self) -> float | None:
+        times = [t for t in (self.term_at, self.warning_at) if t is not None]
+        return min(times) if times else None
+
+
+class SignalOwner:
+    """lmtrain's handlers for the warning signal and SIGTERM: record, request a stop, nothing more.
+
+    ``install`` may be called again (after Lightning registered its handlers); ``restore`` puts
+    back what was there before the first ``install``.
+    """
+
+    def __init__(self, stop, warning_signal: str = "USR2") -> None:
+        self.stop = stop
+        self.warning_signum = signal_number(warning_signal)
+        self.warning_name = "SIG" + warning_signal.upper().removeprefix("SIG")
+        self.record = SignalRecord()
+        self.pid = os.getpid()
+        self._previous: dict[int, Any] | None = None
+
+    @property
+    def signums(self) -> tuple[int, ...]:
+        return (self.warning_signum, signal.SIGTERM)
+
+    def install(self) -> bool:
+        """(Re-)install the handlers. Only possible in the main thread of the owning process."""
+        if threading.current_thread() is not threading.main_thread() or os.getpid() != self.pid:
+            return False
+        first = self._previous is None
+        if first:
+            self._previous = {}
+        for signum in self.signums:
+            previous = signal.signal(signum, self._handle)
+            if first:
+                self._previous[signum] = previous
+        return True
+
+    def _handle(self, signum: int, frame) -> None:
+        # Runs between two bytecodes of the main thread: set fields only (no I/O, no locks,
+        # no collectives, nothing that can block).
+        if os.getpid() != self.pid:
+            return  # a forked DataLoader worker: the training process handles the signal
+        now = time.time()
+        rec = self.record
+        rec.count += 1
+        if signum == signal.SIGTERM:
+            if rec.term_at is None:
+                rec.term_at = now
+            self.stop.request("preempted", "SIGTERM")
+        else:
+            if rec.warning_at is None:
+                rec.warning_at = now
+            self.stop.request("timeout", self.warning_name)
+
+    @property
+    def installed(self) -> bool:
+        return self._previous is not None
+
+    def restore(self) -> None:
+        if self._previous is None or os.getpid() != self.pid:
+            return
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = None
+
+
+_EARLY: SignalOwner | None = None
+
+
+def own_signals(plan) -> SignalOwner:
+    """Take the signals over as soon as the task starts, before the rendezvous and the imports of
+    the model: until then submitit's USR2 handler (checkpoint_and_try_requeue) would requeue the
+    job from inside the handler. What arrives now is kept and acted on at the first step
+    boundary (:class:`Preemption` adopts this owner)."""
+    global _EARLY
+    from lmtrain.callbacks import StopRequest
+
+    if _EARLY is None or _EARLY.pid != os.getpid() or not _EARLY.installed:
+        _EARLY = SignalOwner(StopRequest(), Policy.from_plan(plan.preemption).signal)
+    _EARLY.install()
+    return _EARLY
+
+
+def release_early_signals() -> None:
+    """Give the signals back (an attempt that ends before training)."""
+    if _EARLY is not None:
+        _EARLY.restore()
+
+
+def _adopt_early(stop, warning_signal: str) -> SignalOwner | None:
+    early = _EARLY
+    if early is None or early.pid != os.getpid() or not early.installed:
+        return None
+    if early.warning_signum != signal_number(warning_signal):
+        early.restore()
+        return None
+    before, early.stop = early.stop, stop
+    if before.requested:
+        stop.request(before.reason, before.detail)
+        stop.requested_at = before.requested_at
+    return early
+
+
+class WorkerSignalGuard:
+    """A DataLoader ``worker_init_fn``: workers ignore SIGTERM and the warning signal.
+
+    SLURM signals every process of a task, workers included. torch's workers install a C
+    SIGTERM handler that kills the worker, and the training process would then fail at its next
+    batch ("DataLoader worker exited unexpectedly") before it could reach the step boundary and
+    checkpoint. Ignoring both lets the training process stop and shut its workers down itself
+    (a worker whose parent died exits through torch's watchdog). Lightning's worker seeding
+    (``seed_everything(workers=True)``) still runs, as Lightning would have added it.
+    Picklable, so it also works with the spawn start method.
+    """
+
+    def __init__(self, signums: tuple[int, ...], rank: int, inner=None) -> None:
+        self.signums = tuple(int(s) for s in signums)
+        self.rank = rank
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in self.signums:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
+        elif os.environ.get("PL_SEED_WORKERS") == "1":
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            pl_worker_init_function(worker_id, rank=self.rank)
+
+
+def guard_dataloader_workers(loaders, signums: tuple[int, ...], rank: int) -> None:
+    """Give every multi-process DataLoader the :class:`WorkerSignalGuard`."""
+    for loader in loaders:
+        if loader is not None and getattr(loader, "num_workers", 0) > 0:
+            if not isinstance(loader.worker_init_fn, WorkerSignalGuard):
+                loader.worker_init_fn = WorkerSignalGuard(signums, rank, inner=loader.worker_init_fn)
+
+
+def signal_number(name: str) -> int:
+    """'USR2' / 'SIGUSR2' -> signal.SIGUSR2."""
+    key = "SIG" + name.upper().removeprefix("SIG")
+    try:
+        return int(getattr(signal, key))
+    except AttributeError:
+        raise ValueError(f"unknown signal {name!r} in plan.preemption.signal") from None
