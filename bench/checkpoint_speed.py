@@ -182,8 +182,8 @@ def run_config(cfg: CkptConfig, *, work: Path, threads: int, stop_after: int) ->
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": tp.device_name(), **tp.versions(),
         "model_type": facts["model_type"], "n_params": facts["n_params"],
-        "strategy": t["strategy"], "zero_stage": plan.spec["trainer"].get("zero_stage"),
-        "precision": t["precision"], "compile": bool(plan.spec["model"].get("compile")),
+        "strategy": plan.training.strategy, "zero_stage": plan.spec["trainer"].get("zero_stage"),
+        "precision": t.precision, "compile": bool(plan.spec["model"].get("compile")),
         "micro_batch_size": plan.topology.micro_batch_size, "seq_len": int(plan.spec["data"]["seq_len"]),
         "stop_signal": "SIGTERM", "plan_env_applied": env_applied, **stop, **resume,
     }

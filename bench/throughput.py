@@ -322,8 +322,8 @@ def project_side(plan, warmup: int, steps: int) -> dict[str, Any]:
     tokens = steps * topo.micro_batch_size * topo.grad_accum * topo.world_size * int(plan.spec["data"]["seq_len"])
     losses = probe.losses()
     out = {
-        "name": f"project path ({t['strategy']}" + (f" ZeRO-{plan.spec['trainer']['zero_stage']}" if t["strategy"] == "deepspeed" else "") + ")",
-        "strategy": t["strategy"], "lightning_strategy": probe.strategy_name, "precision": t["precision"],
+        "name": f"project path ({plan.training.strategy}" + (f" ZeRO-{plan.spec['trainer']['zero_stage']}" if plan.training.strategy == "deepspeed" else "") + ")",
+        "strategy": plan.training.strategy, "lightning_strategy": probe.strategy_name, "precision": t.precision,
         "compile": bool(plan.spec["model"].get("compile")), "seconds": probe.t1 - probe.t0, "tokens": tokens,
         "loss_first": losses[0], "loss_last": losses[-1], "max_mem_gib": probe.max_mem_gib,
     }
@@ -342,18 +342,18 @@ def handwritten_side(plan, warmup: int, steps: int) -> dict[str, Any]:
     spec, t = plan.spec, plan.trainer
     if plan.topology.grad_accum != 1 or plan.topology.world_size != 1:
         raise RuntimeError("the hand-written baseline trains one micro batch per step on one rank")
-    device = torch.device("cuda", 0) if t["accelerator"] == "gpu" else torch.device("cpu")
-    loader, _val, _sampler = make_dataloaders(SimpleNamespace(**spec["data"]), world_size=1, rank=0, seed=int(t["seed"]))
+    device = torch.device("cuda", 0) if t.accelerator == "gpu" else torch.device("cpu")
+    loader, _val, _sampler = make_dataloaders(SimpleNamespace(**spec["data"]), world_size=1, rank=0, seed=plan.training.seed)
     res = train_handwritten(
-        spec["model"], OptimSettings.from_spec(spec["optim"], int(t["max_steps"])), loader, device=device,
-        bf16=device.type == "cuda" and t["precision"].startswith("bf16"), clip=t["gradient_clip_val"],
-        warmup=warmup, steps=steps, seed=int(t["seed"]),
+        spec["model"], OptimSettings.from_spec(spec["optim"], t.max_steps), loader, device=device,
+        bf16=device.type == "cuda" and t.precision.startswith("bf16"), clip=plan.training.gradient_clip_val,
+        warmup=warmup, steps=steps, seed=plan.training.seed,
     )
     del loader, _val, _sampler
     free_memory()
     return {
         "name": "hand-written loop" + (" (torch.compile)" if res.compiled else ""), "strategy": None,
-        "precision": "bf16 autocast" if device.type == "cuda" and t["precision"].startswith("bf16") else "fp32",
+        "precision": "bf16 autocast" if device.type == "cuda" and t.precision.startswith("bf16") else "fp32",
         "compile": res.compiled, "optimizer": res.optimizer, "seconds": res.seconds, "tokens": res.tokens,
         "loss_first": res.loss_first, "loss_last": res.loss_last, "max_mem_gib": res.max_mem_gib,
     }
@@ -398,7 +398,7 @@ def run_config(
     a = dict(max(rounds["a"], key=lambda x: x["tokens_per_s"]))
     b = dict(max(rounds["b"], key=lambda x: x["tokens_per_s"]))
     facts = model_facts(plan_b.spec["model"], int(plan_b.spec["data"]["seq_len"]))
-    peak = peak_flops(plan_b.trainer["precision"])
+    peak = peak_flops(plan_b.trainer.precision)
     line: dict[str, Any] = {
         "bench": "throughput", "config": cfg.name, "description": cfg.description,
         "mode": "gpu" if cfg.gpu else "cpu-smoke",
@@ -408,7 +408,7 @@ def run_config(
         "data": DATA_NOTE, **facts,
         "seq_len": int(plan_b.spec["data"]["seq_len"]), "micro_batch_size": plan_b.topology.micro_batch_size,
         "tokens_per_step": plan_b.topology.micro_batch_size * int(plan_b.spec["data"]["seq_len"]),
-        "precision": plan_b.trainer["precision"], "warmup_steps": warmup, "timed_steps": steps, "order": order,
+        "precision": plan_b.trainer.precision, "warmup_steps": warmup, "timed_steps": steps, "order": order,
         "repeat": repeat,
         "flops_formula": FLOPS_FORMULA, "peak_flops": peak, "plan_env_applied": env_applied,
         "wall_s": round(time.time() - started, 2),

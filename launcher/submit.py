@@ -276,7 +276,7 @@ def continuation_note(plan: LaunchPlan, run_dir: Any) -> str | None:
         return None
     text = done.read_text().strip()
     step = int(text) if text.isdigit() else None
-    new_max = int(plan.trainer["max_steps"])
+    new_max = plan.trainer.max_steps
     if step is None or step >= new_max:
         raise UserError(
             f"run '{plan.run_name}' already finished at step {text or '?'} and trainer.max_steps is {new_max}: "
@@ -306,7 +306,7 @@ def resume_note(plan: LaunchPlan) -> str | None:
         old_strategy, old_world = str(meta["strategy"]), int(meta["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # the runtime's own check reports an unreadable checkpoint
-    strategy, world = plan.trainer["strategy"], plan.topology.world_size
+    strategy, world = plan.training.strategy, plan.topology.world_size
     if old_strategy != strategy:
         raise UserError(
             f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
@@ -450,7 +450,7 @@ def submit_plan(
     rec.profile = plan.profile
     if spec_path:
         rec.spec_path = str(Path(spec_path).absolute())
-    rec.max_steps = plan.trainer.get("max_steps")
+    rec.max_steps = plan.trainer.max_steps
     runs.save_record(rec, env)
 
     t = plan.topology

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -62,8 +63,12 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
         lines.append("## DeepSpeed config")
         lines.append(json.dumps(plan.deepspeed, indent=2, sort_keys=True))
     lines.append("")
-    lines.append("## Trainer arguments")
-    lines.append(json.dumps(plan.trainer, indent=2, sort_keys=True))
+    lines.append("## Trainer arguments (lightning.Trainer gets exactly these; the strategy object, loggers, callbacks")
+    lines.append("## and enable_model_summary on rank 0 are built on the allocation; no validation split: validation off)")
+    lines.append(json.dumps(plan.trainer.kwargs(), indent=2, sort_keys=True))
+    lines.append("")
+    lines.append("## Strategy, seed, gradient clipping (built on the allocation; the module clips)")
+    lines.append(json.dumps(dataclasses.asdict(plan.training), indent=2, sort_keys=True))
     lines.append("")
     lines.append("## run directory")
     for k, v in plan.paths.__dict__.items():

@@ -18,8 +18,62 @@ from launcher.core.nccl import EnvOverride, render_env
 from launcher.core.profiles import Profile, check_slurm_path
 from launcher.core.spec import JobSpec, format_minutes, mem_to_mb
 
-PLAN_VERSION = 1
+# 2: `trainer` is exactly the Trainer's keyword arguments (TrainerPlan); `training` holds the rest.
+PLAN_VERSION = 2
+READABLE_PLAN_VERSIONS = (1, 2)  # a requeued attempt reads the plan.json its submission wrote
 TASK_TARGET = "lmtrain.task:TrainTask"
+
+
+class PlanVersionError(ValueError):
+    """plan.json was written by an lmlaunch whose plan this one cannot read."""
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """Exactly the keyword arguments lmtrain builds ``lightning.Trainer`` with; the dry run
+    prints them. Only what exists on the allocation is added there: the strategy object (from
+    :class:`TrainingPlan`), loggers, callbacks and ``enable_model_summary`` (rank 0 only). When
+    the data turns out to have no validation split, the run uses :meth:`without_validation`."""
+
+    accelerator: str
+    devices: int
+    num_nodes: int
+    precision: str
+    max_steps: int
+    accumulate_grad_batches: int
+    val_check_interval: int | None  # in batches (steps x accumulation); None: no validation
+    limit_val_batches: int
+    log_every_n_steps: int
+    default_root_dir: str
+    max_epochs: int = -1
+    check_val_every_n_epoch: int | None = None  # validation by step count, not by epoch
+    num_sanity_val_steps: int = 0
+    gradient_clip_val: float | None = None  # the module clips (lmtrain.module: with every strategy alike)
+    use_distributed_sampler: bool = False  # lmtrain's resumable sampler shards the data
+    enable_checkpointing: bool = False  # lmtrain owns checkpoints (atomic, complete-marked)
+    enable_progress_bar: bool = False  # a progress bar would sync the host every step
+
+    def kwargs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def val_every_n_steps(self) -> int | None:
+        if self.val_check_interval is None:
+            return None
+        return self.val_check_interval // self.accumulate_grad_batches
+
+    def without_validation(self) -> TrainerPlan:
+        return dataclasses.replace(self, val_check_interval=None, limit_val_batches=0)
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """What the allocation builds besides the Trainer's arguments."""
+
+    strategy: str  # ddp | deepspeed | fsdp (lmtrain.strategies builds the object)
+    process_group_backend: str  # nccl on GPUs, gloo on CPU processes
+    seed: int
+    gradient_clip_val: float | None  # applied by the module (TrainerPlan.gradient_clip_val is None)
 
 
 @dataclass(frozen=True)
@@ -90,7 +144,8 @@ class LaunchPlan:
     python: str
     srun_args: tuple[str, ...]
     deepspeed: dict[str, Any] | None
-    trainer: dict[str, Any]
+    trainer: TrainerPlan
+    training: TrainingPlan
     task: dict[str, Any]
     paths: RunPaths
     preemption: dict[str, Any]
@@ -107,9 +162,23 @@ class LaunchPlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LaunchPlan:
+        """A plan.json as written by this lmlaunch or an older one (``READABLE_PLAN_VERSIONS``);
+        any other raises :class:`PlanVersionError` saying what to do."""
+        version = d.get("version") if isinstance(d, dict) else None
+        if version not in READABLE_PLAN_VERSIONS:
+            raise PlanVersionError(
+                f"plan version {version!r}: this lmlaunch reads plan versions "
+                f"{', '.join(map(str, READABLE_PLAN_VERSIONS))} (it writes {PLAN_VERSION}). The run was planned "
+                f"by {'a newer' if isinstance(version, int) and version > PLAN_VERSION else 'another'} lmlaunch: "
+                f"run it with that one, or start it again (`lmlaunch submit SPEC --new`)"
+            )
+        if version == 1:
+            d = _upgrade_v1(d)
         return cls(
             **{
                 **d,
+                "trainer": TrainerPlan(**d["trainer"]),
+                "training": TrainingPlan(**d["training"]),
                 "topology": Topology(**d["topology"]),
                 "slurm": SlurmParams(**d["slurm"]),
                 "paths": RunPaths(**d["paths"]),
@@ -120,6 +189,25 @@ class LaunchPlan:
                 "notes": tuple(d.get("notes", ())),
             }
         )
+
+
+def _upgrade_v1(d: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 kept the spec's trainer settings in one dict; the entry derived the Trainer's
+    arguments from it exactly as :func:`_trainer_plans` does now."""
+    t = d["trainer"]
+    accum = int(t["accumulate_grad_batches"])
+    validate = int(t["limit_val_batches"]) > 0
+    trainer = TrainerPlan(
+        accelerator=t["accelerator"], devices=int(t["devices"]), num_nodes=int(t["num_nodes"]),
+        precision=t["precision"], max_steps=int(t["max_steps"]), accumulate_grad_batches=accum,
+        val_check_interval=int(t["val_check_interval"] or t["max_steps"]) * accum if validate else None,
+        limit_val_batches=int(t["limit_val_batches"]), log_every_n_steps=int(t["log_every_n_steps"]),
+        default_root_dir=d["paths"]["run_dir"],
+    )
+    training = TrainingPlan(strategy=t["strategy"], process_group_backend=t["process_group_backend"],
+                            seed=int(t["seed"]), gradient_clip_val=t["gradient_clip_val"])
+    return {**d, "version": PLAN_VERSION, "trainer": dataclasses.asdict(trainer),
+            "training": dataclasses.asdict(training)}
 
 
 def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
@@ -221,32 +309,34 @@ def _slurm(
     )
 
 
-def _trainer_args(spec: JobSpec, topo: Topology) -> dict[str, Any]:
+def _trainer_plans(spec: JobSpec, topo: Topology, run_dir: str) -> tuple[TrainerPlan, TrainingPlan, list[str]]:
     t = spec.trainer
-    strategy = t.strategy
     notes = []
     precision = t.precision
     if topo.accelerator == "cpu" and precision == "16-mixed":
         precision = "bf16-mixed"
         notes.append("16-mixed needs CUDA: this CPU run uses bf16-mixed")
-    return {
-        "accelerator": topo.accelerator,
-        "devices": topo.tasks_per_node,
-        "num_nodes": topo.nodes,
-        "strategy": strategy,
-        "process_group_backend": "nccl" if topo.accelerator == "gpu" else "gloo",
-        "precision": precision,
-        "max_steps": t.max_steps,
-        "accumulate_grad_batches": topo.grad_accum,
-        "gradient_clip_val": t.gradient_clip_val,
-        "val_check_interval": t.val_check_interval,
-        "limit_val_batches": t.limit_val_batches,
-        "log_every_n_steps": t.log_every_n_steps,
-        "use_distributed_sampler": False,  # lmtrain's resumable sampler shards the data
-        "enable_checkpointing": False,  # lmtrain owns checkpoints (atomic, complete-marked)
-        "seed": t.seed,
-        "notes": notes,
-    }
+    validate = t.limit_val_batches > 0
+    trainer = TrainerPlan(
+        accelerator=topo.accelerator,
+        devices=topo.tasks_per_node,
+        num_nodes=topo.nodes,
+        precision=precision,
+        max_steps=t.max_steps,
+        accumulate_grad_batches=topo.grad_accum,
+        # Lightning counts batches; the spec counts optimizer steps (null: once, at the end).
+        val_check_interval=(t.val_check_interval or t.max_steps) * topo.grad_accum if validate else None,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        default_root_dir=run_dir,
+    )
+    training = TrainingPlan(
+        strategy=t.strategy,
+        process_group_backend="nccl" if topo.accelerator == "gpu" else "gloo",
+        seed=t.seed,
+        gradient_clip_val=t.gradient_clip_val,
+    )
+    return trainer, training, notes
 
 
 def _strategy_problems(spec: JobSpec, topo: Topology) -> list[str]:
@@ -308,10 +398,10 @@ def make_plan(
     if problems:
         raise SpecError(problems)
     env = render_env(spec, profile, run_dir=paths.run_dir, cpus_per_task=slurm.cpus_per_task)
-    trainer = _trainer_args(spec, topo)
-    notes = tuple(trainer.pop("notes"))
+    trainer, training, trainer_notes = _trainer_plans(spec, topo, paths.run_dir)
+    notes = tuple(trainer_notes)
     deepspeed = None
-    if trainer["strategy"] == "deepspeed":
+    if training.strategy == "deepspeed":
         deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum)
     srun_args: tuple[str, ...] = ()
     if profile.container is not None:
@@ -350,6 +440,7 @@ def make_plan(
         srun_args=srun_args,
         deepspeed=deepspeed,
         trainer=trainer,
+        training=training,
         task={"target": TASK_TARGET, "run_dir": paths.run_dir},
         paths=paths,
         preemption=preemption,

@@ -140,7 +140,7 @@ def _convert_for_world_size(plan, env, name: str) -> None:
     from lmtrain.elastic import ensure_universal, needs_universal, record_failure
 
     ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, name)
-    if ckpt is not None and needs_universal(ckpt, strategy=plan.trainer["strategy"], world_size=env.world_size):
+    if ckpt is not None and needs_universal(ckpt, strategy=plan.training.strategy, world_size=env.world_size):
         try:
             ensure_universal(ckpt)
         except Exception as exc:  # the attempt ends with this reason in the ledger
@@ -209,7 +209,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
     from lmtrain.preemption import Preemption
 
     t, paths = plan.trainer, plan.paths
-    max_steps = int(t["max_steps"])
+    max_steps = t.max_steps
     is_zero = env.rank == 0
     ledger = Ledger(paths.ledger)
     info = RunInfo(
@@ -238,7 +238,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         raise RuntimeError(f"rank {env.rank}: {exc}") from None
     if ckpt is not None:
         try:
-            check_compatible(ckpt, strategy=t["strategy"], world_size=env.world_size)
+            check_compatible(ckpt, strategy=plan.training.strategy, world_size=env.world_size)
         except CheckpointError as exc:
             # Not retryable: say so in the rank log and the ledger, exit non-zero, never requeue.
             log.error("cannot resume: %s", exc)
@@ -307,13 +307,13 @@ def _write_marker(path: Path, text: str) -> None:
     write_text_atomic(path, text)
 
 
-def _configure_torch(t: dict[str, Any], env) -> None:
+def _configure_torch(t, env) -> None:
     import torch
 
     threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("SLURM_CPUS_PER_TASK")
-    if t["accelerator"] == "cpu" and threads:
+    if t.accelerator == "cpu" and threads:
         torch.set_num_threads(max(1, int(threads)))
-    if t["accelerator"] == "gpu":
+    if t.accelerator == "gpu":
         torch.backends.cuda.matmul.allow_tf32 = True  # 32-true matmuls on tensor cores
         torch.backends.cudnn.allow_tf32 = True
 
@@ -349,11 +349,11 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     from lmtrain.elastic import needs_universal, universal_dir
     from lmtrain.strategies import build_strategy
 
-    spec, t, paths = plan.spec, plan.trainer, plan.paths
+    spec, t, training, paths = plan.spec, plan.trainer, plan.training, plan.paths
     stop = ctx.stop
-    max_steps = int(t["max_steps"])
+    max_steps = t.max_steps
     data_spec = SimpleNamespace(**spec["data"])
-    seed = int(t["seed"])
+    seed = training.seed
 
     # --- data -----------------------------------------------------------------------------
     config = build_config(spec["model"])
@@ -379,17 +379,17 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
                 ckpt.step, env.world_size, old_world,
             )
             old_accum = plan.topology.global_batch_size // (plan.topology.micro_batch_size * old_world)
-            realign = RealignAccumulation(old_accum, int(t["accumulate_grad_batches"]))
+            realign = RealignAccumulation(old_accum, t.accumulate_grad_batches)
 
-    universal = ckpt is not None and needs_universal(ckpt, strategy=t["strategy"], world_size=env.world_size)
+    universal = ckpt is not None and needs_universal(ckpt, strategy=training.strategy, world_size=env.world_size)
 
     # --- model ----------------------------------------------------------------------------
     pl.seed_everything(seed, workers=True, verbose=False)
-    accum = int(t["accumulate_grad_batches"])
+    accum = t.accumulate_grad_batches
     rt = RuntimeSettings(
-        strategy=t["strategy"], precision=t["precision"], accelerator=t["accelerator"],
-        clip_val=t["gradient_clip_val"], seq_len=int(data_spec.seq_len), micro_batch_size=int(data_spec.micro_batch_size),
-        world_size=env.world_size, accumulate=accum, log_every_n_steps=int(t["log_every_n_steps"]),
+        strategy=training.strategy, precision=t.precision, accelerator=t.accelerator,
+        clip_val=training.gradient_clip_val, seq_len=int(data_spec.seq_len), micro_batch_size=int(data_spec.micro_batch_size),
+        world_size=env.world_size, accumulate=accum, log_every_n_steps=t.log_every_n_steps,
         offload_optimizer=bool(spec["trainer"].get("offload_optimizer")),
     )
     module = LMModule(spec["model"], OptimSettings.from_spec(spec["optim"], max_steps), rt, seed)
@@ -400,8 +400,8 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
         paths.checkpoint_dir,
         keep_last=int(spec["checkpoint"]["keep_last"]),
         every_n_steps=int(spec["checkpoint"]["every_n_steps"]),
-        strategy=t["strategy"],
-        zero_stage=spec["trainer"].get("zero_stage") if t["strategy"] == "deepspeed" else None,
+        strategy=training.strategy,
+        zero_stage=spec["trainer"].get("zero_stage") if training.strategy == "deepspeed" else None,
         identity={"job_id": env.job_id, "attempt": ctx.attempt,
                   "logger": logger_identity(str(ctx.run_dir), spec["logging"])},
     )
@@ -420,30 +420,16 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     loggers = make_loggers(ctx.run_dir, spec["logging"], plan.run_name)
 
     # --- trainer ----------------------------------------------------------------------------
-    validate = val_loader is not None and int(t["limit_val_batches"]) > 0
-    vci_steps = t["val_check_interval"] or max_steps  # null: validate once, at the end
+    # The plan's Trainer arguments as they are (the dry run printed them); without a validation
+    # split in the data, the same arguments with validation off.
+    trainer_plan = t if val_loader is not None else t.without_validation()
+    validate = trainer_plan.val_check_interval is not None
     trainer = pl.Trainer(
-        accelerator=t["accelerator"],
-        devices=int(t["devices"]),
-        num_nodes=int(t["num_nodes"]),
+        **trainer_plan.kwargs(),
         strategy=build_strategy(plan, env, load_universal=universal),
-        precision=t["precision"],
-        max_steps=max_steps,
-        max_epochs=-1,
-        accumulate_grad_batches=accum,
-        gradient_clip_val=None,  # the module clips (see lmtrain.module)
-        val_check_interval=int(vci_steps) * accum if validate else None,
-        check_val_every_n_epoch=None,
-        limit_val_batches=int(t["limit_val_batches"]) if validate else 0,
-        num_sanity_val_steps=0,
-        log_every_n_steps=int(t["log_every_n_steps"]),
-        use_distributed_sampler=False,  # lmtrain's resumable sampler shards the data
-        enable_checkpointing=False,  # lmtrain owns checkpoints
-        enable_progress_bar=False,  # a progress bar would sync the host every step
         enable_model_summary=env.rank == 0,
         logger=loggers or False,
         callbacks=callbacks,
-        default_root_dir=str(ctx.run_dir),
     )
     ctx.trainer = trainer
     fit_kwargs: dict[str, Any] = {}
@@ -454,7 +440,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader if validate else None, **fit_kwargs)
 
     step = trainer.global_step
-    if validate and step >= max_steps and max_steps % int(vci_steps):
+    if validate and step >= max_steps and max_steps % (trainer_plan.val_every_n_steps or max_steps):
         # The last interval did not end on a validation step: validate the final weights.
         trainer.validate(module, dataloaders=val_loader, verbose=False)
     if stop.agreed_step is not None:

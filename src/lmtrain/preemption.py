@@ -76,13 +76,13 @@ def decide_start(plan, env, run_dir: Path) -> Gate:
     gate = start_gate(StartFacts(
         done_step=done_step, done_marker=done, cancelled_marker=is_cancelled(run_dir),
         start_step=ckpt.step if ckpt is not None else 0, restart_count=env.restart_count, job_id=env.job_id,
-        history=history, previous_state=previous_state, max_steps=int(plan.trainer["max_steps"]),
+        history=history, previous_state=previous_state, max_steps=plan.trainer.max_steps,
     ), policy)
     if gate.previous_end is not None:
         append_jsonl(ledger.path, gate.previous_end)  # an AttemptEnd, as JSON (the gate travels as JSON)
     if not gate.exit and done:
         log.warning("the run finished at step %s before; continuing to trainer.max_steps(%s)",
-                    done_step, plan.trainer["max_steps"])
+                    done_step, plan.trainer.max_steps)
         (run_dir / DONE).unlink(missing_ok=True)
     path = gate_path(run_dir, env)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,12 +261,12 @@ class Preemption:
             return
 
         info = None
-        if self.env.launcher == "slurm" and outcome.end_step < int(self.plan.trainer["max_steps"]):
+        if self.env.launcher == "slurm" and outcome.end_step < self.plan.trainer.max_steps:
             info = _slurm_job_facts(self.env.job_id)
         ckpt = newest_complete(self.plan.paths.checkpoint_dir)
         history = [a for a in Ledger(self.plan.paths.ledger).attempts() if a.attempt != self.attempt]
         facts = EndFacts(
-            end_step=outcome.end_step, start_step=ctx.start_step, max_steps=int(self.plan.trainer["max_steps"]),
+            end_step=outcome.end_step, start_step=ctx.start_step, max_steps=self.plan.trainer.max_steps,
             checkpoint_step=ckpt.step if ckpt is not None else None, stopped=agreed is not None, crashed=crashed,
             term=term, warning=warning, warning_name=self.signals.warning_name,
             requested_reason=self.stop.reason if self.stop.requested and not (term or warning) else None,

@@ -73,13 +73,13 @@ def _use_deepspeed_cpu_accelerator() -> None:
 def deepspeed_config_for_lightning(plan: Any) -> dict[str, Any]:
     """The plan's DeepSpeed config as Lightning takes it: Lightning sets gradient accumulation
     from the Trainer (and refuses it in the config), and puts it back in the engine's config."""
-    t = plan.trainer
+    want = plan.trainer.accumulate_grad_batches
     config = dict(plan.deepspeed or {})
-    accum = config.pop("gradient_accumulation_steps", t["accumulate_grad_batches"])
-    if accum != t["accumulate_grad_batches"]:
+    accum = config.pop("gradient_accumulation_steps", want)
+    if accum != want:
         raise RuntimeError(
             f"plan inconsistency: deepspeed gradient_accumulation_steps({accum}) != "
-            f"trainer accumulate_grad_batches({t['accumulate_grad_batches']})"
+            f"trainer accumulate_grad_batches({want})"
         )
     return config
 
@@ -88,11 +88,10 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
     """The Lightning strategy object for the plan, with lmtrain's cluster environment and the
     spec's collective timeout. ``load_universal``: the DeepSpeed engine resumes a universal
     checkpoint (lmtrain.elastic; the one key added to the plan's DeepSpeed config)."""
-    t = plan.trainer
     cluster = cluster_environment(env)
-    backend = t["process_group_backend"]
+    backend = plan.training.process_group_backend
     timeout = process_group_timeout(plan.spec)  # every collective: spec watchdog.collective_timeout_s
-    name = t["strategy"]
+    name = plan.training.strategy
     if name == "ddp":
         return DDPStrategy(
             cluster_environment=cluster,
@@ -115,7 +114,7 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
         config = deepspeed_config_for_lightning(plan)
         if load_universal:
             config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
-        if t["accelerator"] == "cpu":
+        if plan.trainer.accelerator == "cpu":
             _use_deepspeed_cpu_accelerator()
             return CPUDeepSpeedStrategy(
                 config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout

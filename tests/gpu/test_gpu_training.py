@@ -59,7 +59,7 @@ def _run(tmp_path: Path, name: str, overrides: list[str], data_dir: Path, steps:
         str(spec), [*GPT2_SMALL, f"data.path={data_dir}", *overrides], devices=1, max_steps=steps,
         name=name, environ=env, gpus=True, resume=True, say=print,
     )
-    assert plan.trainer["accelerator"] == "gpu"
+    assert plan.trainer.accelerator == "gpu"
     log = Path(plan.paths.run_dir) / "launcher.out"
     with open(log, "w") as out:
         code = launch(plan.paths.run_dir, 1, plan_env={}, out=out)

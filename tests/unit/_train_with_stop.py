@@ -4,7 +4,8 @@ stop -> collective agreement -> checkpoint -> exit path runs for real.
 
 usage: python _train_with_stop.py RUN_DIR STOP_AT_STEP   (STOP_AT_STEP 0: never)
 
-Rank 0 also writes the config the DeepSpeed engine was initialised with (``engine.config``) to
+Rank 0 also writes what the Trainer was built with, read back from the Trainer
+(``RUN_DIR/trainer-args.json``), the config the DeepSpeed engine was initialised with (``engine.config``) to
 ``RUN_DIR/engine-deepspeed.json`` when the strategy is DeepSpeed, and, when training ends, the
 trained model's logits on a fixed input (every rank takes part in the forward: ZeRO-3 and FSDP
 gather their shards) to ``RUN_DIR/final-logits.pt``.
@@ -37,6 +38,33 @@ def main() -> int:
                 if trainer.global_rank == 0 and hasattr(engine, "config") and hasattr(engine, "zero_optimization_stage"):
                     Path(run_dir, "engine-deepspeed.json").write_text(json.dumps(engine.config, sort_keys=True))
 
+        class DumpTrainerArgs(pl.Callback):
+            """What the Trainer was built with, read back from the Trainer itself."""
+
+            def on_train_start(self, trainer, pl_module):
+                if trainer.global_rank != 0:
+                    return
+                conn = trainer._accelerator_connector
+                Path(run_dir, "trainer-args.json").write_text(json.dumps({
+                    "accelerator": "cpu" if trainer.accelerator.__class__.__name__ == "CPUAccelerator" else "gpu",
+                    "devices": trainer.num_devices,
+                    "num_nodes": trainer.num_nodes,
+                    "precision": trainer.precision,
+                    "max_steps": trainer.max_steps,
+                    "max_epochs": trainer.max_epochs,
+                    "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                    "val_check_interval": trainer.val_check_interval,
+                    "check_val_every_n_epoch": trainer.check_val_every_n_epoch,
+                    "limit_val_batches": trainer.limit_val_batches,
+                    "num_sanity_val_steps": trainer.num_sanity_val_steps,
+                    "log_every_n_steps": trainer.log_every_n_steps,
+                    "gradient_clip_val": trainer.gradient_clip_val,
+                    "use_distributed_sampler": conn.use_distributed_sampler,
+                    "enable_checkpointing": trainer.checkpoint_callback is not None,
+                    "enable_progress_bar": trainer.progress_bar_callback is not None,
+                    "default_root_dir": trainer.default_root_dir,
+                }, sort_keys=True))
+
         class DumpFinalLogits(pl.Callback):
             def on_train_end(self, trainer, pl_module):
                 import torch
@@ -49,7 +77,7 @@ def main() -> int:
                 if trainer.global_rank == 0:
                     torch.save({"input_ids": ids, "logits": logits.detach().cpu()}, Path(run_dir, "final-logits.pt"))
 
-        return [RequestStop(), DumpEngineConfig(), DumpFinalLogits()]
+        return [RequestStop(), DumpEngineConfig(), DumpTrainerArgs(), DumpFinalLogits()]
 
     return run_task(run_dir, hooks=Hooks(setup=setup))
 

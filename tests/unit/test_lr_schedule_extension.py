@@ -20,7 +20,7 @@ def _plan(tmp_path, max_steps: int, old_max: int | None = 150):
     plan_json = tmp_path / "plan.json"
     if old_max is not None:
         plan_json.write_text(json.dumps({"trainer": {"max_steps": old_max}, "spec": {"optim": OPTIM}}))
-    return SimpleNamespace(run_name="r", trainer={"max_steps": max_steps}, spec={"optim": OPTIM},
+    return SimpleNamespace(run_name="r", trainer=SimpleNamespace(max_steps=max_steps), spec={"optim": OPTIM},
                            paths=SimpleNamespace(plan_json=str(plan_json)))
 
 
