@@ -32,21 +32,21 @@ import time
 
 _PROCESS_START = time.time()  # before the heavy imports (the resume child reports it)
 
-import argparse  # noqa: E402
-import datetime as _dt  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import datetime as _dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput as tp  # noqa: E402  (shared bench machinery; also puts src/ on sys.path)
+import throughput as tp
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ Timing: ``warmup`` steps first (compilation and allocator warm-up happen there),
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

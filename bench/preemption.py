@@ -38,10 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.core import slurm
 from launcher import rehearsal
 from launcher.cli import main as lmlaunch
 from launcher.context import Context
+from launcher.core import slurm
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"

@@ -46,8 +46,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
 
-    from launcher.core import slurm
     from monitor_synth import make_run
+
+    from launcher.core import slurm
 
     acct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-7days"], capture_output=True,
                           text=True, env=slurm.slurm_env())

@@ -6,7 +6,7 @@ For each configuration, one process trains the same model on the same batches tw
   (a) bench/handwritten_loop.py — a hand-written PyTorch loop (torch.compile and fused AdamW on
       CUDA, bf16 autocast, clip 1.0);
   (b) the project's path — ``lmtrain.entry.run_task`` on a run directory planned by
-      ``launcher.commands.run.prepare_local_run`` (``launcher.core.plan.make_plan`` with the job's
+      ``launcher.commands.run.prepare_local_run`` (``launcher.core.planner.make_plan`` with the job's
       cluster profile): the same entry, LMModule, callbacks, loggers, strategy and Trainer
       construction a SLURM task runs, in this process (1 rank).
 - ``deepspeed`` configurations (zero1, zero2, zero3):
@@ -187,7 +187,7 @@ def versions() -> dict[str, Any]:
     import transformers
 
     try:
-        import deepspeed  # noqa: PLC0415
+        import deepspeed
 
         ds = deepspeed.__version__
     except Exception:  # not installed, or its import fails without CUDA tooling
@@ -334,8 +334,8 @@ def project_side(plan, warmup: int, steps: int) -> dict[str, Any]:
 
 def handwritten_side(plan, warmup: int, steps: int) -> dict[str, Any]:
     import torch
-
     from handwritten_loop import train_handwritten
+
     from lmtrain.data import make_dataloaders
     from lmtrain.module import OptimSettings
 

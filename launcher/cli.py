@@ -17,7 +17,6 @@ from launcher.context import Context
 from launcher.core.errors import ExitCode, UserError
 
 
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmlaunch",

@@ -15,7 +15,6 @@ from launcher.core import slurm
 from launcher.run_files import RunFiles
 from launcher.slurm_view import UNREACHABLE, SlurmJob, SlurmView, format_duration, query_slurm
 
-
 # --------------------------------------------------------------------------- status rows (pure)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # rich is imported where it renders: plain `status` never loads it
@@ -17,9 +16,8 @@ if TYPE_CHECKING:  # rich is imported where it renders: plain `status` never loa
     from rich.table import Table
     from rich.text import Text
 
-from launcher.slurm_view import UNREACHABLE, SlurmView, format_duration
-
 from launcher.monitor import History, StatusRow
+from launcher.slurm_view import UNREACHABLE, SlurmView, format_duration
 
 GROUP_STYLE = {
     "queued": "yellow",

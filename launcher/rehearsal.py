@@ -8,7 +8,14 @@ from collections.abc import Iterable
 
 from launcher.core.errors import UserError
 from launcher.core.slurm import (
-    DEFAULT_TIMEOUT_S, is_active, job_state, nodes, run, show_job, squeue, state_group,
+    DEFAULT_TIMEOUT_S,
+    is_active,
+    job_state,
+    nodes,
+    run,
+    show_job,
+    squeue,
+    state_group,
 )
 
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from launcher.core.errors import SpecError
-from launcher.jobfile import load_job_with_origin
-from launcher.core.plan import LaunchPlan, make_plan
+from launcher.core.plan import LaunchPlan
+from launcher.core.planner import make_plan
 from launcher.core.profiles import Profile, check_slurm_path, expand_path, load_profile
 from launcher.core.spec import JobSpec
 from launcher.core.validation import located
+from launcher.jobfile import load_job_with_origin
 
 
 @dataclass(frozen=True)

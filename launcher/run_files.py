@@ -14,7 +14,14 @@ from typing import Any
 
 from launcher.core.checkpoint_index import newest_complete
 from launcher.core.rundir import (
-    CANCELLED, DONE, HEARTBEAT, LEDGER, PLAN, checkpoint_dir_of, read_jsonl, read_tail,
+    CANCELLED,
+    DONE,
+    HEARTBEAT,
+    LEDGER,
+    PLAN,
+    checkpoint_dir_of,
+    read_jsonl,
+    read_tail,
 )
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.core.atomic import write_private
-
 from launcher.core.errors import UserError
 from launcher.core.text_rules import RUN_NAME, brief
 

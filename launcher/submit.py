@@ -11,6 +11,7 @@ import shlex
 from typing import Any
 
 from launcher.core.plan import LaunchPlan
+
 # C0 controls and DEL: what breaks a line or a terminal in a single-quoted word.
 _NEEDS_ESCAPE = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -348,9 +349,8 @@ def submit_plan(
     import time
     from pathlib import Path
 
-    from launcher.core import slurm
-
     from launcher import runs
+    from launcher.core import slurm
     from launcher.core.errors import SlurmUnavailable, UserError
 
     plan: LaunchPlan = resolved.plan

@@ -8,9 +8,9 @@ import os
 import time
 from pathlib import Path
 
+from launcher.context import Context
 from launcher.core import rundir
 from launcher.core.atomic import write_private
-from launcher.context import Context
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cancel_run(rec, environ=None) -> dict:
     """The order matters: the CANCELLED marker is on disk BEFORE scancel's SIGTERM reaches the
     tasks, so the runtime reads it as a user cancel and never requeues."""
-    from launcher.core import slurm
     from launcher import runs
+    from launcher.core import slurm
     from launcher.core.errors import SlurmUnavailable
 
     run_dir = Path(rec.run_dir)

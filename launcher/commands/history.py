@@ -16,8 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_history(rec):
     """The ledger, the whole heartbeat (for training time per attempt) and ONE `sacct -D` call."""
-    from launcher import monitor
-    from launcher import slurm_view
+    from launcher import monitor, slurm_view
     from launcher.core import rundir
 
     run_dir = Path(rec.run_dir)

@@ -65,8 +65,8 @@ class Victim:
 
 def running_job(rec) -> Victim:
     """The run's newest job, which must be RUNNING; a UserError saying why not otherwise."""
-    from launcher.core import slurm
     from launcher import rehearsal
+    from launcher.core import slurm
 
     job_id = rec.last_job_id
     if job_id is None:
@@ -149,8 +149,8 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
     """Once the requeued job is PENDING again and its previous run is gone from ``nodes``, let
     it start now (not after BeginTime). Started earlier, SLURM kills it as "non-startable: Job
     credential revoked" and it ends FAILED."""
-    from launcher.core import slurm
     from launcher import rehearsal
+    from launcher.core import slurm
 
     deadline = time.monotonic() + timeout
     pending_since = None
@@ -176,8 +176,8 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
 def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: str | None = None,
             timeout: float = 180.0, start_now: bool = False, environ=None) -> dict:
     """Do it; return what was done (times are seconds since the epoch / durations in s)."""
-    from launcher.core import slurm
     from launcher import rehearsal
+    from launcher.core import slurm
 
     result: dict = {"run": victim.run, "job_id": victim.job_id, "mode": mode, "nodes": victim.nodes}
     t0 = time.time()
@@ -224,8 +224,8 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
 def resume_node(node: str) -> bool:
     """Set ``node`` back to service. SLURM refuses RESUME for a node that is not DOWN/DRAINED;
     with ReturnToService=2 a DOWN node whose slurmd answers may already be back by itself."""
-    from launcher.core import slurm
     from launcher import rehearsal
+    from launcher.core import slurm
 
     try:
         rehearsal.set_node_state(node, "RESUME")

@@ -17,8 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     from launcher import runs
-    from launcher.core import rundir
     from launcher.commands.history import load_history
+    from launcher.core import rundir
     from launcher.core.errors import UserError
     from launcher.report import build_report, draw_png
 

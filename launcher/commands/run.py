@@ -89,9 +89,9 @@ def prepare_local_run(
 
     CPU (default): the ``local`` profile, ``devices`` processes on gloo. ``gpus``: one process per
     local GPU, planned with the spec's own cluster profile (its GPU shape, NCCL, DeepSpeed)."""
-    from launcher.jobfile import load_job
-    from launcher.core.plan import make_plan
+    from launcher.core.planner import make_plan
     from launcher.core.profiles import load_profile
+    from launcher.jobfile import load_job
     from launcher.resolve import runs_root_for
     from launcher.runs import archive_run_dir, prepare_run_dir, write_launch_files
     from launcher.submit import continuation_note, resume_note

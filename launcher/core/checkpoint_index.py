@@ -54,7 +54,8 @@ class CompleteCheckpoint:
         return self.path / LIGHTNING_NAME
 
     def meta(self) -> dict[str, Any]:
-        return json.loads((self.path / "meta.json").read_text())
+        meta: dict[str, Any] = json.loads((self.path / "meta.json").read_text())
+        return meta
 
     def rank_state(self, rank: int) -> dict[str, Any] | None:
         p = self.path / f"rank-{rank}.pt"
@@ -62,7 +63,8 @@ class CompleteCheckpoint:
             return None
         import torch  # the runtime's call only: the launcher never reads rank states
 
-        return torch.load(p, map_location="cpu", weights_only=True)
+        state: dict[str, Any] = torch.load(p, map_location="cpu", weights_only=True)
+        return state
 
 
 def complete_checkpoints(ckpt_dir: str | Path) -> list[CompleteCheckpoint]:

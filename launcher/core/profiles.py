@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from launcher.core.errors import SpecError, did_you_mean
-from launcher.core.spec import StrictModel, parse_slurm_time
+from launcher.core.spec import StrictModel, parse_slurm_time, reserved_env_reason
 from launcher.core.text_rules import (
     ENV_NAME,
     GRES_NAME,
@@ -204,6 +204,9 @@ class Profile(StrictModel):
     def _env(cls, v: dict[str, EnvVar]) -> dict[str, EnvVar]:
         for name in v:
             ENV_NAME.check(name)
+            reason = reserved_env_reason(name)
+            if reason:
+                raise ValueError(f"env: {name} may not be set by a cluster profile: {reason}")
         return v
 
     @field_validator("partitions")
@@ -256,7 +259,7 @@ class Profile(StrictModel):
 
 def profile_dirs(environ: Mapping[str, str] | None = None) -> list[Path]:
     env = os.environ if environ is None else environ
-    dirs = []
+    dirs: list[Path] = []
     extra = env.get("LMLAUNCH_PROFILES_DIR")
     if extra:
         dirs.extend(Path(p) for p in extra.split(os.pathsep) if p)

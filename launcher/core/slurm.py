@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.core.errors import SlurmUnavailable, UserError
+from launcher.core.errors import ExitCode, SlurmUnavailable, UserError
 
 DEFAULT_TIMEOUT_S = 30.0
 FIELD_SEP = "\x1f"  # unit separator: never part of a job name, node list or reason
@@ -89,26 +89,30 @@ def parse_time(text: str | None) -> float | None:
         return None
 
 
-_DURATION = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+# sbatch --time's forms, bounded (a job spec's text goes through here too)
+_DURATION = re.compile(
+    r"(?:(?P<d>\d{1,4})-(?P<dh>\d{1,2})(?::(?P<dm>\d{1,2})(?::(?P<ds>\d{1,2}))?)?"
+    r"|(?P<h>\d{1,5}):(?P<m>\d{1,2}):(?P<s>\d{1,2})"
+    r"|(?P<mm>\d{1,7}):(?P<ss>\d{1,2})"
+    r"|(?P<only_m>\d{1,7}))"
+)
 
 
 def parse_duration(text: str | None) -> float | None:
     """A SLURM duration in seconds: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
-    ``D-HH:MM:SS`` (sbatch --time's forms; squeue/sacct/scontrol print the last three).
-    ``UNLIMITED``, ``INVALID``, ``Partition_Limit`` and anything else -> None."""
-    m = _DURATION.fullmatch((text or "").strip())
+    ``D-HH:MM:SS`` (sbatch --time's forms; squeue/sacct/scontrol print the last three; a bare
+    number is minutes). ``UNLIMITED``, ``INVALID``, ``Partition_Limit`` and anything else -> None."""
+    m = _DURATION.fullmatch(text or "")  # no strip: a job spec's "20:00\n" is not a time
     if m is None:
         return None
-    days, a, b, c = m.groups()
-    nums = [int(x) for x in (a, b, c) if x is not None]
-    if days is not None:  # D-HH[:MM[:SS]]
-        h, mi, se = (nums + [0, 0])[:3]
-        return float(int(days) * 86400 + h * 3600 + mi * 60 + se)
-    if len(nums) == 1:  # a bare number is minutes
-        return float(nums[0] * 60)
-    if len(nums) == 2:  # MM:SS
-        return float(nums[0] * 60 + nums[1])
-    return float(nums[0] * 3600 + nums[1] * 60 + nums[2])
+    g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+    if "d" in g:
+        return float(g["d"] * 86400 + g["dh"] * 3600 + g.get("dm", 0) * 60 + g.get("ds", 0))
+    if "h" in g:
+        return float(g["h"] * 3600 + g["m"] * 60 + g["s"])
+    if "mm" in g:
+        return float(g["mm"] * 60 + g["ss"])
+    return float(g["only_m"] * 60)
 
 
 # --------------------------------------------------------------------------- running commands
@@ -179,7 +183,7 @@ def run(
                 "Local cluster: start it with `lmlaunch cluster up`."
             )
         if check:
-            raise UserError(f"`{' '.join(cmd)}` failed: {msg or f'exit code {proc.returncode}'}", exit_code=1)
+            raise UserError(f"`{' '.join(cmd)}` failed: {msg or f'exit code {proc.returncode}'}", exit_code=ExitCode.FAILURE)
     return proc
 
 
@@ -326,7 +330,7 @@ def squeue(
         # squeue -j with only unknown (long gone) ids exits 1 with "Invalid job id specified"
         if "Invalid job id" in proc.stderr:
             return []
-        raise UserError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}", exit_code=1)
+        raise UserError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}", exit_code=ExitCode.FAILURE)
     out = []
     for jid, state, reason, nodelist, part, elapsed, usr, jname in _rows(proc.stdout, 8):
         out.append(QueuedJob(jid, jname, state, reason, nodelist, part, elapsed, usr, 0))
@@ -377,7 +381,7 @@ def sacct(
                 f"SLURM accounting does not answer (`sacct`: {_first_line(msg)}); job states after "
                 "completion need slurmdbd. Local cluster: `lmlaunch cluster up` starts it."
             )
-        raise UserError(f"`{' '.join(cmd)}` failed: {msg}", exit_code=1)
+        raise UserError(f"`{' '.join(cmd)}` failed: {msg}", exit_code=ExitCode.FAILURE)
     return [AccountedJob(*row) for row in _rows(proc.stdout, len(fields))]
 
 
@@ -387,7 +391,7 @@ def show_job(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str] 
     if proc.returncode != 0:
         if "Invalid job id" in proc.stderr:
             return None
-        raise UserError(f"`scontrol show job {job_id}` failed: {proc.stderr.strip()}", exit_code=1)
+        raise UserError(f"`scontrol show job {job_id}` failed: {proc.stderr.strip()}", exit_code=ExitCode.FAILURE)
     return _key_values(proc.stdout.splitlines()[0]) if proc.stdout.strip() else None
 
 
@@ -433,7 +437,7 @@ def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
     proc = run(["sacctmgr", "-i", *args], timeout=timeout, check=False)
     text = (proc.stdout + proc.stderr).strip()
     if proc.returncode != 0 and "Nothing new added" not in text and "already exists" not in text:
-        raise UserError(f"`sacctmgr {' '.join(args)}` failed: {text}", exit_code=1)
+        raise UserError(f"`sacctmgr {' '.join(args)}` failed: {text}", exit_code=ExitCode.FAILURE)
     return text
 
 
@@ -475,7 +479,7 @@ def squeue_status(job_ids: Iterable[str], *, timeout: float = DEFAULT_TIMEOUT_S)
     if proc.returncode != 0:
         if "Invalid job id" in proc.stderr:
             return []
-        raise UserError(f"`squeue -O ... -j <{len(ids)} ids>` failed: {proc.stderr.strip()}", exit_code=1)
+        raise UserError(f"`squeue -O ... -j <{len(ids)} ids>` failed: {proc.stderr.strip()}", exit_code=ExitCode.FAILURE)
     out = []
     for line in proc.stdout.splitlines():
         parts = [p.strip() for p in line.split(FIELD_SEP)]

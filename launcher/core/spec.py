@@ -7,13 +7,13 @@ documentation). Unknown keys are rejected. Cross-field rules that need the clust
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from launcher.core.model_config import check_model_config
 from launcher.core.model_types import KNOWN_CAUSAL_LM_TYPES
+from launcher.core.slurm import parse_duration
 from launcher.core.text_rules import (
     ENV_NAME,
     EnvValue,
@@ -30,14 +30,6 @@ from launcher.core.text_rules import (
 SIGNAL_NAMES = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")
 # Signals that NCCL / the runtime may use themselves, so a warning signal must not be one.
 # Matched with fullmatch (no '$' that also matches before a final newline); each part bounded.
-_TIME_RE = re.compile(
-    r"(?:(?P<d>\d{1,4})-(?P<dh>\d{1,2})(?::(?P<dm>\d{1,2})(?::(?P<ds>\d{1,2}))?)?"
-    r"|(?P<h>\d{1,5}):(?P<m>\d{1,2}):(?P<s>\d{1,2})"
-    r"|(?P<mm>\d{1,7}):(?P<ss>\d{1,2})"
-    r"|(?P<only_m>\d{1,7}))"
-)
-
-
 def parse_slurm_time(value: str | int) -> int:
     """SLURM time string -> whole minutes (rounded up), as ``sbatch --time`` accepts it.
 
@@ -50,23 +42,14 @@ def parse_slurm_time(value: str | int) -> int:
             raise ValueError(f"time {value} minutes is beyond any SLURM limit (at most 9999999)")
         return value
     text = str(value)
-    m = _TIME_RE.fullmatch(text)
-    if not m:
+    seconds = parse_duration(text)
+    if seconds is None:
         raise ValueError(
             f"{brief(text)} is not a SLURM time; use MM, HH:MM:SS, D-HH or D-HH:MM:SS"
         )
-    g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
-    if "d" in g:
-        seconds = g["d"] * 86400 + g["dh"] * 3600 + g.get("dm", 0) * 60 + g.get("ds", 0)
-    elif "h" in g:
-        seconds = g["h"] * 3600 + g["m"] * 60 + g["s"]
-    elif "mm" in g:
-        seconds = g["mm"] * 60 + g["ss"]
-    else:
-        seconds = g["only_m"] * 60
     if seconds <= 0:
         raise ValueError("time must be positive")
-    return -(-seconds // 60)
+    return int(-(-seconds // 60))
 
 
 def format_minutes(minutes: int) -> str:
@@ -105,16 +88,24 @@ RESERVED_ENV = {
     "CUDA_VISIBLE_DEVICES": "SLURM binds GPUs; Lightning selects cuda:{local_rank}",
     "LMLAUNCH_RUN_DIR": "set by lmlaunch to the run directory",
 }
-RESERVED_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SUBMITIT_")
+RESERVED_ENV_PREFIXES = {
+    "SLURM_": "SLURM_* variables belong to SLURM",
+    "SBATCH_": "SBATCH_* variables belong to SLURM",
+    "SRUN_": "SRUN_* variables belong to SLURM",
+    "SUBMITIT_": "SUBMITIT_* variables belong to submitit",
+    # the run directory, and the test harness's fault injection (lmtrain.faults): never a job's
+    "LMLAUNCH_": "LMLAUNCH_* variables belong to lmlaunch",
+    "LMTRAIN_": "LMTRAIN_* variables belong to lmlaunch's runtime",
+}
 
 
 def reserved_env_reason(name: str) -> str | None:
     """Why ``name`` may not be set by a job, or None when it may."""
     if name in RESERVED_ENV:
         return RESERVED_ENV[name]
-    for prefix in RESERVED_ENV_PREFIXES:
+    for prefix, reason in RESERVED_ENV_PREFIXES.items():
         if name.startswith(prefix):
-            return f"{prefix}* variables belong to SLURM and submitit"
+            return reason
     return None
 
 

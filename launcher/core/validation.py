@@ -25,7 +25,7 @@ class Origin:
     loaded: LoadedYaml | None = None
     overrides: dict[tuple[str, ...], str] = field(default_factory=dict)
 
-    def locate(self, path: tuple) -> str | None:
+    def locate(self, path: tuple[Any, ...]) -> str | None:
         """'line 7', "override 'resources.nodes=4'" or None."""
         path = tuple(path)
         # An override that set this key or one of its parents decides the value.
@@ -46,7 +46,7 @@ class Origin:
         return None
 
 
-def dotted(path: tuple) -> str:
+def dotted(path: tuple[Any, ...]) -> str:
     out = ""
     for part in path:
         if not isinstance(part, int):
@@ -61,7 +61,7 @@ def leading_path(message: str) -> tuple[str, ...] | None:
     return tuple(m.group(1).split(".")) if m else None
 
 
-def located(message: str, origin: Origin | None, path: tuple = ()) -> str:
+def located(message: str, origin: Origin | None, path: tuple[Any, ...] = ()) -> str:
     """Prefix a message with where its key was written.
 
     A message that names its own key path first ("trainer.zero_stage(2) needs ...") gets
@@ -78,7 +78,7 @@ def located(message: str, origin: Origin | None, path: tuple = ()) -> str:
     return f"{head}: {message}"
 
 
-def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
+def _fields_at(model: type[BaseModel], path: tuple[Any, ...]) -> list[str]:
     """Valid keys of the sub-model reached by ``path`` (for 'did you mean')."""
     current: Any = model
     for part in path:

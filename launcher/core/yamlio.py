@@ -71,7 +71,7 @@ for _first in "+-0123456789":
     ]
 
 
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
@@ -87,7 +87,7 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
 
 
 _LineLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping  # type: ignore[arg-type]
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping
 )
 
 
@@ -110,7 +110,7 @@ def _construct_int(loader: _LineLoader, node: yaml.ScalarNode) -> int:
     return yaml.SafeLoader.construct_yaml_int(loader, node)
 
 
-_LineLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)  # type: ignore[arg-type]
+_LineLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def _check_events(text: str) -> None:
@@ -123,14 +123,14 @@ def _check_events(text: str) -> None:
             if depth > MAX_DEPTH:
                 raise _Limit(
                     f"nesting is deeper than {MAX_DEPTH} levels of lists and mappings",
-                    event.start_mark.line + 1,
+                    _line(event),
                 )
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             depth -= 1
         elif isinstance(event, yaml.AliasEvent):
             aliases += 1
             if aliases > MAX_VALUES:
-                raise _Limit(f"more than {MAX_VALUES} aliases", event.start_mark.line + 1)
+                raise _Limit(f"more than {MAX_VALUES} aliases", _line(event))
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:
@@ -202,9 +202,13 @@ def _bounded_load(text: str) -> tuple[yaml.Node | None, Any]:
         loader.dispose()
 
 
-def _record_lines(root: yaml.Node, lines: dict) -> None:
+def _line(event: yaml.Event) -> int | None:
+    return event.start_mark.line + 1 if event.start_mark is not None else None
+
+
+def _record_lines(root: yaml.Node, lines: dict[tuple[Any, ...], int]) -> None:
     """Line of every key path (bounded: the document passed _check_expansion)."""
-    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
+    stack: list[tuple[yaml.Node, tuple[Any, ...]]] = [(root, ())]
     while stack:
         node, path = stack.pop()
         if isinstance(node, yaml.MappingNode):
@@ -247,7 +251,7 @@ def load_yaml_text(text: str, source: str) -> LoadedYaml:
         where = f"line {mark.line + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError([f"{where}invalid YAML: {problem}"], source=source) from None
-    lines: dict = {}
+    lines: dict[tuple[Any, ...], int] = {}
     if node is not None:
         _record_lines(node, lines)
     return LoadedYaml(data=data, source=source, lines=lines)

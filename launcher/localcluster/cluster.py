@@ -390,10 +390,11 @@ def up(
     *,
     preempt_send_user_signal: bool | None = None,
     layout: Layout | None = None,
-    ports: Ports = Ports(),
+    ports: Ports | None = None,
 ) -> bool:
     """Start the cluster; True when it was already running (and nothing had to change)."""
     layout = layout or Layout.default()
+    ports = ports or Ports()
     current = _load_settings(layout)
     wanted = Settings(
         preempt_send_user_signal=(

@@ -73,7 +73,7 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, log: Path |
 
 def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
     """Start a daemon detached from this process (own session, no inherited stdio)."""
-    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL
     try:
         return subprocess.Popen(
             list(args),

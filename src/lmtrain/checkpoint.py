@@ -29,23 +29,21 @@ a checkpoint first renames it to ``.trash-step-S-<pid>`` (one atomic step: it st
 checkpoint at once), then removes it; leftovers of interrupted saves and deletions are removed
 by the next ``prune``. Everything is loaded with ``torch.load(weights_only=True)``.
 
-Tests kill a saving process at every step of this protocol: with ``LMLAUNCH_TEST_KILL_AT=<n>``
-in the environment (test-only), the n-th write/fsync/rename/marker step of this process
-SIGKILLs it (``0`` counts the steps without killing; :func:`test_kill_points_seen`).
+Every write, fsync, rename and marker step is a named point of the fault-injection seam
+(``lmtrain.faults``, ``checkpoint.*``): the tests SIGKILL a saving process at each of them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import os
 import random
+import re
 import shutil
-import signal
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,6 +61,7 @@ from launcher.core.checkpoint_index import (  # noqa: F401  (re-exported: the ru
     is_complete,
     newest_complete,
 )
+from lmtrain import faults
 
 FORMAT_VERSION = 1
 # A DeepSpeed checkpoint's universal form (lmtrain.elastic): universal-step-S beside step-S.
@@ -87,47 +86,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from as things are (the message says what to do)."""
 
 
-# --- test-only kill points ----------------------------------------------------------------------
-TEST_KILL_ENV = "LMLAUNCH_TEST_KILL_AT"
-_kill_points_seen = 0
-
-
-def _test_kill_point(label: str) -> None:
-    """Test-only: with LMLAUNCH_TEST_KILL_AT=<n>, SIGKILL this process at its n-th step."""
-    at = os.environ.get(TEST_KILL_ENV)
-    if not at:
-        return
-    global _kill_points_seen
-    _kill_points_seen += 1
-    if _kill_points_seen == int(at):
-        log.warning("test: SIGKILL at checkpoint step %d (%s)", _kill_points_seen, label)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def test_kill_points_seen() -> int:
-    """How many kill points this process passed (with LMLAUNCH_TEST_KILL_AT set)."""
-    return _kill_points_seen
-
-
-test_kill_points_seen.__test__ = False  # not a pytest test
-
-
 # --- file primitives ---------------------------------------------------------------------------
-def _fsync(path: Path, kill_point: str) -> None:
+def _fsync(path: Path, name: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _test_kill_point(kill_point)
+    faults.point("checkpoint.fsync", file=name)
 
 
 def fsync_dir(path: Path) -> None:
-    _fsync(path, f"fsync dir {path.name}")
+    _fsync(path, path.name)
 
 
 def fsync_file(path: Path) -> None:
-    _fsync(path, f"fsync {path.name}")
+    _fsync(path, path.name)
 
 
 def _write_atomic(path: Path, mode: str, write: Callable[[Any], None]) -> None:
@@ -137,11 +111,11 @@ def _write_atomic(path: Path, mode: str, write: Callable[[Any], None]) -> None:
     with open(tmp, mode) as f:
         write(f)
         f.flush()
-        _test_kill_point(f"wrote {tmp.name}")
+        faults.point("checkpoint.wrote", file=path.name)
         os.fsync(f.fileno())
-    _test_kill_point(f"fsynced {tmp.name}")
+    faults.point("checkpoint.fsynced", file=path.name)
     os.replace(tmp, path)
-    _test_kill_point(f"renamed {path.name}")
+    faults.point("checkpoint.renamed", file=path.name)
     fsync_dir(path.parent)
 
 
@@ -160,7 +134,7 @@ def remove_tree(path: Path) -> None:
     os.replace(path, trash)
     fsync_dir(path.parent)
     shutil.rmtree(trash, ignore_errors=True)
-    _test_kill_point(f"removed {path.name}")
+    faults.point("checkpoint.removed", file=path.name)
 
 
 _OWN_TEMPORARY = re.compile(r"\..+\.tmp-\d+")  # _write_atomic's names
@@ -259,6 +233,13 @@ class CheckpointManager:
 
     def save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
         """Collective: write checkpoint ``step`` and return (its path, seconds taken)."""
+        faults.set_context(step=step)  # what the checkpoint.* fault points are about
+        try:
+            return self._save(trainer, step=step, rank_state=rank_state)
+        finally:
+            faults.set_context(step=None)
+
+    def _save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
         t0 = time.perf_counter()
         strategy = trainer.strategy
         rank, world = trainer.global_rank, trainer.world_size
@@ -271,11 +252,11 @@ class CheckpointManager:
             if final.exists():  # a leftover of the same step (an older write of it): replace it
                 remove_tree(final)
             tmp.mkdir()
-            _test_kill_point("created tmp dir")
+            faults.point("checkpoint.tmp_dir_created", file=tmp.name)
         strategy.barrier("lmtrain.checkpoint.begin")
 
         trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
-        _test_kill_point(f"rank {rank} saved {LIGHTNING_NAME}")
+        faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=rank)
         torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
@@ -296,7 +277,7 @@ class CheckpointManager:
             write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
             fsync_dir(tmp)
             os.replace(tmp, final)
-            _test_kill_point("renamed tmp dir")
+            faults.point("checkpoint.dir_renamed", file=final.name)
             fsync_dir(self.dir)
             write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": manifest(final)}) + "\n")
             write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")

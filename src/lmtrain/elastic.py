@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from lmtrain.checkpoint import (  # noqa: F401  (universal_dir: re-exported for the entry)
+from lmtrain.checkpoint import (
     CompleteCheckpoint,
     fsync_dir,
     universal_complete,

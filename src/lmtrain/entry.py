@@ -10,7 +10,7 @@
 4. build data, model and Trainer from the plan; resume from the newest complete checkpoint;
 5. train; write the ledger ``end`` line, the heartbeat ``end`` event and ``DONE`` (rank 0).
 
-Preemption (issue 5, :mod:`lmtrain.preemption`): the task owns SIGTERM and the warning signal
+Preemption (:mod:`lmtrain.signals`, :mod:`lmtrain.preemption`): the task owns SIGTERM and the warning signal
 from its first line (handlers only record); a start gate (rank 0, before the rendezvous) ends
 an attempt of a finished, cancelled or stuck run at once; the stop is agreed by all ranks at a
 step boundary and checkpointed collectively; after the fit rank 0 decides the ledger reason,
@@ -28,10 +28,11 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("lmtrain")
 
@@ -344,9 +345,9 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     )
     from lmtrain.checkpoint import CheckpointManager
     from lmtrain.data import TokenData, make_dataloaders
+    from lmtrain.elastic import needs_universal, universal_dir
     from lmtrain.model import build_config
     from lmtrain.module import LMModule, OptimSettings, RuntimeSettings
-    from lmtrain.elastic import needs_universal, universal_dir
     from lmtrain.strategies import build_strategy
 
     spec, t, training, paths = plan.spec, plan.trainer, plan.training, plan.paths

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-
-from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 
 LOCAL_LAUNCHER_VAR = "LMTRAIN_LAUNCHER"  # "local": started by lmtrain.local, not by srun
 RENDEZVOUS_TIMEOUT_S = 300.0

@@ -20,14 +20,15 @@ Gradient clipping is done here, not by the Trainer's ``gradient_clip_val``:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from launcher.core.lr_schedule import OptimSettings, lr_at  # noqa: F401  (lr_at: re-exported for callers)
+from launcher.core.lr_schedule import OptimSettings, lr_at
 from lmtrain.model import ModelShape, build_model, compile_model, model_shape, peak_flops_per_device, shard_fsdp2
 
 

@@ -2,9 +2,9 @@
 a complete checkpoint, then one decision (rank 0) about why the attempt ended and whether the
 job requeues itself.
 
-The path of a stop (issue 5, docs/run-directory.md for the ledger):
+The path of a stop (docs/run-directory.md for the ledger):
 
-1. :class:`SignalOwner` installs handlers for the warning signal (``plan.preemption.signal``,
+1. :class:`lmtrain.signals.SignalOwner` installs handlers for the warning signal (``plan.preemption.signal``,
    USR2 by default) and SIGTERM in the training process only. They are installed when the
    task starts and installed again in ``on_train_start``, after Lightning's ``Trainer.fit``
    registered its own SIGTERM handler (which does a collective inside the handler and would
@@ -12,19 +12,19 @@ The path of a stop (issue 5, docs/run-directory.md for the ledger):
    ones. A handler records the signal (which, when) and calls ``StopRequest.request``; it does
    no I/O and no collective. In any other process (a forked DataLoader worker inherits the
    handlers) it does nothing, and DataLoader workers ignore both signals
-   (:class:`WorkerSignalGuard`: torch's own worker SIGTERM handler would kill them and crash
+   (:class:`lmtrain.signals.WorkerSignalGuard`: torch's own worker SIGTERM handler would kill them and crash
    the training process before it reaches the step boundary).
 2. :class:`StopAgreement`, at every optimizer-step boundary, runs ONE all-reduce (MAX) of a
    4-number tensor ``[stop requested, SIGTERM seen, warning seen, -first signal time]``: every
    rank learns at the same step that some rank was asked to stop, and which signals arrived
    where. All ranks then take part in the checkpoint (CheckpointManager.save: COMPLETE after
    every rank finished, ``latest`` last) and the Trainer stops.
-3. After the fit, rank 0 :func:`decide` s the ledger reason from the signals, the run's markers
+3. After the fit, rank 0 decides (:func:`lmtrain.policy.decide`) the ledger reason from the signals, the run's markers
    (``CANCELLED``, ``DONE``), the job's SLURM state (``launcher.core.slurm``, from the main loop,
-   never from the handler) and the loop guards; the ledger ``end`` line is written; then
+   never from the handler: :mod:`lmtrain.job_facts`) and the loop guards; the ledger ``end`` line is written; then
    :meth:`Preemption.after_end` calls ``scontrol requeue`` LAST when the job must requeue
    itself (a time limit; a stop whose job SLURM is not already requeueing).
-4. At the start of the next attempt :func:`start_gate` (rank 0, before the rendezvous, its
+4. At the start of the next attempt :func:`lmtrain.policy.start_gate` (rank 0, before the rendezvous, its
    answer published for the other ranks) records a previous attempt that has no ``end`` line
    (node failure / SIGKILL) and ends at once, without training, an attempt of a run that is
    ``DONE`` or ``CANCELLED`` or over a loop guard.
@@ -44,13 +44,32 @@ import lightning.pytorch as pl
 from launcher.core import slurm
 from launcher.core.checkpoint_index import newest_complete
 from launcher.core.rundir import (
-    DONE, AttemptEnd, AttemptStart, Ledger, LedgerNote, append_jsonl, is_cancelled, read_done_step,
+    DONE,
+    AttemptEnd,
+    AttemptStart,
+    Ledger,
+    LedgerNote,
+    append_jsonl,
+    is_cancelled,
+    read_done_step,
 )
 from lmtrain.job_facts import (
-    _nodes_failed, _previous_attempt_state, _seconds_left, _slurm_job_facts, _why_completing,
+    _nodes_failed,
+    _previous_attempt_state,
+    _seconds_left,
+    _slurm_job_facts,
+    _why_completing,
 )
 from lmtrain.policy import (
-    GATE_NAME, SLURM_QUERY_TIMEOUT_S, EndFacts, Policy, StartFacts, Gate, _signal_names, decide, start_gate,
+    GATE_NAME,
+    SLURM_QUERY_TIMEOUT_S,
+    EndFacts,
+    Gate,
+    Policy,
+    StartFacts,
+    _signal_names,
+    decide,
+    start_gate,
 )
 from lmtrain.signals import SignalOwner, _adopt_early, guard_dataloader_workers, release_early_signals
 

@@ -22,8 +22,8 @@ import os
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 
 from lmtrain.env import cluster_environment
 from lmtrain.watchdog import process_group_timeout

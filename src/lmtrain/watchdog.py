@@ -23,9 +23,8 @@ A rank whose peer hung sees its collective fail (the peer's process is gone) bef
 watchdog fires; :func:`hang_reason` turns that failure into ``hang`` when a peer left a marker
 or the error is a collective timeout, so the ledger says why in both orders.
 
-Test hook (never set by lmlaunch): ``LMLAUNCH_TEST_HANG_RANK=R`` and
-``LMLAUNCH_TEST_HANG_STEP=K`` make global rank R sleep at the end of optimizer step K; the
-other ranks then wait in the next step's gradient all-reduce.
+The hang tests stop a rank at the ``watchdog.beat`` point of the fault-injection seam
+(``lmtrain.faults``); the other ranks then wait in the next step's gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -37,19 +36,18 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import Any
 
 from launcher.core.rundir import AttemptEnd, Ledger
+from lmtrain import faults
 
 log = logging.getLogger(__name__)
 
 EXIT_HANG = 124  # like timeout(1): the task ended because it stopped making progress
 REASON_HANG = "hang"
-TEST_HANG_RANK_VAR = "LMLAUNCH_TEST_HANG_RANK"
-TEST_HANG_STEP_VAR = "LMLAUNCH_TEST_HANG_STEP"
 REARM_EVERY_S = 1.0  # the C-level timer is re-armed at most this often (each re-arm starts a thread)
 LINGER_S = 2.0  # after dumping, wait a moment so peers that hang on us dump while still stuck
 
@@ -228,7 +226,7 @@ class ProgressWatchdog:
         try:
             if self.on_hang is not None:
                 self.on_hang(report)
-        except Exception:  # noqa: BLE001  (the process must still end)
+        except Exception:
             log.exception("watchdog: reporting the hang failed")
         log.error("watchdog: %s; ending this task with exit code %d", report.detail(), self.exit_code)
         for stream in (sys.stdout, sys.stderr):
@@ -293,7 +291,6 @@ class _WatchdogHooks:
             stacks_file=stacks_path(logs_dir, attempt, rank), marker_file=marker_path(logs_dir, attempt, rank),
             on_hang=self._report,
         )
-        self._test_hang = _test_hang_step(rank)
 
     def _report(self, report: HangReport) -> None:
         if self.rank != 0:
@@ -312,11 +309,7 @@ class _WatchdogHooks:
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.watchdog.beat(trainer.global_step)
-        if self._test_hang is not None and trainer.global_step == self._test_hang:
-            self._test_hang = None
-            log.warning("test hook %s: rank %d sleeps at step %d", TEST_HANG_RANK_VAR, self.rank, trainer.global_step)
-            while True:
-                time.sleep(3600)
+        faults.point("watchdog.beat", step=trainer.global_step, rank=self.rank)  # the hang tests stop a rank here
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         self.watchdog.beat()
@@ -345,13 +338,6 @@ class _WatchdogHooks:
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if not self.watchdog.fired.is_set():
             self.watchdog.stop()
-
-
-def _test_hang_step(rank: int) -> int | None:
-    r, k = os.environ.get(TEST_HANG_RANK_VAR), os.environ.get(TEST_HANG_STEP_VAR)
-    if r is None or k is None or int(r) != rank:
-        return None
-    return int(k)
 
 
 def process_group_timeout(plan_spec: dict[str, Any]):

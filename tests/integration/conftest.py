@@ -11,16 +11,14 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from slurm_helpers import REPO, cancel_orphaned_test_jobs, claim_session, job_name  # noqa: F401  (tests/integration is on sys.path)
 
-from launcher.core import slurm
 from launcher.cli import main
 from launcher.context import Context
+from launcher.core import slurm
 from launcher.core.errors import UserError
-
-from slurm_helpers import REPO, cancel_orphaned_test_jobs, claim_session, job_name  # noqa: F401  (tests/integration is on sys.path)
 
 
 def pytest_collection_modifyitems(items):

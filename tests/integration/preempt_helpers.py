@@ -16,15 +16,13 @@ import re
 import time
 from pathlib import Path
 
-from launcher.core import slurm
+from slurm_helpers import REPO, TERMINAL
+
 from launcher import rehearsal
-
-
-from launcher.core import rundir
 from launcher.cli import main
 from launcher.context import Context
+from launcher.core import rundir, slurm
 from launcher.core.errors import UserError
-from slurm_helpers import REPO, TERMINAL
 
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"
 MAX_STEPS = 80
@@ -226,15 +224,6 @@ def user_signal_on_preemption(enabled: bool):
 
 def cluster_sends_user_signal() -> bool:
     return "preempt_send_user_signal" in slurm.config().get("SlurmctldParameters", "")
-
-
-INJECT_DIR = REPO / "tests" / "integration" / "preempt_inject"
-
-
-def inject(**env_vars: str) -> tuple[str, ...]:
-    """Overrides that load the test-only fault injection (preempt_inject/sitecustomize.py) in
-    the tasks with these LMTRAIN_TEST_* variables."""
-    return (f"env.vars.PYTHONPATH={INJECT_DIR}", *(f"env.vars.{k}={v}" for k, v in env_vars.items()))
 
 
 def wait_ended(job_id: str, timeout: float = 240.0) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,8 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
-from launcher.core import slurm
 from launcher import rehearsal
+from launcher.core import slurm
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"completed", "cancelled", "failed", "timeout", "preempted"}
@@ -99,4 +100,20 @@ def cancel_orphaned_test_jobs(
                 raise AssertionError(f"orphaned test jobs {ids} still active {timeout:.0f} s after scancel")
             time.sleep(0.5)
     return orphans
+
+
+@contextlib.contextmanager
+def faults(*rules: dict):
+    """Turn lmtrain's fault-injection seam (lmtrain.faults) on for the jobs submitted inside the
+    block: SLURM hands a job the environment it was submitted from (sbatch --export=ALL, its
+    default), and requeued attempts keep it. A job spec cannot turn it on."""
+    old = os.environ.get("LMLAUNCH_FAULTS")
+    os.environ["LMLAUNCH_FAULTS"] = json.dumps(list(rules))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LMLAUNCH_FAULTS", None)
+        else:
+            os.environ["LMLAUNCH_FAULTS"] = old
 

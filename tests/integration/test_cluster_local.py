@@ -8,10 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.core import slurm
-from launcher import rehearsal
-from launcher.localcluster.config import Layout, render_slurm_conf
 from slurm_helpers import cancel_orphaned_test_jobs, claim_session, wait_accounted, wait_terminal
+
+from launcher import rehearsal
+from launcher.core import slurm
+from launcher.localcluster.config import Layout, render_slurm_conf
 
 LMLAUNCH = str(Path(sys.executable).parent / "lmlaunch")
 
@@ -34,7 +35,7 @@ def test_cluster_status_shows_daemons_nodes_and_partitions(slurm_cluster):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     for daemon in ("slurmctld", "slurmd n1", "slurmd n2", "slurmdbd", "mariadb"):
-        line = next(l for l in out.splitlines() if l.strip().startswith(daemon))
+        line = next(x for x in out.splitlines() if x.strip().startswith(daemon))
         assert "pid " in line, line
     nodes = {n.name: n for n in slurm.nodes()}
     assert set(nodes) >= {"n1", "n2"}

@@ -11,12 +11,12 @@ import re
 import time
 from pathlib import Path
 
-from launcher.core import slurm
+from slurm_helpers import REPO, wait_terminal
 
 from launcher import runs
+from launcher.core import slurm
 from launcher.localcluster import cluster
 from launcher.localcluster.daemons import stop
-from slurm_helpers import REPO, wait_terminal
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 TINY = ("trainer.max_steps=20", "optim.warmup_steps=2", "trainer.val_check_interval=null",

@@ -10,12 +10,14 @@ import re
 import time
 from pathlib import Path
 
+from slurm_helpers import REPO, faults, wait_terminal
+
 from launcher.core import slurm
-from slurm_helpers import REPO, wait_terminal
 
 HANG_TIMEOUT_S = 12
 GRACE_S = 8
 HANG_STEP = 3
+HANG = {"point": "watchdog.beat", "rank": 1, "step": HANG_STEP, "action": "hang"}
 SLACK_S = 15  # SLURM noticing the task exits, step and job cleanup, our 1 s polling
 
 
@@ -32,14 +34,14 @@ def _jsonl(path: Path) -> list[dict]:
 def test_hung_rank_dumps_all_stacks_and_every_task_exits_within_timeout_plus_grace(
     slurm_cluster, cli, lm_env, run_name, own_jobs
 ):
-    r = cli(
-        "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}",
-        "trainer.max_steps=40", "optim.warmup_steps=2", "trainer.val_check_interval=null",
-        "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=100",
-        f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}", f"watchdog.exit_grace_s={GRACE_S}",
-        "watchdog.collective_timeout_s=120", "preemption.max_crash_retries=0",
-        "env.vars.LMLAUNCH_TEST_HANG_RANK=1", f"env.vars.LMLAUNCH_TEST_HANG_STEP={HANG_STEP}",
-    )
+    with faults(HANG):  # rank 1 sleeps for good at the end of step HANG_STEP
+        r = cli(
+            "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}",
+            "trainer.max_steps=40", "optim.warmup_steps=2", "trainer.val_check_interval=null",
+            "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=100",
+            f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}", f"watchdog.exit_grace_s={GRACE_S}",
+            "watchdog.collective_timeout_s=120", "preemption.max_crash_retries=0",
+        )
     assert r.code == 0, r.err
     job_id = re.search(r"job (\d+)", r.out).group(1)
     own_jobs.append(job_id)
@@ -81,14 +83,14 @@ def test_collective_timeout_from_the_spec_ends_the_waiting_rank_with_reason_hang
     slurm_cluster, cli, lm_env, run_name, own_jobs
 ):
     # the process group's timeout (10 s) expires long before the watchdog (25 s) would fire
-    r = cli(
-        "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}",
-        "trainer.max_steps=40", "optim.warmup_steps=2", "trainer.val_check_interval=null",
-        "trainer.limit_val_batches=0", "checkpoint.every_n_steps=100",
-        "watchdog.collective_timeout_s=10", "watchdog.hang_timeout_s=25", f"watchdog.exit_grace_s={GRACE_S}",
-        "preemption.max_crash_retries=0",
-        "env.vars.LMLAUNCH_TEST_HANG_RANK=1", f"env.vars.LMLAUNCH_TEST_HANG_STEP={HANG_STEP}",
-    )
+    with faults(HANG):  # rank 1 sleeps for good at the end of step HANG_STEP
+        r = cli(
+            "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}",
+            "trainer.max_steps=40", "optim.warmup_steps=2", "trainer.val_check_interval=null",
+            "trainer.limit_val_batches=0", "checkpoint.every_n_steps=100",
+            "watchdog.collective_timeout_s=10", "watchdog.hang_timeout_s=25", f"watchdog.exit_grace_s={GRACE_S}",
+            "preemption.max_crash_retries=0",
+        )
     assert r.code == 0, r.err
     job_id = re.search(r"job (\d+)", r.out).group(1)
     own_jobs.append(job_id)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from launcher.core import slurm
-from launcher import rehearsal
-
-from launcher import runs
 from slurm_helpers import REPO
+
+from launcher import rehearsal, runs
+from launcher.core import slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 

@@ -15,11 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.core import slurm
 from slurm_helpers import REPO
 
+from launcher.core import slurm
+
 sys.path.insert(0, str(REPO / "tests" / "unit"))
-from monitor_synth import make_run  # noqa: E402
+from monitor_synth import make_run
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 SUBMITTED = 100

@@ -11,9 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from launcher.core import slurm
-from launcher import rehearsal
 from slurm_helpers import REPO, wait_terminal
+
+from launcher import rehearsal
+from launcher.core import slurm
 
 MAX_STEPS = 150
 OVERRIDES = (

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 
-from launcher.core import slurm
 from preempt_helpers import ends, lm, log_tail, starts, submit, wait_step
 from slurm_helpers import wait_accounted
+
+from launcher.core import slurm
 
 
 def _wait_ended_without_requeue(job_id: str, timeout: float = 120.0) -> str:

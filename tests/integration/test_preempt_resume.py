@@ -9,27 +9,22 @@ run once for the module.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
 
 import pytest
-
-from launcher.core import slurm
-from slurm_helpers import job_name
 from preempt_helpers import (
     BASE,
-    SPEC,
     EVERY,
     MAX_STEPS,
+    SPEC,
     assert_losses_match,
     assert_weights_identical,
     cluster_sends_user_signal,
     ends,
     final_weights,
     finish,
-    inject,
     ledger,
     lm,
     log_tail,
@@ -43,6 +38,9 @@ from preempt_helpers import (
     wait_step,
     weights_digest,
 )
+from slurm_helpers import faults, job_name
+
+from launcher.core import slurm
 
 
 @pytest.fixture(scope="module")
@@ -171,20 +169,20 @@ def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(re
     """Every task SIGKILLed at points of a checkpoint write (fault injection in the tasks): each
     restart (`lmlaunch submit --resume`) loads the newest COMPLETE checkpoint, whatever `latest`
     says, and the run still ends bit-identical to the uninterrupted one."""
-    kills = {
+    kill = {"action": "kill"}
+    kills = (
         # rank 0 dies after renaming .step-20.tmp to step-20, before COMPLETE; rank 1 at the end barrier
-        "1": {"step": 20, "points": {"0": "before_complete"}},
+        {**kill, "point": "checkpoint.dir_renamed", "attempt": 1, "step": 20, "rank": 0},
         # between the ranks' files: rank 1 wrote rank-1.pt, rank 0 never writes rank-0.pt
-        "2": {"step": 20, "points": {"0": "before_rank_file", "1": "after_rank_file"}},
+        {**kill, "point": "checkpoint.rank_saved", "attempt": 2, "step": 20, "rank": 0},
+        {**kill, "point": "checkpoint.renamed", "file": "rank-1.pt", "attempt": 2, "step": 20, "rank": 1},
         # step-30 is COMPLETE but `latest` still names step-20
-        "3": {"step": 30, "points": {"0": "before_latest"}},
-    }
-    plan = tmp_path / "kills.json"
-    plan.write_text(json.dumps(kills))
-    overrides = inject(LMTRAIN_TEST_KILL_PLAN=str(plan))
+        {**kill, "point": "checkpoint.renamed", "file": "COMPLETE", "attempt": 3, "step": 30, "rank": 0},
+    )
     expected_starts = [0, 10, 10, 30]
 
-    job, run_dir = submit(env, name, *overrides)
+    with faults(*kills):
+        job, run_dir = submit(env, name)
     jobs.append(job)
     for attempt in (1, 2, 3):
         state = wait_ended(job)
@@ -195,7 +193,8 @@ def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(re
         assert complete and complete[-1] == expected_starts[attempt], (attempt, complete, sorted(os.listdir(ckpts)))
         if attempt == 3:
             assert (ckpts / "latest").read_text().strip() == "step-20"  # the pointer is stale; COMPLETE rules
-        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, *overrides, "--resume")
+        with faults(*kills):
+            code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, "--resume")
         assert code == 0, out + err
         job = re.search(r"job (\d+)", out).group(1)
         jobs.append(job)

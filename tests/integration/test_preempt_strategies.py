@@ -16,9 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from lmtrain.checkpoint import complete_checkpoints
-from lmtrain.weights import lightning_state_dict
 from preempt_helpers import (
     BASE,
     MAX_STEPS,
@@ -35,6 +32,9 @@ from preempt_helpers import (
     wait_step,
 )
 from slurm_helpers import job_name
+
+from lmtrain.checkpoint import complete_checkpoints
+from lmtrain.weights import lightning_state_dict
 
 STRATEGIES = {
     "fsdp": ("trainer.strategy=fsdp",),

@@ -10,13 +10,13 @@ test-only sleep, so they hardly use the CPU) to keep the test at one pair of tim
 from __future__ import annotations
 
 import pytest
+from preempt_helpers import ends, finish, log_tail, starts, submit, wait_ended
+from slurm_helpers import faults, wait_accounted
 
 from launcher.core import slurm
-from preempt_helpers import ends, finish, inject, log_tail, starts, submit, wait_ended
-from slurm_helpers import wait_accounted
 
 TIME_LIMIT = ("resources.time=00:02:00", "preemption.warning_seconds=60")
-SLOW = inject(LMTRAIN_TEST_STEP_SLEEP="0.6")
+SLOW = {"point": "train.batch_end", "action": "sleep", "seconds": 0.6}  # slow steps without burning CPU
 STEPS = "trainer.max_steps=70"  # ~70 s of steps: more than one attempt gets before its warning
 
 
@@ -29,8 +29,9 @@ def runs(slurm_cluster, tmp_path_factory):
         mp.setenv("LMLAUNCH_HOME", str(root / "home"))
         mp.setenv("LMLAUNCH_RUNS_ROOT", str(root / "runs"))
         env = dict(os.environ)
-        requeue = submit(env, "tl-requeues", STEPS, *TIME_LIMIT, *SLOW)
-        capped = submit(env, "tl-capped", STEPS, *TIME_LIMIT, *SLOW, "preemption.max_timeouts=0")
+        with faults(SLOW):
+            requeue = submit(env, "tl-requeues", STEPS, *TIME_LIMIT)
+            capped = submit(env, "tl-capped", STEPS, *TIME_LIMIT, "preemption.max_timeouts=0")
         try:
             yield {"requeues": requeue, "capped": capped}
         finally:

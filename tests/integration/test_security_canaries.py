@@ -14,8 +14,9 @@ import time
 import uuid
 from pathlib import Path
 
-from launcher.core import slurm
 from slurm_helpers import REPO, wait_terminal
+
+from launcher.core import slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 

@@ -12,16 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slurm_helpers import REPO
 
+from launcher import rehearsal, runs
 from launcher.core import slurm
-from launcher import rehearsal
-
-
-from launcher import runs
 from launcher.resolve import resolve
 from launcher.submit import render_script
-
-from slurm_helpers import REPO
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 SMALL = ("trainer.max_steps=12", "optim.warmup_steps=2")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from slurm_helpers import REPO, wait_accounted, wait_terminal
 from submitit.helpers import CommandFunction
 
 from launcher import runs
 from launcher.resolve import resolve
 from launcher.submit import _submit_with_submitit
-from slurm_helpers import REPO, wait_accounted, wait_terminal
 
 
 def _env_file(path: Path) -> dict[str, str]:

@@ -9,10 +9,10 @@ import re
 import stat
 from pathlib import Path
 
-from launcher.core import slurm
+from slurm_helpers import REPO, wait_accounted, wait_terminal
 
 from launcher import runs
-from slurm_helpers import REPO, wait_accounted, wait_terminal
+from launcher.core import slurm
 
 MAX_STEPS = 30
 OVERRIDES = (
@@ -78,7 +78,7 @@ def test_tiny_cpu_job_trains_to_completion_on_two_nodes(slurm_cluster, cli, lm_e
     # the planned environment was exported to every task (the script is the plan's; see
     # test_submit_task_env.py for the variables as each task saw them)
     script = (run_dir / "submitit" / f"{job_id}_submission.sh").read_text()
-    for name, value in plan["env"].items():
+    for name in plan["env"]:
         assert re.search(rf"^export {name}=", script, re.M), name
 
     # private directories

@@ -107,7 +107,7 @@ CASES: list[Case] = [
     # --- environment ---
     Case("env_name_invalid", add("env:\n  vars:\n    1FOO: x\n"), "{spec}: line 18: env.vars: '1FOO' is not a valid environment variable name: letters, digits and _, not starting with a digit"),
     Case("env_name_reserved", add("env:\n  vars:\n    MASTER_PORT: '29500'\n"), "{spec}: line 18: env.vars: MASTER_PORT may not be set by a job: lmtrain's rank 0 picks a free port on its node at every attempt"),
-    Case("env_name_slurm", add("env:\n  passthrough: [SLURM_JOB_ID]\n"), '{spec}: line 18: env.passthrough: SLURM_JOB_ID may not be set by a job: SLURM_* variables belong to SLURM and submitit'),
+    Case("env_name_slurm", add("env:\n  passthrough: [SLURM_JOB_ID]\n"), '{spec}: line 18: env.passthrough: SLURM_JOB_ID may not be set by a job: SLURM_* variables belong to SLURM'),
     Case("secret_by_value_and_name", add("env:\n  vars:\n    WANDB_API_KEY: abc\n  passthrough: [WANDB_API_KEY]\n"), '{spec}: env (line 17): WANDB_API_KEY in both env.vars and env.passthrough: a secret is passed by name only'),
     Case("passthrough_twice", add("env:\n  passthrough: [HF_TOKEN, HF_TOKEN]\n"), '{spec}: line 18: env.passthrough names HF_TOKEN more than once'),
     # --- against the cluster profile (the plan) ---

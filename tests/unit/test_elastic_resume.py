@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_checkpoint_resume import MAX_STEPS, OVERRIDES, STRATEGIES, _launch, _ledger, _steps
 from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint import complete_checkpoints
 from lmtrain.weights import lightning_state_dict
+from tests.unit.test_checkpoint_resume import MAX_STEPS, OVERRIDES, STRATEGIES, _launch, _ledger, _steps
 
 OVERRIDES_16 = [o for o in OVERRIDES if not o.startswith("trainer.global_batch_size")] + ["trainer.global_batch_size=16"]
 NO_DROPOUT = ["model.config.resid_pdrop=0.0", "model.config.embd_pdrop=0.0", "model.config.attn_pdrop=0.0"]

@@ -5,17 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from launcher import monitor, runs
-from launcher.core import slurm
-
-from launcher import slurm_view
-
-from launcher.core import rundir
-
-from launcher import run_files
-from launcher.slurm_view import SlurmJob
 from monitor_synth import T0, make_run
+
+from launcher import monitor, run_files, runs, slurm_view
+from launcher.core import rundir, slurm
+from launcher.slurm_view import SlurmJob
 
 
 def _row(home, name, job, *, reachable=True, now=T0):

@@ -4,7 +4,7 @@ is incomplete.
 Each trial forks a process that saves step 2 over a directory holding a complete step 1 (and
 keep_last=1, so the save also deletes step 1) with two ranks (two threads, each with its own
 rank, meeting at real barriers, writing their own rank files), and SIGKILLs itself at the n-th
-write/fsync/rename/marker step (LMLAUNCH_TEST_KILL_AT=n): between the ranks' files, before and
+write/fsync/rename/marker step (a ``checkpoint.*`` rule of lmtrain.faults with nth=n): between the ranks' files, before and
 after the rename, the COMPLETE marker, the ``latest`` pointer and the deletion of the old
 checkpoint. After each kill the newest complete checkpoint must load entirely and hold exactly
 what was saved for its step; then a next save (step 3) must succeed over the debris.
@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from lmtrain import checkpoint as ck
+from lmtrain import faults
 
 WORLD = 2
 
@@ -110,11 +111,13 @@ def _in_child(fn, kill_at: int | None, report: Path | None = None) -> int:
     if pid == 0:
         code = 1
         try:
-            if kill_at is not None:
-                os.environ[ck.TEST_KILL_ENV] = str(kill_at)
+            if kill_at is not None:  # 0: count the points, kill at none
+                action = {"point": "checkpoint.*", "action": "kill", "nth": kill_at} if kill_at else \
+                    {"point": "checkpoint.*", "action": "count"}
+                faults.load(json.dumps([action]))
             fn()
             if report is not None:
-                report.write_text(str(ck.test_kill_points_seen()))
+                report.write_text(str(faults.seen("checkpoint.*")))
             code = 0
         finally:
             os._exit(code)
@@ -171,7 +174,7 @@ def test_sigkill_at_every_checkpoint_step_leaves_a_loadable_complete_checkpoint(
     for n in range(1, points + 1):
         ckpt_dir = tmp_path / f"kill-{n}" / "checkpoints"
         shutil.copytree(template, ckpt_dir)
-        status = _in_child(lambda: _save(ckpt_dir, 2, layout), kill_at=n)
+        status = _in_child(lambda d=ckpt_dir: _save(d, 2, layout), kill_at=n)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (n, status)
         step = _assert_loads_completely(ckpt_dir, layout)
         resumed_from.append(step)
@@ -179,7 +182,7 @@ def test_sigkill_at_every_checkpoint_step_leaves_a_loadable_complete_checkpoint(
         latest = (ckpt_dir / "latest").read_text().strip()
         assert int(latest.removeprefix("step-")) <= step
         # the restarted job saves again over whatever the kill left behind
-        assert _in_child(lambda: _save(ckpt_dir, 3, layout), kill_at=None) == 0
+        assert _in_child(lambda d=ckpt_dir: _save(d, 3, layout), kill_at=None) == 0
         assert _assert_loads_completely(ckpt_dir, layout) == 3
         assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step-3"], n
         shutil.rmtree(ckpt_dir.parent)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmtrain.callbacks import StopRequest
 from launcher.core.rundir import LedgerAttempt as AttemptRow
+from lmtrain.callbacks import StopRequest
 from lmtrain.policy import EndFacts, Policy, StartFacts, decide, start_gate, steps_without_progress
 from lmtrain.signals import SignalOwner, guard_dataloader_workers
 

@@ -197,7 +197,7 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), [*OVERRIDES, "checkpoint.every_n_steps=5"],
                              devices=1, max_steps=12, name="killed", environ=dict(os.environ),
                              say=lambda *_: None)
-    env = {**plan.env, "LMLAUNCH_TEST_KILL_AT": "30"}
+    env = {**plan.env, "LMLAUNCH_FAULTS": json.dumps([{"point": "checkpoint.*", "nth": 30, "action": "kill"}])}
     port = _free_port()
     p = subprocess.Popen([sys.executable, "-u", str(HELPER), plan.paths.run_dir],
                          env=worker_env(0, 1, port=port, job_id="local-killed", plan_env=env, threads=1),

@@ -8,19 +8,16 @@ import threading
 import time
 from pathlib import Path
 
+from monitor_synth import T0, make_run
 from rich.console import Console
 
-from launcher import monitor, runs
-
-from launcher.core import rundir
-
-from launcher import run_files
+from launcher import monitor, run_files, runs
 from launcher.cli import main
 from launcher.commands.logs import print_logs
 from launcher.context import Context
-from launcher.slurm_view import SlurmJob, SlurmView
+from launcher.core import rundir
 from launcher.monitor_view import history_view, status_view
-from monitor_synth import T0, make_run
+from launcher.slurm_view import SlurmJob, SlurmView
 
 WIDTH = 150
 

@@ -7,13 +7,13 @@ import json
 import struct
 from pathlib import Path
 
-from launcher import monitor
+from monitor_synth import T0, make_run
 
-from launcher.core import rundir
+from launcher import monitor
 from launcher.cli import main
 from launcher.context import Context
+from launcher.core import rundir
 from launcher.report import DPI, FIGSIZE_IN, build_report
-from monitor_synth import T0, make_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

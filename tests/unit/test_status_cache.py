@@ -14,13 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from monitor_synth import make_run, write_jsonl
 
-from launcher import monitor, runs, status_cache
-
-from launcher import run_files
+from launcher import monitor, run_files, runs, status_cache
 from launcher.run_files import RunFiles
 from launcher.slurm_view import SlurmJob
-from monitor_synth import make_run, write_jsonl
 
 NOW = time.time()
 ATTEMPT = {"job_id": "11", "start_step": 0, "end_step": 50, "t0": NOW - 3000, "t1": NOW - 2000, "reason": "completed"}
@@ -132,7 +130,7 @@ def test_a_run_directory_changed_within_the_racy_window_is_read_every_time(home,
 def test_a_corrupt_or_foreign_cache_costs_one_full_reading(home, reads):
     dirs = _runs(home, 2)
     path = home / status_cache.CACHE_FILE
-    for junk in ("{not json", '{"version": 99, "runs": {}}', '{"version": 1, "runs": {"%s": {"id": 1}}}' % dirs[0]):
+    for junk in ("{not json", '{"version": 99, "runs": {}}', '{"version": 1, "runs": {"' + dirs[0] + '": {"id": 1}}}'):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(junk)
         reads.clear()

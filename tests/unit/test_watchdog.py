@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lmtrain import watchdog
 from launcher.core.rundir import AttemptEnd, Ledger
+from lmtrain import watchdog
 from lmtrain.watchdog import EXIT_HANG, hang_markers, hang_reason
 
 PRELUDE = """

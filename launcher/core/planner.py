@@ -1,0 +1,269 @@
+"""spec + profile -> LaunchPlan (``launcher.core.plan``): everything the cluster will see,
+computed without any I/O. Every problem is collected and raised at once (SpecError), with the
+arithmetic that does not work."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+from launcher.core.deepspeed_config import render_deepspeed
+from launcher.core.errors import SpecError, did_you_mean
+from launcher.core.nccl import render_env
+from launcher.core.plan import (
+    PLAN_VERSION,
+    TASK_TARGET,
+    LaunchPlan,
+    RunPaths,
+    SlurmParams,
+    Topology,
+    TrainerPlan,
+    TrainingPlan,
+)
+from launcher.core.profiles import Profile, check_slurm_path
+from launcher.core.spec import JobSpec, format_minutes, mem_to_mb
+
+
+def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
+    r = spec.resources
+    if r.gpus_per_node > profile.gpus_per_node:
+        problems.append(
+            f"resources.gpus_per_node({r.gpus_per_node}) is above what profile '{profile.name}' "
+            f"nodes have: gpus_per_node({profile.gpus_per_node})"
+        )
+    tasks = spec.tasks_per_node
+    if r.gpus_per_node == 0 and tasks > profile.max_tasks_per_node:
+        problems.append(
+            f"resources.tasks_per_node({tasks}) is above profile '{profile.name}' "
+            f"max_tasks_per_node({profile.max_tasks_per_node})"
+        )
+    world = r.nodes * tasks
+    mbs = spec.data.micro_batch_size
+    gbs = spec.trainer.global_batch_size
+    per_step = mbs * world
+    if gbs % per_step:
+        problems.append(
+            f"trainer.global_batch_size({gbs}) is not a multiple of data.micro_batch_size({mbs}) "
+            f"x world_size({world}) = {per_step}; world_size = resources.nodes({r.nodes}) x "
+            f"{'gpus_per_node' if r.gpus_per_node else 'tasks_per_node'}({tasks})"
+        )
+    return Topology(
+        nodes=r.nodes,
+        tasks_per_node=tasks,
+        world_size=world,
+        accelerator="gpu" if r.gpus_per_node > 0 else "cpu",
+        micro_batch_size=mbs,
+        grad_accum=gbs // per_step,
+        global_batch_size=gbs,
+    )
+
+
+def _slurm(
+    spec: JobSpec, profile: Profile, topo: Topology, paths: RunPaths, problems: list[str]
+) -> SlurmParams:
+    r = spec.resources
+    by_kind = {
+        "default": profile.default_partition,
+        "preemptible": profile.preemptible_partition,
+        "high_priority": profile.high_priority_partition,
+    }
+    partition = r.partition or by_kind[r.partition_kind] or profile.default_partition
+    if r.partition is None and by_kind[r.partition_kind] is None:
+        problems.append(
+            f"resources.partition_kind({r.partition_kind}): profile '{profile.name}' has no "
+            f"{r.partition_kind} partition; its partitions: {', '.join(profile.partitions)}"
+        )
+    elif partition not in profile.partitions:
+        problems.append(
+            f"resources.partition '{partition}' is not a partition of profile '{profile.name}'"
+            f"{did_you_mean(partition, profile.partitions)}; allowed: {', '.join(profile.partitions)}"
+        )
+    else:
+        part = profile.partitions[partition]
+        if r.time_minutes > part.max_minutes:
+            problems.append(
+                f"resources.time({r.time}) = {r.time_minutes} min is above partition '{partition}' "
+                f"max_time({part.max_time}) = {part.max_minutes} min"
+            )
+    cpus = r.cpus_per_task or profile.cpus_per_gpu
+    mem = r.mem
+    if mem is None and profile.mem_per_gpu and r.gpus_per_node:
+        mem = f"{mem_to_mb(profile.mem_per_gpu) * r.gpus_per_node}M"
+    gres = None
+    if r.gpus_per_node:
+        gres = f"{profile.gres_name}:{r.gpus_per_node}"
+    signal_name = spec.preemption.signal
+    # submitit's file names (submitit.core.utils.JobPaths): the batch shell writes task 0's
+    # name, each srun task its own.
+    submitit_dir = PurePosixPath(paths.submitit_dir)
+    return SlurmParams(
+        job_name=spec.name,
+        partition=partition,
+        nodes=topo.nodes,
+        ntasks_per_node=topo.tasks_per_node,
+        cpus_per_task=cpus,
+        gpus_per_node=r.gpus_per_node,
+        gres=gres,
+        mem=mem,
+        time_minutes=r.time_minutes,
+        time=format_minutes(r.time_minutes),
+        account=r.account or profile.account,
+        qos=r.qos or profile.qos,
+        constraint=r.constraint,
+        exclusive=profile.exclusive if r.exclusive is None else r.exclusive,
+        signal=f"{signal_name}@{spec.preemption.warning_seconds}",
+        signal_name=signal_name,
+        warning_seconds=spec.preemption.warning_seconds,
+        requeue=True,
+        open_mode="append",
+        output=str(submitit_dir / "%j_0_log.out"),
+        error=str(submitit_dir / "%j_0_log.err"),
+        task_output=str(submitit_dir / "%j_%t_log.out"),
+        task_error=str(submitit_dir / "%j_%t_log.err"),
+    )
+
+
+def _trainer_plans(spec: JobSpec, topo: Topology, run_dir: str) -> tuple[TrainerPlan, TrainingPlan, list[str]]:
+    t = spec.trainer
+    notes = []
+    precision = t.precision
+    if topo.accelerator == "cpu" and precision == "16-mixed":
+        precision = "bf16-mixed"
+        notes.append("16-mixed needs CUDA: this CPU run uses bf16-mixed")
+    validate = t.limit_val_batches > 0
+    trainer = TrainerPlan(
+        accelerator=topo.accelerator,
+        devices=topo.tasks_per_node,
+        num_nodes=topo.nodes,
+        precision=precision,
+        max_steps=t.max_steps,
+        accumulate_grad_batches=topo.grad_accum,
+        # Lightning counts batches; the spec counts optimizer steps (null: once, at the end).
+        val_check_interval=(t.val_check_interval or t.max_steps) * topo.grad_accum if validate else None,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        default_root_dir=run_dir,
+    )
+    training = TrainingPlan(
+        strategy=t.strategy,
+        process_group_backend="nccl" if topo.accelerator == "gpu" else "gloo",
+        seed=t.seed,
+        gradient_clip_val=t.gradient_clip_val,
+    )
+    return trainer, training, notes
+
+
+def _strategy_problems(spec: JobSpec, topo: Topology) -> list[str]:
+    """Combinations that cannot run as planned, refused before any queue time is spent.
+
+    Every strategy runs on CPU processes too (DeepSpeed with its CPU accelerator, FSDP as
+    FSDP2); what cannot is offloading to a CPU the job already runs on."""
+    t = spec.trainer
+    problems = []
+    if topo.accelerator == "cpu" and (t.offload_optimizer or t.offload_params):
+        what = "trainer.offload_optimizer" if t.offload_optimizer else "trainer.offload_params"
+        problems.append(
+            f"{what} moves state from GPUs to the CPU, and this job runs on CPU processes "
+            f"(resources.gpus_per_node is 0): remove it (DeepSpeed's CPU Adam it would need is "
+            f"not built here: DS_BUILD_OPS=0)"
+        )
+    return problems
+
+
+def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
+    run_dir = PurePosixPath(runs_root) / spec.name
+    ckpt = spec.checkpoint.dir or str(run_dir / "checkpoints")
+    return RunPaths(
+        run_dir=str(run_dir),
+        submitit_dir=str(run_dir / "submitit"),
+        logs_dir=str(run_dir / "logs"),
+        checkpoint_dir=str(ckpt),
+        heartbeat=str(run_dir / "metrics" / "heartbeat.jsonl"),
+        ledger=str(run_dir / "attempts.jsonl"),
+        plan_json=str(run_dir / "plan.json"),
+        spec_yaml=str(run_dir / "spec.yaml"),
+        deepspeed_json=str(run_dir / "deepspeed.json") if spec.trainer.strategy == "deepspeed" else None,
+    )
+
+
+def make_plan(
+    spec: JobSpec, profile: Profile, *, runs_root: str, python: str | None = None
+) -> LaunchPlan:
+    """The whole launch, as data. Raises SpecError with the arithmetic when it cannot work.
+
+    ``runs_root`` is absolute and already expanded (see :func:`launcher.resolve.runs_root_for`);
+    ``python`` is the interpreter command tasks run (default: the profile's ``python``; a
+    profile with ``python: auto`` needs it given).
+    """
+    if not runs_root.startswith("/"):
+        raise SpecError([f"runs root '{runs_root}' must be an absolute path"])
+    check_slurm_path(runs_root, "runs root")
+    if python is None:
+        if profile.python == "auto":
+            raise SpecError(
+                [f"profile '{profile.name}' has python: auto; the plan needs the interpreter path"]
+            )
+        python = profile.python
+    problems: list[str] = []
+    topo = _topology(spec, profile, problems)
+    problems += _strategy_problems(spec, topo)
+    paths = run_paths(spec, runs_root)
+    slurm = _slurm(spec, profile, topo, paths, problems)
+    if problems:
+        raise SpecError(problems)
+    env = render_env(spec, profile, run_dir=paths.run_dir, cpus_per_task=slurm.cpus_per_task)
+    trainer, training, trainer_notes = _trainer_plans(spec, topo, paths.run_dir)
+    notes = tuple(trainer_notes)
+    deepspeed = None
+    if training.strategy == "deepspeed":
+        deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum)
+    srun_args: tuple[str, ...] = ()
+    if profile.container is not None:
+        srun_args = (f"--container-image={profile.container.image}",)
+        if profile.container.mounts:
+            srun_args += (f"--container-mounts={','.join(profile.container.mounts)}",)
+    part = profile.partitions[slurm.partition]
+    if part.preemptible:
+        grace = f"{part.grace_seconds} s" if part.grace_seconds is not None else "the partition's GraceTime"
+        signal = (
+            f"SIG{slurm.signal_name} and SIGTERM"
+            if profile.sends_user_signal_on_preemption
+            else "SIGTERM only (the cluster does not send the user signal on preemption)"
+        )
+        notes += (
+            f"partition '{slurm.partition}' is preemptible: on preemption the tasks get {signal}, "
+            f"then SIGKILL after {grace}; the job checkpoints and requeues",
+        )
+    preemption = {
+        **spec.preemption.model_dump(),
+        "cluster_sends_user_signal": profile.sends_user_signal_on_preemption,
+        "grace_seconds": profile.partitions[slurm.partition].grace_seconds,
+    }
+    return LaunchPlan(
+        version=PLAN_VERSION,
+        run_name=spec.name,
+        profile=profile.name,
+        topology=topo,
+        slurm=slurm,
+        env=env.values,
+        env_reasons=env.reasons,
+        env_overrides=env.overrides,
+        passthrough=env.passthrough,
+        setup=tuple(profile.setup),
+        python=python,
+        srun_args=srun_args,
+        deepspeed=deepspeed,
+        trainer=trainer,
+        training=training,
+        task={"target": TASK_TARGET, "run_dir": paths.run_dir},
+        paths=paths,
+        preemption=preemption,
+        spec=spec.model_dump(mode="json"),
+        notes=notes,
+        rendezvous={
+            "master_addr": "global rank 0's node (lmtrain.env.rendezvous)",
+            "master_port": (
+                "a free port rank 0 binds on its node at every attempt, published in "
+                "<run_dir>/rendezvous/ (Lightning's job-id port collides between jobs)"
+            ),
+        },
+    )

@@ -1,0 +1,162 @@
+"""The one fault-injection seam: named points in the runtime where a test makes the process die,
+sleep or hang. Off unless the test harness turns it on; a job spec cannot.
+
+The harness sets ``LMLAUNCH_FAULTS`` in the environment of the process that runs the task (for
+a SLURM job: of the process that submits it, as SLURM hands the submitting environment to the
+job); the task reads it once, when lmtrain's modules are imported. A job spec cannot set it: ``env.vars`` and ``env.passthrough`` refuse the ``LMLAUNCH_``
+prefix (``launcher.core.spec.RESERVED_ENV_PREFIXES``). The value is a JSON list of rules, or
+the path of a file holding one::
+
+    [{"point": "checkpoint.renamed", "file": "COMPLETE", "attempt": 1, "step": 20, "rank": 0,
+      "action": "kill"}]
+
+A rule fires at a point whose name matches ``point`` (fnmatch) when every field it gives
+matches: ``file`` (fnmatch over the file the point is about), ``rank`` (the global rank),
+``step`` (the step being saved or trained), ``attempt`` (the attempt number the ledger
+gives), ``nth`` (the n-th time this rule's other fields matched in this process). Actions:
+``kill`` (SIGKILL), ``sleep`` (``seconds``), ``hang`` (sleep forever), ``count`` (nothing:
+:func:`seen` tells how many points passed).
+
+Points (docs/run-directory.md has the checkpoint protocol they sit in):
+
+- ``checkpoint.wrote`` / ``checkpoint.fsynced`` / ``checkpoint.renamed`` (file): an atomic
+  file write's data written, fsynced, renamed into place;
+- ``checkpoint.fsync`` (file): a file or directory fsynced;
+- ``checkpoint.tmp_dir_created``, ``checkpoint.rank_saved``, ``checkpoint.dir_renamed``: the
+  save's own steps; ``checkpoint.removed`` (file): a checkpoint deleted;
+- ``train.batch_end`` (step): after every training batch, before the checkpoint decision;
+  ``watchdog.beat`` (step, rank): after every batch, once the hang watchdog has been told
+  (last in the callback list, so after the step's checkpoint).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENV = "LMLAUNCH_FAULTS"
+ACTIONS = ("kill", "sleep", "hang", "count")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rule:
+    point: str
+    action: str
+    file: str | None = None
+    rank: int | None = None
+    step: int | None = None
+    attempt: int | None = None
+    nth: int | None = None
+    seconds: float = 0.0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Rule:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown or "point" not in d or d.get("action") not in ACTIONS:
+            raise ValueError(f"{ENV}: bad rule {d!r} (fields: {sorted(cls.__dataclass_fields__)}; "
+                             f"action one of {ACTIONS})")
+        return cls(**d)
+
+
+_rules: list[Rule] | None = None  # None: the seam is off (the one check every point makes)
+_matched: dict[int, int] = {}  # rule index -> how many times it matched
+_passed: Counter[str] = Counter()  # point name -> how many times this process passed it
+_context: dict[str, Any] = {}
+
+
+def load(value: str | None = None) -> None:
+    """(Re)read the rules from ``value`` or ``$LMLAUNCH_FAULTS``; an empty value turns the seam off."""
+    global _rules
+    value = os.environ.get(ENV, "") if value is None else value
+    _matched.clear()
+    _passed.clear()
+    if not value.strip():
+        _rules = None
+        return
+    text = value if value.lstrip().startswith("[") else Path(value).read_text()
+    _rules = [Rule.from_json(d) for d in json.loads(text)]
+    log.warning("fault injection is on (%s): %d rule(s)", ENV, len(_rules))
+
+
+def set_context(**fields: Any) -> None:
+    """What later points are about (``step=S`` during a save; ``step=None`` clears it)."""
+    for k, v in fields.items():
+        if v is None:
+            _context.pop(k, None)
+        else:
+            _context[k] = v
+
+
+def seen(pattern: str = "*") -> int:
+    """How many points whose name matches ``pattern`` this process passed while the seam was on."""
+    return sum(n for name, n in _passed.items() if fnmatch.fnmatchcase(name, pattern))
+
+
+def point(name: str, **fields: Any) -> None:
+    """A named point: does nothing unless a rule of the harness matches it."""
+    if _rules is None:
+        return
+    _passed[name] += 1
+    facts = {**_context, **fields}
+    for i, rule in enumerate(_rules):
+        if not fnmatch.fnmatchcase(name, rule.point) or not _fields_match(rule, facts):
+            continue
+        _matched[i] = _matched.get(i, 0) + 1
+        if rule.nth is not None and _matched[i] != rule.nth:
+            continue
+        _act(rule, name, facts)
+
+
+def _fields_match(rule: Rule, facts: dict[str, Any]) -> bool:
+    if rule.file is not None and not fnmatch.fnmatchcase(str(facts.get("file", "")), rule.file):
+        return False
+    if rule.rank is not None and rule.rank != facts.get("rank", _rank()):
+        return False
+    if rule.step is not None and rule.step != facts.get("step"):
+        return False
+    return rule.attempt is None or rule.attempt == _attempt()
+
+
+def _act(rule: Rule, name: str, facts: dict[str, Any]) -> None:
+    if rule.action == "count":
+        return
+    log.warning("fault injection: %s at %s %s", rule.action, name, facts)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    if rule.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif rule.action == "sleep":
+        time.sleep(rule.seconds)
+    elif rule.action == "hang":
+        while True:
+            time.sleep(3600)
+
+
+def _rank() -> int:
+    for var in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _attempt() -> int:
+    """The attempt number: the ledger's start lines (this attempt's is written before training)."""
+    from launcher.core.rundir import LEDGER, Ledger
+
+    run_dir = os.environ.get("LMLAUNCH_RUN_DIR", "")
+    return Ledger(Path(run_dir) / LEDGER).next_attempt() - 1 if run_dir else 0
+
+
+# Read once, in a task (a process the launcher started: it has LMLAUNCH_RUN_DIR); a process
+# that only imports lmtrain (the CLI submitting a job) never turns it on.
+if os.environ.get("LMLAUNCH_RUN_DIR"):
+    load()

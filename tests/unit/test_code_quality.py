@@ -1,0 +1,137 @@
+"""The code's own rules, checked by the tools that own them (docs/architecture.md):
+
+- import-linter: the core imports neither side, the runtime imports only the core, the CLI's
+  modules form layers (contracts in pyproject.toml);
+- no import cycle anywhere in launcher/ or lmtrain (function-local imports included: grimp sees them);
+- ruff on all Python code, mypy --strict on the core (configs in pyproject.toml);
+- no module grows past 400 lines without a stated reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+# Modules allowed over the size limit, each with its reason.
+LONG_MODULES = {
+    "src/lmtrain/entry.py": "the task's one sequence (rendezvous, resume point, model, data, Trainer, end); "
+                            "split further it would scatter one story over files",
+    "launcher/core/spec.py": "the job spec schema: one pydantic model per section, documented field by field",
+    "launcher/core/slurm.py": "the one SLURM client: one small function per SLURM command",
+    "src/lmtrain/prepare.py": "data preparation end to end (corpora, tokenizing, shards, metadata)",
+    "src/lmtrain/data.py": "the memmap dataset and its resumable sampler, which must change together",
+    "launcher/submit.py": "submission: script rendering through submitit, reconciliation of sbatch timeouts, records",
+    "launcher/localcluster/cluster.py": "the local SLURM cluster's lifecycle (config, daemons, accounting)",
+}
+MAX_LINES = 400
+
+
+def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(f"{name} is not installed in this environment: run scripts/setup.sh (it is in the dev extras)")
+    return str(path)
+
+
+def test_import_contracts_are_kept():
+    proc = _run([_tool("lint-imports"), "--no-cache"])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
+
+
+def test_no_import_cycles():
+    import grimp
+
+    graph = grimp.build_graph("launcher", "lmtrain")
+    modules = sorted(graph.modules)
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m) & set(modules)) for m in modules}
+    # A package's __init__ is its own module: `launcher.commands` importing nothing of its
+    # children, only the children importing the package, is not a cycle; grimp reports edges
+    # module -> module, so Tarjan's strongly connected components find every real cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    for m in modules:
+        if m not in index:
+            visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_ruff_passes():
+    proc = _run([_tool("ruff"), "check", "--no-cache", "launcher", "src", "tests", "bench", "scripts"])
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_mypy_strict_on_the_core():
+    proc = _run([_tool("mypy"), "--no-incremental", "launcher/core"], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_modules_stay_small_or_say_why():
+    long = {}
+    for root in ("launcher", "src/lmtrain"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            n = len(path.read_text().splitlines())
+            if n > MAX_LINES and rel not in LONG_MODULES:
+                long[rel] = n
+    assert not long, f"modules over {MAX_LINES} lines without a reason in LONG_MODULES: {long}"
+    stale = [m for m in LONG_MODULES if not (REPO / m).exists()
+             or len((REPO / m).read_text().splitlines()) <= MAX_LINES]
+    assert not stale, f"LONG_MODULES entries no longer needed: {stale}"
+
+
+def test_no_tracker_numbers_in_code_or_docs():
+    """The issue tracker is not part of the repository: code and docs say what, not which ticket."""
+    import re
+
+    pattern = re.compile(r"\b[Ii]ssues? ?#?\d+\b|\(#\d+\)")
+    hits = []
+    for root in ("launcher", "src", "tests", "bench", "scripts", "docs", "jobs", "cluster_profiles"):
+        for path in sorted((REPO / root).rglob("*")):
+            if path.suffix in (".py", ".md", ".sh", ".yaml", ".toml") and path.is_file():
+                for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                    if pattern.search(line) and path.name != "test_code_quality.py":
+                        hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()[:100]}")
+    for name in ("README.md", "pyproject.toml"):
+        for n, line in enumerate((REPO / name).read_text().splitlines(), 1):
+            if pattern.search(line):
+                hits.append(f"{name}:{n}: {line.strip()[:100]}")
+    assert not hits, "\n".join(hits)
