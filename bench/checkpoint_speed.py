@@ -48,6 +48,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput as tp
 
+from lmtrain.env import free_port
+
 
 @dataclass(frozen=True)
 class CkptConfig:
@@ -122,7 +124,7 @@ def stop_and_checkpoint(plan, stop_after: int) -> dict[str, Any]:
 
 def resume_in_new_process(run_dir: str, out: Path) -> dict[str, Any]:
     """Start ``--resume-child`` (a new interpreter, like a requeued task) and read its report."""
-    env = {**os.environ, "LMTRAIN_JOB_ID": f"bench-{os.getpid()}-resume", "MASTER_PORT": str(tp.free_port()),
+    env = {**os.environ, "LMTRAIN_JOB_ID": f"bench-{os.getpid()}-resume", "MASTER_PORT": str(free_port("127.0.0.1")),
            "WORLD_SIZE": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--resume-child", run_dir, "--child-report", str(out)]
     started = time.time()

@@ -43,7 +43,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from lmtrain.env import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # Importable without `pip install -e .` (the GPU machine gets the working tree only).
@@ -144,12 +145,6 @@ def ensure_data(path: Path = DATA_DIR) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def set_single_rank_env(job_id: str) -> None:
     """This process is rank 0 of 1, as ``lmtrain.local`` starts a rank (lmtrain.env.read_env)."""
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
@@ -157,7 +152,7 @@ def set_single_rank_env(job_id: str) -> None:
     os.environ.update({
         "LMTRAIN_LAUNCHER": "local", "LMTRAIN_JOB_ID": job_id, "RANK": "0", "LOCAL_RANK": "0",
         "NODE_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port()), "PYTHONUNBUFFERED": "1",
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port("127.0.0.1")), "PYTHONUNBUFFERED": "1",
     })
 
 

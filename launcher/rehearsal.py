@@ -115,7 +115,7 @@ def _why_waiting(job_id: str) -> str:
     """For a timeout message: the job's reason and the other active jobs (best effort)."""
     try:
         info = show_job(job_id) or {}
-        others = [f"{j.job_id} {j.name} {j.state} on {j.nodes or '-'} ({j.partition})"
+        others = [f"{j.job_id} {j.name} {j.state} on {j.nodelist or '-'} ({j.partition})"
                   for j in squeue() if j.job_id != job_id and is_active(j.state)]
     except UserError:
         return ""

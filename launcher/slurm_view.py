@@ -80,7 +80,7 @@ def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = N
         return view
     try:
         view.calls.append("squeue")
-        for q in slurm.squeue_status(ids, timeout=SLURM_TIMEOUT_S):
+        for q in slurm.squeue(ids, timeout=SLURM_TIMEOUT_S):
             view.jobs[q.job_id] = SlurmJob(q.job_id, q.state, q.reason, q.restarts + 1, q.time_limit,
                                            q.num_nodes, q.elapsed, q.nodelist, "squeue")
     except (SlurmUnavailable, UserError) as exc:

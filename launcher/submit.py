@@ -262,73 +262,6 @@ def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
             )
 
 
-def continuation_note(plan: LaunchPlan, run_dir: Any) -> str | None:
-    """For ``--resume`` of a run that finished (DONE): what continuing it to the plan's
-    max_steps means (None when it did not finish). A finished run whose max_steps is not raised
-    has nothing to train: an error, before anything is submitted."""
-    import json
-    from pathlib import Path
-
-    from launcher.core.errors import UserError
-    from launcher.core.lr_schedule import extension_note
-
-    done = Path(run_dir) / "DONE"
-    if not done.exists():
-        return None
-    text = done.read_text().strip()
-    step = int(text) if text.isdigit() else None
-    new_max = plan.trainer.max_steps
-    if step is None or step >= new_max:
-        raise UserError(
-            f"run '{plan.run_name}' already finished at step {text or '?'} and trainer.max_steps is {new_max}: "
-            f"nothing to train. To continue it, raise trainer.max_steps (the override "
-            f"trainer.max_steps={max(new_max, step or 0) * 2}, or --max-steps for a local run)"
-        )
-    try:
-        old = json.loads(Path(plan.paths.plan_json).read_text())
-        old_max, old_optim = int(old["trainer"]["max_steps"]), old["spec"]["optim"]
-    except (OSError, ValueError, KeyError, TypeError):
-        old_max, old_optim = step, plan.spec["optim"]
-    return extension_note(old_optim, plan.spec["optim"], step=step, old_max_steps=old_max, new_max_steps=new_max)
-
-
-def resume_note(plan: LaunchPlan) -> str | None:
-    """What resuming the newest complete checkpoint at this plan's topology means, or None when
-    there is none. A checkpoint of another strategy cannot be resumed: an error, before anything
-    is submitted (each strategy has its own checkpoint format)."""
-    from launcher.core.checkpoint_index import newest_complete
-    from launcher.core.errors import UserError
-
-    ckpt = newest_complete(plan.paths.checkpoint_dir)
-    if ckpt is None:
-        return None
-    try:
-        meta = ckpt.meta()
-        old_strategy, old_world = str(meta["strategy"]), int(meta["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the runtime's own check reports an unreadable checkpoint
-    strategy, world = plan.training.strategy, plan.topology.world_size
-    if old_strategy != strategy:
-        raise UserError(
-            f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
-            f"{old_strategy} and this plan uses {strategy}: each strategy has its own checkpoint format, so it "
-            f"cannot be resumed as it is. Resume with trainer.strategy={old_strategy}, or export it "
-            f"(`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run with model.pretrained: DIR"
-        )
-    if old_world == world:
-        return None
-    how = {
-        "ddp": "the DDP checkpoint holds full tensors",
-        "fsdp": "torch.distributed.checkpoint reshards the FSDP shards",
-        "deepspeed": "rank 0 converts the ZeRO checkpoint to DeepSpeed's universal checkpoint when the job starts",
-    }[strategy]
-    return (
-        f"resuming {ckpt.path.name} (written on {old_world} ranks) on {world} ranks: {how}; the global batch "
-        f"stays {plan.topology.global_batch_size} (gradient accumulation {plan.topology.grad_accum} per rank) "
-        f"and the data order is kept"
-    )
-
-
 def submit_plan(
     resolved: Any,
     ctx: Any,
@@ -344,12 +277,10 @@ def submit_plan(
     allowed while a job of that run is queued or running. When submission fails nothing is left
     behind: no registry entry, no half-written run directory.
     """
-    import json
-    import os
     import time
     from pathlib import Path
 
-    from launcher import runs
+    from launcher import lifecycle, runs
     from launcher.core import slurm
     from launcher.core.errors import SlurmUnavailable, UserError
 
@@ -357,19 +288,7 @@ def submit_plan(
     env = ctx.environ or None
     name = plan.run_name
     run_dir = Path(plan.paths.run_dir)
-    rec = runs.load_record(name, env)
-    exists = run_dir.exists() or rec is not None
-    jobs_text = f", jobs {', '.join(rec.job_ids)}" if rec and rec.job_ids else ""
-    if exists and not (new or resume):
-        raise UserError(
-            f"run '{name}' already exists ({run_dir}{jobs_text}). Continue it from its checkpoints with "
-            f"--resume, start over with --new (the old run directory is kept as {name}.archived-<time>), "
-            f"or give this run another name (override: name=<new name>)"
-        )
-    if resume and not run_dir.is_dir():
-        raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; submit without --resume")
-    continuation = continuation_note(plan, run_dir) if resume else None
-    reshard = resume_note(plan) if resume else None
+    opening = lifecycle.plan_opening(plan, new=new, resume=resume, record=runs.load_record(name, env))
 
     _refuse_shared_checkpoint_dir(plan, env)
     if not slurm.ping():
@@ -377,7 +296,8 @@ def submit_plan(
             "the SLURM controller does not answer (`scontrol ping`); nothing was submitted. "
             "Local cluster: start it with `lmlaunch cluster up`."
         )
-    if exists and rec and rec.job_ids:
+    rec = opening.record
+    if rec and rec.job_ids:
         active = [j for j in slurm.squeue(rec.job_ids) if slurm.is_active(j.state)]
         if active:
             listed = ", ".join(f"{j.job_id} ({j.state})" for j in active)
@@ -386,60 +306,13 @@ def submit_plan(
                 f"`lmlaunch cancel {name}` before {'--resume' if resume else '--new'}"
             )
 
-    undo: list[Any] = []
-    notes: list[str] = []
+    opening.apply(env)
     try:
-        if new and run_dir.exists():
-            archived = runs.archive_run_dir(run_dir)
-            undo.append(lambda a=archived: os.rename(a, run_dir))
-            notes.append(f"previous run archived to {archived}")
-            if rec is not None:
-                (archived / "registry.json").write_text(json.dumps(rec.to_dict(), indent=2, sort_keys=True) + "\n")
-        if new and rec is not None:
-            runs.delete_record(name, env)
-            undo.append(lambda r=rec: runs.save_record(r, env))
-            rec = None
-        created = runs.prepare_run_dir(run_dir)
-        if created:
-            undo.append(lambda: runs.remove_tree(run_dir))
-        else:
-            backups = {}
-            for p in (plan.paths.spec_yaml, plan.paths.plan_json, plan.paths.deepspeed_json):
-                if p and Path(p).exists():
-                    backups[p] = Path(p).read_bytes()
-            submitit_dir = Path(plan.paths.submitit_dir)
-            before = set(submitit_dir.iterdir())
-
-            def restore(backups: dict[str, bytes] = backups, before: set[Path] = before) -> None:
-                for path, data in backups.items():
-                    Path(path).write_bytes(data)
-                for extra in set(submitit_dir.iterdir()) - before:
-                    extra.unlink(missing_ok=True)
-
-            undo.append(restore)
-            cancelled = run_dir / "CANCELLED"
-            if cancelled.exists():
-                data = cancelled.read_bytes()
-                cancelled.unlink()
-                undo.append(lambda d=data: cancelled.write_bytes(d))
-                notes.append("the CANCELLED marker of the earlier job was removed: this run may be requeued again")
-            done = run_dir / "DONE"
-            if continuation is not None and done.exists():
-                data = done.read_bytes()
-                done.unlink()
-                undo.append(lambda d=data: done.write_bytes(d))
-                notes.append(continuation)
-            if reshard is not None:
-                notes.append(reshard)
-        runs.write_launch_files(plan)
         job_id = _submit_with_submitit(plan)
     except BaseException:
-        for step in reversed(undo):
-            try:
-                step()
-            except OSError:
-                pass  # best effort: report the original error, not the cleanup's
+        opening.rollback()
         raise
+    rec, notes = opening.record, opening.notes
 
     if rec is None:
         rec = runs.RunRecord(name=name, profile=plan.profile, run_dir=str(run_dir), spec_path=spec_path)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from launcher.context import Context
 from launcher.core import rundir
-from launcher.core.atomic import write_private
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,21 +20,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cancel_run(rec, environ=None) -> dict:
     """The order matters: the CANCELLED marker is on disk BEFORE scancel's SIGTERM reaches the
     tasks, so the runtime reads it as a user cancel and never requeues."""
-    from launcher import runs
+    from launcher import lifecycle, runs
     from launcher.core import slurm
     from launcher.core.errors import SlurmUnavailable
 
     run_dir = Path(rec.run_dir)
     now = time.time()
     user = os.environ.get("USER") or str(os.getuid())
-    marker = {"time": now, "user": user, "job_ids": list(rec.job_ids)}
+    marker = run_dir / rundir.CANCELLED
     if run_dir.is_dir():
-        write_private(run_dir / rundir.CANCELLED, json.dumps(marker) + "\n")
+        lifecycle.mark_cancelled(run_dir, user=user, job_ids=list(rec.job_ids), now=now)
 
     active: list[str] = []
     message = ""
     try:
-        active = [j.job_id for j in slurm.squeue_status(rec.job_ids) if slurm.is_active(j.state)]
+        active = [j.job_id for j in slurm.squeue(rec.job_ids) if slurm.is_active(j.state)]
         if active:
             slurm.cancel(active)
     except SlurmUnavailable as exc:
@@ -44,10 +43,8 @@ def cancel_run(rec, environ=None) -> dict:
     rec.state = "cancelled"
     runs.save_record(rec, environ)
     if run_dir.is_dir():
-        rundir.Ledger(run_dir / rundir.LEDGER).write(rundir.LedgerNote(
-            event="cancel_requested", time=now, fields={"user": user, "job_ids": active or list(rec.job_ids[-1:])},
-        ))
-    return {"name": rec.name, "cancelled_jobs": active, "marker": str(run_dir / rundir.CANCELLED), "message": message}
+        lifecycle.note_cancel(run_dir, user=user, job_ids=active or list(rec.job_ids[-1:]), now=now)
+    return {"name": rec.name, "cancelled_jobs": active, "marker": str(marker), "message": message}
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

@@ -107,7 +107,7 @@ def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> 
 
             last["t"] = time.monotonic()
             try:
-                jobs = slurm.squeue_status([job_ids[-1]])
+                jobs = slurm.squeue([job_ids[-1]])
                 last["v"] = not any(slurm.is_active(j.state) for j in jobs)
             except UserError:
                 last["v"] = False  # SLURM unreachable: keep following

@@ -89,12 +89,11 @@ def prepare_local_run(
 
     CPU (default): the ``local`` profile, ``devices`` processes on gloo. ``gpus``: one process per
     local GPU, planned with the spec's own cluster profile (its GPU shape, NCCL, DeepSpeed)."""
+    from launcher import lifecycle
     from launcher.core.planner import make_plan
     from launcher.core.profiles import load_profile
     from launcher.jobfile import load_job
     from launcher.resolve import runs_root_for
-    from launcher.runs import archive_run_dir, prepare_run_dir, write_launch_files
-    from launcher.submit import continuation_note, resume_note
 
     user_spec = load_job(spec_path, overrides)
     devices = devices if devices is not None else user_spec.world_size
@@ -109,25 +108,15 @@ def prepare_local_run(
     plan = make_plan(spec, profile, runs_root=runs_root_for(profile, environ), python=sys.executable)
 
     run_dir = Path(plan.paths.run_dir)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if new:
-            say(f"archived the previous run to {archive_run_dir(run_dir)}")
-        elif not resume:
-            raise UserError(
-                f"run directory {run_dir} exists: pass --resume to continue it from its newest "
-                f"checkpoint, or --new to archive it and start over"
-            )
-    continuation = continuation_note(plan, run_dir) if resume and run_dir.is_dir() else None
-    reshard = resume_note(plan) if resume and run_dir.is_dir() else None
-    prepare_run_dir(run_dir)
-    write_launch_files(plan)
+    opening = lifecycle.plan_opening(plan, new=new, resume=resume)  # as submit: new / resume / archive
+    opening.apply(environ)
     t = plan.topology
     say(
         f"local run '{plan.run_name}': {t.world_size} process(es) on CPU, "
         f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
         f"= global_batch({t.global_batch_size}); run dir {run_dir}"
     )
-    for note in (*notices, *plan.notes, *(n for n in (continuation, reshard) if n)):
+    for note in (*notices, *plan.notes, *opening.notes):
         say(f"notice: {note}")
     return plan
 

@@ -19,14 +19,16 @@ class EnvOverride:
 
 
 @dataclass(frozen=True)
-class TaskEnv:
+class PlannedEnv:
+    """The environment the plan gives every task (lmtrain.env.TaskEnv is what a task finds)."""
+
     values: dict[str, str]
     reasons: dict[str, str]
     overrides: tuple[EnvOverride, ...]
     passthrough: tuple[str, ...]
 
 
-def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: int) -> TaskEnv:
+def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: int) -> PlannedEnv:
     values: dict[str, str] = {}
     reasons: dict[str, str] = {}
 
@@ -74,7 +76,7 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
         if name in values and values[name] != value:
             overrides.append(EnvOverride(name, values[name], value))
         put(name, value, "set by the job spec (env.vars)")
-    return TaskEnv(
+    return PlannedEnv(
         values=values,
         reasons=reasons,
         overrides=tuple(overrides),

@@ -290,54 +290,6 @@ def _key_values(text: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class QueuedJob:
-    job_id: str
-    name: str
-    state: str  # SLURM state, upper case: PENDING, RUNNING, ...
-    reason: str
-    nodes: str
-    partition: str
-    elapsed: str
-    user: str
-    restarts: int
-
-    @property
-    def group(self) -> str:
-        return state_group(self.state)
-
-
-def squeue(
-    job_ids: Iterable[str] | None = None,
-    *,
-    name: str | None = None,
-    user: str | None = None,
-    timeout: float = DEFAULT_TIMEOUT_S,
-) -> list[QueuedJob]:
-    """Jobs the controller knows now (queued, running, recently finished within MinJobAge)."""
-    fmt = FIELD_SEP.join(["%i", "%T", "%r", "%N", "%P", "%M", "%u", "%j"])
-    cmd = ["squeue", "-h", "-o", fmt]
-    ids = [str(j) for j in job_ids] if job_ids is not None else None
-    if ids is not None:
-        if not ids:
-            return []
-        cmd += ["--states=all", "-j", ",".join(ids)]
-    if name is not None:
-        cmd += ["-n", name]
-    if user is not None:
-        cmd += ["-u", user]
-    proc = run(cmd, timeout=timeout, check=False)
-    if proc.returncode != 0:
-        # squeue -j with only unknown (long gone) ids exits 1 with "Invalid job id specified"
-        if "Invalid job id" in proc.stderr:
-            return []
-        raise UserError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}", exit_code=ExitCode.FAILURE)
-    out = []
-    for jid, state, reason, nodelist, part, elapsed, usr, jname in _rows(proc.stdout, 8):
-        out.append(QueuedJob(jid, jname, state, reason, nodelist, part, elapsed, usr, 0))
-    return out
-
-
-@dataclass(frozen=True)
 class AccountedJob:
     job_id: str
     name: str
@@ -445,11 +397,12 @@ def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
 
 
 @dataclass(frozen=True)
-class JobStatus:
-    """What `lmlaunch status` needs of one job, from ONE squeue call for all runs."""
+class QueuedJob:
+    """One job as the controller knows it now (squeue: queued, running, or ended within MinJobAge)."""
 
     job_id: str
-    state: str
+    name: str
+    state: str  # SLURM state, upper case: PENDING, RUNNING, ...
     reason: str  # PENDING: Priority, Resources, BeginTime, Dependency ...; 'None' otherwise
     restarts: int  # SLURM_RESTART_COUNT of the current attempt (requeues so far)
     time_limit: str
@@ -457,6 +410,7 @@ class JobStatus:
     elapsed: str
     nodelist: str
     partition: str
+    user: str
     start: str
     submit: str
 
@@ -465,29 +419,46 @@ class JobStatus:
         return state_group(self.state)
 
 
-def squeue_status(job_ids: Iterable[str], *, timeout: float = DEFAULT_TIMEOUT_S) -> list[JobStatus]:
-    """One `squeue -O` call for many job ids (any state the controller still remembers), with
-    the pending reason and the restart count that the short `-o` format cannot print."""
-    ids = sorted({str(j) for j in job_ids})
-    if not ids:
-        return []
-    fields = ["JobID", "State", "Reason", "RestartCnt", "TimeLimit", "NumNodes", "TimeUsed",
-              "NodeList", "Partition", "StartTime", "SubmitTime"]
-    fmt = ",".join(f"{f}:{FIELD_SEP}" for f in fields)  # `Field:suffix`: unpadded, separated
-    cmd = ["squeue", "-h", "--states=all", "-j", ",".join(ids), "-O", fmt]
+_SQUEUE_FIELDS = ["JobID", "Name", "State", "Reason", "RestartCnt", "TimeLimit", "NumNodes", "TimeUsed",
+                  "NodeList", "Partition", "UserName", "StartTime", "SubmitTime"]
+
+
+def squeue(
+    job_ids: Iterable[str] | None = None,
+    *,
+    name: str | None = None,
+    user: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[QueuedJob]:
+    """ONE `squeue -O` call: the jobs the controller knows now, all of ``job_ids`` (in any state
+    it still remembers) or those called ``name`` / of ``user``."""
+    fmt = ",".join(f"{f}:{FIELD_SEP}" for f in _SQUEUE_FIELDS)  # `Field:suffix`: unpadded, separated
+    cmd = ["squeue", "-h", "-O", fmt]
+    ids = sorted({str(j) for j in job_ids}) if job_ids is not None else None
+    if ids is not None:
+        if not ids:
+            return []
+        cmd += ["--states=all", "-j", ",".join(ids)]
+    if name is not None:
+        cmd += ["-n", name]
+    if user is not None:
+        cmd += ["-u", user]
     proc = run(cmd, timeout=timeout, check=False)
     if proc.returncode != 0:
+        # squeue -j with only unknown (long gone) ids exits 1 with "Invalid job id specified"
         if "Invalid job id" in proc.stderr:
             return []
-        raise UserError(f"`squeue -O ... -j <{len(ids)} ids>` failed: {proc.stderr.strip()}", exit_code=ExitCode.FAILURE)
+        what = f"squeue -O ... -j <{len(ids)} ids>" if ids else " ".join(cmd)
+        raise UserError(f"`{what}` failed: {proc.stderr.strip()}", exit_code=ExitCode.FAILURE)
     out = []
     for line in proc.stdout.splitlines():
         parts = [p.strip() for p in line.split(FIELD_SEP)]
-        if len(parts) < len(fields):
+        if len(parts) < len(_SQUEUE_FIELDS):
             continue
-        jid, state, reason, restarts, limit, nnodes, used, nodelist, part, start, submit = parts[: len(fields)]
-        out.append(JobStatus(jid, state, reason, int(restarts) if restarts.isdigit() else 0, limit,
-                             int(nnodes) if nnodes.isdigit() else 0, used, nodelist, part, start, submit))
+        jid, jname, state, reason, restarts, limit, nnodes, used, nodelist, part, usr, start, submit = \
+            parts[: len(_SQUEUE_FIELDS)]
+        out.append(QueuedJob(jid, jname, state, reason, int(restarts) if restarts.isdigit() else 0, limit,
+                             int(nnodes) if nnodes.isdigit() else 0, used, nodelist, part, usr, start, submit))
     return out
 
 

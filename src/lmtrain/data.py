@@ -4,24 +4,23 @@ The data a job trains on is a directory made by ``lmlaunch data prepare`` (forma
 :mod:`lmtrain.prepare`). It is cut into non-overlapping windows of ``seq_len`` tokens; the
 last ``val_fraction`` of the windows is the validation split.
 
-How the runtime uses this module (the contract with module.py / entry.py)::
+How the runtime uses this module (lmtrain.entry and lmtrain.module)::
 
     train_loader, val_loader, sampler = make_dataloaders(
-        spec.data, world_size=W, rank=R, seed=spec.trainer.seed)
+        spec.data, world_size=W, rank=R, seed=plan.training.seed)
 
     # 1. Per MICRO-batch the training loop actually consumes, exactly once, on every rank:
-    #        sampler.advance()          (e.g. first thing in LightningModule.training_step)
+    #        sampler.advance()          (LMModule.training_step, first thing)
     #    Not in a callback's on_train_batch_end: a checkpoint callback may save before it.
     #    DataLoader workers prefetch ahead of the loop; advance() counts what the loop
     #    consumed, so the saved position is exactly the first sample not yet trained on.
-    # 2. Save with the checkpoint (every rank holds the same global position):
-    #        checkpoint["data_sampler"] = sampler.state_dict()
-    # 3. On resume, BEFORE the train loader is first iterated (LightningModule.on_load_checkpoint
-    #    runs before fit starts iterating, so it is the place):
-    #        sampler.load_state_dict(checkpoint["data_sampler"])
+    # 2. Saved in every rank's own file of a checkpoint (rank-R.pt, beside Lightning's state):
+    #        {"data_sampler": sampler.state_dict(), ...}   (lmtrain.callbacks.CheckpointCallback)
+    # 3. On resume, before the Trainer first iterates the train loader (the entry, before fit):
+    #        sampler.load_state_dict(rank_state["data_sampler"])
     #    A different world_size or micro batch size re-shards from the saved global position.
     #    sampler.resharded_from is then (old world_size, old micro batch), else None: log it.
-    # 4. Lightning: Trainer(use_distributed_sampler=False) (the plan sets it) so it does not
+    # 4. Lightning: Trainer(use_distributed_sampler=False) (the plan's TrainerPlan) so it does not
     #    replace the sampler. The train loader is infinite (no __len__): bound training by
     #    max_steps and use an integer val_check_interval.
     # 5. The model must hold every id: TokenData(spec.data.path).check_vocab(config.vocab_size)

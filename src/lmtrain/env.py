@@ -91,9 +91,10 @@ def read_env(environ: dict[str, str] | None = None) -> TaskEnv:
     )
 
 
-def free_port() -> int:
+def free_port(host: str = "") -> int:
+    """A TCP port free on ``host`` ("" : every interface) right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

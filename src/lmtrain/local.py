@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,13 +23,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from lmtrain.env import free_port
+
 TERMINATE_GRACE_S = 15.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_env(
@@ -78,7 +73,7 @@ def launch(
     out = out or sys.stdout
     cmd = list(command) if command else [sys.executable, "-u", "-m", "lmtrain.entry", str(run_dir)]
     threads = threads_per_proc or max(1, (os.cpu_count() or 1) // nprocs)
-    port = _free_port()
+    port = free_port("127.0.0.1")
     job_id = f"local-{os.getpid()}-{int(time.time())}"
     side_logs = run_dir / "logs" / "local"
     side_logs.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,8 @@
 It is deliberately light (no torch at import): the login node pickles it at submit time.
 On the allocation, submitit's ``_submit`` unpickles it and calls it once per task; the
 heavy imports happen inside ``__call__``. There is deliberately no ``checkpoint`` method:
-lmtrain owns checkpoints and requeue; replacing submitit's signal handlers with lmtrain's own
-(one owner of signals) belongs to the preemption handling (lmtrain.preemption), which plugs into
-``lmtrain.entry.run_task`` through its ``Hooks`` and ``StopRequest``.
+lmtrain owns checkpoints and requeue. The entry's first act is to take the signals over from
+submitit's handlers (``lmtrain.signals.own_signals``).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def test_100_fast_submissions_then_status_of_1000_runs_calls_slurm_at_most_twice
         # every submission: one controller ping (scontrol) and one sbatch, nothing per existing run
         assert sum(c.startswith("sbatch ") for c in per_submit) == SUBMITTED
         assert len(per_submit) == 2 * SUBMITTED, per_submit[:6]
-        held = slurm.squeue_status(ids)
+        held = slurm.squeue(ids)
         assert len(held) == SUBMITTED and {j.state for j in held} == {"PENDING"}
         assert len(set(ids)) == SUBMITTED
 

@@ -163,7 +163,7 @@ def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next
     row = _row(cli, run_name)
     assert (row["state"], row["attempt"], row["step"], row["requeued"]) == ("RUNNING", 1, 30, False)
 
-    node = slurm.squeue_status([job])[0].nodelist
+    node = slurm.squeue([job])[0].nodelist
     high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", node, "-N", "1", "-n", "1", "--exclusive",
                    "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 1")
     own_jobs.append(high)

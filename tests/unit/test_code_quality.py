@@ -27,7 +27,6 @@ LONG_MODULES = {
     "launcher/core/slurm.py": "the one SLURM client: one small function per SLURM command",
     "src/lmtrain/prepare.py": "data preparation end to end (corpora, tokenizing, shards, metadata)",
     "src/lmtrain/data.py": "the memmap dataset and its resumable sampler, which must change together",
-    "launcher/submit.py": "submission: script rendering through submitit, reconciliation of sbatch timeouts, records",
     "launcher/localcluster/cluster.py": "the local SLURM cluster's lifecycle (config, daemons, accounting)",
 }
 MAX_LINES = 400

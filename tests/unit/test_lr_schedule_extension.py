@@ -1,5 +1,5 @@
 """Continuing a finished run to a larger trainer.max_steps: the submit-time check and the note
-that says how the learning-rate schedule goes on (launcher.submit.continuation_note)."""
+that says how the learning-rate schedule goes on (launcher.lifecycle.continuation_note)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from launcher.core.errors import UserError
 from launcher.core.lr_schedule import OptimSettings, extension_note, lr_at
-from launcher.submit import continuation_note
+from launcher.lifecycle import continuation_note
 
 OPTIM = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "warmup_steps": 10,
          "schedule": "cosine", "min_lr": 3e-4}
@@ -21,22 +21,22 @@ def _plan(tmp_path, max_steps: int, old_max: int | None = 150):
     if old_max is not None:
         plan_json.write_text(json.dumps({"trainer": {"max_steps": old_max}, "spec": {"optim": OPTIM}}))
     return SimpleNamespace(run_name="r", trainer=SimpleNamespace(max_steps=max_steps), spec={"optim": OPTIM},
-                           paths=SimpleNamespace(plan_json=str(plan_json)))
+                           paths=SimpleNamespace(plan_json=str(plan_json), run_dir=str(tmp_path)))
 
 
 def test_a_run_that_did_not_finish_needs_no_note(tmp_path):
-    assert continuation_note(_plan(tmp_path, 300), tmp_path) is None
+    assert continuation_note(_plan(tmp_path, 300)) is None
 
 
 def test_a_finished_run_without_a_larger_max_steps_is_refused_before_submission(tmp_path):
     (tmp_path / "DONE").write_text("150\n")
     with pytest.raises(UserError, match=r"already finished at step 150 and trainer.max_steps is 150: nothing to train.*trainer.max_steps=300"):
-        continuation_note(_plan(tmp_path, 150), tmp_path)
+        continuation_note(_plan(tmp_path, 150))
 
 
 def test_continuing_a_finished_run_says_where_the_schedule_goes(tmp_path):
     (tmp_path / "DONE").write_text("150\n")
-    note = continuation_note(_plan(tmp_path, 300), tmp_path)
+    note = continuation_note(_plan(tmp_path, 300))
     new = OptimSettings.from_spec(OPTIM, 300)
     assert note == (
         "continuing from step 150 to trainer.max_steps(300); the learning-rate schedule (cosine, warmup 10) "

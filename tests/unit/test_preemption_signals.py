@@ -22,7 +22,8 @@ import torch
 
 from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint import complete_checkpoints
-from lmtrain.local import _free_port, worker_env
+from lmtrain.env import free_port
+from lmtrain.local import worker_env
 
 HELPER = Path(__file__).with_name("_preempt_worker.py")
 MAX_STEPS = 30
@@ -50,7 +51,7 @@ def _plan(repo, name: str, devices: int):
 def _start(plan, *args: str) -> list[subprocess.Popen]:
     run_dir = plan.paths.run_dir
     n = plan.topology.world_size
-    port, job_id = _free_port(), f"local-test-{time.time_ns()}"
+    port, job_id = free_port("127.0.0.1"), f"local-test-{time.time_ns()}"
     out = open(Path(run_dir) / "ranks.out", "ab")
     return [
         subprocess.Popen([sys.executable, "-u", str(HELPER), run_dir, *args], stdout=out, stderr=subprocess.STDOUT,
@@ -198,7 +199,7 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
                              devices=1, max_steps=12, name="killed", environ=dict(os.environ),
                              say=lambda *_: None)
     env = {**plan.env, "LMLAUNCH_FAULTS": json.dumps([{"point": "checkpoint.*", "nth": 30, "action": "kill"}])}
-    port = _free_port()
+    port = free_port("127.0.0.1")
     p = subprocess.Popen([sys.executable, "-u", str(HELPER), plan.paths.run_dir],
                          env=worker_env(0, 1, port=port, job_id="local-killed", plan_env=env, threads=1),
                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

@@ -1,0 +1,208 @@
+"""One run lifecycle for `submit` and `run --local` alike: a run is new, resumed (from its newest
+complete checkpoint), or archived and started over (``--new``); `cancel` marks it so that no
+attempt trains again, and a resume takes that mark away.
+
+:func:`plan_opening` checks what the user asked for against what exists and says what resuming
+means (nothing is changed yet); :meth:`Opening.apply` makes the run directory ready (archive,
+registry entry, markers, spec.yaml / plan.json / deepspeed.json); :meth:`Opening.rollback`
+undoes all of it when the submission that follows fails, so nothing is left half-done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher import runs
+from launcher.core import rundir
+from launcher.core.atomic import write_private
+from launcher.core.checkpoint_index import newest_complete
+from launcher.core.errors import UserError
+from launcher.core.lr_schedule import extension_note
+from launcher.core.plan import LaunchPlan
+
+
+@dataclass
+class Opening:
+    """What opening the plan's run directory will do (``apply``) and how to undo it (``rollback``)."""
+
+    plan: LaunchPlan
+    new: bool
+    resume: bool
+    record: runs.RunRecord | None  # the registry's entry of this run name (submit only)
+    continuation: str | None  # resuming a finished run to a larger max_steps: what that means
+    reshard: str | None  # resuming on another world size: what that means
+    notes: list[str] = field(default_factory=list)
+    _undo: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.plan.paths.run_dir)
+
+    def apply(self, environ: Mapping[str, str] | None = None) -> None:
+        """Archive (``new``) or reuse (``resume``) the run directory, take the CANCELLED mark
+        away on a resume, and write the launch files; every step is recorded for ``rollback``."""
+        plan, run_dir, undo = self.plan, self.run_dir, self._undo
+        try:
+            if self.new and run_dir.exists():
+                archived = runs.archive_run_dir(run_dir)
+                undo.append(lambda a=archived: os.rename(a, run_dir))
+                self.notes.append(f"previous run archived to {archived}")
+                if self.record is not None:
+                    (archived / "registry.json").write_text(json.dumps(self.record.to_dict(), indent=2, sort_keys=True) + "\n")
+            if self.new and self.record is not None:
+                rec = self.record
+                runs.delete_record(rec.name, environ)
+                undo.append(lambda r=rec: runs.save_record(r, environ))
+                self.record = None
+            if runs.prepare_run_dir(run_dir):
+                undo.append(lambda: runs.remove_tree(run_dir))
+            else:
+                self._keep_launch_files()
+                self._take_away(rundir.CANCELLED, "the CANCELLED mark of the earlier job was removed: "
+                                                  "this run may be requeued again")
+                if self.continuation is not None:
+                    self._take_away(rundir.DONE, self.continuation)
+                if self.reshard is not None:
+                    self.notes.append(self.reshard)
+            runs.write_launch_files(plan)
+        except BaseException:
+            self.rollback()
+            raise
+
+    def rollback(self) -> None:
+        """Undo ``apply`` (best effort: the caller reports its own error, not the cleanup's)."""
+        for step in reversed(self._undo):
+            try:
+                step()
+            except OSError:
+                pass
+        self._undo.clear()
+
+    def _keep_launch_files(self) -> None:
+        p = self.plan.paths
+        backups = {f: Path(f).read_bytes() for f in (p.spec_yaml, p.plan_json, p.deepspeed_json) if f and Path(f).exists()}
+        submitit_dir = Path(p.submitit_dir)
+        before = set(submitit_dir.iterdir()) if submitit_dir.is_dir() else set()
+
+        def restore() -> None:
+            for path, data in backups.items():
+                Path(path).write_bytes(data)
+            if submitit_dir.is_dir():
+                for extra in set(submitit_dir.iterdir()) - before:
+                    extra.unlink(missing_ok=True)
+
+        self._undo.append(restore)
+
+    def _take_away(self, marker: str, note: str) -> None:
+        path = self.run_dir / marker
+        if path.exists():
+            data = path.read_bytes()
+            path.unlink()
+            self._undo.append(lambda: path.write_bytes(data))
+            self.notes.append(note)
+
+
+def plan_opening(
+    plan: LaunchPlan, *, new: bool = False, resume: bool = False, record: runs.RunRecord | None = None,
+) -> Opening:
+    """Check ``new`` / ``resume`` against what exists; nothing is changed yet.
+
+    An existing run (its directory, or a registry entry) needs ``resume`` or ``new``; ``resume``
+    needs the directory; resuming a finished run needs a larger max_steps; a checkpoint of
+    another strategy cannot be resumed."""
+    if new and resume:
+        raise UserError("--new and --resume exclude each other: start over, or continue")
+    name, run_dir = plan.run_name, Path(plan.paths.run_dir)
+    exists = (run_dir.is_dir() and any(run_dir.iterdir())) or (run_dir.exists() and not run_dir.is_dir()) \
+        or record is not None
+    if exists and not (new or resume):
+        jobs = f", jobs {', '.join(record.job_ids)}" if record and record.job_ids else ""
+        raise UserError(
+            f"run '{name}' already exists ({run_dir}{jobs}). Continue it from its checkpoints with "
+            f"--resume, start over with --new (the old run directory is kept as {name}.archived-<time>), "
+            f"or give this run another name (override: name=<new name>)"
+        )
+    if resume and not run_dir.is_dir():
+        raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; start it without --resume")
+    return Opening(
+        plan=plan, new=new, resume=resume, record=record,
+        continuation=continuation_note(plan) if resume else None,
+        reshard=resume_note(plan) if resume else None,
+    )
+
+
+def mark_cancelled(run_dir: Path, *, user: str, job_ids: list[str], now: float | None = None) -> Path:
+    """The CANCELLED mark (who, when, which jobs), written BEFORE any job is signalled so that the
+    runtime reads the stop as a user cancel and never requeues; and the ledger's note of it."""
+    now = time.time() if now is None else now
+    marker = run_dir / rundir.CANCELLED
+    write_private(marker, json.dumps({"time": now, "user": user, "job_ids": job_ids}) + "\n")
+    return marker
+
+
+def note_cancel(run_dir: Path, *, user: str, job_ids: list[str], now: float) -> None:
+    rundir.Ledger(run_dir / rundir.LEDGER).write(
+        rundir.LedgerNote(event="cancel_requested", time=now, fields={"user": user, "job_ids": job_ids})
+    )
+
+
+def continuation_note(plan: LaunchPlan) -> str | None:
+    """For a resume of a run that finished (DONE): what continuing it to the plan's max_steps
+    means (None when it did not finish). A finished run whose max_steps is not raised has
+    nothing to train: an error, before anything is submitted."""
+    done, step = rundir.read_done_step(plan.paths.run_dir)
+    if not done:
+        return None
+    new_max = plan.trainer.max_steps
+    if step is None or step >= new_max:
+        raise UserError(
+            f"run '{plan.run_name}' already finished at step {step if step is not None else '?'} and "
+            f"trainer.max_steps is {new_max}: nothing to train. To continue it, raise trainer.max_steps (the "
+            f"override trainer.max_steps={max(new_max, step or 0) * 2}, or --max-steps for a local run)"
+        )
+    try:
+        old = json.loads(Path(plan.paths.plan_json).read_text())
+        old_max, old_optim = int(old["trainer"]["max_steps"]), old["spec"]["optim"]
+    except (OSError, ValueError, KeyError, TypeError):
+        old_max, old_optim = step, plan.spec["optim"]
+    return extension_note(old_optim, plan.spec["optim"], step=step, old_max_steps=old_max, new_max_steps=new_max)
+
+
+def resume_note(plan: LaunchPlan) -> str | None:
+    """What resuming the newest complete checkpoint at this plan's topology means, or None when
+    there is none. A checkpoint of another strategy cannot be resumed: an error, before anything
+    is submitted (each strategy has its own checkpoint format)."""
+    ckpt = newest_complete(plan.paths.checkpoint_dir)
+    if ckpt is None:
+        return None
+    try:
+        meta: dict[str, Any] = ckpt.meta()
+        old_strategy, old_world = str(meta["strategy"]), int(meta["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the runtime's own check reports an unreadable checkpoint
+    strategy, world = plan.training.strategy, plan.topology.world_size
+    if old_strategy != strategy:
+        raise UserError(
+            f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
+            f"{old_strategy} and this plan uses {strategy}: each strategy has its own checkpoint format, so it "
+            f"cannot be resumed as it is. Resume with trainer.strategy={old_strategy}, or export it "
+            f"(`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run with model.pretrained: DIR"
+        )
+    if old_world == world:
+        return None
+    how = {
+        "ddp": "the DDP checkpoint holds full tensors",
+        "fsdp": "torch.distributed.checkpoint reshards the FSDP shards",
+        "deepspeed": "rank 0 converts the ZeRO checkpoint to DeepSpeed's universal checkpoint when the job starts",
+    }[strategy]
+    return (
+        f"resuming {ckpt.path.name} (written on {old_world} ranks) on {world} ranks: {how}; the global batch "
+        f"stays {plan.topology.global_batch_size} (gradient accumulation {plan.topology.grad_accum} per rank) "
+        f"and the data order is kept"
+    )

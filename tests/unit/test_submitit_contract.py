@@ -1,0 +1,74 @@
+"""lmlaunch renders the sbatch script and the srun command through submitit's private hooks
+(``_make_sbatch_string``, ``SlurmExecutor._submitit_command_str`` and
+``_make_submission_command``). submitit is pinned to the version these were checked with, and
+these tests fail loudly when a submitit release changes them: the script ``sbatch`` receives
+must be byte for byte the one the dry run prints."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import stat
+from pathlib import Path
+
+from launcher import submit
+from launcher.resolve import resolve
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_submitit_is_the_pinned_version():
+    import submitit
+
+    text = (REPO / "pyproject.toml").read_text()
+    pinned = re.search(r'"submitit==([0-9.]+)"', text)
+    assert pinned, "pyproject.toml must pin submitit to one version (its private hooks are used)"
+    assert submitit.__version__ == pinned.group(1), (submitit.__version__, pinned.group(1))
+
+
+def test_the_private_hooks_are_where_lmlaunch_plugs_in():
+    from submitit.slurm import slurm as ss
+
+    params = inspect.signature(ss._make_sbatch_string).parameters
+    plan = _plan(REPO, "/runs")
+    missing = set(submit.executor_parameters(plan)) - set(params)
+    assert not missing, f"submitit's _make_sbatch_string no longer takes {sorted(missing)}"
+    assert isinstance(inspect.getattr_static(ss.SlurmExecutor, "_submitit_command_str"), property)
+    assert list(inspect.signature(ss.SlurmExecutor._make_submission_command).parameters) == [
+        "self", "submission_file_path"]
+    # how submitit uses them: the command string goes into the script, the submission command runs it
+    assert "_submitit_command_str" in inspect.getsource(ss.SlurmExecutor._internal_process_submissions)
+    assert "_make_submission_command" in inspect.getsource(ss.SlurmExecutor._submit_command)
+    assert "_make_sbatch_string" in inspect.getsource(ss.SlurmExecutor._make_submission_file_text)
+
+
+def _plan(repo: Path, runs_root: str):
+    environ = {"LMLAUNCH_RUNS_ROOT": runs_root, "HOME": "/home/u", "USER": "u"}
+    return resolve(str(repo / "jobs" / "tiny-cpu.yaml"), ["trainer.strategy=deepspeed", "trainer.zero_stage=2"], cluster="local",
+                   environ=environ).plan
+
+
+def _fake(bin_dir: Path, name: str, body: str) -> None:
+    p = bin_dir / name
+    p.write_text("#!/bin/sh\n" + body)
+    p.chmod(p.stat().st_mode | stat.S_IXUSR)
+
+
+def test_what_sbatch_receives_is_the_dry_run_script(tmp_path, monkeypatch):
+    plan = _plan(REPO, str(tmp_path / "runs"))
+    Path(plan.paths.submitit_dir).mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    got, calls = tmp_path / "submitted.sh", tmp_path / "calls"
+    _fake(bin_dir, "sbatch", f'cp "$1" {got}\necho "Submitted batch job 4242"\n')
+    _fake(bin_dir, "srun", "exit 0\n")
+    _fake(bin_dir, "timeout", f'echo "timeout $*" >> {calls}\nshift 2\nexec "$@"\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    job_id = submit._submit_with_submitit(plan, fn=print)
+    assert job_id == "4242"
+    assert got.read_text() == submit.render_script(plan)  # byte for byte: our command string is in it
+    assert submit.submit_command(plan) in got.read_text()
+    # our submission command ran sbatch, under its client-side time limit
+    assert calls.read_text().startswith(f"timeout --kill-after=5 {submit.sbatch_timeout_s()} sbatch "), calls.read_text()
