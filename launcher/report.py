@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.slurm_view import format_duration
+
 FIGSIZE_IN = (12.0, 7.0)
 DPI = 100  # -> a 1200 x 700 pixel PNG
 
@@ -42,8 +44,6 @@ class ReportData:
 
 def build_report(name: str, heartbeat: Sequence[Mapping[str, Any]], history: Any) -> ReportData:
     """Pure: heartbeat lines + monitor.History -> the series to plot and the summary lines."""
-    from launcher.slurm_view import format_duration
-
     r = ReportData(name)
     for b in heartbeat:
         if b.get("event") == "step" and b.get("step") is not None and b.get("time"):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.core.atomic import write_private
-from launcher.core.errors import UserError
+from launcher.core.errors import UserError, did_you_mean
 from launcher.core.text_rules import RUN_NAME, brief
 
 if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml import on that path
@@ -179,7 +179,6 @@ def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
     for r in records:
         if ref in r.job_ids:
             return r
-    from launcher.core.errors import did_you_mean
 
     names = [r.name for r in records]
     raise UserError(

@@ -10,6 +10,9 @@ import re
 import shlex
 from typing import Any
 
+from launcher import lifecycle, runs
+from launcher.core import slurm
+from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.plan import LaunchPlan
 
 # C0 controls and DEL: what breaks a line or a terminal in a single-quoted word.
@@ -122,8 +125,6 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
     from submitit.core.utils import FailedJobError
     from submitit.slurm.slurm import SlurmExecutor
 
-    from launcher.core import slurm
-    from launcher.core.errors import SlurmUnavailable, UserError
     from lmtrain.task import TrainTask
 
     sbatch_timeout = sbatch_timeout_s()
@@ -177,7 +178,6 @@ def sbatch_timeout_s() -> int:
     """Seconds `sbatch` may take before submit stops waiting and reconciles (env LMLAUNCH_SBATCH_TIMEOUT_S)."""
     import os
 
-    from launcher.core.errors import UserError
 
     text = os.environ.get(SBATCH_TIMEOUT_VAR, str(DEFAULT_SBATCH_TIMEOUT_S))
     if not text.isdigit() or int(text) < 1:
@@ -194,8 +194,6 @@ def _reconcile_timed_out_sbatch(plan: LaunchPlan, folder: Any, before: set[Any],
     import time
     from pathlib import Path
 
-    from launcher.core import slurm
-    from launcher.core.errors import SlurmUnavailable
 
     deadline = time.monotonic() + RECONCILE_WAIT_S
     ids: list[str] = []
@@ -240,8 +238,6 @@ def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
     import os
     from pathlib import Path
 
-    from launcher import runs
-    from launcher.core.errors import UserError
 
     mine = os.path.realpath(plan.paths.checkpoint_dir)
     if mine.startswith(os.path.realpath(plan.paths.run_dir) + os.sep):
@@ -280,9 +276,6 @@ def submit_plan(
     import time
     from pathlib import Path
 
-    from launcher import lifecycle, runs
-    from launcher.core import slurm
-    from launcher.core.errors import SlurmUnavailable, UserError
 
     plan: LaunchPlan = resolved.plan
     env = ctx.environ or None

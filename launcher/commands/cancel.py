@@ -8,8 +8,10 @@ import os
 import time
 from pathlib import Path
 
+from launcher import lifecycle, runs
 from launcher.context import Context
-from launcher.core import rundir
+from launcher.core import rundir, slurm
+from launcher.core.errors import ExitCode, SlurmUnavailable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,10 +22,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cancel_run(rec, environ=None) -> dict:
     """The order matters: the CANCELLED marker is on disk BEFORE scancel's SIGTERM reaches the
     tasks, so the runtime reads it as a user cancel and never requeues."""
-    from launcher import lifecycle, runs
-    from launcher.core import slurm
-    from launcher.core.errors import SlurmUnavailable
-
     run_dir = Path(rec.run_dir)
     now = time.time()
     user = os.environ.get("USER") or str(os.getuid())
@@ -48,9 +46,6 @@ def cancel_run(rec, environ=None) -> dict:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import runs
-    from launcher.core.errors import ExitCode
-
     rec = runs.find_run(args.run, ctx.environ or None)
     result = cancel_run(rec, ctx.environ or None)
     if args.json:

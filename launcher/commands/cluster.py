@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from launcher.context import Context
+from launcher.localcluster import cluster
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,8 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.localcluster import cluster
-
     def say(line: str) -> None:
         ctx.out(f"[cluster] {line}")
 

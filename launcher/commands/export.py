@@ -8,7 +8,9 @@ import argparse
 import json
 from pathlib import Path
 
+from launcher import runs
 from launcher.context import Context
+from launcher.core.checkpoint_index import complete_checkpoints
 from launcher.core.errors import UserError
 
 
@@ -23,14 +25,11 @@ def _run_dir(ref: str, ctx: Context) -> Path:
     p = Path(ref)
     if p.is_dir() and (p / "plan.json").is_file():
         return p
-    from launcher import runs
 
     return Path(runs.find_run(ref, ctx.environ or None).run_dir)
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.core.checkpoint_index import complete_checkpoints
-
     run_dir = _run_dir(args.run, ctx)
     plan = json.loads((run_dir / "plan.json").read_text())
     ckpts = complete_checkpoints(plan["paths"]["checkpoint_dir"])

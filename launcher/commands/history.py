@@ -6,7 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
+from launcher import monitor, runs, slurm_view
 from launcher.context import Context
+from launcher.core import rundir
+from launcher.monitor_view import history_view, make_console
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,9 +19,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_history(rec):
     """The ledger, the whole heartbeat (for training time per attempt) and ONE `sacct -D` call."""
-    from launcher import monitor, slurm_view
-    from launcher.core import rundir
-
     run_dir = Path(rec.run_dir)
     ledger = rundir.read_jsonl(run_dir / "attempts.jsonl")
     heartbeat = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
@@ -30,14 +30,11 @@ def load_history(rec):
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import runs
-
     rec = runs.find_run(args.run, ctx.environ or None)
     h = load_history(rec)
     if args.json:
         ctx.out(json.dumps(h.to_dict(), indent=2))
         return 0
-    from launcher.monitor_view import history_view, make_console
 
     make_console(ctx).print(history_view(h))
     return 0

@@ -9,7 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from launcher import run_files, runs
 from launcher.context import Context
+from launcher.core import rundir, slurm
+from launcher.core.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,9 +40,6 @@ def print_logs(
     """Print every attempt's log in order with a marker line before each; with ``follow``, keep
     polling for new output and new attempts until ``finished()`` and nothing new arrived.
     Returns the number of files shown."""
-    from launcher import run_files
-    from launcher.core import rundir
-
     offsets: dict[Path, int] = {}
     shown: list[Path] = []
     pending = ""  # a last line without its newline yet (follow)
@@ -102,8 +102,6 @@ def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> 
         if (run_dir / "DONE").exists() or (run_dir / "CANCELLED").exists():
             return True
         if time.monotonic() - last["t"] >= every_s and job_ids:
-            from launcher.core import slurm
-            from launcher.core.errors import UserError
 
             last["t"] = time.monotonic()
             try:
@@ -117,9 +115,6 @@ def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> 
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import run_files, runs
-    from launcher.core.errors import UserError
-
     rec = runs.find_run(args.run, ctx.environ or None)
     run_dir = Path(rec.run_dir)
     if not run_dir.is_dir():

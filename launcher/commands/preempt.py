@@ -26,8 +26,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher import rehearsal, runs
 from launcher.context import Context
+from launcher.core import slurm
 from launcher.core.errors import ExitCode, UserError
+from launcher.core.profiles import load_profile
 
 MODES = ("signal", "term", "requeue", "node-failure")
 ENDED = {"completed", "cancelled", "failed", "timeout"}
@@ -65,9 +68,6 @@ class Victim:
 
 def running_job(rec) -> Victim:
     """The run's newest job, which must be RUNNING; a UserError saying why not otherwise."""
-    from launcher import rehearsal
-    from launcher.core import slurm
-
     job_id = rec.last_job_id
     if job_id is None:
         raise UserError(f"run '{rec.name}' has no SLURM job (submit it with `lmlaunch submit`): nothing to preempt")
@@ -107,8 +107,6 @@ def _plan_signal(run_dir: Path) -> str:
 
 def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict:
     """Poll until SLURM requeued the job (its restart count grew) or it ended otherwise."""
-    from launcher.core import slurm
-
     deadline = time.monotonic() + timeout
     state = "UNKNOWN"
     while True:
@@ -130,8 +128,6 @@ def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict
 
 def wait_off_nodes(job_id: str, *, timeout: float, poll: float = 0.25) -> bool:
     """Wait until the job's tasks are gone (it is no longer RUNNING or COMPLETING)."""
-    from launcher.core import slurm
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = slurm.show_job(job_id)
@@ -149,9 +145,6 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
     """Once the requeued job is PENDING again and its previous run is gone from ``nodes``, let
     it start now (not after BeginTime). Started earlier, SLURM kills it as "non-startable: Job
     credential revoked" and it ends FAILED."""
-    from launcher import rehearsal
-    from launcher.core import slurm
-
     deadline = time.monotonic() + timeout
     pending_since = None
     while time.monotonic() < deadline:
@@ -176,9 +169,6 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
 def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: str | None = None,
             timeout: float = 180.0, start_now: bool = False, environ=None) -> dict:
     """Do it; return what was done (times are seconds since the epoch / durations in s)."""
-    from launcher import rehearsal
-    from launcher.core import slurm
-
     result: dict = {"run": victim.run, "job_id": victim.job_id, "mode": mode, "nodes": victim.nodes}
     t0 = time.time()
     result["signalled_at"] = t0
@@ -224,9 +214,6 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
 def resume_node(node: str) -> bool:
     """Set ``node`` back to service. SLURM refuses RESUME for a node that is not DOWN/DRAINED;
     with ReturnToService=2 a DOWN node whose slurmd answers may already be back by itself."""
-    from launcher import rehearsal
-    from launcher.core import slurm
-
     try:
         rehearsal.set_node_state(node, "RESUME")
         return True
@@ -238,8 +225,6 @@ def resume_node(node: str) -> bool:
 
 
 def _high_partition(profile_name: str, environ) -> str:
-    from launcher.core.profiles import load_profile
-
     profile = load_profile(profile_name, environ)
     if not profile.high_priority_partition:
         raise UserError(
@@ -250,8 +235,6 @@ def _high_partition(profile_name: str, environ) -> str:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import runs
-
     if args.timeout <= 0:
         raise UserError(f"--timeout must be > 0, got {args.timeout}")
     rec = runs.find_run(args.run, ctx.environ or None)

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from launcher.context import Context
+from launcher.core.profiles import available_profiles, load_profile_file, profile_summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,8 +14,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.core.profiles import available_profiles, load_profile_file, profile_summary
-
     rows = [profile_summary(load_profile_file(path)) for path in available_profiles().values()]
     if args.json:
         ctx.out(json.dumps(rows, indent=2))

@@ -6,7 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
+from launcher import runs
+from launcher.commands.history import load_history
 from launcher.context import Context
+from launcher.core import rundir
+from launcher.core.errors import UserError
+from launcher.report import build_report, draw_png
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,12 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import runs
-    from launcher.commands.history import load_history
-    from launcher.core import rundir
-    from launcher.core.errors import UserError
-    from launcher.report import build_report, draw_png
-
     rec = runs.find_run(args.run, ctx.environ or None)
     run_dir = Path(rec.run_dir)
     heartbeat = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")

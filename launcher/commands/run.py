@@ -16,8 +16,13 @@ import os
 import sys
 from pathlib import Path
 
+from launcher import lifecycle
 from launcher.context import Context
 from launcher.core.errors import UserError
+from launcher.core.planner import make_plan
+from launcher.core.profiles import load_profile
+from launcher.jobfile import load_job
+from launcher.resolve import runs_root_for
 
 LOCAL_PROFILE = "local"
 
@@ -89,12 +94,6 @@ def prepare_local_run(
 
     CPU (default): the ``local`` profile, ``devices`` processes on gloo. ``gpus``: one process per
     local GPU, planned with the spec's own cluster profile (its GPU shape, NCCL, DeepSpeed)."""
-    from launcher import lifecycle
-    from launcher.core.planner import make_plan
-    from launcher.core.profiles import load_profile
-    from launcher.jobfile import load_job
-    from launcher.resolve import runs_root_for
-
     user_spec = load_job(spec_path, overrides)
     devices = devices if devices is not None else user_spec.world_size
     if devices < 1:

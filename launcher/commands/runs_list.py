@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from launcher.context import Context
+from launcher.runs import registry_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,8 +14,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.runs import registry_dir
-
     d = registry_dir(ctx.environ or None)
     try:
         names = sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".json") and not p.name.startswith("."))

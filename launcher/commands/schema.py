@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 from launcher.context import Context
+from launcher.core.profiles import Profile
+from launcher.core.spec import JobSpec
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -23,8 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def job_schema() -> dict[str, Any]:
-    from launcher.core.spec import JobSpec
-
     schema = JobSpec.model_json_schema()
     schema["$schema"] = DRAFT
     schema["title"] = "lmlaunch job spec"
@@ -32,8 +32,6 @@ def job_schema() -> dict[str, Any]:
 
 
 def profile_schema() -> dict[str, Any]:
-    from launcher.core.profiles import Profile
-
     schema = Profile.model_json_schema()
     schema["$schema"] = DRAFT
     schema["title"] = "lmlaunch cluster profile"

@@ -6,7 +6,10 @@ import argparse
 import json
 import time
 
+from launcher import monitor, runs
 from launcher.context import Context
+from launcher.core.errors import UserError
+from launcher.monitor_view import make_console, status_text, status_view
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,8 +22,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _collect(args: argparse.Namespace, ctx: Context):
-    from launcher import monitor, runs
-
     env = ctx.environ or None
     records = [runs.find_run(args.run, env)] if args.run else runs.list_records(env)
     now = time.time()
@@ -35,7 +36,6 @@ def _collect(args: argparse.Namespace, ctx: Context):
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.interval <= 0:
-        from launcher.core.errors import UserError
 
         raise UserError(f"--interval must be a positive number of seconds, got {args.interval}")
     rows, view, hidden, now = _collect(args, ctx)
@@ -48,14 +48,12 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return 0
 
     if not args.watch:
-        from launcher.monitor_view import status_text
 
         color = getattr(ctx.stdout, "isatty", lambda: False)() and "NO_COLOR" not in ctx.environ
         ctx.out(status_text(rows, view, hidden=hidden, color=color))
         return 0
     from rich.live import Live
 
-    from launcher.monitor_view import make_console, status_view
 
     console = make_console(ctx)
 

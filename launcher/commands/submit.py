@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from launcher.context import Context
 from launcher.core.text_rules import brief, escape_controls
+from launcher.resolve import resolve
+from launcher.submit import render_script, submit_plan
 
 if TYPE_CHECKING:
     from launcher.core.plan import LaunchPlan
@@ -79,9 +81,6 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.resolve import resolve
-    from launcher.submit import render_script
-
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
     if args.dry_run:
         script = render_script(r.plan)
@@ -90,6 +89,5 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         else:
             ctx.out(render_dry_run(r.plan, script, ctx.environ))
         return 0
-    from launcher.submit import submit_plan
 
     return submit_plan(r, ctx, new=args.new, resume=args.resume, spec_path=args.spec)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from launcher.context import Context
+from launcher.resolve import resolve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,8 +15,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.resolve import resolve
-
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
     t = r.plan.topology
     ctx.out(

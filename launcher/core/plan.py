@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.core.nccl import EnvOverride
+from launcher.core.spec import JobSpec
 
 # 2: `trainer` is exactly the Trainer's keyword arguments (TrainerPlan); `training` holds the rest.
 PLAN_VERSION = 2
@@ -71,6 +72,20 @@ class TrainingPlan:
     process_group_backend: str  # nccl on GPUs, gloo on CPU processes
     seed: int
     gradient_clip_val: float | None  # applied by the module (TrainerPlan.gradient_clip_val is None)
+
+
+@dataclass(frozen=True)
+class PreemptionPlan:
+    """spec.preemption, and what the profile says about the cluster's preemption."""
+
+    signal: str  # the warning signal: USR1, USR2, URG, XCPU or HUP
+    warning_seconds: int
+    max_requeues: int
+    max_timeouts: int
+    max_crash_retries: int
+    no_progress_attempts: int
+    cluster_sends_user_signal: bool  # SlurmctldParameters=preempt_send_user_signal
+    grace_seconds: int | None  # the partition's GraceTime, when the profile knows it
 
 
 @dataclass(frozen=True)
@@ -145,14 +160,18 @@ class LaunchPlan:
     training: TrainingPlan
     task: dict[str, Any]
     paths: RunPaths
-    preemption: dict[str, Any]
-    spec: dict[str, Any]
+    preemption: PreemptionPlan
+    spec: dict[str, Any]  # the validated job spec as JSON (job_spec() gives it typed)
     notes: tuple[str, ...] = field(default_factory=tuple)
     rendezvous: dict[str, str] = field(default_factory=dict)
     """How MASTER_PORT is chosen: a shell command run on the batch host at every start."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def job_spec(self) -> JobSpec:
+        """The job spec, typed (validated again: cheap, and the runtime never indexes strings)."""
+        return JobSpec.model_validate(self.spec)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -176,6 +195,7 @@ class LaunchPlan:
                 **d,
                 "trainer": TrainerPlan(**d["trainer"]),
                 "training": TrainingPlan(**d["training"]),
+                "preemption": PreemptionPlan(**d["preemption"]),
                 "topology": Topology(**d["topology"]),
                 "slurm": SlurmParams(**d["slurm"]),
                 "paths": RunPaths(**d["paths"]),

@@ -13,6 +13,7 @@ from launcher.core.plan import (
     PLAN_VERSION,
     TASK_TARGET,
     LaunchPlan,
+    PreemptionPlan,
     RunPaths,
     SlurmParams,
     Topology,
@@ -233,11 +234,11 @@ def make_plan(
             f"partition '{slurm.partition}' is preemptible: on preemption the tasks get {signal}, "
             f"then SIGKILL after {grace}; the job checkpoints and requeues",
         )
-    preemption = {
+    preemption = PreemptionPlan(
         **spec.preemption.model_dump(),
-        "cluster_sends_user_signal": profile.sends_user_signal_on_preemption,
-        "grace_seconds": profile.partitions[slurm.partition].grace_seconds,
-    }
+        cluster_sends_user_signal=profile.sends_user_signal_on_preemption,
+        grace_seconds=profile.partitions[slurm.partition].grace_seconds,
+    )
     return LaunchPlan(
         version=PLAN_VERSION,
         run_name=spec.name,

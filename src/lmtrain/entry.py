@@ -31,8 +31,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the task imports these when it needs them
+    import lightning.pytorch as pl
+
+    from launcher.core.plan import LaunchPlan
+    from lmtrain.callbacks import StopRequest
+    from lmtrain.env import TaskEnv
+    from lmtrain.preemption import Preemption
 
 log = logging.getLogger("lmtrain")
 
@@ -65,14 +72,14 @@ class Hooks:
 
 @dataclass
 class RunContext:
-    plan: Any  # launcher.core.plan.LaunchPlan
-    env: Any  # lmtrain.env.TaskEnv
+    plan: LaunchPlan
+    env: TaskEnv
     attempt: int
     run_dir: Path
-    stop: Any  # lmtrain.callbacks.StopRequest
-    trainer: Any = None
+    stop: StopRequest
+    trainer: pl.Trainer | None = None
     start_step: int = 0
-    preemption: Any = None  # lmtrain.preemption.Preemption
+    preemption: Preemption | None = None
 
 
 def run_slurm_task(run_dir: str) -> int:
@@ -351,9 +358,10 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     from lmtrain.strategies import build_strategy
 
     spec, t, training, paths = plan.spec, plan.trainer, plan.training, plan.paths
+    job = plan.job_spec()  # typed: checkpoint, logging, data, trainer settings
     stop = ctx.stop
     max_steps = t.max_steps
-    data_spec = SimpleNamespace(**spec["data"])
+    data_spec = job.data
     seed = training.seed
 
     # --- data -----------------------------------------------------------------------------
@@ -389,9 +397,9 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     accum = t.accumulate_grad_batches
     rt = RuntimeSettings(
         strategy=training.strategy, precision=t.precision, accelerator=t.accelerator,
-        clip_val=training.gradient_clip_val, seq_len=int(data_spec.seq_len), micro_batch_size=int(data_spec.micro_batch_size),
+        clip_val=training.gradient_clip_val, seq_len=data_spec.seq_len, micro_batch_size=data_spec.micro_batch_size,
         world_size=env.world_size, accumulate=accum, log_every_n_steps=t.log_every_n_steps,
-        offload_optimizer=bool(spec["trainer"].get("offload_optimizer")),
+        offload_optimizer=job.trainer.offload_optimizer,
     )
     module = LMModule(spec["model"], OptimSettings.from_spec(spec["optim"], max_steps), rt, seed)
     module.data_sampler = sampler
@@ -399,10 +407,10 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     # --- callbacks, loggers ---------------------------------------------------------------
     manager = CheckpointManager(
         paths.checkpoint_dir,
-        keep_last=int(spec["checkpoint"]["keep_last"]),
-        every_n_steps=int(spec["checkpoint"]["every_n_steps"]),
+        keep_last=job.checkpoint.keep_last,
+        every_n_steps=job.checkpoint.every_n_steps,
         strategy=training.strategy,
-        zero_stage=spec["trainer"].get("zero_stage") if training.strategy == "deepspeed" else None,
+        zero_stage=job.trainer.zero_stage if training.strategy == "deepspeed" else None,
         identity={"job_id": env.job_id, "attempt": ctx.attempt,
                   "logger": logger_identity(str(ctx.run_dir), spec["logging"])},
     )
@@ -410,7 +418,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
         manager, lambda: {"data_sampler": sampler.state_dict()}, heartbeat,
         resume_rng=resume_rng, resumed_step=ckpt.step if ckpt is not None else None,
     )
-    metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=int(spec["logging"]["heartbeat_every_n_steps"]))
+    metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=job.logging.heartbeat_every_n_steps)
     module.metrics_sink = metrics_cb.step_metrics
     stop_cb = ctx.preemption.callback(ckpt_cb)
     callbacks = [ckpt_cb, stop_cb, RngNeutralValidation(), metrics_cb, *([realign] if realign else [])]

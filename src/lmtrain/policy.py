@@ -7,6 +7,7 @@ the controller (``lmtrain.preemption``) gathered from the run directory and SLUR
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -51,9 +52,11 @@ class Policy:
     cluster_sends_user_signal: bool = False
 
     @classmethod
-    def from_plan(cls, preemption: dict[str, Any]) -> Policy:
+    def from_plan(cls, preemption: Any) -> Policy:
+        """From the plan's PreemptionPlan (or a dict of its fields)."""
+        d = dataclasses.asdict(preemption) if dataclasses.is_dataclass(preemption) else dict(preemption)
         names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in preemption.items() if k in names and v is not None})
+        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
 
 
 @dataclass

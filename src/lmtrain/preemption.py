@@ -269,7 +269,7 @@ class Preemption:
         if agreed is not None and agreed.checkpoint_done_at is not None and signal_time is not None:
             seconds = agreed.checkpoint_done_at - signal_time
             outcome.extra["checkpoint_seconds"] = round(seconds, 3)
-            grace = self.plan.preemption.get("grace_seconds")
+            grace = self.plan.preemption.grace_seconds
             if term and grace and seconds > 0.5 * grace and self.env.rank == 0:
                 log.warning("SIGTERM to checkpoint complete took %.1f s of the partition's GraceTime of %s s: "
                             "a slower save would be killed (raise GraceTime, or checkpoint less state)",

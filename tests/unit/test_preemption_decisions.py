@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launcher.core.plan import PreemptionPlan
 from launcher.core.rundir import LedgerAttempt as AttemptRow
 from lmtrain.callbacks import StopRequest
 from lmtrain.policy import EndFacts, Policy, StartFacts, decide, start_gate, steps_without_progress
@@ -361,8 +362,8 @@ def test_a_failing_decision_still_lets_the_attempt_end(tmp_path):
     from lmtrain.entry import Outcome
     from lmtrain.preemption import Preemption
 
-    plan = SimpleNamespace(preemption={"signal": "USR2"}, trainer={"max_steps": 10},
-                           paths=SimpleNamespace(checkpoint_dir=str(tmp_path), ledger=str(tmp_path / "attempts.jsonl")))
+    plan = SimpleNamespace(preemption=PreemptionPlan("USR2", 120, 20, 10, 2, 3, False, 30),
+                           trainer=SimpleNamespace(max_steps=10), paths=SimpleNamespace(checkpoint_dir=str(tmp_path), ledger=str(tmp_path / "attempts.jsonl")))
     env = SimpleNamespace(rank=0, launcher="local", job_id="1", restart_count=0, nodes=("h",))
     ctl = Preemption(plan, env, tmp_path, StopRequest(), attempt=1)
     outcome = Outcome(reason="completed", end_step=3)
