@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -86,6 +87,28 @@ def read_tail(path: str | Path, max_bytes: int = HEARTBEAT_TAIL_BYTES) -> list[d
         nl = data.find(b"\n")
         data = data[nl + 1 :] if nl >= 0 else b""  # the first line is cut: drop it
     return parse_jsonl(data.decode("utf-8", errors="replace"))
+
+
+# --------------------------------------------------------------------------- heartbeat
+HEARTBEAT_EVENTS = frozenset({"start", "step", "val", "checkpoint", "end"})
+
+
+class Heartbeat:
+    """``metrics/heartbeat.jsonl``: rank 0's lines (``enabled`` only there), each with the time,
+    the event, its fields, and who wrote it (attempt, job id, world size). docs/run-directory.md
+    lists each event's fields; the monitor reads the file's tail only."""
+
+    def __init__(self, path: str | Path, *, attempt: int, job_id: str | None, world_size: int,
+                 enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.who = {"attempt": attempt, "job_id": job_id, "world_size": world_size}
+        self.enabled = enabled
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if event not in HEARTBEAT_EVENTS:
+            raise ValueError(f"heartbeat event {event!r} is not one of {sorted(HEARTBEAT_EVENTS)}")
+        if self.enabled:
+            append_jsonl(self.path, {"time": time.time(), "event": event, **fields, **self.who})
 
 
 # --------------------------------------------------------------------------- ledger records
@@ -181,8 +204,12 @@ class Ledger:
         return attempts_of(self.entries())
 
     def next_attempt(self) -> int:
-        """1 + the number of attempts already started."""
-        return 1 + sum(1 for e in self.entries() if e.get("event") == "start")
+        return next_attempt_of(self.entries())
+
+
+def next_attempt_of(entries: Sequence[Mapping[str, Any]]) -> int:
+    """1 + the number of attempts already started."""
+    return 1 + sum(1 for e in entries if e.get("event") == "start")
 
 
 def attempts_of(entries: Sequence[Mapping[str, Any]]) -> list[LedgerAttempt]:
@@ -231,7 +258,8 @@ def checkpoint_dir_of(run_dir: str | Path) -> Path:
 
 
 __all__ = [
-    "CANCELLED", "CHECKPOINTS", "DONE", "HEARTBEAT", "LEDGER", "PLAN", "AttemptEnd", "AttemptStart", "Ledger",
-    "LedgerAttempt", "LedgerNote", "append_jsonl", "attempts_of", "checkpoint_dir_of", "is_cancelled",
+    "CANCELLED", "CHECKPOINTS", "DONE", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "PLAN", "AttemptEnd",
+    "AttemptStart", "Heartbeat", "Ledger",
+    "LedgerAttempt", "LedgerNote", "append_jsonl", "attempts_of", "next_attempt_of", "checkpoint_dir_of", "is_cancelled",
     "parse_jsonl", "read_done_step", "read_jsonl", "read_tail",
 ]

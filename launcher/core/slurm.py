@@ -289,8 +289,18 @@ def _key_values(text: str) -> dict[str, str]:
 # --------------------------------------------------------------------------- jobs
 
 
+class _InStateGroup:
+    """A job record's ``group``: lmlaunch's word for its SLURM state (:data:`STATE_GROUPS`)."""
+
+    state: str
+
+    @property
+    def group(self) -> str:
+        return state_group(self.state)
+
+
 @dataclass(frozen=True)
-class AccountedJob:
+class AccountedJob(_InStateGroup):
     job_id: str
     name: str
     state: str  # e.g. COMPLETED, CANCELLED by 0, PREEMPTED, REQUEUED
@@ -301,10 +311,6 @@ class AccountedJob:
     nodes: str
     partition: str
     submit: str
-
-    @property
-    def group(self) -> str:
-        return state_group(self.state)
 
 
 def sacct(
@@ -397,7 +403,7 @@ def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
 
 
 @dataclass(frozen=True)
-class QueuedJob:
+class QueuedJob(_InStateGroup):
     """One job as the controller knows it now (squeue: queued, running, or ended within MinJobAge)."""
 
     job_id: str
@@ -413,10 +419,6 @@ class QueuedJob:
     user: str
     start: str
     submit: str
-
-    @property
-    def group(self) -> str:
-        return state_group(self.state)
 
 
 _SQUEUE_FIELDS = ["JobID", "Name", "State", "Reason", "RestartCnt", "TimeLimit", "NumNodes", "TimeUsed",

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from launcher.core.rundir import append_jsonl
+from launcher.core.rundir import Heartbeat
 from lmtrain import faults
 from lmtrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 
@@ -40,22 +40,10 @@ class RunInfo:
     nodes: list[str]
     max_steps: int
 
-    def base(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "job_id": self.job_id, "world_size": self.world_size}
-
-
-class Heartbeat:
-    """Rank 0's JSON-lines heartbeat (``metrics/heartbeat.jsonl``); no-op on other ranks."""
-
-    def __init__(self, path: str | Path, info: RunInfo) -> None:
-        self.path = Path(path)
-        self.info = info
-        self.enabled = info.rank == 0
-
-    def emit(self, event: str, **fields: Any) -> None:
-        if not self.enabled:
-            return
-        append_jsonl(self.path, {"time": time.time(), "event": event, **fields, **self.info.base()})
+def heartbeat_of(path: str | Path, info: RunInfo) -> Heartbeat:
+    """This attempt's heartbeat writer: rank 0 writes, the other ranks' emits do nothing."""
+    return Heartbeat(path, attempt=info.attempt, job_id=info.job_id, world_size=info.world_size,
+                     enabled=info.rank == 0)
 
 
 @dataclass
@@ -299,7 +287,7 @@ def logger_identity(run_dir: str, logging_spec: dict[str, Any]) -> dict[str, Any
 
 __all__ = [
     "CheckpointCallback",
-    "Heartbeat",
+    "heartbeat_of",
     "MetricsHeartbeat",
     "ResumableCSVLogger",
     "RngNeutralValidation",

@@ -89,7 +89,7 @@ def run_slurm_task(run_dir: str) -> int:
 
 def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     from launcher.core.plan import LaunchPlan
-    from launcher.core.rundir import Ledger
+    from launcher.core.rundir import Ledger, attempts_of, next_attempt_of
     from lmtrain import preemption
     from lmtrain.env import read_env, rendezvous
     from lmtrain.signals import own_signals
@@ -105,10 +105,12 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
                 f"nodes({plan.topology.nodes}) x tasks_per_node({plan.topology.tasks_per_node}) = "
                 f"{plan.topology.world_size}; the job must be started with the plan's topology"
             )
-        attempt = Ledger(plan.paths.ledger).next_attempt() if env.rank == 0 else None
-        # Rank 0 decides whether this attempt trains at all (DONE / CANCELLED / loop guards) and
-        # publishes the answer before the rendezvous, so every rank reads the same one after it.
-        gate = preemption.decide_start(plan, env, run_dir) if env.rank == 0 else None
+        # Rank 0 reads the ledger once: this attempt's number, and the history the start gate
+        # judges. It decides whether this attempt trains at all (DONE / CANCELLED / loop guards)
+        # and publishes the answer before the rendezvous, so every rank reads the same one after it.
+        entries = Ledger(plan.paths.ledger).entries() if env.rank == 0 else []
+        attempt = next_attempt_of(entries) if env.rank == 0 else None
+        gate = preemption.decide_start(plan, env, run_dir, attempts_of(entries)) if env.rank == 0 else None
         # Rank 0 alone lists the checkpoints; every rank resumes from its choice (shared filesystems
         # may show each node a different listing for a moment).
         resume = _newest_checkpoint_name(plan) if env.rank == 0 else None
@@ -211,8 +213,8 @@ def _rank_log(path: Path, rank: int):
 
 
 def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | None = _LIST_LOCALLY) -> int:
-    from launcher.core.rundir import AttemptEnd, AttemptStart, Ledger
-    from lmtrain.callbacks import Heartbeat, RunInfo, StopRequest
+    from launcher.core.rundir import DONE, AttemptEnd, AttemptStart, Ledger
+    from lmtrain.callbacks import RunInfo, StopRequest, heartbeat_of
     from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, check_compatible, newest_complete
     from lmtrain.preemption import Preemption
 
@@ -224,7 +226,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         run_dir=str(run_dir), attempt=attempt, job_id=env.job_id, restart_count=env.restart_count,
         world_size=env.world_size, rank=env.rank, nodes=list(env.nodes), max_steps=max_steps,
     )
-    heartbeat = Heartbeat(paths.heartbeat, info)
+    heartbeat = heartbeat_of(paths.heartbeat, info)
     stop = StopRequest()
     ctx = RunContext(plan=plan, env=env, attempt=attempt, run_dir=run_dir, stop=stop)
     # lmtrain owns SIGTERM and the warning signal from here on (handlers only record).
@@ -299,7 +301,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
             hooks.on_end(ctx, outcome)
         if is_zero:
             if outcome.reason == "completed":
-                _write_marker(run_dir / "DONE", f"{outcome.end_step}\n")
+                _write_marker(run_dir / DONE, f"{outcome.end_step}\n")  # durable: fsynced, atomic
             ledger.write_end_once(AttemptEnd(  # the hang watchdog may have written it
                 attempt=attempt, job_id=env.job_id, time=time.time(), end_step=outcome.end_step,
                 reason=outcome.reason, detail=outcome.detail, requeued=outcome.requeued, extra=outcome.extra,

@@ -47,7 +47,9 @@ from launcher.core.rundir import (
     DONE,
     AttemptEnd,
     AttemptStart,
+    Heartbeat,
     Ledger,
+    LedgerAttempt,
     LedgerNote,
     append_jsonl,
     is_cancelled,
@@ -81,12 +83,12 @@ def gate_path(run_dir: Path, env) -> Path:
     return Path(run_dir) / "rendezvous" / GATE_NAME.format(key=env.rendezvous_key)
 
 
-def decide_start(plan, env, run_dir: Path) -> Gate:
-    """Rank 0, before the rendezvous: decide, append a missing end line, publish the answer."""
+def decide_start(plan, env, run_dir: Path, history: list[LedgerAttempt]) -> Gate:
+    """Rank 0, before the rendezvous: decide from the ledger's ``history``, append a missing end
+    line, publish the answer."""
     policy = Policy.from_plan(plan.preemption)
     run_dir = Path(run_dir)
     ledger = Ledger(plan.paths.ledger)
-    history = ledger.attempts()
     ckpt = newest_complete(plan.paths.checkpoint_dir)
     previous_state = None
     if history and history[-1].reason is None and env.launcher == "slurm" and env.restart_count > 0:
@@ -136,8 +138,8 @@ def _write_skipped_attempt(plan, env, attempt: int, gate: Gate) -> None:
                                   start_step=step, nodes=list(env.nodes), world_size=env.world_size))
         ledger.write(AttemptEnd(attempt=attempt, job_id=env.job_id, time=now, end_step=step,
                                 reason=gate.reason or "", detail=gate.detail or "", skipped=True))
-        append_jsonl(plan.paths.heartbeat, {"time": now, "event": "end", "step": step, "reason": gate.reason,
-                                            "attempt": attempt, "job_id": env.job_id, "world_size": env.world_size})
+        Heartbeat(plan.paths.heartbeat, attempt=attempt, job_id=env.job_id, world_size=env.world_size).emit(
+            "end", step=step, reason=gate.reason)
 
 
 # --------------------------------------------------------------------------- the agreement callback

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from launcher import runs
+from launcher.core.rundir import LEDGER, AttemptEnd, AttemptStart, Ledger
 
 T0 = 1_800_000_000.0  # a fixed clock: rendered ages and times are stable
 
@@ -40,12 +41,12 @@ def make_run(
     runs.save_record(runs.RunRecord(name=name, profile="local", run_dir=str(run_dir), spec_path=None,
                                     job_ids=list(job_ids), submitted_at=[submitted_at] * len(job_ids),
                                     max_steps=max_steps), env)
-    ledger, beats = [], []
+    ledger: list[AttemptStart | AttemptEnd] = []
+    beats: list[dict] = []
     for n, a in enumerate(attempts or [], start=1):
         jid, t0, t1 = a["job_id"], a["t0"], a["t1"]
-        ledger.append({"event": "start", "attempt": n, "job_id": jid, "restart_count": a.get("restart", 0),
-                       "time": t0, "start_step": a["start_step"], "nodes": a.get("nodes", ["n1", "n2"]),
-                       "world_size": 2})
+        ledger.append(AttemptStart(attempt=n, job_id=jid, restart_count=a.get("restart", 0), time=t0,
+                                   start_step=a["start_step"], nodes=a.get("nodes", ["n1", "n2"]), world_size=2))
         beats.append({"time": t0 + 1, "event": "start", "step": a["start_step"], "max_steps": max_steps,
                       "attempt": n, "job_id": jid, "world_size": 2})
         steps = list(range(a["start_step"] + step_every, a["end_step"] + 1, step_every))
@@ -55,9 +56,10 @@ def make_run(
                           "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 5000.0 + s, "mfu": 0.31 if s % 20 == 0 else 0.3,
                           "attempt": n, "job_id": jid, "world_size": 2})
         if a.get("reason"):
-            ledger.append({"event": "end", "attempt": n, "job_id": jid, "time": t1, "end_step": a["end_step"],
-                           "reason": a["reason"], "detail": a.get("detail", ""), "requeued": a.get("requeued", False)})
-    write_jsonl(run_dir / "attempts.jsonl", ledger)
+            ledger.append(AttemptEnd(attempt=n, job_id=jid, time=t1, end_step=a["end_step"], reason=a["reason"],
+                                     detail=a.get("detail", ""), requeued=a.get("requeued", False)))
+    for record in ledger:  # the runtime's own writer and records (launcher.core.rundir)
+        Ledger(run_dir / LEDGER).write(record)
     write_jsonl(run_dir / "metrics" / "heartbeat.jsonl", beats)
     if checkpoint_step is not None:
         ck = run_dir / "checkpoints" / f"step-{checkpoint_step}"
