@@ -11,7 +11,7 @@ import shlex
 from typing import Any
 
 from launcher import lifecycle, runs
-from launcher.core import slurm
+from launcher.core import rundir, slurm
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.plan import LaunchPlan
 
@@ -246,7 +246,7 @@ def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
         if rec.name == plan.run_name:
             continue
         try:
-            other = json.loads((Path(rec.run_dir) / "plan.json").read_text())["paths"]["checkpoint_dir"]
+            other = json.loads((Path(rec.run_dir) / rundir.PLAN).read_text())["paths"]["checkpoint_dir"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # an archived or removed run directory holds no checkpoints of a live run
         if os.path.realpath(other) == mine:

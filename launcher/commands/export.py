@@ -10,6 +10,7 @@ from pathlib import Path
 
 from launcher import runs
 from launcher.context import Context
+from launcher.core import rundir
 from launcher.core.checkpoint_index import complete_checkpoints
 from launcher.core.errors import UserError
 
@@ -23,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_dir(ref: str, ctx: Context) -> Path:
     p = Path(ref)
-    if p.is_dir() and (p / "plan.json").is_file():
+    if p.is_dir() and (p / rundir.PLAN).is_file():
         return p
 
     return Path(runs.find_run(ref, ctx.environ or None).run_dir)
@@ -31,7 +32,7 @@ def _run_dir(ref: str, ctx: Context) -> Path:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     run_dir = _run_dir(args.run, ctx)
-    plan = json.loads((run_dir / "plan.json").read_text())
+    plan = json.loads((run_dir / rundir.PLAN).read_text())
     ckpts = complete_checkpoints(plan["paths"]["checkpoint_dir"])
     if not ckpts:
         raise UserError(f"run {run_dir.name} has no complete checkpoint in {plan['paths']['checkpoint_dir']}")

@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_history(rec):
     """The ledger, the whole heartbeat (for training time per attempt) and ONE `sacct -D` call."""
     run_dir = Path(rec.run_dir)
-    ledger = rundir.read_jsonl(run_dir / "attempts.jsonl")
-    heartbeat = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+    ledger = rundir.read_jsonl(run_dir / rundir.LEDGER)
+    heartbeat = rundir.read_jsonl(run_dir / rundir.HEARTBEAT)
     times, message = slurm_view.sacct_attempt_times(rec.job_ids)
     h = monitor.build_history(rec.name, ledger, heartbeat, times)
     if message:

@@ -58,7 +58,7 @@ def print_logs(
         out.flush()
 
     def poll(final: bool) -> bool:
-        ledger = rundir.read_jsonl(run_dir / "attempts.jsonl")
+        ledger = rundir.read_jsonl(run_dir / rundir.LEDGER)
         grew = False
         for src in run_files.log_sources(run_dir, job_ids, rank=rank, attempt=attempt):
             if src.path not in offsets:
@@ -99,7 +99,7 @@ def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> 
     last = {"t": 0.0, "v": False}
 
     def finished() -> bool:
-        if (run_dir / "DONE").exists() or (run_dir / "CANCELLED").exists():
+        if (run_dir / rundir.DONE).exists() or rundir.is_cancelled(run_dir):
             return True
         if time.monotonic() - last["t"] >= every_s and job_ids:
 

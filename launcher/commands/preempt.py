@@ -28,7 +28,7 @@ from pathlib import Path
 
 from launcher import rehearsal, runs
 from launcher.context import Context
-from launcher.core import slurm
+from launcher.core import rundir, slurm
 from launcher.core.errors import ExitCode, UserError
 from launcher.core.profiles import load_profile
 
@@ -100,7 +100,7 @@ def running_job(rec) -> Victim:
 
 def _plan_signal(run_dir: Path) -> str:
     try:
-        return str(json.loads((run_dir / "plan.json").read_text())["slurm"]["signal_name"])
+        return str(json.loads((run_dir / rundir.PLAN).read_text())["slurm"]["signal_name"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{run_dir / 'plan.json'}: cannot read the run's warning signal (slurm.signal_name): {exc}") from None
 

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, ctx: Context) -> int:
     rec = runs.find_run(args.run, ctx.environ or None)
     run_dir = Path(rec.run_dir)
-    heartbeat = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+    heartbeat = rundir.read_jsonl(run_dir / rundir.HEARTBEAT)
     data = build_report(rec.name, heartbeat, load_history(rec))
     if not data.steps:
         raise UserError(f"run '{rec.name}' has no training steps in {run_dir / 'metrics' / 'heartbeat.jsonl'} yet; "

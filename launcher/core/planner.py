@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
+from launcher.core import rundir
 from launcher.core.deepspeed_config import render_deepspeed
 from launcher.core.errors import SpecError, did_you_mean
 from launcher.core.nccl import render_env
@@ -172,15 +173,15 @@ def _strategy_problems(spec: JobSpec, topo: Topology) -> list[str]:
 
 def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
     run_dir = PurePosixPath(runs_root) / spec.name
-    ckpt = spec.checkpoint.dir or str(run_dir / "checkpoints")
+    ckpt = spec.checkpoint.dir or str(run_dir / rundir.CHECKPOINTS)
     return RunPaths(
         run_dir=str(run_dir),
         submitit_dir=str(run_dir / "submitit"),
         logs_dir=str(run_dir / "logs"),
         checkpoint_dir=str(ckpt),
-        heartbeat=str(run_dir / "metrics" / "heartbeat.jsonl"),
-        ledger=str(run_dir / "attempts.jsonl"),
-        plan_json=str(run_dir / "plan.json"),
+        heartbeat=str(run_dir / rundir.HEARTBEAT),
+        ledger=str(run_dir / rundir.LEDGER),
+        plan_json=str(run_dir / rundir.PLAN),
         spec_yaml=str(run_dir / "spec.yaml"),
         deepspeed_json=str(run_dir / "deepspeed.json") if spec.trainer.strategy == "deepspeed" else None,
     )

@@ -89,13 +89,13 @@ def run_slurm_task(run_dir: str) -> int:
 
 def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     from launcher.core.plan import LaunchPlan
-    from launcher.core.rundir import Ledger, attempts_of, next_attempt_of
+    from launcher.core.rundir import PLAN, Ledger, attempts_of, next_attempt_of
     from lmtrain import preemption
     from lmtrain.env import read_env, rendezvous
     from lmtrain.signals import own_signals
 
     run_dir = Path(run_dir)
-    plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    plan = LaunchPlan.from_dict(json.loads((run_dir / PLAN).read_text()))
     signals = own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
     try:
         env = read_env()

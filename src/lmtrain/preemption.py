@@ -292,7 +292,7 @@ class Preemption:
             term=term, warning=warning, warning_name=self.signals.warning_name,
             requested_reason=self.stop.reason if self.stop.requested and not (term or warning) else None,
             error=outcome.detail if crashed else None,
-            cancelled_marker=(self.run_dir / "CANCELLED").exists(), launcher=self.env.launcher,
+            cancelled_marker=is_cancelled(self.run_dir), launcher=self.env.launcher,
             job_id=self.env.job_id, restart_count=self.env.restart_count,
             slurm_state=_why_completing(self.env, info) or (info or {}).get("JobState"),
             preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),

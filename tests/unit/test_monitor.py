@@ -165,3 +165,27 @@ def test_unreachable_slurm_is_reported_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no squeue on PATH
     view = slurm_view.query_slurm(["1", "2"], environ={"LMLAUNCH_HOME": str(tmp_path)})
     assert not view.reachable and "squeue" in view.message and view.jobs == {}
+
+
+def test_status_finds_the_checkpoints_where_the_plan_put_them_and_means_the_newest_complete(tmp_path):
+    """checkpoint.dir outside the run directory shows in status; a step whose COMPLETE is missing
+    (a save killed half-way) is not "the newest checkpoint", whatever `latest` says."""
+    import json
+
+    from launcher.run_files import read_run_files
+
+    run_dir, ckdir = tmp_path / "runs" / "r", tmp_path / "elsewhere" / "ckpts"
+    run_dir.mkdir(parents=True)
+    (run_dir / "plan.json").write_text(json.dumps({"paths": {"checkpoint_dir": str(ckdir)}}))
+    for step, complete in ((10, True), (20, True), (30, False)):
+        d = ckdir / f"step-{step}"
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text("{}")
+        if complete:
+            (d / "COMPLETE").write_text(json.dumps({"step": step, "files": {"meta.json": 2}}))
+    (ckdir / "latest").write_text("step-30\n")
+    files = read_run_files(run_dir)
+    assert files.checkpoint is not None and files.checkpoint.step == 20
+    assert files.checkpoint.path == str(ckdir / "step-20")
+    (run_dir / "plan.json").unlink()  # no plan: the default place, which holds nothing here
+    assert read_run_files(run_dir).checkpoint is None

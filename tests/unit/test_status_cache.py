@@ -229,3 +229,21 @@ def test_the_registry_index_follows_every_change_to_the_entries(home, monkeypatc
     assert sorted(got) == ["run0", "run1", "run3", "run4"]
     assert got["run1"].job_ids == ["1", "2"]
     assert sorted(Path(p).name for p in opened) == ["broken.json", "run1.json", "run4.json"]
+
+
+def test_a_checkpoint_completing_outside_the_run_directory_is_seen(home, reads):
+    """checkpoint.dir elsewhere (the plan says where): its directory is watched too."""
+    dirs = _runs(home, 2)
+    outside = home / "elsewhere" / "ckpts"
+    (outside / "step-70").mkdir(parents=True)
+    (outside / "step-70" / "COMPLETE").write_text("")
+    (Path(dirs[0]) / "plan.json").write_text(json.dumps({"paths": {"checkpoint_dir": str(outside)}}))
+    _age(home)
+    assert status_cache.read_all(dirs)[0].checkpoint.step == 70
+    reads.clear()
+    assert status_cache.read_all(dirs)[0].checkpoint.step == 70 and reads == []
+    (outside / ".step-80.tmp").mkdir()
+    (outside / ".step-80.tmp" / "COMPLETE").write_text("")
+    os.replace(outside / ".step-80.tmp", outside / "step-80")  # how a save finishes: a rename
+    got = status_cache.read_all(dirs)
+    assert reads == [dirs[0]] and got[0].checkpoint.step == 80
