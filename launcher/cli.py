@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from launcher.commands import COMMANDS
 from launcher.context import Context
@@ -24,7 +25,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        listed = {} if help_text == argparse.SUPPRESS else {"help": help_text}  # hidden: not in --help
+        listed: dict[str, Any] = {} if help_text == argparse.SUPPRESS else {"help": help_text}  # hidden: not in --help
         if only is not None and name != only:
             sub.add_parser(name, **listed)
             continue

@@ -10,6 +10,7 @@ undoes all of it when the submission that follows fails, so nothing is left half
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -38,7 +39,7 @@ class Opening:
     continuation: str | None  # resuming a finished run to a larger max_steps: what that means
     reshard: str | None  # resuming on another world size: what that means
     notes: list[str] = field(default_factory=list)
-    _undo: list[Callable[[], None]] = field(default_factory=list)
+    _undo: list[Callable[[], object]] = field(default_factory=list)
 
     @property
     def run_dir(self) -> Path:
@@ -51,14 +52,14 @@ class Opening:
         try:
             if self.new and run_dir.exists():
                 archived = runs.archive_run_dir(run_dir)
-                undo.append(lambda a=archived: os.rename(a, run_dir))
+                undo.append(functools.partial(os.rename, archived, run_dir))
                 self.notes.append(f"previous run archived to {archived}")
                 if self.record is not None:
                     (archived / "registry.json").write_text(json.dumps(self.record.to_dict(), indent=2, sort_keys=True) + "\n")
             if self.new and self.record is not None:
                 rec = self.record
                 runs.delete_record(rec.name, environ)
-                undo.append(lambda r=rec: runs.save_record(r, environ))
+                undo.append(functools.partial(runs.save_record, rec, environ))
                 self.record = None
             if runs.prepare_run_dir(run_dir):
                 undo.append(lambda: runs.remove_tree(run_dir))

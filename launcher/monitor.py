@@ -272,10 +272,10 @@ def build_history(
     now = time.time() if now is None else now
     starts = [e for e in ledger if e.get("event") == "start"]
     ends: dict[int, Mapping[str, Any]] = {}
-    for e in ledger:
-        if e.get("event") == "end" and e.get("attempt") is not None:
-            ends[int(e["attempt"])] = e
-    cancel = next((float(e["time"]) for e in ledger if e.get("event") == "cancel_requested" and e.get("time")), None)
+    for line in ledger:
+        if line.get("event") == "end" and line.get("attempt") is not None:
+            ends[int(line["attempt"])] = line
+    cancel = next((float(x["time"]) for x in ledger if x.get("event") == "cancel_requested" and x.get("time")), None)
 
     # training time per attempt: from each attempt's first to last step line in the heartbeat
     spans: dict[int, list[float]] = {}
@@ -287,13 +287,13 @@ def build_history(
     rows: list[HistoryRow] = []
     for i, s in enumerate(starts):
         n = int(s.get("attempt") or i + 1)
-        e = ends.get(n)
+        e: Mapping[str, Any] | None = ends.get(n)
         jid = str(s["job_id"]) if s.get("job_id") is not None else None
         k = per_job_index.get(jid or "", 0)
         per_job_index[jid or ""] = k + 1
         q = None
         alloc_sacct = None
-        if sacct_attempts and jid in sacct_attempts and k < len(sacct_attempts[jid]):
+        if sacct_attempts and jid is not None and jid in sacct_attempts and k < len(sacct_attempts[jid]):
             sub, st, en = sacct_attempts[jid][k]
             if sub is not None and st is not None:
                 q = max(0.0, st - sub)
@@ -322,12 +322,12 @@ def build_history(
             train_s=train, alloc_s=alloc,
         ))
     # steps lost: what the next attempt had to redo
-    for a, b in zip(rows, rows[1:]):
-        end = a.end_step
+    for row, nxt in zip(rows, rows[1:]):
+        end = row.end_step
         if end is None:
-            end = _last_step_of(heartbeat, a.attempt)
-        if end is not None and b.start_step is not None:
-            a.steps_lost = max(0, end - b.start_step)
+            end = _last_step_of(heartbeat, row.attempt)
+        if end is not None and nxt.start_step is not None:
+            row.steps_lost = max(0, end - nxt.start_step)
     trains = [a.train_s for a in rows if a.train_s is not None]
     allocs = [a.alloc_s for a in rows if a.alloc_s is not None]
     goodput = (sum(trains) / sum(allocs)) if trains and allocs and sum(allocs) > 0 else None
@@ -347,7 +347,7 @@ def build_history(
 
 
 def _heartbeat_fresh(times: list[float] | None, now: float, within_s: float = 600.0) -> bool:
-    return bool(times) and now - max(times) < within_s
+    return bool(times) and times is not None and now - max(times) < within_s
 
 
 def _last_step_of(heartbeat: Sequence[Mapping[str, Any]], attempt: int) -> int | None:

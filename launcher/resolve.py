@@ -43,7 +43,7 @@ def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) ->
         what = f"profile '{profile.name}' runs_root"
         root = expand_path(profile.runs_root, env, what)
     if not root.startswith("/"):
-        cwd = env.get("PWD") if environ is not None and env.get("PWD") else os.getcwd()
+        cwd = (env.get("PWD") if environ is not None else None) or os.getcwd()
         root = str(PurePosixPath(cwd) / root)
     root = os.path.normpath(root)
     check_slurm_path(root, what)

@@ -133,7 +133,7 @@ def list_records(environ: Mapping[str, str] | None = None) -> list[RunRecord]:
                 continue  # a broken entry must not hide the others; `find_run` names it
             if not _racy(st.st_mtime_ns):
                 fresh[name] = [ident, data]
-        else:
+        elif known is not None:
             rec = RunRecord.from_dict(data)
             fresh[name] = known
         out.append(rec)

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from launcher import run_files, runs
 from launcher.context import Context
@@ -96,7 +96,7 @@ def print_logs(
 
 def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> Callable[[], bool]:
     """The run is over: DONE/CANCELLED marker, or SLURM says its job is neither queued nor running."""
-    last = {"t": 0.0, "v": False}
+    last: dict[str, Any] = {"t": 0.0, "v": False}
 
     def finished() -> bool:
         if (run_dir / rundir.DONE).exists() or rundir.is_cancelled(run_dir):

@@ -152,7 +152,7 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
         state = info.get("JobState", "UNKNOWN")
         if state == "PENDING" and pending_since is None:
             pending_since = time.monotonic()
-        if (state == "PENDING" and time.monotonic() - pending_since >= REQUEUE_SETTLE_S
+        if (state == "PENDING" and pending_since is not None and time.monotonic() - pending_since >= REQUEUE_SETTLE_S
                 and not rehearsal.nodes_completing(nodes)):
             try:
                 rehearsal.start_now(job_id)

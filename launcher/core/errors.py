@@ -28,10 +28,10 @@ class UserError(Exception):
 
     exit_code: ExitCode = ExitCode.USAGE
 
-    def __init__(self, message: str, *, exit_code: ExitCode | None = None) -> None:
+    def __init__(self, message: str, *, exit_code: ExitCode | int | None = None) -> None:
         super().__init__(message)
         if exit_code is not None:
-            self.exit_code = exit_code
+            self.exit_code = ExitCode(exit_code)
 
     @property
     def message(self) -> str:

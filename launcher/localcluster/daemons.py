@@ -85,7 +85,7 @@ def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, log: Path |
             close_fds=True,
         )
     finally:
-        if log is not None:
+        if log is not None and not isinstance(out, int):
             out.close()
 
 
