@@ -11,6 +11,7 @@ import argparse
 # subcommand -> (module under launcher.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("validate", "check a job spec (and its plan) without submitting"),
+    "doctor": ("doctor", "preflight: will this job run on this cluster? (partition, preemption, space, data)"),
     "submit": ("submit", "submit a job spec to SLURM (or print the plan with --dry-run)"),
     "run": ("run", "run a job spec locally on CPU (the same entry a SLURM task runs)"),
     "profiles": ("profiles", "list cluster profiles"),

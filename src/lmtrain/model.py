@@ -59,6 +59,16 @@ def build_config(model_spec: dict[str, Any]):
     return AutoConfig.for_model(model_spec["type"], **overrides)
 
 
+def parameter_count(model_spec: dict[str, Any]) -> tuple[int, int]:
+    """(parameters, vocab size) of the model the spec builds, without allocating it (meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(model_spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()), int(getattr(config, "vocab_size", 0) or 0)
+
+
 def build_model(model_spec: dict[str, Any], *, seed: int) -> nn.Module:
     """The causal LM, in fp32 on the current default device (Lightning/DeepSpeed move and cast it).
 

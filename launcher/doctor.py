@@ -1,0 +1,288 @@
+"""`lmlaunch doctor SPEC`: what would go wrong after the queue, found before it, on the login node
+in seconds and without an allocation.
+
+Facts are gathered first (SLURM's configuration and partitions, accounting, the filesystems, the
+data's metadata, the model's size, the run's own measured checkpoint times), then judged by pure
+functions (``judge_*``), so every rule is tested on made-up facts and the whole on the local
+cluster. Each check says ok / warn / fail with the figures it compared; any fail exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher.core import rundir, slurm
+from launcher.core.errors import UserError
+from launcher.core.plan import LaunchPlan
+from launcher.core.profiles import Profile
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+# Bytes per parameter of a checkpoint with AdamW: fp32 weights + two fp32 moments (DDP, FSDP);
+# DeepSpeed also keeps the fp32 master copy beside bf16/fp16 module weights.
+BYTES_PER_PARAM = {"ddp": 12, "fsdp": 12, "deepspeed_mixed": 14, "deepspeed_fp32": 12}
+ASSUMED_WRITE_BYTES_PER_S = 0.2e9  # when the run has no measured checkpoint yet (this machine kind: 0.19-0.23 GB/s)
+RUNTIME_IMPORT_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    message: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- pure judgements
+def checkpoint_bytes(params: int, strategy: str, precision: str) -> int:
+    """The size of one checkpoint (all ranks together), from the parameter count."""
+    key = strategy
+    if strategy == "deepspeed":
+        key = "deepspeed_fp32" if precision.startswith("32") else "deepspeed_mixed"
+    return params * BYTES_PER_PARAM[key]
+
+
+def judge_space(where: str, path: str, free: int | None, writable: bool, error: str | None, need: int,
+                what: str) -> Check:
+    if error is not None or not writable:
+        return Check(where, FAIL, f"{path}: cannot write there ({error or 'read-only'})", {"path": path})
+    figures = {"path": path, "free_bytes": free, "needed_bytes": need}
+    if free is not None and free < need:
+        return Check(where, FAIL, f"{path}: {_gb(free)} free, {what} need {_gb(need)}", figures)
+    return Check(where, OK, f"{path}: writable, {_gb(free)} free for {what} ({_gb(need)})", figures)
+
+
+def judge_data(path: str, meta: Mapping[str, Any] | None, error: str | None, model_vocab: int,
+               tokens_needed: int) -> list[Check]:
+    if meta is None:
+        return [Check("data", FAIL, f"data.path {path}: {error}", {"path": path})]
+    out = []
+    vocab = int(meta.get("vocab_size", 0))
+    if model_vocab and vocab > model_vocab:
+        out.append(Check("data vocab", FAIL,
+                         f"{path} was tokenized with vocab_size {vocab} but the model has vocab_size {model_vocab}: "
+                         f"ids >= {model_vocab} would index past the embedding; use model.config.vocab_size={vocab} "
+                         f"or data tokenized for this model", {"data_vocab": vocab, "model_vocab": model_vocab}))
+    else:
+        out.append(Check("data vocab", OK, f"data vocab_size {vocab} fits the model's {model_vocab}",
+                         {"data_vocab": vocab, "model_vocab": model_vocab}))
+    tokens = int(meta.get("num_tokens", 0))
+    figures = {"tokens": tokens, "tokens_needed": tokens_needed}
+    if tokens <= 0:
+        out.append(Check("data size", FAIL, f"{path} holds no tokens", figures))
+    elif tokens < tokens_needed:
+        out.append(Check("data size", WARN, f"{path} holds {tokens:,} tokens; the run trains on {tokens_needed:,} "
+                         f"(max_steps x global batch x seq_len): {tokens_needed / tokens:.1f} epochs", figures))
+    else:
+        out.append(Check("data size", OK, f"{tokens:,} tokens for {tokens_needed:,} trained "
+                         f"({tokens_needed / tokens:.2f} epochs)", figures))
+    return out
+
+
+def judge_partition(plan: LaunchPlan, part: Mapping[str, str] | None) -> Check:
+    name = plan.slurm.partition
+    if part is None:
+        return Check("partition", FAIL, f"partition '{name}' does not exist in this cluster (sinfo/scontrol)",
+                     {"partition": name})
+    problems = []
+    if part.get("State", "UP") != "UP":
+        problems.append(f"its State is {part.get('State')}")
+    max_time = slurm.parse_duration(part.get("MaxTime"))
+    if max_time is not None and plan.slurm.time_minutes * 60 > max_time:
+        problems.append(f"resources.time {plan.slurm.time} is above its MaxTime {part.get('MaxTime')}")
+    total = part.get("TotalNodes", "")
+    if total.isdigit() and plan.slurm.nodes > int(total):
+        problems.append(f"the job asks for {plan.slurm.nodes} nodes and it has {total}")
+    max_nodes = part.get("MaxNodes", "UNLIMITED")
+    if max_nodes.isdigit() and plan.slurm.nodes > int(max_nodes):
+        problems.append(f"the job asks for {plan.slurm.nodes} nodes and its MaxNodes is {max_nodes}")
+    for what, mine, allowed in (("account", plan.slurm.account, part.get("AllowAccounts", "ALL")),
+                                ("qos", plan.slurm.qos, part.get("AllowQos", "ALL"))):
+        if mine and allowed != "ALL" and mine not in allowed.split(","):
+            problems.append(f"{what} {mine} is not in its Allow{what.capitalize() if what == 'account' else 'Qos'}s={allowed}")
+    figures = {"partition": name, "max_time": part.get("MaxTime"), "total_nodes": total, "state": part.get("State")}
+    if problems:
+        return Check("partition", FAIL, f"partition '{name}': " + "; ".join(problems), figures)
+    return Check("partition", OK, f"partition '{name}' is UP; {plan.slurm.nodes} node(s) for {plan.slurm.time} fit "
+                 f"(MaxTime {part.get('MaxTime')}, {total} nodes)", figures)
+
+
+def judge_preemption(plan: LaunchPlan, profile: Profile, config: Mapping[str, str], part: Mapping[str, str] | None,
+                     measured_s: float | None, estimated_s: float) -> list[Check]:
+    """The cluster's preemption setup against the spec and the profile."""
+    out: list[Check] = []
+    name = plan.slurm.partition
+    preemptible = profile.partitions[name].preemptible
+    ptype = config.get("PreemptType", "preempt/none")
+    mode = ((part or {}).get("PreemptMode") or config.get("PreemptMode") or "OFF").upper()
+    params = config.get("SlurmctldParameters", "") or ""
+    sends = "preempt_send_user_signal" in params
+    figures = {"PreemptType": ptype, "PreemptMode": mode, "preempt_send_user_signal": sends,
+               "GraceTime": (part or {}).get("GraceTime"), "JobRequeue": config.get("JobRequeue")}
+    if preemptible and ptype.endswith("none"):
+        out.append(Check("preemption", WARN, f"the profile marks partition '{name}' preemptible but the cluster has "
+                         f"PreemptType={ptype}: nothing will preempt it", figures))
+    elif "CANCEL" in mode and preemptible:
+        out.append(Check("preemption", FAIL, f"partition '{name}' has PreemptMode={mode}: a preempted job is cancelled, "
+                         f"not requeued, so it cannot resume by itself; use a partition with PreemptMode=REQUEUE, or "
+                         f"resubmit with `lmlaunch submit SPEC --resume` after each preemption", figures))
+    elif "SUSPEND" in mode and preemptible:
+        out.append(Check("preemption", WARN, f"partition '{name}' has PreemptMode={mode}: a preempted job is suspended "
+                         f"(no signal, no checkpoint) and resumes in place later", figures))
+    else:
+        out.append(Check("preemption", OK, f"PreemptType={ptype}, PreemptMode={mode}", figures))
+    if sends != profile.sends_user_signal_on_preemption:
+        out.append(Check("preemption signal", WARN,
+                         f"the cluster {'sends' if sends else 'does not send'} the user signal on preemption "
+                         f"(SlurmctldParameters={params or '(null)'}) but profile '{profile.name}' says "
+                         f"sends_user_signal_on_preemption: {str(profile.sends_user_signal_on_preemption).lower()}",
+                         figures))
+    grace_text = (part or {}).get("GraceTime")
+    grace = float(grace_text) if grace_text and grace_text.isdigit() else None
+    if preemptible and grace is not None:
+        ckpt_s, how = (measured_s, "the run's own slowest stop checkpoint") if measured_s is not None else (
+            estimated_s, f"estimated at {ASSUMED_WRITE_BYTES_PER_S / 1e9:.1f} GB/s")
+        g = {"grace_seconds": grace, "checkpoint_seconds": round(ckpt_s, 1), "measured": measured_s is not None}
+        if ckpt_s > grace:
+            status = FAIL if measured_s is not None else WARN
+            out.append(Check("grace time", status, f"GraceTime {grace:.0f} s but the checkpoint takes {ckpt_s:.0f} s "
+                             f"({how}): you will lose work at preemption (raise GraceTime, or checkpoint less state)", g))
+        else:
+            out.append(Check("grace time", OK, f"GraceTime {grace:.0f} s covers the checkpoint's {ckpt_s:.1f} s ({how})", g))
+        if profile.partitions[name].grace_seconds not in (None, int(grace)):
+            out.append(Check("grace time", WARN, f"profile '{profile.name}' says grace_seconds "
+                             f"{profile.partitions[name].grace_seconds} for '{name}'; the cluster has {grace:.0f}", g))
+    return out
+
+
+# --------------------------------------------------------------------------- facts (I/O)
+def measured_checkpoint_seconds(run_dir: Path) -> float | None:
+    """The slowest signal-to-complete-checkpoint time of the run's earlier attempts (the ledger),
+    else its slowest periodic checkpoint (the heartbeat); None for a run that has none."""
+    stops = [float(e["checkpoint_seconds"]) for e in rundir.read_jsonl(run_dir / rundir.LEDGER)
+             if e.get("event") == "end" and isinstance(e.get("checkpoint_seconds"), (int, float))]
+    if stops:
+        return max(stops)
+    saves = [float(b["seconds"]) for b in rundir.read_jsonl(run_dir / rundir.HEARTBEAT)
+             if b.get("event") == "checkpoint" and isinstance(b.get("seconds"), (int, float))]
+    return max(saves) if saves else None
+
+
+def probe_dir(path: Path) -> tuple[int | None, bool, str | None]:
+    """(free bytes, writable, error) of ``path``, or of its nearest existing parent."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError as exc:
+        return None, False, str(exc)
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".lmlaunch-doctor-"):
+            pass
+    except OSError as exc:
+        return free, False, f"{exc.strerror or exc} ({p})"
+    return free, True, None
+
+
+def read_data_meta(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    meta = Path(path) / "meta.json"
+    if not Path(path).is_dir():
+        return None, "no such directory (make it with `lmlaunch data prepare ... --out DIR`)"
+    try:
+        d = json.loads(meta.read_text())
+    except FileNotFoundError:
+        return None, f"{meta} is missing: not a prepared data directory"
+    except (OSError, ValueError) as exc:
+        return None, f"{meta}: {exc}"
+    return (d, None) if isinstance(d, dict) else (None, f"{meta}: not a JSON object")
+
+
+def runtime_imports(plan: LaunchPlan) -> Check:
+    """The tasks' interpreter, after the profile's setup lines, imports the runtime. Checked on
+    this machine: the nodes must see the same filesystem (`doctor --on-nodes` would ask them)."""
+    script = "\n".join([*plan.setup, f"{plan.python} -c 'import lmtrain.entry, torch, lightning, transformers'"])
+    try:
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                              timeout=RUNTIME_IMPORT_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return Check("runtime", FAIL, f"`{plan.python}` did not import the runtime within {RUNTIME_IMPORT_TIMEOUT_S:.0f} s")
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return Check("runtime", FAIL, f"`{plan.python}` after the profile's setup lines cannot import the runtime: {last}")
+    return Check("runtime", OK, f"`{plan.python}` imports lmtrain, torch, lightning and transformers")
+
+
+def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | None = None) -> list[Check]:
+    checks: list[Check] = []
+    if not slurm.ping():
+        return [Check("slurm", FAIL, "the SLURM controller does not answer (`scontrol ping`); "
+                      "local cluster: `lmlaunch cluster up`")]
+    checks.append(Check("slurm", OK, "the controller answers"))
+    try:
+        slurm.run(["sacct", "-n", "-X", "-S", "now", "-E", "now", "-o", "JobID"], timeout=15)
+        checks.append(Check("accounting", OK, "slurmdbd answers (sacct)"))
+    except UserError as exc:
+        checks.append(Check("accounting", FAIL, f"accounting does not answer: {exc.message} (lmlaunch reads "
+                            f"requeues, node failures and history from sacct)"))
+    config = slurm.config()
+    try:
+        part: dict[str, str] | None = slurm.partition_config(plan.slurm.partition)
+    except UserError:
+        part = None
+    checks.append(judge_partition(plan, part))
+    checks += _association_checks(plan)
+
+    from lmtrain.model import parameter_count  # torch and transformers: this command only
+
+    job = plan.job_spec()
+    params, model_vocab = parameter_count(plan.spec["model"])
+    ck_bytes = checkpoint_bytes(params, plan.training.strategy, plan.trainer.precision)
+    run_dir = Path(plan.paths.run_dir)
+    measured = measured_checkpoint_seconds(run_dir) if run_dir.is_dir() else None
+    checks += judge_preemption(plan, profile, config, part, measured, ck_bytes / ASSUMED_WRITE_BYTES_PER_S)
+
+    keep = job.checkpoint.keep_last + 1  # the kept ones and the one being written
+    free, ok, err = probe_dir(Path(plan.paths.checkpoint_dir))
+    checks.append(judge_space("checkpoint space", plan.paths.checkpoint_dir, free, ok, err, keep * ck_bytes,
+                              f"{keep} checkpoints of {params / 1e6:,.1f}M parameters ({plan.training.strategy}, "
+                              f"AdamW: {_gb(ck_bytes)} each, estimated)"))
+    if not Path(plan.paths.checkpoint_dir).resolve().is_relative_to(run_dir.parent.resolve()):
+        free, ok, err = probe_dir(run_dir)
+        checks.append(judge_space("runs root", str(run_dir.parent), free, ok, err, 50 * 2**20, "logs and metrics"))
+    tokens_needed = plan.trainer.max_steps * plan.topology.global_batch_size * job.data.seq_len
+    meta, err = read_data_meta(job.data.path)
+    checks += judge_data(job.data.path, meta, err, model_vocab, tokens_needed)
+    checks.append(runtime_imports(plan))
+    return checks
+
+
+def _association_checks(plan: LaunchPlan) -> list[Check]:
+    out = []
+    user = os.environ.get("USER") or str(os.getuid())
+    if plan.slurm.account:
+        rows = slurm.sacctmgr(["-n", "-P", "show", "assoc", f"user={user}", f"account={plan.slurm.account}",
+                               "format=Account"])
+        out.append(Check("account", OK if rows.strip() else FAIL,
+                         f"account {plan.slurm.account} " + ("has an association for " if rows.strip() else
+                                                             "has no association for ") + f"user {user}"))
+    if plan.slurm.qos:
+        rows = slurm.sacctmgr(["-n", "-P", "show", "qos", f"name={plan.slurm.qos}", "format=Name"])
+        out.append(Check("qos", OK if rows.strip() else FAIL,
+                         f"QOS {plan.slurm.qos} " + ("exists" if rows.strip() else "does not exist in this cluster")))
+    return out
+
+
+def to_json(checks: list[Check]) -> list[dict[str, Any]]:
+    return [asdict(c) for c in checks]
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
