@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from slurm_helpers import REPO
 
 from launcher.core.rundir import LEDGER, AttemptEnd, AttemptStart, Ledger
-from slurm_helpers import REPO
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 
