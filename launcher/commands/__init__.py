@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("cancel", "cancel a run (never requeued)"),
     "history": ("history", "a run's attempts: why each ended, goodput"),
     "report": ("report", "plot a run's loss and throughput to a PNG"),
+    "diff": ("diff", "what differs between two runs: spec, plan, packages, environment"),
     "export": ("export", "a checkpoint of any strategy as a transformers model directory"),
     "preempt": ("preempt", "rehearse preemption of a running job"),
     "completion": ("completion", "print a shell completion script (bash, zsh)"),

@@ -35,6 +35,8 @@ PLAN = "plan.json"
 DONE = "DONE"
 CANCELLED = "CANCELLED"
 CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
+LOGS = "logs"
+ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment)
 HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
 
 
@@ -245,6 +247,24 @@ def is_cancelled(run_dir: str | Path) -> bool:
     return (Path(run_dir) / CANCELLED).exists()
 
 
+def attempt_logs_dir(run_dir: str | Path, attempt: int) -> Path:
+    return Path(run_dir) / LOGS / f"attempt-{attempt}"
+
+
+def environment_records(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """Every attempt's environment record, by attempt number (unreadable ones left out)."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in sorted((Path(run_dir) / LOGS).glob(f"attempt-*/{ENVIRONMENT}")):
+        n = path.parent.name.removeprefix("attempt-")
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if n.isdigit() and isinstance(d, dict):
+            out[int(n)] = d
+    return out
+
+
 def checkpoint_dir_of(run_dir: str | Path) -> Path:
     """Where the run's checkpoints are: the plan's ``paths.checkpoint_dir``, else the default."""
     run_dir = Path(run_dir)
@@ -258,8 +278,10 @@ def checkpoint_dir_of(run_dir: str | Path) -> Path:
 
 
 __all__ = [
-    "CANCELLED", "CHECKPOINTS", "DONE", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "PLAN", "AttemptEnd",
+    "CANCELLED", "CHECKPOINTS", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN",
+    "AttemptEnd",
     "AttemptStart", "Heartbeat", "Ledger",
-    "LedgerAttempt", "LedgerNote", "append_jsonl", "attempts_of", "next_attempt_of", "checkpoint_dir_of", "is_cancelled",
+    "LedgerAttempt", "LedgerNote", "append_jsonl", "attempt_logs_dir", "attempts_of", "environment_records",
+    "next_attempt_of", "checkpoint_dir_of", "is_cancelled",
     "parse_jsonl", "read_done_step", "read_jsonl", "read_tail",
 ]

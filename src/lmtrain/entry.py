@@ -271,6 +271,12 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
             attempt=attempt, job_id=env.job_id, restart_count=env.restart_count, time=time.time(),
             start_step=start_step, nodes=list(env.nodes), world_size=env.world_size,
         ))
+        try:
+            from lmtrain.environment import record_environment
+
+            record_environment(plan, env, attempt, run_dir)  # what this attempt runs on (lmlaunch diff)
+        except OSError as exc:
+            log.warning("could not record the environment of attempt %d: %s", attempt, exc)
     heartbeat.emit("start", step=start_step, max_steps=max_steps,
                    resumed_from=str(ckpt.path) if ckpt is not None else None)
 

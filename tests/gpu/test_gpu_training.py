@@ -57,7 +57,7 @@ def _run(tmp_path: Path, name: str, overrides: list[str], data_dir: Path, steps:
     env = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs")}
     plan = prepare_local_run(
         str(spec), [*GPT2_SMALL, f"data.path={data_dir}", *overrides], devices=1, max_steps=steps,
-        name=name, environ=env, gpus=True, resume=True, say=print,
+        name=name, environ=env, gpus=True, resume=(tmp_path / "runs" / name).is_dir(), say=print,
     )
     assert plan.trainer.accelerator == "gpu"
     log = Path(plan.paths.run_dir) / "launcher.out"

@@ -7,6 +7,7 @@ real entry (lmtrain.local), CPU/gloo."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,7 +51,7 @@ STRATEGIES = {
 def _plan(repo, name: str, devices: int, strategy: str = "ddp"):
     return prepare_local_run(
         str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES + STRATEGIES[strategy], devices=devices, max_steps=MAX_STEPS,
-        name=name, environ=dict(__import__("os").environ), say=lambda *_: None, resume=True,
+        name=name, environ=dict(os.environ), say=lambda *_: None, resume=(Path(os.environ["LMLAUNCH_RUNS_ROOT"]) / name).is_dir(),
     )
 
 

@@ -16,6 +16,7 @@ ds_to_universal writes no per-parameter Adam step for it).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ TOLERANCE = {"zero3": 2e-3}
 def _plan(repo, name: str, devices: int, strategy: str):
     return prepare_local_run(
         str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES_16 + STRATEGIES[strategy] + NO_DROPOUT, devices=devices,
-        max_steps=MAX_STEPS, name=name, environ=dict(__import__("os").environ), say=lambda *_: None, resume=True,
+        max_steps=MAX_STEPS, name=name, environ=dict(os.environ), say=lambda *_: None, resume=(Path(os.environ["LMLAUNCH_RUNS_ROOT"]) / name).is_dir(),
     )
 
 

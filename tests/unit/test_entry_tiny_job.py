@@ -42,6 +42,9 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert (run_dir / "DONE").exists()
     assert (run_dir / "logs" / "attempt-1" / "rank-0.log").stat().st_size > 0
     assert (run_dir / "logs" / "attempt-1" / "rank-1.log").stat().st_size > 0
+    environment = json.loads((run_dir / "logs" / "attempt-1" / "environment.json").read_text())
+    assert environment["packages"]["torch"] and environment["world_size"] == 2 and environment["attempt"] == 1
+    assert environment["env"]["LMLAUNCH_RUN_DIR"] == str(run_dir) and len(environment["plan_sha256"]) == 64
     assert list((run_dir / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
     assert "train/loss" in (run_dir / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS}"

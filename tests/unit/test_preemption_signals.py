@@ -45,7 +45,7 @@ OVERRIDES = [
 
 def _plan(repo, name: str, devices: int):
     return prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES, devices=devices, max_steps=MAX_STEPS,
-                             name=name, environ=dict(os.environ), say=lambda *_: None, resume=True)
+                             name=name, environ=dict(os.environ), say=lambda *_: None, resume=(Path(os.environ["LMLAUNCH_RUNS_ROOT"]) / name).is_dir())
 
 
 def _start(plan, *args: str) -> list[subprocess.Popen]:
