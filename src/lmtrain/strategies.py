@@ -19,14 +19,34 @@ and ``deepspeed.json`` are exactly what the Trainer gets:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 
 from lmtrain.env import cluster_environment
 from lmtrain.watchdog import process_group_timeout
+
+
+class DirectCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` straight into the file lmtrain's checkpoint protocol names (inside
+    ``.step-S.tmp``, made atomic and durable by lmtrain.checkpoint: fsync, rename, COMPLETE).
+
+    Lightning's default first serialises the whole checkpoint into a BytesIO, then writes it
+    through an fsspec transaction into a temporary file in the system temp directory and moves
+    that into place: twice the checkpoint in host memory, a node-local /tmp that must hold all of
+    it, and a second full copy when /tmp is another filesystem."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("lmtrain's checkpoint IO takes no storage_options")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            torch.save(checkpoint, f)
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):
@@ -99,6 +119,7 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
             process_group_backend=backend,
             gradient_as_bucket_view=True,  # grads live in the buckets: no extra copy
             find_unused_parameters=False,
+            checkpoint_io=DirectCheckpointIO(),  # DeepSpeed and FSDP2 (DCP) write their files directly already
         )
     if name == "fsdp":
         strategy = ModelParallelStrategy(
