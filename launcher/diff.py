@@ -1,6 +1,7 @@
 """`lmlaunch diff RUN_A RUN_B`: only what differs between two runs, key by key: the spec, the plan
-(topology, SLURM parameters, environment, DeepSpeed JSON, Trainer arguments) and what their last
-attempts ran on (packages, CUDA/NCCL, nodes, environment; lmtrain.environment writes it).
+(topology, SLURM parameters, environment, DeepSpeed JSON, Trainer arguments), the code snapshot
+(git commit, uncommitted changes, each file's hash) and what their last attempts ran on
+(packages, CUDA/NCCL, nodes, environment; lmtrain.environment writes it).
 
 Values that name the run itself (its directory, its name) are compared as ``<run_dir>`` and
 ``<name>``, and SLURM's per-job variables are left out, so two runs of one sweep differ exactly
@@ -9,12 +10,14 @@ in the keys the sweep changed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher import snapshot
 from launcher.core import rundir
 from launcher.core.errors import UserError
 
@@ -70,6 +73,7 @@ class RunFacts:
     spec: dict[str, Any]
     plan: dict[str, Any]
     environment: dict[str, Any] | None  # the last attempt's record; None before any attempt
+    code: dict[str, Any] | None = None  # the code snapshot: git commit, dirty, sha256 per file
 
 
 def read_run(name: str, run_dir: Path) -> RunFacts:
@@ -84,12 +88,22 @@ def read_run(name: str, run_dir: Path) -> RunFacts:
         env["env"] = {k: v for k, v in (env.get("env") or {}).items()
                       if k not in VOLATILE_ENV and not k.startswith(VOLATILE_ENV_PREFIXES)}
     spec = plan.pop("spec", {})
-    return RunFacts(name=name, run_dir=str(run_dir), spec=spec, plan=plan, environment=env)
+    snap = snapshot.read(run_dir)
+    code: dict[str, Any] | None = None
+    if snap is not None:
+        git: dict[str, Any] = {k: v for k, v in (snap.git or {}).items() if k != "patch_file"}
+        if snap.git and snap.git.get("patch_file"):
+            patch = run_dir / rundir.CODE_DIR / str(snap.git["patch_file"])
+            git["patch_sha256"] = hashlib.sha256(patch.read_bytes()).hexdigest() if patch.exists() else None
+        code = {"git": git, "files": snap.files}
+    return RunFacts(name=name, run_dir=str(run_dir), spec=spec, plan=plan, environment=env, code=code)
 
 
 def diff_runs(a: RunFacts, b: RunFacts) -> list[Difference]:
     ids = ((a.run_dir, a.name), (b.run_dir, b.name))
     out = compare("spec", a.spec, b.spec, ids) + compare("plan", a.plan, b.plan, ids)
+    if a.code is not None and b.code is not None:
+        out += compare("code", a.code, b.code, ids)
     if a.environment is not None and b.environment is not None:
         out += compare("environment", a.environment, b.environment, ids)
     return out

@@ -13,13 +13,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import runs
+from launcher import runs, snapshot
 from launcher.core import rundir
 from launcher.core.atomic import write_private
 from launcher.core.checkpoint_index import newest_complete
@@ -38,6 +39,7 @@ class Opening:
     record: runs.RunRecord | None  # the registry's entry of this run name (submit only)
     continuation: str | None  # resuming a finished run to a larger max_steps: what that means
     reshard: str | None  # resuming on another world size: what that means
+    code_changes: list[str] | None = None  # resume with --new-code: what changed since the snapshot
     notes: list[str] = field(default_factory=list)
     _undo: list[Callable[[], object]] = field(default_factory=list)
 
@@ -71,6 +73,7 @@ class Opening:
                     self._take_away(rundir.DONE, self.continuation)
                 if self.reshard is not None:
                     self.notes.append(self.reshard)
+            self._snapshot_code()
             runs.write_launch_files(plan)
         except BaseException:
             self.rollback()
@@ -100,6 +103,28 @@ class Opening:
 
         self._undo.append(restore)
 
+    def _snapshot_code(self) -> None:
+        """A new run gets the code as it is now; a resumed one keeps its own unless --new-code."""
+        code_dir = self.run_dir / snapshot.CODE_DIR
+        if self.resume and code_dir.is_dir() and self.code_changes is None:
+            return  # unchanged code (plan_opening compared it): the run keeps its snapshot
+        if code_dir.is_dir():
+            kept = self.run_dir / f".{snapshot.CODE_DIR}.undo"
+            shutil.rmtree(kept, ignore_errors=True)
+            code_dir.rename(kept)
+            self._undo.append(functools.partial(_restore_dir, kept, code_dir))
+        else:
+            self._undo.append(functools.partial(shutil.rmtree, code_dir, True))
+        snap = snapshot.take(self.run_dir)
+        git = f", git {str(snap.git['commit'])[:12]}{' + uncommitted changes' if snap.git.get('dirty') else ''}" \
+            if snap.git else ""
+        if self.code_changes:
+            shown = "; ".join(self.code_changes[:8]) + (f"; ... ({len(self.code_changes)} in all)"
+                                                         if len(self.code_changes) > 8 else "")
+            self.notes.append(f"--new-code: the run now runs the current code ({shown})")
+        self.notes.append(f"code snapshot: {len(snap.files)} files, {snap.size / 1e6:.1f} MB{git} in {code_dir}; "
+                          f"every attempt runs it")
+
     def _take_away(self, marker: str, note: str) -> None:
         path = self.run_dir / marker
         if path.exists():
@@ -109,8 +134,14 @@ class Opening:
             self.notes.append(note)
 
 
+def _restore_dir(kept: Path, code_dir: Path) -> None:
+    shutil.rmtree(code_dir, ignore_errors=True)
+    kept.rename(code_dir)
+
+
 def plan_opening(
     plan: LaunchPlan, *, new: bool = False, resume: bool = False, record: runs.RunRecord | None = None,
+    new_code: bool = False,
 ) -> Opening:
     """Check ``new`` / ``resume`` against what exists; nothing is changed yet.
 
@@ -131,10 +162,28 @@ def plan_opening(
         )
     if resume and not run_dir.is_dir():
         raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; start it without --resume")
+    code_changes = None
+    if resume:
+        old = snapshot.read(run_dir)
+        if old is not None:
+            changed = snapshot.changes(old, snapshot.current()[0])
+            if changed and not new_code:
+                shown = "\n  ".join(changed[:20]) + (f"\n  ... ({len(changed)} in all)" if len(changed) > 20 else "")
+                raise UserError(
+                    f"run '{name}' runs the code snapshot taken when it was submitted ({run_dir / snapshot.CODE_DIR}); "
+                    f"the code changed since:\n  {shown}\nresume with --new-code to run the current code, or resume "
+                    f"from the checkout the run was submitted from"
+                )
+            code_changes = changed if changed else None
+        elif new_code:
+            code_changes = []
+    elif new_code:
+        raise UserError("--new-code goes with --resume (a new run always takes the current code)")
     return Opening(
         plan=plan, new=new, resume=resume, record=record,
         continuation=continuation_note(plan) if resume else None,
         reshard=resume_note(plan) if resume else None,
+        code_changes=code_changes,
     )
 
 

@@ -60,6 +60,9 @@ def executor_parameters(plan: LaunchPlan) -> dict[str, Any]:
     extra: dict[str, Any] = {
         "requeue": True,
         "signal": s.signal,  # no "B:": the warning goes to every task of every step
+        # the tasks start in the run directory: `python -m` puts the working directory first on
+        # sys.path, and a checkout there would shadow the run's code snapshot (PYTHONPATH)
+        "chdir": plan.paths.run_dir,
     }
     if s.gres:
         extra["gres"] = s.gres
@@ -264,6 +267,7 @@ def submit_plan(
     *,
     new: bool = False,
     resume: bool = False,
+    new_code: bool = False,
     spec_path: str | None = None,
 ) -> int:
     """Create (or reuse with ``resume``, or archive and recreate with ``new``) the run directory,
@@ -281,7 +285,8 @@ def submit_plan(
     env = ctx.environ or None
     name = plan.run_name
     run_dir = Path(plan.paths.run_dir)
-    opening = lifecycle.plan_opening(plan, new=new, resume=resume, record=runs.load_record(name, env))
+    opening = lifecycle.plan_opening(plan, new=new, resume=resume, record=runs.load_record(name, env),
+                                     new_code=new_code)
 
     _refuse_shared_checkpoint_dir(plan, env)
     if not slurm.ping():

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--new", action="store_true", help="start over if the run exists (the old run dir is archived)")
     g.add_argument("--resume", action="store_true", help="continue the existing local run from its newest checkpoint")
+    p.add_argument("--new-code", action="store_true",
+                   help="with --resume: run the current code instead of the run's code snapshot (says what changed)")
 
 
 def local_overrides(
@@ -87,6 +89,7 @@ def prepare_local_run(
     environ: dict[str, str],
     new: bool = False,
     resume: bool = False,
+    new_code: bool = False,
     gpus: bool = False,
     say=print,
 ):
@@ -107,7 +110,7 @@ def prepare_local_run(
     plan = make_plan(spec, profile, runs_root=runs_root_for(profile, environ), python=sys.executable)
 
     run_dir = Path(plan.paths.run_dir)
-    opening = lifecycle.plan_opening(plan, new=new, resume=resume)  # as submit: new / resume / archive
+    opening = lifecycle.plan_opening(plan, new=new, resume=resume, new_code=new_code)  # as submit
     opening.apply(environ)
     t = plan.topology
     say(
@@ -127,7 +130,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         )
     plan = prepare_local_run(
         args.spec, args.overrides, devices=args.devices, max_steps=args.max_steps, name=args.name,
-        environ=ctx.environ, new=args.new, resume=args.resume, gpus=args.gpus, say=ctx.out,
+        environ=ctx.environ, new=args.new, resume=args.resume, new_code=args.new_code, gpus=args.gpus, say=ctx.out,
     )
     from lmtrain.local import launch
 

@@ -1,4 +1,4 @@
-"""lmlaunch submit job.yaml [overrides...] [--cluster NAME] [--dry-run [--json]] [--new|--resume]"""
+"""lmlaunch submit job.yaml [overrides...] [--cluster NAME] [--dry-run [--json]] [--new|--resume [--new-code]]"""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--new", action="store_true", help="start over if the run name exists (old run is archived)")
     g.add_argument("--resume", action="store_true", help="continue the existing run of this name")
+    p.add_argument("--new-code", action="store_true",
+                   help="with --resume: run the current code instead of the run's code snapshot (says what changed)")
 
 
 def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | None = None) -> str:
@@ -90,4 +92,4 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             ctx.out(render_dry_run(r.plan, script, ctx.environ))
         return 0
 
-    return submit_plan(r, ctx, new=args.new, resume=args.resume, spec_path=args.spec)
+    return submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.core.profiles import Profile
+from launcher.core.rundir import CODE_DIR
 from launcher.core.spec import JobSpec
 
 
@@ -76,6 +77,11 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
         if name in values and values[name] != value:
             overrides.append(EnvOverride(name, values[name], value))
         put(name, value, "set by the job spec (env.vars)")
+    code = f"{run_dir}/{CODE_DIR}"
+    extra = values.get("PYTHONPATH")
+    put("PYTHONPATH", f"{code}:{extra}" if extra else code,
+        "the run's code snapshot first: every attempt, requeues included, runs the code it was submitted with"
+        + (f" (then {reasons['PYTHONPATH']})" if extra else ""))
     return PlannedEnv(
         values=values,
         reasons=reasons,

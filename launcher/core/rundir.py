@@ -36,6 +36,7 @@ DONE = "DONE"
 CANCELLED = "CANCELLED"
 CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
 LOGS = "logs"
+CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.snapshot, PYTHONPATH in the plan)
 ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment)
 HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
 
@@ -278,7 +279,7 @@ def checkpoint_dir_of(run_dir: str | Path) -> Path:
 
 
 __all__ = [
-    "CANCELLED", "CHECKPOINTS", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN",
+    "CANCELLED", "CHECKPOINTS", "CODE_DIR", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN",
     "AttemptEnd",
     "AttemptStart", "Heartbeat", "Ledger",
     "LedgerAttempt", "LedgerNote", "append_jsonl", "attempt_logs_dir", "attempts_of", "environment_records",

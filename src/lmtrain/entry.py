@@ -274,7 +274,11 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         try:
             from lmtrain.environment import record_environment
 
-            record_environment(plan, env, attempt, run_dir)  # what this attempt runs on (lmlaunch diff)
+            path = record_environment(plan, env, attempt, run_dir)  # what this attempt runs on (lmlaunch diff)
+            code = json.loads(path.read_text())["code"]
+            if code["snapshot_digest"] and not code["from_snapshot"]:
+                log.warning("this attempt runs lmtrain from %s, not the run's code snapshot (%s/code): "
+                            "was PYTHONPATH changed?", code["lmtrain"], run_dir)
         except OSError as exc:
             log.warning("could not record the environment of attempt %d: %s", attempt, exc)
     heartbeat.emit("start", step=start_step, max_steps=max_steps,

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from launcher.core.rundir import ENVIRONMENT, attempt_logs_dir
+from launcher.core.rundir import CODE_DIR, ENVIRONMENT, attempt_logs_dir
 
 PACKAGES = ("torch", "lightning", "transformers", "deepspeed", "numpy", "tokenizers", "submitit", "lmlaunch")
 SECRET_WORDS = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE|CREDENTIAL|_KEY$|^KEY$)", re.I)
@@ -53,6 +53,22 @@ def accelerator_versions() -> dict[str, Any]:
     return out
 
 
+def code_in_use(run_dir: Path) -> dict[str, Any]:
+    """Where this process imported lmtrain and launcher from, and whether that is the run's snapshot."""
+    import launcher
+    import lmtrain
+
+    snapshot = (Path(run_dir) / CODE_DIR).resolve()
+    paths = {"lmtrain": str(Path(lmtrain.__file__).resolve().parent),
+             "launcher": str(Path(launcher.__file__).resolve().parent)}
+    try:
+        digest = json.loads((snapshot / "manifest.json").read_text()).get("digest")
+    except (OSError, ValueError):
+        digest = None
+    return {**paths, "snapshot_digest": digest,
+            "from_snapshot": all(Path(p).is_relative_to(snapshot) for p in paths.values())}
+
+
 def record_environment(plan: Any, env: Any, attempt: int, run_dir: Path) -> Path:
     """Rank 0: write this attempt's environment record; returns its path."""
     plan_json = Path(plan.paths.plan_json)
@@ -67,6 +83,7 @@ def record_environment(plan: Any, env: Any, attempt: int, run_dir: Path) -> Path
         "packages": package_versions(),
         **accelerator_versions(),
         "plan_sha256": hashlib.sha256(plan_json.read_bytes()).hexdigest() if plan_json.exists() else None,
+        "code": code_in_use(run_dir),
         "env": visible_environment(os.environ, plan.passthrough),
     }
     path = attempt_logs_dir(run_dir, attempt) / ENVIRONMENT

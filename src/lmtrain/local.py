@@ -83,13 +83,14 @@ def launch(
         for rank in range(nprocs):
             env = worker_env(rank, nprocs, port=port, job_id=job_id, plan_env=plan_env or {}, threads=threads)
             if rank == 0:
-                p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                p = subprocess.Popen(cmd, env=env, cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1)
                 pump = threading.Thread(target=_pump, args=(p.stdout, out), daemon=True)
                 pump.start()
             else:
                 # Other ranks tee into their own rank log; this file keeps what came before it.
                 with open(side_logs / f"rank-{rank}.out", "ab") as f:
-                    p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+                    p = subprocess.Popen(cmd, env=env, cwd=run_dir, stdout=f, stderr=subprocess.STDOUT)
             procs.append(p)
         code = _wait_all(procs)
     except KeyboardInterrupt:

@@ -59,6 +59,11 @@ def test_tiny_cpu_job_trains_to_completion_on_two_nodes(slurm_cluster, cli, lm_e
     assert len(ends) == 1 and ends[0]["reason"] == "completed" and ends[0]["end_step"] == MAX_STEPS
     assert (run_dir / "DONE").exists()
 
+    # the attempt ran the run's code snapshot (PYTHONPATH and --chdir of the plan), not the checkout
+    record = json.loads((run_dir / "logs" / "attempt-1" / "environment.json").read_text())
+    assert record["code"]["from_snapshot"] is True, record["code"]
+    assert record["nodes"] == ["n1", "n2"] and record["packages"]["torch"]
+
     # the heartbeat: steps up to max_steps at world size 2, and the loss falls
     beats = _jsonl(run_dir / "metrics" / "heartbeat.jsonl")
     steps = [b for b in beats if b["event"] == "step"]

@@ -1,0 +1,121 @@
+"""The run's code snapshot (``<run dir>/code/``): the launcher and lmtrain packages as they were at
+submission, with the git commit and a patch of uncommitted changes when they come from a git
+checkout. Every attempt of the run, requeues days later included, imports the snapshot
+(``PYTHONPATH`` and ``--chdir`` in the plan), not the live checkout; ``--resume`` after the code
+changed says what changed and takes the new code only with ``--new-code``.
+
+Only source goes in (``*.py`` and package data, no ``__pycache__``, no data, no venv).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import launcher
+from launcher.core.rundir import CODE_DIR
+
+MANIFEST = "manifest.json"
+PATCH = "uncommitted.patch"
+
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # where it lives, without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {name} not found")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+PACKAGES = {"launcher": Path(launcher.__file__).parent, "lmtrain": _package_dir("lmtrain")}
+_SKIP_DIRS = {"__pycache__"}
+_SUFFIXES = {".py", ".typed", ".json", ".yaml", ".txt"}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    files: dict[str, str]  # "lmtrain/module.py" -> sha256
+    digest: str  # of all of them
+    size: int  # bytes
+    git: dict[str, object] | None  # commit, dirty, patch file
+
+    def to_json(self) -> str:
+        return json.dumps({"files": self.files, "digest": self.digest, "size": self.size, "git": self.git},
+                          indent=2, sort_keys=True) + "\n"
+
+
+def source_files(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for name, root in packages.items():
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and path.suffix in _SUFFIXES and not _SKIP_DIRS & set(path.relative_to(root).parts):
+                out[f"{name}/{path.relative_to(root).as_posix()}"] = path
+    return out
+
+
+def current(packages: dict[str, Path] = PACKAGES) -> tuple[Snapshot, dict[str, Path]]:
+    """What a snapshot taken now would hold (hashes only; nothing is copied)."""
+    files = source_files(packages)
+    hashes = {rel: hashlib.sha256(p.read_bytes()).hexdigest() for rel, p in files.items()}
+    digest = hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+    size = sum(p.stat().st_size for p in files.values())
+    return Snapshot(hashes, digest, size, _git(packages)), files
+
+
+def take(run_dir: Path, packages: dict[str, Path] = PACKAGES) -> Snapshot:
+    """Copy the code into ``run_dir/code`` (replacing an older snapshot); returns what it holds."""
+    snap, files = current(packages)
+    target = run_dir / CODE_DIR
+    tmp = run_dir / f".{CODE_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for rel, src in files.items():
+        dst = tmp / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+    if snap.git and snap.git.get("patch"):
+        (tmp / PATCH).write_text(str(snap.git.pop("patch")))
+        snap.git["patch_file"] = PATCH
+    (tmp / MANIFEST).write_text(snap.to_json())
+    old = run_dir / f".{CODE_DIR}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+    return snap
+
+
+def read(run_dir: Path) -> Snapshot | None:
+    try:
+        d = json.loads((run_dir / CODE_DIR / MANIFEST).read_text())
+        return Snapshot(dict(d["files"]), str(d["digest"]), int(d["size"]), d.get("git"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def changes(old: Snapshot, new: Snapshot) -> list[str]:
+    """'changed lmtrain/module.py', 'added ...', 'removed ...'."""
+    out = [f"changed {f}" for f in sorted(set(old.files) & set(new.files)) if old.files[f] != new.files[f]]
+    out += [f"added {f}" for f in sorted(set(new.files) - set(old.files))]
+    out += [f"removed {f}" for f in sorted(set(old.files) - set(new.files))]
+    return out
+
+
+def _git(packages: dict[str, Path]) -> dict[str, object] | None:
+    root = next(iter(packages.values()))
+    try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", top, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        paths = [str(p) for p in packages.values()]
+        patch = subprocess.run(["git", "-C", top, "diff", "HEAD", "--", *paths], capture_output=True, text=True,
+                               timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a git checkout (an installed package): the files are the record
+    return {"commit": commit, "dirty": bool(patch), "patch": patch}

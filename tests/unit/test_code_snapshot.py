@@ -1,0 +1,98 @@
+"""Every attempt of a run runs the code it was submitted with: the run's code snapshot
+(launcher.snapshot), first on PYTHONPATH and in the tasks' working directory; a resume after the
+code changed says what changed and takes the new code only with --new-code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher import diff, lifecycle, snapshot
+from launcher.core.errors import UserError
+from launcher.resolve import resolve
+
+
+def _plan(repo, root: Path, *overrides: str):
+    environ = {"LMLAUNCH_RUNS_ROOT": str(root), "HOME": "/home/u", "USER": "u"}
+    return resolve(str(repo / "jobs" / "tiny-cpu.yaml"), list(overrides), cluster="local", environ=environ).plan
+
+
+def _pretend_the_code_changed(run_dir: Path, rel: str = "lmtrain/module.py") -> None:
+    """Make the snapshot's record of one file differ from the checkout (as an edit would)."""
+    manifest = run_dir / "code" / "manifest.json"
+    d = json.loads(manifest.read_text())
+    d["files"][rel] = "0" * 64
+    manifest.write_text(json.dumps(d))
+
+
+def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
+    plan = _plan(repo, tmp_path)
+    opening = lifecycle.plan_opening(plan)
+    opening.apply()
+    run_dir = Path(plan.paths.run_dir)
+    snap = snapshot.read(run_dir)
+    assert snap is not None and "lmtrain/entry.py" in snap.files and "launcher/core/plan.py" in snap.files
+    assert (run_dir / "code" / "lmtrain" / "entry.py").read_bytes() == (repo / "src" / "lmtrain" / "entry.py").read_bytes()
+    assert not list((run_dir / "code").rglob("__pycache__"))
+    assert snap.size < 5e6 and snap.git is not None and len(str(snap.git["commit"])) == 40
+    assert any("code snapshot" in n for n in opening.notes)
+    assert plan.env["PYTHONPATH"] == f"{run_dir}/code"  # first: the snapshot
+    from launcher.submit import executor_parameters
+
+    assert executor_parameters(plan)["additional_parameters"]["chdir"] == str(run_dir)
+
+
+def test_a_resume_after_the_code_changed_needs_new_code_and_says_what_changed(repo, tmp_path):
+    plan = _plan(repo, tmp_path)
+    lifecycle.plan_opening(plan).apply()
+    run_dir = Path(plan.paths.run_dir)
+    lifecycle.plan_opening(plan, resume=True).apply()  # unchanged code: resumes on its own snapshot
+    _pretend_the_code_changed(run_dir)
+    with pytest.raises(UserError, match=r"(?s)the code changed since:\n  changed lmtrain/module.py.*--new-code"):
+        lifecycle.plan_opening(plan, resume=True)
+    before = (run_dir / "code" / "manifest.json").read_text()
+    opening = lifecycle.plan_opening(plan, resume=True, new_code=True)
+    opening.apply()
+    assert any("--new-code" in n and "changed lmtrain/module.py" in n for n in opening.notes)
+    assert snapshot.read(run_dir).files == snapshot.current()[0].files  # the current code now
+    opening.rollback()  # e.g. sbatch refused: the run keeps the code it had
+    assert (run_dir / "code" / "manifest.json").read_text() == before
+    with pytest.raises(UserError, match="--new-code goes with --resume"):
+        lifecycle.plan_opening(_plan(repo, tmp_path, "name=other"), new_code=True)
+
+
+def test_diff_names_the_files_that_differ(repo, tmp_path):
+    a, b = _plan(repo, tmp_path, "name=a"), _plan(repo, tmp_path, "name=b")
+    for p in (a, b):
+        lifecycle.plan_opening(p).apply()
+    _pretend_the_code_changed(Path(b.paths.run_dir), "lmtrain/data.py")
+    found = diff.diff_runs(diff.read_run("a", Path(a.paths.run_dir)), diff.read_run("b", Path(b.paths.run_dir)))
+    assert [(d.section, d.key) for d in found] == [("code", "files.lmtrain/data.py")]
+
+
+@pytest.mark.slow
+def test_the_tasks_import_the_snapshot_not_the_checkout(repo, runs_root):
+    """Change the run's snapshot (not the checkout): the trained steps carry the change, and the
+    environment record says the code came from the snapshot."""
+    from launcher.commands.run import prepare_local_run
+    from lmtrain.local import launch
+
+    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), ["trainer.limit_val_batches=0"], devices=1,
+                             max_steps=2, name="snap", environ={"LMLAUNCH_RUNS_ROOT": str(runs_root)},
+                             say=lambda *_: None)
+    run_dir = Path(plan.paths.run_dir)
+    callbacks = run_dir / "code" / "lmtrain" / "callbacks.py"
+    text = callbacks.read_text()
+    marked = text.replace('self.heartbeat.emit("step", max_steps=max_steps, **metrics)',
+                          'self.heartbeat.emit("step", max_steps=max_steps, snapshot_marker=1, **metrics)')
+    assert marked != text
+    callbacks.write_text(marked)
+    with open(run_dir / "launcher.out", "w") as out:
+        assert launch(plan.paths.run_dir, 1, plan_env=plan.env, out=out, threads_per_proc=1) == 0
+    steps = [json.loads(x) for x in (run_dir / "metrics" / "heartbeat.jsonl").read_text().splitlines()]
+    steps = [x for x in steps if x["event"] == "step"]
+    assert steps and all(x.get("snapshot_marker") == 1 for x in steps), steps
+    code = json.loads((run_dir / "logs" / "attempt-1" / "environment.json").read_text())["code"]
+    assert code["from_snapshot"] is True and code["lmtrain"] == str((run_dir / "code" / "lmtrain").resolve())
