@@ -113,6 +113,11 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
             reason = job.reason
         if requeued and group == "queued":
             note = "requeued, waiting to restart"
+        upstream = ", ".join(getattr(rec, "after", None) or []) or "another job"
+        if group == "queued" and job.reason == "Dependency":
+            note = f"waiting for {upstream} (--after)"
+        elif group == "queued" and job.reason == "DependencyNeverSatisfied":
+            note = f"never starts: {upstream} did not succeed (`lmlaunch cancel {rec.name}`)"
         if files.cancelled and group in ("queued", "running"):
             note = "cancel requested"
     elif files.done:

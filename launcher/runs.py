@@ -55,6 +55,7 @@ class RunRecord:
     submitted_at: list[float] = field(default_factory=list)
     state: str = "submitted"  # submitted | cancelled
     max_steps: int | None = None
+    after: list[str] = field(default_factory=list)  # submit --after: "RUN:ok (job 12)"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

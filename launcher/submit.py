@@ -10,7 +10,7 @@ import re
 import shlex
 from typing import Any
 
-from launcher import lifecycle, runs
+from launcher import dependencies, lifecycle, runs
 from launcher.core import rundir, slurm
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.plan import LaunchPlan
@@ -54,8 +54,9 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     return lines
 
 
-def executor_parameters(plan: LaunchPlan) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters (the keys of ``_make_sbatch_string``)."""
+def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (the keys of ``_make_sbatch_string``); ``dependency``:
+    sbatch --dependency (``submit --after``)."""
     s = plan.slurm
     extra: dict[str, Any] = {
         "requeue": True,
@@ -86,6 +87,8 @@ def executor_parameters(plan: LaunchPlan) -> dict[str, Any]:
             params[key] = value
     if s.exclusive:
         params["exclusive"] = True
+    if dependency:
+        params["dependency"] = dependency
     if plan.srun_args:
         params["srun_args"] = list(plan.srun_args)
     return params
@@ -99,19 +102,19 @@ def submit_command(plan: LaunchPlan) -> str:
     )
 
 
-def render_script(plan: LaunchPlan) -> str:
+def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:
     """The sbatch script exactly as submit writes it."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     return _make_sbatch_string(
-        command=submit_command(plan), folder=plan.paths.submitit_dir, **executor_parameters(plan)
+        command=submit_command(plan), folder=plan.paths.submitit_dir, **executor_parameters(plan, dependency)
     )
 
 
 # --------------------------------------------------------------------------- submission
 
 
-def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
+def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | None = None) -> str:
     """sbatch the plan through submitit's SlurmExecutor; returns the job id.
 
     The callable (``fn``, tests pass a trivial one) defaults to
@@ -146,7 +149,7 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None) -> str:
         executor = PlanExecutor(folder=plan.paths.submitit_dir)
     except RuntimeError as exc:  # submitit: 'Could not detect "srun"'
         raise SlurmUnavailable(f"cannot submit: {exc} (no SLURM client on this machine)") from None
-    executor.update_parameters(**executor_parameters(plan))
+    executor.update_parameters(**executor_parameters(plan, dependency))
     captured = io.StringIO()
     folder = Path(plan.paths.submitit_dir)
     before = set(folder.iterdir()) if folder.is_dir() else set()
@@ -269,6 +272,7 @@ def submit_plan(
     resume: bool = False,
     new_code: bool = False,
     spec_path: str | None = None,
+    after: list[Any] | None = None,
 ) -> int:
     """Create (or reuse with ``resume``, or archive and recreate with ``new``) the run directory,
     write spec/plan, submit, record the job id in the registry and print what to do next.
@@ -304,13 +308,16 @@ def submit_plan(
                 f"`lmlaunch cancel {name}` before {'--resume' if resume else '--new'}"
             )
 
+    dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
     opening.apply(env)
     try:
-        job_id = _submit_with_submitit(plan)
+        job_id = _submit_with_submitit(plan, dependency=dependency)
     except BaseException:
         opening.rollback()
         raise
-    rec, notes = opening.record, opening.notes
+    waits = (dependency or "").replace(",", ":").split(":")
+    notes_after = [*after_notes, *(f"starts after {a.label()}" for a in after or [] if a.job_id in waits)]
+    rec, notes = opening.record, [*opening.notes, *notes_after]
 
     if rec is None:
         rec = runs.RunRecord(name=name, profile=plan.profile, run_dir=str(run_dir), spec_path=spec_path)
@@ -322,6 +329,7 @@ def submit_plan(
     if spec_path:
         rec.spec_path = str(Path(spec_path).absolute())
     rec.max_steps = plan.trainer.max_steps
+    rec.after = [a.label() for a in after or []]
     runs.save_record(rec, env)
 
     t = plan.topology

@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from launcher import dependencies
 from launcher.context import Context
 from launcher.core.text_rules import brief, escape_controls
 from launcher.resolve import resolve
@@ -26,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--new", action="store_true", help="start over if the run name exists (old run is archived)")
     g.add_argument("--resume", action="store_true", help="continue the existing run of this name")
+    p.add_argument("--after", action="append", default=[], metavar="RUN[:ok|:any]",
+                   help="start only after RUN's job completed successfully (:ok, the default) or ended (:any); repeatable")
     p.add_argument("--new-code", action="store_true",
                    help="with --resume: run the current code instead of the run's code snapshot (says what changed)")
 
@@ -84,12 +87,14 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
-    if args.dry_run:
-        script = render_script(r.plan)
+    after = dependencies.parse(args.after, ctx.environ or None)
+    if args.dry_run:  # the dependency as it would be asked for (SLURM is not asked here)
+        script = render_script(r.plan, ",".join(f"{dependencies.KINDS[a.kind]}:{a.job_id}" for a in after) or None)
         if args.json:
             ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script}, indent=2, sort_keys=True))
         else:
             ctx.out(render_dry_run(r.plan, script, ctx.environ))
         return 0
 
-    return submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec)
+    return submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec,
+                       after=after)

@@ -189,3 +189,17 @@ def test_status_finds_the_checkpoints_where_the_plan_put_them_and_means_the_newe
     assert files.checkpoint.path == str(ckdir / "step-20")
     (run_dir / "plan.json").unlink()  # no plan: the default place, which holds nothing here
     assert read_run_files(run_dir).checkpoint is None
+
+
+@pytest.mark.parametrize("reason, words", [
+    ("Dependency", "waiting for train:ok (job 7) (--after)"),
+    ("DependencyNeverSatisfied", "never starts: train:ok (job 7) did not succeed (`lmlaunch cancel eval`)"),
+])
+def test_a_run_waiting_on_another_says_on_which_and_whether_it_ever_can(tmp_path, reason, words):
+    from launcher.run_files import RunFiles
+    from launcher.slurm_view import SlurmJob
+
+    rec = runs.RunRecord(name="eval", profile="local", run_dir=str(tmp_path), spec_path=None, job_ids=["8"],
+                         after=["train:ok (job 7)"])
+    row = monitor.build_row(rec, RunFiles(), SlurmJob("8", "PENDING", reason, 1), slurm_reachable=True, now=0.0)
+    assert row.reason == reason and row.note == words

@@ -1,0 +1,65 @@
+"""`submit --after RUN[:ok|:any]`: start a run only after others (SLURM job dependencies).
+
+``RUN:ok`` (the default) waits for RUN's job to complete successfully (``afterok``); ``RUN:any``
+for it to end however it ends (``afterany``). An upstream job SLURM already forgot is judged from
+accounting before anything is submitted: completed satisfies both, anything else makes ``:ok``
+impossible, said at once rather than left pending forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from launcher import runs
+from launcher.core import slurm
+from launcher.core.errors import UserError
+
+KINDS = {"ok": "afterok", "any": "afterany"}
+
+
+@dataclass(frozen=True)
+class After:
+    run: str
+    kind: str  # ok | any
+    job_id: str
+
+    def label(self) -> str:
+        return f"{self.run}:{self.kind} (job {self.job_id})"
+
+
+def parse(refs: Sequence[str], environ: Mapping[str, str] | None = None) -> list[After]:
+    out = []
+    for ref in refs:
+        name, _, kind = ref.rpartition(":") if ref.rpartition(":")[2] in KINDS else (ref, "", "ok")
+        rec = runs.find_run(name, environ)
+        if not rec.last_job_id:
+            raise UserError(f"--after {ref}: run '{rec.name}' has no job to wait for")
+        out.append(After(rec.name, kind, rec.last_job_id))
+    return out
+
+
+def dependency(after: Sequence[After]) -> tuple[str | None, list[str]]:
+    """The sbatch --dependency value (None: nothing left to wait for) and notes. Raises when an
+    upstream run can no longer satisfy ``:ok``."""
+    if not after:
+        return None, []
+    ids = [a.job_id for a in after]
+    live = {j.job_id: j for j in slurm.squeue(ids)}
+    forgotten = [a for a in after if a.job_id not in live]
+    ended = {}
+    if forgotten:
+        for row in slurm.sacct([a.job_id for a in forgotten], duplicates=False):
+            ended[row.job_id] = row.state.split()[0]
+    parts, notes = [], []
+    for a in after:
+        if a.job_id in live:
+            parts.append(f"{KINDS[a.kind]}:{a.job_id}")
+            continue
+        state = ended.get(a.job_id, "UNKNOWN")
+        if state == "COMPLETED" or a.kind == "any":
+            notes.append(f"--after {a.label()}: it already ended {state}; nothing to wait for")
+        else:
+            raise UserError(f"--after {a.label()}: that job ended {state}, so it can never complete successfully; "
+                            f"resubmit it, or wait for it with --after {a.run}:any")
+    return (",".join(parts) or None), notes
