@@ -7,6 +7,7 @@ one ``write`` and flushed, so a reader that skips an unparsable last line never 
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import time
@@ -202,37 +203,67 @@ class MetricsHeartbeat(pl.Callback):
 
 
 class _AppendingWriter(ExperimentWriter):
-    """Lightning's CSV writer deletes an existing metrics.csv; on resume we append to it."""
+    """Lightning's CSV writer deletes an existing metrics.csv; on resume we append to it, after
+    dropping the rows of the steps the resumed attempt trains again (``keep_below``: Lightning's
+    logged step of the first step after the checkpoint), so no step appears twice."""
+
+    def __init__(self, log_dir: str, keep_below: int | None = None) -> None:
+        self.keep_below = keep_below
+        super().__init__(log_dir=log_dir)
 
     def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
-            with self._fs.open(self.metrics_file_path, "r") as f:
-                header = f.readline().strip()
-            if header:
-                self.metrics_keys = sorted(header.split(","))
+        if not self._fs.isfile(self.metrics_file_path):
+            return
+        with open(self.metrics_file_path, newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows or not rows[0]:
+            return
+        header = rows[0]
+        self.metrics_keys = sorted(header)
+        if self.keep_below is None or "step" not in header:
+            return
+        at = header.index("step")
+        kept = [r for r in rows[1:] if len(r) > at and r[at].isdigit() and int(r[at]) < self.keep_below]
+        if len(kept) != len(rows) - 1:
+            tmp = f"{self.metrics_file_path}.tmp-{os.getpid()}"
+            with open(tmp, "w", newline="") as f:
+                csv.writer(f).writerows([header, *kept])
+            os.replace(tmp, self.metrics_file_path)
 
 
 class ResumableCSVLogger(CSVLogger):
     """CSVLogger whose fixed version directory survives resume (rows are appended)."""
+
+    def __init__(self, *args: Any, resume_step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resume_step = resume_step
 
     @property
     def experiment(self):
         if self._experiment is not None:
             return self._experiment
         os.makedirs(self.root_dir, exist_ok=True)
-        self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        self._experiment = _AppendingWriter(log_dir=self.log_dir, keep_below=self.resume_step)
         return self._experiment
 
 
-def make_loggers(run_dir: str | Path, logging_spec: dict[str, Any], run_name: str) -> list[Any]:
+def make_loggers(run_dir: str | Path, logging_spec: dict[str, Any], run_name: str,
+                 resume_step: int | None = None) -> list[Any]:
     """TensorBoard and CSV in the run directory with a fixed version (0), so every attempt of a
-    run writes into the same directories; W&B with an id derived from the run directory."""
+    run writes into the same directories; W&B with an id derived from the run directory.
+
+    ``resume_step``: the checkpoint's step this attempt resumes from. Lightning logs the step
+    that follows checkpoint S under index S, so what an earlier attempt logged at indices >= S
+    (work done after its last checkpoint, trained again now) is dropped: TensorBoard purges it
+    (``purge_step``), the CSV rows are removed. Each metric stays one series, every index once."""
     loggers: list[Any] = []
     run_dir = str(run_dir)
+    purge = {"purge_step": resume_step} if resume_step else {}
     if logging_spec.get("tensorboard", True):
-        loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=0, default_hp_metric=False))
+        loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=0, default_hp_metric=False,
+                                         **purge))
     if logging_spec.get("csv", True):
-        loggers.append(ResumableCSVLogger(save_dir=run_dir, name="csv", version=0))
+        loggers.append(ResumableCSVLogger(save_dir=run_dir, name="csv", version=0, resume_step=resume_step))
     wandb = logging_spec.get("wandb")
     if wandb:
         from lightning.pytorch.loggers import WandbLogger

@@ -438,7 +438,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
         callbacks += list(hooks.setup(ctx) or [])
     callbacks += hooks.callbacks
     callbacks += _watchdog_callbacks(plan, env, ctx, heartbeat)  # last: it beats after checkpoint writes
-    loggers = make_loggers(ctx.run_dir, spec["logging"], plan.run_name)
+    loggers = make_loggers(ctx.run_dir, spec["logging"], plan.run_name, resume_step=ckpt.step if ckpt else None)
 
     # --- trainer ----------------------------------------------------------------------------
     # The plan's Trainer arguments as they are (the dry run printed them); without a validation
