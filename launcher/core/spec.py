@@ -16,6 +16,7 @@ from launcher.core.model_types import KNOWN_CAUSAL_LM_TYPES
 from launcher.core.slurm import parse_duration
 from launcher.core.text_rules import (
     ENV_NAME,
+    EnvName,
     EnvValue,
     MemSize,
     OneLine,
@@ -23,6 +24,7 @@ from launcher.core.text_rules import (
     ProfileName,
     RunName,
     SlurmWord,
+    WebhookUrl,
     brief,
     escape_controls,
 )
@@ -424,6 +426,41 @@ class LoggingSpec(StrictModel):
     """Write the JSON-lines heartbeat the monitor reads every N steps."""
 
 
+NotifyEvent = Literal["started", "preempted", "requeued", "hang", "failed", "completed"]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("started", "preempted", "requeued", "hang", "failed", "completed")
+
+
+class Webhook(StrictModel):
+    """One webhook (Slack-compatible: a JSON body with "text"). Give the URL, or, when the URL is a
+    secret, the name of the variable holding it (it must be in env.passthrough)."""
+
+    url: WebhookUrl | None = None
+    """The URL itself (it is written into plan.json)."""
+    url_env: EnvName | None = None
+    """The name of the environment variable that holds the URL (a secret: passed by name)."""
+
+    @model_validator(mode="after")
+    def _one(self) -> Webhook:
+        if (self.url is None) == (self.url_env is None):
+            raise ValueError("a webhook gives exactly one of url and url_env")
+        return self
+
+
+class NotifySpec(StrictModel):
+    """Messages about the run to webhooks, sent by rank 0 in the background: an unreachable
+    webhook never slows or stops training."""
+
+    webhooks: list[Webhook] = Field(default_factory=list, max_length=16)
+    """Where to send."""
+    events: list[NotifyEvent] = Field(default_factory=lambda: list(NOTIFY_EVENTS))
+    """Which events: started, preempted, requeued, hang, failed (with the last lines of the failing
+    rank's log), completed (with the final loss and goodput)."""
+    timeout_s: float = Field(5.0, gt=0, le=60)
+    """Each attempt to deliver gives up after this long."""
+    retries: int = Field(2, ge=0, le=10)
+    """Further attempts after a failed delivery (1 s, 2 s, 4 s ... apart)."""
+
+
 class JobSpec(StrictModel):
     """A training job: what to train, on what data, with which resources and cluster."""
 
@@ -451,9 +488,17 @@ class JobSpec(StrictModel):
     """Extra environment and secrets passed by name."""
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
     """Loggers and heartbeat."""
+    notify: NotifySpec = Field(default_factory=NotifySpec)
+    """Webhook messages: started, preempted, requeued, hang, failed, completed."""
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:
+        missing = [w.url_env for w in self.notify.webhooks if w.url_env and w.url_env not in self.env.passthrough]
+        if missing:
+            raise ValueError(
+                f"notify.webhooks: url_env {', '.join(missing)} must also be in env.passthrough (that is how its "
+                f"value reaches the tasks without being written anywhere)"
+            )
         if self.resources.partition is not None and self.resources.partition_kind != "default":
             raise ValueError(
                 f"resources.partition({self.resources.partition}) and "

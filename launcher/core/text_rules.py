@@ -138,6 +138,13 @@ ENV_VALUE = TextRule(
     32768,
 )
 
+WEBHOOK_URL = TextRule(
+    "a webhook URL",
+    r"https?://[^\s\x00-\x1f\x7f-\x9f]+",
+    "http:// or https:// followed by no spaces or control characters",
+    2048,
+)
+
 RunName = RUN_NAME.annotated
 ProfileName = PROFILE_NAME.annotated
 SlurmWord = SLURM_WORD.annotated
@@ -146,6 +153,8 @@ PathText = PATH.annotated
 OneLine = ONE_LINE.annotated
 ShellLine = SHELL_LINE.annotated
 EnvValue = ENV_VALUE.annotated
+WebhookUrl = WEBHOOK_URL.annotated
+EnvName = ENV_NAME.annotated
 
 
 def check_override_text(text: str) -> None:

@@ -216,6 +216,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
     from launcher.core.rundir import DONE, AttemptEnd, AttemptStart, Ledger
     from lmtrain.callbacks import RunInfo, StopRequest, heartbeat_of
     from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, check_compatible, newest_complete
+    from lmtrain.notify import Notifier
     from lmtrain.preemption import Preemption
 
     t, paths = plan.trainer, plan.paths
@@ -283,6 +284,10 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
             log.warning("could not record the environment of attempt %d: %s", attempt, exc)
     heartbeat.emit("start", step=start_step, max_steps=max_steps,
                    resumed_from=str(ckpt.path) if ckpt is not None else None)
+    notifier = Notifier(plan.spec.get("notify") or {}, run=plan.run_name, attempt=attempt, job_id=env.job_id,
+                        enabled=is_zero)
+    notifier.send("started", f"attempt {attempt} started on {','.join(env.nodes)} from step {start_step}",
+                  nodes=list(env.nodes), start_step=start_step, max_steps=max_steps)
 
     outcome = Outcome(reason="crashed", end_step=start_step, exit_code=1)
     try:
@@ -317,8 +322,41 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
                 reason=outcome.reason, detail=outcome.detail, requeued=outcome.requeued, extra=outcome.extra,
             ))
         heartbeat.emit("end", step=outcome.end_step, reason=outcome.reason, **outcome.extra)
+        if is_zero:
+            try:
+                _notify_end(notifier, plan, outcome, attempt)
+            except Exception as exc:  # a message must never cost the requeue below
+                log.warning("notify: could not compose the end message: %s", exc)
         ctx.preemption.after_end(ctx, outcome)  # scontrol requeue comes LAST
+        notifier.close()  # delivered in the background meanwhile; a bounded wait
     return outcome.exit_code
+
+
+def _notify_end(notifier: Any, plan: LaunchPlan, outcome: Outcome, attempt: int) -> None:
+    """The webhook messages of how this attempt ended."""
+    from launcher.core.rundir import read_jsonl
+    from lmtrain.notify import goodput, last_lines
+
+    step, reason, detail = outcome.end_step, outcome.reason, outcome.detail or ""
+    facts = {"reason": reason, "end_step": step, "detail": detail[:500]}
+    if reason in ("preempted", "timeout"):
+        notifier.send("preempted", f"attempt {attempt} {reason} at step {step}", **facts)
+    elif reason == "hang":
+        notifier.send("hang", f"attempt {attempt} hung at step {step}: {detail[:300]}", **facts)
+    elif reason == "completed":
+        beats = read_jsonl(plan.paths.heartbeat)
+        losses = [b["loss"] for b in beats if b.get("event") == "step" and isinstance(b.get("loss"), (int, float))]
+        g = goodput(read_jsonl(plan.paths.ledger), beats, time.time())
+        loss_text = f"{losses[-1]:.4f}" if losses else "?"
+        notifier.send("completed", f"completed at step {step}: loss {loss_text}, goodput "
+                      f"{'?' if g is None else f'{g:.2f}'}", **facts, loss=losses[-1] if losses else None, goodput=g)
+    if outcome.requeued:
+        notifier.send("requeued", f"requeued after {reason}: the next attempt resumes from the newest checkpoint",
+                      **facts)
+    elif reason not in ("completed", "preempted", "timeout", "cancelled", "hang"):
+        logs = sorted((Path(plan.paths.logs_dir) / f"attempt-{attempt}").glob("rank-*.log"))
+        notifier.send("failed", f"attempt {attempt} failed ({reason}) at step {step}: {detail[:300]}",
+                      **facts, log_tail=last_lines(logs))
 
 
 def _write_marker(path: Path, text: str) -> None:

@@ -1,0 +1,120 @@
+"""Webhook messages about the run (spec ``notify``), sent by rank 0 from a background thread.
+
+Slack-compatible: a JSON body with ``text``, plus ``event``, ``run``, ``attempt``, ``job_id`` and the
+event's facts. Every delivery has a timeout and bounded retries; :meth:`Notifier.send` only puts
+the message on a queue, so an unreachable webhook never slows or stops training. At the end of an
+attempt :meth:`Notifier.close` waits a bounded time for what is queued, then gives up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 10.0  # at the end of an attempt, at most this long for queued messages
+
+
+def webhook_urls(notify: Mapping[str, Any], environ: Mapping[str, str]) -> list[str]:
+    """The URLs of the spec's webhooks (``url_env`` read from the environment; unset: left out)."""
+    out = []
+    for hook in notify.get("webhooks") or []:
+        url = hook.get("url") or environ.get(hook.get("url_env") or "", "")
+        if url:
+            out.append(url)
+        else:
+            log.warning("notify: %s is not set in this task's environment; that webhook is skipped", hook.get("url_env"))
+    return out
+
+
+def post(url: str, body: Mapping[str, Any], *, timeout_s: float, retries: int) -> str | None:
+    """Deliver one message; None when delivered, else the last error."""
+    data = json.dumps(body).encode()
+    error = None
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(min(30.0, 2.0 ** (attempt - 1)))
+        try:
+            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                if 200 <= resp.status < 300:
+                    return None
+                error = f"HTTP {resp.status}"
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            error = str(getattr(exc, "reason", None) or exc)
+    return error
+
+
+class Notifier:
+    """Rank 0's sender for one attempt (other ranks get one that sends nothing)."""
+
+    def __init__(self, notify: Mapping[str, Any], *, run: str, attempt: int, job_id: str | None,
+                 enabled: bool, environ: Mapping[str, str] | None = None) -> None:
+        self.events = set(notify.get("events") or [])
+        self.base = {"run": run, "attempt": attempt, "job_id": job_id}
+        self.urls = webhook_urls(notify, os.environ if environ is None else environ) if enabled else []
+        self.timeout_s = float(notify.get("timeout_s", 5.0))
+        self.retries = int(notify.get("retries", 2))
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if self.urls:
+            self._thread = threading.Thread(target=self._deliver, name="lmtrain-notify", daemon=True)
+            self._thread.start()
+
+    def send(self, event: str, text: str, **facts: Any) -> None:
+        if self._thread is not None and event in self.events:
+            self._queue.put({"text": f"[{self.base['run']}] {text}", "event": event, **self.base, **facts,
+                             "time": time.time()})
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout=wait_s)
+        if self._thread.is_alive():
+            log.warning("notify: messages still undelivered after %.0f s; giving up on them", wait_s)
+
+    def _deliver(self) -> None:
+        while True:
+            body = self._queue.get()
+            if body is None:
+                return
+            for url in self.urls:
+                error = post(url, body, timeout_s=self.timeout_s, retries=self.retries)
+                if error is not None:
+                    log.warning("notify: %s could not be delivered to a webhook: %s", body["event"], error)
+
+
+def last_lines(paths: Sequence[Path], n: int = 20) -> str:
+    """The last lines of the first log that shows an error (else of the first log)."""
+    texts = []
+    for p in paths:
+        try:
+            texts.append(p.read_text(errors="replace").splitlines())
+        except OSError:
+            continue
+    failing = next((t for t in texts if any("Traceback" in x or "Error" in x for x in t)), texts[0] if texts else [])
+    return "\n".join(failing[-n:])
+
+
+def goodput(ledger: Sequence[Mapping[str, Any]], beats: Sequence[Mapping[str, Any]], now: float) -> float | None:
+    """Training time / allocated time over the run's attempts: each attempt's first to last step
+    line over its start to end line (as `lmlaunch history` without accounting's figures)."""
+    starts = {e["attempt"]: float(e["time"]) for e in ledger if e.get("event") == "start" and e.get("time")}
+    ends = {e["attempt"]: float(e["time"]) for e in ledger if e.get("event") == "end" and e.get("time")}
+    spans: dict[Any, list[float]] = {}
+    for b in beats:
+        if b.get("event") in ("start", "step") and b.get("time"):
+            spans.setdefault(b.get("attempt"), []).append(float(b["time"]))
+    alloc = sum(ends.get(n, now) - t for n, t in starts.items())
+    train = sum(max(ts) - min(ts) for n, ts in spans.items() if n in starts and len(ts) > 1)
+    return min(1.0, train / alloc) if alloc > 0 else None
