@@ -117,3 +117,29 @@ def faults(*rules: dict):
         else:
             os.environ["LMLAUNCH_FAULTS"] = old
 
+
+@contextlib.contextmanager
+def webhook_server():
+    """A local HTTP endpoint the tasks can reach (the nodes are this machine): yields its URL and
+    the JSON bodies it received, in order."""
+    import http.server
+    import threading
+
+    received: list[dict] = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", received
+    finally:
+        server.shutdown()
+

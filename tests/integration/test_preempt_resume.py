@@ -39,7 +39,7 @@ from preempt_helpers import (
     wait_step,
     weights_digest,
 )
-from slurm_helpers import faults, job_name
+from slurm_helpers import faults, job_name, webhook_server
 
 from launcher.core import slurm
 
@@ -83,14 +83,18 @@ def _check_resumed_exactly(run_dir, reference, missing_ok=frozenset()) -> None:
 def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, env, jobs, name):
     """Preemption by a high-priority exclusive job at a random step, the cluster sending the
     warning signal (preempt_send_user_signal) and SIGTERM."""
-    with user_signal_on_preemption(True):
+    with user_signal_on_preemption(True), webhook_server() as (url, messages):
         assert cluster_sends_user_signal()
-        job, run_dir = submit(env, name)
+        job, run_dir = submit(env, name, f"notify.webhooks=[{{url: '{url}'}}]")
         jobs.append(job)
         seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)
         r = preempt(env, name, "requeue", "--start-now")
-    assert r["requeued"], r
-    finish(job, run_dir)
+        assert r["requeued"], r
+        finish(job, run_dir)
+    # the webhook heard the run's story, in order (notify: rank 0, in the background)
+    assert [(m["event"], m["attempt"]) for m in messages] == [
+        ("started", 1), ("preempted", 1), ("requeued", 1), ("started", 2), ("completed", 2)], messages
+    assert messages[4]["end_step"] == MAX_STEPS and messages[4]["goodput"] > 0
 
     first, second = ends(run_dir)[0], starts(run_dir)[1]
     assert first["reason"] == "preempted", first
