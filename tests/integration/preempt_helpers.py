@@ -245,3 +245,18 @@ def assert_trackers_log_each_step_once(run_dir: Path, max_steps: int = MAX_STEPS
         rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
     assert [int(r["step"]) for r in rows] == list(range(max_steps))
 
+
+@contextlib.contextmanager
+def edited_checkout():
+    """Edit the live checkout's loss (x3) for the duration: a task that imported the checkout
+    instead of its run's code snapshot would log other losses than the uninterrupted run."""
+    path = REPO / "src" / "lmtrain" / "module.py"
+    original = path.read_text()
+    edited = original.replace("return self(input_ids, labels=labels).loss", "return self(input_ids, labels=labels).loss * 3.0")
+    assert edited != original, "the line to edit is gone from lmtrain/module.py"
+    path.write_text(edited)
+    try:
+        yield
+    finally:
+        path.write_text(original)
+

@@ -23,6 +23,7 @@ from preempt_helpers import (
     assert_trackers_log_each_step_once,
     assert_weights_identical,
     cluster_sends_user_signal,
+    edited_checkout,
     ends,
     final_weights,
     finish,
@@ -87,10 +88,11 @@ def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, e
         assert cluster_sends_user_signal()
         job, run_dir = submit(env, name, f"notify.webhooks=[{{url: '{url}'}}]")
         jobs.append(job)
-        seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)
-        r = preempt(env, name, "requeue", "--start-now")
-        assert r["requeued"], r
-        finish(job, run_dir)
+        with edited_checkout():  # while queued and in both attempts: they run the submitted code
+            seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)
+            r = preempt(env, name, "requeue", "--start-now")
+            assert r["requeued"], r
+            finish(job, run_dir)
     # the webhook heard the run's story, in order (notify: rank 0, in the background)
     assert [(m["event"], m["attempt"]) for m in messages] == [
         ("started", 1), ("preempted", 1), ("requeued", 1), ("started", 2), ("completed", 2)], messages
