@@ -54,7 +54,7 @@ def add(text: str, base: str = BASE) -> str:
 CASES: list[Case] = [
     # --- unknown keys: key path, line, closest key, valid keys ---
     Case("unknown_key_nested", edit("  nodes: 2", "  nodse: 2"), "{spec}: resources.nodse (line 4): unknown key 'nodse' (did you mean 'nodes'?); valid keys here: nodes, gpus_per_node, tasks_per_node, cpus_per_task, mem, time, partition, partition_kind, account, qos, constraint, exclusive"),
-    Case("unknown_key_top_level", add("optimizer: {lr: 0.001}\n"), "{spec}: optimizer (line 17): unknown key 'optimizer' (did you mean 'optim'?); valid keys here: name, cluster, resources, model, data, trainer, optim, checkpoint, preemption, watchdog, env, logging"),
+    Case("unknown_key_top_level", add("optimizer: {lr: 0.001}\n"), "{spec}: optimizer (line 17): unknown key 'optimizer' (did you mean 'optim'?); valid keys here: name, cluster, resources, model, data, trainer, optim, checkpoint, preemption, watchdog, env, logging, notify"),
     Case("unknown_key_without_close_match", edit("  max_steps: 10", "  max_steps: 10\n  banana: 1"), "{spec}: trainer.banana (line 16): unknown key 'banana'; valid keys here: strategy, zero_stage, offload_optimizer, offload_params, precision, global_batch_size, max_steps, gradient_clip_val, val_check_interval, limit_val_batches, log_every_n_steps, seed"),
     Case("unknown_key_deep", add("logging:\n  wandb:\n    projet: x\n"), "{spec}: 2 problems:\n  - logging.wandb.project (line 18): required key is missing\n  - logging.wandb.projet (line 19): unknown key 'projet' (did you mean 'project'?); valid keys here: project, entity, mode"),
     # --- wrong types ---

@@ -90,6 +90,7 @@ def slurm_directives(script: str) -> list[str]:
 def planned_directives(plan: LaunchPlan) -> list[str]:
     s = plan.slurm
     opts = {
+        "chdir": plan.paths.run_dir,  # the tasks start in the run directory (its code snapshot first)
         "cpus-per-task": str(s.cpus_per_task),
         "error": s.error,
         "job-name": s.job_name,
