@@ -1,9 +1,9 @@
 """`submit --after RUN[:ok|:any]`: start a run only after others (SLURM job dependencies).
 
 ``RUN:ok`` (the default) waits for RUN's job to complete successfully (``afterok``); ``RUN:any``
-for it to end however it ends (``afterany``). An upstream job SLURM already forgot is judged from
-accounting before anything is submitted: completed satisfies both, anything else makes ``:ok``
-impossible, said at once rather than left pending forever.
+for it to end however it ends (``afterany``). An upstream job that already ended (squeue's
+recent memory, else accounting) is judged before anything is submitted: completed satisfies
+both, anything else makes ``:ok`` impossible, said at once rather than left pending forever.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def dependency(after: Sequence[After]) -> tuple[str | None, list[str]]:
     if not after:
         return None, []
     ids = [a.job_id for a in after]
-    live = {j.job_id: j for j in slurm.squeue(ids)}
-    forgotten = [a for a in after if a.job_id not in live]
-    ended = {}
+    known = {j.job_id: j for j in slurm.squeue(ids)}  # ended jobs too, for MinJobAge
+    live = {jid: j for jid, j in known.items() if slurm.is_active(j.state)}
+    ended = {jid: j.state.split()[0] for jid, j in known.items() if jid not in live}
+    forgotten = [a for a in after if a.job_id not in known]
     if forgotten:
         for row in slurm.sacct([a.job_id for a in forgotten], duplicates=False):
             ended[row.job_id] = row.state.split()[0]
