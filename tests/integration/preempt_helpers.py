@@ -231,21 +231,6 @@ def wait_ended(job_id: str, timeout: float = 240.0) -> str:
     return rehearsal.wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, timeout=timeout, poll=1.0)
 
 
-def assert_trackers_log_each_step_once(run_dir: Path, max_steps: int = MAX_STEPS) -> None:
-    """TensorBoard (read with its own reader) and the CSV logger hold one series per metric over
-    all attempts: every step once, in order, none missing."""
-    import csv
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tensorboard" / "version_0"))
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("train/loss")] == list(range(max_steps))
-    with open(run_dir / "csv" / "version_0" / "metrics.csv", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
-    assert [int(r["step"]) for r in rows] == list(range(max_steps))
-
-
 @contextlib.contextmanager
 def edited_checkout():
     """Edit the live checkout's loss (x3) for the duration: a task that imported the checkout

@@ -20,7 +20,6 @@ from preempt_helpers import (
     MAX_STEPS,
     SPEC,
     assert_losses_match,
-    assert_trackers_log_each_step_once,
     assert_weights_identical,
     cluster_sends_user_signal,
     edited_checkout,
@@ -43,6 +42,7 @@ from preempt_helpers import (
 from slurm_helpers import faults, job_name, webhook_server
 
 from launcher.core import slurm
+from tests.trackers import assert_trackers_log_each_step_once
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_storm_of_ten_preemptions_completes_bit_identical(reference, env, jobs, 
 
     reasons = [e["reason"] for e in ends(run_dir)]
     assert reasons == ["preempted"] * 10 + ["completed"], reasons
-    assert_trackers_log_each_step_once(run_dir)  # eleven attempts, one series per metric
+    assert_trackers_log_each_step_once(run_dir, MAX_STEPS)  # eleven attempts, one series per metric
     s, e = starts(run_dir), ends(run_dir)
     for prev, nxt in zip(e, s[1:]):
         assert nxt["start_step"] == prev["end_step"], (prev, nxt)

@@ -24,6 +24,7 @@ from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint import complete_checkpoints
 from lmtrain.env import free_port
 from lmtrain.local import worker_env
+from tests.trackers import assert_trackers_log_each_step_once
 
 HELPER = Path(__file__).with_name("_preempt_worker.py")
 MAX_STEPS = 30
@@ -217,19 +218,5 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
     ]
     assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5, 10, 12]
     assert sorted(x.name for x in ckpt_dir.iterdir()) == ["latest", "step-10", "step-12", "step-5"]  # no debris
-    _assert_trackers_log_each_step_once(Path(plan.paths.run_dir), 12)
-
-
-def _assert_trackers_log_each_step_once(run_dir: Path, max_steps: int) -> None:
-    """Attempt 1 logged steps 6-10 (Lightning's indices 5-9) and died; attempt 2 trained them
-    again from step-5: TensorBoard (read with its own reader) and the CSV hold each index once."""
-    import csv
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tensorboard" / "version_0"))
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("train/loss")] == list(range(max_steps))
-    with open(run_dir / "csv" / "version_0" / "metrics.csv", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
-    assert [int(r["step"]) for r in rows] == list(range(max_steps))
+    # attempt 1 logged steps 6-10 and died; attempt 2 trained them again from step-5: each once
+    assert_trackers_log_each_step_once(Path(plan.paths.run_dir), 12)
