@@ -173,6 +173,26 @@ def test_storm_of_ten_preemptions_completes_bit_identical(reference, env, jobs, 
     _check_resumed_exactly(run_dir, reference)
 
 
+def test_trackers_follow_a_run_through_two_preemptions(reference, env, jobs, name):
+    """TensorBoard, CSV and W&B (offline) across three attempts: one series per metric with every
+    step once, and one W&B run id that every attempt resumes; W&B changes no number."""
+    job, run_dir = submit(env, name, "logging.wandb.project=lmlaunch-tests", "logging.wandb.mode=offline")
+    jobs.append(job)
+    for attempt in (1, 2):
+        wait_attempt_running(run_dir, attempt, job)
+        start = starts(run_dir)[-1]["start_step"]
+        wait_step(run_dir, start + 5, attempt=attempt, job_id=job)
+        r = preempt(env, name, "requeue", "--start-now")
+        assert r["requeued"], (attempt, r)
+    finish(job, run_dir)
+    assert [e["reason"] for e in ends(run_dir)] == ["preempted", "preempted", "completed"]
+    assert_trackers_log_each_step_once(run_dir, MAX_STEPS)
+    run_id = (run_dir / "wandb_id").read_text().strip()
+    offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 3 and all(n.endswith(f"-{run_id}") for n in offline), (run_id, offline)
+    _check_resumed_exactly(run_dir, reference)
+
+
 def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(reference, env, jobs, name, tmp_path):
     """Every task SIGKILLed at points of a checkpoint write (fault injection in the tasks): each
     restart (`lmlaunch submit --resume`) loads the newest COMPLETE checkpoint, whatever `latest`
