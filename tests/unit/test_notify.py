@@ -141,3 +141,31 @@ def test_a_run_stopped_and_resumed_sends_its_story(repo, runs_root, hook):
         ("started", 1), ("preempted", 1), ("started", 2), ("completed", 2)], got
     assert got[1]["end_step"] == 3 and got[2]["start_step"] == 3
     assert got[3]["end_step"] == 6 and got[3]["loss"] > 0 and 0 < got[3]["goodput"] <= 1
+
+
+@pytest.mark.parametrize("reason, requeued, events", [
+    ("crashed", False, ["failed"]),
+    ("crashed", True, ["requeued"]),  # a crash retry: the job runs again
+    ("hang", False, ["hang"]),
+    ("timeout", True, ["preempted", "requeued"]),
+    ("cancelled", False, []),
+])
+def test_how_an_attempt_ended_becomes_messages(tmp_path, reason, requeued, events):
+    """The entry's end messages: a failure carries the failing rank's last log lines."""
+    from types import SimpleNamespace
+
+    from lmtrain.entry import Outcome, _notify_end
+
+    logs = tmp_path / "logs" / "attempt-2"
+    logs.mkdir(parents=True)
+    (logs / "rank-0.log").write_text("step 5\nall fine\n")
+    (logs / "rank-1.log").write_text("step 5\nTraceback (most recent call last):\nValueError: bad batch\n")
+    plan = SimpleNamespace(paths=SimpleNamespace(logs_dir=str(tmp_path / "logs"), heartbeat=str(tmp_path / "hb"),
+                                                 ledger=str(tmp_path / "ledger")))
+    sent: list[tuple[str, str, dict]] = []
+    notifier = SimpleNamespace(send=lambda event, text, **facts: sent.append((event, text, facts)))
+    _notify_end(notifier, plan, Outcome(reason=reason, end_step=5, detail="ValueError: bad batch", requeued=requeued),
+                attempt=2)
+    assert [e for e, _, _ in sent] == events
+    if events == ["failed"]:
+        assert sent[0][2]["log_tail"].endswith("ValueError: bad batch") and "crashed" in sent[0][1]
