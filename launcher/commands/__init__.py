@@ -30,3 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "completion": ("completion", "print a shell completion script (bash, zsh)"),
     "_runs": ("runs_list", argparse.SUPPRESS),  # run names for shell completion (hidden)
 }
+
+
+def add_spec_arguments(p: argparse.ArgumentParser, example: str = "resources.nodes=4") -> None:
+    """SPEC [overrides...] [--cluster NAME]: how every command that plans a job spec takes it."""
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
+    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")

@@ -6,15 +6,14 @@ import argparse
 import json
 
 from launcher import doctor
+from launcher.commands import add_spec_arguments
 from launcher.context import Context
 from launcher.core.errors import ExitCode
 from launcher.resolve import resolve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="job spec YAML")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. checkpoint.dir=/scratch/ckpt")
-    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    add_spec_arguments(p, "checkpoint.dir=/scratch/ckpt")
     p.add_argument("--json", action="store_true", help="every check with its figures, as JSON")
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from launcher.commands import add_spec_arguments
 from launcher.context import Context
 from launcher.core.errors import ExitCode, UserError
 from launcher.resolve import resolve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="job spec YAML")
-    p.add_argument("overrides", nargs="*", help="dotted overrides")
-    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    add_spec_arguments(p, "notify.retries=0")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

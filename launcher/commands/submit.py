@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from launcher import dependencies
+from launcher.commands import add_spec_arguments
 from launcher.context import Context
 from launcher.core.text_rules import brief, escape_controls
 from launcher.resolve import resolve
@@ -19,9 +20,7 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="job spec YAML")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.zero_stage=3")
-    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    add_spec_arguments(p, "trainer.zero_stage=3")
     p.add_argument("--dry-run", action="store_true", help="print the plan; call no SLURM command")
     p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     g = p.add_mutually_exclusive_group()

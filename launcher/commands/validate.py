@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from launcher.commands import add_spec_arguments
 from launcher.context import Context
 from launcher.resolve import resolve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="job spec YAML")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. resources.nodes=4")
-    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    add_spec_arguments(p, "resources.nodes=4")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

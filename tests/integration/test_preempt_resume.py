@@ -153,15 +153,20 @@ def test_node_failure_requeues_and_resumes_from_last_checkpoint(reference, env, 
     _check_resumed_exactly(run_dir, reference)
 
 
+def _preempt_each_attempt(env, name: str, job: str, run_dir, *, times: int, after_steps: int) -> None:
+    """Preempt attempts 1..times, each once it trained ``after_steps`` steps past its start."""
+    for attempt in range(1, times + 1):
+        wait_attempt_running(run_dir, attempt, job)
+        start = starts(run_dir)[-1]["start_step"]
+        wait_step(run_dir, start + after_steps, attempt=attempt, job_id=job)
+        r = preempt(env, name, "requeue", "--start-now")
+        assert r["requeued"], (attempt, r)
+
+
 def test_storm_of_ten_preemptions_completes_bit_identical(reference, env, jobs, name):
     job, run_dir = submit(env, name)
     jobs.append(job)
-    for attempt in range(1, 11):
-        wait_attempt_running(run_dir, attempt, job)
-        start = starts(run_dir)[-1]["start_step"]
-        wait_step(run_dir, start + 1, attempt=attempt, job_id=job)
-        r = preempt(env, name, "requeue", "--start-now")
-        assert r["requeued"], (attempt, r)
+    _preempt_each_attempt(env, name, job, run_dir, times=10, after_steps=1)
     finish(job, run_dir)
 
     reasons = [e["reason"] for e in ends(run_dir)]
@@ -178,12 +183,7 @@ def test_trackers_follow_a_run_through_two_preemptions(reference, env, jobs, nam
     step once, and one W&B run id that every attempt resumes; W&B changes no number."""
     job, run_dir = submit(env, name, "logging.wandb.project=lmlaunch-tests", "logging.wandb.mode=offline")
     jobs.append(job)
-    for attempt in (1, 2):
-        wait_attempt_running(run_dir, attempt, job)
-        start = starts(run_dir)[-1]["start_step"]
-        wait_step(run_dir, start + 5, attempt=attempt, job_id=job)
-        r = preempt(env, name, "requeue", "--start-now")
-        assert r["requeued"], (attempt, r)
+    _preempt_each_attempt(env, name, job, run_dir, times=2, after_steps=5)
     finish(job, run_dir)
     assert [e["reason"] for e in ends(run_dir)] == ["preempted", "preempted", "completed"]
     assert_trackers_log_each_step_once(run_dir, MAX_STEPS)
