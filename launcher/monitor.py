@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from launcher import status_cache
-from launcher.core import slurm
+from launcher.core import rundir, slurm
 from launcher.run_files import RunFiles
 from launcher.slurm_view import UNREACHABLE, SlurmJob, SlurmView, format_duration, query_slurm
 
@@ -237,6 +237,10 @@ class HistoryRow:
     queue_wait_s: float | None  # SLURM Submit -> Start of this attempt
     train_s: float | None  # time spent in training steps (heartbeat: first to last step line)
     alloc_s: float | None  # allocated time of the attempt (ledger start -> end, or sacct elapsed)
+    # seconds per startup phase (rundir.STARTUP_PHASES; "launch": allocation start -> process start)
+    startup: dict[str, float] | None = None
+    startup_total_s: float | None = None  # allocation (or process) start -> first step done
+    checkpoint_bytes: int | None = None  # the checkpoint the attempt resumed from
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -281,6 +285,7 @@ def build_history(
         if line.get("event") == "end" and line.get("attempt") is not None:
             ends[int(line["attempt"])] = line
     cancel = next((float(x["time"]) for x in ledger if x.get("event") == "cancel_requested" and x.get("time")), None)
+    startups = {int(x["attempt"]): x for x in ledger if x.get("event") == "startup" and isinstance(x.get("attempt"), int)}
 
     # training time per attempt: from each attempt's first to last step line in the heartbeat
     spans: dict[int, list[float]] = {}
@@ -298,8 +303,10 @@ def build_history(
         per_job_index[jid or ""] = k + 1
         q = None
         alloc_sacct = None
+        alloc_start = None
         if sacct_attempts and jid is not None and jid in sacct_attempts and k < len(sacct_attempts[jid]):
             sub, st, en = sacct_attempts[jid][k]
+            alloc_start = st
             if sub is not None and st is not None:
                 q = max(0.0, st - sub)
             if st is not None and en is not None:
@@ -319,13 +326,18 @@ def build_history(
         train = None
         if spans.get(n) and len(spans[n]) >= 2:
             train = max(spans[n]) - min(spans[n])
-        rows.append(HistoryRow(
+        row = HistoryRow(
             attempt=n, job_id=jid, nodes=list(s.get("nodes") or []), start_time=t0, end_time=t1,
             start_step=_int(s.get("start_step")), end_step=_int(e.get("end_step")) if e else None,
             reason=reason, detail=str(e.get("detail") or "") if e else "",
             requeued=bool(e.get("requeued")) if e else False, steps_lost=None, queue_wait_s=q,
             train_s=train, alloc_s=alloc,
-        ))
+        )
+        rows.append(row)
+        if n in startups:
+            row.startup = startup_breakdown(startups[n], alloc_start)
+            row.startup_total_s = round(sum(row.startup.values()), 3) if "first_step" in startups[n].get("phases", {}) else None
+            row.checkpoint_bytes = _int(startups[n].get("checkpoint_bytes"))
     # steps lost: what the next attempt had to redo
     for row, nxt in zip(rows, rows[1:]):
         end = row.end_step
@@ -349,6 +361,24 @@ def build_history(
         cancel_requested=cancel,
         notes=notes,
     )
+
+
+def startup_breakdown(record: Mapping[str, Any], alloc_start: float | None = None) -> dict[str, float]:
+    """Pure: a ledger ``startup`` record -> seconds spent in each phase it reached, in order;
+    with the allocation's start (sacct, whole seconds) first the ``launch`` phase up to the
+    process start (the batch script, srun, the interpreter being exec'd)."""
+    out: dict[str, float] = {}
+    phases = record.get("phases") or {}
+    start = record.get("process_start")
+    if alloc_start is not None and isinstance(start, (int, float)):
+        out["launch"] = round(max(0.0, float(start) - alloc_start), 3)
+    previous = 0.0
+    for name in rundir.STARTUP_PHASES:
+        end = phases.get(name)
+        if isinstance(end, (int, float)):
+            out[name] = round(max(0.0, float(end) - previous), 3)
+            previous = float(end)
+    return out
 
 
 def _heartbeat_fresh(times: list[float] | None, now: float, within_s: float = 600.0) -> bool:

@@ -216,6 +216,43 @@ def _clock(t: float | None) -> str:
     return "-" if t is None else time.strftime("%m-%d %H:%M:%S", time.localtime(t))
 
 
+STARTUP_COLUMNS = (("launch", "LAUNCH"), ("entry", "ENTRY"), ("imports", "IMPORTS"), ("gate", "GATE"),
+                   ("rendezvous", "RDZV"), ("data", "DATA"), ("model", "MODEL"), ("restore", "RESTORE"),
+                   ("first_step", "1ST STEP"))
+
+
+def startup_view(h: History) -> Group:
+    """``history --timing``: seconds from each attempt's allocation to its first step, by phase."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    table.add_column("ATT", justify="right")
+    for _, title in STARTUP_COLUMNS:
+        table.add_column(title, justify="right")
+    table.add_column("TOTAL", justify="right", style="bold")
+    table.add_column("CHECKPOINT", justify="right")
+    for a in h.attempts:
+        phases = a.startup or {}
+        cells = ["-" if key not in phases else f"{phases[key]:.2f}" for key, _ in STARTUP_COLUMNS]
+        total = "-" if a.startup_total_s is None else f"{a.startup_total_s:.2f}"
+        if a.startup and a.startup_total_s is None:
+            total = "no step"
+        size = "-" if a.checkpoint_bytes is None else f"{a.checkpoint_bytes / 1e6:.1f} MB"
+        table.add_row(str(a.attempt), *cells, total, size)
+    legend = Text(
+        "seconds per phase: LAUNCH allocation start (sacct, whole seconds) -> process start; ENTRY interpreter "
+        "and task unpickling; IMPORTS torch, lightning, transformers; GATE ledger, start gate, checkpoint choice; "
+        "RDZV rendezvous; DATA token files and sampler; MODEL module and Trainer built; RESTORE fit setup, "
+        "process group, checkpoint read and loaded; 1ST STEP the first optimizer step", style="dim")
+    parts: list = [Text(f"{h.name}: startup of {len(h.attempts)} attempt(s)", style="bold"), table, legend]
+    if not any(a.startup for a in h.attempts):
+        parts.append(Text("no attempt has a startup record (attempts that began before lmlaunch recorded one, "
+                          "or that have not reached their first step yet)", style="yellow"))
+    return Group(*parts)
+
+
 def history_view(h: History) -> Group:
     from rich.console import Group
     from rich.table import Table

@@ -171,10 +171,13 @@ def _save_index(path: Path, entries: dict[str, list[Any]]) -> None:
 
 
 def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
-    """A run by name, or by any of its job ids. A reference that is not a valid run name (a path,
-    a line break, 5000 characters) names no registry file: it is only compared with job ids."""
+    """A run by name, by any of its job ids, or by its run directory (a path with a ``/``: local
+    runs are not in the registry). A reference that is not a valid run name names no registry
+    file."""
     rec = load_record(ref, environ) if RUN_NAME.ok(ref) else None
     if rec is not None:
+        return rec
+    if "/" in ref and (rec := record_of_run_dir(Path(ref))) is not None:
         return rec
     records = list_records(environ)
     for r in records:
@@ -183,9 +186,21 @@ def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
 
     names = [r.name for r in records]
     raise UserError(
-        f"no run named or with job id {brief(ref)} in the registry ({registry_dir(environ)})"
+        f"no run named or with job id {brief(ref)} in the registry ({registry_dir(environ)}), "
+        f"nor a run directory with a plan.json"
         f"{did_you_mean(ref[:100], names)}; known runs: {', '.join(names) or 'none'}"
     )
+
+
+def record_of_run_dir(run_dir: Path) -> RunRecord | None:
+    """A run given by its directory (a local run, which SLURM and the registry never saw): its
+    plan names it; None when the directory holds no readable plan."""
+    try:
+        plan = json.loads((run_dir / "plan.json").read_text())
+        name, profile = str(plan["run_name"]), str(plan.get("profile") or "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return RunRecord(name=name, profile=profile, run_dir=str(run_dir.resolve()), spec_path=None)
 
 
 # --------------------------------------------------------------------------- run directory

@@ -1,4 +1,5 @@
-"""lmlaunch history RUN [--json]: the attempts ledger with goodput, steps lost and queue wait."""
+"""lmlaunch history RUN [--json] [--timing]: the attempts ledger with goodput, steps lost and queue
+wait; with --timing where each attempt spent its startup."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from pathlib import Path
 from launcher import monitor, runs, slurm_view
 from launcher.context import Context
 from launcher.core import rundir
-from launcher.monitor_view import history_view, make_console
+from launcher.monitor_view import history_view, make_console, startup_view
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="a run name or one of its job ids")
+    p.add_argument("run", help="a run name, one of its job ids, or a run directory (local runs)")
     p.add_argument("--json", action="store_true", help="the attempts as JSON")
+    p.add_argument("--timing", action="store_true",
+                   help="where each attempt spent the time from its allocation to its first step")
 
 
 def load_history(rec):
@@ -36,5 +39,5 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(json.dumps(h.to_dict(), indent=2))
         return 0
 
-    make_console(ctx).print(history_view(h))
+    make_console(ctx).print(startup_view(h) if args.timing else history_view(h))
     return 0

@@ -16,7 +16,7 @@ from launcher.core.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="a run name or one of its job ids")
+    p.add_argument("run", help="a run name, one of its job ids, or a run directory (local runs)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output and new attempts until the run ends")
     p.add_argument("--rank", type=int, default=0, help="global rank whose log to show (default 0)")
     p.add_argument("--attempt", type=int, default=None, help="only this attempt (1-based)")

@@ -15,7 +15,7 @@ from launcher.report import build_report, draw_png
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="a run name or one of its job ids")
+    p.add_argument("run", help="a run name, one of its job ids, or a run directory (local runs)")
     p.add_argument("-o", "--output", help="PNG to write (default: <run dir>/report.png)")
     p.add_argument("--json", action="store_true", help="the summary as JSON (the PNG is still written)")
 

@@ -153,6 +153,24 @@ class AttemptEnd:
         return {**d, **self.extra}
 
 
+STARTUP_PHASES = ("entry", "imports", "gate", "rendezvous", "data", "model", "restore", "first_step")
+
+
+@dataclass(frozen=True)
+class AttemptStartup:
+    """Rank 0, once per attempt (at its first step, or at its end when it never got there): the
+    seconds from the task process's start to the end of each startup phase (lmtrain.startup)."""
+
+    attempt: int
+    job_id: str | None
+    process_start: float  # epoch seconds
+    phases: Mapping[str, float]  # phase -> seconds after process_start, in STARTUP_PHASES order
+    checkpoint_bytes: int | None = None  # what the attempt resumed from (None: started fresh)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": "startup", **asdict(self), "phases": dict(self.phases)}
+
+
 @dataclass(frozen=True)
 class LedgerNote:
     """Any other ledger line: ``cancel_requested`` (the CLI), ``requeue_failed``/``cancel_failed``."""
@@ -188,7 +206,7 @@ class Ledger:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
-    def write(self, record: AttemptStart | AttemptEnd | LedgerNote) -> None:
+    def write(self, record: AttemptStart | AttemptEnd | AttemptStartup | LedgerNote) -> None:
         append_jsonl(self.path, record.to_json())
 
     def write_end_once(self, end: AttemptEnd) -> bool:
@@ -279,9 +297,9 @@ def checkpoint_dir_of(run_dir: str | Path) -> Path:
 
 
 __all__ = [
-    "CANCELLED", "CHECKPOINTS", "CODE_DIR", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN",
+    "CANCELLED", "CHECKPOINTS", "CODE_DIR", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN", "STARTUP_PHASES",
     "AttemptEnd",
-    "AttemptStart", "Heartbeat", "Ledger",
+    "AttemptStart", "AttemptStartup", "Heartbeat", "Ledger",
     "LedgerAttempt", "LedgerNote", "append_jsonl", "attempt_logs_dir", "attempts_of", "environment_records",
     "next_attempt_of", "checkpoint_dir_of", "is_cancelled",
     "parse_jsonl", "read_done_step", "read_jsonl", "read_tail",

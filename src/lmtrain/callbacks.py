@@ -21,9 +21,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from launcher.core.rundir import Heartbeat
+from launcher.core.rundir import Heartbeat, Ledger
 from lmtrain import faults
 from lmtrain.checkpoint import CheckpointManager, capture_rng, restore_rng
+from lmtrain.startup import CLOCK
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,34 @@ class CheckpointCallback(pl.Callback):
         self.heartbeat.emit("checkpoint", step=step, path=str(path), seconds=round(seconds, 3))
         log.info("checkpoint step-%d complete in %.2fs: %s", step, seconds, path)
         return str(path)
+
+
+class StartupRecord(pl.Callback):
+    """Marks the ``restore`` and ``first_step`` phases of this attempt's startup
+    (lmtrain.startup) and, on rank 0, writes them into the ledger at the first step."""
+
+    def __init__(self, ledger: Ledger, *, attempt: int, job_id: str | None, rank: int, start_step: int,
+                 checkpoint_bytes: int | None) -> None:
+        self.ledger, self.attempt, self.job_id, self.rank = ledger, attempt, job_id, rank
+        self.start_step, self.checkpoint_bytes = start_step, checkpoint_bytes
+        self.written = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        CLOCK.mark("restore")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.written and trainer.global_step > self.start_step:  # an optimizer step, not a micro-batch
+            CLOCK.mark("first_step")
+            if self.rank == 0:
+                self.write()
+
+    def write(self) -> None:
+        """Rank 0: the ledger's ``startup`` line (once; also when the attempt ends before its first step)."""
+        self.written = True
+        try:
+            self.ledger.write(CLOCK.record(self.attempt, self.job_id, self.checkpoint_bytes))
+        except OSError as exc:  # a timing record never costs the run
+            log.warning("could not write the startup timing of attempt %d: %s", self.attempt, exc)
 
 
 class RealignAccumulation(pl.Callback):

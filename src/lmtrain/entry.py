@@ -88,6 +88,11 @@ def run_slurm_task(run_dir: str) -> int:
 
 
 def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
+    from lmtrain.startup import CLOCK
+
+    CLOCK.mark("entry")
+    _import_frameworks()
+    CLOCK.mark("imports")
     from launcher.core.plan import LaunchPlan
     from launcher.core.rundir import PLAN, Ledger, attempts_of, next_attempt_of
     from lmtrain import preemption
@@ -116,7 +121,9 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
         resume = _newest_checkpoint_name(plan) if env.rank == 0 else None
         if resume is not None:
             _convert_for_world_size(plan, env, resume)  # ZeRO on another world size: universal form
+        CLOCK.mark("gate")
         rv = rendezvous(env, run_dir, attempt=attempt, resume=resume)
+        CLOCK.mark("rendezvous")
         gate = gate or preemption.read_gate(run_dir, env)
     except BaseException:
         signals.restore()  # this attempt never reaches training: give the handlers back
@@ -133,6 +140,13 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
         if gate.exit:
             return preemption.finish_without_training(plan, env, rv.attempt, gate)
         return _train(plan, env, rv.attempt, run_dir, hooks or Hooks(), resume=rv.resume)
+
+
+def _import_frameworks() -> None:
+    """What every attempt imports before it can train (its own startup phase in the ledger)."""
+    import lightning.pytorch  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
 
 
 def _newest_checkpoint_name(plan) -> str | None:
@@ -214,10 +228,11 @@ def _rank_log(path: Path, rank: int):
 
 def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | None = _LIST_LOCALLY) -> int:
     from launcher.core.rundir import DONE, AttemptEnd, AttemptStart, Ledger
-    from lmtrain.callbacks import RunInfo, StopRequest, heartbeat_of
+    from lmtrain.callbacks import RunInfo, StartupRecord, StopRequest, heartbeat_of
     from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, check_compatible, newest_complete
     from lmtrain.notify import Notifier
     from lmtrain.preemption import Preemption
+    from lmtrain.startup import directory_bytes
 
     t, paths = plan.trainer, plan.paths
     max_steps = t.max_steps
@@ -282,6 +297,8 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
                             "was PYTHONPATH changed?", code["lmtrain"], run_dir)
         except OSError as exc:
             log.warning("could not record the environment of attempt %d: %s", attempt, exc)
+    startup = StartupRecord(ledger, attempt=attempt, job_id=env.job_id, rank=env.rank, start_step=start_step,
+                            checkpoint_bytes=directory_bytes(ckpt.path) if ckpt is not None and is_zero else None)
     heartbeat.emit("start", step=start_step, max_steps=max_steps,
                    resumed_from=str(ckpt.path) if ckpt is not None else None)
     notifier = Notifier(plan.spec.get("notify") or {}, run=plan.run_name, attempt=attempt, job_id=env.job_id,
@@ -295,7 +312,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
             log.info("checkpoint step-%d is already at max_steps(%d): nothing to train", start_step, max_steps)
             outcome = Outcome(reason="completed", end_step=start_step, detail="already at max_steps")
         else:
-            outcome = _fit(plan, env, ctx, hooks, heartbeat, ckpt, rank_state)
+            outcome = _fit(plan, env, ctx, hooks, heartbeat, ckpt, rank_state, startup)
     except BaseException as exc:
         from lmtrain.watchdog import hang_reason
 
@@ -327,6 +344,8 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
                 _notify_end(notifier, plan, outcome, attempt)
             except Exception as exc:  # a message must never cost the requeue below
                 log.warning("notify: could not compose the end message: %s", exc)
+        if is_zero and not startup.written:  # ended before its first step: the phases it reached
+            startup.write()
         ctx.preemption.after_end(ctx, outcome)  # scontrol requeue comes LAST
         notifier.close()  # delivered in the background meanwhile; a bounded wait
     return outcome.exit_code
@@ -389,7 +408,7 @@ def _watchdog_callbacks(plan, env, ctx: RunContext, heartbeat) -> list[Any]:
     )]
 
 
-def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) -> Outcome:
+def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state, startup) -> Outcome:
     import lightning.pytorch as pl
 
     from lmtrain.callbacks import (
@@ -405,6 +424,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     from lmtrain.elastic import needs_universal, universal_dir
     from lmtrain.model import build_config
     from lmtrain.module import LMModule, OptimSettings, RuntimeSettings
+    from lmtrain.startup import CLOCK
     from lmtrain.strategies import build_strategy
 
     spec, t, training, paths = plan.spec, plan.trainer, plan.training, plan.paths
@@ -441,6 +461,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
             realign = RealignAccumulation(old_accum, t.accumulate_grad_batches)
 
     universal = ckpt is not None and needs_universal(ckpt, strategy=training.strategy, world_size=env.world_size)
+    CLOCK.mark("data")
 
     # --- model ----------------------------------------------------------------------------
     pl.seed_everything(seed, workers=True, verbose=False)
@@ -471,7 +492,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
     metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=job.logging.heartbeat_every_n_steps)
     module.metrics_sink = metrics_cb.step_metrics
     stop_cb = ctx.preemption.callback(ckpt_cb)
-    callbacks = [ckpt_cb, stop_cb, RngNeutralValidation(), metrics_cb, *([realign] if realign else [])]
+    callbacks = [startup, ckpt_cb, stop_cb, RngNeutralValidation(), metrics_cb, *([realign] if realign else [])]
     if hooks.setup is not None:
         callbacks += list(hooks.setup(ctx) or [])
     callbacks += hooks.callbacks
@@ -491,6 +512,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state) 
         callbacks=callbacks,
     )
     ctx.trainer = trainer
+    CLOCK.mark("model")
     fit_kwargs: dict[str, Any] = {}
     if ckpt is not None:
         path = universal_dir(ckpt) if universal else ckpt.lightning_path

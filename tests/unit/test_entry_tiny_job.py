@@ -15,6 +15,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
+from launcher.core.rundir import STARTUP_PHASES
 
 THRESHOLD = 3.3
 STEPS = 60
@@ -38,7 +39,12 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert vals and vals[-1]["step"] == STEPS and vals[-1]["val_loss"] < THRESHOLD, vals
     assert all(d["tokens_per_s"] is None or d["tokens_per_s"] > 0 for d in steps)
     ledger = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in ledger] == ["start", "end"] and ledger[-1]["reason"] == "completed"
+    assert [e["event"] for e in ledger] == ["start", "startup", "end"] and ledger[-1]["reason"] == "completed"
+    startup = ledger[1]  # where the attempt spent its time before the first step (history --timing)
+    assert list(startup["phases"]) == list(STARTUP_PHASES) and startup["checkpoint_bytes"] is None
+    ends = list(startup["phases"].values())
+    assert ends == sorted(ends) and 0 < ends[-1] < 600, startup
+    assert abs(startup["process_start"] + ends[-1] - steps[0]["time"]) < 5, (startup, steps[0])
     assert (run_dir / "DONE").exists()
     assert (run_dir / "logs" / "attempt-1" / "rank-0.log").stat().st_size > 0
     assert (run_dir / "logs" / "attempt-1" / "rank-1.log").stat().st_size > 0

@@ -67,7 +67,8 @@ def test_a_finished_local_run_resumed_with_a_larger_max_steps_trains_on(repo, ru
                     Context(stdout=out, stderr=out, environ={"LMLAUNCH_RUNS_ROOT": str(runs_root)}))
         return code, out.getvalue()
 
-    assert run("--max-steps", "4")[0] == 0
+    code, text = run("--max-steps", "4")
+    assert code == 0, text[-3000:]
     code, text = run("--max-steps", "4", "--resume")
     assert code == 2 and "already finished at step 4 and trainer.max_steps is 4: nothing to train" in text
     code, text = run("--max-steps", "8", "--resume")
@@ -76,7 +77,10 @@ def test_a_finished_local_run_resumed_with_a_larger_max_steps_trains_on(repo, ru
     run_dir = runs_root / "cont"
     ledger = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [(e["event"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger] == [
-        ("start", 0, None, None), ("end", None, 4, "completed"), ("start", 4, None, None), ("end", None, 8, "completed")]
+        ("start", 0, None, None), ("startup", None, None, None), ("end", None, 4, "completed"),
+        ("start", 4, None, None), ("startup", None, None, None), ("end", None, 8, "completed")]
+    startups = [e for e in ledger if e["event"] == "startup"]
+    assert startups[0]["checkpoint_bytes"] is None and startups[1]["checkpoint_bytes"] > 0  # resumed from step-4
     assert (run_dir / "DONE").read_text().strip() == "8"
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics" / "heartbeat.jsonl").read_text().splitlines()
              if json.loads(x)["event"] == "step"]

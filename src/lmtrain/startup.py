@@ -1,0 +1,81 @@
+"""Where a (re)started attempt spends the time before its first training step.
+
+Every task process marks the end of each startup phase on one clock (:data:`CLOCK`); rank 0
+writes them into the ledger as one ``startup`` record (:class:`launcher.core.rundir.AttemptStartup`)
+once the first step is done, or when the attempt ends before it. ``lmlaunch history --timing``
+shows the record per attempt. The phases, in the order a task goes through them
+(:data:`launcher.core.rundir.STARTUP_PHASES`):
+
+- ``entry``: the Python process started (the kernel's start time of the process) -> lmtrain's
+  entry runs (interpreter start, submitit unpickling the task);
+- ``imports``: torch, lightning and transformers imported;
+- ``gate``: rank 0 read the ledger, judged the start gate and picked the checkpoint;
+- ``rendezvous``: every rank knows the attempt, the master port and the checkpoint;
+- ``data``: the token files opened and the sampler placed;
+- ``model``: the LightningModule (and the transformers model) built, the Trainer made;
+- ``restore``: ``fit`` started: process group, strategy setup, checkpoint read and loaded;
+- ``first_step``: the first optimizer step of this attempt done.
+
+No torch import here: the entry imports this module before anything heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from launcher.core.rundir import STARTUP_PHASES, AttemptStartup
+
+
+def process_start_time(pid: int | str = "self") -> float | None:
+    """The start time of process ``pid`` (epoch seconds, 10 ms resolution), or None where /proc
+    does not say (not Linux). Measured as its age (now - the kernel's start tick, both on the
+    boot clock): /proc/stat's btime is whole seconds and would put it up to 1 s off."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        now = time.time()
+        # field 22 (starttime, clock ticks after boot); the command name (field 2) may hold spaces
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        return now - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartupClock:
+    """The end time of each startup phase of this process (the first mark of a phase counts)."""
+
+    def __init__(self, process_start: float | None = None) -> None:
+        self.process_start = process_start if process_start is not None else (process_start_time() or time.time())
+        self.ends: dict[str, float] = {}
+        self.written = False
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        if phase not in STARTUP_PHASES:
+            raise ValueError(f"unknown startup phase {phase!r}; phases: {', '.join(STARTUP_PHASES)}")
+        self.ends.setdefault(phase, time.time() if at is None else at)
+
+    def record(self, attempt: int, job_id: str | None, checkpoint_bytes: int | None) -> AttemptStartup:
+        return AttemptStartup(
+            attempt=attempt, job_id=job_id, process_start=round(self.process_start, 3),
+            phases={p: round(self.ends[p] - self.process_start, 3) for p in STARTUP_PHASES if p in self.ends},
+            checkpoint_bytes=checkpoint_bytes,
+        )
+
+
+CLOCK = StartupClock()
+
+
+def directory_bytes(path: str | Path | None) -> int | None:
+    """The bytes of the files under ``path`` (a checkpoint directory), None without one."""
+    if path is None:
+        return None
+    total = 0
+    for p in Path(path).rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            continue
+    return total
