@@ -7,7 +7,8 @@ layer, 64 wide, T=32, B=4), so what the framework adds per step is what is measu
 - (a) the hand-written loop of bench/handwritten_loop.py (AdamW foreach, the project's LR
   schedule and clipping);
 - (b) a bare Lightning Trainer: a minimal LightningModule around the same model and optimizer,
-  no logger, no checkpointing, no progress bar, no callbacks;
+  the same strategy (DDPStrategy on gloo, 1 process), no logger, no checkpointing, no progress
+  bar, no callbacks;
 - (c) the project's path: ``lmtrain.entry.run_task`` on a run directory planned by
   ``launcher.commands.run.prepare_local_run`` (LMModule, logging every ``log_every_n_steps``,
   heartbeat, TensorBoard and CSV loggers, stop agreement, checkpoint callback, hang watchdog).
@@ -96,14 +97,17 @@ def lightning_side(plan, warmup: int, steps: int) -> dict:
     loader, _val, _sampler = make_dataloaders(SimpleNamespace(**spec["data"]), world_size=1, rank=0,
                                               seed=plan.training.seed)
     probe = _probe_class()(warmup, warmup + steps)
+    from lightning.pytorch.strategies import DDPStrategy
+
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, precision="32-true", max_steps=warmup + steps, logger=False,
+        strategy=DDPStrategy(process_group_backend="gloo"),  # what the project's plan runs on 1 rank too
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=plan.training.gradient_clip_val, callbacks=[probe], num_sanity_val_steps=0,
-        limit_val_batches=0,
+        limit_val_batches=0, use_distributed_sampler=False,  # the loader's sampler shards already (as the project's)
     )
     trainer.fit(Bare(), train_dataloaders=loader)
-    return {"name": "bare Lightning Trainer", "seconds": probe.t1 - probe.t0}
+    return {"name": "bare Lightning Trainer (DDPStrategy, 1 process)", "seconds": probe.t1 - probe.t0}
 
 
 def stop_agreement_ms(calls: int) -> float:

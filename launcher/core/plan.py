@@ -86,6 +86,7 @@ class PreemptionPlan:
     no_progress_attempts: int
     cluster_sends_user_signal: bool  # SlurmctldParameters=preempt_send_user_signal
     grace_seconds: int | None  # the partition's GraceTime, when the profile knows it
+    agree_every_n_steps: int = 1  # stop agreement every K step boundaries (plans before it: 1)
 
 
 @dataclass(frozen=True)

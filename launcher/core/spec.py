@@ -307,6 +307,11 @@ class CheckpointSpec(StrictModel):
     """Periodic checkpoint, the fallback when no warning signal comes."""
     keep_last: int = Field(3, ge=1, le=10_000)
     """Complete checkpoints to keep."""
+    async_save: bool = True
+    """Periodic checkpoints in the background (DDP): training waits only while the state is copied
+    into host memory (one more copy of model and optimizer state in rank 0's RAM); the write and
+    COMPLETE follow on a thread, at most one in flight. Checkpoints at a stop and at the end are
+    always synchronous. DeepSpeed and FSDP save synchronously, every rank its shard in parallel."""
 
 
 class PreemptionSpec(StrictModel):
@@ -324,6 +329,10 @@ class PreemptionSpec(StrictModel):
     """Requeues after a crash (non-zero exit with no signal)."""
     no_progress_attempts: int = Field(3, ge=1, le=100_000)
     """Stop when the global step did not advance over this many attempts."""
+    agree_every_n_steps: int = Field(1, ge=1, le=10_000)
+    """How often the ranks agree whether to stop (one all-reduce of 4 numbers on a CPU process
+    group): every step stops at the first step boundary after the signal; K stops up to K-1 steps
+    later (those steps must fit in the warning time / GraceTime) for 1/K of the per-step cost."""
 
 
 class WatchdogSpec(StrictModel):

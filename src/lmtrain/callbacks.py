@@ -23,7 +23,8 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from launcher.core.rundir import Heartbeat, Ledger
 from lmtrain import faults
-from lmtrain.checkpoint import CheckpointManager, capture_rng, restore_rng
+from lmtrain.checkpoint import CheckpointManager
+from lmtrain.rng_state import capture_rng, restore_rng
 from lmtrain.startup import CLOCK
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class StopRequest:
 
     A signal handler (lmtrain.preemption) only calls :meth:`request`: it sets fields, no I/O.
     ``armed`` turns on the per-step cross-rank agreement in :class:`lmtrain.preemption.StopAgreement`
-    (one small all-reduce per ``check_every_n_steps``); without a handler it stays off and
+    (one small all-reduce every ``check_every_n_steps``, the spec's
+    ``preemption.agree_every_n_steps``); without a handler it stays off and
     costs nothing.
     """
 
@@ -92,14 +94,17 @@ class CheckpointCallback(pl.Callback):
         resume_rng: dict[str, Any] | None = None,
         resumed_step: int | None = None,
         save_at_end: bool = True,
+        background: bool = False,
     ) -> None:
         self.manager = manager
         self.rank_state = rank_state
         self.heartbeat = heartbeat
         self._pending_rng = resume_rng
         self.last_saved_step = resumed_step
+        self.last_saved_path: str | None = None
         self._seen_step: int | None = None
         self.save_at_end = save_at_end
+        self.background = background  # periodic saves in the background (checkpoint.async_save)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
@@ -116,22 +121,39 @@ class CheckpointCallback(pl.Callback):
             return  # mid-accumulation: not a step boundary
         self._seen_step = step
         if step % self.manager.every_n_steps == 0 and step < trainer.max_steps:
-            self.save(trainer, step)
+            self.save(trainer, step, background=self.background)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_at_end:
             self.save(trainer, trainer.global_step)
+        self.manager.wait()
 
-    def save(self, trainer: pl.Trainer, step: int) -> str | None:
-        """Collective: every rank must call it at the same step."""
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        # also after an exception: a background save that is under way still completes
+        try:
+            self.manager.wait()
+        except Exception as exc:
+            log.error("%s", exc)
+
+    def save(self, trainer: pl.Trainer, step: int, *, background: bool = False) -> str | None:
+        """Collective: every rank must call it at the same step. Synchronous saves (a stop, the
+        end of training) are complete on return, a save of this step still in flight included."""
         if step == self.last_saved_step:
-            return None
+            self.manager.wait()  # e.g. a stop at the step of a periodic background save
+            return self.last_saved_path
         state = {"rng": capture_rng(), **self.rank_state()}
-        path, seconds = self.manager.save(trainer, step=step, rank_state=state)
-        self.last_saved_step = step
+        path, blocked = self.manager.save(trainer, step=step, rank_state=state, background=background,
+                                          on_complete=self._complete)
+        if background and self.manager.can_save_in_background and trainer.global_rank == 0:
+            log.info("checkpoint step-%d: training resumed after %.2fs, writing in the background", step, blocked)
+        self.last_saved_step, self.last_saved_path = step, str(path)
+        return str(path)
+
+    def _complete(self, path, seconds: float) -> None:
+        """Rank 0, when a checkpoint is complete (from the writer thread for background saves)."""
+        step = int(path.name.removeprefix("step-"))
         self.heartbeat.emit("checkpoint", step=step, path=str(path), seconds=round(seconds, 3))
         log.info("checkpoint step-%d complete in %.2fs: %s", step, seconds, path)
-        return str(path)
 
 
 class StartupRecord(pl.Callback):

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import time
@@ -46,7 +45,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -62,6 +60,7 @@ from launcher.core.checkpoint_index import (  # noqa: F401  (re-exported: the ru
     newest_complete,
 )
 from lmtrain import faults
+from lmtrain.async_checkpoint import BackgroundSave, Stager
 
 FORMAT_VERSION = 1
 # A DeepSpeed checkpoint's universal form (lmtrain.elastic): universal-step-S beside step-S.
@@ -152,35 +151,6 @@ def manifest(root: Path) -> dict[str, int]:
 
 
 # --- RNG state (as plain tensors / numbers, so weights_only=True can load it) ----------------
-def capture_rng() -> dict[str, Any]:
-    version, py_state, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss": gauss},
-        "numpy": {
-            "name": np_name,
-            "keys": torch.from_numpy(np_keys.astype(np.int64)),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "gauss": float(np_gauss),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
-    n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # --- reading checkpoints: launcher.core.checkpoint_index (torch-free, shared with the launcher) ---
 
 
@@ -230,22 +200,42 @@ class CheckpointManager:
         self.strategy = strategy
         self.zero_stage = zero_stage
         self.identity = identity  # logger identity, job id, attempt: recorded in meta.json
+        self.background = BackgroundSave()  # the periodic save in flight (lmtrain.async_checkpoint)
+        self.stager = Stager()
 
-    def save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
-        """Collective: write checkpoint ``step`` and return (its path, seconds taken)."""
+    @property
+    def can_save_in_background(self) -> bool:
+        """DDP: rank 0 writes Lightning's file alone; DeepSpeed and FSDP write shards on every rank."""
+        return self.strategy == "ddp"
+
+    def save(
+        self, trainer, *, step: int, rank_state: dict[str, Any], background: bool = False,
+        on_complete: Callable[[Path, float], None] | None = None,
+    ) -> tuple[Path, float]:
+        """Collective: write checkpoint ``step``; returns (its path, seconds the caller was
+        blocked). Synchronous: complete on return, ``on_complete(path, seconds)`` called before.
+        ``background`` (DDP): complete later; rank 0 calls ``on_complete`` from the writer
+        thread. Either way a save still in flight is finished first."""
+        self.wait()
         faults.set_context(step=step)  # what the checkpoint.* fault points are about
         try:
-            return self._save(trainer, step=step, rank_state=rank_state)
+            if background and self.can_save_in_background:
+                return self._save_background(trainer, step=step, rank_state=rank_state, on_complete=on_complete)
+            path, seconds = self._save(trainer, step=step, rank_state=rank_state)
         finally:
             faults.set_context(step=None)
+        if on_complete is not None and trainer.global_rank == 0:
+            on_complete(path, seconds)
+        return path, seconds
 
-    def _save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
-        t0 = time.perf_counter()
-        strategy = trainer.strategy
-        rank, world = trainer.global_rank, trainer.world_size
+    def wait(self) -> float:
+        """Finish the background save in flight, if any (it is complete on return); seconds waited."""
+        return self.background.wait()
+
+    def _begin(self, trainer, step: int) -> tuple[Path, Path]:
         final = self.dir / f"step-{step}"
         tmp = self.dir / f".step-{step}.tmp"
-        if rank == 0:
+        if trainer.global_rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -253,37 +243,76 @@ class CheckpointManager:
                 remove_tree(final)
             tmp.mkdir()
             faults.point("checkpoint.tmp_dir_created", file=tmp.name)
-        strategy.barrier("lmtrain.checkpoint.begin")
+        trainer.strategy.barrier("lmtrain.checkpoint.begin")
+        return tmp, final
 
-        trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
-        faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=rank)
+    def _rank_part(self, trainer, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
+        rank, world = trainer.global_rank, trainer.world_size
         torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
-        strategy.barrier("lmtrain.checkpoint.ranks_done")
+        trainer.strategy.barrier("lmtrain.checkpoint.ranks_done")
 
-        if rank == 0:
-            for path in _all_files(tmp):
-                fsync_file(path)
-            meta = {
-                "format": FORMAT_VERSION,
-                "step": step,
-                "world_size": world,
-                "strategy": self.strategy,
-                "zero_stage": self.zero_stage,
-                "time": time.time(),
-                **self.identity,
-            }
-            write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
-            fsync_dir(tmp)
-            os.replace(tmp, final)
-            faults.point("checkpoint.dir_renamed", file=final.name)
-            fsync_dir(self.dir)
-            write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": manifest(final)}) + "\n")
-            write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
-            self.prune()
-        strategy.barrier("lmtrain.checkpoint.end")
+    def _save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
+        t0 = time.perf_counter()
+        tmp, final = self._begin(trainer, step)
+        trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
+        faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=trainer.global_rank)
+        self._rank_part(trainer, tmp, step, rank_state)
+        if trainer.global_rank == 0:
+            self._finish(tmp, final, step, trainer.world_size)
+        trainer.strategy.barrier("lmtrain.checkpoint.end")
         return final, time.perf_counter() - t0
+
+    def _save_background(self, trainer, *, step: int, rank_state: dict[str, Any],
+                         on_complete: Callable[[Path, float], None] | None) -> tuple[Path, float]:
+        """Every rank: the Lightning state is taken (its hooks run on every rank, as in
+        ``trainer.save_checkpoint``) and its own rank file written; rank 0 copies the state into
+        host memory, and its thread writes Lightning's file and completes the checkpoint."""
+        t0 = time.perf_counter()
+        tmp, final = self._begin(trainer, step)
+        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        staged = self.stager.stage(state) if trainer.global_rank == 0 else None
+        del state
+        faults.point("checkpoint.staged", file=LIGHTNING_NAME, rank=trainer.global_rank)
+        self._rank_part(trainer, tmp, step, rank_state)
+        blocked = time.perf_counter() - t0
+        if trainer.global_rank != 0:
+            return final, blocked
+        world, io = trainer.world_size, trainer.strategy.checkpoint_io
+
+        def write() -> None:
+            faults.set_context(step=step)  # this thread's points are about this step
+            io.save_checkpoint(staged, tmp / LIGHTNING_NAME)
+            faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=0, step=step)
+            self._finish(tmp, final, step, world)
+            if on_complete is not None:
+                on_complete(final, time.perf_counter() - t0)
+
+        self.background.start(step, write)
+        return final, blocked
+
+    def _finish(self, tmp: Path, final: Path, step: int, world: int) -> None:
+        """Rank 0, every rank's part written: make ``tmp`` the complete checkpoint ``final``."""
+        for path in _all_files(tmp):
+            fsync_file(path)
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": world,
+            "strategy": self.strategy,
+            "zero_stage": self.zero_stage,
+            "time": time.time(),
+            **self.identity,
+        }
+        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
+        fsync_dir(tmp)
+        os.replace(tmp, final)
+        faults.point("checkpoint.dir_renamed", file=final.name)
+        fsync_dir(self.dir)
+        write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": manifest(final)}) + "\n")
+        write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
+        self.prune()
 
     def prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints; drop stale temporaries."""

@@ -488,6 +488,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state, 
     ckpt_cb = CheckpointCallback(
         manager, lambda: {"data_sampler": sampler.state_dict()}, heartbeat,
         resume_rng=resume_rng, resumed_step=ckpt.step if ckpt is not None else None,
+        background=job.checkpoint.async_save,
     )
     metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=job.logging.heartbeat_every_n_steps)
     module.metrics_sink = metrics_cb.step_metrics

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -70,7 +71,14 @@ class Rule:
 _rules: list[Rule] | None = None  # None: the seam is off (the one check every point makes)
 _matched: dict[int, int] = {}  # rule index -> how many times it matched
 _passed: Counter[str] = Counter()  # point name -> how many times this process passed it
-_context: dict[str, Any] = {}
+_local = threading.local()  # per thread: a background checkpoint writer has its own step
+
+
+def _context() -> dict[str, Any]:
+    ctx = getattr(_local, "context", None)
+    if ctx is None:
+        ctx = _local.context = {}
+    return ctx
 
 
 def load(value: str | None = None) -> None:
@@ -88,12 +96,13 @@ def load(value: str | None = None) -> None:
 
 
 def set_context(**fields: Any) -> None:
-    """What later points are about (``step=S`` during a save; ``step=None`` clears it)."""
+    """What later points of this thread are about (``step=S`` during a save; ``step=None`` clears it)."""
+    ctx = _context()
     for k, v in fields.items():
         if v is None:
-            _context.pop(k, None)
+            ctx.pop(k, None)
         else:
-            _context[k] = v
+            ctx[k] = v
 
 
 def seen(pattern: str = "*") -> int:
@@ -106,7 +115,7 @@ def point(name: str, **fields: Any) -> None:
     if _rules is None:
         return
     _passed[name] += 1
-    facts = {**_context, **fields}
+    facts = {**_context(), **fields}
     for i, rule in enumerate(_rules):
         if not fnmatch.fnmatchcase(name, rule.point) or not _fields_match(rule, facts):
             continue

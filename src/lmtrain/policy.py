@@ -50,6 +50,7 @@ class Policy:
     max_crash_retries: int = 2
     no_progress_attempts: int = 3
     cluster_sends_user_signal: bool = False
+    agree_every_n_steps: int = 1  # the stop agreement's period in optimizer steps
 
     @classmethod
     def from_plan(cls, preemption: Any) -> Policy:

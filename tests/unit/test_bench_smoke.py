@@ -95,3 +95,14 @@ def test_checkpoint_speed_smoke_stops_on_sigterm_checkpoints_and_resumes_in_a_ne
     assert line["resume_first_step"] == line["checkpoint_step"] + 1
     assert _positive(line["resume_import_s"]) and line["resume_to_first_step_s"] > line["resume_import_s"]
     assert not list(tmp_path.glob("lmbench-*")), "the bench left its run directories behind"
+
+
+def test_step_overhead_smoke_times_the_three_paths_and_the_stop_agreement(tmp_path):
+    (line,) = _bench_lines("step_overhead.py", tmp_path)
+    per_step = line["ms_per_step"]
+    assert set(per_step) == {"handwritten", "lightning", "project"}
+    assert all(math.isfinite(v) and 0 < v < 10_000 for v in per_step.values()), per_step
+    assert line["overhead_over_lightning_ms"] == pytest.approx(per_step["project"] - per_step["lightning"], abs=1e-3)
+    assert line["overhead_over_handwritten_ms"] == pytest.approx(per_step["project"] - per_step["handwritten"], abs=1e-3)
+    assert 0 < line["stop_agreement_ms_per_step"] < 1000
+    assert isinstance(line["meets_goal"], bool) and line["mode"].startswith("smoke")

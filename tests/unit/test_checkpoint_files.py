@@ -17,12 +17,11 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lmtrain.checkpoint import (
     CheckpointError,
     CheckpointManager,
-    capture_rng,
     check_compatible,
     complete_checkpoints,
     newest_complete,
-    restore_rng,
 )
+from lmtrain.rng_state import capture_rng, restore_rng
 
 
 class SaveEveryStep(pl.Callback):

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from launcher.commands.run import prepare_local_run
@@ -44,8 +45,8 @@ OVERRIDES = [
 ]
 
 
-def _plan(repo, name: str, devices: int):
-    return prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES, devices=devices, max_steps=MAX_STEPS,
+def _plan(repo, name: str, devices: int, *extra: str):
+    return prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), [*OVERRIDES, *extra], devices=devices, max_steps=MAX_STEPS,
                              name=name, environ=dict(os.environ), say=lambda *_: None, resume=(Path(os.environ["LMLAUNCH_RUNS_ROOT"]) / name).is_dir())
 
 
@@ -190,6 +191,54 @@ def test_a_signal_to_one_rank_stops_both_ranks_at_the_same_step(repo, runs_root)
     assert _stop_logged(run, 2, 0) == _stop_logged(run, 2, 1) == step
     ckpt = complete_checkpoints(run.paths.checkpoint_dir)[-1]
     assert ckpt.step == step and ckpt.rank_state(1)["step"] == ckpt.rank_state(0)["step"] == step
+
+
+def test_agreeing_every_k_steps_stops_both_ranks_at_the_next_kth_step(repo, runs_root):
+    """preemption.agree_every_n_steps=4: the warning during step 5 (to rank 1 only) stops both
+    ranks at step 8, the first agreement boundary after it; the next attempt goes on from there."""
+    run = _plan(repo, "every-4", 2, "preemption.agree_every_n_steps=4")
+    assert run.preemption.agree_every_n_steps == 4
+    _run(run, "5:1:USR2")
+    assert _stop_logged(run, 1, 0) == _stop_logged(run, 1, 1) == 8
+    end = _ends(run)[-1]
+    assert (end["reason"], end["end_step"], end["stop_step"], end["signal"]) == ("timeout", 8, 8, "SIGUSR2")
+    assert [c.step for c in complete_checkpoints(run.paths.checkpoint_dir)] == [8]
+    _run(run)
+    assert [(e["reason"], e["end_step"]) for e in _ends(run)] == [("timeout", 8), ("completed", MAX_STEPS)]
+    assert sorted(_steps(run)) == list(range(1, MAX_STEPS + 1))
+
+
+@pytest.mark.parametrize("point", ["checkpoint.staged", "checkpoint.rank_saved", "checkpoint.dir_renamed"])
+def test_a_run_killed_during_a_background_checkpoint_resumes_bit_identical(repo, runs_root, point):
+    """Periodic checkpoints every 4 steps are written in the background (checkpoint.async_save):
+    SIGKILL at step-8's save, after the state was copied to host memory (checkpoint.staged),
+    after the writer thread wrote Lightning's file (checkpoint.rank_saved), or after it renamed
+    the directory but before COMPLETE (checkpoint.dir_renamed): step-4 stays the newest complete
+    checkpoint, and the run resumed from it is bit-identical to one never interrupted."""
+    extra = ("checkpoint.every_n_steps=4", "checkpoint.keep_last=3")
+    straight, killed = _plan(repo, "bg-straight", 1, *extra), _plan(repo, "bg-killed", 1, *extra)
+    reference = _start(straight)
+    env = {**killed.env, "LMLAUNCH_FAULTS": json.dumps([{"point": point, "step": 8, "action": "kill"}])}
+    p = subprocess.Popen([sys.executable, "-u", str(HELPER), killed.paths.run_dir],
+                         env=worker_env(0, 1, port=free_port("127.0.0.1"), job_id="local-bg-killed", plan_env=env,
+                                        threads=1),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    assert p.wait(timeout=300) == -signal.SIGKILL
+    _wait(reference, straight.paths.run_dir)
+    ckpt_dir = Path(killed.paths.checkpoint_dir)
+    assert [c.step for c in complete_checkpoints(ckpt_dir)] == [4]
+    assert any(x.name in (".step-8.tmp", "step-8") for x in ckpt_dir.iterdir())  # the write it was killed in
+
+    _run(killed)
+    assert [(e["reason"], e["end_step"]) for e in _ends(killed)] == [("node_failure", 4), ("completed", MAX_STEPS)]
+    latest: dict[int, tuple[float, float]] = {}  # steps 5.. were logged by both attempts: the resumed run's
+    for e in _jsonl(killed.paths.heartbeat):
+        if e["event"] == "step":
+            latest[e["step"]] = (e["loss"], e["grad_norm"])
+    assert latest == _steps(straight)  # bit-identical losses and gradient norms at every step
+    wa, wb = _final_weights(straight), _final_weights(killed)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [c.step for c in complete_checkpoints(ckpt_dir)] == [24, 28, MAX_STEPS]
 
 
 def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previous_complete_one(repo, runs_root):

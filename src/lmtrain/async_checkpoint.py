@@ -1,0 +1,117 @@
+"""Periodic checkpoints written in the background while training goes on.
+
+The training loop is blocked only while the checkpoint's state is copied into host memory
+(:class:`Stager`: buffers reused from one save to the next, pinned when the state is on a GPU);
+the write, the fsyncs and the COMPLETE marking run on one background thread
+(:class:`BackgroundSave`), with the same protocol and the same atomicity as a synchronous save
+(lmtrain.checkpoint): a crash mid-write leaves a ``.step-S.tmp`` that is never resumed from, and
+the previous complete checkpoint stays the newest. At most one save is in flight: the next save,
+a stop and the end of training first wait for it.
+
+Used for DDP, where rank 0 writes Lightning's checkpoint file alone (every rank writes its own
+small ``rank-R.pt`` before the background part starts). DeepSpeed and FSDP write their shards
+synchronously, every rank its own in parallel.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Stager:
+    """Copies of a checkpoint's tensors in host memory, reused between saves.
+
+    Tensors that share storage (tied weights) are staged once and stay shared, so the file is
+    no bigger than a synchronous save's. A buffer is reused when the tensor at the same place of
+    the checkpoint has the same shape and dtype; it must not be staged into again before the
+    previous save finished writing it (:class:`BackgroundSave` waits for that)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.bytes = 0  # host memory held by the buffers
+
+    def stage(self, obj: Any) -> Any:
+        shared: dict[tuple, torch.Tensor] = {}
+        cuda = [False]
+        staged = self._stage(obj, "", shared, cuda)
+        if cuda[0]:
+            torch.cuda.synchronize()  # the non-blocking copies are done before the write reads them
+        return staged
+
+    def _stage(self, obj: Any, key: str, shared: dict[tuple, torch.Tensor], cuda: list[bool]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if ident in shared:
+                return shared[ident]
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                pin = t.is_cuda
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                self._buffers[key] = buf
+                self.bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
+            buf.copy_(t, non_blocking=t.is_cuda)
+            cuda[0] = cuda[0] or t.is_cuda
+            shared[ident] = buf
+            return buf
+        if isinstance(obj, dict):
+            out = {k: self._stage(v, f"{key}/{k}", shared, cuda) for k, v in obj.items()}
+            return obj.__class__(out) if type(obj) is not dict else out
+        if isinstance(obj, list):
+            return [self._stage(v, f"{key}/{i}", shared, cuda) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._stage(v, f"{key}/{i}", shared, cuda) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)  # loop counters, hyperparameters, callback states: small
+
+
+class BackgroundSave:
+    """One background writer thread at a time; ``wait`` joins it and re-raises what it raised."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.step: int | None = None  # the step being written
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, step: int, write: Callable[[], None]) -> None:
+        self.wait()
+        self.step = step
+        self._error = None
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as exc:  # reported by wait(), on the training thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=f"lmtrain-checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> float:
+        """Block until the save in flight (if any) is complete; the seconds waited."""
+        thread = self._thread
+        if thread is None:
+            return 0.0
+        t0 = time.perf_counter()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"the background save of step {self.step} did not finish within {timeout} s")
+        self._thread = None
+        waited = time.perf_counter() - t0
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the background save of checkpoint step-{self.step} failed: "
+                               f"{type(error).__name__}: {error}") from error
+        return waited

@@ -1,0 +1,56 @@
+"""No host sync per step from logging, the heartbeat or the stop agreement: the project's
+training path, 2 ranks on gloo, with every read of a tensor's value on the host counted per
+optimizer step and by who asked (tests/unit/_count_host_reads.py).
+
+On a GPU such a read waits for all queued kernels. lmtrain's own code may read on the host only
+on logging steps (the logged loss and gradient norm), plus, every step, two reads of CPU
+tensors that never touch the accelerator: the stop agreement's flags (lmtrain.preemption, a CPU
+tensor on a gloo group of its own) and the sampler's index permutation (lmtrain.data)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from launcher.commands.run import prepare_local_run
+from lmtrain.local import launch
+
+HELPER = Path(__file__).with_name("_count_host_reads.py")
+LOG_EVERY = 5
+MAX_STEPS = 12
+OVERRIDES = [
+    "model.config.n_layer=1", "model.config.n_embd=32", "model.config.n_head=2", "model.config.n_positions=32",
+    "data.seq_len=32", "data.micro_batch_size=4", "trainer.global_batch_size=16",  # 2 micro batches per step
+    f"trainer.log_every_n_steps={LOG_EVERY}", f"logging.heartbeat_every_n_steps={LOG_EVERY}",
+    "trainer.val_check_interval=null", "checkpoint.every_n_steps=100",
+]
+OURS = ("/lmtrain/", "/launcher/")  # the run's code snapshot (RUN_DIR/code) or the checkout
+EVERY_STEP = Counter({("preemption.py", "_exchange"): 1, ("data.py", "_rank_batch"): 2})
+
+
+@pytest.mark.slow
+def test_lmtrain_reads_device_values_on_logging_steps_only(repo, runs_root):
+    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES, devices=2, max_steps=MAX_STEPS,
+                             name="host-reads", environ=dict(os.environ), new=True, say=lambda *_: None)
+    out = io.StringIO()
+    code = launch(plan.paths.run_dir, 2, plan_env=plan.env, out=out,
+                  command=[sys.executable, "-u", str(HELPER), plan.paths.run_dir])
+    assert code == 0, out.getvalue()[-4000:]
+    reads = json.loads(Path(plan.paths.run_dir, "host-reads.json").read_text())
+    assert sorted(map(int, reads)) == list(range(1, MAX_STEPS + 1))
+    for step_text, calls in reads.items():
+        step = int(step_text)
+        ours = Counter((Path(f).name, fn) for f, fn in calls if any(part in f for part in OURS))
+        logging_step = step % LOG_EVERY == 0 or step == MAX_STEPS
+        if logging_step:  # the logged loss and gradient norm
+            assert ours.pop(("module.py", "_log_step_metrics"), 0) == 1, (step, ours)
+            assert ours.pop(("module.py", "_read_grad_norm"), 0) == 1, (step, ours)
+        if step < MAX_STEPS:  # (the last one also validates and ends the data iterator)
+            # every step: the stop flags and the sampler's indices, both CPU tensors; nothing else
+            assert ours == EVERY_STEP, (step, ours)
