@@ -235,6 +235,13 @@ def make_plan(
             f"partition '{slurm.partition}' is preemptible: on preemption the tasks get {signal}, "
             f"then SIGKILL after {grace}; the job checkpoints and requeues",
         )
+    k = spec.preemption.agree_every_n_steps
+    if k > 1:
+        notes += (
+            f"preemption.agree_every_n_steps={k}: a stop is agreed at the next multiple of {k} steps, so up to "
+            f"{k - 1} more steps run before its checkpoint; they must fit in the warning "
+            f"({spec.preemption.warning_seconds} s) and in GraceTime on preemption",
+        )
     preemption = PreemptionPlan(
         **spec.preemption.model_dump(),
         cluster_sends_user_signal=profile.sends_user_signal_on_preemption,

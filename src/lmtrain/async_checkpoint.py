@@ -65,7 +65,12 @@ class Stager:
             return buf
         if isinstance(obj, dict):
             out = {k: self._stage(v, f"{key}/{k}", shared, cuda) for k, v in obj.items()}
-            return obj.__class__(out) if type(obj) is not dict else out
+            if type(obj) is dict:
+                return out
+            same_kind = copy.copy(obj)  # OrderedDict, defaultdict, AttributeDict: keep the class
+            same_kind.clear()
+            same_kind.update(out)
+            return same_kind
         if isinstance(obj, list):
             return [self._stage(v, f"{key}/{i}", shared, cuda) for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):

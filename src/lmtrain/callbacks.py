@@ -149,11 +149,13 @@ class CheckpointCallback(pl.Callback):
         self.last_saved_step, self.last_saved_path = step, str(path)
         return str(path)
 
-    def _complete(self, path, seconds: float) -> None:
-        """Rank 0, when a checkpoint is complete (from the writer thread for background saves)."""
+    def _complete(self, path, seconds: float, blocked: float) -> None:
+        """Rank 0, when a checkpoint is complete (from the writer thread for background saves):
+        ``seconds`` from the save's start to COMPLETE, ``blocked`` of them holding training up."""
         step = int(path.name.removeprefix("step-"))
-        self.heartbeat.emit("checkpoint", step=step, path=str(path), seconds=round(seconds, 3))
-        log.info("checkpoint step-%d complete in %.2fs: %s", step, seconds, path)
+        self.heartbeat.emit("checkpoint", step=step, path=str(path), seconds=round(seconds, 3),
+                            blocked_s=round(blocked, 3))
+        log.info("checkpoint step-%d complete in %.2fs (training held %.2fs): %s", step, seconds, blocked, path)
 
 
 class StartupRecord(pl.Callback):

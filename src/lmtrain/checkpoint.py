@@ -210,7 +210,7 @@ class CheckpointManager:
 
     def save(
         self, trainer, *, step: int, rank_state: dict[str, Any], background: bool = False,
-        on_complete: Callable[[Path, float], None] | None = None,
+        on_complete: Callable[[Path, float, float], None] | None = None,
     ) -> tuple[Path, float]:
         """Collective: write checkpoint ``step``; returns (its path, seconds the caller was
         blocked). Synchronous: complete on return, ``on_complete(path, seconds)`` called before.
@@ -225,7 +225,7 @@ class CheckpointManager:
         finally:
             faults.set_context(step=None)
         if on_complete is not None and trainer.global_rank == 0:
-            on_complete(path, seconds)
+            on_complete(path, seconds, seconds)
         return path, seconds
 
     def wait(self) -> float:
@@ -265,7 +265,7 @@ class CheckpointManager:
         return final, time.perf_counter() - t0
 
     def _save_background(self, trainer, *, step: int, rank_state: dict[str, Any],
-                         on_complete: Callable[[Path, float], None] | None) -> tuple[Path, float]:
+                         on_complete: Callable[[Path, float, float], None] | None) -> tuple[Path, float]:
         """Every rank: the Lightning state is taken (its hooks run on every rank, as in
         ``trainer.save_checkpoint``) and its own rank file written; rank 0 copies the state into
         host memory, and its thread writes Lightning's file and completes the checkpoint."""
@@ -287,7 +287,7 @@ class CheckpointManager:
             faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=0, step=step)
             self._finish(tmp, final, step, world)
             if on_complete is not None:
-                on_complete(final, time.perf_counter() - t0)
+                on_complete(final, time.perf_counter() - t0, blocked)
 
         self.background.start(step, write)
         return final, blocked

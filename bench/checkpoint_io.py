@@ -1,0 +1,162 @@
+"""Checkpoint stall and durability through the project's real path, against dd and a plain
+torch.save measured in the same run.
+
+A GPT-2 124M (fp32 weights + AdamW state: about 1.5 GB in Lightning's checkpoint file) trains
+on CPU in 2 local processes (DDP on gloo, ``lmtrain.local`` as `lmlaunch run --local` starts
+them) for ``--steps`` steps with a periodic checkpoint every 2 steps, written in the background
+(checkpoint.async_save), and the final checkpoint, written synchronously. Every save's
+heartbeat line says how long training was held (``blocked_s``) and how long until COMPLETE
+(``seconds``). Then, on the same filesystem and the same bytes:
+
+- ``dd``: ``dd if=/dev/zero of=F bs=64M count=N conv=fsync`` of the checkpoint file's size;
+- ``torch.save``: the checkpoint loaded, ``torch.save`` into a file and fsync (what a save costs
+  without lmtrain's protocol: no rank files, manifest, renames, COMPLETE).
+
+Goals: **blocked <= 10 % of the synchronous save** (the median background save's ``blocked_s``
+over the final save's ``seconds``) and **durable <= 1.15x dd** (the synchronous save's
+``seconds`` — nothing else runs then — over dd's). The background saves' durable times are
+listed too: their writer shares the CPU with training.
+
+Ends with one JSON object: the figures, the baselines and ``meets_goal``.
+
+    python bench/checkpoint_io.py [--steps 6] [--params 124e6]
+
+``--params 1.1e9`` (the 1.1B Llama shape): needs about 2 x 17.6 GB for the two ranks' weights,
+gradients and AdamW state plus 13 GB of staging; the bench refuses it where the machine's
+memory cannot hold that (it says how much it needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GOAL_BLOCKED = 0.10
+GOAL_DURABLE = 1.15
+SHAPES = {  # --params -> the model overrides (GPT-2 124M, or Llama 1.1B: jobs/llama-1b-zero2.yaml)
+    "124e6": ("jobs/gpt2-124m.yaml", ()),
+    "1.1e9": ("jobs/llama-1b-zero2.yaml", ("trainer.zero_stage=null",)),
+}
+
+
+def _mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def train(spec: str, extra: tuple[str, ...], work: Path, steps: int) -> tuple[Path, list[dict]]:
+    from launcher.commands.run import prepare_local_run
+    from launcher.core.rundir import read_jsonl
+    from lmtrain.local import launch
+
+    overrides = [
+        f"data.path={REPO / 'data' / 'prepared' / 'tiny'}", "data.seq_len=32", "data.micro_batch_size=1",
+        "data.num_workers=0", "trainer.global_batch_size=2", "trainer.strategy=ddp", "trainer.precision=32-true",
+        "trainer.val_check_interval=null", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1",
+        "model.compile=false", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "checkpoint.async_save=true",
+        "watchdog.hang_timeout_s=1200", *extra,
+    ]
+    env = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(work / "runs")}
+    plan = prepare_local_run(str(REPO / spec), overrides, devices=2, max_steps=steps, name="ckpt-io", environ=env,
+                             new=True, say=lambda m: print(m, file=sys.stderr))
+    code = launch(plan.paths.run_dir, 2, plan_env=plan.env, out=sys.stderr, threads_per_proc=1)
+    if code != 0:
+        raise SystemExit(f"the training run failed (exit {code}); logs in {plan.paths.run_dir}/logs")
+    saves = [b for b in read_jsonl(plan.paths.heartbeat) if b.get("event") == "checkpoint"]
+    return Path(plan.paths.checkpoint_dir), saves
+
+
+def dd_seconds(path: Path, size: int) -> float:
+    block = 64 << 20
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={max(1, round(size / block))}",
+                    "conv=fsync", "status=none"], check=True)
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return seconds
+
+
+def torch_save_seconds(ckpt_file: Path, target: Path) -> float:
+    import torch
+
+    state = torch.load(ckpt_file, map_location="cpu", weights_only=True, mmap=True)
+    state = {k: v for k, v in state.items()}
+    t0 = time.perf_counter()
+    with open(target, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    target.unlink()
+    return seconds
+
+
+def run(params: str, steps: int, work_root: str | None) -> dict:
+    spec, extra = SHAPES[params]
+    need = {"124e6": 8 << 30, "1.1e9": 50 << 30}[params]
+    if _mem_total() < need:
+        raise SystemExit(f"--params {params} needs about {need >> 30} GiB of memory (two ranks' weights, gradients "
+                         f"and AdamW state, plus the staging copy); this machine has {_mem_total() >> 30} GiB")
+    work = Path(tempfile.mkdtemp(prefix="lmlaunch-bench-ckpt-io-", dir=work_root))
+    try:
+        t0 = time.time()
+        ckpt_dir, saves = train(spec, extra, work, steps)
+        train_s = time.time() - t0
+        rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+        final = max(saves, key=lambda b: b["step"])
+        background = [b for b in saves if b["step"] != final["step"]]
+        ckpt_file = ckpt_dir / f"step-{final['step']}" / "lightning.ckpt"
+        size = ckpt_file.stat().st_size
+        dd = dd_seconds(work / "dd.bin", size)
+        plain = torch_save_seconds(ckpt_file, work / "plain.pt")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    blocked = statistics.median(b["blocked_s"] for b in background)
+    sync = final["seconds"]
+    return {
+        "bench": "checkpoint_io",
+        "model": spec, "params": float(params), "ranks": 2, "strategy": "ddp (gloo, CPU)", "steps": steps,
+        "checkpoint_bytes": size,
+        "background_saves": [{"step": b["step"], "blocked_s": b["blocked_s"], "durable_s": b["seconds"]}
+                             for b in background],
+        "blocked_s": round(blocked, 3),
+        "sync_save_s": sync,
+        "baseline_dd_s": round(dd, 3),
+        "baseline_torch_save_fsync_s": round(plain, 3),
+        "dd_gb_s": round(size / dd / 1e9, 3),
+        "blocked_ratio_to_sync": round(blocked / sync, 4),
+        "durable_ratio_to_dd": round(sync / dd, 3),
+        "torch_save_ratio_to_dd": round(plain / dd, 3),
+        "peak_rss_per_rank_gib": round(rss_gib, 2),
+        "train_wall_s": round(train_s, 1),
+        "goal_blocked_ratio": GOAL_BLOCKED, "goal_durable_ratio": GOAL_DURABLE,
+        "meets_goal": blocked / sync <= GOAL_BLOCKED and sync / dd <= GOAL_DURABLE,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", choices=sorted(SHAPES), default="124e6")
+    p.add_argument("--steps", type=int, default=6, help="even, >= 4: periodic saves every 2 steps, the last synchronous")
+    p.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
+    a = p.parse_args(argv)
+    if a.steps < 4 or a.steps % 2:
+        p.error("--steps must be even and >= 4")
+    print(json.dumps(run(a.params, a.steps, a.dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
