@@ -45,6 +45,10 @@ class DirectCheckpointIO(TorchCheckpointIO):
             raise TypeError("lmtrain's checkpoint IO takes no storage_options")
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
+        # No CRC32 per record: torch.load never checks it, and computing it costs a pass over
+        # every byte (0.3 s of the 1.5 GB GPT-2 124M checkpoint on this machine's CPU). The
+        # checkpoint's integrity is lmtrain's COMPLETE manifest and its fsync-then-rename protocol.
+        torch.serialization.set_crc32_options(False)
         with open(target, "wb") as f:
             torch.save(checkpoint, f)
 
