@@ -47,14 +47,15 @@ OVERRIDES = ("optim.warmup_steps=3", "trainer.val_check_interval=null", "trainer
 def probe_step_s(environ: dict[str, str], root: Path) -> float:
     """The steady step time of the same job on the same nodes (a short run of its own)."""
     name = f"bench-goodput-probe-{int(time.time())}"
-    out = cli(environ, "submit", SPEC, f"name={name}", "trainer.max_steps=400", "logging.heartbeat_every_n_steps=1",
-              "checkpoint.every_n_steps=1000", *OVERRIDES[:3])
+    out = cli(environ, "submit", SPEC, f"name={name}", "trainer.max_steps=400", "trainer.log_every_n_steps=1",
+              "logging.heartbeat_every_n_steps=1", "checkpoint.every_n_steps=1000", *OVERRIDES[:2])
     job = re.search(r"job (\d+)", out).group(1)
     run_dir = root / "runs" / name
     try:
         poll("the probe's 300th step", lambda: len(steps(run_dir, 1)) >= 300, timeout=600, job_id=job)
     finally:
         slurm.cancel([job])
+        rehearsal.wait_for(job, {"completed", "failed", "cancelled", "timeout"}, timeout=120, poll=0.5)
     times = [b["time"] for b in steps(run_dir, 1)][50:]
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
