@@ -198,11 +198,15 @@ def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(re
     restart (`lmlaunch submit --resume`) loads the newest COMPLETE checkpoint, whatever `latest`
     says, and the run still ends bit-identical to the uninterrupted one."""
     kill = {"action": "kill"}
+    # Periodic saves are written in the background (checkpoint.async_save): every rank writes its
+    # rank file, rank 0 copies the state ("checkpoint.staged"), then rank 0's writer thread writes
+    # Lightning's file and completes the checkpoint while both ranks train on.
     kills = (
-        # rank 0 dies after renaming .step-20.tmp to step-20, before COMPLETE; rank 1 at the end barrier
+        # rank 0's writer dies after renaming .step-20.tmp to step-20, before COMPLETE; rank 1 then
+        # loses its peer in the next gradient all-reduce
         {**kill, "point": "checkpoint.dir_renamed", "attempt": 1, "step": 20, "rank": 0},
         # between the ranks' files: rank 1 wrote rank-1.pt, rank 0 never writes rank-0.pt
-        {**kill, "point": "checkpoint.rank_saved", "attempt": 2, "step": 20, "rank": 0},
+        {**kill, "point": "checkpoint.staged", "attempt": 2, "step": 20, "rank": 0},
         {**kill, "point": "checkpoint.renamed", "file": "rank-1.pt", "attempt": 2, "step": 20, "rank": 1},
         # step-30 is COMPLETE but `latest` still names step-20
         {**kill, "point": "checkpoint.renamed", "file": "COMPLETE", "attempt": 3, "step": 30, "rank": 0},
