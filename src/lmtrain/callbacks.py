@@ -176,6 +176,7 @@ class StartupRecord(pl.Callback):
             CLOCK.mark("first_step")
             if self.rank == 0:
                 self.write()
+            self.written = True  # every rank: nothing more to do per step
 
     def write(self) -> None:
         """Rank 0: the ledger's ``startup`` line (once; also when the attempt ends before its first step)."""

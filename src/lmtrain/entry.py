@@ -90,6 +90,7 @@ def run_slurm_task(run_dir: str) -> int:
 def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     from lmtrain.startup import CLOCK
 
+    CLOCK.begin_attempt()
     CLOCK.mark("entry")
     _import_frameworks()
     CLOCK.mark("imports")

@@ -49,7 +49,12 @@ class StartupClock:
     def __init__(self, process_start: float | None = None) -> None:
         self.process_start = process_start if process_start is not None else (process_start_time() or time.time())
         self.ends: dict[str, float] = {}
-        self.written = False
+
+    def begin_attempt(self) -> None:
+        """An attempt starts in this process: the first one at the process's start; a later one
+        (a tool or bench calling the entry again in the same process) now, with no marks yet."""
+        if self.ends:
+            self.process_start, self.ends = time.time(), {}
 
     def mark(self, phase: str, at: float | None = None) -> None:
         if phase not in STARTUP_PHASES:

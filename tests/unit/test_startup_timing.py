@@ -45,6 +45,17 @@ def test_the_clock_keeps_the_first_mark_of_each_phase_and_refuses_unknown_phases
                              "phases": {"entry": 0.25, "imports": 4.0, "first_step": 6.5}, "checkpoint_bytes": 123}
 
 
+def test_a_second_attempt_in_the_same_process_starts_its_own_clock():
+    clock = StartupClock(process_start=1000.0)
+    clock.begin_attempt()  # the first attempt keeps the process's start
+    assert clock.process_start == 1000.0
+    clock.mark("entry", at=1000.5)
+    clock.begin_attempt()  # e.g. a bench calling the entry again
+    assert clock.process_start > 1000.0 and clock.ends == {}
+    clock.mark("entry")
+    assert 0 <= clock.record(2, None, None).phases["entry"] < 5
+
+
 def test_directory_bytes_counts_every_file_below(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 10)
     (tmp_path / "sub").mkdir()
