@@ -243,7 +243,7 @@ def startup_view(h: History) -> Group:
         table.add_row(str(a.attempt), *cells, total, size)
     legend = Text(
         "seconds per phase: LAUNCH allocation start (sacct, whole seconds) -> process start; ENTRY interpreter "
-        "and task unpickling; IMPORTS torch, lightning, transformers; GATE ledger, start gate, checkpoint choice; "
+        "and task unpickling; IMPORTS torch, lightning, transformers, the plan; GATE ledger, start gate, checkpoint choice; "
         "RDZV rendezvous; DATA token files and sampler; MODEL module and Trainer built; RESTORE fit setup, "
         "process group, checkpoint read and loaded; 1ST STEP the first optimizer step", style="dim")
     parts: list = [Text(f"{h.name}: startup of {len(h.attempts)} attempt(s)", style="bold"), table, legend]

@@ -57,6 +57,17 @@ class CompleteCheckpoint:
         meta: dict[str, Any] = json.loads((self.path / "meta.json").read_text())
         return meta
 
+    def size_bytes(self) -> int:
+        """The checkpoint's bytes, from its COMPLETE manifest (one small read); by walking the
+        directory when the manifest is missing (older lmtrain)."""
+        try:
+            files = json.loads((self.path / COMPLETE_NAME).read_text()).get("files")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            files = None
+        if isinstance(files, dict):
+            return sum(int(size) for size in files.values())
+        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+
     def rank_state(self, rank: int) -> dict[str, Any] | None:
         p = self.path / f"rank-{rank}.pt"
         if not p.exists():

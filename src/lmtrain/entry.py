@@ -92,8 +92,6 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
 
     CLOCK.begin_attempt()
     CLOCK.mark("entry")
-    _import_frameworks()
-    CLOCK.mark("imports")
     from launcher.core.plan import LaunchPlan
     from launcher.core.rundir import PLAN, Ledger, attempts_of, next_attempt_of
     from lmtrain import preemption
@@ -104,6 +102,8 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     plan = LaunchPlan.from_dict(json.loads((run_dir / PLAN).read_text()))
     signals = own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
     try:
+        _import_frameworks()  # the rest of them, with the signals already ours
+        CLOCK.mark("imports")
         env = read_env()
         if env.world_size != plan.topology.world_size:
             raise RuntimeError(
@@ -144,7 +144,8 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
 
 
 def _import_frameworks() -> None:
-    """What every attempt imports before it can train (its own startup phase in the ledger)."""
+    """What every attempt imports before it can train (the ``imports`` phase of its startup
+    record, with the plan's schema and lmtrain's preemption modules imported before it)."""
     import lightning.pytorch  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
@@ -233,7 +234,6 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
     from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, check_compatible, newest_complete
     from lmtrain.notify import Notifier
     from lmtrain.preemption import Preemption
-    from lmtrain.startup import directory_bytes
 
     t, paths = plan.trainer, plan.paths
     max_steps = t.max_steps
@@ -299,7 +299,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         except OSError as exc:
             log.warning("could not record the environment of attempt %d: %s", attempt, exc)
     startup = StartupRecord(ledger, attempt=attempt, job_id=env.job_id, rank=env.rank, start_step=start_step,
-                            checkpoint_bytes=directory_bytes(ckpt.path) if ckpt is not None and is_zero else None)
+                            checkpoint_bytes=ckpt.size_bytes() if ckpt is not None and is_zero else None)
     heartbeat.emit("start", step=start_step, max_steps=max_steps,
                    resumed_from=str(ckpt.path) if ckpt is not None else None)
     notifier = Notifier(plan.spec.get("notify") or {}, run=plan.run_name, attempt=attempt, job_id=env.job_id,

@@ -8,7 +8,8 @@ shows the record per attempt. The phases, in the order a task goes through them
 
 - ``entry``: the Python process started (the kernel's start time of the process) -> lmtrain's
   entry runs (interpreter start, submitit unpickling the task);
-- ``imports``: torch, lightning and transformers imported;
+- ``imports``: torch, lightning, transformers and the plan's schema imported, the plan read and
+  the preemption signals owned;
 - ``gate``: rank 0 read the ledger, judged the start gate and picked the checkpoint;
 - ``rendezvous``: every rank knows the attempt, the master port and the checkpoint;
 - ``data``: the token files opened and the sampler placed;
@@ -70,17 +71,3 @@ class StartupClock:
 
 
 CLOCK = StartupClock()
-
-
-def directory_bytes(path: str | Path | None) -> int | None:
-    """The bytes of the files under ``path`` (a checkpoint directory), None without one."""
-    if path is None:
-        return None
-    total = 0
-    for p in Path(path).rglob("*"):
-        try:
-            if p.is_file():
-                total += p.stat().st_size
-        except OSError:
-            continue
-    return total

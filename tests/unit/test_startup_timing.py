@@ -13,8 +13,9 @@ import pytest
 from launcher import monitor
 from launcher.cli import main
 from launcher.context import Context
+from launcher.core.checkpoint_index import CompleteCheckpoint
 from launcher.core.rundir import STARTUP_PHASES, AttemptStartup, Ledger
-from lmtrain.startup import StartupClock, directory_bytes, process_start_time
+from lmtrain.startup import StartupClock, process_start_time
 
 
 def test_the_start_time_of_a_process_is_when_it_was_started_to_10_ms():
@@ -56,11 +57,15 @@ def test_a_second_attempt_in_the_same_process_starts_its_own_clock():
     assert 0 <= clock.record(2, None, None).phases["entry"] < 5
 
 
-def test_directory_bytes_counts_every_file_below(tmp_path):
+def test_a_checkpoints_size_comes_from_its_manifest(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 10)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b").write_bytes(b"y" * 5)
-    assert directory_bytes(tmp_path) == 15 and directory_bytes(None) is None
+    ckpt = CompleteCheckpoint(step=5, path=tmp_path)
+    (tmp_path / "COMPLETE").write_text(json.dumps({"step": 5, "files": {"a": 10, "sub/b": 5}}))
+    assert ckpt.size_bytes() == 15
+    (tmp_path / "COMPLETE").write_text("5\n")  # an older COMPLETE without a manifest: the files count
+    assert ckpt.size_bytes() == 15 + 2
 
 
 def _startup(attempt: int, start: float, ends: dict[str, float], ckpt: int | None = None) -> dict:
