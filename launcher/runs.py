@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.core.atomic import write_private
 from launcher.core.errors import UserError, did_you_mean
+from launcher.core.rundir import PLAN
 from launcher.core.text_rules import RUN_NAME, brief
 
 if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml import on that path
@@ -196,7 +197,7 @@ def record_of_run_dir(run_dir: Path) -> RunRecord | None:
     """A run given by its directory (a local run, which SLURM and the registry never saw): its
     plan names it; None when the directory holds no readable plan."""
     try:
-        plan = json.loads((run_dir / "plan.json").read_text())
+        plan = json.loads((run_dir / PLAN).read_text())
         name, profile = str(plan["run_name"]), str(plan.get("profile") or "")
     except (OSError, ValueError, KeyError, TypeError):
         return None
