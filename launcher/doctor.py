@@ -20,14 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core import rundir, slurm
+from launcher.core.checkpoint_index import checkpoint_bytes
 from launcher.core.errors import UserError
 from launcher.core.plan import LaunchPlan
 from launcher.core.profiles import Profile
 
 OK, WARN, FAIL = "ok", "warn", "fail"
-# Bytes per parameter of a checkpoint with AdamW: fp32 weights + two fp32 moments (DDP, FSDP);
-# DeepSpeed also keeps the fp32 master copy beside bf16/fp16 module weights.
-BYTES_PER_PARAM = {"ddp": 12, "fsdp": 12, "deepspeed_mixed": 14, "deepspeed_fp32": 12}
 ASSUMED_WRITE_BYTES_PER_S = 0.2e9  # when the run has no measured checkpoint yet (this machine kind: 0.19-0.23 GB/s)
 RUNTIME_IMPORT_TIMEOUT_S = 180.0
 
@@ -41,14 +39,6 @@ class Check:
 
 
 # --------------------------------------------------------------------------- pure judgements
-def checkpoint_bytes(params: int, strategy: str, precision: str) -> int:
-    """The size of one checkpoint (all ranks together), from the parameter count."""
-    key = strategy
-    if strategy == "deepspeed":
-        key = "deepspeed_fp32" if precision.startswith("32") else "deepspeed_mixed"
-    return params * BYTES_PER_PARAM[key]
-
-
 def judge_space(where: str, path: str, free: int | None, writable: bool, error: str | None, need: int,
                 what: str) -> Check:
     if error is not None or not writable:

@@ -266,7 +266,7 @@ def history_view(h: History) -> Group:
     ):
         table.add_column(col, **kw)
     for a in h.attempts:
-        style = {"completed": "cyan", "preempted": "magenta", "timeout": "red", "crashed": "bold red",
+        style = {"completed": "cyan", "preempted": "magenta", "timeout": "red", "crashed": "bold red", "disk_full": "bold red",
                  "cancelled": "dim", "running": "bold green", "unknown": "bold yellow"}.get(a.reason, "")
         steps = f"{'-' if a.start_step is None else a.start_step} → {'-' if a.end_step is None else a.end_step}"
         ended = Text(a.reason + (" ↻" if a.requeued else ""), style=style)

@@ -19,6 +19,18 @@ STEP_RE = re.compile(r"step-(\d+)")  # matched with fullmatch
 LIGHTNING_NAME = "lightning.ckpt"
 COMPLETE_NAME = "COMPLETE"
 LATEST_NAME = "latest"
+# Bytes per parameter of a checkpoint with AdamW: fp32 weights + two fp32 moments (DDP, FSDP);
+# DeepSpeed also keeps the fp32 master copy beside bf16/fp16 module weights.
+BYTES_PER_PARAM = {"ddp": 12, "fsdp": 12, "deepspeed_mixed": 14, "deepspeed_fp32": 12}
+
+
+def checkpoint_bytes(params: int, strategy: str, precision: str) -> int:
+    """The size of one checkpoint (all ranks together), estimated from the parameter count: what
+    ``lmlaunch doctor`` plans room for and what a save checks is free before its first one."""
+    key = strategy
+    if strategy == "deepspeed":
+        key = "deepspeed_fp32" if precision.startswith("32") else "deepspeed_mixed"
+    return params * BYTES_PER_PARAM[key]
 
 
 def is_complete(path: Path) -> bool:

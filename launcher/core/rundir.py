@@ -38,6 +38,7 @@ CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may na
 LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.snapshot, PYTHONPATH in the plan)
 ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment)
+LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.first_death)
 HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
 
 
@@ -93,7 +94,7 @@ def read_tail(path: str | Path, max_bytes: int = HEARTBEAT_TAIL_BYTES) -> list[d
 
 
 # --------------------------------------------------------------------------- heartbeat
-HEARTBEAT_EVENTS = frozenset({"start", "step", "val", "checkpoint", "end"})
+HEARTBEAT_EVENTS = frozenset({"start", "step", "val", "checkpoint", "checkpoint_failed", "end"})
 
 
 class Heartbeat:
@@ -284,6 +285,40 @@ def environment_records(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class LastWords:
+    """How one rank of an attempt ended badly, in its own words (``source`` "rank": the exception
+    it died of) or in its launcher's ("launcher": the signal or exit code the local launcher saw)."""
+
+    rank: int
+    node: str
+    pid: int | None
+    time: float
+    how: str  # "exception" | "signal" | "exit"
+    detail: str  # the exception's last line, "SIGKILL", "exit code 3"
+    peer_lost: bool = False  # the error only says that another rank went away: a symptom
+    source: str = "rank"
+
+    def write(self, run_dir: str | Path, attempt: int) -> None:
+        path = attempt_logs_dir(run_dir, attempt) / LAST_WORDS.format(rank=self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(self)) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def read_all(cls, run_dir: str | Path, attempt: int) -> list[LastWords]:
+        out = []
+        names = set(cls.__dataclass_fields__)
+        for path in sorted(attempt_logs_dir(run_dir, attempt).glob(LAST_WORDS.format(rank="*"))):
+            try:
+                d = json.loads(path.read_text())
+                out.append(cls(**{k: v for k, v in d.items() if k in names}))
+            except (OSError, ValueError, TypeError):
+                continue
+        return out
+
+
 def checkpoint_dir_of(run_dir: str | Path) -> Path:
     """Where the run's checkpoints are: the plan's ``paths.checkpoint_dir``, else the default."""
     run_dir = Path(run_dir)
@@ -299,7 +334,7 @@ def checkpoint_dir_of(run_dir: str | Path) -> Path:
 __all__ = [
     "CANCELLED", "CHECKPOINTS", "CODE_DIR", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN", "STARTUP_PHASES",
     "AttemptEnd",
-    "AttemptStart", "AttemptStartup", "Heartbeat", "Ledger",
+    "AttemptStart", "AttemptStartup", "Heartbeat", "LAST_WORDS", "LastWords", "Ledger",
     "LedgerAttempt", "LedgerNote", "append_jsonl", "attempt_logs_dir", "attempts_of", "environment_records",
     "next_attempt_of", "checkpoint_dir_of", "is_cancelled",
     "parse_jsonl", "read_done_step", "read_jsonl", "read_tail",

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from lmtrain.disk_space import DiskFull
+
 log = logging.getLogger(__name__)
 
 
@@ -117,6 +119,8 @@ class BackgroundSave:
         waited = time.perf_counter() - t0
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, DiskFull):
+                raise error  # already says which checkpoint and why
             raise RuntimeError(f"the background save of checkpoint step-{self.step} failed: "
                                f"{type(error).__name__}: {error}") from error
         return waited

@@ -24,6 +24,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from launcher.core.rundir import Heartbeat, Ledger
 from lmtrain import faults
 from lmtrain.checkpoint import CheckpointManager
+from lmtrain.disk_space import DiskFull
 from lmtrain.rng_state import capture_rng, restore_rng
 from lmtrain.startup import CLOCK
 
@@ -105,9 +106,12 @@ class CheckpointCallback(pl.Callback):
         self._seen_step: int | None = None
         self.save_at_end = save_at_end
         self.background = background  # periodic saves in the background (checkpoint.async_save)
+        self._rank_zero = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
+        self._rank_zero = trainer.global_rank == 0
+        self.manager.on_failure = self._no_room  # a background save that found no room, told every rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._pending_rng is not None:
@@ -121,12 +125,15 @@ class CheckpointCallback(pl.Callback):
             return  # mid-accumulation: not a step boundary
         self._seen_step = step
         if step % self.manager.every_n_steps == 0 and step < trainer.max_steps:
-            self.save(trainer, step, background=self.background)
+            try:
+                self.save(trainer, step, background=self.background)
+            except DiskFull as exc:  # every rank alike: a periodic checkpoint is skipped, loudly
+                self._no_room(exc)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_at_end:
-            self.save(trainer, trainer.global_step)
-        self.manager.wait()
+            self.save(trainer, trainer.global_step)  # must succeed: DiskFull ends the attempt as disk_full
+        self.manager.finish_background(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         # also after an exception: a background save that is under way still completes
@@ -138,9 +145,10 @@ class CheckpointCallback(pl.Callback):
     def save(self, trainer: pl.Trainer, step: int, *, background: bool = False) -> str | None:
         """Collective: every rank must call it at the same step. Synchronous saves (a stop, the
         end of training) are complete on return, a save of this step still in flight included."""
-        if step == self.last_saved_step:
-            self.manager.wait()  # e.g. a stop at the step of a periodic background save
-            return self.last_saved_path
+        if step == self.last_saved_step:  # e.g. a stop at the step of a periodic background save
+            if self.manager.finish_background(trainer) is None:
+                return self.last_saved_path
+            # that save found no room: this one must be written after all (or end the attempt)
         state = {"rng": capture_rng(), **self.rank_state()}
         path, blocked = self.manager.save(trainer, step=step, rank_state=state, background=background,
                                           on_complete=self._complete)
@@ -148,6 +156,15 @@ class CheckpointCallback(pl.Callback):
             log.info("checkpoint step-%d: training resumed after %.2fs, writing in the background", step, blocked)
         self.last_saved_step, self.last_saved_path = step, str(path)
         return str(path)
+
+    def _no_room(self, exc: DiskFull) -> None:
+        """A periodic checkpoint (this one, or a background one finishing) found no room: training
+        goes on from the newest complete checkpoint; the stop-time and final saves must succeed."""
+        if self._rank_zero:
+            log.error("%s; training goes on without it (the newest complete checkpoint stays the resume "
+                      "point; a stop or the end of training must still find room)", exc)
+            self.heartbeat.emit("checkpoint_failed", step=exc.step, reason="disk_full", detail=str(exc),
+                                **{k: v for k, v in exc.figures.items() if k != "step"})
 
     def _complete(self, path, seconds: float, blocked: float) -> None:
         """Rank 0, when a checkpoint is complete (from the writer thread for background saves):

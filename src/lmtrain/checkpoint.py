@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -49,7 +48,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-from launcher.core.checkpoint_index import (  # noqa: F401  (re-exported: the runtime's readers)
+from launcher.core.checkpoint_index import (
     COMPLETE_NAME,
     LATEST_NAME,
     LIGHTNING_NAME,
@@ -61,6 +60,16 @@ from launcher.core.checkpoint_index import (  # noqa: F401  (re-exported: the ru
 )
 from lmtrain import faults
 from lmtrain.async_checkpoint import BackgroundSave, Stager
+from lmtrain.disk_space import DiskFull, free_bytes, is_no_space, no_room, remove_partial, room_verdict
+from lmtrain.durable import (
+    all_files,
+    fsync_dir,
+    fsync_file,
+    manifest,
+    remove_tree,
+    torch_save_atomic,
+    write_text_atomic,
+)
 
 FORMAT_VERSION = 1
 # A DeepSpeed checkpoint's universal form (lmtrain.elastic): universal-step-S beside step-S.
@@ -83,75 +92,6 @@ def universal_complete(ckpt: CompleteCheckpoint) -> bool:
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from as things are (the message says what to do)."""
-
-
-# --- file primitives ---------------------------------------------------------------------------
-def _fsync(path: Path, name: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    faults.point("checkpoint.fsync", file=name)
-
-
-def fsync_dir(path: Path) -> None:
-    _fsync(path, path.name)
-
-
-def fsync_file(path: Path) -> None:
-    _fsync(path, path.name)
-
-
-def _write_atomic(path: Path, mode: str, write: Callable[[Any], None]) -> None:
-    """``write(file)`` into a temporary beside ``path``, fsync it, rename it over ``path``, fsync
-    the directory (with the kill points the fault-injection tests stop at)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, mode) as f:
-        write(f)
-        f.flush()
-        faults.point("checkpoint.wrote", file=path.name)
-        os.fsync(f.fileno())
-    faults.point("checkpoint.fsynced", file=path.name)
-    os.replace(tmp, path)
-    faults.point("checkpoint.renamed", file=path.name)
-    fsync_dir(path.parent)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    _write_atomic(path, "w", lambda f: f.write(text))
-
-
-def torch_save_atomic(obj: Any, path: Path) -> None:
-    _write_atomic(path, "wb", lambda f: torch.save(obj, f))
-
-
-def remove_tree(path: Path) -> None:
-    """Delete a directory so that no crash leaves a part of it looking complete: rename it out of
-    the ``step-*`` namespace first (atomic), then remove it."""
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
-    os.replace(path, trash)
-    fsync_dir(path.parent)
-    shutil.rmtree(trash, ignore_errors=True)
-    faults.point("checkpoint.removed", file=path.name)
-
-
-_OWN_TEMPORARY = re.compile(r"\..+\.tmp-\d+")  # _write_atomic's names
-
-
-def manifest(root: Path) -> dict[str, int]:
-    """Every file under ``root`` (relative path -> size), but the COMPLETE marker and lmtrain's own
-    temporaries. Dot files are listed: FSDP2's DCP directory keeps its index in ``.metadata``."""
-    out = {}
-    for path in _all_files(root):
-        rel = path.relative_to(root).as_posix()
-        if rel != COMPLETE_NAME and not _OWN_TEMPORARY.fullmatch(path.name):
-            out[rel] = path.stat().st_size
-    return out
-
-
-# --- RNG state (as plain tensors / numbers, so weights_only=True can load it) ----------------
-# --- reading checkpoints: launcher.core.checkpoint_index (torch-free, shared with the launcher) ---
 
 
 def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int) -> None:
@@ -202,6 +142,9 @@ class CheckpointManager:
         self.identity = identity  # logger identity, job id, attempt: recorded in meta.json
         self.background = BackgroundSave()  # the periodic save in flight (lmtrain.async_checkpoint)
         self.stager = Stager()
+        # the room a first checkpoint needs, before there is one to measure (bytes; None: unknown)
+        self.estimate: Callable[[], int | None] | None = None
+        self.on_failure: Callable[[DiskFull], None] | None = None  # a background save found no room
 
     @property
     def can_save_in_background(self) -> bool:
@@ -215,10 +158,13 @@ class CheckpointManager:
         """Collective: write checkpoint ``step``; returns (its path, seconds the caller was
         blocked). Synchronous: complete on return, ``on_complete(path, seconds)`` called before.
         ``background`` (DDP): complete later; rank 0 calls ``on_complete`` from the writer
-        thread. Either way a save still in flight is finished first."""
-        self.wait()
+        thread. Either way a save still in flight is finished first (its failure for want of
+        room goes to ``on_failure``). No room for this one: :class:`DiskFull` on every rank,
+        nothing partial left (lmtrain.disk_space)."""
+        self.finish_background(trainer)
         faults.set_context(step=step)  # what the checkpoint.* fault points are about
         try:
+            self._check_room(trainer, step)
             if background and self.can_save_in_background:
                 return self._save_background(trainer, step=step, rank_state=rank_state, on_complete=on_complete)
             path, seconds = self._save(trainer, step=step, rank_state=rank_state)
@@ -229,13 +175,71 @@ class CheckpointManager:
         return path, seconds
 
     def wait(self) -> float:
-        """Finish the background save in flight, if any (it is complete on return); seconds waited."""
+        """Rank-local: finish the background save in flight, if any; seconds waited."""
         return self.background.wait()
+
+    def finish_background(self, trainer) -> DiskFull | None:
+        """Collective: the background save in flight (rank 0's) finished, and every rank told how
+        it went. No room: returned (and given to ``on_failure``) on every rank; another error is
+        raised on every rank."""
+        outcome: dict[str, Any] | None = None
+        if trainer.global_rank == 0:
+            try:
+                self.wait()
+            except DiskFull as exc:
+                outcome = {"disk_full": exc.figures}
+            except Exception as exc:
+                outcome = {"error": str(exc)}
+        if trainer.world_size > 1:
+            outcome = trainer.strategy.broadcast(outcome, src=0)
+        if outcome is None:
+            return None
+        if "error" in outcome:
+            raise RuntimeError(outcome["error"])
+        failed = DiskFull.from_figures(outcome["disk_full"])
+        if self.on_failure is not None:
+            self.on_failure(failed)
+        return failed
+
+    def needed_bytes(self) -> int | None:
+        """Room one more checkpoint needs: the newest complete one's size, else the estimate."""
+        newest = newest_complete(self.dir)
+        if newest is not None:
+            return newest.size_bytes()
+        return self.estimate() if self.estimate is not None else None
+
+    def _check_room(self, trainer, step: int) -> None:
+        """Collective: rank 0 compares the room needed with the room free; all raise alike."""
+        figures = None
+        if trainer.global_rank == 0:
+            verdict = room_verdict(self.dir, step, self.needed_bytes(), free_bytes(self.dir))
+            figures = verdict.figures if verdict is not None else None
+        if trainer.world_size > 1:
+            figures = trainer.strategy.broadcast(figures, src=0)
+        if figures is not None:
+            raise DiskFull.from_figures(figures)
+
+    def _settle(self, trainer, err: BaseException | None, tmp: Path, final: Path, step: int) -> None:
+        """Collective (and the barrier of the step it ends): when any rank's write found no room,
+        rank 0 removes the partial save and every rank raises DiskFull saying which rank and why."""
+        if not trainer.strategy.reduce_boolean_decision(err is not None, all=False):
+            return
+        mine = f"rank {trainer.global_rank}: {err}" if err is not None else None
+        said: list[Any] = [mine]
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            said = [None] * trainer.world_size
+            torch.distributed.all_gather_object(said, mine)
+        if trainer.global_rank == 0:
+            remove_partial(tmp, final)
+        trainer.strategy.barrier("lmtrain.checkpoint.abandoned")
+        how = "a write found no room: " + "; ".join(x for x in said if x)
+        raise DiskFull(self.dir, step, self.needed_bytes(), free_bytes(self.dir), how)
 
     def _begin(self, trainer, step: int) -> tuple[Path, Path]:
         final = self.dir / f"step-{step}"
         tmp = self.dir / f".step-{step}.tmp"
-        if trainer.global_rank == 0:
+
+        def clear() -> None:
             self.dir.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -243,7 +247,8 @@ class CheckpointManager:
                 remove_tree(final)
             tmp.mkdir()
             faults.point("checkpoint.tmp_dir_created", file=tmp.name)
-        trainer.strategy.barrier("lmtrain.checkpoint.begin")
+
+        self._settle(trainer, no_room(clear, self.dir, self.needed_bytes) if trainer.global_rank == 0 else None, tmp, final, step)
         return tmp, final
 
     def _rank_part(self, trainer, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
@@ -251,17 +256,25 @@ class CheckpointManager:
         torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
-        trainer.strategy.barrier("lmtrain.checkpoint.ranks_done")
 
     def _save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
         t0 = time.perf_counter()
         tmp, final = self._begin(trainer, step)
-        trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
-        faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=trainer.global_rank)
-        self._rank_part(trainer, tmp, step, rank_state)
-        if trainer.global_rank == 0:
-            self._finish(tmp, final, step, trainer.world_size)
-        trainer.strategy.barrier("lmtrain.checkpoint.end")
+
+        def parts() -> None:
+            if self.can_save_in_background:
+                # DDP: Lightning's save without its closing barrier, so that a rank whose write
+                # found no room meets the others at the agreement below, not at a barrier
+                state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                trainer.strategy.save_checkpoint(state, str(tmp / LIGHTNING_NAME))
+            else:
+                trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
+            faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=trainer.global_rank)
+            self._rank_part(trainer, tmp, step, rank_state)
+
+        self._settle(trainer, no_room(parts, self.dir, self.needed_bytes), tmp, final, step)  # every rank finished its part
+        err = no_room(lambda: self._finish(tmp, final, step, trainer.world_size), self.dir, self.needed_bytes) if trainer.global_rank == 0 else None
+        self._settle(trainer, err, tmp, final, step)
         return final, time.perf_counter() - t0
 
     def _save_background(self, trainer, *, step: int, rank_state: dict[str, Any],
@@ -275,7 +288,8 @@ class CheckpointManager:
         staged = self.stager.stage(state) if trainer.global_rank == 0 else None
         del state
         faults.point("checkpoint.staged", file=LIGHTNING_NAME, rank=trainer.global_rank)
-        self._rank_part(trainer, tmp, step, rank_state)
+        self._settle(trainer, no_room(lambda: self._rank_part(trainer, tmp, step, rank_state), self.dir, self.needed_bytes),
+                     tmp, final, step)
         blocked = time.perf_counter() - t0
         if trainer.global_rank != 0:
             return final, blocked
@@ -283,9 +297,18 @@ class CheckpointManager:
 
         def write() -> None:
             faults.set_context(step=step)  # this thread's points are about this step
-            io.save_checkpoint(staged, tmp / LIGHTNING_NAME)
-            faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=0, step=step)
-            self._finish(tmp, final, step, world)
+            try:
+                io.save_checkpoint(staged, tmp / LIGHTNING_NAME)
+                faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=0, step=step)
+                self._finish(tmp, final, step, world)
+            except Exception as exc:
+                if not is_no_space(exc):
+                    free, need = free_bytes(self.dir), self.needed_bytes()
+                    if free is None or need is None or free >= need:
+                        raise
+                remove_partial(tmp, final)
+                raise DiskFull(self.dir, step, self.needed_bytes(), free_bytes(self.dir),
+                               f"a background write found no room: {exc}") from exc
             if on_complete is not None:
                 on_complete(final, time.perf_counter() - t0, blocked)
 
@@ -294,7 +317,7 @@ class CheckpointManager:
 
     def _finish(self, tmp: Path, final: Path, step: int, world: int) -> None:
         """Rank 0, every rank's part written: make ``tmp`` the complete checkpoint ``final``."""
-        for path in _all_files(tmp):
+        for path in all_files(tmp):
             fsync_file(path)
         meta = {
             "format": FORMAT_VERSION,
@@ -311,7 +334,14 @@ class CheckpointManager:
         faults.point("checkpoint.dir_renamed", file=final.name)
         fsync_dir(self.dir)
         write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": manifest(final)}) + "\n")
-        write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
+        # complete from here on: the pointer and the pruning are housekeeping, and a full disk
+        # there costs nothing (`latest` is a hint; the next prune catches up)
+        try:
+            write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            log.error("checkpoint %s is complete, but `latest` could not be updated: %s", final.name, exc)
         self.prune()
 
     def prune(self) -> None:
@@ -339,16 +369,10 @@ class CheckpointManager:
                 child.unlink(missing_ok=True)  # why an old conversion failed
 
 
-def _all_files(root: Path):
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            yield Path(dirpath) / name
-
-
 def _files_written_by(root: Path, rank: int):
     """The files rank ``rank`` wrote itself (its rank file, DeepSpeed's per-rank shards)."""
     tag = f"rank_{rank}_"
-    for path in _all_files(root):
+    for path in all_files(root):
         if path.name == f"rank-{rank}.pt" or tag in path.name:
             yield path
 

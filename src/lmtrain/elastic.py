@@ -27,14 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from lmtrain.checkpoint import (
-    CompleteCheckpoint,
-    fsync_dir,
-    universal_complete,
-    universal_dir,
-    universal_error_path,
-    write_text_atomic,
-)
+from lmtrain.checkpoint import CompleteCheckpoint, universal_complete, universal_dir, universal_error_path
+from lmtrain.durable import fsync_dir, write_text_atomic
 
 log = logging.getLogger(__name__)
 

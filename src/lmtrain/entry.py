@@ -315,6 +315,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         else:
             outcome = _fit(plan, env, ctx, hooks, heartbeat, ckpt, rank_state, startup)
     except BaseException as exc:
+        from lmtrain.disk_space import disk_full_in
         from lmtrain.watchdog import hang_reason
 
         outcome = Outcome(
@@ -323,8 +324,14 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
             detail=f"{type(exc).__name__}: {exc}"[:2000],
             exit_code=1,
         )
-        log.error("training failed:\n%s", traceback.format_exc())
-        raise
+        full = disk_full_in(exc)
+        if full is None:
+            log.error("training failed:\n%s", traceback.format_exc())
+            _last_words(run_dir, attempt, env, exc)
+            raise
+        # a diagnosis, not a crash: the figures go to the ledger (reason disk_full, lmtrain.policy)
+        outcome.extra["disk_full"] = full.figures
+        log.error("training stopped: %s", full)
     finally:
         hung = outcome.reason == "hang"  # lmtrain.watchdog: a rank of this attempt stopped making progress
         ctx.preemption.decide(ctx, outcome)  # reason, requeue decision (rank 0 asks SLURM)
@@ -350,6 +357,22 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         ctx.preemption.after_end(ctx, outcome)  # scontrol requeue comes LAST
         notifier.close()  # delivered in the background meanwhile; a bounded wait
     return outcome.exit_code
+
+
+def _last_words(run_dir: Path, attempt: int, env, exc: BaseException) -> None:
+    """This rank dies of ``exc``: say so where rank 0 looks for the first death (lmtrain.first_death)."""
+    from launcher.core.rundir import LastWords
+    from lmtrain.first_death import is_peer_lost
+
+    text = f"{type(exc).__name__}: {exc}".strip()
+    line = text.splitlines()[-1] if text else type(exc).__name__
+    node = env.nodes[env.node_rank] if env.node_rank < len(env.nodes) else ""
+    try:
+        LastWords(rank=env.rank, node=node, pid=os.getpid(), time=time.time(), how="exception",
+                  detail=(text.splitlines()[0] + (f" ... {line}" if line != text.splitlines()[0] else ""))[:500],
+                  peer_lost=is_peer_lost(text)).write(run_dir, attempt)
+    except OSError as err:
+        log.warning("could not write this rank's last words: %s", err)
 
 
 def _notify_end(notifier: Any, plan: LaunchPlan, outcome: Outcome, attempt: int) -> None:
@@ -380,7 +403,7 @@ def _notify_end(notifier: Any, plan: LaunchPlan, outcome: Outcome, attempt: int)
 
 
 def _write_marker(path: Path, text: str) -> None:
-    from lmtrain.checkpoint import write_text_atomic
+    from lmtrain.durable import write_text_atomic
 
     write_text_atomic(path, text)
 
@@ -412,6 +435,7 @@ def _watchdog_callbacks(plan, env, ctx: RunContext, heartbeat) -> list[Any]:
 def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state, startup) -> Outcome:
     import lightning.pytorch as pl
 
+    from launcher.core.checkpoint_index import checkpoint_bytes
     from lmtrain.callbacks import (
         CheckpointCallback,
         MetricsHeartbeat,
@@ -423,7 +447,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state, 
     from lmtrain.checkpoint import CheckpointManager
     from lmtrain.data import TokenData, make_dataloaders
     from lmtrain.elastic import needs_universal, universal_dir
-    from lmtrain.model import build_config
+    from lmtrain.model import build_config, parameter_count
     from lmtrain.module import LMModule, OptimSettings, RuntimeSettings
     from lmtrain.startup import CLOCK
     from lmtrain.strategies import build_strategy
@@ -486,6 +510,8 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state, 
         identity={"job_id": env.job_id, "attempt": ctx.attempt,
                   "logger": logger_identity(str(ctx.run_dir), spec["logging"])},
     )
+    # room for a first checkpoint, before there is one to measure (lmtrain.disk_space)
+    manager.estimate = lambda: checkpoint_bytes(parameter_count(spec["model"])[0], training.strategy, t.precision)
     ckpt_cb = CheckpointCallback(
         manager, lambda: {"data_sampler": sampler.state_dict()}, heartbeat,
         resume_rng=resume_rng, resumed_step=ckpt.step if ckpt is not None else None,

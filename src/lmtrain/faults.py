@@ -14,8 +14,10 @@ A rule fires at a point whose name matches ``point`` (fnmatch) when every field 
 matches: ``file`` (fnmatch over the file the point is about), ``rank`` (the global rank),
 ``step`` (the step being saved or trained), ``attempt`` (the attempt number the ledger
 gives), ``nth`` (the n-th time this rule's other fields matched in this process). Actions:
-``kill`` (SIGKILL), ``sleep`` (``seconds``), ``hang`` (sleep forever), ``count`` (nothing:
-:func:`seen` tells how many points passed).
+``kill`` (SIGKILL), ``sleep`` (``seconds``), ``hang`` (sleep forever), ``enospc`` (raise the
+OSError a full disk raises, as if the write at that point had found no room), ``raise`` (a
+RuntimeError, as a bug in the training code would), ``count``
+(nothing: :func:`seen` tells how many points passed).
 
 Points (docs/run-directory.md has the checkpoint protocol they sit in):
 
@@ -31,6 +33,7 @@ Points (docs/run-directory.md has the checkpoint protocol they sit in):
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import logging
@@ -44,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "LMLAUNCH_FAULTS"
-ACTIONS = ("kill", "sleep", "hang", "count")
+ACTIONS = ("kill", "sleep", "hang", "enospc", "raise", "count")
 log = logging.getLogger(__name__)
 
 
@@ -148,6 +151,10 @@ def _act(rule: Rule, name: str, facts: dict[str, Any]) -> None:
     elif rule.action == "hang":
         while True:
             time.sleep(3600)
+    elif rule.action == "raise":
+        raise RuntimeError(f"fault injection at {name}")
+    elif rule.action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (fault injection at {name})")
 
 
 def _rank() -> int:

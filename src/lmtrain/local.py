@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
 from lmtrain.env import free_port
 
 TERMINATE_GRACE_S = 15.0
+PEERS_EXIT_S = 20.0  # after one rank failed: how long the others get to fail in a collective and say so
 
 
 def worker_env(
@@ -92,7 +94,7 @@ def launch(
                 with open(side_logs / f"rank-{rank}.out", "ab") as f:
                     p = subprocess.Popen(cmd, env=env, cwd=run_dir, stdout=f, stderr=subprocess.STDOUT)
             procs.append(p)
-        code = _wait_all(procs)
+        code = _wait_all(procs, on_first_failure=lambda rank, rc: _words_for(run_dir, rank, rc, procs[rank].pid))
     except KeyboardInterrupt:
         _terminate(procs)
         raise
@@ -108,17 +110,46 @@ def _pump(stream, out: TextIO) -> None:
         out.flush()
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> int:
+def _wait_all(procs: list[subprocess.Popen], on_first_failure: Callable[[int, int], None] | None = None) -> int:
     """Wait for every process; on the first failure stop the rest and return its code."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
+            if on_first_failure is not None:
+                on_first_failure(codes.index(failed[0]), failed[0])
+            # the others fail in their next collective and write how the attempt ended: give
+            # them that time before stopping them (a SIGTERM now would read as a preemption)
+            deadline = time.monotonic() + PEERS_EXIT_S
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                time.sleep(0.2)
             _terminate(procs)
             return failed[0] if failed[0] > 0 else 128 - failed[0]
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.2)
+
+
+def _words_for(run_dir: Path, rank: int, code: int, pid: int) -> None:
+    """The first rank to fail died of a signal (or exited without its own last words): say so for
+    it, where rank 0 looks for the first death (lmtrain.first_death), before the others are stopped."""
+    from launcher.core.rundir import LEDGER, LastWords, Ledger
+
+    attempt = Ledger(run_dir / LEDGER).next_attempt() - 1
+    if attempt < 1 or any(w.rank == rank for w in LastWords.read_all(run_dir, attempt)):
+        return
+    if code < 0:
+        try:
+            how, detail = "signal", signal.Signals(-code).name
+        except ValueError:
+            how, detail = "signal", f"signal {-code}"
+    else:
+        how, detail = "exit", f"exited with code {code} without a Python error"
+    try:
+        LastWords(rank=rank, node=socket.gethostname(), pid=pid, time=time.time(), how=how, detail=detail,
+                  source="local launcher").write(run_dir, attempt)
+    except OSError:
+        pass
 
 
 def _terminate(procs: list[subprocess.Popen]) -> None:

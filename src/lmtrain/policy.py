@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.core.rundir import AttemptEnd, LedgerAttempt
+from lmtrain.disk_space import DiskFull
 
 # SLURM states in which the controller already takes care of the job: do not requeue it again.
 _SLURM_REQUEUEING = ("PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING", "CONFIGURING")
@@ -23,7 +24,7 @@ SLURM_QUERY_TIMEOUT_S = 10.0
 GATE_NAME = "{key}.gate.json"
 # docs/run-directory.md: what the ledger's `reason` may say.
 LEDGER_REASONS = frozenset({"completed", "preempted", "timeout", "node_failure", "cancelled", "crashed",
-                            "no_progress", "limit_reached", "hang"})
+                            "no_progress", "limit_reached", "hang", "disk_full"})
 
 
 def steps_without_progress(starts: list[int], current: int) -> int:
@@ -85,6 +86,7 @@ class EndFacts:
     slurm_restarts: int | None = None  # the job's Restarts now: above restart_count = SLURM requeued it already
     nodes_down: list[str] = field(default_factory=list)  # this attempt's nodes that SLURM has DOWN/failed now
     history: list[LedgerAttempt] = field(default_factory=list)  # earlier attempts of the run
+    disk_full: dict[str, Any] | None = None  # a stop-time or final checkpoint found no room (DiskFull.figures)
 
 
 @dataclass
@@ -135,6 +137,16 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         sig = _signal_names(f)
         return Decision("cancelled", f"{why}{'; ' + sig if sig else ''}; {ckpt}; never requeued", requeued=False)
 
+    if f.disk_full is not None:
+        # Not a crash and not worth a retry: the next attempt would meet the same wall. SLURM
+        # requeues a preempted job by itself, so it is cancelled; the user frees room and resumes.
+        full = DiskFull.from_figures(f.disk_full)
+        resume = "lmlaunch submit --resume" if f.launcher == "slurm" else "lmlaunch run --local --resume"
+        detail = (f"{full}; {ckpt} (the resume point); free room in {full.directory} (or lower "
+                  f"checkpoint.keep_last), then `{resume}`; not requeued")
+        requeueing = state in _SLURM_REQUEUEING or (f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
+        return Decision("disk_full", detail, requeued=False,
+                        action="cancel" if f.launcher == "slurm" and requeueing else None, exit_code=1)
     if f.nodes_down:
         # SLURM set a node of this job DOWN: it kills the steps (SIGTERM when the node's slurmd
         # still answers) and requeues the job itself (NODE_FAIL in accounting).

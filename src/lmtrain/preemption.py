@@ -56,6 +56,7 @@ from launcher.core.rundir import (
     is_cancelled,
     read_done_step,
 )
+from lmtrain.first_death import describe, find_first_death, log_size
 from lmtrain.job_facts import (
     _nodes_failed,
     _previous_attempt_state,
@@ -258,6 +259,9 @@ class Preemption:
         self._action: str | None = None
         stop.armed = True
         stop.check_every_n_steps = self.policy.agree_every_n_steps
+        # srun's task lines of this attempt (lmtrain.first_death) start at the log's size now
+        self._srun_log = plan.slurm.error.replace("%j", env.job_id) if env.launcher == "slurm" else None
+        self._srun_offset = log_size(self._srun_log) if env.rank == 0 else 0
 
     def start(self) -> None:
         self.signals.install()
@@ -306,6 +310,8 @@ class Preemption:
                 outcome.reason = "preempted"  # rank 0 writes the real reason; others only exit cleanly
             return
 
+        if crashed and outcome.reason == "crashed":
+            self._blame_first_death(outcome)
         info = None
         if self.env.launcher == "slurm" and outcome.end_step < self.plan.trainer.max_steps:
             info = _slurm_job_facts(self.env.job_id)
@@ -324,13 +330,27 @@ class Preemption:
             slurm_restarts=int(info["Restarts"]) if info and str(info.get("Restarts", "")).isdigit() else None,
             nodes_down=_nodes_failed(self.env, info) if info is not None else [],
             seconds_left=_seconds_left(info, signal_time) if signal_time is not None else None,
-            history=history,
+            history=history, disk_full=outcome.extra.get("disk_full"),
         )
         d = decide(facts, self.policy)
         log.info("attempt %d ends: %s (%s)", self.attempt, d.reason, d.detail)
         outcome.reason, outcome.detail, outcome.requeued = d.reason, d.detail, d.requeued
         outcome.exit_code = max(outcome.exit_code, d.exit_code)
         self._action = d.action
+
+    def _blame_first_death(self, outcome) -> None:
+        """Rank 0: name the rank that died first (lmtrain.first_death), not this rank's symptom."""
+        env, per_node = self.env, max(1, self.plan.topology.tasks_per_node)
+        node_of = {r: env.nodes[0] if env.launcher == "local" else
+                   env.nodes[r // per_node] if r // per_node < len(env.nodes) else "?" for r in range(env.world_size)}
+        death = find_first_death(self.run_dir, self.attempt, world_size=env.world_size, me=env.rank,
+                                 node_of=node_of, srun_log=self._srun_log, srun_offset=self._srun_offset)
+        if death is None:
+            return
+        outcome.extra["first_death"] = death
+        if death["rank"] != env.rank:  # else the detail already is this rank's own error
+            outcome.detail = f"{describe(death)}; rank {env.rank} saw: {outcome.detail}"[:2000]
+            log.error("%s", describe(death))
 
     def after_end(self, ctx, outcome) -> None:
         """Rank 0, LAST (checkpoint complete, ledger and heartbeat written): requeue or cancel."""

@@ -235,3 +235,23 @@ def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(re
     assert [s["start_step"] for s in starts(run_dir)] == expected_starts, starts(run_dir)
     # step 30's heartbeat line comes after its checkpoint, which was complete when rank 0 died
     _check_resumed_exactly(run_dir, reference, missing_ok=frozenset({30}))
+
+
+def test_a_rank_sigkilled_like_the_oom_killer_is_named_as_the_first_death(env, jobs, name):
+    """Rank 1 (on n2) SIGKILLed mid-training: rank 0 fails in its next all-reduce ("Connection
+    closed by peer"), but the ledger names rank 1 on n2, killed by SIGKILL, from srun's own task
+    line; the crash retry then resumes from the newest complete checkpoint and finishes."""
+    with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": 1, "action": "kill"}):
+        job, run_dir = submit(env, name)
+    jobs.append(job)
+    finish(job, run_dir)
+    first = ends(run_dir)[0]
+    assert (first["reason"], first["requeued"]) == ("crashed", True), first
+    assert first["first_death"] == {"rank": 1, "node": "n2", "how": "killed by SIGKILL",
+                                    "source": "srun: task 1: Killed"}, first
+    assert first["detail"].startswith("rank 1 on n2 died first: killed by SIGKILL"), first["detail"]
+    assert [s["start_step"] for s in starts(run_dir)] == [0, EVERY]
+    assert ends(run_dir)[-1]["reason"] == "completed"
+    # `history` tells the same story
+    code, out, _ = lm(env, "history", name)
+    assert code == 0 and "rank 1 on n2 died first: killed by SIGKILL" in out.replace("\n", " "), out

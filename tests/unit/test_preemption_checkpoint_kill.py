@@ -45,12 +45,33 @@ class _FileIO:
 
 
 class _Strategy:
-    def __init__(self, barrier: threading.Barrier) -> None:
-        self._barrier = barrier
+    """A strategy's collectives for ranks that are threads of one process (``shared`` is theirs)."""
+
+    def __init__(self, barrier: threading.Barrier, rank: int, shared: dict) -> None:
+        self._barrier, self.rank, self._shared = barrier, rank, shared
         self.checkpoint_io = _FileIO()
 
     def barrier(self, name: str | None = None) -> None:
         self._barrier.wait(timeout=30)
+
+    def broadcast(self, obj, src: int = 0):
+        if self.rank == src:
+            self._shared["broadcast"] = obj
+        self.barrier()
+        out = self._shared["broadcast"]
+        self.barrier()
+        return out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        self._shared[f"vote-{self.rank}"] = bool(decision)
+        self.barrier()
+        votes = [self._shared[f"vote-{r}"] for r in range(WORLD)]
+        self.barrier()
+        return (min if all else max)(votes)
+
+    def save_checkpoint(self, checkpoint, path) -> None:  # DDP: rank 0 writes Lightning's file
+        if self.rank == 0:
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
 
 
 class _Connector:
@@ -77,9 +98,9 @@ class _Trainer:
     (layout "file": rank 0 writes Lightning's file, as under DDP; "zero"/"dcp": every rank writes
     its own shard into the directory, as DeepSpeed and FSDP2 do)."""
 
-    def __init__(self, rank: int, barrier: threading.Barrier, step: int, layout: str) -> None:
+    def __init__(self, rank: int, barrier: threading.Barrier, step: int, layout: str, shared: dict) -> None:
         self.global_rank, self.world_size, self.step, self.layout = rank, WORLD, step, layout
-        self.strategy = _Strategy(barrier)
+        self.strategy = _Strategy(barrier, rank, shared)
         self._checkpoint_connector = _Connector(step)
 
     def save_checkpoint(self, path: str) -> None:
@@ -108,13 +129,15 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
 def _save(ckpt_dir: Path, step: int, layout: str = "file") -> None:
     """Both ranks save ``step`` (threads, each with its own manager), as every rank does at a step boundary."""
     barrier = threading.Barrier(WORLD)
+    shared: dict = {}
     errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        manager = ck.CheckpointManager(ckpt_dir, keep_last=1, every_n_steps=1, strategy="ddp", zero_stage=None,
+        strategy = {"zero": "deepspeed", "dcp": "fsdp"}.get(layout, "ddp")  # DDP: rank 0 writes Lightning's file
+        manager = ck.CheckpointManager(ckpt_dir, keep_last=1, every_n_steps=1, strategy=strategy, zero_stage=None,
                                        identity={"job_id": "1", "attempt": 1})
         try:
-            manager.save(_Trainer(rank, barrier, step, "file" if layout == "background" else layout), step=step,
+            manager.save(_Trainer(rank, barrier, step, "file" if layout == "background" else layout, shared), step=step,
                          rank_state={"data_sampler": {"pos": step * 10 + rank}}, background=layout == "background")
             manager.wait()  # rank 0: the writer thread completes the checkpoint
         except BaseException as exc:  # surfaced by the caller
