@@ -8,8 +8,9 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
+from launcher.core import excluded_nodes
 from launcher.core.errors import SpecError
 from launcher.core.plan import LaunchPlan
 from launcher.core.planner import make_plan
@@ -17,6 +18,7 @@ from launcher.core.profiles import Profile, check_slurm_path, expand_path, load_
 from launcher.core.spec import JobSpec
 from launcher.core.validation import located
 from launcher.jobfile import load_job_with_origin
+from launcher.runs import lmlaunch_home
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,12 @@ def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) ->
     return root
 
 
+def excluded_nodes_path(profile: str, environ: Mapping[str, str] | None = None) -> Path:
+    """The user's record of nodes excluded from submissions to ``profile``
+    (``launcher.core.excluded_nodes``): beside the run registry, in $LMLAUNCH_HOME."""
+    return lmlaunch_home(environ) / "excluded-nodes" / f"{profile}.json"
+
+
 def resolve(
     spec_path: str,
     overrides: list[str] | None = None,
@@ -57,7 +65,8 @@ def resolve(
     environ: Mapping[str, str] | None = None,
     python: str | None = None,
 ) -> Resolved:
-    """Load and validate the spec (with overrides), its profile, and plan the launch.
+    """Load and validate the spec (with overrides), its profile, and plan the launch (excluding
+    the nodes the user's record for the profile names).
 
     Every problem names the spec file and, where it can, the line or override it came from.
     """
@@ -74,8 +83,10 @@ def resolve(
             where = "--cluster" if cluster else (origin.locate(("cluster",)) or "cluster")
             raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
         runs_root = runs_root_for(profile, env)
+        excluded = excluded_nodes.load(excluded_nodes_path(profile.name, env))
         plan = make_plan(
-            spec, profile, runs_root=runs_root, python=profile.python_command(python or sys.executable)
+            spec, profile, runs_root=runs_root, python=profile.python_command(python or sys.executable),
+            exclude=excluded_nodes.reasons(excluded),
         )
     except SpecError as exc:
         if exc.source is not None:

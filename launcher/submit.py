@@ -87,6 +87,8 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
             params[key] = value
     if s.exclusive:
         params["exclusive"] = True
+    if s.exclude:
+        params["exclude"] = s.exclude
     if dependency:
         params["dependency"] = dependency
     if plan.srun_args:

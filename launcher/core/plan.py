@@ -127,6 +127,7 @@ class SlurmParams:
     error: str  # the batch shell's stderr (#SBATCH --error)
     task_output: str = ""  # each task's stdout (srun --output), %t = task rank
     task_error: str = ""  # each task's stderr (srun --error)
+    exclude: str | None = None  # sbatch --exclude: nodes `doctor --on-nodes --exclude-bad` found bad (plan notes say why)
 
 
 @dataclass(frozen=True)

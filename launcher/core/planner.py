@@ -4,6 +4,8 @@ arithmetic that does not work."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import PurePosixPath
 
 from launcher.core import rundir
@@ -188,13 +190,19 @@ def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
 
 
 def make_plan(
-    spec: JobSpec, profile: Profile, *, runs_root: str, python: str | None = None
+    spec: JobSpec,
+    profile: Profile,
+    *,
+    runs_root: str,
+    python: str | None = None,
+    exclude: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
     """The whole launch, as data. Raises SpecError with the arithmetic when it cannot work.
 
     ``runs_root`` is absolute and already expanded (see :func:`launcher.resolve.runs_root_for`);
     ``python`` is the interpreter command tasks run (default: the profile's ``python``; a
-    profile with ``python: auto`` needs it given).
+    profile with ``python: auto`` needs it given); ``exclude``: node -> why, the nodes the user's
+    record for this profile excludes (``launcher.core.excluded_nodes``, read by the caller).
     """
     if not runs_root.startswith("/"):
         raise SpecError([f"runs root '{runs_root}' must be an absolute path"])
@@ -212,6 +220,8 @@ def make_plan(
     slurm = _slurm(spec, profile, topo, paths, problems)
     if problems:
         raise SpecError(problems)
+    if exclude:
+        slurm = dataclasses.replace(slurm, exclude=",".join(sorted(exclude)))
     env = render_env(spec, profile, run_dir=paths.run_dir, cpus_per_task=slurm.cpus_per_task)
     trainer, training, trainer_notes = _trainer_plans(spec, topo, paths.run_dir)
     notes = tuple(trainer_notes)
@@ -235,6 +245,9 @@ def make_plan(
             f"partition '{slurm.partition}' is preemptible: on preemption the tasks get {signal}, "
             f"then SIGKILL after {grace}; the job checkpoints and requeues",
         )
+    for node, why in sorted((exclude or {}).items()):
+        notes += (f"node {node} is excluded (sbatch --exclude): {why}; a passing `lmlaunch doctor SPEC --on-nodes` "
+                  f"clears it",)
     k = spec.preemption.agree_every_n_steps
     if k > 1:
         notes += (

@@ -198,6 +198,8 @@ class Profile(StrictModel):
     """The cluster sets SlurmctldParameters=preempt_send_user_signal."""
     env: dict[str, EnvVar] = Field(default_factory=dict, max_length=1000)
     """NCCL / fabric environment, each with its reason."""
+    min_allreduce_busbw_gbps: float = Field(1.0, ge=0)
+    """Least all-reduce bus bandwidth (GB/s, counted as nccl-tests do: 2(n-1)/n x bytes / time) that `lmlaunch doctor --on-nodes` accepts over the probe's nodes; 0 turns the check off. The default 1 GB/s is what even 10 GbE Ethernet gives: below it the fabric is misconfigured (NCCL on the wrong interface or on TCP instead of RDMA); set it near the fabric's measured figure to catch a degraded link."""
 
     @field_validator("env")
     @classmethod
