@@ -352,6 +352,12 @@ def build_history(
     notes = []
     if not starts:
         notes.append("no attempt has started yet (the ledger attempts.jsonl is empty)")
+    for x in ledger:  # what rank 0 did to the job after an attempt (lmtrain.bad_nodes, lmtrain.preemption)
+        if x.get("event") == "nodes_excluded":
+            notes.append(f"after attempt {x.get('attempt')}: job {x.get('job_id')} keeps off "
+                         f"{','.join(x.get('nodes') or [])} (ExcNodeList)")
+        elif x.get("event") in ("exclude_failed", "requeue_failed", "cancel_failed"):
+            notes.append(f"after attempt {x.get('attempt')}: {x['event'].replace('_', ' ')}: {x.get('detail', '')}")
     return History(
         name=name,
         attempts=rows,

@@ -387,6 +387,11 @@ def requeue(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     run(["scontrol", "requeue", str(job_id)], timeout=timeout)
 
 
+def exclude_nodes(job_id: str, nodes: Iterable[str], timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """`scontrol update JobId=J ExcNodeList=...`: keep a pending (requeued) job off ``nodes``."""
+    run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"], timeout=timeout)
+
+
 # --------------------------------------------------------------------------- accounting admin
 
 

@@ -179,9 +179,8 @@ class CheckpointManager:
         return self.background.wait()
 
     def finish_background(self, trainer) -> DiskFull | None:
-        """Collective: the background save in flight (rank 0's) finished, and every rank told how
-        it went. No room: returned (and given to ``on_failure``) on every rank; another error is
-        raised on every rank."""
+        """Collective: rank 0's background save finished and every rank told how it went: no room
+        is returned (and given to ``on_failure``), another error raised, on every rank alike."""
         outcome: dict[str, Any] | None = None
         if trainer.global_rank == 0:
             try:
@@ -190,8 +189,7 @@ class CheckpointManager:
                 outcome = {"disk_full": exc.figures}
             except Exception as exc:
                 outcome = {"error": str(exc)}
-        if trainer.world_size > 1:
-            outcome = trainer.strategy.broadcast(outcome, src=0)
+        outcome = trainer.strategy.broadcast(outcome, src=0) if trainer.world_size > 1 else outcome
         if outcome is None:
             return None
         if "error" in outcome:
@@ -214,8 +212,7 @@ class CheckpointManager:
         if trainer.global_rank == 0:
             verdict = room_verdict(self.dir, step, self.needed_bytes(), free_bytes(self.dir))
             figures = verdict.figures if verdict is not None else None
-        if trainer.world_size > 1:
-            figures = trainer.strategy.broadcast(figures, src=0)
+        figures = trainer.strategy.broadcast(figures, src=0) if trainer.world_size > 1 else figures
         if figures is not None:
             raise DiskFull.from_figures(figures)
 

@@ -309,6 +309,9 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
 
     outcome = Outcome(reason="crashed", end_step=start_step, exit_code=1)
     try:
+        from lmtrain import preflight
+
+        preflight.run(plan, env, attempt, run_dir)  # every node, before the ranks meet; all agree
         if start_step >= max_steps:
             log.info("checkpoint step-%d is already at max_steps(%d): nothing to train", start_step, max_steps)
             outcome = Outcome(reason="completed", end_step=start_step, detail="already at max_steps")
@@ -316,6 +319,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
             outcome = _fit(plan, env, ctx, hooks, heartbeat, ckpt, rank_state, startup)
     except BaseException as exc:
         from lmtrain.disk_space import disk_full_in
+        from lmtrain.preflight import PreflightFailed
         from lmtrain.watchdog import hang_reason
 
         outcome = Outcome(
@@ -325,13 +329,16 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
             exit_code=1,
         )
         full = disk_full_in(exc)
-        if full is None:
+        if isinstance(exc, PreflightFailed):  # a diagnosis: lmtrain.policy requeues off the failing nodes or stops
+            outcome.reason, outcome.extra["preflight"] = "preflight_failed", exc.failed
+            log.error("%s", exc)
+        elif full is None:
             log.error("training failed:\n%s", traceback.format_exc())
             _last_words(run_dir, attempt, env, exc)
             raise
-        # a diagnosis, not a crash: the figures go to the ledger (reason disk_full, lmtrain.policy)
-        outcome.extra["disk_full"] = full.figures
-        log.error("training stopped: %s", full)
+        else:  # a diagnosis, not a crash: the figures go to the ledger (reason disk_full, lmtrain.policy)
+            outcome.extra["disk_full"] = full.figures
+            log.error("training stopped: %s", full)
     finally:
         hung = outcome.reason == "hang"  # lmtrain.watchdog: a rank of this attempt stopped making progress
         ctx.preemption.decide(ctx, outcome)  # reason, requeue decision (rank 0 asks SLURM)

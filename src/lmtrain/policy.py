@@ -24,7 +24,7 @@ SLURM_QUERY_TIMEOUT_S = 10.0
 GATE_NAME = "{key}.gate.json"
 # docs/run-directory.md: what the ledger's `reason` may say.
 LEDGER_REASONS = frozenset({"completed", "preempted", "timeout", "node_failure", "cancelled", "crashed",
-                            "no_progress", "limit_reached", "hang", "disk_full"})
+                            "no_progress", "limit_reached", "hang", "disk_full", "preflight_failed"})
 
 
 def steps_without_progress(starts: list[int], current: int) -> int:
@@ -87,6 +87,11 @@ class EndFacts:
     nodes_down: list[str] = field(default_factory=list)  # this attempt's nodes that SLURM has DOWN/failed now
     history: list[LedgerAttempt] = field(default_factory=list)  # earlier attempts of the run
     disk_full: dict[str, Any] | None = None  # a stop-time or final checkpoint found no room (DiskFull.figures)
+    preflight: dict[str, list[str]] | None = None  # nodes that failed the attempt's preflight -> what failed
+    bad_nodes: list[str] = field(default_factory=list)  # nodes this attempt's failure points at (DOWN, hung ranks)
+    excluded: list[str] = field(default_factory=list)  # nodes the job already keeps out of (ExcNodeList)
+    partition_nodes: list[str] | None = None  # the partition's nodes (None: SLURM did not say)
+    job_nodes: int = 1  # how many nodes the job needs
 
 
 @dataclass
@@ -96,6 +101,7 @@ class Decision:
     requeued: bool  # the job will run again (by SLURM or by us)
     action: str | None = None  # "requeue" | "cancel" | None: what rank 0 does LAST
     exit_code: int = 0
+    exclude: list[str] = field(default_factory=list)  # nodes to keep the requeued job off (ExcNodeList)
 
 
 def _state_word(state: str | None) -> str:
@@ -147,6 +153,8 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         requeueing = state in _SLURM_REQUEUEING or (f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
         return Decision("disk_full", detail, requeued=False,
                         action="cancel" if f.launcher == "slurm" and requeueing else None, exit_code=1)
+    if f.preflight is not None:
+        return _preflight_failed(f, state, policy)
     if f.nodes_down:
         # SLURM set a node of this job DOWN: it kills the steps (SIGTERM when the node's slurmd
         # still answers) and requeues the job itself (NODE_FAIL in accounting).
@@ -206,11 +214,60 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         return Decision(stop_reason, detail, requeued=False, action="cancel" if slurm_requeues else None,
                         exit_code=exit_code)
 
+    exclude, why_not = nodes_to_exclude(f, own_requeue=not slurm_requeues) if reason in ("node_failure", "hang") \
+        else ([], "")
+    if exclude:
+        new = [n for n in exclude if n not in f.excluded]
+        detail += f"; {', '.join(new)} kept out of the requeued job (ExcNodeList={','.join(exclude)})"
+    elif why_not:
+        detail += f"; {why_not}"
     if slurm_requeues:
-        return Decision(reason, detail + f"; requeued by SLURM (JobState {state})", requeued=True, exit_code=exit_code)
+        return Decision(reason, detail + f"; requeued by SLURM (JobState {state})", requeued=True, exit_code=exit_code,
+                        exclude=exclude)
     by = " during the preemption's GraceTime (PreemptTime set)" if f.preempting else ""
     return Decision(reason, detail + f"; requeued (scontrol requeue{by})", requeued=True, action="requeue",
-                    exit_code=exit_code)
+                    exit_code=exit_code, exclude=exclude)
+
+
+def _preflight_failed(f: EndFacts, state: str, policy: Policy) -> Decision:
+    """Nodes failed the attempt's checks: one more attempt (off those nodes where SLURM lets the
+    job be changed) tells a bad node from a bad setup; a second failure stops the job with what
+    failed, as does every node failing (a setup every node shares)."""
+    detail = "preflight failed on " + "; ".join(f"{n}: {', '.join(m)}" for n, m in sorted((f.preflight or {}).items()))
+    slurm_requeues = state in _SLURM_REQUEUEING
+    again = any(a.reason == "preflight_failed" for a in f.history if a.job_id == f.job_id)
+    if f.launcher == "slurm" and f.bad_nodes and not again and f.restart_count < policy.max_requeues:
+        exclude, why_not = nodes_to_exclude(f, own_requeue=not slurm_requeues)
+        where = (f"{', '.join(n for n in exclude if n not in f.excluded)} kept out of the requeued job "
+                 f"(ExcNodeList={','.join(exclude)})") if exclude else why_not
+        return Decision("preflight_failed", f"{detail}; {where}; requeued once", requeued=True,
+                        action=None if slurm_requeues else "requeue", exit_code=1, exclude=exclude)
+    why = ("a local run" if f.launcher != "slurm" else "every node failed: the setup, not a node"
+           if not f.bad_nodes else "it failed in the attempt before too" if again
+           else f"max_requeues({policy.max_requeues}) reached")
+    return Decision("preflight_failed", f"{detail}; {why}: fix it, then resume; not requeued", requeued=False,
+                    action="cancel" if f.launcher == "slurm" and slurm_requeues else None, exit_code=1)
+
+
+def nodes_to_exclude(f: EndFacts, *, own_requeue: bool = False) -> tuple[list[str], str]:
+    """The nodes a requeue after a node failure or a hang keeps out of, and why none when none:
+    only nodes the failure points at, never so many that the job no longer fits the partition,
+    and only when SLURM requeues the job itself: ExcNodeList changes only while a job is pending,
+    and a job that requeues itself is pending only once its own processes are gone."""
+    bad = sorted(set(f.bad_nodes) - set(f.excluded))
+    if not bad:
+        return [], ""
+    if own_requeue:
+        return [], (f"{', '.join(bad)} not excluded: SLURM changes ExcNodeList only while a job is pending, "
+                    f"and this job requeues itself (`lmlaunch doctor SPEC --on-nodes --exclude-bad` keeps "
+                    f"bad nodes out of the next submission)")
+    if f.partition_nodes is None:
+        return [], f"{', '.join(bad)} not excluded: the partition's nodes are unknown"
+    left = set(f.partition_nodes) - set(f.excluded) - set(bad)
+    if len(left) < f.job_nodes:
+        return [], (f"{', '.join(bad)} not excluded: the partition would keep {len(left)} node(s) for a job "
+                    f"of {f.job_nodes}")
+    return sorted(set(f.excluded) | set(bad)), ""
 
 
 @dataclass

@@ -56,6 +56,7 @@ from launcher.core.rundir import (
     is_cancelled,
     read_done_step,
 )
+from lmtrain.bad_nodes import bad_node_facts, exclude_nodes
 from lmtrain.first_death import describe, find_first_death, log_size
 from lmtrain.job_facts import (
     _nodes_failed,
@@ -259,6 +260,7 @@ class Preemption:
         self._action: str | None = None
         stop.armed = True
         stop.check_every_n_steps = self.policy.agree_every_n_steps
+        self._exclude: list[str] = []  # nodes the requeued job keeps off (decide, then after_end)
         # srun's task lines of this attempt (lmtrain.first_death) start at the log's size now
         self._srun_log = plan.slurm.error.replace("%j", env.job_id) if env.launcher == "slurm" else None
         self._srun_offset = log_size(self._srun_log) if env.rank == 0 else 0
@@ -330,13 +332,17 @@ class Preemption:
             slurm_restarts=int(info["Restarts"]) if info and str(info.get("Restarts", "")).isdigit() else None,
             nodes_down=_nodes_failed(self.env, info) if info is not None else [],
             seconds_left=_seconds_left(info, signal_time) if signal_time is not None else None,
-            history=history, disk_full=outcome.extra.get("disk_full"),
+            history=history, disk_full=outcome.extra.get("disk_full"), job_nodes=self.plan.topology.nodes,
+            preflight=outcome.extra.get("preflight"),
         )
+        if self.env.launcher == "slurm" and (facts.nodes_down or outcome.reason in ("hang", "preflight_failed")):
+            bad_node_facts(self.plan, self.env, self.attempt, facts, info, hung=outcome.reason == "hang")
         d = decide(facts, self.policy)
         log.info("attempt %d ends: %s (%s)", self.attempt, d.reason, d.detail)
         outcome.reason, outcome.detail, outcome.requeued = d.reason, d.detail, d.requeued
         outcome.exit_code = max(outcome.exit_code, d.exit_code)
         self._action = d.action
+        self._exclude = d.exclude
 
     def _blame_first_death(self, outcome) -> None:
         """Rank 0: name the rank that died first (lmtrain.first_death), not this rank's symptom."""
@@ -355,12 +361,16 @@ class Preemption:
     def after_end(self, ctx, outcome) -> None:
         """Rank 0, LAST (checkpoint complete, ledger and heartbeat written): requeue or cancel."""
         try:
-            if self.env.rank != 0 or self._action is None:
+            if self.env.rank != 0:
+                return
+            if self._action is None:
+                exclude_nodes(self.plan, self.env, self.attempt, self._exclude)  # SLURM requeued it itself
                 return
             try:
                 if self._action == "requeue":
                     log.info("requeueing job %s (scontrol requeue)", self.env.job_id)
                     slurm.requeue(self.env.job_id, timeout=SLURM_QUERY_TIMEOUT_S)
+                    exclude_nodes(self.plan, self.env, self.attempt, self._exclude)
                 elif self._action == "cancel":
                     log.info("cancelling job %s: %s", self.env.job_id, outcome.detail)
                     slurm.cancel([self.env.job_id], timeout=SLURM_QUERY_TIMEOUT_S)

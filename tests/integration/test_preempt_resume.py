@@ -255,3 +255,45 @@ def test_a_rank_sigkilled_like_the_oom_killer_is_named_as_the_first_death(env, j
     # `history` tells the same story
     code, out, _ = lm(env, "history", name)
     assert code == 0 and "rank 1 on n2 died first: killed by SIGKILL" in out.replace("\n", " "), out
+
+
+def test_a_node_failure_keeps_the_requeued_job_off_that_node(env, jobs, name):
+    """A one-node job whose node goes DOWN: SLURM requeues it, rank 0 sets the pending job's
+    ExcNodeList to that node (the partition keeps another), and the next attempt runs elsewhere."""
+    job, run_dir = submit(env, name, "resources.nodes=1")
+    jobs.append(job)
+    wait_step(run_dir, EVERY + 3, attempt=1)
+    r = preempt(env, name, "node-failure", "--start-now")
+    assert r["requeued"], r
+    finish(job, run_dir)
+    first, second = starts(run_dir)[0], starts(run_dir)[1]
+    assert ends(run_dir)[0]["reason"] == "node_failure", ends(run_dir)[0]
+    assert f"{r['node']} kept out of the requeued job" in ends(run_dir)[0]["detail"], ends(run_dir)[0]
+    notes = [e for e in ledger(run_dir) if e.get("event") == "nodes_excluded"]
+    assert [(n["attempt"], n["nodes"]) for n in notes] == [(1, [r["node"]])], ledger(run_dir)
+    assert first["nodes"] == [r["node"]] and second["nodes"] != first["nodes"], (first, second)
+    assert slurm.show_job(job)["ExcNodeList"] == r["node"]
+    assert ends(run_dir)[-1]["reason"] == "completed"
+    code, out, _ = lm(env, "history", name)
+    assert code == 0 and f"keeps off {r['node']} (ExcNodeList)" in out, out
+
+
+def test_a_node_that_fails_its_preflight_ends_the_attempt_before_training_and_is_retried_once(env, jobs, name):
+    """The first attempt's node fails its start-of-attempt checks (fault injection at the
+    preflight point): the attempt ends as preflight_failed before training, says why the node
+    cannot be excluded from a job that requeues itself, requeues once, and the next attempt
+    passes its preflight and finishes."""
+    with faults({"point": "preflight.node", "attempt": 1, "rank": 0, "action": "raise"}):
+        job, run_dir = submit(env, name, "resources.nodes=1")
+    jobs.append(job)
+    finish(job, run_dir)
+    first_end = ends(run_dir)[0]
+    bad = starts(run_dir)[0]["nodes"][0]
+    assert (first_end["reason"], first_end["requeued"], first_end["end_step"]) == ("preflight_failed", True, 0), first_end
+    assert first_end["preflight"] == {bad: ["fault injection at preflight.node"]}, first_end
+    assert f"{bad} not excluded: SLURM changes ExcNodeList only while a job is pending" in first_end["detail"]
+    assert first_end["detail"].endswith("requeued once; requeued (scontrol requeue)") or "requeued once" in \
+        first_end["detail"], first_end
+    checks = [e for e in ledger(run_dir) if e.get("event") == "preflight"]
+    assert [(c["attempt"], c["ok"]) for c in checks] == [(1, False), (2, True)], checks
+    assert [s["start_step"] for s in starts(run_dir)] == [0, 0] and ends(run_dir)[-1]["reason"] == "completed"

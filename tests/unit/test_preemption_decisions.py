@@ -380,3 +380,27 @@ def test_an_attempt_that_fails_before_training_gives_the_signal_handlers_back(lo
     with pytest.raises(RuntimeError, match="world_size 2"):
         run_task(local_run.paths.run_dir)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2)) == before
+
+
+def test_a_node_failure_keeps_the_requeued_job_off_the_failed_node_while_it_still_fits():
+    # SLURM requeues a job whose node failed by itself: the job is pending while rank 0 ends
+    base = dict(stopped=False, crashed=True, term=True, seconds_left=900.0, slurm_state="REQUEUED",
+                nodes_down=["n2"], bad_nodes=["n2"], partition_nodes=["n1", "n2", "n3"], job_nodes=2)
+    d = decide(_facts(**base), POLICY)
+    assert (d.reason, d.requeued, d.action, d.exclude) == ("node_failure", True, None, ["n2"])
+    assert "n2 kept out of the requeued job (ExcNodeList=n2)" in d.detail
+    # nodes it already keeps off stay off
+    d = decide(_facts(**{**base, "excluded": ["n3"], "partition_nodes": ["n1", "n2", "n3", "n4"]}), POLICY)
+    assert d.exclude == ["n2", "n3"] and "n2 kept out" in d.detail
+    # never so many that the job no longer fits its partition
+    d = decide(_facts(**{**base, "partition_nodes": ["n1", "n2"]}), POLICY)
+    assert d.exclude == [] and "n2 not excluded: the partition would keep 1 node(s) for a job of 2" in d.detail
+    # the partition's nodes unknown: nothing excluded, and said
+    d = decide(_facts(**{**base, "partition_nodes": None}), POLICY)
+    assert d.exclude == [] and "not excluded: the partition's nodes are unknown" in d.detail
+    # a job that requeues itself (scontrol requeue) is never pending while its rank 0 lives: said, not done
+    d = decide(_facts(**{**base, "slurm_state": "RUNNING"}), POLICY)
+    assert (d.action, d.exclude) == ("requeue", []) and "n2 not excluded: SLURM changes ExcNodeList only" in d.detail
+    # a plain crash excludes nothing
+    assert decide(_facts(stopped=False, crashed=True, bad_nodes=["n2"], partition_nodes=["n1", "n2", "n3"]),
+                  POLICY).exclude == []
