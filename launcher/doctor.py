@@ -120,9 +120,11 @@ def judge_preemption(plan: LaunchPlan, profile: Profile, config: Mapping[str, st
         out.append(Check("preemption", WARN, f"the profile marks partition '{name}' preemptible but the cluster has "
                          f"PreemptType={ptype}: nothing will preempt it", figures))
     elif "CANCEL" in mode and preemptible:
-        out.append(Check("preemption", FAIL, f"partition '{name}' has PreemptMode={mode}: a preempted job is cancelled, "
-                         f"not requeued, so it cannot resume by itself; use a partition with PreemptMode=REQUEUE, or "
-                         f"resubmit with `lmlaunch submit SPEC --resume` after each preemption", figures))
+        out.append(Check("preemption", WARN, f"partition '{name}' has PreemptMode={mode}: SLURM cancels a preempted "
+                         f"job instead of requeueing it; lmtrain requeues it itself (scontrol requeue from within "
+                         f"the GraceTime, once its stop checkpoint is complete), so the stop checkpoint must finish "
+                         f"within GraceTime (see the check below); a job killed before that is resumed with "
+                         f"`lmlaunch submit SPEC --resume`", figures))
     elif "SUSPEND" in mode and preemptible:
         out.append(Check("preemption", WARN, f"partition '{name}' has PreemptMode={mode}: a preempted job is suspended "
                          f"(no signal, no checkpoint) and resumes in place later", figures))

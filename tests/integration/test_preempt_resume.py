@@ -297,3 +297,24 @@ def test_a_node_that_fails_its_preflight_ends_the_attempt_before_training_and_is
     checks = [e for e in ledger(run_dir) if e.get("event") == "preflight"]
     assert [(c["attempt"], c["ok"]) for c in checks] == [(1, False), (2, True)], checks
     assert [s["start_step"] for s in starts(run_dir)] == [0, 0] and ends(run_dir)[-1]["reason"] == "completed"
+
+
+def test_a_partition_that_cancels_on_preemption_still_resumes(env, jobs, name):
+    """PreemptMode=CANCEL on the partition: SLURM would cancel the preempted job; rank 0 requeues
+    it from within the GraceTime once the stop checkpoint is complete, and it resumes there."""
+    slurm.run(["scontrol", "update", "PartitionName=low", "PreemptMode=CANCEL"])
+    try:
+        assert slurm.partition_config("low")["PreemptMode"] == "CANCEL"
+        job, run_dir = submit(env, name)
+        jobs.append(job)
+        wait_step(run_dir, EVERY + 3, attempt=1)
+        r = preempt(env, name, "requeue", "--start-now")
+        assert r["requeued"], r
+        finish(job, run_dir)
+    finally:
+        slurm.run(["scontrol", "update", "PartitionName=low", "PreemptMode=REQUEUE"])
+    first, second = ends(run_dir)[0], starts(run_dir)[1]
+    assert (first["reason"], first["requeued"]) == ("preempted", True), first
+    assert "scontrol requeue during the preemption's GraceTime" in first["detail"], first
+    assert second["start_step"] == first["end_step"] and second["job_id"] == job
+    assert ends(run_dir)[-1]["reason"] == "completed"

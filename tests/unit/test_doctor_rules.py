@@ -49,7 +49,7 @@ def test_an_account_the_partition_does_not_allow_fails(plan):
 
 @pytest.mark.parametrize("mode, status, words", [
     ("REQUEUE", "ok", "PreemptMode=REQUEUE"),
-    ("CANCEL", "fail", "cannot resume by itself"),
+    ("CANCEL", "warn", "lmtrain requeues it itself (scontrol requeue from within the GraceTime"),
     ("SUSPEND,GANG", "warn", "suspended"),
 ])
 def test_preempt_mode(plan, profile, mode, status, words):
