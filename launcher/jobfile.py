@@ -109,7 +109,10 @@ def resolve_paths(spec: JobSpec, base: Path, origin: Origin | None = None) -> Jo
     model = spec.model.model_copy(
         update={"pretrained": absolute(spec.model.pretrained, ("model", "pretrained"))}
     )
-    return spec.model_copy(update={"data": data, "checkpoint": ckpt, "model": model})
+    update: dict[str, Any] = {"data": data, "checkpoint": ckpt, "model": model}
+    if spec.eval is not None:
+        update["eval"] = spec.eval.model_copy(update={"checkpoint": absolute(spec.eval.checkpoint, ("eval", "checkpoint"))})
+    return spec.model_copy(update=update)
 
 
 def load_job_with_origin(

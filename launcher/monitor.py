@@ -130,6 +130,11 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         state, group, note = "NOT SUBMITTED", "unknown", ""
     if not files.exists:
         note = (note + "; " if note else "") + f"run directory missing: {rec.run_dir}"
+    ev = next((e for e in reversed(files.ledger) if e.get("event") == "eval"), None)  # an eval run's result
+    if ev is not None:
+        last_step, note = {"loss": ev.get("val_loss")}, "; ".join(x for x in (
+            f"eval of step-{ev.get('step')}: val_loss {_num(ev, 'val_loss') or 0:.4f}, perplexity "
+            f"{_num(ev, 'perplexity') or 0:.2f}", note) if x)
 
     step = int(last_any_step["step"]) if last_any_step is not None else None
     attempt = attempt_number(files.ledger, job if slurm_reachable else None)
@@ -335,7 +340,7 @@ def build_history(
         )
         rows.append(row)
         if n in startups:
-            row.startup = startup_breakdown(startups[n], alloc_start)
+            row.startup = rundir.startup_breakdown(startups[n], alloc_start)
             row.startup_total_s = round(sum(row.startup.values()), 3) if "first_step" in startups[n].get("phases", {}) else None
             row.checkpoint_bytes = _int(startups[n].get("checkpoint_bytes"))
     # steps lost: what the next attempt had to redo
@@ -353,11 +358,11 @@ def build_history(
     if not starts:
         notes.append("no attempt has started yet (the ledger attempts.jsonl is empty)")
     for x in ledger:  # what rank 0 did to the job after an attempt (lmtrain.bad_nodes, lmtrain.preemption)
-        if x.get("event") == "nodes_excluded":
-            notes.append(f"after attempt {x.get('attempt')}: job {x.get('job_id')} keeps off "
-                         f"{','.join(x.get('nodes') or [])} (ExcNodeList)")
-        elif x.get("event") in ("exclude_failed", "requeue_failed", "cancel_failed"):
-            notes.append(f"after attempt {x.get('attempt')}: {x['event'].replace('_', ' ')}: {x.get('detail', '')}")
+        what = {"nodes_excluded": f"job {x.get('job_id')} keeps off {','.join(x.get('nodes') or [])} (ExcNodeList)",
+                **{k: f"{k.replace('_', ' ')}: {x.get('detail', '')}" for k in
+                   ("exclude_failed", "requeue_failed", "cancel_failed")}}.get(str(x.get("event")))
+        if what:
+            notes.append(f"after attempt {x.get('attempt')}: {what}")
     return History(
         name=name,
         attempts=rows,
@@ -367,24 +372,6 @@ def build_history(
         cancel_requested=cancel,
         notes=notes,
     )
-
-
-def startup_breakdown(record: Mapping[str, Any], alloc_start: float | None = None) -> dict[str, float]:
-    """Pure: a ledger ``startup`` record -> seconds spent in each phase it reached, in order;
-    with the allocation's start (sacct, whole seconds) first the ``launch`` phase up to the
-    process start (the batch script, srun, the interpreter being exec'd)."""
-    out: dict[str, float] = {}
-    phases = record.get("phases") or {}
-    start = record.get("process_start")
-    if alloc_start is not None and isinstance(start, (int, float)):
-        out["launch"] = round(max(0.0, float(start) - alloc_start), 3)
-    previous = 0.0
-    for name in rundir.STARTUP_PHASES:
-        end = phases.get(name)
-        if isinstance(end, (int, float)):
-            out[name] = round(max(0.0, float(end) - previous), 3)
-            previous = float(end)
-    return out
 
 
 def _heartbeat_fresh(times: list[float] | None, now: float, within_s: float = 600.0) -> bool:

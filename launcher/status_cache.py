@@ -83,9 +83,14 @@ def compact_heartbeat(beats: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
 
 
 def compact_ledger(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The ledger's start lines (build_row counts attempts from them), with the keys it reads."""
-    return [{"event": "start", "attempt": e.get("attempt"), "job_id": e.get("job_id")}
-            for e in ledger if e.get("event") == "start"]
+    """The ledger's start lines (build_row counts attempts from them) and its last ``eval`` line
+    (an eval run's result), with the keys build_row reads."""
+    out = [{"event": "start", "attempt": e.get("attempt"), "job_id": e.get("job_id")}
+           for e in ledger if e.get("event") == "start"]
+    evals = [e for e in ledger if e.get("event") == "eval"]
+    if evals:
+        out.append({k: evals[-1].get(k) for k in ("event", "step", "val_loss", "perplexity")})
+    return out
 
 
 def _to_json(f: RunFiles) -> dict[str, Any]:

@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("validate", "check a job spec (and its plan) without submitting"),
     "doctor": ("doctor", "preflight: will this job run on this cluster? (partition, preemption, space, data)"),
     "submit": ("submit", "submit a job spec to SLURM (or print the plan with --dry-run)"),
+    "pipeline": ("pipeline", "submit a pipeline's stages at once, each after the stages it names"),
     "run": ("run", "run a job spec locally on CPU (the same entry a SLURM task runs)"),
     "profiles": ("profiles", "list cluster profiles"),
     "schema": ("schema", "write the JSON Schema of the job spec (for editors)"),

@@ -331,11 +331,29 @@ def checkpoint_dir_of(run_dir: str | Path) -> Path:
     return run_dir / CHECKPOINTS
 
 
+def startup_breakdown(record: Mapping[str, Any], alloc_start: float | None = None) -> dict[str, float]:
+    """Pure: a ledger ``startup`` record -> seconds spent in each phase it reached, in order;
+    with the allocation's start (sacct, whole seconds) first the ``launch`` phase up to the
+    process start (the batch script, srun, the interpreter being exec'd)."""
+    out: dict[str, float] = {}
+    phases = record.get("phases") or {}
+    start = record.get("process_start")
+    if alloc_start is not None and isinstance(start, (int, float)):
+        out["launch"] = round(max(0.0, float(start) - alloc_start), 3)
+    previous = 0.0
+    for name in STARTUP_PHASES:
+        end = phases.get(name)
+        if isinstance(end, (int, float)):
+            out[name] = round(max(0.0, float(end) - previous), 3)
+            previous = float(end)
+    return out
+
+
 __all__ = [
     "CANCELLED", "CHECKPOINTS", "CODE_DIR", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN", "STARTUP_PHASES",
     "AttemptEnd",
     "AttemptStart", "AttemptStartup", "Heartbeat", "LAST_WORDS", "LastWords", "Ledger",
     "LedgerAttempt", "LedgerNote", "append_jsonl", "attempt_logs_dir", "attempts_of", "environment_records",
     "next_attempt_of", "checkpoint_dir_of", "is_cancelled",
-    "parse_jsonl", "read_done_step", "read_jsonl", "read_tail",
+    "parse_jsonl", "read_done_step", "read_jsonl", "read_tail", "startup_breakdown",
 ]

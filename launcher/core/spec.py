@@ -455,6 +455,17 @@ class Webhook(StrictModel):
         return self
 
 
+class EvalSpec(StrictModel):
+    """Evaluate a checkpoint instead of training: the model's loss and perplexity on the data's
+    validation split, written to the run's ledger (``eval``) and shown by status and history."""
+
+    checkpoint: PathText
+    """A checkpoint step directory, or a run directory: its newest complete checkpoint when the
+    evaluation starts (a pipeline's ``${train.checkpoint}``)."""
+    max_batches: int = Field(50, ge=1, le=10_000_000)
+    """Validation micro batches to evaluate (fewer when the split has fewer)."""
+
+
 class NotifySpec(StrictModel):
     """Messages about the run to webhooks, sent by rank 0 in the background: an unreachable
     webhook never slows or stops training."""
@@ -499,6 +510,8 @@ class JobSpec(StrictModel):
     """Loggers and heartbeat."""
     notify: NotifySpec = Field(default_factory=NotifySpec)
     """Webhook messages: started, preempted, requeued, hang, failed, completed."""
+    eval: EvalSpec | None = None
+    """Evaluate a checkpoint (on rank 0) instead of training."""
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:

@@ -83,8 +83,14 @@ class RunContext:
 
 
 def run_slurm_task(run_dir: str) -> int:
-    """The body of every SLURM task (via lmtrain.task.TrainTask)."""
-    return run_task(run_dir)
+    """The body of every SLURM task (via lmtrain.task.TrainTask). An attempt that ended badly
+    without an exception (disk_full, preflight_failed, a checkpoint it cannot resume) exits
+    with its code, so SLURM records the job FAILED (submitit would call a returned value a
+    success, and a dependant waiting with afterok would start)."""
+    code = run_task(run_dir)
+    if code:
+        raise SystemExit(code)
+    return code
 
 
 def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
@@ -140,6 +146,13 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
             log.warning("notice: %s", note)
         if gate.exit:
             return preemption.finish_without_training(plan, env, rv.attempt, gate)
+        if plan.spec.get("eval"):  # an eval job: rank 0 evaluates a checkpoint (lmtrain.evaluate)
+            from lmtrain.evaluate import run_eval
+
+            try:
+                return run_eval(plan, env, rv.attempt, run_dir)
+            finally:
+                signals.restore()
         return _train(plan, env, rv.attempt, run_dir, hooks or Hooks(), resume=rv.resume)
 
 

@@ -13,6 +13,7 @@ import pytest
 from launcher import monitor
 from launcher.cli import main
 from launcher.context import Context
+from launcher.core import rundir
 from launcher.core.checkpoint_index import CompleteCheckpoint
 from launcher.core.rundir import STARTUP_PHASES, AttemptStartup, Ledger
 from lmtrain.startup import StartupClock, process_start_time
@@ -77,12 +78,12 @@ FULL = dict(zip(STARTUP_PHASES, (0.2, 4.0, 4.2, 4.25, 4.3, 4.4, 5.0, 5.1)))
 
 
 def test_the_breakdown_is_seconds_per_phase_with_the_launch_from_the_allocation():
-    got = monitor.startup_breakdown(_startup(2, 1003.5, FULL), alloc_start=1002.0)
+    got = rundir.startup_breakdown(_startup(2, 1003.5, FULL), alloc_start=1002.0)
     assert list(got) == ["launch", *STARTUP_PHASES]
     assert got == pytest.approx({"launch": 1.5, "entry": 0.2, "imports": 3.8, "gate": 0.2, "rendezvous": 0.05,
                                  "data": 0.05, "model": 0.1, "restore": 0.6, "first_step": 0.1})
     # an attempt that never reached its first step: the phases it reached, no launch without sacct
-    partial = monitor.startup_breakdown(_startup(1, 1000.0, {"entry": 0.3, "imports": 4.0, "gate": 4.5}))
+    partial = rundir.startup_breakdown(_startup(1, 1000.0, {"entry": 0.3, "imports": 4.0, "gate": 4.5}))
     assert partial == pytest.approx({"entry": 0.3, "imports": 3.7, "gate": 0.5})
 
 

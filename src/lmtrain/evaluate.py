@@ -1,0 +1,113 @@
+"""The eval task: a job spec with an ``eval`` section evaluates a checkpoint instead of training.
+
+Rank 0 picks the checkpoint when the attempt starts (``eval.checkpoint``: a step directory, or a
+run directory and then its newest complete checkpoint, so a pipeline's eval stage takes what its
+train stage left), rebuilds the full weights whatever strategy wrote them (lmtrain.weights), and
+computes the mean loss over the first ``eval.max_batches`` micro batches of the data's
+validation split, the way the Trainer's validation does (the mean of the batches' mean token
+losses; the validation loader is not shuffled), and the perplexity ``exp(loss)``. The result is
+the ledger line ``eval`` and the attempt's ``end`` (``completed``, with the figures in its
+detail), which ``status`` and ``history`` show. Other ranks have nothing to do and exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher.core.checkpoint_index import (
+    STEP_RE,
+    CompleteCheckpoint,
+    complete_checkpoints,
+    is_complete,
+    newest_complete,
+)
+from launcher.core.rundir import CHECKPOINTS, PLAN, AttemptEnd, AttemptStart, Ledger, LedgerNote, checkpoint_dir_of
+
+log = logging.getLogger(__name__)
+
+
+class EvalError(RuntimeError):
+    """The checkpoint to evaluate is not there (the message says what was looked for)."""
+
+
+def pick_checkpoint(ref: str | Path) -> CompleteCheckpoint:
+    """``ref``: a complete step directory, a checkpoint directory, or a run directory."""
+    path = Path(ref)
+    m = STEP_RE.fullmatch(path.name)
+    if m and is_complete(path):
+        return next(c for c in complete_checkpoints(path.parent) if c.path.name == path.name)
+    ckpt_dir = checkpoint_dir_of(path) if (path / PLAN).is_file() else path / CHECKPOINTS \
+        if (path / CHECKPOINTS).is_dir() else path
+    newest = newest_complete(ckpt_dir)
+    if newest is None:
+        raise EvalError(f"eval.checkpoint {ref}: no complete checkpoint in {ckpt_dir}")
+    return newest
+
+
+def evaluate(spec: dict[str, Any], eval_spec: Any, data_spec: Any, seed: int) -> dict[str, Any]:
+    """Rank 0: the figures of evaluating the checkpoint ``eval_spec.checkpoint`` names."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lmtrain.data import make_dataloaders
+    from lmtrain.model import build_config
+    from lmtrain.module import _unpack
+    from lmtrain.weights import model_state_dict
+
+    ckpt = pick_checkpoint(eval_spec.checkpoint)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_config(build_config(spec["model"]))
+    missing, unexpected = model.load_state_dict(model_state_dict(ckpt.path), strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise EvalError(f"{ckpt.path} does not fit the spec's model: missing {sorted(set(missing) - tied)[:5]}, "
+                        f"unexpected {sorted(unexpected)[:5]}")
+    model.eval()
+    _, val_loader, _ = make_dataloaders(data_spec, world_size=1, rank=0, seed=seed)
+    if val_loader is None:
+        raise EvalError(f"data {data_spec.path} has no validation split (data.val_fraction is 0 or too small)")
+    losses: list[float] = []
+    tokens = 0
+    with torch.no_grad():
+        for batch in val_loader:
+            if len(losses) >= eval_spec.max_batches:
+                break
+            input_ids, labels = _unpack(batch)
+            losses.append(float(model(input_ids, labels=labels).loss))
+            tokens += int(input_ids.numel())
+    loss = sum(losses) / len(losses)
+    return {"checkpoint": str(ckpt.path), "step": ckpt.step, "val_loss": loss, "perplexity": math.exp(loss),
+            "batches": len(losses), "tokens": tokens, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def run_eval(plan: Any, env: Any, attempt: int, run_dir: Path) -> int:
+    """Every rank of an eval job: rank 0 evaluates and writes the ledger; the others exit."""
+    if env.rank != 0:
+        return 0
+    from launcher.core.rundir import DONE
+    from lmtrain.durable import write_text_atomic
+
+    job = plan.job_spec()
+    ledger = Ledger(plan.paths.ledger)
+    ledger.write(AttemptStart(attempt=attempt, job_id=env.job_id, restart_count=env.restart_count, time=time.time(),
+                              start_step=0, nodes=list(env.nodes), world_size=1))
+    try:
+        result = evaluate(plan.spec, job.eval, job.data, plan.training.seed)
+    except Exception as exc:
+        log.error("eval failed: %s", exc)
+        ledger.write_end_once(AttemptEnd(attempt=attempt, job_id=env.job_id, time=time.time(), end_step=0,
+                                         reason="crashed", detail=f"eval: {type(exc).__name__}: {exc}"[:2000]))
+        return 1
+    log.info("eval of %s: val_loss %.4f, perplexity %.2f over %d batches", result["checkpoint"], result["val_loss"],
+             result["perplexity"], result["batches"])
+    ledger.write(LedgerNote(event="eval", time=time.time(), fields={"attempt": attempt, **result}))
+    ledger.write_end_once(AttemptEnd(
+        attempt=attempt, job_id=env.job_id, time=time.time(), end_step=0, reason="completed",
+        detail=f"eval of step-{result['step']}: val_loss {result['val_loss']:.4f}, perplexity "
+               f"{result['perplexity']:.2f} ({result['batches']} batches, {result['checkpoint']})"))
+    write_text_atomic(run_dir / DONE, "0\n")
+    return 0
