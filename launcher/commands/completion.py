@@ -13,10 +13,11 @@ import argparse
 from launcher.commands import COMMANDS
 from launcher.context import Context
 
-RUN_COMMANDS = ("status", "logs", "cancel", "history", "report")
+RUN_COMMANDS = ("status", "logs", "stacks", "cancel", "history", "report")
 OPTIONS = {
     "status": "--watch --json --all --interval",
     "logs": "--follow --rank --attempt --errors --json",
+    "stacks": "--native --json --timeout",
     "cancel": "--json",
     "history": "--json",
     "report": "--output --json",

@@ -39,6 +39,7 @@ LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.snapshot, PYTHONPATH in the plan)
 ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment)
 LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.first_death)
+TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (core.task_records; lmlaunch stacks)
 HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
 
 
@@ -353,7 +354,7 @@ __all__ = [
     "CANCELLED", "CHECKPOINTS", "CODE_DIR", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN", "STARTUP_PHASES",
     "AttemptEnd",
     "AttemptStart", "AttemptStartup", "Heartbeat", "LAST_WORDS", "LastWords", "Ledger",
-    "LedgerAttempt", "LedgerNote", "append_jsonl", "attempt_logs_dir", "attempts_of", "environment_records",
+    "LedgerAttempt", "LedgerNote", "TASK_RECORD", "append_jsonl", "attempt_logs_dir", "attempts_of", "environment_records",
     "next_attempt_of", "checkpoint_dir_of", "is_cancelled",
     "parse_jsonl", "read_done_step", "read_jsonl", "read_tail", "startup_breakdown",
 ]

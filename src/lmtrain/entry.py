@@ -103,10 +103,12 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     from lmtrain import preemption
     from lmtrain.env import read_env, rendezvous
     from lmtrain.signals import own_signals
+    from lmtrain.task_record import record_this_task
 
     run_dir = Path(run_dir)
     plan = LaunchPlan.from_dict(json.loads((run_dir / PLAN).read_text()))
     signals = own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
+    record_this_task(run_dir)  # this process's node and pid, for `lmlaunch stacks` (even if stuck starting)
     try:
         _import_frameworks()  # the rest of them, with the signals already ours
         CLOCK.mark("imports")

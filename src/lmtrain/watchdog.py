@@ -229,6 +229,8 @@ class ProgressWatchdog:
         except Exception:
             log.exception("watchdog: reporting the hang failed")
         log.error("watchdog: %s; ending this task with exit code %d", report.detail(), self.exit_code)
+        log.error("watchdog: while the job still runs, `lmlaunch stacks %s --native` shows the live stacks of "
+                  "the ranks still there (a peer stuck in a collective, a C call)", os.environ.get("SLURM_JOB_ID") or "RUN")
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
