@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from launcher.core.errors import UserError
+from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.slurm import (
     DEFAULT_TIMEOUT_S,
     is_active,
@@ -18,11 +18,20 @@ from launcher.core.slurm import (
     state_group,
 )
 
+SIGNAL_WAIT_S = 10.0  # scancel --signal: how long to wait for SLURM to settle after delivering it
+
 
 def signal_steps(job_id: str, signal: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """Send ``signal`` (e.g. 'USR2', 'TERM') to every task of every step of a job, not to the
     batch shell (plain `scancel --signal`: what SLURM's time-limit --signal without B: does)."""
-    run(["scancel", f"--signal={signal}", str(job_id)], timeout=timeout)
+    try:
+        run(["scancel", f"--signal={signal}", str(job_id)], timeout=min(timeout, SIGNAL_WAIT_S))
+    except SlurmUnavailable:
+        # scancel delivers the signal at once, then retries while the job is "in transitional
+        # state": a job array task that requeued itself at the signal stays so (slurm 22.05).
+        # The signal was delivered if the job moved on from RUNNING.
+        if job_state(str(job_id), timeout=timeout).split()[0] == "RUNNING":
+            raise
 
 
 def hostnames(nodelist: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:

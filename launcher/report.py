@@ -119,3 +119,43 @@ def draw_png(r: ReportData, out: Path) -> Path:
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
+
+
+def sweep_curves(points: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> dict[str, Any]:
+    """Pure: each point's loss curve (step -> train loss, one value per step: the newest attempt's)
+    and the best point (lowest final loss)."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for name, beats in points:
+        by_step: dict[int, float] = {}
+        for b in beats:
+            if b.get("event") == "step" and isinstance(b.get("loss"), (int, float)) and b.get("step") is not None:
+                by_step[int(b["step"])] = float(b["loss"])
+        steps = sorted(by_step)
+        curves[name] = (steps, [by_step[s] for s in steps])
+    finals = {n: ys[-1] for n, (_, ys) in curves.items() if ys}
+    best = min(finals, key=lambda n: finals[n]) if finals else None
+    return {"curves": curves, "best": best, "final_loss": finals}
+
+
+def draw_sweep_png(name: str, data: Mapping[str, Any], out: Path) -> Path:
+    """Every point's loss against step on one axis; the best point drawn thick and labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(FIGSIZE_IN[0], FIGSIZE_IN[1] * 0.6), dpi=DPI)
+    for n, (xs, ys) in data["curves"].items():
+        best = n == data["best"]
+        ax.plot(xs, ys, lw=2.6 if best else 1.1, alpha=1.0 if best else 0.75, zorder=3 if best else 2,
+                label=f"{n} (best, {ys[-1]:.3f})" if best and ys else n)
+    ax.set_title(f"lmlaunch sweep report: {name} ({len(data['curves'])} points)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out

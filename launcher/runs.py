@@ -57,6 +57,8 @@ class RunRecord:
     state: str = "submitted"  # submitted | cancelled
     max_steps: int | None = None
     after: list[str] = field(default_factory=list)  # submit --after: "RUN:ok (job 12)"
+    sweep: str | None = None  # the sweep this run is a point of (lmlaunch sweep)
+    point: dict[str, Any] = field(default_factory=dict)  # its swept keys and values
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -191,6 +193,14 @@ def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
         f"nor a run directory with a plan.json"
         f"{did_you_mean(ref[:100], names)}; known runs: {', '.join(names) or 'none'}"
     )
+
+
+def sweep_records(name: str, environ: Mapping[str, str] | None = None) -> list[RunRecord]:
+    """The points of sweep ``name`` (``lmlaunch sweep``), in point order."""
+    def index(r: RunRecord) -> int:
+        tail = r.name.rsplit(".", 1)[-1]
+        return int(tail) if tail.isdigit() else 0
+    return sorted((r for r in list_records(environ) if r.sweep == name), key=index)
 
 
 def record_of_run_dir(run_dir: Path) -> RunRecord | None:

@@ -58,6 +58,11 @@ def _load_cache(environ: Mapping[str, str] | None) -> dict[str, dict[str, Any]]:
         return {}
 
 
+def final_job_ids(environ: Mapping[str, str] | None = None) -> set[str]:
+    """Jobs known to have ended for good (the controller forgot them; accounting said how)."""
+    return set(_load_cache(environ))
+
+
 def _save_cache(cache: dict[str, dict[str, Any]], environ: Mapping[str, str] | None) -> None:
     path = _cache_path(environ)
     try:

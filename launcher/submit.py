@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 from typing import Any
 
 from launcher import dependencies, lifecycle, runs
@@ -96,11 +97,11 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
     return params
 
 
-def submit_command(plan: LaunchPlan) -> str:
+def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
     """What srun starts in every task: submitit's runner, which calls lmtrain.task.TrainTask."""
     return " ".join(
         shlex.quote(x)
-        for x in [*shlex.split(plan.python), "-u", "-m", "submitit.core._submit", plan.paths.submitit_dir]
+        for x in [*shlex.split(plan.python), "-u", "-m", "submitit.core._submit", folder or plan.paths.submitit_dir]
     )
 
 
@@ -124,23 +125,74 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
     never imports torch, the task imports it when called on the allocation. The command srun
     starts is :func:`submit_command` and the script is exactly :func:`render_script`.
     """
+    from lmtrain.task import TrainTask
+
+    params = executor_parameters(plan, dependency)
+    return _run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
+                         plan.paths.submitit_dir)[0]
+
+
+def array_setup(plan: LaunchPlan, run_dirs: list[str]) -> list[str]:
+    """A sweep array's setup: the shared environment (launcher.sweep.shape), then each task's run
+    directory and code snapshot, picked by its SLURM_ARRAY_TASK_ID."""
+    from launcher.sweep import PER_POINT_ENV
+
+    lines = [f"# lmlaunch: sweep array of {len(run_dirs)} points, profile {plan.profile}; "
+             "each task runs the point its SLURM_ARRAY_TASK_ID names"]
+    lines += list(plan.setup)
+    lines += [f"export {n}={shell_quote(plan.env[n])}" for n in sorted(plan.env) if n not in PER_POINT_ENV]
+    lines.append("LMLAUNCH_POINTS=(" + " ".join(shell_quote(d) for d in run_dirs) + ")")
+    lines.append('export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"')
+    lines.append('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code"')
+    return lines
+
+
+def array_parameters(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
+                     dependency: str | None = None) -> dict[str, Any]:
+    """submitit parameters of one sweep array (``plan``: its first point; every point has its shape)."""
+    params = executor_parameters(plan, dependency)
+    params["job_name"] = Path(sweep_dir).name
+    params["setup"] = array_setup(plan, run_dirs)
+    params["additional_parameters"] = {**params["additional_parameters"], "chdir": sweep_dir}
+    params["array_parallelism"] = max_parallel
+    return params
+
+
+def render_array_script(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
+                        dependency: str | None = None) -> str:
+    """A sweep array's sbatch script exactly as submit_array writes it."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = array_parameters(plan, run_dirs, sweep_dir, max_parallel, dependency)
+    folder = str(Path(sweep_dir) / "submitit")
+    return _make_sbatch_string(command=submit_command(plan, folder), folder=folder, map_count=len(run_dirs), **params)
+
+
+def submit_array(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
+                 dependency: str | None = None) -> list[str]:
+    """sbatch one array whose task i runs the point in ``run_dirs[i]``; its tasks' job ids (A_i)."""
+    from lmtrain.task import TrainTask
+
+    params = array_parameters(plan, run_dirs, sweep_dir, max_parallel, dependency)
+    return _run_submitit(plan, params, [TrainTask(d) for d in run_dirs], str(Path(sweep_dir) / "submitit"))
+
+
+def _run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str) -> list[str]:
+    """Submit ``fns`` (one: a job; several: an array) with submitit; their job ids."""
     import contextlib
     import io
     import subprocess
     import time
-    from pathlib import Path
 
     from submitit.core.utils import FailedJobError
     from submitit.slurm.slurm import SlurmExecutor
-
-    from lmtrain.task import TrainTask
 
     sbatch_timeout = sbatch_timeout_s()
 
     class PlanExecutor(SlurmExecutor):
         @property
         def _submitit_command_str(self) -> str:
-            return submit_command(plan)
+            return submit_command(plan, folder_name)
 
         def _make_submission_command(self, submission_file_path: Any) -> list[str]:
             # A client-side limit: a controller that accepted the job but answers late must not
@@ -148,22 +200,27 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
             return ["timeout", "--kill-after=5", str(sbatch_timeout), "sbatch", str(submission_file_path)]
 
     try:
-        executor = PlanExecutor(folder=plan.paths.submitit_dir)
+        executor = PlanExecutor(folder=folder_name)
     except RuntimeError as exc:  # submitit: 'Could not detect "srun"'
         raise SlurmUnavailable(f"cannot submit: {exc} (no SLURM client on this machine)") from None
-    executor.update_parameters(**executor_parameters(plan, dependency))
+    executor.update_parameters(**params)
     captured = io.StringIO()
-    folder = Path(plan.paths.submitit_dir)
+    folder = Path(folder_name)
     before = set(folder.iterdir()) if folder.is_dir() else set()
     started = time.time()
     try:
         with contextlib.redirect_stderr(captured):
-            job = executor.submit(fn if fn is not None else TrainTask(plan.paths.run_dir))
+            if len(fns) == 1:
+                jobs = [executor.submit(fns[0])]
+            else:
+                with executor.batch():
+                    pending = [executor.submit(f) for f in fns]
+                jobs = pending
     except FailedJobError as exc:
         msg = (str(exc) or captured.getvalue()).strip()
         cause = exc.__cause__
-        if isinstance(cause, subprocess.CalledProcessError) and cause.returncode in (124, 137):
-            return _reconcile_timed_out_sbatch(plan, folder, before, started, sbatch_timeout)
+        if isinstance(cause, subprocess.CalledProcessError) and cause.returncode in (124, 137) and len(fns) == 1:
+            return [_reconcile_timed_out_sbatch(plan, folder, before, started, sbatch_timeout)]
         if any(m in msg for m in slurm._DOWN_MARKERS):
             raise SlurmUnavailable(
                 f"sbatch could not reach the SLURM controller: {msg.splitlines()[0]}. "
@@ -172,7 +229,7 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
         raise UserError(f"sbatch refused the job of run '{plan.run_name}': {msg}", exit_code=1) from None
     except FileNotFoundError as exc:
         raise SlurmUnavailable(f"cannot submit: {exc.filename or exc} not found (no SLURM client)") from None
-    return str(job.job_id)
+    return [str(job.job_id) for job in jobs]
 
 
 SBATCH_TIMEOUT_VAR = "LMLAUNCH_SBATCH_TIMEOUT_S"
@@ -186,7 +243,6 @@ def sbatch_timeout_s() -> int:
     """Seconds `sbatch` may take before submit stops waiting and reconciles (env LMLAUNCH_SBATCH_TIMEOUT_S)."""
     import os
 
-
     text = os.environ.get(SBATCH_TIMEOUT_VAR, str(DEFAULT_SBATCH_TIMEOUT_S))
     if not text.isdigit() or int(text) < 1:
         raise UserError(f"{SBATCH_TIMEOUT_VAR}={text!r}: expected a whole number of seconds >= 1")
@@ -198,10 +254,7 @@ def _reconcile_timed_out_sbatch(plan: LaunchPlan, folder: Any, before: set[Any],
     job. Ask it (by run name and submit time) instead of submitting a second time; when the job
     is there, finish what submitit would have done (name the script and the pickle after the job
     id; the task waits up to 60 s for its pickle). Raises SlurmUnavailable when it cannot tell."""
-    import re
     import time
-    from pathlib import Path
-
 
     deadline = time.monotonic() + RECONCILE_WAIT_S
     ids: list[str] = []
@@ -244,8 +297,6 @@ def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
     prune, the other's checkpoints). Only a checkpoint.dir outside the run directory can clash."""
     import json
     import os
-    from pathlib import Path
-
 
     mine = os.path.realpath(plan.paths.checkpoint_dir)
     if mine.startswith(os.path.realpath(plan.paths.run_dir) + os.sep):
@@ -284,8 +335,6 @@ def submit_plan(
     behind: no registry entry, no half-written run directory.
     """
     import time
-    from pathlib import Path
-
 
     plan: LaunchPlan = resolved.plan
     env = ctx.environ or None

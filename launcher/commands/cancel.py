@@ -46,6 +46,16 @@ def cancel_run(rec, environ=None) -> dict:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    points = runs.sweep_records(args.run, ctx.environ or None)
+    if points and runs.load_record(args.run, ctx.environ or None) is None:  # a sweep: every point
+        results = [cancel_run(r, ctx.environ or None) for r in points]
+        if args.json:
+            ctx.out(json.dumps({"sweep": args.run, "points": results}, indent=2))
+        else:
+            jobs = [j for r in results for j in r["cancelled_jobs"]]
+            ctx.out(f"cancelled sweep '{args.run}': {len(points)} points marked CANCELLED"
+                    + (f", scancel {' '.join(jobs)}" if jobs else ""))
+        return 0
     rec = runs.find_run(args.run, ctx.environ or None)
     result = cancel_run(rec, ctx.environ or None)
     if args.json:

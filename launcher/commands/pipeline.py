@@ -55,8 +55,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             return 0
         ctx.out(f"# pipeline {args.file}: {len(stages)} stage(s), each its own run; nothing submitted")
         for row in rows:
-            after = ", ".join(row["after"]) or "-"
-            ctx.out(f"{row['stage']:<12} run {row['run']:<28} after {after:<24} {' '.join(row['overrides'])}")
+            waits = ", ".join(row["after"]) or "-"
+            ctx.out(f"{row['stage']:<12} run {row['run']:<28} after {waits:<24} {' '.join(row['overrides'])}")
         return 0
 
     submitted: list[str] = []

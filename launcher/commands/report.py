@@ -11,7 +11,7 @@ from launcher.commands.history import load_history
 from launcher.context import Context
 from launcher.core import rundir
 from launcher.core.errors import UserError
-from launcher.report import build_report, draw_png
+from launcher.report import build_report, draw_png, draw_sweep_png, sweep_curves
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    points = runs.sweep_records(args.run, ctx.environ or None)
+    if points and runs.load_record(args.run, ctx.environ or None) is None:
+        return _sweep_report(args, ctx, points)
     rec = runs.find_run(args.run, ctx.environ or None)
     run_dir = Path(rec.run_dir)
     heartbeat = rundir.read_jsonl(run_dir / rundir.HEARTBEAT)
@@ -38,4 +41,21 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         for line in data.summary:
             ctx.out(line)
         ctx.out(f"wrote {out}")
+    return 0
+
+
+def _sweep_report(args: argparse.Namespace, ctx: Context, points: list[runs.RunRecord]) -> int:
+    """`report SWEEP`: every point's loss curve on one plot, the best one marked."""
+    data = sweep_curves([(r.name, rundir.read_jsonl(Path(r.run_dir) / rundir.HEARTBEAT)) for r in points])
+    if not any(xs for xs, _ in data["curves"].values()):
+        raise UserError(f"sweep '{args.run}' has no training steps yet; nothing to plot", exit_code=1)
+    out = Path(args.output) if args.output else Path(points[0].run_dir).parent / args.run / "report.png"
+    if out.suffix.lower() != ".png":
+        raise UserError(f"-o {out}: the report is a PNG; give a path ending in .png")
+    draw_sweep_png(args.run, data, out)
+    summary = {"sweep": args.run, "points": len(points), "best": data["best"], "final_loss": data["final_loss"],
+               "png": str(out)}
+    ctx.out(json.dumps(summary, indent=2) if args.json else
+            f"sweep {args.run}: {len(points)} points, best {data['best']} (final loss "
+            f"{data['final_loss'].get(data['best'], float('nan')):.4f})\nwrote {out}")
     return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from launcher import monitor, runs
+from launcher import monitor, runs, slurm_view, sweep_rows
 from launcher.context import Context
 from launcher.core.errors import UserError
 from launcher.monitor_view import make_console, status_text, status_view
@@ -23,14 +23,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _collect(args: argparse.Namespace, ctx: Context):
     env = ctx.environ or None
-    records = [runs.find_run(args.run, env)] if args.run else runs.list_records(env)
+    points = runs.sweep_records(args.run, env) if args.run else []
+    if args.run and points and runs.load_record(args.run, env) is None:
+        records = points  # `status SWEEP`: its points
+    else:
+        records = [runs.find_run(args.run, env)] if args.run else runs.list_records(env)
     now = time.time()
-    rows, view = monitor.gather_status(records, environ=env, now=now)
     hidden = 0
+    if not args.run and not args.all:  # old runs whose jobs ended for good: not even read
+        final = slurm_view.final_job_ids(env)
+        keep = [monitor.may_be_recent_or_active(rec, final, now) for rec in records]
+        hidden = keep.count(False)
+        records = [rec for rec, k in zip(records, keep) if k]
+    rows, view = monitor.gather_status(records, environ=env, now=now)
     if not args.run and not args.all:
         keep = [monitor.is_recent_or_active(r, rec, now) for r, rec in zip(rows, records)]
-        hidden = keep.count(False)
-        rows = [r for r, k in zip(rows, keep) if k]
+        hidden += keep.count(False)
+        rows, records = [r for r, k in zip(rows, keep) if k], [rec for rec, k in zip(records, keep) if k]
+    if not args.run:
+        rows = sweep_rows.collapse(rows, records)  # a sweep is one row; `status SWEEP` lists its points
     return rows, view, hidden, now
 
 

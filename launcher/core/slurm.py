@@ -427,7 +427,7 @@ class QueuedJob(_InStateGroup):
 
 
 _SQUEUE_FIELDS = ["JobID", "Name", "State", "Reason", "RestartCnt", "TimeLimit", "NumNodes", "TimeUsed",
-                  "NodeList", "Partition", "UserName", "StartTime", "SubmitTime"]
+                  "NodeList", "Partition", "UserName", "StartTime", "SubmitTime", "ArrayJobID", "ArrayTaskID"]
 
 
 def squeue(
@@ -440,7 +440,7 @@ def squeue(
     """ONE `squeue -O` call: the jobs the controller knows now, all of ``job_ids`` (in any state
     it still remembers) or those called ``name`` / of ``user``."""
     fmt = ",".join(f"{f}:{FIELD_SEP}" for f in _SQUEUE_FIELDS)  # `Field:suffix`: unpadded, separated
-    cmd = ["squeue", "-h", "-O", fmt]
+    cmd = ["squeue", "-h", "-r", "-O", fmt]  # -r: an array's pending tasks one per line, as A_i
     ids = sorted({str(j) for j in job_ids}) if job_ids is not None else None
     if ids is not None:
         if not ids:
@@ -462,8 +462,10 @@ def squeue(
         parts = [p.strip() for p in line.split(FIELD_SEP)]
         if len(parts) < len(_SQUEUE_FIELDS):
             continue
-        jid, jname, state, reason, restarts, limit, nnodes, used, nodelist, part, usr, start, submit = \
+        jid, jname, state, reason, restarts, limit, nnodes, used, nodelist, part, usr, start, submit, aid, tid = \
             parts[: len(_SQUEUE_FIELDS)]
+        if tid.isdigit() and aid.isdigit():  # an array task: named A_i, as sbatch, sacct and scontrol name it
+            jid = f"{aid}_{tid}"
         out.append(QueuedJob(jid, jname, state, reason, int(restarts) if restarts.isdigit() else 0, limit,
                              int(nnodes) if nnodes.isdigit() else 0, used, nodelist, part, usr, start, submit))
     return out
@@ -492,3 +494,48 @@ def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TI
         if submitted is not None and submitted >= int(since) - 1:
             found.append((submitted, parts[0]))
     return [jid for _, jid in sorted(found)]
+
+
+# --------------------------------------------------------------------------- a step inside a running job (lmlaunch stacks)
+
+
+def overlap_step_args(job_id: str, nodes: Sequence[str], command: Sequence[str]) -> list[str]:
+    """Pure: srun of one step beside a running job's tasks, one task on each of ``nodes``.
+    ``--overlap`` shares the CPUs (and memory) the job's own step holds, without which the step
+    would wait for them until the job ends; ``--label`` prefixes each line with the task, so the
+    nodes' interleaved lines can be told apart."""
+    n = len(nodes)
+    return ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={','.join(nodes)}", f"--nodes={n}",
+            f"--ntasks={n}", "--ntasks-per-node=1", "--label", "--kill-on-bad-exit=0", "--quiet", *command]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    returncode: int | None  # None: cut off at the timeout
+    stdout: str
+    stderr: str
+
+
+def run_overlap_step(job_id: str, nodes: Sequence[str], command: Sequence[str], *, timeout: float = 60.0) -> StepResult:
+    """Run :func:`overlap_step_args` and return what it printed, also when it fails or is cut off
+    at ``timeout`` (whatever the nodes printed until then). An array task ``A_T`` is named by its
+    own numeric job id, the only form ``srun --jobid`` takes (scontrol tells it)."""
+    if not job_id.isdigit():
+        raw = (show_job(job_id, timeout=DEFAULT_TIMEOUT_S) or {}).get("JobId", "")
+        job_id = raw if raw.isdigit() else job_id
+    cmd = overlap_step_args(job_id, nodes, command)
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        raise _missing(cmd[0])
+    try:
+        proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout, env=slurm_env(),
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        def text(b: bytes | str | None) -> str:
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+        return StepResult(None, text(exc.stdout), text(exc.stderr) + f"\nsrun did not finish within {timeout:.0f} s")
+    msg = proc.stderr.strip()
+    if proc.returncode != 0 and any(m in msg for m in _DOWN_MARKERS):
+        raise SlurmUnavailable(f"the SLURM controller does not answer (`srun`: {_first_line(msg)})")
+    return StepResult(proc.returncode, proc.stdout, proc.stderr)

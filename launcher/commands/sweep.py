@@ -1,0 +1,169 @@
+"""lmlaunch sweep SPEC SWEEP.yaml [overrides...] [--max-parallel N] [--dry-run] [--new] [--json]
+lmlaunch sweep results SWEEP [--json | --csv]"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher import lifecycle, runs, sweep, sweep_rows
+from launcher.commands.cancel import cancel_run
+from launcher.context import Context
+from launcher.core import rundir, slurm
+from launcher.core.errors import SlurmUnavailable, SpecError, UserError
+from launcher.resolve import resolve
+from launcher.submit import render_array_script, submit_array
+
+DEFAULT_MAX_ARRAY_SIZE = 1001  # SLURM's default MaxArraySize
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="job spec YAML (or `results` to tabulate a sweep's points)")
+    p.add_argument("sweep", help="sweep YAML: name, grid / zip / random, max_parallel (or, after `results`, its name)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every point")
+    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    p.add_argument("--max-parallel", type=int, help="at most this many points at once (the array's %%N)")
+    p.add_argument("--dry-run", action="store_true", help="the table of points and the array script; submit nothing")
+    p.add_argument("--new", action="store_true", help="archive and replace points whose run names exist")
+    p.add_argument("--json", action="store_true", help="as JSON")
+    p.add_argument("--csv", action="store_true", help="with results: as CSV")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.spec == "results":
+        return _results(args, ctx)
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise UserError(f"--max-parallel must be at least 1, got {args.max_parallel}")
+    sw = sweep.load(args.sweep)
+    points = sweep.points(sw)
+    resolved = []
+    for i, pt in enumerate(points):
+        ov = [*args.overrides, *sweep.overrides(pt), f"name={sweep.run_name(sw.name, i)}"]
+        try:
+            resolved.append(resolve(args.spec, ov, args.cluster, ctx.environ, python=ctx.python))
+        except SpecError as exc:  # the whole sweep fails before anything is submitted, naming the point
+            raise SpecError([f"sweep {args.sweep}, point {i} ({', '.join(sweep.overrides(pt))}): {p}"
+                             for p in exc.problems], source=exc.source) from None
+    plans = [r.plan for r in resolved]
+    sweep.check_one_shape(plans, points, args.sweep)
+    parallel = min(args.max_parallel or sw.max_parallel or len(points), len(points))
+    sweep_dir = Path(plans[0].paths.run_dir).parent / sw.name
+    if (sweep_dir / rundir.PLAN).exists():
+        raise UserError(f"{sweep_dir} is the run directory of a run named '{sw.name}': give the sweep another name")
+    run_dirs = [p.paths.run_dir for p in plans]
+    if args.dry_run:
+        return _dry_run(args, ctx, sw.name, points, plans, run_dirs, str(sweep_dir), parallel)
+
+    env = ctx.environ or None
+    openings = [lifecycle.plan_opening(p, new=args.new, resume=False, record=runs.load_record(p.run_name, env))
+                for p in plans]
+    if not slurm.ping():
+        raise SlurmUnavailable("the SLURM controller does not answer (`scontrol ping`); nothing was submitted")
+    size = _max_array_size()
+    chunks = [list(range(i, min(i + size, len(plans)))) for i in range(0, len(plans), size)]
+    applied: list[Any] = []
+    arrays: list[str] = []
+    job_ids: list[str] = []
+    try:
+        sweep_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for o in openings:
+            o.apply(env)
+            applied.append(o)
+        dependency = None
+        for chunk in chunks:  # each chunk starts after the one before: the throttle holds over all
+            ids = submit_array(plans[chunk[0]], [run_dirs[i] for i in chunk], str(sweep_dir), parallel, dependency)
+            arrays.append(ids[0].split("_")[0])
+            job_ids += ids
+            dependency = f"afterany:{arrays[-1]}"
+    except BaseException:
+        if arrays:
+            slurm.cancel(arrays)
+        for o in reversed(applied):
+            o.rollback()
+        raise
+    now = time.time()
+    for plan, pt, job in zip(plans, points, job_ids):
+        rec = runs.RunRecord(name=plan.run_name, profile=plan.profile, run_dir=plan.paths.run_dir,
+                             spec_path=str(Path(args.spec).absolute()), job_ids=[job], submitted_at=[now],
+                             max_steps=plan.trainer.max_steps, sweep=sw.name, point=pt)
+        runs.save_record(rec, env)
+    (sweep_dir / "sweep.json").write_text(json.dumps({
+        "name": sw.name, "spec": str(Path(args.spec).absolute()), "file": str(Path(args.sweep).absolute()),
+        "max_parallel": parallel, "arrays": arrays,
+        "points": [{"run": p.run_name, "job_id": j, "point": pt} for p, j, pt in zip(plans, job_ids, points)],
+    }, indent=2) + "\n")
+    if args.json:
+        ctx.out(json.dumps({"sweep": sw.name, "arrays": arrays, "max_parallel": parallel,
+                            "points": [{"run": p.run_name, "job_id": j} for p, j in zip(plans, job_ids)]}, indent=2))
+    else:
+        ctx.out(f"submitted sweep '{sw.name}': {len(points)} points as array job{'s' if len(arrays) > 1 else ''} "
+                f"{', '.join(arrays)}, at most {parallel} at once")
+        for plan, j in zip(plans, job_ids):
+            ctx.out(f"  {plan.run_name:<24} job {j}")
+        ctx.out(f"next: lmlaunch status {sw.name}; lmlaunch sweep results {sw.name}; lmlaunch cancel {sw.name}")
+    return 0
+
+
+def _dry_run(args, ctx, name: str, points, plans, run_dirs, sweep_dir: str, parallel: int) -> int:
+    script = render_array_script(plans[0], run_dirs[:_max_array_size(query=False)], sweep_dir, parallel)
+    if args.json:
+        ctx.out(json.dumps({"sweep": name, "max_parallel": parallel, "script": script,
+                            "points": [{"run": p.run_name, "point": pt} for p, pt in zip(plans, points)]}, indent=2))
+        return 0
+    keys = list(dict.fromkeys(k for pt in points for k in pt))
+    ctx.out(f"# sweep '{name}': {len(points)} points, one SLURM array, at most {parallel} at once; nothing submitted")
+    ctx.out("  ".join(["RUN".ljust(24), *keys]))
+    for plan, pt in zip(plans, points):
+        ctx.out("  ".join([plan.run_name.ljust(24), *(str(pt.get(k, "-")) for k in keys)]))
+    ctx.out("")
+    ctx.out("## array job script (as submitted)")
+    ctx.out(script.rstrip("\n"))
+    return 0
+
+
+def _max_array_size(query: bool = True) -> int:
+    if not query:
+        return DEFAULT_MAX_ARRAY_SIZE
+    text = slurm.config().get("MaxArraySize", "")
+    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_MAX_ARRAY_SIZE
+
+
+def _results(args: argparse.Namespace, ctx: Context) -> int:
+    records = runs.sweep_records(args.sweep, ctx.environ or None)
+    if not records:
+        raise UserError(f"no sweep named {args.sweep!r} in the registry")
+    finals = {}
+    for r in records:
+        beats = rundir.read_jsonl(Path(r.run_dir) / rundir.HEARTBEAT)
+        steps = [b for b in beats if b.get("event") == "step"]
+        vals = [b["val_loss"] for b in beats if b.get("event") == "val" and isinstance(b.get("val_loss"), (int, float))]
+        ends = [e for e in rundir.read_jsonl(Path(r.run_dir) / rundir.LEDGER) if e.get("event") == "end"]
+        finals[r.name] = {"state": ends[-1].get("reason") if ends else "not ended",
+                          "step": steps[-1].get("step") if steps else None,
+                          "loss": steps[-1].get("loss") if steps else None,
+                          "val_loss": vals[-1] if vals else None, "best_val_loss": min(vals) if vals else None}
+    rows = sweep_rows.results(records, finals)
+    if args.json:
+        ctx.out(json.dumps({"sweep": args.sweep, "points": rows}, indent=2))
+    elif args.csv:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+        ctx.out(buf.getvalue().rstrip("\n"))
+    else:
+        cols = list(rows[0])
+        ctx.out("  ".join(c.ljust(14) for c in cols))
+        for row in rows:
+            ctx.out("  ".join((f"{v:.4g}" if isinstance(v, float) else str(v)).ljust(14) for v in row.values()))
+    return 0
+
+
+def cancel_sweep(name: str, environ=None) -> list[dict[str, Any]]:
+    """Cancel every point of a sweep (``lmlaunch cancel SWEEP``)."""
+    return [cancel_run(r, environ) for r in runs.sweep_records(name, environ)]

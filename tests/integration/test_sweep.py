@@ -1,0 +1,115 @@
+"""Sweeps on the real local cluster: a 6-point sweep with --max-parallel 2 is one SLURM array that
+never runs more than 2 points at once and completes all 6; preempting one running point requeues
+that array task only, and it resumes at the step it stopped (0 steps lost); the sweep's status
+row, results table and report (6 curves) follow; `cancel SWEEP` cancels every point."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from slurm_helpers import REPO
+
+from launcher import rehearsal
+from launcher.core import rundir, slurm
+
+SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
+STEPS = 40
+SMALL = ["resources.nodes=1", f"trainer.max_steps={STEPS}", "optim.warmup_steps=1", "trainer.log_every_n_steps=1",
+         "checkpoint.every_n_steps=100", "trainer.val_check_interval=20"]
+
+
+def _sweep_file(tmp_path: Path, name: str) -> str:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps({"name": name, "max_parallel": 2, "grid": {"optim.lr": [0.001, 0.003, 0.01]},
+                                "zip": {"optim.min_lr": [0.0001, 0.0002]}}))
+    return str(path)
+
+
+def _ledger(run_dir: Path) -> list[dict]:
+    return rundir.read_jsonl(run_dir / rundir.LEDGER)
+
+
+def _step(run_dir: Path) -> int:
+    steps = [b["step"] for b in rundir.read_jsonl(run_dir / rundir.HEARTBEAT) if b.get("event") == "step"]
+    return max(steps) if steps else 0
+
+
+def test_a_throttled_sweep_runs_every_point_and_one_preempted_point_resumes_alone(
+        slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
+    r = cli("sweep", SPEC, _sweep_file(tmp_path, run_name), *SMALL, "--json")
+    assert r.code == 0, r.out + r.err
+    sub = json.loads(r.out)
+    assert len(sub["arrays"]) == 1 and len(sub["points"]) == 6
+    array = sub["arrays"][0]
+    own_jobs.append(array)
+    runs_root = Path(lm_env["LMLAUNCH_RUNS_ROOT"])
+    dirs = {p["run"]: runs_root / p["run"] for p in sub["points"]}
+
+    most, preempted, deadline = 0, None, time.monotonic() + 600
+    while time.monotonic() < deadline:
+        jobs = [j for j in slurm.squeue([array]) if j.job_id.startswith(f"{array}_")] + \
+            [j for j in slurm.squeue([p["job_id"] for p in sub["points"]])]
+        running = {j.job_id for j in jobs if slurm.state_group(j.state) == "running"}
+        most = max(most, len(running))
+        if preempted is None:
+            for p in sub["points"]:
+                if p["job_id"] in running and _step(dirs[p["run"]]) >= 8:
+                    preempted = p  # SIGTERM to that array task's processes, as a preemption
+                    rehearsal.signal_steps(p["job_id"], "TERM")
+                    break
+        ended = [p for p in sub["points"] if any(e.get("event") == "end" and e.get("reason") == "completed"
+                                                 for e in _ledger(dirs[p["run"]]))]
+        if len(ended) == 6:
+            break
+        pending = [j.job_id for j in jobs if slurm.state_group(j.state) == "queued" and "BeginTime" in (j.reason or "")]
+        for jid in pending:  # a requeued task waits for SLURM's BeginTime (~2 min): start it now
+            if not rehearsal.nodes_completing():
+                rehearsal.start_now(jid)
+        time.sleep(1.0)
+    assert most <= 2, f"{most} points ran at once"
+    assert preempted is not None
+    for p in sub["points"]:
+        ledger = _ledger(dirs[p["run"]])
+        ends = [e for e in ledger if e.get("event") == "end"]
+        starts = [e for e in ledger if e.get("event") == "start"]
+        assert ends and ends[-1]["reason"] == "completed" and ends[-1]["end_step"] == STEPS, (p, ends)
+        if p is preempted:
+            assert [e["reason"] for e in ends] == ["preempted", "completed"], ends
+            assert starts[1]["start_step"] == ends[0]["end_step"] > 0, (starts, ends)  # 0 steps lost
+            assert starts[1]["job_id"] == p["job_id"] and starts[1]["restart_count"] == 1
+        else:
+            assert len(starts) == 1 and starts[0]["job_id"] == p["job_id"], (p, starts)  # untouched
+
+    deadline = time.monotonic() + 60  # the ledgers say completed; SLURM may still be ending the last task
+    while time.monotonic() < deadline and any(slurm.is_active(j.state) for j in slurm.squeue([array])):
+        time.sleep(1)
+    row = next(x for x in json.loads(cli("status", "--json").out)["runs"] if x["name"] == run_name)
+    assert row["state"] == "6 COMPLETED" and "sweep of 6 points" in row["note"], row
+    res = json.loads(cli("sweep", "results", run_name, "--json").out)["points"]
+    assert [x["run"] for x in res] == [f"{run_name}.{i}" for i in range(6)]
+    assert all(x["state"] == "completed" and x["step"] == STEPS and x["val_loss"] is not None for x in res), res
+    assert {x["optim.lr"] for x in res} == {0.001, 0.003, 0.01}
+    rep = cli("report", run_name, "-o", str(tmp_path / "sweep.png"), "--json")
+    assert rep.code == 0, rep.err
+    summary = json.loads(rep.out)
+    assert summary["points"] == 6 and len(summary["final_loss"]) == 6 and summary["best"] in dirs
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_cancelling_a_sweep_cancels_every_point(slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
+    r = cli("sweep", SPEC, _sweep_file(tmp_path, run_name), *SMALL, "trainer.max_steps=100000", "--json")
+    assert r.code == 0, r.out + r.err
+    sub = json.loads(r.out)
+    own_jobs.extend(sub["arrays"])
+    time.sleep(3)
+    c = cli("cancel", run_name, "--json")
+    assert c.code == 0, c.err
+    assert len(json.loads(c.out)["points"]) == 6
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and any(slurm.is_active(j.state) for j in slurm.squeue(sub["arrays"])):
+        time.sleep(1)
+    assert not [j for j in slurm.squeue(sub["arrays"]) if slurm.is_active(j.state)]
+    for p in sub["points"]:
+        assert (Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / p["run"] / rundir.CANCELLED).exists()

@@ -1,0 +1,118 @@
+"""Sweeps (launcher.sweep): points from grid, zip and seeded random parts; every point planned and
+validated before anything is submitted; one job shape per array; the array script picks each
+task's run directory; arrays larger than MaxArraySize are split and chained."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from launcher import sweep
+from launcher.core.errors import SpecError
+
+
+def _sweep(tmp_path, d: dict) -> str:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_points_are_the_product_of_grid_zip_and_random_samples(tmp_path):
+    sw = sweep.load(_sweep(tmp_path, {
+        "name": "s", "grid": {"optim.lr": [0.001, 0.003]},
+        "zip": {"optim.warmup_steps": [1, 2], "optim.min_lr": [0.0001, 0.0002]},
+        "random": {"n": 2, "seed": 7, "params": {"optim.weight_decay": {"uniform": [0.0, 0.1]},
+                                                 "data.micro_batch_size": {"choice": [2, 4]}}}}))
+    pts = sweep.points(sw)
+    assert len(pts) == 2 * 2 * 2
+    assert pts[0]["optim.lr"] == 0.001 and pts[0]["optim.warmup_steps"] == 1 and pts[0]["optim.min_lr"] == 0.0001
+    assert {p["optim.lr"] for p in pts} == {0.001, 0.003}
+    assert all(0.0 <= p["optim.weight_decay"] <= 0.1 and p["data.micro_batch_size"] in (2, 4) for p in pts)
+    assert sweep.points(sw) == pts  # seeded: the same points every time
+    assert sweep.overrides({"optim.lr": 0.001, "trainer.precision": "bf16-mixed"}) == [
+        "optim.lr=0.001", "trainer.precision=bf16-mixed"]
+
+
+@pytest.mark.parametrize("d, words", [
+    ({"name": "s"}, "there is nothing to sweep"),
+    ({"name": "s", "zip": {"optim.lr": [1, 2], "optim.min_lr": [1]}}, "every list must have one length"),
+    ({"name": "s", "grid": {"lr": [1]}}, "is not a dotted key"),
+    ({"name": "s", "grid": {"optim.lr": []}}, "an empty list sweeps nothing"),
+    ({"name": "s", "random": {"n": 2, "params": {"optim.lr": {"uniform": [0, 1], "choice": [1]}}}}, "exactly one of"),
+    ({"name": "s", "gird": {"optim.lr": [1]}}, "unknown key 'gird'"),
+])
+def test_bad_sweep_files_are_refused_with_the_file_and_the_key(tmp_path, d, words):
+    path = _sweep(tmp_path, d)
+    with pytest.raises(SpecError) as err:
+        sweep.load(path)
+    assert words in str(err.value) and path in str(err.value)
+
+
+def _cli(*args, environ):
+    from launcher.cli import main
+    from launcher.context import Context
+
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(args), Context(stdout=out, stderr=err, environ=environ))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def env(runs_root, tmp_path):
+    return {"LMLAUNCH_RUNS_ROOT": str(runs_root), "LMLAUNCH_HOME": str(tmp_path / "home")}
+
+
+def test_the_dry_run_shows_the_points_and_the_one_array_script(repo, env, tmp_path):
+    path = _sweep(tmp_path, {"name": "lr", "max_parallel": 2, "grid": {"optim.lr": [0.001, 0.003, 0.01]},
+                             "zip": {"optim.warmup_steps": [1, 2]}})
+    code, out, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, "resources.nodes=1", "--dry-run",
+                          environ=env)
+    assert code == 0, err
+    assert "# sweep 'lr': 6 points, one SLURM array, at most 2 at once; nothing submitted" in out
+    assert "#SBATCH --array=0-5%2" in out and out.count("#SBATCH --array") == 1
+    runs_root = env["LMLAUNCH_RUNS_ROOT"]
+    assert f"LMLAUNCH_POINTS=({' '.join(f'{runs_root}/lr.{i}' for i in range(6))})" in out
+    assert 'export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"' in out
+    assert 'export PYTHONPATH="$LMLAUNCH_RUN_DIR/code"' in out
+    assert f"submitit.core._submit {runs_root}/lr/submitit" in out
+
+
+def test_one_invalid_point_fails_the_sweep_naming_it_and_nothing_is_written(repo, env, tmp_path):
+    path = _sweep(tmp_path, {"name": "bad", "grid": {"trainer.max_steps": [10, 20, -1]}})
+    code, out, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, environ=env)
+    assert code == 2 and "point 2 (trainer.max_steps=-1)" in err and "trainer.max_steps" in err, err
+    root = tmp_path / "runs"
+    assert not (root.exists() and list(root.iterdir())) and not (tmp_path / "home" / "registry").exists()
+
+
+def test_a_point_that_changes_the_jobs_shape_is_refused(repo, env, tmp_path):
+    path = _sweep(tmp_path, {"name": "shape", "grid": {"resources.nodes": [1, 2]}})
+    code, out, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, "--dry-run", environ=env)
+    assert code == 2 and "point 1 (resources.nodes=2) changes the job's shape (slurm.nodes" in err, err
+
+
+def test_an_array_larger_than_max_array_size_is_split_and_chained(repo, env, tmp_path, monkeypatch):
+    from launcher.commands import sweep as command
+    from launcher.core import slurm
+
+    calls = []
+
+    def fake_submit(plan, run_dirs, sweep_dir, parallel, dependency=None):
+        array = str(100 + len(calls))
+        calls.append((len(run_dirs), parallel, dependency))
+        return [f"{array}_{i}" for i in range(len(run_dirs))]
+
+    monkeypatch.setattr(command, "submit_array", fake_submit)
+    monkeypatch.setattr(slurm, "ping", lambda *a, **k: True)
+    monkeypatch.setattr(slurm, "config", lambda *a, **k: {"MaxArraySize": "4"})
+    path = _sweep(tmp_path, {"name": "big", "max_parallel": 3, "grid": {"optim.lr": [0.001 * i for i in range(1, 10)]}})
+    code, out, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, "resources.nodes=1", "--json",
+                          environ=env)
+    assert code == 0, err
+    assert calls == [(4, 3, None), (4, 3, "afterany:100"), (1, 3, "afterany:101")]
+    got = json.loads(out)
+    assert got["arrays"] == ["100", "101", "102"] and got["points"][4] == {"run": "big.4", "job_id": "101_0"}
+    code, out, err = _cli("status", "big", "--json", environ=env)
+    assert code == 0 and [r["name"] for r in json.loads(out)["runs"]] == [f"big.{i}" for i in range(9)], out
