@@ -1,7 +1,10 @@
 """`lmlaunch status` cold start (a new process each time) with 200 registered runs, against
 `squeue` itself measured in the same run. Prints JSON with the times and their ratio.
 
-    python bench/status_latency.py [--runs 200] [--repeat 7]
+    python bench/status_latency.py [--runs 200] [--repeat 7] [--recent N]
+
+``--recent N``: only N runs were submitted in the last day, the others 2-30 days ago (most
+finished: what plain `status` skips before reading anything, its final-jobs cache knowing them).
 
 The 200 runs get synthetic run directories (heartbeat, ledger, checkpoint) in a temporary
 LMLAUNCH_HOME; their job ids are real ones from this cluster's accounting (reused round-robin),
@@ -44,6 +47,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--recent", type=int, default=None,
+                    help="runs submitted in the last day; the others were submitted 2-30 days ago (default: all recent)")
     args = ap.parse_args()
 
     from monitor_synth import make_run
@@ -56,10 +61,12 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="lmlaunch-bench-"))
     try:
         now = time.time()
+        recent = args.runs if args.recent is None else args.recent
         for i in range(args.runs):
             jid = real_ids[i % len(real_ids)]
-            make_run(home, f"bench-{i:03d}", job_ids=(jid,), submitted_at=now - 60, checkpoint_step=40, attempts=[
-                {"job_id": jid, "start_step": 0, "end_step": 50, "t0": now - 300, "t1": now - 10}])
+            submitted = now - 60 if i >= args.runs - recent else now - 86400 * (2 + i % 29)
+            make_run(home, f"bench-{i:03d}", job_ids=(jid,), submitted_at=submitted, checkpoint_step=40, attempts=[
+                {"job_id": jid, "start_step": 0, "end_step": 50, "t0": submitted + 60, "t1": submitted + 300}])
         env = {**os.environ, "LMLAUNCH_HOME": str(home), "COLUMNS": "160"}
         lmlaunch = shutil.which("lmlaunch", path=str(Path(sys.executable).parent)) or "lmlaunch"
         squeue = _time(["squeue", "-h"], {**env, **slurm.slurm_env()}, args.repeat)
@@ -76,6 +83,9 @@ def main() -> None:
             uncached += _time([lmlaunch, "status", "--all"], env, 1)
         _time([lmlaunch, "status", "--all"], env, 1)  # fills them again
         table = _time([lmlaunch, "status", "--all"], env, args.repeat)
+        plain = _time([lmlaunch, "status"], env, args.repeat)  # active and recent runs only
+        calls = json.loads(subprocess.run([lmlaunch, "status", "--all", "--json"], env=env, capture_output=True,
+                                          text=True).stdout)["slurm"]["calls"]
         js = _time([lmlaunch, "status", "--all", "--json"], env, args.repeat)
         python = _time([sys.executable, "-c", "pass"], env, args.repeat)
         med = statistics.median
@@ -86,13 +96,17 @@ def main() -> None:
             "python_startup_s": round(med(python), 4),
             "status_first_call_s": round(first[0], 4),
             "status_uncached_s": round(med(uncached), 4),
+            "recent_runs": recent,
+            "status_plain_s": round(med(plain), 4),
             "status_table_s": round(med(table), 4),
+            "slurm_calls_per_refresh": calls,
             "ratio_status_cached_vs_uncached": round(med(table) / med(uncached), 2),
             "status_json_s": round(med(js), 4),
             "ratio_status_table_vs_squeue": round(med(table) / med(squeue), 1),
             "ratio_status_json_vs_squeue": round(med(js) / med(squeue), 1),
-            "goal_s": 0.25,
-            "meets_goal": med(table) < 0.25,
+            "goal_plain_s": 0.25,
+            "goal_all_s": 1.0 if args.runs >= 10_000 else 0.25,
+            "meets_goal": med(plain) <= 0.25 and med(table) <= (1.0 if args.runs >= 10_000 else 0.25),
         }
         print(json.dumps(result, indent=2))
     finally:

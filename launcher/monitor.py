@@ -195,13 +195,6 @@ def is_recent_or_active(row: StatusRow, rec: Any, now: float, days: float = 1.0)
     return now - last < days * 86400
 
 
-def may_be_recent_or_active(rec: Any, final: set[str], now: float, days: float = 1.0) -> bool:
-    """Before reading anything: a run whose job ended for good (``final``) more than ``days``
-    after its submission cannot be shown by `status` without --all; any other run may be."""
-    last = rec.submitted_at[-1] if rec.submitted_at else 0.0
-    return now - last < days * 86400 or (rec.last_job_id is not None and rec.last_job_id not in final)
-
-
 def gather_status(
     records: Sequence[Any],
     *,

@@ -100,6 +100,7 @@ def delete_record(name: str, environ: Mapping[str, str] | None = None) -> None:
 
 
 REGISTRY_INDEX = "cache/registry-index.json"  # under $LMLAUNCH_HOME: a read-through copy of the registry
+REGISTRY_HEADS = "cache/registry-heads.json"  # beside it: each entry's identity, last submission and job
 
 
 def list_records(environ: Mapping[str, str] | None = None) -> list[RunRecord]:
@@ -141,9 +142,62 @@ def list_records(environ: Mapping[str, str] | None = None) -> list[RunRecord]:
             rec = RunRecord.from_dict(data)
             fresh[name] = known
         out.append(rec)
-    if fresh != index:
+    if fresh != index or not index_path.with_name(Path(REGISTRY_HEADS).name).exists():
         _save_index(index_path, fresh)
     return out
+
+
+def recent_or_unfinished(final: set[str], now: float, days: float = 1.0,
+                         environ: Mapping[str, str] | None = None) -> tuple[list[RunRecord], int]:
+    """The records plain `status` may show (submitted within ``days``, or whose last job is not
+    known to have ended for good: ``final``) and how many others there are, without parsing the
+    others: the index's heads (``$LMLAUNCH_HOME/cache/registry-heads.json``: name -> identity,
+    last submission, last job) decide; an entry whose file changed is read as ``list_records``
+    would. With 10,000 mostly finished runs this reads a few records instead of all of them."""
+    d = registry_dir(environ)
+    try:
+        with os.scandir(d) as it:
+            entries = sorted((e.name, e) for e in it if e.name.endswith(".json") and not e.name.startswith("."))
+    except OSError:
+        return [], 0
+    heads_path = lmlaunch_home(environ) / REGISTRY_HEADS
+    if not heads_path.exists():
+        list_records(environ)  # once: the index and its heads
+    heads = _load_heads(heads_path)
+    keep: list[RunRecord] = []
+    skipped = 0
+    for name, entry in entries:
+        try:
+            st = entry.stat()
+        except OSError:
+            continue
+        head = heads.get(name)
+        if head is not None and head[0] == [st.st_ino, st.st_mtime_ns, st.st_size]:
+            submitted, job = head[1], head[2]
+            if now - submitted >= days * 86400 and job is not None and job in final:
+                skipped += 1
+                continue
+            if (rec := load_record(name[:-5], environ)) is not None:
+                keep.append(rec)
+            continue
+        rec = load_record(name[:-5], environ)  # new or changed: the file decides
+        if rec is None:
+            continue
+        last = rec.submitted_at[-1] if rec.submitted_at else 0.0
+        if now - last >= days * 86400 and rec.last_job_id is not None and rec.last_job_id in final:
+            skipped += 1
+        else:
+            keep.append(rec)
+    return keep, skipped
+
+
+def _load_heads(path: Path) -> dict[str, list[Any]]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _racy(mtime_ns: int, window_s: float = 2.0) -> bool:
@@ -166,9 +220,13 @@ def _load_index(path: Path) -> dict[str, list[Any]]:
 
 
 def _save_index(path: Path, entries: dict[str, list[Any]]) -> None:
+    """The index, and its heads (what `recent_or_unfinished` needs of each entry) beside it."""
+    heads = {name: [ident, (data.get("submitted_at") or [0.0])[-1], (data.get("job_ids") or [None])[-1]]
+             for name, (ident, data) in entries.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
         write_private(path, json.dumps({"version": 1, "entries": entries}, separators=(",", ":")))
+        write_private(path.with_name(Path(REGISTRY_HEADS).name), json.dumps(heads, separators=(",", ":")))
     except OSError:
         pass  # an index that cannot be written only costs the next call reading every entry
 

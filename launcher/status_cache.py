@@ -34,6 +34,8 @@ from launcher.runs import lmlaunch_home
 CACHE_FILE = "cache/run-files.json"
 VERSION = 2
 RACY_S = 2.0
+FEW = 32  # up to this many run directories are read directly when the cache is big (plain `status`
+BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cached run)
 # the files a status row is built from, relative to the run directory. "" is the directory
 # itself: DONE, CANCELLED and plan.json are only ever created, removed or replaced by rename,
 # each of which moves the directory's mtime, so they need no stat of their own.
@@ -123,6 +125,13 @@ def _path(environ: Mapping[str, str] | None) -> Path:
     return lmlaunch_home(environ) / CACHE_FILE
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def _load(path: Path) -> dict[str, Any]:
     try:
         with open(path) as f:
@@ -148,6 +157,8 @@ def read_all(run_dirs: Sequence[str], environ: Mapping[str, str] | None = None) 
     (``status RUN`` must not empty the cache that ``status`` filled) while their directory
     exists; those of removed or archived directories are dropped."""
     path = _path(environ)
+    if len(run_dirs) <= FEW and _size(path) > BIG_CACHE_BYTES:  # a few directories cost less to read
+        return [read_run_files(Path(d), with_plan_time=True) for d in run_dirs]  # than a cache of thousands
     cached = _load(path)
     changed = False
     now_ns = time.time_ns()

@@ -24,17 +24,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _collect(args: argparse.Namespace, ctx: Context):
     env = ctx.environ or None
     points = runs.sweep_records(args.run, env) if args.run else []
-    if args.run and points and runs.load_record(args.run, env) is None:
-        records = points  # `status SWEEP`: its points
-    else:
-        records = [runs.find_run(args.run, env)] if args.run else runs.list_records(env)
     now = time.time()
     hidden = 0
-    if not args.run and not args.all:  # old runs whose jobs ended for good: not even read
-        final = slurm_view.final_job_ids(env)
-        keep = [monitor.may_be_recent_or_active(rec, final, now) for rec in records]
-        hidden = keep.count(False)
-        records = [rec for rec, k in zip(records, keep) if k]
+    if args.run and points and runs.load_record(args.run, env) is None:
+        records = points  # `status SWEEP`: its points
+    elif args.run:
+        records = [runs.find_run(args.run, env)]
+    elif args.all:
+        records = runs.list_records(env)
+    else:  # old runs whose jobs ended for good are not even read
+        records, hidden = runs.recent_or_unfinished(slurm_view.final_job_ids(env), now, environ=env)
     rows, view = monitor.gather_status(records, environ=env, now=now)
     if not args.run and not args.all:
         keep = [monitor.is_recent_or_active(r, rec, now) for r, rec in zip(rows, records)]
