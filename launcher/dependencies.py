@@ -16,6 +16,7 @@ from launcher.core import slurm
 from launcher.core.errors import UserError
 
 KINDS = {"ok": "afterok", "any": "afterany"}
+SINGLETON = "singleton"
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,17 @@ class After:
     job_id: str
 
     def label(self) -> str:
-        return f"{self.run}:{self.kind} (job {self.job_id})"
+        return SINGLETON if self.kind == SINGLETON else f"{self.run}:{self.kind} (job {self.job_id})"
 
 
 def parse(refs: Sequence[str], environ: Mapping[str, str] | None = None) -> list[After]:
+    """``RUN[:ok|:any]`` (the run's newest job) or ``singleton`` (sbatch's: at most one job of
+    this name and user runs at a time, the others wait)."""
     out = []
     for ref in refs:
+        if ref == SINGLETON:
+            out.append(After(SINGLETON, SINGLETON, ""))
+            continue
         name, _, kind = ref.rpartition(":") if ref.rpartition(":")[2] in KINDS else (ref, "", "ok")
         rec = runs.find_run(name, environ)
         if not rec.last_job_id:
@@ -39,11 +45,18 @@ def parse(refs: Sequence[str], environ: Mapping[str, str] | None = None) -> list
     return out
 
 
+def planned(after: Sequence[After]) -> str | None:
+    """The --dependency value as asked for, SLURM not asked (the dry run's)."""
+    return ",".join(SINGLETON if a.kind == SINGLETON else f"{KINDS[a.kind]}:{a.job_id}" for a in after) or None
+
+
 def dependency(after: Sequence[After]) -> tuple[str | None, list[str]]:
     """The sbatch --dependency value (None: nothing left to wait for) and notes. Raises when an
     upstream run can no longer satisfy ``:ok``."""
     if not after:
         return None, []
+    singleton = any(a.kind == SINGLETON for a in after)
+    after = [a for a in after if a.kind != SINGLETON]
     ids = [a.job_id for a in after]
     known = {j.job_id: j for j in slurm.squeue(ids)}  # ended jobs too, for MinJobAge
     live = {jid: j for jid, j in known.items() if slurm.is_active(j.state)}
@@ -63,4 +76,7 @@ def dependency(after: Sequence[After]) -> tuple[str | None, list[str]]:
         else:
             raise UserError(f"--after {a.label()}: that job ended {state}, so it can never complete successfully; "
                             f"resubmit it, or wait for it with --after {a.run}:any")
+    if singleton:
+        parts.append(SINGLETON)
+        notes.append("singleton: starts only when no other job of this name is running")
     return (",".join(parts) or None), notes

@@ -49,14 +49,15 @@ class Stage(StrictModel):
     overrides: list[str] = Field(default_factory=list, max_length=256)
     """Dotted overrides as on the command line; ${STAGE.checkpoint} names an earlier stage's run."""
     after: list[str] = Field(default_factory=list, max_length=32)
-    """Earlier stages this one starts after: STAGE (completed successfully) or STAGE:any."""
+    """Earlier stages this one starts after: STAGE (completed successfully) or STAGE:any; and
+    ``singleton``: not while another job of its name runs."""
 
     @field_validator("after")
     @classmethod
     def _after_syntax(cls, v: list[str]) -> list[str]:
         for ref in v:
-            if not AFTER.fullmatch(ref):
-                raise ValueError(f"{ref!r} is not STAGE, STAGE:ok or STAGE:any")
+            if ref != "singleton" and not AFTER.fullmatch(ref):
+                raise ValueError(f"{ref!r} is not STAGE, STAGE:ok, STAGE:any or singleton")
         return v
 
 
@@ -99,6 +100,9 @@ def stage_plans(pipe: PipelineFile, pipeline_path: str | Path, run_dir_of: Mappi
         run = f"{pipe.name}.{st.name}"
         after = []
         for ref in st.after:
+            if ref == "singleton":  # sbatch's: one job of this name at a time
+                after.append(ref)
+                continue
             m = AFTER.fullmatch(ref)
             assert m is not None  # the schema checked it
             if m["stage"] not in seen:

@@ -26,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--new", action="store_true", help="start over if the run name exists (old run is archived)")
     g.add_argument("--resume", action="store_true", help="continue the existing run of this name")
-    p.add_argument("--after", action="append", default=[], metavar="RUN[:ok|:any]",
-                   help="start only after RUN's job completed successfully (:ok, the default) or ended (:any); repeatable")
+    p.add_argument("--after", action="append", default=[], metavar="RUN[:ok|:any]|singleton",
+                   help="start only after RUN's job completed successfully (:ok, the default) or ended (:any), "
+                        "or (singleton) when no other job of this name runs; repeatable")
     p.add_argument("--new-code", action="store_true",
                    help="with --resume: run the current code instead of the run's code snapshot (says what changed)")
 
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
     after = dependencies.parse(args.after, ctx.environ or None)
     if args.dry_run:  # the dependency as it would be asked for (SLURM is not asked here)
-        script = render_script(r.plan, ",".join(f"{dependencies.KINDS[a.kind]}:{a.job_id}" for a in after) or None)
+        script = render_script(r.plan, dependencies.planned(after))
         if args.json:
             ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script}, indent=2, sort_keys=True))
         else:

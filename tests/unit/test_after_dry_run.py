@@ -37,6 +37,8 @@ def test_the_dependency_is_in_the_script(repo, env):
     assert "#SBATCH --dependency=afterok:123,afterany:77\n" in json.loads(out)["script"]
     code, out = _dry(repo, env)
     assert "--dependency" not in json.loads(out)["script"]
+    code, out = _dry(repo, env, "train", "singleton")  # one job of this name at a time
+    assert code == 0 and "#SBATCH --dependency=afterok:123,singleton\n" in json.loads(out)["script"], out
 
 
 def test_an_unknown_run_is_refused(repo, env):

@@ -26,11 +26,11 @@ def test_stages_get_run_names_dependencies_and_resolved_references(tmp_path):
     pipe, path = _pipe(tmp_path, [
         {"name": "train", "spec": "t.yaml", "overrides": ["trainer.max_steps=6"]},
         {"name": "eval", "spec": "t.yaml", "after": ["train"], "overrides": ["eval.checkpoint=${train.checkpoint}"]},
-        {"name": "report", "spec": "t.yaml", "after": ["train:any", "eval:ok"]},
+        {"name": "report", "spec": "t.yaml", "after": ["train:any", "eval:ok", "singleton"]},
     ])
     plans = pipeline.stage_plans(pipe, path, run_dir_of={"train": "/runs/pp.train"})
     assert [(p.run, p.after) for p in plans] == [
-        ("pp.train", []), ("pp.eval", ["pp.train:ok"]), ("pp.report", ["pp.train:any", "pp.eval:ok"])]
+        ("pp.train", []), ("pp.eval", ["pp.train:ok"]), ("pp.report", ["pp.train:any", "pp.eval:ok", "singleton"])]
     assert plans[1].overrides == ["eval.checkpoint=/runs/pp.train", "name=pp.eval"]
     assert plans[0].spec_path == str(tmp_path / "t.yaml")
 
