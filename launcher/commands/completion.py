@@ -21,7 +21,9 @@ OPTIONS = {
     "cancel": "--json",
     "history": "--json",
     "report": "--output --json",
-    "submit": "--cluster --dry-run --json --new --resume",
+    "submit": "--cluster --dry-run --json --new --resume --after --new-code",
+    "sweep": "results --cluster --max-parallel --dry-run --new --json --csv",
+    "pipeline": "--cluster --dry-run --new --json",
     "validate": "--cluster",
     "completion": "bash zsh",
 }
