@@ -166,37 +166,40 @@ def recent_or_unfinished(final: set[str], now: float, days: float = 1.0,
     heads = _load_heads(heads_path)
     keep: list[RunRecord] = []
     skipped = 0
+
+    def done_long_ago(submitted: float, job: str | None) -> bool:
+        return now - submitted >= days * 86400 and job is not None and job in final
+
     for name, entry in entries:
         try:
             st = entry.stat()
         except OSError:
             continue
         head = heads.get(name)
-        if head is not None and head[0] == [st.st_ino, st.st_mtime_ns, st.st_size]:
-            submitted, job = head[1], head[2]
-            if now - submitted >= days * 86400 and job is not None and job in final:
-                skipped += 1
-                continue
-            if (rec := load_record(name[:-5], environ)) is not None:
-                keep.append(rec)
+        if head is not None and head[0] == [st.st_ino, st.st_mtime_ns, st.st_size] and done_long_ago(head[1], head[2]):
+            skipped += 1
             continue
-        rec = load_record(name[:-5], environ)  # new or changed: the file decides
+        rec = load_record(name[:-5], environ)  # shown, or new or changed (the file decides)
         if rec is None:
             continue
-        last = rec.submitted_at[-1] if rec.submitted_at else 0.0
-        if now - last >= days * 86400 and rec.last_job_id is not None and rec.last_job_id in final:
+        if done_long_ago(rec.submitted_at[-1] if rec.submitted_at else 0.0, rec.last_job_id):
             skipped += 1
         else:
             keep.append(rec)
     return keep, skipped
 
 
-def _load_heads(path: Path) -> dict[str, list[Any]]:
+def _read_json(path: Path) -> Any:
+    """A cache file's JSON; None when it is missing or damaged (the caller reads the truth)."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
-        return {}
+        return None
+
+
+def _load_heads(path: Path) -> dict[str, list[Any]]:
+    data = _read_json(path)
     return data if isinstance(data, dict) else {}
 
 
@@ -207,11 +210,7 @@ def _racy(mtime_ns: int, window_s: float = 2.0) -> bool:
 
 
 def _load_index(path: Path) -> dict[str, list[Any]]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
+    data = _read_json(path)
     entries = data.get("entries") if isinstance(data, dict) and data.get("version") == 1 else None
     if not isinstance(entries, dict):
         return {}
