@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU tests and benches, in the parts one device call of at most 10 minutes can hold.
+#
+#   bash bench/gpu_session.sh PART      (PART: tests | throughput | big | rest | cpu-io)
+#
+# Run on a GPU machine from the repository root, with the wheels of bench/RESULTS.md ("Commands
+# for an H100 session") in .carry/whl (the device image has torch, lightning and transformers but
+# not deepspeed, pydantic, submitit or python-hostlist). Every step has its own time limit so the
+# call comes back with what finished; logs and JSON lines go to $OUT (or ./gpu-out).
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+BUDGET=${BUDGET:-560}          # seconds this part may use (a device call is killed at 600)
+T0=$(date +%s)
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi -L 2>&1 | tee "$OUT/device.txt"
+python3 -c "import sys,torch,lightning,transformers,deepspeed;print(sys.version.split()[0],torch.__version__,lightning.__version__,transformers.__version__,deepspeed.__version__)" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
+
+# step NAME CMD...: runs CMD with what is left of the budget (at most its own share), logs to $OUT/NAME.log
+step() {
+    local name=$1; shift
+    local left=$(( BUDGET - ($(date +%s) - T0) ))
+    if (( left < 30 )); then echo "== $name: skipped, ${left}s left"; return; fi
+    echo "== $name (limit ${left}s)"
+    local s=$(date +%s)
+    timeout --signal=TERM --kill-after=10 "$left" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: rc=$? in $(( $(date +%s) - s ))s"
+    tail -n 4 "$OUT/$name.log"
+}
+
+case "${1:-}" in
+    tests)
+        step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider -o addopts=""
+        step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --out "$OUT/throughput.jsonl"
+        ;;
+    throughput)
+        step tp-zero2 python3 bench/throughput.py --config zero2 --out "$OUT/throughput.jsonl"
+        step tp-llama python3 bench/throughput.py --config llama-1b --out "$OUT/throughput.jsonl"
+        ;;
+    big)
+        step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --out "$OUT/ckpt.jsonl"
+        step ck-gpt2 python3 bench/checkpoint_speed.py --config gpt2-124m --out "$OUT/ckpt.jsonl"
+        ;;
+    rest)
+        step tp-zero1 python3 bench/throughput.py --config zero1 --out "$OUT/throughput.jsonl"
+        step tp-zero3 python3 bench/throughput.py --config zero3 --out "$OUT/throughput.jsonl"
+        ;;
+    cpu-io)  # issue 17's CPU checkpoint bench on a machine with 128 GiB: both shapes
+        step io-124m python3 bench/checkpoint_io.py --params 124e6
+        step io-1b python3 bench/checkpoint_io.py --params 1.1e9 --steps 6
+        ;;
+    *) echo "usage: bash bench/gpu_session.sh tests|throughput|big|rest|cpu-io" >&2; exit 2 ;;
+esac
+grep -h '^{' "$OUT"/*.jsonl 2>/dev/null | tail -n 8
