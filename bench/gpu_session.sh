@@ -47,7 +47,7 @@ case "${1:-}" in
         step tp-zero1 python3 bench/throughput.py --config zero1 --out "$OUT/throughput.jsonl"
         step tp-zero3 python3 bench/throughput.py --config zero3 --out "$OUT/throughput.jsonl"
         ;;
-    cpu-io)  # issue 17's CPU checkpoint bench on a machine with 128 GiB: both shapes
+    cpu-io)  # the CPU checkpoint bench (bench/checkpoint_io.py) on a machine with 128 GiB: both shapes
         step io-124m python3 bench/checkpoint_io.py --params 124e6
         step io-1b python3 bench/checkpoint_io.py --params 1.1e9 --steps 6
         ;;

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelPa
 
 from lmtrain.env import cluster_environment
 from lmtrain.watchdog import process_group_timeout
+from lmtrain.writeback import save_streamed
 
 
 class DirectCheckpointIO(TorchCheckpointIO):
@@ -50,7 +51,7 @@ class DirectCheckpointIO(TorchCheckpointIO):
         # checkpoint's integrity is lmtrain's COMPLETE manifest and its fsync-then-rename protocol.
         torch.serialization.set_crc32_options(False)
         with open(target, "wb") as f:
-            torch.save(checkpoint, f)
+            save_streamed(checkpoint, f)  # the disk writes while torch serialises
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):
