@@ -13,9 +13,11 @@ heartbeat line says how long training was held (``blocked_s``) and how long unti
   without lmtrain's protocol: no rank files, manifest, renames, COMPLETE).
 
 Goals: **blocked <= 10 % of the synchronous save** (the median ``blocked_s`` of the background
-saves after the first, which allocates the host buffers and is listed apart, over the final
-save's ``seconds``) and **durable <= 1.15x dd** (the synchronous save's ``seconds`` — nothing
-else runs then — over dd's median of 3). The background saves' durable times are listed too:
+saves after the first, which allocates the host buffers and is listed apart, over the time the
+final, synchronous save holds training: its whole call, ``sync_save_call_s``) and **durable <= 1.15x dd** (the synchronous save's ``seconds`` — nothing
+else runs then; from the save's start to its COMPLETE marker, fsynced: the deletion of the
+checkpoint it supersedes comes after and is listed apart as ``sync_save_call_s`` — over dd's
+median of 3). The background saves' durable times are listed too:
 their writer shares the 2 cores with the training. The page cache is dropped (root) before the
 run and before every baseline measurement.
 
@@ -150,7 +152,8 @@ def run(params: str, steps: int, work_root: str | None) -> dict:
     first, steady = background[0], background[1:] or background
     blocked = statistics.median(b["blocked_s"] for b in steady)
     durable = statistics.median(b["seconds"] for b in steady)
-    sync = final["seconds"]
+    sync = final["seconds"]  # to COMPLETE: durable
+    sync_call = final["blocked_s"]  # what a synchronous save holds training for (pruning included)
     return {
         "bench": "checkpoint_io",
         "model": spec, "params": float(params), "ranks": 2, "strategy": "ddp (gloo, CPU)", "steps": steps,
@@ -161,18 +164,19 @@ def run(params: str, steps: int, work_root: str | None) -> dict:
         "blocked_s": round(blocked, 3),
         "background_durable_s": round(durable, 3),
         "sync_save_s": sync,
+        "sync_save_call_s": sync_call,  # to COMPLETE, then the pruning of the oldest checkpoint
         "page_cache_dropped": dropped,
         "baseline_dd_s": round(dd, 3),
         "baseline_torch_save_fsync_s": round(plain, 3),
         "dd_gb_s": round(size / dd / 1e9, 3),
-        "blocked_ratio_to_sync": round(blocked / sync, 4),
+        "blocked_ratio_to_sync": round(blocked / sync_call, 4),
         "durable_ratio_to_dd": round(sync / dd, 3),
         "background_durable_ratio_to_dd": round(durable / dd, 3),
         "torch_save_ratio_to_dd": round(plain / dd, 3),
         "peak_rss_per_rank_gib": round(rss_gib, 2),
         "train_wall_s": round(train_s, 1),
         "goal_blocked_ratio": GOAL_BLOCKED, "goal_durable_ratio": GOAL_DURABLE,
-        "meets_goal": blocked / sync <= GOAL_BLOCKED and sync / dd <= GOAL_DURABLE,
+        "meets_goal": blocked / sync_call <= GOAL_BLOCKED and sync / dd <= GOAL_DURABLE,
     }
 
 

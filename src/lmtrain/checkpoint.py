@@ -145,6 +145,7 @@ class CheckpointManager:
         # the room a first checkpoint needs, before there is one to measure (bytes; None: unknown)
         self.estimate: Callable[[], int | None] | None = None
         self.on_failure: Callable[[DiskFull], None] | None = None  # a background save found no room
+        self.completed_at = 0.0  # rank 0: perf_counter at the last COMPLETE (before pruning)
 
     @property
     def can_save_in_background(self) -> bool:
@@ -167,11 +168,12 @@ class CheckpointManager:
             self._check_room(trainer, step)
             if background and self.can_save_in_background:
                 return self._save_background(trainer, step=step, rank_state=rank_state, on_complete=on_complete)
+            t0 = time.perf_counter()
             path, seconds = self._save(trainer, step=step, rank_state=rank_state)
         finally:
             faults.set_context(step=None)
         if on_complete is not None and trainer.global_rank == 0:
-            on_complete(path, seconds, seconds)
+            on_complete(path, self.completed_at - t0, seconds)  # durable at COMPLETE; pruning held training too
         return path, seconds
 
     def wait(self) -> float:
@@ -307,7 +309,7 @@ class CheckpointManager:
                 raise DiskFull(self.dir, step, self.needed_bytes(), free_bytes(self.dir),
                                f"a background write found no room: {exc}") from exc
             if on_complete is not None:
-                on_complete(final, time.perf_counter() - t0, blocked)
+                on_complete(final, self.completed_at - t0, blocked)
 
         self.background.start(step, write)
         return final, blocked
@@ -331,14 +333,14 @@ class CheckpointManager:
         faults.point("checkpoint.dir_renamed", file=final.name)
         fsync_dir(self.dir)
         write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": manifest(final)}) + "\n")
-        # complete from here on: the pointer and the pruning are housekeeping, and a full disk
-        # there costs nothing (`latest` is a hint; the next prune catches up)
+        # complete (and durable) from here: `latest` (a hint) and pruning are housekeeping; no room there costs nothing
         try:
             write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
         except OSError as exc:
             if not is_no_space(exc):
                 raise
             log.error("checkpoint %s is complete, but `latest` could not be updated: %s", final.name, exc)
+        self.completed_at = time.perf_counter()
         self.prune()
 
     def prune(self) -> None:
