@@ -60,7 +60,7 @@ def save_streamed(obj: Any, f: BinaryIO, chunk: int = CHUNK) -> None:
 
 
 class WritebackStream:
-    """A write-only file object over ``f`` (an open binary file) for ``torch.save``: writes pass
+    """A write-only file object over ``f`` (a binary file opened for writing at offset 0) for ``torch.save``: writes pass
     through, and every ``chunk`` bytes the writeback of the newest chunk starts and the one
     before it is waited for and dropped from the page cache. The caller still fsyncs."""
 
