@@ -308,10 +308,11 @@ class CheckpointSpec(StrictModel):
     keep_last: int = Field(3, ge=1, le=10_000)
     """Complete checkpoints to keep."""
     async_save: bool = True
-    """Periodic checkpoints in the background (DDP): training waits only while the state is copied
-    into host memory (one more copy of model and optimizer state in rank 0's RAM); the write and
-    COMPLETE follow on a thread, at most one in flight. Checkpoints at a stop and at the end are
-    always synchronous. DeepSpeed and FSDP save synchronously, every rank its shard in parallel."""
+    """Periodic checkpoints in the background (every strategy): training waits only while the
+    state is copied into host memory (one more copy of it in RAM: DDP's whole state on rank 0,
+    each rank's own shards for DeepSpeed and FSDP); the writes and COMPLETE follow on a thread per
+    writing rank (every rank writes its shards in parallel), at most one save in flight.
+    Checkpoints at a stop and at the end are always synchronous."""
 
 
 class PreemptionSpec(StrictModel):

@@ -2,15 +2,16 @@
 
 The training loop is blocked only while the checkpoint's state is copied into host memory
 (:class:`Stager`: buffers reused from one save to the next, pinned when the state is on a GPU);
-the write, the fsyncs and the COMPLETE marking run on one background thread
+the write, the fsyncs and the COMPLETE marking run on a background thread
 (:class:`BackgroundSave`), with the same protocol and the same atomicity as a synchronous save
 (lmtrain.checkpoint): a crash mid-write leaves a ``.step-S.tmp`` that is never resumed from, and
 the previous complete checkpoint stays the newest. At most one save is in flight: the next save,
 a stop and the end of training first wait for it.
 
-Used for DDP, where rank 0 writes Lightning's checkpoint file alone (every rank writes its own
-small ``rank-R.pt`` before the background part starts). DeepSpeed and FSDP write their shards
-synchronously, every rank its own in parallel.
+Every strategy: for DDP rank 0 copies the whole state and its thread writes Lightning's file
+alone; for DeepSpeed ZeRO and FSDP2 every rank copies its own shards (DTensors staged as their
+local shard) and writes them in its own thread, in parallel (lmtrain.async_sharded). Every rank
+writes its own small ``rank-R.pt`` before the background part starts.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from lmtrain.disk_space import DiskFull
+from launcher.core.checkpoint_index import LIGHTNING_NAME
+from lmtrain import faults
+from lmtrain.disk_space import DiskFull, no_room
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,11 @@ class Stager:
         return staged
 
     def _stage(self, obj: Any, key: str, shared: dict[tuple, torch.Tensor], cuda: list[bool]) -> Any:
+        if _is_dtensor(obj):  # a shard of FSDP2's state: this rank's local part, same placement
+            from torch.distributed.tensor import DTensor
+
+            local = self._stage(obj._local_tensor, key, shared, cuda)
+            return DTensor(local, obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -75,9 +84,17 @@ class Stager:
             return same_kind
         if isinstance(obj, list):
             return [self._stage(v, f"{key}/{i}", shared, cuda) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        if type(obj) is tuple:  # not torch.Size (DeepSpeed's param_shapes), nor a namedtuple: kept as they are
             return tuple(self._stage(v, f"{key}/{i}", shared, cuda) for i, v in enumerate(obj))
         return copy.deepcopy(obj)  # loop counters, hyperparameters, callback states: small
+
+
+def _is_dtensor(obj: Any) -> bool:
+    if type(obj) is torch.Tensor or not (isinstance(obj, torch.Tensor) and torch.distributed.is_available()):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor)
 
 
 class BackgroundSave:
@@ -124,3 +141,36 @@ class BackgroundSave:
             raise RuntimeError(f"the background save of checkpoint step-{self.step} failed: "
                                f"{type(error).__name__}: {error}") from error
         return waited
+
+
+def save_ddp_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dict[str, Any],
+                           on_complete: Callable[[Path, float, float], None] | None) -> tuple[Path, float]:
+    """DDP, every rank (lmtrain.checkpoint.CheckpointManager.save): the Lightning state is taken
+    (its hooks run on every rank, as in ``trainer.save_checkpoint``) and its own rank file
+    written; rank 0 copies the state into host memory, and its thread writes Lightning's file
+    and completes the checkpoint. (its path, seconds the caller was blocked)"""
+    t0 = time.perf_counter()
+    tmp, final = manager._begin(trainer, step)
+    state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    staged = manager.stager.stage(state) if trainer.global_rank == 0 else None
+    del state
+    faults.point("checkpoint.staged", file=LIGHTNING_NAME, rank=trainer.global_rank)
+    manager._settle(trainer, no_room(lambda: manager._rank_part(trainer, tmp, step, rank_state), manager.dir,
+                                     manager.needed_bytes), tmp, final, step)
+    blocked = time.perf_counter() - t0
+    if trainer.global_rank != 0:
+        return final, blocked
+    world, io = trainer.world_size, trainer.strategy.checkpoint_io
+
+    def write() -> None:
+        io.save_checkpoint(staged, tmp / LIGHTNING_NAME)
+        faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=0, step=step)
+
+    def run() -> None:
+        faults.set_context(step=step)  # this thread's points are about this step
+        manager._finish_or_remove(tmp, final, step, world, write)
+        if on_complete is not None:
+            on_complete(final, manager.completed_at - t0, blocked)
+
+    manager.background.start(step, run)
+    return final, blocked

@@ -111,7 +111,7 @@ class CheckpointCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
         self._rank_zero = trainer.global_rank == 0
-        self.manager.on_failure = self._no_room  # a background save that found no room, told every rank
+        self.manager.start(trainer, on_failure=self._no_room, background=self.background)  # collective
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._pending_rng is not None:

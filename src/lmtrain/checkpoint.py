@@ -29,6 +29,12 @@ a checkpoint first renames it to ``.trash-step-S-<pid>`` (one atomic step: it st
 checkpoint at once), then removes it; leftovers of interrupted saves and deletions are removed
 by the next ``prune``. Everything is loaded with ``torch.load(weights_only=True)``.
 
+Periodic saves may run in the background (``checkpoint.async_save``; every strategy): step 2's
+writes and step 3 move to writer threads once each rank's part is copied into host memory
+(lmtrain.async_checkpoint; DeepSpeed and FSDP: every rank its own, lmtrain.async_sharded), with
+COMPLETE still written only after every rank's files were. Stop-time and final saves stay
+synchronous, and first finish a background save in flight.
+
 Every write, fsync, rename and marker step is a named point of the fault-injection seam
 (``lmtrain.faults``, ``checkpoint.*``): the tests SIGKILL a saving process at each of them.
 """
@@ -59,8 +65,9 @@ from launcher.core.checkpoint_index import (
     newest_complete,
 )
 from lmtrain import faults
-from lmtrain.async_checkpoint import BackgroundSave, Stager
-from lmtrain.disk_space import DiskFull, free_bytes, is_no_space, no_room, remove_partial, room_verdict
+from lmtrain.async_checkpoint import BackgroundSave, Stager, save_ddp_in_background
+from lmtrain.async_sharded import WriterGroup, save_in_background, start_writers
+from lmtrain.disk_space import DiskFull, free_bytes, is_no_space, means_no_room, no_room, remove_partial, room_verdict
 from lmtrain.durable import (
     all_files,
     fsync_dir,
@@ -142,15 +149,26 @@ class CheckpointManager:
         self.identity = identity  # logger identity, job id, attempt: recorded in meta.json
         self.background = BackgroundSave()  # the periodic save in flight (lmtrain.async_checkpoint)
         self.stager = Stager()
+        self.stagers: dict[str, Stager] = {}  # sharded: one per file this rank writes
+        self.writers: WriterGroup | None = None  # the sharded writer threads' group (lmtrain.async_sharded)
+        self.collective_timeout: Any = None  # the writer group's (a timedelta; None: torch's default)
         # the room a first checkpoint needs, before there is one to measure (bytes; None: unknown)
         self.estimate: Callable[[], int | None] | None = None
         self.on_failure: Callable[[DiskFull], None] | None = None  # a background save found no room
         self.completed_at = 0.0  # rank 0: perf_counter at the last COMPLETE (before pruning)
 
+    def start(self, trainer, *, on_failure: Callable[[DiskFull], None], background: bool) -> None:
+        """Collective, when training starts: ``on_failure`` gets a background save that found no
+        room (told every rank); with background saves, the sharded writers' group."""
+        self.on_failure = on_failure
+        if background:
+            start_writers(self, trainer)
+
     @property
     def can_save_in_background(self) -> bool:
-        """DDP: rank 0 writes Lightning's file alone; DeepSpeed and FSDP write shards on every rank."""
-        return self.strategy == "ddp"
+        """DDP: rank 0 writes Lightning's file alone; DeepSpeed and FSDP, every rank its shards, once
+        their writer group exists (lmtrain.async_sharded.start_writers, when training starts)."""
+        return self.strategy == "ddp" or self.writers is not None
 
     def save(
         self, trainer, *, step: int, rank_state: dict[str, Any], background: bool = False,
@@ -158,7 +176,7 @@ class CheckpointManager:
     ) -> tuple[Path, float]:
         """Collective: write checkpoint ``step``; returns (its path, seconds the caller was
         blocked). Synchronous: complete on return, ``on_complete(path, seconds)`` called before.
-        ``background`` (DDP): complete later; rank 0 calls ``on_complete`` from the writer
+        ``background``: complete later; rank 0 calls ``on_complete`` from its writer
         thread. Either way a save still in flight is finished first (its failure for want of
         room goes to ``on_failure``). No room for this one: :class:`DiskFull` on every rank,
         nothing partial left (lmtrain.disk_space)."""
@@ -167,7 +185,8 @@ class CheckpointManager:
         try:
             self._check_room(trainer, step)
             if background and self.can_save_in_background:
-                return self._save_background(trainer, step=step, rank_state=rank_state, on_complete=on_complete)
+                save_background = save_ddp_in_background if self.strategy == "ddp" else save_in_background
+                return save_background(self, trainer, step=step, rank_state=rank_state, on_complete=on_complete)
             t0 = time.perf_counter()
             path, seconds = self._save(trainer, step=step, rank_state=rank_state)
         finally:
@@ -181,22 +200,28 @@ class CheckpointManager:
         return self.background.wait()
 
     def finish_background(self, trainer) -> DiskFull | None:
-        """Collective: rank 0's background save finished and every rank told how it went: no room
-        is returned (and given to ``on_failure``), another error raised, on every rank alike."""
+        """Collective: every rank's background save (its thread, where it has one) finished, and
+        every rank told how it went anywhere: no room is returned (and given to ``on_failure``),
+        another error raised, on every rank alike."""
         outcome: dict[str, Any] | None = None
-        if trainer.global_rank == 0:
-            try:
-                self.wait()
-            except DiskFull as exc:
-                outcome = {"disk_full": exc.figures}
-            except Exception as exc:
-                outcome = {"error": str(exc)}
-        outcome = trainer.strategy.broadcast(outcome, src=0) if trainer.world_size > 1 else outcome
-        if outcome is None:
+        try:
+            self.wait()
+        except DiskFull as exc:
+            outcome = {"disk_full": exc.figures}
+        except Exception as exc:
+            outcome = {"error": str(exc)}
+        said = [outcome]
+        if trainer.world_size > 1:
+            if not trainer.strategy.reduce_boolean_decision(outcome is not None, all=False):
+                return None
+            said = [trainer.strategy.broadcast(outcome, src=r) for r in range(trainer.world_size)]  # rare
+        failures = [x for x in said if x is not None]
+        if not failures:
             return None
-        if "error" in outcome:
-            raise RuntimeError(outcome["error"])
-        failed = DiskFull.from_figures(outcome["disk_full"])
+        full = [x["disk_full"] for x in failures if "disk_full" in x]
+        if not full:
+            raise RuntimeError("; ".join(dict.fromkeys(x["error"] for x in failures)))  # sharded: alike on all
+        failed = DiskFull.from_figures(full[0])
         if self.on_failure is not None:
             self.on_failure(failed)
         return failed
@@ -261,7 +286,7 @@ class CheckpointManager:
         tmp, final = self._begin(trainer, step)
 
         def parts() -> None:
-            if self.can_save_in_background:
+            if self.strategy == "ddp":
                 # DDP: Lightning's save without its closing barrier, so that a rank whose write
                 # found no room meets the others at the agreement below, not at a barrier
                 state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
@@ -276,43 +301,18 @@ class CheckpointManager:
         self._settle(trainer, err, tmp, final, step)
         return final, time.perf_counter() - t0
 
-    def _save_background(self, trainer, *, step: int, rank_state: dict[str, Any],
-                         on_complete: Callable[[Path, float, float], None] | None) -> tuple[Path, float]:
-        """Every rank: the Lightning state is taken (its hooks run on every rank, as in
-        ``trainer.save_checkpoint``) and its own rank file written; rank 0 copies the state into
-        host memory, and its thread writes Lightning's file and completes the checkpoint."""
-        t0 = time.perf_counter()
-        tmp, final = self._begin(trainer, step)
-        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        staged = self.stager.stage(state) if trainer.global_rank == 0 else None
-        del state
-        faults.point("checkpoint.staged", file=LIGHTNING_NAME, rank=trainer.global_rank)
-        self._settle(trainer, no_room(lambda: self._rank_part(trainer, tmp, step, rank_state), self.dir, self.needed_bytes),
-                     tmp, final, step)
-        blocked = time.perf_counter() - t0
-        if trainer.global_rank != 0:
-            return final, blocked
-        world, io = trainer.world_size, trainer.strategy.checkpoint_io
-
-        def write() -> None:
-            faults.set_context(step=step)  # this thread's points are about this step
-            try:
-                io.save_checkpoint(staged, tmp / LIGHTNING_NAME)
-                faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=0, step=step)
-                self._finish(tmp, final, step, world)
-            except Exception as exc:
-                if not is_no_space(exc):
-                    free, need = free_bytes(self.dir), self.needed_bytes()
-                    if free is None or need is None or free >= need:
-                        raise
-                remove_partial(tmp, final)
-                raise DiskFull(self.dir, step, self.needed_bytes(), free_bytes(self.dir),
-                               f"a background write found no room: {exc}") from exc
-            if on_complete is not None:
-                on_complete(final, self.completed_at - t0, blocked)
-
-        self.background.start(step, write)
-        return final, blocked
+    def _finish_or_remove(self, tmp: Path, final: Path, step: int, world: int, write=None) -> None:
+        """Rank 0's writer thread: (``write``, then) ``_finish``; no room: nothing partial left, DiskFull."""
+        try:
+            if write is not None:
+                write()
+            self._finish(tmp, final, step, world)
+        except Exception as exc:
+            if not means_no_room(exc, self.dir, self.needed_bytes):
+                raise
+            remove_partial(tmp, final)
+            raise DiskFull(self.dir, step, self.needed_bytes(), free_bytes(self.dir),
+                           f"a background write found no room: {exc}") from exc
 
     def _finish(self, tmp: Path, final: Path, step: int, world: int) -> None:
         """Rank 0, every rank's part written: make ``tmp`` the complete checkpoint ``final``."""

@@ -97,13 +97,19 @@ def no_room(fn: Callable[[], None], directory: str | Path, needed: Callable[[], 
     try:
         fn()
     except Exception as exc:
-        if not is_no_space(exc):
-            free, need = free_bytes(directory), needed()
-            if free is None or need is None or free >= need:
-                raise
+        if not means_no_room(exc, directory, needed):
+            raise
         log.error("checkpoint write: %s", exc)
         return exc
     return None
+
+
+def means_no_room(exc: BaseException, directory: str | Path, needed: Callable[[], int | None]) -> bool:
+    """A checkpoint write's error means no room (:func:`no_room` says how it tells)."""
+    if is_no_space(exc):
+        return True
+    free, need = free_bytes(directory), needed()
+    return free is not None and need is not None and free < need
 
 
 def remove_partial(tmp: Path, final: Path) -> None:

@@ -473,6 +473,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state, 
     from lmtrain.module import LMModule, OptimSettings, RuntimeSettings
     from lmtrain.startup import CLOCK
     from lmtrain.strategies import build_strategy
+    from lmtrain.watchdog import process_group_timeout
 
     spec, t, training, paths = plan.spec, plan.trainer, plan.training, plan.paths
     job = plan.job_spec()  # typed: checkpoint, logging, data, trainer settings
@@ -532,6 +533,7 @@ def _fit(plan, env, ctx: RunContext, hooks: Hooks, heartbeat, ckpt, rank_state, 
         identity={"job_id": env.job_id, "attempt": ctx.attempt,
                   "logger": logger_identity(str(ctx.run_dir), spec["logging"])},
     )
+    manager.collective_timeout = process_group_timeout(plan.spec)  # the background writers' group (gloo)
     # room for a first checkpoint, before there is one to measure (lmtrain.disk_space)
     manager.estimate = lambda: checkpoint_bytes(parameter_count(spec["model"])[0], training.strategy, t.precision)
     ckpt_cb = CheckpointCallback(

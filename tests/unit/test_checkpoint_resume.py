@@ -1,8 +1,10 @@
-"""A run stopped at step k (through the stop-request path preemption uses) and resumed from its
-checkpoint gives bit-identical per-step losses, gradient norms and final weights to a run that
-was never interrupted: DDP on 1 and 2 processes, and on 2 processes FSDP2 and DeepSpeed ZeRO 1,
-2 and 3 (sharded checkpoints: every rank writes its own shards). Real processes through the
-real entry (lmtrain.local), CPU/gloo."""
+"""A run killed in the middle of a background checkpoint write, resumed from the previous
+checkpoint (itself written in the background), stopped at step k (through the stop-request path
+preemption uses) and resumed again gives bit-identical per-step losses, gradient norms and final
+weights to a run that was never interrupted: DDP on 1 and 2 processes, and on 2 processes FSDP2
+and DeepSpeed ZeRO 1, 2 and 3 (sharded checkpoints: every rank writes its own shards, in its own
+writer thread for the periodic saves). Real processes through the real entry (lmtrain.local),
+CPU/gloo."""
 
 from __future__ import annotations
 
@@ -55,21 +57,33 @@ def _plan(repo, name: str, devices: int, strategy: str = "ddp"):
     )
 
 
-def _launch(plan, stop_at: int) -> int:
+# SIGKILL inside step-10's periodic save, in a writer thread (checkpoint.async_save is on by
+# default): DDP's rank 0 once it wrote Lightning's file; a sharded strategy's rank 1 once its
+# thread wrote its shard (rank 0's own writes go on meanwhile).
+KILL_IN_BACKGROUND_WRITE = {
+    "ddp": {"point": "checkpoint.rank_saved", "rank": 0},
+    "fsdp": {"point": "checkpoint.wrote", "file": "__1_0.distcp"},
+    **{z: {"point": "checkpoint.wrote", "file": "zero_pp_rank_1_*"} for z in ("zero1", "zero2", "zero3")},
+}
+
+
+def _launch(plan, stop_at: int, faults: list[dict] | None = None) -> int:
     run_dir = plan.paths.run_dir
+    env = {**plan.env, "LMLAUNCH_FAULTS": json.dumps(faults)} if faults else plan.env
     return launch(
-        run_dir, plan.topology.world_size, plan_env=plan.env, threads_per_proc=1,
+        run_dir, plan.topology.world_size, plan_env=env, threads_per_proc=1,
         command=[sys.executable, "-u", str(HELPER), run_dir, str(stop_at)],
         out=open(Path(run_dir) / "launcher.out", "a"),
     )
 
 
-def _steps(run_dir: str) -> dict[int, tuple[float, float]]:
+def _steps(run_dir: str, redone: range = range(0)) -> dict[int, tuple[float, float]]:
+    """(loss, grad norm) per step; a step of ``redone`` (trained again after a kill) the last time."""
     out = {}
     for line in Path(run_dir, "metrics", "heartbeat.jsonl").read_text().splitlines():
         d = json.loads(line)
         if d["event"] == "step":
-            assert d["step"] not in out, f"step {d['step']} logged twice"
+            assert d["step"] not in out or d["step"] in redone, f"step {d['step']} logged twice"
             out[d["step"]] = (d["loss"], d["grad_norm"])
     return out
 
@@ -102,22 +116,37 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
         assert engine == json.loads(Path(straight.paths.deepspeed_json).read_text())
 
     stopped = _plan(repo, f"stopped-{devices}", devices, strategy)
-    assert _launch(stopped, stop_at=7) == 0
+    kill = {**KILL_IN_BACKGROUND_WRITE[strategy], "step": 10, "attempt": 1, "action": "kill"}
+    assert _launch(stopped, stop_at=0, faults=[kill]) != 0
+    ckpt_dir = Path(stopped.paths.checkpoint_dir)
+    assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5]  # step-10 never completed
+    assert any(x.name in ("step-10", ".step-10.tmp") for x in ckpt_dir.iterdir())  # the write it was killed in
+    # rank 0 killed (DDP's writer, or the only rank): the next attempt says how this one ended;
+    # rank 1 killed: rank 0, which lived on, says so itself
+    rank0_killed = devices == 1 or KILL_IN_BACKGROUND_WRITE[strategy].get("rank") == 0
+    if not rank0_killed:
+        end = _ledger(stopped.paths.run_dir)[-1]
+        assert (end["event"], end["reason"], end["first_death"]["rank"]) == ("end", "crashed", 1), end
+        assert "resumes from checkpoint step-5" in end["detail"]
+
+    assert _launch(stopped, stop_at=7) == 0  # from step-5 (a background save), stopped at step 7
     ledger = _ledger(stopped.paths.run_dir)
     assert ledger[-1]["reason"] == "preempted" and ledger[-1]["end_step"] == 7
-    assert [c.step for c in complete_checkpoints(stopped.paths.checkpoint_dir)] == [5, 7]
+    assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5, 7]
     assert not Path(stopped.paths.run_dir, "DONE").exists()
 
     assert _launch(stopped, stop_at=0) == 0
     ledger = _ledger(stopped.paths.run_dir)
-    assert [(e["event"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger
-            if e["event"] not in ("startup", "preflight")] == [
-        ("start", 0, None, None), ("end", None, 7, "preempted"),
+    # the rank that lived on ended at the step it reached (10 or 11: it went on while rank 1's thread wrote)
+    assert [(e["event"], e.get("start_step"), min(e.get("end_step") or 0, 10) if e.get("reason") == "crashed" else
+             e.get("end_step"), e.get("reason")) for e in ledger if e["event"] not in ("startup", "preflight")] == [
+        ("start", 0, None, None), ("end", None, 5, "node_failure") if rank0_killed else ("end", None, 10, "crashed"),
+        ("start", 5, None, None), ("end", None, 7, "preempted"),
         ("start", 7, None, None), ("end", None, MAX_STEPS, "completed"),
     ]
     assert Path(stopped.paths.run_dir, "DONE").exists()
 
-    a, b = _steps(straight.paths.run_dir), _steps(stopped.paths.run_dir)
+    a, b = _steps(straight.paths.run_dir), _steps(stopped.paths.run_dir, redone=range(6, 12))  # 6-10 (or 11) trained again
     assert sorted(a) == sorted(b) == list(range(1, MAX_STEPS + 1))
     assert a == b  # bit-identical floats: losses and gradient norms of every step
     wa, wb = _final_weights(straight.paths.run_dir), _final_weights(stopped.paths.run_dir)

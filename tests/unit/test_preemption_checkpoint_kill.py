@@ -14,8 +14,15 @@ state copied into host memory, then rank 0's writer thread writes it and complet
 checkpoint; the kill points inside that thread end the process as well.
 
 Three layouts of ``lightning.ckpt``: one file written by rank 0 (DDP); DeepSpeed's directory
-(every rank writes its own ``zero_pp_rank_R_..._optim_states.pt`` in parallel, rank 0 the model
-states and ``latest``); FSDP2's DCP directory (``__R_0.distcp`` per rank, rank 0 ``.metadata``).
+(every rank writes its own ``zero_pp_rank_R_..._optim_states.pt`` in parallel through DeepSpeed's
+checkpoint engine, rank 0 the model states and ``latest``); FSDP2's DCP directory
+(``__R_0.distcp`` per rank, rank 0 ``.metadata``).
+
+The sharded layouts written in the background too (lmtrain.async_sharded): every rank stages its
+own part, then its own writer thread writes and fsyncs its files; the writer threads agree
+through their own all-gather (a stand-in for the writers' gloo group: a barrier of their own)
+and rank 0's completes the checkpoint. The kill points of every rank's writer thread are among
+those counted and killed at.
 """
 
 from __future__ import annotations
@@ -27,13 +34,24 @@ import signal
 import threading
 from pathlib import Path
 
+# lightning's loader and torch's DTensor are imported once here, not again in each forked child
+# (seconds each): what the saves import lazily
+import lightning.fabric.utilities.load  # noqa: F401
 import pytest
 import torch
+import torch.distributed.tensor
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+from lmtrain import async_sharded, faults
 from lmtrain import checkpoint as ck
-from lmtrain import faults
 
 WORLD = 2
+SHARDED_BACKGROUND = ("zero-background", "dcp-background")
+
+
+def _sharded(layout: str) -> str:
+    """The shard layout of a layout name: "zero" and "dcp", written synchronously or in the background."""
+    return layout.removesuffix("-background")
 
 
 class _FileIO:
@@ -50,6 +68,7 @@ class _Strategy:
     def __init__(self, barrier: threading.Barrier, rank: int, shared: dict) -> None:
         self._barrier, self.rank, self._shared = barrier, rank, shared
         self.checkpoint_io = _FileIO()
+        self.deepspeed_engine = _Engine()  # used by the "zero" layouts only
 
     def barrier(self, name: str | None = None) -> None:
         self._barrier.wait(timeout=30)
@@ -74,18 +93,59 @@ class _Strategy:
             self.checkpoint_io.save_checkpoint(checkpoint, path)
 
 
-class _Connector:
-    """Trainer._checkpoint_connector: the state a background save copies into host memory."""
+class _Engine:
+    """The DeepSpeed engine's part a save goes through: its checkpoint engine (DeepSpeed's own
+    TorchCheckpointEngine, which torch.saves each file; the background save swaps it)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self) -> None:
+        self.checkpoint_engine = TorchCheckpointEngine()
+
+
+class _Connector:
+    """Trainer._checkpoint_connector: the state a background save copies into host memory (FSDP2:
+    each rank's state holds its own shard)."""
+
+    def __init__(self, step: int, rank: int, layout: str) -> None:
+        self.step, self.rank, self.layout = step, rank, layout
 
     def dump_checkpoint(self, weights_only=None) -> dict:
+        if self.layout == "dcp-background":
+            return {"state_dict": _weights(self.step * 100 + self.rank), "optimizer_states": [],
+                    "global_step": self.step}
         return {"state_dict": _weights(self.step), "global_step": self.step}
+
+
+class _Writers:
+    """lmtrain.async_sharded.WriterGroup for ranks that are threads: the writer threads' all-gather
+    meets at a barrier of its own (the training threads' barrier is theirs)."""
+
+    group = None
+
+    def __init__(self, barrier: threading.Barrier, rank: int, shared: dict) -> None:
+        self._barrier, self.rank, self.world, self._shared = barrier, rank, WORLD, shared
+
+    def all_gather(self, obj) -> list:
+        self._shared[f"gather-{self.rank}"] = obj
+        self._barrier.wait(timeout=30)
+        out = [self._shared[f"gather-{r}"] for r in range(WORLD)]
+        self._barrier.wait(timeout=30)
+        return out
+
+
+def _fake_dcp_save(state: dict, path: Path, writers) -> None:
+    """dcp.save as the writer threads call it: every rank its own ``__R_0.distcp``; once every rank
+    wrote (DCP gathers the write results), the coordinator writes ``.metadata``."""
+    with open(path / f"__{writers.rank}_0.distcp", "wb") as f:
+        torch.save({"shard": state["state_dict"]}, f)
+    writers.all_gather(None)
+    if writers.rank == 0:
+        with open(path / ".metadata", "wb") as f:
+            torch.save({"ranks": writers.world}, f)
 
 
 def _shard_files(layout: str) -> dict[int, list[str]]:
     """The files each rank writes inside lightning.ckpt (besides rank 0's model file)."""
+    layout = _sharded(layout)
     if layout == "zero":
         return {r: [f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt"] for r in range(WORLD)}
     if layout == "dcp":
@@ -101,7 +161,7 @@ class _Trainer:
     def __init__(self, rank: int, barrier: threading.Barrier, step: int, layout: str, shared: dict) -> None:
         self.global_rank, self.world_size, self.step, self.layout = rank, WORLD, step, layout
         self.strategy = _Strategy(barrier, rank, shared)
-        self._checkpoint_connector = _Connector(step)
+        self._checkpoint_connector = _Connector(step, rank, layout)
 
     def save_checkpoint(self, path: str) -> None:
         if self.layout == "file":
@@ -109,16 +169,26 @@ class _Trainer:
                 torch.save({"state_dict": _weights(self.step), "global_step": self.step}, path)
             return
         root = Path(path)
+        if _sharded(self.layout) == "zero":  # as DeepSpeed: every file through its checkpoint engine
+            engine = self.strategy.deepspeed_engine.checkpoint_engine
+            if self.global_rank == 0:
+                engine.makedirs(str(root / "checkpoint"), exist_ok=True)
+            self.strategy.barrier()
+            if self.global_rank == 0:
+                engine.save({"state_dict": _weights(self.step), "global_step": self.step},
+                            str(root / "checkpoint/mp_rank_00_model_states.pt"))
+            for rel in _shard_files(self.layout)[self.global_rank]:
+                engine.save({"shard": _weights(self.step * 100 + self.global_rank)}, str(root / rel))
+            if self.global_rank == 0:
+                (root / "latest").write_text("checkpoint")  # DeepSpeed writes it itself
+            self.strategy.barrier()
+            return
         for rel in _shard_files(self.layout)[self.global_rank]:
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             torch.save({"shard": _weights(self.step * 100 + self.global_rank)}, root / rel)
         if self.global_rank == 0:
-            model = "checkpoint/mp_rank_00_model_states.pt" if self.layout == "zero" else ".metadata"
-            (root / model).parent.mkdir(parents=True, exist_ok=True)
-            with open(root / model, "wb") as f:  # torch.save refuses a path named ".metadata"
+            with open(root / ".metadata", "wb") as f:  # torch.save refuses a path named ".metadata"
                 torch.save({"state_dict": _weights(self.step), "global_step": self.step}, f)
-            if self.layout == "zero":
-                (root / "latest").write_text("checkpoint")
 
 
 def _weights(step: int) -> dict[str, torch.Tensor]:
@@ -128,27 +198,39 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
 
 def _save(ckpt_dir: Path, step: int, layout: str = "file") -> None:
     """Both ranks save ``step`` (threads, each with its own manager), as every rank does at a step boundary."""
-    barrier = threading.Barrier(WORLD)
+    barrier, writer_barrier = threading.Barrier(WORLD), threading.Barrier(WORLD)
     shared: dict = {}
     errors: list[BaseException] = []
+    background = layout == "background" or layout in SHARDED_BACKGROUND
 
     def rank_main(rank: int) -> None:
-        strategy = {"zero": "deepspeed", "dcp": "fsdp"}.get(layout, "ddp")  # DDP: rank 0 writes Lightning's file
+        strategy = {"zero": "deepspeed", "dcp": "fsdp"}.get(_sharded(layout), "ddp")  # DDP: rank 0 writes Lightning's file
         manager = ck.CheckpointManager(ckpt_dir, keep_last=1, every_n_steps=1, strategy=strategy, zero_stage=None,
                                        identity={"job_id": "1", "attempt": 1})
+        if layout in SHARDED_BACKGROUND:  # what start_writers makes at train start: the writers' own group
+            manager.writers = _Writers(writer_barrier, rank, shared)
         try:
             manager.save(_Trainer(rank, barrier, step, "file" if layout == "background" else layout, shared), step=step,
-                         rank_state={"data_sampler": {"pos": step * 10 + rank}}, background=layout == "background")
-            manager.wait()  # rank 0: the writer thread completes the checkpoint
+                         rank_state={"data_sampler": {"pos": step * 10 + rank}}, background=background)
+            # the background layouts left the writing to this rank's writer thread (DDP: rank 0's only)
+            assert manager.background.step == (step if layout in SHARDED_BACKGROUND or
+                                               (background and rank == 0) else None), (layout, rank)
+            manager.wait()  # every rank: its writer thread wrote its files (rank 0's completed the checkpoint)
         except BaseException as exc:  # surfaced by the caller
             errors.append(exc)
             barrier.abort()
+            writer_barrier.abort()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    real_dcp_save = async_sharded.dcp_save
+    async_sharded.dcp_save = _fake_dcp_save  # ranks that are threads share no process group for real DCP
+    try:
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(WORLD)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        async_sharded.dcp_save = real_dcp_save
     if errors:
         raise errors[0]
 
@@ -179,11 +261,18 @@ def _assert_loads_completely(ckpt_dir: Path, layout: str = "file") -> int:
     step = newest.step
     meta = newest.meta()
     assert meta["step"] == step and meta["world_size"] == WORLD
-    model = {"file": "", "background": "", "zero": "checkpoint/mp_rank_00_model_states.pt", "dcp": ".metadata"}[layout]
+    model = {"file": "", "background": "", "zero": "checkpoint/mp_rank_00_model_states.pt", "dcp": ".metadata",
+             "zero-background": "checkpoint/mp_rank_00_model_states.pt", "dcp-background": "meta.pt"}[layout]
     with open(newest.lightning_path / model if model else newest.lightning_path, "rb") as f:
         state = torch.load(f, map_location="cpu", weights_only=True)
     assert state["global_step"] == step
-    assert all(torch.equal(state["state_dict"][k], v) for k, v in _weights(step).items())
+    if layout == "dcp-background":  # Lightning's meta.pt beside DCP's files: the state without the shards
+        assert set(state) == {"global_step"}
+        assert torch.load(newest.lightning_path / ".metadata", weights_only=True) == {"ranks": WORLD}
+    else:
+        assert all(torch.equal(state["state_dict"][k], v) for k, v in _weights(step).items())
+    if _sharded(layout) == "zero":
+        assert (newest.lightning_path / "latest").read_text() == "checkpoint"
     listed = json.loads((newest.path / ck.COMPLETE_NAME).read_text())["files"]
     for rank, rels in _shard_files(layout).items():
         for rel in rels:  # every rank's shard is there, holds this step's data, and is in the manifest
@@ -197,7 +286,7 @@ def _assert_loads_completely(ckpt_dir: Path, layout: str = "file") -> int:
     return step
 
 
-@pytest.fixture(scope="module", params=["file", "background", "zero", "dcp"])
+@pytest.fixture(scope="module", params=["file", "background", "zero", "dcp", *SHARDED_BACKGROUND])
 def step1_template(request, tmp_path_factory) -> tuple[Path, int, str]:
     """A checkpoint dir with a complete step 1, how many kill points saving step 2 passes, the layout."""
     layout = request.param
@@ -213,7 +302,7 @@ def step1_template(request, tmp_path_factory) -> tuple[Path, int, str]:
 
 def test_save_passes_at_least_20_kill_points(step1_template):
     _, points, layout = step1_template
-    assert points >= 20 + (2 if layout in ("zero", "dcp") else 0), points  # + each rank's shard fsync
+    assert points >= 20 + (2 if layout != _sharded(layout) or layout in ("zero", "dcp") else 0), points  # + each rank's shard fsync
 
 
 def test_sigkill_at_every_checkpoint_step_leaves_a_loadable_complete_checkpoint(step1_template, tmp_path):
@@ -251,7 +340,7 @@ def test_checkpoint_whose_files_do_not_match_its_manifest_is_not_complete(step1_
     (ckpt_dir / "latest").write_text("step-5\n")
     assert json.loads((ckpt_dir / "step-2" / "COMPLETE").read_text())["files"]["rank-1.pt"] > 0
     assert ck.newest_complete(ckpt_dir).step == 2
-    if layout in ("zero", "dcp"):  # a missing shard of a sharded checkpoint is caught the same way
+    if _sharded(layout) in ("zero", "dcp"):  # a missing shard of a sharded checkpoint is caught the same way
         shutil.copytree(ckpt_dir / "step-2", ckpt_dir / "step-6")
         rel = _shard_files(layout)[1][0]
         (ckpt_dir / "step-6" / ck.LIGHTNING_NAME / rel).unlink()

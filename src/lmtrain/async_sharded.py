@@ -1,0 +1,241 @@
+"""Periodic checkpoints of the sharded strategies (DeepSpeed ZeRO 1/2/3, FSDP2) written in the
+background: every rank writes its own files in its own thread, in parallel.
+
+The protocol of a synchronous save (lmtrain.checkpoint) with the writes moved off the training
+thread, and the same guarantees:
+
+1. training is blocked only while each rank copies ITS OWN part of the state into host memory
+   (lmtrain.async_checkpoint.Stager, buffers reused from save to save; no gather to rank 0) and
+   writes its small ``rank-R.pt`` (synchronously, as always);
+2. each rank's writer thread writes its files into ``.step-S.tmp/lightning.ckpt/`` (the layout of
+   the synchronous save: resume reads it unchanged) and fsyncs them;
+3. the writer threads tell each other how it went over a gloo group of their own
+   (:class:`WriterGroup`, made once by every rank when training starts): a collective on the
+   training process group from a second thread would race the training loop's own. Only when
+   every rank's files are written and fsynced does rank 0 complete the checkpoint (meta.json,
+   rename to ``step-S``, COMPLETE, ``latest``, pruning). A failure anywhere: rank 0 removes the
+   partial save and every rank's thread raises the same error (:class:`DiskFull` when a write
+   found no room), which ``CheckpointManager.finish_background`` agrees on.
+
+DeepSpeed writes each file of its checkpoint through ``engine.checkpoint_engine.save(state,
+path)`` (TorchCheckpointEngine: ``torch.save``). During the staging :class:`ZeroStaging` stands
+in for it around Lightning's ``trainer.save_checkpoint`` (so DeepSpeed's own collectives and
+barriers run on the training thread, as in a synchronous save): it copies each state into host
+memory instead of writing it, and the writer thread ``torch.save``s the copies as DeepSpeed would
+have. The files DeepSpeed writes itself (rank 0's ``latest``, ``zero_to_fp32.py``) are written
+during the staging; rank 0 fsyncs them with the rest before COMPLETE. Another checkpoint engine
+(DeepSpeed's fast, decoupled or DataStates writers) keeps its synchronous saves.
+
+FSDP2: Lightning's ``ModelParallelStrategy.save_checkpoint`` (save_distributed_checkpoint=True)
+with only its DCP write moved: the same conversion (``state_dict`` and ``optimizer_<i>`` go to
+DCP, every rank its ``__R_0.distcp``, rank 0 ``.metadata``; the rest is ``torch.save``d by rank 0
+as ``meta.pt``), the DTensor shards staged, and ``dcp.save`` over the writer group in the thread,
+so that ``ModelParallelStrategy.load_checkpoint`` resumes it.
+
+The writer threads pass the fault points of a synchronous save (``checkpoint.wrote``,
+``checkpoint.fsync``, ``checkpoint.rank_saved`` and rank 0's completion: lmtrain.faults).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher.core.checkpoint_index import LIGHTNING_NAME
+from lmtrain import faults
+from lmtrain.async_checkpoint import Stager
+from lmtrain.disk_space import DiskFull, free_bytes, means_no_room, no_room, remove_partial
+from lmtrain.durable import fsync_file
+
+log = logging.getLogger("lmtrain.checkpoint")
+
+SHARDED = ("deepspeed", "fsdp")
+
+
+class WriterGroup:
+    """The collectives of the checkpoint writer threads: a gloo group over every rank of its own
+    (None on one rank, where there is nobody to tell)."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def start_writers(manager: Any, trainer: Any) -> None:
+    """Collective, every rank when training starts (background saves on): the writer group of a
+    sharded strategy's background saves (``manager.writers``); without it saves stay synchronous."""
+    if manager.strategy not in SHARDED or manager.writers is not None:
+        return
+    if manager.strategy == "deepspeed" and not _plain_torch_engine(trainer.strategy.deepspeed_engine):
+        log.warning("DeepSpeed writes checkpoints through %s, not torch.save: periodic saves stay synchronous",
+                    type(trainer.strategy.deepspeed_engine.checkpoint_engine).__name__)
+        return
+    dist = torch.distributed
+    group = None
+    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        group = dist.new_group(backend="gloo", timeout=manager.collective_timeout)  # collective: every rank
+    manager.writers = WriterGroup(group, trainer.global_rank, trainer.world_size if group is not None else 1)
+
+
+def _plain_torch_engine(engine: Any) -> bool:
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    return type(engine.checkpoint_engine) is TorchCheckpointEngine
+
+
+def save_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dict[str, Any],
+                       on_complete: Callable[[Path, float, float], None] | None) -> tuple[Path, float]:
+    """Collective: stage this rank's part and write its rank file (training waits for that), then
+    write the shards in this rank's thread; rank 0's completes the checkpoint. (its path, seconds
+    the caller was blocked)."""
+    t0 = time.perf_counter()
+    tmp, final = manager._begin(trainer, step)
+    rank, world = trainer.global_rank, trainer.world_size
+    stage = _stage_zero if manager.strategy == "deepspeed" else _stage_dcp
+    writes: list[Callable[[], None]] = []
+
+    def parts() -> None:
+        writes.append(stage(manager, trainer, tmp / LIGHTNING_NAME))
+        faults.point("checkpoint.staged", file=LIGHTNING_NAME, rank=rank)
+        manager._rank_part(trainer, tmp, step, rank_state)
+
+    manager._settle(trainer, no_room(parts, manager.dir, manager.needed_bytes), tmp, final, step)
+    blocked = time.perf_counter() - t0
+    write, writers = writes[0], manager.writers
+
+    def run() -> None:
+        faults.set_context(step=step)  # this thread's points are about this step
+        said = writers.all_gather(_write_own(manager, write, rank, step))
+        failed = [s for s in said if s is not None]
+        if failed:
+            if rank == 0:
+                remove_partial(tmp, final)
+            how = "; ".join(f"rank {s['rank']}: {s['error']}" for s in failed)
+            if any(s["no_room"] for s in failed):
+                raise DiskFull(manager.dir, step, manager.needed_bytes(), free_bytes(manager.dir),
+                               f"a background write found no room: {how}")
+            raise RuntimeError(f"a rank's background write failed: {how}")
+        if rank == 0:  # every rank's files are written and fsynced
+            manager._finish_or_remove(tmp, final, step, world)
+            if on_complete is not None:
+                on_complete(final, manager.completed_at - t0, blocked)
+
+    manager.background.start(step, run)
+    return final, blocked
+
+
+def _write_own(manager: Any, write: Callable[[], None], rank: int, step: int) -> dict[str, Any] | None:
+    """Write this rank's files; None, or what went wrong (for every rank to hear)."""
+    try:
+        write()
+        faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=rank, step=step)
+    except Exception as exc:
+        log.error("checkpoint step-%d: rank %d's background write failed: %s", step, rank, exc)
+        return {"rank": rank, "error": f"{type(exc).__name__}: {exc}",
+                "no_room": means_no_room(exc, manager.dir, manager.needed_bytes)}
+    return None
+
+
+def _save_file(obj: Any, path: Path, rank: int, **kwargs: Any) -> None:
+    """``torch.save`` into ``path`` (as DeepSpeed and Lightning write their files), then fsync it."""
+    with open(path, "wb") as f:
+        torch.save(obj, f, **kwargs)
+        f.flush()
+    faults.point("checkpoint.wrote", file=path.name, rank=rank)
+    fsync_file(path)
+
+
+# --- DeepSpeed ------------------------------------------------------------------------------
+class ZeroStaging:
+    """DeepSpeed's checkpoint engine during a background save's staging: ``save`` copies the
+    state into host memory (one Stager per file, so its buffers are reused at the next save)
+    and records it; everything else is the engine's own (``__getattr__``)."""
+
+    def __init__(self, engine: Any, root: Path, stagers: dict[str, Stager]) -> None:
+        self.engine, self.root, self.stagers = engine, root, stagers
+        self.files: list[tuple[Path, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def create(self, info: Any) -> None:
+        return None
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        stager = self.stagers.setdefault(Path(path).relative_to(self.root).as_posix(), Stager())
+        self.files.append((Path(path), stager.stage(state_dict)))
+
+    def commit(self, info: Any) -> bool:
+        return True
+
+    def is_decoupled(self) -> bool:
+        return False
+
+
+def _stage_zero(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
+    engine = trainer.strategy.deepspeed_engine
+    original = engine.checkpoint_engine
+    staging = ZeroStaging(original, root, manager.stagers)
+    engine.checkpoint_engine = staging
+    try:
+        trainer.save_checkpoint(str(root))  # collective: DeepSpeed's barriers, its `latest` (rank 0)
+    finally:
+        engine.checkpoint_engine = original
+    zipfile = bool(getattr(original, "zipfile_serialization", True))  # TorchCheckpointEngine's torch.save
+    rank = trainer.global_rank
+
+    def write() -> None:
+        for path, staged in staging.files:
+            _save_file(staged, path, rank, _use_new_zipfile_serialization=zipfile)
+
+    return write
+
+
+# --- FSDP2 (DCP) ----------------------------------------------------------------------------
+def dcp_save(state: dict[str, Any], path: Path, writers: WriterGroup) -> None:
+    """``torch.distributed.checkpoint.save`` as Lightning calls it, over the writer group."""
+    from torch.distributed.checkpoint import save
+
+    if writers.group is None:
+        save(state, checkpoint_id=path, no_dist=True)
+    else:
+        save(state, checkpoint_id=path, process_group=writers.group)
+
+
+def _stage_dcp(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
+    from lightning.fabric.utilities.load import _METADATA_FILENAME  # "meta.pt": what Lightning writes beside DCP
+
+    state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    converted = {"state_dict": state.pop("state_dict")}  # ModelParallelStrategy.save_checkpoint's conversion
+    converted.update({f"optimizer_{i}": s for i, s in enumerate(state.pop("optimizer_states", []))})
+    rank = trainer.global_rank
+    shards = manager.stagers.setdefault("dcp", Stager()).stage(converted)
+    meta = manager.stagers.setdefault(_METADATA_FILENAME, Stager()).stage(state) if rank == 0 else None
+    del state, converted
+    root.mkdir(parents=True, exist_ok=True)
+    writers = manager.writers
+
+    def write() -> None:
+        dcp_save(shards, root, writers)  # every rank's __R_0.distcp, then rank 0's .metadata
+        for path in sorted(root.glob(f"__{rank}_*.distcp")):
+            faults.point("checkpoint.wrote", file=path.name, rank=rank)
+            fsync_file(path)
+        if rank == 0:
+            _save_file(meta, root / _METADATA_FILENAME, rank)
+
+    return write
