@@ -21,9 +21,14 @@ median of 3). The background saves' durable times are listed too:
 their writer shares the 2 cores with the training. The page cache is dropped (root) before the
 run and before every baseline measurement.
 
+``--strategy`` fsdp, zero1, zero2 or zero3 runs the same model on a sharded strategy: every rank
+stages only its own shards and its own thread writes them (lmtrain.async_sharded); the sizes and
+the dd baseline are then those of the whole ``lightning.ckpt`` directory (all ranks' files), and
+the plain ``torch.save`` baseline, which reads DDP's single file, is not taken.
+
 Ends with one JSON object: the figures, the baselines and ``meets_goal``.
 
-    python bench/checkpoint_io.py [--steps 8] [--params 124e6]
+    python bench/checkpoint_io.py [--steps 8] [--params 124e6] [--strategy ddp]
 
 ``--params 1.1e9`` (the 1.1B Llama shape): needs about 2 x 17.6 GB for the two ranks' weights,
 gradients and AdamW state plus 13 GB of staging; the bench refuses it where the machine's
@@ -47,6 +52,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GOAL_BLOCKED = 0.10
 GOAL_DURABLE = 1.15
+STRATEGIES = {  # --strategy -> overrides
+    "ddp": ("trainer.strategy=ddp",),
+    "fsdp": ("trainer.strategy=fsdp",),
+    **{f"zero{z}": ("trainer.strategy=deepspeed", f"trainer.zero_stage={z}") for z in (1, 2, 3)},
+}
 SHAPES = {  # --params -> the model overrides (GPT-2 124M, or Llama 1.1B: jobs/llama-1b-zero2.yaml)
     "124e6": ("jobs/gpt2-124m.yaml", ()),
     "1.1e9": ("jobs/llama-1b-zero2.yaml", ("trainer.zero_stage=null",)),
@@ -67,7 +77,7 @@ def train(spec: str, extra: tuple[str, ...], work: Path, steps: int) -> tuple[Pa
 
     overrides = [
         f"data.path={REPO / 'data' / 'prepared' / 'tiny'}", "data.seq_len=32", "data.micro_batch_size=1",
-        "data.num_workers=0", "trainer.global_batch_size=2", "trainer.strategy=ddp", "trainer.precision=32-true",
+        "data.num_workers=0", "trainer.global_batch_size=2", "trainer.precision=32-true",
         "trainer.val_check_interval=null", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1",
         "model.compile=false", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "checkpoint.async_save=true",
         "watchdog.hang_timeout_s=1200", *extra,
@@ -127,8 +137,9 @@ def torch_save_seconds(ckpt_file: Path, target: Path) -> float:
     return seconds
 
 
-def run(params: str, steps: int, work_root: str | None) -> dict:
+def run(params: str, steps: int, work_root: str | None, strategy: str = "ddp") -> dict:
     spec, extra = SHAPES[params]
+    extra = (*extra, *STRATEGIES[strategy])  # the strategy last: the 1.1B shape clears its zero_stage
     need = {"124e6": 8 << 30, "1.1e9": 50 << 30}[params]
     if _mem_total() < need:
         raise SystemExit(f"--params {params} needs about {need >> 30} GiB of memory (two ranks' weights, gradients "
@@ -143,9 +154,10 @@ def run(params: str, steps: int, work_root: str | None) -> dict:
         final = max(saves, key=lambda b: b["step"])
         background = [b for b in saves if b["step"] != final["step"]]
         ckpt_file = ckpt_dir / f"step-{final['step']}" / "lightning.ckpt"
-        size = ckpt_file.stat().st_size
+        sharded = ckpt_file.is_dir()  # every rank's shards (DeepSpeed, FSDP2's DCP)
+        size = sum(f.stat().st_size for f in ckpt_file.rglob("*") if f.is_file()) if sharded else ckpt_file.stat().st_size
         dd = median_of(3, lambda: dd_seconds(work / "dd.bin", size))
-        plain = median_of(3, lambda: torch_save_seconds(ckpt_file, work / "plain.pt"))
+        plain = None if sharded else median_of(3, lambda: torch_save_seconds(ckpt_file, work / "plain.pt"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # the first background save allocates the host buffers (page faults of 1.5 GB); later ones reuse them
@@ -156,7 +168,7 @@ def run(params: str, steps: int, work_root: str | None) -> dict:
     sync_call = final["blocked_s"]  # what a synchronous save holds training for (pruning included)
     return {
         "bench": "checkpoint_io",
-        "model": spec, "params": float(params), "ranks": 2, "strategy": "ddp (gloo, CPU)", "steps": steps,
+        "model": spec, "params": float(params), "ranks": 2, "strategy": f"{strategy} (gloo, CPU)", "steps": steps,
         "checkpoint_bytes": size,
         "background_saves": [{"step": b["step"], "blocked_s": b["blocked_s"], "durable_s": b["seconds"]}
                              for b in background],
@@ -167,12 +179,12 @@ def run(params: str, steps: int, work_root: str | None) -> dict:
         "sync_save_call_s": sync_call,  # to COMPLETE, then the pruning of the oldest checkpoint
         "page_cache_dropped": dropped,
         "baseline_dd_s": round(dd, 3),
-        "baseline_torch_save_fsync_s": round(plain, 3),
+        "baseline_torch_save_fsync_s": round(plain, 3) if plain is not None else None,
         "dd_gb_s": round(size / dd / 1e9, 3),
         "blocked_ratio_to_sync": round(blocked / sync_call, 4),
         "durable_ratio_to_dd": round(sync / dd, 3),
         "background_durable_ratio_to_dd": round(durable / dd, 3),
-        "torch_save_ratio_to_dd": round(plain / dd, 3),
+        "torch_save_ratio_to_dd": round(plain / dd, 3) if plain is not None else None,
         "peak_rss_per_rank_gib": round(rss_gib, 2),
         "train_wall_s": round(train_s, 1),
         "goal_blocked_ratio": GOAL_BLOCKED, "goal_durable_ratio": GOAL_DURABLE,
@@ -184,11 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", choices=sorted(SHAPES), default="124e6")
     p.add_argument("--steps", type=int, default=8, help="even, >= 6: periodic saves every 2 steps, the last synchronous")
+    p.add_argument("--strategy", choices=list(STRATEGIES), default="ddp")
     p.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
     a = p.parse_args(argv)
     if a.steps < 6 or a.steps % 2:
         p.error("--steps must be even and >= 6")
-    print(json.dumps(run(a.params, a.steps, a.dir)))
+    print(json.dumps(run(a.params, a.steps, a.dir, a.strategy)))
     return 0
 
 

@@ -22,15 +22,15 @@ path)`` (TorchCheckpointEngine: ``torch.save``). During the staging :class:`Zero
 in for it around Lightning's ``trainer.save_checkpoint`` (so DeepSpeed's own collectives and
 barriers run on the training thread, as in a synchronous save): it copies each state into host
 memory instead of writing it, and the writer thread ``torch.save``s the copies as DeepSpeed would
-have. The files DeepSpeed writes itself (rank 0's ``latest``, ``zero_to_fp32.py``) are written
+have (streamed to disk: lmtrain.shard_files). The files DeepSpeed writes itself (rank 0's ``latest``, ``zero_to_fp32.py``) are written
 during the staging; rank 0 fsyncs them with the rest before COMPLETE. Another checkpoint engine
 (DeepSpeed's fast, decoupled or DataStates writers) keeps its synchronous saves.
 
-FSDP2: Lightning's ``ModelParallelStrategy.save_checkpoint`` (save_distributed_checkpoint=True)
-with only its DCP write moved: the same conversion (``state_dict`` and ``optimizer_<i>`` go to
-DCP, every rank its ``__R_0.distcp``, rank 0 ``.metadata``; the rest is ``torch.save``d by rank 0
-as ``meta.pt``), the DTensor shards staged, and ``dcp.save`` over the writer group in the thread,
-so that ``ModelParallelStrategy.load_checkpoint`` resumes it.
+FSDP2: the synchronous save of lmtrain.shard_files with only its DCP write moved: the same
+conversion (``state_dict`` and ``optimizer_<i>`` go to DCP, every rank its ``__R_0.distcp``,
+rank 0 ``.metadata``; the rest is ``torch.save``d by rank 0 as ``meta.pt``), the DTensor shards
+staged, and ``dcp.save`` over the writer group in the thread, so that
+``ModelParallelStrategy.load_checkpoint`` resumes it.
 
 The writer threads pass the fault points of a synchronous save (``checkpoint.wrote``,
 ``checkpoint.fsync``, ``checkpoint.rank_saved`` and rank 0's completion: lmtrain.faults).
@@ -52,6 +52,8 @@ from lmtrain import faults
 from lmtrain.async_checkpoint import Stager
 from lmtrain.disk_space import DiskFull, free_bytes, means_no_room, no_room, remove_partial
 from lmtrain.durable import fsync_file
+from lmtrain.shard_files import META_NAME, fsdp_parts, save_file, stream_deepspeed_files
+from lmtrain.shard_files import dcp_save as _dcp_save
 
 log = logging.getLogger("lmtrain.checkpoint")
 
@@ -78,7 +80,7 @@ def start_writers(manager: Any, trainer: Any) -> None:
     sharded strategy's background saves (``manager.writers``); without it saves stay synchronous."""
     if manager.strategy not in SHARDED or manager.writers is not None:
         return
-    if manager.strategy == "deepspeed" and not _plain_torch_engine(trainer.strategy.deepspeed_engine):
+    if manager.strategy == "deepspeed" and not stream_deepspeed_files(trainer.strategy.deepspeed_engine):
         log.warning("DeepSpeed writes checkpoints through %s, not torch.save: periodic saves stay synchronous",
                     type(trainer.strategy.deepspeed_engine.checkpoint_engine).__name__)
         return
@@ -87,12 +89,6 @@ def start_writers(manager: Any, trainer: Any) -> None:
     if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
         group = dist.new_group(backend="gloo", timeout=manager.collective_timeout)  # collective: every rank
     manager.writers = WriterGroup(group, trainer.global_rank, trainer.world_size if group is not None else 1)
-
-
-def _plain_torch_engine(engine: Any) -> bool:
-    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-
-    return type(engine.checkpoint_engine) is TorchCheckpointEngine
 
 
 def save_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dict[str, Any],
@@ -148,15 +144,6 @@ def _write_own(manager: Any, write: Callable[[], None], rank: int, step: int) ->
     return None
 
 
-def _save_file(obj: Any, path: Path, rank: int, **kwargs: Any) -> None:
-    """``torch.save`` into ``path`` (as DeepSpeed and Lightning write their files), then fsync it."""
-    with open(path, "wb") as f:
-        torch.save(obj, f, **kwargs)
-        f.flush()
-    faults.point("checkpoint.wrote", file=path.name, rank=rank)
-    fsync_file(path)
-
-
 # --- DeepSpeed ------------------------------------------------------------------------------
 class ZeroStaging:
     """DeepSpeed's checkpoint engine during a background save's staging: ``save`` copies the
@@ -186,6 +173,11 @@ class ZeroStaging:
     def is_decoupled(self) -> bool:
         return False
 
+    def preserves_storage_sharing(self) -> bool:
+        # False: DeepSpeed then hands over its state as it is instead of cloning every tensor first
+        # (torch.save of a view would write its whole storage); the staged copies are compact already
+        return False
+
 
 def _stage_zero(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
     engine = trainer.strategy.deepspeed_engine
@@ -201,7 +193,7 @@ def _stage_zero(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
 
     def write() -> None:
         for path, staged in staging.files:
-            _save_file(staged, path, rank, _use_new_zipfile_serialization=zipfile)
+            save_file(staged, path, rank, _use_new_zipfile_serialization=zipfile)
 
     return write
 
@@ -209,23 +201,14 @@ def _stage_zero(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
 # --- FSDP2 (DCP) ----------------------------------------------------------------------------
 def dcp_save(state: dict[str, Any], path: Path, writers: WriterGroup) -> None:
     """``torch.distributed.checkpoint.save`` as Lightning calls it, over the writer group."""
-    from torch.distributed.checkpoint import save
-
-    if writers.group is None:
-        save(state, checkpoint_id=path, no_dist=True)
-    else:
-        save(state, checkpoint_id=path, process_group=writers.group)
+    _dcp_save(state, path, writers.group, alone=writers.group is None)
 
 
 def _stage_dcp(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
-    from lightning.fabric.utilities.load import _METADATA_FILENAME  # "meta.pt": what Lightning writes beside DCP
-
-    state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    converted = {"state_dict": state.pop("state_dict")}  # ModelParallelStrategy.save_checkpoint's conversion
-    converted.update({f"optimizer_{i}": s for i, s in enumerate(state.pop("optimizer_states", []))})
+    converted, state = fsdp_parts(trainer)
     rank = trainer.global_rank
     shards = manager.stagers.setdefault("dcp", Stager()).stage(converted)
-    meta = manager.stagers.setdefault(_METADATA_FILENAME, Stager()).stage(state) if rank == 0 else None
+    meta = manager.stagers.setdefault(META_NAME, Stager()).stage(state) if rank == 0 else None
     del state, converted
     root.mkdir(parents=True, exist_ok=True)
     writers = manager.writers
@@ -236,6 +219,6 @@ def _stage_dcp(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
             faults.point("checkpoint.wrote", file=path.name, rank=rank)
             fsync_file(path)
         if rank == 0:
-            _save_file(meta, root / _METADATA_FILENAME, rank)
+            save_file(meta, root / META_NAME, rank)
 
     return write

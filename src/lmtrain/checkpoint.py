@@ -29,11 +29,9 @@ a checkpoint first renames it to ``.trash-step-S-<pid>`` (one atomic step: it st
 checkpoint at once), then removes it; leftovers of interrupted saves and deletions are removed
 by the next ``prune``. Everything is loaded with ``torch.load(weights_only=True)``.
 
-Periodic saves may run in the background (``checkpoint.async_save``; every strategy): step 2's
-writes and step 3 move to writer threads once each rank's part is copied into host memory
-(lmtrain.async_checkpoint; DeepSpeed and FSDP: every rank its own, lmtrain.async_sharded), with
-COMPLETE still written only after every rank's files were. Stop-time and final saves stay
-synchronous, and first finish a background save in flight.
+Periodic saves may run in the background (``checkpoint.async_save``): step 2's writes and step 3
+move to writer threads once each rank's part is in host memory (lmtrain.async_checkpoint;
+DeepSpeed, FSDP: lmtrain.async_sharded). Stop-time and final saves stay synchronous.
 
 Every write, fsync, rename and marker step is a named point of the fault-injection seam
 (``lmtrain.faults``, ``checkpoint.*``): the tests SIGKILL a saving process at each of them.
@@ -77,6 +75,7 @@ from lmtrain.durable import (
     torch_save_atomic,
     write_text_atomic,
 )
+from lmtrain.shard_files import save_fsdp, stream_deepspeed_files
 
 FORMAT_VERSION = 1
 # A DeepSpeed checkpoint's universal form (lmtrain.elastic): universal-step-S beside step-S.
@@ -159,15 +158,16 @@ class CheckpointManager:
 
     def start(self, trainer, *, on_failure: Callable[[DiskFull], None], background: bool) -> None:
         """Collective, when training starts: ``on_failure`` gets a background save that found no
-        room (told every rank); with background saves, the sharded writers' group."""
+        room; DeepSpeed's files streamed (lmtrain.shard_files); the sharded writers' group."""
         self.on_failure = on_failure
+        if self.strategy == "deepspeed":
+            stream_deepspeed_files(trainer.strategy.deepspeed_engine)
         if background:
             start_writers(self, trainer)
 
     @property
     def can_save_in_background(self) -> bool:
-        """DDP: rank 0 writes Lightning's file alone; DeepSpeed and FSDP, every rank its shards, once
-        their writer group exists (lmtrain.async_sharded.start_writers, when training starts)."""
+        """DDP (rank 0 writes); DeepSpeed and FSDP once their writer group exists (``start``)."""
         return self.strategy == "ddp" or self.writers is not None
 
     def save(
@@ -291,6 +291,8 @@ class CheckpointManager:
                 # found no room meets the others at the agreement below, not at a barrier
                 state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
                 trainer.strategy.save_checkpoint(state, str(tmp / LIGHTNING_NAME))
+            elif self.strategy == "fsdp":
+                save_fsdp(trainer, tmp / LIGHTNING_NAME)  # Lightning's FSDP2 save, its files streamed to disk
             else:
                 trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
             faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=trainer.global_rank)
@@ -374,8 +376,6 @@ def _files_written_by(root: Path, rank: int):
     for path in all_files(root):
         if path.name == f"rank-{rank}.pt" or tag in path.name:
             yield path
-
-
 
 
 def agreed_checkpoint(ckpt_dir: str | Path, name: str | None, *, wait_s: float = 60.0) -> CompleteCheckpoint | None:

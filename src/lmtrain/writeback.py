@@ -45,14 +45,15 @@ def _load_sync_file_range() -> Any:
 _sync_file_range = _load_sync_file_range()
 
 
-def save_streamed(obj: Any, f: BinaryIO, chunk: int = CHUNK) -> None:
-    """``torch.save(obj)`` into the open binary file ``f`` through a :class:`WritebackStream`;
-    a write that failed raises its own ``OSError`` (no space, EIO), not torch's RuntimeError."""
+def save_streamed(obj: Any, f: BinaryIO, chunk: int = CHUNK, **save_kwargs: Any) -> None:
+    """``torch.save(obj, **save_kwargs)`` into the open binary file ``f`` through a
+    :class:`WritebackStream`; a write that failed raises its own ``OSError`` (no space, EIO), not
+    torch's RuntimeError."""
     import torch
 
     stream = WritebackStream(f, chunk)
     try:
-        torch.save(obj, stream)
+        torch.save(obj, stream, **save_kwargs)
     except Exception as exc:
         if stream.error is not None:
             raise stream.error from exc

@@ -44,6 +44,7 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from lmtrain import async_sharded, faults
 from lmtrain import checkpoint as ck
+from lmtrain.shard_files import stream_deepspeed_files
 
 WORLD = 2
 SHARDED_BACKGROUND = ("zero-background", "dcp-background")
@@ -95,10 +96,12 @@ class _Strategy:
 
 class _Engine:
     """The DeepSpeed engine's part a save goes through: its checkpoint engine (DeepSpeed's own
-    TorchCheckpointEngine, which torch.saves each file; the background save swaps it)."""
+    TorchCheckpointEngine, which torch.saves each file, made to stream them to disk as
+    CheckpointManager.start does; the background save stands in for it while staging)."""
 
     def __init__(self) -> None:
         self.checkpoint_engine = TorchCheckpointEngine()
+        assert stream_deepspeed_files(self)
 
 
 class _Connector:
@@ -221,8 +224,11 @@ def _save(ckpt_dir: Path, step: int, layout: str = "file") -> None:
             barrier.abort()
             writer_barrier.abort()
 
-    real_dcp_save = async_sharded.dcp_save
-    async_sharded.dcp_save = _fake_dcp_save  # ranks that are threads share no process group for real DCP
+    # ranks that are threads share no process group for real DCP: the synchronous FSDP2 save writes
+    # the fake trainer's files, the background one goes through the fake dcp.save
+    real_dcp_save, real_save_fsdp = async_sharded.dcp_save, ck.save_fsdp
+    async_sharded.dcp_save = _fake_dcp_save
+    ck.save_fsdp = lambda trainer, root: trainer.save_checkpoint(str(root))
     try:
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(WORLD)]
         for t in threads:
@@ -230,7 +236,7 @@ def _save(ckpt_dir: Path, step: int, layout: str = "file") -> None:
         for t in threads:
             t.join()
     finally:
-        async_sharded.dcp_save = real_dcp_save
+        async_sharded.dcp_save, ck.save_fsdp = real_dcp_save, real_save_fsdp
     if errors:
         raise errors[0]
 
