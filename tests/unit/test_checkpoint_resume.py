@@ -1,6 +1,7 @@
 """A run killed in the middle of a background checkpoint write, resumed from the previous
 checkpoint (itself written in the background), stopped at step k (through the stop-request path
-preemption uses) and resumed again gives bit-identical per-step losses, gradient norms and final
+preemption uses) and resumed again (its last periodic write still in flight when the final save
+starts, which waits for it) gives bit-identical per-step losses, gradient norms and final
 weights to a run that was never interrupted: DDP on 1 and 2 processes, and on 2 processes FSDP2
 and DeepSpeed ZeRO 1, 2 and 3 (sharded checkpoints: every rank writes its own shards, in its own
 writer thread for the periodic saves). Real processes through the real entry (lmtrain.local),
@@ -57,10 +58,11 @@ def _plan(repo, name: str, devices: int, strategy: str = "ddp"):
     )
 
 
-# SIGKILL inside step-10's periodic save, in a writer thread (checkpoint.async_save is on by
-# default): DDP's rank 0 once it wrote Lightning's file; a sharded strategy's rank 1 once its
-# thread wrote its shard (rank 0's own writes go on meanwhile).
-KILL_IN_BACKGROUND_WRITE = {
+# A point inside a periodic save's writer thread (checkpoint.async_save is on by default): DDP's
+# rank 0 once it wrote Lightning's file; a sharded strategy's rank 1 once its thread wrote its
+# shard (rank 0's own writes go on meanwhile). The first attempt is SIGKILLed there at step 10;
+# the last one sleeps there, so that the final (synchronous) save must finish it first.
+IN_BACKGROUND_WRITE = {
     "ddp": {"point": "checkpoint.rank_saved", "rank": 0},
     "fsdp": {"point": "checkpoint.wrote", "file": "__1_0.distcp"},
     **{z: {"point": "checkpoint.wrote", "file": "zero_pp_rank_1_*"} for z in ("zero1", "zero2", "zero3")},
@@ -116,14 +118,14 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
         assert engine == json.loads(Path(straight.paths.deepspeed_json).read_text())
 
     stopped = _plan(repo, f"stopped-{devices}", devices, strategy)
-    kill = {**KILL_IN_BACKGROUND_WRITE[strategy], "step": 10, "attempt": 1, "action": "kill"}
+    kill = {**IN_BACKGROUND_WRITE[strategy], "step": 10, "attempt": 1, "action": "kill"}
     assert _launch(stopped, stop_at=0, faults=[kill]) != 0
     ckpt_dir = Path(stopped.paths.checkpoint_dir)
     assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5]  # step-10 never completed
     assert any(x.name in ("step-10", ".step-10.tmp") for x in ckpt_dir.iterdir())  # the write it was killed in
     # rank 0 killed (DDP's writer, or the only rank): the next attempt says how this one ended;
     # rank 1 killed: rank 0, which lived on, says so itself
-    rank0_killed = devices == 1 or KILL_IN_BACKGROUND_WRITE[strategy].get("rank") == 0
+    rank0_killed = devices == 1 or IN_BACKGROUND_WRITE[strategy].get("rank") == 0
     if not rank0_killed:
         end = _ledger(stopped.paths.run_dir)[-1]
         assert (end["event"], end["reason"], end["first_death"]["rank"]) == ("end", "crashed", 1), end
@@ -135,7 +137,12 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
     assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5, 7]
     assert not Path(stopped.paths.run_dir, "DONE").exists()
 
-    assert _launch(stopped, stop_at=0) == 0
+    slow = {**IN_BACKGROUND_WRITE[strategy], "step": 10, "attempt": 3, "action": "sleep", "seconds": 2}
+    assert _launch(stopped, stop_at=0, faults=[slow]) == 0
+    # step-10's write was still in flight while steps 11 and 12 trained; the final save waited for it
+    beats = [json.loads(x) for x in Path(stopped.paths.heartbeat).read_text().splitlines()]
+    order = [(b["event"], b.get("step")) for b in beats if b.get("attempt") == 3]
+    assert order.index(("step", 11)) < order.index(("checkpoint", 10)) < order.index(("checkpoint", 12)), order
     ledger = _ledger(stopped.paths.run_dir)
     # the rank that lived on ended at the step it reached (10 or 11: it went on while rank 1's thread wrote)
     assert [(e["event"], e.get("start_step"), min(e.get("end_step") or 0, 10) if e.get("reason") == "crashed" else
