@@ -146,6 +146,12 @@ def judge_preemption(plan: LaunchPlan, profile: Profile, config: Mapping[str, st
             status = FAIL if measured_s is not None else WARN
             out.append(Check("grace time", status, f"GraceTime {grace:.0f} s but the checkpoint takes {ckpt_s:.0f} s "
                              f"({how}): you will lose work at preemption (raise GraceTime, or checkpoint less state)", g))
+        elif plan.job_spec().checkpoint.async_save and 2 * ckpt_s > grace:
+            # a stop first finishes a periodic save still being written in the background
+            out.append(Check("grace time", WARN, f"GraceTime {grace:.0f} s covers the checkpoint's {ckpt_s:.1f} s ({how}) "
+                             f"but not a preemption during a periodic background save, which the stop finishes "
+                             f"before its own: up to {2 * ckpt_s:.0f} s (raise GraceTime, or checkpoint.async_save: "
+                             f"false)", g))
         else:
             out.append(Check("grace time", OK, f"GraceTime {grace:.0f} s covers the checkpoint's {ckpt_s:.1f} s ({how})", g))
         if profile.partitions[name].grace_seconds not in (None, int(grace)):

@@ -74,12 +74,25 @@ def test_the_user_signal_setting_must_match_the_profile(plan, profile):
     (48.0, 1.0, "fail"),   # the run's own stop checkpoint took longer than GraceTime: work is lost
     (None, 45.0, "warn"),  # only an estimate says so
     (12.0, 99.0, "ok"),    # measured wins over the estimate
+    (20.0, 1.0, "warn"),   # one save fits, but a stop that first finishes a background save (2 x 20 s) does not
 ])
 def test_grace_time_against_the_checkpoint(plan, profile, measured, estimated, status):
     checks = doctor.judge_preemption(plan, profile, CONFIG, PART, measured, estimated)
     grace = [c for c in checks if c.name == "grace time"][0]
     assert grace.status == status, grace
     assert grace.figures["measured"] is (measured is not None)
+
+
+def test_grace_time_covers_a_stop_during_a_background_save_only_when_saves_are_in_the_background(repo, profile):
+    """A stop first finishes a periodic save still being written (checkpoint.async_save): twice the
+    save must fit in GraceTime; with synchronous periodic saves once is enough."""
+    for async_save, status in ((True, "warn"), (False, "ok")):
+        plan = resolve(str(repo / "jobs" / "tiny-cpu.yaml"), [f"checkpoint.async_save={str(async_save).lower()}"],
+                       cluster="local", environ=ENV).plan
+        [grace] = [c for c in doctor.judge_preemption(plan, profile, CONFIG, PART, 20.0, 1.0) if c.name == "grace time"]
+        assert grace.status == status, grace
+        if status == "warn":
+            assert "up to 40 s" in grace.message and "checkpoint.async_save: false" in grace.message
 
 
 def test_data_rules():
