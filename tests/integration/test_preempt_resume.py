@@ -164,7 +164,10 @@ def _preempt_each_attempt(env, name: str, job: str, run_dir, *, times: int, afte
 
 
 def test_storm_of_ten_preemptions_completes_bit_identical(reference, env, jobs, name):
-    job, run_dir = submit(env, name)
+    # Every batch slowed (a sleep changes no number): steps go on while each preemption takes
+    # effect (seen: 24 steps of 0.1 s in one), and ten of them must land before max_steps.
+    with faults({"point": "train.batch_end", "action": "sleep", "seconds": 0.25}):
+        job, run_dir = submit(env, name)
     jobs.append(job)
     _preempt_each_attempt(env, name, job, run_dir, times=10, after_steps=1)
     finish(job, run_dir)
