@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Set up (idempotently), start the local SLURM cluster, and run the whole test suite.
-# Extra arguments go to pytest (e.g. -k submit, -m "not slurm").
+# Extra arguments go to pytest (e.g. -k submit, -m "not slurm", --timing-report FILE).
+#
+# By default the suite runs in two phases: every test but those marked `serial` on
+# LMLAUNCH_TEST_WORKERS parallel workers (pytest-xdist; each worker runs its SLURM tests on a
+# local cluster of its own, launcher/localcluster/workers.py), then the `serial` ones alone.
+# `-n 0` (or any -n / --numprocesses / -p no:xdist) runs one pytest invocation as given instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${LMLAUNCH_VENV:-$PWD/.venv}
+WORKERS=${LMLAUNCH_TEST_WORKERS:-4}
 # Start the cluster before pytest (the session fixture would too; starting it here shows its
 # output and fails early). Without root and without the packages, `cluster up` says what to
 # install and the integration tests are skipped with that reason.
@@ -15,12 +21,47 @@ if ! "$VENV/bin/lmlaunch" cluster up; then
   fi
   echo "[test] no local SLURM cluster: integration tests will be skipped" >&2
 fi
-set +e
-"$VENV/bin/python" -m pytest tests "$@"
-rc=$?
-set -e
-if [ "$rc" = 5 ]; then
-  # pytest exits 5 when it collected nothing: a failure of the suite, not a pass.
-  echo "[test] pytest collected no tests" >&2
+# Results made once per test run and shared by its workers and phases (tests/shared_results.py).
+LMLAUNCH_TEST_SHARED=$(mktemp -d "${TMPDIR:-/tmp}/lmlaunch-test-shared.XXXXXX")
+export LMLAUNCH_TEST_SHARED
+trap 'rm -rf "$LMLAUNCH_TEST_SHARED"' EXIT
+
+pytest() {
+  set +e
+  "$VENV/bin/python" -m pytest "$@"
+  local rc=$?
+  set -e
+  return $rc
+}
+
+custom=0
+for a in "$@"; do
+  case "$a" in -n|-n[0-9]*|--numprocesses|--numprocesses=*|no:xdist) custom=1 ;; esac
+done
+if [ "$custom" = 1 ]; then
+  pytest tests "$@" && rc=0 || rc=$?
+  [ "$rc" = 5 ] && echo "[test] pytest collected no tests" >&2  # a failure of the suite, not a pass
+  exit $rc
 fi
-exit $rc
+
+start=$(date +%s)
+echo "[test] phase 1: all tests but the serial ones, on $WORKERS workers"
+pytest tests -n "$WORKERS" --dist load --phase parallel "$@" && rc1=0 || rc1=$?
+# phase 2 collects only the modules that hold serial tests (collecting all of them costs ~20 s)
+mapfile -t serial_modules < <(grep -rl --include='test_*.py' '@pytest.mark.serial' tests | sort)
+if ((${#serial_modules[@]})); then
+  echo "[test] phase 2: the tests marked serial, alone"
+  pytest "${serial_modules[@]}" --phase serial "$@" && rc2=0 || rc2=$?
+else
+  rc2=5
+fi
+echo "[test] both phases: $(( $(date +%s) - start )) s (phase 1 exit $rc1, phase 2 exit $rc2)"
+# exit 5 (nothing collected) is fine for one phase when a filter (-k, -m) left it nothing to run
+if [ "$rc1" = 5 ] && [ "$rc2" = 5 ]; then
+  echo "[test] pytest collected no tests" >&2
+  exit 5
+fi
+[ "$rc1" = 5 ] && rc1=0
+[ "$rc2" = 5 ] && rc2=0
+[ "$rc1" != 0 ] && exit $rc1
+exit $rc2

@@ -1,15 +1,29 @@
+"""Suite-wide options: where the time goes (--timing-report), the two phases scripts/test.sh runs
+(--phase), the order tests are handed to parallel workers, and results shared across workers."""
+
+import json
 from pathlib import Path
 
 import pytest
+import shared_results
 import suite_timing
 
 REPO = Path(__file__).resolve().parent.parent
+# Each test's wall seconds from a serial run (tests/suite_timing.py FILE --write-durations): the
+# longest modules are started first so that no long test is left for the end of a parallel run.
+DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_TEST_S = 2.0
 
 
 def pytest_addoption(parser):
     parser.addoption(
         "--timing-report", metavar="FILE", default=None,
         help="append each test's wall time and CPU time to FILE (JSON lines; tests/suite_timing.py summarises it)",
+    )
+    parser.addoption(
+        "--phase", choices=("parallel", "serial"), default=None,
+        help="parallel: every test but those marked serial; serial: only those (scripts/test.sh runs both, "
+             "the serial ones alone after the others); default: all",
     )
 
 
@@ -19,11 +33,45 @@ def pytest_configure(config):
         config.pluginmanager.register(suite_timing.Recorder(Path(path).absolute()), "suite-timing")
 
 
+def _order(items) -> None:
+    """Longest module first (measured seconds summed over its tests); a module's tests stay together
+    and in their order, so module fixtures are set up once per worker."""
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    totals: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        totals[module] = totals.get(module, 0.0) + float(known.get(item.nodeid, UNKNOWN_TEST_S))
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda it: (-totals[it.nodeid.split("::")[0]], first_seen[it.nodeid.split("::")[0]]))
+
+
+def pytest_collection_modifyitems(config, items):
+    phase = config.getoption("--phase")
+    if phase is not None:
+        keep, drop = [], []
+        for item in items:
+            (keep if (item.get_closest_marker("serial") is not None) == (phase == "serial") else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    _order(items)  # a stable sort: tests of one module keep pytest's order (and its fixture grouping)
+
+
 def pytest_terminal_summary(terminalreporter, config):
     path = config.getoption("--timing-report")
     if path and Path(path).exists() and not hasattr(config, "workerinput"):
         terminalreporter.write_sep("=", "where the time went (tests/suite_timing.py)")
         terminalreporter.write_line(suite_timing.summary(suite_timing.read(Path(path))))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_results(tmp_path_factory):
+    shared_results.configure(tmp_path_factory)
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@
 - ``worker``: the pytest-xdist worker (``-`` when serial).
 
 At the end of the session the controller prints the totals and the slowest tests;
-``python tests/suite_timing.py FILE [--top N] [--markdown]`` prints the same from the file.
+``python tests/suite_timing.py FILE [--top N] [--markdown] [--write-durations tests/durations.json]``
+prints the same from the file (and writes the per-test seconds that order parallel runs).
 ``busy`` is the share of the wall time the machine's cores were computing
 (``machine_cpu_s / (wall_s * cores)``): the rest is waiting (BeginTime, GraceTime, queueing,
 sleeps, imports on idle cores), which is what running tests side by side reclaims.
@@ -90,6 +91,19 @@ def summary(rows: list[dict], top: int = 30, markdown: bool = False, cores: int 
         f"{cpu / 60:.1f} min of machine CPU ({cpu / max(wall, 1e-9) / cores:.0%} of {cores} cores busy), "
         f"{own / 60:.1f} min in pytest and its children",
     ]
+    modules: dict[str, list[float]] = {}
+    for r in rows:
+        m = modules.setdefault(r["test"].split("::")[0], [0.0, 0.0, 0])
+        m[0] += r["wall_s"]
+        m[1] += r["machine_cpu_s"]
+        m[2] += 1
+    heavy = sorted(modules.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    if markdown:
+        lines += ["", "| module | tests | wall s | machine CPU s | busy |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| `{m}` | {n} | {w:.0f} | {c:.0f} | {c / max(w, 1e-9) / cores:.0%} |" for m, (w, c, n) in heavy]
+    else:
+        lines.append(f"longest {len(heavy)} modules: wall s, machine CPU s, tests")
+        lines += [f"{w:8.1f} {c:8.1f} {n:5d}  {m}" for m, (w, c, n) in heavy]
     slow = sorted(rows, key=lambda r: r["wall_s"], reverse=True)[:top]
     if markdown:
         lines += ["", "| # | test | wall s | machine CPU s | busy | worker |", "| --- | --- | --- | --- | --- | --- |"]
@@ -110,8 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--cores", type=int, default=None)
+    p.add_argument("--write-durations", type=Path, metavar="JSON",
+                   help="write each test's wall seconds to JSON (tests/durations.json orders parallel runs)")
     args = p.parse_args(argv)
-    print(summary(read(args.file), args.top, args.markdown, args.cores))
+    rows = read(args.file)
+    print(summary(rows, args.top, args.markdown, args.cores))
+    if args.write_durations:
+        durations = {r["test"]: round(r["wall_s"], 1) for r in rows}
+        args.write_durations.write_text(json.dumps(dict(sorted(durations.items())), indent=0) + "\n")
     return 0
 
 

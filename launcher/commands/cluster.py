@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="preempted jobs get only SIGTERM (then SIGKILL after GraceTime); the default",
     )
-    sub.add_parser("down", help="stop the daemons that `up` started")
+    sub.add_parser("down", help="stop the daemons that `up` started (and the test workers' clusters)")
     sub.add_parser("status", help="daemons, nodes and partitions")
 
 
@@ -49,6 +49,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"  {name:<10} {'pid ' + str(pid) if pid else 'not running'}")
     if st.settings is not None:
         ctx.out(f"  preempt_send_user_signal: {'on' if st.settings.preempt_send_user_signal else 'off'}")
+    workers = cluster.worker_layouts()
+    if workers:  # the test suite's parallel workers' clusters (launcher/localcluster/workers.py)
+        ctx.out("worker clusters: " + ", ".join(
+            f"{w.root.name} {'up' if cluster.is_up(w) else 'down'}" for w in workers) + " (`cluster down` stops them)")
     if not st.controller:
         ctx.out("controller: not answering (start it with `lmlaunch cluster up`)")
         return 3

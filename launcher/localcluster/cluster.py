@@ -8,6 +8,7 @@ directory) gives real accounting. ``up`` is idempotent and fast when the cluster
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -15,23 +16,26 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.core import slurm
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.localcluster.config import (
     CLUSTER_NAME,
+    MAX_WORKER_SLOTS,
     NODES,
     Layout,
     Ports,
+    primary_root,
     render_slurm_conf,
     render_slurmdbd_conf,
 )
 from launcher.localcluster.daemons import (
     ClusterError,
     alive,
+    flocked,
     port_open,
     read_pid,
     run_checked,
@@ -64,7 +68,37 @@ Say = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Settings:
+    """What `up` was asked for, kept in the state directory: a later `up` keeps it."""
+
     preempt_send_user_signal: bool = False
+    ports: Ports = field(default_factory=Ports)
+    # the primary cluster links /etc/slurm/slurm.conf to its own; a worker cluster never does
+    system_conf: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps({"preempt_send_user_signal": self.preempt_send_user_signal,
+                           "ports": self.ports.to_json(), "system_conf": self.system_conf}) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        d = json.loads(text)
+        ports = Ports.from_json(d["ports"]) if "ports" in d else Ports()  # settings written before ports were kept
+        return cls(bool(d.get("preempt_send_user_signal", False)), ports, bool(d.get("system_conf", True)))
+
+
+@contextlib.contextmanager
+def own_conf(layout: Layout) -> Iterator[None]:
+    """SLURM commands run inside the block talk to ``layout``'s cluster (its SLURM_CONF), whatever
+    /etc/slurm/slurm.conf or the caller's environment names."""
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(layout.slurm_conf)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
 
 
 def _which(name: str) -> str | None:
@@ -134,7 +168,7 @@ def munge_works() -> bool:
         return False
 
 
-def ensure_munge(layout: Layout, say: Say) -> None:
+def ensure_munge(say: Say) -> None:
     if munge_works():
         return
     if os.geteuid() != 0:
@@ -161,11 +195,13 @@ def ensure_munge(layout: Layout, say: Say) -> None:
         env=_sbin_env(),
     )
     wait_until(munge_works, 15, "munged", Path("/var/log/munge/munged.log"))
-    # record that we started it, so `down` stops it and nothing else
-    layout.run.mkdir(parents=True, exist_ok=True)
+    # record that we started it, so `down` stops it and nothing else; munged is the machine's, so
+    # the primary cluster records it whichever cluster's `up` started it
+    primary = Layout(primary_root())
+    primary.run.mkdir(parents=True, exist_ok=True)
     pid = read_pid(pidfile)
     if pid:
-        layout.pidfile("munged").write_text(f"{pid}\n")
+        primary.pidfile("munged").write_text(f"{pid}\n")
 
 
 # --------------------------------------------------------------------------- MariaDB + slurmdbd
@@ -362,8 +398,8 @@ def ensure_slurmd(layout: Layout, say: Say) -> None:
 
 def _load_settings(layout: Layout) -> Settings | None:
     try:
-        return Settings(**json.loads(layout.settings.read_text()))
-    except (OSError, ValueError, TypeError):
+        return Settings.from_json(layout.settings.read_text())
+    except (OSError, ValueError, TypeError, KeyError, AssertionError):
         return None
 
 
@@ -382,7 +418,8 @@ def is_up(layout: Layout) -> bool:
     daemons.pop("munged")  # may be the system's
     if not all(running_from_pidfile(p) for p in daemons.values()):
         return False
-    return slurm.ping(timeout=5) and _nodes_ready()
+    with own_conf(layout):
+        return slurm.ping(timeout=5) and _nodes_ready()
 
 
 def up(
@@ -391,28 +428,44 @@ def up(
     preempt_send_user_signal: bool | None = None,
     layout: Layout | None = None,
     ports: Ports | None = None,
+    system_conf: bool | None = None,
 ) -> bool:
-    """Start the cluster; True when it was already running (and nothing had to change)."""
+    """Start the cluster; True when it was already running (and nothing had to change).
+
+    Settings not given keep what the last `up` of this state directory was given (its ports
+    included), else the defaults. Two `up`s of one cluster never race (a lock in its directory);
+    the machine-wide steps (packages, munged, /etc/hosts) are locked across clusters."""
     layout = layout or Layout.default()
-    ports = ports or Ports()
     current = _load_settings(layout)
     wanted = Settings(
         preempt_send_user_signal=(
             preempt_send_user_signal
             if preempt_send_user_signal is not None
             else (current.preempt_send_user_signal if current else False)
-        )
+        ),
+        ports=ports or (current.ports if current else Ports()),
+        system_conf=system_conf if system_conf is not None else (current.system_conf if current else True),
     )
     if current == wanted and layout.slurm_conf.exists() and is_up(layout):
         return True
-
-    ensure_packages(say)
-    user = getpass.getuser()
     for d in (layout.root, layout.etc, layout.run, layout.log, layout.ctld_state, layout.spool):
         d.mkdir(parents=True, exist_ok=True)
+    with flocked(layout.up_lock), own_conf(layout):
+        return _up(say, layout, wanted)
+
+
+def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
+    current = _load_settings(layout)  # again: another `up` may have finished while this one waited
+    if current == wanted and is_up(layout):
+        return True
+    ports = wanted.ports
+    user = getpass.getuser()
     layout.root.chmod(0o755)  # the mysql user must traverse to its own directory
     layout.etc.chmod(0o755)
-    ensure_munge(layout, say)
+    with flocked(primary_root() / ".machine.lock"):
+        ensure_packages(say)
+        ensure_munge(say)
+        ensure_hosts(say)
     password = _db_password(layout)
     layout.slurm_conf.write_text(
         render_slurm_conf(layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=ports)
@@ -420,8 +473,8 @@ def up(
     dbd = layout.slurmdbd_conf
     dbd.write_text(render_slurmdbd_conf(layout, user=user, db_password=password, ports=ports))
     dbd.chmod(0o600)  # slurmdbd refuses a readable config; it holds the DB password
-    install_system_conf(layout, say)
-    ensure_hosts(say)
+    if wanted.system_conf:
+        install_system_conf(layout, say)
 
     ensure_mariadb(layout, ports, password, say)
     ensure_slurmdbd(layout, ports, say)
@@ -432,15 +485,30 @@ def up(
         say("reconfiguring slurmctld (preempt_send_user_signal changed)")
         slurm.run(["scontrol", "reconfigure"])
     ensure_slurmd(layout, say)
-    layout.settings.write_text(json.dumps(wanted.__dict__) + "\n")
+    layout.settings.write_text(wanted.to_json())
     return False
 
 
+def worker_layouts() -> list[Layout]:
+    """The worker clusters' state directories on this machine (started or not)."""
+    return [Layout.worker(k) for k in range(1, MAX_WORKER_SLOTS + 1) if Layout.worker(k).settings.exists()]
+
+
+def _tagged(say: Say, tag: str) -> Say:
+    return lambda line: say(f"{tag}: {line}")
+
+
 def down(say: Say, *, layout: Layout | None = None) -> list[str]:
-    """Stop the daemons `up` started, by their pid files (controller and nodes first)."""
+    """Stop the daemons `up` started, by their pid files (controller and nodes first). Stopping
+    the primary cluster stops the worker clusters beside it too."""
     layout = layout or Layout.default()
     stopped = []
+    if layout.root == primary_root():
+        for worker in worker_layouts():
+            stopped += [f"{worker.root.name} {name}" for name in down(_tagged(say, worker.root.name), layout=worker)]
     for name, pidfile in _our_daemons(layout).items():
+        if name == "munged" and layout.root != primary_root():
+            continue  # the machine's munged serves the primary cluster too
         line = stop(pidfile, name)
         if line:
             say(line)
@@ -462,26 +530,28 @@ class Status:
 def status(layout: Layout | None = None) -> Status:
     layout = layout or Layout.default()
     daemons = {name: running_from_pidfile(p) for name, p in _our_daemons(layout).items()}
-    controller = slurm.ping(timeout=5)
     nodes: list[slurm.NodeInfo] = []
     parts: list[slurm.PartitionInfo] = []
     problem = None
-    if controller:
-        try:
-            nodes = slurm.nodes(timeout=10)
-            parts = slurm.partitions(timeout=10)
-        except (SlurmUnavailable, UserError) as exc:
-            problem = exc.message
+    with own_conf(layout):
+        controller = slurm.ping(timeout=5)
+        if controller:
+            try:
+                nodes = slurm.nodes(timeout=10)
+                parts = slurm.partitions(timeout=10)
+            except (SlurmUnavailable, UserError) as exc:
+                problem = exc.message
     return Status(str(layout.root), daemons, controller, nodes, parts, _load_settings(layout), problem)
 
 
-def wait_nodes_idle(timeout: float = 60.0) -> None:
+def wait_nodes_idle(timeout: float = 60.0, layout: Layout | None = None) -> None:
     """Block until both nodes are usable (after a test ran a job that drained one, say)."""
     deadline = time.monotonic() + timeout
-    while not _nodes_ready():
-        if time.monotonic() > deadline:
-            raise ClusterError("nodes n1/n2 are not usable; see `lmlaunch cluster status`")
-        time.sleep(0.5)
+    with own_conf(layout or Layout.default()):
+        while not _nodes_ready():
+            if time.monotonic() > deadline:
+                raise ClusterError("nodes n1/n2 are not usable; see `lmlaunch cluster status`")
+            time.sleep(0.5)
 
 
 __all__ = ["up", "down", "status", "is_up", "Layout", "Ports", "Settings", "alive"]

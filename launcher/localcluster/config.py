@@ -19,12 +19,40 @@ LOW_GRACE_SECONDS = 30
 MAX_TIME = "2:00:00"
 
 
+# Worker clusters (one per parallel test worker, launcher/localcluster/workers.py) sit beside the
+# primary one: slot K's ports are the primary's + K x PORT_STRIDE, its state under workers/wK.
+PORT_STRIDE = 100
+MAX_WORKER_SLOTS = 16
+
+
 @dataclass(frozen=True)
 class Ports:
     slurmctld: int = 6817
     slurmdbd: int = 6819
     mariadb: int = 3316  # not 3306: a system MariaDB may own that
     nodes: tuple[int, ...] = (6821, 6822)
+
+    @classmethod
+    def for_slot(cls, slot: int) -> Ports:
+        """The primary cluster's ports (slot 0) shifted for worker cluster ``slot``."""
+        base, k = cls(), slot * PORT_STRIDE
+        return cls(base.slurmctld + k, base.slurmdbd + k, base.mariadb + k, tuple(p + k for p in base.nodes))
+
+    def to_json(self) -> dict[str, object]:
+        return {"slurmctld": self.slurmctld, "slurmdbd": self.slurmdbd, "mariadb": self.mariadb, "nodes": list(self.nodes)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Ports:
+        nodes = d["nodes"]
+        assert isinstance(nodes, list)
+        return cls(int(str(d["slurmctld"])), int(str(d["slurmdbd"])), int(str(d["mariadb"])), tuple(int(n) for n in nodes))
+
+
+def primary_root() -> Path:
+    """The machine's primary local cluster (the one /etc/slurm/slurm.conf names)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/lmlaunch-cluster")
+    return Path.home() / ".lmlaunch" / "cluster"
 
 
 @dataclass(frozen=True)
@@ -38,9 +66,17 @@ class Layout:
         explicit = os.environ.get("LMLAUNCH_CLUSTER_DIR")
         if explicit:
             return cls(Path(explicit).expanduser().absolute())
-        if os.geteuid() == 0:
-            return cls(Path("/var/lib/lmlaunch-cluster"))
-        return cls(Path.home() / ".lmlaunch" / "cluster")
+        return cls(primary_root())
+
+    @classmethod
+    def worker(cls, slot: int) -> Layout:
+        """Worker cluster ``slot`` (1..MAX_WORKER_SLOTS), whatever LMLAUNCH_CLUSTER_DIR says."""
+        return cls(primary_root() / "workers" / f"w{slot}")
+
+    @property
+    def up_lock(self) -> Path:
+        """Held (flock) while `up` starts or reconfigures this cluster: two `up`s never race."""
+        return self.root / ".up.lock"
 
     @property
     def etc(self) -> Path:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from launcher.core.errors import UserError
@@ -118,3 +120,15 @@ def stop(pidfile: Path, name: str, timeout: float = 20.0) -> str | None:
         how = "stopped"
     pidfile.unlink(missing_ok=True)
     return f"{how} {name} (pid {pid})"
+
+
+@contextlib.contextmanager
+def flocked(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` for the block (released when the process dies, too)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -4,6 +4,11 @@ The session fixture starts the cluster (fast when it already runs). Tests are sk
 when SLURM cannot be installed on this machine (not root and the packages are missing).
 Other people submit to the same cluster at the same time: every test uses a unique run name
 and waits for its own job ids only.
+
+Run in parallel (pytest-xdist), each worker has a cluster of its own
+(launcher/localcluster/workers.py): it claims a slot when it starts and points LMLAUNCH_CLUSTER_DIR
+and SLURM_CONF at that cluster in its own environment, which everything it runs and submits
+inherits. A serial run (`-n 0`) uses the primary cluster.
 """
 
 from __future__ import annotations
@@ -19,6 +24,19 @@ from launcher.cli import main
 from launcher.context import Context
 from launcher.core import slurm
 from launcher.core.errors import UserError
+
+_CLAIM = None  # this worker's cluster (launcher.localcluster.workers.Claim); None when serial
+
+
+def pytest_configure(config):
+    """A pytest-xdist worker claims its own cluster before any test (or module fixture) reads the
+    environment."""
+    global _CLAIM
+    if os.environ.get("PYTEST_XDIST_WORKER") and _CLAIM is None:
+        from launcher.localcluster import workers
+
+        _CLAIM = workers.claim()
+        os.environ.update(_CLAIM.environ())
 
 
 def pytest_collection_modifyitems(items):
@@ -39,10 +57,13 @@ def slurm_cluster():
         )
     lines: list[str] = []
     try:
-        cluster.up(lines.append)
+        if _CLAIM is None:
+            cluster.up(lines.append)
+        else:
+            cluster.up(lines.append, layout=_CLAIM.layout, ports=_CLAIM.ports, system_conf=False)
     except UserError as exc:
         pytest.fail(f"`lmlaunch cluster up` failed: {exc.message}\n" + "\n".join(lines))
-    layout = cluster.Layout.default()
+    layout = cluster.Layout.default()  # the worker's own when parallel (LMLAUNCH_CLUSTER_DIR)
     leases = layout.root / "test-sessions"
     orphans = cancel_orphaned_test_jobs(leases)
     lease = claim_session(leases)

@@ -1,9 +1,11 @@
 """Helpers of the preemption integration tests (tests/integration/test_preempt_*.py).
 
 One tiny spec for every scenario (SPEC + BASE overrides): 2 nodes x 1 task, gloo, a loss in
-the heartbeat at every step, a periodic checkpoint every 10 steps. Scenarios that compare
-weights use the same overrides as the uninterrupted reference run (only the run name differs,
-which does not enter the numbers).
+the heartbeat at every step, a periodic checkpoint every 10 steps, the smaller model of
+slurm_helpers.SMALL_MODEL. Scenarios that compare weights use the same overrides as the
+uninterrupted reference run (only the run name differs, which does not enter the numbers); their
+steps are paced by a sleep (slurm_helpers.pace: the reference's are not, a sleep changes no
+number) so that a preemption lands while the run still trains.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 import time
 from pathlib import Path
 
-from slurm_helpers import REPO, TERMINAL
+from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, pace
 
 from launcher import rehearsal
 from launcher.cli import main
@@ -35,6 +37,7 @@ BASE = (
     "logging.heartbeat_every_n_steps=1",
     f"checkpoint.every_n_steps={EVERY}",
     "checkpoint.keep_last=2",
+    *SMALL_MODEL,
 )
 
 
@@ -45,9 +48,11 @@ def lm(environ: dict[str, str], *args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def submit(environ: dict[str, str], name: str, *overrides: str) -> tuple[str, Path]:
-    """Submit the tiny spec; return (job id, run dir)."""
-    code, out, err = lm(environ, "submit", SPEC, f"name={name}", *BASE, *overrides)
+def submit(environ: dict[str, str], name: str, *overrides: str, pace_s: float | None = PACE_S) -> tuple[str, Path]:
+    """Submit the tiny spec, its steps paced by ``pace_s`` (None: as fast as they go); return
+    (job id, run dir)."""
+    with faults(*([pace(pace_s)] if pace_s else [])):
+        code, out, err = lm(environ, "submit", SPEC, f"name={name}", *BASE, *overrides)
     assert code == 0, out + err
     job_id = re.search(r"job (\d+)", out).group(1)
     return job_id, Path(environ["LMLAUNCH_RUNS_ROOT"]) / name

@@ -102,13 +102,31 @@ def cancel_orphaned_test_jobs(
     return orphans
 
 
+# A smaller GPT-2 than tiny-cpu.yaml's (n_embd 128, seq 128) for the tests whose claim does not
+# depend on the model's size (resumes bit for bit, states, signals, hangs): a tiny-cpu step costs
+# ~0.4 CPU-s per rank on this machine, this one a small fraction of that, so that the suite's
+# parallel workers share the 2 cores for what each test is about. (test_submit_tiny_cpu_trains
+# trains the spec as shipped.)
+SMALL_MODEL = ("model.config.n_embd=32", "model.config.n_head=2", "model.config.n_positions=64", "data.seq_len=64")
+# A test that acts on a running job (preempts it, fails a node, stops the controller) needs the
+# steps to take about as long as tiny-cpu's do: a sleep after each batch paces them without
+# burning CPU (a sleep changes no number).
+PACE_S = 0.2
+
+
+def pace(seconds: float = PACE_S) -> dict:
+    """The fault-seam rule that sleeps ``seconds`` after every training batch on every rank."""
+    return {"point": "train.batch_end", "action": "sleep", "seconds": seconds}
+
+
 @contextlib.contextmanager
 def faults(*rules: dict):
     """Turn lmtrain's fault-injection seam (lmtrain.faults) on for the jobs submitted inside the
     block: SLURM hands a job the environment it was submitted from (sbatch --export=ALL, its
-    default), and requeued attempts keep it. A job spec cannot turn it on."""
+    default), and requeued attempts keep it. A job spec cannot turn it on. Nested blocks add
+    their rules to the outer ones'."""
     old = os.environ.get("LMLAUNCH_FAULTS")
-    os.environ["LMLAUNCH_FAULTS"] = json.dumps(list(rules))
+    os.environ["LMLAUNCH_FAULTS"] = json.dumps([*(json.loads(old) if old else []), *rules])
     try:
         yield
     finally:

@@ -12,6 +12,7 @@ from slurm_helpers import cancel_orphaned_test_jobs, claim_session, wait_account
 
 from launcher import rehearsal
 from launcher.core import slurm
+from launcher.localcluster import cluster, workers
 from launcher.localcluster.config import Layout, render_slurm_conf
 
 LMLAUNCH = str(Path(sys.executable).parent / "lmlaunch")
@@ -128,3 +129,51 @@ def test_jobs_of_a_test_session_that_is_gone_are_cancelled_and_live_ones_kept(sl
     assert not dead_lease.exists()
     assert slurm.job_state(mine) == "PENDING" and slurm.job_state(users) == "PENDING"
     assert slurm.state_group(slurm.job_state(orphan)) == "cancelled"
+
+
+def _running_then_preempted_script(tmp_path: Path, tag: str) -> Path:
+    script = tmp_path / f"{tag}.sh"
+    marks = tmp_path / f"{tag}.txt"
+    # ends at once on SIGTERM (the preemption), so the requeue shows within a second or two
+    script.write_text(f'#!/bin/bash\necho "restart=${{SLURM_RESTART_COUNT:-0}}" >> {marks}\n'
+                      "trap 'exit 0' TERM\nsleep 300 &\nwait\n")
+    return script
+
+
+def test_another_worker_cluster_is_untouched_by_a_preemption_on_this_one(slurm_cluster, tmp_path, own_jobs, run_name):
+    """Parallel test workers each run a cluster of their own (launcher/localcluster/workers.py):
+    an exclusive high-priority job here preempts this cluster's low job on n2, while a low job on
+    n2 of another worker's cluster (its own controller, nodes, queue and accounting) runs on."""
+    other = workers.claim()
+    try:
+        lines: list[str] = []
+        cluster.up(lines.append, layout=other.layout, ports=other.ports, system_conf=False)
+        low = ["-p", "low", "-w", "n2", "-N", "1", "-n", "1", "--exclusive", "--requeue"]
+        with cluster.own_conf(other.layout):
+            theirs = _sbatch("-J", run_name + "-other", *low, "-o", "/dev/null",
+                             str(_running_then_preempted_script(tmp_path, "theirs")))
+            rehearsal.wait_for(theirs, {"running"}, timeout=120, poll=0.5)
+        mine = _sbatch("-J", run_name, *low, "-o", "/dev/null", str(_running_then_preempted_script(tmp_path, "mine")))
+        own_jobs.append(mine)
+        rehearsal.wait_for(mine, {"running"}, timeout=120, poll=0.5)
+        assert slurm.squeue([mine])[0].name == run_name  # this cluster's queue has its own job ...
+        high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", "n2", "-N", "1", "-n", "1", "--exclusive",
+                       "-o", "/dev/null", "--wrap", "sleep 2")
+        own_jobs.append(high)
+        deadline = time.monotonic() + 90
+        while slurm.restart_count(mine) < 1:
+            assert time.monotonic() < deadline, f"job {mine} was not preempted: {slurm.show_job(mine)}"
+            time.sleep(0.5)
+        assert wait_terminal(high, timeout=120) == "COMPLETED"
+        with cluster.own_conf(other.layout):
+            info = slurm.show_job(theirs) or {}
+            assert info.get("JobName") == run_name + "-other", info  # ... and the other one its own
+            assert info.get("JobState") == "RUNNING" and slurm.restart_count(theirs) == 0, info
+            slurm.cancel([theirs])
+        assert (tmp_path / "theirs.txt").read_text().splitlines() == ["restart=0"]
+    finally:
+        with cluster.own_conf(other.layout):
+            for j in slurm.squeue():
+                if j.name.startswith(run_name):
+                    slurm.cancel([j.job_id])
+        other.release()

@@ -11,7 +11,7 @@ import re
 import time
 from pathlib import Path
 
-from slurm_helpers import REPO, wait_terminal
+from slurm_helpers import REPO, SMALL_MODEL, faults, pace, wait_terminal
 
 from launcher import runs
 from launcher.core import slurm
@@ -20,7 +20,7 @@ from launcher.localcluster.daemons import stop
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 TINY = ("trainer.max_steps=20", "optim.warmup_steps=2", "trainer.val_check_interval=null",
-        "trainer.limit_val_batches=0", "checkpoint.every_n_steps=100")
+        "trainer.limit_val_batches=0", "checkpoint.every_n_steps=100", *SMALL_MODEL)
 
 
 def _job_id(out: str) -> str:
@@ -78,7 +78,8 @@ def test_late_sbatch_is_reconciled_by_name_and_submit_time_not_submitted_twice(
 def test_controller_down_then_restarted_submit_refused_running_job_survives_status_recovers(
     slurm_cluster, cli, lm_env, run_name, own_jobs
 ):
-    r = cli("submit", SPEC, f"name={run_name}", *TINY, "trainer.max_steps=60", "checkpoint.every_n_steps=10")
+    with faults(pace()):  # it must still train through the controller's outage
+        r = cli("submit", SPEC, f"name={run_name}", *TINY, "trainer.max_steps=60", "checkpoint.every_n_steps=10")
     assert r.code == 0, r.err
     job_id = _job_id(r.out)
     own_jobs.append(job_id)

@@ -107,8 +107,13 @@ def test_collective_timeout_from_the_spec_ends_the_waiting_rank_with_reason_hang
     assert end["reason"] == "hang", end
     assert "timeout" in end["detail"].lower() or "timed out" in end["detail"].lower(), end["detail"]
     assert not (run_dir / "logs" / "attempt-1" / "hang-rank-0.json").exists()
-    assert end["time"] - start["time"] < 25, (start, end)
+    assert end["time"] > start["time"], (start, end)
     # rank 1 (asleep) is then ended by its own watchdog: the whole job ends
     state = wait_terminal(job_id, timeout=120)
     assert slurm.state_group(state) == "failed", state
-    assert json.loads((run_dir / "logs" / "attempt-1" / "hang-rank-1.json").read_text())["step"] == HANG_STEP
+    hung = json.loads((run_dir / "logs" / "attempt-1" / "hang-rank-1.json").read_text())
+    assert hung["step"] == HANG_STEP
+    # measured from the hang (rank 1's last progress), not from the attempt's start, whose model
+    # setup takes longer on a loaded machine: rank 0 ended ~10 s later, well before 25 s
+    hang_began = hung["time"] - hung["idle_s"]
+    assert end["time"] - hang_began < 25, (hang_began, end)

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from slurm_helpers import REPO, wait_terminal
+from slurm_helpers import REPO, SMALL_MODEL, faults, pace, wait_terminal
 
 from launcher import rehearsal
 from launcher.core import slurm
@@ -24,6 +24,7 @@ OVERRIDES = (
     "trainer.val_check_interval=30",
     "trainer.log_every_n_steps=5",
     "checkpoint.every_n_steps=10",
+    *SMALL_MODEL,
 )
 
 
@@ -52,7 +53,8 @@ def _wait_row(cli, name, pred, timeout: float, what: str) -> dict:
 
 
 def _submit(cli, name, *extra) -> str:
-    r = cli("submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={name}", *OVERRIDES, *extra)
+    with faults(pace()):  # steps as long as tiny-cpu's, without their CPU: the test acts on a running run
+        r = cli("submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={name}", *OVERRIDES, *extra)
     assert r.code == 0, r.err
     assert f"lmlaunch status {name}" in r.out and f"lmlaunch cancel {name}" in r.out  # next commands
     return re.search(r"job (\d+)", r.out).group(1)

@@ -39,6 +39,7 @@ from preempt_helpers import (
     wait_step,
     weights_digest,
 )
+from shared_results import shared
 from slurm_helpers import faults, job_name, webhook_server
 
 from launcher.core import slurm
@@ -62,9 +63,14 @@ def name(request) -> str:
 
 @pytest.fixture(scope="module")
 def reference(slurm_cluster, env, jobs):
-    """The uninterrupted run: its per-step losses and final weights."""
+    """The uninterrupted run: its per-step losses and final weights, made once per test run for
+    every worker (tests/shared_results.py)."""
+    return shared("preempt-ddp-reference", lambda: _uninterrupted(env, jobs))
+
+
+def _uninterrupted(env, jobs) -> dict:
     name = job_name("pr", "reference")
-    job, run_dir = submit(env, name)
+    job, run_dir = submit(env, name, pace_s=None)  # nothing acts on it: as fast as it goes
     jobs.append(job)
     finish(job, run_dir)
     assert [e["reason"] for e in ends(run_dir)] == ["completed"]
@@ -81,6 +87,7 @@ def _check_resumed_exactly(run_dir, reference, missing_ok=frozenset()) -> None:
     assert_weights_identical(run_dir, reference)
 
 
+@pytest.mark.serial  # edits the live checkout: no other test may snapshot or import it meanwhile
 def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, env, jobs, name):
     """Preemption by a high-priority exclusive job at a random step, the cluster sending the
     warning signal (preempt_send_user_signal) and SIGTERM."""
@@ -164,10 +171,10 @@ def _preempt_each_attempt(env, name: str, job: str, run_dir, *, times: int, afte
 
 
 def test_storm_of_ten_preemptions_completes_bit_identical(reference, env, jobs, name):
-    # Every batch slowed (a sleep changes no number): steps go on while each preemption takes
-    # effect (seen: 24 steps of 0.1 s in one), and ten of them must land before max_steps.
-    with faults({"point": "train.batch_end", "action": "sleep", "seconds": 0.25}):
-        job, run_dir = submit(env, name)
+    # Every batch slowed more than the others' (a sleep changes no number): steps go on while each
+    # preemption takes effect (seen: 24 steps of 0.1 s in one), and ten of them must land before
+    # max_steps.
+    job, run_dir = submit(env, name, pace_s=0.25)
     jobs.append(job)
     _preempt_each_attempt(env, name, job, run_dir, times=10, after_steps=1)
     finish(job, run_dir)

@@ -70,7 +70,7 @@ def _final(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
 def test_sharded_strategy_preempted_and_resumed_equals_uninterrupted(strategy, slurm_cluster, env, jobs):
     overrides = STRATEGIES[strategy]
     ref_name = job_name("pr", f"ref-{strategy}")
-    job, ref_dir = submit(env, ref_name, *overrides)
+    job, ref_dir = submit(env, ref_name, *overrides, pace_s=None)  # nothing acts on it
     jobs.append(job)
     finish(job, ref_dir)
     assert [e["reason"] for e in ends(ref_dir)] == ["completed"]
@@ -119,7 +119,7 @@ def test_a_cancelled_run_resumed_with_other_resources_continues_on_the_new_world
     strategy, resources, world = ELASTIC[case]
     overrides = (*STRATEGIES[strategy], *NO_DROPOUT, "data.micro_batch_size=4")
     ref_name = job_name("pr", f"eref-{strategy}")
-    job, ref_dir = submit(env, ref_name, *overrides)
+    job, ref_dir = submit(env, ref_name, *overrides, pace_s=None)  # nothing acts on it
     jobs.append(job)
     finish(job, ref_dir)
     reference = {s: v[0] for s, v in losses_by_step(ref_dir).items()}

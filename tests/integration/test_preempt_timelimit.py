@@ -16,7 +16,7 @@ from slurm_helpers import faults, wait_accounted
 from launcher.core import slurm
 
 TIME_LIMIT = ("resources.time=00:02:00", "preemption.warning_seconds=60")
-SLOW = {"point": "train.batch_end", "action": "sleep", "seconds": 0.6}  # slow steps without burning CPU
+SLOW = {"point": "train.batch_end", "action": "sleep", "seconds": 0.8}  # slow steps without burning CPU
 STEPS = "trainer.max_steps=70"  # ~70 s of steps: more than one attempt gets before its warning
 
 
@@ -30,8 +30,8 @@ def runs(slurm_cluster, tmp_path_factory):
         mp.setenv("LMLAUNCH_RUNS_ROOT", str(root / "runs"))
         env = dict(os.environ)
         with faults(SLOW):
-            requeue = submit(env, "tl-requeues", STEPS, *TIME_LIMIT)
-            capped = submit(env, "tl-capped", STEPS, *TIME_LIMIT, "preemption.max_timeouts=0")
+            requeue = submit(env, "tl-requeues", STEPS, *TIME_LIMIT, pace_s=None)  # SLOW paces them
+            capped = submit(env, "tl-capped", STEPS, *TIME_LIMIT, "preemption.max_timeouts=0", pace_s=None)
         try:
             yield {"requeues": requeue, "capped": capped}
         finally:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from preempt_helpers import SPEC, wait_step
+from slurm_helpers import SMALL_MODEL, faults, pace
 
 from launcher.core import slurm
 from launcher.core.task_records import TaskRecord, read_task_records, write_task_record
@@ -23,6 +24,7 @@ OVERRIDES = (
     "trainer.log_every_n_steps=1",
     "logging.heartbeat_every_n_steps=1",
     "checkpoint.every_n_steps=100000",
+    *SMALL_MODEL,
 )
 TRAINING_LOOP = re.compile(r"training_step|_TrainingEpochLoop\.run|_FitLoop\.run|Trainer\.fit")
 
@@ -35,7 +37,8 @@ def _sections(text: str) -> dict[int, tuple[str, int, str]]:
 
 def test_stacks_show_every_rank_of_a_running_two_node_job_in_its_training_loop(slurm_cluster, cli, lm_env, run_name,
                                                                                 own_jobs):
-    r = cli("submit", str(SPEC), f"name={run_name}", *OVERRIDES)
+    with faults(pace()):  # it trains while the test looks at it: paced steps, little CPU
+        r = cli("submit", str(SPEC), f"name={run_name}", *OVERRIDES)
     assert r.code == 0, r.out + r.err
     job_id = re.search(r"job (\d+)", r.out).group(1)
     own_jobs.append(job_id)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from shared_results import shared
 
 from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint import complete_checkpoints
@@ -41,16 +42,16 @@ def _plan(repo, name: str, devices: int, strategy: str):
     )
 
 
-_REFERENCE: dict[str, tuple[dict, dict]] = {}
-
-
 def _reference(repo, strategy: str):
-    if strategy not in _REFERENCE:
+    """The uninterrupted 2-rank run of ``strategy``: made once per test run for every worker."""
+
+    def run() -> tuple[dict, dict]:
         plan = _plan(repo, f"elastic-ref-{strategy}", 2, strategy)
         assert _launch(plan, stop_at=0) == 0
         last = complete_checkpoints(plan.paths.checkpoint_dir)[-1]
-        _REFERENCE[strategy] = (_steps(plan.paths.run_dir), lightning_state_dict(last.path))
-    return _REFERENCE[strategy]
+        return _steps(plan.paths.run_dir), lightning_state_dict(last.path)
+
+    return shared(f"elastic-reference-{strategy}", run)
 
 
 @pytest.mark.slow

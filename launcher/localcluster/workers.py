@@ -1,0 +1,58 @@
+"""Worker clusters: one complete local cluster per parallel test worker.
+
+The test suite runs its SLURM tests side by side (pytest-xdist). A test preempts with an exclusive
+high-priority job, stops the controller, marks a node DOWN or switches the partition's PreemptMode:
+on a shared cluster each of those would reach another worker's run. So each worker gets a cluster
+of its own: the same nodes (n1, n2), partitions (low, high) and accounting as the primary one, with
+its own state directory (``<primary>/workers/wK``), ports (the primary's + K x 100) and
+``SLURM_CONF``. Only munged and /etc/hosts are the machine's.
+
+A worker claims slot K by holding an flock on ``<primary>/workers/wK.claim`` for its life: two test
+sessions running at once never share a cluster, and a slot whose owner died is free again. The
+clusters stay up between sessions (``up`` is fast then); ``lmlaunch cluster down`` stops them with
+the primary one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from typing import IO
+
+from launcher.core.errors import UserError
+from launcher.localcluster.config import MAX_WORKER_SLOTS, Layout, Ports, primary_root
+
+
+@dataclass
+class Claim:
+    slot: int
+    layout: Layout
+    ports: Ports
+    _handle: IO[str]
+
+    def environ(self) -> dict[str, str]:
+        """What a process (and the jobs it submits) needs to use this cluster, not the primary one."""
+        return {"LMLAUNCH_CLUSTER_DIR": str(self.layout.root), "SLURM_CONF": str(self.layout.slurm_conf)}
+
+    def release(self) -> None:
+        self._handle.close()
+
+
+def claim() -> Claim:
+    """The first free worker slot, held until :meth:`Claim.release` or this process ends."""
+    folder = primary_root() / "workers"
+    folder.mkdir(parents=True, exist_ok=True)
+    for slot in range(1, MAX_WORKER_SLOTS + 1):
+        handle = open(folder / f"w{slot}.claim", "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        return Claim(slot, Layout.worker(slot), Ports.for_slot(slot), handle)
+    raise UserError(f"all {MAX_WORKER_SLOTS} worker clusters are claimed by running test sessions", exit_code=1)

@@ -1,0 +1,66 @@
+"""Worker clusters (launcher/localcluster/workers.py): each parallel test worker claims a slot of
+its own, with ports and a state directory no other slot uses; a slot is free again once its
+holder releases it or dies. (That the clusters are isolated is shown on the real ones:
+tests/integration/test_cluster_local.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from launcher.localcluster import cluster, config, workers
+from launcher.localcluster.config import MAX_WORKER_SLOTS, Layout, Ports
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "primary_root", lambda: tmp_path / "primary")
+    monkeypatch.setattr(workers, "primary_root", lambda: tmp_path / "primary")
+    return tmp_path / "primary"
+
+
+def test_every_slot_has_ports_and_a_directory_of_its_own():
+    ports = [Ports.for_slot(k) for k in range(MAX_WORKER_SLOTS + 1)]
+    assert ports[0] == Ports()
+    every = [p for s in ports for p in (s.slurmctld, s.slurmdbd, s.mariadb, *s.nodes)]
+    assert len(every) == len(set(every)), "two slots share a port"
+    assert len({Layout.worker(k).root for k in range(1, MAX_WORKER_SLOTS + 1)}) == MAX_WORKER_SLOTS
+
+
+def test_settings_keep_the_ports_and_read_files_written_before_ports_were_kept():
+    s = cluster.Settings(preempt_send_user_signal=True, ports=Ports.for_slot(3), system_conf=False)
+    assert cluster.Settings.from_json(s.to_json()) == s
+    old = cluster.Settings.from_json('{"preempt_send_user_signal": true}')
+    assert old == cluster.Settings(preempt_send_user_signal=True, ports=Ports(), system_conf=True)
+
+
+def test_claims_take_distinct_slots_and_a_released_one_is_free_again(machine):
+    a, b = workers.claim(), workers.claim()
+    assert (a.slot, b.slot) == (1, 2)
+    assert a.layout.root == machine / "workers" / "w1" and a.ports == Ports.for_slot(1)
+    assert a.environ() == {"LMLAUNCH_CLUSTER_DIR": str(a.layout.root), "SLURM_CONF": str(a.layout.slurm_conf)}
+    a.release()
+    c = workers.claim()
+    assert c.slot == 1
+    b.release()
+    c.release()
+
+
+def test_a_slot_whose_holder_died_is_free(machine):
+    pid = os.fork()
+    if pid == 0:  # the child claims slot 1 and dies holding it
+        workers.claim()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    held = workers.claim()
+    assert held.slot == 1
+    held.release()
+
+
+def test_all_slots_claimed_is_a_clear_error(machine):
+    claims = [workers.claim() for _ in range(MAX_WORKER_SLOTS)]
+    with pytest.raises(workers.UserError, match=f"all {MAX_WORKER_SLOTS} worker clusters are claimed"):
+        workers.claim()
+    for c in claims:
+        c.release()
