@@ -46,7 +46,9 @@ fi
 
 start=$(date +%s)
 echo "[test] phase 1: all tests but the serial ones, on $WORKERS workers"
-pytest tests -n "$WORKERS" --dist load --phase parallel "$@" && rc1=0 || rc1=$?
+# --maxschedchunk 1: each worker holds two tests at a time and asks for more when one ends (by
+# default each is handed a block of ~50 consecutive tests, and the long ones pile up on one worker)
+pytest tests -n "$WORKERS" --dist load --maxschedchunk 1 --phase parallel "$@" && rc1=0 || rc1=$?
 # phase 2 collects only the modules that hold serial tests (collecting all of them costs ~20 s)
 mapfile -t serial_modules < <(grep -rl --include='test_*.py' '@pytest.mark.serial' tests | sort)
 if ((${#serial_modules[@]})); then

@@ -10,9 +10,10 @@ import suite_timing
 
 REPO = Path(__file__).resolve().parent.parent
 # Each test's wall seconds from a serial run (tests/suite_timing.py FILE --write-durations): the
-# longest modules are started first so that no long test is left for the end of a parallel run.
+# longest tests are started first so that no long test is left for the end of a parallel run.
 DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_TEST_S = 2.0
+LONG_TEST_S = 10.0
 
 
 def pytest_addoption(parser):
@@ -34,20 +35,28 @@ def pytest_configure(config):
 
 
 def _order(items) -> None:
-    """Longest module first (measured seconds summed over its tests); a module's tests stay together
-    and in their order, so module fixtures are set up once per worker."""
+    """Longest first, so that no long test is left for the end of a parallel run: every test of
+    LONG_TEST_S or more on its own, by its measured seconds; then the other modules, longest (summed)
+    first, each module's tests together and in pytest's order (its module fixtures set up once)."""
     try:
         known = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
         return
+    seconds = {item.nodeid: float(known.get(item.nodeid, UNKNOWN_TEST_S)) for item in items}
     totals: dict[str, float] = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        totals[module] = totals.get(module, 0.0) + float(known.get(item.nodeid, UNKNOWN_TEST_S))
-    first_seen = {}
+    first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
-        first_seen.setdefault(item.nodeid.split("::")[0], i)
-    items.sort(key=lambda it: (-totals[it.nodeid.split("::")[0]], first_seen[it.nodeid.split("::")[0]]))
+        module = item.nodeid.split("::")[0]
+        totals[module] = totals.get(module, 0.0) + seconds[item.nodeid]
+        first_seen.setdefault(module, i)
+
+    def key(item) -> tuple:
+        if seconds[item.nodeid] >= LONG_TEST_S:
+            return (0, -seconds[item.nodeid], 0)
+        module = item.nodeid.split("::")[0]
+        return (1, -totals[module], first_seen[module])
+
+    items.sort(key=key)  # stable: a module's short tests keep their order
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,8 @@
   test's own (the daemons idle at a few per mille of a core);
 - ``own_cpu_s``: this process and the children it waited for (``os.times``), a lower bound that
   stays meaningful when workers run in parallel;
-- ``worker``: the pytest-xdist worker (``-`` when serial).
+- ``worker``: the pytest-xdist worker (``-`` when serial); ``outcome``: passed, failed or skipped
+  (its first failing phase).
 
 At the end of the session the controller prints the totals and the slowest tests;
 ``python tests/suite_timing.py FILE [--top N] [--markdown] [--write-durations tests/durations.json]``
@@ -27,6 +28,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system [idle iowait] irq softirq steal
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -53,8 +56,16 @@ class Recorder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
+        self.outcomes: dict[str, str] = {}
 
-    def pytest_runtest_protocol(self, item, nextitem):  # hookwrapper, registered below
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.failed:
+            self.outcomes[report.nodeid] = "failed"  # in any phase, teardown included
+        elif report.when == "call" or report.skipped:
+            self.outcomes.setdefault(report.nodeid, report.outcome)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
         start_wall, start_busy, start_own = time.monotonic(), machine_busy_seconds(), own_cpu_seconds()
         outcome = yield
         record = {
@@ -63,12 +74,11 @@ class Recorder:
             "machine_cpu_s": round(machine_busy_seconds() - start_busy, 3),
             "own_cpu_s": round(own_cpu_seconds() - start_own, 3),
             "worker": self.worker,
+            "outcome": self.outcomes.pop(item.nodeid, "passed"),
         }
         with open(self.path, "a") as f:  # one short line per write: O_APPEND keeps workers' lines whole
             f.write(json.dumps(record) + "\n")
         return outcome
-
-    pytest_runtest_protocol.hookwrapper = True  # type: ignore[attr-defined]
 
 
 def read(path: Path) -> list[dict]:

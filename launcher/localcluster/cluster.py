@@ -399,7 +399,7 @@ def ensure_slurmd(layout: Layout, say: Say) -> None:
 def _load_settings(layout: Layout) -> Settings | None:
     try:
         return Settings.from_json(layout.settings.read_text())
-    except (OSError, ValueError, TypeError, KeyError, AssertionError):
+    except (OSError, ValueError, TypeError, KeyError):
         return None
 
 

@@ -44,7 +44,8 @@ class Ports:
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Ports:
         nodes = d["nodes"]
-        assert isinstance(nodes, list)
+        if not isinstance(nodes, list):
+            raise TypeError(f"ports.nodes must be a list of ports, not {nodes!r}")
         return cls(int(str(d["slurmctld"])), int(str(d["slurmdbd"])), int(str(d["mariadb"])), tuple(int(n) for n in nodes))
 
 
