@@ -74,6 +74,18 @@ def _sbatch(*args: str) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
+def _preempt_n2(run_name: str, low: str, own_jobs: list[str]) -> None:
+    """An exclusive job on `high` takes n2: wait until it requeued ``low`` and completed itself."""
+    high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", "n2", "-N", "1", "-n", "1", "--exclusive",
+                   "-o", "/dev/null", "--wrap", "sleep 2")
+    own_jobs.append(high)
+    deadline = time.monotonic() + 90
+    while slurm.restart_count(low) < 1:
+        assert time.monotonic() < deadline, f"low job {low} was not requeued: {slurm.show_job(low)}"
+        time.sleep(0.5)
+    assert wait_terminal(high, timeout=120) == "COMPLETED"
+
+
 def test_exclusive_high_job_preempts_low_job_which_restarts_with_restart_count(slurm_cluster, tmp_path, own_jobs, run_name):
     marks = tmp_path / "attempts.txt"
     script = tmp_path / "low.sh"
@@ -88,15 +100,7 @@ def test_exclusive_high_job_preempts_low_job_which_restarts_with_restart_count(s
                   "-o", str(tmp_path / "low-%j.out"), str(script))
     own_jobs.append(low)
     rehearsal.wait_for(low, {"running"}, timeout=120, poll=0.5)
-    high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", "n2", "-N", "1", "-n", "1", "--exclusive",
-                   "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 2")
-    own_jobs.append(high)
-
-    deadline = time.monotonic() + 90
-    while slurm.restart_count(low) < 1:
-        assert time.monotonic() < deadline, f"low job {low} was not requeued: {slurm.show_job(low)}"
-        time.sleep(0.5)
-    assert wait_terminal(high, timeout=120) == "COMPLETED"
+    _preempt_n2(run_name, low, own_jobs)
     # requeued jobs keep their id and wait ~2 min (BeginTime); start_now skips that
     assert wait_terminal(low, timeout=120) == "COMPLETED"
     lines = marks.read_text().splitlines()
@@ -157,14 +161,7 @@ def test_another_worker_cluster_is_untouched_by_a_preemption_on_this_one(slurm_c
         own_jobs.append(mine)
         rehearsal.wait_for(mine, {"running"}, timeout=120, poll=0.5)
         assert slurm.squeue([mine])[0].name == run_name  # this cluster's queue has its own job ...
-        high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", "n2", "-N", "1", "-n", "1", "--exclusive",
-                       "-o", "/dev/null", "--wrap", "sleep 2")
-        own_jobs.append(high)
-        deadline = time.monotonic() + 90
-        while slurm.restart_count(mine) < 1:
-            assert time.monotonic() < deadline, f"job {mine} was not preempted: {slurm.show_job(mine)}"
-            time.sleep(0.5)
-        assert wait_terminal(high, timeout=120) == "COMPLETED"
+        _preempt_n2(run_name, mine, own_jobs)
         with cluster.own_conf(other.layout):
             info = slurm.show_job(theirs) or {}
             assert info.get("JobName") == run_name + "-other", info  # ... and the other one its own
