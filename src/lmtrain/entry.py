@@ -87,7 +87,12 @@ def run_slurm_task(run_dir: str) -> int:
     without an exception (disk_full, preflight_failed, a checkpoint it cannot resume) exits
     with its code, so SLURM records the job FAILED (submitit would call a returned value a
     success, and a dependant waiting with afterok would start)."""
-    code = run_task(run_dir)
+    from lmtrain.signals import retire
+
+    try:
+        code = run_task(run_dir)
+    finally:
+        retire()  # a late time-limit warning must not kill the exiting process
     if code:
         raise SystemExit(code)
     return code
@@ -589,7 +594,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m lmtrain.entry RUN_DIR", file=sys.stderr)
         return 2
-    return run_task(args[0])
+    from lmtrain.signals import retire
+
+    try:
+        return run_task(args[0])
+    finally:
+        retire()  # a late time-limit warning must not kill the exiting process
 
 
 if __name__ == "__main__":

@@ -120,6 +120,19 @@ def release_early_signals() -> None:
         _EARLY.restore()
 
 
+def retire() -> None:
+    """The task's attempt is over (its end is in the ledger) and the process is about to exit: from
+    now on the warning signal is ignored. A time-limit warning may still come while the process
+    exits (SLURM sends it up to a minute early); there is nothing left for it to stop, and the
+    handler :meth:`SignalOwner.restore` gave back would do harm: the default action kills the
+    process, so SLURM records a run that completed as FAILED (seen: a run done at step 70, killed
+    by SIGUSR2 during its exit), and submitit's handler would requeue it. For the task's process
+    body only (lmtrain.entry's run_slurm_task and main), not for in-process callers."""
+    early = _EARLY
+    if early is not None and early.pid == os.getpid() and threading.current_thread() is threading.main_thread():
+        signal.signal(early.warning_signum, signal.SIG_IGN)
+
+
 def _adopt_early(stop, warning_signal: str) -> SignalOwner | None:
     early = _EARLY
     if early is None or early.pid != os.getpid() or not early.installed:

@@ -349,6 +349,35 @@ def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch):
     assert signal.getsignal(signal.SIGUSR2) is before
 
 
+@pytest.mark.parametrize("retired", [False, True], ids=["handlers-given-back", "retired"])
+def test_a_time_limit_warning_after_the_attempt_ended_does_not_kill_the_exiting_task(retired):
+    """Seen in a parallel suite run: a run completed at step 70, then SLURM's time-limit warning
+    (SIGUSR2, sent up to a minute early) reached its tasks while they exited, after the attempt
+    gave the handlers back, and killed them: SLURM recorded the finished job FAILED. The task's
+    process body retires the signals (lmtrain.signals.retire); a real child process shows both."""
+    from types import SimpleNamespace
+
+    from lmtrain import signals
+
+    pid = os.fork()
+    if pid == 0:  # the task process: owns the signals, ends its attempt, gets the late warning
+        try:
+            signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # what submitit's task process starts with
+            owner = signals.own_signals(SimpleNamespace(preemption={"signal": "USR2"}))
+            owner.restore()  # the attempt ended: handlers given back
+            if retired:
+                signals.retire()
+            os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(0.2)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if retired:
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    else:  # the failure retire() prevents
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGUSR2, status
+
+
 def test_a_stop_requested_by_a_peer_without_a_signal_gets_a_ledger_reason():
     d = decide(_facts(requested_reason="peer", launcher="local", slurm_state=None), POLICY)
     assert d.reason == "preempted" and "stop requested (peer)" in d.detail
