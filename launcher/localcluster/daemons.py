@@ -47,9 +47,37 @@ def alive(pid: int | None) -> bool:
         return True
 
 
+# A daemon writes its pid file after it started; a live process that started later than that is
+# another one that got the pid after the daemon died (seen: a worker cluster's stale slurmd pid,
+# reused by a process of the next start-up, made `up` skip starting that slurmd). Slack for
+# /proc/stat's boot time, which is whole seconds.
+PID_REUSE_SLACK_S = 2.0
+
+
 def running_from_pidfile(pidfile: Path) -> int | None:
+    """The pid in ``pidfile`` if that process is alive and is the one that wrote it."""
     pid = read_pid(pidfile)
-    return pid if alive(pid) else None
+    if not alive(pid):
+        return None
+    started = started_at(pid)  # type: ignore[arg-type]
+    try:
+        written = pidfile.stat().st_mtime
+    except OSError:
+        return None
+    if started is not None and started > written + PID_REUSE_SLACK_S:
+        return None
+    return pid
+
+
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started (epoch seconds), from /proc; None when unknown."""
+    try:
+        after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
 
 
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,32 +47,6 @@ def heartbeat_of(path: str | Path, info: RunInfo) -> Heartbeat:
     """This attempt's heartbeat writer: rank 0 writes, the other ranks' emits do nothing."""
     return Heartbeat(path, attempt=info.attempt, job_id=info.job_id, world_size=info.world_size,
                      enabled=info.rank == 0)
-
-
-@dataclass
-class StopRequest:
-    """A request to stop at the next optimizer-step boundary, checkpoint, and exit.
-
-    A signal handler (lmtrain.preemption) only calls :meth:`request`: it sets fields, no I/O.
-    ``armed`` turns on the per-step cross-rank agreement in :class:`lmtrain.preemption.StopAgreement`
-    (one small all-reduce every ``check_every_n_steps``, the spec's
-    ``preemption.agree_every_n_steps``); without a handler it stays off and
-    costs nothing.
-    """
-
-    armed: bool = False
-    check_every_n_steps: int = 1
-    requested: bool = False
-    reason: str | None = None  # a ledger reason: preempted, timeout, cancelled, ...
-    detail: str | None = None
-    requested_at: float | None = None
-    agreed_step: int | None = None  # set when all ranks agreed and the checkpoint is on disk
-    checkpoint_path: str | None = None
-
-    def request(self, reason: str, detail: str | None = None) -> None:
-        if not self.requested:
-            self.reason, self.detail, self.requested_at = reason, detail, time.time()
-        self.requested = True
 
 
 class CheckpointCallback(pl.Callback):
@@ -394,6 +367,5 @@ __all__ = [
     "ResumableCSVLogger",
     "RngNeutralValidation",
     "RunInfo",
-    "StopRequest",
     "make_loggers",
 ]

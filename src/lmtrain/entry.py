@@ -37,9 +37,9 @@ if TYPE_CHECKING:  # annotations only: the task imports these when it needs them
     import lightning.pytorch as pl
 
     from launcher.core.plan import LaunchPlan
-    from lmtrain.callbacks import StopRequest
     from lmtrain.env import TaskEnv
     from lmtrain.preemption import Preemption
+    from lmtrain.signals import StopRequest
 
 log = logging.getLogger("lmtrain")
 
@@ -103,16 +103,21 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
 
     CLOCK.begin_attempt()
     CLOCK.mark("entry")
-    from launcher.core.plan import LaunchPlan
-    from launcher.core.rundir import PLAN, Ledger, attempts_of, next_attempt_of
-    from lmtrain import preemption
-    from lmtrain.env import read_env, rendezvous
+    from launcher.core.rundir import PLAN
     from lmtrain.signals import own_signals
-    from lmtrain.task_record import record_this_task
 
     run_dir = Path(run_dir)
-    plan = LaunchPlan.from_dict(json.loads((run_dir / PLAN).read_text()))
-    signals = own_signals(plan)  # from here on lmtrain's handlers (record only), not submitit's
+    raw_plan = json.loads((run_dir / PLAN).read_text())
+    # First of all, before any import that takes time: from here on lmtrain's handlers (record
+    # only), not submitit's (tests/unit/test_preemption_signals.py)
+    signals = own_signals(raw_plan.get("preemption") or {})
+    from launcher.core.plan import LaunchPlan
+    from launcher.core.rundir import Ledger, attempts_of, next_attempt_of
+    from lmtrain import preemption
+    from lmtrain.env import read_env, rendezvous
+    from lmtrain.task_record import record_this_task
+
+    plan = LaunchPlan.from_dict(raw_plan)
     record_this_task(run_dir)  # this process's node and pid, for `lmlaunch stacks` (even if stuck starting)
     try:
         _import_frameworks()  # the rest of them, with the signals already ours
@@ -250,10 +255,11 @@ def _rank_log(path: Path, rank: int):
 
 def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | None = _LIST_LOCALLY) -> int:
     from launcher.core.rundir import DONE, AttemptEnd, AttemptStart, Ledger
-    from lmtrain.callbacks import RunInfo, StartupRecord, StopRequest, heartbeat_of
+    from lmtrain.callbacks import RunInfo, StartupRecord, heartbeat_of
     from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, check_compatible, newest_complete
     from lmtrain.notify import Notifier
     from lmtrain.preemption import Preemption
+    from lmtrain.signals import StopRequest
 
     t, paths = plan.trainer, plan.paths
     max_steps = t.max_steps

@@ -16,9 +16,36 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lmtrain.policy import Policy
+# Nothing heavy here, not even lmtrain.policy: this module is imported while submitit's
+# handlers are still installed (tests/unit/test_preemption_signals.py holds it to that).
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StopRequest:
+    """A request to stop at the next optimizer-step boundary, checkpoint, and exit.
+
+    A signal handler (:class:`SignalOwner`) only calls :meth:`request`: it sets fields, no I/O.
+    ``armed`` turns on the per-step cross-rank agreement in :class:`lmtrain.preemption.StopAgreement`
+    (one small all-reduce every ``check_every_n_steps``, the spec's
+    ``preemption.agree_every_n_steps``); without a handler it stays off and
+    costs nothing.
+    """
+
+    armed: bool = False
+    check_every_n_steps: int = 1
+    requested: bool = False
+    reason: str | None = None  # a ledger reason: preempted, timeout, cancelled, ...
+    detail: str | None = None
+    requested_at: float | None = None
+    agreed_step: int | None = None  # set when all ranks agreed and the checkpoint is on disk
+    checkpoint_path: str | None = None
+
+    def request(self, reason: str, detail: str | None = None) -> None:
+        if not self.requested:
+            self.reason, self.detail, self.requested_at = reason, detail, time.time()
+        self.requested = True
 
 
 @dataclass
@@ -100,16 +127,18 @@ class SignalOwner:
 _EARLY: SignalOwner | None = None
 
 
-def own_signals(plan) -> SignalOwner:
-    """Take the signals over as soon as the task starts, before the rendezvous and the imports of
-    the model: until then submitit's USR2 handler (checkpoint_and_try_requeue) would requeue the
-    job from inside the handler. What arrives now is kept and acted on at the first step
+def own_signals(preemption: Any) -> SignalOwner:
+    """Take the signals over as soon as the task starts, before anything heavy is imported: until
+    then submitit's USR2 handler (checkpoint_and_try_requeue) would requeue the job from inside the
+    handler, or end the task with "timed-out and not checkpointable" (seen when a time-limit warning
+    came while the task imported torch). ``preemption`` is the plan's PreemptionPlan or its JSON
+    dict (plan.json's ``preemption``): only its warning ``signal`` is read here, so the caller need
+    not import the plan's classes first. What arrives now is kept and acted on at the first step
     boundary (:class:`Preemption` adopts this owner)."""
     global _EARLY
-    from lmtrain.callbacks import StopRequest
-
+    name = (preemption.get("signal") if isinstance(preemption, dict) else getattr(preemption, "signal", None)) or "USR2"
     if _EARLY is None or _EARLY.pid != os.getpid() or not _EARLY.installed:
-        _EARLY = SignalOwner(StopRequest(), Policy.from_plan(plan.preemption).signal)
+        _EARLY = SignalOwner(StopRequest(), name)
     _EARLY.install()
     return _EARLY
 

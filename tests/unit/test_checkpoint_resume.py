@@ -144,7 +144,7 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
     order = [(b["event"], b.get("step")) for b in beats if b.get("attempt") == 3]
     assert order.index(("step", 11)) < order.index(("checkpoint", 10)) < order.index(("checkpoint", 12)), order
     ledger = _ledger(stopped.paths.run_dir)
-    # the rank that lived on ended at the step it reached (10 or 11: it went on while rank 1's thread wrote)
+    # the rank that lived on ended at the step it reached (10 or later: it went on while rank 1's thread wrote)
     assert [(e["event"], e.get("start_step"), min(e.get("end_step") or 0, 10) if e.get("reason") == "crashed" else
              e.get("end_step"), e.get("reason")) for e in ledger if e["event"] not in ("startup", "preflight")] == [
         ("start", 0, None, None), ("end", None, 5, "node_failure") if rank0_killed else ("end", None, 10, "crashed"),
@@ -153,7 +153,9 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
     ]
     assert Path(stopped.paths.run_dir, "DONE").exists()
 
-    a, b = _steps(straight.paths.run_dir), _steps(stopped.paths.run_dir, redone=range(6, 12))  # 6-10 (or 11) trained again
+    # 6-10 trained again, and whatever the first attempt trained on top of 10 while the writer thread
+    # that was killed still wrote (under load both ranks may reach step 12 before it gets there)
+    a, b = _steps(straight.paths.run_dir), _steps(stopped.paths.run_dir, redone=range(6, MAX_STEPS + 1))
     assert sorted(a) == sorted(b) == list(range(1, MAX_STEPS + 1))
     assert a == b  # bit-identical floats: losses and gradient norms of every step
     wa, wb = _final_weights(straight.paths.run_dir), _final_weights(stopped.paths.run_dir)

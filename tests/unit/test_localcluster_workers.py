@@ -64,3 +64,28 @@ def test_all_slots_claimed_is_a_clear_error(machine):
         workers.claim()
     for c in claims:
         c.release()
+
+
+def test_a_pid_file_whose_pid_now_belongs_to_a_newer_process_is_stale(tmp_path):
+    """Seen after a restart of the worker clusters: slurmd-n2.pid of a dead slurmd held a pid that
+    a process of the new start-up had taken, so `up` believed that slurmd ran and never started it
+    (the nodes stayed down). A pid file names its daemon only if the process is older than the
+    file; and `stop` never signals a process a stale pid file names."""
+    import subprocess
+    import time
+
+    from launcher.localcluster import daemons
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        pidfile = tmp_path / "slurmd-n2.pid"
+        pidfile.write_text(f"{proc.pid}\n")
+        assert daemons.running_from_pidfile(pidfile) == proc.pid  # written after the process started
+        old = time.time() - 3600
+        os.utime(pidfile, (old, old))  # written an hour before this process existed
+        assert daemons.running_from_pidfile(pidfile) is None
+        daemons.stop(pidfile, "slurmd n2")
+        assert proc.poll() is None and not pidfile.exists()  # not signalled; the stale file removed
+    finally:
+        proc.kill()
+        proc.wait()

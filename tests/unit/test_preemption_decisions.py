@@ -15,9 +15,8 @@ import torch
 
 from launcher.core.plan import PreemptionPlan
 from launcher.core.rundir import LedgerAttempt as AttemptRow
-from lmtrain.callbacks import StopRequest
 from lmtrain.policy import EndFacts, Policy, StartFacts, decide, start_gate, steps_without_progress
-from lmtrain.signals import SignalOwner, guard_dataloader_workers
+from lmtrain.signals import SignalOwner, StopRequest, guard_dataloader_workers
 
 POLICY = Policy(signal="USR2", warning_seconds=120, max_requeues=5, max_timeouts=2, max_crash_retries=1,
                 no_progress_attempts=3, cluster_sends_user_signal=False)
@@ -335,7 +334,7 @@ def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch):
 
     before = signal.getsignal(signal.SIGUSR2)
     plan = SimpleNamespace(preemption={"signal": "USR2"}, trainer={"max_steps": 10})
-    early = own_signals(plan)
+    early = own_signals(plan.preemption)
     try:
         os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.01)
@@ -355,7 +354,6 @@ def test_a_time_limit_warning_after_the_attempt_ended_does_not_kill_the_exiting_
     (SIGUSR2, sent up to a minute early) reached its tasks while they exited, after the attempt
     gave the handlers back, and killed them: SLURM recorded the finished job FAILED. The task's
     process body retires the signals (lmtrain.signals.retire); a real child process shows both."""
-    from types import SimpleNamespace
 
     from lmtrain import signals
 
@@ -363,7 +361,7 @@ def test_a_time_limit_warning_after_the_attempt_ended_does_not_kill_the_exiting_
     if pid == 0:  # the task process: owns the signals, ends its attempt, gets the late warning
         try:
             signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # what submitit's task process starts with
-            owner = signals.own_signals(SimpleNamespace(preemption={"signal": "USR2"}))
+            owner = signals.own_signals({"signal": "USR2"})
             owner.restore()  # the attempt ended: handlers given back
             if retired:
                 signals.retire()

@@ -271,3 +271,49 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
     assert sorted(x.name for x in ckpt_dir.iterdir()) == ["latest", "step-10", "step-12", "step-5"]  # no debris
     # attempt 1 logged steps 6-10 and died; attempt 2 trained them again from step-5: each once
     assert_trackers_log_each_step_once(Path(plan.paths.run_dir), 12)
+
+
+# Run as the SLURM task's process body is: submitit's handler already installed (submitit's
+# process_job installs it before calling the task), then lmtrain.task.TrainTask called. An import
+# hook notes which handler owns the warning signal when the first slow module starts importing,
+# and stops the task there.
+_WINDOW_PROBE = r"""
+import json, signal, sys
+SLOW = ("torch", "lightning", "transformers", "deepspeed", "numpy", "pydantic", "launcher.core.plan",
+        "launcher.core.spec", "lmtrain.preemption", "lmtrain.callbacks", "lmtrain.env")
+seen = {}
+def checkpoint_and_try_requeue(signum, frame):  # submitit's handler, by name
+    seen["submitit_ran"] = True
+class FirstSlowImport(Exception):
+    pass
+class Probe:
+    def find_spec(self, name, path=None, target=None):
+        if name in SLOW:
+            seen["module"] = name
+            seen["handler"] = getattr(signal.getsignal(getattr(signal, sys.argv[2])), "__qualname__", None)
+            raise FirstSlowImport(name)
+signal.signal(getattr(signal, sys.argv[2]), checkpoint_and_try_requeue)
+sys.meta_path.insert(0, Probe())
+from lmtrain.task import TrainTask
+try:
+    TrainTask(sys.argv[1])()
+except FirstSlowImport:
+    pass
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("warning", ["USR2", "USR1"])
+def test_the_task_owns_the_warning_signal_before_its_first_slow_import(repo, runs_root, warning):
+    """Seen in a parallel CI run: SLURM's time-limit warning reached a task while it imported
+    torch and Lightning, still under submitit's handler, which ended it with "timed-out and not
+    checkpointable" (no requeue, the job ended TIMEOUT). The task's first act is to take the
+    signal over; nothing slow (torch, Lightning, transformers, pydantic, the plan's classes) is
+    imported before it, for whichever warning signal the plan names."""
+    plan = _plan(repo, f"window-{warning.lower()}", 1, f"preemption.signal={warning}")
+    out = subprocess.run([sys.executable, "-c", _WINDOW_PROBE, plan.paths.run_dir, f"SIG{warning}"],
+                         capture_output=True, text=True, timeout=120, cwd=repo)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen.get("module"), seen  # the task did reach a slow import
+    assert seen["handler"] == "SignalOwner._handle", seen
