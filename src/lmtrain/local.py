@@ -18,13 +18,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from lmtrain.env import free_port
+from lmtrain.zygote import SHARED_ENV as ZYGOTE_ENV
+from lmtrain.zygote import Forked, Zygote, forkable
 
 TERMINATE_GRACE_S = 15.0
 PEERS_EXIT_S = 20.0  # after one rank failed: how long the others get to fail in a collective and say so
@@ -79,20 +82,21 @@ def launch(
     job_id = f"local-{os.getpid()}-{int(time.time())}"
     side_logs = run_dir / "logs" / "local"
     side_logs.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | Forked] = []
     pump: threading.Thread | None = None
+    envs = [worker_env(rank, nprocs, port=port, job_id=job_id, plan_env=plan_env or {}, threads=threads)
+            for rank in range(nprocs)]
+    zygote = _zygote_for(cmd, nprocs, envs[0], side_logs)
     try:
-        for rank in range(nprocs):
-            env = worker_env(rank, nprocs, port=port, job_id=job_id, plan_env=plan_env or {}, threads=threads)
+        for rank, env in enumerate(envs):
             if rank == 0:
-                p = subprocess.Popen(cmd, env=env, cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1)
+                p = _start(zygote, cmd, env, run_dir, None)
                 pump = threading.Thread(target=_pump, args=(p.stdout, out), daemon=True)
                 pump.start()
             else:
                 # Other ranks tee into their own rank log; this file keeps what came before it.
                 with open(side_logs / f"rank-{rank}.out", "ab") as f:
-                    p = subprocess.Popen(cmd, env=env, cwd=run_dir, stdout=f, stderr=subprocess.STDOUT)
+                    p = _start(zygote, cmd, env, run_dir, f)
             procs.append(p)
         code = _wait_all(procs, on_first_failure=lambda rank, rc: _words_for(run_dir, rank, rc, procs[rank].pid))
     except KeyboardInterrupt:
@@ -101,7 +105,44 @@ def launch(
     finally:
         if pump is not None:
             pump.join(timeout=5)
+        if zygote is not None:
+            zygote.close()
     return code
+
+
+def _zygote_for(cmd: Sequence[str], nprocs: int, env: Mapping[str, str], side_logs: Path) -> Zygote | None:
+    """The ranks' zygote (lmtrain.zygote): the shared one LMTRAIN_ZYGOTE names, else one of this
+    launch when it starts two or more ranks (one import instead of one per rank). LMTRAIN_ZYGOTE=off:
+    plain processes."""
+    if os.environ.get(ZYGOTE_ENV) == "off" or forkable(cmd) is None:
+        return None
+    shared = Zygote.shared()
+    if shared is not None or nprocs < 2:
+        return shared
+    with open(side_logs / "zygote.log", "ab") as log:
+        return Zygote.start(env, Path(tempfile.mkdtemp(prefix="lmtrain-zygote-")) / "sock", log=log)
+
+
+def _start(zygote: Zygote | None, cmd: Sequence[str], env: Mapping[str, str], cwd: Path,
+           log: BinaryIO | None) -> subprocess.Popen | Forked:
+    """One rank: forked by the zygote when it can, else a plain process. ``log`` None: output on
+    ``.stdout`` (text lines), else into ``log``."""
+    if zygote is not None:
+        read_end, write_end = os.pipe() if log is None else (-1, log.fileno())
+        try:
+            forked = zygote.fork(cmd, env, cwd, write_end, write_end)
+        finally:
+            if log is None:
+                os.close(write_end)
+        if forked is not None:
+            if log is None:
+                forked.stdout = open(read_end, encoding="utf-8", errors="replace")
+            return forked
+        if log is None:
+            os.close(read_end)
+    if log is None:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _pump(stream, out: TextIO) -> None:
@@ -110,7 +151,7 @@ def _pump(stream, out: TextIO) -> None:
         out.flush()
 
 
-def _wait_all(procs: list[subprocess.Popen], on_first_failure: Callable[[int, int], None] | None = None) -> int:
+def _wait_all(procs: list[subprocess.Popen | Forked], on_first_failure: Callable[[int, int], None] | None = None) -> int:
     """Wait for every process; on the first failure stop the rest and return its code."""
     while True:
         codes = [p.poll() for p in procs]
@@ -152,7 +193,7 @@ def _words_for(run_dir: Path, rank: int, code: int, pid: int) -> None:
         pass
 
 
-def _terminate(procs: list[subprocess.Popen]) -> None:
+def _terminate(procs: list[subprocess.Popen | Forked]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
