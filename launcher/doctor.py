@@ -241,7 +241,11 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     from lmtrain.model import parameter_count  # torch and transformers: this command only
 
     job = plan.job_spec()
-    params, model_vocab = parameter_count(plan.spec["model"])
+    try:
+        params, model_vocab = parameter_count(plan.spec["model"])
+    except ValueError as exc:  # a model the spec describes but transformers cannot build as meant
+        checks.append(Check("model", FAIL, str(exc)))
+        return checks
     ck_bytes = checkpoint_bytes(params, plan.training.strategy, plan.trainer.precision)
     run_dir = Path(plan.paths.run_dir)
     measured = measured_checkpoint_seconds(run_dir) if run_dir.is_dir() else None

@@ -168,8 +168,8 @@ class ModelSpec(StrictModel):
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
     """Compile the model with torch.compile."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel; sdpa uses PyTorch's scaled_dot_product_attention."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel: auto (sdpa where the architecture supports it, else eager); sdpa (PyTorch's scaled_dot_product_attention); eager; flash_attention_2. A kernel the architecture does not support is refused when the model is built."""
 
     @field_validator("config")
     @classmethod

@@ -107,6 +107,9 @@ def launch(
             pump.join(timeout=5)
         if zygote is not None:
             zygote.close()
+            if zygote.refusals:  # why ranks started as plain processes after all
+                with open(side_logs / "zygote.log", "a") as log:
+                    log.writelines(f"plain process: {why}\n" for why in zygote.refusals)
     return code
 
 

@@ -22,6 +22,7 @@ width d at sequence length T.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -50,13 +51,71 @@ def _config_overrides(model_spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_config(model_spec: dict[str, Any]):
-    """A transformers config from ``model.type`` + overrides, or the pretrained dir's config."""
+    """A transformers config from ``model.type`` + overrides, or the pretrained dir's config;
+    ValueError when its special token ids fall outside its vocabulary."""
     from transformers import AutoConfig
 
     overrides = _config_overrides(model_spec)
     if model_spec.get("pretrained"):
-        return AutoConfig.from_pretrained(model_spec["pretrained"], local_files_only=True, **overrides)
-    return AutoConfig.for_model(model_spec["type"], **overrides)
+        config = AutoConfig.from_pretrained(model_spec["pretrained"], local_files_only=True, **overrides)
+    else:
+        config = AutoConfig.for_model(model_spec["type"], **overrides)
+    check_token_ids(config, overrides, model_spec.get("type") or model_spec.get("pretrained"))
+    return config
+
+
+TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def check_token_ids(config, overrides: dict[str, Any], source: Any) -> None:
+    """``pad_token_id`` inside ``vocab_size`` (ValueError otherwise): a default of the architecture
+    (phi3's 32000) meets a small vocabulary set by the spec, and the embedding's padding row fails
+    later naming no setting. The error names the key, where its value came from, and what to set.
+    bos/eos ids outside the vocabulary are only logged: training never indexes with them (GPT-2's
+    default 50256 with a small vocabulary trains as before), ``generate`` on an export would."""
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for key in TOKEN_ID_KEYS:
+        value = getattr(config, key, None)
+        ids = value if isinstance(value, list) else [value]
+        bad = [i for i in ids if isinstance(i, int) and not 0 <= i < vocab]
+        if not bad:
+            continue
+        origin = "set in model.config" if key in overrides else f"the default of {source}"
+        what = (f"model.config.{key} is {value} ({origin}), outside the vocabulary: vocab_size is {vocab}, "
+                f"so ids must be 0..{vocab - 1}; set model.config.{key} to an id below {vocab} (or null), "
+                f"or model.config.vocab_size above {max(bad)}")
+        if key == "pad_token_id":
+            raise ValueError(what)
+        log.warning("%s (generate on an export would fail)", what)
+
+
+def attention_for(model_spec: dict[str, Any], config) -> str:
+    """The attention kernel to build with: ``auto`` (or unset) is sdpa where the architecture
+    supports it, else eager; an explicit kernel the architecture does not support is a ValueError
+    naming the setting (transformers' own error names none)."""
+    from transformers import AutoModelForCausalLM
+
+    wanted = model_spec.get("attn_implementation") or "auto"
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{type(config).__name__} ({config.model_type}) is not a causal language model "
+                         "transformers can build (AutoModelForCausalLM)") from None
+    supports = {"sdpa": bool(getattr(model_class, "_supports_sdpa", False)),
+                "flash_attention_2": bool(getattr(model_class, "_supports_flash_attn", False)
+                                          or getattr(model_class, "_supports_flash_attn_2", False)),
+                "eager": True}
+    if wanted == "auto":
+        return "sdpa" if supports["sdpa"] else "eager"
+    if not supports.get(wanted, False):
+        usable = ", ".join(k for k, ok in supports.items() if ok)
+        raise ValueError(
+            f"model.attn_implementation is {wanted}, which {model_class.__name__} does not support; "
+            f"use auto or one of: {usable}"
+        )
+    return wanted
 
 
 def parameter_count(model_spec: dict[str, Any]) -> tuple[int, int]:
@@ -78,8 +137,8 @@ def build_model(model_spec: dict[str, Any], *, seed: int) -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    attn = model_spec.get("attn_implementation") or "sdpa"
     config = build_config(model_spec)
+    attn = attention_for(model_spec, config)
     torch.manual_seed(seed)  # same initial weights on every rank and every attempt
     if model_spec.get("pretrained"):
         model = AutoModelForCausalLM.from_pretrained(
@@ -89,10 +148,12 @@ def build_model(model_spec: dict[str, Any], *, seed: int) -> nn.Module:
             attn_implementation=attn,
             dtype=torch.float32,
         )
+    elif _under_zero3_init():
+        with _weights_initialised_later():
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        _init_zero3_weights(model)
     else:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-        if _zero3_partitioned(model):
-            _init_zero3_weights(model)
     if model_spec.get("activation_checkpointing"):
         # Non-reentrant checkpointing works with DDP, FSDP, ZeRO-3 and torch.compile.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -101,10 +162,34 @@ def build_model(model_spec: dict[str, Any], *, seed: int) -> nn.Module:
     return model
 
 
-def _zero3_partitioned(model: nn.Module) -> bool:
-    """Built under DeepSpeed ZeRO-3's ``zero.Init`` (Lightning enters it around configure_model):
-    every parameter is already a partition (``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+def _under_zero3_init() -> bool:
+    """Inside DeepSpeed ZeRO-3's ``zero.Init`` (Lightning enters it around configure_model): every
+    parameter becomes a partition as soon as its module is built."""
+    import sys
+
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    return bool(getattr(zero, "zero_init_context", 0))
+
+
+@contextlib.contextmanager
+def _weights_initialised_later():
+    """transformers' weight init after construction skipped (weights are still tied): under
+    ``zero.Init`` it would run on each rank's empty partitions, where indexing a row fails (the
+    padding row of an embedding with a ``padding_idx``: IndexError, for every architecture with a
+    pad token). :func:`_init_zero3_weights` runs it on gathered parameters instead. PyTorch's
+    own initialisation in each layer's constructor still runs on the full tensors."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = PreTrainedModel.init_weights
+
+    def tie_only(self) -> None:
+        self.tie_weights(recompute_mapping=False)
+
+    PreTrainedModel.init_weights = tie_only  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel.init_weights = original  # type: ignore[method-assign]
 
 
 def _init_zero3_weights(model: nn.Module) -> None:

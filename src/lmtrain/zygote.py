@@ -9,10 +9,11 @@ runs its command (``python -u -m lmtrain.entry RUN_DIR`` or a script) as the int
   launcher: a rank imports those from its own ``PYTHONPATH`` (the run's code snapshot), so the
   code it runs is the code a fresh interpreter would run. The zygote refuses to serve when a
   preload started a thread (fork would copy a process whose other threads are gone) or imported
-  lmtrain.
-- **Environment.** A rank's environment may differ from the zygote's only in what nothing reads
-  at import (:data:`MAY_DIFFER`: the rendezvous variables, the snapshot's PYTHONPATH, lmtrain's and
-  lmlaunch's own variables, thread counts, which the child applies itself). Any other difference
+  lmtrain, launcher or deepspeed.
+- **Environment.** A rank's environment may differ from the zygote's only in what nothing
+  preloaded reads at import (``MAY_DIFFER``: the rendezvous variables, the snapshot's PYTHONPATH,
+  lmtrain's, lmlaunch's and DeepSpeed's own variables, thread counts, which the child applies
+  itself; what the zygote's imports set themselves, a rank gets too). Any other difference
   (an ``HF_HOME`` a framework read at import, say) gets a refusal, and the launcher starts that
   rank as a plain process instead. Lightning's rank-zero guard, which reads ``RANK`` at import,
   is set again in the child.
@@ -105,9 +106,10 @@ class Zygote:
     """A connection to a zygote: one started for a launch (:meth:`start`, stopped by :meth:`close`)
     or a shared one (:meth:`shared`)."""
 
-    def __init__(self, path: str, env: Mapping[str, str], proc: subprocess.Popen | None) -> None:
+    def __init__(self, path: str, hello: dict, proc: subprocess.Popen | None) -> None:
         self.path = path
-        self.env = dict(env)
+        self.env: dict[str, str] = hello["env"]  # what its imports saw
+        self.added: dict[str, str] = hello.get("added") or {}  # what its imports set
         self.proc = proc
         self.refusals: list[str] = []
 
@@ -117,16 +119,8 @@ class Zygote:
         path = os.environ.get(SHARED_ENV)
         if not path or path == "off":
             return None
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.connect(path)
-                s.sendall(b'{"hello": true}\n')
-                answer = _read_line(s, START_TIMEOUT_S)
-        except (OSError, ValueError):
-            return None
-        if answer is None or answer.get("executable") != sys.executable:
-            return None
-        return cls(path, answer["env"], None)
+        hello = _hello(path)
+        return cls(path, hello, None) if hello is not None else None
 
     @staticmethod
     def spawn(env: Mapping[str, str], socket_path: str | Path, *, log: Any = None) -> subprocess.Popen:
@@ -147,22 +141,21 @@ class Zygote:
         the launch goes on with plain processes)."""
         path = str(socket_path)
         proc = cls.spawn(env, path, log=log)
-        env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "PYTHONPATH")}
-        env["OMP_NUM_THREADS"] = "1"
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
         line = proc.stdout.readline() if ready else ""
-        if line.strip() != "ready":
+        hello = _hello(path) if line.strip() == "ready" else None
+        if hello is None:
             stop(proc)
             return None
-        return cls(path, env, proc)
+        return cls(path, hello, proc)
 
     def fork(self, cmd: Sequence[str], env: Mapping[str, str], cwd: str | Path, stdout: int, stderr: int) -> Forked | None:
         """Fork ``cmd`` with ``env`` in ``cwd``, its output on the given descriptors; None when the
         zygote cannot (the caller starts a plain process)."""
         if forkable(cmd) is None:
             return None
-        diff = differences(self.env, env)
+        diff = differences(self.env, env, self.added)
         if "OMP_NUM_THREADS" not in env:  # the rank would take torch's default, which the zygote fixed at 1
             diff.append("OMP_NUM_THREADS (unset)")
         if diff:
@@ -199,6 +192,21 @@ def stop(proc: subprocess.Popen) -> None:
     except (OSError, subprocess.TimeoutExpired):
         proc.kill()
         proc.wait()
+
+
+def _hello(path: str) -> dict | None:
+    """The zygote's interpreter, environment and what its imports set, once it is ready; None when
+    it does not answer or runs another interpreter."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.sendall(b'{"hello": true}\n')
+            answer = _read_line(s, START_TIMEOUT_S)
+    except (OSError, ValueError):
+        return None
+    if answer is None or answer.get("executable") != sys.executable:
+        return None
+    return answer
 
 
 def _read_line(conn: socket.socket, timeout: float) -> dict | None:

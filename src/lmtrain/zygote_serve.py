@@ -22,15 +22,21 @@ MAY_DIFFER = frozenset({
     "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",
     "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME", "TOKENIZERS_PARALLELISM", "PWD", "OLDPWD", "_",
 })
-MAY_DIFFER_PREFIXES = ("LMTRAIN_", "LMLAUNCH_", "PYTEST_", "SLURM_", "NCCL_", "TORCH_NCCL_")
+# DS_: DeepSpeed's (DS_ACCELERATOR, ...), read when deepspeed is imported, which the zygote never does
+MAY_DIFFER_PREFIXES = ("LMTRAIN_", "LMLAUNCH_", "PYTEST_", "SLURM_", "NCCL_", "TORCH_NCCL_", "DS_")
+NOT_PRELOADED = ("lmtrain", "launcher", "deepspeed")  # the zygote refuses to serve if an import pulled one in
 START_TIMEOUT_S = 120.0
 
 
-def differences(zygote_env: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
-    """The variables whose difference forbids forking a process with ``env`` from the zygote."""
+def differences(zygote_env: Mapping[str, str], env: Mapping[str, str], added: Mapping[str, str] | None = None) -> list[str]:
+    """The variables whose difference forbids forking a process with ``env`` from the zygote.
+    ``added``: what the zygote's imports set themselves (torch sets TORCHINDUCTOR_CACHE_DIR, ...);
+    a process that imported those too has them, one that did not would get them from its imports."""
+    added = added or {}
     keys = set(zygote_env) | set(env)
     return sorted(k for k in keys if zygote_env.get(k) != env.get(k)
-                  and k not in MAY_DIFFER and not k.startswith(MAY_DIFFER_PREFIXES))
+                  and k not in MAY_DIFFER and not k.startswith(MAY_DIFFER_PREFIXES)
+                  and not (k in added and env.get(k) in (None, added[k])))
 
 
 def forkable(cmd: Sequence[str]) -> tuple[str, str, list[str]] | None:
@@ -63,7 +69,7 @@ def serve(path: str) -> int:
     # what the imports set themselves (torch sets TORCHINDUCTOR_CACHE_DIR, ...): a fresh rank gets it too
     added = {k: v for k, v in os.environ.items() if k not in env}
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    ours = [m for m in ("lmtrain", "launcher") if m in sys.modules]
+    ours = [m for m in NOT_PRELOADED if m in sys.modules]
     if threads != 1 or ours:
         names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
         print(f"not serving: {threads} threads after the imports {names}, preloaded {ours}", file=sys.stderr)
@@ -110,10 +116,10 @@ def _serve_one(conn, conns, children, listener, env, added, base_path) -> None:
         return
     request = json.loads(conns.pop(conn).split(b"\n", 1)[0])
     if request.get("hello"):
-        conn.sendall(json.dumps({"executable": sys.executable, "env": env}).encode() + b"\n")
+        conn.sendall(json.dumps({"executable": sys.executable, "env": env, "added": added}).encode() + b"\n")
         conn.close()
         return
-    diff = differences(env, request["env"])
+    diff = differences(env, request["env"], added)
     if len(fds) != 2 or diff:
         conn.sendall(json.dumps({"refused": f"environment differs in {diff}" if diff else "no descriptors"}).encode() + b"\n")
         conn.close()
