@@ -59,16 +59,24 @@ class Forked:
         self.returncode: int | None = None
         self.stdout: Any = None
         self._buf = b""
+        self._orphan = False
 
     def _read(self, timeout: float) -> None:
         if self.returncode is not None:
+            return
+        if self._orphan:  # the zygote is gone: once the rank is gone too, its exit status is unknown
+            if not _alive(self.pid):
+                self.returncode = -signal.SIGKILL
+            elif timeout > 0:
+                time.sleep(min(timeout, 0.2))
             return
         ready, _, _ = select.select([self._conn], [], [], max(0.0, timeout))
         if not ready:
             return
         chunk = self._conn.recv(4096)
-        if not chunk:  # the zygote is gone: the exit status cannot be known
-            self.returncode = self.returncode if self.returncode is not None else -signal.SIGKILL
+        if not chunk:
+            self._orphan = True
+            self._conn.close()
             return
         self._buf += chunk
         if b"\n" in self._buf:
@@ -192,6 +200,16 @@ def stop(proc: subprocess.Popen) -> None:
     except (OSError, subprocess.TimeoutExpired):
         proc.kill()
         proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except OSError:
+        return True
 
 
 def _hello(path: str) -> dict | None:

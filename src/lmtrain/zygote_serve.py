@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -77,6 +78,9 @@ def serve(path: str) -> int:
         Path(path).unlink(missing_ok=True)
         return 1
     base_path = [p for p in sys.path if p]  # -P: no script directory; PYTHONPATH was left out
+    # Ctrl-C in the launcher's terminal reaches the whole process group: the ranks act on it (the
+    # launcher then stops them); the zygote lives on to report their exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("ready", flush=True)
     conns: dict[socket.socket, bytes] = {}
     children: dict[int, socket.socket] = {}
@@ -176,6 +180,7 @@ def _become(request: dict, fds: list[int], added: dict[str, str], base_path: lis
         first = os.getcwd() if kind == "module" else os.path.dirname(os.path.realpath(target))
         sys.path[:] = [first, *extra, *base_path]
         sys.argv[:] = [target, *args]
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it
         _after_fork_in_rank()
         code = _run(kind, target)
     finally:

@@ -123,3 +123,11 @@ def test_a_run_through_the_zygote_is_bit_identical_to_one_with_plain_processes(r
         steps[how] = [(b["step"], b["loss"], b["grad_norm"]) for b in beats if b["event"] == "step"]
         assert (Path(plan.paths.run_dir, "logs", "local", "zygote.log").exists()) == (how == "zygote")
     assert len(steps["plain"]) == 4 and steps["plain"] == steps["zygote"]
+
+
+def test_ctrl_c_reaches_the_ranks_not_the_zygote(zygote, tmp_path):
+    """Ctrl-C in the launcher's terminal signals the whole process group: the zygote must live on
+    to report its ranks' exits (and serve the next ones); a rank gets KeyboardInterrupt as usual."""
+    zygote.proc.send_signal(signal.SIGINT)
+    proc, _ = _rank(zygote, tmp_path, 1, "ok")
+    assert zygote.proc.poll() is None and proc is not None and proc.wait(60) == 0
