@@ -1,8 +1,58 @@
 """Model types that transformers can build as a causal LM (AutoModelForCausalLM).
 
-Generated from transformers 5.23.0 by `python -m launcher.core.model_types`; kept static so that
-validating a spec never imports transformers. A test checks it against the installed one.
+:func:`causal_lm_types` reads them from the installed transformers without importing it (the
+``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` literal of its ``modeling_auto.py``, parsed once per file):
+validating a spec never imports transformers or torch, and a type a newer transformers adds is
+known at once. Where transformers is not installed (a login-node install without it) or its file
+has another shape, :data:`KNOWN_CAUSAL_LM_TYPES` stands in: transformers 5.23.0's list, kept by
+``python -m launcher.core.model_types`` (which prints what the installed one adds or drops).
+tests/unit/test_model_architectures.py checks the reading against the imported mapping.
 """
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from pathlib import Path
+
+MAPPING_NAME = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+
+
+def causal_lm_types() -> frozenset[str]:
+    """The causal LM types of the installed transformers, else :data:`KNOWN_CAUSAL_LM_TYPES`."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in locations:
+        path = Path(root) / "models" / "auto" / "modeling_auto.py"
+        try:
+            found = _types_in(str(path), path.stat().st_mtime_ns)
+        except OSError:
+            continue
+        if found:
+            return found
+    return KNOWN_CAUSAL_LM_TYPES
+
+
+@functools.lru_cache(maxsize=4)
+def _types_in(path: str, mtime_ns: int) -> frozenset[str]:
+    """The first elements of the pairs in ``MAPPING_NAME = OrderedDict([...])`` of that file
+    (empty when the file has another shape)."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == MAPPING_NAME and isinstance(node.value, ast.Call) and node.value.args
+                and isinstance(node.value.args[0], ast.List)):
+            return frozenset(
+                pair.elts[0].value for pair in node.value.args[0].elts
+                if isinstance(pair, ast.Tuple) and pair.elts and isinstance(pair.elts[0], ast.Constant)
+                and isinstance(pair.elts[0].value, str)
+            )
+    return frozenset()
+
 
 KNOWN_CAUSAL_LM_TYPES: frozenset[str] = frozenset(
     {
@@ -202,8 +252,9 @@ KNOWN_CAUSAL_LM_TYPES: frozenset[str] = frozenset(
 def _generate() -> None:  # pragma: no cover - maintenance helper
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    missing = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - KNOWN_CAUSAL_LM_TYPES)
-    print("types missing from KNOWN_CAUSAL_LM_TYPES:", missing or "none")
+    installed = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    print("types the installed transformers adds to KNOWN_CAUSAL_LM_TYPES:", sorted(installed - KNOWN_CAUSAL_LM_TYPES) or "none")
+    print("types it no longer has:", sorted(KNOWN_CAUSAL_LM_TYPES - installed) or "none")
 
 
 if __name__ == "__main__":  # pragma: no cover

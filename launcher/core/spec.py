@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from launcher.core.model_config import check_model_config
-from launcher.core.model_types import KNOWN_CAUSAL_LM_TYPES
+from launcher.core.model_types import causal_lm_types
 from launcher.core.slurm import parse_duration
 from launcher.core.text_rules import (
     ENV_NAME,
@@ -181,13 +181,14 @@ class ModelSpec(StrictModel):
     def _one_source(self) -> ModelSpec:
         if (self.type is None) == (self.pretrained is None):
             raise ValueError("set exactly one of model.type or model.pretrained")
-        if self.type is not None and self.type not in KNOWN_CAUSAL_LM_TYPES:
+        known = causal_lm_types() if self.type is not None else frozenset()
+        if self.type is not None and self.type not in known:
             from launcher.core.errors import did_you_mean
 
-            common = [t for t in _COMMON_TYPES if t in KNOWN_CAUSAL_LM_TYPES]
+            common = [t for t in _COMMON_TYPES if t in known]
             raise ValueError(
                 f"model.type({self.type}) is not a transformers causal LM type"
-                f"{did_you_mean(self.type, KNOWN_CAUSAL_LM_TYPES)}; {len(KNOWN_CAUSAL_LM_TYPES)} "
+                f"{did_you_mean(self.type, known)}; {len(known)} "
                 f"types are known, e.g. {', '.join(common)}"
             )
         return self

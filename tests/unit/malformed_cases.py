@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from launcher.core.model_types import causal_lm_types
+
 BASE = """\
 name: t
 cluster: local
@@ -91,7 +93,7 @@ CASES: list[Case] = [
     Case("wandb_without_project", add("logging:\n  wandb: {mode: offline}\n"), '{spec}: logging.wandb.project (line 18): required key is missing'),
     Case("non_string_top_level_key", add("1: x\n"), '{spec}: top-level key 1 is not a name'),
     # --- model ---
-    Case("unknown_model_type", edit("  type: gpt2", "  type: gtp2"), "{spec}: line 8: model.type(gtp2) is not a transformers causal LM type (did you mean 'gpt2'?); 189 types are known, e.g. gpt2, llama, mistral, mixtral, qwen2, qwen3, gemma2, phi3, gpt_neox, opt"),
+    Case("unknown_model_type", edit("  type: gpt2", "  type: gtp2"), "{spec}: line 8: model.type(gtp2) is not a transformers causal LM type (did you mean 'gpt2'?); " + f"{len(causal_lm_types())} types are known, e.g. gpt2, llama, mistral, mixtral, qwen2, qwen3, gemma2, phi3, gpt_neox, opt"),
     Case("model_type_and_pretrained", edit("  type: gpt2", "  type: gpt2\n  pretrained: /models/x"), '{spec}: model (line 7): set exactly one of model.type or model.pretrained'),
     Case("model_without_source", edit("  type: gpt2", "  compile: true"), '{spec}: model (line 7): set exactly one of model.type or model.pretrained'),
     # --- cross-field rules ---

@@ -72,3 +72,24 @@ def test_an_architecture_with_a_pad_token_or_without_sdpa_trains_on_two_ranks(re
     losses = [b["loss"] for b in beats if b["event"] == "step"]
     # initialised as the architecture means (not a partition's leftovers): starts near ln(vocab)
     assert len(losses) == 3 and abs(losses[0] - math.log(260)) < 0.5, losses
+
+
+def test_the_known_model_types_are_the_installed_transformers_ones_without_importing_it():
+    """Validation reads the installed transformers' causal LM types from its source, without the
+    import (the static list of 5.23 refused exaone, apertus1p5_text, ... that 5.24 builds)."""
+    import subprocess
+    import sys
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from launcher.core.model_types import causal_lm_types
+    from launcher.core.spec import ModelSpec
+
+    assert causal_lm_types() == frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert ModelSpec(type="exaone").type == "exaone"
+    with pytest.raises(ValueError, match=r"model\.type\(llamma\) is not a transformers causal LM type.*did you mean"):
+        ModelSpec(type="llamma")
+    probe = ("import sys; from launcher.core.model_types import causal_lm_types; n = len(causal_lm_types()); "
+             "print(n, 'transformers' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)), "False", "False"]
