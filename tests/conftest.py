@@ -4,6 +4,7 @@ zygote per test process that local launches fork their ranks from (lmtrain.zygot
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def _start_zygote(config) -> None:
     with open(where / "zygote.log", "ab") as log:
         proc = zygote.Zygote.spawn(os.environ, where / "sock", log=log)
     os.environ[zygote.SHARED_ENV] = str(where / "sock")
-    config.add_cleanup(lambda: zygote.stop(proc))
+    config.add_cleanup(lambda: (zygote.stop(proc), shutil.rmtree(where, ignore_errors=True)))
 
 
 def _order(items) -> None:

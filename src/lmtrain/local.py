@@ -14,6 +14,7 @@ No torch import here: the CLI imports this module.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -107,6 +108,8 @@ def launch(
             pump.join(timeout=5)
         if zygote is not None:
             zygote.close()
+            if zygote.proc is not None:  # this launch's: its socket's directory goes too
+                shutil.rmtree(Path(zygote.path).parent, ignore_errors=True)
             if zygote.refusals:  # why ranks started as plain processes after all
                 with open(side_logs / "zygote.log", "a") as log:
                     log.writelines(f"plain process: {why}\n" for why in zygote.refusals)

@@ -130,7 +130,14 @@ def _serve_one(conn, conns, children, listener, env, added, base_path) -> None:
         for fd in fds:
             os.close(fd)
         return
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # no memory or processes left: the launcher starts a plain process
+        conn.sendall(json.dumps({"refused": f"fork failed: {exc}"}).encode() + b"\n")
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        return
     if pid == 0:
         for other in (listener, conn, *conns):
             other.close()
