@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from launcher.core.processes import alive
 from lmtrain import zygote_serve
 from lmtrain.zygote_serve import PRELOAD, SHARED_ENV, START_TIMEOUT_S, differences, forkable
 
@@ -65,7 +66,7 @@ class Forked:
         if self.returncode is not None:
             return
         if self._orphan:  # the zygote is gone: once the rank is gone too, its exit status is unknown
-            if not _alive(self.pid):
+            if not alive(self.pid):
                 self.returncode = -signal.SIGKILL
             elif timeout > 0:
                 time.sleep(min(timeout, 0.2))
@@ -200,16 +201,6 @@ def stop(proc: subprocess.Popen) -> None:
     except (OSError, subprocess.TimeoutExpired):
         proc.kill()
         proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-    except OSError:
-        return True
 
 
 def _hello(path: str) -> dict | None:
