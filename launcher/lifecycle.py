@@ -23,7 +23,7 @@ from typing import Any
 from launcher import runs, snapshot
 from launcher.core import rundir
 from launcher.core.atomic import write_private
-from launcher.core.checkpoint_index import newest_complete
+from launcher.core.checkpoint_index import describe_choice, newest_complete, scan
 from launcher.core.errors import UserError
 from launcher.core.lr_schedule import extension_note
 from launcher.core.plan import LaunchPlan
@@ -163,6 +163,7 @@ def plan_opening(
     if resume and not run_dir.is_dir():
         raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; start it without --resume")
     code_changes = None
+    starting_point = resume_point(plan) if resume else None
     if resume:
         old = snapshot.read(run_dir)
         if old is not None:
@@ -184,6 +185,7 @@ def plan_opening(
         continuation=continuation_note(plan) if resume else None,
         reshard=resume_note(plan) if resume else None,
         code_changes=code_changes,
+        notes=[starting_point] if starting_point else [],
     )
 
 
@@ -202,6 +204,29 @@ def note_cancel(run_dir: Path, *, user: str, job_ids: list[str], now: float) -> 
     )
 
 
+def resume_point(plan: LaunchPlan) -> str:
+    """What ``--resume`` starts from, and why: the newest complete checkpoint (newer step directories
+    that are incomplete are named with their reason), or step 0 for a run that never trained (nothing
+    to lose). A run that trained but has no complete checkpoint is an error that says so, before
+    anything is changed or submitted: its first attempt would train from step 0 over its step
+    directories and its ledger, which only ``--new`` (archiving the old directory) may do."""
+    ckpt_dir, name = plan.paths.checkpoint_dir, plan.run_name
+    found, skipped = scan(ckpt_dir)
+    if found:
+        return f"resuming from {describe_choice(ckpt_dir, found[-1])}"
+    done, _ = rundir.read_done_step(plan.paths.run_dir)
+    ledger = rundir.Ledger(Path(plan.paths.run_dir) / rundir.LEDGER).attempts()
+    trained = max((a.end_step or 0 for a in ledger), default=0)
+    if not (skipped or done or trained):
+        return f"run '{name}' has no checkpoint and never trained past step 0: it starts at step 0"
+    what = f"it trained to step {trained}" if trained else "it trained"
+    raise UserError(
+        f"run '{name}' has nothing to resume from: {what} but {describe_choice(ckpt_dir)} in {ckpt_dir}, "
+        f"so --resume would train from step 0 over its step directories. Start over with --new (the old "
+        f"run directory is kept as {name}.archived-<time>), or give this run another name (override: name=<new name>)"
+    )
+
+
 def continuation_note(plan: LaunchPlan) -> str | None:
     """For a resume of a run that finished (DONE): what continuing it to the plan's max_steps
     means (None when it did not finish). A finished run whose max_steps is not raised has
@@ -209,6 +234,9 @@ def continuation_note(plan: LaunchPlan) -> str | None:
     done, step = rundir.read_done_step(plan.paths.run_dir)
     if not done:
         return None
+    ckpt = newest_complete(plan.paths.checkpoint_dir)
+    if ckpt is not None:
+        step = ckpt.step  # where it continues from (DONE's step may name a checkpoint that is not complete)
     new_max = plan.trainer.max_steps
     if step is None or step >= new_max:
         raise UserError(

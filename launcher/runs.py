@@ -245,10 +245,15 @@ def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
             return r
 
     names = [r.name for r in records]
+    local = ""
+    root = (environ if environ is not None else os.environ).get("LMLAUNCH_RUNS_ROOT")
+    if root and RUN_NAME.ok(ref) and (Path(root) / ref / "plan.json").is_file():
+        local = f"; {Path(root) / ref} is a run directory (a local run): name it by that path"
     raise UserError(
         f"no run named or with job id {brief(ref)} in the registry ({registry_dir(environ)}), "
         f"nor a run directory with a plan.json"
-        f"{did_you_mean(ref[:100], names)}; known runs: {', '.join(names) or 'none'}"
+        f"{did_you_mean(ref[:100], names)}; known runs: {', '.join(names) or 'none'}{local}. Local runs "
+        f"(`lmlaunch run --local`) are not in the registry: give their run directory, <runs root>/<name>"
     )
 
 

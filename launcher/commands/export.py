@@ -11,7 +11,7 @@ from pathlib import Path
 from launcher import runs
 from launcher.context import Context
 from launcher.core import rundir
-from launcher.core.checkpoint_index import complete_checkpoints
+from launcher.core.checkpoint_index import complete_checkpoints, describe_choice
 from launcher.core.errors import UserError
 
 
@@ -33,9 +33,10 @@ def _run_dir(ref: str, ctx: Context) -> Path:
 def run(args: argparse.Namespace, ctx: Context) -> int:
     run_dir = _run_dir(args.run, ctx)
     plan = json.loads((run_dir / rundir.PLAN).read_text())
-    ckpts = complete_checkpoints(plan["paths"]["checkpoint_dir"])
+    ckpt_dir = rundir.checkpoint_dir_of(run_dir)
+    ckpts = complete_checkpoints(ckpt_dir)
     if not ckpts:
-        raise UserError(f"run {run_dir.name} has no complete checkpoint in {plan['paths']['checkpoint_dir']}")
+        raise UserError(f"run {run_dir.name} has nothing to export: {describe_choice(ckpt_dir)} in {ckpt_dir}")
     if args.step is None:
         ckpt = ckpts[-1]
     else:
@@ -50,11 +51,15 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty directory: choose a new one")
     from lmtrain.export import export_hf  # torch and transformers: only this command needs them
+    from lmtrain.weights import UnreadableCheckpoint
 
-    summary = export_hf(plan, ckpt, out)
+    try:
+        summary = export_hf(plan, ckpt, out)
+    except UnreadableCheckpoint as exc:
+        raise UserError(f"run {run_dir.name}: {exc}; export an older complete checkpoint with --step N") from exc
     ctx.out(
-        f"exported {run_dir.name} step {summary['step']} ({summary['strategy']}, {summary['parameters']:,} "
-        f"parameters, {summary['tokenizer']} tokenizer) to {out}\n"
+        f"exported {run_dir.name} {describe_choice(ckpt_dir, ckpt)} to {out}: {summary['strategy']}, "
+        f"{summary['parameters']:,} parameters, {summary['tokenizer']} tokenizer\n"
         f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}); fine-tune it: model.pretrained: {out}"
     )
     return 0

@@ -33,27 +33,34 @@ def checkpoint_bytes(params: int, strategy: str, precision: str) -> int:
     return params * BYTES_PER_PARAM[key]
 
 
-def is_complete(path: Path) -> bool:
-    """COMPLETE is there and, when it has a manifest, every file it names is there at its size.
-    (A COMPLETE without a manifest, as older lmtrain wrote, is trusted as it is.)"""
+def incomplete_reason(path: Path) -> str | None:
+    """Why the step directory ``path`` is not a complete checkpoint (None: it is). Complete means
+    COMPLETE is there and, when it has a manifest, every file it names is there at its size. (A
+    COMPLETE without a manifest, as older lmtrain wrote, is trusted as it is.)"""
     marker = path / COMPLETE_NAME
     try:
         text = marker.read_text()
     except OSError:
-        return False
+        return f"no {COMPLETE_NAME} marker (its save did not finish)"
     try:
         files = json.loads(text).get("files")
     except (json.JSONDecodeError, AttributeError):
-        return True
+        return None
     if not isinstance(files, dict):
-        return True
+        return None
     for rel, size in files.items():
         try:
-            if (path / rel).stat().st_size != size:
-                return False
+            actual = (path / rel).stat().st_size
         except OSError:
-            return False
-    return True
+            return f"{rel} is missing (its manifest in {COMPLETE_NAME} names it)"
+        if actual != size:
+            return f"{rel} is {actual:,} bytes, its manifest in {COMPLETE_NAME} says {size:,}"
+    return None
+
+
+def is_complete(path: Path) -> bool:
+    """:func:`incomplete_reason` finds nothing wrong with ``path``."""
+    return incomplete_reason(path) is None
 
 
 @dataclass(frozen=True)
@@ -90,20 +97,46 @@ class CompleteCheckpoint:
         return state
 
 
-def complete_checkpoints(ckpt_dir: str | Path) -> list[CompleteCheckpoint]:
-    """Every complete checkpoint, oldest first. Directories without COMPLETE are ignored."""
+@dataclass(frozen=True)
+class Skipped:
+    """A step directory that is not a complete checkpoint, and why."""
+
+    step: int
+    path: Path
+    reason: str
+
+
+def scan(ckpt_dir: str | Path) -> tuple[list[CompleteCheckpoint], list[Skipped]]:
+    """Every step directory of ``ckpt_dir``: the complete checkpoints and the skipped ones (with
+    why), each oldest first."""
     root = Path(ckpt_dir)
     if not root.is_dir():
-        return []
-    found = []
+        return [], []
+    found, skipped = [], []
     for child in root.iterdir():
         m = STEP_RE.fullmatch(child.name)
-        if m and child.is_dir() and (child / COMPLETE_NAME).is_file():
-            if is_complete(child):
-                found.append(CompleteCheckpoint(step=int(m.group(1)), path=child))
-            else:
-                log.warning("%s has COMPLETE but its files do not match its manifest: ignored", child)
-    return sorted(found, key=lambda c: c.step)
+        if not (m and child.is_dir()):
+            continue
+        reason = incomplete_reason(child)
+        if reason is None:
+            found.append(CompleteCheckpoint(step=int(m.group(1)), path=child))
+        else:
+            skipped.append(Skipped(step=int(m.group(1)), path=child, reason=reason))
+    return sorted(found, key=lambda c: c.step), sorted(skipped, key=lambda s: s.step)
+
+
+_warned: set[tuple[Path, str]] = set()
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[CompleteCheckpoint]:
+    """Every complete checkpoint, oldest first. Directories without COMPLETE are ignored; one whose
+    files do not match its manifest is ignored with a warning (once per process)."""
+    found, skipped = scan(ckpt_dir)
+    for s in skipped:
+        if (s.path / COMPLETE_NAME).is_file() and (s.path, s.reason) not in _warned:
+            _warned.add((s.path, s.reason))
+            log.warning("%s has COMPLETE but its files do not match its manifest (%s): ignored", s.path, s.reason)
+    return found
 
 
 def newest_complete(ckpt_dir: str | Path) -> CompleteCheckpoint | None:
@@ -111,3 +144,21 @@ def newest_complete(ckpt_dir: str | Path) -> CompleteCheckpoint | None:
     return found[-1] if found else None
 
 
+def describe_choice(ckpt_dir: str | Path, chosen: CompleteCheckpoint | None = None) -> str:
+    """Which checkpoint a resume or an export uses and why, in one line: ``chosen`` (default: the
+    newest complete one) and every newer step directory that was passed over, with its reason."""
+    found, skipped = scan(ckpt_dir)
+    if chosen is None:
+        if not found:
+            return "no complete checkpoint" + (f" ({_passed_over(skipped)})" if skipped else "")
+        chosen = found[-1]
+    why = "the newest complete checkpoint" if found and chosen.step == found[-1].step else "as asked"
+    passed = _passed_over([s for s in skipped if s.step > chosen.step])
+    return f"step-{chosen.step} ({why}" + (f"; {passed}" if passed else "") + ")"
+
+
+def _passed_over(skipped: list[Skipped]) -> str:
+    if not skipped:
+        return ""
+    shown = "; ".join(f"skipped {s.path.name}: {s.reason}" for s in reversed(skipped[-3:]))
+    return shown + (f"; and {len(skipped) - 3} older incomplete" if len(skipped) > 3 else "")

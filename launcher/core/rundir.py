@@ -321,11 +321,20 @@ class LastWords:
 
 
 def checkpoint_dir_of(run_dir: str | Path) -> Path:
-    """Where the run's checkpoints are: the plan's ``paths.checkpoint_dir``, else the default."""
+    """Where the run's checkpoints are: the plan's ``paths.checkpoint_dir``, else the default. A
+    checkpoint directory inside the run directory is taken relative to where the run directory is
+    now (a copied or moved run directory reads its own checkpoints, not the original's)."""
     run_dir = Path(run_dir)
     try:
-        d = json.loads((run_dir / PLAN).read_text())["paths"]["checkpoint_dir"]
+        paths = json.loads((run_dir / PLAN).read_text())["paths"]
+        d = paths["checkpoint_dir"]
         if isinstance(d, str) and d:
+            planned_run_dir = paths.get("run_dir")
+            if isinstance(planned_run_dir, str) and planned_run_dir:
+                try:
+                    return run_dir / Path(d).relative_to(planned_run_dir)
+                except ValueError:
+                    pass  # a checkpoint.dir of its own, outside the run directory
             return Path(d)
     except (OSError, ValueError, KeyError, TypeError):
         pass

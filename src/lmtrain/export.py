@@ -55,7 +55,7 @@ def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Pat
         "step": ckpt.step,
         "strategy": ckpt.meta().get("strategy"),
         "model_type": config.model_type,
-        "parameters": sum(t.numel() for t in state.values()),
+        "parameters": sum(p.numel() for p in model.parameters()),  # a tied embedding once
         "tokenizer": tokenizer,
         "out": str(out),
     }

@@ -27,12 +27,43 @@ from lmtrain.checkpoint import LIGHTNING_NAME
 log = logging.getLogger(__name__)
 
 
+class UnreadableCheckpoint(RuntimeError):
+    """A checkpoint whose files cannot be read back; the message names the files at fault."""
+
+
 def lightning_state_dict(ckpt_path: str | Path) -> dict[str, torch.Tensor]:
     """The LightningModule state dict stored in a checkpoint step directory (or its
-    ``lightning.ckpt``), as full CPU tensors."""
+    ``lightning.ckpt``), as full CPU tensors. A file that cannot be read is named in an
+    :class:`UnreadableCheckpoint` (a truncated torch file, say, behind a COMPLETE marker of an
+    older lmtrain that records no sizes)."""
     path = Path(ckpt_path)
     if path.name != LIGHTNING_NAME and (path / LIGHTNING_NAME).exists():
         path = path / LIGHTNING_NAME
+    try:
+        return _read_state_dict(path)
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError) as exc:
+        suspects = _unreadable_files(path)
+        named = "; ".join(suspects) if suspects else "no single file is at fault by its format"
+        raise UnreadableCheckpoint(f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:300]}): {named}") from exc
+
+
+def _unreadable_files(path: Path) -> list[str]:
+    """The torch files under ``path`` that are not whole: torch.save writes a zip archive, and a
+    truncated or overwritten one has no readable central directory; other files that are empty."""
+    import zipfile
+
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    bad = []
+    for f in files:
+        size = f.stat().st_size
+        if f.suffix in (".pt", ".ckpt") and not zipfile.is_zipfile(f):
+            bad.append(f"{f} ({size:,} bytes) is not a whole torch file")
+        elif size == 0:
+            bad.append(f"{f} is empty")
+    return bad
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     if (path / ".metadata").exists():

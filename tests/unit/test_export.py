@@ -36,7 +36,7 @@ def test_export_gives_the_trained_models_logits_and_byte_ids(repo, runs_root, tm
     out = tmp_path / "hf"
     code, text = lm(runs_root, "export", plan.paths.run_dir, "--to", "hf", out)
     assert code == 0, text
-    assert f"exported export-{strategy} step 12" in text
+    assert f"exported export-{strategy} step-12 (the newest complete checkpoint) to {out}" in text
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         logits = model(input_ids=trained["input_ids"]).logits

@@ -21,7 +21,8 @@ def _plan(tmp_path, max_steps: int, old_max: int | None = 150):
     if old_max is not None:
         plan_json.write_text(json.dumps({"trainer": {"max_steps": old_max}, "spec": {"optim": OPTIM}}))
     return SimpleNamespace(run_name="r", trainer=SimpleNamespace(max_steps=max_steps), spec={"optim": OPTIM},
-                           paths=SimpleNamespace(plan_json=str(plan_json), run_dir=str(tmp_path)))
+                           paths=SimpleNamespace(plan_json=str(plan_json), run_dir=str(tmp_path),
+                                                 checkpoint_dir=str(tmp_path / "checkpoints")))
 
 
 def test_a_run_that_did_not_finish_needs_no_note(tmp_path):
