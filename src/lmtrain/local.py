@@ -91,13 +91,13 @@ def launch(
     try:
         for rank, env in enumerate(envs):
             if rank == 0:
-                p = _start(zygote, cmd, env, run_dir, None)
+                p = start_rank(zygote, cmd, env, run_dir, None)
                 pump = threading.Thread(target=_pump, args=(p.stdout, out), daemon=True)
                 pump.start()
             else:
                 # Other ranks tee into their own rank log; this file keeps what came before it.
                 with open(side_logs / f"rank-{rank}.out", "ab") as f:
-                    p = _start(zygote, cmd, env, run_dir, f)
+                    p = start_rank(zygote, cmd, env, run_dir, f)
             procs.append(p)
         code = _wait_all(procs, on_first_failure=lambda rank, rc: _words_for(run_dir, rank, rc, procs[rank].pid))
     except KeyboardInterrupt:
@@ -129,7 +129,7 @@ def _zygote_for(cmd: Sequence[str], nprocs: int, env: Mapping[str, str], side_lo
         return Zygote.start(env, Path(tempfile.mkdtemp(prefix="lmtrain-zygote-")) / "sock", log=log)
 
 
-def _start(zygote: Zygote | None, cmd: Sequence[str], env: Mapping[str, str], cwd: Path,
+def start_rank(zygote: Zygote | None, cmd: Sequence[str], env: Mapping[str, str], cwd: Path,
            log: BinaryIO | None) -> subprocess.Popen | Forked:
     """One rank: forked by the zygote when it can, else a plain process. ``log`` None: output on
     ``.stdout`` (text lines), else into ``log``."""

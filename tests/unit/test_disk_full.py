@@ -28,6 +28,7 @@ from lmtrain.disk_space import DiskFull, is_no_space, room_verdict
 from lmtrain.env import free_port
 from lmtrain.local import worker_env
 from lmtrain.policy import EndFacts, Policy, decide
+from tests import rank_procs
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
 MAX_STEPS = 8
@@ -48,8 +49,7 @@ def _train(plan, faults: list[dict] | None = None, stop_at: int = 0) -> list[int
     port, job_id = free_port("127.0.0.1"), f"local-test-{time.time_ns()}"
     out = open(Path(plan.paths.run_dir) / "ranks.out", "ab")
     env_extra = {"LMLAUNCH_FAULTS": json.dumps(faults)} if faults else {}
-    procs = [subprocess.Popen([sys.executable, "-u", str(HELPER), plan.paths.run_dir, str(stop_at)], stdout=out,
-                              stderr=subprocess.STDOUT,
+    procs = [rank_procs.start([sys.executable, "-u", str(HELPER), plan.paths.run_dir, str(stop_at)], out=out,
                               env={**worker_env(r, n, port=port, job_id=job_id, plan_env=plan.env, threads=1),
                                    **env_extra})
              for r in range(n)]

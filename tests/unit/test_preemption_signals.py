@@ -25,6 +25,7 @@ from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint import complete_checkpoints
 from lmtrain.env import free_port
 from lmtrain.local import worker_env
+from tests import rank_procs
 from tests.trackers import assert_trackers_log_each_step_once
 
 HELPER = Path(__file__).with_name("_preempt_worker.py")
@@ -56,7 +57,7 @@ def _start(plan, *args: str) -> list[subprocess.Popen]:
     port, job_id = free_port("127.0.0.1"), f"local-test-{time.time_ns()}"
     out = open(Path(run_dir) / "ranks.out", "ab")
     return [
-        subprocess.Popen([sys.executable, "-u", str(HELPER), run_dir, *args], stdout=out, stderr=subprocess.STDOUT,
+        rank_procs.start([sys.executable, "-u", str(HELPER), run_dir, *args], out=out,
                          env=worker_env(r, n, port=port, job_id=job_id, plan_env=plan.env, threads=1))
         for r in range(n)
     ]
@@ -219,10 +220,9 @@ def test_a_run_killed_during_a_background_checkpoint_resumes_bit_identical(repo,
     straight, killed = _plan(repo, "bg-straight", 1, *extra), _plan(repo, "bg-killed", 1, *extra)
     reference = _start(straight)
     env = {**killed.env, "LMLAUNCH_FAULTS": json.dumps([{"point": point, "step": 8, "action": "kill"}])}
-    p = subprocess.Popen([sys.executable, "-u", str(HELPER), killed.paths.run_dir],
+    p = rank_procs.start([sys.executable, "-u", str(HELPER), killed.paths.run_dir],
                          env=worker_env(0, 1, port=free_port("127.0.0.1"), job_id="local-bg-killed", plan_env=env,
-                                        threads=1),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                        threads=1))
     assert p.wait(timeout=300) == -signal.SIGKILL
     _wait(reference, straight.paths.run_dir)
     ckpt_dir = Path(killed.paths.checkpoint_dir)
@@ -251,9 +251,8 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
                              say=lambda *_: None)
     env = {**plan.env, "LMLAUNCH_FAULTS": json.dumps([{"point": "checkpoint.*", "nth": 30, "action": "kill"}])}
     port = free_port("127.0.0.1")
-    p = subprocess.Popen([sys.executable, "-u", str(HELPER), plan.paths.run_dir],
-                         env=worker_env(0, 1, port=port, job_id="local-killed", plan_env=env, threads=1),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    p = rank_procs.start([sys.executable, "-u", str(HELPER), plan.paths.run_dir],
+                         env=worker_env(0, 1, port=port, job_id="local-killed", plan_env=env, threads=1))
     assert p.wait(timeout=300) == -signal.SIGKILL
     ckpt_dir = Path(plan.paths.checkpoint_dir)
     assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5]
