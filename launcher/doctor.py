@@ -218,7 +218,10 @@ def runtime_imports(plan: LaunchPlan) -> Check:
     return Check("runtime", OK, f"`{plan.python}` imports lmtrain, torch, lightning and transformers")
 
 
-def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | None = None) -> list[Check]:
+def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | None = None,
+             job_script: str | None = None) -> list[Check]:
+    """Every check on the login node; ``job_script``: the plan's job script as submit writes it,
+    judged by the cluster (``sbatch --test-only``)."""
     checks: list[Check] = []
     if not slurm.ping():
         return [Check("slurm", FAIL, "the SLURM controller does not answer (`scontrol ping`); "
@@ -237,6 +240,8 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
         part = None
     checks.append(judge_partition(plan, part))
     checks += _association_checks(plan)
+    if job_script is not None:
+        checks += job_script_checks(plan, job_script)
 
     from lmtrain.model import parameter_count  # torch and transformers: this command only
 
@@ -264,6 +269,27 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     checks += judge_data(job.data.path, meta, err, model_vocab, tokens_needed)
     checks.append(runtime_imports(plan))
     return checks
+
+
+def job_script_checks(plan: LaunchPlan, job_script: str) -> list[Check]:
+    """The cluster judges the exact job script (``sbatch --test-only``): every #SBATCH option, the
+    site's own ones (slurm.sbatch) included; and, when there are site srun options (slurm.srun),
+    one ``srun --test-only`` with them on the job's partition and nodes."""
+    site = ", ".join(f"--{k}" for k in sorted(plan.slurm.site_options))
+    ok, message = slurm.test_only("sbatch", [], script=job_script)
+    what = f" (with the site options {site})" if site else ""
+    out = [Check("job script", OK if ok else FAIL,
+                 f"{'the cluster accepts' if ok else 'the cluster refuses'} the job script{what} "
+                 f"(sbatch --test-only): {message}", {"accepted": ok, "site_options": dict(plan.slurm.site_options)})]
+    own = [a for a in plan.srun_args if not a.startswith("--container-")]
+    if own:
+        s = plan.slurm
+        ok, message = slurm.test_only("srun", [f"--partition={s.partition}", f"--nodes={s.nodes}",
+                                               f"--ntasks-per-node={s.ntasks_per_node}", *own, "true"])
+        out.append(Check("srun options", OK if ok else FAIL,
+                         f"{'the cluster accepts' if ok else 'the cluster refuses'} the tasks' srun options "
+                         f"{' '.join(own)} (srun --test-only): {message}", {"accepted": ok, "srun_args": own}))
+    return out
 
 
 def _association_checks(plan: LaunchPlan) -> list[Check]:

@@ -68,6 +68,8 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
     }
     if s.gres:
         extra["gres"] = s.gres
+    for name, value in s.site_options.items():  # the site's own options (launcher.core.site_options)
+        extra[name.replace("-", "_")] = value
     params: dict[str, Any] = {
         "job_name": s.job_name,
         "partition": s.partition,

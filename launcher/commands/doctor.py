@@ -66,7 +66,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.exclude_bad and not args.on_nodes:
         raise UserError("--exclude-bad needs --on-nodes: nodes are judged only by the probe job it runs")
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
-    checks = doctor.diagnose(r.plan, r.profile, ctx.environ or None)
+    from launcher.submit import render_script  # the job script exactly as submit writes it
+
+    checks = doctor.diagnose(r.plan, r.profile, ctx.environ or None, job_script=render_script(r.plan))
     nodes: dict[str, Any] | None = None
     if args.on_nodes:
         blocked = [c for c in checks if c.name in ("slurm", "partition") and c.status == doctor.FAIL]

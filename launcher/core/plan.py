@@ -128,6 +128,7 @@ class SlurmParams:
     task_output: str = ""  # each task's stdout (srun --output), %t = task rank
     task_error: str = ""  # each task's stderr (srun --error)
     exclude: str | None = None  # sbatch --exclude: nodes `doctor --on-nodes --exclude-bad` found bad (plan notes say why)
+    site_options: dict[str, str | bool] = field(default_factory=dict)  # the profile's and the spec's slurm.sbatch (true: a flag)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 
-from launcher.core import rundir
+from launcher.core import rundir, site_options
 from launcher.core.deepspeed_config import render_deepspeed
 from launcher.core.errors import SpecError, did_you_mean
 from launcher.core.nccl import render_env
@@ -233,6 +233,11 @@ def make_plan(
         srun_args = (f"--container-image={profile.container.image}",)
         if profile.container.mounts:
             srun_args += (f"--container-mounts={','.join(profile.container.mounts)}",)
+    sbatch_options = site_options.merged(profile.slurm.sbatch, spec.slurm.sbatch)
+    srun_options = site_options.merged(profile.slurm.srun, spec.slurm.srun)
+    slurm = dataclasses.replace(slurm, site_options=sbatch_options)
+    srun_args += site_options.as_args(srun_options)
+    notes += tuple(site_options.unknown_notes("sbatch", sbatch_options) + site_options.unknown_notes("srun", srun_options))
     part = profile.partitions[slurm.partition]
     if part.preemptible:
         grace = f"{part.grace_seconds} s" if part.grace_seconds is not None else "the partition's GraceTime"

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from launcher.core import site_options
 from launcher.core.errors import SpecError, did_you_mean
 from launcher.core.spec import StrictModel, parse_slurm_time, reserved_env_reason
 from launcher.core.text_rules import (
@@ -155,6 +156,15 @@ class Container(StrictModel):
     """Bind mounts src:dst."""
 
 
+class ProfileSlurmOptions(StrictModel):
+    """sbatch and srun options every job on this cluster needs that lmlaunch does not plan itself."""
+
+    sbatch: site_options.ProfileSbatch = Field(default_factory=dict, max_length=200)
+    """sbatch options by long name without dashes, e.g. {reservation: r1, hint: nomultithread}; true for a flag."""
+    srun: site_options.ProfileSrun = Field(default_factory=dict, max_length=200)
+    """srun options of the tasks' step, e.g. {mpi: pmix}; true for a flag."""
+
+
 class Profile(StrictModel):
     """A cluster: partitions, hardware per node, filesystem, setup and fabric environment."""
 
@@ -198,6 +208,8 @@ class Profile(StrictModel):
     """The cluster sets SlurmctldParameters=preempt_send_user_signal."""
     env: dict[str, EnvVar] = Field(default_factory=dict, max_length=1000)
     """NCCL / fabric environment, each with its reason."""
+    slurm: ProfileSlurmOptions = Field(default_factory=ProfileSlurmOptions)
+    """Site sbatch/srun options every job here gets (a job spec's slurm section adds to them or drops one with null)."""
     min_allreduce_busbw_gbps: float = Field(1.0, ge=0)
     """Least all-reduce bus bandwidth (GB/s, counted as nccl-tests do: 2(n-1)/n x bytes / time) that `lmlaunch doctor --on-nodes` accepts over the probe's nodes; 0 turns the check off. The default 1 GB/s is what even 10 GbE Ethernet gives: below it the fabric is misconfigured (NCCL on the wrong interface or on TCP instead of RDMA); set it near the fabric's measured figure to catch a degraded link."""
 

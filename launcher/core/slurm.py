@@ -187,6 +187,19 @@ def run(
     return proc
 
 
+def test_only(command: str, args: Sequence[str], *, script: str | None = None,
+              timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, str]:
+    """``sbatch --test-only ARGS`` with ``script`` on stdin, or ``srun --test-only ARGS``: the
+    controller judges every option (an unknown one, a reservation that does not exist, a plugin
+    this cluster lacks) and says when the job would start; nothing is queued or run. Returns
+    (accepted, SLURM's message)."""
+    if command not in ("sbatch", "srun"):
+        raise ValueError(f"test_only: {command!r} is not sbatch or srun")
+    proc = run([command, "--test-only", *args], input=script, check=False, timeout=timeout)
+    message = " ".join(line.strip() for line in (proc.stderr + proc.stdout).strip().splitlines() if line.strip())
+    return proc.returncode == 0, message
+
+
 def _first_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from launcher.core import site_options
 from launcher.core.model_config import check_model_config
 from launcher.core.model_types import causal_lm_types
 from launcher.core.slurm import parse_duration
@@ -483,6 +484,15 @@ class NotifySpec(StrictModel):
     """Further attempts after a failed delivery (1 s, 2 s, 4 s ... apart)."""
 
 
+class SlurmOptions(StrictModel):
+    """sbatch and srun options of this job that lmlaunch does not plan itself, over the profile's."""
+
+    sbatch: site_options.SpecSbatch = Field(default_factory=dict, max_length=200)
+    """sbatch options by long name without dashes, e.g. {reservation: r1, hint: nomultithread, mail-type: END}; true for a flag, null to drop the profile's."""
+    srun: site_options.SpecSrun = Field(default_factory=dict, max_length=200)
+    """srun options of the tasks' step, e.g. {mpi: pmix}; true for a flag, null to drop the profile's."""
+
+
 class JobSpec(StrictModel):
     """A training job: what to train, on what data, with which resources and cluster."""
 
@@ -514,6 +524,8 @@ class JobSpec(StrictModel):
     """Webhook messages: started, preempted, requeued, hang, failed, completed."""
     eval: EvalSpec | None = None
     """Evaluate a checkpoint (on rank 0) instead of training."""
+    slurm: SlurmOptions = Field(default_factory=SlurmOptions)
+    """Site sbatch/srun options (reservation, hint, mail-type, mpi, ...) over the profile's."""
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:

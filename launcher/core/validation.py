@@ -127,6 +127,8 @@ def format_validation_error(
     problems = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        if loc and loc[-1] == "[key]":  # a mapping's key was refused: the path ends at that key
+            loc = loc[:-1]
         kind = err["type"]
         msg = err["msg"]
         got = err.get("input")
