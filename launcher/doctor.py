@@ -23,7 +23,10 @@ from launcher.core import rundir, slurm
 from launcher.core.checkpoint_index import checkpoint_bytes
 from launcher.core.errors import UserError
 from launcher.core.plan import LaunchPlan
+from launcher.core.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of
+from launcher.core.profile_draft import partitions as draft_partitions
 from launcher.core.profiles import Profile
+from launcher.core.spec import parse_slurm_time
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 ASSUMED_WRITE_BYTES_PER_S = 0.2e9  # when the run has no measured checkpoint yet (this machine kind: 0.19-0.23 GB/s)
@@ -160,6 +163,40 @@ def judge_preemption(plan: LaunchPlan, profile: Profile, config: Mapping[str, st
     return out
 
 
+def judge_profile(profile: Profile, facts: ClusterFacts) -> Check:
+    """Where the profile disagrees with the live cluster: partitions it names that the cluster lacks,
+    a max_time above MaxTime, preemptibility and GraceTime (derived as `profile init` derives them),
+    the default partition, the GPUs per node."""
+    live = {p.name: p for p in draft_partitions(facts)}
+    differ: list[str] = []
+    for name, mine in profile.partitions.items():
+        theirs = live.get(name)
+        if theirs is None:
+            differ.append(f"partition '{name}' does not exist")
+            continue
+        if theirs.max_time != UNLIMITED_TIME and mine.max_minutes > parse_slurm_time(theirs.max_time):
+            differ.append(f"'{name}' max_time {mine.max_time} is above its MaxTime {theirs.max_time}")
+        if mine.preemptible != theirs.preemptible:
+            differ.append(f"'{name}' preemptible: {str(mine.preemptible).lower()}, but the cluster "
+                          f"{'can' if theirs.preemptible else 'cannot'} preempt it")
+        elif mine.grace_seconds is not None and theirs.grace_seconds is not None and mine.grace_seconds != theirs.grace_seconds:
+            differ.append(f"'{name}' grace_seconds {mine.grace_seconds}, GraceTime {theirs.grace_seconds}")
+    default = next((p.name for p in live.values() if p.default), None)
+    if default is not None and default != profile.default_partition:
+        differ.append(f"default_partition {profile.default_partition}, the cluster's default is {default}")
+    gpus = sorted({g[1] for g in (gpus_of(n.get("Gres", "")) for n in facts.nodes) if g is not None})
+    if profile.gpus_per_node and gpus and profile.gpus_per_node > max(gpus):
+        differ.append(f"gpus_per_node {profile.gpus_per_node}, the nodes have {', '.join(map(str, gpus))}")
+    if profile.gpus_per_node and facts.nodes and not gpus:
+        differ.append(f"gpus_per_node {profile.gpus_per_node}, but no node has a GPU Gres")
+    figures = {"differences": differ}
+    if differ:
+        return Check("profile", WARN, f"profile '{profile.name}' disagrees with the live cluster: {'; '.join(differ)} "
+                                      f"(`lmlaunch profile init NAME` reads one off the cluster)", figures)
+    return Check("profile", OK, f"profile '{profile.name}' agrees with the live cluster (partitions, times, "
+                                f"preemption, GPUs)", figures)
+
+
 # --------------------------------------------------------------------------- facts (I/O)
 def measured_checkpoint_seconds(run_dir: Path) -> float | None:
     """The slowest signal-to-complete-checkpoint time of the run's earlier attempts (the ledger),
@@ -239,6 +276,8 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     except UserError:
         part = None
     checks.append(judge_partition(plan, part))
+    checks.append(judge_profile(profile, ClusterFacts(partitions=slurm.partition_configs(), nodes=slurm.node_configs(),
+                                                      config=config)))
     checks += _association_checks(plan)
     if job_script is not None:
         checks += job_script_checks(plan, job_script)

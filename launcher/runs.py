@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.core.atomic import write_private
 from launcher.core.errors import UserError, did_you_mean
+from launcher.core.home import lmlaunch_home
 from launcher.core.rundir import PLAN
 from launcher.core.text_rules import RUN_NAME, brief
 
@@ -33,11 +34,6 @@ SUBDIRS = ("submitit", "logs", "metrics", "checkpoints")
 
 
 # --------------------------------------------------------------------------- registry
-
-
-def lmlaunch_home(environ: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if environ is None else environ
-    return Path(os.path.expanduser(env.get("LMLAUNCH_HOME") or "~/.lmlaunch")).absolute()
 
 
 def registry_dir(environ: Mapping[str, str] | None = None) -> Path:

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from launcher.core import site_options
 from launcher.core.errors import SpecError, did_you_mean
+from launcher.core.home import user_profiles_dir
 from launcher.core.spec import StrictModel, parse_slurm_time, reserved_env_reason
 from launcher.core.text_rules import (
     ENV_NAME,
@@ -277,6 +278,7 @@ def profile_dirs(environ: Mapping[str, str] | None = None) -> list[Path]:
     extra = env.get("LMLAUNCH_PROFILES_DIR")
     if extra:
         dirs.extend(Path(p) for p in extra.split(os.pathsep) if p)
+    dirs.append(user_profiles_dir(env))
     dirs.append(REPO_PROFILES)
     return dirs
 

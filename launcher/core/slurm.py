@@ -274,6 +274,18 @@ def partition_config(name: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str,
     return _key_values(proc.stdout)
 
 
+def partition_configs(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]:
+    """`scontrol -o show partition`: every partition as key -> value."""
+    proc = run(["scontrol", "-o", "show", "partition"], timeout=timeout)
+    return [_key_values(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def node_configs(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]:
+    """`scontrol -o show node`: every node as key -> value."""
+    proc = run(["scontrol", "-o", "show", "node"], timeout=timeout)
+    return [_key_values(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
 def config(timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str]:
     """`scontrol show config` as key -> value."""
     proc = run(["scontrol", "show", "config"], timeout=timeout)

@@ -1,0 +1,114 @@
+"""A cluster profile read off a cluster's scontrol records (launcher.core.profile_draft): the
+records below are the shapes SLURM prints (a GPU cluster with typed GRES, an UNLIMITED partition, a
+DOWN one, QOS preemption, no accounting, a short MinJobAge); every draft loads as a valid profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.core.profile_draft import UNLIMITED_TIME, ClusterFacts, draft, partitions
+from launcher.core.profiles import load_profile_file
+
+
+def _part(name: str, **kv: str) -> dict[str, str]:
+    base = {"PartitionName": name, "Default": "NO", "MaxTime": "2-00:00:00", "PriorityTier": "1", "PreemptMode": "OFF",
+            "GraceTime": "0", "State": "UP", "Nodes": "gpu[01-04]"}
+    return {**base, **kv}
+
+
+def _node(name: str, **kv: str) -> dict[str, str]:
+    base = {"NodeName": name, "CPUTot": "96", "RealMemory": "1024000", "Gres": "gpu:h100:8(S:0-1)",
+            "NodeAddr": f"10.0.0.{name[-1]}"}
+    return {**base, **kv}
+
+
+GPU_CLUSTER = ClusterFacts(
+    partitions=[
+        _part("batch", Default="YES", MaxTime="UNLIMITED", PriorityTier="1", PreemptMode="REQUEUE", GraceTime="120"),
+        _part("urgent", MaxTime="12:00:00", PriorityTier="10"),
+        _part("old", State="DOWN", MaxTime="1:00:00", Nodes="old[1-2]"),
+    ],
+    nodes=[_node(f"gpu0{i}") for i in range(1, 4)] + [_node("gpu04", Gres="gpu:h100:4(S:0)")],
+    config={"SLURM_VERSION": "24.11.5", "ClusterName": "big", "PreemptType": "preempt/partition_prio",
+            "PreemptMode": "REQUEUE", "SlurmctldParameters": "enable_configless,preempt_send_user_signal",
+            "MinJobAge": "2 sec"},
+    default_account="proj42",
+)
+
+
+def _load(tmp_path: Path, name: str, text: str):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return load_profile_file(path)
+
+
+def test_a_gpu_cluster_is_read_into_a_profile_that_validates(tmp_path):
+    text = draft("big", GPU_CLUSTER, when="2026-11-25")
+    p = _load(tmp_path, "big", text)
+    assert sorted(p.partitions) == ["batch", "old", "urgent"]
+    assert p.partitions["batch"].max_time == UNLIMITED_TIME and p.partitions["batch"].preemptible
+    assert p.partitions["batch"].grace_seconds == 120
+    assert not p.partitions["urgent"].preemptible and p.partitions["urgent"].max_time == "12:00:00"
+    assert (p.default_partition, p.preemptible_partition, p.high_priority_partition) == ("batch", "batch", "urgent")
+    assert (p.gpus_per_node, p.gres_name, p.cpus_per_gpu, p.mem_per_gpu) == (8, "gpu:h100", 12, "125G")  # 1,024,000 MB / 8
+    assert p.account == "proj42" and p.sends_user_signal_on_preemption and p.max_tasks_per_node == 8
+    assert p.env == {}  # the fabric's variables are the user's to choose
+    assert "MaxTime=UNLIMITED: no limit; written as a year" in text
+    assert "Gres of 3 of the 4 nodes of 'batch'" in text  # the most common GPU count
+    assert "old: {max_time: \"01:00:00\"}  # MaxTime=1:00:00, PriorityTier=1, nodes old[1-2], DOWN or INACTIVE now" in text
+    assert "# CHOOSE: a directory every node sees" in text and "NCCL_SOCKET_IFNAME" in text
+    assert "MinJobAge=2 sec: finished jobs leave squeue within a minute" in text
+
+
+def test_qos_preemption_no_accounting_and_a_cpu_cluster(tmp_path):
+    facts = ClusterFacts(
+        partitions=[_part("cpu", Default="YES", PreemptMode="CANCEL", GraceTime="60", Nodes="c[1-2]")],
+        nodes=[_node("c1", Gres="(null)", CPUTot="64", NodeAddr="127.0.0.1"),
+               _node("c2", Gres="(null)", CPUTot="32", NodeAddr="127.0.0.1")],
+        config={"PreemptType": "preempt/qos", "PreemptMode": "CANCEL", "SlurmctldParameters": "(null)"},
+        accounting=False, problems=["accounting does not answer (sacct: error: slurmdbd: ...)"],
+    )
+    text = draft("cpus", facts, when="2026-11-25")
+    p = _load(tmp_path, "cpus", text)
+    assert p.partitions["cpu"].preemptible and p.partitions["cpu"].grace_seconds == 60
+    assert p.high_priority_partition is None and p.account is None
+    assert (p.gpus_per_node, p.max_tasks_per_node, p.cpus_per_gpu) == (0, 32, 1)
+    assert p.env["GLOO_SOCKET_IFNAME"].value == "lo"  # every node on loopback, as the local cluster's
+    assert "# NOTE: accounting does not answer" in text and "sacct does not answer here" in text
+    assert "# account: CHOOSE  # no DefaultAccount was found (no accounting)" in text
+
+
+def test_without_preemption_no_partition_is_preemptible():
+    facts = ClusterFacts(partitions=[_part("a", Default="YES"), _part("b", PriorityTier="5")], nodes=[],
+                         config={"PreemptType": "preempt/none"})
+    assert [p.preemptible for p in partitions(facts)] == [False, False]
+    assert "# no preemptible partition: PreemptType=preempt/none" in draft("x", facts, when="d")
+
+
+def test_a_cluster_without_partitions_cannot_be_drafted():
+    with pytest.raises(ValueError, match="no partition"):
+        draft("x", ClusterFacts(partitions=[], nodes=[], config={}), when="d")
+
+
+def test_doctor_names_where_a_profile_disagrees_with_the_live_cluster(tmp_path):
+    from launcher.doctor import OK, WARN, judge_profile
+
+    agreeing = _load(tmp_path, "big", draft("big", GPU_CLUSTER, when="2026-11-25"))
+    assert judge_profile(agreeing, GPU_CLUSTER).status == OK
+    text = (draft("big", GPU_CLUSTER, when="2026-11-25")
+            .replace('urgent: {max_time: "12:00:00"}', 'urgent: {max_time: "1-00:00:00", preemptible: true, grace_seconds: 5}')
+            .replace("default_partition: batch", "default_partition: urgent")
+            .replace("gpus_per_node: 8", "gpus_per_node: 16")
+            .replace("partitions:\n", "partitions:\n  gone: {max_time: \"1:00:00\"}\n"))
+    (tmp_path / "edited").mkdir()
+    check = judge_profile(_load(tmp_path / "edited", "big", text), GPU_CLUSTER)
+    assert check.status == WARN
+    assert check.figures["differences"] == [
+        "partition 'gone' does not exist",
+        "'urgent' max_time 1-00:00:00 is above its MaxTime 12:00:00",
+        "'urgent' preemptible: true, but the cluster cannot preempt it",
+        "default_partition urgent, the cluster's default is batch",
+        "gpus_per_node 16, the nodes have 4, 8",
+    ]
