@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import re
 from pathlib import Path
 
 MAPPING_NAME = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
@@ -35,6 +36,38 @@ def causal_lm_types() -> frozenset[str]:
         if found:
             return found
     return KNOWN_CAUSAL_LM_TYPES
+
+
+def composite_reason(model_type: str) -> str | None:
+    """Why ``model_type`` cannot be sized from ``model.config`` (None when it can): its config is a
+    composite (a vision or audio model around a language model) whose language model's sizes live in
+    a ``text_config`` sub-config, so top-level sizes such as hidden_size are ignored and the default
+    text model (billions of parameters) is built. Read from the installed transformers' configuration
+    file of that type (a ``text_config`` field of its config class), without importing it."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return None
+    for root in list(spec.submodule_search_locations or []) if spec is not None else []:
+        folder = Path(root) / "models" / model_type.replace("-", "_")
+        for path in sorted(folder.glob("configuration_*.py")):
+            try:
+                if _has_text_config(str(path), path.stat().st_mtime_ns):
+                    text = f"{model_type}_text"
+                    instead = (f"; its language model alone is the type {text}" if text in causal_lm_types()
+                               else "; choose a text-only type")
+                    return (f"model.type({model_type}) is a composite model: its language model's sizes live in "
+                            f"a text_config sub-config that lmlaunch does not size, so model.config's sizes would be "
+                            f"ignored and transformers' default text model built{instead}")
+            except OSError:
+                continue
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _has_text_config(path: str, mtime_ns: int) -> bool:
+    text = Path(path).read_text(encoding="utf-8")
+    return re.search(r"^\s+text_config\s*:", text, re.M) is not None
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from launcher.core import site_options
 from launcher.core.model_config import check_model_config
-from launcher.core.model_types import causal_lm_types
+from launcher.core.model_types import causal_lm_types, composite_reason
 from launcher.core.slurm import parse_duration
 from launcher.core.text_rules import (
     ENV_NAME,
@@ -192,6 +192,9 @@ class ModelSpec(StrictModel):
                 f"{did_you_mean(self.type, known)}; {len(known)} "
                 f"types are known, e.g. {', '.join(common)}"
             )
+        composite = composite_reason(self.type) if self.type is not None else None
+        if composite is not None:
+            raise ValueError(composite)
         return self
 
 
