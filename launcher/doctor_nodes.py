@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.core import slurm
+from launcher.core import site_options, slurm
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.node_facts import MARK, NodeFacts, ifname_verdicts
 from launcher.core.plan import LaunchPlan
@@ -166,7 +166,10 @@ def srun_args(plan: LaunchPlan, job_name: str, workdir: Path) -> list[str]:
             args.append(f"--{flag}={value}")
     if s.exclusive:
         args.append("--exclusive")
-    return [*args, *plan.srun_args, "bash", "-c", probe_command(plan, workdir)]
+    # the site's sbatch options that srun takes too (a reservation, a hint): the probe runs where the job
+    # would (no mail about the probe)
+    site = {k: v for k, v in s.site_options.items() if k in site_options.SRUN_OPTIONS and not k.startswith("mail-")}
+    return [*args, *site_options.as_args(site), *plan.srun_args, "bash", "-c", probe_command(plan, workdir)]
 
 
 def parse_output(text: str) -> tuple[list[str], list[NodeFacts], dict[str, str], str]:

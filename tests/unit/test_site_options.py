@@ -132,3 +132,16 @@ def test_an_option_slurm_does_not_document_is_a_note_with_the_closest_name():
     assert any(n.startswith("slurm.sbatch.reservaton: --reservaton is not among sbatch's documented options of "
                             "SLURM 22.05 (did you mean reservation?)") and "sbatch --test-only" in n for n in notes), notes
     assert any(n.startswith("slurm.srun.container-workdir: --container-workdir is not among srun's") for n in notes), notes
+
+
+def test_the_node_probe_runs_where_the_job_would_with_the_sites_options(tmp_path):
+    from launcher import doctor_nodes
+    from launcher.resolve import resolve
+
+    env = {**ENVIRON, "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_HOME": str(tmp_path / "home")}
+    plan = resolve(str(REPO / "jobs" / "tiny-cpu.yaml"),
+                   ["slurm.sbatch={reservation: r1, hint: nomultithread, mail-type: END, ignore-pbs: true}",
+                    "slurm.srun={mpi: pmix}"], None, env, python="/venv/bin/python").plan
+    args = doctor_nodes.srun_args(plan, "probe", tmp_path)
+    assert {"--reservation=r1", "--hint=nomultithread", "--mpi=pmix"} <= set(args)
+    assert not any(a.startswith(("--mail-type", "--ignore-pbs")) for a in args)  # no mail about a probe; sbatch-only
