@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # rich is imported where it renders: plain `status` never loads it
     from rich.console import Console, Group
-    from rich.table import Table
     from rich.text import Text
 
 from launcher.monitor import History, StatusRow
@@ -166,43 +165,6 @@ def status_text(rows: Sequence[StatusRow], view: SlurmView, *, hidden: int = 0, 
     if now is not None:
         parts.append(_paint(time.strftime("updated %H:%M:%S", time.localtime(now)), "dim", color))
     return "\n".join(parts)
-
-
-def status_table(rows: Sequence[StatusRow]) -> Table:
-    from rich.table import Table
-
-    table = Table(box=None, header_style="bold", pad_edge=False, expand=False)
-    table.add_column("RUN", no_wrap=True, overflow="ellipsis", max_width=28, min_width=8)
-    table.add_column("JOB", no_wrap=True, min_width=3)
-    table.add_column("STATE", no_wrap=True, min_width=9)
-    table.add_column("NODES", justify="right", min_width=5)
-    table.add_column("TIME/LIMIT", no_wrap=True, min_width=10)
-    table.add_column("ATT", justify="right", min_width=3)
-    table.add_column("PROGRESS", no_wrap=True, min_width=BAR_WIDTH + 4)
-    table.add_column("LOSS", justify="right", min_width=5)
-    table.add_column("TOK/S", justify="right", min_width=5)
-    table.add_column("MFU", justify="right", min_width=4)
-    table.add_column("CKPT", no_wrap=True, overflow="ellipsis", min_width=4)
-    table.add_column("ETA", justify="right", min_width=4)
-    for r in rows:
-        ck = "-" if r.checkpoint_step is None else f"{r.checkpoint_step} ({format_duration(r.checkpoint_age_s)} ago)"
-        limit = f"{r.elapsed or '-'}/{r.time_limit or '-'}"
-        att = f"{r.attempt}" + ("↻" if r.requeued else "")
-        table.add_row(
-            r.name,
-            r.job_id or "-",
-            _state_text(r),
-            "-" if r.nodes is None else str(r.nodes),
-            limit,
-            att if r.attempt else "-",
-            progress_bar(r.step, r.max_steps),
-            _fmt(r.loss, ".3f"),
-            _tokens(r.tokens_per_s),
-            "-" if r.mfu is None else f"{100 * r.mfu:.1f}%",
-            ck,
-            format_duration(r.eta_s) if r.eta_s is not None else "-",
-        )
-    return table
 
 
 def status_view(rows: Sequence[StatusRow], view: SlurmView, *, hidden: int = 0, now: float | None = None) -> Text:

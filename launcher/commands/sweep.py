@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from launcher import lifecycle, runs, sweep, sweep_rows
-from launcher.commands.cancel import cancel_run
 from launcher.context import Context
 from launcher.core import rundir, slurm
 from launcher.core.errors import SlurmUnavailable, SpecError, UserError
@@ -162,8 +161,3 @@ def _results(args: argparse.Namespace, ctx: Context) -> int:
         for row in rows:
             ctx.out("  ".join((f"{v:.4g}" if isinstance(v, float) else str(v)).ljust(14) for v in row.values()))
     return 0
-
-
-def cancel_sweep(name: str, environ=None) -> list[dict[str, Any]]:
-    """Cancel every point of a sweep (``lmlaunch cancel SWEEP``)."""
-    return [cancel_run(r, environ) for r in runs.sweep_records(name, environ)]

@@ -262,11 +262,6 @@ class Profile(StrictModel):
             raise ValueError(f"gres_name: {exc}") from None
         return self
 
-    @property
-    def runs_root_path(self) -> Path:
-        """runs_root expanded from this process's environment (unset variables are an error)."""
-        return Path(expand_path(self.runs_root, os.environ, f"profile '{self.name}' runs_root"))
-
     def python_command(self, interpreter: str) -> str:
         """The interpreter command tasks run: ``python`` as written, or ``interpreter`` for auto."""
         return interpreter if self.python == "auto" else self.python

@@ -15,8 +15,7 @@ from its first line (handlers only record); a start gate (rank 0, before the ren
 an attempt of a finished, cancelled or stuck run at once; the stop is agreed by all ranks at a
 step boundary and checkpointed collectively; after the fit rank 0 decides the ledger reason,
 writes the ``end`` line, and only then requeues (``scontrol requeue``) when the job must.
-The ``hooks`` argument is for tests and tools: its callbacks join the Trainer's, and
-``hooks.on_end(ctx, outcome)`` runs on every rank after the checkpoint is complete.
+The ``hooks`` argument is for tests and tools: its callbacks join the Trainer's.
 """
 
 from __future__ import annotations
@@ -60,13 +59,10 @@ class Outcome:
 class Hooks:
     """Extension points for the caller (preemption handling, tests).
 
-    ``setup(ctx)`` runs on every rank before the Trainer is built and may return callbacks;
-    ``on_end(ctx, outcome)`` runs on every rank after training stopped (checkpoint complete) and
-    before the ledger ``end`` line is written; it may change ``outcome`` (e.g. ``requeued``).
+    ``setup(ctx)`` runs on every rank before the Trainer is built and may return callbacks.
     """
 
     setup: Callable[[RunContext], list[Any]] | None = None
-    on_end: Callable[[RunContext, Outcome], None] | None = None
     callbacks: list[Any] = field(default_factory=list)
 
 
@@ -370,8 +366,6 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         ctx.preemption.decide(ctx, outcome)  # reason, requeue decision (rank 0 asks SLURM)
         if hung and outcome.reason == "crashed":
             outcome.reason = "hang"  # same retry rules as a crash; the ledger says why
-        if hooks.on_end is not None:
-            hooks.on_end(ctx, outcome)
         if is_zero:
             if outcome.reason == "completed":
                 _write_marker(run_dir / DONE, f"{outcome.end_step}\n")  # durable: fsynced, atomic
