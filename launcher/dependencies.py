@@ -60,11 +60,11 @@ def dependency(after: Sequence[After]) -> tuple[str | None, list[str]]:
     ids = [a.job_id for a in after]
     known = {j.job_id: j for j in slurm.squeue(ids)}  # ended jobs too, for MinJobAge
     live = {jid: j for jid, j in known.items() if slurm.is_active(j.state)}
-    ended = {jid: j.state.split()[0] for jid, j in known.items() if jid not in live}
+    ended = {jid: slurm.state_word(j.state) for jid, j in known.items() if jid not in live}
     forgotten = [a for a in after if a.job_id not in known]
     if forgotten:
         for row in slurm.sacct([a.job_id for a in forgotten], duplicates=False):
-            ended[row.job_id] = row.state.split()[0]
+            ended[row.job_id] = slurm.state_word(row.state)
     parts, notes = [], []
     for a in after:
         if a.job_id in live:

@@ -16,6 +16,7 @@ from launcher.core.slurm import (
     show_job,
     squeue,
     state_group,
+    state_word,
 )
 
 SIGNAL_WAIT_S = 10.0  # scancel --signal: how long to wait for SLURM to settle after delivering it
@@ -30,7 +31,7 @@ def signal_steps(job_id: str, signal: str, *, timeout: float = DEFAULT_TIMEOUT_S
         # scancel delivers the signal at once, then retries while the job is "in transitional
         # state": a job array task that requeued itself at the signal stays so (slurm 22.05).
         # The signal was delivered if the job moved on from RUNNING.
-        if job_state(str(job_id), timeout=timeout).split()[0] == "RUNNING":
+        if state_word(job_state(str(job_id), timeout=timeout)) == "RUNNING":
             raise
 
 

@@ -109,7 +109,7 @@ def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = N
             by_job.setdefault(r.job_id, []).append(r)
         for jid, attempts in by_job.items():
             last = attempts[-1]
-            job = SlurmJob(jid, last.state.split()[0], "", len(attempts), "", _count_nodes(last.nodes),
+            job = SlurmJob(jid, slurm.state_word(last.state), "", len(attempts), "", _count_nodes(last.nodes),
                            _elapsed(last.elapsed), last.nodes, "sacct")
             view.jobs[jid] = job
             if cache and not slurm.is_active(last.state):

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from launcher.core.slurm import state_word
 from launcher.monitor import StatusRow
 from launcher.runs import RunRecord
 
@@ -31,7 +32,7 @@ def collapse(rows: Sequence[StatusRow], records: Sequence[RunRecord]) -> list[St
 
 
 def sweep_row(name: str, points: Sequence[StatusRow]) -> StatusRow:
-    states = Counter(p.state.split()[0] for p in points)
+    states = Counter(state_word(p.state) for p in points)
     groups = {p.group for p in points}
     group = next((g for g in _GROUP_ORDER if g in groups), "unknown")
     losses = [(p.loss, p.name) for p in points if p.loss is not None and math.isfinite(p.loss)]

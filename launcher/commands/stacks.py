@@ -48,7 +48,7 @@ def _running_job(name: str, run_dir: Path, job_ids: list[str]) -> tuple[str, slu
                         f"on this machine with `py-spy dump --pid PID` ({pids})")
     rows = slurm.squeue([job_id])
     job = rows[0] if len(rows) == 1 else next((j for j in rows if j.job_id == job_id), None)
-    if job is not None and job.state.split()[0] == "RUNNING":
+    if job is not None and slurm.state_word(job.state) == "RUNNING":
         return job_id, job
     if job is not None:
         state = job.state + (f" ({job.reason})" if job.reason not in ("", "None") else "")

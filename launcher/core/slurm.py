@@ -66,10 +66,15 @@ STATE_GROUPS: dict[str, str] = {
 ACTIVE_GROUPS = frozenset({"queued", "running"})
 
 
+def state_word(state: str | None) -> str:
+    """SLURM's state as one word: 'CANCELLED by 0' -> 'CANCELLED', 'COMPLETING+' -> 'COMPLETING';
+    '' when there is none. Every reader of a state from squeue, sacct or scontrol uses it."""
+    return state.split()[0].rstrip("+").upper() if state and state.strip() else ""
+
+
 def state_group(state: str) -> str:
     """'CANCELLED by 0' -> 'cancelled'; unknown states -> 'unknown'."""
-    word = state.split()[0].rstrip("+") if state.strip() else ""
-    return STATE_GROUPS.get(word, "unknown")
+    return STATE_GROUPS.get(state_word(state), "unknown")
 
 
 def is_active(state: str) -> bool:

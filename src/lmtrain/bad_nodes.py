@@ -64,7 +64,7 @@ def exclude_nodes(plan: Any, env: Any, attempt: int, nodes: list[str]) -> None:
     while True:  # ExcNodeList changes only while the job is pending: wait for the requeue to land
         try:
             state = slurm.job_state(env.job_id, timeout=SLURM_QUERY_TIMEOUT_S)
-            if state.split()[0].upper() in ("PENDING", "REQUEUE_HOLD", "REQUEUED") or time.monotonic() > deadline:
+            if slurm.state_word(state) in ("PENDING", "REQUEUE_HOLD", "REQUEUED") or time.monotonic() > deadline:
                 slurm.exclude_nodes(env.job_id, nodes, timeout=SLURM_QUERY_TIMEOUT_S)
                 log.info("job %s keeps off %s from now on (ExcNodeList)", env.job_id, ",".join(nodes))
                 ledger.write(LedgerNote(event="nodes_excluded", time=time.time(), fields=fields))

@@ -7,7 +7,7 @@ import logging
 import time
 
 from launcher.core import slurm
-from lmtrain.policy import SLURM_QUERY_TIMEOUT_S, _state_word
+from lmtrain.policy import SLURM_QUERY_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def _nodes_failed(env, info: dict[str, str]) -> list[str]:
         except Exception as exc:
             log.warning("could not read job %s from accounting: %s", env.job_id, exc)
             return []
-        if len(rows) > env.restart_count and _state_word(rows[env.restart_count].state):
-            word = _state_word(rows[env.restart_count].state)
+        if len(rows) > env.restart_count and slurm.state_word(rows[env.restart_count].state):
+            word = slurm.state_word(rows[env.restart_count].state)
             if word == "NODE_FAIL":
                 return [f"{rows[env.restart_count].nodes} (NODE_FAIL)"]
             if word not in ("RUNNING", "COMPLETING", "PENDING"):
@@ -75,7 +75,7 @@ def _why_completing(env, info: dict[str, str] | None) -> str | None:
     """The real state behind ``JobState=COMPLETING`` (slurm 22.05 prints COMPLETING for a job
     being cancelled, timed out, failed or requeued): this attempt's row in accounting."""
     info = info or {}
-    if _state_word(info.get("JobState")) != "COMPLETING":
+    if slurm.state_word(info.get("JobState")) != "COMPLETING":
         return None
     restarts = info.get("Restarts", "")
     if restarts.isdigit() and int(restarts) > env.restart_count:
@@ -87,7 +87,7 @@ def _why_completing(env, info: dict[str, str] | None) -> str | None:
             log.warning("could not read job %s from accounting: %s", env.job_id, exc)
             return None
         row = rows[env.restart_count] if len(rows) > env.restart_count else (rows[-1] if rows else None)
-        if row is not None and _state_word(row.state) in _ENDING_STATES:
+        if row is not None and slurm.state_word(row.state) in _ENDING_STATES:
             return row.state
         time.sleep(0.5)
     return None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.core.rundir import AttemptEnd, LedgerAttempt
+from launcher.core.slurm import state_word
 from lmtrain.disk_space import DiskFull
 
 # SLURM states in which the controller already takes care of the job: do not requeue it again.
@@ -104,10 +105,6 @@ class Decision:
     exclude: list[str] = field(default_factory=list)  # nodes to keep the requeued job off (ExcNodeList)
 
 
-def _state_word(state: str | None) -> str:
-    return state.split()[0].rstrip("+").upper() if state and state.strip() else ""
-
-
 def _signal_names(f: EndFacts) -> str:
     names = [n for n, seen in ((f.warning_name, f.warning), ("SIGTERM", f.term)) if seen]
     return " + ".join(names)
@@ -115,7 +112,7 @@ def _signal_names(f: EndFacts) -> str:
 
 def classify_stop(f: EndFacts, policy: Policy) -> tuple[str, str]:
     """(reason, why) of a stop: timeout, preempted, or a requested reason."""
-    state = _state_word(f.slurm_state)
+    state = state_word(f.slurm_state)
     left = f.seconds_left
     near_limit = left is not None and left <= policy.warning_seconds + WARNING_SLACK_S
     sigs = _signal_names(f)
@@ -134,7 +131,7 @@ def classify_stop(f: EndFacts, policy: Policy) -> tuple[str, str]:
 
 def decide(f: EndFacts, policy: Policy) -> Decision:
     """Why the attempt ended, and whether (and by whom) the job runs again."""
-    state = _state_word(f.slurm_state)
+    state = state_word(f.slurm_state)
     ckpt = f"checkpoint step-{f.checkpoint_step} complete" if f.checkpoint_step is not None else "no checkpoint"
     if f.end_step >= f.max_steps and not f.crashed:
         return Decision("completed", f"reached max_steps({f.max_steps})", requeued=False)
@@ -306,8 +303,8 @@ def start_gate(f: StartFacts, policy: Policy) -> Gate:
     previous_end = None
     if f.history and f.history[-1].reason is None:
         prev = f.history[-1]
-        reason = _PREVIOUS_REASONS.get(_state_word(f.previous_state), "node_failure")
-        seen = f" (SLURM: {_state_word(f.previous_state)})" if f.previous_state else ""
+        reason = _PREVIOUS_REASONS.get(state_word(f.previous_state), "node_failure")
+        seen = f" (SLURM: {state_word(f.previous_state)})" if f.previous_state else ""
         previous_end = AttemptEnd(
             attempt=prev.attempt, job_id=prev.job_id, time=time.time(), end_step=f.start_step, reason=reason,
             detail=(f"attempt {prev.attempt} has no end line: its tasks were killed without a chance to "

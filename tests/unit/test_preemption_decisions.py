@@ -431,3 +431,11 @@ def test_a_node_failure_keeps_the_requeued_job_off_the_failed_node_while_it_stil
     # a plain crash excludes nothing
     assert decide(_facts(stopped=False, crashed=True, bad_nodes=["n2"], partition_nodes=["n1", "n2", "n3"]),
                   POLICY).exclude == []
+
+
+def test_every_reader_of_a_slurm_state_takes_its_first_word_the_same_way():
+    from launcher.core.slurm import state_group, state_word
+
+    assert [state_word(s) for s in ("CANCELLED by 0", "COMPLETING+", "running", "", None, "  ")] == [
+        "CANCELLED", "COMPLETING", "RUNNING", "", "", ""]
+    assert state_group("CANCELLED by 0") == "cancelled" and state_group("") == "unknown"
