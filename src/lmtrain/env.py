@@ -23,6 +23,8 @@ from pathlib import Path
 
 from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 
+from launcher.core.atomic import write_private
+
 LOCAL_LAUNCHER_VAR = "LMTRAIN_LAUNCHER"  # "local": started by lmtrain.local, not by srun
 RENDEZVOUS_TIMEOUT_S = 300.0
 
@@ -148,9 +150,7 @@ def rendezvous(
         port = int(os.environ.get("MASTER_PORT") or free_port())
         rv = Rendezvous(addr=addr, port=port, attempt=attempt, resume=resume)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(rv.__dict__))
-        os.replace(tmp, path)
+        write_private(path, json.dumps(rv.__dict__))
     else:
         deadline = time.monotonic() + timeout_s
         while True:

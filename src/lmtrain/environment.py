@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from launcher.core.atomic import write_private
 from launcher.core.rundir import CODE_DIR, ENVIRONMENT, attempt_logs_dir
 
 PACKAGES = ("torch", "lightning", "transformers", "deepspeed", "numpy", "tokenizers", "submitit", "lmlaunch")
@@ -88,7 +89,5 @@ def record_environment(plan: Any, env: Any, attempt: int, run_dir: Path) -> Path
     }
     path = attempt_logs_dir(run_dir, attempt) / ENVIRONMENT
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_private(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return path

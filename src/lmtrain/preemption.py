@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from launcher.core import slurm
+from launcher.core.atomic import write_private
 from launcher.core.checkpoint_index import newest_complete
 from launcher.core.rundir import (
     DONE,
@@ -110,9 +110,7 @@ def decide_start(plan, env, run_dir: Path, history: list[LedgerAttempt]) -> Gate
         (run_dir / DONE).unlink(missing_ok=True)
     path = gate_path(run_dir, env)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(gate.to_json())
-    os.replace(tmp, path)  # before the rendezvous file: a rank that sees that one sees this
+    write_private(path, gate.to_json())  # before the rendezvous file: a rank that sees that one sees this
     return gate
 
 

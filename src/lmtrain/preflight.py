@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launcher.core.atomic import write_private
 from launcher.core.node_facts import ifname_verdicts
 from launcher.core.rundir import Ledger, LedgerNote, attempt_logs_dir
 from lmtrain import faults
@@ -85,9 +86,7 @@ def run(plan: Any, env: Any, attempt: int, run_dir: str | Path, *, wait_s: float
         verdict = {"node": node, "checks": node_checks(plan, dict(os.environ), node), "time": time.time()}
         logs.mkdir(parents=True, exist_ok=True)
         path = logs / NAME.format(node=env.node_rank)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(verdict) + "\n")
-        os.replace(tmp, path)
+        write_private(path, json.dumps(verdict) + "\n")
     verdicts = _gather(logs, env.num_nodes, wait_s)
     failed = {v["node"]: [c["message"] for c in v["checks"] if not c["ok"]] for v in verdicts.values()}
     failed = {n: m for n, m in failed.items() if m}

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.core.atomic import write_private
 from launcher.core.rundir import AttemptEnd, Ledger
 from lmtrain import faults
 
@@ -220,9 +221,7 @@ class ProgressWatchdog:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-        tmp = self.marker_file.with_name(f".{self.marker_file.name}.tmp")
-        tmp.write_text(json.dumps(report.__dict__) + "\n")
-        os.replace(tmp, self.marker_file)
+        write_private(self.marker_file, json.dumps(report.__dict__) + "\n")
         try:
             if self.on_hang is not None:
                 self.on_hang(report)
