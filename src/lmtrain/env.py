@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -93,11 +94,39 @@ def read_env(environ: dict[str, str] | None = None) -> TaskEnv:
     )
 
 
+# Where rendezvous ports are drawn from: below the kernel's ephemeral range, above the well-known and
+# registered services lmlaunch's own daemons use (the local clusters' SLURM and MariaDB ports < 9000).
+PORT_FLOOR = 15000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "") -> int:
-    """A TCP port free on ``host`` ("" : every interface) right now (the OS picks it)."""
+    """A TCP port free on ``host`` ("" : every interface) right now, drawn below the kernel's
+    ephemeral range. The OS hands out ports for ``bind(0)`` and for every outgoing connection (gloo's
+    and NCCL's included) from that range, so a port taken there, released and bound again a moment
+    later by the rendezvous store may meanwhile be another connection's (EADDRINUSE, seen with many
+    jobs on one machine); below it only explicit binds compete. Falls back to a port the OS picks."""
+    low = _ephemeral_low()
+    if low - 1 - PORT_FLOOR >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randint(PORT_FLOOR, low - 1)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _resolvable(host: str) -> bool:

@@ -60,3 +60,19 @@ def test_rank0_publishes_a_port_and_attempt_that_other_ranks_adopt(tmp_path, mon
     assert got["r1"] == published and published.attempt == 3 and 1024 < published.port < 65536
     assert os.environ["MASTER_PORT"] == str(published.port)
     assert (tmp_path / "rendezvous" / "55-0.json").exists()
+
+
+def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_where_connections_do_not_take_it():
+    """bind(0) and every outgoing connection draw from the kernel's ephemeral range: a port taken
+    from there, released and bound again by the rendezvous store could meanwhile be a gloo
+    connection's (EADDRINUSE, seen in a parallel suite run)."""
+    import socket
+
+    from lmtrain.env import PORT_FLOOR, _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(PORT_FLOOR <= p < low for p in ports), (sorted(ports), low)
+    for p in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))  # free when handed out
