@@ -317,9 +317,14 @@ def job_script_checks(plan: LaunchPlan, job_script: str) -> list[Check]:
     site = ", ".join(f"--{k}" for k in sorted(plan.slurm.site_options))
     ok, message = slurm.test_only("sbatch", [], script=job_script)
     what = f" (with the site options {site})" if site else ""
+    hint = ""
+    if not ok and plan.slurm.exclude:
+        hint = (f"; the plan excludes {plan.slurm.exclude} (lmlaunch's record of bad nodes for this profile, see the "
+                f"dry run's notes): a passing `lmlaunch doctor SPEC --on-nodes` clears a node that is well again")
     out = [Check("job script", OK if ok else FAIL,
                  f"{'the cluster accepts' if ok else 'the cluster refuses'} the job script{what} "
-                 f"(sbatch --test-only): {message}", {"accepted": ok, "site_options": dict(plan.slurm.site_options)})]
+                 f"(sbatch --test-only): {message}{hint}",
+                 {"accepted": ok, "site_options": dict(plan.slurm.site_options), "exclude": plan.slurm.exclude})]
     own = [a for a in plan.srun_args if not a.startswith("--container-")]
     if own:
         s = plan.slurm

@@ -66,10 +66,8 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
         # sys.path, and a checkout there would shadow the run's code snapshot (PYTHONPATH)
         "chdir": plan.paths.run_dir,
     }
-    if s.gres:
-        extra["gres"] = s.gres
-    for name, value in s.site_options.items():  # the site's own options (launcher.core.site_options)
-        extra[name.replace("-", "_")] = value
+    extra.update({"gres": s.gres} if s.gres else {})
+    extra.update({k.replace("-", "_"): v for k, v in s.site_options.items()})  # the site's own (core.site_options)
     params: dict[str, Any] = {
         "job_name": s.job_name,
         "partition": s.partition,

@@ -68,7 +68,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
     from launcher.submit import render_script  # the job script exactly as submit writes it
 
-    checks = doctor.diagnose(r.plan, r.profile, ctx.environ or None, job_script=render_script(r.plan))
+    # with --on-nodes the probe may clear or add excluded nodes: the script is judged after it
+    checks = doctor.diagnose(r.plan, r.profile, ctx.environ or None,
+                             job_script=None if args.on_nodes else render_script(r.plan))
     nodes: dict[str, Any] | None = None
     if args.on_nodes:
         blocked = [c for c in checks if c.name in ("slurm", "partition") and c.status == doctor.FAIL]
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             checks.append(doctor.Check("nodes", doctor.FAIL, f"the node probe was not submitted: {blocked[0].message}"))
         else:
             nodes = _on_nodes(args, r, ctx, checks)
+            after = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python).plan
+            checks += doctor.job_script_checks(after, render_script(after))
     failed = [c for c in checks if c.status == doctor.FAIL]
     if args.json:
         body: dict[str, Any] = {"spec": args.spec, "run": r.plan.run_name, "ok": not failed,
