@@ -211,9 +211,9 @@ def resume_point(plan: LaunchPlan) -> str:
     anything is changed or submitted: its first attempt would train from step 0 over its step
     directories and its ledger, which only ``--new`` (archiving the old directory) may do."""
     ckpt_dir, name = plan.paths.checkpoint_dir, plan.run_name
-    found, skipped = scan(ckpt_dir)
+    found, skipped = scanned = scan(ckpt_dir)
     if found:
-        return f"resuming from {describe_choice(ckpt_dir, found[-1])}"
+        return f"resuming from {describe_choice(ckpt_dir, found[-1], scanned=scanned)}"
     done, _ = rundir.read_done_step(plan.paths.run_dir)
     ledger = rundir.Ledger(Path(plan.paths.run_dir) / rundir.LEDGER).attempts()
     trained = max((a.end_step or 0 for a in ledger), default=0)
@@ -221,7 +221,7 @@ def resume_point(plan: LaunchPlan) -> str:
         return f"run '{name}' has no checkpoint and never trained past step 0: it starts at step 0"
     what = f"it trained to step {trained}" if trained else "it trained"
     raise UserError(
-        f"run '{name}' has nothing to resume from: {what} but {describe_choice(ckpt_dir)} in {ckpt_dir}, "
+        f"run '{name}' has nothing to resume from: {what} but {describe_choice(ckpt_dir, scanned=scanned)} in {ckpt_dir}, "
         f"so --resume would train from step 0 over its step directories. Start over with --new (the old "
         f"run directory is kept as {name}.archived-<time>), or give this run another name (override: name=<new name>)"
     )

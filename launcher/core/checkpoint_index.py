@@ -144,10 +144,12 @@ def newest_complete(ckpt_dir: str | Path) -> CompleteCheckpoint | None:
     return found[-1] if found else None
 
 
-def describe_choice(ckpt_dir: str | Path, chosen: CompleteCheckpoint | None = None) -> str:
+def describe_choice(ckpt_dir: str | Path, chosen: CompleteCheckpoint | None = None, *,
+                    scanned: tuple[list[CompleteCheckpoint], list[Skipped]] | None = None) -> str:
     """Which checkpoint a resume or an export uses and why, in one line: ``chosen`` (default: the
-    newest complete one) and every newer step directory that was passed over, with its reason."""
-    found, skipped = scan(ckpt_dir)
+    newest complete one) and every newer step directory that was passed over, with its reason.
+    ``scanned``: :func:`scan`'s result when the caller has it already."""
+    found, skipped = scanned if scanned is not None else scan(ckpt_dir)
     if chosen is None:
         if not found:
             return "no complete checkpoint" + (f" ({_passed_over(skipped)})" if skipped else "")

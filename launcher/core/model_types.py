@@ -22,12 +22,7 @@ MAPPING_NAME = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 
 def causal_lm_types() -> frozenset[str]:
     """The causal LM types of the installed transformers, else :data:`KNOWN_CAUSAL_LM_TYPES`."""
-    try:
-        spec = importlib.util.find_spec("transformers")
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for root in locations:
+    for root in _transformers_roots():
         path = Path(root) / "models" / "auto" / "modeling_auto.py"
         try:
             found = _types_in(str(path), path.stat().st_mtime_ns)
@@ -44,11 +39,7 @@ def composite_reason(model_type: str) -> str | None:
     a ``text_config`` sub-config, so top-level sizes such as hidden_size are ignored and the default
     text model (billions of parameters) is built. Read from the installed transformers' configuration
     file of that type (a ``text_config`` field of its config class), without importing it."""
-    try:
-        spec = importlib.util.find_spec("transformers")
-    except (ImportError, ValueError):
-        return None
-    for root in list(spec.submodule_search_locations or []) if spec is not None else []:
+    for root in _transformers_roots():
         folder = Path(root) / "models" / model_type.replace("-", "_")
         for path in sorted(folder.glob("configuration_*.py")):
             try:
@@ -62,6 +53,15 @@ def composite_reason(model_type: str) -> str | None:
             except OSError:
                 continue
     return None
+
+
+def _transformers_roots() -> list[str]:
+    """Where the installed transformers package lives (found, not imported); none when it is not."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return []
+    return list(spec.submodule_search_locations or []) if spec is not None else []
 
 
 @functools.lru_cache(maxsize=64)
