@@ -2,9 +2,12 @@
 # Set up (idempotently), start the local SLURM cluster, and run the whole test suite.
 # Extra arguments go to pytest (e.g. -k submit, -m "not slurm", --timing-report FILE).
 #
-# By default the suite runs in two phases: every test but those marked `serial` on
+# By default the suite runs in three phases: every test but those marked `serial` on
 # LMLAUNCH_TEST_WORKERS parallel workers (pytest-xdist; each worker runs its SLURM tests on a
-# local cluster of its own, launcher/localcluster/workers.py), then the `serial` ones alone.
+# local cluster of its own, launcher/localcluster/workers.py), then the `serial` ones alone, then
+# the integration tests marked `both_versions` again on the other SLURM version (24.11 on Debian
+# 12, 22.05 on Debian 13; from a Debian root, launcher/localcluster/debian_root.py), unless
+# LMLAUNCH_TEST_OTHER_SLURM=0.
 # `-n 0` (or any -n / --numprocesses / -p no:xdist) runs one pytest invocation as given instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +23,14 @@ if ! "$VENV/bin/lmlaunch" cluster up; then
     exit 1
   fi
   echo "[test] no local SLURM cluster: integration tests will be skipped" >&2
+fi
+OTHER=""
+if [ "${LMLAUNCH_TEST_OTHER_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ]; then
+  OTHER=$("$VENV/bin/python" -c "from launcher.localcluster.config import other_version; print(other_version() or '')")
+  if [ -n "$OTHER" ]; then
+    # the first time, this makes the Debian root (debootstrap + apt-get: a few minutes)
+    "$VENV/bin/lmlaunch" cluster up --slurm "$OTHER" || { echo "[test] the SLURM $OTHER cluster did not start" >&2; exit 1; }
+  fi
 fi
 # Results made once per test run and shared by its workers and phases (tests/shared_results.py).
 LMLAUNCH_TEST_SHARED=$(mktemp -d "${TMPDIR:-/tmp}/lmlaunch-test-shared.XXXXXX")
@@ -57,13 +68,20 @@ if ((${#serial_modules[@]})); then
 else
   rc2=5
 fi
-echo "[test] both phases: $(( $(date +%s) - start )) s (phase 1 exit $rc1, phase 2 exit $rc2)"
+rc3=5
+mapfile -t both_modules < <(grep -rl --include='test_*.py' 'pytest.mark.both_versions' tests/integration | sort)
+if [ -n "$OTHER" ] && ((${#both_modules[@]})); then
+  echo "[test] phase 3: the tests marked both_versions, on SLURM $OTHER"
+  LMLAUNCH_TEST_SLURM=$OTHER pytest "${both_modules[@]}" -n "$WORKERS" --dist load --maxschedchunk 1 \
+    --phase other-slurm "$@" && rc3=0 || rc3=$?
+fi
+echo "[test] all phases: $(( $(date +%s) - start )) s (phase 1 exit $rc1, phase 2 exit $rc2, phase 3 exit $rc3)"
 # exit 5 (nothing collected) is fine for one phase when a filter (-k, -m) left it nothing to run
-if [ "$rc1" = 5 ] && [ "$rc2" = 5 ]; then
+if [ "$rc1" = 5 ] && [ "$rc2" = 5 ] && [ "$rc3" = 5 ]; then
   echo "[test] pytest collected no tests" >&2
   exit 5
 fi
-[ "$rc1" = 5 ] && rc1=0
-[ "$rc2" = 5 ] && rc2=0
-[ "$rc1" != 0 ] && exit $rc1
-exit $rc2
+for rc in "$rc1" "$rc2" "$rc3"; do
+  [ "$rc" = 5 ] || [ "$rc" = 0 ] || exit "$rc"
+done
+exit 0

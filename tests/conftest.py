@@ -26,9 +26,10 @@ def pytest_addoption(parser):
         help="append each test's wall time and CPU time to FILE (JSON lines; tests/suite_timing.py summarises it)",
     )
     parser.addoption(
-        "--phase", choices=("parallel", "serial"), default=None,
+        "--phase", choices=("parallel", "serial", "other-slurm"), default=None,
         help="parallel: every test but those marked serial; serial: only those (scripts/test.sh runs both, "
-             "the serial ones alone after the others); default: all",
+             "the serial ones alone after the others); other-slurm: those marked both_versions but not "
+             "serial (run with LMLAUNCH_TEST_SLURM set); default: all",
     )
 
 
@@ -87,7 +88,10 @@ def pytest_collection_modifyitems(config, items):
     if phase is not None:
         keep, drop = [], []
         for item in items:
-            (keep if (item.get_closest_marker("serial") is not None) == (phase == "serial") else drop).append(item)
+            serial = item.get_closest_marker("serial") is not None
+            wanted = (not serial and item.get_closest_marker("both_versions") is not None
+                      if phase == "other-slurm" else serial == (phase == "serial"))
+            (keep if wanted else drop).append(item)
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep

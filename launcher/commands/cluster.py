@@ -1,11 +1,38 @@
-"""lmlaunch cluster up [--preempt-user-signal | --no-preempt-user-signal] | down | status"""
+"""lmlaunch cluster up [--slurm VERSION] [--preempt-user-signal | --no-preempt-user-signal]
+[--accounting | --no-accounting] [--min-job-age S] | down | status | env"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from launcher.context import Context
+from launcher.core.errors import UserError
 from launcher.localcluster import cluster
+from launcher.localcluster.config import (
+    MIN_JOB_AGE_FLOOR,
+    SLURM_RELEASES,
+    Layout,
+    is_native,
+    native_version,
+    primary_root,
+)
+
+
+def _version_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slurm", metavar="VERSION", choices=sorted(SLURM_RELEASES), default=None,
+                   help="which SLURM: this machine's own (the default) or the other Debian release's, run "
+                        f"from a Debian root made by debootstrap ({', '.join(f'{v}: {r}' for v, r in SLURM_RELEASES.items())})")
+
+
+def _min_job_age(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value < MIN_JOB_AGE_FLOOR:
+        raise argparse.ArgumentTypeError(f"at least {MIN_JOB_AGE_FLOOR} seconds (SLURM's recommended minimum), not {value}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,31 +52,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="preempted jobs get only SIGTERM (then SIGKILL after GraceTime); the default",
     )
-    sub.add_parser("down", help="stop the daemons that `up` started (and the test workers' clusters)")
-    sub.add_parser("status", help="daemons, nodes and partitions")
+    acct = up.add_mutually_exclusive_group()
+    acct.add_argument("--accounting", dest="accounting", action="store_true", default=None,
+                      help="slurmdbd on MariaDB: sacct and sacctmgr work (the default)")
+    acct.add_argument("--no-accounting", dest="accounting", action="store_false",
+                      help="no slurmdbd, as on sites without accounting: sacct fails, squeue is all there is")
+    up.add_argument("--min-job-age", type=_min_job_age, default=None, metavar="SECONDS",
+                    help=f"how long finished jobs stay in squeue (MinJobAge; default 300, at least {MIN_JOB_AGE_FLOOR})")
+    _version_arg(up)
+    _version_arg(sub.add_parser("down", help="stop the daemons that `up` started (and the test workers' clusters)"))
+    _version_arg(sub.add_parser("status", help="daemons, nodes and partitions"))
+    _version_arg(sub.add_parser(
+        "env", help="the shell lines that point SLURM commands (and lmlaunch) at one of the local clusters: "
+                    "eval \"$(lmlaunch cluster env --slurm 24.11)\""))
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     def say(line: str) -> None:
         ctx.out(f"[cluster] {line}")
 
+    version = args.slurm
+    if version is not None and is_native(version):
+        version = None
+    layout = Layout.default() if version is None else Layout(primary_root(version))
+    if args.action == "env":
+        if not layout.slurm_conf.exists():
+            raise UserError(f"no local SLURM {args.slurm or native_version() or ''} cluster here yet: "
+                            f"`lmlaunch cluster up{' --slurm ' + args.slurm if args.slurm else ''}` starts it", exit_code=1)
+        for key, value in cluster.environ_of(layout).items():
+            ctx.out(f"export {key}={shlex.quote(value)}")
+        return 0
     if args.action == "up":
-        was_up = cluster.up(say, preempt_send_user_signal=args.preempt_user_signal)
-        st = cluster.status()
+        was_up = cluster.up(say, preempt_send_user_signal=args.preempt_user_signal, accounting=args.accounting,
+                            min_job_age=args.min_job_age, version=version)
+        st = cluster.status(layout)
         ctx.out(("local SLURM cluster already running" if was_up else "local SLURM cluster is up") + f" ({st.state_dir})")
         _print_nodes(ctx, st)
         return 0
     if args.action == "down":
-        stopped = cluster.down(say)
+        stopped = cluster.down(say, version=version)
         ctx.out("stopped: " + ", ".join(stopped) if stopped else "nothing of the local cluster was running")
         return 0
-    st = cluster.status()
+    st = cluster.status(layout)
     ctx.out(f"state directory: {st.state_dir}")
     for name, pid in st.daemons.items():
         ctx.out(f"  {name:<10} {'pid ' + str(pid) if pid else 'not running'}")
     if st.settings is not None:
         ctx.out(f"  preempt_send_user_signal: {'on' if st.settings.preempt_send_user_signal else 'off'}")
-    workers = cluster.worker_layouts()
+        ctx.out(f"  accounting: {'slurmdbd' if st.settings.accounting else 'off'}, MinJobAge {st.settings.min_job_age} s")
+    workers = cluster.worker_layouts(version)
     if workers:  # the test suite's parallel workers' clusters (launcher/localcluster/workers.py)
         ctx.out("worker clusters: " + ", ".join(
             f"{w.root.name} {'up' if cluster.is_up(w) else 'down'}" for w in workers) + " (`cluster down` stops them)")

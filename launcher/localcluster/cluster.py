@@ -10,24 +10,27 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import json
 import os
 import secrets
 import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from launcher.core import slurm
 from launcher.core.errors import SlurmUnavailable, UserError
+from launcher.localcluster import debian_root
 from launcher.localcluster.config import (
     CLUSTER_NAME,
     MAX_WORKER_SLOTS,
     NODES,
     Layout,
     Ports,
+    Settings,
+    is_native,
     primary_root,
     render_slurm_conf,
     render_slurmdbd_conf,
@@ -64,41 +67,37 @@ HOSTS_MARKER = "# lmlaunch local cluster nodes"
 DB_NAME = "slurm_acct_db"
 
 Say = Callable[[str], None]
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What `up` was asked for, kept in the state directory: a later `up` keeps it."""
-
-    preempt_send_user_signal: bool = False
-    ports: Ports = field(default_factory=Ports)
-    # the primary cluster links /etc/slurm/slurm.conf to its own; a worker cluster never does
-    system_conf: bool = True
-
-    def to_json(self) -> str:
-        return json.dumps({"preempt_send_user_signal": self.preempt_send_user_signal,
-                           "ports": self.ports.to_json(), "system_conf": self.system_conf}) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> Settings:
-        d = json.loads(text)
-        ports = Ports.from_json(d["ports"]) if "ports" in d else Ports()  # settings written before ports were kept
-        return cls(bool(d.get("preempt_send_user_signal", False)), ports, bool(d.get("system_conf", True)))
+def environ_of(layout: Layout, version: str | None = None, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What a process needs to use ``layout``'s cluster: its SLURM_CONF and state directory, and
+    for a cluster in a Debian root (``version`` not the machine's, or wrappers written) its client
+    commands first on PATH."""
+    env = {"LMLAUNCH_CLUSTER_DIR": str(layout.root), "SLURM_CONF": str(layout.slurm_conf)}
+    path = (environ if environ is not None else os.environ).get("PATH", "")
+    if (not is_native(version) or layout.bin.is_dir()) and str(layout.bin) not in path.split(":"):
+        env["PATH"] = f"{layout.bin}:{path}" if path else str(layout.bin)
+    return env
 
 
 @contextlib.contextmanager
 def own_conf(layout: Layout) -> Iterator[None]:
-    """SLURM commands run inside the block talk to ``layout``'s cluster (its SLURM_CONF), whatever
-    /etc/slurm/slurm.conf or the caller's environment names."""
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(layout.slurm_conf)
+    """SLURM commands run inside the block talk to ``layout``'s cluster (its SLURM_CONF and, for
+    one in a Debian root, its commands), whatever /etc/slurm/slurm.conf or the caller's
+    environment names."""
+    wanted = environ_of(layout)
+    wanted.pop("LMLAUNCH_CLUSTER_DIR")
+    old = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _which(name: str) -> str | None:
@@ -232,21 +231,30 @@ def ensure_mariadb(layout: Layout, ports: Ports, password: str, say: Say) -> Non
             shutil.chown(d, "mysql", "mysql")
         d.chmod(0o750 if d != layout.mysql_run else 0o755)
     user = ["--user=mysql"] if os.geteuid() == 0 else []
+    tmp = layout.mysql / "tmp"  # its own: two clusters' MariaDB name their temporary tables alike
+    tmp.mkdir(exist_ok=True)
+    if os.geteuid() == 0:
+        shutil.chown(tmp, "mysql", "mysql")
     if fresh:
         say(f"initialising MariaDB data in {layout.mysql_data}")
-        run_checked(
-            [
-                _which("mariadb-install-db") or "mariadb-install-db",
-                "--no-defaults",
-                *user,
-                f"--datadir={layout.mysql_data}",
-                "--auth-root-authentication-method=socket",
-                "--skip-test-db",
-            ],
-            "mariadb-install-db",
-            env=_sbin_env(),
-            timeout=300,
-        )
+        try:
+            with flocked(primary_root() / ".mariadb-install.lock"):  # one bootstrap at a time
+                run_checked(
+                    [
+                        _which("mariadb-install-db") or "mariadb-install-db",
+                        "--no-defaults",
+                        *user,
+                        f"--datadir={layout.mysql_data}",
+                        "--auth-root-authentication-method=socket",
+                        "--skip-test-db",
+                    ],
+                    "mariadb-install-db",
+                    env={**_sbin_env(), "TMPDIR": str(tmp)},
+                    timeout=300,
+                )
+        except ClusterError:
+            shutil.rmtree(layout.mysql_data / "mysql", ignore_errors=True)  # the next `up` starts it afresh
+            raise
     say(f"starting MariaDB on 127.0.0.1:{ports.mariadb}")
     log = layout.logfile("mariadb")
     spawn(
@@ -262,6 +270,7 @@ def ensure_mariadb(layout: Layout, ports: Ports, password: str, say: Say) -> Non
             "--skip-name-resolve",
             "--innodb-buffer-pool-size=64M",
             "--innodb-lock-wait-timeout=900",
+            f"--tmpdir={tmp}",
             f"--log-error={log}",
         ],
         env=_sbin_env(),
@@ -396,6 +405,10 @@ def ensure_slurmd(layout: Layout, say: Say) -> None:
 # --------------------------------------------------------------------------- up / down / status
 
 
+def _given(value: T | None, kept: T) -> T:
+    return kept if value is None else value
+
+
 def _load_settings(layout: Layout) -> Settings | None:
     try:
         return Settings.from_json(layout.settings.read_text())
@@ -416,6 +429,10 @@ def is_up(layout: Layout) -> bool:
     """All daemons of ours alive, the controller answering and both nodes usable."""
     daemons = _our_daemons(layout)
     daemons.pop("munged")  # may be the system's
+    settings = _load_settings(layout)
+    if settings is not None and not settings.accounting:
+        daemons.pop("slurmdbd")
+        daemons.pop("mariadb")
     if not all(running_from_pidfile(p) for p in daemons.values()):
         return False
     with own_conf(layout):
@@ -429,27 +446,40 @@ def up(
     layout: Layout | None = None,
     ports: Ports | None = None,
     system_conf: bool | None = None,
+    accounting: bool | None = None,
+    min_job_age: int | None = None,
+    version: str | None = None,
 ) -> bool:
     """Start the cluster; True when it was already running (and nothing had to change).
 
-    Settings not given keep what the last `up` of this state directory was given (its ports
-    included), else the defaults. Two `up`s of one cluster never race (a lock in its directory);
-    the machine-wide steps (packages, munged, /etc/hosts) are locked across clusters."""
-    layout = layout or Layout.default()
-    current = _load_settings(layout)
+    ``version`` picks the SLURM: the machine's own (None) or the other Debian release's, which
+    runs in a Debian root (other_release.py). Settings not given keep what the last `up` of this
+    state directory was given (its ports included), else the defaults. Two `up`s of one cluster
+    never race (a lock in its directory); the machine-wide steps (packages, munged, /etc/hosts)
+    are locked across clusters."""
+    layout = layout or (Layout.default() if version is None else Layout(primary_root(version)))
+    loaded = _load_settings(layout)
+    if version is None and loaded is not None:
+        version = loaded.version  # a cluster keeps its SLURM: a later `up` of it need not name it
+    if version is not None and is_native(version) and not debian_root.inside_root():
+        version = None  # inside its root a cluster keeps the version it was started as
+    current = loaded or Settings(ports=Ports.for_slot(0, version), version=version)
     wanted = Settings(
-        preempt_send_user_signal=(
-            preempt_send_user_signal
-            if preempt_send_user_signal is not None
-            else (current.preempt_send_user_signal if current else False)
-        ),
-        ports=ports or (current.ports if current else Ports()),
-        system_conf=system_conf if system_conf is not None else (current.system_conf if current else True),
+        preempt_send_user_signal=_given(preempt_send_user_signal, current.preempt_send_user_signal),
+        ports=_given(ports, current.ports),
+        system_conf=_given(system_conf, current.system_conf),
+        accounting=_given(accounting, current.accounting),
+        min_job_age=_given(min_job_age, current.min_job_age),
+        version=version,
     )
     if current == wanted and layout.slurm_conf.exists() and is_up(layout):
         return True
     for d in (layout.root, layout.etc, layout.run, layout.log, layout.ctld_state, layout.spool):
         d.mkdir(parents=True, exist_ok=True)
+    if version is not None and not is_native(version):
+        from launcher.localcluster import other_release
+
+        return other_release.up(version, layout, wanted, say)
     with flocked(layout.up_lock), own_conf(layout):
         return _up(say, layout, wanted)
 
@@ -466,53 +496,69 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         ensure_packages(say)
         ensure_munge(say)
         ensure_hosts(say)
-    password = _db_password(layout)
-    layout.slurm_conf.write_text(
-        render_slurm_conf(layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=ports)
-    )
-    dbd = layout.slurmdbd_conf
-    dbd.write_text(render_slurmdbd_conf(layout, user=user, db_password=password, ports=ports))
-    dbd.chmod(0o600)  # slurmdbd refuses a readable config; it holds the DB password
+    layout.slurm_conf.write_text(render_slurm_conf(
+        layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=ports,
+        accounting=wanted.accounting, min_job_age=wanted.min_job_age))
     if wanted.system_conf:
         install_system_conf(layout, say)
-
-    ensure_mariadb(layout, ports, password, say)
-    ensure_slurmdbd(layout, ports, say)
-    register_accounting(say)
+    if wanted.accounting:
+        password = _db_password(layout)
+        dbd = layout.slurmdbd_conf
+        dbd.write_text(render_slurmdbd_conf(layout, user=user, db_password=password, ports=ports))
+        dbd.chmod(0o600)  # slurmdbd refuses a readable config; it holds the DB password
+        ensure_mariadb(layout, ports, password, say)
+        ensure_slurmdbd(layout, ports, say)
+        register_accounting(say)
+    else:
+        for name in ("slurmdbd", "mariadb"):  # a cluster without accounting runs neither
+            line = stop(layout.pidfile(name), name)
+            if line:
+                say(line)
     controller_was_up = running_from_pidfile(layout.pidfile("slurmctld")) and slurm.ping(timeout=5)
+    if controller_was_up and current is not None and current.accounting != wanted.accounting:
+        # the accounting plugin is read at start only: `scontrol reconfigure` keeps the old one
+        say("restarting slurmctld (accounting " + ("on" if wanted.accounting else "off") + ")")
+        stop(layout.pidfile("slurmctld"), "slurmctld")
+        controller_was_up = False
     ensure_slurmctld(layout, say)
     if controller_was_up and current != wanted:
-        say("reconfiguring slurmctld (preempt_send_user_signal changed)")
+        say("reconfiguring slurmctld (its settings changed)")
         slurm.run(["scontrol", "reconfigure"])
     ensure_slurmd(layout, say)
     layout.settings.write_text(wanted.to_json())
     return False
 
 
-def worker_layouts() -> list[Layout]:
-    """The worker clusters' state directories on this machine (started or not)."""
-    return [Layout.worker(k) for k in range(1, MAX_WORKER_SLOTS + 1) if Layout.worker(k).settings.exists()]
+def worker_layouts(version: str | None = None) -> list[Layout]:
+    """The worker clusters' state directories of a SLURM version on this machine (started or not)."""
+    return [w for k in range(1, MAX_WORKER_SLOTS + 1) if (w := Layout.worker(k, version)).settings.exists()]
 
 
 def _tagged(say: Say, tag: str) -> Say:
     return lambda line: say(f"{tag}: {line}")
 
 
-def down(say: Say, *, layout: Layout | None = None) -> list[str]:
+def down(say: Say, *, layout: Layout | None = None, version: str | None = None) -> list[str]:
     """Stop the daemons `up` started, by their pid files (controller and nodes first). Stopping
-    the primary cluster stops the worker clusters beside it too."""
-    layout = layout or Layout.default()
+    a version's primary cluster stops the worker clusters beside it too, and for a cluster in a
+    Debian root its munged and the root's mounts."""
+    primary = primary_root(version)
+    layout = layout or (Layout.default() if is_native(version) else Layout(primary))
     stopped = []
-    if layout.root == primary_root():
-        for worker in worker_layouts():
+    if layout.root == primary:
+        for worker in worker_layouts(version):
             stopped += [f"{worker.root.name} {name}" for name in down(_tagged(say, worker.root.name), layout=worker)]
     for name, pidfile in _our_daemons(layout).items():
-        if name == "munged" and layout.root != primary_root():
-            continue  # the machine's munged serves the primary cluster too
+        if name == "munged" and layout.root != primary:
+            continue  # the machine's (or the root's) munged serves the primary cluster too
         line = stop(pidfile, name)
         if line:
             say(line)
             stopped.append(name)
+    if layout.root == primary and version is not None and not is_native(version):
+        from launcher.localcluster import other_release
+
+        other_release.release_root(version, say)
     return stopped
 
 

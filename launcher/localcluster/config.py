@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CLUSTER_NAME = "lmlaunch"
@@ -24,6 +25,42 @@ MAX_TIME = "2:00:00"
 PORT_STRIDE = 100
 MAX_WORKER_SLOTS = 16
 
+# The SLURM each Debian release's packages give. The local cluster runs the machine's own release
+# natively and the other one from a Debian root made by debootstrap (launcher/localcluster/
+# debian_root.py): its state under <primary>/slurm-<version>, its ports the native ones +
+# OTHER_RELEASE_PORT_OFFSET (past every worker slot's).
+SLURM_RELEASES = {"22.05": "bookworm", "24.11": "trixie"}
+OTHER_RELEASE_PORT_OFFSET = 5000
+MIN_JOB_AGE_FLOOR = 2  # slurm.conf(5): "the minimum non-zero value for MinJobAge recommended is 2"
+
+
+def debian_release(os_release: Path = Path("/etc/os-release")) -> str | None:
+    """This machine's Debian codename (bookworm, trixie), or None elsewhere."""
+    try:
+        for line in os_release.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key == "VERSION_CODENAME":
+                return value.strip().strip('"') or None
+    except OSError:
+        pass
+    return None
+
+
+def native_version() -> str | None:
+    """The SLURM version apt installs on this machine (None: not a Debian release we know)."""
+    release = debian_release()
+    return next((v for v, r in SLURM_RELEASES.items() if r == release), None)
+
+
+def other_version() -> str | None:
+    """The SLURM version this machine runs from a Debian root (the other release's)."""
+    native = native_version()
+    return next((v for v in SLURM_RELEASES if v != native), None) if native else None
+
+
+def is_native(version: str | None) -> bool:
+    return version is None or version == native_version()
+
 
 @dataclass(frozen=True)
 class Ports:
@@ -33,9 +70,10 @@ class Ports:
     nodes: tuple[int, ...] = (6821, 6822)
 
     @classmethod
-    def for_slot(cls, slot: int) -> Ports:
-        """The primary cluster's ports (slot 0) shifted for worker cluster ``slot``."""
-        base, k = cls(), slot * PORT_STRIDE
+    def for_slot(cls, slot: int, version: str | None = None) -> Ports:
+        """The primary cluster's ports (slot 0) shifted for worker cluster ``slot``, and past all
+        of the native release's when ``version`` is the other release's SLURM."""
+        base, k = cls(), slot * PORT_STRIDE + (0 if is_native(version) else OTHER_RELEASE_PORT_OFFSET)
         return cls(base.slurmctld + k, base.slurmdbd + k, base.mariadb + k, tuple(p + k for p in base.nodes))
 
     def to_json(self) -> dict[str, object]:
@@ -49,11 +87,51 @@ class Ports:
         return cls(int(str(d["slurmctld"])), int(str(d["slurmdbd"])), int(str(d["mariadb"])), tuple(int(n) for n in nodes))
 
 
-def primary_root() -> Path:
-    """The machine's primary local cluster (the one /etc/slurm/slurm.conf names)."""
+@dataclass(frozen=True)
+class Settings:
+    """What `up` was asked for, kept in the state directory: a later `up` keeps it."""
+
+    preempt_send_user_signal: bool = False
+    ports: Ports = field(default_factory=Ports)
+    # the primary cluster links /etc/slurm/slurm.conf to its own; a worker cluster never does
+    system_conf: bool = True
+    # slurmdbd on MariaDB (sacct, sacctmgr); off: a cluster without accounting, as some sites run
+    accounting: bool = True
+    # how long the controller keeps a finished job (squeue, scontrol show job): SLURM's default
+    # 300 s, or as little as MIN_JOB_AGE_FLOOR, as on sites that purge finished jobs at once
+    min_job_age: int = 300
+    # the SLURM version when it is not the machine's own (the cluster runs in a Debian root)
+    version: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"preempt_send_user_signal": self.preempt_send_user_signal,
+                           "ports": self.ports.to_json(), "system_conf": self.system_conf,
+                           "accounting": self.accounting, "min_job_age": self.min_job_age,
+                           "version": self.version}) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        d = json.loads(text)
+        ports = Ports.from_json(d["ports"]) if "ports" in d else Ports()  # settings written before ports were kept
+        return cls(bool(d.get("preempt_send_user_signal", False)), ports, bool(d.get("system_conf", True)),
+                   bool(d.get("accounting", True)), int(d.get("min_job_age", 300)), d.get("version"))
+
+
+
+def base_root() -> Path:
+    """Where every local cluster of this machine keeps its state."""
     if os.geteuid() == 0:
         return Path("/var/lib/lmlaunch-cluster")
     return Path.home() / ".lmlaunch" / "cluster"
+
+
+def primary_root(version: str | None = None) -> Path:
+    """The primary local cluster of a SLURM version (the one /etc/slurm/slurm.conf names where it
+    runs): the machine's own release's at the base, another release's under ``slurm-<version>``.
+    Inside a Debian root, LMLAUNCH_CLUSTER_PRIMARY names it (debian_root.py sets it)."""
+    if is_native(version) and os.environ.get("LMLAUNCH_CLUSTER_PRIMARY"):
+        return Path(os.environ["LMLAUNCH_CLUSTER_PRIMARY"])
+    return base_root() if is_native(version) else base_root() / f"slurm-{version}"
 
 
 @dataclass(frozen=True)
@@ -70,9 +148,15 @@ class Layout:
         return cls(primary_root())
 
     @classmethod
-    def worker(cls, slot: int) -> Layout:
+    def worker(cls, slot: int, version: str | None = None) -> Layout:
         """Worker cluster ``slot`` (1..MAX_WORKER_SLOTS), whatever LMLAUNCH_CLUSTER_DIR says."""
-        return cls(primary_root() / "workers" / f"w{slot}")
+        return cls(primary_root(version) / "workers" / f"w{slot}")
+
+    @property
+    def bin(self) -> Path:
+        """The SLURM client commands of a cluster that runs in a Debian root (wrappers that enter
+        it); absent for the machine's own SLURM."""
+        return self.root / "bin"
 
     @property
     def up_lock(self) -> Path:
@@ -143,7 +227,8 @@ def controller_hostname() -> str:
     return socket.gethostname().split(".")[0]
 
 
-def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bool, ports: Ports = Ports()) -> str:
+def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bool, ports: Ports = Ports(),
+                      accounting: bool = True, min_job_age: int = 300) -> str:
     host = controller_hostname()
     r = layout.root
     lines = [
@@ -167,6 +252,7 @@ def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bo
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "MpiDefault=none",
+        "MailProg=/bin/true",  # --mail-type is accepted; nothing is mailed from this machine
         "ReturnToService=2",
         "SchedulerType=sched/backfill",
         "SchedulerParameters=bf_interval=5",
@@ -178,19 +264,20 @@ def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bo
         "PreemptType=preempt/partition_prio",
         "PreemptMode=REQUEUE",
         "JobRequeue=1",
-        "MinJobAge=300",
+        f"MinJobAge={min_job_age}",
         "KillWait=10",
         "InactiveLimit=0",
         "SlurmctldTimeout=60",
         "SlurmdTimeout=60",
         "MessageTimeout=20",
-        # real accounting (slurmdbd on MariaDB): sacct states, attempts with sacct -D
-        "AccountingStorageType=accounting_storage/slurmdbd",
-        "AccountingStorageHost=127.0.0.1",
-        f"AccountingStoragePort={ports.slurmdbd}",
         "JobAcctGatherType=jobacct_gather/none",
         "JobCompType=jobcomp/none",
     ]
+    if accounting:  # real accounting (slurmdbd on MariaDB): sacct states, attempts with sacct -D
+        lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
+                  f"AccountingStoragePort={ports.slurmdbd}"]
+    else:  # as a site without slurmdbd: sacct and sacctmgr fail, squeue is all there is
+        lines.append("AccountingStorageType=accounting_storage/none")
     if preempt_send_user_signal:
         lines.append("SlurmctldParameters=preempt_send_user_signal")
     for name, port in zip(NODES, ports.nodes):

@@ -31,17 +31,22 @@ class Claim:
     ports: Ports
     _handle: IO[str]
 
+    version: str | None = None  # the SLURM version (None: the machine's own)
+
     def environ(self) -> dict[str, str]:
         """What a process (and the jobs it submits) needs to use this cluster, not the primary one."""
-        return {"LMLAUNCH_CLUSTER_DIR": str(self.layout.root), "SLURM_CONF": str(self.layout.slurm_conf)}
+        from launcher.localcluster.cluster import environ_of
+
+        return environ_of(self.layout, self.version)
 
     def release(self) -> None:
         self._handle.close()
 
 
-def claim() -> Claim:
-    """The first free worker slot, held until :meth:`Claim.release` or this process ends."""
-    folder = primary_root() / "workers"
+def claim(version: str | None = None) -> Claim:
+    """The first free worker slot of a SLURM version's clusters (None: the machine's own), held
+    until :meth:`Claim.release` or this process ends."""
+    folder = primary_root(version) / "workers"
     folder.mkdir(parents=True, exist_ok=True)
     for slot in range(1, MAX_WORKER_SLOTS + 1):
         handle = open(folder / f"w{slot}.claim", "a")
@@ -54,5 +59,5 @@ def claim() -> Claim:
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
         handle.flush()
-        return Claim(slot, Layout.worker(slot), Ports.for_slot(slot), handle)
+        return Claim(slot, Layout.worker(slot, version), Ports.for_slot(slot, version), handle, version)
     raise UserError(f"all {MAX_WORKER_SLOTS} worker clusters are claimed by running test sessions", exit_code=1)

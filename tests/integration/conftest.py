@@ -9,6 +9,11 @@ Run in parallel (pytest-xdist), each worker has a cluster of its own
 (launcher/localcluster/workers.py): it claims a slot when it starts and points LMLAUNCH_CLUSTER_DIR
 and SLURM_CONF at that cluster in its own environment, which everything it runs and submits
 inherits. A serial run (`-n 0`) uses the primary cluster.
+
+LMLAUNCH_TEST_SLURM=24.11 (or 22.05) runs them on that SLURM version's clusters instead of the
+machine's own: on the other Debian release's SLURM, from a Debian root
+(launcher/localcluster/debian_root.py). scripts/test.sh runs the tests marked `both_versions`
+so after the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from launcher.core import slurm
 from launcher.core.errors import UserError
 
 _CLAIM = None  # this worker's cluster (launcher.localcluster.workers.Claim); None when serial
+VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None  # None: the machine's own SLURM
 
 
 def pytest_configure(config):
@@ -35,8 +41,13 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") and _CLAIM is None:
         from launcher.localcluster import workers
 
-        _CLAIM = workers.claim()
+        _CLAIM = workers.claim(VERSION)
         os.environ.update(_CLAIM.environ())
+    elif VERSION is not None and _CLAIM is None:
+        from launcher.localcluster import cluster
+        from launcher.localcluster.config import Layout, primary_root
+
+        os.environ.update(cluster.environ_of(Layout(primary_root(VERSION)), VERSION))
 
 
 def pytest_collection_modifyitems(items):
@@ -58,9 +69,9 @@ def slurm_cluster():
     lines: list[str] = []
     try:
         if _CLAIM is None:
-            cluster.up(lines.append)
+            cluster.up(lines.append, version=VERSION)
         else:
-            cluster.up(lines.append, layout=_CLAIM.layout, ports=_CLAIM.ports, system_conf=False)
+            cluster.up(lines.append, layout=_CLAIM.layout, ports=_CLAIM.ports, system_conf=False, version=VERSION)
     except UserError as exc:
         pytest.fail(f"`lmlaunch cluster up` failed: {exc.message}\n" + "\n".join(lines))
     layout = cluster.Layout.default()  # the worker's own when parallel (LMLAUNCH_CLUSTER_DIR)
@@ -93,8 +104,9 @@ def lm_env(tmp_path, monkeypatch) -> dict[str, str]:
 
 
 @pytest.fixture
-def cli(lm_env):
-    """Run `lmlaunch ARGS...` in-process with captured output and the test's environment."""
+def cli(lm_env, slurm_cluster):
+    """Run `lmlaunch ARGS...` in-process with captured output and the test's environment (the
+    cluster up: a worker's own cluster starts when its first test needs it)."""
 
     def run(*args: str, env: dict[str, str] | None = None) -> CliResult:
         out, err = io.StringIO(), io.StringIO()

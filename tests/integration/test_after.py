@@ -9,9 +9,12 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from slurm_helpers import REPO, wait_terminal
 
 from launcher.core import slurm
+
+pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 SMALL = ("resources.nodes=1", "trainer.max_steps=4", "optim.warmup_steps=1", "trainer.limit_val_batches=0",

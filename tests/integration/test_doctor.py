@@ -44,6 +44,7 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(d)], check=False)
 
 
+@pytest.mark.both_versions  # scripts/test.sh runs it on the other SLURM version too
 def test_a_clean_spec_on_the_local_cluster_passes(slurm_cluster, cli):
     code, report = _doctor(cli)
     assert code == 0 and report["ok"], report

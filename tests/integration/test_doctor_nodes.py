@@ -73,6 +73,7 @@ def _dry_run(cli, run_name: str) -> str:
     return r.out
 
 
+@pytest.mark.both_versions
 def test_a_clean_cluster_passes_on_the_nodes(slurm_cluster, cli, run_name):
     code, report = _doctor(cli, run_name)
     checks = _checks(report)

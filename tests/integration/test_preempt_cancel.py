@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from preempt_helpers import ends, lm, log_tail, starts, submit, wait_step
 from slurm_helpers import wait_accounted
 
 from launcher.core import slurm
+
+pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 
 
 def _wait_ended_without_requeue(job_id: str, timeout: float = 120.0) -> str:

@@ -114,6 +114,7 @@ def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, e
     _check_resumed_exactly(run_dir, reference)
 
 
+@pytest.mark.both_versions
 def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(reference, env, jobs, name):
     """The cluster does not send the user signal: SIGTERM, then SIGKILL after GraceTime."""
     with user_signal_on_preemption(False):
@@ -133,6 +134,7 @@ def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(refer
     _check_resumed_exactly(run_dir, reference)
 
 
+@pytest.mark.both_versions
 def test_node_failure_requeues_and_resumes_from_last_checkpoint(reference, env, jobs, name):
     """`scontrol update NodeName=n2 State=DOWN`: SLURM kills the job's steps and requeues it
     (NODE_FAIL). On this one-machine cluster n2's slurmd still answers, so the tasks get SIGTERM

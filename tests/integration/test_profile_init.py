@@ -7,9 +7,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from slurm_helpers import REPO, SMALL_MODEL, wait_terminal
 
 from launcher.core.profiles import load_profile_file
+
+pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 

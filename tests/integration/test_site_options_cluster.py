@@ -15,6 +15,8 @@ from slurm_helpers import REPO, SMALL_MODEL, wait_accounted, wait_terminal
 
 from launcher.core import slurm
 
+pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
+
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 SHORT = ("trainer.max_steps=6", "optim.warmup_steps=1", "trainer.val_check_interval=null", *SMALL_MODEL)
 

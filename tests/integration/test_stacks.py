@@ -11,11 +11,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from preempt_helpers import SPEC, wait_step
 from slurm_helpers import SMALL_MODEL, faults, pace
 
 from launcher.core import slurm
 from launcher.core.task_records import TaskRecord, read_task_records, write_task_record
+
+pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 
 OVERRIDES = (
     "trainer.max_steps=100000",  # trains until the test cancels it

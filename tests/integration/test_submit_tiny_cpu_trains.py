@@ -9,10 +9,13 @@ import re
 import stat
 from pathlib import Path
 
+import pytest
 from slurm_helpers import REPO, wait_accounted, wait_terminal
 
 from launcher import runs
 from launcher.core import slurm
+
+pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 
 MAX_STEPS = 30
 OVERRIDES = (

@@ -9,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from slurm_helpers import REPO
 
 from launcher import rehearsal
@@ -102,6 +103,7 @@ def test_a_throttled_sweep_runs_every_point_and_one_preempted_point_resumes_alon
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
+@pytest.mark.both_versions
 def test_cancelling_a_sweep_cancels_every_point(slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
     r = cli("sweep", SPEC, _sweep_file(tmp_path, run_name), *SMALL, "trainer.max_steps=100000", "--json")
     assert r.code == 0, r.out + r.err

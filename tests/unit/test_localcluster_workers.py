@@ -15,24 +15,31 @@ from launcher.localcluster.config import MAX_WORKER_SLOTS, Layout, Ports
 
 @pytest.fixture
 def machine(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "primary_root", lambda: tmp_path / "primary")
-    monkeypatch.setattr(workers, "primary_root", lambda: tmp_path / "primary")
+    monkeypatch.setattr(config, "primary_root", lambda version=None: tmp_path / "primary")
+    monkeypatch.setattr(workers, "primary_root", lambda version=None: tmp_path / "primary")
     return tmp_path / "primary"
 
 
-def test_every_slot_has_ports_and_a_directory_of_its_own():
-    ports = [Ports.for_slot(k) for k in range(MAX_WORKER_SLOTS + 1)]
+def test_every_slot_of_both_slurm_versions_has_ports_and_a_directory_of_its_own(monkeypatch):
+    monkeypatch.setattr(config, "native_version", lambda: "22.05")
+    ports = [Ports.for_slot(k, v) for v in ("22.05", "24.11") for k in range(MAX_WORKER_SLOTS + 1)]
     assert ports[0] == Ports()
     every = [p for s in ports for p in (s.slurmctld, s.slurmdbd, s.mariadb, *s.nodes)]
     assert len(every) == len(set(every)), "two slots share a port"
-    assert len({Layout.worker(k).root for k in range(1, MAX_WORKER_SLOTS + 1)}) == MAX_WORKER_SLOTS
+    roots = {Layout.worker(k, v).root for v in ("22.05", "24.11") for k in range(1, MAX_WORKER_SLOTS + 1)}
+    roots |= {config.primary_root("22.05"), config.primary_root("24.11")}
+    assert len(roots) == 2 * MAX_WORKER_SLOTS + 2
+    assert config.primary_root("24.11") == config.base_root() / "slurm-24.11"
+    assert config.primary_root(None) == config.primary_root("22.05") == config.base_root()
 
 
 def test_settings_keep_the_ports_and_read_files_written_before_ports_were_kept():
-    s = cluster.Settings(preempt_send_user_signal=True, ports=Ports.for_slot(3), system_conf=False)
+    s = cluster.Settings(preempt_send_user_signal=True, ports=Ports.for_slot(3), system_conf=False,
+                         accounting=False, min_job_age=2)
     assert cluster.Settings.from_json(s.to_json()) == s
     old = cluster.Settings.from_json('{"preempt_send_user_signal": true}')
-    assert old == cluster.Settings(preempt_send_user_signal=True, ports=Ports(), system_conf=True)
+    assert old == cluster.Settings(preempt_send_user_signal=True, ports=Ports(), system_conf=True,
+                                   accounting=True, min_job_age=300)
 
 
 def test_claims_take_distinct_slots_and_a_released_one_is_free_again(machine):

@@ -1,0 +1,35 @@
+"""`python -m launcher.localcluster.inside up REQUEST`: the ordinary `up` of one cluster, run by
+other_release.py inside a Debian root (where that root's SLURM is the native one). REQUEST is
+JSON: the state directory and the settings. The last line printed is the result."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from launcher.core.errors import UserError
+from launcher.localcluster import cluster
+from launcher.localcluster.config import Layout, Settings
+from launcher.localcluster.other_release import RESULT
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "up":
+        print("usage: python -m launcher.localcluster.inside up REQUEST", file=sys.stderr)
+        return 2
+    request = json.loads(argv[1])
+    s = Settings.from_json(json.dumps(request["settings"]))
+    try:
+        was_up = cluster.up(print, layout=Layout(Path(request["state"])), preempt_send_user_signal=s.preempt_send_user_signal,
+                            ports=s.ports, system_conf=s.system_conf, accounting=s.accounting, min_job_age=s.min_job_age,
+                            version=s.version)
+    except UserError as exc:
+        print(exc.message, file=sys.stderr)
+        return 1
+    print(RESULT + json.dumps({"was_up": was_up}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,67 @@
+"""The local cluster's second SLURM version (launcher/localcluster/debian_root.py, config.py):
+which release this machine is, what the Debian root sees of it, the client wrappers that enter
+the root, and a slurm.conf without accounting. (That the cluster runs is shown on the real one:
+tests/integration, LMLAUNCH_TEST_SLURM=24.11.)"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from launcher.localcluster import config, debian_root
+from launcher.localcluster.config import Layout, Ports, render_slurm_conf
+
+
+def test_the_release_comes_from_os_release(tmp_path, monkeypatch):
+    f = tmp_path / "os-release"
+    f.write_text('PRETTY_NAME="Debian GNU/Linux 13 (trixie)"\nVERSION_CODENAME=trixie\nID=debian\n')
+    assert config.debian_release(f) == "trixie"
+    f.write_text('ID=ubuntu\n')
+    assert config.debian_release(f) is None
+    assert config.debian_release(tmp_path / "missing") is None
+    monkeypatch.setattr(config, "debian_release", lambda: "trixie")
+    assert config.native_version() == "24.11" and config.is_native("24.11") and not config.is_native("22.05")
+    monkeypatch.setattr(config, "debian_release", lambda: "bookworm")
+    assert config.native_version() == "22.05" and config.is_native(None)
+
+
+def test_the_root_sees_the_checkout_the_python_and_the_state_once_each(tmp_path):
+    extra = tmp_path / "data"
+    extra.mkdir()
+    paths = debian_root.shared_paths(extra=f"{extra}:{extra / 'sub'}:/")
+    repo = Path(debian_root.__file__).resolve().parents[2]
+    assert any(repo.is_relative_to(p) for p in paths)
+    assert any(extra.is_relative_to(p) for p in paths)
+    assert Path("/") not in paths and not any(p.is_relative_to(debian_root.ROOTS) for p in paths)
+    for a in paths:  # nothing mounted twice: no path under another
+        assert not any(a != b and a.is_relative_to(b) for b in paths), paths
+
+
+def test_a_wrapper_enters_the_root_in_the_callers_directory_or_runs_the_roots_own(tmp_path):
+    root = tmp_path / "root"
+    (root / "usr/bin").mkdir(parents=True)
+    debian_root.write_wrappers(root, tmp_path / "bin")
+    text = (tmp_path / "bin" / "sbatch").read_text()
+    assert f"exec chroot {root} /usr/bin/env --chdir=\"$dir\" /usr/bin/sbatch \"$@\"" in text
+    assert f"if [ -e /{debian_root.MARKER} ]; then exec /usr/bin/sbatch" in text
+    assert {p.name for p in (tmp_path / "bin").iterdir()} == set(debian_root.CLIENT_COMMANDS)
+    # the wrapper is valid sh, and rewriting it with the same text leaves the file alone
+    assert subprocess.run(["sh", "-n", str(tmp_path / "bin" / "squeue")]).returncode == 0
+    before = (tmp_path / "bin" / "squeue").stat().st_mtime_ns
+    debian_root.write_wrappers(root, tmp_path / "bin")
+    assert (tmp_path / "bin" / "squeue").stat().st_mtime_ns == before
+
+
+def test_inside_runs_a_command_in_the_root_in_a_directory():
+    assert debian_root.inside(Path("/r"), ["python", "-V"], "/work") == [
+        "chroot", "/r", "/usr/bin/env", "--chdir=/work", "python", "-V"]
+
+
+def test_a_cluster_without_accounting_names_no_slurmdbd_and_keeps_finished_jobs_briefly(tmp_path):
+    layout = Layout(tmp_path)
+    with_acct = render_slurm_conf(layout, user="root", preempt_send_user_signal=False, ports=Ports.for_slot(2))
+    assert "AccountingStorageType=accounting_storage/slurmdbd" in with_acct
+    assert f"AccountingStoragePort={Ports.for_slot(2).slurmdbd}" in with_acct and "MinJobAge=300" in with_acct
+    without = render_slurm_conf(layout, user="root", preempt_send_user_signal=False, accounting=False, min_job_age=2)
+    assert "AccountingStorageType=accounting_storage/none" in without
+    assert "AccountingStoragePort" not in without and "MinJobAge=2\n" in without
