@@ -38,6 +38,9 @@ _NO_ACCOUNTING_MARKERS = (
     "slurmdbd: Connection refused",
 )
 
+# What sacctmgr says when what it was asked to add exists already (22.05, 24.11)
+_ALREADY_THERE = ("Nothing new added", "already exists", "Already existing")
+
 # SLURM job states -> the few states lmlaunch talks about (one table, like torchx).
 STATE_GROUPS: dict[str, str] = {
     "PENDING": "queued",
@@ -426,10 +429,11 @@ def exclude_nodes(job_id: str, nodes: Iterable[str], timeout: float = DEFAULT_TI
 
 
 def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
-    """`sacctmgr -i ARGS` (immediate, no prompt); 'Nothing new added' is not an error."""
+    """`sacctmgr -i ARGS` (immediate, no prompt); adding what exists is not an error (22.05 says
+    'Nothing new added' and exits 0; 24.11 says 'Already existing account ...' and exits 1)."""
     proc = run(["sacctmgr", "-i", *args], timeout=timeout, check=False)
     text = (proc.stdout + proc.stderr).strip()
-    if proc.returncode != 0 and "Nothing new added" not in text and "already exists" not in text:
+    if proc.returncode != 0 and not any(m in text for m in _ALREADY_THERE):
         raise UserError(f"`sacctmgr {' '.join(args)}` failed: {text}", exit_code=ExitCode.FAILURE)
     return text
 

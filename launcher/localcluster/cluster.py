@@ -313,12 +313,19 @@ def register_accounting(say: Say) -> None:
     if CLUSTER_NAME not in existing.split():
         say(f"registering cluster '{CLUSTER_NAME}' with slurmdbd")
         slurm.sacctmgr(["add", "cluster", CLUSTER_NAME])
-    slurm.sacctmgr(["add", "account", "lmlaunch", f"cluster={CLUSTER_NAME}", "Description=lmlaunch", "Organization=lmlaunch"])
+    # only what is missing: 24.11 exits 1 on adding what exists, with messages 22.05 never printed
+    accounts = slurm.sacctmgr(["list", "account", "format=Account", "-n", "-P"]).split()
+    if "lmlaunch" not in accounts:
+        slurm.sacctmgr(["add", "account", "lmlaunch", f"cluster={CLUSTER_NAME}", "Description=lmlaunch",
+                        "Organization=lmlaunch"])
     users = {getpass.getuser(), "root"}
     if os.environ.get("SUDO_USER"):
         users.add(os.environ["SUDO_USER"])
+    assoc = slurm.sacctmgr(["list", "assoc", f"cluster={CLUSTER_NAME}", "format=User,Account", "-n", "-P"])
+    have = {tuple(line.split("|")[:2]) for line in assoc.splitlines() if "|" in line}
     for u in sorted(users):
-        slurm.sacctmgr(["add", "user", u, "account=lmlaunch", f"cluster={CLUSTER_NAME}"])
+        if (u, "lmlaunch") not in have:
+            slurm.sacctmgr(["add", "user", u, "account=lmlaunch", f"cluster={CLUSTER_NAME}"])
 
 
 # --------------------------------------------------------------------------- slurmctld + slurmd

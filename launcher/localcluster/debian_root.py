@@ -23,11 +23,12 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.core.errors import UserError
+from launcher.core.errors import ExitCode, UserError
 from launcher.localcluster.config import SLURM_RELEASES, base_root
 from launcher.localcluster.daemons import ClusterError, run_checked
 
@@ -37,9 +38,10 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # the cluster's packages, and what the machine's Python needs from the root's libraries
 PACKAGES = (
     "slurm-wlm", "slurmdbd", "munge", "mariadb-server", "mariadb-client",
-    "libffi8", "libssl3t64", "zlib1g", "libbz2-1.0", "liblzma5", "libsqlite3-0", "libexpat1",
+    "libffi8", "zlib1g", "libbz2-1.0", "liblzma5", "libsqlite3-0", "libexpat1",
     "procps", "iproute2", "ca-certificates",
 )
+RELEASE_PACKAGES = {"bookworm": ("libssl3",), "trixie": ("libssl3t64",)}  # one library, renamed in 13
 CLIENT_COMMANDS = (
     "sbatch", "srun", "salloc", "squeue", "sacct", "sacctmgr", "scontrol", "scancel", "sinfo",
     "sprio", "sshare", "sstat", "sattach", "sbcast", "sdiag", "sreport", "strigger",
@@ -123,6 +125,7 @@ def ensure_root(version: str, say: Say) -> Path:
     if (root / MARKER).exists():
         ensure_mounts(root)
         _same_names(root)
+        _python_runs(root, version)
         return root
     if os.geteuid() != 0:
         raise UserError(
@@ -144,10 +147,25 @@ def ensure_root(version: str, say: Say) -> Path:
     ensure_mounts(root)
     _same_names(root)
     say(f"installing SLURM {version} and what it needs in {root} (apt-get)")
-    apt = "apt-get update -qq && apt-get install -y -qq --no-install-recommends " + " ".join(PACKAGES)
+    packages = PACKAGES + RELEASE_PACKAGES.get(SLURM_RELEASES[version], ())
+    apt = "apt-get update -qq && apt-get install -y -qq --no-install-recommends " + " ".join(packages)
     run_checked(["chroot", str(root), "/bin/sh", "-c", apt], f"apt-get install in {root}", env=env, timeout=1800)
     (root / MARKER).write_text(f"SLURM {version}: made by `lmlaunch cluster up --slurm {version}`\n")
+    _python_runs(root, version)
     return root
+
+
+def _python_runs(root: Path, version: str) -> None:
+    """This Python must run inside the root: the cluster's `up` and every job's ranks run there.
+    A Python built on a newer Debian may need a newer glibc than an older release's root has."""
+    proc = subprocess.run(inside(root, [sys.executable, "-c", "import ctypes, ssl, sqlite3, lzma"]),
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise UserError(
+            f"this machine's Python ({sys.executable}) does not run in the Debian {SLURM_RELEASES[version]} root "
+            f"{root}, where the SLURM {version} cluster runs its jobs: {(proc.stderr or proc.stdout).strip()[-400:]}. "
+            f"A Python built for an older Debian (or a manylinux one) runs in both releases' roots",
+            exit_code=ExitCode.UNAVAILABLE)
 
 
 def _same_names(root: Path) -> None:

@@ -1,0 +1,39 @@
+"""What the two SLURM versions of the local cluster (22.05 and 24.11) answer differently, and that
+launcher.core.slurm reads both alike. The outputs are the ones captured from each version's
+commands on this machine; a stand-in command on PATH replays them."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.core import slurm
+from launcher.core.errors import UserError
+
+# `sacctmgr -i add account lmlaunch ...` when the account exists
+ADD_EXISTING = {
+    "22.05": (0, " Nothing new added.\n"),
+    "24.11": (1, " Already existing account lmlaunch on cluster lmlaunch\n"),
+}
+
+
+def _replay(tmp_path, monkeypatch, name: str, code: int, out: str) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (tmp_path / f"{name}.out").write_text(out)
+    script = bindir / name
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / (name + '.out')}\nexit {code}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+
+
+@pytest.mark.parametrize("version", sorted(ADD_EXISTING))
+def test_adding_an_account_that_exists_is_no_error_on_either_version(tmp_path, monkeypatch, version):
+    code, out = ADD_EXISTING[version]
+    _replay(tmp_path, monkeypatch, "sacctmgr", code, out)
+    assert slurm.sacctmgr(["add", "account", "lmlaunch", "cluster=lmlaunch"]) == out.strip()
+
+
+def test_a_real_sacctmgr_failure_is_still_an_error(tmp_path, monkeypatch):
+    _replay(tmp_path, monkeypatch, "sacctmgr", 1, " Unknown option: colour=blue\n")
+    with pytest.raises(UserError, match="Unknown option"):
+        slurm.sacctmgr(["add", "account", "x", "colour=blue"])
