@@ -101,6 +101,9 @@ def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = N
         try:
             view.calls.append("sacct")
             rows = slurm.sacct(missing, duplicates=True, timeout=SLURM_TIMEOUT_S)
+        except slurm.NoAccounting as exc:
+            view.message = f"note: {exc.message}"
+            rows = []
         except (SlurmUnavailable, UserError) as exc:
             view.message = f"accounting: {exc.message}"
             rows = []

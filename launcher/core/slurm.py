@@ -33,10 +33,17 @@ _DOWN_MARKERS = (
     "Unable to establish connection",
 )
 _NO_ACCOUNTING_MARKERS = (
-    "Slurm accounting storage is disabled",
+    "Slurm accounting storage is disabled",  # the cluster keeps none (AccountingStorageType=none)
     "Problem talking to the database",
     "slurmdbd: Connection refused",
 )
+NO_ACCOUNTING_NOTE = ("this cluster keeps no job accounting (sacct: accounting storage is disabled): the state of a "
+                      "job the controller has forgotten (after MinJobAge) comes from its run directory, and queue "
+                      "waits and SLURM's own end states are not known")
+
+
+class NoAccounting(SlurmUnavailable):
+    """The cluster runs without accounting: sacct can never answer (not a slurmdbd that is down)."""
 
 # What sacctmgr says when what it was asked to add exists already (22.05, 24.11)
 _ALREADY_THERE = ("Nothing new added", "already exists", "Already existing")
@@ -367,6 +374,8 @@ def sacct(
     proc = run(cmd, timeout=timeout, check=False)
     if proc.returncode != 0:
         msg = proc.stderr.strip()
+        if _NO_ACCOUNTING_MARKERS[0] in msg:
+            raise NoAccounting(NO_ACCOUNTING_NOTE)
         if any(m in msg for m in _NO_ACCOUNTING_MARKERS):
             raise SlurmUnavailable(
                 f"SLURM accounting does not answer (`sacct`: {_first_line(msg)}); job states after "

@@ -71,7 +71,9 @@ def slurm_cluster():
         if _CLAIM is None:
             cluster.up(lines.append, version=VERSION)
         else:
-            cluster.up(lines.append, layout=_CLAIM.layout, ports=_CLAIM.ports, system_conf=False, version=VERSION)
+            # accounting and MinJobAge named: a test may have left this slot's cluster without them
+            cluster.up(lines.append, layout=_CLAIM.layout, ports=_CLAIM.ports, system_conf=False, version=VERSION,
+                       accounting=True, min_job_age=300)
     except UserError as exc:
         pytest.fail(f"`lmlaunch cluster up` failed: {exc.message}\n" + "\n".join(lines))
     layout = cluster.Layout.default()  # the worker's own when parallel (LMLAUNCH_CLUSTER_DIR)

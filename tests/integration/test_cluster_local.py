@@ -151,7 +151,8 @@ def test_another_worker_cluster_is_untouched_by_a_preemption_on_this_one(slurm_c
     other = workers.claim()
     try:
         lines: list[str] = []
-        cluster.up(lines.append, layout=other.layout, ports=other.ports, system_conf=False)
+        cluster.up(lines.append, layout=other.layout, ports=other.ports, system_conf=False, accounting=True,
+                   min_job_age=300)
         low = ["-p", "low", "-w", "n2", "-N", "1", "-n", "1", "--exclusive", "--requeue"]
         with cluster.own_conf(other.layout):
             theirs = _sbatch("-J", run_name + "-other", *low, "-o", "/dev/null",

@@ -16,12 +16,12 @@ ADD_EXISTING = {
 }
 
 
-def _replay(tmp_path, monkeypatch, name: str, code: int, out: str) -> None:
+def _replay(tmp_path, monkeypatch, name: str, code: int, out: str, *, stderr: bool = False) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     (tmp_path / f"{name}.out").write_text(out)
     script = bindir / name
-    script.write_text(f"#!/bin/sh\ncat {tmp_path / (name + '.out')}\nexit {code}\n")
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / (name + '.out')}{' >&2' if stderr else ''}\nexit {code}\n")
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
 
@@ -37,3 +37,15 @@ def test_a_real_sacctmgr_failure_is_still_an_error(tmp_path, monkeypatch):
     _replay(tmp_path, monkeypatch, "sacctmgr", 1, " Unknown option: colour=blue\n")
     with pytest.raises(UserError, match="Unknown option"):
         slurm.sacctmgr(["add", "account", "x", "colour=blue"])
+
+
+def test_a_cluster_without_accounting_is_told_apart_from_a_slurmdbd_that_is_down(tmp_path, monkeypatch):
+    """`sacct` on a cluster with AccountingStorageType=accounting_storage/none (both versions say
+    the same) can never answer: status and history say what is not known, not how to start slurmdbd."""
+    _replay(tmp_path, monkeypatch, "sacct", 1, "Slurm accounting storage is disabled\n", stderr=True)
+    with pytest.raises(slurm.NoAccounting, match="keeps no job accounting"):
+        slurm.sacct(["7"])
+    _replay(tmp_path, monkeypatch, "sacct", 1, "sacct: error: slurmdbd: Connection refused\n", stderr=True)
+    with pytest.raises(slurm.SlurmUnavailable) as down:
+        slurm.sacct(["7"])
+    assert not isinstance(down.value, slurm.NoAccounting) and "cluster up" in down.value.message
