@@ -17,7 +17,9 @@ WORKERS=${LMLAUNCH_TEST_WORKERS:-4}
 # Start the cluster before pytest (the session fixture would too; starting it here shows its
 # output and fails early). Without root and without the packages, `cluster up` says what to
 # install and the integration tests are skipped with that reason.
-if ! "$VENV/bin/lmlaunch" cluster up; then
+# The parallel workers' clusters too (each worker claims one; a cluster not started here starts
+# when its worker's first SLURM test needs it).
+if ! "$VENV/bin/lmlaunch" cluster up --workers "$WORKERS"; then
   if [ "$(id -u)" = 0 ]; then
     echo "[test] the local SLURM cluster did not start (see above)" >&2
     exit 1
@@ -30,7 +32,7 @@ if [ "${LMLAUNCH_TEST_OTHER_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ]; then
   if [ -n "$OTHER" ]; then
     # the first time, this makes the Debian root (debootstrap + apt-get: a few minutes)
     # exit 3: that SLURM cannot run here (this Python does not run in its root): said, and left out
-    "$VENV/bin/lmlaunch" cluster up --slurm "$OTHER" && rc0=0 || rc0=$?
+    "$VENV/bin/lmlaunch" cluster up --slurm "$OTHER" --workers "$WORKERS" && rc0=0 || rc0=$?
     if [ "$rc0" = 3 ]; then
       echo "[test] SLURM $OTHER cannot run on this machine (above): its phase is left out" >&2
       OTHER=""

@@ -1,5 +1,5 @@
 """lmlaunch cluster up [--slurm VERSION] [--preempt-user-signal | --no-preempt-user-signal]
-[--accounting | --no-accounting] [--min-job-age S] | down | status | env"""
+[--accounting | --no-accounting] [--min-job-age S] [--workers N] | down | status | env"""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from launcher.context import Context
 from launcher.core.errors import UserError
 from launcher.localcluster import cluster
 from launcher.localcluster.config import (
+    MAX_WORKER_SLOTS,
     MIN_JOB_AGE_FLOOR,
     SLURM_RELEASES,
     Layout,
+    Ports,
     is_native,
     native_version,
     primary_root,
@@ -59,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="no slurmdbd, as on sites without accounting: sacct fails, squeue is all there is")
     up.add_argument("--min-job-age", type=_min_job_age, default=None, metavar="SECONDS",
                     help=f"how long finished jobs stay in squeue (MinJobAge; default 300, at least {MIN_JOB_AGE_FLOOR})")
+    up.add_argument("--workers", type=int, default=0, metavar="N",
+                    help="also start the worker clusters 1..N that parallel test workers claim "
+                         "(launcher/localcluster/workers.py); scripts/test.sh starts them before pytest")
     _version_arg(up)
     _version_arg(sub.add_parser("down", help="stop the daemons that `up` started (and the test workers' clusters)"))
     _version_arg(sub.add_parser("status", help="daemons, nodes and partitions"))
@@ -85,6 +90,11 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.action == "up":
         was_up = cluster.up(say, preempt_send_user_signal=args.preempt_user_signal, accounting=args.accounting,
                             min_job_age=args.min_job_age, version=version)
+        for k in range(1, min(args.workers, MAX_WORKER_SLOTS) + 1):
+            worker = Layout.worker(k, version)
+            cluster.up(cluster.tagged(say, worker.root.name), layout=worker,
+                       ports=Ports.for_slot(k, version), system_conf=False, accounting=True, min_job_age=300,
+                       version=version)
         st = cluster.status(layout)
         ctx.out(("local SLURM cluster already running" if was_up else "local SLURM cluster is up") + f" ({st.state_dir})")
         _print_nodes(ctx, st)

@@ -541,7 +541,7 @@ def worker_layouts(version: str | None = None) -> list[Layout]:
     return [w for k in range(1, MAX_WORKER_SLOTS + 1) if (w := Layout.worker(k, version)).settings.exists()]
 
 
-def _tagged(say: Say, tag: str) -> Say:
+def tagged(say: Say, tag: str) -> Say:
     return lambda line: say(f"{tag}: {line}")
 
 
@@ -554,7 +554,7 @@ def down(say: Say, *, layout: Layout | None = None, version: str | None = None) 
     stopped = []
     if layout.root == primary:
         for worker in worker_layouts(version):
-            stopped += [f"{worker.root.name} {name}" for name in down(_tagged(say, worker.root.name), layout=worker)]
+            stopped += [f"{worker.root.name} {name}" for name in down(tagged(say, worker.root.name), layout=worker)]
     for name, pidfile in _our_daemons(layout).items():
         if name == "munged" and layout.root != primary:
             continue  # the machine's (or the root's) munged serves the primary cluster too

@@ -15,15 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from slurm_helpers import REPO
 
 from launcher.core import slurm
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from monitor_synth import make_run
-
-pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 SUBMITTED = 100

@@ -11,7 +11,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from slurm_helpers import REPO, SMALL_MODEL, faults, pace, wait_terminal
 
 from launcher import rehearsal
@@ -142,7 +141,6 @@ def test_status_follows_a_run_through_running_pending_preempted_requeued_and_fin
     assert r.out.splitlines()[0] == markers[0]
 
 
-@pytest.mark.both_versions
 def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next_attempt(
     slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path
 ):

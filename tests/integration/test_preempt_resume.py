@@ -134,7 +134,6 @@ def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(refer
     _check_resumed_exactly(run_dir, reference)
 
 
-@pytest.mark.both_versions
 def test_node_failure_requeues_and_resumes_from_last_checkpoint(reference, env, jobs, name):
     """`scontrol update NodeName=n2 State=DOWN`: SLURM kills the job's steps and requeues it
     (NODE_FAIL). On this one-machine cluster n2's slurmd still answers, so the tasks get SIGTERM
