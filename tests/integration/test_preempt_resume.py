@@ -114,7 +114,6 @@ def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, e
     _check_resumed_exactly(run_dir, reference)
 
 
-@pytest.mark.both_versions
 def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(reference, env, jobs, name):
     """The cluster does not send the user signal: SIGTERM, then SIGKILL after GraceTime."""
     with user_signal_on_preemption(False):
