@@ -479,6 +479,10 @@ def up(
         min_job_age=_given(min_job_age, current.min_job_age),
         version=version,
     )
+    if version is not None and not is_native(version):
+        from launcher.localcluster import other_release
+
+        other_release.ensure_root(version, say)  # its packages and mounts, even under a running cluster
     if current == wanted and layout.slurm_conf.exists() and is_up(layout):
         return True
     for d in (layout.root, layout.etc, layout.run, layout.log, layout.ctld_state, layout.spool):

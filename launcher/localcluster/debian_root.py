@@ -40,6 +40,8 @@ PACKAGES = (
     "slurm-wlm", "slurmdbd", "munge", "mariadb-server", "mariadb-client",
     "libffi8", "zlib1g", "libbz2-1.0", "liblzma5", "libsqlite3-0", "libexpat1",
     "procps", "iproute2", "ca-certificates",
+    # DeepSpeed's CPU communication op is JIT-loaded through ninja (and rebuilt with g++ when stale)
+    "ninja-build", "g++",
 )
 RELEASE_PACKAGES = {"bookworm": ("libssl3",), "trixie": ("libssl3t64",)}  # one library, renamed in 13
 CLIENT_COMMANDS = (
@@ -122,7 +124,9 @@ def ensure_root(version: str, say: Say) -> Path:
     """The root of ``version``'s Debian release with its packages installed (made once: about a
     minute of debootstrap and two of apt-get)."""
     root = root_dir(version)
-    if (root / MARKER).exists():
+    packages = PACKAGES + RELEASE_PACKAGES.get(SLURM_RELEASES[version], ())
+    marker = f"SLURM {version}: made by `lmlaunch cluster up --slurm {version}`\npackages: {' '.join(packages)}\n"
+    if (root / MARKER).exists() and (root / MARKER).read_text() == marker:
         ensure_mounts(root)
         _same_names(root)
         _python_runs(root, version)
@@ -147,10 +151,9 @@ def ensure_root(version: str, say: Say) -> Path:
     ensure_mounts(root)
     _same_names(root)
     say(f"installing SLURM {version} and what it needs in {root} (apt-get)")
-    packages = PACKAGES + RELEASE_PACKAGES.get(SLURM_RELEASES[version], ())
     apt = "apt-get update -qq && apt-get install -y -qq --no-install-recommends " + " ".join(packages)
     run_checked(["chroot", str(root), "/bin/sh", "-c", apt], f"apt-get install in {root}", env=env, timeout=1800)
-    (root / MARKER).write_text(f"SLURM {version}: made by `lmlaunch cluster up --slurm {version}`\n")
+    (root / MARKER).write_text(marker)  # a later lmlaunch that needs more packages installs them
     _python_runs(root, version)
     return root
 

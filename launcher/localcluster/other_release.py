@@ -25,10 +25,15 @@ UP_TIMEOUT_S = 900  # a first `up` installs SLURM into the root and initialises 
 RESULT = "lmlaunch-inside-result: "
 
 
+def ensure_root(version: str, say: Say) -> Path:
+    """``version``'s Debian root, made or completed once (one `up` at a time)."""
+    with flocked(primary_root(version).parent / f".root-{version}.lock"):
+        return debian_root.ensure_root(version, say)
+
+
 def up(version: str, layout: Layout, wanted: Settings, say: Say) -> bool:
     """Start ``version``'s cluster at ``layout`` as ``wanted``; True when it already ran so."""
-    with flocked(primary_root(version).parent / f".root-{version}.lock"):
-        root = debian_root.ensure_root(version, say)
+    root = ensure_root(version, say)
     debian_root.write_wrappers(root, layout.bin)
     request = {"state": str(layout.root), "settings": json.loads(wanted.to_json())}
     argv = debian_root.inside(root, [sys.executable, "-m", "launcher.localcluster.inside", "up", json.dumps(request)])
