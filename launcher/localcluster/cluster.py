@@ -30,6 +30,7 @@ from launcher.localcluster.config import (
     Layout,
     Ports,
     Settings,
+    base_root,
     is_native,
     primary_root,
     render_slurm_conf,
@@ -76,7 +77,13 @@ def environ_of(layout: Layout, version: str | None = None, environ: dict[str, st
     commands first on PATH."""
     env = {"LMLAUNCH_CLUSTER_DIR": str(layout.root), "SLURM_CONF": str(layout.slurm_conf)}
     path = (environ if environ is not None else os.environ).get("PATH", "")
-    if (not is_native(version) or layout.bin.is_dir()) and str(layout.bin) not in path.split(":"):
+    # another local cluster's client wrappers would send another SLURM version's clients to this one
+    # ("Incompatible versions of client and server code")
+    base = str(base_root()).rstrip("/") + "/"
+    entries = [p for p in path.split(":") if p and not (p.startswith(base) and p.endswith("/bin") and p != str(layout.bin))]
+    path = ":".join(entries)
+    env["PATH"] = path
+    if (not is_native(version) or layout.bin.is_dir()) and str(layout.bin) not in entries:
         env["PATH"] = f"{layout.bin}:{path}" if path else str(layout.bin)
     return env
 

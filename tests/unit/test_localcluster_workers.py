@@ -46,7 +46,8 @@ def test_claims_take_distinct_slots_and_a_released_one_is_free_again(machine):
     a, b = workers.claim(), workers.claim()
     assert (a.slot, b.slot) == (1, 2)
     assert a.layout.root == machine / "workers" / "w1" and a.ports == Ports.for_slot(1)
-    assert a.environ() == {"LMLAUNCH_CLUSTER_DIR": str(a.layout.root), "SLURM_CONF": str(a.layout.slurm_conf)}
+    assert a.environ() == {"LMLAUNCH_CLUSTER_DIR": str(a.layout.root), "SLURM_CONF": str(a.layout.slurm_conf),
+                           "PATH": os.environ["PATH"]}
     a.release()
     c = workers.claim()
     assert c.slot == 1
@@ -96,3 +97,14 @@ def test_a_pid_file_whose_pid_now_belongs_to_a_newer_process_is_stale(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_clusters_environment_drops_another_local_clusters_commands(monkeypatch):
+    """A 24.11 cluster's wrappers left on PATH would send 24.11 clients to a 22.05 controller."""
+    other = Layout.worker(2, "24.11").bin
+    monkeypatch.setenv("PATH", f"{other}:/usr/bin:/bin")
+    monkeypatch.setattr(config, "native_version", lambda: "22.05")
+    native = cluster.environ_of(Layout.worker(1))
+    assert native["PATH"] == "/usr/bin:/bin"
+    rooted = cluster.environ_of(Layout.worker(3, "24.11"), "24.11")
+    assert rooted["PATH"] == f"{Layout.worker(3, '24.11').bin}:/usr/bin:/bin"
