@@ -486,18 +486,17 @@ def up(
         min_job_age=_given(min_job_age, current.min_job_age),
         version=version,
     )
+    root = None
     if version is not None and not is_native(version):
         from launcher.localcluster import other_release
 
-        other_release.ensure_root(version, say)  # its packages and mounts, even under a running cluster
+        root = other_release.ensure_root(version, say)  # its packages and mounts, even under a running cluster
     if current == wanted and layout.slurm_conf.exists() and is_up(layout):
         return True
     for d in (layout.root, layout.etc, layout.run, layout.log, layout.ctld_state, layout.spool):
         d.mkdir(parents=True, exist_ok=True)
-    if version is not None and not is_native(version):
-        from launcher.localcluster import other_release
-
-        return other_release.up(version, layout, wanted, say)
+    if version is not None and root is not None:
+        return other_release.up(version, root, layout, wanted, say)
     with flocked(layout.up_lock), own_conf(layout):
         return _up(say, layout, wanted)
 

@@ -31,9 +31,9 @@ def ensure_root(version: str, say: Say) -> Path:
         return debian_root.ensure_root(version, say)
 
 
-def up(version: str, layout: Layout, wanted: Settings, say: Say) -> bool:
-    """Start ``version``'s cluster at ``layout`` as ``wanted``; True when it already ran so."""
-    root = ensure_root(version, say)
+def up(version: str, root: Path, layout: Layout, wanted: Settings, say: Say) -> bool:
+    """Start ``version``'s cluster at ``layout`` as ``wanted`` in ``root`` (made by
+    :func:`ensure_root`); True when it already ran so."""
     debian_root.write_wrappers(root, layout.bin)
     request = {"state": str(layout.root), "settings": json.loads(wanted.to_json())}
     argv = debian_root.inside(root, [sys.executable, "-m", "launcher.localcluster.inside", "up", json.dumps(request)])
@@ -65,6 +65,3 @@ def release_root(version: str, say: Say) -> None:
         if points:
             say(f"unmounted {len(points)} shared path(s) from {root}")
 
-
-def state_dir(version: str) -> Path:
-    return primary_root(version)

@@ -23,6 +23,18 @@ def wait_terminal(job_id: str, timeout: float) -> str:
     return rehearsal.wait_for(job_id, TERMINAL, timeout=timeout, poll=1.0, start_requeued=True)
 
 
+def release_worker(claim, run_name: str) -> None:
+    """A test's extra worker cluster (workers.claim()) given back, its jobs named ``run_name...``
+    cancelled first."""
+    from launcher.localcluster import cluster
+
+    with cluster.own_conf(claim.layout):
+        mine = [j.job_id for j in slurm.squeue() if j.name.startswith(run_name)]
+        if mine:
+            slurm.cancel(mine)
+    claim.release()
+
+
 def wait_accounted(job_id: str, timeout: float = 30.0) -> slurm.AccountedJob:
     """sacct lags the controller by a moment: wait until accounting has the final state."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from slurm_helpers import cancel_orphaned_test_jobs, claim_session, wait_accounted, wait_terminal
+from slurm_helpers import cancel_orphaned_test_jobs, claim_session, release_worker, wait_accounted, wait_terminal
 
 from launcher import rehearsal
 from launcher.core import slurm
@@ -170,8 +170,4 @@ def test_another_worker_cluster_is_untouched_by_a_preemption_on_this_one(slurm_c
             slurm.cancel([theirs])
         assert (tmp_path / "theirs.txt").read_text().splitlines() == ["restart=0"]
     finally:
-        with cluster.own_conf(other.layout):
-            for j in slurm.squeue():
-                if j.name.startswith(run_name):
-                    slurm.cancel([j.job_id])
-        other.release()
+        release_worker(other, run_name)

@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from slurm_helpers import REPO, SMALL_MODEL, faults, pace
+from slurm_helpers import REPO, SMALL_MODEL, faults, pace, release_worker
 
 from launcher.core import slurm
 from launcher.localcluster import cluster, workers
@@ -72,8 +72,4 @@ def test_a_run_preempted_and_finished_on_a_cluster_without_accounting_is_told_fr
             assert "queue wait unknown: this cluster keeps no job accounting" in r.out, r.out
             assert "slurmdbd" not in r.out.replace("(sacct: accounting storage is disabled)", "")
     finally:
-        with cluster.own_conf(own.layout):
-            for j in slurm.squeue():
-                if j.name.startswith(run_name):
-                    slurm.cancel([j.job_id])
-        own.release()
+        release_worker(own, run_name)
