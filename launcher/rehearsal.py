@@ -80,6 +80,30 @@ def start_now(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=timeout)
 
 
+def steps_left(job_id: str, names: Iterable[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Nodes (of ``names``, or all) where a run of ``job_id`` still has processes, as their own
+    slurmd tells (`scontrol listpids JOB NODE`). A node set DOWN is back in service within a
+    second (ReturnToService=2) while its slurmd may still be killing the job's previous run for
+    ~10 s; the requeued job started there meanwhile is killed with it (same job id) and ends
+    FAILED. slurmd answers listpids only on its own host (the local cluster's nodes); a node
+    that cannot be asked is not listed."""
+    wanted = list(names) if names is not None else [n.name for n in nodes(timeout=timeout)]
+    left = []
+    for name in wanted:
+        proc = run(["scontrol", "listpids", str(job_id), name], timeout=timeout, check=False)
+        rows = [line for line in proc.stdout.splitlines()[1:] if line.split()[:1] and line.split()[0].isdigit()]
+        if proc.returncode == 0 and rows:
+            left.append(name)
+    return left
+
+
+def ready_to_start(job_id: str, names: Iterable[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether a requeued job may be started now (`start_now`) without SLURM killing it: no node
+    (of ``names``, or all) still completes a job, and none still runs the job's previous run."""
+    wanted = list(names) if names is not None else None
+    return not nodes_completing(wanted, timeout=timeout) and not steps_left(job_id, wanted, timeout=timeout)
+
+
 def nodes_completing(names: Iterable[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """Nodes (of ``names``, or all) still cleaning up a job (sinfo state `comp`/`*+comp`). A
     requeued job started on them before that finished, or within the second its credential was
@@ -98,8 +122,9 @@ def wait_for(
 ) -> str:
     """Poll until the job's state falls in one of ``groups`` (e.g. {'running'}); return the
     SLURM state. With ``start_requeued``, a job pending on its requeue BeginTime is started
-    once it has waited 2 s and no node is still completing a job (started within the second of
-    its requeue, SLURM kills it: 'Job credential revoked').
+    once it has waited 2 s and no node is still completing a job or running its previous run
+    (:func:`ready_to_start`; started within the second of its requeue, SLURM kills it: 'Job
+    credential revoked').
     Raises TimeoutError with the last state seen, the pending reason and what the nodes run."""
     wanted = set(groups)
     deadline = time.monotonic() + timeout
@@ -113,7 +138,7 @@ def wait_for(
             info = show_job(job_id) or {}
             if info.get("Reason") == "BeginTime":
                 first = pending_since.setdefault(info.get("Restarts"), time.monotonic())
-                if time.monotonic() - first >= 2.0 and not nodes_completing():
+                if time.monotonic() - first >= 2.0 and ready_to_start(job_id):
                     start_now(job_id)
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (waited for {sorted(wanted)})"

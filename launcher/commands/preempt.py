@@ -126,12 +126,15 @@ def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict
         time.sleep(poll)
 
 
-def wait_off_nodes(job_id: str, *, timeout: float, poll: float = 0.25) -> bool:
-    """Wait until the job's tasks are gone (it is no longer RUNNING or COMPLETING)."""
+def wait_off_nodes(job_id: str, nodes: list[str], *, timeout: float, poll: float = 0.25) -> bool:
+    """Wait until the job's tasks are gone: it is no longer RUNNING or COMPLETING, and no slurmd
+    of ``nodes`` that can be asked still runs its processes (rehearsal.steps_left: on a node
+    failure SLURM requeues the job at once while the node's slurmd kills its run for seconds)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = slurm.show_job(job_id)
-        if info is None or info.get("JobState") not in ("RUNNING", "COMPLETING"):
+        if (info is None or info.get("JobState") not in ("RUNNING", "COMPLETING")) \
+                and not rehearsal.steps_left(job_id, nodes):
             return True
         time.sleep(poll)
     return False
@@ -153,7 +156,7 @@ def start_when_pending(job_id: str, nodes: list[str] | None = None, *, timeout: 
         if state == "PENDING" and pending_since is None:
             pending_since = time.monotonic()
         if (state == "PENDING" and pending_since is not None and time.monotonic() - pending_since >= REQUEUE_SETTLE_S
-                and not rehearsal.nodes_completing(nodes)):
+                and rehearsal.ready_to_start(job_id, nodes)):
             try:
                 rehearsal.start_now(job_id)
             except UserError:
@@ -200,7 +203,7 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
         try:
             result.update(wait_requeued(victim, timeout=timeout))
             # a failed node stays down until the job's tasks are gone from it (as a real one would)
-            result["tasks_gone"] = wait_off_nodes(victim.job_id, timeout=timeout)
+            result["tasks_gone"] = wait_off_nodes(victim.job_id, [down], timeout=timeout)
         finally:
             result["node_resumed"] = resume_node(down)
     else:

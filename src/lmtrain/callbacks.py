@@ -80,6 +80,7 @@ class CheckpointCallback(pl.Callback):
         self.save_at_end = save_at_end
         self.background = background  # periodic saves in the background (checkpoint.async_save)
         self._rank_zero = True
+        self._flush_loggers = False  # a checkpoint was saved: put the metrics it covers on disk
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
@@ -90,6 +91,21 @@ class CheckpointCallback(pl.Callback):
         if self._pending_rng is not None:
             restore_rng(self._pending_rng)
             self._pending_rng = None
+        self._flush_metrics(trainer)
+
+    def _flush_metrics(self, trainer: pl.Trainer) -> None:
+        """After a checkpoint (and the metrics of its last batch, logged after this callback's
+        batch end): write what the loggers hold to disk (TensorBoard's writer keeps up to 2 min,
+        the CSV logger 100 steps). An attempt killed later then loses no metric its checkpoint
+        covers; the next attempt's series goes on from there with no gap (make_loggers)."""
+        if not self._flush_loggers:
+            return
+        self._flush_loggers = False
+        for logger in trainer.loggers:
+            try:
+                logger.save()
+            except Exception as exc:  # a tracker must never cost training
+                log.warning("could not flush the %s logger: %s", type(logger).__name__, exc)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -107,6 +123,7 @@ class CheckpointCallback(pl.Callback):
         if self.save_at_end:
             self.save(trainer, trainer.global_step)  # must succeed: DiskFull ends the attempt as disk_full
         self.manager.finish_background(trainer)
+        self._flush_metrics(trainer)  # a stop's checkpoint: SIGKILL may come before the loggers' teardown
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         # also after an exception: a background save that is under way still completes
@@ -128,6 +145,7 @@ class CheckpointCallback(pl.Callback):
         if background and self.manager.can_save_in_background and trainer.global_rank == 0:
             log.info("checkpoint step-%d: training resumed after %.2fs, writing in the background", step, blocked)
         self.last_saved_step, self.last_saved_path = step, str(path)
+        self._flush_loggers = trainer.global_rank == 0
         return str(path)
 
     def _no_room(self, exc: DiskFull) -> None:

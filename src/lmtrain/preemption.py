@@ -341,6 +341,11 @@ class Preemption:
         outcome.exit_code = max(outcome.exit_code, d.exit_code)
         self._action = d.action
         self._exclude = d.exclude
+        if d.action is None and d.exclude and slurm.state_word(facts.slurm_state or "") == "PENDING":
+            # SLURM requeued the job itself (a node failure): exclude now, before the end line. The
+            # failed node's slurmd kills this rank within seconds, before after_end would run.
+            exclude_nodes(self.plan, self.env, self.attempt, d.exclude)
+            self._exclude = []
 
     def _blame_first_death(self, outcome) -> None:
         """Rank 0: name the rank that died first (lmtrain.first_death), not this rank's symptom."""

@@ -104,13 +104,13 @@ _PENDING_SINCE: dict[tuple[str, str | None], float] = {}
 
 
 def start_if_begin_time(job_id: str) -> None:
-    """Start a job waiting for its requeue BeginTime, once no node is still cleaning up a job
-    and its BeginTime (set at the requeue) is 2 s old (see launcher.commands.preempt)."""
+    """Start a job waiting for its requeue BeginTime, once no node is still cleaning up a job or
+    its previous run and its BeginTime (set at the requeue) is 2 s old (see launcher.commands.preempt)."""
     info = slurm.show_job(job_id) or {}
     if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
         key = (job_id, info.get("Restarts"))
         first_seen = _PENDING_SINCE.setdefault(key, time.monotonic())
-        if time.monotonic() - first_seen < 2.0 or rehearsal.nodes_completing():
+        if time.monotonic() - first_seen < 2.0 or not rehearsal.ready_to_start(job_id):
             return
         with contextlib.suppress(UserError):
             rehearsal.start_now(job_id)

@@ -3,6 +3,7 @@ preemption, accounting, and a preempted job requeued with its restart count."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from slurm_helpers import cancel_orphaned_test_jobs, claim_session, release_work
 
 from launcher import rehearsal
 from launcher.core import slurm
+from launcher.core.errors import UserError
 from launcher.localcluster import cluster, workers
 from launcher.localcluster.config import Layout, render_slurm_conf
 
@@ -111,6 +113,42 @@ def test_exclusive_high_job_preempts_low_job_which_restarts_with_restart_count(s
     states = [a.state.split()[0] for a in attempts]
     assert len(attempts) == 2 and states[-1] == "COMPLETED", attempts
     assert states[0] in {"PREEMPTED", "REQUEUED"}, attempts
+
+
+def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_its_last_run(
+        slurm_cluster, tmp_path, own_jobs, run_name):
+    """A node set DOWN: SLURM requeues the job at once and the node is back in service within a
+    second, while its slurmd still kills the job's run (here the task takes 6 s over SIGTERM).
+    Started meanwhile, the job would be killed with it (same job id): rehearsal.ready_to_start
+    says no until the node's slurmd has no process of the job left."""
+    script = tmp_path / "slow.sh"
+    script.write_text("#!/bin/bash\n"
+                      "srun bash -c 'trap \"sleep 6; exit 0\" TERM; sleep 300 & wait; sleep 6'\n")
+    job = _sbatch("-J", run_name, "-p", "low", "-w", "n2", "-N", "1", "--requeue",
+                  "-o", str(tmp_path / "slow-%j.out"), str(script))
+    own_jobs.append(job)
+    rehearsal.wait_for(job, {"running"}, timeout=120, poll=0.5)
+    deadline = time.monotonic() + 30
+    while rehearsal.steps_left(job, ["n2"]) != ["n2"]:  # the step starts a moment after the batch script
+        assert time.monotonic() < deadline, "the job's step never showed on n2 (`scontrol listpids`)"
+        time.sleep(0.2)
+    assert rehearsal.steps_left(job, ["n1"]) == []
+    rehearsal.set_node_state("n2", "DOWN", reason=f"test {run_name}")
+    try:
+        assert rehearsal.wait_for(job, {"queued"}, timeout=30, poll=0.2) == "PENDING"
+        assert rehearsal.steps_left(job) == ["n2"]
+        assert not rehearsal.ready_to_start(job)
+        deadline = time.monotonic() + 60
+        while rehearsal.steps_left(job, ["n2"]):
+            assert time.monotonic() < deadline, "n2's slurmd still runs the job 60 s after the node went DOWN"
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(UserError):  # ReturnToService=2 may have brought it back already
+            rehearsal.set_node_state("n2", "RESUME")
+    deadline = time.monotonic() + 30
+    while not rehearsal.ready_to_start(job):
+        assert time.monotonic() < deadline, slurm.nodes()
+        time.sleep(0.5)
 
 
 def test_jobs_of_a_test_session_that_is_gone_are_cancelled_and_live_ones_kept(slurm_cluster, tmp_path, own_jobs, run_name):

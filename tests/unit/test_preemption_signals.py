@@ -239,6 +239,8 @@ def test_a_run_killed_during_a_background_checkpoint_resumes_bit_identical(repo,
     wa, wb = _final_weights(straight), _final_weights(killed)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [c.step for c in complete_checkpoints(ckpt_dir)] == [24, 28, MAX_STEPS]
+    # the metrics of steps 0-3 were on disk before the kill (flushed after step-4's checkpoint)
+    assert_trackers_log_each_step_once(Path(killed.paths.run_dir), MAX_STEPS)
 
 
 def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previous_complete_one(repo, runs_root):
