@@ -87,6 +87,28 @@ def rate_steps_per_s(beats: Sequence[Mapping[str, Any]]) -> float | None:
     return ds / dt
 
 
+# The SLURM state a job that ended so would have (for a job the controller forgot, without sacct).
+_STATE_OF_REASON = {"completed": "COMPLETED", "cancelled": "CANCELLED", "timeout": "TIMEOUT",
+                    "preempted": "PREEMPTED", "node_failure": "NODE_FAIL"}
+
+
+def last_end_of(ledger: Sequence[Mapping[str, Any]], job_id: str) -> Mapping[str, Any] | None:
+    """The end line of ``job_id``'s last attempt, when that attempt is the run's last one."""
+    last = next((e for e in reversed(ledger) if e.get("event") in ("start", "end")), None)
+    if last is None or last.get("event") != "end" or str(last.get("job_id")) != str(job_id):
+        return None
+    return last
+
+
+def ended_state(end: Mapping[str, Any]) -> str:
+    """The SLURM-like state of an attempt's end line: its reason, or for a limit reached
+    (max_timeouts, max_preemptions, ...) the stop that reached it ("timeout: SIGUSR2 ...")."""
+    reason = str(end.get("reason") or "")
+    if reason == "limit_reached":
+        reason = str(end.get("detail") or "").split(":", 1)[0]
+    return _STATE_OF_REASON.get(reason, "FAILED")
+
+
 def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachable: bool, now: float) -> StatusRow:
     """Pure: registry record + run-directory readings + SLURM's view of the current job -> a row."""
     beats = files.heartbeat
@@ -124,6 +146,13 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         state, group, note = "COMPLETED", "completed", "DONE marker (SLURM has no record of the job)"
     elif files.cancelled or rec.state == "cancelled":
         state, group, note = "CANCELLED", "cancelled", "CANCELLED marker (SLURM has no record of the job)"
+    elif rec.job_ids and (ended := last_end_of(files.ledger, rec.job_ids[-1])) is not None:
+        state, note = ended_state(ended), (
+            f"attempt {ended.get('attempt')} ended {ended.get('reason')}, "
+            + ("asked to be requeued, but SLURM has no record of the job" if ended.get("requeued")
+               else "not requeued (run directory; SLURM has no record of the job)"))
+        state = "UNKNOWN" if ended.get("requeued") else state
+        group = slurm.state_group(state)
     elif rec.job_ids:
         state, group, note = "UNKNOWN", "unknown", "neither squeue nor sacct knows the job"
     else:

@@ -1,7 +1,8 @@
 """A cluster without accounting (no slurmdbd: `sacct` fails) that forgets finished jobs after
-MinJobAge=2 s, as some sites run: submit, a real preemption and requeue, the end, then `status`
-and `history` tell the state and why each attempt ended from the run directory, and say what
-cannot be known without sacct. The cluster is a worker slot of its own, started so
+MinJobAge=2 s, as some sites run: a run with a real preemption and requeue, a run stopped at its
+time limit, a throttled sweep (one SLURM array) and a cancelled run, all at once; then `status`,
+`history` and `logs` tell each one's state and why each attempt ended from the run directory,
+and say what cannot be known without sacct. The cluster is a worker slot of its own, started so
 (`up(accounting=False, min_job_age=2)`); the next session to claim that slot starts it with
 accounting again (conftest.py passes both settings)."""
 
@@ -19,10 +20,59 @@ from launcher.localcluster import cluster, workers
 MAX_STEPS = 120
 
 
-def _status(lm, name) -> dict:
-    r = lm("status", "--json", "--all", name)
+def _status(lm, name: str | None = None) -> dict:
+    r = lm("status", "--json", "--all", *([name] if name else []))
     assert r.code == 0, r.err
     return json.loads(r.out)
+
+
+def _submit_the_others(lm, name: str, tmp_path: Path) -> dict[str, str]:
+    """Beside the preempted run (on n1): a run whose 2-minute time limit ends it (max_timeouts=0, its
+    steps slowed so it cannot finish first), a 2-point sweep run one point at a time, a run to
+    cancel. They hardly use the CPU (slow steps, few steps, cancelled)."""
+    # on n2: the preemption of the first run (an exclusive job on its node, n1) must not reach them
+    small = ("resources.nodes=1", "slurm.sbatch.nodelist=n2", "optim.warmup_steps=1", *SMALL_MODEL)
+    spec = str(REPO / "jobs" / "tiny-cpu.yaml")
+    with faults(pace(0.8)):
+        r = lm("submit", spec, f"name={name}-tl", "resources.time=00:02:00", "preemption.warning_seconds=60",
+               "preemption.max_timeouts=0", "trainer.max_steps=400", *small)
+        assert r.code == 0, r.err
+        r = lm("submit", spec, f"name={name}-cx", "trainer.max_steps=100000", *small)
+        assert r.code == 0, r.err
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(json.dumps({"name": f"{name}-sw", "max_parallel": 1, "grid": {"optim.lr": [0.001, 0.003]}}))
+    r = lm("sweep", spec, str(sweep), "trainer.max_steps=20", "checkpoint.every_n_steps=100", *small, "--json")
+    assert r.code == 0, r.err
+    arrays = json.loads(r.out)["arrays"]
+    assert len(arrays) == 1, arrays
+    return {"tl": f"{name}-tl", "sw": f"{name}-sw", "cx": f"{name}-cx"}
+
+
+def _check_the_others(lm, names: dict[str, str]) -> None:
+    r = lm("cancel", names["cx"])
+    assert r.code == 0, r.out + r.err
+    deadline = time.monotonic() + 240
+    while True:  # all three end; SLURM forgets each 2 s later (the rows then come from the run directories)
+        rows = {row["name"]: row for row in _status(lm)["runs"]}
+        points = _status(lm, names["sw"])["runs"]
+        forgotten = all("SLURM has no record" in rows[names[k]]["note"] for k in ("tl", "cx"))
+        if forgotten and len(points) == 2 and all(p["group"] == "completed" for p in points):
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(2.0)
+    tl, cx = rows[names["tl"]], rows[names["cx"]]
+    assert (tl["state"], tl["attempt"]) == ("TIMEOUT", 1) and "ended limit_reached, not requeued" in tl["note"], tl
+    assert cx["state"] == "CANCELLED" and "CANCELLED marker" in cx["note"], cx
+    assert [p["name"] for p in points] == [f"{names['sw']}.0", f"{names['sw']}.1"], points
+    # SLURM may still hold a finished array task's record (the array's other task ended later)
+    assert all((p["state"], p["step"]) == ("COMPLETED", 20) for p in points), points
+    assert rows[names["sw"]]["state"] == "2 COMPLETED", rows[names["sw"]]
+    r = lm("history", names["tl"])
+    assert r.code == 0 and "max_timeouts(0) reached" in r.out and "limit_reached" in r.out, r.out
+    r = lm("history", names["cx"])
+    assert r.code == 0 and "cancelled" in r.out and "never requeued" in r.out, r.out
+    r = lm("logs", names["tl"])
+    assert r.code == 0 and "max_timeouts(0) reached" in r.out, r.out[-2000:]
 
 
 def test_a_run_preempted_and_finished_on_a_cluster_without_accounting_is_told_from_its_run_directory(
@@ -41,11 +91,13 @@ def test_a_run_preempted_and_finished_on_a_cluster_without_accounting_is_told_fr
             assert "accounting_storage/none" in slurm.config().get("AccountingStorageType", "")
             with faults(pace()):
                 r = lm("submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}", "resources.nodes=1",
+                       "slurm.sbatch.nodelist=n1",
                         f"trainer.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=10", "optim.warmup_steps=3",
                         *SMALL_MODEL)
             assert r.code == 0, r.err
             job = r.out.split("job ", 1)[1].split()[0]
             run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+            others = _submit_the_others(lm, run_name, tmp_path)
             deadline = time.monotonic() + 180
             while not any((run_dir / "checkpoints").glob("step-*/COMPLETE")):
                 assert time.monotonic() < deadline, "no checkpoint within 180 s"
@@ -71,5 +123,6 @@ def test_a_run_preempted_and_finished_on_a_cluster_without_accounting_is_told_fr
             assert "preempted" in r.out and "reached max_steps" in r.out, r.out
             assert "queue wait unknown: this cluster keeps no job accounting" in r.out, r.out
             assert "slurmdbd" not in r.out.replace("(sacct: accounting storage is disabled)", "")
+            _check_the_others(lm, others)
     finally:
         release_worker(own, run_name)

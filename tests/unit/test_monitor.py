@@ -106,6 +106,39 @@ def test_markers_decide_when_slurm_forgot_the_job(tmp_path):
     assert x.state == "UNKNOWN" and "neither squeue nor sacct" in x.note
 
 
+@pytest.mark.parametrize("reason, detail, requeued, state", [
+    ("limit_reached", "timeout: SIGUSR2 72 s before the time limit; max_timeouts(0) reached", False, "TIMEOUT"),
+    ("limit_reached", "preempted: SIGTERM; max_preemptions(2) reached", False, "PREEMPTED"),
+    ("timeout", "SIGUSR2 60 s before the time limit", False, "TIMEOUT"),
+    ("crashed", "RuntimeError: boom", False, "FAILED"),
+    ("hang", "rank 1 made no progress", False, "FAILED"),
+    ("node_failure", "node n2 DOWN", False, "NODE_FAIL"),
+    ("preempted", "SIGTERM", True, "UNKNOWN"),  # it asked for a requeue SLURM has no record of
+])
+def test_a_job_slurm_forgot_takes_its_state_from_the_last_end_line(tmp_path, reason, detail, requeued, state):
+    """No sacct (or the job purged from it) and no marker: the last attempt's end line tells how
+    the job ended, through the status cache too (which keeps that line)."""
+    from launcher import status_cache
+
+    make_run(tmp_path, "e", attempts=[{"job_id": "101", "start_step": 0, "end_step": 20, "t0": T0 - 100,
+                                       "t1": T0 - 50, "reason": reason, "detail": detail, "requeued": requeued}])
+    row = _row(tmp_path, "e", None)
+    assert (row.state, row.group) == (state, slurm.state_group(state)), row
+    assert f"attempt 1 ended {reason}" in row.note and "SLURM has no record of the job" in row.note, row.note
+    rec = runs.load_record("e", {"LMLAUNCH_HOME": str(tmp_path)})
+    env = {"LMLAUNCH_HOME": str(tmp_path)}
+    for _ in range(2):  # the second reading comes from the cache
+        (files,) = status_cache.read_all([rec.run_dir], env)
+        cached = monitor.build_row(rec, files, None, slurm_reachable=True, now=T0)
+        assert (cached.state, cached.note) == (row.state, row.note)
+    # a later attempt that started (and wrote no end line) is not the ended one
+    make_run(tmp_path, "f", job_ids=("101", "102"), attempts=[
+        {"job_id": "101", "start_step": 0, "end_step": 20, "t0": T0 - 100, "t1": T0 - 50, "reason": reason,
+         "detail": detail, "requeued": requeued},
+        {"job_id": "102", "start_step": 20, "end_step": 30, "t0": T0 - 40, "t1": T0 - 5}])
+    assert _row(tmp_path, "f", None).state == "UNKNOWN"
+
+
 def test_history_goodput_steps_lost_and_queue_wait():
     ledger = [
         {"event": "start", "attempt": 1, "job_id": "7", "time": 1000.0, "start_step": 0, "nodes": ["n1"]},
