@@ -10,7 +10,6 @@ cluster. Each check says ok / warn / fail with the figures it compared; any fail
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -338,7 +337,7 @@ def job_script_checks(plan: LaunchPlan, job_script: str) -> list[Check]:
 
 def _association_checks(plan: LaunchPlan) -> list[Check]:
     out = []
-    user = os.environ.get("USER") or str(os.getuid())
+    user = slurm.user_name()
     if plan.slurm.account:
         rows = slurm.sacctmgr(["-n", "-P", "show", "assoc", f"user={user}", f"account={plan.slurm.account}",
                                "format=Account"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ def cancel_run(rec, environ=None) -> dict:
     tasks, so the runtime reads it as a user cancel and never requeues."""
     run_dir = Path(rec.run_dir)
     now = time.time()
-    user = os.environ.get("USER") or str(os.getuid())
+    user = slurm.user_name()
     marker = run_dir / rundir.CANCELLED
     if run_dir.is_dir():
         lifecycle.mark_cancelled(run_dir, user=user, job_ids=list(rec.job_ids), now=now)

@@ -6,8 +6,6 @@ written; an existing file is kept unless --force."""
 from __future__ import annotations
 
 import argparse
-import getpass
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -45,7 +43,7 @@ def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
         problems.append(f"accounting does not answer ({exc.message.splitlines()[0][:160]})")
     account = None
     if accounting:
-        user = (environ or os.environ).get("USER") or getpass.getuser()
+        user = slurm.user_name()
         try:
             rows = slurm.sacctmgr(["-n", "-P", "show", "user", user, "format=DefaultAccount"]).split()
             account = rows[0] if rows and rows[0] else None

@@ -519,14 +519,23 @@ def squeue(
 
 
 
+def user_name() -> str:
+    """The user SLURM knows this process as: its real uid's name (SLURM maps the uid it is given;
+    $USER may be unset, as under some shells and services, or name someone else)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (a container): SLURM accepts the number
+        return str(os.getuid())
+
+
 def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """Ids of this user's jobs called ``name`` that the controller received at or after ``since``
     (epoch seconds; SubmitTime has whole seconds, so compare with a second of slack), oldest first.
     Used to find a job whose ``sbatch`` timed out on the client side but reached the controller."""
-    import getpass
-
     fmt = ",".join(f"{f}:{FIELD_SEP}" for f in ("JobID", "SubmitTime", "Name"))
-    cmd = ["squeue", "-h", "--states=all", "-u", getpass.getuser(), "-n", name, "-O", fmt]
+    cmd = ["squeue", "-h", "--states=all", "-u", user_name(), "-n", name, "-O", fmt]
     proc = run(cmd, timeout=timeout)
     found: list[tuple[float, str]] = []
     for line in proc.stdout.splitlines():

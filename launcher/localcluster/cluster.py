@@ -9,7 +9,6 @@ directory) gives real accounting. ``up`` is idempotent and fast when the cluster
 from __future__ import annotations
 
 import contextlib
-import getpass
 import os
 import secrets
 import shutil
@@ -325,7 +324,7 @@ def register_accounting(say: Say) -> None:
     if "lmlaunch" not in accounts:
         slurm.sacctmgr(["add", "account", "lmlaunch", f"cluster={CLUSTER_NAME}", "Description=lmlaunch",
                         "Organization=lmlaunch"])
-    users = {getpass.getuser(), "root"}
+    users = {slurm.user_name(), "root"}
     if os.environ.get("SUDO_USER"):
         users.add(os.environ["SUDO_USER"])
     assoc = slurm.sacctmgr(["list", "assoc", f"cluster={CLUSTER_NAME}", "format=User,Account", "-n", "-P"])
@@ -506,7 +505,7 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
     if current == wanted and is_up(layout):
         return True
     ports = wanted.ports
-    user = getpass.getuser()
+    user = slurm.user_name()
     layout.root.chmod(0o755)  # the mysql user must traverse to its own directory
     layout.etc.chmod(0o755)
     with flocked(primary_root() / ".machine.lock"):

@@ -49,3 +49,17 @@ def test_a_cluster_without_accounting_is_told_apart_from_a_slurmdbd_that_is_down
     with pytest.raises(slurm.SlurmUnavailable) as down:
         slurm.sacct(["7"])
     assert not isinstance(down.value, slurm.NoAccounting) and "cluster up" in down.value.message
+
+
+def test_the_user_is_the_one_slurm_knows_whatever_USER_says(monkeypatch):
+    """SLURM maps the uid: $USER unset (as in this machine's shells: doctor then asked sacctmgr
+    about "user 0" and failed a good account) or naming someone else changes nothing."""
+    import os
+    import pwd
+
+    own = pwd.getpwuid(os.getuid()).pw_name
+    monkeypatch.delenv("USER", raising=False)
+    monkeypatch.delenv("LOGNAME", raising=False)
+    assert slurm.user_name() == own
+    monkeypatch.setenv("USER", "someone-else")
+    assert slurm.user_name() == own
