@@ -135,6 +135,8 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
             reason = job.reason
         if requeued and group == "queued":
             note = "requeued, waiting to restart"
+            if files.done:  # SLURM 24.11 requeues a job preempted once more after it ended (docs/architecture.md)
+                note = "finished (DONE marker), yet requeued by SLURM: that start ends at once, training nothing"
         upstream = ", ".join(getattr(rec, "after", None) or []) or "another job"
         if group == "queued" and job.reason == "Dependency":
             note = f"waiting for {upstream} (--after)"

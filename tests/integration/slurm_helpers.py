@@ -23,6 +23,13 @@ def wait_terminal(job_id: str, timeout: float) -> str:
     return rehearsal.wait_for(job_id, TERMINAL, timeout=timeout, poll=1.0, start_requeued=True)
 
 
+def requeues_once_more_after_preemption() -> bool:
+    """SLURM 24.11 requeues a job that a preemption requeued once more when its next run ends
+    (docs/architecture.md, "SLURM 22.05 and 24.11: what differed"); 22.05 does not."""
+    version = slurm.config().get("SLURM_VERSION", "0.0")
+    return tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= (24, 11)
+
+
 def release_worker(claim, run_name: str) -> None:
     """A test's extra worker cluster (workers.claim()) given back, its jobs named ``run_name...``
     cancelled first."""

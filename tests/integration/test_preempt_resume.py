@@ -267,6 +267,7 @@ def test_a_rank_sigkilled_like_the_oom_killer_is_named_as_the_first_death(env, j
     assert code == 0 and "rank 1 on n2 died first: killed by SIGKILL" in out.replace("\n", " "), out
 
 
+@pytest.mark.both_versions
 def test_a_node_failure_keeps_the_requeued_job_off_that_node(env, jobs, name):
     """A one-node job whose node goes DOWN: SLURM requeues it, rank 0 sets the pending job's
     ExcNodeList to that node (the partition keeps another), and the next attempt runs elsewhere."""

@@ -15,6 +15,7 @@ from slurm_helpers import faults, wait_accounted
 
 from launcher.core import slurm
 
+pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 TIME_LIMIT = ("resources.time=00:02:00", "preemption.warning_seconds=60")
 SLOW = {"point": "train.batch_end", "action": "sleep", "seconds": 0.8}  # slow steps without burning CPU
 STEPS = "trainer.max_steps=70"  # ~70 s of steps: more than one attempt gets before its warning

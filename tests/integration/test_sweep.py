@@ -109,7 +109,14 @@ def test_cancelling_a_sweep_cancels_every_point(slurm_cluster, cli, lm_env, run_
     assert r.code == 0, r.out + r.err
     sub = json.loads(r.out)
     own_jobs.extend(sub["arrays"])
-    time.sleep(3)
+    (array,) = sub["arrays"]
+    deadline = time.monotonic() + 60
+    while len(running := [j for j in slurm.squeue([array]) if slurm.state_group(j.state) == "running"]) < 2:
+        assert time.monotonic() < deadline, slurm.squeue([array])
+        time.sleep(0.5)
+    # the throttle (max_parallel 2) holds the other 4 back: SLURM says why
+    assert slurm.show_job(array)["ArrayTaskThrottle"] == "2" and len(running) == 2, slurm.squeue([array])
+    assert any(j.reason == "JobArrayTaskLimit" for j in slurm.squeue([array]) if j.state == "PENDING")
     c = cli("cancel", run_name, "--json")
     assert c.code == 0, c.err
     assert len(json.loads(c.out)["points"]) == 6

@@ -74,6 +74,19 @@ def test_requeued_job_pending_on_begin_time_counts_as_the_next_attempt(tmp_path)
     assert "requeued" in row.note
 
 
+def test_a_finished_run_that_slurm_requeued_once_more_says_so(tmp_path):
+    """SLURM 24.11 requeues a job that was preempted once more after its last run ended: the
+    run has its DONE marker while the job pends on BeginTime."""
+    make_run(tmp_path, "r", markers=("DONE",), attempts=[
+        {"job_id": "101", "start_step": 0, "end_step": 50, "t0": T0 - 300, "t1": T0 - 200, "reason": "preempted",
+         "requeued": True},
+        {"job_id": "101", "start_step": 50, "end_step": 100, "t0": T0 - 100, "t1": T0 - 10, "reason": "completed"}])
+    job = SlurmJob(job_id="101", state="PENDING", reason="BeginTime", attempts=3)
+    row = _row(tmp_path, "r", job)
+    assert (row.state, row.reason, row.attempt) == ("PENDING", "BeginTime", 3)
+    assert row.note.startswith("finished (DONE marker), yet requeued by SLURM"), row.note
+
+
 def test_second_attempt_running_before_its_ledger_line_is_still_attempt_two(tmp_path):
     make_run(tmp_path, "q2", attempts=[{"job_id": "101", "start_step": 0, "end_step": 30, "t0": T0 - 100, "t1": T0 - 10}])
     row = _row(tmp_path, "q2", SlurmJob("101", "RUNNING", "None", 2, "20:00", 2, "0:05", "n[1-2]"))
