@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # rich is imported where it renders: plain `status` never loa
     from rich.console import Console, Group
     from rich.text import Text
 
-from launcher.monitor import History, StatusRow
+from launcher.history_rows import History
+from launcher.monitor import StatusRow
 from launcher.slurm_view import UNREACHABLE, SlurmView, format_duration
 
 GROUP_STYLE = {

@@ -43,7 +43,7 @@ class ReportData:
 
 
 def build_report(name: str, heartbeat: Sequence[Mapping[str, Any]], history: Any) -> ReportData:
-    """Pure: heartbeat lines + monitor.History -> the series to plot and the summary lines."""
+    """Pure: heartbeat lines + history_rows.History -> the series to plot and the summary lines."""
     r = ReportData(name)
     for b in heartbeat:
         if b.get("event") == "step" and b.get("step") is not None and b.get("time"):

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from launcher import monitor, runs, slurm_view
+from launcher import history_rows, runs, slurm_view
 from launcher.context import Context
 from launcher.core import rundir
 from launcher.monitor_view import history_view, make_console, startup_view
@@ -26,7 +26,7 @@ def load_history(rec):
     ledger = rundir.read_jsonl(run_dir / rundir.LEDGER)
     heartbeat = rundir.read_jsonl(run_dir / rundir.HEARTBEAT)
     times, message = slurm_view.sacct_attempt_times(rec.job_ids)
-    h = monitor.build_history(rec.name, ledger, heartbeat, times)
+    h = history_rows.build_history(rec.name, ledger, heartbeat, times)
     if message:
         h.notes.append(f"queue wait unknown: {message}")
     return h

@@ -188,7 +188,7 @@ class LedgerNote:
 @dataclass
 class LedgerAttempt:
     """One attempt as the ledger tells it (the runtime's view: what the start gate and the
-    end decision need). The monitor's fuller view is ``launcher.monitor.HistoryRow``."""
+    end decision need). The monitor's fuller view is ``launcher.history_rows.HistoryRow``."""
 
     attempt: int
     job_id: str | None

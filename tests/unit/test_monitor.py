@@ -7,7 +7,7 @@ import json
 import pytest
 from monitor_synth import T0, make_run
 
-from launcher import monitor, run_files, runs, slurm_view
+from launcher import history_rows, monitor, run_files, runs, slurm_view
 from launcher.core import rundir, slurm
 from launcher.slurm_view import SlurmJob
 
@@ -163,7 +163,7 @@ def test_history_goodput_steps_lost_and_queue_wait():
     beats = [{"event": "step", "attempt": 1, "time": 1010.0 + i, "step": i} for i in range(0, 81, 10)]
     beats += [{"event": "step", "attempt": 2, "time": 1220.0 + i, "step": 40 + i} for i in range(0, 61, 10)]
     sacct = {"7": [(990.0, 995.0, 1105.0), (1150.0, 1195.0, 1305.0)]}
-    h = monitor.build_history("r", ledger, beats, sacct, now=2000.0)
+    h = history_rows.build_history("r", ledger, beats, sacct, now=2000.0)
     a1, a2 = h.attempts
     assert (a1.reason, a1.requeued, a1.steps_lost, a1.queue_wait_s, a1.alloc_s) == ("preempted", True, 5, 5.0, 110.0)
     assert (a2.reason, a2.steps_lost, a2.queue_wait_s, a2.alloc_s) == ("completed", None, 45.0, 110.0)
@@ -178,7 +178,7 @@ def test_history_attempt_without_end_line_is_unknown_and_lost_steps_come_from_he
         {"event": "start", "attempt": 2, "job_id": "7", "time": 1200.0, "start_step": 20},
     ]
     beats = [{"event": "step", "attempt": 1, "time": 1000.0 + s, "step": s} for s in (10, 20, 30)]
-    h = monitor.build_history("r", ledger, beats, None, now=1_000_000.0)
+    h = history_rows.build_history("r", ledger, beats, None, now=1_000_000.0)
     assert [a.reason for a in h.attempts] == ["unknown", "unknown"]
     assert h.attempts[0].steps_lost == 10 and h.attempts[0].end_time == 1030.0
 

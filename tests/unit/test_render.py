@@ -11,7 +11,7 @@ from pathlib import Path
 from monitor_synth import T0, make_run
 from rich.console import Console
 
-from launcher import monitor, run_files, runs
+from launcher import history_rows, monitor, run_files, runs
 from launcher.cli import main
 from launcher.commands.logs import print_logs
 from launcher.context import Context
@@ -109,7 +109,7 @@ def test_history_table_at_120_columns(tmp_path):
         {"job_id": "7", "start_step": 40, "end_step": 100, "t0": T0 - 600, "t1": T0 - 400, "reason": "completed"},
     ])
     run_dir = tmp_path / "runs" / "h"
-    h = monitor.build_history("h", rundir.read_jsonl(run_dir / "attempts.jsonl"),
+    h = history_rows.build_history("h", rundir.read_jsonl(run_dir / "attempts.jsonl"),
                               rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl"),
                               {"7": [(T0 - 1010, T0 - 1000, T0 - 800), (T0 - 700, T0 - 600, T0 - 400)]}, now=T0)
     text = _render(history_view(h), width=120)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from monitor_synth import T0, make_run
 
-from launcher import monitor
+from launcher import history_rows
 from launcher.cli import main
 from launcher.context import Context
 from launcher.core import rundir
@@ -36,7 +36,7 @@ def _run(home: Path) -> Path:
 def test_report_marks_each_stop_and_summarizes(tmp_path):
     run_dir = _run(tmp_path)
     beats = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
-    h = monitor.build_history("rep", rundir.read_jsonl(run_dir / "attempts.jsonl"), beats, None, now=T0)
+    h = history_rows.build_history("rep", rundir.read_jsonl(run_dir / "attempts.jsonl"), beats, None, now=T0)
     r = build_report("rep", beats, h)
     assert [(s.attempt, s.step, s.reason) for s in r.stops] == [(1, 50, "preempted")]
     assert r.summary[0] == "run rep: 2 attempt(s), 1 stop(s) (preempted)"

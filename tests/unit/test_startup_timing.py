@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launcher import monitor
+from launcher import history_rows
 from launcher.cli import main
 from launcher.context import Context
 from launcher.core import rundir
@@ -98,7 +98,7 @@ def test_history_rows_carry_the_startup_of_each_attempt():
         {"event": "end", "attempt": 2, "job_id": "17", "time": 1117.0, "end_step": 40, "reason": "cancelled"},
     ]
     sacct = {"17": [(990.0, 999.0, 1100.0), (1101.0, 1109.0, 1117.0)]}
-    h = monitor.build_history("r", ledger, [], sacct, now=2000.0)
+    h = history_rows.build_history("r", ledger, [], sacct, now=2000.0)
     first, second = h.attempts
     assert first.startup["launch"] == pytest.approx(1.0) and first.startup_total_s == pytest.approx(6.1)
     assert first.checkpoint_bytes is None

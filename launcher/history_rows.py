@@ -1,0 +1,175 @@
+"""What `lmlaunch history` shows about a run's attempts, as row models: pure functions from the
+ledger, the heartbeat and sacct's attempts to rows (launcher/monitor_view.py draws them;
+launcher/monitor.py does the same for `status`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from launcher.core import rundir
+
+
+@dataclass
+class HistoryRow:
+    """One attempt of a run, from the ledger (and sacct -D for its queue wait)."""
+
+    attempt: int
+    job_id: str | None
+    nodes: list[str]
+    start_time: float | None
+    end_time: float | None
+    start_step: int | None
+    end_step: int | None
+    reason: str  # the ledger's end reason, or "unknown" (no end line: SIGKILL, node lost) / "running"
+    detail: str
+    requeued: bool
+    steps_lost: int | None  # end_step of this attempt - start_step of the next (work redone)
+    queue_wait_s: float | None  # SLURM Submit -> Start of this attempt
+    train_s: float | None  # time spent in training steps (heartbeat: first to last step line)
+    alloc_s: float | None  # allocated time of the attempt (ledger start -> end, or sacct elapsed)
+    # seconds per startup phase (rundir.STARTUP_PHASES; "launch": allocation start -> process start)
+    startup: dict[str, float] | None = None
+    startup_total_s: float | None = None  # allocation (or process) start -> first step done
+    checkpoint_bytes: int | None = None  # the checkpoint the attempt resumed from
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class History:
+    name: str
+    attempts: list[HistoryRow]
+    goodput: float | None  # sum(train_s) / sum(alloc_s)
+    steps_lost_total: int
+    queue_wait_total_s: float | None
+    cancel_requested: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "goodput": self.goodput,
+            "steps_lost_total": self.steps_lost_total,
+            "queue_wait_total_s": self.queue_wait_total_s,
+            "cancel_requested": self.cancel_requested,
+            "notes": self.notes,
+            "attempts": [a.to_dict() for a in self.attempts],
+        }
+
+
+def build_history(
+    name: str,
+    ledger: Sequence[Mapping[str, Any]],
+    heartbeat: Sequence[Mapping[str, Any]],
+    sacct_attempts: Mapping[str, Sequence[tuple[float | None, float | None, float | None]]] | None = None,
+    *,
+    now: float | None = None,
+) -> History:
+    """Pure: the ledger (+ the whole heartbeat, + sacct's (submit, start, end) per attempt of
+    each job id, in order) -> one row per attempt with goodput, steps lost and queue wait."""
+    now = time.time() if now is None else now
+    starts = [e for e in ledger if e.get("event") == "start"]
+    ends: dict[int, Mapping[str, Any]] = {}
+    for line in ledger:
+        if line.get("event") == "end" and line.get("attempt") is not None:
+            ends[int(line["attempt"])] = line
+    cancel = next((float(x["time"]) for x in ledger if x.get("event") == "cancel_requested" and x.get("time")), None)
+    startups = {int(x["attempt"]): x for x in ledger if x.get("event") == "startup" and isinstance(x.get("attempt"), int)}
+
+    # training time per attempt: from each attempt's first to last step line in the heartbeat
+    spans: dict[int, list[float]] = {}
+    for b in heartbeat:
+        if b.get("event") in ("start", "step") and b.get("attempt") is not None and b.get("time"):
+            spans.setdefault(int(b["attempt"]), []).append(float(b["time"]))
+
+    per_job_index: dict[str, int] = {}
+    rows: list[HistoryRow] = []
+    for i, s in enumerate(starts):
+        n = int(s.get("attempt") or i + 1)
+        e: Mapping[str, Any] | None = ends.get(n)
+        jid = str(s["job_id"]) if s.get("job_id") is not None else None
+        k = per_job_index.get(jid or "", 0)
+        per_job_index[jid or ""] = k + 1
+        q = None
+        alloc_sacct = None
+        alloc_start = None
+        if sacct_attempts and jid is not None and jid in sacct_attempts and k < len(sacct_attempts[jid]):
+            sub, st, en = sacct_attempts[jid][k]
+            alloc_start = st
+            if sub is not None and st is not None:
+                q = max(0.0, st - sub)
+            if st is not None and en is not None:
+                alloc_sacct = max(0.0, en - st)
+        t0 = float(s["time"]) if s.get("time") else None
+        t1 = float(e["time"]) if e and e.get("time") else None
+        is_last = i == len(starts) - 1
+        if e is not None:
+            reason = str(e.get("reason") or "unknown")
+        else:
+            reason = "running" if is_last and cancel is None and _heartbeat_fresh(spans.get(n), now) else "unknown"
+        if t1 is None and reason == "running":
+            t1 = now
+        if t1 is None and spans.get(n):
+            t1 = max(spans[n])  # died without an end line: the last sign of life
+        alloc = alloc_sacct if alloc_sacct is not None else ((t1 - t0) if t0 is not None and t1 is not None else None)
+        train = None
+        if spans.get(n) and len(spans[n]) >= 2:
+            train = max(spans[n]) - min(spans[n])
+        row = HistoryRow(
+            attempt=n, job_id=jid, nodes=list(s.get("nodes") or []), start_time=t0, end_time=t1,
+            start_step=_int(s.get("start_step")), end_step=_int(e.get("end_step")) if e else None,
+            reason=reason, detail=str(e.get("detail") or "") if e else "",
+            requeued=bool(e.get("requeued")) if e else False, steps_lost=None, queue_wait_s=q,
+            train_s=train, alloc_s=alloc,
+        )
+        rows.append(row)
+        if n in startups:
+            row.startup = rundir.startup_breakdown(startups[n], alloc_start)
+            row.startup_total_s = round(sum(row.startup.values()), 3) if "first_step" in startups[n].get("phases", {}) else None
+            row.checkpoint_bytes = _int(startups[n].get("checkpoint_bytes"))
+    # steps lost: what the next attempt had to redo
+    for row, nxt in zip(rows, rows[1:]):
+        end = row.end_step
+        if end is None:
+            end = _last_step_of(heartbeat, row.attempt)
+        if end is not None and nxt.start_step is not None:
+            row.steps_lost = max(0, end - nxt.start_step)
+    trains = [a.train_s for a in rows if a.train_s is not None]
+    allocs = [a.alloc_s for a in rows if a.alloc_s is not None]
+    goodput = (sum(trains) / sum(allocs)) if trains and allocs and sum(allocs) > 0 else None
+    waits = [a.queue_wait_s for a in rows if a.queue_wait_s is not None]
+    notes = []
+    if not starts:
+        notes.append("no attempt has started yet (the ledger attempts.jsonl is empty)")
+    for x in ledger:  # what rank 0 did to the job after an attempt (lmtrain.bad_nodes, lmtrain.preemption)
+        what = {"nodes_excluded": f"job {x.get('job_id')} keeps off {','.join(x.get('nodes') or [])} (ExcNodeList)",
+                **{k: f"{k.replace('_', ' ')}: {x.get('detail', '')}" for k in
+                   ("exclude_failed", "requeue_failed", "cancel_failed")}}.get(str(x.get("event")))
+        if what:
+            notes.append(f"after attempt {x.get('attempt')}: {what}")
+    return History(
+        name=name,
+        attempts=rows,
+        goodput=min(1.0, goodput) if goodput is not None else None,
+        steps_lost_total=sum(a.steps_lost or 0 for a in rows),
+        queue_wait_total_s=sum(waits) if waits else None,
+        cancel_requested=cancel,
+        notes=notes,
+    )
+
+
+def _heartbeat_fresh(times: list[float] | None, now: float, within_s: float = 600.0) -> bool:
+    return bool(times) and times is not None and now - max(times) < within_s
+
+
+def _last_step_of(heartbeat: Sequence[Mapping[str, Any]], attempt: int) -> int | None:
+    steps = [int(b["step"]) for b in heartbeat if b.get("attempt") == attempt and b.get("step") is not None]
+    return max(steps) if steps else None
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
