@@ -62,4 +62,6 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         f"{summary['parameters']:,} parameters, {summary['tokenizer']} tokenizer\n"
         f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}); fine-tune it: model.pretrained: {out}"
     )
+    for problem in summary.get("tokenizer_problems") or ():  # checked against the training tokenizer
+        ctx.err(f"warning: the exported tokenizer: {problem.replace('DIR', repr(str(out)))}")
     return 0

@@ -50,6 +50,9 @@ def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Pat
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer = save_tokenizer(plan["spec"]["data"]["path"], out)
+    tokenizer_problems = check_tokenizer(plan["spec"]["data"]["path"], out, config.vocab_size)
+    for problem in tokenizer_problems:
+        log.warning("exported tokenizer: %s", problem)
     summary = {
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,
@@ -57,6 +60,7 @@ def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Pat
         "model_type": config.model_type,
         "parameters": sum(p.numel() for p in model.parameters()),  # a tied embedding once
         "tokenizer": tokenizer,
+        "tokenizer_problems": tokenizer_problems,
         "out": str(out),
     }
     (out / "lmlaunch_export.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -76,6 +80,42 @@ def save_tokenizer(data_path: str, out: Path) -> str:
     return "bytes"
 
 
+# What the exported tokenizer must encode as training did: ASCII, decomposed (NFD) accents,
+# emoji and CJK, runs of whitespace, and a string other tokenizers treat as special.
+PROBE_TEXTS = ("Plain ASCII text, with punctuation.", "cafe\u0301 d\u00e9ja\u0300 vu (NFD)",
+               "emoji \U0001F600 and \u4e2d\u6587", "  two spaces,\ttab\nnewline  ", "<|endoftext|> done")
+
+
+def check_tokenizer(data_path: str, out: Path, vocab_size: int) -> list[str]:
+    """Load the exported tokenizer as a user would (``AutoTokenizer.from_pretrained(out)``) and
+    compare its ids with the training tokenizer's on :data:`PROBE_TEXTS`: each difference, and
+    any id outside the model's vocabulary, is a problem (with the loading line that does work).
+    transformers picks the tokenizer class by model type for some types (qwen2, phi3, ...:
+    its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), whatever the directory declares."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from lmtrain.tokenizer import load_tokenizer
+
+    meta = json.loads((Path(data_path) / "meta.json").read_text())
+    tok = meta.get("tokenizer") or {}
+    training = load_tokenizer(tok["path"] if tok.get("kind") == "huggingface" else None)
+    problems = []
+    for how, load in (("AutoTokenizer", AutoTokenizer.from_pretrained),
+                      ("PreTrainedTokenizerFast", PreTrainedTokenizerFast.from_pretrained)):
+        loaded = load(str(out))
+        wrong = []
+        for text in PROBE_TEXTS:
+            got = list(loaded(text, add_special_tokens=False)["input_ids"])
+            if got != training.encode(text) or any(not 0 <= i < vocab_size for i in got):
+                wrong.append(text)
+        if wrong:
+            problems.append(f"{how}.from_pretrained(DIR) loads {type(loaded).__name__}, which encodes "
+                            f"{', '.join(repr(t) for t in wrong)} other than training did"
+                            + (" (load it with PreTrainedTokenizerFast.from_pretrained(DIR))"
+                               if how == "AutoTokenizer" else ""))
+    return problems
+
+
 def byte_tokenizer():
     """lmlaunch's byte tokenizer as a transformers fast tokenizer: each UTF-8 byte is one token
     whose id is the byte's value, ``<eos>`` is 256, 257..259 are reserved."""
@@ -93,7 +133,9 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    # pad and unk name <eos> too: a tokenizer class that transformers forces by model type
+    # (Qwen2Tokenizer) would otherwise add its own <|endoftext|> as id 260, outside the model
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>", unk_token="<eos>")
     fast.add_special_tokens({"additional_special_tokens": [f"<reserved_{i}>" for i in range(BYTE_EOS_ID + 1, BYTE_VOCAB_SIZE)]})
     return fast
 

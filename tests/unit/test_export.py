@@ -46,7 +46,39 @@ def test_export_gives_the_trained_models_logits_and_byte_ids(repo, runs_root, tm
     text = "héllo, wörld\n"
     assert tok(text, add_special_tokens=False)["input_ids"] == list(text.encode("utf-8"))
     assert tok.eos_token_id == 256 and tok.decode(list(text.encode("utf-8"))) == text
-    assert json.loads((out / "lmlaunch_export.json").read_text())["step"] == 12
+    summary = json.loads((out / "lmlaunch_export.json").read_text())
+    assert summary["step"] == 12 and summary["tokenizer_problems"] == [] and "warning" not in text, text
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3"])
+def test_the_exported_byte_tokenizer_is_checked_as_a_user_loads_it(tmp_path, model_type):
+    """transformers picks Qwen2Tokenizer for any qwen2 directory (and others by model type),
+    whatever tokenizer_config.json declares: it NFC-normalises, so decomposed accents encode other
+    than training did; the export says so and names the loading line that works. No class may
+    add a token outside the model's 260 ids (Qwen2Tokenizer added <|endoftext|> as 260)."""
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+
+    from lmtrain.export import PROBE_TEXTS, byte_tokenizer, check_tokenizer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "bytes"}}))
+    out = tmp_path / "hf"
+    AutoConfig.for_model(model_type, vocab_size=260, pad_token_id=256).save_pretrained(out)
+    byte_tokenizer().save_pretrained(out)
+    problems = check_tokenizer(str(data), out, 260)
+    auto = AutoTokenizer.from_pretrained(out)
+    if type(auto).__name__ == "Qwen2Tokenizer":  # qwen2; phi3's forced class is the generic backend
+        (problem,) = problems
+        assert problem.startswith("AutoTokenizer.from_pretrained(DIR) loads Qwen2Tokenizer, which encodes "
+                                  "'cafe\u0301 d\u00e9ja\u0300 vu (NFD)' other than training did"), problem
+        assert problem.endswith("(load it with PreTrainedTokenizerFast.from_pretrained(DIR))")
+    else:
+        assert problems == [], problems
+    for tok in (auto, PreTrainedTokenizerFast.from_pretrained(out)):
+        assert len(tok) == 260 and tok.pad_token_id == tok.eos_token_id == 256, (type(tok).__name__, len(tok))
+        for text in PROBE_TEXTS:
+            assert all(0 <= i < 260 for i in tok(text, add_special_tokens=False)["input_ids"])
 
 
 @pytest.mark.slow
