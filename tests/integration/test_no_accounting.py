@@ -26,6 +26,12 @@ def _status(lm, name: str | None = None) -> dict:
     return json.loads(r.out)
 
 
+def _history(lm, name: str) -> dict:
+    r = lm("history", name, "--json")
+    assert r.code == 0, r.err
+    return json.loads(r.out)
+
+
 def _submit_the_others(lm, name: str, tmp_path: Path) -> dict[str, str]:
     """Beside the preempted run (on n1): a run whose 2-minute time limit ends it (max_timeouts=0, its
     steps slowed so it cannot finish first), a 2-point sweep run one point at a time, a run to
@@ -67,10 +73,10 @@ def _check_the_others(lm, names: dict[str, str]) -> None:
     # SLURM may still hold a finished array task's record (the array's other task ended later)
     assert all((p["state"], p["step"]) == ("COMPLETED", 20) for p in points), points
     assert rows[names["sw"]]["state"] == "2 COMPLETED", rows[names["sw"]]
-    r = lm("history", names["tl"])
-    assert r.code == 0 and "max_timeouts(0) reached" in r.out and "limit_reached" in r.out, r.out
-    r = lm("history", names["cx"])
-    assert r.code == 0 and "cancelled" in r.out and "never requeued" in r.out, r.out
+    (a,) = _history(lm, names["tl"])["attempts"]  # JSON: the table's columns shrink to the terminal
+    assert a["reason"] == "limit_reached" and "max_timeouts(0) reached" in a["detail"], a
+    (a,) = _history(lm, names["cx"])["attempts"]
+    assert a["reason"] == "cancelled" and "never requeued" in a["detail"], a
     r = lm("logs", names["tl"])
     assert r.code == 0 and "max_timeouts(0) reached" in r.out, r.out[-2000:]
 
@@ -120,9 +126,10 @@ def test_a_run_preempted_and_finished_on_a_cluster_without_accounting_is_told_fr
             assert "keeps no job accounting" in data["slurm"]["message"], data["slurm"]
             r = lm("history", run_name)
             assert r.code == 0, r.err
-            assert "preempted" in r.out and "reached max_steps" in r.out, r.out
-            assert "queue wait unknown: this cluster keeps no job accounting" in r.out, r.out
-            assert "slurmdbd" not in r.out.replace("(sacct: accounting storage is disabled)", "")
+            text = " ".join(r.out.split())  # lines wrap at the terminal's width
+            assert "preempted" in text and "reached max_steps" in text, r.out
+            assert "queue wait unknown: this cluster keeps no job accounting" in text, r.out
+            assert "slurmdbd" not in text.replace("(sacct: accounting storage is disabled)", "")
             _check_the_others(lm, others)
     finally:
         release_worker(own, run_name)
