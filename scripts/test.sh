@@ -14,6 +14,17 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${LMLAUNCH_VENV:-$PWD/.venv}
 WORKERS=${LMLAUNCH_TEST_WORKERS:-4}
+# The suite picks the cluster each test talks to. A shell pointed at a local cluster (`eval
+# "$(lmlaunch cluster env --slurm 24.11)"`) would point the primary `cluster up` at that one and
+# give the zygote another PATH than the ranks get (each rank then starts as a plain process,
+# importing torch again: a fresh-clone run took 24:45 instead of ~18 min for phase 1 so).
+unset SLURM_CONF LMLAUNCH_CLUSTER_DIR
+PATH=$("$VENV/bin/python" -c "
+import os
+from launcher.localcluster.config import base_root
+base = str(base_root()).rstrip('/') + '/'
+print(':'.join(p for p in os.environ['PATH'].split(':') if not (p.startswith(base) and p.endswith('/bin'))))")
+export PATH
 # Start the cluster before pytest (the session fixture would too; starting it here shows its
 # output and fails early). Without root and without the packages, `cluster up` says what to
 # install and the integration tests are skipped with that reason.
