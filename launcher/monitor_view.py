@@ -222,9 +222,12 @@ def history_view(h: History) -> Group:
     from rich.text import Text
 
     table = Table(box=None, header_style="bold", pad_edge=False)
+    # why each attempt ended is the table's point: that column never shrinks (headers may)
+    ended_width = max([len(a.reason) + (2 if a.requeued else 0) for a in h.attempts] + [5])
     for col, kw in (
-        ("ATT", {"justify": "right"}), ("JOB", {}), ("NODES", {}), ("STARTED", {"no_wrap": True}),
-        ("QUEUED", {"justify": "right"}), ("STEPS", {"no_wrap": True}), ("ENDED", {}),
+        ("ATT", {"justify": "right"}), ("JOB", {"no_wrap": True}), ("NODES", {}),
+        ("STARTED", {"no_wrap": True}), ("QUEUED", {"justify": "right"}), ("STEPS", {"no_wrap": True}),
+        ("ENDED", {"no_wrap": True, "min_width": ended_width}),
         ("LOST", {"justify": "right"}), ("TRAIN/ALLOC", {"no_wrap": True}), ("GOODPUT", {"justify": "right"}),
     ):
         table.add_column(col, **kw)

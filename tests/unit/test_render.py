@@ -123,6 +123,25 @@ def test_history_table_at_120_columns(tmp_path):
     assert "  attempt 1: SIGTERM; checkpoint step-50 complete" in lines
 
 
+def test_history_at_80_columns_keeps_why_each_attempt_ended_whole(tmp_path):
+    """A pipe is 80 columns wide: the other columns shrink, the reasons do not (seen: 'limi…')."""
+    make_run(tmp_path, "a-rather-long-run-name-of-a-sweep-point.12", job_ids=("1037_12",), attempts=[
+        {"job_id": "1037_12", "start_step": 0, "end_step": 22, "t0": T0 - 1000, "t1": T0 - 800,
+         "reason": "limit_reached", "nodes": ["node-with-a-long-name-17"], "requeued": True},
+        {"job_id": "1037_12", "start_step": 22, "end_step": 22, "t0": T0 - 600, "t1": T0 - 590,
+         "reason": "preflight_failed", "nodes": ["node-with-a-long-name-18"]},
+    ])
+    run_dir = tmp_path / "runs" / "a-rather-long-run-name-of-a-sweep-point.12"
+    h = history_rows.build_history(run_dir.name, rundir.read_jsonl(run_dir / "attempts.jsonl"),
+                                   rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl"), None, now=T0)
+    lines = _render(history_view(h), width=80).splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    first = next(line for line in lines if line.lstrip().startswith("1 "))
+    second = next(line for line in lines if line.lstrip().startswith("2 "))
+    assert "1037_12" in first and "limit_reached ↻" in first, lines
+    assert "1037_12" in second and "preflight_failed" in second, lines
+
+
 def test_logs_print_attempts_in_order_with_markers_and_filter_errors(tmp_path):
     make_run(tmp_path, "l", attempts=[
         {"job_id": "7", "start_step": 0, "end_step": 50, "t0": T0 - 1000, "t1": T0 - 800, "reason": "preempted"},
