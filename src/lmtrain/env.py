@@ -168,15 +168,20 @@ def rendezvous(
     resume from (``resume``: rank 0 lists the checkpoints, the others use its choice); others
     wait for it.
 
-    Sets MASTER_ADDR and MASTER_PORT in os.environ (an already set MASTER_PORT/ADDR, e.g. from
-    the local launcher, is kept and published as it is).
+    Sets MASTER_ADDR and MASTER_PORT in os.environ (the local launcher's, already set, are kept
+    and published as they are; a SLURM task's inherited ones are not its own and are ignored).
     """
     path = Path(run_dir) / "rendezvous" / f"{env.rendezvous_key}.json"
     if env.rank == 0:
         if attempt is None:
             raise ValueError("rank 0 must decide the attempt number")
-        addr = os.environ.get("MASTER_ADDR") or main_address(env)
-        port = int(os.environ.get("MASTER_PORT") or free_port())
+        # A SLURM task inherits the submitting shell's environment (sbatch --export=ALL): a
+        # MASTER_PORT there belongs to another process (seen: every job submitted from one test
+        # process took the same port, and all but the first died of EADDRINUSE). Only the local
+        # launcher sets these for its ranks.
+        own = env.launcher != "slurm"
+        addr = (os.environ.get("MASTER_ADDR") if own else None) or main_address(env)
+        port = int((os.environ.get("MASTER_PORT") if own else None) or free_port())
         rv = Rendezvous(addr=addr, port=port, attempt=attempt, resume=resume)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_private(path, json.dumps(rv.__dict__))

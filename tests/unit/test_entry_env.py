@@ -48,8 +48,7 @@ def test_local_launcher_variables_win_over_slurm_ones():
 def test_rank0_publishes_a_port_and_attempt_that_other_ranks_adopt(tmp_path, monkeypatch):
     base = {"SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "55",
             "SLURM_JOB_NODELIST": "localhost"}
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    _no_master_vars_after(monkeypatch)
     r1 = read_env({**base, "SLURM_PROCID": "1"})
     r0 = read_env({**base, "SLURM_PROCID": "0"})
     got = {}
@@ -60,6 +59,26 @@ def test_rank0_publishes_a_port_and_attempt_that_other_ranks_adopt(tmp_path, mon
     assert got["r1"] == published and published.attempt == 3 and 1024 < published.port < 65536
     assert os.environ["MASTER_PORT"] == str(published.port)
     assert (tmp_path / "rendezvous" / "55-0.json").exists()
+
+
+def _no_master_vars_after(monkeypatch) -> None:
+    """rendezvous() sets MASTER_ADDR/PORT in os.environ: gone again after the test (a bare delenv
+    of an unset variable restores nothing, and jobs later submitted from this process inherited
+    the port)."""
+    for name in ("MASTER_PORT", "MASTER_ADDR"):
+        monkeypatch.setenv(name, "set-by-the-test")
+        monkeypatch.delenv(name)
+
+
+def test_a_slurm_task_ignores_a_master_port_inherited_from_the_submitting_shell(tmp_path, monkeypatch):
+    _no_master_vars_after(monkeypatch)
+    monkeypatch.setenv("MASTER_PORT", "80")  # what sbatch --export=ALL carried over
+    monkeypatch.setenv("MASTER_ADDR", "10.9.9.9")
+    r0 = read_env({"SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "56",
+                   "SLURM_JOB_NODELIST": "localhost", "SLURM_PROCID": "0"})
+    published = rendezvous(r0, tmp_path, attempt=1)
+    assert published.port != 80 and published.addr != "10.9.9.9", published
+    assert os.environ["MASTER_PORT"] == str(published.port)
 
 
 def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_where_connections_do_not_take_it():
