@@ -143,8 +143,10 @@ def own_jobs():
 
 
 @pytest.fixture(scope="module")
-def module_env(tmp_path_factory):
-    """One registry and runs root for a test module (tests that share a reference run)."""
+def module_env(slurm_cluster, tmp_path_factory):
+    """One registry and runs root for a test module (tests that share a reference run), on this
+    worker's cluster as the session set it up (a test run alone once found its slot's cluster
+    left without accounting by test_no_accounting, and classified a node failure as a preemption)."""
     root = tmp_path_factory.mktemp("module")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LMLAUNCH_HOME", str(root / "home"))
