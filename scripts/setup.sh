@@ -27,9 +27,25 @@ if ((${#need[@]})); then
 fi
 
 # 2. Python environment: torch pinned first so nothing pulls a CUDA build.
+# The Python to build it on: LMLAUNCH_PYTHON, else a Python 3.11 outside /usr where there is one
+# (the local cluster's second SLURM version runs its jobs in a Debian root that has its own /usr
+# and sees this machine's Python only where it is not the system's), else the system's.
+pick_python() {
+  if [ -n "${LMLAUNCH_PYTHON:-}" ]; then echo "$LMLAUNCH_PYTHON"; return; fi
+  local c base first=""
+  for c in $(command -v python3.11 2>/dev/null) "$HOME"/.pyenv/versions/3.11*/bin/python3.11 \
+           /usr/local/bin/python3.11 /opt/*/bin/python3.11 $(command -v python3 2>/dev/null); do
+    [ -x "$c" ] || continue
+    base=$("$c" -c 'import os, sys; print(os.path.realpath(sys.base_prefix))' 2>/dev/null) || continue
+    [ -n "$first" ] || first=$c
+    case "$base" in /usr/local|/usr/local/*) echo "$c"; return ;; /usr|/usr/*) ;; *) echo "$c"; return ;; esac
+  done
+  echo "${first:-python3}"
+}
 if [ ! -x "$VENV/bin/python" ]; then
-  log "creating $VENV"
-  python3 -m venv "$VENV"
+  BASE_PY=$(pick_python)
+  log "creating $VENV (from $BASE_PY)"
+  "$BASE_PY" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then

@@ -50,6 +50,14 @@ CLIENT_COMMANDS = (
 )
 # the machine's directories a job may read or write, seen at the same paths inside the root
 SHARED_DIRS = ("/tmp", "/root", "/home", "/work", "/srv", "/opt", "/check")
+# The root's own system, never covered by the machine's: a venv made from /usr/bin/python3 has
+# sys.base_prefix /usr, and the machine's /usr mounted there hid the root's SLURM behind the
+# machine's (its "24.11" daemons were the machine's 22.05). /usr/local is the machine's own.
+OS_DIRS = (
+    "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/run", "/proc",
+    "/sys", "/dev", "/var/lib/dpkg", "/var/lib/apt", "/var/cache", "/var/log", "/var/lib/mysql",
+    "/var/lib/slurm", "/var/spool", "/var/run",
+)
 Say = Callable[[str], None]
 
 
@@ -69,13 +77,21 @@ def shared_paths(extra: str | None = None) -> list[Path]:
     wanted = [Path(d) for d in SHARED_DIRS] + [base_root(), repo, Path(sys.prefix), Path(sys.base_prefix)]
     extra = os.environ.get("LMLAUNCH_SHARED_PATHS", "") if extra is None else extra
     wanted += [Path(p) for p in extra.split(":") if p]
-    found = sorted({p.resolve() for p in wanted if p.is_dir() and p.resolve() != Path("/")}, key=lambda p: len(p.parts))
+    found = sorted({p.resolve() for p in wanted if p.is_dir() and not system_path(p.resolve())},
+                   key=lambda p: len(p.parts))
     kept: list[Path] = []
     for p in found:
         if p.is_relative_to(ROOTS) or any(p.is_relative_to(k) for k in kept):
             continue
         kept.append(p)
     return kept
+
+
+def system_path(path: Path) -> bool:
+    """``path`` is, holds or lies in the root's own system (OS_DIRS; / too): never shared."""
+    if path.is_relative_to("/usr/local"):
+        return False
+    return any(path.is_relative_to(d) or Path(d).is_relative_to(path) for d in OS_DIRS)
 
 
 def _mirror() -> str:
@@ -91,22 +107,37 @@ def _mirror() -> str:
     return DEFAULT_MIRROR
 
 
-def _mounted() -> set[str]:
+def _mountinfo() -> dict[str, str]:
+    """Mount point -> the mounted path within its filesystem ("…//deleted" once its source went)."""
     with open("/proc/self/mountinfo") as f:
-        return {line.split()[4] for line in f}
+        return {fields[4]: fields[3] for fields in (line.split() for line in f)}
+
+
+def _mounted() -> set[str]:
+    return set(_mountinfo())
 
 
 def ensure_mounts(root: Path) -> None:
     """/proc, /sys and /dev, and the shared paths, bind-mounted into the root (idempotent). Each
-    is made a slave mount: unmounting it later never reaches the machine's own."""
+    is made a slave mount: unmounting it later never reaches the machine's own. A mount under the
+    root that is not one of these (left by an earlier lmlaunch, or whose source was deleted) is
+    taken away first."""
+    sources = [Path("/proc"), Path("/sys"), Path("/dev"), *shared_paths()]
+    targets = [str(root / src.relative_to("/")) for src in sources]
+    prefix = str(root).rstrip("/") + "/"
+    info = _mountinfo()
+    for point in sorted((m for m in info if m.startswith(prefix)), key=len, reverse=True):
+        wanted = any(point == t or point.startswith(t.rstrip("/") + "/") for t in targets)
+        stale = point in targets and info[point].endswith("//deleted")
+        if (not wanted or stale) and point in _mounted():
+            run_checked(["umount", "-R", "-l", point], f"unmounting {point}")
     mounted = _mounted()
-    for src in [Path("/proc"), Path("/sys"), Path("/dev"), *shared_paths()]:
-        target = root / src.relative_to("/")
-        if str(target) in mounted:
+    for src, target in zip(sources, targets):
+        if target in mounted:
             continue
-        target.mkdir(parents=True, exist_ok=True)
-        run_checked(["mount", "--rbind", str(src), str(target)], f"mounting {src} into {root}")
-        run_checked(["mount", "--make-rslave", str(target)], f"mounting {src} into {root}")
+        Path(target).mkdir(parents=True, exist_ok=True)
+        run_checked(["mount", "--rbind", str(src), target], f"mounting {src} into {root}")
+        run_checked(["mount", "--make-rslave", target], f"mounting {src} into {root}")
 
 
 def unmount(root: Path) -> list[str]:
@@ -120,11 +151,23 @@ def unmount(root: Path) -> list[str]:
     return done
 
 
+def _remove_root(root: Path) -> None:
+    """Delete a half-made root: only once nothing of the machine is mounted in it (a recursive
+    delete would go on into the machine's own /tmp, /root, /work...)."""
+    unmount(root)
+    prefix = str(root).rstrip("/") + "/"
+    left = sorted(m for m in _mounted() if m.startswith(prefix))
+    if left:
+        raise ClusterError(f"not deleting the half-made root {root}: still mounted in it: {', '.join(left)}")
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def ensure_root(version: str, say: Say) -> Path:
     """The root of ``version``'s Debian release with its packages installed (made once: about a
     minute of debootstrap and two of apt-get)."""
     root = root_dir(version)
     packages = PACKAGES + RELEASE_PACKAGES.get(SLURM_RELEASES[version], ())
+    _python_shareable(version)
     marker = f"SLURM {version}: made by `lmlaunch cluster up --slurm {version}`\npackages: {' '.join(packages)}\n"
     if (root / MARKER).exists() and (root / MARKER).read_text() == marker:
         ensure_mounts(root)
@@ -144,7 +187,7 @@ def ensure_root(version: str, say: Say) -> Path:
     if not (root / "usr/bin/apt-get").exists():
         release, mirror = SLURM_RELEASES[version], _mirror()
         say(f"making a Debian {release} root in {root} (debootstrap from {mirror})")
-        shutil.rmtree(root, ignore_errors=True)  # a half-made one from an interrupted run
+        _remove_root(root)  # a half-made one from an interrupted run
         root.parent.mkdir(parents=True, exist_ok=True)
         run_checked(["debootstrap", "--variant=minbase", release, str(root), mirror],
                     "debootstrap", env=env, timeout=1200)
@@ -156,6 +199,19 @@ def ensure_root(version: str, say: Say) -> Path:
     (root / MARKER).write_text(marker)  # a later lmlaunch that needs more packages installs them
     _python_runs(root, version)
     return root
+
+
+def _python_shareable(version: str) -> None:
+    """The system's own Python (under /usr) is not shared into the root at all: said before
+    anything is made."""
+    base = Path(sys.base_prefix).resolve()
+    if system_path(base):
+        raise UserError(
+            f"this machine's Python ({sys.executable}) is built on the system's, under {base}, which the Debian "
+            f"{SLURM_RELEASES[version]} root cannot share (it has its own {base}); the SLURM {version} cluster "
+            "runs its jobs there. Make the virtualenv from a Python outside /usr (pyenv's, /usr/local's, /opt's: "
+            "scripts/setup.sh takes one when it finds it, or the one LMLAUNCH_PYTHON names)",
+            exit_code=ExitCode.UNAVAILABLE)
 
 
 def _python_runs(root: Path, version: str) -> None:

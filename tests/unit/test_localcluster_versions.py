@@ -5,9 +5,14 @@ tests/integration, LMLAUNCH_TEST_SLURM=24.11.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+from launcher.core.errors import ExitCode, UserError
 from launcher.localcluster import config, debian_root
 from launcher.localcluster.config import Layout, Ports, render_slurm_conf
 
@@ -65,3 +70,43 @@ def test_a_cluster_without_accounting_names_no_slurmdbd_and_keeps_finished_jobs_
     without = render_slurm_conf(layout, user="root", preempt_send_user_signal=False, accounting=False, min_job_age=2)
     assert "AccountingStorageType=accounting_storage/none" in without
     assert "AccountingStoragePort" not in without and "MinJobAge=2\n" in without
+
+
+def test_the_roots_own_system_is_never_shared(monkeypatch):
+    """A venv made from /usr/bin/python3 has sys.base_prefix /usr: mounting that into the root hid
+    the root's SLURM behind the machine's (its 24.11 cluster ran the machine's 22.05 daemons)."""
+    for p in ("/", "/usr", "/usr/lib/python3", "/etc", "/var", "/var/lib", "/lib64", "/run/user", "/dev"):
+        assert debian_root.system_path(Path(p)), p
+    for p in ("/usr/local", "/usr/local/lib/python3.11", "/root/.pyenv/versions/3.11.7",
+              "/var/lib/lmlaunch-cluster", "/tmp", "/check/main", "/opt/py"):
+        assert not debian_root.system_path(Path(p)), p
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    paths = debian_root.shared_paths(extra="/usr/lib:/etc:/var")
+    assert paths and not any(debian_root.system_path(p) for p in paths), paths
+    with pytest.raises(UserError) as err:
+        debian_root.ensure_root("24.11", print)  # said before anything is made or mounted
+    assert err.value.exit_code == ExitCode.UNAVAILABLE
+    assert "Python outside /usr" in str(err.value) and "LMLAUNCH_PYTHON" in str(err.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+def test_mounts_in_the_root_that_are_not_shared_paths_are_taken_away(tmp_path, monkeypatch):
+    """What an earlier lmlaunch left mounted in the root (the machine's /usr, a deleted /check) is
+    unmounted before the shared paths are mounted; a half-made root is deleted only once nothing
+    of the machine is mounted in it."""
+    root, shared, gone = tmp_path / "root", tmp_path / "shared", tmp_path / "gone"
+    for d in (root / "stale", shared, gone):
+        d.mkdir(parents=True)
+    (shared / "keep").write_text("the machine's file")
+    monkeypatch.setattr(debian_root, "shared_paths", lambda: [shared])
+    subprocess.run(["mount", "--bind", str(gone), str(root / "stale")], check=True)
+    try:
+        debian_root.ensure_mounts(root)
+        points = {m for m in debian_root._mounted() if m.startswith(f"{root}/")}
+        assert f"{root}/stale" not in points
+        assert {f"{root}/proc", f"{root}/sys", f"{root}/dev", f"{root}{shared}"} <= points, points
+        debian_root.ensure_mounts(root)  # idempotent
+        debian_root._remove_root(root)
+        assert not root.exists() and (shared / "keep").read_text() == "the machine's file"
+    finally:
+        debian_root.unmount(root)
