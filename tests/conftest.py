@@ -13,7 +13,7 @@ import shared_results
 import suite_timing
 
 REPO = Path(__file__).resolve().parent.parent
-# Each test's wall seconds from a serial run (tests/suite_timing.py FILE --write-durations): the
+# Each test's wall seconds from a parallel run (tests/suite_timing.py FILE --write-durations): the
 # longest tests are started first so that no long test is left for the end of a parallel run.
 DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_TEST_S = 2.0
@@ -36,7 +36,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     path = config.getoption("--timing-report")
     if path:
-        config.pluginmanager.register(suite_timing.Recorder(Path(path).absolute()), "suite-timing")
+        config.pluginmanager.register(suite_timing.Recorder(Path(path).absolute(), config.getoption("--phase")), "suite-timing")
     _start_zygote(config)
 
 

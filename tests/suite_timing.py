@@ -53,8 +53,9 @@ def own_cpu_seconds() -> float:
 class Recorder:
     """A pytest plugin object: times every test's whole protocol and appends a line per test."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, phase: str | None = None) -> None:
         self.path = path
+        self.phase = phase or "-"
         self.worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
         self.outcomes: dict[str, str] = {}
 
@@ -67,6 +68,7 @@ class Recorder:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         start_wall, start_busy, start_own = time.monotonic(), machine_busy_seconds(), own_cpu_seconds()
+        started = time.time()
         outcome = yield
         record = {
             "test": item.nodeid,
@@ -74,6 +76,8 @@ class Recorder:
             "machine_cpu_s": round(machine_busy_seconds() - start_busy, 3),
             "own_cpu_s": round(own_cpu_seconds() - start_own, 3),
             "worker": self.worker,
+            "phase": self.phase,
+            "start": round(started, 1),
             "outcome": self.outcomes.pop(item.nodeid, "passed"),
         }
         with open(self.path, "a") as f:  # one short line per write: O_APPEND keeps workers' lines whole
@@ -101,6 +105,16 @@ def summary(rows: list[dict], top: int = 30, markdown: bool = False, cores: int 
         f"{cpu / 60:.1f} min of machine CPU ({cpu / max(wall, 1e-9) / cores:.0%} of {cores} cores busy), "
         f"{own / 60:.1f} min in pytest and its children",
     ]
+    phases: dict[str, list[float]] = {}  # phase -> first start, last end, tests (reports since "start")
+    for r in rows:
+        if "start" in r:
+            span = phases.setdefault(r.get("phase", "-"), [r["start"], 0.0, 0])
+            span[0], span[1], span[2] = min(span[0], r["start"]), max(span[1], r["start"] + r["wall_s"]), span[2] + 1
+    if phases:
+        t0 = min(v[0] for v in phases.values())
+        lines.append("phases (from the first test's start): " + "; ".join(
+            f"{name} {(a - t0) / 60:.1f}-{(b - t0) / 60:.1f} min ({n} tests)"
+            for name, (a, b, n) in sorted(phases.items(), key=lambda kv: kv[1][0])))
     modules: dict[str, list[float]] = {}
     for r in rows:
         m = modules.setdefault(r["test"].split("::")[0], [0.0, 0.0, 0])
@@ -140,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = read(args.file)
     print(summary(rows, args.top, args.markdown, args.cores))
     if args.write_durations:
-        durations = {r["test"]: round(r["wall_s"], 1) for r in rows}
+        durations: dict[str, float] = {}  # a test's first report, its phase-3 rerun on the other SLURM not
+        for r in sorted(rows, key=lambda r: r.get("phase") == "other-slurm"):
+            durations.setdefault(r["test"], round(r["wall_s"], 1))
         args.write_durations.write_text(json.dumps(dict(sorted(durations.items())), indent=0) + "\n")
     return 0
 

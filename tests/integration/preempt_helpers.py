@@ -14,7 +14,11 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,11 +52,14 @@ def lm(environ: dict[str, str], *args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def submit(environ: dict[str, str], name: str, *overrides: str, pace_s: float | None = PACE_S) -> tuple[str, Path]:
-    """Submit the tiny spec, its steps paced by ``pace_s`` (None: as fast as they go); return
-    (job id, run dir)."""
+def submit(environ: dict[str, str], name: str, *overrides: str, pace_s: float | None = PACE_S,
+           checkout: Path | None = None) -> tuple[str, Path]:
+    """Submit the tiny spec, its steps paced by ``pace_s`` (None: as fast as they go), with
+    lmlaunch from ``checkout`` (a private_checkout; default: this one, in-process); return (job
+    id, run dir)."""
     with faults(*([pace(pace_s)] if pace_s else [])):
-        code, out, err = lm(environ, "submit", SPEC, f"name={name}", *BASE, *overrides)
+        args = ("submit", SPEC, f"name={name}", *BASE, *overrides)
+        code, out, err = lm_from(checkout, environ, *args) if checkout else lm(environ, *args)
     assert code == 0, out + err
     job_id = re.search(r"job (\d+)", out).group(1)
     return job_id, Path(environ["LMLAUNCH_RUNS_ROOT"]) / name
@@ -236,11 +243,37 @@ def wait_ended(job_id: str, timeout: float = 240.0) -> str:
     return rehearsal.wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, timeout=timeout, poll=1.0)
 
 
+def private_checkout(where: Path) -> Path:
+    """A copy of the checkout's code (launcher/, src/lmtrain/, cluster_profiles/) in ``where``, for a test that edits
+    the code a run was submitted from, as a user edits a live checkout, while other tests' jobs
+    snapshot and import the shared one. `lm_from` runs lmlaunch from it. Its module.py carries a
+    marker line, so a snapshot shows which checkout it was taken from."""
+    shutil.copytree(REPO / "launcher", where / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "src" / "lmtrain", where / "src" / "lmtrain", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "cluster_profiles", where / "cluster_profiles")  # found beside launcher/
+    module = where / "src" / "lmtrain" / "module.py"
+    module.write_text(module.read_text() + f"\n# {CHECKOUT_MARKER} {where}\n")
+    return where
+
+
+CHECKOUT_MARKER = "private checkout of a test:"
+
+
+def lm_from(checkout: Path, environ: dict[str, str], *args: str) -> tuple[int, str, str]:
+    """`lmlaunch ARGS` as a process that imports lmlaunch from ``checkout`` (a private_checkout),
+    with ``environ`` over this process's environment (the fault rules of a `faults` block)."""
+    env = {**os.environ, **environ, "PYTHONPATH": f"{checkout}:{checkout / 'src'}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from launcher.cli import main; sys.exit(main(sys.argv[1:]))", *args],
+        cwd=checkout, env=env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 @contextlib.contextmanager
-def edited_checkout():
-    """Edit the live checkout's loss (x3) for the duration: a task that imported the checkout
-    instead of its run's code snapshot would log other losses than the uninterrupted run."""
-    path = REPO / "src" / "lmtrain" / "module.py"
+def edited_checkout(checkout: Path):
+    """Edit the checkout's loss (x3) for the duration: a task that imported the checkout instead
+    of its run's code snapshot would log other losses than the uninterrupted run."""
+    path = checkout / "src" / "lmtrain" / "module.py"
     original = path.read_text()
     edited = original.replace("return self(input_ids, labels=labels).loss", "return self(input_ids, labels=labels).loss * 3.0")
     assert edited != original, "the line to edit is gone from lmtrain/module.py"

@@ -118,12 +118,13 @@ def test_exclusive_high_job_preempts_low_job_which_restarts_with_restart_count(s
 def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_its_last_run(
         slurm_cluster, tmp_path, own_jobs, run_name):
     """A node set DOWN: SLURM requeues the job at once and the node is back in service within a
-    second, while its slurmd still kills the job's run (here the task takes 6 s over SIGTERM).
-    Started meanwhile, the job would be killed with it (same job id): rehearsal.ready_to_start
-    says no until the node's slurmd has no process of the job left."""
+    second, while its slurmd still kills the job's run (here the task outlives SIGTERM until the
+    SIGKILL KillWait=10 s later: a task that took 6 s over it was gone, under load, before the
+    test looked). Started meanwhile, the job would be killed with it (same job id):
+    rehearsal.ready_to_start says no until the node's slurmd has no process of the job left."""
     script = tmp_path / "slow.sh"
     script.write_text("#!/bin/bash\n"
-                      "srun bash -c 'trap \"sleep 6; exit 0\" TERM; sleep 300 & wait; sleep 6'\n")
+                      "srun bash -c 'trap \"sleep 300\" TERM; sleep 300 & wait; sleep 300'\n")
     job = _sbatch("-J", run_name, "-p", "low", "-w", "n2", "-N", "1", "--requeue",
                   "-o", str(tmp_path / "slow-%j.out"), str(script))
     own_jobs.append(job)
@@ -136,7 +137,7 @@ def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_i
     rehearsal.set_node_state("n2", "DOWN", reason=f"test {run_name}")
     try:
         assert rehearsal.wait_for(job, {"queued"}, timeout=30, poll=0.2) == "PENDING"
-        assert rehearsal.steps_left(job) == ["n2"]
+        assert rehearsal.steps_left(job, ["n2"]) == ["n2"]
         assert not rehearsal.ready_to_start(job)
         deadline = time.monotonic() + 60
         while rehearsal.steps_left(job, ["n2"]):

@@ -16,6 +16,7 @@ import re
 import pytest
 from preempt_helpers import (
     BASE,
+    CHECKOUT_MARKER,
     EVERY,
     MAX_STEPS,
     SPEC,
@@ -31,6 +32,7 @@ from preempt_helpers import (
     log_tail,
     losses_by_step,
     preempt,
+    private_checkout,
     starts,
     submit,
     user_signal_on_preemption,
@@ -87,15 +89,20 @@ def _check_resumed_exactly(run_dir, reference, missing_ok=frozenset()) -> None:
     assert_weights_identical(run_dir, reference)
 
 
-@pytest.mark.serial  # edits the live checkout: no other test may snapshot or import it meanwhile
-def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, env, jobs, name):
+def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, env, jobs, name, tmp_path):
     """Preemption by a high-priority exclusive job at a random step, the cluster sending the
-    warning signal (preempt_send_user_signal) and SIGTERM."""
+    warning signal (preempt_send_user_signal) and SIGTERM. Submitted from a checkout that is
+    edited while the run is queued and in both attempts: each attempt runs the code as submitted
+    (the run's snapshot). The checkout is the test's own copy: other tests' jobs snapshot the
+    shared one meanwhile."""
+    checkout = private_checkout(tmp_path / "checkout")
     with user_signal_on_preemption(True), webhook_server() as (url, messages):
         assert cluster_sends_user_signal()
-        job, run_dir = submit(env, name, f"notify.webhooks=[{{url: '{url}'}}]")
+        job, run_dir = submit(env, name, f"notify.webhooks=[{{url: '{url}'}}]", checkout=checkout)
         jobs.append(job)
-        with edited_checkout():  # while queued and in both attempts: they run the submitted code
+        snapshot = (run_dir / "code" / "lmtrain" / "module.py").read_text()
+        assert f"# {CHECKOUT_MARKER} {checkout}" in snapshot  # taken from the private checkout
+        with edited_checkout(checkout):  # while queued and in both attempts: they run the submitted code
             seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)
             r = preempt(env, name, "requeue", "--start-now")
             assert r["requeued"], r
