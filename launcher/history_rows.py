@@ -151,6 +151,10 @@ def build_history(
                    ("exclude_failed", "requeue_failed", "cancel_failed")}}.get(str(x.get("event")))
         if what:
             notes.append(f"after attempt {x.get('attempt')}: {what}")
+        elif x.get("event") == "checkpoint_rejected":  # lmtrain.resume_point, before it loaded anything
+            instead = f"resumed from {x['fallback']} instead" if x.get("fallback") else "no older checkpoint was left"
+            notes.append(f"attempt {x.get('attempt')}: step-{x.get('step')} failed its checksums "
+                         f"({x.get('detail', '')}); {instead}")
     return History(
         name=name,
         attempts=rows,

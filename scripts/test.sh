@@ -4,18 +4,16 @@
 #
 # By default the suite runs in three phases: every test but those marked `serial` on
 # LMLAUNCH_TEST_WORKERS parallel workers (pytest-xdist; each worker runs its SLURM tests on a
-# local cluster of its own, launcher/localcluster/workers.py) and, beside it, the integration
-# tests marked `both_versions` again on the other SLURM version (24.11 on Debian 12, 22.05 on
-# Debian 13; from a Debian root, launcher/localcluster/debian_root.py) on
-# LMLAUNCH_TEST_OTHER_WORKERS workers, unless LMLAUNCH_TEST_OTHER_SLURM=0; then the `serial` ones
-# alone.
+# local cluster of its own, launcher/localcluster/workers.py), then the `serial` ones alone, then
+# the integration tests marked `both_versions` again on the other SLURM version (24.11 on Debian
+# 12, 22.05 on Debian 13; from a Debian root, launcher/localcluster/debian_root.py), unless
+# LMLAUNCH_TEST_OTHER_SLURM=0.
 # `-n 0` (or any -n / --numprocesses / -p no:xdist) runs one pytest invocation as given instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${LMLAUNCH_VENV:-$PWD/.venv}
 WORKERS=${LMLAUNCH_TEST_WORKERS:-4}
-OTHER_WORKERS=${LMLAUNCH_TEST_OTHER_WORKERS:-2}  # phase 3's, beside phase 1's
 # The suite picks the cluster each test talks to. A shell pointed at a local cluster (`eval
 # "$(lmlaunch cluster env --slurm 24.11)"`) would point the primary `cluster up` at that one and
 # give the zygote another PATH than the ranks get (each rank then starts as a plain process,
@@ -45,7 +43,7 @@ if [ "${LMLAUNCH_TEST_OTHER_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ]; then
   if [ -n "$OTHER" ]; then
     # the first time, this makes the Debian root (debootstrap + apt-get: a few minutes)
     # exit 3: that SLURM cannot run here (this Python does not run in its root): said, and left out
-    "$VENV/bin/lmlaunch" cluster up --slurm "$OTHER" --workers "$OTHER_WORKERS" && rc0=0 || rc0=$?
+    "$VENV/bin/lmlaunch" cluster up --slurm "$OTHER" --workers "$WORKERS" && rc0=0 || rc0=$?
     if [ "$rc0" = 3 ]; then
       echo "[test] SLURM $OTHER cannot run on this machine (above): its phase is left out" >&2
       OTHER=""
@@ -79,29 +77,10 @@ if [ "$custom" = 1 ]; then
 fi
 
 start=$(date +%s)
-# Phase 3 runs beside phase 1, not after it: its tests mostly wait on its own clusters (GraceTime,
-# BeginTime, time limits), which phase 1's computing fills (run after phase 1 it took 3:39 of wall
-# for about a minute of the cores' time). Its output is shown once phase 1 ends.
-rc3=5
-pid3=""
-mapfile -t both_modules < <(grep -rl --include='test_*.py' 'pytest.mark.both_versions' tests/integration | sort)
-if [ -n "$OTHER" ] && ((${#both_modules[@]})); then
-  log3=$(mktemp "${TMPDIR:-/tmp}/lmlaunch-test-phase3.XXXXXX")
-  echo "[test] phase 3: the tests marked both_versions, on SLURM $OTHER ($OTHER_WORKERS workers, beside phase 1)"
-  (LMLAUNCH_TEST_SLURM=$OTHER pytest "${both_modules[@]}" -n "$OTHER_WORKERS" --dist load --maxschedchunk 1 \
-    --phase other-slurm "$@" > "$log3" 2>&1) &
-  pid3=$!
-fi
 echo "[test] phase 1: all tests but the serial ones, on $WORKERS workers"
 # --maxschedchunk 1: each worker holds two tests at a time and asks for more when one ends (by
 # default each is handed a block of ~50 consecutive tests, and the long ones pile up on one worker)
 pytest tests -n "$WORKERS" --dist load --maxschedchunk 1 --phase parallel "$@" && rc1=0 || rc1=$?
-if [ -n "$pid3" ]; then
-  wait "$pid3" && rc3=0 || rc3=$?
-  echo "[test] phase 3 (SLURM $OTHER), its output:"
-  cat "$log3"
-  rm -f "$log3"
-fi
 # phase 2 collects only the modules that hold serial tests (collecting all of them costs ~20 s)
 mapfile -t serial_modules < <(grep -rl --include='test_*.py' '@pytest.mark.serial' tests | sort)
 if ((${#serial_modules[@]})); then
@@ -109,6 +88,13 @@ if ((${#serial_modules[@]})); then
   pytest "${serial_modules[@]}" --phase serial "$@" && rc2=0 || rc2=$?
 else
   rc2=5
+fi
+rc3=5
+mapfile -t both_modules < <(grep -rl --include='test_*.py' 'pytest.mark.both_versions' tests/integration | sort)
+if [ -n "$OTHER" ] && ((${#both_modules[@]})); then
+  echo "[test] phase 3: the tests marked both_versions, on SLURM $OTHER"
+  LMLAUNCH_TEST_SLURM=$OTHER pytest "${both_modules[@]}" -n "$WORKERS" --dist load --maxschedchunk 1 \
+    --phase other-slurm "$@" && rc3=0 || rc3=$?
 fi
 echo "[test] all phases: $(( $(date +%s) - start )) s (phase 1 exit $rc1, phase 2 exit $rc2, phase 3 exit $rc3)"
 # exit 5 (nothing collected) is fine for one phase when a filter (-k, -m) left it nothing to run

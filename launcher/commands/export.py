@@ -11,7 +11,7 @@ from pathlib import Path
 from launcher import runs
 from launcher.context import Context
 from launcher.core import rundir
-from launcher.core.checkpoint_index import complete_checkpoints, describe_choice
+from launcher.core.checkpoint_index import CompleteCheckpoint, complete_checkpoints, describe_choice, verify
 from launcher.core.errors import UserError
 
 
@@ -30,6 +30,16 @@ def _run_dir(ref: str, ctx: Context) -> Path:
     return Path(runs.find_run(ref, ctx.environ or None).run_dir)
 
 
+def _newest_intact(run_dir: Path, ckpts: list[CompleteCheckpoint], ctx: Context) -> CompleteCheckpoint:
+    """The newest checkpoint whose files all match their checksums; each newer one is said."""
+    for ckpt in reversed(ckpts):
+        problems = verify(ckpt.path)
+        if not problems:
+            return ckpt
+        ctx.err(f"warning: {ckpt.path.name} does not hold what was written, not exported: {'; '.join(problems)}")
+    raise UserError(f"run {run_dir.name} has nothing to export: every complete checkpoint failed its checksums (above)")
+
+
 def run(args: argparse.Namespace, ctx: Context) -> int:
     run_dir = _run_dir(args.run, ctx)
     plan = json.loads((run_dir / rundir.PLAN).read_text())
@@ -38,7 +48,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if not ckpts:
         raise UserError(f"run {run_dir.name} has nothing to export: {describe_choice(ckpt_dir)} in {ckpt_dir}")
     if args.step is None:
-        ckpt = ckpts[-1]
+        ckpt = _newest_intact(run_dir, ckpts, ctx)
     else:
         found = [c for c in ckpts if c.step == args.step]
         if not found:
@@ -47,6 +57,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                 f"complete: {', '.join(str(c.step) for c in ckpts)}"
             )
         ckpt = found[0]
+        problems = verify(ckpt.path)
+        if problems:
+            raise UserError(f"--step {args.step}: {ckpt.path} does not hold what was written: {'; '.join(problems)}")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty directory: choose a new one")
@@ -57,8 +70,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         summary = export_hf(plan, ckpt, out)
     except UnreadableCheckpoint as exc:
         raise UserError(f"run {run_dir.name}: {exc}; export an older complete checkpoint with --step N") from exc
+    chosen = describe_choice(ckpt_dir, ckpt) if args.step is not None or ckpt.step == ckpts[-1].step \
+        else f"step-{ckpt.step} (the newest whose files match their checksums)"
     ctx.out(
-        f"exported {run_dir.name} {describe_choice(ckpt_dir, ckpt)} to {out}: {summary['strategy']}, "
+        f"exported {run_dir.name} {chosen} to {out}: {summary['strategy']}, "
         f"{summary['parameters']:,} parameters, {summary['tokenizer']} tokenizer\n"
         f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}); fine-tune it: model.pretrained: {out}"
     )

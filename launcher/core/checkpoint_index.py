@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,12 @@ log = logging.getLogger("lmtrain.checkpoint")
 STEP_RE = re.compile(r"step-(\d+)")  # matched with fullmatch
 LIGHTNING_NAME = "lightning.ckpt"
 COMPLETE_NAME = "COMPLETE"
+CORRUPT_NAME = "CORRUPT"  # written into a step directory whose files failed their checksums
 LATEST_NAME = "latest"
+# The checksum of every file in COMPLETE's manifest: xxHash's XXH3-128, computed while the file is
+# written (lmtrain.checksums) at memory speed (a cryptographic hash would hold a stop-time save).
+CHECKSUM_ALGORITHM = "xxh3_128"
+_READ = 8 << 20
 # Bytes per parameter of a checkpoint with AdamW: fp32 weights + two fp32 moments (DDP, FSDP);
 # DeepSpeed also keeps the fp32 master copy beside bf16/fp16 module weights.
 BYTES_PER_PARAM = {"ddp": 12, "fsdp": 12, "deepspeed_mixed": 14, "deepspeed_fp32": 12}
@@ -35,13 +41,23 @@ def checkpoint_bytes(params: int, strategy: str, precision: str) -> int:
 
 def incomplete_reason(path: Path) -> str | None:
     """Why the step directory ``path`` is not a complete checkpoint (None: it is). Complete means
-    COMPLETE is there and, when it has a manifest, every file it names is there at its size. (A
-    COMPLETE without a manifest, as older lmtrain wrote, is trusted as it is.)"""
+    COMPLETE is there, no CORRUPT marker (a load found a file unlike its checksum) and, when
+    COMPLETE has a manifest, every file it names is there at its size. (A COMPLETE without a
+    manifest, as older lmtrain wrote, is trusted as it is.) Sizes only: checksums are verified
+    where the files are read (:func:`verify`)."""
     marker = path / COMPLETE_NAME
     try:
         text = marker.read_text()
     except OSError:
         return f"no {COMPLETE_NAME} marker (its save did not finish)"
+    try:
+        corrupt = json.loads((path / CORRUPT_NAME).read_text())
+    except FileNotFoundError:
+        corrupt = None
+    except (OSError, ValueError):
+        corrupt = {"reason": f"{CORRUPT_NAME} marker is unreadable"}
+    if corrupt is not None:
+        return f"its files failed their checksums: {corrupt.get('reason', '?')}"
     try:
         files = json.loads(text).get("files")
     except (json.JSONDecodeError, AttributeError):
@@ -56,6 +72,80 @@ def incomplete_reason(path: Path) -> str | None:
         if actual != size:
             return f"{rel} is {actual:,} bytes, its manifest in {COMPLETE_NAME} says {size:,}"
     return None
+
+
+def file_digest(path: Path) -> str:
+    """The checksum of a file as the manifest records it (read in 8 MB pieces)."""
+    import xxhash  # only where files are checked: the CLI's listing never needs it
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while piece := f.read(_READ):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def manifest_checksums(path: Path) -> dict[str, str] | None:
+    """COMPLETE's checksums of the step directory ``path`` (relative path -> digest); None when it
+    has none (older lmtrain) or they are of another algorithm."""
+    try:
+        sums = json.loads((path / COMPLETE_NAME).read_text()).get("checksums")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(sums, dict) or sums.get("algorithm") != CHECKSUM_ALGORITHM:
+        return None
+    files = sums.get("files")
+    return {str(k): str(v) for k, v in files.items()} if isinstance(files, dict) else None
+
+
+def verify(path: Path, rels: list[str] | None = None) -> list[str]:
+    """Check the files ``rels`` of the step directory ``path`` (default: all of them) against
+    COMPLETE's checksums: what is wrong, one line per file (empty: nothing). A checkpoint without
+    checksums has nothing to check here."""
+    sums = manifest_checksums(path)
+    if sums is None:
+        return []
+    problems = []
+    for rel in sums if rels is None else rels:
+        expected = sums.get(rel)
+        if expected is None:
+            continue
+        try:
+            actual = file_digest(path / rel)
+        except OSError as exc:
+            problems.append(f"{rel}: unreadable ({exc.strerror or exc})")
+            continue
+        if actual != expected:
+            problems.append(f"{rel}: {CHECKSUM_ALGORITHM} {actual} differs from the {expected} written")
+    return problems
+
+
+def shares(path: Path, world_size: int) -> list[list[str]]:
+    """COMPLETE's checksummed files of ``path`` split among ``world_size`` readers by bytes
+    (largest first, each to the reader with the fewest bytes so far): rank r verifies
+    ``shares(...)[r]``, all ranks in parallel. Deterministic: every rank computes the same split."""
+    sums = manifest_checksums(path) or {}
+    try:
+        sizes = json.loads((path / COMPLETE_NAME).read_text()).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        sizes = {}
+    out: list[list[str]] = [[] for _ in range(max(1, world_size))]
+    load = [0] * len(out)
+    for rel in sorted(sums, key=lambda r: (-int(sizes.get(r, 0)), r)):
+        i = load.index(min(load))
+        out[i].append(rel)
+        load[i] += int(sizes.get(rel, 0))
+    return out
+
+
+def mark_corrupt(path: Path, problems: list[str]) -> None:
+    """Make the step directory ``path`` incomplete for every reader from now on: a CORRUPT marker
+    (written atomically) naming what failed. Its files are left as they are, for a look."""
+    text = json.dumps({"reason": "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
+                       "problems": problems}, indent=1) + "\n"
+    tmp = path / f".{CORRUPT_NAME}.tmp-{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, path / CORRUPT_NAME)
 
 
 def is_complete(path: Path) -> bool:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from launcher.core.checkpoint_index import LIGHTNING_NAME
-from lmtrain import faults
+from lmtrain import checksums, faults
 from lmtrain.async_checkpoint import Stager
 from lmtrain.disk_space import DiskFull, free_bytes, means_no_room, no_room, remove_partial
 from lmtrain.durable import fsync_file
@@ -113,7 +113,7 @@ def save_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dic
 
     def run() -> None:
         faults.set_context(step=step)  # this thread's points are about this step
-        said = writers.all_gather(_write_own(manager, write, rank, step))
+        said = writers.all_gather(_write_own(manager, write, rank, step, tmp))
         failed = [s for s in said if s is not None]
         if failed:
             if rank == 0:
@@ -132,11 +132,12 @@ def save_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dic
     return final, blocked
 
 
-def _write_own(manager: Any, write: Callable[[], None], rank: int, step: int) -> dict[str, Any] | None:
+def _write_own(manager: Any, write: Callable[[], None], rank: int, step: int, tmp: Path) -> dict[str, Any] | None:
     """Write this rank's files; None, or what went wrong (for every rank to hear)."""
     try:
         write()
         faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=rank, step=step)
+        checksums.write_sidecar(tmp, rank)  # its shards' checksums too, for rank 0's manifest
     except Exception as exc:
         log.error("checkpoint step-%d: rank %d's background write failed: %s", step, rank, exc)
         return {"rank": rank, "error": f"{type(exc).__name__}: {exc}",

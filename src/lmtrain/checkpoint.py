@@ -59,10 +59,9 @@ from launcher.core.checkpoint_index import (
     STEP_RE,
     CompleteCheckpoint,
     complete_checkpoints,
-    is_complete,
     newest_complete,
 )
-from lmtrain import faults
+from lmtrain import checksums, faults
 from lmtrain.async_checkpoint import BackgroundSave, Stager, save_ddp_in_background
 from lmtrain.async_sharded import WriterGroup, save_in_background, start_writers
 from lmtrain.disk_space import DiskFull, free_bytes, is_no_space, means_no_room, no_room, remove_partial, room_verdict
@@ -263,6 +262,8 @@ class CheckpointManager:
         final = self.dir / f"step-{step}"
         tmp = self.dir / f".step-{step}.tmp"
 
+        checksums.forget(keep=tmp)  # the files of earlier saves are in their manifests
+
         def clear() -> None:
             self.dir.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -280,6 +281,7 @@ class CheckpointManager:
         torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
+        checksums.write_sidecar(tmp, rank)  # what this rank wrote so far (a background save adds its shards)
 
     def _save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
         t0 = time.perf_counter()
@@ -330,11 +332,15 @@ class CheckpointManager:
             **self.identity,
         }
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
+        reported = checksums.collect(tmp)  # every rank's files' checksums (and the sidecars gone)
         fsync_dir(tmp)
         os.replace(tmp, final)
         faults.point("checkpoint.dir_renamed", file=final.name)
         fsync_dir(self.dir)
-        write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": manifest(final)}) + "\n")
+        files = manifest(final)
+        sums = checksums.manifest_checksums(final, files, reported)
+        write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": files, "checksums": sums}) + "\n")
+        checksums.forget()
         # complete (and durable) from here: `latest` (a hint) and pruning are housekeeping; no room there costs nothing
         try:
             write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
@@ -376,25 +382,3 @@ def _files_written_by(root: Path, rank: int):
     for path in all_files(root):
         if path.name == f"rank-{rank}.pt" or tag in path.name:
             yield path
-
-
-def agreed_checkpoint(ckpt_dir: str | Path, name: str | None, *, wait_s: float = 60.0) -> CompleteCheckpoint | None:
-    """The checkpoint rank 0 chose to resume from (published in the rendezvous), as this rank
-    sees it. Every rank resumes from the same step whatever its own listing of a shared
-    filesystem says at this instant (a newer checkpoint that appears, or attribute caches that
-    lag). Waits up to ``wait_s`` for it to look complete here; CheckpointError if it never does."""
-    if name is None:
-        return None
-    m = STEP_RE.fullmatch(name)
-    if not m:
-        raise CheckpointError(f"rank 0 published '{name}' as the checkpoint to resume: not a step-<S> directory name")
-    path = Path(ckpt_dir) / name
-    deadline = time.monotonic() + wait_s
-    while not is_complete(path):
-        if time.monotonic() > deadline:
-            raise CheckpointError(
-                f"rank 0 resumes from {path}, but this node does not see it complete after {wait_s:.0f} s: "
-                f"is {ckpt_dir} on a filesystem every node shares, and in sync?"
-            )
-        time.sleep(0.5)
-    return CompleteCheckpoint(step=int(m.group(1)), path=path)

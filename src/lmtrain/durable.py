@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from launcher.core.checkpoint_index import COMPLETE_NAME
-from lmtrain import faults
+from lmtrain import checksums, faults
 
 
 def _fsync(path: Path, name: str) -> None:
@@ -48,6 +48,7 @@ def _write_atomic(path: Path, mode: str, write: Callable[[Any], None]) -> None:
     os.replace(tmp, path)
     faults.point("checkpoint.renamed", file=path.name)
     fsync_dir(path.parent)
+    checksums.record_file(path)  # small, just written: its checksum for a checkpoint's manifest
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -183,8 +183,8 @@ def _convert_for_world_size(plan, env, name: str) -> None:
     """Rank 0, before the rendezvous: a ZeRO checkpoint resumed on another world size gets its
     universal form. A failed conversion is recorded beside the checkpoint (every rank then
     refuses to resume with that reason, lmtrain.checkpoint.check_compatible), not raised here."""
-    from lmtrain.checkpoint import agreed_checkpoint
     from lmtrain.elastic import ensure_universal, needs_universal, record_failure
+    from lmtrain.resume_point import agreed_checkpoint
 
     ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, name)
     if ckpt is not None and needs_universal(ckpt, strategy=plan.training.strategy, world_size=env.world_size):
@@ -252,9 +252,10 @@ def _rank_log(path: Path, rank: int):
 def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | None = _LIST_LOCALLY) -> int:
     from launcher.core.rundir import DONE, AttemptEnd, AttemptStart, Ledger
     from lmtrain.callbacks import RunInfo, StartupRecord, heartbeat_of
-    from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, check_compatible, newest_complete
+    from lmtrain.checkpoint import CheckpointError, check_compatible, newest_complete
     from lmtrain.notify import Notifier
     from lmtrain.preemption import Preemption
+    from lmtrain.resume_point import agreed_checkpoint, resume_point
     from lmtrain.signals import StopRequest
 
     t, paths = plan.trainer, plan.paths
@@ -287,6 +288,7 @@ def _train(plan, env, attempt: int, run_dir: Path, hooks: Hooks, resume: str | N
         raise RuntimeError(f"rank {env.rank}: {exc}") from None
     if ckpt is not None:
         try:
+            ckpt = resume_point(plan, env, run_dir, attempt, ckpt)  # its files are the ones written
             check_compatible(ckpt, strategy=plan.training.strategy, world_size=env.world_size)
         except CheckpointError as exc:
             # Not retryable: say so in the rank log and the ledger, exit non-zero, never requeue.

@@ -23,7 +23,7 @@ from launcher.core.checkpoint_index import (
     CompleteCheckpoint,
     complete_checkpoints,
     is_complete,
-    newest_complete,
+    verify,
 )
 from launcher.core.rundir import CHECKPOINTS, PLAN, AttemptEnd, AttemptStart, Ledger, LedgerNote, checkpoint_dir_of
 
@@ -39,13 +39,22 @@ def pick_checkpoint(ref: str | Path) -> CompleteCheckpoint:
     path = Path(ref)
     m = STEP_RE.fullmatch(path.name)
     if m and is_complete(path):
-        return next(c for c in complete_checkpoints(path.parent) if c.path.name == path.name)
+        named = next(c for c in complete_checkpoints(path.parent) if c.path.name == path.name)
+        problems = verify(named.path)  # its files are the ones written (COMPLETE's checksums)
+        if problems:
+            raise EvalError(f"eval.checkpoint {ref} does not hold what was written: {'; '.join(problems)}")
+        return named
     ckpt_dir = checkpoint_dir_of(path) if (path / PLAN).is_file() else path / CHECKPOINTS \
         if (path / CHECKPOINTS).is_dir() else path
-    newest = newest_complete(ckpt_dir)
-    if newest is None:
+    found = complete_checkpoints(ckpt_dir)
+    if not found:
         raise EvalError(f"eval.checkpoint {ref}: no complete checkpoint in {ckpt_dir}")
-    return newest
+    for ckpt in reversed(found):
+        problems = verify(ckpt.path)
+        if not problems:
+            return ckpt
+        log.warning("%s does not hold what was written, not evaluated: %s", ckpt.path, "; ".join(problems))
+    raise EvalError(f"eval.checkpoint {ref}: every complete checkpoint in {ckpt_dir} failed its checksums")
 
 
 def evaluate(spec: dict[str, Any], eval_spec: Any, data_spec: Any, seed: int) -> dict[str, Any]:

@@ -103,6 +103,9 @@ class _DcpStream(io.RawIOBase):
     def fileno(self) -> int:
         return self._f.fileno()
 
+    def record(self) -> None:
+        self._stream.record()
+
 
 class StreamedFileSystem(FileSystem):
     """DCP's local file system with every file it creates streamed to disk."""
@@ -114,7 +117,9 @@ class StreamedFileSystem(FileSystem):
                 yield stream
             return
         with open(path, "wb") as f:
-            yield _DcpStream(f)
+            stream = _DcpStream(f)
+            yield stream
+            stream.record()  # whole: its checksum for the manifest
 
 
 def dcp_save(state: dict[str, Any], path: Path, group: Any = None, *, alone: bool = False) -> None:

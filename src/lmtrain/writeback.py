@@ -12,7 +12,8 @@ page cache recycles the same few chunks' pages instead of taking 1.5 GB of memor
 
 Where ``sync_file_range`` is missing or refused (not Linux, a filesystem that does not support
 it) the stream writes plainly; a real I/O error from it (no space, EIO) is raised as the
-``OSError`` a write would raise, so lmtrain.disk_space treats it alike.
+``OSError`` a write would raise, so lmtrain.disk_space treats it alike. The stream also hashes
+what passes: the file's checksum for the checkpoint's manifest (lmtrain.checksums).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import errno
 import logging
 import os
 from typing import Any, BinaryIO
+
+from lmtrain import checksums
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +49,9 @@ _sync_file_range = _load_sync_file_range()
 
 
 def save_streamed(obj: Any, f: BinaryIO, chunk: int = CHUNK, **save_kwargs: Any) -> None:
-    """``torch.save(obj, **save_kwargs)`` into the open binary file ``f`` through a
-    :class:`WritebackStream`; a write that failed raises its own ``OSError`` (no space, EIO), not
-    torch's RuntimeError."""
+    """``torch.save(obj, **save_kwargs)`` into the open binary file ``f`` (a new file, by name)
+    through a :class:`WritebackStream`, its checksum recorded (lmtrain.checksums); a write that
+    failed raises its own ``OSError`` (no space, EIO), not torch's RuntimeError."""
     import torch
 
     stream = WritebackStream(f, chunk)
@@ -58,6 +61,7 @@ def save_streamed(obj: Any, f: BinaryIO, chunk: int = CHUNK, **save_kwargs: Any)
         if stream.error is not None:
             raise stream.error from exc
         raise
+    stream.record()
 
 
 class WritebackStream:
@@ -73,6 +77,11 @@ class WritebackStream:
         self.done = 0  # written back and dropped: [0, done)
         self.streaming = _sync_file_range is not None
         self.error: OSError | None = None  # torch.save reports a failed write as its own RuntimeError
+        self.hasher = checksums.new_hasher()  # the file's checksum, from the bytes as they pass
+
+    def record(self) -> None:
+        """The file is whole: its size and checksum to lmtrain.checksums (by the file's name)."""
+        checksums.record(self.f.name, self.pos, self.hasher.hexdigest())
 
     def write(self, data: Any) -> int:
         try:
@@ -89,6 +98,7 @@ class WritebackStream:
             # whole (one 150 MB tensor written at once would otherwise leave all of it cached)
             piece = min(size - off, self.chunk - (self.pos - self.started)) if self.streaming else size - off
             self.f.write(view[off:off + piece])
+            self.hasher.update(view[off:off + piece])
             self.pos += piece
             off += piece
             self._writeback()

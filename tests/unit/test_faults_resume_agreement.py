@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from lmtrain.checkpoint import CheckpointError, agreed_checkpoint, newest_complete
+from lmtrain.checkpoint import CheckpointError, newest_complete
 from lmtrain.env import TaskEnv, rendezvous
+from lmtrain.resume_point import agreed_checkpoint
 
 
 def _env(rank: int) -> TaskEnv:

@@ -183,6 +183,24 @@ def test_history_attempt_without_end_line_is_unknown_and_lost_steps_come_from_he
     assert h.attempts[0].steps_lost == 10 and h.attempts[0].end_time == 1030.0
 
 
+def test_history_says_which_checkpoint_failed_its_checksums_and_what_the_attempt_resumed_from():
+    ledger = [
+        {"event": "start", "attempt": 1, "job_id": "7", "time": 1000.0, "start_step": 0},
+        {"event": "end", "attempt": 1, "job_id": "7", "time": 1100.0, "end_step": 6, "reason": "preempted"},
+        {"event": "checkpoint_rejected", "attempt": 2, "job_id": "8", "time": 1200.0, "step": 6,
+         "detail": "rank-1.pt: xxh3_128 a differs from the b written", "fallback": "step-3"},
+        {"event": "start", "attempt": 2, "job_id": "8", "time": 1201.0, "start_step": 3},
+        {"event": "checkpoint_rejected", "attempt": 3, "job_id": "9", "time": 1300.0, "step": 3,
+         "detail": "x: unreadable", "fallback": None},
+    ]
+    notes = history_rows.build_history("r", ledger, [], None, now=2000.0).notes
+    assert notes == [
+        "attempt 2: step-6 failed its checksums (rank-1.pt: xxh3_128 a differs from the b written); "
+        "resumed from step-3 instead",
+        "attempt 3: step-3 failed its checksums (x: unreadable); no older checkpoint was left",
+    ]
+
+
 def test_error_filter_keeps_whole_tracebacks_and_error_lines():
     lines = ["step 1 ok", "Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
              "    boom()", "RuntimeError: boom", "step 2 ok", "srun: error: n2: task 1: Exited with exit code 1",
