@@ -140,7 +140,8 @@ def shares(path: Path, world_size: int) -> list[list[str]]:
 
 def mark_corrupt(path: Path, problems: list[str]) -> None:
     """Make the step directory ``path`` incomplete for every reader from now on: a CORRUPT marker
-    (written atomically) naming what failed. Its files are left as they are, for a look."""
+    (written atomically) naming what failed. Its files are left as they are; like any incomplete
+    step directory it is pruned once a newer checkpoint is complete (the ledger keeps what failed)."""
     text = json.dumps({"reason": "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
                        "problems": problems}, indent=1) + "\n"
     tmp = path / f".{CORRUPT_NAME}.tmp-{os.getpid()}"
