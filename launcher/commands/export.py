@@ -11,7 +11,13 @@ from pathlib import Path
 from launcher import runs
 from launcher.context import Context
 from launcher.core import rundir
-from launcher.core.checkpoint_index import CompleteCheckpoint, complete_checkpoints, describe_choice, verify
+from launcher.core.checkpoint_index import (
+    CompleteCheckpoint,
+    complete_checkpoints,
+    describe_choice,
+    newest_intact,
+    verify,
+)
 from launcher.core.errors import UserError
 
 
@@ -32,12 +38,11 @@ def _run_dir(ref: str, ctx: Context) -> Path:
 
 def _newest_intact(run_dir: Path, ckpts: list[CompleteCheckpoint], ctx: Context) -> CompleteCheckpoint:
     """The newest checkpoint whose files all match their checksums; each newer one is said."""
-    for ckpt in reversed(ckpts):
-        problems = verify(ckpt.path)
-        if not problems:
-            return ckpt
-        ctx.err(f"warning: {ckpt.path.name} does not hold what was written, not exported: {'; '.join(problems)}")
-    raise UserError(f"run {run_dir.name} has nothing to export: every complete checkpoint failed its checksums (above)")
+    ckpt = newest_intact(ckpts, lambda c, problems: ctx.err(
+        f"warning: {c.path.name} does not hold what was written, not exported: {'; '.join(problems)}"))
+    if ckpt is None:
+        raise UserError(f"run {run_dir.name} has nothing to export: every complete checkpoint failed its checksums (above)")
+    return ckpt
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

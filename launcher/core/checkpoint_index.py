@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from launcher.core.atomic import write_private
 
 log = logging.getLogger("lmtrain.checkpoint")
 
@@ -85,13 +87,19 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _complete(path: Path) -> dict[str, Any]:
+    """COMPLETE's JSON ({} when it is missing, unreadable or not an object)."""
+    try:
+        data = json.loads((path / COMPLETE_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def manifest_checksums(path: Path) -> dict[str, str] | None:
     """COMPLETE's checksums of the step directory ``path`` (relative path -> digest); None when it
     has none (older lmtrain) or they are of another algorithm."""
-    try:
-        sums = json.loads((path / COMPLETE_NAME).read_text()).get("checksums")
-    except (OSError, ValueError, AttributeError):
-        return None
+    sums = _complete(path).get("checksums")
     if not isinstance(sums, dict) or sums.get("algorithm") != CHECKSUM_ALGORITHM:
         return None
     files = sums.get("files")
@@ -120,15 +128,24 @@ def verify(path: Path, rels: list[str] | None = None) -> list[str]:
     return problems
 
 
+def newest_intact(found: list[CompleteCheckpoint],
+                  passed_over: Callable[[CompleteCheckpoint, list[str]], None]) -> CompleteCheckpoint | None:
+    """The newest of ``found`` whose files all match their checksums; each newer one, with what is
+    wrong, goes to ``passed_over`` (export and eval read a whole checkpoint: they check all of it)."""
+    for ckpt in reversed(found):
+        problems = verify(ckpt.path)
+        if not problems:
+            return ckpt
+        passed_over(ckpt, problems)
+    return None
+
+
 def shares(path: Path, world_size: int) -> list[list[str]]:
     """COMPLETE's checksummed files of ``path`` split among ``world_size`` readers by bytes
     (largest first, each to the reader with the fewest bytes so far): rank r verifies
     ``shares(...)[r]``, all ranks in parallel. Deterministic: every rank computes the same split."""
     sums = manifest_checksums(path) or {}
-    try:
-        sizes = json.loads((path / COMPLETE_NAME).read_text()).get("files") or {}
-    except (OSError, ValueError, AttributeError):
-        sizes = {}
+    sizes = _complete(path).get("files") or {}
     out: list[list[str]] = [[] for _ in range(max(1, world_size))]
     load = [0] * len(out)
     for rel in sorted(sums, key=lambda r: (-int(sizes.get(r, 0)), r)):
@@ -144,9 +161,7 @@ def mark_corrupt(path: Path, problems: list[str]) -> None:
     step directory it is pruned once a newer checkpoint is complete (the ledger keeps what failed)."""
     text = json.dumps({"reason": "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
                        "problems": problems}, indent=1) + "\n"
-    tmp = path / f".{CORRUPT_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(text)
-    os.replace(tmp, path / CORRUPT_NAME)
+    write_private(path / CORRUPT_NAME, text)
 
 
 def is_complete(path: Path) -> bool:

@@ -338,7 +338,7 @@ class CheckpointManager:
         faults.point("checkpoint.dir_renamed", file=final.name)
         fsync_dir(self.dir)
         files = manifest(final)
-        sums = checksums.manifest_checksums(final, files, reported)
+        sums = checksums.for_manifest(final, files, reported)
         write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": files, "checksums": sums}) + "\n")
         checksums.forget()
         # complete (and durable) from here: `latest` (a hint) and pruning are housekeeping; no room there costs nothing

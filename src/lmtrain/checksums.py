@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from launcher.core.atomic import write_private
 from launcher.core.checkpoint_index import CHECKSUM_ALGORITHM, file_digest
 
 SIDECAR_PREFIX = ".sums-rank-"
@@ -63,10 +64,8 @@ def _under(root: Path) -> dict[str, str]:
 def write_sidecar(root: Path, rank: int) -> None:
     """This rank's checksums of the files it wrote under ``root`` (a checkpoint being written),
     for rank 0 to merge: ``root/.sums-rank-R.json`` (tmp + rename; rank 0 fsyncs the directory)."""
-    path = root / f"{SIDECAR_PREFIX}{rank}.json"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"algorithm": CHECKSUM_ALGORITHM, "files": _under(root)}))
-    os.replace(tmp, path)
+    write_private(root / f"{SIDECAR_PREFIX}{rank}.json",
+                  json.dumps({"algorithm": CHECKSUM_ALGORITHM, "files": _under(root)}))
 
 
 def collect(root: Path) -> dict[str, str]:
@@ -82,7 +81,7 @@ def collect(root: Path) -> dict[str, str]:
     return out
 
 
-def manifest_checksums(root: Path, files: dict[str, int], reported: dict[str, str]) -> dict[str, Any]:
+def for_manifest(root: Path, files: dict[str, int], reported: dict[str, str]) -> dict[str, Any]:
     """COMPLETE's ``checksums`` for the manifest ``files`` of ``root``: the reported digests, and
     the few files nobody reported hashed now."""
     sums = {rel: reported[rel] if rel in reported else file_digest(root / rel) for rel in files}

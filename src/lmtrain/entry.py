@@ -135,7 +135,9 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
         # may show each node a different listing for a moment).
         resume = _newest_checkpoint_name(plan) if env.rank == 0 else None
         if resume is not None:
-            _convert_for_world_size(plan, env, resume)  # ZeRO on another world size: universal form
+            from lmtrain.resume_point import agreed_checkpoint, convert_for_world_size
+
+            convert_for_world_size(plan, env, agreed_checkpoint(plan.paths.checkpoint_dir, resume))
         CLOCK.mark("gate")
         rv = rendezvous(env, run_dir, attempt=attempt, resume=resume)
         CLOCK.mark("rendezvous")
@@ -177,22 +179,6 @@ def _newest_checkpoint_name(plan) -> str | None:
 
     ckpt = newest_complete(plan.paths.checkpoint_dir)
     return ckpt.path.name if ckpt is not None else None
-
-
-def _convert_for_world_size(plan, env, name: str) -> None:
-    """Rank 0, before the rendezvous: a ZeRO checkpoint resumed on another world size gets its
-    universal form. A failed conversion is recorded beside the checkpoint (every rank then
-    refuses to resume with that reason, lmtrain.checkpoint.check_compatible), not raised here."""
-    from lmtrain.elastic import ensure_universal, needs_universal, record_failure
-    from lmtrain.resume_point import agreed_checkpoint
-
-    ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, name)
-    if ckpt is not None and needs_universal(ckpt, strategy=plan.training.strategy, world_size=env.world_size):
-        try:
-            ensure_universal(ckpt)
-        except Exception as exc:  # the attempt ends with this reason in the ledger
-            log.error("converting %s to a universal checkpoint failed: %s", ckpt.path, exc)
-            record_failure(ckpt, f"{type(exc).__name__}: {exc}")
 
 
 _LIST_LOCALLY = "<list locally>"

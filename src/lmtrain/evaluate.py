@@ -23,6 +23,7 @@ from launcher.core.checkpoint_index import (
     CompleteCheckpoint,
     complete_checkpoints,
     is_complete,
+    newest_intact,
     verify,
 )
 from launcher.core.rundir import CHECKPOINTS, PLAN, AttemptEnd, AttemptStart, Ledger, LedgerNote, checkpoint_dir_of
@@ -49,12 +50,11 @@ def pick_checkpoint(ref: str | Path) -> CompleteCheckpoint:
     found = complete_checkpoints(ckpt_dir)
     if not found:
         raise EvalError(f"eval.checkpoint {ref}: no complete checkpoint in {ckpt_dir}")
-    for ckpt in reversed(found):
-        problems = verify(ckpt.path)
-        if not problems:
-            return ckpt
-        log.warning("%s does not hold what was written, not evaluated: %s", ckpt.path, "; ".join(problems))
-    raise EvalError(f"eval.checkpoint {ref}: every complete checkpoint in {ckpt_dir} failed its checksums")
+    ckpt = newest_intact(found, lambda c, problems: log.warning(
+        "%s does not hold what was written, not evaluated: %s", c.path, "; ".join(problems)))
+    if ckpt is None:
+        raise EvalError(f"eval.checkpoint {ref}: every complete checkpoint in {ckpt_dir} failed its checksums")
+    return ckpt
 
 
 def evaluate(spec: dict[str, Any], eval_spec: Any, data_spec: Any, seed: int) -> dict[str, Any]:

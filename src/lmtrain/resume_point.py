@@ -91,20 +91,21 @@ def _judge(plan: Any, env: Any, attempt: int, ckpt: CompleteCheckpoint, problems
     Ledger(plan.paths.ledger).write(LedgerNote(event="checkpoint_rejected", time=time.time(), fields={
         "attempt": attempt, "job_id": env.job_id, "step": ckpt.step, "path": str(ckpt.path),
         "detail": reason, "problems": problems[:20], "fallback": nxt.path.name if nxt else None}))
-    if nxt is not None:
-        _universal_if_needed(plan, env, nxt)
+    convert_for_world_size(plan, env, nxt)
     return {"ok": False, "reason": reason, "next": nxt.path.name if nxt else None}
 
 
-def _universal_if_needed(plan: Any, env: Any, ckpt: CompleteCheckpoint) -> None:
-    """The fallback needs its universal form on another world size (ZeRO), as the first choice
-    got it before the rendezvous; a failed conversion is recorded where every rank reads it."""
+def convert_for_world_size(plan: Any, env: Any, ckpt: CompleteCheckpoint | None) -> None:
+    """Rank 0 (before the rendezvous, and for a fallback): a ZeRO checkpoint resumed on another
+    world size gets its universal form. A failed conversion is recorded beside the checkpoint
+    (every rank then refuses to resume with that reason, lmtrain.checkpoint.check_compatible), not
+    raised here."""
     from lmtrain.elastic import ensure_universal, needs_universal, record_failure
 
-    if needs_universal(ckpt, strategy=plan.training.strategy, world_size=env.world_size):
+    if ckpt is not None and needs_universal(ckpt, strategy=plan.training.strategy, world_size=env.world_size):
         try:
             ensure_universal(ckpt)
-        except Exception as exc:
+        except Exception as exc:  # the attempt ends with this reason in the ledger
             log.error("converting %s to a universal checkpoint failed: %s", ckpt.path, exc)
             record_failure(ckpt, f"{type(exc).__name__}: {exc}")
 
