@@ -78,9 +78,10 @@ fi
 
 start=$(date +%s)
 echo "[test] phase 1: all tests but the serial ones, on $WORKERS workers"
-# --maxschedchunk 1: each worker holds two tests at a time and asks for more when one ends (by
-# default each is handed a block of ~50 consecutive tests, and the long ones pile up on one worker)
-pytest tests -n "$WORKERS" --dist load --maxschedchunk 1 --phase parallel "$@" && rc1=0 || rc1=$?
+# --dist load: tests/conftest.py hands the tests out longest first, one at a time, with the
+# shortest held behind a long one (tests/scheduling.py; xdist's own would hand out blocks of
+# consecutive tests, and the long ones would pile up on one worker)
+pytest tests -n "$WORKERS" --dist load --phase parallel "$@" && rc1=0 || rc1=$?
 # phase 2 collects only the modules that hold serial tests (collecting all of them costs ~20 s)
 mapfile -t serial_modules < <(grep -rl --include='test_*.py' '@pytest.mark.serial' tests | sort)
 if ((${#serial_modules[@]})); then
@@ -93,7 +94,7 @@ rc3=5
 mapfile -t both_modules < <(grep -rl --include='test_*.py' 'pytest.mark.both_versions' tests/integration | sort)
 if [ -n "$OTHER" ] && ((${#both_modules[@]})); then
   echo "[test] phase 3: the tests marked both_versions, on SLURM $OTHER"
-  LMLAUNCH_TEST_SLURM=$OTHER pytest "${both_modules[@]}" -n "$WORKERS" --dist load --maxschedchunk 1 \
+  LMLAUNCH_TEST_SLURM=$OTHER pytest "${both_modules[@]}" -n "$WORKERS" --dist load \
     --phase other-slurm "$@" && rc3=0 || rc3=$?
 fi
 echo "[test] all phases: $(( $(date +%s) - start )) s (phase 1 exit $rc1, phase 2 exit $rc2, phase 3 exit $rc3)"

@@ -2,6 +2,7 @@
 (--phase), the order tests are handed to parallel workers, results shared across workers, and one
 zygote per test process that local launches fork their ranks from (lmtrain.zygote)."""
 
+import gc
 import json
 import os
 import shutil
@@ -34,10 +35,20 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # Collection imports torch, Lightning and transformers: with the collector paused until it
+    # ends (pytest_collection_finish), as a task's imports are (lmtrain.startup.imports_without_gc).
+    # Not in an xdist controller: it collects nothing, so that hook never runs there.
+    if not _xdist_controller(config):
+        gc.disable()
     path = config.getoption("--timing-report")
     if path:
         config.pluginmanager.register(suite_timing.Recorder(Path(path).absolute(), config.getoption("--phase")), "suite-timing")
     _start_zygote(config)
+
+
+def _xdist_controller(config) -> bool:
+    """This process hands tests to xdist workers and runs none itself."""
+    return bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
 
 
 def _start_zygote(config) -> None:
@@ -48,8 +59,7 @@ def _start_zygote(config) -> None:
     processes. Not in an xdist controller (it runs no test); LMTRAIN_ZYGOTE=off turns it off."""
     from lmtrain import zygote
 
-    if os.environ.get(zygote.SHARED_ENV) == "off" or (config.getoption("numprocesses", None)
-                                                     and not hasattr(config, "workerinput")):
+    if os.environ.get(zygote.SHARED_ENV) == "off" or _xdist_controller(config):
         return
     where = Path(tempfile.mkdtemp(prefix="lmtrain-test-zygote-"))
     with open(where / "zygote.log", "ab") as log:
@@ -58,13 +68,30 @@ def _start_zygote(config) -> None:
     config.add_cleanup(lambda: (zygote.stop(proc), shutil.rmtree(where, ignore_errors=True)))
 
 
+def _known_durations() -> dict[str, float]:
+    try:
+        return {k: float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist load` hands tests out longest first, never a long one held behind another
+    (tests/scheduling.py)."""
+    if config.getoption("dist") != "load":
+        return None
+    from scheduling import LongestFirst
+
+    return LongestFirst(config, log, seconds=_known_durations(), unknown_s=UNKNOWN_TEST_S)
+
+
 def _order(items) -> None:
     """Longest first, so that no long test is left for the end of a parallel run: every test of
     LONG_TEST_S or more on its own, by its measured seconds; then the other modules, longest (summed)
     first, each module's tests together and in pytest's order (its module fixtures set up once)."""
-    try:
-        known = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
+    known = _known_durations()
+    if not known:
         return
     seconds = {item.nodeid: float(known.get(item.nodeid, UNKNOWN_TEST_S)) for item in items}
     totals: dict[str, float] = {}
@@ -81,6 +108,11 @@ def _order(items) -> None:
         return (1, -totals[module], first_seen[module])
 
     items.sort(key=key)  # stable: a module's short tests keep their order
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
+    gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -95,7 +95,7 @@ def run_slurm_task(run_dir: str) -> int:
 
 
 def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
-    from lmtrain.startup import CLOCK
+    from lmtrain.startup import CLOCK, imports_without_gc
 
     CLOCK.begin_attempt()
     CLOCK.mark("entry")
@@ -107,16 +107,18 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     # First of all, before any import that takes time: from here on lmtrain's handlers (record
     # only), not submitit's (tests/unit/test_preemption_signals.py)
     signals = own_signals(raw_plan.get("preemption") or {})
-    from launcher.core.plan import LaunchPlan
-    from launcher.core.rundir import Ledger, attempts_of, next_attempt_of
-    from lmtrain import preemption
-    from lmtrain.env import read_env, rendezvous
-    from lmtrain.task_record import record_this_task
+    with imports_without_gc():
+        from launcher.core.plan import LaunchPlan
+        from launcher.core.rundir import Ledger, attempts_of, next_attempt_of
+        from lmtrain import preemption
+        from lmtrain.env import read_env, rendezvous
+        from lmtrain.task_record import record_this_task
 
     plan = LaunchPlan.from_dict(raw_plan)
     record_this_task(run_dir)  # this process's node and pid, for `lmlaunch stacks` (even if stuck starting)
     try:
-        _import_frameworks()  # the rest of them, with the signals already ours
+        with imports_without_gc():
+            _import_frameworks(plan.training.strategy)  # the rest of them, with the signals already ours
         CLOCK.mark("imports")
         env = read_env()
         if env.world_size != plan.topology.world_size:
@@ -166,12 +168,23 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
         return _train(plan, env, rv.attempt, run_dir, hooks or Hooks(), resume=rv.resume)
 
 
-def _import_frameworks() -> None:
+def _import_frameworks(strategy: str) -> None:
     """What every attempt imports before it can train (the ``imports`` phase of its startup
-    record, with the plan's schema and lmtrain's preemption modules imported before it)."""
+    record, with the plan's schema and lmtrain's preemption modules imported before it): the
+    frameworks, transformers' model code and lmtrain's training modules, all while the caller
+    has the garbage collector paused (lmtrain.startup.imports_without_gc)."""
     import lightning.pytorch  # noqa: F401
     import torch  # noqa: F401
-    import transformers  # noqa: F401
+    import transformers
+    import transformers.modeling_utils  # noqa: F401  (every model's base: most of a model's import)
+
+    import lmtrain.callbacks
+    import lmtrain.data
+    import lmtrain.module
+    import lmtrain.strategies  # noqa: F401
+
+    if strategy == "deepspeed":
+        import deepspeed  # noqa: F401
 
 
 def _newest_checkpoint_name(plan) -> str | None:

@@ -3,9 +3,11 @@ ledger's ``startup`` record, and how `lmlaunch history --timing` shows it."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +19,36 @@ from launcher.core import rundir
 from launcher.core.checkpoint_index import CompleteCheckpoint
 from launcher.core.rundir import STARTUP_PHASES, AttemptStartup, Ledger
 from lmtrain.startup import StartupClock, process_start_time
+
+
+def test_imports_run_with_the_collector_paused_and_what_they_made_is_frozen():
+    """In a fresh interpreter (this one's collector state is pytest's): paused inside, running
+    again after, the imported module's objects frozen, the collector's state restored when an
+    import fails, and left off when it was off."""
+    code = """
+import gc, sys
+from lmtrain.startup import imports_without_gc
+before = gc.get_freeze_count()
+with imports_without_gc():
+    assert not gc.isenabled()
+    import email.parser, json.decoder
+assert gc.isenabled() and gc.get_freeze_count() > before
+try:
+    with imports_without_gc():
+        import no_such_module_here
+except ImportError:
+    assert gc.isenabled()
+else:
+    raise AssertionError("the failed import was swallowed")
+gc.disable()
+with imports_without_gc():
+    pass
+assert not gc.isenabled()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert gc.isenabled()  # pytest's collection pause (tests/conftest.py) ended with the collection
 
 
 def test_the_start_time_of_a_process_is_when_it_was_started_to_10_ms():
