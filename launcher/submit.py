@@ -98,11 +98,11 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
 
 
 def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
-    """What srun starts in every task: submitit's runner, which calls lmtrain.task.TrainTask."""
-    return " ".join(
-        shlex.quote(x)
-        for x in [*shlex.split(plan.python), "-u", "-m", "submitit.core._submit", folder or plan.paths.submitit_dir]
-    )
+    """srun's command: lmtrain.task_main (signals owned, then submitit's runner); submitit's own for older snapshots."""
+    code = Path(plan.paths.run_dir) / rundir.CODE_DIR
+    old = code.is_dir() and not (code / "lmtrain" / "task_main.py").is_file()  # resumed without --new-code
+    runner = ["submitit.core._submit"] if old else ["lmtrain.task_main", "--signal", plan.preemption.signal]
+    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), "-u", "-m", *runner, folder or plan.paths.submitit_dir])
 
 
 def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:

@@ -134,9 +134,12 @@ def own_signals(preemption: Any) -> SignalOwner:
     came while the task imported torch). ``preemption`` is the plan's PreemptionPlan or its JSON
     dict (plan.json's ``preemption``): only its warning ``signal`` is read here, so the caller need
     not import the plan's classes first. What arrives now is kept and acted on at the first step
-    boundary (:class:`Preemption` adopts this owner)."""
+    boundary (:class:`Preemption` adopts this owner). Called again in the same process (the entry
+    after lmtrain.task_main), it keeps the owner and what it recorded."""
     global _EARLY
     name = (preemption.get("signal") if isinstance(preemption, dict) else getattr(preemption, "signal", None)) or "USR2"
+    if _EARLY is not None and _EARLY.installed and _EARLY.warning_signum != signal_number(name):
+        _EARLY.restore()  # owned for another warning signal than the plan's
     if _EARLY is None or _EARLY.pid != os.getpid() or not _EARLY.installed:
         _EARLY = SignalOwner(StopRequest(), name)
     _EARLY.install()

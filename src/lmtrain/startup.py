@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from launcher.core.rundir import STARTUP_PHASES, AttemptStartup
+from lmtrain import faults
 
 
 def process_start_time(pid: int | str = "self") -> float | None:
@@ -63,7 +64,9 @@ class StartupClock:
     def mark(self, phase: str, at: float | None = None) -> None:
         if phase not in STARTUP_PHASES:
             raise ValueError(f"unknown startup phase {phase!r}; phases: {', '.join(STARTUP_PHASES)}")
-        self.ends.setdefault(phase, time.time() if at is None else at)
+        if phase not in self.ends:
+            self.ends[phase] = time.time() if at is None else at
+            faults.point(f"startup.{phase}")  # the fault seam: a test holds a task at this moment of its start
 
     def record(self, attempt: int, job_id: str | None, checkpoint_bytes: int | None) -> AttemptStartup:
         return AttemptStartup(

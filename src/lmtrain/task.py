@@ -1,10 +1,11 @@
 """The picklable callable that submitit runs in every SLURM task.
 
 It is deliberately light (no torch at import): the login node pickles it at submit time.
-On the allocation, submitit's ``_submit`` unpickles it and calls it once per task; the
-heavy imports happen inside ``__call__``. There is deliberately no ``checkpoint`` method:
-lmtrain owns checkpoints and requeue. The entry's first act is to take the signals over from
-submitit's handlers (``lmtrain.signals.own_signals``).
+On the allocation, submitit's runner (started by lmtrain.task_main, which owns the preemption
+signals before it) unpickles it and calls it once per task; the heavy imports happen inside
+``__call__``. There is deliberately no ``checkpoint`` method: lmtrain owns checkpoints and
+requeue. The entry adopts the signal handlers task_main installed (``lmtrain.signals.own_signals``;
+a run started by submitit's own runner gets them there, after submitit's).
 """
 
 from __future__ import annotations

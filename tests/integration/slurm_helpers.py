@@ -144,6 +144,9 @@ def faults(*rules: dict):
     block: SLURM hands a job the environment it was submitted from (sbatch --export=ALL, its
     default), and requeued attempts keep it. A job spec cannot turn it on. Nested blocks add
     their rules to the outer ones'."""
+    if not rules:  # nothing to add: the environment as it is (its LMLAUNCH_FAULTS may name a file)
+        yield
+        return
     old = os.environ.get("LMLAUNCH_FAULTS")
     os.environ["LMLAUNCH_FAULTS"] = json.dumps([*(json.loads(old) if old else []), *rules])
     try:

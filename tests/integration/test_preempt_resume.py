@@ -9,9 +9,11 @@ run once for the module.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import time
 
 import pytest
 from preempt_helpers import (
@@ -33,6 +35,7 @@ from preempt_helpers import (
     losses_by_step,
     preempt,
     private_checkout,
+    start_if_begin_time,
     starts,
     submit,
     user_signal_on_preemption,
@@ -346,3 +349,61 @@ def test_a_partition_that_cancels_on_preemption_still_resumes(env, jobs, name):
     assert "scontrol requeue during the preemption's GraceTime" in first["detail"], first
     assert second["start_step"] == first["end_step"] and second["job_id"] == job
     assert ends(run_dir)[-1]["reason"] == "completed"
+
+
+# Moments of a task's start (lmtrain's fault seam holds every task there for HOLD_S) and the signal
+# scancel sends to the job's tasks then: SIGTERM before submitit's runner has even loaded the task,
+# the warning signal before the frameworks' imports, SIGTERM before the rendezvous, the warning
+# signal with the model built and no step trained.
+STARTUP_MOMENTS = (("startup.owned", "TERM"), ("startup.entry", "USR2"), ("startup.gate", "TERM"),
+                   ("startup.model", "USR2"))
+HOLD_S = 8.0
+
+
+def test_a_signal_at_each_moment_of_a_tasks_start_is_a_stop_in_the_ledger_and_the_run_resumes_exactly(
+        reference, env, jobs, name, tmp_path, monkeypatch):
+    """One run, four attempts each signalled while its tasks start, a fifth that finishes: each
+    signal is recorded (not lost, not a requeue behind the ledger's back, not the end of the task),
+    the attempt stops at its first step boundary with a checkpoint, says why in the ledger and
+    requeues itself; the next attempt resumes at that step, and the run ends bit-identical to the
+    uninterrupted one. The fault rules are a file the test rewrites between attempts (each task
+    reads it when it starts)."""
+    rules = tmp_path / "faults.json"
+
+    def hold_at(point: str | None) -> None:
+        held = [{"point": point, "action": "sleep", "seconds": HOLD_S}] if point else []
+        tmp = rules.with_suffix(".tmp")
+        tmp.write_text(json.dumps(held))
+        os.replace(tmp, rules)
+
+    hold_at(STARTUP_MOMENTS[0][0])
+    monkeypatch.setenv("LMLAUNCH_FAULTS", str(rules))  # sbatch hands it to the job, requeues keep it
+    job, run_dir = submit(env, name, pace_s=None)
+    monkeypatch.delenv("LMLAUNCH_FAULTS")
+    jobs.append(job)
+    for i, (point, sig) in enumerate(STARTUP_MOMENTS):
+        _wait_held(run_dir, job, point)
+        hold_at(STARTUP_MOMENTS[i + 1][0] if i + 1 < len(STARTUP_MOMENTS) else None)
+        slurm.cancel([job], signal=sig)
+    finish(job, run_dir)
+
+    ended, started = ends(run_dir), starts(run_dir)
+    assert [e["attempt"] for e in ended] == [s["attempt"] for s in started] == [1, 2, 3, 4, 5], ledger(run_dir)
+    for (point, sig), end in zip(STARTUP_MOMENTS, ended, strict=False):
+        assert end["reason"] == "preempted" and end["requeued"] is True, (point, end)
+        assert f"SIG{sig}" in end["detail"], (point, end)
+        assert end["end_step"] > 0, (point, end)  # stopped at a step boundary, with its checkpoint
+    for before, after in zip(ended, started[1:], strict=False):
+        assert after["start_step"] == before["end_step"], (before, after)  # nothing lost
+    _check_resumed_exactly(run_dir, reference)
+
+
+def _wait_held(run_dir, job: str, point: str, timeout: float = 180.0) -> None:
+    """Until rank 0 of the job's current attempt sleeps at ``point`` (the seam says so on its
+    stderr, submitit's log), starting a requeued attempt at once."""
+    line = f"fault injection: sleep at {point} "
+    deadline = time.monotonic() + timeout
+    while not any(line in p.read_text(errors="replace") for p in (run_dir / "submitit").glob(f"{job}_0_log.err")):
+        assert time.monotonic() < deadline, f"no task of job {job} held at {point}\n{ledger(run_dir)}\n{log_tail(run_dir)}"
+        start_if_begin_time(job)
+        time.sleep(0.1)

@@ -41,6 +41,16 @@ def test_the_private_hooks_are_where_lmlaunch_plugs_in():
     assert "_submitit_command_str" in inspect.getsource(ss.SlurmExecutor._internal_process_submissions)
     assert "_make_submission_command" in inspect.getsource(ss.SlurmExecutor._submit_command)
     assert "_make_sbatch_string" in inspect.getsource(ss.SlurmExecutor._make_submission_file_text)
+    # lmtrain.task_main runs submitit's runner with lmtrain's handlers installed first: process_job
+    # must install submitit's through JobEnvironment._handle_signals(paths, delayed), after loading
+    # the pickle and before calling the task
+    from submitit.core import job_environment, submission
+
+    body = inspect.getsource(submission.process_job)
+    assert body.index("DelayedSubmission.load") < body.index("env._handle_signals(paths, delayed)") < body.index(
+        "delayed.result()")
+    assert list(inspect.signature(job_environment.JobEnvironment._handle_signals).parameters) == [
+        "self", "paths", "submission"]
 
 
 def _plan(repo: Path, runs_root: str):
@@ -72,3 +82,14 @@ def test_what_sbatch_receives_is_the_dry_run_script(tmp_path, monkeypatch):
     assert submit.submit_command(plan) in got.read_text()
     # our submission command ran sbatch, under its client-side time limit
     assert calls.read_text().startswith(f"timeout --kill-after=5 {submit.sbatch_timeout_s()} sbatch "), calls.read_text()
+
+
+def test_the_task_command_runs_lmtrains_main_unless_the_runs_code_predates_it(tmp_path):
+    plan = _plan(REPO, str(tmp_path / "runs"))
+    folder = plan.paths.submitit_dir
+    assert submit.submit_command(plan).endswith(f"-u -m lmtrain.task_main --signal USR2 {folder}")
+    code = Path(plan.paths.run_dir) / "code"
+    (code / "lmtrain").mkdir(parents=True)  # a snapshot taken before lmtrain.task_main existed
+    assert submit.submit_command(plan).endswith(f"-u -m submitit.core._submit {folder}")
+    (code / "lmtrain" / "task_main.py").write_text("")
+    assert submit.submit_command(plan).endswith(f"-u -m lmtrain.task_main --signal USR2 {folder}")

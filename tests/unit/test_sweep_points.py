@@ -76,7 +76,7 @@ def test_the_dry_run_shows_the_points_and_the_one_array_script(repo, env, tmp_pa
     assert f"LMLAUNCH_POINTS=({' '.join(f'{runs_root}/lr.{i}' for i in range(6))})" in out
     assert 'export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"' in out
     assert 'export PYTHONPATH="$LMLAUNCH_RUN_DIR/code"' in out
-    assert f"submitit.core._submit {runs_root}/lr/submitit" in out
+    assert f"-m lmtrain.task_main --signal USR2 {runs_root}/lr/submitit" in out
 
 
 def test_one_invalid_point_fails_the_sweep_naming_it_and_nothing_is_written(repo, env, tmp_path):

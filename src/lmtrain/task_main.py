@@ -1,0 +1,66 @@
+"""Every SLURM task's process: ``python -u -m lmtrain.task_main --signal NAME FOLDER``.
+
+submitit's own runner (``python -m submitit.core._submit FOLDER``) installs its handlers for the
+warning signal and SIGTERM only after it imported numpy and unpickled the task, and they stayed
+until lmtrain's entry took the signals over. A signal in that window went astray: before
+submitit's handlers, the default action killed the task (a time-limit warning ended the job
+FAILED, never requeued); with them, the warning signal ran ``scontrol requeue`` from inside
+submitit's handler with no line in the ledger (or, for a job SLURM said had timed out, ended it),
+and SIGTERM was only logged, so the attempt trained on until SIGKILL.
+
+Here lmtrain's record-only handlers (lmtrain.signals.own_signals) are the first thing the process
+does; only the interpreter's own start comes before them. Then submitit's runner runs the task as
+``_submit`` would (its logs, its result and error pickles), except that for lmtrain's task
+(lmtrain.task.TrainTask) it leaves the signals alone: lmtrain's entry adopts the handlers
+installed here, and a signal they recorded is acted on at the first step boundary (a stop in the
+ledger, a checkpoint, a requeue). Any other callable gets submitit's handlers, as under ``_submit``.
+
+Standard library only until the signals are owned; launcher.submit renders this command (and
+``_submit``'s for a run whose code snapshot predates this module).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lmtrain.signals import own_signals, release_early_signals
+
+USAGE = "usage: python -m lmtrain.task_main [--signal NAME] FOLDER"
+
+
+def _args(argv: list[str]) -> tuple[str, str]:
+    signal_name, rest = "USR2", list(argv)
+    if rest[:1] == ["--signal"]:
+        if len(rest) < 2:
+            raise SystemExit(USAGE)
+        signal_name, rest = rest[1], rest[2:]
+    if len(rest) != 1 or rest[0].startswith("-"):
+        raise SystemExit(USAGE)
+    return signal_name, rest[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    signal_name, folder = _args(sys.argv[1:] if argv is None else argv)
+    own_signals({"signal": signal_name})
+    from lmtrain import faults
+
+    faults.point("startup.owned")  # the fault seam: a test holds the task here, before submitit's runner
+
+    from submitit.core import job_environment, submission
+
+    from lmtrain.task import TrainTask
+
+    submitits = job_environment.JobEnvironment._handle_signals
+
+    def handle_signals(env, paths, delayed) -> None:
+        if isinstance(delayed.function, TrainTask):
+            return  # lmtrain's handlers, installed above, stay
+        release_early_signals()
+        submitits(env, paths, delayed)
+
+    job_environment.JobEnvironment._handle_signals = handle_signals  # type: ignore[method-assign]
+    submission.process_job(folder)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""lmtrain.task_main, what srun starts in every SLURM task: lmtrain's record-only handlers for the
+warning signal and SIGTERM are installed before anything else (before submitit's runner imports
+numpy and waits for and unpickles the task), stay installed for lmtrain's task, and keep what
+they recorded for the entry; any other callable gets submitit's handlers as under
+``submitit.core._submit``. Real processes and real signals, with the submitit folder laid out
+as sbatch leaves it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from submitit.core.utils import DelayedSubmission
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "4242"
+
+
+def _start(folder: Path, runner: list[str], tmp_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": JOB, "SLURM_PROCID": "0",
+           "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_JOB_NODELIST": "n1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
+    env.pop("SUBMITIT_PREEMPT_SIGNAL", None)
+    return subprocess.Popen([sys.executable, "-u", *runner, str(folder)], env=env, cwd=tmp_path,
+                            stdout=open(tmp_path / "out", "wb"), stderr=open(tmp_path / "err", "wb"))
+
+
+def _output(tmp_path: Path) -> str:
+    return (tmp_path / "out").read_text(errors="replace") + (tmp_path / "err").read_text(errors="replace")
+
+
+def _caught(pid: int) -> set[int]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            mask = int(line.split()[1], 16)
+            return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+    return set()
+
+
+def _wait_caught(proc: subprocess.Popen, signums: set[int]) -> None:
+    deadline = time.monotonic() + 60
+    while not signums <= _caught(proc.pid):
+        assert proc.poll() is None, f"the task process exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the handlers were never installed"
+        time.sleep(0.01)
+
+
+def _submit(folder: Path, fn) -> None:
+    """The pickle sbatch's submitter leaves (submitit waits up to 60 s for it to appear)."""
+    tmp = folder / ".submitted.tmp"
+    DelayedSubmission(fn).dump(tmp)
+    os.replace(tmp, folder / f"{JOB}_submitted.pkl")
+
+
+def _result(folder: Path, proc: subprocess.Popen, tmp_path: Path):
+    assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
+    status, value = pickle.loads((folder / f"{JOB}_0_result.pkl").read_bytes())
+    assert status == "success", value
+    return value
+
+
+def test_a_signal_before_the_task_is_even_unpickled_is_recorded_and_handed_to_the_entry(tmp_path):
+    from tests.unit._task_main_probe import ProbeTask
+
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    proc = _start(folder, ["-m", "lmtrain.task_main", "--signal", "USR2"], tmp_path)
+    try:
+        _wait_caught(proc, {signal.SIGUSR2, signal.SIGTERM})  # lmtrain's, while submitit waits for the pickle
+        os.kill(proc.pid, signal.SIGUSR2)  # SLURM's time-limit warning, this early
+        time.sleep(0.2)
+        assert proc.poll() is None
+        _submit(folder, ProbeTask(str(tmp_path / "run")))
+        got = _result(folder, proc, tmp_path)
+    finally:
+        proc.kill()
+    assert got["handlers"] == {"SIGUSR2": "SignalOwner._handle", "SIGTERM": "SignalOwner._handle"}, got
+    assert got["before"] == {"requested": True, "reason": "timeout", "count": 1}, got  # kept for the entry
+    assert got["count"] == 3  # SIGTERM and SIGUSR2 in the task: recorded, the process lives on
+
+
+def test_under_submitits_own_runner_that_early_signal_kills_the_task(tmp_path):
+    """What task_main is for: the same moment under ``submitit.core._submit`` (the runner before it),
+    where the warning signal's default action ends the task (SLURM records the job FAILED)."""
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    proc = _start(folder, ["-m", "submitit.core._submit"], tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while "Loading pickle" not in _output(tmp_path):  # submitit now waits for it
+            assert proc.poll() is None and time.monotonic() < deadline, _output(tmp_path)
+            time.sleep(0.02)
+        assert signal.SIGUSR2 not in _caught(proc.pid)
+        os.kill(proc.pid, signal.SIGUSR2)
+        assert proc.wait(timeout=30) == -signal.SIGUSR2
+    finally:
+        proc.kill()
+
+
+def test_any_other_callable_gets_submitits_handlers(tmp_path):
+    from tests.unit._task_main_probe import plain
+
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    proc = _start(folder, ["-m", "lmtrain.task_main", "--signal", "USR2"], tmp_path)
+    try:
+        _submit(folder, plain)
+        got = _result(folder, proc, tmp_path)
+    finally:
+        proc.kill()
+    assert got["SIGUSR2"].endswith("checkpoint_and_try_requeue") and got["SIGTERM"].endswith("bypass"), got
+
+
+@pytest.mark.parametrize("argv", [[], ["--signal"], ["--signal", "USR2"], ["a", "b"]])
+def test_a_malformed_command_line_says_how_to_call_it(argv):
+    out = subprocess.run([sys.executable, "-m", "lmtrain.task_main", *argv], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert out.returncode == 1 and "usage: python -m lmtrain.task_main [--signal NAME] FOLDER" in out.stderr
