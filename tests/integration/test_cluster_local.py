@@ -130,9 +130,13 @@ def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_i
     own_jobs.append(job)
     rehearsal.wait_for(job, {"running"}, timeout=120, poll=0.5)
     deadline = time.monotonic() + 30
-    while rehearsal.steps_left(job, ["n2"]) != ["n2"]:  # the step starts a moment after the batch script
+    # The srun step starts a moment after the batch script, whose shell (no trap) dies at once when
+    # the node goes DOWN: set DOWN before the step ran, n2 had nothing of the job left to show (seen
+    # in a parallel run). Wait for the step's own processes.
+    while not _step_processes(job, "n2", "0"):
         assert time.monotonic() < deadline, "the job's step never showed on n2 (`scontrol listpids`)"
         time.sleep(0.2)
+    assert rehearsal.steps_left(job, ["n2"]) == ["n2"]
     assert rehearsal.steps_left(job, ["n1"]) == []
     rehearsal.set_node_state("n2", "DOWN", reason=f"test {run_name}")
     try:
@@ -150,6 +154,12 @@ def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_i
     while not rehearsal.ready_to_start(job):
         assert time.monotonic() < deadline, slurm.nodes()
         time.sleep(0.5)
+
+
+def _step_processes(job: str, node: str, step: str) -> list[str]:
+    """The pids of step ``step`` of ``job`` on ``node``, as its slurmd tells (`scontrol listpids`)."""
+    out = subprocess.run(["scontrol", "listpids", job, node], capture_output=True, text=True, timeout=30).stdout
+    return [f[0] for f in (line.split() for line in out.splitlines()[1:]) if len(f) >= 3 and f[2] == step]
 
 
 def test_jobs_of_a_test_session_that_is_gone_are_cancelled_and_live_ones_kept(slurm_cluster, tmp_path, own_jobs, run_name):
