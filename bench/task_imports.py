@@ -31,7 +31,7 @@ IMPORTS = """
 import lmtrain.preemption, lightning.pytorch, torch, transformers
 from transformers import GPT2LMHeadModel
 """
-PAUSED = "from lmtrain.startup import imports_without_gc\nwith imports_without_gc():\n" + "".join(
+PAUSED = "from lmtrain.startup import imports_without_gc\nwith imports_without_gc(freeze=True):\n" + "".join(
     f"    {line}\n" for line in IMPORTS.strip().splitlines())
 
 

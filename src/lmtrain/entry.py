@@ -107,7 +107,8 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     # First of all, before any import that takes time: from here on lmtrain's handlers (record
     # only), not submitit's (tests/unit/test_preemption_signals.py)
     signals = own_signals(raw_plan.get("preemption") or {})
-    with imports_without_gc():
+    fresh = "torch" not in sys.modules  # a task's process, not forked from a zygote nor called in-process
+    with imports_without_gc(freeze=fresh):
         from launcher.core.plan import LaunchPlan
         from launcher.core.rundir import Ledger, attempts_of, next_attempt_of
         from lmtrain import preemption
@@ -117,7 +118,7 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
     plan = LaunchPlan.from_dict(raw_plan)
     record_this_task(run_dir)  # this process's node and pid, for `lmlaunch stacks` (even if stuck starting)
     try:
-        with imports_without_gc():
+        with imports_without_gc(freeze=fresh):
             _import_frameworks(plan.training.strategy)  # the rest of them, with the signals already ours
         CLOCK.mark("imports")
         env = read_env()

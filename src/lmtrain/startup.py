@@ -80,18 +80,21 @@ CLOCK = StartupClock()
 
 
 @contextlib.contextmanager
-def imports_without_gc() -> Iterator[None]:
-    """Import the frameworks with Python's cyclic garbage collector paused, then freeze what they
-    made. Importing torch, Lightning and transformers allocates millions of objects and almost no
-    garbage, and the collector would walk them over and over while they load: about 0.8 of the
-    ~5 CPU-s a task spends importing (bench/task_imports.py). Frozen, they are left out of every
-    later collection too (the training loop's). The collector runs again as it did before, also
-    when an import fails."""
+def imports_without_gc(*, freeze: bool) -> Iterator[None]:
+    """Import the frameworks with Python's cyclic garbage collector paused and, with ``freeze``, freeze
+    what they made. Importing torch, Lightning and transformers allocates millions of objects and
+    almost no garbage, and the collector would walk them over and over while they load: about a
+    third of the ~5 CPU-s a task spends importing (bench/task_imports.py). Frozen, they are left out
+    of every later collection too (the training loop's). Freeze only in a process that starts with
+    these imports (a task): frozen objects are never collected, and a process that already holds
+    other objects (a test calling the entry in-process) would keep its garbage of the moment for
+    good. The collector runs again as it did before, also when an import fails."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         if was_enabled:
             gc.enable()
