@@ -93,3 +93,7 @@ def test_the_task_command_runs_lmtrains_main_unless_the_runs_code_predates_it(tm
     assert submit.submit_command(plan).endswith(f"-u -m submitit.core._submit {folder}")
     (code / "lmtrain" / "task_main.py").write_text("")
     assert submit.submit_command(plan).endswith(f"-u -m lmtrain.task_main --signal USR2 {folder}")
+    # the plan's own warning signal, whichever it is
+    environ = {"LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs1"), "HOME": "/home/u", "USER": "u"}
+    usr1 = resolve(str(REPO / "jobs" / "tiny-cpu.yaml"), ["preemption.signal=USR1"], cluster="local", environ=environ).plan
+    assert submit.submit_command(usr1).endswith(f"-u -m lmtrain.task_main --signal USR1 {usr1.paths.submitit_dir}")
