@@ -1,9 +1,9 @@
 """What the checkpoint files' checksums cost a save: lmtrain's streamed write with its checksum
 against the same write without one, on the same bytes, in the same run.
 
-Every large checkpoint file goes through ``lmtrain.writeback.save_streamed`` (DDP's Lightning file,
+Every large checkpoint file goes through ``lmtrain.checkpoint.writeback.save_streamed`` (DDP's Lightning file,
 DeepSpeed's shards, FSDP2's DCP files through the same stream), which hashes the bytes as they pass
-(XXH3-128, lmtrain.checksums). Here a GPT-2 124M state (fp32 weights + AdamW state, about 1.4 GB,
+(XXH3-128, lmtrain.checkpoint.checksums). Here a GPT-2 124M state (fp32 weights + AdamW state, about 1.4 GB,
 as Lightning's checkpoint holds it) is saved ``--saves`` times each way, alternating, into a file
 on ``--dir`` and fsynced (what a save costs until durable); the baseline swaps the hasher for one
 that does nothing. The page cache is dropped (root) before each save.
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from launcher.core.checkpoint_index import file_digest
-    from lmtrain import checksums
-    from lmtrain.writeback import save_streamed
+    from lmtrain.checkpoint import checksums
+    from lmtrain.checkpoint.writeback import save_streamed
 
     torch.set_num_threads(1)
     torch.serialization.set_crc32_options(False)  # as lmtrain's DirectCheckpointIO writes

@@ -12,7 +12,7 @@ heartbeat line says how long training was held (``blocked_s``) and how long unti
 - ``torch.save``: the checkpoint loaded, ``torch.save`` into a file and fsync (what a save costs
   without lmtrain's protocol: no rank files, manifest, renames, COMPLETE).
 
-Goals, with every file's checksum computed (lmtrain.checksums, always on): **blocked <= 1.5x a
+Goals, with every file's checksum computed (lmtrain.checkpoint.checksums, always on): **blocked <= 1.5x a
 bare copy of the staged bytes into host memory** (the median ``blocked_s`` of the background saves
 after the first, which allocates the host buffers and is listed apart, over
 ``baseline_host_copy_s``: the checkpoint's bytes, or one rank's half of them for a sharded strategy,
@@ -25,7 +25,7 @@ their writer shares the 2 cores with the training. The page cache is dropped (ro
 run and before every baseline measurement.
 
 ``--strategy`` fsdp, zero1, zero2 or zero3 runs the same model on a sharded strategy: every rank
-stages only its own shards and its own thread writes them (lmtrain.async_sharded); the sizes and
+stages only its own shards and its own thread writes them (lmtrain.checkpoint.async_sharded); the sizes and
 the dd baseline are then those of the whole ``lightning.ckpt`` directory (all ranks' files), and
 the plain ``torch.save`` baseline, which reads DDP's single file, is not taken.
 
@@ -75,7 +75,7 @@ def _mem_total() -> int:
 
 def train(spec: str, extra: tuple[str, ...], work: Path, steps: int) -> tuple[Path, list[dict]]:
     from launcher.commands.run import prepare_local_run
-    from launcher.core.rundir import read_jsonl
+    from launcher.core.jsonlines import read_jsonl
     from lmtrain.local import launch
 
     overrides = [
@@ -208,7 +208,7 @@ def run(params: str, steps: int, work_root: str | None, strategy: str = "ddp") -
         "torch_save_ratio_to_dd": round(plain / dd, 3) if plain is not None else None,
         "peak_rss_per_rank_gib": round(rss_gib, 2),
         "train_wall_s": round(train_s, 1),
-        "checksums": "xxh3_128, every file (lmtrain.checksums: on, always)",
+        "checksums": "xxh3_128, every file (lmtrain.checkpoint.checksums: on, always)",
         "goal_blocked_ratio_to_host_copy": GOAL_BLOCKED_FLOOR, "goal_durable_ratio": GOAL_DURABLE,
         "meets_goal": blocked / floor <= GOAL_BLOCKED_FLOOR and sync / dd <= GOAL_DURABLE,
     }

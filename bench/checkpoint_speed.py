@@ -48,7 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput as tp
 
-from lmtrain.env import free_port
+from lmtrain.task_env import free_port
 
 
 @dataclass(frozen=True)

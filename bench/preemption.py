@@ -56,7 +56,7 @@ def cli(environ: dict[str, str], *args: str) -> str:
 
 
 def jsonl(path: Path) -> list[dict]:
-    from launcher.core.rundir import read_jsonl  # skips a line being written
+    from launcher.core.jsonlines import read_jsonl  # skips a line being written
 
     return read_jsonl(path)
 

@@ -53,7 +53,7 @@ from throughput import (
     versions,
 )
 
-from lmtrain.env import free_port
+from lmtrain.task_env import free_port
 
 GOAL_OVER_LIGHTNING_MS = 1.0
 GOAL_OVER_HANDWRITTEN_MS = 5.0

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 GOAL = 0.9
 
 IMPORTS = """
-import lmtrain.preemption, lightning.pytorch, torch, transformers
+import lmtrain.preemption.controller, lightning.pytorch, torch, transformers
 from transformers import GPT2LMHeadModel
 """
 PAUSED = "from lmtrain.startup import imports_without_gc\nwith imports_without_gc(freeze=True):\n" + "".join(

@@ -52,7 +52,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from lmtrain.env import free_port
+from lmtrain.task_env import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # Importable without `pip install -e .` (the GPU machine gets the working tree only).
@@ -146,7 +146,7 @@ def ensure_data(path: Path = DATA_DIR) -> Path:
 
 
 def set_single_rank_env(job_id: str) -> None:
-    """This process is rank 0 of 1, as ``lmtrain.local`` starts a rank (lmtrain.env.read_env)."""
+    """This process is rank 0 of 1, as ``lmtrain.local`` starts a rank (lmtrain.task_env.read_env)."""
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
         del os.environ[key]  # not a SLURM task, even inside an allocation
     os.environ.update({
@@ -240,7 +240,7 @@ def _probe_class():
     import lightning.pytorch as pl
     import torch
 
-    from lmtrain.callbacks import CheckpointCallback
+    from lmtrain.checkpoint.callback import CheckpointCallback
 
     class StepProbe(pl.Callback):
         """Times optimizer steps ``start`` .. ``end`` of the project path (CUDA synchronized), notes
@@ -298,7 +298,8 @@ def _probe_class():
 
 def run_project_path(run_dir: str | Path, probe) -> None:
     """``lmtrain.entry.run_task`` on ``run_dir`` in this process, with ``probe`` among its callbacks."""
-    from lmtrain.entry import Hooks, run_task
+    from lmtrain.attempt import Hooks
+    from lmtrain.entry import run_task
 
     # Lightning's LightningEnvironment.teardown deletes WORLD_SIZE after each fit: set it again.
     set_single_rank_env(os.environ.get("LMTRAIN_JOB_ID") or f"bench-{os.getpid()}")

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.core import rundir, slurm
+from launcher.core import jsonlines, rundir, slurm
 from launcher.core.checkpoint_index import checkpoint_bytes
 from launcher.core.errors import UserError
 from launcher.core.plan import LaunchPlan
@@ -200,11 +200,11 @@ def judge_profile(profile: Profile, facts: ClusterFacts) -> Check:
 def measured_checkpoint_seconds(run_dir: Path) -> float | None:
     """The slowest signal-to-complete-checkpoint time of the run's earlier attempts (the ledger),
     else its slowest periodic checkpoint (the heartbeat); None for a run that has none."""
-    stops = [float(e["checkpoint_seconds"]) for e in rundir.read_jsonl(run_dir / rundir.LEDGER)
+    stops = [float(e["checkpoint_seconds"]) for e in jsonlines.read_jsonl(run_dir / rundir.LEDGER)
              if e.get("event") == "end" and isinstance(e.get("checkpoint_seconds"), (int, float))]
     if stops:
         return max(stops)
-    saves = [float(b["seconds"]) for b in rundir.read_jsonl(run_dir / rundir.HEARTBEAT)
+    saves = [float(b["seconds"]) for b in jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT)
              if b.get("event") == "checkpoint" and isinstance(b.get("seconds"), (int, float))]
     return max(saves) if saves else None
 

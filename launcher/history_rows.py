@@ -145,13 +145,13 @@ def build_history(
     notes = []
     if not starts:
         notes.append("no attempt has started yet (the ledger attempts.jsonl is empty)")
-    for x in ledger:  # what rank 0 did to the job after an attempt (lmtrain.bad_nodes, lmtrain.preemption)
+    for x in ledger:  # what rank 0 did to the job after an attempt (lmtrain.preemption.bad_nodes, lmtrain.preemption)
         what = {"nodes_excluded": f"job {x.get('job_id')} keeps off {','.join(x.get('nodes') or [])} (ExcNodeList)",
                 **{k: f"{k.replace('_', ' ')}: {x.get('detail', '')}" for k in
                    ("exclude_failed", "requeue_failed", "cancel_failed")}}.get(str(x.get("event")))
         if what:
             notes.append(f"after attempt {x.get('attempt')}: {what}")
-        elif x.get("event") == "checkpoint_rejected":  # lmtrain.resume_point, before it loaded anything
+        elif x.get("event") == "checkpoint_rejected":  # lmtrain.checkpoint.resume_point, before it loaded anything
             instead = f"resumed from {x['fallback']} instead" if x.get("fallback") else "no older checkpoint was left"
             notes.append(f"attempt {x.get('attempt')}: step-{x.get('step')} failed its checksums "
                          f"({x.get('detail', '')}); {instead}")

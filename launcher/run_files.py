@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.core.checkpoint_index import newest_complete
+from launcher.core.checkpoint_index import COMPLETE_NAME, newest_complete
 from launcher.core.rundir import (
     CANCELLED,
     DONE,
@@ -39,7 +39,7 @@ def newest_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:
     if ckpt is None:
         return None
     try:
-        mtime = (ckpt.path / "COMPLETE").stat().st_mtime
+        mtime = (ckpt.path / COMPLETE_NAME).stat().st_mtime
     except OSError:
         return None
     return Checkpoint(ckpt.step, str(ckpt.path), mtime)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from launcher import history_rows, runs, slurm_view
 from launcher.context import Context
-from launcher.core import rundir
+from launcher.core import jsonlines, rundir
 from launcher.monitor_view import history_view, make_console, startup_view
 
 
@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_history(rec):
     """The ledger, the whole heartbeat (for training time per attempt) and ONE `sacct -D` call."""
     run_dir = Path(rec.run_dir)
-    ledger = rundir.read_jsonl(run_dir / rundir.LEDGER)
-    heartbeat = rundir.read_jsonl(run_dir / rundir.HEARTBEAT)
+    ledger = jsonlines.read_jsonl(run_dir / rundir.LEDGER)
+    heartbeat = jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT)
     times, message = slurm_view.sacct_attempt_times(rec.job_ids)
     h = history_rows.build_history(rec.name, ledger, heartbeat, times)
     if message:

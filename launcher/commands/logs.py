@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from launcher import run_files, runs
 from launcher.context import Context
-from launcher.core import rundir, slurm
+from launcher.core import jsonlines, rundir, slurm
 from launcher.core.errors import UserError
 
 
@@ -58,7 +58,7 @@ def print_logs(
         out.flush()
 
     def poll(final: bool) -> bool:
-        ledger = rundir.read_jsonl(run_dir / rundir.LEDGER)
+        ledger = jsonlines.read_jsonl(run_dir / rundir.LEDGER)
         grew = False
         for src in run_files.log_sources(run_dir, job_ids, rank=rank, attempt=attempt):
             if src.path not in offsets:

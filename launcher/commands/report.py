@@ -9,7 +9,7 @@ from pathlib import Path
 from launcher import runs
 from launcher.commands.history import load_history
 from launcher.context import Context
-from launcher.core import rundir
+from launcher.core import jsonlines, rundir
 from launcher.core.errors import UserError
 from launcher.report import build_report, draw_png, draw_sweep_png, sweep_curves
 
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return _sweep_report(args, ctx, points)
     rec = runs.find_run(args.run, ctx.environ or None)
     run_dir = Path(rec.run_dir)
-    heartbeat = rundir.read_jsonl(run_dir / rundir.HEARTBEAT)
+    heartbeat = jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT)
     data = build_report(rec.name, heartbeat, load_history(rec))
     if not data.steps:
         raise UserError(f"run '{rec.name}' has no training steps in {run_dir / 'metrics' / 'heartbeat.jsonl'} yet; "
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 def _sweep_report(args: argparse.Namespace, ctx: Context, points: list[runs.RunRecord]) -> int:
     """`report SWEEP`: every point's loss curve on one plot, the best one marked."""
-    data = sweep_curves([(r.name, rundir.read_jsonl(Path(r.run_dir) / rundir.HEARTBEAT)) for r in points])
+    data = sweep_curves([(r.name, jsonlines.read_jsonl(Path(r.run_dir) / rundir.HEARTBEAT)) for r in points])
     if not any(xs for xs, _ in data["curves"].values()):
         raise UserError(f"sweep '{args.run}' has no training steps yet; nothing to plot", exit_code=1)
     out = Path(args.output) if args.output else Path(points[0].run_dir).parent / args.run / "report.png"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from launcher import runs
 from launcher.context import Context
-from launcher.core import rundir, slurm, stacks
+from launcher.core import jsonlines, rundir, slurm, stacks
 from launcher.core.errors import ExitCode, SlurmUnavailable, UserError
 from launcher.core.task_records import read_task_records, recorded_starts
 
@@ -41,7 +41,7 @@ def _running_job(name: str, run_dir: Path, job_ids: list[str]) -> tuple[str, slu
     if job_id is None:
         raise UserError(f"run '{name}' has no SLURM job (a local run, or never submitted): "
                         "`lmlaunch stacks` dumps the tasks of a running SLURM job")
-    if job_id.startswith("local-"):  # lmtrain.env: a `run --local` process has no SLURM job id
+    if job_id.startswith("local-"):  # lmtrain.task_env: a `run --local` process has no SLURM job id
         records, _ = read_task_records(run_dir, job_id, 0)
         pids = ", ".join(f"rank {r.rank}: pid {r.pid}" for r in records) or "none recorded"
         raise UserError(f"run '{name}' runs locally (`lmlaunch run --local`), not under SLURM: dump its processes "
@@ -63,7 +63,7 @@ def _running_job(name: str, run_dir: Path, job_ids: list[str]) -> tuple[str, slu
 
 
 def _attempt_of(run_dir: Path, job_id: str, restarts: int) -> int | None:
-    starts = [e for e in rundir.read_jsonl(run_dir / rundir.LEDGER)
+    starts = [e for e in jsonlines.read_jsonl(run_dir / rundir.LEDGER)
               if e.get("event") == "start" and e.get("job_id") == job_id and e.get("restart_count") == restarts]
     return starts[-1].get("attempt") if starts else None
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from launcher import lifecycle, runs, sweep, sweep_rows
 from launcher.context import Context
-from launcher.core import rundir, slurm
+from launcher.core import jsonlines, rundir, slurm
 from launcher.core.errors import SlurmUnavailable, SpecError, UserError
 from launcher.resolve import resolve
 from launcher.submit import render_array_script, submit_array
@@ -138,10 +138,10 @@ def _results(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError(f"no sweep named {args.sweep!r} in the registry")
     finals = {}
     for r in records:
-        beats = rundir.read_jsonl(Path(r.run_dir) / rundir.HEARTBEAT)
+        beats = jsonlines.read_jsonl(Path(r.run_dir) / rundir.HEARTBEAT)
         steps = [b for b in beats if b.get("event") == "step"]
         vals = [b["val_loss"] for b in beats if b.get("event") == "val" and isinstance(b.get("val_loss"), (int, float))]
-        ends = [e for e in rundir.read_jsonl(Path(r.run_dir) / rundir.LEDGER) if e.get("event") == "end"]
+        ends = [e for e in jsonlines.read_jsonl(Path(r.run_dir) / rundir.LEDGER) if e.get("event") == "end"]
         finals[r.name] = {"state": ends[-1].get("reason") if ends else "not ended",
                           "step": steps[-1].get("step") if steps else None,
                           "loss": steps[-1].get("loss") if steps else None,

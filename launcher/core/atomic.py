@@ -1,21 +1,50 @@
-"""Atomic, private file writes: a reader sees the old file or the new one, never half of one,
-and nobody but the owner can read either (mode 0600 from creation, not chmod-ed after)."""
+"""Atomic file writes: a reader sees the old file or the new one, never half of one. The one
+writer of whole small files in a run directory (markers, JSON records, answers published to
+other ranks); checkpoint files go through :mod:`lmtrain.checkpoint.durable`, which adds its
+fault-injection points and checksums.
+
+``write_private``: nobody but the owner can read the file (mode 0600 from creation, not
+chmod-ed after). ``durable``: the file and its directory are fsynced, so the new content
+survives a crash of the node as well as of the process.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
-def write_private(path: Path, text: str) -> None:
+def write_atomic(path: str | Path, text: str, *, mode: int = 0o644, durable: bool = False) -> None:
     """Write ``text`` to a temporary file beside ``path`` (named for this process, so two
     writers never share one) and rename it over ``path``."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if durable:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def write_private(path: str | Path, text: str) -> None:
+    """:func:`write_atomic`, readable by the owner only."""
+    write_atomic(path, text, mode=0o600)
+
+
+def write_json(path: str | Path, obj: Any, *, mode: int = 0o644, durable: bool = False) -> None:
+    """One JSON document and a newline, written atomically."""
+    write_atomic(path, json.dumps(obj) + "\n", mode=mode, durable=durable)

@@ -1,7 +1,7 @@
 """Reading lmtrain's checkpoint directories without torch: which step directories are complete,
-the newest one, its meta.json. The runtime (lmtrain.checkpoint) writes them and re-exports these
+the newest one, its meta.json. The runtime (lmtrain.checkpoint.manager) writes them and re-exports these
 readers; the launcher uses them to plan a resume (world size, strategy) before queue time is
-spent. The layout and the write protocol are described in lmtrain.checkpoint.
+spent. The layout and the write protocol are described in lmtrain.checkpoint.manager.
 """
 
 from __future__ import annotations
@@ -16,15 +16,29 @@ from typing import Any
 
 from launcher.core.atomic import write_private
 
-log = logging.getLogger("lmtrain.checkpoint")
+log = logging.getLogger("lmtrain.checkpoint.manager")
 
 STEP_RE = re.compile(r"step-(\d+)")  # matched with fullmatch
+
+
+def step_dir_name(step: int) -> str:
+    """The name of the checkpoint directory of ``step`` (``step-S``): STEP_RE reads it back."""
+    return f"step-{step}"
+
+
+def step_of(path: Path) -> int:
+    """The step a ``step-S`` directory holds."""
+    m = STEP_RE.fullmatch(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step-<N>)")
+    return int(m.group(1))
+
 LIGHTNING_NAME = "lightning.ckpt"
 COMPLETE_NAME = "COMPLETE"
 CORRUPT_NAME = "CORRUPT"  # written into a step directory whose files failed their checksums
 LATEST_NAME = "latest"
 # The checksum of every file in COMPLETE's manifest: xxHash's XXH3-128, computed while the file is
-# written (lmtrain.checksums) at memory speed (a cryptographic hash would hold a stop-time save).
+# written (lmtrain.checkpoint.checksums) at memory speed (a cryptographic hash would hold a stop-time save).
 CHECKSUM_ALGORITHM = "xxh3_128"
 _READ = 8 << 20
 # Bytes per parameter of a checkpoint with AdamW: fp32 weights + two fp32 moments (DDP, FSDP);

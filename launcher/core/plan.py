@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.core.nccl import EnvOverride
-from launcher.core.spec import JobSpec
+from launcher.core.spec import JobSpec, PreemptionSpec
 
 # 2: `trainer` is exactly the Trainer's keyword arguments (TrainerPlan); `training` holds the rest.
 PLAN_VERSION = 2
@@ -87,6 +87,14 @@ class PreemptionPlan:
     cluster_sends_user_signal: bool  # SlurmctldParameters=preempt_send_user_signal
     grace_seconds: int | None  # the partition's GraceTime, when the profile knows it
     agree_every_n_steps: int = 1  # stop agreement every K step boundaries (plans before it: 1)
+
+    @classmethod
+    def of(cls, spec: PreemptionSpec, *, cluster_sends_user_signal: bool = False,
+           grace_seconds: int | None = None) -> PreemptionPlan:
+        """The spec's settings (their defaults live in :class:`launcher.core.spec.PreemptionSpec`
+        only) and what the profile says about the cluster."""
+        return cls(**spec.model_dump(), cluster_sends_user_signal=cluster_sends_user_signal,
+                   grace_seconds=grace_seconds)
 
 
 @dataclass(frozen=True)

@@ -260,8 +260,8 @@ def make_plan(
             f"{k - 1} more steps run before its checkpoint; they must fit in the warning "
             f"({spec.preemption.warning_seconds} s) and in GraceTime on preemption",
         )
-    preemption = PreemptionPlan(
-        **spec.preemption.model_dump(),
+    preemption = PreemptionPlan.of(
+        spec.preemption,
         cluster_sends_user_signal=profile.sends_user_signal_on_preemption,
         grace_seconds=profile.partitions[slurm.partition].grace_seconds,
     )
@@ -287,7 +287,7 @@ def make_plan(
         spec=spec.model_dump(mode="json"),
         notes=notes,
         rendezvous={
-            "master_addr": "global rank 0's node (lmtrain.env.rendezvous)",
+            "master_addr": "global rank 0's node (lmtrain.task_env.rendezvous)",
             "master_port": (
                 "a free port rank 0 binds on its node at every attempt, published in "
                 "<run_dir>/rendezvous/ (Lightning's job-id port collides between jobs)"

@@ -21,13 +21,15 @@ an attempt that was SIGKILLed). Every writer appends a whole line in one ``write
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from launcher.core.atomic import write_json
+from launcher.core.jsonlines import append_jsonl, parse_jsonl, read_jsonl, read_tail
 
 LEDGER = "attempts.jsonl"
 HEARTBEAT = "metrics/heartbeat.jsonl"
@@ -37,61 +39,9 @@ CANCELLED = "CANCELLED"
 CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
 LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.snapshot, PYTHONPATH in the plan)
-ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment)
-LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.first_death)
+ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment_record)
+LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
 TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (core.task_records; lmlaunch stacks)
-HEARTBEAT_TAIL_BYTES = 16384  # ~60 heartbeat lines: enough for the last step, checkpoint and rate
-
-
-# --------------------------------------------------------------------------- JSON lines
-def append_jsonl(path: str | Path, obj: Mapping[str, Any]) -> None:
-    """Append one JSON line in a single write (O_APPEND): concurrent writers never interleave."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    data = (json.dumps(dict(obj)) + "\n").encode()
-    fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-def parse_jsonl(text: str) -> list[dict[str, Any]]:
-    """JSON objects, one per line; a line that does not parse is skipped."""
-    out = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    try:
-        return parse_jsonl(Path(path).read_text(errors="replace"))
-    except OSError:
-        return []
-
-
-def read_tail(path: str | Path, max_bytes: int = HEARTBEAT_TAIL_BYTES) -> list[dict[str, Any]]:
-    """The last whole JSON lines of ``path`` within its last ``max_bytes`` (never the whole file)."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - max_bytes)
-            f.seek(start)
-            data = f.read()
-    except OSError:
-        return []
-    if start > 0:
-        nl = data.find(b"\n")
-        data = data[nl + 1 :] if nl >= 0 else b""  # the first line is cut: drop it
-    return parse_jsonl(data.decode("utf-8", errors="replace"))
 
 
 # --------------------------------------------------------------------------- heartbeat
@@ -269,7 +219,76 @@ def is_cancelled(run_dir: str | Path) -> bool:
 
 
 def attempt_logs_dir(run_dir: str | Path, attempt: int) -> Path:
-    return Path(run_dir) / LOGS / f"attempt-{attempt}"
+    return RunLayout.of(run_dir).attempt_logs(attempt)
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where each file of a run directory lives (docs/run-directory.md): the one place that spells
+    those paths, as submitit's ``JobPaths`` is for its folder. ``logs`` and ``checkpoints`` are
+    where the plan put them (:meth:`of_plan`), else the defaults."""
+
+    run_dir: Path
+    logs: Path
+    checkpoint_dir: Path | None = None  # None: the plan's, read from plan.json when asked
+
+    @classmethod
+    def of(cls, run_dir: str | Path) -> RunLayout:
+        return cls(Path(run_dir), Path(run_dir) / LOGS)
+
+    @classmethod
+    def of_plan(cls, plan: Any) -> RunLayout:
+        """From a :class:`launcher.core.plan.LaunchPlan` (its ``paths``)."""
+        p = plan.paths
+        return cls(Path(p.run_dir), Path(p.logs_dir), Path(p.checkpoint_dir))
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.checkpoint_dir or checkpoint_dir_of(self.run_dir)
+
+    @property
+    def done(self) -> Path:
+        return self.run_dir / DONE
+
+    @property
+    def cancelled(self) -> Path:
+        return self.run_dir / CANCELLED
+
+    @property
+    def rendezvous(self) -> Path:
+        """Rank 0's answers for an attempt's ranks: rendezvous, start gate, verified checkpoint."""
+        return self.run_dir / "rendezvous"
+
+    def rendezvous_file(self, key: str) -> Path:
+        return self.rendezvous / f"{key}.json"
+
+    def gate_file(self, key: str) -> Path:
+        return self.rendezvous / f"{key}.gate.json"
+
+    def verify_file(self, key: str, attempt: int) -> Path:
+        return self.rendezvous / f"{key}-attempt-{attempt}.verify"
+
+    def attempt_logs(self, attempt: int) -> Path:
+        return self.logs / f"attempt-{attempt}"
+
+    def rank_log(self, attempt: int, rank: int) -> Path:
+        return self.attempt_logs(attempt) / f"rank-{rank}.log"
+
+    def environment(self, attempt: int) -> Path:
+        return self.attempt_logs(attempt) / ENVIRONMENT
+
+    def last_words(self, attempt: int, rank: int | str) -> Path:
+        return self.attempt_logs(attempt) / LAST_WORDS.format(rank=rank)
+
+    def stacks(self, attempt: int, rank: int | str) -> Path:
+        """A hung rank's Python stacks (lmtrain.watchdog, ``lmlaunch stacks``)."""
+        return self.attempt_logs(attempt) / f"stacks-rank-{rank}.txt"
+
+    def hang_marker(self, attempt: int, rank: int | str) -> Path:
+        return self.attempt_logs(attempt) / f"hang-rank-{rank}.json"
+
+    def task_record(self, job_id: str, restart_count: int, rank: int) -> Path:
+        return self.logs / TASK_RECORD.format(job_id=job_id, restart_count=restart_count, rank=rank)
 
 
 def environment_records(run_dir: str | Path) -> dict[int, dict[str, Any]]:
@@ -284,6 +303,15 @@ def environment_records(run_dir: str | Path) -> dict[int, dict[str, Any]]:
         if n.isdigit() and isinstance(d, dict):
             out[int(n)] = d
     return out
+
+
+# Words of errors that only say another rank went away (a symptom, not the first death).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "GLHF", "NCCL communicator was aborted",
+             "Broken pipe", "Socket Timeout", "recvBytes", "failed to recv", "Connection refused")
+
+
+def is_peer_lost(text: str) -> bool:
+    return any(p in text for p in PEER_LOST)
 
 
 @dataclass(frozen=True)
@@ -301,17 +329,15 @@ class LastWords:
     source: str = "rank"
 
     def write(self, run_dir: str | Path, attempt: int) -> None:
-        path = attempt_logs_dir(run_dir, attempt) / LAST_WORDS.format(rank=self.rank)
+        path = RunLayout.of(run_dir).last_words(attempt, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(self)) + "\n")
-        os.replace(tmp, path)
+        write_json(path, asdict(self))
 
     @classmethod
     def read_all(cls, run_dir: str | Path, attempt: int) -> list[LastWords]:
         out = []
         names = set(cls.__dataclass_fields__)
-        for path in sorted(attempt_logs_dir(run_dir, attempt).glob(LAST_WORDS.format(rank="*"))):
+        for path in sorted(RunLayout.of(run_dir).attempt_logs(attempt).glob(LAST_WORDS.format(rank="*"))):
             try:
                 d = json.loads(path.read_text())
                 out.append(cls(**{k: v for k, v in d.items() if k in names}))

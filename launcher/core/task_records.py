@@ -12,13 +12,13 @@ those of an earlier attempt of the same job.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.core.atomic import write_json
 from launcher.core.rundir import LOGS, TASK_RECORD
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # SLURM's 123, 123_4 (arrays); local-<ppid>
@@ -68,9 +68,7 @@ def write_task_record(run_dir: str | Path, record: TaskRecord) -> Path:
     """Write ``record`` whole (temporary name, then rename): a reader never sees half of it."""
     path = task_record_path(run_dir, record.job_id, record.restart_count, record.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record.to_json()) + "\n")
-    os.replace(tmp, path)
+    write_json(path, record.to_json())
     return path
 
 

@@ -2,7 +2,7 @@
 
 Rank 0 picks the checkpoint when the attempt starts (``eval.checkpoint``: a step directory, or a
 run directory and then its newest complete checkpoint, so a pipeline's eval stage takes what its
-train stage left), rebuilds the full weights whatever strategy wrote them (lmtrain.weights), and
+train stage left), rebuilds the full weights whatever strategy wrote them (lmtrain.checkpoint.weights), and
 computes the mean loss over the first ``eval.max_batches`` micro batches of the data's
 validation split, the way the Trainer's validation does (the mean of the batches' mean token
 losses; the validation loader is not shuffled), and the perplexity ``exp(loss)``. The result is
@@ -26,7 +26,7 @@ from launcher.core.checkpoint_index import (
     newest_intact,
     verify,
 )
-from launcher.core.rundir import CHECKPOINTS, PLAN, AttemptEnd, AttemptStart, Ledger, LedgerNote, checkpoint_dir_of
+from launcher.core.rundir import CHECKPOINTS, PLAN, LedgerNote, checkpoint_dir_of
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,10 @@ def evaluate(spec: dict[str, Any], eval_spec: Any, data_spec: Any, seed: int) ->
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lmtrain.checkpoint.weights import model_state_dict
     from lmtrain.data import make_dataloaders
     from lmtrain.model import build_config
-    from lmtrain.module import _unpack
-    from lmtrain.weights import model_state_dict
+    from lmtrain.module import unpack_batch
 
     ckpt = pick_checkpoint(eval_spec.checkpoint)
     t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def evaluate(spec: dict[str, Any], eval_spec: Any, data_spec: Any, seed: int) ->
         for batch in val_loader:
             if len(losses) >= eval_spec.max_batches:
                 break
-            input_ids, labels = _unpack(batch)
+            input_ids, labels = unpack_batch(batch)
             losses.append(float(model(input_ids, labels=labels).loss))
             tokens += int(input_ids.numel())
     loss = sum(losses) / len(losses)
@@ -93,30 +93,27 @@ def evaluate(spec: dict[str, Any], eval_spec: Any, data_spec: Any, seed: int) ->
             "batches": len(losses), "tokens": tokens, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def run_eval(plan: Any, env: Any, attempt: int, run_dir: Path) -> int:
+def run_eval(plan: Any, env: Any, attempt: int) -> int:
     """Every rank of an eval job: rank 0 evaluates and writes the ledger; the others exit."""
     if env.rank != 0:
         return 0
-    from launcher.core.rundir import DONE
-    from lmtrain.durable import write_text_atomic
+    from lmtrain.attempt import AttemptRecords, Outcome
 
     job = plan.job_spec()
-    ledger = Ledger(plan.paths.ledger)
-    ledger.write(AttemptStart(attempt=attempt, job_id=env.job_id, restart_count=env.restart_count, time=time.time(),
-                              start_step=0, nodes=list(env.nodes), world_size=1))
+    records = AttemptRecords(plan, env, attempt)
+    records.start_line(0, world_size=1)
     try:
         result = evaluate(plan.spec, job.eval, job.data, plan.training.seed)
     except Exception as exc:
         log.error("eval failed: %s", exc)
-        ledger.write_end_once(AttemptEnd(attempt=attempt, job_id=env.job_id, time=time.time(), end_step=0,
-                                         reason="crashed", detail=f"eval: {type(exc).__name__}: {exc}"[:2000]))
+        records.end_line(Outcome(reason="crashed", end_step=0, detail=f"eval: {type(exc).__name__}: {exc}"[:2000]))
         return 1
     log.info("eval of %s: val_loss %.4f, perplexity %.2f over %d batches", result["checkpoint"], result["val_loss"],
              result["perplexity"], result["batches"])
-    ledger.write(LedgerNote(event="eval", time=time.time(), fields={"attempt": attempt, **result}))
-    ledger.write_end_once(AttemptEnd(
-        attempt=attempt, job_id=env.job_id, time=time.time(), end_step=0, reason="completed",
+    records.ledger.write(LedgerNote(event="eval", time=time.time(), fields={"attempt": attempt, **result}))
+    records.end_line(Outcome(
+        reason="completed", end_step=0,
         detail=f"eval of step-{result['step']}: val_loss {result['val_loss']:.4f}, perplexity "
                f"{result['perplexity']:.2f} ({result['batches']} batches, {result['checkpoint']})"))
-    write_text_atomic(run_dir / DONE, "0\n")
+    records.done(0)
     return 0

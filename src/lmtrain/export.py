@@ -2,7 +2,7 @@
 its tokenizer, so that ``AutoModelForCausalLM.from_pretrained(DIR)`` gives the trained model
 and ``model.pretrained: DIR`` fine-tunes from it.
 
-The weights come from :mod:`lmtrain.weights` (DDP file, FSDP2 DCP shards, ZeRO partitions, all
+The weights come from :mod:`lmtrain.checkpoint.weights` (DDP file, FSDP2 DCP shards, ZeRO partitions, all
 assembled on one CPU process); the architecture from the run's own plan (``plan.json``: the
 model type and config overrides it trained with). The tokenizer is the one the run's data was
 prepared with (``meta.json`` of ``data.path``): a transformers tokenizer directory is saved
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from launcher.core.checkpoint_index import CompleteCheckpoint
+from lmtrain.checkpoint.weights import model_state_dict
 from lmtrain.model import build_config
 from lmtrain.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
-from lmtrain.weights import model_state_dict
 
 log = logging.getLogger(__name__)
 

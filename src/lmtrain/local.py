@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from lmtrain.env import free_port
+from lmtrain.task_env import free_port
 from lmtrain.zygote import SHARED_ENV as ZYGOTE_ENV
 from lmtrain.zygote import Forked, Zygote, forkable
 
@@ -179,7 +179,7 @@ def _wait_all(procs: list[subprocess.Popen | Forked], on_first_failure: Callable
 
 def _words_for(run_dir: Path, rank: int, code: int, pid: int) -> None:
     """The first rank to fail died of a signal (or exited without its own last words): say so for
-    it, where rank 0 looks for the first death (lmtrain.first_death), before the others are stopped."""
+    it, where rank 0 looks for the first death (lmtrain.preemption.first_death), before the others are stopped."""
     from launcher.core.rundir import LEDGER, LastWords, Ledger
 
     attempt = Ledger(run_dir / LEDGER).next_attempt() - 1

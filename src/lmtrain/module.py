@@ -104,7 +104,7 @@ class LMModule(pl.LightningModule):
         return self.model(input_ids=input_ids, labels=labels, use_cache=False)
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        input_ids, labels = _unpack(batch)
+        input_ids, labels = unpack_batch(batch)
         # input_ids, labels: (B, T); transformers shifts the labels inside the loss.
         return self(input_ids, labels=labels).loss
 
@@ -225,7 +225,7 @@ class LMModule(pl.LightningModule):
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept {'input_ids', 'labels'} dicts, (input_ids, labels) tuples or a bare (B, T) tensor."""
     if isinstance(batch, dict):
         ids = batch["input_ids"]

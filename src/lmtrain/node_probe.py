@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.core.node_facts import IFNAME_VARS, MARK, AllReduce, NodeFacts, select_interfaces
-from lmtrain.env import read_env, rendezvous
+from lmtrain.task_env import read_env, rendezvous
 
 STORE_TIMEOUT_S = 120.0
 WRITE_CHUNK = 4 << 20

@@ -118,3 +118,30 @@ def goodput(ledger: Sequence[Mapping[str, Any]], beats: Sequence[Mapping[str, An
     alloc = sum(ends.get(n, now) - t for n, t in starts.items())
     train = sum(max(ts) - min(ts) for n, ts in spans.items() if n in starts and len(ts) > 1)
     return min(1.0, train / alloc) if alloc > 0 else None
+
+
+def notify_end(notifier: Any, plan: Any, outcome: Any, attempt: int) -> None:
+    """The webhook messages of how this attempt ended."""
+    from launcher.core.jsonlines import read_jsonl
+    from launcher.core.rundir import RunLayout
+
+    step, reason, detail = outcome.end_step, outcome.reason, outcome.detail or ""
+    facts = {"reason": reason, "end_step": step, "detail": detail[:500]}
+    if reason in ("preempted", "timeout"):
+        notifier.send("preempted", f"attempt {attempt} {reason} at step {step}", **facts)
+    elif reason == "hang":
+        notifier.send("hang", f"attempt {attempt} hung at step {step}: {detail[:300]}", **facts)
+    elif reason == "completed":
+        beats = read_jsonl(plan.paths.heartbeat)
+        losses = [b["loss"] for b in beats if b.get("event") == "step" and isinstance(b.get("loss"), (int, float))]
+        g = goodput(read_jsonl(plan.paths.ledger), beats, time.time())
+        loss_text = f"{losses[-1]:.4f}" if losses else "?"
+        notifier.send("completed", f"completed at step {step}: loss {loss_text}, goodput "
+                      f"{'?' if g is None else f'{g:.2f}'}", **facts, loss=losses[-1] if losses else None, goodput=g)
+    if outcome.requeued:
+        notifier.send("requeued", f"requeued after {reason}: the next attempt resumes from the newest checkpoint",
+                      **facts)
+    elif reason not in ("completed", "preempted", "timeout", "cancelled", "hang"):
+        logs = sorted(RunLayout.of_plan(plan).attempt_logs(attempt).glob("rank-*.log"))
+        notifier.send("failed", f"attempt {attempt} failed ({reason}) at step {step}: {detail[:300]}",
+                      **facts, log_tail=last_lines(logs))

@@ -12,7 +12,7 @@ library. At the start of every attempt the first rank of each node checks, for t
 It writes its verdict to ``logs/attempt-<N>/preflight-node-<K>.json``; every rank waits (up to
 :data:`WAIT_S`) for every node's verdict, so all of them agree. Rank 0 writes the ledger line
 ``preflight`` (per node: ok or what failed). When a node failed, every rank raises
-:class:`PreflightFailed`: the attempt ends as ``preflight_failed`` and lmtrain.policy requeues
+:class:`PreflightFailed`: the attempt ends as ``preflight_failed`` and lmtrain.preemption.policy requeues
 the job off the failing nodes where the partition has others (``ExcNodeList``), else stops it
 with what to fix.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 from launcher.core.atomic import write_private
 from launcher.core.node_facts import ifname_verdicts
-from launcher.core.rundir import Ledger, LedgerNote, attempt_logs_dir
+from launcher.core.rundir import Ledger, LedgerNote, RunLayout
 from lmtrain import faults
 
 WAIT_S = 60.0  # for every node's verdict (a node whose first rank never starts: the rendezvous times out as before)
@@ -77,10 +77,10 @@ def node_checks(plan: Any, environ: dict[str, str], node: str) -> list[dict[str,
     return out
 
 
-def run(plan: Any, env: Any, attempt: int, run_dir: str | Path, *, wait_s: float = WAIT_S) -> dict[str, Any]:
+def run(plan: Any, env: Any, attempt: int, *, wait_s: float = WAIT_S) -> dict[str, Any]:
     """Every rank: check this node (its first rank), agree on every node's verdict through the
     run directory, raise PreflightFailed on every rank alike when a node failed."""
-    logs = attempt_logs_dir(run_dir, attempt)
+    logs = RunLayout.of_plan(plan).attempt_logs(attempt)
     node = env.nodes[env.node_rank] if env.node_rank < len(env.nodes) else str(env.node_rank)
     if env.local_rank == 0:
         verdict = {"node": node, "checks": node_checks(plan, dict(os.environ), node), "time": time.time()}

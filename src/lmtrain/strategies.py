@@ -27,14 +27,14 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 
-from lmtrain.env import cluster_environment
+from lmtrain.checkpoint.writeback import save_streamed
+from lmtrain.task_env import cluster_environment
 from lmtrain.watchdog import process_group_timeout
-from lmtrain.writeback import save_streamed
 
 
 class DirectCheckpointIO(TorchCheckpointIO):
     """``torch.save`` straight into the file lmtrain's checkpoint protocol names (inside
-    ``.step-S.tmp``, made atomic and durable by lmtrain.checkpoint: fsync, rename, COMPLETE).
+    ``.step-S.tmp``, made atomic and durable by lmtrain.checkpoint.manager: fsync, rename, COMPLETE).
 
     Lightning's default first serialises the whole checkpoint into a BytesIO, then writes it
     through an fsspec transaction into a temporary file in the system temp directory and moves
@@ -112,10 +112,10 @@ def deepspeed_config_for_lightning(plan: Any) -> dict[str, Any]:
 def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
     """The Lightning strategy object for the plan, with lmtrain's cluster environment and the
     spec's collective timeout. ``load_universal``: the DeepSpeed engine resumes a universal
-    checkpoint (lmtrain.elastic; the one key added to the plan's DeepSpeed config)."""
+    checkpoint (lmtrain.checkpoint.elastic; the one key added to the plan's DeepSpeed config)."""
     cluster = cluster_environment(env)
     backend = plan.training.process_group_backend
-    timeout = process_group_timeout(plan.spec)  # every collective: spec watchdog.collective_timeout_s
+    timeout = process_group_timeout(plan)  # every collective: spec watchdog.collective_timeout_s
     name = plan.training.strategy
     if name == "ddp":
         return DDPStrategy(

@@ -4,7 +4,7 @@ It is deliberately light (no torch at import): the login node pickles it at subm
 On the allocation, submitit's runner (started by lmtrain.task_main, which owns the preemption
 signals before it) unpickles it and calls it once per task; the heavy imports happen inside
 ``__call__``. There is deliberately no ``checkpoint`` method: lmtrain owns checkpoints and
-requeue. The entry adopts the signal handlers task_main installed (``lmtrain.signals.own_signals``;
+requeue. The entry adopts the signal handlers task_main installed (``lmtrain.preemption.signals.own_signals``;
 a run started by submitit's own runner gets them there, after submitit's).
 """
 

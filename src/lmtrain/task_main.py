@@ -8,7 +8,7 @@ FAILED, never requeued); with them, the warning signal ran ``scontrol requeue`` 
 submitit's handler with no line in the ledger (or, for a job SLURM said had timed out, ended it),
 and SIGTERM was only logged, so the attempt trained on until SIGKILL.
 
-Here lmtrain's record-only handlers (lmtrain.signals.own_signals) are the first thing the process
+Here lmtrain's record-only handlers (lmtrain.preemption.signals.own_signals) are the first thing the process
 does; only the interpreter's own start comes before them. Then submitit's runner runs the task as
 ``_submit`` would (its logs, its result and error pickles), except that for lmtrain's task
 (lmtrain.task.TrainTask) it leaves the signals alone: lmtrain's entry adopts the handlers
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from lmtrain.signals import own_signals, release_early_signals
+from lmtrain.preemption.signals import own_signals, release_early_signals
 
 USAGE = "usage: python -m lmtrain.task_main [--signal NAME] FOLDER"
 

@@ -38,12 +38,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.core.atomic import write_private
-from launcher.core.rundir import AttemptEnd, Ledger
+from launcher.core.rundir import RunLayout
 from lmtrain import faults
+
+if TYPE_CHECKING:
+    from lmtrain.attempt import AttemptRecords
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +61,10 @@ LINGER_S = 2.0  # after dumping, wait a moment so peers that hang on us dump whi
 _COLLECTIVE_TIMEOUT_MARKERS = ("Timed out", "timed out", "Application timeout", "collective operation timeout")
 
 
-def stacks_path(logs_dir: str | Path, attempt: int, rank: int) -> Path:
-    return Path(logs_dir) / f"attempt-{attempt}" / f"stacks-rank-{rank}.txt"
-
-
-def marker_path(logs_dir: str | Path, attempt: int, rank: int) -> Path:
-    return Path(logs_dir) / f"attempt-{attempt}" / f"hang-rank-{rank}.json"
-
-
-def hang_markers(logs_dir: str | Path, attempt: int) -> list[dict[str, Any]]:
+def hang_markers(layout: RunLayout, attempt: int) -> list[dict[str, Any]]:
     """The hang reports ranks of this attempt left (empty when none hung)."""
     out = []
-    for p in sorted((Path(logs_dir) / f"attempt-{attempt}").glob("hang-rank-*.json")):
+    for p in sorted(layout.attempt_logs(attempt).glob(layout.hang_marker(attempt, "*").name)):
         try:
             out.append(json.loads(p.read_text()))
         except (OSError, ValueError):
@@ -76,10 +72,10 @@ def hang_markers(logs_dir: str | Path, attempt: int) -> list[dict[str, Any]]:
     return out
 
 
-def hang_reason(exc: BaseException | None, logs_dir: str | Path, attempt: int) -> str | None:
+def hang_reason(exc: BaseException | None, layout: RunLayout, attempt: int) -> str | None:
     """``hang`` when this attempt failed because a rank hung: a peer's watchdog left a marker,
     or the error is a collective timeout. None otherwise (a plain crash)."""
-    if hang_markers(logs_dir, attempt):
+    if hang_markers(layout, attempt):
         return REASON_HANG
     if exc is not None and any(m in f"{exc}" for m in _COLLECTIVE_TIMEOUT_MARKERS):
         return REASON_HANG
@@ -272,36 +268,18 @@ class _WatchdogHooks:
     checkpoint written in the same hook (``on_save_checkpoint`` beats during the write).
     """
 
-    def __init__(
-        self,
-        *,
-        timeout_s: float,
-        grace_s: float,
-        logs_dir: str | Path,
-        ledger: str | Path,
-        attempt: int,
-        rank: int,
-        job_id: str,
-        heartbeat: Any = None,
-    ) -> None:
-        self.logs_dir, self.ledger = Path(logs_dir), Path(ledger)
-        self.attempt, self.rank, self.job_id = attempt, rank, job_id
-        self.heartbeat = heartbeat
+    def __init__(self, *, timeout_s: float, grace_s: float, records: AttemptRecords) -> None:
+        self.records = records
+        self.rank, attempt = records.env.rank, records.attempt
         self.watchdog = ProgressWatchdog(
-            timeout_s=timeout_s, grace_s=grace_s, rank=rank, attempt=attempt,
-            stacks_file=stacks_path(logs_dir, attempt, rank), marker_file=marker_path(logs_dir, attempt, rank),
-            on_hang=self._report,
+            timeout_s=timeout_s, grace_s=grace_s, rank=self.rank, attempt=attempt,
+            stacks_file=records.layout.stacks(attempt, self.rank),
+            marker_file=records.layout.hang_marker(attempt, self.rank), on_hang=self._report,
         )
 
     def _report(self, report: HangReport) -> None:
-        if self.rank != 0:
-            return  # rank 0 writes the ledger (its own watchdog, or hang_reason when its collective fails)
-        Ledger(self.ledger).write_end_once(AttemptEnd(
-            attempt=self.attempt, job_id=self.job_id, time=report.time, end_step=report.step,
-            reason=REASON_HANG, detail=report.detail(),
-        ))
-        if self.heartbeat is not None:
-            self.heartbeat.emit("end", step=report.step, reason=REASON_HANG)
+        # rank 0 writes the ledger (its own watchdog, or hang_reason when its collective fails)
+        self.records.hung(report.step, report.detail(), report.time)
 
     # -- hooks ---------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -328,10 +306,12 @@ class _WatchdogHooks:
         if self.watchdog.fired.is_set():
             return
         self.watchdog.stop()
-        if hang_markers(self.logs_dir, self.attempt):
+        layout, attempt = self.records.layout, self.records.attempt
+        hung = hang_markers(layout, attempt)
+        if hung:
             # a peer hung and its exit broke our collective: record where this rank was too
-            with open(stacks_path(self.logs_dir, self.attempt, self.rank), "a") as f:
-                f.write(f"lmtrain watchdog: rank {self.rank}: a peer hung ({hang_markers(self.logs_dir, self.attempt)}); "
+            with open(layout.stacks(attempt, self.rank), "a") as f:
+                f.write(f"lmtrain watchdog: rank {self.rank}: a peer hung ({hung}); "
                         f"this rank's collective failed with {type(exception).__name__}: {exception}; stacks:\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
@@ -341,14 +321,7 @@ class _WatchdogHooks:
             self.watchdog.stop()
 
 
-def process_group_timeout(plan_spec: dict[str, Any]):
-    """The collective timeout of the plan as the timedelta the Lightning strategies take."""
-    from datetime import timedelta
-
-    return timedelta(seconds=int(watchdog_settings(plan_spec)["collective_timeout_s"]))
-
-
-def watchdog_settings(plan_spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec's ``watchdog`` section (defaults for plans written before it existed)."""
-    defaults = {"collective_timeout_s": 1800, "hang_timeout_s": 1200, "exit_grace_s": 15}
-    return {**defaults, **(plan_spec.get("watchdog") or {})}
+def process_group_timeout(plan: Any) -> timedelta:
+    """The plan's collective timeout (spec ``watchdog.collective_timeout_s``) as the timedelta the
+    Lightning strategies and torch.distributed take."""
+    return timedelta(seconds=plan.job_spec().watchdog.collective_timeout_s)

@@ -27,7 +27,7 @@ from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, pace
 from launcher import rehearsal
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core import rundir, slurm
+from launcher.core import jsonlines, slurm
 from launcher.core.errors import UserError
 
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"
@@ -66,7 +66,7 @@ def submit(environ: dict[str, str], name: str, *overrides: str, pace_s: float | 
 
 
 def jsonl(path: Path) -> list[dict]:
-    return rundir.read_jsonl(path)  # skips a line being written
+    return jsonlines.read_jsonl(path)  # skips a line being written
 
 
 def ledger(run_dir: Path) -> list[dict]:
@@ -184,7 +184,7 @@ def final_weights(run_dir: Path) -> dict:
     """The model weights of the newest complete checkpoint (what the runtime resumes from)."""
     import torch
 
-    from lmtrain.checkpoint import newest_complete
+    from lmtrain.checkpoint.manager import newest_complete
 
     ckpt = newest_complete(run_dir / "checkpoints")
     assert ckpt is not None, f"{run_dir}: no complete checkpoint"

@@ -4,7 +4,7 @@ step, requeued, and resumes from its sharded checkpoint; its per-step losses and
 equal an uninterrupted run of the same strategy, bit for bit. (DDP: test_preempt_resume.py.)
 A cancelled run resumed with other resources continues on 4 ranks (ZeRO-2) and on 1 (FSDP2).
 
-The final weights are read with lmtrain.weights (DCP shards and ZeRO partitions assembled on
+The final weights are read with lmtrain.checkpoint.weights (DCP shards and ZeRO partitions assembled on
 one CPU process), which is also what `lmlaunch export` uses.
 """
 
@@ -33,8 +33,8 @@ from preempt_helpers import (
 )
 from slurm_helpers import job_name
 
-from lmtrain.checkpoint import complete_checkpoints
-from lmtrain.weights import lightning_state_dict
+from lmtrain.checkpoint.manager import complete_checkpoints
+from lmtrain.checkpoint.weights import lightning_state_dict
 
 STRATEGIES = {
     "fsdp": ("trainer.strategy=fsdp",),

@@ -13,7 +13,7 @@ import pytest
 from slurm_helpers import REPO
 
 from launcher import rehearsal
-from launcher.core import rundir, slurm
+from launcher.core import jsonlines, rundir, slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 STEPS = 40
@@ -29,11 +29,11 @@ def _sweep_file(tmp_path: Path, name: str) -> str:
 
 
 def _ledger(run_dir: Path) -> list[dict]:
-    return rundir.read_jsonl(run_dir / rundir.LEDGER)
+    return jsonlines.read_jsonl(run_dir / rundir.LEDGER)
 
 
 def _step(run_dir: Path) -> int:
-    steps = [b["step"] for b in rundir.read_jsonl(run_dir / rundir.HEARTBEAT) if b.get("event") == "step"]
+    steps = [b["step"] for b in jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT) if b.get("event") == "step"]
     return max(steps) if steps else 0
 
 

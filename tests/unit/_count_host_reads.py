@@ -19,7 +19,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from lmtrain.entry import Hooks, run_task
+from lmtrain.attempt import Hooks
+from lmtrain.entry import run_task
 
 READS: dict[int, list[tuple[str, str]]] = defaultdict(list)
 STEP = [0]

@@ -10,7 +10,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from lmtrain.entry import Hooks, run_task
+from lmtrain.attempt import Hooks
+from lmtrain.entry import run_task
 
 
 class DumpFirstGrads(pl.Callback):

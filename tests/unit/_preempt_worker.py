@@ -14,7 +14,8 @@ import time
 
 import lightning.pytorch as pl
 
-from lmtrain.entry import Hooks, run_task
+from lmtrain.attempt import Hooks
+from lmtrain.entry import run_task
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from lmtrain.signals import own_signals
+from lmtrain.preemption.signals import own_signals
 from lmtrain.task import TrainTask
 
 

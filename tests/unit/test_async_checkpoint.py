@@ -1,4 +1,4 @@
-"""lmtrain.async_checkpoint: what a background save copies, and how its thread is waited for."""
+"""lmtrain.checkpoint.async_checkpoint: what a background save copies, and how its thread is waited for."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import OrderedDict, defaultdict
 import pytest
 import torch
 
-from lmtrain.async_checkpoint import BackgroundSave, Stager
+from lmtrain.checkpoint.async_checkpoint import BackgroundSave, Stager
 
 
 def test_staged_state_is_a_copy_that_training_cannot_change():

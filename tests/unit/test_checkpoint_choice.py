@@ -64,7 +64,7 @@ def test_every_step_directory_that_is_not_a_complete_checkpoint_says_why(tmp_pat
 def test_a_mismatching_manifest_is_warned_about_once_per_process(tmp_path, caplog):
     _step(tmp_path, 10)
     _step(tmp_path, 20, manifest={"rank-0.pt": 7})
-    with caplog.at_level(logging.WARNING, logger="lmtrain.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="lmtrain.checkpoint.manager"):
         for _ in range(4):
             assert [c.step for c in complete_checkpoints(tmp_path)] == [10]
     warned = [r for r in caplog.records if "do not match its manifest" in r.getMessage()]
@@ -144,7 +144,7 @@ def test_a_copied_run_directory_reads_its_own_checkpoints(repo, tmp_path):
 def test_a_truncated_checkpoint_file_behind_an_old_style_complete_is_named(tmp_path):
     import torch
 
-    from lmtrain.weights import UnreadableCheckpoint, lightning_state_dict
+    from lmtrain.checkpoint.weights import UnreadableCheckpoint, lightning_state_dict
 
     step = tmp_path / "step-5"
     step.mkdir()

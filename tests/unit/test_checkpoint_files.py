@@ -14,14 +14,14 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lmtrain.checkpoint import (
+from lmtrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     check_compatible,
     complete_checkpoints,
     newest_complete,
 )
-from lmtrain.rng_state import capture_rng, restore_rng
+from lmtrain.checkpoint.rng_state import capture_rng, restore_rng
 
 
 class SaveEveryStep(pl.Callback):
@@ -100,7 +100,7 @@ def test_zero_checkpoint_on_another_world_size_loads_only_through_its_universal_
     check_compatible(ckpt, strategy="deepspeed", world_size=16)  # same size: fine
     universal = ckpt.path.parent / f"universal-{ckpt.path.name}"
     universal.mkdir()
-    (universal / "COMPLETE").write_text("10\n")  # what lmtrain.elastic leaves when the conversion is done
+    (universal / "COMPLETE").write_text("10\n")  # what lmtrain.checkpoint.elastic leaves when the conversion is done
     check_compatible(ckpt, strategy="deepspeed", world_size=8)
 
 

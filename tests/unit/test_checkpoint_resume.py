@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from launcher.commands.run import prepare_local_run
-from lmtrain.checkpoint import complete_checkpoints
+from lmtrain.checkpoint.manager import complete_checkpoints
+from lmtrain.checkpoint.weights import lightning_state_dict
 from lmtrain.local import launch
-from lmtrain.weights import lightning_state_dict
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
 # Small enough for seconds per run; dropout stays on (GPT-2's 0.1) so the RNG restore matters.

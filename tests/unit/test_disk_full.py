@@ -1,4 +1,4 @@
-"""A full disk under the checkpoints is a diagnosis, not a crash loop (lmtrain.disk_space):
+"""A full disk under the checkpoints is a diagnosis, not a crash loop (lmtrain.checkpoint.disk_space):
 
 - a periodic save that finds no room, on any rank or in the background writer, is skipped by
   every rank alike, leaves nothing partial, is said loudly (heartbeat ``checkpoint_failed``, the
@@ -23,11 +23,13 @@ from pathlib import Path
 import pytest
 
 from launcher.commands.run import prepare_local_run
-from lmtrain.checkpoint import complete_checkpoints
-from lmtrain.disk_space import DiskFull, is_no_space, room_verdict
-from lmtrain.env import free_port
+from launcher.core.plan import PreemptionPlan
+from launcher.core.spec import PreemptionSpec
+from lmtrain.checkpoint.disk_space import DiskFull, is_no_space, room_verdict
+from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.local import worker_env
-from lmtrain.policy import EndFacts, Policy, decide
+from lmtrain.preemption.policy import EndFacts, decide
+from lmtrain.task_env import free_port
 from tests import rank_procs
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
@@ -112,7 +114,7 @@ def _facts(**kw) -> EndFacts:
 
 
 def test_disk_full_is_its_own_reason_never_requeued_and_cancels_a_requeue_slurm_started():
-    policy = Policy(max_crash_retries=5)
+    policy = PreemptionPlan.of(PreemptionSpec(max_crash_retries=5))
     d = decide(_facts(term=True), policy)
     assert (d.reason, d.requeued, d.action, d.exit_code) == ("disk_full", False, None, 1)
     assert "1.0 MB free, the checkpoint needs 5.0 MB" in d.detail and "checkpoint step-38 complete" in d.detail

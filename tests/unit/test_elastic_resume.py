@@ -24,8 +24,8 @@ import torch
 from shared_results import shared
 
 from launcher.commands.run import prepare_local_run
-from lmtrain.checkpoint import complete_checkpoints
-from lmtrain.weights import lightning_state_dict
+from lmtrain.checkpoint.manager import complete_checkpoints
+from lmtrain.checkpoint.weights import lightning_state_dict
 from tests.unit.test_checkpoint_resume import MAX_STEPS, OVERRIDES, STRATEGIES, _launch, _ledger, _steps
 
 OVERRIDES_16 = [o for o in OVERRIDES if not o.startswith("trainer.global_batch_size")] + ["trainer.global_batch_size=16"]

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from lmtrain.env import expand_hostlist, read_env, rendezvous
+from lmtrain.task_env import expand_hostlist, read_env, rendezvous
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_where_connections_
     connection's (EADDRINUSE, seen in a parallel suite run)."""
     import socket
 
-    from lmtrain.env import PORT_FLOOR, _ephemeral_low, free_port
+    from lmtrain.task_env import PORT_FLOOR, _ephemeral_low, free_port
 
     low = _ephemeral_low()
     ports = {free_port("127.0.0.1") for _ in range(20)}

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from lmtrain.checkpoint import CheckpointError, newest_complete
-from lmtrain.env import TaskEnv, rendezvous
-from lmtrain.resume_point import agreed_checkpoint
+from lmtrain.checkpoint.manager import CheckpointError, newest_complete
+from lmtrain.checkpoint.resume_point import agreed_checkpoint
+from lmtrain.task_env import TaskEnv, rendezvous
 
 
 def _env(rank: int) -> TaskEnv:

@@ -1,4 +1,4 @@
-"""The first death, not the survivors' symptom (lmtrain.first_death): the attempt's ledger
+"""The first death, not the survivors' symptom (lmtrain.preemption.first_death): the attempt's ledger
 ``end`` names the rank that died first, its node and how, from its own last words, its
 launcher's, srun's task lines or its silence; never the surviving rank's "Connection closed by
 peer". Real 2-rank local training (gloo) with a rank SIGKILLed or failing at a step."""
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from launcher.core.rundir import LastWords
-from lmtrain.first_death import attribute, is_peer_lost, parse_srun
+from lmtrain.preemption.first_death import attribute, is_peer_lost, parse_srun
 
 # srun's stderr of a 2-node job whose task 1 was SIGKILLed (seen on the local cluster)
 SRUN_KILLED = """srun: error: n2: task 1: Killed

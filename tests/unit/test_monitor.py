@@ -8,7 +8,7 @@ import pytest
 from monitor_synth import T0, make_run
 
 from launcher import history_rows, monitor, run_files, runs, slurm_view
-from launcher.core import rundir, slurm
+from launcher.core import jsonlines, slurm
 from launcher.slurm_view import SlurmJob
 
 
@@ -23,14 +23,14 @@ def test_read_tail_reads_only_the_last_bytes_and_drops_cut_and_partial_lines(tmp
     p = tmp_path / "hb.jsonl"
     lines = [json.dumps({"event": "step", "step": i, "pad": "x" * 100}) for i in range(1000)]
     p.write_text("\n".join(lines) + "\n" + '{"event": "step", "st')  # a write in progress
-    tail = rundir.read_tail(p, max_bytes=4096)
+    tail = jsonlines.read_tail(p, max_bytes=4096)
     assert 20 < len(tail) < 40  # ~4 KB of ~130-byte lines, not the whole file
     assert tail[-1]["step"] == 999
     assert [t["step"] for t in tail] == list(range(1000 - len(tail), 1000))  # the cut first line is gone
 
 
 def test_read_tail_of_missing_file_is_empty(tmp_path):
-    assert rundir.read_tail(tmp_path / "nope.jsonl") == []
+    assert jsonlines.read_tail(tmp_path / "nope.jsonl") == []
 
 
 @pytest.mark.parametrize("text,secs", [("1-02:03:04", 93784), ("2:00:00", 7200), ("20:00", 1200), ("0:33", 33),

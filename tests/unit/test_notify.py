@@ -154,17 +154,19 @@ def test_how_an_attempt_ended_becomes_messages(tmp_path, reason, requeued, event
     """The entry's end messages: a failure carries the failing rank's last log lines."""
     from types import SimpleNamespace
 
-    from lmtrain.entry import Outcome, _notify_end
+    from lmtrain.attempt import Outcome
+    from lmtrain.notify import notify_end
 
     logs = tmp_path / "logs" / "attempt-2"
     logs.mkdir(parents=True)
     (logs / "rank-0.log").write_text("step 5\nall fine\n")
     (logs / "rank-1.log").write_text("step 5\nTraceback (most recent call last):\nValueError: bad batch\n")
-    plan = SimpleNamespace(paths=SimpleNamespace(logs_dir=str(tmp_path / "logs"), heartbeat=str(tmp_path / "hb"),
-                                                 ledger=str(tmp_path / "ledger")))
+    plan = SimpleNamespace(paths=SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"),
+                                                 checkpoint_dir=str(tmp_path / "checkpoints"),
+                                                 heartbeat=str(tmp_path / "hb"), ledger=str(tmp_path / "ledger")))
     sent: list[tuple[str, str, dict]] = []
     notifier = SimpleNamespace(send=lambda event, text, **facts: sent.append((event, text, facts)))
-    _notify_end(notifier, plan, Outcome(reason=reason, end_step=5, detail="ValueError: bad batch", requeued=requeued),
+    notify_end(notifier, plan, Outcome(reason=reason, end_step=5, detail="ValueError: bad batch", requeued=requeued),
                 attempt=2)
     assert [e for e, _, _ in sent] == events
     if events == ["failed"]:

@@ -9,7 +9,7 @@ after the rename, the COMPLETE marker, the ``latest`` pointer and the deletion o
 checkpoint. After each kill the newest complete checkpoint must load entirely and hold exactly
 what was saved for its step; then a next save (step 3) must succeed over the debris.
 
-The same file written in the background (DDP's periodic saves, lmtrain.async_checkpoint): the
+The same file written in the background (DDP's periodic saves, lmtrain.checkpoint.async_checkpoint): the
 state copied into host memory, then rank 0's writer thread writes it and completes the
 checkpoint; the kill points inside that thread end the process as well.
 
@@ -18,7 +18,7 @@ Three layouts of ``lightning.ckpt``: one file written by rank 0 (DDP); DeepSpeed
 checkpoint engine, rank 0 the model states and ``latest``); FSDP2's DCP directory
 (``__R_0.distcp`` per rank, rank 0 ``.metadata``).
 
-The sharded layouts written in the background too (lmtrain.async_sharded): every rank stages its
+The sharded layouts written in the background too (lmtrain.checkpoint.async_sharded): every rank stages its
 own part, then its own writer thread writes and fsyncs its files; the writer threads agree
 through their own all-gather (a stand-in for the writers' gloo group: a barrier of their own)
 and rank 0's completes the checkpoint. The kill points of every rank's writer thread are among
@@ -42,9 +42,10 @@ import torch
 import torch.distributed.tensor
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from lmtrain import async_sharded, faults
-from lmtrain import checkpoint as ck
-from lmtrain.shard_files import stream_deepspeed_files
+from lmtrain import faults
+from lmtrain.checkpoint import async_sharded
+from lmtrain.checkpoint import manager as ck
+from lmtrain.checkpoint.shard_files import stream_deepspeed_files
 
 WORLD = 2
 SHARDED_BACKGROUND = ("zero-background", "dcp-background")
@@ -119,7 +120,7 @@ class _Connector:
 
 
 class _Writers:
-    """lmtrain.async_sharded.WriterGroup for ranks that are threads: the writer threads' all-gather
+    """lmtrain.checkpoint.async_sharded.WriterGroup for ranks that are threads: the writer threads' all-gather
     meets at a barrier of its own (the training threads' barrier is theirs)."""
 
     group = None

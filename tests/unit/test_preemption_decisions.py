@@ -4,6 +4,7 @@ gate through the real entry (finished, cancelled and stuck runs exit without tra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,11 +16,12 @@ import torch
 
 from launcher.core.plan import PreemptionPlan
 from launcher.core.rundir import LedgerAttempt as AttemptRow
-from lmtrain.policy import EndFacts, Policy, StartFacts, decide, start_gate, steps_without_progress
-from lmtrain.signals import SignalOwner, StopRequest, guard_dataloader_workers
+from launcher.core.spec import PreemptionSpec
+from lmtrain.preemption.policy import EndFacts, StartFacts, decide, start_gate, steps_without_progress
+from lmtrain.preemption.signals import SignalOwner, StopRequest, guard_dataloader_workers
 
-POLICY = Policy(signal="USR2", warning_seconds=120, max_requeues=5, max_timeouts=2, max_crash_retries=1,
-                no_progress_attempts=3, cluster_sends_user_signal=False)
+POLICY = PreemptionPlan.of(PreemptionSpec(signal="USR2", warning_seconds=120, max_requeues=5, max_timeouts=2,
+                                          max_crash_retries=1, no_progress_attempts=3))
 
 
 def _facts(**kw) -> EndFacts:
@@ -59,7 +61,7 @@ def test_sigterm_while_slurm_still_runs_the_job_requeues_it():
 
 
 def test_user_signal_on_preemption_far_from_the_limit_is_a_preemption():
-    policy = Policy(**{**POLICY.__dict__, "cluster_sends_user_signal": True})
+    policy = dataclasses.replace(POLICY, cluster_sends_user_signal=True)
     d = decide(_facts(warning=True, seconds_left=3000.0, slurm_state="PREEMPTED"), policy)
     assert (d.reason, d.action) == ("preempted", None)
     d = decide(_facts(warning=True, term=True, seconds_left=3000.0, slurm_state="PREEMPTED"), policy)
@@ -141,11 +143,21 @@ def _start(**kw) -> StartFacts:
     return StartFacts(**{**base, **kw})
 
 
-def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start():
+def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start(tmp_path):
+    from types import SimpleNamespace
+
+    from launcher.core.jsonlines import read_jsonl
+    from lmtrain.attempt import AttemptRecords, MissingEnd
+
     history = [AttemptRow(1, "12", 0, 20, "preempted", True), AttemptRow(2, "12", 20)]
     gate = start_gate(_start(history=history), POLICY)
     assert not gate.exit
-    end = gate.previous_end
+    # the attempt's records write the end line the gate found missing (lmtrain.preemption.gate)
+    paths = SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path),
+                            ledger=str(tmp_path / "attempts.jsonl"), heartbeat=str(tmp_path / "hb.jsonl"))
+    env = SimpleNamespace(rank=0, job_id="12", world_size=1)
+    AttemptRecords(SimpleNamespace(paths=paths), env, 3).missing_end(MissingEnd(**gate.previous_end))
+    [end] = read_jsonl(paths.ledger)
     assert (end["event"], end["attempt"], end["reason"], end["end_step"], end["requeued"]) == (
         "end", 2, "node_failure", 30, True)
     # accounting may know better
@@ -324,23 +336,25 @@ def test_a_zero_checkpoint_whose_universal_conversion_fails_ends_the_attempt_wit
     assert "converting it to DeepSpeed's universal checkpoint failed (FileNotFoundError" in end["detail"]
 
 
-def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch):
+def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch, tmp_path):
     """The task owns the signals from its first line (submitit's USR2 handler would requeue from
     inside the handler): a warning that arrives before the Trainer exists becomes a stop."""
     from types import SimpleNamespace
 
-    from lmtrain import preemption
-    from lmtrain.signals import own_signals
+    from lmtrain.preemption.controller import Preemption
+    from lmtrain.preemption.signals import own_signals
 
     before = signal.getsignal(signal.SIGUSR2)
-    plan = SimpleNamespace(preemption={"signal": "USR2"}, trainer={"max_steps": 10})
-    early = own_signals(plan.preemption)
+    plan = SimpleNamespace(preemption=PreemptionPlan.of(PreemptionSpec(signal="USR2")), trainer={"max_steps": 10},
+                           paths=SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"),
+                                                 checkpoint_dir=str(tmp_path / "checkpoints")))
+    early = own_signals({"signal": "USR2"})
     try:
         os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.01)
-        stop = StopRequest()
         env = SimpleNamespace(rank=0, launcher="local", job_id="x", restart_count=0, nodes=("h",))
-        ctl = preemption.Preemption(plan, env, Path("."), stop, attempt=1)
+        ctl = Preemption(plan, env, attempt=1)
+        stop = ctl.stop
         assert ctl.signals is early and stop.requested and stop.reason == "timeout" and stop.armed
         assert ctl.signals.record.warning_at is not None
     finally:
@@ -353,9 +367,9 @@ def test_a_time_limit_warning_after_the_attempt_ended_does_not_kill_the_exiting_
     """Seen in a parallel suite run: a run completed at step 70, then SLURM's time-limit warning
     (SIGUSR2, sent up to a minute early) reached its tasks while they exited, after the attempt
     gave the handlers back, and killed them: SLURM recorded the finished job FAILED. The task's
-    process body retires the signals (lmtrain.signals.retire); a real child process shows both."""
+    process body retires the signals (lmtrain.preemption.signals.retire); a real child process shows both."""
 
-    from lmtrain import signals
+    from lmtrain.preemption import signals
 
     pid = os.fork()
     if pid == 0:  # the task process: owns the signals, ends its attempt, gets the late warning
@@ -383,20 +397,26 @@ def test_a_stop_requested_by_a_peer_without_a_signal_gets_a_ledger_reason():
     assert d.reason == "timeout"
 
 
-def test_a_failing_decision_still_lets_the_attempt_end(tmp_path):
+def test_a_failing_decision_still_lets_the_attempt_end(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from lmtrain.entry import Outcome
-    from lmtrain.preemption import Preemption
+    from lmtrain.attempt import Outcome
+    from lmtrain.preemption.controller import Preemption
 
     plan = SimpleNamespace(preemption=PreemptionPlan("USR2", 120, 20, 10, 2, 3, False, 30),
-                           trainer=SimpleNamespace(max_steps=10), paths=SimpleNamespace(checkpoint_dir=str(tmp_path), ledger=str(tmp_path / "attempts.jsonl")))
+                           trainer=SimpleNamespace(max_steps=10),
+                           paths=SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"),
+                                                 checkpoint_dir=str(tmp_path), ledger=str(tmp_path / "attempts.jsonl")))
     env = SimpleNamespace(rank=0, launcher="local", job_id="1", restart_count=0, nodes=("h",))
-    ctl = Preemption(plan, env, tmp_path, StopRequest(), attempt=1)
+    ctl = Preemption(plan, env, attempt=1)
     outcome = Outcome(reason="completed", end_step=3)
-    ctl.decide(None, outcome)  # a bug inside (no context): caught, logged
+    def bug(*_):
+        raise KeyError("a bug inside")
+
+    monkeypatch.setattr("lmtrain.preemption.controller.decide", bug)
+    ctl.settle(outcome, 0)  # caught, logged
     assert outcome.reason == "completed" and "preemption decision failed" in outcome.detail
-    ctl.after_end(None, outcome)  # nothing to do; restores the handlers
+    ctl.after_end(outcome)  # nothing to do; restores the handlers
 
 
 def test_an_attempt_that_fails_before_training_gives_the_signal_handlers_back(local_run, monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-from lmtrain.callbacks import WANDB_ID_FILE, logger_identity, make_loggers, wandb_run_id
+from lmtrain.loggers import WANDB_ID_FILE, logger_identity, make_loggers, wandb_run_id
 
 
 def _id_in_child(run_dir, q) -> None:

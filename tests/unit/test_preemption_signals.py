@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from launcher.commands.run import prepare_local_run
-from lmtrain.checkpoint import complete_checkpoints
-from lmtrain.env import free_port
+from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.local import worker_env
+from lmtrain.task_env import free_port
 from tests import rank_procs
 from tests.trackers import assert_trackers_log_each_step_once
 
@@ -281,7 +281,7 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
 _WINDOW_PROBE = r"""
 import json, signal, sys
 SLOW = ("torch", "lightning", "transformers", "deepspeed", "numpy", "pydantic", "launcher.core.plan",
-        "launcher.core.spec", "lmtrain.preemption", "lmtrain.callbacks", "lmtrain.env")
+        "launcher.core.spec", "lmtrain.preemption.controller", "lmtrain.callbacks", "lmtrain.task_env")
 seen = {}
 def checkpoint_and_try_requeue(signum, frame):  # submitit's handler, by name
     seen["submitit_ran"] = True

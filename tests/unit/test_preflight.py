@@ -1,6 +1,6 @@
 """Preflight in every attempt (lmtrain.preflight): every node checks its interfaces, the
 checkpoint directory and the data before the ranks meet; all ranks agree on the verdicts; a
-failed node ends the attempt as ``preflight_failed`` (lmtrain.policy: requeued off the failing
+failed node ends the attempt as ``preflight_failed`` (lmtrain.preemption.policy: requeued off the failing
 nodes where the partition has others, else stopped with what to fix)."""
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ from __future__ import annotations
 import io
 import json
 
+from launcher.core.plan import PreemptionPlan
 from launcher.core.rundir import LedgerAttempt as AttemptRow
-from lmtrain.policy import EndFacts, Policy, decide
+from launcher.core.spec import PreemptionSpec
+from lmtrain.preemption.policy import EndFacts, decide
 
-POLICY = Policy(max_requeues=5)
+POLICY = PreemptionPlan.of(PreemptionSpec(max_requeues=5))
 
 
 def _facts(**kw) -> EndFacts:

@@ -15,7 +15,7 @@ from launcher import history_rows, monitor, run_files, runs
 from launcher.cli import main
 from launcher.commands.logs import print_logs
 from launcher.context import Context
-from launcher.core import rundir
+from launcher.core import jsonlines
 from launcher.monitor_view import history_view, status_view
 from launcher.slurm_view import SlurmJob, SlurmView
 
@@ -109,8 +109,8 @@ def test_history_table_at_120_columns(tmp_path):
         {"job_id": "7", "start_step": 40, "end_step": 100, "t0": T0 - 600, "t1": T0 - 400, "reason": "completed"},
     ])
     run_dir = tmp_path / "runs" / "h"
-    h = history_rows.build_history("h", rundir.read_jsonl(run_dir / "attempts.jsonl"),
-                              rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl"),
+    h = history_rows.build_history("h", jsonlines.read_jsonl(run_dir / "attempts.jsonl"),
+                              jsonlines.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl"),
                               {"7": [(T0 - 1010, T0 - 1000, T0 - 800), (T0 - 700, T0 - 600, T0 - 400)]}, now=T0)
     text = _render(history_view(h), width=120)
     lines = text.splitlines()
@@ -132,8 +132,8 @@ def test_history_at_80_columns_keeps_why_each_attempt_ended_whole(tmp_path):
          "reason": "preflight_failed", "nodes": ["node-with-a-long-name-18"]},
     ])
     run_dir = tmp_path / "runs" / "a-rather-long-run-name-of-a-sweep-point.12"
-    h = history_rows.build_history(run_dir.name, rundir.read_jsonl(run_dir / "attempts.jsonl"),
-                                   rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl"), None, now=T0)
+    h = history_rows.build_history(run_dir.name, jsonlines.read_jsonl(run_dir / "attempts.jsonl"),
+                                   jsonlines.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl"), None, now=T0)
     lines = _render(history_view(h), width=80).splitlines()
     assert all(len(line) <= 80 for line in lines), lines
     first = next(line for line in lines if line.lstrip().startswith("1 "))

@@ -12,7 +12,7 @@ from monitor_synth import T0, make_run
 from launcher import history_rows
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core import rundir
+from launcher.core import jsonlines
 from launcher.report import DPI, FIGSIZE_IN, build_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,8 +35,8 @@ def _run(home: Path) -> Path:
 
 def test_report_marks_each_stop_and_summarizes(tmp_path):
     run_dir = _run(tmp_path)
-    beats = rundir.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
-    h = history_rows.build_history("rep", rundir.read_jsonl(run_dir / "attempts.jsonl"), beats, None, now=T0)
+    beats = jsonlines.read_jsonl(run_dir / "metrics" / "heartbeat.jsonl")
+    h = history_rows.build_history("rep", jsonlines.read_jsonl(run_dir / "attempts.jsonl"), beats, None, now=T0)
     r = build_report("rep", beats, h)
     assert [(s.attempt, s.step, s.reason) for s in r.stops] == [(1, 50, "preempted")]
     assert r.summary[0] == "run rep: 2 attempt(s), 1 stop(s) (preempted)"

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from lmtrain.checkpoint import CompleteCheckpoint
+from lmtrain.checkpoint.manager import CompleteCheckpoint
 
 
 class _Exploit:

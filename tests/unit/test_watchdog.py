@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.core.rundir import AttemptEnd, Ledger
+from launcher.core.rundir import AttemptEnd, Ledger, RunLayout
 from lmtrain import watchdog
 from lmtrain.watchdog import EXIT_HANG, hang_markers, hang_reason
 
@@ -85,19 +85,19 @@ def test_beating_process_is_left_alone_and_leaves_no_stacks_file(tmp_path):
 
 
 def test_hang_reason_names_peer_hangs_and_collective_timeouts_only(tmp_path):
-    logs = tmp_path / "logs"
+    logs, layout = tmp_path / "logs", RunLayout.of(tmp_path)
     (logs / "attempt-2").mkdir(parents=True)
-    assert hang_reason(ValueError("loss is nan"), logs, 2) is None
+    assert hang_reason(ValueError("loss is nan"), layout, 2) is None
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 15000ms for recv")
-    assert hang_reason(gloo, logs, 2) == "hang"
+    assert hang_reason(gloo, layout, 2) == "hang"
     # what gloo raised on the real cluster when watchdog.collective_timeout_s expired
-    assert hang_reason(RuntimeError("Application timeout caused pair closure"), logs, 2) == "hang"
+    assert hang_reason(RuntimeError("Application timeout caused pair closure"), layout, 2) == "hang"
     closed = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:4040")
-    assert hang_reason(closed, logs, 2) is None  # a peer that crashed is not a hang by itself
+    assert hang_reason(closed, layout, 2) is None  # a peer that crashed is not a hang by itself
     (logs / "attempt-2" / "hang-rank-1.json").write_text(json.dumps({"rank": 1, "step": 5}))
-    assert hang_markers(logs, 2) == [{"rank": 1, "step": 5}]
-    assert hang_reason(closed, logs, 2) == "hang"  # ... unless that peer's watchdog says it hung
-    assert hang_reason(None, logs, 1) is None  # other attempts are not this one
+    assert hang_markers(layout, 2) == [{"rank": 1, "step": 5}]
+    assert hang_reason(closed, layout, 2) == "hang"  # ... unless that peer's watchdog says it hung
+    assert hang_reason(None, layout, 1) is None  # other attempts are not this one
 
 
 def test_ledger_end_line_is_written_once_per_attempt(tmp_path):

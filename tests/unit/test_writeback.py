@@ -1,4 +1,4 @@
-"""The checkpoint file stream (lmtrain.writeback): the same bytes as a plain torch.save, the
+"""The checkpoint file stream (lmtrain.checkpoint.writeback): the same bytes as a plain torch.save, the
 page cache dropped behind it, and sync_file_range's errors handled as a write's."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from lmtrain import writeback
-from lmtrain.writeback import WritebackStream, save_streamed
+from lmtrain.checkpoint import writeback
+from lmtrain.checkpoint.writeback import WritebackStream, save_streamed
 
 
 def _state() -> dict:
@@ -91,7 +91,7 @@ def test_refused_sync_file_range_falls_back_to_plain_writes(tmp_path, monkeypatc
 
 
 def test_a_writeback_error_is_raised_as_the_write_error_it_is(tmp_path, monkeypatch):
-    from lmtrain.disk_space import is_no_space
+    from lmtrain.checkpoint.disk_space import is_no_space
 
     def full(fd, offset, length, flags):
         import ctypes

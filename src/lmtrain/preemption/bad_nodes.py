@@ -2,7 +2,7 @@
 
 After an attempt that ended in a node failure or a hang, rank 0 names the nodes the failure
 points at (DOWN in SLURM now; the nodes of the ranks whose hang watchdog fired, when not every
-rank hung), and lmtrain.policy.nodes_to_exclude decides which the requeued job keeps off (never
+rank hung), and lmtrain.preemption.policy.nodes_to_exclude decides which the requeued job keeps off (never
 so many that the job no longer fits its partition). Once the job is pending again, rank 0 sets
 its ``ExcNodeList`` (``scontrol update``) and the ledger says ``nodes_excluded`` (``history``
 shows it), or ``exclude_failed`` with SLURM's answer.
@@ -17,8 +17,9 @@ from typing import Any
 from hostlist import expand_hostlist  # SLURM hostlist notation
 
 from launcher.core import slurm
-from launcher.core.rundir import Ledger, LedgerNote
-from lmtrain.policy import SLURM_QUERY_TIMEOUT_S, EndFacts
+from launcher.core.rundir import Ledger, LedgerNote, RunLayout
+from lmtrain.preemption.policy import EndFacts
+from lmtrain.preemption.slurm_facts import SLURM_QUERY_TIMEOUT_S
 from lmtrain.watchdog import hang_markers
 
 log = logging.getLogger("lmtrain.preemption")
@@ -36,7 +37,7 @@ def bad_node_facts(plan: Any, env: Any, attempt: int, facts: EndFacts, info: dic
             bad += names
     if hung:
         per_node = max(1, plan.topology.tasks_per_node)
-        ranks = {int(m["rank"]) for m in hang_markers(plan.paths.logs_dir, attempt) if "rank" in m}
+        ranks = {int(m["rank"]) for m in hang_markers(RunLayout.of_plan(plan), attempt) if "rank" in m}
         if ranks and len(ranks) < env.world_size:
             bad += [env.nodes[r // per_node] for r in sorted(ranks) if r // per_node < len(env.nodes)]
     # nodes that failed the preflight, unless every node of a several-node attempt did (the setup)

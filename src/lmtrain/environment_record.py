@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.atomic import write_private
-from launcher.core.rundir import CODE_DIR, ENVIRONMENT, attempt_logs_dir
+from launcher.core.rundir import CODE_DIR, RunLayout
 
 PACKAGES = ("torch", "lightning", "transformers", "deepspeed", "numpy", "tokenizers", "submitit", "lmlaunch")
 SECRET_WORDS = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE|CREDENTIAL|_KEY$|^KEY$)", re.I)
@@ -70,8 +70,9 @@ def code_in_use(run_dir: Path) -> dict[str, Any]:
             "from_snapshot": all(Path(p).is_relative_to(snapshot) for p in paths.values())}
 
 
-def record_environment(plan: Any, env: Any, attempt: int, run_dir: Path) -> Path:
+def record_environment(plan: Any, env: Any, attempt: int) -> Path:
     """Rank 0: write this attempt's environment record; returns its path."""
+    layout = RunLayout.of_plan(plan)
     plan_json = Path(plan.paths.plan_json)
     record = {
         "attempt": attempt,
@@ -84,10 +85,10 @@ def record_environment(plan: Any, env: Any, attempt: int, run_dir: Path) -> Path
         "packages": package_versions(),
         **accelerator_versions(),
         "plan_sha256": hashlib.sha256(plan_json.read_bytes()).hexdigest() if plan_json.exists() else None,
-        "code": code_in_use(run_dir),
+        "code": code_in_use(layout.run_dir),
         "env": visible_environment(os.environ, plan.passthrough),
     }
-    path = attempt_logs_dir(run_dir, attempt) / ENVIRONMENT
+    path = layout.environment(attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_private(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return path

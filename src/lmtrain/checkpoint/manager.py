@@ -30,8 +30,8 @@ checkpoint at once), then removes it; leftovers of interrupted saves and deletio
 by the next ``prune``. Everything is loaded with ``torch.load(weights_only=True)``.
 
 Periodic saves may run in the background (``checkpoint.async_save``): step 2's writes and step 3
-move to writer threads once each rank's part is in host memory (lmtrain.async_checkpoint;
-DeepSpeed, FSDP: lmtrain.async_sharded). Stop-time and final saves stay synchronous.
+move to writer threads once each rank's part is in host memory (lmtrain.checkpoint.async_checkpoint;
+DeepSpeed, FSDP: lmtrain.checkpoint.async_sharded). Stop-time and final saves stay synchronous.
 
 Every write, fsync, rename and marker step is a named point of the fault-injection seam
 (``lmtrain.faults``, ``checkpoint.*``): the tests SIGKILL a saving process at each of them.
@@ -60,12 +60,22 @@ from launcher.core.checkpoint_index import (
     CompleteCheckpoint,
     complete_checkpoints,
     newest_complete,
+    step_dir_name,
 )
-from lmtrain import checksums, faults
-from lmtrain.async_checkpoint import BackgroundSave, Stager, save_ddp_in_background
-from lmtrain.async_sharded import WriterGroup, save_in_background, start_writers
-from lmtrain.disk_space import DiskFull, free_bytes, is_no_space, means_no_room, no_room, remove_partial, room_verdict
-from lmtrain.durable import (
+from lmtrain import faults
+from lmtrain.checkpoint import checksums
+from lmtrain.checkpoint.async_checkpoint import BackgroundSave, Stager, save_ddp_in_background
+from lmtrain.checkpoint.async_sharded import WriterGroup, save_in_background, start_writers
+from lmtrain.checkpoint.disk_space import (
+    DiskFull,
+    free_bytes,
+    is_no_space,
+    means_no_room,
+    no_room,
+    remove_partial,
+    room_verdict,
+)
+from lmtrain.checkpoint.durable import (
     all_files,
     fsync_dir,
     fsync_file,
@@ -74,15 +84,15 @@ from lmtrain.durable import (
     torch_save_atomic,
     write_text_atomic,
 )
-from lmtrain.shard_files import save_fsdp, stream_deepspeed_files
+from lmtrain.checkpoint.shard_files import save_fsdp, stream_deepspeed_files
 
 FORMAT_VERSION = 1
-# A DeepSpeed checkpoint's universal form (lmtrain.elastic): universal-step-S beside step-S.
+# A DeepSpeed checkpoint's universal form (lmtrain.checkpoint.elastic): universal-step-S beside step-S.
 UNIVERSAL_PREFIX = "universal-"
 
 
 def universal_dir(ckpt: CompleteCheckpoint) -> Path:
-    """Where lmtrain.elastic puts the universal form of a ZeRO checkpoint."""
+    """Where lmtrain.checkpoint.elastic puts the universal form of a ZeRO checkpoint."""
     return ckpt.path.parent / f"{UNIVERSAL_PREFIX}{ckpt.path.name}"
 
 
@@ -101,7 +111,7 @@ class CheckpointError(RuntimeError):
 
 def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int) -> None:
     """Raise CheckpointError when this attempt cannot load ``ckpt`` (or, for a ZeRO checkpoint on
-    another world size, its universal form, which lmtrain.elastic makes before the rendezvous)."""
+    another world size, its universal form, which lmtrain.checkpoint.elastic makes before the rendezvous)."""
     meta = ckpt.meta()
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(
@@ -145,10 +155,10 @@ class CheckpointManager:
         self.strategy = strategy
         self.zero_stage = zero_stage
         self.identity = identity  # logger identity, job id, attempt: recorded in meta.json
-        self.background = BackgroundSave()  # the periodic save in flight (lmtrain.async_checkpoint)
+        self.background = BackgroundSave()  # the periodic save in flight (lmtrain.checkpoint.async_checkpoint)
         self.stager = Stager()
         self.stagers: dict[str, Stager] = {}  # sharded: one per file this rank writes
-        self.writers: WriterGroup | None = None  # the sharded writer threads' group (lmtrain.async_sharded)
+        self.writers: WriterGroup | None = None  # the sharded writer threads' group (lmtrain.checkpoint.async_sharded)
         self.collective_timeout: Any = None  # the writer group's (a timedelta; None: torch's default)
         # the room a first checkpoint needs, before there is one to measure (bytes; None: unknown)
         self.estimate: Callable[[], int | None] | None = None
@@ -157,7 +167,7 @@ class CheckpointManager:
 
     def start(self, trainer, *, on_failure: Callable[[DiskFull], None], background: bool) -> None:
         """Collective, when training starts: ``on_failure`` gets a background save that found no
-        room; DeepSpeed's files streamed (lmtrain.shard_files); the sharded writers' group."""
+        room; DeepSpeed's files streamed (lmtrain.checkpoint.shard_files); the sharded writers' group."""
         self.on_failure = on_failure
         if self.strategy == "deepspeed":
             stream_deepspeed_files(trainer.strategy.deepspeed_engine)
@@ -178,7 +188,7 @@ class CheckpointManager:
         ``background``: complete later; rank 0 calls ``on_complete`` from its writer
         thread. Either way a save still in flight is finished first (its failure for want of
         room goes to ``on_failure``). No room for this one: :class:`DiskFull` on every rank,
-        nothing partial left (lmtrain.disk_space)."""
+        nothing partial left (lmtrain.checkpoint.disk_space)."""
         self.finish_background(trainer)
         faults.set_context(step=step)  # what the checkpoint.* fault points are about
         try:
@@ -254,12 +264,12 @@ class CheckpointManager:
             torch.distributed.all_gather_object(said, mine)
         if trainer.global_rank == 0:
             remove_partial(tmp, final)
-        trainer.strategy.barrier("lmtrain.checkpoint.abandoned")
+        trainer.strategy.barrier("lmtrain.checkpoint.manager.abandoned")
         how = "a write found no room: " + "; ".join(x for x in said if x)
         raise DiskFull(self.dir, step, self.needed_bytes(), free_bytes(self.dir), how)
 
     def _begin(self, trainer, step: int) -> tuple[Path, Path]:
-        final = self.dir / f"step-{step}"
+        final = self.dir / step_dir_name(step)
         tmp = self.dir / f".step-{step}.tmp"
 
         checksums.forget(keep=tmp)  # the files of earlier saves are in their manifests

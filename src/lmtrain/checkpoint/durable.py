@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from launcher.core.checkpoint_index import COMPLETE_NAME
-from lmtrain import checksums, faults
+from lmtrain import faults
+from lmtrain.checkpoint import checksums
 
 
 def _fsync(path: Path, name: str) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lmtrain.checkpoint import LIGHTNING_NAME
+from lmtrain.checkpoint.manager import LIGHTNING_NAME
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-# Nothing heavy here, not even lmtrain.policy: this module is imported while submitit's
+# Nothing heavy here, not even lmtrain.preemption.policy: this module is imported while submitit's
 # handlers are still installed (tests/unit/test_preemption_signals.py holds it to that).
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ def retire() -> None:
         signal.signal(early.warning_signum, signal.SIG_IGN)
 
 
-def _adopt_early(stop, warning_signal: str) -> SignalOwner | None:
+def adopt_early(stop, warning_signal: str) -> SignalOwner | None:
     early = _EARLY
     if early is None or early.pid != os.getpid() or not early.installed:
         return None

@@ -28,17 +28,11 @@ from typing import Any
 from launcher.core.rundir import LastWords
 
 # What a surviving rank's error says when it only lost a peer (gloo, NCCL, c10d store).
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "GLHF", "NCCL communicator was aborted",
-             "Broken pipe", "Socket Timeout", "recvBytes", "failed to recv", "Connection refused")
 SRUN_TASK = re.compile(r"srun: error: (?P<node>[\w.-]+): tasks? (?P<ranks>[\d,\-]+): (?P<what>.+?)\s*$")
 OOM_EVENT = re.compile(r"Detected (?P<n>\d+) oom[-_]kill events?")
 SIGNAL_WORDS = {"Killed": "SIGKILL", "Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
                 "Terminated": "SIGTERM"}
 WAIT_S = 5.0  # how long rank 0 waits for the dead rank's words or srun's line
-
-
-def is_peer_lost(text: str) -> bool:
-    return any(p in text for p in PEER_LOST)
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,13 @@ The training loop is blocked only while the checkpoint's state is copied into ho
 (:class:`Stager`: buffers reused from one save to the next, pinned when the state is on a GPU);
 the write, the fsyncs and the COMPLETE marking run on a background thread
 (:class:`BackgroundSave`), with the same protocol and the same atomicity as a synchronous save
-(lmtrain.checkpoint): a crash mid-write leaves a ``.step-S.tmp`` that is never resumed from, and
+(lmtrain.checkpoint.manager): a crash mid-write leaves a ``.step-S.tmp`` that is never resumed from, and
 the previous complete checkpoint stays the newest. At most one save is in flight: the next save,
 a stop and the end of training first wait for it.
 
 Every strategy: for DDP rank 0 copies the whole state and its thread writes Lightning's file
 alone; for DeepSpeed ZeRO and FSDP2 every rank copies its own shards (DTensors staged as their
-local shard) and writes them in its own thread, in parallel (lmtrain.async_sharded). Every rank
+local shard) and writes them in its own thread, in parallel (lmtrain.checkpoint.async_sharded). Every rank
 writes its own small ``rank-R.pt`` before the background part starts.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from launcher.core.checkpoint_index import LIGHTNING_NAME
 from lmtrain import faults
-from lmtrain.disk_space import DiskFull, no_room
+from lmtrain.checkpoint.disk_space import DiskFull, no_room
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class BackgroundSave:
 
 def save_ddp_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dict[str, Any],
                            on_complete: Callable[[Path, float, float], None] | None) -> tuple[Path, float]:
-    """DDP, every rank (lmtrain.checkpoint.CheckpointManager.save): the Lightning state is taken
+    """DDP, every rank (lmtrain.checkpoint.manager.CheckpointManager.save): the Lightning state is taken
     (its hooks run on every rank, as in ``trainer.save_checkpoint``) and its own rank file
     written; rank 0 copies the state into host memory, and its thread writes Lightning's file
     and completes the checkpoint. (its path, seconds the caller was blocked)"""

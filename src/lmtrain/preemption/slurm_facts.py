@@ -7,12 +7,13 @@ import logging
 import time
 
 from launcher.core import slurm
-from lmtrain.policy import SLURM_QUERY_TIMEOUT_S
+
+SLURM_QUERY_TIMEOUT_S = 10.0  # every query: SLURM that does not answer in time is decided without
 
 log = logging.getLogger(__name__)
 
 
-def _slurm_job_facts(job_id: str) -> dict[str, str] | None:
+def job_facts(job_id: str) -> dict[str, str] | None:
     """`scontrol show job` of this job, or None when SLURM does not answer in time."""
     try:
         return slurm.show_job(job_id, timeout=SLURM_QUERY_TIMEOUT_S)
@@ -21,7 +22,7 @@ def _slurm_job_facts(job_id: str) -> dict[str, str] | None:
         return None
 
 
-def _seconds_left(info: dict[str, str] | None, at: float) -> float | None:
+def seconds_left(info: dict[str, str] | None, at: float) -> float | None:
     """Seconds from ``at`` to the job's time limit: StartTime + TimeLimit. Not EndTime: when
     SLURM preempts a job it moves EndTime to now + GraceTime (seen on 22.05), which would read
     as "at the time limit" and turn every preemption into a timeout."""
@@ -31,7 +32,7 @@ def _seconds_left(info: dict[str, str] | None, at: float) -> float | None:
     return None if start is None or limit is None else start + limit - at
 
 
-def _nodes_down(nodes: list[str]) -> list[str]:
+def nodes_down(nodes: list[str]) -> list[str]:
     """Which of ``nodes`` SLURM has DOWN / failing now (sinfo), from the main loop only."""
     try:
         states = {n.name: n.state for n in slurm.nodes(timeout=SLURM_QUERY_TIMEOUT_S)}
@@ -41,12 +42,12 @@ def _nodes_down(nodes: list[str]) -> list[str]:
     return [n for n in nodes if states.get(n, "").rstrip("*~#!%$@^-+").startswith(("down", "fail"))]
 
 
-def _nodes_failed(env, info: dict[str, str]) -> list[str]:
+def nodes_failed(env, info: dict[str, str]) -> list[str]:
     """Nodes of this attempt that failed: DOWN in sinfo now, or, when SLURM already requeued the
     job while it runs (Restarts grew: it does so at once on a node failure, only after the tasks
     ended on a preemption), NODE_FAIL in accounting for this attempt. A DOWN node whose slurmd
     still answers may be back in service within seconds (ReturnToService=2), hence both."""
-    down = _nodes_down(env.nodes)
+    down = nodes_down(env.nodes)
     restarts = info.get("Restarts", "")
     if down or not restarts.isdigit() or int(restarts) <= env.restart_count:
         return down
@@ -71,7 +72,7 @@ def _nodes_failed(env, info: dict[str, str]) -> list[str]:
 _ENDING_STATES = ("CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "FAILED", "OUT_OF_MEMORY", "DEADLINE")
 
 
-def _why_completing(env, info: dict[str, str] | None) -> str | None:
+def why_completing(env, info: dict[str, str] | None) -> str | None:
     """The real state behind ``JobState=COMPLETING`` (slurm 22.05 prints COMPLETING for a job
     being cancelled, timed out, failed or requeued): this attempt's row in accounting."""
     info = info or {}
@@ -93,7 +94,7 @@ def _why_completing(env, info: dict[str, str] | None) -> str | None:
     return None
 
 
-def _previous_attempt_state(job_id: str) -> str | None:
+def previous_attempt_state(job_id: str) -> str | None:
     """SLURM accounting's state of the previous run of this job (`sacct -D`), if it has one."""
     try:
         rows = slurm.sacct([job_id], duplicates=True, timeout=SLURM_QUERY_TIMEOUT_S)

@@ -8,7 +8,7 @@ the free space of the checkpoint directory's filesystem; a write that still find
 (``ENOSPC``/``EDQUOT``, on any rank) is agreed by every rank, the partial save is removed and
 :class:`DiskFull` is raised on every rank. The callers decide what it costs: a periodic save
 is skipped (training goes on, loudly), a stop-time or final save ends the attempt as
-``disk_full`` (lmtrain.policy), which never spends a crash retry nor requeues into the same wall.
+``disk_full`` (lmtrain.preemption.policy), which never spends a crash retry nor requeues into the same wall.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from launcher.core.checkpoint_index import is_complete
 
-log = logging.getLogger("lmtrain.checkpoint")
+log = logging.getLogger("lmtrain.checkpoint.manager")
 
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 

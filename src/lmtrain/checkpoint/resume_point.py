@@ -38,20 +38,20 @@ from launcher.core.checkpoint_index import (
     shares,
     verify,
 )
-from launcher.core.rundir import Ledger, LedgerNote
-from lmtrain.checkpoint import CheckpointError
+from launcher.core.rundir import Ledger, LedgerNote, RunLayout
+from lmtrain.checkpoint.manager import CheckpointError
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 600.0  # for the other ranks' checks (each reads 1/world of the checkpoint)
 
 
-def resume_point(plan: Any, env: Any, run_dir: Path, attempt: int, ckpt: CompleteCheckpoint,
+def resume_point(plan: Any, env: Any, attempt: int, ckpt: CompleteCheckpoint,
                  *, wait_s: float = WAIT_S) -> CompleteCheckpoint:
     """Every rank, the same answer: ``ckpt`` if every file of it is the one written, else the
     newest older checkpoint that is. CheckpointError when none is."""
     # the attempt in the name too: a local launch's key can come back (a reused pid), its attempt cannot
-    base = Path(run_dir) / "rendezvous" / f"{env.rendezvous_key}-attempt-{attempt}.verify"
+    base = RunLayout.of_plan(plan).verify_file(env.rendezvous_key, attempt)
     rejected: list[str] = []
     for round_ in itertools.count():
         t0 = time.perf_counter()
@@ -98,9 +98,9 @@ def _judge(plan: Any, env: Any, attempt: int, ckpt: CompleteCheckpoint, problems
 def convert_for_world_size(plan: Any, env: Any, ckpt: CompleteCheckpoint | None) -> None:
     """Rank 0 (before the rendezvous, and for a fallback): a ZeRO checkpoint resumed on another
     world size gets its universal form. A failed conversion is recorded beside the checkpoint
-    (every rank then refuses to resume with that reason, lmtrain.checkpoint.check_compatible), not
+    (every rank then refuses to resume with that reason, lmtrain.checkpoint.manager.check_compatible), not
     raised here."""
-    from lmtrain.elastic import ensure_universal, needs_universal, record_failure
+    from lmtrain.checkpoint.elastic import ensure_universal, needs_universal, record_failure
 
     if ckpt is not None and needs_universal(ckpt, strategy=plan.training.strategy, world_size=env.world_size):
         try:

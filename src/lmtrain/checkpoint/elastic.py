@@ -27,12 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-from lmtrain.checkpoint import CompleteCheckpoint, universal_complete, universal_dir, universal_error_path
-from lmtrain.durable import fsync_dir, write_text_atomic
+from launcher.core.checkpoint_index import COMPLETE_NAME
+from lmtrain.checkpoint.durable import fsync_dir, write_text_atomic
+from lmtrain.checkpoint.manager import CompleteCheckpoint, universal_complete, universal_dir, universal_error_path
 
 log = logging.getLogger(__name__)
 
-DONE_NAME = "COMPLETE"
+DONE_NAME = COMPLETE_NAME
 
 
 def needs_universal(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int) -> bool:

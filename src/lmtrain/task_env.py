@@ -15,9 +15,11 @@ published the same way, so every rank names its log ``logs/attempt-<N>/rank-<R>.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,8 @@ from pathlib import Path
 from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 
 from launcher.core.atomic import write_private
+from launcher.core.rundir import RunLayout
+from launcher.core.task_records import TaskRecord, write_task_record
 
 LOCAL_LAUNCHER_VAR = "LMTRAIN_LAUNCHER"  # "local": started by lmtrain.local, not by srun
 RENDEZVOUS_TIMEOUT_S = 300.0
@@ -171,7 +175,7 @@ def rendezvous(
     Sets MASTER_ADDR and MASTER_PORT in os.environ (the local launcher's, already set, are kept
     and published as they are; a SLURM task's inherited ones are not its own and are ignored).
     """
-    path = Path(run_dir) / "rendezvous" / f"{env.rendezvous_key}.json"
+    path = RunLayout.of(run_dir).rendezvous_file(env.rendezvous_key)
     if env.rank == 0:
         if attempt is None:
             raise ValueError("rank 0 must decide the attempt number")
@@ -213,3 +217,16 @@ def cluster_environment(env: TaskEnv):
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
     return LightningEnvironment()
+
+
+def record_this_task(run_dir: str | Path) -> None:
+    """Write this process's record; a failure costs only ``lmlaunch stacks``, never the task."""
+    try:
+        env = read_env()
+        write_task_record(run_dir, TaskRecord(
+            rank=env.rank, local_rank=env.local_rank, node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            pid=os.getpid(), job_id=env.job_id, restart_count=env.restart_count, python=sys.executable,
+            time=time.time(),
+        ))
+    except Exception as exc:  # any failure here costs only the stacks command
+        logging.getLogger("lmtrain").warning("could not record this task for `lmlaunch stacks`: %s", exc)

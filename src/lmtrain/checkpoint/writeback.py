@@ -12,8 +12,8 @@ page cache recycles the same few chunks' pages instead of taking 1.5 GB of memor
 
 Where ``sync_file_range`` is missing or refused (not Linux, a filesystem that does not support
 it) the stream writes plainly; a real I/O error from it (no space, EIO) is raised as the
-``OSError`` a write would raise, so lmtrain.disk_space treats it alike. The stream also hashes
-what passes: the file's checksum for the checkpoint's manifest (lmtrain.checksums).
+``OSError`` a write would raise, so lmtrain.checkpoint.disk_space treats it alike. The stream also hashes
+what passes: the file's checksum for the checkpoint's manifest (lmtrain.checkpoint.checksums).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import logging
 import os
 from typing import Any, BinaryIO
 
-from lmtrain import checksums
+from lmtrain.checkpoint import checksums
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _sync_file_range = _load_sync_file_range()
 
 def save_streamed(obj: Any, f: BinaryIO, chunk: int = CHUNK, **save_kwargs: Any) -> None:
     """``torch.save(obj, **save_kwargs)`` into the open binary file ``f`` (a new file, by name)
-    through a :class:`WritebackStream`, its checksum recorded (lmtrain.checksums); a write that
+    through a :class:`WritebackStream`, its checksum recorded (lmtrain.checkpoint.checksums); a write that
     failed raises its own ``OSError`` (no space, EIO), not torch's RuntimeError."""
     import torch
 
@@ -80,7 +80,7 @@ class WritebackStream:
         self.hasher = checksums.new_hasher()  # the file's checksum, from the bytes as they pass
 
     def record(self) -> None:
-        """The file is whole: its size and checksum to lmtrain.checksums (by the file's name)."""
+        """The file is whole: its size and checksum to lmtrain.checkpoint.checksums (by the file's name)."""
         checksums.record(self.f.name, self.pos, self.hasher.hexdigest())
 
     def write(self, data: Any) -> int:

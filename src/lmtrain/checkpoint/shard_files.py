@@ -1,8 +1,8 @@
-"""The sharded strategies' checkpoint files, streamed to disk as DDP's is (lmtrain.writeback).
+"""The sharded strategies' checkpoint files, streamed to disk as DDP's is (lmtrain.checkpoint.writeback).
 
 DeepSpeed writes every file of its checkpoint through ``engine.checkpoint_engine.save(state,
 path)``: :func:`stream_deepspeed_files` puts in DeepSpeed's own TorchCheckpointEngine with that
-``torch.save`` going through a :class:`~lmtrain.writeback.WritebackStream`, so the disk writes
+``torch.save`` going through a :class:`~lmtrain.checkpoint.writeback.WritebackStream`, so the disk writes
 while DeepSpeed's state is serialised and lmtrain's closing fsync has little left.
 
 FSDP2 saves through torch.distributed.checkpoint (DCP): :func:`dcp_save` is the ``dcp.save``
@@ -10,7 +10,7 @@ Lightning's ``ModelParallelStrategy`` makes, with DCP's file system writer strea
 ``__R_0.distcp`` the same way (:class:`StreamedFileSystem`). :func:`fsdp_parts` is that
 strategy's conversion of the Lightning state (``state_dict`` and ``optimizer_<i>`` to DCP; the
 rest ``torch.save``d by rank 0 as ``meta.pt``), so ``ModelParallelStrategy.load_checkpoint``
-resumes what :func:`save_fsdp` and the background save (lmtrain.async_sharded) write.
+resumes what :func:`save_fsdp` and the background save (lmtrain.checkpoint.async_sharded) write.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from torch.distributed.checkpoint import save as _dcp_save
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lmtrain import faults
-from lmtrain.durable import fsync_file
-from lmtrain.writeback import WritebackStream, save_streamed
+from lmtrain.checkpoint.durable import fsync_file
+from lmtrain.checkpoint.writeback import WritebackStream, save_streamed
 
 META_NAME = "meta.pt"  # what Lightning writes beside DCP's files (lightning.fabric.utilities.load)
 

@@ -2,27 +2,24 @@
 
 :func:`start_gate` (before an attempt trains) and :func:`decide` (after it) take facts that
 the controller (``lmtrain.preemption``) gathered from the run directory and SLURM, and a
-:class:`Policy` (``plan.preemption``). docs/run-directory.md lists the ledger reasons.
+the plan's :class:`launcher.core.plan.PreemptionPlan` (``plan.preemption``). docs/run-directory.md lists the ledger reasons.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.core.rundir import AttemptEnd, LedgerAttempt
+from launcher.core.plan import PreemptionPlan
+from launcher.core.rundir import LedgerAttempt
 from launcher.core.slurm import state_word
-from lmtrain.disk_space import DiskFull
+from lmtrain.checkpoint.disk_space import DiskFull
 
 # SLURM states in which the controller already takes care of the job: do not requeue it again.
 _SLURM_REQUEUEING = ("PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING", "CONFIGURING")
 # The time-limit warning may arrive up to 60 s before warning_seconds; allow that much slack.
 WARNING_SLACK_S = 90.0
-SLURM_QUERY_TIMEOUT_S = 10.0
-GATE_NAME = "{key}.gate.json"
 # docs/run-directory.md: what the ledger's `reason` may say.
 LEDGER_REASONS = frozenset({"completed", "preempted", "timeout", "node_failure", "cancelled", "crashed",
                             "no_progress", "limit_reached", "hang", "disk_full", "preflight_failed"})
@@ -41,27 +38,6 @@ def steps_without_progress(starts: list[int], current: int) -> int:
 
 
 # --------------------------------------------------------------------------- decisions (pure)
-@dataclass
-class Policy:
-    """plan.preemption (spec.preemption + what the profile says about the cluster)."""
-
-    signal: str = "USR2"
-    warning_seconds: int = 120
-    max_requeues: int = 20
-    max_timeouts: int = 10
-    max_crash_retries: int = 2
-    no_progress_attempts: int = 3
-    cluster_sends_user_signal: bool = False
-    agree_every_n_steps: int = 1  # the stop agreement's period in optimizer steps
-
-    @classmethod
-    def from_plan(cls, preemption: Any) -> Policy:
-        """From the plan's PreemptionPlan (or a dict of its fields)."""
-        d = dataclasses.asdict(preemption) if dataclasses.is_dataclass(preemption) else dict(preemption)
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
-
-
 @dataclass
 class EndFacts:
     """Everything rank 0 knows when an attempt's training ended."""
@@ -105,17 +81,22 @@ class Decision:
     exclude: list[str] = field(default_factory=list)  # nodes to keep the requeued job off (ExcNodeList)
 
 
-def _signal_names(f: EndFacts) -> str:
-    names = [n for n, seen in ((f.warning_name, f.warning), ("SIGTERM", f.term)) if seen]
+def signal_names(warning_name: str, *, warning: bool, term: bool) -> str:
+    """The signals an attempt got, as the ledger's ``signal`` says them ("SIGUSR2 + SIGTERM")."""
+    names = [n for n, seen in ((warning_name, warning), ("SIGTERM", term)) if seen]
     return " + ".join(names)
 
 
-def classify_stop(f: EndFacts, policy: Policy) -> tuple[str, str]:
+def _signals_of(f: EndFacts) -> str:
+    return signal_names(f.warning_name, warning=f.warning, term=f.term)
+
+
+def classify_stop(f: EndFacts, policy: PreemptionPlan) -> tuple[str, str]:
     """(reason, why) of a stop: timeout, preempted, or a requested reason."""
     state = state_word(f.slurm_state)
     left = f.seconds_left
     near_limit = left is not None and left <= policy.warning_seconds + WARNING_SLACK_S
-    sigs = _signal_names(f)
+    sigs = _signals_of(f)
     when = f" {left:.0f} s before the time limit" if left is not None else ""
     if state == "TIMEOUT" or ((f.warning or f.term) and near_limit):
         return "timeout", f"{sigs}{when}"
@@ -129,7 +110,7 @@ def classify_stop(f: EndFacts, policy: Policy) -> tuple[str, str]:
     return reason, f"stop requested ({f.requested_reason})" if f.requested_reason else "stop requested"
 
 
-def decide(f: EndFacts, policy: Policy) -> Decision:
+def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
     """Why the attempt ended, and whether (and by whom) the job runs again."""
     state = state_word(f.slurm_state)
     ckpt = f"checkpoint step-{f.checkpoint_step} complete" if f.checkpoint_step is not None else "no checkpoint"
@@ -137,36 +118,14 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         return Decision("completed", f"reached max_steps({f.max_steps})", requeued=False)
     if f.cancelled_marker or state == "CANCELLED":
         why = "CANCELLED marker in the run directory" if f.cancelled_marker else "JobState CANCELLED"
-        sig = _signal_names(f)
+        sig = _signals_of(f)
         return Decision("cancelled", f"{why}{'; ' + sig if sig else ''}; {ckpt}; never requeued", requeued=False)
 
     if f.disk_full is not None:
-        # Not a crash and not worth a retry: the next attempt would meet the same wall. SLURM
-        # requeues a preempted job by itself, so it is cancelled; the user frees room and resumes.
-        full = DiskFull.from_figures(f.disk_full)
-        resume = "lmlaunch submit --resume" if f.launcher == "slurm" else "lmlaunch run --local --resume"
-        detail = (f"{full}; {ckpt} (the resume point); free room in {full.directory} (or lower "
-                  f"checkpoint.keep_last), then `{resume}`; not requeued")
-        requeueing = state in _SLURM_REQUEUEING or (f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
-        return Decision("disk_full", detail, requeued=False,
-                        action="cancel" if f.launcher == "slurm" and requeueing else None, exit_code=1)
+        return _disk_full(f, state, ckpt)
     if f.preflight is not None:
         return _preflight_failed(f, state, policy)
-    if f.nodes_down:
-        # SLURM set a node of this job DOWN: it kills the steps (SIGTERM when the node's slurmd
-        # still answers) and requeues the job itself (NODE_FAIL in accounting).
-        reason, why = "node_failure", f"node {', '.join(f.nodes_down)} DOWN" + (
-            f" ({_signal_names(f)})" if f.warning or f.term else "")
-        detail = f"{why}; {ckpt}"
-    elif f.warning or f.term or (f.stopped and not f.crashed):
-        reason, why = classify_stop(f, policy)
-        detail = f"{why}; {ckpt}"
-        if f.crashed and f.error:
-            detail += f"; then {f.error}"
-    else:
-        reason = "crashed"
-        detail = f.error or "the Trainer stopped before max_steps without a stop request"
-        detail += f"; resumes from {ckpt}" if f.checkpoint_step is not None else ""
+    reason, detail = _why_it_ended(f, policy, ckpt)
     exit_code = 1 if reason == "crashed" else 0
 
     # During the partition's GraceTime a preempted job still shows RUNNING, with a PreemptTime;
@@ -182,29 +141,7 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
         return Decision(reason, detail + "; JobState COMPLETING and accounting did not say why (a bare scancel?): "
                         "not requeued", requeued=False, exit_code=exit_code)
 
-    # --- loop guards --------------------------------------------------------------------------
-    job_hist = [a for a in f.history if a.job_id == f.job_id]
-    stop_why = None
-    stop_reason = "limit_reached"
-    if reason == "crashed":
-        retries = sum(1 for a in job_hist if a.reason == "crashed" and a.requeued)
-        if retries >= policy.max_crash_retries:
-            stop_why, stop_reason = f"max_crash_retries({policy.max_crash_retries}) reached", "crashed"
-    if stop_why is None and f.restart_count >= policy.max_requeues:
-        stop_why = f"max_requeues({policy.max_requeues}) reached ({f.restart_count} requeues)"
-    if stop_why is None and reason == "timeout":
-        timeouts = 1 + sum(1 for a in job_hist if a.reason == "timeout")
-        if timeouts > policy.max_timeouts:
-            stop_why = f"max_timeouts({policy.max_timeouts}) reached ({timeouts} time limits)"
-    if stop_why is None:
-        starts = [a.start_step for a in f.history if not a.skipped] + [f.start_step]
-        current = f.checkpoint_step if f.checkpoint_step is not None else f.start_step
-        stuck = steps_without_progress(starts, current)
-        if stuck >= policy.no_progress_attempts:
-            stop_why, stop_reason = (
-                f"the global step stayed at {current} over {stuck} attempts "
-                f"(no_progress_attempts={policy.no_progress_attempts})"
-            ), "no_progress"
+    stop_why, stop_reason = loop_guard(f, reason, policy)
     if stop_why is not None:
         detail = f"{reason}: {detail}; {stop_why}; not requeued"
         # SLURM requeues a preempted job by itself: cancel it so it does not start again.
@@ -226,7 +163,56 @@ def decide(f: EndFacts, policy: Policy) -> Decision:
                     exit_code=exit_code, exclude=exclude)
 
 
-def _preflight_failed(f: EndFacts, state: str, policy: Policy) -> Decision:
+def _disk_full(f: EndFacts, state: str, ckpt: str) -> Decision:
+    """Not a crash and not worth a retry: the next attempt would meet the same wall. SLURM
+    requeues a preempted job by itself, so it is cancelled; the user frees room and resumes."""
+    full = DiskFull.from_figures(f.disk_full or {})
+    resume = "lmlaunch submit --resume" if f.launcher == "slurm" else "lmlaunch run --local --resume"
+    detail = (f"{full}; {ckpt} (the resume point); free room in {full.directory} (or lower "
+              f"checkpoint.keep_last), then `{resume}`; not requeued")
+    requeueing = state in _SLURM_REQUEUEING or (f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
+    return Decision("disk_full", detail, requeued=False,
+                    action="cancel" if f.launcher == "slurm" and requeueing else None, exit_code=1)
+
+
+def _why_it_ended(f: EndFacts, policy: PreemptionPlan, ckpt: str) -> tuple[str, str]:
+    """(reason, detail) of an attempt that did not complete: a node SLURM set DOWN, a stop, or a crash."""
+    if f.nodes_down:
+        # SLURM set a node of this job DOWN: it kills the steps (SIGTERM when the node's slurmd
+        # still answers) and requeues the job itself (NODE_FAIL in accounting).
+        why = f"node {', '.join(f.nodes_down)} DOWN" + (f" ({_signals_of(f)})" if f.warning or f.term else "")
+        return "node_failure", f"{why}; {ckpt}"
+    if f.warning or f.term or (f.stopped and not f.crashed):
+        reason, why = classify_stop(f, policy)
+        return reason, f"{why}; {ckpt}" + (f"; then {f.error}" if f.crashed and f.error else "")
+    detail = f.error or "the Trainer stopped before max_steps without a stop request"
+    return "crashed", detail + (f"; resumes from {ckpt}" if f.checkpoint_step is not None else "")
+
+
+def loop_guard(f: EndFacts, reason: str, policy: PreemptionPlan) -> tuple[str | None, str]:
+    """(why the job must not run again, the ledger reason then), or (None, ""): the crash
+    retries, the requeues, the time limits and the attempts without progress."""
+    job_hist = [a for a in f.history if a.job_id == f.job_id]
+    if reason == "crashed":
+        retries = sum(1 for a in job_hist if a.reason == "crashed" and a.requeued)
+        if retries >= policy.max_crash_retries:
+            return f"max_crash_retries({policy.max_crash_retries}) reached", "crashed"
+    if f.restart_count >= policy.max_requeues:
+        return f"max_requeues({policy.max_requeues}) reached ({f.restart_count} requeues)", "limit_reached"
+    if reason == "timeout":
+        timeouts = 1 + sum(1 for a in job_hist if a.reason == "timeout")
+        if timeouts > policy.max_timeouts:
+            return f"max_timeouts({policy.max_timeouts}) reached ({timeouts} time limits)", "limit_reached"
+    starts = [a.start_step for a in f.history if not a.skipped] + [f.start_step]
+    current = f.checkpoint_step if f.checkpoint_step is not None else f.start_step
+    stuck = steps_without_progress(starts, current)
+    if stuck >= policy.no_progress_attempts:
+        return (f"the global step stayed at {current} over {stuck} attempts "
+                f"(no_progress_attempts={policy.no_progress_attempts})"), "no_progress"
+    return None, ""
+
+
+def _preflight_failed(f: EndFacts, state: str, policy: PreemptionPlan) -> Decision:
     """Nodes failed the attempt's checks: one more attempt (off those nodes where SLURM lets the
     job be changed) tells a bad node from a bad setup; a second failure stops the job with what
     failed, as does every node failing (a setup every node shares)."""
@@ -287,7 +273,7 @@ class Gate:
     exit: bool
     reason: str | None = None
     detail: str | None = None
-    previous_end: dict[str, Any] | None = None  # an end line for an earlier attempt without one
+    previous_end: dict[str, Any] | None = None  # lmtrain.attempt.MissingEnd's fields: an earlier attempt's end
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -297,7 +283,7 @@ _PREVIOUS_REASONS = {"NODE_FAIL": "node_failure", "PREEMPTED": "preempted", "TIM
                      "CANCELLED": "cancelled", "OUT_OF_MEMORY": "crashed", "FAILED": "crashed"}
 
 
-def start_gate(f: StartFacts, policy: Policy) -> Gate:
+def start_gate(f: StartFacts, policy: PreemptionPlan) -> Gate:
     """Before training: record an earlier attempt that never wrote its end, and refuse to train a
     run that is finished, cancelled or over a loop guard."""
     previous_end = None
@@ -305,13 +291,12 @@ def start_gate(f: StartFacts, policy: Policy) -> Gate:
         prev = f.history[-1]
         reason = _PREVIOUS_REASONS.get(state_word(f.previous_state), "node_failure")
         seen = f" (SLURM: {state_word(f.previous_state)})" if f.previous_state else ""
-        previous_end = AttemptEnd(
-            attempt=prev.attempt, job_id=prev.job_id, time=time.time(), end_step=f.start_step, reason=reason,
-            detail=(f"attempt {prev.attempt} has no end line: its tasks were killed without a chance to "
-                    f"write it (node failure, SIGKILL){seen}; recorded at the start of the next attempt, "
-                    f"which resumes from step {f.start_step}"),
-            requeued=True,
-        ).to_json()
+        previous_end = {
+            "attempt": prev.attempt, "job_id": prev.job_id, "end_step": f.start_step, "reason": reason,
+            "detail": (f"attempt {prev.attempt} has no end line: its tasks were killed without a chance to "
+                       f"write it (node failure, SIGKILL){seen}; recorded at the start of the next attempt, "
+                       f"which resumes from step {f.start_step}"),
+        }
         prev.reason, prev.end_step, prev.requeued = reason, f.start_step, True
     if f.done_marker and (f.max_steps is None or f.done_step is None or f.done_step >= f.max_steps):
         return Gate(True, "completed", "the run already finished (DONE marker): not training again", previous_end)

@@ -1,11 +1,11 @@
 """Periodic checkpoints of the sharded strategies (DeepSpeed ZeRO 1/2/3, FSDP2) written in the
 background: every rank writes its own files in its own thread, in parallel.
 
-The protocol of a synchronous save (lmtrain.checkpoint) with the writes moved off the training
+The protocol of a synchronous save (lmtrain.checkpoint.manager) with the writes moved off the training
 thread, and the same guarantees:
 
 1. training is blocked only while each rank copies ITS OWN part of the state into host memory
-   (lmtrain.async_checkpoint.Stager, buffers reused from save to save; no gather to rank 0) and
+   (lmtrain.checkpoint.async_checkpoint.Stager, buffers reused from save to save; no gather to rank 0) and
    writes its small ``rank-R.pt`` (synchronously, as always);
 2. each rank's writer thread writes its files into ``.step-S.tmp/lightning.ckpt/`` (the layout of
    the synchronous save: resume reads it unchanged) and fsyncs them;
@@ -22,11 +22,11 @@ path)`` (TorchCheckpointEngine: ``torch.save``). During the staging :class:`Zero
 in for it around Lightning's ``trainer.save_checkpoint`` (so DeepSpeed's own collectives and
 barriers run on the training thread, as in a synchronous save): it copies each state into host
 memory instead of writing it, and the writer thread ``torch.save``s the copies as DeepSpeed would
-have (streamed to disk: lmtrain.shard_files). The files DeepSpeed writes itself (rank 0's ``latest``, ``zero_to_fp32.py``) are written
+have (streamed to disk: lmtrain.checkpoint.shard_files). The files DeepSpeed writes itself (rank 0's ``latest``, ``zero_to_fp32.py``) are written
 during the staging; rank 0 fsyncs them with the rest before COMPLETE. Another checkpoint engine
 (DeepSpeed's fast, decoupled or DataStates writers) keeps its synchronous saves.
 
-FSDP2: the synchronous save of lmtrain.shard_files with only its DCP write moved: the same
+FSDP2: the synchronous save of lmtrain.checkpoint.shard_files with only its DCP write moved: the same
 conversion (``state_dict`` and ``optimizer_<i>`` go to DCP, every rank its ``__R_0.distcp``,
 rank 0 ``.metadata``; the rest is ``torch.save``d by rank 0 as ``meta.pt``), the DTensor shards
 staged, and ``dcp.save`` over the writer group in the thread, so that
@@ -48,14 +48,15 @@ from typing import Any
 import torch
 
 from launcher.core.checkpoint_index import LIGHTNING_NAME
-from lmtrain import checksums, faults
-from lmtrain.async_checkpoint import Stager
-from lmtrain.disk_space import DiskFull, free_bytes, means_no_room, no_room, remove_partial
-from lmtrain.durable import fsync_file
-from lmtrain.shard_files import META_NAME, fsdp_parts, save_file, stream_deepspeed_files
-from lmtrain.shard_files import dcp_save as _dcp_save
+from lmtrain import faults
+from lmtrain.checkpoint import checksums
+from lmtrain.checkpoint.async_checkpoint import Stager
+from lmtrain.checkpoint.disk_space import DiskFull, free_bytes, means_no_room, no_room, remove_partial
+from lmtrain.checkpoint.durable import fsync_file
+from lmtrain.checkpoint.shard_files import META_NAME, fsdp_parts, save_file, stream_deepspeed_files
+from lmtrain.checkpoint.shard_files import dcp_save as _dcp_save
 
-log = logging.getLogger("lmtrain.checkpoint")
+log = logging.getLogger("lmtrain.checkpoint.manager")
 
 SHARDED = ("deepspeed", "fsdp")
 

@@ -1,17 +1,17 @@
 """Checksums of a checkpoint's files, computed while each file is written.
 
-Every large file of a checkpoint goes through a :class:`lmtrain.writeback.WritebackStream`
+Every large file of a checkpoint goes through a :class:`lmtrain.checkpoint.writeback.WritebackStream`
 (``save_streamed``: DDP's Lightning file, DeepSpeed's shards, FSDP2's DCP files, ``meta.pt``), which
 hashes the bytes as they pass (:func:`new_hasher`; launcher.core.checkpoint_index names the
 algorithm) and reports ``(path, size, digest)`` here when the file is whole (:func:`record`). The
 small files lmtrain writes itself (``rank-R.pt``, ``meta.json``) are hashed once written
-(lmtrain.durable). So no file is read back for its checksum.
+(lmtrain.checkpoint.durable). So no file is read back for its checksum.
 
 Each rank knows only the files it wrote. At the end of its part of a save it writes them into
 the checkpoint's temporary directory as ``.sums-rank-R.json`` (:func:`write_sidecar`); rank 0,
 completing the checkpoint, merges every rank's with its own (:func:`collect`), hashes what nobody
 reported (a file a library wrote by other means), and puts them into COMPLETE's manifest beside
-the sizes. Loading verifies them (lmtrain.resume_point).
+the sizes. Loading verifies them (lmtrain.checkpoint.resume_point).
 """
 
 from __future__ import annotations

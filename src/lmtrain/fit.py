@@ -1,0 +1,197 @@
+"""Data, model, callbacks, loggers and the Trainer of one attempt, built from the plan, and the
+fit itself (:mod:`lmtrain.training` runs it). Resuming restores this rank's data position and
+RNG streams; on another world size the data is re-sharded, the RNG streams start fresh and the
+gradient accumulation is realigned (:mod:`lmtrain.checkpoint.elastic` for the weights)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+
+from lmtrain.attempt import Outcome
+from lmtrain.startup import CLOCK
+
+if TYPE_CHECKING:
+    from launcher.core.checkpoint_index import CompleteCheckpoint
+    from launcher.core.plan import LaunchPlan
+    from lmtrain.attempt import AttemptRecords, Hooks
+    from lmtrain.preemption.controller import Preemption
+    from lmtrain.task_env import TaskEnv
+
+log = logging.getLogger("lmtrain")
+
+
+class Fit:
+    """One attempt's Trainer and what it trains, on one rank."""
+
+    def __init__(self, plan: LaunchPlan, env: TaskEnv, ctl: Preemption, records: AttemptRecords,
+                 ckpt: CompleteCheckpoint | None, rank_state: dict[str, Any] | None) -> None:
+        self.plan, self.env, self.ctl, self.records = plan, env, ctl, records
+        self.ckpt, self.rank_state = ckpt, rank_state
+        self.job = plan.job_spec()  # typed: checkpoint, logging, data, trainer, watchdog settings
+        self.resume_rng: Any = None
+        self.realign: Any = None
+        self.universal = False
+        self.validate = False
+
+    # -- building ----------------------------------------------------------------------------
+    def trainer_for(self, hooks: Hooks, startup: Any) -> pl.Trainer:
+        """Data, model, callbacks and the Trainer (the ``data`` and ``model`` startup phases)."""
+        from lmtrain.checkpoint.elastic import needs_universal
+        from lmtrain.strategies import build_strategy
+
+        plan, env = self.plan, self.env
+        self.loaders = self._data()
+        self.universal = self.ckpt is not None and needs_universal(
+            self.ckpt, strategy=plan.training.strategy, world_size=env.world_size)
+        CLOCK.mark("data")
+        self.module = self._module()
+        # The plan's Trainer arguments as they are (the dry run printed them); without a
+        # validation split in the data, the same arguments with validation off.
+        trainer_plan = plan.trainer if self.loaders[1] is not None else plan.trainer.without_validation()
+        self.trainer_plan = trainer_plan
+        self.validate = trainer_plan.val_check_interval is not None
+        from lmtrain.loggers import make_loggers
+
+        loggers = make_loggers(plan.paths.run_dir, plan.spec["logging"], plan.run_name,
+                               resume_step=self.ckpt.step if self.ckpt else None)
+        trainer = pl.Trainer(
+            **trainer_plan.kwargs(),
+            strategy=build_strategy(plan, env, load_universal=self.universal),
+            enable_model_summary=env.rank == 0,
+            logger=loggers or False,
+            callbacks=self._callbacks(hooks, startup),
+        )
+        CLOCK.mark("model")
+        return trainer
+
+    def _data(self) -> tuple[Any, Any, Any]:
+        """The loaders and the sampler, at this rank's data position when resuming."""
+        from lmtrain.data import TokenData, make_dataloaders
+        from lmtrain.model import build_config
+
+        plan, env, ckpt, data_spec = self.plan, self.env, self.ckpt, self.job.data
+        vocab = getattr(build_config(plan.spec["model"]), "vocab_size", None)
+        if vocab is not None:
+            TokenData(data_spec.path).check_vocab(int(vocab))
+        train_loader, val_loader, sampler = make_dataloaders(
+            data_spec, world_size=env.world_size, rank=env.rank, seed=plan.training.seed)
+        self.ctl.guard_workers(train_loader, val_loader)  # workers ignore SIGTERM / the warning
+        if ckpt is not None:
+            state = self.rank_state if self.rank_state is not None else ckpt.rank_state(0)
+            if state is None:
+                raise RuntimeError(f"{ckpt.path} has no rank-{env.rank}.pt nor rank-0.pt: "
+                                   "not a complete lmtrain checkpoint")
+            sampler.load_state_dict(state["data_sampler"])
+            self._resume_streams(state)
+        return train_loader, val_loader, sampler
+
+    def _resume_streams(self, state: dict[str, Any]) -> None:
+        """This rank's RNG streams on the same world size; else a realigned accumulation."""
+        from lmtrain.callbacks import RealignAccumulation
+
+        env, ckpt, rank_state, topo = self.env, self.ckpt, self.rank_state, self.plan.topology
+        assert ckpt is not None
+        if rank_state is not None and int(rank_state.get("world_size", env.world_size)) == env.world_size:
+            self.resume_rng = rank_state["rng"]
+            return
+        old_world = int(state.get("world_size", env.world_size))
+        log.warning("resuming step-%d on %d ranks (written on %d): data position re-sharded, RNG streams "
+                    "start fresh", ckpt.step, env.world_size, old_world)
+        old_accum = topo.global_batch_size // (topo.micro_batch_size * old_world)
+        self.realign = RealignAccumulation(old_accum, self.plan.trainer.accumulate_grad_batches)
+
+    def _module(self) -> Any:
+        from lmtrain.module import LMModule, OptimSettings, RuntimeSettings
+
+        plan, env, t, data_spec = self.plan, self.env, self.plan.trainer, self.job.data
+        pl.seed_everything(plan.training.seed, workers=True, verbose=False)
+        rt = RuntimeSettings(
+            strategy=plan.training.strategy, precision=t.precision, accelerator=t.accelerator,
+            clip_val=plan.training.gradient_clip_val, seq_len=data_spec.seq_len,
+            micro_batch_size=data_spec.micro_batch_size, world_size=env.world_size,
+            accumulate=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
+            offload_optimizer=self.job.trainer.offload_optimizer,
+        )
+        module = LMModule(plan.spec["model"], OptimSettings.from_spec(plan.spec["optim"], t.max_steps), rt,
+                          plan.training.seed)
+        module.data_sampler = self.loaders[2]
+        return module
+
+    def _callbacks(self, hooks: Hooks, startup: Any) -> list[Any]:
+        from lmtrain.callbacks import MetricsHeartbeat, RngNeutralValidation
+
+        heartbeat = self.records.heartbeat
+        ckpt_cb = self._checkpoint_callback()
+        metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=self.job.logging.heartbeat_every_n_steps)
+        self.module.metrics_sink = metrics_cb.step_metrics
+        callbacks = [startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
+                     *([self.realign] if self.realign else [])]
+        if hooks.setup is not None:
+            callbacks += list(hooks.setup(self.ctl) or [])
+        callbacks += hooks.callbacks
+        return callbacks + self._watchdog()  # last: it beats after checkpoint writes
+
+    def _checkpoint_callback(self) -> Any:
+        from launcher.core.checkpoint_index import checkpoint_bytes
+        from lmtrain.checkpoint.callback import CheckpointCallback
+        from lmtrain.checkpoint.manager import CheckpointManager
+        from lmtrain.loggers import logger_identity
+        from lmtrain.model import parameter_count
+        from lmtrain.watchdog import process_group_timeout
+
+        plan, env, job, ckpt = self.plan, self.env, self.job, self.ckpt
+        strategy, sampler = plan.training.strategy, self.loaders[2]
+        manager = CheckpointManager(
+            plan.paths.checkpoint_dir, keep_last=job.checkpoint.keep_last, every_n_steps=job.checkpoint.every_n_steps,
+            strategy=strategy, zero_stage=job.trainer.zero_stage if strategy == "deepspeed" else None,
+            identity={"job_id": env.job_id, "attempt": self.records.attempt,
+                      "logger": logger_identity(plan.paths.run_dir, plan.spec["logging"])},
+        )
+        manager.collective_timeout = process_group_timeout(plan)  # the background writers' group (gloo)
+        # room for a first checkpoint, before there is one to measure (lmtrain.checkpoint.disk_space)
+        manager.estimate = lambda: checkpoint_bytes(parameter_count(plan.spec["model"])[0], strategy,
+                                                    plan.trainer.precision)
+        return CheckpointCallback(
+            manager, lambda: {"data_sampler": sampler.state_dict()}, self.records.heartbeat,
+            resume_rng=self.resume_rng, resumed_step=ckpt.step if ckpt is not None else None,
+            background=job.checkpoint.async_save,
+        )
+
+    def _watchdog(self) -> list[Any]:
+        """The hang watchdog (lmtrain.watchdog), unless the spec turned it off."""
+        from lmtrain.watchdog import WatchdogCallback
+
+        w = self.job.watchdog
+        if w.hang_timeout_s is None:
+            return []
+        return [WatchdogCallback(timeout_s=float(w.hang_timeout_s), grace_s=float(w.exit_grace_s),
+                                 records=self.records)]
+
+    # -- training ----------------------------------------------------------------------------
+    def run(self, trainer: pl.Trainer) -> Outcome:
+        """Fit (from the checkpoint, when resuming), validate the final weights when the last
+        interval did not end on a validation step; how the fit ended."""
+        from lmtrain.checkpoint.elastic import universal_dir
+
+        ckpt, (train_loader, val_loader, _), stop = self.ckpt, self.loaders, self.ctl.stop
+        max_steps = self.plan.trainer.max_steps
+        fit_kwargs: dict[str, Any] = {}
+        if ckpt is not None:
+            path = universal_dir(ckpt) if self.universal else ckpt.lightning_path
+            fit_kwargs = {"ckpt_path": str(path), "weights_only": True}
+            log.info("resuming from %s (step %d)", path, ckpt.step)
+        trainer.fit(self.module, train_dataloaders=train_loader,
+                    val_dataloaders=val_loader if self.validate else None, **fit_kwargs)
+        step = trainer.global_step
+        if self.validate and step >= max_steps and max_steps % (self.trainer_plan.val_every_n_steps or max_steps):
+            trainer.validate(self.module, dataloaders=val_loader, verbose=False)
+        if stop.agreed_step is not None:
+            return Outcome(reason=stop.reason or "preempted", end_step=step,
+                           detail=f"{stop.detail or stop.reason}; checkpoint step-{stop.agreed_step} complete")
+        if step >= max_steps:
+            return Outcome(reason="completed", end_step=step)
+        return Outcome(reason="crashed", end_step=step, exit_code=1,
+                       detail=f"the Trainer stopped at step {step} < max_steps({max_steps})")

@@ -1,0 +1,127 @@
+"""The run-directory loggers: TensorBoard and CSV with a fixed version, so every attempt of a
+run writes into the same directories (a resumed attempt drops what it trains again), and W&B
+under one id per run."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv; on resume we append to it, after
+    dropping the rows of the steps the resumed attempt trains again (``keep_below``: Lightning's
+    logged step of the first step after the checkpoint), so no step appears twice."""
+
+    def __init__(self, log_dir: str, keep_below: int | None = None) -> None:
+        self.keep_below = keep_below
+        super().__init__(log_dir=log_dir)
+
+    def _check_log_dir_exists(self) -> None:
+        if not self._fs.isfile(self.metrics_file_path):
+            return
+        with open(self.metrics_file_path, newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows or not rows[0]:
+            return
+        header = rows[0]
+        self.metrics_keys = sorted(header)
+        if self.keep_below is None or "step" not in header:
+            return
+        at = header.index("step")
+        kept = [r for r in rows[1:] if len(r) > at and r[at].isdigit() and int(r[at]) < self.keep_below]
+        if len(kept) != len(rows) - 1:
+            tmp = f"{self.metrics_file_path}.tmp-{os.getpid()}"
+            with open(tmp, "w", newline="") as f:
+                csv.writer(f).writerows([header, *kept])
+            os.replace(tmp, self.metrics_file_path)
+
+
+class ResumableCSVLogger(CSVLogger):
+    """CSVLogger whose fixed version directory survives resume (rows are appended)."""
+
+    def __init__(self, *args: Any, resume_step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resume_step = resume_step
+
+    @property
+    def experiment(self):
+        if self._experiment is not None:
+            return self._experiment
+        os.makedirs(self.root_dir, exist_ok=True)
+        self._experiment = _AppendingWriter(log_dir=self.log_dir, keep_below=self.resume_step)
+        return self._experiment
+
+
+def make_loggers(run_dir: str | Path, logging_spec: dict[str, Any], run_name: str,
+                 resume_step: int | None = None) -> list[Any]:
+    """TensorBoard and CSV in the run directory with a fixed version (0), so every attempt of a
+    run writes into the same directories; W&B with an id derived from the run directory.
+
+    ``resume_step``: the checkpoint's step this attempt resumes from. Lightning logs the step
+    that follows checkpoint S under index S, so what an earlier attempt logged at indices >= S
+    (work done after its last checkpoint, trained again now) is dropped: TensorBoard purges it
+    (``purge_step``), the CSV rows are removed. Each metric stays one series, every index once."""
+    loggers: list[Any] = []
+    run_dir = str(run_dir)
+    purge = {"purge_step": resume_step} if resume_step else {}
+    if logging_spec.get("tensorboard", True):
+        loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=0, default_hp_metric=False,
+                                         **purge))
+    if logging_spec.get("csv", True):
+        loggers.append(ResumableCSVLogger(save_dir=run_dir, name="csv", version=0, resume_step=resume_step))
+    wandb = logging_spec.get("wandb")
+    if wandb:
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(
+            WandbLogger(
+                project=wandb["project"],
+                entity=wandb.get("entity"),
+                name=run_name,
+                id=wandb_run_id(run_dir),
+                resume="allow",
+                offline=wandb.get("mode") == "offline",
+                save_dir=run_dir,
+            )
+        )
+    return loggers
+
+
+WANDB_ID_FILE = "wandb_id"
+
+
+def wandb_run_id(run_dir: str) -> str:
+    """The run's W&B run id, persisted in ``<run_dir>/wandb_id``: every attempt of the run logs
+    into the same W&B run (with resume="allow"). Made once, at random (a run started over with
+    ``--new`` at the same path gets a new one); the first rank to create the file wins."""
+    import uuid
+
+    path = Path(run_dir) / WANDB_ID_FILE
+    try:
+        existing = path.read_text().strip()
+        if existing:
+            return existing
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(f".{WANDB_ID_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(uuid.uuid4().hex[:16] + "\n")
+    try:
+        os.link(tmp, path)  # atomic create-if-absent: concurrent ranks agree on one id
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+def logger_identity(run_dir: str, logging_spec: dict[str, Any]) -> dict[str, Any]:
+    ident: dict[str, Any] = {"tensorboard_version": 0, "csv_version": 0}
+    if logging_spec.get("wandb"):
+        ident["wandb_id"] = wandb_run_id(run_dir)
+    return ident

@@ -1,0 +1,203 @@
+"""One attempt's preemption handling (one controller per task process, wired in by
+:mod:`lmtrain.entry`): it owns the signals and the stop request, hands the Trainer the stop
+agreement, decides how the attempt ended (:meth:`Preemption.settle`, the one place) and, LAST,
+requeues or cancels the job (:meth:`Preemption.after_end`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any
+
+from launcher.core import slurm
+from launcher.core.checkpoint_index import newest_complete
+from launcher.core.plan import PreemptionPlan
+from launcher.core.rundir import Ledger, LedgerNote, RunLayout, is_cancelled
+from lmtrain.attempt import AttemptRecords, Outcome
+from lmtrain.checkpoint.disk_space import disk_full_in
+from lmtrain.preemption.agreement import AgreedStop, StopAgreement
+from lmtrain.preemption.bad_nodes import bad_node_facts, exclude_nodes
+from lmtrain.preemption.first_death import describe, find_first_death, log_size
+from lmtrain.preemption.policy import EndFacts, decide, signal_names
+from lmtrain.preemption.signals import SignalOwner, StopRequest, adopt_early, guard_dataloader_workers
+from lmtrain.preemption.slurm_facts import (
+    SLURM_QUERY_TIMEOUT_S,
+    job_facts,
+    nodes_failed,
+    seconds_left,
+    why_completing,
+)
+from lmtrain.preflight import PreflightFailed
+from lmtrain.watchdog import hang_reason
+
+log = logging.getLogger("lmtrain.preemption")
+
+
+class Preemption:
+    """Preemption handling of one attempt (one per task process); wired in by lmtrain.entry."""
+
+    def __init__(self, plan: Any, env: Any, attempt: int) -> None:
+        self.plan, self.env, self.attempt = plan, env, attempt
+        self.layout = RunLayout.of_plan(plan)
+        self.policy: PreemptionPlan = plan.preemption
+        self.stop = StopRequest()
+        self.signals = adopt_early(self.stop, self.policy.signal) or SignalOwner(self.stop, self.policy.signal)
+        self.agreed: AgreedStop | None = None
+        self._action: str | None = None
+        self.stop.armed = True
+        self.stop.check_every_n_steps = self.policy.agree_every_n_steps
+        self._exclude: list[str] = []  # nodes the requeued job keeps off (settle, then after_end)
+        # srun's task lines of this attempt (lmtrain.preemption.first_death) start at the log's size now
+        self._srun_log = plan.slurm.error.replace("%j", env.job_id) if env.launcher == "slurm" else None
+        self._srun_offset = log_size(self._srun_log) if env.rank == 0 else 0
+
+    def start(self) -> None:
+        self.signals.install()
+
+    def callback(self, checkpoints: Any) -> StopAgreement:
+        return StopAgreement(self, checkpoints)
+
+    def guard_workers(self, *loaders: Any) -> None:
+        guard_dataloader_workers(loaders, self.signals.signums, self.env.rank)
+
+    def failed(self, exc: BaseException, step: int, records: AttemptRecords) -> Outcome:
+        """The outcome of an attempt whose training raised ``exc`` at ``step``: a diagnosis
+        (a failed preflight, a full disk: the figures go to the ledger, the policy decides), or a
+        crash, which this rank's last words report and which is raised again once the records are
+        written."""
+        outcome = Outcome(
+            reason=self.stop.reason or hang_reason(exc, self.layout, self.attempt) or "crashed",
+            end_step=step, detail=f"{type(exc).__name__}: {exc}"[:2000], exit_code=1,
+        )
+        full = disk_full_in(exc)
+        if isinstance(exc, PreflightFailed):
+            outcome.reason, outcome.extra["preflight"] = "preflight_failed", exc.failed
+            log.error("%s", exc)
+        elif full is not None:
+            outcome.extra["disk_full"] = full.figures
+            log.error("training stopped: %s", full)
+        else:
+            log.error("training failed:\n%s", traceback.format_exc())
+            records.last_words(exc)
+            outcome.error = exc
+        return outcome
+
+    def settle(self, outcome: Outcome, start_step: int) -> Outcome:
+        """Every rank, the one place an attempt's outcome is decided: the reason, and for rank 0
+        what SLURM says, the loop guards and whether the job runs again.
+
+        Runs before the ledger's ``end`` line: a failure here must not cost that line, so it is
+        logged and the outcome kept as the fit left it (no requeue)."""
+        hung = outcome.reason == "hang"  # lmtrain.watchdog: a rank of this attempt stopped making progress
+        try:
+            self._decide(outcome, start_step)
+        except Exception as exc:
+            log.exception("preemption decision failed; the attempt ends as the fit left it")
+            outcome.detail = f"{outcome.detail or outcome.reason}; (preemption decision failed: {exc})"[:2000]
+            self._action = None
+        if hung and outcome.reason == "crashed":
+            outcome.reason = "hang"  # same retry rules as a crash; the ledger says why
+        return outcome
+
+    def _decide(self, outcome: Outcome, start_step: int) -> None:
+        agreed = self.agreed
+        rec = self.signals.record
+        term = bool(agreed.term if agreed else rec.term_at is not None)
+        warning = bool(agreed.warning if agreed else rec.warning_at is not None)
+        signal_time = agreed.signal_time if agreed else rec.first_at
+        crashed = outcome.exit_code != 0 or (outcome.reason == "crashed" and agreed is None)
+        if agreed is not None:
+            outcome.extra["stop_step"] = agreed.step
+        if signal_time is not None:
+            outcome.extra["signal_time"] = round(signal_time, 3)
+            outcome.extra["signal"] = signal_names(self.signals.warning_name, warning=warning, term=term)
+        if agreed is not None and agreed.checkpoint_done_at is not None and signal_time is not None:
+            seconds = agreed.checkpoint_done_at - signal_time
+            outcome.extra["checkpoint_seconds"] = round(seconds, 3)
+            grace = self.plan.preemption.grace_seconds
+            if term and grace and seconds > 0.5 * grace and self.env.rank == 0:
+                log.warning("SIGTERM to checkpoint complete took %.1f s of the partition's GraceTime of %s s: "
+                            "a slower save would be killed (raise GraceTime, or checkpoint less state)",
+                            seconds, grace)
+        if self.env.rank != 0:
+            if outcome.reason != "completed" and agreed is not None and not crashed:
+                outcome.reason = "preempted"  # rank 0 writes the real reason; others only exit cleanly
+            return
+
+        if crashed and outcome.reason == "crashed":
+            self._blame_first_death(outcome)
+        info = None
+        if self.env.launcher == "slurm" and outcome.end_step < self.plan.trainer.max_steps:
+            info = job_facts(self.env.job_id)
+        ckpt = newest_complete(self.plan.paths.checkpoint_dir)
+        history = [a for a in Ledger(self.plan.paths.ledger).attempts() if a.attempt != self.attempt]
+        facts = EndFacts(
+            end_step=outcome.end_step, start_step=start_step, max_steps=self.plan.trainer.max_steps,
+            checkpoint_step=ckpt.step if ckpt is not None else None, stopped=agreed is not None, crashed=crashed,
+            term=term, warning=warning, warning_name=self.signals.warning_name,
+            requested_reason=self.stop.reason if self.stop.requested and not (term or warning) else None,
+            error=outcome.detail if crashed else None,
+            cancelled_marker=is_cancelled(self.layout.run_dir), launcher=self.env.launcher,
+            job_id=self.env.job_id, restart_count=self.env.restart_count,
+            slurm_state=why_completing(self.env, info) or (info or {}).get("JobState"),
+            preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),
+            slurm_restarts=int(info["Restarts"]) if info and str(info.get("Restarts", "")).isdigit() else None,
+            nodes_down=nodes_failed(self.env, info) if info is not None else [],
+            seconds_left=seconds_left(info, signal_time) if signal_time is not None else None,
+            history=history, disk_full=outcome.extra.get("disk_full"), job_nodes=self.plan.topology.nodes,
+            preflight=outcome.extra.get("preflight"),
+        )
+        if self.env.launcher == "slurm" and (facts.nodes_down or outcome.reason in ("hang", "preflight_failed")):
+            bad_node_facts(self.plan, self.env, self.attempt, facts, info, hung=outcome.reason == "hang")
+        d = decide(facts, self.policy)
+        log.info("attempt %d ends: %s (%s)", self.attempt, d.reason, d.detail)
+        outcome.reason, outcome.detail, outcome.requeued = d.reason, d.detail, d.requeued
+        outcome.exit_code = max(outcome.exit_code, d.exit_code)
+        self._action = d.action
+        self._exclude = d.exclude
+        if d.action is None and d.exclude and slurm.state_word(facts.slurm_state or "") == "PENDING":
+            # SLURM requeued the job itself (a node failure): exclude now, before the end line. The
+            # failed node's slurmd kills this rank within seconds, before after_end would run.
+            exclude_nodes(self.plan, self.env, self.attempt, d.exclude)
+            self._exclude = []
+
+    def _blame_first_death(self, outcome: Outcome) -> None:
+        """Rank 0: name the rank that died first (lmtrain.preemption.first_death), not this rank's symptom."""
+        env, per_node = self.env, max(1, self.plan.topology.tasks_per_node)
+        node_of = {r: env.nodes[0] if env.launcher == "local" else
+                   env.nodes[r // per_node] if r // per_node < len(env.nodes) else "?" for r in range(env.world_size)}
+        death = find_first_death(self.layout.run_dir, self.attempt, world_size=env.world_size, me=env.rank,
+                                 node_of=node_of, srun_log=self._srun_log, srun_offset=self._srun_offset)
+        if death is None:
+            return
+        outcome.extra["first_death"] = death
+        if death["rank"] != env.rank:  # else the detail already is this rank's own error
+            outcome.detail = f"{describe(death)}; rank {env.rank} saw: {outcome.detail}"[:2000]
+            log.error("%s", describe(death))
+
+    def after_end(self, outcome: Outcome) -> None:
+        """Rank 0, LAST (checkpoint complete, ledger and heartbeat written): requeue or cancel."""
+        try:
+            if self.env.rank != 0:
+                return
+            if self._action is None:
+                exclude_nodes(self.plan, self.env, self.attempt, self._exclude)  # SLURM requeued it itself
+                return
+            try:
+                if self._action == "requeue":
+                    log.info("requeueing job %s (scontrol requeue)", self.env.job_id)
+                    slurm.requeue(self.env.job_id, timeout=SLURM_QUERY_TIMEOUT_S)
+                    exclude_nodes(self.plan, self.env, self.attempt, self._exclude)
+                elif self._action == "cancel":
+                    log.info("cancelling job %s: %s", self.env.job_id, outcome.detail)
+                    slurm.cancel([self.env.job_id], timeout=SLURM_QUERY_TIMEOUT_S)
+            except Exception as exc:
+                log.error("%s of job %s failed: %s", self._action, self.env.job_id, exc)
+                Ledger(self.plan.paths.ledger).write(LedgerNote(
+                    event=f"{self._action}_failed", time=time.time(),
+                    fields={"attempt": self.attempt, "job_id": self.env.job_id, "detail": str(exc)[:500]},
+                ))
+                outcome.exit_code = outcome.exit_code or 1
+        finally:
+            self.signals.restore()
