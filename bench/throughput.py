@@ -297,13 +297,19 @@ def _probe_class():
 
 
 def run_project_path(run_dir: str | Path, probe) -> None:
-    """``lmtrain.entry.run_task`` on ``run_dir`` in this process, with ``probe`` among its callbacks."""
-    from lmtrain.attempt import Hooks
+    """``lmtrain.entry.run_task`` on ``run_dir`` in this process, with ``probe`` after its
+    callbacks (``lmtrain.fit.Fit.callbacks`` wrapped for the call)."""
+    from lmtrain import fit
     from lmtrain.entry import run_task
 
     # Lightning's LightningEnvironment.teardown deletes WORLD_SIZE after each fit: set it again.
     set_single_rank_env(os.environ.get("LMTRAIN_JOB_ID") or f"bench-{os.getpid()}")
-    code = run_task(run_dir, hooks=Hooks(callbacks=[probe]))
+    own = fit.Fit.callbacks
+    fit.Fit.callbacks = lambda self, startup: [*own(self, startup), probe]  # type: ignore[method-assign]
+    try:
+        code = run_task(run_dir)
+    finally:
+        fit.Fit.callbacks = own  # type: ignore[method-assign]
     if code != 0:
         logs = sorted(Path(run_dir, "logs").glob("attempt-*/rank-0.log"))
         raise RuntimeError(f"the project path exited with code {code}; see {logs[-1] if logs else run_dir}")

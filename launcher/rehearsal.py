@@ -3,19 +3,14 @@ bench/): SLURM admin actions a training run never takes itself, on top of the SL
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
-from launcher.core.errors import SlurmUnavailable, UserError
+from launcher.core.errors import SlurmUnavailable
 from launcher.core.slurm import (
     DEFAULT_TIMEOUT_S,
-    is_active,
     job_state,
     nodes,
     run,
-    show_job,
-    squeue,
-    state_group,
     state_word,
 )
 
@@ -112,47 +107,3 @@ def nodes_completing(names: Iterable[str] | None = None, *, timeout: float = DEF
     return [n.name for n in nodes(timeout=timeout) if "comp" in n.state and (wanted is None or n.name in wanted)]
 
 
-def wait_for(
-    job_id: str,
-    groups: Iterable[str],
-    *,
-    timeout: float,
-    poll: float = 2.0,
-    start_requeued: bool = False,
-) -> str:
-    """Poll until the job's state falls in one of ``groups`` (e.g. {'running'}); return the
-    SLURM state. With ``start_requeued``, a job pending on its requeue BeginTime is started
-    once it has waited 2 s and no node is still completing a job or running its previous run
-    (:func:`ready_to_start`; started within the second of its requeue, SLURM kills it: 'Job
-    credential revoked').
-    Raises TimeoutError with the last state seen, the pending reason and what the nodes run."""
-    wanted = set(groups)
-    deadline = time.monotonic() + timeout
-    state = "UNKNOWN"
-    pending_since: dict[str | None, float] = {}
-    while True:
-        state = job_state(job_id)
-        if state_group(state) in wanted:
-            return state
-        if start_requeued and state == "PENDING":
-            info = show_job(job_id) or {}
-            if info.get("Reason") == "BeginTime":
-                first = pending_since.setdefault(info.get("Restarts"), time.monotonic())
-                if time.monotonic() - first >= 2.0 and ready_to_start(job_id):
-                    start_now(job_id)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (waited for {sorted(wanted)})"
-                               + _why_waiting(job_id))
-        time.sleep(poll)
-
-
-def _why_waiting(job_id: str) -> str:
-    """For a timeout message: the job's reason and the other active jobs (best effort)."""
-    try:
-        info = show_job(job_id) or {}
-        others = [f"{j.job_id} {j.name} {j.state} on {j.nodelist or '-'} ({j.partition})"
-                  for j in squeue() if j.job_id != job_id and is_active(j.state)]
-    except UserError:
-        return ""
-    return (f"; reason {info.get('Reason', '?')}, nodes {info.get('ReqNodeList', '?')}; other active jobs: "
-            + ("; ".join(others) or "none"))

@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.checkpoint_index import COMPLETE_NAME, newest_complete
+from launcher.core.jsonlines import read_jsonl, read_tail
 from launcher.core.rundir import (
     CANCELLED,
     DONE,
     HEARTBEAT,
     LEDGER,
     PLAN,
+    RunLayout,
     checkpoint_dir_of,
-    read_jsonl,
-    read_tail,
 )
 
 
@@ -94,25 +94,17 @@ class LogSource:
 
 
 def attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    out = []
-    try:
-        for p in (run_dir / "logs").iterdir():
-            m = re.fullmatch(r"attempt-(\d+)", p.name)
-            if m and p.is_dir():
-                out.append((int(m.group(1)), p))
-    except OSError:
-        return []
-    return sorted(out)
+    return RunLayout.of(run_dir).attempts_logged()
 
 
 def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt: int | None = None) -> list[LogSource]:
     """The files of ``rank`` for every attempt in order (or only ``attempt``); submitit's
     ``%j_%t_log.out/.err`` of each job when an attempt has no log of its own."""
     out = []
-    for n, d in attempt_dirs(run_dir):
+    for n, _ in attempt_dirs(run_dir):
         if attempt is not None and n != attempt:
             continue
-        p = d / f"rank-{rank}.log"
+        p = RunLayout.of(run_dir).rank_log(n, rank)
         if p.exists():
             out.append(LogSource(n, None, p, f"attempt {n}, rank {rank}"))
     if out or (attempt is not None and attempt_dirs(run_dir)):

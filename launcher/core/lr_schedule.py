@@ -7,8 +7,11 @@ schedule changes when a run is continued to a larger ``trainer.max_steps``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from launcher.core.spec import OptimSpec
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,10 @@ class OptimSettings:
     max_steps: int
 
     @classmethod
-    def from_spec(cls, optim: dict[str, Any], max_steps: int) -> OptimSettings:
+    def from_spec(cls, optim: OptimSpec | Mapping[str, Any], max_steps: int) -> OptimSettings:
+        """From the spec's ``optim`` section (typed, or as the plan's JSON holds it)."""
+        if isinstance(optim, OptimSpec):
+            optim = optim.model_dump()
         return cls(
             lr=float(optim["lr"]),
             betas=(float(optim["betas"][0]), float(optim["betas"][1])),

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.core.nccl import EnvOverride
+from launcher.core.planned_env import EnvOverride
 from launcher.core.spec import JobSpec, PreemptionSpec
 
 # 2: `trainer` is exactly the Trainer's keyword arguments (TrainerPlan); `training` holds the rest.

@@ -11,7 +11,6 @@ from pathlib import PurePosixPath
 from launcher.core import rundir, site_options
 from launcher.core.deepspeed_config import render_deepspeed
 from launcher.core.errors import SpecError, did_you_mean
-from launcher.core.nccl import render_env
 from launcher.core.plan import (
     PLAN_VERSION,
     TASK_TARGET,
@@ -23,6 +22,7 @@ from launcher.core.plan import (
     TrainerPlan,
     TrainingPlan,
 )
+from launcher.core.planned_env import render_env
 from launcher.core.profiles import Profile, check_slurm_path
 from launcher.core.spec import JobSpec, format_minutes, mem_to_mb
 

@@ -2,25 +2,18 @@
 
 Both sides use this module: the runtime (lmtrain) writes the ledger, the heartbeat and the
 markers; the CLI (status, history, logs, report, cancel) and the test fixtures read them.
-Paths come from the plan (:class:`launcher.core.plan.RunPaths`); :func:`paths_of` finds them
-from a run directory alone (its plan.json), so a ``checkpoint.dir`` outside the run directory
-is where the monitor looks too.
-
-Files (relative to the run directory unless the plan says otherwise):
-
-- ``attempts.jsonl`` -- the ledger: one :class:`AttemptStart` and one :class:`AttemptEnd` line
-  per attempt (rank 0), plus :class:`LedgerNote` lines (``cancel_requested``, ``requeue_failed``).
-- ``metrics/heartbeat.jsonl`` -- rank 0's step lines (read by its tail only).
-- ``DONE`` (the final step), ``CANCELLED`` (who and when): markers, created atomically.
-- ``plan.json`` -- the plan every attempt runs.
-
-Every reader skips a line that does not parse (a write in progress, or the torn last line of
-an attempt that was SIGKILLed). Every writer appends a whole line in one ``write`` (O_APPEND).
+:class:`RunLayout` spells every path in it (docs/run-directory.md lists the files): the ledger
+``attempts.jsonl`` (one :class:`AttemptStart` and one :class:`AttemptEnd` line per attempt,
+:class:`LedgerNote` lines), rank 0's ``metrics/heartbeat.jsonl`` (read by its tail only), the
+``DONE`` and ``CANCELLED`` markers, ``plan.json``, and the attempts' logs. The ledger and the
+heartbeat are JSON lines (:mod:`launcher.core.jsonlines`); a checkpoint directory the plan put
+outside the run directory is found from its plan.json (:func:`checkpoint_dir_of`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -29,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.atomic import write_json
-from launcher.core.jsonlines import append_jsonl, parse_jsonl, read_jsonl, read_tail
+from launcher.core.jsonlines import append_jsonl, read_jsonl
 
 LEDGER = "attempts.jsonl"
 HEARTBEAT = "metrics/heartbeat.jsonl"
@@ -271,6 +264,23 @@ class RunLayout:
     def attempt_logs(self, attempt: int) -> Path:
         return self.logs / f"attempt-{attempt}"
 
+    def attempts_logged(self) -> list[tuple[int, Path]]:
+        """Every attempt's log directory, by attempt number."""
+        out = []
+        try:
+            for p in self.logs.iterdir():
+                m = re.fullmatch(r"attempt-(\d+)", p.name)
+                if m and p.is_dir():
+                    out.append((int(m.group(1)), p))
+        except OSError:
+            return []
+        return sorted(out)
+
+    @property
+    def local_logs(self) -> Path:
+        """``run --local``: each rank's own stdout and stderr (lmtrain.local)."""
+        return self.logs / "local"
+
     def rank_log(self, attempt: int, rank: int) -> Path:
         return self.attempt_logs(attempt) / f"rank-{rank}.log"
 
@@ -383,13 +393,3 @@ def startup_breakdown(record: Mapping[str, Any], alloc_start: float | None = Non
             out[name] = round(max(0.0, float(end) - previous), 3)
             previous = float(end)
     return out
-
-
-__all__ = [
-    "CANCELLED", "CHECKPOINTS", "CODE_DIR", "DONE", "ENVIRONMENT", "HEARTBEAT", "HEARTBEAT_EVENTS", "LEDGER", "LOGS", "PLAN", "STARTUP_PHASES",
-    "AttemptEnd",
-    "AttemptStart", "AttemptStartup", "Heartbeat", "LAST_WORDS", "LastWords", "Ledger",
-    "LedgerAttempt", "LedgerNote", "TASK_RECORD", "append_jsonl", "attempt_logs_dir", "attempts_of", "environment_records",
-    "next_attempt_of", "checkpoint_dir_of", "is_cancelled",
-    "parse_jsonl", "read_done_step", "read_jsonl", "read_tail", "startup_breakdown",
-]

@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -604,16 +603,6 @@ def status(layout: Layout | None = None) -> Status:
             except (SlurmUnavailable, UserError) as exc:
                 problem = exc.message
     return Status(str(layout.root), daemons, controller, nodes, parts, _load_settings(layout), problem)
-
-
-def wait_nodes_idle(timeout: float = 60.0, layout: Layout | None = None) -> None:
-    """Block until both nodes are usable (after a test ran a job that drained one, say)."""
-    deadline = time.monotonic() + timeout
-    with own_conf(layout or Layout.default()):
-        while not _nodes_ready():
-            if time.monotonic() > deadline:
-                raise ClusterError("nodes n1/n2 are not usable; see `lmlaunch cluster status`")
-            time.sleep(0.5)
 
 
 __all__ = ["up", "down", "status", "is_up", "Layout", "Ports", "Settings", "alive"]

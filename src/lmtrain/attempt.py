@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,16 +49,6 @@ class MissingEnd:
     end_step: int
     reason: str
     detail: str
-
-
-@dataclass
-class Hooks:
-    """Extra callbacks for tools and tests (bench/throughput.py, tests/unit/_*.py): ``setup``
-    gets the attempt's :class:`lmtrain.preemption.controller.Preemption` (its ``stop``) on every
-    rank before the Trainer is built and returns callbacks; ``callbacks`` join as they are."""
-
-    setup: Callable[[Any], list[Any]] | None = None
-    callbacks: list[Any] = field(default_factory=list)
 
 
 class AttemptRecords:
@@ -113,7 +102,7 @@ class AttemptRecords:
         self.start_line(start_step)
         env, max_steps = self.env, self.plan.trainer.max_steps
         self.heartbeat.emit("start", step=start_step, max_steps=max_steps, resumed_from=resumed_from)
-        self.notifier = Notifier(self.plan.spec.get("notify") or {}, run=self.plan.run_name, attempt=self.attempt,
+        self.notifier = Notifier(self.plan.job_spec().notify, run=self.plan.run_name, attempt=self.attempt,
                                  job_id=env.job_id, enabled=self.writer)
         self.notifier.send("started", f"attempt {self.attempt} started on {','.join(env.nodes)} from step "
                            f"{start_step}", nodes=list(env.nodes), start_step=start_step, max_steps=max_steps)

@@ -31,10 +31,10 @@ class StartupRecord(pl.Callback):
         self.start_step, self.checkpoint_bytes = start_step, checkpoint_bytes
         self.written = False
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         CLOCK.mark("restore")
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.written and trainer.global_step > self.start_step:  # an optimizer step, not a micro-batch
             CLOCK.mark("first_step")
             if self.rank == 0:
@@ -81,13 +81,13 @@ class RngNeutralValidation(pl.Callback):
     def __init__(self) -> None:
         self._saved: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
 
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self._saved = (torch.get_rng_state(), cuda)
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._saved is None:
             return
         cpu, cuda = self._saved
@@ -111,7 +111,7 @@ class MetricsHeartbeat(pl.Callback):
             return
         self.heartbeat.emit("step", max_steps=max_steps, **metrics)
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         val = trainer.callback_metrics.get("val/loss")

@@ -15,7 +15,6 @@ from its first line (handlers only record); a start gate (rank 0, before the ren
 an attempt of a finished, cancelled or stuck run at once; the stop is agreed by all ranks at a
 step boundary and checkpointed collectively; after the fit rank 0 decides the ledger reason,
 writes the ``end`` line, and only then requeues (``scontrol requeue``) when the job must.
-The ``hooks`` argument is for tests and tools: its callbacks join the Trainer's.
 """
 
 from __future__ import annotations
@@ -24,12 +23,12 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the task imports these when it needs them
     from launcher.core.plan import LaunchPlan
-    from lmtrain.attempt import Hooks
     from lmtrain.preemption.policy import Gate
     from lmtrain.task_env import Rendezvous, TaskEnv
 
@@ -52,7 +51,7 @@ def run_slurm_task(run_dir: str) -> int:
     return code
 
 
-def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
+def run_task(run_dir: str | Path) -> int:
     from lmtrain.startup import CLOCK, imports_without_gc
 
     CLOCK.begin_attempt()
@@ -100,10 +99,9 @@ def run_task(run_dir: str | Path, *, hooks: Hooks | None = None) -> int:
                 return run_eval(plan, env, rv.attempt)
             finally:
                 signals.restore()
-        from lmtrain.attempt import Hooks
         from lmtrain.training import train
 
-        return train(plan, env, rv.attempt, hooks or Hooks(), resume=rv.resume)
+        return train(plan, env, rv.attempt, resume=rv.resume)
 
 
 def _meet(plan: LaunchPlan) -> tuple[TaskEnv, Gate, Rendezvous]:
@@ -161,7 +159,7 @@ def _import_frameworks(strategy: str) -> None:
 
 
 class _Tee:
-    def __init__(self, *streams) -> None:
+    def __init__(self, *streams: Any) -> None:
         self.streams = streams
 
     def write(self, data: str) -> int:
@@ -182,7 +180,7 @@ class _Tee:
 
 
 @contextlib.contextmanager
-def _rank_log(path: Path, rank: int):
+def _rank_log(path: Path, rank: int) -> Iterator[None]:
     """Tee Python's stdout/stderr (and logging) into this rank's own log file. Output of C
     libraries (NCCL) still goes to the task's stdout, which submitit keeps per task."""
     path.parent.mkdir(parents=True, exist_ok=True)

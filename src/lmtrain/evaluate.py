@@ -27,6 +27,7 @@ from launcher.core.checkpoint_index import (
     verify,
 )
 from launcher.core.rundir import CHECKPOINTS, PLAN, LedgerNote, checkpoint_dir_of
+from launcher.core.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,10 @@ def pick_checkpoint(ref: str | Path) -> CompleteCheckpoint:
     return ckpt
 
 
-def evaluate(spec: dict[str, Any], eval_spec: Any, data_spec: Any, seed: int) -> dict[str, Any]:
-    """Rank 0: the figures of evaluating the checkpoint ``eval_spec.checkpoint`` names."""
+def evaluate(job: JobSpec, seed: int) -> dict[str, Any]:
+    """Rank 0: the figures of evaluating the checkpoint the job's ``eval.checkpoint`` names."""
+    eval_spec, data_spec = job.eval, job.data
+    assert eval_spec is not None
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,7 +72,7 @@ def evaluate(spec: dict[str, Any], eval_spec: Any, data_spec: Any, seed: int) ->
 
     ckpt = pick_checkpoint(eval_spec.checkpoint)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_config(build_config(spec["model"]))
+    model = AutoModelForCausalLM.from_config(build_config(job.model))
     missing, unexpected = model.load_state_dict(model_state_dict(ckpt.path), strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
@@ -103,7 +106,7 @@ def run_eval(plan: Any, env: Any, attempt: int) -> int:
     records = AttemptRecords(plan, env, attempt)
     records.start_line(0, world_size=1)
     try:
-        result = evaluate(plan.spec, job.eval, job.data, plan.training.seed)
+        result = evaluate(job, plan.training.seed)
     except Exception as exc:
         log.error("eval failed: %s", exc)
         records.end_line(Outcome(reason="crashed", end_step=0, detail=f"eval: {type(exc).__name__}: {exc}"[:2000]))

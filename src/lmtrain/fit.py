@@ -16,7 +16,7 @@ from lmtrain.startup import CLOCK
 if TYPE_CHECKING:
     from launcher.core.checkpoint_index import CompleteCheckpoint
     from launcher.core.plan import LaunchPlan
-    from lmtrain.attempt import AttemptRecords, Hooks
+    from lmtrain.attempt import AttemptRecords
     from lmtrain.preemption.controller import Preemption
     from lmtrain.task_env import TaskEnv
 
@@ -37,7 +37,7 @@ class Fit:
         self.validate = False
 
     # -- building ----------------------------------------------------------------------------
-    def trainer_for(self, hooks: Hooks, startup: Any) -> pl.Trainer:
+    def trainer_for(self, startup: Any) -> pl.Trainer:
         """Data, model, callbacks and the Trainer (the ``data`` and ``model`` startup phases)."""
         from lmtrain.checkpoint.elastic import needs_universal
         from lmtrain.strategies import build_strategy
@@ -55,14 +55,14 @@ class Fit:
         self.validate = trainer_plan.val_check_interval is not None
         from lmtrain.loggers import make_loggers
 
-        loggers = make_loggers(plan.paths.run_dir, plan.spec["logging"], plan.run_name,
+        loggers = make_loggers(plan.paths.run_dir, self.job.logging, plan.run_name,
                                resume_step=self.ckpt.step if self.ckpt else None)
         trainer = pl.Trainer(
             **trainer_plan.kwargs(),
             strategy=build_strategy(plan, env, load_universal=self.universal),
             enable_model_summary=env.rank == 0,
             logger=loggers or False,
-            callbacks=self._callbacks(hooks, startup),
+            callbacks=self.callbacks(startup),
         )
         CLOCK.mark("model")
         return trainer
@@ -73,7 +73,7 @@ class Fit:
         from lmtrain.model import build_config
 
         plan, env, ckpt, data_spec = self.plan, self.env, self.ckpt, self.job.data
-        vocab = getattr(build_config(plan.spec["model"]), "vocab_size", None)
+        vocab = getattr(build_config(self.job.model), "vocab_size", None)
         if vocab is not None:
             TokenData(data_spec.path).check_vocab(int(vocab))
         train_loader, val_loader, sampler = make_dataloaders(
@@ -115,12 +115,14 @@ class Fit:
             accumulate=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
             offload_optimizer=self.job.trainer.offload_optimizer,
         )
-        module = LMModule(plan.spec["model"], OptimSettings.from_spec(plan.spec["optim"], t.max_steps), rt,
+        module = LMModule(self.job.model, OptimSettings.from_spec(self.job.optim, t.max_steps), rt,
                           plan.training.seed)
         module.data_sampler = self.loaders[2]
         return module
 
-    def _callbacks(self, hooks: Hooks, startup: Any) -> list[Any]:
+    def callbacks(self, startup: Any) -> list[Any]:
+        """The Trainer's callbacks, in order: startup record, checkpoints, the stop agreement,
+        RNG-neutral validation, metrics, the accumulation realigned, the hang watchdog."""
         from lmtrain.callbacks import MetricsHeartbeat, RngNeutralValidation
 
         heartbeat = self.records.heartbeat
@@ -129,9 +131,6 @@ class Fit:
         self.module.metrics_sink = metrics_cb.step_metrics
         callbacks = [startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
                      *([self.realign] if self.realign else [])]
-        if hooks.setup is not None:
-            callbacks += list(hooks.setup(self.ctl) or [])
-        callbacks += hooks.callbacks
         return callbacks + self._watchdog()  # last: it beats after checkpoint writes
 
     def _checkpoint_callback(self) -> Any:
@@ -148,11 +147,11 @@ class Fit:
             plan.paths.checkpoint_dir, keep_last=job.checkpoint.keep_last, every_n_steps=job.checkpoint.every_n_steps,
             strategy=strategy, zero_stage=job.trainer.zero_stage if strategy == "deepspeed" else None,
             identity={"job_id": env.job_id, "attempt": self.records.attempt,
-                      "logger": logger_identity(plan.paths.run_dir, plan.spec["logging"])},
+                      "logger": logger_identity(plan.paths.run_dir, job.logging)},
         )
         manager.collective_timeout = process_group_timeout(plan)  # the background writers' group (gloo)
         # room for a first checkpoint, before there is one to measure (lmtrain.checkpoint.disk_space)
-        manager.estimate = lambda: checkpoint_bytes(parameter_count(plan.spec["model"])[0], strategy,
+        manager.estimate = lambda: checkpoint_bytes(parameter_count(job.model)[0], strategy,
                                                     plan.trainer.precision)
         return CheckpointCallback(
             manager, lambda: {"data_sampler": sampler.state_dict()}, self.records.heartbeat,

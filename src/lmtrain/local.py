@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from launcher.core.rundir import RunLayout
 from lmtrain.task_env import free_port
 from lmtrain.zygote import SHARED_ENV as ZYGOTE_ENV
 from lmtrain.zygote import Forked, Zygote, forkable
@@ -81,7 +82,7 @@ def launch(
     threads = threads_per_proc or max(1, (os.cpu_count() or 1) // nprocs)
     port = free_port("127.0.0.1")
     job_id = f"local-{os.getpid()}-{int(time.time())}"
-    side_logs = run_dir / "logs" / "local"
+    side_logs = RunLayout.of(run_dir).local_logs
     side_logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen | Forked] = []
     pump: threading.Thread | None = None
@@ -151,7 +152,7 @@ def start_rank(zygote: Zygote | None, cmd: Sequence[str], env: Mapping[str, str]
     return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _pump(stream, out: TextIO) -> None:
+def _pump(stream: TextIO, out: TextIO) -> None:
     for line in stream:
         out.write(line)
         out.flush()

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+from launcher.core.spec import LoggingSpec
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -45,12 +48,14 @@ class _AppendingWriter(ExperimentWriter):
 class ResumableCSVLogger(CSVLogger):
     """CSVLogger whose fixed version directory survives resume (rows are appended)."""
 
+    _experiment: Any  # Lightning's CSVLogger sets it
+
     def __init__(self, *args: Any, resume_step: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.resume_step = resume_step
 
     @property
-    def experiment(self):
+    def experiment(self) -> Any:
         if self._experiment is not None:
             return self._experiment
         os.makedirs(self.root_dir, exist_ok=True)
@@ -58,7 +63,14 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
-def make_loggers(run_dir: str | Path, logging_spec: dict[str, Any], run_name: str,
+def logging_settings(logging_spec: LoggingSpec | Mapping[str, Any] | None) -> LoggingSpec:
+    """The spec's ``logging`` section, typed (a section given as a dict is validated again)."""
+    if isinstance(logging_spec, LoggingSpec):
+        return logging_spec
+    return LoggingSpec.model_validate(dict(logging_spec or {}))
+
+
+def make_loggers(run_dir: str | Path, logging_spec: LoggingSpec | Mapping[str, Any], run_name: str,
                  resume_step: int | None = None) -> list[Any]:
     """TensorBoard and CSV in the run directory with a fixed version (0), so every attempt of a
     run writes into the same directories; W&B with an id derived from the run directory.
@@ -70,23 +82,24 @@ def make_loggers(run_dir: str | Path, logging_spec: dict[str, Any], run_name: st
     loggers: list[Any] = []
     run_dir = str(run_dir)
     purge = {"purge_step": resume_step} if resume_step else {}
-    if logging_spec.get("tensorboard", True):
+    settings = logging_settings(logging_spec)
+    if settings.tensorboard:
         loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=0, default_hp_metric=False,
                                          **purge))
-    if logging_spec.get("csv", True):
+    if settings.csv:
         loggers.append(ResumableCSVLogger(save_dir=run_dir, name="csv", version=0, resume_step=resume_step))
-    wandb = logging_spec.get("wandb")
-    if wandb:
+    wandb = settings.wandb
+    if wandb is not None:
         from lightning.pytorch.loggers import WandbLogger
 
         loggers.append(
             WandbLogger(
-                project=wandb["project"],
-                entity=wandb.get("entity"),
+                project=wandb.project,
+                entity=wandb.entity,
                 name=run_name,
                 id=wandb_run_id(run_dir),
                 resume="allow",
-                offline=wandb.get("mode") == "offline",
+                offline=wandb.mode == "offline",
                 save_dir=run_dir,
             )
         )
@@ -120,8 +133,8 @@ def wandb_run_id(run_dir: str) -> str:
     return path.read_text().strip()
 
 
-def logger_identity(run_dir: str, logging_spec: dict[str, Any]) -> dict[str, Any]:
+def logger_identity(run_dir: str, logging_spec: LoggingSpec | Mapping[str, Any]) -> dict[str, Any]:
     ident: dict[str, Any] = {"tensorboard_version": 0, "csv_version": 0}
-    if logging_spec.get("wandb"):
+    if logging_settings(logging_spec).wandb is not None:
         ident["wandb_id"] = wandb_run_id(run_dir)
     return ident

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from launcher.core.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +49,30 @@ class ModelShape:
         return 6.0 * self.matmul_params + 12.0 * self.n_layer * self.d_model * seq_len
 
 
-def _config_overrides(model_spec: dict[str, Any]) -> dict[str, Any]:
-    return dict(model_spec.get("config") or {})
+def model_settings(model_spec: ModelSpec | Mapping[str, Any]) -> ModelSpec:
+    """The spec's ``model`` section, typed (a section given as a dict is validated again)."""
+    return model_spec if isinstance(model_spec, ModelSpec) else ModelSpec.model_validate(dict(model_spec))
 
 
-def build_config(model_spec: dict[str, Any]):
+def build_config(model_spec: ModelSpec | Mapping[str, Any]) -> Any:
     """A transformers config from ``model.type`` + overrides, or the pretrained dir's config;
     ValueError when its special token ids fall outside its vocabulary."""
     from transformers import AutoConfig
 
-    overrides = _config_overrides(model_spec)
-    if model_spec.get("pretrained"):
-        config = AutoConfig.from_pretrained(model_spec["pretrained"], local_files_only=True, **overrides)
+    m = model_settings(model_spec)
+    overrides = dict(m.config)
+    if m.pretrained:
+        config = AutoConfig.from_pretrained(m.pretrained, local_files_only=True, **overrides)
     else:
-        config = AutoConfig.for_model(model_spec["type"], **overrides)
-    check_token_ids(config, overrides, model_spec.get("type") or model_spec.get("pretrained"))
+        config = AutoConfig.for_model(m.type, **overrides)
+    check_token_ids(config, overrides, m.type or m.pretrained)
     return config
 
 
 TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def check_token_ids(config, overrides: dict[str, Any], source: Any) -> None:
+def check_token_ids(config: Any, overrides: dict[str, Any], source: Any) -> None:
     """``pad_token_id`` inside ``vocab_size`` (ValueError otherwise): a default of the architecture
     (phi3's 32000) meets a small vocabulary set by the spec, and the embedding's padding row fails
     later naming no setting. The error names the key, where its value came from, and what to set.
@@ -91,13 +96,13 @@ def check_token_ids(config, overrides: dict[str, Any], source: Any) -> None:
         log.warning("%s (generate on an export would fail)", what)
 
 
-def attention_for(model_spec: dict[str, Any], config) -> str:
+def attention_for(model_spec: ModelSpec | Mapping[str, Any], config: Any) -> str:
     """The attention kernel to build with: ``auto`` (or unset) is sdpa where the architecture
     supports it, else eager; an explicit kernel the architecture does not support is a ValueError
     naming the setting (transformers' own error names none)."""
     from transformers import AutoModelForCausalLM
 
-    wanted = model_spec.get("attn_implementation") or "auto"
+    wanted = model_settings(model_spec).attn_implementation
     try:
         model_class = AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
@@ -118,7 +123,7 @@ def attention_for(model_spec: dict[str, Any], config) -> str:
     return wanted
 
 
-def parameter_count(model_spec: dict[str, Any]) -> tuple[int, int]:
+def parameter_count(model_spec: ModelSpec | Mapping[str, Any]) -> tuple[int, int]:
     """(parameters, vocab size) of the model the spec builds, without allocating it (meta device)."""
     from transformers import AutoModelForCausalLM
 
@@ -128,7 +133,7 @@ def parameter_count(model_spec: dict[str, Any]) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), int(getattr(config, "vocab_size", 0) or 0)
 
 
-def build_model(model_spec: dict[str, Any], *, seed: int) -> nn.Module:
+def build_model(model_spec: ModelSpec | Mapping[str, Any], *, seed: int) -> nn.Module:
     """The causal LM, in fp32 on the current default device (Lightning/DeepSpeed move and cast it).
 
     Called inside ``LightningModule.configure_model`` so that DeepSpeed ZeRO-3 (``zero.Init``) and
@@ -137,12 +142,13 @@ def build_model(model_spec: dict[str, Any], *, seed: int) -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    config = build_config(model_spec)
-    attn = attention_for(model_spec, config)
+    m = model_settings(model_spec)
+    config = build_config(m)
+    attn = attention_for(m, config)
     torch.manual_seed(seed)  # same initial weights on every rank and every attempt
-    if model_spec.get("pretrained"):
+    if m.pretrained:
         model = AutoModelForCausalLM.from_pretrained(
-            model_spec["pretrained"],
+            m.pretrained,
             config=config,
             local_files_only=True,
             attn_implementation=attn,
@@ -154,7 +160,7 @@ def build_model(model_spec: dict[str, Any], *, seed: int) -> nn.Module:
         _init_zero3_weights(model)
     else:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-    if model_spec.get("activation_checkpointing"):
+    if m.activation_checkpointing:
         # Non-reentrant checkpointing works with DDP, FSDP, ZeRO-3 and torch.compile.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model.config, "use_cache"):
@@ -182,7 +188,7 @@ def _weights_initialised_later():
 
     original = PreTrainedModel.init_weights
 
-    def tie_only(self) -> None:
+    def tie_only(self: Any) -> None:
         self.tie_weights(recompute_mapping=False)
 
     PreTrainedModel.init_weights = tie_only  # type: ignore[method-assign]

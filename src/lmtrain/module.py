@@ -20,7 +20,7 @@ Gradient clipping is done here, not by the Trainer's ``gradient_clip_val``:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +29,24 @@ import torch
 from torch import nn
 
 from launcher.core.lr_schedule import OptimSettings, lr_at
-from lmtrain.model import ModelShape, build_model, compile_model, model_shape, peak_flops_per_device, shard_fsdp2
+from launcher.core.spec import ModelSpec
+from lmtrain.model import (
+    ModelShape,
+    build_model,
+    compile_model,
+    model_settings,
+    model_shape,
+    peak_flops_per_device,
+    shard_fsdp2,
+)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two AdamW groups: decay for matrices and embeddings (ndim >= 2); none for 1-D tensors
     (biases, LayerNorm/RMSNorm weights). Tied weights appear once."""
-    decay, no_decay, seen = [], [], set()
+    decay: list[Any] = []
+    no_decay: list[Any] = []
+    seen: set[int] = set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
             continue
@@ -66,9 +77,10 @@ class RuntimeSettings:
 
 
 class LMModule(pl.LightningModule):
-    def __init__(self, model_spec: dict[str, Any], optim: OptimSettings, rt: RuntimeSettings, seed: int) -> None:
+    def __init__(self, model_spec: ModelSpec | Mapping[str, Any], optim: OptimSettings, rt: RuntimeSettings,
+                 seed: int) -> None:
         super().__init__()
-        self.model_spec = model_spec
+        self.model_spec = model_settings(model_spec)
         self.optim_settings = optim
         self.rt = rt
         self.seed = seed
@@ -94,13 +106,14 @@ class LMModule(pl.LightningModule):
             return
         model = build_model(self.model_spec, seed=self.seed)
         self.shape = model_shape(model)
-        if self.model_spec.get("compile"):
+        if self.model_spec.compile:
             model = compile_model(model)
         if self.rt.strategy == "fsdp":
             shard_fsdp2(model, self.device_mesh["data_parallel"])  # set by ModelParallelStrategy
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        assert self.model is not None, "configure_model builds the model first"
         return self.model(input_ids=input_ids, labels=labels, use_cache=False)
 
     def _loss(self, batch: Any) -> torch.Tensor:
@@ -144,6 +157,7 @@ class LMModule(pl.LightningModule):
 
     def _log_step_metrics(self, step: int) -> None:
         now = time.perf_counter()
+        assert self._loss_sum is not None
         loss = (self._loss_sum / self._loss_count).float()
         if self.trainer.world_size > 1:
             loss = self.trainer.strategy.reduce(loss, reduce_op="mean")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.core.node_facts import IFNAME_VARS, MARK, AllReduce, NodeFacts, select_interfaces
-from lmtrain.task_env import read_env, rendezvous
+from lmtrain.task_env import TaskEnv, read_env, rendezvous
 
 STORE_TIMEOUT_S = 120.0
 WRITE_CHUNK = 4 << 20
@@ -173,6 +173,23 @@ def _measure(what: str, errors: dict[str, str], fn: Any, *args: Any) -> float | 
         return None
 
 
+def _write_turns(barrier: Barrier, env: TaskEnv, errors: dict[str, str], target: Path, write_mb: int,
+                 node: str) -> float | None:
+    """The best write figure of this rank. Writes take turns (WRITE_ROUNDS groups of ranks, one
+    after the other): on a filesystem the nodes share, one node's fsync also flushes what the
+    others wrote meanwhile (ext4's ordered journal), so simultaneous writes measured ~370 against
+    ~1,900 MB/s on two nodes of one disk."""
+    rounds = min(env.world_size, WRITE_ROUNDS)
+    passes: list[float] = []
+    for _ in range(WRITE_PASSES):
+        for turn in range(rounds):
+            if env.rank % rounds == turn:
+                figure = _measure("write_mbps", errors, write_mbps, target, write_mb, node)
+                passes += [figure] if figure is not None else []
+            barrier()
+    return max(passes) if passes and "write_mbps" not in errors else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lmtrain.node_probe")
     p.add_argument("--workdir", required=True, help="a directory every node sees (the rendezvous file)")
@@ -212,18 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = _best_of(barrier, "mem_gbps", errors, copy_gbps, device, a.seconds / COMPUTE_PASSES, a.copy_mb)
     barrier()
     target = nearest_existing(Path(a.checkpoint_dir))
-    # Writes take turns (WRITE_ROUNDS groups of ranks, one after the other): on a filesystem the nodes
-    # share, one node's fsync also flushes what the others wrote meanwhile (ext4's ordered journal),
-    # so simultaneous writes measured ~370 against ~1,900 MB/s on two nodes of one disk.
-    rounds = min(env.world_size, WRITE_ROUNDS)
-    passes: list[float] = []
-    for _ in range(WRITE_PASSES):
-        for turn in range(rounds):
-            if env.rank % rounds == turn:
-                figure = _measure("write_mbps", errors, write_mbps, target, a.write_mb, node)
-                passes += [figure] if figure is not None else []
-            barrier()
-    write = max(passes) if passes and "write_mbps" not in errors else None
+    write = _write_turns(barrier, env, errors, target, a.write_mb, node)
     blockers = [store.get(f"ifname/{r}").decode() for r in range(env.world_size)]
     blocker = next((b for b in blockers if b), None)
     ar = all_reduce(store, env.rank, env.world_size, backend, device, a.allreduce_mb, a.allreduce_iters,

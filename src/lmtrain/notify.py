@@ -20,19 +20,29 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from launcher.core.spec import NotifySpec
+
 log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 10.0  # at the end of an attempt, at most this long for queued messages
 
 
-def webhook_urls(notify: Mapping[str, Any], environ: Mapping[str, str]) -> list[str]:
+def notify_settings(notify: NotifySpec | Mapping[str, Any] | None) -> NotifySpec:
+    """The spec's ``notify`` section, typed (a section given as a dict is validated again; none:
+    no webhooks)."""
+    if isinstance(notify, NotifySpec):
+        return notify
+    return NotifySpec.model_validate(dict(notify or {}))
+
+
+def webhook_urls(notify: NotifySpec | Mapping[str, Any], environ: Mapping[str, str]) -> list[str]:
     """The URLs of the spec's webhooks (``url_env`` read from the environment; unset: left out)."""
     out = []
-    for hook in notify.get("webhooks") or []:
-        url = hook.get("url") or environ.get(hook.get("url_env") or "", "")
+    for hook in notify_settings(notify).webhooks:
+        url = hook.url or environ.get(hook.url_env or "", "")
         if url:
             out.append(url)
         else:
-            log.warning("notify: %s is not set in this task's environment; that webhook is skipped", hook.get("url_env"))
+            log.warning("notify: %s is not set in this task's environment; that webhook is skipped", hook.url_env)
     return out
 
 
@@ -57,13 +67,13 @@ def post(url: str, body: Mapping[str, Any], *, timeout_s: float, retries: int) -
 class Notifier:
     """Rank 0's sender for one attempt (other ranks get one that sends nothing)."""
 
-    def __init__(self, notify: Mapping[str, Any], *, run: str, attempt: int, job_id: str | None,
-                 enabled: bool, environ: Mapping[str, str] | None = None) -> None:
-        self.events = set(notify.get("events") or [])
+    def __init__(self, notify: NotifySpec | Mapping[str, Any] | None, *, run: str, attempt: int,
+                 job_id: str | None, enabled: bool, environ: Mapping[str, str] | None = None) -> None:
+        settings = notify_settings(notify)
+        self.events = set(settings.events)
         self.base = {"run": run, "attempt": attempt, "job_id": job_id}
-        self.urls = webhook_urls(notify, os.environ if environ is None else environ) if enabled else []
-        self.timeout_s = float(notify.get("timeout_s", 5.0))
-        self.retries = int(notify.get("retries", 2))
+        self.urls = webhook_urls(settings, os.environ if environ is None else environ) if enabled else []
+        self.timeout_s, self.retries = settings.timeout_s, settings.retries
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         if self.urls:

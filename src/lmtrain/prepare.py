@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from launcher.core.atomic import write_atomic
 from launcher.core.errors import UserError
 from lmtrain.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -94,6 +95,35 @@ def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
+def _meta_fields(raw: dict[str, Any], meta_path: Path) -> TokenMeta:
+    """meta.json's fields, each checked for its type and range (DataError naming the field)."""
+
+    def need_int(key: str, minimum: int) -> int:
+        v = raw.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise DataError(f"{meta_path}: '{key}' must be an integer >= {minimum}, got {v!r}")
+        return v
+
+    dtype = raw.get("dtype")
+    if dtype not in _DTYPES:
+        raise DataError(f"{meta_path}: 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    num_tokens, vocab_size = need_int("num_tokens", 1), need_int("vocab_size", 1)
+    eos_id, num_documents = need_int("eos_id", 0), need_int("num_documents", 0)
+    if eos_id >= vocab_size:
+        raise DataError(f"{meta_path}: 'eos_id' ({eos_id}) must be < 'vocab_size' ({vocab_size})")
+    if vocab_size > np.iinfo(_DTYPES[dtype]).max + 1:
+        raise DataError(f"{meta_path}: 'vocab_size' ({vocab_size}) does not fit 'dtype' {dtype}")
+    sha = raw.get("tokens_sha256")
+    if not isinstance(sha, str) or len(sha) != 64:
+        raise DataError(f"{meta_path}: 'tokens_sha256' must be a 64-character hex digest, got {sha!r}")
+    tokenizer, sources = raw.get("tokenizer"), raw.get("sources")
+    return TokenMeta(
+        dtype=dtype, num_tokens=num_tokens, vocab_size=vocab_size, eos_id=eos_id, num_documents=num_documents,
+        tokens_sha256=sha, tokenizer=tokenizer if isinstance(tokenizer, dict) else {},
+        sources=sources if isinstance(sources, list) else [],
+    )
+
+
 def read_meta(path: str | Path, *, verify_checksum: bool = False) -> TokenMeta:
     """Read and validate ``path/meta.json`` against ``path/tokens.bin``.
 
@@ -119,36 +149,7 @@ def read_meta(path: str | Path, *, verify_checksum: bool = False) -> TokenMeta:
             f"{meta_path}: 'version' is {raw.get('version')!r}, this lmtrain reads version {VERSION}{hint}"
         )
 
-    def need_int(key: str, minimum: int) -> int:
-        v = raw.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-            raise DataError(f"{meta_path}: '{key}' must be an integer >= {minimum}, got {v!r}")
-        return v
-
-    dtype = raw.get("dtype")
-    if dtype not in _DTYPES:
-        raise DataError(f"{meta_path}: 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    num_tokens = need_int("num_tokens", 1)
-    vocab_size = need_int("vocab_size", 1)
-    eos_id = need_int("eos_id", 0)
-    num_documents = need_int("num_documents", 0)
-    if eos_id >= vocab_size:
-        raise DataError(f"{meta_path}: 'eos_id' ({eos_id}) must be < 'vocab_size' ({vocab_size})")
-    if vocab_size > np.iinfo(_DTYPES[dtype]).max + 1:
-        raise DataError(f"{meta_path}: 'vocab_size' ({vocab_size}) does not fit 'dtype' {dtype}")
-    sha = raw.get("tokens_sha256")
-    if not isinstance(sha, str) or len(sha) != 64:
-        raise DataError(f"{meta_path}: 'tokens_sha256' must be a 64-character hex digest, got {sha!r}")
-    meta = TokenMeta(
-        dtype=dtype,
-        num_tokens=num_tokens,
-        vocab_size=vocab_size,
-        eos_id=eos_id,
-        num_documents=num_documents,
-        tokens_sha256=sha,
-        tokenizer=raw.get("tokenizer") if isinstance(raw.get("tokenizer"), dict) else {},
-        sources=raw.get("sources") if isinstance(raw.get("sources"), list) else [],
-    )
+    meta = _meta_fields(raw, meta_path)
     tokens_path = d / TOKENS_FILE
     if not tokens_path.is_file():
         raise DataError(f"{tokens_path}: missing (meta.json is there but the tokens are not){hint}")
@@ -276,6 +277,34 @@ class PrepareResult:
     skipped: bool  # --if-missing found valid data already there
 
 
+def _write_tokens(target: Path, files: list[Path], tok: Any, out_dtype: Any) -> tuple[list[dict[str, Any]], int, int, str]:
+    """Every document of ``files``, tokenized, into ``target`` (fsynced): the per-file sources,
+    the token and document counts and the tokens' sha256."""
+    sources: list[dict[str, Any]] = []
+    h = hashlib.sha256()
+    total = n_docs = 0
+    with open(target, "wb") as f:
+        for path in files:
+            file_tokens = file_docs = 0
+            for arr in _encoded(tok, iter_documents(path)):
+                if arr.min() < 0 or arr.max() >= tok.vocab_size:
+                    raise DataError(
+                        f"{path}: the tokenizer produced id {int(arr.max())} outside its vocabulary of {tok.vocab_size}"
+                    )
+                buf = arr.astype(out_dtype).tobytes()
+                f.write(buf)
+                h.update(buf)
+                file_tokens += arr.size
+                file_docs += 1
+            sources.append({"path": str(path.absolute()), "sha256": _sha256_file(path), "documents": file_docs,
+                            "tokens": file_tokens})
+            total += file_tokens
+            n_docs += file_docs
+        f.flush()
+        os.fsync(f.fileno())
+    return sources, total, n_docs, h.hexdigest()
+
+
 def prepare(
     inputs: Sequence[str | Path],
     out: str | Path,
@@ -302,37 +331,7 @@ def prepare(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        sources: list[dict[str, Any]] = []
-        h = hashlib.sha256()
-        total = 0
-        n_docs = 0
-        with open(tmp / TOKENS_FILE, "wb") as f:
-            for path in files:
-                file_tokens = 0
-                file_docs = 0
-                for arr in _encoded(tok, iter_documents(path)):
-                    if arr.min() < 0 or arr.max() >= tok.vocab_size:
-                        raise DataError(
-                            f"{path}: the tokenizer produced id {int(arr.max())} outside its "
-                            f"vocabulary of {tok.vocab_size}"
-                        )
-                    buf = arr.astype(out_dtype).tobytes()
-                    f.write(buf)
-                    h.update(buf)
-                    file_tokens += arr.size
-                    file_docs += 1
-                sources.append(
-                    {
-                        "path": str(path.absolute()),
-                        "sha256": _sha256_file(path),
-                        "documents": file_docs,
-                        "tokens": file_tokens,
-                    }
-                )
-                total += file_tokens
-                n_docs += file_docs
-            f.flush()
-            os.fsync(f.fileno())
+        sources, total, n_docs, digest = _write_tokens(tmp / TOKENS_FILE, files, tok, out_dtype)
         if n_docs == 0:
             raise DataError(
                 f"empty corpus: {', '.join(str(p) for p in files)} hold no text "
@@ -344,14 +343,11 @@ def prepare(
             vocab_size=tok.vocab_size,
             eos_id=tok.eos_id,
             num_documents=n_docs,
-            tokens_sha256=h.hexdigest(),
+            tokens_sha256=digest,
             tokenizer=tok.describe(),
             sources=sources,
         )
-        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
-            f.write(json.dumps(meta.to_json(), indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomic(tmp / META_FILE, json.dumps(meta.to_json(), indent=2, sort_keys=True) + "\n", durable=True)
         os.chmod(tmp, 0o755)
         installed = _replace_dir(tmp, out, keep_existing=if_missing)
     except BaseException:

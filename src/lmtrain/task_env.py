@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 
@@ -207,7 +208,7 @@ def rendezvous(
     return rv
 
 
-def cluster_environment(env: TaskEnv):
+def cluster_environment(env: TaskEnv) -> Any:
     """Lightning's cluster plugin: SLURM without Lightning's auto-requeue (lmtrain owns signals),
     or the plain environment of the local launcher (LOCAL_RANK/NODE_RANK/WORLD_SIZE)."""
     if env.launcher == "slurm":

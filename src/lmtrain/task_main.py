@@ -22,6 +22,7 @@ Standard library only until the signals are owned; launcher.submit renders this 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from lmtrain.preemption.signals import own_signals, release_early_signals
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     submitits = job_environment.JobEnvironment._handle_signals
 
-    def handle_signals(env, paths, delayed) -> None:
+    def handle_signals(env: Any, paths: Any, delayed: Any) -> None:
         if isinstance(delayed.function, TrainTask):
             return  # lmtrain's handlers, installed above, stay
         release_early_signals()

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from launcher.core.checkpoint_index import CompleteCheckpoint
     from launcher.core.plan import LaunchPlan
-    from lmtrain.attempt import AttemptRecords, Hooks, Outcome
+    from lmtrain.attempt import AttemptRecords, Outcome
     from lmtrain.preemption.controller import Preemption
     from lmtrain.task_env import TaskEnv
 
 log = logging.getLogger("lmtrain")
 
 
-def train(plan: LaunchPlan, env: TaskEnv, attempt: int, hooks: Hooks, resume: str | None) -> int:
+def train(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | None) -> int:
     """Every rank: train this attempt; its exit code (non-zero: SLURM records the job FAILED)."""
     from lmtrain.attempt import AttemptRecords, Outcome
     from lmtrain.callbacks import StartupRecord
@@ -57,7 +57,7 @@ def train(plan: LaunchPlan, env: TaskEnv, attempt: int, hooks: Hooks, resume: st
             from lmtrain.fit import Fit
 
             fit = Fit(plan, env, ctl, records, ckpt, rank_state)
-            trainer = fit.trainer_for(hooks, startup)
+            trainer = fit.trainer_for(startup)
             outcome = fit.run(trainer)
     except BaseException as exc:
         outcome = ctl.failed(exc, trainer.global_step if trainer is not None else start_step, records)

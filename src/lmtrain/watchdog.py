@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from launcher.core.atomic import write_private
 from launcher.core.rundir import RunLayout
@@ -137,7 +137,7 @@ class ProgressWatchdog:
         self._armed_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._file = None
+        self._file: TextIO | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -194,7 +194,7 @@ class ProgressWatchdog:
         than 0 waits (up to the grace time) for rank 0's report, so that rank 0's own watchdog,
         not a broken collective, writes the ledger line."""
         deadline = time.monotonic() + (self.grace_s if self.rank != 0 else LINGER_S)
-        rank0 = self.marker_file.with_name("hang-rank-0.json")
+        rank0 = self.marker_file.with_name(RunLayout.of(".").hang_marker(0, 0).name)
         time.sleep(min(LINGER_S, self.grace_s))
         while self.rank != 0 and not rank0.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -282,27 +282,27 @@ class _WatchdogHooks:
         self.records.hung(report.step, report.detail(), report.time)
 
     # -- hooks ---------------------------------------------------------------------------
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.watchdog.step = trainer.global_step
         self.watchdog.start()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.watchdog.beat(trainer.global_step)
         faults.point("watchdog.beat", step=trainer.global_step, rank=self.rank)  # the hang tests stop a rank here
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int=0) -> None:
         self.watchdog.beat()
 
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self.watchdog.beat()
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self.watchdog.beat()
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.watchdog.beat()  # the final checkpoint is written next (CheckpointCallback)
 
-    def on_exception(self, trainer, pl_module, exception) -> None:
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.watchdog.fired.is_set():
             return
         self.watchdog.stop()
@@ -316,7 +316,7 @@ class _WatchdogHooks:
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not self.watchdog.fired.is_set():
             self.watchdog.stop()
 

@@ -113,7 +113,8 @@ def serve(path: str) -> int:
     return 0
 
 
-def _serve_one(conn, conns, children, listener, env, added, base_path) -> None:
+def _serve_one(conn: Any, conns: dict[Any, bytes], children: dict[int, Any], listener: Any, env: dict[str, str],
+               added: Any, base_path: Any) -> None:
     try:
         msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)
     except OSError:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, pace
+from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, pace, wait_for
 
 from launcher import rehearsal
 from launcher.cli import main
@@ -240,7 +240,7 @@ def cluster_sends_user_signal() -> bool:
 
 def wait_ended(job_id: str, timeout: float = 240.0) -> str:
     """Wait for the job to leave the queue (no BeginTime skipping: nothing should requeue it)."""
-    return rehearsal.wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, timeout=timeout, poll=1.0)
+    return wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, timeout=timeout, poll=1.0)
 
 
 def private_checkout(where: Path) -> Path:

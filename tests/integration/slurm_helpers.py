@@ -9,10 +9,12 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 from launcher import rehearsal
 from launcher.core import slurm
+from launcher.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"completed", "cancelled", "failed", "timeout", "preempted"}
@@ -20,7 +22,7 @@ TERMINAL = {"completed", "cancelled", "failed", "timeout", "preempted"}
 
 def wait_terminal(job_id: str, timeout: float) -> str:
     """Wait for one of our jobs to end (requeued attempts are started at once)."""
-    return rehearsal.wait_for(job_id, TERMINAL, timeout=timeout, poll=1.0, start_requeued=True)
+    return wait_for(job_id, TERMINAL, timeout=timeout, poll=1.0, start_requeued=True)
 
 
 def requeues_once_more_after_preemption() -> bool:
@@ -183,3 +185,48 @@ def webhook_server():
     finally:
         server.shutdown()
 
+
+def wait_for(
+    job_id: str,
+    groups: Iterable[str],
+    *,
+    timeout: float,
+    poll: float = 2.0,
+    start_requeued: bool = False,
+) -> str:
+    """Poll until the job's state falls in one of ``groups`` (e.g. {'running'}); return the
+    SLURM state. With ``start_requeued``, a job pending on its requeue BeginTime is started
+    once it has waited 2 s and no node is still completing a job or running its previous run
+    (:func:`launcher.rehearsal.ready_to_start`; started within the second of its requeue, SLURM kills it: 'Job
+    credential revoked').
+    Raises TimeoutError with the last state seen, the pending reason and what the nodes run."""
+    wanted = set(groups)
+    deadline = time.monotonic() + timeout
+    state = "UNKNOWN"
+    pending_since: dict[str | None, float] = {}
+    while True:
+        state = slurm.job_state(job_id)
+        if slurm.state_group(state) in wanted:
+            return state
+        if start_requeued and state == "PENDING":
+            info = slurm.show_job(job_id) or {}
+            if info.get("Reason") == "BeginTime":
+                first = pending_since.setdefault(info.get("Restarts"), time.monotonic())
+                if time.monotonic() - first >= 2.0 and rehearsal.ready_to_start(job_id):
+                    rehearsal.start_now(job_id)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (waited for {sorted(wanted)})"
+                               + _why_waiting(job_id))
+        time.sleep(poll)
+
+
+def _why_waiting(job_id: str) -> str:
+    """For a timeout message: the job's reason and the other active jobs (best effort)."""
+    try:
+        info = slurm.show_job(job_id) or {}
+        others = [f"{j.job_id} {j.name} {j.state} on {j.nodelist or '-'} ({j.partition})"
+                  for j in slurm.squeue() if j.job_id != job_id and slurm.is_active(j.state)]
+    except UserError:
+        return ""
+    return (f"; reason {info.get('Reason', '?')}, nodes {info.get('ReqNodeList', '?')}; other active jobs: "
+            + ("; ".join(others) or "none"))

@@ -9,7 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from slurm_helpers import cancel_orphaned_test_jobs, claim_session, release_worker, wait_accounted, wait_terminal
+from slurm_helpers import (
+    cancel_orphaned_test_jobs,
+    claim_session,
+    release_worker,
+    wait_accounted,
+    wait_for,
+    wait_terminal,
+)
 
 from launcher import rehearsal
 from launcher.core import slurm
@@ -101,7 +108,7 @@ def test_exclusive_high_job_preempts_low_job_which_restarts_with_restart_count(s
     low = _sbatch("-J", run_name, "-p", "low", "-w", "n2", "-N", "1", "-n", "1", "--exclusive", "--requeue",
                   "-o", str(tmp_path / "low-%j.out"), str(script))
     own_jobs.append(low)
-    rehearsal.wait_for(low, {"running"}, timeout=120, poll=0.5)
+    wait_for(low, {"running"}, timeout=120, poll=0.5)
     _preempt_n2(run_name, low, own_jobs)
     # requeued jobs keep their id and wait ~2 min (BeginTime); start_now skips that
     assert wait_terminal(low, timeout=120) == "COMPLETED"
@@ -128,7 +135,7 @@ def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_i
     job = _sbatch("-J", run_name, "-p", "low", "-w", "n2", "-N", "1", "--requeue",
                   "-o", str(tmp_path / "slow-%j.out"), str(script))
     own_jobs.append(job)
-    rehearsal.wait_for(job, {"running"}, timeout=120, poll=0.5)
+    wait_for(job, {"running"}, timeout=120, poll=0.5)
     deadline = time.monotonic() + 30
     # The srun step starts a moment after the batch script, whose shell (no trap) dies at once when
     # the node goes DOWN: set DOWN before the step ran, n2 had nothing of the job left to show (seen
@@ -140,7 +147,7 @@ def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_i
     assert rehearsal.steps_left(job, ["n1"]) == []
     rehearsal.set_node_state("n2", "DOWN", reason=f"test {run_name}")
     try:
-        assert rehearsal.wait_for(job, {"queued"}, timeout=30, poll=0.2) == "PENDING"
+        assert wait_for(job, {"queued"}, timeout=30, poll=0.2) == "PENDING"
         assert rehearsal.steps_left(job, ["n2"]) == ["n2"]
         assert not rehearsal.ready_to_start(job)
         deadline = time.monotonic() + 60
@@ -206,10 +213,10 @@ def test_another_worker_cluster_is_untouched_by_a_preemption_on_this_one(slurm_c
         with cluster.own_conf(other.layout):
             theirs = _sbatch("-J", run_name + "-other", *low, "-o", "/dev/null",
                              str(_running_then_preempted_script(tmp_path, "theirs")))
-            rehearsal.wait_for(theirs, {"running"}, timeout=120, poll=0.5)
+            wait_for(theirs, {"running"}, timeout=120, poll=0.5)
         mine = _sbatch("-J", run_name, *low, "-o", "/dev/null", str(_running_then_preempted_script(tmp_path, "mine")))
         own_jobs.append(mine)
-        rehearsal.wait_for(mine, {"running"}, timeout=120, poll=0.5)
+        wait_for(mine, {"running"}, timeout=120, poll=0.5)
         assert slurm.squeue([mine])[0].name == run_name  # this cluster's queue has its own job ...
         _preempt_n2(run_name, mine, own_jobs)
         with cluster.own_conf(other.layout):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from preempt_helpers import user_signal_on_preemption
-from slurm_helpers import REPO, SMALL_MODEL, faults, pace, requeues_once_more_after_preemption, wait_terminal
+from slurm_helpers import REPO, SMALL_MODEL, faults, pace, requeues_once_more_after_preemption, wait_for, wait_terminal
 
 from launcher import rehearsal
 from launcher.core import slurm
@@ -104,7 +104,7 @@ def _follow_a_run(cli, lm_env, run_name, own_jobs, user_signal: bool) -> None:
     # with the user signal, SIGTERM follows it at once: the stop may be agreed before it lands
     assert (stop["signal"].startswith("SIGUSR2") if user_signal else stop["signal"] == "SIGTERM"), stop
     assert row["step"] == row["checkpoint_step"] == stop["end_step"] < MAX_STEPS, row
-    rehearsal.wait_for(job, {"running"}, timeout=120, poll=1.0, start_requeued=True)  # skip the ~2 min delay
+    wait_for(job, {"running"}, timeout=120, poll=1.0, start_requeued=True)  # skip the ~2 min delay
     row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING" and r["step"] > stop["end_step"], 120,
                     "RUNNING again past the stop step")
     assert (row["attempt"], row["requeued"], row["group"]) == (2, True, "running"), row
@@ -176,7 +176,7 @@ def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next
     own_jobs.append(job)
     runs.save_record(runs.RunRecord(name=run_name, profile="local", run_dir=str(run_dir), spec_path=None,
                                     job_ids=[job], submitted_at=[time.time()], max_steps=100), lm_env)
-    rehearsal.wait_for(job, {"running"}, timeout=120, poll=1.0)
+    wait_for(job, {"running"}, timeout=120, poll=1.0)
     now = time.time()
     (run_dir / "attempts.jsonl").write_text(json.dumps(
         {"event": "start", "attempt": 1, "job_id": job, "time": now, "start_step": 0, "nodes": ["n1"]}) + "\n")

@@ -12,9 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slurm_helpers import REPO
+from slurm_helpers import REPO, wait_for
 
-from launcher import rehearsal, runs
+from launcher import runs
 from launcher.core import slurm
 from launcher.resolve import resolve
 from launcher.submit import render_script
@@ -87,7 +87,7 @@ def test_same_run_name_is_refused_then_resume_and_new_work(slurm_cluster, cli, l
     assert runs.load_record(run_name, lm_env).job_ids == [job1]
 
     slurm.cancel([job1])
-    rehearsal.wait_for(job1, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
+    wait_for(job1, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
     (run_dir / "CANCELLED").write_text("test\n")
     resumed = cli("submit", SPEC, f"name={run_name}", *SMALL, "--resume")
     assert resumed.code == 0, resumed.err
@@ -99,7 +99,7 @@ def test_same_run_name_is_refused_then_resume_and_new_work(slurm_cluster, cli, l
     assert (run_dir / "submitit" / f"{job1}_submission.sh").exists()
     assert (run_dir / "submitit" / f"{job2}_submission.sh").exists()
 
-    rehearsal.wait_for(job2, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
+    wait_for(job2, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
     fresh = cli("submit", SPEC, f"name={run_name}", *SMALL, "--new")
     assert fresh.code == 0, fresh.err
     job3 = _job_id(fresh.out)

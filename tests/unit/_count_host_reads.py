@@ -18,9 +18,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-
-from lmtrain.attempt import Hooks
-from lmtrain.entry import run_task
+from _extra_callbacks import run_task_with
 
 READS: dict[int, list[tuple[str, str]]] = defaultdict(list)
 STEP = [0]
@@ -52,7 +50,7 @@ def main() -> int:
     run_dir = sys.argv[1]
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
         _counting(name)
-    code = run_task(run_dir, hooks=Hooks(callbacks=[StepCounter()]))
+    code = run_task_with(run_dir, lambda _: [StepCounter()])
     if os.environ.get("RANK") == "0":
         Path(run_dir, "host-reads.json").write_text(json.dumps({str(k): v for k, v in READS.items() if k > 0}))
     return code

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-
-from lmtrain.attempt import Hooks
-from lmtrain.entry import run_task
+from _extra_callbacks import run_task_with
 
 
 class DumpFirstGrads(pl.Callback):
@@ -27,7 +25,7 @@ class DumpFirstGrads(pl.Callback):
 def main() -> int:
     run_dir, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    return run_task(run_dir, hooks=Hooks(callbacks=[DumpFirstGrads(out)]))
+    return run_task_with(run_dir, lambda _: [DumpFirstGrads(out)])
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ import sys
 import time
 
 import lightning.pytorch as pl
-
-from lmtrain.attempt import Hooks
-from lmtrain.entry import run_task
+from _extra_callbacks import run_task_with
 
 
 def main() -> int:
@@ -36,7 +34,7 @@ def main() -> int:
 
         return [SendSignal()]
 
-    return run_task(run_dir, hooks=Hooks(setup=setup))
+    return run_task_with(run_dir, setup)
 
 
 if __name__ == "__main__":

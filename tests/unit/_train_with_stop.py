@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-
-from lmtrain.attempt import Hooks
-from lmtrain.entry import run_task
+from _extra_callbacks import run_task_with
 
 
 def main() -> int:
@@ -80,7 +78,7 @@ def main() -> int:
 
         return [RequestStop(), DumpEngineConfig(), DumpTrainerArgs(), DumpFinalLogits()]
 
-    return run_task(run_dir, hooks=Hooks(setup=setup))
+    return run_task_with(run_dir, setup)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 - import-linter: the core imports neither side, the runtime imports only the core, the CLI's
   modules form layers (contracts in pyproject.toml);
 - no import cycle anywhere in launcher/ or lmtrain (function-local imports included: grimp sees them);
-- ruff on all Python code, mypy --strict on the core (configs in pyproject.toml);
-- no module grows past 400 lines without a stated reason.
+- ruff on all Python code, mypy on the CLI and the runtime, --strict on the core (configs in
+  pyproject.toml);
+- no module grows past 400 lines without a stated reason;
+- in the runtime: no function over 60 lines, no underscore name imported from another module,
+  and the run directory handed on through few hands (tests/run_dir_walk.py).
 """
 
 from __future__ import annotations
@@ -96,8 +99,9 @@ def test_ruff_passes():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
-def test_mypy_on_the_cli_and_strict_on_the_core(tmp_path):
-    """One run: pyproject.toml gives launcher.core every per-module flag of --strict."""
+def test_mypy_on_the_cli_and_the_runtime_and_strict_on_the_core(tmp_path):
+    """One run: launcher/ and src/lmtrain (every parameter typed, every body checked); pyproject.toml
+    gives launcher.core every per-module flag of --strict."""
     proc = _run([_tool("mypy"), "--cache-dir", str(tmp_path / "mypy-cache")], timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
@@ -114,6 +118,46 @@ def test_modules_stay_small_or_say_why():
     stale = [m for m in LONG_MODULES if not (REPO / m).exists()
              or len((REPO / m).read_text().splitlines()) <= MAX_LINES]
     assert not stale, f"LONG_MODULES entries no longer needed: {stale}"
+
+
+def _lmtrain_trees():
+    import ast
+
+    for path in sorted((REPO / "src" / "lmtrain").rglob("*.py")):
+        yield path.relative_to(REPO).as_posix(), ast.parse(path.read_text())
+
+
+def test_no_runtime_function_is_over_60_lines():
+    import ast
+
+    long = [f"{rel}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)" for rel, tree in _lmtrain_trees()
+            for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > 60]
+    assert not long, long
+
+
+def test_no_underscore_name_is_imported_from_another_module():
+    import ast
+
+    private = [f"{rel}:{n.lineno} from {n.module} import {a.name}" for rel, tree in _lmtrain_trees()
+               for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               for a in n.names if a.name.startswith("_") and (n.module or "").startswith(("lmtrain", "launcher"))]
+    assert not private, private
+
+
+def test_the_run_directory_passes_through_few_hands():
+    """From the task's entry function, the functions that receive the run directory's path: under
+    30, and each module entered at most twice (the run directory travels in the plan's paths and
+    core.rundir.RunLayout, which spells every path in it)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        import run_dir_walk
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    stops = run_dir_walk.walk()
+    assert stops[0] == run_dir_walk.Stop("lmtrain.entry", "run_task", "run_dir")
+    visits = run_dir_walk.visits(stops)
+    assert len(stops) < 30 and max(visits.values()) <= 2, (stops, visits)
 
 
 def test_no_tracker_numbers_in_code_or_docs():

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from launcher.core.rundir import LastWords
-from lmtrain.preemption.first_death import attribute, is_peer_lost, parse_srun
+from launcher.core.rundir import LastWords, is_peer_lost
+from lmtrain.preemption.first_death import attribute, parse_srun
 
 # srun's stderr of a 2-node job whose task 1 was SIGKILLed (seen on the local cluster)
 SRUN_KILLED = """srun: error: n2: task 1: Killed

@@ -4,7 +4,7 @@ optimizer step and by who asked (tests/unit/_count_host_reads.py).
 
 On a GPU such a read waits for all queued kernels. lmtrain's own code may read on the host only
 on logging steps (the logged loss and gradient norm), plus, every step, two reads of CPU
-tensors that never touch the accelerator: the stop agreement's flags (lmtrain.preemption, a CPU
+tensors that never touch the accelerator: the stop agreement's flags (lmtrain.preemption.agreement, a CPU
 tensor on a gloo group of its own) and the sampler's index permutation (lmtrain.data)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ OVERRIDES = [
     "trainer.val_check_interval=null", "checkpoint.every_n_steps=100",
 ]
 OURS = ("/lmtrain/", "/launcher/")  # the run's code snapshot (RUN_DIR/code) or the checkout
-EVERY_STEP = Counter({("preemption.py", "_exchange"): 1, ("data.py", "_rank_batch"): 2})
+EVERY_STEP = Counter({("agreement.py", "_exchange"): 1, ("data.py", "_rank_batch"): 2})
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -58,7 +59,7 @@ class CheckpointCallback(pl.Callback):
         self._rank_zero = trainer.global_rank == 0
         self.manager.start(trainer, on_failure=self._no_room, background=self.background)  # collective
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._pending_rng is not None:
             restore_rng(self._pending_rng)
             self._pending_rng = None
@@ -78,7 +79,7 @@ class CheckpointCallback(pl.Callback):
             except Exception as exc:  # a tracker must never cost training
                 log.warning("could not flush the %s logger: %s", type(logger).__name__, exc)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         faults.point("train.batch_end", step=step)  # the time-limit tests slow every batch down here
         if step == self._seen_step:
@@ -90,13 +91,13 @@ class CheckpointCallback(pl.Callback):
             except DiskFull as exc:  # every rank alike: a periodic checkpoint is skipped, loudly
                 self._no_room(exc)
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_at_end:
             self.save(trainer, trainer.global_step)  # must succeed: DiskFull ends the attempt as disk_full
         self.manager.finish_background(trainer)
         self._flush_metrics(trainer)  # a stop's checkpoint: SIGKILL may come before the loggers' teardown
 
-    def teardown(self, trainer, pl_module, stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # also after an exception: a background save that is under way still completes
         try:
             self.manager.wait()
@@ -128,7 +129,7 @@ class CheckpointCallback(pl.Callback):
             self.heartbeat.emit("checkpoint_failed", step=exc.step, reason="disk_full", detail=str(exc),
                                 **{k: v for k, v in exc.figures.items() if k != "step"})
 
-    def _complete(self, path, seconds: float, blocked: float) -> None:
+    def _complete(self, path: Path, seconds: float, blocked: float) -> None:
         """Rank 0, when a checkpoint is complete (from the writer thread for background saves):
         ``seconds`` from the save's start to COMPLETE, ``blocked`` of them holding training up."""
         step = step_of(path)

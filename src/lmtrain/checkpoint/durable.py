@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ def manifest(root: Path) -> dict[str, int]:
     return out
 
 
-def all_files(root: Path):
+def all_files(root: Path) -> Iterator[Path]:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             yield Path(dirpath) / name

@@ -44,7 +44,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,7 @@ class CheckpointManager:
         self.on_failure: Callable[[DiskFull], None] | None = None  # a background save found no room
         self.completed_at = 0.0  # rank 0: perf_counter at the last COMPLETE (before pruning)
 
-    def start(self, trainer, *, on_failure: Callable[[DiskFull], None], background: bool) -> None:
+    def start(self, trainer: Any, *, on_failure: Callable[[DiskFull], None], background: bool) -> None:
         """Collective, when training starts: ``on_failure`` gets a background save that found no
         room; DeepSpeed's files streamed (lmtrain.checkpoint.shard_files); the sharded writers' group."""
         self.on_failure = on_failure
@@ -180,7 +180,7 @@ class CheckpointManager:
         return self.strategy == "ddp" or self.writers is not None
 
     def save(
-        self, trainer, *, step: int, rank_state: dict[str, Any], background: bool = False,
+        self, trainer: Any, *, step: int, rank_state: dict[str, Any], background: bool = False,
         on_complete: Callable[[Path, float, float], None] | None = None,
     ) -> tuple[Path, float]:
         """Collective: write checkpoint ``step``; returns (its path, seconds the caller was
@@ -208,7 +208,7 @@ class CheckpointManager:
         """Rank-local: finish the background save in flight, if any; seconds waited."""
         return self.background.wait()
 
-    def finish_background(self, trainer) -> DiskFull | None:
+    def finish_background(self, trainer: Any) -> DiskFull | None:
         """Collective: every rank's background save (its thread, where it has one) finished, and
         every rank told how it went anywhere: no room is returned (and given to ``on_failure``),
         another error raised, on every rank alike."""
@@ -242,7 +242,7 @@ class CheckpointManager:
             return newest.size_bytes()
         return self.estimate() if self.estimate is not None else None
 
-    def _check_room(self, trainer, step: int) -> None:
+    def _check_room(self, trainer: Any, step: int) -> None:
         """Collective: rank 0 compares the room needed with the room free; all raise alike."""
         figures = None
         if trainer.global_rank == 0:
@@ -252,7 +252,7 @@ class CheckpointManager:
         if figures is not None:
             raise DiskFull.from_figures(figures)
 
-    def _settle(self, trainer, err: BaseException | None, tmp: Path, final: Path, step: int) -> None:
+    def _settle(self, trainer: Any, err: BaseException | None, tmp: Path, final: Path, step: int) -> None:
         """Collective (and the barrier of the step it ends): when any rank's write found no room,
         rank 0 removes the partial save and every rank raises DiskFull saying which rank and why."""
         if not trainer.strategy.reduce_boolean_decision(err is not None, all=False):
@@ -268,7 +268,7 @@ class CheckpointManager:
         how = "a write found no room: " + "; ".join(x for x in said if x)
         raise DiskFull(self.dir, step, self.needed_bytes(), free_bytes(self.dir), how)
 
-    def _begin(self, trainer, step: int) -> tuple[Path, Path]:
+    def _begin(self, trainer: Any, step: int) -> tuple[Path, Path]:
         final = self.dir / step_dir_name(step)
         tmp = self.dir / f".step-{step}.tmp"
 
@@ -286,14 +286,14 @@ class CheckpointManager:
         self._settle(trainer, no_room(clear, self.dir, self.needed_bytes) if trainer.global_rank == 0 else None, tmp, final, step)
         return tmp, final
 
-    def _rank_part(self, trainer, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
+    def _rank_part(self, trainer: Any, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
         rank, world = trainer.global_rank, trainer.world_size
         torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
         checksums.write_sidecar(tmp, rank)  # what this rank wrote so far (a background save adds its shards)
 
-    def _save(self, trainer, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
+    def _save(self, trainer: Any, *, step: int, rank_state: dict[str, Any]) -> tuple[Path, float]:
         t0 = time.perf_counter()
         tmp, final = self._begin(trainer, step)
 
@@ -315,7 +315,7 @@ class CheckpointManager:
         self._settle(trainer, err, tmp, final, step)
         return final, time.perf_counter() - t0
 
-    def _finish_or_remove(self, tmp: Path, final: Path, step: int, world: int, write=None) -> None:
+    def _finish_or_remove(self, tmp: Path, final: Path, step: int, world: int, write: Any = None) -> None:
         """Rank 0's writer thread: (``write``, then) ``_finish``; no room: nothing partial left, DiskFull."""
         try:
             if write is not None:
@@ -386,7 +386,7 @@ class CheckpointManager:
                 child.unlink(missing_ok=True)  # why an old conversion failed
 
 
-def _files_written_by(root: Path, rank: int):
+def _files_written_by(root: Path, rank: int) -> Iterator[Path]:
     """The files rank ``rank`` wrote itself (its rank file, DeepSpeed's per-rank shards)."""
     tag = f"rank_{rank}_"
     for path in all_files(root):

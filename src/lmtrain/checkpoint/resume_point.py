@@ -73,8 +73,9 @@ def resume_point(plan: Any, env: Any, attempt: int, ckpt: CompleteCheckpoint,
         rejected.append(f"{ckpt.path.name}: {verdict['reason']}")
         if verdict["next"] is None:
             raise CheckpointError("no usable checkpoint: every one failed its checksums (" + "; ".join(rejected) + ")")
-        ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, verdict["next"])  # rank 0 marked the bad one
-        assert ckpt is not None
+        following = agreed_checkpoint(plan.paths.checkpoint_dir, verdict["next"])  # rank 0 marked the bad one
+        assert following is not None
+        ckpt = following
     raise AssertionError("unreachable")
 
 

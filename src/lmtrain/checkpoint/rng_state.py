@@ -13,7 +13,8 @@ import torch
 
 def capture_rng() -> dict[str, Any]:
     version, py_state, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state: Any = np.random.get_state()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     state: dict[str, Any] = {
         "python": {"version": version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss": gauss},
         "numpy": {

@@ -56,7 +56,7 @@ def stream_deepspeed_files(engine: Any) -> bool:
         return True
     if type(current) is not streamed.__base__:
         return False
-    engine.checkpoint_engine = streamed(bool(current.zipfile_serialization))
+    engine.checkpoint_engine = streamed(bool(getattr(current, "zipfile_serialization", True)))
     return True
 
 

@@ -49,7 +49,7 @@ class StopAgreement(pl.Callback):
         self._seen_step: int | None = None
         self._group: Any = None
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
         self._group = _cpu_group(trainer, self.controller.plan)
         # Trainer.fit registered Lightning's SIGTERM handler (composed with ours): take over.
@@ -58,7 +58,7 @@ class StopAgreement(pl.Callback):
             connector.received_sigterm = False  # ours, composed in, recorded it: we stop, not Lightning
         self.controller.signals.install()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if not self.stop.armed or step == self._seen_step:
             return  # mid-accumulation: not a step boundary
@@ -83,7 +83,7 @@ class StopAgreement(pl.Callback):
             # on the way out of a preemption, the grace time is for the exit and the requeue.
             trainer.limit_val_batches = 0
 
-    def _exchange(self, trainer, pl_module, step: int) -> AgreedStop | None:
+    def _exchange(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> AgreedStop | None:
         import torch
         import torch.distributed as dist
 

@@ -101,53 +101,23 @@ class Preemption:
         return outcome
 
     def _decide(self, outcome: Outcome, start_step: int) -> None:
-        agreed = self.agreed
-        rec = self.signals.record
+        agreed, rec = self.agreed, self.signals.record
         term = bool(agreed.term if agreed else rec.term_at is not None)
         warning = bool(agreed.warning if agreed else rec.warning_at is not None)
         signal_time = agreed.signal_time if agreed else rec.first_at
         crashed = outcome.exit_code != 0 or (outcome.reason == "crashed" and agreed is None)
-        if agreed is not None:
-            outcome.extra["stop_step"] = agreed.step
-        if signal_time is not None:
-            outcome.extra["signal_time"] = round(signal_time, 3)
-            outcome.extra["signal"] = signal_names(self.signals.warning_name, warning=warning, term=term)
-        if agreed is not None and agreed.checkpoint_done_at is not None and signal_time is not None:
-            seconds = agreed.checkpoint_done_at - signal_time
-            outcome.extra["checkpoint_seconds"] = round(seconds, 3)
-            grace = self.plan.preemption.grace_seconds
-            if term and grace and seconds > 0.5 * grace and self.env.rank == 0:
-                log.warning("SIGTERM to checkpoint complete took %.1f s of the partition's GraceTime of %s s: "
-                            "a slower save would be killed (raise GraceTime, or checkpoint less state)",
-                            seconds, grace)
+        self._stop_figures(outcome, term=term, warning=warning, signal_time=signal_time)
         if self.env.rank != 0:
             if outcome.reason != "completed" and agreed is not None and not crashed:
                 outcome.reason = "preempted"  # rank 0 writes the real reason; others only exit cleanly
             return
-
         if crashed and outcome.reason == "crashed":
             self._blame_first_death(outcome)
         info = None
         if self.env.launcher == "slurm" and outcome.end_step < self.plan.trainer.max_steps:
             info = job_facts(self.env.job_id)
-        ckpt = newest_complete(self.plan.paths.checkpoint_dir)
-        history = [a for a in Ledger(self.plan.paths.ledger).attempts() if a.attempt != self.attempt]
-        facts = EndFacts(
-            end_step=outcome.end_step, start_step=start_step, max_steps=self.plan.trainer.max_steps,
-            checkpoint_step=ckpt.step if ckpt is not None else None, stopped=agreed is not None, crashed=crashed,
-            term=term, warning=warning, warning_name=self.signals.warning_name,
-            requested_reason=self.stop.reason if self.stop.requested and not (term or warning) else None,
-            error=outcome.detail if crashed else None,
-            cancelled_marker=is_cancelled(self.layout.run_dir), launcher=self.env.launcher,
-            job_id=self.env.job_id, restart_count=self.env.restart_count,
-            slurm_state=why_completing(self.env, info) or (info or {}).get("JobState"),
-            preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),
-            slurm_restarts=int(info["Restarts"]) if info and str(info.get("Restarts", "")).isdigit() else None,
-            nodes_down=nodes_failed(self.env, info) if info is not None else [],
-            seconds_left=seconds_left(info, signal_time) if signal_time is not None else None,
-            history=history, disk_full=outcome.extra.get("disk_full"), job_nodes=self.plan.topology.nodes,
-            preflight=outcome.extra.get("preflight"),
-        )
+        facts = self._end_facts(outcome, start_step, info, crashed=crashed, term=term, warning=warning,
+                                signal_time=signal_time)
         if self.env.launcher == "slurm" and (facts.nodes_down or outcome.reason in ("hang", "preflight_failed")):
             bad_node_facts(self.plan, self.env, self.attempt, facts, info, hung=outcome.reason == "hang")
         d = decide(facts, self.policy)
@@ -161,6 +131,46 @@ class Preemption:
             # failed node's slurmd kills this rank within seconds, before after_end would run.
             exclude_nodes(self.plan, self.env, self.attempt, d.exclude)
             self._exclude = []
+
+    def _stop_figures(self, outcome: Outcome, *, term: bool, warning: bool, signal_time: float | None) -> None:
+        """The ledger's figures of a stop: its step, the signals, the seconds to a complete checkpoint."""
+        agreed = self.agreed
+        if agreed is not None:
+            outcome.extra["stop_step"] = agreed.step
+        if signal_time is not None:
+            outcome.extra["signal_time"] = round(signal_time, 3)
+            outcome.extra["signal"] = signal_names(self.signals.warning_name, warning=warning, term=term)
+        if agreed is not None and agreed.checkpoint_done_at is not None and signal_time is not None:
+            seconds = agreed.checkpoint_done_at - signal_time
+            outcome.extra["checkpoint_seconds"] = round(seconds, 3)
+            grace = self.plan.preemption.grace_seconds
+            if term and grace and seconds > 0.5 * grace and self.env.rank == 0:
+                log.warning("SIGTERM to checkpoint complete took %.1f s of the partition's GraceTime of %s s: "
+                            "a slower save would be killed (raise GraceTime, or checkpoint less state)",
+                            seconds, grace)
+
+    def _end_facts(self, outcome: Outcome, start_step: int, info: dict[str, str] | None, *, crashed: bool,
+                   term: bool, warning: bool, signal_time: float | None) -> EndFacts:
+        """Rank 0: what the run directory and SLURM say now, for the policy."""
+        ckpt = newest_complete(self.plan.paths.checkpoint_dir)
+        history = [a for a in Ledger(self.plan.paths.ledger).attempts() if a.attempt != self.attempt]
+        restarts = str((info or {}).get("Restarts", ""))
+        return EndFacts(
+            end_step=outcome.end_step, start_step=start_step, max_steps=self.plan.trainer.max_steps,
+            checkpoint_step=ckpt.step if ckpt is not None else None, stopped=self.agreed is not None,
+            crashed=crashed, term=term, warning=warning, warning_name=self.signals.warning_name,
+            requested_reason=self.stop.reason if self.stop.requested and not (term or warning) else None,
+            error=outcome.detail if crashed else None,
+            cancelled_marker=is_cancelled(self.layout.run_dir), launcher=self.env.launcher,
+            job_id=self.env.job_id, restart_count=self.env.restart_count,
+            slurm_state=why_completing(self.env, info) or (info or {}).get("JobState"),
+            preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),
+            slurm_restarts=int(restarts) if restarts.isdigit() else None,
+            nodes_down=nodes_failed(self.env, info) if info is not None else [],
+            seconds_left=seconds_left(info, signal_time) if signal_time is not None else None,
+            history=history, disk_full=outcome.extra.get("disk_full"), job_nodes=self.plan.topology.nodes,
+            preflight=outcome.extra.get("preflight"),
+        )
 
     def _blame_first_death(self, outcome: Outcome) -> None:
         """Rank 0: name the rank that died first (lmtrain.preemption.first_death), not this rank's symptom."""

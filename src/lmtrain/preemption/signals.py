@@ -69,7 +69,7 @@ class SignalOwner:
     back what was there before the first ``install``.
     """
 
-    def __init__(self, stop, warning_signal: str = "USR2") -> None:
+    def __init__(self, stop: StopRequest, warning_signal: str = "USR2") -> None:
         self.stop = stop
         self.warning_signum = signal_number(warning_signal)
         self.warning_name = "SIG" + warning_signal.upper().removeprefix("SIG")
@@ -86,15 +86,14 @@ class SignalOwner:
         if threading.current_thread() is not threading.main_thread() or os.getpid() != self.pid:
             return False
         first = self._previous is None
-        if first:
-            self._previous = {}
+        saved: dict[int, Any] = {}
         for signum in self.signums:
-            previous = signal.signal(signum, self._handle)
-            if first:
-                self._previous[signum] = previous
+            saved[signum] = signal.signal(signum, self._handle)
+        if first:
+            self._previous = saved
         return True
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:
         # Runs between two bytecodes of the main thread: set fields only (no I/O, no locks,
         # no collectives, nothing that can block).
         if os.getpid() != self.pid:
@@ -165,7 +164,7 @@ def retire() -> None:
         signal.signal(early.warning_signum, signal.SIG_IGN)
 
 
-def adopt_early(stop, warning_signal: str) -> SignalOwner | None:
+def adopt_early(stop: StopRequest, warning_signal: str) -> SignalOwner | None:
     early = _EARLY
     if early is None or early.pid != os.getpid() or not early.installed:
         return None
@@ -174,7 +173,7 @@ def adopt_early(stop, warning_signal: str) -> SignalOwner | None:
         return None
     before, early.stop = early.stop, stop
     if before.requested:
-        stop.request(before.reason, before.detail)
+        stop.request(before.reason or "preempted", before.detail)
         stop.requested_at = before.requested_at
     return early
 
@@ -191,7 +190,7 @@ class WorkerSignalGuard:
     Picklable, so it also works with the spawn start method.
     """
 
-    def __init__(self, signums: tuple[int, ...], rank: int, inner=None) -> None:
+    def __init__(self, signums: tuple[int, ...], rank: int, inner: Any = None) -> None:
         self.signums = tuple(int(s) for s in signums)
         self.rank = rank
         self.inner = inner
@@ -207,7 +206,7 @@ class WorkerSignalGuard:
             pl_worker_init_function(worker_id, rank=self.rank)
 
 
-def guard_dataloader_workers(loaders, signums: tuple[int, ...], rank: int) -> None:
+def guard_dataloader_workers(loaders: Any, signums: tuple[int, ...], rank: int) -> None:
     """Give every multi-process DataLoader the :class:`WorkerSignalGuard`."""
     for loader in loaders:
         if loader is not None and getattr(loader, "num_workers", 0) > 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from launcher.core import slurm
 
@@ -42,7 +43,7 @@ def nodes_down(nodes: list[str]) -> list[str]:
     return [n for n in nodes if states.get(n, "").rstrip("*~#!%$@^-+").startswith(("down", "fail"))]
 
 
-def nodes_failed(env, info: dict[str, str]) -> list[str]:
+def nodes_failed(env: Any, info: dict[str, str]) -> list[str]:
     """Nodes of this attempt that failed: DOWN in sinfo now, or, when SLURM already requeued the
     job while it runs (Restarts grew: it does so at once on a node failure, only after the tasks
     ended on a preemption), NODE_FAIL in accounting for this attempt. A DOWN node whose slurmd
@@ -72,7 +73,7 @@ def nodes_failed(env, info: dict[str, str]) -> list[str]:
 _ENDING_STATES = ("CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "FAILED", "OUT_OF_MEMORY", "DEADLINE")
 
 
-def why_completing(env, info: dict[str, str] | None) -> str | None:
+def why_completing(env: Any, info: dict[str, str] | None) -> str | None:
     """The real state behind ``JobState=COMPLETING`` (slurm 22.05 prints COMPLETING for a job
     being cancelled, timed out, failed or requeued): this attempt's row in accounting."""
     info = info or {}
