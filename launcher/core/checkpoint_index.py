@@ -26,6 +26,15 @@ def step_dir_name(step: int) -> str:
     return f"step-{step}"
 
 
+def temporary_dir_name(step: int) -> str:
+    """The directory checkpoint ``step`` is written into before its rename to ``step-S``."""
+    return f".step-{step}.tmp"
+
+
+def is_temporary_dir_name(name: str) -> bool:
+    return name.startswith(".step-") and name.endswith(".tmp")
+
+
 def step_of(path: Path) -> int:
     """The step a ``step-S`` directory holds."""
     m = STEP_RE.fullmatch(Path(path).name)

@@ -37,6 +37,8 @@ class Outcome:
     exit_code: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # ledger extras: signal_time, checkpoint_seconds, ...
     error: BaseException | None = None  # raised again once the attempt's records are written
+    action: str | None = None  # "requeue" | "cancel" | None: what rank 0 does LAST (after the records)
+    exclude: list[str] = field(default_factory=list)  # nodes the requeued job keeps off (ExcNodeList)
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class AttemptRecords:
             log.warning("could not write this rank's last words: %s", err)
 
     def close(self) -> None:
-        """The end messages are delivered in the background meanwhile: a bounded wait."""
+        """Wait (bounded) for the end messages to be delivered."""
         if self.notifier is not None:
             self.notifier.close()
 

@@ -15,7 +15,7 @@ How the runtime uses this module (lmtrain.entry and lmtrain.module)::
     #    DataLoader workers prefetch ahead of the loop; advance() counts what the loop
     #    consumed, so the saved position is exactly the first sample not yet trained on.
     # 2. Saved in every rank's own file of a checkpoint (rank-R.pt, beside Lightning's state):
-    #        {"data_sampler": sampler.state_dict(), ...}   (lmtrain.callbacks.CheckpointCallback)
+    #        {"data_sampler": sampler.state_dict(), ...}   (lmtrain.checkpoint.callback.CheckpointCallback)
     # 3. On resume, before the Trainer first iterates the train loader (the entry, before fit):
     #        sampler.load_state_dict(rank_state["data_sampler"])
     #    A different world_size or micro batch size re-shards from the saved global position.

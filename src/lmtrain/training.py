@@ -65,12 +65,13 @@ def train(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | None) -> i
 
 
 def _end(ctl: Preemption, records: AttemptRecords, startup: Any, outcome: Outcome) -> int:
-    """The attempt's records, then (LAST) the requeue or cancel; the fit's error raised again."""
+    """The attempt's records, its messages delivered (a bounded wait), then (LAST) the requeue or
+    cancel, which gives the signal handlers back; the fit's error raised again."""
     records.ended(outcome)
     if records.writer and not startup.written:  # ended before its first step: the phases it reached
         startup.write()
+    records.close()  # while lmtrain's handlers still only record: a late signal cannot cut a message
     ctl.after_end(outcome)  # scontrol requeue comes LAST
-    records.close()
     if outcome.error is not None:
         raise outcome.error
     return outcome.exit_code

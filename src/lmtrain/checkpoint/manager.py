@@ -59,8 +59,10 @@ from launcher.core.checkpoint_index import (
     STEP_RE,
     CompleteCheckpoint,
     complete_checkpoints,
+    is_temporary_dir_name,
     newest_complete,
     step_dir_name,
+    temporary_dir_name,
 )
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
@@ -270,7 +272,7 @@ class CheckpointManager:
 
     def _begin(self, trainer: Any, step: int) -> tuple[Path, Path]:
         final = self.dir / step_dir_name(step)
-        tmp = self.dir / f".step-{step}.tmp"
+        tmp = self.dir / temporary_dir_name(step)
 
         checksums.forget(keep=tmp)  # the files of earlier saves are in their manifests
 
@@ -372,7 +374,7 @@ class CheckpointManager:
             m = STEP_RE.fullmatch(child.name)
             if m and int(m.group(1)) < newest and child.name not in kept and child.is_dir():
                 remove_tree(child)  # an interrupted write or deletion, superseded
-            elif child.name.startswith(".step-") and child.name.endswith(".tmp"):
+            elif is_temporary_dir_name(child.name):
                 shutil.rmtree(child, ignore_errors=True)  # an interrupted write (never complete)
             elif child.name.startswith(".trash-"):
                 shutil.rmtree(child, ignore_errors=True)  # an interrupted deletion

@@ -44,10 +44,8 @@ class Preemption:
         self.stop = StopRequest()
         self.signals = adopt_early(self.stop, self.policy.signal) or SignalOwner(self.stop, self.policy.signal)
         self.agreed: AgreedStop | None = None
-        self._action: str | None = None
         self.stop.armed = True
         self.stop.check_every_n_steps = self.policy.agree_every_n_steps
-        self._exclude: list[str] = []  # nodes the requeued job keeps off (settle, then after_end)
         # srun's task lines of this attempt (lmtrain.preemption.first_death) start at the log's size now
         self._srun_log = plan.slurm.error.replace("%j", env.job_id) if env.launcher == "slurm" else None
         self._srun_offset = log_size(self._srun_log) if env.rank == 0 else 0
@@ -95,7 +93,7 @@ class Preemption:
         except Exception as exc:
             log.exception("preemption decision failed; the attempt ends as the fit left it")
             outcome.detail = f"{outcome.detail or outcome.reason}; (preemption decision failed: {exc})"[:2000]
-            self._action = None
+            outcome.action, outcome.exclude = None, []
         if hung and outcome.reason == "crashed":
             outcome.reason = "hang"  # same retry rules as a crash; the ledger says why
         return outcome
@@ -124,13 +122,12 @@ class Preemption:
         log.info("attempt %d ends: %s (%s)", self.attempt, d.reason, d.detail)
         outcome.reason, outcome.detail, outcome.requeued = d.reason, d.detail, d.requeued
         outcome.exit_code = max(outcome.exit_code, d.exit_code)
-        self._action = d.action
-        self._exclude = d.exclude
+        outcome.action, outcome.exclude = d.action, d.exclude
         if d.action is None and d.exclude and slurm.state_word(facts.slurm_state or "") == "PENDING":
             # SLURM requeued the job itself (a node failure): exclude now, before the end line. The
             # failed node's slurmd kills this rank within seconds, before after_end would run.
             exclude_nodes(self.plan, self.env, self.attempt, d.exclude)
-            self._exclude = []
+            outcome.exclude = []
 
     def _stop_figures(self, outcome: Outcome, *, term: bool, warning: bool, signal_time: float | None) -> None:
         """The ledger's figures of a stop: its step, the signals, the seconds to a complete checkpoint."""
@@ -191,21 +188,21 @@ class Preemption:
         try:
             if self.env.rank != 0:
                 return
-            if self._action is None:
-                exclude_nodes(self.plan, self.env, self.attempt, self._exclude)  # SLURM requeued it itself
+            if outcome.action is None:
+                exclude_nodes(self.plan, self.env, self.attempt, outcome.exclude)  # SLURM requeued it itself
                 return
             try:
-                if self._action == "requeue":
+                if outcome.action == "requeue":
                     log.info("requeueing job %s (scontrol requeue)", self.env.job_id)
                     slurm.requeue(self.env.job_id, timeout=SLURM_QUERY_TIMEOUT_S)
-                    exclude_nodes(self.plan, self.env, self.attempt, self._exclude)
-                elif self._action == "cancel":
+                    exclude_nodes(self.plan, self.env, self.attempt, outcome.exclude)
+                elif outcome.action == "cancel":
                     log.info("cancelling job %s: %s", self.env.job_id, outcome.detail)
                     slurm.cancel([self.env.job_id], timeout=SLURM_QUERY_TIMEOUT_S)
             except Exception as exc:
-                log.error("%s of job %s failed: %s", self._action, self.env.job_id, exc)
+                log.error("%s of job %s failed: %s", outcome.action, self.env.job_id, exc)
                 Ledger(self.plan.paths.ledger).write(LedgerNote(
-                    event=f"{self._action}_failed", time=time.time(),
+                    event=f"{outcome.action}_failed", time=time.time(),
                     fields={"attempt": self.attempt, "job_id": self.env.job_id, "detail": str(exc)[:500]},
                 ))
                 outcome.exit_code = outcome.exit_code or 1
