@@ -5,6 +5,7 @@ under one id per run."""
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from launcher.core.atomic import write_atomic
 from launcher.core.spec import LoggingSpec
 
 
@@ -39,10 +41,9 @@ class _AppendingWriter(ExperimentWriter):
         at = header.index("step")
         kept = [r for r in rows[1:] if len(r) > at and r[at].isdigit() and int(r[at]) < self.keep_below]
         if len(kept) != len(rows) - 1:
-            tmp = f"{self.metrics_file_path}.tmp-{os.getpid()}"
-            with open(tmp, "w", newline="") as f:
-                csv.writer(f).writerows([header, *kept])
-            os.replace(tmp, self.metrics_file_path)
+            text = io.StringIO(newline="")
+            csv.writer(text).writerows([header, *kept])
+            write_atomic(self.metrics_file_path, text.getvalue())
 
 
 class ResumableCSVLogger(CSVLogger):

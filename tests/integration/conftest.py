@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
-from slurm_helpers import REPO, cancel_orphaned_test_jobs, claim_session, job_name  # noqa: F401  (tests/integration is on sys.path)
+from slurm_helpers import REPO, cancel_orphaned_test_jobs, claim_session, job_name, wait_nodes_usable  # noqa: F401  (tests/integration is on sys.path)
 
 from launcher.cli import main
 from launcher.context import Context
@@ -83,7 +83,7 @@ def slurm_cluster():
     if orphans:
         print(f"cancelled {len(orphans)} job(s) of test sessions that are gone: "
               + ", ".join(f"{j.job_id} {j.name}" for j in orphans))
-        cluster.wait_nodes_idle(60)
+        wait_nodes_usable(60)
     yield layout
     lease.unlink(missing_ok=True)
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from launcher import rehearsal
 from launcher.core import slurm
-from launcher.core.errors import UserError
+from launcher.core.errors import SlurmUnavailable, UserError
+from launcher.localcluster import cluster
+from launcher.localcluster.config import NODES, Layout
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"completed", "cancelled", "failed", "timeout", "preempted"}
@@ -230,3 +232,22 @@ def _why_waiting(job_id: str) -> str:
         return ""
     return (f"; reason {info.get('Reason', '?')}, nodes {info.get('ReqNodeList', '?')}; other active jobs: "
             + ("; ".join(others) or "none"))
+
+
+def wait_nodes_usable(timeout: float = 60.0, layout: Layout | None = None) -> None:
+    """Block until both nodes of the local cluster are usable (after a test ran a job that drained
+    one, or cancelled another session's jobs)."""
+    deadline = time.monotonic() + timeout
+    with cluster.own_conf(layout or Layout.default()):
+        while True:
+            try:
+                states = {n.name: n.state for n in slurm.nodes(timeout=10)}
+            except (SlurmUnavailable, UserError):
+                states = {}
+            if all(states.get(n, "").rstrip("*~#") in {"idle", "mix", "alloc", "comp"}
+                   and not states.get(n, "").endswith("*") for n in NODES):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nodes {', '.join(NODES)} are not usable after {timeout:.0f} s: {states}; "
+                                   "see `lmlaunch cluster status`")
+            time.sleep(0.5)

@@ -11,7 +11,7 @@ import re
 import time
 from pathlib import Path
 
-from slurm_helpers import REPO, SMALL_MODEL, faults, pace, wait_terminal
+from slurm_helpers import REPO, SMALL_MODEL, faults, pace, wait_nodes_usable, wait_terminal
 
 from launcher import runs
 from launcher.core import slurm
@@ -116,7 +116,7 @@ def test_controller_down_then_restarted_submit_refused_running_job_survives_stat
     assert trained[-1]["reason"] == "completed" and trained[-1]["end_step"] == 60, ledger
     assert [e["start_step"] for e in ledger if e["event"] == "start"][0] == 0
     assert all(e["start_step"] > 0 for e in ledger if e["event"] == "start" and e["attempt"] > 1), ledger
-    cluster.wait_nodes_idle(60)
+    wait_nodes_usable(60)
     after = cli("status", run_name, "--json")
     assert after.code == 0, after.err
     assert job_id in after.out and "completed" in after.out.lower()

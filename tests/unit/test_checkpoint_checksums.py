@@ -38,10 +38,15 @@ OVERRIDES = [
     "optim.warmup_steps=2",
 ]
 MAX_STEPS = 9
-# the file of rank 1's share that holds its weights: FSDP2's DCP shard, ZeRO-3's fp32 master partition
+# the file that holds weights, in rank 1's share where the strategy shards them: DDP's one
+# Lightning file (rank 0 writes it), FSDP2's DCP shard, ZeRO's fp32 master partition of rank 1
+ZERO_PARTITION = "lightning.ckpt/checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"
 DAMAGED = {
-    "fsdp": ("trainer.strategy=fsdp", "lightning.ckpt/__1_0.distcp"),
-    "zero3": ("trainer.strategy=deepspeed", "lightning.ckpt/checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    "ddp": (["trainer.strategy=ddp"], "lightning.ckpt"),
+    "fsdp": (["trainer.strategy=fsdp"], "lightning.ckpt/__1_0.distcp"),
+    "zero1": (["trainer.strategy=deepspeed", "trainer.zero_stage=1"], ZERO_PARTITION),
+    "zero2": (["trainer.strategy=deepspeed", "trainer.zero_stage=2"], ZERO_PARTITION),
+    "zero3": (["trainer.strategy=deepspeed", "trainer.zero_stage=3"], ZERO_PARTITION),
 }
 
 
@@ -92,7 +97,7 @@ def test_a_damaged_file_of_the_same_size_is_named_and_the_mark_makes_the_checkpo
 
 
 def _plan(repo: Path, name: str, strategy: str):
-    overrides = [*OVERRIDES, DAMAGED[strategy][0]] + (["trainer.zero_stage=3"] if strategy == "zero3" else [])
+    overrides = [*OVERRIDES, *DAMAGED[strategy][0]]
     return prepare_local_run(
         str(repo / "jobs" / "tiny-cpu.yaml"), overrides, devices=2, max_steps=MAX_STEPS, name=name,
         environ=dict(os.environ), say=lambda *_: None,
