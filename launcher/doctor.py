@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher import runtime_stack
 from launcher.core import jsonlines, rundir, slurm
 from launcher.core.checkpoint_index import checkpoint_bytes
 from launcher.core.errors import UserError
@@ -281,6 +282,11 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     if job_script is not None:
         checks += job_script_checks(plan, job_script)
 
+    lacking = runtime_stack.missing()
+    if lacking is not None:  # a CLI-only install: the model is checked where the training stack is
+        checks.append(Check("model", WARN, f"not built here: {lacking} is not installed in this environment "
+                                           f"({runtime_stack.INSTALL}); run doctor where the jobs run"))
+        return checks
     from lmtrain.model import parameter_count  # torch and transformers: this command only
 
     job = plan.job_spec()

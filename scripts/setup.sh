@@ -68,8 +68,8 @@ if ! DS_ACCELERATOR=cpu "$PY" -c "import importlib, sys; t = importlib.import_mo
 fi
 stamp="$VENV/.lmlaunch-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  log "installing lmlaunch (editable) with dev extras"
-  "$PY" -m pip install -q -e ".[dev]"
+  log "installing lmlaunch (editable) with the training stack and the dev extras"
+  "$PY" -m pip install -q -e ".[runtime,dev]"
   touch "$stamp"
 fi
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from launcher import runtime_stack
 from launcher.context import Context
 from launcher.core.errors import ExitCode, UserError
 
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def _prepare(args: argparse.Namespace, ctx: Context) -> int:
+    runtime_stack.require("data prepare", ("numpy",) + (("transformers",) if args.tokenizer else ()))
     from lmtrain.prepare import prepare, shipped_corpus_files
 
     if args.shipped_corpus and args.inputs:
@@ -82,6 +84,7 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def _info(args: argparse.Namespace, ctx: Context) -> int:
+    runtime_stack.require("data info", ("numpy",))
     from lmtrain.prepare import read_meta
 
     m = read_meta(args.dir, verify_checksum=args.verify)

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from launcher import runs
+from launcher import runs, runtime_stack
 from launcher.context import Context
 from launcher.core import rundir
 from launcher.core.checkpoint_index import (
@@ -46,6 +46,7 @@ def _newest_intact(run_dir: Path, ckpts: list[CompleteCheckpoint], ctx: Context)
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    runtime_stack.require("export")  # torch and transformers read and write the weights
     run_dir = _run_dir(args.run, ctx)
     plan = json.loads((run_dir / rundir.PLAN).read_text())
     ckpt_dir = rundir.checkpoint_dir_of(run_dir)

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from launcher import lifecycle
+from launcher import lifecycle, runtime_stack
 from launcher.context import Context
 from launcher.core.errors import UserError
 from launcher.core.planner import make_plan
@@ -128,6 +128,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError(
             "`lmlaunch run` runs on this machine and needs --local; to run on SLURM use `lmlaunch submit`"
         )
+    runtime_stack.require("run --local")
     plan = prepare_local_run(
         args.spec, args.overrides, devices=args.devices, max_steps=args.max_steps, name=args.name,
         environ=ctx.environ, new=args.new, resume=args.resume, new_code=args.new_code, gpus=args.gpus, say=ctx.out,

@@ -34,7 +34,8 @@ from launcher.core.text_rules import (
 from launcher.core.validation import format_validation_error
 from launcher.core.yamlio import load_yaml_file
 
-REPO_PROFILES = Path(__file__).resolve().parents[2] / "cluster_profiles"
+REPO_PROFILES = Path(__file__).resolve().parents[2] / "cluster_profiles"  # a checkout (editable install)
+SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "cluster_profiles"  # the same files in an installed wheel
 
 
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
@@ -274,7 +275,7 @@ def profile_dirs(environ: Mapping[str, str] | None = None) -> list[Path]:
     if extra:
         dirs.extend(Path(p) for p in extra.split(os.pathsep) if p)
     dirs.append(user_profiles_dir(env))
-    dirs.append(REPO_PROFILES)
+    dirs.append(REPO_PROFILES if REPO_PROFILES.is_dir() else SHIPPED_PROFILES)
     return dirs
 
 
