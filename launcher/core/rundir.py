@@ -33,6 +33,7 @@ CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may na
 LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.snapshot, PYTHONPATH in the plan)
 ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment_record)
+HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report (lmtrain.watchdog)
 LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
 TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (core.task_records; lmlaunch stacks)
 
@@ -281,7 +282,7 @@ class RunLayout:
         """``run --local``: each rank's own stdout and stderr (lmtrain.local)."""
         return self.logs / "local"
 
-    def rank_log(self, attempt: int, rank: int) -> Path:
+    def rank_log(self, attempt: int, rank: int | str) -> Path:
         return self.attempt_logs(attempt) / f"rank-{rank}.log"
 
     def environment(self, attempt: int) -> Path:
@@ -295,7 +296,7 @@ class RunLayout:
         return self.attempt_logs(attempt) / f"stacks-rank-{rank}.txt"
 
     def hang_marker(self, attempt: int, rank: int | str) -> Path:
-        return self.attempt_logs(attempt) / f"hang-rank-{rank}.json"
+        return self.attempt_logs(attempt) / HANG_MARKER.format(rank=rank)
 
     def task_record(self, job_id: str, restart_count: int, rank: int) -> Path:
         return self.logs / TASK_RECORD.format(job_id=job_id, restart_count=restart_count, rank=rank)

@@ -379,7 +379,8 @@ def ensure_hosts(say: Say) -> None:
         f.write(f"127.0.0.1 {' '.join(NODES)}  {HOSTS_MARKER}\n")
 
 
-def _nodes_ready() -> bool:
+def nodes_ready() -> bool:
+    """Both nodes usable: idle, mixed, allocated or completing, and none unresponsive (``*``)."""
     try:
         info = {n.name: n.state for n in slurm.nodes(timeout=10)}
     except (SlurmUnavailable, UserError):
@@ -406,12 +407,12 @@ def ensure_slurmd(layout: Layout, say: Say) -> None:
         run_checked([_which("slurmd") or "slurmd", "-N", n, "-f", str(layout.slurm_conf)], f"slurmd {n}", env=_conf_env(layout))
     log = layout.log / "slurmd-n1.log"
     try:
-        wait_until(_nodes_ready, 60, "nodes n1 and n2 (idle in sinfo)", log, poll=0.5)
+        wait_until(nodes_ready, 60, "nodes n1 and n2 (idle in sinfo)", log, poll=0.5)
     except ClusterError:
         # nodes left DOWN/DRAIN by an earlier crash: resume them once and wait again
         for n in NODES:
             slurm.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], check=False)
-        wait_until(_nodes_ready, 30, "nodes n1 and n2 (idle in sinfo)", log, poll=0.5)
+        wait_until(nodes_ready, 30, "nodes n1 and n2 (idle in sinfo)", log, poll=0.5)
 
 
 # --------------------------------------------------------------------------- up / down / status
@@ -448,7 +449,7 @@ def is_up(layout: Layout) -> bool:
     if not all(running_from_pidfile(p) for p in daemons.values()):
         return False
     with own_conf(layout):
-        return slurm.ping(timeout=5) and _nodes_ready()
+        return slurm.ping(timeout=5) and nodes_ready()
 
 
 def up(

@@ -152,6 +152,7 @@ def notify_end(notifier: Any, plan: Any, outcome: Any, attempt: int) -> None:
         notifier.send("requeued", f"requeued after {reason}: the next attempt resumes from the newest checkpoint",
                       **facts)
     elif reason not in ("completed", "preempted", "timeout", "cancelled", "hang"):
-        logs = sorted(RunLayout.of_plan(plan).attempt_logs(attempt).glob("rank-*.log"))
+        layout = RunLayout.of_plan(plan)
+        logs = sorted(layout.attempt_logs(attempt).glob(layout.rank_log(attempt, "*").name))
         notifier.send("failed", f"attempt {attempt} failed ({reason}) at step {step}: {detail[:300]}",
                       **facts, log_tail=last_lines(logs))

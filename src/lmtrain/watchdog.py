@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from launcher.core.atomic import write_private
-from launcher.core.rundir import RunLayout
+from launcher.core.rundir import HANG_MARKER, RunLayout
 from lmtrain import faults
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class ProgressWatchdog:
         than 0 waits (up to the grace time) for rank 0's report, so that rank 0's own watchdog,
         not a broken collective, writes the ledger line."""
         deadline = time.monotonic() + (self.grace_s if self.rank != 0 else LINGER_S)
-        rank0 = self.marker_file.with_name(RunLayout.of(".").hang_marker(0, 0).name)
+        rank0 = self.marker_file.with_name(HANG_MARKER.format(rank=0))
         time.sleep(min(LINGER_S, self.grace_s))
         while self.rank != 0 and not rank0.exists() and time.monotonic() < deadline:
             time.sleep(0.2)

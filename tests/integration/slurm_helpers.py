@@ -14,7 +14,7 @@ from pathlib import Path
 
 from launcher import rehearsal
 from launcher.core import slurm
-from launcher.core.errors import SlurmUnavailable, UserError
+from launcher.core.errors import UserError
 from launcher.localcluster import cluster
 from launcher.localcluster.config import NODES, Layout
 
@@ -239,15 +239,8 @@ def wait_nodes_usable(timeout: float = 60.0, layout: Layout | None = None) -> No
     one, or cancelled another session's jobs)."""
     deadline = time.monotonic() + timeout
     with cluster.own_conf(layout or Layout.default()):
-        while True:
-            try:
-                states = {n.name: n.state for n in slurm.nodes(timeout=10)}
-            except (SlurmUnavailable, UserError):
-                states = {}
-            if all(states.get(n, "").rstrip("*~#") in {"idle", "mix", "alloc", "comp"}
-                   and not states.get(n, "").endswith("*") for n in NODES):
-                return
+        while not cluster.nodes_ready():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nodes {', '.join(NODES)} are not usable after {timeout:.0f} s: {states}; "
+                raise TimeoutError(f"nodes {', '.join(NODES)} are not usable after {timeout:.0f} s; "
                                    "see `lmlaunch cluster status`")
             time.sleep(0.5)
