@@ -14,11 +14,18 @@ and ``deepspeed.json`` are exactly what the Trainer gets:
   for key. On CPUs (``DS_ACCELERATOR=cpu``, gloo) three CUDA-only assumptions of Lightning's
   strategy are overridden in :class:`CPUDeepSpeedStrategy` (verified with lightning 2.6,
   deepspeed 0.19: ZeRO 1, 2 and 3 train, save their sharded checkpoint and resume).
+  Both DeepSpeed strategies start the engine with DeepSpeed's Muon kernels compiled on first
+  use (:func:`import_muon_compiled_on_first_use`): lmtrain's optimizer is AdamW, and compiling
+  them at import cost every rank of every attempt 1.5 s of CPU.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +61,56 @@ class DirectCheckpointIO(TorchCheckpointIO):
             save_streamed(checkpoint, f)  # the disk writes while torch serialises
 
 
-class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_compiled_on_first_use() -> None:
+    """Import DeepSpeed's Muon optimizer with its kernels compiled when first called, not at import.
+
+    Every ZeRO engine imports that module as it starts (to test the client optimizer against
+    Muon), and the module wraps three kernels in ``torch.compile`` at import, which loads torch's
+    inductor: 1.5 s of CPU on each rank of every attempt, for an optimizer lmtrain never builds
+    (its optimizer is AdamW). Imported here first, with DeepSpeed's ``compiler.compile`` giving a
+    wrapper that calls ``torch.compile`` on the first call, the module is the same to every later
+    import and no kernel is compiled unless one runs. Nothing else is changed: DeepSpeed's
+    ``compile`` is put back. A process that already imported the module keeps it."""
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    at_import = compiler.compile
+    compiler.compile = _compiled_on_first_call
+    try:
+        importlib.import_module(MUON_MODULE)
+    finally:
+        compiler.compile = at_import
+
+
+def _compiled_on_first_call() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        compiled: Callable[..., Any] | None = None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = torch.compile(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return decorate
+
+
+class LmDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy whose engine starts without compiling Muon's kernels."""
+
+    def init_deepspeed(self) -> None:
+        import_muon_compiled_on_first_use()
+        super().init_deepspeed()
+
+
+class CPUDeepSpeedStrategy(LmDeepSpeedStrategy):
     """DeepSpeedStrategy on CPU processes (DeepSpeed's CPU accelerator, gloo).
 
     Lightning's strategy assumes CUDA in three places; each override replaces one of them:
@@ -145,7 +201,7 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
             return CPUDeepSpeedStrategy(
                 config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
             )
-        return DeepSpeedStrategy(
+        return LmDeepSpeedStrategy(
             config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
         )
     raise RuntimeError(f"unknown strategy '{name}' in plan.json (allowed: ddp, fsdp, deepspeed)")
