@@ -15,11 +15,13 @@ heartbeat line says how long training was held (``blocked_s``) and how long unti
 Goals, with every file's checksum computed (lmtrain.checkpoint.checksums, always on): **blocked <= 1.5x a
 bare copy of the staged bytes into host memory** (the median ``blocked_s`` of the background saves
 after the first, which allocates the host buffers and is listed apart, over
-``baseline_host_copy_s``: the checkpoint's bytes, or one rank's half of them for a sharded strategy,
-copied into host memory touched before, median of 3: the least a consistent snapshot can hold
-training. A sharded strategy's ranks stage their shares at the same moment and share the host's
-memory bandwidth, so its floor is every rank copying its share at once, in processes of its own
-(``host_copy_all_ranks_seconds``; one rank alone is printed as ``baseline_host_copy_one_rank_s``); the ratio to the synchronous save's call is still printed) and **durable <= 1.15x dd** (the synchronous save's ``seconds`` — nothing
+``baseline_host_copy_s``: the checkpoint's bytes, or for a sharded strategy the bytes of the files
+each rank writes (``staged_bytes_by_rank``: ZeRO-1/2's rank 0 also writes the module state,
+``mp_rank_00_model_states.pt``), copied into host memory touched before, median of 3: the least a
+consistent snapshot can hold training. A sharded strategy's ranks stage their shares at the same
+moment and share the host's memory bandwidth, so its floor is every rank copying its own bytes at
+once, in processes of its own, the slowest rank's time (``host_copy_all_ranks_seconds``; an even
+half copied by one rank alone is printed as ``baseline_host_copy_one_rank_s``); the ratio to the synchronous save's call is still printed) and **durable <= 1.15x dd** (the synchronous save's ``seconds`` — nothing
 else runs then; from the save's start to its COMPLETE marker, fsynced: the deletion of the
 checkpoint it supersedes comes after and is listed apart as ``sync_save_call_s`` — over dd's
 median of 3). The background saves' durable times are listed too:
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -169,17 +172,30 @@ print(time.perf_counter() - t0, flush=True)
 """
 
 
-def host_copy_all_ranks_seconds(nbytes: int, ranks: int) -> float:
-    """The floor of a sharded strategy's snapshot: every rank copies its own ``nbytes`` into host
-    memory touched before, all at the same moment (as the ranks stage their shares: on one host
-    they share its memory bandwidth), each in a process of its own; the slowest rank's seconds."""
+def staged_bytes_by_rank(ckpt: Path, ranks: int) -> list[int]:
+    """The bytes of the files each rank of a sharded checkpoint writes (and so stages): DeepSpeed's
+    ``zero_pp_rank_R_...`` and DCP's ``__R_0.distcp`` are rank R's; the rest (ZeRO-1/2's module
+    state ``mp_rank_00_model_states.pt``, DCP's ``.metadata``, ``meta.pt``, ``latest``) rank 0's."""
+    out = [0] * ranks
+    for f in ckpt.rglob("*"):
+        if f.is_file():
+            m = re.search(r"zero_pp_rank_(\d+)_|^__(\d+)_\d+\.distcp$", f.name)
+            out[int(next(g for g in m.groups() if g is not None)) if m else 0] += f.stat().st_size
+    return out
+
+
+def host_copy_all_ranks_seconds(nbytes: list[int]) -> float:
+    """The floor of a sharded strategy's snapshot: every rank copies its own bytes (``nbytes[r]``)
+    into host memory touched before, all at the same moment (as the ranks stage their shares: on
+    one host they share its memory bandwidth), each in a process of its own; the slowest rank's
+    seconds."""
     import subprocess
     import sys
 
     with tempfile.TemporaryDirectory() as d:
         go = Path(d) / "go"
-        procs = [subprocess.Popen([sys.executable, "-c", _COPY_AT_ONCE, str(nbytes), str(go)],
-                                  stdout=subprocess.PIPE, text=True) for _ in range(ranks)]
+        procs = [subprocess.Popen([sys.executable, "-c", _COPY_AT_ONCE, str(n), str(go)],
+                                  stdout=subprocess.PIPE, text=True) for n in nbytes]
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         go.touch()
@@ -208,12 +224,14 @@ def run(params: str, steps: int, work_root: str | None, strategy: str = "ddp") -
         size = sum(f.stat().st_size for f in ckpt_file.rglob("*") if f.is_file()) if sharded else ckpt_file.stat().st_size
         dd = median_of(3, lambda: dd_seconds(work / "dd.bin", size))
         plain = None if sharded else median_of(3, lambda: torch_save_seconds(ckpt_file, work / "plain.pt"))
-        # what one rank stages: DDP's rank 0 the whole state; a sharded strategy's every rank its share
+        # what one rank stages: DDP's rank 0 the whole state; a sharded strategy's every rank the
+        # bytes of its own files (ZeRO-1/2's rank 0 the module state besides its share)
         staged = size // 2 if sharded else size
+        by_rank = staged_bytes_by_rank(ckpt_file, 2) if sharded else [size]
         one_rank = statistics.median(host_copy_seconds(staged) for _ in range(3))
         # the floor: DDP's rank 0 alone stages (the whole state); a sharded strategy's ranks all
-        # stage their shares at once, sharing the host's memory bandwidth
-        floor = statistics.median(host_copy_all_ranks_seconds(staged, 2) for _ in range(3)) if sharded else one_rank
+        # stage their own bytes at once, sharing the host's memory bandwidth
+        floor = statistics.median(host_copy_all_ranks_seconds(by_rank) for _ in range(3)) if sharded else one_rank
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # the first background save allocates the host buffers (page faults of 1.5 GB); later ones reuse them
@@ -239,7 +257,8 @@ def run(params: str, steps: int, work_root: str | None, strategy: str = "ddp") -
         "dd_gb_s": round(size / dd / 1e9, 3),
         "baseline_host_copy_s": round(floor, 3),  # the staged bytes copied into touched host memory, every staging rank at once
         "baseline_host_copy_one_rank_s": round(one_rank, 3),  # one rank's share copied with nothing beside it
-        "staged_bytes_per_rank": staged,
+        "staged_bytes_per_rank": staged,  # an even half (sharded) or the whole state (DDP)
+        "staged_bytes_by_rank": by_rank,  # the bytes of the files each rank writes: the floor's copies
         "blocked_ratio_to_host_copy": round(blocked / floor, 3),
         "blocked_ratio_to_sync": round(blocked / sync_call, 4),
         "durable_ratio_to_dd": round(sync / dd, 3),

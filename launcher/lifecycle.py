@@ -23,7 +23,13 @@ from typing import Any
 from launcher import runs, snapshot
 from launcher.core import rundir
 from launcher.core.atomic import write_private
-from launcher.core.checkpoint_index import describe_choice, newest_complete, scan
+from launcher.core.checkpoint_index import (
+    CompleteCheckpoint,
+    ResumeChoice,
+    choose_for_resume,
+    newest_complete,
+    scan,
+)
 from launcher.core.errors import UserError
 from launcher.core.lr_schedule import extension_note
 from launcher.core.plan import LaunchPlan
@@ -163,7 +169,8 @@ def plan_opening(
     if resume and not run_dir.is_dir():
         raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; start it without --resume")
     code_changes = None
-    starting_point = resume_point(plan) if resume else None
+    choice = choose_for_resume(plan.paths.checkpoint_dir) if resume else None
+    starting_point = resume_point(plan, choice) if choice else None
     if resume:
         old = snapshot.read(run_dir)
         if old is not None:
@@ -182,8 +189,8 @@ def plan_opening(
         raise UserError("--new-code goes with --resume (a new run always takes the current code)")
     return Opening(
         plan=plan, new=new, resume=resume, record=record,
-        continuation=continuation_note(plan) if resume else None,
-        reshard=resume_note(plan) if resume else None,
+        continuation=continuation_note(plan, choice.chosen if choice else None) if resume else None,
+        reshard=resume_note(plan, choice.chosen if choice else None) if resume else None,
         code_changes=code_changes,
         notes=[starting_point] if starting_point else [],
     )
@@ -204,37 +211,39 @@ def note_cancel(run_dir: Path, *, user: str, job_ids: list[str], now: float) -> 
     )
 
 
-def resume_point(plan: LaunchPlan) -> str:
-    """What ``--resume`` starts from, and why: the newest complete checkpoint (newer step directories
-    that are incomplete are named with their reason), or step 0 for a run that never trained (nothing
-    to lose). A run that trained but has no complete checkpoint is an error that says so, before
-    anything is changed or submitted: its first attempt would train from step 0 over its step
-    directories and its ledger, which only ``--new`` (archiving the old directory) may do."""
+def resume_point(plan: LaunchPlan, choice: ResumeChoice | None = None) -> str:
+    """What ``--resume`` starts from, and why: the newest complete checkpoint whose files match
+    their checksums (:func:`choose_for_resume`: newer step directories that are incomplete or
+    damaged are named with their reason), or step 0 for a run that never trained (nothing to lose).
+    A run that trained but has no usable checkpoint is an error that says so, before anything is
+    changed or submitted: its first attempt would train from step 0 over its step directories and
+    its ledger, which only ``--new`` (archiving the old directory) may do."""
     ckpt_dir, name = plan.paths.checkpoint_dir, plan.run_name
-    found, skipped = scanned = scan(ckpt_dir)
-    if found:
-        return f"resuming from {describe_choice(ckpt_dir, found[-1], scanned=scanned)}"
+    choice = choice or choose_for_resume(ckpt_dir)
+    if choice.chosen is not None:
+        return f"resuming from {choice.why}"
+    found, skipped = scan(ckpt_dir)  # step directories, none usable: something would be trained over
     done, _ = rundir.read_done_step(plan.paths.run_dir)
     ledger = rundir.Ledger(Path(plan.paths.run_dir) / rundir.LEDGER).attempts()
     trained = max((a.end_step or 0 for a in ledger), default=0)
-    if not (skipped or done or trained):
+    if not (found or skipped or done or trained):
         return f"run '{name}' has no checkpoint and never trained past step 0: it starts at step 0"
     what = f"it trained to step {trained}" if trained else "it trained"
     raise UserError(
-        f"run '{name}' has nothing to resume from: {what} but {describe_choice(ckpt_dir, scanned=scanned)} in {ckpt_dir}, "
+        f"run '{name}' has nothing to resume from: {what} but {choice.why} in {ckpt_dir}, "
         f"so --resume would train from step 0 over its step directories. Start over with --new (the old "
         f"run directory is kept as {name}.archived-<time>), or give this run another name (override: name=<new name>)"
     )
 
 
-def continuation_note(plan: LaunchPlan) -> str | None:
+def continuation_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str | None:
     """For a resume of a run that finished (DONE): what continuing it to the plan's max_steps
     means (None when it did not finish). A finished run whose max_steps is not raised has
     nothing to train: an error, before anything is submitted."""
     done, step = rundir.read_done_step(plan.paths.run_dir)
     if not done:
         return None
-    ckpt = newest_complete(plan.paths.checkpoint_dir)
+    ckpt = ckpt or newest_complete(plan.paths.checkpoint_dir)
     if ckpt is not None:
         step = ckpt.step  # where it continues from (DONE's step may name a checkpoint that is not complete)
     new_max = plan.trainer.max_steps
@@ -252,11 +261,11 @@ def continuation_note(plan: LaunchPlan) -> str | None:
     return extension_note(old_optim, plan.spec["optim"], step=step, old_max_steps=old_max, new_max_steps=new_max)
 
 
-def resume_note(plan: LaunchPlan) -> str | None:
-    """What resuming the newest complete checkpoint at this plan's topology means, or None when
-    there is none. A checkpoint of another strategy cannot be resumed: an error, before anything
+def resume_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str | None:
+    """What resuming ``ckpt`` (default: the newest complete checkpoint) at this plan's topology
+    means, or None when there is none. A checkpoint of another strategy cannot be resumed: an error, before anything
     is submitted (each strategy has its own checkpoint format)."""
-    ckpt = newest_complete(plan.paths.checkpoint_dir)
+    ckpt = ckpt or newest_complete(plan.paths.checkpoint_dir)
     if ckpt is None:
         return None
     try:

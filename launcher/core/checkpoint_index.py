@@ -50,6 +50,10 @@ LATEST_NAME = "latest"
 # written (lmtrain.checkpoint.checksums) at memory speed (a cryptographic hash would hold a stop-time save).
 CHECKSUM_ALGORITHM = "xxh3_128"
 _READ = 8 << 20
+# How much of a checkpoint `--resume` reads on the login node to check its checksums before
+# submitting (about 4 s at 2 GB/s); a larger one is checked by the job's ranks as they load it,
+# each its share in parallel, falling back the same way.
+LOGIN_VERIFY_BYTES = 8 << 30
 # Bytes per parameter of a checkpoint with AdamW: fp32 weights + two fp32 moments (DDP, FSDP);
 # DeepSpeed also keeps the fp32 master copy beside bf16/fp16 module weights.
 BYTES_PER_PARAM = {"ddp": 12, "fsdp": 12, "deepspeed_mixed": 14, "deepspeed_fp32": 12}
@@ -161,6 +165,46 @@ def newest_intact(found: list[CompleteCheckpoint],
             return ckpt
         passed_over(ckpt, problems)
     return None
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint a resume starts from (None: no usable one) and the one line why."""
+
+    chosen: CompleteCheckpoint | None
+    why: str
+
+
+def choose_for_resume(ckpt_dir: str | Path, *, verify_up_to: int = LOGIN_VERIFY_BYTES) -> ResumeChoice:
+    """The newest complete checkpoint whose files match their checksums, checked here newest first
+    while ``verify_up_to`` bytes allow; each newer one that does not is said with what is wrong.
+    Past that budget the choice is the newest complete one not yet read, and the line says that its
+    ranks check it as they load it. No usable checkpoint: ``chosen`` is None and ``why`` says why."""
+    scanned = scan(ckpt_dir)
+    found = scanned[0]
+    if not found:
+        return ResumeChoice(None, describe_choice(ckpt_dir, scanned=scanned))
+    budget, failed = verify_up_to, []
+    for ckpt in reversed(found):
+        size = ckpt.size_bytes()
+        if manifest_checksums(ckpt.path) is None:
+            how = "written without checksums (an older lmtrain): its sizes were checked"
+        elif size > budget:
+            how = (f"its {size / 1e9:.1f} GB are checked against their checksums by the ranks as they load it; "
+                   "a file that differs makes it fall back to the previous one")
+        else:
+            budget -= size
+            problems = verify(ckpt.path)
+            if problems:
+                failed.append(f"passed over {ckpt.path.name}: its files do not hold what was written "
+                              f"({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})")
+                continue
+            how = "its files match their checksums"
+        base = describe_choice(ckpt_dir, ckpt, scanned=scanned)
+        if failed:
+            base = base.replace("(as asked", "(the newest whose files match", 1)
+        return ResumeChoice(ckpt, base[:-1] + "; " + "; ".join([*failed, how]) + ")")
+    return ResumeChoice(None, "no checkpoint whose files match their checksums (" + "; ".join(failed) + ")")
 
 
 def shares(path: Path, world_size: int) -> list[list[str]]:

@@ -87,6 +87,7 @@ def _check_export(runs_root: Path, run_dir: str, trained: dict[str, torch.Tensor
     assert generated.shape == (1, 12) and int(generated.max()) < VOCAB, generated
 
     summary = json.loads((out / "lmlaunch_export.json").read_text())
+    assert summary["parameters"] == sum(p.numel() for p in model.parameters()), summary  # tied weights once
     auto = AutoTokenizer.from_pretrained(out)
     documented = [auto] if not summary["tokenizer_problems"] else [PreTrainedTokenizerFast.from_pretrained(out)]
     for problem in summary["tokenizer_problems"]:  # said in the export's output, with the line that works

@@ -1,5 +1,6 @@
 """Which checkpoint a resume or an export uses, and why (launcher.core.checkpoint_index.scan /
-describe_choice, launcher.lifecycle.resume_point): a resume with no usable checkpoint says so and
+describe_choice, choose_for_resume, launcher.lifecycle.resume_point): a resume reads the checksums
+of the checkpoint it would start from (a damaged one is passed over, named); with no usable checkpoint it says so and
 asks for --new instead of training from step 0 over the old step directories; a skipped newer
 step directory is named with its reason; the continuation notice gives the step it really
 continues from; a copied run directory reads its own checkpoints; a checkpoint file that cannot be
@@ -16,7 +17,14 @@ import pytest
 
 from launcher import lifecycle, runs
 from launcher.core import rundir
-from launcher.core.checkpoint_index import complete_checkpoints, describe_choice, scan
+from launcher.core.checkpoint_index import (
+    CHECKSUM_ALGORITHM,
+    choose_for_resume,
+    complete_checkpoints,
+    describe_choice,
+    file_digest,
+    scan,
+)
 from launcher.core.errors import UserError
 from launcher.resolve import resolve
 
@@ -80,8 +88,52 @@ def test_a_resume_names_the_checkpoint_it_starts_from_and_the_newer_ones_it_skip
     opening = lifecycle.plan_opening(plan, resume=True)
     assert opening.notes[0] == (
         "resuming from step-10 (the newest complete checkpoint; skipped step-20: no COMPLETE marker "
-        "(its save did not finish))"
+        "(its save did not finish); written without checksums (an older lmtrain): its sizes were checked)"
     )
+
+
+def _summed(ckpt_dir: Path, step: int, size: int = 100) -> Path:
+    """A step directory whose COMPLETE records its files' sizes and checksums, as lmtrain writes it."""
+    d = _step(ckpt_dir, step, manifest={"rank-0.pt": size})
+    (d / "rank-0.pt").write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    (d / "COMPLETE").write_text(json.dumps({"files": {"rank-0.pt": size}, "checksums": {
+        "algorithm": CHECKSUM_ALGORITHM, "files": {"rank-0.pt": file_digest(d / "rank-0.pt")}}}))
+    return d
+
+
+def test_a_resume_checks_the_checksums_and_starts_from_the_newest_checkpoint_that_holds_what_was_written(repo, tmp_path):
+    """Same-size damage passes the size check; --resume reads the checksums before submitting (up
+    to LOGIN_VERIFY_BYTES) and names the checkpoint it passes over, the file and why. Nothing is
+    changed: the job marks the damaged one as it loads."""
+    plan = _plan(repo, tmp_path)
+    lifecycle.plan_opening(plan).apply()
+    ckpts = Path(plan.paths.checkpoint_dir)
+    _summed(ckpts, 10)
+    damaged = _summed(ckpts, 20)
+    assert lifecycle.plan_opening(plan, resume=True).notes[0] == (
+        "resuming from step-20 (the newest complete checkpoint; its files match their checksums)")
+    with open(damaged / "rank-0.pt", "r+b") as f:  # zeroed in place: the size is unchanged
+        f.seek(40)
+        f.write(bytes(20))
+    before = {p: p.read_bytes() for p in Path(plan.paths.run_dir).rglob("*") if p.is_file()}
+    opening = lifecycle.plan_opening(plan, resume=True)
+    note = opening.notes[0]
+    assert note.startswith("resuming from step-10 (the newest whose files match; passed over step-20: its files do "
+                           "not hold what was written (rank-0.pt: xxh3_128 "), note
+    assert note.endswith("; its files match their checksums)"), note
+    assert {p: p.read_bytes() for p in Path(plan.paths.run_dir).rglob("*") if p.is_file()} == before
+    # past the budget, the ranks check it as they load it, and the line says so
+    far = choose_for_resume(ckpts, verify_up_to=50)
+    assert far.chosen is not None and far.chosen.step == 20
+    assert far.why.endswith("its 0.0 GB are checked against their checksums by the ranks as they load it; a file "
+                            "that differs makes it fall back to the previous one)"), far.why
+    # every checkpoint damaged: nothing to resume from, and --new is what starts over
+    with open(ckpts / "step-10" / "rank-0.pt", "r+b") as f:
+        f.write(bytes(10))
+    _end(Path(plan.paths.run_dir), 1, 20)
+    with pytest.raises(UserError, match=r"nothing to resume from: it trained to step 20 but no checkpoint whose files "
+                                        r"match their checksums \(passed over step-20: .*passed over step-10: .*--new"):
+        lifecycle.plan_opening(plan, resume=True)
 
 
 def test_a_resume_of_a_run_that_trained_but_has_no_complete_checkpoint_asks_for_new(repo, tmp_path):

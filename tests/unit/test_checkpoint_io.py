@@ -5,7 +5,10 @@ must hold all of it)."""
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -41,3 +44,56 @@ def test_the_ddp_strategy_uses_it(repo):
                           master_addr="127.0.0.1", master_port=29500, nodes=("h",), job_id="j", restart_count=0)
     strategy = build_strategy(plan, env)
     assert isinstance(strategy.checkpoint_io, DirectCheckpointIO)
+
+
+def _same(a, b, where: str = "") -> list[str]:
+    """Where two loaded checkpoint files differ (tensors by dtype, shape and value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+        return [] if ok else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if list(a) != list(b):
+            return [f"{where}: keys {sorted(set(a) ^ set(b))}"]
+        return [d for k in a for d in _same(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _same(x, y, f"{where}[{i}]")]
+    if type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, type):  # a loss scaler, say
+        return _same(vars(a), vars(b), where)
+    return [] if a == b else [where]
+
+
+@pytest.mark.slow
+def test_zero3_background_staging_writes_the_files_deepspeeds_own_save_writes(repo, runs_root):
+    """The staging skips DeepSpeed's partition/re-gather round trip around a ZeRO-3 save (the
+    persistent parameters' all-gathers held training) and saves the gathered parameters as the
+    placeholders DeepSpeed would have saved: every file holds what DeepSpeed's own save of the same
+    state holds, and the gathered parameters stay gathered."""
+    import sys
+
+    from launcher.commands.run import prepare_local_run
+    from lmtrain.local import launch
+
+    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"),
+                             ["model.config.n_layer=1", "model.config.n_embd=32", "model.config.n_head=2",
+                              "model.config.n_positions=32", "data.seq_len=32", "data.micro_batch_size=4",
+                              "trainer.global_batch_size=8", "trainer.val_check_interval=null",
+                              "trainer.strategy=deepspeed", "trainer.zero_stage=3"],
+                             devices=2, max_steps=3, name="zero3-twice", environ=dict(os.environ),
+                             say=lambda *_: None, resume=False)
+    run_dir = Path(plan.paths.run_dir)
+    helper = Path(__file__).with_name("_compare_zero_saves.py")
+    out = run_dir / "launcher.out"
+    assert launch(run_dir, 2, plan_env=plan.env, threads_per_proc=1, command=[sys.executable, "-u", str(helper), str(run_dir)],
+                  out=open(out, "w")) == 0, out.read_text()[-3000:]
+    facts = json.loads((run_dir / "cmp-facts.json").read_text())
+    assert facts == {"gathered": facts["gathered"], "still_gathered": True} and facts["gathered"] > 0, facts
+    ours = sorted(p.relative_to(run_dir / "cmp-staged") for p in (run_dir / "cmp-staged").rglob("*.pt"))
+    theirs = sorted(p.relative_to(run_dir / "cmp-deepspeed") for p in (run_dir / "cmp-deepspeed").rglob("*.pt"))
+    assert ours == theirs and len(ours) == 4, (ours, theirs)  # each rank: model states, optimizer states
+    for rel in ours:
+        a = torch.load(run_dir / "cmp-staged" / rel, map_location="cpu", weights_only=False)
+        b = torch.load(run_dir / "cmp-deepspeed" / rel, map_location="cpu", weights_only=False)
+        assert _same(a, b) == [], (rel, _same(a, b)[:5])

@@ -22,8 +22,10 @@ path)`` (TorchCheckpointEngine: ``torch.save``). During the staging :class:`Zero
 in for it around Lightning's ``trainer.save_checkpoint`` (so DeepSpeed's own collectives and
 barriers run on the training thread, as in a synchronous save): it copies each state into host
 memory instead of writing it, and the writer thread ``torch.save``s the copies as DeepSpeed would
-have (streamed to disk: lmtrain.checkpoint.shard_files). The files DeepSpeed writes itself (rank 0's ``latest``, ``zero_to_fp32.py``) are written
-during the staging; rank 0 fsyncs them with the rest before COMPLETE. Another checkpoint engine
+have (streamed to disk: lmtrain.checkpoint.shard_files). The files DeepSpeed writes itself (rank
+0's ``latest``, ``zero_to_fp32.py``) are written during the staging; rank 0 fsyncs them with the
+rest before COMPLETE. Under ZeRO-3 the staging skips DeepSpeed's partition/re-gather round trip of
+the persistent parameters and writes the same files (:func:`_gathered_parameters_saved_as_partitions`). Another checkpoint engine
 (DeepSpeed's fast, decoupled or DataStates writers) keeps its synchronous saves.
 
 FSDP2: the synchronous save of lmtrain.checkpoint.shard_files with only its DCP write moved: the same
@@ -38,10 +40,11 @@ The writer threads pass the fault points of a synchronous save (``checkpoint.wro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +158,8 @@ class ZeroStaging:
     def __init__(self, engine: Any, root: Path, stagers: dict[str, Stager]) -> None:
         self.engine, self.root, self.stagers = engine, root, stagers
         self.files: list[tuple[Path, Any]] = []
+        # module-state entries saved as DeepSpeed's partitioned placeholders (ZeRO-3, see below)
+        self.placeholders: dict[str, torch.dtype] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -166,6 +171,10 @@ class ZeroStaging:
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: Any, path: str) -> None:
+        module = state_dict.get("module") if isinstance(state_dict, dict) and self.placeholders else None
+        if isinstance(module, dict):
+            state_dict = {**state_dict, "module": type(module)(
+                (k, torch.empty(0, dtype=self.placeholders[k]) if k in self.placeholders else v) for k, v in module.items())}
         stager = self.stagers.setdefault(Path(path).relative_to(self.root).as_posix(), Stager())
         self.files.append((Path(path), stager.stage(state_dict)))
 
@@ -187,7 +196,8 @@ def _stage_zero(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
     staging = ZeroStaging(original, root, manager.stagers)
     engine.checkpoint_engine = staging
     try:
-        trainer.save_checkpoint(str(root))  # collective: DeepSpeed's barriers, its `latest` (rank 0)
+        with _gathered_parameters_saved_as_partitions(engine, staging):
+            trainer.save_checkpoint(str(root))  # collective: DeepSpeed's barriers, its `latest` (rank 0)
     finally:
         engine.checkpoint_engine = original
     zipfile = bool(getattr(original, "zipfile_serialization", True))  # TorchCheckpointEngine's torch.save
@@ -198,6 +208,38 @@ def _stage_zero(manager: Any, trainer: Any, root: Path) -> Callable[[], None]:
             save_file(staged, path, rank, _use_new_zipfile_serialization=zipfile)
 
     return write
+
+
+@contextlib.contextmanager
+def _gathered_parameters_saved_as_partitions(engine: Any, staging: ZeroStaging) -> Iterator[None]:
+    """ZeRO-3's save without its partition/re-gather round trip, same files.
+
+    DeepSpeed's save first partitions every gathered parameter (``checkpoint_event_prologue``: the
+    persistent ones, under ``stage3_param_persistence_threshold``, stay gathered between steps) so
+    that the module state it saves holds each parameter as its empty partitioned placeholder, then
+    all-gathers the persistent ones again (``checkpoint_event_epilogue``: one collective per
+    parameter on gloo, 0.05 s of a 0.17 s staging for GPT-2 124M). The weights themselves are
+    saved from the optimizer's partitions, which the round trip does not touch. Here the two events
+    are skipped and the staged module state gets the same placeholders (``torch.empty(0, dtype)``,
+    what DeepSpeed's ``free_param`` leaves) for the parameters that are gathered: the files are
+    the ones DeepSpeed writes, and the gathered parameters stay as they were."""
+    optimizer = engine.optimizer
+    if not (engine.zero_optimization_partition_weights() and hasattr(optimizer, "checkpoint_event_prologue")):
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    staging.placeholders = {name: p.dtype for name, p in engine.module.named_parameters(remove_duplicate=False)
+                            if getattr(p, "ds_status", None) not in (None, ZeroParamStatus.NOT_AVAILABLE)}
+    optimizer.checkpoint_event_prologue = optimizer.checkpoint_event_epilogue = _nothing
+    try:
+        yield
+    finally:
+        del optimizer.checkpoint_event_prologue, optimizer.checkpoint_event_epilogue  # the class's own again
+
+
+def _nothing() -> None:
+    return None
 
 
 # --- FSDP2 (DCP) ----------------------------------------------------------------------------
