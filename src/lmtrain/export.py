@@ -13,7 +13,6 @@ again; lmlaunch's byte tokenizer (ids 0..255 = UTF-8 bytes, 256 = ``<eos>``) is 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,6 @@ from launcher.core.checkpoint_index import CompleteCheckpoint
 from lmtrain.checkpoint.weights import model_state_dict
 from lmtrain.model import build_config
 from lmtrain.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
-
-log = logging.getLogger(__name__)
 
 
 def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Path) -> dict[str, Any]:
@@ -50,9 +47,8 @@ def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Pat
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer = save_tokenizer(plan["spec"]["data"]["path"], out)
+    # the caller says each problem once, with the directory named (`lmlaunch export` does)
     tokenizer_problems = check_tokenizer(plan["spec"]["data"]["path"], out, config.vocab_size)
-    for problem in tokenizer_problems:
-        log.warning("exported tokenizer: %s", problem)
     summary = {
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,
