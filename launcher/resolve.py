@@ -4,6 +4,7 @@ launcher.core.plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from launcher.core.profiles import Profile, check_slurm_path, expand_path, load_
 from launcher.core.spec import JobSpec
 from launcher.core.validation import located
 from launcher.jobfile import load_job_with_origin
+from launcher.model_check import check_model
 from launcher.runs import lmlaunch_home
 
 
@@ -66,7 +68,8 @@ def resolve(
     python: str | None = None,
 ) -> Resolved:
     """Load and validate the spec (with overrides), its profile, and plan the launch (excluding
-    the nodes the user's record for the profile names).
+    the nodes the user's record for the profile names); the model section is checked against the
+    installed transformers (launcher.model_check).
 
     Every problem names the spec file and, where it can, the line or override it came from.
     """
@@ -88,6 +91,9 @@ def resolve(
             spec, profile, runs_root=runs_root, python=profile.python_command(python or sys.executable),
             exclude=excluded_nodes.reasons(excluded),
         )
+        unchecked = check_model(spec.model, env)  # whatever validates builds (transformers' own rules)
+        if unchecked is not None:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
     except SpecError as exc:
         if exc.source is not None:
             raise

@@ -123,6 +123,23 @@ def attention_for(model_spec: ModelSpec | Mapping[str, Any], config: Any) -> str
     return wanted
 
 
+def check_model_spec(model_spec: ModelSpec | Mapping[str, Any]) -> None:
+    """What building the model checks, without building it: the config with its special token ids
+    (:func:`build_config`), the attention kernel (:func:`attention_for`) and the construction
+    itself on the meta device (no memory: a size the architecture cannot take fails here, in
+    transformers' words, naming the model section). ValueError, naming the setting."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(model_spec)
+    attn = attention_for(model_spec, config)
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    except Exception as exc:  # transformers' own error, whatever its type
+        raise ValueError(f"model.config: transformers cannot build {type(config).__name__} with it: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
 def parameter_count(model_spec: ModelSpec | Mapping[str, Any]) -> tuple[int, int]:
     """(parameters, vocab size) of the model the spec builds, without allocating it (meta device)."""
     from transformers import AutoModelForCausalLM

@@ -7,7 +7,11 @@ ZeRO-3 (whose init used to fail on a pad token's row): tests/unit/test_architect
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
+import yaml
 
 from lmtrain.model import attention_for, build_config
 
@@ -55,3 +59,65 @@ def test_the_known_model_types_are_the_installed_transformers_ones_without_impor
              "print(n, 'transformers' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)), "False", "False"]
+
+
+def _validate(repo, tmp_path, model: dict, name: str = "m") -> tuple[int, str]:
+    import io
+
+    from launcher.cli import main
+    from launcher.context import Context
+
+    spec = yaml.safe_load((repo / "jobs" / "tiny-cpu.yaml").read_text())
+    spec["model"] = model
+    spec["data"]["path"] = str(repo / "data" / "prepared" / "tiny")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = io.StringIO()
+    code = main(["validate", str(path)], Context(stdout=out, stderr=out, environ={
+        "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "XDG_CACHE_HOME": str(tmp_path / "cache")}))
+    return code, out.getvalue()
+
+
+def test_validate_refuses_a_model_section_transformers_cannot_build_naming_the_line(repo, tmp_path):
+    """Whatever validates builds: validate, dry runs and submit check the model section with the
+    runtime's own check (the config's token ids, the attention kernel, the construction on the meta
+    device), before anything is written or submitted, and name the line."""
+    from launcher import model_check
+
+    cases = {
+        "phi3-pad": ({"type": "phi3", "config": {"vocab_size": 260, "hidden_size": 32, "num_attention_heads": 2,
+                                                 "num_hidden_layers": 1, "intermediate_size": 64}},
+                     r"line \d+: model\.config\.pad_token_id is 32000 \(the default of phi3\), outside the vocabulary"),
+        "bloom-sdpa": ({"type": "bloom", "config": {"vocab_size": 260}, "attn_implementation": "sdpa"},
+                       r"line \d+: model\.attn_implementation is sdpa, which BloomForCausalLM does not support; "
+                       r"use auto or one of: eager"),
+        "bloom-heads": ({"type": "bloom", "config": {"vocab_size": 260, "hidden_size": 66, "n_head": 4}},
+                        r"line \d+: model\.config: transformers cannot build BloomConfig with it: ValueError: "
+                        r"`hidden_size` must be divisible by num_heads"),
+    }
+    for name, (model, expected) in cases.items():
+        code, text = _validate(repo, tmp_path, model, name)
+        assert code == 2 and re.search(expected, text), (name, text)
+        assert "[transformers]" not in text, text  # said once, by lmlaunch
+    assert not (tmp_path / "runs").exists()
+    code, text = _validate(repo, tmp_path, {"type": "bloom", "config": {"vocab_size": 260, "hidden_size": 64, "n_head": 4}})
+    assert code == 0 and text.startswith("ok:"), text
+    # the answers are kept per model section (and transformers version): the next command reads them
+    kept = sorted((tmp_path / "cache" / "lmlaunch" / "model-checks").glob("*.json"))
+    assert len(kept) == 4, kept
+    model_check._seen.clear()
+    for f in kept:  # a kept answer is what the next command says, without building anything
+        f.write_text(json.dumps({"problem": "model.config: (the kept answer)"}) + "\n")
+    code, text = _validate(repo, tmp_path, {"type": "bloom", "config": {"vocab_size": 260, "hidden_size": 64, "n_head": 4}})
+    assert code == 2 and "model.config: (the kept answer)" in text, text
+    model_check._seen.clear()
+
+
+def test_without_the_training_stack_the_model_check_is_left_to_doctor_and_said(repo, tmp_path, monkeypatch):
+    from launcher import model_check, runtime_stack
+
+    monkeypatch.setattr(runtime_stack, "missing", lambda packages=runtime_stack.TRAINING_STACK: "torch")
+    model_check._seen.clear()
+    code, text = _validate(repo, tmp_path, {"type": "phi3", "config": {"vocab_size": 260}})
+    assert code == 0 and "note: model section not checked against transformers here (torch is not installed" in text, text
+    assert "`lmlaunch doctor` checks it where the jobs run" in text

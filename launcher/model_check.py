@@ -1,0 +1,102 @@
+"""The model section checked against the installed transformers before anything is planned or
+submitted: whatever validates builds. transformers holds what only it knows (an architecture's
+default special token ids, which attention kernels its model class supports, what sizes its
+layers take), so the check is lmtrain.model.check_model_spec, the runtime's own, run in this
+process: importing the training stack costs about 3 s the first time a model section is seen;
+the answer is kept per model section and transformers version (in memory, and in the user's
+cache directory, so that the next validate, dry run or submit of it is instant). Without the
+training stack (a CLI-only install) the check is said to be left to ``doctor`` where the jobs
+run. A spec with ``model.pretrained`` is checked when the job loads it (its directory may only
+be visible to the nodes)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import pwd
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+from launcher import runtime_stack
+from launcher.core.atomic import write_private
+from launcher.core.errors import SpecError
+from launcher.core.spec import ModelSpec
+
+CHECK_VERSION = 1  # bump when check_model_spec checks more: older answers are not reused
+_seen: dict[str, str] = {}  # key -> "" (builds) or the problem
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """$XDG_CACHE_HOME/lmlaunch/model-checks, else ~/.cache/... of the user running lmlaunch (from
+    the password database: the same for every LMLAUNCH_HOME and HOME this user sets)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME") or str(Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache")
+    return Path(base) / "lmlaunch" / "model-checks"
+
+
+def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None) -> str | None:
+    """SpecError naming the setting when transformers cannot build the model section as written;
+    a note when it cannot be checked here; None when it builds."""
+    if model.type is None:
+        return None
+    if runtime_stack.missing() is not None:
+        return (f"model section not checked against transformers here ({runtime_stack.missing()} is not "
+                f"installed: {runtime_stack.INSTALL}); `lmlaunch doctor` checks it where the jobs run")
+    key = _key(model)
+    problem = _seen.get(key)
+    if problem is None:
+        problem = _cached(key, environ)
+    if problem is None:
+        problem = _check(model)
+        _remember(key, problem, environ)
+    _seen[key] = problem
+    if problem:
+        raise SpecError([problem])
+    return None
+
+
+def _key(model: ModelSpec) -> str:
+    what = {"check": CHECK_VERSION, "transformers": importlib.metadata.version("transformers"),
+            "torch": importlib.metadata.version("torch"), "model": model.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _check(model: ModelSpec) -> str:
+    """The problem, or "". transformers' own warnings about the config stay out of the CLI's
+    output: the problem, if any, is said once, naming the setting."""
+    from transformers.utils import logging as hf_logging  # torch and transformers: the first time only
+
+    from lmtrain.model import check_model_spec
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check_model_spec(model)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        hf_logging.set_verbosity(level)
+    return ""
+
+
+def _cached(key: str, environ: Mapping[str, str] | None) -> str | None:
+    try:
+        data = json.loads((cache_dir(environ) / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    problem = data.get("problem") if isinstance(data, dict) else None
+    return problem if isinstance(problem, str) else None
+
+
+def _remember(key: str, problem: str, environ: Mapping[str, str] | None) -> None:
+    try:
+        where = cache_dir(environ)
+        where.mkdir(parents=True, exist_ok=True)
+        write_private(where / f"{key}.json", json.dumps({"problem": problem}) + "\n")
+    except OSError:
+        pass  # a cache only: the next command checks again
