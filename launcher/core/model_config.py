@@ -28,6 +28,13 @@ _INT_NAME = re.compile(
     r")"
 )
 _MAX_TEXT = 4096
+# Counts and sizes a model cannot have none of: transformers builds 0 or -1 layers or heads
+# without a word (range(-1) is empty) and trains a model without blocks, or fails at the first step.
+_AT_LEAST_ONE = frozenset(
+    {"n_layer", "n_head", "n_embd", "n_positions", "n_ctx", "num_hidden_layers", "num_layers",
+     "num_attention_heads", "num_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
+     "head_dim", "vocab_size", "max_position_embeddings", "pretraining_tp"}
+)
 
 
 def expects_integer(key: str) -> bool:
@@ -56,6 +63,10 @@ def check_model_config(config: dict[str, Any]) -> None:
             raise ValueError(
                 f"model.config.{key} must be a whole number (it is a count, size or id), got {brief(value)}"
             )
+        least = 1 if key in _AT_LEAST_ONE else 0
+        if not key.endswith("token_id") and any(v < least for v in items):  # ids: against the vocabulary, later
+            raise ValueError(f"model.config.{key} must be at least {least} (it is a {'count or size' if least else 'count, size or index'}), "
+                             f"got {brief(value)}")
     stack: list[tuple[str, Any]] = [(f"model.config.{k}", v) for k, v in config.items()]
     while stack:
         where, value = stack.pop()

@@ -130,7 +130,14 @@ def check_model_spec(model_spec: ModelSpec | Mapping[str, Any]) -> None:
     transformers' words, naming the model section). ValueError, naming the setting."""
     from transformers import AutoModelForCausalLM
 
-    config = build_config(model_spec)
+    try:
+        config = build_config(model_spec)
+    except ValueError as exc:
+        if str(exc).startswith("model."):  # ours, naming the setting
+            raise
+        raise ValueError(f"model.config: transformers refuses it: {exc}") from exc
+    except Exception as exc:  # transformers' config validation, whatever its type
+        raise ValueError(f"model.config: transformers refuses it: {type(exc).__name__}: {exc}") from exc
     attn = attention_for(model_spec, config)
     try:
         with torch.device("meta"):

@@ -68,6 +68,8 @@ CASES: list[Case] = [
     Case("name_is_a_number", edit("name: t", "name: 123"), '{spec}: name (line 1): must be a string (quote it) (got 123)'),
     Case("env_value_is_a_boolean", add("env:\n  vars:\n    USE_FOO: true\n"), '{spec}: line 19: env.vars.USE_FOO: True is a YAML boolean; quote the text you mean, e.g. "1" or "true"'),
     Case("betas_has_one_number", add("optim:\n  betas: [0.9]\n"), '{spec}: optim.betas (line 18): betas must be two numbers [beta1, beta2], got 1'),
+    Case("model_layers_negative", edit("  type: gpt2", "  type: gpt2\n  config:\n    n_layer: -1"), "{spec}: line 10: model.config.n_layer must be at least 1 (it is a count or size), got -1"),
+    Case("model_vocab_zero", edit("  type: gpt2", "  type: gpt2\n  config:\n    vocab_size: 0"), "{spec}: line 10: model.config.vocab_size must be at least 1 (it is a count or size), got 0"),
     Case("model_config_is_a_list", edit("  type: gpt2", "  type: gpt2\n  config: [1, 2]"), '{spec}: model.config (line 9): must be a mapping of keys to values (got [1, 2])'),
     Case("time_is_a_boolean", edit('  time: "00:20:00"', "  time: true"), '{spec}: resources.time (line 6): time must be a SLURM time string such as 04:00:00'),
     Case("resources_is_null", edit('resources:\n  nodes: 2\n  tasks_per_node: 1\n  time: "00:20:00"\n', "resources:\n"), '{spec}: resources (line 3): must be a mapping of keys to values (got None)'),
