@@ -223,7 +223,7 @@ def _gathered_parameters_saved_as_partitions(engine: Any, staging: ZeroStaging) 
     are skipped and the staged module state gets the same placeholders (``torch.empty(0, dtype)``,
     what DeepSpeed's ``free_param`` leaves) for the parameters that are gathered: the files are
     the ones DeepSpeed writes, and the gathered parameters stay as they were."""
-    optimizer = getattr(engine, "optimizer", None)
+    optimizer: Any = getattr(engine, "optimizer", None)
     stage3 = getattr(engine, "zero_optimization_partition_weights", lambda: False)()  # ZeRO-3 partitions weights
     if not (stage3 and hasattr(optimizer, "checkpoint_event_prologue")):
         yield
