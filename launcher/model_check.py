@@ -25,7 +25,7 @@ from launcher.core.atomic import write_private
 from launcher.core.errors import SpecError
 from launcher.core.spec import ModelSpec
 
-CHECK_VERSION = 1  # bump when check_model_spec checks more: older answers are not reused
+CHECK_VERSION = 2  # bump when check_model_spec checks more: older answers are not reused
 _seen: dict[str, str] = {}  # key -> "" (builds) or the problem
 
 

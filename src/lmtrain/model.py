@@ -141,10 +141,35 @@ def check_model_spec(model_spec: ModelSpec | Mapping[str, Any]) -> None:
     attn = attention_for(model_spec, config)
     try:
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+            meta = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     except Exception as exc:  # transformers' own error, whatever its type
         raise ValueError(f"model.config: transformers cannot build {type(config).__name__} with it: "
                          f"{type(exc).__name__}: {exc}") from exc
+    params = sum(p.numel() for p in meta.parameters())
+    if params <= STEP_CHECK_PARAMS:
+        _check_one_step(config, attn, params)
+
+
+# A model up to this size also takes one training step on the CPU when its section is checked
+# (a fraction of a second): sizes that build but disagree in the forward (a rotary_dim wider than
+# a head, MLA ranks against the heads) fail there, not on the allocation. Larger models are
+# checked up to their construction.
+STEP_CHECK_PARAMS = 20_000_000
+
+
+def _check_one_step(config: Any, attn: str, params: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokens = 8
+    try:
+        with torch.random.fork_rng(devices=[]):  # the caller's random streams are left as they were
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+            ids = torch.zeros(1, tokens, dtype=torch.long)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    except Exception as exc:  # transformers' or torch's error, whatever its type
+        raise ValueError(
+            f"model.config: {type(config).__name__} builds but its first training step fails (checked on the "
+            f"CPU with {tokens} tokens, {params:,} parameters): {type(exc).__name__}: {exc}") from exc
 
 
 def parameter_count(model_spec: ModelSpec | Mapping[str, Any]) -> tuple[int, int]:

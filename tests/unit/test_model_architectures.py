@@ -81,7 +81,9 @@ def _validate(repo, tmp_path, model: dict, name: str = "m") -> tuple[int, str]:
 def test_validate_refuses_a_model_section_transformers_cannot_build_naming_the_line(repo, tmp_path):
     """Whatever validates builds: validate, dry runs and submit check the model section with the
     runtime's own check (the config's token ids, the attention kernel, the construction on the meta
-    device), before anything is written or submitted, and name the line."""
+    device, and for a model up to 20 M parameters one training step on the CPU: codegen's default
+    rotary_dim 64 is wider than a 16-wide head), before anything is written or submitted, and name
+    the line."""
     from launcher import model_check
 
     cases = {
@@ -94,6 +96,9 @@ def test_validate_refuses_a_model_section_transformers_cannot_build_naming_the_l
         "bloom-heads": ({"type": "bloom", "config": {"vocab_size": 260, "hidden_size": 66, "n_head": 4}},
                         r"line \d+: model\.config: transformers cannot build BloomConfig with it: ValueError: "
                         r"`hidden_size` must be divisible by num_heads"),
+        "codegen-rotary": ({"type": "codegen", "config": {"vocab_size": 260, "n_embd": 64, "n_head": 4, "n_layer": 1}},
+                           r"line \d+: model\.config: CodeGenConfig builds but its first training step fails \(checked "
+                           r"on the CPU with 8 tokens, [\d,]+ parameters\): RuntimeError: The size of tensor a \(16\)"),
     }
     for name, (model, expected) in cases.items():
         code, text = _validate(repo, tmp_path, model, name)
@@ -104,7 +109,7 @@ def test_validate_refuses_a_model_section_transformers_cannot_build_naming_the_l
     assert code == 0 and text.startswith("ok:"), text
     # the answers are kept per model section (and transformers version): the next command reads them
     kept = sorted((tmp_path / "cache" / "lmlaunch" / "model-checks").glob("*.json"))
-    assert len(kept) == 4, kept
+    assert len(kept) == 5, kept
     model_check._seen.clear()
     for f in kept:  # a kept answer is what the next command says, without building anything
         f.write_text(json.dumps({"problem": "model.config: (the kept answer)"}) + "\n")
