@@ -28,7 +28,6 @@ from launcher.core.checkpoint_index import (
     ResumeChoice,
     choose_for_resume,
     newest_complete,
-    scan,
 )
 from launcher.core.errors import UserError
 from launcher.core.lr_schedule import extension_note
@@ -170,6 +169,7 @@ def plan_opening(
         raise UserError(f"--resume: there is no run directory {run_dir} for run '{name}' to resume; start it without --resume")
     code_changes = None
     choice = choose_for_resume(plan.paths.checkpoint_dir) if resume else None
+    chosen = choice.chosen if choice else None
     starting_point = resume_point(plan, choice) if choice else None
     if resume:
         old = snapshot.read(run_dir)
@@ -189,8 +189,8 @@ def plan_opening(
         raise UserError("--new-code goes with --resume (a new run always takes the current code)")
     return Opening(
         plan=plan, new=new, resume=resume, record=record,
-        continuation=continuation_note(plan, choice.chosen if choice else None) if resume else None,
-        reshard=resume_note(plan, choice.chosen if choice else None) if resume else None,
+        continuation=continuation_note(plan, chosen) if resume else None,
+        reshard=resume_note(plan, chosen) if resume else None,
         code_changes=code_changes,
         notes=[starting_point] if starting_point else [],
     )
@@ -211,7 +211,7 @@ def note_cancel(run_dir: Path, *, user: str, job_ids: list[str], now: float) -> 
     )
 
 
-def resume_point(plan: LaunchPlan, choice: ResumeChoice | None = None) -> str:
+def resume_point(plan: LaunchPlan, choice: ResumeChoice) -> str:
     """What ``--resume`` starts from, and why: the newest complete checkpoint whose files match
     their checksums (:func:`choose_for_resume`: newer step directories that are incomplete or
     damaged are named with their reason), or step 0 for a run that never trained (nothing to lose).
@@ -219,14 +219,12 @@ def resume_point(plan: LaunchPlan, choice: ResumeChoice | None = None) -> str:
     changed or submitted: its first attempt would train from step 0 over its step directories and
     its ledger, which only ``--new`` (archiving the old directory) may do."""
     ckpt_dir, name = plan.paths.checkpoint_dir, plan.run_name
-    choice = choice or choose_for_resume(ckpt_dir)
     if choice.chosen is not None:
         return f"resuming from {choice.why}"
-    found, skipped = scan(ckpt_dir)  # step directories, none usable: something would be trained over
     done, _ = rundir.read_done_step(plan.paths.run_dir)
     ledger = rundir.Ledger(Path(plan.paths.run_dir) / rundir.LEDGER).attempts()
     trained = max((a.end_step or 0 for a in ledger), default=0)
-    if not (found or skipped or done or trained):
+    if not (choice.step_dirs or done or trained):  # step directories, none usable: something would be trained over
         return f"run '{name}' has no checkpoint and never trained past step 0: it starts at step 0"
     what = f"it trained to step {trained}" if trained else "it trained"
     raise UserError(

@@ -42,8 +42,9 @@ def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None) -> s
     a note when it cannot be checked here; None when it builds."""
     if model.type is None:
         return None
-    if runtime_stack.missing() is not None:
-        return (f"model section not checked against transformers here ({runtime_stack.missing()} is not "
+    lacking = runtime_stack.missing()
+    if lacking is not None:
+        return (f"model section not checked against transformers here ({lacking} is not "
                 f"installed: {runtime_stack.INSTALL}); `lmlaunch doctor` checks it where the jobs run")
     key = _key(model)
     problem = _seen.get(key)

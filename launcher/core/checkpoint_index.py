@@ -169,10 +169,12 @@ def newest_intact(found: list[CompleteCheckpoint],
 
 @dataclass(frozen=True)
 class ResumeChoice:
-    """The checkpoint a resume starts from (None: no usable one) and the one line why."""
+    """The checkpoint a resume starts from (None: no usable one), the one line why, and whether
+    the checkpoint directory has any step directory at all (usable or not)."""
 
     chosen: CompleteCheckpoint | None
     why: str
+    step_dirs: bool
 
 
 def choose_for_resume(ckpt_dir: str | Path, *, verify_up_to: int = LOGIN_VERIFY_BYTES) -> ResumeChoice:
@@ -181,9 +183,9 @@ def choose_for_resume(ckpt_dir: str | Path, *, verify_up_to: int = LOGIN_VERIFY_
     Past that budget the choice is the newest complete one not yet read, and the line says that its
     ranks check it as they load it. No usable checkpoint: ``chosen`` is None and ``why`` says why."""
     scanned = scan(ckpt_dir)
-    found = scanned[0]
+    found, skipped = scanned
     if not found:
-        return ResumeChoice(None, describe_choice(ckpt_dir, scanned=scanned))
+        return ResumeChoice(None, describe_choice(ckpt_dir, scanned=scanned), bool(skipped))
     budget, failed = verify_up_to, []
     for ckpt in reversed(found):
         size = ckpt.size_bytes()
@@ -200,11 +202,9 @@ def choose_for_resume(ckpt_dir: str | Path, *, verify_up_to: int = LOGIN_VERIFY_
                               f"({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})")
                 continue
             how = "its files match their checksums"
-        base = describe_choice(ckpt_dir, ckpt, scanned=scanned)
-        if failed:
-            base = base.replace("(as asked", "(the newest whose files match", 1)
-        return ResumeChoice(ckpt, base[:-1] + "; " + "; ".join([*failed, how]) + ")")
-    return ResumeChoice(None, "no checkpoint whose files match their checksums (" + "; ".join(failed) + ")")
+        why = "the newest whose files match" if failed else None
+        return ResumeChoice(ckpt, describe_choice(ckpt_dir, ckpt, scanned=scanned, why=why, more=(*failed, how)), True)
+    return ResumeChoice(None, "no checkpoint whose files match their checksums (" + "; ".join(failed) + ")", True)
 
 
 def shares(path: Path, world_size: int) -> list[list[str]]:
@@ -318,18 +318,20 @@ def newest_complete(ckpt_dir: str | Path) -> CompleteCheckpoint | None:
 
 
 def describe_choice(ckpt_dir: str | Path, chosen: CompleteCheckpoint | None = None, *,
-                    scanned: tuple[list[CompleteCheckpoint], list[Skipped]] | None = None) -> str:
+                    scanned: tuple[list[CompleteCheckpoint], list[Skipped]] | None = None,
+                    why: str | None = None, more: tuple[str, ...] = ()) -> str:
     """Which checkpoint a resume or an export uses and why, in one line: ``chosen`` (default: the
     newest complete one) and every newer step directory that was passed over, with its reason.
-    ``scanned``: :func:`scan`'s result when the caller has it already."""
+    ``scanned``: :func:`scan`'s result when the caller has it already; ``why`` replaces the
+    reason the choice gives itself, ``more`` follows the passed-over ones."""
     found, skipped = scanned if scanned is not None else scan(ckpt_dir)
     if chosen is None:
         if not found:
             return "no complete checkpoint" + (f" ({_passed_over(skipped)})" if skipped else "")
         chosen = found[-1]
-    why = "the newest complete checkpoint" if found and chosen.step == found[-1].step else "as asked"
+    why = why or ("the newest complete checkpoint" if found and chosen.step == found[-1].step else "as asked")
     passed = _passed_over([s for s in skipped if s.step > chosen.step])
-    return f"step-{chosen.step} ({why}" + (f"; {passed}" if passed else "") + ")"
+    return f"step-{chosen.step} (" + "; ".join([why, *([passed] if passed else []), *more]) + ")"
 
 
 def _passed_over(skipped: list[Skipped]) -> str:
