@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tests and benches, in the parts one device call of at most 10 minutes can hold.
 #
-#   bash bench/gpu_session.sh PART      (PART: tests | throughput | big | rest | cpu-io)
+#   bash bench/gpu_session.sh PART      (PART: lease | tests | throughput | big | rest | cpu-io)
+#
+# `lease` is for a lease of 15 minutes in all (one call): the GPU tests, then the GPT-2 and ZeRO-2
+# throughput and the 1B checkpoint bench, each capped so that the tests' result always comes back.
 #
 # Run on a GPU machine from the repository root, with the wheels of bench/RESULTS.md ("Commands
 # for an H100 session") in .carry/whl (the device image has torch, lightning and transformers but
@@ -16,12 +19,15 @@ T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD:$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi -L 2>&1 | tee "$OUT/device.txt"
+# transformers as the project pins it where it imports with the image's packages, else the image's own
+python3 -c "import transformers" 2>/dev/null || { echo "the carried transformers does not import here: the image's is used"; rm -rf /tmp/site/transformers /tmp/site/transformers-*; }
 python3 -c "import sys,torch,lightning,transformers,deepspeed;print(sys.version.split()[0],torch.__version__,lightning.__version__,transformers.__version__,deepspeed.__version__)" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
 
-# step NAME CMD...: runs CMD with what is left of the budget (at most its own share), logs to $OUT/NAME.log
+# step NAME CMD...: runs CMD with what is left of the budget (at most $CAP seconds where set), logs to $OUT/NAME.log
 step() {
     local name=$1; shift
     local left=$(( BUDGET - ($(date +%s) - T0) ))
+    if [[ -n "${CAP:-}" ]] && (( CAP < left )); then left=$CAP; fi
     if (( left < 30 )); then echo "== $name: skipped, ${left}s left"; return; fi
     echo "== $name (limit ${left}s)"
     local s=$(date +%s)
@@ -31,6 +37,14 @@ step() {
 }
 
 case "${1:-}" in
+    lease)
+        # the zygote that local launches fork ranks from imports these: CUDA must not be initialised by them
+        python3 -c "import os,torch,lightning.pytorch,transformers;print('after the zygote imports: cuda initialised', torch.cuda.is_initialized(), 'threads', len(os.listdir('/proc/self/task')))" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
+        CAP=270 step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider -o addopts="" --durations=0
+        CAP=120 step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --out "$OUT/throughput.jsonl"
+        CAP=90 step tp-zero2 python3 bench/throughput.py --config zero2 --out "$OUT/throughput.jsonl"
+        step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --out "$OUT/ckpt.jsonl"
+        ;;
     tests)
         step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider -o addopts=""
         step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --out "$OUT/throughput.jsonl"
