@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and benches, in the parts one device call of at most 10 minutes can hold.
 #
-#   bash bench/gpu_session.sh PART      (PART: lease | tests | throughput | big | rest | cpu-io)
+#   bash bench/gpu_session.sh PART      (PART: lease | lease2 | tests | throughput | big | rest | cpu-io)
 #
 # `lease` is for a lease of 15 minutes in all (one call): the GPU tests, then the GPT-2 and ZeRO-2
 # throughput and the 1B checkpoint bench, each capped so that the tests' result always comes back.
@@ -44,6 +44,10 @@ case "${1:-}" in
         CAP=120 step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --out "$OUT/throughput.jsonl"
         CAP=90 step tp-zero2 python3 bench/throughput.py --config zero2 --out "$OUT/throughput.jsonl"
         step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --out "$OUT/ckpt.jsonl"
+        ;;
+    lease2)  # what a first lease left: the 1B checkpoint bench, then the background-save test alone
+        CAP=160 step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --out "$OUT/ckpt.jsonl"
+        step gpu-bg python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider -o addopts="" -k background
         ;;
     tests)
         step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider -o addopts=""

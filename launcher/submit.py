@@ -40,6 +40,18 @@ def shell_quote(value: str) -> str:
     return "$'" + "".join(out) + "'"
 
 
+# Variables the allocation may already hold (a `module load` in the profile's setup, the cluster's
+# own environment): the planned value comes first and the inherited one is kept after it.
+INHERITED_AFTER = frozenset({"PYTHONPATH"})
+
+
+def export_line(name: str, value: str) -> str:
+    """``export NAME=VALUE`` for the batch script, the value shell-quoted; for a variable of
+    :data:`INHERITED_AFTER` the value it already has at that point is appended (``:``-separated)."""
+    line = f"export {name}={shell_quote(value)}"
+    return line + f'"${{{name}:+:${name}}}"' if name in INHERITED_AFTER else line
+
+
 def setup_lines(plan: LaunchPlan) -> list[str]:
     """Profile setup, then every planned variable exported with its value shell-quoted.
 
@@ -50,8 +62,7 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
         f"rerun this plan with: lmlaunch submit {plan.paths.spec_yaml} --dry-run"
     ]
     lines += list(plan.setup)
-    for name in sorted(plan.env):
-        lines.append(f"export {name}={shell_quote(plan.env[name])}")
+    lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
     return lines
 
 
@@ -140,10 +151,10 @@ def array_setup(plan: LaunchPlan, run_dirs: list[str]) -> list[str]:
     lines = [f"# lmlaunch: sweep array of {len(run_dirs)} points, profile {plan.profile}; "
              "each task runs the point its SLURM_ARRAY_TASK_ID names"]
     lines += list(plan.setup)
-    lines += [f"export {n}={shell_quote(plan.env[n])}" for n in sorted(plan.env) if n not in PER_POINT_ENV]
+    lines += [export_line(n, plan.env[n]) for n in sorted(plan.env) if n not in PER_POINT_ENV]
     lines.append("LMLAUNCH_POINTS=(" + " ".join(shell_quote(d) for d in run_dirs) + ")")
     lines.append('export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"')
-    lines.append('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code"')
+    lines.append('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code${PYTHONPATH:+:$PYTHONPATH}"')
     return lines
 
 

@@ -114,7 +114,8 @@ def prepare_local_run(
     opening.apply(environ)
     t = plan.topology
     say(
-        f"local run '{plan.run_name}': {t.world_size} process(es) on CPU, "
+        f"local run '{plan.run_name}': {t.world_size} process(es) on "
+        f"{'GPU (one each)' if plan.trainer.accelerator == 'gpu' else 'CPU'}, "
         f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
         f"= global_batch({t.global_batch_size}); run dir {run_dir}"
     )

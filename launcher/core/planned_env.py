@@ -81,7 +81,8 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
     extra = values.get("PYTHONPATH")
     put("PYTHONPATH", f"{code}:{extra}" if extra else code,
         "the run's code snapshot first: every attempt, requeues included, runs the code it was submitted with"
-        + (f" (then {reasons['PYTHONPATH']})" if extra else ""))
+        + (f" (then {reasons['PYTHONPATH']})" if extra else "")
+        + "; a PYTHONPATH the job already has (the cluster's modules, the profile's setup) is kept after it")
     return PlannedEnv(
         values=values,
         reasons=reasons,

@@ -46,9 +46,13 @@ def worker_env(
     threads: int = 1,
 ) -> dict[str, str]:
     """The environment of local rank ``rank``: SLURM's variables removed (this is not a SLURM
-    task even inside an salloc shell), the plan's variables, and the rendezvous."""
+    task even inside an salloc shell), the plan's variables, and the rendezvous. A PYTHONPATH this
+    process has (a cluster's modules) is kept after the plan's, as the batch script keeps it."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("SLURM_")}
+    inherited = env.get("PYTHONPATH")
     env.update(plan_env)
+    if inherited and "PYTHONPATH" in plan_env:
+        env["PYTHONPATH"] = f"{plan_env['PYTHONPATH']}{os.pathsep}{inherited}"
     env.update(
         {
             "LMTRAIN_LAUNCHER": "local",

@@ -323,7 +323,7 @@ def model_shape(model: nn.Module) -> ModelShape:
         seen.add(id(p))
         n = _numel(p)
         total += n
-        if p.ndim >= 2 and id(p) not in lookup_ids:
+        if _ndim(p) >= 2 and id(p) not in lookup_ids:
             matmul += n
     return ModelShape(n_layer=int(n_layer), d_model=int(d_model), matmul_params=matmul, total_params=total)
 
@@ -331,6 +331,11 @@ def model_shape(model: nn.Module) -> ModelShape:
 def _numel(p: torch.Tensor) -> int:
     # ZeRO-3 partitions parameters to shape (0,); ds_numel is the full size.
     return int(getattr(p, "ds_numel", p.numel()))
+
+
+def _ndim(p: torch.Tensor) -> int:
+    # ZeRO-3's partitioned (0,) placeholder has one dimension; ds_shape is the full shape.
+    return len(getattr(p, "ds_shape", p.shape))
 
 
 def _first_attr(cfg: Any, names: tuple[str, ...]) -> int:

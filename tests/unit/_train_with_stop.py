@@ -8,9 +8,10 @@ Rank 0 also writes what the Trainer was built with, read back from the Trainer
 (``RUN_DIR/trainer-args.json``), the config the DeepSpeed engine was initialised with (``engine.config``) to
 ``RUN_DIR/engine-deepspeed.json`` when the strategy is DeepSpeed, and, when training ends, the
 trained model's logits on a fixed input (every rank takes part in the forward: ZeRO-3 and FSDP
-gather their shards) to ``RUN_DIR/final-logits.pt``.
+gather their shards) to ``RUN_DIR/final-logits.pt``, with the model shape MFU is computed from.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -73,8 +74,9 @@ def main() -> int:
                 with torch.no_grad():
                     logits = pl_module.model(input_ids=ids, use_cache=False).logits  # (1, T, vocab)
                 pl_module.train()
-                if trainer.global_rank == 0:
-                    torch.save({"input_ids": ids, "logits": logits.detach().cpu()}, Path(run_dir, "final-logits.pt"))
+                if trainer.global_rank == 0:  # with what MFU counts of the model as it trained (ZeRO-3: partitioned)
+                    torch.save({"input_ids": ids, "logits": logits.detach().cpu(), "shape": dataclasses.asdict(pl_module.shape)},
+                               Path(run_dir, "final-logits.pt"))
 
         return [RequestStop(), DumpEngineConfig(), DumpTrainerArgs(), DumpFinalLogits()]
 

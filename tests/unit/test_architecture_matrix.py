@@ -9,6 +9,7 @@ ids; the test holds it to that line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ import yaml
 
 from launcher.commands.run import prepare_local_run
 from lmtrain.local import launch
+from lmtrain.model import model_shape
 from tests.unit.test_export import lm
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
@@ -55,7 +57,7 @@ OVERRIDES = ["data.seq_len=16", "data.micro_batch_size=2", "trainer.global_batch
              "trainer.val_check_interval=null", "logging.tensorboard=false", "logging.csv=false"]
 
 
-def _train(repo: Path, tmp_path: Path, model_type: str, strategy: str) -> tuple[str, dict[str, torch.Tensor]]:
+def _train(repo: Path, tmp_path: Path, model_type: str, strategy: str) -> tuple[str, dict]:
     spec = yaml.safe_load((repo / "jobs" / "tiny-cpu.yaml").read_text())
     spec["model"] = {"type": model_type, "config": {**ARCHITECTURES[model_type], **TOKENS}}
     spec["data"]["path"] = str(repo / "data" / "prepared" / "tiny")
@@ -68,10 +70,10 @@ def _train(repo: Path, tmp_path: Path, model_type: str, strategy: str) -> tuple[
     code = launch(run_dir, 2, plan_env=plan.env, threads_per_proc=1,
                   command=[sys.executable, "-u", str(HELPER), run_dir, "0"], out=open(out, "w"))
     assert code == 0, out.read_text()[-3000:]
-    return run_dir, torch.load(Path(run_dir, "final-logits.pt"), weights_only=True)
+    return run_dir, torch.load(Path(run_dir, "final-logits.pt"), weights_only=True)  # logits and model shape
 
 
-def _check_export(runs_root: Path, run_dir: str, trained: dict[str, torch.Tensor], out: Path) -> None:
+def _check_export(runs_root: Path, run_dir: str, trained: dict, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     from lmtrain.export import PROBE_TEXTS
@@ -86,6 +88,8 @@ def _check_export(runs_root: Path, run_dir: str, trained: dict[str, torch.Tensor
                                    pad_token_id=256)
     assert generated.shape == (1, 12) and int(generated.max()) < VOCAB, generated
 
+    # what MFU counts of the model as it trained (ZeRO-3's parameters partitioned) is the whole model's
+    assert trained["shape"] == dataclasses.asdict(model_shape(model)), trained["shape"]
     summary = json.loads((out / "lmlaunch_export.json").read_text())
     assert summary["parameters"] == sum(p.numel() for p in model.parameters()), summary  # tied weights once
     auto = AutoTokenizer.from_pretrained(out)

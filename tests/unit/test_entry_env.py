@@ -95,3 +95,12 @@ def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_where_connections_
     for p in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", p))  # free when handed out
+
+
+def test_a_local_rank_keeps_the_launchers_pythonpath_after_the_plans():
+    from lmtrain.local import worker_env
+
+    plan_env = {"PYTHONPATH": "/runs/r/code", "OMP_NUM_THREADS": "2"}
+    env = worker_env(0, 1, port=29500, job_id="j", plan_env=plan_env, base={"PYTHONPATH": "/opt/site", "SLURM_JOB_ID": "4"})
+    assert env["PYTHONPATH"] == "/runs/r/code:/opt/site" and "SLURM_JOB_ID" not in env
+    assert worker_env(0, 1, port=29500, job_id="j", plan_env=plan_env, base={})["PYTHONPATH"] == "/runs/r/code"

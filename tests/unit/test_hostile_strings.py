@@ -215,3 +215,33 @@ def test_hostile_runs_root_is_rejected_or_rendered_exactly(value, tmp_path):
 def test_slurm_directive_parser_follows_sbatch_quoting():
     script = "#!/bin/bash\n#SBATCH --a='x y' --b=\"q'q\"\n#SBATCH --c=d # comment\necho\n#SBATCH --late=1\n"
     assert slurm_directives(script) == ["--a=x y", "--b=q'q", "--c=d"]
+
+
+SITE_PROFILE = """\
+partitions:
+  batch: {max_time: "1:00:00"}
+default_partition: batch
+max_tasks_per_node: 4
+runs_root: /runs
+python: auto
+setup: ["export PYTHONPATH=/opt/site-modules", "export CUDA_HOME=/opt/cuda"]
+"""
+
+
+def test_a_pythonpath_the_clusters_setup_gives_is_kept_after_the_code_snapshot(tmp_path):
+    """A `module load` in the profile's setup (here its effect, an export) puts the site's packages
+    on PYTHONPATH: the batch script puts the run's code snapshot first and keeps them after it.
+    Without one, the snapshot alone: no empty entry, which would put the working directory on sys.path."""
+    home = tmp_path / "home"
+    (home / "profiles").mkdir(parents=True)
+    (home / "profiles" / "site.yaml").write_text(SITE_PROFILE)
+    spec = write_spec(tmp_path, BASE)
+    environ = {"LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_HOME": str(home)}
+    for cluster, inherited in (("site", ":/opt/site-modules"), (None, "")):
+        plan = resolve(str(spec), [], cluster, environ, python=sys.executable).plan
+        sandbox = tmp_path / f"sandbox-{cluster}"
+        sandbox.mkdir()
+        env = run_setup_in_sandbox(render_script(plan), sandbox)
+        assert env["PYTHONPATH"] == plan.env["PYTHONPATH"] + inherited
+        assert plan.env["PYTHONPATH"].endswith("/code")
+    assert "kept after it" in plan.env_reasons["PYTHONPATH"]
