@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from launcher.core import processes
 from launcher.core.errors import SlurmUnavailable
 from launcher.core.slurm import (
     DEFAULT_TIMEOUT_S,
@@ -81,8 +82,14 @@ def steps_left(job_id: str, names: Iterable[str] | None = None, *, timeout: floa
     second (ReturnToService=2) while its slurmd may still be killing the job's previous run for
     ~10 s; the requeued job started there meanwhile is killed with it (same job id) and ends
     FAILED. slurmd answers listpids only on its own host (the local cluster's nodes); a node
-    that cannot be asked is not listed."""
+    that cannot be asked is not listed.
+
+    A node whose tasks are gone may still hold the run's step daemon (``slurmstepd: [JOB.0]``)
+    for a moment, and a new run started meanwhile is killed with it: while any such daemon of
+    the job runs on this machine (the local cluster's nodes share it), every wanted node counts."""
     wanted = list(names) if names is not None else [n.name for n in nodes(timeout=timeout)]
+    if processes.titled(f"slurmstepd: [{job_id}."):
+        return wanted
     left = []
     for name in wanted:
         proc = run(["scontrol", "listpids", str(job_id), name], timeout=timeout, check=False)
