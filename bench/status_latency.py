@@ -1,7 +1,7 @@
 """`lmlaunch status` cold start (a new process each time) with 200 registered runs, against
 `squeue` itself measured in the same run. Prints JSON with the times and their ratio.
 
-    python bench/status_latency.py [--runs 200] [--repeat 7] [--recent N]
+    python bench/status_latency.py [--runs 200] [--repeat 7] [--recent N] [--over-ssh]
 
 ``--recent N``: only N runs were submitted in the last day, the others 2-30 days ago (most
 finished: what plain `status` skips before reading anything, its final-jobs cache knowing them).
@@ -13,6 +13,11 @@ controller has forgotten and caches their final states; later calls need squeue 
 are reported. The run directories are aged by a minute (ended runs); `status_uncached_s` drops
 the run-directory and registry caches before each call (every file read again), the baseline
 for `status_table_s` (unchanged directories served from launcher/status_cache.py).
+
+``--over-ssh`` (root): also from a workstation, `lmlaunch --remote P status` through a real sshd on
+a loopback port (tests/integration/sshd_helpers.py: the cluster account, key login) over an open
+master connection, against plain `status` on the same runs in the same run: `remote_plain_s`,
+`remote_overhead_s` (goal: within 0.3 s) and `ssh_round_trip_s` (`true` over the master).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
+sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 
 def _time(cmd: list[str], env: dict[str, str], repeat: int) -> list[float]:
@@ -49,6 +55,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--recent", type=int, default=None,
                     help="runs submitted in the last day; the others were submitted 2-30 days ago (default: all recent)")
+    ap.add_argument("--over-ssh", action="store_true", help="also status from a workstation over ssh (a loopback sshd)")
     args = ap.parse_args()
 
     from monitor_synth import make_run
@@ -89,6 +96,7 @@ def main() -> None:
         js = _time([lmlaunch, "status", "--all", "--json"], env, args.repeat)
         python = _time([sys.executable, "-c", "pass"], env, args.repeat)
         med = statistics.median
+        remote = _over_ssh(home, env, lmlaunch, args.repeat) if args.over_ssh else {}
         result = {
             "runs": args.runs,
             "distinct_job_ids": len(set(real_ids[: args.runs])),
@@ -107,10 +115,43 @@ def main() -> None:
             "goal_plain_s": 0.25,
             "goal_all_s": 1.0 if args.runs >= 10_000 else 0.25,
             "meets_goal": med(plain) <= 0.25 and med(table) <= (1.0 if args.runs >= 10_000 else 0.25),
+            **remote,
         }
         print(json.dumps(result, indent=2))
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def _over_ssh(home: Path, env: dict[str, str], lmlaunch: str, repeat: int) -> dict[str, object]:
+    """Plain status from a workstation: the same runs, read by the login node's lmlaunch."""
+    import sshd_helpers
+
+    where = Path(tempfile.mkdtemp(prefix="lmlaunch-bench-ssh-"))
+    node = sshd_helpers.start(where)
+    control = where / "cm-%C"
+    try:
+        ws = where / "workstation"
+        (ws / "profiles").mkdir(parents=True)
+        passed = {k: env[k] for k in ("SLURM_CONF", "LMLAUNCH_CLUSTER_DIR") if k in env} | {"LMLAUNCH_HOME": str(home)}
+        (ws / "profiles" / "viassh.yaml").write_text(sshd_helpers.profile_text(REPO, node, control, passed))
+        ssh = ["ssh", "-F", str(node.config), "-o", f"ControlPath={control}"]
+        subprocess.run([*ssh[:1], "-fNM", *ssh[1:], "-o", "ControlPersist=yes", "cluster-login"], check=True,
+                       stdin=subprocess.DEVNULL)
+        ws_env = {**os.environ, "LMLAUNCH_HOME": str(ws), "COLUMNS": "160"}
+        trip = _time([*ssh, "-o", "BatchMode=yes", "cluster-login", "true"], ws_env, repeat)
+        _time([lmlaunch, "--remote", "viassh", "status"], ws_env, 1)  # the login node's caches as warm as here
+        local = _time([lmlaunch, "status"], env, repeat)
+        over = _time([lmlaunch, "--remote", "viassh", "status"], ws_env, repeat)
+        med = statistics.median
+        return {"remote_plain_s": round(med(over), 4), "local_plain_s_same_round": round(med(local), 4),
+                "remote_overhead_s": round(med(over) - med(local), 4), "ssh_round_trip_s": round(med(trip), 4),
+                "ratio_remote_vs_local": round(med(over) / med(local), 2), "goal_remote_overhead_s": 0.3,
+                "meets_remote_goal": med(over) - med(local) <= 0.3}
+    finally:
+        subprocess.run(["ssh", "-F", str(node.config), "-O", "exit", "-o", f"ControlPath={control}", "cluster-login"],
+                       capture_output=True)
+        node.stop()
+        shutil.rmtree(where, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="lmlaunch",
         description="Launch, watch and resume language-model training on SLURM.",
     )
+    parser.add_argument("--remote", metavar="PROFILE",
+                        help="run the command on the login node of this cluster profile (its login section) over "
+                             "your ssh master connection; default $LMLAUNCH_REMOTE")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         listed: dict[str, Any] = {} if help_text == argparse.SUPPRESS else {"help": help_text}  # hidden: not in --help
@@ -48,6 +51,20 @@ def _load(module: str):
 def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
     ctx = ctx or Context.default()
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("LMLAUNCH_DEBUG") == "1"
+    if (argv and argv[0].startswith("--remote")) or ctx.environ.get("LMLAUNCH_REMOTE"):
+        try:
+            forwarded = _forward(argv, ctx)
+        except UserError as exc:
+            if debug:
+                raise
+            ctx.err(f"error: {exc.message}")
+            return int(exc.exit_code)
+        except KeyboardInterrupt:
+            return ExitCode.INTERRUPTED
+        if isinstance(forwarded, int):
+            return forwarded
+        argv = forwarded
     # Only the chosen subcommand's module is imported (fast start).
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=chosen if chosen in COMMANDS else None)
@@ -66,7 +83,6 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
     if mod is None:
         ctx.err(f"lmlaunch {args.command}: not available in this build")
         return ExitCode.FAILURE
-    debug = os.environ.get("LMLAUNCH_DEBUG") == "1"
     try:
         code = int(mod.run(args, ctx) or 0)
         ctx.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
@@ -109,3 +125,15 @@ def _silence_stdout(ctx: Context) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _forward(argv: list[str], ctx: Context) -> int | list[str]:
+    """`--remote NAME` / LMLAUNCH_REMOTE (launcher.remote): the command's exit status on the login
+    node, or the command line to run here (a command about this machine, or no remote)."""
+    from launcher import remote
+
+    name, rest = remote.split_remote(argv, ctx.environ)
+    if name is None:
+        return rest
+    code = remote.forward(name, rest, ctx)
+    return rest if code is None else code

@@ -26,8 +26,8 @@ from launcher.core import site_options, slurm
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.node_facts import MARK, NodeFacts, ifname_verdicts
 from launcher.core.plan import LaunchPlan
+from launcher.core.shell import shell_quote
 from launcher.doctor import FAIL, OK, WARN, Check
-from launcher.submit import shell_quote
 
 # A node below half the median sets the pace of every synchronous step (the others wait at each
 # all-reduce); on identical nodes these one-second figures vary by well under 20% (n1/n2 of the

@@ -7,6 +7,7 @@ the override (``override 'resources.nodse=4': unknown key 'nodse'; did you mean 
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,14 @@ def validate_data(data: Any, origin: Origin | None, source: str) -> JobSpec:
         raise SpecError(format_validation_error(exc, origin, JobSpec), source=source) from None
 
 
+# A spec sent from a workstation (launcher.remote) sits in a staging directory: its relative paths
+# are relative to the profile's login.workdir on the cluster, which this names.
+SPEC_BASE_ENV = "LMLAUNCH_SPEC_BASE"
+
+
 def resolve_paths(spec: JobSpec, base: Path, origin: Origin | None = None) -> JobSpec:
-    """Relative data/checkpoint/pretrained paths are relative to the spec file's directory.
+    """Relative data/checkpoint/pretrained paths are relative to the spec file's directory
+    (``LMLAUNCH_SPEC_BASE`` where set: a spec sent over ssh).
 
     A path that cannot be resolved (a symlink loop, a name too long, ~user unknown) is an error
     naming its key, not a traceback."""
@@ -128,7 +135,8 @@ def load_job_with_origin(
         data, origin.overrides = apply_overrides(data, overrides)
     spec = validate_data(data, origin, str(path))
     try:
-        base = Path(path).resolve().parent
+        shipped_base = os.environ.get(SPEC_BASE_ENV)
+        base = Path(shipped_base).expanduser().resolve() if shipped_base else Path(path).resolve().parent
     except (OSError, RuntimeError) as exc:
         raise SpecError([f"cannot resolve the spec's directory: {exc}"], source=str(path)) from None
     try:

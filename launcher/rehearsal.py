@@ -4,11 +4,12 @@ bench/): SLURM admin actions a training run never takes itself, on top of the SL
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
-from launcher.core import processes
 from launcher.core.errors import SlurmUnavailable
 from launcher.core.slurm import (
     DEFAULT_TIMEOUT_S,
+    config,
     job_state,
     nodes,
     run,
@@ -76,6 +77,14 @@ def start_now(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=timeout)
 
 
+def step_sockets(spool_dir: str, node: str, job_id: str) -> list[Path]:
+    """The step daemons' sockets of ``job_id`` in ``node``'s spool directory (SlurmdSpoolDir, its
+    %n the node): one per step whose slurmstepd still runs, the batch step's included."""
+    if not spool_dir:
+        return []
+    return sorted(Path(spool_dir.replace("%n", node)).glob(f"{node}_{job_id}.*"))
+
+
 def steps_left(job_id: str, names: Iterable[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """Nodes (of ``names``, or all) where a run of ``job_id`` still has processes, as their own
     slurmd tells (`scontrol listpids JOB NODE`). A node set DOWN is back in service within a
@@ -84,14 +93,15 @@ def steps_left(job_id: str, names: Iterable[str] | None = None, *, timeout: floa
     FAILED. slurmd answers listpids only on its own host (the local cluster's nodes); a node
     that cannot be asked is not listed.
 
-    A node whose tasks are gone may still hold the run's step daemon (``slurmstepd: [JOB.0]``)
-    for a moment, and a new run started meanwhile is killed with it: while any such daemon of
-    the job runs on this machine (the local cluster's nodes share it), every wanted node counts."""
+    A node whose tasks are gone may still hold the run's step daemon for a moment, and a new run
+    started meanwhile is killed with it: a node whose spool directory (readable here: the local
+    cluster's nodes) still holds a step daemon's socket of the job (``<node>_<job>.<step>``,
+    removed as the daemon exits) counts too."""
     wanted = list(names) if names is not None else [n.name for n in nodes(timeout=timeout)]
-    if processes.titled(f"slurmstepd: [{job_id}."):
-        return wanted
-    left = []
-    for name in wanted:
+    spool = config(timeout=timeout).get("SlurmdSpoolDir", "")
+    held = [n for n in wanted if step_sockets(spool, n, job_id)]
+    left = list(held)
+    for name in (n for n in wanted if n not in held):
         proc = run(["scontrol", "listpids", str(job_id), name], timeout=timeout, check=False)
         rows = [line for line in proc.stdout.splitlines()[1:] if line.split()[:1] and line.split()[0].isdigit()]
         if proc.returncode == 0 and rows:

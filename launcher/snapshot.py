@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,17 @@ def _package_dir(name: str) -> Path:
 
 
 PACKAGES = {"launcher": Path(launcher.__file__).parent, "lmtrain": _package_dir("lmtrain")}
+# A workstation's code shipped over ssh (launcher.remote): <dir>/launcher, <dir>/lmtrain and what
+# git said of them there (<dir>/git.json); a submission on the login node snapshots that instead.
+SHIPPED_ENV = "LMLAUNCH_CODE_FROM"
+SHIPPED_GIT = "git.json"
+
+
+def code_packages(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """The packages a snapshot takes: the shipped ones where ``LMLAUNCH_CODE_FROM`` names them,
+    else this lmlaunch's own."""
+    shipped = (os.environ if environ is None else environ).get(SHIPPED_ENV)
+    return {name: Path(shipped) / name for name in PACKAGES} if shipped else PACKAGES
 _SKIP_DIRS = {"__pycache__"}
 _SUFFIXES = {".py", ".typed", ".json", ".yaml", ".txt"}
 
@@ -58,16 +71,18 @@ def source_files(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
     return out
 
 
-def current(packages: dict[str, Path] = PACKAGES) -> tuple[Snapshot, dict[str, Path]]:
+def current(packages: dict[str, Path] | None = None) -> tuple[Snapshot, dict[str, Path]]:
     """What a snapshot taken now would hold (hashes only; nothing is copied)."""
+    shipped = os.environ.get(SHIPPED_ENV) if packages is None else None
+    packages = code_packages() if packages is None else packages
     files = source_files(packages)
     hashes = {rel: hashlib.sha256(p.read_bytes()).hexdigest() for rel, p in files.items()}
     digest = hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
     size = sum(p.stat().st_size for p in files.values())
-    return Snapshot(hashes, digest, size, _git(packages)), files
+    return Snapshot(hashes, digest, size, _shipped_git(Path(shipped)) if shipped else _git(packages)), files
 
 
-def take(run_dir: Path, packages: dict[str, Path] = PACKAGES) -> Snapshot:
+def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
     """Copy the code into ``run_dir/code`` (replacing an older snapshot); returns what it holds."""
     snap, files = current(packages)
     target = run_dir / CODE_DIR
@@ -104,6 +119,15 @@ def changes(old: Snapshot, new: Snapshot) -> list[str]:
     out += [f"added {f}" for f in sorted(set(new.files) - set(old.files))]
     out += [f"removed {f}" for f in sorted(set(old.files) - set(new.files))]
     return out
+
+
+def _shipped_git(code: Path) -> dict[str, object] | None:
+    """What git said of shipped code where it was taken (None: not a git checkout there)."""
+    try:
+        told = json.loads((code / SHIPPED_GIT).read_text())
+    except (OSError, ValueError):
+        return None
+    return told if isinstance(told, dict) else None
 
 
 def _git(packages: dict[str, Path]) -> dict[str, object] | None:

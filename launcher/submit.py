@@ -15,41 +15,7 @@ from launcher import dependencies, lifecycle, runs
 from launcher.core import rundir, slurm
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.plan import LaunchPlan
-
-# C0 controls and DEL: what breaks a line or a terminal in a single-quoted word.
-_NEEDS_ESCAPE = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def shell_quote(value: str) -> str:
-    """``value`` as one shell word on one line.
-
-    Plain text is single-quoted (``shlex.quote``). Text with a line break or another control
-    character is written in bash's ``$'...'`` form with the character escaped, so no value
-    ever spreads the script over extra lines (a line reading ``#SBATCH ...`` inside a quoted
-    value is harmless to sbatch, but not to the person reading the dry run)."""
-    if not _NEEDS_ESCAPE.search(value):
-        return shlex.quote(value)
-    out = []
-    for ch in value:
-        if ch in "\\'":
-            out.append("\\" + ch)
-        elif _NEEDS_ESCAPE.fullmatch(ch):
-            out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(ch, f"\\x{ord(ch):02x}"))
-        else:
-            out.append(ch)
-    return "$'" + "".join(out) + "'"
-
-
-# Variables the allocation may already hold (a `module load` in the profile's setup, the cluster's
-# own environment): the planned value comes first and the inherited one is kept after it.
-INHERITED_AFTER = frozenset({"PYTHONPATH"})
-
-
-def export_line(name: str, value: str) -> str:
-    """``export NAME=VALUE`` for the batch script, the value shell-quoted; for a variable of
-    :data:`INHERITED_AFTER` the value it already has at that point is appended (``:``-separated)."""
-    line = f"export {name}={shell_quote(value)}"
-    return line + f'"${{{name}:+:${name}}}"' if name in INHERITED_AFTER else line
+from launcher.core.shell import export_line, shell_quote
 
 
 def setup_lines(plan: LaunchPlan) -> list[str]:

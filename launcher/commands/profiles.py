@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    rows = [profile_summary(load_profile_file(path)) for path in available_profiles().values()]
+    rows = [profile_summary(load_profile_file(path)) for path in available_profiles(ctx.environ or None).values()]
     if args.json:
         ctx.out(json.dumps(rows, indent=2))
         return 0
@@ -24,4 +24,6 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"{row['name']:<14} {gpus:<14} partitions: {parts}")
         if row["description"]:
             ctx.out(f"{'':<14} {row['description']}")
+        if row["login"]:
+            ctx.out(f"{'':<14} from a workstation: lmlaunch --remote {row['name']} COMMAND (ssh {row['login']})")
     return 0

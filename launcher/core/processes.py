@@ -1,5 +1,4 @@
-"""Whether a process is alive: one answer for the local cluster's daemons and lmtrain's forked ranks;
-which of this machine's processes carry a title."""
+"""Whether a process is alive: one answer for the local cluster's daemons and lmtrain's forked ranks."""
 
 from __future__ import annotations
 
@@ -23,19 +22,3 @@ def alive(pid: int | None) -> bool:
         return stat.rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
-
-
-def titled(prefix: str) -> list[int]:
-    """This machine's processes whose command line starts with ``prefix`` (a daemon that names
-    itself, e.g. slurmstepd's ``slurmstepd: [JOB.STEP]``); zombies left out."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = Path(entry.path, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if cmdline.startswith(prefix.encode()) and alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found

@@ -158,6 +158,26 @@ class Container(StrictModel):
     """Bind mounts src:dst."""
 
 
+class Login(StrictModel):
+    """How a workstation reaches this cluster's login node (`lmlaunch --remote NAME ...`): every
+    command then runs there over one OpenSSH master connection (launcher.remote)."""
+
+    ssh: OneLine
+    """ssh destination: user@host or a Host alias of ~/.ssh/config (its ProxyJump, port and key apply)."""
+    lmlaunch: OneLine = "lmlaunch"
+    """The lmlaunch command on the login node, e.g. ~/venvs/lm/bin/lmlaunch (a login shell's PATH may lack it)."""
+    require_master: bool = False
+    """Never prompt: fail at once with the command that opens the master connection when none is open (clusters with MFA)."""
+    control_path: OneLine = "~/.ssh/lmlaunch-%C"
+    """The master connection's socket (ssh's ControlPath; %C: a hash of user, host and port)."""
+    staging: OneLine = "~/.lmlaunch/incoming"
+    """Directory on the login node where a submission's spec and code arrive before its run directory exists."""
+    workdir: OneLine = "~"
+    """Directory on the cluster that relative paths of a spec sent from the workstation start from (data.path, checkpoint.dir, model.pretrained, eval.checkpoint): where the spec would sit there, e.g. ~/project/jobs."""
+    options: list[OneLine] = Field(default_factory=list, max_length=100)
+    """More ssh arguments, e.g. [-F, ~/.ssh/cluster_config] or [-o, SetEnv=SLURM_CONF=/etc/slurm/x.conf]."""
+
+
 class ProfileSlurmOptions(StrictModel):
     """sbatch and srun options every job on this cluster needs that lmlaunch does not plan itself."""
 
@@ -206,6 +226,8 @@ class Profile(StrictModel):
     """Python interpreter on the nodes (after setup). 'auto': the interpreter running lmlaunch (clusters that share its venv, such as local)."""
     container: Container | None = None
     """Run tasks in this container (pyxis)."""
+    login: Login | None = None
+    """How to reach this cluster from a workstation over ssh (absent: lmlaunch runs on the login node)."""
     sends_user_signal_on_preemption: bool = False
     """The cluster sets SlurmctldParameters=preempt_send_user_signal."""
     env: dict[str, EnvVar] = Field(default_factory=dict, max_length=1000)
@@ -328,6 +350,7 @@ def profile_summary(p: Profile) -> dict[str, Any]:
         "runs_root": p.runs_root,
         "python": p.python,
         "env": sorted(p.env),
+        "login": p.login.ssh if p.login else None,
     }
 
 

@@ -145,6 +145,10 @@ def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_i
         time.sleep(0.2)
     assert rehearsal.steps_left(job, ["n2"]) == ["n2"]
     assert rehearsal.steps_left(job, ["n1"]) == []
+    # each running step daemon's socket, on its own node only (what counts once the tasks are gone)
+    spool = slurm.config()["SlurmdSpoolDir"]
+    assert [p.name for p in rehearsal.step_sockets(spool, "n2", job)] == [f"n2_{job}.0", f"n2_{job}.4294967291"]
+    assert rehearsal.step_sockets(spool, "n1", job) == []
     rehearsal.set_node_state("n2", "DOWN", reason=f"test {run_name}")
     try:
         assert wait_for(job, {"queued"}, timeout=30, poll=0.2) == "PENDING"

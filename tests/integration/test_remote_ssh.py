@@ -1,0 +1,131 @@
+"""From a workstation over SSH (launcher.remote): a real sshd on a loopback port and a cluster
+account of its own (tests/integration/sshd_helpers.py); the workstation is this test process with
+its own runs root, which must stay empty. Every command goes through the master connection the
+user opened with the exact command lmlaunch printed.
+
+One run is submitted from a spec that exists only on the workstation, with the workstation's
+code; it is watched, preempted and resumed, its logs, history and export are read, all over ssh.
+A second run is cancelled; a third is submitted by a client killed as soon as the login node's
+side started: the submission completes there and leaves no staging behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sshd_helpers
+from preempt_helpers import BASE, finish, ledger, wait_step
+from slurm_helpers import REPO, pace
+
+from launcher import snapshot
+from launcher.core import slurm
+
+
+@pytest.fixture(scope="module")
+def login_node(tmp_path_factory, slurm_cluster):
+    where = tmp_path_factory.mktemp("login-node")
+    node = sshd_helpers.start(where)
+    yield node, where
+    subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={where}/cm-%C", "-F", str(node.config), "cluster-login"],
+                   capture_output=True, timeout=10)
+    node.stop()
+
+
+def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(login_node, cli, lm_env, run_name,
+                                                                            tmp_path):
+    node, where = login_node
+    there = sshd_helpers.ACCOUNT_HOME / "tests" / run_name  # the cluster account's runs and registry
+    shutil.rmtree(there, ignore_errors=True)
+    faults = tmp_path / "faults.json"  # a file: ssh's SetEnv splits and unquotes a JSON value
+    faults.write_text(json.dumps([pace()]))
+    passed = {**{k: os.environ[k] for k in ("SLURM_CONF", "LMLAUNCH_CLUSTER_DIR") if k in os.environ},
+              "LMLAUNCH_RUNS_ROOT": str(there / "runs"), "LMLAUNCH_HOME": str(there / "home"),
+              "LMLAUNCH_FAULTS": str(faults)}  # steps paced, as the preemption tests' are
+    profiles = Path(lm_env["LMLAUNCH_HOME"]) / "profiles"
+    profiles.mkdir(parents=True)
+    control = where / "cm-%C"
+    for name, required in (("viassh", False), ("viassh-mfa", True)):
+        (profiles / f"{name}.yaml").write_text(
+            sshd_helpers.profile_text(REPO, node, control, passed, require_master=required))
+
+    # no master yet: the exact command to open one, at once
+    r = cli("--remote", "viassh-mfa", "status")
+    assert r.code == 2 and "no ssh master connection to cluster-login is open" in r.err, r.err
+    opener = re.search(r"^  (ssh -fNM .*)$", r.err, re.M).group(1)  # type: ignore[union-attr]
+    subprocess.run(shlex.split(opener), check=True, timeout=30, stdin=subprocess.DEVNULL)
+
+    spec = tmp_path / "workstation" / "my-job.yaml"  # only on the workstation
+    spec.parent.mkdir()
+    shutil.copy(REPO / "jobs" / "tiny-cpu.yaml", spec)
+    name = f"{run_name}-a"
+    r = cli("--remote", "viassh-mfa", "submit", spec, f"name={name}", *BASE)
+    assert r.code == 0, r.out + r.err
+    assert re.search(r"sent 1 file\(s\) and this machine's code to cluster-login:\S+: \d+ files, [\d.]+ MB", r.err), r.err
+    job_id = re.search(r"job (\d+)", r.out).group(1)  # type: ignore[union-attr]
+    run_dir = there / "runs" / name
+    assert snapshot.read(run_dir).digest == snapshot.current(snapshot.PACKAGES)[0].digest  # type: ignore[union-attr]
+    assert not Path(lm_env["LMLAUNCH_RUNS_ROOT"]).exists()  # nothing on the workstation's side
+
+    wait_step(run_dir, 12, job_id=job_id)
+    r = cli("--remote", "viassh", "status", name, "--json")
+    assert r.code == 0 and json.loads(r.out)["runs"][0]["name"] == name, r.out + r.err
+    r = cli("--remote", "viassh", "preempt", name, "--start-now")
+    assert r.code == 0, r.out + r.err
+    finish(job_id, run_dir)
+    assert [e["attempt"] for e in ledger(run_dir) if e.get("event") == "start"] == [1, 2]
+    r = cli("--remote", "viassh", "logs", name)
+    assert r.code == 0 and "attempt 2 ends: completed" in r.out, r.out[-2000:] + r.err
+    r = cli("--remote", "viassh", "history", name, "--json")
+    assert r.code == 0 and len(json.loads(r.out)["attempts"]) == 2, r.out + r.err
+    r = cli("--remote", "viassh", "export", name, "--to", "hf", there / "export")
+    assert r.code == 0 and (there / "export" / "config.json").is_file(), r.out + r.err
+
+    # another run, cancelled from here
+    r = cli("--remote", "viassh", "submit", spec, f"name={run_name}-b", *BASE)
+    assert r.code == 0, r.out + r.err
+    second = re.search(r"job (\d+)", r.out).group(1)  # type: ignore[union-attr]
+    r = cli("--remote", "viassh", "cancel", f"{run_name}-b")
+    assert r.code == 0, r.out + r.err
+    deadline = time.monotonic() + 60
+    while slurm.state_group(slurm.job_state(second)) not in ("ended", "failed", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert slurm.job_state(second).startswith("CANCELLED"), slurm.job_state(second)
+
+    # the client killed once the login node's side started: the submission completes there
+    client = subprocess.Popen([str(Path(sys.executable).parent / "lmlaunch"), "--remote", "viassh", "submit", str(spec),
+                               f"name={run_name}-c", *BASE, "trainer.max_steps=5"],
+                              env=lm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert client.stderr is not None
+    said = client.stderr.readline().decode()
+    stage = re.search(r"to cluster-login:~/(\S+):", said)
+    assert stage, said + client.stderr.read().decode()
+    started = sshd_helpers.ACCOUNT_HOME / stage.group(1) / ".out"  # the login node's side began
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(client.pid, signal.SIGKILL)
+    client.wait()
+    third = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = cli("--remote", "viassh", "status", f"{run_name}-c", "--json")
+        rows = json.loads(r.out)["runs"] if r.code == 0 else []
+        if rows and rows[0]["job_id"]:
+            third = rows[0]["job_id"]
+            break
+        time.sleep(0.5)
+    assert third, r.out + r.err
+    deadline = time.monotonic() + 30
+    while (sshd_helpers.ACCOUNT_HOME / stage.group(1)).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not (sshd_helpers.ACCOUNT_HOME / stage.group(1)).exists()  # nothing left in staging
+    cli("--remote", "viassh", "cancel", f"{run_name}-c")

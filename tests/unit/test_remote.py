@@ -1,0 +1,144 @@
+"""The workstation side of `lmlaunch --remote NAME ...` (launcher.remote, launcher.core.ssh) without
+a login node: which profile a command goes to, which files travel and how they are named there,
+what the archive holds, and that a missing master connection stops the command at once with the
+command that opens it. tests/integration/test_remote_ssh.py runs the whole path through a real sshd."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import time
+
+import pytest
+import yaml
+
+from launcher import remote, snapshot
+from launcher.cli import main
+from launcher.context import Context
+from launcher.core.errors import UserError
+from launcher.core.ssh import Connection, remote_path
+
+
+def test_the_profile_comes_from_the_option_or_the_environment_and_never_twice():
+    assert remote.split_remote(["--remote", "hpc", "status"], {}) == ("hpc", ["status"])
+    assert remote.split_remote(["--remote=hpc", "status", "-a"], {}) == ("hpc", ["status", "-a"])
+    assert remote.split_remote(["status"], {"LMLAUNCH_REMOTE": "hpc"}) == ("hpc", ["status"])
+    assert remote.split_remote(["--remote", "", "status"], {"LMLAUNCH_REMOTE": "hpc"}) == (None, ["status"])
+    # the login node's side never forwards again, whatever its environment says
+    assert remote.split_remote(["status"], {"LMLAUNCH_REMOTE": "hpc", "LMLAUNCH_FORWARDED": "1"}) == (None, ["status"])
+    with pytest.raises(UserError, match="needs a cluster profile name"):
+        remote.split_remote(["--remote"], {})
+
+
+def test_the_files_a_command_names_travel_and_overrides_and_options_do_not(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.yaml").write_text("name: x\n")
+    (tmp_path / "sweep.yaml").write_text("name: s\n")
+    (tmp_path / "local").write_text("")  # a file named like the profile: an option's value stays a value
+    named, files = remote.shipped_files("sweep", ["sweep", "job.yaml", "./sweep.yaml", "optim.lr=0.1",
+                                                  "--cluster", "local", "--max-parallel", "2", "job.yaml"])
+    assert named == {"job.yaml": "files/0/job.yaml", "./sweep.yaml": "files/1/sweep.yaml", "local": "files/2/local"}
+    assert files["files/1/sweep.yaml"].read_text() == "name: s\n"
+
+
+def test_a_pipeline_travels_with_the_specs_beside_it_and_refuses_one_outside(tmp_path):
+    (tmp_path / "p" / "jobs").mkdir(parents=True)
+    (tmp_path / "p" / "jobs" / "train.yaml").write_text("name: t\n")
+    pipe = tmp_path / "p" / "pipe.yaml"
+    pipe.write_text(yaml.safe_dump({"name": "pp", "stages": [{"name": "a", "spec": "jobs/train.yaml"},
+                                                             {"name": "b", "spec": "./jobs/train.yaml"}]}))
+    named, files = remote.shipped_files("pipeline", ["pipeline", str(pipe)])
+    assert named == {str(pipe): "files/0/pipe.yaml"}
+    assert files == {"files/0/pipe.yaml": pipe, "files/0/jobs/train.yaml": tmp_path / "p" / "jobs" / "train.yaml"}
+    (tmp_path / "other.yaml").write_text("name: o\n")
+    pipe.write_text(yaml.safe_dump({"name": "pp", "stages": [{"name": "a", "spec": "../other.yaml"}]}))
+    with pytest.raises(UserError, match="outside the pipeline file's directory"):
+        remote.shipped_files("pipeline", ["pipeline", str(pipe)])
+
+
+def test_the_archive_holds_the_files_this_machines_code_and_what_git_says_of_it(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: x\n")
+    data, count, size = remote.archive({"files/0/job.yaml": spec}, with_code=True)
+    snap, code = snapshot.current(snapshot.PACKAGES)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        names = set(tar.getnames())
+        git = json.loads(tar.extractfile(f"code/{snapshot.SHIPPED_GIT}").read())  # type: ignore[union-attr]
+        assert tar.extractfile("files/0/job.yaml").read() == b"name: x\n"  # type: ignore[union-attr]
+    assert names == {"files/0/job.yaml", f"code/{snapshot.SHIPPED_GIT}", *(f"code/{rel}" for rel in code)}
+    assert count == len(code) + 1 and size == spec.stat().st_size + snap.size
+    assert git == snap.git  # commit, dirty and the patch of uncommitted changes
+
+
+def test_a_snapshot_on_the_login_node_takes_the_shipped_code_and_its_git_record(tmp_path, monkeypatch):
+    data, _, _ = remote.archive({}, with_code=True)
+    stage = tmp_path / "stage"
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(stage, filter="data")
+    monkeypatch.setenv(snapshot.SHIPPED_ENV, str(stage / "code"))
+    here = snapshot.current(snapshot.PACKAGES)[0]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    taken = snapshot.take(run_dir)
+    assert taken.digest == here.digest and taken.files == here.files
+    assert (taken.git or {}).get("commit") == (here.git or {}).get("commit")
+    assert snapshot.read(run_dir).digest == here.digest  # type: ignore[union-attr]
+
+
+def test_output_names_a_shipped_file_as_the_user_named_it():
+    shown = remote.as_named_here("~/.lmlaunch/incoming/20261126-1-abc", {"my job.yaml": "files/0/job.yaml"})
+    line = "error: /home/u/.lmlaunch/incoming/20261126-1-abc/files/0/job.yaml: trainer.max_steps: bad\n"
+    assert shown(line) == "error: my job.yaml: trainer.max_steps: bad\n"
+    assert shown("nothing shipped here\n") == "nothing shipped here\n"
+
+
+def test_a_home_relative_path_is_expanded_by_the_login_shell_and_quoted():
+    assert remote_path("~/venvs/lm/bin/lmlaunch") == '"$HOME"/venvs/lm/bin/lmlaunch'
+    assert remote_path("/opt/my tools/lmlaunch") == "'/opt/my tools/lmlaunch'"
+    assert remote_path("~/a;rm -rf x") == "\"$HOME\"/'a;rm -rf x'"
+
+
+def _profiles(tmp_path, login: str | None) -> dict[str, str]:
+    home = tmp_path / "home"
+    (home / "profiles").mkdir(parents=True)
+    text = "partitions: {batch: {max_time: '1:00:00'}}\ndefault_partition: batch\nruns_root: /runs\n"
+    (home / "profiles" / "hpc.yaml").write_text(text + (login or ""))
+    return {"LMLAUNCH_HOME": str(home)}
+
+
+def _lm(environ: dict[str, str], *args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    return main(list(args), Context(stdout=out, stderr=err, environ=environ)), out.getvalue(), err.getvalue()
+
+
+def test_without_a_master_connection_the_command_stops_at_once_with_the_command_that_opens_it(tmp_path):
+    login = (f"login: {{ssh: nobody@login.example.org, require_master: true, "
+             f"control_path: {tmp_path}/cm-%C, options: [-p, '2222']}}\n")
+    environ = _profiles(tmp_path, login)
+    start = time.monotonic()
+    code, out, err = _lm(environ, "--remote", "hpc", "status")
+    took = time.monotonic() - start
+    assert code == 2 and out == "" and took < 1.0, (took, err)
+    assert "no ssh master connection to nobody@login.example.org is open (the profile requires one" in err
+    assert f"ssh -fNM -p 2222 -o ControlPath={tmp_path}/cm-%C -o ControlPersist=yes nobody@login.example.org" in err
+    # not a terminal: the same, though the profile does not require a master
+    environ = _profiles(tmp_path / "b", login.replace("require_master: true", "require_master: false"))
+    code, _, err = _lm(environ, "--remote", "hpc", "status")
+    assert code == 2 and "(no terminal to log in at)" in err
+
+
+def test_a_profile_without_login_and_commands_about_this_machine(tmp_path):
+    environ = _profiles(tmp_path, None)
+    code, _, err = _lm(environ, "--remote", "hpc", "status")
+    assert code == 2 and "cluster profile hpc has no login section" in err
+    assert remote.forward("hpc", ["profiles"], Context(io.StringIO(), io.StringIO(), environ)) is None
+    code, out, _ = _lm({**environ, "LMLAUNCH_REMOTE": "hpc"}, "profiles")  # runs here
+    assert code == 0 and "hpc" in out
+
+
+def test_ssh_arguments_never_prompt_and_reuse_the_master():
+    conn = Connection("login", "/tmp/cm-%C", ("-F", "/cfg"))
+    argv = conn.argv("exec lmlaunch status")
+    assert argv[:2] == ["ssh", "-F"] and "BatchMode=yes" in argv and "ControlMaster=no" in argv
+    assert argv[-2:] == ["login", "exec lmlaunch status"] and "-T" in argv
