@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,12 +143,13 @@ def list_records(environ: Mapping[str, str] | None = None) -> list[RunRecord]:
     return out
 
 
-def recent_or_unfinished(final: set[str], now: float, days: float = 1.0,
+def recent_or_unfinished(final: Container[str], now: float, days: float = 1.0,
                          environ: Mapping[str, str] | None = None) -> tuple[list[RunRecord], int]:
     """The records plain `status` may show (submitted within ``days``, or whose last job is not
     known to have ended for good: ``final``) and how many others there are, without parsing the
     others: the index's heads (``$LMLAUNCH_HOME/cache/registry-heads.json``: name -> identity,
-    last submission, last job) decide; an entry whose file changed is read as ``list_records``
+    last submission, last job) decide, with ``final`` the jobs known to have ended (slurm_view.ended_jobs); an
+    entry whose file changed is read as ``list_records``
     would. With 10,000 mostly finished runs this reads a few records instead of all of them."""
     d = registry_dir(environ)
     try:

@@ -63,6 +63,29 @@ def final_job_ids(environ: Mapping[str, str] | None = None) -> set[str]:
     return set(_load_cache(environ))
 
 
+class EndedJobs:
+    """Jobs known to have ended: accounting's cached final states, and (``queued`` given: what the
+    controller has now) every job it no longer lists as pending or running. A test of membership."""
+
+    def __init__(self, final: set[str], queued: set[str] | None) -> None:
+        self.final, self.queued = final, queued
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self.final or (self.queued is not None and job_id not in self.queued)
+
+
+def ended_jobs(environ: Mapping[str, str] | None = None) -> EndedJobs:
+    """What plain `status` may skip unread: one squeue of the user's pending and running jobs
+    (milliseconds), whatever accounting holds; SLURM unreachable: the cached final states only."""
+    import getpass
+
+    try:
+        queued = {q.job_id for q in slurm.squeue(user=getpass.getuser(), timeout=SLURM_TIMEOUT_S)}
+    except (SlurmUnavailable, UserError, KeyError, OSError):
+        queued = None
+    return EndedJobs(final_job_ids(environ), queued)
+
+
 def _save_cache(cache: dict[str, dict[str, Any]], environ: Mapping[str, str] | None) -> None:
     path = _cache_path(environ)
     try:

@@ -33,7 +33,7 @@ def _collect(args: argparse.Namespace, ctx: Context):
     elif args.all:
         records = runs.list_records(env)
     else:  # old runs whose jobs ended for good are not even read
-        records, hidden = runs.recent_or_unfinished(slurm_view.final_job_ids(env), now, environ=env)
+        records, hidden = runs.recent_or_unfinished(slurm_view.ended_jobs(env), now, environ=env)
     rows, view = monitor.gather_status(records, environ=env, now=now)
     if not args.run and not args.all:
         keep = [monitor.is_recent_or_active(r, rec, now) for r, rec in zip(rows, records)]

@@ -11,8 +11,6 @@ import difflib
 import enum
 from collections.abc import Iterable
 
-from launcher.core.text_rules import escape_controls
-
 
 class ExitCode(enum.IntEnum):
     OK = 0
@@ -59,6 +57,8 @@ def _one_line(text: str, limit: int = 1000) -> str:
 
     Messages quote what the user wrote; a value holding "\n#SBATCH ..." or 5000 characters
     must not spread over the terminal."""
+    from launcher.core.text_rules import escape_controls  # here: text_rules loads pydantic, which `status` needs not
+
     text = escape_controls(text)
     if len(text) > limit:
         text = text[: limit - 30] + f"… ({len(text) - limit + 30} more characters)"

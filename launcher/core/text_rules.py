@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any
-
-from pydantic import AfterValidator
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 # C0 controls, DEL and C1 controls (a terminal reads \x9b as an escape sequence).
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -79,7 +77,10 @@ class TextRule:
 
     @property
     def annotated(self) -> Any:
-        """A pydantic type: ``name: RunName`` checks the field with this rule."""
+        """A pydantic type: ``name: RunName`` checks the field with this rule (pydantic imported
+        here: the rules serve `status` too, which needs no pydantic)."""
+        from pydantic import AfterValidator
+
         return Annotated[str, AfterValidator(self.check)]
 
 
@@ -145,18 +146,6 @@ WEBHOOK_URL = TextRule(
     2048,
 )
 
-RunName = RUN_NAME.annotated
-ProfileName = PROFILE_NAME.annotated
-SlurmWord = SLURM_WORD.annotated
-MemSize = MEM_SIZE.annotated
-PathText = PATH.annotated
-OneLine = ONE_LINE.annotated
-ShellLine = SHELL_LINE.annotated
-EnvValue = ENV_VALUE.annotated
-WebhookUrl = WEBHOOK_URL.annotated
-EnvName = ENV_NAME.annotated
-
-
 def check_override_text(text: str) -> None:
     """A command-line override is one line: a control character in it is an error, never cut."""
     if len(text) > 8192:
@@ -167,3 +156,29 @@ def check_override_text(text: str) -> None:
             f"override {brief(text)} holds the control character {bad.group()!r}: an override is one "
             "line of text (write values with line breaks in the spec file)"
         )
+
+
+# The pydantic types of the rules, made on first use (module __getattr__): `status` and the other
+# commands that validate nothing import these rules without pydantic.
+_TYPES = {"RunName": RUN_NAME, "ProfileName": PROFILE_NAME, "SlurmWord": SLURM_WORD, "MemSize": MEM_SIZE,
+          "PathText": PATH, "OneLine": ONE_LINE, "ShellLine": SHELL_LINE, "EnvValue": ENV_VALUE,
+          "WebhookUrl": WEBHOOK_URL, "EnvName": ENV_NAME}
+
+if TYPE_CHECKING:  # to mypy each is the str it checks
+    RunName: TypeAlias = str
+    ProfileName: TypeAlias = str
+    SlurmWord: TypeAlias = str
+    MemSize: TypeAlias = str
+    PathText: TypeAlias = str
+    OneLine: TypeAlias = str
+    ShellLine: TypeAlias = str
+    EnvValue: TypeAlias = str
+    WebhookUrl: TypeAlias = str
+    EnvName: TypeAlias = str
+else:
+    def __getattr__(name: str) -> Any:
+        rule = _TYPES.get(name)
+        if rule is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = globals()[name] = rule.annotated
+        return value
