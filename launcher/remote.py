@@ -52,6 +52,8 @@ SHIPS_CODE = frozenset({"submit", "sweep", "pipeline"})
 STAGING_MAX_AGE_MIN = 24 * 60  # an arrival left behind by a dropped connection is removed after a day
 FOLLOW_INTERVAL_S = 0.1
 NOT_FOUND = 127  # the login shell's status for a command it could not find
+UNIX_PATH_MAX = 107  # sun_path's 108 bytes, the last a NUL
+CONTROL_SUFFIX = 17  # ssh's temporary listener: the ControlPath + "." + 16 random characters
 
 
 def split_remote(argv: list[str], environ: dict[str, str]) -> tuple[str | None, list[str]]:
@@ -77,6 +79,7 @@ def forward(profile_name: str, argv: list[str], ctx: Context) -> int | None:
         raise UserError(f"cluster profile {profile_name} has no login section: add one "
                         "(login: {ssh: user@host, lmlaunch: PATH}) to reach it over ssh, or drop --remote")
     login = profile.login
+    check_control_path(login.control_path, profile_name)
     conn = Connection(login.ssh, login.control_path, tuple(os.path.expanduser(o) for o in login.options))
     ensure_master(conn, login, profile_name, ctx)
     shipped = None
@@ -95,7 +98,8 @@ def forward(profile_name: str, argv: list[str], ctx: Context) -> int | None:
     run = f"env {' '.join(env)} {remote_path(login.lmlaunch)} {' '.join(args)}"
     if shipped is None:
         tty = _interactive(ctx)
-        code = conn.stream(f"exec {run}", ctx.stdout, ctx.stderr, tty=tty, passthrough=tty)
+        code = conn.stream(f"exec {run}" if tty else ended_with_connection(run), ctx.stdout, ctx.stderr,
+                           tty=tty, passthrough=tty)
     else:
         code = conn.stream(detached(shipped, run), ctx.stdout, ctx.stderr, shown=as_named_here(shipped, named))
     if code == NOT_FOUND:
@@ -106,6 +110,16 @@ def forward(profile_name: str, argv: list[str], ctx: Context) -> int | None:
                 + ("the submission goes on there if it had started: `lmlaunch --remote "
                    f"{profile_name} status` shows it" if command in SHIPS_CODE else "run the command again"))
     return code
+
+
+def check_control_path(control_path: str, profile_name: str) -> None:
+    """A Unix socket's path holds at most 107 bytes, and ssh adds a '.' and 16 characters to it
+    while the master starts; %C is 40 hex digits (ssh's other tokens: counted as written)."""
+    path = os.path.expanduser(control_path).replace("%C", "x" * 40)
+    if len(path.encode()) + CONTROL_SUFFIX > UNIX_PATH_MAX:
+        raise UserError(f"login.control_path of cluster profile {profile_name} ({control_path}) is too long for a "
+                        f"Unix socket: {len(path.encode())} bytes once expanded, at most {UNIX_PATH_MAX - CONTROL_SUFFIX}; "
+                        "name a shorter directory (the default ~/.ssh/lmlaunch-%C fits most homes)")
 
 
 def ensure_master(conn: Connection, login: Login, profile_name: str, ctx: Context) -> None:
@@ -126,34 +140,36 @@ def _interactive(ctx: Context) -> bool:
 
 def shipped_files(command: str, argv: list[str]) -> tuple[dict[str, str], dict[str, Path]]:
     """The files of this machine a command reads: {argument: archive name} for the arguments
-    that name a file (not options, not overrides, which hold '='), and {archive name: path}, with
-    a pipeline's stage specs beside it."""
+    that name a file (not options, not overrides, which hold '='), and {archive name: path}. A
+    pipeline travels with its stages' specs, in the same places relative to one another."""
     named: dict[str, str] = {}
     files: dict[str, Path] = {}
     for arg in argv[argv.index(command) + 1:]:
         if arg.startswith("-") or "=" in arg or arg in named or not os.path.isfile(arg):
             continue
-        name = f"files/{len(named)}/{Path(arg).name}"
-        named[arg], files[name] = name, Path(arg)
-    if command == "pipeline":
-        for name, path in list(files.items()):
-            files.update(_pipeline_specs(name, path))
+        top = f"files/{len(named)}"
+        path = Path(arg).absolute()
+        together = [path, *(_pipeline_specs(path) if command == "pipeline" else [])]
+        base = Path(os.path.commonpath([p.parent for p in together]))
+        for p in together:
+            files[f"{top}/{p.relative_to(base).as_posix()}"] = p
+        named[arg] = f"{top}/{path.relative_to(base).as_posix()}"
     return named, files
 
 
-def _pipeline_specs(name: str, path: Path) -> dict[str, Path]:
+def _pipeline_specs(path: Path) -> list[Path]:
+    """The stage specs a pipeline file names (relative to it), as absolute paths."""
     loaded = load_yaml_file(path, "pipeline").data
     stages = loaded.get("stages") if isinstance(loaded, dict) else None
-    out: dict[str, Path] = {}
+    out: list[Path] = []
     for stage in stages if isinstance(stages, list) else []:
         spec = stage.get("spec") if isinstance(stage, dict) else None
         if not isinstance(spec, str) or not (path.parent / spec).is_file():
             continue  # the login node's lmlaunch names what is missing
-        rel = Path(os.path.normpath(spec))
-        if rel.is_absolute() or rel.parts[:1] == ("..",):
-            raise UserError(f"{path}: stage spec {spec!r} is outside the pipeline file's directory; over ssh a "
-                            "pipeline's specs travel with it and must lie beside it or below it")
-        out[str(Path(name).parent / rel)] = path.parent / rel
+        if Path(spec).expanduser().is_absolute():
+            raise UserError(f"{path}: stage spec {spec!r} is an absolute path of this machine; over ssh a "
+                            "pipeline's specs travel with it: name them relative to the pipeline file")
+        out.append(Path(os.path.normpath(path.parent / spec)))
     return out
 
 
@@ -198,6 +214,16 @@ def ship(conn: Connection, login: Login, command: str, files: dict[str, Path], c
     ctx.err(f"sent {what} to {login.ssh}:{stage}: {count} files, {size / 1e6:.2f} MB "
             f"({len(data) / 1e6:.2f} MB compressed) in {took:.2f} s")
     return stage
+
+
+def ended_with_connection(run: str) -> str:
+    """The login shell's side of a command that is not detached: it ends when the connection does
+    (its stdin, held open by this side, closes), not only when it writes to a closed channel: a
+    dropped `status --watch` or `logs -f` leaves no process behind on the login node."""
+    # fd 3: the shell's stdin, which a background list would otherwise get as /dev/null
+    return (f"exec 3<&0; {run} < /dev/null 3<&- & pid=$!; "
+            "{ cat <&3 > /dev/null; kill -TERM $pid; } > /dev/null 2>&1 & w=$!; exec 3<&-; "
+            "wait $pid; rc=$?; kill $w 2>/dev/null; exit $rc")
 
 
 def as_named_here(stage: str, named: dict[str, str]) -> Callable[[str], str]:

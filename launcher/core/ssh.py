@@ -72,7 +72,9 @@ class Connection:
         terminal: live displays, Ctrl-C)."""
         if passthrough:
             return subprocess.call(self.argv(remote_command, tty=tty), stdin=None if tty else subprocess.DEVNULL)
-        proc = subprocess.Popen(self.argv(remote_command, tty=tty), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        # stdin stays open while this side lives (fed, then left open): the far side sees it close
+        # when this process or the connection goes (launcher.remote.ended_with_connection)
+        proc = subprocess.Popen(self.argv(remote_command, tty=tty), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert proc.stdout is not None and proc.stderr is not None
         threads = [threading.Thread(target=_copy, args=(proc.stderr, err, shown), daemon=True)]
@@ -84,6 +86,8 @@ class Connection:
         code = proc.wait()
         for t in threads:
             t.join(timeout=5)
+        if proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()
         return code
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ACCOUNT = "lmcluster"
 ACCOUNT_HOME = Path("/var/tmp/lmlaunch-cluster-account")
 SSHD = Path("/usr/sbin/sshd")
-PASSED_ENV = ("SLURM_CONF", "LMLAUNCH_CLUSTER_DIR", "LMLAUNCH_RUNS_ROOT", "LMLAUNCH_HOME")
+PASSED_ENV = ("SLURM_CONF", "LMLAUNCH_CLUSTER_DIR", "LMLAUNCH_RUNS_ROOT", "LMLAUNCH_HOME", "LMLAUNCH_FAULTS")
 
 
 @dataclass
@@ -118,3 +118,21 @@ def profile_text(repo: Path, node: LoginNode, control_path: Path, env: dict[str,
         f"  workdir: {repo / 'jobs'}\n"
         f"  options: [-F, {node.config}, -o, 'SetEnv={passed}']\n"
     )
+
+
+def forwarded(*words: str) -> list[int]:
+    """Processes the login node's side runs for a workstation (LMLAUNCH_FORWARDED=1 in their
+    environment) whose command line holds ``words`` in order."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in cmdline]
+        if b"LMLAUNCH_FORWARDED=1" in environ and any(args[i:i + len(words)] == list(words) for i in range(len(args))):
+            found.append(int(entry.name))
+    return found

@@ -4,9 +4,11 @@ its own runs root, which must stay empty. Every command goes through the master 
 user opened with the exact command lmlaunch printed.
 
 One run is submitted from a spec that exists only on the workstation, with the workstation's
-code; it is watched, preempted and resumed, its logs, history and export are read, all over ssh.
-A second run is cancelled; a third is submitted by a client killed as soon as the login node's
-side started: the submission completes there and leaves no staging behind."""
+code; it is watched, preempted and resumed, and its logs (followed), history, report, export and
+a diff are read over ssh; doctor, a sweep and a pipeline (with its stage spec) are dry-run. A
+second run is cancelled; a third is submitted by a client killed as soon as the login node's
+side started: the submission completes there and leaves no staging behind. Last, the master
+connection is closed under `status --watch`, which ends with a message."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,11 +36,13 @@ from launcher.core import slurm
 @pytest.fixture(scope="module")
 def login_node(tmp_path_factory, slurm_cluster):
     where = tmp_path_factory.mktemp("login-node")
+    sockets = Path(tempfile.mkdtemp(prefix="lmcm-", dir="/tmp"))  # a Unix socket's path: at most 107 bytes
     node = sshd_helpers.start(where)
-    yield node, where
-    subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={where}/cm-%C", "-F", str(node.config), "cluster-login"],
+    yield node, sockets
+    subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={sockets}/cm-%C", "-F", str(node.config), "cluster-login"],
                    capture_output=True, timeout=10)
     node.stop()
+    shutil.rmtree(sockets, ignore_errors=True)
 
 
 def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(login_node, cli, lm_env, run_name,
@@ -67,7 +72,7 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
     spec.parent.mkdir()
     shutil.copy(REPO / "jobs" / "tiny-cpu.yaml", spec)
     name = f"{run_name}-a"
-    r = cli("--remote", "viassh-mfa", "submit", spec, f"name={name}", *BASE)
+    r = cli("--remote", "viassh-mfa", "submit", spec, f"name={name}", *BASE, "trainer.max_steps=40")
     assert r.code == 0, r.out + r.err
     assert re.search(r"sent 1 file\(s\) and this machine's code to cluster-login:\S+: \d+ files, [\d.]+ MB", r.err), r.err
     job_id = re.search(r"job (\d+)", r.out).group(1)  # type: ignore[union-attr]
@@ -100,6 +105,22 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
         time.sleep(0.5)
     assert slurm.job_state(second).startswith("CANCELLED"), slurm.job_state(second)
 
+    # the other commands over the same master, as on the login node
+    r = cli("--remote", "viassh", "logs", name, "-f")  # the run has ended: follows nothing more
+    assert r.code == 0 and "attempt 2 ends: completed" in r.out, r.err
+    r = cli("--remote", "viassh", "status", "--watch", "--count", "2", "--interval", "0.2")
+    assert r.code == 0 and name in r.out, r.out + r.err
+    r = cli("--remote", "viassh", "report", name, "-o", there / "report.png")
+    assert r.code == 0 and (there / "report.png").stat().st_size > 0, r.out + r.err
+    r = cli("--remote", "viassh", "diff", name, f"{run_name}-b")
+    assert r.code in (0, 1) and f"{name} vs {run_name}-b: " in r.out, r.out + r.err
+    r = cli("--remote", "viassh", "doctor", spec, "--json")
+    assert r.code in (0, 1) and json.loads(r.out)["checks"], r.out + r.err
+    r = cli("--remote", "viassh", "sweep", spec, REPO / "jobs" / "sweeps" / "tiny-lr.yaml", "--dry-run")
+    assert r.code == 0 and "nothing submitted" in r.out, r.out + r.err
+    r = cli("--remote", "viassh", "pipeline", REPO / "jobs" / "pipelines" / "tiny-train-eval.yaml", "--dry-run")
+    assert r.code == 0 and "sent 2 file(s) and this machine's code" in r.err, r.out + r.err  # its stage spec with it
+
     # the client killed once the login node's side started: the submission completes there
     client = subprocess.Popen([str(Path(sys.executable).parent / "lmlaunch"), "--remote", "viassh", "submit", str(spec),
                                f"name={run_name}-c", *BASE, "trainer.max_steps=5"],
@@ -129,3 +150,20 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
         time.sleep(0.2)
     assert not (sshd_helpers.ACCOUNT_HOME / stage.group(1)).exists()  # nothing left in staging
     cli("--remote", "viassh", "cancel", f"{run_name}-c")
+
+    # the master connection dropped under `status --watch`: it ends with a message, not a hang
+    watch = subprocess.Popen([str(Path(sys.executable).parent / "lmlaunch"), "--remote", "viassh", "status", "--watch",
+                              "--interval", "0.2"], env=lm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while not sshd_helpers.forwarded("status", "--watch") and time.monotonic() < deadline:  # it runs there
+        time.sleep(0.1)
+    assert sshd_helpers.forwarded("status", "--watch")
+    subprocess.run(["ssh", "-F", str(node.config), "-O", "exit", "-o", f"ControlPath={control}", "cluster-login"],
+                   capture_output=True, timeout=10)
+    _, err = watch.communicate(timeout=30)
+    assert watch.returncode == 255, err
+    assert b"the ssh connection to cluster-login failed or dropped (ssh exit 255); run the command again" in err, err
+    deadline = time.monotonic() + 10  # and nothing of it stays behind on the login node
+    while sshd_helpers.forwarded("status", "--watch") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sshd_helpers.forwarded("status", "--watch")

@@ -42,18 +42,19 @@ def test_the_files_a_command_names_travel_and_overrides_and_options_do_not(tmp_p
     assert files["files/1/sweep.yaml"].read_text() == "name: s\n"
 
 
-def test_a_pipeline_travels_with_the_specs_beside_it_and_refuses_one_outside(tmp_path):
-    (tmp_path / "p" / "jobs").mkdir(parents=True)
-    (tmp_path / "p" / "jobs" / "train.yaml").write_text("name: t\n")
-    pipe = tmp_path / "p" / "pipe.yaml"
-    pipe.write_text(yaml.safe_dump({"name": "pp", "stages": [{"name": "a", "spec": "jobs/train.yaml"},
-                                                             {"name": "b", "spec": "./jobs/train.yaml"}]}))
-    named, files = remote.shipped_files("pipeline", ["pipeline", str(pipe)])
-    assert named == {str(pipe): "files/0/pipe.yaml"}
-    assert files == {"files/0/pipe.yaml": pipe, "files/0/jobs/train.yaml": tmp_path / "p" / "jobs" / "train.yaml"}
-    (tmp_path / "other.yaml").write_text("name: o\n")
-    pipe.write_text(yaml.safe_dump({"name": "pp", "stages": [{"name": "a", "spec": "../other.yaml"}]}))
-    with pytest.raises(UserError, match="outside the pipeline file's directory"):
+def test_a_pipeline_travels_with_its_stage_specs_in_the_same_places_relative_to_it(tmp_path):
+    (tmp_path / "jobs" / "pipelines").mkdir(parents=True)
+    (tmp_path / "jobs" / "train.yaml").write_text("name: t\n")
+    (tmp_path / "jobs" / "pipelines" / "eval.yaml").write_text("name: e\n")
+    pipe = tmp_path / "jobs" / "pipelines" / "pipe.yaml"
+    pipe.write_text(yaml.safe_dump({"name": "pp", "stages": [{"name": "a", "spec": "../train.yaml"},
+                                                             {"name": "b", "spec": "./eval.yaml"}]}))
+    named, files = remote.shipped_files("pipeline", ["pipeline", str(pipe), "--dry-run"])
+    assert named == {str(pipe): "files/0/pipelines/pipe.yaml"}
+    assert files == {"files/0/pipelines/pipe.yaml": pipe, "files/0/train.yaml": tmp_path / "jobs" / "train.yaml",
+                     "files/0/pipelines/eval.yaml": tmp_path / "jobs" / "pipelines" / "eval.yaml"}
+    pipe.write_text(yaml.safe_dump({"name": "pp", "stages": [{"name": "a", "spec": str(tmp_path / "jobs" / "train.yaml")}]}))
+    with pytest.raises(UserError, match="is an absolute path of this machine"):
         remote.shipped_files("pipeline", ["pipeline", str(pipe)])
 
 
@@ -113,15 +114,15 @@ def _lm(environ: dict[str, str], *args: str) -> tuple[int, str, str]:
 
 
 def test_without_a_master_connection_the_command_stops_at_once_with_the_command_that_opens_it(tmp_path):
-    login = (f"login: {{ssh: nobody@login.example.org, require_master: true, "
-             f"control_path: {tmp_path}/cm-%C, options: [-p, '2222']}}\n")
+    login = ("login: {ssh: nobody@login.example.org, require_master: true, "
+             "control_path: /tmp/lmlaunch-test-absent-%C, options: [-p, '2222']}\n")
     environ = _profiles(tmp_path, login)
     start = time.monotonic()
     code, out, err = _lm(environ, "--remote", "hpc", "status")
     took = time.monotonic() - start
     assert code == 2 and out == "" and took < 1.0, (took, err)
     assert "no ssh master connection to nobody@login.example.org is open (the profile requires one" in err
-    assert f"ssh -fNM -p 2222 -o ControlPath={tmp_path}/cm-%C -o ControlPersist=yes nobody@login.example.org" in err
+    assert "ssh -fNM -p 2222 -o ControlPath=/tmp/lmlaunch-test-absent-%C -o ControlPersist=yes nobody@login.example.org" in err
     # not a terminal: the same, though the profile does not require a master
     environ = _profiles(tmp_path / "b", login.replace("require_master: true", "require_master: false"))
     code, _, err = _lm(environ, "--remote", "hpc", "status")
@@ -142,3 +143,11 @@ def test_ssh_arguments_never_prompt_and_reuse_the_master():
     argv = conn.argv("exec lmlaunch status")
     assert argv[:2] == ["ssh", "-F"] and "BatchMode=yes" in argv and "ControlMaster=no" in argv
     assert argv[-2:] == ["login", "exec lmlaunch status"] and "-T" in argv
+
+
+def test_a_control_path_too_long_for_a_unix_socket_is_named_before_ssh_runs(tmp_path):
+    long_dir = "/tmp/" + "d" * 60
+    environ = _profiles(tmp_path, f"login: {{ssh: login, control_path: {long_dir}/cm-%C}}\n")
+    code, _, err = _lm(environ, "--remote", "hpc", "status")
+    assert code == 2 and "login.control_path of cluster profile hpc" in err and "too long for a Unix socket" in err, err
+    assert "at most 90" in err
