@@ -83,6 +83,8 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
     wait_step(run_dir, 12, job_id=job_id)
     r = cli("--remote", "viassh", "status", name, "--json")
     assert r.code == 0 and json.loads(r.out)["runs"][0]["name"] == name, r.out + r.err
+    r = cli("--remote", "viassh", "stacks", name, "--json")  # py-spy on the nodes, through the login node
+    assert r.code == 0 and sorted(t["rank"] for t in json.loads(r.out)) == [0, 1], r.out[-2000:] + r.err
     r = cli("--remote", "viassh", "preempt", name, "--start-now")
     assert r.code == 0, r.out + r.err
     finish(job_id, run_dir)
