@@ -10,12 +10,14 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from launcher.commands import COMMANDS
 from launcher.context import Context
 from launcher.core.errors import ExitCode, UserError
+
+T = TypeVar("T")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -50,27 +52,19 @@ def _load(module: str):
 
 def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
     ctx = ctx or Context.default()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    words = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("LMLAUNCH_DEBUG") == "1"
-    if (argv and argv[0].startswith("--remote")) or ctx.environ.get("LMLAUNCH_REMOTE"):
-        try:
-            forwarded = _forward(argv, ctx)
-        except UserError as exc:
-            if debug:
-                raise
-            ctx.err(f"error: {exc.message}")
-            return int(exc.exit_code)
-        except KeyboardInterrupt:
-            return ExitCode.INTERRUPTED
+    if (words and words[0].startswith("--remote")) or ctx.environ.get("LMLAUNCH_REMOTE"):
+        forwarded = _reported(lambda: _forward(words, ctx), ctx, debug)
         if isinstance(forwarded, int):
             return forwarded
-        argv = forwarded
+        words = forwarded
     # Only the chosen subcommand's module is imported (fast start).
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen = next((a for a in words if not a.startswith("-")), None)
     parser = build_parser(only=chosen if chosen in COMMANDS else None)
     # Dotted overrides may follow options (`submit job.yaml --dry-run nodes=2`): argparse
     # leaves positionals after an option unparsed, so they join the overrides here.
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(words)
     if extra:
         if hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
             args.overrides = [*args.overrides, *extra]
@@ -83,17 +77,13 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
     if mod is None:
         ctx.err(f"lmlaunch {args.command}: not available in this build")
         return ExitCode.FAILURE
-    try:
+    def run() -> int:
         code = int(mod.run(args, ctx) or 0)
         ctx.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return code
-    except UserError as exc:
-        if debug:
-            raise
-        ctx.err(f"error: {exc.message}")
-        return int(exc.exit_code)
-    except KeyboardInterrupt:
-        return ExitCode.INTERRUPTED
+
+    try:
+        return _reported(run, ctx, debug)
     except BrokenPipeError:
         # `lmlaunch submit ... --dry-run | head -1`: the reader is gone; end quietly, as `cat` does.
         _silence_stdout(ctx)
@@ -123,8 +113,17 @@ def _silence_stdout(ctx: Context) -> None:
             pass
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def _reported(call: Callable[[], T], ctx: Context, debug: bool) -> T | int:
+    """``call()``, a user's error printed as one line (its exit status) and Ctrl-C as INTERRUPTED."""
+    try:
+        return call()
+    except UserError as exc:
+        if debug:
+            raise
+        ctx.err(f"error: {exc.message}")
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        return ExitCode.INTERRUPTED
 
 
 def _forward(argv: list[str], ctx: Context) -> int | list[str]:
@@ -137,3 +136,7 @@ def _forward(argv: list[str], ctx: Context) -> int | list[str]:
         return rest
     code = remote.forward(name, rest, ctx)
     return rest if code is None else code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
