@@ -160,9 +160,10 @@ def apply_plan_env(plan) -> list[str]:
     """The plan's process environment minus what is about the cluster fabric (NCCL/IB names,
     run-dir paths) — e.g. CUDA_DEVICE_MAX_CONNECTIONS; set before CUDA starts, for both sides."""
     keep = {k: v for k, v in plan.env.items() if not k.startswith(("NCCL_", "TORCH_NCCL_", "LMLAUNCH_"))}
-    if keep.get("PYTHONPATH") and os.environ.get("PYTHONPATH"):  # kept after the plan's, as the batch script does
-        keep["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
-    os.environ.update(keep)
+    from lmtrain.local import planned_over
+
+    merged = planned_over(os.environ, keep)  # an inherited PYTHONPATH kept after the plan's, as jobs do
+    os.environ.update({k: merged[k] for k in keep})
     return sorted(keep)
 
 

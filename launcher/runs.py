@@ -148,9 +148,9 @@ def recent_or_unfinished(final: Container[str], now: float, days: float = 1.0,
     """The records plain `status` may show (submitted within ``days``, or whose last job is not
     known to have ended for good: ``final``) and how many others there are, without parsing the
     others: the index's heads (``$LMLAUNCH_HOME/cache/registry-heads.json``: name -> identity,
-    last submission, last job) decide, with ``final`` the jobs known to have ended (slurm_view.ended_jobs); an
-    entry whose file changed is read as ``list_records``
-    would. With 10,000 mostly finished runs this reads a few records instead of all of them."""
+    last submission, last job) decide, ``final`` holding the jobs known to have ended
+    (slurm_view.ended_jobs); an entry whose file changed is read as ``list_records`` would. With
+    10,000 mostly finished runs this reads a few records instead of all of them."""
     d = registry_dir(environ)
     try:
         with os.scandir(d) as it:

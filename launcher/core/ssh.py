@@ -61,7 +61,7 @@ class Connection:
                 "-tt" if tty else "-T", self.destination, remote_command]
 
     def run(self, remote_command: str, *, stdin: bytes | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess[bytes]:
-        """Run and collect (stdout and stderr as text)."""
+        """Run and collect its stdout and stderr (bytes)."""
         return subprocess.run(self.argv(remote_command), input=stdin, capture_output=True, timeout=timeout)
 
     def stream(self, remote_command: str, out: TextIO, err: TextIO, *, stdin: bytes | None = None,

@@ -35,6 +35,15 @@ TERMINATE_GRACE_S = 15.0
 PEERS_EXIT_S = 20.0  # after one rank failed: how long the others get to fail in a collective and say so
 
 
+def planned_over(base: Mapping[str, str], plan_env: Mapping[str, str]) -> dict[str, str]:
+    """``base`` with the plan's variables over it, a PYTHONPATH ``base`` has kept after the plan's
+    (a cluster's modules: the batch script's rule, launcher.core.shell.INHERITED_AFTER)."""
+    env = {**base, **plan_env}
+    if base.get("PYTHONPATH") and "PYTHONPATH" in plan_env:
+        env["PYTHONPATH"] = f"{plan_env['PYTHONPATH']}{os.pathsep}{base['PYTHONPATH']}"
+    return env
+
+
 def worker_env(
     rank: int,
     nprocs: int,
@@ -48,11 +57,8 @@ def worker_env(
     """The environment of local rank ``rank``: SLURM's variables removed (this is not a SLURM
     task even inside an salloc shell), the plan's variables, and the rendezvous. A PYTHONPATH this
     process has (a cluster's modules) is kept after the plan's, as the batch script keeps it."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("SLURM_")}
-    inherited = env.get("PYTHONPATH")
-    env.update(plan_env)
-    if inherited and "PYTHONPATH" in plan_env:
-        env["PYTHONPATH"] = f"{plan_env['PYTHONPATH']}{os.pathsep}{inherited}"
+    env = planned_over({k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("SLURM_")},
+                       plan_env)
     env.update(
         {
             "LMTRAIN_LAUNCHER": "local",
