@@ -15,13 +15,21 @@ does; only the interpreter's own start comes before them. Then submitit's runner
 installed here, and a signal they recorded is acted on at the first step boundary (a stop in the
 ledger, a checkpoint, a requeue). Any other callable gets submitit's handlers, as under ``_submit``.
 
+An attempt that SLURM killed while submitit was writing its result (a requeue ends the steps as
+rank 0 returns, so the kill can land inside that write) leaves ``<job>_<task>_result.pkl.save_tmp``
+behind, and submitit refuses to write a result where one exists: the next attempt of the same
+job and task trained to the end and then failed. The stale file is removed before the task runs
+(:func:`clear_stale_result`); only this task writes it, and its earlier attempt has ended.
+
 Standard library only until the signals are owned; launcher.submit renders this command (and
 ``_submit``'s for a run whose code snapshot predates this module).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from lmtrain.preemption.signals import own_signals, release_early_signals
@@ -38,6 +46,21 @@ def _args(argv: list[str]) -> tuple[str, str]:
     if len(rest) != 1 or rest[0].startswith("-"):
         raise SystemExit(USAGE)
     return signal_name, rest[0]
+
+
+def clear_stale_result(folder: str) -> Path | None:
+    """Remove this task's half-written result from an earlier attempt; the path removed, if any."""
+    from submitit.core import job_environment
+
+    os.environ["SUBMITIT_FOLDER"] = folder  # as submission.process_job sets it, for the paths
+    result = job_environment.JobEnvironment().paths.result_pickle
+    stale = result.with_suffix(result.suffix + ".save_tmp")
+    try:
+        stale.unlink()
+    except FileNotFoundError:
+        return None
+    print(f"lmtrain: removed {stale}, a result an earlier attempt did not finish writing", file=sys.stderr)
+    return stale
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         submitits(env, paths, delayed)
 
     job_environment.JobEnvironment._handle_signals = handle_signals  # type: ignore[method-assign]
+    clear_stale_result(folder)
     submission.process_job(folder)
 
 

@@ -117,6 +117,34 @@ def test_any_other_callable_gets_submitits_handlers(tmp_path):
     assert got["SIGUSR2"].endswith("checkpoint_and_try_requeue") and got["SIGTERM"].endswith("bypass"), got
 
 
+@pytest.mark.parametrize("runner, succeeds", [(["-m", "lmtrain.task_main", "--signal", "USR2"], True),
+                                               (["-m", "submitit.core._submit"], False)])
+def test_a_result_an_earlier_attempt_was_killed_writing_does_not_fail_the_next(tmp_path, runner, succeeds):
+    """A requeue kills the steps as rank 0 returns, so an attempt can die inside submitit's write
+    of its result and leave ``<job>_<task>_result.pkl.save_tmp``; the same job and task's next
+    attempt trained to the end and then failed on submitit's "A temporary saved file already
+    exists". task_main removes the stale file first; submitit's own runner still fails."""
+    from tests.unit._task_main_probe import plain
+
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    stale = folder / f"{JOB}_0_result.pkl.save_tmp"
+    stale.write_bytes(b"\x80\x05half a pickle")  # where the killed attempt stopped writing
+    _submit(folder, plain)
+    proc = _start(folder, runner, tmp_path)
+    try:
+        if succeeds:
+            _result(folder, proc, tmp_path)
+            assert not stale.exists()
+            assert f"removed {stale}" in _output(tmp_path)
+        else:
+            assert proc.wait(timeout=120) != 0
+            assert "A temporary saved file already exists" in _output(tmp_path)
+            assert not (folder / f"{JOB}_0_result.pkl").exists()
+    finally:
+        proc.kill()
+
+
 @pytest.mark.parametrize("argv", [[], ["--signal"], ["--signal", "USR2"], ["a", "b"]])
 def test_a_malformed_command_line_says_how_to_call_it(argv):
     out = subprocess.run([sys.executable, "-m", "lmtrain.task_main", *argv], capture_output=True, text=True,
