@@ -231,10 +231,15 @@ def _same_names(root: Path) -> None:
     """The root resolves names as the machine does (its hostname, localhost, the nodes): MariaDB's
     and SLURM's daemons look their host up. Its /etc/hosts starts as a copy of the machine's."""
     hosts, own = Path("/etc/hosts"), root / "etc/hosts"
-    for line in hosts.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#") and line not in own.read_text().splitlines():
-            with own.open("a") as f:
-                f.write(line + "\n")
+    try:
+        have = own.read_text().splitlines()
+    except FileNotFoundError:  # a minbase trixie root has none (netbase, which ships it, is not in minbase)
+        have = []
+    missing = [line for line in hosts.read_text().splitlines()
+               if line.strip() and not line.lstrip().startswith("#") and line not in have]
+    if missing or not own.exists():
+        with own.open("a") as f:
+            f.write("".join(line + "\n" for line in missing))
     resolv = Path("/etc/resolv.conf")
     if resolv.exists() and not (root / "etc/resolv.conf").exists():
         shutil.copyfile(resolv, root / "etc/resolv.conf")

@@ -110,3 +110,17 @@ def test_mounts_in_the_root_that_are_not_shared_paths_are_taken_away(tmp_path, m
         assert not root.exists() and (shared / "keep").read_text() == "the machine's file"
     finally:
         debian_root.unmount(root)
+
+
+def test_a_root_without_etc_hosts_gets_the_machines_names_once(tmp_path):
+    """debootstrap's minbase trixie root has no /etc/hosts (netbase ships it): `cluster up --slurm
+    24.11` on a fresh Debian 12 machine failed there with FileNotFoundError."""
+    from launcher.localcluster.debian_root import _same_names
+
+    (tmp_path / "etc").mkdir()
+    _same_names(tmp_path)
+    machine = [line for line in Path("/etc/hosts").read_text().splitlines()
+               if line.strip() and not line.lstrip().startswith("#")]
+    assert (tmp_path / "etc/hosts").read_text().splitlines() == machine
+    _same_names(tmp_path)  # again: nothing added twice
+    assert (tmp_path / "etc/hosts").read_text().splitlines() == machine
