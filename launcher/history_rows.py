@@ -34,6 +34,9 @@ class HistoryRow:
     startup: dict[str, float] | None = None
     startup_total_s: float | None = None  # allocation (or process) start -> first step done
     checkpoint_bytes: int | None = None  # the checkpoint the attempt resumed from
+    world_size: int | None = None
+    held_bytes: int | None = None  # the most model states (params + grads + optimizer) a rank held (ledger "memory")
+    device_peak: int | None = None  # the most device memory a rank allocated (CUDA's max allocated), where kept
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,6 +51,7 @@ class History:
     queue_wait_total_s: float | None
     cancel_requested: float | None = None
     notes: list[str] = field(default_factory=list)
+    planned_memory: dict[str, Any] | None = None  # plan.json's memory (launcher.core.memory.Breakdown.to_json)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +61,7 @@ class History:
             "queue_wait_total_s": self.queue_wait_total_s,
             "cancel_requested": self.cancel_requested,
             "notes": self.notes,
+            "planned_memory": self.planned_memory,
             "attempts": [a.to_dict() for a in self.attempts],
         }
 
@@ -79,6 +84,7 @@ def build_history(
             ends[int(line["attempt"])] = line
     cancel = next((float(x["time"]) for x in ledger if x.get("event") == "cancel_requested" and x.get("time")), None)
     startups = {int(x["attempt"]): x for x in ledger if x.get("event") == "startup" and isinstance(x.get("attempt"), int)}
+    measured = _memory_lines(ledger)
 
     # training time per attempt: from each attempt's first to last step line in the heartbeat
     spans: dict[int, list[float]] = {}
@@ -127,6 +133,8 @@ def build_history(
             train_s=train, alloc_s=alloc,
         )
         rows.append(row)
+        row.world_size = _int(s.get("world_size"))
+        row.held_bytes, row.device_peak = measured.get(n, (None, None))
         if n in startups:
             row.startup = rundir.startup_breakdown(startups[n], alloc_start)
             row.startup_total_s = round(sum(row.startup.values()), 3) if "first_step" in startups[n].get("phases", {}) else None
@@ -164,6 +172,46 @@ def build_history(
         cancel_requested=cancel,
         notes=notes,
     )
+
+
+def _memory_lines(ledger: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int | None, int | None]]:
+    """attempt -> (the most model-state bytes a rank held, the highest device peak), from the
+    ledger's ``memory`` lines (lmtrain.memory_held)."""
+    out: dict[int, tuple[int | None, int | None]] = {}
+    for x in ledger:
+        if x.get("event") != "memory" or not isinstance(x.get("attempt"), int):
+            continue
+        held, peak = out.get(x["attempt"], (None, None))
+        ranks = x.get("held")
+        if isinstance(ranks, list) and ranks and all(isinstance(r, dict) for r in ranks):
+            held = max(sum(int(r.get(k) or 0) for k in ("params", "grads", "optimizer")) for r in ranks)
+        peaks = [p for p in (x.get("device_peak") or []) if isinstance(p, int)] if isinstance(x.get("device_peak"), list) else []
+        if peaks:
+            peak = max(peaks)
+        out[x["attempt"]] = (held, peak)
+    return out
+
+
+def memory_notes(h: History, planned: Mapping[str, Any] | None, planned_world: int | None) -> list[str]:
+    """Estimate against measurement, one line per measured attempt (``history``)."""
+    from launcher.core.memory import gb
+
+    if not planned:
+        return []
+    rows = {r.get("name"): int(r.get("bytes") or 0) for r in planned.get("rows") or [] if isinstance(r, dict)}
+    states = sum(rows.get(k, 0) for k in ("parameters", "gradients", "optimizer states"))
+    out = []
+    for a in h.attempts:
+        if a.held_bytes is None and a.device_peak is None:
+            continue
+        same = a.world_size is None or a.world_size == planned_world
+        line = f"memory, attempt {a.attempt}: model states held {gb(a.held_bytes)} per rank"
+        line += f" (planned {gb(states)})" if same else f" (planned for {planned_world} ranks, this attempt had {a.world_size})"
+        peak = planned.get("peak")
+        line += (f"; device peak {gb(a.device_peak)} (planned {gb(peak)})" if a.device_peak is not None
+                 else f"; device peak not kept on this device (planned {gb(peak)})")
+        out.append(line)
+    return out
 
 
 def _heartbeat_fresh(times: list[float] | None, now: float, within_s: float = 600.0) -> bool:

@@ -19,6 +19,7 @@ from launcher.core.profiles import Profile, check_slurm_path, expand_path, load_
 from launcher.core.spec import JobSpec
 from launcher.core.validation import located
 from launcher.jobfile import load_job_with_origin
+from launcher.memory_check import with_memory
 from launcher.model_check import check_model
 from launcher.runs import lmlaunch_home
 
@@ -66,10 +67,13 @@ def resolve(
     cluster: str | None = None,
     environ: Mapping[str, str] | None = None,
     python: str | None = None,
+    *,
+    force: bool = False,
 ) -> Resolved:
     """Load and validate the spec (with overrides), its profile, and plan the launch (excluding
     the nodes the user's record for the profile names); the model section is checked against the
-    installed transformers (launcher.model_check).
+    installed transformers (launcher.model_check) and its memory planned (launcher.memory_check:
+    a GPU job that does not fit is refused unless ``force``).
 
     Every problem names the spec file and, where it can, the line or override it came from.
     """
@@ -94,6 +98,8 @@ def resolve(
         unchecked = check_model(spec.model, env)  # whatever validates builds (transformers' own rules)
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
+        else:  # will it fit? (a GPU job that does not is refused, with what would make it fit)
+            plan = with_memory(spec, profile, plan, env, force=force, source=str(spec_path))
     except SpecError as exc:
         if exc.source is not None:
             raise

@@ -41,3 +41,9 @@ def add_spec_arguments(p: argparse.ArgumentParser, example: str = "resources.nod
     p.add_argument("spec", help="job spec YAML")
     p.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
     p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    add_force_argument(p)
+
+
+def add_force_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="plan (and submit) a GPU job whose planned memory exceeds the profile's gpu_memory")

@@ -29,6 +29,14 @@ def load_history(rec):
     h = history_rows.build_history(rec.name, ledger, heartbeat, times)
     if message:
         h.notes.append(f"queue wait unknown: {message}")
+    try:
+        plan = json.loads((run_dir / rundir.PLAN).read_text())
+    except (OSError, ValueError):
+        plan = None
+    if isinstance(plan, dict) and isinstance(plan.get("memory"), dict):
+        world = (plan.get("topology") or {}).get("world_size")
+        h.planned_memory = plan["memory"]
+        h.notes.extend(history_rows.memory_notes(h, plan["memory"], world if isinstance(world, int) else None))
     return h
 
 

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from launcher import dependencies, pipeline
+from launcher.commands import add_force_argument
 from launcher.commands.cancel import cancel_run
 from launcher.context import Context
 from launcher.core.errors import SpecError, UserError
@@ -21,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="validate and plan every stage; submit nothing")
     p.add_argument("--new", action="store_true", help="archive and replace stages whose run names exist")
     p.add_argument("--json", action="store_true", help="the stages (and their jobs) as JSON")
+    add_force_argument(p)
 
 
 def _plan_all(args: argparse.Namespace, ctx: Context) -> tuple[list[pipeline.StagePlan], list[Any]]:
@@ -38,7 +40,8 @@ def _plan_all(args: argparse.Namespace, ctx: Context) -> tuple[list[pipeline.Sta
 
 def _resolve(stage: pipeline.StagePlan, args: argparse.Namespace, ctx: Context) -> Any:
     try:
-        return resolve(stage.spec_path, stage.overrides, args.cluster, ctx.environ, python=ctx.python)
+        return resolve(stage.spec_path, stage.overrides, args.cluster, ctx.environ, python=ctx.python,
+                       force=args.force)
     except SpecError as exc:  # nothing is submitted: the stage that fails is named
         raise SpecError([f"pipeline stage '{stage.name}': {p}" for p in exc.problems], source=exc.source) from None
     except UserError as exc:

@@ -22,6 +22,7 @@ from launcher.core.errors import UserError
 from launcher.core.planner import make_plan
 from launcher.core.profiles import load_profile
 from launcher.jobfile import load_job
+from launcher.memory_check import with_memory
 from launcher.resolve import runs_root_for
 
 LOCAL_PROFILE = "local"
@@ -108,6 +109,7 @@ def prepare_local_run(
     extra, notices = local_overrides(user_spec, profile, devices=devices, max_steps=max_steps, name=name, gpus=gpus)
     spec = load_job(spec_path, [*overrides, *extra])
     plan = make_plan(spec, profile, runs_root=runs_root_for(profile, environ), python=sys.executable)
+    plan = with_memory(spec, profile, plan, environ, force=True)  # the estimate the ledger's measurement meets
 
     run_dir = Path(plan.paths.run_dir)
     opening = lifecycle.plan_opening(plan, new=new, resume=resume, new_code=new_code)  # as submit

@@ -12,6 +12,7 @@ from launcher import dependencies
 from launcher.commands import add_spec_arguments
 from launcher.context import Context
 from launcher.core.text_rules import brief, escape_controls
+from launcher.memory_check import summary
 from launcher.resolve import resolve
 from launcher.submit import render_script, submit_plan
 
@@ -48,6 +49,9 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
         f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
         f"= global_batch({t.global_batch_size})"
     )
+    if plan.memory:
+        lines.append("# memory per rank (planned):")
+        lines.extend(f"#{line}" for line in summary(plan.memory))
     for note in plan.notes:
         lines.append(f"# note: {note}")
     lines.append("")
@@ -86,7 +90,7 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python)
+    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=args.force)
     after = dependencies.parse(args.after, ctx.environ or None)
     if args.dry_run:  # the dependency as it would be asked for (SLURM is not asked here)
         script = render_script(r.plan, dependencies.planned(after))

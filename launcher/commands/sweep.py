@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import lifecycle, runs, sweep, sweep_rows
+from launcher.commands import add_force_argument
 from launcher.context import Context
 from launcher.core import jsonlines, rundir, slurm
 from launcher.core.errors import SlurmUnavailable, SpecError, UserError
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new", action="store_true", help="archive and replace points whose run names exist")
     p.add_argument("--json", action="store_true", help="as JSON")
     p.add_argument("--csv", action="store_true", help="with results: as CSV")
+    add_force_argument(p)
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -44,10 +46,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     for i, pt in enumerate(points):
         ov = [*args.overrides, *sweep.overrides(pt), f"name={sweep.run_name(sw.name, i)}"]
         try:
-            resolved.append(resolve(args.spec, ov, args.cluster, ctx.environ, python=ctx.python))
+            resolved.append(resolve(args.spec, ov, args.cluster, ctx.environ, python=ctx.python, force=args.force))
         except SpecError as exc:  # the whole sweep fails before anything is submitted, naming the point
             raise SpecError([f"sweep {args.sweep}, point {i} ({', '.join(sweep.overrides(pt))}): {p}"
                              for p in exc.problems], source=exc.source) from None
+        except UserError as exc:
+            raise UserError(f"sweep {args.sweep}, point {i} ({', '.join(sweep.overrides(pt))}): {exc}",
+                            exit_code=exc.exit_code) from None
     plans = [r.plan for r in resolved]
     sweep.check_one_shape(plans, points, args.sweep)
     parallel = min(args.max_parallel or sw.max_parallel or len(points), len(points))

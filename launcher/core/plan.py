@@ -176,6 +176,8 @@ class LaunchPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     rendezvous: dict[str, str] = field(default_factory=dict)
     """How MASTER_PORT is chosen: a shell command run on the batch host at every start."""
+    memory: dict[str, Any] | None = None
+    """One rank's planned memory (launcher.core.memory.Breakdown.to_json); None where it was not estimated."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -214,6 +214,8 @@ class Profile(StrictModel):
     """CPU cores per GPU task (or per CPU task on a CPU-only cluster)."""
     mem_per_gpu: MemSize | None = None
     """Memory per GPU (e.g. 200G); the job's mem per node defaults to this x GPUs."""
+    gpu_memory: MemSize | None = None
+    """Memory of one GPU (e.g. 80G): a job whose planned per-rank peak exceeds 90 % of it is refused at validate (`--force` submits anyway); absent: not checked."""
     max_tasks_per_node: int = Field(64, ge=1, le=4096)
     """Most tasks a node runs (CPU-only clusters: cores per node)."""
     exclusive: bool = False

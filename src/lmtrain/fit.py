@@ -130,8 +130,25 @@ class Fit:
         metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=self.job.logging.heartbeat_every_n_steps)
         self.module.metrics_sink = metrics_cb.step_metrics
         callbacks = [startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
-                     *([self.realign] if self.realign else [])]
+                     self._memory_record(), *([self.realign] if self.realign else [])]
         return callbacks + self._watchdog()  # last: it beats after checkpoint writes
+
+    def _memory_record(self) -> Any:
+        """Each rank's held model states (and the device's peak) into the ledger (lmtrain.memory_held)."""
+        import time
+
+        from launcher.core.rundir import LedgerNote
+        from lmtrain.memory_held import MemoryRecord
+
+        attempt = self.records.attempt
+
+        def write(fields: dict[str, Any]) -> None:
+            try:
+                self.records.ledger.write(LedgerNote("memory", time.time(), {"attempt": attempt, **fields}))
+            except OSError as exc:  # a measurement never costs the run
+                log.warning("could not write the memory line of attempt %d: %s", attempt, exc)
+
+        return MemoryRecord(write, start_step=self.ckpt.step if self.ckpt is not None else 0)
 
     def _checkpoint_callback(self) -> Any:
         from launcher.core.checkpoint_index import checkpoint_bytes

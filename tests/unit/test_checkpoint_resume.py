@@ -21,6 +21,7 @@ from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
 from lmtrain.local import launch
+from tests.memory_helpers import assert_states_as_planned
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
 # Small enough for seconds per run; dropout stays on (GPT-2's 0.1) so the RNG restore matters.
@@ -146,7 +147,7 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
     ledger = _ledger(stopped.paths.run_dir)
     # the rank that lived on ended at the step it reached (10 or later: it went on while rank 1's thread wrote)
     assert [(e["event"], e.get("start_step"), min(e.get("end_step") or 0, 10) if e.get("reason") == "crashed" else
-             e.get("end_step"), e.get("reason")) for e in ledger if e["event"] not in ("startup", "preflight")] == [
+             e.get("end_step"), e.get("reason")) for e in ledger if e["event"] not in ("startup", "preflight", "memory")] == [
         ("start", 0, None, None), ("end", None, 5, "node_failure") if rank0_killed else ("end", None, 10, "crashed"),
         ("start", 5, None, None), ("end", None, 7, "preempted"),
         ("start", 7, None, None), ("end", None, MAX_STEPS, "completed"),
@@ -163,3 +164,6 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     # keep_last=2: of 5, 7, 10, 12 only the newest two remain
     assert [c.step for c in complete_checkpoints(stopped.paths.checkpoint_dir)] == [10, 12]
+    # what each rank held (the ledger's memory line of every attempt) is what the plan said
+    assert_states_as_planned(straight.paths.run_dir)
+    assert_states_as_planned(stopped.paths.run_dir, attempts=3)

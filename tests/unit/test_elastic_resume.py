@@ -26,6 +26,7 @@ from shared_results import shared
 from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
+from tests.memory_helpers import assert_states_as_planned
 from tests.unit.test_checkpoint_resume import MAX_STEPS, OVERRIDES, STRATEGIES, _launch, _ledger, _steps
 
 OVERRIDES_16 = [o for o in OVERRIDES if not o.startswith("trainer.global_batch_size")] + ["trainer.global_batch_size=16"]
@@ -69,7 +70,7 @@ def test_a_run_checkpointed_on_2_ranks_continues_on_another_world_size(repo, run
     assert _launch(second, stop_at=0) == 0
     ledger = _ledger(second.paths.run_dir)
     assert [(e["event"], e.get("start_step"), e.get("end_step"), e.get("reason"), e.get("world_size")) for e in ledger
-            if e["event"] not in ("startup", "preflight")] == [
+            if e["event"] not in ("startup", "preflight", "memory")] == [
         ("start", 0, None, None, 2), ("end", None, STOP_AT, "preempted", None),
         ("start", STOP_AT, None, None, devices), ("end", None, MAX_STEPS, "completed", None),
     ]
@@ -89,3 +90,4 @@ def test_a_run_checkpointed_on_2_ranks_continues_on_another_world_size(repo, run
     meta = json.loads((Path(last.path) / "meta.json").read_text())
     assert meta["world_size"] == devices
     assert torch.is_tensor(next(iter(weights.values())))
+    assert_states_as_planned(second.paths.run_dir, attempts=2)  # on 2 ranks, then on the new world size

@@ -39,7 +39,10 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert vals and vals[-1]["step"] == STEPS and vals[-1]["val_loss"] < THRESHOLD, vals
     assert all(d["tokens_per_s"] is None or d["tokens_per_s"] > 0 for d in steps)
     ledger = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in ledger] == ["start", "preflight", "startup", "end"] and ledger[-1]["reason"] == "completed"
+    assert [e["event"] for e in ledger] == ["start", "preflight", "startup", "memory", "end"] and ledger[-1]["reason"] == "completed"
+    from tests.memory_helpers import assert_states_as_planned  # what the rank held, as the plan said
+
+    assert_states_as_planned(run_dir)
     startup = ledger[2]  # where the attempt spent its time before the first step (history --timing)
     assert list(startup["phases"]) == list(STARTUP_PHASES) and startup["checkpoint_bytes"] is None
     ends = list(startup["phases"].values())

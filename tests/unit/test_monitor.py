@@ -267,3 +267,25 @@ def test_a_run_waiting_on_another_says_on_which_and_whether_it_ever_can(tmp_path
                          after=["train:ok (job 7)"])
     row = monitor.build_row(rec, RunFiles(), SlurmJob("8", "PENDING", reason, 1), slurm_reachable=True, now=0.0)
     assert row.reason == reason and row.note == words
+
+
+def test_history_reads_what_each_attempt_held_against_the_plan():
+    """The ledger's memory lines (lmtrain.memory_held) against plan.json's memory: the worst rank's
+    model states per attempt, an attempt on another world size said so, a device peak where kept."""
+    ledger = [
+        {"event": "start", "attempt": 1, "time": 100.0, "start_step": 0, "world_size": 2},
+        {"event": "memory", "attempt": 1, "step": 2, "held": [{"params": 100, "grads": 60, "optimizer": 200, "buffers": 9},
+                                                              {"params": 100, "grads": 40, "optimizer": 200, "buffers": 9}]},
+        {"event": "memory", "attempt": 1, "step": 9, "device_peak": [5_000_000_000, 6_000_000_000]},
+        {"event": "end", "attempt": 1, "time": 200.0, "end_step": 9, "reason": "preempted", "requeued": True},
+        {"event": "start", "attempt": 2, "time": 300.0, "start_step": 9, "world_size": 4},
+        {"event": "memory", "attempt": 2, "step": 11, "held": [{"params": 50, "grads": 20, "optimizer": 100}] * 4},
+    ]
+    h = history_rows.build_history("r", ledger, [], None, now=400.0)
+    assert [(a.world_size, a.held_bytes, a.device_peak) for a in h.attempts] == [(2, 360, 6_000_000_000), (4, 170, None)]
+    planned = {"rows": [{"name": "parameters", "bytes": 100}, {"name": "gradients", "bytes": 60},
+                        {"name": "optimizer states", "bytes": 200}, {"name": "activations", "bytes": 7}], "peak": 6_500_000_000}
+    notes = history_rows.memory_notes(h, planned, 2)
+    assert notes[0] == ("memory, attempt 1: model states held 360 B per rank (planned 360 B); "
+                        "device peak 6.00 GB (planned 6.50 GB)")
+    assert "planned for 2 ranks, this attempt had 4" in notes[1] and "not kept on this device" in notes[1]

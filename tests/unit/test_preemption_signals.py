@@ -142,7 +142,7 @@ def test_two_signalled_stops_resume_bit_identical_to_an_uninterrupted_run(repo, 
     _run(run)
     ledger = _jsonl(run.paths.ledger)
     assert [(e["event"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger
-            if e["event"] not in ("startup", "preflight")] == [
+            if e["event"] not in ("startup", "preflight", "memory")] == [
         ("start", 0, None, None), ("end", None, 11, "timeout"),
         ("start", 11, None, None), ("end", None, stopped_at, "preempted"),
         ("start", stopped_at, None, None), ("end", None, MAX_STEPS, "completed"),
@@ -264,7 +264,7 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
     _run(plan)
     ledger = _jsonl(plan.paths.ledger)
     assert [(e["event"], e["attempt"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger
-            if e["event"] not in ("startup", "preflight")] == [
+            if e["event"] not in ("startup", "preflight", "memory")] == [
         ("start", 1, 0, None, None), ("end", 1, None, 5, "node_failure"),
         ("start", 2, 5, None, None), ("end", 2, None, 12, "completed"),
     ]

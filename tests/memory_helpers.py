@@ -1,0 +1,48 @@
+"""The plan's memory estimate (launcher.core.memory) against what a run's ranks really held (the
+ledger's ``memory`` lines, lmtrain.memory_held): parameters, gradients and optimizer states of the
+worst rank, per attempt, at the attempt's own world size (an elastic resume changes it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from launcher.core import memory
+from launcher.core.plan import LaunchPlan
+from launcher.memory_check import setup_of
+from launcher.memory_inputs import model_facts
+
+STATES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states"}
+
+
+def held_against_estimate(run_dir: str | Path) -> list[dict]:
+    """One entry per measured attempt: world size, and per category (measured max over ranks, estimate)."""
+    run_dir = Path(run_dir)
+    plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    spec = plan.job_spec()
+    facts = model_facts(spec)
+    lines = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines() if x.strip()]
+    worlds = {e["attempt"]: e["world_size"] for e in lines if e.get("event") == "start"}
+    out = []
+    for e in lines:
+        if e.get("event") != "memory" or "held" not in e:
+            continue
+        world = worlds[e["attempt"]]
+        assert len(e["held"]) == world, e
+        setup = dataclasses.replace(setup_of(spec, plan), world_size=world)
+        rows = {r.name: r.bytes for r in memory.estimate(facts, setup).rows}
+        out.append({"attempt": e["attempt"], "world_size": world,
+                    **{k: (max(rank[k] for rank in e["held"]), rows[name]) for k, name in STATES.items()}})
+    return out
+
+
+def assert_states_as_planned(run_dir: str | Path, attempts: int = 1) -> None:
+    """Each measured attempt's model states within 1 % of the plan's (and at least ``attempts`` measured)."""
+    got = held_against_estimate(run_dir)
+    assert len(got) >= attempts, f"{len(got)} attempt(s) measured in {run_dir}, expected {attempts}"
+    for entry in got:
+        for k in STATES:
+            held, planned = entry[k]
+            assert abs(held - planned) <= 0.01 * held, (
+                f"attempt {entry['attempt']} on {entry['world_size']} rank(s): {k} held {held:,} B, planned {planned:,} B")
