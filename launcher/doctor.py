@@ -311,8 +311,27 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     tokens_needed = plan.trainer.max_steps * plan.topology.global_batch_size * job.data.seq_len
     meta, err = read_data_meta(job.data.path)
     checks += judge_data(job.data.path, meta, err, model_vocab, tokens_needed)
+    checks.append(judge_memory(plan, profile))
     checks.append(runtime_imports(plan))
     return checks
+
+
+def judge_memory(plan: LaunchPlan, profile: Profile) -> Check:
+    """The plan's per-rank peak (launcher.core.memory) against the profile's gpu_memory."""
+    from launcher.core.memory import gb
+
+    m = plan.memory
+    if not m:
+        why = next((n for n in plan.notes if n.startswith("memory not estimated")), "memory not estimated")
+        return Check("memory", WARN, why)
+    if m.get("fits") is None:
+        what = "not a GPU job" if plan.topology.accelerator != "gpu" else f"profile '{profile.name}' has no gpu_memory"
+        return Check("memory", OK, f"planned peak {gb(m['peak'])} per rank ({what}: not checked against a limit)", m)
+    if m["fits"]:
+        return Check("memory", OK, f"planned peak {gb(m['peak'])} per rank of {gb(m['usable'])} usable "
+                                   f"({profile.gpu_memory} GPUs)", m)
+    return Check("memory", FAIL, f"planned peak {gb(m['peak'])} per rank exceeds {gb(m['usable'])} usable of the "
+                                 f"{profile.gpu_memory} GPUs: `lmlaunch validate SPEC` lists the changes that fit", m)
 
 
 def job_script_checks(plan: LaunchPlan, job_script: str) -> list[Check]:

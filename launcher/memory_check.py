@@ -53,7 +53,11 @@ def with_memory(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapp
                 *, force: bool = False, source: str = "") -> LaunchPlan:
     """``plan`` with its ``memory``; a GPU job that does not fit is refused (UserError, exit 2)
     unless ``force``."""
-    got = planned(spec, profile, plan, environ)
+    try:
+        got = planned(spec, profile, plan, environ)
+    except Exception as exc:  # an architecture the trace cannot follow: said, never the end of validate
+        got = (f"memory not estimated: tracing {spec.model.type or spec.model.pretrained} with fake tensors failed "
+               f"({type(exc).__name__}: {str(exc)[:300]})")
     if isinstance(got, str):
         return dataclasses.replace(plan, notes=(*plan.notes, got))
     b = got.breakdown

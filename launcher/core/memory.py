@@ -324,4 +324,4 @@ def best_fit(f: ModelFacts, s: Setup, capacity: int) -> Fix | None:
 def gb(n: int | None) -> str:
     if n is None:
         return "-"
-    return f"{n / GB:,.2f} GB" if n >= 10e6 else f"{n / 1e6:,.2f} MB" if n >= 10e3 else f"{n:,} B"
+    return f"{n / GB:,.2f} GB" if n >= GB else f"{n / 1e6:,.2f} MB" if n >= 10e3 else f"{n:,} B"

@@ -25,6 +25,8 @@ the trace comes there is measured when a GPU is lent (the GPU tests), not here.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -75,10 +77,21 @@ def _training_step_masks() -> Iterator[None]:
 
     masks._ignore_causal_mask_sdpa = ignore_causal
     masks.find_packed_sequence_indices = lambda position_ids: None  # lmtrain never packs documents
+    # Mixture-of-experts layers: torch's grouped_mm has a CUDA-only fake kernel (bf16 inputs only);
+    # transformers' own fallback op (what it runs where grouped_mm cannot) has a fake kernel for any
+    # dtype and saves the same tensors.
+    moe: Any = importlib.import_module("transformers.integrations.moe")
+    grouped = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a kernel without a fake implementation: the exception says it, once
     try:
         yield
     finally:
         masks._ignore_causal_mask_sdpa, masks.find_packed_sequence_indices = ignore, packed
+        moe._can_use_grouped_mm = grouped
+        quiet.setLevel(level)
 
 
 def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]:

@@ -172,3 +172,28 @@ def test_background_checkpoint_on_gpu_matches_a_synchronous_one_and_resumes(tmp_
     lb = [d["loss"] for d in resumed if d["event"] == "step" and d["step"] == 30]
     print(f"loss at step 30: uninterrupted {la}, resumed from the background save {lb}")
     assert la and lb and abs(la[0] - lb[0]) <= 1e-3 * abs(la[0])
+
+
+@pytest.mark.parametrize("strategy", [["trainer.strategy=ddp"], ["trainer.strategy=fsdp"],
+                                      ["trainer.strategy=deepspeed", "trainer.zero_stage=2"],
+                                      ["trainer.strategy=deepspeed", "trainer.zero_stage=3"]],
+                         ids=["ddp", "fsdp", "zero2", "zero3"])
+def test_planned_peak_is_within_10_percent_of_cudas_max_allocated(tmp_path, data_dir, strategy):
+    """The plan's per-rank peak (less its framework row: the CUDA context and NCCL are not the
+    caching allocator's) against ``torch.cuda.max_memory_allocated`` at the end of the attempt
+    (the ledger's memory line), and the held model states against the plan's exactly as on CPU."""
+    if "zero" in strategy[-1]:
+        pytest.importorskip("deepspeed")
+    name = f"gpu-mem-{strategy[-1].split('=')[-1]}"
+    _run(tmp_path, name, [*strategy, "trainer.precision=bf16-mixed", "model.compile=false"], data_dir, 5)
+    run_dir = tmp_path / "runs" / name
+    plan = json.loads((run_dir / "plan.json").read_text())
+    rows = {r["name"]: r["bytes"] for r in plan["memory"]["rows"]}
+    planned = plan["memory"]["peak"] - rows.get("framework", 0)
+    ledger = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    peak = max(max(e["device_peak"]) for e in ledger if e.get("event") == "memory" and "device_peak" in e)
+    print(f"{name}: planned {planned / 1e9:.2f} GB, CUDA max allocated {peak / 1e9:.2f} GB, ratio {planned / peak:.3f}")
+    assert abs(planned - peak) <= 0.10 * peak
+    from tests.memory_helpers import assert_states_as_planned
+
+    assert_states_as_planned(run_dir)

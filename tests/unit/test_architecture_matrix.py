@@ -22,6 +22,7 @@ import yaml
 from launcher.commands.run import prepare_local_run
 from lmtrain.local import launch
 from lmtrain.model import model_shape
+from tests.memory_helpers import assert_states_as_planned
 from tests.unit.test_export import lm
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
@@ -70,6 +71,8 @@ def _train(repo: Path, tmp_path: Path, model_type: str, strategy: str) -> tuple[
     code = launch(run_dir, 2, plan_env=plan.env, threads_per_proc=1,
                   command=[sys.executable, "-u", str(HELPER), run_dir, "0"], out=open(out, "w"))
     assert code == 0, out.read_text()[-3000:]
+    assert plan.memory is not None, plan.notes  # traced for every architecture that validates
+    assert_states_as_planned(run_dir)  # and what the ranks held is what the plan said
     return run_dir, torch.load(Path(run_dir, "final-logits.pt"), weights_only=True)  # logits and model shape
 
 
