@@ -44,8 +44,8 @@ def planned(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapping[
     why = unavailable(spec)
     if why is not None:
         return why
-    facts = model_facts(spec, environ)
     setup = setup_of(spec, plan)
+    facts = model_facts(spec, environ, gpu=setup.gpu)
     return Planned(facts, setup, memory.estimate(facts, setup, capacity_of(profile)))
 
 

@@ -23,19 +23,20 @@ from launcher.core.memory import ModelFacts
 from launcher.core.spec import JobSpec
 from launcher.model_check import cache_dir
 
-FACTS_VERSION = 1  # bump when lmtrain.memory_facts counts differently: older files are not reused
+FACTS_VERSION = 2  # bump when lmtrain.memory_facts counts differently: older files are not reused
 
 
 class _Traces(Mapping[tuple[str, bool], tuple[int, int, int, int]]):
     """(compute, checkpointing) -> (saved, head at micro batch 1, saved, head at 2), traced when
     first read and written back to the cache file."""
 
-    def __init__(self, spec: JobSpec, path: Path, known: dict[str, list[int]]) -> None:
-        self.spec, self.path, self.known = spec, path, known
+    def __init__(self, spec: JobSpec, path: Path, known: dict[str, list[int]], gpu: bool) -> None:
+        self.spec, self.path, self.known, self.gpu = spec, path, known, gpu
+        self.kernels = "gpu" if gpu else "cpu"
 
     def __getitem__(self, key: tuple[str, bool]) -> tuple[int, int, int, int]:
         compute, ckpt = key
-        name = f"{compute}|{int(ckpt)}"
+        name = f"{compute}|{int(ckpt)}|{self.kernels}"
         if name not in self.known:
             from lmtrain.memory_facts import activation_trace
 
@@ -43,7 +44,7 @@ class _Traces(Mapping[tuple[str, bool], tuple[int, int, int, int]]):
             with _quiet():
                 for b in (1, 2):
                     t = activation_trace(self.spec.model, micro_batch=b, seq_len=self.spec.data.seq_len,
-                                         compute=compute, checkpointing=ckpt)
+                                         compute=compute, checkpointing=ckpt, gpu_kernels=self.gpu)
                     got += [t["saved"], t["head"]]
             self.known[name] = got
             _save(self.path, {"traces": self.known})
@@ -51,10 +52,10 @@ class _Traces(Mapping[tuple[str, bool], tuple[int, int, int, int]]):
         return s1, h1, s2, h2
 
     def __iter__(self) -> Iterator[tuple[str, bool]]:
-        return iter((k.split("|")[0], k.endswith("|1")) for k in self.known)
+        return iter((k.split("|")[0], k.split("|")[1] == "1") for k in self.known if k.endswith(f"|{self.kernels}"))
 
     def __len__(self) -> int:
-        return len(self.known)
+        return sum(1 for _ in self)
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, tuple) and len(key) == 2  # any mode can be traced
@@ -91,8 +92,9 @@ def unavailable(spec: JobSpec) -> str | None:
     return None
 
 
-def model_facts(spec: JobSpec, environ: Mapping[str, str] | None = None) -> ModelFacts:
-    """The facts for ``spec`` (call :func:`unavailable` first)."""
+def model_facts(spec: JobSpec, environ: Mapping[str, str] | None = None, *, gpu: bool = False) -> ModelFacts:
+    """The facts for ``spec`` (call :func:`unavailable` first); ``gpu``: activations as a GPU job's
+    kernels save them (lmtrain.memory_facts)."""
     path = cache_dir(environ).parent / "memory-facts" / f"{_key(spec)}.json"
     data = _load(path)
     if data is None:
@@ -103,7 +105,7 @@ def model_facts(spec: JobSpec, environ: Mapping[str, str] | None = None) -> Mode
         _save(path, data)
     return ModelFacts(params=tuple(tuple(p) for p in data["params"]), blocks=int(data["blocks"]),  # type: ignore[misc]
                       vocab_size=int(data["vocab_size"]), seq_len=spec.data.seq_len,
-                      traces=_Traces(spec, path, dict(data.get("traces") or {})))
+                      traces=_Traces(spec, path, dict(data.get("traces") or {}), gpu))
 
 
 def _key(spec: JobSpec) -> str:

@@ -21,7 +21,7 @@ def held_against_estimate(run_dir: str | Path) -> list[dict]:
     run_dir = Path(run_dir)
     plan = LaunchPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
     spec = plan.job_spec()
-    facts = model_facts(spec)
+    facts = model_facts(spec, gpu=plan.topology.accelerator == "gpu")
     lines = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines() if x.strip()]
     worlds = {e["attempt"]: e["world_size"] for e in lines if e.get("event") == "start"}
     out = []

@@ -18,8 +18,11 @@ knows, found without allocating it:
 On the CPU the trace is what the step saves, byte for byte (tests/unit/test_memory_estimate.py
 measures real steps beside it). On a GPU, the kernels and autocast's casting rules are CUDA's:
 PyTorch's flash and memory-efficient SDPA kernels save what its CPU flash kernel saves (query,
-key, value, output, log-sum-exp); CUDA's autocast casts a few more ops than the CPU's. How close
-the trace comes there is measured when a GPU is lent (the GPU tests), not here.
+key, value, output, log-sum-exp) and apply attention dropout inside the kernel, where the CPU
+falls back to the math kernel and saves the whole attention matrix: a trace for a GPU job
+(``gpu_kernels``) runs SDPA as the flash kernel does, without the fallback. CUDA's autocast
+casts a few more ops than the CPU's. How close the trace comes there is measured when a GPU is
+lent (the GPU tests), not here.
 """
 
 from __future__ import annotations
@@ -94,6 +97,30 @@ def _training_step_masks() -> Iterator[None]:
         quiet.setLevel(level)
 
 
+@contextlib.contextmanager
+def _flash_sdpa(on: bool) -> Iterator[None]:
+    """SDPA as CUDA's flash kernel runs it: attention dropout inside the kernel (nothing more saved
+    than without it), where the CPU would take its math kernel for any dropout."""
+    if not on:
+        yield
+        return
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def flash(*args: Any, **kwargs: Any) -> Any:
+        kwargs["dropout_p"] = 0.0
+        if len(args) > 4:  # query, key, value, attn_mask, dropout_p, ...
+            args = (*args[:4], 0.0, *args[5:])
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = flash  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+
+
 def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]:
     """``params``: [numel, dim0, ndim, block] per parameter (block -1: outside every transformer
     block), in the order of ``model.parameters()`` with tied weights once; ``blocks``; the
@@ -117,7 +144,7 @@ def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]
 
 
 def activation_trace(model_spec: ModelSpec | Mapping[str, Any], *, micro_batch: int, seq_len: int,
-                     compute: str, checkpointing: bool) -> dict[str, int]:
+                     compute: str, checkpointing: bool, gpu_kernels: bool = False) -> dict[str, int]:
     """Bytes saved for backward by one training forward (each storage once, parameters and the
     autocast copies of them included, the parameters themselves not): ``saved`` in all, ``head``
     of it from the output layer on (logits and loss). ``compute``: ``autocast-bf16``,
@@ -143,7 +170,7 @@ def activation_trace(model_spec: ModelSpec | Mapping[str, Any], *, micro_batch: 
         cast = (torch.autocast("cpu", dtype=_DTYPES[compute.removeprefix("autocast-")]) if autocast
                 else contextlib.nullcontext())
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, _flash_sdpa(gpu_kernels):
                 model(input_ids=ids, labels=ids, use_cache=False)
         finally:
             if hook is not None:

@@ -170,3 +170,17 @@ def test_a_7b_model_under_ddp_is_refused_with_ranked_fixes_and_the_first_one_val
             least = dataclasses.replace(got.setup, micro_batch=b, strategy="deepspeed", zero_stage=3,
                                         checkpointing=True, offload_optimizer=True)
             assert not m.estimate(got.facts, least, got.breakdown.capacity).fits
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
+def test_a_gpu_jobs_attention_dropout_is_traced_as_the_flash_kernel_runs_it(checkpointing):
+    """GPT-2 trains with attention dropout: the CPU takes SDPA's math kernel for it (the whole
+    attention matrix saved), CUDA's flash kernel applies it inside (nothing more saved than without
+    dropout). A GPU job's trace equals a real CPU step of the same model without attention dropout
+    (the CPU's flash kernel), and is below the CPU job's trace (equal with checkpointing)."""
+    spec = load_job(TINY, [*SHAPES["gpt2"], "data.seq_len=128"])
+    gpu = memory._trace(model_facts(spec, gpu=True), "autocast-bf16", checkpointing, 2)[0]
+    cpu = memory._trace(model_facts(spec), "autocast-bf16", checkpointing, 2)[0]
+    no_dropout = load_job(TINY, [*SHAPES["gpt2"], "data.seq_len=128", "model.config.attn_pdrop=0.0"])
+    assert gpu == _measured(no_dropout, 2, "autocast-bf16", checkpointing)
+    assert gpu < cpu if not checkpointing else gpu == cpu  # checkpointing saves only the blocks' inputs
