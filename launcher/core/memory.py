@@ -12,8 +12,9 @@ launcher.memory_inputs. From them and the plan, :func:`estimate` gives one rank'
   the same rows on every rank, and its gradient and moments alike; DeepSpeed casts the weights to
   the compute dtype, keeps fp32 master weights and moments for its partition, and ZeRO 1/2 split
   each optimizer group's flat buffer (padded to 2 x ranks elements) at rank boundaries, holding
-  whole the gradients of every parameter that crosses into the rank's part; ZeRO-3 partitions
-  every parameter (ceil(numel / ranks) each).
+  whole the gradients of every parameter that crosses into the rank's part (ZeRO-1 with gradient
+  accumulation keeps every gradient whole between optimizer steps); ZeRO-3 partitions every
+  parameter (ceil(numel / ranks) each).
 - **activations** and **logits and loss**: what the forward saves for backward (traced; the
   loss's backward adds the gradient of the logits, in fp32 and in the compute dtype).
 - **recomputed block**: with activation checkpointing, one block's activations rebuilt in backward.
@@ -78,7 +79,7 @@ class Setup:
 
     @property
     def accumulation(self) -> int:
-        return self.global_batch // (self.micro_batch * self.world_size)
+        return max(1, self.global_batch // (self.micro_batch * self.world_size))
 
 
 @dataclass(frozen=True)
@@ -157,12 +158,16 @@ def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
             how = f"{kind}, 1/{w} of each parameter (ZeRO-3)"
         else:
             padded, part, grad_elems = _zero12(sizes, w)
+            if s.zero_stage == 1 and s.accumulation > 1:
+                grad_elems = f.total  # ZeRO-1 accumulates every gradient whole between optimizer steps
             params, grads, master = low * padded, low * grad_elems, part
             how = f"{kind}, whole on every rank (ZeRO-{s.zero_stage})"
         opt = 0 if s.offload_optimizer else 12 * master + steps
         return [
             Row("parameters", params, how if not s.offload_params else "on the host (offload_params)"),
-            Row("gradients", grads, f"{kind}, {'1/' + str(w) + ' partition' if s.zero_stage == 3 else 'the parameters crossing into this rank’s part'}"),
+            Row("gradients", grads, f"{kind}, " + ("1/" + str(w) + " partition" if s.zero_stage == 3 else
+                                                   "whole, accumulated over micro batches" if s.zero_stage == 1 and s.accumulation > 1
+                                                   else "the parameters crossing into this rank's part")),
             Row("optimizer states", opt, "on the host (offload_optimizer)" if s.offload_optimizer else
                 f"fp32 master weights + AdamW moments, 1/{w} each"),
         ]

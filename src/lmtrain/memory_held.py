@@ -72,7 +72,8 @@ def _tensors_in(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
 # stage3.py). Master weights are optimizer state (ZeRO's own accounting: 4 + 8 bytes per parameter).
 _DS_PARAMS = ("bit16_groups_flat", "fp16_partitioned_groups_flat")
 _DS_OPTIMIZER = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
-_DS_GRADS = ("averaged_gradients", "grad_partitions_flat_buffer", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+_DS_GRADS = ("averaged_gradients", "all_grad_tensors", "grad_partitions_flat_buffer",
+             "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
 
 
 def held_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
@@ -98,6 +99,7 @@ def held_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
         for attr in _DS_OPTIMIZER:  # ZeRO 1/2 hand the fp32 partitions their gradient at the step
             tally.add("grads", (getattr(t, "grad", None) for t in _tensors_in(getattr(optimizer, attr, None))))
     tally.add("grads", (p.grad for p in model.parameters() if p.grad is not None))
+    tally.add("grads", (getattr(p, "grad_accum", None) for p in model.parameters()))  # ZeRO-1/2's fp32 accumulators
     if zero:
         for bucket in getattr(optimizer, "ipg_buckets", {}).values():  # gradient reduction buckets, per dtype
             tally.add("buffers", _tensors_in(getattr(bucket, "buffer", None)))

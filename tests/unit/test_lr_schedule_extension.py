@@ -79,9 +79,9 @@ def test_a_finished_local_run_resumed_with_a_larger_max_steps_trains_on(repo, ru
     ledger = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [(e["event"], e.get("start_step"), e.get("end_step"), e.get("reason")) for e in ledger] == [
         ("start", 0, None, None), ("preflight", None, None, None), ("startup", None, None, None),
-        ("end", None, 4, "completed"),
+        ("memory", None, None, None), ("end", None, 4, "completed"),
         ("start", 4, None, None), ("preflight", None, None, None), ("startup", None, None, None),
-        ("end", None, 8, "completed")]
+        ("memory", None, None, None), ("end", None, 8, "completed")]
     startups = [e for e in ledger if e["event"] == "startup"]
     assert startups[0]["checkpoint_bytes"] is None and startups[1]["checkpoint_bytes"] > 0  # resumed from step-4
     assert (run_dir / "DONE").read_text().strip() == "8"

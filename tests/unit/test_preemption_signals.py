@@ -259,7 +259,7 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
     ckpt_dir = Path(plan.paths.checkpoint_dir)
     assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5]
     assert any(x.name in ("step-10", ".step-10.tmp") for x in ckpt_dir.iterdir())  # the partial write
-    assert [e["event"] for e in _jsonl(plan.paths.ledger)] == ["start", "preflight", "startup"]
+    assert [e["event"] for e in _jsonl(plan.paths.ledger)] == ["start", "preflight", "startup", "memory"]
 
     _run(plan)
     ledger = _jsonl(plan.paths.ledger)
