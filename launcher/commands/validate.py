@@ -40,7 +40,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     for note in r.plan.notes:
         ctx.out(f"note: {note}")
     if args.fit:
-        got = planned(r.spec, r.profile, r.plan, ctx.environ)
+        got = planned(r.spec, r.profile, r.plan, ctx.environ)  # the facts come from the cache resolve filled
         for line in [got] if isinstance(got, str) else proposal(got, r.profile):
             ctx.out(line)
     return 0

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from launcher.core.spec import ModelSpec
-from lmtrain.model import attention_for, build_config, model_settings, transformer_blocks
+from lmtrain.model import attention_for, build_config, checkpoint_activations, model_settings, transformer_blocks
 
 # How a precision computes (launcher.core.memory.compute_mode): Lightning's mixed precision runs
 # the fp32 model under autocast; DeepSpeed casts the model itself.
@@ -56,9 +56,7 @@ def _fake_model(model_spec: ModelSpec | Mapping[str, Any], dtype: torch.dtype = 
     with FakeTensorMode(allow_non_fake_inputs=True), _training_step_masks():
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if hasattr(model.config, "use_cache"):
-                model.config.use_cache = False
+            checkpoint_activations(model)  # as build_model does
         model.train()
         yield model, config
 

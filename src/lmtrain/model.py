@@ -210,11 +210,16 @@ def build_model(model_spec: ModelSpec | Mapping[str, Any], *, seed: int) -> nn.M
     else:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     if m.activation_checkpointing:
-        # Non-reentrant checkpointing works with DDP, FSDP, ZeRO-3 and torch.compile.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(model.config, "use_cache"):
-            model.config.use_cache = False
+        checkpoint_activations(model)
     return model
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Recompute each block's activations in backward. Non-reentrant checkpointing works with
+    DDP, FSDP, ZeRO-3 and torch.compile."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
 
 
 def _under_zero3_init() -> bool:
