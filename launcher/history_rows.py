@@ -214,6 +214,23 @@ def memory_notes(h: History, planned: Mapping[str, Any] | None, planned_world: i
     return out
 
 
+def container_notes(records: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """The image each attempt ran in (the attempts' environment records), one line per change."""
+    out: list[str] = []
+    last: tuple[Any, ...] | None = None
+    for attempt in sorted(records):
+        box = records[attempt].get("container")
+        if not isinstance(box, dict):
+            continue
+        key = (box.get("runtime"), box.get("image"), box.get("image_id"))
+        if key != last:
+            first = "container" if last is None else "container changed"
+            out.append(f"{first}, attempt {attempt}: {box.get('runtime')} image {box.get('image')} "
+                       f"({box.get('image_id') or 'identity unknown'})")
+            last = key
+    return out
+
+
 def _heartbeat_fresh(times: list[float] | None, now: float, within_s: float = 600.0) -> bool:
     return bool(times) and times is not None and now - max(times) < within_s
 

@@ -61,6 +61,13 @@ def excluded_nodes_path(profile: str, environ: Mapping[str, str] | None = None) 
     return lmlaunch_home(environ) / "excluded-nodes" / f"{profile}.json"
 
 
+def host_python_dirs() -> tuple[str, ...]:
+    """Where this interpreter lives (its venv, its base install): what a container whose python is
+    ``auto`` mounts to run it."""
+    dirs = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    return tuple(sorted(d for d in dirs if d != "/usr" and d != "/"))
+
+
 def resolve(
     spec_path: str,
     overrides: list[str] | None = None,
@@ -93,7 +100,7 @@ def resolve(
         excluded = excluded_nodes.load(excluded_nodes_path(profile.name, env))
         plan = make_plan(
             spec, profile, runs_root=runs_root, python=profile.python_command(python or sys.executable),
-            exclude=excluded_nodes.reasons(excluded),
+            exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(),
         )
         unchecked = check_model(spec.model, env)  # whatever validates builds (transformers' own rules)
         if unchecked is not None:

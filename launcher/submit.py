@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import dependencies, lifecycle, runs
-from launcher.core import rundir, slurm
+from launcher.core import container, rundir, slurm, slurm_relay
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.plan import LaunchPlan
 from launcher.core.shell import export_line, shell_quote
@@ -29,7 +29,13 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     ]
     lines += list(plan.setup)
     lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
-    return lines
+    return lines + _container_lines(plan)
+
+
+def _container_lines(plan: LaunchPlan) -> list[str]:
+    if plan.container is None:
+        return []
+    return container.host_lines(container.ContainerPlan.from_json(plan.container), sorted(plan.env))
 
 
 def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict[str, Any]:
@@ -71,6 +77,8 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
         params["dependency"] = dependency
     if plan.srun_args:
         params["srun_args"] = list(plan.srun_args)
+    if plan.container is not None:
+        params["teardown"] = slurm_relay.stop_lines()
     return params
 
 
@@ -79,7 +87,10 @@ def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
     code = Path(plan.paths.run_dir) / rundir.CODE_DIR
     old = code.is_dir() and not (code / "lmtrain" / "task_main.py").is_file()  # resumed without --new-code
     runner = ["submitit.core._submit"] if old else ["lmtrain.task_main", "--signal", plan.preemption.signal]
-    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), "-u", "-m", *runner, folder or plan.paths.submitit_dir])
+    inner = ["-u", "-m", *runner, folder or plan.paths.submitit_dir]
+    if plan.container is not None:  # the interpreter inside the container (launcher.core.container)
+        return container.task_command(container.ContainerPlan.from_json(plan.container), inner)
+    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), *inner])
 
 
 def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:
@@ -121,7 +132,7 @@ def array_setup(plan: LaunchPlan, run_dirs: list[str]) -> list[str]:
     lines.append("LMLAUNCH_POINTS=(" + " ".join(shell_quote(d) for d in run_dirs) + ")")
     lines.append('export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"')
     lines.append('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code${PYTHONPATH:+:$PYTHONPATH}"')
-    return lines
+    return lines + _container_lines(plan)
 
 
 def array_parameters(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,

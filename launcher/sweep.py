@@ -41,7 +41,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from launcher.core.errors import SpecError
 from launcher.core.plan import LaunchPlan
-from launcher.core.spec import StrictModel
+from launcher.core.strict_model import StrictModel
 from launcher.core.text_rules import RunName
 from launcher.core.validation import format_validation_error
 from launcher.core.yamlio import load_yaml_file

@@ -37,6 +37,12 @@ if ! "$VENV/bin/lmlaunch" cluster up --workers "$WORKERS"; then
   fi
   echo "[test] no local SLURM cluster: integration tests will be skipped" >&2
 fi
+# The task image container jobs run in (podman, built offline the first time: a few minutes);
+# as root only, as the cluster itself.
+if [ "$(id -u)" = 0 ] && ! "$VENV/bin/lmlaunch" cluster image; then
+  echo "[test] the container image for podman jobs could not be built (see above)" >&2
+  exit 1
+fi
 OTHER=""
 if [ "${LMLAUNCH_TEST_OTHER_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ]; then
   OTHER=$("$VENV/bin/python" -c "from launcher.localcluster.config import other_version; print(other_version() or '')")

@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _version_arg(up)
     _version_arg(sub.add_parser("down", help="stop the daemons that `up` started (and the test workers' clusters)"))
     _version_arg(sub.add_parser("status", help="daemons, nodes and partitions"))
+    sub.add_parser("image", help="install podman (as root) and build the task image that container jobs on the local "
+                                 "cluster run in (offline: debootstrap, then podman import)")
     _version_arg(sub.add_parser(
         "env", help="the shell lines that point SLURM commands (and lmlaunch) at one of the local clusters: "
                     "eval \"$(lmlaunch cluster env --slurm 24.11)\""))
@@ -76,6 +78,11 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     def say(line: str) -> None:
         ctx.out(f"[cluster] {line}")
 
+    if args.action == "image":
+        from launcher.localcluster.image import ensure_image
+
+        ctx.out(f"task image ready: {ensure_image(say)} (container: {{runtime: podman, image: ..., python: auto}})")
+        return 0
     version = args.slurm
     if version is not None and is_native(version):
         version = None

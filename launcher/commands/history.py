@@ -37,6 +37,7 @@ def load_history(rec):
         world = (plan.get("topology") or {}).get("world_size")
         h.planned_memory = plan["memory"]
         h.notes.extend(history_rows.memory_notes(h, plan["memory"], world if isinstance(world, int) else None))
+    h.notes.extend(history_rows.container_notes(rundir.environment_records(run_dir)))
     return h
 
 

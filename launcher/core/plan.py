@@ -178,6 +178,8 @@ class LaunchPlan:
     """How MASTER_PORT is chosen: a shell command run on the batch host at every start."""
     memory: dict[str, Any] | None = None
     """One rank's planned memory (launcher.core.memory.Breakdown.to_json); None where it was not estimated."""
+    container: dict[str, Any] | None = None
+    """The container the tasks run in (launcher.core.container.ContainerPlan.to_json); None: on the host."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 
-from launcher.core import rundir, site_options
+from launcher.core import container, rundir, site_options
 from launcher.core.deepspeed_config import render_deepspeed
 from launcher.core.errors import SpecError, did_you_mean
 from launcher.core.plan import (
@@ -173,6 +173,34 @@ def _strategy_problems(spec: JobSpec, topo: Topology) -> list[str]:
     return problems
 
 
+def _container(spec: JobSpec, profile: Profile, paths: RunPaths, runs_root: str, python: str,
+               host_python_dirs: tuple[str, ...], env: Mapping[str, str], problems: list[str]
+               ) -> container.ContainerPlan | None:
+    """The job's container (profile's section, the spec's over it), or None: no image named."""
+    c = container.merged(profile.container, spec.container)
+    named = spec.container is not None and spec.container.runtime != "none"
+    if c is None:
+        if named:
+            runtime = (spec.container.runtime if spec.container else None) or "pyxis"
+            problems.append(f"container.runtime({runtime}) has no image: set container.image in the spec or in profile "
+                            f"'{profile.name}' (a reference such as docker://nvcr.io/nvidia/pytorch:25.01-py3, a file, "
+                            "or a local name)")
+        return None
+    problems += container.problems(c)
+    needed = [(runs_root, "the runs root: the run directory, its code snapshot, logs and checkpoints")]
+    data = PurePosixPath(spec.data.path)
+    needed.append((str(data if data.is_absolute() else PurePosixPath(paths.run_dir) / data), "the training data"))
+    if spec.checkpoint.dir:
+        needed.append((spec.checkpoint.dir, "checkpoint.dir, outside the runs root"))
+    if spec.model.pretrained and spec.model.pretrained.startswith("/"):
+        needed.append((spec.model.pretrained, "model.pretrained"))
+    if c.python == "auto":
+        needed += [(d, "python: auto, the host's interpreter and its packages") for d in host_python_dirs]
+    return container.render(c, host_python=python, needed=needed,
+                            planned_env=sorted({*env, *spec.env.passthrough}), run_dir=paths.run_dir,
+                            gpus_per_node=spec.resources.gpus_per_node)
+
+
 def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
     run_dir = PurePosixPath(runs_root) / spec.name
     ckpt = spec.checkpoint.dir or str(run_dir / rundir.CHECKPOINTS)
@@ -196,13 +224,16 @@ def make_plan(
     runs_root: str,
     python: str | None = None,
     exclude: Mapping[str, str] | None = None,
+    host_python_dirs: tuple[str, ...] = (),
 ) -> LaunchPlan:
     """The whole launch, as data. Raises SpecError with the arithmetic when it cannot work.
 
     ``runs_root`` is absolute and already expanded (see :func:`launcher.resolve.runs_root_for`);
     ``python`` is the interpreter command tasks run (default: the profile's ``python``; a
     profile with ``python: auto`` needs it given); ``exclude``: node -> why, the nodes the user's
-    record for this profile excludes (``launcher.core.excluded_nodes``, read by the caller).
+    record for this profile excludes (``launcher.core.excluded_nodes``, read by the caller);
+    ``host_python_dirs``: the directories a host interpreter lives in (its venv and base install),
+    mounted into a container whose ``python`` is ``auto``.
     """
     if not runs_root.startswith("/"):
         raise SpecError([f"runs root '{runs_root}' must be an absolute path"])
@@ -229,10 +260,12 @@ def make_plan(
     if training.strategy == "deepspeed":
         deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum)
     srun_args: tuple[str, ...] = ()
-    if profile.container is not None:
-        srun_args = (f"--container-image={profile.container.image}",)
-        if profile.container.mounts:
-            srun_args += (f"--container-mounts={','.join(profile.container.mounts)}",)
+    box = _container(spec, profile, paths, runs_root, python, host_python_dirs, env.values, problems)
+    if problems:
+        raise SpecError(problems)
+    if box is not None:
+        srun_args += tuple(box.srun_args)
+        notes += tuple(box.notes)
     sbatch_options = site_options.merged(profile.slurm.sbatch, spec.slurm.sbatch)
     srun_options = site_options.merged(profile.slurm.srun, spec.slurm.srun)
     slurm = dataclasses.replace(slurm, site_options=sbatch_options)
@@ -286,6 +319,7 @@ def make_plan(
         preemption=preemption,
         spec=spec.model_dump(mode="json"),
         notes=notes,
+        container=box.to_json() if box is not None else None,
         rendezvous={
             "master_addr": "global rank 0's node (lmtrain.task_env.rendezvous)",
             "master_port": (

@@ -16,9 +16,11 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from launcher.core import site_options
+from launcher.core.container import ContainerSpec
 from launcher.core.errors import SpecError, did_you_mean
 from launcher.core.home import user_profiles_dir
-from launcher.core.spec import StrictModel, parse_slurm_time, reserved_env_reason
+from launcher.core.spec import parse_slurm_time, reserved_env_reason
+from launcher.core.strict_model import StrictModel
 from launcher.core.text_rules import (
     ENV_NAME,
     GRES_NAME,
@@ -149,15 +151,6 @@ class EnvVar(StrictModel):
         return v.strip()
 
 
-class Container(StrictModel):
-    """A container the tasks run in (pyxis/enroot)."""
-
-    image: OneLine
-    """Container image (pyxis/enroot --container-image)."""
-    mounts: list[OneLine] = Field(default_factory=list, max_length=1000)
-    """Bind mounts src:dst."""
-
-
 class Login(StrictModel):
     """How a workstation reaches this cluster's login node (`lmlaunch --remote NAME ...`): every
     command then runs there over one OpenSSH master connection (launcher.remote)."""
@@ -226,8 +219,8 @@ class Profile(StrictModel):
     """Shell lines run in the batch script before the tasks start (module load, venv)."""
     python: OneLine = "python"
     """Python interpreter on the nodes (after setup). 'auto': the interpreter running lmlaunch (clusters that share its venv, such as local)."""
-    container: Container | None = None
-    """Run tasks in this container (pyxis)."""
+    container: ContainerSpec | None = None
+    """The cluster's container runtime and what every container here needs (mounts, flags, variables, each with its reason); with an image, every job runs in it (a job spec's container section adds to it or says runtime: none)."""
     login: Login | None = None
     """How to reach this cluster from a workstation over ssh (absent: lmlaunch runs on the login node)."""
     sends_user_signal_on_preemption: bool = False

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.core import slurm_relay
 from launcher.core.errors import ExitCode, SlurmUnavailable, UserError
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -173,18 +174,18 @@ def run(
     With ``check``, any other non-zero exit raises UserError (exit code 1) with SLURM's message.
     """
     cmd = list(args)
-    exe = shutil.which(cmd[0])
-    if exe is None:
-        raise _missing(cmd[0])
+    relay = os.environ.get(slurm_relay.RELAY_ENV)
     try:
-        proc = subprocess.run(
-            [exe, *cmd[1:]],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=slurm_env(),
-            input=input,
-        )
+        if relay:  # a rank in a container: the batch step runs the command on the host
+            proc = slurm_relay.call(relay, cmd, timeout=timeout, input=input)
+        else:
+            exe = shutil.which(cmd[0])
+            if exe is None:
+                raise _missing(cmd[0])
+            proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout,
+                                  env=slurm_env(), input=input)
+    except slurm_relay.RelayError as exc:
+        raise SlurmUnavailable(f"`{cmd[0]}` could not be relayed to the host: {exc}") from None
     except subprocess.TimeoutExpired:
         raise SlurmUnavailable(
             f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s: the SLURM controller is "

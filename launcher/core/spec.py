@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from launcher.core import site_options
+from launcher.core.container import ContainerSpec
 from launcher.core.model_config import check_model_config
 from launcher.core.model_types import causal_lm_types, composite_reason
 from launcher.core.slurm import parse_duration
+from launcher.core.strict_model import StrictModel
 from launcher.core.text_rules import (
     ENV_NAME,
     EnvName,
@@ -68,16 +70,6 @@ def mem_to_mb(value: str) -> int:
     return {"K": number // 1024, "M": number, "G": number * 1024, "T": number * 1024 * 1024}[unit]
 
 
-class StrictModel(BaseModel):
-    """The base of every schema a user writes (job spec, cluster profile).
-
-    strict: `nodes: yes` or `nodes: "4"` is an error, not 1 or 4 (YAML already types scalars);
-    unknown keys are errors; every field's docstring is its documentation."""
-
-    # allow_inf_nan=False: `.inf`, `.nan` or `1e400` (read as inf) is an error, never a value.
-    model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True, allow_inf_nan=False
-    )
 
 
 # Variables the launcher or the runtime owns: a job setting them would break the launch.
@@ -529,6 +521,8 @@ class JobSpec(StrictModel):
     """Evaluate a checkpoint (on rank 0) instead of training."""
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
     """Site sbatch/srun options (reservation, hint, mail-type, mpi, ...) over the profile's."""
+    container: ContainerSpec | None = None
+    """Run the tasks in a container (pyxis, apptainer, podman): its keys over the profile's container section."""
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:

@@ -94,7 +94,7 @@ def system_path(path: Path) -> bool:
     return any(path.is_relative_to(d) or Path(d).is_relative_to(path) for d in OS_DIRS)
 
 
-def _mirror() -> str:
+def apt_mirror() -> str:
     """The Debian mirror this machine's apt uses (its sources name one that is reachable)."""
     for src in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
         try:
@@ -185,7 +185,7 @@ def ensure_root(version: str, say: Say) -> Path:
         say("installing debootstrap (apt-get)")
         run_checked(["apt-get", "install", "-y", "-qq", "debootstrap"], "apt-get install debootstrap", env=env, timeout=600)
     if not (root / "usr/bin/apt-get").exists():
-        release, mirror = SLURM_RELEASES[version], _mirror()
+        release, mirror = SLURM_RELEASES[version], apt_mirror()
         say(f"making a Debian {release} root in {root} (debootstrap from {mirror})")
         _remove_root(root)  # a half-made one from an interrupted run
         root.parent.mkdir(parents=True, exist_ok=True)

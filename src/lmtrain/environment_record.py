@@ -70,6 +70,25 @@ def code_in_use(run_dir: Path) -> dict[str, Any]:
             "from_snapshot": all(Path(p).is_relative_to(snapshot) for p in paths.values())}
 
 
+def container_in_use(plan: Any, environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The container this task runs in, as the plan names it and as the batch step found its image
+    on the host (``LMLAUNCH_IMAGE``/``LMLAUNCH_IMAGE_ID``: a podman image id, or a file's sha256);
+    podman's own record inside the container (/run/.containerenv) where present."""
+    box = getattr(plan, "container", None)
+    if not box:
+        return None
+    out: dict[str, Any] = {"runtime": box.get("runtime"), "image": box.get("image"),
+                           "image_id": environ.get("LMLAUNCH_IMAGE_ID") or "unknown"}
+    try:
+        for line in Path("/run/.containerenv").read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key in ("image", "imageid", "name", "id"):
+                out[f"podman_{key}"] = value.strip('"')
+    except OSError:
+        pass
+    return out
+
+
 def record_environment(plan: Any, env: Any, attempt: int) -> Path:
     """Rank 0: write this attempt's environment record; returns its path."""
     layout = RunLayout.of_plan(plan)
@@ -86,6 +105,7 @@ def record_environment(plan: Any, env: Any, attempt: int) -> Path:
         **accelerator_versions(),
         "plan_sha256": hashlib.sha256(plan_json.read_bytes()).hexdigest() if plan_json.exists() else None,
         "code": code_in_use(layout.run_dir),
+        "container": container_in_use(plan, os.environ),
         "env": visible_environment(os.environ, plan.passthrough),
     }
     path = layout.environment(attempt)

@@ -50,6 +50,9 @@ from slurm_helpers import faults, job_name, webhook_server
 from launcher.core import slurm
 from tests.trackers import assert_trackers_log_each_step_once
 
+PODMAN_IMAGE = "localhost/lmlaunch/task:latest"  # scripts/test.sh builds it (lmlaunch cluster image)
+IN_PODMAN = ("container.runtime=podman", f"container.image={PODMAN_IMAGE}", "container.python=auto")
+
 
 @pytest.fixture(scope="module")
 def env(module_env):
@@ -125,10 +128,12 @@ def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, e
 
 
 def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(reference, env, jobs, name):
-    """The cluster does not send the user signal: SIGTERM, then SIGKILL after GraceTime."""
+    """The cluster does not send the user signal: SIGTERM, then SIGKILL after GraceTime. The tasks
+    run in a podman container whose image has no SLURM commands (`lmlaunch cluster image`): the
+    job is requeued from the host (launcher.core.slurm_relay), and the numbers are the host run's."""
     with user_signal_on_preemption(False):
         assert not cluster_sends_user_signal()
-        job, run_dir = submit(env, name)
+        job, run_dir = submit(env, name, *IN_PODMAN)
         jobs.append(job)
         seen = wait_step(run_dir, random.randint(EVERY + 2, MAX_STEPS - 15), attempt=1)
         r = preempt(env, name, "requeue", "--start-now")
@@ -141,6 +146,13 @@ def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(refer
     assert second["start_step"] >= seen, (seen, second)  # newer than any periodic checkpoint before the signal
     assert second["start_step"] == first["end_step"], (first, second)
     _check_resumed_exactly(run_dir, reference)
+    # it ran in the image, which cannot requeue by itself; the record names the image
+    assert "requeued (scontrol requeue" in first["detail"], first
+    records = [json.loads(p.read_text()) for p in sorted(run_dir.glob("logs/attempt-*/environment.json"))]
+    assert [r["container"]["image"] for r in records] == [PODMAN_IMAGE] * 2, records
+    assert all(r["container"]["image_id"].startswith("sha256:") for r in records), records
+    code, out, _ = lm(env, "history", name)
+    assert code == 0 and f"container, attempt 1: podman image {PODMAN_IMAGE} (sha256:" in out, out
 
 
 def test_node_failure_requeues_and_resumes_from_last_checkpoint(reference, env, jobs, name):

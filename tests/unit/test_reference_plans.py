@@ -46,6 +46,11 @@ EXPECTED_FAILURES = {
         f"  - line 6: {_GPU_ON_LOCAL}\n"
         "  - line 7: resources.time(1-00:00:00) = 1440 min is above partition 'low' max_time(2:00:00) = 120 min"
     ),
+    ("llama-1b-container", "local"): (
+        "jobs/llama-1b-container.yaml: 2 problems:\n"
+        f"  - line 8: {_GPU_ON_LOCAL}\n"
+        "  - line 9: resources.time(1-00:00:00) = 1440 min is above partition 'low' max_time(2:00:00) = 120 min"
+    ),
     ("llama-7b-zero3", "local"): (
         "jobs/llama-7b-zero3.yaml: 2 problems:\n"
         f"  - line 6: {_GPU_ON_LOCAL}\n"

@@ -1,0 +1,158 @@
+"""Containers: the job scripts of each runtime (pyxis and Apptainer are not installable on this
+machine kind, so their scripts are checked as text and by `bash -n`; podman runs for real in
+tests/integration/test_preempt_resume.py), the merge of profile and spec, and the SLURM relay
+(the real bash script, the real client, real `scontrol`)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.core import slurm, slurm_relay
+from launcher.core.container import ContainerSpec, merged
+from launcher.resolve import resolve
+from launcher.submit import render_script
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = str(REPO / "jobs" / "llama-1b-container.yaml")
+ENV = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u", "PATH": os.environ["PATH"]}
+RELAY_SCRIPT = REPO / "launcher" / "core" / slurm_relay.SCRIPT
+
+
+def _script(cluster: str, *overrides: str) -> str:
+    r = resolve(JOB, list(overrides), cluster=cluster, environ=ENV)
+    script = render_script(r.plan)
+    proc = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert proc.returncode == 0, proc.stderr + script
+    return script
+
+
+def _srun(script: str) -> list[str]:
+    line = next(x for x in script.splitlines() if x.startswith("srun "))
+    return shlex.split(line)
+
+
+def test_pyxis_runs_the_task_in_the_image_with_srun_options_and_the_host_keeps_slurm():
+    script = _script("h100-ib")
+    argv = _srun(script)
+    assert "--container-image=nvcr.io#nvidia/pytorch:25.01-py3" in argv  # enroot's registry#image form
+    mounts = next(a for a in argv if a.startswith("--container-mounts="))
+    assert "/dev/infiniband:/dev/infiniband" in mounts  # the profile's, with its reason in the plan
+    assert "/runs:/runs" in mounts and "/shared/datasets/slimpajama-llama" in mounts  # at their own paths
+    env = next(a for a in argv if a.startswith("--container-env=")).split("=", 1)[1].split(",")
+    assert {"PYTHONPATH", "NCCL_IB_HCA", "LMLAUNCH_RUN_DIR", "MELLANOX_VISIBLE_DEVICES"} <= set(env)
+    assert argv[-7:-1] == ["python", "-u", "-m", "lmtrain.task_main", "--signal", "USR2"]  # the image's python
+    # the batch script (on the host) starts the relay before srun and stops it after
+    lines = script.splitlines()
+    start = next(i for i, x in enumerate(lines) if slurm_relay.SCRIPT in x)
+    assert start < next(i for i, x in enumerate(lines) if x.startswith("srun "))
+    assert lines[-1] == slurm_relay.stop_lines()[0]
+
+
+def test_apptainer_execs_the_image_with_the_gpus_and_the_planned_variables_winning():
+    script = _script("a100-roce")
+    argv = _srun(script)
+    i = argv.index("apptainer")
+    assert argv[i:i + 3] == ["apptainer", "exec", "--nv"]  # GPU nodes: --nv added, with its reason
+    binds = argv[argv.index("--bind") + 1].split(",")
+    assert "/etc/libibverbs.d:/etc/libibverbs.d:ro" in binds and "/dev/infiniband" in binds
+    assert argv[argv.index("--pwd") + 2] == "docker://nvcr.io/nvidia/pytorch:25.01-py3"
+    assert 'export APPTAINERENV_PYTHONPATH="$PYTHONPATH"' in script
+    assert 'export APPTAINERENV_NCCL_IB_GID_INDEX="$NCCL_IB_GID_INDEX"' in script
+
+
+def test_podman_on_a_gpu_cluster_gets_the_gpus_and_names_its_container_per_task():
+    script = _script("h100-ib", "container.runtime=podman")
+    argv = _srun(script)
+    assert argv[argv.index("/bin/bash") + 1].endswith("launcher/core/podman_task.sh")
+    for flag in ("--rm", "--network=host", "--ipc=host", "--pid=host", "--device=nvidia.com/gpu=all",
+                 "--env=SLURM_*", "--env=NCCL_*", "--env=PYTHONPATH", "--volume=/runs:/runs"):
+        assert flag in argv, flag
+    assert argv[argv.index("nvcr.io/nvidia/pytorch:25.01-py3") + 1] == "python"
+    task = (REPO / "launcher" / "core" / "podman_task.sh").read_text()
+    assert "SLURM_CLUSTER_NAME" in task and "SLURM_PROCID" in task
+    assert subprocess.run(["bash", "-n", str(REPO / "launcher/core/podman_task.sh")]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(RELAY_SCRIPT)]).returncode == 0
+
+
+def test_a_job_without_an_image_and_runtime_none_run_on_the_host():
+    plain = _script("h100-ib", "container=null")
+    assert "--container-image" not in plain and slurm_relay.SCRIPT not in plain
+    off = _script("h100-ib", "container.runtime=none")
+    assert "--container-image" not in off and "apptainer" not in off
+    # the profile's section alone (no image) puts nothing in a container
+    r = resolve(str(REPO / "jobs" / "llama-1b-zero2.yaml"), [], cluster="h100-ib", environ=ENV)
+    assert r.plan.container is None
+
+
+def test_the_spec_section_is_laid_over_the_profiles():
+    profile = ContainerSpec.model_validate({"runtime": "pyxis", "mounts": [{"path": "/dev/infiniband", "why": "IB"}],
+                                            "env": ["A"]})
+    spec = ContainerSpec.model_validate({"image": "img", "mounts": ["/scratch"], "env": ["A", "B"]})
+    c = merged(profile, spec)
+    assert c is not None and c.runtime == "pyxis" and c.image == "img"
+    assert [m.path for m in c.mounts] == ["/dev/infiniband", "/scratch"]
+    assert [m.why for m in c.mounts] == ["IB", "listed in the container section"]
+    assert c.env == ["A", "B"]
+    assert merged(profile, None) is None  # no image: on the host
+    assert merged(profile, ContainerSpec.model_validate({"runtime": "none", "image": "x"})) is None
+
+
+@pytest.fixture
+def relay(tmp_path):
+    d = tmp_path / "relay"
+    proc = subprocess.Popen(["bash", str(RELAY_SCRIPT), str(d)], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not d.is_dir():
+        assert time.monotonic() < deadline and proc.poll() is None, "the relay did not start"
+        time.sleep(0.02)
+    yield d
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's client (the local cluster's packages)")
+def test_slurm_commands_of_a_rank_without_them_run_on_the_host_through_the_relay(relay, monkeypatch, tmp_path):
+    expected = subprocess.run(["scontrol", "--version"], capture_output=True, text=True).stdout
+    # a rank in a container: no SLURM commands on its PATH, the relay directory in its environment
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv(slurm_relay.RELAY_ENV, str(relay))
+    assert shutil.which("scontrol") is None
+    assert slurm.run(["scontrol", "--version"]).stdout == expected
+    # stdin travels too, and a failing command's status and message come back as they were
+    proc = slurm_relay.call(str(relay), ["scontrol", "show", "job", "no-such-job"], timeout=30, input="x")
+    assert proc.returncode != 0 and proc.stderr
+    # nothing but SLURM's five commands is run, and nothing through a shell
+    proc = slurm_relay.call(str(relay), ["touch", str(tmp_path / "canary")], timeout=30)
+    assert proc.returncode == slurm_relay.NOT_RELAYED and "relays only" in proc.stderr
+    proc = slurm_relay.call(str(relay), ["scontrol", f"$(touch {tmp_path / 'canary'})"], timeout=30)
+    assert not (tmp_path / "canary").exists()
+    assert sorted(p.name for p in relay.iterdir()) == []  # every request cleaned up
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs SLURM's client (the local cluster's packages)")
+def test_the_relay_outlives_the_jobs_signals(relay):
+    pids = subprocess.run(["pgrep", "-f", f"{RELAY_SCRIPT} {relay}"], capture_output=True, text=True).stdout.split()
+    assert pids
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        for pid in pids:
+            os.kill(int(pid), sig)
+    time.sleep(0.2)
+    assert slurm_relay.call(str(relay), ["scontrol", "--version"], timeout=30).returncode == 0
+
+
+def test_no_relay_answering_is_said_at_once_or_after_the_timeout(tmp_path):
+    with pytest.raises(slurm_relay.RelayError):
+        slurm_relay.call(str(tmp_path / "missing"), ["scontrol", "ping"], timeout=1)
+    (tmp_path / "idle").mkdir()
+    t = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        slurm_relay.call(str(tmp_path / "idle"), ["scontrol", "ping"], timeout=0.3)
+    assert time.monotonic() - t < 5 and list((tmp_path / "idle").iterdir()) == []
