@@ -312,7 +312,8 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     meta, err = read_data_meta(job.data.path)
     checks += judge_data(job.data.path, meta, err, model_vocab, tokens_needed)
     checks.append(judge_memory(plan, profile))
-    checks.append(runtime_imports(plan))
+    if not plan.container:  # a container's interpreter: launcher.doctor_container
+        checks.append(runtime_imports(plan))
     return checks
 
 

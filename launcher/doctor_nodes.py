@@ -22,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher import snapshot
 from launcher.core import site_options, slurm
+from launcher.core.container import ContainerPlan, wrap
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.node_facts import MARK, NodeFacts, ifname_verdicts
 from launcher.core.plan import LaunchPlan
@@ -47,6 +49,7 @@ FIGURES = {
 }
 PROBE_TIME_LIMIT_MIN = 5  # srun --time: the probe itself takes seconds
 PROBE_TIMEOUT_S = 900.0  # queue wait included
+PROBE_CODE = "code"  # in the work directory: this lmlaunch's packages, for a probe in a container
 NODE_LINE = "LMLAUNCH_PROBE_NODE "  # the task's shell names its node before python starts
 _LABEL = re.compile(r"^\s*(\d+): (.*)$")
 
@@ -154,10 +157,19 @@ def probe_command(plan: LaunchPlan, workdir: Path) -> str:
     """What every task runs: the profile's setup, the plan's environment (not PYTHONPATH: the
     probe is this lmlaunch's code, not an earlier run's snapshot), then the probe."""
     skip = {"PYTHONPATH", "LMLAUNCH_RUN_DIR"}
-    lines = [*plan.setup, *(f"export {k}={shell_quote(v)}" for k, v in sorted(plan.env.items()) if k not in skip)]
+    box = ContainerPlan.from_json(plan.container) if plan.container else None
+    # in a container the probe runs in it, with this lmlaunch's code copied beside its work
+    # directory (the image and a mounted venv know nothing of this checkout); setup lines are the
+    # host's, and pyxis starts this very shell inside the container
+    setup = [] if box is not None else list(plan.setup)
+    lines = [*setup, *(f"export {k}={shell_quote(v)}" for k, v in sorted(plan.env.items()) if k not in skip)]
     lines.append(f'echo "{NODE_LINE}${{SLURMD_NODENAME:-$(hostname)}} $SLURM_JOB_ID"')
-    args = [*shlex.split(plan.python), "-m", "lmtrain.node_probe", "--workdir", str(workdir),
-            "--checkpoint-dir", plan.paths.checkpoint_dir]
+    inner = ["-m", "lmtrain.node_probe", "--workdir", str(workdir), "--checkpoint-dir", plan.paths.checkpoint_dir]
+    if box is None:
+        args = [*shlex.split(plan.python), *inner]
+    else:
+        lines.append(f"export PYTHONPATH={shell_quote(str(workdir / PROBE_CODE))}")
+        args = wrap(box, inner)
     lines.append("exec " + " ".join(shlex.quote(a) for a in args))
     return "\n".join(lines)
 
@@ -208,6 +220,11 @@ def run_probe(plan: LaunchPlan, runs_root: Path, job_name: str | None = None) ->
     name = job_name or f"{plan.slurm.job_name}-node-probe"
     workdir = runs_root / ".node-probe" / f"{name}-{secrets.token_hex(3)}"
     workdir.mkdir(parents=True, mode=0o700)
+    if plan.container:
+        for rel, src in snapshot.source_files(snapshot.code_packages()).items():
+            dst = workdir / PROBE_CODE / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
     started = time.time()
     try:
         proc = slurm.run(srun_args(plan, name, workdir), timeout=PROBE_TIMEOUT_S, check=False)

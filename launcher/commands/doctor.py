@@ -15,6 +15,7 @@ from launcher.context import Context
 from launcher.core import excluded_nodes
 from launcher.core.errors import ExitCode, UserError
 from launcher.core.profiles import Profile
+from launcher.doctor_container import container_checks
 from launcher.resolve import excluded_nodes_path, resolve
 
 
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     # with --on-nodes the probe may clear or add excluded nodes: the script is judged after it
     checks = doctor.diagnose(r.plan, r.profile, ctx.environ or None,
                              job_script=None if args.on_nodes else render_script(r.plan))
+    if r.plan.container and not any(c.name == "slurm" and c.status == doctor.FAIL for c in checks):
+        checks += container_checks(r.plan)  # the image, its runtime, the interpreter inside
     nodes: dict[str, Any] | None = None
     if args.on_nodes:
         blocked = [c for c in checks if c.name in ("slurm", "partition") and c.status == doctor.FAIL]

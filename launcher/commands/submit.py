@@ -69,6 +69,14 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     port = plan.rendezvous.get("master_port")
     if port:
         lines.append(f"MASTER_PORT=<{port}>")
+    if plan.container is not None:
+        c = plan.container
+        lines += ["", f"## container: {c['runtime']} image {c['image']}, {c['python']} inside, working directory "
+                      f"{c['workdir']} (the batch script stays on the host)"]
+        lines += [f"mount {m['src']}" + (f" -> {m['dst']}" if m["dst"] != m["src"] else "")
+                  + (f" ({m['mode']})" if m["mode"] else "") + f"    # {m['why']}" for m in c["mounts"]]
+        lines += [f"flag {f['flag']}    # {f['why']}" for f in c["flags"]]
+        lines.append("passed in from the task's environment: " + " ".join(c["env"]))
     if plan.deepspeed is not None:
         lines.append("")
         lines.append("## DeepSpeed config")

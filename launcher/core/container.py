@@ -257,18 +257,22 @@ def _podman_image(image: str) -> str:
     return image[len("docker://"):] if image.startswith("docker://") else image
 
 
+def wrap(cp: ContainerPlan, inner: list[str]) -> list[str]:
+    """``cp.python`` with ``inner`` run inside the container, as an argv on the host (pyxis: the
+    argv itself, srun's options put it in the container)."""
+    argv = [*shlex.split(cp.python), *inner]
+    return argv if cp.runtime == "pyxis" else [*cp.prefix, *argv]
+
+
 def task_command(cp: ContainerPlan, inner: list[str]) -> str:
     """The command srun starts for each task: ``inner`` (the interpreter's arguments after
     ``cp.python``) inside the container, as one shell word list for the job script."""
-    argv = [*shlex.split(cp.python), *inner]
-    if cp.runtime == "pyxis":
-        return shlex.join(argv)
-    if cp.runtime == "apptainer":
-        return shlex.join([*cp.prefix, *argv])
+    if cp.runtime != "podman":
+        return shlex.join(wrap(cp, inner))
     # podman: a small script per task (in the run's code snapshot) names its container after the
     # job and the task, which the batch shell cannot (it would expand $SLURM_PROCID once for all)
-    words = cp.prefix[2:]  # after "podman run"
-    return f'/bin/bash "$LMLAUNCH_RUN_DIR/code/launcher/core/{PODMAN_TASK}" ' + shlex.join([*words, *argv])
+    words = wrap(cp, inner)[2:]  # after "podman run"
+    return f'/bin/bash "$LMLAUNCH_RUN_DIR/code/launcher/core/{PODMAN_TASK}" ' + shlex.join(words)
 
 
 def host_lines(cp: ContainerPlan, planned_env: list[str]) -> list[str]:

@@ -156,3 +156,38 @@ def test_no_relay_answering_is_said_at_once_or_after_the_timeout(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         slurm_relay.call(str(tmp_path / "idle"), ["scontrol", "ping"], timeout=0.3)
     assert time.monotonic() - t < 5 and list((tmp_path / "idle").iterdir()) == []
+
+
+def _box(runtime: str, image: str):
+    from launcher.core.container import ContainerPlan
+
+    return ContainerPlan(runtime=runtime, image=image, python="python", mounts=[], env=[], workdir="/w", flags=[])
+
+
+def test_doctor_judges_the_image_and_the_runtime():
+    from launcher.doctor import FAIL, OK, WARN
+    from launcher.doctor_container import judge_image, judge_runtime
+
+    assert judge_image(_box("apptainer", "/img/x.sif"), local_name_exists=None, file_size=None).status == FAIL
+    ok = judge_image(_box("apptainer", "/img/x.sif"), local_name_exists=None, file_size=3 * 10**9)
+    assert ok.status == OK and "3.00 GB" in ok.message
+    ref = judge_image(_box("pyxis", "docker://nvcr.io/nvidia/pytorch:25.01-py3"), local_name_exists=None, file_size=None)
+    assert ref.status == OK and "pulled by the nodes" in ref.message
+    missing = judge_image(_box("podman", "localhost/lmlaunch/task:latest"), local_name_exists=False, file_size=None)
+    assert missing.status == FAIL and "lmlaunch cluster image" in missing.message
+    assert judge_image(_box("podman", "x"), local_name_exists=None, file_size=None).status == WARN
+    assert judge_runtime(_box("pyxis", "x"), command_here=False).status == WARN
+    assert "--on-nodes" in judge_runtime(_box("apptainer", "x"), command_here=False).message
+
+
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is installed by `lmlaunch cluster image`")
+def test_doctor_asks_podman_for_the_image_before_trying_the_interpreter_inside(tmp_path):
+    from launcher.doctor import FAIL, OK
+    from launcher.doctor_container import container_checks
+
+    r = resolve(str(REPO / "jobs" / "tiny-cpu-podman.yaml"), ["container.image=localhost/lmlaunch/no-such:1"],
+                environ={**ENV, "LMLAUNCH_RUNS_ROOT": str(tmp_path)})
+    checks = {c.name: c for c in container_checks(r.plan)}
+    assert checks["container image"].status == FAIL, checks
+    assert checks["container runtime"].status == OK
+    assert "runtime" not in checks  # not tried in an image that is not there
