@@ -13,7 +13,7 @@ Each request is ``<id>.args`` (the argv, NUL-separated, renamed into place whole
 ``<id>.in``; the host answers ``<id>.out``, ``<id>.err`` and, last, ``<id>.rc``. Only the five
 commands above are run, each as an argv (never through a shell) under ``timeout``. The relay
 ignores the job's signals, so a preemption's SIGTERM leaves it serving the requeue that follows;
-it ends with the job.
+it ends with the batch shell (SLURM ends the job's steps when that has ended) or at its teardown.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ def start_lines() -> list[str]:
     return [
         "# the ranks run in a container without SLURM's commands: this host runs them (launcher.core.slurm_relay)",
         f'export {RELAY_ENV}="$LMLAUNCH_RUN_DIR/slurm-relay/$SLURM_JOB_ID"',
-        f'/bin/bash "$LMLAUNCH_RUN_DIR/code/launcher/core/{SCRIPT}" "${RELAY_ENV}" &',
+        f'/bin/bash "$LMLAUNCH_RUN_DIR/code/launcher/core/{SCRIPT}" "${RELAY_ENV}" $$ &',
         "lmlaunch_relay_pid=$!",
     ]
 
 
 def stop_lines() -> list[str]:
-    return ['kill "$lmlaunch_relay_pid" 2>/dev/null || true']
+    return ['kill -KILL "$lmlaunch_relay_pid" 2>/dev/null || true  # it ignores the job\'s signals']
 
 
 class RelayError(OSError):

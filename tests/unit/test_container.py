@@ -191,3 +191,15 @@ def test_doctor_asks_podman_for_the_image_before_trying_the_interpreter_inside(t
     assert checks["container image"].status == FAIL, checks
     assert checks["container runtime"].status == OK
     assert "runtime" not in checks  # not tried in an image that is not there
+
+
+def test_the_relay_ends_with_the_batch_shell_it_serves(tmp_path):
+    """SLURM ends a job's steps when its batch shell ends; the relay, which ignores the job's
+    signals, must not outlive it (it would be left polling on the node)."""
+    shell = subprocess.Popen(["sleep", "600"])
+    relay = subprocess.Popen(["bash", str(RELAY_SCRIPT), str(tmp_path / "relay"), str(shell.pid)])
+    time.sleep(0.5)
+    assert relay.poll() is None
+    shell.kill()
+    shell.wait()
+    assert relay.wait(timeout=10) == 0
