@@ -61,11 +61,15 @@ def excluded_nodes_path(profile: str, environ: Mapping[str, str] | None = None) 
     return lmlaunch_home(environ) / "excluded-nodes" / f"{profile}.json"
 
 
-def host_python_dirs() -> tuple[str, ...]:
-    """Where this interpreter lives (its venv, its base install): what a container whose python is
+def host_python_dirs(python: str) -> tuple[str, ...]:
+    """Where the tasks' interpreter ``python`` lives: for the one running lmlaunch, its venv and its
+    base install; for another, the directory above its bin/. What a container whose python is
     ``auto`` mounts to run it."""
-    dirs = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
-    return tuple(sorted(d for d in dirs if d != "/usr" and d != "/"))
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        dirs = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    else:
+        dirs = {os.path.dirname(os.path.dirname(python))} if python.startswith("/") else set()
+    return tuple(sorted(d for d in dirs if d not in ("/usr", "/", "")))
 
 
 def resolve(
@@ -98,10 +102,9 @@ def resolve(
             raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
         runs_root = runs_root_for(profile, env)
         excluded = excluded_nodes.load(excluded_nodes_path(profile.name, env))
-        plan = make_plan(
-            spec, profile, runs_root=runs_root, python=profile.python_command(python or sys.executable),
-            exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(),
-        )
+        interpreter = profile.python_command(python or sys.executable)
+        plan = make_plan(spec, profile, runs_root=runs_root, python=interpreter,
+                         exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
         unchecked = check_model(spec.model, env)  # whatever validates builds (transformers' own rules)
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))

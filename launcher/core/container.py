@@ -287,7 +287,7 @@ def host_lines(cp: ContainerPlan, planned_env: list[str]) -> list[str]:
     if cp.runtime == "podman":
         lines.append(f"LMLAUNCH_IMAGE_ID=$(podman image inspect --format '{{{{.Id}}}}' {image} 2>/dev/null) "
                      "&& LMLAUNCH_IMAGE_ID=sha256:$LMLAUNCH_IMAGE_ID")
-    else:
+    elif cp.image.startswith("/"):  # a file: its sha256 (a registry reference: pulled at start, no id here)
         lines += [
             f"if [ -f {image} ]; then",
             f"  lmlaunch_key=$(stat -Lc '%n %s %Y' {image}); lmlaunch_sum=\"$LMLAUNCH_RUN_DIR/container-image.sha256\"",

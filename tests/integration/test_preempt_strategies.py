@@ -1,8 +1,11 @@
-"""Every sharded strategy on the real 2-node local cluster (CPU, gloo): a job of each sharded strategy (FSDP2,
-DeepSpeed ZeRO 1, 2 and 3) is really preempted by a high-priority exclusive job at a random
-step, requeued, and resumes from its sharded checkpoint; its per-step losses and final weights
-equal an uninterrupted run of the same strategy, bit for bit. (DDP: test_preempt_resume.py.)
-A cancelled run resumed with other resources continues on 4 ranks (ZeRO-2) and on 1 (FSDP2).
+"""Sharded strategies on the real 2-node local cluster (CPU, gloo): a job of FSDP2, ZeRO-2 and
+ZeRO-3 is really preempted by a high-priority exclusive job at a random step, requeued, and
+resumes from its sharded checkpoint; its per-step losses and final weights equal an uninterrupted
+run of the same strategy, bit for bit. (DDP: test_preempt_resume.py; ZeRO-1 shares ZeRO-2's
+checkpoint code and is stopped and resumed on real ranks in tests/unit/test_checkpoint_resume.py
+and test_elastic_resume.py.) A cancelled run resumed with other resources continues on 4 ranks
+(ZeRO-2) and on 1 (FSDP2). One uninterrupted run per strategy (shared by the workers) is the
+reference of both.
 
 The final weights are read with lmtrain.checkpoint.weights (DCP shards and ZeRO partitions assembled on
 one CPU process), which is also what `lmlaunch export` uses.
@@ -31,6 +34,7 @@ from preempt_helpers import (
     wait_ended,
     wait_step,
 )
+from shared_results import shared
 from slurm_helpers import job_name
 
 from lmtrain.checkpoint.manager import complete_checkpoints
@@ -38,14 +42,12 @@ from lmtrain.checkpoint.weights import lightning_state_dict
 
 STRATEGIES = {
     "fsdp": ("trainer.strategy=fsdp",),
-    "zero1": ("trainer.strategy=deepspeed", "trainer.zero_stage=1"),
     "zero2": ("trainer.strategy=deepspeed", "trainer.zero_stage=2"),
     "zero3": ("trainer.strategy=deepspeed", "trainer.zero_stage=3"),
 }
 # The shard files each strategy writes per rank inside lightning.ckpt (every rank writes its own).
 SHARDS = {
     "fsdp": ["__0_0.distcp", "__1_0.distcp"],
-    "zero1": ["checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
     "zero2": ["checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
     "zero3": ["checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
 }
@@ -66,20 +68,37 @@ def _final(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return last.step, lightning_state_dict(last.path)
 
 
+NO_DROPOUT = ("model.config.resid_pdrop=0.0", "model.config.embd_pdrop=0.0", "model.config.attn_pdrop=0.0")
+# every run here: dropout off (the elastic runs compare losses across world sizes) and micro batch 4
+# (accumulation 2 on 2 ranks, 1 on 4)
+COMMON = (*NO_DROPOUT, "data.micro_batch_size=4")
+
+
+def _reference(strategy: str, env, jobs) -> dict:
+    """The uninterrupted 2-rank run of ``strategy``: per-step losses and final weights, made once per
+    test run for every worker (tests/shared_results.py)."""
+    def run() -> dict:
+        ref_name = job_name("pr", f"ref-{strategy}")
+        job, ref_dir = submit(env, ref_name, *STRATEGIES[strategy], *COMMON, pace_s=None)  # nothing acts on it
+        jobs.append(job)
+        finish(job, ref_dir)
+        assert [e["reason"] for e in ends(ref_dir)] == ["completed"]
+        losses = {s: v[0] for s, v in losses_by_step(ref_dir).items()}
+        assert sorted(losses) == list(range(1, MAX_STEPS + 1))
+        ckpt = complete_checkpoints(ref_dir / "checkpoints")[-1]
+        for shard in SHARDS[strategy]:  # sharded: each rank wrote its own files
+            assert (ckpt.lightning_path / shard).is_file(), sorted(p.name for p in ckpt.lightning_path.rglob("*"))
+        step, weights = _final(ref_dir)
+        return {"losses": losses, "step": step, "weights": weights}
+
+    return shared(f"preempt-strategy-reference-{strategy}", run)
+
+
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_sharded_strategy_preempted_and_resumed_equals_uninterrupted(strategy, slurm_cluster, env, jobs):
-    overrides = STRATEGIES[strategy]
-    ref_name = job_name("pr", f"ref-{strategy}")
-    job, ref_dir = submit(env, ref_name, *overrides, pace_s=None)  # nothing acts on it
-    jobs.append(job)
-    finish(job, ref_dir)
-    assert [e["reason"] for e in ends(ref_dir)] == ["completed"]
-    reference = {s: v[0] for s, v in losses_by_step(ref_dir).items()}
-    assert sorted(reference) == list(range(1, MAX_STEPS + 1))
-    ref_step, ref_weights = _final(ref_dir)
-    ckpt = complete_checkpoints(ref_dir / "checkpoints")[-1]
-    for shard in SHARDS[strategy]:  # sharded: each rank wrote its own files
-        assert (ckpt.lightning_path / shard).is_file(), sorted(p.name for p in ckpt.lightning_path.rglob("*"))
+    overrides = (*STRATEGIES[strategy], *COMMON)
+    ref = _reference(strategy, env, jobs)
+    reference, ref_step, ref_weights = ref["losses"], ref["step"], ref["weights"]
 
     name = job_name("pr", f"pre-{strategy}")
     job, run_dir = submit(env, name, *overrides)
@@ -102,7 +121,6 @@ def test_sharded_strategy_preempted_and_resumed_equals_uninterrupted(strategy, s
     assert not differ, f"{strategy}: final weights differ from the uninterrupted run in {differ}"
 
 
-NO_DROPOUT = ("model.config.resid_pdrop=0.0", "model.config.embd_pdrop=0.0", "model.config.attn_pdrop=0.0")
 ELASTIC = {
     # strategy, resources of the second job: 2 ranks -> 4 (2 nodes x 2 tasks) or -> 1 (1 node x 1 task)
     "zero2-2to4": ("zero2", ("resources.tasks_per_node=2",), 4),  # micro batch 4: accumulation 2 -> 1
@@ -117,12 +135,8 @@ def test_a_cancelled_run_resumed_with_other_resources_continues_on_the_new_world
     resharding) and its losses follow an uninterrupted 2-rank run (tolerance: see
     tests/unit/test_elastic_resume.py; dropout off)."""
     strategy, resources, world = ELASTIC[case]
-    overrides = (*STRATEGIES[strategy], *NO_DROPOUT, "data.micro_batch_size=4")
-    ref_name = job_name("pr", f"eref-{strategy}")
-    job, ref_dir = submit(env, ref_name, *overrides, pace_s=None)  # nothing acts on it
-    jobs.append(job)
-    finish(job, ref_dir)
-    reference = {s: v[0] for s, v in losses_by_step(ref_dir).items()}
+    overrides = (*STRATEGIES[strategy], *COMMON)
+    reference = _reference(strategy, env, jobs)["losses"]
 
     name = job_name("pr", f"el-{case}")
     job, run_dir = submit(env, name, *overrides)

@@ -1,5 +1,6 @@
 """The architecture matrix: a tiny config of each common causal LM type trains two steps on two
-ranks under FSDP2 and under DeepSpeed ZeRO-3 through the real entry, and its export is the model
+ranks under FSDP2 (and the types whose parameters ZeRO-3 gathers differently, under DeepSpeed
+ZeRO-3 too: tied embeddings, experts, ALiBi) through the real entry, and its export is the model
 that was trained: ``from_pretrained`` gives the logits the training ranks computed at the end
 (every rank took part: the shards were gathered), ``generate`` runs and stays inside the
 vocabulary, and the exported tokenizer gives the training ids on ASCII, NFD, emoji and
@@ -54,6 +55,10 @@ ARCHITECTURES = {
 }
 STRATEGIES = {"fsdp": ["trainer.strategy=fsdp"],
               "zero3": ["trainer.strategy=deepspeed", "trainer.zero_stage=3"]}
+# ZeRO-3's own export path (partitions gathered by parameter name) for the types that differ in what
+# it gathers: tied embeddings (gpt2, gemma2), experts (mixtral, qwen2_moe), ALiBi (bloom), and llama;
+# the rest share their parameter layout with these and go through FSDP2's DCP gather.
+ZERO3_TYPES = frozenset({"llama", "gpt2", "gemma2", "mixtral", "qwen2_moe", "bloom"})
 OVERRIDES = ["data.seq_len=16", "data.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.log_every_n_steps=1",
              "trainer.val_check_interval=null", "logging.tensorboard=false", "logging.csv=false"]
 
@@ -110,9 +115,11 @@ def _check_export(runs_root: Path, run_dir: str, trained: dict, out: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
-def test_each_architecture_trains_on_fsdp_and_zero3_and_exports_the_trained_model(repo, runs_root, tmp_path,
+def test_each_architecture_trains_sharded_and_exports_the_trained_model(repo, runs_root, tmp_path,
                                                                                   model_type):
     for strategy in STRATEGIES:
+        if strategy == "zero3" and model_type not in ZERO3_TYPES:
+            continue
         run_dir, trained = _train(repo, tmp_path, model_type, strategy)
         beats = [json.loads(x) for x in Path(run_dir, "metrics", "heartbeat.jsonl").read_text().splitlines()]
         losses = [b["loss"] for b in beats if b["event"] == "step"]

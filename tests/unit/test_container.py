@@ -203,3 +203,24 @@ def test_the_relay_ends_with_the_batch_shell_it_serves(tmp_path):
     shell.kill()
     shell.wait()
     assert relay.wait(timeout=10) == 0
+
+
+def test_an_image_file_is_named_by_its_sha256_kept_while_the_file_is_unchanged(tmp_path):
+    import hashlib
+
+    from launcher.core.container import ContainerPlan, host_lines
+
+    image = tmp_path / "train.sif"
+    image.write_bytes(b"an image" * 1000)
+    box = ContainerPlan(runtime="apptainer", image=str(image), python="python", mounts=[], env=[], workdir="/w", flags=[])
+    lines = [x for x in host_lines(box, ["PYTHONPATH"]) if slurm_relay.SCRIPT not in x and "relay" not in x]
+    script = "\n".join([*lines, 'echo "$LMLAUNCH_IMAGE_ID"'])
+    run = lambda: subprocess.run(["bash", "-c", script], env={"PATH": os.environ["PATH"], "LMLAUNCH_RUN_DIR": str(tmp_path)},  # noqa: E731
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    assert run() == "sha256:" + hashlib.sha256(image.read_bytes()).hexdigest()
+    kept = tmp_path / "container-image.sha256"
+    kept.write_text(kept.read_text().splitlines()[0] + "\nfeed\n")  # the kept sum is used while the file is unchanged
+    assert run() == "sha256:feed"
+    image.write_bytes(b"another image")
+    os.utime(image, (1, 1))
+    assert run() == "sha256:" + hashlib.sha256(b"another image").hexdigest()
