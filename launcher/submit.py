@@ -15,7 +15,7 @@ from launcher import dependencies, lifecycle, runs
 from launcher.core import container, rundir, slurm, slurm_relay
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.plan import LaunchPlan
-from launcher.core.shell import export_line, shell_quote
+from launcher.core.shell import export_line
 
 
 def setup_lines(plan: LaunchPlan) -> list[str]:
@@ -29,10 +29,10 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     ]
     lines += list(plan.setup)
     lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
-    return lines + _container_lines(plan)
+    return lines + container_lines(plan)
 
 
-def _container_lines(plan: LaunchPlan) -> list[str]:
+def container_lines(plan: LaunchPlan) -> list[str]:
     if plan.container is None:
         return []
     return container.host_lines(container.ContainerPlan.from_json(plan.container), sorted(plan.env))
@@ -116,56 +116,11 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
     from lmtrain.task import TrainTask
 
     params = executor_parameters(plan, dependency)
-    return _run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
+    return run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
                          plan.paths.submitit_dir)[0]
 
 
-def array_setup(plan: LaunchPlan, run_dirs: list[str]) -> list[str]:
-    """A sweep array's setup: the shared environment (launcher.sweep.shape), then each task's run
-    directory and code snapshot, picked by its SLURM_ARRAY_TASK_ID."""
-    from launcher.sweep import PER_POINT_ENV
-
-    lines = [f"# lmlaunch: sweep array of {len(run_dirs)} points, profile {plan.profile}; "
-             "each task runs the point its SLURM_ARRAY_TASK_ID names"]
-    lines += list(plan.setup)
-    lines += [export_line(n, plan.env[n]) for n in sorted(plan.env) if n not in PER_POINT_ENV]
-    lines.append("LMLAUNCH_POINTS=(" + " ".join(shell_quote(d) for d in run_dirs) + ")")
-    lines.append('export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"')
-    lines.append('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code${PYTHONPATH:+:$PYTHONPATH}"')
-    return lines + _container_lines(plan)
-
-
-def array_parameters(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
-                     dependency: str | None = None) -> dict[str, Any]:
-    """submitit parameters of one sweep array (``plan``: its first point; every point has its shape)."""
-    params = executor_parameters(plan, dependency)
-    params["job_name"] = Path(sweep_dir).name
-    params["setup"] = array_setup(plan, run_dirs)
-    params["additional_parameters"] = {**params["additional_parameters"], "chdir": sweep_dir}
-    params["array_parallelism"] = max_parallel
-    return params
-
-
-def render_array_script(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
-                        dependency: str | None = None) -> str:
-    """A sweep array's sbatch script exactly as submit_array writes it."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    params = array_parameters(plan, run_dirs, sweep_dir, max_parallel, dependency)
-    folder = str(Path(sweep_dir) / "submitit")
-    return _make_sbatch_string(command=submit_command(plan, folder), folder=folder, map_count=len(run_dirs), **params)
-
-
-def submit_array(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
-                 dependency: str | None = None) -> list[str]:
-    """sbatch one array whose task i runs the point in ``run_dirs[i]``; its tasks' job ids (A_i)."""
-    from lmtrain.task import TrainTask
-
-    params = array_parameters(plan, run_dirs, sweep_dir, max_parallel, dependency)
-    return _run_submitit(plan, params, [TrainTask(d) for d in run_dirs], str(Path(sweep_dir) / "submitit"))
-
-
-def _run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str) -> list[str]:
+def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str) -> list[str]:
     """Submit ``fns`` (one: a job; several: an array) with submitit; their job ids."""
     import contextlib
     import io

@@ -164,9 +164,12 @@ def shape(plan: LaunchPlan) -> dict[str, Any]:
     log paths, and the task environment but the per-point variables."""
     s = {k: v for k, v in plan.slurm.__dict__.items() if k not in ("job_name", "output", "error", "task_output",
                                                                      "task_error")}
-    env = {k: v for k, v in plan.env.items() if k not in PER_POINT_ENV}
+    run_dir = plan.paths.run_dir  # a variable naming the run directory is set per point (launcher.submit_array)
+    env = {k: v.replace(run_dir, "<run dir>") for k, v in plan.env.items() if k not in PER_POINT_ENV}
+    box = json.dumps(plan.container, sort_keys=True).replace(run_dir, "<run dir>")
     return {"slurm": s, "env": env, "setup": list(plan.setup), "python": plan.python,
-            "srun_args": list(plan.srun_args), "passthrough": list(plan.passthrough)}
+            "srun_args": [a.replace(run_dir, "<run dir>") for a in plan.srun_args],
+            "passthrough": list(plan.passthrough), "container": box}
 
 
 def check_one_shape(plans: Sequence[LaunchPlan], pts: Sequence[dict[str, Any]], source: str) -> None:

@@ -17,7 +17,7 @@ from launcher.context import Context
 from launcher.core import jsonlines, rundir, slurm
 from launcher.core.errors import SlurmUnavailable, SpecError, UserError
 from launcher.resolve import resolve
-from launcher.submit import render_array_script, submit_array
+from launcher.submit_array import render_array_script, submit_array
 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # SLURM's default MaxArraySize
 

@@ -86,6 +86,28 @@ def test_the_dry_run_shows_the_points_and_the_one_array_script(repo, env, tmp_pa
     assert f"-m lmtrain.task_main --signal USR2 {runs_root}/lr/submitit" in out
 
 
+@pytest.mark.parametrize("cluster", ["h100-ib", "a100-roce"])
+def test_a_gpu_sweep_in_a_container_sets_each_points_own_paths(repo, env, tmp_path, cluster):
+    """A GPU profile plans a variable that names the run directory (the NCCL flight recorder's
+    file): each array task gets its own point's, and the container starts in the sweep directory,
+    as the array's tasks do on the host."""
+    path = _sweep(tmp_path, {"name": "glr", "grid": {"optim.lr": [0.001, 0.003]}})
+    code, out, err = _cli("sweep", str(repo / "jobs" / "llama-1b-container.yaml"), path, "--cluster", cluster,
+                          "--dry-run", environ=env)
+    assert code == 0, err
+    runs_root = env["LMLAUNCH_RUNS_ROOT"]
+    script = out[out.index("#!/bin/bash"):]
+    script = script[:script.index("\n## ")] if "\n## " in script else script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    lines = out[out.index("LMLAUNCH_POINTS=("):].split("\n")
+    flight = next(x for x in lines if x.startswith("export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="))
+    shown = subprocess.run(["bash", "-c", "\n".join([*lines[:3], flight, 'printf %s "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE"'])],
+                           capture_output=True, text=True, env={"SLURM_ARRAY_TASK_ID": "1"})
+    assert shown.stdout == f"{runs_root}/glr.1/logs/nccl-flight-rank-", shown
+    workdir = "--container-workdir=" if cluster == "h100-ib" else "--pwd "
+    assert f"{workdir}{runs_root}/glr " in out and f"{workdir}{runs_root}/glr.0" not in out
+
+
 def test_one_invalid_point_fails_the_sweep_naming_it_and_nothing_is_written(repo, env, tmp_path):
     path = _sweep(tmp_path, {"name": "bad", "grid": {"trainer.max_steps": [10, 20, -1]}})
     code, out, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, environ=env)
