@@ -12,7 +12,7 @@ from typing import Any
 
 from launcher.core.plan import LaunchPlan
 from launcher.core.shell import export_line, shell_quote
-from launcher.submit import container_lines, run_submitit, executor_parameters, submit_command
+from launcher.submit import container_lines, executor_parameters, run_submitit, submit_command
 
 
 def _per_point_export(name: str, value: str, run_dir: str) -> str:
