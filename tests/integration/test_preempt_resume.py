@@ -152,8 +152,9 @@ def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(refer
     records = [json.loads(p.read_text()) for p in sorted(run_dir.glob("logs/attempt-*/environment.json"))]
     assert [r["container"]["image"] for r in records] == [PODMAN_IMAGE] * 2, records
     assert all(r["container"]["image_id"].startswith("sha256:") for r in records), records
-    code, out, _ = lm(env, "history", name)
-    assert code == 0 and f"container, attempt 1: podman image {PODMAN_IMAGE} (sha256:" in out, out
+    code, out, _ = lm(env, "history", name, "--json")
+    assert code == 0 and any(n.startswith(f"container, attempt 1: podman image {PODMAN_IMAGE} (sha256:")
+                             for n in json.loads(out)["notes"]), out
 
 
 def test_node_failure_requeues_and_resumes_from_last_checkpoint(reference, env, jobs, name):
