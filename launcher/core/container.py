@@ -54,10 +54,11 @@ if TYPE_CHECKING:  # to mypy each is the str it checks
     FlagText: TypeAlias = str
 else:
     ImageText, MountText, FlagText = IMAGE.annotated, MOUNT.annotated, FLAG.annotated
-# Variables every task needs from its environment, whatever the spec passes: SLURM's own, what
+# Variables every task needs from its environment, whatever the spec passes: SLURM's own (SLURM_*
+# and SLURMD_NODENAME, which the task records name their node by), what
 # submitit reads, lmlaunch's, and the fabric and threading families the profile's presets set.
 PODMAN_TASK = "podman_task.sh"  # beside this module, in the run's code snapshot too
-PASSED_FAMILIES = ("SLURM_*", "SUBMITIT_*", "LMLAUNCH_*", "NCCL_*", "GLOO_*", "FI_*", "UCX_*", "CUDA_*",
+PASSED_FAMILIES = ("SLURM*", "SUBMITIT_*", "LMLAUNCH_*", "NCCL_*", "GLOO_*", "FI_*", "UCX_*", "CUDA_*",
                    "NVIDIA_*", "OMP_*", "MKL_*", "TORCH_*", "HF_*", "WANDB_*")
 
 
@@ -99,7 +100,7 @@ class ContainerSpec(StrictModel):
     mounts: list[Mount] = Field(default_factory=list, max_length=200)
     """Bind mounts SRC[:DST[:ro|rw]] or {path, why}; the runs root, the data, the checkpoint directory and a host interpreter (python: auto) are mounted at their own paths without being listed."""
     env: list[EnvName] = Field(default_factory=list, max_length=500)
-    """Names of more variables passed from the task's environment into the container (the planned ones, SLURM_*, NCCL_* and similar families always are)."""
+    """Names of more variables passed from the task's environment into the container (the planned ones, SLURM*, NCCL_* and similar families always are)."""
     workdir: OneLine | None = None
     """Working directory inside the container (default: the run directory)."""
     flags: list[Flag] = Field(default_factory=list, max_length=200)
