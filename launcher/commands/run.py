@@ -72,6 +72,9 @@ def local_overrides(
             f"local run: {spec.resources.nodes} node(s) x {spec.resources.gpus_per_node} GPU(s) become "
             f"1 node x {devices} CPU process(es) on gloo"
         )
+    if (spec.container is not None and spec.container.runtime != "none") or (profile.container and profile.container.image):
+        out.append("container.runtime=none")  # the ranks are this machine's processes
+        notices.append("local run: on this machine's interpreter, not in the job's container (container.runtime: none)")
     if max_steps is not None:
         out.append(f"trainer.max_steps={max_steps}")
         if spec.optim.warmup_steps > max_steps:

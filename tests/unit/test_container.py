@@ -224,3 +224,16 @@ def test_an_image_file_is_named_by_its_sha256_kept_while_the_file_is_unchanged(t
     image.write_bytes(b"another image")
     os.utime(image, (1, 1))
     assert run() == "sha256:" + hashlib.sha256(b"another image").hexdigest()
+
+
+def test_a_local_run_of_a_container_job_runs_on_this_machine_and_says_so(repo, runs_root):
+    """`run --local` starts this machine's processes: its plan (and so the attempts' environment
+    records) must not claim the image."""
+    from launcher.commands.run import prepare_local_run
+
+    said: list[str] = []
+    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu-podman.yaml"), [], devices=1, max_steps=20,
+                             name="podlocal", environ={**os.environ, "LMLAUNCH_RUNS_ROOT": str(runs_root)},
+                             say=said.append)
+    assert plan.container is None
+    assert any("not in the job's container" in line for line in said), said
