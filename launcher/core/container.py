@@ -108,6 +108,23 @@ class ContainerSpec(StrictModel):
     python: OneLine | None = None
     """The interpreter inside the image (default: python). auto: the host's own interpreter and venv, bind-mounted at their paths (an image that holds only the system libraries)."""
 
+    @field_validator("workdir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError(f"{v!r} is not an absolute path: the working directory inside the container")
+        return v
+
+    @field_validator("python")
+    @classmethod
+    def _words(cls, v: str | None) -> str | None:
+        try:
+            if v is not None and not shlex.split(v):
+                raise ValueError("an empty command")
+        except ValueError as exc:
+            raise ValueError(f"{v!r} is not a command line ({exc}): e.g. python, /opt/conda/bin/python or auto") from None
+        return v
+
     @field_validator("mounts", mode="before")
     @classmethod
     def _mounts(cls, v: Any) -> Any:

@@ -252,7 +252,13 @@ class Profile(StrictModel):
     @field_validator("python")
     @classmethod
     def _python(cls, v: str) -> str:
-        if not v.strip():
+        import shlex
+
+        try:
+            words = shlex.split(v)
+        except ValueError as exc:  # the job script runs it as shell words
+            raise ValueError(f"python {v!r} is not a command line ({exc})") from None
+        if not words:
             raise ValueError("python must be 'auto' or an interpreter command on one line")
         return v
 

@@ -154,5 +154,8 @@ CASES: list[Case] = [
     Case("container_mount_relative", add("container:\n  image: img\n  mounts: [{path: data, why: x}]\n"), "{spec}: container.mounts[0].path (line 19): 'data' is not a bind mount: SRC[:DST[:ro|rw]] with absolute paths holding no spaces, commas or colons"),
     Case("container_flag_not_a_flag", add("container:\n  image: img\n  flags: ['rm -rf /']\n"), "{spec}: container.flags[0].flag (line 19): 'rm -rf /' is not a runtime flag: one argument starting with '-', e.g. --nv or --security-opt=label=disable"),
     Case("container_unknown_runtime", add("container:\n  runtime: docker\n  image: img\n"), "{spec}: container.runtime (line 18): Input should be 'pyxis', 'apptainer', 'podman' or 'none', got 'docker'"),
+    Case("container_relative_workdir", add("container:\n  image: img\n  workdir: run\n"), "{spec}: container.workdir (line 19): 'run' is not an absolute path: the working directory inside the container"),
+    Case("container_python_unbalanced_quote", add("container:\n  image: img\n  python: '\"python'\n"), "{spec}: container.python (line 19): '\"python' is not a command line (No closing quotation): e.g. python, /opt/conda/bin/python or auto"),
+    Case("profile_python_unbalanced_quote", BASE, "{profiles}/badpython.yaml: python (line 6): python '\"/opt/py' is not a command line (No closing quotation)", argv=["--cluster", "badpython"], environ={"LMLAUNCH_PROFILES_DIR": "{profiles}"}),
     Case("container_without_image", add("container:\n  runtime: podman\n"), "{spec}: line 18: container.runtime(podman) has no image: set container.image in the spec or in profile 'local' (a reference such as docker://nvcr.io/nvidia/pytorch:25.01-py3, a file, or a local name)"),
 ]

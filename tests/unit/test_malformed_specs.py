@@ -23,6 +23,7 @@ max_tasks_per_node: 4
 runs_root: /runs
 """
 BROKEN_PROFILE = NOHIGH_PROFILE + "gpu_per_node: 8\n"
+BADPYTHON_PROFILE = NOHIGH_PROFILE + "python: '\"/opt/py'\n"
 SCRATCH_PROFILE = NOHIGH_PROFILE.replace("runs_root: /runs", "runs_root: /scratch/$SCRATCH_GROUP/runs")
 
 
@@ -32,6 +33,7 @@ def run_case(case: Case, tmp_path: Path) -> tuple[int, str, str, str]:
     (profiles / "nohigh.yaml").write_text(NOHIGH_PROFILE)
     (profiles / "broken.yaml").write_text(BROKEN_PROFILE)
     (profiles / "scratch.yaml").write_text(SCRATCH_PROFILE)
+    (profiles / "badpython.yaml").write_text(BADPYTHON_PROFILE)
     spec = tmp_path / "job.yaml"
     if case.text is not None:
         spec.write_text(case.text)
