@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +65,42 @@ def clear_stale_result(folder: str) -> Path | None:
     return stale
 
 
+OWNER_ENV = "LMLAUNCH_TASK_PID"  # set by launcher/core/podman_task.sh: the podman client SLURM started
+OWNER_POLL_S = 1.0
+
+
+def watch_owner(environ: Any = None, *, poll_s: float = OWNER_POLL_S) -> threading.Thread | None:
+    """In a podman container: end this process when the SLURM task that started the container is
+    gone. SLURM kills a step's processes, not a container podman's conmon keeps running (seen on the
+    local cluster: a SIGKILLed step left its container training), so a rank that outlived its job
+    would go on writing into the run directory. The container shares the host's pids (--pid=host)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(OWNER_ENV, "")
+    if not raw.isdigit():
+        return None
+    owner = int(raw)
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                print(f"lmtrain: the SLURM task that started this container (pid {owner}) is gone: this rank "
+                      "ends with it", file=sys.stderr, flush=True)
+                os._exit(137)
+            except PermissionError:
+                pass  # alive, another user's (cannot happen for our own client; be safe)
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=watch, name="lmtrain-task-owner", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> None:
     signal_name, folder = _args(sys.argv[1:] if argv is None else argv)
     own_signals({"signal": signal_name})
+    watch_owner()
     from lmtrain import faults
 
     faults.point("startup.owned")  # the fault seam: a test holds the task here, before submitit's runner

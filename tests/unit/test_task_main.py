@@ -150,3 +150,19 @@ def test_a_malformed_command_line_says_how_to_call_it(argv):
     out = subprocess.run([sys.executable, "-m", "lmtrain.task_main", *argv], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert out.returncode == 1 and "usage: python -m lmtrain.task_main [--signal NAME] FOLDER" in out.stderr
+
+
+def test_a_rank_in_a_container_ends_when_the_slurm_task_that_started_it_is_gone():
+    """SLURM SIGKILLs a step's podman client, not the container conmon keeps; the rank inside
+    watches the client's pid (LMLAUNCH_TASK_PID, set by launcher/core/podman_task.sh) and ends."""
+    owner = subprocess.Popen(["sleep", "600"])
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "from lmtrain.task_main import watch_owner; import time; "
+         "watch_owner(poll_s=0.1); time.sleep(600)"],
+        env={**os.environ, "LMLAUNCH_TASK_PID": str(owner.pid)}, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    assert rank.poll() is None  # alive while its owner is
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    assert rank.wait(timeout=10) == 137
+    assert "is gone: this rank ends with it" in rank.stderr.read()
