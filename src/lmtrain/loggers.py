@@ -1,11 +1,12 @@
 """The run-directory loggers: TensorBoard and CSV with a fixed version, so every attempt of a
 run writes into the same directories (a resumed attempt drops what it trains again), and W&B
-under one id per run."""
+under one id per run, whose failures never end training (:func:`tolerant_wandb_logger`)."""
 
 from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -91,10 +92,8 @@ def make_loggers(run_dir: str | Path, logging_spec: LoggingSpec | Mapping[str, A
         loggers.append(ResumableCSVLogger(save_dir=run_dir, name="csv", version=0, resume_step=resume_step))
     wandb = settings.wandb
     if wandb is not None:
-        from lightning.pytorch.loggers import WandbLogger
-
         loggers.append(
-            WandbLogger(
+            tolerant_wandb_logger()(
                 project=wandb.project,
                 entity=wandb.entity,
                 name=run_name,
@@ -108,6 +107,46 @@ def make_loggers(run_dir: str | Path, logging_spec: LoggingSpec | Mapping[str, A
 
 
 WANDB_ID_FILE = "wandb_id"
+log = logging.getLogger(__name__)
+
+
+def tolerant_wandb_logger() -> type:
+    """Lightning's WandbLogger whose calls, once one has failed, are dropped with one warning.
+
+    W&B sends through a service process of its own inside the task, and SLURM signals every process
+    of a step: a preemption's SIGTERM ends that service, and the next ``log_metrics`` raised
+    ``ConnectionResetError`` inside Lightning's loop, before the stop checkpoint was written (seen
+    on the local cluster: each preempted attempt lost its work, and a run preempted early enough
+    stopped as making no progress). A logger must never cost training or a checkpoint."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    class TolerantWandbLogger(WandbLogger):  # type: ignore[misc]
+        failed: str | None = None
+
+        def _guarded(self, what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.failed is not None:
+                return None
+            try:
+                return call(*args, **kwargs)
+            except Exception as exc:  # W&B's own errors, a lost connection: never the training's
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("W&B failed in %s (%s): nothing more is sent to W&B in this attempt; training and "
+                            "checkpoints go on (the next attempt resumes the same W&B run)", what, self.failed)
+                return None
+
+        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+            self._guarded("log_metrics", super().log_metrics, metrics, step)
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            self._guarded("log_hyperparams", super().log_hyperparams, params, *args, **kwargs)
+
+        def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+            self._guarded("after_save_checkpoint", super().after_save_checkpoint, checkpoint_callback)
+
+        def finalize(self, status: str) -> None:
+            self._guarded("finalize", super().finalize, status)
+
+    return TolerantWandbLogger
 
 
 def wandb_run_id(run_dir: str) -> str:
