@@ -239,7 +239,7 @@ def render(c: ContainerSpec, *, host_python: str, needed: list[tuple[str, str]],
         prefix = ["apptainer", "exec", *(f["flag"] for f in flags)]
         if binds:
             prefix += ["--bind", binds]
-        prefix += ["--pwd", workdir, _apptainer_image(image)]
+        prefix += ["--pwd", workdir, image]
         notes.append("apptainer passes the task's environment; the planned variables are also exported as "
                      "APPTAINERENV_* so that the image's own values do not win")
     else:
@@ -264,10 +264,6 @@ def _pyxis_image(image: str) -> str:
         if rest and ("." in host or ":" in host or host == "localhost"):
             return f"{host}#{rest}"
         return ref
-    return image
-
-
-def _apptainer_image(image: str) -> str:
     return image
 
 
