@@ -37,7 +37,10 @@ def run_case(case: Case, tmp_path: Path) -> tuple[int, str, str, str]:
     spec = tmp_path / "job.yaml"
     if case.text is not None:
         spec.write_text(case.text)
-    environ = {"HOME": "/home/u", "USER": "u", "LMLAUNCH_RUNS_ROOT": "/runs", "PATH": "/usr/bin"}
+    # LMLAUNCH_HOME of its own: the messages that list the available profiles must not see the
+    # user's own (~/.lmlaunch/profiles expands with the process's HOME, not this environment's)
+    environ = {"HOME": "/home/u", "USER": "u", "LMLAUNCH_RUNS_ROOT": "/runs", "PATH": "/usr/bin",
+               "LMLAUNCH_HOME": str(tmp_path / "home")}
     environ.update({k: v.replace("{profiles}", str(profiles)) for k, v in case.environ.items()})
     out, err = io.StringIO(), io.StringIO()
     ctx = Context(stdout=out, stderr=err, environ=environ, python="/opt/venv/bin/python")
