@@ -178,10 +178,9 @@ def _container(spec: JobSpec, profile: Profile, paths: RunPaths, runs_root: str,
                ) -> container.ContainerPlan | None:
     """The job's container (profile's section, the spec's over it), or None: no image named."""
     c = container.merged(profile.container, spec.container)
-    named = spec.container is not None and spec.container.runtime != "none"
     if c is None:
-        if named:
-            runtime = (spec.container.runtime if spec.container else None) or "pyxis"
+        if spec.container is not None and spec.container.runtime != "none":  # the spec asked for one
+            runtime = spec.container.runtime or "pyxis"
             problems.append(f"container.runtime({runtime}) has no image: set container.image in the spec or in profile "
                             f"'{profile.name}' (a reference such as docker://nvcr.io/nvidia/pytorch:25.01-py3, a file, "
                             "or a local name)")

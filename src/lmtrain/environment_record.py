@@ -72,21 +72,12 @@ def code_in_use(run_dir: Path) -> dict[str, Any]:
 
 def container_in_use(plan: Any, environ: Mapping[str, str]) -> dict[str, Any] | None:
     """The container this task runs in, as the plan names it and as the batch step found its image
-    on the host (``LMLAUNCH_IMAGE``/``LMLAUNCH_IMAGE_ID``: a podman image id, or a file's sha256);
-    podman's own record inside the container (/run/.containerenv) where present."""
+    on the host (``LMLAUNCH_IMAGE_ID``: a podman image id, or a file's sha256)."""
     box = getattr(plan, "container", None)
     if not box:
         return None
-    out: dict[str, Any] = {"runtime": box.get("runtime"), "image": box.get("image"),
-                           "image_id": environ.get("LMLAUNCH_IMAGE_ID") or "unknown"}
-    try:
-        for line in Path("/run/.containerenv").read_text().splitlines():
-            key, _, value = line.partition("=")
-            if key in ("image", "imageid", "name", "id"):
-                out[f"podman_{key}"] = value.strip('"')
-    except OSError:
-        pass
-    return out
+    return {"runtime": box.get("runtime"), "image": box.get("image"),
+            "image_id": environ.get("LMLAUNCH_IMAGE_ID") or "unknown"}
 
 
 def record_environment(plan: Any, env: Any, attempt: int) -> Path:
