@@ -18,6 +18,12 @@ Figures, from the run's own heartbeat (metrics/heartbeat.jsonl):
   all states" (rank 0's log, logs/attempt-2/rank-0.log): reading the checkpoint into model,
   optimizer, scheduler and loops (every rank loads its shards at the same time).
 
+Tensor parallelism (``--only tp2,tp2-sp,dp2xtp2``): jobs/tiny-cpu-tp.yaml's tiny Llama as tp2
+(and with sequence parallelism) on 2 processes against DDP of the same model on 2
+(``ddp-llama2``), and dp2xtp2 on 4 against DDP on 4 (``ddp-llama4``). On CPUs TP only adds
+collectives (an all-reduce or gather per block, per direction): these ratios say what it costs
+here, not what it saves on GPUs, where it splits memory and matmuls (unmeasured: no GPU).
+
 usage: python bench/strategies.py [--steps 40] [--every 10] [--only ddp,zero3] [--json]
 """
 
@@ -41,22 +47,34 @@ STRATEGIES = {
     "zero1": ["trainer.strategy=deepspeed", "trainer.zero_stage=1"],
     "zero2": ["trainer.strategy=deepspeed", "trainer.zero_stage=2"],
     "zero3": ["trainer.strategy=deepspeed", "trainer.zero_stage=3"],
+    # tensor parallelism: jobs/tiny-cpu-tp.yaml's Llama (GPT-2 has no TP plan), each against DDP of
+    # the same model on the same number of processes, measured in the same run
+    "ddp-llama2": ["trainer.strategy=ddp", "trainer.tensor_parallel_size=1", "trainer.sequence_parallel=false"],
+    "tp2": ["trainer.tensor_parallel_size=2", "trainer.sequence_parallel=false"],
+    "tp2-sp": ["trainer.tensor_parallel_size=2", "trainer.sequence_parallel=true"],
+    "ddp-llama4": ["trainer.strategy=ddp", "trainer.tensor_parallel_size=1", "trainer.sequence_parallel=false"],
+    "dp2xtp2": ["trainer.tensor_parallel_size=2", "trainer.sequence_parallel=false"],
 }
+# (job, processes, the row each is compared with); the rest: tiny-cpu.yaml on 2, against ddp
+LAYOUT = {"ddp-llama2": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"), "tp2": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"),
+          "tp2-sp": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"), "ddp-llama4": ("tiny-cpu-tp.yaml", 4, "ddp-llama4"),
+          "dp2xtp2": ("tiny-cpu-tp.yaml", 4, "ddp-llama4")}
 
 
-def _run(name: str, overrides: list[str], steps: int, every: int, runs_root: Path, resume: bool) -> list[dict]:
+def _run(name: str, overrides: list[str], steps: int, every: int, runs_root: Path, resume: bool,
+         job: str = "tiny-cpu.yaml", devices: int = 2) -> list[dict]:
     from launcher.commands.run import prepare_local_run
     from lmtrain.local import launch
 
     environ = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(runs_root)}
     plan = prepare_local_run(
-        str(REPO / "jobs" / "tiny-cpu.yaml"),
+        str(REPO / "jobs" / job),
         [*overrides, "trainer.log_every_n_steps=1", "logging.heartbeat_every_n_steps=1", f"checkpoint.every_n_steps={every}",
          "checkpoint.keep_last=2", "trainer.val_check_interval=null", "trainer.limit_val_batches=0", "data.num_workers=0"],
-        devices=2, max_steps=steps, name=name, environ=environ, say=lambda *_: None, resume=resume,
+        devices=devices, max_steps=steps, name=name, environ=environ, say=lambda *_: None, resume=resume,
     )
     with open(Path(plan.paths.run_dir) / "bench.out", "a") as out:
-        code = launch(plan.paths.run_dir, 2, plan_env=plan.env, out=out, threads_per_proc=1)
+        code = launch(plan.paths.run_dir, devices, plan_env=plan.env, out=out, threads_per_proc=1)
     if code != 0:
         raise SystemExit(f"{name}: the run exited {code}; see {plan.paths.run_dir}")
     lines = [json.loads(x) for x in Path(plan.paths.heartbeat).read_text().splitlines()]
@@ -78,15 +96,17 @@ def _load_seconds(run_dir: Path) -> float:
 
 def measure(strategy: str, steps: int, every: int, root: Path) -> dict:
     overrides = STRATEGIES[strategy]
-    fresh = _run(f"bench-{strategy}", overrides, steps, every, root, resume=False)
+    job, devices, _ = LAYOUT.get(strategy, ("tiny-cpu.yaml", 2, "ddp"))
+    fresh = _run(f"bench-{strategy}", overrides, steps, every, root, resume=False, job=job, devices=devices)
     saved = {x["step"] for x in fresh if x["event"] == "checkpoint"}
     step_lines = [x for x in fresh if x["event"] == "step"]
     intervals = [b["time"] - a["time"] for a, b in zip(step_lines, step_lines[1:])
                  if b["step"] > 5 and a["step"] not in saved]
     saves = [x["seconds"] for x in fresh if x["event"] == "checkpoint"]
-    _run(f"bench-{strategy}", overrides, steps + 5, every, root, resume=True)
+    _run(f"bench-{strategy}", overrides, steps + 5, every, root, resume=True, job=job, devices=devices)
     return {
         "strategy": strategy,
+        "processes": devices,
         "step_s": statistics.median(intervals),
         "save_s": statistics.median(saves),
         "saves": len(saves),
@@ -101,15 +121,22 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(STRATEGIES), help="comma-separated strategies (ddp always runs: the baseline)")
     ap.add_argument("--json", action="store_true", help="one JSON line per strategy")
     args = ap.parse_args()
-    chosen = ["ddp", *[s for s in args.only.split(",") if s and s != "ddp"]]
+    asked = [s for s in args.only.split(",") if s]
+    chosen: list[str] = []
+    for s in asked:  # each with its baseline, measured first
+        for name in (LAYOUT.get(s, (None, None, "ddp"))[2], s):
+            if name not in chosen:
+                chosen.append(name)
     unknown = [s for s in chosen if s not in STRATEGIES]
     if unknown:
         ap.error(f"unknown strategies {unknown}; allowed: {', '.join(STRATEGIES)}")
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
         rows = [measure(s, args.steps, args.every, Path(tmp)) for s in chosen]
-    base = rows[0]
+    by_name = {r["strategy"]: r for r in rows}
     for r in rows:
+        base = by_name[LAYOUT.get(r["strategy"], (None, None, "ddp"))[2]]
+        r["baseline"] = base["strategy"]
         r["step_ratio_to_ddp"] = r["step_s"] / base["step_s"]
         r["save_ratio_to_ddp"] = r["save_s"] / base["save_s"]
         r["load_ratio_to_ddp"] = r["load_s"] / base["load_s"] if base["load_s"] > 0 else None
@@ -117,13 +144,15 @@ def main() -> int:
         for r in rows:
             print(json.dumps({"bench": "strategies", "steps": args.steps, **r}))
         return 0
-    print(f"# bench/strategies.py: tiny GPT-2 on 2 CPU processes (gloo), {args.steps} steps, "
-          f"checkpoint every {args.every}; {time.time() - started:.0f} s in all")
-    print(f"{'strategy':9} {'step s':>8} {'x ddp':>6} {'save s':>8} {'x ddp':>6} {'load s':>8} {'x ddp':>6}")
+    print(f"# bench/strategies.py: tiny GPT-2 (tiny Llama for the TP rows) on CPU processes (gloo), "
+          f"{args.steps} steps, checkpoint every {args.every}; {time.time() - started:.0f} s in all; "
+          f"'x base': the ratio to the baseline row named, same run")
+    print(f"{'strategy':11} {'procs':>5} {'step s':>8} {'x base':>6} {'save s':>8} {'x base':>6} {'load s':>8} "
+          f"{'x base':>6}  baseline")
     for r in rows:
         load_ratio = f"{r['load_ratio_to_ddp']:6.2f}" if r["load_ratio_to_ddp"] is not None else "   n/a"
-        print(f"{r['strategy']:9} {r['step_s']:8.3f} {r['step_ratio_to_ddp']:6.2f} {r['save_s']:8.3f} "
-              f"{r['save_ratio_to_ddp']:6.2f} {r['load_s']:8.3f} {load_ratio}")
+        print(f"{r['strategy']:11} {r['processes']:5} {r['step_s']:8.3f} {r['step_ratio_to_ddp']:6.2f} "
+              f"{r['save_s']:8.3f} {r['save_ratio_to_ddp']:6.2f} {r['load_s']:8.3f} {load_ratio}  {r['baseline']}")
     return 0
 
 

@@ -269,9 +269,10 @@ def resume_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str
     try:
         meta: dict[str, Any] = ckpt.meta()
         old_strategy, old_world = str(meta["strategy"]), int(meta["world_size"])
+        old_tp = int(meta.get("tensor_parallel_size") or 1)
     except (OSError, ValueError, KeyError, TypeError):
         return None  # the runtime's own check reports an unreadable checkpoint
-    strategy, world = plan.training.strategy, plan.topology.world_size
+    strategy, world, tp = plan.training.strategy, plan.topology.world_size, plan.topology.tensor_parallel_size
     if old_strategy != strategy:
         raise UserError(
             f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
@@ -279,15 +280,19 @@ def resume_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str
             f"cannot be resumed as it is. Resume with trainer.strategy={old_strategy}, or export it "
             f"(`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run with model.pretrained: DIR"
         )
-    if old_world == world:
+    if (old_world, old_tp) == (world, tp):
         return None
     how = {
         "ddp": "the DDP checkpoint holds full tensors",
-        "fsdp": "torch.distributed.checkpoint reshards the FSDP shards",
+        "fsdp": "torch.distributed.checkpoint reshards the FSDP (and tensor-parallel) shards",
         "deepspeed": "rank 0 converts the ZeRO checkpoint to DeepSpeed's universal checkpoint when the job starts",
     }[strategy]
+    written, now = f"{old_world} ranks", f"{world} ranks"
+    if (old_tp, tp) != (1, 1):
+        written += f", data_parallel({old_world // old_tp}) x tensor_parallel({old_tp})"
+        now += f", data_parallel({world // tp}) x tensor_parallel({tp})"
     return (
-        f"resuming {ckpt.path.name} (written on {old_world} ranks) on {world} ranks: {how}; the global batch "
+        f"resuming {ckpt.path.name} (written on {written}) on {now}: {how}; the global batch "
         f"stays {plan.topology.global_batch_size} (gradient accumulation {plan.topology.grad_accum} per rank) "
         f"and the data order is kept"
     )

@@ -23,9 +23,10 @@ from pathlib import Path
 from launcher import runtime_stack
 from launcher.core.atomic import write_private
 from launcher.core.errors import SpecError
-from launcher.core.spec import ModelSpec
+from launcher.core.plan import Topology
+from launcher.core.spec import ModelSpec, TensorSplit
 
-CHECK_VERSION = 2  # bump when check_model_spec checks more: older answers are not reused
+CHECK_VERSION = 3  # bump when check_model_spec checks more: older answers are not reused
 _seen: dict[str, str] = {}  # key -> "" (builds) or the problem
 
 
@@ -37,21 +38,30 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "lmlaunch" / "model-checks"
 
 
-def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None) -> str | None:
-    """SpecError naming the setting when transformers cannot build the model section as written;
-    a note when it cannot be checked here; None when it builds."""
+def split_of(topology: Topology) -> TensorSplit | None:
+    """How the plan splits each model replica (tensor parallelism), for the check; None: not split."""
+    if topology.tensor_parallel_size == 1:
+        return None
+    return TensorSplit(topology.tensor_parallel_size, topology.sequence_parallel)
+
+
+def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None, *,
+                split: TensorSplit | None = None) -> str | None:
+    """SpecError naming the setting when transformers cannot build the model section as written
+    (or the architecture cannot be split as ``split`` says: its TP plan, its heads); a note when it
+    cannot be checked here; None when it builds."""
     if model.type is None:
         return None
     lacking = runtime_stack.missing()
     if lacking is not None:
         return (f"model section not checked against transformers here ({lacking} is not "
                 f"installed: {runtime_stack.INSTALL}); `lmlaunch doctor` checks it where the jobs run")
-    key = _key(model)
+    key = _key(model, split)
     problem = _seen.get(key)
     if problem is None:
         problem = _cached(key, environ)
     if problem is None:
-        problem = _check(model)
+        problem = _check(model, split)
         _remember(key, problem, environ)
     _seen[key] = problem
     if problem:
@@ -59,13 +69,14 @@ def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None) -> s
     return None
 
 
-def _key(model: ModelSpec) -> str:
+def _key(model: ModelSpec, split: TensorSplit | None) -> str:
     what = {"check": CHECK_VERSION, "transformers": importlib.metadata.version("transformers"),
-            "torch": importlib.metadata.version("torch"), "model": model.model_dump(mode="json")}
+            "torch": importlib.metadata.version("torch"), "model": model.model_dump(mode="json"),
+            **({"split": list(split)} if split else {})}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _check(model: ModelSpec) -> str:
+def _check(model: ModelSpec, split: TensorSplit | None) -> str:
     """The problem, or "". transformers' own warnings about the config stay out of the CLI's
     output: the problem, if any, is said once, naming the setting."""
     from transformers.utils import logging as hf_logging  # torch and transformers: the first time only
@@ -77,7 +88,7 @@ def _check(model: ModelSpec) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            check_model_spec(model)
+            check_model_spec(model, split=split)
     except ValueError as exc:
         return str(exc)
     finally:

@@ -20,7 +20,7 @@ from launcher.core.spec import JobSpec
 from launcher.core.validation import located
 from launcher.jobfile import load_job_with_origin
 from launcher.memory_check import with_memory
-from launcher.model_check import check_model
+from launcher.model_check import check_model, split_of
 from launcher.runs import lmlaunch_home
 
 
@@ -105,7 +105,7 @@ def resolve(
         interpreter = profile.python_command(python or sys.executable)
         plan = make_plan(spec, profile, runs_root=runs_root, python=interpreter,
                          exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
-        unchecked = check_model(spec.model, env)  # whatever validates builds (transformers' own rules)
+        unchecked = check_model(spec.model, env, split=split_of(plan.topology))  # whatever validates builds
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
         else:  # will it fit? (a GPU job that does not is refused, with what would make it fit)

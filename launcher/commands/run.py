@@ -121,8 +121,7 @@ def prepare_local_run(
     say(
         f"local run '{plan.run_name}': {t.world_size} process(es) on "
         f"{'GPU (one each)' if plan.trainer.accelerator == 'gpu' else 'CPU'}, "
-        f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
-        f"= global_batch({t.global_batch_size}); run dir {run_dir}"
+        f"{t.batch_arithmetic()}; run dir {run_dir}"
     )
     for note in (*notices, *plan.notes, *opening.notes):
         say(f"notice: {note}")

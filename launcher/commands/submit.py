@@ -45,9 +45,7 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     t = plan.topology
     lines.append(f"# lmlaunch plan for run '{plan.run_name}' on cluster '{plan.profile}'")
     lines.append(
-        f"# topology: nodes({t.nodes}) x tasks_per_node({t.tasks_per_node}) = world_size({t.world_size}); "
-        f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
-        f"= global_batch({t.global_batch_size})"
+        f"# topology: {t.arithmetic()}"
     )
     if plan.memory:
         lines.append("# memory per rank (planned):")

@@ -29,9 +29,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return 0
     ctx.out(
         f"ok: {args.spec} is valid for cluster '{r.profile.name}': "
-        f"nodes({t.nodes}) x tasks_per_node({t.tasks_per_node}) = world_size({t.world_size}); "
-        f"micro_batch({t.micro_batch_size}) x accumulation({t.grad_accum}) x world_size({t.world_size}) "
-        f"= global_batch({t.global_batch_size})"
+        f"{t.arithmetic()}"
     )
     if r.plan.memory:
         ctx.out("memory per rank (planned):")

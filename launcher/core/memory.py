@@ -54,6 +54,10 @@ class ModelFacts:
     vocab_size: int
     seq_len: int
     traces: Mapping[tuple[str, bool], tuple[int, int, int, int]]
+    tp_dims: tuple[int, ...] = ()  # per parameter: the dimension tensor parallelism splits (-1: none)
+
+    def split_dim(self, i: int) -> int:
+        return self.tp_dims[i] if i < len(self.tp_dims) else -1
 
     @property
     def total(self) -> int:
@@ -76,10 +80,16 @@ class Setup:
     gpu: bool
     reduce_bucket: int = 500_000_000
     overlap_comm: bool = True
+    tensor_parallel: int = 1  # FSDP2 x TP: each model replica split over this many ranks
+    sequence_parallel: bool = False
+
+    @property
+    def data_parallel(self) -> int:
+        return max(1, self.world_size // self.tensor_parallel)
 
     @property
     def accumulation(self) -> int:
-        return max(1, self.global_batch // (self.micro_batch * self.world_size))
+        return max(1, self.global_batch // (self.micro_batch * self.data_parallel))
 
 
 @dataclass(frozen=True)
@@ -172,14 +182,30 @@ def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
                 f"fp32 master weights + AdamW moments, 1/{w} each"),
         ]
     if s.strategy == "fsdp":
-        local = sum(math.ceil(p[1] / w) * (p[0] // max(p[1], 1)) for p in f.params)
-        return [Row("parameters", 4 * local, f"fp32, dim-0 shards, 1/{w} each (FSDP2)"),
+        local = sum(_fsdp_local(f, i, s) for i in range(len(f.params)))
+        how = f"fp32, dim-0 shards, 1/{w} each (FSDP2)"
+        if s.tensor_parallel > 1:
+            how = (f"fp32, split over tensor_parallel({s.tensor_parallel}) by the TP plan, then dim-0 shards "
+                   f"over data_parallel({s.data_parallel}) (FSDP2)")
+        return [Row("parameters", 4 * local, how),
                 Row("gradients", 4 * local, "fp32, sharded like the parameters"),
                 Row("optimizer states", 8 * local + 4 * n_tensors, "AdamW moments fp32, sharded")]
     total = f.total
     return [Row("parameters", 4 * total, "fp32, whole on every rank (DDP)"),
             Row("gradients", 4 * total, "fp32, in DDP's buckets"),
             Row("optimizer states", 8 * total + 4 * n_tensors, "AdamW moments fp32, whole")]
+
+
+def _fsdp_local(f: ModelFacts, i: int, s: Setup) -> int:
+    """Elements of parameter ``i`` one rank holds: its tensor-parallel part (torch's Shard: the
+    first rank's chunk is the largest), then FSDP2's dim-0 shard of that, padded to equal rows."""
+    numel, rows = f.params[i][0], max(f.params[i][1], 1)
+    cols, split = numel // rows, f.split_dim(i) if s.tensor_parallel > 1 else -1
+    if split == 0:
+        rows = math.ceil(rows / s.tensor_parallel)
+    elif split == 1:
+        cols = math.ceil(cols / s.tensor_parallel)
+    return math.ceil(rows / s.data_parallel) * cols
 
 
 def _trace(f: ModelFacts, compute: str, checkpointing: bool, micro_batch: int) -> tuple[int, int]:
@@ -194,8 +220,12 @@ def _activations(f: ModelFacts, s: Setup) -> list[Row]:
     saved, head = _trace(f, compute, s.checkpointing, s.micro_batch)
     tokens = s.micro_batch * f.seq_len
     low = 4 if compute == "fp32" else 2
-    rows = [Row("activations", saved - head, f"saved for backward, {s.micro_batch} x {f.seq_len} tokens"
-                + (", activation checkpointing" if s.checkpointing else "")),
+    body, how = saved - head, f"saved for backward, {s.micro_batch} x {f.seq_len} tokens"
+    if s.tensor_parallel > 1:  # an estimate: the trace is of the whole model
+        body = math.ceil(body / s.tensor_parallel)
+        how += (f", 1/{s.tensor_parallel} of the whole model's (estimated: heads and MLP features "
+                + ("and the sequence " if s.sequence_parallel else "") + "split; gathered inputs held whole)")
+    rows = [Row("activations", body, how + (", activation checkpointing" if s.checkpointing else "")),
             Row("logits and loss", head + tokens * f.vocab_size * (4 + low),
                 f"{f.vocab_size:,} logits per token, and their gradient in backward")]
     if s.checkpointing and (compute, False) in f.traces:
@@ -220,6 +250,11 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
                    f"{buckets} gradient reduction bucket(s) of {s.reduce_bucket:,} elements")
     if s.strategy == "fsdp":
         root = sum(p[0] for p in f.params if p[3] < 0)
+        if s.tensor_parallel > 1:  # FSDP2 gathers over the data dimension only: TP parts
+            whole = replace(s, world_size=s.tensor_parallel)  # data_parallel 1: a gathered TP part
+            root = sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] < 0)
+            largest = max((sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] == b)
+                           for b in range(f.blocks)), default=0)
         return Row("communication buffers", 4 * (root + 3 * largest),
                    "gathered root and blocks (this and the prefetched one), a block's gradients to reduce-scatter")
     return Row("communication buffers", 0, "DDP reduces in the gradient buckets")
@@ -267,7 +302,7 @@ def _single_changes(s: Setup) -> list[tuple[tuple[tuple[str, Any], ...], Setup, 
     while mb > 1 and mb % 2 == 0:
         mb //= 2
         out.append(((("data.micro_batch_size", mb),), replace(s, micro_batch=mb),
-                    f"{_MICRO_COST} (accumulation {s.global_batch // (mb * s.world_size)})", 1))
+                    f"{_MICRO_COST} (accumulation {s.global_batch // (mb * s.data_parallel)})", 1))
     if not s.checkpointing:
         out.append(((("model.activation_checkpointing", True),), replace(s, checkpointing=True), _CKPT_COST, 3))
     if s.strategy == "deepspeed" and (s.zero_stage or 0) >= 2 and not s.offload_optimizer:
@@ -300,7 +335,7 @@ def best_fit(f: ModelFacts, s: Setup, capacity: int) -> Fix | None:
     elif s.strategy == "deepspeed":
         strategies += [((("trainer.zero_stage", z),), {"zero_stage": z}, 0 if z < 3 else 2)
                        for z in range((s.zero_stage or 0) + 1, 4)]
-    per_rank = s.global_batch // s.world_size
+    per_rank = s.global_batch // s.data_parallel
     micro = sorted({m for m in range(1, per_rank + 1) if per_rank % m == 0}, reverse=True)
     best: tuple[tuple[int, int, int], Fix] | None = None
     for mb in micro:
@@ -320,7 +355,7 @@ def best_fit(f: ModelFacts, s: Setup, capacity: int) -> Fix | None:
                         + ((("trainer.offload_optimizer", True),) if offload and not s.offload_optimizer else ())
                     key = (-mb, rank, b.peak)
                     if best is None or key < best[0]:
-                        best = (key, Fix(all_changes, f"accumulation {s.global_batch // (mb * s.world_size)}", rank, b))
+                        best = (key, Fix(all_changes, f"accumulation {s.global_batch // (mb * s.data_parallel)}", rank, b))
         if best is not None:
             return best[1]
     return None

@@ -106,6 +106,28 @@ class Topology:
     micro_batch_size: int
     grad_accum: int
     global_batch_size: int
+    tensor_parallel_size: int = 1  # ranks of one model replica's TP group, inside a node (plans before it: 1)
+    sequence_parallel: bool = False
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Model replicas: ranks that read different samples (tensor-parallel ranks read the same)."""
+        return self.world_size // self.tensor_parallel_size
+
+    def batch_arithmetic(self) -> str:
+        """How the global batch is made, with the device mesh when tensor parallelism splits it."""
+        if self.tensor_parallel_size == 1:
+            return (f"micro_batch({self.micro_batch_size}) x accumulation({self.grad_accum}) x "
+                    f"world_size({self.world_size}) = global_batch({self.global_batch_size})")
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        return (f"mesh: data_parallel({self.data_parallel_size}) x tensor_parallel({self.tensor_parallel_size}"
+                f"{sp}, inside each node) = world_size({self.world_size}); micro_batch({self.micro_batch_size}) x "
+                f"accumulation({self.grad_accum}) x data_parallel({self.data_parallel_size}) = "
+                f"global_batch({self.global_batch_size})")
+
+    def arithmetic(self) -> str:
+        return (f"nodes({self.nodes}) x tasks_per_node({self.tasks_per_node}) = world_size({self.world_size}); "
+                f"{self.batch_arithmetic()}")
 
 
 @dataclass(frozen=True)

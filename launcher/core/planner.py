@@ -41,14 +41,18 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
             f"max_tasks_per_node({profile.max_tasks_per_node})"
         )
     world = r.nodes * tasks
+    per_node = f"{'gpus_per_node' if r.gpus_per_node else 'tasks_per_node'}({tasks})"
+    tp = _tensor_parallel(spec, tasks, per_node, problems)
+    dp = max(world // (tp or 1), 1)
     mbs = spec.data.micro_batch_size
     gbs = spec.trainer.global_batch_size
-    per_step = mbs * world
-    if gbs % per_step:
+    per_step = mbs * dp
+    if gbs % per_step and tp is not None:  # (a TP size that does not fit said so already)
+        ranks = (f"data-parallel size({dp}) = world_size({world}) / trainer.tensor_parallel_size({tp})"
+                 if tp and tp > 1 else f"world_size({world})")
         problems.append(
             f"trainer.global_batch_size({gbs}) is not a multiple of data.micro_batch_size({mbs}) "
-            f"x world_size({world}) = {per_step}; world_size = resources.nodes({r.nodes}) x "
-            f"{'gpus_per_node' if r.gpus_per_node else 'tasks_per_node'}({tasks})"
+            f"x {ranks} = {per_step}; world_size = resources.nodes({r.nodes}) x {per_node}"
         )
     return Topology(
         nodes=r.nodes,
@@ -56,9 +60,52 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
         world_size=world,
         accelerator="gpu" if r.gpus_per_node > 0 else "cpu",
         micro_batch_size=mbs,
-        grad_accum=gbs // per_step,
+        grad_accum=max(gbs // per_step, 1),
         global_batch_size=gbs,
+        tensor_parallel_size=tp or 1,
+        sequence_parallel=spec.trainer.sequence_parallel,
     )
+
+
+def _tensor_parallel(spec: JobSpec, tasks: int, per_node: str, problems: list[str]) -> int | None:
+    """The tensor-parallel size, when a TP group fits inside one node (its all-reduces run on every
+    layer: across nodes they would cross the fabric twice per block); else the problem, and None."""
+    tp = spec.trainer.tensor_parallel_size
+    if tp > 1 and tasks % tp:
+        problems.append(
+            f"trainer.tensor_parallel_size({tp}) must divide the ranks of one node, {per_node}, so that "
+            f"each tensor-parallel group stays inside a node"
+            + (f" (it is above {tasks})" if tp > tasks else f" ({tasks} = {tasks // tp} x {tp} + {tasks % tp})")
+        )
+        return None
+    seq = spec.data.seq_len
+    if spec.trainer.sequence_parallel and seq % tp:
+        problems.append(f"trainer.sequence_parallel: data.seq_len({seq}) is not divisible by "
+                        f"trainer.tensor_parallel_size({tp}): each rank holds seq_len / {tp} positions")
+    return tp
+
+
+# NCCL settings that take the intra-node path tensor parallelism depends on off the fast links
+_TP_SLOW_PATHS = {
+    "NCCL_P2P_DISABLE": ("1", "peer-to-peer between the node's GPUs is off: every TP all-reduce goes through host memory"),
+    "NCCL_SHM_DISABLE": ("1", "shared memory between the node's processes is off"),
+    "NCCL_P2P_LEVEL": ("LOC", "peer-to-peer is restricted to the same GPU: TP all-reduces go through host memory"),
+}
+
+
+def _tensor_parallel_notes(topo: Topology, env: Mapping[str, str], reasons: Mapping[str, str]) -> tuple[str, ...]:
+    """What tensor parallelism needs of NCCL inside the node: an all-reduce (or gather and
+    scatter) per block in forward and backward, over the node's NVLink/NVSwitch peer-to-peer
+    path; the presets that take that path away, said with their reasons."""
+    if topo.tensor_parallel_size == 1 or topo.accelerator != "gpu":
+        return ()
+    notes = [f"tensor_parallel({topo.tensor_parallel_size}) runs its collectives inside each node, twice per "
+             f"block per step: they need NCCL's peer-to-peer path over NVLink/NVSwitch"
+             + (" (NCCL_NVLS_ENABLE=1: NVLink SHARP serves them)" if env.get("NCCL_NVLS_ENABLE") == "1" else "")]
+    for name, (bad, what) in _TP_SLOW_PATHS.items():
+        if env.get(name) == bad:
+            notes.append(f"{name}={bad} ({reasons.get(name, 'planned')}): {what}; tensor parallelism will be slow")
+    return tuple(notes)
 
 
 def _slurm(
@@ -285,6 +332,7 @@ def make_plan(
     for node, why in sorted((exclude or {}).items()):
         notes += (f"node {node} is excluded (sbatch --exclude): {why}; a passing `lmlaunch doctor SPEC --on-nodes` "
                   f"clears it",)
+    notes += _tensor_parallel_notes(topo, env.values, env.reasons)
     k = spec.preemption.agree_every_n_steps
     if k > 1:
         notes += (

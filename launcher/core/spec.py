@@ -7,7 +7,7 @@ documentation). Unknown keys are rejected. Cross-field rules that need the clust
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
@@ -148,6 +148,14 @@ class Resources(StrictModel):
 _COMMON_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "opt")
 
 
+class TensorSplit(NamedTuple):
+    """How each model replica is split over ranks (trainer.tensor_parallel_size > 1): what the
+    model check and the runtime need to know of the layout."""
+
+    size: int
+    sequence_parallel: bool
+
+
 class ModelSpec(StrictModel):
     """The causal language model: a transformers type built from scratch, or a local directory."""
 
@@ -212,6 +220,10 @@ class TrainerSpec(StrictModel):
     """Distributed strategy, on GPUs and on CPU processes alike: ddp; fsdp (FSDP2, each transformer block sharded, DCP checkpoints); deepspeed (ZeRO stage zero_stage; its CPU accelerator on CPU jobs)."""
     zero_stage: Literal[1, 2, 3] | None = None
     """DeepSpeed ZeRO stage (strategy deepspeed only)."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """Tensor-parallel ranks per model replica (strategy fsdp only): each block's matmuls are split over this many ranks of one node (the architecture's transformers TP plan), FSDP2 shards over the rest; data-parallel size = world size / tensor_parallel_size."""
+    sequence_parallel: bool = False
+    """Keep the residual stream split along the sequence between the tensor-parallel matmuls (norms run on each rank's slice; needs tensor_parallel_size > 1)."""
     offload_optimizer: bool = False
     """Offload optimizer state to CPU (DeepSpeed ZeRO stage >= 2)."""
     offload_params: bool = False
@@ -245,6 +257,16 @@ class TrainerSpec(StrictModel):
         if self.offload_optimizer and (self.zero_stage or 0) < 2:
             raise ValueError(
                 f"trainer.offload_optimizer needs DeepSpeed zero_stage >= 2 (zero_stage is {self.zero_stage})"
+            )
+        if self.tensor_parallel_size > 1 and self.strategy != "fsdp":
+            raise ValueError(
+                f"trainer.tensor_parallel_size({self.tensor_parallel_size}) needs trainer.strategy: fsdp "
+                f"(FSDP2 over the data-parallel ranks, TP inside each node); strategy is '{self.strategy}'"
+            )
+        if self.sequence_parallel and self.tensor_parallel_size < 2:
+            raise ValueError(
+                "trainer.sequence_parallel splits the sequence over the tensor-parallel ranks: it needs "
+                f"trainer.tensor_parallel_size >= 2 (it is {self.tensor_parallel_size})"
             )
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(

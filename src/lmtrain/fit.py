@@ -76,8 +76,11 @@ class Fit:
         vocab = getattr(build_config(self.job.model), "vocab_size", None)
         if vocab is not None:
             TokenData(data_spec.path).check_vocab(int(vocab))
+        # Tensor-parallel ranks (consecutive global ranks, Lightning's (dp, tp) mesh) read the same
+        # samples: the data is sharded over the data-parallel ranks only.
+        tp = plan.topology.tensor_parallel_size
         train_loader, val_loader, sampler = make_dataloaders(
-            data_spec, world_size=env.world_size, rank=env.rank, seed=plan.training.seed)
+            data_spec, world_size=env.world_size // tp, rank=env.rank // tp, seed=plan.training.seed)
         self.ctl.guard_workers(train_loader, val_loader)  # workers ignore SIGTERM / the warning
         if ckpt is not None:
             state = self.rank_state if self.rank_state is not None else ckpt.rank_state(0)
@@ -94,13 +97,15 @@ class Fit:
 
         env, ckpt, rank_state, topo = self.env, self.ckpt, self.rank_state, self.plan.topology
         assert ckpt is not None
-        if rank_state is not None and int(rank_state.get("world_size", env.world_size)) == env.world_size:
+        layout = (env.world_size, topo.tensor_parallel_size)
+        if rank_state is not None and _layout(rank_state, env.world_size) == layout:
             self.resume_rng = rank_state["rng"]
             return
-        old_world = int(state.get("world_size", env.world_size))
-        log.warning("resuming step-%d on %d ranks (written on %d): data position re-sharded, RNG streams "
-                    "start fresh", ckpt.step, env.world_size, old_world)
-        old_accum = topo.global_batch_size // (topo.micro_batch_size * old_world)
+        old_world, old_tp = _layout(state, env.world_size)
+        log.warning("resuming step-%d on %d ranks, tensor parallel %d (written on %d, tensor parallel %d): data "
+                    "position re-sharded, RNG streams start fresh", ckpt.step, env.world_size,
+                    topo.tensor_parallel_size, old_world, old_tp)
+        old_accum = topo.global_batch_size // (topo.micro_batch_size * (old_world // old_tp))
         self.realign = RealignAccumulation(old_accum, self.plan.trainer.accumulate_grad_batches)
 
     def _module(self) -> Any:
@@ -114,6 +119,7 @@ class Fit:
             micro_batch_size=data_spec.micro_batch_size, world_size=env.world_size,
             accumulate=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
             offload_optimizer=self.job.trainer.offload_optimizer,
+            tensor_parallel_size=plan.topology.tensor_parallel_size, sequence_parallel=plan.topology.sequence_parallel,
         )
         module = LMModule(self.job.model, OptimSettings.from_spec(self.job.optim, t.max_steps), rt,
                           plan.training.seed)
@@ -165,6 +171,7 @@ class Fit:
             strategy=strategy, zero_stage=job.trainer.zero_stage if strategy == "deepspeed" else None,
             identity={"job_id": env.job_id, "attempt": self.records.attempt,
                       "logger": logger_identity(plan.paths.run_dir, job.logging)},
+            tensor_parallel_size=plan.topology.tensor_parallel_size,
         )
         manager.collective_timeout = process_group_timeout(plan)  # the background writers' group (gloo)
         # room for a first checkpoint, before there is one to measure (lmtrain.checkpoint.disk_space)
@@ -211,3 +218,8 @@ class Fit:
             return Outcome(reason="completed", end_step=step)
         return Outcome(reason="crashed", end_step=step, exit_code=1,
                        detail=f"the Trainer stopped at step {step} < max_steps({max_steps})")
+
+
+def _layout(state: dict[str, Any], default_world: int) -> tuple[int, int]:
+    """(world size, tensor-parallel size) a rank state was written in (states before TP: size 1)."""
+    return int(state.get("world_size", default_world)), int(state.get("tensor_parallel_size", 1))

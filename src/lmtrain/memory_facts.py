@@ -121,24 +121,31 @@ def _flash_sdpa(on: bool) -> Iterator[None]:
 
 def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]:
     """``params``: [numel, dim0, ndim, block] per parameter (block -1: outside every transformer
-    block), in the order of ``model.parameters()`` with tied weights once; ``blocks``; the
-    config's ``vocab_size``."""
+    block), in the order of ``model.parameters()`` with tied weights once; ``tp_dims``: the
+    dimension tensor parallelism splits each along (-1: kept whole; lmtrain.tensor_parallel);
+    ``blocks``; the config's ``vocab_size``."""
     from transformers import AutoModelForCausalLM
 
     m = model_settings(model_spec)
     config = build_config(m)
     with torch.device("meta"):  # no memory and no initialisation
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(m, config), dtype=torch.float32)
+    from lmtrain.tensor_parallel import split_dims
+
     blocks = transformer_blocks(model)
     block_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    split = split_dims(model)
     params: list[list[int]] = []
+    tp_dims: list[int] = []
     seen: set[int] = set()
     for p in model.parameters():
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
         params.append([p.numel(), int(p.shape[0]) if p.ndim else 1, p.ndim, block_of.get(id(p), -1)])
-    return {"params": params, "blocks": len(blocks), "vocab_size": int(getattr(config, "vocab_size", 0) or 0)}
+        tp_dims.append(split.get(id(p), -1))
+    return {"params": params, "tp_dims": tp_dims, "blocks": len(blocks),
+            "vocab_size": int(getattr(config, "vocab_size", 0) or 0)}
 
 
 def activation_trace(model_spec: ModelSpec | Mapping[str, Any], *, micro_batch: int, seq_len: int,

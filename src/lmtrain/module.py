@@ -74,6 +74,12 @@ class RuntimeSettings:
     accumulate: int
     log_every_n_steps: int
     offload_optimizer: bool = False
+    tensor_parallel_size: int = 1  # strategy fsdp: the 2D mesh's tensor dimension (lmtrain.tensor_parallel)
+    sequence_parallel: bool = False
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel_size
 
 
 class LMModule(pl.LightningModule):
@@ -108,12 +114,30 @@ class LMModule(pl.LightningModule):
         self.shape = model_shape(model)
         if self.model_spec.compile:
             model = compile_model(model)
-        if self.rt.strategy == "fsdp":
-            shard_fsdp2(model, self.device_mesh["data_parallel"])  # set by ModelParallelStrategy
+        if self.rt.strategy == "fsdp":  # self.device_mesh: set by ModelParallelStrategy
+            if self.rt.tensor_parallel_size > 1:
+                self._split(model)
+            shard_fsdp2(model, self.device_mesh["data_parallel"])
         self.model = model
+
+    def _split(self, model: nn.Module) -> None:
+        """Tensor (and sequence) parallelism over the mesh's tensor dimension, before FSDP2 shards
+        over its data dimension. A pretrained model is only checked here (validate checks the rest)."""
+        from lmtrain import tensor_parallel
+
+        found = tensor_parallel.problems(model, self.rt.tensor_parallel_size,
+                                         sequence_parallel=self.rt.sequence_parallel, seq_len=self.rt.seq_len)
+        if found:
+            raise RuntimeError("; ".join(found))
+        tensor_parallel.parallelize(model, self.device_mesh["tensor_parallel"],
+                                    sequence_parallel=self.rt.sequence_parallel)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         assert self.model is not None, "configure_model builds the model first"
+        if self.rt.sequence_parallel:  # each rank embeds a slice: the positions are the whole sequence's
+            from lmtrain.tensor_parallel import position_ids
+
+            return self.model(input_ids=input_ids, labels=labels, position_ids=position_ids(input_ids), use_cache=False)
         return self.model(input_ids=input_ids, labels=labels, use_cache=False)
 
     def _loss(self, batch: Any) -> torch.Tensor:
@@ -139,6 +163,11 @@ class LMModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.rt.strategy == "deepspeed" or self.rt.clip_val is None:
+            return
+        if self.rt.tensor_parallel_size > 1:  # parameters on two meshes: one norm over both
+            from lmtrain.tensor_parallel import clip_grad_norm_
+
+            self._grad_norm = clip_grad_norm_(self.parameters(), self.rt.clip_val)
             return
         # foreach=None: the multi-tensor kernel on CUDA; the result stays a device tensor.
         self._grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.rt.clip_val)
@@ -171,7 +200,8 @@ class LMModule(pl.LightningModule):
         }
         if self._last_log_time is not None and self._last_log_step is not None and step > self._last_log_step:
             steps = step - self._last_log_step
-            tokens = steps * self.rt.micro_batch_size * self.rt.seq_len * self.rt.accumulate * self.rt.world_size
+            tokens = (steps * self.rt.micro_batch_size * self.rt.seq_len * self.rt.accumulate
+                      * self.rt.data_parallel_size)  # tensor-parallel ranks share their samples
             tps = tokens / max(now - self._last_log_time, 1e-9)
             metrics["tokens_per_s"] = tps
             if self._peak_flops and self.shape is not None:

@@ -5,9 +5,10 @@ and ``deepspeed.json`` are exactly what the Trainer gets:
 
 - ``ddp``: Lightning's DDPStrategy (NCCL on GPUs, gloo on CPUs).
 - ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's
-  ModelParallelStrategy with a data-parallel mesh of the whole world and no tensor
-  parallelism; :meth:`lmtrain.module.LMModule.configure_model` shards each transformer block
-  and then the root. FSDP1 refuses CPUs in torch itself ("FSDP needs a non-CPU accelerator
+  ModelParallelStrategy, whose device mesh is (data_parallel, tensor_parallel): with
+  ``trainer.tensor_parallel_size`` 1 the data dimension is the whole world;
+  :meth:`lmtrain.module.LMModule.configure_model` splits each block over the tensor dimension
+  (lmtrain.tensor_parallel), then shards each transformer block and the root over the data one. FSDP1 refuses CPUs in torch itself ("FSDP needs a non-CPU accelerator
   device"); FSDP2 runs on both. Checkpoints are torch.distributed.checkpoint (DCP) directories,
   one shard file per rank, which DCP reshards when the world size changes.
 - ``deepspeed``: Lightning's DeepSpeedStrategy initialised with the plan's DeepSpeed config key
@@ -183,9 +184,9 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
             checkpoint_io=DirectCheckpointIO(),  # DeepSpeed and FSDP2 (DCP) write their files directly already
         )
     if name == "fsdp":
-        strategy = ModelParallelStrategy(
-            data_parallel_size=plan.topology.world_size,
-            tensor_parallel_size=1,
+        strategy = ModelParallelStrategy(  # the (data_parallel, tensor_parallel) device mesh
+            data_parallel_size=plan.topology.data_parallel_size,
+            tensor_parallel_size=plan.topology.tensor_parallel_size,
             save_distributed_checkpoint=True,  # every rank writes its own shard (DCP): no gather
             process_group_backend=backend,
             timeout=timeout,

@@ -1,6 +1,7 @@
 """Sharded strategies on the real 2-node local cluster (CPU, gloo): a job of FSDP2, ZeRO-2 and
-ZeRO-3 is really preempted by a high-priority exclusive job at a random step, requeued, and
-resumes from its sharded checkpoint; its per-step losses and final weights equal an uninterrupted
+ZeRO-3 and 2D (FSDP2 x tensor parallelism with sequence parallelism, 2 nodes x 2 tasks) is really
+preempted by a high-priority exclusive job at a random step, requeued, and resumes from its sharded
+checkpoint; its per-step losses and final weights equal an uninterrupted
 run of the same strategy, bit for bit. (DDP: test_preempt_resume.py; ZeRO-1 shares ZeRO-2's
 checkpoint code and is stopped and resumed on real ranks in tests/unit/test_checkpoint_resume.py
 and test_elastic_resume.py.) A cancelled run resumed with other resources continues on 4 ranks
@@ -44,12 +45,19 @@ STRATEGIES = {
     "fsdp": ("trainer.strategy=fsdp",),
     "zero2": ("trainer.strategy=deepspeed", "trainer.zero_stage=2"),
     "zero3": ("trainer.strategy=deepspeed", "trainer.zero_stage=3"),
+    # 2D: a tiny Llama split over the 2 ranks of each node (sequence parallel), FSDP2 across the nodes
+    "tp": ("trainer.strategy=fsdp", "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=true",
+           "resources.tasks_per_node=2", "model.type=llama",
+           "model.config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4, "
+           "num_key_value_heads: 2, max_position_embeddings: 128, vocab_size: 260, bos_token_id: 256, "
+           "eos_token_id: 256, tie_word_embeddings: true}"),
 }
 # The shard files each strategy writes per rank inside lightning.ckpt (every rank writes its own).
 SHARDS = {
     "fsdp": ["__0_0.distcp", "__1_0.distcp"],
     "zero2": ["checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
     "zero3": ["checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+    "tp": [f"__{r}_0.distcp" for r in range(4)],
 }
 
 
@@ -72,6 +80,11 @@ NO_DROPOUT = ("model.config.resid_pdrop=0.0", "model.config.embd_pdrop=0.0", "mo
 # every run here: dropout off (the elastic runs compare losses across world sizes) and micro batch 4
 # (accumulation 2 on 2 ranks, 1 on 4)
 COMMON = (*NO_DROPOUT, "data.micro_batch_size=4")
+LLAMA_COMMON = ("data.micro_batch_size=4",)  # llama's config has no GPT-2 dropout keys (its attention_dropout is 0)
+
+
+def _common(strategy: str) -> tuple[str, ...]:
+    return LLAMA_COMMON if strategy == "tp" else COMMON
 
 
 def _reference(strategy: str, env, jobs) -> dict:
@@ -79,7 +92,7 @@ def _reference(strategy: str, env, jobs) -> dict:
     test run for every worker (tests/shared_results.py)."""
     def run() -> dict:
         ref_name = job_name("pr", f"ref-{strategy}")
-        job, ref_dir = submit(env, ref_name, *STRATEGIES[strategy], *COMMON, pace_s=None)  # nothing acts on it
+        job, ref_dir = submit(env, ref_name, *STRATEGIES[strategy], *_common(strategy), pace_s=None)  # nothing acts on it
         jobs.append(job)
         finish(job, ref_dir)
         assert [e["reason"] for e in ends(ref_dir)] == ["completed"]
@@ -96,7 +109,7 @@ def _reference(strategy: str, env, jobs) -> dict:
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_sharded_strategy_preempted_and_resumed_equals_uninterrupted(strategy, slurm_cluster, env, jobs):
-    overrides = (*STRATEGIES[strategy], *COMMON)
+    overrides = (*STRATEGIES[strategy], *_common(strategy))
     ref = _reference(strategy, env, jobs)
     reference, ref_step, ref_weights = ref["losses"], ref["step"], ref["weights"]
 

@@ -72,7 +72,7 @@ def main() -> int:
                 ids = (torch.arange(32) * 7 % 256).unsqueeze(0)  # (1, T)
                 pl_module.eval()
                 with torch.no_grad():
-                    logits = pl_module.model(input_ids=ids, use_cache=False).logits  # (1, T, vocab)
+                    logits = pl_module(ids).logits  # (1, T, vocab); positions given under sequence parallelism
                 pl_module.train()
                 if trainer.global_rank == 0:  # with what MFU counts of the model as it trained (ZeRO-3: partitioned)
                     torch.save({"input_ids": ids, "logits": logits.detach().cpu(), "shape": dataclasses.asdict(pl_module.shape)},

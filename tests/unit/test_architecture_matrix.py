@@ -81,13 +81,13 @@ def _train(repo: Path, tmp_path: Path, model_type: str, strategy: str) -> tuple[
     return run_dir, torch.load(Path(run_dir, "final-logits.pt"), weights_only=True)  # logits and model shape
 
 
-def _check_export(runs_root: Path, run_dir: str, trained: dict, out: Path) -> None:
+def _check_export(runs_root: Path, run_dir: str, trained: dict, out: Path, step: int = 2) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     from lmtrain.export import PROBE_TEXTS
 
     code, text = lm(runs_root, "export", run_dir, "--to", "hf", out)
-    assert code == 0 and "step-2 (the newest complete checkpoint)" in text, text
+    assert code == 0 and f"step-{step} (the newest complete checkpoint)" in text, text
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         logits = model(input_ids=trained["input_ids"], use_cache=False).logits

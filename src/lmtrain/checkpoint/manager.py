@@ -150,12 +150,14 @@ class CheckpointManager:
         strategy: str,
         zero_stage: int | None,
         identity: dict[str, Any],
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.dir = Path(ckpt_dir)
         self.keep_last = keep_last
         self.every_n_steps = every_n_steps
         self.strategy = strategy
         self.zero_stage = zero_stage
+        self.tensor_parallel_size = tensor_parallel_size  # the layout the shards were written in (meta.json)
         self.identity = identity  # logger identity, job id, attempt: recorded in meta.json
         self.background = BackgroundSave()  # the periodic save in flight (lmtrain.checkpoint.async_checkpoint)
         self.stager = Stager()
@@ -290,7 +292,8 @@ class CheckpointManager:
 
     def _rank_part(self, trainer: Any, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
         rank, world = trainer.global_rank, trainer.world_size
-        torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world}, tmp / f"rank-{rank}.pt")
+        torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world,
+                           "tensor_parallel_size": self.tensor_parallel_size}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
         checksums.write_sidecar(tmp, rank)  # what this rank wrote so far (a background save adds its shards)
@@ -340,6 +343,7 @@ class CheckpointManager:
             "world_size": world,
             "strategy": self.strategy,
             "zero_stage": self.zero_stage,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "time": time.time(),
             **self.identity,
         }
