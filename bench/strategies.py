@@ -48,12 +48,13 @@ STRATEGIES = {
     "zero2": ["trainer.strategy=deepspeed", "trainer.zero_stage=2"],
     "zero3": ["trainer.strategy=deepspeed", "trainer.zero_stage=3"],
     # tensor parallelism: jobs/tiny-cpu-tp.yaml's Llama (GPT-2 has no TP plan), each against DDP of
-    # the same model on the same number of processes, measured in the same run
-    "ddp-llama2": ["trainer.strategy=ddp", "trainer.tensor_parallel_size=1", "trainer.sequence_parallel=false"],
-    "tp2": ["trainer.tensor_parallel_size=2", "trainer.sequence_parallel=false"],
-    "tp2-sp": ["trainer.tensor_parallel_size=2", "trainer.sequence_parallel=true"],
-    "ddp-llama4": ["trainer.strategy=ddp", "trainer.tensor_parallel_size=1", "trainer.sequence_parallel=false"],
-    "dp2xtp2": ["trainer.tensor_parallel_size=2", "trainer.sequence_parallel=false"],
+    # the same model on the same number of processes, measured in the same run (micro batch 4: DDP on
+    # 4 processes takes the global batch of 16 in one micro step)
+    "ddp-llama2": ["data.micro_batch_size=4", "trainer.strategy=ddp", "trainer.tensor_parallel_size=1", "trainer.sequence_parallel=false"],
+    "tp2": ["data.micro_batch_size=4", "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=false"],
+    "tp2-sp": ["data.micro_batch_size=4", "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=true"],
+    "ddp-llama4": ["data.micro_batch_size=4", "trainer.strategy=ddp", "trainer.tensor_parallel_size=1", "trainer.sequence_parallel=false"],
+    "dp2xtp2": ["data.micro_batch_size=4", "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=false"],
 }
 # (job, processes, the row each is compared with); the rest: tiny-cpu.yaml on 2, against ddp
 LAYOUT = {"ddp-llama2": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"), "tp2": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"),

@@ -88,7 +88,11 @@ def _check(model: ModelSpec, split: TensorSplit | None) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            check_model_spec(model, split=split)
+            check_model_spec(model)
+            if split is not None:
+                from lmtrain.tensor_parallel import check_split
+
+                check_split(model, split)
     except ValueError as exc:
         return str(exc)
     finally:

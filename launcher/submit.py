@@ -332,6 +332,8 @@ def submit_plan(
     ctx.out(
         f"{verb} run '{name}': job {job_id} on partition {s.partition}, "
         f"nodes({t.nodes}) x tasks_per_node({t.tasks_per_node}) = world_size({t.world_size})"
+        + (f" = data_parallel({t.data_parallel_size}) x tensor_parallel({t.tensor_parallel_size})"
+           if t.tensor_parallel_size > 1 else "")
     )
     for note in notes:
         ctx.out(f"note: {note}")

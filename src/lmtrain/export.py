@@ -53,6 +53,7 @@ def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Pat
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,
         "strategy": ckpt.meta().get("strategy"),
+        "tensor_parallel_size": int(ckpt.meta().get("tensor_parallel_size") or 1),  # the shards' layout, gathered whole
         "model_type": config.model_type,
         "parameters": sum(p.numel() for p in model.parameters()),  # a tied embedding once
         "tokenizer": tokenizer,

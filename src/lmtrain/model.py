@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.core.spec import ModelSpec, TensorSplit
+from launcher.core.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +123,12 @@ def attention_for(model_spec: ModelSpec | Mapping[str, Any], config: Any) -> str
     return wanted
 
 
-def check_model_spec(model_spec: ModelSpec | Mapping[str, Any], *, split: TensorSplit | None = None) -> None:
+def check_model_spec(model_spec: ModelSpec | Mapping[str, Any]) -> None:
     """What building the model checks, without building it: the config with its special token ids
     (:func:`build_config`), the attention kernel (:func:`attention_for`) and the construction
     itself on the meta device (no memory: a size the architecture cannot take fails here, in
-    transformers' words, naming the model section); with ``split``, that the architecture has a
-    tensor-parallel plan lmtrain applies and heads the split divides
-    (:func:`lmtrain.tensor_parallel.problems`). ValueError, naming the setting."""
+    transformers' words, naming the model section). ValueError, naming the setting.
+    (:func:`lmtrain.tensor_parallel.check_split` checks a tensor-parallel split of it.)"""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -147,12 +146,6 @@ def check_model_spec(model_spec: ModelSpec | Mapping[str, Any], *, split: Tensor
     except Exception as exc:  # transformers' own error, whatever its type
         raise ValueError(f"model.config: transformers cannot build {type(config).__name__} with it: "
                          f"{type(exc).__name__}: {exc}") from exc
-    if split is not None:
-        from lmtrain.tensor_parallel import problems
-
-        found = problems(meta, split.size, sequence_parallel=split.sequence_parallel)
-        if found:
-            raise ValueError("; ".join(found))
     params = sum(p.numel() for p in meta.parameters())
     if params <= STEP_CHECK_PARAMS:
         _check_one_step(config, attn, params)

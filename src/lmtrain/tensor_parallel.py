@@ -88,6 +88,23 @@ def problems(model: nn.Module, tp: int, *, sequence_parallel: bool = False, seq_
     return out
 
 
+def check_split(model_spec: Any, split: Any) -> None:
+    """ValueError with :func:`problems` of the model the spec builds (on the meta device: no
+    memory) split as ``split`` (launcher.core.spec.TensorSplit) says."""
+    from transformers import AutoModelForCausalLM
+
+    from lmtrain.model import attention_for, build_config, model_settings
+
+    m = model_settings(model_spec)
+    config = build_config(m)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(m, config),
+                                                dtype=torch.float32)
+    found = problems(meta, split.size, sequence_parallel=split.sequence_parallel)
+    if found:
+        raise ValueError("; ".join(found))
+
+
 def _attr(cfg: Any, names: tuple[str, ...]) -> int | None:
     for n in names:
         v = getattr(cfg, n, None)
@@ -190,9 +207,9 @@ def split_dims(model: nn.Module) -> dict[int, int]:
 
 def parallelize(model: nn.Module, mesh: Any, *, sequence_parallel: bool = False) -> None:
     """Split ``model`` over the 1-D tensor-parallel ``mesh`` in place; tied weights stay tied."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     import logging
+
+    from torch.distributed.tensor.parallel import parallelize_module
 
     # DTensor warns, once per rank, that the 2D gradient norm is reduced over the two mesh
     # dimensions one after the other; that is what clip_grad_norm_ wants (the norm of a few scalars)
