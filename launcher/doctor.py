@@ -52,6 +52,15 @@ def judge_space(where: str, path: str, free: int | None, writable: bool, error: 
     return Check(where, OK, f"{path}: writable, {_gb(free)} free for {what} ({_gb(need)})", figures)
 
 
+def judge_mixture(paths: list[str], metas: list[Any]) -> Check:  # one tokenizer (vocabulary, eos, kind) for all
+    keys = [(m.get("vocab_size"), m.get("eos_id"), (m.get("tokenizer") or {}).get("kind")) for m in metas]
+    bad = next((i for i, k in enumerate(keys) if k != keys[0]), None)
+    if bad is not None:
+        return Check("data mixture", FAIL, f"{paths[bad]} was tokenized with {keys[bad]} (vocab_size, eos, tokenizer) "
+                     f"but {paths[0]} with {keys[0]}: the stores of a mixture must share one tokenizer")
+    return Check("data mixture", OK, f"{len(paths)} stores, one tokenizer ({keys[0][2]}, vocab_size {keys[0][0]})")
+
+
 def judge_data(path: str, meta: Mapping[str, Any] | None, error: str | None, model_vocab: int,
                tokens_needed: int) -> list[Check]:
     if meta is None:
@@ -309,8 +318,14 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
         free, ok, err = probe_dir(run_dir)
         checks.append(judge_space("runs root", str(run_dir.parent), free, ok, err, 50 * 2**20, "logs and metrics"))
     tokens_needed = plan.trainer.max_steps * plan.topology.global_batch_size * job.data.seq_len
-    meta, err = read_data_meta(job.data.path)
-    checks += judge_data(job.data.path, meta, err, model_vocab, tokens_needed)
+    stores, metas = job.data.stores, []
+    for store in stores:  # each store trains on its weight's share of the run's tokens
+        meta, err = read_data_meta(store.path)
+        metas.append(meta)
+        share = store.weight / sum(s.weight for s in stores)
+        checks += judge_data(store.path, meta, err, model_vocab, round(tokens_needed * share))
+    if len(stores) > 1 and all(metas):
+        checks.append(judge_mixture([s.path for s in stores], metas))
     checks.append(judge_memory(plan, profile))
     if not plan.container:  # a container's interpreter: launcher.doctor_container
         checks.append(runtime_imports(plan))

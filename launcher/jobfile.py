@@ -99,7 +99,7 @@ def resolve_paths(spec: JobSpec, base: Path, origin: Origin | None = None) -> Jo
     A path that cannot be resolved (a symlink loop, a name too long, ~user unknown) is an error
     naming its key, not a traceback."""
 
-    def absolute(p: str | None, key: tuple[str, str]) -> str | None:
+    def absolute(p: str | None, key: tuple[str | int, ...]) -> str | None:
         if p is None:
             return None
         try:
@@ -107,11 +107,16 @@ def resolve_paths(spec: JobSpec, base: Path, origin: Origin | None = None) -> Jo
             return str(q if q.is_absolute() else (base / q).resolve())
         except (OSError, RuntimeError) as exc:
             where = origin.locate(key) if origin else None
-            head = ".".join(key) + (f" ({where})" if where else "")
+            head = ".".join(map(str, key)) + (f" ({where})" if where else "")
             reason = getattr(exc, "strerror", None) or str(exc)
             raise SpecError([f"{head}: cannot resolve the path {brief(p)}: {reason}"]) from None
 
-    data = spec.data.model_copy(update={"path": absolute(spec.data.path, ("data", "path"))})
+    data = spec.data.model_copy(update={
+        "path": absolute(spec.data.path, ("data", "path")),
+        "sources": None if spec.data.sources is None else [
+            src.model_copy(update={"path": absolute(src.path, ("data", "sources", i, "path"))})
+            for i, src in enumerate(spec.data.sources)],
+    })
     ckpt = spec.checkpoint.model_copy(update={"dir": absolute(spec.checkpoint.dir, ("checkpoint", "dir"))})
     model = spec.model.model_copy(
         update={"pretrained": absolute(spec.model.pretrained, ("model", "pretrained"))}

@@ -1,5 +1,6 @@
-"""lmlaunch data prepare INPUT... --out DIR [--tokenizer DIR] [--if-missing]
+"""lmlaunch data prepare INPUT... --out DIR [--tokenizer DIR] [--text-key K] [--skip-bad] [--if-missing]
 lmlaunch data prepare --shipped-corpus --out DIR [--if-missing]
+lmlaunch data train-tokenizer INPUT... --out DIR --vocab-size N [--text-key K] [--skip-bad]
 lmlaunch data info DIR [--verify]
 
 Nothing heavy at import: lmtrain.prepare (numpy, no torch) is imported inside run(), and
@@ -20,15 +21,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="data_command", metavar="ACTION")
     prep = sub.add_parser(
         "prepare",
-        help="tokenize local text into DIR/tokens.bin + DIR/meta.json",
+        help="tokenize local text into a sharded token store DIR (one shard per input file + meta.json)",
         description=(
-            "Tokenize local text (.txt: one document per file; .jsonl: one JSON object with a "
-            "'text' field per line; directories are searched for both) into a flat token file. "
-            "Without --tokenizer the byte-level tokenizer is used (ids 0-255 = bytes, 256 = <eos>, "
-            "vocab_size 260)."
+            "Tokenize local text into a flat token file: .txt (one document per file); .jsonl, "
+            ".jsonl.gz, .jsonl.zst (one JSON object per line, its text under --text-key); .parquet "
+            "(the --text-key column). Compressed and parquet files are read as streams; directories "
+            "and glob patterns ('corpus/**/*.jsonl.zst') are expanded in sorted order. Without "
+            "--tokenizer the byte-level tokenizer is used (ids 0-255 = bytes, 256 = <eos>, vocab_size 260)."
         ),
     )
-    prep.add_argument("inputs", nargs="*", metavar="INPUT", help=".txt/.jsonl files or directories")
+    prep.add_argument("inputs", nargs="*", metavar="INPUT", help="files, directories or glob patterns")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
     prep.add_argument(
         "--tokenizer",
@@ -44,18 +46,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prep.add_argument(
         "--if-missing", action="store_true", help="do nothing when DIR already holds valid prepared data"
     )
+    _document_options(prep)
+    train = sub.add_parser(
+        "train-tokenizer",
+        help="train a byte-level BPE tokenizer on local text into a transformers tokenizer directory",
+        description=("Train a byte-level BPE tokenizer (the tokenizers library) on the inputs, read as "
+                     "`data prepare` reads them, and save it as a transformers tokenizer directory for "
+                     "`data prepare --tokenizer DIR` (its <|endoftext|> ends each document)."),
+    )
+    train.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or glob patterns")
+    train.add_argument("--out", required=True, metavar="DIR", help="the tokenizer directory to write")
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                       help="vocabulary size, the 256 bytes and <|endoftext|> included (>= 257)")
+    train.add_argument("--min-frequency", type=int, default=2, metavar="N",
+                       help="a pair must occur this often to be merged (default 2)")
+    _document_options(train)
     info = sub.add_parser("info", help="show what a prepared data directory holds")
     info.add_argument("dir", metavar="DIR")
-    info.add_argument("--verify", action="store_true", help="also check tokens.bin against its sha256")
+    info.add_argument("--verify", action="store_true", help="also check every shard against its sha256 (reads them all)")
     info.add_argument("--json", action="store_true", help="print meta.json as read")
+
+
+def _document_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text-key", default="text", metavar="KEY",
+                   help="the JSON field (.jsonl*) or parquet column holding each document's text (default: text)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="count and skip bad documents (not JSON, no text field, not UTF-8, null) instead of "
+                   "stopping at the first; the count is recorded")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.data_command == "prepare":
         return _prepare(args, ctx)
+    if args.data_command == "train-tokenizer":
+        return _train_tokenizer(args, ctx)
     if args.data_command == "info":
         return _info(args, ctx)
-    ctx.err("usage: lmlaunch data {prepare,info} ... (see lmlaunch data --help)")
+    ctx.err("usage: lmlaunch data {prepare,train-tokenizer,info} ... (see lmlaunch data --help)")
     return ExitCode.USAGE
 
 
@@ -67,10 +94,12 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError("give INPUT files or --shipped-corpus, not both")
     if not args.shipped_corpus and not args.inputs:
         raise UserError(
-            "nothing to tokenize: give INPUT files/directories (.txt, .jsonl) or --shipped-corpus"
+            "nothing to tokenize: give INPUT files, directories or glob patterns (.txt, .jsonl, .jsonl.gz, "
+            ".jsonl.zst, .parquet) or --shipped-corpus"
         )
     inputs = shipped_corpus_files() if args.shipped_corpus else args.inputs
-    result = prepare(inputs, args.out, tokenizer=args.tokenizer, if_missing=args.if_missing)
+    result = prepare(inputs, args.out, tokenizer=args.tokenizer, if_missing=args.if_missing,
+                     text_key=args.text_key, skip_bad=args.skip_bad)
     m = result.meta
     if result.skipped:
         ctx.out(f"ok: {result.out} already holds {m.num_tokens:,} tokens (--if-missing: kept as is)")
@@ -80,6 +109,26 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
         f"{m.num_tokens:,} tokens ({m.dtype}, vocab_size {m.vocab_size}, eos {m.eos_id}, "
         f"tokenizer {m.tokenizer.get('kind')})"
     )
+    _say_skipped(ctx, m.skipped_documents)
+    return 0
+
+
+def _say_skipped(ctx: Context, skipped: dict | None) -> None:
+    if skipped and skipped.get("count"):
+        ctx.err(f"warning: --skip-bad: {skipped['count']:,} bad document(s) skipped, e.g. "
+                + "; ".join(skipped.get("examples") or []))
+
+
+def _train_tokenizer(args: argparse.Namespace, ctx: Context) -> int:
+    runtime_stack.require("data train-tokenizer", ("tokenizers", "transformers"))
+    from lmtrain.tokenizer_train import train_tokenizer
+
+    r = train_tokenizer(args.inputs, args.out, vocab_size=args.vocab_size, text_key=args.text_key,
+                        skip_bad=args.skip_bad, min_frequency=args.min_frequency)
+    ctx.out(f"ok: {r['out']}: byte-level BPE, vocab_size {r['vocab_size']:,} (eos <|endoftext|> = {r['eos_id']}), "
+            f"trained on {r['documents']:,} documents from {r['files']} file(s)\n"
+            f"  use it: lmlaunch data prepare INPUT... --tokenizer {r['out']} --out DIR")
+    _say_skipped(ctx, r["skipped_documents"])
     return 0
 
 
@@ -91,11 +140,15 @@ def _info(args: argparse.Namespace, ctx: Context) -> int:
     if args.json:
         ctx.out(json.dumps(m.to_json(), indent=2, sort_keys=True))
         return 0
-    ctx.out(f"{args.dir}: {m.num_tokens:,} tokens, {m.num_documents:,} documents")
+    ctx.out(f"{args.dir}: {m.num_tokens:,} tokens, {m.num_documents:,} documents, {len(m.shards)} shard(s) "
+            f"(format version {m.version})")
     ctx.out(f"  dtype {m.dtype}, vocab_size {m.vocab_size}, eos_id {m.eos_id}")
     ctx.out(f"  tokenizer: {json.dumps(m.tokenizer, sort_keys=True)}")
     for s in m.sources:
-        ctx.out(f"  source {s.get('path')}: {s.get('documents')} documents, {s.get('tokens')} tokens")
+        skipped = f", {s['skipped']} skipped" if s.get("skipped") else ""
+        ctx.out(f"  source {s.get('path')}: {s.get('documents')} documents, {s.get('tokens')} tokens{skipped}")
+    if m.skipped_documents:
+        ctx.out(f"  skipped documents (--skip-bad): {m.skipped_documents.get('count', 0):,}")
     if args.verify:
-        ctx.out(f"  tokens.bin sha256 verified: {m.tokens_sha256}")
+        ctx.out(f"  every shard's sha256 verified ({len(m.shards)} file(s), {m.num_tokens * m.itemsize:,} bytes)")
     return 0

@@ -234,8 +234,9 @@ def _container(spec: JobSpec, profile: Profile, paths: RunPaths, runs_root: str,
         return None
     problems += container.problems(c)
     needed = [(runs_root, "the runs root: the run directory, its code snapshot, logs and checkpoints")]
-    data = PurePosixPath(spec.data.path)
-    needed.append((str(data if data.is_absolute() else PurePosixPath(paths.run_dir) / data), "the training data"))
+    for store in spec.data.stores:
+        data = PurePosixPath(store.path)
+        needed.append((str(data if data.is_absolute() else PurePosixPath(paths.run_dir) / data), "the training data"))
     if spec.checkpoint.dir:
         needed.append((spec.checkpoint.dir, "checkpoint.dir, outside the runs root"))
     if spec.model.pretrained and spec.model.pretrained.startswith("/"):

@@ -198,11 +198,22 @@ class ModelSpec(StrictModel):
         return self
 
 
+class DataSource(StrictModel):
+    """One prepared store of a mixture, and its share of the samples."""
+
+    path: PathText
+    """Directory made by `lmlaunch data prepare`."""
+    weight: float = Field(..., gt=0, le=1e6)
+    """Relative share of the training samples (weights are normalised over the sources)."""
+
+
 class DataSpec(StrictModel):
     """Tokenized training data and how it is batched."""
 
-    path: PathText
-    """Directory made by `lmlaunch data prepare` (tokens.bin + meta.json)."""
+    path: PathText | None = None
+    """Directory made by `lmlaunch data prepare` (a sharded token store: meta.json + shards/). Set this or sources."""
+    sources: list[DataSource] | None = Field(None, min_length=1, max_length=64)
+    """A mixture of prepared stores, each with a weight: the samples of each training epoch of the mixture come from each store in proportion to its weight (a small store is repeated, a large one subsampled), in an order fixed by trainer.seed. Set this or path."""
     seq_len: int = Field(..., ge=8, le=1_048_576)
     """Tokens per sample."""
     micro_batch_size: int = Field(..., ge=1, le=65536)
@@ -211,6 +222,26 @@ class DataSpec(StrictModel):
     """DataLoader worker processes per task."""
     val_fraction: float = Field(0.01, ge=0.0, lt=0.5)
     """Fraction of samples held out for validation."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> DataSpec:
+        if (self.path is None) == (self.sources is None):
+            raise ValueError("set exactly one of data.path (one prepared store) or data.sources (a weighted mixture)")
+        if self.sources is not None:
+            paths = [src.path for src in self.sources]
+            twice = sorted({p for p in paths if paths.count(p) > 1})
+            if twice:
+                raise ValueError(f"data.sources lists {', '.join(twice)} more than once: give each store once, "
+                                 f"with the sum of its weights")
+        return self
+
+    @property
+    def stores(self) -> list[DataSource]:
+        """The prepared stores the run reads, with their weights (one store: weight 1)."""
+        if self.sources is not None:
+            return list(self.sources)
+        assert self.path is not None
+        return [DataSource(path=self.path, weight=1.0)]
 
 
 class TrainerSpec(StrictModel):

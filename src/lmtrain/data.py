@@ -46,10 +46,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
+from lmtrain.mixture import MixtureWindows
 from lmtrain.prepare import (  # re-exported: the data API lives here
-    TOKENS_FILE,
     DataError,
     PrepareResult,
     TokenMeta,
@@ -57,6 +57,7 @@ from lmtrain.prepare import (  # re-exported: the data API lives here
     read_meta,
     shipped_corpus_files,
 )
+from lmtrain.token_store import TokenStream
 from lmtrain.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer, load_tokenizer
 
 __all__ = [
@@ -79,55 +80,41 @@ __all__ = [
 
 
 class TokenWindows(Dataset):
-    """Map-style dataset: sample ``i`` is window ``start + i`` of ``seq_len`` tokens.
+    """Map-style dataset: sample ``i`` is window ``start + i`` of ``seq_len`` tokens of the
+    store's token stream (lmtrain.token_store.TokenStream: its shards as one array; a window may
+    span two shards, as it may span two documents).
 
     Items are ``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}`` with
-    labels equal to input_ids (the model shifts them). The memmap is opened lazily in each
-    process, so pickling the dataset to DataLoader workers never copies the tokens.
+    labels equal to input_ids (the model shifts them). The shards' memmaps are opened lazily in
+    each process, so pickling the dataset to DataLoader workers never copies the tokens.
     """
 
-    def __init__(
-        self, tokens_path: str | Path, meta: TokenMeta, seq_len: int, start: int, count: int
-    ) -> None:
-        self.tokens_path = str(tokens_path)
-        self.meta = meta
+    def __init__(self, stream: TokenStream, seq_len: int, start: int, count: int) -> None:
+        self.stream = stream
         self.seq_len = seq_len
         self.start = start
         self.count = count
-        self._tokens: np.memmap | None = None
 
     def __len__(self) -> int:
         return self.count
-
-    @property
-    def tokens(self) -> np.memmap:
-        if self._tokens is None:
-            self._tokens = np.memmap(
-                self.tokens_path, dtype=self.meta.np_dtype, mode="r", shape=(self.meta.num_tokens,)
-            )
-        return self._tokens
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         i = int(i)
         if not 0 <= i < self.count:
             raise IndexError(f"sample {i} out of range for {self.count} windows")
         lo = (self.start + i) * self.seq_len
-        window = torch.from_numpy(self.tokens[lo : lo + self.seq_len].astype(np.int64))  # (T,)
+        window = torch.from_numpy(self.stream.read(lo, self.seq_len).astype(np.int64))  # (T,)
         return {"input_ids": window, "labels": window}
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_tokens"] = None
-        return state
 
 
 class TokenData:
-    """A prepared data directory: validated metadata and the flat token memmap."""
+    """A prepared data directory: validated metadata and its shards as one token stream."""
 
     def __init__(self, path: str | Path, *, verify_checksum: bool = False) -> None:
         self.path = Path(path)
         self.meta = read_meta(self.path, verify_checksum=verify_checksum)
-        self.tokens_path = self.path / TOKENS_FILE
+        self.stream = TokenStream(self.path, [(s["file"], int(s["tokens"])) for s in self.meta.shards],
+                                  self.meta.np_dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -136,8 +123,9 @@ class TokenData:
     def __len__(self) -> int:
         return self.meta.num_tokens
 
-    def tokens(self) -> np.memmap:
-        return np.memmap(self.tokens_path, dtype=self.meta.np_dtype, mode="r", shape=(self.meta.num_tokens,))
+    def tokens(self) -> np.ndarray:
+        """Every token, read into memory (for tests and small data; training reads windows)."""
+        return self.stream.read(0, self.meta.num_tokens)
 
     def check_vocab(self, model_vocab_size: int) -> None:
         """Raise DataError when the model's embedding cannot hold every id in the data."""
@@ -166,8 +154,8 @@ class TokenData:
                 f"{n_val} of them for validation (val_fraction {val_fraction}), leaving {n_train} "
                 "to train on; use more text, a shorter data.seq_len or a smaller data.val_fraction"
             )
-        train = TokenWindows(self.tokens_path, self.meta, seq_len, 0, n_train)
-        val = TokenWindows(self.tokens_path, self.meta, seq_len, n_train, n_val)
+        train = TokenWindows(self.stream, seq_len, 0, n_train)
+        val = TokenWindows(self.stream, seq_len, n_train, n_val)
         return train, val
 
 
@@ -205,6 +193,7 @@ class ResumableDistributedSampler(Sampler[int]):
         seed: int,
         batch_size_per_rank: int,
         drop_last: bool = True,
+        epoch_offsets: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank({rank}) must be in [0, world_size({world_size}))")
@@ -223,6 +212,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self.seed = seed
         self.batch_size_per_rank = batch_size_per_rank
         self.drop_last = drop_last
+        # yield epoch * dataset_len + id: a dataset whose samples differ per epoch (lmtrain.mixture)
+        self.epoch_offsets = epoch_offsets
         # The consumed position: epoch, and samples consumed in it by all ranks together.
         self.epoch = 0
         self.global_position = 0
@@ -257,7 +248,8 @@ class ResumableDistributedSampler(Sampler[int]):
         perm = self.permutation(epoch)
         lo = pos + self.rank * self.batch_size_per_rank
         idx = torch.arange(lo, lo + self.batch_size_per_rank) % self.dataset_len
-        return perm[idx].tolist()
+        ids = perm[idx]
+        return (ids + epoch * self.dataset_len if self.epoch_offsets else ids).tolist()
 
     def __iter__(self) -> Iterator[int]:
         # Snapshot the consumed position now: an iterator created after load_state_dict
@@ -368,6 +360,34 @@ class EvalShardSampler(Sampler[int]):
             yield (self.rank + k * self.world_size) % self.dataset_len
 
 
+def datasets(data_spec: Any, seed: int) -> tuple[Any, Any]:
+    """(train, validation) datasets of ``data_spec``: one store's windows, or the mixture of
+    ``data_spec.sources`` (lmtrain.mixture) and their validation windows one after another."""
+    sources = getattr(data_spec, "sources", None)
+    if not sources:
+        return TokenData(data_spec.path).split(data_spec.seq_len, data_spec.val_fraction)
+    splits = [TokenData(src.path).split(data_spec.seq_len, data_spec.val_fraction) for src in sources]
+    check_same_tokens([src.path for src in sources])
+    train = MixtureWindows([t for t, _ in splits], [src.weight for src in sources], seed,
+                           names=[str(src.path) for src in sources])
+    return train, ConcatDataset([v for _, v in splits])
+
+
+def check_same_tokens(paths: list[str]) -> None:
+    """Every store of a mixture was tokenized alike (vocabulary, eos, tokenizer): DataError naming
+    the first that differs from the first store."""
+    metas = [read_meta(p) for p in paths]
+    first = metas[0]
+    for path, m in zip(paths[1:], metas[1:]):
+        same = (m.vocab_size, m.eos_id, m.tokenizer.get("kind"), m.tokenizer.get("class")) == (
+            first.vocab_size, first.eos_id, first.tokenizer.get("kind"), first.tokenizer.get("class"))
+        if not same:
+            raise DataError(
+                f"data.sources: {path} was tokenized with {m.tokenizer.get('kind')} (vocab_size {m.vocab_size}, eos "
+                f"{m.eos_id}) but {paths[0]} with {first.tokenizer.get('kind')} (vocab_size {first.vocab_size}, eos "
+                f"{first.eos_id}): the stores of a mixture must share one tokenizer")
+
+
 def make_dataloaders(
     data_spec: Any,
     *,
@@ -385,8 +405,7 @@ def make_dataloaders(
     ``micro_batch_size``, ``num_workers`` and ``val_fraction``). ``pin_memory`` defaults to
     whether CUDA is available; workers persist across iterations when there are any.
     """
-    data = TokenData(data_spec.path)
-    train_ds, val_ds = data.split(data_spec.seq_len, data_spec.val_fraction)
+    train_ds, val_ds = datasets(data_spec, seed)
     mbs = int(data_spec.micro_batch_size)
     sampler = ResumableDistributedSampler(
         len(train_ds),
@@ -395,6 +414,7 @@ def make_dataloaders(
         seed=seed,
         batch_size_per_rank=mbs,
         drop_last=drop_last,
+        epoch_offsets=isinstance(train_ds, MixtureWindows),
     )
     workers = int(data_spec.num_workers)
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory

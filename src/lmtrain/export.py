@@ -46,9 +46,11 @@ def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Pat
     model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer = save_tokenizer(plan["spec"]["data"]["path"], out)
+    data = plan["spec"]["data"]
+    data_path = data.get("path") or data["sources"][0]["path"]  # a mixture's stores share one tokenizer
+    tokenizer = save_tokenizer(data_path, out)
     # the caller says each problem once, with the directory named (`lmlaunch export` does)
-    tokenizer_problems = check_tokenizer(plan["spec"]["data"]["path"], out, config.vocab_size)
+    tokenizer_problems = check_tokenizer(data_path, out, config.vocab_size)
     summary = {
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,

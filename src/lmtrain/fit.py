@@ -75,7 +75,8 @@ class Fit:
         plan, env, ckpt, data_spec = self.plan, self.env, self.ckpt, self.job.data
         vocab = getattr(build_config(self.job.model), "vocab_size", None)
         if vocab is not None:
-            TokenData(data_spec.path).check_vocab(int(vocab))
+            for store in data_spec.stores:  # a mixture: each store named when it does not fit
+                TokenData(store.path).check_vocab(int(vocab))
         # Tensor-parallel ranks (consecutive global ranks, Lightning's (dp, tp) mesh) read the same
         # samples: the data is sharded over the data-parallel ranks only.
         tp = plan.topology.tensor_parallel_size

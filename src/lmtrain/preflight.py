@@ -64,12 +64,13 @@ def node_checks(plan: Any, environ: dict[str, str], node: str) -> list[dict[str,
         out.append({"name": "checkpoint dir", "ok": True, "message": f"{ckpt}: writable"})
     except OSError as exc:
         out.append({"name": "checkpoint dir", "ok": False, "message": f"{ckpt}: cannot write there ({exc.strerror or exc})"})
-    data = Path(plan.job_spec().data.path)
-    try:
-        json.loads((data / DATA_META).read_text())
-        out.append({"name": "data", "ok": True, "message": f"{data}: readable"})
-    except (OSError, ValueError) as exc:
-        out.append({"name": "data", "ok": False, "message": f"{data}/{DATA_META}: cannot read it ({exc})"})
+    for store in plan.job_spec().data.stores:
+        data = Path(store.path)
+        try:
+            json.loads((data / DATA_META).read_text())
+            out.append({"name": "data", "ok": True, "message": f"{data}: readable"})
+        except (OSError, ValueError) as exc:
+            out.append({"name": "data", "ok": False, "message": f"{data}/{DATA_META}: cannot read it ({exc})"})
     try:
         faults.point("preflight.node", node=node)  # the tests make a node fail its checks here
     except RuntimeError as exc:

@@ -1,33 +1,30 @@
-"""The prepared-data format (``tokens.bin`` + ``meta.json``): writing it and reading its metadata.
+"""Prepared data: writing a sharded token store from local inputs, and reading its metadata.
 
 No torch here (numpy only), so ``lmlaunch data prepare`` and anything on the login node that
 wants to look at prepared data stay light. The runtime side (datasets, sampler, loaders) is
-in :mod:`lmtrain.data`.
+in :mod:`lmtrain.data`; the store's layout (one shard per input file, each atomic, and the index
+``meta.json``) is :mod:`lmtrain.token_store`'s; the inputs are :mod:`lmtrain.corpus`'s.
 
-Format of a prepared directory::
+``meta.json`` (version 2)::
 
-    tokens.bin   every document's token ids, each document followed by eos, concatenated;
-                 a flat little-endian array of ``dtype`` (uint16 when vocab_size <= 65536)
-    meta.json    {"format": "lmtrain-tokens", "version": 1, "dtype": "uint16",
-                  "num_tokens": N, "vocab_size": V, "eos_id": E, "num_documents": D,
-                  "tokens_sha256": "...", "tokenizer": {...}, "sources": [{"path", "sha256",
-                  "documents", "tokens"}, ...]}
+    {"format": "lmtrain-tokens", "version": 2, "dtype": "uint16", "num_tokens": N, "vocab_size": V,
+     "eos_id": E, "num_documents": D, "tokens_sha256": "...", "tokenizer": {...}, "text_key": "text",
+     "shards": [{"file": "shards/00000.bin", "tokens", "documents", "sha256"}, ...],
+     "sources": [{"path", "sha256", "documents", "tokens"}, ...], "skipped_documents": {...}}
 
-Inputs: ``.txt`` files (one document per file) and ``.jsonl`` files (one document per line,
-a JSON object with a string ``"text"``); directories are searched for both, in sorted order.
-The same inputs and tokenizer always give the same bytes. The directory is written under a
-temporary name and renamed into place, so a reader never sees a half-written or mixed directory.
+Version 1 (one flat ``tokens.bin``) is still read. The same inputs and tokenizer always give the
+same bytes. A local preparation is written under a temporary name and renamed into place, so a
+reader never sees a half-written or mixed directory.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,22 +32,21 @@ from typing import Any
 import numpy as np
 
 from launcher.core.atomic import write_atomic
-from launcher.core.errors import UserError
-from lmtrain.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from lmtrain.corpus import DataError, collect_inputs
+from lmtrain.token_store import ShardJob, finished, index, sha256_file, shard_name, write_shard
+from lmtrain.tokenizer import load_tokenizer
+
+__all__ = ["DataError", "PrepareResult", "TokenMeta", "collect_inputs", "prepare", "read_meta", "shipped_corpus_files"]
 
 FORMAT = "lmtrain-tokens"
-VERSION = 1
-TOKENS_FILE = "tokens.bin"
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+TOKENS_FILE = "tokens.bin"  # version 1's one flat file
 META_FILE = "meta.json"
-INPUT_SUFFIXES = (".txt", ".jsonl")
 # The corpus that ships with the project (see data/corpus/README.md): real English prose.
 SHIPPED_CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "corpus"
 SHIPPED_CORPUS_FILES = ("licenses.jsonl", "python-docs.jsonl")
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
-class DataError(UserError):
-    """Prepared data or its inputs are missing, malformed or inconsistent (exit code 2)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +61,10 @@ class TokenMeta:
     tokens_sha256: str
     tokenizer: dict[str, Any] = field(default_factory=dict)
     sources: list[dict[str, Any]] = field(default_factory=list)
+    skipped_documents: dict[str, Any] | None = None  # --skip-bad: {"count", "examples"}
+    shards: list[dict[str, Any]] = field(default_factory=list)  # {"file", "tokens", "documents", "sha256"}
+    text_key: str = "text"
+    version: int = VERSION
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -76,9 +76,9 @@ class TokenMeta:
         return self.np_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": self.version,
             "dtype": self.dtype,
             "num_tokens": self.num_tokens,
             "vocab_size": self.vocab_size,
@@ -87,7 +87,11 @@ class TokenMeta:
             "tokens_sha256": self.tokens_sha256,
             "tokenizer": self.tokenizer,
             "sources": self.sources,
+            **({"skipped_documents": self.skipped_documents} if self.skipped_documents is not None else {}),
         }
+        if self.version >= 2:
+            out.update(shards=self.shards, text_key=self.text_key)
+        return out
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -117,11 +121,37 @@ def _meta_fields(raw: dict[str, Any], meta_path: Path) -> TokenMeta:
     if not isinstance(sha, str) or len(sha) != 64:
         raise DataError(f"{meta_path}: 'tokens_sha256' must be a 64-character hex digest, got {sha!r}")
     tokenizer, sources = raw.get("tokenizer"), raw.get("sources")
+    version = int(raw["version"])
+    if version == 1:
+        shards = [{"file": TOKENS_FILE, "tokens": num_tokens, "documents": num_documents, "sha256": sha}]
+    else:
+        shards = _shards(raw.get("shards"), meta_path, num_tokens)
     return TokenMeta(
         dtype=dtype, num_tokens=num_tokens, vocab_size=vocab_size, eos_id=eos_id, num_documents=num_documents,
         tokens_sha256=sha, tokenizer=tokenizer if isinstance(tokenizer, dict) else {},
         sources=sources if isinstance(sources, list) else [],
+        skipped_documents=raw["skipped_documents"] if isinstance(raw.get("skipped_documents"), dict) else None,
+        shards=shards, text_key=str(raw.get("text_key", "text")), version=version,
     )
+
+
+def _shards(raw: Any, meta_path: Path, num_tokens: int) -> list[dict[str, Any]]:
+    """The index's shard list, each entry checked (a relative file under shards/, counts, digest)."""
+    if not isinstance(raw, list) or not raw:
+        raise DataError(f"{meta_path}: 'shards' must be a non-empty list of the store's shard files")
+    out = []
+    for i, s in enumerate(raw):
+        ok = (isinstance(s, dict) and isinstance(s.get("file"), str) and s["file"].startswith("shards/")
+              and ".." not in s["file"] and isinstance(s.get("tokens"), int) and s["tokens"] >= 1
+              and isinstance(s.get("sha256"), str) and len(s["sha256"]) == 64)
+        if not ok:
+            raise DataError(f"{meta_path}: shards[{i}] must be {{file: shards/..., tokens: >= 1, sha256: 64 hex}}, "
+                            f"got {str(s)[:200]}")
+        out.append(s)
+    total = sum(s["tokens"] for s in out)
+    if total != num_tokens:
+        raise DataError(f"{meta_path}: its shards hold {total} tokens, but 'num_tokens' is {num_tokens}")
+    return out
 
 
 def read_meta(path: str | Path, *, verify_checksum: bool = False) -> TokenMeta:
@@ -144,126 +174,37 @@ def read_meta(path: str | Path, *, verify_checksum: bool = False) -> TokenMeta:
         raise DataError(f"{meta_path}: not valid JSON ({exc}){hint}") from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise DataError(f"{meta_path}: 'format' must be '{FORMAT}' (this is not lmtrain token data){hint}")
-    if raw.get("version") != VERSION:
+    if raw.get("version") not in READABLE_VERSIONS:
         raise DataError(
-            f"{meta_path}: 'version' is {raw.get('version')!r}, this lmtrain reads version {VERSION}{hint}"
+            f"{meta_path}: 'version' is {raw.get('version')!r}, this lmtrain reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}{hint}"
         )
 
     meta = _meta_fields(raw, meta_path)
-    tokens_path = d / TOKENS_FILE
-    if not tokens_path.is_file():
-        raise DataError(f"{tokens_path}: missing (meta.json is there but the tokens are not){hint}")
-    expected = meta.num_tokens * meta.itemsize
-    actual = tokens_path.stat().st_size
-    if actual != expected:
-        raise DataError(
-            f"{tokens_path}: {actual} bytes, but meta.json says num_tokens({meta.num_tokens}) x "
-            f"{meta.dtype}({meta.itemsize} bytes) = {expected} bytes; the data is truncated or "
-            f"corrupt{hint}"
-        )
-    if verify_checksum:
-        got = _sha256_file(tokens_path)
-        if got != meta.tokens_sha256:
-            raise DataError(
-                f"{tokens_path}: sha256 {got} does not match meta.json tokens_sha256 "
-                f"{meta.tokens_sha256}; the data is corrupt{hint}"
-            )
+    for shard in meta.shards:
+        _check_shard(d, meta, shard, hint, verify_checksum)
     return meta
 
 
-# ---------------------------------------------------------------------------------------------
-# Inputs
-
-
-def collect_inputs(inputs: Sequence[str | Path]) -> list[Path]:
-    """Files to tokenize, in a fixed order: given files as given, directories' files sorted."""
-    if not inputs:
-        raise DataError("no input: give text files (.txt, .jsonl) or directories, or --shipped-corpus")
-    files: list[Path] = []
-    for item in inputs:
-        p = Path(item).expanduser()
-        if p.is_dir():
-            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in INPUT_SUFFIXES)
-            if not found:
-                raise DataError(f"{p}: directory holds no {' or '.join(INPUT_SUFFIXES)} files")
-            files.extend(found)
-        elif p.is_file():
-            if p.suffix not in INPUT_SUFFIXES:
-                raise DataError(
-                    f"{p}: unsupported input type '{p.suffix}'; allowed: {', '.join(INPUT_SUFFIXES)}"
-                )
-            files.append(p)
-        else:
-            raise DataError(f"{p}: no such file or directory")
-    return files
-
-
-def iter_documents(path: Path) -> Iterator[str]:
-    """The documents in one input file: the whole .txt file, or each .jsonl line's "text".
-
-    .jsonl files are streamed line by line, so inputs larger than memory work.
-    """
-    try:
-        if path.suffix == ".txt":
-            raw = path.read_bytes()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from exc
-            if text:
-                yield text
-            return
-        with open(path, "rb") as f:
-            for lineno, bline in enumerate(f, start=1):
-                try:
-                    line = bline.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise DataError(
-                        f"{path}:{lineno}: not UTF-8 text (invalid byte at column {exc.start + 1})"
-                    ) from exc
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(
-                        f"{path}:{lineno}: not a JSON object ({exc.msg} at column {exc.colno})"
-                    ) from exc
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    found = f"keys {sorted(obj)}" if isinstance(obj, dict) else f"a JSON {type(obj).__name__}"
-                    raise DataError(
-                        f'{path}:{lineno}: each line must be a JSON object with a string "text" (found {found})'
-                    )
-                if obj["text"]:
-                    yield obj["text"]
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
-
-
-def _encoded(tok: ByteTokenizer | HFTokenizer, docs: Iterator[str], batch: int = 256) -> Iterator[np.ndarray]:
-    """Each document's ids followed by eos, as an int64 array."""
-    eos = np.array([tok.eos_id], dtype=np.int64)
-    if isinstance(tok, ByteTokenizer):
-        for doc in docs:
-            yield np.concatenate([np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int64), eos])
-        return
-    pending: list[str] = []
-    for doc in docs:
-        pending.append(doc)
-        if len(pending) == batch:
-            for ids in tok.encode_batch(pending):
-                yield np.asarray(ids + [tok.eos_id], dtype=np.int64)
-            pending = []
-    for ids in tok.encode_batch(pending) if pending else []:
-        yield np.asarray(ids + [tok.eos_id], dtype=np.int64)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _check_shard(d: Path, meta: TokenMeta, shard: dict[str, Any], hint: str, verify: bool) -> None:
+    """The shard file is there with exactly its ids; with ``verify``, its sha256 too."""
+    path = d / shard["file"]
+    what = "the data is truncated or corrupt"
+    if not path.is_file():
+        raise DataError(f"{path}: missing (meta.json lists it){hint}")
+    expected, actual = shard["tokens"] * meta.itemsize, path.stat().st_size
+    if actual != expected:
+        raise DataError(
+            f"{path}: {actual} bytes, but meta.json says "
+            f"{'num_tokens' if meta.version == 1 else 'its tokens'}({shard['tokens']}) x "
+            f"{meta.dtype}({meta.itemsize} bytes) = {expected} bytes; {what}{hint}"
+        )
+    if verify:
+        got = sha256_file(path)
+        if got != shard["sha256"]:
+            listed = "meta.json tokens_sha256" if meta.version == 1 else "its sha256 in meta.json"
+            raise DataError(f"{path}: sha256 {got} does not match {listed} {shard['sha256']}; "
+                            f"the data is corrupt{hint}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,32 +218,60 @@ class PrepareResult:
     skipped: bool  # --if-missing found valid data already there
 
 
-def _write_tokens(target: Path, files: list[Path], tok: Any, out_dtype: Any) -> tuple[list[dict[str, Any]], int, int, str]:
-    """Every document of ``files``, tokenized, into ``target`` (fsynced): the per-file sources,
-    the token and document counts and the tokens' sha256."""
-    sources: list[dict[str, Any]] = []
-    h = hashlib.sha256()
-    total = n_docs = 0
-    with open(target, "wb") as f:
-        for path in files:
-            file_tokens = file_docs = 0
-            for arr in _encoded(tok, iter_documents(path)):
-                if arr.min() < 0 or arr.max() >= tok.vocab_size:
-                    raise DataError(
-                        f"{path}: the tokenizer produced id {int(arr.max())} outside its vocabulary of {tok.vocab_size}"
-                    )
-                buf = arr.astype(out_dtype).tobytes()
-                f.write(buf)
-                h.update(buf)
-                file_tokens += arr.size
-                file_docs += 1
-            sources.append({"path": str(path.absolute()), "sha256": _sha256_file(path), "documents": file_docs,
-                            "tokens": file_tokens})
-            total += file_tokens
-            n_docs += file_docs
-        f.flush()
-        os.fsync(f.fileno())
-    return sources, total, n_docs, h.hexdigest()
+@dataclass(frozen=True)
+class Preparation:
+    """What a preparation makes: the shards of ``files`` (one each, in order) with ``tokenizer``."""
+
+    files: list[Path]
+    tokenizer: str | None
+    text_key: str = "text"
+    skip_bad: bool = False
+
+    def jobs(self) -> list[ShardJob]:
+        return [ShardJob(i, f, self.text_key, self.skip_bad) for i, f in enumerate(self.files)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"files": [str(f.absolute()) for f in self.files], "tokenizer": self.tokenizer,
+                "text_key": self.text_key, "skip_bad": self.skip_bad}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Preparation:
+        return cls([Path(f) for f in d["files"]], d["tokenizer"], d["text_key"], bool(d["skip_bad"]))
+
+
+def write_shards(root: Path, prep: Preparation, jobs: Sequence[ShardJob], *, progress: Any = None) -> list[dict[str, Any]]:
+    """Shards ``jobs`` of ``prep`` into ``root``: those already finished (this input, these sizes)
+    are kept as they are, the rest written; their records, in order."""
+    tok = load_tokenizer(prep.tokenizer)
+    out_dtype = np.dtype(_DTYPES[dtype_for_vocab(tok.vocab_size)]).newbyteorder("<")  # little-endian everywhere
+    records = []
+    for job in jobs:
+        record = finished(root, job, out_dtype.itemsize)
+        if record is None:
+            record = write_shard(root, job, tok, out_dtype, progress=progress)
+        records.append(record)
+    return records
+
+
+def write_index(root: Path, prep: Preparation) -> TokenMeta:
+    """Every shard finished: the index ``root/meta.json`` (atomic, durable); DataError naming the
+    shards that are not."""
+    tok = load_tokenizer(prep.tokenizer)
+    dtype = dtype_for_vocab(tok.vocab_size)
+    itemsize = np.dtype(_DTYPES[dtype]).itemsize
+    records, missing = [], []
+    for job in prep.jobs():
+        record = finished(root, job, itemsize)
+        if record is None:
+            missing.append(f"{shard_name(job.index)} ({job.source})")
+        else:
+            records.append(record)
+    if missing:
+        raise DataError(f"{root}: {len(missing)} shard(s) not finished: {', '.join(missing[:5])}")
+    meta = index(records, dtype=dtype, vocab_size=tok.vocab_size, eos_id=tok.eos_id, tokenizer=tok.describe(),
+                 text_key=prep.text_key, skip_bad=prep.skip_bad)
+    write_atomic(root / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n", durable=True)
+    return read_meta(root)
 
 
 def prepare(
@@ -311,11 +280,16 @@ def prepare(
     *,
     tokenizer: str | Path | None = None,
     if_missing: bool = False,
+    text_key: str = "text",
+    skip_bad: bool = False,
 ) -> PrepareResult:
-    """Tokenize ``inputs`` into ``out/tokens.bin`` + ``out/meta.json`` (atomically).
+    """Tokenize ``inputs`` into the sharded store ``out`` (atomically: a reader sees the old
+    directory or the new one).
 
     ``tokenizer`` is a local transformers tokenizer directory, or None for bytes (vocab 260).
-    With ``if_missing``, valid prepared data already in ``out`` is kept as it is.
+    With ``if_missing``, valid prepared data already in ``out`` is kept as it is. ``text_key``:
+    the JSON field or parquet column holding each document's text. ``skip_bad``: bad documents
+    are counted (meta.json ``skipped_documents``) and left out instead of stopping with an error.
     """
     out = Path(out).expanduser().absolute()
     if if_missing and (out / META_FILE).exists():
@@ -323,31 +297,13 @@ def prepare(
             return PrepareResult(out=out, meta=read_meta(out), skipped=True)
         except DataError:
             pass  # present but broken: rebuild it below
-    files = collect_inputs(inputs)
-    tok = load_tokenizer(tokenizer)
-    dtype = dtype_for_vocab(tok.vocab_size)
-    out_dtype = np.dtype(_DTYPES[dtype]).newbyteorder("<")  # the file is little-endian everywhere
-
+    prep = Preparation(collect_inputs(inputs), None if tokenizer is None else str(tokenizer), text_key, skip_bad)
+    load_tokenizer(prep.tokenizer)  # a bad tokenizer directory before anything is read
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        sources, total, n_docs, digest = _write_tokens(tmp / TOKENS_FILE, files, tok, out_dtype)
-        if n_docs == 0:
-            raise DataError(
-                f"empty corpus: {', '.join(str(p) for p in files)} hold no text "
-                '(.txt files are empty, or .jsonl lines have empty "text")'
-            )
-        meta = TokenMeta(
-            dtype=dtype,
-            num_tokens=total,
-            vocab_size=tok.vocab_size,
-            eos_id=tok.eos_id,
-            num_documents=n_docs,
-            tokens_sha256=digest,
-            tokenizer=tok.describe(),
-            sources=sources,
-        )
-        write_atomic(tmp / META_FILE, json.dumps(meta.to_json(), indent=2, sort_keys=True) + "\n", durable=True)
+        write_shards(tmp, prep, prep.jobs())
+        write_index(tmp, prep)
         os.chmod(tmp, 0o755)
         installed = _replace_dir(tmp, out, keep_existing=if_missing)
     except BaseException:

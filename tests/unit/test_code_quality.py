@@ -26,7 +26,6 @@ BIN = Path(sys.executable).parent
 LONG_MODULES = {
     "launcher/core/spec.py": "the job spec schema: one pydantic model per section, documented field by field",
     "launcher/core/slurm.py": "the one SLURM client: one small function per SLURM command",
-    "src/lmtrain/prepare.py": "data preparation end to end (corpora, tokenizing, shards, metadata)",
     "src/lmtrain/data.py": "the memmap dataset and its resumable sampler, which must change together",
     "launcher/localcluster/cluster.py": "the local SLURM cluster's lifecycle (config, daemons, accounting)",
 }

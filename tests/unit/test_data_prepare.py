@@ -27,6 +27,17 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
     return path
 
 
+def all_tokens(out: Path) -> list[int]:
+    """Every id of a prepared directory, its shards in order."""
+    from lmtrain.data import TokenData
+
+    return TokenData(out).tokens().tolist()
+
+
+def shard_bytes(out: Path) -> bytes:
+    return b"".join((out / s["file"]).read_bytes() for s in json.loads((out / "meta.json").read_text())["shards"])
+
+
 def cli(*argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = main(list(argv), Context(stdout=out, stderr=err, environ={}))
@@ -63,7 +74,7 @@ def test_prepare_writes_documents_as_flat_uint16_with_eos_after_each(tmp_path):
     txt.write_text("hello world", encoding="utf-8")
     jl = write_jsonl(tmp_path / "b.jsonl", ["first doc", "", "second"])
     res = prepare([txt, jl], tmp_path / "out")
-    tokens = np.fromfile(tmp_path / "out" / "tokens.bin", dtype="<u2")
+    tokens = np.frombuffer(shard_bytes(tmp_path / "out"), dtype="<u2")
     expected = b"hello world" + b"\x00" + b"first doc" + b"\x00" + b"second" + b"\x00"
     want = [256 if c == 0 else c for c in expected]
     assert tokens.tolist() == want
@@ -74,7 +85,12 @@ def test_prepare_writes_documents_as_flat_uint16_with_eos_after_each(tmp_path):
     assert meta["tokenizer"]["kind"] == "bytes"
     assert [s["path"] for s in meta["sources"]] == [str(txt), str(jl)]
     assert meta["sources"][0]["sha256"] == sha256(txt)
-    assert meta["tokens_sha256"] == sha256(tmp_path / "out" / "tokens.bin")
+    # one shard per input file, each with its own sha256; the index's digest covers theirs
+    assert [s["file"] for s in meta["shards"]] == ["shards/00000.bin", "shards/00001.bin"]
+    assert [s["documents"] for s in meta["shards"]] == [1, 2]
+    assert all(s["sha256"] == sha256(tmp_path / "out" / s["file"]) for s in meta["shards"])
+    assert meta["tokens_sha256"] == hashlib.sha256("".join(s["sha256"] for s in meta["shards"]).encode()).hexdigest()
+    assert (meta["format"], meta["version"]) == ("lmtrain-tokens", 2)
 
 
 def test_prepare_reads_directories_in_sorted_order(tmp_path):
@@ -85,15 +101,14 @@ def test_prepare_reads_directories_in_sorted_order(tmp_path):
     write_jsonl(corpus / "sub" / "c.jsonl", ["C"])
     (corpus / "notes.md").write_text("ignored", encoding="utf-8")
     prepare([corpus], tmp_path / "out")
-    tokens = np.fromfile(tmp_path / "out" / "tokens.bin", dtype="<u2").tolist()
-    assert tokens == [ord("A"), 256, ord("B"), 256, ord("C"), 256]
+    assert all_tokens(tmp_path / "out") == [ord("A"), 256, ord("B"), 256, ord("C"), 256]
 
 
 def test_prepare_is_deterministic_same_sha256_twice(tmp_path):
     files = shipped_corpus_files()
     prepare(files, tmp_path / "one")
     prepare(files, tmp_path / "two")
-    assert sha256(tmp_path / "one" / "tokens.bin") == sha256(tmp_path / "two" / "tokens.bin")
+    assert shard_bytes(tmp_path / "one") == shard_bytes(tmp_path / "two")
     assert (tmp_path / "one" / "meta.json").read_bytes() == (tmp_path / "two" / "meta.json").read_bytes()
 
 
@@ -101,7 +116,7 @@ def test_shipped_corpus_is_about_a_megabyte_of_english_prose(tmp_path):
     res = prepare(shipped_corpus_files(), tmp_path / "tiny")
     assert 500_000 <= res.meta.num_tokens <= 2_000_000
     assert res.meta.num_documents >= 100
-    text = ByteTokenizer().decode(np.fromfile(tmp_path / "tiny" / "tokens.bin", dtype="<u2").tolist())
+    text = ByteTokenizer().decode(all_tokens(tmp_path / "tiny"))
     words = text.lower().split()
     # Real English: the most common words are function words, not random tokens.
     for w in ("the", "of", "to", "and", "a", "is"):
@@ -113,19 +128,19 @@ def test_prepare_replaces_existing_output_whole_and_leaves_no_temporaries(tmp_pa
     out = tmp_path / "out"
     prepare([write_jsonl(tmp_path / "a.jsonl", ["old text"])], out)
     prepare([write_jsonl(tmp_path / "b.jsonl", ["new"])], out)
-    assert np.fromfile(out / "tokens.bin", dtype="<u2").tolist() == [ord(c) for c in "new"] + [256]
+    assert all_tokens(out) == [ord(c) for c in "new"] + [256]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "out"]
 
 
 def test_failed_prepare_keeps_previous_output_intact(tmp_path):
     out = tmp_path / "out"
     prepare([write_jsonl(tmp_path / "good.jsonl", ["kept"])], out)
-    before = (sha256(out / "tokens.bin"), (out / "meta.json").read_text())
+    before = (shard_bytes(out), (out / "meta.json").read_text())
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "typo"}\n', encoding="utf-8")
     with pytest.raises(DataError, match=r"bad\.jsonl:2: .*\"text\".*txt"):
         prepare([bad], out)
-    assert (sha256(out / "tokens.bin"), (out / "meta.json").read_text()) == before
+    assert (shard_bytes(out), (out / "meta.json").read_text()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out"]
 
 
@@ -136,7 +151,7 @@ def test_if_missing_keeps_valid_data_and_rebuilds_corrupt_data(tmp_path):
     assert not first.skipped
     again = prepare([write_jsonl(tmp_path / "b.jsonl", ["other"])], out, if_missing=True)
     assert again.skipped and again.meta == first.meta
-    (out / "tokens.bin").write_bytes(b"\x00")  # truncated
+    (out / "shards" / "00000.bin").write_bytes(b"\x00")  # truncated
     rebuilt = prepare([src], out, if_missing=True)
     assert not rebuilt.skipped
     assert read_meta(out, verify_checksum=True).num_tokens == 4
@@ -167,7 +182,7 @@ def put(d: Path, name: str, content: str | bytes | None) -> Path:
         (lambda d: put(d, "n.jsonl", '{"text": "ok"}\nnot json\n'), r"n\.jsonl:2: not a JSON object"),
         (lambda d: put(d, "l.jsonl", '["text"]\n'), r"l\.jsonl:1: .*found a JSON list"),
         (lambda d: put(d, "u.txt", b"ok\xff\xfe"), r"u\.txt: not UTF-8 text \(invalid byte at offset 2\)"),
-        (lambda d: put(d, "empty", None), r"empty: directory holds no \.txt or \.jsonl files"),
+        (lambda d: put(d, "empty", None), r"empty: directory holds no \.txt, \.jsonl, \.jsonl\.gz, \.jsonl\.zst, \.parquet files"),
     ],
     ids=["missing", "csv", "empty-txt", "empty-jsonl", "bad-json", "not-object", "not-utf8", "empty-dir"],
 )
@@ -200,16 +215,20 @@ def _edit_meta(d: Path, **changes) -> None:
         (lambda d: (d / "meta.json").unlink(), r"meta\.json: missing \(not a prepared data directory\)"),
         (lambda d: (d / "meta.json").write_text("{nope"), r"meta\.json: not valid JSON"),
         (lambda d: _edit_meta(d, format="other"), r"'format' must be 'lmtrain-tokens'"),
-        (lambda d: _edit_meta(d, version=9), r"'version' is 9, this lmtrain reads version 1"),
+        (lambda d: _edit_meta(d, version=9), r"'version' is 9, this lmtrain reads versions 1, 2"),
         (lambda d: _edit_meta(d, dtype="int8"), r"'dtype' must be one of \['uint16', 'uint32'\]"),
         (lambda d: _edit_meta(d, num_tokens="12"), r"'num_tokens' must be an integer >= 1"),
         (lambda d: _edit_meta(d, eos_id=400), r"'eos_id' \(400\) must be < 'vocab_size' \(260\)"),
         (lambda d: _edit_meta(d, vocab_size=70000), r"'vocab_size' \(70000\) does not fit 'dtype' uint16"),
-        (lambda d: (d / "tokens.bin").unlink(), r"tokens\.bin: missing"),
+        (lambda d: (d / "shards" / "00000.bin").unlink(), r"shards/00000\.bin: missing \(meta\.json lists it\)"),
         (
-            lambda d: (d / "tokens.bin").write_bytes(b"\x01\x00" * 3),
-            r"6 bytes, but meta\.json says num_tokens\(20\) x uint16\(2 bytes\) = 40 bytes",
+            lambda d: (d / "shards" / "00000.bin").write_bytes(b"\x01\x00" * 3),
+            r"6 bytes, but meta\.json says its tokens\(20\) x uint16\(2 bytes\) = 40 bytes",
         ),
+        (lambda d: _edit_meta(d, shards=[]), r"'shards' must be a non-empty list"),
+        (lambda d: _edit_meta(d, shards=[{"file": "../x.bin", "tokens": 20, "sha256": "0" * 64}]),
+         r"shards\[0\] must be \{file: shards/\.\.\., tokens: >= 1, sha256: 64 hex\}"),
+        (lambda d: _edit_meta(d, num_tokens=21), r"its shards hold 20 tokens, but 'num_tokens' is 21"),
     ],
     ids=[
         "no-meta",
@@ -220,8 +239,11 @@ def _edit_meta(d: Path, **changes) -> None:
         "num-tokens-type",
         "eos",
         "vocab-dtype",
-        "no-tokens",
+        "no-shard",
         "truncated",
+        "no-shards",
+        "shard-outside",
+        "count-mismatch",
     ],
 )
 def test_read_meta_rejects_corrupt_prepared_data(prepared, corrupt, message):
@@ -232,12 +254,33 @@ def test_read_meta_rejects_corrupt_prepared_data(prepared, corrupt, message):
 
 
 def test_read_meta_checksum_catches_flipped_tokens(prepared):
-    data = bytearray((prepared / "tokens.bin").read_bytes())
+    data = bytearray((prepared / "shards" / "00000.bin").read_bytes())
     data[0] ^= 1
-    (prepared / "tokens.bin").write_bytes(bytes(data))
+    (prepared / "shards" / "00000.bin").write_bytes(bytes(data))
     read_meta(prepared)  # the size still matches: only the checksum can tell
-    with pytest.raises(DataError, match="does not match meta.json tokens_sha256"):
+    with pytest.raises(DataError, match=r"shards/00000\.bin: sha256 \w+ does not match its sha256 in meta\.json"):
         read_meta(prepared, verify_checksum=True)
+    code, _, err = cli("data", "info", str(prepared), "--verify")
+    assert code == 2 and "shards/00000.bin: sha256" in err, err
+
+
+def test_version_1_directories_are_still_read(prepared):
+    """A flat tokens.bin with a version 1 meta.json (what earlier lmlaunch wrote) trains as before."""
+    from lmtrain.data import TokenData
+
+    meta = json.loads((prepared / "meta.json").read_text())
+    (prepared / "tokens.bin").write_bytes(shard_bytes(prepared))
+    digest = sha256(prepared / "tokens.bin")
+    for key in ("shards", "text_key"):
+        meta.pop(key)
+    meta.update(version=1, tokens_sha256=digest)
+    import shutil
+
+    shutil.rmtree(prepared / "shards")
+    (prepared / "meta.json").write_text(json.dumps(meta))
+    assert read_meta(prepared, verify_checksum=True).shards == [
+        {"file": "tokens.bin", "tokens": 20, "documents": 2, "sha256": digest}]
+    assert ByteTokenizer().decode(TokenData(prepared).tokens().tolist()) == "some textmore text"
 
 
 def test_read_meta_on_missing_directory_says_how_to_make_it(tmp_path):
@@ -264,8 +307,7 @@ def test_prepare_with_a_local_tokenizer_directory(tmp_path):
     tok_dir = _save_word_tokenizer(tmp_path / "tok")
     src = write_jsonl(tmp_path / "a.jsonl", ["the cat sat", "on the mat dog"])
     res = prepare([src], tmp_path / "out", tokenizer=tok_dir)
-    tokens = np.fromfile(tmp_path / "out" / "tokens.bin", dtype="<u2").tolist()
-    assert tokens == [2, 3, 4, 1, 5, 2, 6, 0, 1]
+    assert all_tokens(tmp_path / "out") == [2, 3, 4, 1, 5, 2, 6, 0, 1]
     assert res.meta.vocab_size == 7 and res.meta.eos_id == 1
     assert res.meta.tokenizer["kind"] == "huggingface"
     assert res.meta.tokenizer["path"] == str(tok_dir.resolve())
@@ -295,10 +337,10 @@ def test_cli_prepare_shipped_corpus_then_if_missing_skips(tmp_path):
     out = tmp_path / "prepared" / "tiny"
     code, stdout, _ = cli("data", "prepare", "--shipped-corpus", "--out", str(out), "--if-missing")
     assert code == 0 and "156 documents from 2 files" in stdout and "uint16, vocab_size 260" in stdout
-    stamp = (out / "tokens.bin").stat().st_mtime_ns
+    stamp = (out / "meta.json").stat().st_mtime_ns
     code, stdout, _ = cli("data", "prepare", "--shipped-corpus", "--out", str(out), "--if-missing")
     assert code == 0 and "--if-missing: kept as is" in stdout
-    assert (out / "tokens.bin").stat().st_mtime_ns == stamp
+    assert (out / "meta.json").stat().st_mtime_ns == stamp
     code, stdout, _ = cli("data", "info", str(out), "--verify")
     assert code == 0 and "sha256 verified" in stdout and "vocab_size 260" in stdout
 

@@ -1,0 +1,91 @@
+"""A weighted mixture of prepared stores (``data.sources``) as one map-style dataset whose sample
+order is a pure function of the sample's index and the seed, so the resumable sampler's saved
+position (lmtrain.data.ResumableDistributedSampler) continues the exact sample sequence after a
+resume, on any world size.
+
+The mixture has "virtual epochs" of ``V`` samples, V the number of training windows of all
+sources together. Each virtual epoch takes ``c_s`` samples from source ``s``: its weight's share
+of V (largest remainders, at least one each). The sampler shuffles the V positions of each
+virtual epoch and yields ``epoch * V + position``; position ``k`` in source s's block is that
+source's sample number ``q = epoch * c_s + k`` overall, i.e. window ``perm_{s,r}[q mod n_s]`` of
+its own epoch ``r = q // n_s`` (n_s: its windows; perm: a permutation seeded by the seed, the
+source and r). A source whose share exceeds its size is repeated, each repetition in a new order;
+one whose share is smaller is read a part per virtual epoch, and every window before any twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+PERMUTATIONS_KEPT = 2  # per source: the current epoch's order and the next one's
+
+
+def shares(weights: Sequence[float], total: int) -> list[int]:
+    """``total`` split in proportion to ``weights`` (largest remainders), each share >= 1."""
+    if total < len(weights):
+        raise ValueError(f"{total} samples cannot be shared among {len(weights)} sources")
+    norm = sum(weights)
+    exact = [w / norm * (total - len(weights)) for w in weights]
+    out = [1 + math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+class MixtureWindows(Dataset):
+    """Samples of ``parts`` (each a source's training windows) mixed by ``weights``; index ``j``
+    is position ``j % V`` of virtual epoch ``j // V`` (see the module docstring)."""
+
+    def __init__(self, parts: Sequence[Any], weights: Sequence[float], seed: int, names: Sequence[str] = ()) -> None:
+        self.parts = list(parts)
+        self.sizes = [len(p) for p in self.parts]
+        if any(n < 1 for n in self.sizes):
+            empty = [names[i] if i < len(names) else str(i) for i, n in enumerate(self.sizes) if n < 1]
+            raise ValueError(f"data.sources {', '.join(empty)}: no training windows")
+        self.total = sum(self.sizes)
+        self.counts = shares(weights, self.total)
+        self.starts = [0]
+        for c in self.counts:
+            self.starts.append(self.starts[-1] + c)
+        self.seed = seed
+        self.names = list(names)
+        self._perms: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.total
+
+    def locate(self, j: int) -> tuple[int, int]:
+        """(source, window) of mixture sample ``j``."""
+        epoch, k = divmod(int(j), self.total)
+        s = next(i for i in range(len(self.counts)) if k < self.starts[i + 1])
+        q = epoch * self.counts[s] + (k - self.starts[s])
+        r, w = divmod(q, self.sizes[s])
+        return s, int(self._perm(s, r)[w])
+
+    def __getitem__(self, j: int) -> Any:
+        s, w = self.locate(j)
+        return self.parts[s][w]
+
+    def _perm(self, s: int, r: int) -> torch.Tensor:
+        key = (s, r)
+        perm = self._perms.get(key)
+        if perm is None:
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + s * 10_007 + r) % (2**63))
+            perm = self._perms[key] = torch.randperm(self.sizes[s], generator=g)
+            mine = sorted(k for k in self._perms if k[0] == s and k != key)
+            for old in mine[: max(0, len(mine) + 1 - PERMUTATIONS_KEPT)]:
+                del self._perms[old]
+        return perm
+
+    def epochs_of_each(self, samples: int) -> list[float]:
+        """How many passes over each source ``samples`` training samples of the mixture make."""
+        return [samples * c / self.total / n for c, n in zip(self.counts, self.sizes)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_perms": {}}

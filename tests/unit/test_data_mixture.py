@@ -1,0 +1,173 @@
+"""data.sources: a weighted mixture of prepared stores (lmtrain.mixture).
+
+- each virtual epoch takes each store's weight share of the samples, in an order fixed by the
+  seed; a store smaller than its share is repeated (every window once before any twice), a larger
+  one read a part per epoch, and the next epoch reads on where the last stopped;
+- through the real entry on 2 ranks: a mixture run stopped at step 7 and resumed is bit-identical
+  to the uninterrupted run (losses, gradient norms, weights), and one resumed on 1 rank continues
+  its curve; the samples each step trained on come from the stores in the weights' proportions;
+- stores tokenized differently, a weight <= 0, a store given twice: clear errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from launcher.commands.run import prepare_local_run
+from launcher.core.errors import SpecError
+from lmtrain.checkpoint.manager import complete_checkpoints
+from lmtrain.checkpoint.weights import lightning_state_dict
+from lmtrain.data import DataError, datasets, prepare
+from lmtrain.mixture import MixtureWindows, shares
+from tests.unit.test_checkpoint_resume import _launch, _ledger, _steps
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_shares_follow_the_weights_and_give_every_source_one():
+    assert shares([1, 1], 10) == [5, 5]
+    assert shares([3, 1], 100) == [75, 25]
+    assert shares([1, 1, 1], 10) == [4, 3, 3]
+    assert shares([1000, 1], 10) == [9, 1]
+    assert sum(shares([0.2, 0.3, 0.5], 997)) == 997
+
+
+class _Windows:
+    def __init__(self, name: str, n: int) -> None:
+        self.name, self.n = name, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[str, int]:
+        assert 0 <= i < self.n
+        return self.name, i
+
+
+def test_a_virtual_epoch_takes_each_share_and_small_sources_repeat_in_new_orders():
+    mix = MixtureWindows([_Windows("big", 90), _Windows("small", 10)], [1, 1], seed=7)
+    assert len(mix) == 100 and mix.counts == [50, 50]
+    epoch0 = [mix[j] for j in range(100)]
+    assert Counter(name for name, _ in epoch0) == {"big": 50, "small": 50}
+    small = [i for name, i in epoch0 if name == "small"]
+    for r in range(5):  # 10 windows, 5 passes: each pass is every window once, each pass its own order
+        assert sorted(small[r * 10:(r + 1) * 10]) == list(range(10))
+    assert small[:10] != small[10:20]
+    big = [i for name, i in epoch0 if name == "big"] + [i for name, i in (mix[j] for j in range(100, 200))
+                                                       if name == "big"]
+    assert sorted(big[:90]) == list(range(90))  # the big store: all of it before any window again
+    again = MixtureWindows([_Windows("big", 90), _Windows("small", 10)], [1, 1], seed=7)
+    assert [again[j] for j in (0, 57, 99, 150, 12345)] == [mix[j] for j in (0, 57, 99, 150, 12345)]
+    other = MixtureWindows([_Windows("big", 90), _Windows("small", 10)], [1, 1], seed=8)
+    assert [other[j] for j in range(60, 100)] != [mix[j] for j in range(60, 100)]
+    assert mix.epochs_of_each(1000) == pytest.approx([1000 * 0.5 / 90, 1000 * 0.5 / 10])
+
+
+# --- through the real entry ---------------------------------------------------------------------
+OVERRIDES = ["model.config.n_layer=1", "model.config.n_embd=32", "model.config.n_head=2", "model.config.n_positions=32",
+             "data.seq_len=32", "data.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.log_every_n_steps=1",
+             "trainer.val_check_interval=6", "trainer.limit_val_batches=2", "checkpoint.every_n_steps=5",
+             "checkpoint.keep_last=2", "optim.warmup_steps=3", "model.config.resid_pdrop=0.0",
+             "model.config.embd_pdrop=0.0", "model.config.attn_pdrop=0.0"]
+MAX_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory) -> tuple[Path, Path]:
+    """The shipped corpus as two stores: its license texts, and the Python documentation."""
+    d = tmp_path_factory.mktemp("stores")
+    corpus = REPO / "data" / "corpus"
+    return (prepare([corpus / "licenses.jsonl"], d / "licenses").out,
+            prepare([corpus / "python-docs.jsonl"], d / "docs").out)
+
+
+def _spec(tmp_path: Path, stores: tuple[Path, Path], weights=(3, 1)) -> Path:
+    spec = yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text())
+    spec["data"].pop("path")
+    spec["data"]["sources"] = [{"path": str(stores[0]), "weight": weights[0]},
+                               {"path": str(stores[1]), "weight": weights[1]}]
+    path = tmp_path / "mixture.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _plan(spec: Path, name: str, devices: int):
+    return prepare_local_run(str(spec), OVERRIDES, devices=devices, max_steps=MAX_STEPS, name=name,
+                             environ=dict(os.environ), say=lambda *_: None,
+                             resume=(Path(os.environ["LMLAUNCH_RUNS_ROOT"]) / name).is_dir())
+
+
+@pytest.mark.slow
+def test_a_mixture_run_resumes_bit_identically_and_on_another_world_size(runs_root, tmp_path, stores):
+    spec = _spec(tmp_path, stores)
+    straight = _plan(spec, "mix-straight", 2)
+    assert _launch(straight, stop_at=0) == 0
+    stopped = _plan(spec, "mix-stopped", 2)
+    assert _launch(stopped, stop_at=7) == 0
+    assert _ledger(stopped.paths.run_dir)[-1]["end_step"] == 7
+    assert _launch(_plan(spec, "mix-stopped", 2), stop_at=0) == 0
+    ref = _steps(straight.paths.run_dir)
+    assert sorted(ref) == list(range(1, MAX_STEPS + 1))
+    assert _steps(stopped.paths.run_dir) == ref  # losses and gradient norms, bit for bit
+    a = lightning_state_dict(complete_checkpoints(Path(straight.paths.checkpoint_dir))[-1].path)
+    b = lightning_state_dict(complete_checkpoints(Path(stopped.paths.checkpoint_dir))[-1].path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    elastic = _plan(spec, "mix-elastic", 2)
+    assert _launch(elastic, stop_at=7) == 0
+    assert _launch(_plan(spec, "mix-elastic", 1), stop_at=0) == 0  # the same samples, on one rank
+    got = _steps(elastic.paths.run_dir)
+    for step in range(8, MAX_STEPS + 1):
+        assert got[step][0] == pytest.approx(ref[step][0], rel=1e-4), (step, got[step], ref[step])
+
+
+def test_the_samples_come_from_the_stores_in_the_weights_proportions(stores):
+    class Spec:
+        sources = [type("S", (), {"path": str(stores[0]), "weight": 3.0})(),
+                   type("S", (), {"path": str(stores[1]), "weight": 1.0})()]
+        seq_len, val_fraction = 32, 0.02
+
+    train, val = datasets(Spec(), seed=1)
+    assert isinstance(train, MixtureWindows)
+    first = Counter(train.locate(j)[0] for j in range(len(train)))
+    assert first[0] / len(train) == pytest.approx(0.75, abs=1e-3), first
+    assert len(val) > 0
+
+
+def test_bad_mixtures_are_clear_errors(tmp_path, stores):
+    from launcher.resolve import resolve
+
+    spec = _spec(tmp_path, stores, weights=(1, 0))
+    with pytest.raises(SpecError, match=r"data\.sources\[1\]\.weight \(line \d+\): Input should be greater than 0"):
+        resolve(str(spec), [], environ=dict(os.environ))
+    spec = _spec(tmp_path, stores)
+    with pytest.raises(SpecError, match=r"set exactly one of data\.path .* or data\.sources"):
+        resolve(str(spec), [f"data.path={stores[0]}"], environ=dict(os.environ))
+    both = yaml.safe_load(spec.read_text())
+    both["data"]["sources"][1]["path"] = str(stores[0])
+    spec.write_text(yaml.safe_dump(both))
+    with pytest.raises(SpecError, match=r"data\.sources lists .*licenses more than once"):
+        resolve(str(spec), [], environ=dict(os.environ))
+    bytes_store = stores[0]
+    tok = tmp_path / "tok"
+    from lmtrain.tokenizer_train import train_tokenizer
+
+    train_tokenizer([REPO / "data" / "corpus" / "licenses.jsonl"], tok, vocab_size=300)
+    other = prepare([REPO / "data" / "corpus" / "licenses.jsonl"], tmp_path / "bpe", tokenizer=tok).out
+
+    class Spec:
+        sources = [type("S", (), {"path": str(bytes_store), "weight": 1.0})(),
+                   type("S", (), {"path": str(other), "weight": 1.0})()]
+        seq_len, val_fraction = 32, 0.02
+
+    with pytest.raises(DataError, match=r"bpe was tokenized with huggingface \(vocab_size 300, eos 0\) but .*licenses "
+                                        r"with bytes .*must share one tokenizer"):
+        datasets(Spec(), seed=1)
+    assert json.loads((other / "meta.json").read_text())["vocab_size"] == 300
