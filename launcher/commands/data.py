@@ -47,6 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--if-missing", action="store_true", help="do nothing when DIR already holds valid prepared data"
     )
     _document_options(prep)
+    on = prep.add_argument_group("on the cluster (--on-cluster)")
+    on.add_argument("--on-cluster", action="store_true",
+                    help="run it as one throttled SLURM array (a task per slice of the files) and a final step that "
+                    "writes the index; a preempted task redoes only the shards it had not finished")
+    on.add_argument("--cluster", default="local", metavar="PROFILE", help="cluster profile (default: local)")
+    on.add_argument("--tasks", type=int, default=4, metavar="N", help="array tasks, each a contiguous slice of the files")
+    on.add_argument("--max-parallel", type=int, default=4, metavar="K", help="tasks running at once (sbatch --array ...%%K)")
+    on.add_argument("--name", metavar="RUN", help="the run's name (default: prepare-<OUT's name>)")
+    on.add_argument("--partition", metavar="P", help="default: the profile's preemptible partition, else its default")
+    on.add_argument("--time", default="01:00:00", metavar="T", help="time limit of each task (default 01:00:00)")
     train = sub.add_parser(
         "train-tokenizer",
         help="train a byte-level BPE tokenizer on local text into a transformers tokenizer directory",
@@ -87,6 +97,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def _prepare(args: argparse.Namespace, ctx: Context) -> int:
+    if args.on_cluster and not args.shipped_corpus:  # the nodes tokenize: this install needs no numpy
+        return _on_cluster(args, list(args.inputs), ctx)
     runtime_stack.require("data prepare", ("numpy",) + (("transformers",) if args.tokenizer else ()))
     from lmtrain.prepare import prepare, shipped_corpus_files
 
@@ -98,6 +110,8 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
             ".jsonl.zst, .parquet) or --shipped-corpus"
         )
     inputs = shipped_corpus_files() if args.shipped_corpus else args.inputs
+    if args.on_cluster:
+        return _on_cluster(args, [str(i) for i in inputs], ctx)
     result = prepare(inputs, args.out, tokenizer=args.tokenizer, if_missing=args.if_missing,
                      text_key=args.text_key, skip_bad=args.skip_bad)
     m = result.meta
@@ -110,6 +124,22 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
         f"tokenizer {m.tokenizer.get('kind')})"
     )
     _say_skipped(ctx, m.skipped_documents)
+    return 0
+
+
+def _on_cluster(args: argparse.Namespace, inputs: list[str], ctx: Context) -> int:
+    if args.if_missing:
+        raise UserError("--if-missing is for a local preparation; --on-cluster always prepares")
+    from launcher.data_cluster import submit_preparation
+
+    r = submit_preparation(inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key, skip_bad=args.skip_bad,
+                           cluster=args.cluster, tasks=args.tasks, max_parallel=args.max_parallel, name=args.name,
+                           partition=args.partition, time_limit=args.time, environ=ctx.environ)
+    ctx.out(f"submitted preparation '{r['run']}': array job {r['array_job']} ({r['tasks']} tasks over {r['files']} "
+            f"files, {r['max_parallel']} at once, partition {r['partition']}), then job {r['assemble_job']} writes the "
+            f"index and moves {r['staging']} to {r['out']}\n"
+            f"run directory: {r['run_dir']}\nnext:\n  lmlaunch status {r['run']}\n  lmlaunch logs {r['run']} --rank K"
+            f"   (task K; the final step's log: logs/attempt-1/rank-assemble.log)\n  lmlaunch cancel {r['run']}")
     return 0
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from launcher.core.atomic import write_atomic
+from lmtrain import faults
 from lmtrain.corpus import DataError, collect_inputs
 from lmtrain.token_store import ShardJob, finished, index, sha256_file, shard_name, write_shard
 from lmtrain.tokenizer import load_tokenizer
@@ -239,16 +240,20 @@ class Preparation:
         return cls([Path(f) for f in d["files"]], d["tokenizer"], d["text_key"], bool(d["skip_bad"]))
 
 
-def write_shards(root: Path, prep: Preparation, jobs: Sequence[ShardJob], *, progress: Any = None) -> list[dict[str, Any]]:
+def write_shards(root: Path, prep: Preparation, jobs: Sequence[ShardJob], *, progress: Any = None,
+                 on_kept: Any = None) -> list[dict[str, Any]]:
     """Shards ``jobs`` of ``prep`` into ``root``: those already finished (this input, these sizes)
-    are kept as they are, the rest written; their records, in order."""
+    are kept as they are (``on_kept(record)``), the rest written; their records, in order."""
     tok = load_tokenizer(prep.tokenizer)
     out_dtype = np.dtype(_DTYPES[dtype_for_vocab(tok.vocab_size)]).newbyteorder("<")  # little-endian everywhere
     records = []
     for job in jobs:
         record = finished(root, job, out_dtype.itemsize)
         if record is None:
+            faults.point("prepare.shard", shard=job.index)
             record = write_shard(root, job, tok, out_dtype, progress=progress)
+        elif on_kept is not None:
+            on_kept(record)
         records.append(record)
     return records
 
@@ -305,14 +310,14 @@ def prepare(
         write_shards(tmp, prep, prep.jobs())
         write_index(tmp, prep)
         os.chmod(tmp, 0o755)
-        installed = _replace_dir(tmp, out, keep_existing=if_missing)
+        installed = replace_dir(tmp, out, keep_existing=if_missing)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PrepareResult(out=out, meta=read_meta(out), skipped=not installed)
 
 
-def _replace_dir(tmp: Path, out: Path, *, keep_existing: bool) -> bool:
+def replace_dir(tmp: Path, out: Path, *, keep_existing: bool) -> bool:
     """Move the finished ``tmp`` directory to ``out``; False when valid data that appeared in
     the meantime was kept instead (``keep_existing``).
 

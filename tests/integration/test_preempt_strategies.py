@@ -48,9 +48,9 @@ STRATEGIES = {
     # 2D: a tiny Llama split over the 2 ranks of each node (sequence parallel), FSDP2 across the nodes
     "tp": ("trainer.strategy=fsdp", "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=true",
            "resources.tasks_per_node=2", "model.type=llama",
-           "model.config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4, "
+           "model.config={num_hidden_layers: 2, hidden_size: 32, intermediate_size: 64, num_attention_heads: 4, "
            "num_key_value_heads: 2, max_position_embeddings: 128, vocab_size: 260, bos_token_id: 256, "
-           "eos_token_id: 256, tie_word_embeddings: true}"),
+           "eos_token_id: 256, tie_word_embeddings: true}", "data.seq_len=64"),  # 4 ranks on 2 cores: small
 }
 # The shard files each strategy writes per rank inside lightning.ckpt (every rank writes its own).
 SHARDS = {

@@ -1,0 +1,149 @@
+"""``lmlaunch data prepare ... --on-cluster``: the preparation as one throttled SLURM array and a
+final step, registered as a run that ``status``, ``logs`` and ``cancel`` know.
+
+- The input files are listed here, in the order a local preparation takes them, and cut into
+  ``--tasks`` contiguous slices; array task K tokenizes slice K into one shard per file
+  (lmtrain.prepare_task), in ``OUT.partial``. A task preempted or failed and requeued keeps the
+  shards it finished (each shard is written atomically, with its record) and redoes the rest.
+- ``--max-parallel`` throttles the array (``%K``); ``--tasks`` above the cluster's MaxArraySize
+  is refused before anything is queued.
+- The final step runs after the whole array succeeded (``afterok``): it writes the index and
+  renames ``OUT.partial`` to ``OUT``: the files a local ``data prepare`` of the same inputs
+  writes, byte for byte.
+
+Pure planning (:func:`slices`, :func:`array_script`, :func:`assemble_script`) is separated from
+the submission (:func:`submit_preparation`), which is the only I/O here: sbatch through
+``core.slurm``, the run directory and its registry record.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launcher import runs
+from launcher.core import slurm
+from launcher.core.errors import SlurmUnavailable, UserError
+from launcher.core.profiles import Profile, load_profile
+from launcher.core.shell import shell_quote
+
+SPEC = "preparation.json"  # lmtrain.prepare_task.SPEC
+
+
+def slices(n_files: int, tasks: int) -> list[tuple[int, int]]:
+    """``tasks`` contiguous, non-empty slices of ``n_files`` (as even as they go)."""
+    tasks = min(tasks, n_files)
+    return [(k * n_files // tasks, (k + 1) * n_files // tasks) for k in range(tasks)]
+
+
+@dataclass(frozen=True)
+class ArrayJob:
+    """What the sbatch scripts say: the run, the partition and limits, the interpreter."""
+
+    name: str
+    run_dir: str
+    partition: str
+    time: str
+    cpus: int
+    python: str
+    account: str | None = None
+    qos: str | None = None
+
+    def header(self, *lines: str) -> list[str]:
+        out = ["#!/bin/bash", f"#SBATCH --job-name={self.name}", f"#SBATCH --partition={self.partition}",
+               "#SBATCH --nodes=1", "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={self.cpus}",
+               f"#SBATCH --time={self.time}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+               f"#SBATCH --chdir={self.run_dir}"]
+        out += [f"#SBATCH --account={self.account}"] if self.account else []
+        out += [f"#SBATCH --qos={self.qos}"] if self.qos else []
+        return out + [f"#SBATCH {x}" for x in lines]
+
+
+def array_script(job: ArrayJob, tasks: int, max_parallel: int) -> str:
+    lines = job.header(f"--array=0-{tasks - 1}%{max_parallel}",
+                       f"--output={job.run_dir}/submitit/%A_%a_log.out", f"--error={job.run_dir}/submitit/%A_%a_log.err")
+    lines += ["export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
+              # a job step: SLURM's preemption signals (SIGTERM, then SIGKILL after GraceTime) reach the task
+              f"exec srun --ntasks=1 {shell_quote(job.python)} -m lmtrain.prepare_task {shell_quote(job.run_dir)} "
+              "\"$SLURM_ARRAY_TASK_ID\""]
+    return "\n".join(lines) + "\n"
+
+
+def assemble_script(job: ArrayJob) -> str:
+    lines = job.header(f"--output={job.run_dir}/submitit/%j_assemble_log.out",
+                       f"--error={job.run_dir}/submitit/%j_assemble_log.err")
+    lines += ["export PYTHONUNBUFFERED=1",
+              f"exec {shell_quote(job.python)} -m lmtrain.prepare_task {shell_quote(job.run_dir)} --assemble"]
+    return "\n".join(lines) + "\n"
+
+
+def _partition(profile: Profile, chosen: str | None) -> str:
+    name = chosen or profile.preemptible_partition or profile.default_partition
+    if name not in profile.partitions:
+        raise UserError(f"--partition {name}: not a partition of profile '{profile.name}'; "
+                        f"allowed: {', '.join(profile.partitions)}")
+    return name
+
+
+def _max_array_size() -> int | None:
+    try:
+        value = slurm.config().get("MaxArraySize")
+    except (UserError, SlurmUnavailable):
+        return None
+    return int(value) if value and value.isdigit() else None
+
+
+def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None, text_key: str, skip_bad: bool,
+                       cluster: str, tasks: int, max_parallel: int, name: str | None, partition: str | None,
+                       time_limit: str, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Queue the preparation; what was queued (run, job ids, files, slices, where the result goes)."""
+    from launcher.resolve import runs_root_for
+    from lmtrain.corpus import collect_inputs  # the standard library only: no numpy here
+    from lmtrain.prepare import Preparation
+
+    if tasks < 1 or max_parallel < 1:
+        raise UserError(f"--tasks({tasks}) and --max-parallel({max_parallel}) must be >= 1")
+    files = collect_inputs(inputs)
+    tok = str(Path(tokenizer).expanduser().absolute()) if tokenizer else None
+    if tok is not None and not Path(tok).is_dir():
+        raise UserError(f"--tokenizer {tokenizer}: not a directory (the tasks load it from there)")
+    prep = Preparation(files, tok, text_key, skip_bad)
+    cut = slices(len(files), tasks)
+    limit = _max_array_size()
+    if limit is not None and len(cut) > limit - 1:
+        raise UserError(f"--tasks {len(cut)}: the cluster's MaxArraySize is {limit} (task ids 0..{limit - 1}); "
+                        f"use --tasks {limit - 1} or fewer (each task then takes more files)")
+    profile = load_profile(cluster, environ)
+    target = Path(out).expanduser().absolute()
+    run_name = name or f"prepare-{target.name}"
+    run_dir = Path(runs_root_for(profile, environ)) / run_name
+    if run_dir.exists() and not (run_dir / SPEC).exists():
+        raise UserError(f"run '{run_name}' exists and is not a preparation ({run_dir}); choose --name")
+    runs.prepare_run_dir(run_dir)
+    (run_dir / "submitit").mkdir(exist_ok=True)
+    staging = target.with_name(target.name + ".partial")
+    spec = {"preparation": prep.to_json(), "out": str(target), "staging": str(staging), "slices": cut,
+            "submitted": time.time()}
+    (run_dir / SPEC).write_text(json.dumps(spec, indent=2) + "\n")
+    part = _partition(profile, partition)
+    job = ArrayJob(run_name, str(run_dir), part, time_limit, profile.cpus_per_gpu,
+                   profile.python_command(sys.executable), profile.account, profile.qos)
+    array_id = _sbatch(array_script(job, len(cut), min(max_parallel, len(cut))), run_dir / "prepare-array.sh")
+    assemble_id = _sbatch(assemble_script(job), run_dir / "prepare-assemble.sh", f"--dependency=afterok:{array_id}")
+    runs.save_record(runs.RunRecord(name=run_name, profile=profile.name, run_dir=str(run_dir), spec_path=None,
+                                    job_ids=[array_id, assemble_id], submitted_at=[time.time()], max_steps=len(files),
+                                    after=[f"the preparation array (job {array_id})"]), environ)
+    return {"run": run_name, "run_dir": str(run_dir), "array_job": array_id, "assemble_job": assemble_id,
+            "files": len(files), "tasks": len(cut), "max_parallel": min(max_parallel, len(cut)), "partition": part,
+            "out": str(target), "staging": str(staging)}
+
+
+def _sbatch(script: str, path: Path, *extra: str) -> str:
+    path.write_text(script)
+    proc = slurm.run(["sbatch", "--parsable", *extra, str(path)])
+    return proc.stdout.strip().split(";")[0]

@@ -1,0 +1,78 @@
+"""`lmlaunch data prepare --on-cluster` on the local cluster: the shipped corpus split into
+.jsonl.zst, parquet and .jsonl.gz files is prepared by a 3-task array, really preempted in the
+middle (a high-priority exclusive job requeues every running task); the preempted tasks keep the
+shards they had finished (never rewritten) and redo only the rest; the final step's store equals
+the local preparation of the same inputs byte for byte; `status` shows the run's progress and
+`logs --rank K` each task's attempts."""
+
+from __future__ import annotations
+
+import filecmp
+import re
+import time
+from pathlib import Path
+
+import pytest
+from slurm_helpers import faults, wait_for
+
+from launcher import rehearsal
+from launcher.core import slurm
+from lmtrain.prepare import prepare
+from tests.unit.test_corpus_inputs import shipped_documents, write
+
+SHARD_PACE_S = 8.0  # each shard waits this long first: the preemption lands between two of a task's shards
+
+
+def _split(d: Path) -> Path:
+    d.mkdir()
+    docs, kinds = shipped_documents(), [".jsonl.zst", ".parquet", ".jsonl.gz"]
+    for i in range(6):
+        write(d / f"part-{i}{kinds[i % 3]}", docs[i * len(docs) // 6:(i + 1) * len(docs) // 6])
+    return d
+
+
+def _same_tree(a: Path, b: Path) -> list[str]:
+    cmp = filecmp.dircmp(a, b)
+    out = [*cmp.left_only, *cmp.right_only, *cmp.diff_files, *cmp.funny_files]
+    for sub in cmp.common_dirs:
+        out += [f"{sub}/{x}" for x in _same_tree(a / sub, b / sub)]
+    return out
+
+
+def test_a_preparation_array_preempted_midway_redoes_only_unfinished_shards(slurm_cluster, cli, lm_env, run_name,
+                                                                           own_jobs, tmp_path):
+    corpus, out = _split(tmp_path / "corpus"), tmp_path / "store"
+    with faults({"point": "prepare.shard", "action": "sleep", "seconds": SHARD_PACE_S}):
+        r = cli("data", "prepare", str(corpus), "--out", str(out), "--on-cluster", "--tasks", "3",
+                "--max-parallel", "3", "--name", run_name)
+    assert r.code == 0, r.err
+    array, assemble = re.search(r"array job (\d+) \(3 tasks over 6 files, 3 at once", r.out).group(1), \
+        re.search(r"then job (\d+) writes the index", r.out).group(1)
+    own_jobs += [array, assemble]
+    staging = tmp_path / "store.partial"
+    first = staging / "shards" / "00000.json"
+    deadline = time.monotonic() + 180
+    while not first.exists():  # task 0 finished its first shard and waits before its second
+        assert time.monotonic() < deadline, "task 0 never finished its first shard"
+        time.sleep(0.2)
+    kept = (staging / "shards" / "00000.bin").stat()
+    assert not (staging / "shards" / "00001.json").exists()
+    nodes = sorted({j.nodelist for j in slurm.squeue() if j.job_id.startswith(f"{array}_") and j.nodelist})
+    high = rehearsal.submit_holder(name=f"{run_name}-hi", partition="high", nodelist=",".join(nodes),
+                                   num_nodes=len(nodes), seconds=2)
+    own_jobs.append(high)
+    for k in range(3):  # requeued tasks restart (their requeue delay cut short), then the final step
+        wait_for(f"{array}_{k}", {"completed"}, timeout=300, poll=0.5, start_requeued=True)
+    assert wait_for(assemble, {"completed", "failed", "cancelled"}, timeout=120) == "COMPLETED"
+
+    after = (out / "shards" / "00000.bin").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)  # never rewritten
+    logs = cli("logs", run_name, "--rank", "0")
+    assert logs.code == 0, logs.err
+    assert "attempt 2" in logs.out and "kept shards/00000.bin (finished by an earlier attempt" in logs.out, logs.out
+    assert "1 shards of all were finished when it started" not in logs.out.split("attempt 2")[0]
+    local = prepare([corpus], tmp_path / "local").out
+    assert _same_tree(local, out) == []  # byte for byte: shards, their records, the index
+    assert not staging.exists()
+    status = cli("status", run_name)
+    assert status.code == 0 and "COMPLETED" in status.out and "6/6" in status.out, status.out
