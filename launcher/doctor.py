@@ -83,7 +83,7 @@ def judge_data(path: str, meta: Mapping[str, Any] | None, error: str | None, mod
         out.append(Check("data size", WARN, f"{path} holds {tokens:,} tokens; the run trains on {tokens_needed:,} "
                          f"(max_steps x global batch x seq_len): {tokens_needed / tokens:.1f} epochs", figures))
     else:
-        out.append(Check("data size", OK, f"{tokens:,} tokens for {tokens_needed:,} trained "
+        out.append(Check("data size", OK, f"{path}: {tokens:,} tokens for {tokens_needed:,} trained "
                          f"({tokens_needed / tokens:.2f} epochs)", figures))
     return out
 

@@ -31,6 +31,29 @@ class Resolved:
     plan: LaunchPlan
 
 
+def mixture_notes(spec: JobSpec, plan: LaunchPlan) -> list[str]:
+    """For ``data.sources``: how many epochs of each store the run takes (its weight's share of the
+    tokens the run trains on), where its index is readable here (the nodes may see other paths)."""
+    if spec.data.sources is None:
+        return []
+    import json
+
+    needed = plan.trainer.max_steps * plan.topology.global_batch_size * spec.data.seq_len
+    total = sum(s.weight for s in spec.data.sources)
+    out = []
+    for src in spec.data.sources:
+        share = round(needed * src.weight / total)
+        try:
+            tokens = int(json.loads((Path(src.path) / "meta.json").read_text())["num_tokens"])
+        except (OSError, ValueError, KeyError, TypeError):
+            out.append(f"data.sources {src.path}: weight {src.weight / total:.0%}, {share:,} tokens trained "
+                       "(its index is not readable here: epochs unknown)")
+            continue
+        out.append(f"data.sources {src.path}: weight {src.weight / total:.0%}, {share:,} tokens trained of its "
+                   f"{tokens:,}: {share / max(tokens, 1):.2f} epochs" + (" (repeated)" if share > tokens else ""))
+    return out
+
+
 def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) -> str:
     """The absolute runs root: LMLAUNCH_RUNS_ROOT, else the profile's runs_root.
 
@@ -105,6 +128,7 @@ def resolve(
         interpreter = profile.python_command(python or sys.executable)
         plan = make_plan(spec, profile, runs_root=runs_root, python=interpreter,
                          exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
+        plan = dataclasses.replace(plan, notes=(*plan.notes, *mixture_notes(spec, plan)))
         unchecked = check_model(spec.model, env, split=split_of(plan.topology))  # whatever validates builds
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))

@@ -241,10 +241,10 @@ class Preparation:
 
 
 def write_shards(root: Path, prep: Preparation, jobs: Sequence[ShardJob], *, progress: Any = None,
-                 on_kept: Any = None) -> list[dict[str, Any]]:
+                 on_kept: Any = None, tok: Any = None) -> list[dict[str, Any]]:
     """Shards ``jobs`` of ``prep`` into ``root``: those already finished (this input, these sizes)
     are kept as they are (``on_kept(record)``), the rest written; their records, in order."""
-    tok = load_tokenizer(prep.tokenizer)
+    tok = tok or load_tokenizer(prep.tokenizer)
     out_dtype = np.dtype(_DTYPES[dtype_for_vocab(tok.vocab_size)]).newbyteorder("<")  # little-endian everywhere
     records = []
     for job in jobs:
@@ -258,10 +258,10 @@ def write_shards(root: Path, prep: Preparation, jobs: Sequence[ShardJob], *, pro
     return records
 
 
-def write_index(root: Path, prep: Preparation) -> TokenMeta:
+def write_index(root: Path, prep: Preparation, tok: Any = None) -> TokenMeta:
     """Every shard finished: the index ``root/meta.json`` (atomic, durable); DataError naming the
     shards that are not."""
-    tok = load_tokenizer(prep.tokenizer)
+    tok = tok or load_tokenizer(prep.tokenizer)
     dtype = dtype_for_vocab(tok.vocab_size)
     itemsize = np.dtype(_DTYPES[dtype]).itemsize
     records, missing = [], []
@@ -303,12 +303,12 @@ def prepare(
         except DataError:
             pass  # present but broken: rebuild it below
     prep = Preparation(collect_inputs(inputs), None if tokenizer is None else str(tokenizer), text_key, skip_bad)
-    load_tokenizer(prep.tokenizer)  # a bad tokenizer directory before anything is read
+    tok = load_tokenizer(prep.tokenizer)  # a bad tokenizer directory before anything is read
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write_shards(tmp, prep, prep.jobs())
-        write_index(tmp, prep)
+        write_shards(tmp, prep, prep.jobs(), tok=tok)
+        write_index(tmp, prep, tok)
         os.chmod(tmp, 0o755)
         installed = replace_dir(tmp, out, keep_existing=if_missing)
     except BaseException:

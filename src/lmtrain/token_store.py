@@ -49,7 +49,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def encoded(tok: Any, docs: Iterable[str], batch: int = 256) -> Iterator[np.ndarray]:
+def encoded(tok: Any, docs: Iterable[str], batch: int = 1024) -> Iterator[np.ndarray]:
     """Each document's ids followed by eos, as an int64 array; a fast tokenizer encodes in batches."""
     eos = np.array([tok.eos_id], dtype=np.int64)
     if not hasattr(tok, "encode_batch"):  # bytes

@@ -75,6 +75,9 @@ class HFTokenizer:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:  # the fast tokenizer itself (Rust, threaded): the same ids, no BatchEncoding
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return [list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:

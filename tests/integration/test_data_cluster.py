@@ -12,7 +12,6 @@ import re
 import time
 from pathlib import Path
 
-import pytest
 from slurm_helpers import faults, wait_for
 
 from launcher import rehearsal
