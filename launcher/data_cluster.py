@@ -103,8 +103,7 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
                        time_limit: str, environ: Mapping[str, str]) -> dict[str, Any]:
     """Queue the preparation; what was queued (run, job ids, files, slices, where the result goes)."""
     from launcher.resolve import runs_root_for
-    from lmtrain.corpus import collect_inputs  # the standard library only: no numpy here
-    from lmtrain.prepare import Preparation
+    from lmtrain.corpus import Preparation, collect_inputs  # the standard library only: no numpy here
 
     if tasks < 1 or max_parallel < 1:
         raise UserError(f"--tasks({tasks}) and --max-parallel({max_parallel}) must be >= 1")

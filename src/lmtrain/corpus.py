@@ -17,6 +17,10 @@ text that is not UTF-8, a null parquet cell) is an error naming the file and the
 with a :class:`BadDocuments` counter (``--skip-bad``) it is counted and skipped instead. A file
 that cannot be read as its format at all (a corrupt .gz/.zst stream, a damaged parquet file) is
 always an error naming the file (and how far it was read): there is no next document to go on to.
+
+:class:`Preparation` (which files, which tokenizer, how documents are read) and its
+:class:`ShardJob`\ s live here too, with the standard library only: the launcher plans a
+preparation on the cluster (launcher.data_cluster) without numpy.
 """
 
 from __future__ import annotations
@@ -211,3 +215,34 @@ def _parquet(path: Path, text_key: str, skip: BadDocuments | None) -> Iterator[s
                     yield text
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{path}: not a readable parquet file after row {row} ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """What one shard is made of: input file ``source`` tokenized into shard ``index``."""
+
+    index: int
+    source: Path
+    text_key: str = "text"
+    skip_bad: bool = False
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """What a preparation makes: the shards of ``files`` (one each, in order) with ``tokenizer``."""
+
+    files: list[Path]
+    tokenizer: str | None
+    text_key: str = "text"
+    skip_bad: bool = False
+
+    def jobs(self) -> list[ShardJob]:
+        return [ShardJob(i, f, self.text_key, self.skip_bad) for i, f in enumerate(self.files)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"files": [str(f.absolute()) for f in self.files], "tokenizer": self.tokenizer,
+                "text_key": self.text_key, "skip_bad": self.skip_bad}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Preparation:
+        return cls([Path(f) for f in d["files"]], d["tokenizer"], d["text_key"], bool(d["skip_bad"]))

@@ -124,13 +124,11 @@ def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]
     block), in the order of ``model.parameters()`` with tied weights once; ``tp_dims``: the
     dimension tensor parallelism splits each along (-1: kept whole; lmtrain.tensor_parallel);
     ``blocks``; the config's ``vocab_size``."""
-    from transformers import AutoModelForCausalLM
-
-    m = model_settings(model_spec)
-    config = build_config(m)
-    with torch.device("meta"):  # no memory and no initialisation
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(m, config), dtype=torch.float32)
+    from lmtrain.model import meta_model
     from lmtrain.tensor_parallel import split_dims
+
+    model = meta_model(model_spec)  # no memory and no initialisation
+    config = model.config
 
     blocks = transformer_blocks(model)
     block_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}

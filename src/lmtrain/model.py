@@ -173,14 +173,21 @@ def _check_one_step(config: Any, attn: str, params: int) -> None:
             f"CPU with {tokens} tokens, {params:,} parameters): {type(exc).__name__}: {exc}") from exc
 
 
-def parameter_count(model_spec: ModelSpec | Mapping[str, Any]) -> tuple[int, int]:
-    """(parameters, vocab size) of the model the spec builds, without allocating it (meta device)."""
+def meta_model(model_spec: ModelSpec | Mapping[str, Any]) -> nn.Module:
+    """The model the spec builds, on the meta device: its modules and shapes, no memory, no init."""
     from transformers import AutoModelForCausalLM
 
-    config = build_config(model_spec)
+    m = model_settings(model_spec)
+    config = build_config(m)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters()), int(getattr(config, "vocab_size", 0) or 0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(m, config),
+                                                dtype=torch.float32)
+
+
+def parameter_count(model_spec: ModelSpec | Mapping[str, Any]) -> tuple[int, int]:
+    """(parameters, vocab size) of the model the spec builds, without allocating it (meta device)."""
+    model = meta_model(model_spec)
+    return sum(p.numel() for p in model.parameters()), int(getattr(model.config, "vocab_size", 0) or 0)
 
 
 def build_model(model_spec: ModelSpec | Mapping[str, Any], *, seed: int) -> nn.Module:

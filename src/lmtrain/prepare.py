@@ -33,8 +33,8 @@ import numpy as np
 
 from launcher.core.atomic import write_atomic
 from lmtrain import faults
-from lmtrain.corpus import DataError, collect_inputs
-from lmtrain.token_store import ShardJob, finished, index, sha256_file, shard_name, write_shard
+from lmtrain.corpus import DataError, Preparation, ShardJob, collect_inputs
+from lmtrain.token_store import finished, index, sha256_file, shard_name, write_shard
 from lmtrain.tokenizer import load_tokenizer
 
 __all__ = ["DataError", "PrepareResult", "TokenMeta", "collect_inputs", "prepare", "read_meta", "shipped_corpus_files"]
@@ -217,27 +217,6 @@ class PrepareResult:
     out: Path
     meta: TokenMeta
     skipped: bool  # --if-missing found valid data already there
-
-
-@dataclass(frozen=True)
-class Preparation:
-    """What a preparation makes: the shards of ``files`` (one each, in order) with ``tokenizer``."""
-
-    files: list[Path]
-    tokenizer: str | None
-    text_key: str = "text"
-    skip_bad: bool = False
-
-    def jobs(self) -> list[ShardJob]:
-        return [ShardJob(i, f, self.text_key, self.skip_bad) for i, f in enumerate(self.files)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"files": [str(f.absolute()) for f in self.files], "tokenizer": self.tokenizer,
-                "text_key": self.text_key, "skip_bad": self.skip_bad}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Preparation:
-        return cls([Path(f) for f in d["files"]], d["tokenizer"], d["text_key"], bool(d["skip_bad"]))
 
 
 def write_shards(root: Path, prep: Preparation, jobs: Sequence[ShardJob], *, progress: Any = None,

@@ -91,15 +91,9 @@ def problems(model: nn.Module, tp: int, *, sequence_parallel: bool = False, seq_
 def check_split(model_spec: Any, split: Any) -> None:
     """ValueError with :func:`problems` of the model the spec builds (on the meta device: no
     memory) split as ``split`` (launcher.core.spec.TensorSplit) says."""
-    from transformers import AutoModelForCausalLM
+    from lmtrain.model import meta_model
 
-    from lmtrain.model import attention_for, build_config, model_settings
-
-    m = model_settings(model_spec)
-    config = build_config(m)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(m, config),
-                                                dtype=torch.float32)
+    meta = meta_model(model_spec)
     found = problems(meta, split.size, sequence_parallel=split.sequence_parallel)
     if found:
         raise ValueError("; ".join(found))

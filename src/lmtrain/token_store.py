@@ -25,14 +25,13 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from launcher.core.atomic import write_atomic
-from lmtrain.corpus import BadDocuments, DataError, iter_documents
+from lmtrain.corpus import BadDocuments, DataError, ShardJob, iter_documents
 
 SHARDS_DIR = "shards"
 
@@ -65,16 +64,6 @@ def encoded(tok: Any, docs: Iterable[str], batch: int = 1024) -> Iterator[np.nda
             pending = []
     for ids in tok.encode_batch(pending) if pending else []:
         yield np.asarray(ids + [tok.eos_id], dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class ShardJob:
-    """What one shard is made of: input file ``source`` tokenized into shard ``index``."""
-
-    index: int
-    source: Path
-    text_key: str = "text"
-    skip_bad: bool = False
 
 
 def write_shard(root: Path, job: ShardJob, tok: Any, out_dtype: np.dtype, *,
