@@ -31,6 +31,8 @@ from launcher.core import slurm
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.profiles import Profile, load_profile
 from launcher.core.shell import shell_quote
+from launcher.core.spec import format_minutes, parse_slurm_time
+from launcher.core.text_rules import RUN_NAME, brief
 
 SPEC = "preparation.json"  # lmtrain.prepare_task.SPEC
 
@@ -107,6 +109,16 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
 
     if tasks < 1 or max_parallel < 1:
         raise UserError(f"--tasks({tasks}) and --max-parallel({max_parallel}) must be >= 1")
+    # both reach the job scripts: held to the rules a job spec's name and time are held to
+    try:
+        minutes = parse_slurm_time(time_limit)
+    except ValueError as exc:
+        raise UserError(f"--time {brief(time_limit)}: {exc}") from None
+    try:
+        if name is not None:
+            RUN_NAME.check(name)
+    except ValueError as exc:
+        raise UserError(f"--name {exc}") from None
     files = collect_inputs(inputs)
     tok = str(Path(tokenizer).expanduser().absolute()) if tokenizer else None
     if tok is not None and not Path(tok).is_dir():
@@ -118,6 +130,10 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
         raise UserError(f"--tasks {len(cut)}: the cluster's MaxArraySize is {limit} (task ids 0..{limit - 1}); "
                         f"use --tasks {limit - 1} or fewer (each task then takes more files)")
     profile = load_profile(cluster, environ)
+    part = _partition(profile, partition)
+    if minutes > profile.partitions[part].max_minutes:
+        raise UserError(f"--time {time_limit} = {minutes} min is above partition '{part}' max_time "
+                        f"({profile.partitions[part].max_time})")
     target = Path(out).expanduser().absolute()
     run_name = name or f"prepare-{target.name}"
     run_dir = Path(runs_root_for(profile, environ)) / run_name
@@ -129,8 +145,7 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
     spec = {"preparation": prep.to_json(), "out": str(target), "staging": str(staging), "slices": cut,
             "submitted": time.time()}
     (run_dir / SPEC).write_text(json.dumps(spec, indent=2) + "\n")
-    part = _partition(profile, partition)
-    job = ArrayJob(run_name, str(run_dir), part, time_limit, profile.cpus_per_gpu,
+    job = ArrayJob(run_name, str(run_dir), part, format_minutes(minutes), profile.cpus_per_gpu,
                    profile.python_command(sys.executable), profile.account, profile.qos)
     array_id = _sbatch(array_script(job, len(cut), min(max_parallel, len(cut))), run_dir / "prepare-array.sh")
     assemble_id = _sbatch(assemble_script(job), run_dir / "prepare-assemble.sh", f"--dependency=afterok:{array_id}")

@@ -1,0 +1,49 @@
+"""`data prepare --on-cluster` before anything is queued: the slices, the scripts (bash -n), and the
+arguments that reach the job scripts held to the job spec's rules, refused with nothing left behind."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+from pathlib import Path
+
+from launcher.cli import main
+from launcher.context import Context
+from launcher.data_cluster import ArrayJob, array_script, assemble_script, slices
+
+
+def test_slices_are_contiguous_cover_every_file_and_are_never_empty():
+    assert slices(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert slices(5, 2) == [(0, 2), (2, 5)]
+    assert slices(2, 8) == [(0, 1), (1, 2)]  # more tasks than files: one file each
+
+
+def test_the_scripts_are_valid_bash_and_throttle_the_array(tmp_path):
+    job = ArrayJob("prep", "/runs/prep dir", "low", "01:00:00", 2, "/venv/bin/python", "acct", None)
+    script = array_script(job, 4, 2)
+    assert "#SBATCH --array=0-3%2" in script and "#SBATCH --account=acct" in script
+    assert "exec srun --ntasks=1 /venv/bin/python -m lmtrain.prepare_task '/runs/prep dir' \"$SLURM_ARRAY_TASK_ID\"" in script
+    for text in (script, assemble_script(job)):
+        (tmp_path / "s.sh").write_text(text)
+        assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0
+
+
+def test_what_reaches_the_job_scripts_is_checked_before_anything_is_made(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    env = {"LMLAUNCH_HOME": str(tmp_path / "home"), "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "HOME": str(tmp_path)}
+
+    def run(*extra: str) -> tuple[int, str]:
+        err = io.StringIO()
+        code = main(["data", "prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--on-cluster",
+                     *extra], Context(stdout=io.StringIO(), stderr=err, environ=env))
+        return code, err.getvalue()
+
+    code, err = run("--time", "1:00:00\nrm -rf /")
+    assert code == 2 and "is not a SLURM time" in err, err
+    code, err = run("--name", "a b;x")
+    assert code == 2 and "--name 'a b;x' is not a valid run name" in err, err
+    code, err = run("--time", "5-00:00:00")
+    assert code == 2 and "--time 5-00:00:00 = 7200 min is above partition 'low' max_time" in err, err
+    code, err = run("--tasks", "0")
+    assert code == 2 and "--tasks(0)" in err, err
+    assert not Path(tmp_path / "runs").exists() and not (tmp_path / "out.partial").exists()
