@@ -3,7 +3,9 @@
 1. ``prepare`` throughput of one process against the same tokenizer's bare ``encode_batch`` over
    the same documents (already in memory: no reading, no writing), and against the byte-level
    path: a BPE tokenizer trained here on the shipped corpus (``data train-tokenizer``), the corpus
-   split into .jsonl.zst, parquet and .jsonl.gz files and repeated ``--copies`` times.
+   split into .jsonl.zst, parquet and .jsonl.gz files and repeated ``--copies`` times. The two
+   are run in alternated pairs and the median pair's ratio reported: this machine's CPU is shared
+   (its steal time moves a lone timing by 50 %), a pair's two runs share the moment.
 2. ``--cluster``: the same preparation on the local cluster (``data prepare --on-cluster``) with
    1, 2 and 4 array tasks: wall time from submission to the index written, and the speedup
    against one task (this machine has 2 cores and both nodes share them: report what it allows).
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +47,7 @@ def _corpus(root: Path, copies: int) -> tuple[Path, list[str]]:
     return d, docs
 
 
-def bench_prepare(root: Path, copies: int) -> dict:
+def bench_prepare(root: Path, copies: int, reps: int) -> dict:
     from lmtrain.prepare import prepare
     from lmtrain.tokenizer import load_tokenizer
     from lmtrain.tokenizer_train import train_tokenizer
@@ -53,22 +56,25 @@ def bench_prepare(root: Path, copies: int) -> dict:
     train_tokenizer([corpus], root / "tok", vocab_size=4096)
     tok = load_tokenizer(root / "tok")
     chars = sum(len(d) for d in docs)
-    bares, fulls, bytes_ = [], [], []
-    for _ in range(2):  # alternated, the best of two each: the machine's load moves
+    pairs, bytes_ = [], []
+    for _ in range(reps):  # alternated pairs: the machine's load moves, and a pair shares it
         t0 = time.perf_counter()
         ids = [len(x) for i in range(0, len(docs), 1024) for x in tok.encode_batch(docs[i:i + 1024])]
-        bares.append(time.perf_counter() - t0)
+        bare = time.perf_counter() - t0
         t0 = time.perf_counter()
         meta = prepare([corpus], root / "bpe", tokenizer=root / "tok").meta
-        fulls.append(time.perf_counter() - t0)
+        pairs.append((bare, time.perf_counter() - t0))
         t0 = time.perf_counter()
         prepare([corpus], root / "bytes")
         bytes_.append(time.perf_counter() - t0)
-    bare, full, byte = min(bares), min(fulls), min(bytes_)
     assert meta.num_tokens == sum(ids) + len(docs)  # the same ids (and one eos per document)
+    ratio = statistics.median(b / f for b, f in pairs)
+    bare, full = statistics.median(b for b, _ in pairs), statistics.median(f for _, f in pairs)
     return {"bench": "prepare", "documents": len(docs), "mb_text": round(chars / 1e6, 2), "tokens": meta.num_tokens,
-            "bare_encode_batch_s": round(bare, 3), "prepare_s": round(full, 3), "prepare_bytes_s": round(byte, 3),
-            "prepare_vs_bare_throughput": round(bare / full, 3), "bpe_vs_bytes_time": round(full / byte, 3),
+            "pairs": reps, "bare_encode_batch_s": round(bare, 3), "prepare_s": round(full, 3),
+            "prepare_bytes_s": round(statistics.median(bytes_), 3),
+            "prepare_vs_bare_throughput": round(ratio, 3), "pair_ratios": [round(b / f, 3) for b, f in pairs],
+            "bpe_vs_bytes_time": round(full / statistics.median(bytes_), 3),
             "tokens_per_s": round(meta.num_tokens / full), "corpus": str(corpus), "tokenizer": str(root / "tok")}
 
 
@@ -94,7 +100,7 @@ def bench_cluster(root: Path, corpus: str, tokenizer: str) -> list[dict]:
     return out
 
 
-def bench_loading(root: Path) -> dict:
+def bench_loading(root: Path, reps: int) -> dict:
     from types import SimpleNamespace
 
     from lmtrain.data import make_dataloaders
@@ -102,14 +108,14 @@ def bench_loading(root: Path) -> dict:
 
     corpus = REPO / "data" / "corpus"
     files = [corpus / "licenses.jsonl", corpus / "python-docs.jsonl"]
-    one = prepare(files, root / "one").out
-    thirds = [prepare(files, root / f"s{i}").out for i in range(3)]  # the same data, three stores
+    one = prepare(files * 3, root / "one").out  # the same tokens as the three stores together
+    thirds = [prepare(files, root / f"s{i}").out for i in range(3)]
     common = {"seq_len": 512, "micro_batch_size": 8, "num_workers": 0, "val_fraction": 0.0}
     single = SimpleNamespace(path=str(one), sources=None, **common)
     mixture = SimpleNamespace(path=None, sources=[SimpleNamespace(path=str(p), weight=w) for p, w in
                                                   zip(thirds, (0.5, 0.3, 0.2))], **common)
 
-    def rate(spec: SimpleNamespace, n: int = 3000) -> float:
+    def rate(spec: SimpleNamespace, n: int = 300) -> float:
         loader, _, sampler = make_dataloaders(spec, world_size=1, rank=0, seed=1, pin_memory=False)
         it = iter(loader)
         next(it)
@@ -119,27 +125,26 @@ def bench_loading(root: Path) -> dict:
             sampler.advance()
         return n * 8 / (time.perf_counter() - t0)
 
-    rates = {"one": [], "mixture": []}
-    for _ in range(3):  # alternated: the machine's load moves
-        rates["one"].append(rate(single))
-        rates["mixture"].append(rate(mixture))
-    one_rate, mix_rate = max(rates["one"]), max(rates["mixture"])
-    return {"bench": "loading", "one_store_samples_per_s": round(one_rate), "mixture_samples_per_s": round(mix_rate),
-            "mixture_vs_one": round(mix_rate / one_rate, 3)}
+    pairs = [(rate(single), rate(mixture)) for _ in range(reps)]  # alternated: a pair shares the machine's load
+    ratio = statistics.median(m / o for o, m in pairs)
+    return {"bench": "loading", "pairs": reps, "one_store_samples_per_s": round(statistics.median(o for o, _ in pairs)),
+            "mixture_samples_per_s": round(statistics.median(m for _, m in pairs)), "mixture_vs_one": round(ratio, 3),
+            "pair_ratios": [round(m / o, 3) for o, m in pairs]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--copies", type=int, default=8, help="the shipped corpus this many times (default 8: ~10 MB)")
+    ap.add_argument("--copies", type=int, default=16, help="the shipped corpus this many times (default 16: ~19 MB)")
+    ap.add_argument("--pairs", type=int, default=5, help="bare/prepare pairs alternated; the median pair's ratio")
     ap.add_argument("--cluster", action="store_true", help="also prepare on the local cluster with 1, 2, 4 tasks")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         root = Path(tmp)
-        rows = [bench_prepare(root, args.copies)]
+        rows = [bench_prepare(root, args.copies, args.pairs)]
         if args.cluster:
             rows += bench_cluster(root, rows[0]["corpus"], rows[0]["tokenizer"])
-        rows.append(bench_loading(root))
+        rows.append(bench_loading(root, 41))
     for r in rows:
         r.pop("corpus", None)
         r.pop("tokenizer", None)

@@ -19,16 +19,19 @@ that cannot be read as its format at all (a corrupt .gz/.zst stream, a damaged p
 always an error naming the file (and how far it was read): there is no next document to go on to.
 
 :class:`Preparation` (which files, which tokenizer, how documents are read) and its
-:class:`ShardJob`\ s live here too, with the standard library only: the launcher plans a
+:class:`ShardJob` records live here too, with the standard library only: the launcher plans a
 preparation on the cluster (launcher.data_cluster) without numpy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import io
 import json
+import queue
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -215,6 +218,62 @@ def _parquet(path: Path, text_key: str, skip: BadDocuments | None) -> Iterator[s
                     yield text
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{path}: not a readable parquet file after row {row} ({exc})") from exc
+
+
+_END = object()
+
+
+class _Abandoned(Exception):
+    """The reader's consumer has gone: the reading thread stops."""
+
+
+def read_ahead(sources: Sequence[tuple[Path, str, BadDocuments | None]], *, chunk: int = 256,
+               depth: int = 8) -> Iterator[tuple[int, list[str] | None]]:
+    """The documents of ``sources`` ((path, text_key, skip) each), read by a second thread while
+    the caller works (the tokenizer releases the GIL): ``(k, documents)`` chunks of source k in
+    order, then ``(k, None)`` when source k is read to its end. A source that cannot be read raises
+    its DataError here, after every chunk before it. At most ``depth`` chunks are held."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: Any) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        raise _Abandoned
+
+    def read() -> None:
+        try:
+            for k, (path, text_key, skip) in enumerate(sources):
+                docs: list[str] = []
+                for doc in iter_documents(path, text_key=text_key, skip=skip):
+                    docs.append(doc)
+                    if len(docs) == chunk:
+                        put((k, docs))
+                        docs = []
+                if docs:
+                    put((k, docs))
+                put((k, None))
+            put(_END)
+        except _Abandoned:
+            return
+        except BaseException as exc:  # handed to the consumer, in order
+            with contextlib.suppress(_Abandoned):
+                put(exc)
+
+    thread = threading.Thread(target=read, name="lmtrain-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 @dataclass(frozen=True)

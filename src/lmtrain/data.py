@@ -228,11 +228,14 @@ class ResumableDistributedSampler(Sampler[int]):
         return self.world_size * self.batch_size_per_rank
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        """The global order of epoch ``epoch`` (int64 tensor of all sample ids)."""
+        """The global order of epoch ``epoch`` (int64 tensor of all sample ids; with
+        ``epoch_offsets``, each plus ``epoch * dataset_len``)."""
         if self._perm_cache is None or self._perm_cache[0] != epoch:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
-            self._perm_cache = (epoch, torch.randperm(self.dataset_len, generator=g))
+            perm = torch.randperm(self.dataset_len, generator=g)
+            # ids of the epoch's samples: with epoch_offsets, added here once rather than per batch
+            self._perm_cache = (epoch, perm + epoch * self.dataset_len if self.epoch_offsets else perm)
         return self._perm_cache[1]
 
     def _normalize(self, epoch: int, pos: int) -> tuple[int, int]:
@@ -248,8 +251,7 @@ class ResumableDistributedSampler(Sampler[int]):
         perm = self.permutation(epoch)
         lo = pos + self.rank * self.batch_size_per_rank
         idx = torch.arange(lo, lo + self.batch_size_per_rank) % self.dataset_len
-        ids = perm[idx]
-        return (ids + epoch * self.dataset_len if self.epoch_offsets else ids).tolist()
+        return perm[idx].tolist()
 
     def __iter__(self) -> Iterator[int]:
         # Snapshot the consumed position now: an iterator created after load_state_dict

@@ -15,7 +15,6 @@ one whose share is smaller is read a part per virtual epoch, and every window be
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -55,10 +54,12 @@ class MixtureWindows(Dataset):
         self.starts = [0]
         for c in self.counts:
             self.starts.append(self.starts[-1] + c)
-        self.starts.pop()  # each source's first position (bisect finds a position's source)
+        self.starts.pop()  # each source's first position in a virtual epoch
         self.seed = seed
         self.names = list(names)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._map_epoch = -1  # the virtual epoch whose positions _map_source/_map_window locate
+        self._map_source = self._map_window = np.empty(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return self.total
@@ -66,14 +67,39 @@ class MixtureWindows(Dataset):
     def locate(self, j: int) -> tuple[int, int]:
         """(source, window) of mixture sample ``j``."""
         epoch, k = divmod(int(j), self.total)
-        s = bisect.bisect_right(self.starts, k) - 1
-        q = epoch * self.counts[s] + (k - self.starts[s])
-        r, w = divmod(q, self.sizes[s])
-        return s, int(self._perm(s, r)[w])
+        if epoch != self._map_epoch:
+            self._build_map(epoch)
+        return self._map_source.item(k), self._map_window.item(k)
 
     def __getitem__(self, j: int) -> Any:
         s, w = self.locate(j)
         return self.parts[s][w]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A batch of samples (torch's DataLoader fetches a batch through this when it is there)."""
+        out = []
+        for j in indices:  # locate() inlined: the per-sample cost is what a mixture adds to one store
+            epoch, k = divmod(int(j), self.total)
+            if epoch != self._map_epoch:
+                self._build_map(epoch)
+            out.append(self.parts[self._map_source.item(k)][self._map_window.item(k)])
+        return out
+
+    def _build_map(self, epoch: int) -> None:
+        """Each position's (source, window) in virtual epoch ``epoch``, computed at once (numpy)
+        rather than per sample: position k of source s's block is its sample q = epoch * c_s + k,
+        window perm_{s, q // n_s}[q mod n_s]."""
+        source = np.empty(self.total, dtype=np.int16 if len(self.sizes) < 2**15 else np.int64)
+        window = np.empty(self.total, dtype=np.int64)
+        for s, (c, n, start) in enumerate(zip(self.counts, self.sizes, self.starts)):
+            q = epoch * c + np.arange(c, dtype=np.int64)
+            r, w = np.divmod(q, n)
+            out = window[start:start + c]
+            for rr in range(int(r[0]), int(r[-1]) + 1):  # ascending: the permutation cache keeps the newest
+                lo, hi = np.searchsorted(r, [rr, rr + 1])
+                out[lo:hi] = self._perm(s, rr)[w[lo:hi]]
+            source[start:start + c] = s
+        self._map_epoch, self._map_source, self._map_window = epoch, source, window
 
     def _perm(self, s: int, r: int) -> np.ndarray:
         key = (s, r)
@@ -91,4 +117,5 @@ class MixtureWindows(Dataset):
         return [samples * c / self.total / n for c, n in zip(self.counts, self.sizes)]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_perms": {}}
+        return {**self.__dict__, "_perms": {}, "_map_epoch": -1, "_map_source": np.empty(0, dtype=np.int64),
+                "_map_window": np.empty(0, dtype=np.int64)}

@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 
 from launcher.core.atomic import write_atomic
-from lmtrain import faults
 from lmtrain.corpus import DataError, Preparation, ShardJob, collect_inputs
-from lmtrain.token_store import finished, index, sha256_file, shard_name, write_shard
+from lmtrain.token_store import finished, index, sha256_file, shard_name, write_many
 from lmtrain.tokenizer import load_tokenizer
 
 __all__ = ["DataError", "PrepareResult", "TokenMeta", "collect_inputs", "prepare", "read_meta", "shipped_corpus_files"]
@@ -225,16 +224,15 @@ def write_shards(root: Path, prep: Preparation, jobs: Sequence[ShardJob], *, pro
     are kept as they are (``on_kept(record)``), the rest written; their records, in order."""
     tok = tok or load_tokenizer(prep.tokenizer)
     out_dtype = np.dtype(_DTYPES[dtype_for_vocab(tok.vocab_size)]).newbyteorder("<")  # little-endian everywhere
-    records = []
+    kept: dict[int, dict[str, Any]] = {}
     for job in jobs:
         record = finished(root, job, out_dtype.itemsize)
-        if record is None:
-            faults.point("prepare.shard", shard=job.index)
-            record = write_shard(root, job, tok, out_dtype, progress=progress)
-        elif on_kept is not None:
-            on_kept(record)
-        records.append(record)
-    return records
+        if record is not None:
+            kept[job.index] = record
+            if on_kept is not None:
+                on_kept(record)
+    written = iter(write_many(root, [j for j in jobs if j.index not in kept], tok, out_dtype, progress=progress))
+    return [kept[j.index] if j.index in kept else next(written) for j in jobs]
 
 
 def write_index(root: Path, prep: Preparation, tok: Any = None) -> TokenMeta:

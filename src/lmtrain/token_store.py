@@ -21,17 +21,21 @@ shard's own digest covers its bytes); version 1 (one ``tokens.bin``) is still re
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from launcher.core.atomic import write_atomic
-from lmtrain.corpus import BadDocuments, DataError, ShardJob, iter_documents
+from lmtrain import faults
+from lmtrain.corpus import BadDocuments, DataError, ShardJob, read_ahead
 
 SHARDS_DIR = "shards"
 
@@ -48,64 +52,147 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def encoded(tok: Any, docs: Iterable[str], batch: int = 1024) -> Iterator[np.ndarray]:
-    """Each document's ids followed by eos, as an int64 array; a fast tokenizer encodes in batches."""
-    eos = np.array([tok.eos_id], dtype=np.int64)
-    if not hasattr(tok, "encode_batch"):  # bytes
-        for doc in docs:
-            yield np.concatenate([np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int64), eos])
-        return
-    pending: list[str] = []
-    for doc in docs:
-        pending.append(doc)
-        if len(pending) == batch:
-            for ids in tok.encode_batch(pending):
-                yield np.asarray(ids + [tok.eos_id], dtype=np.int64)
-            pending = []
-    for ids in tok.encode_batch(pending) if pending else []:
-        yield np.asarray(ids + [tok.eos_id], dtype=np.int64)
+BATCH_DOCUMENTS = 1024  # documents per call of the fast tokenizer (it spreads one call over its threads)
+BATCH_CHARS = 8_000_000  # and at most this much text: memory stays bounded whatever the documents' sizes
 
 
-def write_shard(root: Path, job: ShardJob, tok: Any, out_dtype: np.dtype, *,
-                progress: Any = None) -> dict[str, Any]:
-    """Tokenize ``job.source`` into ``root/shards/NNNNN.bin`` and its record (both atomic and
-    durable); the record. ``progress(documents, tokens)`` is called as it goes."""
-    (root / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
-    final = root / shard_name(job.index)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    skip = BadDocuments() if job.skip_bad else None
-    h = hashlib.sha256()
-    tokens = documents = 0
-    try:
-        with open(tmp, "wb") as f:
-            for arr in encoded(tok, iter_documents(job.source, text_key=job.text_key, skip=skip)):
-                if arr.min() < 0 or arr.max() >= tok.vocab_size:
-                    raise DataError(f"{job.source}: the tokenizer produced id {int(arr.max())} outside its "
-                                    f"vocabulary of {tok.vocab_size}")
-                buf = arr.astype(out_dtype).tobytes()
-                f.write(buf)
-                h.update(buf)
-                tokens += arr.size
-                documents += 1
-                if progress is not None and documents % 1000 == 0:
-                    progress(documents, tokens)
-            f.flush()
-            os.fsync(f.fileno())
-        if documents == 0:
+def encode_run(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``texts``' ids, each document followed by eos, as one int64 array, and where each document
+    starts in it (``len(texts) + 1`` offsets). A fast tokenizer encodes them all in one call."""
+    if not hasattr(tok, "encode_batch"):  # bytes: each byte its id
+        raw = [t.encode("utf-8") for t in texts]
+        lengths = [len(b) + 1 for b in raw]
+        flat = np.full(sum(lengths), tok.eos_id, dtype=np.int64)
+        offsets = np.cumsum([0, *lengths])
+        for b, lo in zip(raw, offsets[:-1]):
+            flat[lo:lo + len(b)] = np.frombuffer(b, dtype=np.uint8)
+        return flat, offsets
+    lists = tok.encode_batch(texts)
+    for ids in lists:  # fresh lists from the tokenizer: eos appended in place
+        ids.append(tok.eos_id)
+    lengths = [len(ids) for ids in lists]
+    flat = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=sum(lengths))
+    return flat, np.cumsum([0, *lengths])
+
+
+class _Shard:
+    """One shard being written: its temporary file, running digest and counts."""
+
+    def __init__(self, root: Path, job: ShardJob, out_dtype: np.dtype) -> None:
+        self.job, self.out_dtype = job, out_dtype
+        self.final = root / shard_name(job.index)
+        self.tmp = self.final.with_name(f".{self.final.name}.tmp-{os.getpid()}")
+        self.skip = BadDocuments() if job.skip_bad else None
+        self.h = hashlib.sha256()
+        self.tokens = self.documents = 0
+        self.read_all = False  # every document of its input is read (and pending or written)
+        self.f: Any = None  # opened at its first documents: thousands of inputs are not thousands of open files
+
+    def add(self, ids: np.ndarray, documents: int, vocab_size: int) -> None:
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise DataError(f"{self.job.source}: the tokenizer produced id {int(ids.max())} outside its "
+                            f"vocabulary of {vocab_size}")
+        buf = ids.astype(self.out_dtype).tobytes()
+        if self.f is None:
+            self.f = open(self.tmp, "wb")
+        self.f.write(buf)
+        self.h.update(buf)
+        self.tokens += ids.size
+        self.documents += documents
+
+    def close(self) -> dict[str, Any]:
+        """The .bin renamed into place (durable), then its record; the record."""
+        job, skip = self.job, self.skip
+        if self.documents == 0:
             raise DataError(f"empty corpus: {job.source} holds no text (.txt empty, or every document's "
                             f"text empty{' or bad' if skip is not None else ''})")
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        faults.point("prepare.shard", shard=job.index)
+        os.replace(self.tmp, self.final)
+        record = {"file": shard_name(job.index), "tokens": self.tokens, "documents": self.documents,
+                  "sha256": self.h.hexdigest(), "source": str(job.source.absolute()),
+                  "source_sha256": sha256_file(job.source), "source_bytes": job.source.stat().st_size,
+                  **({"skipped": skip.count, "skipped_examples": skip.examples} if skip is not None else {})}
+        write_atomic(self.final.with_suffix(".json"), json.dumps(record, indent=1, sort_keys=True) + "\n",
+                     durable=True)
+        return record
+
+    def abort(self) -> None:
+        if self.f is not None:
+            self.f.close()
+        self.tmp.unlink(missing_ok=True)  # gone once renamed into place
+
+
+def write_many(root: Path, jobs: Sequence[ShardJob], tok: Any, out_dtype: np.dtype, *,
+               progress: Any = None) -> list[dict[str, Any]]:
+    """Tokenize each job's input into its shard ``root/shards/NNNNN.bin`` and record (each atomic
+    and durable); the records, in order. ``progress(documents, tokens)`` after each batch.
+
+    The documents of consecutive inputs are encoded together, up to :data:`BATCH_DOCUMENTS` (or
+    :data:`BATCH_CHARS` of text) per call of the tokenizer whatever the files' sizes, and split back
+    into their shards: the same bytes as file by file. A shard is closed as soon as its last
+    document is written, so a stopped preparation loses at most one batch. An input that cannot be
+    read is an error after the shards of the inputs before it are finished (they are kept).
+    """
+    (root / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    live: list[_Shard] = []  # shards opened and not closed, in order
+    texts: list[str] = []
+    owners: list[_Shard] = []
+    chars = documents = tokens = 0
+
+    def flush() -> None:
+        nonlocal texts, owners, chars, documents, tokens
+        flat, offsets = encode_run(tok, texts)
+        i = 0
+        while i < len(texts):  # each shard's run of the pending documents
+            j = i
+            while j < len(texts) and owners[j] is owners[i]:
+                j += 1
+            owners[i].add(flat[offsets[i]:offsets[j]], j - i, tok.vocab_size)
+            documents, tokens = documents + j - i, tokens + int(offsets[j] - offsets[i])
+            i = j
+        texts, owners, chars = [], [], 0
+        while live and live[0].read_all:
+            records.append(live.pop(0).close())
+        if progress is not None:
+            progress(documents, tokens)
+
+    shards = [_Shard(root, job, out_dtype) for job in jobs]
+    reading = read_ahead([(job.source, job.text_key, shard.skip) for job, shard in zip(jobs, shards)])
+    try:
+        with contextlib.closing(reading):  # type: ignore[type-var]
+            for k, docs in reading:
+                shard = shards[k]
+                if not live or live[-1] is not shard:
+                    live.append(shard)
+                if docs is None:
+                    shard.read_all = True
+                    continue
+                for doc in docs:
+                    texts.append(doc)
+                    owners.append(shard)
+                    chars += len(doc)
+                    if len(texts) >= BATCH_DOCUMENTS or chars >= BATCH_CHARS:
+                        flush()
+            flush()
+    except DataError:  # an input is bad: the shards of the inputs before it are finished first
+        bad = next((s for s in live if not s.read_all), None)
+        keep = [k for k, o in enumerate(owners) if o is not bad]
+        texts, owners = [texts[k] for k in keep], [owners[k] for k in keep]
+        try:
+            flush()
+        finally:
+            for s in shards:
+                s.abort()
         raise
-    record = {"file": shard_name(job.index), "tokens": tokens, "documents": documents, "sha256": h.hexdigest(),
-              "source": str(job.source.absolute()), "source_sha256": sha256_file(job.source),
-              "source_bytes": job.source.stat().st_size,
-              **({"skipped": skip.count, "skipped_examples": skip.examples} if skip is not None else {})}
-    write_atomic(final.with_suffix(".json"), json.dumps(record, indent=1, sort_keys=True) + "\n", durable=True)
-    if progress is not None:
-        progress(documents, tokens)
-    return record
+    except BaseException:
+        for s in shards:
+            s.abort()
+        raise
+    return records
 
 
 def finished(root: Path, job: ShardJob, itemsize: int) -> dict[str, Any] | None:
@@ -151,26 +238,30 @@ class TokenStream:
         self.root, self.dtype = Path(root), dtype
         self.files = [f for f, _ in shards]
         self.starts = np.cumsum([0] + [n for _, n in shards])  # (S + 1,)
-        self._maps: dict[int, np.memmap] = {}
+        self.bounds: list[int] = self.starts.tolist()  # the same as Python ints: a scalar lookup is bisect's
+        self._maps: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def _map(self, i: int) -> np.memmap:
+    def _map(self, i: int) -> np.ndarray:
         m = self._maps.get(i)
         if m is None:
             n = int(self.starts[i + 1] - self.starts[i])
-            m = self._maps[i] = np.memmap(self.root / self.files[i], dtype=self.dtype, mode="r", shape=(n,))
+            # a plain ndarray over the map (it keeps the map open): slicing it skips memmap's per-slice bookkeeping
+            m = self._maps[i] = np.memmap(self.root / self.files[i], dtype=self.dtype, mode="r",
+                                          shape=(n,)).view(np.ndarray)
         return m
 
     def read(self, lo: int, n: int) -> np.ndarray:
         if lo < 0 or lo + n > len(self):
             raise IndexError(f"tokens {lo}..{lo + n} outside 0..{len(self)}")
-        i = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        starts = self.bounds
+        i = bisect.bisect_right(starts, lo) - 1
         parts = []
         while n > 0:
-            off = lo - int(self.starts[i])
-            take = min(n, int(self.starts[i + 1]) - lo)
+            off = lo - starts[i]
+            take = min(n, starts[i + 1] - lo)
             parts.append(self._map(i)[off:off + take])
             lo, n, i = lo + take, n - take, i + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)

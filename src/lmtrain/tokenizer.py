@@ -77,7 +77,9 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         backend = getattr(self.tok, "backend_tokenizer", None)
         if backend is not None:  # the fast tokenizer itself (Rust, threaded): the same ids, no BatchEncoding
-            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+            # encode_batch_fast (tokenizers >= 0.20) leaves out the character offsets nothing here reads
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
         return [list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:

@@ -200,3 +200,47 @@ def test_inputs_are_collected_in_a_fixed_order(tmp_path, split_corpus):
     (tmp_path / "x.csv").write_text("a")
     with pytest.raises(DataError, match=r"x\.csv: unsupported input type '\.csv'; allowed: \.txt, \.jsonl"):
         collect_inputs([tmp_path / "x.csv"])
+
+
+def test_batches_across_files_give_the_bytes_of_one_file_at_a_time(tmp_path, split_corpus, monkeypatch):
+    """The tokenizer is called with the documents of several files at once (up to BATCH_DOCUMENTS
+    or BATCH_CHARS); the shards are byte for byte those of one document per call."""
+    from lmtrain import token_store
+    from lmtrain.tokenizer_train import train_tokenizer
+
+    train_tokenizer([split_corpus], tmp_path / "tok", vocab_size=600)
+    trees = []
+    for docs, chars in ((1, 10**9), (7, 10**9), (10**6, 5_000), (10**6, 10**9)):
+        monkeypatch.setattr(token_store, "BATCH_DOCUMENTS", docs)
+        monkeypatch.setattr(token_store, "BATCH_CHARS", chars)
+        out = tmp_path / f"o-{docs}-{chars}"
+        prepare([split_corpus], out, tokenizer=tmp_path / "tok")
+        trees.append({p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
+    assert all(t == trees[0] for t in trees[1:]) and len(trees[0]) == 13  # 6 shards, their records, the index
+
+
+def test_a_bad_input_after_good_ones_is_an_error_after_their_shards_are_finished(tmp_path, split_corpus):
+    """The documents of good inputs read before a corrupt one are written and their shards
+    closed (a rerun keeps them); nothing of the bad input or those after it; no thread left."""
+    import threading
+
+    import numpy as np
+
+    from lmtrain.corpus import Preparation
+    from lmtrain.prepare import write_shards
+    from lmtrain.token_store import finished
+
+    files = sorted(split_corpus.iterdir())
+    bad = _corrupt_zst(tmp_path)
+    prep = Preparation([files[0], files[1], bad, files[2]], None)
+    root = tmp_path / "store"
+    with pytest.raises(DataError, match=r"c\.jsonl\.zst: not a readable \.jsonl\.zst stream after line"):
+        write_shards(root, prep, prep.jobs())
+    jobs = prep.jobs()
+    assert [finished(root, j, np.dtype(np.uint16).itemsize) is not None for j in jobs] == [True, True, False, False]
+    assert sorted(p.name for p in (root / "shards").iterdir()) == ["00000.bin", "00000.json", "00001.bin", "00001.json"]
+    assert not [t for t in threading.enumerate() if t.name == "lmtrain-read-ahead"]
+    kept = []
+    fixed = Preparation([files[0], files[1], files[3], files[2]], None)  # the bad file replaced: 0 and 1 are kept
+    write_shards(root, fixed, fixed.jobs(), on_kept=kept.append)
+    assert [r["file"] for r in kept] == ["shards/00000.bin", "shards/00001.bin"]

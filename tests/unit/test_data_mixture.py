@@ -70,6 +70,27 @@ def test_a_virtual_epoch_takes_each_share_and_small_sources_repeat_in_new_orders
     assert mix.epochs_of_each(1000) == pytest.approx([1000 * 0.5 / 90, 1000 * 0.5 / 10])
 
 
+@pytest.mark.parametrize("sizes, weights", [((90, 10), (1, 1)), ((3, 500, 7), (1, 1, 100)), ((5, 2000), (0.9, 0.1)),
+                                            ((1,), (1,))])
+def test_each_sample_is_the_documented_window(sizes, weights):
+    """Sample j is window perm_{s, q // n_s}[q mod n_s] of source s, q = epoch * c_s + k (the module's
+    docstring): computed here sample by sample, against the per-epoch map the mixture builds."""
+    mix = MixtureWindows([_Windows(str(i), n) for i, n in enumerate(sizes)], weights, seed=11)
+    starts = [sum(mix.counts[:s]) for s in range(len(sizes))]
+
+    def documented(j: int) -> tuple[str, int]:
+        epoch, k = divmod(j, mix.total)
+        s = max(i for i, st in enumerate(starts) if st <= k)
+        q = epoch * mix.counts[s] + k - starts[s]
+        r, w = divmod(q, sizes[s])
+        g = torch.Generator().manual_seed((11 * 1_000_003 + s * 10_007 + r) % (2**63))
+        return str(s), int(torch.randperm(sizes[s], generator=g)[w])
+
+    picks = [*range(0, 3 * mix.total, 7), 10**6 + 3, 7 * mix.total + 1, 2 * mix.total + 5, 0]  # out of order too
+    assert [mix[j] for j in picks] == [documented(j) for j in picks]
+    assert mix.__getitems__(picks[:9]) == [mix[j] for j in picks[:9]]  # what the DataLoader fetches a batch by
+
+
 # --- through the real entry ---------------------------------------------------------------------
 OVERRIDES = ["model.config.n_layer=1", "model.config.n_embd=32", "model.config.n_head=2", "model.config.n_positions=32",
              "data.seq_len=32", "data.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.log_every_n_steps=1",
