@@ -59,7 +59,8 @@ class MixtureWindows(Dataset):
         self.names = list(names)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self._map_epoch = -1  # the virtual epoch whose positions _map_source/_map_window locate
-        self._map_source = self._map_window = np.empty(0, dtype=np.int64)
+        self._map_source: np.ndarray = np.empty(0, dtype=np.int16)
+        self._map_window: np.ndarray = np.empty(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return self.total
