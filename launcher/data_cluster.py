@@ -5,9 +5,11 @@ final step, registered as a run that ``status``, ``logs`` and ``cancel`` know.
   ``--tasks`` contiguous slices; array task K tokenizes slice K into one shard per file
   (lmtrain.prepare_task), in ``OUT.partial``. A task preempted or failed and requeued keeps the
   shards it finished (each shard is written atomically, with its record) and redoes the rest.
-- ``--max-parallel`` throttles the array (``%K``); ``--tasks`` above the cluster's MaxArraySize
-  is refused before anything is queued.
-- The final step runs after the whole array succeeded (``afterok``): it writes the index and
+- ``--max-parallel`` throttles the array (``%K``). More tasks than one array may hold (the
+  cluster's MaxArraySize, or ``--array-size`` for a site whose QOS caps a user's queued jobs
+  lower) go into several arrays chained one after another (launcher.core.arrays); array task k
+  of the array that starts at task o is task o + k.
+- The final step runs after every array succeeded (``afterok`` on each): it writes the index and
   renames ``OUT.partial`` to ``OUT``: the files a local ``data prepare`` of the same inputs
   writes, byte for byte.
 
@@ -27,14 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from launcher import runs
-from launcher.core import slurm
-from launcher.core.errors import SlurmUnavailable, UserError
+from launcher.core import arrays, slurm
+from launcher.core.errors import UserError
 from launcher.core.profiles import Profile, load_profile
 from launcher.core.shell import shell_quote
 from launcher.core.spec import format_minutes, parse_slurm_time
 from launcher.core.text_rules import RUN_NAME, brief
 
 SPEC = "preparation.json"  # lmtrain.prepare_task.SPEC
+JOBS = "preparation-jobs.json"  # lmtrain.prepare_task.JOBS
 
 
 def slices(n_files: int, tasks: int) -> list[tuple[int, int]]:
@@ -66,13 +69,15 @@ class ArrayJob:
         return out + [f"#SBATCH {x}" for x in lines]
 
 
-def array_script(job: ArrayJob, tasks: int, max_parallel: int) -> str:
-    lines = job.header(f"--array=0-{tasks - 1}%{max_parallel}",
+def array_script(job: ArrayJob, tasks: range, max_parallel: int) -> str:
+    """The array of tasks ``tasks`` (its SLURM task k is task ``tasks.start + k``)."""
+    lines = job.header(f"--array=0-{len(tasks) - 1}%{max_parallel}",
                        f"--output={job.run_dir}/submitit/%A_%a_log.out", f"--error={job.run_dir}/submitit/%A_%a_log.err")
+    task = f"$((SLURM_ARRAY_TASK_ID + {tasks.start}))" if tasks.start else "$SLURM_ARRAY_TASK_ID"
     lines += ["export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
               # a job step: SLURM's preemption signals (SIGTERM, then SIGKILL after GraceTime) reach the task
               f"exec srun --ntasks=1 {shell_quote(job.python)} -m lmtrain.prepare_task {shell_quote(job.run_dir)} "
-              "\"$SLURM_ARRAY_TASK_ID\""]
+              f"\"{task}\""]
     return "\n".join(lines) + "\n"
 
 
@@ -92,17 +97,9 @@ def _partition(profile: Profile, chosen: str | None) -> str:
     return name
 
 
-def _max_array_size() -> int | None:
-    try:
-        value = slurm.config().get("MaxArraySize")
-    except (UserError, SlurmUnavailable):
-        return None
-    return int(value) if value and value.isdigit() else None
-
-
 def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None, text_key: str, skip_bad: bool,
                        cluster: str, tasks: int, max_parallel: int, name: str | None, partition: str | None,
-                       time_limit: str, environ: Mapping[str, str]) -> dict[str, Any]:
+                       time_limit: str, environ: Mapping[str, str], array_size: int | None = None) -> dict[str, Any]:
     """Queue the preparation; what was queued (run, job ids, files, slices, where the result goes)."""
     from launcher.resolve import runs_root_for
     from lmtrain.corpus import Preparation, collect_inputs  # the standard library only: no numpy here
@@ -125,10 +122,11 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
         raise UserError(f"--tokenizer {tokenizer}: not a directory (the tasks load it from there)")
     prep = Preparation(files, tok, text_key, skip_bad)
     cut = slices(len(files), tasks)
-    limit = _max_array_size()
-    if limit is not None and len(cut) > limit - 1:
-        raise UserError(f"--tasks {len(cut)}: the cluster's MaxArraySize is {limit} (task ids 0..{limit - 1}); "
-                        f"use --tasks {limit - 1} or fewer (each task then takes more files)")
+    limit = arrays.max_array_size()
+    if array_size is not None and not 1 <= array_size <= limit:
+        raise UserError(f"--array-size {array_size}: must be 1..{limit} (the cluster's MaxArraySize: task ids "
+                        f"0..{limit - 1})")
+    size = array_size or limit
     profile = load_profile(cluster, environ)
     part = _partition(profile, partition)
     if minutes > profile.partitions[part].max_minutes:
@@ -147,14 +145,28 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
     (run_dir / SPEC).write_text(json.dumps(spec, indent=2) + "\n")
     job = ArrayJob(run_name, str(run_dir), part, format_minutes(minutes), profile.cpus_per_gpu,
                    profile.python_command(sys.executable), profile.account, profile.qos)
-    array_id = _sbatch(array_script(job, len(cut), min(max_parallel, len(cut))), run_dir / "prepare-array.sh")
-    assemble_id = _sbatch(assemble_script(job), run_dir / "prepare-assemble.sh", f"--dependency=afterok:{array_id}")
+    parallel = min(max_parallel, len(cut), size)
+
+    def submit(part: range, dependency: str | None) -> str:
+        script = run_dir / ("prepare-array.sh" if len(cut) <= size else f"prepare-array-{part.start}.sh")
+        return _sbatch(array_script(job, part, min(parallel, len(part))), script,
+                       *([f"--dependency={dependency}"] if dependency else []))
+
+    array_ids = arrays.submit_chained(len(cut), size, submit)
+    try:
+        assemble_id = _sbatch(assemble_script(job), run_dir / "prepare-assemble.sh",
+                              f"--dependency=afterok:{':'.join(array_ids)}")
+    except BaseException:
+        slurm.cancel(array_ids)  # all or nothing
+        raise
+    (run_dir / JOBS).write_text(json.dumps({"arrays": array_ids, "assemble": assemble_id}) + "\n")
+    what = f"job {array_ids[0]}" if len(array_ids) == 1 else f"jobs {', '.join(array_ids)}"
     runs.save_record(runs.RunRecord(name=run_name, profile=profile.name, run_dir=str(run_dir), spec_path=None,
-                                    job_ids=[array_id, assemble_id], submitted_at=[time.time()], max_steps=len(files),
-                                    after=[f"the preparation array (job {array_id})"]), environ)
-    return {"run": run_name, "run_dir": str(run_dir), "array_job": array_id, "assemble_job": assemble_id,
-            "files": len(files), "tasks": len(cut), "max_parallel": min(max_parallel, len(cut)), "partition": part,
-            "out": str(target), "staging": str(staging)}
+                                    job_ids=[*array_ids, assemble_id], submitted_at=[time.time()],
+                                    max_steps=len(files), after=[f"the preparation array ({what})"]), environ)
+    return {"run": run_name, "run_dir": str(run_dir), "array_job": array_ids[0], "array_jobs": array_ids,
+            "array_size": size, "assemble_job": assemble_id, "files": len(files), "tasks": len(cut),
+            "max_parallel": parallel, "partition": part, "out": str(target), "staging": str(staging)}
 
 
 def _sbatch(script: str, path: Path, *extra: str) -> str:

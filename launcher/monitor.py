@@ -167,6 +167,16 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
             f"eval of step-{ev.get('step')}: val_loss {_num(ev, 'val_loss') or 0:.4f}, perplexity "
             f"{_num(ev, 'perplexity') or 0:.2f}", note) if x)
 
+    failed = next((b for b in reversed(beats) if b.get("event") == "end" and b.get("error")), None)
+    if failed is not None:  # a preparation task that met a bad input
+        who = f"task {failed['task']}" if failed.get("task") is not None else "the job"
+        note = "; ".join(x for x in (f"{who} failed: {failed['error']}", note) if x)
+    prep = next((b for b in reversed(beats) if b.get("documents") is not None), None)
+    if prep is not None:  # a data preparation on the cluster: its shards are the steps
+        so_far = "in the store" if prep.get("event") == "end" else "tokenized so far"
+        note = "; ".join(x for x in (f"{int(prep['documents']):,} documents, {int(prep.get('tokens') or 0):,} tokens "
+                                     f"{so_far}", note) if x)
+
     step = int(last_any_step["step"]) if last_any_step is not None else None
     attempt = attempt_number(files.ledger, job if slurm_reachable else None)
     if attempt == 0 and job is not None:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from launcher.core import excluded_nodes
 from launcher.core.errors import SpecError
@@ -20,6 +21,7 @@ from launcher.core.spec import JobSpec
 from launcher.core.validation import located
 from launcher.jobfile import load_job_with_origin
 from launcher.memory_check import with_memory
+from launcher.memory_inputs import model_facts
 from launcher.model_check import check_model, split_of
 from launcher.runs import lmlaunch_home
 
@@ -52,6 +54,40 @@ def mixture_notes(spec: JobSpec, plan: LaunchPlan) -> list[str]:
         out.append(f"data.sources {src.path}: weight {src.weight / total:.0%}, {share:,} tokens trained of its "
                    f"{tokens:,}: {share / max(tokens, 1):.2f} epochs" + (" (repeated)" if share > tokens else ""))
     return out
+
+
+def data_vocab_checks(spec: JobSpec, model_vocab: int) -> tuple[list[str], list[str]]:
+    """(problems, notes): each store of ``data.path`` / ``data.sources`` whose index is readable
+    here, against the model's vocabulary and (a mixture) the first store's tokenizer. A store tokenized with more ids than the model's
+    embedding holds is a problem (the runtime would stop on it); fewer is a note (rows never
+    trained). A store not readable here is the runtime's to check, on the nodes."""
+    import json
+
+    stores = ([("data.path", spec.data.path)] if spec.data.sources is None
+              else [(f"data.sources[{i}]", s.path) for i, s in enumerate(spec.data.sources)])
+    problems, notes = [], []
+    first: tuple[str, Any] | None = None
+    for key, path in stores:
+        try:
+            meta = json.loads((Path(str(path)) / "meta.json").read_text())
+            vocab, kind = int(meta["vocab_size"]), (meta.get("tokenizer") or {}).get("kind", "?")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        same = (vocab, meta.get("eos_id"), kind, (meta.get("tokenizer") or {}).get("class"))
+        if first is None:
+            first = (f"{key} {path}", same)
+        elif same != first[1]:  # the runtime's check (lmtrain.data.check_same_tokens), before queue time
+            problems.append(f"{key} {path}: tokenized with {kind} (vocab_size {vocab}, eos {same[1]}), but {first[0]} "
+                            f"with {first[1][2]} (vocab_size {first[1][0]}, eos {first[1][1]}): the stores of a mixture "
+                            "must share one tokenizer")
+        if vocab > model_vocab:
+            problems.append(f"{key} {path}: tokenized with vocab_size {vocab} ({kind} tokenizer), but the model has "
+                            f"vocab_size {model_vocab}: ids >= {model_vocab} would index past its embedding; set "
+                            f"model.config.vocab_size: {vocab}, or use data tokenized for this model")
+        elif vocab < model_vocab:
+            notes.append(f"{key} {path}: tokenized with vocab_size {vocab} ({kind} tokenizer), the model has "
+                         f"{model_vocab}: {model_vocab - vocab:,} rows of its embedding are never trained")
+    return problems, notes
 
 
 def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) -> str:
@@ -134,6 +170,14 @@ def resolve(
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
         else:  # will it fit? (a GPU job that does not is refused, with what would make it fit)
             plan = with_memory(spec, profile, plan, env, force=force, source=str(spec_path))
+            try:
+                model_vocab = model_facts(spec, env, gpu=plan.topology.accelerator == "gpu").vocab_size
+            except Exception:  # what with_memory said already (a model the trace cannot follow)
+                model_vocab = None
+            problems, notes = data_vocab_checks(spec, model_vocab) if model_vocab else ([], [])
+            if problems:
+                raise SpecError(problems)
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))
     except SpecError as exc:
         if exc.source is not None:
             raise

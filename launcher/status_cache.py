@@ -32,7 +32,7 @@ from launcher.run_files import Checkpoint, RunFiles, read_run_files
 from launcher.runs import lmlaunch_home
 
 CACHE_FILE = "cache/run-files.json"
-VERSION = 3
+VERSION = 4
 RACY_S = 2.0
 FEW = 32  # up to this many run directories are read directly when the cache is big (plain `status`
 BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cached run)
@@ -40,7 +40,7 @@ BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cac
 # itself: DONE, CANCELLED and plan.json are only ever created, removed or replaced by rename,
 # each of which moves the directory's mtime, so they need no stat of their own.
 WATCHED = ("", HEARTBEAT, LEDGER)  # and the checkpoint directory (the plan says where)
-ROW_KEYS = ("time", "event", "step", "max_steps", "attempt", "loss", "tokens_per_s", "mfu")  # heartbeat keys build_row reads
+ROW_KEYS = ("time", "event", "step", "max_steps", "attempt", "loss", "tokens_per_s", "mfu", "documents", "tokens", "task", "error")  # heartbeat keys build_row reads
 
 
 def identity(run_dir: str, checkpoint_dir: str) -> tuple[list[Any], int] | None:
@@ -72,7 +72,8 @@ def compact_heartbeat(beats: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     keep: set[int] = {len(beats) - 1}
     for want in (lambda b: b.get("event") == "step",
                  lambda b: b.get("step") is not None,
-                 lambda b: bool(b.get("max_steps"))):
+                 lambda b: bool(b.get("max_steps")),
+                 lambda b: bool(b.get("error"))):
         i = next((i for i in range(len(beats) - 1, -1, -1) if want(beats[i])), None)
         if i is not None:
             keep.add(i)

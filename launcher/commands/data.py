@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     on.add_argument("--cluster", default="local", metavar="PROFILE", help="cluster profile (default: local)")
     on.add_argument("--tasks", type=int, default=4, metavar="N", help="array tasks, each a contiguous slice of the files")
     on.add_argument("--max-parallel", type=int, default=4, metavar="K", help="tasks running at once (sbatch --array ...%%K)")
+    on.add_argument("--array-size", type=int, metavar="M",
+                    help="at most M tasks per array (default: the cluster's MaxArraySize); more tasks go into arrays "
+                    "chained one after another (e.g. a site whose QOS caps a user's queued jobs)")
     on.add_argument("--name", metavar="RUN", help="the run's name (default: prepare-<OUT's name>)")
     on.add_argument("--partition", metavar="P", help="default: the profile's preemptible partition, else its default")
     on.add_argument("--time", default="01:00:00", metavar="T", help="time limit of each task (default 01:00:00)")
@@ -134,8 +137,13 @@ def _on_cluster(args: argparse.Namespace, inputs: list[str], ctx: Context) -> in
 
     r = submit_preparation(inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key, skip_bad=args.skip_bad,
                            cluster=args.cluster, tasks=args.tasks, max_parallel=args.max_parallel, name=args.name,
-                           partition=args.partition, time_limit=args.time, environ=ctx.environ)
-    ctx.out(f"submitted preparation '{r['run']}': array job {r['array_job']} ({r['tasks']} tasks over {r['files']} "
+                           partition=args.partition, time_limit=args.time, environ=ctx.environ,
+                           array_size=args.array_size)
+    ids = r["array_jobs"]
+    chain = (f"array job {ids[0]}" if len(ids) == 1 else
+             f"array jobs {', '.join(ids)} (at most {r['array_size']} tasks each, each starting when the one before "
+             "it ended)")
+    ctx.out(f"submitted preparation '{r['run']}': {chain} ({r['tasks']} tasks over {r['files']} "
             f"files, {r['max_parallel']} at once, partition {r['partition']}), then job {r['assemble_job']} writes the "
             f"index and moves {r['staging']} to {r['out']}\n"
             f"run directory: {r['run_dir']}\nnext:\n  lmlaunch status {r['run']}\n  lmlaunch logs {r['run']} --rank K"

@@ -15,11 +15,10 @@ from launcher import lifecycle, runs, sweep, sweep_rows
 from launcher.commands import add_force_argument
 from launcher.context import Context
 from launcher.core import jsonlines, rundir, slurm
+from launcher.core.arrays import max_array_size, submit_chained
 from launcher.core.errors import SlurmUnavailable, SpecError, UserError
 from launcher.resolve import resolve
 from launcher.submit_array import render_array_script, submit_array
-
-DEFAULT_MAX_ARRAY_SIZE = 1001  # SLURM's default MaxArraySize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,25 +67,21 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                 for p in plans]
     if not slurm.ping():
         raise SlurmUnavailable("the SLURM controller does not answer (`scontrol ping`); nothing was submitted")
-    size = _max_array_size()
-    chunks = [list(range(i, min(i + size, len(plans)))) for i in range(0, len(plans), size)]
     applied: list[Any] = []
-    arrays: list[str] = []
     job_ids: list[str] = []
+
+    def submit(part: range, dependency: str | None) -> str:  # each chunk after the one before (core.arrays)
+        ids = submit_array(plans[part[0]], [run_dirs[i] for i in part], str(sweep_dir), parallel, dependency)
+        job_ids.extend(ids)
+        return ids[0].split("_")[0]
+
     try:
         sweep_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for o in openings:
             o.apply(env)
             applied.append(o)
-        dependency = None
-        for chunk in chunks:  # each chunk starts after the one before: the throttle holds over all
-            ids = submit_array(plans[chunk[0]], [run_dirs[i] for i in chunk], str(sweep_dir), parallel, dependency)
-            arrays.append(ids[0].split("_")[0])
-            job_ids += ids
-            dependency = f"afterany:{arrays[-1]}"
+        arrays = submit_chained(len(plans), max_array_size(), submit)
     except BaseException:
-        if arrays:
-            slurm.cancel(arrays)
         for o in reversed(applied):
             o.rollback()
         raise
@@ -114,7 +109,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def _dry_run(args, ctx, name: str, points, plans, run_dirs, sweep_dir: str, parallel: int) -> int:
-    script = render_array_script(plans[0], run_dirs[:_max_array_size(query=False)], sweep_dir, parallel)
+    script = render_array_script(plans[0], run_dirs[:max_array_size(query=False)], sweep_dir, parallel)
     if args.json:
         ctx.out(json.dumps({"sweep": name, "max_parallel": parallel, "script": script,
                             "points": [{"run": p.run_name, "point": pt} for p, pt in zip(plans, points)]}, indent=2))
@@ -128,13 +123,6 @@ def _dry_run(args, ctx, name: str, points, plans, run_dirs, sweep_dir: str, para
     ctx.out("## array job script (as submitted)")
     ctx.out(script.rstrip("\n"))
     return 0
-
-
-def _max_array_size(query: bool = True) -> int:
-    if not query:
-        return DEFAULT_MAX_ARRAY_SIZE
-    text = slurm.config().get("MaxArraySize", "")
-    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_MAX_ARRAY_SIZE
 
 
 def _results(args: argparse.Namespace, ctx: Context) -> int:

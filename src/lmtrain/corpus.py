@@ -26,8 +26,10 @@ preparation on the cluster (launcher.data_cluster) without numpy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import gzip
+import hashlib
 import io
 import json
 import queue
@@ -278,12 +280,25 @@ def read_ahead(sources: Sequence[tuple[Path, str, BadDocuments | None]], *, chun
 
 @dataclass(frozen=True)
 class ShardJob:
-    """What one shard is made of: input file ``source`` tokenized into shard ``index``."""
+    """What one shard is made of: input file ``source`` tokenized into shard ``index`` by the
+    preparation whose :meth:`Preparation.recipe` is ``recipe``."""
 
     index: int
     source: Path
     text_key: str = "text"
     skip_bad: bool = False
+    recipe: str = ""
+
+
+def tokenizer_digest(path: str | None) -> str:
+    """What the tokenizer is, by content: "bytes", or the sha256 over the files of its directory
+    (name and digest of each), so a tokenizer retrained in the same directory is another one."""
+    if path is None:
+        return "bytes"
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(path).iterdir() if p.is_file()):
+        h.update(f"{f.name}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -295,8 +310,16 @@ class Preparation:
     text_key: str = "text"
     skip_bad: bool = False
 
+    @functools.cached_property
+    def recipe(self) -> str:
+        """The digest of how each document becomes ids (the tokenizer's content, the text field,
+        --skip-bad): a shard's record carries it, and a shard written by another recipe is not
+        finished for this one (a preparation resubmitted with another tokenizer redoes them)."""
+        what = {"tokenizer": tokenizer_digest(self.tokenizer), "text_key": self.text_key, "skip_bad": self.skip_bad}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
     def jobs(self) -> list[ShardJob]:
-        return [ShardJob(i, f, self.text_key, self.skip_bad) for i, f in enumerate(self.files)]
+        return [ShardJob(i, f, self.text_key, self.skip_bad, self.recipe) for i, f in enumerate(self.files)]
 
     def to_json(self) -> dict[str, Any]:
         return {"files": [str(f.absolute()) for f in self.files], "tokenizer": self.tokenizer,

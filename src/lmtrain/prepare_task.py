@@ -32,6 +32,7 @@ from launcher.core.rundir import DONE, HEARTBEAT, Heartbeat, RunLayout
 from lmtrain import faults
 
 SPEC = "preparation.json"
+JOBS = "preparation-jobs.json"  # {"arrays": [...], "assemble": id}, written after the submission
 log = logging.getLogger("lmtrain.prepare")
 
 
@@ -59,7 +60,7 @@ def _finished_shards(staging: Path) -> tuple[int, int, int]:
 
 
 def run_task(run_dir: Path, task: int) -> int:
-    from lmtrain.prepare import Preparation, write_shards
+    from lmtrain.prepare import DataError, Preparation, write_shards
 
     cfg = json.loads((run_dir / SPEC).read_text())
     prep, staging = Preparation.from_json(cfg["preparation"]), Path(cfg["staging"])
@@ -81,13 +82,40 @@ def run_task(run_dir: Path, task: int) -> int:
 
     kept_before = _finished_shards(staging)[0]
     t0 = time.perf_counter()
-    records = write_shards(staging, prep, jobs, progress=progress, on_kept=lambda r: log.info(
-        "kept %s (finished by an earlier attempt: %d documents, %d tokens)", r["file"], r["documents"], r["tokens"]))
+    try:
+        records = write_shards(staging, prep, jobs, progress=progress, on_kept=lambda r: log.info(
+            "kept %s (finished by an earlier attempt: %d documents, %d tokens)", r["file"], r["documents"],
+            r["tokens"]))
+    except DataError as exc:  # a bad input: another attempt would meet it again
+        log.error("%s", exc)
+        n, docs, total = _finished_shards(staging)
+        beat.emit("end", step=n, max_steps=len(prep.files), documents=docs, tokens=total, task=task,
+                  reason="failed", error=str(exc)[:500])
+        _cancel_final_step(run_dir)
+        return 1
     mine = sum(r["tokens"] for r in records)
     log.info("task %d done: %d shards (%d tokens) in %.1f s; %d shards of all were finished when it started",
              task, len(records), mine, time.perf_counter() - t0, kept_before)
     progress(0, 0)
     return 0
+
+
+def _cancel_final_step(run_dir: Path) -> None:
+    """The final step waits for every task to succeed, which this one will not: it is cancelled
+    (rather than left pending forever). The other tasks go on: their shards are kept for a rerun."""
+    from launcher.core import slurm
+
+    path, deadline = run_dir / JOBS, time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:  # written just after the submission
+        time.sleep(0.5)
+    try:
+        final = str(json.loads(path.read_text())["assemble"])
+        slurm.cancel([final])
+    except Exception as exc:  # SLURM's or the file's own error, said: the failure above is what matters
+        log.warning("could not cancel the final step (%s): %s", path, exc)
+        return
+    log.error("cancelled the final step (job %s): fix the input and submit the preparation again with the same "
+              "--out; the shards finished so far are kept", final)
 
 
 def assemble(run_dir: Path) -> int:

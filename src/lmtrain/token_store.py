@@ -112,7 +112,7 @@ class _Shard:
         faults.point("prepare.shard", shard=job.index)
         os.replace(self.tmp, self.final)
         record = {"file": shard_name(job.index), "tokens": self.tokens, "documents": self.documents,
-                  "sha256": self.h.hexdigest(), "source": str(job.source.absolute()),
+                  "sha256": self.h.hexdigest(), "recipe": job.recipe, "source": str(job.source.absolute()),
                   "source_sha256": sha256_file(job.source), "source_bytes": job.source.stat().st_size,
                   **({"skipped": skip.count, "skipped_examples": skip.examples} if skip is not None else {})}
         write_atomic(self.final.with_suffix(".json"), json.dumps(record, indent=1, sort_keys=True) + "\n",
@@ -123,6 +123,57 @@ class _Shard:
         if self.f is not None:
             self.f.close()
         self.tmp.unlink(missing_ok=True)  # gone once renamed into place
+
+
+class _Batches:
+    """The documents read and not yet encoded, each with its shard; the shards open, in order."""
+
+    def __init__(self, tok: Any, progress: Any) -> None:
+        self.tok, self.progress = tok, progress
+        self.records: list[dict[str, Any]] = []  # of the shards closed, in order
+        self.live: list[_Shard] = []  # shards opened and not closed, in order
+        self.texts: list[str] = []
+        self.owners: list[_Shard] = []
+        self.chars = self.documents = self.tokens = 0
+
+    def add(self, shard: _Shard, docs: list[str] | None) -> None:
+        if not self.live or self.live[-1] is not shard:
+            self.live.append(shard)
+        if docs is None:  # its input is read to the end
+            shard.read_all = True
+            return
+        for doc in docs:
+            self.texts.append(doc)
+            self.owners.append(shard)
+            self.chars += len(doc)
+            if len(self.texts) >= BATCH_DOCUMENTS or self.chars >= BATCH_CHARS:
+                self.flush()
+
+    def flush(self) -> None:
+        """Encode what is pending in one call, write each shard's run, close the shards read to the end."""
+        flat, offsets = encode_run(self.tok, self.texts)
+        i, owners = 0, self.owners
+        while i < len(owners):
+            j = i
+            while j < len(owners) and owners[j] is owners[i]:
+                j += 1
+            owners[i].add(flat[offsets[i]:offsets[j]], j - i, self.tok.vocab_size)
+            self.documents, self.tokens = self.documents + j - i, self.tokens + int(offsets[j] - offsets[i])
+            i = j
+        self.texts, self.owners, self.chars = [], [], 0
+        while self.live and self.live[0].read_all:
+            self.records.append(self.live.pop(0).close())
+        if self.progress is not None:
+            self.progress(self.documents, self.tokens)
+
+    def finish_before_bad(self) -> None:
+        """An input could not be read: the shards before it are written and closed (kept), its own dropped."""
+        bad = next((s for s in self.live if not s.read_all), None)
+        keep = [k for k, o in enumerate(self.owners) if o is not bad]
+        self.texts, self.owners = [self.texts[k] for k in keep], [self.owners[k] for k in keep]
+        if bad is not None:
+            self.live.remove(bad)
+        self.flush()
 
 
 def write_many(root: Path, jobs: Sequence[ShardJob], tok: Any, out_dtype: np.dtype, *,
@@ -137,53 +188,17 @@ def write_many(root: Path, jobs: Sequence[ShardJob], tok: Any, out_dtype: np.dty
     read is an error after the shards of the inputs before it are finished (they are kept).
     """
     (root / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
-    records: list[dict[str, Any]] = []
-    live: list[_Shard] = []  # shards opened and not closed, in order
-    texts: list[str] = []
-    owners: list[_Shard] = []
-    chars = documents = tokens = 0
-
-    def flush() -> None:
-        nonlocal texts, owners, chars, documents, tokens
-        flat, offsets = encode_run(tok, texts)
-        i = 0
-        while i < len(texts):  # each shard's run of the pending documents
-            j = i
-            while j < len(texts) and owners[j] is owners[i]:
-                j += 1
-            owners[i].add(flat[offsets[i]:offsets[j]], j - i, tok.vocab_size)
-            documents, tokens = documents + j - i, tokens + int(offsets[j] - offsets[i])
-            i = j
-        texts, owners, chars = [], [], 0
-        while live and live[0].read_all:
-            records.append(live.pop(0).close())
-        if progress is not None:
-            progress(documents, tokens)
-
     shards = [_Shard(root, job, out_dtype) for job in jobs]
+    batches = _Batches(tok, progress)
     reading = read_ahead([(job.source, job.text_key, shard.skip) for job, shard in zip(jobs, shards)])
     try:
         with contextlib.closing(reading):  # type: ignore[type-var]
             for k, docs in reading:
-                shard = shards[k]
-                if not live or live[-1] is not shard:
-                    live.append(shard)
-                if docs is None:
-                    shard.read_all = True
-                    continue
-                for doc in docs:
-                    texts.append(doc)
-                    owners.append(shard)
-                    chars += len(doc)
-                    if len(texts) >= BATCH_DOCUMENTS or chars >= BATCH_CHARS:
-                        flush()
-            flush()
-    except DataError:  # an input is bad: the shards of the inputs before it are finished first
-        bad = next((s for s in live if not s.read_all), None)
-        keep = [k for k, o in enumerate(owners) if o is not bad]
-        texts, owners = [texts[k] for k in keep], [owners[k] for k in keep]
+                batches.add(shards[k], docs)
+            batches.flush()
+    except DataError:
         try:
-            flush()
+            batches.finish_before_bad()
         finally:
             for s in shards:
                 s.abort()
@@ -192,16 +207,17 @@ def write_many(root: Path, jobs: Sequence[ShardJob], tok: Any, out_dtype: np.dty
         for s in shards:
             s.abort()
         raise
-    return records
+    return batches.records
 
 
 def finished(root: Path, job: ShardJob, itemsize: int) -> dict[str, Any] | None:
     """The record of shard ``job.index`` when it is finished for this input (its .bin the size
-    the record says, the input file the same size and checksum); else None."""
+    the record says, the input file the same size and checksum, made by the same recipe: the
+    tokenizer's content, the text field, --skip-bad); else None."""
     try:
         record = json.loads((root / shard_name(job.index)).with_suffix(".json").read_text())
         size = (root / record["file"]).stat().st_size
-        same_input = (record["source"] == str(job.source.absolute())
+        same_input = (record["source"] == str(job.source.absolute()) and record.get("recipe") == job.recipe
                       and record.get("source_bytes") == job.source.stat().st_size)
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -3,12 +3,15 @@
 middle (a high-priority exclusive job requeues every running task); the preempted tasks keep the
 shards they had finished (never rewritten) and redo only the rest; the final step's store equals
 the local preparation of the same inputs byte for byte; `status` shows the run's progress and
-`logs --rank K` each task's attempts."""
+`logs --rank K` each task's attempts. More tasks than one array holds run as arrays chained one
+after another; a corrupt input fails its task with the file named in `status` and `logs`, and the
+final step is cancelled rather than left pending."""
 
 from __future__ import annotations
 
 import filecmp
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from slurm_helpers import faults, wait_for
 
 from launcher import rehearsal
 from launcher.core import slurm
-from lmtrain.prepare import prepare
+from lmtrain.prepare import prepare, read_meta
 from tests.unit.test_corpus_inputs import shipped_documents, write
 
 SHARD_PACE_S = 8.0  # each shard waits this long first: the preemption lands between two of a task's shards
@@ -75,3 +78,54 @@ def test_a_preparation_array_preempted_midway_redoes_only_unfinished_shards(slur
     assert not staging.exists()
     status = cli("status", run_name)
     assert status.code == 0 and "COMPLETED" in status.out and "6/6" in status.out, status.out
+
+
+def _sacct_times(job: str) -> list[tuple[str, str]]:
+    """(start, end) of each task of array ``job`` (ISO times sort as text)."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,Start,End", "-j", job], capture_output=True, text=True,
+                         check=True).stdout
+    return [(start, end) for line in out.splitlines() if line.strip() for _, start, end in [line.split("|")]]
+
+
+def test_more_tasks_than_an_array_holds_run_as_chained_arrays_and_a_bad_input_fails_its_task_clearly(
+        slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
+    corpus, docs = tmp_path / "corpus", shipped_documents()
+    corpus.mkdir()
+    for i in range(4):
+        write(corpus / f"part-{i}.jsonl.zst", docs[i * len(docs) // 4:(i + 1) * len(docs) // 4])
+    r = cli("data", "prepare", str(corpus), "--out", str(tmp_path / "store"), "--on-cluster", "--tasks", "4",
+            "--max-parallel", "2", "--array-size", "2", "--name", run_name)
+    assert r.code == 0, r.err
+    first, second = re.search(r"array jobs (\d+), (\d+) \(at most 2 tasks each, each starting when the one before",
+                              r.out).groups()
+    assemble = re.search(r"then job (\d+) writes the index", r.out).group(1)
+    own_jobs += [first, second, assemble]
+    assert wait_for(assemble, {"completed", "failed", "cancelled"}, timeout=240) == "COMPLETED"
+    assert max(end for _, end in _sacct_times(first)) <= min(start for start, _ in _sacct_times(second))  # chained
+    assert _same_tree(prepare([corpus], tmp_path / "local").out, tmp_path / "store") == []
+    status = cli("status", run_name)
+    m = read_meta(tmp_path / "store")
+    assert status.code == 0 and "COMPLETED" in status.out and "4/4" in status.out, status.out
+    assert f"{m.num_documents:,} documents, {m.num_tokens:,} tokens in the store" in status.out, status.out
+
+    bad = corpus / "part-2.jsonl.zst"  # corrupt in the middle of its stream: task 1's first file
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    name = f"{run_name}-bad"
+    r = cli("data", "prepare", str(corpus), "--out", str(tmp_path / "store2"), "--on-cluster", "--tasks", "2",
+            "--array-size", "1", "--name", name)
+    assert r.code == 0, r.err
+    arrays = re.search(r"array jobs (\d+), (\d+) ", r.out).groups()
+    assemble = re.search(r"then job (\d+) writes the index", r.out).group(1)
+    own_jobs += [*arrays, assemble]
+    assert wait_for(assemble, {"completed", "failed", "cancelled"}, timeout=240) == "CANCELLED"  # by the failed task
+    assert wait_for(f"{arrays[1]}_0", {"completed", "failed", "cancelled"}, timeout=120) == "FAILED"
+    assert wait_for(f"{arrays[0]}_0", {"completed", "failed", "cancelled"}, timeout=120) == "COMPLETED"
+    status = cli("status", name)
+    assert status.code == 0 and re.search(r"task 1 failed: \S*part-2\.jsonl\.zst: not a readable \.jsonl\.zst stream",
+                                          status.out), status.out
+    logs = cli("logs", name, "--rank", "1")
+    assert "not a readable .jsonl.zst stream" in logs.out and "cancelled the final step" in logs.out, logs.out
+    kept = sorted(p.name for p in (tmp_path / "store2.partial" / "shards").glob("*.json"))
+    assert kept == ["00000.json", "00001.json"] and not (tmp_path / "store2").exists()  # task 0's, for a rerun

@@ -244,3 +244,19 @@ def test_a_bad_input_after_good_ones_is_an_error_after_their_shards_are_finished
     fixed = Preparation([files[0], files[1], files[3], files[2]], None)  # the bad file replaced: 0 and 1 are kept
     write_shards(root, fixed, fixed.jobs(), on_kept=kept.append)
     assert [r["file"] for r in kept] == ["shards/00000.bin", "shards/00001.bin"]
+    again: list = []
+    other = Preparation(fixed.files, None, skip_bad=True)  # another recipe: nothing of the first is finished for it
+    write_shards(root, other, other.jobs(), on_kept=again.append)
+    assert again == [] and json.loads((root / "shards" / "00000.json").read_text())["recipe"] == other.recipe
+
+
+def test_a_tokenizer_retrained_in_the_same_directory_is_another_recipe(tmp_path, split_corpus):
+    from lmtrain.corpus import Preparation
+    from lmtrain.tokenizer_train import train_tokenizer
+
+    train_tokenizer([split_corpus], tmp_path / "tok", vocab_size=500)
+    first = Preparation([], str(tmp_path / "tok")).recipe
+    assert Preparation([], str(tmp_path / "tok")).recipe == first  # the same content: the same recipe
+    train_tokenizer([split_corpus], tmp_path / "tok", vocab_size=520)
+    assert Preparation([], str(tmp_path / "tok")).recipe != first
+    assert Preparation([], None).recipe != Preparation([], None, text_key="body").recipe

@@ -7,6 +7,8 @@ import io
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from launcher.cli import main
 from launcher.context import Context
 from launcher.data_cluster import ArrayJob, array_script, assemble_script, slices
@@ -20,7 +22,7 @@ def test_slices_are_contiguous_cover_every_file_and_are_never_empty():
 
 def test_the_scripts_are_valid_bash_and_throttle_the_array(tmp_path):
     job = ArrayJob("prep", "/runs/prep dir", "low", "01:00:00", 2, "/venv/bin/python", "acct", None)
-    script = array_script(job, 4, 2)
+    script = array_script(job, range(4), 2)
     assert "#SBATCH --array=0-3%2" in script and "#SBATCH --account=acct" in script
     assert "exec srun --ntasks=1 /venv/bin/python -m lmtrain.prepare_task '/runs/prep dir' \"$SLURM_ARRAY_TASK_ID\"" in script
     for text in (script, assemble_script(job)):
@@ -44,6 +46,40 @@ def test_what_reaches_the_job_scripts_is_checked_before_anything_is_made(tmp_pat
     assert code == 2 and "--name 'a b;x' is not a valid run name" in err, err
     code, err = run("--time", "5-00:00:00")
     assert code == 2 and "--time 5-00:00:00 = 7200 min is above partition 'low' max_time" in err, err
+    code, err = run("--array-size", "0")
+    assert code == 2 and "--array-size 0: must be 1..1001 (the cluster's MaxArraySize" in err, err
     code, err = run("--tasks", "0")
     assert code == 2 and "--tasks(0)" in err, err
     assert not Path(tmp_path / "runs").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_later_array_numbers_its_tasks_after_those_before_it(tmp_path):
+    job = ArrayJob("prep", "/runs/prep", "low", "01:00:00", 1, "/venv/bin/python")
+    script = array_script(job, range(4, 6), 2)
+    assert "#SBATCH --array=0-1%2" in script and '"$((SLURM_ARRAY_TASK_ID + 4))"' in script
+    (tmp_path / "s.sh").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0
+    got = subprocess.run(["bash", "-c", 'SLURM_ARRAY_TASK_ID=1; echo "$((SLURM_ARRAY_TASK_ID + 4))"'],
+                         capture_output=True, text=True).stdout
+    assert got.strip() == "5"
+
+
+def test_chained_arrays_cover_every_task_and_a_failed_submission_cancels_those_queued(monkeypatch):
+    from launcher.core import arrays, slurm
+
+    assert arrays.chunks(5, 2) == [range(0, 2), range(2, 4), range(4, 5)] and arrays.chunks(3, 10) == [range(0, 3)]
+    calls, cancelled = [], []
+
+    def submit(part: range, dependency: str | None) -> str:
+        if len(calls) == 2:
+            raise RuntimeError("sbatch: error: QOSMaxSubmitJobPerUserLimit")
+        calls.append((part, dependency))
+        return str(100 + len(calls))
+
+    assert arrays.submit_chained(3, 2, lambda p, d: (calls.append((p, d)), str(len(calls)))[1]) == ["1", "2"]
+    assert calls == [(range(0, 2), None), (range(2, 3), "afterany:1")]
+    calls.clear()
+    monkeypatch.setattr(slurm, "cancel", lambda ids, **k: cancelled.extend(ids))
+    with pytest.raises(RuntimeError, match="QOSMaxSubmitJobPerUserLimit"):
+        arrays.submit_chained(5, 2, submit)
+    assert cancelled == ["101", "102"]  # all or nothing

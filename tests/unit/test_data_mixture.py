@@ -192,3 +192,26 @@ def test_bad_mixtures_are_clear_errors(tmp_path, stores):
                                         r"with bytes .*must share one tokenizer"):
         datasets(Spec(), seed=1)
     assert json.loads((other / "meta.json").read_text())["vocab_size"] == 300
+
+
+def test_validate_names_a_store_whose_vocabulary_the_model_cannot_hold(tmp_path, stores):
+    """Before anything is queued: a store tokenized with more ids than the model's embedding is
+    refused, naming the source, its line and what to set; one with fewer is a plan note."""
+    from launcher.resolve import resolve
+    from lmtrain.tokenizer_train import train_tokenizer
+
+    train_tokenizer([REPO / "data" / "corpus" / "licenses.jsonl"], tmp_path / "tok", vocab_size=300)
+    bpe = prepare([REPO / "data" / "corpus" / "licenses.jsonl"], tmp_path / "bpe", tokenizer=tmp_path / "tok").out
+    spec = _spec(tmp_path, (stores[0], bpe))
+    with pytest.raises(SpecError, match=r"line \d+: data\.sources\[1\] \S*bpe: tokenized with vocab_size 300 "
+                                        r"\(huggingface tokenizer\), but the model has vocab_size 260: ids >= 260 "
+                                        r"would index past its embedding; set model.config.vocab_size: 300"):
+        resolve(str(spec), [], environ=dict(os.environ))
+    with pytest.raises(SpecError, match=r"data\.sources\[1\] \S*bpe: tokenized with huggingface \(vocab_size 300, "
+                                        r"eos 0\), but data\.sources\[0\] \S*licenses with bytes \(vocab_size 260, "
+                                        r"eos 256\): the stores of a mixture must share one tokenizer"):
+        resolve(str(spec), ["model.config.vocab_size=320"], environ=dict(os.environ))
+    other = prepare([REPO / "data" / "corpus" / "python-docs.jsonl"], tmp_path / "bpe2", tokenizer=tmp_path / "tok").out
+    plan = resolve(str(_spec(tmp_path, (bpe, other))), ["model.config.vocab_size=320"], environ=dict(os.environ)).plan
+    assert any("data.sources[0]" in n and "vocab_size 300 (huggingface tokenizer), the model has 320: 20 rows" in n
+               for n in plan.notes), plan.notes
