@@ -8,10 +8,12 @@
    (its steal time moves a lone timing by 50 %), a pair's two runs share the moment.
 2. ``--cluster``: the same preparation on the local cluster (``data prepare --on-cluster``) with
    1, 2 and 4 array tasks: wall time from submission to the index written, and the speedup
-   against one task (this machine has 2 cores and both nodes share them: report what it allows).
+   against one task, and each task's own tokens/s (from its log; this machine has 2 cores and both
+   nodes share them: report what it allows).
 3. Training data loading: samples/s of the train loader (micro batch 8 x 512 tokens, the
    sampler and the collation a step does, no model) reading a mixture of 3 stores against one
-   store of the same data.
+   store of the same tokens; and training steps/s of jobs/tiny-cpu.yaml (one process, the real
+   entry) on the mixture against the one store.
 
 usage: python bench/data_prepare.py [--copies 8] [--cluster] [--json]
 """
@@ -19,6 +21,7 @@ usage: python bench/data_prepare.py [--copies 8] [--cluster] [--json]
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -94,7 +97,14 @@ def bench_cluster(root: Path, corpus: str, tokenizer: str) -> list[dict]:
             if state and state[0] in ("FAILED", "CANCELLED", "TIMEOUT"):
                 raise SystemExit(f"the preparation with {tasks} task(s) ended {state[0]}")
             time.sleep(0.5)
-        out.append({"bench": "prepare-on-cluster", "tasks": tasks, "wall_s": round(time.time() - t0, 1)})
+        wall = round(time.time() - t0, 1)
+        rates = []  # each task's own rate, from its log: "task K done: N shards (T tokens) in S s"
+        for log in sorted((root / "runs" / f"bench-prep-{tasks}" / "logs").glob("attempt-*/rank-[0-9]*.log")):
+            m = re.search(r"task \d+ done: \d+ shards \((\d+) tokens\) in ([\d.]+) s", log.read_text())
+            if m:
+                rates.append(int(m.group(1)) / max(float(m.group(2)), 1e-3))
+        out.append({"bench": "prepare-on-cluster", "tasks": tasks, "wall_s": wall,
+                    "per_task_tokens_per_s": round(statistics.mean(rates)) if rates else None})
     for row in out:
         row["speedup_vs_1_task"] = round(out[0]["wall_s"] / row["wall_s"], 2)
     return out
@@ -132,6 +142,46 @@ def bench_loading(root: Path, reps: int) -> dict:
             "pair_ratios": [round(m / o, 3) for o, m in pairs]}
 
 
+def bench_training(root: Path, pairs: int, steps: int = 60) -> dict:
+    """Training steps/s of jobs/tiny-cpu.yaml (one process, through the real entry) on a mixture of
+    the three stores against the one store of the same tokens: the loader inside a real step."""
+    import yaml
+
+    from launcher.commands.run import prepare_local_run
+    from launcher.core.jsonlines import read_jsonl
+    from lmtrain.local import launch
+
+    base = yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text())
+    specs = {}
+    for kind in ("one", "mixture"):
+        spec = json.loads(json.dumps(base))
+        if kind == "mixture":
+            spec["data"].pop("path")
+            spec["data"]["sources"] = [{"path": str(root / f"s{i}"), "weight": w} for i, w in enumerate((0.5, 0.3, 0.2))]
+        else:
+            spec["data"]["path"] = str(root / "one")
+        specs[kind] = root / f"train-{kind}.yaml"
+        specs[kind].write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(root / "train-runs")}
+    overrides = ["trainer.val_check_interval=null", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1",
+                 "checkpoint.every_n_steps=1000", "data.val_fraction=0.0"]
+
+    def steps_per_s(kind: str) -> float:
+        plan = prepare_local_run(str(specs[kind]), overrides, devices=1, max_steps=steps, name=f"train-{kind}",
+                                 environ=env, new=True, say=lambda m: None)
+        if launch(plan.paths.run_dir, 1, plan_env=plan.env, out=io.StringIO(), threads_per_proc=2) != 0:
+            raise SystemExit(f"the {kind} training run failed; logs in {plan.paths.run_dir}/logs")
+        beats = [b for b in read_jsonl(plan.paths.heartbeat) if b.get("event") == "step" and b.get("step", 0) >= 10]
+        return (beats[-1]["step"] - beats[0]["step"]) / (beats[-1]["time"] - beats[0]["time"])
+
+    rows = [(steps_per_s("one"), steps_per_s("mixture")) for _ in range(pairs)]  # alternated pairs
+    return {"bench": "training", "pairs": pairs, "steps": steps,
+            "one_store_steps_per_s": round(statistics.median(o for o, _ in rows), 2),
+            "mixture_steps_per_s": round(statistics.median(m for _, m in rows), 2),
+            "mixture_vs_one": round(statistics.median(m / o for o, m in rows), 3),
+            "pair_ratios": [round(m / o, 3) for o, m in rows]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--copies", type=int, default=16, help="the shipped corpus this many times (default 16: ~19 MB)")
@@ -145,6 +195,7 @@ def main() -> int:
         if args.cluster:
             rows += bench_cluster(root, rows[0]["corpus"], rows[0]["tokenizer"])
         rows.append(bench_loading(root, 41))
+        rows.append(bench_training(root, args.pairs))
     for r in rows:
         r.pop("corpus", None)
         r.pop("tokenizer", None)

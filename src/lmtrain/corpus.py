@@ -275,7 +275,7 @@ def read_ahead(sources: Sequence[tuple[Path, str, BadDocuments | None]], *, chun
             yield item
     finally:
         stop.set()
-        thread.join()
+        thread.join(timeout=2.0)  # a daemon: a stop (SIGTERM) is not held up by a long read
 
 
 @dataclass(frozen=True)
