@@ -167,7 +167,8 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
             f"eval of step-{ev.get('step')}: val_loss {_num(ev, 'val_loss') or 0:.4f}, perplexity "
             f"{_num(ev, 'perplexity') or 0:.2f}", note) if x)
 
-    failed = next((b for b in reversed(beats) if b.get("event") == "end" and b.get("error")), None)
+    failed = next((b for b in reversed(beats) if b.get("event") == "end" and b.get("error")
+                   and str(b.get("job_id")) in rec.job_ids), None)  # this submission's, not one before it
     if failed is not None:  # a preparation task that met a bad input
         who = f"task {failed['task']}" if failed.get("task") is not None else "the job"
         note = "; ".join(x for x in (f"{who} failed: {failed['error']}", note) if x)

@@ -40,7 +40,7 @@ BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cac
 # itself: DONE, CANCELLED and plan.json are only ever created, removed or replaced by rename,
 # each of which moves the directory's mtime, so they need no stat of their own.
 WATCHED = ("", HEARTBEAT, LEDGER)  # and the checkpoint directory (the plan says where)
-ROW_KEYS = ("time", "event", "step", "max_steps", "attempt", "loss", "tokens_per_s", "mfu", "documents", "tokens", "task", "error")  # heartbeat keys build_row reads
+ROW_KEYS = ("time", "event", "step", "max_steps", "attempt", "loss", "tokens_per_s", "mfu", "documents", "tokens", "task", "error", "job_id")  # heartbeat keys build_row reads
 
 
 def identity(run_dir: str, checkpoint_dir: str) -> tuple[list[Any], int] | None:

@@ -117,6 +117,11 @@ def iter_documents(path: Path, *, text_key: str = "text", skip: BadDocuments | N
             raise DataError(f"{path}: unsupported input type; allowed: {', '.join(SUFFIXES)}")
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except (DataError, MemoryError):
+        raise
+    except Exception as exc:  # a reader's failure nobody foresaw on damaged data: still the file named
+        raise DataError(f"{path}: cannot be read as {kind} ({type(exc).__name__}: {str(exc)[:300]}); "
+                        "the file is corrupt or not what its name says") from exc
 
 
 def _bad(problem: str, skip: BadDocuments | None) -> None:
@@ -212,10 +217,13 @@ def _parquet(path: Path, text_key: str, skip: BadDocuments | None) -> Iterator[s
     row = 0
     try:
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
-            for text in batch.column(0).to_pylist():
+            for text in _texts(batch.column(0)):
                 row += 1
                 if text is None:
                     _bad(f"{path}: row {row}: {text_key!r} is null", skip)
+                elif isinstance(text, UnicodeDecodeError):
+                    _bad(f"{path}: row {row}: {text_key!r} is not UTF-8 text (invalid byte at offset {text.start})",
+                         skip)
                 elif text:
                     yield text
     except (pa.ArrowException, OSError) as exc:
@@ -276,6 +284,22 @@ def read_ahead(sources: Sequence[tuple[Path, str, BadDocuments | None]], *, chun
     finally:
         stop.set()
         thread.join(timeout=2.0)  # a daemon: a stop (SIGTERM) is not held up by a long read
+
+
+def _texts(column: Any) -> list[Any]:
+    """A batch's strings; a row whose bytes are not UTF-8 (parquet does not check them) is its
+    UnicodeDecodeError, the rows around it still read."""
+    try:
+        return list(column.to_pylist())
+    except UnicodeDecodeError:
+        pass
+    out: list[Any] = []
+    for i in range(len(column)):
+        try:
+            out.append(column[i].as_py())
+        except UnicodeDecodeError as exc:
+            out.append(exc)
+    return out
 
 
 @dataclass(frozen=True)

@@ -86,11 +86,15 @@ def run_task(run_dir: Path, task: int) -> int:
         records = write_shards(staging, prep, jobs, progress=progress, on_kept=lambda r: log.info(
             "kept %s (finished by an earlier attempt: %d documents, %d tokens)", r["file"], r["documents"],
             r["tokens"]))
-    except DataError as exc:  # a bad input: another attempt would meet it again
-        log.error("%s", exc)
+    except Exception as exc:  # a bad input (another attempt would meet it again), or what nobody foresaw
+        if isinstance(exc, DataError):
+            log.error("%s", exc)
+        else:
+            log.exception("task %d failed", task)
         n, docs, total = _finished_shards(staging)
         beat.emit("end", step=n, max_steps=len(prep.files), documents=docs, tokens=total, task=task,
-                  reason="failed", error=str(exc)[:500])
+                  reason="failed", error=(str(exc) if isinstance(exc, DataError)
+                                          else f"{type(exc).__name__}: {exc}")[:500])
         _cancel_final_step(run_dir)
         return 1
     mine = sum(r["tokens"] for r in records)

@@ -123,6 +123,13 @@ def _truncated_gz(d: Path) -> Path:
     return p
 
 
+def _non_utf8_parquet(d: Path) -> Path:
+    """A string column holding bytes that are not UTF-8 (parquet writes them unchecked)."""
+    raw = pa.array([b"good", b"\xff\xfe bad", b"fine"], type=pa.binary())
+    pq.write_table(pa.table({"text": pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())}), d / "u8.parquet")
+    return d / "u8.parquet"
+
+
 def _broken_parquet(d: Path) -> Path:
     p = write(d / "b.parquet", ["ok"] * 10)
     p.write_bytes(p.read_bytes()[:-20])
@@ -133,6 +140,7 @@ def _broken_parquet(d: Path) -> Path:
     (_corrupt_zst, r"c\.jsonl\.zst: not a readable \.jsonl\.zst stream after line \d+ \(ZstdError"),
     (_truncated_gz, r"t\.jsonl\.gz: not a readable \.jsonl\.gz stream after line \d+ .*corrupt or truncated"),
     (_broken_parquet, r"b\.parquet: not a readable parquet file"),
+    (_non_utf8_parquet, r"u8\.parquet: row 2: 'text' is not UTF-8 text \(invalid byte at offset 0\)"),
     (lambda d: write(d / "k.jsonl.zst", ["a", "b"], key="body"),
      r"k\.jsonl\.zst:1: each line must be a JSON object with a string \"text\" \(found keys \['body', 'id'\]\)"),
     (lambda d: ((d / "u.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n'), d / "u.jsonl")[1],
@@ -143,7 +151,7 @@ def _broken_parquet(d: Path) -> Path:
      r"m\.parquet: no column 'text' \(its columns: content, id\); name the text column with --text-key"),
     (lambda d: write(d / "e.jsonl.zst", ["", ""]), r"empty corpus"),
     (lambda d: d / "nothing-*.parquet", r"nothing-\*\.parquet: the pattern matches no"),
-], ids=["corrupt-zst", "truncated-gz", "broken-parquet", "no-text-field", "not-utf8", "null-row",
+], ids=["corrupt-zst", "truncated-gz", "broken-parquet", "non-utf8-parquet", "no-text-field", "not-utf8", "null-row",
         "no-column", "empty", "glob-no-match"])
 def test_bad_inputs_name_the_file_and_the_line_or_row(tmp_path, make, message):
     path = make(tmp_path)
@@ -168,6 +176,8 @@ def test_skip_bad_counts_and_skips_bad_documents_and_records_them(tmp_path):
     assert "skipped documents (--skip-bad): 3" in out and "3 skipped" in out, out
     skip = BadDocuments()
     assert list(iter_documents(tmp_path / "mixed.jsonl", skip=skip)) == ["good one", "good two"] and skip.count == 3
+    skip = BadDocuments()
+    assert list(iter_documents(_non_utf8_parquet(tmp_path), skip=skip)) == ["good", "fine"] and skip.count == 1
 
 
 def test_trained_tokenizer_round_trips_is_reproducible_and_prepares(tmp_path, split_corpus):
