@@ -139,11 +139,13 @@ def resolve(
     python: str | None = None,
     *,
     force: bool = False,
+    check_data: bool = True,
 ) -> Resolved:
     """Load and validate the spec (with overrides), its profile, and plan the launch (excluding
     the nodes the user's record for the profile names); the model section is checked against the
     installed transformers (launcher.model_check) and its memory planned (launcher.memory_check:
-    a GPU job that does not fit is refused unless ``force``).
+    a GPU job that does not fit is refused unless ``force``); the stores readable here are checked
+    against the model's vocabulary and each other (``check_data``: doctor judges them itself).
 
     Every problem names the spec file and, where it can, the line or override it came from.
     """
@@ -174,7 +176,7 @@ def resolve(
                 model_vocab = model_facts(spec, env, gpu=plan.topology.accelerator == "gpu").vocab_size
             except Exception:  # what with_memory said already (a model the trace cannot follow)
                 model_vocab = None
-            problems, notes = data_vocab_checks(spec, model_vocab) if model_vocab else ([], [])
+            problems, notes = data_vocab_checks(spec, model_vocab) if model_vocab and check_data else ([], [])
             if problems:
                 raise SpecError(problems)
             plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))

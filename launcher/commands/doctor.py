@@ -66,7 +66,8 @@ def _record_lines(nodes: dict[str, Any], profile: str, exclude_bad: bool) -> lis
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.exclude_bad and not args.on_nodes:
         raise UserError("--exclude-bad needs --on-nodes: nodes are judged only by the probe job it runs")
-    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True)
+    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True,
+                check_data=False)
     from launcher.submit import render_script  # the job script exactly as submit writes it
 
     # with --on-nodes the probe may clear or add excluded nodes: the script is judged after it
@@ -81,7 +82,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             checks.append(doctor.Check("nodes", doctor.FAIL, f"the node probe was not submitted: {blocked[0].message}"))
         else:
             nodes = _on_nodes(args, r, ctx, checks)
-            after = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True).plan
+            after = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True,
+                            check_data=False).plan
             checks += doctor.job_script_checks(after, render_script(after))
     failed = [c for c in checks if c.status == doctor.FAIL]
     if args.json:
