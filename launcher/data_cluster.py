@@ -35,9 +35,7 @@ from launcher.core.profiles import Profile, load_profile
 from launcher.core.shell import shell_quote
 from launcher.core.spec import format_minutes, parse_slurm_time
 from launcher.core.text_rules import RUN_NAME, brief
-
-SPEC = "preparation.json"  # lmtrain.prepare_task.SPEC
-JOBS = "preparation-jobs.json"  # lmtrain.prepare_task.JOBS
+from lmtrain.prepare_task import JOBS, SPEC  # the task reads what this writes (standard library only)
 
 
 def slices(n_files: int, tasks: int) -> list[tuple[int, int]]:

@@ -9,7 +9,6 @@ cluster. Each check says ok / warn / fail with the figures it compared; any fail
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import tempfile
@@ -27,6 +26,7 @@ from launcher.core.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of
 from launcher.core.profile_draft import partitions as draft_partitions
 from launcher.core.profiles import Profile
 from launcher.core.spec import parse_slurm_time
+from launcher.core.token_meta import read_index, tokenizer_identity
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 ASSUMED_WRITE_BYTES_PER_S = 0.2e9  # when the run has no measured checkpoint yet (this machine kind: 0.19-0.23 GB/s)
@@ -52,12 +52,12 @@ def judge_space(where: str, path: str, free: int | None, writable: bool, error: 
     return Check(where, OK, f"{path}: writable, {_gb(free)} free for {what} ({_gb(need)})", figures)
 
 
-def judge_mixture(paths: list[str], metas: list[Any]) -> Check:  # one tokenizer (vocabulary, eos, kind) for all
-    keys = [(m.get("vocab_size"), m.get("eos_id"), (m.get("tokenizer") or {}).get("kind")) for m in metas]
+def judge_mixture(paths: list[str], metas: list[Any]) -> Check:  # one tokenizer (core.token_meta) for all
+    keys = [tokenizer_identity(m) for m in metas]
     bad = next((i for i, k in enumerate(keys) if k != keys[0]), None)
     if bad is not None:
-        return Check("data mixture", FAIL, f"{paths[bad]} was tokenized with {keys[bad]} (vocab_size, eos, tokenizer) "
-                     f"but {paths[0]} with {keys[0]}: the stores of a mixture must share one tokenizer")
+        return Check("data mixture", FAIL, f"{paths[bad]} was tokenized with {keys[bad][:3]} (vocab_size, eos, "
+                     f"tokenizer) but {paths[0]} with {keys[0][:3]}: the stores of a mixture must share one tokenizer")
     return Check("data mixture", OK, f"{len(paths)} stores, one tokenizer ({keys[0][2]}, vocab_size {keys[0][0]})")
 
 
@@ -236,19 +236,6 @@ def probe_dir(path: Path) -> tuple[int | None, bool, str | None]:
     return free, True, None
 
 
-def read_data_meta(path: str) -> tuple[dict[str, Any] | None, str | None]:
-    meta = Path(path) / "meta.json"
-    if not Path(path).is_dir():
-        return None, "no such directory (make it with `lmlaunch data prepare ... --out DIR`)"
-    try:
-        d = json.loads(meta.read_text())
-    except FileNotFoundError:
-        return None, f"{meta} is missing: not a prepared data directory"
-    except (OSError, ValueError) as exc:
-        return None, f"{meta}: {exc}"
-    return (d, None) if isinstance(d, dict) else (None, f"{meta}: not a JSON object")
-
-
 def runtime_imports(plan: LaunchPlan) -> Check:
     """The tasks' interpreter, after the profile's setup lines, imports the runtime. Checked on
     this machine: the nodes must see the same filesystem (`doctor --on-nodes` would ask them)."""
@@ -320,7 +307,7 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     tokens_needed = plan.trainer.max_steps * plan.topology.global_batch_size * job.data.seq_len
     stores, metas = job.data.stores, []
     for store in stores:  # each store trains on its weight's share of the run's tokens
-        meta, err = read_data_meta(store.path)
+        meta, err = read_index(store.path)
         metas.append(meta)
         share = store.weight / sum(s.weight for s in stores)
         checks += judge_data(store.path, meta, err, model_vocab, round(tokens_needed * share))

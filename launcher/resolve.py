@@ -17,7 +17,8 @@ from launcher.core.errors import SpecError
 from launcher.core.plan import LaunchPlan
 from launcher.core.planner import make_plan
 from launcher.core.profiles import Profile, check_slurm_path, expand_path, load_profile
-from launcher.core.spec import JobSpec
+from launcher.core.spec import DataSource, JobSpec
+from launcher.core.token_meta import read_index, tokenized_with, tokenizer_identity
 from launcher.core.validation import located
 from launcher.jobfile import load_job_with_origin
 from launcher.memory_check import with_memory
@@ -33,21 +34,29 @@ class Resolved:
     plan: LaunchPlan
 
 
-def mixture_notes(spec: JobSpec, plan: LaunchPlan) -> list[str]:
+StoreIndex = tuple[str, DataSource, "dict[str, Any] | None"]  # (spec key, the store, its meta.json when readable here)
+
+
+def store_indexes(spec: JobSpec) -> list[StoreIndex]:
+    """Each store the run reads (data.path, or data.sources), with its index where it is readable
+    here (the nodes may see other paths): read once for the plan's notes and checks."""
+    keys = ["data.path"] if spec.data.sources is None else [f"data.sources[{i}]" for i in range(len(spec.data.sources))]
+    return [(key, store, read_index(store.path)[0]) for key, store in zip(keys, spec.data.stores)]
+
+
+def mixture_notes(spec: JobSpec, plan: LaunchPlan, stores: list[StoreIndex]) -> list[str]:
     """For ``data.sources``: how many epochs of each store the run takes (its weight's share of the
-    tokens the run trains on), where its index is readable here (the nodes may see other paths)."""
+    tokens the run trains on), where its index is readable here."""
     if spec.data.sources is None:
         return []
-    import json
-
     needed = plan.trainer.max_steps * plan.topology.global_batch_size * spec.data.seq_len
     total = sum(s.weight for s in spec.data.sources)
     out = []
-    for src in spec.data.sources:
+    for _, src, meta in stores:
         share = round(needed * src.weight / total)
         try:
-            tokens = int(json.loads((Path(src.path) / "meta.json").read_text())["num_tokens"])
-        except (OSError, ValueError, KeyError, TypeError):
+            tokens = int(meta["num_tokens"])  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
             out.append(f"data.sources {src.path}: weight {src.weight / total:.0%}, {share:,} tokens trained "
                        "(its index is not readable here: epochs unknown)")
             continue
@@ -56,36 +65,31 @@ def mixture_notes(spec: JobSpec, plan: LaunchPlan) -> list[str]:
     return out
 
 
-def data_vocab_checks(spec: JobSpec, model_vocab: int) -> tuple[list[str], list[str]]:
-    """(problems, notes): each store of ``data.path`` / ``data.sources`` whose index is readable
-    here, against the model's vocabulary and (a mixture) the first store's tokenizer. A store tokenized with more ids than the model's
-    embedding holds is a problem (the runtime would stop on it); fewer is a note (rows never
-    trained). A store not readable here is the runtime's to check, on the nodes."""
-    import json
-
-    stores = ([("data.path", spec.data.path)] if spec.data.sources is None
-              else [(f"data.sources[{i}]", s.path) for i, s in enumerate(spec.data.sources)])
+def data_vocab_checks(stores: list[StoreIndex], model_vocab: int) -> tuple[list[str], list[str]]:
+    """(problems, notes): each store whose index is readable here, against the model's vocabulary
+    and (a mixture) the first store's tokenizer (the runtime's lmtrain.data.check_same_tokens,
+    before queue time). A store tokenized with more ids than the model's embedding holds is a
+    problem (the runtime would stop on it); fewer is a note (rows never trained). A store not
+    readable here is the runtime's to check, on the nodes."""
     problems, notes = [], []
-    first: tuple[str, Any] | None = None
-    for key, path in stores:
+    first: tuple[str, dict[str, Any]] | None = None
+    for key, store, meta in stores:
         try:
-            meta = json.loads((Path(str(path)) / "meta.json").read_text())
-            vocab, kind = int(meta["vocab_size"]), (meta.get("tokenizer") or {}).get("kind", "?")
-        except (OSError, ValueError, KeyError, TypeError):
+            vocab, kind = int(meta["vocab_size"]), tokenizer_identity(meta)[2] or "?"  # type: ignore[index, arg-type]
+        except (KeyError, TypeError, ValueError):
             continue
-        same = (vocab, meta.get("eos_id"), kind, (meta.get("tokenizer") or {}).get("class"))
+        assert meta is not None
         if first is None:
-            first = (f"{key} {path}", same)
-        elif same != first[1]:  # the runtime's check (lmtrain.data.check_same_tokens), before queue time
-            problems.append(f"{key} {path}: tokenized with {kind} (vocab_size {vocab}, eos {same[1]}), but {first[0]} "
-                            f"with {first[1][2]} (vocab_size {first[1][0]}, eos {first[1][1]}): the stores of a mixture "
-                            "must share one tokenizer")
+            first = (f"{key} {store.path}", meta)
+        elif tokenizer_identity(meta) != tokenizer_identity(first[1]):
+            problems.append(f"{key} {store.path}: tokenized with {tokenized_with(meta)}, but {first[0]} with "
+                            f"{tokenized_with(first[1])}: the stores of a mixture must share one tokenizer")
         if vocab > model_vocab:
-            problems.append(f"{key} {path}: tokenized with vocab_size {vocab} ({kind} tokenizer), but the model has "
-                            f"vocab_size {model_vocab}: ids >= {model_vocab} would index past its embedding; set "
+            problems.append(f"{key} {store.path}: tokenized with vocab_size {vocab} ({kind} tokenizer), but the model "
+                            f"has vocab_size {model_vocab}: ids >= {model_vocab} would index past its embedding; set "
                             f"model.config.vocab_size: {vocab}, or use data tokenized for this model")
         elif vocab < model_vocab:
-            notes.append(f"{key} {path}: tokenized with vocab_size {vocab} ({kind} tokenizer), the model has "
+            notes.append(f"{key} {store.path}: tokenized with vocab_size {vocab} ({kind} tokenizer), the model has "
                          f"{model_vocab}: {model_vocab - vocab:,} rows of its embedding are never trained")
     return problems, notes
 
@@ -166,7 +170,8 @@ def resolve(
         interpreter = profile.python_command(python or sys.executable)
         plan = make_plan(spec, profile, runs_root=runs_root, python=interpreter,
                          exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
-        plan = dataclasses.replace(plan, notes=(*plan.notes, *mixture_notes(spec, plan)))
+        stores = store_indexes(spec)
+        plan = dataclasses.replace(plan, notes=(*plan.notes, *mixture_notes(spec, plan, stores)))
         unchecked = check_model(spec.model, env, split=split_of(plan.topology))  # whatever validates builds
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
@@ -176,7 +181,7 @@ def resolve(
                 model_vocab = model_facts(spec, env, gpu=plan.topology.accelerator == "gpu").vocab_size
             except Exception:  # what with_memory said already (a model the trace cannot follow)
                 model_vocab = None
-            problems, notes = data_vocab_checks(spec, model_vocab) if model_vocab and check_data else ([], [])
+            problems, notes = data_vocab_checks(stores, model_vocab) if model_vocab and check_data else ([], [])
             if problems:
                 raise SpecError(problems)
             plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
+from launcher.core.token_meta import tokenized_with, tokenizer_identity
 from lmtrain.mixture import MixtureWindows
 from lmtrain.prepare import (  # re-exported: the data API lives here
     DataError,
@@ -376,18 +377,14 @@ def datasets(data_spec: Any, seed: int) -> tuple[Any, Any]:
 
 
 def check_same_tokens(paths: list[str]) -> None:
-    """Every store of a mixture was tokenized alike (vocabulary, eos, tokenizer): DataError naming
-    the first that differs from the first store."""
-    metas = [read_meta(p) for p in paths]
-    first = metas[0]
+    """Every store of a mixture was tokenized alike (launcher.core.token_meta: vocabulary, eos,
+    tokenizer): DataError naming the first that differs from the first store."""
+    metas = [read_meta(p).to_json() for p in paths]
     for path, m in zip(paths[1:], metas[1:]):
-        same = (m.vocab_size, m.eos_id, m.tokenizer.get("kind"), m.tokenizer.get("class")) == (
-            first.vocab_size, first.eos_id, first.tokenizer.get("kind"), first.tokenizer.get("class"))
-        if not same:
+        if tokenizer_identity(m) != tokenizer_identity(metas[0]):
             raise DataError(
-                f"data.sources: {path} was tokenized with {m.tokenizer.get('kind')} (vocab_size {m.vocab_size}, eos "
-                f"{m.eos_id}) but {paths[0]} with {first.tokenizer.get('kind')} (vocab_size {first.vocab_size}, eos "
-                f"{first.eos_id}): the stores of a mixture must share one tokenizer")
+                f"data.sources: {path} was tokenized with {tokenized_with(m)} but {paths[0]} with "
+                f"{tokenized_with(metas[0])}: the stores of a mixture must share one tokenizer")
 
 
 def make_dataloaders(

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from itertools import chain
+from itertools import accumulate, chain
 from pathlib import Path
 from typing import Any
 
@@ -253,17 +253,16 @@ class TokenStream:
     def __init__(self, root: Path, shards: list[tuple[str, int]], dtype: np.dtype) -> None:
         self.root, self.dtype = Path(root), dtype
         self.files = [f for f, _ in shards]
-        self.starts = np.cumsum([0] + [n for _, n in shards])  # (S + 1,)
-        self.bounds: list[int] = self.starts.tolist()  # the same as Python ints: a scalar lookup is bisect's
+        self.starts: list[int] = list(accumulate((n for _, n in shards), initial=0))  # S + 1 (bisect)
         self._maps: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return self.starts[-1]
 
     def _map(self, i: int) -> np.ndarray:
         m = self._maps.get(i)
         if m is None:
-            n = int(self.starts[i + 1] - self.starts[i])
+            n = self.starts[i + 1] - self.starts[i]
             # a plain ndarray over the map (it keeps the map open): slicing it skips memmap's per-slice bookkeeping
             m = self._maps[i] = np.memmap(self.root / self.files[i], dtype=self.dtype, mode="r",
                                           shape=(n,)).view(np.ndarray)
@@ -272,7 +271,7 @@ class TokenStream:
     def read(self, lo: int, n: int) -> np.ndarray:
         if lo < 0 or lo + n > len(self):
             raise IndexError(f"tokens {lo}..{lo + n} outside 0..{len(self)}")
-        starts = self.bounds
+        starts = self.starts
         i = bisect.bisect_right(starts, lo) - 1
         parts = []
         while n > 0:

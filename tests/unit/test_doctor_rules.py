@@ -111,3 +111,12 @@ def test_space_and_checkpoint_size():
     assert doctor.judge_space("checkpoint space", "/c", 10, True, None, 100, "x").status == "fail"
     assert doctor.judge_space("checkpoint space", "/c", 1000, True, None, 100, "x").status == "ok"
     assert doctor.judge_space("checkpoint space", "/c", 1000, False, "Read-only file system", 100, "x").status == "fail"
+
+
+def test_a_mixture_of_stores_tokenized_differently_is_named():
+    """The key the runtime compares stores by (launcher.core.token_meta): vocabulary, eos, kind, class."""
+    bpe = {"vocab_size": 300, "eos_id": 0, "tokenizer": {"kind": "huggingface", "class": "PreTrainedTokenizerFast"}}
+    other_class = {**bpe, "tokenizer": {"kind": "huggingface", "class": "GPT2TokenizerFast"}}
+    assert doctor.judge_mixture(["/a", "/b"], [bpe, dict(bpe)]).status == doctor.OK
+    bad = doctor.judge_mixture(["/a", "/b"], [bpe, other_class])
+    assert bad.status == doctor.FAIL and bad.message.startswith("/b was tokenized with (300, 0, 'huggingface')")
