@@ -10,12 +10,18 @@
    1, 2 and 4 array tasks: wall time from submission to the index written, and the speedup
    against one task, and each task's own tokens/s (from its log; this machine has 2 cores and both
    nodes share them: report what it allows).
-3. Training data loading: samples/s of the train loader (micro batch 8 x 512 tokens, the
-   sampler and the collation a step does, no model) reading a mixture of 3 stores against one
-   store of the same tokens; and training steps/s of jobs/tiny-cpu.yaml (one process, the real
-   entry) on the mixture against the one store.
+3. Training data loading, a mixture of 3 stores (weights 0.5/0.3/0.2) against one store of the
+   same tokens, each in pairs alternated finely enough that the VM's moving load cancels:
+   - the train loader alone (micro batch 8 x 512 tokens: the sampler, the reads and the collation
+     a step does, no model), blocks of 50 batches;
+   - training steps of jobs/tiny-cpu.yaml's model in one process, alternated step by step between
+     the two loaders (each step: fetch, forward, backward, clipping, AdamW);
+   - training steps/s of jobs/tiny-cpu.yaml through the real entry (one process, a run per
+     measure, its median step time), the same measure end to end but with a run's start between
+     the two of a pair.
+   Each reports the median pair's ratio (mixture rate over the one store's) and the quartiles.
 
-usage: python bench/data_prepare.py [--copies 8] [--cluster] [--json]
+usage: python bench/data_prepare.py [--copies 16] [--pairs 5] [--loading-pairs 301] [--cluster | --loading-only] [--json]
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MIXTURE_WEIGHTS = (0.5, 0.3, 0.2)
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
 
@@ -110,60 +117,132 @@ def bench_cluster(root: Path, corpus: str, tokenizer: str) -> list[dict]:
     return out
 
 
-def bench_loading(root: Path, reps: int) -> dict:
-    from types import SimpleNamespace
-
-    from lmtrain.data import make_dataloaders
+def _stores(root: Path) -> None:
+    """The shipped corpus's two jsonl files three times in one store (``one``), and once in each
+    of three stores (``s0``..``s2``): the mixture and its baseline hold the same tokens."""
     from lmtrain.prepare import prepare
 
     corpus = REPO / "data" / "corpus"
     files = [corpus / "licenses.jsonl", corpus / "python-docs.jsonl"]
-    one = prepare(files * 3, root / "one").out  # the same tokens as the three stores together
-    thirds = [prepare(files, root / f"s{i}").out for i in range(3)]
-    common = {"seq_len": 512, "micro_batch_size": 8, "num_workers": 0, "val_fraction": 0.0}
-    single = SimpleNamespace(path=str(one), sources=None, **common)
-    mixture = SimpleNamespace(path=None, sources=[SimpleNamespace(path=str(p), weight=w) for p, w in
-                                                  zip(thirds, (0.5, 0.3, 0.2))], **common)
+    if not (root / "one").exists():
+        prepare(files * 3, root / "one")
+        for i in range(3):
+            prepare(files, root / f"s{i}")
 
-    def rate(spec: SimpleNamespace, n: int = 300) -> tuple[float, float]:
-        """(samples per wall second, samples per CPU second of this process): the loader is one
-        thread (no workers), and the CPU time leaves out what the VM's neighbours stole."""
+
+def _loaders(root: Path, seq_len: int) -> dict:
+    """name -> (the train loader's iterator, its sampler) of the one store and of the mixture."""
+    from types import SimpleNamespace
+
+    from lmtrain.data import make_dataloaders
+
+    common = {"seq_len": seq_len, "micro_batch_size": 8, "num_workers": 0, "val_fraction": 0.0}
+    specs = {"one": SimpleNamespace(path=str(root / "one"), sources=None, **common),
+             "mixture": SimpleNamespace(path=None, sources=[SimpleNamespace(path=str(root / f"s{i}"), weight=w)
+                                                            for i, w in enumerate(MIXTURE_WEIGHTS)], **common)}
+    out = {}
+    for name, spec in specs.items():
         loader, _, sampler = make_dataloaders(spec, world_size=1, rank=0, seed=1, pin_memory=False)
-        it = iter(loader)
+        out[name] = (iter(loader), sampler)
+    return out
+
+
+def _interleaved(measure, pairs: int) -> dict:
+    """``measure(name)`` for the one store and the mixture in ``pairs`` alternated pairs (ABBA:
+    neither goes first more often): a pair's two measures share the moment, so the VM's moving
+    load cancels in its ratio. Each measure is (wall s, CPU s of this process)."""
+    rows = []
+    for i in range(pairs):
+        order = ("one", "mixture") if i % 2 else ("mixture", "one")
+        got = {name: measure(name) for name in order}
+        rows.append((got["one"], got["mixture"]))
+    out = {}
+    for j, clock in ((0, "wall"), (1, "cpu")):
+        ratios = sorted(o[j] / m[j] for o, m in rows)  # the mixture's rate over the one store's
+        out[f"mixture_vs_one_{clock}"] = round(statistics.median(ratios), 4)
+        out[f"{clock}_pair_ratio_quartiles"] = [round(ratios[len(ratios) // 4], 3),
+                                                 round(ratios[3 * len(ratios) // 4], 3)]
+        out[f"{clock}_ratio_of_medians"] = round(statistics.median(o[j] for o, _ in rows)
+                                                 / statistics.median(m[j] for _, m in rows), 4)
+    out["one_ms"] = round(statistics.median(o[0] for o, _ in rows) * 1e3, 3)
+    out["mixture_ms"] = round(statistics.median(m[0] for _, m in rows) * 1e3, 3)
+    return out
+
+
+def bench_loading(root: Path, pairs: int, batches: int = 50) -> dict:
+    """The train loader alone (micro batch 8 x 512 tokens: the sampler, the reads and the
+    collation of a step, no model): blocks of ``batches`` batches, mixture and one store alternated."""
+    _stores(root)
+    its = _loaders(root, 512)
+    for it, _ in its.values():
         next(it)
+
+    def block(name: str) -> tuple[float, float]:
+        it, sampler = its[name]
         t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(n):
+        for _ in range(batches):
             next(it)
             sampler.advance()
-        return n * 8 / (time.perf_counter() - t0), n * 8 / (time.process_time() - c0)
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    pairs = [(rate(single), rate(mixture)) for _ in range(reps)]  # alternated: a pair shares the machine's load
-    wall = [m[0] / o[0] for o, m in pairs]
-    cpu = [m[1] / o[1] for o, m in pairs]
-    return {"bench": "loading", "pairs": reps, "one_store_samples_per_s": round(statistics.median(o[0] for o, _ in pairs)),
-            "mixture_samples_per_s": round(statistics.median(m[0] for _, m in pairs)),
-            "mixture_vs_one": round(statistics.median(wall), 3),
-            "mixture_vs_one_cpu_time": round(statistics.median(cpu), 3),
-            "cpu_pair_ratio_spread": [round(min(cpu), 3), round(max(cpu), 3)],
-            "pair_ratios": [round(x, 3) for x in wall]}
+    out = _interleaved(block, pairs)
+    for k in ("one", "mixture"):
+        out[f"{k}_samples_per_s"] = round(batches * 8 / out.pop(f"{k}_ms") * 1e3)
+    return {"bench": "loading", "pairs": pairs, "batches_per_block": batches, **out}
+
+
+def bench_steps(root: Path, pairs: int) -> dict:
+    """Training steps of jobs/tiny-cpu.yaml's model (micro batch 8 x 128, AdamW, clipping) in one
+    process, each step's batch from the mixture's loader or the one store's, alternated step by
+    step: the step's time (fetch, forward, backward, optimizer) per loader, median over ``pairs``."""
+    import torch
+    import yaml
+
+    from lmtrain.model import build_model
+
+    _stores(root)
+    its = _loaders(root, 128)
+    model = build_model(yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text())["model"], seed=1)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+    def step(name: str) -> tuple[float, float]:
+        it, sampler = its[name]
+        t0, c0 = time.perf_counter(), time.process_time()
+        batch = next(it)
+        sampler.advance()
+        model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    _interleaved(step, 3)  # warm-up
+    out = _interleaved(step, pairs)
+    for k in ("one", "mixture"):
+        out[f"{k}_steps_per_s"] = round(1e3 / out.pop(f"{k}_ms"), 2)
+    return {"bench": "steps-interleaved", "pairs": pairs, **out}
 
 
 def bench_training(root: Path, pairs: int, steps: int = 60) -> dict:
     """Training steps/s of jobs/tiny-cpu.yaml (one process, through the real entry) on a mixture of
-    the three stores against the one store of the same tokens: the loader inside a real step."""
+    the three stores against the one store of the same tokens: the loader inside a real step.
+    A run's rate is 1 / its median step time (its heartbeats, steps >= 10): a stolen moment moves
+    one step, not the rate."""
     import yaml
 
     from launcher.commands.run import prepare_local_run
     from launcher.core.jsonlines import read_jsonl
     from lmtrain.local import launch
 
+    _stores(root)
     base = yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text())
     specs = {}
     for kind in ("one", "mixture"):
         spec = json.loads(json.dumps(base))
         if kind == "mixture":
             spec["data"].pop("path")
-            spec["data"]["sources"] = [{"path": str(root / f"s{i}"), "weight": w} for i, w in enumerate((0.5, 0.3, 0.2))]
+            spec["data"]["sources"] = [{"path": str(root / f"s{i}"), "weight": w} for i, w in enumerate(MIXTURE_WEIGHTS)]
         else:
             spec["data"]["path"] = str(root / "one")
         specs[kind] = root / f"train-{kind}.yaml"
@@ -172,35 +251,42 @@ def bench_training(root: Path, pairs: int, steps: int = 60) -> dict:
     overrides = ["trainer.val_check_interval=null", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1",
                  "checkpoint.every_n_steps=1000", "data.val_fraction=0.0"]
 
-    def steps_per_s(kind: str) -> float:
+    def step_time(kind: str) -> tuple[float, float]:
         plan = prepare_local_run(str(specs[kind]), overrides, devices=1, max_steps=steps, name=f"train-{kind}",
                                  environ=env, new=True, say=lambda m: None)
         if launch(plan.paths.run_dir, 1, plan_env=plan.env, out=io.StringIO(), threads_per_proc=2) != 0:
             raise SystemExit(f"the {kind} training run failed; logs in {plan.paths.run_dir}/logs")
-        beats = [b for b in read_jsonl(plan.paths.heartbeat) if b.get("event") == "step" and b.get("step", 0) >= 10]
-        return (beats[-1]["step"] - beats[0]["step"]) / (beats[-1]["time"] - beats[0]["time"])
+        times = [b["time"] for b in read_jsonl(plan.paths.heartbeat) if b.get("event") == "step" and b.get("step", 0) >= 10]
+        t = statistics.median(b - a for a, b in zip(times, times[1:]))
+        return t, t  # no CPU clock of the ranks here: the wall one twice
 
-    rows = [(steps_per_s("one"), steps_per_s("mixture")) for _ in range(pairs)]  # alternated pairs
-    return {"bench": "training", "pairs": pairs, "steps": steps,
-            "one_store_steps_per_s": round(statistics.median(o for o, _ in rows), 2),
-            "mixture_steps_per_s": round(statistics.median(m for _, m in rows), 2),
-            "mixture_vs_one": round(statistics.median(m / o for o, m in rows), 3),
-            "pair_ratios": [round(m / o, 3) for o, m in rows]}
+    out = _interleaved(step_time, pairs)
+    for k in [k for k in out if k.startswith("cpu_")] + ["mixture_vs_one_cpu"]:
+        out.pop(k)
+    for k in ("one", "mixture"):
+        out[f"{k}_steps_per_s"] = round(1e3 / out.pop(f"{k}_ms"), 2)
+    return {"bench": "training-real-entry", "pairs": pairs, "steps": steps, **out}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--copies", type=int, default=16, help="the shipped corpus this many times (default 16: ~19 MB)")
     ap.add_argument("--pairs", type=int, default=5, help="bare/prepare pairs alternated; the median pair's ratio")
+    ap.add_argument("--loading-pairs", type=int, default=301,
+                    help="mixture/one-store pairs of loader blocks and of training steps (default 301)")
     ap.add_argument("--cluster", action="store_true", help="also prepare on the local cluster with 1, 2, 4 tasks")
+    ap.add_argument("--loading-only", action="store_true", help="only part 3: loading a mixture")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         root = Path(tmp)
-        rows = [bench_prepare(root, args.copies, args.pairs)]
-        if args.cluster:
-            rows += bench_cluster(root, rows[0]["corpus"], rows[0]["tokenizer"])
-        rows.append(bench_loading(root, 41))
+        rows = []
+        if not args.loading_only:
+            rows.append(bench_prepare(root, args.copies, args.pairs))
+            if args.cluster:
+                rows += bench_cluster(root, rows[0]["corpus"], rows[0]["tokenizer"])
+        rows.append(bench_loading(root, args.loading_pairs))
+        rows.append(bench_steps(root, args.loading_pairs))
         rows.append(bench_training(root, args.pairs))
     for r in rows:
         r.pop("corpus", None)

@@ -103,7 +103,17 @@ class TokenWindows(Dataset):
         i = int(i)
         if not 0 <= i < self.count:
             raise IndexError(f"sample {i} out of range for {self.count} windows")
-        lo = (self.start + i) * self.seq_len
+        return self.at((self.start + i) * self.seq_len)
+
+    def keys(self, windows: np.ndarray) -> np.ndarray:
+        """The first token of each of ``windows`` (window numbers), the key ``at`` reads a
+        sample by (lmtrain.mixture reads its stores so)."""
+        if len(windows) and not (0 <= windows.min() and windows.max() < self.count):
+            raise IndexError(f"windows {windows.min()}..{windows.max()} out of range for {self.count}")
+        return (self.start + windows.astype(np.int64)) * self.seq_len
+
+    def at(self, lo: int) -> dict[str, torch.Tensor]:
+        """The sample whose window starts at token ``lo``."""
         window = torch.from_numpy(self.stream.read(lo, self.seq_len).astype(np.int64))  # (T,)
         return {"input_ids": window, "labels": window}
 

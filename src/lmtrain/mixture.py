@@ -16,6 +16,7 @@ one whose share is smaller is read a part per virtual epoch, and every window be
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,10 @@ def shares(weights: Sequence[float], total: int) -> list[int]:
 
 class MixtureWindows(Dataset):
     """Samples of ``parts`` (each a source's training windows) mixed by ``weights``; index ``j``
-    is position ``j % V`` of virtual epoch ``j // V`` (see the module docstring)."""
+    is position ``j % V`` of virtual epoch ``j // V`` (see the module docstring).
+
+    A part has ``len()`` windows, ``keys(windows)`` (an int64 array: where each window number is,
+    lmtrain.data.TokenWindows: its first token) and ``at(key)`` (the sample there)."""
 
     def __init__(self, parts: Sequence[Any], weights: Sequence[float], seed: int, names: Sequence[str] = ()) -> None:
         self.parts = list(parts)
@@ -58,49 +62,60 @@ class MixtureWindows(Dataset):
         self.seed = seed
         self.names = list(names)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
-        self._map_epoch = -1  # the virtual epoch whose positions _map_source/_map_window locate
-        self._map_source: np.ndarray = np.empty(0, dtype=np.int16)
-        self._map_window: np.ndarray = np.empty(0, dtype=np.int64)
+        self._map_epoch = -1  # the virtual epoch whose positions _map_source/_map_key hold
+        self._map_source = array("h")
+        self._map_key = array("q")
+        self._readers: list[Any] = []  # each part's ``at``, bound once
 
     def __len__(self) -> int:
         return self.total
 
-    def locate(self, j: int) -> tuple[int, int]:
-        """(source, window) of mixture sample ``j``."""
+    def __getitem__(self, j: int) -> Any:
+        return self.__getitems__([j])[0]
+
+    def source(self, j: int) -> int:
+        """Which source mixture sample ``j`` is read from."""
         epoch, k = divmod(int(j), self.total)
         if epoch != self._map_epoch:
             self._build_map(epoch)
-        return self._map_source.item(k), self._map_window.item(k)
-
-    def __getitem__(self, j: int) -> Any:
-        s, w = self.locate(j)
-        return self.parts[s][w]
+        return self._map_source[k]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """A batch of samples (torch's DataLoader fetches a batch through this when it is there)."""
-        out = []
-        for j in indices:  # locate() inlined: the per-sample cost is what a mixture adds to one store
-            epoch, k = divmod(int(j), self.total)
-            if epoch != self._map_epoch:
-                self._build_map(epoch)
-            out.append(self.parts[self._map_source.item(k)][self._map_window.item(k)])
+        """A batch of samples (torch's DataLoader fetches a batch through this when it is there).
+        Per sample: its position's source and key, then that part's ``at(key)``; this loop is all
+        a mixture adds to reading one store (bench/data_prepare.py measures it)."""
+        if not self._readers:
+            self._readers = [p.at for p in self.parts]
+        readers, total, out = self._readers, self.total, []
+        base, sources, keys = self._map_epoch * total, self._map_source, self._map_key
+        for j in indices:
+            k = j - base
+            if not 0 <= k < total:
+                self._build_map(int(j) // total)
+                base, sources, keys = self._map_epoch * total, self._map_source, self._map_key
+                k = j - base
+            out.append(readers[sources[k]](keys[k]))
         return out
 
     def _build_map(self, epoch: int) -> None:
-        """Each position's (source, window) in virtual epoch ``epoch``, computed at once (numpy)
-        rather than per sample: position k of source s's block is its sample q = epoch * c_s + k,
-        window perm_{s, q // n_s}[q mod n_s]."""
-        source = np.empty(self.total, dtype=np.int16 if len(self.sizes) < 2**15 else np.int64)
-        window = np.empty(self.total, dtype=np.int64)
+        """Each position's source and window key in virtual epoch ``epoch``, computed at once
+        (numpy) rather than per sample: position k of source s's block is its sample
+        q = epoch * c_s + k, window perm_{s, q // n_s}[q mod n_s]; its key is the part's
+        ``keys()`` of that window."""
+        if epoch < 0:
+            raise IndexError(f"mixture sample of virtual epoch {epoch}: indices are >= 0")
+        source = np.empty(self.total, dtype=np.int16)  # data.sources holds at most 64
+        key = np.empty(self.total, dtype=np.int64)
         for s, (c, n, start) in enumerate(zip(self.counts, self.sizes, self.starts)):
             q = epoch * c + np.arange(c, dtype=np.int64)
             r, w = np.divmod(q, n)
-            out = window[start:start + c]
             for rr in range(int(r[0]), int(r[-1]) + 1):  # ascending: the permutation cache keeps the newest
                 lo, hi = np.searchsorted(r, [rr, rr + 1])
-                out[lo:hi] = self._perm(s, rr)[w[lo:hi]]
+                w[lo:hi] = self._perm(s, rr)[w[lo:hi]]
+            key[start:start + c] = self.parts[s].keys(w)
             source[start:start + c] = s
-        self._map_epoch, self._map_source, self._map_window = epoch, source, window
+        # array.array: indexing it gives a Python int in half the time ndarray.item() takes
+        self._map_epoch, self._map_source, self._map_key = epoch, array("h", source.tobytes()), array("q", key.tobytes())
 
     def _perm(self, s: int, r: int) -> np.ndarray:
         key = (s, r)
@@ -118,5 +133,5 @@ class MixtureWindows(Dataset):
         return [samples * c / self.total / n for c, n in zip(self.counts, self.sizes)]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_perms": {}, "_map_epoch": -1, "_map_source": np.empty(0, dtype=np.int64),
-                "_map_window": np.empty(0, dtype=np.int64)}
+        return {**self.__dict__, "_perms": {}, "_map_epoch": -1, "_map_source": array("h"),
+                "_map_key": array("q"), "_readers": []}

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -46,9 +48,12 @@ class _Windows:
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[str, int]:
-        assert 0 <= i < self.n
-        return self.name, i
+    def keys(self, windows):
+        assert 0 <= windows.min() and windows.max() < self.n
+        return windows * 3 + 1  # a key other than the window number
+
+    def at(self, key: int) -> tuple[str, int]:
+        return self.name, (key - 1) // 3
 
 
 def test_a_virtual_epoch_takes_each_share_and_small_sources_repeat_in_new_orders():
@@ -89,6 +94,24 @@ def test_each_sample_is_the_documented_window(sizes, weights):
     picks = [*range(0, 3 * mix.total, 7), 10**6 + 3, 7 * mix.total + 1, 2 * mix.total + 5, 0]  # out of order too
     assert [mix[j] for j in picks] == [documented(j) for j in picks]
     assert mix.__getitems__(picks[:9]) == [mix[j] for j in picks[:9]]  # what the DataLoader fetches a batch by
+    again = pickle.loads(pickle.dumps(mix))  # as DataLoader workers get it: the map is rebuilt there
+    assert again.__getitems__(picks[::-1]) == [mix[j] for j in picks[::-1]]
+    with pytest.raises(IndexError):
+        mix[-1]
+
+
+def test_a_store_part_keys_its_windows_by_their_first_token(stores):
+    class Spec:
+        path, sources, seq_len, val_fraction = str(stores[0]), None, 16, 0.1
+
+    train, val = datasets(Spec(), seed=1)
+    windows = np.array([0, 3, len(train) - 1])
+    assert train.keys(windows).tolist() == [w * 16 for w in windows]
+    assert val.keys(np.array([0])).tolist() == [len(train) * 16]  # validation windows follow the training ones
+    assert all(torch.equal(train.at(k)["input_ids"], train[int(w)]["input_ids"]) for k, w in
+               zip(train.keys(windows), windows))
+    with pytest.raises(IndexError, match="out of range"):
+        train.keys(np.array([len(train)]))
 
 
 # --- through the real entry ---------------------------------------------------------------------
@@ -157,7 +180,7 @@ def test_the_samples_come_from_the_stores_in_the_weights_proportions(stores):
 
     train, val = datasets(Spec(), seed=1)
     assert isinstance(train, MixtureWindows)
-    first = Counter(train.locate(j)[0] for j in range(len(train)))
+    first = Counter(train.source(j) for j in range(len(train)))
     assert first[0] / len(train) == pytest.approx(0.75, abs=1e-3), first
     assert len(val) > 0
 
