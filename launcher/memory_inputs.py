@@ -23,7 +23,7 @@ from launcher.core.memory import ModelFacts
 from launcher.core.spec import JobSpec
 from launcher.model_check import cache_dir
 
-FACTS_VERSION = 3  # bump when lmtrain.memory_facts counts differently: older files are not reused
+FACTS_VERSION = 4  # bump when lmtrain.memory_facts counts differently: older files are not reused
 
 
 class _Traces(Mapping[tuple[str, bool], tuple[int, int, int, int]]):
@@ -106,6 +106,7 @@ def model_facts(spec: JobSpec, environ: Mapping[str, str] | None = None, *, gpu:
     return ModelFacts(params=tuple(tuple(p) for p in data["params"]), blocks=int(data["blocks"]),  # type: ignore[misc]
                       tp_dims=tuple(int(d) for d in data.get("tp_dims") or ()),
                       vocab_size=int(data["vocab_size"]), seq_len=spec.data.seq_len,
+                      eos_token_ids=tuple(int(i) for i in data.get("eos_token_ids") or ()),
                       traces=_Traces(spec, path, dict(data.get("traces") or {}), gpu))
 
 

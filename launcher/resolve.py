@@ -65,12 +65,14 @@ def mixture_notes(spec: JobSpec, plan: LaunchPlan, stores: list[StoreIndex]) -> 
     return out
 
 
-def data_vocab_checks(stores: list[StoreIndex], model_vocab: int) -> tuple[list[str], list[str]]:
+def data_vocab_checks(stores: list[StoreIndex], model_vocab: int,
+                      model_eos: tuple[int, ...] | None = None) -> tuple[list[str], list[str]]:
     """(problems, notes): each store whose index is readable here, against the model's vocabulary
     and (a mixture) the first store's tokenizer (the runtime's lmtrain.data.check_same_tokens,
     before queue time). A store tokenized with more ids than the model's embedding holds is a
-    problem (the runtime would stop on it); fewer is a note (rows never trained). A store not
-    readable here is the runtime's to check, on the nodes."""
+    problem (the runtime would stop on it); fewer is a note (rows never trained), and so is a
+    store whose documents end with an id other than the model's ``eos_token_id`` (``model_eos``;
+    None: not known). A store not readable here is the runtime's to check, on the nodes."""
     problems, notes = [], []
     first: tuple[str, dict[str, Any]] | None = None
     for key, store, meta in stores:
@@ -81,6 +83,7 @@ def data_vocab_checks(stores: list[StoreIndex], model_vocab: int) -> tuple[list[
         assert meta is not None
         if first is None:
             first = (f"{key} {store.path}", meta)
+            notes += _eos_notes(key, store.path, meta.get("eos_id"), model_eos)
         elif tokenizer_identity(meta) != tokenizer_identity(first[1]):
             problems.append(f"{key} {store.path}: tokenized with {tokenized_with(meta)}, but {first[0]} with "
                             f"{tokenized_with(first[1])}: the stores of a mixture must share one tokenizer")
@@ -92,6 +95,17 @@ def data_vocab_checks(stores: list[StoreIndex], model_vocab: int) -> tuple[list[
             notes.append(f"{key} {store.path}: tokenized with vocab_size {vocab} ({kind} tokenizer), the model has "
                          f"{model_vocab}: {model_vocab - vocab:,} rows of its embedding are never trained")
     return problems, notes
+
+
+def _eos_notes(key: str, path: str, eos: Any, model_eos: tuple[int, ...] | None) -> list[str]:
+    """The store's document separator against the model's eos_token_id (one note at most)."""
+    if model_eos is None or not isinstance(eos, int) or eos in model_eos:
+        return []
+    has = (f"eos_token_id {model_eos[0]}" if len(model_eos) == 1 else f"eos_token_id {list(model_eos)}") \
+        if model_eos else "no eos_token_id"
+    return [f"{key} {path}: its documents end with id {eos} (the tokenizer's eos), but the model has {has}: "
+            f"it learns to end a document with an id its generation does not stop at; set "
+            f"model.config.eos_token_id: {eos}"]
 
 
 def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) -> str:
@@ -178,10 +192,12 @@ def resolve(
         else:  # will it fit? (a GPU job that does not is refused, with what would make it fit)
             plan = with_memory(spec, profile, plan, env, force=force, source=str(spec_path))
             try:
-                model_vocab = model_facts(spec, env, gpu=plan.topology.accelerator == "gpu").vocab_size
+                facts = model_facts(spec, env, gpu=plan.topology.accelerator == "gpu")
+                model_vocab, model_eos = facts.vocab_size, facts.eos_token_ids
             except Exception:  # what with_memory said already (a model the trace cannot follow)
-                model_vocab = None
-            problems, notes = data_vocab_checks(stores, model_vocab) if model_vocab and check_data else ([], [])
+                model_vocab, model_eos = None, None
+            problems, notes = (data_vocab_checks(stores, model_vocab, model_eos) if model_vocab and check_data
+                               else ([], []))
             if problems:
                 raise SpecError(problems)
             plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))

@@ -165,7 +165,8 @@ def _train_tokenizer(args: argparse.Namespace, ctx: Context) -> int:
                         skip_bad=args.skip_bad, min_frequency=args.min_frequency)
     ctx.out(f"ok: {r['out']}: byte-level BPE, vocab_size {r['vocab_size']:,} (eos <|endoftext|> = {r['eos_id']}), "
             f"trained on {r['documents']:,} documents from {r['files']} file(s)\n"
-            f"  use it: lmlaunch data prepare INPUT... --tokenizer {r['out']} --out DIR")
+            f"  use it: lmlaunch data prepare INPUT... --tokenizer {r['out']} --out DIR\n"
+            f"  and a model for it: model.config.vocab_size: {r['vocab_size']}, eos_token_id: {r['eos_id']}")
     _say_skipped(ctx, r["skipped_documents"])
     return 0
 

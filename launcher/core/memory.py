@@ -55,6 +55,7 @@ class ModelFacts:
     seq_len: int
     traces: Mapping[tuple[str, bool], tuple[int, int, int, int]]
     tp_dims: tuple[int, ...] = ()  # per parameter: the dimension tensor parallelism splits (-1: none)
+    eos_token_ids: tuple[int, ...] = ()  # the config's eos_token_id (one or several; none when unset)
 
     def split_dim(self, i: int) -> int:
         return self.tp_dims[i] if i < len(self.tp_dims) else -1

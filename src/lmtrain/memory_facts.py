@@ -123,7 +123,8 @@ def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]
     """``params``: [numel, dim0, ndim, block] per parameter (block -1: outside every transformer
     block), in the order of ``model.parameters()`` with tied weights once; ``tp_dims``: the
     dimension tensor parallelism splits each along (-1: kept whole; lmtrain.tensor_parallel);
-    ``blocks``; the config's ``vocab_size``."""
+    ``blocks``; the config's ``vocab_size`` and ``eos_token_id`` (as a list: a config may name
+    several)."""
     from lmtrain.model import meta_model
     from lmtrain.tensor_parallel import split_dims
 
@@ -142,8 +143,10 @@ def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]
         seen.add(id(p))
         params.append([p.numel(), int(p.shape[0]) if p.ndim else 1, p.ndim, block_of.get(id(p), -1)])
         tp_dims.append(split.get(id(p), -1))
+    eos = getattr(config, "eos_token_id", None)
+    eos_ids = [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None]
     return {"params": params, "tp_dims": tp_dims, "blocks": len(blocks),
-            "vocab_size": int(getattr(config, "vocab_size", 0) or 0)}
+            "vocab_size": int(getattr(config, "vocab_size", 0) or 0), "eos_token_ids": eos_ids}
 
 
 def activation_trace(model_spec: ModelSpec | Mapping[str, Any], *, micro_batch: int, seq_len: int,

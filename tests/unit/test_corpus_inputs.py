@@ -185,6 +185,7 @@ def test_trained_tokenizer_round_trips_is_reproducible_and_prepares(tmp_path, sp
                          "--vocab-size", "1024")
     assert code == 0, err
     assert "vocab_size 1,024 (eos <|endoftext|> = 0), trained on" in out and "from 6 file(s)" in out, out
+    assert "a model for it: model.config.vocab_size: 1024, eos_token_id: 0" in out, out
     code, _, err = cli("data", "train-tokenizer", str(split_corpus), "--out", str(tmp_path / "tok2"),
                        "--vocab-size", "1024")
     assert code == 0, err

@@ -238,3 +238,12 @@ def test_validate_names_a_store_whose_vocabulary_the_model_cannot_hold(tmp_path,
     plan = resolve(str(_spec(tmp_path, (bpe, other))), ["model.config.vocab_size=320"], environ=dict(os.environ)).plan
     assert any("data.sources[0]" in n and "vocab_size 300 (huggingface tokenizer), the model has 320: 20 rows" in n
                for n in plan.notes), plan.notes
+    eos = [n for n in plan.notes if "eos" in n]  # tiny-cpu's GPT-2 ends documents with 256, the BPE store with 0
+    assert eos == [f"data.sources[0] {bpe}: its documents end with id 0 (the tokenizer's eos), but the model has "
+                   "eos_token_id 256: it learns to end a document with an id its generation does not stop at; set "
+                   "model.config.eos_token_id: 0"], plan.notes
+    plan = resolve(str(_spec(tmp_path, (bpe, other))), ["model.config.vocab_size=320", "model.config.eos_token_id=0"],
+                   environ=dict(os.environ)).plan
+    assert not [n for n in plan.notes if "eos" in n], plan.notes
+    plan = resolve(str(_spec(tmp_path, stores)), [], environ=dict(os.environ)).plan  # bytes: eos 256 as the model's
+    assert not [n for n in plan.notes if "eos" in n], plan.notes
