@@ -139,7 +139,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
                 note = "finished (DONE marker), yet requeued by SLURM: that start ends at once, training nothing"
         upstream = ", ".join(getattr(rec, "after", None) or []) or "another job"
         if group == "queued" and job.reason == "Dependency":
-            note = f"waiting for {upstream} (--after)"
+            note = f"waiting for {upstream}"  # submit --after's runs, or a preparation's array
         elif group == "queued" and job.reason == "DependencyNeverSatisfied":
             note = f"never starts: {upstream} did not succeed (`lmlaunch cancel {rec.name}`)"
         if files.cancelled and group in ("queued", "running"):

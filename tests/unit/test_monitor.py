@@ -256,7 +256,7 @@ def test_status_finds_the_checkpoints_where_the_plan_put_them_and_means_the_newe
 
 
 @pytest.mark.parametrize("reason, words", [
-    ("Dependency", "waiting for train:ok (job 7) (--after)"),
+    ("Dependency", "waiting for train:ok (job 7)"),
     ("DependencyNeverSatisfied", "never starts: train:ok (job 7) did not succeed (`lmlaunch cancel eval`)"),
 ])
 def test_a_run_waiting_on_another_says_on_which_and_whether_it_ever_can(tmp_path, reason, words):
