@@ -74,27 +74,31 @@ class RealignAccumulation(pl.Callback):
 
 
 class RngNeutralValidation(pl.Callback):
-    """Validation must not move the training random stream (DataLoader iterator creation draws
-    from the global torch RNG): save it before validation, restore it after. This keeps a run
-    that resumes from a checkpoint bit-identical to one that did not stop."""
+    """Validation must not move the training random stream (creating the validation DataLoader's
+    iterator draws its base seed from the global torch RNG): the stream as the last training
+    batch left it is restored after validation. This keeps a run resumed from a checkpoint of a
+    validation step (a stop there checkpoints before validation runs) bit-identical to one that
+    did not stop.
+
+    The snapshot is taken at every training batch's end, not at ``on_validation_start``: Lightning's
+    evaluation loop creates its iterator (the draw) before it calls that hook. Nothing between a
+    batch's end and the validation that follows it draws for training. Costs ~2 us a batch."""
 
     def __init__(self) -> None:
         self._saved: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self._saved = (torch.get_rng_state(), cuda)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._saved is None:
+        if self._saved is None or trainer.sanity_checking:
             return
         cpu, cuda = self._saved
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-        self._saved = None
 
 
 class MetricsHeartbeat(pl.Callback):

@@ -32,6 +32,7 @@ class Fit:
         self.ckpt, self.rank_state = ckpt, rank_state
         self.job = plan.job_spec()  # typed: checkpoint, logging, data, trainer, watchdog settings
         self.resume_rng: Any = None
+        self.resume_window: dict[str, Any] | None = None
         self.realign: Any = None
         self.universal = False
         self.validate = False
@@ -101,6 +102,7 @@ class Fit:
         layout = (env.world_size, topo.tensor_parallel_size)
         if rank_state is not None and _layout(rank_state, env.world_size) == layout:
             self.resume_rng = rank_state["rng"]
+            self.resume_window = rank_state.get("loss_window")  # None in checkpoints before it was kept
             return
         old_world, old_tp = _layout(state, env.world_size)
         log.warning("resuming step-%d on %d ranks, tensor parallel %d (written on %d, tensor parallel %d): data "
@@ -125,6 +127,7 @@ class Fit:
         module = LMModule(self.job.model, OptimSettings.from_spec(self.job.optim, t.max_steps), rt,
                           plan.training.seed)
         module.data_sampler = self.loaders[2]
+        module.resume_loss_window(self.resume_window)
         return module
 
     def callbacks(self, startup: Any) -> list[Any]:
@@ -179,7 +182,8 @@ class Fit:
         manager.estimate = lambda: checkpoint_bytes(parameter_count(job.model)[0], strategy,
                                                     plan.trainer.precision)
         return CheckpointCallback(
-            manager, lambda: {"data_sampler": sampler.state_dict()}, self.records.heartbeat,
+            manager, lambda: {"data_sampler": sampler.state_dict(), "loss_window": self.module.loss_window()},
+            self.records.heartbeat,
             resume_rng=self.resume_rng, resumed_step=ckpt.step if ckpt is not None else None,
             background=job.checkpoint.async_save,
         )

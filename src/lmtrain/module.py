@@ -99,6 +99,7 @@ class LMModule(pl.LightningModule):
         self._last_log_time: float | None = None
         self._last_log_step: int | None = None
         self._seen_step: int | None = None
+        self._resumed_window: dict[str, Any] | None = None  # the checkpoint's loss_window(), until training starts
         self._peak_flops: float | None = None
         self.last_metrics: dict[str, float | None] = {}
         # Set by the entry: called with each logging step's metrics (the heartbeat), and the
@@ -238,6 +239,24 @@ class LMModule(pl.LightningModule):
         self._last_log_time = time.perf_counter()
         self._last_log_step = self.trainer.global_step
         self._seen_step = self.trainer.global_step
+        window, self._resumed_window = self._resumed_window, None
+        if window is not None and window.get("count"):
+            self._loss_sum, self._loss_count = window["sum"].to(self.device), int(window["count"])
+
+    # --- the logging window across a stop ----------------------------------------------
+    def loss_window(self) -> dict[str, Any]:
+        """This rank's loss window as it stands once this step is logged (a checkpoint, saved in
+        the callbacks' batch end, comes before the module's): saved with the checkpoint, so that
+        the run resumed from it logs the mean over the same steps as the run that did not stop."""
+        step = self.trainer.global_step
+        logs_now = step != self._seen_step and (step % self.rt.log_every_n_steps == 0 or step == self.trainer.max_steps)
+        if logs_now or self._loss_sum is None:
+            return {"sum": None, "count": 0}
+        return {"sum": self._loss_sum.detach().cpu(), "count": self._loss_count}
+
+    def resume_loss_window(self, window: dict[str, Any] | None) -> None:
+        """The saved loss_window() of this rank (same world size only), taken up when training starts."""
+        self._resumed_window = window
 
     # --- validation --------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ OVERRIDES = [
     "optim.warmup_steps=3",
 ]
 MAX_STEPS = 12
+STOP_AT = 6  # a validation step (trainer.val_check_interval=6), not a periodic checkpoint's
 
 
 STRATEGIES = {
@@ -91,6 +92,11 @@ def _steps(run_dir: str, redone: range = range(0)) -> dict[int, tuple[float, flo
     return out
 
 
+def _val_losses(run_dir: str) -> dict[int, float]:
+    beats = [json.loads(x) for x in Path(run_dir, "metrics", "heartbeat.jsonl").read_text().splitlines()]
+    return {b["step"]: b["val_loss"] for b in beats if b["event"] == "val"}
+
+
 def _final_weights(run_dir: str) -> dict[str, torch.Tensor]:
     last = complete_checkpoints(Path(run_dir) / "checkpoints")[-1]
     assert last.step == MAX_STEPS
@@ -106,7 +112,7 @@ def _ledger(run_dir: str) -> list[dict]:
     [(1, "ddp"), *(pytest.param(2, s, marks=pytest.mark.slow) for s in STRATEGIES)],
     ids=["ddp-1", *(f"{s}-2" for s in STRATEGIES)],
 )
-def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(repo, runs_root, devices, strategy):
+def test_run_stopped_at_a_validation_step_and_resumed_is_bit_identical_to_uninterrupted(repo, runs_root, devices, strategy):
     straight = _plan(repo, f"straight-{devices}", devices, strategy)
     assert _launch(straight, stop_at=0) == 0
     assert json.loads(Path(straight.paths.plan_json).read_text())["training"]["strategy"] == strategy.rstrip("123").replace("zero", "deepspeed")
@@ -132,10 +138,13 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
         assert (end["event"], end["reason"], end["first_death"]["rank"]) == ("end", "crashed", 1), end
         assert "resumes from checkpoint step-5" in end["detail"]
 
-    assert _launch(stopped, stop_at=7) == 0  # from step-5 (a background save), stopped at step 7
+    # from step-5 (a background save), stopped at step 6: a validation step (val_check_interval 6),
+    # whose stop checkpoint is taken before validation would run (validation must not move the
+    # training random stream, or the uninterrupted run's step 7 differs: lmtrain.callbacks)
+    assert _launch(stopped, stop_at=STOP_AT) == 0
     ledger = _ledger(stopped.paths.run_dir)
-    assert ledger[-1]["reason"] == "preempted" and ledger[-1]["end_step"] == 7
-    assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5, 7]
+    assert ledger[-1]["reason"] == "preempted" and ledger[-1]["end_step"] == STOP_AT
+    assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5, STOP_AT]
     assert not Path(stopped.paths.run_dir, "DONE").exists()
 
     slow = {**IN_BACKGROUND_WRITE[strategy], "step": 10, "attempt": 3, "action": "sleep", "seconds": 2}
@@ -149,8 +158,8 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
     assert [(e["event"], e.get("start_step"), min(e.get("end_step") or 0, 10) if e.get("reason") == "crashed" else
              e.get("end_step"), e.get("reason")) for e in ledger if e["event"] not in ("startup", "preflight", "memory")] == [
         ("start", 0, None, None), ("end", None, 5, "node_failure") if rank0_killed else ("end", None, 10, "crashed"),
-        ("start", 5, None, None), ("end", None, 7, "preempted"),
-        ("start", 7, None, None), ("end", None, MAX_STEPS, "completed"),
+        ("start", 5, None, None), ("end", None, STOP_AT, "preempted"),
+        ("start", STOP_AT, None, None), ("end", None, MAX_STEPS, "completed"),
     ]
     assert Path(stopped.paths.run_dir, "DONE").exists()
 
@@ -162,8 +171,31 @@ def test_run_stopped_at_step_7_and_resumed_is_bit_identical_to_uninterrupted(rep
     wa, wb = _final_weights(straight.paths.run_dir), _final_weights(stopped.paths.run_dir)
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    # keep_last=2: of 5, 7, 10, 12 only the newest two remain
+    assert _val_losses(straight.paths.run_dir)[MAX_STEPS] == _val_losses(stopped.paths.run_dir)[MAX_STEPS]
+    # keep_last=2: of 5, 6, 10, 12 only the newest two remain
     assert [c.step for c in complete_checkpoints(stopped.paths.checkpoint_dir)] == [10, 12]
     # what each rank held (the ledger's memory line of every attempt) is what the plan said
     assert_states_as_planned(straight.paths.run_dir)
-    assert_states_as_planned(stopped.paths.run_dir, attempts=3)
+    assert_states_as_planned(stopped.paths.run_dir, attempts=2)  # attempt 2 trains one step: measured at its second
+
+
+def test_the_loss_logged_across_stops_is_the_uninterrupted_runs(repo, runs_root):
+    """The logged loss is the mean over the logging window (every 4 steps here): a run stopped in
+    the middle of one (step 6) and at the end of one (step 8) logs the same means at 4, 8 and 12
+    as a run that never stopped (each checkpoint carries its rank's window so far)."""
+    every4 = ["trainer.log_every_n_steps=4"]
+
+    def plan(name):
+        return prepare_local_run(
+            str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES + every4, devices=1, max_steps=MAX_STEPS, name=name,
+            environ=dict(os.environ), say=lambda *_: None, resume=(Path(os.environ["LMLAUNCH_RUNS_ROOT"]) / name).is_dir())
+
+    straight = plan("straight-every4")
+    assert _launch(straight, stop_at=0) == 0
+    for stop_at in (6, 8, 0):
+        stopped = plan("stopped-every4")
+        assert _launch(stopped, stop_at=stop_at) == 0
+    assert [(e.get("start_step"), e.get("end_step")) for e in _ledger(stopped.paths.run_dir)
+            if e["event"] in ("start", "end")] == [(0, None), (None, 6), (6, None), (None, 8), (8, None), (None, 12)]
+    a, b = _steps(straight.paths.run_dir), _steps(stopped.paths.run_dir)
+    assert sorted(a) == [4, 8, 12] and a == b  # bit-identical means (and gradient norms)

@@ -24,7 +24,7 @@ log = logging.getLogger("lmtrain.callbacks")
 class CheckpointCallback(pl.Callback):
     """Periodic and final checkpoints (collective), and exact restoration of per-rank RNG state.
 
-    ``rank_state`` returns what each rank saves besides Lightning's checkpoint (data position);
+    ``rank_state`` returns what each rank saves besides Lightning's checkpoint (data position, loss window);
     RNG states are added here. On resume the saved RNG state is restored at the start of the
     first training batch, after everything that may draw random numbers while the fit starts
     (DataLoader iterator creation, validation) has run, so the random stream of the resumed
