@@ -65,7 +65,7 @@ class MixtureWindows(Dataset):
         self._map_epoch = -1  # the virtual epoch whose positions _map_source/_map_key hold
         self._map_source = array("h")
         self._map_key = array("q")
-        self._readers: list[Any] = []  # each part's ``at``, bound once
+        self._readers = [p.at for p in self.parts]  # each part's ``at``, bound once
 
     def __len__(self) -> int:
         return self.total
@@ -84,8 +84,6 @@ class MixtureWindows(Dataset):
         """A batch of samples (torch's DataLoader fetches a batch through this when it is there).
         Per sample: its position's source and key, then that part's ``at(key)``; this loop is all
         a mixture adds to reading one store (bench/data_prepare.py measures it)."""
-        if not self._readers:
-            self._readers = [p.at for p in self.parts]
         readers, total, out = self._readers, self.total, []
         base, sources, keys = self._map_epoch * total, self._map_source, self._map_key
         for j in indices:
@@ -134,4 +132,4 @@ class MixtureWindows(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_perms": {}, "_map_epoch": -1, "_map_source": array("h"),
-                "_map_key": array("q"), "_readers": []}
+                "_map_key": array("q")}

@@ -181,9 +181,12 @@ class LMModule(pl.LightningModule):
         if step == self._seen_step:
             return  # still accumulating gradients
         self._seen_step = step
-        if step % self.rt.log_every_n_steps and step != self.trainer.max_steps:
-            return
-        self._log_step_metrics(step)
+        if self._logs_at(step):
+            self._log_step_metrics(step)
+
+    def _logs_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is a logging step."""
+        return step % self.rt.log_every_n_steps == 0 or step == self.trainer.max_steps
 
     def _log_step_metrics(self, step: int) -> None:
         now = time.perf_counter()
@@ -249,8 +252,7 @@ class LMModule(pl.LightningModule):
         the callbacks' batch end, comes before the module's): saved with the checkpoint, so that
         the run resumed from it logs the mean over the same steps as the run that did not stop."""
         step = self.trainer.global_step
-        logs_now = step != self._seen_step and (step % self.rt.log_every_n_steps == 0 or step == self.trainer.max_steps)
-        if logs_now or self._loss_sum is None:
+        if (step != self._seen_step and self._logs_at(step)) or self._loss_sum is None:  # logged next: empty
             return {"sum": None, "count": 0}
         return {"sum": self._loss_sum.detach().cpu(), "count": self._loss_count}
 
