@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${LMLAUNCH_VENV:-$PWD/.venv}
+# shellcheck source=scripts/venv_env.sh
+source scripts/venv_env.sh  # the venv by its real path; its own TORCH_EXTENSIONS_DIR
 LM="$VENV/bin/lmlaunch"
 NAME=${LMLAUNCH_DEMO_NAME:-tiny-cpu}
 

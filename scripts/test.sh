@@ -13,6 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${LMLAUNCH_VENV:-$PWD/.venv}
+# shellcheck source=scripts/venv_env.sh
+source scripts/venv_env.sh  # the venv by its real path; its own TORCH_EXTENSIONS_DIR
 WORKERS=${LMLAUNCH_TEST_WORKERS:-4}
 # The suite picks the cluster each test talks to. A shell pointed at a local cluster (`eval
 # "$(lmlaunch cluster env --slurm 24.11)"`) would point the primary `cluster up` at that one and
@@ -59,10 +61,30 @@ if [ "${LMLAUNCH_TEST_OTHER_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ]; then
     fi
   fi
 fi
+# The host's speed, so that runs on different machines can be compared (docs/testing.md): one
+# task's imports in CPU-s (bench/task_imports.py, one fresh interpreter per side, ~25 s).
+# LMLAUNCH_TEST_HOST_FIGURE=0 leaves it out.
+if [ "${LMLAUNCH_TEST_HOST_FIGURE:-1}" != 0 ]; then
+  host=$("$VENV/bin/python" bench/task_imports.py --runs 1 2>/dev/null | tail -1 \
+         | "$VENV/bin/python" -c "import json, sys; print(json.load(sys.stdin)['median_paused'])" 2>/dev/null) || host="?"
+  echo "[test] host: a task's imports take ${host} CPU-s (bench/task_imports.py --runs 1, collector paused)"
+fi
 # Results made once per test run and shared by its workers and phases (tests/shared_results.py).
 LMLAUNCH_TEST_SHARED=$(mktemp -d "${TMPDIR:-/tmp}/lmlaunch-test-shared.XXXXXX")
 export LMLAUNCH_TEST_SHARED
-trap 'rm -rf "$LMLAUNCH_TEST_SHARED"' EXIT
+# The stress mode (docs/testing.md): LMLAUNCH_TEST_STRESS=N runs N CPU burners (a busy loop each)
+# beside the whole suite, as other work on the machine would; no test may depend on the host's speed.
+burners=()
+cleanup() {
+  ((${#burners[@]})) && kill "${burners[@]}" 2>/dev/null
+  rm -rf "$LMLAUNCH_TEST_SHARED"
+}
+trap cleanup EXIT
+for ((i = 0; i < ${LMLAUNCH_TEST_STRESS:-0}; i++)); do
+  bash -c 'while :; do :; done' &
+  burners+=($!)
+done
+((${#burners[@]})) && echo "[test] stress mode: ${#burners[@]} CPU burner(s) beside the suite (pids ${burners[*]})"
 
 pytest() {
   set +e

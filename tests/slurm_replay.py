@@ -23,6 +23,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import waiting
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
+
 COMMANDS = ("sbatch", "squeue", "sacct", "scontrol", "scancel", "sinfo", "srun", "sacctmgr")
 PHASE_ENV = "LMLAUNCH_REPLAY_PHASE"
 
@@ -89,7 +92,7 @@ def phase(name: str) -> Iterator[None]:
 
 def _sbatch(*args: str) -> str:
     return subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, check=True,
-                          timeout=30).stdout.strip().split(";")[0]
+                          timeout=HANG_S).stdout.strip().split(";")[0]
 
 
 def capture(out: Path) -> None:
@@ -104,12 +107,9 @@ def capture(out: Path) -> None:
     held = _sbatch("-J", "replay-held", "-p", "low", "-N", "1", "--hold", "-o", "/dev/null", "--wrap", "sleep 60")
     running = _sbatch("-J", "replay-running", "-p", "low", "-N", "2", "--requeue", "-o", "/dev/null",
                       "--wrap", "srun sleep 120")
-    deadline = time.monotonic() + 60
-    while subprocess.run(["squeue", "-h", "-j", running, "-o", "%T"], capture_output=True, text=True).stdout.strip() \
-            != "RUNNING":
-        if time.monotonic() > deadline:
-            raise SystemExit(f"job {running} did not start")
-        time.sleep(0.5)
+    waiting.until(lambda: subprocess.run(["squeue", "-h", "-j", running, "-o", "%T"], capture_output=True,
+                                         text=True).stdout.strip() == "RUNNING",
+                  progress=waiting.queue(), what=f"job {running} started")
     time.sleep(2)
     with tempfile.TemporaryDirectory() as tmp:
         _write_commands(Path(tmp), _RECORDER, real=real, out=str(out))

@@ -83,7 +83,7 @@ def slurm_cluster():
     if orphans:
         print(f"cancelled {len(orphans)} job(s) of test sessions that are gone: "
               + ", ".join(f"{j.job_id} {j.name}" for j in orphans))
-        wait_nodes_usable(60)
+        wait_nodes_usable()
     yield layout
     lease.unlink(missing_ok=True)
 

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import waiting
 from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, pace, wait_for
 
 from launcher import rehearsal
@@ -91,20 +92,27 @@ def current_step(run_dir: Path, attempt: int | None = None) -> int:
     return max(steps, default=-1)
 
 
-def wait_step(run_dir: Path, step: int, *, attempt: int | None = None, timeout: float = 180.0, job_id: str | None = None) -> int:
-    """Wait until the run logged ``step`` (in ``attempt``); return the step seen. Starts a
-    requeued ``job_id`` at once while it waits for its BeginTime."""
-    deadline = time.monotonic() + timeout
-    while True:
+def run_progress(run_dir: Path, job_id: str | None = None):
+    """What advances while a run starts, trains, checkpoints and requeues: the files of its run
+    directory, and its job's state when known (tests/waiting.py)."""
+    parts = [waiting.tree(run_dir)]
+    if job_id is not None:
+        parts.append(waiting.job(job_id))
+    return waiting.watching(*parts)
+
+
+def wait_step(run_dir: Path, step: int, *, attempt: int | None = None, job_id: str | None = None) -> int:
+    """Wait until the run logged ``step`` (in ``attempt``), while the run advances; return the
+    step seen. Starts a requeued ``job_id`` at once while it waits for its BeginTime."""
+    def reached() -> int | None:
         seen = current_step(run_dir, attempt)
-        if seen >= step:
-            return seen
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{run_dir.name}: step {step} (attempt {attempt}) not reached in {timeout:.0f} s; "
-                                 f"ledger {ledger(run_dir)}\n{log_tail(run_dir)}")
-        if job_id is not None:
-            start_if_begin_time(job_id)
-        time.sleep(0.2)
+        return seen if seen >= step else None
+
+    return waiting.until(
+        reached, progress=run_progress(run_dir, job_id), poll=0.2,
+        on_poll=(lambda: start_if_begin_time(job_id)) if job_id is not None else None,
+        what=f"{run_dir.name}: step {step} (attempt {attempt})",
+        explain=lambda: f"at step {current_step(run_dir, attempt)}; ledger {ledger(run_dir)}\n{log_tail(run_dir)}")
 
 
 _PENDING_SINCE: dict[tuple[str, str | None], float] = {}
@@ -123,29 +131,26 @@ def start_if_begin_time(job_id: str) -> None:
             rehearsal.start_now(job_id)
 
 
-def wait_attempt_running(run_dir: Path, attempt: int, job_id: str, timeout: float = 120.0) -> None:
-    """Wait until ``attempt`` wrote its ledger start line (starting the requeued job at once)."""
-    deadline = time.monotonic() + timeout
-    while not any(s["attempt"] == attempt for s in starts(run_dir)):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"attempt {attempt} of job {job_id} did not start in {timeout:.0f} s: "
-                                 f"{slurm.show_job(job_id)}\n{ledger(run_dir)}\n{log_tail(run_dir)}")
-        start_if_begin_time(job_id)
-        time.sleep(0.2)
+def wait_attempt_running(run_dir: Path, attempt: int, job_id: str) -> None:
+    """Wait until ``attempt`` wrote its ledger start line (starting the requeued job at once),
+    while the run advances."""
+    waiting.until(
+        lambda: any(s["attempt"] == attempt for s in starts(run_dir)),
+        progress=run_progress(run_dir, job_id), poll=0.2, on_poll=lambda: start_if_begin_time(job_id),
+        what=f"attempt {attempt} of job {job_id} started",
+        explain=lambda: f"{slurm.show_job(job_id)}\n{ledger(run_dir)}\n{log_tail(run_dir)}")
 
 
-def finish(job_id: str, run_dir: Path, timeout: float = 300.0) -> str:
-    """Wait for the job to end COMPLETED, starting its requeued attempts at once (safely: see
-    start_if_begin_time; slurm_helpers.wait_terminal starts them within the second of the requeue,
-    which SLURM may kill as "Job credential revoked")."""
-    deadline = time.monotonic() + timeout
-    while True:
+def finish(job_id: str, run_dir: Path) -> str:
+    """Wait for the job to end COMPLETED, while the run advances, starting its requeued attempts
+    at once (safely: see start_if_begin_time; slurm_helpers.wait_terminal starts them within the
+    second of the requeue, which SLURM may kill as "Job credential revoked")."""
+    def ended() -> str | None:
         state = slurm.job_state(job_id)
-        if slurm.state_group(state) in TERMINAL:
-            break
-        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout:.0f} s\n{log_tail(run_dir)}"
-        start_if_begin_time(job_id)
-        time.sleep(0.5)
+        return state if slurm.state_group(state) in TERMINAL else None
+
+    state = waiting.until(ended, progress=run_progress(run_dir, job_id), on_poll=lambda: start_if_begin_time(job_id),
+                          what=f"job {job_id} ended", explain=lambda: log_tail(run_dir))
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{ledger(run_dir)}\n{log_tail(run_dir)}"
     return state
 
@@ -238,9 +243,10 @@ def cluster_sends_user_signal() -> bool:
     return "preempt_send_user_signal" in slurm.config().get("SlurmctldParameters", "")
 
 
-def wait_ended(job_id: str, timeout: float = 240.0) -> str:
-    """Wait for the job to leave the queue (no BeginTime skipping: nothing should requeue it)."""
-    return wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, timeout=timeout, poll=1.0)
+def wait_ended(job_id: str) -> str:
+    """Wait for the job to leave the queue, while it advances (no BeginTime skipping: nothing
+    should requeue it)."""
+    return wait_for(job_id, {"completed", "cancelled", "failed", "timeout", "preempted"}, poll=1.0)
 
 
 def private_checkout(where: Path) -> Path:
@@ -265,7 +271,7 @@ def lm_from(checkout: Path, environ: dict[str, str], *args: str) -> tuple[int, s
     env = {**os.environ, **environ, "PYTHONPATH": f"{checkout}:{checkout / 'src'}"}
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; from launcher.cli import main; sys.exit(main(sys.argv[1:]))", *args],
-        cwd=checkout, env=env, capture_output=True, text=True, timeout=300)
+        cwd=checkout, env=env, capture_output=True, text=True, timeout=waiting.HANG_S)
     return proc.returncode, proc.stdout, proc.stderr
 
 

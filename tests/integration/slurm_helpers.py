@@ -12,6 +12,8 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+import waiting
+
 from launcher import rehearsal
 from launcher.core import slurm
 from launcher.core.errors import UserError
@@ -22,9 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"completed", "cancelled", "failed", "timeout", "preempted"}
 
 
-def wait_terminal(job_id: str, timeout: float) -> str:
-    """Wait for one of our jobs to end (requeued attempts are started at once)."""
-    return wait_for(job_id, TERMINAL, timeout=timeout, poll=1.0, start_requeued=True)
+def wait_terminal(job_id: str, *, watch: Iterable[Path] = ()) -> str:
+    """Wait for one of our jobs to end (requeued attempts are started at once), while it advances
+    (:func:`wait_for`)."""
+    return wait_for(job_id, TERMINAL, poll=1.0, start_requeued=True, watch=watch)
 
 
 def requeues_once_more_after_preemption() -> bool:
@@ -46,16 +49,17 @@ def release_worker(claim, run_name: str) -> None:
     claim.release()
 
 
-def wait_accounted(job_id: str, timeout: float = 30.0) -> slurm.AccountedJob:
-    """sacct lags the controller by a moment: wait until accounting has the final state."""
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = slurm.sacct([job_id])
-        if rows and rows[-1].group in TERMINAL:
-            return rows[-1]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"sacct has no final state for job {job_id}: {rows}")
-        time.sleep(1.0)
+def wait_accounted(job_id: str) -> slurm.AccountedJob:
+    """sacct lags the controller by a moment (more under load): wait until accounting has the
+    final state, while what it reports of the job changes."""
+    rows: list[slurm.AccountedJob] = []
+
+    def final() -> slurm.AccountedJob | None:
+        rows[:] = slurm.sacct([job_id])
+        return rows[-1] if rows and rows[-1].group in TERMINAL else None
+
+    return waiting.until(final, progress=lambda: tuple(rows), poll=1.0,
+                         what=f"sacct's final state of job {job_id}", explain=lambda: f"sacct: {rows}")
 
 
 # --------------------------------------------------------------------------- test sessions
@@ -99,9 +103,7 @@ def claim_session(lease_dir: Path) -> Path:
     return path
 
 
-def cancel_orphaned_test_jobs(
-    lease_dir: Path, *, among: list[str] | None = None, timeout: float = 60.0
-) -> list[slurm.QueuedJob]:
+def cancel_orphaned_test_jobs(lease_dir: Path, *, among: list[str] | None = None) -> list[slurm.QueuedJob]:
     """Cancel test jobs (of ``among``, default all) no live session owns, and drop dead leases;
     wait until they are gone. Jobs with other names (a user's, the demo's) are never touched."""
     live = set()
@@ -116,12 +118,9 @@ def cancel_orphaned_test_jobs(
     ]
     if orphans:
         slurm.cancel([j.job_id for j in orphans])
-        deadline = time.monotonic() + timeout
         ids = [j.job_id for j in orphans]
-        while any(slurm.is_active(j.state) for j in slurm.squeue(ids)):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"orphaned test jobs {ids} still active {timeout:.0f} s after scancel")
-            time.sleep(0.5)
+        waiting.until(lambda: not any(slurm.is_active(j.state) for j in slurm.squeue(ids)),
+                      progress=waiting.queue(ids), what=f"orphaned test jobs {ids} gone after scancel")
     return orphans
 
 
@@ -192,34 +191,39 @@ def wait_for(
     job_id: str,
     groups: Iterable[str],
     *,
-    timeout: float,
     poll: float = 2.0,
     start_requeued: bool = False,
+    watch: Iterable[Path] = (),
 ) -> str:
     """Poll until the job's state falls in one of ``groups`` (e.g. {'running'}); return the
-    SLURM state. With ``start_requeued``, a job pending on its requeue BeginTime is started
+    SLURM state. Waits while the job advances (tests/waiting.py): its state, reason and output,
+    its run directory, the cluster's queue, the files under ``watch``; fails (waiting.Stalled)
+    when none of them changed for waiting.STALL_S, with the last state seen, the pending reason and
+    what the nodes run. With ``start_requeued``, a job pending on its requeue BeginTime is started
     once it has waited 2 s and no node is still completing a job or running its previous run
     (:func:`launcher.rehearsal.ready_to_start`; started within the second of its requeue, SLURM kills it: 'Job
-    credential revoked').
-    Raises TimeoutError with the last state seen, the pending reason and what the nodes run."""
+    credential revoked')."""
     wanted = set(groups)
-    deadline = time.monotonic() + timeout
-    state = "UNKNOWN"
+    seen = ["UNKNOWN"]
     pending_since: dict[str | None, float] = {}
-    while True:
-        state = slurm.job_state(job_id)
-        if slurm.state_group(state) in wanted:
-            return state
-        if start_requeued and state == "PENDING":
+
+    def arrived() -> str | None:
+        seen[0] = slurm.job_state(job_id)
+        return seen[0] if slurm.state_group(seen[0]) in wanted else None
+
+    def start_requeued_job() -> None:
+        if start_requeued and seen[0] == "PENDING":
             info = slurm.show_job(job_id) or {}
             if info.get("Reason") == "BeginTime":
                 first = pending_since.setdefault(info.get("Restarts"), time.monotonic())
                 if time.monotonic() - first >= 2.0 and rehearsal.ready_to_start(job_id):
                     rehearsal.start_now(job_id)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (waited for {sorted(wanted)})"
-                               + _why_waiting(job_id))
-        time.sleep(poll)
+
+    return waiting.until(
+        arrived, poll=poll, on_poll=start_requeued_job,
+        progress=waiting.watching(waiting.job(job_id), waiting.queue(), waiting.tree(*watch)),
+        what=f"job {job_id} in {sorted(wanted)}",
+        explain=lambda: f"job {job_id} {seen[0]}" + _why_waiting(job_id))
 
 
 def _why_waiting(job_id: str) -> str:
@@ -234,13 +238,13 @@ def _why_waiting(job_id: str) -> str:
             + ("; ".join(others) or "none"))
 
 
-def wait_nodes_usable(timeout: float = 60.0, layout: Layout | None = None) -> None:
+def wait_nodes_usable(layout: Layout | None = None) -> None:
     """Block until both nodes of the local cluster are usable (after a test ran a job that drained
-    one, or cancelled another session's jobs)."""
-    deadline = time.monotonic() + timeout
+    one, or cancelled another session's jobs), while the nodes' states or the queue change."""
     with cluster.own_conf(layout or Layout.default()):
-        while not cluster.nodes_ready():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nodes {', '.join(NODES)} are not usable after {timeout:.0f} s; "
-                                   "see `lmlaunch cluster status`")
-            time.sleep(0.5)
+        waiting.until(cluster.nodes_ready, progress=waiting.watching(_node_states, waiting.queue()),
+                      what=f"nodes {', '.join(NODES)} usable", explain=lambda: "see `lmlaunch cluster status`")
+
+
+def _node_states() -> tuple:
+    return tuple(sorted((n.name, n.state) for n in slurm.nodes()))

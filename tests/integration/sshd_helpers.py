@@ -17,9 +17,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import waiting
 
 ACCOUNT = "lmcluster"
 ACCOUNT_HOME = Path("/var/tmp/lmlaunch-cluster-account")
@@ -37,7 +38,7 @@ class LoginNode:
     def stop(self) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=10)  # then killed: not a verdict
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
@@ -90,16 +91,19 @@ def start(where: Path) -> LoginNode:
         f"Host cluster-login\n  HostName 127.0.0.1\n  Port {port}\n  User {ACCOUNT}\n  IdentityFile {key}\n"
         "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
     )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return LoginNode(port, key, config, proc)
+
+    def listening() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"sshd exited {proc.returncode}: {(where / 'sshd.log').read_text()[-2000:]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("sshd did not listen within 10 s")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        waiting.until(listening, progress=waiting.process_cpu(proc.pid), poll=0.05, what=f"sshd listening on {port}")
+    except waiting.Stalled:
+        proc.kill()
+        raise
+    return LoginNode(port, key, config, proc)
 
 
 def profile_text(repo: Path, node: LoginNode, control_path: Path, env: dict[str, str], *,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
+import waiting
 from slurm_helpers import REPO, wait_terminal
 
 from launcher.core import slurm
@@ -36,14 +36,11 @@ def _status(cli, name: str) -> dict:
     return next(x for x in rows if x["name"] == name)
 
 
-def _wait_reason(job: str, reason: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = slurm.squeue([job])
-        if got and got[0].reason == reason:
-            return
-        time.sleep(1.0)
-    raise AssertionError(f"job {job} never showed reason {reason}: {slurm.squeue([job])}")
+def _wait_reason(job: str, reason: str) -> None:
+    """Wait until ``job`` pends with ``reason``, while it or the jobs ahead of it change."""
+    waiting.until(lambda: any(j.reason == reason for j in slurm.squeue([job])), poll=1.0,
+                  progress=waiting.watching(waiting.job(job), waiting.queue()), what=f"job {job} with reason {reason}",
+                  explain=lambda: f"{slurm.squeue([job])}")
 
 
 def test_a_run_after_another_starts_when_it_succeeded_and_never_after_a_failure(slurm_cluster, cli, lm_env, run_name,
@@ -54,17 +51,17 @@ def test_a_run_after_another_starts_when_it_succeeded_and_never_after_a_failure(
     after_bad = _submit(cli, own_jobs, f"{run_name}-d", "--after", f"{run_name}-b:ok")
     assert slurm.show_job(after_good)["JobState"] == "PENDING"
 
-    assert wait_terminal(bad, timeout=300) == "FAILED"
+    assert wait_terminal(bad) == "FAILED"
     _wait_reason(after_bad, "DependencyNeverSatisfied")
     row = _status(cli, f"{run_name}-d")
     assert row["reason"] == "DependencyNeverSatisfied" and "never starts" in row["note"], row
     assert f"{run_name}-b:ok (job {bad})" in row["note"]
     r = cli("cancel", f"{run_name}-d")
     assert r.code == 0, r.err
-    assert wait_terminal(after_bad, timeout=60) == "CANCELLED"
+    assert wait_terminal(after_bad) == "CANCELLED"
 
-    assert wait_terminal(good, timeout=300) == "COMPLETED"
-    assert wait_terminal(after_good, timeout=300) == "COMPLETED"
+    assert wait_terminal(good) == "COMPLETED"
+    assert wait_terminal(after_good) == "COMPLETED"
     start_c = slurm.show_job(after_good) or {}
     end_a = slurm.show_job(good) or {}
     if start_c.get("StartTime") and end_a.get("EndTime"):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import filecmp
 import re
 import subprocess
-import time
 from pathlib import Path
 
+import waiting
 from slurm_helpers import faults, wait_for
 
 from launcher import rehearsal
@@ -53,10 +53,9 @@ def test_a_preparation_array_preempted_midway_redoes_only_unfinished_shards(slur
     own_jobs += [array, assemble]
     staging = tmp_path / "store.partial"
     first = staging / "shards" / "00000.json"
-    deadline = time.monotonic() + 180
-    while not first.exists():  # task 0 finished its first shard and waits before its second
-        assert time.monotonic() < deadline, "task 0 never finished its first shard"
-        time.sleep(0.2)
+    # task 0 finished its first shard and waits before its second
+    waiting.until(first.exists, progress=waiting.watching(waiting.tree(tmp_path), waiting.queue()), poll=0.2,
+                  what="task 0's first shard")
     kept = (staging / "shards" / "00000.bin").stat()
     assert not (staging / "shards" / "00001.json").exists()
     nodes = sorted({j.nodelist for j in slurm.squeue() if j.job_id.startswith(f"{array}_") and j.nodelist})
@@ -64,8 +63,8 @@ def test_a_preparation_array_preempted_midway_redoes_only_unfinished_shards(slur
                                    num_nodes=len(nodes), seconds=2)
     own_jobs.append(high)
     for k in range(3):  # requeued tasks restart (their requeue delay cut short), then the final step
-        wait_for(f"{array}_{k}", {"completed"}, timeout=300, poll=0.5, start_requeued=True)
-    assert wait_for(assemble, {"completed", "failed", "cancelled"}, timeout=120) == "COMPLETED"
+        wait_for(f"{array}_{k}", {"completed"}, poll=0.5, start_requeued=True)
+    assert wait_for(assemble, {"completed", "failed", "cancelled"}) == "COMPLETED"
 
     after = (out / "shards" / "00000.bin").stat()
     assert (after.st_ino, after.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)  # never rewritten
@@ -100,7 +99,7 @@ def test_more_tasks_than_an_array_holds_run_as_chained_arrays_and_a_bad_input_fa
                               r.out).groups()
     assemble = re.search(r"then job (\d+) writes the index", r.out).group(1)
     own_jobs += [first, second, assemble]
-    assert wait_for(assemble, {"completed", "failed", "cancelled"}, timeout=240) == "COMPLETED"
+    assert wait_for(assemble, {"completed", "failed", "cancelled"}) == "COMPLETED"
     assert max(end for _, end in _sacct_times(first)) <= min(start for start, _ in _sacct_times(second))  # chained
     assert _same_tree(prepare([corpus], tmp_path / "local").out, tmp_path / "store") == []
     status = cli("status", run_name)
@@ -119,9 +118,9 @@ def test_more_tasks_than_an_array_holds_run_as_chained_arrays_and_a_bad_input_fa
     arrays = re.search(r"array jobs (\d+), (\d+) ", r.out).groups()
     assemble = re.search(r"then job (\d+) writes the index", r.out).group(1)
     own_jobs += [*arrays, assemble]
-    assert wait_for(assemble, {"completed", "failed", "cancelled"}, timeout=240) == "CANCELLED"  # by the failed task
-    assert wait_for(f"{arrays[1]}_0", {"completed", "failed", "cancelled"}, timeout=120) == "FAILED"
-    assert wait_for(f"{arrays[0]}_0", {"completed", "failed", "cancelled"}, timeout=120) == "COMPLETED"
+    assert wait_for(assemble, {"completed", "failed", "cancelled"}) == "CANCELLED"  # by the failed task
+    assert wait_for(f"{arrays[1]}_0", {"completed", "failed", "cancelled"}) == "FAILED"
+    assert wait_for(f"{arrays[0]}_0", {"completed", "failed", "cancelled"}) == "COMPLETED"
     status = cli("status", name)
     assert status.code == 0 and re.search(r"task 1 failed: \S*part-2\.jsonl\.zst: not a readable \.jsonl\.zst stream",
                                           status.out), status.out

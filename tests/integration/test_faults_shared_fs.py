@@ -32,7 +32,7 @@ def test_second_run_with_the_same_checkpoint_dir_is_refused_before_submission(
     assert runs.load_record(other, lm_env) is None
     assert [j.job_id for j in slurm.squeue(name=other)] == []
     # the same run may resume with its own directory
-    wait_for(job_id, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
+    wait_for(job_id, {"cancelled", "completed", "failed"}, poll=0.5)
     again = cli("submit", SPEC, f"name={run_name}", f"checkpoint.dir={shared}", "trainer.max_steps=5", "optim.warmup_steps=1", "--resume")
     assert again.code == 0, again.err
     own_jobs.append(re.search(r"job (\d+)", again.out).group(1))

@@ -21,6 +21,7 @@ from launcher.core import slurm
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from monitor_synth import make_run
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 SUBMITTED = 100
@@ -70,13 +71,13 @@ def _age(tree: Path, seconds: float = 60.0) -> None:
 def _status_refreshes(lm_env: dict, path: str, log: Path, n: int = 5) -> tuple[list[float], list[list[str]]]:
     lmlaunch = str(Path(sys.executable).parent / "lmlaunch")
     env = {**lm_env, "PATH": path, "COLUMNS": "160"}
-    first = subprocess.run([lmlaunch, "status", "--all"], env=env, capture_output=True, text=True, timeout=120)
+    first = subprocess.run([lmlaunch, "status", "--all"], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert first.returncode == 0, first.stderr
     times, per_refresh = [], []
     for _ in range(n):
         before = len(_calls(log))
         t = time.perf_counter()
-        p = subprocess.run([lmlaunch, "status", "--all"], env=env, capture_output=True, text=True, timeout=60)
+        p = subprocess.run([lmlaunch, "status", "--all"], env=env, capture_output=True, text=True, timeout=HANG_S)
         times.append(time.perf_counter() - t)
         assert p.returncode == 0, p.stderr
         per_refresh.append(_calls(log)[before:])

@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import waiting
 from preempt_helpers import user_signal_on_preemption
 from slurm_helpers import REPO, SMALL_MODEL, faults, pace, requeues_once_more_after_preemption, wait_for, wait_terminal
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher import rehearsal
 from launcher.core import slurm
@@ -44,15 +46,18 @@ def _row(cli, name) -> dict:
     return row
 
 
-def _wait_row(cli, name, pred, timeout: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout
-    row = {}
-    while time.monotonic() < deadline:
-        row = _row(cli, name)
-        if pred(row):
-            return row
-        time.sleep(1.0)
-    raise AssertionError(f"{name}: {what} not seen within {timeout:.0f} s; last row {row}")
+def _wait_row(cli, name, pred, what: str) -> dict:
+    """Until ``name``'s status row satisfies ``pred``, while the row changes (steps, loss, state,
+    reason) or the cluster's queue does."""
+    row: dict = {}
+
+    def seen() -> dict | None:
+        row.clear()
+        row.update(_row(cli, name))
+        return dict(row) if pred(row) else None
+
+    return waiting.until(seen, poll=1.0, progress=waiting.watching(lambda: json.dumps(row, sort_keys=True), waiting.queue()),
+                         what=f"{name}: {what}", explain=lambda: f"last row {row}")
 
 
 def _submit(cli, name, *extra) -> str:
@@ -64,7 +69,7 @@ def _submit(cli, name, *extra) -> str:
 
 
 def _sbatch(*args: str) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=30,
+    proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=HANG_S,
                           env=slurm.slurm_env())
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
@@ -88,7 +93,7 @@ def _follow_a_run(cli, lm_env, run_name, own_jobs, user_signal: bool) -> None:
 
     # running: steps advance and a checkpoint is written
     row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING" and (r["checkpoint_step"] or 0) >= 10,
-                    240, "RUNNING with a checkpoint")
+                    "RUNNING with a checkpoint")
     assert (row["job_id"], row["group"], row["reason"], row["attempt"], row["requeued"]) == (job, "running", None, 1, False)
     assert row["step"] >= 10 and row["max_steps"] == MAX_STEPS and row["nodes"] == 1 and row["loss"] is not None
     assert row["time_limit"] == "20:00" and row["tokens_per_s"] > 0
@@ -98,7 +103,7 @@ def _follow_a_run(cli, lm_env, run_name, own_jobs, user_signal: bool) -> None:
     r = cli("preempt", run_name, "--mode", "requeue", "--json")
     assert r.code == 0, r.out + r.err
     assert json.loads(r.out)["requeued"], r.out
-    row = _wait_row(cli, run_name, lambda r: r["state"] == "PENDING" and r["reason"] == "BeginTime", 60,
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "PENDING" and r["reason"] == "BeginTime",
                     "PENDING (BeginTime) after the preemption")
     assert (row["job_id"], row["group"], row["attempt"], row["requeued"]) == (job, "queued", 2, True), row
     stop = json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[-1])
@@ -106,8 +111,8 @@ def _follow_a_run(cli, lm_env, run_name, own_jobs, user_signal: bool) -> None:
     # with the user signal, SIGTERM follows it at once: the stop may be agreed before it lands
     assert (stop["signal"].startswith("SIGUSR2") if user_signal else stop["signal"] == "SIGTERM"), stop
     assert row["step"] == row["checkpoint_step"] == stop["end_step"] < MAX_STEPS, row
-    wait_for(job, {"running"}, timeout=120, poll=1.0, start_requeued=True)  # skip the ~2 min delay
-    row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING" and r["step"] > stop["end_step"], 120,
+    wait_for(job, {"running"}, poll=1.0, start_requeued=True)  # skip the ~2 min delay
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING" and r["step"] > stop["end_step"],
                     "RUNNING again past the stop step")
     assert (row["attempt"], row["requeued"], row["group"]) == (2, True, "running"), row
 
@@ -115,7 +120,7 @@ def _follow_a_run(cli, lm_env, run_name, own_jobs, user_signal: bool) -> None:
     pending_name = run_name + "-pd"
     pjob = _submit(cli, pending_name, "resources.nodes=2", "resources.cpus_per_task=4")
     own_jobs.append(pjob)
-    prow = _wait_row(cli, pending_name, lambda r: r["state"] == "PENDING" and r["reason"], 30, "PENDING with a reason")
+    prow = _wait_row(cli, pending_name, lambda r: r["state"] == "PENDING" and r["reason"], "PENDING with a reason")
     assert prow["reason"] in ("Resources", "Priority"), prow
     assert (prow["attempt"], prow["step"], prow["group"]) == (1, None, "queued")
     # ... and cancelled: marker first, then scancel, registry and ledger updated
@@ -126,12 +131,12 @@ def _follow_a_run(cli, lm_env, run_name, own_jobs, user_signal: bool) -> None:
     assert json.loads((pdir / "CANCELLED").read_text())["job_ids"] == [pjob]
     ledger = [json.loads(x) for x in (pdir / "attempts.jsonl").read_text().splitlines()]
     assert ledger[-1]["event"] == "cancel_requested" and ledger[-1]["job_ids"] == [pjob]
-    crow = _wait_row(cli, pending_name, lambda r: r["state"] == "CANCELLED", 30, "CANCELLED")
+    crow = _wait_row(cli, pending_name, lambda r: r["state"] == "CANCELLED", "CANCELLED")
     assert crow["group"] == "cancelled"
 
     # finished: it trains to max_steps
-    assert wait_terminal(job, timeout=300) == "COMPLETED"
-    row = _wait_row(cli, run_name, lambda r: r["state"] == "COMPLETED" and r["step"] == MAX_STEPS, 30, "COMPLETED")
+    assert wait_terminal(job) == "COMPLETED"
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "COMPLETED" and r["step"] == MAX_STEPS, "COMPLETED")
     # SLURM 24.11 requeues a preempted job once more after its last run: an attempt training nothing
     extra = 1 if requeues_once_more_after_preemption() else 0
     assert (row["attempt"], row["requeued"], row["group"], row["eta_s"]) == (2 + extra, True, "completed", None)
@@ -178,7 +183,7 @@ def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next
     own_jobs.append(job)
     runs.save_record(runs.RunRecord(name=run_name, profile="local", run_dir=str(run_dir), spec_path=None,
                                     job_ids=[job], submitted_at=[time.time()], max_steps=100), lm_env)
-    wait_for(job, {"running"}, timeout=120, poll=1.0)
+    wait_for(job, {"running"}, poll=1.0)
     now = time.time()
     (run_dir / "attempts.jsonl").write_text(json.dumps(
         {"event": "start", "attempt": 1, "job_id": job, "time": now, "start_step": 0, "nodes": ["n1"]}) + "\n")
@@ -192,16 +197,16 @@ def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next
     high = _sbatch("-J", run_name + "-high", "-p", "high", "-w", node, "-N", "1", "-n", "1", "--exclusive",
                    "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 1")
     own_jobs.append(high)
-    row = _wait_row(cli, run_name, lambda r: r["state"] == "PENDING" and r["reason"] == "BeginTime", 120,
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "PENDING" and r["reason"] == "BeginTime",
                     "PENDING (BeginTime) after preemption")
     assert (row["attempt"], row["requeued"], row["step"], row["group"]) == (2, True, 30, "queued")
     assert "requeued" in row["note"]
 
     rehearsal.start_now(job)
-    row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING", 120, "RUNNING again")
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING", "RUNNING again")
     assert (row["attempt"], row["requeued"]) == (2, True)
 
     r = cli("cancel", run_name)
     assert r.code == 0 and f"scancel {job}" in r.out, r.out + r.err
-    row = _wait_row(cli, run_name, lambda r: r["state"] == "CANCELLED", 30, "CANCELLED")
+    row = _wait_row(cli, run_name, lambda r: r["state"] == "CANCELLED", "CANCELLED")
     assert runs.load_record(run_name, lm_env).state == "cancelled"

@@ -9,9 +9,9 @@ accounting again (conftest.py passes both settings)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
+import waiting
 from slurm_helpers import REPO, SMALL_MODEL, faults, pace, release_worker
 
 from launcher.core import slurm
@@ -57,15 +57,17 @@ def _submit_the_others(lm, name: str, tmp_path: Path) -> dict[str, str]:
 def _check_the_others(lm, names: dict[str, str]) -> None:
     r = lm("cancel", names["cx"])
     assert r.code == 0, r.out + r.err
-    deadline = time.monotonic() + 240
-    while True:  # all three end; SLURM forgets each 2 s later (the rows then come from the run directories)
-        rows = {row["name"]: row for row in _status(lm)["runs"]}
-        points = _status(lm, names["sw"])["runs"]
+    seen: dict = {}
+
+    def all_ended() -> bool:  # all three end; SLURM forgets each 2 s later (the rows then come from the run directories)
+        seen["rows"] = rows = {row["name"]: row for row in _status(lm)["runs"]}
+        seen["points"] = points = _status(lm, names["sw"])["runs"]
         forgotten = all("SLURM has no record" in rows[names[k]]["note"] for k in ("tl", "cx"))
-        if forgotten and len(points) == 2 and all(p["group"] == "completed" for p in points):
-            break
-        assert time.monotonic() < deadline, rows
-        time.sleep(2.0)
+        return forgotten and len(points) == 2 and all(p["group"] == "completed" for p in points)
+
+    waiting.until(all_ended, poll=2.0, progress=lambda: json.dumps(seen, sort_keys=True, default=str),
+                  what="the other runs ended and forgotten by SLURM", explain=lambda: f"{seen.get('rows')}")
+    rows, points = seen["rows"], seen["points"]
     tl, cx = rows[names["tl"]], rows[names["cx"]]
     assert (tl["state"], tl["attempt"]) == ("TIMEOUT", 1) and "ended limit_reached, not requeued" in tl["note"], tl
     assert cx["state"] == "CANCELLED" and "CANCELLED marker" in cx["note"], cx
@@ -104,21 +106,16 @@ def test_a_run_preempted_and_finished_on_a_cluster_without_accounting_is_told_fr
             job = r.out.split("job ", 1)[1].split()[0]
             run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
             others = _submit_the_others(lm, run_name, tmp_path)
-            deadline = time.monotonic() + 180
-            while not any((run_dir / "checkpoints").glob("step-*/COMPLETE")):
-                assert time.monotonic() < deadline, "no checkpoint within 180 s"
-                time.sleep(1.0)
+            waiting.until(lambda: any((run_dir / "checkpoints").glob("step-*/COMPLETE")), poll=1.0,
+                          progress=waiting.watching(waiting.tree(run_dir), waiting.job(job)), what="a complete checkpoint")
 
             r = lm("preempt", run_name, "--mode", "requeue", "--start-now", "--json")
             assert r.code == 0 and json.loads(r.out)["requeued"], r.out + r.err
-            deadline = time.monotonic() + 240
-            while not (run_dir / "DONE").exists():
-                assert time.monotonic() < deadline, "the requeued run did not finish within 240 s"
-                time.sleep(1.0)
-            deadline = time.monotonic() + 60  # MinJobAge=2: the controller forgets the job at once
-            while slurm.squeue([job]):
-                assert time.monotonic() < deadline, slurm.squeue([job])
-                time.sleep(1.0)
+            waiting.until((run_dir / "DONE").exists, poll=1.0,
+                          progress=waiting.watching(waiting.tree(run_dir), waiting.job(job)), what="the requeued run's DONE")
+            # MinJobAge=2: the controller forgets the job at once
+            waiting.until(lambda: not slurm.squeue([job]), poll=1.0, progress=waiting.queue([job]),
+                          what=f"job {job} forgotten by the controller")
 
             data = _status(lm, run_name)
             (row,) = data["runs"]

@@ -5,9 +5,9 @@ fails leaves eval as never starting, which `cancel` clears."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
+import waiting
 from slurm_helpers import REPO, wait_terminal
 
 from launcher.core import slurm
@@ -39,8 +39,8 @@ def test_train_then_eval_runs_eval_on_trains_checkpoint(slurm_cluster, cli, lm_e
                 for line in r.out.splitlines() if ": submitted run " in line)
     own_jobs.extend(jobs.values())
     assert slurm.show_job(jobs["eval"])["JobState"] == "PENDING"
-    assert wait_terminal(jobs["train"], timeout=300) == "COMPLETED"
-    assert wait_terminal(jobs["eval"], timeout=300) == "COMPLETED"
+    assert wait_terminal(jobs["train"]) == "COMPLETED"
+    assert wait_terminal(jobs["eval"]) == "COMPLETED"
     assert slurm.parse_time(slurm.show_job(jobs["eval"])["StartTime"]) >= slurm.parse_time(
         slurm.show_job(jobs["train"])["EndTime"])
     runs_root = Path(lm_env["LMLAUNCH_RUNS_ROOT"])
@@ -61,15 +61,14 @@ def test_a_failed_train_leaves_eval_never_starting_and_cancel_clears_it(slurm_cl
     assert r.code == 0, r.out + r.err
     jobs = {line.split(":")[0]: line.split("job ")[1].split()[0] for line in r.out.splitlines() if "submitted run" in line}
     own_jobs.extend(jobs.values())
-    assert wait_terminal(jobs["train"], timeout=300) == "FAILED"
-    deadline = time.monotonic() + 120
-    while (slurm.squeue([jobs["eval"]]) or [None])[0] is not None and \
-            slurm.squeue([jobs["eval"]])[0].reason != "DependencyNeverSatisfied" and time.monotonic() < deadline:
-        time.sleep(1)
+    assert wait_terminal(jobs["train"]) == "FAILED"
+    waiting.until(lambda: all(j.reason == "DependencyNeverSatisfied" for j in slurm.squeue([jobs["eval"]])), poll=1.0,
+                  progress=waiting.watching(waiting.job(jobs["eval"]), waiting.queue()),
+                  what="the eval stage pending with DependencyNeverSatisfied")
     row = _status(cli, f"{run_name}.eval")
     assert row["reason"] == "DependencyNeverSatisfied" and "never starts" in row["note"], row
     assert cli("cancel", f"{run_name}.eval").code == 0
-    assert wait_terminal(jobs["eval"], timeout=60) == "CANCELLED"
+    assert wait_terminal(jobs["eval"]) == "CANCELLED"
 
 
 def test_a_pipeline_with_an_invalid_stage_submits_nothing(slurm_cluster, cli, lm_env, run_name, tmp_path):

@@ -13,9 +13,9 @@ import json
 import os
 import random
 import re
-import time
 
 import pytest
+import waiting
 from preempt_helpers import (
     BASE,
     CHECKOUT_MARKER,
@@ -35,6 +35,7 @@ from preempt_helpers import (
     losses_by_step,
     preempt,
     private_checkout,
+    run_progress,
     start_if_begin_time,
     starts,
     submit,
@@ -404,19 +405,17 @@ def test_a_signal_at_each_moment_of_a_tasks_start_is_a_stop_in_the_ledger_and_th
     _check_resumed_exactly(run_dir, reference)
 
 
-def _wait_held(run_dir, job: str, point: str, tasks: int = 2, timeout: float = 180.0) -> None:
+def _wait_held(run_dir, job: str, point: str, tasks: int = 2) -> None:
     """Until every task of the job's current attempt sleeps at ``point`` (the seam says so on the
     task's stderr, submitit's log): a signal sent before a task's interpreter has run its first line
     would find no handler of lmtrain's yet (the one moment nothing can own). Starts a requeued
     attempt at once."""
     line = f"fault injection: sleep at {point} "
-    deadline = time.monotonic() + timeout
 
     def held() -> int:
         return sum(line in (run_dir / "submitit" / f"{job}_{t}_log.err").read_text(errors="replace")
                    for t in range(tasks) if (run_dir / "submitit" / f"{job}_{t}_log.err").exists())
 
-    while held() < tasks:
-        assert time.monotonic() < deadline, f"not every task of job {job} held at {point}\n{ledger(run_dir)}\n{log_tail(run_dir)}"
-        start_if_begin_time(job)
-        time.sleep(0.1)
+    waiting.until(lambda: held() >= tasks, progress=run_progress(run_dir, job), poll=0.1,
+                  on_poll=lambda: start_if_begin_time(job), what=f"every task of job {job} held at {point}",
+                  explain=lambda: f"{ledger(run_dir)}\n{log_tail(run_dir)}")

@@ -43,7 +43,7 @@ def runs(slurm_cluster, tmp_path_factory):
 
 def test_time_limit_shorter_than_run_requeues_until_done(runs):
     job, run_dir = runs["requeues"]
-    finish(job, run_dir, timeout=480)
+    finish(job, run_dir)
     reasons = [e["reason"] for e in ends(run_dir)]
     assert reasons[-1] == "completed" and len(reasons) >= 2, reasons
     assert set(reasons[:-1]) == {"timeout"}, ends(run_dir)
@@ -55,7 +55,7 @@ def test_time_limit_shorter_than_run_requeues_until_done(runs):
 
 def test_time_limit_stops_at_max_timeouts_with_the_reason(runs):
     job, run_dir = runs["capped"]
-    state = wait_ended(job, timeout=240)
+    state = wait_ended(job)
     end = ends(run_dir)
     assert len(starts(run_dir)) == 1 and len(end) == 1, (end, log_tail(run_dir))
     assert end[0]["reason"] == "limit_reached" and end[0]["requeued"] is False, end

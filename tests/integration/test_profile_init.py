@@ -45,6 +45,6 @@ def test_a_profile_read_off_the_cluster_matches_the_shipped_one_and_a_job_runs_w
     assert sub.code == 0, sub.out + sub.err
     job = re.search(r"job (\d+)", sub.out).group(1)
     own_jobs.append(job)
-    assert wait_terminal(job, 240) == "COMPLETED"
+    assert wait_terminal(job) == "COMPLETED"
     status = cli("status", run_name)
     assert "COMPLETED" in status.out and "6/6" in status.out, status.out

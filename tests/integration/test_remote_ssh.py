@@ -21,13 +21,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import sshd_helpers
+import waiting
 from preempt_helpers import BASE, finish, ledger, wait_step
-from slurm_helpers import REPO, pace
+from slurm_helpers import REPO, TERMINAL, pace, wait_for
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher import snapshot
 from launcher.core import slurm
@@ -40,7 +41,7 @@ def login_node(tmp_path_factory, slurm_cluster):
     node = sshd_helpers.start(where)
     yield node, sockets
     subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={sockets}/cm-%C", "-F", str(node.config), "cluster-login"],
-                   capture_output=True, timeout=10)
+                   capture_output=True, timeout=HANG_S)
     node.stop()
     shutil.rmtree(sockets, ignore_errors=True)
 
@@ -66,7 +67,7 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
     r = cli("--remote", "viassh-mfa", "status")
     assert r.code == 2 and "no ssh master connection to cluster-login is open" in r.err, r.err
     opener = re.search(r"^  (ssh -fNM .*)$", r.err, re.M).group(1)  # type: ignore[union-attr]
-    subprocess.run(shlex.split(opener), check=True, timeout=30, stdin=subprocess.DEVNULL)
+    subprocess.run(shlex.split(opener), check=True, timeout=HANG_S, stdin=subprocess.DEVNULL)
 
     spec = tmp_path / "workstation" / "my-job.yaml"  # only on the workstation
     spec.parent.mkdir()
@@ -102,10 +103,7 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
     second = re.search(r"job (\d+)", r.out).group(1)  # type: ignore[union-attr]
     r = cli("--remote", "viassh", "cancel", f"{run_name}-b")
     assert r.code == 0, r.out + r.err
-    deadline = time.monotonic() + 60
-    while slurm.state_group(slurm.job_state(second)) not in ("ended", "failed", "cancelled") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert slurm.job_state(second).startswith("CANCELLED"), slurm.job_state(second)
+    assert wait_for(second, TERMINAL, poll=0.5).startswith("CANCELLED"), slurm.job_state(second)
 
     # the other commands over the same master, as on the login node
     r = cli("--remote", "viassh", "logs", name, "-f")  # the run has ended: follows nothing more
@@ -132,40 +130,35 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
     stage = re.search(r"to cluster-login:~/(\S+):", said)
     assert stage, said + client.stderr.read().decode()
     started = sshd_helpers.ACCOUNT_HOME / stage.group(1) / ".out"  # the login node's side began
-    deadline = time.monotonic() + 30
-    while not started.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    waiting.until(started.exists, progress=waiting.process_cpu(client.pid), poll=0.01, what="the login node's side began")
     os.killpg(client.pid, signal.SIGKILL)
     client.wait()
-    third = None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    said_status: list[str] = []
+
+    def third_job() -> str | None:
         r = cli("--remote", "viassh", "status", f"{run_name}-c", "--json")
+        said_status[:] = [r.out + r.err]
         rows = json.loads(r.out)["runs"] if r.code == 0 else []
-        if rows and rows[0]["job_id"]:
-            third = rows[0]["job_id"]
-            break
-        time.sleep(0.5)
-    assert third, r.out + r.err
-    deadline = time.monotonic() + 30
-    while (sshd_helpers.ACCOUNT_HOME / stage.group(1)).exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not (sshd_helpers.ACCOUNT_HOME / stage.group(1)).exists()  # nothing left in staging
+        return rows[0]["job_id"] if rows and rows[0]["job_id"] else None
+
+    staging = sshd_helpers.ACCOUNT_HOME / stage.group(1)
+    waiting.until(third_job, progress=waiting.watching(waiting.tree(staging, lm_env["LMLAUNCH_RUNS_ROOT"]), lambda: said_status[0]),
+                  what=f"{run_name}-c submitted on the login node", explain=lambda: said_status[0])
+    waiting.until(lambda: not staging.exists(), progress=waiting.tree(staging), poll=0.2,
+                  what="the staging folder removed")  # nothing left in staging
     cli("--remote", "viassh", "cancel", f"{run_name}-c")
 
     # the master connection dropped under `status --watch`: it ends with a message, not a hang
     watch = subprocess.Popen([str(Path(sys.executable).parent / "lmlaunch"), "--remote", "viassh", "status", "--watch",
                               "--interval", "0.2"], env=lm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while not sshd_helpers.forwarded("status", "--watch") and time.monotonic() < deadline:  # it runs there
-        time.sleep(0.1)
-    assert sshd_helpers.forwarded("status", "--watch")
+    waiting.until(lambda: sshd_helpers.forwarded("status", "--watch"), progress=waiting.process_cpu(watch.pid), poll=0.1,
+                  what="`status --watch` running on the login node")
     subprocess.run(["ssh", "-F", str(node.config), "-O", "exit", "-o", f"ControlPath={control}", "cluster-login"],
-                   capture_output=True, timeout=10)
-    _, err = watch.communicate(timeout=30)
+                   capture_output=True, timeout=HANG_S)
+    _, err = watch.communicate(timeout=HANG_S)
     assert watch.returncode == 255, err
     assert b"the ssh connection to cluster-login failed or dropped (ssh exit 255); run the command again" in err, err
-    deadline = time.monotonic() + 10  # and nothing of it stays behind on the login node
-    while sshd_helpers.forwarded("status", "--watch") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not sshd_helpers.forwarded("status", "--watch")
+    # and nothing of it stays behind on the login node
+    waiting.until(lambda: not sshd_helpers.forwarded("status", "--watch"), poll=0.1,
+                  progress=lambda: tuple(waiting.process_cpu(p)() for p in sshd_helpers.forwarded("status", "--watch")),
+                  what="`status --watch` gone from the login node")

@@ -10,10 +10,10 @@ import os
 import re
 import stat
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
+import waiting
 from slurm_helpers import REPO, wait_terminal
 
 from launcher.core import slurm
@@ -62,20 +62,21 @@ def test_quoted_spaced_runs_root_trains_privately_and_secret_canaries_appear_now
     # while it runs: the tasks have the secrets in their environment, SLURM does not show them
     shown = b""
     environs: list[bytes] = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not environs:
+
+    def seen_or_ended() -> bool:
+        nonlocal shown, environs
         proc = subprocess.run(["scontrol", "show", "job", "-d", job_id], capture_output=True, env=slurm.slurm_env())
         shown += proc.stdout + proc.stderr
         environs = _task_environs(str(run_dir / "submitit"))
-        if slurm.state_group(slurm.job_state(job_id)) not in ("queued", "running"):
-            break
-        time.sleep(0.5)
+        return bool(environs) or slurm.state_group(slurm.job_state(job_id)) not in ("queued", "running")
+
+    waiting.until(seen_or_ended, progress=waiting.job(job_id), what=f"a task of job {job_id} running")
     assert environs, "no task process of the job was seen running"
     assert all(f"WANDB_API_KEY={wandb}".encode() in e and f"HF_TOKEN={hf}".encode() in e for e in environs)
     assert b"JobState=RUNNING" in shown or b"JobState=" in shown
     assert wandb.encode() not in shown and hf.encode() not in shown
 
-    state = wait_terminal(job_id, timeout=300)
+    state = wait_terminal(job_id)
     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in run_dir.rglob("*.log"))
     assert state == "COMPLETED", f"{state}\n{logs}"
     ends = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines() if '"end"' in x]

@@ -41,7 +41,7 @@ def test_a_run_with_a_reservation_hint_and_mail_type_trains_inside_the_reservati
     shown = slurm.show_job(job) or {}
     assert shown.get("Reservation") == reservation, shown
     assert shown.get("MailType") == "END,FAIL", shown
-    assert wait_terminal(job, 240) == "COMPLETED"
+    assert wait_terminal(job) == "COMPLETED"
     assert wait_accounted(job).state == "COMPLETED"
     run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
     script = (run_dir / "submitit" / f"{job}_submission.sh").read_text()

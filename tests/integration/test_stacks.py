@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import waiting
 from preempt_helpers import SPEC, wait_step
 from slurm_helpers import SMALL_MODEL, faults, pace
 
@@ -46,7 +47,7 @@ def test_stacks_show_every_rank_of_a_running_two_node_job_in_its_training_loop(s
     job_id = re.search(r"job (\d+)", r.out).group(1)
     own_jobs.append(job_id)
     run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
-    wait_step(run_dir, 3, job_id=job_id, timeout=300)
+    wait_step(run_dir, 3, job_id=job_id)
 
     records, problems = read_task_records(run_dir, job_id, 0)
     assert not problems and [(t.rank, t.node) for t in records] == [(0, "n1"), (1, "n2")], records
@@ -100,8 +101,6 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _wait_not_active(job_id: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(slurm.is_active(j.state) for j in slurm.squeue([job_id])):
-        assert time.monotonic() < deadline, f"job {job_id} still active after {timeout:.0f} s"
-        time.sleep(0.5)
+def _wait_not_active(job_id: str) -> None:
+    waiting.until(lambda: not any(slurm.is_active(j.state) for j in slurm.squeue([job_id])),
+                  progress=waiting.job(job_id), what=f"job {job_id} no longer active")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from slurm_helpers import REPO, wait_for
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher import runs
 from launcher.core import slurm
@@ -87,7 +88,7 @@ def test_same_run_name_is_refused_then_resume_and_new_work(slurm_cluster, cli, l
     assert runs.load_record(run_name, lm_env).job_ids == [job1]
 
     slurm.cancel([job1])
-    wait_for(job1, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
+    wait_for(job1, {"cancelled", "completed", "failed"}, poll=0.5)
     (run_dir / "CANCELLED").write_text("test\n")
     resumed = cli("submit", SPEC, f"name={run_name}", *SMALL, "--resume")
     assert resumed.code == 0, resumed.err
@@ -99,7 +100,7 @@ def test_same_run_name_is_refused_then_resume_and_new_work(slurm_cluster, cli, l
     assert (run_dir / "submitit" / f"{job1}_submission.sh").exists()
     assert (run_dir / "submitit" / f"{job2}_submission.sh").exists()
 
-    wait_for(job2, {"cancelled", "completed", "failed"}, timeout=60, poll=0.5)
+    wait_for(job2, {"cancelled", "completed", "failed"}, poll=0.5)
     fresh = cli("submit", SPEC, f"name={run_name}", *SMALL, "--new")
     assert fresh.code == 0, fresh.err
     job3 = _job_id(fresh.out)
@@ -151,7 +152,7 @@ def test_unreachable_controller_is_a_clear_message_and_nothing_is_written(slurm_
     env = {**lm_env, "SLURM_CONF": str(conf)}
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "lmlaunch"), "submit", SPEC, f"name={run_name}"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True, text=True, env=env, timeout=HANG_S,
     )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "controller does not answer" in proc.stderr and "lmlaunch cluster up" in proc.stderr

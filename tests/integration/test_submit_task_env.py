@@ -32,7 +32,7 @@ def test_two_tasks_run_on_n1_and_n2_with_the_planned_environment(slurm_cluster, 
     job_id = _submit_with_submitit(plan, dump)
     own_jobs.append(job_id)
 
-    assert wait_terminal(job_id, timeout=180) == "COMPLETED"
+    assert wait_terminal(job_id) == "COMPLETED"
     assert wait_accounted(job_id).state == "COMPLETED"
     envs = [_env_file(run_dir / f"env-{rank}.txt") for rank in (0, 1)]
     assert [e["SLURMD_NODENAME"] for e in envs] == ["n1", "n2"]

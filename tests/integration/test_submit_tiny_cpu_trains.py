@@ -45,7 +45,7 @@ def test_tiny_cpu_job_trains_to_completion_on_two_nodes(slurm_cluster, cli, lm_e
     run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
     plan = json.loads((run_dir / "plan.json").read_text())
 
-    state = wait_terminal(job_id, timeout=600)
+    state = wait_terminal(job_id)
     logs = sorted((run_dir / "logs").rglob("*.log"))
     tail = "\n".join(p.read_text(errors="replace")[-2000:] for p in logs[:2])
     err_tail = "\n".join(p.read_text(errors="replace")[-2000:] for p in (run_dir / "submitit").glob("*_log.err"))

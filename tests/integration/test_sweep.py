@@ -6,10 +6,10 @@ row, results table and report (4 curves) follow; `cancel SWEEP` cancels every po
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
+import waiting
 from slurm_helpers import REPO
 
 from launcher import rehearsal
@@ -49,8 +49,10 @@ def test_a_throttled_sweep_runs_every_point_and_one_preempted_point_resumes_alon
     runs_root = Path(lm_env["LMLAUNCH_RUNS_ROOT"])
     dirs = {p["run"]: runs_root / p["run"] for p in sub["points"]}
 
-    most, busiest, preempted, deadline = 0, "", None, time.monotonic() + 600
-    while time.monotonic() < deadline:
+    most, busiest, preempted = 0, "", None
+
+    def all_completed() -> bool:
+        nonlocal most, busiest, preempted
         # one squeue call, one moment (two calls once saw a task end and the next start between them).
         # RUNNING only: a task that is COMPLETING no longer counts against the throttle (SLURM
         # starts the next one then) and its processes have exited
@@ -68,12 +70,15 @@ def test_a_throttled_sweep_runs_every_point_and_one_preempted_point_resumes_alon
         ended = [p for p in sub["points"] if any(e.get("event") == "end" and e.get("reason") == "completed"
                                                  for e in _ledger(dirs[p["run"]]))]
         if len(ended) == POINTS:
-            break
+            return True
         pending = [j.job_id for j in jobs if slurm.state_group(j.state) == "queued" and "BeginTime" in (j.reason or "")]
         for jid in pending:  # a requeued task waits for SLURM's BeginTime (~2 min): start it now
             if rehearsal.ready_to_start(jid):
                 rehearsal.start_now(jid)
-        time.sleep(1.0)
+        return False
+
+    waiting.until(all_completed, poll=1.0, progress=waiting.watching(waiting.tree(*dirs.values()), waiting.queue()),
+                  what=f"every point of sweep {run_name} completed")
     assert most <= 2, f"{most} points ran at once: {busiest}"
     assert preempted is not None
     for p in sub["points"]:
@@ -88,9 +93,9 @@ def test_a_throttled_sweep_runs_every_point_and_one_preempted_point_resumes_alon
         else:
             assert len(starts) == 1 and starts[0]["job_id"] == p["job_id"], (p, starts)  # untouched
 
-    deadline = time.monotonic() + 60  # the ledgers say completed; SLURM may still be ending the last task
-    while time.monotonic() < deadline and any(slurm.is_active(j.state) for j in slurm.squeue([array])):
-        time.sleep(1)
+    # the ledgers say completed; SLURM may still be ending the last task
+    waiting.until(lambda: not any(slurm.is_active(j.state) for j in slurm.squeue([array])), poll=1.0,
+                  progress=waiting.queue([array]), what=f"array {array} gone from the queue")
     row = next(x for x in json.loads(cli("status", "--json").out)["runs"] if x["name"] == run_name)
     assert row["state"] == f"{POINTS} COMPLETED" and f"sweep of {POINTS} points" in row["note"], row
     res = json.loads(cli("sweep", "results", run_name, "--json").out)["points"]
@@ -111,19 +116,20 @@ def test_cancelling_a_sweep_cancels_every_point(slurm_cluster, cli, lm_env, run_
     sub = json.loads(r.out)
     own_jobs.extend(sub["arrays"])
     (array,) = sub["arrays"]
-    deadline = time.monotonic() + 60
-    while len(running := [j for j in slurm.squeue([array]) if slurm.state_group(j.state) == "running"]) < 2:
-        assert time.monotonic() < deadline, slurm.squeue([array])
-        time.sleep(0.5)
+    def two_running() -> list:
+        running = [j for j in slurm.squeue([array]) if slurm.state_group(j.state) == "running"]
+        return running if len(running) >= 2 else []
+
+    running = waiting.until(two_running, progress=waiting.queue([array]), what=f"two tasks of array {array} running",
+                            explain=lambda: f"{slurm.squeue([array])}")
     # the throttle (max_parallel 2) holds the other 2 back: SLURM says why
     assert slurm.show_job(array)["ArrayTaskThrottle"] == "2" and len(running) == 2, slurm.squeue([array])
     assert any(j.reason == "JobArrayTaskLimit" for j in slurm.squeue([array]) if j.state == "PENDING")
     c = cli("cancel", run_name, "--json")
     assert c.code == 0, c.err
     assert len(json.loads(c.out)["points"]) == POINTS
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and any(slurm.is_active(j.state) for j in slurm.squeue(sub["arrays"])):
-        time.sleep(1)
+    waiting.until(lambda: not any(slurm.is_active(j.state) for j in slurm.squeue(sub["arrays"])), poll=1.0,
+                  progress=waiting.queue(sub["arrays"]), what="the cancelled sweep's tasks gone")
     assert not [j for j in slurm.squeue(sub["arrays"]) if slurm.is_active(j.state)]
     for p in sub["points"]:
         assert (Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / p["run"] / rundir.CANCELLED).exists()

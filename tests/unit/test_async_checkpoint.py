@@ -7,6 +7,7 @@ from collections import OrderedDict, defaultdict
 
 import pytest
 import torch
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from lmtrain.checkpoint.async_checkpoint import BackgroundSave, Stager
 
@@ -43,7 +44,7 @@ def test_one_save_in_flight_and_its_error_surfaces_on_the_training_thread():
     saves = BackgroundSave()
     release = threading.Event()
     order = []
-    saves.start(4, lambda: (release.wait(5), order.append(4)))
+    saves.start(4, lambda: (release.wait(HANG_S), order.append(4)))
     assert saves.in_flight
     release.set()
     saves.start(8, lambda: order.append(8))  # waits for step 4's write first

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -32,7 +33,7 @@ LONG_MODULES = {
 MAX_LINES = 400
 
 
-def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], timeout: float = HANG_S) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -101,7 +102,7 @@ def test_ruff_passes():
 def test_mypy_on_the_cli_and_the_runtime_and_strict_on_the_core(tmp_path):
     """One run: launcher/ and src/lmtrain (every parameter typed, every body checked); pyproject.toml
     gives launcher.core every per-module flag of --strict."""
-    proc = _run([_tool("mypy"), "--cache-dir", str(tmp_path / "mypy-cache")], timeout=900)
+    proc = _run([_tool("mypy"), "--cache-dir", str(tmp_path / "mypy-cache")], timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+import waiting
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.core import slurm, slurm_relay
 from launcher.core.container import ContainerSpec, merged
@@ -109,10 +111,12 @@ def test_the_spec_section_is_laid_over_the_profiles():
 def relay(tmp_path):
     d = tmp_path / "relay"
     proc = subprocess.Popen(["bash", str(RELAY_SCRIPT), str(d)], start_new_session=True)
-    deadline = time.monotonic() + 10
-    while not d.is_dir():
-        assert time.monotonic() < deadline and proc.poll() is None, "the relay did not start"
-        time.sleep(0.02)
+
+    def started() -> bool:
+        assert proc.poll() is None, "the relay exited before it started"
+        return d.is_dir()
+
+    waiting.until(started, progress=waiting.process_cpu(proc.pid), poll=0.02, what="the relay started")
     yield d
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -127,12 +131,12 @@ def test_slurm_commands_of_a_rank_without_them_run_on_the_host_through_the_relay
     assert shutil.which("scontrol") is None
     assert slurm.run(["scontrol", "--version"]).stdout == expected
     # stdin travels too, and a failing command's status and message come back as they were
-    proc = slurm_relay.call(str(relay), ["scontrol", "show", "job", "no-such-job"], timeout=30, input="x")
+    proc = slurm_relay.call(str(relay), ["scontrol", "show", "job", "no-such-job"], timeout=HANG_S, input="x")
     assert proc.returncode != 0 and proc.stderr
     # nothing but SLURM's five commands is run, and nothing through a shell
-    proc = slurm_relay.call(str(relay), ["touch", str(tmp_path / "canary")], timeout=30)
+    proc = slurm_relay.call(str(relay), ["touch", str(tmp_path / "canary")], timeout=HANG_S)
     assert proc.returncode == slurm_relay.NOT_RELAYED and "relays only" in proc.stderr
-    proc = slurm_relay.call(str(relay), ["scontrol", f"$(touch {tmp_path / 'canary'})"], timeout=30)
+    proc = slurm_relay.call(str(relay), ["scontrol", f"$(touch {tmp_path / 'canary'})"], timeout=HANG_S)
     assert not (tmp_path / "canary").exists()
     assert sorted(p.name for p in relay.iterdir()) == []  # every request cleaned up
 
@@ -145,7 +149,7 @@ def test_the_relay_outlives_the_jobs_signals(relay):
         for pid in pids:
             os.kill(int(pid), sig)
     time.sleep(0.2)
-    assert slurm_relay.call(str(relay), ["scontrol", "--version"], timeout=30).returncode == 0
+    assert slurm_relay.call(str(relay), ["scontrol", "--version"], timeout=HANG_S).returncode == 0
 
 
 def test_no_relay_answering_is_said_at_once_or_after_the_timeout(tmp_path):
@@ -202,7 +206,7 @@ def test_the_relay_ends_with_the_batch_shell_it_serves(tmp_path):
     assert relay.poll() is None
     shell.kill()
     shell.wait()
-    assert relay.wait(timeout=10) == 0
+    assert relay.wait(timeout=HANG_S) == 0
 
 
 def test_an_image_file_is_named_by_its_sha256_kept_while_the_file_is_unchanged(tmp_path):

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
 from launcher.core.plan import PreemptionPlan
@@ -56,7 +57,7 @@ def _train(plan, faults: list[dict] | None = None, stop_at: int = 0) -> list[int
                                    **env_extra})
              for r in range(n)]
     try:
-        return [p.wait(timeout=300) for p in procs]
+        return [p.wait(timeout=HANG_S) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from tests.unit.malformed_cases import BASE
 
@@ -408,12 +409,12 @@ def test_the_human_dry_run_shows_values_with_line_breaks_escaped(sandbox):
 def test_a_closed_pipe_ends_the_dry_run_quietly(sandbox):
     sandbox.spec.write_text(BASE)
     cmd = f"{sys.executable} -m launcher.cli submit {sandbox.spec} --dry-run | head -1"
-    proc = subprocess.run(["bash", "-c", cmd], cwd=sandbox.root, env=sandbox.env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", "-c", cmd], cwd=sandbox.root, env=sandbox.env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.stdout.startswith("# lmlaunch plan for run 't'")
     assert proc.stdout.count("\n") == 1
     assert proc.stderr == ""
     big = f"{sys.executable} -m launcher.cli schema | head -c 10"
-    proc = subprocess.run(["bash", "-c", big], cwd=sandbox.root, env=sandbox.env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", "-c", big], cwd=sandbox.root, env=sandbox.env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.stderr == ""
 
 
@@ -431,7 +432,7 @@ def test_runs_root_with_user_falls_back_to_the_account_name_without_USER(sandbox
     env = {k: v for k, v in sandbox.env.items() if k not in ("USER", "LOGNAME", "LMLAUNCH_RUNS_ROOT")}
     proc = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "submit", str(sandbox.spec), "--dry-run", "--json", "--cluster", "shared"],
-        cwd=sandbox.root, env=env, capture_output=True, text=True, timeout=60,
+        cwd=sandbox.root, env=env, capture_output=True, text=True, timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["plan"]["paths"]["run_dir"] == f"/shared/{name}/runs/t"

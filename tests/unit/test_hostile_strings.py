@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.cli import main
 from launcher.context import Context
@@ -129,7 +130,7 @@ def run_setup_in_sandbox(script: str, cwd: Path) -> dict[str, str]:
         env={"PATH": "/usr/bin:/bin", "HOME": str(cwd)},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""

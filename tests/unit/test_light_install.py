@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import tomllib
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 REPO = Path(__file__).resolve().parents[2]
 STACK = ("torch", "lightning", "transformers", "deepspeed", "tokenizers", "tensorboard")
@@ -42,7 +43,7 @@ sys.exit(code)
 def _cli(tmp_path: Path, *args: str) -> tuple[int, str]:
     env = {**os.environ, "LMLAUNCH_HOME": str(tmp_path / "home"), "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs")}
     proc = subprocess.run([sys.executable, "-c", HIDDEN, json.dumps(STACK), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_S)
     out = proc.stdout + proc.stderr
     assert 'LOADED []' in out, out[-3000:]  # nothing of the stack was imported
     return proc.returncode, out

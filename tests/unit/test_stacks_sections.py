@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.cli import main
 from launcher.context import Context
@@ -147,7 +148,7 @@ def _run_node_script(records, node: str, path_env: str | None = None, native: bo
     env = {**os.environ, "SLURMD_NODENAME": node}
     if path_env is not None:
         env["PATH"] = path_env
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

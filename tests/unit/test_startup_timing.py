@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher import history_rows
 from launcher.cli import main
@@ -50,7 +51,7 @@ with imports_without_gc(freeze=True):
 assert not gc.isenabled()
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert gc.isenabled()  # pytest's collection pause (tests/conftest.py) ended with the collection
 

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import waiting
 from submitit.core.utils import DelayedSubmission
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "4242"
@@ -44,11 +46,11 @@ def _caught(pid: int) -> set[int]:
 
 
 def _wait_caught(proc: subprocess.Popen, signums: set[int]) -> None:
-    deadline = time.monotonic() + 60
-    while not signums <= _caught(proc.pid):
+    def caught() -> bool:
         assert proc.poll() is None, f"the task process exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "the handlers were never installed"
-        time.sleep(0.01)
+        return signums <= _caught(proc.pid)
+
+    waiting.until(caught, progress=waiting.process_cpu(proc.pid), poll=0.01, what="the handlers installed")
 
 
 def _submit(folder: Path, fn) -> None:
@@ -59,7 +61,7 @@ def _submit(folder: Path, fn) -> None:
 
 
 def _result(folder: Path, proc: subprocess.Popen, tmp_path: Path):
-    assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
+    assert proc.wait(timeout=HANG_S) == 0, (tmp_path / "err").read_text()
     status, value = pickle.loads((folder / f"{JOB}_0_result.pkl").read_bytes())
     assert status == "success", value
     return value
@@ -92,13 +94,15 @@ def test_under_submitits_own_runner_that_early_signal_kills_the_task(tmp_path):
     folder.mkdir()
     proc = _start(folder, ["-m", "submitit.core._submit"], tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while "Loading pickle" not in _output(tmp_path):  # submitit now waits for it
-            assert proc.poll() is None and time.monotonic() < deadline, _output(tmp_path)
-            time.sleep(0.02)
+        def loading() -> bool:  # submitit now waits for it
+            assert proc.poll() is None, _output(tmp_path)
+            return "Loading pickle" in _output(tmp_path)
+
+        waiting.until(loading, progress=waiting.process_cpu(proc.pid), poll=0.02, what="submitit loading the pickle",
+                      explain=lambda: _output(tmp_path))
         assert signal.SIGUSR2 not in _caught(proc.pid)
         os.kill(proc.pid, signal.SIGUSR2)
-        assert proc.wait(timeout=30) == -signal.SIGUSR2
+        assert proc.wait(timeout=HANG_S) == -signal.SIGUSR2
     finally:
         proc.kill()
 
@@ -138,7 +142,7 @@ def test_a_result_an_earlier_attempt_was_killed_writing_does_not_fail_the_next(t
             assert not stale.exists()
             assert f"removed {stale}" in _output(tmp_path)
         else:
-            assert proc.wait(timeout=120) != 0
+            assert proc.wait(timeout=HANG_S) != 0
             assert "A temporary saved file already exists" in _output(tmp_path)
             assert not (folder / f"{JOB}_0_result.pkl").exists()
     finally:
@@ -148,7 +152,7 @@ def test_a_result_an_earlier_attempt_was_killed_writing_does_not_fail_the_next(t
 @pytest.mark.parametrize("argv", [[], ["--signal"], ["--signal", "USR2"], ["a", "b"]])
 def test_a_malformed_command_line_says_how_to_call_it(argv):
     out = subprocess.run([sys.executable, "-m", "lmtrain.task_main", *argv], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+                         timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert out.returncode == 1 and "usage: python -m lmtrain.task_main [--signal NAME] FOLDER" in out.stderr
 
 
@@ -164,5 +168,5 @@ def test_a_rank_in_a_container_ends_when_the_slurm_task_that_started_it_is_gone(
     assert rank.poll() is None  # alive while its owner is
     owner.send_signal(signal.SIGKILL)
     owner.wait()
-    assert rank.wait(timeout=10) == 137
+    assert rank.wait(timeout=HANG_S) == 137
     assert "is gone: this rank ends with it" in rank.stderr.read()

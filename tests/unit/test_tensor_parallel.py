@@ -24,6 +24,7 @@ import pytest
 import torch
 import yaml
 from shared_results import shared
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
 from launcher.core.errors import SpecError
@@ -43,7 +44,7 @@ def test_tensor_parallel_layouts_train_as_ddp_does(tmp_path, world):
     out = tmp_path / "losses.json"
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     done = subprocess.run([sys.executable, str(HELPER), str(world), str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert sorted(result) == sorted(f"{a}-{t}" for a in ("llama", "qwen2", "mistral") for t in ("tied", "untied"))

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
 from lmtrain.local import launch, worker_env
@@ -73,7 +74,7 @@ def _said(tmp_path, rank: int) -> tuple[dict, str]:
 def test_a_forked_rank_runs_its_own_code_with_its_own_environment_rank_and_threads(zygote, tmp_path):
     proc, env = _rank(zygote, tmp_path, 1, "ok")
     assert proc is not None, zygote.refusals
-    assert proc.wait(60) == 0
+    assert proc.wait(timeout=HANG_S) == 0
     said, _ = _said(tmp_path, 1)
     assert said["helper"] == str(tmp_path / "code" / "probe_helper.py")  # from the rank's PYTHONPATH
     assert said["argv"][0] == str(tmp_path / "probe.py") and said["path0"] == str(tmp_path) and said["main"] == "__main__"
@@ -86,20 +87,20 @@ def test_a_forked_rank_runs_its_own_code_with_its_own_environment_rank_and_threa
 @pytest.mark.parametrize("what, code", [("exit3", 3), ("raise", 1), ("term", -signal.SIGTERM)])
 def test_a_forked_rank_ends_with_the_interpreters_exit_code(zygote, tmp_path, what, code):
     proc, _ = _rank(zygote, tmp_path, 1, what)
-    assert proc is not None and proc.wait(60) == code
+    assert proc is not None and proc.wait(timeout=HANG_S) == code
     if what == "raise":
         assert "ValueError: from the rank" in _said(tmp_path, 1)[1]
 
 
 def test_a_forked_rank_joins_its_threads_and_runs_atexit_before_it_exits(zygote, tmp_path):
     proc, _ = _rank(zygote, tmp_path, 0, "late")
-    assert proc is not None and proc.wait(60) == 0
+    assert proc is not None and proc.wait(timeout=HANG_S) == 0
     assert (tmp_path / "late.thread").read_text() == "ran" and (tmp_path / "late.atexit").read_text() == "ran"
 
 
 def test_a_rank_is_stopped_and_killed_like_a_process(zygote, tmp_path):
     proc, _ = _rank(zygote, tmp_path, 1, "term")  # ends itself with SIGTERM
-    assert proc is not None and proc.wait(60) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
+    assert proc is not None and proc.wait(timeout=HANG_S) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
     proc.kill()  # after the end: nothing happens
 
 
@@ -130,4 +131,4 @@ def test_ctrl_c_reaches_the_ranks_not_the_zygote(zygote, tmp_path):
     to report its ranks' exits (and serve the next ones); a rank gets KeyboardInterrupt as usual."""
     zygote.proc.send_signal(signal.SIGINT)
     proc, _ = _rank(zygote, tmp_path, 1, "ok")
-    assert zygote.proc.poll() is None and proc is not None and proc.wait(60) == 0
+    assert zygote.proc.poll() is None and proc is not None and proc.wait(timeout=HANG_S) == 0
