@@ -192,6 +192,10 @@ def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
                 Row("gradients", 4 * local, "fp32, sharded like the parameters"),
                 Row("optimizer states", 8 * local + 4 * n_tensors, "AdamW moments fp32, sharded")]
     total = f.total
+    if s.world_size == 1:  # one process runs without a data-parallel wrapper (lmtrain.strategies)
+        return [Row("parameters", 4 * total, "fp32, one process (no data-parallel wrapper)"),
+                Row("gradients", 4 * total, "fp32, the parameters' .grad"),
+                Row("optimizer states", 8 * total + 4 * n_tensors, "AdamW moments fp32, whole")]
     return [Row("parameters", 4 * total, "fp32, whole on every rank (DDP)"),
             Row("gradients", 4 * total, "fp32, in DDP's buckets"),
             Row("optimizer states", 8 * total + 4 * n_tensors, "AdamW moments fp32, whole")]
@@ -258,6 +262,8 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
                            for b in range(f.blocks)), default=0)
         return Row("communication buffers", 4 * (root + 3 * largest),
                    "gathered root and blocks (this and the prefetched one), a block's gradients to reduce-scatter")
+    if s.world_size == 1:
+        return Row("communication buffers", 0, "one process: nothing to reduce")
     return Row("communication buffers", 0, "DDP reduces in the gradient buckets")
 
 

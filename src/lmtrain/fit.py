@@ -41,7 +41,7 @@ class Fit:
     def trainer_for(self, startup: Any) -> pl.Trainer:
         """Data, model, callbacks and the Trainer (the ``data`` and ``model`` startup phases)."""
         from lmtrain.checkpoint.elastic import needs_universal
-        from lmtrain.strategies import build_strategy
+        from lmtrain.strategies import build_strategy, trainer_plugins
 
         plan, env = self.plan, self.env
         self.loaders = self._data()
@@ -58,9 +58,11 @@ class Fit:
 
         loggers = make_loggers(plan.paths.run_dir, self.job.logging, plan.run_name,
                                resume_step=self.ckpt.step if self.ckpt else None)
+        strategy = build_strategy(plan, env, load_universal=self.universal)
         trainer = pl.Trainer(
             **trainer_plan.kwargs(),
-            strategy=build_strategy(plan, env, load_universal=self.universal),
+            strategy=strategy,
+            plugins=trainer_plugins(strategy, env),
             enable_model_summary=env.rank == 0,
             logger=loggers or False,
             callbacks=self.callbacks(startup),

@@ -3,7 +3,10 @@
 One owner for "which strategy object runs this plan", so that the plan's ``trainer.strategy``
 and ``deepspeed.json`` are exactly what the Trainer gets:
 
-- ``ddp``: Lightning's DDPStrategy (NCCL on GPUs, gloo on CPUs).
+- ``ddp``: Lightning's DDPStrategy (NCCL on GPUs, gloo on CPUs); on one process, Lightning's
+  SingleDeviceStrategy: no data-parallel wrapper around the model (a compiled model stays one
+  graph: DDP's optimizer would split it at every bucket, pytorch#108966), nothing to reduce, the
+  same checkpoint (the module's own state dict either way, so a run resumes on any world size).
 - ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's
   ModelParallelStrategy, whose device mesh is (data_parallel, tensor_parallel): with
   ``trainer.tensor_parallel_size`` 1 the data dimension is the whole world;
@@ -33,7 +36,13 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+    ParallelStrategy,
+    SingleDeviceStrategy,
+)
 
 from lmtrain.checkpoint.writeback import save_streamed
 from lmtrain.task_env import cluster_environment
@@ -174,6 +183,9 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
     backend = plan.training.process_group_backend
     timeout = process_group_timeout(plan)  # every collective: spec watchdog.collective_timeout_s
     name = plan.training.strategy
+    if name == "ddp" and env.world_size == 1:
+        device = torch.device("cuda", env.local_rank) if plan.trainer.accelerator == "gpu" else torch.device("cpu")
+        return SingleDeviceStrategy(device=device, checkpoint_io=DirectCheckpointIO())
     if name == "ddp":
         return DDPStrategy(
             cluster_environment=cluster,
@@ -206,3 +218,10 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
             config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
         )
     raise RuntimeError(f"unknown strategy '{name}' in plan.json (allowed: ddp, fsdp, deepspeed)")
+
+
+def trainer_plugins(strategy: Any, env: Any) -> list[Any]:
+    """What the Trainer needs beside ``strategy``: a strategy of one process carries no cluster
+    environment, and without lmtrain's the Trainer would detect SLURM itself and install
+    Lightning's auto-requeue signal handlers (lmtrain owns the signals: lmtrain.preemption)."""
+    return [] if isinstance(strategy, ParallelStrategy) else [cluster_environment(env)]

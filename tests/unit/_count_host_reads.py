@@ -4,7 +4,9 @@ counted per optimizer step, with the file and function that asked.
 
 On a GPU each such read waits for every kernel queued before it (a host sync); on this CPU
 machine nothing waits, but the reads are the same, so counting them here shows which steps
-would sync. Rank 0 writes ``RUN_DIR/host-reads.json``: {step: [[file, function], ...]}.
+would sync. DeepSpeed's accelerator synchronize is counted too. Rank 0 writes
+``RUN_DIR/host-reads.json``: {step: [[file, function], ...]}, and ``RUN_DIR/wrapping.json``: the
+strategy's class and the class of what it wraps the module in.
 
 usage: python _count_host_reads.py RUN_DIR
 """
@@ -22,6 +24,7 @@ from _extra_callbacks import run_task_with
 
 READS: dict[int, list[tuple[str, str]]] = defaultdict(list)
 STEP = [0]
+WRAPPING: dict[str, str | None] = {}  # the strategy and what it wraps the module in
 
 
 def _counting(name: str):
@@ -35,9 +38,32 @@ def _counting(name: str):
     setattr(torch.Tensor, name, read)
 
 
+def _count_accelerator_syncs() -> None:
+    """DeepSpeed's accelerator synchronize (its throughput timers call it twice a micro step when
+    they are on): a no-op on this CPU, a device sync on a GPU. Counted under ("accelerator",
+    "synchronize") whoever calls it."""
+    if "deepspeed" not in sys.modules:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    original = accelerator.synchronize
+
+    def synchronize(*args, **kwargs):
+        READS[STEP[0]].append(("accelerator", "synchronize"))
+        return original(*args, **kwargs)
+
+    accelerator.synchronize = synchronize
+
+
 class StepCounter(pl.Callback):
     """Reads made during optimizer step S (its forward, backward, optimizer and the batch-end
     callbacks before this one) are filed under S; this callback runs last."""
+
+    def on_fit_start(self, trainer, pl_module):
+        _count_accelerator_syncs()  # DeepSpeed is imported by now (its strategy's)
+        model = trainer.strategy.model
+        WRAPPING.update(strategy=type(trainer.strategy).__name__, model=type(model).__name__ if model else None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         STEP[0] = trainer.global_step + 1
@@ -48,11 +74,12 @@ class StepCounter(pl.Callback):
 
 def main() -> int:
     run_dir = sys.argv[1]
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "cpu"):
         _counting(name)
     code = run_task_with(run_dir, lambda _: [StepCounter()])
     if os.environ.get("RANK") == "0":
         Path(run_dir, "host-reads.json").write_text(json.dumps({str(k): v for k, v in READS.items() if k > 0}))
+        Path(run_dir, "wrapping.json").write_text(json.dumps(WRAPPING))
     return code
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lmtrain.strategies import DirectCheckpointIO, build_strategy
+from lmtrain.strategies import DirectCheckpointIO, build_strategy, trainer_plugins
 
 
 def _state() -> dict:
@@ -44,6 +44,24 @@ def test_the_ddp_strategy_uses_it(repo):
                           master_addr="127.0.0.1", master_port=29500, nodes=("h",), job_id="j", restart_count=0)
     strategy = build_strategy(plan, env)
     assert isinstance(strategy.checkpoint_io, DirectCheckpointIO)
+    assert trainer_plugins(strategy, env) == []  # DDP carries lmtrain's cluster environment itself
+
+
+def test_one_process_runs_without_a_data_parallel_wrapper_and_writes_the_same_checkpoint(repo):
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from launcher.resolve import resolve
+
+    plan = resolve(str(repo / "jobs" / "tiny-cpu.yaml"), ["resources.nodes=1"], cluster="local",
+                   environ={"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/h", "USER": "u"}).plan
+    env = SimpleNamespace(rank=0, local_rank=0, node_rank=0, world_size=1, num_nodes=1, launcher="slurm",
+                          master_addr="127.0.0.1", master_port=29500, nodes=("h",), job_id="j", restart_count=0)
+    strategy = build_strategy(plan, env)
+    assert type(strategy) is SingleDeviceStrategy and strategy.root_device == torch.device("cpu")
+    assert isinstance(strategy.checkpoint_io, DirectCheckpointIO)
+    (cluster,) = trainer_plugins(strategy, env)  # lmtrain's, so Lightning installs no requeue handlers
+    assert isinstance(cluster, SLURMEnvironment) and not cluster.auto_requeue
 
 
 def _same(a, b, where: str = "") -> list[str]:

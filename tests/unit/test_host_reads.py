@@ -1,6 +1,8 @@
 """No host sync per step from logging, the heartbeat or the stop agreement: the project's
-training path, 2 ranks on gloo, with every read of a tensor's value on the host counted per
-optimizer step and by who asked (tests/unit/_count_host_reads.py).
+training path (DDP on 2 ranks on gloo, one process, ZeRO-2 on 2 ranks), with every read of a
+tensor's value on the host and every DeepSpeed accelerator synchronize counted per optimizer step
+and by who asked (tests/unit/_count_host_reads.py); one process runs without a data-parallel
+wrapper.
 
 On a GPU such a read waits for all queued kernels. lmtrain's own code may read on the host only
 on logging steps (the logged loss and gradient norm), plus, every step, two reads of CPU
@@ -31,26 +33,43 @@ OVERRIDES = [
     "trainer.val_check_interval=null", "checkpoint.every_n_steps=100",
 ]
 OURS = ("/lmtrain/", "/launcher/")  # the run's code snapshot (RUN_DIR/code) or the checkout
-EVERY_STEP = Counter({("agreement.py", "_exchange"): 1, ("data.py", "_rank_batch"): 2})
+SYNC = ("accelerator", "synchronize")  # DeepSpeed's accelerator synchronize, whoever calls it
+
+# (ranks, overrides, the strategy's class, the class it wraps the module in). One process runs
+# without a data-parallel wrapper; ZeRO's throughput timers (two device syncs a micro step) are off.
+CASES = {
+    "ddp": (2, [], "DDPStrategy", "DistributedDataParallel"),
+    "one-process": (1, [], "SingleDeviceStrategy", "LMModule"),
+    "zero2": (2, ["trainer.strategy=deepspeed", "trainer.zero_stage=2"], "CPUDeepSpeedStrategy", "DeepSpeedEngine"),
+}
 
 
 @pytest.mark.slow
-def test_lmtrain_reads_device_values_on_logging_steps_only(repo, runs_root):
-    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), OVERRIDES, devices=2, max_steps=MAX_STEPS,
-                             name="host-reads", environ=dict(os.environ), new=True, say=lambda *_: None)
+@pytest.mark.parametrize("case", list(CASES))
+def test_lmtrain_reads_device_values_on_logging_steps_only(repo, runs_root, case):
+    ranks, extra, strategy, wrapper = CASES[case]
+    plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), [*OVERRIDES, *extra], devices=ranks,
+                             max_steps=MAX_STEPS, name=f"host-reads-{case}", environ=dict(os.environ), new=True,
+                             say=lambda *_: None)
     out = io.StringIO()
-    code = launch(plan.paths.run_dir, 2, plan_env=plan.env, out=out,
+    code = launch(plan.paths.run_dir, ranks, plan_env=plan.env, out=out,
                   command=[sys.executable, "-u", str(HELPER), plan.paths.run_dir])
     assert code == 0, out.getvalue()[-4000:]
+    wrapping = json.loads(Path(plan.paths.run_dir, "wrapping.json").read_text())
+    assert wrapping == {"strategy": strategy, "model": wrapper}, wrapping
     reads = json.loads(Path(plan.paths.run_dir, "host-reads.json").read_text())
     assert sorted(map(int, reads)) == list(range(1, MAX_STEPS + 1))
+    micro_batches = 16 // 4 // ranks  # global batch 16, micro batch 4
     for step_text, calls in reads.items():
         step = int(step_text)
         ours = Counter((Path(f).name, fn) for f, fn in calls if any(part in f for part in OURS))
+        assert (step, Counter(tuple(c) for c in calls)[SYNC]) == (step, 0)
         logging_step = step % LOG_EVERY == 0 or step == MAX_STEPS
         if logging_step:  # the logged loss and gradient norm
             assert ours.pop(("module.py", "_log_step_metrics"), 0) == 1, (step, ours)
             assert ours.pop(("module.py", "_read_grad_norm"), 0) == 1, (step, ours)
         if step < MAX_STEPS:  # (the last one also validates and ends the data iterator)
-            # every step: the stop flags and the sampler's indices, both CPU tensors; nothing else
-            assert ours == EVERY_STEP, (step, ours)
+            # every step: the stop flags and the sampler's indices (one read a micro batch), both
+            # CPU tensors; nothing else
+            assert ours == Counter({("agreement.py", "_exchange"): 1, ("data.py", "_rank_batch"): micro_batches}), \
+                (step, ours)
