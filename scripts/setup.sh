@@ -77,22 +77,22 @@ if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('dee
   "$PY" -m pip install -q setuptools wheel
   DS_BUILD_OPS=0 "$PY" -m pip install -q --no-build-isolation "deepspeed==$DS_VERSION"
 fi
-# DeepSpeed's CPU shared-memory collective op is compiled on first use (JIT, ~1 CPU-min) into
-# TORCH_EXTENSIONS_DIR (torch's default, ~/.cache/torch_extensions, is shared by every venv of the
-# machine, and a venv reached through another path builds it with other include paths: each rebuild
-# holds the lock while every ZeRO rank waits). scripts/test.sh and demo.sh point it at this venv's own
-# folder, named by the venv's real path (scripts/venv_env.sh); build it here, once, so that the first
-# ZeRO job's ranks do not wait on the compiler (~3 s when the build is current).
-# shellcheck source=scripts/venv_env.sh
-source "$ROOT/scripts/venv_env.sh"
-if ! DS_ACCELERATOR=cpu "$PY" -c "import importlib, sys; t = importlib.import_module('deepspeed.comm.torch'); sys.exit(0 if t.build_shm_op() is not None else 1)" >/dev/null 2>&1; then
-  log "DeepSpeed's CPU shared-memory op did not build here: ZeRO jobs build it on first use"
-fi
 stamp="$VENV/.lmlaunch-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "installing lmlaunch (editable) with the training stack and the dev extras"
   "$PY" -m pip install -q -e ".[runtime,dev]"
   touch "$stamp"
+fi
+
+# DeepSpeed's CPU shared-memory collective op is compiled on first use (JIT, ~1 CPU-min) unless
+# it is built: build it here, once, into this environment's own folder (lmtrain.jit_ops: torch's
+# default, ~/.cache/torch_extensions, is shared by every venv of the machine, and a venv reached
+# through another path builds it with other include paths: each rebuild holds a lock every ZeRO rank
+# waits on). The venv is taken by its real path (scripts/venv_env.sh), as test.sh and demo.sh run it.
+# shellcheck source=scripts/venv_env.sh
+source "$ROOT/scripts/venv_env.sh"
+if ! DS_ACCELERATOR=cpu "$PY" -m lmtrain.jit_ops --build >/dev/null 2>&1; then
+  log "DeepSpeed's CPU shared-memory op did not build here: ZeRO jobs build it on first use"
 fi
 
 # 3. The demo corpus, tokenized (skipped when already prepared).

@@ -1,7 +1,6 @@
-# Sourced by setup.sh, test.sh and demo.sh after VENV is set: the venv by its real path (a venv
-# reached through a symlinked path would give torch other include paths, and DeepSpeed's JIT op a
-# rebuild), and TORCH_EXTENSIONS_DIR in it, so no other venv or checkout of the machine rebuilds
-# the op this one's ZeRO ranks load (SLURM jobs inherit both from the submitting environment).
+# Sourced by setup.sh, test.sh and demo.sh after VENV is set: the venv by its real path. A venv
+# reached through a symlinked path gives torch other include paths, so DeepSpeed's JIT op another
+# build hash and another build folder (lmtrain.jit_ops keys it by sys.prefix): setup.sh builds the
+# op for the path the suite and the demo then run.
 VENV=$(cd "$VENV" && pwd -P)
 PY="$VENV/bin/python"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"

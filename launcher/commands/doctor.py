@@ -16,6 +16,7 @@ from launcher.core import excluded_nodes
 from launcher.core.errors import ExitCode, UserError
 from launcher.core.profiles import Profile
 from launcher.doctor_container import container_checks
+from launcher.doctor_ops import jit_ops
 from launcher.resolve import excluded_nodes_path, resolve
 
 
@@ -75,6 +76,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                              job_script=None if args.on_nodes else render_script(r.plan))
     if r.plan.container and not any(c.name == "slurm" and c.status == doctor.FAIL for c in checks):
         checks += container_checks(r.plan)  # the image, its runtime, the interpreter inside
+    if any(c.name == "runtime" and c.status == doctor.OK for c in checks):  # the tasks' interpreter imports it
+        jit = jit_ops(r.plan, r.plan.job_spec().trainer.offload_optimizer)
+        checks += [jit] if jit is not None else []
     nodes: dict[str, Any] | None = None
     if args.on_nodes:
         blocked = [c for c in checks if c.name in ("slurm", "partition") and c.status == doctor.FAIL]

@@ -206,6 +206,9 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
         strategy.cluster_environment = cluster
         return strategy
     if name == "deepspeed":
+        from lmtrain.jit_ops import use_own_extensions_dir
+
+        use_own_extensions_dir()  # DeepSpeed's JIT ops from this environment's own folder, built ahead
         config = deepspeed_config_for_lightning(plan)
         if load_universal:
             config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
