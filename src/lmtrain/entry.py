@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -179,6 +181,30 @@ class _Tee:
         return self.streams[0].fileno()
 
 
+# Third-party advice that does not apply to a run lmlaunch started, left out of the rank's log by
+# its exact text (a warning that matters still shows):
+NOT_FOR_LMLAUNCH_RECORDS = (
+    # Lightning's advert for its hosted logger, on every Trainer
+    "💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]",
+    # transformers on a config without loss_type: the default causal-LM loss is what lmtrain trains with
+    "`loss_type=None` was set in the config but it is unrecognized. Using the default loss: `ForCausalLMLoss`.",
+)
+NOT_FOR_LMLAUNCH_WARNINGS = (
+    # Lightning on a SLURM host when the ranks were started by lmlaunch's local launcher, not by srun
+    "The `srun` command is available on your system but is not used.",
+    # Lightning's own use of torch's pytree API (nothing a user can change)
+    "`isinstance(treespec, LeafSpec)` is deprecated",
+)
+
+
+class NotForLmlaunch(logging.Filter):
+    """Drops the log records of :data:`NOT_FOR_LMLAUNCH_RECORDS`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(message.startswith(text) for text in NOT_FOR_LMLAUNCH_RECORDS)
+
+
 @contextlib.contextmanager
 def _rank_log(path: Path, rank: int) -> Iterator[None]:
     """Tee Python's stdout/stderr (and logging) into this rank's own log file. Output of C
@@ -189,15 +215,20 @@ def _rank_log(path: Path, rank: int) -> Iterator[None]:
     sys.stdout, sys.stderr = _Tee(old_out, f), _Tee(old_err, f)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(NotForLmlaunch())
     root = logging.getLogger()
     root.addHandler(handler)
-    # Lightning installs its own stderr handlers at import; route its records through ours
-    # (into the rank log) instead of printing them twice.
+    # Lightning installs its own stderr handlers at import ("lightning": "INFO: ..."; its
+    # subpackages): route its records through ours (into the rank log) instead of printing them twice.
     import lightning.pytorch  # noqa: F401  (installs those handlers now)
 
-    for name in ("lightning.pytorch", "lightning.fabric"):
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
+    for h in logging.getLogger("transformers").handlers:  # transformers prints through a handler of its own
+        h.addFilter(NotForLmlaunch())
+    for text in NOT_FOR_LMLAUNCH_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text))
     old_level = root.level
     root.setLevel(logging.INFO)
     try:

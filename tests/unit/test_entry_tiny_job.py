@@ -51,6 +51,13 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert (run_dir / "DONE").exists()
     assert (run_dir / "logs" / "attempt-1" / "rank-0.log").stat().st_size > 0
     assert (run_dir / "logs" / "attempt-1" / "rank-1.log").stat().st_size > 0
+    # each event once, with lmtrain's prefix; third-party advice that does not apply is left out
+    rank0 = (run_dir / "logs" / "attempt-1" / "rank-0.log").read_text()
+    for text in (rank0, out.getvalue()):
+        assert not [line for line in text.splitlines() if line.startswith("INFO: ")]  # Lightning's own handler
+        assert "litlogger" not in text and "The `srun` command is available on your system" not in text
+    records = [line.split(" [rank 0] ", 1)[1] for line in rank0.splitlines() if " [rank 0] " in line]
+    assert records and len(records) == len(set(records)), [r for r in records if records.count(r) > 1]
     environment = json.loads((run_dir / "logs" / "attempt-1" / "environment.json").read_text())
     assert environment["packages"]["torch"] and environment["world_size"] == 2 and environment["attempt"] == 1
     assert environment["env"]["LMLAUNCH_RUN_DIR"] == str(run_dir) and len(environment["plan_sha256"]) == 64
