@@ -260,6 +260,10 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
             root = sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] < 0)
             largest = max((sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] == b)
                            for b in range(f.blocks)), default=0)
+        if s.precision == "bf16-mixed":  # lmtrain.model.shard_fsdp2: gathered in bf16, reduced in fp32
+            return Row("communication buffers", 2 * (root + 2 * largest) + (2 + 4) * largest,
+                       "gathered root and blocks in bf16 (this and the prefetched one), a block's bf16 gradients "
+                       "and their fp32 copy to reduce-scatter")
         return Row("communication buffers", 4 * (root + 3 * largest),
                    "gathered root and blocks (this and the prefetched one), a block's gradients to reduce-scatter")
     if s.world_size == 1:

@@ -281,13 +281,22 @@ def _init_zero3_weights(model: nn.Module) -> None:
 
 
 def compile_model(model: nn.Module) -> nn.Module:
-    """Compile the transformer in place (``nn.Module.compile``).
+    """Compile each transformer block in place (``nn.Module.compile``), as torchtitan does.
 
-    In-place compilation keeps the parameter names (no ``_orig_mod.`` prefix), so checkpoints
-    written with and without compile are interchangeable; DDP/FSDP/DeepSpeed wrap the
-    LightningModule around the compiled transformer.
+    Per block: one small graph compiled once and reused by every layer (the blocks share their
+    code), and nothing for DDP's optimizer to split at its bucket boundaries (pytorch#108966);
+    FSDP2 and tensor parallelism apply to the blocks afterwards (compilation is lazy: the first
+    forward traces the block as sharded). In place, the parameter names stay as they are (no
+    ``_orig_mod.`` prefix), so checkpoints written with and without compile are interchangeable.
+    A model whose blocks cannot be found is compiled whole.
     """
-    model.compile()
+    try:
+        blocks = transformer_blocks(model)
+    except RuntimeError:
+        model.compile()
+        return model
+    for block in blocks:
+        block.compile()
     return model
 
 
@@ -304,15 +313,30 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard_fsdp2(model: nn.Module, mesh: Any) -> None:
+def shard_fsdp2(model: nn.Module, mesh: Any, precision: str = "32-true") -> None:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, head), over
     ``mesh`` (the data-parallel mesh). Each block's parameters are gathered just before its
-    forward/backward and freed after; the root's group holds what no block owns."""
-    from torch.distributed.fsdp import fully_shard
+    forward/backward and freed after; the root's group holds what no block owns.
 
-    for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    As torchtitan does: under bf16-mixed the blocks are gathered and computed in bf16 and their
+    gradients reduced in fp32 (``MixedPrecisionPolicy``; the sharded fp32 master stays what the
+    optimizer steps and the checkpoint holds); the last block is not resharded after its forward,
+    since its backward comes next and would gather it again at once."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = fsdp2_mixed_precision(precision)
+    kwargs: dict[str, Any] = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(
+        param_dtype=policy[0], reduce_dtype=policy[1])}
+    blocks = transformer_blocks(model)
+    for i, block in enumerate(blocks):
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def fsdp2_mixed_precision(precision: str) -> tuple[torch.dtype, torch.dtype] | None:
+    """(param_dtype, reduce_dtype) of FSDP2's mixed-precision policy for a Trainer precision; None:
+    FSDP2 gathers and reduces in the parameters' own dtype."""
+    return (torch.bfloat16, torch.float32) if precision == "bf16-mixed" else None
 
 
 def model_shape(model: nn.Module) -> ModelShape:

@@ -118,7 +118,7 @@ class LMModule(pl.LightningModule):
         if self.rt.strategy == "fsdp":  # self.device_mesh: set by ModelParallelStrategy
             if self.rt.tensor_parallel_size > 1:
                 self._split(model)
-            shard_fsdp2(model, self.device_mesh["data_parallel"])
+            shard_fsdp2(model, self.device_mesh["data_parallel"], self.rt.precision)
         self.model = model
 
     def _split(self, model: nn.Module) -> None:

@@ -238,7 +238,7 @@ def _why_waiting(job_id: str) -> str:
             + ("; ".join(others) or "none"))
 
 
-def wait_nodes_usable(layout: Layout | None = None) -> None:
+def wait_nodes_usable(*, layout: Layout | None = None) -> None:
     """Block until both nodes of the local cluster are usable (after a test ran a job that drained
     one, or cancelled another session's jobs), while the nodes' states or the queue change."""
     with cluster.own_conf(layout or Layout.default()):

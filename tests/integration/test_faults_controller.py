@@ -112,7 +112,7 @@ def test_controller_down_then_restarted_submit_refused_running_job_survives_stat
     assert trained[-1]["reason"] == "completed" and trained[-1]["end_step"] == 60, ledger
     assert [e["start_step"] for e in ledger if e["event"] == "start"][0] == 0
     assert all(e["start_step"] > 0 for e in ledger if e["event"] == "start" and e["attempt"] > 1), ledger
-    wait_nodes_usable(60)
+    wait_nodes_usable()
     after = cli("status", run_name, "--json")
     assert after.code == 0, after.err
     assert job_id in after.out and "completed" in after.out.lower()

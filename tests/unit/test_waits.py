@@ -106,15 +106,21 @@ def _is_clock(node: ast.AST) -> bool:
     return name in {"monotonic", "time", "perf_counter"} and not node.args
 
 
-def fixed_waits(source: str) -> list[tuple[int, str]]:
-    """(line, what) for every fixed wall-clock figure in a wait in ``source``."""
-    found: list[tuple[int, str]] = []
-    tree = ast.parse(source)
-    # this module's functions that take a timeout: a literal passed in its place is a figure too
-    timeout_at = {
-        f.name: i for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+def timeout_positions(source: str) -> dict[str, int]:
+    """The functions of ``source`` that take a timeout, and its position: a literal passed in its
+    place is a figure too (whichever test module calls them)."""
+    return {
+        f.name: i for f in ast.walk(ast.parse(source)) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
         for i, a in enumerate(f.args.posonlyargs + f.args.args) if _is_wait_name(a.arg)
     }
+
+
+def fixed_waits(source: str, timeout_at: dict[str, int] | None = None) -> list[tuple[int, str]]:
+    """(line, what) for every fixed wall-clock figure in a wait in ``source`` (``timeout_at``: the
+    helpers of other modules that take a timeout, by name)."""
+    found: list[tuple[int, str]] = []
+    tree = ast.parse(source)
+    timeout_at = {**(timeout_at or {}), **timeout_positions(source)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             for kw in node.keywords:
@@ -145,13 +151,15 @@ def fixed_waits(source: str) -> list[tuple[int, str]]:
 def _offences() -> list[str]:
     out = []
     used: set[tuple[str, str]] = set()
-    for path in sorted(TESTS.rglob("*.py")):
+    paths = [p for p in sorted(TESTS.rglob("*.py")) if p.relative_to(TESTS).as_posix() != "unit/test_waits.py"]
+    helpers: dict[str, int] = {}
+    for path in paths:
+        helpers.update(timeout_positions(path.read_text()))
+    for path in paths:
         rel = path.relative_to(TESTS).as_posix()
-        if rel == "unit/test_waits.py":
-            continue
         text = path.read_text()
         lines = text.splitlines()
-        for line, what in fixed_waits(text):
+        for line, what in fixed_waits(text, helpers):
             src = lines[line - 1]
             key = next((k for k in ALLOWED if k[0] == rel and k[1] in src), None)
             if key is not None:
@@ -199,6 +207,11 @@ def g(): ...
         "elapsed time compared with a literal figure",
         "deadline= a literal figure",
     ], kinds
+
+
+def test_a_literal_in_place_of_another_modules_timeout_is_found_too():
+    assert fixed_waits("from helpers import wait_nodes\nwait_nodes(60)\n", {"wait_nodes": 0}) == [
+        (2, "a literal figure as wait_nodes()'s timeout")]
 
 
 def test_the_check_leaves_progress_bounded_waits_and_named_guards_alone():
