@@ -102,18 +102,7 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
     from launcher.resolve import runs_root_for
     from lmtrain.corpus import Preparation, collect_inputs  # the standard library only: no numpy here
 
-    if tasks < 1 or max_parallel < 1:
-        raise UserError(f"--tasks({tasks}) and --max-parallel({max_parallel}) must be >= 1")
-    # both reach the job scripts: held to the rules a job spec's name and time are held to
-    try:
-        minutes = parse_slurm_time(time_limit)
-    except ValueError as exc:
-        raise UserError(f"--time {brief(time_limit)}: {exc}") from None
-    try:
-        if name is not None:
-            RUN_NAME.check(name)
-    except ValueError as exc:
-        raise UserError(f"--name {exc}") from None
+    minutes = _checked_options(tasks, max_parallel, time_limit, name)
     files = collect_inputs(inputs)
     tok = str(Path(tokenizer).expanduser().absolute()) if tokenizer else None
     if tok is not None and not Path(tok).is_dir():
@@ -151,13 +140,7 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
                        *([f"--dependency={dependency}"] if dependency else []))
 
     array_ids = arrays.submit_chained(len(cut), size, submit)
-    try:
-        assemble_id = _sbatch(assemble_script(job), run_dir / "prepare-assemble.sh",
-                              f"--dependency=afterok:{':'.join(array_ids)}")
-    except BaseException:
-        slurm.cancel(array_ids)  # all or nothing
-        raise
-    (run_dir / JOBS).write_text(json.dumps({"arrays": array_ids, "assemble": assemble_id}) + "\n")
+    assemble_id = _submit_assemble(job, run_dir, array_ids)
     what = f"job {array_ids[0]}" if len(array_ids) == 1 else f"jobs {', '.join(array_ids)}"
     runs.save_record(runs.RunRecord(name=run_name, profile=profile.name, run_dir=str(run_dir), spec_path=None,
                                     job_ids=[*array_ids, assemble_id], submitted_at=[time.time()],
@@ -165,6 +148,36 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
     return {"run": run_name, "run_dir": str(run_dir), "array_job": array_ids[0], "array_jobs": array_ids,
             "array_size": size, "assemble_job": assemble_id, "files": len(files), "tasks": len(cut),
             "max_parallel": parallel, "partition": part, "out": str(target), "staging": str(staging)}
+
+
+def _checked_options(tasks: int, max_parallel: int, time_limit: str, name: str | None) -> int:
+    """The options that reach the job scripts, held to the rules a job spec's name and time are
+    held to; the time limit in minutes."""
+    if tasks < 1 or max_parallel < 1:
+        raise UserError(f"--tasks({tasks}) and --max-parallel({max_parallel}) must be >= 1")
+    try:
+        minutes = parse_slurm_time(time_limit)
+    except ValueError as exc:
+        raise UserError(f"--time {brief(time_limit)}: {exc}") from None
+    try:
+        if name is not None:
+            RUN_NAME.check(name)
+    except ValueError as exc:
+        raise UserError(f"--name {exc}") from None
+    return minutes
+
+
+def _submit_assemble(job: ArrayJob, run_dir: Path, array_ids: list[str]) -> str:
+    """The final step, after every array task succeeded; all or nothing: a failed submission
+    cancels the arrays. The job ids go to the run directory."""
+    try:
+        assemble_id = _sbatch(assemble_script(job), run_dir / "prepare-assemble.sh",
+                              f"--dependency=afterok:{':'.join(array_ids)}")
+    except BaseException:
+        slurm.cancel(array_ids)
+        raise
+    (run_dir / JOBS).write_text(json.dumps({"arrays": array_ids, "assemble": assemble_id}) + "\n")
+    return assemble_id
 
 
 def _sbatch(script: str, path: Path, *extra: str) -> str:

@@ -255,11 +255,10 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
              job_script: str | None = None) -> list[Check]:
     """Every check on the login node; ``job_script``: the plan's job script as submit writes it,
     judged by the cluster (``sbatch --test-only``)."""
-    checks: list[Check] = []
     if not slurm.ping():
         return [Check("slurm", FAIL, "the SLURM controller does not answer (`scontrol ping`); "
                       "local cluster: `lmlaunch cluster up`")]
-    checks.append(Check("slurm", OK, "the controller answers"))
+    checks = [Check("slurm", OK, "the controller answers")]
     try:
         slurm.run(["sacct", "-n", "-X", "-S", "now", "-E", "now", "-o", "JobID"], timeout=15)
         checks.append(Check("accounting", OK, "slurmdbd answers (sacct)"))
@@ -277,25 +276,29 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     checks += _association_checks(plan)
     if job_script is not None:
         checks += job_script_checks(plan, job_script)
-
     lacking = runtime_stack.missing()
     if lacking is not None:  # a CLI-only install: the model is checked where the training stack is
         checks.append(Check("model", WARN, f"not built here: {lacking} is not installed in this environment "
                                            f"({runtime_stack.INSTALL}); run doctor where the jobs run"))
         return checks
-    from lmtrain.model import parameter_count  # torch and transformers: this command only
+    return checks + _model_checks(plan, profile, config, part)
+
+
+def _model_checks(plan: LaunchPlan, profile: Profile, config: Mapping[str, str],
+                  part: Mapping[str, str] | None) -> list[Check]:
+    """What needs the model's size (torch and transformers: this command only): the preemption's
+    grace against the checkpoint, the room for checkpoints, the data, the memory, the runtime."""
+    from lmtrain.model import parameter_count
 
     job = plan.job_spec()
     try:
         params, model_vocab = parameter_count(plan.spec["model"])
     except ValueError as exc:  # a model the spec describes but transformers cannot build as meant
-        checks.append(Check("model", FAIL, str(exc)))
-        return checks
+        return [Check("model", FAIL, str(exc))]
     ck_bytes = checkpoint_bytes(params, plan.training.strategy, plan.trainer.precision)
     run_dir = Path(plan.paths.run_dir)
     measured = measured_checkpoint_seconds(run_dir) if run_dir.is_dir() else None
-    checks += judge_preemption(plan, profile, config, part, measured, ck_bytes / ASSUMED_WRITE_BYTES_PER_S)
-
+    checks = judge_preemption(plan, profile, config, part, measured, ck_bytes / ASSUMED_WRITE_BYTES_PER_S)
     keep = job.checkpoint.keep_last + 1  # the kept ones and the one being written
     free, ok, err = probe_dir(Path(plan.paths.checkpoint_dir))
     checks.append(judge_space("checkpoint space", plan.paths.checkpoint_dir, free, ok, err, keep * ck_bytes,

@@ -85,84 +85,29 @@ def build_history(
     cancel = next((float(x["time"]) for x in ledger if x.get("event") == "cancel_requested" and x.get("time")), None)
     startups = {int(x["attempt"]): x for x in ledger if x.get("event") == "startup" and isinstance(x.get("attempt"), int)}
     measured = _memory_lines(ledger)
-
-    # training time per attempt: from each attempt's first to last step line in the heartbeat
-    spans: dict[int, list[float]] = {}
-    for b in heartbeat:
-        if b.get("event") in ("start", "step") and b.get("attempt") is not None and b.get("time"):
-            spans.setdefault(int(b["attempt"]), []).append(float(b["time"]))
-
+    spans = _training_spans(heartbeat)
     per_job_index: dict[str, int] = {}
     rows: list[HistoryRow] = []
     for i, s in enumerate(starts):
         n = int(s.get("attempt") or i + 1)
-        e: Mapping[str, Any] | None = ends.get(n)
         jid = str(s["job_id"]) if s.get("job_id") is not None else None
         k = per_job_index.get(jid or "", 0)
         per_job_index[jid or ""] = k + 1
-        q = None
-        alloc_sacct = None
-        alloc_start = None
-        if sacct_attempts and jid is not None and jid in sacct_attempts and k < len(sacct_attempts[jid]):
-            sub, st, en = sacct_attempts[jid][k]
-            alloc_start = st
-            if sub is not None and st is not None:
-                q = max(0.0, st - sub)
-            if st is not None and en is not None:
-                alloc_sacct = max(0.0, en - st)
-        t0 = float(s["time"]) if s.get("time") else None
-        t1 = float(e["time"]) if e and e.get("time") else None
-        is_last = i == len(starts) - 1
-        if e is not None:
-            reason = str(e.get("reason") or "unknown")
-        else:
-            reason = "running" if is_last and cancel is None and _heartbeat_fresh(spans.get(n), now) else "unknown"
-        if t1 is None and reason == "running":
-            t1 = now
-        if t1 is None and spans.get(n):
-            t1 = max(spans[n])  # died without an end line: the last sign of life
-        alloc = alloc_sacct if alloc_sacct is not None else ((t1 - t0) if t0 is not None and t1 is not None else None)
-        train = None
-        if spans.get(n) and len(spans[n]) >= 2:
-            train = max(spans[n]) - min(spans[n])
-        row = HistoryRow(
-            attempt=n, job_id=jid, nodes=list(s.get("nodes") or []), start_time=t0, end_time=t1,
-            start_step=_int(s.get("start_step")), end_step=_int(e.get("end_step")) if e else None,
-            reason=reason, detail=str(e.get("detail") or "") if e else "",
-            requeued=bool(e.get("requeued")) if e else False, steps_lost=None, queue_wait_s=q,
-            train_s=train, alloc_s=alloc,
-        )
-        rows.append(row)
-        row.world_size = _int(s.get("world_size"))
+        allocation = _allocation(sacct_attempts, jid, k)
+        still_running = i == len(starts) - 1 and cancel is None and _heartbeat_fresh(spans.get(n), now)
+        row = _attempt_row(n, s, ends.get(n), spans.get(n), allocation, still_running, now)
         row.held_bytes, row.device_peak = measured.get(n, (None, None))
         if n in startups:
-            row.startup = rundir.startup_breakdown(startups[n], alloc_start)
+            row.startup = rundir.startup_breakdown(startups[n], allocation[2])
             row.startup_total_s = round(sum(row.startup.values()), 3) if "first_step" in startups[n].get("phases", {}) else None
             row.checkpoint_bytes = _int(startups[n].get("checkpoint_bytes"))
-    # steps lost: what the next attempt had to redo
-    for row, nxt in zip(rows, rows[1:]):
-        end = row.end_step
-        if end is None:
-            end = _last_step_of(heartbeat, row.attempt)
-        if end is not None and nxt.start_step is not None:
-            row.steps_lost = max(0, end - nxt.start_step)
+        rows.append(row)
+    _count_steps_lost(rows, heartbeat)
     trains = [a.train_s for a in rows if a.train_s is not None]
     allocs = [a.alloc_s for a in rows if a.alloc_s is not None]
     goodput = (sum(trains) / sum(allocs)) if trains and allocs and sum(allocs) > 0 else None
     waits = [a.queue_wait_s for a in rows if a.queue_wait_s is not None]
-    notes = []
-    if not starts:
-        notes.append("no attempt has started yet (the ledger attempts.jsonl is empty)")
-    for x in ledger:  # what rank 0 did to the job after an attempt (lmtrain.preemption.bad_nodes, lmtrain.preemption)
-        what = {"nodes_excluded": f"job {x.get('job_id')} keeps off {','.join(x.get('nodes') or [])} (ExcNodeList)",
-                **{k: f"{k.replace('_', ' ')}: {x.get('detail', '')}" for k in
-                   ("exclude_failed", "requeue_failed", "cancel_failed")}}.get(str(x.get("event")))
-        if what:
-            notes.append(f"after attempt {x.get('attempt')}: {what}")
-        elif x.get("event") == "checkpoint_rejected":  # lmtrain.checkpoint.resume_point, before it loaded anything
-            instead = f"resumed from {x['fallback']} instead" if x.get("fallback") else "no older checkpoint was left"
-            notes.append(f"attempt {x.get('attempt')}: step-{x.get('step')} failed its checksums "
-                         f"({x.get('detail', '')}); {instead}")
+    notes = ["no attempt has started yet (the ledger attempts.jsonl is empty)"] if not starts else []
     return History(
         name=name,
         attempts=rows,
@@ -170,8 +115,85 @@ def build_history(
         steps_lost_total=sum(a.steps_lost or 0 for a in rows),
         queue_wait_total_s=sum(waits) if waits else None,
         cancel_requested=cancel,
-        notes=notes,
+        notes=notes + _ledger_notes(ledger),
     )
+
+
+def _training_spans(heartbeat: Sequence[Mapping[str, Any]]) -> dict[int, list[float]]:
+    """attempt -> the times of its start and step lines in the heartbeat (its training time runs
+    from the first to the last)."""
+    spans: dict[int, list[float]] = {}
+    for b in heartbeat:
+        if b.get("event") in ("start", "step") and b.get("attempt") is not None and b.get("time"):
+            spans.setdefault(int(b["attempt"]), []).append(float(b["time"]))
+    return spans
+
+
+def _allocation(sacct_attempts: Mapping[str, Sequence[tuple[float | None, float | None, float | None]]] | None,
+                jid: str | None, k: int) -> tuple[float | None, float | None, float | None]:
+    """sacct's figures of the ``k``-th attempt of job ``jid``: (queue wait, allocation seconds,
+    allocation start); Nones where accounting has none."""
+    if not sacct_attempts or jid is None or jid not in sacct_attempts or k >= len(sacct_attempts[jid]):
+        return None, None, None
+    sub, st, en = sacct_attempts[jid][k]
+    wait = max(0.0, st - sub) if sub is not None and st is not None else None
+    alloc = max(0.0, en - st) if st is not None and en is not None else None
+    return wait, alloc, st
+
+
+def _attempt_row(n: int, start: Mapping[str, Any], end: Mapping[str, Any] | None, span: list[float] | None,
+                 allocation: tuple[float | None, float | None, float | None], still_running: bool,
+                 now: float) -> HistoryRow:
+    """One attempt's row from its ledger start and end lines, its heartbeat span and sacct's figures."""
+    t0 = float(start["time"]) if start.get("time") else None
+    t1 = float(end["time"]) if end and end.get("time") else None
+    if end is not None:
+        reason = str(end.get("reason") or "unknown")
+    else:
+        reason = "running" if still_running else "unknown"
+    if t1 is None and reason == "running":
+        t1 = now
+    if t1 is None and span:
+        t1 = max(span)  # died without an end line: the last sign of life
+    wait, alloc_sacct, _ = allocation
+    alloc = alloc_sacct if alloc_sacct is not None else ((t1 - t0) if t0 is not None and t1 is not None else None)
+    row = HistoryRow(
+        attempt=n, job_id=str(start["job_id"]) if start.get("job_id") is not None else None,
+        nodes=list(start.get("nodes") or []), start_time=t0, end_time=t1,
+        start_step=_int(start.get("start_step")), end_step=_int(end.get("end_step")) if end else None,
+        reason=reason, detail=str(end.get("detail") or "") if end else "",
+        requeued=bool(end.get("requeued")) if end else False, steps_lost=None, queue_wait_s=wait,
+        train_s=max(span) - min(span) if span and len(span) >= 2 else None, alloc_s=alloc,
+    )
+    row.world_size = _int(start.get("world_size"))
+    return row
+
+
+def _count_steps_lost(rows: list[HistoryRow], heartbeat: Sequence[Mapping[str, Any]]) -> None:
+    """Each attempt's steps lost: what the next attempt had to redo."""
+    for row, nxt in zip(rows, rows[1:]):
+        end = row.end_step
+        if end is None:
+            end = _last_step_of(heartbeat, row.attempt)
+        if end is not None and nxt.start_step is not None:
+            row.steps_lost = max(0, end - nxt.start_step)
+
+
+def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What rank 0 did to the job after an attempt (lmtrain.preemption.bad_nodes, lmtrain.preemption)
+    and the checkpoints a resume rejected (lmtrain.checkpoint.resume_point)."""
+    notes = []
+    for x in ledger:
+        what = {"nodes_excluded": f"job {x.get('job_id')} keeps off {','.join(x.get('nodes') or [])} (ExcNodeList)",
+                **{k: f"{k.replace('_', ' ')}: {x.get('detail', '')}" for k in
+                   ("exclude_failed", "requeue_failed", "cancel_failed")}}.get(str(x.get("event")))
+        if what:
+            notes.append(f"after attempt {x.get('attempt')}: {what}")
+        elif x.get("event") == "checkpoint_rejected":  # before it loaded anything
+            instead = f"resumed from {x['fallback']} instead" if x.get("fallback") else "no older checkpoint was left"
+            notes.append(f"attempt {x.get('attempt')}: step-{x.get('step')} failed its checksums "
+                         f"({x.get('detail', '')}); {instead}")
+    return notes
 
 
 def _memory_lines(ledger: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int | None, int | None]]:

@@ -114,69 +114,20 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
     beats = files.heartbeat
     last_step = next((b for b in reversed(beats) if b.get("event") == "step"), None)
     last_any_step = next((b for b in reversed(beats) if b.get("step") is not None), None)
-    max_steps = rec.max_steps
-    for b in reversed(beats):
-        if b.get("max_steps"):
-            max_steps = int(b["max_steps"])
-            break
-
+    max_steps = next((int(b["max_steps"]) for b in reversed(beats) if b.get("max_steps")), rec.max_steps)
     requeued = bool(job and job.attempts > 1)
-    reason = None
-    note = ""
     if not slurm_reachable:
-        state, group = UNREACHABLE, "unknown"
-        if files.done:
-            note = "DONE marker: reached max_steps"
-        elif files.cancelled or rec.state == "cancelled":
-            note = "CANCELLED marker"
+        state, group, reason = UNREACHABLE, "unknown", None
+        note = "DONE marker: reached max_steps" if files.done else (
+            "CANCELLED marker" if files.cancelled or rec.state == "cancelled" else "")
     elif job is not None:
-        state, group = job.state, slurm.state_group(job.state)
-        if group == "queued" and job.reason and job.reason != "None":
-            reason = job.reason
-        if requeued and group == "queued":
-            note = "requeued, waiting to restart"
-            if files.done:  # SLURM 24.11 requeues a job preempted once more after it ended (docs/architecture.md)
-                note = "finished (DONE marker), yet requeued by SLURM: that start ends at once, training nothing"
-        upstream = ", ".join(getattr(rec, "after", None) or []) or "another job"
-        if group == "queued" and job.reason == "Dependency":
-            note = f"waiting for {upstream}"  # submit --after's runs, or a preparation's array
-        elif group == "queued" and job.reason == "DependencyNeverSatisfied":
-            note = f"never starts: {upstream} did not succeed (`lmlaunch cancel {rec.name}`)"
-        if files.cancelled and group in ("queued", "running"):
-            note = "cancel requested"
-    elif files.done:
-        state, group, note = "COMPLETED", "completed", "DONE marker (SLURM has no record of the job)"
-    elif files.cancelled or rec.state == "cancelled":
-        state, group, note = "CANCELLED", "cancelled", "CANCELLED marker (SLURM has no record of the job)"
-    elif rec.job_ids and (ended := last_end_of(files.ledger, rec.job_ids[-1])) is not None:
-        state, note = ended_state(ended), (
-            f"attempt {ended.get('attempt')} ended {ended.get('reason')}, "
-            + ("asked to be requeued, but SLURM has no record of the job" if ended.get("requeued")
-               else "not requeued (run directory; SLURM has no record of the job)"))
-        state = "UNKNOWN" if ended.get("requeued") else state
-        group = slurm.state_group(state)
-    elif rec.job_ids:
-        state, group, note = "UNKNOWN", "unknown", "neither squeue nor sacct knows the job"
+        state, group, reason, note = _queued_or_running(rec, files, job, requeued)
     else:
-        state, group, note = "NOT SUBMITTED", "unknown", ""
+        state, group, note = _without_slurm_record(rec, files)
+        reason = None
     if not files.exists:
         note = (note + "; " if note else "") + f"run directory missing: {rec.run_dir}"
-    ev = next((e for e in reversed(files.ledger) if e.get("event") == "eval"), None)  # an eval run's result
-    if ev is not None:
-        last_step, note = {"loss": ev.get("val_loss")}, "; ".join(x for x in (
-            f"eval of step-{ev.get('step')}: val_loss {_num(ev, 'val_loss') or 0:.4f}, perplexity "
-            f"{_num(ev, 'perplexity') or 0:.2f}", note) if x)
-
-    failed = next((b for b in reversed(beats) if b.get("event") == "end" and b.get("error")
-                   and str(b.get("job_id")) in rec.job_ids), None)  # this submission's, not one before it
-    if failed is not None:  # a preparation task that met a bad input
-        who = f"task {failed['task']}" if failed.get("task") is not None else "the job"
-        note = "; ".join(x for x in (f"{who} failed: {failed['error']}", note) if x)
-    prep = next((b for b in reversed(beats) if b.get("documents") is not None), None)
-    if prep is not None:  # a data preparation on the cluster: its shards are the steps
-        so_far = "in the store" if prep.get("event") == "end" else "tokenized so far"
-        note = "; ".join(x for x in (f"{int(prep['documents']):,} documents, {int(prep.get('tokens') or 0):,} tokens "
-                                     f"{so_far}", note) if x)
+    last_step, note = _what_the_run_says(rec, files, last_step, note)
 
     step = int(last_any_step["step"]) if last_any_step is not None else None
     attempt = attempt_number(files.ledger, job if slurm_reachable else None)
@@ -190,29 +141,74 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
     ck = files.checkpoint
     time_limit = job.time_limit if job and job.time_limit else files.plan_time
     return StatusRow(
-        name=rec.name,
-        job_id=rec.job_ids[-1] if rec.job_ids else None,
-        state=state,
-        group=group,
-        reason=reason,
-        requeued=requeued,
-        nodes=job.num_nodes if job and job.num_nodes else None,
-        elapsed=job.elapsed if job and job.elapsed else None,
-        time_limit=_normalize_limit(time_limit),
-        attempt=attempt,
-        step=step,
-        max_steps=max_steps,
-        loss=_num(last_step, "loss"),
-        tokens_per_s=_num(last_step, "tokens_per_s"),
-        mfu=_num(last_step, "mfu"),
-        checkpoint_step=ck.step if ck else None,
-        checkpoint_age_s=max(0.0, now - ck.mtime) if ck else None,
-        eta_s=eta,
-        heartbeat_age_s=max(0.0, now - hb_time) if hb_time else None,
-        run_dir=rec.run_dir,
-        job_ids=list(rec.job_ids),
-        note=note,
+        name=rec.name, job_id=rec.job_ids[-1] if rec.job_ids else None, state=state, group=group, reason=reason,
+        requeued=requeued, nodes=job.num_nodes if job and job.num_nodes else None,
+        elapsed=job.elapsed if job and job.elapsed else None, time_limit=_normalize_limit(time_limit),
+        attempt=attempt, step=step, max_steps=max_steps, loss=_num(last_step, "loss"),
+        tokens_per_s=_num(last_step, "tokens_per_s"), mfu=_num(last_step, "mfu"),
+        checkpoint_step=ck.step if ck else None, checkpoint_age_s=max(0.0, now - ck.mtime) if ck else None,
+        eta_s=eta, heartbeat_age_s=max(0.0, now - hb_time) if hb_time else None, run_dir=rec.run_dir,
+        job_ids=list(rec.job_ids), note=note,
     )
+
+
+def _queued_or_running(rec: Any, files: RunFiles, job: SlurmJob, requeued: bool) -> tuple[str, str, str | None, str]:
+    """(state, group, pending reason, note) of a run whose job SLURM knows."""
+    state, group = job.state, slurm.state_group(job.state)
+    reason = job.reason if group == "queued" and job.reason and job.reason != "None" else None
+    note = ""
+    if requeued and group == "queued":
+        note = "requeued, waiting to restart"
+        if files.done:  # SLURM 24.11 requeues a job preempted once more after it ended (docs/architecture.md)
+            note = "finished (DONE marker), yet requeued by SLURM: that start ends at once, training nothing"
+    upstream = ", ".join(getattr(rec, "after", None) or []) or "another job"
+    if group == "queued" and job.reason == "Dependency":
+        note = f"waiting for {upstream}"  # submit --after's runs, or a preparation's array
+    elif group == "queued" and job.reason == "DependencyNeverSatisfied":
+        note = f"never starts: {upstream} did not succeed (`lmlaunch cancel {rec.name}`)"
+    if files.cancelled and group in ("queued", "running"):
+        note = "cancel requested"
+    return state, group, reason, note
+
+
+def _without_slurm_record(rec: Any, files: RunFiles) -> tuple[str, str, str]:
+    """(state, group, note) of a run SLURM no longer (or never) knew: from its markers and ledger."""
+    if files.done:
+        return "COMPLETED", "completed", "DONE marker (SLURM has no record of the job)"
+    if files.cancelled or rec.state == "cancelled":
+        return "CANCELLED", "cancelled", "CANCELLED marker (SLURM has no record of the job)"
+    if rec.job_ids and (ended := last_end_of(files.ledger, rec.job_ids[-1])) is not None:
+        note = (f"attempt {ended.get('attempt')} ended {ended.get('reason')}, "
+                + ("asked to be requeued, but SLURM has no record of the job" if ended.get("requeued")
+                   else "not requeued (run directory; SLURM has no record of the job)"))
+        state = "UNKNOWN" if ended.get("requeued") else ended_state(ended)
+        return state, slurm.state_group(state), note
+    if rec.job_ids:
+        return "UNKNOWN", "unknown", "neither squeue nor sacct knows the job"
+    return "NOT SUBMITTED", "unknown", ""
+
+
+def _what_the_run_says(rec: Any, files: RunFiles, last_step: Mapping[str, Any] | None,
+                       note: str) -> tuple[Mapping[str, Any] | None, str]:
+    """An eval run's result (its loss in place of a step's), a failed task, a preparation's
+    progress: the row's loss source and its note, with these said first."""
+    beats = files.heartbeat
+    ev = next((e for e in reversed(files.ledger) if e.get("event") == "eval"), None)  # an eval run's result
+    if ev is not None:
+        last_step, note = {"loss": ev.get("val_loss")}, "; ".join(x for x in (
+            f"eval of step-{ev.get('step')}: val_loss {_num(ev, 'val_loss') or 0:.4f}, perplexity "
+            f"{_num(ev, 'perplexity') or 0:.2f}", note) if x)
+    failed = next((b for b in reversed(beats) if b.get("event") == "end" and b.get("error")
+                   and str(b.get("job_id")) in rec.job_ids), None)  # this submission's, not one before it
+    if failed is not None:  # a preparation task that met a bad input
+        who = f"task {failed['task']}" if failed.get("task") is not None else "the job"
+        note = "; ".join(x for x in (f"{who} failed: {failed['error']}", note) if x)
+    prep = next((b for b in reversed(beats) if b.get("documents") is not None), None)
+    if prep is not None:  # a data preparation on the cluster: its shards are the steps
+        so_far = "in the store" if prep.get("event") == "end" else "tokenized so far"
+        note = "; ".join(x for x in (f"{int(prep['documents']):,} documents, {int(prep.get('tokens') or 0):,} tokens "
+                                     f"{so_far}", note) if x)
+    return last_step, note
 
 
 def _normalize_limit(text: str | None) -> str | None:

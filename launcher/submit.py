@@ -277,31 +277,18 @@ def submit_plan(
     allowed while a job of that run is queued or running. When submission fails nothing is left
     behind: no registry entry, no half-written run directory.
     """
-    import time
-
     plan: LaunchPlan = resolved.plan
     env = ctx.environ or None
     name = plan.run_name
-    run_dir = Path(plan.paths.run_dir)
     opening = lifecycle.plan_opening(plan, new=new, resume=resume, record=runs.load_record(name, env),
                                      new_code=new_code)
-
     _refuse_shared_checkpoint_dir(plan, env)
     if not slurm.ping():
         raise SlurmUnavailable(
             "the SLURM controller does not answer (`scontrol ping`); nothing was submitted. "
             "Local cluster: start it with `lmlaunch cluster up`."
         )
-    rec = opening.record
-    if rec and rec.job_ids:
-        active = [j for j in slurm.squeue(rec.job_ids) if slurm.is_active(j.state)]
-        if active:
-            listed = ", ".join(f"{j.job_id} ({j.state})" for j in active)
-            raise UserError(
-                f"run '{name}' still has a job in SLURM: {listed}; wait for it to end or "
-                f"`lmlaunch cancel {name}` before {'--resume' if resume else '--new'}"
-            )
-
+    _refuse_active_job(opening.record, name, resume)
     dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
     opening.apply(env)
     try:
@@ -310,36 +297,57 @@ def submit_plan(
         opening.rollback()
         raise
     waits = (dependency or "").replace(",", ":").split(":")
-    notes_after = [*after_notes, *(f"starts after {a.label()}" for a in after or [] if a.job_id in waits)]
-    rec, notes = opening.record, [*opening.notes, *notes_after]
+    notes = [*opening.notes, *after_notes, *(f"starts after {a.label()}" for a in after or [] if a.job_id in waits)]
+    _record_submission(opening.record, plan, job_id, spec_path, after or [], env)
+    _say_submitted(ctx, plan, job_id, notes, resumed=resume)
+    return 0
 
+
+def _refuse_active_job(rec: Any, name: str, resume: bool) -> None:
+    """A run with a job still queued or running in SLURM is neither resumed nor started anew."""
+    if not (rec and rec.job_ids):
+        return
+    active = [j for j in slurm.squeue(rec.job_ids) if slurm.is_active(j.state)]
+    if active:
+        listed = ", ".join(f"{j.job_id} ({j.state})" for j in active)
+        raise UserError(
+            f"run '{name}' still has a job in SLURM: {listed}; wait for it to end or "
+            f"`lmlaunch cancel {name}` before {'--resume' if resume else '--new'}"
+        )
+
+
+def _record_submission(rec: Any, plan: LaunchPlan, job_id: str, spec_path: str | None, after: list[Any],
+                       env: Any) -> None:
+    """The registry's record of the run, with this submission's job id and time."""
+    import time
+
+    run_dir = str(Path(plan.paths.run_dir))
     if rec is None:
-        rec = runs.RunRecord(name=name, profile=plan.profile, run_dir=str(run_dir), spec_path=spec_path)
+        rec = runs.RunRecord(name=plan.run_name, profile=plan.profile, run_dir=run_dir, spec_path=spec_path)
     rec.job_ids.append(job_id)
     rec.submitted_at.append(time.time())
     rec.state = "submitted"
-    rec.run_dir = str(run_dir)
+    rec.run_dir = run_dir
     rec.profile = plan.profile
     if spec_path:
         rec.spec_path = str(Path(spec_path).absolute())
     rec.max_steps = plan.trainer.max_steps
-    rec.after = [a.label() for a in after or []]
+    rec.after = [a.label() for a in after]
     runs.save_record(rec, env)
 
-    t = plan.topology
-    s = plan.slurm
-    verb = "resumed" if resume else "submitted"
+
+def _say_submitted(ctx: Any, plan: LaunchPlan, job_id: str, notes: list[str], *, resumed: bool) -> None:
+    t, s, name = plan.topology, plan.slurm, plan.run_name
     ctx.out(
-        f"{verb} run '{name}': job {job_id} on partition {s.partition}, "
+        f"{'resumed' if resumed else 'submitted'} run '{name}': job {job_id} on partition {s.partition}, "
         f"nodes({t.nodes}) x tasks_per_node({t.tasks_per_node}) = world_size({t.world_size})"
         + (f" = data_parallel({t.data_parallel_size}) x tensor_parallel({t.tensor_parallel_size})"
            if t.tensor_parallel_size > 1 else "")
     )
     for note in notes:
         ctx.out(f"note: {note}")
-    ctx.out(f"run directory: {run_dir}")
+    ctx.out(f"run directory: {plan.paths.run_dir}")
     ctx.out("next:")
     ctx.out(f"  lmlaunch status {name}")
     ctx.out(f"  lmlaunch logs {name}")
     ctx.out(f"  lmlaunch cancel {name}")
-    return 0

@@ -47,6 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--if-missing", action="store_true", help="do nothing when DIR already holds valid prepared data"
     )
     _document_options(prep)
+    _on_cluster_options(prep)
+    _train_tokenizer_parser(sub)
+    info = sub.add_parser("info", help="show what a prepared data directory holds")
+    info.add_argument("dir", metavar="DIR")
+    info.add_argument("--verify", action="store_true", help="also check every shard against its sha256 (reads them all)")
+    info.add_argument("--json", action="store_true", help="print meta.json as read")
+
+
+def _on_cluster_options(prep: argparse.ArgumentParser) -> None:
     on = prep.add_argument_group("on the cluster (--on-cluster)")
     on.add_argument("--on-cluster", action="store_true",
                     help="run it as one throttled SLURM array (a task per slice of the files) and a final step that "
@@ -60,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     on.add_argument("--name", metavar="RUN", help="the run's name (default: prepare-<OUT's name>)")
     on.add_argument("--partition", metavar="P", help="default: the profile's preemptible partition, else its default")
     on.add_argument("--time", default="01:00:00", metavar="T", help="time limit of each task (default 01:00:00)")
+
+
+def _train_tokenizer_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     train = sub.add_parser(
         "train-tokenizer",
         help="train a byte-level BPE tokenizer on local text into a transformers tokenizer directory",
@@ -74,10 +86,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     train.add_argument("--min-frequency", type=int, default=2, metavar="N",
                        help="a pair must occur this often to be merged (default 2)")
     _document_options(train)
-    info = sub.add_parser("info", help="show what a prepared data directory holds")
-    info.add_argument("dir", metavar="DIR")
-    info.add_argument("--verify", action="store_true", help="also check every shard against its sha256 (reads them all)")
-    info.add_argument("--json", action="store_true", help="print meta.json as read")
 
 
 def _document_options(p: argparse.ArgumentParser) -> None:

@@ -40,58 +40,70 @@ def print_logs(
     """Print every attempt's log in order with a marker line before each; with ``follow``, keep
     polling for new output and new attempts until ``finished()`` and nothing new arrived.
     Returns the number of files shown."""
-    offsets: dict[Path, int] = {}
-    shown: list[Path] = []
-    pending = ""  # a last line without its newline yet (follow)
+    printer = _LogPrinter(run_dir, job_ids, out, rank=rank, attempt=attempt, errors=errors, follow=follow)
+    printer.poll(final=not follow)
+    if not follow:
+        return len(printer.shown)
+    quiet = 0
+    while True:
+        time.sleep(interval)
+        grew = printer.poll(final=False)
+        quiet = 0 if grew else quiet + 1
+        if quiet >= 2 and finished():
+            printer.end_line()
+            return len(printer.shown)
 
-    def emit(text: str, final: bool) -> None:
-        nonlocal pending
-        text = pending + text
+
+class _LogPrinter:
+    """A run's log files in order, each printed from where the last poll left it, a marker line
+    before each new file; a last line without its newline waits for the rest (follow)."""
+
+    def __init__(self, run_dir: Path, job_ids: list[str], out: TextIO, *, rank: int, attempt: int | None,
+                 errors: bool, follow: bool) -> None:
+        self.run_dir, self.job_ids, self.out = run_dir, job_ids, out
+        self.rank, self.attempt, self.errors, self.follow = rank, attempt, errors, follow
+        self.offsets: dict[Path, int] = {}
+        self.shown: list[Path] = []
+        self.pending = ""
+
+    def emit(self, text: str, final: bool) -> None:
+        text = self.pending + text
         lines = text.split("\n")
-        pending = "" if final else lines.pop()
+        self.pending = "" if final else lines.pop()
         if final and lines and lines[-1] == "":
             lines.pop()
-        if errors:
+        if self.errors:
             lines = run_files.error_lines(lines)
         for line in lines:
-            out.write(line + "\n")
-        out.flush()
+            self.out.write(line + "\n")
+        self.out.flush()
 
-    def poll(final: bool) -> bool:
-        ledger = jsonlines.read_jsonl(run_dir / rundir.LEDGER)
+    def end_line(self) -> None:
+        if self.pending:
+            self.emit("\n", True)
+
+    def poll(self, final: bool) -> bool:
+        """Print what is new; whether anything was."""
+        ledger = jsonlines.read_jsonl(self.run_dir / rundir.LEDGER)
         grew = False
-        for src in run_files.log_sources(run_dir, job_ids, rank=rank, attempt=attempt):
-            if src.path not in offsets:
-                if pending:
-                    emit("\n", True)
-                out.write(run_files.attempt_marker(src.attempt, ledger, src.label) + "\n")
-                offsets[src.path] = 0
-                shown.append(src.path)
+        for src in run_files.log_sources(self.run_dir, self.job_ids, rank=self.rank, attempt=self.attempt):
+            if src.path not in self.offsets:
+                self.end_line()
+                self.out.write(run_files.attempt_marker(src.attempt, ledger, src.label) + "\n")
+                self.offsets[src.path] = 0
+                self.shown.append(src.path)
                 grew = True
             try:
                 with open(src.path, "rb") as f:
-                    f.seek(offsets[src.path])
+                    f.seek(self.offsets[src.path])
                     data = f.read()
             except OSError:
                 continue
             if data:
-                offsets[src.path] += len(data)
-                emit(data.decode("utf-8", errors="replace"), final=not follow)
+                self.offsets[src.path] += len(data)
+                self.emit(data.decode("utf-8", errors="replace"), final=not self.follow)
                 grew = True
         return grew
-
-    poll(final=not follow)
-    if not follow:
-        return len(shown)
-    quiet = 0
-    while True:
-        time.sleep(interval)
-        grew = poll(final=False)
-        quiet = 0 if grew else quiet + 1
-        if quiet >= 2 and finished():
-            if pending:
-                emit("\n", True)
-            return len(shown)
 
 
 def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> Callable[[], bool]:

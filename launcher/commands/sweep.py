@@ -41,18 +41,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError(f"--max-parallel must be at least 1, got {args.max_parallel}")
     sw = sweep.load(args.sweep)
     points = sweep.points(sw)
-    resolved = []
-    for i, pt in enumerate(points):
-        ov = [*args.overrides, *sweep.overrides(pt), f"name={sweep.run_name(sw.name, i)}"]
-        try:
-            resolved.append(resolve(args.spec, ov, args.cluster, ctx.environ, python=ctx.python, force=args.force))
-        except SpecError as exc:  # the whole sweep fails before anything is submitted, naming the point
-            raise SpecError([f"sweep {args.sweep}, point {i} ({', '.join(sweep.overrides(pt))}): {p}"
-                             for p in exc.problems], source=exc.source) from None
-        except UserError as exc:
-            raise UserError(f"sweep {args.sweep}, point {i} ({', '.join(sweep.overrides(pt))}): {exc}",
-                            exit_code=exc.exit_code) from None
-    plans = [r.plan for r in resolved]
+    plans = _plans(args, ctx, sw, points)
     sweep.check_one_shape(plans, points, args.sweep)
     parallel = min(args.max_parallel or sw.max_parallel or len(points), len(points))
     sweep_dir = Path(plans[0].paths.run_dir).parent / sw.name
@@ -61,7 +50,40 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     run_dirs = [p.paths.run_dir for p in plans]
     if args.dry_run:
         return _dry_run(args, ctx, sw.name, points, plans, run_dirs, str(sweep_dir), parallel)
+    arrays, job_ids = _submit(args, ctx, plans, run_dirs, sweep_dir, parallel)
+    _record(args, ctx, sw.name, plans, points, job_ids, arrays, sweep_dir, parallel)
+    if args.json:
+        ctx.out(json.dumps({"sweep": sw.name, "arrays": arrays, "max_parallel": parallel,
+                            "points": [{"run": p.run_name, "job_id": j} for p, j in zip(plans, job_ids)]}, indent=2))
+    else:
+        ctx.out(f"submitted sweep '{sw.name}': {len(points)} points as array job{'s' if len(arrays) > 1 else ''} "
+                f"{', '.join(arrays)}, at most {parallel} at once")
+        for plan, j in zip(plans, job_ids):
+            ctx.out(f"  {plan.run_name:<24} job {j}")
+        ctx.out(f"next: lmlaunch status {sw.name}; lmlaunch sweep results {sw.name}; lmlaunch cancel {sw.name}")
+    return 0
 
+
+def _plans(args: argparse.Namespace, ctx: Context, sw: Any, points: list[Any]) -> list[Any]:
+    """Every point's plan; the whole sweep fails before anything is submitted, naming the point."""
+    plans = []
+    for i, pt in enumerate(points):
+        ov = [*args.overrides, *sweep.overrides(pt), f"name={sweep.run_name(sw.name, i)}"]
+        try:
+            plans.append(resolve(args.spec, ov, args.cluster, ctx.environ, python=ctx.python, force=args.force).plan)
+        except SpecError as exc:
+            raise SpecError([f"sweep {args.sweep}, point {i} ({', '.join(sweep.overrides(pt))}): {p}"
+                             for p in exc.problems], source=exc.source) from None
+        except UserError as exc:
+            raise UserError(f"sweep {args.sweep}, point {i} ({', '.join(sweep.overrides(pt))}): {exc}",
+                            exit_code=exc.exit_code) from None
+    return plans
+
+
+def _submit(args: argparse.Namespace, ctx: Context, plans: list[Any], run_dirs: list[str], sweep_dir: Path,
+            parallel: int) -> tuple[list[str], list[str]]:
+    """The points' run directories opened and their arrays submitted (chained where the cluster's
+    MaxArraySize splits them); on any failure every opened run directory is rolled back."""
     env = ctx.environ or None
     openings = [lifecycle.plan_opening(p, new=args.new, resume=False, record=runs.load_record(p.run_name, env))
                 for p in plans]
@@ -85,27 +107,23 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         for o in reversed(applied):
             o.rollback()
         raise
+    return arrays, job_ids
+
+
+def _record(args: argparse.Namespace, ctx: Context, name: str, plans: list[Any], points: list[Any],
+            job_ids: list[str], arrays: list[str], sweep_dir: Path, parallel: int) -> None:
+    """Each point's registry record and the sweep's sweep.json."""
     now = time.time()
     for plan, pt, job in zip(plans, points, job_ids):
         rec = runs.RunRecord(name=plan.run_name, profile=plan.profile, run_dir=plan.paths.run_dir,
                              spec_path=str(Path(args.spec).absolute()), job_ids=[job], submitted_at=[now],
-                             max_steps=plan.trainer.max_steps, sweep=sw.name, point=pt)
-        runs.save_record(rec, env)
+                             max_steps=plan.trainer.max_steps, sweep=name, point=pt)
+        runs.save_record(rec, ctx.environ or None)
     (sweep_dir / "sweep.json").write_text(json.dumps({
-        "name": sw.name, "spec": str(Path(args.spec).absolute()), "file": str(Path(args.sweep).absolute()),
+        "name": name, "spec": str(Path(args.spec).absolute()), "file": str(Path(args.sweep).absolute()),
         "max_parallel": parallel, "arrays": arrays,
         "points": [{"run": p.run_name, "job_id": j, "point": pt} for p, j, pt in zip(plans, job_ids, points)],
     }, indent=2) + "\n")
-    if args.json:
-        ctx.out(json.dumps({"sweep": sw.name, "arrays": arrays, "max_parallel": parallel,
-                            "points": [{"run": p.run_name, "job_id": j} for p, j in zip(plans, job_ids)]}, indent=2))
-    else:
-        ctx.out(f"submitted sweep '{sw.name}': {len(points)} points as array job{'s' if len(arrays) > 1 else ''} "
-                f"{', '.join(arrays)}, at most {parallel} at once")
-        for plan, j in zip(plans, job_ids):
-            ctx.out(f"  {plan.run_name:<24} job {j}")
-        ctx.out(f"next: lmlaunch status {sw.name}; lmlaunch sweep results {sw.name}; lmlaunch cancel {sw.name}")
-    return 0
 
 
 def _dry_run(args, ctx, name: str, points, plans, run_dirs, sweep_dir: str, parallel: int) -> int:

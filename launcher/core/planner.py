@@ -108,9 +108,8 @@ def _tensor_parallel_notes(topo: Topology, env: Mapping[str, str], reasons: Mapp
     return tuple(notes)
 
 
-def _slurm(
-    spec: JobSpec, profile: Profile, topo: Topology, paths: RunPaths, problems: list[str]
-) -> SlurmParams:
+def _partition(spec: JobSpec, profile: Profile, problems: list[str]) -> str:
+    """The spec's partition (by name, or by kind from the profile), checked against the profile."""
     r = spec.resources
     by_kind = {
         "default": profile.default_partition,
@@ -135,6 +134,14 @@ def _slurm(
                 f"resources.time({r.time}) = {r.time_minutes} min is above partition '{partition}' "
                 f"max_time({part.max_time}) = {part.max_minutes} min"
             )
+    return partition
+
+
+def _slurm(
+    spec: JobSpec, profile: Profile, topo: Topology, paths: RunPaths, problems: list[str]
+) -> SlurmParams:
+    r = spec.resources
+    partition = _partition(spec, profile, problems)
     cpus = r.cpus_per_task or profile.cpus_per_gpu
     mem = r.mem
     if mem is None and profile.mem_per_gpu and r.gpus_per_node:
@@ -264,6 +271,15 @@ def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
     )
 
 
+RENDEZVOUS = {
+    "master_addr": "global rank 0's node (lmtrain.task_env.rendezvous)",
+    "master_port": (
+        "a free port rank 0 binds on its node at every attempt, published in "
+        "<run_dir>/rendezvous/ (Lightning's job-id port collides between jobs)"
+    ),
+}
+
+
 def make_plan(
     spec: JobSpec,
     profile: Profile,
@@ -285,12 +301,7 @@ def make_plan(
     if not runs_root.startswith("/"):
         raise SpecError([f"runs root '{runs_root}' must be an absolute path"])
     check_slurm_path(runs_root, "runs root")
-    if python is None:
-        if profile.python == "auto":
-            raise SpecError(
-                [f"profile '{profile.name}' has python: auto; the plan needs the interpreter path"]
-            )
-        python = profile.python
+    python = _interpreter(profile, python)
     problems: list[str] = []
     topo = _topology(spec, profile, problems)
     problems += _strategy_problems(spec, topo)
@@ -302,22 +313,56 @@ def make_plan(
         slurm = dataclasses.replace(slurm, exclude=",".join(sorted(exclude)))
     env = render_env(spec, profile, run_dir=paths.run_dir, cpus_per_task=slurm.cpus_per_task)
     trainer, training, trainer_notes = _trainer_plans(spec, topo, paths.run_dir)
-    notes = tuple(trainer_notes)
     deepspeed = None
     if training.strategy == "deepspeed":
         deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum)
-    srun_args: tuple[str, ...] = ()
     box = _container(spec, profile, paths, runs_root, python, host_python_dirs, env.values, problems)
     if problems:
         raise SpecError(problems)
+    slurm, srun_args, site_notes = _site_options(spec, profile, slurm)
     if box is not None:
-        srun_args += tuple(box.srun_args)
-        notes += tuple(box.notes)
+        srun_args = (*box.srun_args, *srun_args)
+    notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes,
+             *_placement_notes(profile, slurm, exclude or {}), *_tensor_parallel_notes(topo, env.values, env.reasons),
+             *_agreement_notes(spec))
+    preemption = PreemptionPlan.of(
+        spec.preemption,
+        cluster_sends_user_signal=profile.sends_user_signal_on_preemption,
+        grace_seconds=profile.partitions[slurm.partition].grace_seconds,
+    )
+    return LaunchPlan(
+        version=PLAN_VERSION, run_name=spec.name, profile=profile.name, topology=topo, slurm=slurm,
+        env=env.values, env_reasons=env.reasons, env_overrides=env.overrides, passthrough=env.passthrough,
+        setup=tuple(profile.setup), python=python, srun_args=srun_args, deepspeed=deepspeed, trainer=trainer,
+        training=training, task={"target": TASK_TARGET, "run_dir": paths.run_dir}, paths=paths,
+        preemption=preemption, spec=spec.model_dump(mode="json"), notes=tuple(notes),
+        container=box.to_json() if box is not None else None, rendezvous=dict(RENDEZVOUS),
+    )
+
+
+def _interpreter(profile: Profile, python: str | None) -> str:
+    """The interpreter command the tasks run: the caller's, else the profile's (``auto`` needs one)."""
+    if python is not None:
+        return python
+    if profile.python == "auto":
+        raise SpecError([f"profile '{profile.name}' has python: auto; the plan needs the interpreter path"])
+    return profile.python
+
+
+def _site_options(spec: JobSpec, profile: Profile, slurm: SlurmParams) -> tuple[SlurmParams, tuple[str, ...], list[str]]:
+    """The site's sbatch and srun options (the profile's, then the spec's): the sbatch ones on the
+    SLURM parameters, the srun ones as arguments, and a note for each option lmlaunch does not know."""
     sbatch_options = site_options.merged(profile.slurm.sbatch, spec.slurm.sbatch)
     srun_options = site_options.merged(profile.slurm.srun, spec.slurm.srun)
-    slurm = dataclasses.replace(slurm, site_options=sbatch_options)
-    srun_args += site_options.as_args(srun_options)
-    notes += tuple(site_options.unknown_notes("sbatch", sbatch_options) + site_options.unknown_notes("srun", srun_options))
+    notes = site_options.unknown_notes("sbatch", sbatch_options) + site_options.unknown_notes("srun", srun_options)
+    return (dataclasses.replace(slurm, site_options=sbatch_options), tuple(site_options.as_args(srun_options)),
+            list(notes))
+
+
+def _placement_notes(profile: Profile, slurm: SlurmParams, exclude: Mapping[str, str]) -> list[str]:
+    """What the user should know of where the job runs and how it is stopped there: the
+    partition's preemption, the excluded nodes."""
+    notes = []
     part = profile.partitions[slurm.partition]
     if part.preemptible:
         grace = f"{part.grace_seconds} s" if part.grace_seconds is not None else "the partition's GraceTime"
@@ -326,53 +371,19 @@ def make_plan(
             if profile.sends_user_signal_on_preemption
             else "SIGTERM only (the cluster does not send the user signal on preemption)"
         )
-        notes += (
-            f"partition '{slurm.partition}' is preemptible: on preemption the tasks get {signal}, "
-            f"then SIGKILL after {grace}; the job checkpoints and requeues",
-        )
-    for node, why in sorted((exclude or {}).items()):
-        notes += (f"node {node} is excluded (sbatch --exclude): {why}; a passing `lmlaunch doctor SPEC --on-nodes` "
-                  f"clears it",)
-    notes += _tensor_parallel_notes(topo, env.values, env.reasons)
+        notes.append(f"partition '{slurm.partition}' is preemptible: on preemption the tasks get {signal}, "
+                     f"then SIGKILL after {grace}; the job checkpoints and requeues")
+    for node, why in sorted(exclude.items()):
+        notes.append(f"node {node} is excluded (sbatch --exclude): {why}; a passing `lmlaunch doctor SPEC --on-nodes` "
+                     f"clears it")
+    return notes
+
+
+def _agreement_notes(spec: JobSpec) -> list[str]:
+    """A stop agreed every k steps runs up to k - 1 steps more before its checkpoint."""
     k = spec.preemption.agree_every_n_steps
-    if k > 1:
-        notes += (
-            f"preemption.agree_every_n_steps={k}: a stop is agreed at the next multiple of {k} steps, so up to "
+    if k <= 1:
+        return []
+    return [f"preemption.agree_every_n_steps={k}: a stop is agreed at the next multiple of {k} steps, so up to "
             f"{k - 1} more steps run before its checkpoint; they must fit in the warning "
-            f"({spec.preemption.warning_seconds} s) and in GraceTime on preemption",
-        )
-    preemption = PreemptionPlan.of(
-        spec.preemption,
-        cluster_sends_user_signal=profile.sends_user_signal_on_preemption,
-        grace_seconds=profile.partitions[slurm.partition].grace_seconds,
-    )
-    return LaunchPlan(
-        version=PLAN_VERSION,
-        run_name=spec.name,
-        profile=profile.name,
-        topology=topo,
-        slurm=slurm,
-        env=env.values,
-        env_reasons=env.reasons,
-        env_overrides=env.overrides,
-        passthrough=env.passthrough,
-        setup=tuple(profile.setup),
-        python=python,
-        srun_args=srun_args,
-        deepspeed=deepspeed,
-        trainer=trainer,
-        training=training,
-        task={"target": TASK_TARGET, "run_dir": paths.run_dir},
-        paths=paths,
-        preemption=preemption,
-        spec=spec.model_dump(mode="json"),
-        notes=notes,
-        container=box.to_json() if box is not None else None,
-        rendezvous={
-            "master_addr": "global rank 0's node (lmtrain.task_env.rendezvous)",
-            "master_port": (
-                "a free port rank 0 binds on its node at every attempt, published in "
-                "<run_dir>/rendezvous/ (Lightning's job-id port collides between jobs)"
-            ),
-        },
-    )
+            f"({spec.preemption.warning_seconds} s) and in GraceTime on preemption"]

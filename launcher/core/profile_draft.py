@@ -108,30 +108,44 @@ def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
         raise ValueError("the cluster has no partition (scontrol show partition printed none)")
     usable = [p for p in parts if p.up] or parts
     default = next((p for p in usable if p.default), usable[0])
-    preemptible = [p for p in usable if p.preemptible]
-    low = min(preemptible, key=lambda p: (p.tier, not p.default), default=None)
-    high = max(usable, key=lambda p: p.tier) if low is not None else None
-    if high is not None and low is not None and high.tier <= low.tier:
-        high = None
     cfg = facts.config
     version = cfg.get("SLURM_VERSION", "?")
     cluster = cfg.get("ClusterName", "?")
-    sends_signal = "preempt_send_user_signal" in cfg.get("SlurmctldParameters", "")
     node_names = set(_expand_simple(default.nodes))
     nodes = [n for n in facts.nodes if n.get("NodeName") in node_names] or list(facts.nodes)
-    gpu_counts = Counter(g for g in (gpus_of(n.get("Gres", "")) for n in nodes) if g is not None)
-    cpus = min((_int(n.get("CPUTot")) for n in nodes), default=0) or 1
-    mem_mb = min((_int(n.get("RealMemory")) for n in nodes), default=0)
-    loopback = bool(nodes) and all(n.get("NodeAddr", "").startswith("127.") for n in nodes)
-
     y: list[str] = [
         f"# Cluster profile '{name}', read off the live cluster by `lmlaunch profile init` on {when}:",
         f"# SLURM {version}, cluster '{cluster}'. Each value says where it came from;",
         "# the lines marked CHOOSE are yours to set (SLURM cannot know them). Check it: lmlaunch doctor SPEC",
         *(f"# NOTE: {p}" for p in facts.problems),
         "description: " + _quote(f"Read off cluster {cluster} (SLURM {version}) on {when}"),
-        "partitions:",
+        *_partition_lines(parts, usable, default, cfg),
     ]
+    if facts.default_account:
+        y.append(f"account: {facts.default_account}  # your DefaultAccount (sacctmgr show user)")
+    else:
+        y.append("# account: CHOOSE  # no DefaultAccount was found" + ("" if facts.accounting else " (no accounting)"))
+    y += _node_lines(nodes, default.name)
+    y += _choices_and_environment(cfg, bool(nodes) and all(n.get("NodeAddr", "").startswith("127.") for n in nodes))
+    if not facts.accounting:
+        y.append("# Accounting: sacct does not answer here. lmlaunch reads states from squeue and the run directory; "
+                 "what only sacct knows (a finished job's exit state) is reported as unknown.")
+    min_age = _int(cfg.get("MinJobAge"), -1)
+    if 0 <= min_age < 60:
+        y.append(f"# MinJobAge={cfg.get('MinJobAge')}: finished jobs leave squeue within a minute.")
+    return "\n".join(y) + "\n"
+
+
+def _partition_lines(parts: list[PartitionDraft], usable: list[PartitionDraft], default: PartitionDraft,
+                     cfg: Mapping[str, str]) -> list[str]:
+    """The partitions, the default one, and the preemptible and high-priority pair a preemption
+    rehearsal uses (the lowest preemptible tier, the highest tier above it)."""
+    preemptible = [p for p in usable if p.preemptible]
+    low = min(preemptible, key=lambda p: (p.tier, not p.default), default=None)
+    high = max(usable, key=lambda p: p.tier) if low is not None else None
+    if high is not None and low is not None and high.tier <= low.tier:
+        high = None
+    y = ["partitions:"]
     for p in parts:
         fields = [f"max_time: {_quote(p.max_time)}"]
         if p.preemptible:
@@ -146,23 +160,33 @@ def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
         y.append(f"# no preemptible partition: PreemptType={cfg.get('PreemptType', '?')}, PreemptMode={cfg.get('PreemptMode', '?')}")
     if high is not None:
         y.append(f"high_priority_partition: {high.name}  # the highest PriorityTier ({high.tier})")
-    if facts.default_account:
-        y.append(f"account: {facts.default_account}  # your DefaultAccount (sacctmgr show user)")
-    else:
-        y.append("# account: CHOOSE  # no DefaultAccount was found" + ("" if facts.accounting else " (no accounting)"))
-    if gpu_counts:
-        (gres, gpus), seen = gpu_counts.most_common(1)[0]
-        y.append(f"gpus_per_node: {gpus}  # Gres of {seen} of the {len(nodes)} nodes of '{default.name}'")
-        y.append(f"gres_name: {_quote(gres)}")
-        y.append(f"cpus_per_gpu: {max(1, cpus // gpus)}  # CPUTot {cpus} / {gpus} GPUs")
-        if mem_mb:
-            y.append(f"mem_per_gpu: {_mem(mem_mb // gpus)}  # RealMemory {mem_mb} MB / {gpus} GPUs")
-        y.append(f"max_tasks_per_node: {gpus}  # one task per GPU")
-    else:
-        y.append(f"gpus_per_node: 0  # no GPU Gres on the nodes of '{default.name}'")
-        y.append("cpus_per_gpu: 1  # CPU tasks get one core each; raise it for threaded data loading")
-        y.append(f"max_tasks_per_node: {cpus}  # the smallest CPUTot of the nodes of '{default.name}'")
-    y += [
+    return y
+
+
+def _node_lines(nodes: list[Mapping[str, str]], partition: str) -> list[str]:
+    """GPUs, CPUs and memory per task, from the default partition's nodes (the smallest of them)."""
+    gpu_counts = Counter(g for g in (gpus_of(n.get("Gres", "")) for n in nodes) if g is not None)
+    cpus = min((_int(n.get("CPUTot")) for n in nodes), default=0) or 1
+    mem_mb = min((_int(n.get("RealMemory")) for n in nodes), default=0)
+    if not gpu_counts:
+        return [f"gpus_per_node: 0  # no GPU Gres on the nodes of '{partition}'",
+                "cpus_per_gpu: 1  # CPU tasks get one core each; raise it for threaded data loading",
+                f"max_tasks_per_node: {cpus}  # the smallest CPUTot of the nodes of '{partition}'"]
+    (gres, gpus), seen = gpu_counts.most_common(1)[0]
+    y = [f"gpus_per_node: {gpus}  # Gres of {seen} of the {len(nodes)} nodes of '{partition}'",
+         f"gres_name: {_quote(gres)}",
+         f"cpus_per_gpu: {max(1, cpus // gpus)}  # CPUTot {cpus} / {gpus} GPUs"]
+    if mem_mb:
+        y.append(f"mem_per_gpu: {_mem(mem_mb // gpus)}  # RealMemory {mem_mb} MB / {gpus} GPUs")
+    y.append(f"max_tasks_per_node: {gpus}  # one task per GPU")
+    return y
+
+
+def _choices_and_environment(cfg: Mapping[str, str], loopback: bool) -> list[str]:
+    """What SLURM cannot know (runs root, interpreter, setup), the preemption signal setting, and
+    the environment the nodes' addresses call for."""
+    sends_signal = "preempt_send_user_signal" in cfg.get("SlurmctldParameters", "")
+    y = [
         "# CHOOSE: a directory every node sees (a shared filesystem), ~ and $VARS expanded",
         "runs_root: ~/.lmlaunch/runs",
         "# CHOOSE: the tasks' interpreter. auto: the one running lmlaunch (its venv on a filesystem the nodes share);",
@@ -178,13 +202,7 @@ def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
     else:
         y += ["# env:  # CHOOSE: the fabric's variables, each with its reason (see cluster_profiles/h100-ib.yaml), e.g.",
               "#   NCCL_SOCKET_IFNAME: {value: \"=ib0\", why: \"bootstrap over IPoIB\"}"]
-    if not facts.accounting:
-        y.append("# Accounting: sacct does not answer here. lmlaunch reads states from squeue and the run directory; "
-                 "what only sacct knows (a finished job's exit state) is reported as unknown.")
-    min_age = _int(cfg.get("MinJobAge"), -1)
-    if 0 <= min_age < 60:
-        y.append(f"# MinJobAge={cfg.get('MinJobAge')}: finished jobs leave squeue within a minute.")
-    return "\n".join(y) + "\n"
+    return y
 
 
 def _quote(text: str) -> str:

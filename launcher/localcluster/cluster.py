@@ -230,37 +230,65 @@ def ensure_mariadb(layout: Layout, ports: Ports, password: str, say: Say) -> Non
             "stop it, then `lmlaunch cluster up`"
         )
     fresh = not (layout.mysql_data / "mysql").exists()
+    tmp = _mariadb_dirs(layout)
+    user = ["--user=mysql"] if os.geteuid() == 0 else []
+    if fresh:
+        say(f"initialising MariaDB data in {layout.mysql_data}")
+        _install_mariadb(layout, user, tmp)
+    say(f"starting MariaDB on 127.0.0.1:{ports.mariadb}")
+    _start_mariadb(layout, ports, user, tmp)
+    sql = (
+        f"CREATE DATABASE IF NOT EXISTS {DB_NAME};"
+        f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"GRANT ALL ON {DB_NAME}.* TO 'slurm'@'127.0.0.1';"
+        "FLUSH PRIVILEGES;"
+    )
+    run_checked(
+        [_which("mariadb") or "mariadb", "--no-defaults", f"--socket={layout.mysql_socket}", "-u", "root", "-e", sql],
+        "creating the accounting database",
+    )
+
+
+def _mariadb_dirs(layout: Layout) -> Path:
+    """MariaDB's data, run and temporary directories, owned by mysql when root; returns the
+    temporary one (its own: two clusters' MariaDB name their temporary tables alike)."""
     for d in (layout.mysql, layout.mysql_data, layout.mysql_run):
         d.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0:
             shutil.chown(d, "mysql", "mysql")
         d.chmod(0o750 if d != layout.mysql_run else 0o755)
-    user = ["--user=mysql"] if os.geteuid() == 0 else []
-    tmp = layout.mysql / "tmp"  # its own: two clusters' MariaDB name their temporary tables alike
+    tmp = layout.mysql / "tmp"
     tmp.mkdir(exist_ok=True)
     if os.geteuid() == 0:
         shutil.chown(tmp, "mysql", "mysql")
-    if fresh:
-        say(f"initialising MariaDB data in {layout.mysql_data}")
-        try:
-            with flocked(primary_root() / ".mariadb-install.lock"):  # one bootstrap at a time
-                run_checked(
-                    [
-                        _which("mariadb-install-db") or "mariadb-install-db",
-                        "--no-defaults",
-                        *user,
-                        f"--datadir={layout.mysql_data}",
-                        "--auth-root-authentication-method=socket",
-                        "--skip-test-db",
-                    ],
-                    "mariadb-install-db",
-                    env={**_sbin_env(), "TMPDIR": str(tmp)},
-                    timeout=300,
-                )
-        except ClusterError:
-            shutil.rmtree(layout.mysql_data / "mysql", ignore_errors=True)  # the next `up` starts it afresh
-            raise
-    say(f"starting MariaDB on 127.0.0.1:{ports.mariadb}")
+    return tmp
+
+
+def _install_mariadb(layout: Layout, user: list[str], tmp: Path) -> None:
+    """A fresh data directory (one bootstrap at a time on the machine); a failed one is removed,
+    so that the next `up` starts it afresh."""
+    try:
+        with flocked(primary_root() / ".mariadb-install.lock"):
+            run_checked(
+                [
+                    _which("mariadb-install-db") or "mariadb-install-db",
+                    "--no-defaults",
+                    *user,
+                    f"--datadir={layout.mysql_data}",
+                    "--auth-root-authentication-method=socket",
+                    "--skip-test-db",
+                ],
+                "mariadb-install-db",
+                env={**_sbin_env(), "TMPDIR": str(tmp)},
+                timeout=300,
+            )
+    except ClusterError:
+        shutil.rmtree(layout.mysql_data / "mysql", ignore_errors=True)
+        raise
+
+
+def _start_mariadb(layout: Layout, ports: Ports, user: list[str], tmp: Path) -> None:
     log = layout.logfile("mariadb")
     spawn(
         [
@@ -285,17 +313,6 @@ def ensure_mariadb(layout: Layout, ports: Ports, password: str, say: Say) -> Non
         shutil.chown(log, "mysql", "mysql")
     wait_until(
         lambda: layout.mysql_socket.exists() and port_open(ports.mariadb), 90, "MariaDB", log
-    )
-    sql = (
-        f"CREATE DATABASE IF NOT EXISTS {DB_NAME};"
-        f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
-        f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
-        f"GRANT ALL ON {DB_NAME}.* TO 'slurm'@'127.0.0.1';"
-        "FLUSH PRIVILEGES;"
-    )
-    run_checked(
-        [_which("mariadb") or "mariadb", "--no-defaults", f"--socket={layout.mysql_socket}", "-u", "root", "-e", sql],
-        "creating the accounting database",
     )
 
 

@@ -230,49 +230,7 @@ def controller_hostname() -> str:
 def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bool, ports: Ports = Ports(),
                       accounting: bool = True, min_job_age: int = 300) -> str:
     host = controller_hostname()
-    r = layout.root
-    lines = [
-        "# Written by `lmlaunch cluster up` (launcher/localcluster); rewritten on every `up`.",
-        f"ClusterName={CLUSTER_NAME}",
-        f"SlurmctldHost={host}(127.0.0.1)",
-        f"SlurmUser={user}",
-        f"SlurmdUser={user}",
-        f"SlurmctldPort={ports.slurmctld}",
-        "AuthType=auth/munge",
-        "CryptoType=crypto/munge",
-        f"StateSaveLocation={layout.ctld_state}",
-        f"SlurmdSpoolDir={layout.spool}/slurmd-%n",
-        f"SlurmctldPidFile={layout.pidfile('slurmctld')}",
-        f"SlurmdPidFile={r}/run/slurmd-%n.pid",
-        f"SlurmctldLogFile={layout.logfile('slurmctld')}",
-        f"SlurmdLogFile={r}/log/slurmd-%n.log",
-        "SlurmctldDebug=info",
-        "SlurmdDebug=info",
-        # one machine, no cgroups inside containers: track processes by parent pid
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "MpiDefault=none",
-        "MailProg=/bin/true",  # --mail-type is accepted; nothing is mailed from this machine
-        "ReturnToService=2",
-        "SchedulerType=sched/backfill",
-        "SchedulerParameters=bf_interval=5",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        # the virtual nodes declare more CPUs than the machine has
-        "SlurmdParameters=config_overrides",
-        # real preemption: a job on `high` requeues the `low` jobs in its way
-        "PreemptType=preempt/partition_prio",
-        "PreemptMode=REQUEUE",
-        "JobRequeue=1",
-        f"MinJobAge={min_job_age}",
-        "KillWait=10",
-        "InactiveLimit=0",
-        "SlurmctldTimeout=60",
-        "SlurmdTimeout=60",
-        "MessageTimeout=20",
-        "JobAcctGatherType=jobacct_gather/none",
-        "JobCompType=jobcomp/none",
-    ]
+    lines = [*_daemon_lines(layout, host, user, ports), *_POLICY_LINES, f"MinJobAge={min_job_age}", *_TIMEOUT_LINES]
     if accounting:  # real accounting (slurmdbd on MariaDB): sacct states, attempts with sacct -D
         lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
                   f"AccountingStoragePort={ports.slurmdbd}"]
@@ -292,6 +250,59 @@ def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bo
     )
     lines.append(f"PartitionName=high Nodes={nodes} Default=NO MaxTime={MAX_TIME} State=UP PriorityTier=10 PreemptMode=OFF")
     return "\n".join(lines) + "\n"
+
+
+def _daemon_lines(layout: Layout, host: str, user: str, ports: Ports) -> list[str]:
+    """Who the daemons are, where they listen, keep their state and log."""
+    r = layout.root
+    return [
+        "# Written by `lmlaunch cluster up` (launcher/localcluster); rewritten on every `up`.",
+        f"ClusterName={CLUSTER_NAME}",
+        f"SlurmctldHost={host}(127.0.0.1)",
+        f"SlurmUser={user}",
+        f"SlurmdUser={user}",
+        f"SlurmctldPort={ports.slurmctld}",
+        "AuthType=auth/munge",
+        "CryptoType=crypto/munge",
+        f"StateSaveLocation={layout.ctld_state}",
+        f"SlurmdSpoolDir={layout.spool}/slurmd-%n",
+        f"SlurmctldPidFile={layout.pidfile('slurmctld')}",
+        f"SlurmdPidFile={r}/run/slurmd-%n.pid",
+        f"SlurmctldLogFile={layout.logfile('slurmctld')}",
+        f"SlurmdLogFile={r}/log/slurmd-%n.log",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+    ]
+
+
+# How the cluster runs jobs: one machine, real preemption.
+_POLICY_LINES = (
+    # one machine, no cgroups inside containers: track processes by parent pid
+    "ProctrackType=proctrack/linuxproc",
+    "TaskPlugin=task/none",
+    "MpiDefault=none",
+    "MailProg=/bin/true",  # --mail-type is accepted; nothing is mailed from this machine
+    "ReturnToService=2",
+    "SchedulerType=sched/backfill",
+    "SchedulerParameters=bf_interval=5",
+    "SelectType=select/cons_tres",
+    "SelectTypeParameters=CR_CPU",
+    # the virtual nodes declare more CPUs than the machine has
+    "SlurmdParameters=config_overrides",
+    # real preemption: a job on `high` requeues the `low` jobs in its way
+    "PreemptType=preempt/partition_prio",
+    "PreemptMode=REQUEUE",
+    "JobRequeue=1",
+)
+_TIMEOUT_LINES = (
+    "KillWait=10",
+    "InactiveLimit=0",
+    "SlurmctldTimeout=60",
+    "SlurmdTimeout=60",
+    "MessageTimeout=20",
+    "JobAcctGatherType=jobacct_gather/none",
+    "JobCompType=jobcomp/none",
+)
 
 
 def render_slurmdbd_conf(layout: Layout, *, user: str, db_password: str, ports: Ports = Ports()) -> str:

@@ -281,15 +281,10 @@ def _init_zero3_weights(model: nn.Module) -> None:
 
 
 def compile_model(model: nn.Module) -> nn.Module:
-    """Compile each transformer block in place (``nn.Module.compile``), as torchtitan does.
-
-    Per block: one small graph compiled once and reused by every layer (the blocks share their
-    code), and nothing for DDP's optimizer to split at its bucket boundaries (pytorch#108966);
-    FSDP2 and tensor parallelism apply to the blocks afterwards (compilation is lazy: the first
-    forward traces the block as sharded). In place, the parameter names stay as they are (no
-    ``_orig_mod.`` prefix), so checkpoints written with and without compile are interchangeable.
-    A model whose blocks cannot be found is compiled whole.
-    """
+    """Compile each transformer block in place, as torchtitan does: one small graph reused by every
+    layer, nothing for DDP's optimizer to split at its buckets (pytorch#108966); FSDP2 and TP apply
+    afterwards (compilation is lazy). In place, parameter names keep no ``_orig_mod.`` prefix:
+    checkpoints with and without compile are interchangeable. No blocks found: the whole model."""
     try:
         blocks = transformer_blocks(model)
     except RuntimeError:
@@ -315,13 +310,10 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 def shard_fsdp2(model: nn.Module, mesh: Any, precision: str = "32-true") -> None:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, head), over
-    ``mesh`` (the data-parallel mesh). Each block's parameters are gathered just before its
-    forward/backward and freed after; the root's group holds what no block owns.
-
-    As torchtitan does: under bf16-mixed the blocks are gathered and computed in bf16 and their
-    gradients reduced in fp32 (``MixedPrecisionPolicy``; the sharded fp32 master stays what the
-    optimizer steps and the checkpoint holds); the last block is not resharded after its forward,
-    since its backward comes next and would gather it again at once."""
+    ``mesh`` (the data-parallel mesh); a block is gathered just before its forward/backward. As
+    torchtitan does: under bf16-mixed gathered and computed in bf16, gradients reduced in fp32 (the
+    fp32 shards stay what the optimizer steps and the checkpoint holds); the last block stays
+    gathered after its forward, since its backward comes next."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = fsdp2_mixed_precision(precision)

@@ -120,6 +120,24 @@ def test_modules_stay_small_or_say_why():
     assert not stale, f"LONG_MODULES entries no longer needed: {stale}"
 
 
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_runs_over_60_lines():
+    """A function longer than a screen is split where its parts have names of their own."""
+    import ast
+
+    long = []
+    for root in ("launcher", "src/lmtrain"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
 def _lmtrain_trees():
     import ast
 
