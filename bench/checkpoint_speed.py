@@ -12,6 +12,9 @@ For each configuration (one process each):
    signal to the checkpoint marked complete. Because the signal arrives just after a boundary,
    it includes one whole training step (the worst case) before the save; ``save_s`` is the save
    alone (the heartbeat's ``checkpoint`` event).
+   The baseline: the same bytes written by ``dd conv=fsync`` to the same directory right after
+   (``dd_s``; ``save_vs_dd`` and ``stop_to_complete_vs_dd`` are the save and the stop as multiples
+   of it: the goal is at most 1.1x).
 2. A fresh Python process (as a requeued task would be) runs the same entry on the same run
    directory: it resumes from the newest complete checkpoint and trains one step.
    ``resume_to_first_step_s`` runs from that process's start (interpreter and imports included)
@@ -21,6 +24,7 @@ For each configuration (one process each):
 
     python bench/checkpoint_speed.py --smoke                  # tiny GPT-2 on CPU
     python bench/checkpoint_speed.py --config gpt2-124m       # needs CUDA
+    python bench/checkpoint_speed.py --config llama-1b --no-resume   # the stop checkpoint only
     python bench/checkpoint_speed.py --config all --out bench/checkpoint_speed.jsonl
 
 One JSON line per configuration.
@@ -159,7 +163,21 @@ def resume_child(run_dir: str, report: Path) -> int:
     return 0
 
 
-def run_config(cfg: CkptConfig, *, work: Path, threads: int, stop_after: int) -> dict[str, Any]:
+def dd_baseline(directory: Path, nbytes: int) -> dict[str, Any]:
+    """The same bytes written by ``dd conv=fsync`` to the same directory (the disk's own speed for a
+    checkpoint's size): seconds, and the save and the stop-to-complete as multiples of it."""
+    block = 1 << 20
+    count = max(1, -(-nbytes // block))
+    target = directory / ".dd-baseline"
+    started = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", f"bs={block}", f"count={count}", "conv=fsync",
+                    "status=none"], check=True)
+    seconds = time.perf_counter() - started
+    target.unlink()
+    return {"dd_bytes": count * block, "dd_s": seconds}
+
+
+def run_config(cfg: CkptConfig, *, work: Path, threads: int, stop_after: int, resume: bool = True) -> dict[str, Any]:
     import torch
 
     base = cfg.base
@@ -174,7 +192,10 @@ def run_config(cfg: CkptConfig, *, work: Path, threads: int, stop_after: int) ->
     plan = tp.make_run(base, work / "runs", f"ckpt-{cfg.name}", cfg.extra, stop_after + 2, data)
     env_applied = tp.apply_plan_env(plan) if base.gpu else []
     stop = stop_and_checkpoint(plan, stop_after)
-    resume = resume_in_new_process(plan.paths.run_dir, work / "resume-report.json")
+    dd = dd_baseline(Path(stop["checkpoint_path"]).parent, stop["checkpoint_bytes"])
+    dd["save_vs_dd"] = stop["save_s"] / dd["dd_s"]
+    dd["stop_to_complete_vs_dd"] = stop["stop_to_complete_s"] / dd["dd_s"]
+    resumed = resume_in_new_process(plan.paths.run_dir, work / "resume-report.json") if resume else {}
     facts = tp.model_facts(plan.spec["model"], int(plan.spec["data"]["seq_len"]))
     t = plan.trainer
     return {
@@ -187,7 +208,7 @@ def run_config(cfg: CkptConfig, *, work: Path, threads: int, stop_after: int) ->
         "strategy": plan.training.strategy, "zero_stage": plan.spec["trainer"].get("zero_stage"),
         "precision": t.precision, "compile": bool(plan.spec["model"].get("compile")),
         "micro_batch_size": plan.topology.micro_batch_size, "seq_len": int(plan.spec["data"]["seq_len"]),
-        "stop_signal": "SIGTERM", "plan_env_applied": env_applied, **stop, **resume,
+        "stop_signal": "SIGTERM", "plan_env_applied": env_applied, **stop, **dd, **resumed,
     }
 
 
@@ -199,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--no-resume", action="store_true", help="measure the stop checkpoint only (no resume process)")
     p.add_argument("--resume-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-report", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -225,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--stop-after must be >= 1")
     work = Path(tempfile.mkdtemp(prefix=f"lmbench-ckpt-{name}-"))
     try:
-        line = run_config(cfg, work=work, threads=args.threads, stop_after=stop_after)
+        line = run_config(cfg, work=work, threads=args.threads, stop_after=stop_after, resume=not args.no_resume)
     finally:
         if args.keep:
             print(f"run directories kept under {work}", file=sys.stderr)

@@ -55,6 +55,7 @@ case "${1:-}" in
         ;;
     throughput)
         step tp-zero2 python3 bench/throughput.py --config zero2 --out "$OUT/throughput.jsonl"
+        step tp-fsdp python3 bench/throughput.py --config fsdp --out "$OUT/throughput.jsonl"
         step tp-llama python3 bench/throughput.py --config llama-1b --out "$OUT/throughput.jsonl"
         ;;
     big)

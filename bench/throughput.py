@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,12 @@ CONFIGS: dict[str, BenchConfig] = {
             for k in (1, 2, 3)
         ),
         BenchConfig(
+            "fsdp", "GPT-2 124M, B=16, T=1024, bf16-mixed, clip 1.0, compile (per block, both sides); project path "
+            "FSDP2 on one GPU (bf16 gathers, fp32 reduce) vs project path DDP (one process: no wrapper)",
+            "jobs/gpt2-124m.yaml", (*GPT2_124M, "model.compile=true"), gpu=True, warmup=10, steps=50,
+            kind="deepspeed", b_overrides=("trainer.strategy=fsdp",),
+        ),
+        BenchConfig(
             "smoke", "CPU smoke: tiny GPT-2 (2 layers, 128 wide), B=8, T=128, 32-true, clip 1.0; "
             "hand-written loop vs project path (not a performance figure)",
             "jobs/tiny-cpu.yaml",
@@ -130,9 +137,17 @@ CONFIGS: dict[str, BenchConfig] = {
             gpu=False, warmup=3, steps=10, kind="deepspeed",
             b_overrides=("trainer.strategy=deepspeed", "trainer.zero_stage=2"),
         ),
+        BenchConfig(
+            "smoke-fsdp", "CPU smoke of the fsdp configuration's mechanics: project path twice in one process ((a) "
+            "DDP, (b) FSDP2 on a one-rank mesh)",
+            "jobs/tiny-cpu.yaml",
+            ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
+             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0"),
+            gpu=False, warmup=3, steps=10, kind="deepspeed", b_overrides=("trainer.strategy=fsdp",),
+        ),
     )
 }
-GPU_CONFIGS = ("gpt2-124m", "llama-1b", "zero1", "zero2", "zero3")
+GPU_CONFIGS = ("gpt2-124m", "llama-1b", "zero1", "zero2", "zero3", "fsdp")
 
 
 # --------------------------------------------------------------------------- environment
@@ -259,6 +274,34 @@ def _probe_class():
             self._losses: list[Any] = []
             self.max_mem_gib: float | None = None
             self.strategy_name: str | None = None
+            # CUDA only: host syncs in the timed window, by step (torch.cuda.set_sync_debug_mode warns
+            # on each synchronizing call; the logging steps are allowed theirs)
+            self.syncs: dict[str, int] | None = None
+            self._catcher: Any = None
+            self._caught: list[Any] = []
+            self._step_now = 0
+            self._logging_steps: set[int] = set()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self._step_now = trainer.global_step + 1
+
+        def _count_syncs(self, pl_module, on: bool) -> None:
+            if pl_module.device.type != "cuda":
+                return
+            import warnings
+
+            if on:
+                self._catcher = warnings.catch_warnings(record=True)
+                self._caught = self._catcher.__enter__()
+                warnings.simplefilter("always")
+                self._caught.append(None)  # marks where the window began
+                torch.cuda.set_sync_debug_mode("warn")
+                return
+            torch.cuda.set_sync_debug_mode(0)
+            self._catcher.__exit__(None, None, None)
+            mine = [w for w in self._caught if w is not None and "synchronizing CUDA operation" in str(w.message)]
+            self.syncs = {"total": len(mine), "non_logging_steps": sum(
+                1 for w in mine if getattr(w, "lmtrain_step", None) not in self._logging_steps)}
 
         def _sync(self, pl_module) -> None:
             if pl_module.device.type == "cuda":
@@ -282,10 +325,17 @@ def _probe_class():
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             if self.start is not None and step == self.start + 1 or step == self.end:
                 self._losses.append(loss.detach())
+            for w in self._caught:  # file this step's syncs under it
+                if w is not None and not hasattr(w, "lmtrain_step"):
+                    w.lmtrain_step = step
+            if hasattr(pl_module, "_logs_at") and pl_module._logs_at(step):
+                self._logging_steps.add(step)
             if step == self.start and self.t0 is None:
                 self._sync(pl_module)
                 self.t0 = time.perf_counter()
+                self._count_syncs(pl_module, True)
             elif step == self.end and self.t0 is not None and self.t1 is None:
+                self._count_syncs(pl_module, False)
                 self._sync(pl_module)
                 self.t1 = time.perf_counter()
                 if pl_module.device.type == "cuda":
@@ -331,6 +381,9 @@ def project_side(plan, warmup: int, steps: int) -> dict[str, Any]:
         "strategy": plan.training.strategy, "lightning_strategy": probe.strategy_name, "precision": t.precision,
         "compile": bool(plan.spec["model"].get("compile")), "seconds": probe.t1 - probe.t0, "tokens": tokens,
         "loss_first": losses[0], "loss_last": losses[-1], "max_mem_gib": probe.max_mem_gib,
+        # CUDA: host syncs over the timed steps (set_sync_debug_mode), and those on non-logging steps
+        # (the goal: 0); None on CPU, where nothing waits
+        "host_syncs": probe.syncs,
     }
     del probe
     free_memory()
@@ -389,7 +442,8 @@ def run_config(
     env_applied = apply_plan_env(plan_b) if cfg.gpu else []
     started = time.time()
     # The side that trains first in a process can be slower (seen on CPU: whichever ran first).
-    # --repeat N alternates the order (ab, ba, ab, ...) and each side reports its best round.
+    # --repeat N alternates the order (ab, ba, ab, ...); each side reports its best round, and the
+    # ratio is the median of the rounds' ratios.
     rounds: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
     for r in range(repeat):
         pa, pb = (plan_a, plan_b) if r == 0 else plans(r)
@@ -427,8 +481,14 @@ def run_config(
         line[f"mfu_{key}"] = side["mfu"]
         line[key] = side
     line["b_strategy"] = b["strategy"]
-    line["ratio"] = line["tokens_per_s_b"] / line["tokens_per_s_a"]
-    line["ratio_meaning"] = f"tokens/s of (b) {b['name']} / (a) {a['name']}"
+    # Each round trains both sides back to back (the order alternating: ab, ba, ...): the ratio is
+    # the median of the rounds' own ratios, so a moment the machine was busy moves one pair only.
+    pairs = [rb["tokens_per_s"] / ra["tokens_per_s"] for ra, rb in zip(rounds["a"], rounds["b"])]
+    line["ratio_pairs"] = pairs
+    line["ratio"] = statistics.median(pairs)
+    line["ratio_of_best"] = line["tokens_per_s_b"] / line["tokens_per_s_a"]
+    line["ratio_meaning"] = (f"tokens/s of (b) {b['name']} / (a) {a['name']}: the median of {len(pairs)} "
+                             "alternated pair(s) (--repeat; ABBA from 2)")
     return line
 
 
@@ -468,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: a shared machine)")
     p.add_argument("--order", choices=("ab", "ba"), default="ab", help="which side trains first (default ab)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="rounds, alternating the order; each side reports its best round (default 1)")
+                   help="rounds, alternating the order (ABBA...); the ratio is the median of the rounds' ratios, "
+                        "each side's tokens/s its best round (default 1; 3 or more for a figure to report)")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed on stderr)")
     args = p.parse_args(argv)

@@ -32,10 +32,10 @@ from launcher import runs
 from launcher.core import arrays, slurm
 from launcher.core.errors import UserError
 from launcher.core.profiles import Profile, load_profile
+from launcher.core.rundir import RunLayout
 from launcher.core.shell import shell_quote
 from launcher.core.spec import format_minutes, parse_slurm_time
 from launcher.core.text_rules import RUN_NAME, brief
-from lmtrain.prepare_task import JOBS, SPEC  # the task reads what this writes (standard library only)
 
 
 def slices(n_files: int, tasks: int) -> list[tuple[int, int]]:
@@ -122,20 +122,21 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
     target = Path(out).expanduser().absolute()
     run_name = name or f"prepare-{target.name}"
     run_dir = Path(runs_root_for(profile, environ)) / run_name
-    if run_dir.exists() and not (run_dir / SPEC).exists():
+    layout = RunLayout.of(run_dir)
+    if run_dir.exists() and not layout.preparation.exists():
         raise UserError(f"run '{run_name}' exists and is not a preparation ({run_dir}); choose --name")
     runs.prepare_run_dir(run_dir)
-    (run_dir / "submitit").mkdir(exist_ok=True)
+    layout.submitit.mkdir(exist_ok=True)
     staging = target.with_name(target.name + ".partial")
     spec = {"preparation": prep.to_json(), "out": str(target), "staging": str(staging), "slices": cut,
             "submitted": time.time()}
-    (run_dir / SPEC).write_text(json.dumps(spec, indent=2) + "\n")
+    layout.preparation.write_text(json.dumps(spec, indent=2) + "\n")
     job = ArrayJob(run_name, str(run_dir), part, format_minutes(minutes), profile.cpus_per_gpu,
                    profile.python_command(sys.executable), profile.account, profile.qos)
     parallel = min(max_parallel, len(cut), size)
 
     def submit(part: range, dependency: str | None) -> str:
-        script = run_dir / ("prepare-array.sh" if len(cut) <= size else f"prepare-array-{part.start}.sh")
+        script = layout.preparation_script("prepare-array.sh" if len(cut) <= size else f"prepare-array-{part.start}.sh")
         return _sbatch(array_script(job, part, min(parallel, len(part))), script,
                        *([f"--dependency={dependency}"] if dependency else []))
 
@@ -171,12 +172,12 @@ def _submit_assemble(job: ArrayJob, run_dir: Path, array_ids: list[str]) -> str:
     """The final step, after every array task succeeded; all or nothing: a failed submission
     cancels the arrays. The job ids go to the run directory."""
     try:
-        assemble_id = _sbatch(assemble_script(job), run_dir / "prepare-assemble.sh",
+        assemble_id = _sbatch(assemble_script(job), RunLayout.of(run_dir).preparation_script("prepare-assemble.sh"),
                               f"--dependency=afterok:{':'.join(array_ids)}")
     except BaseException:
         slurm.cancel(array_ids)
         raise
-    (run_dir / JOBS).write_text(json.dumps({"arrays": array_ids, "assemble": assemble_id}) + "\n")
+    RunLayout.of(run_dir).preparation_jobs.write_text(json.dumps({"arrays": array_ids, "assemble": assemble_id}) + "\n")
     return assemble_id
 
 

@@ -78,9 +78,9 @@ class RunFacts:
 
 def read_run(name: str, run_dir: Path) -> RunFacts:
     try:
-        plan = json.loads((run_dir / rundir.PLAN).read_text())
+        plan = json.loads(rundir.RunLayout.of(run_dir).plan.read_text())
     except (OSError, ValueError) as exc:
-        raise UserError(f"run '{name}': cannot read {run_dir / rundir.PLAN}: {exc}") from None
+        raise UserError(f"run '{name}': cannot read {rundir.RunLayout.of(run_dir).plan}: {exc}") from None
     records = rundir.environment_records(run_dir)
     env = records[max(records)] if records else None
     if env is not None:
@@ -93,7 +93,7 @@ def read_run(name: str, run_dir: Path) -> RunFacts:
     if snap is not None:
         git: dict[str, Any] = {k: v for k, v in (snap.git or {}).items() if k != "patch_file"}
         if snap.git and snap.git.get("patch_file"):
-            patch = run_dir / rundir.CODE_DIR / str(snap.git["patch_file"])
+            patch = rundir.RunLayout.of(run_dir).code / str(snap.git["patch_file"])
             git["patch_sha256"] = hashlib.sha256(patch.read_bytes()).hexdigest() if patch.exists() else None
         code = {"git": git, "files": snap.files}
     return RunFacts(name=name, run_dir=str(run_dir), spec=spec, plan=plan, environment=env, code=code)

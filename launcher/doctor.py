@@ -22,8 +22,7 @@ from launcher.core import jsonlines, rundir, slurm
 from launcher.core.checkpoint_index import checkpoint_bytes
 from launcher.core.errors import UserError
 from launcher.core.plan import LaunchPlan
-from launcher.core.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of
-from launcher.core.profile_draft import partitions as draft_partitions
+from launcher.core.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of, partitions as draft_partitions
 from launcher.core.profiles import Profile
 from launcher.core.spec import parse_slurm_time
 from launcher.core.token_meta import read_index, tokenizer_identity
@@ -210,11 +209,11 @@ def judge_profile(profile: Profile, facts: ClusterFacts) -> Check:
 def measured_checkpoint_seconds(run_dir: Path) -> float | None:
     """The slowest signal-to-complete-checkpoint time of the run's earlier attempts (the ledger),
     else its slowest periodic checkpoint (the heartbeat); None for a run that has none."""
-    stops = [float(e["checkpoint_seconds"]) for e in jsonlines.read_jsonl(run_dir / rundir.LEDGER)
+    stops = [float(e["checkpoint_seconds"]) for e in jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).ledger)
              if e.get("event") == "end" and isinstance(e.get("checkpoint_seconds"), (int, float))]
     if stops:
         return max(stops)
-    saves = [float(b["seconds"]) for b in jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT)
+    saves = [float(b["seconds"]) for b in jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).heartbeat)
              if b.get("event") == "checkpoint" and isinstance(b.get("seconds"), (int, float))]
     return max(saves) if saves else None
 

@@ -110,11 +110,12 @@ class Opening:
 
     def _snapshot_code(self) -> None:
         """A new run gets the code as it is now; a resumed one keeps its own unless --new-code."""
-        code_dir = self.run_dir / snapshot.CODE_DIR
+        code_dir = rundir.RunLayout.of(self.run_dir).code
         if self.resume and code_dir.is_dir() and self.code_changes is None:
             return  # unchanged code (plan_opening compared it): the run keeps its snapshot
         if code_dir.is_dir():
-            kept = self.run_dir / f".{snapshot.CODE_DIR}.undo"
+            code = rundir.RunLayout.of(self.run_dir).code
+            kept = code.with_name(f".{code.name}.undo")
             shutil.rmtree(kept, ignore_errors=True)
             code_dir.rename(kept)
             self._undo.append(functools.partial(_restore_dir, kept, code_dir))
@@ -178,7 +179,7 @@ def plan_opening(
             if changed and not new_code:
                 shown = "\n  ".join(changed[:20]) + (f"\n  ... ({len(changed)} in all)" if len(changed) > 20 else "")
                 raise UserError(
-                    f"run '{name}' runs the code snapshot taken when it was submitted ({run_dir / snapshot.CODE_DIR}); "
+                    f"run '{name}' runs the code snapshot taken when it was submitted ({rundir.RunLayout.of(run_dir).code}); "
                     f"the code changed since:\n  {shown}\nresume with --new-code to run the current code, or resume "
                     f"from the checkout the run was submitted from"
                 )
@@ -200,13 +201,13 @@ def mark_cancelled(run_dir: Path, *, user: str, job_ids: list[str], now: float |
     """The CANCELLED mark (who, when, which jobs), written BEFORE any job is signalled so that the
     runtime reads the stop as a user cancel and never requeues; and the ledger's note of it."""
     now = time.time() if now is None else now
-    marker = run_dir / rundir.CANCELLED
+    marker = rundir.RunLayout.of(run_dir).cancelled
     write_private(marker, json.dumps({"time": now, "user": user, "job_ids": job_ids}) + "\n")
     return marker
 
 
 def note_cancel(run_dir: Path, *, user: str, job_ids: list[str], now: float) -> None:
-    rundir.Ledger(run_dir / rundir.LEDGER).write(
+    rundir.Ledger(rundir.RunLayout.of(run_dir).ledger).write(
         rundir.LedgerNote(event="cancel_requested", time=now, fields={"user": user, "job_ids": job_ids})
     )
 
@@ -222,7 +223,7 @@ def resume_point(plan: LaunchPlan, choice: ResumeChoice) -> str:
     if choice.chosen is not None:
         return f"resuming from {choice.why}"
     done, _ = rundir.read_done_step(plan.paths.run_dir)
-    ledger = rundir.Ledger(Path(plan.paths.run_dir) / rundir.LEDGER).attempts()
+    ledger = rundir.Ledger(rundir.RunLayout.of_plan(plan).ledger).attempts()
     trained = max((a.end_step or 0 for a in ledger), default=0)
     if not (choice.step_dirs or done or trained):  # step directories, none usable: something would be trained over
         return f"run '{name}' has no checkpoint and never trained past step 0: it starts at step 0"

@@ -15,11 +15,6 @@ from typing import Any
 from launcher.core.checkpoint_index import COMPLETE_NAME, newest_complete
 from launcher.core.jsonlines import read_jsonl, read_tail
 from launcher.core.rundir import (
-    CANCELLED,
-    DONE,
-    HEARTBEAT,
-    LEDGER,
-    PLAN,
     RunLayout,
     checkpoint_dir_of,
 )
@@ -61,12 +56,13 @@ class RunFiles:
 def read_run_files(run_dir: Path, *, with_plan_time: bool = False) -> RunFiles:
     if not run_dir.is_dir():
         return RunFiles(exists=False)
+    layout = RunLayout.of(run_dir)
     rf = RunFiles(
-        heartbeat=read_tail(run_dir / HEARTBEAT),
-        ledger=read_jsonl(run_dir / LEDGER),
+        heartbeat=read_tail(layout.heartbeat),
+        ledger=read_jsonl(layout.ledger),
         checkpoint=newest_checkpoint(checkpoint_dir_of(run_dir)),
-        done=(run_dir / DONE).exists(),
-        cancelled=(run_dir / CANCELLED).exists(),
+        done=layout.done.exists(),
+        cancelled=layout.cancelled.exists(),
     )
     if with_plan_time:
         rf.plan_time = read_plan_time(run_dir)
@@ -75,7 +71,7 @@ def read_run_files(run_dir: Path, *, with_plan_time: bool = False) -> RunFiles:
 
 def read_plan_time(run_dir: Path) -> str | None:
     try:
-        return str(json.loads((run_dir / PLAN).read_text())["slurm"]["time"])
+        return str(json.loads(RunLayout.of(run_dir).plan.read_text())["slurm"]["time"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -109,7 +105,7 @@ def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt
             out.append(LogSource(n, None, p, f"attempt {n}, rank {rank}"))
     if out or (attempt is not None and attempt_dirs(run_dir)):
         return out
-    sub = run_dir / "submitit"
+    sub = RunLayout.of(run_dir).submitit
     for jid in job_ids:
         for ext in ("out", "err"):
             p = sub / f"{jid}_{rank}_log.{ext}"

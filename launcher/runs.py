@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launcher.core import rundir
 from launcher.core.atomic import write_private
 from launcher.core.errors import UserError, did_you_mean
 from launcher.core.home import lmlaunch_home
-from launcher.core.rundir import PLAN
+from launcher.core.rundir import RunLayout
 from launcher.core.text_rules import RUN_NAME, brief
 
 if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml import on that path
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml impo
 
 PRIVATE_DIR_MODE = 0o700
 # created at submit time; lmtrain creates the rest (checkpoints/, metrics/ ...) under the same 0700 root
-SUBDIRS = ("submitit", "logs", "metrics", "checkpoints")
+SUBDIRS = (rundir.SUBMITIT, rundir.LOGS, rundir.METRICS, rundir.CHECKPOINTS)
 
 
 # --------------------------------------------------------------------------- registry
@@ -244,7 +245,7 @@ def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
     names = [r.name for r in records]
     local = ""
     root = (environ if environ is not None else os.environ).get("LMLAUNCH_RUNS_ROOT")
-    if root and RUN_NAME.ok(ref) and (Path(root) / ref / "plan.json").is_file():
+    if root and RUN_NAME.ok(ref) and RunLayout.of(Path(root) / ref).plan.is_file():
         local = f"; {Path(root) / ref} is a run directory (a local run): name it by that path"
     raise UserError(
         f"no run named or with job id {brief(ref)} in the registry ({registry_dir(environ)}), "
@@ -266,7 +267,7 @@ def record_of_run_dir(run_dir: Path) -> RunRecord | None:
     """A run given by its directory (a local run, which SLURM and the registry never saw): its
     plan names it; None when the directory holds no readable plan."""
     try:
-        plan = json.loads((run_dir / PLAN).read_text())
+        plan = json.loads(RunLayout.of(run_dir).plan.read_text())
         name, profile = str(plan["run_name"]), str(plan.get("profile") or "")
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import launcher
-from launcher.core.rundir import CODE_DIR
+from launcher.core.rundir import RunLayout
 
 MANIFEST = "manifest.json"
 PATCH = "uncommitted.patch"
@@ -85,8 +85,8 @@ def current(packages: dict[str, Path] | None = None) -> tuple[Snapshot, dict[str
 def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
     """Copy the code into ``run_dir/code`` (replacing an older snapshot); returns what it holds."""
     snap, files = current(packages)
-    target = run_dir / CODE_DIR
-    tmp = run_dir / f".{CODE_DIR}.tmp"
+    target = RunLayout.of(run_dir).code
+    tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for rel, src in files.items():
         dst = tmp / rel
@@ -96,7 +96,7 @@ def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
         (tmp / PATCH).write_text(str(snap.git.pop("patch")))
         snap.git["patch_file"] = PATCH
     (tmp / MANIFEST).write_text(snap.to_json())
-    old = run_dir / f".{CODE_DIR}.old"
+    old = target.with_name(f".{target.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if target.exists():
         target.rename(old)
@@ -107,7 +107,7 @@ def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
 
 def read(run_dir: Path) -> Snapshot | None:
     try:
-        d = json.loads((run_dir / CODE_DIR / MANIFEST).read_text())
+        d = json.loads((RunLayout.of(run_dir).code / MANIFEST).read_text())
         return Snapshot(dict(d["files"]), str(d["digest"]), int(d["size"]), d.get("git"))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -84,7 +84,7 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
 
 def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
     """srun's command: lmtrain.task_main (signals owned, then submitit's runner); submitit's own for older snapshots."""
-    code = Path(plan.paths.run_dir) / rundir.CODE_DIR
+    code = rundir.RunLayout.of_plan(plan).code
     old = code.is_dir() and not (code / "lmtrain" / "task_main.py").is_file()  # resumed without --new-code
     runner = ["submitit.core._submit"] if old else ["lmtrain.task_main", "--signal", plan.preemption.signal]
     inner = ["-u", "-m", *runner, folder or plan.paths.submitit_dir]
@@ -248,7 +248,7 @@ def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
         if rec.name == plan.run_name:
             continue
         try:
-            other = json.loads((Path(rec.run_dir) / rundir.PLAN).read_text())["paths"]["checkpoint_dir"]
+            other = json.loads(rundir.RunLayout.of(rec.run_dir).plan.read_text())["paths"]["checkpoint_dir"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # an archived or removed run directory holds no checkpoints of a live run
         if os.path.realpath(other) == mine:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.plan import LaunchPlan
+from launcher.core.rundir import RunLayout
 from launcher.core.shell import export_line, shell_quote
 from launcher.submit import container_lines, executor_parameters, run_submitit, submit_command
 
@@ -75,7 +76,7 @@ def render_array_script(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, m
 
     plan = _array_plan(plan, sweep_dir)
     params = array_parameters(plan, run_dirs, sweep_dir, max_parallel, dependency)
-    folder = str(Path(sweep_dir) / "submitit")
+    folder = str(RunLayout.of(sweep_dir).submitit)
     return _make_sbatch_string(command=submit_command(plan, folder), folder=folder, map_count=len(run_dirs), **params)
 
 
@@ -86,6 +87,6 @@ def submit_array(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_para
 
     plan = _array_plan(plan, sweep_dir)
     params = array_parameters(plan, run_dirs, sweep_dir, max_parallel, dependency)
-    return run_submitit(plan, params, [TrainTask(d) for d in run_dirs], str(Path(sweep_dir) / "submitit"))
+    return run_submitit(plan, params, [TrainTask(d) for d in run_dirs], str(RunLayout.of(sweep_dir).submitit))
 
 

@@ -24,7 +24,7 @@ def cancel_run(rec, environ=None) -> dict:
     run_dir = Path(rec.run_dir)
     now = time.time()
     user = slurm.user_name()
-    marker = run_dir / rundir.CANCELLED
+    marker = rundir.RunLayout.of(run_dir).cancelled
     if run_dir.is_dir():
         lifecycle.mark_cancelled(run_dir, user=user, job_ids=list(rec.job_ids), now=now)
 

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, ctx: Context) -> int:
     facts = []
     for ref in (args.run_a, args.run_b):
-        if (Path(ref) / rundir.PLAN).is_file():  # a run directory (`run --local` runs are not registered)
+        if rundir.RunLayout.of(ref).plan.is_file():  # a run directory (`run --local` runs are not registered)
             facts.append(diff.read_run(Path(ref).name, Path(ref)))
             continue
         rec = runs.find_run(ref, ctx.environ or None)

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_dir(ref: str, ctx: Context) -> Path:
     p = Path(ref)
-    if p.is_dir() and (p / rundir.PLAN).is_file():
+    if p.is_dir() and rundir.RunLayout.of(p).plan.is_file():
         return p
 
     return Path(runs.find_run(ref, ctx.environ or None).run_dir)
@@ -48,7 +48,7 @@ def _newest_intact(run_dir: Path, ckpts: list[CompleteCheckpoint], ctx: Context)
 def run(args: argparse.Namespace, ctx: Context) -> int:
     runtime_stack.require("export")  # torch and transformers read and write the weights
     run_dir = _run_dir(args.run, ctx)
-    plan = json.loads((run_dir / rundir.PLAN).read_text())
+    plan = json.loads(rundir.RunLayout.of(run_dir).plan.read_text())
     ckpt_dir = rundir.checkpoint_dir_of(run_dir)
     ckpts = complete_checkpoints(ckpt_dir)
     if not ckpts:

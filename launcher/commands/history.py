@@ -23,14 +23,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_history(rec):
     """The ledger, the whole heartbeat (for training time per attempt) and ONE `sacct -D` call."""
     run_dir = Path(rec.run_dir)
-    ledger = jsonlines.read_jsonl(run_dir / rundir.LEDGER)
-    heartbeat = jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT)
+    layout = rundir.RunLayout.of(run_dir)
+    ledger = jsonlines.read_jsonl(layout.ledger)
+    heartbeat = jsonlines.read_jsonl(layout.heartbeat)
     times, message = slurm_view.sacct_attempt_times(rec.job_ids)
     h = history_rows.build_history(rec.name, ledger, heartbeat, times)
     if message:
         h.notes.append(f"queue wait unknown: {message}")
     try:
-        plan = json.loads((run_dir / rundir.PLAN).read_text())
+        plan = json.loads(layout.plan.read_text())
     except (OSError, ValueError):
         plan = None
     if isinstance(plan, dict) and isinstance(plan.get("memory"), dict):

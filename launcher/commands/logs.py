@@ -84,7 +84,7 @@ class _LogPrinter:
 
     def poll(self, final: bool) -> bool:
         """Print what is new; whether anything was."""
-        ledger = jsonlines.read_jsonl(self.run_dir / rundir.LEDGER)
+        ledger = jsonlines.read_jsonl(rundir.RunLayout.of(self.run_dir).ledger)
         grew = False
         for src in run_files.log_sources(self.run_dir, self.job_ids, rank=self.rank, attempt=self.attempt):
             if src.path not in self.offsets:
@@ -111,7 +111,7 @@ def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> 
     last: dict[str, Any] = {"t": 0.0, "v": False}
 
     def finished() -> bool:
-        if (run_dir / rundir.DONE).exists() or rundir.is_cancelled(run_dir):
+        if rundir.RunLayout.of(run_dir).done.exists() or rundir.is_cancelled(run_dir):
             return True
         if time.monotonic() - last["t"] >= every_s and job_ids:
 
@@ -147,6 +147,6 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         follow=args.follow, finished=_finished_check(run_dir, rec.job_ids), interval=args.interval,
     )
     if n == 0 and not args.follow:
-        ctx.err(f"run '{rec.name}': no logs yet for rank {args.rank} (looked in {run_dir / 'logs'} and "
-                f"{run_dir / 'submitit'}); the job may still be queued: `lmlaunch status {rec.name}`")
+        ctx.err(f"run '{rec.name}': no logs yet for rank {args.rank} (looked in {rundir.RunLayout.of(run_dir).logs} and "
+                f"{rundir.RunLayout.of(run_dir).submitit}); the job may still be queued: `lmlaunch status {rec.name}`")
     return 0

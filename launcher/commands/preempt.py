@@ -100,9 +100,9 @@ def running_job(rec) -> Victim:
 
 def _plan_signal(run_dir: Path) -> str:
     try:
-        return str(json.loads((run_dir / rundir.PLAN).read_text())["slurm"]["signal_name"])
+        return str(json.loads(rundir.RunLayout.of(run_dir).plan.read_text())["slurm"]["signal_name"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{run_dir / 'plan.json'}: cannot read the run's warning signal (slurm.signal_name): {exc}") from None
+        raise UserError(f"{rundir.RunLayout.of(run_dir).plan}: cannot read the run's warning signal (slurm.signal_name): {exc}") from None
 
 
 def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict:

@@ -26,12 +26,12 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return _sweep_report(args, ctx, points)
     rec = runs.find_run(args.run, ctx.environ or None)
     run_dir = Path(rec.run_dir)
-    heartbeat = jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT)
+    heartbeat = jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).heartbeat)
     data = build_report(rec.name, heartbeat, load_history(rec))
     if not data.steps:
-        raise UserError(f"run '{rec.name}' has no training steps in {run_dir / 'metrics' / 'heartbeat.jsonl'} yet; "
+        raise UserError(f"run '{rec.name}' has no training steps in {rundir.RunLayout.of(run_dir).heartbeat} yet; "
                         f"nothing to plot (`lmlaunch status {rec.name}`)", exit_code=1)
-    out = Path(args.output) if args.output else run_dir / "report.png"
+    out = Path(args.output) if args.output else rundir.RunLayout.of(run_dir).report
     if out.suffix.lower() != ".png":
         raise UserError(f"-o {out}: the report is a PNG; give a path ending in .png")
     draw_png(data, out)
@@ -46,10 +46,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 def _sweep_report(args: argparse.Namespace, ctx: Context, points: list[runs.RunRecord]) -> int:
     """`report SWEEP`: every point's loss curve on one plot, the best one marked."""
-    data = sweep_curves([(r.name, jsonlines.read_jsonl(Path(r.run_dir) / rundir.HEARTBEAT)) for r in points])
+    data = sweep_curves([(r.name, jsonlines.read_jsonl(rundir.RunLayout.of(r.run_dir).heartbeat)) for r in points])
     if not any(xs for xs, _ in data["curves"].values()):
         raise UserError(f"sweep '{args.run}' has no training steps yet; nothing to plot", exit_code=1)
-    out = Path(args.output) if args.output else Path(points[0].run_dir).parent / args.run / "report.png"
+    out = Path(args.output) if args.output else rundir.RunLayout.of(Path(points[0].run_dir).parent / args.run).report
     if out.suffix.lower() != ".png":
         raise UserError(f"-o {out}: the report is a PNG; give a path ending in .png")
     draw_sweep_png(args.run, data, out)

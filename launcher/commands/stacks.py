@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _plan_world_size(run_dir: Path) -> int:
     try:
-        return int(json.loads((run_dir / rundir.PLAN).read_text())["topology"]["world_size"])
+        return int(json.loads(rundir.RunLayout.of(run_dir).plan.read_text())["topology"]["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0  # unknown: the recorded ranks are all there is
 
@@ -63,7 +63,7 @@ def _running_job(name: str, run_dir: Path, job_ids: list[str]) -> tuple[str, slu
 
 
 def _attempt_of(run_dir: Path, job_id: str, restarts: int) -> int | None:
-    starts = [e for e in jsonlines.read_jsonl(run_dir / rundir.LEDGER)
+    starts = [e for e in jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).ledger)
               if e.get("event") == "start" and e.get("job_id") == job_id and e.get("restart_count") == restarts]
     return starts[-1].get("attempt") if starts else None
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if not records:
         raise UserError(
             f"run '{rec.name}': job {job_ref} runs (restart {job.restarts}) but none of its tasks has recorded "
-            f"its pid yet under {run_dir / rundir.LOGS / 'tasks'}; it may still be starting: try again in a few "
+            f"its pid yet under {rundir.RunLayout.of(run_dir).task_records}; it may still be starting: try again in a few "
             "seconds", exit_code=ExitCode.FAILURE)
     script = stacks.node_script(records, native=args.native, dump_timeout_s=max(5, int(args.timeout) - 10))
     nodes = sorted({r.node for r in records})

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     sweep.check_one_shape(plans, points, args.sweep)
     parallel = min(args.max_parallel or sw.max_parallel or len(points), len(points))
     sweep_dir = Path(plans[0].paths.run_dir).parent / sw.name
-    if (sweep_dir / rundir.PLAN).exists():
+    if rundir.RunLayout.of(sweep_dir).plan.exists():
         raise UserError(f"{sweep_dir} is the run directory of a run named '{sw.name}': give the sweep another name")
     run_dirs = [p.paths.run_dir for p in plans]
     if args.dry_run:
@@ -149,10 +149,10 @@ def _results(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError(f"no sweep named {args.sweep!r} in the registry")
     finals = {}
     for r in records:
-        beats = jsonlines.read_jsonl(Path(r.run_dir) / rundir.HEARTBEAT)
+        beats = jsonlines.read_jsonl(rundir.RunLayout.of(r.run_dir).heartbeat)
         steps = [b for b in beats if b.get("event") == "step"]
         vals = [b["val_loss"] for b in beats if b.get("event") == "val" and isinstance(b.get("val_loss"), (int, float))]
-        ends = [e for e in jsonlines.read_jsonl(Path(r.run_dir) / rundir.LEDGER) if e.get("event") == "end"]
+        ends = [e for e in jsonlines.read_jsonl(rundir.RunLayout.of(r.run_dir).ledger) if e.get("event") == "end"]
         finals[r.name] = {"state": ends[-1].get("reason") if ends else "not ended",
                           "step": steps[-1].get("step") if steps else None,
                           "loss": steps[-1].get("loss") if steps else None,

@@ -256,18 +256,19 @@ def _container(spec: JobSpec, profile: Profile, paths: RunPaths, runs_root: str,
 
 
 def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
-    run_dir = PurePosixPath(runs_root) / spec.name
-    ckpt = spec.checkpoint.dir or str(run_dir / rundir.CHECKPOINTS)
+    """The plan's record of the run directory's paths, as :class:`launcher.core.rundir.RunLayout`
+    (their one speller) places them; the checkpoint directory where the spec puts it."""
+    layout = rundir.RunLayout.of(str(PurePosixPath(runs_root) / spec.name))
     return RunPaths(
-        run_dir=str(run_dir),
-        submitit_dir=str(run_dir / "submitit"),
-        logs_dir=str(run_dir / "logs"),
-        checkpoint_dir=str(ckpt),
-        heartbeat=str(run_dir / rundir.HEARTBEAT),
-        ledger=str(run_dir / rundir.LEDGER),
-        plan_json=str(run_dir / rundir.PLAN),
-        spec_yaml=str(run_dir / "spec.yaml"),
-        deepspeed_json=str(run_dir / "deepspeed.json") if spec.trainer.strategy == "deepspeed" else None,
+        run_dir=str(layout.run_dir),
+        submitit_dir=str(layout.submitit),
+        logs_dir=str(layout.logs),
+        checkpoint_dir=str(spec.checkpoint.dir or layout.default_checkpoints),
+        heartbeat=str(layout.heartbeat),
+        ledger=str(layout.ledger),
+        plan_json=str(layout.plan),
+        spec_yaml=str(layout.spec_yaml),
+        deepspeed_json=str(layout.deepspeed_json) if spec.trainer.strategy == "deepspeed" else None,
     )
 
 

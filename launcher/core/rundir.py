@@ -13,7 +13,6 @@ outside the run directory is found from its plan.json (:func:`checkpoint_dir_of`
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -23,20 +22,36 @@ from typing import Any
 
 from launcher.core.atomic import write_json
 from launcher.core.jsonlines import append_jsonl, read_jsonl
-
-LEDGER = "attempts.jsonl"
-HEARTBEAT = "metrics/heartbeat.jsonl"
-PLAN = "plan.json"
-DONE = "DONE"
-CANCELLED = "CANCELLED"
-CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
-LOGS = "logs"
-CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.snapshot, PYTHONPATH in the plan)
-ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment_record)
-HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report (lmtrain.watchdog)
-LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
-TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (core.task_records; lmlaunch stacks)
-
+from launcher.core.run_layout import (  # the run directory's paths: their one speller
+    CANCELLED as CANCELLED,
+    CHECKPOINTS as CHECKPOINTS,
+    CODE_DIR as CODE_DIR,
+    CSV as CSV,
+    DEEPSPEED_JSON as DEEPSPEED_JSON,
+    DONE as DONE,
+    ENVIRONMENT as ENVIRONMENT,
+    HANG_MARKER as HANG_MARKER,
+    HEARTBEAT as HEARTBEAT,
+    LAST_WORDS as LAST_WORDS,
+    LEDGER as LEDGER,
+    LOGS as LOGS,
+    METRICS as METRICS,
+    PLAN as PLAN,
+    PREPARATION as PREPARATION,
+    PREPARATION_JOBS as PREPARATION_JOBS,
+    REPORT as REPORT,
+    SPEC_YAML as SPEC_YAML,
+    SUBMITIT as SUBMITIT,
+    TASK_RECORD as TASK_RECORD,
+    TENSORBOARD as TENSORBOARD,
+    WANDB_ID as WANDB_ID,
+    RunLayout as RunLayout,
+    attempt_logs_dir as attempt_logs_dir,
+    checkpoint_dir_of as checkpoint_dir_of,
+    environment_records as environment_records,
+    is_cancelled as is_cancelled,
+    read_done_step as read_done_step,
+)
 
 # --------------------------------------------------------------------------- heartbeat
 HEARTBEAT_EVENTS = frozenset({"start", "step", "val", "checkpoint", "checkpoint_failed", "end"})
@@ -196,126 +211,6 @@ def attempts_of(entries: Sequence[Mapping[str, Any]]) -> list[LedgerAttempt]:
     return [rows[n] for n in sorted(rows)]
 
 
-# --------------------------------------------------------------------------- markers and paths
-def read_done_step(run_dir: str | Path) -> tuple[bool, int | None]:
-    """(DONE exists, the step it names)."""
-    try:
-        text = (Path(run_dir) / DONE).read_text().strip()
-    except FileNotFoundError:
-        return False, None
-    except OSError:
-        return True, None
-    return True, int(text) if text.isdigit() else None
-
-
-def is_cancelled(run_dir: str | Path) -> bool:
-    return (Path(run_dir) / CANCELLED).exists()
-
-
-def attempt_logs_dir(run_dir: str | Path, attempt: int) -> Path:
-    return RunLayout.of(run_dir).attempt_logs(attempt)
-
-
-@dataclass(frozen=True)
-class RunLayout:
-    """Where each file of a run directory lives (docs/run-directory.md): the one place that spells
-    those paths, as submitit's ``JobPaths`` is for its folder. ``logs`` and ``checkpoints`` are
-    where the plan put them (:meth:`of_plan`), else the defaults."""
-
-    run_dir: Path
-    logs: Path
-    checkpoint_dir: Path | None = None  # None: the plan's, read from plan.json when asked
-
-    @classmethod
-    def of(cls, run_dir: str | Path) -> RunLayout:
-        return cls(Path(run_dir), Path(run_dir) / LOGS)
-
-    @classmethod
-    def of_plan(cls, plan: Any) -> RunLayout:
-        """From a :class:`launcher.core.plan.LaunchPlan` (its ``paths``)."""
-        p = plan.paths
-        return cls(Path(p.run_dir), Path(p.logs_dir), Path(p.checkpoint_dir))
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.checkpoint_dir or checkpoint_dir_of(self.run_dir)
-
-    @property
-    def done(self) -> Path:
-        return self.run_dir / DONE
-
-    @property
-    def cancelled(self) -> Path:
-        return self.run_dir / CANCELLED
-
-    @property
-    def rendezvous(self) -> Path:
-        """Rank 0's answers for an attempt's ranks: rendezvous, start gate, verified checkpoint."""
-        return self.run_dir / "rendezvous"
-
-    def rendezvous_file(self, key: str) -> Path:
-        return self.rendezvous / f"{key}.json"
-
-    def gate_file(self, key: str) -> Path:
-        return self.rendezvous / f"{key}.gate.json"
-
-    def verify_file(self, key: str, attempt: int) -> Path:
-        return self.rendezvous / f"{key}-attempt-{attempt}.verify"
-
-    def attempt_logs(self, attempt: int) -> Path:
-        return self.logs / f"attempt-{attempt}"
-
-    def attempts_logged(self) -> list[tuple[int, Path]]:
-        """Every attempt's log directory, by attempt number."""
-        out = []
-        try:
-            for p in self.logs.iterdir():
-                m = re.fullmatch(r"attempt-(\d+)", p.name)
-                if m and p.is_dir():
-                    out.append((int(m.group(1)), p))
-        except OSError:
-            return []
-        return sorted(out)
-
-    @property
-    def local_logs(self) -> Path:
-        """``run --local``: each rank's own stdout and stderr (lmtrain.local)."""
-        return self.logs / "local"
-
-    def rank_log(self, attempt: int, rank: int | str) -> Path:
-        return self.attempt_logs(attempt) / f"rank-{rank}.log"
-
-    def environment(self, attempt: int) -> Path:
-        return self.attempt_logs(attempt) / ENVIRONMENT
-
-    def last_words(self, attempt: int, rank: int | str) -> Path:
-        return self.attempt_logs(attempt) / LAST_WORDS.format(rank=rank)
-
-    def stacks(self, attempt: int, rank: int | str) -> Path:
-        """A hung rank's Python stacks (lmtrain.watchdog, ``lmlaunch stacks``)."""
-        return self.attempt_logs(attempt) / f"stacks-rank-{rank}.txt"
-
-    def hang_marker(self, attempt: int, rank: int | str) -> Path:
-        return self.attempt_logs(attempt) / HANG_MARKER.format(rank=rank)
-
-    def task_record(self, job_id: str, restart_count: int, rank: int) -> Path:
-        return self.logs / TASK_RECORD.format(job_id=job_id, restart_count=restart_count, rank=rank)
-
-
-def environment_records(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """Every attempt's environment record, by attempt number (unreadable ones left out)."""
-    out: dict[int, dict[str, Any]] = {}
-    for path in sorted((Path(run_dir) / LOGS).glob(f"attempt-*/{ENVIRONMENT}")):
-        n = path.parent.name.removeprefix("attempt-")
-        try:
-            d = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if n.isdigit() and isinstance(d, dict):
-            out[int(n)] = d
-    return out
-
-
 # Words of errors that only say another rank went away (a symptom, not the first death).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "GLHF", "NCCL communicator was aborted",
              "Broken pipe", "Socket Timeout", "recvBytes", "failed to recv", "Connection refused")
@@ -355,27 +250,6 @@ class LastWords:
             except (OSError, ValueError, TypeError):
                 continue
         return out
-
-
-def checkpoint_dir_of(run_dir: str | Path) -> Path:
-    """Where the run's checkpoints are: the plan's ``paths.checkpoint_dir``, else the default. A
-    checkpoint directory inside the run directory is taken relative to where the run directory is
-    now (a copied or moved run directory reads its own checkpoints, not the original's)."""
-    run_dir = Path(run_dir)
-    try:
-        paths = json.loads((run_dir / PLAN).read_text())["paths"]
-        d = paths["checkpoint_dir"]
-        if isinstance(d, str) and d:
-            planned_run_dir = paths.get("run_dir")
-            if isinstance(planned_run_dir, str) and planned_run_dir:
-                try:
-                    return run_dir / Path(d).relative_to(planned_run_dir)
-                except ValueError:
-                    pass  # a checkpoint.dir of its own, outside the run directory
-            return Path(d)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return run_dir / CHECKPOINTS
 
 
 def startup_breakdown(record: Mapping[str, Any], alloc_start: float | None = None) -> dict[str, float]:

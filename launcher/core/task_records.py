@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.atomic import write_json
-from launcher.core.rundir import LOGS, TASK_RECORD
+from launcher.core.rundir import TASK_RECORD, RunLayout
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # SLURM's 123, 123_4 (arrays); local-<ppid>
 
@@ -60,8 +60,7 @@ class TaskRecord:
 def task_record_path(run_dir: str | Path, job_id: str, restart_count: int, rank: int) -> Path:
     if not _JOB_ID.fullmatch(job_id):
         raise ValueError(f"job id {job_id!r} is not one SLURM gives")
-    rel = TASK_RECORD.format(job_id=job_id, restart_count=restart_count, rank=rank)
-    return Path(run_dir) / LOGS / rel
+    return RunLayout.of(run_dir).task_record(job_id, restart_count, rank)
 
 
 def write_task_record(run_dir: str | Path, record: TaskRecord) -> Path:
@@ -90,7 +89,7 @@ def read_task_records(run_dir: str | Path, job_id: str, restart_count: int) -> t
 
 def recorded_starts(run_dir: str | Path) -> list[tuple[str, int]]:
     """(job id, restart count) of every start that left task records, newest file first."""
-    root = Path(run_dir) / LOGS / TASK_RECORD.split("/", 1)[0]
+    root = RunLayout.of(run_dir).task_records
     found: list[tuple[float, str, int]] = []
     try:
         entries = list(root.iterdir())

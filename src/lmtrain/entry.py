@@ -54,14 +54,14 @@ def run_slurm_task(run_dir: str) -> int:
 
 
 def run_task(run_dir: str | Path) -> int:
+    from launcher.core.rundir import RunLayout
     from lmtrain.startup import CLOCK, imports_without_gc
 
     CLOCK.begin_attempt()
     CLOCK.mark("entry")
-    from launcher.core.rundir import PLAN
     from lmtrain.preemption.signals import own_signals
 
-    raw_plan = json.loads((Path(run_dir) / PLAN).read_text())
+    raw_plan = json.loads(RunLayout.of(run_dir).plan.read_text())
     # First of all, before any import that takes time: from here on lmtrain's handlers (record
     # only), not submitit's (tests/unit/test_preemption_signals.py)
     signals = own_signals(raw_plan.get("preemption") or {})

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.atomic import write_private
-from launcher.core.rundir import CODE_DIR, RunLayout
+from launcher.core.rundir import RunLayout
 
 PACKAGES = ("torch", "lightning", "transformers", "deepspeed", "numpy", "tokenizers", "submitit", "lmlaunch")
 SECRET_WORDS = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE|CREDENTIAL|_KEY$|^KEY$)", re.I)
@@ -59,7 +59,7 @@ def code_in_use(run_dir: Path) -> dict[str, Any]:
     import launcher
     import lmtrain
 
-    snapshot = (Path(run_dir) / CODE_DIR).resolve()
+    snapshot = RunLayout.of(run_dir).code.resolve()
     paths = {"lmtrain": str(Path(lmtrain.__file__).resolve().parent),
              "launcher": str(Path(launcher.__file__).resolve().parent)}
     try:

@@ -26,7 +26,7 @@ from launcher.core.checkpoint_index import (
     newest_intact,
     verify,
 )
-from launcher.core.rundir import CHECKPOINTS, PLAN, LedgerNote, checkpoint_dir_of
+from launcher.core.rundir import LedgerNote, RunLayout, checkpoint_dir_of
 from launcher.core.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,9 @@ def pick_checkpoint(ref: str | Path) -> CompleteCheckpoint:
         if problems:
             raise EvalError(f"eval.checkpoint {ref} does not hold what was written: {'; '.join(problems)}")
         return named
-    ckpt_dir = checkpoint_dir_of(path) if (path / PLAN).is_file() else path / CHECKPOINTS \
-        if (path / CHECKPOINTS).is_dir() else path
+    layout = RunLayout.of(path)
+    ckpt_dir = checkpoint_dir_of(path) if layout.plan.is_file() else layout.default_checkpoints \
+        if layout.default_checkpoints.is_dir() else path
     found = complete_checkpoints(ckpt_dir)
     if not found:
         raise EvalError(f"eval.checkpoint {ref}: no complete checkpoint in {ckpt_dir}")

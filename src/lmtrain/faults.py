@@ -169,10 +169,10 @@ def _rank() -> int:
 
 def _attempt() -> int:
     """The attempt number: the ledger's start lines (this attempt's is written before training)."""
-    from launcher.core.rundir import LEDGER, Ledger
+    from launcher.core.rundir import Ledger, RunLayout
 
     run_dir = os.environ.get("LMLAUNCH_RUN_DIR", "")
-    return Ledger(Path(run_dir) / LEDGER).next_attempt() - 1 if run_dir else 0
+    return Ledger(RunLayout.of(run_dir).ledger).next_attempt() - 1 if run_dir else 0
 
 
 # Read once, in a task (a process the launcher started: it has LMLAUNCH_RUN_DIR); a process

@@ -28,8 +28,7 @@ from typing import BinaryIO, TextIO
 
 from launcher.core.rundir import RunLayout
 from lmtrain.task_env import free_port
-from lmtrain.zygote import SHARED_ENV as ZYGOTE_ENV
-from lmtrain.zygote import Forked, Zygote, forkable
+from lmtrain.zygote import SHARED_ENV as ZYGOTE_ENV, Forked, Zygote, forkable
 
 TERMINATE_GRACE_S = 15.0
 PEERS_EXIT_S = 20.0  # after one rank failed: how long the others get to fail in a collective and say so
@@ -191,9 +190,9 @@ def _wait_all(procs: list[subprocess.Popen | Forked], on_first_failure: Callable
 def _words_for(run_dir: Path, rank: int, code: int, pid: int) -> None:
     """The first rank to fail died of a signal (or exited without its own last words): say so for
     it, where rank 0 looks for the first death (lmtrain.preemption.first_death), before the others are stopped."""
-    from launcher.core.rundir import LEDGER, LastWords, Ledger
+    from launcher.core.rundir import LastWords, Ledger
 
-    attempt = Ledger(run_dir / LEDGER).next_attempt() - 1
+    attempt = Ledger(RunLayout.of(run_dir).ledger).next_attempt() - 1
     if attempt < 1 or any(w.rank == rank for w in LastWords.read_all(run_dir, attempt)):
         return
     if code < 0:

@@ -15,6 +15,7 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from launcher.core import rundir
 from launcher.core.atomic import write_atomic
 from launcher.core.spec import LoggingSpec
 
@@ -86,10 +87,10 @@ def make_loggers(run_dir: str | Path, logging_spec: LoggingSpec | Mapping[str, A
     purge = {"purge_step": resume_step} if resume_step else {}
     settings = logging_settings(logging_spec)
     if settings.tensorboard:
-        loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard", version=0, default_hp_metric=False,
+        loggers.append(TensorBoardLogger(save_dir=run_dir, name=rundir.TENSORBOARD, version=0, default_hp_metric=False,
                                          **purge))
     if settings.csv:
-        loggers.append(ResumableCSVLogger(save_dir=run_dir, name="csv", version=0, resume_step=resume_step))
+        loggers.append(ResumableCSVLogger(save_dir=run_dir, name=rundir.CSV, version=0, resume_step=resume_step))
     wandb = settings.wandb
     if wandb is not None:
         loggers.append(
@@ -106,7 +107,7 @@ def make_loggers(run_dir: str | Path, logging_spec: LoggingSpec | Mapping[str, A
     return loggers
 
 
-WANDB_ID_FILE = "wandb_id"
+WANDB_ID_FILE = rundir.WANDB_ID  # in the run directory (launcher.core.rundir.RunLayout.wandb_id)
 log = logging.getLogger(__name__)
 
 
@@ -155,7 +156,7 @@ def wandb_run_id(run_dir: str) -> str:
     ``--new`` at the same path gets a new one); the first rank to create the file wins."""
     import uuid
 
-    path = Path(run_dir) / WANDB_ID_FILE
+    path = rundir.RunLayout.of(run_dir).wandb_id
     try:
         existing = path.read_text().strip()
         if existing:

@@ -28,11 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.core.rundir import DONE, HEARTBEAT, Heartbeat, RunLayout
+from launcher.core.rundir import Heartbeat, RunLayout
 from lmtrain import faults
 
-SPEC = "preparation.json"
-JOBS = "preparation-jobs.json"  # {"arrays": [...], "assemble": id}, written after the submission
 log = logging.getLogger("lmtrain.prepare")
 
 
@@ -62,13 +60,13 @@ def _finished_shards(staging: Path) -> tuple[int, int, int]:
 def run_task(run_dir: Path, task: int) -> int:
     from lmtrain.prepare import DataError, Preparation, write_shards
 
-    cfg = json.loads((run_dir / SPEC).read_text())
+    cfg = json.loads(RunLayout.of(run_dir).preparation.read_text())
     prep, staging = Preparation.from_json(cfg["preparation"]), Path(cfg["staging"])
     lo, hi = cfg["slices"][task]
     attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0")) + 1
     _logging(run_dir, attempt, str(task))
     job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    beat = Heartbeat(run_dir / HEARTBEAT, attempt=attempt, job_id=job, world_size=len(cfg["slices"]))
+    beat = Heartbeat(RunLayout.of(run_dir).heartbeat, attempt=attempt, job_id=job, world_size=len(cfg["slices"]))
     jobs = prep.jobs()[lo:hi]
     log.info("task %d, attempt %d: input files %d..%d of %d (%s)", task, attempt, lo, hi - 1, len(prep.files),
              ", ".join(j.source.name for j in jobs[:5]) + (" ..." if len(jobs) > 5 else ""))
@@ -109,7 +107,7 @@ def _cancel_final_step(run_dir: Path) -> None:
     (rather than left pending forever). The other tasks go on: their shards are kept for a rerun."""
     from launcher.core import slurm
 
-    path, deadline = run_dir / JOBS, time.monotonic() + 30
+    path, deadline = RunLayout.of(run_dir).preparation_jobs, time.monotonic() + 30
     while not path.exists() and time.monotonic() < deadline:  # written just after the submission
         time.sleep(0.5)
     try:
@@ -125,7 +123,8 @@ def _cancel_final_step(run_dir: Path) -> None:
 def assemble(run_dir: Path) -> int:
     from lmtrain.prepare import Preparation, replace_dir, write_index
 
-    cfg = json.loads((run_dir / SPEC).read_text())
+    layout = RunLayout.of(run_dir)
+    cfg = json.loads(layout.preparation.read_text())
     prep, staging, out = Preparation.from_json(cfg["preparation"]), Path(cfg["staging"]), Path(cfg["out"])
     attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0")) + 1
     _logging(run_dir, attempt, "assemble")
@@ -135,8 +134,8 @@ def assemble(run_dir: Path) -> int:
     meta = write_index(staging, prep)
     os.chmod(staging, 0o755)
     replace_dir(staging, out, keep_existing=False)
-    (run_dir / DONE).write_text(f"{len(prep.files)}\n")
-    beat = Heartbeat(run_dir / HEARTBEAT, attempt=attempt, job_id=os.environ.get("SLURM_JOB_ID"), world_size=1)
+    layout.done.write_text(f"{len(prep.files)}\n")
+    beat = Heartbeat(layout.heartbeat, attempt=attempt, job_id=os.environ.get("SLURM_JOB_ID"), world_size=1)
     beat.emit("end", step=len(prep.files), max_steps=len(prep.files), documents=meta.num_documents,
               tokens=meta.num_tokens, reason="completed")
     log.info("assembled %s: %d shards, %d documents, %d tokens (%s)", out, len(meta.shards), meta.num_documents,

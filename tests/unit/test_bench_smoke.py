@@ -58,7 +58,9 @@ def test_throughput_smoke_compares_handwritten_loop_and_project_path_on_identica
     assert line["device"].startswith("cpu") and line["precision"] == "32-true"
     assert line["a_name"].startswith("hand-written loop") and line["b_name"] == "project path (ddp)"
     assert _positive(line["tokens_per_s_a"]) and _positive(line["tokens_per_s_b"])
-    assert line["ratio"] == pytest.approx(line["tokens_per_s_b"] / line["tokens_per_s_a"], rel=1e-12)
+    assert line["ratio"] == pytest.approx(line["tokens_per_s_b"] / line["tokens_per_s_a"], rel=1e-12)  # 1 round
+    assert line["ratio_pairs"] == [pytest.approx(line["ratio"], rel=1e-12)]
+    assert line["b"]["host_syncs"] is None  # counted on CUDA only (set_sync_debug_mode): nothing waits on a CPU
     # No peak FLOP/s is known for a CPU: MFU is null, never a guess.
     assert line["peak_flops"] is None and line["mfu_a"] is None and line["mfu_b"] is None
     assert "6*N + 12*L*H*T" in line["flops_formula"]
@@ -91,6 +93,8 @@ def test_checkpoint_speed_smoke_stops_on_sigterm_checkpoints_and_resumes_in_a_ne
     assert line["checkpoint_step"] == line["signal_step"] + 1
     assert _positive(line["save_s"]) and line["stop_to_complete_s"] >= line["save_s"]
     assert line["checkpoint_bytes"] > 4 * line["n_params"]  # weights + AdamW moments at least
+    assert line["dd_bytes"] >= line["checkpoint_bytes"] and _positive(line["dd_s"])  # the dd baseline, same bytes
+    assert line["save_vs_dd"] == pytest.approx(line["save_s"] / line["dd_s"], rel=1e-12)
     # The new process resumed from that checkpoint and trained the next step.
     assert line["resume_start_step"] == line["checkpoint_step"]
     assert line["resume_first_step"] == line["checkpoint_step"] + 1
@@ -107,3 +111,13 @@ def test_step_overhead_smoke_times_the_three_paths_and_the_stop_agreement(tmp_pa
     assert line["overhead_over_handwritten_ms"] == pytest.approx(per_step["project"] - per_step["handwritten"], abs=1e-3)
     assert 0 < line["stop_agreement_ms_per_step"] < 1000
     assert isinstance(line["meets_goal"], bool) and line["mode"].startswith("smoke")
+
+
+@pytest.mark.parametrize("config, strategy", [("smoke-deepspeed", "deepspeed"), ("smoke-fsdp", "fsdp")])
+def test_throughput_project_against_project_configurations_run_their_smoke(tmp_path, config, strategy):
+    """The GPU configurations that compare two strategies of the project path (ZeRO-k and FSDP2
+    against DDP), in their CPU smoke: both sides train the timed steps in one process."""
+    (line,) = _bench_lines("throughput.py", tmp_path, "--config", config)
+    assert line["config"] == config and line["mode"] == "cpu-smoke"
+    assert line["a"]["strategy"] == "ddp" and line["b_strategy"] == strategy
+    assert _positive(line["tokens_per_s_a"]) and _positive(line["tokens_per_s_b"]) and _positive(line["ratio"])

@@ -138,6 +138,40 @@ def test_no_function_runs_over_60_lines():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
+def test_no_run_directory_path_is_joined_by_hand():
+    """launcher.core.run_layout (RunLayout and its names, re-exported by rundir) is the one speller
+    of a run directory's paths, as submitit's JobPaths is of its folder: no other module joins a
+    run-directory name onto a path (``x / rundir.PLAN``, ``x / LEDGER``, ``x / "plan.json"``,
+    ``x / "submitit"``)."""
+    import ast
+
+    from launcher.core import run_layout as rundir
+
+    names = {n for n, v in vars(rundir).items() if n.isupper() and isinstance(v, str) and not n.startswith("_")
+             and n not in ("HANG_MARKER", "LAST_WORDS", "ENVIRONMENT")}  # files of an attempt's log dir: RunLayout's
+    spelled = {getattr(rundir, n).split("/")[0] for n in names}
+
+    def joined(node: ast.AST) -> bool:
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
+            return False
+        r = node.right
+        if isinstance(r, ast.Name) and r.id in names:
+            return True
+        if isinstance(r, ast.Attribute) and r.attr in names and isinstance(r.value, ast.Name) and r.value.id == "rundir":
+            return True
+        return isinstance(r, ast.Constant) and isinstance(r.value, str) and r.value.split("/")[0] in spelled
+
+    joins = []
+    for root in ("launcher", "src/lmtrain"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            if path == REPO / "launcher" / "core" / "run_layout.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if joined(node):
+                    joins.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert not joins, "run-directory paths joined by hand (use launcher.core.run_layout.RunLayout):\n" + "\n".join(joins)
+
+
 def _lmtrain_trees():
     import ast
 

@@ -44,8 +44,7 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from lmtrain import faults
-from lmtrain.checkpoint import async_sharded
-from lmtrain.checkpoint import manager as ck
+from lmtrain.checkpoint import async_sharded, manager as ck
 from lmtrain.checkpoint.shard_files import stream_deepspeed_files
 
 WORLD = 2

@@ -56,8 +56,13 @@ from lmtrain.checkpoint import checksums
 from lmtrain.checkpoint.async_checkpoint import Stager
 from lmtrain.checkpoint.disk_space import DiskFull, free_bytes, means_no_room, no_room, remove_partial
 from lmtrain.checkpoint.durable import fsync_file
-from lmtrain.checkpoint.shard_files import META_NAME, fsdp_parts, save_file, stream_deepspeed_files
-from lmtrain.checkpoint.shard_files import dcp_save as _dcp_save
+from lmtrain.checkpoint.shard_files import (
+    META_NAME,
+    dcp_save as _dcp_save,
+    fsdp_parts,
+    save_file,
+    stream_deepspeed_files,
+)
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
 

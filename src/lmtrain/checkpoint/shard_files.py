@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint import save as _dcp_save
+from torch.distributed.checkpoint import FileSystemWriter, save as _dcp_save
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lmtrain import faults
