@@ -72,17 +72,36 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
         return False
 
 
+# A daemon still writing its log is still starting: on a slow or loaded machine it gets this many
+# times its ``timeout`` in all, as long as its log grows within every ``timeout`` seconds.
+SLOW_START_FACTOR = 10
+
+
 def wait_until(check: Callable[[], bool], timeout: float, what: str, log: Path | None, poll: float = 0.3) -> None:
-    deadline = time.monotonic() + timeout
+    """Until ``check()``: fails when ``timeout`` seconds pass without ``log`` growing (a daemon that
+    stalled), or after ``SLOW_START_FACTOR`` x ``timeout`` in all, with the log's last lines."""
+    start = last_growth = time.monotonic()
+    size = _size(log)
     while not check():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if (grown := _size(log)) != size:
+            size, last_growth = grown, now
+        if now - last_growth > timeout or now - start > SLOW_START_FACTOR * timeout:
             tail = ""
             if log is not None and log.exists():
                 lines = log.read_text(errors="replace").splitlines()[-8:]
                 tail = "\n  " + "\n  ".join(lines)
             where = f" (log: {log})" if log is not None else ""
-            raise ClusterError(f"{what} did not come up within {timeout:.0f} s{where}{tail}")
+            raise ClusterError(f"{what} did not come up: {now - start:.0f} s, its log quiet for "
+                               f"{now - last_growth:.0f} s{where}{tail}")
         time.sleep(poll)
+
+
+def _size(log: Path | None) -> int:
+    try:
+        return log.stat().st_size if log is not None else -1
+    except OSError:
+        return -1
 
 
 def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:

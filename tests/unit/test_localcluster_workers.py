@@ -6,11 +6,13 @@ tests/integration/test_cluster_local.py.)"""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from launcher.localcluster import cluster, config, workers
 from launcher.localcluster.config import MAX_WORKER_SLOTS, Layout, Ports
+from launcher.localcluster.daemons import ClusterError, wait_until
 
 
 @pytest.fixture
@@ -108,3 +110,21 @@ def test_a_clusters_environment_drops_another_local_clusters_commands(monkeypatc
     assert native["PATH"] == "/usr/bin:/bin"
     rooted = cluster.environ_of(Layout.worker(3, "24.11"), "24.11")
     assert rooted["PATH"] == f"{Layout.worker(3, '24.11').bin}:/usr/bin:/bin"
+
+
+def test_a_daemon_still_logging_its_start_is_waited_for_and_a_silent_one_is_not(tmp_path):
+    """The local cluster's start-up waits are bounded by the daemon's progress (its log growing),
+    not by a figure tuned on one machine's speed."""
+
+    log = tmp_path / "daemon.log"
+    log.write_text("")
+    started = time.monotonic()
+
+    def up() -> bool:  # a slow daemon: logs a line every 0.1 s, answers after 0.6 s (3x the timeout)
+        with log.open("a") as f:
+            f.write("starting\n")
+        return time.monotonic() - started > 0.6
+
+    wait_until(up, 0.2, "slow daemon", log, poll=0.1)
+    with pytest.raises(ClusterError, match=r"silent daemon did not come up: .* its log quiet"):
+        wait_until(lambda: False, 0.2, "silent daemon", log, poll=0.05)
