@@ -32,7 +32,7 @@ from launcher.run_files import Checkpoint, RunFiles, read_run_files
 from launcher.runs import lmlaunch_home
 
 CACHE_FILE = "cache/run-files.json"
-VERSION = 4
+VERSION = 5  # 5: every end line of the ledger (metrics counts them)
 RACY_S = 2.0
 FEW = 32  # up to this many run directories are read directly when the cache is big (plain `status`
 BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cached run)
@@ -86,16 +86,17 @@ def compact_heartbeat(beats: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
 
 
 def compact_ledger(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The ledger's start lines (build_row counts attempts from them), the end line of the last
-    attempt (the state of a job SLURM forgot) and its last ``eval`` line (an eval run's result),
-    with the keys build_row reads."""
-    out = [{"event": "start", "attempt": e.get("attempt"), "job_id": e.get("job_id")}
-           for e in ledger if e.get("event") == "start"]
-    last = next((e for e in reversed(ledger) if e.get("event") in ("start", "end")), None)
-    if last is not None and last.get("event") == "end":
-        out.append({"event": "end", "attempt": last.get("attempt"), "job_id": last.get("job_id"),
-                    "reason": last.get("reason"), "requeued": last.get("requeued"),
-                    "detail": str(last.get("detail") or "")[:200]})
+    """The ledger's start and end lines in order (build_row counts attempts from the starts and
+    reads the state of a job SLURM forgot from its last end; `metrics` counts the ends by reason)
+    and its last ``eval`` line (an eval run's result), with the keys they read."""
+    out: list[dict[str, Any]] = []
+    for e in ledger:
+        if e.get("event") == "start":
+            out.append({"event": "start", "attempt": e.get("attempt"), "job_id": e.get("job_id")})
+        elif e.get("event") == "end":
+            out.append({"event": "end", "attempt": e.get("attempt"), "job_id": e.get("job_id"),
+                        "reason": e.get("reason"), "requeued": e.get("requeued"),
+                        "detail": str(e.get("detail") or "")[:200]})
     evals = [e for e in ledger if e.get("event") == "eval"]
     if evals:
         out.append({k: evals[-1].get(k) for k in ("event", "step", "val_loss", "perplexity")})

@@ -43,6 +43,23 @@ if ! dpkg-query -W -f='${Status}' openssh-server 2>/dev/null | grep -q "install 
   fi
 fi
 
+# 1c. Prometheus' server for the test that scrapes `lmlaunch metrics serve` (the test starts its own on a
+# loopback port): installed with a policy that starts no service.
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    log "installing prometheus (apt; its service not started)"
+    export DEBIAN_FRONTEND=noninteractive
+    made_policy=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && made_policy=1
+    fi
+    { apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }
+    if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+  else
+    log "missing system package: prometheus (the metrics test's server); as root run: apt-get install -y prometheus"
+  fi
+fi
+
 # 2. Python environment: torch pinned first so nothing pulls a CUDA build.
 # The Python to build it on: LMLAUNCH_PYTHON, else a Python 3.11 outside /usr where there is one
 # (the local cluster's second SLURM version runs its jobs in a Debian root that has its own /usr

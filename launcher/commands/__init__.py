@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("diff", "what differs between two runs: spec, plan, packages, environment"),
     "export": ("export", "a checkpoint of any strategy as a transformers model directory"),
     "preempt": ("preempt", "rehearse preemption of a running job"),
+    "metrics": ("metrics", "every run's metrics for Prometheus: `metrics serve`, or `metrics write DIR` (textfile)"),
     "notify-test": ("notify_test", "send a test message to each of a spec's notify.webhooks"),
     "completion": ("completion", "print a shell completion script (bash, zsh)"),
     "_runs": ("runs_list", argparse.SUPPRESS),  # run names for shell completion (hidden)

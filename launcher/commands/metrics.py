@@ -1,0 +1,86 @@
+"""lmlaunch metrics serve [--listen HOST:PORT] | metrics write DIR
+
+The user's runs as Prometheus metrics (launcher.metrics): `serve` answers Prometheus' scrapes on
+the login node (127.0.0.1 unless --listen says otherwise: a login node is shared); `write` leaves
+one atomic `.prom` file for node_exporter's textfile collector (run it from cron).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import time
+from pathlib import Path
+
+from launcher.context import Context
+from launcher.core.errors import UserError
+
+DEFAULT_LISTEN = "127.0.0.1:9767"
+TEXTFILE = "lmlaunch.prom"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="metrics_command", metavar="ACTION")
+    serve = sub.add_parser("serve", help="answer Prometheus' scrapes with every run's metrics")
+    serve.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                       help=f"where to listen (default {DEFAULT_LISTEN}; a login node is shared: keep 127.0.0.1 "
+                            "and reach it through ssh -L, or a site's own proxy)")
+    serve.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # stop after (tests)
+    write = sub.add_parser("write", help=f"write every run's metrics to DIR/{TEXTFILE} (node_exporter's textfile "
+                                         "collector), atomically")
+    write.add_argument("dir", metavar="DIR", help="the textfile collector's directory (--collector.textfile.directory)")
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from launcher.metrics import RunsCollector, parse_listen
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RunsCollector(ctx.environ or None))
+    if args.metrics_command == "write":
+        return _write(registry, Path(args.dir), ctx)
+    if args.metrics_command != "serve":
+        raise UserError("lmlaunch metrics: say serve or write (`lmlaunch metrics --help`)")
+    try:
+        host, port = parse_listen(args.listen)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    server = _start(registry, host, port)
+    ctx.out(f"serving the runs' metrics on http://{host}:{port}/metrics (Ctrl-C stops)")
+    try:
+        deadline = None if args.seconds is None else time.monotonic() + args.seconds
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    return 0
+
+
+def _start(registry, host: str, port: int):
+    from prometheus_client import start_http_server
+
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"--listen {host}:{port}: the port is in use (another exporter?); choose another "
+                            f"with --listen HOST:PORT") from None
+        raise UserError(f"--listen {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
+    return server
+
+
+def _write(registry, folder: Path, ctx: Context) -> int:
+    from prometheus_client import write_to_textfile
+
+    if not folder.is_dir():
+        raise UserError(f"{folder}: not a directory (the textfile collector's --collector.textfile.directory)")
+    target = folder / TEXTFILE
+    try:
+        write_to_textfile(str(target), registry)  # a temporary file renamed into place: atomic
+    except OSError as exc:
+        raise UserError(f"{target}: cannot write it: {exc.strerror or exc}") from None
+    ctx.out(f"wrote {target}")
+    return 0

@@ -1,0 +1,99 @@
+"""The user's runs as Prometheus metrics: what `lmlaunch status` shows, for a site's Prometheus and
+Grafana (`lmlaunch metrics serve`) or node_exporter's textfile collector (`lmlaunch metrics write`).
+
+One scrape reads the registry and the run directories as `status --all` does (one squeue and at
+most one sacct call; a run directory whose files did not change since the last scrape is not read
+again: launcher/status_cache.py). Names follow Prometheus' conventions: the ``lmlaunch_`` prefix,
+base units (seconds, ratios), ``_total`` for counters; every series of a run carries its ``run``
+label, and ``lmlaunch_run_info`` its job id, SLURM state and state group. A run directory that
+cannot be read is that run's missing series and a ``lmlaunch_run_read_errors_total`` count, never
+a failed scrape; nothing is written into a run directory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from launcher import monitor, runs, status_cache
+
+# (metric, help, StatusRow attribute): a gauge per run where the row has the figure
+ROW_GAUGES = (
+    ("lmlaunch_run_step", "Newest optimizer step the run logged", "step"),
+    ("lmlaunch_run_max_steps", "Steps the run trains in all", "max_steps"),
+    ("lmlaunch_run_train_loss", "Mean training loss over the last logging window", "loss"),
+    ("lmlaunch_run_tokens_per_second", "Training throughput at the last logging step", "tokens_per_s"),
+    ("lmlaunch_run_mfu_ratio", "Model FLOPs utilisation at the last logging step (0..1)", "mfu"),
+    ("lmlaunch_run_attempt", "The attempt now queued, running or last run (1-based)", "attempt"),
+    ("lmlaunch_run_checkpoint_step", "Step of the newest complete checkpoint", "checkpoint_step"),
+    ("lmlaunch_run_checkpoint_age_seconds", "Seconds since the newest complete checkpoint was written",
+     "checkpoint_age_s"),
+    ("lmlaunch_run_heartbeat_age_seconds", "Seconds since the run's last heartbeat line", "heartbeat_age_s"),
+    ("lmlaunch_run_eta_seconds", "Estimated seconds to max_steps at the recent step rate", "eta_s"),
+)
+
+
+class RunsCollector:
+    """A prometheus_client collector over the user's runs (``environ``: the registry and runs root
+    to read, as every command takes them)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ = environ
+        self.scrapes = 0
+
+    def collect(self) -> Iterator[Metric]:
+        started = time.perf_counter()
+        records = runs.list_records(self.environ)
+        rows, view = monitor.gather_status(records, environ=self.environ)
+        files = status_cache.read_all([r.run_dir for r in records], self.environ)  # cached by gather_status
+        yield from families(rows, [f.ledger for f in files], slurm_reachable=view.reachable)
+        self.scrapes += 1
+        took = GaugeMetricFamily("lmlaunch_exporter_scrape_duration_seconds", "Seconds the last scrape took")
+        took.add_metric([], time.perf_counter() - started)
+        yield took
+
+
+def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mapping[str, Any]]], *,
+             slurm_reachable: bool) -> list[Metric]:
+    """Pure: status rows (and each run's ledger) -> the metric families of one scrape."""
+    info = GaugeMetricFamily("lmlaunch_run_info", "A run: its current job, SLURM state and state group (value 1)",
+                             labels=["run", "job_id", "state", "group"])
+    gauges = {attr: GaugeMetricFamily(name, text, labels=["run"]) for name, text, attr in ROW_GAUGES}
+    requeued = GaugeMetricFamily("lmlaunch_run_requeued", "1 while the run's job was requeued by SLURM",
+                                 labels=["run"])
+    ended = CounterMetricFamily("lmlaunch_run_attempts_ended", "Attempts that ended, by why (the ledger)",
+                                labels=["run", "reason"])
+    started = CounterMetricFamily("lmlaunch_run_attempts_started", "Attempts that started (the ledger)",
+                                  labels=["run"])
+    for row, ledger in zip(rows, ledgers):
+        info.add_metric([row.name, row.job_id or "", row.state, row.group], 1)
+        for attr, family in gauges.items():
+            value = getattr(row, attr)
+            if value is not None:
+                family.add_metric([row.name], float(value))
+        requeued.add_metric([row.name], 1.0 if row.requeued else 0.0)
+        reasons = Counter(str(e.get("reason") or "unknown") for e in ledger if e.get("event") == "end")
+        for reason, n in sorted(reasons.items()):
+            ended.add_metric([row.name, reason], n)
+        started.add_metric([row.name], sum(1 for e in ledger if e.get("event") == "start"))
+    up = GaugeMetricFamily("lmlaunch_slurm_up", "1 when the SLURM controller answered this scrape")
+    up.add_metric([], 1.0 if slurm_reachable else 0.0)
+    count = GaugeMetricFamily("lmlaunch_runs", "Runs in the registry, by state group", labels=["group"])
+    for group, n in sorted(Counter(r.group for r in rows).items()):
+        count.add_metric([group], n)
+    return [info, *gauges.values(), requeued, started, ended, up, count]
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``PORT`` -> (host, port); a clear error otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--listen {text!r}: expected HOST:PORT or PORT, the port 1..65535")
+    return host, int(port)

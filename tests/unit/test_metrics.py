@@ -1,0 +1,142 @@
+"""`lmlaunch metrics`: the runs as Prometheus metrics, read back by prometheus_client's own parser
+and scraped by a real Prometheus server (Debian's `prometheus`, started here on a loopback port)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import waiting
+from monitor_synth import T0, make_run
+from prometheus_client.parser import text_string_to_metric_families
+from waiting import HANG_S
+
+from launcher import metrics, monitor, runs
+from launcher.cli import main
+from launcher.context import Context
+from launcher.run_files import read_run_files
+
+JOB = "999999901"  # no cluster has this job: the rows come from the run directories
+
+
+def _runs(home: Path) -> None:
+    make_run(home, "train", job_ids=(JOB,), max_steps=100, checkpoint_step=40, attempts=[
+        {"job_id": JOB, "start_step": 0, "end_step": 30, "t0": T0 - 300, "t1": T0 - 200, "reason": "preempted",
+         "requeued": True},
+        {"job_id": JOB, "start_step": 30, "end_step": 60, "t0": T0 - 150, "t1": T0 - 10}])
+    make_run(home, "done", job_ids=("999999902",), max_steps=20, markers=("DONE",), attempts=[
+        {"job_id": "999999902", "start_step": 0, "end_step": 20, "t0": T0 - 100, "t1": T0 - 50, "reason": "completed"}])
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_each_run_is_a_labelled_series_of_what_status_shows(tmp_path):
+    _runs(tmp_path)
+    env = {"LMLAUNCH_HOME": str(tmp_path)}
+    records = runs.list_records(env)
+    files = [read_run_files(Path(r.run_dir)) for r in records]
+    rows = [monitor.build_row(r, f, None, slurm_reachable=True, now=T0) for r, f in zip(records, files)]
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class Static:
+        def collect(self):
+            return metrics.families(rows, [f.ledger for f in files], slurm_reachable=True)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Static())
+    got = _samples(generate_latest(registry).decode())
+    run = (("run", "train"),)
+    assert got[("lmlaunch_run_step", run)] == 60 and got[("lmlaunch_run_max_steps", run)] == 100
+    assert got[("lmlaunch_run_train_loss", run)] == pytest.approx(5.0 - 0.02 * 60)
+    assert got[("lmlaunch_run_tokens_per_second", run)] == pytest.approx(5060.0)
+    assert got[("lmlaunch_run_checkpoint_step", run)] == 40
+    assert got[("lmlaunch_run_checkpoint_age_seconds", run)] == pytest.approx(90, abs=1)
+    assert got[("lmlaunch_run_attempts_started_total", run)] == 2
+    assert got[("lmlaunch_run_attempts_ended_total", (("reason", "preempted"), ("run", "train")))] == 1
+    assert got[("lmlaunch_run_attempts_ended_total", (("reason", "completed"), ("run", "done")))] == 1
+    info = {labels: v for (name, labels), v in got.items() if name == "lmlaunch_run_info"}
+    assert {dict(k)["run"]: dict(k)["group"] for k in info} == {"train": "unknown", "done": "completed"}
+    assert got[("lmlaunch_slurm_up", ())] == 1 and got[("lmlaunch_runs", (("group", "completed"),))] == 1
+
+
+def _lm(env: dict, *args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(args), Context(stdout=out, stderr=err, environ=env))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_write_leaves_one_prom_file_for_the_textfile_collector_and_bad_input_is_said(tmp_path):
+    _runs(tmp_path / "home")
+    env = {"LMLAUNCH_HOME": str(tmp_path / "home")}
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "home" / "runs").rglob("*"))
+    (tmp_path / "textfile").mkdir()
+    code, out, err = _lm(env, "metrics", "write", str(tmp_path / "textfile"))
+    assert code == 0, err
+    assert [p.name for p in (tmp_path / "textfile").iterdir()] == ["lmlaunch.prom"]  # no temporary file left
+    got = _samples((tmp_path / "textfile" / "lmlaunch.prom").read_text())
+    assert got[("lmlaunch_run_step", (("run", "train"),))] == 60
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "home" / "runs").rglob("*")) == before  # read only
+    code, _, err = _lm(env, "metrics", "write", str(tmp_path / "missing"))
+    assert code == 2 and "not a directory" in err
+    for bad in ("abc:x", "127.0.0.1:0", "127.0.0.1:70000", ""):
+        code, _, err = _lm(env, "metrics", "serve", "--listen", bad)
+        assert code == 2 and "expected HOST:PORT or PORT" in err, (bad, err)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_real_prometheus_scrapes_the_exporter_and_a_taken_port_is_said(tmp_path):
+    prometheus = shutil.which("prometheus")
+    assert prometheus, "Debian's prometheus is missing: scripts/setup.sh installs it (as root)"
+    _runs(tmp_path / "home")
+    env = {"LMLAUNCH_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
+    port, web = _free_port(), _free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen", f"127.0.0.1:{port}",
+                              "--seconds", "600"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: lmlaunch\n"
+                      f"    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n")
+    server = subprocess.Popen([prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                               f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / "prometheus.log", "w"))
+    try:
+        def query(expr: str) -> list:
+            url = f"http://127.0.0.1:{web}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+            try:
+                with urllib.request.urlopen(url, timeout=HANG_S) as r:
+                    return json.loads(r.read())["data"]["result"]
+            except OSError:
+                return []
+
+        step = waiting.until(lambda: query('lmlaunch_run_step{run="train"}'), what="Prometheus' scrape of the run",
+                             progress=waiting.watching(waiting.process_cpu(server.pid), waiting.process_cpu(serve.pid)),
+                             explain=lambda: (tmp_path / "prometheus.log").read_text()[-2000:])
+        assert float(step[0]["value"][1]) == 60 and step[0]["metric"]["job"] == "lmlaunch"
+        ended = query('lmlaunch_run_attempts_ended_total{reason="preempted"}')
+        assert [(e["metric"]["run"], float(e["value"][1])) for e in ended] == [("train", 1.0)]
+        assert [e["metric"]["run"] for e in query('lmlaunch_run_info{group="completed"}')] == ["done"]
+        # the same port again: a clear error, not a traceback
+        taken = subprocess.run([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen",
+                                f"127.0.0.1:{port}", "--seconds", "1"], env=env, capture_output=True, text=True,
+                               timeout=HANG_S)
+        assert taken.returncode == 2 and "the port is in use" in taken.stderr, taken.stderr
+    finally:
+        server.terminate()
+        serve.terminate()
+        server.wait(timeout=HANG_S)
+        serve.wait(timeout=HANG_S)
