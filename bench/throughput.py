@@ -89,6 +89,10 @@ class BenchConfig:
     b_overrides: tuple[str, ...] = ()  # (b) only (the DeepSpeed strategy)
 
 
+# the tiny job as every CPU smoke configuration trains it
+CPU_SMOKE = ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
+             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0")
+
 CONFIGS: dict[str, BenchConfig] = {
     c.name: c
     for c in (
@@ -124,16 +128,14 @@ CONFIGS: dict[str, BenchConfig] = {
             "smoke", "CPU smoke: tiny GPT-2 (2 layers, 128 wide), B=8, T=128, 32-true, clip 1.0; "
             "hand-written loop vs project path (not a performance figure)",
             "jobs/tiny-cpu.yaml",
-            ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
-             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0"),
+            CPU_SMOKE,
             gpu=False, warmup=3, steps=10,
         ),
         BenchConfig(
             "smoke-deepspeed", "CPU smoke of the deepspeed configurations' mechanics: project path twice in one "
             "process ((a) DDP, (b) DeepSpeed ZeRO-2 on its CPU accelerator; see b_strategy)",
             "jobs/tiny-cpu.yaml",
-            ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
-             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0"),
+            CPU_SMOKE,
             gpu=False, warmup=3, steps=10, kind="deepspeed",
             b_overrides=("trainer.strategy=deepspeed", "trainer.zero_stage=2"),
         ),
@@ -141,8 +143,7 @@ CONFIGS: dict[str, BenchConfig] = {
             "smoke-fsdp", "CPU smoke of the fsdp configuration's mechanics: project path twice in one process ((a) "
             "DDP, (b) FSDP2 on a one-rank mesh)",
             "jobs/tiny-cpu.yaml",
-            ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
-             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0"),
+            CPU_SMOKE,
             gpu=False, warmup=3, steps=10, kind="deepspeed", b_overrides=("trainer.strategy=fsdp",),
         ),
     )

@@ -26,39 +26,27 @@ if ((${#need[@]})); then
   fi
 fi
 
-# 1b. OpenSSH's server for the tests of remote use (they start their own sshd on a loopback port):
-# installed with a policy that starts no service, so no system sshd comes up on port 22.
-if ! dpkg-query -W -f='${Status}' openssh-server 2>/dev/null | grep -q "install ok installed"; then
-  if [ "$(id -u)" = 0 ]; then
-    log "installing openssh-server (apt; its service not started)"
-    export DEBIAN_FRONTEND=noninteractive
-    made_policy=0
-    if [ ! -e /usr/sbin/policy-rc.d ]; then
-      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && made_policy=1
-    fi
-    { apt-get install -y -qq openssh-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq openssh-server >/dev/null; }; }
-    if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
-  else
-    log "missing system package: openssh-server (the remote tests' sshd); as root run: apt-get install -y openssh-server"
+# 1b. Servers the tests start themselves on loopback ports, installed with a policy that starts no
+# service (no system sshd on port 22, no system Prometheus): OpenSSH's (the remote tests' login
+# node) and Prometheus' (the metrics test scrapes `lmlaunch metrics serve`).
+install_without_service() {  # PACKAGE WHAT-FOR
+  dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed" && return 0
+  if [ "$(id -u)" != 0 ]; then
+    log "missing system package: $1 ($2); as root run: apt-get install -y $1"
+    return 0
   fi
-fi
-
-# 1c. Prometheus' server for the test that scrapes `lmlaunch metrics serve` (the test starts its own on a
-# loopback port): installed with a policy that starts no service.
-if ! command -v prometheus >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then
-    log "installing prometheus (apt; its service not started)"
-    export DEBIAN_FRONTEND=noninteractive
-    made_policy=0
-    if [ ! -e /usr/sbin/policy-rc.d ]; then
-      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && made_policy=1
-    fi
-    { apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }
-    if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
-  else
-    log "missing system package: prometheus (the metrics test's server); as root run: apt-get install -y prometheus"
+  log "installing $1 (apt; its service not started)"
+  export DEBIAN_FRONTEND=noninteractive
+  local made_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && made_policy=1
   fi
-fi
+  { apt-get install -y -qq --no-install-recommends "$1" >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq --no-install-recommends "$1" >/dev/null; }; }
+  if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+}
+install_without_service openssh-server "the remote tests' sshd"
+install_without_service prometheus "the metrics test's server"
 
 # 2. Python environment: torch pinned first so nothing pulls a CUDA build.
 # The Python to build it on: LMLAUNCH_PYTHON, else a Python 3.11 outside /usr where there is one
