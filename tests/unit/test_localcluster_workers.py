@@ -82,7 +82,6 @@ def test_a_pid_file_whose_pid_now_belongs_to_a_newer_process_is_stale(tmp_path):
     (the nodes stayed down). A pid file names its daemon only if the process is older than the
     file; and `stop` never signals a process a stale pid file names."""
     import subprocess
-    import time
 
     from launcher.localcluster import daemons
 
@@ -115,16 +114,16 @@ def test_a_clusters_environment_drops_another_local_clusters_commands(monkeypatc
 def test_a_daemon_still_logging_its_start_is_waited_for_and_a_silent_one_is_not(tmp_path):
     """The local cluster's start-up waits are bounded by the daemon's progress (its log growing),
     not by a figure tuned on one machine's speed."""
-
     log = tmp_path / "daemon.log"
     log.write_text("")
-    started = time.monotonic()
+    calls = []
 
-    def up() -> bool:  # a slow daemon: logs a line every 0.1 s, answers after 0.6 s (3x the timeout)
+    def up() -> bool:  # a slow daemon: a log line at every look, up at the 40th (4 s: twice the timeout)
+        calls.append(1)
         with log.open("a") as f:
             f.write("starting\n")
-        return time.monotonic() - started > 0.6
+        return len(calls) >= 40
 
-    wait_until(up, 0.2, "slow daemon", log, poll=0.1)
+    wait_until(up, 2.0, "slow daemon", log, poll=0.1)
     with pytest.raises(ClusterError, match=r"silent daemon did not come up: .* its log quiet"):
-        wait_until(lambda: False, 0.2, "silent daemon", log, poll=0.05)
+        wait_until(lambda: False, 1.0, "silent daemon", log, poll=0.05)
