@@ -98,12 +98,18 @@ def run_task(run_dir: str | Path) -> int:
             from lmtrain.evaluate import run_eval
 
             try:
-                return run_eval(plan, env, rv.attempt)
+                code = run_eval(plan, env, rv.attempt)
             finally:
                 signals.restore()
-        from lmtrain.training import train
+        else:
+            from lmtrain.training import train
 
-        return train(plan, env, rv.attempt, resume=rv.resume)
+            code = train(plan, env, rv.attempt, resume=rv.resume)
+        if code == 0:
+            from lmtrain.task_env import leave_process_group
+
+            leave_process_group()  # before the interpreter's teardown (an abort there fails the job)
+        return code
 
 
 def _meet(plan: LaunchPlan) -> tuple[TaskEnv, Gate, Rendezvous]:

@@ -24,7 +24,7 @@ from _extra_callbacks import run_task_with
 
 READS: dict[int, list[tuple[str, str]]] = defaultdict(list)
 STEP = [0]
-WRAPPING: dict[str, str | None] = {}  # the strategy and what it wraps the module in
+WRAPPING: dict[str, str | bool | None] = {}  # the strategy, what it wraps the module in, whether the group parted
 
 
 def _counting(name: str):
@@ -77,6 +77,9 @@ def main() -> int:
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy", "cpu"):
         _counting(name)
     code = run_task_with(run_dir, lambda _: [StepCounter()])
+    import torch.distributed as dist
+
+    WRAPPING["group_left"] = not dist.is_initialized()  # lmtrain.task_env.leave_process_group, before exit
     if os.environ.get("RANK") == "0":
         Path(run_dir, "host-reads.json").write_text(json.dumps({str(k): v for k, v in READS.items() if k > 0}))
         Path(run_dir, "wrapping.json").write_text(json.dumps(WRAPPING))

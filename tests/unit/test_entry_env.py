@@ -104,3 +104,34 @@ def test_a_local_rank_keeps_the_launchers_pythonpath_after_the_plans():
     env = worker_env(0, 1, port=29500, job_id="j", plan_env=plan_env, base={"PYTHONPATH": "/opt/site", "SLURM_JOB_ID": "4"})
     assert env["PYTHONPATH"] == "/runs/r/code:/opt/site" and "SLURM_JOB_ID" not in env
     assert worker_env(0, 1, port=29500, job_id="j", plan_env=plan_env, base={})["PYTHONPATH"] == "/runs/r/code"
+
+
+def _one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    return dist
+
+
+def test_a_rank_leaves_its_process_groups_before_it_exits(tmp_path):
+    from lmtrain.task_env import leave_process_group
+
+    dist = _one_rank_group(tmp_path)
+    dist.new_group([0])  # a subgroup too (device meshes make them)
+    assert leave_process_group() and not dist.is_initialized()
+    assert leave_process_group()  # nothing left: nothing to do
+
+
+def test_a_parting_that_hangs_is_given_up_on_and_the_rank_exits(tmp_path, monkeypatch, caplog):
+    from lmtrain import task_env
+
+    dist = _one_rank_group(tmp_path)
+    release = threading.Event()
+    real = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait())  # a peer that never parts
+    try:
+        assert task_env.leave_process_group(within_s=0.2) is False
+        assert "did not part within" in caplog.text
+    finally:
+        release.set()
+        real()

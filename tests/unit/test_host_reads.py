@@ -56,7 +56,8 @@ def test_lmtrain_reads_device_values_on_logging_steps_only(repo, runs_root, case
                   command=[sys.executable, "-u", str(HELPER), plan.paths.run_dir])
     assert code == 0, out.getvalue()[-4000:]
     wrapping = json.loads(Path(plan.paths.run_dir, "wrapping.json").read_text())
-    assert wrapping == {"strategy": strategy, "model": wrapper}, wrapping
+    # every process group destroyed before the interpreter's teardown (gloo's threads can abort it)
+    assert wrapping == {"strategy": strategy, "model": wrapper, "group_left": True}, wrapping
     reads = json.loads(Path(plan.paths.run_dir, "host-reads.json").read_text())
     assert sorted(map(int, reads)) == list(range(1, MAX_STEPS + 1))
     micro_batches = 16 // 4 // ranks  # global batch 16, micro batch 4
