@@ -2,7 +2,7 @@
 torch.save measured in the same run.
 
 A GPT-2 124M (fp32 weights + AdamW state: about 1.5 GB in Lightning's checkpoint file) trains
-on CPU in 2 local processes (DDP on gloo, ``lmtrain.local`` as `lmlaunch run --local` starts
+on CPU in 2 local processes (DDP on gloo, ``lmtrain.local.launch`` as `lmlaunch run --local` starts
 them) for ``--steps`` steps with a periodic checkpoint every 2 steps, written in the background
 (checkpoint.async_save), and the final checkpoint, written synchronously. Every save's
 heartbeat line says how long training was held (``blocked_s``) and how long until COMPLETE
@@ -81,7 +81,7 @@ def _mem_total() -> int:
 def train(spec: str, extra: tuple[str, ...], work: Path, steps: int) -> tuple[Path, list[dict]]:
     from launcher.commands.run import prepare_local_run
     from launcher.core.jsonlines import read_jsonl
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
 
     overrides = [
         f"data.path={REPO / 'data' / 'prepared' / 'tiny'}", "data.seq_len=32", "data.micro_batch_size=1",

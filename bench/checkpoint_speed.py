@@ -2,7 +2,7 @@
 
 For each configuration (one process each):
 
-1. The project's path (``lmtrain.entry.run_task`` on a run directory planned like
+1. The project's path (``lmtrain.task.entry.run_task`` on a run directory planned like
    ``lmlaunch run --local [--gpus]`` plans it, in this process, one rank) trains ``stop_after``
    steps; right after that step boundary the process sends itself SIGTERM, exactly what SLURM
    sends on preemption. lmtrain's handler records it, every rank agrees to stop at the next step
@@ -52,7 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput as tp
 
-from lmtrain.task_env import free_port
+from lmtrain.distributed.task_env import free_port
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def resume_child(run_dir: str, report: Path) -> int:
     import lightning  # noqa: F401  (counted in the import time, as in a real task)
     import torch  # noqa: F401
 
-    import lmtrain.entry  # noqa: F401
+    import lmtrain.task.entry  # noqa: F401
 
     imported_at = time.time()
     probe = tp._probe_class()(None, None)

@@ -58,9 +58,9 @@ def _corpus(root: Path, copies: int) -> tuple[Path, list[str]]:
 
 
 def bench_prepare(root: Path, copies: int, reps: int) -> dict:
-    from lmtrain.prepare import prepare
-    from lmtrain.tokenizer import load_tokenizer
-    from lmtrain.tokenizer_train import train_tokenizer
+    from lmtrain.data.prepare.build import prepare
+    from lmtrain.data.prepare.tokenizer import load_tokenizer
+    from lmtrain.data.prepare.tokenizer_train import train_tokenizer
 
     corpus, docs = _corpus(root, copies)
     train_tokenizer([corpus], root / "tok", vocab_size=4096)
@@ -120,7 +120,7 @@ def bench_cluster(root: Path, corpus: str, tokenizer: str) -> list[dict]:
 def _stores(root: Path) -> None:
     """The shipped corpus's two jsonl files three times in one store (``one``), and once in each
     of three stores (``s0``..``s2``): the mixture and its baseline hold the same tokens."""
-    from lmtrain.prepare import prepare
+    from lmtrain.data.prepare.build import prepare
 
     corpus = REPO / "data" / "corpus"
     files = [corpus / "licenses.jsonl", corpus / "python-docs.jsonl"]
@@ -134,7 +134,7 @@ def _loaders(root: Path, seq_len: int) -> dict:
     """name -> (the train loader's iterator, its sampler) of the one store and of the mixture."""
     from types import SimpleNamespace
 
-    from lmtrain.data import make_dataloaders
+    from lmtrain.data.loader import make_dataloaders
 
     common = {"seq_len": seq_len, "micro_batch_size": 8, "num_workers": 0, "val_fraction": 0.0}
     specs = {"one": SimpleNamespace(path=str(root / "one"), sources=None, **common),
@@ -198,7 +198,7 @@ def bench_steps(root: Path, pairs: int) -> dict:
     import torch
     import yaml
 
-    from lmtrain.model import build_model
+    from lmtrain.model.causal_lm import build_model
 
     _stores(root)
     its = _loaders(root, 128)
@@ -233,7 +233,7 @@ def bench_training(root: Path, pairs: int, steps: int = 60) -> dict:
 
     from launcher.commands.run import prepare_local_run
     from launcher.core.jsonlines import read_jsonl
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
 
     _stores(root)
     base = yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text())

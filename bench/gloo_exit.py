@@ -2,8 +2,8 @@
 
 A rank that exits with torch.distributed's process groups alive can abort in the interpreter's
 C++ teardown ("terminate called without an active exception"): its job trained to the end and
-SLURM records it FAILED. ``lmtrain.task_env.leave_process_group`` destroys the groups first
-(lmtrain.entry calls it when an attempt ends well). Here ``--ranks`` fresh processes meet on gloo
+SLURM records it FAILED. ``lmtrain.distributed.task_env.leave_process_group`` destroys the groups first
+(lmtrain.task.entry calls it when an attempt ends well). Here ``--ranks`` fresh processes meet on gloo
 over loopback, all_reduce and all_gather, and exit; ``--rounds`` times each way, alternating.
 
 Goal: **no aborts with the parting**; the figure without it is the baseline (it varies by host:
@@ -37,7 +37,7 @@ for _ in range(5):
 out = [torch.empty(1) for _ in range(world)]
 dist.all_gather(out, torch.tensor([float(rank)]))
 if part:
-    from lmtrain.task_env import leave_process_group
+    from lmtrain.distributed.task_env import leave_process_group
 
     assert leave_process_group()
 """

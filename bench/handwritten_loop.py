@@ -3,17 +3,17 @@
 What a careful researcher would write without any framework, for the same model, the same
 batches and the same optimizer settings as the project's training path:
 
-- the model from :func:`lmtrain.model.build_model` (same transformers class, same seed, so the
+- the model from :func:`lmtrain.model.causal_lm.build_model` (same transformers class, same seed, so the
   same initial weights), ``torch.compile`` on CUDA;
 - bf16 autocast on CUDA (fp32 master weights, as Lightning's ``bf16-mixed``); fp32 on CPU;
-- AdamW with the project's weight-decay groups and LR schedule (:func:`lmtrain.module.param_groups`,
-  :func:`lmtrain.module.lr_at`), ``fused=True`` on CUDA, ``foreach=True`` on CPU;
+- AdamW with the project's weight-decay groups and LR schedule (:func:`lmtrain.model.module.param_groups`,
+  :func:`lmtrain.model.module.lr_at`), ``fused=True`` on CUDA, ``foreach=True`` on CPU;
 - gradient clipping to ``clip`` with ``torch.nn.utils.clip_grad_norm_`` (multi-tensor kernel,
   no host sync);
 - no logging, no checkpoints, no host sync inside the timed window.
 
 Batches come from the loader the caller passes (bench/throughput.py passes the one
-:func:`lmtrain.data.make_dataloaders` builds for the project path, with the same seed), so both
+:func:`lmtrain.data.loader.make_dataloaders` builds for the project path, with the same seed), so both
 paths see identical token windows in the same order.
 
 Timing: ``warmup`` steps first (compilation and allocator warm-up happen there), then
@@ -53,7 +53,7 @@ def _sync(device: torch.device) -> None:
 
 def train_handwritten(
     model_spec: dict[str, Any],
-    optim: Any,  # lmtrain.module.OptimSettings
+    optim: Any,  # lmtrain.model.module.OptimSettings
     loader: Iterable[Any],
     *,
     device: torch.device,
@@ -65,8 +65,8 @@ def train_handwritten(
     compile_model: bool | None = None,
 ) -> LoopResult:
     """Train ``warmup + steps`` optimizer steps (one micro batch each) and time the last ``steps``."""
-    from lmtrain.model import build_model
-    from lmtrain.module import lr_at, param_groups
+    from lmtrain.model.causal_lm import build_model
+    from lmtrain.model.module import lr_at, param_groups
 
     if steps < 1 or warmup < 1:
         raise ValueError(f"need warmup >= 1 and steps >= 1 (got warmup={warmup}, steps={steps})")

@@ -3,7 +3,7 @@ same invocation (alternating order), on the tiny CPU model through the real entr
 
 The webhook is a blackhole (a TCP listener that accepts and never answers, so every delivery
 waits its whole timeout and retries): the messages are sent from a background thread, so the
-step time must not change; the attempt's end may wait up to lmtrain.notify.CLOSE_WAIT_S for the
+step time must not change; the attempt's end may wait up to lmtrain.observe.notify.CLOSE_WAIT_S for the
 queue (reported as ``end_wait_s``, from the last step line to the process exit).
 
 usage: python bench/notify_overhead.py [--steps 60] [--repeat 2] [--json]
@@ -36,7 +36,7 @@ def _blackhole() -> tuple[socket.socket, str]:
 
 def _run(name: str, steps: int, root: Path, webhook: str | None) -> dict:
     from launcher.commands.run import prepare_local_run
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
 
     overrides = ["trainer.limit_val_batches=0", "trainer.val_check_interval=null", "trainer.log_every_n_steps=1",
                  "checkpoint.every_n_steps=1000", "data.num_workers=0"]

@@ -4,7 +4,7 @@ measured in the same run.
 One run of jobs/tiny-cpu.yaml (2 nodes x 1 task, gloo; ``--spec`` for another) is preempted
 ``--preemptions`` times (`lmlaunch preempt --mode requeue --start-now`: a real partition
 preemption, the requeued job started at once). Every attempt writes a ``startup`` record into
-its ledger (lmtrain.startup); for every restarted attempt this prints its phases and
+its ledger (lmtrain.observe.startup); for every restarted attempt this prints its phases and
 
 - ``process_to_first_step_s``: the task process's start -> its first optimizer step;
 - ``requeue_gap_s``: the previous attempt's end line -> this attempt's process start (SLURM:

@@ -9,7 +9,7 @@ layer, 64 wide, T=32, B=4), so what the framework adds per step is what is measu
 - (b) a bare Lightning Trainer: a minimal LightningModule around the same model and optimizer,
   the same strategy (DDPStrategy on gloo, 1 process), no logger, no checkpointing, no progress
   bar, no callbacks;
-- (c) the project's path: ``lmtrain.entry.run_task`` on a run directory planned by
+- (c) the project's path: ``lmtrain.task.entry.run_task`` on a run directory planned by
   ``launcher.commands.run.prepare_local_run`` (LMModule, logging every ``log_every_n_steps``,
   heartbeat, TensorBoard and CSV loggers, stop agreement, checkpoint callback, hang watchdog).
 
@@ -53,7 +53,7 @@ from throughput import (
     versions,
 )
 
-from lmtrain.task_env import free_port
+from lmtrain.distributed.task_env import free_port
 
 GOAL_OVER_LIGHTNING_MS = 1.0
 GOAL_OVER_HANDWRITTEN_MS = 5.0
@@ -73,9 +73,9 @@ def lightning_side(plan, warmup: int, steps: int) -> dict:
     import lightning.pytorch as pl
     import torch
 
-    from lmtrain.data import make_dataloaders
-    from lmtrain.model import build_model
-    from lmtrain.module import OptimSettings, lr_at, param_groups
+    from lmtrain.data.loader import make_dataloaders
+    from lmtrain.model.causal_lm import build_model
+    from lmtrain.model.module import OptimSettings, lr_at, param_groups
 
     spec, t = plan.spec, plan.trainer
     optim = OptimSettings.from_spec(spec["optim"], t.max_steps)

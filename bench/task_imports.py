@@ -2,9 +2,9 @@
 
 Every SLURM task (and every rank a local launch cannot fork from a zygote) starts a fresh
 interpreter that imports torch, Lightning (with torchmetrics and torch._dynamo) and transformers
-before it can train: most of a short attempt's CPU. ``lmtrain.startup.imports_without_gc`` pauses
+before it can train: most of a short attempt's CPU. ``lmtrain.observe.startup.imports_without_gc`` pauses
 the cyclic collector while they load. Here each side is a fresh interpreter doing the task's imports
-(``lmtrain.preemption`` and the frameworks, as ``lmtrain.entry.run_task`` does), ``--runs`` times,
+(``lmtrain.preemption`` and the frameworks, as ``lmtrain.task.entry.run_task`` does), ``--runs`` times,
 alternating; the figure is each process's own CPU time (user + system, from ``wait4``).
 
 Goal: **the task's imports take at most 0.9x the CPU with the collector paused** (medians).
@@ -31,7 +31,7 @@ IMPORTS = """
 import lmtrain.preemption.controller, lightning.pytorch, torch, transformers
 from transformers import GPT2LMHeadModel
 """
-PAUSED = "from lmtrain.startup import imports_without_gc\nwith imports_without_gc(freeze=True):\n" + "".join(
+PAUSED = "from lmtrain.observe.startup import imports_without_gc\nwith imports_without_gc(freeze=True):\n" + "".join(
     f"    {line}\n" for line in IMPORTS.strip().splitlines())
 
 

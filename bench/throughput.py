@@ -5,7 +5,7 @@ For each configuration, one process trains the same model on the same batches tw
 - ``handwritten`` configurations (gpt2-124m, llama-1b, smoke):
   (a) bench/handwritten_loop.py — a hand-written PyTorch loop (torch.compile and fused AdamW on
       CUDA, bf16 autocast, clip 1.0);
-  (b) the project's path — ``lmtrain.entry.run_task`` on a run directory planned by
+  (b) the project's path — ``lmtrain.task.entry.run_task`` on a run directory planned by
       ``launcher.commands.run.prepare_local_run`` (``launcher.core.planner.make_plan`` with the job's
       cluster profile): the same entry, LMModule, callbacks, loggers, strategy and Trainer
       construction a SLURM task runs, in this process (1 rank).
@@ -18,13 +18,13 @@ with ``torch.cuda.synchronize()`` at both ends of the timed window. One JSON lin
 configuration: tokens/s and MFU of (a) and (b) and the ratio (b)/(a).
 
 Data: the shipped corpus prepared at data/prepared/tiny (byte-level, vocab 260; prepared here
-when missing). Both sides read it through the same ``lmtrain.data.make_dataloaders`` with the
+when missing). Both sides read it through the same ``lmtrain.data.loader.make_dataloaders`` with the
 same seed, so they train on identical batches in the same order. The models keep their job's
 vocabulary (50304 for GPT-2, 32000 for Llama): the ids are < 260, which does not change the
 work per token.
 
 MFU = tokens/s x flops_per_token / peak, flops_per_token = 6 N + 12 L H T (N: parameters that
-take part in a matmul per token — lmtrain.model.model_shape; L layers, H hidden size, T sequence
+take part in a matmul per token — lmtrain.model.causal_lm.model_shape; L layers, H hidden size, T sequence
 length), peak 989.5e12 FLOP/s (H100 SXM / H200 dense bf16). MFU is null on CPU, on other GPUs
 and for non-bf16 precision.
 
@@ -53,7 +53,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from lmtrain.task_env import free_port
+from lmtrain.distributed.task_env import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # Importable without `pip install -e .` (the GPU machine gets the working tree only).
@@ -66,7 +66,7 @@ FLOPS_FORMULA = "flops_per_token = 6*N + 12*L*H*T (N = matmul parameters, L laye
 DATA_DIR = REPO / "data" / "prepared" / "tiny"
 DATA_NOTE = (
     "shipped corpus data/prepared/tiny (byte-level, vocab 260), identical batches for (a) and (b) "
-    "from lmtrain.data.make_dataloaders with the same seed"
+    "from lmtrain.data.loader.make_dataloaders with the same seed"
 )
 # Every configuration: no validation and no periodic checkpoint inside the run.
 COMMON = ("trainer.val_check_interval=null", "trainer.limit_val_batches=0", "checkpoint.every_n_steps=1000000")
@@ -154,7 +154,7 @@ GPU_CONFIGS = ("gpt2-124m", "llama-1b", "zero1", "zero2", "zero3", "fsdp")
 # --------------------------------------------------------------------------- environment
 def ensure_data(path: Path = DATA_DIR) -> Path:
     """The prepared shipped corpus (``lmlaunch data prepare`` output); made here when missing."""
-    from lmtrain.prepare import prepare, shipped_corpus_files
+    from lmtrain.data.prepare.build import prepare, shipped_corpus_files
 
     if not (path / "meta.json").is_file():
         prepare(shipped_corpus_files(), path, if_missing=True)
@@ -162,7 +162,7 @@ def ensure_data(path: Path = DATA_DIR) -> Path:
 
 
 def set_single_rank_env(job_id: str) -> None:
-    """This process is rank 0 of 1, as ``lmtrain.local`` starts a rank (lmtrain.task_env.read_env)."""
+    """This process is rank 0 of 1, as ``lmtrain.local.launch`` starts a rank (lmtrain.distributed.task_env.read_env)."""
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
         del os.environ[key]  # not a SLURM task, even inside an allocation
     os.environ.update({
@@ -176,7 +176,7 @@ def apply_plan_env(plan) -> list[str]:
     """The plan's process environment minus what is about the cluster fabric (NCCL/IB names,
     run-dir paths) — e.g. CUDA_DEVICE_MAX_CONNECTIONS; set before CUDA starts, for both sides."""
     keep = {k: v for k, v in plan.env.items() if not k.startswith(("NCCL_", "TORCH_NCCL_", "LMLAUNCH_"))}
-    from lmtrain.local import planned_over
+    from lmtrain.local.launch import planned_over
 
     merged = planned_over(os.environ, keep)  # an inherited PYTHONPATH kept after the plan's, as jobs do
     os.environ.update({k: merged[k] for k in keep})
@@ -219,9 +219,9 @@ def device_name() -> str:
 
 
 def peak_flops(precision: str) -> float | None:
-    """Dense peak FLOP/s of this GPU for the precision (lmtrain.model's table, the one the
+    """Dense peak FLOP/s of this GPU for the precision (lmtrain.model.causal_lm's table, the one the
     training heartbeat's MFU uses: 989.5e12 bf16 for H100 SXM and H200), or None."""
-    from lmtrain.model import peak_flops_per_device
+    from lmtrain.model.causal_lm import peak_flops_per_device
 
     return peak_flops_per_device(precision)
 
@@ -230,7 +230,7 @@ def model_facts(model_spec: dict[str, Any], seq_len: int) -> dict[str, Any]:
     """N, L, H and FLOPs per token of the model, from a meta-device instance (no memory)."""
     import torch
 
-    from lmtrain.model import build_model, model_shape
+    from lmtrain.model.causal_lm import build_model, model_shape
 
     with torch.device("meta"):
         shape = model_shape(build_model({**model_spec, "compile": False}, seed=0))
@@ -351,10 +351,10 @@ def _probe_class():
 
 
 def run_project_path(run_dir: str | Path, probe) -> None:
-    """``lmtrain.entry.run_task`` on ``run_dir`` in this process, with ``probe`` after its
-    callbacks (``lmtrain.fit.Fit.callbacks`` wrapped for the call)."""
-    from lmtrain import fit
-    from lmtrain.entry import run_task
+    """``lmtrain.task.entry.run_task`` on ``run_dir`` in this process, with ``probe`` after its
+    callbacks (``lmtrain.task.fit.Fit.callbacks`` wrapped for the call)."""
+    from lmtrain.task import fit
+    from lmtrain.task.entry import run_task
 
     # Lightning's LightningEnvironment.teardown deletes WORLD_SIZE after each fit: set it again.
     set_single_rank_env(os.environ.get("LMTRAIN_JOB_ID") or f"bench-{os.getpid()}")
@@ -395,8 +395,8 @@ def handwritten_side(plan, warmup: int, steps: int) -> dict[str, Any]:
     import torch
     from handwritten_loop import train_handwritten
 
-    from lmtrain.data import make_dataloaders
-    from lmtrain.module import OptimSettings
+    from lmtrain.data.loader import make_dataloaders
+    from lmtrain.model.module import OptimSettings
 
     spec, t = plan.spec, plan.trainer
     if plan.topology.grad_accum != 1 or plan.topology.world_size != 1:

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmtrain.watchdog import ProgressWatchdog
+from lmtrain.health.watchdog import ProgressWatchdog
 
 
 class _Empty:

@@ -3,7 +3,7 @@ final step, registered as a run that ``status``, ``logs`` and ``cancel`` know.
 
 - The input files are listed here, in the order a local preparation takes them, and cut into
   ``--tasks`` contiguous slices; array task K tokenizes slice K into one shard per file
-  (lmtrain.prepare_task), in ``OUT.partial``. A task preempted or failed and requeued keeps the
+  (lmtrain.data.prepare.array_task), in ``OUT.partial``. A task preempted or failed and requeued keeps the
   shards it finished (each shard is written atomically, with its record) and redoes the rest.
 - ``--max-parallel`` throttles the array (``%K``). More tasks than one array may hold (the
   cluster's MaxArraySize, or ``--array-size`` for a site whose QOS caps a user's queued jobs
@@ -74,7 +74,7 @@ def array_script(job: ArrayJob, tasks: range, max_parallel: int) -> str:
     task = f"$((SLURM_ARRAY_TASK_ID + {tasks.start}))" if tasks.start else "$SLURM_ARRAY_TASK_ID"
     lines += ["export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
               # a job step: SLURM's preemption signals (SIGTERM, then SIGKILL after GraceTime) reach the task
-              f"exec srun --ntasks=1 {shell_quote(job.python)} -m lmtrain.prepare_task {shell_quote(job.run_dir)} "
+              f"exec srun --ntasks=1 {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} "
               f"\"{task}\""]
     return "\n".join(lines) + "\n"
 
@@ -83,7 +83,7 @@ def assemble_script(job: ArrayJob) -> str:
     lines = job.header(f"--output={job.run_dir}/submitit/%j_assemble_log.out",
                        f"--error={job.run_dir}/submitit/%j_assemble_log.err")
     lines += ["export PYTHONUNBUFFERED=1",
-              f"exec {shell_quote(job.python)} -m lmtrain.prepare_task {shell_quote(job.run_dir)} --assemble"]
+              f"exec {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} --assemble"]
     return "\n".join(lines) + "\n"
 
 
@@ -100,7 +100,7 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
                        time_limit: str, environ: Mapping[str, str], array_size: int | None = None) -> dict[str, Any]:
     """Queue the preparation; what was queued (run, job ids, files, slices, where the result goes)."""
     from launcher.resolve import runs_root_for
-    from lmtrain.corpus import Preparation, collect_inputs  # the standard library only: no numpy here
+    from lmtrain.data.prepare.corpus import Preparation, collect_inputs  # the standard library only: no numpy here
 
     minutes = _checked_options(tasks, max_parallel, time_limit, name)
     files = collect_inputs(inputs)

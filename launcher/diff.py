@@ -1,7 +1,7 @@
 """`lmlaunch diff RUN_A RUN_B`: only what differs between two runs, key by key: the spec, the plan
 (topology, SLURM parameters, environment, DeepSpeed JSON, Trainer arguments), the code snapshot
 (git commit, uncommitted changes, each file's hash) and what their last attempts ran on
-(packages, CUDA/NCCL, nodes, environment; lmtrain.environment_record writes it).
+(packages, CUDA/NCCL, nodes, environment; lmtrain.observe.environment_record writes it).
 
 Values that name the run itself (its directory, its name) are compared as ``<run_dir>`` and
 ``<name>``, and SLURM's per-job variables are left out, so two runs of one sweep differ exactly

@@ -238,7 +238,7 @@ def probe_dir(path: Path) -> tuple[int | None, bool, str | None]:
 def runtime_imports(plan: LaunchPlan) -> Check:
     """The tasks' interpreter, after the profile's setup lines, imports the runtime. Checked on
     this machine: the nodes must see the same filesystem (`doctor --on-nodes` would ask them)."""
-    script = "\n".join([*plan.setup, f"{plan.python} -c 'import lmtrain.entry, torch, lightning, transformers'"])
+    script = "\n".join([*plan.setup, f"{plan.python} -c 'import lmtrain.task.entry, torch, lightning, transformers'"])
     try:
         proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                               timeout=RUNTIME_IMPORT_TIMEOUT_S, check=False)
@@ -287,7 +287,7 @@ def _model_checks(plan: LaunchPlan, profile: Profile, config: Mapping[str, str],
                   part: Mapping[str, str] | None) -> list[Check]:
     """What needs the model's size (torch and transformers: this command only): the preemption's
     grace against the checkpoint, the room for checkpoints, the data, the memory, the runtime."""
-    from lmtrain.model import parameter_count
+    from lmtrain.model.causal_lm import parameter_count
 
     job = plan.job_spec()
     try:

@@ -2,7 +2,7 @@
 
 One short job (srun, one task per node, the run's partition, account, QOS, node count, GRES and
 the profile's setup lines, so it lands on the kind of nodes the run would get) runs
-``python -m lmtrain.node_probe`` on every node (``launcher.core.node_facts`` is what comes back).
+``python -m lmtrain.health.node_probe`` on every node (``launcher.core.node_facts`` is what comes back).
 Pure ``judge_*`` functions then compare each node's GEMM, memory and write figures with the
 median of the nodes, check the ``*_SOCKET_IFNAME`` interfaces exist on each node, and hold the
 all-reduce bandwidth to the profile's ``min_allreduce_busbw_gbps``. The probe ignores the
@@ -164,7 +164,7 @@ def probe_command(plan: LaunchPlan, workdir: Path) -> str:
     setup = [] if box is not None else list(plan.setup)
     lines = [*setup, *(f"export {k}={shell_quote(v)}" for k, v in sorted(plan.env.items()) if k not in skip)]
     lines.append(f'echo "{NODE_LINE}${{SLURMD_NODENAME:-$(hostname)}} $SLURM_JOB_ID"')
-    inner = ["-m", "lmtrain.node_probe", "--workdir", str(workdir), "--checkpoint-dir", plan.paths.checkpoint_dir]
+    inner = ["-m", "lmtrain.health.node_probe", "--workdir", str(workdir), "--checkpoint-dir", plan.paths.checkpoint_dir]
     if box is None:
         args = [*shlex.split(plan.python), *inner]
     else:

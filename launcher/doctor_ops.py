@@ -1,4 +1,4 @@
-"""Doctor's check of DeepSpeed's JIT-built ops for the tasks' interpreter (lmtrain.jit_ops), run on
+"""Doctor's check of DeepSpeed's JIT-built ops for the tasks' interpreter (lmtrain.distributed.jit_ops), run on
 this machine after the profile's setup lines, as doctor's runtime check is (the nodes see the same
 filesystem): a ZeRO job whose ops are not built compiles them in every rank of its first attempt."""
 
@@ -14,14 +14,14 @@ from launcher.doctor import OK, RUNTIME_IMPORT_TIMEOUT_S, WARN, Check
 
 def jit_ops(plan: LaunchPlan, offload_optimizer: bool) -> Check | None:
     """Whether the DeepSpeed ops a ZeRO job compiles on first use are built for the tasks'
-    interpreter (lmtrain.jit_ops: one build folder per environment): the CPU shared-memory
+    interpreter (lmtrain.distributed.jit_ops: one build folder per environment): the CPU shared-memory
     collective on CPU jobs, the CPU Adam under offload_optimizer. None: the job needs none."""
     ops = ([] if plan.training.strategy != "deepspeed" or plan.trainer.accelerator != "cpu" else ["shm"]) + (
         ["cpu_adam"] if plan.training.strategy == "deepspeed" and offload_optimizer else [])
     if not ops:
         return None
     args = " ".join(f"--op {op}" for op in ops)
-    command = f"{plan.python} -m lmtrain.jit_ops --check {args}"
+    command = f"{plan.python} -m lmtrain.distributed.jit_ops --check {args}"
     script = "\n".join([*plan.setup, command])
     env = {**os.environ, **{k: v for k, v in plan.env.items() if k in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")}}
     try:

@@ -198,7 +198,7 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _memory_lines(ledger: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int | None, int | None]]:
     """attempt -> (the most model-state bytes a rank held, the highest device peak), from the
-    ledger's ``memory`` lines (lmtrain.memory_held)."""
+    ledger's ``memory`` lines (lmtrain.model.memory_held)."""
     out: dict[int, tuple[int | None, int | None]] = {}
     for x in ledger:
         if x.get("event") != "memory" or not isinstance(x.get("attempt"), int):

@@ -1,4 +1,4 @@
-"""The memory plan's inputs that only transformers can give (lmtrain.memory_facts: the parameters,
+"""The memory plan's inputs that only transformers can give (lmtrain.model.memory_facts: the parameters,
 and the activations a training forward saves, traced with fake tensors), gathered in this
 process and kept per model section, sequence length and versions of torch and transformers in
 the user's cache (beside launcher.model_check's answers): the first validate of a 7B model
@@ -23,7 +23,7 @@ from launcher.core.memory import ModelFacts
 from launcher.core.spec import JobSpec
 from launcher.model_check import cache_dir
 
-FACTS_VERSION = 4  # bump when lmtrain.memory_facts counts differently: older files are not reused
+FACTS_VERSION = 4  # bump when lmtrain.model.memory_facts counts differently: older files are not reused
 
 
 class _Traces(Mapping[tuple[str, bool], tuple[int, int, int, int]]):
@@ -38,7 +38,7 @@ class _Traces(Mapping[tuple[str, bool], tuple[int, int, int, int]]):
         compute, ckpt = key
         name = f"{compute}|{int(ckpt)}|{self.kernels}"
         if name not in self.known:
-            from lmtrain.memory_facts import activation_trace
+            from lmtrain.model.memory_facts import activation_trace
 
             got = []
             with _quiet():
@@ -94,11 +94,11 @@ def unavailable(spec: JobSpec) -> str | None:
 
 def model_facts(spec: JobSpec, environ: Mapping[str, str] | None = None, *, gpu: bool = False) -> ModelFacts:
     """The facts for ``spec`` (call :func:`unavailable` first); ``gpu``: activations as a GPU job's
-    kernels save them (lmtrain.memory_facts)."""
+    kernels save them (lmtrain.model.memory_facts)."""
     path = cache_dir(environ).parent / "memory-facts" / f"{_key(spec)}.json"
     data = _load(path)
     if data is None:
-        from lmtrain.memory_facts import parameter_facts
+        from lmtrain.model.memory_facts import parameter_facts
 
         with _quiet():
             data = {**parameter_facts(spec.model), "traces": {}}

@@ -1,7 +1,7 @@
 """The model section checked against the installed transformers before anything is planned or
 submitted: whatever validates builds. transformers holds what only it knows (an architecture's
 default special token ids, which attention kernels its model class supports, what sizes its
-layers take), so the check is lmtrain.model.check_model_spec, the runtime's own, run in this
+layers take), so the check is lmtrain.model.causal_lm.check_model_spec, the runtime's own, run in this
 process: importing the training stack costs about 3 s the first time a model section is seen;
 the answer is kept per model section and transformers version (in memory, and in the user's
 cache directory, so that the next validate, dry run or submit of it is instant). Without the
@@ -81,7 +81,7 @@ def _check(model: ModelSpec, split: TensorSplit | None) -> str:
     output: the problem, if any, is said once, naming the setting."""
     from transformers.utils import logging as hf_logging  # torch and transformers: the first time only
 
-    from lmtrain.model import check_model_spec
+    from lmtrain.model.causal_lm import check_model_spec
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -90,7 +90,7 @@ def _check(model: ModelSpec, split: TensorSplit | None) -> str:
             warnings.simplefilter("ignore")
             check_model_spec(model)
             if split is not None:
-                from lmtrain.tensor_parallel import check_split
+                from lmtrain.model.tensor_parallel import check_split
 
                 check_split(model, split)
     except ValueError as exc:

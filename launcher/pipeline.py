@@ -14,7 +14,7 @@ A pipeline file::
 
 Each stage is its own run, named ``<pipeline>.<stage>``. ``${STAGE.checkpoint}`` (and
 ``${STAGE.run_dir}``) in an override is the run directory of an earlier stage: an eval stage
-given it takes that run's newest complete checkpoint when it starts (lmtrain.evaluate), i.e. the
+given it takes that run's newest complete checkpoint when it starts (lmtrain.task.evaluate), i.e. the
 reference is resolved at run time. Every stage is validated and planned before anything is
 submitted; a stage that SLURM refuses cancels the stages submitted before it, so a pipeline is
 submitted whole or not at all. ``status`` shows a waiting stage with its reason (``Dependency``:

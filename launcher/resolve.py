@@ -68,7 +68,7 @@ def mixture_notes(spec: JobSpec, plan: LaunchPlan, stores: list[StoreIndex]) -> 
 def data_vocab_checks(stores: list[StoreIndex], model_vocab: int,
                       model_eos: tuple[int, ...] | None = None) -> tuple[list[str], list[str]]:
     """(problems, notes): each store whose index is readable here, against the model's vocabulary
-    and (a mixture) the first store's tokenizer (the runtime's lmtrain.data.check_same_tokens,
+    and (a mixture) the first store's tokenizer (the runtime's lmtrain.data.loader.check_same_tokens,
     before queue time). A store tokenized with more ids than the model's embedding holds is a
     problem (the runtime would stop on it); fewer is a note (rows never trained), and so is a
     store whose documents end with an id other than the model's ``eos_token_id`` (``model_eos``;

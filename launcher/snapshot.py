@@ -52,7 +52,7 @@ _SUFFIXES = {".py", ".typed", ".json", ".yaml", ".txt", ".sh"}
 
 @dataclass(frozen=True)
 class Snapshot:
-    files: dict[str, str]  # "lmtrain/module.py" -> sha256
+    files: dict[str, str]  # "lmtrain/model/module.py" -> sha256
     digest: str  # of all of them
     size: int  # bytes
     git: dict[str, object] | None  # commit, dirty, patch file
@@ -114,7 +114,7 @@ def read(run_dir: Path) -> Snapshot | None:
 
 
 def changes(old: Snapshot, new: Snapshot) -> list[str]:
-    """'changed lmtrain/module.py', 'added ...', 'removed ...'."""
+    """'changed lmtrain/model/module.py', 'added ...', 'removed ...'."""
     out = [f"changed {f}" for f in sorted(set(old.files) & set(new.files)) if old.files[f] != new.files[f]]
     out += [f"added {f}" for f in sorted(set(new.files) - set(old.files))]
     out += [f"removed {f}" for f in sorted(set(old.files) - set(new.files))]

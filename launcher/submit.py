@@ -83,10 +83,10 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
 
 
 def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
-    """srun's command: lmtrain.task_main (signals owned, then submitit's runner); submitit's own for older snapshots."""
+    """srun's command: lmtrain.task.main (signals owned, then submitit's runner); submitit's own for older snapshots."""
     code = rundir.RunLayout.of_plan(plan).code
-    old = code.is_dir() and not (code / "lmtrain" / "task_main.py").is_file()  # resumed without --new-code
-    runner = ["submitit.core._submit"] if old else ["lmtrain.task_main", "--signal", plan.preemption.signal]
+    old = code.is_dir() and not (code / "lmtrain" / "task" / "main.py").is_file()  # resumed without --new-code
+    runner = ["submitit.core._submit"] if old else ["lmtrain.task.main", "--signal", plan.preemption.signal]
     inner = ["-u", "-m", *runner, folder or plan.paths.submitit_dir]
     if plan.container is not None:  # the interpreter inside the container (launcher.core.container)
         return container.task_command(container.ContainerPlan.from_json(plan.container), inner)
@@ -109,11 +109,11 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
     """sbatch the plan through submitit's SlurmExecutor; returns the job id.
 
     The callable (``fn``, tests pass a trivial one) defaults to
-    ``lmtrain.task.TrainTask(run_dir)``, pickled by reference: the login node
+    ``lmtrain.task.train_task.TrainTask(run_dir)``, pickled by reference: the login node
     never imports torch, the task imports it when called on the allocation. The command srun
     starts is :func:`submit_command` and the script is exactly :func:`render_script`.
     """
-    from lmtrain.task import TrainTask
+    from lmtrain.task.train_task import TrainTask
 
     params = executor_parameters(plan, dependency)
     return run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],

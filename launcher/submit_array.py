@@ -83,7 +83,7 @@ def render_array_script(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, m
 def submit_array(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
                  dependency: str | None = None) -> list[str]:
     """sbatch one array whose task i runs the point in ``run_dirs[i]``; its tasks' job ids (A_i)."""
-    from lmtrain.task import TrainTask
+    from lmtrain.task.train_task import TrainTask
 
     plan = _array_plan(plan, sweep_dir)
     params = array_parameters(plan, run_dirs, sweep_dir, max_parallel, dependency)

@@ -90,13 +90,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 # DeepSpeed's CPU shared-memory collective op is compiled on first use (JIT, ~1 CPU-min) unless
-# it is built: build it here, once, into this environment's own folder (lmtrain.jit_ops: torch's
+# it is built: build it here, once, into this environment's own folder (lmtrain.distributed.jit_ops: torch's
 # default, ~/.cache/torch_extensions, is shared by every venv of the machine, and a venv reached
 # through another path builds it with other include paths: each rebuild holds a lock every ZeRO rank
 # waits on). The venv is taken by its real path (scripts/venv_env.sh), as test.sh and demo.sh run it.
 # shellcheck source=scripts/venv_env.sh
 source "$ROOT/scripts/venv_env.sh"
-if ! DS_ACCELERATOR=cpu "$PY" -m lmtrain.jit_ops --build >/dev/null 2>&1; then
+if ! DS_ACCELERATOR=cpu "$PY" -m lmtrain.distributed.jit_ops --build >/dev/null 2>&1; then
   log "DeepSpeed's CPU shared-memory op did not build here: ZeRO jobs build it on first use"
 fi
 

@@ -1,6 +1,6 @@
 """Suite-wide options: where the time goes (--timing-report), the two phases scripts/test.sh runs
 (--phase), the order tests are handed to parallel workers, results shared across workers, and one
-zygote per test process that local launches fork their ranks from (lmtrain.zygote)."""
+zygote per test process that local launches fork their ranks from (lmtrain.local.zygote)."""
 
 import gc
 import json
@@ -36,7 +36,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     # Collection imports torch, Lightning and transformers: with the collector paused until it
-    # ends (pytest_collection_finish), as a task's imports are (lmtrain.startup.imports_without_gc).
+    # ends (pytest_collection_finish), as a task's imports are (lmtrain.observe.startup.imports_without_gc).
     # Not in an xdist controller: it collects nothing, so that hook never runs there.
     if not _xdist_controller(config):
         gc.disable()
@@ -52,12 +52,12 @@ def _xdist_controller(config) -> bool:
 
 
 def _start_zygote(config) -> None:
-    """Local launches (lmtrain.local, also `lmlaunch run --local` started by a test) fork their ranks
+    """Local launches (lmtrain.local.launch, also `lmlaunch run --local` started by a test) fork their ranks
     from one zygote of this test process, which imported torch, Lightning and transformers once,
     instead of each rank importing them (about 9 CPU-s each on this machine, ~250 ranks in the suite).
     A launch whose environment differs in a variable the frameworks read at import starts plain
     processes. Not in an xdist controller (it runs no test); LMTRAIN_ZYGOTE=off turns it off."""
-    from lmtrain import zygote
+    from lmtrain.local import zygote
 
     if os.environ.get(zygote.SHARED_ENV) == "off" or _xdist_controller(config):
         return

@@ -1,5 +1,5 @@
 """The plan's memory estimate (launcher.core.memory) against what a run's ranks really held (the
-ledger's ``memory`` lines, lmtrain.memory_held): parameters, gradients and optimizer states of the
+ledger's ``memory`` lines, lmtrain.model.memory_held): parameters, gradients and optimizer states of the
 worst rank, per attempt, at the attempt's own world size (an elastic resume changes it)."""
 
 from __future__ import annotations

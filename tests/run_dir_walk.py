@@ -1,4 +1,4 @@
-"""Where a task's run directory goes: from ``lmtrain.entry.run_task``, every function that
+"""Where a task's run directory goes: from ``lmtrain.task.entry.run_task``, every function that
 receives the ``run_dir`` path as an argument, in the order a reader meets them.
 
 A static walk over the source (no import): a call passes the run directory when one of its
@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"launcher": REPO / "launcher", "lmtrain": REPO / "src" / "lmtrain"}
-START = ("lmtrain.entry", "run_task", "run_dir")
+START = ("lmtrain.task.entry", "run_task", "run_dir")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ lmlaunch data prepare --shipped-corpus --out DIR [--if-missing]
 lmlaunch data train-tokenizer INPUT... --out DIR --vocab-size N [--text-key K] [--skip-bad]
 lmlaunch data info DIR [--verify]
 
-Nothing heavy at import: lmtrain.prepare (numpy, no torch) is imported inside run(), and
+Nothing heavy at import: lmtrain.data.prepare.build (numpy, no torch) is imported inside run(), and
 transformers only when --tokenizer names a tokenizer directory.
 """
 
@@ -111,7 +111,7 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
     if args.on_cluster and not args.shipped_corpus:  # the nodes tokenize: this install needs no numpy
         return _on_cluster(args, list(args.inputs), ctx)
     runtime_stack.require("data prepare", ("numpy",) + (("transformers",) if args.tokenizer else ()))
-    from lmtrain.prepare import prepare, shipped_corpus_files
+    from lmtrain.data.prepare.build import prepare, shipped_corpus_files
 
     if args.shipped_corpus and args.inputs:
         raise UserError("give INPUT files or --shipped-corpus, not both")
@@ -167,7 +167,7 @@ def _say_skipped(ctx: Context, skipped: dict | None) -> None:
 
 def _train_tokenizer(args: argparse.Namespace, ctx: Context) -> int:
     runtime_stack.require("data train-tokenizer", ("tokenizers", "transformers"))
-    from lmtrain.tokenizer_train import train_tokenizer
+    from lmtrain.data.prepare.tokenizer_train import train_tokenizer
 
     r = train_tokenizer(args.inputs, args.out, vocab_size=args.vocab_size, text_key=args.text_key,
                         skip_bad=args.skip_bad, min_frequency=args.min_frequency)
@@ -181,7 +181,7 @@ def _train_tokenizer(args: argparse.Namespace, ctx: Context) -> int:
 
 def _info(args: argparse.Namespace, ctx: Context) -> int:
     runtime_stack.require("data info", ("numpy",))
-    from lmtrain.prepare import read_meta
+    from lmtrain.data.prepare.build import read_meta
 
     m = read_meta(args.dir, verify_checksum=args.verify)
     if args.json:

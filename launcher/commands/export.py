@@ -69,8 +69,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty directory: choose a new one")
+    from lmtrain.checkpoint.export import export_hf  # torch and transformers: only this command needs them
     from lmtrain.checkpoint.weights import UnreadableCheckpoint
-    from lmtrain.export import export_hf  # torch and transformers: only this command needs them
 
     try:
         summary = export_hf(plan, ckpt, out)

@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from lmtrain.notify import post  # urllib only: no torch
+    from lmtrain.observe.notify import post  # urllib only: no torch
 
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True)
     notify = r.plan.spec.get("notify") or {}

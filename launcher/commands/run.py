@@ -1,7 +1,7 @@
 """lmlaunch run job.yaml --local [--devices N] [--max-steps K] [overrides...] [--new|--resume]
 
 Runs the job on this machine's CPU with N processes on gloo, through the same entry a SLURM
-task runs (lmtrain.entry), in a run directory laid out like a submitted run's
+task runs (lmtrain.task.entry), in a run directory laid out like a submitted run's
 (``<runs root>/<name>-local``). The plan is made for 1 node x N tasks on the ``local``
 profile; every strategy runs as planned (DeepSpeed on its CPU accelerator, FSDP as FSDP2, on
 gloo). Exits with the training's exit code.
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         args.spec, args.overrides, devices=args.devices, max_steps=args.max_steps, name=args.name,
         environ=ctx.environ, new=args.new, resume=args.resume, new_code=args.new_code, gpus=args.gpus, say=ctx.out,
     )
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
 
     code = launch(plan.paths.run_dir, plan.topology.world_size, plan_env=plan.env, out=ctx.stdout,
                   threads_per_proc=plan.slurm.cpus_per_task)

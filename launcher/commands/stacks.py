@@ -41,7 +41,7 @@ def _running_job(name: str, run_dir: Path, job_ids: list[str]) -> tuple[str, slu
     if job_id is None:
         raise UserError(f"run '{name}' has no SLURM job (a local run, or never submitted): "
                         "`lmlaunch stacks` dumps the tasks of a running SLURM job")
-    if job_id.startswith("local-"):  # lmtrain.task_env: a `run --local` process has no SLURM job id
+    if job_id.startswith("local-"):  # lmtrain.distributed.task_env: a `run --local` process has no SLURM job id
         records, _ = read_task_records(run_dir, job_id, 0)
         pids = ", ".join(f"rank {r.rank}: pid {r.pid}" for r in records) or "none recorded"
         raise UserError(f"run '{name}' runs locally (`lmlaunch run --local`), not under SLURM: dump its processes "

@@ -1,7 +1,7 @@
 """Per-rank memory of a training job, planned before queue time (pure: no torch, no I/O).
 
 The model's facts (every parameter's size, first dimension, rank and block; the bytes a training
-forward saves, traced for the run's shapes) come from lmtrain.memory_facts through
+forward saves, traced for the run's shapes) come from lmtrain.model.memory_facts through
 launcher.memory_inputs. From them and the plan, :func:`estimate` gives one rank's breakdown:
 
 - **parameters, gradients, optimizer states** exactly as the engines hold them (the ledger's
@@ -45,7 +45,7 @@ _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What only transformers knows (lmtrain.memory_facts): ``params`` as (numel, dim0, ndim,
+    """What only transformers knows (lmtrain.model.memory_facts): ``params`` as (numel, dim0, ndim,
     block) with block -1 outside the transformer blocks; ``traces[(compute, checkpointing)]`` =
     (saved, head) bytes at micro batch 1 and 2, for ``seq_len``."""
 
@@ -132,7 +132,7 @@ def compute_mode(strategy: str, precision: str) -> str:
 
 
 def _groups(params: Sequence[tuple[int, int, int, int]]) -> list[list[int]]:
-    """lmtrain.module.param_groups: matrices and embeddings (decayed), then 1-D tensors."""
+    """lmtrain.model.module.param_groups: matrices and embeddings (decayed), then 1-D tensors."""
     return [[p[0] for p in params if p[2] >= 2], [p[0] for p in params if p[2] < 2]]
 
 
@@ -192,7 +192,7 @@ def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
                 Row("gradients", 4 * local, "fp32, sharded like the parameters"),
                 Row("optimizer states", 8 * local + 4 * n_tensors, "AdamW moments fp32, sharded")]
     total = f.total
-    if s.world_size == 1:  # one process runs without a data-parallel wrapper (lmtrain.strategies)
+    if s.world_size == 1:  # one process runs without a data-parallel wrapper (lmtrain.distributed.strategies)
         return [Row("parameters", 4 * total, "fp32, one process (no data-parallel wrapper)"),
                 Row("gradients", 4 * total, "fp32, the parameters' .grad"),
                 Row("optimizer states", 8 * total + 4 * n_tensors, "AdamW moments fp32, whole")]
@@ -260,7 +260,7 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
             root = sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] < 0)
             largest = max((sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] == b)
                            for b in range(f.blocks)), default=0)
-        if s.precision == "bf16-mixed":  # lmtrain.model.shard_fsdp2: gathered in bf16, reduced in fp32
+        if s.precision == "bf16-mixed":  # lmtrain.model.causal_lm.shard_fsdp2: gathered in bf16, reduced in fp32
             return Row("communication buffers", 2 * (root + 2 * largest) + (2 + 4) * largest,
                        "gathered root and blocks in bf16 (this and the prefetched one), a block's bf16 gradients "
                        "and their fp32 copy to reduce-scatter")

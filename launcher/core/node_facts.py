@@ -1,5 +1,5 @@
 """What `lmlaunch doctor --on-nodes` learns from each node, shared by the probe that measures it
-(``lmtrain.node_probe``, on the allocation) and the judgements that read it (``launcher.doctor_nodes``,
+(``lmtrain.health.node_probe``, on the allocation) and the judgements that read it (``launcher.doctor_nodes``,
 on the login node); and how a ``*_SOCKET_IFNAME`` variable selects interfaces. Pure.
 """
 

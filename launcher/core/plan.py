@@ -19,7 +19,7 @@ from launcher.core.spec import JobSpec, PreemptionSpec
 # 2: `trainer` is exactly the Trainer's keyword arguments (TrainerPlan); `training` holds the rest.
 PLAN_VERSION = 2
 READABLE_PLAN_VERSIONS = (1, 2)  # a requeued attempt reads the plan.json its submission wrote
-TASK_TARGET = "lmtrain.task:TrainTask"
+TASK_TARGET = "lmtrain.task.train_task:TrainTask"
 
 
 class PlanVersionError(ValueError):
@@ -46,7 +46,7 @@ class TrainerPlan:
     max_epochs: int = -1
     check_val_every_n_epoch: int | None = None  # validation by step count, not by epoch
     num_sanity_val_steps: int = 0
-    gradient_clip_val: float | None = None  # the module clips (lmtrain.module: with every strategy alike)
+    gradient_clip_val: float | None = None  # the module clips (lmtrain.model.module: with every strategy alike)
     use_distributed_sampler: bool = False  # lmtrain's resumable sampler shards the data
     enable_checkpointing: bool = False  # lmtrain owns checkpoints (atomic, complete-marked)
     enable_progress_bar: bool = False  # a progress bar would sync the host every step
@@ -68,7 +68,7 @@ class TrainerPlan:
 class TrainingPlan:
     """What the allocation builds besides the Trainer's arguments."""
 
-    strategy: str  # ddp | deepspeed | fsdp (lmtrain.strategies builds the object)
+    strategy: str  # ddp | deepspeed | fsdp (lmtrain.distributed.strategies builds the object)
     process_group_backend: str  # nccl on GPUs, gloo on CPU processes
     seed: int
     gradient_clip_val: float | None  # applied by the module (TrainerPlan.gradient_clip_val is None)

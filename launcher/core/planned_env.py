@@ -21,7 +21,7 @@ class EnvOverride:
 
 @dataclass(frozen=True)
 class PlannedEnv:
-    """The environment the plan gives every task (lmtrain.task_env.TaskEnv is what a task finds)."""
+    """The environment the plan gives every task (lmtrain.distributed.task_env.TaskEnv is what a task finds)."""
 
     values: dict[str, str]
     reasons: dict[str, str]

@@ -273,7 +273,7 @@ def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
 
 
 RENDEZVOUS = {
-    "master_addr": "global rank 0's node (lmtrain.task_env.rendezvous)",
+    "master_addr": "global rank 0's node (lmtrain.distributed.task_env.rendezvous)",
     "master_port": (
         "a free port rank 0 binds on its node at every attempt, published in "
         "<run_dir>/rendezvous/ (Lightning's job-id port collides between jobs)"

@@ -7,6 +7,6 @@
 name="lmlaunch-${SLURM_CLUSTER_NAME:-slurm}-${SLURM_JOB_ID:?}-${SLURM_PROCID:?}"
 podman rm --force --ignore "$name" >/dev/null 2>&1
 # SLURM kills this process (the podman client), not the container conmon keeps: the ranks inside
-# end when it is gone (lmtrain.task_main.watch_owner; --pid=host shares the pids)
+# end when it is gone (lmtrain.task.main.watch_owner; --pid=host shares the pids)
 export LMLAUNCH_TASK_PID=$$
 exec podman run --name "$name" "$@"

@@ -23,13 +23,13 @@ SUBMITIT = "submitit"  # submitit's folder: the pickled task, the job script, ea
 SPEC_YAML = "spec.yaml"
 DEEPSPEED_JSON = "deepspeed.json"
 REPORT = "report.png"  # `lmlaunch report`'s default output
-WANDB_ID = "wandb_id"  # the W&B run id every attempt logs into (lmtrain.loggers)
-TENSORBOARD = "tensorboard"  # TensorBoard's event files (lmtrain.loggers), under version_0
-CSV = "csv"  # the CSV logger's metrics (lmtrain.loggers), under version_0
-PREPARATION = "preparation.json"  # `data prepare --on-cluster`: what its tasks prepare (lmtrain.prepare_task)
+WANDB_ID = "wandb_id"  # the W&B run id every attempt logs into (lmtrain.observe.loggers)
+TENSORBOARD = "tensorboard"  # TensorBoard's event files (lmtrain.observe.loggers), under version_0
+CSV = "csv"  # the CSV logger's metrics (lmtrain.observe.loggers), under version_0
+PREPARATION = "preparation.json"  # `data prepare --on-cluster`: what its tasks prepare (lmtrain.data.prepare.array_task)
 PREPARATION_JOBS = "preparation-jobs.json"  # {"arrays": [...], "assemble": id}, written after the submission
-ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.environment_record)
-HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report (lmtrain.watchdog)
+ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.observe.environment_record)
+HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report (lmtrain.health.watchdog)
 LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
 TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (core.task_records; lmlaunch stacks)
 
@@ -172,7 +172,7 @@ class RunLayout:
 
     @property
     def local_logs(self) -> Path:
-        """``run --local``: each rank's own stdout and stderr (lmtrain.local)."""
+        """``run --local``: each rank's own stdout and stderr (lmtrain.local.launch)."""
         return self.logs / "local"
 
     def rank_log(self, attempt: int, rank: int | str) -> Path:
@@ -185,7 +185,7 @@ class RunLayout:
         return self.attempt_logs(attempt) / LAST_WORDS.format(rank=rank)
 
     def stacks(self, attempt: int, rank: int | str) -> Path:
-        """A hung rank's Python stacks (lmtrain.watchdog, ``lmlaunch stacks``)."""
+        """A hung rank's Python stacks (lmtrain.health.watchdog, ``lmlaunch stacks``)."""
         return self.attempt_logs(attempt) / f"stacks-rank-{rank}.txt"
 
     def hang_marker(self, attempt: int, rank: int | str) -> Path:

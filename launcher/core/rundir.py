@@ -120,7 +120,7 @@ STARTUP_PHASES = ("entry", "imports", "gate", "rendezvous", "data", "model", "re
 @dataclass(frozen=True)
 class AttemptStartup:
     """Rank 0, once per attempt (at its first step, or at its end when it never got there): the
-    seconds from the task process's start to the end of each startup phase (lmtrain.startup)."""
+    seconds from the task process's start to the end of each startup phase (lmtrain.observe.startup)."""
 
     attempt: int
     job_id: str | None

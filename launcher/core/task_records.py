@@ -1,6 +1,6 @@
 """Where each task of a job runs: its rank, node and process id (read by ``lmlaunch stacks``).
 
-Every task writes its record as its first act (``lmtrain.task_env.record_this_task``, before the frameworks
+Every task writes its record as its first act (``lmtrain.distributed.task_env.record_this_task``, before the frameworks
 are imported), so a task stuck in its imports or its rendezvous is found too. The records are
 keyed by what SLURM says about the process, its job id and restart count
 (``logs/tasks/<job_id>-<restart_count>/rank-<R>.json``, :data:`launcher.core.rundir.TASK_RECORD`),

@@ -1,4 +1,4 @@
-"""A prepared store's index (``meta.json``, lmtrain.token_store) as the launcher reads it: the
+"""A prepared store's index (``meta.json``, lmtrain.data.prepare.token_store) as the launcher reads it: the
 standard library only, so validate and doctor look at stores without numpy or torch, and the
 runtime compares the stores of a mixture by the same key."""
 

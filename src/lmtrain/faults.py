@@ -26,8 +26,8 @@ Points (docs/run-directory.md has the checkpoint protocol they sit in):
 - ``checkpoint.fsync`` (file): a file or directory fsynced;
 - ``checkpoint.tmp_dir_created``, ``checkpoint.rank_saved``, ``checkpoint.dir_renamed``: the
   save's own steps; ``checkpoint.removed`` (file): a checkpoint deleted;
-- ``startup.owned``: a SLURM task's process owns its signals (lmtrain.task_main), before submitit's
-  runner loads the task; ``startup.<phase>``: a startup phase of the attempt ended (lmtrain.startup:
+- ``startup.owned``: a SLURM task's process owns its signals (lmtrain.task.main), before submitit's
+  runner loads the task; ``startup.<phase>``: a startup phase of the attempt ended (lmtrain.observe.startup:
   entry, imports, gate, rendezvous, data, model, restore, first_step);
 - ``train.batch_end`` (step): after every training batch, before the checkpoint decision;
   ``watchdog.beat`` (step, rank): after every batch, once the hang watchdog has been told

@@ -1,4 +1,4 @@
-"""GPU runs through the same entry a SLURM task runs (lmtrain.entry via the local launcher, one
+"""GPU runs through the same entry a SLURM task runs (lmtrain.task.entry via the local launcher, one
 process per GPU): GPT-2 with bf16 + torch.compile, and DeepSpeed ZeRO stages 1, 2 and 3 for 50
 steps each with a falling loss. Marked ``gpu``; skipped where CUDA is absent.
 
@@ -42,7 +42,7 @@ GPT2_SMALL = [
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from lmtrain.data import prepare, shipped_corpus_files
+    from lmtrain.data.loader import prepare, shipped_corpus_files
 
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare(shipped_corpus_files(), out)
@@ -53,7 +53,7 @@ def _run(
     tmp_path: Path, name: str, overrides: list[str], data_dir: Path, steps: int, faults: list[dict] | None = None,
 ) -> list[dict]:
     from launcher.commands.run import prepare_local_run
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
 
     spec = REPO / "jobs" / ("gpt2-124m.yaml" if "zero" not in name else "llama-1b-zero2.yaml")
     env = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs")}

@@ -257,7 +257,7 @@ def private_checkout(where: Path) -> Path:
     shutil.copytree(REPO / "launcher", where / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "src" / "lmtrain", where / "src" / "lmtrain", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "cluster_profiles", where / "cluster_profiles")  # found beside launcher/
-    module = where / "src" / "lmtrain" / "module.py"
+    module = where / "src" / "lmtrain" / "model" / "module.py"
     module.write_text(module.read_text() + f"\n# {CHECKOUT_MARKER} {where}\n")
     return where
 
@@ -279,10 +279,10 @@ def lm_from(checkout: Path, environ: dict[str, str], *args: str) -> tuple[int, s
 def edited_checkout(checkout: Path):
     """Edit the checkout's loss (x3) for the duration: a task that imported the checkout instead
     of its run's code snapshot would log other losses than the uninterrupted run."""
-    path = checkout / "src" / "lmtrain" / "module.py"
+    path = checkout / "src" / "lmtrain" / "model" / "module.py"
     original = path.read_text()
     edited = original.replace("return self(input_ids, labels=labels).loss", "return self(input_ids, labels=labels).loss * 3.0")
-    assert edited != original, "the line to edit is gone from lmtrain/module.py"
+    assert edited != original, "the line to edit is gone from lmtrain/model/module.py"
     path.write_text(edited)
     try:
         yield

@@ -19,7 +19,7 @@ from slurm_helpers import faults, wait_for
 
 from launcher import rehearsal
 from launcher.core import slurm
-from lmtrain.prepare import prepare, read_meta
+from lmtrain.data.prepare.build import prepare, read_meta
 from tests.unit.test_corpus_inputs import shipped_documents, write
 
 SHARD_PACE_S = 8.0  # each shard waits this long first: the preemption lands between two of a task's shards

@@ -67,7 +67,7 @@ def test_hung_rank_dumps_all_stacks_and_every_task_exits_within_timeout_plus_gra
     for rank in (0, 1):
         text = (attempt / f"stacks-rank-{rank}.txt").read_text()
         assert "made no progress" in text or "a peer hung" in text, text[:500]
-        assert "Thread 0x" in text and "lmtrain/entry.py" in text  # all threads, the main one included
+        assert "Thread 0x" in text and "lmtrain/task/entry.py" in text  # all threads, the main one included
     assert "in on_train_batch_end" in (attempt / "stacks-rank-1.txt").read_text()  # where rank 1 sleeps
     rank0 = (attempt / "stacks-rank-0.txt").read_text()
     assert "torch/distributed/" in rank0 or "a peer hung" in rank0, rank0[:3000]

@@ -108,7 +108,7 @@ def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, e
         assert cluster_sends_user_signal()
         job, run_dir = submit(env, name, f"notify.webhooks=[{{url: '{url}'}}]", checkout=checkout)
         jobs.append(job)
-        snapshot = (run_dir / "code" / "lmtrain" / "module.py").read_text()
+        snapshot = (run_dir / "code" / "lmtrain" / "model" / "module.py").read_text()
         assert f"# {CHECKOUT_MARKER} {checkout}" in snapshot  # taken from the private checkout
         with edited_checkout(checkout):  # while queued and in both attempts: they run the submitted code
             seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)

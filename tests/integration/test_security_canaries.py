@@ -29,7 +29,7 @@ def _task_environs(folder: str) -> list[bytes]:
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"lmtrain.task_main" in cmd and folder.encode() in cmd:
+            if b"lmtrain.task.main" in cmd and folder.encode() in cmd:
                 out.append(Path(f"/proc/{pid}/environ").read_bytes())
         except OSError:
             continue

@@ -64,7 +64,7 @@ def test_stacks_show_every_rank_of_a_running_two_node_job_in_its_training_loop(s
         assert (got_node, pid) == (node, pids[rank])
         assert f"Process {pid}:" in body and "submitit" in body, body[:2000]
         assert TRAINING_LOOP.search(body), body[:4000]
-        assert "lmtrain/entry.py" in body
+        assert "lmtrain/task/entry.py" in body
 
     # --json --native, by job id: the same ranks; native frames of torch's libraries appear
     r = cli("stacks", job_id, "--json", "--native")

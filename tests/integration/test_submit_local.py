@@ -62,7 +62,7 @@ def test_submit_creates_private_run_dir_registry_and_the_rendered_script(slurm_c
     assert (run_dir / "submitit" / f"{job_id}_submission.sh").read_text() == render_script(plan)
     # the pickled callable is lmtrain's task, by reference (no torch on the login node)
     pickle_bytes = (run_dir / "submitit" / f"{job_id}_submitted.pkl").read_bytes()
-    assert b"lmtrain.task" in pickle_bytes and b"TrainTask" in pickle_bytes
+    assert b"lmtrain.task.train_task" in pickle_bytes and b"TrainTask" in pickle_bytes
 
     rec = runs.load_record(run_name, lm_env)
     assert rec is not None and rec.job_ids == [job_id]

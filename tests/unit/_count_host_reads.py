@@ -79,7 +79,7 @@ def main() -> int:
     code = run_task_with(run_dir, lambda _: [StepCounter()])
     import torch.distributed as dist
 
-    WRAPPING["group_left"] = not dist.is_initialized()  # lmtrain.task_env.leave_process_group, before exit
+    WRAPPING["group_left"] = not dist.is_initialized()  # lmtrain.distributed.task_env.leave_process_group, before exit
     if os.environ.get("RANK") == "0":
         Path(run_dir, "host-reads.json").write_text(json.dumps({str(k): v for k, v in READS.items() if k > 0}))
         Path(run_dir, "wrapping.json").write_text(json.dumps(WRAPPING))

@@ -1,7 +1,7 @@
-"""Run a task (lmtrain.entry.run_task) in this process with extra Lightning callbacks: for the
+"""Run a task (lmtrain.task.entry.run_task) in this process with extra Lightning callbacks: for the
 helper scripts that watch or steer a real attempt from inside (signals at a step, dumps of what
 the Trainer was built with). The product has no hook for this; the helper wraps
-``lmtrain.fit.Fit.callbacks`` for this process only."""
+``lmtrain.task.fit.Fit.callbacks`` for this process only."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 def run_task_with(run_dir: str, make: Callable[[Any], list[Any]]) -> int:
     """``make(controller)`` -> the extra callbacks (``controller``: the attempt's
     lmtrain.preemption.controller.Preemption, whose ``stop`` a callback may request)."""
-    from lmtrain import fit
-    from lmtrain.entry import run_task
+    from lmtrain.task import fit
+    from lmtrain.task.entry import run_task
 
     own = fit.Fit.callbacks
 

@@ -1,5 +1,5 @@
 """Callables for tests/unit/test_task_main.py, pickled by reference into a submitit folder and run
-by ``python -m lmtrain.task_main`` (PYTHONPATH: the checkout)."""
+by ``python -m lmtrain.task.main`` (PYTHONPATH: the checkout)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import signal
 
 from lmtrain.preemption.signals import own_signals
-from lmtrain.task import TrainTask
+from lmtrain.task.train_task import TrainTask
 
 
 def handlers() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Test helper: per-step losses and gradient norms of tiny causal LMs trained on WORLD processes
-(gloo, CPU) as DDP and as tensor-parallel layouts through lmtrain.tensor_parallel (and FSDP2 over
-the data dimension, as lmtrain.module does), every layout on the same global batches.
+(gloo, CPU) as DDP and as tensor-parallel layouts through lmtrain.model.tensor_parallel (and FSDP2 over
+the data dimension, as lmtrain.model.module does), every layout on the same global batches.
 
 usage: python _tp_losses.py WORLD OUT.json    (WORLD 2: ddp, tp2, tp2+sp; WORLD 4: ddp, dp2xtp2,
 dp2xtp2+sp; each for llama, qwen2 and mistral, tied and untied). Writes
@@ -31,8 +31,8 @@ def train(kind, tied, world, rank, tp, sp):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from lmtrain import tensor_parallel
-    from lmtrain.model import shard_fsdp2
+    from lmtrain.model import tensor_parallel
+    from lmtrain.model.causal_lm import shard_fsdp2
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(kind, tied), attn_implementation="sdpa")

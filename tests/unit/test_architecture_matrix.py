@@ -21,8 +21,8 @@ import torch
 import yaml
 
 from launcher.commands.run import prepare_local_run
-from lmtrain.local import launch
-from lmtrain.model import model_shape
+from lmtrain.local.launch import launch
+from lmtrain.model.causal_lm import model_shape
 from tests.memory_helpers import assert_states_as_planned
 from tests.unit.test_export import lm
 
@@ -84,7 +84,7 @@ def _train(repo: Path, tmp_path: Path, model_type: str, strategy: str) -> tuple[
 def _check_export(runs_root: Path, run_dir: str, trained: dict, out: Path, step: int = 2) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    from lmtrain.export import PROBE_TEXTS
+    from lmtrain.checkpoint.export import PROBE_TEXTS
 
     code, text = lm(runs_root, "export", run_dir, "--to", "hf", out)
     assert code == 0 and f"step-{step} (the newest complete checkpoint)" in text, text

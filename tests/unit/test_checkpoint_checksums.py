@@ -28,7 +28,7 @@ from launcher.core.checkpoint_index import (
     shares,
     verify,
 )
-from lmtrain.local import launch
+from lmtrain.local.launch import launch
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
 OVERRIDES = [

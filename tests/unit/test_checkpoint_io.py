@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lmtrain.strategies import DirectCheckpointIO, build_strategy, trainer_plugins
+from lmtrain.distributed.strategies import DirectCheckpointIO, build_strategy, trainer_plugins
 
 
 def _state() -> dict:
@@ -92,7 +92,7 @@ def test_zero3_background_staging_writes_the_files_deepspeeds_own_save_writes(re
     import sys
 
     from launcher.commands.run import prepare_local_run
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
 
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"),
                              ["model.config.n_layer=1", "model.config.n_embd=32", "model.config.n_head=2",

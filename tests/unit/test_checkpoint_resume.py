@@ -4,7 +4,7 @@ preemption uses) and resumed again (its last periodic write still in flight when
 starts, which waits for it) gives bit-identical per-step losses, gradient norms and final
 weights to a run that was never interrupted: DDP on 1 and 2 processes, and on 2 processes FSDP2
 and DeepSpeed ZeRO 1, 2 and 3 (sharded checkpoints: every rank writes its own shards, in its own
-writer thread for the periodic saves). Real processes through the real entry (lmtrain.local),
+writer thread for the periodic saves). Real processes through the real entry (lmtrain.local.launch),
 CPU/gloo."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
-from lmtrain.local import launch
+from lmtrain.local.launch import launch
 from tests.memory_helpers import assert_states_as_planned
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
@@ -140,7 +140,7 @@ def test_run_stopped_at_a_validation_step_and_resumed_is_bit_identical_to_uninte
 
     # from step-5 (a background save), stopped at step 6: a validation step (val_check_interval 6),
     # whose stop checkpoint is taken before validation would run (validation must not move the
-    # training random stream, or the uninterrupted run's step 7 differs: lmtrain.callbacks)
+    # training random stream, or the uninterrupted run's step 7 differs: lmtrain.observe.callbacks)
     assert _launch(stopped, stop_at=STOP_AT) == 0
     ledger = _ledger(stopped.paths.run_dir)
     assert ledger[-1]["reason"] == "preempted" and ledger[-1]["end_step"] == STOP_AT

@@ -6,6 +6,7 @@
 - ruff on all Python code, mypy on the CLI and the runtime, --strict on the core (configs in
   pyproject.toml);
 - no module grows past 400 lines without a stated reason;
+- the runtime grouped into packages, each saying what belongs in it, at most 8 modules at its root;
 - in the runtime: no function over 60 lines, no underscore name imported from another module,
   and the run directory handed on through few hands (tests/run_dir_walk.py).
 """
@@ -27,7 +28,7 @@ BIN = Path(sys.executable).parent
 LONG_MODULES = {
     "launcher/core/spec.py": "the job spec schema: one pydantic model per section, documented field by field",
     "launcher/core/slurm.py": "the one SLURM client: one small function per SLURM command",
-    "src/lmtrain/data.py": "the memmap dataset and its resumable sampler, which must change together",
+    "src/lmtrain/data/loader.py": "the memmap dataset and its resumable sampler, which must change together",
     "launcher/localcluster/cluster.py": "the local SLURM cluster's lifecycle (config, daemons, accounting)",
 }
 MAX_LINES = 400
@@ -138,6 +139,25 @@ def test_no_function_runs_over_60_lines():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
+MAX_ROOT_MODULES = 8
+
+
+def test_the_runtime_is_grouped_into_packages_that_say_what_belongs_in_them():
+    """src/lmtrain is a house by concept (docs/architecture.md): few modules at its root, and every
+    package's ``__init__`` says what belongs there, so the place for a new thing is not a guess."""
+    import ast
+
+    root = REPO / "src" / "lmtrain"
+    modules = sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= MAX_ROOT_MODULES, f"{len(modules)} modules at lmtrain's root: {modules}"
+    silent = []
+    for folder in sorted(p for p in root.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        init = folder / "__init__.py"
+        if not init.exists() or not ast.get_docstring(ast.parse(init.read_text())):
+            silent.append(str(folder.relative_to(REPO)))
+    assert not silent, f"packages without a docstring saying what belongs there: {silent}"
+
+
 def test_no_run_directory_path_is_joined_by_hand():
     """launcher.core.run_layout (RunLayout and its names, re-exported by rundir) is the one speller
     of a run directory's paths, as submitit's JobPaths is of its folder: no other module joins a
@@ -207,7 +227,7 @@ def test_the_run_directory_passes_through_few_hands():
     finally:
         sys.path.remove(str(REPO / "tests"))
     stops = run_dir_walk.walk()
-    assert stops[0] == run_dir_walk.Stop("lmtrain.entry", "run_task", "run_dir")
+    assert stops[0] == run_dir_walk.Stop("lmtrain.task.entry", "run_task", "run_dir")
     visits = run_dir_walk.visits(stops)
     assert len(stops) < 30 and max(visits.values()) <= 2, (stops, visits)
 

@@ -19,7 +19,7 @@ def _plan(repo, root: Path, *overrides: str):
     return resolve(str(repo / "jobs" / "tiny-cpu.yaml"), list(overrides), cluster="local", environ=environ).plan
 
 
-def _pretend_the_code_changed(run_dir: Path, rel: str = "lmtrain/module.py") -> None:
+def _pretend_the_code_changed(run_dir: Path, rel: str = "lmtrain/model/module.py") -> None:
     """Make the snapshot's record of one file differ from the checkout (as an edit would)."""
     manifest = run_dir / "code" / "manifest.json"
     d = json.loads(manifest.read_text())
@@ -33,8 +33,8 @@ def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
     opening.apply()
     run_dir = Path(plan.paths.run_dir)
     snap = snapshot.read(run_dir)
-    assert snap is not None and "lmtrain/entry.py" in snap.files and "launcher/core/plan.py" in snap.files
-    assert (run_dir / "code" / "lmtrain" / "entry.py").read_bytes() == (repo / "src" / "lmtrain" / "entry.py").read_bytes()
+    assert snap is not None and "lmtrain/task/entry.py" in snap.files and "launcher/core/plan.py" in snap.files
+    assert (run_dir / "code" / "lmtrain" / "task" / "entry.py").read_bytes() == (repo / "src" / "lmtrain" / "task" / "entry.py").read_bytes()
     assert not list((run_dir / "code").rglob("__pycache__"))
     assert snap.size < 5e6 and snap.git is not None and len(str(snap.git["commit"])) == 40
     assert any("code snapshot" in n for n in opening.notes)
@@ -50,12 +50,12 @@ def test_a_resume_after_the_code_changed_needs_new_code_and_says_what_changed(re
     run_dir = Path(plan.paths.run_dir)
     lifecycle.plan_opening(plan, resume=True).apply()  # unchanged code: resumes on its own snapshot
     _pretend_the_code_changed(run_dir)
-    with pytest.raises(UserError, match=r"(?s)the code changed since:\n  changed lmtrain/module.py.*--new-code"):
+    with pytest.raises(UserError, match=r"(?s)the code changed since:\n  changed lmtrain/model/module.py.*--new-code"):
         lifecycle.plan_opening(plan, resume=True)
     before = (run_dir / "code" / "manifest.json").read_text()
     opening = lifecycle.plan_opening(plan, resume=True, new_code=True)
     opening.apply()
-    assert any("--new-code" in n and "changed lmtrain/module.py" in n for n in opening.notes)
+    assert any("--new-code" in n and "changed lmtrain/model/module.py" in n for n in opening.notes)
     assert snapshot.read(run_dir).files == snapshot.current()[0].files  # the current code now
     opening.rollback()  # e.g. sbatch refused: the run keeps the code it had
     assert (run_dir / "code" / "manifest.json").read_text() == before
@@ -67,9 +67,9 @@ def test_diff_names_the_files_that_differ(repo, tmp_path):
     a, b = _plan(repo, tmp_path, "name=a"), _plan(repo, tmp_path, "name=b")
     for p in (a, b):
         lifecycle.plan_opening(p).apply()
-    _pretend_the_code_changed(Path(b.paths.run_dir), "lmtrain/data.py")
+    _pretend_the_code_changed(Path(b.paths.run_dir), "lmtrain/data/loader.py")
     found = diff.diff_runs(diff.read_run("a", Path(a.paths.run_dir)), diff.read_run("b", Path(b.paths.run_dir)))
-    assert [(d.section, d.key) for d in found] == [("code", "files.lmtrain/data.py")]
+    assert [(d.section, d.key) for d in found] == [("code", "files.lmtrain/data/loader.py")]
 
 
 @pytest.mark.slow
@@ -77,13 +77,13 @@ def test_the_tasks_import_the_snapshot_not_the_checkout(repo, runs_root):
     """Change the run's snapshot (not the checkout): the trained steps carry the change, and the
     environment record says the code came from the snapshot."""
     from launcher.commands.run import prepare_local_run
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
 
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), ["trainer.limit_val_batches=0"], devices=1,
                              max_steps=2, name="snap", environ={"LMLAUNCH_RUNS_ROOT": str(runs_root)},
                              say=lambda *_: None)
     run_dir = Path(plan.paths.run_dir)
-    callbacks = run_dir / "code" / "lmtrain" / "callbacks.py"
+    callbacks = run_dir / "code" / "lmtrain" / "observe" / "callbacks.py"
     text = callbacks.read_text()
     marked = text.replace('self.heartbeat.emit("step", max_steps=max_steps, **metrics)',
                           'self.heartbeat.emit("step", max_steps=max_steps, snapshot_marker=1, **metrics)')

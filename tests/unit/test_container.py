@@ -50,7 +50,7 @@ def test_pyxis_runs_the_task_in_the_image_with_srun_options_and_the_host_keeps_s
     assert "/runs:/runs" in mounts and "/shared/datasets/slimpajama-llama" in mounts  # at their own paths
     env = next(a for a in argv if a.startswith("--container-env=")).split("=", 1)[1].split(",")
     assert {"PYTHONPATH", "NCCL_IB_HCA", "LMLAUNCH_RUN_DIR", "MELLANOX_VISIBLE_DEVICES"} <= set(env)
-    assert argv[-7:-1] == ["python", "-u", "-m", "lmtrain.task_main", "--signal", "USR2"]  # the image's python
+    assert argv[-7:-1] == ["python", "-u", "-m", "lmtrain.task.main", "--signal", "USR2"]  # the image's python
     # the batch script (on the host) starts the relay before srun and stops it after
     lines = script.splitlines()
     start = next(i for i, x in enumerate(lines) if slurm_relay.SCRIPT in x)

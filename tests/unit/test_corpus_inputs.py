@@ -1,4 +1,4 @@
-"""Real corpora's inputs (lmtrain.corpus) and a tokenizer trained on them (lmtrain.tokenizer_train):
+"""Real corpora's inputs (lmtrain.data.prepare.corpus) and a tokenizer trained on them (lmtrain.data.prepare.tokenizer_train):
 
 - .jsonl.zst, .jsonl.gz and parquet files (and globs over them) give the same documents as plain
   .jsonl, streamed: the shipped corpus split into such files prepares to the same tokens, byte for
@@ -23,8 +23,8 @@ import zstandard
 
 from launcher.cli import main
 from launcher.context import Context
-from lmtrain.corpus import BadDocuments, DataError, collect_inputs, iter_documents
-from lmtrain.prepare import prepare, read_meta, shipped_corpus_files
+from lmtrain.data.prepare.build import prepare, read_meta, shipped_corpus_files
+from lmtrain.data.prepare.corpus import BadDocuments, DataError, collect_inputs, iter_documents
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
@@ -81,7 +81,7 @@ def test_split_corpus_prepares_to_the_shipped_corpus_tokens(tmp_path, split_corp
     by_dir = prepare([split_corpus], tmp_path / "dir").meta
     assert whole.num_documents == by_glob.num_documents == by_dir.num_documents > 100
     assert by_glob.tokens_sha256 == by_dir.tokens_sha256 and len(by_glob.shards) == 6  # one shard per file
-    from lmtrain.data import TokenData
+    from lmtrain.data.loader import TokenData
 
     assert len(whole.shards) == 2
     assert (TokenData(tmp_path / "whole").tokens() == TokenData(tmp_path / "glob").tokens()).all()  # the same ids
@@ -216,8 +216,8 @@ def test_inputs_are_collected_in_a_fixed_order(tmp_path, split_corpus):
 def test_batches_across_files_give_the_bytes_of_one_file_at_a_time(tmp_path, split_corpus, monkeypatch):
     """The tokenizer is called with the documents of several files at once (up to BATCH_DOCUMENTS
     or BATCH_CHARS); the shards are byte for byte those of one document per call."""
-    from lmtrain import token_store
-    from lmtrain.tokenizer_train import train_tokenizer
+    from lmtrain.data.loader.prepare import token_store
+    from lmtrain.data.prepare.tokenizer_train import train_tokenizer
 
     train_tokenizer([split_corpus], tmp_path / "tok", vocab_size=600)
     trees = []
@@ -237,9 +237,9 @@ def test_a_bad_input_after_good_ones_is_an_error_after_their_shards_are_finished
 
     import numpy as np
 
-    from lmtrain.corpus import Preparation
-    from lmtrain.prepare import write_shards
-    from lmtrain.token_store import finished
+    from lmtrain.data.prepare.build import write_shards
+    from lmtrain.data.prepare.corpus import Preparation
+    from lmtrain.data.prepare.token_store import finished
 
     files = sorted(split_corpus.iterdir())
     bad = _corrupt_zst(tmp_path)
@@ -262,8 +262,8 @@ def test_a_bad_input_after_good_ones_is_an_error_after_their_shards_are_finished
 
 
 def test_a_tokenizer_retrained_in_the_same_directory_is_another_recipe(tmp_path, split_corpus):
-    from lmtrain.corpus import Preparation
-    from lmtrain.tokenizer_train import train_tokenizer
+    from lmtrain.data.prepare.corpus import Preparation
+    from lmtrain.data.prepare.tokenizer_train import train_tokenizer
 
     train_tokenizer([split_corpus], tmp_path / "tok", vocab_size=500)
     first = Preparation([], str(tmp_path / "tok")).recipe

@@ -24,7 +24,7 @@ def test_the_scripts_are_valid_bash_and_throttle_the_array(tmp_path):
     job = ArrayJob("prep", "/runs/prep dir", "low", "01:00:00", 2, "/venv/bin/python", "acct", None)
     script = array_script(job, range(4), 2)
     assert "#SBATCH --array=0-3%2" in script and "#SBATCH --account=acct" in script
-    assert "exec srun --ntasks=1 /venv/bin/python -m lmtrain.prepare_task '/runs/prep dir' \"$SLURM_ARRAY_TASK_ID\"" in script
+    assert "exec srun --ntasks=1 /venv/bin/python -m lmtrain.data.prepare.array_task '/runs/prep dir' \"$SLURM_ARRAY_TASK_ID\"" in script
     for text in (script, assemble_script(job)):
         (tmp_path / "s.sh").write_text(text)
         assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmtrain.data import DataError, TokenData, make_dataloaders, prepare
+from lmtrain.data.loader import DataError, TokenData, make_dataloaders, prepare
 
 SEQ = 8
 N_WINDOWS = 100

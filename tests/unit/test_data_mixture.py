@@ -1,4 +1,4 @@
-"""data.sources: a weighted mixture of prepared stores (lmtrain.mixture).
+"""data.sources: a weighted mixture of prepared stores (lmtrain.data.mixture).
 
 - each virtual epoch takes each store's weight share of the samples, in an order fixed by the
   seed; a store smaller than its share is repeated (every window once before any twice), a larger
@@ -26,8 +26,8 @@ from launcher.commands.run import prepare_local_run
 from launcher.core.errors import SpecError
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
-from lmtrain.data import DataError, datasets, prepare
-from lmtrain.mixture import MixtureWindows, shares
+from lmtrain.data.loader import DataError, datasets, prepare
+from lmtrain.data.mixture import MixtureWindows, shares
 from tests.unit.test_checkpoint_resume import _launch, _ledger, _steps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -201,7 +201,7 @@ def test_bad_mixtures_are_clear_errors(tmp_path, stores):
         resolve(str(spec), [], environ=dict(os.environ))
     bytes_store = stores[0]
     tok = tmp_path / "tok"
-    from lmtrain.tokenizer_train import train_tokenizer
+    from lmtrain.data.prepare.tokenizer_train import train_tokenizer
 
     train_tokenizer([REPO / "data" / "corpus" / "licenses.jsonl"], tok, vocab_size=300)
     other = prepare([REPO / "data" / "corpus" / "licenses.jsonl"], tmp_path / "bpe", tokenizer=tok).out
@@ -221,7 +221,7 @@ def test_validate_names_a_store_whose_vocabulary_the_model_cannot_hold(tmp_path,
     """Before anything is queued: a store tokenized with more ids than the model's embedding is
     refused, naming the source, its line and what to set; one with fewer is a plan note."""
     from launcher.resolve import resolve
-    from lmtrain.tokenizer_train import train_tokenizer
+    from lmtrain.data.prepare.tokenizer_train import train_tokenizer
 
     train_tokenizer([REPO / "data" / "corpus" / "licenses.jsonl"], tmp_path / "tok", vocab_size=300)
     bpe = prepare([REPO / "data" / "corpus" / "licenses.jsonl"], tmp_path / "bpe", tokenizer=tmp_path / "tok").out

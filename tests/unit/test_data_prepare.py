@@ -14,8 +14,8 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from lmtrain.prepare import DataError, prepare, read_meta, shipped_corpus_files
-from lmtrain.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer
+from lmtrain.data.prepare.build import DataError, prepare, read_meta, shipped_corpus_files
+from lmtrain.data.prepare.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE, ByteTokenizer
 
 
 def sha256(path: Path) -> str:
@@ -29,7 +29,7 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
 
 def all_tokens(out: Path) -> list[int]:
     """Every id of a prepared directory, its shards in order."""
-    from lmtrain.data import TokenData
+    from lmtrain.data.loader import TokenData
 
     return TokenData(out).tokens().tolist()
 
@@ -266,7 +266,7 @@ def test_read_meta_checksum_catches_flipped_tokens(prepared):
 
 def test_version_1_directories_are_still_read(prepared):
     """A flat tokens.bin with a version 1 meta.json (what earlier lmlaunch wrote) trains as before."""
-    from lmtrain.data import TokenData
+    from lmtrain.data.loader import TokenData
 
     meta = json.loads((prepared / "meta.json").read_text())
     (prepared / "tokens.bin").write_bytes(shard_bytes(prepared))
@@ -377,7 +377,7 @@ def test_vocabularies_beyond_uint16_are_stored_as_uint32(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from lmtrain.data import TokenData
+    from lmtrain.data.loader import TokenData
 
     vocab = {"[UNK]": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 70_000)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -393,7 +393,7 @@ def test_vocabularies_beyond_uint16_are_stored_as_uint32(tmp_path):
 
 
 def test_if_missing_keeps_data_a_concurrent_prepare_finished_first(tmp_path, monkeypatch):
-    import lmtrain.prepare as prep
+    import lmtrain.data.prepare.build as prep
 
     out = tmp_path / "out"
     theirs = write_jsonl(tmp_path / "theirs.jsonl", ["first finisher"])

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import lightning as L
 import torch
 
-from lmtrain.data import make_dataloaders, prepare
+from lmtrain.data.loader import make_dataloaders, prepare
 
 
 class _Recorder(L.LightningModule):

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from lmtrain.data import DataError, ResumableDistributedSampler
+from lmtrain.data.loader import DataError, ResumableDistributedSampler
 
 
 def make(n=24, w=1, r=0, seed=3, b=2, drop_last=True) -> ResumableDistributedSampler:

@@ -15,7 +15,7 @@ import json, sys
 import torch
 from deepspeed.runtime import compiler
 at_import = compiler.compile
-from lmtrain.strategies import MUON_MODULE, import_muon_compiled_on_first_use
+from lmtrain.distributed.strategies import MUON_MODULE, import_muon_compiled_on_first_use
 import_muon_compiled_on_first_use()
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam

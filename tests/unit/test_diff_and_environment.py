@@ -11,7 +11,7 @@ from launcher.cli import main
 from launcher.commands.run import prepare_local_run
 from launcher.context import Context
 from launcher.core.rundir import ENVIRONMENT, attempt_logs_dir
-from lmtrain.environment_record import REDACTED, visible_environment
+from lmtrain.observe.environment_record import REDACTED, visible_environment
 
 
 def _run(repo: Path, root: Path, name: str, *overrides: str) -> Path:

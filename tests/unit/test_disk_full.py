@@ -7,7 +7,7 @@
   checkpoint needs and what is free, no traceback, no crash retry, never requeued;
 - on a real small filesystem (a tmpfs mounted by the test) the room is checked before writing.
 
-Real local training on 2 gloo ranks (lmtrain.local's environment) through the real entry; a
+Real local training on 2 gloo ranks (lmtrain.local.launch's environment) through the real entry; a
 write finds no room through the fault seam's ``enospc`` action or a really full tmpfs.
 """
 
@@ -28,9 +28,9 @@ from launcher.core.plan import PreemptionPlan
 from launcher.core.spec import PreemptionSpec
 from lmtrain.checkpoint.disk_space import DiskFull, is_no_space, room_verdict
 from lmtrain.checkpoint.manager import complete_checkpoints
-from lmtrain.local import worker_env
+from lmtrain.distributed.task_env import free_port
+from lmtrain.local.launch import worker_env
 from lmtrain.preemption.policy import EndFacts, decide
-from lmtrain.task_env import free_port
 from tests import rank_procs
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")

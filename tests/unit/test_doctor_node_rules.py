@@ -255,7 +255,7 @@ def test_probe_runs_one_task_per_node_like_the_run_and_quotes_the_environment(tm
     script = args[-1]
     assert "export NCCL_SOCKET_IFNAME='^lo;rm -rf /'" in script.splitlines()
     assert "PYTHONPATH" not in script  # the probe is this lmlaunch's code, not a run's snapshot
-    assert script.splitlines()[-1].startswith("exec /venv/bin/python -m lmtrain.node_probe --workdir ")
+    assert script.splitlines()[-1].startswith("exec /venv/bin/python -m lmtrain.health.node_probe --workdir ")
 
 
 def test_srun_label_output_is_parsed_per_task():
@@ -272,7 +272,7 @@ def test_srun_label_output_is_parsed_per_task():
 def test_a_compute_figure_is_the_best_of_its_passes_each_started_together():
     """A healthy node starved for one pass by another process is not slow (run N: one 1-s GEMM
     measured 1.6 against its peer's 33.7 GFLOP/s); a failing measurement is an error, no figure."""
-    from lmtrain import node_probe
+    from lmtrain.health import node_probe
 
     met: list[str] = []
     figures = iter([12.0, 30.5, 3.0])

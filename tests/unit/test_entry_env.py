@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from lmtrain.task_env import expand_hostlist, read_env, rendezvous
+from lmtrain.distributed.task_env import expand_hostlist, read_env, rendezvous
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_where_connections_
     connection's (EADDRINUSE, seen in a parallel suite run)."""
     import socket
 
-    from lmtrain.task_env import PORT_FLOOR, _ephemeral_low, free_port
+    from lmtrain.distributed.task_env import PORT_FLOOR, _ephemeral_low, free_port
 
     low = _ephemeral_low()
     ports = {free_port("127.0.0.1") for _ in range(20)}
@@ -98,7 +98,7 @@ def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_where_connections_
 
 
 def test_a_local_rank_keeps_the_launchers_pythonpath_after_the_plans():
-    from lmtrain.local import worker_env
+    from lmtrain.local.launch import worker_env
 
     plan_env = {"PYTHONPATH": "/runs/r/code", "OMP_NUM_THREADS": "2"}
     env = worker_env(0, 1, port=29500, job_id="j", plan_env=plan_env, base={"PYTHONPATH": "/opt/site", "SLURM_JOB_ID": "4"})
@@ -114,7 +114,7 @@ def _one_rank_group(tmp_path):
 
 
 def test_a_rank_leaves_its_process_groups_before_it_exits(tmp_path):
-    from lmtrain.task_env import leave_process_group
+    from lmtrain.distributed.task_env import leave_process_group
 
     dist = _one_rank_group(tmp_path)
     dist.new_group([0])  # a subgroup too (device meshes make them)
@@ -123,7 +123,7 @@ def test_a_rank_leaves_its_process_groups_before_it_exits(tmp_path):
 
 
 def test_a_parting_that_hangs_is_given_up_on_and_the_rank_exits(tmp_path, monkeypatch, caplog):
-    from lmtrain import task_env
+    from lmtrain.distributed import task_env
 
     dist = _one_rank_group(tmp_path)
     release = threading.Event()

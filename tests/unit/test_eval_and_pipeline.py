@@ -1,4 +1,4 @@
-"""The eval task (lmtrain.evaluate) and pipeline files (launcher.pipeline): an eval run computes
+"""The eval task (lmtrain.task.evaluate) and pipeline files (launcher.pipeline): an eval run computes
 what the Trainer's validation computes, on the checkpoint it is pointed at; a pipeline's stages
 are validated and planned before anything is submitted, with their references resolved."""
 

@@ -58,7 +58,7 @@ def test_the_exported_byte_tokenizer_is_checked_as_a_user_loads_it(tmp_path, mod
     add a token outside the model's 260 ids (Qwen2Tokenizer added <|endoftext|> as 260)."""
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-    from lmtrain.export import PROBE_TEXTS, byte_tokenizer, check_tokenizer
+    from lmtrain.checkpoint.export import PROBE_TEXTS, byte_tokenizer, check_tokenizer
 
     data = tmp_path / "data"
     data.mkdir()

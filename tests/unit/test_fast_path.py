@@ -18,7 +18,7 @@ import torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.device_mesh import init_device_mesh
-from lmtrain.model import build_model, compile_model, model_settings, shard_fsdp2, transformer_blocks
+from lmtrain.model.causal_lm import build_model, compile_model, model_settings, shard_fsdp2, transformer_blocks
 
 spec = {"type": "gpt2", "config": {"n_layer": 3, "n_embd": 32, "n_head": 2, "n_positions": 32, "vocab_size": 64,
                                    "eos_token_id": 0, "bos_token_id": 0}}

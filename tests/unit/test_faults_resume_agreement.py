@@ -10,7 +10,7 @@ import pytest
 
 from lmtrain.checkpoint.manager import CheckpointError, newest_complete
 from lmtrain.checkpoint.resume_point import agreed_checkpoint
-from lmtrain.task_env import TaskEnv, rendezvous
+from lmtrain.distributed.task_env import TaskEnv, rendezvous
 
 
 def _env(rank: int) -> TaskEnv:

@@ -7,7 +7,7 @@ wrapper.
 On a GPU such a read waits for all queued kernels. lmtrain's own code may read on the host only
 on logging steps (the logged loss and gradient norm), plus, every step, two reads of CPU
 tensors that never touch the accelerator: the stop agreement's flags (lmtrain.preemption.agreement, a CPU
-tensor on a gloo group of its own) and the sampler's index permutation (lmtrain.data)."""
+tensor on a gloo group of its own) and the sampler's index permutation (lmtrain.data.loader)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from launcher.commands.run import prepare_local_run
-from lmtrain.local import launch
+from lmtrain.local.launch import launch
 
 HELPER = Path(__file__).with_name("_count_host_reads.py")
 LOG_EVERY = 5
@@ -72,5 +72,5 @@ def test_lmtrain_reads_device_values_on_logging_steps_only(repo, runs_root, case
         if step < MAX_STEPS:  # (the last one also validates and ends the data iterator)
             # every step: the stop flags and the sampler's indices (one read a micro batch), both
             # CPU tensors; nothing else
-            assert ours == Counter({("agreement.py", "_exchange"): 1, ("data.py", "_rank_batch"): micro_batches}), \
+            assert ours == Counter({("agreement.py", "_exchange"): 1, ("loader.py", "_rank_batch"): micro_batches}), \
                 (step, ours)

@@ -1,4 +1,4 @@
-"""DeepSpeed's JIT-built ops (lmtrain.jit_ops): one build folder per Python environment, and
+"""DeepSpeed's JIT-built ops (lmtrain.distributed.jit_ops): one build folder per Python environment, and
 doctor says when a ZeRO job's ranks would compile at run time."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from launcher import doctor
 from launcher.doctor_ops import jit_ops as doctor_jit_ops
 from launcher.resolve import resolve
-from lmtrain import jit_ops
+from lmtrain.distributed import jit_ops
 
 ENV = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u"}
 
@@ -31,7 +31,7 @@ def test_each_environment_builds_into_a_folder_of_its_own_unless_the_user_named_
 
 def test_check_says_where_and_what_is_built(tmp_path):
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    said = json.loads(subprocess.run([sys.executable, "-m", "lmtrain.jit_ops", "--check", "--op", "shm", "--op",
+    said = json.loads(subprocess.run([sys.executable, "-m", "lmtrain.distributed.jit_ops", "--check", "--op", "shm", "--op",
                                       "cpu_adam"], capture_output=True, text=True, env=env, check=True).stdout)
     assert said == {"dir": str(tmp_path), "built": {"shm": False, "cpu_adam": False}, "not_buildable": []}
     (tmp_path / "deepspeed_shm_comm").mkdir()
@@ -56,7 +56,7 @@ def test_doctor_warns_when_a_zero_job_would_compile_deepspeeds_ops_at_run_time(r
         assert check is None
         return
     assert check.status == doctor.WARN and f"{', '.join(ops)} op(s) are not built in {tmp_path}" in check.message
-    assert "-m lmtrain.jit_ops --build" in check.message
+    assert "-m lmtrain.distributed.jit_ops --build" in check.message
     for op in ops:
         name = jit_ops.OPS[op][1]
         (tmp_path / name).mkdir()

@@ -25,7 +25,7 @@ import torch
 from launcher.core import memory
 from launcher.jobfile import load_job
 from launcher.memory_inputs import model_facts
-from lmtrain.model import attention_for, build_config, model_settings
+from lmtrain.model.causal_lm import attention_for, build_config, model_settings
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "jobs" / "tiny-cpu.yaml"
@@ -109,7 +109,7 @@ STRATEGIES = {"ddp": ["trainer.strategy=ddp"], "zero1": ["trainer.strategy=deeps
 @pytest.mark.parametrize("strategy, devices", MISSING_PAIRS, ids=[f"{s}-{d}" for s, d in MISSING_PAIRS])
 def test_model_states_each_rank_holds_are_the_planned_ones(repo, runs_root, strategy, devices):
     from launcher.commands.run import prepare_local_run
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
     from tests.memory_helpers import assert_states_as_planned
 
     overrides = ["model.config.n_layer=1", "model.config.n_embd=48", "model.config.n_head=2", "data.seq_len=32",

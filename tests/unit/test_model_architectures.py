@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 
-from lmtrain.model import attention_for, build_config
+from lmtrain.model.causal_lm import attention_for, build_config
 
 
 @pytest.mark.parametrize("model_type, expected", [("llama", "sdpa"), ("bloom", "eager"), ("gemma2", "eager"),

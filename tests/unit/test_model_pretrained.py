@@ -2,7 +2,7 @@
 
 import torch
 
-from lmtrain.model import build_model
+from lmtrain.model.causal_lm import build_model
 
 
 def test_pretrained_local_dir_loads_the_saved_weights(tmp_path, monkeypatch):

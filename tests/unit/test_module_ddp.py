@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from launcher.commands.run import prepare_local_run
-from lmtrain.local import launch
+from lmtrain.local.launch import launch
 
 HELPER = Path(__file__).with_name("_dump_first_grads.py")
 # Dropout off: each rank draws its own dropout masks, which one process cannot reproduce.

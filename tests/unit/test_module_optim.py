@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lmtrain.model import build_model, model_shape
-from lmtrain.module import OptimSettings, lr_at, param_groups
+from lmtrain.model.causal_lm import build_model, model_shape
+from lmtrain.model.module import OptimSettings, lr_at, param_groups
 
 
 def _s(schedule: str, warmup: int = 10, max_steps: int = 110) -> OptimSettings:

@@ -270,7 +270,7 @@ def test_a_run_waiting_on_another_says_on_which_and_whether_it_ever_can(tmp_path
 
 
 def test_history_reads_what_each_attempt_held_against_the_plan():
-    """The ledger's memory lines (lmtrain.memory_held) against plan.json's memory: the worst rank's
+    """The ledger's memory lines (lmtrain.model.memory_held) against plan.json's memory: the worst rank's
     model states per attempt, an attempt on another world size said so, a device peak where kept."""
     ledger = [
         {"event": "start", "attempt": 1, "time": 100.0, "start_step": 0, "world_size": 2},

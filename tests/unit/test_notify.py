@@ -1,4 +1,4 @@
-"""Webhook notifications (spec notify, lmtrain.notify): what each event says, secrets by name,
+"""Webhook notifications (spec notify, lmtrain.observe.notify): what each event says, secrets by name,
 bounded and never in the way of training; a real local run's messages, in order."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from lmtrain.notify import Notifier, goodput
+from lmtrain.observe.notify import Notifier, goodput
 
 HELPER = Path(__file__).with_name("_train_with_stop.py")
 
@@ -124,7 +124,7 @@ def test_a_run_stopped_and_resumed_sends_its_story(repo, runs_root, hook):
     import sys
 
     from launcher.commands.run import prepare_local_run
-    from lmtrain.local import launch
+    from lmtrain.local.launch import launch
 
     url, got = hook
     overrides = ["model.config.n_layer=1", "model.config.n_embd=32", "model.config.n_head=2",
@@ -154,8 +154,8 @@ def test_how_an_attempt_ended_becomes_messages(tmp_path, reason, requeued, event
     """The entry's end messages: a failure carries the failing rank's last log lines."""
     from types import SimpleNamespace
 
-    from lmtrain.attempt import Outcome
-    from lmtrain.notify import notify_end
+    from lmtrain.observe.attempt import Outcome
+    from lmtrain.observe.notify import notify_end
 
     logs = tmp_path / "logs" / "attempt-2"
     logs.mkdir(parents=True)

@@ -147,7 +147,7 @@ def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start(
     from types import SimpleNamespace
 
     from launcher.core.jsonlines import read_jsonl
-    from lmtrain.attempt import AttemptRecords, MissingEnd
+    from lmtrain.observe.attempt import AttemptRecords, MissingEnd
 
     history = [AttemptRow(1, "12", 0, 20, "preempted", True), AttemptRow(2, "12", 20)]
     gate = start_gate(_start(history=history), POLICY)
@@ -257,7 +257,7 @@ def _ledger(plan) -> list[dict]:
 
 
 def test_a_requeued_finished_run_exits_at_once_without_training(local_run):
-    from lmtrain.entry import run_task
+    from lmtrain.task.entry import run_task
 
     Path(local_run.paths.run_dir, "DONE").write_text("10\n")
     assert run_task(local_run.paths.run_dir) == 0
@@ -268,7 +268,7 @@ def test_a_requeued_finished_run_exits_at_once_without_training(local_run):
 
 
 def test_a_cancelled_run_exits_at_once_and_records_the_missing_end_of_the_killed_attempt(local_run):
-    from lmtrain.entry import run_task
+    from lmtrain.task.entry import run_task
 
     ledger = Path(local_run.paths.ledger)
     ledger.write_text(json.dumps({"event": "start", "attempt": 1, "job_id": "7", "start_step": 0}) + "\n")
@@ -280,7 +280,7 @@ def test_a_cancelled_run_exits_at_once_and_records_the_missing_end_of_the_killed
 
 
 def test_a_run_that_made_no_progress_over_k_attempts_is_stopped(local_run):
-    from lmtrain.entry import run_task
+    from lmtrain.task.entry import run_task
 
     lines = []
     for n in (1, 2, 3):
@@ -301,7 +301,7 @@ def _fake_zero_checkpoint(plan) -> None:
 
 
 def test_resuming_a_checkpoint_of_another_strategy_fails_and_says_why(local_run):
-    from lmtrain.entry import run_task
+    from lmtrain.task.entry import run_task
 
     _fake_zero_checkpoint(local_run)
     before = signal.getsignal(signal.SIGTERM)
@@ -319,7 +319,7 @@ def test_a_zero_checkpoint_whose_universal_conversion_fails_ends_the_attempt_wit
     one has no DeepSpeed files, so the conversion fails and the attempt ends, not requeued, with
     DeepSpeed's error in the ledger."""
     from launcher.commands.run import prepare_local_run
-    from lmtrain.entry import run_task
+    from lmtrain.task.entry import run_task
 
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), ["model.config.n_layer=1", "trainer.strategy=deepspeed",
                              "trainer.zero_stage=2"], devices=1, max_steps=10, name="gate-zero", environ=dict(os.environ),
@@ -400,7 +400,7 @@ def test_a_stop_requested_by_a_peer_without_a_signal_gets_a_ledger_reason():
 def test_a_failing_decision_still_lets_the_attempt_end(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from lmtrain.attempt import Outcome
+    from lmtrain.observe.attempt import Outcome
     from lmtrain.preemption.controller import Preemption
 
     plan = SimpleNamespace(preemption=PreemptionPlan("USR2", 120, 20, 10, 2, 3, False, 30),
@@ -420,7 +420,7 @@ def test_a_failing_decision_still_lets_the_attempt_end(tmp_path, monkeypatch):
 
 
 def test_an_attempt_that_fails_before_training_gives_the_signal_handlers_back(local_run, monkeypatch):
-    from lmtrain.entry import run_task
+    from lmtrain.task.entry import run_task
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # not the plan's topology
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2)

@@ -8,7 +8,7 @@ import multiprocessing as mp
 
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from lmtrain.loggers import WANDB_ID_FILE, logger_identity, make_loggers, wandb_run_id
+from lmtrain.observe.loggers import WANDB_ID_FILE, logger_identity, make_loggers, wandb_run_id
 
 
 def _id_in_child(run_dir, q) -> None:

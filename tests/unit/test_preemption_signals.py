@@ -1,4 +1,4 @@
-"""Real signals to real local training processes (lmtrain.local's environment, gloo, CPU): the
+"""Real signals to real local training processes (lmtrain.local.launch's environment, gloo, CPU): the
 handler records, all ranks agree at the next step boundary through one collective, the
 checkpoint is complete on every rank, the ledger says why, and a run resumed after two stops is
 bit-identical to one that never stopped (per-step losses, gradient norms, final weights), with
@@ -25,8 +25,8 @@ from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on s
 
 from launcher.commands.run import prepare_local_run
 from lmtrain.checkpoint.manager import complete_checkpoints
-from lmtrain.local import worker_env
-from lmtrain.task_env import free_port
+from lmtrain.distributed.task_env import free_port
+from lmtrain.local.launch import worker_env
 from tests import rank_procs
 from tests.trackers import assert_trackers_log_each_step_once
 
@@ -278,13 +278,13 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
 
 
 # Run as the SLURM task's process body is: submitit's handler already installed (submitit's
-# process_job installs it before calling the task), then lmtrain.task.TrainTask called. An import
+# process_job installs it before calling the task), then lmtrain.task.train_task.TrainTask called. An import
 # hook notes which handler owns the warning signal when the first slow module starts importing,
 # and stops the task there.
 _WINDOW_PROBE = r"""
 import json, signal, sys
 SLOW = ("torch", "lightning", "transformers", "deepspeed", "numpy", "pydantic", "launcher.core.plan",
-        "launcher.core.spec", "lmtrain.preemption.controller", "lmtrain.callbacks", "lmtrain.task_env")
+        "launcher.core.spec", "lmtrain.preemption.controller", "lmtrain.observe.callbacks", "lmtrain.distributed.task_env")
 seen = {}
 def checkpoint_and_try_requeue(signum, frame):  # submitit's handler, by name
     seen["submitit_ran"] = True
@@ -298,7 +298,7 @@ class Probe:
             raise FirstSlowImport(name)
 signal.signal(getattr(signal, sys.argv[2]), checkpoint_and_try_requeue)
 sys.meta_path.insert(0, Probe())
-from lmtrain.task import TrainTask
+from lmtrain.task.train_task import TrainTask
 try:
     TrainTask(sys.argv[1])()
 except FirstSlowImport:

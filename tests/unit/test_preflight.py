@@ -1,4 +1,4 @@
-"""Preflight in every attempt (lmtrain.preflight): every node checks its interfaces, the
+"""Preflight in every attempt (lmtrain.health.preflight): every node checks its interfaces, the
 checkpoint directory and the data before the ranks meet; all ranks agree on the verdicts; a
 failed node ends the attempt as ``preflight_failed`` (lmtrain.preemption.policy: requeued off the failing
 nodes where the partition has others, else stopped with what to fix)."""

@@ -69,7 +69,7 @@ def test_a_task_record_refuses_what_slurm_never_gives():
 
 
 def test_the_runtime_records_this_process(tmp_path, monkeypatch):
-    from lmtrain.task_env import record_this_task
+    from lmtrain.distributed.task_env import record_this_task
 
     for k, v in {"SLURM_JOB_ID": "77", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
                  "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",

@@ -1,4 +1,4 @@
-"""Where an attempt spends its startup: the clock of the task process (lmtrain.startup), the
+"""Where an attempt spends its startup: the clock of the task process (lmtrain.observe.startup), the
 ledger's ``startup`` record, and how `lmlaunch history --timing` shows it."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from launcher.context import Context
 from launcher.core import rundir
 from launcher.core.checkpoint_index import CompleteCheckpoint
 from launcher.core.rundir import STARTUP_PHASES, AttemptStartup, Ledger
-from lmtrain.startup import StartupClock, process_start_time
+from lmtrain.observe.startup import StartupClock, process_start_time
 
 
 def test_imports_run_with_the_collector_paused_and_what_they_made_is_frozen():
@@ -28,7 +28,7 @@ def test_imports_run_with_the_collector_paused_and_what_they_made_is_frozen():
     restored when an import fails, and left off when it was off."""
     code = """
 import gc, sys
-from lmtrain.startup import imports_without_gc
+from lmtrain.observe.startup import imports_without_gc
 before = gc.get_freeze_count()
 with imports_without_gc(freeze=False):
     assert not gc.isenabled()

@@ -83,7 +83,7 @@ def test_the_dry_run_shows_the_points_and_the_one_array_script(repo, env, tmp_pa
         shown = subprocess.run(["bash", "-c", "\n".join([*points, 'printf %s "$PYTHONPATH"'])], capture_output=True,
                                text=True, env={"SLURM_ARRAY_TASK_ID": "1", **({"PYTHONPATH": inherited} if inherited else {})})
         assert shown.stdout == want, shown
-    assert f"-m lmtrain.task_main --signal USR2 {runs_root}/lr/submitit" in out
+    assert f"-m lmtrain.task.main --signal USR2 {runs_root}/lr/submitit" in out
 
 
 @pytest.mark.parametrize("cluster", ["h100-ib", "a100-roce"])

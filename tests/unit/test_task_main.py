@@ -1,4 +1,4 @@
-"""lmtrain.task_main, what srun starts in every SLURM task: lmtrain's record-only handlers for the
+"""lmtrain.task.main, what srun starts in every SLURM task: lmtrain's record-only handlers for the
 warning signal and SIGTERM are installed before anything else (before submitit's runner imports
 numpy and waits for and unpickles the task), stay installed for lmtrain's task, and keep what
 they recorded for the entry; any other callable gets submitit's handlers as under
@@ -72,7 +72,7 @@ def test_a_signal_before_the_task_is_even_unpickled_is_recorded_and_handed_to_th
 
     folder = tmp_path / "submitit"
     folder.mkdir()
-    proc = _start(folder, ["-m", "lmtrain.task_main", "--signal", "USR2"], tmp_path)
+    proc = _start(folder, ["-m", "lmtrain.task.main", "--signal", "USR2"], tmp_path)
     try:
         _wait_caught(proc, {signal.SIGUSR2, signal.SIGTERM})  # lmtrain's, while submitit waits for the pickle
         os.kill(proc.pid, signal.SIGUSR2)  # SLURM's time-limit warning, this early
@@ -112,7 +112,7 @@ def test_any_other_callable_gets_submitits_handlers(tmp_path):
 
     folder = tmp_path / "submitit"
     folder.mkdir()
-    proc = _start(folder, ["-m", "lmtrain.task_main", "--signal", "USR2"], tmp_path)
+    proc = _start(folder, ["-m", "lmtrain.task.main", "--signal", "USR2"], tmp_path)
     try:
         _submit(folder, plain)
         got = _result(folder, proc, tmp_path)
@@ -121,7 +121,7 @@ def test_any_other_callable_gets_submitits_handlers(tmp_path):
     assert got["SIGUSR2"].endswith("checkpoint_and_try_requeue") and got["SIGTERM"].endswith("bypass"), got
 
 
-@pytest.mark.parametrize("runner, succeeds", [(["-m", "lmtrain.task_main", "--signal", "USR2"], True),
+@pytest.mark.parametrize("runner, succeeds", [(["-m", "lmtrain.task.main", "--signal", "USR2"], True),
                                                (["-m", "submitit.core._submit"], False)])
 def test_a_result_an_earlier_attempt_was_killed_writing_does_not_fail_the_next(tmp_path, runner, succeeds):
     """A requeue kills the steps as rank 0 returns, so an attempt can die inside submitit's write
@@ -151,9 +151,9 @@ def test_a_result_an_earlier_attempt_was_killed_writing_does_not_fail_the_next(t
 
 @pytest.mark.parametrize("argv", [[], ["--signal"], ["--signal", "USR2"], ["a", "b"]])
 def test_a_malformed_command_line_says_how_to_call_it(argv):
-    out = subprocess.run([sys.executable, "-m", "lmtrain.task_main", *argv], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "lmtrain.task.main", *argv], capture_output=True, text=True,
                          timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
-    assert out.returncode == 1 and "usage: python -m lmtrain.task_main [--signal NAME] FOLDER" in out.stderr
+    assert out.returncode == 1 and "usage: python -m lmtrain.task.main [--signal NAME] FOLDER" in out.stderr
 
 
 def test_a_rank_in_a_container_ends_when_the_slurm_task_that_started_it_is_gone():
@@ -161,7 +161,7 @@ def test_a_rank_in_a_container_ends_when_the_slurm_task_that_started_it_is_gone(
     watches the client's pid (LMLAUNCH_TASK_PID, set by launcher/core/podman_task.sh) and ends."""
     owner = subprocess.Popen(["sleep", "600"])
     rank = subprocess.Popen(
-        [sys.executable, "-c", "from lmtrain.task_main import watch_owner; import time; "
+        [sys.executable, "-c", "from lmtrain.task.main import watch_owner; import time; "
          "watch_owner(poll_s=0.1); time.sleep(600)"],
         env={**os.environ, "LMLAUNCH_TASK_PID": str(owner.pid)}, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)

@@ -3,7 +3,7 @@
 - the losses and gradient norms of tp2, dp2xtp2 and sequence parallelism equal DDP's on the same
   global batches within 1e-5, for tiny llama, qwen2 and mistral, tied and untied (measured: within
   1e-6; the only difference is the order of float reductions);
-- through the real entry (lmtrain.local, Lightning's ModelParallelStrategy, lmtrain's sampler and
+- through the real entry (lmtrain.local.launch, Lightning's ModelParallelStrategy, lmtrain's sampler and
   checkpoints): a dp2xtp2 run with sequence parallelism gives DDP's losses on the same global
   batch, then resumes elastically dp2xtp2 -> dp1xtp2 -> dp2xtp1 (FSDP2 alone) -> dp2xtp2 and
   continues the uninterrupted run's curve (DCP reshards every layout, the optimizer state comes

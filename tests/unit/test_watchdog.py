@@ -1,4 +1,4 @@
-"""The hang watchdog (lmtrain.watchdog) in real processes: it ends a stalled process with its
+"""The hang watchdog (lmtrain.health.watchdog) in real processes: it ends a stalled process with its
 stacks on disk, also when the stalled thread holds the GIL, and leaves a beating one alone.
 The cluster test (tests/integration/test_faults_hang.py) runs it inside a 2-rank SLURM job."""
 
@@ -16,12 +16,12 @@ import pytest
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.core.rundir import AttemptEnd, Ledger, RunLayout
-from lmtrain import watchdog
-from lmtrain.watchdog import EXIT_HANG, hang_markers, hang_reason
+from lmtrain.health import watchdog
+from lmtrain.health.watchdog import EXIT_HANG, hang_markers, hang_reason
 
 PRELUDE = """
 import sys, time
-from lmtrain.watchdog import ProgressWatchdog
+from lmtrain.health.watchdog import ProgressWatchdog
 reports = []
 wd = ProgressWatchdog(timeout_s={timeout}, grace_s={grace}, stacks_file={stacks!r}, marker_file={marker!r},
                       rank=1, attempt=3, on_hang=lambda r: print("REPORT", r.step, flush=True))

@@ -1,4 +1,4 @@
-"""Local ranks forked from a zygote (lmtrain.zygote) behave as plain `python` processes would: the
+"""Local ranks forked from a zygote (lmtrain.local.zygote) behave as plain `python` processes would: the
 code they run comes from their own PYTHONPATH (the run's snapshot), they see exactly their own
 environment, thread count and Lightning rank, they end with the interpreter's exit codes (signals
 negative, as Popen says), join their threads and run their atexit handlers; a launch whose
@@ -17,8 +17,8 @@ import pytest
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
-from lmtrain.local import launch, worker_env
-from lmtrain.zygote import Zygote, forkable
+from lmtrain.local.launch import launch, worker_env
+from lmtrain.local.zygote import Zygote, forkable
 
 PROBE = r'''
 import atexit, json, os, sys, threading, time

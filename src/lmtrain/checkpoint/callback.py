@@ -18,7 +18,7 @@ from lmtrain.checkpoint.disk_space import DiskFull
 from lmtrain.checkpoint.manager import CheckpointManager
 from lmtrain.checkpoint.rng_state import capture_rng, restore_rng
 
-log = logging.getLogger("lmtrain.callbacks")
+log = logging.getLogger("lmtrain.observe.callbacks")
 
 
 class CheckpointCallback(pl.Callback):

@@ -6,9 +6,9 @@
   :mod:`.bad_nodes` -- who died first, which nodes a requeue keeps off;
 - :mod:`.gate` -- the start gate's I/O (rank 0 decides, every rank reads the answer);
 - :mod:`.agreement` -- the stop agreed at a step boundary (the only part that imports Lightning);
-- :mod:`.controller` -- one attempt's preemption handling, wired in by :mod:`lmtrain.entry`.
+- :mod:`.controller` -- one attempt's preemption handling, wired in by :mod:`lmtrain.task.entry`.
 
-One owner of signals, one owner of signals, a stop agreed at a step boundary,
+One owner of signals, a stop agreed at a step boundary,
 a complete checkpoint, then one decision (rank 0) about why the attempt ended and whether the
 job requeues itself.
 

@@ -108,7 +108,7 @@ def _cpu_group(trainer: Any, plan: Any) -> Any:
     makes it at the same point (on_train_start), as torch.distributed requires."""
     import torch.distributed as dist
 
-    from lmtrain.watchdog import process_group_timeout
+    from lmtrain.distributed.task_env import process_group_timeout
 
     if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return None

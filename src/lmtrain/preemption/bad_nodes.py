@@ -18,9 +18,9 @@ from hostlist import expand_hostlist  # SLURM hostlist notation
 
 from launcher.core import slurm
 from launcher.core.rundir import Ledger, LedgerNote, RunLayout
+from lmtrain.health.watchdog import hang_markers
 from lmtrain.preemption.policy import EndFacts
 from lmtrain.preemption.slurm_facts import SLURM_QUERY_TIMEOUT_S
-from lmtrain.watchdog import hang_markers
 
 log = logging.getLogger("lmtrain.preemption")
 EXCLUDE_WAIT_S = 20.0  # for a requeued job to be pending, before its ExcNodeList is set

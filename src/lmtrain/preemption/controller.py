@@ -1,5 +1,5 @@
 """One attempt's preemption handling (one controller per task process, wired in by
-:mod:`lmtrain.entry`): it owns the signals and the stop request, hands the Trainer the stop
+:mod:`lmtrain.task.entry`): it owns the signals and the stop request, hands the Trainer the stop
 agreement, decides how the attempt ended (:meth:`Preemption.settle`, the one place) and, LAST,
 requeues or cancels the job (:meth:`Preemption.after_end`)."""
 
@@ -14,8 +14,10 @@ from launcher.core import slurm
 from launcher.core.checkpoint_index import newest_complete
 from launcher.core.plan import PreemptionPlan
 from launcher.core.rundir import Ledger, LedgerNote, RunLayout, is_cancelled
-from lmtrain.attempt import AttemptRecords, Outcome
 from lmtrain.checkpoint.disk_space import disk_full_in
+from lmtrain.health.preflight import PreflightFailed
+from lmtrain.health.watchdog import hang_reason
+from lmtrain.observe.attempt import AttemptRecords, Outcome
 from lmtrain.preemption.agreement import AgreedStop, StopAgreement
 from lmtrain.preemption.bad_nodes import bad_node_facts, exclude_nodes
 from lmtrain.preemption.first_death import describe, find_first_death, log_size
@@ -28,14 +30,12 @@ from lmtrain.preemption.slurm_facts import (
     seconds_left,
     why_completing,
 )
-from lmtrain.preflight import PreflightFailed
-from lmtrain.watchdog import hang_reason
 
 log = logging.getLogger("lmtrain.preemption")
 
 
 class Preemption:
-    """Preemption handling of one attempt (one per task process); wired in by lmtrain.entry."""
+    """Preemption handling of one attempt (one per task process); wired in by lmtrain.task.entry."""
 
     def __init__(self, plan: Any, env: Any, attempt: int) -> None:
         self.plan, self.env, self.attempt = plan, env, attempt
@@ -87,7 +87,7 @@ class Preemption:
 
         Runs before the ledger's ``end`` line: a failure here must not cost that line, so it is
         logged and the outcome kept as the fit left it (no requeue)."""
-        hung = outcome.reason == "hang"  # lmtrain.watchdog: a rank of this attempt stopped making progress
+        hung = outcome.reason == "hang"  # lmtrain.health.watchdog: a rank of this attempt stopped making progress
         try:
             self._decide(outcome, start_step)
         except Exception as exc:

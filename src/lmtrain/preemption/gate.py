@@ -12,7 +12,7 @@ from typing import Any
 from launcher.core.atomic import write_private
 from launcher.core.checkpoint_index import newest_complete
 from launcher.core.rundir import LedgerAttempt, RunLayout, is_cancelled, read_done_step
-from lmtrain.attempt import AttemptRecords, MissingEnd
+from lmtrain.observe.attempt import AttemptRecords, MissingEnd
 from lmtrain.preemption.policy import Gate, StartFacts, start_gate
 from lmtrain.preemption.signals import release_early_signals
 from lmtrain.preemption.slurm_facts import previous_attempt_state

@@ -273,7 +273,7 @@ class Gate:
     exit: bool
     reason: str | None = None
     detail: str | None = None
-    previous_end: dict[str, Any] | None = None  # lmtrain.attempt.MissingEnd's fields: an earlier attempt's end
+    previous_end: dict[str, Any] | None = None  # lmtrain.observe.attempt.MissingEnd's fields: an earlier attempt's end
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)

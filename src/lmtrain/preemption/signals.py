@@ -134,7 +134,7 @@ def own_signals(preemption: Any) -> SignalOwner:
     dict (plan.json's ``preemption``): only its warning ``signal`` is read here, so the caller need
     not import the plan's classes first. What arrives now is kept and acted on at the first step
     boundary (:class:`Preemption` adopts this owner). Called again in the same process (the entry
-    after lmtrain.task_main), it keeps the owner and what it recorded."""
+    after lmtrain.task.main), it keeps the owner and what it recorded."""
     global _EARLY
     name = (preemption.get("signal") if isinstance(preemption, dict) else getattr(preemption, "signal", None)) or "USR2"
     if _EARLY is not None and _EARLY.installed and _EARLY.warning_signum != signal_number(name):
@@ -158,7 +158,7 @@ def retire() -> None:
     handler :meth:`SignalOwner.restore` gave back would do harm: the default action kills the
     process, so SLURM records a run that completed as FAILED (seen: a run done at step 70, killed
     by SIGUSR2 during its exit), and submitit's handler would requeue it. For the task's process
-    body only (lmtrain.entry's run_slurm_task and main), not for in-process callers."""
+    body only (lmtrain.task.entry's run_slurm_task and main), not for in-process callers."""
     early = _EARLY
     if early is not None and early.pid == os.getpid() and threading.current_thread() is threading.main_thread():
         signal.signal(early.warning_signum, signal.SIG_IGN)

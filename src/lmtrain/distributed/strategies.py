@@ -1,0 +1,229 @@
+"""The Lightning strategy of a plan: DDP, FSDP2 or DeepSpeed ZeRO 1/2/3, on GPUs and on CPUs.
+
+One owner for "which strategy object runs this plan", so that the plan's ``trainer.strategy``
+and ``deepspeed.json`` are exactly what the Trainer gets:
+
+- ``ddp``: Lightning's DDPStrategy (NCCL on GPUs, gloo on CPUs); on one process, Lightning's
+  SingleDeviceStrategy: no data-parallel wrapper around the model (a compiled model stays one
+  graph: DDP's optimizer would split it at every bucket, pytorch#108966), nothing to reduce, the
+  same checkpoint (the module's own state dict either way, so a run resumes on any world size).
+- ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's
+  ModelParallelStrategy, whose device mesh is (data_parallel, tensor_parallel): with
+  ``trainer.tensor_parallel_size`` 1 the data dimension is the whole world;
+  :meth:`lmtrain.model.module.LMModule.configure_model` splits each block over the tensor dimension
+  (lmtrain.model.tensor_parallel), then shards each transformer block and the root over the data one. FSDP1 refuses CPUs in torch itself ("FSDP needs a non-CPU accelerator
+  device"); FSDP2 runs on both. Checkpoints are torch.distributed.checkpoint (DCP) directories,
+  one shard file per rank, which DCP reshards when the world size changes.
+- ``deepspeed``: Lightning's DeepSpeedStrategy initialised with the plan's DeepSpeed config key
+  for key. On CPUs (``DS_ACCELERATOR=cpu``, gloo) three CUDA-only assumptions of Lightning's
+  strategy are overridden in :class:`CPUDeepSpeedStrategy` (verified with lightning 2.6,
+  deepspeed 0.19: ZeRO 1, 2 and 3 train, save their sharded checkpoint and resume).
+  Both DeepSpeed strategies start the engine with DeepSpeed's Muon kernels compiled on first
+  use (:func:`import_muon_compiled_on_first_use`): lmtrain's optimizer is AdamW, and compiling
+  them at import cost every rank of every attempt 1.5 s of CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+    ParallelStrategy,
+    SingleDeviceStrategy,
+)
+
+from lmtrain.checkpoint.writeback import save_streamed
+from lmtrain.distributed.task_env import cluster_environment, process_group_timeout
+
+
+class DirectCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` straight into the file lmtrain's checkpoint protocol names (inside
+    ``.step-S.tmp``, made atomic and durable by lmtrain.checkpoint.manager: fsync, rename, COMPLETE).
+
+    Lightning's default first serialises the whole checkpoint into a BytesIO, then writes it
+    through an fsspec transaction into a temporary file in the system temp directory and moves
+    that into place: twice the checkpoint in host memory, a node-local /tmp that must hold all of
+    it, and a second full copy when /tmp is another filesystem."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("lmtrain's checkpoint IO takes no storage_options")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # No CRC32 per record: torch.load never checks it, and computing it costs a pass over
+        # every byte (0.3 s of the 1.5 GB GPT-2 124M checkpoint on this machine's CPU). The
+        # checkpoint's integrity is lmtrain's COMPLETE manifest and its fsync-then-rename protocol.
+        torch.serialization.set_crc32_options(False)
+        with open(target, "wb") as f:
+            save_streamed(checkpoint, f)  # the disk writes while torch serialises
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_compiled_on_first_use() -> None:
+    """Import DeepSpeed's Muon optimizer with its kernels compiled when first called, not at import.
+
+    Every ZeRO engine imports that module as it starts (to test the client optimizer against
+    Muon), and the module wraps three kernels in ``torch.compile`` at import, which loads torch's
+    inductor: 1.5 s of CPU on each rank of every attempt, for an optimizer lmtrain never builds
+    (its optimizer is AdamW). Imported here first, with DeepSpeed's ``compiler.compile`` giving a
+    wrapper that calls ``torch.compile`` on the first call, the module is the same to every later
+    import and no kernel is compiled unless one runs. Nothing else is changed: DeepSpeed's
+    ``compile`` is put back. A process that already imported the module keeps it."""
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    at_import = compiler.compile
+    compiler.compile = _compiled_on_first_call
+    try:
+        importlib.import_module(MUON_MODULE)
+    finally:
+        compiler.compile = at_import
+
+
+def _compiled_on_first_call() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        compiled: Callable[..., Any] | None = None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = torch.compile(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return decorate
+
+
+class LmDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy whose engine starts without compiling Muon's kernels."""
+
+    def init_deepspeed(self) -> None:
+        import_muon_compiled_on_first_use()
+        super().init_deepspeed()
+
+
+class CPUDeepSpeedStrategy(LmDeepSpeedStrategy):
+    """DeepSpeedStrategy on CPU processes (DeepSpeed's CPU accelerator, gloo).
+
+    Lightning's strategy assumes CUDA in three places; each override replaces one of them:
+
+    - ``setup_environment`` refuses any accelerator but CUDA: skip the check, run DDP's setup.
+    - ``setup_distributed`` validates device indices, which CPU devices do not have ([None,
+      None]): skip that, do the rest (seed, ranks, ``deepspeed.init_distributed``).
+    - ``root_device`` is ``cpu`` without an index, and DeepSpeed needs an integer device rank:
+      ``cpu:<local rank>`` (CPU tensors ignore the index).
+    """
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # Strategy.setup_environment + self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", self.local_rank)
+
+
+def _use_deepspeed_cpu_accelerator() -> None:
+    """DeepSpeed picks its accelerator once per process (DS_ACCELERATOR, else detection); the plan
+    exports DS_ACCELERATOR=cpu to CPU jobs, and a process started otherwise (a benchmark, a
+    notebook) gets it here, before DeepSpeed's first look. A process where DeepSpeed already
+    chose another accelerator cannot run a CPU job: say so."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    if os.environ["DS_ACCELERATOR"] != "cpu" or name != "cpu":
+        raise RuntimeError(
+            f"this CPU job needs DeepSpeed's CPU accelerator, but DS_ACCELERATOR is "
+            f"{os.environ['DS_ACCELERATOR']!r} and DeepSpeed chose {name!r}"
+        )
+
+
+def deepspeed_config_for_lightning(plan: Any) -> dict[str, Any]:
+    """The plan's DeepSpeed config as Lightning takes it: Lightning sets gradient accumulation
+    from the Trainer (and refuses it in the config), and puts it back in the engine's config."""
+    want = plan.trainer.accumulate_grad_batches
+    config = dict(plan.deepspeed or {})
+    accum = config.pop("gradient_accumulation_steps", want)
+    if accum != want:
+        raise RuntimeError(
+            f"plan inconsistency: deepspeed gradient_accumulation_steps({accum}) != "
+            f"trainer accumulate_grad_batches({want})"
+        )
+    return config
+
+
+def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
+    """The Lightning strategy object for the plan, with lmtrain's cluster environment and the
+    spec's collective timeout. ``load_universal``: the DeepSpeed engine resumes a universal
+    checkpoint (lmtrain.checkpoint.elastic; the one key added to the plan's DeepSpeed config)."""
+    cluster = cluster_environment(env)
+    backend = plan.training.process_group_backend
+    timeout = process_group_timeout(plan)  # every collective: spec watchdog.collective_timeout_s
+    name = plan.training.strategy
+    if name == "ddp" and env.world_size == 1:
+        device = torch.device("cuda", env.local_rank) if plan.trainer.accelerator == "gpu" else torch.device("cpu")
+        return SingleDeviceStrategy(device=device, checkpoint_io=DirectCheckpointIO())
+    if name == "ddp":
+        return DDPStrategy(
+            cluster_environment=cluster,
+            timeout=timeout,
+            process_group_backend=backend,
+            gradient_as_bucket_view=True,  # grads live in the buckets: no extra copy
+            find_unused_parameters=False,
+            checkpoint_io=DirectCheckpointIO(),  # DeepSpeed and FSDP2 (DCP) write their files directly already
+        )
+    if name == "fsdp":
+        strategy = ModelParallelStrategy(  # the (data_parallel, tensor_parallel) device mesh
+            data_parallel_size=plan.topology.data_parallel_size,
+            tensor_parallel_size=plan.topology.tensor_parallel_size,
+            save_distributed_checkpoint=True,  # every rank writes its own shard (DCP): no gather
+            process_group_backend=backend,
+            timeout=timeout,
+        )
+        strategy.cluster_environment = cluster
+        return strategy
+    if name == "deepspeed":
+        from lmtrain.distributed.jit_ops import use_own_extensions_dir
+
+        use_own_extensions_dir()  # DeepSpeed's JIT ops from this environment's own folder, built ahead
+        config = deepspeed_config_for_lightning(plan)
+        if load_universal:
+            config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
+        if plan.trainer.accelerator == "cpu":
+            _use_deepspeed_cpu_accelerator()
+            return CPUDeepSpeedStrategy(
+                config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
+            )
+        return LmDeepSpeedStrategy(
+            config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
+        )
+    raise RuntimeError(f"unknown strategy '{name}' in plan.json (allowed: ddp, fsdp, deepspeed)")
+
+
+def trainer_plugins(strategy: Any, env: Any) -> list[Any]:
+    """What the Trainer needs beside ``strategy``: a strategy of one process carries no cluster
+    environment, and without lmtrain's the Trainer would detect SLURM itself and install
+    Lightning's auto-requeue signal handlers (lmtrain owns the signals: lmtrain.preemption)."""
+    return [] if isinstance(strategy, ParallelStrategy) else [cluster_environment(env)]

@@ -1,0 +1,232 @@
+"""Data, model, callbacks, loggers and the Trainer of one attempt, built from the plan, and the
+fit itself (:mod:`lmtrain.task.training` runs it). Resuming restores this rank's data position and
+RNG streams; on another world size the data is re-sharded, the RNG streams start fresh and the
+gradient accumulation is realigned (:mod:`lmtrain.checkpoint.elastic` for the weights)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+
+from lmtrain.observe.attempt import Outcome
+from lmtrain.observe.startup import CLOCK
+
+if TYPE_CHECKING:
+    from launcher.core.checkpoint_index import CompleteCheckpoint
+    from launcher.core.plan import LaunchPlan
+    from lmtrain.distributed.task_env import TaskEnv
+    from lmtrain.observe.attempt import AttemptRecords
+    from lmtrain.preemption.controller import Preemption
+
+log = logging.getLogger("lmtrain")
+
+
+class Fit:
+    """One attempt's Trainer and what it trains, on one rank."""
+
+    def __init__(self, plan: LaunchPlan, env: TaskEnv, ctl: Preemption, records: AttemptRecords,
+                 ckpt: CompleteCheckpoint | None, rank_state: dict[str, Any] | None) -> None:
+        self.plan, self.env, self.ctl, self.records = plan, env, ctl, records
+        self.ckpt, self.rank_state = ckpt, rank_state
+        self.job = plan.job_spec()  # typed: checkpoint, logging, data, trainer, watchdog settings
+        self.resume_rng: Any = None
+        self.resume_window: dict[str, Any] | None = None
+        self.realign: Any = None
+        self.universal = False
+        self.validate = False
+
+    # -- building ----------------------------------------------------------------------------
+    def trainer_for(self, startup: Any) -> pl.Trainer:
+        """Data, model, callbacks and the Trainer (the ``data`` and ``model`` startup phases)."""
+        from lmtrain.checkpoint.elastic import needs_universal
+        from lmtrain.distributed.strategies import build_strategy, trainer_plugins
+
+        plan, env = self.plan, self.env
+        self.loaders = self._data()
+        self.universal = self.ckpt is not None and needs_universal(
+            self.ckpt, strategy=plan.training.strategy, world_size=env.world_size)
+        CLOCK.mark("data")
+        self.module = self._module()
+        # The plan's Trainer arguments as they are (the dry run printed them); without a
+        # validation split in the data, the same arguments with validation off.
+        trainer_plan = plan.trainer if self.loaders[1] is not None else plan.trainer.without_validation()
+        self.trainer_plan = trainer_plan
+        self.validate = trainer_plan.val_check_interval is not None
+        from lmtrain.observe.loggers import make_loggers
+
+        loggers = make_loggers(plan.paths.run_dir, self.job.logging, plan.run_name,
+                               resume_step=self.ckpt.step if self.ckpt else None)
+        strategy = build_strategy(plan, env, load_universal=self.universal)
+        trainer = pl.Trainer(
+            **trainer_plan.kwargs(),
+            strategy=strategy,
+            plugins=trainer_plugins(strategy, env),
+            enable_model_summary=env.rank == 0,
+            logger=loggers or False,
+            callbacks=self.callbacks(startup),
+        )
+        CLOCK.mark("model")
+        return trainer
+
+    def _data(self) -> tuple[Any, Any, Any]:
+        """The loaders and the sampler, at this rank's data position when resuming."""
+        from lmtrain.data.loader import TokenData, make_dataloaders
+        from lmtrain.model.causal_lm import build_config
+
+        plan, env, ckpt, data_spec = self.plan, self.env, self.ckpt, self.job.data
+        vocab = getattr(build_config(self.job.model), "vocab_size", None)
+        if vocab is not None:
+            for store in data_spec.stores:  # a mixture: each store named when it does not fit
+                TokenData(store.path).check_vocab(int(vocab))
+        # Tensor-parallel ranks (consecutive global ranks, Lightning's (dp, tp) mesh) read the same
+        # samples: the data is sharded over the data-parallel ranks only.
+        tp = plan.topology.tensor_parallel_size
+        train_loader, val_loader, sampler = make_dataloaders(
+            data_spec, world_size=env.world_size // tp, rank=env.rank // tp, seed=plan.training.seed)
+        self.ctl.guard_workers(train_loader, val_loader)  # workers ignore SIGTERM / the warning
+        if ckpt is not None:
+            state = self.rank_state if self.rank_state is not None else ckpt.rank_state(0)
+            if state is None:
+                raise RuntimeError(f"{ckpt.path} has no rank-{env.rank}.pt nor rank-0.pt: "
+                                   "not a complete lmtrain checkpoint")
+            sampler.load_state_dict(state["data_sampler"])
+            self._resume_streams(state)
+        return train_loader, val_loader, sampler
+
+    def _resume_streams(self, state: dict[str, Any]) -> None:
+        """This rank's RNG streams on the same world size; else a realigned accumulation."""
+        from lmtrain.observe.callbacks import RealignAccumulation
+
+        env, ckpt, rank_state, topo = self.env, self.ckpt, self.rank_state, self.plan.topology
+        assert ckpt is not None
+        layout = (env.world_size, topo.tensor_parallel_size)
+        if rank_state is not None and _layout(rank_state, env.world_size) == layout:
+            self.resume_rng = rank_state["rng"]
+            self.resume_window = rank_state.get("loss_window")  # None in checkpoints before it was kept
+            return
+        old_world, old_tp = _layout(state, env.world_size)
+        log.warning("resuming step-%d on %d ranks, tensor parallel %d (written on %d, tensor parallel %d): data "
+                    "position re-sharded, RNG streams start fresh", ckpt.step, env.world_size,
+                    topo.tensor_parallel_size, old_world, old_tp)
+        old_accum = topo.global_batch_size // (topo.micro_batch_size * (old_world // old_tp))
+        self.realign = RealignAccumulation(old_accum, self.plan.trainer.accumulate_grad_batches)
+
+    def _module(self) -> Any:
+        from lmtrain.model.module import LMModule, OptimSettings, RuntimeSettings
+
+        plan, env, t, data_spec = self.plan, self.env, self.plan.trainer, self.job.data
+        pl.seed_everything(plan.training.seed, workers=True, verbose=False)
+        rt = RuntimeSettings(
+            strategy=plan.training.strategy, precision=t.precision, accelerator=t.accelerator,
+            clip_val=plan.training.gradient_clip_val, seq_len=data_spec.seq_len,
+            micro_batch_size=data_spec.micro_batch_size, world_size=env.world_size,
+            accumulate=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
+            offload_optimizer=self.job.trainer.offload_optimizer,
+            tensor_parallel_size=plan.topology.tensor_parallel_size, sequence_parallel=plan.topology.sequence_parallel,
+        )
+        module = LMModule(self.job.model, OptimSettings.from_spec(self.job.optim, t.max_steps), rt,
+                          plan.training.seed)
+        module.data_sampler = self.loaders[2]
+        module.resume_loss_window(self.resume_window)
+        return module
+
+    def callbacks(self, startup: Any) -> list[Any]:
+        """The Trainer's callbacks, in order: startup record, checkpoints, the stop agreement,
+        RNG-neutral validation, metrics, the accumulation realigned, the hang watchdog."""
+        from lmtrain.observe.callbacks import MetricsHeartbeat, RngNeutralValidation
+
+        heartbeat = self.records.heartbeat
+        ckpt_cb = self._checkpoint_callback()
+        metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=self.job.logging.heartbeat_every_n_steps)
+        self.module.metrics_sink = metrics_cb.step_metrics
+        callbacks = [startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
+                     self._memory_record(), *([self.realign] if self.realign else [])]
+        return callbacks + self._watchdog()  # last: it beats after checkpoint writes
+
+    def _memory_record(self) -> Any:
+        """Each rank's held model states (and the device's peak) into the ledger (lmtrain.model.memory_held)."""
+        import time
+
+        from launcher.core.rundir import LedgerNote
+        from lmtrain.model.memory_held import MemoryRecord
+
+        attempt = self.records.attempt
+
+        def write(fields: dict[str, Any]) -> None:
+            try:
+                self.records.ledger.write(LedgerNote("memory", time.time(), {"attempt": attempt, **fields}))
+            except OSError as exc:  # a measurement never costs the run
+                log.warning("could not write the memory line of attempt %d: %s", attempt, exc)
+
+        return MemoryRecord(write, start_step=self.ckpt.step if self.ckpt is not None else 0)
+
+    def _checkpoint_callback(self) -> Any:
+        from launcher.core.checkpoint_index import checkpoint_bytes
+        from lmtrain.checkpoint.callback import CheckpointCallback
+        from lmtrain.checkpoint.manager import CheckpointManager
+        from lmtrain.distributed.task_env import process_group_timeout
+        from lmtrain.model.causal_lm import parameter_count
+        from lmtrain.observe.loggers import logger_identity
+
+        plan, env, job, ckpt = self.plan, self.env, self.job, self.ckpt
+        strategy, sampler = plan.training.strategy, self.loaders[2]
+        manager = CheckpointManager(
+            plan.paths.checkpoint_dir, keep_last=job.checkpoint.keep_last, every_n_steps=job.checkpoint.every_n_steps,
+            strategy=strategy, zero_stage=job.trainer.zero_stage if strategy == "deepspeed" else None,
+            identity={"job_id": env.job_id, "attempt": self.records.attempt,
+                      "logger": logger_identity(plan.paths.run_dir, job.logging)},
+            tensor_parallel_size=plan.topology.tensor_parallel_size,
+        )
+        manager.collective_timeout = process_group_timeout(plan)  # the background writers' group (gloo)
+        # room for a first checkpoint, before there is one to measure (lmtrain.checkpoint.disk_space)
+        manager.estimate = lambda: checkpoint_bytes(parameter_count(job.model)[0], strategy,
+                                                    plan.trainer.precision)
+        return CheckpointCallback(
+            manager, lambda: {"data_sampler": sampler.state_dict(), "loss_window": self.module.loss_window()},
+            self.records.heartbeat,
+            resume_rng=self.resume_rng, resumed_step=ckpt.step if ckpt is not None else None,
+            background=job.checkpoint.async_save,
+        )
+
+    def _watchdog(self) -> list[Any]:
+        """The hang watchdog (lmtrain.health.watchdog), unless the spec turned it off."""
+        from lmtrain.health.watchdog import WatchdogCallback
+
+        w = self.job.watchdog
+        if w.hang_timeout_s is None:
+            return []
+        return [WatchdogCallback(timeout_s=float(w.hang_timeout_s), grace_s=float(w.exit_grace_s),
+                                 records=self.records)]
+
+    # -- training ----------------------------------------------------------------------------
+    def run(self, trainer: pl.Trainer) -> Outcome:
+        """Fit (from the checkpoint, when resuming), validate the final weights when the last
+        interval did not end on a validation step; how the fit ended."""
+        from lmtrain.checkpoint.elastic import universal_dir
+
+        ckpt, (train_loader, val_loader, _), stop = self.ckpt, self.loaders, self.ctl.stop
+        max_steps = self.plan.trainer.max_steps
+        fit_kwargs: dict[str, Any] = {}
+        if ckpt is not None:
+            path = universal_dir(ckpt) if self.universal else ckpt.lightning_path
+            fit_kwargs = {"ckpt_path": str(path), "weights_only": True}
+            log.info("resuming from %s (step %d)", path, ckpt.step)
+        trainer.fit(self.module, train_dataloaders=train_loader,
+                    val_dataloaders=val_loader if self.validate else None, **fit_kwargs)
+        step = trainer.global_step
+        if self.validate and step >= max_steps and max_steps % (self.trainer_plan.val_every_n_steps or max_steps):
+            trainer.validate(self.module, dataloaders=val_loader, verbose=False)
+        if stop.agreed_step is not None:
+            return Outcome(reason=stop.reason or "preempted", end_step=step,
+                           detail=f"{stop.detail or stop.reason}; checkpoint step-{stop.agreed_step} complete")
+        if step >= max_steps:
+            return Outcome(reason="completed", end_step=step)
+        return Outcome(reason="crashed", end_step=step, exit_code=1,
+                       detail=f"the Trainer stopped at step {step} < max_steps({max_steps})")
+
+
+def _layout(state: dict[str, Any], default_world: int) -> tuple[int, int]:
+    """(world size, tensor-parallel size) a rank state was written in (states before TP: size 1)."""
+    return int(state.get("world_size", default_world)), int(state.get("tensor_parallel_size", 1))
