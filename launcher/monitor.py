@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from launcher import status_cache
-from launcher.core import slurm
+from launcher.core import slurm, straggler_lines
 from launcher.run_files import RunFiles
 from launcher.slurm_view import UNREACHABLE, SlurmJob, SlurmView, format_duration, query_slurm
 
@@ -44,6 +44,7 @@ class StatusRow:
     run_dir: str
     job_ids: list[str]
     note: str = ""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)  # the ranks slow now (slow_ranks)
 
     @property
     def progress(self) -> float | None:
@@ -128,6 +129,9 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
     if not files.exists:
         note = (note + "; " if note else "") + f"run directory missing: {rec.run_dir}"
     last_step, note = _what_the_run_says(rec, files, last_step, note)
+    stragglers = straggler_lines.slow_ranks(files.ledger) if group == "running" else []
+    if stragglers:
+        note = (note + "; " if note else "") + "slow: " + ", ".join(straggler_lines.describe(s) for s in stragglers)
 
     step = int(last_any_step["step"]) if last_any_step is not None else None
     attempt = attempt_number(files.ledger, job if slurm_reachable else None)
@@ -148,7 +152,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         tokens_per_s=_num(last_step, "tokens_per_s"), mfu=_num(last_step, "mfu"),
         checkpoint_step=ck.step if ck else None, checkpoint_age_s=max(0.0, now - ck.mtime) if ck else None,
         eta_s=eta, heartbeat_age_s=max(0.0, now - hb_time) if hb_time else None, run_dir=rec.run_dir,
-        job_ids=list(rec.job_ids), note=note,
+        job_ids=list(rec.job_ids), note=note, stragglers=stragglers,
     )
 
 

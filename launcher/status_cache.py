@@ -32,7 +32,7 @@ from launcher.run_files import Checkpoint, RunFiles, read_run_files
 from launcher.runs import lmlaunch_home
 
 CACHE_FILE = "cache/run-files.json"
-VERSION = 5  # 5: every end line of the ledger (metrics counts them)
+VERSION = 6  # 5: every end line of the ledger (metrics counts them); 6: its straggler lines
 RACY_S = 2.0
 FEW = 32  # up to this many run directories are read directly when the cache is big (plain `status`
 BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cached run)
@@ -85,10 +85,14 @@ def compact_heartbeat(beats: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     return [{k: beats[i][k] for k in ROW_KEYS if k in beats[i]} for i in sorted(keep)]
 
 
+STRAGGLER_KEYS = ("event", "attempt", "state", "rank", "node", "factor", "against", "step")
+
+
 def compact_ledger(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The ledger's start and end lines in order (build_row counts attempts from the starts and
-    reads the state of a job SLURM forgot from its last end; `metrics` counts the ends by reason)
-    and its last ``eval`` line (an eval run's result), with the keys they read."""
+    """The ledger's start, end and straggler lines in order (build_row counts attempts from the
+    starts, reads the state of a job SLURM forgot from its last end and the slow ranks from the
+    straggler lines; `metrics` counts the ends by reason) and its last ``eval`` line (an eval run's
+    result), with the keys they read."""
     out: list[dict[str, Any]] = []
     for e in ledger:
         if e.get("event") == "start":
@@ -97,6 +101,8 @@ def compact_ledger(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             out.append({"event": "end", "attempt": e.get("attempt"), "job_id": e.get("job_id"),
                         "reason": e.get("reason"), "requeued": e.get("requeued"),
                         "detail": str(e.get("detail") or "")[:200]})
+        elif e.get("event") == "straggler":  # the slow ranks status shows (lmtrain.health.straggler_watch)
+            out.append({k: e.get(k) for k in STRAGGLER_KEYS})
     evals = [e for e in ledger if e.get("event") == "eval"]
     if evals:
         out.append({k: evals[-1].get(k) for k in ("event", "step", "val_loss", "perplexity")})

@@ -31,6 +31,7 @@ PREPARATION_JOBS = "preparation-jobs.json"  # {"arrays": [...], "assemble": id},
 ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.observe.environment_record)
 HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report (lmtrain.health.watchdog)
 LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
+RANK_TIMING = "timing-rank-{rank}.jsonl"  # logs/attempt-<N>/: a rank's step timing per logging interval (lmtrain.observe.rank_timing)
 TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (core.task_records; lmlaunch stacks)
 
 
@@ -190,6 +191,10 @@ class RunLayout:
 
     def hang_marker(self, attempt: int, rank: int | str) -> Path:
         return self.attempt_logs(attempt) / HANG_MARKER.format(rank=rank)
+
+    def rank_timing(self, attempt: int, rank: int | str) -> Path:
+        """A rank's step timing, one line per logging interval (lmtrain.observe.rank_timing)."""
+        return self.attempt_logs(attempt) / RANK_TIMING.format(rank=rank)
 
     def task_record(self, job_id: str, restart_count: int, rank: int) -> Path:
         return self.logs / TASK_RECORD.format(job_id=job_id, restart_count=restart_count, rank=rank)

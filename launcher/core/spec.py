@@ -402,6 +402,33 @@ class WatchdogSpec(StrictModel):
     the stacks and ends the process this many seconds after hang_timeout_s."""
 
 
+class StragglerSpec(StrictModel):
+    """A rank slower than its peers, or than itself, named while the job runs (lmtrain.health.stragglers)."""
+
+    enabled: bool = True
+    """Score the ranks' step timing (each rank writes logs/attempt-<N>/timing-rank-<R>.jsonl at its
+    logging steps either way; rank 0 scores them in the background)."""
+    threshold: float = Field(1.5, gt=1.0, le=100.0)
+    """A rank is slow when its compute time per step is above this factor of the ranks' median
+    (or of its own median over the attempt's earlier intervals)."""
+    window: int = Field(3, ge=1, le=1000)
+    """... for this many scored intervals in a row (and no longer slow once one is below it)."""
+    min_interval_s: float = Field(10.0, ge=0.0, le=3600.0)
+    """A scored interval spans at least this many seconds: consecutive logging intervals are summed
+    until they do, so a blip (a rank descheduled for a moment) is not a straggler."""
+    action: Literal["warn", "exclude"] = "warn"
+    """warn: the ledger, the rank log, `status` and the webhooks name the rank and its node.
+    exclude: also checkpoint at the next step boundary and requeue without that node (once per
+    node, never below the job's node count)."""
+
+
+class HealthSpec(StrictModel):
+    """Detectors that watch the running ranks (beside the hang watchdog)."""
+
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
+    """Slow ranks: per-rank step timing scored against the median and each rank's own history."""
+
+
 def _check_env_name(name: str, where: str) -> None:
     try:
         ENV_NAME.check(name)
@@ -486,8 +513,8 @@ class LoggingSpec(StrictModel):
     """Write the JSON-lines heartbeat the monitor reads every N steps."""
 
 
-NotifyEvent = Literal["started", "preempted", "requeued", "hang", "failed", "completed"]
-NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("started", "preempted", "requeued", "hang", "failed", "completed")
+NotifyEvent = Literal["started", "preempted", "requeued", "hang", "straggler", "failed", "completed"]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("started", "preempted", "requeued", "hang", "straggler", "failed", "completed")
 
 
 class Webhook(StrictModel):
@@ -524,8 +551,9 @@ class NotifySpec(StrictModel):
     webhooks: list[Webhook] = Field(default_factory=list, max_length=16)
     """Where to send."""
     events: list[NotifyEvent] = Field(default_factory=lambda: list(NOTIFY_EVENTS))
-    """Which events: started, preempted, requeued, hang, failed (with the last lines of the failing
-    rank's log), completed (with the final loss and goodput)."""
+    """Which events: started, preempted, requeued, hang, straggler (a slow rank found, or no longer
+    slow), failed (with the last lines of the failing rank's log), completed (with the final loss
+    and goodput)."""
     timeout_s: float = Field(5.0, gt=0, le=60)
     """Each attempt to deliver gives up after this long."""
     retries: int = Field(2, ge=0, le=10)
@@ -564,6 +592,8 @@ class JobSpec(StrictModel):
     """Warning signal and requeue limits."""
     watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec)
     """Collective timeout and the hang watchdog."""
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    """Slow ranks (stragglers): how much slower, for how long, and what to do about it."""
     env: EnvSpec = Field(default_factory=EnvSpec)
     """Extra environment and secrets passed by name."""
     logging: LoggingSpec = Field(default_factory=LoggingSpec)

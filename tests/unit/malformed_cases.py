@@ -56,7 +56,7 @@ def add(text: str, base: str = BASE) -> str:
 CASES: list[Case] = [
     # --- unknown keys: key path, line, closest key, valid keys ---
     Case("unknown_key_nested", edit("  nodes: 2", "  nodse: 2"), "{spec}: resources.nodse (line 4): unknown key 'nodse' (did you mean 'nodes'?); valid keys here: nodes, gpus_per_node, tasks_per_node, cpus_per_task, mem, time, partition, partition_kind, account, qos, constraint, exclusive"),
-    Case("unknown_key_top_level", add("optimizer: {lr: 0.001}\n"), "{spec}: optimizer (line 17): unknown key 'optimizer' (did you mean 'optim'?); valid keys here: name, cluster, resources, model, data, trainer, optim, checkpoint, preemption, watchdog, env, logging, notify, eval, slurm, container"),
+    Case("unknown_key_top_level", add("optimizer: {lr: 0.001}\n"), "{spec}: optimizer (line 17): unknown key 'optimizer' (did you mean 'optim'?); valid keys here: name, cluster, resources, model, data, trainer, optim, checkpoint, preemption, watchdog, health, env, logging, notify, eval, slurm, container"),
     Case("unknown_key_without_close_match", edit("  max_steps: 10", "  max_steps: 10\n  banana: 1"), "{spec}: trainer.banana (line 16): unknown key 'banana'; valid keys here: strategy, zero_stage, tensor_parallel_size, sequence_parallel, offload_optimizer, offload_params, precision, global_batch_size, max_steps, gradient_clip_val, val_check_interval, limit_val_batches, log_every_n_steps, seed"),
     Case("unknown_key_deep", add("logging:\n  wandb:\n    projet: x\n"), "{spec}: 2 problems:\n  - logging.wandb.project (line 18): required key is missing\n  - logging.wandb.projet (line 19): unknown key 'projet' (did you mean 'project'?); valid keys here: project, entity, mode"),
     # --- wrong types ---
@@ -84,6 +84,9 @@ CASES: list[Case] = [
     Case("keep_last_zero", add("checkpoint:\n  keep_last: 0\n"), '{spec}: checkpoint.keep_last (line 18): Input should be greater than or equal to 1 (got 0)'),
     Case("strategy_typo", edit("  max_steps: 10", "  max_steps: 10\n  strategy: dpp"), "{spec}: trainer.strategy (line 16): Input should be 'ddp', 'fsdp' or 'deepspeed', got 'dpp' (did you mean 'ddp'?)"),
     Case("precision_unknown", edit("  precision: 32-true", "  precision: bf16"), "{spec}: trainer.precision (line 16): Input should be 'bf16-mixed', '16-mixed' or '32-true', got 'bf16'"),
+    Case("straggler_threshold_not_above_1", add("health:\n  stragglers:\n    threshold: 1\n"), "{spec}: health.stragglers.threshold (line 19): Input should be greater than 1 (got 1)"),
+    Case("straggler_window_zero", add("health:\n  stragglers:\n    window: 0\n"), "{spec}: health.stragglers.window (line 19): Input should be greater than or equal to 1 (got 0)"),
+    Case("straggler_action_unknown", add("health:\n  stragglers:\n    action: kill\n"), "{spec}: health.stragglers.action (line 19): Input should be 'warn' or 'exclude', got 'kill'"),
     Case("signal_unknown", add("preemption:\n  signal: USR3\n"), "{spec}: preemption.signal (line 18): Input should be 'USR1', 'USR2', 'URG', 'XCPU' or 'HUP', got 'USR3' (did you mean 'USR2'?)"),
     Case("mem_not_slurm", edit("  nodes: 2", "  nodes: 2\n  mem: 64GB"), "{spec}: resources.mem (line 5): '64GB' is not a SLURM memory size: a whole number with an optional unit K, M, G or T, e.g. 64G or 500M"),
     Case("time_not_slurm", edit('  time: "00:20:00"', "  time: 1 hour"), "{spec}: resources.time (line 6): '1 hour' is not a SLURM time; use MM, HH:MM:SS, D-HH or D-HH:MM:SS"),

@@ -64,3 +64,10 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert list((run_dir / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
     assert "train/loss" in (run_dir / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS}"
+    # every rank's step timing, a line per logging interval (lmtrain.observe.rank_timing); nobody slow
+    for rank in (0, 1):
+        timing = [json.loads(x) for x in (run_dir / "logs" / "attempt-1" / f"timing-rank-{rank}.jsonl").read_text().splitlines()]
+        assert sum(t["steps"] for t in timing) == STEPS and timing[-1]["step"] == STEPS, timing
+        assert {t["rank"] for t in timing} == {rank} and all(t["node"] for t in timing)
+        assert all(t["forward_s"] > 0 and t["backward_s"] > 0 and t["optimizer_s"] > 0 and t["data_s"] >= 0
+                   and t["wall_s"] >= t["forward_s"] + t["backward_s"] for t in timing), timing

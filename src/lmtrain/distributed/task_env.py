@@ -54,6 +54,13 @@ class TaskEnv:
     def rendezvous_key(self) -> str:
         return f"{self.job_id}-{self.restart_count}"
 
+    @property
+    def node_name(self) -> str:
+        """This task's node as SLURM names it (the job's node list, by this task's node index)."""
+        if 0 <= self.node_rank < len(self.nodes):
+            return self.nodes[self.node_rank]
+        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
 
 def _int(environ: dict[str, str], *names: str, default: int | None = None) -> int:
     for name in names:

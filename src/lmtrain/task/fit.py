@@ -141,9 +141,35 @@ class Fit:
         ckpt_cb = self._checkpoint_callback()
         metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=self.job.logging.heartbeat_every_n_steps)
         self.module.metrics_sink = metrics_cb.step_metrics
-        callbacks = [startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
+        timing = self._rank_timing()  # first: its boundary mark last, after every other callback's work
+        callbacks = [timing, startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
                      self._memory_record(), *([self.realign] if self.realign else [])]
-        return callbacks + self._watchdog()  # last: it beats after checkpoint writes
+        return callbacks + self._watchdog() + [timing.boundary_mark()]  # the watchdog beats after checkpoint writes
+
+    def _rank_timing(self) -> Any:
+        """This rank's step timing (lmtrain.observe.rank_timing); on rank 0 of a job of 2+ ranks, the
+        straggler watch that scores every rank's (lmtrain.health.straggler_watch), unless the spec
+        turned it off."""
+        from launcher.core.rundir import RunLayout
+        from lmtrain.observe.rank_timing import RankTiming
+
+        plan, env, attempt = self.plan, self.env, self.records.attempt
+        layout = RunLayout.of_plan(plan)
+        spec = self.job.health.stragglers
+        watch = None
+        if env.rank == 0 and env.world_size > 1 and spec.enabled:
+            from lmtrain.health.straggler_watch import StragglerWatch
+            from lmtrain.health.stragglers import StragglerPolicy
+
+            notifier = self.records.notifier
+            watch = StragglerWatch([layout.rank_timing(attempt, r) for r in range(env.world_size)],
+                                   StragglerPolicy(threshold=spec.threshold, window=spec.window), attempt=attempt,
+                                   ledger=self.records.ledger, min_interval_s=spec.min_interval_s,
+                                   notify=notifier.send if notifier is not None else None).start()
+        return RankTiming(layout.rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
+                          log_every_n_steps=self.plan.trainer.log_every_n_steps,
+                          cuda=self.plan.trainer.accelerator == "gpu",
+                          after_write=watch.poke if watch else None, on_close=watch.stop if watch else None)
 
     def _memory_record(self) -> Any:
         """Each rank's held model states (and the device's peak) into the ledger (lmtrain.model.memory_held)."""

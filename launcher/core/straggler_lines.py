@@ -1,0 +1,29 @@
+"""The ledger's ``straggler`` lines (written by lmtrain.health.straggler_watch): their words and
+which ranks they say are slow now. Pure; shared by the runtime and the CLI."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+PEERS = "peers"  # slower than the median of the ranks
+SELF = "self"  # slower than its own earlier intervals
+
+
+def describe(line: Mapping[str, Any]) -> str:
+    """``rank 1 (n2) 1.8x the median compute`` (or ``... 1.8x its own earlier compute``)."""
+    against = "the median compute" if line.get("against") == PEERS else "its own earlier compute"
+    return f"rank {line.get('rank')} ({line.get('node')}) {line.get('factor')}x {against}"
+
+
+def slow_ranks(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks of the newest attempt that its straggler lines say are slow now, slowest first."""
+    starts = [e.get("attempt") for e in ledger if e.get("event") == "start"]
+    if not starts:
+        return []
+    current: dict[Any, Mapping[str, Any]] = {}
+    for e in ledger:
+        if e.get("event") == "straggler" and e.get("attempt") == starts[-1]:
+            current[e.get("rank")] = e
+    slow = [dict(e) for e in current.values() if e.get("state") == "start"]
+    return sorted(slow, key=lambda e: (-float(e.get("factor") or 0), int(e.get("rank") or 0)))

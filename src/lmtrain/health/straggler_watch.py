@@ -1,0 +1,160 @@
+"""Rank 0's straggler watch: the ranks' timing files scored in the background, findings recorded.
+
+At each of its logging steps rank 0 pokes a thread (no collective, nothing in the training loop
+but the poke). The thread reads what every rank appended to ``logs/attempt-<N>/timing-rank-<R>.jsonl``
+since it last looked (lmtrain.observe.rank_timing), keeps the last intervals as a table (rows:
+logging steps, columns: ranks), scores it (:func:`lmtrain.health.stragglers.score`) and, when the
+set of slow ranks changes, writes a ``straggler`` ledger line per change (``state`` ``start`` with
+the rank, its node, the factor and what it was compared with; ``end`` when it is no longer slow),
+logs it in rank 0's log and sends the ``straggler`` webhook event. ``lmlaunch status`` shows the
+ranks slow now from those lines (launcher.monitor).
+
+Logging intervals shorter than ``health.stragglers.min_interval_s`` are summed into one scored
+interval (:class:`TimingTable`): a rank descheduled for a moment is not a straggler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from launcher.core.rundir import LedgerNote
+from launcher.core.straggler_lines import describe
+from lmtrain.health.stragglers import Slow, StragglerPolicy, line_figures, score
+from lmtrain.observe.rank_timing import read_timing
+
+log = logging.getLogger(__name__)
+
+KEEP_INTERVALS = 64  # scored intervals kept: the window and each rank's own history before it
+
+
+class TimingTable:
+    """The ranks' compute per step by scored interval, from their timing files (read incrementally).
+
+    Logging intervals arrive as rows (one per logging step, a cell per rank); consecutive rows are
+    summed into one scored interval once their wall time (the ranks' median) reaches
+    ``min_interval_s``. A row is folded once every rank wrote it, or once a newer row exists (a
+    rank that never writes one is missing there, never slow for it)."""
+
+    def __init__(self, paths: list[Path], *, min_interval_s: float = 0.0) -> None:
+        self.paths, self.min_interval_s = paths, min_interval_s
+        self.offsets = [0] * len(paths)
+        self.rows: dict[int, np.ndarray] = {}  # step -> [forward_s, steps, wall_s] x ranks
+        self.intervals: list[np.ndarray] = []
+        self.last_step: int | None = None  # the newest step folded into an interval
+        self.nodes: dict[int, str] = {}
+
+    def read(self) -> None:
+        world = len(self.paths)
+        for rank, path in enumerate(self.paths):
+            lines, self.offsets[rank] = read_timing(path, self.offsets[rank])
+            for line in lines:
+                step = int(line.get("step", -1))
+                if step < 0 or (self.last_step is not None and step <= self.last_step):
+                    continue
+                row = self.rows.setdefault(step, np.full((3, world), np.nan))
+                row[:, rank] = line_figures(line)
+                self.nodes[rank] = str(line.get("node") or "?")
+        self._fold()
+
+    def _fold(self) -> None:
+        steps = sorted(self.rows)
+        if steps and np.isnan(self.rows[steps[-1]][0]).any():
+            steps = steps[:-1]  # the newest row, until every rank wrote it (or a newer row comes)
+        taken: list[int] = []
+        wall = 0.0
+        for step in steps:
+            taken.append(step)
+            wall += float(np.nanmedian(self.rows[step][2]))
+            if wall >= self.min_interval_s:
+                summed = np.nansum([self.rows[s] for s in taken], axis=0)
+                seen = ~np.all(np.isnan([self.rows[s][0] for s in taken]), axis=0)
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    self.intervals.append(np.where(seen, summed[0] / summed[1], np.nan))
+                for s in taken:
+                    del self.rows[s]
+                self.last_step, taken, wall = step, [], 0.0
+        del self.intervals[:-KEEP_INTERVALS]
+
+    def table(self) -> np.ndarray:
+        """The scored intervals, oldest first: ``[interval, rank]`` compute seconds per step."""
+        if not self.intervals:
+            return np.empty((0, len(self.paths)))
+        return np.vstack(self.intervals)
+
+
+class StragglerWatch:
+    """Rank 0: scores the ranks' timing in a thread woken at logging steps; records what changes."""
+
+    def __init__(self, paths: list[Path], policy: StragglerPolicy, *, attempt: int, ledger: Any,
+                 notify: Callable[..., None] | None = None, min_interval_s: float = 0.0) -> None:
+        self.table = TimingTable(paths, min_interval_s=min_interval_s)
+        self.policy, self.attempt, self.ledger, self.notify = policy, attempt, ledger, notify
+        self.slow: dict[int, Slow] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="lmtrain-straggler-watch", daemon=True)
+
+    def start(self) -> StragglerWatch:
+        self._thread.start()
+        return self
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.look()  # the last rows the ranks wrote
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                self.look()
+            except Exception:  # the watch never costs the run
+                log.exception("straggler watch: scoring failed; training goes on")
+
+    def look(self) -> list[dict[str, Any]]:
+        """Read, score, record the changes; the ledger lines written."""
+        self.table.read()
+        step = self.table.last_step
+        now = {s.rank: s for s in score(self.table.table(), self.policy)}
+        lines = []
+        for rank in sorted(set(now) | set(self.slow)):
+            before, after = self.slow.get(rank), now.get(rank)
+            if after is not None and before is None:
+                lines.append(self._record("start", after, step))
+            elif after is None and before is not None:
+                lines.append(self._record("end", before, step))
+        self.slow = now
+        return lines
+
+    def _record(self, state: str, slow: Slow, step: int | None) -> dict[str, Any]:
+        node = self.table.nodes.get(slow.rank, "?")
+        fields = {"attempt": self.attempt, "state": state, "rank": slow.rank, "node": node, "factor": slow.factor,
+                  "against": slow.against, "step": step}
+        text = describe(fields)
+        if state == "start":
+            log.warning("straggler: %s (health.stragglers.threshold %.2g over %d logging intervals)", text,
+                        self.policy.threshold, self.policy.window)
+        else:
+            log.info("straggler no longer: rank %d (%s) from step %s", slow.rank, node, step)
+        try:
+            self.ledger.write(LedgerNote(event="straggler", time=time.time(), fields=fields))
+        except OSError as exc:
+            log.warning("could not record the straggler in the ledger: %s", exc)
+        if self.notify is not None:
+            self.notify("straggler", text if state == "start" else f"rank {slow.rank} ({node}) is no longer slow",
+                        **fields)
+        return fields
