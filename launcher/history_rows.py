@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from launcher.core import rundir
+from launcher.core import rundir, straggler_lines
 
 
 @dataclass
@@ -180,8 +180,9 @@ def _count_steps_lost(rows: list[HistoryRow], heartbeat: Sequence[Mapping[str, A
 
 
 def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
-    """What rank 0 did to the job after an attempt (lmtrain.preemption.bad_nodes, lmtrain.preemption)
-    and the checkpoints a resume rejected (lmtrain.checkpoint.resume_point)."""
+    """What rank 0 did to the job after an attempt (lmtrain.preemption.bad_nodes, lmtrain.preemption),
+    the checkpoints a resume rejected (lmtrain.checkpoint.resume_point) and the ranks found slow and
+    no longer slow (lmtrain.health.straggler_watch)."""
     notes = []
     for x in ledger:
         what = {"nodes_excluded": f"job {x.get('job_id')} keeps off {','.join(x.get('nodes') or [])} (ExcNodeList)",
@@ -193,6 +194,9 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
             instead = f"resumed from {x['fallback']} instead" if x.get("fallback") else "no older checkpoint was left"
             notes.append(f"attempt {x.get('attempt')}: step-{x.get('step')} failed its checksums "
                          f"({x.get('detail', '')}); {instead}")
+        elif x.get("event") == "straggler":  # lmtrain.health.straggler_watch
+            when = "slow" if x.get("state") == "start" else "no longer slow"
+            notes.append(f"attempt {x.get('attempt')}: from step {x.get('step')}, {when}: {straggler_lines.describe(x)}")
     return notes
 
 

@@ -418,8 +418,18 @@ class StragglerSpec(StrictModel):
     until they do, so a blip (a rank descheduled for a moment) is not a straggler."""
     action: Literal["warn", "exclude"] = "warn"
     """warn: the ledger, the rank log, `status` and the webhooks name the rank and its node.
-    exclude: also checkpoint at the next step boundary and requeue without that node (once per
-    node, never below the job's node count)."""
+    exclude (planned, refused for now): also checkpoint at the next step boundary and requeue
+    without that node."""
+
+    @field_validator("action")
+    @classmethod
+    def _action_available(cls, value: str) -> str:
+        if value == "exclude":
+            raise ValueError(
+                "'exclude' is not available yet (a job that requeues itself cannot change its own "
+                "ExcNodeList while its processes run); use warn: status, the ledger and the webhooks name "
+                "the slow rank's node")
+        return value
 
 
 class HealthSpec(StrictModel):

@@ -86,6 +86,7 @@ CASES: list[Case] = [
     Case("precision_unknown", edit("  precision: 32-true", "  precision: bf16"), "{spec}: trainer.precision (line 16): Input should be 'bf16-mixed', '16-mixed' or '32-true', got 'bf16'"),
     Case("straggler_threshold_not_above_1", add("health:\n  stragglers:\n    threshold: 1\n"), "{spec}: health.stragglers.threshold (line 19): Input should be greater than 1 (got 1)"),
     Case("straggler_window_zero", add("health:\n  stragglers:\n    window: 0\n"), "{spec}: health.stragglers.window (line 19): Input should be greater than or equal to 1 (got 0)"),
+    Case("straggler_action_exclude_not_yet", add("health:\n  stragglers:\n    action: exclude\n"), "{spec}: health.stragglers.action (line 19): 'exclude' is not available yet (a job that requeues itself cannot change its own ExcNodeList while its processes run); use warn: status, the ledger and the webhooks name the slow rank's node"),
     Case("straggler_action_unknown", add("health:\n  stragglers:\n    action: kill\n"), "{spec}: health.stragglers.action (line 19): Input should be 'warn' or 'exclude', got 'kill'"),
     Case("signal_unknown", add("preemption:\n  signal: USR3\n"), "{spec}: preemption.signal (line 18): Input should be 'USR1', 'USR2', 'URG', 'XCPU' or 'HUP', got 'USR3' (did you mean 'USR2'?)"),
     Case("mem_not_slurm", edit("  nodes: 2", "  nodes: 2\n  mem: 64GB"), "{spec}: resources.mem (line 5): '64GB' is not a SLURM memory size: a whole number with an optional unit K, M, G or T, e.g. 64G or 500M"),

@@ -146,3 +146,18 @@ def test_status_names_the_slow_rank_of_the_current_attempt_only(tmp_path):
     assert [(s["rank"], s["node"], s["factor"]) for s in row.stragglers] == [(1, "n2", 1.8)]
     done = monitor.build_row(rec, RunFiles(ledger=ledger), None, slurm_reachable=True, now=0.0)
     assert done.stragglers == [] and "slow" not in done.note  # only while it runs
+
+
+def test_history_says_when_a_rank_was_slow_and_when_it_no_longer_was():
+    from launcher.history_rows import build_history
+
+    ledger = [
+        {"event": "start", "attempt": 1, "job_id": "7", "start_step": 0, "time": 0.0},
+        {"event": "straggler", "attempt": 1, "state": "start", "rank": 1, "node": "n2", "factor": 1.8,
+         "against": "peers", "step": 40},
+        {"event": "straggler", "attempt": 1, "state": "end", "rank": 1, "node": "n2", "factor": 1.8,
+         "against": "peers", "step": 90},
+    ]
+    notes = build_history("r", ledger, [], now=10.0).notes
+    assert "attempt 1: from step 40, slow: rank 1 (n2) 1.8x the median compute" in notes
+    assert "attempt 1: from step 90, no longer slow: rank 1 (n2) 1.8x the median compute" in notes

@@ -146,8 +146,8 @@ class StragglerWatch:
                   "against": slow.against, "step": step}
         text = describe(fields)
         if state == "start":
-            log.warning("straggler: %s (health.stragglers.threshold %.2g over %d logging intervals)", text,
-                        self.policy.threshold, self.policy.window)
+            log.warning("straggler: %s (health.stragglers: above %.2gx in %d scored intervals in a row, each at "
+                        "least %.0f s)", text, self.policy.threshold, self.policy.window, self.table.min_interval_s)
         else:
             log.info("straggler no longer: rank %d (%s) from step %s", slow.rank, node, step)
         try:
