@@ -61,6 +61,11 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
         words = forwarded
     # Only the chosen subcommand's module is imported (fast start).
     chosen = next((a for a in words if not a.startswith("-")), None)
+    if chosen == "profile":  # `profile RUN` is `profile run RUN` (torch.profiler); `profile init NAME` stays
+        at = words.index("profile")
+        following = words[at + 1:at + 2]
+        if following and not following[0].startswith("-") and following[0] not in ("init", "run"):
+            words = [*words[:at + 1], "run", *words[at + 1:]]
     parser = build_parser(only=chosen if chosen in COMMANDS else None)
     # Dotted overrides may follow options (`submit job.yaml --dry-run nodes=2`): argparse
     # leaves positionals after an option unparsed, so they join the overrides here.

@@ -195,8 +195,12 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
             notes.append(f"attempt {x.get('attempt')}: step-{x.get('step')} failed its checksums "
                          f"({x.get('detail', '')}); {instead}")
         elif x.get("event") == "straggler":  # lmtrain.health.straggler_watch
-            when = "slow" if x.get("state") == "start" else "no longer slow"
-            notes.append(f"attempt {x.get('attempt')}: from step {x.get('step')}, {when}: {straggler_lines.describe(x)}")
+            said = straggler_lines.describe(x)
+            if x.get("state") == "start":
+                notes.append(f"attempt {x.get('attempt')}: from step {x.get('step')}, slow: {said}")
+            else:
+                notes.append(f"attempt {x.get('attempt')}: from step {x.get('step')}, rank {x.get('rank')} "
+                             f"({x.get('node')}) no longer slow (it was {said.split(') ', 1)[1]})")
     return notes
 
 

@@ -17,7 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("sweep", "submit a sweep of a job spec as one throttled SLURM array; `sweep results NAME`"),
     "run": ("run", "run a job spec locally on CPU (the same entry a SLURM task runs)"),
     "profiles": ("profiles", "list cluster profiles"),
-    "profile": ("profile", "`profile init NAME`: write a cluster profile read off the live cluster"),
+    "profile": ("profile", "`profile init NAME`: write a cluster profile read off the live cluster; "
+                           "`profile RUN`: torch.profiler over a running job's next steps, per rank"),
     "schema": ("schema", "write the JSON Schema of the job spec (for editors)"),
     "data": ("data", "prepare tokenized training data"),
     "cluster": ("cluster", "start, stop or inspect the local single-machine SLURM cluster"),

@@ -18,6 +18,7 @@ OPTIONS = {
     "status": "--watch --json --all --interval",
     "logs": "--follow --rank --attempt --errors --json",
     "stacks": "--native --json --timeout",
+    "profile": "init run --steps --ranks --top --json",
     "cancel": "--json",
     "history": "--json",
     "report": "--output --json",

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from launcher.commands import profile_run
 from launcher.context import Context
 from launcher.core import slurm
 from launcher.core.atomic import write_private
@@ -26,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     init.add_argument("name", help="the profile's name (a spec's cluster: NAME)")
     init.add_argument("-o", "--output", help="write it here instead of $LMLAUNCH_HOME/profiles/NAME.yaml")
     init.add_argument("--force", action="store_true", help="replace an existing profile file")
+    steps = sub.add_parser("run", help="torch.profiler over a running job's next steps, per rank (also "
+                                       "`lmlaunch profile RUN`)")
+    profile_run.add_arguments(steps)
 
 
 def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
@@ -54,6 +58,8 @@ def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.action == "run":
+        return profile_run.run(args, ctx)
     try:
         PROFILE_NAME.check(args.name)
     except ValueError as exc:

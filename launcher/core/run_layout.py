@@ -31,6 +31,7 @@ PREPARATION_JOBS = "preparation-jobs.json"  # {"arrays": [...], "assemble": id},
 ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.observe.environment_record)
 HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report (lmtrain.health.watchdog)
 LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
+PROFILE_REQUEST = "profile-request.json"  # `lmlaunch profile`: the ranks poll it at logging steps (lmtrain.observe.profiling)
 RANK_TIMING = "timing-rank-{rank}.jsonl"  # logs/attempt-<N>/: a rank's step timing per logging interval (lmtrain.observe.rank_timing)
 TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (core.task_records; lmlaunch stacks)
 
@@ -191,6 +192,15 @@ class RunLayout:
 
     def hang_marker(self, attempt: int, rank: int | str) -> Path:
         return self.attempt_logs(attempt) / HANG_MARKER.format(rank=rank)
+
+    @property
+    def profile_request(self) -> Path:
+        """`lmlaunch profile`'s request to the running ranks (lmtrain.observe.profiling)."""
+        return self.run_dir / PROFILE_REQUEST
+
+    def profile_dir(self, attempt: int, request_id: str) -> Path:
+        """One profile's traces and top-operator tables, per rank (lmtrain.observe.profiling)."""
+        return self.attempt_logs(attempt) / f"profile-{request_id}"
 
     def rank_timing(self, attempt: int, rank: int | str) -> Path:
         """A rank's step timing, one line per logging interval (lmtrain.observe.rank_timing)."""

@@ -7,7 +7,7 @@ documentation). Unknown keys are rejected. Cross-field rules that need the clust
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
@@ -439,6 +439,17 @@ class HealthSpec(StrictModel):
     """Slow ranks: per-rank step timing scored against the median and each rank's own history."""
 
 
+class ProfileSpec(StrictModel):
+    """torch.profiler over a window of steps (the same as `lmlaunch profile` asks of a running job)."""
+
+    start_step: int = Field(ge=0, le=10**9)
+    """Profile from the first logging step at or after this global step."""
+    steps: int = Field(3, ge=1, le=1000)
+    """How many optimizer steps."""
+    ranks: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1, max_length=4096)
+    """Which global ranks (null: every rank)."""
+
+
 def _check_env_name(name: str, where: str) -> None:
     try:
         ENV_NAME.check(name)
@@ -604,6 +615,8 @@ class JobSpec(StrictModel):
     """Collective timeout and the hang watchdog."""
     health: HealthSpec = Field(default_factory=HealthSpec)
     """Slow ranks (stragglers): how much slower, for how long, and what to do about it."""
+    profile: ProfileSpec | None = None
+    """torch.profiler traces and top operators per rank for a window of steps (logs/attempt-<N>/profile-*)."""
     env: EnvSpec = Field(default_factory=EnvSpec)
     """Extra environment and secrets passed by name."""
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
@@ -640,6 +653,11 @@ class JobSpec(StrictModel):
             raise ValueError(
                 f"preemption.warning_seconds({self.preemption.warning_seconds}) is not shorter than "
                 f"resources.time({self.resources.time}) = {self.resources.time_minutes * 60} s"
+            )
+        if self.profile is not None and self.profile.ranks and max(self.profile.ranks) >= self.world_size:
+            raise ValueError(
+                f"profile.ranks({max(self.profile.ranks)}) is not a rank of this job: its ranks are 0.."
+                f"{self.world_size - 1} (nodes x tasks_per_node)"
             )
         if self.optim.warmup_steps > self.trainer.max_steps:
             raise ValueError(

@@ -56,7 +56,7 @@ def add(text: str, base: str = BASE) -> str:
 CASES: list[Case] = [
     # --- unknown keys: key path, line, closest key, valid keys ---
     Case("unknown_key_nested", edit("  nodes: 2", "  nodse: 2"), "{spec}: resources.nodse (line 4): unknown key 'nodse' (did you mean 'nodes'?); valid keys here: nodes, gpus_per_node, tasks_per_node, cpus_per_task, mem, time, partition, partition_kind, account, qos, constraint, exclusive"),
-    Case("unknown_key_top_level", add("optimizer: {lr: 0.001}\n"), "{spec}: optimizer (line 17): unknown key 'optimizer' (did you mean 'optim'?); valid keys here: name, cluster, resources, model, data, trainer, optim, checkpoint, preemption, watchdog, health, env, logging, notify, eval, slurm, container"),
+    Case("unknown_key_top_level", add("optimizer: {lr: 0.001}\n"), "{spec}: optimizer (line 17): unknown key 'optimizer' (did you mean 'optim'?); valid keys here: name, cluster, resources, model, data, trainer, optim, checkpoint, preemption, watchdog, health, profile, env, logging, notify, eval, slurm, container"),
     Case("unknown_key_without_close_match", edit("  max_steps: 10", "  max_steps: 10\n  banana: 1"), "{spec}: trainer.banana (line 16): unknown key 'banana'; valid keys here: strategy, zero_stage, tensor_parallel_size, sequence_parallel, offload_optimizer, offload_params, precision, global_batch_size, max_steps, gradient_clip_val, val_check_interval, limit_val_batches, log_every_n_steps, seed"),
     Case("unknown_key_deep", add("logging:\n  wandb:\n    projet: x\n"), "{spec}: 2 problems:\n  - logging.wandb.project (line 18): required key is missing\n  - logging.wandb.projet (line 19): unknown key 'projet' (did you mean 'project'?); valid keys here: project, entity, mode"),
     # --- wrong types ---
@@ -87,6 +87,8 @@ CASES: list[Case] = [
     Case("straggler_threshold_not_above_1", add("health:\n  stragglers:\n    threshold: 1\n"), "{spec}: health.stragglers.threshold (line 19): Input should be greater than 1 (got 1)"),
     Case("straggler_window_zero", add("health:\n  stragglers:\n    window: 0\n"), "{spec}: health.stragglers.window (line 19): Input should be greater than or equal to 1 (got 0)"),
     Case("straggler_action_exclude_not_yet", add("health:\n  stragglers:\n    action: exclude\n"), "{spec}: health.stragglers.action (line 19): 'exclude' is not available yet (a job that requeues itself cannot change its own ExcNodeList while its processes run); use warn: status, the ledger and the webhooks name the slow rank's node"),
+    Case("profile_rank_outside_the_job", add("profile:\n  start_step: 5\n  ranks: [0, 9]\n"), "{spec}: line 19: profile.ranks(9) is not a rank of this job: its ranks are 0..1 (nodes x tasks_per_node)"),
+    Case("profile_steps_zero", add("profile:\n  start_step: 5\n  steps: 0\n"), "{spec}: profile.steps (line 19): Input should be greater than or equal to 1 (got 0)"),
     Case("straggler_action_unknown", add("health:\n  stragglers:\n    action: kill\n"), "{spec}: health.stragglers.action (line 19): Input should be 'warn' or 'exclude', got 'kill'"),
     Case("signal_unknown", add("preemption:\n  signal: USR3\n"), "{spec}: preemption.signal (line 18): Input should be 'USR1', 'USR2', 'URG', 'XCPU' or 'HUP', got 'USR3' (did you mean 'USR2'?)"),
     Case("mem_not_slurm", edit("  nodes: 2", "  nodes: 2\n  mem: 64GB"), "{spec}: resources.mem (line 5): '64GB' is not a SLURM memory size: a whole number with an optional unit K, M, G or T, e.g. 64G or 500M"),

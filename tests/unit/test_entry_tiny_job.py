@@ -27,7 +27,8 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
         pytest.fail("data/prepared/tiny is missing: run `lmlaunch data prepare --shipped-corpus --out data/prepared/tiny`")
     out = io.StringIO()
     ctx = Context(stdout=out, stderr=out, environ={"LMLAUNCH_RUNS_ROOT": str(runs_root)})
-    code = main(["run", str(repo / "jobs" / "tiny-cpu.yaml"), "--local", "--max-steps", str(STEPS)], ctx)
+    code = main(["run", str(repo / "jobs" / "tiny-cpu.yaml"), "--local", "--max-steps", str(STEPS),
+                 "profile.start_step=10", "profile.steps=2", "profile.ranks=[1]"], ctx)  # the spec's profile window
     assert code == 0, out.getvalue()[-4000:]
     run_dir = runs_root / "tiny-cpu-local"
     lines = [json.loads(x) for x in (run_dir / "metrics" / "heartbeat.jsonl").read_text().splitlines()]
@@ -64,6 +65,12 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert list((run_dir / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
     assert "train/loss" in (run_dir / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS}"
+    # the spec's profile window: rank 1 alone, steps 11-12, a trace and its top operators
+    (profile,) = (run_dir / "logs" / "attempt-1").glob("profile-*")
+    assert profile.name == "profile-spec-10" and sorted(p.name for p in profile.iterdir()) == [
+        "top-rank-1.json", "trace-rank-1.json"]
+    top = json.loads((profile / "top-rank-1.json").read_text())
+    assert (top["from_step"], top["to_step"], top["rank"]) == (11, 12, 1) and top["ops"][0]["self_s"] > 0
     # every rank's step timing, a line per logging interval (lmtrain.observe.rank_timing); nobody slow
     for rank in (0, 1):
         timing = [json.loads(x) for x in (run_dir / "logs" / "attempt-1" / f"timing-rank-{rank}.jsonl").read_text().splitlines()]

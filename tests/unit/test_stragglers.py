@@ -160,4 +160,4 @@ def test_history_says_when_a_rank_was_slow_and_when_it_no_longer_was():
     ]
     notes = build_history("r", ledger, [], now=10.0).notes
     assert "attempt 1: from step 40, slow: rank 1 (n2) 1.8x the median compute" in notes
-    assert "attempt 1: from step 90, no longer slow: rank 1 (n2) 1.8x the median compute" in notes
+    assert "attempt 1: from step 90, rank 1 (n2) no longer slow (it was 1.8x the median compute)" in notes

@@ -144,7 +144,19 @@ class Fit:
         timing = self._rank_timing()  # first: its boundary mark last, after every other callback's work
         callbacks = [timing, startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
                      self._memory_record(), *([self.realign] if self.realign else [])]
-        return callbacks + self._watchdog() + [timing.boundary_mark()]  # the watchdog beats after checkpoint writes
+        return callbacks + self._watchdog() + [self._profiling(), timing.boundary_mark()]  # the watchdog beats
+        # after checkpoint writes
+
+    def _profiling(self) -> Any:
+        """torch.profiler on demand (`lmlaunch profile`) or over the spec's window (lmtrain.observe.profiling)."""
+        from launcher.core.rundir import RunLayout
+        from lmtrain.observe.profiling import ProfileOnDemand
+
+        layout, attempt = RunLayout.of_plan(self.plan), self.records.attempt
+        return ProfileOnDemand(layout.profile_request, lambda request_id: layout.profile_dir(attempt, request_id),
+                               attempt=attempt, rank=self.env.rank, node=self.env.node_name,
+                               log_every_n_steps=self.plan.trainer.log_every_n_steps,
+                               cuda=self.plan.trainer.accelerator == "gpu", spec=self.job.profile)
 
     def _rank_timing(self) -> Any:
         """This rank's step timing (lmtrain.observe.rank_timing); on rank 0 of a job of 2+ ranks, the

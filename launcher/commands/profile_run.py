@@ -1,0 +1,146 @@
+"""lmlaunch profile RUN [--steps N] [--ranks R,...] [--json]: torch.profiler over a running job's next steps.
+
+The request is a file in the run directory (``profile-request.json``, written atomically) that
+the ranks poll at their logging steps (lmtrain.observe.profiling): no signal, no SLURM call
+into the job. Each rank asked profiles its next N optimizer steps and writes a Chrome/Perfetto
+trace and its top operators by self time into ``logs/attempt-<N>/profile-<id>/``; this command
+waits for every asked rank's table (while the job runs) and prints them side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher import runs
+from launcher.context import Context
+from launcher.core import jsonlines, rundir, slurm
+from launcher.core.atomic import write_json
+from launcher.core.errors import ExitCode, UserError
+
+POLL_S = 1.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run name or one of its job ids (the job must be running)")
+    p.add_argument("--steps", type=int, default=3, help="how many optimizer steps to profile (default 3)")
+    p.add_argument("--ranks", default=None, help="global ranks, e.g. 0,1 (default: every rank)")
+    p.add_argument("--top", type=int, default=15, help="operators shown per rank (default 15)")
+    p.add_argument("--json", action="store_true", help="every rank's table as JSON")
+
+
+def parse_ranks(text: str | None, world: int) -> list[int] | None:
+    """``--ranks`` as a sorted list (None: every rank); a clear error for anything else."""
+    if text is None:
+        return None
+    try:
+        ranks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"--ranks {text!r}: give global ranks as numbers, e.g. --ranks 0,1") from None
+    if not ranks:
+        raise UserError("--ranks: give at least one rank, e.g. --ranks 0")
+    outside = [r for r in ranks if r < 0 or r >= world]
+    if outside:
+        raise UserError(f"--ranks: rank {outside[0]} is not a rank of this job: its ranks are 0..{world - 1}")
+    return ranks
+
+
+def _world_size(run_dir: Path) -> int:
+    try:
+        return int(json.loads(rundir.RunLayout.of(run_dir).plan.read_text())["topology"]["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{run_dir}: no readable plan.json (not an lmlaunch run directory?)") from None
+
+
+def _running(name: str, job_ids: list[str]) -> str:
+    """The run's job, which must be RUNNING; else a UserError saying its state."""
+    if not job_ids:
+        raise UserError(f"run '{name}' has no SLURM job (a local run, or never submitted): `lmlaunch profile` "
+                        "asks a running SLURM job")
+    job_id = job_ids[-1]
+    rows = slurm.squeue([job_id])
+    job = next((j for j in rows if j.job_id == job_id), rows[0] if len(rows) == 1 else None)
+    if job is not None and slurm.state_word(job.state) == "RUNNING":
+        return job_id
+    state = job.state if job is not None else "no longer listed by squeue (it ended)"
+    raise UserError(f"run '{name}' is not running: its job {job_id} is {state}; `lmlaunch profile` profiles the "
+                    f"next steps of a running job (`lmlaunch status {name}`)")
+
+
+def _attempt(run_dir: Path) -> int:
+    starts = [e for e in jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).ledger) if e.get("event") == "start"]
+    if not starts:
+        raise UserError(f"{run_dir}: the job runs but its first attempt has not started training yet; try again "
+                        "in a moment")
+    return int(starts[-1]["attempt"])
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.steps < 1:
+        raise UserError(f"--steps {args.steps}: profile at least 1 step")
+    if args.top < 1:
+        raise UserError(f"--top {args.top}: show at least 1 operator")
+    rec = runs.find_run(args.run, ctx.environ or None)
+    run_dir = Path(rec.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run '{rec.name}': its run directory {run_dir} does not exist", exit_code=ExitCode.FAILURE)
+    ranks = parse_ranks(args.ranks, _world_size(run_dir))
+    job_id = _running(rec.name, list(rec.job_ids))
+    attempt = _attempt(run_dir)
+    layout = rundir.RunLayout.of(run_dir)
+    request_id = time.strftime("%Y%m%d-%H%M%S")
+    write_json(layout.profile_request, {"id": request_id, "attempt": attempt, "steps": args.steps, "ranks": ranks,
+                                        "time": time.time()})
+    if not args.json:
+        ctx.out(f"asked run '{rec.name}' (job {job_id}, attempt {attempt}) to profile its next {args.steps} step(s) on "
+                f"{'every rank' if ranks is None else 'rank ' + ','.join(map(str, ranks))}; waiting for the tables")
+    out_dir = layout.profile_dir(attempt, request_id)
+    tables = _wait(out_dir, ranks, _world_size(run_dir), job_id, rec.name)
+    if args.json:
+        ctx.out(json.dumps({"id": request_id, "dir": str(out_dir), "ranks": tables}))
+        return 0
+    ctx.out(side_by_side(tables, args.top))
+    ctx.out(f"traces (open in https://ui.perfetto.dev or chrome://tracing): {out_dir}/trace-rank-<R>.json")
+    return 0
+
+
+def _wait(out_dir: Path, ranks: list[int] | None, world: int, job_id: str, name: str) -> list[dict[str, Any]]:
+    """Every asked rank's table, once all are written; a UserError when the job ends first."""
+    wanted = list(range(world)) if ranks is None else ranks
+    while True:
+        tables = []
+        for r in wanted:
+            try:
+                tables.append(json.loads((out_dir / f"top-rank-{r}.json").read_text()))
+            except (OSError, ValueError):
+                break
+        if len(tables) == len(wanted):
+            return tables
+        rows = slurm.squeue([job_id])
+        if not any(slurm.state_word(j.state) == "RUNNING" for j in rows):
+            got = ", ".join(str(t["rank"]) for t in tables) or "none"
+            raise UserError(f"run '{name}': its job {job_id} stopped running before every asked rank wrote its "
+                            f"profile (written: {got}; {out_dir})", exit_code=ExitCode.FAILURE)
+        time.sleep(POLL_S)
+
+
+def side_by_side(tables: list[dict[str, Any]], top: int) -> str:
+    """The ranks' top operators by self time, one column pair (operator, ms) per rank."""
+    width = 34
+    head = "  ".join(f"{'rank ' + str(t['rank']) + ' (' + str(t['node']) + ')':<{width}}{'self ms':>9}" for t in tables)
+    steps = tables[0]
+    lines = [f"top operators by self time, steps {steps['from_step']}-{steps['to_step']}:", head]
+    for i in range(top):
+        cells = []
+        for t in tables:
+            ops = t.get("ops") or []
+            if i < len(ops):
+                name = ops[i]["name"] if len(ops[i]["name"]) <= width - 1 else ops[i]["name"][:width - 2] + "…"
+                cells.append(f"{name:<{width}}{ops[i]['self_s'] * 1e3:>9.1f}")
+            else:
+                cells.append(" " * (width + 9))
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
