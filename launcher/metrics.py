@@ -15,11 +15,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from launcher import monitor, runs, status_cache
+from launcher import monitor, run_files, runs, status_cache
+from launcher.core import straggler_lines
 
 # (metric, help, StatusRow attribute): a gauge per run where the row has the figure
 ROW_GAUGES = (
@@ -51,6 +53,7 @@ class RunsCollector:
         rows, view = monitor.gather_status(records, environ=self.environ)
         files = status_cache.read_all([r.run_dir for r in records], self.environ)  # cached by gather_status
         yield from families(rows, [f.ledger for f in files], slurm_reachable=view.reachable)
+        yield from rank_families(rows)
         self.scrapes += 1
         took = GaugeMetricFamily("lmlaunch_exporter_scrape_duration_seconds", "Seconds the last scrape took")
         took.add_metric([], time.perf_counter() - started)
@@ -86,6 +89,40 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
     for group, n in sorted(Counter(r.group for r in rows).items()):
         count.add_metric([group], n)
     return [info, *gauges.values(), requeued, started, ended, up, count]
+
+
+def rank_families(rows: Sequence[monitor.StatusRow]) -> list[Metric]:
+    """Per-rank series of the running runs, from rank 0's summary file (one small read a run):
+    each rank's newest seconds per step by part, its compute against the others' median, whether
+    it is slow."""
+    seconds = GaugeMetricFamily("lmlaunch_rank_step_seconds",
+                                "A rank's seconds per optimizer step in its newest logging interval, by part "
+                                "(forward: the compute compared; backward and boundary include waits for peers)",
+                                labels=["run", "rank", "node", "part"])
+    ratio = GaugeMetricFamily("lmlaunch_rank_compute_ratio", "A rank's compute per step against the other ranks' "
+                              "median, in the newest scored interval (1: as fast as they are)",
+                              labels=["run", "rank", "node"])
+    slow = GaugeMetricFamily("lmlaunch_rank_slow", "1 while the straggler watch finds the rank slow (against its "
+                             "peers or its own history), else 0", labels=["run", "rank", "node"])
+    count = GaugeMetricFamily("lmlaunch_run_slow_ranks", "How many of the run's ranks are slow now", labels=["run"])
+    for row in rows:
+        if row.group != "running":
+            continue
+        summary = run_files.read_rank_times(Path(row.run_dir))
+        if summary is None:
+            continue
+        flagged = 0
+        for rank, figures in sorted(summary["ranks"].items(), key=lambda kv: int(kv[0])):
+            labels = [row.name, str(rank), str(figures.get("node"))]
+            for part in straggler_lines.TIMING_PARTS:
+                if isinstance(figures.get(part), (int, float)):
+                    seconds.add_metric([*labels, part], float(figures[part]))
+            if isinstance(figures.get("vs_peers"), (int, float)):
+                ratio.add_metric(labels, float(figures["vs_peers"]))
+            slow.add_metric(labels, 1.0 if figures.get("slow") else 0.0)
+            flagged += bool(figures.get("slow"))
+        count.add_metric([row.name], flagged)
+    return [seconds, ratio, slow, count]
 
 
 def parse_listen(text: str) -> tuple[str, int]:

@@ -69,6 +69,17 @@ def read_run_files(run_dir: Path, *, with_plan_time: bool = False) -> RunFiles:
     return rf
 
 
+def read_rank_times(run_dir: Path) -> dict[str, Any] | None:
+    """Rank 0's summary of every rank's newest step timing and the slow ranks
+    (``metrics/rank-times.json``, lmtrain.health.straggler_watch), or None when there is none or it
+    cannot be read (the exporter then shows no per-rank series for the run)."""
+    try:
+        data = json.loads(RunLayout.of(run_dir).rank_times.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("ranks"), dict) else None
+
+
 def read_plan_time(run_dir: Path) -> str | None:
     try:
         return str(json.loads(RunLayout.of(run_dir).plan.read_text())["slurm"]["time"])

@@ -1,8 +1,9 @@
-"""lmlaunch metrics serve [--listen HOST:PORT] | metrics write DIR
+"""lmlaunch metrics serve [--listen HOST:PORT] | metrics write DIR | metrics dashboard -o FILE [--force]
 
 The user's runs as Prometheus metrics (launcher.metrics): `serve` answers Prometheus' scrapes on
 the login node (127.0.0.1 unless --listen says otherwise: a login node is shared); `write` leaves
-one atomic `.prom` file for node_exporter's textfile collector (run it from cron).
+one atomic `.prom` file for node_exporter's textfile collector (run it from cron); `dashboard`
+writes a Grafana dashboard of those series (launcher.grafana).
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     write = sub.add_parser("write", help=f"write every run's metrics to DIR/{TEXTFILE} (node_exporter's textfile "
                                          "collector), atomically")
     write.add_argument("dir", metavar="DIR", help="the textfile collector's directory (--collector.textfile.directory)")
+    board = sub.add_parser("dashboard", help="write a Grafana dashboard (JSON) of these metrics, to import or provision")
+    board.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the dashboard's JSON")
+    board.add_argument("--force", action="store_true", help="replace FILE if it exists")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.metrics_command == "dashboard":
+        return _dashboard(Path(args.output), force=args.force, ctx=ctx)
     from prometheus_client import CollectorRegistry
 
     from launcher.metrics import RunsCollector, parse_listen
@@ -41,7 +47,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.metrics_command == "write":
         return _write(registry, Path(args.dir), ctx)
     if args.metrics_command != "serve":
-        raise UserError("lmlaunch metrics: say serve or write (`lmlaunch metrics --help`)")
+        raise UserError("lmlaunch metrics: say serve, write or dashboard (`lmlaunch metrics --help`)")
     try:
         host, port = parse_listen(args.listen)
     except ValueError as exc:
@@ -83,4 +89,21 @@ def _write(registry, folder: Path, ctx: Context) -> int:
     except OSError as exc:
         raise UserError(f"{target}: cannot write it: {exc.strerror or exc}") from None
     ctx.out(f"wrote {target}")
+    return 0
+
+
+def _dashboard(path: Path, *, force: bool, ctx: Context) -> int:
+    """The Grafana dashboard into ``path`` (atomically; an existing file only with --force)."""
+    import json
+
+    from launcher.core.atomic import write_atomic
+    from launcher.grafana import dashboard
+
+    if path.exists() and not force:
+        raise UserError(f"{path} exists: lmlaunch keeps it. Replace it with --force, or choose another file")
+    if not path.parent.is_dir():
+        raise UserError(f"-o {path}: the directory {path.parent} does not exist")
+    write_atomic(path, json.dumps(dashboard(), indent=2) + "\n")
+    ctx.out(f"wrote {path}: import it in Grafana (Dashboards > New > Import) with your Prometheus as its data "
+            "source, or drop it into a dashboards provider's folder")
     return 0

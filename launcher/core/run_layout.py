@@ -13,6 +13,7 @@ from typing import Any
 LEDGER = "attempts.jsonl"
 METRICS = "metrics"
 HEARTBEAT = f"{METRICS}/heartbeat.jsonl"
+RANK_TIMES = f"{METRICS}/rank-times.json"  # the ranks' newest step timing and the slow ones (lmtrain.health.straggler_watch)
 PLAN = "plan.json"
 DONE = "DONE"
 CANCELLED = "CANCELLED"
@@ -192,6 +193,11 @@ class RunLayout:
 
     def hang_marker(self, attempt: int, rank: int | str) -> Path:
         return self.attempt_logs(attempt) / HANG_MARKER.format(rank=rank)
+
+    @property
+    def rank_times(self) -> Path:
+        """Rank 0's summary of every rank's newest step timing (lmtrain.health.straggler_watch)."""
+        return self.run_dir / RANK_TIMES
 
     @property
     def profile_request(self) -> Path:

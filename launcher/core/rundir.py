@@ -39,6 +39,7 @@ from launcher.core.run_layout import (  # the run directory's paths: their one s
     PLAN as PLAN,
     PREPARATION as PREPARATION,
     PREPARATION_JOBS as PREPARATION_JOBS,
+    RANK_TIMES as RANK_TIMES,
     REPORT as REPORT,
     SPEC_YAML as SPEC_YAML,
     SUBMITIT as SUBMITIT,

@@ -1,11 +1,13 @@
 """The ledger's ``straggler`` lines (written by lmtrain.health.straggler_watch): their words and
-which ranks they say are slow now. Pure; shared by the runtime and the CLI."""
+which ranks they say are slow now; and the parts of a step a rank's timing names
+(lmtrain.observe.rank_timing). Pure; shared by the runtime and the CLI."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+TIMING_PARTS = ("data", "forward", "backward", "optimizer", "boundary")  # a rank's step, between Lightning's hooks
 PEERS = "peers"  # slower than the median of the ranks
 SELF = "self"  # slower than its own earlier intervals
 

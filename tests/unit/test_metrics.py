@@ -140,3 +140,49 @@ def test_a_real_prometheus_scrapes_the_exporter_and_a_taken_port_is_said(tmp_pat
         serve.terminate()
         server.wait(timeout=HANG_S)
         serve.wait(timeout=HANG_S)
+
+
+def test_a_running_runs_ranks_are_series_of_their_own_from_rank_0s_summary(tmp_path):
+    from launcher.core.rundir import RunLayout
+
+    run_dir = tmp_path / "r"
+    (run_dir / "metrics").mkdir(parents=True)
+    RunLayout.of(run_dir).rank_times.write_text(json.dumps({"attempt": 1, "step": 40, "ranks": {
+        "0": {"node": "n1", "step": 40, "vs_peers": 1.0, "slow": False, "data": 0.01, "forward": 0.1, "backward": 0.3,
+              "optimizer": 0.02, "boundary": 0.05},
+        "1": {"node": "n2", "step": 40, "vs_peers": 1.9, "slow": True, "data": 0.01, "forward": 0.19,
+              "backward": 0.21, "optimizer": 0.02, "boundary": 0.0}}, "slow": []}))
+    row = monitor.StatusRow(name="r", job_id="5", state="RUNNING", group="running", reason=None, requeued=False,
+                            nodes=2, elapsed=None, time_limit=None, attempt=1, step=40, max_steps=100, loss=None,
+                            tokens_per_s=None, mfu=None, checkpoint_step=None, checkpoint_age_s=None, eta_s=None,
+                            heartbeat_age_s=None, run_dir=str(run_dir), job_ids=["5"])
+    ended = monitor.StatusRow(**{**row.__dict__, "name": "old", "group": "completed", "state": "COMPLETED"})
+    got = {}
+    for family in metrics.rank_families([row, ended]):
+        for s in family.samples:
+            got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert got[("lmlaunch_rank_step_seconds", (("node", "n2"), ("part", "forward"), ("rank", "1"), ("run", "r")))] == 0.19
+    assert got[("lmlaunch_rank_compute_ratio", (("node", "n2"), ("rank", "1"), ("run", "r")))] == 1.9
+    assert got[("lmlaunch_rank_slow", (("node", "n2"), ("rank", "1"), ("run", "r")))] == 1.0
+    assert got[("lmlaunch_rank_slow", (("node", "n1"), ("rank", "0"), ("run", "r")))] == 0.0
+    assert got[("lmlaunch_run_slow_ranks", (("run", "r"),))] == 1
+    assert not any(dict(k).get("run") == "old" for _, k in got)  # only while it runs
+    RunLayout.of(run_dir).rank_times.write_text('{"ranks": {"0": {"node": "n1", "for')  # half-written: skipped
+    assert all(not f.samples for f in metrics.rank_families([row]))
+
+
+def test_the_grafana_dashboard_is_written_once_with_every_query_and_a_run_variable(tmp_path):
+    from launcher.grafana import EXPRESSIONS
+
+    target = tmp_path / "board.json"
+    code, out, err = _lm({}, "metrics", "dashboard", "-o", str(target))
+    assert code == 0, err
+    board = json.loads(target.read_text())
+    assert [t["expr"] for p in board["panels"] for t in p["targets"]] == list(EXPRESSIONS)
+    assert {v["name"] for v in board["templating"]["list"]} == {"run", "datasource"}
+    assert all('run=~"$run"' in e for e in EXPRESSIONS)
+    assert any(p["type"] == "heatmap" and "lmlaunch_rank_step_seconds" in p["targets"][0]["expr"] for p in board["panels"])
+    code, _, err = _lm({}, "metrics", "dashboard", "-o", str(target))
+    assert code == 2 and "exists: lmlaunch keeps it" in err
+    target.write_text("mine")
+    assert _lm({}, "metrics", "dashboard", "-o", str(target), "--force")[0] == 0 and target.read_text() != "mine"

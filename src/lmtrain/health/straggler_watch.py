@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from launcher.core.atomic import write_json
 from launcher.core.rundir import LedgerNote
 from launcher.core.straggler_lines import describe
-from lmtrain.health.stragglers import Slow, StragglerPolicy, line_figures, score
-from lmtrain.observe.rank_timing import read_timing
+from lmtrain.health.stragglers import Slow, StragglerPolicy, line_figures, others_median, score
+from lmtrain.observe.rank_timing import PARTS, read_timing
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class TimingTable:
         self.intervals: list[np.ndarray] = []
         self.last_step: int | None = None  # the newest step folded into an interval
         self.nodes: dict[int, str] = {}
+        self.newest: dict[int, dict[str, Any]] = {}  # rank -> its newest line
 
     def read(self) -> None:
         world = len(self.paths)
@@ -61,6 +63,7 @@ class TimingTable:
                 row = self.rows.setdefault(step, np.full((3, world), np.nan))
                 row[:, rank] = line_figures(line)
                 self.nodes[rank] = str(line.get("node") or "?")
+                self.newest[rank] = line
         self._fold()
 
     def _fold(self) -> None:
@@ -93,8 +96,10 @@ class StragglerWatch:
     """Rank 0: scores the ranks' timing in a thread woken at logging steps; records what changes."""
 
     def __init__(self, paths: list[Path], policy: StragglerPolicy, *, attempt: int, ledger: Any,
-                 notify: Callable[..., None] | None = None, min_interval_s: float = 0.0) -> None:
+                 notify: Callable[..., None] | None = None, min_interval_s: float = 0.0,
+                 summary: Path | None = None) -> None:
         self.table = TimingTable(paths, min_interval_s=min_interval_s)
+        self.summary = summary  # metrics/rank-times.json: what the exporter shows per rank
         self.policy, self.attempt, self.ledger, self.notify = policy, attempt, ledger, notify
         self.slow: dict[int, Slow] = {}
         self._wake = threading.Event()
@@ -138,7 +143,29 @@ class StragglerWatch:
             elif after is None and before is not None:
                 lines.append(self._record("end", before, step))
         self.slow = now
+        if self.summary is not None:
+            self._write_summary(self.summary, step)
         return lines
+
+    def _write_summary(self, path: Path, step: int | None) -> None:
+        """Every rank's newest seconds per step by part, and the slow ranks: one small file the
+        exporter reads per scrape instead of every rank's."""
+        table = self.table.table()
+        ratio = table[-1] / others_median(table[-1]) if len(table) else None  # the newest scored interval
+        ranks = {}
+        for rank, line in sorted(self.table.newest.items()):
+            steps = max(int(line.get("steps") or 1), 1)
+            vs_peers = None if ratio is None or not np.isfinite(ratio[rank]) else round(float(ratio[rank]), 3)
+            ranks[str(rank)] = {"node": line.get("node"), "step": line.get("step"), "vs_peers": vs_peers,
+                                "slow": rank in self.slow,
+                                **{part: float(line.get(f"{part}_s") or 0.0) / steps for part in PARTS}}
+        slow = [{"rank": s.rank, "node": self.table.nodes.get(s.rank, "?"), "factor": s.factor, "against": s.against}
+                for s in self.slow.values()]
+        try:
+            write_json(path, {"attempt": self.attempt, "step": step, "time": time.time(), "ranks": ranks,
+                                      "slow": slow})
+        except OSError as exc:
+            log.warning("could not write the ranks' timing summary: %s", exc)
 
     def _record(self, state: str, slow: Slow, step: int | None) -> dict[str, Any]:
         node = self.table.nodes.get(slow.rank, "?")

@@ -78,6 +78,7 @@ class ProfileOnDemand(pl.Callback):
     def _asked(self, step: int) -> dict[str, Any] | None:
         """A request for this rank that it has not served: the spec's window, or the command's file."""
         spec = self.spec
+        request: dict[str, Any] | None
         if spec is not None and step >= spec.start_step and f"spec-{spec.start_step}" not in self.served:
             request = {"id": f"spec-{spec.start_step}", "steps": spec.steps, "ranks": spec.ranks}
         else:

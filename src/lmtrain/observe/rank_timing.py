@@ -36,9 +36,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from launcher.core.straggler_lines import TIMING_PARTS
+
 log = logging.getLogger(__name__)
 
-PARTS = ("data", "forward", "backward", "optimizer", "boundary")
+PARTS = TIMING_PARTS  # data, forward, backward, optimizer, boundary
 
 
 class _HostClock:

@@ -177,6 +177,7 @@ class Fit:
             watch = StragglerWatch([layout.rank_timing(attempt, r) for r in range(env.world_size)],
                                    StragglerPolicy(threshold=spec.threshold, window=spec.window), attempt=attempt,
                                    ledger=self.records.ledger, min_interval_s=spec.min_interval_s,
+                                   summary=layout.rank_times,
                                    notify=notifier.send if notifier is not None else None).start()
         return RankTiming(layout.rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
                           log_every_n_steps=self.plan.trainer.log_every_n_steps,
