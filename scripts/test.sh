@@ -111,7 +111,7 @@ echo "[test] phase 1: all tests but the serial ones, on $WORKERS workers"
 # consecutive tests, and the long ones would pile up on one worker)
 pytest tests -n "$WORKERS" --dist load --phase parallel "$@" && rc1=0 || rc1=$?
 # phase 2 collects only the modules that hold serial tests (collecting all of them costs ~20 s)
-mapfile -t serial_modules < <(grep -rl --include='test_*.py' '@pytest.mark.serial' tests | sort)
+mapfile -t serial_modules < <(grep -rlE --include='test_*.py' 'pytest\.mark\.serial' tests | sort)  # decorator, pytestmark or param marks
 if ((${#serial_modules[@]})); then
   echo "[test] phase 2: the tests marked serial, alone"
   pytest "${serial_modules[@]}" --phase serial "$@" && rc2=0 || rc2=$?

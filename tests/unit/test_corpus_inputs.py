@@ -216,7 +216,7 @@ def test_inputs_are_collected_in_a_fixed_order(tmp_path, split_corpus):
 def test_batches_across_files_give_the_bytes_of_one_file_at_a_time(tmp_path, split_corpus, monkeypatch):
     """The tokenizer is called with the documents of several files at once (up to BATCH_DOCUMENTS
     or BATCH_CHARS); the shards are byte for byte those of one document per call."""
-    from lmtrain.data.loader.prepare import token_store
+    from lmtrain.data.prepare import token_store
     from lmtrain.data.prepare.tokenizer_train import train_tokenizer
 
     train_tokenizer([split_corpus], tmp_path / "tok", vocab_size=600)
