@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import socket
 import subprocess
 import sys
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 import waiting
 from monitor_synth import T0, make_run
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_server import free_port, prometheus
 from waiting import HANG_S
 
 from launcher import metrics, monitor, runs
@@ -94,51 +91,29 @@ def test_write_leaves_one_prom_file_for_the_textfile_collector_and_bad_input_is_
         assert code == 2 and "expected HOST:PORT or PORT" in err, (bad, err)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_real_prometheus_scrapes_the_exporter_and_a_taken_port_is_said(tmp_path):
-    prometheus = shutil.which("prometheus")
-    assert prometheus, "Debian's prometheus is missing: scripts/setup.sh installs it (as root)"
     _runs(tmp_path / "home")
     env = {"LMLAUNCH_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
-    port, web = _free_port(), _free_port()
+    port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen", f"127.0.0.1:{port}",
                               "--seconds", "600"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    config = tmp_path / "prometheus.yml"
-    config.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: lmlaunch\n"
-                      f"    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n")
-    server = subprocess.Popen([prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                               f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / "prometheus.log", "w"))
     try:
-        def query(expr: str) -> list:
-            url = f"http://127.0.0.1:{web}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-            try:
-                with urllib.request.urlopen(url, timeout=HANG_S) as r:
-                    return json.loads(r.read())["data"]["result"]
-            except OSError:
-                return []
-
-        step = waiting.until(lambda: query('lmlaunch_run_step{run="train"}'), what="Prometheus' scrape of the run",
-                             progress=waiting.watching(waiting.process_cpu(server.pid), waiting.process_cpu(serve.pid)),
-                             explain=lambda: (tmp_path / "prometheus.log").read_text()[-2000:])
-        assert float(step[0]["value"][1]) == 60 and step[0]["metric"]["job"] == "lmlaunch"
-        ended = query('lmlaunch_run_attempts_ended_total{reason="preempted"}')
-        assert [(e["metric"]["run"], float(e["value"][1])) for e in ended] == [("train", 1.0)]
-        assert [e["metric"]["run"] for e in query('lmlaunch_run_info{group="completed"}')] == ["done"]
-        # the same port again: a clear error, not a traceback
-        taken = subprocess.run([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen",
-                                f"127.0.0.1:{port}", "--seconds", "1"], env=env, capture_output=True, text=True,
-                               timeout=HANG_S)
-        assert taken.returncode == 2 and "the port is in use" in taken.stderr, taken.stderr
+        with prometheus([f"127.0.0.1:{port}"], tmp_path) as (server, query):
+            step = waiting.until(lambda: query('lmlaunch_run_step{run="train"}'), what="Prometheus' scrape of the run",
+                                 progress=waiting.watching(waiting.process_cpu(server.pid),
+                                                           waiting.process_cpu(serve.pid)),
+                                 explain=lambda: (tmp_path / "prometheus.log").read_text()[-2000:])
+            assert float(step[0]["value"][1]) == 60 and step[0]["metric"]["job"] == "lmlaunch"
+            ended = query('lmlaunch_run_attempts_ended_total{reason="preempted"}')
+            assert [(e["metric"]["run"], float(e["value"][1])) for e in ended] == [("train", 1.0)]
+            assert [e["metric"]["run"] for e in query('lmlaunch_run_info{group="completed"}')] == ["done"]
+            # the same port again: a clear error, not a traceback
+            taken = subprocess.run([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen",
+                                    f"127.0.0.1:{port}", "--seconds", "1"], env=env, capture_output=True, text=True,
+                                   timeout=HANG_S)
+            assert taken.returncode == 2 and "the port is in use" in taken.stderr, taken.stderr
     finally:
-        server.terminate()
         serve.terminate()
-        server.wait(timeout=HANG_S)
         serve.wait(timeout=HANG_S)
 
 
