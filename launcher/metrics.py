@@ -12,6 +12,7 @@ a failed scrape; nothing is written into a run directory.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,7 +21,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from launcher import monitor, run_files, runs, status_cache
+from launcher import monitor, run_files, runs
 from launcher.core import straggler_lines
 
 # (metric, help, StatusRow attribute): a gauge per run where the row has the figure
@@ -50,14 +51,57 @@ class RunsCollector:
     def collect(self) -> Iterator[Metric]:
         started = time.perf_counter()
         records = runs.list_records(self.environ)
-        rows, view = monitor.gather_status(records, environ=self.environ)
-        files = status_cache.read_all([r.run_dir for r in records], self.environ)  # cached by gather_status
+        rows, view, files = monitor.gather_status_and_files(records, environ=self.environ)
         yield from families(rows, [f.ledger for f in files], slurm_reachable=view.reachable)
         yield from rank_families(rows)
         self.scrapes += 1
-        took = GaugeMetricFamily("lmlaunch_exporter_scrape_duration_seconds", "Seconds the last scrape took")
+        took = GaugeMetricFamily("lmlaunch_exporter_read_duration_seconds", "Seconds the newest reading of the runs took")
         took.add_metric([], time.perf_counter() - started)
         yield took
+
+
+class Snapshots:
+    """The exporter's answer, made ahead: a thread renders the registry again and again (each time
+    reading only the run directories that changed, launcher/status_cache.py), and a scrape is
+    served the newest rendering, plus its age (``lmlaunch_exporter_snapshot_age_seconds``). At
+    10,000 runs a rendering takes seconds; a scrape then costs what sending the bytes costs
+    (bench/metrics_scrape.py). The first scrape waits for the first rendering."""
+
+    def __init__(self, render: Any, *, pause_s: float = 1.0) -> None:
+        self.render, self.pause_s = render, pause_s  # render() -> the exposition's bytes
+        self._body: bytes | None = None
+        self._made_at = 0.0
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="lmlaunch-metrics-render", daemon=True)
+
+    def start(self) -> Snapshots:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                body = self.render()
+                self._body, self._made_at, self.error = body, time.time(), None
+            except Exception as exc:  # a bad rendering keeps the last good one; the next may succeed
+                self.error = f"{type(exc).__name__}: {exc}"
+            self._ready.set()
+            self._stop.wait(self.pause_s)
+
+    def answer(self) -> bytes:
+        """The newest rendering and its age (waits for the first)."""
+        self._ready.wait()
+        body = self._body or b""
+        age = max(0.0, time.time() - self._made_at) if self._body is not None else float("nan")
+        tail = ("# HELP lmlaunch_exporter_snapshot_age_seconds Seconds since the metrics served were read\n"
+                "# TYPE lmlaunch_exporter_snapshot_age_seconds gauge\n"
+                f"lmlaunch_exporter_snapshot_age_seconds {age}\n")
+        return body + tail.encode()
 
 
 def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mapping[str, Any]]], *,

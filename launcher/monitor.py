@@ -246,6 +246,17 @@ def gather_status(
     """Rows for ``records``: one squeue (+ at most one sacct) call, run directories read while
     SLURM answers (the two overlap: SLURM's answer is a subprocess wait); a run directory whose
     files have not changed since the last call is not read again (launcher/status_cache.py)."""
+    rows, view, _files = gather_status_and_files(records, environ=environ, now=now)
+    return rows, view
+
+
+def gather_status_and_files(
+    records: Sequence[Any],
+    *,
+    environ: Mapping[str, str] | None = None,
+    now: float | None = None,
+) -> tuple[list[StatusRow], SlurmView, list[RunFiles]]:
+    """:func:`gather_status`, and what each run directory said (the exporter counts the ledger)."""
     import threading
 
     now = time.time() if now is None else now
@@ -260,4 +271,4 @@ def gather_status(
         build_row(r, f, view.jobs.get(r.last_job_id or ""), slurm_reachable=view.reachable, now=now)
         for r, f in zip(records, files)
     ]
-    return rows, view
+    return rows, view, files

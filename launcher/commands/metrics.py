@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                        help=f"where to listen (default {DEFAULT_LISTEN}; a login node is shared: keep 127.0.0.1 "
                             "and reach it through ssh -L, or a site's own proxy)")
+    serve.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS",
+                       help="pause between two readings of the runs (default 1); a scrape is answered from the newest")
     serve.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # stop after (tests)
     write = sub.add_parser("write", help=f"write every run's metrics to DIR/{TEXTFILE} (node_exporter's textfile "
                                          "collector), atomically")
@@ -52,7 +54,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         host, port = parse_listen(args.listen)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    server = _start(registry, host, port)
+    if not args.refresh >= 0:
+        raise UserError(f"--refresh {args.refresh}: give the seconds between two readings, 0 or more")
+    server = _start(registry, host, port, refresh_s=args.refresh)
     ctx.out(f"serving the runs' metrics on http://{host}:{port}/metrics (Ctrl-C stops)")
     try:
         deadline = None if args.seconds is None else time.monotonic() + args.seconds
@@ -65,16 +69,42 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
-def _start(registry, host: str, port: int):
-    from prometheus_client import start_http_server
+def _start(registry, host: str, port: int, *, refresh_s: float):
+    """An HTTP server answering GET /metrics with the newest snapshot (launcher.metrics.Snapshots)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from launcher.metrics import Snapshots
+
+    snapshots = Snapshots(lambda: generate_latest(registry), pause_s=refresh_s)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404, "only /metrics is here")
+                return
+            body = snapshots.answer()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # one line per scrape would fill the terminal
 
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        server = ThreadingHTTPServer((host, port), Handler)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise UserError(f"--listen {host}:{port}: the port is in use (another exporter?); choose another "
                             f"with --listen HOST:PORT") from None
         raise UserError(f"--listen {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
+    server.daemon_threads = True
+    snapshots.start()
+    threading.Thread(target=server.serve_forever, name="lmlaunch-metrics-http", daemon=True).start()
     return server
 
 

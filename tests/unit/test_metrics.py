@@ -161,3 +161,30 @@ def test_the_grafana_dashboard_is_written_once_with_every_query_and_a_run_variab
     assert code == 2 and "exists: lmlaunch keeps it" in err
     target.write_text("mine")
     assert _lm({}, "metrics", "dashboard", "-o", str(target), "--force")[0] == 0 and target.read_text() != "mine"
+
+
+def test_a_scrape_is_answered_from_the_newest_reading_and_a_failed_reading_keeps_the_last_good_one():
+    import threading
+
+    readings = []
+    release = threading.Event()
+
+    def render() -> bytes:
+        readings.append(len(readings))
+        if len(readings) == 2:
+            raise OSError("a run directory vanished mid-read")
+        if len(readings) >= 3:
+            release.wait()
+        return f"lmlaunch_runs {len(readings)}\n".encode()
+
+    snapshots = metrics.Snapshots(render, pause_s=0.0).start()
+    try:
+        first = snapshots.answer().decode()  # waits for the first reading
+        assert first.startswith("lmlaunch_runs 1\n") and "lmlaunch_exporter_snapshot_age_seconds " in first
+        waiting.until(lambda: len(readings) >= 3 or None, what="the third reading",
+                      progress=waiting.watching(lambda: len(readings)))
+        assert snapshots.answer().decode().startswith("lmlaunch_runs 1\n")  # the failed one left it as it was
+        assert snapshots.error is None or "vanished" in snapshots.error
+    finally:
+        snapshots.stop()
+        release.set()
