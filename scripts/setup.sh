@@ -28,7 +28,8 @@ fi
 
 # 1b. Servers the tests start themselves on loopback ports, installed with a policy that starts no
 # service (no system sshd on port 22, no system Prometheus): OpenSSH's (the remote tests' login
-# node) and Prometheus' (the metrics test scrapes `lmlaunch metrics serve`).
+# node), Prometheus' (the metrics test scrapes `lmlaunch metrics serve`) and its Pushgateway (a job
+# pushes to it).
 install_without_service() {  # PACKAGE WHAT-FOR
   dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed" && return 0
   if [ "$(id -u)" != 0 ]; then
@@ -47,6 +48,7 @@ install_without_service() {  # PACKAGE WHAT-FOR
 }
 install_without_service openssh-server "the remote tests' sshd"
 install_without_service prometheus "the metrics test's server"
+install_without_service prometheus-pushgateway "the push test's gateway"
 
 # 2. Python environment: torch pinned first so nothing pulls a CUDA build.
 # The Python to build it on: LMLAUNCH_PYTHON, else a Python 3.11 outside /usr where there is one

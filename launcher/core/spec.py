@@ -21,6 +21,7 @@ from launcher.core.text_rules import (
     ENV_NAME,
     EnvName,
     EnvValue,
+    HttpUrl,
     MemSize,
     OneLine,
     PathText,
@@ -521,6 +522,16 @@ class WandbSpec(StrictModel):
     """offline writes locally and syncs later."""
 
 
+class PushgatewaySpec(StrictModel):
+    """Rank 0 pushes the run's training metrics to a Prometheus Pushgateway, for sites whose
+    Prometheus cannot scrape the login node (`lmlaunch metrics serve` is the other way)."""
+
+    url: HttpUrl
+    """The Pushgateway, e.g. http://pushgateway.example:9091 (metrics go to its /metrics/job/lmlaunch/run/<name>)."""
+    every_n_steps: int = Field(10, ge=1, le=1_000_000)
+    """Push at every Nth logging step (and at the attempt's end); in the background, never slowing a step."""
+
+
 class LoggingSpec(StrictModel):
     """Metric loggers."""
 
@@ -532,6 +543,8 @@ class LoggingSpec(StrictModel):
     """Weights & Biases; the key comes by env.passthrough: [WANDB_API_KEY]."""
     heartbeat_every_n_steps: int = Field(1, ge=1)
     """Write the JSON-lines heartbeat the monitor reads every N steps."""
+    pushgateway: PushgatewaySpec | None = None
+    """Push the training metrics to a Prometheus Pushgateway (rank 0, in the background)."""
 
 
 NotifyEvent = Literal["started", "preempted", "requeued", "hang", "straggler", "failed", "completed"]

@@ -146,6 +146,13 @@ WEBHOOK_URL = TextRule(
     2048,
 )
 
+HTTP_URL = TextRule(
+    "an http(s) URL",
+    r"https?://[^\s\x00-\x1f\x7f-\x9f]+",
+    "http:// or https:// followed by no spaces or control characters",
+    2048,
+)
+
 def check_override_text(text: str) -> None:
     """A command-line override is one line: a control character in it is an error, never cut."""
     if len(text) > 8192:
@@ -162,7 +169,7 @@ def check_override_text(text: str) -> None:
 # commands that validate nothing import these rules without pydantic.
 _TYPES = {"RunName": RUN_NAME, "ProfileName": PROFILE_NAME, "SlurmWord": SLURM_WORD, "MemSize": MEM_SIZE,
           "PathText": PATH, "OneLine": ONE_LINE, "ShellLine": SHELL_LINE, "EnvValue": ENV_VALUE,
-          "WebhookUrl": WEBHOOK_URL, "EnvName": ENV_NAME}
+          "WebhookUrl": WEBHOOK_URL, "HttpUrl": HTTP_URL, "EnvName": ENV_NAME}
 
 if TYPE_CHECKING:  # to mypy each is the str it checks
     RunName: TypeAlias = str
@@ -174,6 +181,7 @@ if TYPE_CHECKING:  # to mypy each is the str it checks
     ShellLine: TypeAlias = str
     EnvValue: TypeAlias = str
     WebhookUrl: TypeAlias = str
+    HttpUrl: TypeAlias = str
     EnvName: TypeAlias = str
 else:
     def __getattr__(name: str) -> Any:

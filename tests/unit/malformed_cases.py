@@ -89,6 +89,7 @@ CASES: list[Case] = [
     Case("straggler_action_exclude_not_yet", add("health:\n  stragglers:\n    action: exclude\n"), "{spec}: health.stragglers.action (line 19): 'exclude' is not available yet (a job that requeues itself cannot change its own ExcNodeList while its processes run); use warn: status, the ledger and the webhooks name the slow rank's node"),
     Case("profile_rank_outside_the_job", add("profile:\n  start_step: 5\n  ranks: [0, 9]\n"), "{spec}: line 19: profile.ranks(9) is not a rank of this job: its ranks are 0..1 (nodes x tasks_per_node)"),
     Case("profile_steps_zero", add("profile:\n  start_step: 5\n  steps: 0\n"), "{spec}: profile.steps (line 19): Input should be greater than or equal to 1 (got 0)"),
+    Case("pushgateway_url_not_http", add("logging:\n  pushgateway:\n    url: pushgateway:9091\n"), "{spec}: logging.pushgateway.url (line 19): 'pushgateway:9091' is not an http(s) URL: http:// or https:// followed by no spaces or control characters"),
     Case("straggler_action_unknown", add("health:\n  stragglers:\n    action: kill\n"), "{spec}: health.stragglers.action (line 19): Input should be 'warn' or 'exclude', got 'kill'"),
     Case("signal_unknown", add("preemption:\n  signal: USR3\n"), "{spec}: preemption.signal (line 18): Input should be 'USR1', 'USR2', 'URG', 'XCPU' or 'HUP', got 'USR3' (did you mean 'USR2'?)"),
     Case("mem_not_slurm", edit("  nodes: 2", "  nodes: 2\n  mem: 64GB"), "{spec}: resources.mem (line 5): '64GB' is not a SLURM memory size: a whole number with an optional unit K, M, G or T, e.g. 64G or 500M"),

@@ -133,19 +133,31 @@ class Fit:
         return module
 
     def callbacks(self, startup: Any) -> list[Any]:
-        """The Trainer's callbacks, in order: startup record, checkpoints, the stop agreement,
-        RNG-neutral validation, metrics, the accumulation realigned, the hang watchdog."""
+        """The Trainer's callbacks, in order: the rank's step timing (first), startup record,
+        checkpoints, the stop agreement, RNG-neutral validation, metrics (the heartbeat, and rank 0's
+        Pushgateway push where the spec names one), the accumulation realigned, the hang watchdog
+        (it beats after checkpoint writes), profiling on demand, the timing's boundary mark (last)."""
         from lmtrain.observe.callbacks import MetricsHeartbeat, RngNeutralValidation
 
-        heartbeat = self.records.heartbeat
         ckpt_cb = self._checkpoint_callback()
-        metrics_cb = MetricsHeartbeat(heartbeat, every_n_steps=self.job.logging.heartbeat_every_n_steps)
-        self.module.metrics_sink = metrics_cb.step_metrics
-        timing = self._rank_timing()  # first: its boundary mark last, after every other callback's work
+        metrics_cb = MetricsHeartbeat(self.records.heartbeat, every_n_steps=self.job.logging.heartbeat_every_n_steps)
+        pusher = self._pusher()
+        sinks = [metrics_cb.step_metrics] + ([pusher.step_metrics] if pusher is not None else [])
+        self.module.metrics_sink = lambda metrics, max_steps: [sink(metrics, max_steps) for sink in sinks]
+        timing = self._rank_timing()
         callbacks = [timing, startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
-                     self._memory_record(), *([self.realign] if self.realign else [])]
-        return callbacks + self._watchdog() + [self._profiling(), timing.boundary_mark()]  # the watchdog beats
-        # after checkpoint writes
+                     *([pusher] if pusher is not None else []), self._memory_record(),
+                     *([self.realign] if self.realign else [])]
+        return callbacks + self._watchdog() + [self._profiling(), timing.boundary_mark()]
+
+    def _pusher(self) -> Any:
+        """Rank 0's Pushgateway pusher when the spec names one (lmtrain.observe.pushgateway)."""
+        spec = self.job.logging.pushgateway
+        if spec is None or self.env.rank != 0:
+            return None
+        from lmtrain.observe.pushgateway import Pusher
+
+        return Pusher(spec.url, run=self.plan.run_name, attempt=self.records.attempt, every_n_steps=spec.every_n_steps)
 
     def _profiling(self) -> Any:
         """torch.profiler on demand (`lmlaunch profile`) or over the spec's window (lmtrain.observe.profiling)."""
