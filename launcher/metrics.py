@@ -93,15 +93,18 @@ class Snapshots:
             self._ready.set()
             self._stop.wait(self.pause_s)
 
-    def answer(self) -> bytes:
-        """The newest rendering and its age (waits for the first)."""
+    def answer(self) -> tuple[bytes, float]:
+        """The newest rendering and its age in seconds (waits for the first; NaN while none succeeded)."""
         self._ready.wait()
-        body = self._body or b""
         age = max(0.0, time.time() - self._made_at) if self._body is not None else float("nan")
-        tail = ("# HELP lmlaunch_exporter_snapshot_age_seconds Seconds since the metrics served were read\n"
-                "# TYPE lmlaunch_exporter_snapshot_age_seconds gauge\n"
-                f"lmlaunch_exporter_snapshot_age_seconds {age}\n")
-        return body + tail.encode()
+        return self._body or b"", age
+
+
+def with_age(body: bytes, age: float) -> bytes:
+    """A scrape's answer: the rendering and how old it is."""
+    return body + ("# HELP lmlaunch_exporter_snapshot_age_seconds Seconds since the metrics served were read\n"
+                   "# TYPE lmlaunch_exporter_snapshot_age_seconds gauge\n"
+                   f"lmlaunch_exporter_snapshot_age_seconds {age}\n").encode()
 
 
 def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mapping[str, Any]]], *,

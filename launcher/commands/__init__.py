@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("cluster", "start, stop or inspect the local single-machine SLURM cluster"),
     "status": ("status", "show runs: state, step, loss, throughput"),
     "logs": ("logs", "show or follow a run's logs"),
+    "dashboard": ("dashboard", "a live, read-only web page of the runs (127.0.0.1, with a token in its URL)"),
     "stacks": ("stacks", "the live Python stacks (--native: and C frames) of every task of a running job"),
     "cancel": ("cancel", "cancel a run (never requeued)"),
     "history": ("history", "a run's attempts: why each ended, goodput"),

@@ -76,7 +76,7 @@ def _start(registry, host: str, port: int, *, refresh_s: float):
 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    from launcher.metrics import Snapshots
+    from launcher.metrics import Snapshots, with_age
 
     snapshots = Snapshots(lambda: generate_latest(registry), pause_s=refresh_s)
 
@@ -85,7 +85,7 @@ def _start(registry, host: str, port: int, *, refresh_s: float):
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404, "only /metrics is here")
                 return
-            body = snapshots.answer()
+            body = with_age(*snapshots.answer())
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_LATEST)
             self.send_header("Content-Length", str(len(body)))

@@ -1,0 +1,178 @@
+"""lmlaunch dashboard [--listen HOST:PORT]: a live, read-only web page of the user's runs.
+
+The runs table as `status` shows it, and the selected run's loss and throughput curves, its
+attempts (why each ended, preemptions and requeues), each rank's compute per step (a slow rank in
+red) and its history notes (memory planned against held, stragglers), refreshed every 2 s without
+reloading (launcher/web: the page, its script, Chart.js 4 vendored with its license).
+
+A login node is shared: the page binds 127.0.0.1 unless --listen says otherwise (reach it through
+`ssh -L`), and every page and API request needs the token printed at start (in the URL, as
+Jupyter's); a request without it gets 403. Only GET is answered: nothing here can cancel or
+change a run, and nothing is written into a run directory. A thread reads the runs again and
+again (launcher.metrics.Snapshots); a request is answered from the newest reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hmac
+import json
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from launcher.context import Context
+from launcher.core.errors import UserError
+
+DEFAULT_LISTEN = "127.0.0.1:9768"
+WEB = Path(__file__).resolve().parents[1] / "web"
+STATIC = {"/chart.umd.min.js": "application/javascript", "/dashboard.js": "application/javascript"}
+HISTORY_CACHE_S = 10.0  # a run's history (one sacct call) is read again after this long
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                   help=f"where to listen (default {DEFAULT_LISTEN}; a login node is shared: keep 127.0.0.1 and "
+                        "reach it through ssh -L)")
+    p.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS",
+                   help="pause between two readings of the runs (default 1)")
+    p.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # stop after (tests)
+
+
+class Pages:
+    """What the server answers: the page, its static files, the runs and one run (read-only)."""
+
+    def __init__(self, environ: dict[str, str] | None, token: str, refresh_s: float) -> None:
+        from launcher.metrics import Snapshots
+
+        self.environ, self.token = environ, token
+        self.snapshots = Snapshots(self._read_runs, pause_s=refresh_s)
+        self._histories: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def _read_runs(self) -> bytes:
+        from launcher import monitor, runs
+
+        records = runs.list_records(self.environ)
+        rows, view = monitor.gather_status(records, environ=self.environ)
+        return json.dumps({"runs": [r.to_dict() for r in rows], "slurm_reachable": view.reachable,
+                           "time": time.time()}).encode()
+
+    def runs(self) -> dict[str, Any]:
+        body, _age = self.snapshots.answer()
+        return json.loads(body) if body else {"runs": [], "slurm_reachable": False, "time": None}
+
+    def run(self, name: str) -> dict[str, Any] | None:
+        """One run's curves, attempts, ranks and notes; None for a run the registry does not know."""
+        from launcher import run_files, runs
+        from launcher.commands.history import load_history
+        from launcher.core import jsonlines, rundir
+
+        row = next((r for r in self.runs()["runs"] if r["name"] == name), None)
+        if row is None:
+            return None
+        rec = runs.find_run(name, self.environ)
+        with self._lock:
+            cached = self._histories.get(name)
+            if cached is None or time.monotonic() - cached[0] > HISTORY_CACHE_S:
+                h = load_history(rec)
+                cached = (time.monotonic(), {"attempts": [a.to_dict() for a in h.attempts], "notes": h.notes})
+                self._histories[name] = cached
+        run_dir = Path(rec.run_dir)
+        steps = [{"step": b.get("step"), "loss": b.get("loss"), "tokens_per_s": b.get("tokens_per_s")}
+                 for b in jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).heartbeat) if b.get("event") == "step"]
+        summary = run_files.read_rank_times(run_dir) if row["group"] == "running" else None
+        ranks = [{"rank": int(k), "node": v.get("node"), "forward": v.get("forward"), "slow": bool(v.get("slow"))}
+                 for k, v in sorted((summary or {}).get("ranks", {}).items(), key=lambda kv: int(kv[0]))]
+        return {**row, "steps": steps, "ranks": ranks, **cached[1]}
+
+    def allowed(self, query: str) -> bool:
+        given = (parse_qs(query).get("token") or [""])[0]
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+
+def _handler(pages: Pages) -> type:
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: bytes, kind: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("Content-Security-Policy", "default-src 'self'; style-src 'self' 'unsafe-inline'")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            if url.path in STATIC:  # the page's own scripts: nothing of the user's in them
+                self._send(200, (WEB / url.path.lstrip("/")).read_bytes(), STATIC[url.path])
+                return
+            if not pages.allowed(url.query):
+                self._send(403, b"403: this page needs the token `lmlaunch dashboard` printed (in the URL)\n",
+                           "text/plain; charset=utf-8")
+                return
+            if url.path == "/":
+                self._send(200, (WEB / "dashboard.html").read_bytes(), "text/html; charset=utf-8")
+            elif url.path == "/api/runs":
+                self._send(200, json.dumps(pages.runs()).encode(), "application/json")
+            elif url.path.startswith("/api/run/"):
+                found = pages.run(unquote(url.path.removeprefix("/api/run/")))
+                if found is None:
+                    self._send(404, b'{"error": "no such run"}', "application/json")
+                else:
+                    self._send(200, json.dumps(found).encode(), "application/json")
+            else:
+                self._send(404, b"404\n", "text/plain; charset=utf-8")
+
+        def _refuse(self) -> None:
+            self._send(405, b"405: the dashboard is read-only\n", "text/plain; charset=utf-8")
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    from http.server import ThreadingHTTPServer
+
+    from launcher.metrics import parse_listen
+
+    try:
+        host, port = parse_listen(args.listen)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if not args.refresh >= 0:
+        raise UserError(f"--refresh {args.refresh}: give the seconds between two readings, 0 or more")
+    token = secrets.token_urlsafe(24)
+    pages = Pages(ctx.environ or None, token, args.refresh)
+    try:
+        server = ThreadingHTTPServer((host, port), _handler(pages))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"--listen {host}:{port}: the port is in use; choose another with --listen HOST:PORT") \
+                from None
+        raise UserError(f"--listen {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
+    server.daemon_threads = True
+    pages.snapshots.start()
+    threading.Thread(target=server.serve_forever, name="lmlaunch-dashboard", daemon=True).start()
+    ctx.out(f"dashboard: http://{host}:{port}/?token={token}  (read-only; Ctrl-C stops)")
+    try:
+        deadline = None if args.seconds is None else time.monotonic() + args.seconds
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        pages.snapshots.stop()
+    return 0

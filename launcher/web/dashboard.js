@@ -1,0 +1,110 @@
+// lmlaunch dashboard: the runs table as `status` shows it and the selected run's curves, attempts,
+// per-rank compute and notes, refreshed every 2 s without reloading. Read-only: GET requests only.
+"use strict";
+
+const TOKEN = new URLSearchParams(window.location.search).get("token") || "";
+const EVERY_MS = 2000;
+let selected = new URLSearchParams(window.location.search).get("run");
+let refreshes = 0;
+
+function api(path) {
+  const sep = path.includes("?") ? "&" : "?";
+  return fetch(`${path}${sep}token=${encodeURIComponent(TOKEN)}`, { cache: "no-store" }).then((r) => {
+    if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
+    return r.json();
+  });
+}
+
+function text(v, digits) {
+  if (v === null || v === undefined) return "–";
+  return typeof v === "number" && digits !== undefined ? v.toFixed(digits) : String(v);
+}
+
+function cell(row, value, cls) {
+  const td = document.createElement("td");
+  td.textContent = value;
+  if (cls) td.className = cls;
+  row.appendChild(td);
+}
+
+function drawRuns(rows) {
+  const body = document.querySelector("#runs tbody");
+  body.replaceChildren();
+  if (!selected && rows.length) selected = (rows.find((r) => r.group === "running") || rows[0]).name;
+  for (const r of rows) {
+    const tr = document.createElement("tr");
+    tr.className = "run" + (r.name === selected ? " selected" : "");
+    tr.dataset.run = r.name;
+    cell(tr, r.name);
+    cell(tr, text(r.job_id));
+    cell(tr, r.state, r.group);
+    cell(tr, text(r.attempt));
+    cell(tr, `${text(r.step)}/${text(r.max_steps)}`);
+    cell(tr, text(r.loss, 3));
+    cell(tr, r.tokens_per_s === null ? "–" : Math.round(r.tokens_per_s).toLocaleString());
+    cell(tr, text(r.checkpoint_step));
+    cell(tr, r.note || "", "note");
+    tr.addEventListener("click", () => { selected = r.name; refresh(); });
+    body.appendChild(tr);
+  }
+}
+
+function lineChart(id, label, color) {
+  return new Chart(document.getElementById(id), {
+    type: "line",
+    data: { datasets: [{ label, data: [], borderColor: color, pointRadius: 0, borderWidth: 1.5 }] },
+    options: { animation: false, parsing: false, scales: { x: { type: "linear", title: { display: true, text: "step" } } } },
+  });
+}
+
+const charts = {
+  loss: lineChart("loss-chart", "training loss", "#2f6fdb"),
+  speed: lineChart("speed-chart", "tokens/s", "#0a7a2f"),
+  ranks: new Chart(document.getElementById("rank-chart"), {
+    type: "bar",
+    data: { labels: [], datasets: [{ label: "forward s/step by rank", data: [], backgroundColor: [] }] },
+    options: { animation: false },
+  }),
+};
+
+function drawRun(run) {
+  document.getElementById("run-title").textContent =
+    `${run.name}: attempt ${text(run.attempt)}, step ${text(run.step)} of ${text(run.max_steps)}`;
+  charts.loss.data.datasets[0].data = run.steps.filter((s) => s.loss !== null).map((s) => ({ x: s.step, y: s.loss }));
+  charts.speed.data.datasets[0].data = run.steps.filter((s) => s.tokens_per_s !== null)
+    .map((s) => ({ x: s.step, y: s.tokens_per_s }));
+  const ranks = run.ranks || [];
+  charts.ranks.data.labels = ranks.map((r) => `rank ${r.rank} (${r.node})`);
+  charts.ranks.data.datasets[0].data = ranks.map((r) => r.forward);
+  charts.ranks.data.datasets[0].backgroundColor = ranks.map((r) => (r.slow ? "#b3261e" : "#7a8fb0"));
+  for (const c of Object.values(charts)) c.update("none");
+  const attempts = document.getElementById("attempts");
+  attempts.replaceChildren(...run.attempts.map((a) => {
+    const li = document.createElement("li");
+    li.textContent = `attempt ${a.attempt} (job ${a.job_id}): steps ${text(a.start_step)} → ${text(a.end_step)}, ` +
+      `${a.reason || "running"}${a.requeued ? ", requeued" : ""}`;
+    return li;
+  }));
+  // the steps this page has shown, newest last (what a reader or a test sees change between refreshes)
+  const seen = (document.body.dataset.steps ? document.body.dataset.steps.split(",") : []).concat(String(run.step));
+  document.body.dataset.steps = seen.slice(-20).join(",");
+  const notes = document.getElementById("notes");
+  notes.replaceChildren(...run.notes.map((n) => { const li = document.createElement("li"); li.textContent = n; return li; }));
+}
+
+async function refresh() {
+  try {
+    const runs = await api("api/runs");
+    drawRuns(runs.runs);
+    if (selected) drawRun(await api(`api/run/${encodeURIComponent(selected)}`));
+    refreshes += 1;
+    document.getElementById("updated").textContent =
+      `updated ${new Date().toLocaleTimeString()} (refresh ${refreshes}; SLURM ${runs.slurm_reachable ? "answers" : "does not answer"})`;
+    document.getElementById("error").textContent = "";
+  } catch (err) {
+    document.getElementById("error").textContent = `could not refresh: ${err.message}`;
+  }
+}
+
+refresh();
+setInterval(refresh, EVERY_MS);
