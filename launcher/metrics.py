@@ -170,14 +170,3 @@ def rank_families(rows: Sequence[monitor.StatusRow]) -> list[Metric]:
             flagged += bool(figures.get("slow"))
         count.add_metric([row.name], flagged)
     return [seconds, ratio, slow, count]
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``PORT`` -> (host, port); a clear error otherwise."""
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", text
-    host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--listen {text!r}: expected HOST:PORT or PORT, the port 1..65535")
-    return host, int(port)

@@ -15,7 +15,6 @@ again (launcher.metrics.Snapshots); a request is answered from the newest readin
 from __future__ import annotations
 
 import argparse
-import errno
 import hmac
 import json
 import secrets
@@ -26,7 +25,6 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from launcher.context import Context
-from launcher.core.errors import UserError
 
 DEFAULT_LISTEN = "127.0.0.1:9768"
 WEB = Path(__file__).resolve().parents[1] / "web"
@@ -143,36 +141,12 @@ def _handler(pages: Pages) -> type:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from http.server import ThreadingHTTPServer
+    from launcher import http_serve
 
-    from launcher.metrics import parse_listen
-
-    try:
-        host, port = parse_listen(args.listen)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if not args.refresh >= 0:
-        raise UserError(f"--refresh {args.refresh}: give the seconds between two readings, 0 or more")
-    token = secrets.token_urlsafe(24)
-    pages = Pages(ctx.environ or None, token, args.refresh)
-    try:
-        server = ThreadingHTTPServer((host, port), _handler(pages))
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise UserError(f"--listen {host}:{port}: the port is in use; choose another with --listen HOST:PORT") \
-                from None
-        raise UserError(f"--listen {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
-    server.daemon_threads = True
+    host, port = http_serve.parse_listen(args.listen)
+    pages = Pages(ctx.environ or None, secrets.token_urlsafe(24), http_serve.check_refresh(args.refresh))
+    server = http_serve.bind(host, port, _handler(pages), what="dashboard")
     pages.snapshots.start()
-    threading.Thread(target=server.serve_forever, name="lmlaunch-dashboard", daemon=True).start()
-    ctx.out(f"dashboard: http://{host}:{port}/?token={token}  (read-only; Ctrl-C stops)")
-    try:
-        deadline = None if args.seconds is None else time.monotonic() + args.seconds
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.shutdown()
-        pages.snapshots.stop()
+    ctx.out(f"dashboard: http://{host}:{port}/?token={pages.token}  (read-only; Ctrl-C stops)")
+    http_serve.serve_until(server, args.seconds, then=pages.snapshots.stop)
     return 0

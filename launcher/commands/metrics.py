@@ -9,8 +9,6 @@ writes a Grafana dashboard of those series (launcher.grafana).
 from __future__ import annotations
 
 import argparse
-import errno
-import time
 from pathlib import Path
 
 from launcher.context import Context
@@ -42,7 +40,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return _dashboard(Path(args.output), force=args.force, ctx=ctx)
     from prometheus_client import CollectorRegistry
 
-    from launcher.metrics import RunsCollector, parse_listen
+    from launcher.metrics import RunsCollector
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RunsCollector(ctx.environ or None))
@@ -50,32 +48,22 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return _write(registry, Path(args.dir), ctx)
     if args.metrics_command != "serve":
         raise UserError("lmlaunch metrics: say serve, write or dashboard (`lmlaunch metrics --help`)")
-    try:
-        host, port = parse_listen(args.listen)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if not args.refresh >= 0:
-        raise UserError(f"--refresh {args.refresh}: give the seconds between two readings, 0 or more")
-    server = _start(registry, host, port, refresh_s=args.refresh)
+    from launcher import http_serve
+
+    host, port = http_serve.parse_listen(args.listen)
+    server = _start(registry, host, port, refresh_s=http_serve.check_refresh(args.refresh))
     ctx.out(f"serving the runs' metrics on http://{host}:{port}/metrics (Ctrl-C stops)")
-    try:
-        deadline = None if args.seconds is None else time.monotonic() + args.seconds
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.shutdown()
+    http_serve.serve_until(server, args.seconds)
     return 0
 
 
 def _start(registry, host: str, port: int, *, refresh_s: float):
     """An HTTP server answering GET /metrics with the newest snapshot (launcher.metrics.Snapshots)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+    from launcher import http_serve
     from launcher.metrics import Snapshots, with_age
 
     snapshots = Snapshots(lambda: generate_latest(registry), pause_s=refresh_s)
@@ -95,16 +83,8 @@ def _start(registry, host: str, port: int, *, refresh_s: float):
         def log_message(self, format: str, *args: object) -> None:
             pass  # one line per scrape would fill the terminal
 
-    try:
-        server = ThreadingHTTPServer((host, port), Handler)
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise UserError(f"--listen {host}:{port}: the port is in use (another exporter?); choose another "
-                            f"with --listen HOST:PORT") from None
-        raise UserError(f"--listen {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
-    server.daemon_threads = True
+    server = http_serve.bind(host, port, Handler, what="exporter")
     snapshots.start()
-    threading.Thread(target=server.serve_forever, name="lmlaunch-metrics-http", daemon=True).start()
     return server
 
 

@@ -10,7 +10,8 @@ The parts of a micro batch, between Lightning's hooks (``RankTiming`` is the fir
 ``BoundaryMark`` the last, so the other callbacks' work lands in ``boundary``):
 
 - ``data``: from the previous batch's boundary to this batch's start (the loader, the copy to
-  the device);
+  the device; also the LightningModule's own batch-end work, where a logging step reduces the loss
+  over the ranks, and a validation pass run in between);
 - ``forward``: ``training_step`` (forward and loss). No collective under DDP, so this is the
   compute :mod:`lmtrain.health.stragglers` compares; under FSDP and ZeRO-3 it includes the
   parameter gathers, where a slow rank's peers wait too (the factor then understates);

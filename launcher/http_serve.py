@@ -1,0 +1,57 @@
+"""The CLI's long-running loopback servers (`metrics serve`, `dashboard`): the --listen address and
+--refresh checked, the socket bound with a clear error, served from a thread until Ctrl-C."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from collections.abc import Callable
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from launcher.core.errors import UserError
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``PORT`` -> (host, port); a clear error otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--listen {text!r}: expected HOST:PORT or PORT, the port 1..65535")
+    return host, int(port)
+
+
+def check_refresh(seconds: float) -> float:
+    if not seconds >= 0:
+        raise UserError(f"--refresh {seconds}: give the seconds between two readings, 0 or more")
+    return seconds
+
+
+def bind(host: str, port: int, handler: Any, *, what: str) -> ThreadingHTTPServer:
+    """The server on ``host:port``, serving from a thread; a port in use or a bad address said."""
+    try:
+        server = ThreadingHTTPServer((host, port), handler)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError(f"--listen {host}:{port}: the port is in use (another {what}?); choose another "
+                            f"with --listen HOST:PORT") from None
+        raise UserError(f"--listen {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=f"lmlaunch-{what}", daemon=True).start()
+    return server
+
+
+def serve_until(server: ThreadingHTTPServer, seconds: float | None, *, then: Callable[[], None] = lambda: None) -> None:
+    """Until Ctrl-C (or ``seconds``, for tests); then the server stops and ``then`` runs."""
+    try:
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        then()
