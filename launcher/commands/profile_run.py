@@ -22,6 +22,7 @@ from launcher.core.atomic import write_json
 from launcher.core.errors import ExitCode, UserError
 
 POLL_S = 1.0
+MAX_STEPS = 1000  # lmtrain.observe.profiling.MAX_STEPS (the spec's profile.steps bound too)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,8 +80,9 @@ def _attempt(run_dir: Path) -> int:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    if args.steps < 1:
-        raise UserError(f"--steps {args.steps}: profile at least 1 step")
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise UserError(f"--steps {args.steps}: profile 1 to {MAX_STEPS} steps (the ranks asked export the trace "
+                        "inside a step, while the others wait)")
     if args.top < 1:
         raise UserError(f"--top {args.top}: show at least 1 operator")
     rec = runs.find_run(args.run, ctx.environ or None)

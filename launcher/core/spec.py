@@ -529,7 +529,8 @@ class PushgatewaySpec(StrictModel):
     url: HttpUrl
     """The Pushgateway, e.g. http://pushgateway.example:9091 (metrics go to its /metrics/job/lmlaunch/run/<name>)."""
     every_n_steps: int = Field(10, ge=1, le=1_000_000)
-    """Push at every Nth logging step (and at the attempt's end); in the background, never slowing a step."""
+    """Push at the first logging step N optimizer steps after the last push (and the last step), in
+    the background, never slowing a step."""
 
 
 class LoggingSpec(StrictModel):

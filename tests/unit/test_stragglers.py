@@ -118,15 +118,22 @@ def test_short_logging_intervals_are_summed_until_they_span_the_minimum(tmp_path
     assert table.table()[0] == pytest.approx([0.1, 0.3])  # (0.4 + 0.1 + 0.4) / 3 per step
 
 
-def test_the_newest_row_waits_for_every_rank_unless_a_newer_one_exists(tmp_path):
+def test_a_row_waits_for_every_rank_until_enough_newer_rows_exist(tmp_path):
+    from lmtrain.health.straggler_watch import LATE_ROWS
+
     paths = [tmp_path / f"timing-rank-{r}.jsonl" for r in range(2)]
     table = TimingTable(paths)
-    _write(paths[0], 5, 0, 0.1)
+    for step in range(5, 5 * (LATE_ROWS + 1), 5):  # rank 1's lines show late (another node, NFS)
+        _write(paths[0], step, 0, 0.1)
     table.read()
-    assert table.table().shape == (0, 2)  # rank 1 has not written step 5 yet
-    _write(paths[0], 10, 0, 0.1)
+    assert table.table().shape == (0, 2)
+    _write(paths[1], 5, 1, 0.1)  # its first line arrives: that row is complete
     table.read()
-    assert table.table().shape == (1, 2) and np.isnan(table.table()[0, 1])  # rank 1 missing there: never slow
+    assert table.table().shape == (1, 2) and not np.isnan(table.table()).any()
+    for step in range(5 * (LATE_ROWS + 1), 5 * (LATE_ROWS + 3), 5):  # now LATE_ROWS rows are newer than step 10
+        _write(paths[0], step, 0, 0.1)
+    table.read()
+    assert table.table().shape == (2, 2) and np.isnan(table.table()[1, 1])  # missing there: never slow
 
 
 def test_status_names_the_slow_rank_of_the_current_attempt_only(tmp_path):

@@ -192,6 +192,10 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
             process_group_backend=backend,
             gradient_as_bucket_view=True,  # grads live in the buckets: no extra copy
             find_unused_parameters=False,
+            # a causal LM's buffers (rotary frequencies, masks) are built alike on every rank and never
+            # change: no broadcast from rank 0 at every forward, where a rank late from its loader would
+            # make the others wait (and their forward time, lmtrain.observe.rank_timing, look slow)
+            broadcast_buffers=False,
             checkpoint_io=DirectCheckpointIO(),  # DeepSpeed and FSDP2 (DCP) write their files directly already
         )
     if name == "fsdp":

@@ -33,6 +33,7 @@ from lmtrain.observe.rank_timing import PARTS, read_timing
 log = logging.getLogger(__name__)
 
 KEEP_INTERVALS = 64  # scored intervals kept: the window and each rank's own history before it
+LATE_ROWS = 3  # newer rows after which a row with a rank's line missing is scored without it
 
 
 class TimingTable:
@@ -40,8 +41,8 @@ class TimingTable:
 
     Logging intervals arrive as rows (one per logging step, a cell per rank); consecutive rows are
     summed into one scored interval once their wall time (the ranks' median) reaches
-    ``min_interval_s``. A row is folded once every rank wrote it, or once a newer row exists (a
-    rank that never writes one is missing there, never slow for it)."""
+    ``min_interval_s``. A row is folded once every rank wrote it, or once LATE_ROWS newer rows
+    exist (a rank that never writes one is missing there, never slow for it); rows fold in order."""
 
     def __init__(self, paths: list[Path], *, min_interval_s: float = 0.0) -> None:
         self.paths, self.min_interval_s = paths, min_interval_s
@@ -67,9 +68,14 @@ class TimingTable:
         self._fold()
 
     def _fold(self) -> None:
-        steps = sorted(self.rows)
-        if steps and np.isnan(self.rows[steps[-1]][0]).any():
-            steps = steps[:-1]  # the newest row, until every rank wrote it (or a newer row comes)
+        every = sorted(self.rows)
+        steps = []
+        for i, step in enumerate(every):
+            # a row waits for every rank's line until LATE_ROWS newer rows exist (another node's
+            # lines may show late on a shared filesystem); rows fold in order
+            if np.isnan(self.rows[step][0]).any() and len(every) - 1 - i < LATE_ROWS:
+                break
+            steps.append(step)
         taken: list[int] = []
         wall = 0.0
         for step in steps:
@@ -103,6 +109,7 @@ class StragglerWatch:
         self.policy, self.attempt, self.ledger, self.notify = policy, attempt, ledger, notify
         self.slow: dict[int, Slow] = {}
         self._wake = threading.Event()
+        self._looking = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmtrain-straggler-watch", daemon=True)
 
@@ -114,10 +121,17 @@ class StragglerWatch:
         self._wake.set()
 
     def stop(self) -> None:
+        """At the fit's end: the thread stops, then one last look at the rows the ranks wrote (not
+        while the thread is still in one: a slow filesystem; never raising: the run is done)."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
-        self.look()  # the last rows the ranks wrote
+        if self._thread.is_alive():
+            return
+        try:
+            self.look()
+        except Exception:
+            log.exception("straggler watch: the last look failed")
 
     def _run(self) -> None:
         while True:
@@ -131,7 +145,11 @@ class StragglerWatch:
                 log.exception("straggler watch: scoring failed; training goes on")
 
     def look(self) -> list[dict[str, Any]]:
-        """Read, score, record the changes; the ledger lines written."""
+        """Read, score, record the changes; the ledger lines written (one look at a time)."""
+        with self._looking:
+            return self._look()
+
+    def _look(self) -> list[dict[str, Any]]:
         self.table.read()
         step = self.table.last_step
         now = {s.rank: s for s in score(self.table.table(), self.policy)}

@@ -33,6 +33,8 @@ from launcher.core.atomic import write_json
 log = logging.getLogger(__name__)
 
 TOP_OPS = 25
+MAX_STEPS = 1000  # the most steps one request profiles (the spec's and the command's bound): the ranks asked
+# stop the profiler, export the trace and sum the operators inside a step, while the others wait
 
 
 def read_request(path: Path) -> dict[str, Any] | None:
@@ -43,6 +45,9 @@ def read_request(path: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("id"), str) or not isinstance(raw.get("steps"), int):
         return None
+    ranks = raw.get("ranks")
+    if ranks is not None and not (isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
+        return None  # not what `lmlaunch profile` writes: ignored, never a crash of the step
     return raw
 
 
@@ -96,35 +101,46 @@ class ProfileOnDemand(pl.Callback):
         ranks = request.get("ranks")
         return request if ranks is None or self.rank in ranks else None
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        spec = self.spec
+        if spec is not None and trainer.global_step > spec.start_step:
+            self.served.add(f"spec-{spec.start_step}")  # a resumed attempt past the window: profiled before
+
     def _start(self, request: dict[str, Any], step: int) -> None:
         from torch.profiler import ProfilerActivity, profile
 
+        steps = min(max(int(request["steps"]), 1), MAX_STEPS)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        profiler = profile(activities=activities, record_shapes=False, with_stack=False)
-        profiler.start()
-        self.active = {"id": request["id"], "steps": int(request["steps"]), "from_step": step, "last_step": step,
-                       "profiler": profiler}
-        log.info("profiling steps %d-%d for request %s", step + 1, step + int(request["steps"]), request["id"])
+        try:
+            profiler = profile(activities=activities, record_shapes=False, with_stack=False)
+            profiler.start()
+        except Exception as exc:  # a profiler already running (another tool), a missing CUPTI: said, not raised
+            log.warning("could not start torch.profiler for request %s: %s", request["id"], exc)
+            return
+        self.active = {"id": request["id"], "steps": steps, "from_step": step, "last_step": step, "profiler": profiler}
+        log.info("profiling steps %d-%d for request %s", step + 1, step + steps, request["id"])
 
     def _finish(self, step: int) -> None:
         active, self.active = self.active, None
         assert active is not None
-        profiler = active["profiler"]
-        profiler.stop()
-        out = Path(self.out_dir(active["id"]))
+        out, profiler = Path(self.out_dir(active["id"])), active["profiler"]
         try:
+            profiler.stop()
             out.mkdir(parents=True, exist_ok=True)
             profiler.export_chrome_trace(str(out / f"trace-rank-{self.rank}.json"))
             write_json(out / f"top-rank-{self.rank}.json", {
                 "rank": self.rank, "node": self.node, "steps": active["steps"], "from_step": active["from_step"] + 1,
                 "to_step": step, "ops": top_ops(profiler, cuda=self.cuda)})
             log.info("profile %s written: %s", active["id"], out)
-        except (OSError, RuntimeError) as exc:  # a profile never costs the run
+        except Exception as exc:  # a profile never costs the run
             log.warning("could not write profile %s: %s", active["id"], exc)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.active is not None:  # the run ended inside the window: what was recorded
             self._finish(trainer.global_step)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning runs no callback teardown when the fit raises
 
 
 def top_ops(profiler: Any, *, cuda: bool, n: int = TOP_OPS) -> list[dict[str, Any]]:

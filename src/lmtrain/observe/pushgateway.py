@@ -1,7 +1,7 @@
 """Rank 0's push of the run's training metrics to a Prometheus Pushgateway (spec ``logging.pushgateway``).
 
 For sites whose Prometheus cannot reach the login node: the job pushes instead of being scraped.
-At every Nth logging step rank 0 hands the step's figures to a thread that pushes them (PUT, so the
+At the first logging step N optimizer steps after the last push, rank 0 hands the step's figures to a thread that pushes them (PUT, so the
 group holds exactly the newest figures) to ``<url>/metrics/job/lmlaunch/run/<run>``:
 ``lmlaunch_job_step``, ``_max_steps``, ``_train_loss``, ``_tokens_per_second``, ``_mfu_ratio``
 (when known), ``_attempt`` and ``_last_push_timestamp_seconds``. Only the newest figures wait to be
@@ -43,16 +43,19 @@ class Pusher(pl.Callback):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self._queued_step: int | None = None
         self._warned = False
         self.pushed = 0
         self._thread = threading.Thread(target=self._run, name="lmtrain-pushgateway", daemon=True)
         self._thread.start()
 
     def step_metrics(self, metrics: dict[str, Any], max_steps: int) -> None:
-        """The module's metrics sink: every Nth logging step (and the last) is queued for a push."""
+        """The module's metrics sink (logging steps): the first logging step at least N optimizer
+        steps after the last one queued, and the last step, are queued for a push."""
         step = int(metrics["step"])
-        if step % self.every and step != max_steps:
+        if self._queued_step is not None and step - self._queued_step < self.every and step != max_steps:
             return
+        self._queued_step = step
         with self._lock:
             self._latest = {**metrics, "max_steps": max_steps, "attempt": self.attempt}
         self._wake.set()
@@ -61,11 +64,12 @@ class Pusher(pl.Callback):
         while True:
             self._wake.wait()
             self._wake.clear()
+            closing = self._closed  # read before taking the figures: what close() follows is sent too
             with self._lock:
                 figures, self._latest = self._latest, None
             if figures is not None:
                 self._send(figures)
-            if self._closed:
+            if closing:
                 return
 
     def _send(self, figures: dict[str, Any]) -> None:
@@ -87,9 +91,14 @@ class Pusher(pl.Callback):
                 self._warned = True
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=CLOSE_WAIT_S)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.close()  # the last figures of a fit that raised (Lightning runs no teardown then)

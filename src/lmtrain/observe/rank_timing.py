@@ -59,6 +59,9 @@ class _HostClock:
         if began is not None:
             self.totals[part] += time.perf_counter() - began
 
+    def drain(self) -> None:
+        """Nothing waits on the host's clock."""
+
     def read(self) -> dict[str, float]:
         out, self.totals = self.totals, dict.fromkeys(PARTS, 0.0)
         return out
@@ -91,12 +94,21 @@ class _CudaClock(_HostClock):
             end.record()
             self._events.append((part, began, end))
 
+    def drain(self) -> None:
+        """Adds the parts the device has finished (non-blocking): the list stays short between
+        logging steps however far apart they are."""
+        done = 0
+        for part, began, end in self._events:
+            if not end.query():
+                break
+            self.totals[part] += began.elapsed_time(end) / 1000.0
+            done += 1
+        del self._events[:done]
+
     def read(self) -> dict[str, float]:
         if self._events:
             self._events[-1][2].synchronize()  # the logging step: its loss read waits for as much
-        for part, began, end in self._events:
-            self.totals[part] += began.elapsed_time(end) / 1000.0
-        self._events = []
+        self.drain()
         return super().read()
 
 
@@ -120,6 +132,7 @@ class RankTiming(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
         self._interval_began = time.perf_counter()
+        self.clock.start("data")  # the first batch's wait for the loader
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.clock.stop("data")
@@ -146,6 +159,7 @@ class RankTiming(pl.Callback):
         """The batch's boundary ends (``BoundaryMark``, after every other callback): on a logging
         step, this interval's line."""
         self.clock.stop("boundary")
+        self.clock.drain()
         step = trainer.global_step
         if self._last_step is not None and step > self._last_step and (step % self.every == 0 or step == trainer.max_steps):
             self._write(step)
@@ -171,12 +185,25 @@ class RankTiming(pl.Callback):
             self.after_write()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()  # the fit raised: Lightning runs no teardown of callbacks then
+
+    def _close(self) -> None:
+        """The file closed and rank 0's watch stopped; never raising (the run's outcome is not ours)."""
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                log.warning("closing this rank's step timing %s: %s", self.path, exc)
             self._file = None
         if self.on_close is not None:
-            self.on_close()
-            self.on_close = None
+            on_close, self.on_close = self.on_close, None
+            try:
+                on_close()
+            except Exception:
+                log.exception("stopping the straggler watch failed")
 
 
 class BoundaryMark(pl.Callback):
@@ -197,7 +224,7 @@ def read_timing(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]
         with open(path, "rb") as f:
             f.seek(offset)
             data = f.read()
-    except FileNotFoundError:
+    except OSError:  # not there yet, or the filesystem said no this time: asked again next look
         return [], offset
     end = data.rfind(b"\n") + 1
     lines = []
