@@ -5,8 +5,8 @@ folder). A ``run`` variable (the runs the exporter knows, several at once) and a
 variable (the site's Prometheus). Panels: state, loss, throughput, MFU, steps, checkpoint age,
 attempts started and ended by why, per-rank seconds per step (a heatmap: a slow rank is a hot
 row), each rank's compute against the others' median, the slow ranks, and, where a site runs NVIDIA's DCGM exporter, GPU utilisation, memory,
-power and XID errors of the nodes a run's ranks are on (joined by host: DCGM's ``Hostname`` label
-against the node the ranks report).
+power and XID errors of the nodes the selected runs' ranks are on (DCGM's ``Hostname`` label against
+the node the ranks report, as a filter: ``DCGM_... and on (Hostname) label_replace(...)``).
 
 Every expression is in :data:`EXPRESSIONS` (the panels are built from them), so a test can run
 each against a real Prometheus (tests/unit/test_metrics.py).
@@ -17,12 +17,14 @@ from __future__ import annotations
 from typing import Any
 
 RUN = 'run=~"$run"'
-# The nodes each run's ranks are on, labelled as DCGM labels its series (Hostname)
-_NODES = f'label_replace(max by (run, node) (lmlaunch_rank_step_seconds{{{RUN}}}), "Hostname", "$1", "node", "(.*)")'
+# The nodes the selected runs' ranks are on, labelled as DCGM labels its series (Hostname)
+_NODES = f'label_replace(group by (node) (lmlaunch_rank_step_seconds{{{RUN}}}), "Hostname", "$1", "node", "(.*)")'
 
 
 def _dcgm(metric: str) -> str:
-    return f"max by (run, Hostname, gpu) ({metric} * on (Hostname) group_left(run) {_NODES})"
+    """DCGM's series of those nodes, values untouched (``and`` filters: two runs on one node are no
+    many-to-many match, as a multiplying join would be)."""
+    return f"{metric} and on (Hostname) {_NODES}"
 
 
 # (title, expression, legend, unit, kind); kind: timeseries | heatmap | stat
@@ -45,12 +47,12 @@ PANELS: tuple[tuple[str, str, str, str, str], ...] = (
     ("Compute against the other ranks' median", f"lmlaunch_rank_compute_ratio{{{RUN}}}",
      "{{run}} rank {{rank}} ({{node}})", "none", "timeseries"),
     ("Slow ranks (stragglers)", f"lmlaunch_run_slow_ranks{{{RUN}}}", "{{run}}", "none", "timeseries"),
-    ("GPU utilisation (DCGM)", _dcgm("DCGM_FI_DEV_GPU_UTIL"), "{{run}} {{Hostname}} gpu {{gpu}}", "percent",
+    ("GPU utilisation (DCGM)", _dcgm("DCGM_FI_DEV_GPU_UTIL"), "{{Hostname}} gpu {{gpu}}", "percent",
      "timeseries"),
-    ("GPU memory used (DCGM)", _dcgm("DCGM_FI_DEV_FB_USED"), "{{run}} {{Hostname}} gpu {{gpu}}", "decmbytes",
+    ("GPU memory used (DCGM)", _dcgm("DCGM_FI_DEV_FB_USED"), "{{Hostname}} gpu {{gpu}}", "decmbytes",
      "timeseries"),
-    ("GPU power (DCGM)", _dcgm("DCGM_FI_DEV_POWER_USAGE"), "{{run}} {{Hostname}} gpu {{gpu}}", "watt", "timeseries"),
-    ("GPU XID errors (DCGM)", _dcgm("DCGM_FI_DEV_XID_ERRORS"), "{{run}} {{Hostname}} gpu {{gpu}}", "none",
+    ("GPU power (DCGM)", _dcgm("DCGM_FI_DEV_POWER_USAGE"), "{{Hostname}} gpu {{gpu}}", "watt", "timeseries"),
+    ("GPU XID errors (DCGM)", _dcgm("DCGM_FI_DEV_XID_ERRORS"), "{{Hostname}} gpu {{gpu}}", "none",
      "timeseries"),
 )
 EXPRESSIONS: tuple[str, ...] = tuple(p[1] for p in PANELS)

@@ -156,8 +156,8 @@ def rank_families(rows: Sequence[monitor.StatusRow]) -> list[Metric]:
         if row.group != "running":
             continue
         summary = run_files.read_rank_times(Path(row.run_dir))
-        if summary is None:
-            continue
+        if summary is None or summary.get("attempt") != row.attempt:
+            continue  # none, or an earlier attempt's ranks (until this one's first look)
         flagged = 0
         for rank, figures in sorted(summary["ranks"].items(), key=lambda kv: int(kv[0])):
             labels = [row.name, str(rank), str(figures.get("node"))]

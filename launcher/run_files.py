@@ -77,7 +77,10 @@ def read_rank_times(run_dir: Path) -> dict[str, Any] | None:
         data = json.loads(RunLayout.of(run_dir).rank_times.read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("ranks"), dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("ranks"), dict):
+        return None
+    data["ranks"] = {k: v for k, v in data["ranks"].items() if str(k).isdigit() and isinstance(v, dict)}
+    return data
 
 
 def read_plan_time(run_dir: Path) -> str | None:

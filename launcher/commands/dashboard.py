@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import json
+import math
 import secrets
 import threading
 import time
@@ -32,12 +33,27 @@ STATIC = {"/chart.umd.min.js": "application/javascript", "/dashboard.js": "appli
 HISTORY_CACHE_S = 10.0  # a run's history (one sacct call) is read again after this long
 
 
+def finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as None: a diverged loss is valid JSON for the browser."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> bytes:
+    return json.dumps(finite(value), allow_nan=False).encode()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                    help=f"where to listen (default {DEFAULT_LISTEN}; a login node is shared: keep 127.0.0.1 and "
                         "reach it through ssh -L)")
-    p.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS",
-                   help="pause between two readings of the runs (default 1)")
+    p.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
+                   help="pause between two readings of the runs (default 5; each asks squeue once)")
     p.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # stop after (tests)
 
 
@@ -57,8 +73,7 @@ class Pages:
 
         records = runs.list_records(self.environ)
         rows, view = monitor.gather_status(records, environ=self.environ)
-        return json.dumps({"runs": [r.to_dict() for r in rows], "slurm_reachable": view.reachable,
-                           "time": time.time()}).encode()
+        return to_json({"runs": [r.to_dict() for r in rows], "slurm_reachable": view.reachable, "time": time.time()})
 
     def runs(self) -> dict[str, Any]:
         body, _age = self.snapshots.answer()
@@ -84,6 +99,8 @@ class Pages:
         steps = [{"step": b.get("step"), "loss": b.get("loss"), "tokens_per_s": b.get("tokens_per_s")}
                  for b in jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).heartbeat) if b.get("event") == "step"]
         summary = run_files.read_rank_times(run_dir) if row["group"] == "running" else None
+        if summary is not None and summary.get("attempt") != row["attempt"]:
+            summary = None  # an earlier attempt's ranks: not this one's
         ranks = [{"rank": int(k), "node": v.get("node"), "forward": v.get("forward"), "slow": bool(v.get("slow"))}
                  for k, v in sorted((summary or {}).get("ranks", {}).items(), key=lambda kv: int(kv[0]))]
         return {**row, "steps": steps, "ranks": ranks, **cached[1]}
@@ -119,13 +136,17 @@ def _handler(pages: Pages) -> type:
             if url.path == "/":
                 self._send(200, (WEB / "dashboard.html").read_bytes(), "text/html; charset=utf-8")
             elif url.path == "/api/runs":
-                self._send(200, json.dumps(pages.runs()).encode(), "application/json")
+                self._send(200, to_json(pages.runs()), "application/json")
             elif url.path.startswith("/api/run/"):
-                found = pages.run(unquote(url.path.removeprefix("/api/run/")))
+                try:
+                    found = pages.run(unquote(url.path.removeprefix("/api/run/")))
+                except Exception as exc:  # a run removed between two readings, a damaged file: said, not a dropped line
+                    self._send(500, to_json({"error": f"{type(exc).__name__}: {exc}"}), "application/json")
+                    return
                 if found is None:
                     self._send(404, b'{"error": "no such run"}', "application/json")
                 else:
-                    self._send(200, json.dumps(found).encode(), "application/json")
+                    self._send(200, to_json(found), "application/json")
             else:
                 self._send(404, b"404\n", "text/plain; charset=utf-8")
 

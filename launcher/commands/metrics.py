@@ -24,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                        help=f"where to listen (default {DEFAULT_LISTEN}; a login node is shared: keep 127.0.0.1 "
                             "and reach it through ssh -L, or a site's own proxy)")
-    serve.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS",
-                       help="pause between two readings of the runs (default 1); a scrape is answered from the newest")
+    serve.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
+                       help="pause between two readings of the runs (default 5; each asks squeue once); a scrape is "
+                            "answered from the newest")
     serve.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # stop after (tests)
     write = sub.add_parser("write", help=f"write every run's metrics to DIR/{TEXTFILE} (node_exporter's textfile "
                                          "collector), atomically")

@@ -28,4 +28,12 @@ def slow_ranks(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if e.get("event") == "straggler" and e.get("attempt") == starts[-1]:
             current[e.get("rank")] = e
     slow = [dict(e) for e in current.values() if e.get("state") == "start"]
-    return sorted(slow, key=lambda e: (-float(e.get("factor") or 0), int(e.get("rank") or 0)))
+    return sorted(slow, key=lambda e: (-_number(e.get("factor")), _number(e.get("rank"))))
+
+
+def _number(value: Any) -> float:
+    """A line's number, 0 for anything else (a hand-edited or damaged line sorts last, never raises)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0

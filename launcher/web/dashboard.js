@@ -44,7 +44,7 @@ function drawRuns(rows) {
     cell(tr, r.tokens_per_s === null ? "–" : Math.round(r.tokens_per_s).toLocaleString());
     cell(tr, text(r.checkpoint_step));
     cell(tr, r.note || "", "note");
-    tr.addEventListener("click", () => { selected = r.name; refresh(); });
+    tr.addEventListener("click", () => { selected = r.name; drawRuns(rows); });
     body.appendChild(tr);
   }
 }
@@ -95,16 +95,24 @@ function drawRun(run) {
 async function refresh() {
   try {
     const runs = await api("api/runs");
+    if (selected && !runs.runs.some((r) => r.name === selected)) selected = null; // a run gone from the registry
     drawRuns(runs.runs);
-    if (selected) drawRun(await api(`api/run/${encodeURIComponent(selected)}`));
+    const asked = selected;
+    const run = asked ? await api(`api/run/${encodeURIComponent(asked)}`) : null;
+    if (run && asked === selected) drawRun(run); // not a late answer for a run no longer selected
     refreshes += 1;
+    const read = runs.time ? new Date(runs.time * 1000).toLocaleTimeString() : "–";
     document.getElementById("updated").textContent =
-      `updated ${new Date().toLocaleTimeString()} (refresh ${refreshes}; SLURM ${runs.slurm_reachable ? "answers" : "does not answer"})`;
+      `runs read at ${read} (refresh ${refreshes}; SLURM ${runs.slurm_reachable ? "answers" : "does not answer"})`;
     document.getElementById("error").textContent = "";
   } catch (err) {
     document.getElementById("error").textContent = `could not refresh: ${err.message}`;
   }
 }
 
-refresh();
-setInterval(refresh, EVERY_MS);
+// the next refresh once this one is done: a slow server is never asked twice at once
+async function loop() {
+  await refresh();
+  setTimeout(loop, EVERY_MS);
+}
+loop();

@@ -24,7 +24,7 @@ def test_prometheus_follows_a_preempted_job_and_every_dashboard_query_answers(sl
                              "health.stragglers.min_interval_s=0")
     own_jobs.append(job_id)
     port = free_port()
-    serve = subprocess.Popen([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen",
+    serve = subprocess.Popen([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--refresh", "1", "--listen",
                               f"127.0.0.1:{port}", "--seconds", "1800"], env=lm_env, stdout=subprocess.DEVNULL,
                              stderr=open(tmp_path / "serve.log", "w"))
     try:

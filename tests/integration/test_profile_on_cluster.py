@@ -32,7 +32,7 @@ def test_a_running_job_profiles_its_next_steps_on_the_ranks_asked(slurm_cluster,
     wait_step(run_dir, 2, job_id=job_id)
 
     for argv, words in ((["--ranks", "2"], "--ranks: rank 2 is not a rank of this job: its ranks are 0..1"),
-                        (["--steps", "0"], "--steps 0: profile at least 1 step"),
+                        (["--steps", "0"], "--steps 0: profile 1 to 1000 steps"),
                         (["--ranks", "x"], "--ranks 'x': give global ranks as numbers")):
         bad = cli("profile", run_name, *argv)
         assert bad.code == 2 and words in bad.err, bad.err

@@ -37,7 +37,7 @@ def test_the_dashboard_shows_a_training_run_live_in_a_real_browser(slurm_cluster
     wait_step(run_dir, 3, job_id=job_id)
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "launcher.cli", "dashboard", "--listen", f"127.0.0.1:{port}",
-                               "--seconds", "1800"], env=lm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "--refresh", "0.5", "--seconds", "1800"], env=lm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     try:
         url = re.search(r"(http://\S+/\?token=\S+)", server.stdout.readline()).group(1)

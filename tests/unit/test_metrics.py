@@ -87,7 +87,7 @@ def test_write_leaves_one_prom_file_for_the_textfile_collector_and_bad_input_is_
     code, _, err = _lm(env, "metrics", "write", str(tmp_path / "missing"))
     assert code == 2 and "not a directory" in err
     for bad in ("abc:x", "127.0.0.1:0", "127.0.0.1:70000", ""):
-        code, _, err = _lm(env, "metrics", "serve", "--listen", bad)
+        code, _, err = _lm(env, "metrics", "serve", "--refresh", "1", "--listen", bad)
         assert code == 2 and "expected HOST:PORT or PORT" in err, (bad, err)
 
 
@@ -95,7 +95,8 @@ def test_a_real_prometheus_scrapes_the_exporter_and_a_taken_port_is_said(tmp_pat
     _runs(tmp_path / "home")
     env = {"LMLAUNCH_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
     port = free_port()
-    serve = subprocess.Popen([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen", f"127.0.0.1:{port}",
+    serve = subprocess.Popen([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--refresh", "1", "--listen",
+                              f"127.0.0.1:{port}",
                               "--seconds", "600"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         with prometheus([f"127.0.0.1:{port}"], tmp_path) as (server, query):
@@ -108,7 +109,7 @@ def test_a_real_prometheus_scrapes_the_exporter_and_a_taken_port_is_said(tmp_pat
             assert [(e["metric"]["run"], float(e["value"][1])) for e in ended] == [("train", 1.0)]
             assert [e["metric"]["run"] for e in query('lmlaunch_run_info{group="completed"}')] == ["done"]
             # the same port again: a clear error, not a traceback
-            taken = subprocess.run([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen",
+            taken = subprocess.run([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--refresh", "1", "--listen",
                                     f"127.0.0.1:{port}", "--seconds", "1"], env=env, capture_output=True, text=True,
                                    timeout=HANG_S)
             assert taken.returncode == 2 and "the port is in use" in taken.stderr, taken.stderr
