@@ -1,13 +1,14 @@
 """The user's runs as Prometheus metrics: what `lmlaunch status` shows, for a site's Prometheus and
 Grafana (`lmlaunch metrics serve`) or node_exporter's textfile collector (`lmlaunch metrics write`).
 
-One scrape reads the registry and the run directories as `status --all` does (one squeue and at
-most one sacct call; a run directory whose files did not change since the last scrape is not read
-again: launcher/status_cache.py). Names follow Prometheus' conventions: the ``lmlaunch_`` prefix,
-base units (seconds, ratios), ``_total`` for counters; every series of a run carries its ``run``
-label, and ``lmlaunch_run_info`` its job id, SLURM state and state group. A run directory that
-cannot be read is that run's missing series and a ``lmlaunch_run_read_errors_total`` count, never
-a failed scrape; nothing is written into a run directory.
+One reading goes over the registry and the run directories as `status --all` does (one squeue and
+at most one sacct call; a run directory whose files did not change since the last reading is not
+read again: launcher/status_cache.py); `serve` answers scrapes from the newest reading
+(:class:`Snapshots`). Names follow Prometheus' conventions: the ``lmlaunch_`` prefix, base units
+(seconds, ratios), ``_total`` for counters; every series of a run carries its ``run`` label, and
+``lmlaunch_run_info`` its job id, SLURM state and state group. What a run directory does not say
+(a file missing, a damaged line skipped by the readers) is that run's missing series, never a failed
+reading; nothing is written into a run directory.
 """
 
 from __future__ import annotations
