@@ -24,6 +24,23 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def exposure(host: str, what: str) -> str | None:
+    """A warning when ``host`` is not a loopback address: a login node is shared, and beyond it the
+    page or the metrics reach whoever reaches the host."""
+    import ipaddress
+    import socket
+
+    try:
+        loopback = all(ipaddress.ip_address(info[4][0]).is_loopback
+                       for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
+    except (OSError, ValueError):
+        loopback = False
+    if loopback:
+        return None
+    return (f"warning: --listen {host}: the {what} is reachable beyond this machine (everything of every run it "
+            f"shows); 127.0.0.1 and `ssh -L` keep it to you")
+
+
 def check_refresh(seconds: float) -> float:
     if not seconds >= 0:
         raise UserError(f"--refresh {seconds}: give the seconds between two readings, 0 or more")

@@ -165,6 +165,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     from launcher import http_serve
 
     host, port = http_serve.parse_listen(args.listen)
+    if (warning := http_serve.exposure(host, "dashboard")) is not None:
+        ctx.err(warning)
     pages = Pages(ctx.environ or None, secrets.token_urlsafe(24), http_serve.check_refresh(args.refresh))
     server = http_serve.bind(host, port, _handler(pages), what="dashboard")
     pages.snapshots.start()

@@ -52,6 +52,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     from launcher import http_serve
 
     host, port = http_serve.parse_listen(args.listen)
+    if (warning := http_serve.exposure(host, "exporter")) is not None:
+        ctx.err(warning)
     server = _start(registry, host, port, refresh_s=http_serve.check_refresh(args.refresh))
     ctx.out(f"serving the runs' metrics on http://{host}:{port}/metrics (Ctrl-C stops)")
     http_serve.serve_until(server, args.seconds)

@@ -189,3 +189,12 @@ def test_a_scrape_is_answered_from_the_newest_reading_and_a_failed_reading_keeps
     finally:
         snapshots.stop()
         release.set()
+
+
+@pytest.mark.parametrize("host, warned", [("127.0.0.1", False), ("localhost", False), ("::1", False),
+                                          ("0.0.0.0", True), ("10.1.2.3", True)])
+def test_a_server_listening_beyond_loopback_says_so(host, warned):
+    from launcher import http_serve
+
+    said = http_serve.exposure(host, "dashboard")
+    assert (said is not None) == warned and (not warned or "reachable beyond this machine" in said)
