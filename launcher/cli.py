@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
     if chosen == "profile":  # `profile RUN` is `profile run RUN` (torch.profiler); `profile init NAME` stays
         at = words.index("profile")
         following = words[at + 1:at + 2]
-        if following and not following[0].startswith("-") and following[0] not in ("init", "run"):
+        if following and following[0] not in ("init", "run", "-h", "--help"):  # RUN, or its options first
             words = [*words[:at + 1], "run", *words[at + 1:]]
     parser = build_parser(only=chosen if chosen in COMMANDS else None)
     # Dotted overrides may follow options (`submit job.yaml --dry-run nodes=2`): argparse
