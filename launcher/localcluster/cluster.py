@@ -396,13 +396,17 @@ def ensure_hosts(say: Say) -> None:
         f.write(f"127.0.0.1 {' '.join(NODES)}  {HOSTS_MARKER}\n")
 
 
+UP_STATES = {"idle", "mix", "alloc", "comp", "resv", "plnd"}  # sinfo's words for a node whose slurmd answers
+
+
 def nodes_ready() -> bool:
-    """Both nodes usable: idle, mixed, allocated or completing, and none unresponsive (``*``)."""
+    """Both nodes' daemons up: idle, mixed, allocated, completing, reserved (a reservation a killed
+    test run left behind is scheduling, not a daemon down) or planned, and none unresponsive (``*``)."""
     try:
         info = {n.name: n.state for n in slurm.nodes(timeout=10)}
     except (SlurmUnavailable, UserError):
         return False
-    return all(info.get(n, "").rstrip("*~#") in {"idle", "mix", "alloc", "comp"} for n in NODES) and not any(
+    return all(info.get(n, "").rstrip("*~#") in UP_STATES for n in NODES) and not any(
         info.get(n, "").endswith("*") for n in NODES
     )
 

@@ -25,6 +25,9 @@ SHORT = ("trainer.max_steps=6", "optim.warmup_steps=1", "trainer.val_check_inter
 def reservation(slurm_cluster, request):
     """A reservation of both nodes for root on this worker's cluster, deleted afterwards."""
     name = f"lmres-{abs(hash(request.node.nodeid)) % 10**8}"
+    for stale in re.findall(r"ReservationName=(lmres-\d+)", slurm.run(["scontrol", "show", "reservation"],
+                                                                       check=False).stdout or ""):
+        slurm.run(["scontrol", "delete", f"ReservationName={stale}"], check=False)  # a killed run's, on both nodes
     slurm.run(["scontrol", "create", "reservation", f"ReservationName={name}", "StartTime=now", "Duration=30",
                "Nodes=n[1-2]", "Users=root", "Flags=IGNORE_JOBS"])
     yield name
