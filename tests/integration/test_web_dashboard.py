@@ -1,7 +1,7 @@
 """`lmlaunch dashboard` in a real browser: Debian's headless `chromium` loads the page while a 2-node
 job trains on the local cluster. The page shows the run in the runs table and its curves' canvases,
-updates without reloading (the steps it showed go up within one page load), logs nothing to the
-browser console; a request without the token is refused, a write is refused, and a screenshot is
+refreshes without reloading and shows live data (a later load, once the run went on, shows a later
+step), logs nothing to the browser console; a request without the token is refused, a write is refused, and a screenshot is
 kept in the test's directory."""
 
 from __future__ import annotations
@@ -28,6 +28,14 @@ def _status(url: str, method: str = "GET") -> int:
         return err.code
 
 
+def _load(chromium: str, url: str) -> tuple[str, list[str]]:
+    """The page's DOM after its scripts ran (about 5 refreshes of virtual time) and the browser
+    console's lines."""
+    page = subprocess.run([chromium, *BROWSER, "--virtual-time-budget=10000", "--dump-dom", url],
+                          capture_output=True, text=True, timeout=HANG_S)
+    return page.stdout, [x for x in page.stderr.splitlines() if ":CONSOLE" in x]
+
+
 def test_the_dashboard_shows_a_training_run_live_in_a_real_browser(slurm_cluster, lm_env, run_name, own_jobs,
                                                                    tmp_path):
     chromium = shutil.which("chromium")
@@ -46,15 +54,20 @@ def test_the_dashboard_shows_a_training_run_live_in_a_real_browser(slurm_cluster
         assert _status(url, method="POST") == 405
         assert _status(url.replace("/?", "/api/run/no-such-run?")) == 404
 
-        page = subprocess.run([chromium, *BROWSER, "--virtual-time-budget=10000", "--dump-dom", url + f"&run={run_name}"],
-                              capture_output=True, text=True, timeout=HANG_S)
-        dom, console = page.stdout, [x for x in page.stderr.splitlines() if ":CONSOLE" in x]
+        dom, console = _load(chromium, url + f"&run={run_name}")
         assert run_name in dom and "RUNNING" in dom, dom[:3000]
         assert all(f'id="{c}"' in dom for c in ("loss-chart", "speed-chart", "rank-chart", "attempts", "notes"))
         assert "attempt 1 (job " in dom and f"{run_name}: attempt 1, step" in dom
+        # it refreshed without reloading (the refresh count), and what it shows is live: a later
+        # load, once the run has gone on, shows a later step
+        assert int(re.search(r"\(refresh (\d+);", dom).group(1)) >= 2, dom[:2000]
         steps = [int(s) for s in re.search(r'data-steps="([0-9,]+)"', dom).group(1).split(",")]
-        assert len(steps) >= 2 and steps[-1] > steps[0], steps  # it updated while the page stayed loaded
-        assert console == [], console  # no script error, nothing logged
+        assert len(steps) >= 2, steps
+        wait_step(run_dir, steps[-1] + 4, job_id=job_id)
+        later, console_later = _load(chromium, url + f"&run={run_name}")
+        later_steps = [int(s) for s in re.search(r'data-steps="([0-9,]+)"', later).group(1).split(",")]
+        assert later_steps[-1] > steps[-1], (steps, later_steps)
+        assert console == [] and console_later == [], console + console_later  # no script error, nothing logged
 
         shot = tmp_path / "dashboard.png"
         subprocess.run([chromium, *BROWSER, "--virtual-time-budget=4000", "--window-size=1280,1100", f"--screenshot={shot}",
