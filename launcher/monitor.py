@@ -90,7 +90,7 @@ def rate_steps_per_s(beats: Sequence[Mapping[str, Any]]) -> float | None:
 
 # The SLURM state a job that ended so would have (for a job the controller forgot, without sacct).
 _STATE_OF_REASON = {"completed": "COMPLETED", "cancelled": "CANCELLED", "timeout": "TIMEOUT",
-                    "preempted": "PREEMPTED", "node_failure": "NODE_FAIL"}
+                    "preempted": "PREEMPTED", "node_failure": "NODE_FAIL", "pruned": "COMPLETED"}
 
 
 def last_end_of(ledger: Sequence[Mapping[str, Any]], job_id: str) -> Mapping[str, Any] | None:
@@ -129,6 +129,11 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
     if not files.exists:
         note = (note + "; " if note else "") + f"run directory missing: {rec.run_dir}"
     last_step, note = _what_the_run_says(rec, files, last_step, note)
+    ended = last_end_of(files.ledger, rec.job_ids[-1]) if rec.job_ids else None
+    if ended is not None and ended.get("reason") == "pruned" and group in ("completed", "unknown"):
+        # a search's trial stopped early by its pruner: SLURM says COMPLETED, the run says why
+        state, group = "PRUNED", "completed"
+        note = "; ".join(x for x in (str(ended.get("detail") or "pruned").split("; checkpoint")[0], note) if x)
     stragglers = straggler_lines.slow_ranks(files.ledger) if group == "running" else []
     if stragglers:
         note = (note + "; " if note else "") + "slow: " + ", ".join(straggler_lines.describe(s) for s in stragglers)

@@ -41,6 +41,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from launcher.core.errors import SpecError
 from launcher.core.plan import LaunchPlan
+from launcher.core.search_spec import SearchFile
 from launcher.core.strict_model import StrictModel
 from launcher.core.text_rules import RunName
 from launcher.core.validation import format_validation_error
@@ -99,8 +100,15 @@ class SweepFile(StrictModel):
         return v
 
 
-def load(path: str) -> SweepFile:
+def load(path: str) -> SweepFile | SearchFile:
+    """A sweep file: a grid/zip/random sweep, or (with a ``search`` key) a search
+    (launcher.core.search_spec)."""
     loaded = load_yaml_file(path, "sweep file")
+    if isinstance(loaded.data, dict) and "search" in loaded.data:
+        try:
+            return SearchFile.model_validate(loaded.data)
+        except ValidationError as exc:
+            raise SpecError(format_validation_error(exc, loaded, SearchFile), source=path) from None
     try:
         sweep = SweepFile.model_validate(loaded.data)
         if sweep.random is not None:

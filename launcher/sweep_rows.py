@@ -60,3 +60,26 @@ def results(records: Sequence[RunRecord], finals: Mapping[str, Mapping[str, Any]
         out.append({"run": r.name, **{k: r.point.get(k) for k in keys},
                     **{k: f.get(k) for k in ("state", "step", "loss", "val_loss", "best_val_loss")}})
     return out
+
+
+_SEARCH_STATES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running",
+                  "WAITING": "running"}
+
+
+def search_rows(trials: Sequence[Mapping[str, Any]], run_name: Any, keys: Sequence[str],
+                direction: str) -> list[dict[str, Any]]:
+    """A search's trials in order: parameters, state (complete, pruned, failed, running), the
+    objective, the step a pruned trial was stopped at (its last reported step), the best marked.
+    ``trials``: {"number", "state" (Optuna's), "value", "params", "steps" (reported), "why"}."""
+    done = [t for t in trials if t["state"] == "COMPLETE" and t["value"] is not None]
+    pick = min if direction == "minimize" else max
+    best = pick(done, key=lambda t: (t["value"], t["number"]) if direction == "minimize"
+                else (t["value"], -t["number"]))["number"] if done else None
+    rows = []
+    for t in sorted(trials, key=lambda t: t["number"]):
+        state = _SEARCH_STATES.get(t["state"], t["state"].lower())
+        rows.append({"trial": t["number"], "run": run_name(t["number"]), **{k: t["params"].get(k) for k in keys},
+                     "state": state, "objective": t["value"] if state in ("complete", "pruned") else None,
+                     "pruned_at": t["steps"][-1] if state == "pruned" and t["steps"] else None,
+                     "best": t["number"] == best, "why": t.get("why") if state != "complete" else None})
+    return rows

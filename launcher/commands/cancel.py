@@ -45,7 +45,13 @@ def cancel_run(rec, environ=None) -> dict:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher import search_plan
+
+    search = search_plan.mark_cancelled(args.run, ctx)  # a search's driver stops asking first
     points = runs.sweep_records(args.run, ctx.environ or None)
+    if search is not None and not points:
+        ctx.out(f"cancelled search '{args.run}' before any trial was submitted (marker {search})")
+        return 0
     if points and runs.load_record(args.run, ctx.environ or None) is None:  # a sweep: every point
         results = [cancel_run(r, ctx.environ or None) for r in points]
         if args.json:

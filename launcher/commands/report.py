@@ -52,10 +52,31 @@ def _sweep_report(args: argparse.Namespace, ctx: Context, points: list[runs.RunR
     out = Path(args.output) if args.output else rundir.RunLayout.of(Path(points[0].run_dir).parent / args.run).report
     if out.suffix.lower() != ".png":
         raise UserError(f"-o {out}: the report is a PNG; give a path ending in .png")
+    from launcher import search_driver
+
+    search = search_driver.trial_rows(args.run, ctx)  # a search: its trials, the best by its objective
+    if search is not None and search[1] is not None:
+        data["best"] = search[1]
     draw_sweep_png(args.run, data, out)
     summary = {"sweep": args.run, "points": len(points), "best": data["best"], "final_loss": data["final_loss"],
                "png": str(out)}
-    ctx.out(json.dumps(summary, indent=2) if args.json else
-            f"sweep {args.run}: {len(points)} points, best {data['best']} (final loss "
-            f"{data['final_loss'].get(data['best'], float('nan')):.4f})\nwrote {out}")
+    if search is not None:
+        summary["trials"] = search[0]
+    if args.json:
+        ctx.out(json.dumps(summary, indent=2))
+        return 0
+    if search is None:
+        ctx.out(f"sweep {args.run}: {len(points)} points, best {data['best']} (final loss "
+                f"{data['final_loss'].get(data['best'], float('nan')):.4f})")
+    else:
+        rows = search[0]
+        ctx.out(f"search {args.run}: {len(rows)} trials, best {data['best'] or '- (none completed)'}")
+        for r in rows:
+            params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                               if k not in ("trial", "run", "state", "objective", "pruned_at", "best", "why"))
+            value = f"{r['objective']:.4f}" if isinstance(r["objective"], float) else "-"
+            pruned = f" at step {r['pruned_at']}" if r["pruned_at"] is not None else ""
+            ctx.out(f"  {r['trial']:>3} {r['run']:<24} {r['state'] + pruned:<22} {value:>8}  {params}"
+                    + ("  <- best" if r["best"] else ""))
+    ctx.out(f"wrote {out}")
     return 0

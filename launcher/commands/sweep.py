@@ -1,5 +1,10 @@
-"""lmlaunch sweep SPEC SWEEP.yaml [overrides...] [--max-parallel N] [--dry-run] [--new] [--json]
-lmlaunch sweep results SWEEP [--json | --csv]"""
+"""lmlaunch sweep SPEC SWEEP.yaml [overrides...] [--max-parallel N] [--dry-run] [--new] [--json] [--detach]
+lmlaunch sweep results SWEEP [--json | --csv]
+lmlaunch sweep resume SEARCH [--detach]
+
+A sweep file with grid / zip / random is one throttled SLURM array (launcher.sweep); one with
+``search: optuna`` is a search whose driver asks an Optuna study for trials as slots free up
+(launcher.search_driver)."""
 
 from __future__ import annotations
 
@@ -17,13 +22,15 @@ from launcher.context import Context
 from launcher.core import jsonlines, rundir, slurm
 from launcher.core.arrays import max_array_size, submit_chained
 from launcher.core.errors import SlurmUnavailable, SpecError, UserError
+from launcher.core.search_spec import SearchFile
 from launcher.resolve import resolve
 from launcher.submit_array import render_array_script, submit_array
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="job spec YAML (or `results` to tabulate a sweep's points)")
-    p.add_argument("sweep", help="sweep YAML: name, grid / zip / random, max_parallel (or, after `results`, its name)")
+    p.add_argument("spec", help="job spec YAML (or `results` to tabulate a sweep's points, `resume` to drive a search on)")
+    p.add_argument("sweep", help="sweep YAML: name, grid / zip / random, max_parallel, or search: optuna with params, "
+                                 "trials, sampler, pruner, objective (after `results` or `resume`: its name)")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every point")
     p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
     p.add_argument("--max-parallel", type=int, help="at most this many points at once (the array's %%N)")
@@ -31,15 +38,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new", action="store_true", help="archive and replace points whose run names exist")
     p.add_argument("--json", action="store_true", help="as JSON")
     p.add_argument("--csv", action="store_true", help="with results: as CSV")
+    p.add_argument("--detach", action="store_true",
+                   help="a search: run its driver in the background (it writes driver.log in the search's directory)")
     add_force_argument(p)
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.spec == "results":
         return _results(args, ctx)
+    if args.spec == "resume":
+        from launcher import search_driver
+
+        return search_driver.resume(args.sweep, ctx, detach=args.detach)
     if args.max_parallel is not None and args.max_parallel < 1:
         raise UserError(f"--max-parallel must be at least 1, got {args.max_parallel}")
     sw = sweep.load(args.sweep)
+    if isinstance(sw, SearchFile):
+        from launcher import search_driver
+
+        if args.max_parallel is not None:
+            sw = sw.model_copy(update={"max_parallel": args.max_parallel})
+        return search_driver.start(args.spec, args.sweep, list(args.overrides), args.cluster, sw, ctx,
+                                   detach=args.detach, dry_run=args.dry_run, json_out=args.json)
     points = sweep.points(sw)
     plans = _plans(args, ctx, sw, points)
     sweep.check_one_shape(plans, points, args.sweep)
@@ -144,6 +164,11 @@ def _dry_run(args, ctx, name: str, points, plans, run_dirs, sweep_dir: str, para
 
 
 def _results(args: argparse.Namespace, ctx: Context) -> int:
+    from launcher import search_driver
+
+    found = search_driver.trial_rows(args.sweep, ctx)
+    if found is not None:
+        return _table(args, ctx, found[0], search=True)
     records = runs.sweep_records(args.sweep, ctx.environ or None)
     if not records:
         raise UserError(f"no sweep named {args.sweep!r} in the registry")
@@ -157,9 +182,14 @@ def _results(args: argparse.Namespace, ctx: Context) -> int:
                           "step": steps[-1].get("step") if steps else None,
                           "loss": steps[-1].get("loss") if steps else None,
                           "val_loss": vals[-1] if vals else None, "best_val_loss": min(vals) if vals else None}
-    rows = sweep_rows.results(records, finals)
+    return _table(args, ctx, sweep_rows.results(records, finals), search=False)
+
+
+def _table(args: argparse.Namespace, ctx: Context, rows: list[dict[str, Any]], *, search: bool) -> int:
     if args.json:
-        ctx.out(json.dumps({"sweep": args.sweep, "points": rows}, indent=2))
+        ctx.out(json.dumps({"sweep": args.sweep, "trials" if search else "points": rows}, indent=2))
+    elif not rows:
+        ctx.out(f"search '{args.sweep}' has no trials yet")
     elif args.csv:
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=list(rows[0]))
@@ -167,8 +197,11 @@ def _results(args: argparse.Namespace, ctx: Context) -> int:
         w.writerows(rows)
         ctx.out(buf.getvalue().rstrip("\n"))
     else:
-        cols = list(rows[0])
+        cols = [c for c in rows[0] if not (search and c in ("best", "why"))]
         ctx.out("  ".join(c.ljust(14) for c in cols))
         for row in rows:
-            ctx.out("  ".join((f"{v:.4g}" if isinstance(v, float) else str(v)).ljust(14) for v in row.values()))
+            cells = [(f"{row[c]:.4g}" if isinstance(row[c], float) else "-" if row[c] is None else str(row[c])).ljust(14)
+                     for c in cols]
+            ctx.out("  ".join(cells) + ("  <- best" if search and row["best"] else "")
+                    + (f"  ({row['why']})" if search and row.get("why") and row["state"] == "failed" else ""))
     return 0

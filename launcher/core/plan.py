@@ -202,6 +202,8 @@ class LaunchPlan:
     """One rank's planned memory (launcher.core.memory.Breakdown.to_json); None where it was not estimated."""
     container: dict[str, Any] | None = None
     """The container the tasks run in (launcher.core.container.ContainerPlan.to_json); None: on the host."""
+    trial: dict[str, Any] | None = None
+    """The search trial this run is (launcher.core.study.TrialPlan.to_json): its rank 0 reports the metric to the study; None: not a trial."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

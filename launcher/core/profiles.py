@@ -21,6 +21,7 @@ from launcher.core.errors import SpecError, did_you_mean
 from launcher.core.home import user_profiles_dir
 from launcher.core.spec import parse_slurm_time, reserved_env_reason
 from launcher.core.strict_model import StrictModel
+from launcher.core.study_storage import SweepStorage
 from launcher.core.text_rules import (
     ENV_NAME,
     GRES_NAME,
@@ -229,6 +230,8 @@ class Profile(StrictModel):
     """NCCL / fabric environment, each with its reason."""
     slurm: ProfileSlurmOptions = Field(default_factory=ProfileSlurmOptions)
     """Site sbatch/srun options every job here gets (a job spec's slurm section adds to them or drops one with null)."""
+    sweep_storage: SweepStorage | None = None
+    """Where searches (`lmlaunch sweep` with search: optuna) keep their Optuna studies; absent: this cluster runs grid/zip/random sweeps only."""
     min_allreduce_busbw_gbps: float = Field(1.0, ge=0)
     """Least all-reduce bus bandwidth (GB/s, counted as nccl-tests do: 2(n-1)/n x bytes / time) that `lmlaunch doctor --on-nodes` accepts over the probe's nodes; 0 turns the check off. The default 1 GB/s is what even 10 GbE Ethernet gives: below it the fabric is misconfigured (NCCL on the wrong interface or on TCP instead of RDMA); set it near the fabric's measured figure to catch a degraded link."""
 

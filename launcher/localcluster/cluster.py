@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from launcher.core import slurm
 from launcher.core.errors import SlurmUnavailable, UserError
+from launcher.core.study_storage import StorageRef
 from launcher.localcluster import debian_root
 from launcher.localcluster.config import (
     CLUSTER_NAME,
@@ -248,6 +249,41 @@ def ensure_mariadb(layout: Layout, ports: Ports, password: str, say: Say) -> Non
         [_which("mariadb") or "mariadb", "--no-defaults", f"--socket={layout.mysql_socket}", "-u", "root", "-e", sql],
         "creating the accounting database",
     )
+
+
+SWEEPS_DB = "lmlaunch_sweeps"  # the searches' Optuna studies (launcher.core.study_storage: local_cluster)
+
+
+def sweeps_storage(layout: Layout | None = None) -> StorageRef:
+    """The local cluster's database for searches' studies: a database and user of their own on the
+    MariaDB that accounting runs on, made here when missing (a cluster started before searches
+    existed gets them at its first search). Its password lives in a 0600 file beside the cluster's
+    configuration; the URL says none."""
+    layout = layout or Layout.default()
+    settings = _load_settings(layout)
+    if settings is None or not is_up(layout):
+        raise ClusterError(f"the local cluster in {layout.root} is not running: `lmlaunch cluster up`")
+    if not settings.accounting:
+        raise ClusterError("the local cluster runs without accounting, so without MariaDB, where searches keep "
+                           "their studies: `lmlaunch cluster up --accounting` (or give the profile a "
+                           "sweep_storage journal file)")
+    pw_file = layout.etc / "sweeps-db-password"
+    if not pw_file.exists():
+        tmp = pw_file.with_suffix(".tmp")
+        tmp.write_text(secrets.token_hex(16) + "\n")
+        tmp.chmod(0o600)
+        tmp.rename(pw_file)
+    password = pw_file.read_text().strip()
+    port = settings.ports.mariadb
+    sql = (
+        f"CREATE DATABASE IF NOT EXISTS {SWEEPS_DB};"
+        f"CREATE USER IF NOT EXISTS '{SWEEPS_DB}'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"ALTER USER '{SWEEPS_DB}'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"GRANT ALL ON {SWEEPS_DB}.* TO '{SWEEPS_DB}'@'127.0.0.1';"
+    )
+    run_checked([_which("mariadb") or "mariadb", "--no-defaults", f"--socket={layout.mysql_socket}", "-u", "root",
+                 "-e", sql], "creating the sweeps' database")  # idempotent: each search start or resume
+    return StorageRef("rdb", f"mysql+pymysql://{SWEEPS_DB}@127.0.0.1:{port}/{SWEEPS_DB}", str(pw_file))
 
 
 def _mariadb_dirs(layout: Layout) -> Path:

@@ -157,6 +157,7 @@ class Preemption:
             checkpoint_step=ckpt.step if ckpt is not None else None, stopped=self.agreed is not None,
             crashed=crashed, term=term, warning=warning, warning_name=self.signals.warning_name,
             requested_reason=self.stop.reason if self.stop.requested and not (term or warning) else None,
+            requested_detail=self.stop.detail if self.stop.requested and not (term or warning) else None,
             error=outcome.detail if crashed else None,
             cancelled_marker=is_cancelled(self.layout.run_dir), launcher=self.env.launcher,
             job_id=self.env.job_id, restart_count=self.env.restart_count,

@@ -22,7 +22,7 @@ _SLURM_REQUEUEING = ("PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PE
 WARNING_SLACK_S = 90.0
 # docs/run-directory.md: what the ledger's `reason` may say.
 LEDGER_REASONS = frozenset({"completed", "preempted", "timeout", "node_failure", "cancelled", "crashed",
-                            "no_progress", "limit_reached", "hang", "disk_full", "preflight_failed"})
+                            "no_progress", "limit_reached", "hang", "disk_full", "preflight_failed", "pruned"})
 
 
 def steps_without_progress(starts: list[int], current: int) -> int:
@@ -51,7 +51,8 @@ class EndFacts:
     term: bool = False
     warning: bool = False
     warning_name: str = "SIGUSR2"
-    requested_reason: str | None = None  # a stop requested without a signal (tests, tools)
+    requested_reason: str | None = None  # a stop requested without a signal (tests, tools, a search's pruner)
+    requested_detail: str | None = None  # what the one who asked for that stop said
     error: str | None = None
     cancelled_marker: bool = False
     launcher: str = "slurm"
@@ -107,6 +108,8 @@ def classify_stop(f: EndFacts, policy: PreemptionPlan) -> tuple[str, str]:
             return "timeout", f"{f.warning_name} (time to the limit unknown: taken as the time-limit warning)"
         return "preempted", f"{f.warning_name}{when}, not at the time limit"
     reason = f.requested_reason if f.requested_reason in LEDGER_REASONS else "preempted"
+    if reason == "pruned" and f.requested_detail:
+        return reason, f.requested_detail
     return reason, f"stop requested ({f.requested_reason})" if f.requested_reason else "stop requested"
 
 
@@ -127,12 +130,17 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
         return _preflight_failed(f, state, policy)
     reason, detail = _why_it_ended(f, policy, ckpt)
     exit_code = 1 if reason == "crashed" else 0
+    slurm_requeues = state in _SLURM_REQUEUEING or (
+        f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
+    if reason == "pruned":
+        # a search's study stopped this trial (lmtrain.observe.trial_report): a clean end, its
+        # checkpoint kept; a job SLURM requeues anyway (a preemption at the same moment) is cancelled
+        return Decision("pruned", f"{detail}; never requeued", requeued=False,
+                        action="cancel" if f.launcher == "slurm" and slurm_requeues else None)
 
     # During the partition's GraceTime a preempted job still shows RUNNING, with a PreemptTime;
     # it must requeue itself all the same: slurm 22.05 ends a preempted job whose tasks exit
     # within GraceTime as COMPLETED and never requeues it (seen on the local cluster).
-    slurm_requeues = state in _SLURM_REQUEUEING or (
-        f.slurm_restarts is not None and f.slurm_restarts > f.restart_count)
     if f.launcher != "slurm":
         return Decision(reason, detail + "; local run: not requeued", requeued=False, exit_code=exit_code)
     if state == "COMPLETING" and not slurm_requeues and reason != "timeout":
@@ -304,6 +312,8 @@ def start_gate(f: StartFacts, policy: PreemptionPlan) -> Gate:
     # trainer.max_steps (submit --resume trainer.max_steps=N); it trains on.
     if f.cancelled_marker:
         return Gate(True, "cancelled", "the run is cancelled (CANCELLED marker): not training again", previous_end)
+    if f.history and f.history[-1].reason == "pruned":
+        return Gate(True, "pruned", "the search pruned this trial: not training again", previous_end)
     if f.restart_count > policy.max_requeues:
         return Gate(True, "limit_reached",
                     f"max_requeues({policy.max_requeues}) reached ({f.restart_count} requeues): not training again",

@@ -136,7 +136,8 @@ class Fit:
         """The Trainer's callbacks, in order: the rank's step timing (first), startup record,
         checkpoints, the stop agreement, RNG-neutral validation, metrics (the heartbeat, and rank 0's
         Pushgateway push where the spec names one), the accumulation realigned, the hang watchdog
-        (it beats after checkpoint writes), profiling on demand, the timing's boundary mark (last)."""
+        (it beats after checkpoint writes), profiling on demand, the timing's boundary mark (last);
+        a search trial's rank 0 also reports its metric to the study (lmtrain.observe.trial_report)."""
         from lmtrain.observe.callbacks import MetricsHeartbeat, RngNeutralValidation
 
         ckpt_cb = self._checkpoint_callback()
@@ -144,9 +145,13 @@ class Fit:
         pusher = self._pusher()
         sinks = [metrics_cb.step_metrics] + ([pusher.step_metrics] if pusher is not None else [])
         self.module.metrics_sink = lambda metrics, max_steps: [sink(metrics, max_steps) for sink in sinks]
+        trial = self._trial_report()
+        if trial is not None:
+            sinks.append(trial.step_metrics)
         timing = self._rank_timing()
         callbacks = [timing, startup, ckpt_cb, self.ctl.callback(ckpt_cb), RngNeutralValidation(), metrics_cb,
-                     *([pusher] if pusher is not None else []), self._memory_record(),
+                     *([pusher] if pusher is not None else []), *([trial] if trial is not None else []),
+                     self._memory_record(),
                      *([self.realign] if self.realign else [])]
         return callbacks + self._watchdog() + [self._profiling(), timing.boundary_mark()]
 
@@ -158,6 +163,14 @@ class Fit:
         from lmtrain.observe.pushgateway import Pusher
 
         return Pusher(spec.url, run=self.plan.run_name, attempt=self.records.attempt, every_n_steps=spec.every_n_steps)
+
+    def _trial_report(self) -> Any:
+        """Rank 0's report to its search's study when this run is a trial (lmtrain.observe.trial_report)."""
+        if self.plan.trial is None or self.env.rank != 0:
+            return None
+        from lmtrain.observe.trial_report import TrialReport
+
+        return TrialReport(self.plan.trial, self.ctl.stop.request)
 
     def _profiling(self) -> Any:
         """torch.profiler on demand (`lmlaunch profile`) or over the spec's window (lmtrain.observe.profiling)."""
