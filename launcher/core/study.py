@@ -87,8 +87,14 @@ def open_storage(ref: StorageRef) -> Any:
             from None
 
 
-def sampler(spec: Sampler, params: dict[str, Space]) -> Any:
+def sampler(spec: Sampler, params: dict[str, Space], *, asked: int = 0) -> Any:
+    """The search's sampler; ``asked``: trials the study holds already. A driver resumed after
+    ``asked`` trials seeds its sampler past them (seed + asked): seeded afresh as at the start, it
+    would ask the same values again (a random start repeats its first draws)."""
     import optuna
+
+    if spec.seed is not None and asked:
+        spec = spec.model_copy(update={"seed": (spec.seed + asked) % 2**32})
 
     if spec.name == "random":
         return optuna.samplers.RandomSampler(seed=spec.seed)
@@ -147,10 +153,11 @@ def load_study(search: SearchFile, ref: StorageRef) -> Any:
 
     storage = open_storage(ref)
     try:
-        return optuna.load_study(study_name=search.name, storage=storage,
-                                 sampler=sampler(search.sampler, search.params), pruner=pruner(search.pruner))
+        st = optuna.load_study(study_name=search.name, storage=storage, pruner=pruner(search.pruner))
     except KeyError:
         raise UserError(f"no study named '{search.name}' in {ref.describe()}") from None
+    st.sampler = sampler(search.sampler, search.params, asked=len(st.get_trials(deepcopy=False)))
+    return st
 
 
 def finite(value: Any) -> float | None:

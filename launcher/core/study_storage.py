@@ -44,7 +44,7 @@ class SweepStorage(StrictModel):
     journal: PathText | None = None
     """Optuna's journal file on a filesystem every node sees (where no database server exists): appended under a lock, safe on NFS."""
     local_cluster: bool = False
-    """The local cluster's MariaDB (the one slurmdbd uses): `lmlaunch cluster up` keeps a database and user of the sweeps' own there."""
+    """The local cluster's MariaDB (the one slurmdbd uses): a database and user of the searches' own there, made at the first search."""
 
     @model_validator(mode="after")
     def _one(self) -> SweepStorage:
