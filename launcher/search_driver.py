@@ -33,7 +33,17 @@ from launcher.core.search_policy import Step, TrialFacts, next_steps, objective
 from launcher.core.search_spec import SearchFile
 from launcher.core.study_storage import StorageRef
 from launcher.resolve import Resolved
-from launcher.search_plan import LOCK, LOG, STATE, SearchState, check_corners, find, pointer_file, render_dry_run, trial_resolved
+from launcher.search_plan import (
+    LOCK,
+    LOG,
+    STATE,
+    SearchState,
+    check_corners,
+    find,
+    pointer_file,
+    render_dry_run,
+    trial_resolved,
+)
 from launcher.submit import submit_plan
 
 POLL_S = float(os.environ.get("LMLAUNCH_SEARCH_POLL_S", "3"))
@@ -107,7 +117,7 @@ class Driver:
             self.quiet.stdout.close()
 
     def _cancelled(self) -> bool:
-        return (self.dir / rundir.CANCELLED).exists()
+        return rundir.RunLayout.of(self.dir).cancelled.exists()
 
     def _cancel_jobs(self, facts: list[TrialFacts]) -> None:
         """The search is cancelled: a trial job still queued or running (one submitted while the

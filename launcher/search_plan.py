@@ -118,7 +118,7 @@ def mark_cancelled(name: str, ctx: Context) -> Path | None:
         directory = find(name, ctx)
     except UserError:
         return None
-    marker = directory / rundir.CANCELLED
+    marker = rundir.RunLayout.of(directory).cancelled
     marker.write_text(f"cancelled at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
     return marker
 

@@ -198,10 +198,12 @@ def _table(args: argparse.Namespace, ctx: Context, rows: list[dict[str, Any]], *
         ctx.out(buf.getvalue().rstrip("\n"))
     else:
         cols = [c for c in rows[0] if not (search and c in ("best", "why"))]
-        ctx.out("  ".join(c.ljust(14) for c in cols))
-        for row in rows:
-            cells = [(f"{row[c]:.4g}" if isinstance(row[c], float) else "-" if row[c] is None else str(row[c])).ljust(14)
-                     for c in cols]
-            ctx.out("  ".join(cells) + ("  <- best" if search and row["best"] else "")
-                    + (f"  ({row['why']})" if search and row.get("why") and row["state"] == "failed" else ""))
+        cells = [[f"{row[c]:.4g}" if isinstance(row[c], float) else "-" if row[c] is None else str(row[c])
+                  for c in cols] for row in rows]
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+        ctx.out("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+        for row, line in zip(rows, cells):
+            ctx.out(("  ".join(v.ljust(w) for v, w in zip(line, widths))
+                     + ("  <- best" if search and row["best"] else "")
+                     + (f"  ({row['why']})" if search and row.get("why") and row["state"] == "failed" else "")).rstrip())
     return 0

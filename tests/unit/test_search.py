@@ -204,9 +204,8 @@ def test_results_mark_the_best_and_the_step_a_trial_was_pruned_at():
 # --------------------------------------------------------------------------- a pruned attempt's end
 def test_a_pruned_stop_ends_the_attempt_clean_and_never_requeues():
     from launcher.core.plan import PreemptionPlan
-    from lmtrain.preemption.policy import EndFacts, StartFacts, decide, start_gate
-
     from launcher.core.spec import PreemptionSpec
+    from lmtrain.preemption.policy import EndFacts, StartFacts, decide, start_gate
 
     policy = PreemptionPlan.of(PreemptionSpec())
     facts = EndFacts(end_step=6, start_step=0, max_steps=30, checkpoint_step=6, stopped=True, crashed=False,
