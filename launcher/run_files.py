@@ -130,7 +130,8 @@ def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt
 
 _ERROR_LINE = re.compile(
     r"(Traceback \(most recent call last\)|\b[A-Z][A-Za-z]*(Error|Exception)\b|\bERROR\b|\bCRITICAL\b|\bFATAL\b|"
-    r"srun: error|slurmstepd: error|\bKilled\b|OOM|out of memory|DUE TO (TIME LIMIT|PREEMPTION)|CANCELLED AT)"
+    r"srun: error|slurmstepd: error|\bKilled\b|OOM|out of memory|DUE TO (TIME LIMIT|PREEMPTION)|CANCELLED AT|"
+    r"^(Error|error|FATAL|ERROR):|^pyxis: .*(error|failed))"  # a container runtime's own (podman, apptainer, pyxis)
 )
 
 

@@ -45,7 +45,12 @@ def start_lines() -> list[str]:
 
 
 def stop_lines() -> list[str]:
-    return ['kill -KILL "$lmlaunch_relay_pid" 2>/dev/null || true  # it ignores the job\'s signals']
+    """The batch script's teardown after srun: the relay stopped, and the job's exit status kept
+    srun's (a task step that failed, e.g. an image without the interpreter, is a FAILED job, not
+    the relay's kill's 0 and a COMPLETED one)."""
+    return ["lmlaunch_rc=$?  # srun's: the job's exit status",
+            'kill -KILL "$lmlaunch_relay_pid" 2>/dev/null || true  # it ignores the job\'s signals',
+            'exit "$lmlaunch_rc"']
 
 
 class RelayError(OSError):

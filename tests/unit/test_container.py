@@ -55,7 +55,8 @@ def test_pyxis_runs_the_task_in_the_image_with_srun_options_and_the_host_keeps_s
     lines = script.splitlines()
     start = next(i for i, x in enumerate(lines) if slurm_relay.SCRIPT in x)
     assert start < next(i for i, x in enumerate(lines) if x.startswith("srun "))
-    assert lines[-1] == slurm_relay.stop_lines()[0]
+    assert lines[-3:] == slurm_relay.stop_lines()
+    assert lines[-4] == "# teardown" and lines[-3].startswith("lmlaunch_rc=$?")  # srun's status, taken first
 
 
 def test_apptainer_execs_the_image_with_the_gpus_and_the_planned_variables_winning():

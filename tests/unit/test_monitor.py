@@ -208,6 +208,17 @@ def test_error_filter_keeps_whole_tracebacks_and_error_lines():
     assert run_files.error_lines(lines) == lines[1:5] + lines[6:8]
 
 
+
+def test_error_filter_keeps_a_container_runtimes_own_error_lines():
+    """The lines a task step that failed before the entry leaves: podman's (runc's), apptainer's, pyxis'."""
+    lines = ['Error: runc: runc create failed: unable to start container process: exec: "python3": executable file '
+             "not found in $PATH: OCI runtime attempted to invoke a command that was not found",
+             "FATAL:   could not open image /shared/x.sif: failed to retrieve path",
+             "pyxis: failed to import docker image", "pyxis: importing docker image: nvcr.io/x",
+             "srun: error: n1: task 0: Exited with exit code 127", "Errors seen: none", "no error: here"]
+    assert run_files.error_lines(lines) == [lines[0], lines[1], lines[2], lines[4]]
+
+
 def test_log_sources_fall_back_to_submitit_files_of_each_job(tmp_path):
     run_dir = tmp_path / "r"
     (run_dir / "submitit").mkdir(parents=True)

@@ -1,0 +1,50 @@
+"""A task step that fails before lmtrain's entry starts is a FAILED job, whatever runs it: in a
+podman container whose image lacks the interpreter asked for (runc: exit 127) the batch script's
+teardown (the SLURM relay stopped after srun) used to end the job 0:0, COMPLETED in `status`
+with no attempt anywhere. Now the job, its batch step and the task step are FAILED 127 in
+accounting, `status` says FAILED, and `logs --errors` shows the runtime's own error line; the
+same interpreter missing on the host is FAILED too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import waiting
+from slurm_helpers import REPO
+
+from launcher.core import slurm
+
+PODMAN_IMAGE = "localhost/lmlaunch/task:latest"  # scripts/test.sh builds it (lmlaunch cluster image)
+SMALL = ["resources.nodes=1", "trainer.max_steps=5", "optim.warmup_steps=1", "trainer.val_check_interval=5"]
+
+
+@pytest.mark.parametrize("where, overrides, error", [
+    ("podman", ["container.runtime=podman", f"container.image={PODMAN_IMAGE}", "container.python=python3"],
+     'exec: "python3": executable file not found'),
+    ("host", ["--cluster", "local"], "srun: error"),
+])
+def test_a_task_that_cannot_start_its_interpreter_fails_the_job(slurm_cluster, cli, lm_env, run_name, own_jobs,
+                                                                tmp_path, where, overrides, error):
+    spec = REPO / "jobs" / "tiny-cpu.yaml"
+    if where == "host":
+        prof = tmp_path / "profiles"
+        prof.mkdir()  # the local cluster with an interpreter its nodes do not have
+        text = (REPO / "cluster_profiles" / "local.yaml").read_text().replace("python: auto", "python: /nonexistent/python3")
+        (prof / "nopython.yaml").write_text(text)
+        lm_env = {**lm_env, "LMLAUNCH_PROFILES_DIR": str(prof)}
+        overrides = ["--cluster", "nopython"]
+    r = cli("submit", str(spec), f"name={run_name}", *SMALL, *overrides, env=lm_env)
+    assert r.code == 0, r.out + r.err
+    job = r.out.split("job ", 1)[1].split()[0]
+    own_jobs.append(job)
+    waiting.until(lambda: not any(slurm.is_active(j.state) for j in slurm.squeue([job])), poll=1.0,
+                  progress=waiting.job(job), what=f"job {job} ended")
+    # the job, its batch step and the task step: FAILED with the interpreter's exit status (127), in accounting
+    rows = {a.job_id: (a.state, a.exit_code) for a in slurm.sacct([job], steps=True)}
+    assert rows[job][0] == "FAILED" and rows[job][1].split(":")[0] != "0", rows
+    assert rows[f"{job}.batch"][0] == "FAILED" and rows[f"{job}.0"][0] == "FAILED", rows
+    row = next(x for x in json.loads(cli("status", run_name, "--json", env=lm_env).out)["runs"] if x["name"] == run_name)
+    assert row["state"] == "FAILED" and row["group"] == "failed", row
+    logs = cli("logs", run_name, "--errors", env=lm_env)
+    assert error in logs.out, logs.out + logs.err
