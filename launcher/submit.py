@@ -29,7 +29,40 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     ]
     lines += list(plan.setup)
     lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
-    return lines + container_lines(plan)
+    return lines + container_lines(plan) + restart_loop_head(plan)
+
+
+def restart_loop_head(plan: LaunchPlan) -> list[str]:
+    """The last setup lines of a job that restarts in place: srun (the command section) runs in a
+    loop, once more each time the attempt's rank 0 asked for it (lmtrain.preemption.controller:
+    the request file, written after the attempt's end line)."""
+    if not plan.preemption.restart_in_place:
+        return []
+    return ["# lmlaunch: a crash or a hang is retried in this allocation: srun again while rank 0 asks "
+            "($LMLAUNCH_RUN_DIR/" + rundir.RESTART_IN_PLACE + ")",
+            'rm -f "$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"  # an earlier job\'s, never this one\'s',
+            "lmlaunch_restarts=0",
+            "while :; do"]
+
+
+def restart_loop_tail(plan: LaunchPlan) -> str:
+    """What follows srun in a job that restarts in place: the loop's test and end, the job's exit
+    status srun's last."""
+    if not plan.preemption.restart_in_place:
+        return ""
+    request = '"$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"'
+    return "\n".join([
+        "",
+        "lmlaunch_rc=$?",
+        f'if [ "$(cat {request} 2>/dev/null)" = "$SLURM_JOB_ID" ]; then',  # asked by this job's rank 0
+        f"  rm -f {request}; lmlaunch_restarts=$((lmlaunch_restarts + 1))",
+        '  echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc)" >&2',
+        "  continue",
+        "fi",
+        "break",
+        "done",
+        '(exit "$lmlaunch_rc")',
+    ])
 
 
 def container_lines(plan: LaunchPlan) -> list[str]:
@@ -89,8 +122,9 @@ def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
     runner = ["submitit.core._submit"] if old else ["lmtrain.task.main", "--signal", plan.preemption.signal]
     inner = ["-u", "-m", *runner, folder or plan.paths.submitit_dir]
     if plan.container is not None:  # the interpreter inside the container (launcher.core.container)
-        return container.task_command(container.ContainerPlan.from_json(plan.container), inner)
-    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), *inner])
+        return container.task_command(container.ContainerPlan.from_json(plan.container), inner) \
+            + restart_loop_tail(plan)
+    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), *inner]) + restart_loop_tail(plan)
 
 
 def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:

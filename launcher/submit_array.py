@@ -13,7 +13,7 @@ from typing import Any
 from launcher.core.plan import LaunchPlan
 from launcher.core.rundir import RunLayout
 from launcher.core.shell import export_line, shell_quote
-from launcher.submit import container_lines, executor_parameters, run_submitit, submit_command
+from launcher.submit import container_lines, executor_parameters, restart_loop_head, run_submitit, submit_command
 
 
 def _per_point_export(name: str, value: str, run_dir: str) -> str:
@@ -37,7 +37,7 @@ def array_setup(plan: LaunchPlan, run_dirs: list[str]) -> list[str]:
     lines.append('export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"')
     lines.append('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code${PYTHONPATH:+:$PYTHONPATH}"')
     lines += [_per_point_export(n, plan.env[n], run_dir) for n in own]  # e.g. the NCCL flight recorder's file
-    return lines + container_lines(plan)
+    return lines + container_lines(plan) + restart_loop_head(plan)
 
 
 def array_parameters(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,

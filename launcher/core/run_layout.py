@@ -17,6 +17,7 @@ RANK_TIMES = f"{METRICS}/rank-times.json"  # the ranks' newest step timing and t
 PLAN = "plan.json"
 DONE = "DONE"
 CANCELLED = "CANCELLED"
+RESTART_IN_PLACE = "RESTART_IN_PLACE"
 CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
 LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.snapshot, PYTHONPATH in the plan)
@@ -143,6 +144,12 @@ class RunLayout:
     @property
     def cancelled(self) -> Path:
         return self.run_dir / CANCELLED
+
+    @property
+    def restart_request(self) -> Path:
+        """Rank 0's request that the batch script start the ranks again in this allocation (restart
+        in place): written after the attempt's end line, removed by the script before it restarts."""
+        return self.run_dir / RESTART_IN_PLACE
 
     @property
     def rendezvous(self) -> Path:

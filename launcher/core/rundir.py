@@ -41,6 +41,7 @@ from launcher.core.run_layout import (  # the run directory's paths: their one s
     PREPARATION_JOBS as PREPARATION_JOBS,
     RANK_TIMES as RANK_TIMES,
     REPORT as REPORT,
+    RESTART_IN_PLACE as RESTART_IN_PLACE,
     SPEC_YAML as SPEC_YAML,
     SUBMITIT as SUBMITIT,
     TASK_RECORD as TASK_RECORD,

@@ -378,7 +378,9 @@ class PreemptionSpec(StrictModel):
     max_timeouts: int = Field(10, ge=0, le=100_000)
     """Requeues after reaching the time limit."""
     max_crash_retries: int = Field(2, ge=0, le=100_000)
-    """Requeues after a crash (non-zero exit with no signal)."""
+    """Retries after a crash or a hang (non-zero exit with no signal): in place where restart_in_place allows, else requeues."""
+    restart_in_place: bool = True
+    """Retry a crash or a hang inside the same allocation: the batch script starts the ranks again within seconds, from the newest complete checkpoint, with the same job id and no queue wait; a requeue instead when the allocation's time left is too short, when the rank that died first died on the same node in the attempt before, or when SLURM itself requeues the job (a node failure)."""
     no_progress_attempts: int = Field(3, ge=1, le=100_000)
     """Stop when the global step did not advance over this many attempts."""
     agree_every_n_steps: int = Field(1, ge=1, le=10_000)

@@ -264,10 +264,12 @@ def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(re
     _check_resumed_exactly(run_dir, reference, missing_ok=frozenset({30}))
 
 
-def test_a_rank_sigkilled_like_the_oom_killer_is_named_as_the_first_death(env, jobs, name):
+def test_a_rank_sigkilled_like_the_oom_killer_is_named_and_restarted_in_place(reference, env, jobs, name):
     """Rank 1 (on n2) SIGKILLed mid-training: rank 0 fails in its next all-reduce ("Connection
     closed by peer"), but the ledger names rank 1 on n2, killed by SIGKILL, from srun's own task
-    line; the crash retry then resumes from the newest complete checkpoint and finishes."""
+    line; the crash retry restarts the ranks in place: the same SLURM job, never requeued (its
+    restart count stays 0, no queue wait), from the newest complete checkpoint, and the run ends
+    bit-identical to the uninterrupted one."""
     with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": 1, "action": "kill"}):
         job, run_dir = submit(env, name)
     jobs.append(job)
@@ -277,8 +279,11 @@ def test_a_rank_sigkilled_like_the_oom_killer_is_named_as_the_first_death(env, j
     assert first["first_death"] == {"rank": 1, "node": "n2", "how": "killed by SIGKILL",
                                     "source": "srun: task 1: Killed"}, first
     assert first["detail"].startswith("rank 1 on n2 died first: killed by SIGKILL"), first["detail"]
+    assert "restarted in place" in first["detail"], first["detail"]
     assert [s["start_step"] for s in starts(run_dir)] == [0, EVERY]
-    assert ends(run_dir)[-1]["reason"] == "completed"
+    assert [(s["job_id"], s["restart_count"]) for s in starts(run_dir)] == [(job, 0), (job, 0)], starts(run_dir)
+    assert slurm.restart_count(job) == 0  # SLURM never requeued it: one allocation, no queue wait
+    _check_resumed_exactly(run_dir, reference)
     # `history` tells the same story
     code, out, _ = lm(env, "history", name)
     assert code == 0 and "rank 1 on n2 died first: killed by SIGKILL" in out.replace("\n", " "), out

@@ -93,13 +93,51 @@ def test_a_finished_run_is_never_requeued_even_when_signalled():
     assert (d.reason, d.requeued, d.action) == ("completed", False, None)
 
 
+REQUEUE_ONLY = dataclasses.replace(POLICY, restart_in_place=False)
+
+
 def test_crash_requeues_at_most_max_crash_retries_times():
-    d = decide(_facts(stopped=False, crashed=True, error="RuntimeError: boom"), POLICY)
+    d = decide(_facts(stopped=False, crashed=True, error="RuntimeError: boom"), REQUEUE_ONLY)
     assert (d.reason, d.requeued, d.action, d.exit_code) == ("crashed", True, "requeue", 1)
     history = [AttemptRow(1, "12", 0, 20, "crashed", True)]
     d = decide(_facts(stopped=False, crashed=True, error="RuntimeError: boom", history=history), POLICY)
     assert (d.reason, d.requeued, d.action, d.exit_code) == ("crashed", False, None, 1)
     assert "max_crash_retries(1) reached" in d.detail and "RuntimeError: boom" in d.detail
+
+
+@pytest.mark.parametrize("kw, action, words", [
+    ({}, "restart", "restarted in place (the same job and nodes, no queue wait)"),
+    ({"reason_hang": True}, "restart", "restarted in place"),
+    ({"seconds_left": 200.0}, "requeue", "not restarted in place: 200 s left in the allocation, under the 240 s"),
+    ({"seconds_left": 3600.0}, "restart", "restarted in place"),
+    ({"first_death_node": "n2", "previous_first_death_node": "n2"}, "requeue",
+     "died on n2 in the attempt before too: the node is suspect"),
+    ({"first_death_node": "n2", "previous_first_death_node": "n1"}, "restart", "restarted in place"),
+    ({"slurm_state": "PENDING"}, None, "requeued by SLURM"),
+    ({"policy": REQUEUE_ONLY}, "requeue", "requeued (scontrol requeue"),
+    ({"launcher": "local"}, None, "local run: not requeued"),
+])
+def test_a_crash_or_a_hang_restarts_in_place_unless_time_the_node_or_slurm_says_otherwise(kw, action, words):
+    kw = dict(kw)
+    policy = kw.pop("policy", POLICY)
+    hang = kw.pop("reason_hang", False)
+    facts = _facts(stopped=False, crashed=True, error="RuntimeError: Connection closed by peer", **kw)
+    d = decide(facts, policy)
+    if hang:  # the watchdog's: the controller settles a hang as a crash, then names it
+        assert d.reason == "crashed"
+    assert d.action == action and words in d.detail, d
+    assert d.requeued is (kw.get("launcher") != "local")
+
+
+def test_restarts_in_place_count_as_crash_retries_and_a_crash_loop_stops():
+    history = [AttemptRow(1, "12", 0, 40, "crashed", True), AttemptRow(2, "12", 40, 40, "crashed", True),
+               AttemptRow(3, "12", 40, 40, "crashed", True)]
+    d = decide(_facts(stopped=False, crashed=True, error="boom", history=history[:1]), POLICY)
+    assert "max_crash_retries(1) reached" in d.detail and d.action is None  # the retry budget is one, in place or not
+    many = dataclasses.replace(POLICY, max_crash_retries=10)
+    d = decide(_facts(stopped=False, crashed=True, error="boom", start_step=40, end_step=40, checkpoint_step=40,
+                      history=history), many)
+    assert d.reason == "no_progress" and d.action is None, d  # restarted in place, never past step 40
 
 
 def test_max_requeues_stops_the_job_and_cancels_a_requeue_slurm_started():

@@ -165,10 +165,22 @@ class Preemption:
             preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),
             slurm_restarts=int(restarts) if restarts.isdigit() else None,
             nodes_down=nodes_failed(self.env, info) if info is not None else [],
-            seconds_left=seconds_left(info, signal_time) if signal_time is not None else None,
+            seconds_left=seconds_left(info, signal_time if signal_time is not None else time.time())
+            if info is not None else None,
             history=history, disk_full=outcome.extra.get("disk_full"), job_nodes=self.plan.topology.nodes,
             preflight=outcome.extra.get("preflight"),
+            first_death_node=(outcome.extra.get("first_death") or {}).get("node"),
+            previous_first_death_node=self._previous_first_death_node(),
         )
+
+    def _previous_first_death_node(self) -> str | None:
+        """The node whose rank died first in this job's attempt before this one (restarts in place)."""
+        from launcher.core.jsonlines import read_jsonl
+
+        ends = [e for e in read_jsonl(self.layout.ledger) if e.get("event") == "end"
+                and str(e.get("job_id")) == str(self.env.job_id) and e.get("attempt") != self.attempt]
+        death = ends[-1].get("first_death") if ends else None
+        return death.get("node") if isinstance(death, dict) else None
 
     def _blame_first_death(self, outcome: Outcome) -> None:
         """Rank 0: name the rank that died first (lmtrain.preemption.first_death), not this rank's symptom."""
@@ -193,7 +205,15 @@ class Preemption:
                 exclude_nodes(self.plan, self.env, self.attempt, outcome.exclude)  # SLURM requeued it itself
                 return
             try:
-                if outcome.action == "requeue":
+                if outcome.action == "restart":  # the batch script starts the ranks again (launcher.submit)
+                    from launcher.core.atomic import write_atomic
+
+                    log.info("asking the batch script to restart the ranks in place (job %s)", self.env.job_id)
+                    import os
+
+                    # the batch script compares it with its SLURM_JOB_ID (an array task's own id, not A_i)
+                    write_atomic(self.layout.restart_request, f"{os.environ.get('SLURM_JOB_ID', self.env.job_id)}\n")
+                elif outcome.action == "requeue":
                     log.info("requeueing job %s (scontrol requeue)", self.env.job_id)
                     slurm.requeue(self.env.job_id, timeout=SLURM_QUERY_TIMEOUT_S)
                     exclude_nodes(self.plan, self.env, self.attempt, outcome.exclude)

@@ -70,6 +70,8 @@ class EndFacts:
     excluded: list[str] = field(default_factory=list)  # nodes the job already keeps out of (ExcNodeList)
     partition_nodes: list[str] | None = None  # the partition's nodes (None: SLURM did not say)
     job_nodes: int = 1  # how many nodes the job needs
+    first_death_node: str | None = None  # the node of the rank that died first in this attempt
+    previous_first_death_node: str | None = None  # the same, of the attempt before (in this job)
 
 
 @dataclass
@@ -156,6 +158,12 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
         return Decision(stop_reason, detail, requeued=False, action="cancel" if slurm_requeues else None,
                         exit_code=exit_code)
 
+    if reason in ("crashed", "hang") and not slurm_requeues and policy.restart_in_place:
+        refused = in_place_refused(f, policy)
+        if refused is None:
+            return Decision(reason, detail + "; restarted in place (the same job and nodes, no queue wait)",
+                            requeued=True, action="restart", exit_code=exit_code)
+        detail += f"; not restarted in place: {refused}"
     exclude, why_not = nodes_to_exclude(f, own_requeue=not slurm_requeues) if reason in ("node_failure", "hang") \
         else ([], "")
     if exclude:
@@ -169,6 +177,26 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
     by = " during the preemption's GraceTime (PreemptTime set)" if f.preempting else ""
     return Decision(reason, detail + f"; requeued (scontrol requeue{by})", requeued=True, action="requeue",
                     exit_code=exit_code, exclude=exclude)
+
+
+# a restart in place needs this much of the allocation left, beyond the time-limit warning: the
+# ranks' start (imports, rendezvous, restore) and some steps to a checkpoint
+IN_PLACE_MIN_S = 120.0
+
+
+def in_place_refused(f: EndFacts, policy: PreemptionPlan) -> str | None:
+    """Why a crash or hang retry goes back to the queue rather than restarting in this allocation
+    (None: it restarts in place)."""
+    needed = IN_PLACE_MIN_S + policy.warning_seconds
+    if f.seconds_left is not None and f.seconds_left < needed:
+        return (f"{f.seconds_left:.0f} s left in the allocation, under the {needed:.0f} s a restart needs "
+                f"(start, then steps to a checkpoint before the time-limit warning)")
+    if f.first_death_node is not None and f.first_death_node == f.previous_first_death_node:
+        return (f"the rank that died first died on {f.first_death_node} in the attempt before too: the node is "
+                f"suspect, a requeue lets SLURM place the job again")
+    if f.nodes_down:
+        return f"node {', '.join(f.nodes_down)} DOWN"
+    return None
 
 
 def _disk_full(f: EndFacts, state: str, ckpt: str) -> Decision:

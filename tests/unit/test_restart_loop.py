@@ -1,0 +1,66 @@
+"""The batch script's restart loop (restart in place, launcher.submit): srun runs again only when
+this job's rank 0 asked (the request file names this job), the request is consumed, a stale one
+of an earlier job is dropped first, and the job's exit status is srun's last. Run with bash and
+a stand-in srun; the rank-0 side is lmtrain.preemption.controller, the cluster test
+tests/integration/test_restart_in_place.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+
+import pytest
+
+from launcher.cli import main
+from launcher.context import Context
+
+
+def _script(repo, runs_root, *overrides: str) -> str:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["submit", str(repo / "jobs" / "tiny-cpu.yaml"), *overrides, "--dry-run", "--json"],
+                Context(stdout=out, stderr=err, environ={"LMLAUNCH_RUNS_ROOT": str(runs_root)}))
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())["script"]
+
+
+def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: str | None = None):
+    """The script from its setup on, with srun a function: call i exits codes[i] and, for i in
+    ``ask_on``, first writes the request as this job's rank 0 does."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if stale is not None:
+        (run_dir / "RESTART_IN_PLACE").write_text(stale + "\n")
+    calls = tmp_path / "calls"
+    fake = "\n".join([
+        "srun() {",
+        f'  n=$(( $(cat {calls} 2>/dev/null || echo 0) + 1 )); echo $n > {calls}',
+        *(f'  if [ $n -eq {i + 1} ]; then echo 77 > "$LMLAUNCH_RUN_DIR/RESTART_IN_PLACE"; fi' for i in sorted(ask_on)),
+        f"  codes=({' '.join(map(str, codes))}); return ${{codes[$((n - 1))]}}",
+        "}",
+    ])
+    body = script[script.index("# setup"):]
+    body = "\n".join(x for x in body.splitlines() if not x.startswith("export LMLAUNCH_RUN_DIR="))
+    proc = subprocess.run(["bash", "-c", fake + "\n" + body], capture_output=True, text=True,
+                          env={"SLURM_JOB_ID": "77", "LMLAUNCH_RUN_DIR": str(run_dir), "PATH": "/usr/bin:/bin"})
+    return proc.returncode, int(calls.read_text()), (run_dir / "RESTART_IN_PLACE").exists(), proc.stderr
+
+
+@pytest.mark.parametrize("codes, ask_on, stale, want", [
+    ([0], set(), None, (0, 1)),  # trained to the end: once
+    ([1, 0], {0}, None, (0, 2)),  # crashed, rank 0 asked: again, then completed
+    ([1, 1, 3], {0, 1}, None, (3, 3)),  # asked twice: the job's status is the last srun's
+    ([1], set(), None, (1, 1)),  # crashed and not asked (rank 0 requeued or stopped it): the job ends FAILED
+    ([0], set(), "12", (0, 1)),  # an earlier job's request is never this job's
+])
+def test_srun_runs_again_only_when_this_jobs_rank_zero_asked(repo, runs_root, tmp_path, codes, ask_on, stale, want):
+    code, calls, left, err = _run(_script(repo, runs_root), tmp_path, codes, ask_on=ask_on, stale=stale)
+    assert (code, calls) == want, err
+    assert not left  # consumed (or a stale one dropped)
+    assert err.count("lmlaunch: restarting the ranks in place") == len(ask_on)
+
+
+def test_without_restart_in_place_the_script_runs_srun_once(repo, runs_root):
+    script = _script(repo, runs_root, "preemption.restart_in_place=false")
+    assert "while :; do" not in script and "RESTART_IN_PLACE" not in script
+    assert script.rstrip().splitlines()[-1].startswith("srun ")
