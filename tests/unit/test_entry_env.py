@@ -31,6 +31,10 @@ def test_slurm_variables_give_rank_world_job_and_restart():
     })
     assert (env.launcher, env.rank, env.local_rank, env.node_rank, env.world_size) == ("slurm", 3, 1, 1, 4)
     assert env.nodes == ("n1", "n2") and env.rendezvous_key == "812-2"
+    # a restart in place (the batch script's srun again): the same job and restart count, a new step
+    again = read_env({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "4",
+                      "SLURM_JOB_ID": "812", "SLURM_RESTART_COUNT": "2", "SLURM_STEP_ID": "1"})
+    assert again.step_id == 1 and again.rendezvous_key == "812-2-s1" != env.rendezvous_key
 
 
 def test_array_task_job_id_is_array_id_underscore_task():

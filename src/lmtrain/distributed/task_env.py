@@ -49,10 +49,15 @@ class TaskEnv:
     job_id: str
     restart_count: int
     nodes: tuple[str, ...]
+    step_id: int = 0  # SLURM_STEP_ID: each srun of a job that restarts in place is a new step
 
     @property
     def rendezvous_key(self) -> str:
-        return f"{self.job_id}-{self.restart_count}"
+        """One per start of the ranks: the job, SLURM's requeues, and the srun step (a restart in
+        place keeps the job and its restart count; a key without the step let a rank read the
+        attempt before's rendezvous and wait on a master that was gone)."""
+        key = f"{self.job_id}-{self.restart_count}"
+        return f"{key}-s{self.step_id}" if self.step_id else key
 
     @property
     def node_name(self) -> str:
@@ -106,7 +111,13 @@ def read_env(environ: dict[str, str] | None = None) -> TaskEnv:
         job_id=job_id,
         restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
         nodes=tuple(expand_hostlist(nodelist)) if nodelist else (socket.gethostname(),),
+        step_id=_step_id(env),
     )
+
+
+def _step_id(env: dict[str, str]) -> int:
+    value = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or ""
+    return int(value) if value.isdigit() else 0
 
 
 # Where rendezvous ports are drawn from: below the kernel's ephemeral range, above the well-known and
