@@ -68,12 +68,13 @@ def slurm_cluster():
         )
     lines: list[str] = []
     try:
+        # the user signal on preemption, accounting and MinJobAge named: a test may have left the
+        # cluster without them (a run killed inside user_signal_on_preemption(True) left it on)
         if _CLAIM is None:
-            cluster.up(lines.append, version=VERSION)
+            cluster.up(lines.append, version=VERSION, preempt_send_user_signal=False)
         else:
-            # accounting and MinJobAge named: a test may have left this slot's cluster without them
             cluster.up(lines.append, layout=_CLAIM.layout, ports=_CLAIM.ports, system_conf=False, version=VERSION,
-                       accounting=True, min_job_age=300)
+                       accounting=True, min_job_age=300, preempt_send_user_signal=False)
     except UserError as exc:
         pytest.fail(f"`lmlaunch cluster up` failed: {exc.message}\n" + "\n".join(lines))
     layout = cluster.Layout.default()  # the worker's own when parallel (LMLAUNCH_CLUSTER_DIR)
