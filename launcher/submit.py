@@ -54,7 +54,7 @@ def restart_loop_tail(plan: LaunchPlan) -> str:
     return "\n".join([
         "",
         "lmlaunch_rc=$?",
-        f'if [ "$(cat {request} 2>/dev/null)" = "$SLURM_JOB_ID" ]; then',  # asked by this job's rank 0
+        f'if [ -n "$SLURM_JOB_ID" ] && [ "$(cat {request} 2>/dev/null)" = "$SLURM_JOB_ID" ]; then',  # this job's rank 0 asked
         f"  rm -f {request}; lmlaunch_restarts=$((lmlaunch_restarts + 1))",
         '  echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc)" >&2',
         "  continue",

@@ -24,7 +24,8 @@ def _script(repo, runs_root, *overrides: str) -> str:
     return json.loads(out.getvalue())["script"]
 
 
-def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: str | None = None):
+def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: str | None = None,
+         job_id: str | None = "77"):
     """The script from its setup on, with srun a function: call i exits codes[i] and, for i in
     ``ask_on``, first writes the request as this job's rank 0 does."""
     run_dir = tmp_path / "run"
@@ -42,7 +43,8 @@ def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: st
     body = script[script.index("# setup"):]
     body = "\n".join(x for x in body.splitlines() if not x.startswith("export LMLAUNCH_RUN_DIR="))
     proc = subprocess.run(["bash", "-c", fake + "\n" + body], capture_output=True, text=True,
-                          env={"SLURM_JOB_ID": "77", "LMLAUNCH_RUN_DIR": str(run_dir), "PATH": "/usr/bin:/bin"})
+                          env={**({"SLURM_JOB_ID": job_id} if job_id else {}), "LMLAUNCH_RUN_DIR": str(run_dir),
+                               "PATH": "/usr/bin:/bin"}, timeout=60)
     return proc.returncode, int(calls.read_text()), (run_dir / "RESTART_IN_PLACE").exists(), proc.stderr
 
 
@@ -58,6 +60,12 @@ def test_srun_runs_again_only_when_this_jobs_rank_zero_asked(repo, runs_root, tm
     assert (code, calls) == want, err
     assert not left  # consumed (or a stale one dropped)
     assert err.count("lmlaunch: restarting the ranks in place") == len(ask_on)
+
+
+def test_outside_a_job_no_request_is_ever_this_jobs(repo, runs_root, tmp_path):
+    """Run by hand (no SLURM_JOB_ID) the missing request and the missing id are both empty: never a restart."""
+    code, calls, _, err = _run(_script(repo, runs_root), tmp_path, [1], ask_on=set(), job_id=None)
+    assert (code, calls) == (1, 1), err
 
 
 def test_without_restart_in_place_the_script_runs_srun_once(repo, runs_root):
