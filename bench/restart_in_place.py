@@ -24,7 +24,6 @@ The cluster must be up (`lmlaunch cluster up`).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import re
@@ -34,26 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.cli import main as lmlaunch
-from launcher.context import Context
+from preemption import SPEC, cli, jsonl  # bench/preemption.py: the same job and the CLI in-process
+
 from launcher.core import slurm
-
-REPO = Path(__file__).resolve().parent.parent
-SPEC = REPO / "jobs" / "tiny-cpu.yaml"
-
-
-def cli(environ: dict[str, str], *args: str) -> str:
-    out, err = io.StringIO(), io.StringIO()
-    code = lmlaunch([str(a) for a in args], Context(stdout=out, stderr=err, environ=dict(environ)))
-    if code != 0:
-        raise SystemExit(f"lmlaunch {' '.join(map(str, args))} exited {code}: {out.getvalue()}{err.getvalue()}")
-    return out.getvalue()
-
-
-def jsonl(path: Path) -> list[dict]:
-    from launcher.core.jsonlines import read_jsonl
-
-    return read_jsonl(path)
 
 
 def one(environ: dict[str, str], root: Path, name: str, kill_step: int, in_place: bool) -> dict:

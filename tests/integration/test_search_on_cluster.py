@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import waiting
+from preempt_helpers import current_step, ledger
 from slurm_helpers import REPO
 
 from launcher import rehearsal
@@ -42,15 +43,6 @@ def _search_file(tmp_path: Path, name: str) -> str:
     return str(path)
 
 
-def _ledger(run_dir: Path) -> list[dict]:
-    return jsonlines.read_jsonl(run_dir / rundir.LEDGER)
-
-
-def _step(run_dir: Path) -> int:
-    steps = [b["step"] for b in jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT) if b.get("event") == "step"]
-    return max(steps) if steps else 0
-
-
 def test_a_search_prunes_keeps_two_at_once_survives_a_preemption_and_a_killed_driver(
         slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
     env = {**lm_env, "LMLAUNCH_SEARCH_POLL_S": "1"}
@@ -66,7 +58,7 @@ def test_a_search_prunes_keeps_two_at_once_survives_a_preemption_and_a_killed_dr
 
     def ended_trials() -> int:
         return sum(1 for d in runs_root.glob(f"{run_name}.*")
-                   if any(e.get("event") == "end" and e.get("reason") in ("completed", "pruned") for e in _ledger(d)))
+                   if any(e.get("event") == "end" and e.get("reason") in ("completed", "pruned") for e in ledger(d)))
 
     def finished():
         nonlocal most, busiest, preempted, resumed
@@ -77,7 +69,7 @@ def test_a_search_prunes_keeps_two_at_once_survives_a_preemption_and_a_killed_dr
             most, busiest = len(live), ", ".join(f"{j.name} {j.job_id} {j.state}" for j in live)
         if preempted is None:
             for j in live:
-                if slurm.state_group(j.state) == "running" and _step(runs_root / j.name) >= 8:
+                if slurm.state_group(j.state) == "running" and current_step(runs_root / j.name) >= 8:
                     preempted = j  # SIGTERM to its steps, as a preemption
                     rehearsal.signal_steps(j.job_id, "TERM")
                     break
@@ -125,9 +117,9 @@ def test_a_search_prunes_keeps_two_at_once_survives_a_preemption_and_a_killed_dr
     # each trial one run with one job (never submitted twice, not even by the killed driver)
     for r in rows:
         run_dir = runs_root / r["run"]
-        starts = [e for e in _ledger(run_dir) if e.get("event") == "start"]
+        starts = [e for e in ledger(run_dir) if e.get("event") == "start"]
         assert len({s["job_id"] for s in starts}) == 1, (r, starts)
-        ends = [e for e in _ledger(run_dir) if e.get("event") == "end"]
+        ends = [e for e in ledger(run_dir) if e.get("event") == "end"]
         if r["run"] == preempted.name:  # the same trial, resumed where it stopped: 0 steps lost
             assert ends[0]["reason"] == "preempted" and ends[-1]["reason"] in ("completed", "pruned"), ends
             assert starts[1]["start_step"] == ends[0]["end_step"] > 0, (starts, ends)

@@ -5,11 +5,11 @@ results table. The search on the real cluster: tests/integration/test_search_on_
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import pytest
+from test_sweep_points import _cli  # the CLI in-process, as the sweep tests call it
 
 from launcher import sweep, sweep_rows
 from launcher.core.errors import SpecError
@@ -79,15 +79,6 @@ def test_storages_a_cluster_cannot_share_are_refused(storage, words):
     with pytest.raises(ValueError) as err:
         SweepStorage.model_validate(storage)
     assert words in str(err.value)
-
-
-def _cli(*args, environ):
-    from launcher.cli import main
-    from launcher.context import Context
-
-    out, err = io.StringIO(), io.StringIO()
-    code = main(list(args), Context(stdout=out, stderr=err, environ=environ))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture
