@@ -185,17 +185,17 @@ class Driver:
             frozen = _trial(st, number)
             self._submit(st, frozen.number, dict(frozen.params))
         elif s.kind == "complete":
-            st.tell(number, s.value)
+            study.tell(st, number, s.value)
             best = st.best_trial.number == number
             self.say(f"trial {number} ({self.search.run_name(number)}): complete, {self.search.objective.metric} "
                      f"{s.value:.6g}" + (" (best so far)" if best else ""))
         elif s.kind == "prune":
             self._why(st, number, s.why)
-            st.tell(number, state=TrialState.PRUNED)
+            study.tell(st, number, state=TrialState.PRUNED)
             self.say(f"trial {number} ({self.search.run_name(number)}): {s.why}")
         elif s.kind == "fail":
             self._why(st, number, s.why)
-            st.tell(number, state=TrialState.FAIL)
+            study.tell(st, number, state=TrialState.FAIL)
             self.say(f"trial {number} ({self.search.run_name(number)}): failed: {s.why}")
 
     def _why(self, st: Any, number: int, why: str) -> None:
@@ -230,7 +230,7 @@ class Driver:
                 return
             except UserError as exc:  # these values the spec refuses: the trial fails, the search goes on
                 self._why(st, number, f"not submitted: {exc.message}")
-                st.tell(number, state=TrialState.FAIL)
+                study.tell(st, number, state=TrialState.FAIL)
                 self.say(f"trial {number} ({name}): failed: not submitted: {exc.message}")
                 return
             assert rec is not None

@@ -166,3 +166,18 @@ def finite(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
+
+
+def tell(st: Any, number: int, value: float | None = None, *, state: Any = None) -> None:
+    """``study.tell`` from the driver (outside Optuna's own optimize loop). The grid sampler asks
+    the study to stop once its last point is told, which raises outside optimize; the trial's
+    state is stored before that (Optuna stores it in a ``finally``), so it is not an error here."""
+    try:
+        if state is None:
+            st.tell(number, value)
+        else:
+            st.tell(number, state=state)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+

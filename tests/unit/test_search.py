@@ -264,3 +264,35 @@ def test_a_resumed_driver_does_not_ask_the_values_it_asked_before(tmp_path):
     later = [again.ask(dists).params for _ in range(3)]
     assert not any(p in first for p in later), (first, later)
     assert [t.number for t in again.get_trials()] == list(range(6))
+
+
+@pytest.mark.parametrize("sampler, pruner", [("tpe", "median"), ("random", "asha"), ("cmaes", "hyperband"),
+                                             ("grid", "none")])
+def test_every_sampler_and_pruner_asks_values_within_the_spaces(tmp_path, sampler, pruner):
+    """Each sampler asks trials inside the spaces (grid: every point once), each pruner answers
+    at a reported step, all on a real Optuna study."""
+    from launcher.core import study
+
+    params = ({"optim.warmup_steps": {"int": [0, 4], "step": 2}, "data.micro_batch_size": {"categorical": [2, 4]}}
+              if sampler == "grid" else
+              {"optim.lr": {"float": [1e-4, 1e-2], "log": True}, "optim.warmup_steps": {"int": [0, 20]}})
+    search = SearchFile.model_validate({**BASE, "trials": 6, "params": params, "sampler": {"name": sampler},
+                                        "pruner": {"name": pruner, "min_resource": 1}})
+    ref = StorageRef("journal", str(tmp_path / f"{sampler}.log"))
+    study.create_study(search, ref)
+    st = study.load_study(search, ref)
+    dists = {k: study.distribution(v) for k, v in search.params.items()}
+    seen = []
+    for i in range(6):
+        trial = st.ask(dists)
+        p = dict(trial.params)
+        seen.append(tuple(sorted(p.items())))
+        if sampler == "grid":
+            assert p["optim.warmup_steps"] in (0, 2, 4) and p["data.micro_batch_size"] in (2, 4)
+        else:
+            assert 1e-4 <= p["optim.lr"] <= 1e-2 and 0 <= p["optim.warmup_steps"] <= 20
+        trial.report(float(i), 5)
+        assert bool(trial.should_prune()) in (True, False)
+        study.tell(st, trial.number, float(i))  # as the driver tells (the grid's last point stops the study)
+    if sampler == "grid":
+        assert len(set(seen)) == 6  # the 3 x 2 grid, each point once
