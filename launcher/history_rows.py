@@ -272,3 +272,21 @@ def _last_step_of(heartbeat: Sequence[Mapping[str, Any]], attempt: int) -> int |
 
 def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def unstarted_notes(job_ids: Sequence[str], ledger: Sequence[Mapping[str, Any]],
+                    errors: Mapping[str, Sequence[str]]) -> list[str]:
+    """A note for each job of the run that ran without starting an attempt (its tasks failed
+    before lmtrain's entry: an interpreter missing, a container that did not start): the job and
+    the task's own error lines (``errors``: job id -> error lines of its task 0's srun log)."""
+    started = {str(e.get("job_id")) for e in ledger if e.get("event") == "start"}
+    out = []
+    for job in job_ids:
+        lines = [x.strip() for x in errors.get(job, ()) if x.strip()]
+        if job in started or not lines:
+            continue
+        own = [x for x in lines if not x.startswith("srun: error:")] or lines
+        out.append(f"job {job} ended before any attempt started (its tasks failed before the training entry): "
+                   f"{own[0][:300]}" + (f" ({lines[-1][:120]})" if lines[-1] != own[0] else ""))
+    return out
+

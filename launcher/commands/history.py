@@ -39,7 +39,25 @@ def load_history(rec):
         h.planned_memory = plan["memory"]
         h.notes.extend(history_rows.memory_notes(h, plan["memory"], world if isinstance(world, int) else None))
     h.notes.extend(history_rows.container_notes(rundir.environment_records(run_dir)))
+    h.notes.extend(history_rows.unstarted_notes(rec.job_ids, ledger, _task_errors(layout, rec.job_ids)))
     return h
+
+
+def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list[str]]:
+    """Each job's task 0 error lines (its srun log's tail), for jobs that never started an attempt."""
+    from launcher.run_files import error_lines
+
+    out = {}
+    for job in job_ids:
+        path = layout.submitit / f"{job}_0_log.err"
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, path.stat().st_size - 8192))
+                tail = f.read().decode("utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        out[job] = error_lines(tail)
+    return out
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

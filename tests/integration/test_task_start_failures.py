@@ -48,3 +48,5 @@ def test_a_task_that_cannot_start_its_interpreter_fails_the_job(slurm_cluster, c
     assert row["state"] == "FAILED" and row["group"] == "failed", row
     logs = cli("logs", run_name, "--errors", env=lm_env)
     assert error in logs.out, logs.out + logs.err
+    notes = json.loads(cli("history", run_name, "--json", env=lm_env).out)["notes"]
+    assert any(n.startswith(f"job {job} ended before any attempt started") and error in n for n in notes), notes

@@ -300,3 +300,17 @@ def test_history_reads_what_each_attempt_held_against_the_plan():
     assert notes[0] == ("memory, attempt 1: model states held 360 B per rank (planned 360 B); "
                         "device peak 6.00 GB (planned 6.50 GB)")
     assert "planned for 2 ranks, this attempt had 4" in notes[1] and "not kept on this device" in notes[1]
+
+
+def test_history_names_a_job_that_ended_before_any_attempt_started():
+    from launcher import history_rows
+
+    ledger = [{"event": "start", "attempt": 1, "job_id": "7"}, {"event": "end", "attempt": 1, "job_id": "7"}]
+    errors = {"7": ["srun: error: n1: task 0: Exited with exit code 1"],
+              "9": ['Error: runc: runc create failed: exec: "python3": executable file not found in $PATH',
+                    "srun: error: n1: task 0: Exited with exit code 127"],
+              "11": []}
+    notes = history_rows.unstarted_notes(["7", "9", "11"], ledger, errors)
+    assert notes == ['job 9 ended before any attempt started (its tasks failed before the training entry): '
+                     'Error: runc: runc create failed: exec: "python3": executable file not found in $PATH '
+                     '(srun: error: n1: task 0: Exited with exit code 127)']
