@@ -11,6 +11,7 @@ import json
 import subprocess
 
 import pytest
+import waiting
 
 from launcher.cli import main
 from launcher.context import Context
@@ -44,7 +45,7 @@ def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: st
     body = "\n".join(x for x in body.splitlines() if not x.startswith("export LMLAUNCH_RUN_DIR="))
     proc = subprocess.run(["bash", "-c", fake + "\n" + body], capture_output=True, text=True,
                           env={**({"SLURM_JOB_ID": job_id} if job_id else {}), "LMLAUNCH_RUN_DIR": str(run_dir),
-                               "PATH": "/usr/bin:/bin"}, timeout=60)
+                               "PATH": "/usr/bin:/bin"}, timeout=waiting.HANG_S)  # a loop that never ends fails
     return proc.returncode, int(calls.read_text()), (run_dir / "RESTART_IN_PLACE").exists(), proc.stderr
 
 

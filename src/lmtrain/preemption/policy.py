@@ -164,6 +164,12 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
             return Decision(reason, detail + "; restarted in place (the same job and nodes, no queue wait)",
                             requeued=True, action="restart", exit_code=exit_code)
         detail += f"; not restarted in place: {refused}"
+    return _requeued(f, reason, detail, state, slurm_requeues=slurm_requeues, exit_code=exit_code)
+
+
+def _requeued(f: EndFacts, reason: str, detail: str, state: str, *, slurm_requeues: bool, exit_code: int) -> Decision:
+    """The job runs again by a requeue: SLURM's own (a preemption, a node failure) or ours, with the
+    nodes a node failure or a hang points at kept out where SLURM lets them be."""
     exclude, why_not = nodes_to_exclude(f, own_requeue=not slurm_requeues) if reason in ("node_failure", "hang") \
         else ([], "")
     if exclude:
