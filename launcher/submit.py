@@ -115,16 +115,22 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
     return params
 
 
-def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
-    """srun's command: lmtrain.task.main (signals owned, then submitit's runner); submitit's own for older snapshots."""
+def task_command(plan: LaunchPlan, folder: str | None = None) -> str:
+    """What srun starts in each task: lmtrain.task.main (signals owned, then submitit's runner);
+    submitit's own for older snapshots."""
     code = rundir.RunLayout.of_plan(plan).code
     old = code.is_dir() and not (code / "lmtrain" / "task" / "main.py").is_file()  # resumed without --new-code
     runner = ["submitit.core._submit"] if old else ["lmtrain.task.main", "--signal", plan.preemption.signal]
     inner = ["-u", "-m", *runner, folder or plan.paths.submitit_dir]
     if plan.container is not None:  # the interpreter inside the container (launcher.core.container)
-        return container.task_command(container.ContainerPlan.from_json(plan.container), inner) \
-            + restart_loop_tail(plan)
-    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), *inner]) + restart_loop_tail(plan)
+        return container.task_command(container.ContainerPlan.from_json(plan.container), inner)
+    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), *inner])
+
+
+def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
+    """The script's command after srun's options: the task command, then the restart loop's tail
+    where the job restarts in place (:func:`restart_loop_tail`)."""
+    return task_command(plan, folder) + restart_loop_tail(plan)
 
 
 def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:

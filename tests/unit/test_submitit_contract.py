@@ -87,14 +87,14 @@ def test_what_sbatch_receives_is_the_dry_run_script(tmp_path, monkeypatch):
 def test_the_task_command_runs_lmtrains_main_unless_the_runs_code_predates_it(tmp_path):
     plan = _plan(REPO, str(tmp_path / "runs"))
     folder = plan.paths.submitit_dir
-    assert submit.submit_command(plan).endswith(f"-u -m lmtrain.task.main --signal USR2 {folder}")
+    assert submit.task_command(plan).endswith(f"-u -m lmtrain.task.main --signal USR2 {folder}")
     code = Path(plan.paths.run_dir) / "code"
     (code / "lmtrain").mkdir(parents=True)  # a snapshot taken before lmtrain.task.main existed
-    assert submit.submit_command(plan).endswith(f"-u -m submitit.core._submit {folder}")
+    assert submit.task_command(plan).endswith(f"-u -m submitit.core._submit {folder}")
     (code / "lmtrain" / "task").mkdir()
     (code / "lmtrain" / "task" / "main.py").write_text("")
-    assert submit.submit_command(plan).endswith(f"-u -m lmtrain.task.main --signal USR2 {folder}")
+    assert submit.task_command(plan).endswith(f"-u -m lmtrain.task.main --signal USR2 {folder}")
     # the plan's own warning signal, whichever it is
     environ = {"LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs1"), "HOME": "/home/u", "USER": "u"}
     usr1 = resolve(str(REPO / "jobs" / "tiny-cpu.yaml"), ["preemption.signal=USR1"], cluster="local", environ=environ).plan
-    assert submit.submit_command(usr1).endswith(f"-u -m lmtrain.task.main --signal USR1 {usr1.paths.submitit_dir}")
+    assert submit.task_command(usr1).endswith(f"-u -m lmtrain.task.main --signal USR1 {usr1.paths.submitit_dir}")
