@@ -135,7 +135,7 @@ class Driver:
         trials = st.get_trials(deepcopy=False)
         records = {r.name: r for r in runs.sweep_records(self.search.name, self.env)}
         live = [t for t in trials if t.state.name in ("RUNNING", "WAITING")]
-        ids = [j for t in live for j in (records.get(self.search.run_name(t.number)) or _NO_RECORD).job_ids]
+        ids = [j for t in live if (r := records.get(self.search.run_name(t.number))) for j in r.job_ids]
         try:
             jobs = {j.job_id: j for j in slurm.squeue(ids)} if ids else {}
             answered = True
@@ -199,8 +199,7 @@ class Driver:
             self.say(f"trial {number} ({self.search.run_name(number)}): failed: {s.why}")
 
     def _why(self, st: Any, number: int, why: str) -> None:
-        trial_id = st._storage.get_trial_id_from_study_id_trial_number(st._study_id, number)
-        st._storage.set_trial_user_attr(trial_id, study.WHY_ATTR, why[:1000])
+        st._storage.set_trial_user_attr(study.trial_id(st, number), study.WHY_ATTR, why[:1000])
 
     def _submit(self, st: Any, number: int, params: dict[str, Any]) -> None:
         """Trial ``number``'s run submitted, exactly once: a job SLURM already holds under its name
@@ -256,16 +255,8 @@ class Driver:
         self.say(f"next: lmlaunch sweep results {self.search.name}; lmlaunch report {self.search.name}")
 
 
-class _NoRecord:
-    job_ids: list[str] = []
-
-
-_NO_RECORD = _NoRecord()
-
-
 def _trial(st: Any, number: int) -> Any:
-    trial_id = st._storage.get_trial_id_from_study_id_trial_number(st._study_id, number)
-    return st._storage.get_trial(trial_id)
+    return st._storage.get_trial(study.trial_id(st, number))
 
 
 def _show(v: Any) -> str:

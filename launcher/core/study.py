@@ -181,3 +181,9 @@ def tell(st: Any, number: int, value: float | None = None, *, state: Any = None)
         if "Study.stop" not in str(exc):
             raise
 
+
+def trial_id(st: Any, number: int) -> int:
+    """The storage's id of trial ``number`` of study ``st`` (Optuna's tell and ask take numbers;
+    user attributes and a trial's record need the id)."""
+    return int(st._storage.get_trial_id_from_study_id_trial_number(st._study_id, number))
+
