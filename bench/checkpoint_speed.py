@@ -205,7 +205,7 @@ def run_config(cfg: CkptConfig, *, work: Path, threads: int, stop_after: int, re
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": tp.device_name(), **tp.versions(),
         "model_type": facts["model_type"], "n_params": facts["n_params"],
-        "strategy": plan.training.strategy, "zero_stage": plan.spec["trainer"].get("zero_stage"),
+        "strategy": plan.parallelism.strategy, "zero_stage": plan.parallelism.zero_stage,
         "precision": t.precision, "compile": bool(plan.spec["model"].get("compile")),
         "micro_batch_size": plan.topology.micro_batch_size, "seq_len": int(plan.spec["data"]["seq_len"]),
         "stop_signal": "SIGTERM", "plan_env_applied": env_applied, **stop, **dd, **resumed,

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from launcher.core import memory
+from launcher.core.parallelism import DataParallel
 from launcher.memory_check import setup_of
 from launcher.memory_inputs import model_facts
 from launcher.resolve import resolve
@@ -49,7 +50,8 @@ def against_deepspeed() -> None:
         ranks = r.plan.topology.world_size
         largest_layer = max(p[0] for p in facts.params)
         for stage in (2, 3):
-            setup = dataclasses.replace(setup_of(r.spec, r.plan), strategy="deepspeed", zero_stage=stage,
+            setup = setup_of(r.spec, r.plan)
+            setup = dataclasses.replace(setup, parallelism=setup.parallelism.with_data(DataParallel.ZERO, stage),
                                         offload_optimizer=False, offload_params=False)
             ours = _states(facts, setup)
             if stage == 2:

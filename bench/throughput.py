@@ -378,8 +378,8 @@ def project_side(plan, warmup: int, steps: int) -> dict[str, Any]:
     tokens = steps * topo.micro_batch_size * topo.grad_accum * topo.world_size * int(plan.spec["data"]["seq_len"])
     losses = probe.losses()
     out = {
-        "name": f"project path ({plan.training.strategy}" + (f" ZeRO-{plan.spec['trainer']['zero_stage']}" if plan.training.strategy == "deepspeed" else "") + ")",
-        "strategy": plan.training.strategy, "lightning_strategy": probe.strategy_name, "precision": t.precision,
+        "name": f"project path ({plan.parallelism.describe()})",
+        "strategy": plan.parallelism.strategy, "lightning_strategy": probe.strategy_name, "precision": t.precision,
         "compile": bool(plan.spec["model"].get("compile")), "seconds": probe.t1 - probe.t0, "tokens": tokens,
         "loss_first": losses[0], "loss_last": losses[-1], "max_mem_gib": probe.max_mem_gib,
         # CUDA: host syncs over the timed steps (set_sync_debug_mode), and those on non-logging steps

@@ -294,14 +294,14 @@ def _model_checks(plan: LaunchPlan, profile: Profile, config: Mapping[str, str],
         params, model_vocab = parameter_count(plan.spec["model"])
     except ValueError as exc:  # a model the spec describes but transformers cannot build as meant
         return [Check("model", FAIL, str(exc))]
-    ck_bytes = checkpoint_bytes(params, plan.training.strategy, plan.trainer.precision)
+    ck_bytes = checkpoint_bytes(params, plan.parallelism, plan.trainer.precision)
     run_dir = Path(plan.paths.run_dir)
     measured = measured_checkpoint_seconds(run_dir) if run_dir.is_dir() else None
     checks = judge_preemption(plan, profile, config, part, measured, ck_bytes / ASSUMED_WRITE_BYTES_PER_S)
     keep = job.checkpoint.keep_last + 1  # the kept ones and the one being written
     free, ok, err = probe_dir(Path(plan.paths.checkpoint_dir))
     checks.append(judge_space("checkpoint space", plan.paths.checkpoint_dir, free, ok, err, keep * ck_bytes,
-                              f"{keep} checkpoints of {params / 1e6:,.1f}M parameters ({plan.training.strategy}, "
+                              f"{keep} checkpoints of {params / 1e6:,.1f}M parameters ({plan.parallelism.describe()}, "
                               f"AdamW: {_gb(ck_bytes)} each, estimated)"))
     if not Path(plan.paths.checkpoint_dir).resolve().is_relative_to(run_dir.parent.resolve()):
         free, ok, err = probe_dir(run_dir)

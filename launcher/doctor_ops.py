@@ -16,8 +16,8 @@ def jit_ops(plan: LaunchPlan, offload_optimizer: bool) -> Check | None:
     """Whether the DeepSpeed ops a ZeRO job compiles on first use are built for the tasks'
     interpreter (lmtrain.distributed.jit_ops: one build folder per environment): the CPU shared-memory
     collective on CPU jobs, the CPU Adam under offload_optimizer. None: the job needs none."""
-    ops = ([] if plan.training.strategy != "deepspeed" or plan.trainer.accelerator != "cpu" else ["shm"]) + (
-        ["cpu_adam"] if plan.training.strategy == "deepspeed" and offload_optimizer else [])
+    zero = plan.parallelism.zero
+    ops = (["shm"] if zero and plan.trainer.accelerator == "cpu" else []) + (["cpu_adam"] if zero and offload_optimizer else [])
     if not ops:
         return None
     args = " ".join(f"--op {op}" for op in ops)

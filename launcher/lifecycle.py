@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from launcher import runs, snapshot
 from launcher.core import rundir
@@ -31,6 +30,7 @@ from launcher.core.checkpoint_index import (
 )
 from launcher.core.errors import UserError
 from launcher.core.lr_schedule import extension_note
+from launcher.core.parallelism import Parallelism
 from launcher.core.plan import LaunchPlan
 
 
@@ -268,32 +268,24 @@ def resume_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str
     if ckpt is None:
         return None
     try:
-        meta: dict[str, Any] = ckpt.meta()
-        old_strategy, old_world = str(meta["strategy"]), int(meta["world_size"])
-        old_tp = int(meta.get("tensor_parallel_size") or 1)
+        old = Parallelism.of_meta(ckpt.meta())
     except (OSError, ValueError, KeyError, TypeError):
         return None  # the runtime's own check reports an unreadable checkpoint
-    strategy, world, tp = plan.training.strategy, plan.topology.world_size, plan.topology.tensor_parallel_size
-    if old_strategy != strategy:
+    now = plan.parallelism
+    if not now.same_format(old):
         raise UserError(
             f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
-            f"{old_strategy} and this plan uses {strategy}: each strategy has its own checkpoint format, so it "
-            f"cannot be resumed as it is. Resume with trainer.strategy={old_strategy}, or export it "
+            f"{old.strategy} and this plan uses {now.strategy}: each strategy has its own checkpoint format, so it "
+            f"cannot be resumed as it is. Resume with trainer.strategy={old.strategy}, or export it "
             f"(`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run with model.pretrained: DIR"
         )
-    if (old_world, old_tp) == (world, tp):
+    if now.same_layout(old):
         return None
-    how = {
-        "ddp": "the DDP checkpoint holds full tensors",
-        "fsdp": "torch.distributed.checkpoint reshards the FSDP (and tensor-parallel) shards",
-        "deepspeed": "rank 0 converts the ZeRO checkpoint to DeepSpeed's universal checkpoint when the job starts",
-    }[strategy]
-    written, now = f"{old_world} ranks", f"{world} ranks"
-    if (old_tp, tp) != (1, 1):
-        written += f", data_parallel({old_world // old_tp}) x tensor_parallel({old_tp})"
-        now += f", data_parallel({world // tp}) x tensor_parallel({tp})"
+    split = (old.tensor, old.pipeline, now.tensor, now.pipeline) != (1, 1, 1, 1)  # then both meshes are said
+    how = now.reshard_how()
+    written, now_text = (f"{p.world_size} ranks" + (f", {p.mesh()}" if split else "") for p in (old, now))
     return (
-        f"resuming {ckpt.path.name} (written on {written}) on {now}: {how}; the global batch "
+        f"resuming {ckpt.path.name} (written on {written}) on {now_text}: {how}; the global batch "
         f"stays {plan.topology.global_batch_size} (gradient accumulation {plan.topology.grad_accum} per rank) "
         f"and the data order is kept"
     )

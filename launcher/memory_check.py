@@ -20,12 +20,11 @@ from launcher.memory_inputs import model_facts, unavailable
 def setup_of(spec: JobSpec, plan: LaunchPlan) -> memory.Setup:
     t, zero = spec.trainer, (plan.deepspeed or {}).get("zero_optimization", {})
     return memory.Setup(
-        strategy=t.strategy, zero_stage=t.zero_stage, offload_optimizer=t.offload_optimizer,
-        offload_params=t.offload_params, precision=t.precision, world_size=plan.topology.world_size,
+        parallelism=plan.parallelism, offload_optimizer=t.offload_optimizer,
+        offload_params=t.offload_params, precision=t.precision,
         micro_batch=spec.data.micro_batch_size, global_batch=t.global_batch_size,
         checkpointing=spec.model.activation_checkpointing, gpu=plan.topology.accelerator == "gpu",
         reduce_bucket=int(zero.get("reduce_bucket_size", 500_000_000)), overlap_comm=bool(zero.get("overlap_comm", True)),
-        tensor_parallel=plan.topology.tensor_parallel_size, sequence_parallel=plan.topology.sequence_parallel,
     )
 
 

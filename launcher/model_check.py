@@ -40,9 +40,10 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 def split_of(topology: Topology) -> TensorSplit | None:
     """How the plan splits each model replica (tensor parallelism), for the check; None: not split."""
-    if topology.tensor_parallel_size == 1:
+    par = topology.parallelism
+    if par.tensor == 1:
         return None
-    return TensorSplit(topology.tensor_parallel_size, topology.sequence_parallel)
+    return TensorSplit(par.tensor, par.sequence_parallel)
 
 
 def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None, *,

@@ -381,8 +381,7 @@ def _say_submitted(ctx: Any, plan: LaunchPlan, job_id: str, notes: list[str], *,
     ctx.out(
         f"{'resumed' if resumed else 'submitted'} run '{name}': job {job_id} on partition {s.partition}, "
         f"nodes({t.nodes}) x tasks_per_node({t.tasks_per_node}) = world_size({t.world_size})"
-        + (f" = data_parallel({t.data_parallel_size}) x tensor_parallel({t.tensor_parallel_size})"
-           if t.tensor_parallel_size > 1 else "")
+        + (f" = {t.parallelism.mesh()}" if (t.parallelism.tensor, t.parallelism.pipeline) != (1, 1) else "")
     )
     for note in notes:
         ctx.out(f"note: {note}")

@@ -4,7 +4,6 @@ worst rank, per attempt, at the attempt's own world size (an elastic resume chan
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -30,7 +29,8 @@ def held_against_estimate(run_dir: str | Path) -> list[dict]:
             continue
         world = worlds[e["attempt"]]
         assert len(e["held"]) == world, e
-        setup = dataclasses.replace(setup_of(spec, plan), world_size=world)
+        setup = setup_of(spec, plan)
+        setup = setup.on(setup.parallelism.with_world(world))
         rows = {r.name: r.bytes for r in memory._model_states(facts, setup)}  # no activation trace needed
         out.append({"attempt": e["attempt"], "world_size": world,
                     **{k: (max(rank[k] for rank in e["held"]), rows[name]) for k, name in STATES.items()}})

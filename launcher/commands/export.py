@@ -79,8 +79,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     chosen = describe_choice(ckpt_dir, ckpt) if args.step is not None or ckpt.step == ckpts[-1].step \
         else f"step-{ckpt.step} (the newest whose files match their checksums)"
     ctx.out(
-        f"exported {run_dir.name} {chosen} to {out}: {summary['strategy']}"
-        f"{' x tensor_parallel(' + str(summary['tensor_parallel_size']) + ')' if summary.get('tensor_parallel_size', 1) > 1 else ''}, "
+        f"exported {run_dir.name} {chosen} to {out}: {summary['parallelism']}, "
         f"{summary['parameters']:,} parameters, {summary['tokenizer']} tokenizer\n"
         f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}); fine-tune it: model.pretrained: {out}"
     )

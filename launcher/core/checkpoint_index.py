@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.core.atomic import write_private
+from launcher.core.parallelism import Parallelism
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
 
@@ -54,18 +55,10 @@ _READ = 8 << 20
 # submitting (about 4 s at 2 GB/s); a larger one is checked by the job's ranks as they load it,
 # each its share in parallel, falling back the same way.
 LOGIN_VERIFY_BYTES = 8 << 30
-# Bytes per parameter of a checkpoint with AdamW: fp32 weights + two fp32 moments (DDP, FSDP);
-# DeepSpeed also keeps the fp32 master copy beside bf16/fp16 module weights.
-BYTES_PER_PARAM = {"ddp": 12, "fsdp": 12, "deepspeed_mixed": 14, "deepspeed_fp32": 12}
-
-
-def checkpoint_bytes(params: int, strategy: str, precision: str) -> int:
+def checkpoint_bytes(params: int, parallelism: Parallelism, precision: str) -> int:
     """The size of one checkpoint (all ranks together), estimated from the parameter count: what
     ``lmlaunch doctor`` plans room for and what a save checks is free before its first one."""
-    key = strategy
-    if strategy == "deepspeed":
-        key = "deepspeed_fp32" if precision.startswith("32") else "deepspeed_mixed"
-    return params * BYTES_PER_PARAM[key]
+    return params * parallelism.checkpoint_bytes_per_param(precision)
 
 
 def incomplete_reason(path: Path) -> str | None:

@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from launcher.core.parallelism import DataParallel, Parallelism
+
 GB = 1e9
 USABLE_FRACTION = 0.90
 FRAMEWORK_BYTES = int(1.5 * (1 << 30))  # CUDA context (~0.5 GiB), cuBLAS workspaces, NCCL buffers (~1 GiB)
@@ -69,24 +71,40 @@ class ModelFacts:
 class Setup:
     """The settings the memory depends on (from the plan; the fixes change them)."""
 
-    strategy: str
-    zero_stage: int | None
+    parallelism: Parallelism
     offload_optimizer: bool
     offload_params: bool
     precision: str
-    world_size: int
     micro_batch: int
     global_batch: int
     checkpointing: bool
     gpu: bool
     reduce_bucket: int = 500_000_000
     overlap_comm: bool = True
-    tensor_parallel: int = 1  # FSDP2 x TP: each model replica split over this many ranks
-    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.world_size
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self.parallelism.zero_stage
+
+    @property
+    def tensor_parallel(self) -> int:
+        """FSDP2 x TP: each model replica split over this many ranks."""
+        return self.parallelism.tensor
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.parallelism.sequence_parallel
 
     @property
     def data_parallel(self) -> int:
-        return max(1, self.world_size // self.tensor_parallel)
+        return self.parallelism.data_parallel_size
+
+    def on(self, parallelism: Parallelism) -> Setup:
+        return replace(self, parallelism=parallelism)
 
     @property
     def accumulation(self) -> int:
@@ -122,13 +140,9 @@ class Breakdown:
                 "usable": self.usable, "fits": self.fits}
 
 
-def compute_mode(strategy: str, precision: str) -> str:
-    """How the forward computes: Lightning's mixed precision runs the fp32 model under autocast;
-    DeepSpeed casts the model itself."""
-    kind = _PRECISION_KIND[precision]
-    if kind == "fp32":
-        return "fp32"
-    return kind if strategy == "deepspeed" else f"autocast-{kind}"
+def compute_mode(parallelism: Parallelism, precision: str) -> str:
+    """How the forward computes (:meth:`Parallelism.compute_mode`) at a Lightning precision."""
+    return parallelism.compute_mode(_PRECISION_KIND[precision])
 
 
 def _groups(params: Sequence[tuple[int, int, int, int]]) -> list[list[int]]:
@@ -157,7 +171,7 @@ def _zero12(sizes: list[list[int]], world: int) -> tuple[int, int, int]:
 
 def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
     w, n_tensors = s.world_size, len(f.params)
-    if s.strategy == "deepspeed":
+    if s.parallelism.zero:
         kind = _PRECISION_KIND[s.precision]
         low = _BYTES[kind]
         sizes = _groups(f.params)
@@ -182,7 +196,7 @@ def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
             Row("optimizer states", opt, "on the host (offload_optimizer)" if s.offload_optimizer else
                 f"fp32 master weights + AdamW moments, 1/{w} each"),
         ]
-    if s.strategy == "fsdp":
+    if s.parallelism.fsdp:
         local = sum(_fsdp_local(f, i, s) for i in range(len(f.params)))
         how = f"fp32, dim-0 shards, 1/{w} each (FSDP2)"
         if s.tensor_parallel > 1:
@@ -221,7 +235,7 @@ def _trace(f: ModelFacts, compute: str, checkpointing: bool, micro_batch: int) -
 
 
 def _activations(f: ModelFacts, s: Setup) -> list[Row]:
-    compute = compute_mode(s.strategy, s.precision)
+    compute = compute_mode(s.parallelism, s.precision)
     saved, head = _trace(f, compute, s.checkpointing, s.micro_batch)
     tokens = s.micro_batch * f.seq_len
     low = 4 if compute == "fp32" else 2
@@ -242,7 +256,7 @@ def _activations(f: ModelFacts, s: Setup) -> list[Row]:
 
 def _buffers(f: ModelFacts, s: Setup) -> Row:
     largest = max((sum(p[0] for p in f.params if p[3] == b) for b in range(f.blocks)), default=0)
-    if s.strategy == "deepspeed":
+    if s.parallelism.zero:
         low = _BYTES[_PRECISION_KIND[s.precision]]
         if s.zero_stage == 3:
             persistent = sum(p[0] for p in f.params if p[0] <= ZERO3_PERSISTENCE)
@@ -253,10 +267,10 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
         buckets = 2 if s.overlap_comm else 1
         return Row("communication buffers", buckets * reduce * s.reduce_bucket,
                    f"{buckets} gradient reduction bucket(s) of {s.reduce_bucket:,} elements")
-    if s.strategy == "fsdp":
+    if s.parallelism.fsdp:
         root = sum(p[0] for p in f.params if p[3] < 0)
         if s.tensor_parallel > 1:  # FSDP2 gathers over the data dimension only: TP parts
-            whole = replace(s, world_size=s.tensor_parallel)  # data_parallel 1: a gathered TP part
+            whole = s.on(s.parallelism.with_world(s.tensor_parallel))  # data_parallel 1: a gathered TP part
             root = sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] < 0)
             largest = max((sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] == b)
                            for b in range(f.blocks)), default=0)
@@ -292,6 +306,7 @@ class Fix:
         return [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in self.changes]
 
 
+_ZERO, _SHARD = DataParallel.ZERO.value, DataParallel.SHARD.value  # the spec's words, in the fixes' overrides
 _STRATEGY_COST = "same communication volume as DDP (reduce-scatter and all-gather instead of all-reduce)"
 _GATHER_COST = "~1.5x DDP's communication (parameters gathered in forward and again in backward)"
 _MICRO_COST = "same tokens per step; smaller kernels, more micro steps"
@@ -300,14 +315,15 @@ _CKPT_COST = "~+33 % compute (each block's forward runs again in backward)"
 
 def _single_changes(s: Setup) -> list[tuple[tuple[tuple[str, Any], ...], Setup, str, int]]:
     out: list[tuple[tuple[tuple[str, Any], ...], Setup, str, int]] = []
-    if s.strategy == "ddp":
+    par = s.parallelism
+    if par.replicated:
         for stage in (1, 2):
-            out.append(((("trainer.strategy", "deepspeed"), ("trainer.zero_stage", stage)),
-                        replace(s, strategy="deepspeed", zero_stage=stage), _STRATEGY_COST, 0))
-        out.append(((("trainer.strategy", "fsdp"),), replace(s, strategy="fsdp"), _GATHER_COST, 2))
-    if s.strategy == "deepspeed" and (s.zero_stage or 0) < 3:
+            out.append(((("trainer.strategy", _ZERO), ("trainer.zero_stage", stage)),
+                        s.on(par.with_data(DataParallel.ZERO, stage)), _STRATEGY_COST, 0))
+        out.append(((("trainer.strategy", _SHARD),), s.on(par.with_data(DataParallel.SHARD)), _GATHER_COST, 2))
+    if par.zero and (s.zero_stage or 0) < 3:
         for stage in range((s.zero_stage or 0) + 1, 4):
-            out.append(((("trainer.zero_stage", stage),), replace(s, zero_stage=stage),
+            out.append(((("trainer.zero_stage", stage),), s.on(par.with_data(DataParallel.ZERO, stage)),
                         _GATHER_COST if stage == 3 else _STRATEGY_COST, 2 if stage == 3 else 0))
     mb = s.micro_batch
     while mb > 1 and mb % 2 == 0:
@@ -316,10 +332,10 @@ def _single_changes(s: Setup) -> list[tuple[tuple[tuple[str, Any], ...], Setup, 
                     f"{_MICRO_COST} (accumulation {s.global_batch // (mb * s.data_parallel)})", 1))
     if not s.checkpointing:
         out.append(((("model.activation_checkpointing", True),), replace(s, checkpointing=True), _CKPT_COST, 3))
-    if s.strategy == "deepspeed" and (s.zero_stage or 0) >= 2 and not s.offload_optimizer:
+    if par.zero and (s.zero_stage or 0) >= 2 and not s.offload_optimizer:
         out.append(((("trainer.offload_optimizer", True),), replace(s, offload_optimizer=True),
                     "the optimizer step on the CPU: PCIe transfers and CPU AdamW every step", 4))
-    if s.strategy == "deepspeed" and s.zero_stage == 3 and not s.offload_params:
+    if par.zero and s.zero_stage == 3 and not s.offload_params:
         out.append(((("trainer.offload_params", True),), replace(s, offload_params=True),
                     "parameters cross PCIe for every forward and backward", 5))
     return out
@@ -338,13 +354,14 @@ def fixes(f: ModelFacts, s: Setup, capacity: int) -> list[Fix]:
 def best_fit(f: ModelFacts, s: Setup, capacity: int) -> Fix | None:
     """The combination with the largest micro batch that fits, keeping the global batch: ZeRO
     stage or strategy, activation checkpointing, offload; among equal micro batches the cheapest."""
+    par = s.parallelism
     strategies: list[tuple[tuple[tuple[str, Any], ...], dict[str, Any], int]] = [((), {}, 0)]
-    if s.strategy == "ddp":
-        strategies += [((("trainer.strategy", "deepspeed"), ("trainer.zero_stage", z)),
-                        {"strategy": "deepspeed", "zero_stage": z}, 0 if z < 3 else 2) for z in (1, 2, 3)]
-        strategies.append(((("trainer.strategy", "fsdp"),), {"strategy": "fsdp"}, 2))
-    elif s.strategy == "deepspeed":
-        strategies += [((("trainer.zero_stage", z),), {"zero_stage": z}, 0 if z < 3 else 2)
+    if par.replicated:
+        strategies += [((("trainer.strategy", _ZERO), ("trainer.zero_stage", z)),
+                        {"parallelism": par.with_data(DataParallel.ZERO, z)}, 0 if z < 3 else 2) for z in (1, 2, 3)]
+        strategies.append(((("trainer.strategy", _SHARD),), {"parallelism": par.with_data(DataParallel.SHARD)}, 2))
+    elif par.zero:
+        strategies += [((("trainer.zero_stage", z),), {"parallelism": par.with_data(DataParallel.ZERO, z)}, 0 if z < 3 else 2)
                        for z in range((s.zero_stage or 0) + 1, 4)]
     per_rank = s.global_batch // s.data_parallel
     micro = sorted({m for m in range(1, per_rank + 1) if per_rank % m == 0}, reverse=True)
@@ -354,7 +371,7 @@ def best_fit(f: ModelFacts, s: Setup, capacity: int) -> Fix | None:
             for ckpt in sorted({s.checkpointing, True}):
                 for offload in (False, True):
                     setup = replace(s, micro_batch=mb, checkpointing=ckpt, **update)
-                    if offload and not (setup.strategy == "deepspeed" and (setup.zero_stage or 0) >= 2):
+                    if offload and not (setup.parallelism.zero and (setup.zero_stage or 0) >= 2):
                         continue
                     setup = replace(setup, offload_optimizer=setup.offload_optimizer or offload)
                     b = estimate(f, setup, capacity)

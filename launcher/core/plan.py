@@ -13,12 +13,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher.core.parallelism import Parallelism
 from launcher.core.planned_env import EnvOverride
 from launcher.core.spec import JobSpec, PreemptionSpec
 
 # 2: `trainer` is exactly the Trainer's keyword arguments (TrainerPlan); `training` holds the rest.
-PLAN_VERSION = 2
-READABLE_PLAN_VERSIONS = (1, 2)  # a requeued attempt reads the plan.json its submission wrote
+# 3: how the model is split is one record, `topology.parallelism` (was training.strategy and
+#    topology.tensor_parallel_size / sequence_parallel).
+PLAN_VERSION = 3
+READABLE_PLAN_VERSIONS = (1, 2, 3)  # a requeued attempt reads the plan.json its submission wrote
 TASK_TARGET = "lmtrain.task.train_task:TrainTask"
 
 
@@ -68,7 +71,6 @@ class TrainerPlan:
 class TrainingPlan:
     """What the allocation builds besides the Trainer's arguments."""
 
-    strategy: str  # ddp | deepspeed | fsdp (lmtrain.distributed.strategies builds the object)
     process_group_backend: str  # nccl on GPUs, gloo on CPU processes
     seed: int
     gradient_clip_val: float | None  # applied by the module (TrainerPlan.gradient_clip_val is None)
@@ -107,24 +109,26 @@ class Topology:
     micro_batch_size: int
     grad_accum: int
     global_batch_size: int
-    tensor_parallel_size: int = 1  # ranks of one model replica's TP group, inside a node (plans before it: 1)
-    sequence_parallel: bool = False
+    parallelism: Parallelism  # how the model is split over the world (launcher.core.parallelism)
 
     @property
     def data_parallel_size(self) -> int:
         """Model replicas: ranks that read different samples (tensor-parallel ranks read the same)."""
-        return self.world_size // self.tensor_parallel_size
+        return self.parallelism.data_parallel_size
 
     def batch_arithmetic(self) -> str:
-        """How the global batch is made, with the device mesh when tensor parallelism splits it."""
-        if self.tensor_parallel_size == 1:
+        """How the global batch is made, with the device mesh when the model is split."""
+        par = self.parallelism
+        if (par.tensor, par.pipeline) == (1, 1):
             return (f"micro_batch({self.micro_batch_size}) x accumulation({self.grad_accum}) x "
                     f"world_size({self.world_size}) = global_batch({self.global_batch_size})")
-        sp = ", sequence parallel" if self.sequence_parallel else ""
-        return (f"mesh: data_parallel({self.data_parallel_size}) x tensor_parallel({self.tensor_parallel_size}"
-                f"{sp}, inside each node) = world_size({self.world_size}); micro_batch({self.micro_batch_size}) x "
-                f"accumulation({self.grad_accum}) x data_parallel({self.data_parallel_size}) = "
-                f"global_batch({self.global_batch_size})")
+        sp = ", sequence parallel" if par.sequence_parallel else ""
+        dims = [f"data_parallel({par.data_parallel_size})"]
+        dims += [f"tensor_parallel({par.tensor}{sp}, inside each node)"] if par.tensor > 1 else []
+        dims += [f"pipeline_parallel({par.pipeline})"] if par.pipeline > 1 else []
+        return (f"mesh: {' x '.join(dims)} = world_size({self.world_size}); "
+                f"micro_batch({self.micro_batch_size}) x accumulation({self.grad_accum}) x "
+                f"data_parallel({self.data_parallel_size}) = global_batch({self.global_batch_size})")
 
     def arithmetic(self) -> str:
         return (f"nodes({self.nodes}) x tasks_per_node({self.tasks_per_node}) = world_size({self.world_size}); "
@@ -206,8 +210,15 @@ class LaunchPlan:
     trial: dict[str, Any] | None = None
     """The search trial this run is (launcher.core.study.TrialPlan.to_json): its rank 0 reports the metric to the study; None: not a trial."""
 
+    @property
+    def parallelism(self) -> Parallelism:
+        """How the model is split over the ranks (the planner made it; everyone asks it)."""
+        return self.topology.parallelism
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["topology"]["parallelism"] = self.parallelism.to_json()
+        return d
 
     def job_spec(self) -> JobSpec:
         """The job spec, typed (validated again: cheap, and the runtime never indexes strings)."""
@@ -230,13 +241,17 @@ class LaunchPlan:
             )
         if version == 1:
             d = _upgrade_v1(d)
+        if d["version"] == 2:
+            d = _upgrade_v2(d)
+        topology = dict(d["topology"])
+        topology["parallelism"] = Parallelism.from_json(topology["parallelism"])
         return cls(
             **{
                 **d,
                 "trainer": TrainerPlan(**d["trainer"]),
                 "training": TrainingPlan(**d["training"]),
                 "preemption": PreemptionPlan(**d["preemption"]),
-                "topology": Topology(**d["topology"]),
+                "topology": Topology(**topology),
                 "slurm": SlurmParams(**d["slurm"]),
                 "paths": RunPaths(**d["paths"]),
                 "env_overrides": tuple(EnvOverride(**o) for o in d["env_overrides"]),
@@ -261,7 +276,16 @@ def _upgrade_v1(d: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=int(t["limit_val_batches"]), log_every_n_steps=int(t["log_every_n_steps"]),
         default_root_dir=d["paths"]["run_dir"],
     )
-    training = TrainingPlan(strategy=t["strategy"], process_group_backend=t["process_group_backend"],
-                            seed=int(t["seed"]), gradient_clip_val=t["gradient_clip_val"])
-    return {**d, "version": PLAN_VERSION, "trainer": dataclasses.asdict(trainer),
-            "training": dataclasses.asdict(training)}
+    training = {"strategy": t["strategy"], "process_group_backend": t["process_group_backend"],
+                "seed": int(t["seed"]), "gradient_clip_val": t["gradient_clip_val"]}
+    return {**d, "version": 2, "trainer": dataclasses.asdict(trainer), "training": training}
+
+
+def _upgrade_v2(d: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 named the strategy in ``training`` and the tensor-parallel size in ``topology``."""
+    training, topology = dict(d["training"]), dict(d["topology"])
+    par = Parallelism.of(training.pop("strategy"), topology["world_size"],
+                         zero_stage=(d.get("spec") or {}).get("trainer", {}).get("zero_stage"),
+                         tensor=topology.pop("tensor_parallel_size", 1),
+                         sequence_parallel=topology.pop("sequence_parallel", False))
+    return {**d, "version": PLAN_VERSION, "training": training, "topology": {**topology, "parallelism": par.to_json()}}

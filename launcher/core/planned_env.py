@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from launcher.core.parallelism import DataParallel
 from launcher.core.profiles import Profile
 from launcher.core.rundir import CODE_DIR
 from launcher.core.spec import JobSpec
@@ -63,7 +64,7 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
             f"{run_dir}/logs/nccl-flight-rank-",
             "the flight recorder dump goes into the run directory (torch appends the rank)",
         )
-    if spec.trainer.strategy == "deepspeed" and spec.resources.gpus_per_node == 0:
+    if DataParallel(spec.trainer.strategy) is DataParallel.ZERO and spec.resources.gpus_per_node == 0:
         put(
             "DS_ACCELERATOR",
             "cpu",

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 from launcher.core import container, rundir, site_options
 from launcher.core.deepspeed_config import render_deepspeed
 from launcher.core.errors import SpecError, did_you_mean
+from launcher.core.parallelism import Parallelism
 from launcher.core.plan import (
     PLAN_VERSION,
     TASK_TARGET,
@@ -62,8 +63,7 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
         micro_batch_size=mbs,
         grad_accum=max(gbs // per_step, 1),
         global_batch_size=gbs,
-        tensor_parallel_size=tp or 1,
-        sequence_parallel=spec.trainer.sequence_parallel,
+        parallelism=Parallelism.of_trainer(spec.trainer, world, tensor=tp or 1),
     )
 
 
@@ -97,9 +97,9 @@ def _tensor_parallel_notes(topo: Topology, env: Mapping[str, str], reasons: Mapp
     """What tensor parallelism needs of NCCL inside the node: an all-reduce (or gather and
     scatter) per block in forward and backward, over the node's NVLink/NVSwitch peer-to-peer
     path; the presets that take that path away, said with their reasons."""
-    if topo.tensor_parallel_size == 1 or topo.accelerator != "gpu":
+    if topo.parallelism.tensor == 1 or topo.accelerator != "gpu":
         return ()
-    notes = [f"tensor_parallel({topo.tensor_parallel_size}) runs its collectives inside each node, twice per "
+    notes = [f"tensor_parallel({topo.parallelism.tensor}) runs its collectives inside each node, twice per "
              f"block per step: they need NCCL's peer-to-peer path over NVLink/NVSwitch"
              + (" (NCCL_NVLS_ENABLE=1: NVLink SHARP serves them)" if env.get("NCCL_NVLS_ENABLE") == "1" else "")]
     for name, (bad, what) in _TP_SLOW_PATHS.items():
@@ -202,7 +202,6 @@ def _trainer_plans(spec: JobSpec, topo: Topology, run_dir: str) -> tuple[Trainer
         default_root_dir=run_dir,
     )
     training = TrainingPlan(
-        strategy=t.strategy,
         process_group_backend="nccl" if topo.accelerator == "gpu" else "gloo",
         seed=t.seed,
         gradient_clip_val=t.gradient_clip_val,
@@ -255,7 +254,7 @@ def _container(spec: JobSpec, profile: Profile, paths: RunPaths, runs_root: str,
                             gpus_per_node=spec.resources.gpus_per_node)
 
 
-def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
+def run_paths(spec: JobSpec, runs_root: str, *, uses_deepspeed: bool) -> RunPaths:
     """The plan's record of the run directory's paths, as :class:`launcher.core.rundir.RunLayout`
     (their one speller) places them; the checkpoint directory where the spec puts it."""
     layout = rundir.RunLayout.of(str(PurePosixPath(runs_root) / spec.name))
@@ -268,7 +267,7 @@ def run_paths(spec: JobSpec, runs_root: str) -> RunPaths:
         ledger=str(layout.ledger),
         plan_json=str(layout.plan),
         spec_yaml=str(layout.spec_yaml),
-        deepspeed_json=str(layout.deepspeed_json) if spec.trainer.strategy == "deepspeed" else None,
+        deepspeed_json=str(layout.deepspeed_json) if uses_deepspeed else None,
     )
 
 
@@ -306,7 +305,7 @@ def make_plan(
     problems: list[str] = []
     topo = _topology(spec, profile, problems)
     problems += _strategy_problems(spec, topo)
-    paths = run_paths(spec, runs_root)
+    paths = run_paths(spec, runs_root, uses_deepspeed=topo.parallelism.zero)
     slurm = _slurm(spec, profile, topo, paths, problems)
     if problems:
         raise SpecError(problems)
@@ -315,7 +314,7 @@ def make_plan(
     env = render_env(spec, profile, run_dir=paths.run_dir, cpus_per_task=slurm.cpus_per_task)
     trainer, training, trainer_notes = _trainer_plans(spec, topo, paths.run_dir)
     deepspeed = None
-    if training.strategy == "deepspeed":
+    if topo.parallelism.zero:
         deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum)
     box = _container(spec, profile, paths, runs_root, python, host_python_dirs, env.values, problems)
     if problems:

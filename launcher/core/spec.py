@@ -15,6 +15,7 @@ from launcher.core import site_options
 from launcher.core.container import ContainerSpec
 from launcher.core.model_config import check_model_config
 from launcher.core.model_types import causal_lm_types, composite_reason
+from launcher.core.parallelism import trainer_problem
 from launcher.core.slurm import parse_duration
 from launcher.core.strict_model import StrictModel
 from launcher.core.text_rules import (
@@ -248,7 +249,7 @@ class DataSpec(StrictModel):
 class TrainerSpec(StrictModel):
     """Lightning Trainer settings; gradient accumulation is derived from global_batch_size."""
 
-    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"  # launcher.core.parallelism.DataParallel
     """Distributed strategy, on GPUs and on CPU processes alike: ddp; fsdp (FSDP2, each transformer block sharded, DCP checkpoints); deepspeed (ZeRO stage zero_stage; its CPU accelerator on CPU jobs)."""
     zero_stage: Literal[1, 2, 3] | None = None
     """DeepSpeed ZeRO stage (strategy deepspeed only)."""
@@ -278,32 +279,11 @@ class TrainerSpec(StrictModel):
     """Seed for model init, data order and dropout (0 to 2**32-1, what numpy accepts)."""
 
     @model_validator(mode="after")
-    def _zero(self) -> TrainerSpec:
-        if self.zero_stage is not None and self.strategy != "deepspeed":
-            raise ValueError(
-                f"trainer.zero_stage({self.zero_stage}) needs trainer.strategy: deepspeed "
-                f"(strategy is '{self.strategy}')"
-            )
-        if self.strategy == "deepspeed" and self.zero_stage is None:
-            raise ValueError("trainer.strategy deepspeed needs trainer.zero_stage (1, 2 or 3)")
-        if self.offload_optimizer and (self.zero_stage or 0) < 2:
-            raise ValueError(
-                f"trainer.offload_optimizer needs DeepSpeed zero_stage >= 2 (zero_stage is {self.zero_stage})"
-            )
-        if self.tensor_parallel_size > 1 and self.strategy != "fsdp":
-            raise ValueError(
-                f"trainer.tensor_parallel_size({self.tensor_parallel_size}) needs trainer.strategy: fsdp "
-                f"(FSDP2 over the data-parallel ranks, TP inside each node); strategy is '{self.strategy}'"
-            )
-        if self.sequence_parallel and self.tensor_parallel_size < 2:
-            raise ValueError(
-                "trainer.sequence_parallel splits the sequence over the tensor-parallel ranks: it needs "
-                f"trainer.tensor_parallel_size >= 2 (it is {self.tensor_parallel_size})"
-            )
-        if self.offload_params and self.zero_stage != 3:
-            raise ValueError(
-                f"trainer.offload_params needs DeepSpeed zero_stage 3 (zero_stage is {self.zero_stage})"
-            )
+    def _parallelism(self) -> TrainerSpec:
+        problem = trainer_problem(self.strategy, self.zero_stage, self.tensor_parallel_size, self.sequence_parallel,
+                                  self.offload_optimizer, self.offload_params)
+        if problem:
+            raise ValueError(problem)
         return self
 
 

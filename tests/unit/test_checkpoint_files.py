@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+from launcher.core.parallelism import Parallelism
 from lmtrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
@@ -33,7 +34,7 @@ class SaveEveryStep(pl.Callback):
 
 
 def _train_saving_each_step(ckpt_dir, steps: int, keep_last: int):
-    manager = CheckpointManager(ckpt_dir, keep_last=keep_last, every_n_steps=1, strategy="ddp", zero_stage=None,
+    manager = CheckpointManager(ckpt_dir, keep_last=keep_last, every_n_steps=1, parallelism=Parallelism.of("ddp", 1),
                                 identity={"job_id": "7", "attempt": 1})
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveEveryStep(manager)])
@@ -66,7 +67,7 @@ def test_incomplete_directories_are_never_resumed_from(tmp_path):
     (ckpt / ".step-11.tmp").mkdir()
     (ckpt / "latest").write_text("step-9\n")  # even a pointer to it is not trusted
     assert newest_complete(ckpt).step == 2
-    CheckpointManager(ckpt, keep_last=5, every_n_steps=1, strategy="ddp", zero_stage=None, identity={}).prune()
+    CheckpointManager(ckpt, keep_last=5, every_n_steps=1, parallelism=Parallelism.of("ddp", 1), identity={}).prune()
     assert not (ckpt / ".step-11.tmp").exists()
     assert (ckpt / "step-9").exists()  # newer than the newest complete one: left for inspection
 
@@ -93,23 +94,23 @@ def _fake_complete(tmp_path, **meta):
 def test_zero_checkpoint_on_another_world_size_loads_only_through_its_universal_form(tmp_path):
     ckpt = _fake_complete(tmp_path, strategy="deepspeed", zero_stage=3, world_size=16)
     with pytest.raises(CheckpointError) as e:
-        check_compatible(ckpt, strategy="deepspeed", world_size=8)
+        check_compatible(ckpt, Parallelism.of("deepspeed", 8, zero_stage=2))
     msg = str(e.value)
     assert "ZeRO-3 on 16 ranks and this attempt has 8" in msg
     assert "converting it to DeepSpeed's universal checkpoint failed (no conversion was attempted)" in msg
-    check_compatible(ckpt, strategy="deepspeed", world_size=16)  # same size: fine
+    check_compatible(ckpt, Parallelism.of("deepspeed", 16, zero_stage=2))  # same size: fine
     universal = ckpt.path.parent / f"universal-{ckpt.path.name}"
     universal.mkdir()
     (universal / "COMPLETE").write_text("10\n")  # what lmtrain.checkpoint.elastic leaves when the conversion is done
-    check_compatible(ckpt, strategy="deepspeed", world_size=8)
+    check_compatible(ckpt, Parallelism.of("deepspeed", 8, zero_stage=2))
 
 
 def test_a_checkpoint_of_another_strategy_is_refused(tmp_path):
     ckpt = _fake_complete(tmp_path, strategy="fsdp", zero_stage=None, world_size=2)
     with pytest.raises(CheckpointError, match="written with strategy fsdp and this attempt uses ddp"):
-        check_compatible(ckpt, strategy="ddp", world_size=2)
+        check_compatible(ckpt, Parallelism.of("ddp", 2, zero_stage=2))
 
 
 def test_ddp_checkpoint_may_resume_on_another_world_size(tmp_path):
     ckpt = _fake_complete(tmp_path, strategy="ddp", zero_stage=None, world_size=2)
-    check_compatible(ckpt, strategy="ddp", world_size=4)
+    check_compatible(ckpt, Parallelism.of("ddp", 4, zero_stage=2))

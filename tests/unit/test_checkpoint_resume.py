@@ -115,7 +115,7 @@ def _ledger(run_dir: str) -> list[dict]:
 def test_run_stopped_at_a_validation_step_and_resumed_is_bit_identical_to_uninterrupted(repo, runs_root, devices, strategy):
     straight = _plan(repo, f"straight-{devices}", devices, strategy)
     assert _launch(straight, stop_at=0) == 0
-    assert json.loads(Path(straight.paths.plan_json).read_text())["training"]["strategy"] == strategy.rstrip("123").replace("zero", "deepspeed")
+    assert json.loads(Path(straight.paths.plan_json).read_text())["topology"]["parallelism"]["strategy"] == strategy.rstrip("123").replace("zero", "deepspeed")
     # the Trainer got exactly the plan's Trainer arguments (what the dry run prints)
     built = json.loads(Path(straight.paths.run_dir, "trainer-args.json").read_text())
     assert built == straight.trainer.kwargs()

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from launcher import doctor
+from launcher.core.parallelism import Parallelism
 from launcher.core.profiles import load_profile
 from launcher.resolve import resolve
 
@@ -106,8 +107,9 @@ def test_data_rules():
 
 
 def test_space_and_checkpoint_size():
-    assert doctor.checkpoint_bytes(1_000_000, "ddp", "32-true") == 12_000_000
-    assert doctor.checkpoint_bytes(1_000_000, "deepspeed", "bf16-mixed") == 14_000_000
+    assert doctor.checkpoint_bytes(1_000_000, Parallelism.of("ddp", 2), "32-true") == 12_000_000
+    assert doctor.checkpoint_bytes(1_000_000, Parallelism.of("deepspeed", 2, zero_stage=3), "bf16-mixed") == 14_000_000
+    assert doctor.checkpoint_bytes(1_000_000, Parallelism.of("deepspeed", 2, zero_stage=3), "32-true") == 12_000_000
     assert doctor.judge_space("checkpoint space", "/c", 10, True, None, 100, "x").status == "fail"
     assert doctor.judge_space("checkpoint space", "/c", 1000, True, None, 100, "x").status == "ok"
     assert doctor.judge_space("checkpoint space", "/c", 1000, False, "Read-only file system", 100, "x").status == "fail"

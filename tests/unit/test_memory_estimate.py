@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from launcher.core import memory
+from launcher.core.parallelism import DataParallel, Parallelism
 from launcher.jobfile import load_job
 from launcher.memory_inputs import model_facts
 from lmtrain.model.causal_lm import attention_for, build_config, model_settings
@@ -84,18 +85,19 @@ def test_rows_follow_the_engines_accounting():
     """The arithmetic on a model whose numbers are easy to follow: 2 parameters of 10 and 7 elements."""
     facts = memory.ModelFacts(params=((10, 5, 2, 0), (7, 7, 1, -1)), blocks=1, vocab_size=4, seq_len=8,
                               traces={("fp32", False): (100, 10, 180, 20), ("bf16", False): (50, 5, 90, 10)})
-    base = memory.Setup(strategy="ddp", zero_stage=None, offload_optimizer=False, offload_params=False,
-                        precision="32-true", world_size=2, micro_batch=3, global_batch=6, checkpointing=False, gpu=False)
+    ddp = Parallelism.of("ddp", 2)
+    base = memory.Setup(parallelism=ddp, offload_optimizer=False, offload_params=False,
+                        precision="32-true", micro_batch=3, global_batch=6, checkpointing=False, gpu=False)
     rows = {r.name: r.bytes for r in memory.estimate(facts, base).rows}
     assert rows["parameters"] == 4 * 17 and rows["gradients"] == 4 * 17 and rows["optimizer states"] == 8 * 17 + 8
     assert rows["activations"] == (100 + 2 * 80) - (10 + 2 * 10)  # micro batch 3, linear from 1 and 2
-    fsdp = {r.name: r.bytes for r in memory.estimate(facts, memory.Setup(**{**base.__dict__, "strategy": "fsdp"})).rows}
+    fsdp = {r.name: r.bytes for r in memory.estimate(facts, base.on(ddp.with_data(DataParallel.SHARD))).rows}
     assert fsdp["parameters"] == 4 * (3 * 2 + 4 * 1)  # ceil(5/2)=3 rows of 2; ceil(7/2)=4 rows of 1
-    z2 = memory.Setup(**{**base.__dict__, "strategy": "deepspeed", "zero_stage": 2, "precision": "bf16-mixed"})
+    z2 = dataclasses.replace(base, parallelism=ddp.with_data(DataParallel.ZERO, 2), precision="bf16-mixed")
     rows = {r.name: r.bytes for r in memory.estimate(facts, z2).rows}
     # groups [10] and [7] padded to multiples of 4: 12 and 8, parts 6 and 4; rank 1 holds 10 + 7 gradient elements
     assert rows["parameters"] == 2 * 20 and rows["optimizer states"] == 12 * 10 + 8 and rows["gradients"] == 2 * 17
-    z3 = memory.Setup(**{**z2.__dict__, "zero_stage": 3})
+    z3 = z2.on(ddp.with_data(DataParallel.ZERO, 3))
     rows = {r.name: r.bytes for r in memory.estimate(facts, z3).rows}
     assert rows["parameters"] == 2 * (5 + 4) and rows["optimizer states"] == 12 * 9 + 8
 
@@ -162,8 +164,8 @@ def test_a_7b_model_under_ddp_is_refused_with_ranked_fixes_and_the_first_one_val
     assert 256 % (micro * 32) == 0  # the global batch kept: 256 = micro x accumulation x 32 ranks
     for b in (4, 8):  # a larger micro batch does not fit even with the least memory the search allows
         if b > micro:
-            least = dataclasses.replace(got.setup, micro_batch=b, strategy="deepspeed", zero_stage=3,
-                                        checkpointing=True, offload_optimizer=True)
+            least = dataclasses.replace(got.setup, micro_batch=b, checkpointing=True, offload_optimizer=True,
+                                        parallelism=got.setup.parallelism.with_data(DataParallel.ZERO, 3))
             assert not m.estimate(got.facts, least, got.breakdown.capacity).fits
 
 

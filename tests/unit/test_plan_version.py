@@ -12,15 +12,26 @@ from launcher.core.plan import PLAN_VERSION, LaunchPlan, PlanVersionError
 from launcher.resolve import resolve
 
 
-def _plan(repo, *overrides: str) -> LaunchPlan:
+def _plan(repo, *overrides: str, job: str = "tiny-cpu.yaml") -> LaunchPlan:
     environ = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u"}
-    return resolve(str(repo / "jobs" / "tiny-cpu.yaml"), list(overrides), cluster="local", environ=environ).plan
+    return resolve(str(repo / "jobs" / job), list(overrides), cluster="local", environ=environ).plan
+
+
+def _as_version_2(plan: LaunchPlan) -> dict:
+    """The plan.json an lmlaunch of plan version 2 wrote: the strategy in ``training``, the
+    tensor-parallel size and sequence parallelism in ``topology``."""
+    d = json.loads(plan.to_json())
+    par = d["topology"].pop("parallelism")
+    d["training"]["strategy"] = par["strategy"]
+    d["topology"].update(tensor_parallel_size=par["tensor"], sequence_parallel=par["sequence_parallel"])
+    d["version"] = 2
+    return d
 
 
 def _as_version_1(plan: LaunchPlan) -> dict:
     """The plan.json an lmlaunch of plan version 1 wrote: the spec's trainer settings in one dict,
     the Trainer's arguments derived by the entry."""
-    d = json.loads(plan.to_json())
+    d = _as_version_2(plan)
     t, tr = d.pop("trainer"), d.pop("training")
     spec_t = d["spec"]["trainer"]
     d["trainer"] = {
@@ -50,6 +61,21 @@ def test_a_version_1_plan_reads_as_the_same_plan(repo, overrides):
     assert dataclasses.asdict(old.trainer) == plan.trainer.kwargs()
 
 
+@pytest.mark.parametrize("job, overrides", [
+    ("tiny-cpu.yaml", ()),
+    ("tiny-cpu.yaml", ("trainer.global_batch_size=64", "trainer.strategy=deepspeed", "trainer.zero_stage=3")),
+    ("tiny-cpu-tp.yaml", ()),
+], ids=["ddp", "zero3", "fsdp-tp2-sp"])
+def test_a_version_2_plan_reads_as_the_same_parallelism(repo, job, overrides):
+    """Version 2 named the strategy and the tensor-parallel size in two places; version 3 has one
+    typed record of how the model is split (launcher.core.parallelism), made from them."""
+    plan = _plan(repo, *overrides, job=job)
+    assert plan.parallelism.tensor == (2 if job == "tiny-cpu-tp.yaml" else 1)
+    old = LaunchPlan.from_dict(_as_version_2(plan))
+    assert old == plan
+    assert old.parallelism == plan.parallelism and old.parallelism.zero_stage == plan.job_spec().trainer.zero_stage
+
+
 @pytest.mark.parametrize("version", [PLAN_VERSION + 1, 0, None, "2"])
 def test_an_unknown_plan_version_is_refused_with_what_to_do(repo, version):
     d = json.loads(_plan(repo).to_json())
@@ -60,7 +86,7 @@ def test_an_unknown_plan_version_is_refused_with_what_to_do(repo, version):
     with pytest.raises(PlanVersionError) as err:
         LaunchPlan.from_dict(d)
     msg = str(err.value)
-    assert f"plan version {version!r}" in msg and "reads plan versions 1, 2" in msg
+    assert f"plan version {version!r}" in msg and "reads plan versions 1, 2, 3" in msg
     assert "lmlaunch submit SPEC --new" in msg
     if version == PLAN_VERSION + 1:
         assert "a newer lmlaunch" in msg

@@ -43,6 +43,7 @@ import torch.distributed.tensor
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
+from launcher.core.parallelism import Parallelism
 from lmtrain import faults
 from lmtrain.checkpoint import async_sharded, manager as ck
 from lmtrain.checkpoint.shard_files import stream_deepspeed_files
@@ -209,7 +210,7 @@ def _save(ckpt_dir: Path, step: int, layout: str = "file") -> None:
 
     def rank_main(rank: int) -> None:
         strategy = {"zero": "deepspeed", "dcp": "fsdp"}.get(_sharded(layout), "ddp")  # DDP: rank 0 writes Lightning's file
-        manager = ck.CheckpointManager(ckpt_dir, keep_last=1, every_n_steps=1, strategy=strategy, zero_stage=None,
+        manager = ck.CheckpointManager(ckpt_dir, keep_last=1, every_n_steps=1, parallelism=Parallelism.of(strategy, WORLD),
                                        identity={"job_id": "1", "attempt": 1})
         if layout in SHARDED_BACKGROUND:  # what start_writers makes at train start: the writers' own group
             manager.writers = _Writers(writer_barrier, rank, shared)

@@ -106,7 +106,7 @@ def test_2d_run_matches_ddp_resumes_on_every_layout_and_exports(runs_root, tmp_p
     name, chain = "tp-elastic", [("dp2xtp2", 4), ("dp1xtp2", 7), ("dp2xtp1", 10), ("dp2xtp2", 0)]
     for layout, stop_at in chain:
         plan = _plan(spec, name, layout)
-        assert (plan.topology.tensor_parallel_size, plan.topology.data_parallel_size) == \
+        assert (plan.parallelism.tensor, plan.topology.data_parallel_size) == \
             (LAYOUTS[layout][1], LAYOUTS[layout][0] // LAYOUTS[layout][1])
         assert plan.topology.grad_accum * plan.topology.data_parallel_size == 4  # the same global batch
         assert _launch(plan, stop_at=stop_at) == 0, (layout, Path(plan.paths.run_dir, "launcher.out").read_text()[-3000:])
@@ -168,7 +168,7 @@ def test_the_plan_shows_the_mesh_and_what_tensor_parallelism_needs_of_nccl(tmp_p
            "trainer.global_batch_size=32", "model.config.num_key_value_heads=4", "env.vars.NCCL_P2P_DISABLE=1"]
     plan = resolve(str(_spec(tmp_path)), gpu, cluster="h100-ib", environ=dict(os.environ)).plan
     t = plan.topology
-    assert (t.world_size, t.tensor_parallel_size, t.data_parallel_size, t.grad_accum) == (16, 4, 4, 1)
+    assert (t.world_size, t.parallelism.tensor, t.data_parallel_size, t.grad_accum) == (16, 4, 4, 1)
     assert ("mesh: data_parallel(4) x tensor_parallel(4, sequence parallel, inside each node) = world_size(16); "
             "micro_batch(8) x accumulation(1) x data_parallel(4) = global_batch(32)") in t.arithmetic()
     notes = "\n".join(plan.notes)

@@ -66,9 +66,6 @@ from lmtrain.checkpoint.shard_files import (
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
 
-SHARDED = ("deepspeed", "fsdp")
-
-
 class WriterGroup:
     """The collectives of the checkpoint writer threads: a gloo group over every rank of its own
     (None on one rank, where there is nobody to tell)."""
@@ -87,9 +84,9 @@ class WriterGroup:
 def start_writers(manager: Any, trainer: Any) -> None:
     """Collective, every rank when training starts (background saves on): the writer group of a
     sharded strategy's background saves (``manager.writers``); without it saves stay synchronous."""
-    if manager.strategy not in SHARDED or manager.writers is not None:
+    if not manager.parallelism.sharded_checkpoint or manager.writers is not None:
         return
-    if manager.strategy == "deepspeed" and not stream_deepspeed_files(trainer.strategy.deepspeed_engine):
+    if manager.parallelism.zero and not stream_deepspeed_files(trainer.strategy.deepspeed_engine):
         log.warning("DeepSpeed writes checkpoints through %s, not torch.save: periodic saves stay synchronous",
                     type(trainer.strategy.deepspeed_engine.checkpoint_engine).__name__)
         return
@@ -108,7 +105,7 @@ def save_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dic
     t0 = time.perf_counter()
     tmp, final = manager._begin(trainer, step)
     rank, world = trainer.global_rank, trainer.world_size
-    stage = _stage_zero if manager.strategy == "deepspeed" else _stage_dcp
+    stage = _stage_zero if manager.parallelism.zero else _stage_dcp
     writes: list[Callable[[], None]] = []
 
     def parts() -> None:

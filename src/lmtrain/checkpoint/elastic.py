@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from launcher.core.checkpoint_index import COMPLETE_NAME
+from launcher.core.parallelism import Parallelism
 from lmtrain.checkpoint.durable import fsync_dir, write_text_atomic
 from lmtrain.checkpoint.manager import CompleteCheckpoint, universal_complete, universal_dir, universal_error_path
 
@@ -36,10 +37,10 @@ log = logging.getLogger(__name__)
 DONE_NAME = COMPLETE_NAME
 
 
-def needs_universal(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int) -> bool:
+def needs_universal(ckpt: CompleteCheckpoint, parallelism: Parallelism) -> bool:
     """A DeepSpeed checkpoint resumed by DeepSpeed on another world size."""
-    meta = ckpt.meta()
-    return meta.get("strategy") == "deepspeed" and strategy == "deepspeed" and int(meta["world_size"]) != world_size
+    old = Parallelism.of_meta(ckpt.meta())
+    return old.zero and parallelism.zero and old.world_size != parallelism.world_size
 
 
 def ensure_universal(ckpt: CompleteCheckpoint) -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from launcher.core.checkpoint_index import CompleteCheckpoint
+from launcher.core.parallelism import Parallelism
 from lmtrain.checkpoint.weights import model_state_dict
 from lmtrain.data.prepare.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from lmtrain.model.causal_lm import build_config
@@ -33,6 +34,7 @@ def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Pat
     config = build_config(model_spec)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = model_state_dict(ckpt.path)
+    written = Parallelism.of_meta(ckpt.meta())
     expected = set(model.state_dict())
     # A tied output embedding is the input embedding: sharded checkpoints store it once.
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -54,8 +56,9 @@ def export_hf(plan: dict[str, Any], ckpt: CompleteCheckpoint, out_dir: str | Pat
     summary = {
         "checkpoint": str(ckpt.path),
         "step": ckpt.step,
-        "strategy": ckpt.meta().get("strategy"),
-        "tensor_parallel_size": int(ckpt.meta().get("tensor_parallel_size") or 1),  # the shards' layout, gathered whole
+        "strategy": written.strategy,
+        "tensor_parallel_size": written.tensor,  # the shards' layout, gathered whole
+        "parallelism": written.describe(),
         "model_type": config.model_type,
         "parameters": sum(p.numel() for p in model.parameters()),  # a tied embedding once
         "tokenizer": tokenizer,

@@ -64,6 +64,7 @@ from launcher.core.checkpoint_index import (
     step_dir_name,
     temporary_dir_name,
 )
+from launcher.core.parallelism import CheckpointFormat, Parallelism
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
 from lmtrain.checkpoint.async_checkpoint import BackgroundSave, Stager, save_ddp_in_background
@@ -111,7 +112,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from as things are (the message says what to do)."""
 
 
-def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int) -> None:
+def check_compatible(ckpt: CompleteCheckpoint, parallelism: Parallelism) -> None:
     """Raise CheckpointError when this attempt cannot load ``ckpt`` (or, for a ZeRO checkpoint on
     another world size, its universal form, which lmtrain.checkpoint.elastic makes before the rendezvous)."""
     meta = ckpt.meta()
@@ -119,14 +120,15 @@ def check_compatible(ckpt: CompleteCheckpoint, *, strategy: str, world_size: int
         raise CheckpointError(
             f"{ckpt.path} has checkpoint format {meta.get('format')!r}; this lmtrain reads format {FORMAT_VERSION}"
         )
-    old_strategy, old_world = meta["strategy"], int(meta["world_size"])
-    if old_strategy != strategy:
+    old, world_size = Parallelism.of_meta(meta), parallelism.world_size
+    old_world = old.world_size
+    if not parallelism.same_format(old):
         raise CheckpointError(
-            f"{ckpt.path} was written with strategy {old_strategy} and this attempt uses {strategy}: each "
+            f"{ckpt.path} was written with strategy {old.strategy} and this attempt uses {parallelism.strategy}: each "
             f"strategy has its own checkpoint format. Use the same trainer.strategy, or export the checkpoint "
             f"(`lmlaunch export RUN --to hf DIR`) and start a new run with model.pretrained: DIR."
         )
-    if strategy == "deepspeed" and old_world != world_size and not universal_complete(ckpt):
+    if parallelism.zero and old_world != world_size and not universal_complete(ckpt):
         error = universal_error_path(ckpt)
         why = error.read_text().strip() if error.is_file() else "no conversion was attempted"
         raise CheckpointError(
@@ -147,17 +149,13 @@ class CheckpointManager:
         *,
         keep_last: int,
         every_n_steps: int,
-        strategy: str,
-        zero_stage: int | None,
+        parallelism: Parallelism,
         identity: dict[str, Any],
-        tensor_parallel_size: int = 1,
     ) -> None:
         self.dir = Path(ckpt_dir)
         self.keep_last = keep_last
         self.every_n_steps = every_n_steps
-        self.strategy = strategy
-        self.zero_stage = zero_stage
-        self.tensor_parallel_size = tensor_parallel_size  # the layout the shards were written in (meta.json)
+        self.parallelism = parallelism  # the layout the files are written in (meta.json)
         self.identity = identity  # logger identity, job id, attempt: recorded in meta.json
         self.background = BackgroundSave()  # the periodic save in flight (lmtrain.checkpoint.async_checkpoint)
         self.stager = Stager()
@@ -173,7 +171,7 @@ class CheckpointManager:
         """Collective, when training starts: ``on_failure`` gets a background save that found no
         room; DeepSpeed's files streamed (lmtrain.checkpoint.shard_files); the sharded writers' group."""
         self.on_failure = on_failure
-        if self.strategy == "deepspeed":
+        if self.parallelism.zero:
             stream_deepspeed_files(trainer.strategy.deepspeed_engine)
         if background:
             start_writers(self, trainer)
@@ -181,7 +179,7 @@ class CheckpointManager:
     @property
     def can_save_in_background(self) -> bool:
         """DDP (rank 0 writes); DeepSpeed and FSDP once their writer group exists (``start``)."""
-        return self.strategy == "ddp" or self.writers is not None
+        return not self.parallelism.sharded_checkpoint or self.writers is not None
 
     def save(
         self, trainer: Any, *, step: int, rank_state: dict[str, Any], background: bool = False,
@@ -198,7 +196,7 @@ class CheckpointManager:
         try:
             self._check_room(trainer, step)
             if background and self.can_save_in_background:
-                save_background = save_ddp_in_background if self.strategy == "ddp" else save_in_background
+                save_background = save_in_background if self.parallelism.sharded_checkpoint else save_ddp_in_background
                 return save_background(self, trainer, step=step, rank_state=rank_state, on_complete=on_complete)
             t0 = time.perf_counter()
             path, seconds = self._save(trainer, step=step, rank_state=rank_state)
@@ -293,7 +291,7 @@ class CheckpointManager:
     def _rank_part(self, trainer: Any, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
         rank, world = trainer.global_rank, trainer.world_size
         torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world,
-                           "tensor_parallel_size": self.tensor_parallel_size}, tmp / f"rank-{rank}.pt")
+                           "tensor_parallel_size": self.parallelism.tensor}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
         checksums.write_sidecar(tmp, rank)  # what this rank wrote so far (a background save adds its shards)
@@ -303,12 +301,13 @@ class CheckpointManager:
         tmp, final = self._begin(trainer, step)
 
         def parts() -> None:
-            if self.strategy == "ddp":
+            written_as = self.parallelism.checkpoint
+            if written_as is CheckpointFormat.FULL:
                 # DDP: Lightning's save without its closing barrier, so that a rank whose write
                 # found no room meets the others at the agreement below, not at a barrier
                 state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
                 trainer.strategy.save_checkpoint(state, str(tmp / LIGHTNING_NAME))
-            elif self.strategy == "fsdp":
+            elif written_as is CheckpointFormat.DCP:
                 save_fsdp(trainer, tmp / LIGHTNING_NAME)  # Lightning's FSDP2 save, its files streamed to disk
             else:
                 trainer.save_checkpoint(str(tmp / LIGHTNING_NAME))
@@ -340,10 +339,9 @@ class CheckpointManager:
         meta = {
             "format": FORMAT_VERSION,
             "step": step,
+            **self.parallelism.meta(),
             "world_size": world,
-            "strategy": self.strategy,
-            "zero_stage": self.zero_stage,
-            "tensor_parallel_size": self.tensor_parallel_size,
+            "zero_stage": self.parallelism.zero_stage,
             "time": time.time(),
             **self.identity,
         }

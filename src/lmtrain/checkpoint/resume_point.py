@@ -103,7 +103,7 @@ def convert_for_world_size(plan: Any, env: Any, ckpt: CompleteCheckpoint | None)
     raised here."""
     from lmtrain.checkpoint.elastic import ensure_universal, needs_universal, record_failure
 
-    if ckpt is not None and needs_universal(ckpt, strategy=plan.training.strategy, world_size=env.world_size):
+    if ckpt is not None and needs_universal(ckpt, plan.parallelism.with_world(env.world_size)):
         try:
             ensure_universal(ckpt)
         except Exception as exc:  # the attempt ends with this reason in the ledger

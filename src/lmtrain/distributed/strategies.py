@@ -181,11 +181,11 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
     cluster = cluster_environment(env)
     backend = plan.training.process_group_backend
     timeout = process_group_timeout(plan)  # every collective: spec watchdog.collective_timeout_s
-    name = plan.training.strategy
-    if name == "ddp" and env.world_size == 1:
+    par = plan.parallelism
+    if par.replicated and env.world_size == 1:
         device = torch.device("cuda", env.local_rank) if plan.trainer.accelerator == "gpu" else torch.device("cpu")
         return SingleDeviceStrategy(device=device, checkpoint_io=DirectCheckpointIO())
-    if name == "ddp":
+    if par.replicated:
         return DDPStrategy(
             cluster_environment=cluster,
             timeout=timeout,
@@ -198,17 +198,17 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
             broadcast_buffers=False,
             checkpoint_io=DirectCheckpointIO(),  # DeepSpeed and FSDP2 (DCP) write their files directly already
         )
-    if name == "fsdp":
+    if par.fsdp:
         strategy = ModelParallelStrategy(  # the (data_parallel, tensor_parallel) device mesh
-            data_parallel_size=plan.topology.data_parallel_size,
-            tensor_parallel_size=plan.topology.tensor_parallel_size,
+            data_parallel_size=par.data_parallel_size,
+            tensor_parallel_size=par.tensor,
             save_distributed_checkpoint=True,  # every rank writes its own shard (DCP): no gather
             process_group_backend=backend,
             timeout=timeout,
         )
         strategy.cluster_environment = cluster
         return strategy
-    if name == "deepspeed":
+    if par.zero:
         from lmtrain.distributed.jit_ops import use_own_extensions_dir
 
         use_own_extensions_dir()  # DeepSpeed's JIT ops from this environment's own folder, built ahead
@@ -223,7 +223,7 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
         return LmDeepSpeedStrategy(
             config=config, cluster_environment=cluster, process_group_backend=backend, timeout=timeout
         )
-    raise RuntimeError(f"unknown strategy '{name}' in plan.json (allowed: ddp, fsdp, deepspeed)")
+    raise RuntimeError(f"no Lightning strategy builds {par.describe()}")
 
 
 def trainer_plugins(strategy: Any, env: Any) -> list[Any]:

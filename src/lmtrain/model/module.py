@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from launcher.core.lr_schedule import OptimSettings, lr_at
+from launcher.core.parallelism import Parallelism
 from launcher.core.spec import ModelSpec
 from lmtrain.model.causal_lm import (
     ModelShape,
@@ -64,22 +65,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 class RuntimeSettings:
     """How the module runs: strategy-dependent choices made by the entry."""
 
-    strategy: str  # ddp | fsdp | deepspeed
+    parallelism: Parallelism  # how the model is split over this attempt's ranks (launcher.core.parallelism)
     precision: str
     accelerator: str  # cpu | gpu
     clip_val: float | None
     seq_len: int
     micro_batch_size: int
-    world_size: int
     accumulate: int
     log_every_n_steps: int
     offload_optimizer: bool = False
-    tensor_parallel_size: int = 1  # strategy fsdp: the 2D mesh's tensor dimension (lmtrain.model.tensor_parallel)
-    sequence_parallel: bool = False
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel_size
 
 
 class LMModule(pl.LightningModule):
@@ -115,8 +109,8 @@ class LMModule(pl.LightningModule):
         self.shape = model_shape(model)
         if self.model_spec.compile:
             model = compile_model(model)
-        if self.rt.strategy == "fsdp":  # self.device_mesh: set by ModelParallelStrategy
-            if self.rt.tensor_parallel_size > 1:
+        if self.rt.parallelism.fsdp:  # self.device_mesh: set by ModelParallelStrategy
+            if self.rt.parallelism.tensor > 1:
                 self._split(model)
             shard_fsdp2(model, self.device_mesh["data_parallel"], self.rt.precision)
         self.model = model
@@ -126,16 +120,16 @@ class LMModule(pl.LightningModule):
         over its data dimension. A pretrained model is only checked here (validate checks the rest)."""
         from lmtrain.model import tensor_parallel
 
-        found = tensor_parallel.problems(model, self.rt.tensor_parallel_size,
-                                         sequence_parallel=self.rt.sequence_parallel, seq_len=self.rt.seq_len)
+        par = self.rt.parallelism
+        found = tensor_parallel.problems(model, par.tensor, sequence_parallel=par.sequence_parallel, seq_len=self.rt.seq_len)
         if found:
             raise RuntimeError("; ".join(found))
         tensor_parallel.parallelize(model, self.device_mesh["tensor_parallel"],
-                                    sequence_parallel=self.rt.sequence_parallel)
+                                    sequence_parallel=par.sequence_parallel)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         assert self.model is not None, "configure_model builds the model first"
-        if self.rt.sequence_parallel:  # each rank embeds a slice: the positions are the whole sequence's
+        if self.rt.parallelism.sequence_parallel:  # each rank embeds a slice: the positions are the whole sequence's
             from lmtrain.model.tensor_parallel import position_ids
 
             return self.model(input_ids=input_ids, labels=labels, position_ids=position_ids(input_ids), use_cache=False)
@@ -154,7 +148,7 @@ class LMModule(pl.LightningModule):
         d = loss.detach()
         self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
         self._loss_count += 1
-        if self.rt.strategy == "deepspeed" and self.rt.accumulate > 1:
+        if self.rt.parallelism.zero and self.rt.accumulate > 1:
             # Lightning divides the returned loss by accumulate_grad_batches, and DeepSpeed's
             # engine.backward divides it by gradient_accumulation_steps again: gradients (and the
             # norm that gradient_clipping compares) would be 1/accumulation of the mean gradient.
@@ -163,9 +157,9 @@ class LMModule(pl.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.rt.strategy == "deepspeed" or self.rt.clip_val is None:
+        if self.rt.parallelism.zero or self.rt.clip_val is None:  # DeepSpeed's engine clips
             return
-        if self.rt.tensor_parallel_size > 1:  # parameters on two meshes: one norm over both
+        if self.rt.parallelism.tensor > 1:  # parameters on two meshes: one norm over both
             from lmtrain.model.tensor_parallel import clip_grad_norm_
 
             self._grad_norm = clip_grad_norm_(self.parameters(), self.rt.clip_val)
@@ -205,11 +199,11 @@ class LMModule(pl.LightningModule):
         if self._last_log_time is not None and self._last_log_step is not None and step > self._last_log_step:
             steps = step - self._last_log_step
             tokens = (steps * self.rt.micro_batch_size * self.rt.seq_len * self.rt.accumulate
-                      * self.rt.data_parallel_size)  # tensor-parallel ranks share their samples
+                      * self.rt.parallelism.data_parallel_size)  # tensor-parallel ranks share their samples
             tps = tokens / max(now - self._last_log_time, 1e-9)
             metrics["tokens_per_s"] = tps
             if self._peak_flops and self.shape is not None:
-                per_device = tps / self.rt.world_size
+                per_device = tps / self.rt.parallelism.world_size
                 metrics["mfu"] = per_device * self.shape.flops_per_token(self.rt.seq_len) / self._peak_flops
         self._last_log_time = now
         self._last_log_step = step
@@ -226,7 +220,7 @@ class LMModule(pl.LightningModule):
         )
 
     def _read_grad_norm(self) -> float | None:
-        if self.rt.strategy == "deepspeed":
+        if self.rt.parallelism.zero:
             engine = self.trainer.strategy.model
             norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
             return None if norm is None else float(norm)
@@ -278,7 +272,7 @@ class LMModule(pl.LightningModule):
     def _make_optimizer(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         s = self.optim_settings
         kwargs = {"lr": s.lr, "betas": s.betas, "eps": s.eps}
-        if self.rt.strategy == "deepspeed" and self.rt.offload_optimizer:
+        if self.rt.parallelism.zero and self.rt.offload_optimizer:
             # ZeRO-Offload refuses a torch optimizer (zero_force_ds_cpu_optimizer): its CPU Adam
             # does the step on the host.
             from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -74,7 +74,7 @@ def run_task(run_dir: str | Path) -> int:
     record_this_task(run_dir)  # this process's node and pid, for `lmlaunch stacks` (even if stuck starting)
     try:
         with imports_without_gc(freeze=fresh):
-            _import_frameworks(plan.training.strategy)  # the rest of them, with the signals already ours
+            _import_frameworks(plan.parallelism)  # the rest of them, with the signals already ours
         CLOCK.mark("imports")
         env, gate, rv = _meet(plan)
     except BaseException:
@@ -147,7 +147,7 @@ def _meet(plan: LaunchPlan) -> tuple[TaskEnv, Gate, Rendezvous]:
     return env, gate or read_gate(plan, env), rv
 
 
-def _import_frameworks(strategy: str) -> None:
+def _import_frameworks(parallelism: Any) -> None:
     """What every attempt imports before it can train (the ``imports`` phase of its startup
     record, with the plan's schema and lmtrain's preemption modules imported before it): the
     frameworks, transformers' model code and lmtrain's training modules, all while the caller
@@ -158,7 +158,7 @@ def _import_frameworks(strategy: str) -> None:
     import transformers.modeling_utils  # noqa: F401  (every model's base: most of a model's import)
 
 
-    if strategy == "deepspeed":
+    if parallelism.zero:
         import deepspeed  # noqa: F401
 
 

@@ -36,6 +36,8 @@ class Fit:
         self.realign: Any = None
         self.universal = False
         self.validate = False
+        # how the model is split, on this attempt's world (a local run may differ from the plan's)
+        self.parallelism = plan.parallelism.with_world(env.world_size)
 
     # -- building ----------------------------------------------------------------------------
     def trainer_for(self, startup: Any) -> pl.Trainer:
@@ -45,8 +47,7 @@ class Fit:
 
         plan, env = self.plan, self.env
         self.loaders = self._data()
-        self.universal = self.ckpt is not None and needs_universal(
-            self.ckpt, strategy=plan.training.strategy, world_size=env.world_size)
+        self.universal = self.ckpt is not None and needs_universal(self.ckpt, self.parallelism)
         CLOCK.mark("data")
         self.module = self._module()
         # The plan's Trainer arguments as they are (the dry run printed them); without a
@@ -82,9 +83,9 @@ class Fit:
                 TokenData(store.path).check_vocab(int(vocab))
         # Tensor-parallel ranks (consecutive global ranks, Lightning's (dp, tp) mesh) read the same
         # samples: the data is sharded over the data-parallel ranks only.
-        tp = plan.topology.tensor_parallel_size
+        par = self.parallelism
         train_loader, val_loader, sampler = make_dataloaders(
-            data_spec, world_size=env.world_size // tp, rank=env.rank // tp, seed=plan.training.seed)
+            data_spec, world_size=par.data_parallel_size, rank=par.data_rank(env.rank), seed=plan.training.seed)
         self.ctl.guard_workers(train_loader, val_loader)  # workers ignore SIGTERM / the warning
         if ckpt is not None:
             state = self.rank_state if self.rank_state is not None else ckpt.rank_state(0)
@@ -101,7 +102,7 @@ class Fit:
 
         env, ckpt, rank_state, topo = self.env, self.ckpt, self.rank_state, self.plan.topology
         assert ckpt is not None
-        layout = (env.world_size, topo.tensor_parallel_size)
+        layout = (env.world_size, self.parallelism.tensor)
         if rank_state is not None and _layout(rank_state, env.world_size) == layout:
             self.resume_rng = rank_state["rng"]
             self.resume_window = rank_state.get("loss_window")  # None in checkpoints before it was kept
@@ -109,22 +110,21 @@ class Fit:
         old_world, old_tp = _layout(state, env.world_size)
         log.warning("resuming step-%d on %d ranks, tensor parallel %d (written on %d, tensor parallel %d): data "
                     "position re-sharded, RNG streams start fresh", ckpt.step, env.world_size,
-                    topo.tensor_parallel_size, old_world, old_tp)
+                    self.parallelism.tensor, old_world, old_tp)
         old_accum = topo.global_batch_size // (topo.micro_batch_size * (old_world // old_tp))
         self.realign = RealignAccumulation(old_accum, self.plan.trainer.accumulate_grad_batches)
 
     def _module(self) -> Any:
         from lmtrain.model.module import LMModule, OptimSettings, RuntimeSettings
 
-        plan, env, t, data_spec = self.plan, self.env, self.plan.trainer, self.job.data
+        plan, t, data_spec = self.plan, self.plan.trainer, self.job.data
         pl.seed_everything(plan.training.seed, workers=True, verbose=False)
         rt = RuntimeSettings(
-            strategy=plan.training.strategy, precision=t.precision, accelerator=t.accelerator,
+            parallelism=self.parallelism, precision=t.precision, accelerator=t.accelerator,
             clip_val=plan.training.gradient_clip_val, seq_len=data_spec.seq_len,
-            micro_batch_size=data_spec.micro_batch_size, world_size=env.world_size,
+            micro_batch_size=data_spec.micro_batch_size,
             accumulate=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
             offload_optimizer=self.job.trainer.offload_optimizer,
-            tensor_parallel_size=plan.topology.tensor_parallel_size, sequence_parallel=plan.topology.sequence_parallel,
         )
         module = LMModule(self.job.model, OptimSettings.from_spec(self.job.optim, t.max_steps), rt,
                           plan.training.seed)
@@ -235,18 +235,15 @@ class Fit:
         from lmtrain.observe.loggers import logger_identity
 
         plan, env, job, ckpt = self.plan, self.env, self.job, self.ckpt
-        strategy, sampler = plan.training.strategy, self.loaders[2]
+        par, sampler = self.parallelism, self.loaders[2]
         manager = CheckpointManager(
             plan.paths.checkpoint_dir, keep_last=job.checkpoint.keep_last, every_n_steps=job.checkpoint.every_n_steps,
-            strategy=strategy, zero_stage=job.trainer.zero_stage if strategy == "deepspeed" else None,
-            identity={"job_id": env.job_id, "attempt": self.records.attempt,
-                      "logger": logger_identity(plan.paths.run_dir, job.logging)},
-            tensor_parallel_size=plan.topology.tensor_parallel_size,
+            parallelism=par, identity={"job_id": env.job_id, "attempt": self.records.attempt,
+                                       "logger": logger_identity(plan.paths.run_dir, job.logging)},
         )
         manager.collective_timeout = process_group_timeout(plan)  # the background writers' group (gloo)
         # room for a first checkpoint, before there is one to measure (lmtrain.checkpoint.disk_space)
-        manager.estimate = lambda: checkpoint_bytes(parameter_count(job.model)[0], strategy,
-                                                    plan.trainer.precision)
+        manager.estimate = lambda: checkpoint_bytes(parameter_count(job.model)[0], par, plan.trainer.precision)
         return CheckpointCallback(
             manager, lambda: {"data_sampler": sampler.state_dict(), "loss_window": self.module.loss_window()},
             self.records.heartbeat,

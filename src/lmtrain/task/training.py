@@ -93,7 +93,7 @@ def _resume_point(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | No
         return None, None
     try:
         ckpt = resume_point(plan, env, attempt, ckpt)  # its files are the ones written
-        check_compatible(ckpt, strategy=plan.training.strategy, world_size=env.world_size)
+        check_compatible(ckpt, plan.parallelism.with_world(env.world_size))
     except CheckpointError as exc:
         log.error("cannot resume: %s", exc)
         records.refused(ckpt.step, f"cannot resume: {exc}")
