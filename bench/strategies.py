@@ -24,6 +24,11 @@ Tensor parallelism (``--only tp2,tp2-sp,dp2xtp2``): jobs/tiny-cpu-tp.yaml's tiny
 collectives (an all-reduce or gather per block, per direction): these ratios say what it costs
 here, not what it saves on GPUs, where it splits memory and matmuls (unmeasured: no GPU).
 
+Pipelines (``--only pp2-1f1b,pp2-gpipe``): that Llama with untied embeddings as 2 stages on 2
+processes (4 microbatches of 4 per step) against DDP of the same model on 2 (``ddp-llama2-untied``);
+the bubble each schedule predicts is printed under the table. On 2 CPU cores both stages share the
+cores DDP's two replicas use: a figure of what the schedule and its point-to-point sends cost here.
+
 usage: python bench/strategies.py [--steps 40] [--every 10] [--only ddp,zero3] [--json]
 """
 
@@ -41,6 +46,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+_UNTIED = ["data.micro_batch_size=4", "model.config.tie_word_embeddings=false", "trainer.tensor_parallel_size=1",
+           "trainer.sequence_parallel=false"]
 STRATEGIES = {
     "ddp": ["trainer.strategy=ddp"],
     "fsdp": ["trainer.strategy=fsdp"],
@@ -55,11 +62,17 @@ STRATEGIES = {
     "tp2-sp": ["data.micro_batch_size=4", "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=true"],
     "ddp-llama4": ["data.micro_batch_size=4", "trainer.strategy=ddp", "trainer.tensor_parallel_size=1", "trainer.sequence_parallel=false"],
     "dp2xtp2": ["data.micro_batch_size=4", "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=false"],
+    # pipelines: the same Llama with untied embeddings (the embedding and the head on different stages)
+    # as 2 stages on 2 processes, 4 microbatches of 4 per step, against DDP of that model on 2
+    "ddp-llama2-untied": [*_UNTIED, "trainer.strategy=ddp"],
+    "pp2-1f1b": [*_UNTIED, "trainer.pipeline_parallel_size=2", "trainer.pipeline_schedule=1f1b"],
+    "pp2-gpipe": [*_UNTIED, "trainer.pipeline_parallel_size=2", "trainer.pipeline_schedule=gpipe"],
 }
 # (job, processes, the row each is compared with); the rest: tiny-cpu.yaml on 2, against ddp
 LAYOUT = {"ddp-llama2": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"), "tp2": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"),
           "tp2-sp": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"), "ddp-llama4": ("tiny-cpu-tp.yaml", 4, "ddp-llama4"),
-          "dp2xtp2": ("tiny-cpu-tp.yaml", 4, "ddp-llama4")}
+          "dp2xtp2": ("tiny-cpu-tp.yaml", 4, "ddp-llama4"),
+          **{k: ("tiny-cpu-tp.yaml", 2, "ddp-llama2-untied") for k in ("ddp-llama2-untied", "pp2-1f1b", "pp2-gpipe")}}
 
 
 def _run(name: str, overrides: list[str], steps: int, every: int, runs_root: Path, resume: bool,
@@ -154,6 +167,11 @@ def main() -> int:
         load_ratio = f"{r['load_ratio_to_ddp']:6.2f}" if r["load_ratio_to_ddp"] is not None else "   n/a"
         print(f"{r['strategy']:11} {r['processes']:5} {r['step_s']:8.3f} {r['step_ratio_to_ddp']:6.2f} "
               f"{r['save_s']:8.3f} {r['save_ratio_to_ddp']:6.2f} {r['load_s']:8.3f} {load_ratio}  {r['baseline']}")
+    from launcher.core.pipeline_stages import bubble_text
+
+    for r in rows:  # what the schedule predicts: the stages idle this fraction of their compute
+        if r["strategy"].startswith("pp2-"):
+            print(f"# {r['strategy']}: {bubble_text(r['strategy'].split('-', 1)[1], 2, 4)} (4 microbatches, 2 stages)")
     return 0
 
 

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from launcher.core import memory
+from launcher.core import memory, memory_stages
 from launcher.core.errors import UserError
 from launcher.core.plan import LaunchPlan
 from launcher.core.profiles import Profile
@@ -46,6 +46,9 @@ def planned(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapping[
         return why
     setup = setup_of(spec, plan)
     facts = model_facts(spec, environ, gpu=setup.gpu)
+    if setup.parallelism.pipeline > 1:  # the stages differ: the heaviest pipeline rank
+        breakdown, _ = memory_stages.estimate(facts, setup, capacity_of(profile))
+        return Planned(facts, setup, breakdown)
     return Planned(facts, setup, memory.estimate(facts, setup, capacity_of(profile)))
 
 
@@ -62,6 +65,9 @@ def with_memory(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapp
         return dataclasses.replace(plan, notes=(*plan.notes, got))
     b = got.breakdown
     plan = dataclasses.replace(plan, memory=b.to_json())
+    if got.setup.parallelism.pipeline > 1:  # the stages as the runtime splits this model
+        stages = memory_stages.stage_map(got.facts, got.setup).describe()
+        plan = dataclasses.replace(plan, notes=(*plan.notes, "pipeline stages: " + "; ".join(stages)))
     if b.fits is False:
         if not force:
             raise UserError(refusal(got, profile, source))
@@ -75,8 +81,11 @@ def refusal(p: Planned, profile: Profile, source: str) -> str:
     lines = [f"{source + ': ' if source else ''}the planned peak per rank, {memory.gb(b.peak)}, does not fit the "
              f"GPU's {profile.gpu_memory} of profile '{profile.name}' ({memory.gb(b.usable)} usable: "
              f"{100 - int(memory.USABLE_FRACTION * 100)} % is kept for the allocator's fragmentation)", *table(b)]
-    found = memory.fixes(p.facts, p.setup, b.capacity or 0)
-    if found:
+    found = memory.fixes(p.facts, p.setup, b.capacity or 0) if p.setup.parallelism.pipeline == 1 else []
+    if p.setup.parallelism.pipeline > 1:
+        lines.append("a pipeline's fixes are not searched: more stages (trainer.pipeline_parallel_size), more "
+                     "microbatches of fewer samples, activation checkpointing or more GPUs")
+    elif found:
         lines.append("cheapest changes that fit, each alone:")
         for i, fix in enumerate(found[:6], 1):
             lines.append(f"  {i}. {' '.join(fix.overrides)}  -> {memory.gb(fix.breakdown.peak)}  ({fix.cost})")

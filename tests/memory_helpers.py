@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launcher.core import memory
+from launcher.core import memory, memory_stages
 from launcher.core.plan import LaunchPlan
 from launcher.memory_check import setup_of
 from launcher.memory_inputs import model_facts
@@ -31,6 +31,14 @@ def held_against_estimate(run_dir: str | Path) -> list[dict]:
         assert len(e["held"]) == world, e
         setup = setup_of(spec, plan)
         setup = setup.on(setup.parallelism.with_world(world))
+        par = setup.parallelism
+        if par.pipeline > 1:  # each rank against its own stage's plan: the worst rank's difference
+            stages = [{r.name: r.bytes for r in b.rows} for b, _ in memory_stages.per_rank(facts, setup)]
+            planned = [stages[(g // par.tensor) % par.pipeline] for g in range(world)]
+            worst = {k: max(range(world), key=lambda g: abs(e["held"][g][k] - planned[g][STATES[k]])) for k in STATES}
+            out.append({"attempt": e["attempt"], "world_size": world,
+                        **{k: (e["held"][g][k], planned[g][STATES[k]]) for k, g in worst.items()}})
+            continue
         rows = {r.name: r.bytes for r in memory._model_states(facts, setup)}  # no activation trace needed
         out.append({"attempt": e["attempt"], "world_size": world,
                     **{k: (max(rank[k] for rank in e["held"]), rows[name]) for k, name in STATES.items()}})

@@ -198,7 +198,7 @@ def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
         ]
     if s.parallelism.fsdp:
         local = sum(_fsdp_local(f, i, s) for i in range(len(f.params)))
-        how = f"fp32, dim-0 shards, 1/{w} each (FSDP2)"
+        how = f"fp32, dim-0 shards, 1/{s.data_parallel} each (FSDP2)"
         if s.tensor_parallel > 1:
             how = (f"fp32, split over tensor_parallel({s.tensor_parallel}) by the TP plan, then dim-0 shards "
                    f"over data_parallel({s.data_parallel}) (FSDP2)")

@@ -17,6 +17,7 @@ way to split the model means adding it here and the one runtime module that buil
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,7 +46,8 @@ _WHAT_RESHARDS = {
 
 
 def trainer_problem(strategy: str, zero_stage: int | None, tensor: int, sequence_parallel: bool,
-                    offload_optimizer: bool, offload_params: bool) -> str | None:
+                    offload_optimizer: bool, offload_params: bool, pipeline: int = 1,
+                    split: list[int] | None = None, microbatches: int | None = None) -> str | None:
     """What is wrong with the spec's ``trainer`` parallelism keys taken together (None: nothing);
     the spec's validator raises it (one message naming the keys)."""
     data = DataParallel(strategy)
@@ -63,6 +65,16 @@ def trainer_problem(strategy: str, zero_stage: int | None, tensor: int, sequence
                 f"trainer.tensor_parallel_size >= 2 (it is {tensor})")
     if offload_params and zero_stage != 3:
         return f"trainer.offload_params needs DeepSpeed zero_stage 3 (zero_stage is {zero_stage})"
+    if pipeline > 1 and data is not DataParallel.SHARD:
+        return (f"trainer.pipeline_parallel_size({pipeline}) needs trainer.strategy: fsdp (FSDP2 over the "
+                f"data-parallel ranks of each stage, as torchtitan runs it; DDP and DeepSpeed's engine cannot "
+                f"drive a pipeline schedule); strategy is '{strategy}'")
+    if pipeline > 1 and sequence_parallel:
+        return (f"trainer.sequence_parallel with trainer.pipeline_parallel_size({pipeline}): the stages pass whole "
+                "activations between them; use sequence_parallel: false (tensor parallelism itself works with pipelines)")
+    if pipeline == 1 and (split is not None or microbatches is not None):
+        key = "trainer.pipeline_split" if split is not None else "trainer.pipeline_microbatches"
+        return f"{key} needs trainer.pipeline_parallel_size > 1 (it is 1)"
     return None
 
 
@@ -76,24 +88,34 @@ class Parallelism:
     zero_stage: int | None = None  # ZERO only: 1, 2 or 3
     tensor: int = 1  # tensor-parallel ranks of one model replica, inside a node (FSDP2 x TP)
     sequence_parallel: bool = False  # the residual stream split along the sequence between TP matmuls
-    pipeline: int = 1  # pipeline stages of one model replica
+    pipeline: int = 1  # pipeline ranks of one model replica
+    schedule: str = "1f1b"  # the pipeline's schedule (launcher.core.pipeline_stages.SCHEDULES)
+    microbatches: int = 1  # per step and replica, when pipeline > 1
+    split: tuple[int, ...] | None = None  # layers per stage as the spec gave them (None: balanced)
 
     # -- made from names: the spec, a plan's older fields, a checkpoint's meta.json ----------
 
     @classmethod
     def of(cls, strategy: str, world_size: int, *, zero_stage: int | None = None, tensor: int = 1,
-           sequence_parallel: bool = False, pipeline: int = 1) -> Parallelism:
+           sequence_parallel: bool = False, pipeline: int = 1, schedule: str = "1f1b", microbatches: int = 1,
+           split: Sequence[int] | None = None) -> Parallelism:
         data = DataParallel(strategy)
         return cls(data=data, world_size=max(1, int(world_size)),
                    zero_stage=int(zero_stage) if data is DataParallel.ZERO and zero_stage else None,
-                   tensor=max(1, int(tensor)), sequence_parallel=bool(sequence_parallel), pipeline=max(1, int(pipeline)))
+                   tensor=max(1, int(tensor)), sequence_parallel=bool(sequence_parallel), pipeline=max(1, int(pipeline)),
+                   schedule=str(schedule), microbatches=max(1, int(microbatches)),
+                   split=tuple(int(k) for k in split) if split is not None else None)
 
     @classmethod
-    def of_trainer(cls, trainer: Any, world_size: int, *, tensor: int | None = None) -> Parallelism:
-        """From the spec's ``trainer`` section (``tensor``: the size the planner accepted)."""
+    def of_trainer(cls, trainer: Any, world_size: int, *, tensor: int | None = None, pipeline: int | None = None,
+                   microbatches: int = 1) -> Parallelism:
+        """From the spec's ``trainer`` section (``tensor``, ``pipeline``: the sizes the planner
+        accepted; ``microbatches``: what it derived)."""
         return cls.of(trainer.strategy, world_size, zero_stage=trainer.zero_stage,
                       tensor=trainer.tensor_parallel_size if tensor is None else tensor,
-                      sequence_parallel=trainer.sequence_parallel)
+                      sequence_parallel=trainer.sequence_parallel,
+                      pipeline=trainer.pipeline_parallel_size if pipeline is None else pipeline,
+                      schedule=trainer.pipeline_schedule, microbatches=microbatches, split=trainer.pipeline_split)
 
     @classmethod
     def of_meta(cls, meta: dict[str, Any]) -> Parallelism:
@@ -106,12 +128,15 @@ class Parallelism:
 
     def to_json(self) -> dict[str, Any]:
         return {"strategy": self.data.value, "world_size": self.world_size, "zero_stage": self.zero_stage,
-                "tensor": self.tensor, "sequence_parallel": self.sequence_parallel, "pipeline": self.pipeline}
+                "tensor": self.tensor, "sequence_parallel": self.sequence_parallel, "pipeline": self.pipeline,
+                "schedule": self.schedule, "microbatches": self.microbatches,
+                "split": list(self.split) if self.split is not None else None}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Parallelism:
         return cls.of(d["strategy"], d["world_size"], zero_stage=d.get("zero_stage"), tensor=d.get("tensor", 1),
-                      sequence_parallel=d.get("sequence_parallel", False), pipeline=d.get("pipeline", 1))
+                      sequence_parallel=d.get("sequence_parallel", False), pipeline=d.get("pipeline", 1),
+                      schedule=d.get("schedule", "1f1b"), microbatches=d.get("microbatches", 1), split=d.get("split"))
 
     def meta(self) -> dict[str, Any]:
         """What a checkpoint's meta.json records of the layout it was written in."""
@@ -145,10 +170,22 @@ class Parallelism:
         """Model replicas: ranks that read different samples (tensor and pipeline ranks read the same)."""
         return max(1, self.world_size // (self.tensor * self.pipeline))
 
+    def loader_batch(self, micro_batch: int) -> int:
+        """Samples a rank's loader gives per training step: a micro batch, or a pipeline's
+        microbatches together (its schedule splits them)."""
+        return micro_batch * (self.microbatches if self.pipeline > 1 else 1)
+
     def data_rank(self, rank: int) -> int:
         """The data-parallel index of global rank ``rank`` (the mesh is (data, pipeline, tensor),
         tensor innermost: a replica's ranks are consecutive and read the same samples)."""
         return rank // (self.tensor * self.pipeline)
+
+    def peer_groups(self) -> list[list[int]]:
+        """Ranks that do the same work each step, to compare with each other (the straggler
+        scorer): all of them, or a pipeline's ranks by stage (stages differ by design)."""
+        if self.pipeline == 1:
+            return [list(range(self.world_size))]
+        return [[r for r in range(self.world_size) if (r // self.tensor) % self.pipeline == p] for p in range(self.pipeline)]
 
     @property
     def checkpoint(self) -> CheckpointFormat:

@@ -126,8 +126,9 @@ class Topology:
         dims = [f"data_parallel({par.data_parallel_size})"]
         dims += [f"tensor_parallel({par.tensor}{sp}, inside each node)"] if par.tensor > 1 else []
         dims += [f"pipeline_parallel({par.pipeline})"] if par.pipeline > 1 else []
+        steps = f"microbatches({par.microbatches})" if par.pipeline > 1 else f"accumulation({self.grad_accum})"
         return (f"mesh: {' x '.join(dims)} = world_size({self.world_size}); "
-                f"micro_batch({self.micro_batch_size}) x accumulation({self.grad_accum}) x "
+                f"micro_batch({self.micro_batch_size}) x {steps} x "
                 f"data_parallel({self.data_parallel_size}) = global_batch({self.global_batch_size})")
 
     def arithmetic(self) -> str:

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 
-from launcher.core import container, rundir, site_options
+from launcher.core import container, mesh_notes, pipeline_stages, rundir, site_options
 from launcher.core.deepspeed_config import render_deepspeed
 from launcher.core.errors import SpecError, did_you_mean
 from launcher.core.parallelism import Parallelism
@@ -44,26 +44,40 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
     world = r.nodes * tasks
     per_node = f"{'gpus_per_node' if r.gpus_per_node else 'tasks_per_node'}({tasks})"
     tp = _tensor_parallel(spec, tasks, per_node, problems)
-    dp = max(world // (tp or 1), 1)
+    pp = spec.trainer.pipeline_parallel_size
+    if tp is not None and world % (tp * pp):
+        problems.append(f"world_size({world}) = resources.nodes({r.nodes}) x {per_node} is not a multiple of "
+                        f"trainer.tensor_parallel_size({tp}) x trainer.pipeline_parallel_size({pp}) = {tp * pp}: "
+                        f"world_size = data_parallel x tensor_parallel x pipeline_parallel")
+        tp = None
+    dp = max(world // ((tp or 1) * pp), 1)
     mbs = spec.data.micro_batch_size
     gbs = spec.trainer.global_batch_size
+    if pp > 1 and tp is not None:
+        mbs = pipeline_stages.microbatch_size(spec.trainer, mbs, dp, problems)
     per_step = mbs * dp
     if gbs % per_step and tp is not None:  # (a TP size that does not fit said so already)
-        ranks = (f"data-parallel size({dp}) = world_size({world}) / trainer.tensor_parallel_size({tp})"
-                 if tp and tp > 1 else f"world_size({world})")
+        ranks = f"world_size({world})"
+        if tp * pp > 1:
+            split = (f"trainer.tensor_parallel_size({tp})" if pp == 1 else f"trainer.pipeline_parallel_size({pp})" if tp == 1
+                     else f"(trainer.tensor_parallel_size({tp}) x trainer.pipeline_parallel_size({pp}))")
+            ranks = f"data-parallel size({dp}) = world_size({world}) / {split}"
         problems.append(
             f"trainer.global_batch_size({gbs}) is not a multiple of data.micro_batch_size({mbs}) "
             f"x {ranks} = {per_step}; world_size = resources.nodes({r.nodes}) x {per_node}"
         )
+    accum = max(gbs // per_step, 1)
+    if pp > 1:
+        problems += pipeline_stages.schedule_problems(spec.trainer, accum, spec.model.type, spec.model.config)
     return Topology(
         nodes=r.nodes,
         tasks_per_node=tasks,
         world_size=world,
         accelerator="gpu" if r.gpus_per_node > 0 else "cpu",
         micro_batch_size=mbs,
-        grad_accum=max(gbs // per_step, 1),
+        grad_accum=1 if pp > 1 else accum,  # a pipeline's microbatches are its accumulation, inside one step
         global_batch_size=gbs,
-        parallelism=Parallelism.of_trainer(spec.trainer, world, tensor=tp or 1),
+        parallelism=Parallelism.of_trainer(spec.trainer, world, tensor=tp or 1, microbatches=accum if pp > 1 else 1),
     )
 
 
@@ -83,29 +97,6 @@ def _tensor_parallel(spec: JobSpec, tasks: int, per_node: str, problems: list[st
         problems.append(f"trainer.sequence_parallel: data.seq_len({seq}) is not divisible by "
                         f"trainer.tensor_parallel_size({tp}): each rank holds seq_len / {tp} positions")
     return tp
-
-
-# NCCL settings that take the intra-node path tensor parallelism depends on off the fast links
-_TP_SLOW_PATHS = {
-    "NCCL_P2P_DISABLE": ("1", "peer-to-peer between the node's GPUs is off: every TP all-reduce goes through host memory"),
-    "NCCL_SHM_DISABLE": ("1", "shared memory between the node's processes is off"),
-    "NCCL_P2P_LEVEL": ("LOC", "peer-to-peer is restricted to the same GPU: TP all-reduces go through host memory"),
-}
-
-
-def _tensor_parallel_notes(topo: Topology, env: Mapping[str, str], reasons: Mapping[str, str]) -> tuple[str, ...]:
-    """What tensor parallelism needs of NCCL inside the node: an all-reduce (or gather and
-    scatter) per block in forward and backward, over the node's NVLink/NVSwitch peer-to-peer
-    path; the presets that take that path away, said with their reasons."""
-    if topo.parallelism.tensor == 1 or topo.accelerator != "gpu":
-        return ()
-    notes = [f"tensor_parallel({topo.parallelism.tensor}) runs its collectives inside each node, twice per "
-             f"block per step: they need NCCL's peer-to-peer path over NVLink/NVSwitch"
-             + (" (NCCL_NVLS_ENABLE=1: NVLink SHARP serves them)" if env.get("NCCL_NVLS_ENABLE") == "1" else "")]
-    for name, (bad, what) in _TP_SLOW_PATHS.items():
-        if env.get(name) == bad:
-            notes.append(f"{name}={bad} ({reasons.get(name, 'planned')}): {what}; tensor parallelism will be slow")
-    return tuple(notes)
 
 
 def _partition(spec: JobSpec, profile: Profile, problems: list[str]) -> str:
@@ -323,7 +314,7 @@ def make_plan(
     if box is not None:
         srun_args = (*box.srun_args, *srun_args)
     notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes,
-             *_placement_notes(profile, slurm, exclude or {}), *_tensor_parallel_notes(topo, env.values, env.reasons),
+             *_placement_notes(profile, slurm, exclude or {}), *mesh_notes.tensor_parallel(topo, env.values, env.reasons), *mesh_notes.pipeline(topo),
              *_agreement_notes(spec))
     preemption = PreemptionPlan.of(
         spec.preemption,

@@ -257,6 +257,14 @@ class TrainerSpec(StrictModel):
     """Tensor-parallel ranks per model replica (strategy fsdp only): each block's matmuls are split over this many ranks of one node (the architecture's transformers TP plan), FSDP2 shards over the rest; data-parallel size = world size / tensor_parallel_size."""
     sequence_parallel: bool = False
     """Keep the residual stream split along the sequence between the tensor-parallel matmuls (norms run on each rank's slice; needs tensor_parallel_size > 1)."""
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    """Pipeline stages per model replica (strategy fsdp): the model's blocks are split into this many stages on as many ranks (embedding with the first, norm and head with the last), run by torch.distributed.pipelining; world size = data_parallel x tensor_parallel_size x pipeline_parallel_size."""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = "1f1b"
+    """How the stages take turns (pipeline_parallel_size > 1): gpipe and 1f1b (one stage a rank, bubble (p-1)/m), interleaved_1f1b (two stages a rank, bubble (p-1)/2m), interleaved_zero_bubble (two stages a rank, backward split in two, bubble close to 0)."""
+    pipeline_microbatches: int | None = Field(None, ge=1, le=65536)
+    """Microbatches per step and replica (pipeline_parallel_size > 1); null: global_batch_size / (data_parallel x data.micro_batch_size). Set, it decides the microbatch size instead of data.micro_batch_size. More microbatches, a smaller bubble."""
+    pipeline_split: list[int] | None = None
+    """Decoder layers per stage, first stage first (null: balanced by parameter count, the embedding counted on the first stage and the head on the last)."""
     offload_optimizer: bool = False
     """Offload optimizer state to CPU (DeepSpeed ZeRO stage >= 2)."""
     offload_params: bool = False
@@ -281,7 +289,8 @@ class TrainerSpec(StrictModel):
     @model_validator(mode="after")
     def _parallelism(self) -> TrainerSpec:
         problem = trainer_problem(self.strategy, self.zero_stage, self.tensor_parallel_size, self.sequence_parallel,
-                                  self.offload_optimizer, self.offload_params)
+                                  self.offload_optimizer, self.offload_params, self.pipeline_parallel_size,
+                                  self.pipeline_split, self.pipeline_microbatches)
         if problem:
             raise ValueError(problem)
         return self

@@ -1,5 +1,6 @@
 """Sharded strategies on the real 2-node local cluster (CPU, gloo): a job of FSDP2, ZeRO-2 and
-ZeRO-3 and 2D (FSDP2 x tensor parallelism with sequence parallelism, 2 nodes x 2 tasks) is really
+ZeRO-3, 2D (FSDP2 x tensor parallelism with sequence parallelism, 2 nodes x 2 tasks) and a pipeline
+(2 stages, one per node, 1F1B) is really
 preempted by a high-priority exclusive job at a random step, requeued, and resumes from its sharded
 checkpoint; its per-step losses and final weights equal an uninterrupted
 run of the same strategy, bit for bit. (DDP: test_preempt_resume.py; ZeRO-1 shares ZeRO-2's
@@ -51,6 +52,11 @@ STRATEGIES = {
            "model.config={num_hidden_layers: 2, hidden_size: 32, intermediate_size: 64, num_attention_heads: 4, "
            "num_key_value_heads: 2, max_position_embeddings: 128, vocab_size: 260, bos_token_id: 256, "
            "eos_token_id: 256, tie_word_embeddings: true}", "data.seq_len=64"),  # 4 ranks on 2 cores: small
+    # pipeline: the tiny Llama's 4 blocks in 2 stages, one per node (1F1B, 4 microbatches of 4 per step)
+    "pp": ("trainer.strategy=fsdp", "trainer.pipeline_parallel_size=2", "model.type=llama",
+           "model.config={num_hidden_layers: 4, hidden_size: 32, intermediate_size: 64, num_attention_heads: 4, "
+           "num_key_value_heads: 2, max_position_embeddings: 128, vocab_size: 260, bos_token_id: 256, "
+           "eos_token_id: 256, tie_word_embeddings: false}", "data.seq_len=64"),
 }
 # The shard files each strategy writes per rank inside lightning.ckpt (every rank writes its own).
 SHARDS = {
@@ -58,6 +64,7 @@ SHARDS = {
     "zero2": ["checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
     "zero3": ["checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt", "checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
     "tp": [f"__{r}_0.distcp" for r in range(4)],
+    "pp": ["__0_0.distcp", "__1_0.distcp"],  # each stage its own blocks
 }
 
 
@@ -84,7 +91,7 @@ LLAMA_COMMON = ("data.micro_batch_size=4",)  # llama's config has no GPT-2 dropo
 
 
 def _common(strategy: str) -> tuple[str, ...]:
-    return LLAMA_COMMON if strategy == "tp" else COMMON
+    return LLAMA_COMMON if strategy in ("tp", "pp") else COMMON
 
 
 def _reference(strategy: str, env, jobs) -> dict:

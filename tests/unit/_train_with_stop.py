@@ -69,6 +69,8 @@ def main() -> int:
             def on_train_end(self, trainer, pl_module):
                 import torch
 
+                if getattr(pl_module, "pipeline", None) is not None:
+                    return  # no rank holds the whole model: the pipeline test compares exports instead
                 ids = (torch.arange(32) * 7 % 256).unsqueeze(0)  # (1, T)
                 pl_module.eval()
                 with torch.no_grad():

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from launcher import monitor, runs
 from launcher.core import straggler_lines
+from launcher.core.parallelism import Parallelism
 from launcher.core.rundir import Ledger
 from launcher.run_files import RunFiles
 from launcher.slurm_view import SlurmJob
@@ -168,3 +169,22 @@ def test_history_says_when_a_rank_was_slow_and_when_it_no_longer_was():
     notes = build_history("r", ledger, [], now=10.0).notes
     assert "attempt 1: from step 40, slow: rank 1 (n2) 1.8x the median compute" in notes
     assert "attempt 1: from step 90, rank 1 (n2) no longer slow (it was 1.8x the median compute)" in notes
+
+
+def test_a_pipelines_stages_are_compared_only_with_the_same_stage_of_other_replicas(tmp_path):
+    """dp2 x pp2: the stages differ by design (the last computes the head): stage 1's ranks 1.6x
+    stage 0's are nobody's straggler; a rank 2x its own stage's other replica is."""
+    par = Parallelism.of("fsdp", 4, pipeline=2)
+    assert par.peer_groups() == [[0, 2], [1, 3]]
+    paths = [tmp_path / f"timing-rank-{r}.jsonl" for r in range(4)]
+    ledger = Ledger(tmp_path / "attempts.jsonl")
+    watch = StragglerWatch(paths, POLICY, attempt=1, ledger=ledger, peers=par.peer_groups())
+    step = 0
+    for slow_factor in (1, 1, 1, 1, 2, 2, 2):
+        step += 5
+        for rank in range(4):
+            stage = 1.6 if rank % 2 else 1.0
+            _write(paths[rank], step, rank, 0.1 * stage * (slow_factor if rank == 3 else 1))
+        watch.look()
+    lines = [e for e in ledger.entries() if e["event"] == "straggler"]
+    assert [(e["state"], e["rank"], e["factor"], e["against"]) for e in lines] == [("start", 3, 2.0, "peers")], lines

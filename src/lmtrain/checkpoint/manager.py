@@ -291,7 +291,8 @@ class CheckpointManager:
     def _rank_part(self, trainer: Any, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
         rank, world = trainer.global_rank, trainer.world_size
         torch_save_atomic({**rank_state, "step": step, "rank": rank, "world_size": world,
-                           "tensor_parallel_size": self.parallelism.tensor}, tmp / f"rank-{rank}.pt")
+                           "tensor_parallel_size": self.parallelism.tensor, "pipeline_parallel_size": self.parallelism.pipeline,
+                           "accumulate": getattr(trainer, "accumulate_grad_batches", None)}, tmp / f"rank-{rank}.pt")
         for path in _files_written_by(tmp, rank):
             fsync_file(path)
         checksums.write_sidecar(tmp, rank)  # what this rank wrote so far (a background save adds its shards)

@@ -406,6 +406,7 @@ def make_dataloaders(
     pin_memory: bool | None = None,
     drop_last: bool = True,
     prefetch_factor: int | None = None,
+    val_drop_last: bool = False,
 ) -> tuple[DataLoader, DataLoader | None, ResumableDistributedSampler]:
     """Train loader (infinite, resumable), validation loader (None when val_fraction is 0
     or there are no validation windows) and the train sampler, for one rank.
@@ -448,7 +449,7 @@ def make_dataloaders(
             val_ds,
             batch_size=mbs,
             sampler=EvalShardSampler(len(val_ds), world_size=world_size, rank=rank),
-            drop_last=False,
+            drop_last=val_drop_last,  # a pipeline's schedule splits only whole batches
             num_workers=workers,
             pin_memory=pin,
             **extra,

@@ -174,6 +174,73 @@ def deepspeed_config_for_lightning(plan: Any) -> dict[str, Any]:
     return config
 
 
+class LmModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2, tensor parallelism, DCP checkpoints) whose
+    optimizer state is flattened by parameter name (``flatten_optimizer_state_dict``, as
+    torchtitan saves it): each rank's param groups are keyed by its own parameters' names, so that
+    ranks holding different parameters (pipeline stages) do not overwrite each other's groups in
+    the checkpoint, and every layout reads every other's. Checkpoints written before (nested param
+    groups) are read in their own form."""
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        options = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _distributed_checkpoint_load
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
+        flat = any(k.startswith("optimizer_0.param_groups.") for k in keys)  # else written nested, before
+        options = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=flat)
+        module = self.model
+        assert module is not None and self.lightning_module is not None
+        state = {"state_dict": get_model_state_dict(module)}
+        _distributed_checkpoint_load(state, path)
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            part = {f"optimizer_{i}": get_optimizer_state_dict(module, optimizer, options=options)}
+            _distributed_checkpoint_load(part, path)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=part[f"optimizer_{i}"], options=options)
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+class PipelineStrategy(LmModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2, DCP checkpoints, the module's configure_model)
+    on a 3D device mesh ``(data_parallel, pipeline, tensor_parallel)``, tensor innermost: the
+    module splits its model into stages over the ``pipeline`` dimension (lmtrain.model.pipeline)
+    and FSDP2 shards each stage over ``data_parallel``."""
+
+    def __init__(self, data_parallel: int, pipeline: int, tensor: int, **kwargs: Any) -> None:
+        super().__init__(data_parallel_size=data_parallel * pipeline, tensor_parallel_size=tensor, **kwargs)
+        self._mesh_shape = (data_parallel, pipeline, tensor)
+
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ParallelStrategy.setup_environment(self)  # the accelerator, as Lightning's does
+        self._setup_distributed()
+        if int(torch.tensor(self._mesh_shape).prod()) != self.world_size:
+            raise RuntimeError(f"mesh {self._mesh_shape} does not make world_size({self.world_size})")
+        self._device_mesh = init_device_mesh(self.root_device.type, self._mesh_shape,
+                                             mesh_dim_names=("data_parallel", "pipeline", "tensor_parallel"))
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+
 def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
     """The Lightning strategy object for the plan, with lmtrain's cluster environment and the
     spec's collective timeout. ``load_universal``: the DeepSpeed engine resumes a universal
@@ -198,8 +265,13 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
             broadcast_buffers=False,
             checkpoint_io=DirectCheckpointIO(),  # DeepSpeed and FSDP2 (DCP) write their files directly already
         )
+    if par.fsdp and par.pipeline > 1:
+        strategy = PipelineStrategy(par.data_parallel_size, par.pipeline, par.tensor,
+                                    save_distributed_checkpoint=True, process_group_backend=backend, timeout=timeout)
+        strategy.cluster_environment = cluster
+        return strategy
     if par.fsdp:
-        strategy = ModelParallelStrategy(  # the (data_parallel, tensor_parallel) device mesh
+        strategy = LmModelParallelStrategy(  # the (data_parallel, tensor_parallel) device mesh
             data_parallel_size=par.data_parallel_size,
             tensor_parallel_size=par.tensor,
             save_distributed_checkpoint=True,  # every rank writes its own shard (DCP): no gather

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,10 @@ class StragglerWatch:
 
     def __init__(self, paths: list[Path], policy: StragglerPolicy, *, attempt: int, ledger: Any,
                  notify: Callable[..., None] | None = None, min_interval_s: float = 0.0,
-                 summary: Path | None = None) -> None:
+                 summary: Path | None = None, peers: list[list[int]] | None = None) -> None:
         self.table = TimingTable(paths, min_interval_s=min_interval_s)
+        # ranks that do the same work, compared with each other (a pipeline's stages differ by design)
+        self.peers = peers or [list(range(len(paths)))]
         self.summary = summary  # metrics/rank-times.json: what the exporter shows per rank
         self.policy, self.attempt, self.ledger, self.notify = policy, attempt, ledger, notify
         self.slow: dict[int, Slow] = {}
@@ -152,7 +155,9 @@ class StragglerWatch:
     def _look(self) -> list[dict[str, Any]]:
         self.table.read()
         step = self.table.last_step
-        now = {s.rank: s for s in score(self.table.table(), self.policy)}
+        table = self.table.table()
+        now = {group[s.rank]: replace(s, rank=group[s.rank]) for group in self.peers
+               for s in score(table[:, group], self.policy)}
         lines = []
         for rank in sorted(set(now) | set(self.slow)):
             before, after = self.slow.get(rank), now.get(rank)

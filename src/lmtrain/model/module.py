@@ -100,6 +100,10 @@ class LMModule(pl.LightningModule):
         # train sampler whose consumed position advances once per micro batch.
         self.metrics_sink: Callable[[dict[str, Any], int], None] | None = None
         self.data_sampler: Any = None
+        # pipeline parallelism (lmtrain.model.pipeline): a schedule runs forward and backward of the
+        # microbatches itself, so the module steps its optimizer by hand (Lightning's manual optimization)
+        self.pipeline: Any = None
+        self.automatic_optimization = rt.parallelism.pipeline == 1
 
     # --- model ---------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -109,7 +113,12 @@ class LMModule(pl.LightningModule):
         self.shape = model_shape(model)
         if self.model_spec.compile:
             model = compile_model(model)
-        if self.rt.parallelism.fsdp:  # self.device_mesh: set by ModelParallelStrategy
+        if self.rt.parallelism.pipeline > 1:
+            from lmtrain.model import pipeline
+
+            self.pipeline = pipeline.parallelize(model, self.device_mesh, self.rt.parallelism, self.rt.precision,
+                                                 self.trainer.strategy.root_device)
+        elif self.rt.parallelism.fsdp:  # self.device_mesh: set by ModelParallelStrategy
             if self.rt.parallelism.tensor > 1:
                 self._split(model)
             shard_fsdp2(model, self.device_mesh["data_parallel"], self.rt.precision)
@@ -144,6 +153,8 @@ class LMModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.data_sampler is not None:
             self.data_sampler.advance()  # this micro batch is consumed (checkpointed position)
+        if self.pipeline is not None:
+            return self._pipeline_step(batch)
         loss = self._loss(batch)
         d = loss.detach()
         self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
@@ -156,8 +167,28 @@ class LMModule(pl.LightningModule):
             return loss * self.rt.accumulate
         return loss
 
+    def _pipeline_step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step of a pipeline: the schedule runs every microbatch's forward and
+        backward (the loss lives on the last stage's ranks: zero elsewhere), then the step."""
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        input_ids, labels = unpack_batch(batch)
+        loss = self.pipeline.step(input_ids, labels)
+        d = loss.detach() if loss is not None else torch.zeros((), device=input_ids.device)
+        self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+        self._loss_count += 1
+        optimizer.step()  # the module's on_before_optimizer_step clips first
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return d
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.rt.parallelism.zero or self.rt.clip_val is None:  # DeepSpeed's engine clips
+            return
+        if self.pipeline is not None:  # every stage's gradients: one norm over the pipeline's ranks
+            from lmtrain.model.tensor_parallel import clip_grad_norm_ as clip_over_meshes
+
+            group = self.device_mesh["pipeline"].get_group()
+            self._grad_norm = clip_over_meshes(self.parameters(), self.rt.clip_val, across=group)
             return
         if self.rt.parallelism.tensor > 1:  # parameters on two meshes: one norm over both
             from lmtrain.model.tensor_parallel import clip_grad_norm_
@@ -187,7 +218,8 @@ class LMModule(pl.LightningModule):
         assert self._loss_sum is not None
         loss = (self._loss_sum / self._loss_count).float()
         if self.trainer.world_size > 1:
-            loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
+            # the mean over the ranks; a pipeline's loss is on its last stage's ranks only (1 in pp)
+            loss = self.trainer.strategy.reduce(loss, reduce_op="mean") * self.rt.parallelism.pipeline
         grad_norm = self._read_grad_norm()
         metrics: dict[str, float | None] = {
             "loss": float(loss.item()),  # the one host sync, on logging steps only
@@ -256,7 +288,13 @@ class LMModule(pl.LightningModule):
 
     # --- validation --------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        if self.pipeline is not None:  # the last stage's ranks hold the loss: x pp, so the ranks' mean is it
+            input_ids, labels = unpack_batch(batch)
+            got = self.pipeline.evaluate(input_ids, labels)
+            loss = (got.detach() if got is not None else torch.zeros((), device=input_ids.device))
+            loss = loss * self.rt.parallelism.pipeline
+        else:
+            loss = self._loss(batch)
         self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=self.rt.micro_batch_size)
         return loss
 

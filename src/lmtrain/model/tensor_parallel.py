@@ -223,11 +223,12 @@ def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, across: Any = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over parameters that live on several device meshes (2D:
     the TP-sharded ones on (dp, tp), the rest on (dp)): each mesh's norm separately, one total, every
-    gradient scaled by it. Plain tensors (one process) form one more group. The total norm, a
-    plain tensor."""
+    gradient scaled by it. Plain tensors (one process) form one more group. ``across``: a process
+    group holding the rest of the model (a pipeline's other stages), whose squared norms are added.
+    The total norm, a plain tensor."""
     from torch.distributed.tensor import DTensor, Replicate
 
     groups: dict[Any, list[torch.Tensor]] = {}
@@ -235,13 +236,17 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
         if p.grad is not None:
             key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
-    if not groups:
+    if not groups and across is None:
         return torch.zeros(())
-    norms_ = []
+    norms_ = [torch.zeros(())]
     for params in groups.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
         norms_.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms_]))
+    if across is not None:
+        squared = total**2
+        torch.distributed.all_reduce(squared, group=across)
+        total = squared.sqrt()
     for mesh, params in groups.items():
         # each group's scale as a tensor of its own mesh (DTensor ops take no plain tensors)
         norm = total if mesh is None else DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim)

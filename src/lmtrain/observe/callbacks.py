@@ -73,6 +73,29 @@ class RealignAccumulation(pl.Callback):
                  self.old, self.new, progress.current.ready)
 
 
+class AlignStepCount(pl.Callback):
+    """A pipeline steps its optimizer by hand (Lightning's manual optimization), the other layouts
+    through Lightning's automatic loop, and Lightning counts each loop's optimizer steps apart: a
+    checkpoint written by one and resumed by the other would restart the count at 0. Set the
+    running loop's count to the checkpoint's step before training (a no-op on the same layout)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        if pl_module.automatic_optimization:
+            progress = loop.automatic_optimization.optim_progress.optimizer.step
+        else:
+            progress = loop.manual_optimization.optim_step_progress
+        if trainer.global_step == self.step:
+            return
+        for part in (progress.total,):
+            part.ready = part.completed = self.step
+        log.info("optimizer steps counted from the checkpoint's step %d (written by the other optimization loop)",
+                 self.step)
+
+
 class RngNeutralValidation(pl.Callback):
     """Validation must not move the training random stream (creating the validation DataLoader's
     iterator draws its base seed from the global torch RNG): the stream as the last training

@@ -84,8 +84,12 @@ class Fit:
         # Tensor-parallel ranks (consecutive global ranks, Lightning's (dp, tp) mesh) read the same
         # samples: the data is sharded over the data-parallel ranks only.
         par = self.parallelism
+        batch = par.loader_batch(plan.topology.micro_batch_size)
+        if batch != data_spec.micro_batch_size:  # a pipeline: a step's microbatches in one batch
+            data_spec = data_spec.model_copy(update={"micro_batch_size": batch})
         train_loader, val_loader, sampler = make_dataloaders(
-            data_spec, world_size=par.data_parallel_size, rank=par.data_rank(env.rank), seed=plan.training.seed)
+            data_spec, world_size=par.data_parallel_size, rank=par.data_rank(env.rank), seed=plan.training.seed,
+            val_drop_last=par.pipeline > 1)
         self.ctl.guard_workers(train_loader, val_loader)  # workers ignore SIGTERM / the warning
         if ckpt is not None:
             state = self.rank_state if self.rank_state is not None else ckpt.rank_state(0)
@@ -102,16 +106,17 @@ class Fit:
 
         env, ckpt, rank_state, topo = self.env, self.ckpt, self.rank_state, self.plan.topology
         assert ckpt is not None
-        layout = (env.world_size, self.parallelism.tensor)
+        layout = (env.world_size, self.parallelism.tensor, self.parallelism.pipeline)
         if rank_state is not None and _layout(rank_state, env.world_size) == layout:
             self.resume_rng = rank_state["rng"]
             self.resume_window = rank_state.get("loss_window")  # None in checkpoints before it was kept
             return
-        old_world, old_tp = _layout(state, env.world_size)
-        log.warning("resuming step-%d on %d ranks, tensor parallel %d (written on %d, tensor parallel %d): data "
-                    "position re-sharded, RNG streams start fresh", ckpt.step, env.world_size,
-                    self.parallelism.tensor, old_world, old_tp)
-        old_accum = topo.global_batch_size // (topo.micro_batch_size * (old_world // old_tp))
+        old_world, old_tp, old_pp = _layout(state, env.world_size)
+        log.warning("resuming step-%d on %d ranks, tensor parallel %d, pipeline parallel %d (written on %d, tensor "
+                    "parallel %d, pipeline parallel %d): data position re-sharded, RNG streams start fresh", ckpt.step,
+                    env.world_size, self.parallelism.tensor, self.parallelism.pipeline, old_world, old_tp, old_pp)
+        # Lightning's batches per step as written (states before it was kept: the micro batches then)
+        old_accum = int(state.get("accumulate") or topo.global_batch_size // (topo.micro_batch_size * (old_world // old_tp)))
         self.realign = RealignAccumulation(old_accum, self.plan.trainer.accumulate_grad_batches)
 
     def _module(self) -> Any:
@@ -122,7 +127,7 @@ class Fit:
         rt = RuntimeSettings(
             parallelism=self.parallelism, precision=t.precision, accelerator=t.accelerator,
             clip_val=plan.training.gradient_clip_val, seq_len=data_spec.seq_len,
-            micro_batch_size=data_spec.micro_batch_size,
+            micro_batch_size=self.parallelism.loader_batch(plan.topology.micro_batch_size),
             accumulate=t.accumulate_grad_batches, log_every_n_steps=t.log_every_n_steps,
             offload_optimizer=self.job.trainer.offload_optimizer,
         )
@@ -133,12 +138,12 @@ class Fit:
         return module
 
     def callbacks(self, startup: Any) -> list[Any]:
-        """The Trainer's callbacks, in order: the rank's step timing (first), startup record,
+        """The Trainer's callbacks, in order: the resumed step count, the rank's step timing, startup record,
         checkpoints, the stop agreement, RNG-neutral validation, metrics (the heartbeat, and rank 0's
         Pushgateway push where the spec names one), the accumulation realigned, the hang watchdog
         (it beats after checkpoint writes), profiling on demand, the timing's boundary mark (last);
         a search trial's rank 0 also reports its metric to the study (lmtrain.observe.trial_report)."""
-        from lmtrain.observe.callbacks import MetricsHeartbeat, RngNeutralValidation
+        from lmtrain.observe.callbacks import AlignStepCount, MetricsHeartbeat, RngNeutralValidation
 
         ckpt_cb = self._checkpoint_callback()
         metrics_cb = MetricsHeartbeat(self.records.heartbeat, every_n_steps=self.job.logging.heartbeat_every_n_steps)
@@ -153,7 +158,9 @@ class Fit:
                      *([pusher] if pusher is not None else []), *([trial] if trial is not None else []),
                      self._memory_record(),
                      *([self.realign] if self.realign else [])]
-        return callbacks + self._watchdog() + [self._profiling(), timing.boundary_mark()]
+        # the step count set before any callback reads it (a checkpoint of the other optimization loop)
+        aligned = [AlignStepCount(self.ckpt.step)] if self.ckpt is not None else []
+        return aligned + callbacks + self._watchdog() + [self._profiling(), timing.boundary_mark()]
 
     def _pusher(self) -> Any:
         """Rank 0's Pushgateway pusher when the spec names one (lmtrain.observe.pushgateway)."""
@@ -202,7 +209,7 @@ class Fit:
             watch = StragglerWatch([layout.rank_timing(attempt, r) for r in range(env.world_size)],
                                    StragglerPolicy(threshold=spec.threshold, window=spec.window), attempt=attempt,
                                    ledger=self.records.ledger, min_interval_s=spec.min_interval_s,
-                                   summary=layout.rank_times,
+                                   summary=layout.rank_times, peers=self.parallelism.peer_groups(),
                                    notify=notifier.send if notifier is not None else None).start()
         return RankTiming(layout.rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
                           log_every_n_steps=self.plan.trainer.log_every_n_steps,
@@ -288,6 +295,8 @@ class Fit:
                        detail=f"the Trainer stopped at step {step} < max_steps({max_steps})")
 
 
-def _layout(state: dict[str, Any], default_world: int) -> tuple[int, int]:
-    """(world size, tensor-parallel size) a rank state was written in (states before TP: size 1)."""
-    return int(state.get("world_size", default_world)), int(state.get("tensor_parallel_size", 1))
+def _layout(state: dict[str, Any], default_world: int) -> tuple[int, int, int]:
+    """(world size, tensor-parallel size, pipeline-parallel size) a rank state was written in
+    (states before TP or pipelines: size 1)."""
+    return (int(state.get("world_size", default_world)), int(state.get("tensor_parallel_size", 1)),
+            int(state.get("pipeline_parallel_size", 1)))

@@ -1,0 +1,119 @@
+"""Test helper: per-step losses and gradient norms of tiny causal LMs trained as 2 pipeline stages
+(lmtrain.model.pipeline, gloo, CPU, 2 processes) with each schedule, and as DDP over the same 2
+processes on the same global batches (the reference).
+
+usage: python _pp_losses.py OUT.json. Writes {"<arch>": {"<layout>": [[loss, grad_norm], ...]}}.
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+ARCHS = ("llama", "qwen2", "mistral")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+STEPS, GLOBAL_BATCH, MICRO, SEQ, VOCAB, LAYERS = 20, 8, 2, 16, 101, 4
+
+
+def config(kind):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(kind, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                tie_word_embeddings=False, max_position_embeddings=64)
+
+
+def batch(step):
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def ddp(kind, rank, world):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        AutoModelForCausalLM.from_config(config(kind), attn_implementation="sdpa"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    per, accum, out = GLOBAL_BATCH // world, GLOBAL_BATCH // world // MICRO, []
+    for step in range(STEPS):
+        mine, total = batch(step)[rank * per:(rank + 1) * per], torch.zeros(())
+        for a in range(accum):  # accumulation: micro batches of MICRO, as the pipeline's microbatches
+            micro = mine[a * MICRO:(a + 1) * MICRO]
+            with model.no_sync() if a < accum - 1 else _nothing():
+                loss = model(input_ids=micro, labels=micro, use_cache=False).loss / accum
+                loss.backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        out.append([float(total) / world, float(norm)])
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+def pipelined(kind, rank, world, schedule):
+    from transformers import AutoModelForCausalLM
+
+    from lmtrain.model import pipeline
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(config(kind), attn_implementation="sdpa")
+    assert not pipeline.problems(lm, world, schedule)
+    smap = pipeline.stage_map(lm, world, schedule)
+    mine = pipeline.build_stages(lm, smap, rank)
+    pipe = pipeline.Pipeline(mine, len(smap.layers), dist.group.WORLD, torch.device("cpu"), schedule,
+                             GLOBAL_BATCH // MICRO)
+    params = [p for _, m in mine for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2, foreach=True)
+    out = []
+    for step in range(STEPS):
+        ids = batch(step)
+        loss = pipe.step(ids, ids)
+        local = torch.stack([p.grad.pow(2).sum() for p in params if p.grad is not None]).sum()
+        dist.all_reduce(local)  # the squared norms of every stage's gradients: the whole model's norm
+        norm = local.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, 0.5, norm)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach() if loss is not None else torch.zeros(())
+        dist.all_reduce(total)  # the loss lives on the last stage's rank
+        out.append([float(total), float(norm)])
+    return out
+
+
+def run(rank, world, path):
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {}
+    for kind in ARCHS:
+        result[kind] = {"ddp": ddp(kind, rank, world)}
+        for schedule in SCHEDULES:
+            result[kind][schedule] = pipelined(kind, rank, world, schedule)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    mp.spawn(run, args=(2, sys.argv[1]), nprocs=2)
