@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -204,7 +205,9 @@ class LmModelParallelStrategy(ModelParallelStrategy):
 
         path = Path(self.broadcast(checkpoint_path))
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
-        flat = any(k.startswith("optimizer_0.param_groups.") for k in keys)  # else written nested, before
+        # nested param groups (written before) are numbered: optimizer_0.param_groups.0.lr; flattened
+        # ones are keyed by parameter name: optimizer_0.param_groups.model.model.layers.0....lr
+        flat = not any(re.match(r"optimizer_\d+\.param_groups\.\d+\.", k) for k in keys)
         options = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=flat)
         module = self.model
         assert module is not None and self.lightning_module is not None
