@@ -68,6 +68,12 @@ def _rank_breakdown(f: ModelFacts, s: Setup, smap: pipeline_stages.StageMap, ran
                             f"({par.schedule})"))
         elif row.name == "logits and loss" and not last:
             rows.append(Row(row.name, 0, "the last stage's (another pipeline rank)"))
+        elif row.name == "communication buffers" and par.data_parallel_size * par.tensor == 1:
+            rows.append(Row(row.name, 0, "one replica: its stages are not sharded (lmtrain.model.pipeline.shards_stages)"))
+        elif row.name in ("parameters", "gradients", "optimizer states") and par.data_parallel_size * par.tensor == 1:
+            rows.append(Row(row.name, row.bytes, row.how.replace("dim-0 shards, 1/1 each (FSDP2)", "whole, this rank's stages")
+                            .replace("sharded like the parameters", "whole").replace("AdamW moments fp32, sharded",
+                                                                                    "AdamW moments fp32, whole")))
         else:
             rows.append(row)
     names = "; ".join(d.split(": ", 1)[1] for d in smap.describe() if int(d.split()[1]) in stages)

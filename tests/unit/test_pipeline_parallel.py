@@ -4,7 +4,7 @@
   llama, qwen2 and mistral as DDP over the same 2 processes does, on the same global batches: losses
   within 1e-5 for 20 steps (measured: within 1e-6; the order of float reductions differs);
 - through the real entry (lmtrain.local.launch, lmtrain's strategy, sampler and DCP checkpoints): a pp2
-  run and a 3D dp1 x tp2 x pp2 run (4 ranks) give the 2-rank DDP run's losses; stopped and resumed at the same layout it is bit-identical;
+  run, a 3D dp1 x tp2 x pp2 run and a dp2 x pp2 run (4 ranks each) give the 2-rank DDP run's losses; stopped and resumed at the same layout it is bit-identical;
   resumed pp2 -> pp1 -> dp2 (FSDP2 alone) -> pp2 it continues the uninterrupted curve (DCP reshards the
   stages' files: each holds its blocks under the whole model's names); its export loads with
   ``from_pretrained`` and gives the DDP run's export's logits;
@@ -67,7 +67,7 @@ OVERRIDES = ["data.seq_len=32", "data.micro_batch_size=2", "trainer.global_batch
 MAX_STEPS = 12
 LAYOUTS = {  # devices, strategy, pipeline, tensor
     "pp2": (2, "fsdp", 2, 1), "pp1": (1, "fsdp", 1, 1), "dp2": (2, "fsdp", 1, 1), "ddp2": (2, "ddp", 1, 1),
-    "tp2pp2": (4, "fsdp", 2, 2), "one-rank": (1, "fsdp", 1, 1)}
+    "tp2pp2": (4, "fsdp", 2, 2), "dp2pp2": (4, "fsdp", 2, 1), "one-rank": (1, "fsdp", 1, 1)}
 
 
 def _spec(tmp_path: Path) -> Path:
@@ -96,21 +96,22 @@ def _final_weights(run_dir: str) -> dict:
 def test_pp2_matches_ddp_resumes_on_every_layout_and_exports(runs_root, tmp_path):
     spec = _spec(tmp_path)
     ref = {}
-    for layout in ("ddp2", "pp2", "tp2pp2", "one-rank"):
+    for layout in ("ddp2", "pp2", "tp2pp2", "dp2pp2", "one-rank"):
         # one rank, micro batch 8: validates on the pipeline's batch of 4 microbatches of 2
         plan = _plan(spec, f"pp-straight-{layout}", layout, *(["data.micro_batch_size=8"] if layout == "one-rank" else []))
         assert _launch(plan, stop_at=0) == 0, Path(plan.paths.run_dir, "launcher.out").read_text()[-3000:]
         ref[layout] = plan.paths.run_dir
     pp, ddp = _steps(ref["pp2"]), _steps(ref["ddp2"])
     assert sorted(pp) == sorted(ddp) == list(range(1, MAX_STEPS + 1))
-    for got in (pp, _steps(ref["tp2pp2"])):  # the same global batches: the losses and norms of DDP
-        for step in got:  # (3D: dp1 x tp2 x pp2 on 4 ranks)
+    for got in (pp, _steps(ref["tp2pp2"]), _steps(ref["dp2pp2"])):  # the same global batches: DDP's losses
+        for step in got:  # (3D: dp1 x tp2 x pp2 on 4 ranks; dp2 x pp2: FSDP2 shards each stage)
             assert abs(got[step][0] - ddp[step][0]) < 1e-5, (step, got[step], ddp[step])
             assert abs(got[step][1] - ddp[step][1]) < 1e-4 * ddp[step][1], (step, got[step], ddp[step])
     val = _val_losses(ref["pp2"])  # the schedule's eval: the last stage's loss, the same samples as one rank's
     assert sorted(val) == [6, 12] and val == pytest.approx(_val_losses(ref.pop("one-rank")), abs=1e-5), val
     assert_states_as_planned(ref["pp2"])  # each stage's parameters, gradients and moments, as the memory plan said
     assert_states_as_planned(ref["tp2pp2"])
+    assert_states_as_planned(ref["dp2pp2"])
     meta = json.loads((complete_checkpoints(Path(ref["pp2"]) / "checkpoints")[-1].path / "meta.json").read_text())
     assert (meta["strategy"], meta["pipeline_parallel_size"], meta["world_size"]) == ("fsdp", 2, 2)
 
@@ -190,6 +191,8 @@ def test_the_arithmetic_that_does_not_work_is_refused_naming_the_key(tmp_path):
         spec, "trainer.pipeline_schedule=zbv")
     assert "trainer.pipeline_split needs trainer.pipeline_parallel_size > 1" in _refused(
         spec, "trainer.pipeline_parallel_size=1", "trainer.pipeline_split=[2,2]")
+    assert "trainer.pipeline_schedule interleaved_zero_bubble with data_parallel(2) x tensor_parallel(1): FSDP2" in _refused(
+        spec, "trainer.pipeline_schedule=interleaved_zero_bubble", "trainer.global_batch_size=64")  # 4 ranks: dp2 x pp2
     assert "trainer.sequence_parallel with trainer.pipeline_parallel_size(2)" in _refused(
         spec, "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=true")
 

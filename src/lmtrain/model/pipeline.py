@@ -159,9 +159,9 @@ def _no_loss(*_: Any) -> torch.Tensor:
 def parallelize(lm: nn.Module, mesh: Any, parallelism: Any, precision: str, device: torch.device) -> Pipeline:
     """Split ``lm`` into this rank's stages (``mesh``: Lightning's device mesh with a ``pipeline``
     and a ``data_parallel`` dimension), shard each stage's layers and the stage itself with FSDP2
-    over the data dimension (torchtitan's order: blocks first, the stage as the root of its part),
-    and prune ``lm`` to what this rank holds, under the whole model's names. Returns the pipeline
-    that trains it."""
+    over the data dimension when there are several replicas (torchtitan's order: blocks first, the
+    stage as the root of its part), and prune ``lm`` to what this rank holds, under the whole
+    model's names. Returns the pipeline that trains it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from lmtrain.model import tensor_parallel
@@ -178,15 +178,24 @@ def parallelize(lm: nn.Module, mesh: Any, parallelism: Any, precision: str, devi
     pp_mesh = mesh["pipeline"]
     mine = build_stages(lm, smap, pp_mesh.get_local_rank())
     _prune(lm, mine)
-    policy = fsdp2_mixed_precision(precision)
-    kwargs: dict[str, Any] = {"mesh": mesh["data_parallel"]}
-    if policy is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=policy[0], reduce_dtype=policy[1])
-    for _, stage in mine:
-        for layer in stage.model.layers.values():
-            fully_shard(layer, **kwargs)
-        fully_shard(stage, **kwargs)
+    if shards_stages(parallelism):
+        policy = fsdp2_mixed_precision(precision)
+        kwargs: dict[str, Any] = {"mesh": mesh["data_parallel"]}
+        if policy is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=policy[0], reduce_dtype=policy[1])
+        for _, stage in mine:
+            for layer in stage.model.layers.values():
+                fully_shard(layer, **kwargs)
+            fully_shard(stage, **kwargs)
     return Pipeline(mine, len(smap.layers), pp_mesh.get_group(), device, parallelism.schedule, parallelism.microbatches)
+
+
+def shards_stages(parallelism: Any) -> bool:
+    """Whether FSDP2 shards the stages: with several replicas, and under tensor parallelism (whose
+    embedding gradient FSDP2's reduce-scatter keeps to the rank's rows); one replica of plain stages
+    has nothing to shard, and the zero-bubble schedules' split weight backward needs it so
+    (launcher.core.pipeline_stages refuses them otherwise)."""
+    return parallelism.data_parallel_size > 1 or parallelism.tensor > 1
 
 
 def _prune(lm: nn.Module, mine: list[tuple[int, Stage]]) -> None:
