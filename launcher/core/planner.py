@@ -68,7 +68,7 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
         )
     accum = max(gbs // per_step, 1)
     if pp > 1:
-        problems += pipeline_stages.schedule_problems(spec.trainer, accum, spec.model.type, spec.model.config, dp, tp)
+        problems += pipeline_stages.schedule_problems(spec.trainer, accum, spec.model.type, spec.model.config, dp, tp or 1)
     return Topology(
         nodes=r.nodes,
         tasks_per_node=tasks,
