@@ -5,13 +5,14 @@ processes on the same global batches (the reference).
 usage: python _pp_losses.py OUT.json. Writes {"<arch>": {"<layout>": [[loss, grad_norm], ...]}}.
 """
 
-import json
 import os
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
+
+from tests.unit._spawn import finish, spawn
 
 ARCHS = ("llama", "qwen2", "mistral")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
@@ -102,18 +103,8 @@ def run(rank, world, path):
         result[kind] = {"ddp": ddp(kind, rank, world)}
         for schedule in SCHEDULES:
             result[kind][schedule] = pipelined(kind, rank, world, schedule)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    finish(rank, result, path)
 
 
 if __name__ == "__main__":
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    mp.spawn(run, args=(2, sys.argv[1]), nprocs=2)
+    spawn(run, 2, sys.argv[1])

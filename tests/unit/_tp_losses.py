@@ -7,13 +7,14 @@ dp2xtp2+sp; each for llama, qwen2 and mistral, tied and untied). Writes
 {"<arch>-<tied|untied>": {"<layout>": [[loss, grad_norm], ...]}}.
 """
 
-import json
 import os
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
+
+from tests.unit._spawn import finish, spawn
 
 ARCHS = [(a, tied) for a in ("llama", "qwen2", "mistral") for tied in (True, False)]
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 4, 8, 16, 101
@@ -78,19 +79,8 @@ def run(rank, world, path):
     for kind, tied in ARCHS:
         result[f"{kind}-{'tied' if tied else 'untied'}"] = {name: train(kind, tied, world, rank, tp, sp)
                                                            for name, tp, sp in layouts}
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    finish(rank, result, path)
 
 
 if __name__ == "__main__":
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    world = int(sys.argv[1])
-    mp.spawn(run, args=(world, sys.argv[2]), nprocs=world)
+    spawn(run, int(sys.argv[1]), sys.argv[2])

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
@@ -31,6 +30,7 @@ from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
 from tests.memory_helpers import assert_states_as_planned
 from tests.unit.test_checkpoint_resume import _launch, _ledger, _steps, _val_losses
+from tests.unit.test_tensor_parallel import _spec as tiny_llama_spec
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("_pp_losses.py")
@@ -71,12 +71,7 @@ LAYOUTS = {  # devices, strategy, pipeline, tensor
 
 
 def _spec(tmp_path: Path) -> Path:
-    spec = yaml.safe_load((REPO / "jobs" / "tiny-cpu-tp.yaml").read_text())
-    spec["model"]["config"] = LLAMA
-    spec["data"]["path"] = str(REPO / "data" / "prepared" / "tiny")
-    path = tmp_path / "pp.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    return tiny_llama_spec(tmp_path, LLAMA, "pp")
 
 
 def _plan(spec: Path, name: str, layout: str, *extra: str):

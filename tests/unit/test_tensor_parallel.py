@@ -69,11 +69,12 @@ MAX_STEPS = 12
 LAYOUTS = {"dp2xtp2": (4, 2, True), "dp1xtp2": (2, 2, True), "dp2xtp1": (2, 1, False), "ddp4": (4, 1, False)}
 
 
-def _spec(tmp_path: Path) -> Path:
+def _spec(tmp_path: Path, config: dict | None = None, name: str = "tp") -> Path:
+    """jobs/tiny-cpu-tp.yaml with a tiny Llama's ``config`` (default: LLAMA) and the repository's data."""
     spec = yaml.safe_load((REPO / "jobs" / "tiny-cpu-tp.yaml").read_text())
-    spec["model"]["config"] = LLAMA
+    spec["model"]["config"] = config or LLAMA
     spec["data"]["path"] = str(REPO / "data" / "prepared" / "tiny")
-    path = tmp_path / "tp.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
 
