@@ -21,8 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from launcher import runtime_stack
+from launcher.core import pipeline_stages
 from launcher.core.atomic import write_private
 from launcher.core.errors import SpecError
+from launcher.core.parallelism import Parallelism
 from launcher.core.plan import Topology
 from launcher.core.spec import ModelSpec, TensorSplit
 
@@ -117,3 +119,19 @@ def _remember(key: str, problem: str, environ: Mapping[str, str] | None) -> None
         write_private(where / f"{key}.json", json.dumps({"problem": problem}) + "\n")
     except OSError:
         pass  # a cache only: the next command checks again
+
+
+def pretrained_pipeline_problems(model: ModelSpec, parallelism: Parallelism) -> list[str]:
+    """What a pipeline needs of a pretrained model (its directory's config.json, the spec's
+    ``model.config`` over it), checked before anything is submitted; [] when there is no
+    pipeline, no pretrained directory here, or nothing wrong."""
+    if parallelism.pipeline == 1 or not model.pretrained:
+        return []
+    path = Path(model.pretrained) / "config.json"
+    try:
+        config = {**json.loads(path.read_text()), **dict(model.config)}
+    except (OSError, ValueError):
+        return []  # not readable here: the runtime checks the model it builds
+    return pipeline_stages.model_problems(parallelism.pipeline, parallelism.schedule,
+                                          list(parallelism.split) if parallelism.split else None,
+                                          config.get("model_type"), config, pretrained=str(path))

@@ -23,7 +23,7 @@ from launcher.core.validation import located
 from launcher.jobfile import load_job_with_origin
 from launcher.memory_check import with_memory
 from launcher.memory_inputs import model_facts
-from launcher.model_check import check_model, split_of
+from launcher.model_check import check_model, pretrained_pipeline_problems, split_of
 from launcher.runs import lmlaunch_home
 
 
@@ -186,6 +186,9 @@ def resolve(
                          exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
         stores = store_indexes(spec)
         plan = dataclasses.replace(plan, notes=(*plan.notes, *mixture_notes(spec, plan, stores)))
+        staged = pretrained_pipeline_problems(spec.model, plan.parallelism)
+        if staged:
+            raise SpecError(staged)
         unchecked = check_model(spec.model, env, split=split_of(plan.topology))  # whatever validates builds
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))

@@ -162,20 +162,33 @@ def schedule_problems(trainer: TrainerSpec, microbatches: int, model_type: str |
     if v > 1 and microbatches % rounds:
         out.append(f"trainer.pipeline_schedule {schedule} runs microbatches in rounds of trainer.pipeline_parallel_size({pp}): "
                    f"{microbatches} microbatches do not fill {rounds} whole rounds; use a multiple of {pp}")
+    return out + model_problems(pp, schedule, trainer.pipeline_split, model_type, config)
+
+
+def model_problems(pp: int, schedule: str, split: list[int] | None, model_type: str | None,
+                   config: Mapping[str, Any], pretrained: str | None = None) -> list[str]:
+    """What a pipeline needs of the model (its type, untied embeddings, enough layers): from the
+    spec's ``model`` section, or from a pretrained directory's config.json (``pretrained``: its path)."""
+    out, v = [], stages_per_rank(schedule)
+    def key(k: str) -> str:
+        if pretrained is None:
+            return f"model.{k}"
+        return f"model.pretrained's config.json ({pretrained}): " + ("model_type" if k == "type" else k.split(".")[-1])
+
     if model_type is not None and model_type not in SPLITTABLE:
-        out.append(f"model.type {model_type}: its blocks cannot be split into pipeline stages by lmtrain (it splits "
+        out.append(f"{key('type')} {model_type}: its blocks cannot be split into pipeline stages by lmtrain (it splits "
                    f"{', '.join(SPLITTABLE)}); use trainer.pipeline_parallel_size 1")
     if config.get("tie_word_embeddings"):
-        out.append("model.config.tie_word_embeddings: the embedding (first stage) and the head (last stage) would be one "
-                   f"tensor on two pipeline stages; set it false for trainer.pipeline_parallel_size({pp})")
+        out.append(f"{key('config.tie_word_embeddings')}: the embedding (first stage) and the head (last stage) would be "
+                   f"one tensor on two pipeline stages; " + ("set it false" if pretrained is None else "the pipeline needs an untied model")
+                   + f" for trainer.pipeline_parallel_size({pp})")
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int):
-        split = trainer.pipeline_split
         got = split_layers([1] * layers, pp, schedule, explicit=list(split) if split is not None else None)
         if isinstance(got, str):
             out.append(got)
         elif v > 1 and split is None and layers % (pp * v):
-            out.append(f"trainer.pipeline_schedule {schedule}: model.config.num_hidden_layers({layers}) is not divisible "
-                       f"by trainer.pipeline_parallel_size({pp}) x {v} stages per rank = {pp * v}; equal stages keep "
-                       f"the interleaving's turns even (or give trainer.pipeline_split)")
+            out.append(f"trainer.pipeline_schedule {schedule}: {key('config.num_hidden_layers')}({layers}) is not "
+                       f"divisible by trainer.pipeline_parallel_size({pp}) x {v} stages per rank = {pp * v}; equal "
+                       f"stages keep the interleaving's turns even (or give trainer.pipeline_split)")
     return out

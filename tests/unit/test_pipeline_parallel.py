@@ -188,6 +188,16 @@ def test_the_arithmetic_that_does_not_work_is_refused_naming_the_key(tmp_path):
         spec, "trainer.pipeline_parallel_size=1", "trainer.pipeline_split=[2,2]")
     assert "trainer.pipeline_schedule interleaved_zero_bubble with data_parallel(2) x tensor_parallel(1): FSDP2" in _refused(
         spec, "trainer.pipeline_schedule=interleaved_zero_bubble", "trainer.global_batch_size=64")  # 4 ranks: dp2 x pp2
+    pretrained = tmp_path / "pretrained"  # a pretrained directory's config.json, read before anything is submitted
+    pretrained.mkdir()
+    (pretrained / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "vocab_size": 260}))
+    assert f"model.pretrained's config.json ({pretrained / 'config.json'}): model_type gpt2: its blocks cannot" in _refused(
+        spec, "model.type=null", "model.config={}", f"model.pretrained={pretrained}", "trainer.global_batch_size=64")
+    (pretrained / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1,
+                                                        "tie_word_embeddings": True, "vocab_size": 260}))
+    refused = _refused(spec, "model.type=null", "model.config={}", f"model.pretrained={pretrained}", "trainer.global_batch_size=64")
+    assert "tie_word_embeddings: the embedding (first stage) and the head (last stage)" in refused
+    assert "2 stages need at least 2 layers; the model has 1" in refused
     assert "trainer.sequence_parallel with trainer.pipeline_parallel_size(2)" in _refused(
         spec, "trainer.tensor_parallel_size=2", "trainer.sequence_parallel=true")
 
