@@ -81,7 +81,7 @@ def main() -> int:
         env = {**os.environ, "LMLAUNCH_HOME": str(home)}
         port = _free_port()
         server = subprocess.Popen([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--listen",
-                                   f"127.0.0.1:{port}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   f"127.0.0.1:{port}", "--no-token"], env=env,  # the scrape alone (no header) stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
         while True:  # listening once it printed its line
             line = server.stdout.readline()

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from launcher.core.errors import UserError
@@ -72,3 +73,39 @@ def serve_until(server: ThreadingHTTPServer, seconds: float | None, *, then: Cal
     finally:
         server.shutdown()
         then()
+
+
+def bearer_token(path: Path) -> tuple[str, bool]:
+    """The exporter's scrape token, kept in ``path`` (Prometheus reads the same file:
+    ``authorization: {credentials_file: PATH}``): made (random, mode 0600) when the file does not
+    exist; (token, made now). A file others can read, or an empty one, is refused."""
+    import secrets
+    import stat
+
+    from launcher.core.atomic import write_private
+
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise UserError(f"--token-file {path}: the directory {path.parent} does not exist")
+        write_private(path, secrets.token_urlsafe(32) + "\n")
+        return path.read_text().strip(), True
+    try:
+        mode, token = path.stat().st_mode, path.read_text().strip()
+    except OSError as exc:
+        raise UserError(f"--token-file {path}: cannot read it: {exc.strerror or exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UserError(f"--token-file {path}: others on this machine can read it (mode {stat.S_IMODE(mode):o}); "
+                        f"`chmod 600 {path}`")
+    if not token:
+        raise UserError(f"--token-file {path}: empty; delete it and a new token is made at the next start")
+    return token, False
+
+
+def authorized(header: str | None, token: str | None) -> bool:
+    """Whether an ``Authorization`` header carries the bearer token (any, when ``token`` is None)."""
+    import hmac
+
+    if token is None:
+        return True
+    given = (header or "").removeprefix("Bearer ").strip() if (header or "").startswith("Bearer ") else ""
+    return hmac.compare_digest(given.encode(), token.encode())

@@ -61,6 +61,9 @@ class RunsCollector:
         yield took
 
 
+FIRST_READING_WAIT_S = 20.0  # a scrape waits this long for the first reading (Prometheus' default timeout is 10 s)
+
+
 class Snapshots:
     """The exporter's answer, made ahead: a thread renders the registry again and again (each time
     reading only the run directories that changed, launcher/status_cache.py), and a scrape is
@@ -94,9 +97,12 @@ class Snapshots:
             self._ready.set()
             self._stop.wait(self.pause_s)
 
-    def answer(self) -> tuple[bytes, float]:
-        """The newest rendering and its age in seconds (waits for the first; NaN while none succeeded)."""
-        self._ready.wait()
+    def answer(self, first_wait_s: float = FIRST_READING_WAIT_S) -> tuple[bytes, float] | None:
+        """The newest rendering and its age in seconds (NaN while none succeeded); None while the
+        first reading is still under way after ``first_wait_s`` (a hung filesystem at start: the
+        scrape is told to come back, never held)."""
+        if not self._ready.wait(first_wait_s):
+            return None
         age = max(0.0, time.time() - self._made_at) if self._body is not None else float("nan")
         return self._body or b"", age
 

@@ -76,7 +76,8 @@ class Pages:
         return to_json({"runs": [r.to_dict() for r in rows], "slurm_reachable": view.reachable, "time": time.time()})
 
     def runs(self) -> dict[str, Any]:
-        body, _age = self.snapshots.answer()
+        got = self.snapshots.answer()  # None: the first reading is not done yet
+        body = got[0] if got is not None else b""
         return json.loads(body) if body else {"runs": [], "slurm_reachable": False, "time": None}
 
     def run(self, name: str) -> dict[str, Any] | None:

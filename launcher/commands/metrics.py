@@ -16,6 +16,7 @@ from launcher.core.errors import UserError
 
 DEFAULT_LISTEN = "127.0.0.1:9767"
 TEXTFILE = "lmlaunch.prom"
+TOKEN_FILE = "metrics.token"  # under $LMLAUNCH_HOME
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
                        help="pause between two readings of the runs (default 5; each asks squeue once); a scrape is "
                             "answered from the newest")
+    serve.add_argument("--token-file", metavar="FILE", default=None,
+                       help=f"scrapes must carry `Authorization: Bearer` with the token in FILE (made, mode 0600, when "
+                            f"missing; Prometheus: authorization: {{credentials_file: FILE}}); default "
+                            f"$LMLAUNCH_HOME/{TOKEN_FILE}: a login node is shared, and its other users reach 127.0.0.1 too")
+    serve.add_argument("--no-token", action="store_true",
+                       help="answer any scrape (a site whose proxy in front does the checking)")
     serve.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # stop after (tests)
     write = sub.add_parser("write", help=f"write every run's metrics to DIR/{TEXTFILE} (node_exporter's textfile "
                                          "collector), atomically")
@@ -54,13 +61,32 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     host, port = http_serve.parse_listen(args.listen)
     if (warning := http_serve.exposure(host, "exporter")) is not None:
         ctx.err(warning)
-    server = _start(registry, host, port, refresh_s=http_serve.check_refresh(args.refresh))
-    ctx.out(f"serving the runs' metrics on http://{host}:{port}/metrics (Ctrl-C stops)")
+    token, said = _token(args, ctx)
+    server = _start(registry, host, port, refresh_s=http_serve.check_refresh(args.refresh), token=token)
+    ctx.out(f"serving the runs' metrics on http://{host}:{port}/metrics (Ctrl-C stops){said}")
     http_serve.serve_until(server, args.seconds)
     return 0
 
 
-def _start(registry, host: str, port: int, *, refresh_s: float):
+def _token(args: argparse.Namespace, ctx: Context) -> tuple[str | None, str]:
+    """The scrape token (None: --no-token) and what to say about it."""
+    from launcher import http_serve
+    from launcher.core.home import lmlaunch_home
+
+    if args.no_token:
+        if args.token_file:
+            raise UserError("lmlaunch metrics serve: --token-file and --no-token exclude each other")
+        ctx.err("warning: --no-token: every user who reaches the address reads every run's metrics")
+        return None, ""
+    path = Path(args.token_file).expanduser() if args.token_file else lmlaunch_home(ctx.environ or None) / TOKEN_FILE
+    if not args.token_file:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    token, made = http_serve.bearer_token(path)
+    return token, (f"; scrapes carry `Authorization: Bearer` with the token {'made in' if made else 'in'} {path} "
+                   f"(Prometheus: authorization: {{credentials_file: {path}}})")
+
+
+def _start(registry, host: str, port: int, *, refresh_s: float, token: str | None = None):
     """An HTTP server answering GET /metrics with the newest snapshot (launcher.metrics.Snapshots)."""
     from http.server import BaseHTTPRequestHandler
 
@@ -76,7 +102,20 @@ def _start(registry, host: str, port: int, *, refresh_s: float):
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404, "only /metrics is here")
                 return
-            body = with_age(*snapshots.answer())
+            if not http_serve.authorized(self.headers.get("Authorization"), token):
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="lmlaunch metrics"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            got = snapshots.answer()
+            if got is None:  # the first reading of the runs is not done yet
+                self.send_response(503)
+                self.send_header("Retry-After", "5")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = with_age(*got)
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_LATEST)
             self.send_header("Content-Length", str(len(body)))

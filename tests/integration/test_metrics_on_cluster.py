@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import waiting
 from preempt_helpers import ledger, preempt, run_progress, submit, wait_attempt_running, wait_step
@@ -28,7 +29,10 @@ def test_prometheus_follows_a_preempted_job_and_every_dashboard_query_answers(sl
                               f"127.0.0.1:{port}", "--seconds", "1800"], env=lm_env, stdout=subprocess.DEVNULL,
                              stderr=open(tmp_path / "serve.log", "w"))
     try:
-        with prometheus([f"127.0.0.1:{port}"], tmp_path) as (server, query):
+        token_file = Path(lm_env["LMLAUNCH_HOME"]) / "metrics.token"  # made by serve at its start (mode 0600)
+        waiting.until(lambda: token_file.is_file() and token_file.read_text().strip(), what="the exporter's token file",
+                      progress=waiting.watching(waiting.process_cpu(serve.pid)))
+        with prometheus([f"127.0.0.1:{port}"], tmp_path, token_file=token_file) as (server, query):
             _follow(query, server, run_name, job_id, run_dir, tmp_path, lm_env)
     finally:
         serve.terminate()

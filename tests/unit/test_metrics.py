@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -94,12 +95,16 @@ def test_write_leaves_one_prom_file_for_the_textfile_collector_and_bad_input_is_
 def test_a_real_prometheus_scrapes_the_exporter_and_a_taken_port_is_said(tmp_path):
     _runs(tmp_path / "home")
     env = {"LMLAUNCH_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
-    port = free_port()
+    port, token_file = free_port(), tmp_path / "home" / "metrics.token"  # the default: made at the first start
     serve = subprocess.Popen([sys.executable, "-m", "launcher.cli", "metrics", "serve", "--refresh", "1", "--listen",
                               f"127.0.0.1:{port}",
                               "--seconds", "600"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        with prometheus([f"127.0.0.1:{port}"], tmp_path) as (server, query):
+        waiting.until(lambda: token_file.is_file() and token_file.read_text().strip(), what="the exporter's token file",
+                      progress=waiting.watching(waiting.process_cpu(serve.pid)))
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+        _scrape_needs_the_token(port, token_file.read_text().strip())
+        with prometheus([f"127.0.0.1:{port}"], tmp_path, token_file=token_file) as (server, query):
             step = waiting.until(lambda: query('lmlaunch_run_step{run="train"}'), what="Prometheus' scrape of the run",
                                  progress=waiting.watching(waiting.process_cpu(server.pid),
                                                            waiting.process_cpu(serve.pid)),
@@ -116,6 +121,36 @@ def test_a_real_prometheus_scrapes_the_exporter_and_a_taken_port_is_said(tmp_pat
     finally:
         serve.terminate()
         serve.wait(timeout=HANG_S)
+
+
+def _scrape_needs_the_token(port: int, token: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}/metrics"
+    for header in (None, "Bearer wrong", f"Basic {token}"):
+        request = urllib.request.Request(url, headers={"Authorization": header} if header else {})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=HANG_S)
+        assert refused.value.code == 401 and "Bearer" in refused.value.headers["WWW-Authenticate"]
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=HANG_S) as answer:
+        assert answer.status == 200 and b"lmlaunch_run_step" in answer.read()
+
+
+def test_the_token_file_is_private_and_the_choice_said(tmp_path):
+    env = {"LMLAUNCH_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
+    open_file = tmp_path / "open.token"
+    open_file.write_text("abc\n")
+    open_file.chmod(0o644)
+    for extra, said in ((["--token-file", str(open_file)], "others on this machine can read it (mode 644)"),
+                        (["--token-file", str(tmp_path / "none" / "t")], "the directory"),
+                        (["--token-file", str(open_file), "--no-token"], "exclude each other")):
+        code, _, err = _lm(env, "metrics", "serve", "--listen", f"127.0.0.1:{free_port()}", "--seconds", "0.1", *extra)
+        assert code == 2 and said in err, (extra, err)
+    assert open_file.read_text() == "abc\n"  # nothing rewritten
+    code, out, err = _lm(env, "metrics", "serve", "--listen", f"127.0.0.1:{free_port()}", "--seconds", "0.1", "--no-token")
+    assert code == 0 and "--no-token: every user who reaches the address" in err, err
 
 
 def test_a_running_runs_ranks_are_series_of_their_own_from_rank_0s_summary(tmp_path):
@@ -189,6 +224,16 @@ def test_a_scrape_is_answered_from_the_newest_reading_and_a_failed_reading_keeps
     finally:
         snapshots.stop()
         release.set()
+
+
+def test_a_first_reading_that_hangs_is_answered_come_back_not_held():
+    hung = threading.Event()
+    snapshots = metrics.Snapshots(lambda: hung.wait() and b"", pause_s=0.0).start()  # a hung filesystem at start
+    try:
+        assert snapshots.answer(first_wait_s=0.2) is None  # not held: the exporter answers 503 with Retry-After
+    finally:
+        snapshots.stop()
+        hung.set()
 
 
 @pytest.mark.parametrize("host, warned", [("127.0.0.1", False), ("localhost", False), ("::1", False),
