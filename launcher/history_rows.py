@@ -84,7 +84,7 @@ def build_history(
             ends[int(line["attempt"])] = line
     cancel = next((float(x["time"]) for x in ledger if x.get("event") == "cancel_requested" and x.get("time")), None)
     startups = {int(x["attempt"]): x for x in ledger if x.get("event") == "startup" and isinstance(x.get("attempt"), int)}
-    measured = _memory_lines(ledger)
+    measured = memory_lines(ledger)
     spans = _training_spans(heartbeat)
     per_job_index: dict[str, int] = {}
     rows: list[HistoryRow] = []
@@ -204,7 +204,7 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
     return notes
 
 
-def _memory_lines(ledger: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int | None, int | None]]:
+def memory_lines(ledger: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int | None, int | None]]:
     """attempt -> (the most model-state bytes a rank held, the highest device peak), from the
     ledger's ``memory`` lines (lmtrain.model.memory_held)."""
     out: dict[int, tuple[int | None, int | None]] = {}

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from launcher import monitor, run_files, runs
+from launcher import history_rows, monitor, run_files, runs
 from launcher.core import straggler_lines
 
 # (metric, help, StatusRow attribute): a gauge per run where the row has the figure
@@ -126,6 +126,12 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
                                 labels=["run", "reason"])
     started = CounterMetricFamily("lmlaunch_run_attempts_started", "Attempts that started (the ledger)",
                                   labels=["run"])
+    lost = CounterMetricFamily("lmlaunch_run_steps_lost", "Steps trained again after a stop: each attempt's last "
+                               "step less the next attempt's first (the ledger)", labels=["run"])
+    held = GaugeMetricFamily("lmlaunch_run_model_states_held_bytes", "The most bytes of parameters, gradients and "
+                             "optimizer states a rank held in the newest measured attempt (the ledger)", labels=["run"])
+    peak = GaugeMetricFamily("lmlaunch_run_device_peak_bytes", "The highest device memory peak of a rank in the "
+                             "newest measured attempt (GPU jobs; the ledger)", labels=["run"])
     for row, ledger in zip(rows, ledgers):
         info.add_metric([row.name, row.job_id or "", row.state, row.group], 1)
         for attr, family in gauges.items():
@@ -137,12 +143,33 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
         for reason, n in sorted(reasons.items()):
             ended.add_metric([row.name, reason], n)
         started.add_metric([row.name], sum(1 for e in ledger if e.get("event") == "start"))
+        lost.add_metric([row.name], steps_lost(ledger))
+        measured = history_rows.memory_lines(ledger)
+        if measured:
+            newest_held, newest_peak = measured[max(measured)]
+            if newest_held is not None:
+                held.add_metric([row.name], float(newest_held))
+            if newest_peak is not None:
+                peak.add_metric([row.name], float(newest_peak))
     up = GaugeMetricFamily("lmlaunch_slurm_up", "1 when the SLURM controller answered this scrape")
     up.add_metric([], 1.0 if slurm_reachable else 0.0)
     count = GaugeMetricFamily("lmlaunch_runs", "Runs in the registry, by state group", labels=["group"])
     for group, n in sorted(Counter(r.group for r in rows).items()):
         count.add_metric([group], n)
-    return [info, *gauges.values(), requeued, started, ended, up, count]
+    return [info, *gauges.values(), requeued, started, ended, lost, held, peak, up, count]
+
+
+def steps_lost(ledger: Sequence[Mapping[str, Any]]) -> int:
+    """Steps the run trained twice: for each attempt that ended, its end step less the start step
+    of the attempt after it (an attempt without an end line, killed outright, is not counted)."""
+    starts = [e for e in ledger if e.get("event") == "start" and isinstance(e.get("attempt"), int)]
+    ends = {e["attempt"]: e.get("end_step") for e in ledger if e.get("event") == "end" and isinstance(e.get("attempt"), int)}
+    total = 0
+    for this, nxt in zip(starts, starts[1:]):
+        end, again = ends.get(this["attempt"]), nxt.get("start_step")
+        if isinstance(end, int) and isinstance(again, int):
+            total += max(0, end - again)
+    return total
 
 
 def rank_families(rows: Sequence[monitor.StatusRow]) -> list[Metric]:

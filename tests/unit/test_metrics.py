@@ -243,3 +243,35 @@ def test_a_server_listening_beyond_loopback_says_so(host, warned):
 
     said = http_serve.exposure(host, "dashboard")
     assert (said is not None) == warned and (not warned or "reachable beyond this machine" in said)
+
+
+def test_steps_lost_and_memory_held_come_from_the_ledger():
+    ledger = [
+        {"event": "start", "attempt": 1, "start_step": 0}, {"event": "end", "attempt": 1, "end_step": 47},
+        {"event": "start", "attempt": 2, "start_step": 40},  # the checkpoint at 40: 7 steps again
+        {"event": "memory", "attempt": 2, "held": [{"params": 10, "grads": 10, "optimizer": 20},
+                                                   {"params": 12, "grads": 12, "optimizer": 24}], "device_peak": [900, 950]},
+        {"event": "end", "attempt": 2, "end_step": 60},
+        {"event": "start", "attempt": 3, "start_step": 60},  # the stop checkpoint: nothing lost
+        {"event": "start", "attempt": 4, "start_step": 50},  # attempt 3 killed without an end line: not counted
+    ]
+    assert metrics.steps_lost(ledger) == 7
+    row = monitor.build_row(runs.RunRecord(name="r", profile="local", run_dir="/nonexistent", spec_path="/s.yaml",
+                                           job_ids=["1"]),
+                            read_run_files(Path("/nonexistent")), None, slurm_reachable=True, now=T0)
+    got = _samples_of(metrics.families([row], [ledger], slurm_reachable=True))
+    assert got[("lmlaunch_run_steps_lost_total", (("run", "r"),))] == 7
+    assert got[("lmlaunch_run_model_states_held_bytes", (("run", "r"),))] == 48  # the rank that held most
+    assert got[("lmlaunch_run_device_peak_bytes", (("run", "r"),))] == 950
+
+
+def _samples_of(families) -> dict:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class Static:
+        def collect(self):
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Static())
+    return _samples(generate_latest(registry).decode())
