@@ -201,6 +201,28 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
             else:
                 notes.append(f"attempt {x.get('attempt')}: from step {x.get('step')}, rank {x.get('rank')} "
                              f"({x.get('node')}) no longer slow (it was {said.split(') ', 1)[1]})")
+    return notes + restart_notes(ledger)
+
+
+def restart_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each restart in place (lmtrain.preemption: the ranks started again in the same allocation),
+    and how long from the failed attempt's end line to the next attempt's first step."""
+    firsts = {}
+    for x in ledger:  # the startup record: when the process started, and its first step's offset
+        phases = x.get("phases") if isinstance(x.get("phases"), dict) else {}
+        if x.get("event") == "startup" and isinstance(x.get("process_start"), (int, float)) \
+                and isinstance(phases.get("first_step"), (int, float)):
+            firsts[x.get("attempt")] = float(x["process_start"]) + float(phases["first_step"])
+    notes = []
+    for x in ledger:
+        if x.get("event") != "end" or x.get("restart") != "in_place" or not isinstance(x.get("attempt"), int):
+            continue
+        nxt, ended = x["attempt"] + 1, x.get("time")
+        first = firsts.get(nxt)
+        took = (f"its first step {first - float(ended):.1f} s after attempt {x['attempt']}'s end line"
+                if first is not None and isinstance(ended, (int, float)) else "no step of it recorded yet")
+        notes.append(f"attempt {nxt}: restarted in place after attempt {x['attempt']} {x.get('reason')} at step "
+                     f"{x.get('end_step')} (same job and nodes, no queue wait); {took}")
     return notes
 
 

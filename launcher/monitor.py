@@ -175,6 +175,10 @@ def _queued_or_running(rec: Any, files: RunFiles, job: SlurmJob, requeued: bool)
         note = f"waiting for {upstream}"  # submit --after's runs, or a preparation's array
     elif group == "queued" and job.reason == "DependencyNeverSatisfied":
         note = f"never starts: {upstream} did not succeed (`lmlaunch cancel {rec.name}`)"
+    ended = last_end_of(files.ledger, rec.job_ids[-1]) if group == "running" and rec.job_ids else None
+    if ended is not None and ended.get("restart") == "in_place":  # no attempt started since: the ranks are starting
+        note = (f"restarting in place: attempt {ended.get('attempt')} ended {ended.get('reason')} at step "
+                f"{ended.get('end_step')}, its ranks start again in the same allocation")
     if files.cancelled and group in ("queued", "running"):
         note = "cancel requested"
     return state, group, reason, note

@@ -279,7 +279,7 @@ def test_a_rank_sigkilled_like_the_oom_killer_is_named_and_restarted_in_place(re
     assert first["first_death"] == {"rank": 1, "node": "n2", "how": "killed by SIGKILL",
                                     "source": "srun: task 1: Killed"}, first
     assert first["detail"].startswith("rank 1 on n2 died first: killed by SIGKILL"), first["detail"]
-    assert "restarted in place" in first["detail"], first["detail"]
+    assert "restarted in place" in first["detail"] and first["restart"] == "in_place", first
     assert [s["start_step"] for s in starts(run_dir)] == [0, EVERY]
     assert [(s["job_id"], s["restart_count"]) for s in starts(run_dir)] == [(job, 0), (job, 0)], starts(run_dir)
     assert slurm.restart_count(job) == 0  # SLURM never requeued it: one allocation, no queue wait
@@ -287,6 +287,8 @@ def test_a_rank_sigkilled_like_the_oom_killer_is_named_and_restarted_in_place(re
     # `history` tells the same story
     code, out, _ = lm(env, "history", name)
     assert code == 0 and "rank 1 on n2 died first: killed by SIGKILL" in out.replace("\n", " "), out
+    assert re.search(r"attempt 2: restarted in place after attempt 1 crashed at step \d+ \(same job and nodes, no "
+                     r"queue wait\); its first step [\d.]+ s after attempt 1's end line", out.replace("\n", " ")), out
 
 
 @pytest.mark.both_versions

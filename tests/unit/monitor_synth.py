@@ -57,7 +57,8 @@ def make_run(
                           "attempt": n, "job_id": jid, "world_size": 2})
         if a.get("reason"):
             ledger.append(AttemptEnd(attempt=n, job_id=jid, time=t1, end_step=a["end_step"], reason=a["reason"],
-                                     detail=a.get("detail", ""), requeued=a.get("requeued", False)))
+                                     detail=a.get("detail", ""), requeued=a.get("requeued", False),
+                                     extra=a.get("extra", {})))
     for record in ledger:  # the runtime's own writer and records (launcher.core.rundir)
         Ledger(run_dir / LEDGER).write(record)
     write_jsonl(run_dir / "metrics" / "heartbeat.jsonl", beats)

@@ -152,6 +152,27 @@ def test_a_job_slurm_forgot_takes_its_state_from_the_last_end_line(tmp_path, rea
     assert _row(tmp_path, "f", None).state == "UNKNOWN"
 
 
+def test_a_crash_restarted_in_place_is_said_while_its_ranks_start_and_history_says_how_long_it_took(tmp_path):
+    crashed = {"job_id": "101", "start_step": 0, "end_step": 47, "t0": T0 - 100, "t1": T0 - 10, "reason": "crashed",
+               "requeued": True, "extra": {"restart": "in_place"}}
+    make_run(tmp_path, "r", attempts=[crashed])
+    row = _row(tmp_path, "r", SlurmJob("101", "RUNNING", "None", 1, "20:00", 2, "1:40", "n[1-2]"))
+    assert row.note == ("restarting in place: attempt 1 ended crashed at step 47, its ranks start again in the same "
+                        "allocation"), row.note
+    make_run(tmp_path, "q", attempts=[{**crashed, "extra": {}}])  # requeued instead: no such note
+    assert "in place" not in _row(tmp_path, "q", SlurmJob("101", "RUNNING", "None", 1, "20:00", 2, "1:40", "n[1-2]")).note
+    ledger = [{"event": "start", "attempt": 1, "time": T0 - 100},
+              {"event": "end", "attempt": 1, "time": T0 - 10, "reason": "crashed", "end_step": 47, "restart": "in_place"},
+              {"event": "start", "attempt": 2, "time": T0 - 5},
+              {"event": "startup", "attempt": 2, "process_start": T0 - 8.0, "phases": {"first_step": 7.5}}]
+    assert history_rows.restart_notes(ledger) == [
+        "attempt 2: restarted in place after attempt 1 crashed at step 47 (same job and nodes, no queue wait); its "
+        "first step 9.5 s after attempt 1's end line"]
+    assert history_rows.restart_notes(ledger[:3]) == [
+        "attempt 2: restarted in place after attempt 1 crashed at step 47 (same job and nodes, no queue wait); no "
+        "step of it recorded yet"]
+
+
 def test_history_goodput_steps_lost_and_queue_wait():
     ledger = [
         {"event": "start", "attempt": 1, "job_id": "7", "time": 1000.0, "start_step": 0, "nodes": ["n1"]},

@@ -123,6 +123,8 @@ class Preemption:
         outcome.reason, outcome.detail, outcome.requeued = d.reason, d.detail, d.requeued
         outcome.exit_code = max(outcome.exit_code, d.exit_code)
         outcome.action, outcome.exclude = d.action, d.exclude
+        if d.action == "restart":  # the ledger says so: status ("restarting in place"), history (how long it took)
+            outcome.extra["restart"] = "in_place"
         if d.action is None and d.exclude and slurm.state_word(facts.slurm_state or "") == "PENDING":
             # SLURM requeued the job itself (a node failure): exclude now, before the end line. The
             # failed node's slurmd kills this rank within seconds, before after_end would run.
