@@ -171,3 +171,17 @@ def test_how_an_attempt_ended_becomes_messages(tmp_path, reason, requeued, event
     assert [e for e, _, _ in sent] == events
     if events == ["failed"]:
         assert sent[0][2]["log_tail"].endswith("ValueError: bad batch") and "crashed" in sent[0][1]
+
+
+def test_a_crash_restarted_in_place_says_so():
+    from types import SimpleNamespace
+
+    from lmtrain.observe.attempt import Outcome
+    from lmtrain.observe.notify import notify_end
+
+    sent: list[tuple[str, str, dict]] = []
+    notifier = SimpleNamespace(send=lambda event, text, **facts: sent.append((event, text, facts)))
+    notify_end(notifier, SimpleNamespace(), Outcome(reason="crashed", end_step=47, detail="rank 1 on n2 died first",
+                                                    requeued=True, action="restart"), attempt=1)
+    assert [(e, f.get("restart")) for e, _, f in sent] == [("requeued", "in_place")]
+    assert sent[0][1].startswith("restarted in place after crashed at step 47 (the same job and nodes, no queue wait)")

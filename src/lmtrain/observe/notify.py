@@ -148,7 +148,10 @@ def notify_end(notifier: Any, plan: Any, outcome: Any, attempt: int) -> None:
         loss_text = f"{losses[-1]:.4f}" if losses else "?"
         notifier.send("completed", f"completed at step {step}: loss {loss_text}, goodput "
                       f"{'?' if g is None else f'{g:.2f}'}", **facts, loss=losses[-1] if losses else None, goodput=g)
-    if outcome.requeued:
+    if outcome.requeued and getattr(outcome, "action", None) == "restart":  # lmtrain.preemption: in the allocation
+        notifier.send("requeued", f"restarted in place after {reason} at step {step} (the same job and nodes, no "
+                      "queue wait): the next attempt resumes from the newest checkpoint", **facts, restart="in_place")
+    elif outcome.requeued:
         notifier.send("requeued", f"requeued after {reason}: the next attempt resumes from the newest checkpoint",
                       **facts)
     elif reason not in ("completed", "preempted", "timeout", "cancelled", "hang"):
