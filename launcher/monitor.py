@@ -134,6 +134,10 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         # a search's trial stopped early by its pruner: SLURM says COMPLETED, the run says why
         state, group = "PRUNED", "completed"
         note = "; ".join(x for x in (str(ended.get("detail") or "pruned").split("; checkpoint")[0], note) if x)
+    if group == "failed" and rec.job_ids and not any(
+            e.get("event") == "start" and str(e.get("job_id")) == str(rec.job_ids[-1]) for e in files.ledger):
+        note = "; ".join(x for x in (f"job {rec.job_ids[-1]} ended before any attempt started: its tasks failed before "
+                                     f"the training entry (`lmlaunch logs {rec.name} --errors` shows why)", note) if x)
     stragglers = straggler_lines.slow_ranks(files.ledger) if group == "running" else []
     if stragglers:
         note = (note + "; " if note else "") + "slow: " + ", ".join(straggler_lines.describe(s) for s in stragglers)

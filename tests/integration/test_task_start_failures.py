@@ -46,6 +46,8 @@ def test_a_task_that_cannot_start_its_interpreter_fails_the_job(slurm_cluster, c
     assert rows[f"{job}.batch"][0] == "FAILED" and rows[f"{job}.0"][0] == "FAILED", rows
     row = next(x for x in json.loads(cli("status", run_name, "--json", env=lm_env).out)["runs"] if x["name"] == run_name)
     assert row["state"] == "FAILED" and row["group"] == "failed", row
+    assert row["note"].startswith(f"job {job} ended before any attempt started"), row  # and where to look
+    assert f"lmlaunch logs {run_name} --errors" in row["note"], row
     logs = cli("logs", run_name, "--errors", env=lm_env)
     assert error in logs.out, logs.out + logs.err
     notes = json.loads(cli("history", run_name, "--json", env=lm_env).out)["notes"]

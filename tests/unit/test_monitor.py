@@ -173,6 +173,18 @@ def test_a_crash_restarted_in_place_is_said_while_its_ranks_start_and_history_sa
         "step of it recorded yet"]
 
 
+def test_a_job_whose_tasks_never_started_says_where_to_look(tmp_path):
+    make_run(tmp_path, "r", attempts=[])  # the tasks failed before lmtrain's entry: no attempt in the ledger
+    row = _row(tmp_path, "r", SlurmJob("101", "FAILED", "NonZeroExitCode", 1, "20:00", 2, "0:03", "n[1-2]"))
+    assert (row.state, row.group) == ("FAILED", "failed")
+    assert row.note == ("job 101 ended before any attempt started: its tasks failed before the training entry "
+                        "(`lmlaunch logs r --errors` shows why)"), row.note
+    make_run(tmp_path, "s", attempts=[{"job_id": "101", "start_step": 0, "end_step": 5, "t0": T0 - 9, "t1": T0 - 1,
+                                       "reason": "crashed"}])
+    assert "before any attempt" not in _row(tmp_path, "s", SlurmJob("101", "FAILED", "NonZeroExitCode", 1, "20:00", 2,
+                                                                     "0:03", "n[1-2]")).note
+
+
 def test_history_goodput_steps_lost_and_queue_wait():
     ledger = [
         {"event": "start", "attempt": 1, "job_id": "7", "time": 1000.0, "start_step": 0, "nodes": ["n1"]},
