@@ -40,7 +40,7 @@ class CheckpointFormat(enum.Enum):
 
 _WHAT_RESHARDS = {
     CheckpointFormat.FULL: "the DDP checkpoint holds full tensors",
-    CheckpointFormat.DCP: "torch.distributed.checkpoint reshards the FSDP (and tensor-parallel) shards",
+    CheckpointFormat.DCP: "torch.distributed.checkpoint reshards the FSDP, tensor-parallel and pipeline-stage shards",
     CheckpointFormat.ZERO: "rank 0 converts the ZeRO checkpoint to DeepSpeed's universal checkpoint when the job starts",
 }
 
