@@ -40,6 +40,8 @@ PANELS: tuple[tuple[str, str, str, str, str], ...] = (
     ("Attempts ended, by why", f"sum by (run, reason) (lmlaunch_run_attempts_ended_total{{{RUN}}})",
      "{{run}} {{reason}}", "none", "timeseries"),
     ("Steps trained again after stops", f"lmlaunch_run_steps_lost_total{{{RUN}}}", "{{run}}", "none", "timeseries"),
+    ("Queue wait (submission or requeue to start)", f"lmlaunch_run_queue_wait_seconds_total{{{RUN}}}", "{{run}}", "s",
+     "timeseries"),
     ("Model states held by the worst rank", f"lmlaunch_run_model_states_held_bytes{{{RUN}}}", "{{run}}", "bytes",
      "timeseries"),
     ("Compute per step, by rank (forward)", f'lmlaunch_rank_step_seconds{{{RUN}, part="forward"}}',

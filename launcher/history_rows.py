@@ -207,12 +207,13 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
 def restart_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
     """Each restart in place (lmtrain.preemption: the ranks started again in the same allocation),
     and how long from the failed attempt's end line to the next attempt's first step."""
-    firsts = {}
+    firsts: dict[Any, float] = {}
     for x in ledger:  # the startup record: when the process started, and its first step's offset
-        phases = x.get("phases") if isinstance(x.get("phases"), dict) else {}
+        phases = x.get("phases")
+        first = phases.get("first_step") if isinstance(phases, dict) else None
         if x.get("event") == "startup" and isinstance(x.get("process_start"), (int, float)) \
-                and isinstance(phases.get("first_step"), (int, float)):
-            firsts[x.get("attempt")] = float(x["process_start"]) + float(phases["first_step"])
+                and isinstance(first, (int, float)):
+            firsts[x.get("attempt")] = float(x["process_start"]) + float(first)
     notes = []
     for x in ledger:
         if x.get("event") != "end" or x.get("restart") != "in_place" or not isinstance(x.get("attempt"), int):

@@ -53,7 +53,9 @@ class RunsCollector:
         started = time.perf_counter()
         records = runs.list_records(self.environ)
         rows, view, files = monitor.gather_status_and_files(records, environ=self.environ)
-        yield from families(rows, [f.ledger for f in files], slurm_reachable=view.reachable)
+        submitted = {r.name: dict(zip(r.job_ids, r.submitted_at)) for r in records}
+        yield from families(rows, [f.ledger for f in files], slurm_reachable=view.reachable,
+                            submitted=[submitted.get(row.name, {}) for row in rows])
         yield from rank_families(rows)
         self.scrapes += 1
         took = GaugeMetricFamily("lmlaunch_exporter_read_duration_seconds", "Seconds the newest reading of the runs took")
@@ -115,8 +117,9 @@ def with_age(body: bytes, age: float) -> bytes:
 
 
 def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mapping[str, Any]]], *,
-             slurm_reachable: bool) -> list[Metric]:
-    """Pure: status rows (and each run's ledger) -> the metric families of one scrape."""
+             slurm_reachable: bool, submitted: Sequence[Mapping[str, float]] | None = None) -> list[Metric]:
+    """Pure: status rows (and each run's ledger; ``submitted``: each run's job id -> submit time, from
+    the registry) -> the metric families of one scrape."""
     info = GaugeMetricFamily("lmlaunch_run_info", "A run: its current job, SLURM state and state group (value 1)",
                              labels=["run", "job_id", "state", "group"])
     gauges = {attr: GaugeMetricFamily(name, text, labels=["run"]) for name, text, attr in ROW_GAUGES}
@@ -130,9 +133,13 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
                                "step less the next attempt's first (the ledger)", labels=["run"])
     held = GaugeMetricFamily("lmlaunch_run_model_states_held_bytes", "The most bytes of parameters, gradients and "
                              "optimizer states a rank held in the newest measured attempt (the ledger)", labels=["run"])
+    waited = CounterMetricFamily("lmlaunch_run_queue_wait_seconds", "Seconds the run's attempts waited to start: "
+                                 "from the job's submission, or from the attempt before's end line for a requeue, to "
+                                 "the attempt's start line (the tasks' own start included; the registry and the ledger)",
+                                 labels=["run"])
     peak = GaugeMetricFamily("lmlaunch_run_device_peak_bytes", "The highest device memory peak of a rank in the "
                              "newest measured attempt (GPU jobs; the ledger)", labels=["run"])
-    for row, ledger in zip(rows, ledgers):
+    for i, (row, ledger) in enumerate(zip(rows, ledgers)):
         info.add_metric([row.name, row.job_id or "", row.state, row.group], 1)
         for attr, family in gauges.items():
             value = getattr(row, attr)
@@ -144,6 +151,7 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
             ended.add_metric([row.name, reason], n)
         started.add_metric([row.name], sum(1 for e in ledger if e.get("event") == "start"))
         lost.add_metric([row.name], steps_lost(ledger))
+        waited.add_metric([row.name], queue_wait_s(ledger, submitted[i] if submitted is not None else {}))
         measured = history_rows.memory_lines(ledger)
         if measured:
             newest_held, newest_peak = measured[max(measured)]
@@ -156,7 +164,26 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
     count = GaugeMetricFamily("lmlaunch_runs", "Runs in the registry, by state group", labels=["group"])
     for group, n in sorted(Counter(r.group for r in rows).items()):
         count.add_metric([group], n)
-    return [info, *gauges.values(), requeued, started, ended, lost, held, peak, up, count]
+    return [info, *gauges.values(), requeued, started, ended, lost, waited, held, peak, up, count]
+
+
+def queue_wait_s(ledger: Sequence[Mapping[str, Any]], submitted: Mapping[str, float]) -> float:
+    """Seconds from each job's submission (its first attempt) or the attempt before's end line (a
+    requeued attempt of the same job) to each attempt's start line."""
+    total, last_end, seen_jobs = 0.0, None, set()
+    for e in ledger:
+        when = e.get("time")
+        if not isinstance(when, (int, float)):
+            continue
+        if e.get("event") == "end":
+            last_end = float(when)
+        elif e.get("event") == "start":
+            job = str(e.get("job_id"))
+            since = submitted.get(job) if job not in seen_jobs else last_end
+            if isinstance(since, (int, float)) and when >= since:
+                total += float(when) - float(since)
+            seen_jobs.add(job)
+    return total
 
 
 def steps_lost(ledger: Sequence[Mapping[str, Any]]) -> int:

@@ -245,7 +245,7 @@ def test_a_server_listening_beyond_loopback_says_so(host, warned):
     assert (said is not None) == warned and (not warned or "reachable beyond this machine" in said)
 
 
-def test_steps_lost_and_memory_held_come_from_the_ledger():
+def test_steps_lost_queue_wait_and_memory_held_come_from_the_ledger():
     ledger = [
         {"event": "start", "attempt": 1, "start_step": 0}, {"event": "end", "attempt": 1, "end_step": 47},
         {"event": "start", "attempt": 2, "start_step": 40},  # the checkpoint at 40: 7 steps again
@@ -256,10 +256,15 @@ def test_steps_lost_and_memory_held_come_from_the_ledger():
         {"event": "start", "attempt": 4, "start_step": 50},  # attempt 3 killed without an end line: not counted
     ]
     assert metrics.steps_lost(ledger) == 7
+    timed = [{"event": "start", "attempt": 1, "job_id": "5", "time": 100.0}, {"event": "end", "attempt": 1, "time": 200.0},
+             {"event": "start", "attempt": 2, "job_id": "5", "time": 230.0},  # requeued: 30 s after the end line
+             {"event": "end", "attempt": 2, "time": 300.0},
+             {"event": "start", "attempt": 3, "job_id": "6", "time": 410.0}]  # resubmitted at 400: 10 s
+    assert metrics.queue_wait_s(timed, {"5": 90.0, "6": 400.0}) == 10 + 30 + 10
     row = monitor.build_row(runs.RunRecord(name="r", profile="local", run_dir="/nonexistent", spec_path="/s.yaml",
                                            job_ids=["1"]),
                             read_run_files(Path("/nonexistent")), None, slurm_reachable=True, now=T0)
-    got = _samples_of(metrics.families([row], [ledger], slurm_reachable=True))
+    got = _samples_of(metrics.families([row], [ledger], slurm_reachable=True, submitted=[{}]))
     assert got[("lmlaunch_run_steps_lost_total", (("run", "r"),))] == 7
     assert got[("lmlaunch_run_model_states_held_bytes", (("run", "r"),))] == 48  # the rank that held most
     assert got[("lmlaunch_run_device_peak_bytes", (("run", "r"),))] == 950
