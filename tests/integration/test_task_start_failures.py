@@ -41,7 +41,13 @@ def test_a_task_that_cannot_start_its_interpreter_fails_the_job(slurm_cluster, c
     waiting.until(lambda: not any(slurm.is_active(j.state) for j in slurm.squeue([job])), poll=1.0,
                   progress=waiting.job(job), what=f"job {job} ended")
     # the job, its batch step and the task step: FAILED with the interpreter's exit status (127), in accounting
-    rows = {a.job_id: (a.state, a.exit_code) for a in slurm.sacct([job], steps=True)}
+    # (slurmdbd may record the batch step's end a moment after squeue forgot the job: wait for it)
+    def accounted() -> dict | None:
+        got = {a.job_id: (a.state, a.exit_code) for a in slurm.sacct([job], steps=True)}
+        return got if got and not any(slurm.is_active(state) for state, _ in got.values()) else None
+
+    rows = waiting.until(accounted, poll=1.0, what=f"job {job}'s steps in accounting",
+                         progress=lambda: tuple(sorted((a.job_id, a.state) for a in slurm.sacct([job], steps=True))))
     assert rows[job][0] == "FAILED" and rows[job][1].split(":")[0] != "0", rows
     assert rows[f"{job}.batch"][0] == "FAILED" and rows[f"{job}.0"][0] == "FAILED", rows
     row = next(x for x in json.loads(cli("status", run_name, "--json", env=lm_env).out)["runs"] if x["name"] == run_name)
