@@ -47,8 +47,7 @@ def planned(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapping[
     setup = setup_of(spec, plan)
     facts = model_facts(spec, environ, gpu=setup.gpu)
     if setup.parallelism.pipeline > 1:  # the stages differ: the heaviest pipeline rank
-        breakdown, _ = memory_stages.estimate(facts, setup, capacity_of(profile))
-        return Planned(facts, setup, breakdown)
+        return Planned(facts, setup, memory_stages.estimate(facts, setup, capacity_of(profile)))
     return Planned(facts, setup, memory.estimate(facts, setup, capacity_of(profile)))
 
 

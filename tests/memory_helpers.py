@@ -33,7 +33,7 @@ def held_against_estimate(run_dir: str | Path) -> list[dict]:
         setup = setup.on(setup.parallelism.with_world(world))
         par = setup.parallelism
         if par.pipeline > 1:  # each rank against its own stage's plan: the worst rank's difference
-            stages = [{r.name: r.bytes for r in b.rows} for b, _ in memory_stages.per_rank(facts, setup)]
+            stages = [{r.name: r.bytes for r in b.rows} for b in memory_stages.per_rank(facts, setup)]
             planned = [stages[(g // par.tensor) % par.pipeline] for g in range(world)]
             worst = {k: max(range(world), key=lambda g: abs(e["held"][g][k] - planned[g][STATES[k]])) for k in STATES}
             out.append({"attempt": e["attempt"], "world_size": world,

@@ -22,6 +22,14 @@ from dataclasses import replace
 from launcher.core import memory, pipeline_stages
 from launcher.core.memory import Breakdown, ModelFacts, Row, Setup
 
+# the rows of one plain replica's stages: FSDP2 does not shard them (Parallelism.shards_stages)
+_UNSHARDED = {
+    "parameters": "fp32, whole, this rank's stages",
+    "gradients": "fp32, whole",
+    "optimizer states": "AdamW moments fp32, whole",
+    "communication buffers": "one replica: its stages are not sharded (launcher.core.parallelism: shards_stages)",
+}
+
 
 def in_flight(schedule: str, pipeline: int, microbatches: int, rank: int) -> int:
     """Stage forwards whose activations pipeline rank ``rank`` holds at once (see the module docstring)."""
@@ -48,7 +56,7 @@ def _stage_params(f: ModelFacts, layers: list[tuple[int, int]], first: bool, las
 
 
 def _rank_breakdown(f: ModelFacts, s: Setup, smap: pipeline_stages.StageMap, rank: int,
-                    capacity: int | None) -> tuple[Breakdown, str]:
+                    capacity: int | None) -> Breakdown:
     par = s.parallelism
     stages = smap.stages_of(rank)
     layers = [smap.layers[i] for i in stages]
@@ -68,23 +76,19 @@ def _rank_breakdown(f: ModelFacts, s: Setup, smap: pipeline_stages.StageMap, ran
                             f"({par.schedule})"))
         elif row.name == "logits and loss" and not last:
             rows.append(Row(row.name, 0, "the last stage's (another pipeline rank)"))
-        elif row.name == "communication buffers" and par.data_parallel_size * par.tensor == 1:
-            rows.append(Row(row.name, 0, "one replica: its stages are not sharded (lmtrain.model.pipeline.shards_stages)"))
-        elif row.name in ("parameters", "gradients", "optimizer states") and par.data_parallel_size * par.tensor == 1:
-            rows.append(Row(row.name, row.bytes, row.how.replace("dim-0 shards, 1/1 each (FSDP2)", "whole, this rank's stages")
-                            .replace("sharded like the parameters", "whole").replace("AdamW moments fp32, sharded",
-                                                                                    "AdamW moments fp32, whole")))
+        elif not par.shards_stages and row.name in _UNSHARDED:  # one plain replica (Parallelism.shards_stages)
+            rows.append(Row(row.name, 0 if row.name == "communication buffers" else row.bytes, _UNSHARDED[row.name]))
         else:
             rows.append(row)
     names = "; ".join(d.split(": ", 1)[1] for d in smap.describe() if int(d.split()[1]) in stages)
     which = f"pipeline rank {rank} of {par.pipeline} ({names})"
-    rows[0] = Row(rows[0].name, rows[0].bytes, f"{which}: {rows[0].how}")  # the heaviest rank, said once
-    return Breakdown(tuple(rows), whole.capacity), which
+    rows[0] = Row(rows[0].name, rows[0].bytes, f"{which}: {rows[0].how}")  # which rank, said once
+    return Breakdown(tuple(rows), whole.capacity)
 
 
-def estimate(f: ModelFacts, s: Setup, capacity: int | None = None) -> tuple[Breakdown, str]:
-    """The heaviest pipeline rank's breakdown, and which rank it is."""
-    return max(per_rank(f, s, capacity), key=lambda b: b[0].peak)
+def estimate(f: ModelFacts, s: Setup, capacity: int | None = None) -> Breakdown:
+    """The heaviest pipeline rank's breakdown (its first row says which rank it is)."""
+    return max(per_rank(f, s, capacity), key=lambda b: b.peak)
 
 
 def stage_map(f: ModelFacts, s: Setup) -> pipeline_stages.StageMap:
@@ -101,7 +105,7 @@ def stage_map(f: ModelFacts, s: Setup) -> pipeline_stages.StageMap:
     return smap
 
 
-def per_rank(f: ModelFacts, s: Setup, capacity: int | None = None) -> list[tuple[Breakdown, str]]:
-    """Each pipeline rank's breakdown (index: the rank's place in the pipeline), and which it is."""
+def per_rank(f: ModelFacts, s: Setup, capacity: int | None = None) -> list[Breakdown]:
+    """Each pipeline rank's breakdown (index: the rank's place in the pipeline)."""
     smap = stage_map(f, s)
     return [_rank_breakdown(f, s, smap, r, capacity) for r in range(s.parallelism.pipeline)]

@@ -170,6 +170,14 @@ class Parallelism:
         """Model replicas: ranks that read different samples (tensor and pipeline ranks read the same)."""
         return max(1, self.world_size // (self.tensor * self.pipeline))
 
+    @property
+    def shards_stages(self) -> bool:
+        """Whether FSDP2 shards a pipeline's stages: with several replicas, and under tensor
+        parallelism (whose embedding gradient FSDP2's reduce-scatter keeps to the rank's rows). One
+        plain replica has nothing to shard, and the zero-bubble schedules' split weight backward
+        needs it so (launcher.core.pipeline_stages refuses them otherwise)."""
+        return self.data_parallel_size > 1 or self.tensor > 1
+
     def loader_batch(self, micro_batch: int) -> int:
         """Samples a rank's loader gives per training step: a micro batch, or a pipeline's
         microbatches together (its schedule splits them)."""

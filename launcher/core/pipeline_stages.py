@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from launcher.core.parallelism import Parallelism
     from launcher.core.spec import TrainerSpec
 
 # trainer.pipeline_schedule -> (torch.distributed.pipelining class, stages per rank)
@@ -143,18 +144,19 @@ def microbatch_size(trainer: TrainerSpec, micro_batch: int, data_parallel: int, 
     return share // m
 
 
-def schedule_problems(trainer: TrainerSpec, microbatches: int, model_type: str | None, config: Mapping[str, Any],
-                      data_parallel: int = 1, tensor: int = 1) -> list[str]:
-    """What the schedule and the model's blocks need of a pipeline (the layer count where the spec
-    gives it; the runtime checks a pretrained model's)."""
-    pp, schedule, out = trainer.pipeline_parallel_size, trainer.pipeline_schedule, []
+def schedule_problems(par: Parallelism, split: list[int] | None, model_type: str | None,
+                      config: Mapping[str, Any]) -> list[str]:
+    """What the schedule and the model's blocks need of the planned pipeline ``par`` (the layer
+    count where the spec gives it; the runtime checks a pretrained model's)."""
+    pp, schedule, microbatches, out = par.pipeline, par.schedule, par.microbatches, []
     v = stages_per_rank(schedule)
     if schedule != "gpipe" and microbatches < pp:
         out.append(f"trainer.pipeline_schedule {schedule} needs at least trainer.pipeline_parallel_size({pp}) "
                    f"microbatches per step, one in flight on every stage; it has {microbatches} (global_batch / "
                    f"(data_parallel x microbatch size)): raise trainer.global_batch_size or trainer.pipeline_microbatches")
-    if "zero_bubble" in schedule and data_parallel * tensor > 1:
-        out.append(f"trainer.pipeline_schedule {schedule} with data_parallel({data_parallel}) x tensor_parallel({tensor}): "
+    if "zero_bubble" in schedule and par.shards_stages:
+        out.append(f"trainer.pipeline_schedule {schedule} with data_parallel({par.data_parallel_size}) x "
+                   f"tensor_parallel({par.tensor}): "
                    "FSDP2 shards the stages then, and it reduces each stage's gradients before the schedule's separate "
                    "weight backward has run (measured: losses off DDP's by 0.02); use interleaved_1f1b, or one plain "
                    "replica (world_size = pipeline_parallel_size)")
@@ -162,7 +164,7 @@ def schedule_problems(trainer: TrainerSpec, microbatches: int, model_type: str |
     if v > 1 and microbatches % rounds:
         out.append(f"trainer.pipeline_schedule {schedule} runs microbatches in rounds of trainer.pipeline_parallel_size({pp}): "
                    f"{microbatches} microbatches do not fill {rounds} whole rounds; use a multiple of {pp}")
-    return out + model_problems(pp, schedule, trainer.pipeline_split, model_type, config)
+    return out + model_problems(pp, schedule, split, model_type, config)
 
 
 def model_problems(pp: int, schedule: str, split: list[int] | None, model_type: str | None,

@@ -67,8 +67,9 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
             f"x {ranks} = {per_step}; world_size = resources.nodes({r.nodes}) x {per_node}"
         )
     accum = max(gbs // per_step, 1)
+    par = Parallelism.of_trainer(spec.trainer, world, tensor=tp or 1, microbatches=accum if pp > 1 else 1)
     if pp > 1:
-        problems += pipeline_stages.schedule_problems(spec.trainer, accum, spec.model.type, spec.model.config, dp, tp or 1)
+        problems += pipeline_stages.schedule_problems(par, spec.trainer.pipeline_split, spec.model.type, spec.model.config)
     return Topology(
         nodes=r.nodes,
         tasks_per_node=tasks,
@@ -77,7 +78,7 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
         micro_batch_size=mbs,
         grad_accum=1 if pp > 1 else accum,  # a pipeline's microbatches are its accumulation, inside one step
         global_batch_size=gbs,
-        parallelism=Parallelism.of_trainer(spec.trainer, world, tensor=tp or 1, microbatches=accum if pp > 1 else 1),
+        parallelism=par,
     )
 
 

@@ -129,15 +129,12 @@ class Pipeline:
                  schedule: str, microbatches: int) -> None:
         from torch.distributed.pipelining import PipelineStage
 
-        self.modules = modules
         self.has_first = any(i == 0 for i, _ in modules)
         self.has_last = any(i == n_stages - 1 for i, _ in modules)
         self.stages = [PipelineStage(m, i, n_stages, device, group=group) for i, m in modules]
         last = next((m for i, m in modules if i == n_stages - 1), None)
         self.loss_fn = (lambda logits, labels: last.loss(logits, labels)) if last is not None else _no_loss
         self.schedule = schedule_for(schedule, self.stages, microbatches, self.loss_fn)
-        self.eval_schedule = None
-        self.name, self.microbatches = schedule, microbatches
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
@@ -178,7 +175,7 @@ def parallelize(lm: nn.Module, mesh: Any, parallelism: Any, precision: str, devi
     pp_mesh = mesh["pipeline"]
     mine = build_stages(lm, smap, pp_mesh.get_local_rank())
     _prune(lm, mine)
-    if shards_stages(parallelism):
+    if parallelism.shards_stages:
         policy = fsdp2_mixed_precision(precision)
         kwargs: dict[str, Any] = {"mesh": mesh["data_parallel"]}
         if policy is not None:
@@ -188,14 +185,6 @@ def parallelize(lm: nn.Module, mesh: Any, parallelism: Any, precision: str, devi
                 fully_shard(layer, **kwargs)
             fully_shard(stage, **kwargs)
     return Pipeline(mine, len(smap.layers), pp_mesh.get_group(), device, parallelism.schedule, parallelism.microbatches)
-
-
-def shards_stages(parallelism: Any) -> bool:
-    """Whether FSDP2 shards the stages: with several replicas, and under tensor parallelism (whose
-    embedding gradient FSDP2's reduce-scatter keeps to the rank's rows); one replica of plain stages
-    has nothing to shard, and the zero-bubble schedules' split weight backward needs it so
-    (launcher.core.pipeline_stages refuses them otherwise)."""
-    return parallelism.data_parallel_size > 1 or parallelism.tensor > 1
 
 
 def _prune(lm: nn.Module, mine: list[tuple[int, Stage]]) -> None:
