@@ -3,8 +3,9 @@
 #
 #   bash bench/gpu_session.sh PART      (PART: lease | lease2 | tests | throughput | big | rest | cpu-io)
 #
-# `lease` is for a lease of 15 minutes in all (one call): the GPU tests, then the GPT-2 and ZeRO-2
-# throughput and the 1B checkpoint bench, each capped so that the tests' result always comes back.
+# `lease` and `lease2` are for a lease of 15 minutes in all, two calls back to back: the GPT-2, FSDP2 and
+# ZeRO-2 ratios (with a profile of the GPT-2 step) and the 1B stop checkpoint against dd, then the GPU
+# tests and the 1B throughput; each step capped so that what finished always comes back.
 #
 # Run on a GPU machine from the repository root, with the wheels of bench/RESULTS.md ("Commands
 # for an H100 session") in .carry/whl (the device image has torch, lightning and transformers but
@@ -38,16 +39,17 @@ step() {
 
 case "${1:-}" in
     lease)
-        # the zygote that local launches fork ranks from imports these: CUDA must not be initialised by them
+        # one lease of 15 minutes, first call (BUDGET=540): the ratios that count first, three
+        # alternated pairs each, then the 1B stop checkpoint against dd; `lease2` right after it
         python3 -c "import os,torch,lightning.pytorch,transformers;print('after the zygote imports: cuda initialised', torch.cuda.is_initialized(), 'threads', len(os.listdir('/proc/self/task')))" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
-        CAP=270 step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider -o addopts="" --durations=0
-        CAP=120 step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --out "$OUT/throughput.jsonl"
-        CAP=90 step tp-zero2 python3 bench/throughput.py --config zero2 --out "$OUT/throughput.jsonl"
-        step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --out "$OUT/ckpt.jsonl"
+        CAP=170 step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --repeat 3 --out "$OUT/throughput.jsonl" --profile "$OUT/profile"
+        CAP=120 step tp-fsdp python3 bench/throughput.py --config fsdp --repeat 3 --out "$OUT/throughput.jsonl"
+        CAP=110 step tp-zero2 python3 bench/throughput.py --config zero2 --repeat 3 --out "$OUT/throughput.jsonl"
+        step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --no-resume --out "$OUT/ckpt.jsonl"
         ;;
-    lease2)  # what a first lease left: the 1B checkpoint bench, then the background-save test alone
-        CAP=160 step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --out "$OUT/ckpt.jsonl"
-        step gpu-bg python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider -o addopts="" -k background
+    lease2)  # the second call of the same lease (BUDGET=200 or what is left): the GPU tests, then the 1B throughput
+        CAP=150 step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -x -p no:cacheprovider -o addopts="" --durations=0
+        step tp-llama python3 bench/throughput.py --config llama-1b --repeat 2 --warmup 5 --steps 30 --out "$OUT/throughput.jsonl"
         ;;
     tests)
         step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider -o addopts=""
@@ -73,3 +75,5 @@ case "${1:-}" in
     *) echo "usage: bash bench/gpu_session.sh tests|throughput|big|rest|cpu-io" >&2; exit 2 ;;
 esac
 grep -h '^{' "$OUT"/*.jsonl 2>/dev/null | tail -n 8
+# a device call brings back at most 8 files: the logs travel as one archive
+(cd "$OUT" && tar czf "logs-${1}.tgz" ./*.log device.txt && rm -f ./*.log device.txt)

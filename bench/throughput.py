@@ -277,7 +277,7 @@ def _probe_class():
             self.strategy_name: str | None = None
             # CUDA only: host syncs in the timed window, by step (torch.cuda.set_sync_debug_mode warns
             # on each synchronizing call; the logging steps are allowed theirs)
-            self.syncs: dict[str, int] | None = None
+            self.syncs: dict[str, Any] | None = None
             self._catcher: Any = None
             self._caught: list[Any] = []
             self._step_now = 0
@@ -289,20 +289,33 @@ def _probe_class():
         def _count_syncs(self, pl_module, on: bool) -> None:
             if pl_module.device.type != "cuda":
                 return
+            import traceback
             import warnings
+            from collections import Counter
+            from types import SimpleNamespace
 
             if on:
-                self._catcher = warnings.catch_warnings(record=True)
-                self._caught = self._catcher.__enter__()
+                self._catcher = warnings.catch_warnings()
+                self._catcher.__enter__()
                 warnings.simplefilter("always")
+
+                def seen(message, category, filename, lineno, file=None, line=None) -> None:
+                    # where the Python side stood when the synchronizing op ran: its innermost frames
+                    frames = [f for f in traceback.extract_stack(limit=16)[:-1] if "/warnings.py" not in f.filename]
+                    where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[::-1][:5])
+                    self._caught.append(SimpleNamespace(message=message, where=where))
+
+                warnings.showwarning = seen
                 self._caught.append(None)  # marks where the window began
                 torch.cuda.set_sync_debug_mode("warn")
                 return
             torch.cuda.set_sync_debug_mode(0)
             self._catcher.__exit__(None, None, None)
             mine = [w for w in self._caught if w is not None and "synchronizing CUDA operation" in str(w.message)]
-            self.syncs = {"total": len(mine), "non_logging_steps": sum(
-                1 for w in mine if getattr(w, "lmtrain_step", None) not in self._logging_steps)}
+            off_logging = [w for w in mine if getattr(w, "lmtrain_step", None) not in self._logging_steps]
+            self.syncs = {"total": len(mine), "non_logging_steps": len(off_logging),
+                          # the Python frames that were running when each non-logging sync happened
+                          "where": dict(Counter(w.where for w in off_logging).most_common(6))}
 
         def _sync(self, pl_module) -> None:
             if pl_module.device.type == "cuda":
@@ -493,6 +506,32 @@ def run_config(
     return line
 
 
+def profile_project_side(cfg: BenchConfig, *, warmup: int, work: Path, dest: Path) -> None:
+    """One more run of side (b) with the spec's ``profile`` window over 3 steps after the warm-up
+    (outside the timed rounds, so the profiler costs them nothing): its top operators (by CUDA
+    self time on a GPU) printed, and the top-ops JSON and the gzipped trace copied into ``dest``."""
+    import gzip
+
+    data = ensure_data()
+    plan = make_run(cfg, work / "runs", f"bench-{cfg.name}-profile",
+                    (*cfg.b_overrides, f"profile.start_step={warmup}", "profile.steps=3"), warmup + 6, data)
+    project_side(plan, warmup, 5)
+    tops = sorted(Path(plan.paths.run_dir).glob("logs/attempt-*/profile-*/top-rank-0.json"))
+    if not tops:
+        raise RuntimeError(f"the profiled run wrote no top-rank-0.json under {plan.paths.run_dir}")
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tops[-1], dest / f"top-{cfg.name}.json")
+    trace = tops[-1].with_name("trace-rank-0.json")
+    if trace.is_file():
+        with open(trace, "rb") as src, gzip.open(dest / f"trace-{cfg.name}.json.gz", "wb") as out:
+            shutil.copyfileobj(src, out)
+    top = json.loads(tops[-1].read_text())
+    print(f"profile of {cfg.name} (b), steps {top['from_step']}-{top['to_step']}: self s, total s, calls, operator",
+          file=sys.stderr)
+    for op in top["ops"][:15]:
+        print(f"  {op['self_s']:9.4f} {op['total_s']:9.4f} {op['calls']:7d}  {op['name'][:90]}", file=sys.stderr)
+
+
 def emit(line: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(line, sort_keys=False)
     print(text, flush=True)
@@ -533,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
                         "each side's tokens/s its best round (default 1; 3 or more for a figure to report)")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed on stderr)")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="after the timed rounds, profile 3 steps of side (b) (torch.profiler): the top operators "
+                        "printed, top-<config>.json and trace-<config>.json.gz written into DIR")
     args = p.parse_args(argv)
     name = "smoke" if args.smoke and args.config is None else args.config
     if name is None:
@@ -550,12 +592,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         line = run_config(cfg, warmup=warmup, steps=steps, work=work, threads=args.threads, order=args.order,
                           repeat=args.repeat)
+        emit(line, args.out)
+        if args.profile is not None:
+            profile_project_side(cfg, warmup=warmup, work=work, dest=args.profile)
     finally:
         if args.keep:
             print(f"run directories kept under {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    emit(line, args.out)
     return 0
 
 

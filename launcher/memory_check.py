@@ -25,6 +25,7 @@ def setup_of(spec: JobSpec, plan: LaunchPlan) -> memory.Setup:
         micro_batch=spec.data.micro_batch_size, global_batch=t.global_batch_size,
         checkpointing=spec.model.activation_checkpointing, gpu=plan.topology.accelerator == "gpu",
         reduce_bucket=int(zero.get("reduce_bucket_size", 500_000_000)), overlap_comm=bool(zero.get("overlap_comm", True)),
+        compiled=bool(spec.model.compile),
     )
 
 

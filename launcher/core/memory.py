@@ -1,8 +1,7 @@
 """Per-rank memory of a training job, planned before queue time (pure: no torch, no I/O).
 
-The model's facts (every parameter's size, first dimension, rank and block; the bytes a training
-forward saves, traced for the run's shapes) come from lmtrain.model.memory_facts through
-launcher.memory_inputs. From them and the plan, :func:`estimate` gives one rank's breakdown:
+The model's facts (every parameter's size, first dimension, rank and block; the bytes a forward saves,
+traced) come from lmtrain.model.memory_facts; with the plan, :func:`estimate` gives one rank's:
 
 - **parameters, gradients, optimizer states** exactly as the engines hold them (the ledger's
   ``memory`` line counts the same tensors in the running job; tests/unit/test_memory_estimate.py
@@ -15,17 +14,16 @@ launcher.memory_inputs. From them and the plan, :func:`estimate` gives one rank'
   whole the gradients of every parameter that crosses into the rank's part (ZeRO-1 with gradient
   accumulation keeps every gradient whole between optimizer steps); ZeRO-3 partitions every
   parameter (ceil(numel / ranks) each).
-- **activations** and **logits and loss**: what the forward saves for backward (traced; the
-  loss's backward adds the gradient of the logits, in fp32 and in the compute dtype).
-- **recomputed block**: with activation checkpointing, one block's activations rebuilt in backward.
+- **activations** and **logits and loss**: what the forward saves for backward (traced), and the
+  logits' gradient (:func:`_logits_row`: eager, or a compiled loss).
+- **recomputed block** (activation checkpointing): one block's activations rebuilt in backward.
 - **communication buffers**: DeepSpeed's gradient reduction buckets (``reduce_bucket_size``
   elements, two with ``overlap_comm``; fp32 under ZeRO-1), FSDP2's gathered root and blocks,
-  ZeRO-3's gathered blocks and persistent small parameters.
-- **framework** (GPU jobs): the CUDA context, cuBLAS workspaces and NCCL's buffers.
+  ZeRO-3's gathered blocks and persistent small parameters. **framework** (GPU jobs): the CUDA
+  context, cuBLAS workspaces and NCCL's buffers.
 
-A GPU job fits when its peak is within :data:`USABLE_FRACTION` of the profile's ``gpu_memory``:
-PyTorch's caching allocator holds more than is allocated (fragmentation between differently sized
-blocks), typically 5-10 % in training; the margin is that 10 %.
+A GPU job fits when its peak is within :data:`USABLE_FRACTION` of the profile's ``gpu_memory``: the
+caching allocator holds 5-10 % more than is allocated in training (fragmentation); the margin is 10 %.
 """
 
 from __future__ import annotations
@@ -81,6 +79,7 @@ class Setup:
     gpu: bool
     reduce_bucket: int = 500_000_000
     overlap_comm: bool = True
+    compiled: bool = False  # model.compile (the loss too where Parallelism.compiles_loss)
 
     @property
     def world_size(self) -> int:
@@ -91,8 +90,7 @@ class Setup:
         return self.parallelism.zero_stage
 
     @property
-    def tensor_parallel(self) -> int:
-        """FSDP2 x TP: each model replica split over this many ranks."""
+    def tensor_parallel(self) -> int:  # FSDP2 x TP: each model replica split over this many ranks
         return self.parallelism.tensor
 
     @property
@@ -194,8 +192,7 @@ def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
                                                    "whole, accumulated over micro batches" if s.zero_stage == 1 and s.accumulation > 1
                                                    else "the parameters crossing into this rank's part")),
             Row("optimizer states", opt, "on the host (offload_optimizer)" if s.offload_optimizer else
-                f"fp32 master weights + AdamW moments, 1/{w} each"),
-        ]
+                f"fp32 master weights + AdamW moments, 1/{w} each")]
     if s.parallelism.fsdp:
         local = sum(_fsdp_local(f, i, s) for i in range(len(f.params)))
         how = f"fp32, dim-0 shards, 1/{s.data_parallel} each (FSDP2)"
@@ -234,6 +231,16 @@ def _trace(f: ModelFacts, compute: str, checkpointing: bool, micro_batch: int) -
     return s1 + b * (s2 - s1), h1 + b * (h2 - h1)
 
 
+def _logits_row(f: ModelFacts, s: Setup, head: int, tokens: int, low: int) -> Row:
+    """Eager (the trace) keeps log-softmax's fp32 output; backward adds the gradient in fp32 and the
+    compute dtype. A compiled loss keeps the logits and a log-sum-exp per token; one gradient."""
+    if s.compiled and s.parallelism.compiles_loss:  # the trace's fp32 output becomes the logits and an lse
+        return Row("logits and loss", head + tokens * f.vocab_size * (2 * low - 4) + 4 * tokens,
+                   f"{f.vocab_size:,} logits per token and their gradient (compiled loss: no fp32 copy)")
+    return Row("logits and loss", head + tokens * f.vocab_size * (4 + low),
+               f"{f.vocab_size:,} logits per token, and their gradient in backward")
+
+
 def _activations(f: ModelFacts, s: Setup) -> list[Row]:
     compute = compute_mode(s.parallelism, s.precision)
     saved, head = _trace(f, compute, s.checkpointing, s.micro_batch)
@@ -245,8 +252,7 @@ def _activations(f: ModelFacts, s: Setup) -> list[Row]:
         how += (f", 1/{s.tensor_parallel} of the whole model's (estimated: heads and MLP features "
                 + ("and the sequence " if s.sequence_parallel else "") + "split; gathered inputs held whole)")
     rows = [Row("activations", body, how + (", activation checkpointing" if s.checkpointing else "")),
-            Row("logits and loss", head + tokens * f.vocab_size * (4 + low),
-                f"{f.vocab_size:,} logits per token, and their gradient in backward")]
+            _logits_row(f, s, head, tokens, low)]
     if s.checkpointing and (compute, False) in f.traces:
         full, _ = _trace(f, compute, False, s.micro_batch)
         rows.append(Row("recomputed block", max(0, full - saved) // max(f.blocks, 1),
@@ -280,9 +286,8 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
                        "and their fp32 copy to reduce-scatter")
         return Row("communication buffers", 4 * (root + 3 * largest),
                    "gathered root and blocks (this and the prefetched one), a block's gradients to reduce-scatter")
-    if s.world_size == 1:
-        return Row("communication buffers", 0, "one process: nothing to reduce")
-    return Row("communication buffers", 0, "DDP reduces in the gradient buckets")
+    return Row("communication buffers", 0,
+               "one process: nothing to reduce" if s.world_size == 1 else "DDP reduces in the gradient buckets")
 
 
 def estimate(f: ModelFacts, s: Setup, capacity: int | None = None) -> Breakdown:

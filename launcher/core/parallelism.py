@@ -178,6 +178,13 @@ class Parallelism:
         needs it so (launcher.core.pipeline_stages refuses them otherwise)."""
         return self.data_parallel_size > 1 or self.tensor > 1
 
+    @property
+    def compiles_loss(self) -> bool:
+        """Whether ``model.compile`` compiles the loss beside the blocks (lmtrain.model.causal_lm):
+        where one rank holds whole logits and computes the loss itself (no tensor split of them,
+        no pipeline stage that computes it). The memory plan's logits row follows."""
+        return self.tensor == 1 and self.pipeline == 1
+
     def loader_batch(self, micro_batch: int) -> int:
         """Samples a rank's loader gives per training step: a micro batch, or a pipeline's
         microbatches together (its schedule splits them)."""

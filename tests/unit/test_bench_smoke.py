@@ -116,8 +116,9 @@ def test_step_overhead_smoke_times_the_three_paths_and_the_stop_agreement(tmp_pa
 @pytest.mark.parametrize("config, strategy", [("smoke-deepspeed", "deepspeed"), ("smoke-fsdp", "fsdp")])
 def test_throughput_project_against_project_configurations_run_their_smoke(tmp_path, config, strategy):
     """The GPU configurations that compare two strategies of the project path (ZeRO-k and FSDP2
-    against DDP), in their CPU smoke: both sides train the timed steps in one process."""
-    (line,) = _bench_lines("throughput.py", tmp_path, "--config", config)
-    assert line["config"] == config and line["mode"] == "cpu-smoke"
+    against DDP), in their CPU smoke: both sides train the timed steps in one process, twice (ABBA:
+    a second DeepSpeed engine in one process once failed on the first's destroyed groups)."""
+    (line,) = _bench_lines("throughput.py", tmp_path, "--config", config, "--repeat", "2", "--steps", "3")
+    assert line["config"] == config and line["mode"] == "cpu-smoke" and len(line["ratio_pairs"]) == 2
     assert line["a"]["strategy"] == "ddp" and line["b_strategy"] == strategy
     assert _positive(line["tokens_per_s_a"]) and _positive(line["tokens_per_s_b"]) and _positive(line["ratio"])

@@ -1,6 +1,6 @@
 """The GPU fast path's choices, checked where they are made (issue: at least the hand-written
 loop's speed): model.compile compiles each transformer block (not the whole model, and keeps the
-parameter names), and FSDP2 gathers in bf16 and reduces in fp32 under bf16-mixed, keeping the last
+parameter names) and the loss (the same value and gradient as eager), and FSDP2 gathers in bf16 and reduces in fp32 under bf16-mixed, keeping the last
 block gathered from its forward into its backward. Run in a child process: FSDP2 needs a process
 group, which the test worker must not keep."""
 
@@ -31,6 +31,7 @@ for precision in ("bf16-mixed", "32-true"):
     out["compiled_blocks"] = [b._compiled_call_impl is not None for b in blocks]
     out["compiled_root"] = model._compiled_call_impl is not None
     out["same_names"] = list(model.state_dict()) == names
+    out["compiled_loss"] = hasattr(model.loss_function, "_torchdynamo_orig_callable")
     shard_fsdp2(model, init_device_mesh("cpu", (1,)), precision)
     groups = [b._get_fsdp_state()._fsdp_param_group for b in blocks]
     out[precision] = {
@@ -38,6 +39,20 @@ for precision in ("bf16-mixed", "32-true"):
         "reduce_dtype": [str(g.mp_policy.reduce_dtype) for g in groups],
         "reshard_after_forward": [g.post_forward_mesh_info is not None for g in groups],
     }
+# the compiled loss is the eager one: value and the logits' gradient, bf16 logits as autocast gives them
+import torch
+eager = build_model(model_settings(spec), seed=0).loss_function
+logits = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+labels = torch.randint(0, 64, (2, 8))
+labels[0, :3] = -100
+got = []
+for fn in (eager, model.loss_function):
+    logits.grad = None
+    loss = fn(logits, labels, vocab_size=64)
+    loss.backward()
+    got.append((loss.detach().float(), logits.grad.float()))
+out["loss_diff"] = float((got[0][0] - got[1][0]).abs())
+out["grad_diff"] = float((got[0][1] - got[1][1]).abs().max())
 print(json.dumps(out))
 dist.destroy_process_group()
 """
@@ -53,6 +68,7 @@ def test_compile_per_block_and_fsdp2_mixed_precision_with_the_last_block_kept_ga
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["compiled_blocks"] == [True, True, True] and not got["compiled_root"] and got["same_names"]
+    assert got["compiled_loss"] and got["loss_diff"] < 1e-5 and got["grad_diff"] < 1e-2, got
     assert got["bf16-mixed"] == {"param_dtype": ["torch.bfloat16"] * 3, "reduce_dtype": ["torch.float32"] * 3,
                                  "reshard_after_forward": [True, True, False]}
     assert got["32-true"] == {"param_dtype": ["None"] * 3, "reduce_dtype": ["None"] * 3,

@@ -282,6 +282,7 @@ def leave_process_group(*, within_s: float = LEAVE_S) -> bool:
             dist.destroy_process_group()
         except Exception as exc:  # a group already gone: nothing left to part from
             log.warning("leaving the process group: %s", exc)
+        forget_deepspeed_groups()
         done.set()
 
     threading.Thread(target=part, name="lmtrain-leave-process-group", daemon=True).start()
@@ -289,6 +290,19 @@ def leave_process_group(*, within_s: float = LEAVE_S) -> bool:
         log.warning("the process group did not part within %.0f s: this rank exits without it", within_s)
         return False
     return True
+
+
+def forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the groups of its first engine in module globals (deepspeed.utils.groups)
+    and hands them to every later engine of the process: once the process group is destroyed, a
+    second engine fails at its first broadcast ("Group ... is not registered"). Seen in the GPU
+    bench, which trains (a) and (b) in one process. Reloading the module resets its globals in
+    the module object every DeepSpeed module already holds."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        import importlib
+
+        importlib.reload(groups)
 
 
 def process_group_timeout(plan: Any) -> timedelta:

@@ -112,7 +112,7 @@ class LMModule(pl.LightningModule):
         model = build_model(self.model_spec, seed=self.seed)
         self.shape = model_shape(model)
         if self.model_spec.compile:
-            model = compile_model(model)
+            model = compile_model(model, loss=self.rt.parallelism.compiles_loss)
         if self.rt.parallelism.pipeline > 1:
             from lmtrain.model import pipeline
 
