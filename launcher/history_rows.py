@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from launcher.core import rundir, straggler_lines
+from launcher.core.plan import planned_model_states
 
 
 @dataclass
@@ -227,6 +228,17 @@ def restart_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
     return notes
 
 
+def planned_memory_line(ledger: Sequence[Mapping[str, Any]]) -> tuple[int | None, int | None]:
+    """(one rank's planned model states, planned peak) as the newest ``memory`` line carries them
+    (lmtrain.task.fit.planned_memory; older runs' lines have none)."""
+    for x in reversed(ledger):
+        planned = x.get("planned") if x.get("event") == "memory" else None
+        if isinstance(planned, Mapping):
+            states, peak = planned.get("model_states"), planned.get("peak")
+            return (states if isinstance(states, int) else None), (peak if isinstance(peak, int) else None)
+    return None, None
+
+
 def memory_lines(ledger: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int | None, int | None]]:
     """attempt -> (the most model-state bytes a rank held, the highest device peak), from the
     ledger's ``memory`` lines (lmtrain.model.memory_held)."""
@@ -249,10 +261,9 @@ def memory_notes(h: History, planned: Mapping[str, Any] | None, planned_world: i
     """Estimate against measurement, one line per measured attempt (``history``)."""
     from launcher.core.memory import gb
 
-    if not planned:
+    states = planned_model_states(planned)
+    if not planned or states is None:
         return []
-    rows = {r.get("name"): int(r.get("bytes") or 0) for r in planned.get("rows") or [] if isinstance(r, dict)}
-    states = sum(rows.get(k, 0) for k in ("parameters", "gradients", "optimizer states"))
     out = []
     for a in h.attempts:
         if a.held_bytes is None and a.device_peak is None:

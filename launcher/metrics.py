@@ -116,10 +116,36 @@ def with_age(body: bytes, age: float) -> bytes:
                    f"lmlaunch_exporter_snapshot_age_seconds {age}\n").encode()
 
 
+# (key, metric, help, counter): one series per run from its ledger (and the registry's submit times)
+LEDGER_SERIES = (
+    ("started", "lmlaunch_run_attempts_started", "Attempts that started (the ledger)", True),
+    ("lost", "lmlaunch_run_steps_lost", "Steps trained again after a stop: each attempt's last step less the next "
+     "attempt's first (the ledger)", True),
+    ("waited", "lmlaunch_run_queue_wait_seconds", "Seconds the run's attempts waited to start: from the job's "
+     "submission, or from the attempt before's end line for a requeue, to the attempt's start line (the tasks' own "
+     "start included; the registry and the ledger)", True),
+    ("held", "lmlaunch_run_model_states_held_bytes", "The most bytes of parameters, gradients and optimizer states "
+     "a rank held in the newest measured attempt (the ledger)", False),
+    ("peak", "lmlaunch_run_device_peak_bytes", "The highest device memory peak of a rank in the newest measured "
+     "attempt (GPU jobs; the ledger)", False),
+    ("held_plan", "lmlaunch_run_model_states_planned_bytes", "One rank's parameters, gradients and optimizer "
+     "states as the plan estimated them (beside ..._held_bytes)", False),
+    ("peak_plan", "lmlaunch_run_device_peak_planned_bytes", "One rank's peak memory as the plan estimated it "
+     "(beside ..._device_peak_bytes)", False),
+    ("trained", "lmlaunch_run_training_seconds", "Seconds the run's attempts trained: from each attempt's first "
+     "step to its end line (or now, while it runs)", True),
+    ("allocated", "lmlaunch_run_allocated_seconds", "Seconds the run's attempts held their nodes: from each "
+     "attempt's start line to its end line (or now, while it runs)", True),
+    ("goodput", "lmlaunch_run_goodput_ratio", "Training seconds over allocated seconds, all attempts (0..1)", False),
+)
+
+
 def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mapping[str, Any]]], *,
-             slurm_reachable: bool, submitted: Sequence[Mapping[str, float]] | None = None) -> list[Metric]:
+             slurm_reachable: bool, submitted: Sequence[Mapping[str, float]] | None = None,
+             now: float | None = None) -> list[Metric]:
     """Pure: status rows (and each run's ledger; ``submitted``: each run's job id -> submit time, from
     the registry) -> the metric families of one scrape."""
+    now = time.time() if now is None else now
     info = GaugeMetricFamily("lmlaunch_run_info", "A run: its current job, SLURM state and state group (value 1)",
                              labels=["run", "job_id", "state", "group"])
     gauges = {attr: GaugeMetricFamily(name, text, labels=["run"]) for name, text, attr in ROW_GAUGES}
@@ -127,18 +153,8 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
                                  labels=["run"])
     ended = CounterMetricFamily("lmlaunch_run_attempts_ended", "Attempts that ended, by why (the ledger)",
                                 labels=["run", "reason"])
-    started = CounterMetricFamily("lmlaunch_run_attempts_started", "Attempts that started (the ledger)",
-                                  labels=["run"])
-    lost = CounterMetricFamily("lmlaunch_run_steps_lost", "Steps trained again after a stop: each attempt's last "
-                               "step less the next attempt's first (the ledger)", labels=["run"])
-    held = GaugeMetricFamily("lmlaunch_run_model_states_held_bytes", "The most bytes of parameters, gradients and "
-                             "optimizer states a rank held in the newest measured attempt (the ledger)", labels=["run"])
-    waited = CounterMetricFamily("lmlaunch_run_queue_wait_seconds", "Seconds the run's attempts waited to start: "
-                                 "from the job's submission, or from the attempt before's end line for a requeue, to "
-                                 "the attempt's start line (the tasks' own start included; the registry and the ledger)",
-                                 labels=["run"])
-    peak = GaugeMetricFamily("lmlaunch_run_device_peak_bytes", "The highest device memory peak of a rank in the "
-                             "newest measured attempt (GPU jobs; the ledger)", labels=["run"])
+    from_ledger = {key: (CounterMetricFamily if counter else GaugeMetricFamily)(name, text, labels=["run"])
+                   for key, name, text, counter in LEDGER_SERIES}
     for i, (row, ledger) in enumerate(zip(rows, ledgers)):
         info.add_metric([row.name, row.job_id or "", row.state, row.group], 1)
         for attr, family in gauges.items():
@@ -149,22 +165,57 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
         reasons = Counter(str(e.get("reason") or "unknown") for e in ledger if e.get("event") == "end")
         for reason, n in sorted(reasons.items()):
             ended.add_metric([row.name, reason], n)
-        started.add_metric([row.name], sum(1 for e in ledger if e.get("event") == "start"))
-        lost.add_metric([row.name], steps_lost(ledger))
-        waited.add_metric([row.name], queue_wait_s(ledger, submitted[i] if submitted is not None else {}))
-        measured = history_rows.memory_lines(ledger)
-        if measured:
-            newest_held, newest_peak = measured[max(measured)]
-            if newest_held is not None:
-                held.add_metric([row.name], float(newest_held))
-            if newest_peak is not None:
-                peak.add_metric([row.name], float(newest_peak))
+        values = ledger_values(ledger, submitted=submitted[i] if submitted is not None else {},
+                               running=row.group == "running", now=now)
+        for key, value in values.items():
+            if value is not None:
+                from_ledger[key].add_metric([row.name], float(value))
     up = GaugeMetricFamily("lmlaunch_slurm_up", "1 when the SLURM controller answered this scrape")
     up.add_metric([], 1.0 if slurm_reachable else 0.0)
     count = GaugeMetricFamily("lmlaunch_runs", "Runs in the registry, by state group", labels=["group"])
     for group, n in sorted(Counter(r.group for r in rows).items()):
         count.add_metric([group], n)
-    return [info, *gauges.values(), requeued, started, ended, lost, waited, held, peak, up, count]
+    return [info, *gauges.values(), requeued, ended, *from_ledger.values(), up, count]
+
+
+def ledger_values(ledger: Sequence[Mapping[str, Any]], *, submitted: Mapping[str, float], running: bool,
+                  now: float) -> dict[str, float | None]:
+    """One run's :data:`LEDGER_SERIES` values (None: the ledger does not say)."""
+    measured = history_rows.memory_lines(ledger)
+    held, peak = measured[max(measured)] if measured else (None, None)
+    held_plan, peak_plan = history_rows.planned_memory_line(ledger)
+    train_s, alloc_s = goodput_seconds(ledger, running=running, now=now)
+    return {"started": sum(1 for e in ledger if e.get("event") == "start"), "lost": steps_lost(ledger),
+            "waited": queue_wait_s(ledger, submitted), "held": held, "peak": peak, "held_plan": held_plan,
+            "peak_plan": peak_plan, "trained": train_s, "allocated": alloc_s,
+            "goodput": min(1.0, train_s / alloc_s) if alloc_s > 0 else None}
+
+
+def goodput_seconds(ledger: Sequence[Mapping[str, Any]], *, running: bool, now: float) -> tuple[float, float]:
+    """(training, allocated) seconds over the attempts: each from its start line (allocated) or its
+    first step (the ``startup`` line's process start plus its ``first_step`` phase: training) to its
+    end line, or to ``now`` for the newest attempt while the run is running; an attempt that left no
+    end line and is not running (killed outright) is left out, as ``history`` cannot time it either."""
+    starts = [e for e in ledger if e.get("event") == "start" and isinstance(e.get("attempt"), int)
+              and isinstance(e.get("time"), (int, float))]
+    ends = {e["attempt"]: float(e["time"]) for e in ledger if e.get("event") == "end"
+            and isinstance(e.get("attempt"), int) and isinstance(e.get("time"), (int, float))}
+    first: dict[int, float] = {}
+    for e in ledger:
+        phases = e.get("phases") if e.get("event") == "startup" else None
+        if isinstance(phases, Mapping) and isinstance(e.get("attempt"), int) \
+                and isinstance(e.get("process_start"), (int, float)) and isinstance(phases.get("first_step"), (int, float)):
+            first[e["attempt"]] = float(e["process_start"]) + float(phases["first_step"])
+    train = alloc = 0.0
+    for i, s in enumerate(starts):
+        n = s["attempt"]
+        end = ends.get(n, now if running and i == len(starts) - 1 else None)
+        if end is None or end < float(s["time"]):
+            continue
+        alloc += end - float(s["time"])
+        if n in first and first[n] <= end:
+            train += end - first[n]
+    return train, alloc
 
 
 def queue_wait_s(ledger: Sequence[Mapping[str, Any]], submitted: Mapping[str, float]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,3 +291,15 @@ def _upgrade_v2(d: dict[str, Any]) -> dict[str, Any]:
                          tensor=topology.pop("tensor_parallel_size", 1),
                          sequence_parallel=topology.pop("sequence_parallel", False))
     return {**d, "version": PLAN_VERSION, "training": training, "topology": {**topology, "parallelism": par.to_json()}}
+
+
+MODEL_STATE_ROWS = ("parameters", "gradients", "optimizer states")
+
+
+def planned_model_states(memory: Mapping[str, Any] | None) -> int | None:
+    """One rank's planned model states (parameters, gradients, optimizer states) from a plan's
+    ``memory`` (launcher.core.memory.Breakdown.to_json); None where the plan has none."""
+    if not memory:
+        return None
+    rows = {r.get("name"): int(r.get("bytes") or 0) for r in memory.get("rows") or [] if isinstance(r, Mapping)}
+    return sum(rows.get(k, 0) for k in MODEL_STATE_ROWS)

@@ -41,6 +41,8 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert all(d["tokens_per_s"] is None or d["tokens_per_s"] > 0 for d in steps)
     ledger = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [e["event"] for e in ledger] == ["start", "preflight", "startup", "memory", "end"] and ledger[-1]["reason"] == "completed"
+    held = max(sum(r[k] for k in ("params", "grads", "optimizer")) for r in ledger[3]["held"])
+    assert ledger[3]["planned"]["model_states"] == held and ledger[3]["planned"]["world_size"] == 2  # beside it
     from tests.memory_helpers import assert_states_as_planned  # what the rank held, as the plan said
 
     assert_states_as_planned(run_dir)

@@ -270,6 +270,39 @@ def test_steps_lost_queue_wait_and_memory_held_come_from_the_ledger():
     assert got[("lmlaunch_run_device_peak_bytes", (("run", "r"),))] == 950
 
 
+def test_goodput_and_planned_memory_come_from_the_ledger():
+    """Training over allocated seconds, attempt by attempt: from the start line (allocated) or the
+    first step (training: the startup line's process start plus its first_step phase) to the end
+    line, the newest to now while the run runs; an attempt killed without an end line is left out."""
+    def startup(n, at, first_step):
+        return {"event": "startup", "attempt": n, "process_start": at, "phases": {"first_step": first_step}}
+
+    ledger = [
+        {"event": "start", "attempt": 1, "time": 100.0}, startup(1, 98.0, 12.0), {"event": "end", "attempt": 1, "time": 200.0},
+        {"event": "start", "attempt": 2, "time": 300.0}, startup(2, 299.0, 21.0),  # killed: no end line
+        {"event": "start", "attempt": 3, "time": 400.0}, startup(3, 400.0, 50.0),
+        {"event": "memory", "attempt": 3, "held": [{"params": 1, "grads": 1, "optimizer": 2}],
+         "planned": {"model_states": 4, "peak": 4096, "world_size": 1}},
+    ]
+    # attempt 1: 100 s held, 90 trained (from 110); attempt 2 left out; attempt 3 running: 100 held, 50 trained
+    assert metrics.goodput_seconds(ledger, running=True, now=500.0) == (90.0 + 50.0, 100.0 + 100.0)
+    assert metrics.goodput_seconds(ledger, running=False, now=500.0) == (90.0, 100.0)  # 3 ended without a line
+    assert metrics.goodput_seconds([], running=True, now=1.0) == (0.0, 0.0)
+    row = monitor.build_row(runs.RunRecord(name="r", profile="local", run_dir="/nonexistent", spec_path="/s.yaml",
+                                           job_ids=["1"]),
+                            read_run_files(Path("/nonexistent")), None, slurm_reachable=True, now=T0)
+    got = _samples_of(metrics.families([row], [ledger], slurm_reachable=True, submitted=[{}], now=500.0))
+    assert got[("lmlaunch_run_training_seconds_total", (("run", "r"),))] == 90.0  # the row is not running
+    assert got[("lmlaunch_run_allocated_seconds_total", (("run", "r"),))] == 100.0
+    assert got[("lmlaunch_run_goodput_ratio", (("run", "r"),))] == 0.9
+    assert got[("lmlaunch_run_model_states_planned_bytes", (("run", "r"),))] == 4
+    assert got[("lmlaunch_run_device_peak_planned_bytes", (("run", "r"),))] == 4096
+    assert got[("lmlaunch_run_model_states_held_bytes", (("run", "r"),))] == 4
+    empty = _samples_of(metrics.families([row], [[]], slurm_reachable=True, submitted=[{}], now=500.0))
+    assert ("lmlaunch_run_goodput_ratio", (("run", "r"),)) not in empty  # nothing allocated: no ratio
+    assert ("lmlaunch_run_model_states_planned_bytes", (("run", "r"),)) not in empty
+
+
 def _samples_of(families) -> dict:
     from prometheus_client import CollectorRegistry, generate_latest
 

@@ -224,10 +224,11 @@ class Fit:
         from lmtrain.model.memory_held import MemoryRecord
 
         attempt = self.records.attempt
+        planned = planned_memory(self.plan.memory, self.plan.topology.world_size)
 
         def write(fields: dict[str, Any]) -> None:
             try:
-                self.records.ledger.write(LedgerNote("memory", time.time(), {"attempt": attempt, **fields}))
+                self.records.ledger.write(LedgerNote("memory", time.time(), {"attempt": attempt, **fields, **planned}))
             except OSError as exc:  # a measurement never costs the run
                 log.warning("could not write the memory line of attempt %d: %s", attempt, exc)
 
@@ -300,3 +301,14 @@ def _layout(state: dict[str, Any], default_world: int) -> tuple[int, int, int]:
     (states before TP or pipelines: size 1)."""
     return (int(state.get("world_size", default_world)), int(state.get("tensor_parallel_size", 1)),
             int(state.get("pipeline_parallel_size", 1)))
+
+
+def planned_memory(memory: dict[str, Any] | None, world_size: int) -> dict[str, Any]:
+    """The plan's figures beside what the ranks hold (the ledger's ``memory`` line, read by the
+    exporter and ``history``): one rank's model states and peak, for the world it was planned for."""
+    from launcher.core.plan import planned_model_states
+
+    if not memory:
+        return {}
+    return {"planned": {"model_states": planned_model_states(memory), "peak": memory.get("peak"),
+                        "world_size": world_size}}
