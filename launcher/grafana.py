@@ -39,6 +39,8 @@ PANELS: tuple[tuple[str, str, str, str, str], ...] = (
     ("Attempts started", f"lmlaunch_run_attempts_started_total{{{RUN}}}", "{{run}}", "none", "timeseries"),
     ("Attempts ended, by why", f"sum by (run, reason) (lmlaunch_run_attempts_ended_total{{{RUN}}})",
      "{{run}} {{reason}}", "none", "timeseries"),
+    ("Restarts inside the allocation", f"lmlaunch_run_restarts_in_place_total{{{RUN}}}", "{{run}}", "none",
+     "timeseries"),
     ("Steps trained again after stops", f"lmlaunch_run_steps_lost_total{{{RUN}}}", "{{run}}", "none", "timeseries"),
     ("Queue wait (submission or requeue to start)", f"lmlaunch_run_queue_wait_seconds_total{{{RUN}}}", "{{run}}", "s",
      "timeseries"),

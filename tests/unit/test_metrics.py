@@ -247,7 +247,8 @@ def test_a_server_listening_beyond_loopback_says_so(host, warned):
 
 def test_steps_lost_queue_wait_and_memory_held_come_from_the_ledger():
     ledger = [
-        {"event": "start", "attempt": 1, "start_step": 0}, {"event": "end", "attempt": 1, "end_step": 47},
+        {"event": "start", "attempt": 1, "start_step": 0},
+        {"event": "end", "attempt": 1, "end_step": 47, "reason": "crashed", "restart": "in_place"},
         {"event": "start", "attempt": 2, "start_step": 40},  # the checkpoint at 40: 7 steps again
         {"event": "memory", "attempt": 2, "held": [{"params": 10, "grads": 10, "optimizer": 20},
                                                    {"params": 12, "grads": 12, "optimizer": 24}], "device_peak": [900, 950]},
@@ -266,6 +267,7 @@ def test_steps_lost_queue_wait_and_memory_held_come_from_the_ledger():
                             read_run_files(Path("/nonexistent")), None, slurm_reachable=True, now=T0)
     got = _samples_of(metrics.families([row], [ledger], slurm_reachable=True, submitted=[{}]))
     assert got[("lmlaunch_run_steps_lost_total", (("run", "r"),))] == 7
+    assert got[("lmlaunch_run_restarts_in_place_total", (("run", "r"),))] == 1
     assert got[("lmlaunch_run_model_states_held_bytes", (("run", "r"),))] == 48  # the rank that held most
     assert got[("lmlaunch_run_device_peak_bytes", (("run", "r"),))] == 950
 
