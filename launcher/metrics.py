@@ -55,7 +55,8 @@ class RunsCollector:
         rows, view, files = monitor.gather_status_and_files(records, environ=self.environ)
         submitted = {r.name: dict(zip(r.job_ids, r.submitted_at)) for r in records}
         yield from families(rows, [f.ledger for f in files], slurm_reachable=view.reachable,
-                            submitted=[submitted.get(row.name, {}) for row in rows])
+                            submitted=[submitted.get(row.name, {}) for row in rows],
+                            heartbeats=[f.heartbeat for f in files])
         yield from rank_families(rows)
         self.scrapes += 1
         took = GaugeMetricFamily("lmlaunch_exporter_read_duration_seconds", "Seconds the newest reading of the runs took")
@@ -144,9 +145,9 @@ LEDGER_SERIES = (
 
 def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mapping[str, Any]]], *,
              slurm_reachable: bool, submitted: Sequence[Mapping[str, float]] | None = None,
-             now: float | None = None) -> list[Metric]:
+             heartbeats: Sequence[Sequence[Mapping[str, Any]]] | None = None, now: float | None = None) -> list[Metric]:
     """Pure: status rows (and each run's ledger; ``submitted``: each run's job id -> submit time, from
-    the registry) -> the metric families of one scrape."""
+    the registry; ``heartbeats``: each run's heartbeat tail) -> the metric families of one scrape."""
     now = time.time() if now is None else now
     info = GaugeMetricFamily("lmlaunch_run_info", "A run: its current job, SLURM state and state group (value 1)",
                              labels=["run", "job_id", "state", "group"])
@@ -157,6 +158,10 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
                                 labels=["run", "reason"])
     from_ledger = {key: (CounterMetricFamily if counter else GaugeMetricFamily)(name, text, labels=["run"])
                    for key, name, text, counter in LEDGER_SERIES}
+    prepared = {key: GaugeMetricFamily(f"lmlaunch_run_prepared_{key}", f"{key.capitalize()} a `data prepare "
+                                       "--on-cluster` run has tokenized so far (in the store once it ended; its shards "
+                                       "are lmlaunch_run_step of _max_steps)", labels=["run"])
+                for key in ("documents", "tokens")}
     for i, (row, ledger) in enumerate(zip(rows, ledgers)):
         info.add_metric([row.name, row.job_id or "", row.state, row.group], 1)
         for attr, family in gauges.items():
@@ -172,12 +177,26 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
         for key, value in values.items():
             if value is not None:
                 from_ledger[key].add_metric([row.name], float(value))
+        prep = preparation_progress(heartbeats[i]) if heartbeats is not None else None
+        for key, family in prepared.items():
+            if prep is not None:
+                family.add_metric([row.name], float(prep[key]))
     up = GaugeMetricFamily("lmlaunch_slurm_up", "1 when the SLURM controller answered this scrape")
     up.add_metric([], 1.0 if slurm_reachable else 0.0)
     count = GaugeMetricFamily("lmlaunch_runs", "Runs in the registry, by state group", labels=["group"])
     for group, n in sorted(Counter(r.group for r in rows).items()):
         count.add_metric([group], n)
-    return [info, *gauges.values(), requeued, ended, *from_ledger.values(), up, count]
+    return [info, *gauges.values(), requeued, ended, *from_ledger.values(), *prepared.values(), up, count]
+
+
+def preparation_progress(heartbeat: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
+    """A preparation's newest figures (lmtrain.data.prepare.array_task's heartbeat lines, the ones
+    ``status`` notes): documents and tokens; None for a training run."""
+    line = next((b for b in reversed(heartbeat) if isinstance(b.get("documents"), int)), None)
+    if line is None:
+        return None
+    tokens = line.get("tokens")
+    return {"documents": int(line["documents"]), "tokens": int(tokens) if isinstance(tokens, int) else 0}
 
 
 def ledger_values(ledger: Sequence[Mapping[str, Any]], *, submitted: Mapping[str, float], running: bool,

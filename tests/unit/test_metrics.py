@@ -305,6 +305,21 @@ def test_goodput_and_planned_memory_come_from_the_ledger():
     assert ("lmlaunch_run_model_states_planned_bytes", (("run", "r"),)) not in empty
 
 
+def test_a_preparation_on_the_cluster_exports_its_documents_and_tokens():
+    """`data prepare --on-cluster`'s heartbeat lines (the newest with figures; a training run has none)."""
+    row = monitor.build_row(runs.RunRecord(name="prep", profile="local", run_dir="/nonexistent", spec_path="/s.yaml",
+                                           job_ids=["1"]),
+                            read_run_files(Path("/nonexistent")), None, slurm_reachable=True, now=T0)
+    beats = [{"event": "step", "step": 1, "max_steps": 4, "documents": 10, "tokens": 900, "task": 0},
+             {"event": "step", "step": 2, "max_steps": 4, "documents": 25, "tokens": 2100, "task": 1},
+             {"event": "heartbeat"}]
+    got = _samples_of(metrics.families([row, row], [[], []], slurm_reachable=True, submitted=[{}, {}],
+                                       heartbeats=[beats, [{"event": "step", "step": 3, "loss": 2.0}]]))
+    assert got[("lmlaunch_run_prepared_documents", (("run", "prep"),))] == 25
+    assert got[("lmlaunch_run_prepared_tokens", (("run", "prep"),))] == 2100
+    assert metrics.preparation_progress([{"event": "step", "step": 3, "loss": 2.0}]) is None
+
+
 def _samples_of(families) -> dict:
     from prometheus_client import CollectorRegistry, generate_latest
 
