@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from launcher.core.container import ContainerPlan, wrap
+from launcher.core.container import ContainerPlan, trial_argv, wrap
 from launcher.core.plan import LaunchPlan
 from launcher.doctor import FAIL, OK, WARN, Check
 
@@ -73,19 +73,55 @@ def runtime_inside(plan: LaunchPlan, box: ContainerPlan) -> Check:
                                 "transformers")
 
 
-def container_checks(plan: LaunchPlan) -> list[Check]:
-    """Image, runtime and the interpreter inside, as far as this machine can tell."""
-    box = ContainerPlan.from_json(plan.container or {})
-    here = _pyxis_here() if box.runtime == "pyxis" else shutil.which(box.runtime) is not None
+def _image_check(box: ContainerPlan, here: bool) -> Check:
     exists = None
     if box.runtime == "podman" and here and not box.image.startswith("/"):
         name = box.image.removeprefix("docker://")
         exists = subprocess.run(["podman", "image", "exists", name], capture_output=True, timeout=60).returncode == 0
     path = Path(box.image)
     size = path.stat().st_size if box.image.startswith("/") and path.is_file() else None
-    checks = [judge_image(box, local_name_exists=exists, file_size=size), judge_runtime(box, command_here=here)]
+    return judge_image(box, local_name_exists=exists, file_size=size)
+
+
+def container_checks(plan: LaunchPlan) -> list[Check]:
+    """Image, runtime and the interpreter inside, as far as this machine can tell."""
+    box = ContainerPlan.from_json(plan.container or {})
+    here = _pyxis_here() if box.runtime == "pyxis" else shutil.which(box.runtime) is not None
+    checks = [_image_check(box, here), judge_runtime(box, command_here=here)]
     if box.runtime == "pyxis" or not here:
         checks.append(Check("runtime", WARN, f"the interpreter inside {box.image} is not tried here; {ON_NODES}"))
     elif checks[0].status != FAIL:
         checks.append(runtime_inside(plan, box))
     return checks
+
+
+START_S = 60.0  # the most `submit` waits for the interpreter to start inside the image
+
+
+def submit_problems(plan: LaunchPlan) -> list[str]:
+    """What ``submit`` refuses before queueing a container job (``--force`` submits anyway): an image
+    the runtime here does not have, or an interpreter the image lacks (``python -c pass`` in it: a
+    second or two; doctor imports the whole runtime). A task that cannot start its interpreter fails
+    its job at once on the nodes; this says so before the queue wait. Where nothing can be tried
+    here (pyxis, a runtime this machine lacks, an image pulled from a registry): nothing."""
+    if plan.container is None:
+        return []
+    box = ContainerPlan.from_json(plan.container)
+    if box.runtime == "pyxis" or shutil.which(box.runtime) is None:
+        return []
+    image = _image_check(box, True)
+    if image.status == FAIL:
+        return [f"container.image: {image.message}"]
+    if "://" in box.image or "#" in box.image:  # pulled by the nodes: not fetched here
+        return []
+    try:
+        argv = trial_argv(box, ["-c", "pass"], lambda path: Path(path).exists())
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=START_S, check=False)
+    except subprocess.TimeoutExpired:  # slow here says nothing of the nodes
+        return []
+    except OSError as exc:
+        return [f"container.runtime: {box.runtime} could not be started here: {exc}"]
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return [f"container.python: `{box.python}` does not start in {box.image} (exit {proc.returncode}): {last}"]
+    return []

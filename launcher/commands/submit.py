@@ -106,5 +106,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             ctx.out(render_dry_run(r.plan, script, ctx.environ))
         return 0
 
+    if not args.force:  # a container's image and interpreter, where this machine can try them
+        from launcher.core.errors import SpecError
+        from launcher.doctor_container import submit_problems
+
+        problems = submit_problems(r.plan)
+        if problems:
+            raise SpecError([*problems, "nothing was submitted (`lmlaunch doctor SPEC` says more; --force submits "
+                             "anyway)"], source=args.spec)
     return submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec,
                        after=after)

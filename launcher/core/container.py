@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -276,6 +277,30 @@ def wrap(cp: ContainerPlan, inner: list[str]) -> list[str]:
     argv itself, srun's options put it in the container)."""
     argv = [*shlex.split(cp.python), *inner]
     return argv if cp.runtime == "pyxis" else [*cp.prefix, *argv]
+
+
+def trial_argv(cp: ContainerPlan, inner: list[str], exists: Callable[[str], bool]) -> list[str]:
+    """:func:`wrap` for a try on the login node before anything exists: without the mounts whose
+    source is not there yet and the working directory (the run directory before submission, inside
+    the mounted runs root: a runtime would make it, writing where nothing was submitted). Pure:
+    ``exists`` answers for a host path."""
+    argv = wrap(cp, inner)
+    if cp.runtime == "podman":
+        return [a for a in argv if not a.startswith("--workdir=")
+                and not (a.startswith("--volume=") and not exists(a.removeprefix("--volume=").split(":")[0]))]
+    if cp.runtime != "apptainer":
+        return argv
+    out: list[str] = []
+    words = iter(argv)
+    for a in words:
+        if a in ("--bind", "--pwd"):
+            value = next(words, "")
+            if a == "--bind":
+                kept = [b for b in value.split(",") if exists(b.split(":")[0])]
+                out += ["--bind", ",".join(kept)] if kept else []
+            continue
+        out.append(a)
+    return out
 
 
 def task_command(cp: ContainerPlan, inner: list[str]) -> str:

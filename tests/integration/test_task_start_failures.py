@@ -3,7 +3,8 @@ podman container whose image lacks the interpreter asked for (runc: exit 127) th
 teardown (the SLURM relay stopped after srun) used to end the job 0:0, COMPLETED in `status`
 with no attempt anywhere. Now the job, its batch step and the task step are FAILED 127 in
 accounting, `status` says FAILED, and `logs --errors` shows the runtime's own error line; the
-same interpreter missing on the host is FAILED too."""
+same interpreter missing on the host is FAILED too. `submit` tries the interpreter in the image
+first and refuses (nothing written) unless --force."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def test_a_task_that_cannot_start_its_interpreter_fails_the_job(slurm_cluster, c
         (prof / "nopython.yaml").write_text(text)
         lm_env = {**lm_env, "LMLAUNCH_PROFILES_DIR": str(prof)}
         overrides = ["--cluster", "nopython"]
+    if where == "podman":  # tried before queueing: refused, nothing written; --force submits it anyway
+        r = cli("submit", str(spec), f"name={run_name}", *SMALL, *overrides, env=lm_env)
+        assert r.code == 2 and "container.python: `python3` does not start in" in r.err and error in r.err, r.err
+        assert "--force submits anyway" in r.err and not (tmp_path / "runs" / run_name).exists()  # lm_env's root
+        listed = json.loads(cli("status", "--all", "--json", env=lm_env).out)["runs"]
+        assert not [x for x in listed if x["name"] == run_name], listed
+        overrides = [*overrides, "--force"]
     r = cli("submit", str(spec), f"name={run_name}", *SMALL, *overrides, env=lm_env)
     assert r.code == 0, r.out + r.err
     job = r.out.split("job ", 1)[1].split()[0]

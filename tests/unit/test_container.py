@@ -242,3 +242,25 @@ def test_a_local_run_of_a_container_job_runs_on_this_machine_and_says_so(repo, r
                              say=said.append)
     assert plan.container is None
     assert any("not in the job's container" in line for line in said), said
+
+
+def test_a_try_before_submission_leaves_out_what_does_not_exist_yet():
+    """`submit` tries the interpreter in the image (launcher.doctor_container.submit_problems): the
+    run directory does not exist then, and a runtime would make a mount's source or the working
+    directory inside the mounted runs root: the try drops both, keeps the rest."""
+    from launcher.core.container import ContainerPlan, trial_argv
+
+    there = {"/runs", "/data"}
+    podman = ContainerPlan(runtime="podman", image="img", python="python3", mounts=[], env=[], workdir="/runs/r",
+                           flags=[], prefix=["podman", "run", "--rm", "--volume=/runs:/runs", "--volume=/ckpt/r:/ckpt/r:rw",
+                                             "--volume=/data:/data:ro", "--workdir=/runs/r", "img"])
+    assert trial_argv(podman, ["-c", "pass"], there.__contains__) == [
+        "podman", "run", "--rm", "--volume=/runs:/runs", "--volume=/data:/data:ro", "img", "python3", "-c", "pass"]
+    apptainer = ContainerPlan(runtime="apptainer", image="/i.sif", python="python", mounts=[], env=[], workdir="/runs/r",
+                              flags=[], prefix=["apptainer", "exec", "--nv", "--bind", "/runs:/runs,/ckpt/r:/ckpt/r",
+                                                "--pwd", "/runs/r", "/i.sif"])
+    assert trial_argv(apptainer, ["-c", "pass"], there.__contains__) == [
+        "apptainer", "exec", "--nv", "--bind", "/runs:/runs", "/i.sif", "python", "-c", "pass"]
+    nothing = ContainerPlan(runtime="apptainer", image="/i.sif", python="python", mounts=[], env=[], workdir="/w",
+                            flags=[], prefix=["apptainer", "exec", "--bind", "/ckpt:/ckpt", "--pwd", "/w", "/i.sif"])
+    assert trial_argv(nothing, [], there.__contains__) == ["apptainer", "exec", "/i.sif", "python"]
