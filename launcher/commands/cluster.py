@@ -1,5 +1,5 @@
 """lmlaunch cluster up [--slurm VERSION] [--preempt-user-signal | --no-preempt-user-signal]
-[--accounting | --no-accounting] [--min-job-age S] [--workers N] | down | status | env"""
+[--accounting | --no-accounting] [--min-job-age S] [--nodes N] [--workers N] | down | status | env"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from launcher.context import Context
 from launcher.core.errors import UserError
 from launcher.localcluster import cluster
 from launcher.localcluster.config import (
+    MAX_NODES,
     MAX_WORKER_SLOTS,
     MIN_JOB_AGE_FLOOR,
     SLURM_RELEASES,
@@ -61,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="no slurmdbd, as on sites without accounting: sacct fails, squeue is all there is")
     up.add_argument("--min-job-age", type=_min_job_age, default=None, metavar="SECONDS",
                     help=f"how long finished jobs stay in squeue (MinJobAge; default 300, at least {MIN_JOB_AGE_FLOOR})")
+    up.add_argument("--nodes", type=int, default=None, metavar="N",
+                    help=f"virtual nodes n1..nN (1 to {MAX_NODES}; default: what the last `up` had, else 2), e.g. "
+                         "3 for a job with a spare node")
     up.add_argument("--workers", type=int, default=0, metavar="N",
                     help="also start the worker clusters 1..N that parallel test workers claim "
                          "(launcher/localcluster/workers.py); scripts/test.sh starts them before pytest")
@@ -95,8 +99,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             ctx.out(f"export {key}={shlex.quote(value)}")
         return 0
     if args.action == "up":
+        if args.nodes is not None and not 1 <= args.nodes <= MAX_NODES:
+            raise UserError(f"--nodes {args.nodes}: the local cluster runs 1 to {MAX_NODES} virtual nodes")
         was_up = cluster.up(say, preempt_send_user_signal=args.preempt_user_signal, accounting=args.accounting,
-                            min_job_age=args.min_job_age, version=version)
+                            min_job_age=args.min_job_age, version=version, nodes=args.nodes)
         for k in range(1, min(args.workers, MAX_WORKER_SLOTS) + 1):
             worker = Layout.worker(k, version)
             cluster.up(cluster.tagged(say, worker.root.name), layout=worker,

@@ -13,7 +13,7 @@ import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -408,12 +408,12 @@ def install_system_conf(layout: Layout, say: Say) -> None:
     SYSTEM_SLURM_CONF.symlink_to(layout.slurm_conf)
 
 
-def ensure_hosts(say: Say) -> None:
+def ensure_hosts(say: Say, names: Sequence[str] = NODES) -> None:
     """The node names must resolve: Lightning's MASTER_ADDR is the first node of SLURM_NODELIST."""
     import socket
 
     unresolved = []
-    for n in NODES:
+    for n in names:
         try:
             socket.gethostbyname(n)
         except OSError:
@@ -424,26 +424,26 @@ def ensure_hosts(say: Say) -> None:
     if os.geteuid() != 0:
         raise UserError(
             f"node names {', '.join(unresolved)} do not resolve; as root add to /etc/hosts:\n"
-            f"  127.0.0.1 {' '.join(NODES)}",
+            f"  127.0.0.1 {' '.join(unresolved)}",
             exit_code=1,
         )
-    say(f"adding '127.0.0.1 {' '.join(NODES)}' to /etc/hosts")
+    say(f"adding '127.0.0.1 {' '.join(unresolved)}' to /etc/hosts")
     with hosts.open("a") as f:
-        f.write(f"127.0.0.1 {' '.join(NODES)}  {HOSTS_MARKER}\n")
+        f.write(f"127.0.0.1 {' '.join(unresolved)}  {HOSTS_MARKER}\n")
 
 
 UP_STATES = {"idle", "mix", "alloc", "comp", "resv", "plnd"}  # sinfo's words for a node whose slurmd answers
 
 
-def nodes_ready() -> bool:
-    """Both nodes' daemons up: idle, mixed, allocated, completing, reserved (a reservation a killed
+def nodes_ready(names: Sequence[str] = NODES) -> bool:
+    """Every node's daemon up: idle, mixed, allocated, completing, reserved (a reservation a killed
     test run left behind is scheduling, not a daemon down) or planned, and none unresponsive (``*``)."""
     try:
         info = {n.name: n.state for n in slurm.nodes(timeout=10)}
     except (SlurmUnavailable, UserError):
         return False
-    return all(info.get(n, "").rstrip("*~#") in UP_STATES for n in NODES) and not any(
-        info.get(n, "").endswith("*") for n in NODES
+    return all(info.get(n, "").rstrip("*~#") in UP_STATES for n in names) and not any(
+        info.get(n, "").endswith("*") for n in names
     )
 
 
@@ -455,21 +455,28 @@ def ensure_slurmctld(layout: Layout, say: Say) -> None:
     wait_until(lambda: slurm.ping(timeout=5), 60, "slurmctld", layout.logfile("slurmctld"), poll=0.5)
 
 
-def ensure_slurmd(layout: Layout, say: Say) -> None:
-    for n in NODES:
+def ensure_slurmd(layout: Layout, say: Say, names: Sequence[str] = NODES) -> None:
+    for old in sorted(layout.run.glob("slurmd-n*.pid")):  # nodes a smaller `--nodes` left out
+        name = old.name.removeprefix("slurmd-").removesuffix(".pid")
+        if name not in names:
+            line = stop(old, f"slurmd {name}")
+            if line:
+                say(line)
+    for n in names:
         if running_from_pidfile(layout.run / f"slurmd-{n}.pid"):
             continue
         (layout.spool / f"slurmd-{n}").mkdir(parents=True, exist_ok=True)
         say(f"starting slurmd -N {n}")
         run_checked([_which("slurmd") or "slurmd", "-N", n, "-f", str(layout.slurm_conf)], f"slurmd {n}", env=_conf_env(layout))
     log = layout.log / "slurmd-n1.log"
+    what = f"nodes {', '.join(names)} (idle in sinfo)"
     try:
-        wait_until(nodes_ready, 60, "nodes n1 and n2 (idle in sinfo)", log, poll=0.5)
+        wait_until(lambda: nodes_ready(names), 60, what, log, poll=0.5)
     except ClusterError:
         # nodes left DOWN/DRAIN by an earlier crash: resume them once and wait again
-        for n in NODES:
+        for n in names:
             slurm.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], check=False)
-        wait_until(nodes_ready, 30, "nodes n1 and n2 (idle in sinfo)", log, poll=0.5)
+        wait_until(lambda: nodes_ready(names), 30, what, log, poll=0.5)
 
 
 # --------------------------------------------------------------------------- up / down / status
@@ -486,9 +493,14 @@ def _load_settings(layout: Layout) -> Settings | None:
         return None
 
 
+def _node_names(layout: Layout) -> tuple[str, ...]:
+    settings = _load_settings(layout)
+    return settings.ports.node_names if settings is not None else NODES
+
+
 def _our_daemons(layout: Layout) -> dict[str, Path]:
     files = {"slurmctld": layout.pidfile("slurmctld")}
-    files.update({f"slurmd {n}": layout.run / f"slurmd-{n}.pid" for n in NODES})
+    files.update({f"slurmd {n}": layout.run / f"slurmd-{n}.pid" for n in _node_names(layout)})
     files["slurmdbd"] = layout.pidfile("slurmdbd")
     files["mariadb"] = layout.pidfile("mariadb")
     files["munged"] = layout.pidfile("munged")
@@ -506,7 +518,7 @@ def is_up(layout: Layout) -> bool:
     if not all(running_from_pidfile(p) for p in daemons.values()):
         return False
     with own_conf(layout):
-        return slurm.ping(timeout=5) and nodes_ready()
+        return slurm.ping(timeout=5) and nodes_ready(_node_names(layout))
 
 
 def up(
@@ -519,12 +531,13 @@ def up(
     accounting: bool | None = None,
     min_job_age: int | None = None,
     version: str | None = None,
+    nodes: int | None = None,
 ) -> bool:
     """Start the cluster; True when it was already running (and nothing had to change).
 
     ``version`` picks the SLURM: the machine's own (None) or the other Debian release's, which
     runs in a Debian root (other_release.py). Settings not given keep what the last `up` of this
-    state directory was given (its ports included), else the defaults. Two `up`s of one cluster
+    state directory was given (its ports and ``nodes`` count included), else the defaults. Two `up`s of one cluster
     never race (a lock in its directory); the machine-wide steps (packages, munged, /etc/hosts)
     are locked across clusters."""
     layout = layout or (Layout.default() if version is None else Layout(primary_root(version)))
@@ -536,7 +549,7 @@ def up(
     current = loaded or Settings(ports=Ports.for_slot(0, version), version=version)
     wanted = Settings(
         preempt_send_user_signal=_given(preempt_send_user_signal, current.preempt_send_user_signal),
-        ports=_given(ports, current.ports),
+        ports=_given(ports, current.ports) if nodes is None else _given(ports, current.ports).with_nodes(nodes),
         system_conf=_given(system_conf, current.system_conf),
         accounting=_given(accounting, current.accounting),
         min_job_age=_given(min_job_age, current.min_job_age),
@@ -568,7 +581,7 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
     with flocked(primary_root() / ".machine.lock"):
         ensure_packages(say)
         ensure_munge(say)
-        ensure_hosts(say)
+        ensure_hosts(say, ports.node_names)
     layout.slurm_conf.write_text(render_slurm_conf(
         layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=ports,
         accounting=wanted.accounting, min_job_age=wanted.min_job_age))
@@ -593,11 +606,17 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         say("restarting slurmctld (accounting " + ("on" if wanted.accounting else "off") + ")")
         stop(layout.pidfile("slurmctld"), "slurmctld")
         controller_was_up = False
+    if controller_was_up and current is not None and current.ports.nodes != wanted.ports.nodes:
+        # node definitions are read at start only, by the controller and every slurmd
+        say(f"restarting slurmctld and the slurmds (nodes {', '.join(ports.node_names)})")
+        for pidfile in [layout.pidfile("slurmctld"), *sorted(layout.run.glob("slurmd-n*.pid"))]:
+            stop(pidfile, pidfile.stem)
+        controller_was_up = False
     ensure_slurmctld(layout, say)
     if controller_was_up and current != wanted:
         say("reconfiguring slurmctld (its settings changed)")
         slurm.run(["scontrol", "reconfigure"])
-    ensure_slurmd(layout, say)
+    ensure_slurmd(layout, say, ports.node_names)
     layout.settings.write_text(wanted.to_json())
     return False
 

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CLUSTER_NAME = "lmlaunch"
-NODES = ("n1", "n2")
+MAX_NODES = 8  # `cluster up --nodes N`: virtual nodes n1..nN, each a slurmd on this machine
+
+
+def node_names(count: int) -> tuple[str, ...]:
+    return tuple(f"n{i}" for i in range(1, count + 1))
+
+
+NODES = node_names(2)  # the default cluster's
 # Each virtual node declares more CPUs than the 2-core machine has (SlurmdParameters=
 # config_overrides): a 2-node x 1-task job, a preempting high-priority job and a few concurrent
 # test jobs can all be placed. The CPUs are shared; declaring them keeps the scheduler honest
@@ -75,6 +82,16 @@ class Ports:
         of the native release's when ``version`` is the other release's SLURM."""
         base, k = cls(), slot * PORT_STRIDE + (0 if is_native(version) else OTHER_RELEASE_PORT_OFFSET)
         return cls(base.slurmctld + k, base.slurmdbd + k, base.mariadb + k, tuple(p + k for p in base.nodes))
+
+    def with_nodes(self, count: int) -> Ports:
+        """``count`` nodes, their slurmd ports one after another from the first node's."""
+        if not 1 <= count <= MAX_NODES:
+            raise ValueError(f"--nodes {count}: the local cluster runs 1 to {MAX_NODES} virtual nodes")
+        return Ports(self.slurmctld, self.slurmdbd, self.mariadb, tuple(self.nodes[0] + i for i in range(count)))
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return node_names(len(self.nodes))
 
     def to_json(self) -> dict[str, object]:
         return {"slurmctld": self.slurmctld, "slurmdbd": self.slurmdbd, "mariadb": self.mariadb, "nodes": list(self.nodes)}
@@ -238,12 +255,12 @@ def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bo
         lines.append("AccountingStorageType=accounting_storage/none")
     if preempt_send_user_signal:
         lines.append("SlurmctldParameters=preempt_send_user_signal")
-    for name, port in zip(NODES, ports.nodes):
+    for name, port in zip(ports.node_names, ports.nodes):
         lines.append(
             f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
             f"CPUs={CPUS_PER_NODE} RealMemory={REAL_MEMORY_MB} State=UNKNOWN"
         )
-    nodes = ",".join(NODES)
+    nodes = ",".join(ports.node_names)
     lines.append(
         f"PartitionName=low Nodes={nodes} Default=YES MaxTime={MAX_TIME} State=UP "
         f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={LOW_GRACE_SECONDS}"

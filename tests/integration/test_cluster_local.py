@@ -230,3 +230,28 @@ def test_another_worker_cluster_is_untouched_by_a_preemption_on_this_one(slurm_c
         assert (tmp_path / "theirs.txt").read_text().splitlines() == ["restart=0"]
     finally:
         release_worker(other, run_name)
+
+
+def test_cluster_up_with_more_nodes_runs_a_job_on_all_of_them_and_fewer_stops_the_extra_slurmd(tmp_path, run_name):
+    """`cluster up --nodes 3` (on a worker's cluster of its own): a third slurmd, both partitions over
+    n1..n3, a 3-node job runs on all three; `up` with 2 again stops n3's slurmd, and a later `up`
+    keeps the count."""
+    other = workers.claim()
+    try:
+        lines: list[str] = []
+        cluster.up(lines.append, layout=other.layout, ports=other.ports, nodes=3, system_conf=False,
+                   accounting=True, min_job_age=300)
+        with cluster.own_conf(other.layout):
+            assert cluster.nodes_ready(("n1", "n2", "n3"))
+            out = tmp_path / "hosts.txt"
+            job = _sbatch("-J", run_name, "-p", "low", "-N", "3", "-n", "3", "-o", str(out),
+                          "--wrap", "srun bash -c 'echo $SLURMD_NODENAME'")
+            assert wait_terminal(job) == "COMPLETED", slurm.show_job(job)
+            assert sorted(out.read_text().split()) == ["n1", "n2", "n3"]
+            assert cluster.up(lines.append, layout=other.layout, system_conf=False)  # no ports, no --nodes: 3 kept
+            cluster.up(lines.append, layout=other.layout, ports=other.ports, nodes=2, system_conf=False)
+            assert {n.name for n in slurm.nodes(timeout=HANG_S)} == {"n1", "n2"}
+        assert not running_from_pidfile(other.layout.run / "slurmd-n3.pid")
+        assert any("restarting slurmctld and the slurmds" in line for line in lines), lines
+    finally:
+        release_worker(other, run_name)

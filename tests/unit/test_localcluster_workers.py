@@ -44,6 +44,23 @@ def test_settings_keep_the_ports_and_read_files_written_before_ports_were_kept()
                                    accounting=True, min_job_age=300)
 
 
+def test_more_nodes_take_the_ports_after_the_first_nodes_and_the_settings_keep_them(tmp_path):
+    """`cluster up --nodes N`: nodes n1..nN, their slurmd ports one after another (inside the slot's
+    stride: no other slot's port), both partitions over all of them; a later `up` keeps the count."""
+    three = Ports.for_slot(2).with_nodes(3)
+    assert three.nodes == (6821 + 200, 6822 + 200, 6823 + 200) and three.node_names == ("n1", "n2", "n3")
+    assert Ports.for_slot(0).with_nodes(config.MAX_NODES).nodes[-1] < Ports.for_slot(1).slurmctld
+    with pytest.raises(ValueError, match="1 to 8 virtual nodes"):
+        Ports().with_nodes(0)
+    s = cluster.Settings(ports=three)
+    assert cluster.Settings.from_json(s.to_json()).ports.node_names == ("n1", "n2", "n3")
+    conf = config.render_slurm_conf(Layout(tmp_path), user="u", preempt_send_user_signal=False, ports=three)
+    assert [line.split()[0] for line in conf.splitlines() if line.startswith("NodeName=")] == [
+        "NodeName=n1", "NodeName=n2", "NodeName=n3"]
+    assert "Port=6823 " not in conf and "Port=7023 " in conf
+    assert sum("Nodes=n1,n2,n3 " in line for line in conf.splitlines() if line.startswith("PartitionName=")) == 2
+
+
 def test_claims_take_distinct_slots_and_a_released_one_is_free_again(machine):
     a, b = workers.claim(), workers.claim()
     assert (a.slot, b.slot) == (1, 2)
