@@ -1,6 +1,7 @@
 """Test helper run as each local rank: the real lmtrain entry with every way of reading a
-tensor's value on the host (``item``, ``tolist``, ``float``/``int``/``bool``, ``numpy``)
-counted per optimizer step, with the file and function that asked.
+tensor's value on the host (``item``, ``tolist``, ``float``/``int``/``bool``, ``numpy``, and an
+operator's own read inside C++: :class:`ScalarReads`) counted per optimizer step, with the file and
+function that asked.
 
 On a GPU each such read waits for every kernel queued before it (a host sync); on this CPU
 machine nothing waits, but the reads are the same, so counting them here shows which steps
@@ -21,6 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from _extra_callbacks import run_task_with
+from torch.utils._python_dispatch import TorchDispatchMode
 
 READS: dict[int, list[tuple[str, str]]] = defaultdict(list)
 STEP = [0]
@@ -36,6 +38,20 @@ def _counting(name: str):
         return original(self, *args, **kwargs)
 
     setattr(torch.Tensor, name, read)
+
+
+class ScalarReads(TorchDispatchMode):
+    """Reads made inside operators, where no Python method is called (an op's C++ reading a
+    tensor's value: ``aten::_local_scalar_dense``), filed under the innermost Python frame outside
+    torch; a Python-level read, counted by ``_counting`` already, is not counted again."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            stack = traceback.extract_stack()[:-1]
+            if not any(f.name == "read" and f.filename == __file__ for f in stack):
+                frame = next((f for f in reversed(stack) if "/torch/" not in f.filename and f.filename != __file__), None)
+                READS[STEP[0]].append((frame.filename, frame.name) if frame else ("torch", "?"))
+        return func(*args, **(kwargs or {}))
 
 
 def _count_accelerator_syncs() -> None:
@@ -65,11 +81,16 @@ class StepCounter(pl.Callback):
         model = trainer.strategy.model
         WRAPPING.update(strategy=type(trainer.strategy).__name__, model=type(model).__name__ if model else None)
 
+    def on_train_start(self, trainer, pl_module):
+        self.mode = ScalarReads()
+        self.mode.__enter__()
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         STEP[0] = trainer.global_step + 1
 
     def on_train_end(self, trainer, pl_module):
         STEP[0] = -1
+        self.mode.__exit__(None, None, None)
 
 
 def main() -> int:

@@ -73,6 +73,8 @@ def _training_step_masks() -> Iterator[None]:
     import transformers.masking_utils as masks
     from torch._subclasses.fake_tensor import FakeTensor
 
+    from lmtrain.model.masks import not_packed
+
     ignore, packed = masks._ignore_causal_mask_sdpa, masks.find_packed_sequence_indices
 
     def ignore_causal(padding_mask: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any,
@@ -83,7 +85,7 @@ def _training_step_masks() -> Iterator[None]:
         return ignore(padding_mask, q_length, kv_length, known(q_offset), known(kv_offset), *args, **kwargs)
 
     masks._ignore_causal_mask_sdpa = ignore_causal
-    masks.find_packed_sequence_indices = lambda position_ids: None  # lmtrain never packs documents
+    masks.find_packed_sequence_indices = not_packed  # lmtrain never packs documents (lmtrain.model.masks)
     # Mixture-of-experts layers: torch's grouped_mm has a CUDA-only fake kernel (bf16 inputs only);
     # transformers' own fallback op (what it runs where grouped_mm cannot) has a fake kernel for any
     # dtype and saves the same tensors.

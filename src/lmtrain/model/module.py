@@ -109,6 +109,9 @@ class LMModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        from lmtrain.model.masks import never_packed
+
+        never_packed()  # no host sync per forward in transformers' mask preparation
         model = build_model(self.model_spec, seed=self.seed)
         self.shape = model_shape(model)
         if self.model_spec.compile:

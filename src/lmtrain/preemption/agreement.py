@@ -117,3 +117,12 @@ def _cpu_group(trainer: Any, plan: Any) -> Any:
     return dist.new_group(backend="gloo", timeout=process_group_timeout(plan))
 
 
+def without_lightnings_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Lightning (2.5+) broadcasts a SIGTERM flag from rank 0 before every micro batch of a
+    multi-rank fit and reads it on the host: on GPUs a collective and a host sync each time. Its
+    flag is set only by Lightning's own SIGTERM handler, which this agreement's handlers replace
+    (``on_train_start``), so the flag is always 0 and the stop is agreed here, at step boundaries.
+    Found by tests/unit/test_host_reads.py (two reads a step on 2 ranks)."""
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = lambda: None

@@ -68,6 +68,9 @@ class Fit:
             logger=loggers or False,
             callbacks=self.callbacks(startup),
         )
+        from lmtrain.preemption.agreement import without_lightnings_sigterm_broadcast
+
+        without_lightnings_sigterm_broadcast(trainer)  # the stop is agreed by lmtrain at step boundaries
         CLOCK.mark("model")
         return trainer
 
