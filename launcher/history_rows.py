@@ -10,7 +10,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from launcher.core import rundir, straggler_lines
-from launcher.core.plan import planned_model_states
 
 
 @dataclass
@@ -260,6 +259,7 @@ def memory_lines(ledger: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int | N
 def memory_notes(h: History, planned: Mapping[str, Any] | None, planned_world: int | None) -> list[str]:
     """Estimate against measurement, one line per measured attempt (``history``)."""
     from launcher.core.memory import gb
+    from launcher.core.plan import planned_model_states  # pydantic, through the spec: `history` only
 
     states = planned_model_states(planned)
     if not planned or states is None:

@@ -10,3 +10,16 @@ def test_import_launcher_cli_leaves_torch_and_lightning_out():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_read_only_commands_leave_pydantic_out():
+    """status, logs and history answer at 10,000 runs within their bench (bench/status_latency.py):
+    pydantic's import alone is 0.2-0.3 s of it (a module-level import of the plan in history_rows
+    made plain status 0.40 s against its 0.25 s goal)."""
+    code = (
+        "import sys, launcher.cli, launcher.commands.status, launcher.commands.logs, launcher.commands.history\n"
+        "heavy = [m for m in ('pydantic', 'torch') if m in sys.modules]\n"
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
