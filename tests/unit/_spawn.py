@@ -1,6 +1,6 @@
 """Test helpers' process start: ``spawn(run, world, *args)`` runs ``run(rank, world, *args)`` in
 ``world`` processes that meet over gloo on a free loopback port; ``finish`` writes rank 0's
-result as JSON and parts from the process group."""
+result as JSON and parts from the process group once every rank is there."""
 
 import json
 import os
@@ -22,4 +22,8 @@ def finish(rank, result, path):
     if rank == 0:
         with open(path, "w") as f:
             json.dump(result, f)
+    # every rank done sending before any tears its groups down: a rank that destroyed its gloo
+    # pairs while a peer's last send was still in flight aborted once ("terminate called without
+    # an active exception", fresh-clone run R25, the pipeline losses)
+    dist.barrier()
     dist.destroy_process_group()
