@@ -192,7 +192,7 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
 def preparation_progress(heartbeat: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
     """A preparation's newest figures (lmtrain.data.prepare.array_task's heartbeat lines, the ones
     ``status`` notes): documents and tokens; None for a training run."""
-    line = next((b for b in reversed(heartbeat) if isinstance(b.get("documents"), int)), None)
+    line = monitor.preparation_line(heartbeat)
     if line is None:
         return None
     tokens = line.get("tokens")

@@ -220,12 +220,18 @@ def _what_the_run_says(rec: Any, files: RunFiles, last_step: Mapping[str, Any] |
     if failed is not None:  # a preparation task that met a bad input
         who = f"task {failed['task']}" if failed.get("task") is not None else "the job"
         note = "; ".join(x for x in (f"{who} failed: {failed['error']}", note) if x)
-    prep = next((b for b in reversed(beats) if b.get("documents") is not None), None)
+    prep = preparation_line(beats)
     if prep is not None:  # a data preparation on the cluster: its shards are the steps
         so_far = "in the store" if prep.get("event") == "end" else "tokenized so far"
         note = "; ".join(x for x in (f"{int(prep['documents']):,} documents, {int(prep.get('tokens') or 0):,} tokens "
                                      f"{so_far}", note) if x)
     return last_step, note
+
+
+def preparation_line(heartbeat: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """A `data prepare --on-cluster` run's newest heartbeat line with figures (documents, tokens;
+    lmtrain.data.prepare.array_task); None for a training run."""
+    return next((b for b in reversed(heartbeat) if isinstance(b.get("documents"), int)), None)
 
 
 def _normalize_limit(text: str | None) -> str | None:
