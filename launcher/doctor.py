@@ -26,6 +26,7 @@ from launcher.core.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of, p
 from launcher.core.profiles import Profile
 from launcher.core.spec import parse_slurm_time
 from launcher.core.token_meta import read_index, tokenizer_identity
+from launcher.in_place import asked_nodes
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 ASSUMED_WRITE_BYTES_PER_S = 0.2e9  # when the run has no measured checkpoint yet (this machine kind: 0.19-0.23 GB/s)
@@ -100,7 +101,7 @@ def judge_partition(plan: LaunchPlan, part: Mapping[str, str] | None) -> Check:
         problems.append(f"resources.time {plan.slurm.time} is above its MaxTime {part.get('MaxTime')}")
     total = part.get("TotalNodes", "")
     if total.isdigit() and plan.slurm.nodes > int(total):
-        problems.append(f"the job asks for {plan.slurm.nodes} nodes and it has {total}")
+        problems.append(f"the job asks for {asked_nodes(plan)} and it has {total}")
     max_nodes = part.get("MaxNodes", "UNLIMITED")
     if max_nodes.isdigit() and plan.slurm.nodes > int(max_nodes):
         problems.append(f"the job asks for {plan.slurm.nodes} nodes and its MaxNodes is {max_nodes}")

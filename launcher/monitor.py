@@ -101,6 +101,13 @@ def last_end_of(ledger: Sequence[Mapping[str, Any]], job_id: str) -> Mapping[str
     return last
 
 
+def spares_of(ledger: Sequence[Mapping[str, Any]]) -> list[str] | None:
+    """The idle spare nodes the run's last attempt started with (None: a job without spares)."""
+    last = next((e for e in reversed(ledger) if e.get("event") == "start"), None)
+    spares = last.get("spares") if last is not None else None
+    return [str(n) for n in spares] if isinstance(spares, list) else None
+
+
 def ended_state(end: Mapping[str, Any]) -> str:
     """The SLURM-like state of an attempt's end line: its reason, or for a limit reached
     (max_timeouts, max_preemptions, ...) the stop that reached it ("timeout: SIGUSR2 ...")."""
@@ -181,8 +188,12 @@ def _queued_or_running(rec: Any, files: RunFiles, job: SlurmJob, requeued: bool)
         note = f"never starts: {upstream} did not succeed (`lmlaunch cancel {rec.name}`)"
     ended = last_end_of(files.ledger, rec.job_ids[-1]) if group == "running" and rec.job_ids else None
     if ended is not None and ended.get("restart") == "in_place":  # no attempt started since: the ranks are starting
+        left_out = ",".join(ended.get("left_out") or [])
         note = (f"restarting in place: attempt {ended.get('attempt')} ended {ended.get('reason')} at step "
-                f"{ended.get('end_step')}, its ranks start again in the same allocation")
+                f"{ended.get('end_step')}, its ranks start again in the same allocation"
+                + (f" without {left_out}" if left_out else ""))
+    elif group == "running" and (spares := spares_of(files.ledger)) is not None:
+        note = f"spare node(s) idle: {','.join(spares)}" if spares else "no spare node left"
     if files.cancelled and group in ("queued", "running"):
         note = "cancel requested"
     return state, group, reason, note

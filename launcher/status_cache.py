@@ -32,7 +32,7 @@ from launcher.run_files import Checkpoint, RunFiles, read_run_files
 from launcher.runs import lmlaunch_home
 
 CACHE_FILE = "cache/run-files.json"
-VERSION = 6  # 5: every end line of the ledger (metrics counts them); 6: its straggler lines
+VERSION = 7  # 5: every end line of the ledger (metrics counts them); 6: its straggler lines; 7: restarts in place, spares
 RACY_S = 2.0
 FEW = 32  # up to this many run directories are read directly when the cache is big (plain `status`
 BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cached run)
@@ -96,11 +96,13 @@ def compact_ledger(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for e in ledger:
         if e.get("event") == "start":
-            out.append({"event": "start", "attempt": e.get("attempt"), "job_id": e.get("job_id")})
+            start = {"event": "start", "attempt": e.get("attempt"), "job_id": e.get("job_id")}
+            out.append({**start, "spares": e["spares"]} if "spares" in e else start)
         elif e.get("event") == "end":
             out.append({"event": "end", "attempt": e.get("attempt"), "job_id": e.get("job_id"),
                         "reason": e.get("reason"), "requeued": e.get("requeued"),
-                        "detail": str(e.get("detail") or "")[:200]})
+                        "detail": str(e.get("detail") or "")[:200],
+                        **{k: e[k] for k in ("end_step", "restart", "left_out") if k in e}})
         elif e.get("event") == "straggler":  # the slow ranks status shows (lmtrain.health.straggler_watch)
             out.append({k: e.get(k) for k in STRAGGLER_KEYS})
     evals = [e for e in ledger if e.get("event") == "eval"]

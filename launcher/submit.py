@@ -16,6 +16,7 @@ from launcher.core import container, rundir, slurm, slurm_relay
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.plan import LaunchPlan
 from launcher.core.shell import export_line
+from launcher.in_place import exclude_prefix, restart_loop_head, restart_loop_tail, spare_srun_args
 
 
 def setup_lines(plan: LaunchPlan) -> list[str]:
@@ -30,39 +31,6 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     lines += list(plan.setup)
     lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
     return lines + container_lines(plan) + restart_loop_head(plan)
-
-
-def restart_loop_head(plan: LaunchPlan) -> list[str]:
-    """The last setup lines of a job that restarts in place: srun (the command section) runs in a
-    loop, once more each time the attempt's rank 0 asked for it (lmtrain.preemption.controller:
-    the request file, written after the attempt's end line)."""
-    if not plan.preemption.restart_in_place:
-        return []
-    return ["# lmlaunch: a crash or a hang is retried in this allocation: srun again while rank 0 asks "
-            "($LMLAUNCH_RUN_DIR/" + rundir.RESTART_IN_PLACE + ")",
-            'rm -f "$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"  # an earlier job\'s, never this one\'s',
-            "lmlaunch_restarts=0",
-            "while :; do"]
-
-
-def restart_loop_tail(plan: LaunchPlan) -> str:
-    """What follows srun in a job that restarts in place: the loop's test and end, the job's exit
-    status srun's last."""
-    if not plan.preemption.restart_in_place:
-        return ""
-    request = '"$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"'
-    return "\n".join([
-        "",
-        "lmlaunch_rc=$?",
-        f'if [ -n "$SLURM_JOB_ID" ] && [ "$(cat {request} 2>/dev/null)" = "$SLURM_JOB_ID" ]; then',  # this job's rank 0 asked
-        f"  rm -f {request}; lmlaunch_restarts=$((lmlaunch_restarts + 1))",
-        '  echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc)" >&2',
-        "  continue",
-        "fi",
-        "break",
-        "done",
-        '(exit "$lmlaunch_rc")',
-    ])
 
 
 def container_lines(plan: LaunchPlan) -> list[str]:
@@ -108,8 +76,11 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
         params["exclude"] = s.exclude
     if dependency:
         params["dependency"] = dependency
-    if plan.srun_args:
-        params["srun_args"] = list(plan.srun_args)
+    if s.spare_nodes:
+        extra["no_kill"] = True  # a failed node leaves the allocation; the job and its batch script live on
+    srun_args = [*plan.srun_args, *spare_srun_args(plan)]
+    if srun_args:
+        params["srun_args"] = srun_args
     if plan.container is not None:
         params["teardown"] = slurm_relay.stop_lines()
     return params
@@ -128,9 +99,10 @@ def task_command(plan: LaunchPlan, folder: str | None = None) -> str:
 
 
 def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
-    """The script's command after srun's options: the task command, then the restart loop's tail
-    where the job restarts in place (:func:`restart_loop_tail`)."""
-    return task_command(plan, folder) + restart_loop_tail(plan)
+    """The script's command after srun's options: the nodes a restart leaves out (a job with spare
+    nodes), the task command, then the restart loop's tail where the job restarts in place
+    (:func:`restart_loop_tail`)."""
+    return exclude_prefix(plan) + task_command(plan, folder) + restart_loop_tail(plan)
 
 
 def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:

@@ -13,7 +13,8 @@ from typing import Any
 from launcher.core.plan import LaunchPlan
 from launcher.core.rundir import RunLayout
 from launcher.core.shell import export_line, shell_quote
-from launcher.submit import container_lines, executor_parameters, restart_loop_head, run_submitit, submit_command
+from launcher.in_place import restart_loop_head
+from launcher.submit import container_lines, executor_parameters, run_submitit, submit_command
 
 
 def _per_point_export(name: str, value: str, run_dir: str) -> str:

@@ -11,8 +11,9 @@ through launcher.core.slurm):
 - ``requeue`` (default): a real preemption: an ``--exclusive`` job on the profile's
   high-priority partition over the job's nodes; SLURM signals, requeues the victim, and the
   preemptor is cancelled as soon as the victim is requeued;
-- ``node-failure``: one node of the job is set DOWN (SLURM kills the job and requeues it as a
-  node failure), then RESUMEd, always, even when waiting fails.
+- ``node-failure``: one node the job's ranks run on is set DOWN (SLURM kills the job and
+  requeues it as a node failure; a job with spare nodes restarts its ranks in place on a spare),
+  then RESUMEd, always, even when waiting fails.
 
 ``--start-now`` lets a requeued job start at once instead of after SLURM's ~2 min BeginTime
 delay. The command prints what it did and how long SLURM took; ``--json`` prints it as JSON.
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="signal: the plan's warning signal; term: SIGTERM; requeue: a preempting high-priority "
         "exclusive job (default); node-failure: set one of the job's nodes DOWN, then RESUME",
     )
-    p.add_argument("--node", help="node-failure: the node to set DOWN (default: the job's last node)")
+    p.add_argument("--node", help="node-failure: the node to set DOWN (default: the last node the job's ranks run on)")
     p.add_argument("--partition", help="requeue: the partition of the preempting job (default: the profile's high-priority one)")
     p.add_argument("--start-now", action="store_true", help="start the requeued job at once (skip SLURM's BeginTime delay)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for SLURM to requeue the job (default 180)")
@@ -105,8 +106,10 @@ def _plan_signal(run_dir: Path) -> str:
         raise UserError(f"{rundir.RunLayout.of(run_dir).plan}: cannot read the run's warning signal (slurm.signal_name): {exc}") from None
 
 
-def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict:
-    """Poll until SLURM requeued the job (its restart count grew) or it ended otherwise."""
+def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25, since: float | None = None) -> dict:
+    """Poll until SLURM requeued the job (its restart count grew), its ranks restarted in place
+    (``since`` given: an end line of this job after then that says so; a job with spare nodes)
+    or it ended otherwise."""
     deadline = time.monotonic() + timeout
     state = "UNKNOWN"
     while True:
@@ -117,6 +120,9 @@ def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict
         restarts = info.get("Restarts", "0")
         if restarts.isdigit() and int(restarts) > victim.restarts:
             return {"requeued": True, "state": state, "restarts": int(restarts)}
+        if since is not None and (end := _restart_in_place_since(victim, since)) is not None:
+            return {"requeued": False, "restarted_in_place": True, "state": state, "attempt": end.get("attempt"),
+                    "left_out": end.get("left_out") or []}
         if slurm.state_group(state) in ENDED:
             return {"requeued": False, "state": state}
         if time.monotonic() > deadline:
@@ -126,14 +132,36 @@ def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25) -> dict
         time.sleep(poll)
 
 
-def wait_off_nodes(job_id: str, nodes: list[str], *, timeout: float, poll: float = 0.25) -> bool:
-    """Wait until the job's tasks are gone: it is no longer RUNNING or COMPLETING, and no slurmd
-    of ``nodes`` that can be asked still runs its processes (rehearsal.steps_left: on a node
-    failure SLURM requeues the job at once while the node's slurmd kills its run for seconds)."""
+def _restart_in_place_since(victim: Victim, since: float) -> dict | None:
+    """The run's end line of this job, written after ``since``, that restarted its ranks in place."""
+    from launcher.core.jsonlines import read_jsonl
+
+    ends = [e for e in read_jsonl(rundir.RunLayout.of(victim.run_dir).ledger) if e.get("event") == "end"
+            and str(e.get("job_id")) == victim.job_id and float(e.get("time") or 0) >= since]
+    return next((e for e in reversed(ends) if e.get("restart") == "in_place"), None)
+
+
+def _ranks_nodes(victim: Victim) -> list[str]:
+    """The nodes the job's ranks run on now (the run's last start line), within its allocation:
+    all of them, but its idle spares (resources.spare_nodes)."""
+    from launcher.core.jsonlines import read_jsonl
+
+    starts = [e for e in read_jsonl(rundir.RunLayout.of(victim.run_dir).ledger) if e.get("event") == "start"
+              and str(e.get("job_id")) == victim.job_id]
+    nodes = [str(n) for n in (starts[-1].get("nodes") or [])] if starts else []
+    return [n for n in nodes if n in victim.nodes] or victim.nodes
+
+
+def wait_off_nodes(job_id: str, nodes: list[str], *, timeout: float, poll: float = 0.25,
+                   job_runs_on: bool = False) -> bool:
+    """Wait until the job's tasks are gone: it is no longer RUNNING or COMPLETING (unless
+    ``job_runs_on``: its ranks restarted in place elsewhere), and no slurmd of ``nodes`` that can
+    be asked still runs its processes (rehearsal.steps_left: on a node failure SLURM requeues the
+    job at once while the node's slurmd kills its run for seconds)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = slurm.show_job(job_id)
-        if (info is None or info.get("JobState") not in ("RUNNING", "COMPLETING")) \
+        if (job_runs_on or info is None or info.get("JobState") not in ("RUNNING", "COMPLETING")) \
                 and not rehearsal.steps_left(job_id, nodes):
             return True
         time.sleep(poll)
@@ -195,15 +223,17 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
         finally:
             slurm.cancel([holder])
     elif mode == "node-failure":
-        down = node or (victim.nodes[-1] if victim.nodes else None)
+        ranks_on = _ranks_nodes(victim)
+        down = node or (ranks_on[-1] if ranks_on else None)
         if down is None or down not in victim.nodes:
             raise UserError(f"--node {down}: job {victim.job_id} runs on {', '.join(victim.nodes) or 'no node'}")
         result["node"] = down
         rehearsal.set_node_state(down, "DOWN", reason=f"lmlaunch preempt --mode node-failure of job {victim.job_id}")
         try:
-            result.update(wait_requeued(victim, timeout=timeout))
+            result.update(wait_requeued(victim, timeout=timeout, since=t0))
             # a failed node stays down until the job's tasks are gone from it (as a real one would)
-            result["tasks_gone"] = wait_off_nodes(victim.job_id, [down], timeout=timeout)
+            result["tasks_gone"] = wait_off_nodes(victim.job_id, [down], timeout=timeout,
+                                                  job_runs_on=bool(result.get("restarted_in_place")))
         finally:
             result["node_resumed"] = resume_node(down)
     else:
@@ -248,7 +278,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(json.dumps(result, indent=2))
     else:
         ctx.out(_describe(result))
-    if args.mode in ("requeue", "node-failure") and not result.get("requeued"):
+    if args.mode in ("requeue", "node-failure") and not (result.get("requeued") or result.get("restarted_in_place")):
         return ExitCode.FAILURE
     return 0
 
@@ -262,7 +292,11 @@ def _describe(r: dict) -> str:
         if r["mode"] == "requeue"
         else f"node {r['node']} set DOWN, then RESUMEd"
     )
-    if r.get("requeued"):
+    if r.get("restarted_in_place"):
+        out = ",".join(r.get("left_out") or []) or "-"
+        tail = (f"; its ranks restarted in place after {r['requeue_seconds']:.1f} s (attempt {r.get('attempt')} "
+                f"ended; the same job, nodes left out: {out})")
+    elif r.get("requeued"):
         tail = f"; SLURM requeued it after {r['requeue_seconds']:.1f} s (restart {r['restarts']})"
         if r.get("started_now"):
             tail += "; started again at once"

@@ -106,8 +106,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             ctx.out(render_dry_run(r.plan, script, ctx.environ))
         return 0
 
+    from launcher.core.errors import SpecError
+    from launcher.in_place import spare_problems
+
+    spares = spare_problems(r.plan)  # no --force: SLURM would never start it
+    if spares:
+        raise SpecError([*spares, "nothing was submitted"], source=args.spec)
     if not args.force:  # a container's image and interpreter, where this machine can try them
-        from launcher.core.errors import SpecError
         from launcher.doctor_container import submit_problems
 
         problems = submit_problems(r.plan)

@@ -166,6 +166,12 @@ class SlurmParams:
     task_error: str = ""  # each task's stderr (srun --error)
     exclude: str | None = None  # sbatch --exclude: nodes `doctor --on-nodes --exclude-bad` found bad (plan notes say why)
     site_options: dict[str, str | bool] = field(default_factory=dict)  # the profile's and the spec's slurm.sbatch (true: a flag)
+    spare_nodes: int = 0  # of ``nodes`` (sbatch --nodes): allocated, kept idle, swapped in for a failed node
+
+    @property
+    def run_nodes(self) -> int:
+        """The nodes the ranks run on (srun --nodes): the allocation less its spares."""
+        return self.nodes - self.spare_nodes
 
 
 @dataclass(frozen=True)

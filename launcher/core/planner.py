@@ -148,7 +148,8 @@ def _slurm(
     return SlurmParams(
         job_name=spec.name,
         partition=partition,
-        nodes=topo.nodes,
+        nodes=topo.nodes + r.spare_nodes,
+        spare_nodes=r.spare_nodes,
         ntasks_per_node=topo.tasks_per_node,
         cpus_per_task=cpus,
         gpus_per_node=r.gpus_per_node,
@@ -316,7 +317,7 @@ def make_plan(
         srun_args = (*box.srun_args, *srun_args)
     notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes,
              *_placement_notes(profile, slurm, exclude or {}), *mesh_notes.tensor_parallel(topo, env.values, env.reasons), *mesh_notes.pipeline(topo),
-             *_agreement_notes(spec))
+             *_agreement_notes(spec), *_spare_notes(slurm))
     preemption = PreemptionPlan.of(
         spec.preemption,
         cluster_sends_user_signal=profile.sends_user_signal_on_preemption,
@@ -330,6 +331,14 @@ def make_plan(
         preemption=preemption, spec=spec.model_dump(mode="json"), notes=tuple(notes),
         container=box.to_json() if box is not None else None, rendezvous=dict(RENDEZVOUS),
     )
+
+
+def _spare_notes(s: SlurmParams) -> list[str]:
+    if not s.spare_nodes:
+        return []
+    return [f"resources.spare_nodes({s.spare_nodes}): SLURM allocates {s.nodes} nodes (--nodes={s.nodes} --no-kill), "
+            f"the ranks run on {s.run_nodes} (srun --nodes={s.run_nodes}); a node that fails, or on which the rank "
+            f"that died first died twice, is left out of the next restart in place and a spare takes its place"]
 
 
 def _interpreter(profile: Profile, python: str | None) -> str:

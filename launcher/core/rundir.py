@@ -89,9 +89,13 @@ class AttemptStart:
     start_step: int
     nodes: list[str]
     world_size: int
+    spares: list[str] | None = None  # a job with spare nodes: those it holds idle now (resources.spare_nodes)
 
     def to_json(self) -> dict[str, Any]:
-        return {"event": "start", **asdict(self)}
+        line = {"event": "start", **asdict(self)}
+        if self.spares is None:
+            del line["spares"]
+        return line
 
 
 @dataclass(frozen=True)

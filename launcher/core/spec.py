@@ -110,7 +110,9 @@ class Resources(StrictModel):
     """What to ask SLURM for; unset values come from the cluster profile."""
 
     nodes: int = Field(1, ge=1, le=4096)
-    """Number of nodes (SLURM --nodes)."""
+    """Number of nodes the ranks run on."""
+    spare_nodes: int = Field(0, ge=0, le=4096)
+    """Nodes allocated beyond `nodes` and kept idle: when a node fails (SLURM sets it DOWN) or the rank that died first died on the same node twice, the ranks restart inside the same job without it and a spare takes its place (the same world size, nothing reshards). SLURM --nodes is nodes + spare_nodes, with --no-kill so that a failed node does not end the job. Needs preemption.restart_in_place."""
     gpus_per_node: int = Field(0, ge=0, le=64)
     """GPUs used on each node; one task per GPU. 0 runs on CPU (gloo) with tasks_per_node tasks."""
     tasks_per_node: int | None = Field(None, ge=1, le=256)
@@ -665,6 +667,15 @@ class JobSpec(StrictModel):
                 f"profile.ranks({max(self.profile.ranks)}) is not a rank of this job: its ranks are 0.."
                 f"{self.world_size - 1} (nodes x tasks_per_node)"
             )
+        r = self.resources
+        if r.spare_nodes and not self.preemption.restart_in_place:
+            raise ValueError(
+                f"resources.spare_nodes({r.spare_nodes}) needs preemption.restart_in_place: true (a spare takes a "
+                f"failed node's place when the ranks restart inside the job)"
+            )
+        if r.nodes + r.spare_nodes > 4096:
+            raise ValueError(f"resources.nodes({r.nodes}) + resources.spare_nodes({r.spare_nodes}) = "
+                             f"{r.nodes + r.spare_nodes} nodes, above SLURM's 4096 this tool plans for")
         if self.optim.warmup_steps > self.trainer.max_steps:
             raise ValueError(
                 f"optim.warmup_steps({self.optim.warmup_steps}) is above trainer.max_steps({self.trainer.max_steps})"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import waiting
-from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, pace, wait_for
+from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, job_name, pace, wait_for
 
 from launcher import rehearsal
 from launcher.cli import main
@@ -64,6 +64,21 @@ def submit(environ: dict[str, str], name: str, *overrides: str, pace_s: float | 
     assert code == 0, out + err
     job_id = re.search(r"job (\d+)", out).group(1)
     return job_id, Path(environ["LMLAUNCH_RUNS_ROOT"]) / name
+
+
+def ddp_reference(environ: dict[str, str], jobs: list[str]) -> dict:
+    """The uninterrupted run of SPEC + BASE: its per-step losses and final weights (tests share
+    it: shared_results.shared("preempt-ddp-reference", ...))."""
+    name = job_name("pr", "reference")
+    job, run_dir = submit(environ, name, pace_s=None)  # nothing acts on it: as fast as it goes
+    jobs.append(job)
+    finish(job, run_dir)
+    assert [e["reason"] for e in ends(run_dir)] == ["completed"]
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1)) and all(len(v) == 1 for v in losses.values())
+    weights = final_weights(run_dir)
+    return {"losses": {s: v[0] for s, v in losses.items()}, "weights": weights, "step": weights["step"],
+            "digest": weights_digest(weights)}
 
 
 def jsonl(path: Path) -> list[dict]:

@@ -117,3 +117,34 @@ def test_collective_timeout_from_the_spec_ends_the_waiting_rank_with_reason_hang
     # setup takes longer on a loaded machine: rank 0 ended ~10 s later, well before 25 s
     hang_began = hung["time"] - hung["idle_s"]
     assert end["time"] - hang_began < 25, (hang_began, end)
+
+
+def test_a_hang_the_watchdog_catches_restarts_the_ranks_in_place_and_the_run_completes(
+    slurm_cluster, cli, lm_env, run_name, own_jobs
+):
+    """Rank 1 hangs in the first attempt only; the watchdogs fire (rank 0 waits in the next
+    all-reduce, its own watchdog sees no progress either and writes the end line with the policy's
+    decision, from its watchdog thread); the batch script starts the ranks again in the same
+    allocation, from the newest checkpoint, and the run completes in one SLURM job."""
+    with faults({**HANG, "attempt": 1}):
+        r = cli(
+            "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}",
+            "trainer.max_steps=8", "optim.warmup_steps=2", "trainer.val_check_interval=null",
+            "trainer.limit_val_batches=0", "checkpoint.every_n_steps=2",
+            f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}", f"watchdog.exit_grace_s={GRACE_S}",
+            "watchdog.collective_timeout_s=120", "preemption.max_crash_retries=1",
+        )
+    assert r.code == 0, r.err
+    job_id = re.search(r"job (\d+)", r.out).group(1)
+    own_jobs.append(job_id)
+    run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+    state = wait_terminal(job_id)
+    ledger = _jsonl(run_dir / "attempts.jsonl")
+    assert slurm.state_group(state) == "completed", (state, ledger)
+    ends = [e for e in ledger if e["event"] == "end"]
+    starts = [e for e in ledger if e["event"] == "start"]
+    assert [(e["reason"], e.get("restart")) for e in ends] == [("hang", "in_place"), ("completed", None)], ends
+    assert "restarted in place" in ends[0]["detail"], ends[0]
+    assert [(s["job_id"], s["restart_count"]) for s in starts] == [(job_id, 0), (job_id, 0)], starts
+    assert starts[1]["start_step"] == HANG_STEP - HANG_STEP % 2, starts  # the newest checkpoint before the hang
+    assert slurm.restart_count(job_id) == 0  # never requeued: restarted inside its allocation

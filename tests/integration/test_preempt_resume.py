@@ -25,14 +25,13 @@ from preempt_helpers import (
     assert_losses_match,
     assert_weights_identical,
     cluster_sends_user_signal,
+    ddp_reference,
     edited_checkout,
     ends,
-    final_weights,
     finish,
     ledger,
     lm,
     log_tail,
-    losses_by_step,
     preempt,
     private_checkout,
     run_progress,
@@ -43,7 +42,6 @@ from preempt_helpers import (
     wait_attempt_running,
     wait_ended,
     wait_step,
-    weights_digest,
 )
 from shared_results import shared
 from slurm_helpers import faults, job_name, webhook_server
@@ -75,20 +73,7 @@ def name(request) -> str:
 def reference(slurm_cluster, env, jobs):
     """The uninterrupted run: its per-step losses and final weights, made once per test run for
     every worker (tests/shared_results.py)."""
-    return shared("preempt-ddp-reference", lambda: _uninterrupted(env, jobs))
-
-
-def _uninterrupted(env, jobs) -> dict:
-    name = job_name("pr", "reference")
-    job, run_dir = submit(env, name, pace_s=None)  # nothing acts on it: as fast as it goes
-    jobs.append(job)
-    finish(job, run_dir)
-    assert [e["reason"] for e in ends(run_dir)] == ["completed"]
-    losses = losses_by_step(run_dir)
-    assert sorted(losses) == list(range(1, MAX_STEPS + 1)) and all(len(v) == 1 for v in losses.values())
-    weights = final_weights(run_dir)
-    return {"losses": {s: v[0] for s, v in losses.items()}, "weights": weights, "step": weights["step"],
-            "digest": weights_digest(weights)}
+    return shared("preempt-ddp-reference", lambda: ddp_reference(env, jobs))
 
 
 def _check_resumed_exactly(run_dir, reference, missing_ok=frozenset()) -> None:

@@ -400,7 +400,7 @@ def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch, tmp_p
     assert signal.getsignal(signal.SIGUSR2) is before
 
 
-@pytest.mark.parametrize("retired", [False, True], ids=["handlers-given-back", "retired"])
+@pytest.mark.parametrize("retired", [False, True, "after_end"], ids=["handlers-given-back", "retired", "after-end"])
 def test_a_time_limit_warning_after_the_attempt_ended_does_not_kill_the_exiting_task(retired):
     """Seen in a parallel suite run: a run completed at step 70, then SLURM's time-limit warning
     (SIGUSR2, sent up to a minute early) reached its tasks while they exited, after the attempt
@@ -414,8 +414,17 @@ def test_a_time_limit_warning_after_the_attempt_ended_does_not_kill_the_exiting_
         try:
             signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # what submitit's task process starts with
             owner = signals.own_signals({"signal": "USR2"})
-            owner.restore()  # the attempt ended: handlers given back
-            if retired:
+            if retired == "after_end":  # the attempt's own end retires them (seen again: a warning
+                # between after_end and the process body's retire, while the process groups closed)
+                from types import SimpleNamespace
+
+                from lmtrain.preemption.controller import Preemption
+
+                Preemption.after_end(SimpleNamespace(env=SimpleNamespace(rank=1, launcher="slurm"), signals=owner),
+                                     SimpleNamespace(action=None))
+            else:
+                owner.restore()  # the attempt ended: handlers given back
+            if retired is True:
                 signals.retire()
             os.kill(os.getpid(), signal.SIGUSR2)
             time.sleep(0.2)

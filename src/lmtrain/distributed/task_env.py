@@ -100,14 +100,16 @@ def read_env(environ: dict[str, str] | None = None) -> TaskEnv:
         job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     else:
         job_id = env.get("SLURM_JOB_ID", "unknown")
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    # the step's nodes first: a job with spare nodes runs its ranks on some of the allocation's, and
+    # SLURM_NODEID counts within the step (the job's list also stays as it was after a node failed)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     return TaskEnv(
         launcher="slurm",
         rank=_int(env, "SLURM_PROCID"),
         local_rank=_int(env, "SLURM_LOCALID"),
         node_rank=_int(env, "SLURM_NODEID"),
         world_size=_int(env, "SLURM_NTASKS"),
-        num_nodes=_int(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1),
+        num_nodes=_int(env, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", default=1),
         job_id=job_id,
         restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
         nodes=tuple(expand_hostlist(nodelist)) if nodelist else (socket.gethostname(),),

@@ -267,8 +267,9 @@ class _WatchdogHooks:
     checkpoint written in the same hook (``on_save_checkpoint`` beats during the write).
     """
 
-    def __init__(self, *, timeout_s: float, grace_s: float, records: AttemptRecords) -> None:
-        self.records = records
+    def __init__(self, *, timeout_s: float, grace_s: float, records: AttemptRecords,
+                 ended: Callable[[HangReport], None] | None = None) -> None:
+        self.records, self.ended = records, ended
         self.rank, attempt = records.env.rank, records.attempt
         self.watchdog = ProgressWatchdog(
             timeout_s=timeout_s, grace_s=grace_s, rank=self.rank, attempt=attempt,
@@ -277,8 +278,12 @@ class _WatchdogHooks:
         )
 
     def _report(self, report: HangReport) -> None:
-        # rank 0 writes the ledger (its own watchdog, or hang_reason when its collective fails)
-        self.records.hung(report.step, report.detail(), report.time)
+        # rank 0 writes the ledger (its own watchdog, or hang_reason when its collective fails),
+        # with the attempt's decision where the caller makes one (a restart in place)
+        if self.ended is not None and self.rank == 0:
+            self.ended(report)
+        else:
+            self.records.hung(report.step, report.detail(), report.time)
 
     # -- hooks ---------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:

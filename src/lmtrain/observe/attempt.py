@@ -75,7 +75,23 @@ class AttemptRecords:
                 attempt=self.attempt, job_id=env.job_id, restart_count=env.restart_count, time=at or time.time(),
                 start_step=start_step, nodes=list(env.nodes),
                 world_size=env.world_size if world_size is None else world_size,
+                spares=self._idle_spares(),
             ))
+
+    def _idle_spares(self) -> list[str] | None:
+        """A job with spare nodes: the allocation's nodes the ranks do not run on and no restart in
+        place left out (None: a job without spares)."""
+        if not getattr(self.plan.slurm, "spare_nodes", 0) or self.env.launcher != "slurm":
+            return None
+        from hostlist import expand_hostlist
+
+        from launcher.core.jsonlines import read_jsonl
+
+        job = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))  # as it was at the job's start
+        said = [e["left_out"] for e in read_jsonl(self.layout.ledger) if e.get("event") == "end"
+                and str(e.get("job_id")) == str(self.env.job_id) and isinstance(e.get("left_out"), list)]
+        out = set(said[-1]) if said else set()
+        return [n for n in job if n not in self.env.nodes and n not in out]
 
     def end_line(self, outcome: Outcome, *, skipped: bool = False, at: float | None = None) -> bool:
         """Rank 0: the ledger's ``end`` line, once per attempt (the hang watchdog may have written
@@ -127,12 +143,13 @@ class AttemptRecords:
         self.end_line(Outcome(reason="hang", end_step=step, detail=detail), at=at)
         self.heartbeat.emit("end", step=step, reason="hang")
 
-    def ended(self, outcome: Outcome) -> None:
+    def ended(self, outcome: Outcome) -> bool:
         """A training attempt ended: ``DONE`` when it completed, the end line, the heartbeat, the
-        end messages (a message never costs the requeue that follows)."""
+        end messages (a message never costs the requeue that follows). False on rank 0 when the
+        end line was there already (rank 0's hang watchdog ended the attempt, and acted on it)."""
         if self.writer and outcome.reason == "completed":
             self.done(outcome.end_step)
-        self.end_line(outcome)
+        wrote = self.end_line(outcome)
         self.heartbeat.emit("end", step=outcome.end_step, reason=outcome.reason, **outcome.extra)
         if self.writer and self.notifier is not None:
             from lmtrain.observe.notify import notify_end
@@ -141,6 +158,7 @@ class AttemptRecords:
                 notify_end(self.notifier, self.plan, outcome, self.attempt)
             except Exception as exc:
                 log.warning("notify: could not compose the end message: %s", exc)
+        return wrote or not self.writer
 
     def done(self, step: int) -> None:
         """Rank 0: the run is finished at ``step`` (durable: fsynced, atomic)."""

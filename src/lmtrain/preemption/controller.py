@@ -125,6 +125,8 @@ class Preemption:
         outcome.action, outcome.exclude = d.action, d.exclude
         if d.action == "restart":  # the ledger says so: status ("restarting in place"), history (how long it took)
             outcome.extra["restart"] = "in_place"
+            if d.leave_out or facts.spare_nodes:  # the nodes the ranks leave out from now on (srun --exclude)
+                outcome.extra["left_out"] = d.leave_out
         if d.action is None and d.exclude and slurm.state_word(facts.slurm_state or "") == "PENDING":
             # SLURM requeued the job itself (a node failure): exclude now, before the end line. The
             # failed node's slurmd kills this rank within seconds, before after_end would run.
@@ -173,14 +175,26 @@ class Preemption:
             preflight=outcome.extra.get("preflight"),
             first_death_node=(outcome.extra.get("first_death") or {}).get("node"),
             previous_first_death_node=self._previous_first_death_node(),
+            spare_nodes=getattr(self.plan.slurm, "spare_nodes", 0),
+            allocation_nodes=_expand(info.get("NodeList")) if info is not None else None,
+            left_out=self._left_out(),
         )
+
+    def _this_jobs_ends(self) -> list[dict[str, Any]]:
+        """The end lines of this job's earlier attempts (restarts in place), oldest first."""
+        from launcher.core.jsonlines import read_jsonl
+
+        return [e for e in read_jsonl(self.layout.ledger) if e.get("event") == "end"
+                and str(e.get("job_id")) == str(self.env.job_id) and e.get("attempt") != self.attempt]
+
+    def _left_out(self) -> list[str]:
+        """The nodes this job's restarts in place leave out so far (the newest end line that says)."""
+        said = [e["left_out"] for e in self._this_jobs_ends() if isinstance(e.get("left_out"), list)]
+        return [str(n) for n in said[-1]] if said else []
 
     def _previous_first_death_node(self) -> str | None:
         """The node whose rank died first in this job's attempt before this one (restarts in place)."""
-        from launcher.core.jsonlines import read_jsonl
-
-        ends = [e for e in read_jsonl(self.layout.ledger) if e.get("event") == "end"
-                and str(e.get("job_id")) == str(self.env.job_id) and e.get("attempt") != self.attempt]
+        ends = self._this_jobs_ends()
         death = ends[-1].get("first_death") if ends else None
         return death.get("node") if isinstance(death, dict) else None
 
@@ -198,6 +212,18 @@ class Preemption:
             outcome.detail = f"{describe(death)}; rank {env.rank} saw: {outcome.detail}"[:2000]
             log.error("%s", describe(death))
 
+    def hang_ended(self, records: AttemptRecords, start_step: int, report: Any) -> None:
+        """Rank 0's own watchdog fired (lmtrain.health.watchdog; its main thread is stuck): the
+        attempt's end as :func:`lmtrain.task.training` ends one, decided by the same policy, so
+        that a hang restarts in place (or requeues) before the watchdog ends the process."""
+        from lmtrain.health.watchdog import EXIT_HANG
+
+        outcome = Outcome(reason="hang", end_step=report.step, detail=report.detail(), exit_code=EXIT_HANG)
+        outcome = self.settle(outcome, start_step)
+        records.end_line(outcome, at=report.time)
+        records.heartbeat.emit("end", step=outcome.end_step, reason=outcome.reason)
+        self.after_end(outcome)
+
     def after_end(self, outcome: Outcome) -> None:
         """Rank 0, LAST (checkpoint complete, ledger and heartbeat written): requeue or cancel."""
         try:
@@ -214,7 +240,10 @@ class Preemption:
                     import os
 
                     # the batch script compares it with its SLURM_JOB_ID (an array task's own id, not A_i)
-                    write_atomic(self.layout.restart_request, f"{os.environ.get('SLURM_JOB_ID', self.env.job_id)}\n")
+                    # its second line: the nodes the ranks leave out (srun --exclude; spare nodes)
+                    leave_out = ",".join(outcome.extra.get("left_out") or [])
+                    write_atomic(self.layout.restart_request,
+                                 f"{os.environ.get('SLURM_JOB_ID', self.env.job_id)}\n{leave_out}\n")
                 elif outcome.action == "requeue":
                     log.info("requeueing job %s (scontrol requeue)", self.env.job_id)
                     slurm.requeue(self.env.job_id, timeout=SLURM_QUERY_TIMEOUT_S)
@@ -231,3 +260,16 @@ class Preemption:
                 outcome.exit_code = outcome.exit_code or 1
         finally:
             self.signals.restore()
+            if self.env.launcher == "slurm":  # a task's process: it only exits from here on
+                from lmtrain.preemption.signals import retire
+
+                retire()  # a time-limit warning now (up to a minute early) must not kill it as it exits
+
+
+def _expand(nodelist: str | None) -> list[str] | None:
+    """A SLURM node list (``n[1,3]``) as names; None where SLURM did not give one."""
+    if not nodelist or nodelist in ("(null)", "None"):
+        return None
+    from hostlist import expand_hostlist
+
+    return list(expand_hostlist(nodelist))

@@ -15,6 +15,7 @@ from launcher.core.plan import PreemptionPlan
 from launcher.core.rundir import LedgerAttempt
 from launcher.core.slurm import state_word
 from lmtrain.checkpoint.disk_space import DiskFull
+from lmtrain.preemption.spares import InPlace, spare_for
 
 # SLURM states in which the controller already takes care of the job: do not requeue it again.
 _SLURM_REQUEUEING = ("PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING", "CONFIGURING")
@@ -72,6 +73,9 @@ class EndFacts:
     job_nodes: int = 1  # how many nodes the job needs
     first_death_node: str | None = None  # the node of the rank that died first in this attempt
     previous_first_death_node: str | None = None  # the same, of the attempt before (in this job)
+    spare_nodes: int = 0  # nodes the job holds beyond the ranks' (resources.spare_nodes)
+    allocation_nodes: list[str] | None = None  # the job's nodes now (a failed one leaves them); None: unknown
+    left_out: list[str] = field(default_factory=list)  # nodes this job's earlier restarts in place left out
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Decision:
     action: str | None = None  # "requeue" | "cancel" | None: what rank 0 does LAST
     exit_code: int = 0
     exclude: list[str] = field(default_factory=list)  # nodes to keep the requeued job off (ExcNodeList)
+    leave_out: list[str] = field(default_factory=list)  # a restart in place: the nodes its ranks leave out (srun --exclude)
 
 
 def signal_names(warning_name: str, *, warning: bool, term: bool) -> str:
@@ -158,12 +163,15 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
         return Decision(stop_reason, detail, requeued=False, action="cancel" if slurm_requeues else None,
                         exit_code=exit_code)
 
-    if reason in ("crashed", "hang") and not slurm_requeues and policy.restart_in_place:
-        refused = in_place_refused(f, policy)
-        if refused is None:
-            return Decision(reason, detail + "; restarted in place (the same job and nodes, no queue wait)",
-                            requeued=True, action="restart", exit_code=exit_code)
-        detail += f"; not restarted in place: {refused}"
+    retried = reason in ("crashed", "hang") or (reason == "node_failure" and f.spare_nodes > 0)
+    if retried and not slurm_requeues and policy.restart_in_place:
+        place = in_place(f, policy)
+        if place.refused is None:
+            swap = f"; {place.why}" if place.why else ""
+            where = "the same job" if place.why else "the same job and nodes"
+            return Decision(reason, detail + f"{swap}; restarted in place ({where}, no queue wait)",
+                            requeued=True, action="restart", exit_code=exit_code, leave_out=place.leave_out)
+        detail += f"; not restarted in place: {place.refused}"
     return _requeued(f, reason, detail, state, slurm_requeues=slurm_requeues, exit_code=exit_code)
 
 
@@ -190,19 +198,14 @@ def _requeued(f: EndFacts, reason: str, detail: str, state: str, *, slurm_requeu
 IN_PLACE_MIN_S = 120.0
 
 
-def in_place_refused(f: EndFacts, policy: PreemptionPlan) -> str | None:
-    """Why a crash or hang retry goes back to the queue rather than restarting in this allocation
-    (None: it restarts in place)."""
+def in_place(f: EndFacts, policy: PreemptionPlan) -> InPlace:
+    """Whether a crash, a hang or a failed node is retried in this allocation, and on which nodes
+    (lmtrain.preemption.spares: a suspect node is left out where a spare takes its place)."""
     needed = IN_PLACE_MIN_S + policy.warning_seconds
     if f.seconds_left is not None and f.seconds_left < needed:
-        return (f"{f.seconds_left:.0f} s left in the allocation, under the {needed:.0f} s a restart needs "
-                f"(start, then steps to a checkpoint before the time-limit warning)")
-    if f.first_death_node is not None and f.first_death_node == f.previous_first_death_node:
-        return (f"the rank that died first died on {f.first_death_node} in the attempt before too: the node is "
-                f"suspect, a requeue lets SLURM place the job again")
-    if f.nodes_down:
-        return f"node {', '.join(f.nodes_down)} DOWN"
-    return None
+        return InPlace(refused=f"{f.seconds_left:.0f} s left in the allocation, under the {needed:.0f} s a restart "
+                               f"needs (start, then steps to a checkpoint before the time-limit warning)")
+    return spare_for(f)
 
 
 def _disk_full(f: EndFacts, state: str, ckpt: str) -> Decision:
@@ -236,7 +239,7 @@ def loop_guard(f: EndFacts, reason: str, policy: PreemptionPlan) -> tuple[str | 
     retries, the requeues, the time limits and the attempts without progress."""
     job_hist = [a for a in f.history if a.job_id == f.job_id]
     if reason == "crashed":
-        retries = sum(1 for a in job_hist if a.reason == "crashed" and a.requeued)
+        retries = sum(1 for a in job_hist if a.reason in ("crashed", "hang") and a.requeued)  # a hang retries as a crash
         if retries >= policy.max_crash_retries:
             return f"max_crash_retries({policy.max_crash_retries}) reached", "crashed"
     if f.restart_count >= policy.max_requeues:

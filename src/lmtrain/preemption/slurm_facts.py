@@ -43,12 +43,25 @@ def nodes_down(nodes: list[str]) -> list[str]:
     return [n for n in nodes if states.get(n, "").rstrip("*~#!%$@^-+").startswith(("down", "fail"))]
 
 
+def left_allocation(nodes: list[str], info: dict[str, str]) -> list[str]:
+    """Which of ``nodes`` the running job no longer holds: SLURM took a failed node out of a job
+    that keeps running (sbatch --no-kill, spare nodes). With ReturnToService=2 such a node may be
+    back in service, no longer DOWN, by the time rank 0 asks (seen on the local cluster)."""
+    held = info.get("NodeList", "")
+    if slurm.state_word(info.get("JobState")) != "RUNNING" or not held or held in ("(null)", "None"):
+        return []
+    from hostlist import expand_hostlist
+
+    now = set(expand_hostlist(held))
+    return [n for n in nodes if n not in now]
+
+
 def nodes_failed(env: Any, info: dict[str, str]) -> list[str]:
     """Nodes of this attempt that failed: DOWN in sinfo now, or, when SLURM already requeued the
     job while it runs (Restarts grew: it does so at once on a node failure, only after the tasks
     ended on a preemption), NODE_FAIL in accounting for this attempt. A DOWN node whose slurmd
     still answers may be back in service within seconds (ReturnToService=2), hence both."""
-    down = nodes_down(env.nodes)
+    down = nodes_down(env.nodes) or left_allocation(env.nodes, info)
     restarts = info.get("Restarts", "")
     if down or not restarts.isdigit() or int(restarts) <= env.restart_count:
         return down

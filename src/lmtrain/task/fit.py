@@ -269,8 +269,10 @@ class Fit:
         w = self.job.watchdog
         if w.hang_timeout_s is None:
             return []
+        start_step = self.ckpt.step if self.ckpt is not None else 0
         return [WatchdogCallback(timeout_s=float(w.hang_timeout_s), grace_s=float(w.exit_grace_s),
-                                 records=self.records)]
+                                 records=self.records,
+                                 ended=lambda report: self.ctl.hang_ended(self.records, start_step, report))]
 
     # -- training ----------------------------------------------------------------------------
     def run(self, trainer: pl.Trainer) -> Outcome:

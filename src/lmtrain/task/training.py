@@ -67,11 +67,14 @@ def train(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | None) -> i
 def _end(ctl: Preemption, records: AttemptRecords, startup: Any, outcome: Outcome) -> int:
     """The attempt's records, its messages delivered (a bounded wait), then (LAST) the requeue or
     cancel, which gives the signal handlers back; the fit's error raised again."""
-    records.ended(outcome)
+    first = records.ended(outcome)
     if records.writer and not startup.written:  # ended before its first step: the phases it reached
         startup.write()
     records.close()  # while lmtrain's handlers still only record: a late signal cannot cut a message
-    ctl.after_end(outcome)  # scontrol requeue comes LAST
+    if first:  # else rank 0's hang watchdog ended this attempt and already asked for what follows
+        ctl.after_end(outcome)  # scontrol requeue comes LAST
+    else:
+        ctl.signals.restore()
     if outcome.error is not None:
         raise outcome.error
     return outcome.exit_code

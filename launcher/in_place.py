@@ -1,0 +1,84 @@
+"""Restart in place, as the batch script does it: the loop around srun that starts the ranks
+again while this job's rank 0 asks (lmtrain.preemption.controller writes the request), and the
+spare nodes (``resources.spare_nodes``) the ranks run beside and swap in for a failed node
+(lmtrain.preemption.spares decides which nodes a restart leaves out)."""
+
+from __future__ import annotations
+
+from launcher.core import rundir, slurm
+from launcher.core.errors import UserError
+from launcher.core.plan import LaunchPlan
+
+
+def restart_loop_head(plan: LaunchPlan) -> list[str]:
+    """The last setup lines of a job that restarts in place: srun (the command section) runs in a
+    loop, once more each time the attempt's rank 0 asked for it (lmtrain.preemption.controller:
+    the request file, written after the attempt's end line)."""
+    if not plan.preemption.restart_in_place:
+        return []
+    return ["# lmlaunch: a crash or a hang is retried in this allocation: srun again while rank 0 asks "
+            "($LMLAUNCH_RUN_DIR/" + rundir.RESTART_IN_PLACE + "; its second line: the nodes the ranks leave out)",
+            'rm -f "$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"  # an earlier job\'s, never this one\'s',
+            "lmlaunch_restarts=0",
+            "lmlaunch_exclude=",
+            "while :; do"]
+
+
+def restart_loop_tail(plan: LaunchPlan) -> str:
+    """What follows srun in a job that restarts in place: the loop's test and end, the job's exit
+    status srun's last."""
+    if not plan.preemption.restart_in_place:
+        return ""
+    request = '"$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"'
+    return "\n".join([
+        "",
+        "lmlaunch_rc=$?",
+        f'if [ -n "$SLURM_JOB_ID" ] && [ "$(head -n 1 {request} 2>/dev/null)" = "$SLURM_JOB_ID" ]; then',  # this job's rank 0 asked
+        f"  lmlaunch_exclude=$(sed -n 2p {request}); rm -f {request}; lmlaunch_restarts=$((lmlaunch_restarts + 1))",
+        '  echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc${lmlaunch_exclude:+; '
+        'leaving out $lmlaunch_exclude})" >&2',
+        "  continue",
+        "fi",
+        "break",
+        "done",
+        '(exit "$lmlaunch_rc")',
+    ])
+
+
+def spare_srun_args(plan: LaunchPlan) -> list[str]:
+    """srun's options in a job with spare nodes: the ranks on ``run_nodes`` of the allocation, and
+    the step (not the job) lives on when one of its nodes fails, so that rank 0 decides the restart."""
+    s = plan.slurm
+    if not s.spare_nodes:
+        return []
+    return [f"--nodes={s.run_nodes}", f"--ntasks={s.run_nodes * s.ntasks_per_node}", "--no-kill"]
+
+
+def exclude_prefix(plan: LaunchPlan) -> str:
+    """srun's last options in a job with spare nodes: the nodes rank 0 asked the restart to leave out."""
+    return "${lmlaunch_exclude:+--exclude=$lmlaunch_exclude} " if plan.slurm.spare_nodes else ""
+
+
+def asked_nodes(plan: LaunchPlan) -> str:
+    """The nodes a job asks SLURM for, with the arithmetic where it keeps spares."""
+    s = plan.slurm
+    if not s.spare_nodes:
+        return f"{s.nodes} nodes"
+    return f"resources.nodes({s.run_nodes}) + resources.spare_nodes({s.spare_nodes}) = {s.nodes} nodes"
+
+
+def spare_problems(plan: LaunchPlan) -> list[str]:
+    """What ``submit`` refuses before queueing a job with spare nodes: an allocation larger than its
+    partition (SLURM would take it and leave it pending for ever, or refuse it without the arithmetic)."""
+    if not plan.slurm.spare_nodes:
+        return []
+    try:
+        part = slurm.partition_config(plan.slurm.partition)
+    except UserError:
+        return []  # doctor says why SLURM cannot be asked; the submission will say it too
+    total = (part or {}).get("TotalNodes", "")
+    if total.isdigit() and plan.slurm.nodes > int(total):
+        return [f"resources.spare_nodes: the job asks for {asked_nodes(plan)}, and partition "
+                f"'{plan.slurm.partition}' holds {total} (scontrol show partition: TotalNodes={total}); "
+                f"lower resources.spare_nodes to at most {max(int(total) - plan.slurm.run_nodes, 0)}"]
+    return []

@@ -1,0 +1,146 @@
+"""Spare nodes (resources.spare_nodes): the policy's table of which nodes a restart in place leaves
+out, the batch script that asks SLURM for the spares and runs the ranks beside them, the task's
+step-relative view of its nodes, the spec's errors, and what status says. The cluster test:
+tests/integration/test_spare_nodes_on_cluster.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+
+import pytest
+import waiting
+
+from launcher.cli import main
+from launcher.context import Context
+from launcher.core.plan import PreemptionPlan
+from launcher.core.rundir import AttemptStart
+from launcher.core.spec import PreemptionSpec
+from launcher.monitor import spares_of
+from launcher.status_cache import compact_ledger
+from lmtrain.distributed.task_env import read_env
+from lmtrain.preemption.policy import EndFacts, decide
+
+POLICY = PreemptionPlan.of(PreemptionSpec(signal="USR2", warning_seconds=120, max_requeues=5, max_crash_retries=3))
+CRASH = "RuntimeError: Connection closed by peer"
+
+
+def _facts(**kw) -> EndFacts:
+    base = dict(end_step=40, start_step=20, max_steps=100, checkpoint_step=40, stopped=False, crashed=True,
+                error=CRASH, launcher="slurm", job_id="12", slurm_state="RUNNING", job_nodes=2,
+                spare_nodes=1, allocation_nodes=["n1", "n2", "n3"])
+    return EndFacts(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw, action, leave_out, words", [
+    # a crash that points at no node: in place on the same nodes
+    ({}, "restart", [], "restarted in place (the same job and nodes, no queue wait)"),
+    # SLURM set n2 DOWN (it left the allocation): the spare takes its place, no spare left then
+    ({"nodes_down": ["n2"], "allocation_nodes": ["n1", "n3"]}, "restart", ["n2"],
+     "node n2 DOWN: n2 left out, a spare takes its place (0 spare(s) left); restarted in place (the same job"),
+    # still listed in the allocation at the moment rank 0 asks: left out all the same
+    ({"nodes_down": ["n2"]}, "restart", ["n2"], "n2 left out"),
+    # the rank that died first died on n2 twice: n2 is left out while it still runs
+    ({"first_death_node": "n2", "previous_first_death_node": "n2"}, "restart", ["n2"],
+     "died on n2 in the attempt before too: n2 left out, a spare takes its place (0 spare(s) left)"),
+    # a later crash keeps the nodes left out before
+    ({"left_out": ["n2"], "allocation_nodes": ["n1", "n3"]}, "restart", ["n2"], "(the same job and nodes"),
+    # the spare is used up: the next failed node sends the job back to the queue
+    ({"nodes_down": ["n3"], "left_out": ["n2"], "allocation_nodes": ["n1", "n3"]}, "requeue", [],
+     "not restarted in place: node n3 DOWN: no spare left (the job holds 1 usable node(s) n1 for ranks on 2"),
+    # no spares at all: as before spares, a suspect node means a requeue
+    ({"spare_nodes": 0, "first_death_node": "n2", "previous_first_death_node": "n2"}, "requeue", [],
+     "the node is suspect, and the job has no spare (resources.spare_nodes)"),
+    # SLURM did not answer: nothing to place the ranks by
+    ({"nodes_down": ["n2"], "allocation_nodes": None}, "requeue", [], "SLURM did not say which nodes"),
+    # too little time left beats a spare
+    ({"nodes_down": ["n2"], "seconds_left": 100.0}, "requeue", [], "100 s left in the allocation"),
+])
+def test_which_nodes_a_restart_in_place_leaves_out(kw, action, leave_out, words):
+    d = decide(_facts(**kw), POLICY)
+    assert (d.action, d.leave_out) == (action, leave_out), d
+    assert words in d.detail, d.detail
+    if kw.get("nodes_down"):
+        assert d.reason == "node_failure"
+
+
+def test_a_node_failure_without_spares_is_left_to_slurm_and_the_requeue():
+    """Without spare nodes SLURM requeues a job whose node failed (no --no-kill): not in place."""
+    d = decide(_facts(spare_nodes=0, nodes_down=["n2"], slurm_state="PENDING", slurm_restarts=1), POLICY)
+    assert (d.reason, d.action, d.requeued) == ("node_failure", None, True), d
+    assert "in place" not in d.detail
+
+
+def _dry_run(repo, runs_root, *overrides: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["submit", str(repo / "jobs" / "tiny-cpu.yaml"), "resources.nodes=2", *overrides, "--dry-run",
+                 "--json"], Context(stdout=out, stderr=err, environ={"LMLAUNCH_RUNS_ROOT": str(runs_root)}))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, runs_root, tmp_path):
+    code, out, err = _dry_run(repo, runs_root, "resources.spare_nodes=1")
+    assert code == 0, err
+    doc = json.loads(out)
+    script = doc["script"]
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script
+    srun = next(x for x in script.splitlines() if x.startswith("srun "))
+    assert "--nodes=2 --ntasks=2 --no-kill ${lmlaunch_exclude:+--exclude=$lmlaunch_exclude} " in srun
+    assert doc["plan"]["topology"]["nodes"] == 2 and doc["plan"]["slurm"]["spare_nodes"] == 1
+    assert any("resources.spare_nodes(1): SLURM allocates 3 nodes" in n for n in doc["plan"]["notes"])
+    # the loop: rank 0's request names the nodes to leave out; the next srun leaves them out
+    run_dir, calls = tmp_path / "run", tmp_path / "calls"
+    run_dir.mkdir()
+    fake = "\n".join([
+        'srun() { echo "$*" >> ' + str(calls) + "; n=$(wc -l < " + str(calls) + ")",
+        '  if [ "$n" -eq 1 ]; then printf "77\\nn2\\n" > "$LMLAUNCH_RUN_DIR/RESTART_IN_PLACE"; return 1; fi',
+        "  return 0; }",
+    ])
+    body = "\n".join(x for x in script[script.index("# setup"):].splitlines()
+                     if not x.startswith("export LMLAUNCH_RUN_DIR="))
+    proc = subprocess.run(["bash", "-c", fake + "\n" + body], capture_output=True, text=True, timeout=waiting.HANG_S,
+                          env={"SLURM_JOB_ID": "77", "LMLAUNCH_RUN_DIR": str(run_dir), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    first, second = calls.read_text().splitlines()
+    assert "--exclude" not in first and "--nodes=2 --ntasks=2 --no-kill --exclude=n2 " in second
+    assert "restarting the ranks in place (1; srun exited 1; leaving out n2)" in proc.stderr
+
+
+def test_without_spares_the_script_is_as_before(repo, runs_root):
+    code, out, err = _dry_run(repo, runs_root)
+    script = json.loads(out)["script"]
+    srun = next(x for x in script.splitlines() if x.startswith("srun "))
+    assert code == 0 and "#SBATCH --no-kill" not in script and "#SBATCH --nodes=2" in script, err
+    assert "--no-kill" not in srun and "--exclude" not in srun and "--nodes=" not in srun
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["resources.spare_nodes=-1"], "resources.spare_nodes"),
+    (["resources.spare_nodes=1", "preemption.restart_in_place=false"],
+     "resources.spare_nodes(1) needs preemption.restart_in_place: true"),
+    (["resources.spare_nodes=4095"], "resources.nodes(2) + resources.spare_nodes(4095) = 4097 nodes"),
+])
+def test_bad_spare_nodes_are_refused_naming_the_key(repo, runs_root, overrides, words):
+    code, out, err = _dry_run(repo, runs_root, *overrides)
+    assert code == 2 and words in err and not out, (code, err)
+
+
+def test_a_task_sees_its_steps_nodes_not_the_allocations():
+    """In a job with spares SLURM_NODEID counts within the step; the job's list also keeps a node
+    that left the allocation (seen on SLURM 22.05: SLURM_JOB_NODELIST n[1-3] after n2 failed)."""
+    env = read_env({"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_NTASKS": "2",
+                    "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NODELIST": "n[1-3]",
+                    "SLURM_STEP_NODELIST": "n[1,3]", "SLURM_JOB_NUM_NODES": "3", "SLURM_STEP_NUM_NODES": "2"})
+    assert env.nodes == ("n1", "n3") and env.num_nodes == 2 and env.node_name == "n3"
+
+
+def test_status_says_which_spares_are_idle_and_the_cache_keeps_them():
+    start = AttemptStart(attempt=2, job_id="9", restart_count=0, time=1.0, start_step=10, nodes=["n1", "n3"],
+                         world_size=2, spares=[]).to_json()
+    end = {"event": "end", "attempt": 1, "job_id": "9", "reason": "node_failure", "requeued": True,
+           "restart": "in_place", "left_out": ["n2"], "end_step": 13}
+    ledger = compact_ledger([end, start])
+    assert spares_of(ledger) == [] and ledger[0]["left_out"] == ["n2"]
+    plain = AttemptStart(attempt=1, job_id="9", restart_count=0, time=1.0, start_step=0, nodes=["n1"], world_size=1)
+    assert "spares" not in plain.to_json() and spares_of([plain.to_json()]) is None
