@@ -8,35 +8,54 @@ from __future__ import annotations
 from launcher.core import rundir, slurm
 from launcher.core.errors import UserError
 from launcher.core.plan import LaunchPlan
+from launcher.core.run_layout import UNDECIDED_VAR
 
 
 def restart_loop_head(plan: LaunchPlan) -> list[str]:
     """The last setup lines of a job that restarts in place: srun (the command section) runs in a
     loop, once more each time the attempt's rank 0 asked for it (lmtrain.preemption.controller:
-    the request file, written after the attempt's end line)."""
+    the decision file, written after the attempt's end line), or when srun failed and rank 0 never
+    decided (its process was killed: SIGKILL, the OOM killer), at most max_crash_retries times."""
     if not plan.preemption.restart_in_place:
         return []
     return ["# lmlaunch: a crash or a hang is retried in this allocation: srun again while rank 0 asks "
-            "($LMLAUNCH_RUN_DIR/" + rundir.RESTART_IN_PLACE + "; its second line: the nodes the ranks leave out)",
+            "($LMLAUNCH_RUN_DIR/" + rundir.RESTART_IN_PLACE + ": the job id, the nodes the ranks leave out, "
+            "rank 0's decision), or when srun failed and rank 0 never decided",
             'rm -f "$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"  # an earlier job\'s, never this one\'s',
             "lmlaunch_restarts=0",
+            "lmlaunch_undecided=0",
             "lmlaunch_exclude=",
             "while :; do"]
 
 
 def restart_loop_tail(plan: LaunchPlan) -> str:
     """What follows srun in a job that restarts in place: the loop's test and end, the job's exit
-    status srun's last."""
+    status srun's last. Rank 0's file names this job (a file of another job is never this one's);
+    its third line is the decision (``restart``, or what rank 0 did instead: ``requeue``,
+    ``cancel``, ``none``; no third line: a run directory's older code, which wrote only restarts)."""
     if not plan.preemption.restart_in_place:
         return ""
-    request = '"$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"'
+    said = '"$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"'
+    most = plan.preemption.max_crash_retries
     return "\n".join([
         "",
         "lmlaunch_rc=$?",
-        f'if [ -n "$SLURM_JOB_ID" ] && [ "$(head -n 1 {request} 2>/dev/null)" = "$SLURM_JOB_ID" ]; then',  # this job's rank 0 asked
-        f"  lmlaunch_exclude=$(sed -n 2p {request}); rm -f {request}; lmlaunch_restarts=$((lmlaunch_restarts + 1))",
-        '  echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc${lmlaunch_exclude:+; '
+        f"lmlaunch_said=$(cat {said} 2>/dev/null); rm -f {said}",
+        'lmlaunch_decision=$(printf "%s\\n" "$lmlaunch_said" | sed -n 3p)',
+        f"export {UNDECIDED_VAR}=",
+        'if [ -n "$SLURM_JOB_ID" ] && [ "$(printf "%s\\n" "$lmlaunch_said" | sed -n 1p)" = "$SLURM_JOB_ID" ]; then',
+        '  if [ -z "$lmlaunch_decision" ] || [ "$lmlaunch_decision" = restart ]; then  # this job\'s rank 0 asked',
+        '    lmlaunch_exclude=$(printf "%s\\n" "$lmlaunch_said" | sed -n 2p); lmlaunch_restarts=$((lmlaunch_restarts + 1))',
+        '    echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc${lmlaunch_exclude:+; '
         'leaving out $lmlaunch_exclude})" >&2',
+        "    continue",
+        "  fi",
+        f'elif [ -n "$SLURM_JOB_ID" ] && [ "$lmlaunch_rc" -ne 0 ] && [ "$lmlaunch_undecided" -lt {most} ]; then',
+        "  # rank 0 never decided (killed before its end line): the next attempt's rank 0 records why",
+        "  lmlaunch_undecided=$((lmlaunch_undecided + 1)); lmlaunch_restarts=$((lmlaunch_restarts + 1))",
+        f'  export {UNDECIDED_VAR}="$lmlaunch_rc"',
+        '  echo "lmlaunch: srun exited $lmlaunch_rc and rank 0 never decided (killed?): restarting the ranks in place '
+        f'($lmlaunch_restarts; $lmlaunch_undecided of max_crash_retries({most}))" >&2',
         "  continue",
         "fi",
         "break",

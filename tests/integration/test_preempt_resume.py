@@ -277,6 +277,24 @@ def test_a_rank_sigkilled_like_the_oom_killer_is_named_and_restarted_in_place(re
                      r"queue wait\); its first step [\d.]+ s after attempt 1's end line", said), out
 
 
+def test_rank_zero_sigkilled_before_it_can_decide_is_restarted_in_place_by_the_batch_script(reference, env, jobs, name):
+    """Rank 0 itself SIGKILLed (the OOM killer's way): nobody writes the end line or decides. The
+    batch script sees srun fail with no decision and starts the ranks again in the same job; the
+    next attempt's rank 0 records the missing end as a crash restarted in place, and the run ends
+    bit-identical to the uninterrupted one."""
+    with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": 0, "action": "kill"}):
+        job, run_dir = submit(env, name)
+    jobs.append(job)
+    finish(job, run_dir)
+    first = ends(run_dir)[0]
+    assert (first["reason"], first["requeued"], first.get("restart")) == ("crashed", True, "in_place"), first
+    assert "rank 0's process ended before it decided" in first["detail"], first
+    assert [(s["job_id"], s["restart_count"], s["start_step"]) for s in starts(run_dir)] == [
+        (job, 0, 0), (job, 0, EVERY)], starts(run_dir)
+    assert slurm.restart_count(job) == 0
+    _check_resumed_exactly(run_dir, reference)
+
+
 @pytest.mark.both_versions
 def test_a_node_failure_keeps_the_requeued_job_off_that_node(env, jobs, name):
     """A one-node job whose node goes DOWN: SLURM requeues it, rank 0 sets the pending job's

@@ -203,6 +203,25 @@ def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start(
     assert gate.previous_end["reason"] == "preempted" and "SLURM: PREEMPTED" in gate.previous_end["detail"]
 
 
+def test_an_attempt_whose_rank_zero_died_before_deciding_is_a_crash_restarted_in_place(tmp_path):
+    """The batch script restarted the ranks after srun failed with no decision from rank 0
+    (launcher.in_place sets the variable the gate reads): the missing end is a crash, in place."""
+    from types import SimpleNamespace
+
+    from launcher.core.jsonlines import read_jsonl
+    from lmtrain.observe.attempt import AttemptRecords, MissingEnd
+
+    gate = start_gate(_start(history=[AttemptRow(1, "12", 0)], restart_count=0, undecided_exit="137"), POLICY)
+    assert not gate.exit
+    paths = SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path),
+                            ledger=str(tmp_path / "attempts.jsonl"), heartbeat=str(tmp_path / "hb.jsonl"))
+    env = SimpleNamespace(rank=0, job_id="12", world_size=1)
+    AttemptRecords(SimpleNamespace(paths=paths), env, 2).missing_end(MissingEnd(**gate.previous_end))
+    [end] = read_jsonl(paths.ledger)
+    assert (end["reason"], end["restart"], end["requeued"], end["end_step"]) == ("crashed", "in_place", True, 30)
+    assert "rank 0's process ended before it decided (srun exited 137" in end["detail"], end
+
+
 def test_start_gate_refuses_finished_cancelled_and_stuck_runs():
     assert start_gate(_start(done_marker=True), POLICY).reason == "completed"
     assert start_gate(_start(cancelled_marker=True), POLICY).reason == "cancelled"

@@ -26,9 +26,11 @@ def _script(repo, runs_root, *overrides: str) -> str:
 
 
 def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: str | None = None,
-         job_id: str | None = "77"):
+         job_id: str | None = "77", said: dict[int, str] | None = None):
     """The script from its setup on, with srun a function: call i exits codes[i] and, for i in
-    ``ask_on``, first writes the request as this job's rank 0 does."""
+    ``ask_on``, first writes the request as this job's rank 0 does (``said``: call i writes that
+    text instead, another decision); each call records the undecided variable it was started with."""
+    said = {**{i: "77\\n\\nrestart" for i in ask_on}, **(said or {})}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     if stale is not None:
@@ -37,7 +39,9 @@ def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: st
     fake = "\n".join([
         "srun() {",
         f'  n=$(( $(cat {calls} 2>/dev/null || echo 0) + 1 )); echo $n > {calls}',
-        *(f'  if [ $n -eq {i + 1} ]; then echo 77 > "$LMLAUNCH_RUN_DIR/RESTART_IN_PLACE"; fi' for i in sorted(ask_on)),
+        f'  echo "${{LMLAUNCH_UNDECIDED_END:-}}" >> {tmp_path / "undecided"}',
+        *(f'  if [ $n -eq {i + 1} ]; then printf "{text}\\n" > "$LMLAUNCH_RUN_DIR/RESTART_IN_PLACE"; fi'
+          for i, text in sorted(said.items())),
         f"  codes=({' '.join(map(str, codes))}); return ${{codes[$((n - 1))]}}",
         "}",
     ])
@@ -53,14 +57,45 @@ def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: st
     ([0], set(), None, (0, 1)),  # trained to the end: once
     ([1, 0], {0}, None, (0, 2)),  # crashed, rank 0 asked: again, then completed
     ([1, 1, 3], {0, 1}, None, (3, 3)),  # asked twice: the job's status is the last srun's
-    ([1], set(), None, (1, 1)),  # crashed and not asked (rank 0 requeued or stopped it): the job ends FAILED
     ([0], set(), "12", (0, 1)),  # an earlier job's request is never this job's
 ])
 def test_srun_runs_again_only_when_this_jobs_rank_zero_asked(repo, runs_root, tmp_path, codes, ask_on, stale, want):
-    code, calls, left, err = _run(_script(repo, runs_root), tmp_path, codes, ask_on=ask_on, stale=stale)
+    last = len(codes) - 1  # rank 0 of the last attempt decided it ends there
+    code, calls, left, err = _run(_script(repo, runs_root), tmp_path, codes, ask_on=ask_on, stale=stale,
+                                  said={last: "77\\n\\nnone"} if last not in ask_on else None)
     assert (code, calls) == want, err
     assert not left  # consumed (or a stale one dropped)
     assert err.count("lmlaunch: restarting the ranks in place") == len(ask_on)
+
+
+@pytest.mark.parametrize("text", ["77\\n\\nrequeue", "77\\nn2\\ncancel", "77\\n\\nnone"])
+def test_a_crash_rank_zero_decided_otherwise_ends_the_loop(repo, runs_root, tmp_path, text):
+    """Rank 0 requeued the job, cancelled it or stopped it: the job ends with srun's status."""
+    code, calls, left, err = _run(_script(repo, runs_root), tmp_path, [1], ask_on=set(), said={0: text})
+    assert (code, calls, left) == (1, 1, False), err
+
+
+def test_the_older_request_without_a_decision_still_restarts(repo, runs_root, tmp_path):
+    """A run resumed without --new-code runs its snapshot's rank 0, which wrote only the job id."""
+    code, calls, _, err = _run(_script(repo, runs_root), tmp_path, [1, 0], ask_on=set(), said={0: "77"})
+    assert (code, calls) == (0, 2), err
+
+
+def test_when_rank_zero_never_decided_the_ranks_restart_at_most_max_crash_retries_times(repo, runs_root, tmp_path):
+    """srun failed and no decision file: rank 0 was killed before its end line (SIGKILL, the OOM
+    killer). The ranks start again, told srun's status (the next start gate records the missing
+    end), at most preemption.max_crash_retries times; a decided restart clears the variable."""
+    script = _script(repo, runs_root, "preemption.max_crash_retries=2")
+    code, calls, _, err = _run(script, tmp_path, [137, 137, 1, 0], ask_on=set())
+    assert (code, calls) == (1, 3), err  # the third failure ends the job with its status
+    assert (tmp_path / "undecided").read_text().split("\n")[:3] == ["", "137", "137"]
+    assert err.count("rank 0 never decided (killed?): restarting the ranks in place") == 2
+    (tmp_path / "undecided").unlink()
+    (tmp_path / "calls").unlink()
+    (tmp_path / "run").rmdir()
+    code, calls, _, err = _run(script, tmp_path, [137, 1, 0], ask_on={1})
+    assert (code, calls) == (0, 3), err
+    assert (tmp_path / "undecided").read_text().split("\n")[:3] == ["", "137", ""]
 
 
 def test_outside_a_job_no_request_is_ever_this_jobs(repo, runs_root, tmp_path):

@@ -51,6 +51,7 @@ class MissingEnd:
     end_step: int
     reason: str
     detail: str
+    restart: str | None = None  # "in_place": the batch script started the ranks again (launcher.in_place)
 
 
 class AttemptRecords:
@@ -110,6 +111,7 @@ class AttemptRecords:
             self.ledger.write(AttemptEnd(
                 attempt=missing.attempt, job_id=missing.job_id, time=time.time(), end_step=missing.end_step,
                 reason=missing.reason, detail=missing.detail, requeued=True,
+                extra={"restart": missing.restart} if missing.restart else {},
             ))
 
     # -- whole attempts ----------------------------------------------------------------------

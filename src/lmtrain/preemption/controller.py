@@ -224,26 +224,36 @@ class Preemption:
         records.heartbeat.emit("end", step=outcome.end_step, reason=outcome.reason)
         self.after_end(outcome)
 
+    def tell_batch_script(self, decision: str, leave_out: list[str]) -> None:
+        """Rank 0 of a job that restarts in place, before it acts: what it decided (``restart``,
+        ``requeue``, ``cancel``, ``none``), for the batch script's loop (launcher.in_place), which
+        restarts the ranks on ``restart`` and, when srun failed with no decision at all, because
+        rank 0 was killed before this. Its first line names this job (an array task's own id)."""
+        if self.env.rank != 0 or self.env.launcher != "slurm" or not self.policy.restart_in_place:
+            return
+        import os
+
+        from launcher.core.atomic import write_atomic
+
+        job = os.environ.get("SLURM_JOB_ID", self.env.job_id)
+        try:
+            write_atomic(self.layout.restart_request, f"{job}\n{','.join(leave_out)}\n{decision}\n")
+        except OSError as exc:  # the batch script then restarts as if rank 0 had died: bounded, said
+            log.error("could not tell the batch script this attempt's decision (%s): %s", decision, exc)
+
     def after_end(self, outcome: Outcome) -> None:
         """Rank 0, LAST (checkpoint complete, ledger and heartbeat written): requeue or cancel."""
         try:
             if self.env.rank != 0:
                 return
             if outcome.action is None:
+                self.tell_batch_script("none", [])
                 exclude_nodes(self.plan, self.env, self.attempt, outcome.exclude)  # SLURM requeued it itself
                 return
+            self.tell_batch_script(outcome.action, outcome.extra.get("left_out") or [])
             try:
-                if outcome.action == "restart":  # the batch script starts the ranks again (launcher.submit)
-                    from launcher.core.atomic import write_atomic
-
+                if outcome.action == "restart":  # the batch script starts the ranks again (launcher.in_place)
                     log.info("asking the batch script to restart the ranks in place (job %s)", self.env.job_id)
-                    import os
-
-                    # the batch script compares it with its SLURM_JOB_ID (an array task's own id, not A_i)
-                    # its second line: the nodes the ranks leave out (srun --exclude; spare nodes)
-                    leave_out = ",".join(outcome.extra.get("left_out") or [])
-                    write_atomic(self.layout.restart_request,
-                                 f"{os.environ.get('SLURM_JOB_ID', self.env.job_id)}\n{leave_out}\n")
                 elif outcome.action == "requeue":
                     log.info("requeueing job %s (scontrol requeue)", self.env.job_id)
                     slurm.requeue(self.env.job_id, timeout=SLURM_QUERY_TIMEOUT_S)

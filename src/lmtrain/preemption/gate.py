@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 from launcher.core.atomic import write_private
 from launcher.core.checkpoint_index import newest_complete
+from launcher.core.run_layout import UNDECIDED_VAR
 from launcher.core.rundir import LedgerAttempt, RunLayout, is_cancelled, read_done_step
 from lmtrain.observe.attempt import AttemptRecords, MissingEnd
 from lmtrain.preemption.policy import Gate, StartFacts, start_gate
@@ -33,6 +35,7 @@ def decide_start(plan: Any, env: Any, history: list[LedgerAttempt]) -> Gate:
         done_step=done_step, done_marker=done, cancelled_marker=is_cancelled(layout.run_dir),
         start_step=ckpt.step if ckpt is not None else 0, restart_count=env.restart_count, job_id=env.job_id,
         history=history, previous_state=previous_state, max_steps=plan.trainer.max_steps,
+        undecided_exit=os.environ.get(UNDECIDED_VAR) or None if env.launcher == "slurm" else None,
     ), plan.preemption)
     if gate.previous_end is not None:
         AttemptRecords(plan, env, gate.previous_end["attempt"]).missing_end(MissingEnd(**gate.previous_end))

@@ -309,6 +309,7 @@ class StartFacts:
     previous_state: str | None = None  # SLURM's state of the previous attempt (sacct -D), if known
     max_steps: int | None = None  # the plan's trainer.max_steps (None: a DONE marker is final)
     done_step: int | None = None  # the step the DONE marker records (None: unknown, final)
+    undecided_exit: str | None = None  # the batch script restarted the ranks: srun's exit, rank 0 never decided
 
 
 @dataclass
@@ -342,6 +343,12 @@ def start_gate(f: StartFacts, policy: PreemptionPlan) -> Gate:
                        f"write it (node failure, SIGKILL){seen}; recorded at the start of the next attempt, "
                        f"which resumes from step {f.start_step}"),
         }
+        if f.undecided_exit:  # launcher.in_place: srun failed and rank 0 never said what next
+            reason = "crashed"
+            previous_end.update(reason=reason, restart="in_place", detail=(
+                f"attempt {prev.attempt} has no end line: rank 0's process ended before it decided (srun exited "
+                f"{f.undecided_exit}: killed, by SIGKILL or the OOM killer?); the batch script restarted the ranks "
+                f"in place (the same job, no queue wait), which resume from step {f.start_step}"))
         prev.reason, prev.end_step, prev.requeued = reason, f.start_step, True
     if f.done_marker and (f.max_steps is None or f.done_step is None or f.done_step >= f.max_steps):
         return Gate(True, "completed", "the run already finished (DONE marker): not training again", previous_end)

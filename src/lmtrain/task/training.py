@@ -100,6 +100,7 @@ def _resume_point(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | No
     except CheckpointError as exc:
         log.error("cannot resume: %s", exc)
         records.refused(ckpt.step, f"cannot resume: {exc}")
+        ctl.tell_batch_script("none", [])  # the next attempt could not resume either
         ctl.signals.restore()
         return 2
     return ckpt, ckpt.rank_state(env.rank)
