@@ -413,18 +413,9 @@ class StragglerSpec(StrictModel):
     until they do, so a blip (a rank descheduled for a moment) is not a straggler."""
     action: Literal["warn", "exclude"] = "warn"
     """warn: the ledger, the rank log, `status` and the webhooks name the rank and its node.
-    exclude (planned, refused for now): also checkpoint at the next step boundary and requeue
-    without that node."""
-
-    @field_validator("action")
-    @classmethod
-    def _action_available(cls, value: str) -> str:
-        if value == "exclude":
-            raise ValueError(
-                "'exclude' is not available yet (a job that requeues itself cannot change its own "
-                "ExcNodeList while its processes run); use warn: status, the ledger and the webhooks name "
-                "the slow rank's node")
-        return value
+    exclude: also stop at the next step boundary with a checkpoint and restart the ranks in place
+    without that node, a spare node taking its place (needs resources.spare_nodes; once per node,
+    never below the job's node count: with no spare idle the slow node stays and is only named)."""
 
 
 class HealthSpec(StrictModel):
@@ -676,6 +667,11 @@ class JobSpec(StrictModel):
         if r.nodes + r.spare_nodes > 4096:
             raise ValueError(f"resources.nodes({r.nodes}) + resources.spare_nodes({r.spare_nodes}) = "
                              f"{r.nodes + r.spare_nodes} nodes, above SLURM's 4096 this tool plans for")
+        if self.health.stragglers.action == "exclude" and not r.spare_nodes:
+            raise ValueError(
+                "health.stragglers.action: exclude needs resources.spare_nodes >= 1: the slow node is left out "
+                "of a restart in place and a spare takes its place (a running job cannot change its own "
+                "ExcNodeList for a requeue)")
         if self.optim.warmup_steps > self.trainer.max_steps:
             raise ValueError(
                 f"optim.warmup_steps({self.optim.warmup_steps}) is above trainer.max_steps({self.trainer.max_steps})"

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import secrets
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -248,3 +250,32 @@ def wait_nodes_usable(*, layout: Layout | None = None) -> None:
 
 def _node_states() -> tuple:
     return tuple(sorted((n.name, n.state) for n in slurm.nodes()))
+
+
+class DutyCycle:
+    """Stops and continues a process: ``stopped_s`` of every ``stopped_s + running_s``."""
+
+    def __init__(self, pid: int, *, stopped_s: float = 0.06, running_s: float = 0.04) -> None:
+        self.pid, self.stopped_s, self.running_s = pid, stopped_s, running_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the process ended (its attempt did): nothing to slow
+            while not self.done.is_set():
+                try:
+                    os.kill(self.pid, signal.SIGSTOP)
+                    self.done.wait(self.stopped_s)
+                finally:
+                    os.kill(self.pid, signal.SIGCONT)
+                self.done.wait(self.running_s)
+
+    def __enter__(self) -> DutyCycle:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)

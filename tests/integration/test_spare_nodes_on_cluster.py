@@ -1,9 +1,15 @@
 """Spare nodes on the real cluster: a 2-node run with ``resources.spare_nodes: 1`` on a worker
-cluster grown to three nodes (`cluster up --nodes 3`). One node its ranks run on is set DOWN
-mid-run, as `lmlaunch preempt --mode node-failure` does it: SLURM takes the node out of the
-allocation and kills its task (sbatch --no-kill keeps the job; srun --no-kill keeps rank 0),
-rank 0 sees the node DOWN, leaves it out and asks the batch script to start the ranks again on
-the spare: the same SLURM job, never requeued, and the run ends bit-identical to the
+cluster grown to three nodes (`cluster up --nodes 3`).
+
+- One node its ranks run on is set DOWN mid-run, as `lmlaunch preempt --mode node-failure` does
+  it: SLURM takes the node out of the allocation and kills its task (sbatch --no-kill keeps the
+  job; srun --no-kill keeps rank 0), rank 0 sees the node gone, leaves it out and asks the batch
+  script to start the ranks again on the spare.
+- A rank slowed from outside (stopped and continued in a duty cycle) with
+  ``health.stragglers.action: exclude``: rank 0's straggler watch names it, the attempt stops at
+  a step boundary with a checkpoint, and the ranks restart in place without its node.
+
+Either way: the same SLURM job, never requeued, and the run ends bit-identical to the
 uninterrupted one (the shared reference of test_preempt_resume.py)."""
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import waiting
 from preempt_helpers import (
     EVERY,
     MAX_STEPS,
@@ -19,18 +26,21 @@ from preempt_helpers import (
     ddp_reference,
     ends,
     finish,
+    ledger,
     lm,
     preempt,
+    run_progress,
     starts,
     submit,
     wait_step,
 )
 from shared_results import shared
-from slurm_helpers import job_name, release_worker
+from slurm_helpers import DutyCycle, job_name, release_worker
 
 from launcher import rehearsal
 from launcher.core import slurm
 from launcher.core.errors import UserError
+from launcher.core.task_records import read_task_records
 from launcher.localcluster import cluster, workers
 
 
@@ -88,3 +98,32 @@ def test_a_node_that_fails_is_replaced_by_the_spare_in_the_same_job_and_the_run_
     code, out, _ = lm(env, "history", name)
     said = " ".join(out.split())
     assert code == 0 and "n2 left out, a spare takes its place" in said and "restarted in place" in said, out
+
+
+@pytest.mark.serial  # ranks are compared with each other: no other test may load the machine
+def test_a_straggler_with_action_exclude_is_left_out_for_the_spare_and_the_run_ends_bit_identical(
+        reference, module_env, module_jobs, three_nodes):
+    env = {**module_env, **three_nodes.environ()}
+    name = job_name("sp", "slow-exclude")
+    job, run_dir = submit(env, name, "resources.spare_nodes=1", "health.stragglers.action=exclude",
+                          "health.stragglers.window=3", "health.stragglers.min_interval_s=1", pace_s=None)
+    module_jobs.append(job)
+    wait_step(run_dir, 3, attempt=1)
+    records, problems = read_task_records(run_dir, job, 0)
+    assert not problems and [(t.rank, t.node) for t in records] == [(0, "n1"), (1, "n2")], records
+    with DutyCycle(next(t.pid for t in records if t.rank == 1)):
+        waiting.until(lambda: [e for e in ends(run_dir) if e["attempt"] == 1], progress=run_progress(run_dir, job),
+                      what=f"{name}: attempt 1 ended", explain=lambda: str(ledger(run_dir)))
+    finish(job, run_dir)
+
+    end = ends(run_dir)[0]
+    assert (end["reason"], end["restart"], end["left_out"]) == ("straggler", "in_place", ["n2"]), end
+    assert end["detail"].startswith("rank 1 (n2)") and "n2 left out, a spare takes its place" in end["detail"], end
+    slow = [e for e in ledger(run_dir) if e.get("event") == "straggler"]
+    assert [(e["state"], e["rank"], e["node"]) for e in slow][:1] == [("start", 1, "n2")], slow
+    second = starts(run_dir)[1]
+    assert (second["nodes"], second["job_id"], second["start_step"]) == (["n1", "n3"], job, end["end_step"]), second
+    assert slurm.restart_count(job) == 0
+    assert ends(run_dir)[-1]["reason"] == "completed"
+    assert_losses_match(run_dir, reference["losses"])
+    assert_weights_identical(run_dir, reference)

@@ -8,16 +8,13 @@ these run while no other test loads the machine (scripts/test.sh's phase 2)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import threading
 from pathlib import Path
 
 import pytest
 import waiting
 from preempt_helpers import finish, ledger, run_progress, wait_step
-from slurm_helpers import REPO, SMALL_MODEL
+from slurm_helpers import REPO, SMALL_MODEL, DutyCycle
 
 from launcher.core.task_records import read_task_records
 
@@ -47,33 +44,6 @@ def _submit(cli, lm_env, run_name, own_jobs, max_steps: int) -> tuple[str, Path]
 
 def _stragglers(run_dir: Path) -> list[dict]:
     return [e for e in ledger(run_dir) if e.get("event") == "straggler"]
-
-
-class DutyCycle:
-    """Stops and continues a process: ``stopped_s`` of every ``stopped_s + running_s``."""
-
-    def __init__(self, pid: int, *, stopped_s: float = 0.06, running_s: float = 0.04) -> None:
-        self.pid, self.stopped_s, self.running_s = pid, stopped_s, running_s
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.done.is_set():
-            try:
-                os.kill(self.pid, signal.SIGSTOP)
-                self.done.wait(self.stopped_s)
-            finally:
-                os.kill(self.pid, signal.SIGCONT)
-            self.done.wait(self.running_s)
-
-    def __enter__(self) -> DutyCycle:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.done.set()
-        self.thread.join()
-        os.kill(self.pid, signal.SIGCONT)
 
 
 def test_a_rank_slowed_from_outside_is_named_with_its_node_and_the_other_is_not(slurm_cluster, cli, lm_env,

@@ -65,6 +65,15 @@ def test_which_nodes_a_restart_in_place_leaves_out(kw, action, leave_out, words)
         assert d.reason == "node_failure"
 
 
+def test_a_straggler_stop_restarts_in_place_without_the_slow_node():
+    """health.stragglers.action exclude: rank 0 stopped the attempt at a step boundary for n2."""
+    why = "rank 1 (n2) 1.8x the median compute; n2 left out for a spare (health.stragglers.action exclude)"
+    d = decide(_facts(stopped=True, crashed=False, error=None, requested_reason="straggler", requested_detail=why,
+                      slow_node="n2"), POLICY)
+    assert (d.reason, d.action, d.leave_out, d.exit_code) == ("straggler", "restart", ["n2"], 0), d
+    assert d.detail.startswith(why) and "n2 slow (health.stragglers): n2 left out, a spare takes its place" in d.detail
+
+
 def test_a_node_failure_without_spares_is_left_to_slurm_and_the_requeue():
     """Without spare nodes SLURM requeues a job whose node failed (no --no-kill): not in place."""
     d = decide(_facts(spare_nodes=0, nodes_down=["n2"], slurm_state="PENDING", slurm_restarts=1), POLICY)
@@ -120,6 +129,8 @@ def test_without_spares_the_script_is_as_before(repo, runs_root):
     (["resources.spare_nodes=1", "preemption.restart_in_place=false"],
      "resources.spare_nodes(1) needs preemption.restart_in_place: true"),
     (["resources.spare_nodes=4095"], "resources.nodes(2) + resources.spare_nodes(4095) = 4097 nodes"),
+    (["health.stragglers.action=exclude"], "health.stragglers.action: exclude needs resources.spare_nodes >= 1"),
+    (["health.stragglers.action=drop"], "health.stragglers.action"),
 ])
 def test_bad_spare_nodes_are_refused_naming_the_key(repo, runs_root, overrides, words):
     code, out, err = _dry_run(repo, runs_root, *overrides)
@@ -144,3 +155,27 @@ def test_status_says_which_spares_are_idle_and_the_cache_keeps_them():
     assert spares_of(ledger) == [] and ledger[0]["left_out"] == ["n2"]
     plain = AttemptStart(attempt=1, job_id="9", restart_count=0, time=1.0, start_step=0, nodes=["n1"], world_size=1)
     assert "spares" not in plain.to_json() and spares_of([plain.to_json()]) is None
+
+
+def test_the_straggler_watch_hands_a_new_slow_rank_to_the_exclusion(tmp_path):
+    """The watch calls on_slow once when a rank becomes slow (the controller then stops to leave its
+    node out), not again while it stays slow."""
+    import numpy as np
+
+    from lmtrain.health.straggler_watch import StragglerWatch
+    from lmtrain.health.stragglers import StragglerPolicy
+
+    class Ledger:
+        def write(self, note):
+            pass
+
+    seen = []
+    watch = StragglerWatch([tmp_path / "a", tmp_path / "b"], StragglerPolicy(threshold=1.5, window=1), attempt=1,
+                           ledger=Ledger(), on_slow=lambda fields, text: seen.append((fields["rank"], text)))
+    rows = iter([np.array([[1.0, 3.0]]), np.array([[1.0, 3.0], [1.0, 3.0]])])
+    watch.table.read = lambda: None
+    watch.table.table = lambda: next(rows)
+    watch.table.nodes = {0: "n1", 1: "n2"}
+    watch.look()
+    watch.look()
+    assert [rank for rank, _ in seen] == [1] and "rank 1 (n2)" in seen[0][1], seen

@@ -104,12 +104,14 @@ class StragglerWatch:
 
     def __init__(self, paths: list[Path], policy: StragglerPolicy, *, attempt: int, ledger: Any,
                  notify: Callable[..., None] | None = None, min_interval_s: float = 0.0,
-                 summary: Path | None = None, peers: list[list[int]] | None = None) -> None:
+                 summary: Path | None = None, peers: list[list[int]] | None = None,
+                 on_slow: Callable[[dict[str, Any], str], None] | None = None) -> None:
         self.table = TimingTable(paths, min_interval_s=min_interval_s)
         # ranks that do the same work, compared with each other (a pipeline's stages differ by design)
         self.peers = peers or [list(range(len(paths)))]
         self.summary = summary  # metrics/rank-times.json: what the exporter shows per rank
         self.policy, self.attempt, self.ledger, self.notify = policy, attempt, ledger, notify
+        self.on_slow = on_slow  # health.stragglers.action exclude: the controller leaves the node out
         self.slow: dict[int, Slow] = {}
         self._wake = threading.Event()
         self._looking = threading.Lock()
@@ -207,4 +209,6 @@ class StragglerWatch:
         if self.notify is not None:
             self.notify("straggler", text if state == "start" else f"rank {slow.rank} ({node}) is no longer slow",
                         **fields)
+        if state == "start" and self.on_slow is not None:
+            self.on_slow(fields, text)
         return fields

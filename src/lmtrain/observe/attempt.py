@@ -76,10 +76,10 @@ class AttemptRecords:
                 attempt=self.attempt, job_id=env.job_id, restart_count=env.restart_count, time=at or time.time(),
                 start_step=start_step, nodes=list(env.nodes),
                 world_size=env.world_size if world_size is None else world_size,
-                spares=self._idle_spares(),
+                spares=self.idle_spares(),
             ))
 
-    def _idle_spares(self) -> list[str] | None:
+    def idle_spares(self) -> list[str] | None:
         """A job with spare nodes: the allocation's nodes the ranks do not run on and no restart in
         place left out (None: a job without spares)."""
         if not getattr(self.plan.slurm, "spare_nodes", 0) or self.env.launcher != "slurm":

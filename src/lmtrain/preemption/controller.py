@@ -45,6 +45,7 @@ class Preemption:
         self.signals = adopt_early(self.stop, self.policy.signal) or SignalOwner(self.stop, self.policy.signal)
         self.agreed: AgreedStop | None = None
         self.stop.armed = True
+        self.slow_node: str | None = None  # a straggler's node this attempt stops to leave out
         self.stop.check_every_n_steps = self.policy.agree_every_n_steps
         # srun's task lines of this attempt (lmtrain.preemption.first_death) start at the log's size now
         self._srun_log = plan.slurm.error.replace("%j", env.job_id) if env.launcher == "slurm" else None
@@ -52,6 +53,20 @@ class Preemption:
 
     def start(self) -> None:
         self.signals.install()
+
+    def leave_slow_node(self, node: str, why: str, idle_spares: list[str] | None) -> None:
+        """Rank 0, from the straggler watch (health.stragglers.action exclude): stop at the next step
+        boundary, checkpointed, so that the ranks restart in place without ``node`` and a spare takes
+        its place; once per attempt, and only while a spare is idle (never below the job's nodes)."""
+        if self.slow_node is not None or not node or node == "?" or self.stop.requested:
+            return
+        if not idle_spares:
+            log.warning("straggler: %s stays in the job: no spare node is idle to take its place", node)
+            return
+        self.slow_node = node
+        log.warning("straggler: stopping at the next step boundary to leave %s out (spare %s takes its place)",
+                    node, idle_spares[0])
+        self.stop.request("straggler", f"{why}; {node} left out for a spare (health.stragglers.action exclude)")
 
     def callback(self, checkpoints: Any) -> StopAgreement:
         return StopAgreement(self, checkpoints)
@@ -178,6 +193,7 @@ class Preemption:
             spare_nodes=getattr(self.plan.slurm, "spare_nodes", 0),
             allocation_nodes=_expand(info.get("NodeList")) if info is not None else None,
             left_out=self._left_out(),
+            slow_node=self.slow_node,
         )
 
     def _this_jobs_ends(self) -> list[dict[str, Any]]:

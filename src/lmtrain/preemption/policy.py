@@ -23,7 +23,8 @@ _SLURM_REQUEUEING = ("PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PE
 WARNING_SLACK_S = 90.0
 # docs/run-directory.md: what the ledger's `reason` may say.
 LEDGER_REASONS = frozenset({"completed", "preempted", "timeout", "node_failure", "cancelled", "crashed",
-                            "no_progress", "limit_reached", "hang", "disk_full", "preflight_failed", "pruned"})
+                            "no_progress", "limit_reached", "hang", "disk_full", "preflight_failed", "pruned",
+                            "straggler"})
 
 
 def steps_without_progress(starts: list[int], current: int) -> int:
@@ -76,6 +77,7 @@ class EndFacts:
     spare_nodes: int = 0  # nodes the job holds beyond the ranks' (resources.spare_nodes)
     allocation_nodes: list[str] | None = None  # the job's nodes now (a failed one leaves them); None: unknown
     left_out: list[str] = field(default_factory=list)  # nodes this job's earlier restarts in place left out
+    slow_node: str | None = None  # the straggler's node this attempt stopped to leave out (action exclude)
 
 
 @dataclass
@@ -115,7 +117,7 @@ def classify_stop(f: EndFacts, policy: PreemptionPlan) -> tuple[str, str]:
             return "timeout", f"{f.warning_name} (time to the limit unknown: taken as the time-limit warning)"
         return "preempted", f"{f.warning_name}{when}, not at the time limit"
     reason = f.requested_reason if f.requested_reason in LEDGER_REASONS else "preempted"
-    if reason == "pruned" and f.requested_detail:
+    if reason in ("pruned", "straggler") and f.requested_detail:
         return reason, f.requested_detail
     return reason, f"stop requested ({f.requested_reason})" if f.requested_reason else "stop requested"
 
@@ -163,7 +165,7 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
         return Decision(stop_reason, detail, requeued=False, action="cancel" if slurm_requeues else None,
                         exit_code=exit_code)
 
-    retried = reason in ("crashed", "hang") or (reason == "node_failure" and f.spare_nodes > 0)
+    retried = reason in ("crashed", "hang", "straggler") or (reason == "node_failure" and f.spare_nodes > 0)
     if retried and not slurm_requeues and policy.restart_in_place:
         place = in_place(f, policy)
         if place.refused is None:

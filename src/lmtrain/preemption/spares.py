@@ -2,8 +2,9 @@
 
 A job with ``resources.spare_nodes: K`` holds K nodes beyond its ranks' (sbatch --nodes=N+K
 --no-kill, srun --nodes=N). When an attempt fails, the nodes it points at are suspect: a node
-SLURM set DOWN (it has left the allocation), or the node whose rank died first in this attempt
-and in the one before. A restart in place leaves the suspects out (srun --exclude) and the ranks
+SLURM set DOWN (it has left the allocation), the node whose rank died first in this attempt
+and in the one before, or a straggler's node the attempt stopped for (health.stragglers.action
+exclude). A restart in place leaves the suspects out (srun --exclude) and the ranks
 run on the nodes left, the same world size, while the allocation still holds enough of them;
 without a spare the job goes back to the queue (``policy._requeued``) as it did before spares.
 """
@@ -24,6 +25,7 @@ class EndFacts(Protocol):
     allocation_nodes: list[str] | None
     left_out: list[str]
     job_nodes: int
+    slow_node: str | None
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class InPlace:
 
 def suspects(f: EndFacts) -> tuple[list[str], str]:
     """The nodes this attempt's failure points at, and why."""
+    if f.slow_node is not None:
+        return [f.slow_node], f"{f.slow_node} slow (health.stragglers)"
     if f.nodes_down:
         return sorted(set(f.nodes_down)), f"node {', '.join(sorted(set(f.nodes_down)))} DOWN"
     if f.first_death_node is not None and f.first_death_node == f.previous_first_death_node:

@@ -213,7 +213,8 @@ class Fit:
                                    StragglerPolicy(threshold=spec.threshold, window=spec.window), attempt=attempt,
                                    ledger=self.records.ledger, min_interval_s=spec.min_interval_s,
                                    summary=layout.rank_times, peers=self.parallelism.peer_groups(),
-                                   notify=notifier.send if notifier is not None else None).start()
+                                   notify=notifier.send if notifier is not None else None,
+                                   on_slow=self._leave_slow_node if spec.action == "exclude" else None).start()
         return RankTiming(layout.rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
                           log_every_n_steps=self.plan.trainer.log_every_n_steps,
                           cuda=self.plan.trainer.accelerator == "gpu",
@@ -261,6 +262,10 @@ class Fit:
             resume_rng=self.resume_rng, resumed_step=ckpt.step if ckpt is not None else None,
             background=job.checkpoint.async_save,
         )
+
+    def _leave_slow_node(self, fields: dict[str, Any], text: str) -> None:
+        """health.stragglers.action exclude (the straggler watch's thread, rank 0)."""
+        self.ctl.leave_slow_node(str(fields.get("node") or ""), text, self.records.idle_spares())
 
     def _watchdog(self) -> list[Any]:
         """The hang watchdog (lmtrain.health.watchdog), unless the spec turned it off."""
