@@ -122,6 +122,8 @@ LEDGER_SERIES = (
     ("started", "lmlaunch_run_attempts_started", "Attempts that started (the ledger)", True),
     ("in_place", "lmlaunch_run_restarts_in_place", "Attempts that failed and were restarted inside their allocation "
      "(same job, no queue wait; the end lines that say restart: in_place)", True),
+    ("spares", "lmlaunch_run_spare_nodes_idle", "Spare nodes (resources.spare_nodes) the run's newest attempt started "
+     "with idle: a restart in place swaps one in for a failed or slow node (absent: a job without spares)", False),
     ("lost", "lmlaunch_run_steps_lost", "Steps trained again after a stop: each attempt's last step less the next "
      "attempt's first (the ledger)", True),
     ("waited", "lmlaunch_run_queue_wait_seconds", "Seconds the run's attempts waited to start: from the job's "
@@ -208,6 +210,7 @@ def ledger_values(ledger: Sequence[Mapping[str, Any]], *, submitted: Mapping[str
     train_s, alloc_s = goodput_seconds(ledger, running=running, now=now)
     return {"started": sum(1 for e in ledger if e.get("event") == "start"), "lost": steps_lost(ledger),
             "in_place": sum(1 for e in ledger if e.get("event") == "end" and e.get("restart") == "in_place"),
+            "spares": float(len(spares)) if (spares := monitor.spares_of(ledger)) is not None else None,
             "waited": queue_wait_s(ledger, submitted), "held": held, "peak": peak, "held_plan": held_plan,
             "peak_plan": peak_plan, "trained": train_s, "allocated": alloc_s,
             "goodput": min(1.0, train_s / alloc_s) if alloc_s > 0 else None}

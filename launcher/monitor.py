@@ -45,6 +45,7 @@ class StatusRow:
     job_ids: list[str]
     note: str = ""
     stragglers: list[dict[str, Any]] = field(default_factory=list)  # the ranks slow now (slow_ranks)
+    spares: list[str] | None = None  # a running job with spare nodes: the idle ones (None: no spares)
 
     @property
     def progress(self) -> float | None:
@@ -169,6 +170,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         checkpoint_step=ck.step if ck else None, checkpoint_age_s=max(0.0, now - ck.mtime) if ck else None,
         eta_s=eta, heartbeat_age_s=max(0.0, now - hb_time) if hb_time else None, run_dir=rec.run_dir,
         job_ids=list(rec.job_ids), note=note, stragglers=stragglers,
+        spares=spares_of(files.ledger) if group == "running" else None,
     )
 
 

@@ -155,6 +155,12 @@ def test_status_says_which_spares_are_idle_and_the_cache_keeps_them():
     assert spares_of(ledger) == [] and ledger[0]["left_out"] == ["n2"]
     plain = AttemptStart(attempt=1, job_id="9", restart_count=0, time=1.0, start_step=0, nodes=["n1"], world_size=1)
     assert "spares" not in plain.to_json() and spares_of([plain.to_json()]) is None
+    # the exporter: one gauge per run with spares, none without
+    from launcher.metrics import ledger_values
+
+    with_spare = [{**start, "spares": ["n3"]}]
+    assert ledger_values(with_spare, submitted={}, running=True, now=2.0)["spares"] == 1.0
+    assert ledger_values([plain.to_json()], submitted={}, running=True, now=2.0)["spares"] is None
 
 
 def test_the_straggler_watch_hands_a_new_slow_rank_to_the_exclusion(tmp_path):
