@@ -295,6 +295,30 @@ def test_rank_zero_sigkilled_before_it_can_decide_is_restarted_in_place_by_the_b
     _check_resumed_exactly(run_dir, reference)
 
 
+def test_a_crash_in_every_attempt_stops_as_no_progress(env, jobs, name):
+    """Rank 1 (on n2) SIGKILLed at step 5 of every attempt, before the first checkpoint: the first
+    crash restarts in place; the second, on the same node again, goes back to the queue (a suspect
+    node: SLURM places the job again); the third attempt starts at step 0 again and the run stops as
+    no_progress, FAILED, not requeued."""
+    with faults({"point": "train.batch_end", "step": 5, "rank": 1, "action": "kill"}):
+        job, run_dir = submit(env, name, "preemption.max_crash_retries=5")
+    jobs.append(job)
+
+    def ended() -> str | None:
+        state = slurm.job_state(job)
+        return state if slurm.state_group(state) in ("completed", "failed", "cancelled") else None
+
+    state = waiting.until(ended, progress=run_progress(run_dir, job), on_poll=lambda: start_if_begin_time(job),
+                          what=f"job {job} ended", explain=lambda: str(ends(run_dir)))
+    assert slurm.state_group(state) == "failed", (state, ends(run_dir))
+    said = [(e["reason"], e.get("restart")) for e in ends(run_dir)]
+    assert said == [("crashed", "in_place"), ("crashed", None), ("no_progress", None)], ends(run_dir)
+    assert "not restarted in place: the rank that died first died on n2" in ends(run_dir)[1]["detail"]
+    assert "the global step stayed at 0 over 3 attempts" in ends(run_dir)[-1]["detail"], ends(run_dir)[-1]
+    assert [(s["job_id"], s["restart_count"], s["start_step"]) for s in starts(run_dir)] == [
+        (job, 0, 0), (job, 0, 0), (job, 1, 0)], starts(run_dir)
+
+
 @pytest.mark.both_versions
 def test_a_node_failure_keeps_the_requeued_job_off_that_node(env, jobs, name):
     """A one-node job whose node goes DOWN: SLURM requeues it, rank 0 sets the pending job's
