@@ -25,6 +25,8 @@ def restart_loop_head(plan: LaunchPlan) -> list[str]:
             "lmlaunch_restarts=0",
             "lmlaunch_undecided=0",
             "lmlaunch_exclude=",
+            "# a preemption that lands between two sruns signals no task of the next: do not start one then",
+            "lmlaunch_preempting() { scontrol show job \"$SLURM_JOB_ID\" 2>/dev/null | grep -q 'PreemptTime=[0-9]'; }",
             "while :; do"]
 
 
@@ -48,6 +50,7 @@ def restart_loop_tail(plan: LaunchPlan) -> str:
         '    lmlaunch_exclude=$(printf "%s\\n" "$lmlaunch_said" | sed -n 2p); lmlaunch_restarts=$((lmlaunch_restarts + 1))',
         '    echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc${lmlaunch_exclude:+; '
         'leaving out $lmlaunch_exclude})" >&2',
+        *_unless_preempting("    "),
         "    continue",
         "  fi",
         f'elif [ -n "$SLURM_JOB_ID" ] && [ "$lmlaunch_rc" -ne 0 ] && [ "$lmlaunch_undecided" -lt {most} ]; then',
@@ -56,12 +59,25 @@ def restart_loop_tail(plan: LaunchPlan) -> str:
         f'  export {UNDECIDED_VAR}="$lmlaunch_rc"',
         '  echo "lmlaunch: srun exited $lmlaunch_rc and rank 0 never decided (killed?): restarting the ranks in place '
         f'($lmlaunch_restarts; $lmlaunch_undecided of max_crash_retries({most}))" >&2',
+        *_unless_preempting("  "),
         "  continue",
         "fi",
         "break",
         "done",
         '(exit "$lmlaunch_rc")',
     ])
+
+
+def _unless_preempting(indent: str) -> list[str]:
+    """Before a restart: a job SLURM is preempting (PreemptTime set, its GraceTime running) requeues
+    itself instead, as rank 0 would (SLURM 22.05 ends a preempted job whose tasks exit within
+    GraceTime as COMPLETED, never requeued); the next attempt resumes from the newest checkpoint."""
+    return [f"{indent}if lmlaunch_preempting; then",
+            f'{indent}  echo "lmlaunch: the job is being preempted (PreemptTime set): requeueing it, not restarting '
+            f'the ranks" >&2',
+            f'{indent}  scontrol requeue "$SLURM_JOB_ID" || echo "lmlaunch: scontrol requeue failed" >&2',
+            f"{indent}  break",
+            f"{indent}fi"]
 
 
 def spare_srun_args(plan: LaunchPlan) -> list[str]:

@@ -295,6 +295,29 @@ def test_rank_zero_sigkilled_before_it_can_decide_is_restarted_in_place_by_the_b
     _check_resumed_exactly(run_dir, reference)
 
 
+def test_a_preemption_while_the_ranks_restart_in_place_checkpoints_or_requeues_and_the_run_ends_exactly(
+        reference, env, jobs, name):
+    """Rank 1 SIGKILLed mid-run; the moment rank 0's end line asks for the restart in place, a real
+    preemption (an exclusive job on the high partition) hits the job while its ranks start again.
+    Whatever moment it lands on (the batch script between two sruns, a rank importing, the first
+    steps), SLURM requeues the job, every attempt has its end line, no two attempts overlap, and the
+    run ends bit-identical to the uninterrupted one."""
+    with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": 1, "action": "kill"}):
+        job, run_dir = submit(env, name)
+    jobs.append(job)
+    waiting.until(lambda: [e for e in ends(run_dir) if e.get("restart") == "in_place"], progress=run_progress(run_dir, job),
+                  what=f"{name}: attempt 1 restarted in place", explain=lambda: str(ledger(run_dir)))
+    r = preempt(env, name, "requeue", "--start-now")
+    assert r["requeued"], r
+    finish(job, run_dir)
+    assert slurm.restart_count(job) >= 1  # the preemption requeued it
+    spans = [(s["time"], e["time"]) for s, e in zip(starts(run_dir), ends(run_dir))]
+    assert len(starts(run_dir)) == len(ends(run_dir)) and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (
+        ledger(run_dir))
+    assert ends(run_dir)[0]["reason"] == "crashed" and ends(run_dir)[-1]["reason"] == "completed", ends(run_dir)
+    _check_resumed_exactly(run_dir, reference)
+
+
 def test_a_crash_in_every_attempt_stops_as_no_progress(env, jobs, name):
     """Rank 1 (on n2) SIGKILLed at step 5 of every attempt, before the first checkpoint: the first
     crash restarts in place; the second, on the same node again, goes back to the queue (a suspect

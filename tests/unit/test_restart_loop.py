@@ -26,7 +26,7 @@ def _script(repo, runs_root, *overrides: str) -> str:
 
 
 def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: str | None = None,
-         job_id: str | None = "77", said: dict[int, str] | None = None):
+         job_id: str | None = "77", said: dict[int, str] | None = None, preempt_time: str = "None"):
     """The script from its setup on, with srun a function: call i exits codes[i] and, for i in
     ``ask_on``, first writes the request as this job's rank 0 does (``said``: call i writes that
     text instead, another decision); each call records the undecided variable it was started with."""
@@ -37,6 +37,8 @@ def _run(script: str, tmp_path, codes: list[int], *, ask_on: set[int], stale: st
         (run_dir / "RESTART_IN_PLACE").write_text(stale + "\n")
     calls = tmp_path / "calls"
     fake = "\n".join([
+        # SLURM's view of the job: PreemptTime as the test says; a requeue recorded
+        f'scontrol() {{ if [ "$1" = show ]; then echo "   PreemptTime={preempt_time}"; else echo "$*" >> {tmp_path / "scontrol"}; fi; }}',
         "srun() {",
         f'  n=$(( $(cat {calls} 2>/dev/null || echo 0) + 1 )); echo $n > {calls}',
         f'  echo "${{LMLAUNCH_UNDECIDED_END:-}}" >> {tmp_path / "undecided"}',
@@ -96,6 +98,17 @@ def test_when_rank_zero_never_decided_the_ranks_restart_at_most_max_crash_retrie
     code, calls, _, err = _run(script, tmp_path, [137, 1, 0], ask_on={1})
     assert (code, calls) == (0, 3), err
     assert (tmp_path / "undecided").read_text().split("\n")[:3] == ["", "137", ""]
+
+
+@pytest.mark.parametrize("ask", [True, False], ids=["asked", "undecided"])
+def test_a_job_being_preempted_requeues_itself_instead_of_restarting(repo, runs_root, tmp_path, ask):
+    """A preemption that lands between two sruns signals no task of the next one: the loop sees the
+    job's PreemptTime and requeues the job (scontrol requeue) rather than start the ranks again."""
+    code, calls, _, err = _run(_script(repo, runs_root), tmp_path, [1, 0], ask_on={0} if ask else set(),
+                               preempt_time="2026-11-28T08:00:00")
+    assert calls == 1 and code == 1, err
+    assert (tmp_path / "scontrol").read_text().split() == ["requeue", "77"]
+    assert "the job is being preempted (PreemptTime set): requeueing it" in err
 
 
 def test_outside_a_job_no_request_is_ever_this_jobs(repo, runs_root, tmp_path):

@@ -102,6 +102,7 @@ def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, run
     run_dir, calls = tmp_path / "run", tmp_path / "calls"
     run_dir.mkdir()
     fake = "\n".join([
+        'scontrol() { echo "   PreemptTime=None"; }',
         'srun() { echo "$*" >> ' + str(calls) + "; n=$(wc -l < " + str(calls) + ")",
         '  if [ "$n" -eq 1 ]; then printf "77\\nn2\\n" > "$LMLAUNCH_RUN_DIR/RESTART_IN_PLACE"; return 1; fi',
         "  return 0; }",
