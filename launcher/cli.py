@@ -52,6 +52,7 @@ def _load(module: str):
 
 def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
     ctx = ctx or Context.default()
+    ctx.entry = ctx.entry or main
     words = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("LMLAUNCH_DEBUG") == "1"
     if (words and words[0].startswith("--remote")) or ctx.environ.get("LMLAUNCH_REMOTE"):

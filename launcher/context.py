@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -15,6 +16,9 @@ class Context:
     environ: dict[str, str] = field(default_factory=dict)
     python: str = field(default_factory=lambda: sys.executable)
     """The interpreter running lmlaunch; what a profile's ``python: auto`` resolves to."""
+    entry: Callable[[list[str], Context], int] | None = None
+    """The CLI's own entry (launcher.cli.main), for a long-lived command that answers other
+    command lines in-process (launcher.warm)."""
 
     @classmethod
     def default(cls) -> Context:

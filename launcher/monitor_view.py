@@ -39,7 +39,8 @@ def make_console(ctx) -> Console:
 
     isatty = getattr(ctx.stdout, "isatty", lambda: False)()
     cols = (ctx.environ or {}).get("COLUMNS", "")
-    width = None if isatty else (int(cols) if cols.isdigit() else PIPE_WIDTH)
+    # a terminal's own width unless COLUMNS says (a warm process renders for a client's terminal: launcher.warm)
+    width = int(cols) if cols.isdigit() else (None if isatty else PIPE_WIDTH)
     return Console(file=ctx.stdout, width=width, highlight=False, soft_wrap=False)
 
 

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher import snapshot
+from launcher import snapshot, warm
 from launcher.context import Context
 from launcher.core.errors import UserError
 from launcher.core.profiles import Login, load_profile
@@ -98,8 +98,12 @@ def forward(profile_name: str, argv: list[str], ctx: Context) -> int | None:
     run = f"env {' '.join(env)} {remote_path(login.lmlaunch)} {' '.join(args)}"
     if shipped is None:
         tty = _interactive(ctx)
-        code = conn.stream(f"exec {run}" if tty else ended_with_connection(run), ctx.stdout, ctx.stderr,
-                           tty=tty, passthrough=tty)
+        line = f"exec {run}" if tty else ended_with_connection(run)
+        if warm.answers(argv):  # a warm lmlaunch there (metrics serve, dashboard) answers without a start
+            lm = remote_path(login.lmlaunch)
+            python = f'"$(d=$(dirname {lm}); [ -x "$d/python" ] && echo "$d/python" || echo python3)"'
+            line = warm.remote_command(python, line, argv, [f"{FORWARDED_ENV}=1"])
+        code = conn.stream(line, ctx.stdout, ctx.stderr, tty=tty, passthrough=tty)
     else:
         code = conn.stream(detached(shipped, run), ctx.stdout, ctx.stderr, shown=as_named_here(shipped, named))
     if code == NOT_FOUND:

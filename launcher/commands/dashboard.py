@@ -163,7 +163,7 @@ def _handler(pages: Pages) -> type:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import http_serve
+    from launcher import http_serve, warm
 
     host, port = http_serve.parse_listen(args.listen)
     if (warning := http_serve.exposure(host, "dashboard")) is not None:
@@ -172,5 +172,6 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     server = http_serve.bind(host, port, _handler(pages), what="dashboard")
     pages.snapshots.start()
     ctx.out(f"dashboard: http://{host}:{port}/?token={pages.token}  (read-only; Ctrl-C stops)")
-    http_serve.serve_until(server, args.seconds, then=pages.snapshots.stop)
+    with warm.answering(ctx):  # forwarded status/logs/history answered without a start (launcher.warm)
+        http_serve.serve_until(server, args.seconds, then=pages.snapshots.stop)
     return 0

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return _write(registry, Path(args.dir), ctx)
     if args.metrics_command != "serve":
         raise UserError("lmlaunch metrics: say serve, write or dashboard (`lmlaunch metrics --help`)")
-    from launcher import http_serve
+    from launcher import http_serve, warm
 
     host, port = http_serve.parse_listen(args.listen)
     if (warning := http_serve.exposure(host, "exporter")) is not None:
@@ -64,7 +64,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     token, said = _token(args, ctx)
     server = _start(registry, host, port, refresh_s=http_serve.check_refresh(args.refresh), token=token)
     ctx.out(f"serving the runs' metrics on http://{host}:{port}/metrics (Ctrl-C stops){said}")
-    http_serve.serve_until(server, args.seconds)
+    with warm.answering(ctx):  # forwarded status/logs/history answered without a start (launcher.warm)
+        http_serve.serve_until(server, args.seconds)
     return 0
 
 
