@@ -39,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "tests"))  # waiting.py, which sshd_helpers uses
 
 
 def _time(cmd: list[str], env: dict[str, str], repeat: int) -> list[float]:

@@ -135,12 +135,16 @@ def _reported(call: Callable[[], T], ctx: Context, debug: bool) -> T | int:
 def _forward(argv: list[str], ctx: Context) -> int | list[str]:
     """`--remote NAME` / LMLAUNCH_REMOTE (launcher.remote): the command's exit status on the login
     node, or the command line to run here (a command about this machine, or no remote)."""
-    from launcher import remote
+    from launcher import remote_read
 
-    name, rest = remote.split_remote(argv, ctx.environ)
+    name, rest = remote_read.split_remote(argv, ctx.environ)
     if name is None:
         return rest
-    code = remote.forward(name, rest, ctx)
+    code = remote_read.forward_lean(name, rest, ctx)  # a read-only command, its login kept: no profile load
+    if code is None:
+        from launcher import remote
+
+        code = remote.forward(name, rest, ctx)
     return rest if code is None else code
 
 

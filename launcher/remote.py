@@ -29,44 +29,30 @@ import json
 import os
 import re
 import shlex
-import sys
 import tarfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher import snapshot, warm
+from launcher import remote_read, snapshot
 from launcher.context import Context
 from launcher.core.errors import UserError
 from launcher.core.profiles import Login, load_profile
-from launcher.core.ssh import SSH_FAILED, Connection, remote_path
+from launcher.core.ssh import Connection, remote_path
 from launcher.core.yamlio import load_yaml_file
 from launcher.jobfile import SPEC_BASE_ENV
+from launcher.remote_read import (
+    FORWARDED_ENV,
+    check_control_path,
+    ensure_master,
+)
 
-REMOTE_ENV = "LMLAUNCH_REMOTE"
-FORWARDED_ENV = "LMLAUNCH_FORWARDED"  # set on the login node's side: it never forwards again
 LOCAL_ONLY = frozenset({"run", "cluster", "data", "profiles", "schema", "completion"})
 SHIPS_FILES = frozenset({"validate", "doctor", "submit", "sweep", "pipeline", "notify-test"})
 SHIPS_CODE = frozenset({"submit", "sweep", "pipeline"})
 STAGING_MAX_AGE_MIN = 24 * 60  # an arrival left behind by a dropped connection is removed after a day
 FOLLOW_INTERVAL_S = 0.1
-NOT_FOUND = 127  # the login shell's status for a command it could not find
-UNIX_PATH_MAX = 107  # sun_path's 108 bytes, the last a NUL
-CONTROL_SUFFIX = 17  # ssh's temporary listener: the ControlPath + "." + 16 random characters
-
-
-def split_remote(argv: list[str], environ: dict[str, str]) -> tuple[str | None, list[str]]:
-    """The profile to forward to (``--remote NAME`` before the command, else LMLAUNCH_REMOTE;
-    ``--remote ''`` runs here) and the command line without the option."""
-    name = None if environ.get(FORWARDED_ENV) else (environ.get(REMOTE_ENV) or None)
-    if argv and argv[0] == "--remote":
-        if len(argv) < 2:
-            raise UserError("--remote needs a cluster profile name (one with a login section)")
-        return argv[1] or None, argv[2:]
-    if argv and argv[0].startswith("--remote="):
-        return argv[0].split("=", 1)[1] or None, argv[1:]
-    return name, argv
 
 
 def forward(profile_name: str, argv: list[str], ctx: Context) -> int | None:
@@ -79,67 +65,22 @@ def forward(profile_name: str, argv: list[str], ctx: Context) -> int | None:
         raise UserError(f"cluster profile {profile_name} has no login section: add one "
                         "(login: {ssh: user@host, lmlaunch: PATH}) to reach it over ssh, or drop --remote")
     login = profile.login
+    facts = remote_read.LoginFacts(**login.model_dump())
+    named, files = shipped_files(command, argv) if command in SHIPS_FILES else ({}, {})
+    if not files and command not in SHIPS_CODE:  # nothing travels: the lean path, its login kept for next time
+        remote_read.remember_login(ctx.environ, profile_name, login.model_dump())
+        return remote_read.run_there(facts, profile_name, argv, ctx)
     check_control_path(login.control_path, profile_name)
     conn = Connection(login.ssh, login.control_path, tuple(os.path.expanduser(o) for o in login.options))
-    ensure_master(conn, login, profile_name, ctx)
-    shipped = None
-    named: dict[str, str] = {}
-    args = [shlex.quote(a) for a in argv]
-    if command in SHIPS_FILES:
-        named, files = shipped_files(command, argv)
-        if files or command in SHIPS_CODE:
-            shipped = ship(conn, login, command, files, ctx)
-            args = [f'"$S"/{shlex.quote(named[a])}' if a in named else shlex.quote(a) for a in argv]
-    env = [f"{FORWARDED_ENV}=1"]
-    if shipped is not None:  # the specs' relative paths start from login.workdir there
-        env.append(f"{SPEC_BASE_ENV}={remote_path(login.workdir)}")
+    ensure_master(conn, facts, profile_name, ctx)
+    shipped = ship(conn, login, command, files, ctx)
+    args = [f'"$S"/{shlex.quote(named[a])}' if a in named else shlex.quote(a) for a in argv]
+    env = [f"{FORWARDED_ENV}=1", f"{SPEC_BASE_ENV}={remote_path(login.workdir)}"]  # specs' relative paths: from there
     if command in SHIPS_CODE:
         env.append(f'{snapshot.SHIPPED_ENV}="$S"/code')
     run = f"env {' '.join(env)} {remote_path(login.lmlaunch)} {' '.join(args)}"
-    if shipped is None:
-        tty = _interactive(ctx)
-        line = f"exec {run}" if tty else ended_with_connection(run)
-        if warm.answers(argv):  # a warm lmlaunch there (metrics serve, dashboard) answers without a start
-            lm = remote_path(login.lmlaunch)
-            python = f'"$(d=$(dirname {lm}); [ -x "$d/python" ] && echo "$d/python" || echo python3)"'
-            line = warm.remote_command(python, line, argv, [f"{FORWARDED_ENV}=1"])
-        code = conn.stream(line, ctx.stdout, ctx.stderr, tty=tty, passthrough=tty)
-    else:
-        code = conn.stream(detached(shipped, run), ctx.stdout, ctx.stderr, shown=as_named_here(shipped, named))
-    if code == NOT_FOUND:
-        ctx.err(f"error: no {login.lmlaunch} on {login.ssh} (login.lmlaunch of cluster profile {profile_name}): "
-                "install lmlaunch there (pip install 'lmlaunch[runtime]') and name its path")
-    elif code == SSH_FAILED:
-        ctx.err(f"error: the ssh connection to {login.ssh} failed or dropped (ssh exit {SSH_FAILED}); "
-                + ("the submission goes on there if it had started: `lmlaunch --remote "
-                   f"{profile_name} status` shows it" if command in SHIPS_CODE else "run the command again"))
-    return code
-
-
-def check_control_path(control_path: str, profile_name: str) -> None:
-    """A Unix socket's path holds at most 107 bytes, and ssh adds a '.' and 16 characters to it
-    while the master starts; %C is 40 hex digits (ssh's other tokens: counted as written)."""
-    path = os.path.expanduser(control_path).replace("%C", "x" * 40)
-    if len(path.encode()) + CONTROL_SUFFIX > UNIX_PATH_MAX:
-        raise UserError(f"login.control_path of cluster profile {profile_name} ({control_path}) is too long for a "
-                        f"Unix socket: {len(path.encode())} bytes once expanded, at most {UNIX_PATH_MAX - CONTROL_SUFFIX}; "
-                        "name a shorter directory (the default ~/.ssh/lmlaunch-%C fits most homes)")
-
-
-def ensure_master(conn: Connection, login: Login, profile_name: str, ctx: Context) -> None:
-    if conn.master_alive():
-        return
-    opener = shlex.join(conn.open_command())
-    if login.require_master or not _interactive(ctx):
-        why = "the profile requires one (login.require_master)" if login.require_master else "no terminal to log in at"
-        raise UserError(f"no ssh master connection to {login.ssh} is open ({why}): open it with\n  {opener}\n"
-                        f"then run the command again (cluster profile {profile_name})")
-    ctx.err(f"opening the ssh master connection to {login.ssh} (`{opener}`): log in once")
-    conn.open_master()
-
-
-def _interactive(ctx: Context) -> bool:
-    return ctx.stdout is sys.stdout and sys.stdin.isatty() and sys.stdout.isatty()
+    code = conn.stream(detached(shipped, run), ctx.stdout, ctx.stderr, shown=as_named_here(shipped, named))
+    return remote_read.said(code, facts, profile_name, ctx, submitting=command in SHIPS_CODE)
 
 
 def shipped_files(command: str, argv: list[str]) -> tuple[dict[str, str], dict[str, Path]]:
@@ -218,16 +159,6 @@ def ship(conn: Connection, login: Login, command: str, files: dict[str, Path], c
     ctx.err(f"sent {what} to {login.ssh}:{stage}: {count} files, {size / 1e6:.2f} MB "
             f"({len(data) / 1e6:.2f} MB compressed) in {took:.2f} s")
     return stage
-
-
-def ended_with_connection(run: str) -> str:
-    """The login shell's side of a command that is not detached: it ends when the connection does
-    (its stdin, held open by this side, closes), not only when it writes to a closed channel: a
-    dropped `status --watch` or `logs -f` leaves no process behind on the login node."""
-    # fd 3: the shell's stdin, which a background list would otherwise get as /dev/null
-    return (f"exec 3<&0; {run} < /dev/null 3<&- & pid=$!; "
-            "{ cat <&3 > /dev/null; kill -TERM $pid; } > /dev/null 2>&1 & w=$!; exec 3<&-; "
-            "wait $pid; rc=$?; kill $w 2>/dev/null; exit $rc")
 
 
 def as_named_here(stage: str, named: dict[str, str]) -> Callable[[str], str]:

@@ -22,3 +22,9 @@ def test_the_read_only_commands_leave_pydantic_out():
     made plain status 0.40 s against its 0.25 s goal)."""
     _leaves_out("launcher.cli, launcher.commands.status, launcher.commands.logs, launcher.commands.history",
                 ("pydantic", "torch"))
+
+
+def test_forwarding_a_read_only_command_leaves_pydantic_out():
+    """`--remote P status` from a workstation: the lean path (launcher.remote_read) and the warm
+    client's side stay off the profile models (launcher.core.profiles: 0.3-0.4 s of imports)."""
+    _leaves_out("launcher.cli, launcher.remote_read, launcher.warm", ("pydantic", "torch", "launcher.core.profiles"))

@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from launcher import remote, snapshot
+from launcher import remote, remote_read, snapshot
 from launcher.cli import main
 from launcher.context import Context
 from launcher.core.errors import UserError
@@ -21,14 +21,14 @@ from launcher.core.ssh import Connection, remote_path
 
 
 def test_the_profile_comes_from_the_option_or_the_environment_and_never_twice():
-    assert remote.split_remote(["--remote", "hpc", "status"], {}) == ("hpc", ["status"])
-    assert remote.split_remote(["--remote=hpc", "status", "-a"], {}) == ("hpc", ["status", "-a"])
-    assert remote.split_remote(["status"], {"LMLAUNCH_REMOTE": "hpc"}) == ("hpc", ["status"])
-    assert remote.split_remote(["--remote", "", "status"], {"LMLAUNCH_REMOTE": "hpc"}) == (None, ["status"])
+    assert remote_read.split_remote(["--remote", "hpc", "status"], {}) == ("hpc", ["status"])
+    assert remote_read.split_remote(["--remote=hpc", "status", "-a"], {}) == ("hpc", ["status", "-a"])
+    assert remote_read.split_remote(["status"], {"LMLAUNCH_REMOTE": "hpc"}) == ("hpc", ["status"])
+    assert remote_read.split_remote(["--remote", "", "status"], {"LMLAUNCH_REMOTE": "hpc"}) == (None, ["status"])
     # the login node's side never forwards again, whatever its environment says
-    assert remote.split_remote(["status"], {"LMLAUNCH_REMOTE": "hpc", "LMLAUNCH_FORWARDED": "1"}) == (None, ["status"])
+    assert remote_read.split_remote(["status"], {"LMLAUNCH_REMOTE": "hpc", "LMLAUNCH_FORWARDED": "1"}) == (None, ["status"])
     with pytest.raises(UserError, match="needs a cluster profile name"):
-        remote.split_remote(["--remote"], {})
+        remote_read.split_remote(["--remote"], {})
 
 
 def test_the_files_a_command_names_travel_and_overrides_and_options_do_not(tmp_path, monkeypatch):
@@ -151,3 +151,28 @@ def test_a_control_path_too_long_for_a_unix_socket_is_named_before_ssh_runs(tmp_
     code, _, err = _lm(environ, "--remote", "hpc", "status")
     assert code == 2 and "login.control_path of cluster profile hpc" in err and "too long for a Unix socket" in err, err
     assert "at most 90" in err
+
+
+def test_a_forwarded_read_only_command_uses_the_kept_login_while_its_profile_is_unchanged(tmp_path):
+    """The lean path (launcher.remote_read): the login section kept after a full load is used
+    until the profile file changes or a file of that name appears in a directory read before it."""
+    import os
+
+    first, second = tmp_path / "extra", tmp_path / "home" / "profiles"
+    second.mkdir(parents=True)
+    profile = second / "hpc.yaml"
+    profile.write_text("x: 1\n")
+    environ = {"LMLAUNCH_HOME": str(tmp_path / "home"), "LMLAUNCH_PROFILES_DIR": str(first)}
+    login = {"ssh": "me@hpc", "lmlaunch": "~/venv/bin/lmlaunch", "require_master": True,
+             "control_path": "~/.ssh/cm-%C", "staging": "~/in", "workdir": "~", "options": ["-p", "2222"]}
+    remote_read.remember_login(environ, "hpc", login)
+    assert remote_read.cached_login(environ, "hpc") == remote_read.LoginFacts(**login)
+    assert remote_read.cached_login(environ, "other") is None
+    profile.write_text("x: 22\n")  # edited: loaded in full again
+    assert remote_read.cached_login(environ, "hpc") is None
+    remote_read.remember_login(environ, "hpc", login)
+    first.mkdir()
+    (first / "hpc.yaml").write_text("y: 1\n")  # a profile of that name now comes first
+    assert remote_read.cached_login(environ, "hpc") is None
+    os.remove(first / "hpc.yaml")
+    assert remote_read.cached_login(environ, "hpc") is not None
