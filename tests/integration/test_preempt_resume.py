@@ -225,8 +225,11 @@ def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(re
     )
     expected_starts = [0, 10, 10, 30]
 
+    # each kill ends the job and the test resubmits it (the restart in place that a killed rank 0
+    # now gets from the batch script is tested on its own)
+    no_in_place = "preemption.restart_in_place=false"
     with faults(*kills):
-        job, run_dir = submit(env, name)
+        job, run_dir = submit(env, name, no_in_place)
     jobs.append(job)
     for attempt in (1, 2, 3):
         state = wait_ended(job)
@@ -238,7 +241,7 @@ def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(re
         if attempt == 3:
             assert (ckpts / "latest").read_text().strip() == "step-20"  # the pointer is stale; COMPLETE rules
         with faults(*kills):
-            code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, "--resume")
+            code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, no_in_place, "--resume")
         assert code == 0, out + err
         job = re.search(r"job (\d+)", out).group(1)
         jobs.append(job)
