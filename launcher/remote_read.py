@@ -12,7 +12,7 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import warm
@@ -30,15 +30,16 @@ CACHE_VERSION = 1
 
 @dataclass(frozen=True)
 class LoginFacts:
-    """A profile's validated ``login`` section (launcher.core.profiles.Login), as plain data."""
+    """A profile's validated ``login`` section (launcher.core.profiles.Login, which owns the
+    defaults and the rules), as plain data: always made from one (``Login.model_dump()``)."""
 
     ssh: str
-    lmlaunch: str = "lmlaunch"
-    require_master: bool = False
-    control_path: str = "~/.ssh/lmlaunch-%C"
-    staging: str = "~/.lmlaunch/incoming"
-    workdir: str = "~"
-    options: list[str] = field(default_factory=list)
+    lmlaunch: str
+    require_master: bool
+    control_path: str
+    staging: str
+    workdir: str
+    options: list[str]
 
 
 def split_remote(argv: list[str], environ: dict[str, str]) -> tuple[str | None, list[str]]:

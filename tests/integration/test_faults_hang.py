@@ -32,21 +32,28 @@ def _jsonl(path: Path) -> list[dict]:
     return out
 
 
-def test_hung_rank_dumps_all_stacks_and_every_task_exits_within_timeout_plus_grace(
-    slurm_cluster, cli, lm_env, run_name, own_jobs
-):
-    with faults(HANG):  # rank 1 sleeps for good at the end of step HANG_STEP
+def _submit_hanging(cli, lm_env, run_name, own_jobs, hang: dict, *overrides: str) -> tuple[str, Path]:
+    """The tiny job with the hang fault, the watchdog at HANG_TIMEOUT_S + GRACE_S, a collective
+    timeout far beyond it; (job id, run directory)."""
+    with faults(hang):
         r = cli(
-            "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}",
-            "trainer.max_steps=40", "optim.warmup_steps=2", "trainer.val_check_interval=null",
-            "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=100",
+            "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}", "optim.warmup_steps=2",
+            "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
             f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}", f"watchdog.exit_grace_s={GRACE_S}",
-            "watchdog.collective_timeout_s=120", "preemption.max_crash_retries=0",
+            "watchdog.collective_timeout_s=120", *overrides,
         )
     assert r.code == 0, r.err
     job_id = re.search(r"job (\d+)", r.out).group(1)
     own_jobs.append(job_id)
-    run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+    return job_id, Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+
+
+def test_hung_rank_dumps_all_stacks_and_every_task_exits_within_timeout_plus_grace(
+    slurm_cluster, cli, lm_env, run_name, own_jobs
+):
+    job_id, run_dir = _submit_hanging(cli, lm_env, run_name, own_jobs, HANG, "trainer.max_steps=40",
+                                      "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=100",
+                                      "preemption.max_crash_retries=0")
 
     state = wait_terminal(job_id)
     ended = time.time()
@@ -126,18 +133,8 @@ def test_a_hang_the_watchdog_catches_restarts_the_ranks_in_place_and_the_run_com
     all-reduce, its own watchdog sees no progress either and writes the end line with the policy's
     decision, from its watchdog thread); the batch script starts the ranks again in the same
     allocation, from the newest checkpoint, and the run completes in one SLURM job."""
-    with faults({**HANG, "attempt": 1}):
-        r = cli(
-            "submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={run_name}",
-            "trainer.max_steps=8", "optim.warmup_steps=2", "trainer.val_check_interval=null",
-            "trainer.limit_val_batches=0", "checkpoint.every_n_steps=2",
-            f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}", f"watchdog.exit_grace_s={GRACE_S}",
-            "watchdog.collective_timeout_s=120", "preemption.max_crash_retries=1",
-        )
-    assert r.code == 0, r.err
-    job_id = re.search(r"job (\d+)", r.out).group(1)
-    own_jobs.append(job_id)
-    run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+    job_id, run_dir = _submit_hanging(cli, lm_env, run_name, own_jobs, {**HANG, "attempt": 1}, "trainer.max_steps=8",
+                                      "checkpoint.every_n_steps=2", "preemption.max_crash_retries=1")
     state = wait_terminal(job_id)
     ledger = _jsonl(run_dir / "attempts.jsonl")
     assert slurm.state_group(state) == "completed", (state, ledger)

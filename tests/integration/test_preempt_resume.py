@@ -252,17 +252,23 @@ def test_sigkill_during_checkpoint_writes_restarts_from_a_complete_checkpoint(re
     _check_resumed_exactly(run_dir, reference, missing_ok=frozenset({30}))
 
 
+def _killed_mid_run(env, jobs, name, *, rank: int):
+    """The reference's job with ``rank`` SIGKILLed at step EVERY + 5 of attempt 1, run to its end:
+    (job id, run directory, attempt 1's end line)."""
+    with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": rank, "action": "kill"}):
+        job, run_dir = submit(env, name)
+    jobs.append(job)
+    finish(job, run_dir)
+    return job, run_dir, ends(run_dir)[0]
+
+
 def test_a_rank_sigkilled_like_the_oom_killer_is_named_and_restarted_in_place(reference, env, jobs, name):
     """Rank 1 (on n2) SIGKILLed mid-training: rank 0 fails in its next all-reduce ("Connection
     closed by peer"), but the ledger names rank 1 on n2, killed by SIGKILL, from srun's own task
     line; the crash retry restarts the ranks in place: the same SLURM job, never requeued (its
     restart count stays 0, no queue wait), from the newest complete checkpoint, and the run ends
     bit-identical to the uninterrupted one."""
-    with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": 1, "action": "kill"}):
-        job, run_dir = submit(env, name)
-    jobs.append(job)
-    finish(job, run_dir)
-    first = ends(run_dir)[0]
+    job, run_dir, first = _killed_mid_run(env, jobs, name, rank=1)
     assert (first["reason"], first["requeued"]) == ("crashed", True), first
     assert first["first_death"] == {"rank": 1, "node": "n2", "how": "killed by SIGKILL",
                                     "source": "srun: task 1: Killed"}, first
@@ -285,11 +291,7 @@ def test_rank_zero_sigkilled_before_it_can_decide_is_restarted_in_place_by_the_b
     batch script sees srun fail with no decision and starts the ranks again in the same job; the
     next attempt's rank 0 records the missing end as a crash restarted in place, and the run ends
     bit-identical to the uninterrupted one."""
-    with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": 0, "action": "kill"}):
-        job, run_dir = submit(env, name)
-    jobs.append(job)
-    finish(job, run_dir)
-    first = ends(run_dir)[0]
+    job, run_dir, first = _killed_mid_run(env, jobs, name, rank=0)
     assert (first["reason"], first["requeued"], first.get("restart")) == ("crashed", True, "in_place"), first
     assert "rank 0's process ended before it decided" in first["detail"], first
     assert [(s["job_id"], s["restart_count"], s["start_step"]) for s in starts(run_dir)] == [

@@ -181,21 +181,27 @@ def _start(**kw) -> StartFacts:
     return StartFacts(**{**base, **kw})
 
 
-def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start(tmp_path):
+def _missing_end_written(tmp_path, gate, *, attempt: int) -> dict:
+    """The end line AttemptRecords writes for the gate's missing end (rank 0 of ``attempt``)."""
     from types import SimpleNamespace
 
     from launcher.core.jsonlines import read_jsonl
     from lmtrain.observe.attempt import AttemptRecords, MissingEnd
 
+    paths = SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path),
+                            ledger=str(tmp_path / "attempts.jsonl"), heartbeat=str(tmp_path / "hb.jsonl"))
+    env = SimpleNamespace(rank=0, job_id="12", world_size=1)
+    AttemptRecords(SimpleNamespace(paths=paths), env, attempt).missing_end(MissingEnd(**gate.previous_end))
+    [end] = read_jsonl(paths.ledger)
+    return end
+
+
+def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start(tmp_path):
     history = [AttemptRow(1, "12", 0, 20, "preempted", True), AttemptRow(2, "12", 20)]
     gate = start_gate(_start(history=history), POLICY)
     assert not gate.exit
     # the attempt's records write the end line the gate found missing (lmtrain.preemption.gate)
-    paths = SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path),
-                            ledger=str(tmp_path / "attempts.jsonl"), heartbeat=str(tmp_path / "hb.jsonl"))
-    env = SimpleNamespace(rank=0, job_id="12", world_size=1)
-    AttemptRecords(SimpleNamespace(paths=paths), env, 3).missing_end(MissingEnd(**gate.previous_end))
-    [end] = read_jsonl(paths.ledger)
+    end = _missing_end_written(tmp_path, gate, attempt=3)
     assert (end["event"], end["attempt"], end["reason"], end["end_step"], end["requeued"]) == (
         "end", 2, "node_failure", 30, True)
     # accounting may know better
@@ -206,18 +212,9 @@ def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start(
 def test_an_attempt_whose_rank_zero_died_before_deciding_is_a_crash_restarted_in_place(tmp_path):
     """The batch script restarted the ranks after srun failed with no decision from rank 0
     (launcher.in_place sets the variable the gate reads): the missing end is a crash, in place."""
-    from types import SimpleNamespace
-
-    from launcher.core.jsonlines import read_jsonl
-    from lmtrain.observe.attempt import AttemptRecords, MissingEnd
-
     gate = start_gate(_start(history=[AttemptRow(1, "12", 0)], restart_count=0, undecided_exit="137"), POLICY)
     assert not gate.exit
-    paths = SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path),
-                            ledger=str(tmp_path / "attempts.jsonl"), heartbeat=str(tmp_path / "hb.jsonl"))
-    env = SimpleNamespace(rank=0, job_id="12", world_size=1)
-    AttemptRecords(SimpleNamespace(paths=paths), env, 2).missing_end(MissingEnd(**gate.previous_end))
-    [end] = read_jsonl(paths.ledger)
+    end = _missing_end_written(tmp_path, gate, attempt=2)
     assert (end["reason"], end["restart"], end["requeued"], end["end_step"]) == ("crashed", "in_place", True, 30)
     assert "rank 0's process ended before it decided (srun exited 137" in end["detail"], end
 
