@@ -140,7 +140,7 @@ LEDGER_SERIES = (
     ("trained", "lmlaunch_run_training_seconds", "Seconds the run's attempts trained: from each attempt's first "
      "step to its end line (or now, while it runs)", True),
     ("allocated", "lmlaunch_run_allocated_seconds", "Seconds the run's attempts held their nodes: from each "
-     "attempt's start line to its end line (or now, while it runs)", True),
+     "attempt's start line to its end line (or now, while it runs), and between attempts restarted in place", True),
     ("goodput", "lmlaunch_run_goodput_ratio", "Training seconds over allocated seconds, all attempts (0..1)", False),
 )
 
@@ -240,7 +240,23 @@ def goodput_seconds(ledger: Sequence[Mapping[str, Any]], *, running: bool, now: 
         alloc += end - float(s["time"])
         if n in first and first[n] <= end:
             train += end - first[n]
-    return train, alloc
+    return train, alloc + restarting_seconds(ledger, starts, ends, running=running, now=now)
+
+
+def restarting_seconds(ledger: Sequence[Mapping[str, Any]], starts: Sequence[Mapping[str, Any]],
+                       ends: Mapping[int, float], *, running: bool, now: float) -> float:
+    """The allocation's seconds between attempts restarted in place: from an end line that says
+    ``restart: in_place`` to the next start line (or to now while the ranks start again): the
+    job holds its nodes throughout, training nothing."""
+    in_place = [e["attempt"] for e in ledger if e.get("event") == "end" and e.get("restart") == "in_place"
+                and isinstance(e.get("attempt"), int) and e["attempt"] in ends]
+    total = 0.0
+    for n in in_place:
+        after = [float(s["time"]) for s in starts if s["attempt"] > n]
+        until = min(after) if after else (now if running else None)
+        if until is not None and until >= ends[n]:
+            total += until - ends[n]
+    return total
 
 
 def queue_wait_s(ledger: Sequence[Mapping[str, Any]], submitted: Mapping[str, float]) -> float:

@@ -290,6 +290,11 @@ def test_goodput_and_planned_memory_come_from_the_ledger():
     assert metrics.goodput_seconds(ledger, running=True, now=500.0) == (90.0 + 50.0, 100.0 + 100.0)
     assert metrics.goodput_seconds(ledger, running=False, now=500.0) == (90.0, 100.0)  # 3 ended without a line
     assert metrics.goodput_seconds([], running=True, now=1.0) == (0.0, 0.0)
+    # a restart in place holds the nodes between its end line and the next start: allocated, not trained
+    in_place = [{**ledger[2], "restart": "in_place"}] + [e for e in ledger[3:] if e.get("attempt") == 3]
+    restarted = ledger[:2] + in_place
+    assert metrics.goodput_seconds(restarted, running=True, now=500.0) == (90.0 + 50.0, 100.0 + 200.0 + 100.0)
+    assert metrics.goodput_seconds(ledger[:2] + in_place[:1], running=True, now=250.0) == (90.0, 100.0 + 50.0)
     row = monitor.build_row(runs.RunRecord(name="r", profile="local", run_dir="/nonexistent", spec_path="/s.yaml",
                                            job_ids=["1"]),
                             read_run_files(Path("/nonexistent")), None, slurm_reachable=True, now=T0)
