@@ -18,6 +18,7 @@ from pathlib import Path
 from launcher import warm
 from launcher.context import Context
 from launcher.core.errors import UserError
+from launcher.core.home import lmlaunch_home
 from launcher.core.ssh import SSH_FAILED, Connection, remote_path
 
 REMOTE_ENV = "LMLAUNCH_REMOTE"
@@ -122,7 +123,7 @@ def said(code: int, login: LoginFacts, profile_name: str, ctx: Context, *, submi
 
 # --------------------------------------------------------------------------- the login section, kept
 def _cache_file(environ: dict[str, str], name: str) -> Path:
-    return warm.home(environ) / "cache" / f"login-{name}.json"
+    return lmlaunch_home(environ) / "cache" / f"login-{name}.json"
 
 
 def remember_login(environ: dict[str, str], name: str, login: dict[str, object]) -> None:

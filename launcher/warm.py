@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from launcher.core.home import lmlaunch_home
+
 ANSWERS = frozenset({"status", "history", "logs"})  # read-only, answered whole (no --follow/--watch)
 STREAMING = frozenset({"-f", "--follow", "--watch", "-w"})
 PASSED = ("COLUMNS", "LINES", "NO_COLOR", "TERM", "LMLAUNCH_FORWARDED")  # what changes only the rendering
@@ -60,12 +62,8 @@ CLIENT = (
 )
 
 
-def home(environ: dict[str, str]) -> Path:
-    return Path(environ.get("LMLAUNCH_HOME") or os.path.expanduser("~/.lmlaunch"))
-
-
 def socket_path(environ: dict[str, str]) -> Path:
-    return home(environ) / "warm" / "cli.sock"
+    return lmlaunch_home(environ) / "warm" / "cli.sock"
 
 
 def answers(argv: list[str]) -> bool:

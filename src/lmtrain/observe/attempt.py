@@ -86,12 +86,10 @@ class AttemptRecords:
             return None
         from hostlist import expand_hostlist
 
-        from launcher.core.jsonlines import read_jsonl
+        from launcher.core.rundir import left_out_of
 
         job = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))  # as it was at the job's start
-        said = [e["left_out"] for e in read_jsonl(self.layout.ledger) if e.get("event") == "end"
-                and str(e.get("job_id")) == str(self.env.job_id) and isinstance(e.get("left_out"), list)]
-        out = set(said[-1]) if said else set()
+        out = set(left_out_of(self.ledger.entries(), self.env.job_id))
         return [n for n in job if n not in self.env.nodes and n not in out]
 
     def end_line(self, outcome: Outcome, *, skipped: bool = False, at: float | None = None) -> bool:

@@ -6,6 +6,7 @@ requeues or cancels the job (:meth:`Preemption.after_end`)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from launcher.core import slurm
 from launcher.core.checkpoint_index import newest_complete
 from launcher.core.plan import PreemptionPlan
-from launcher.core.rundir import Ledger, LedgerNote, RunLayout, is_cancelled
+from launcher.core.rundir import Ledger, LedgerNote, RunLayout, is_cancelled, left_out_of
 from lmtrain.checkpoint.disk_space import disk_full_in
 from lmtrain.health.preflight import PreflightFailed
 from lmtrain.health.watchdog import hang_reason
@@ -25,6 +26,7 @@ from lmtrain.preemption.policy import EndFacts, decide, signal_names
 from lmtrain.preemption.signals import SignalOwner, StopRequest, adopt_early, guard_dataloader_workers
 from lmtrain.preemption.slurm_facts import (
     SLURM_QUERY_TIMEOUT_S,
+    held_nodes,
     job_facts,
     nodes_failed,
     seconds_left,
@@ -191,8 +193,8 @@ class Preemption:
             first_death_node=(outcome.extra.get("first_death") or {}).get("node"),
             previous_first_death_node=self._previous_first_death_node(),
             spare_nodes=getattr(self.plan.slurm, "spare_nodes", 0),
-            allocation_nodes=_expand(info.get("NodeList")) if info is not None else None,
-            left_out=self._left_out(),
+            allocation_nodes=held_nodes(info) if info is not None else None,
+            left_out=left_out_of(self._this_jobs_ends(), self.env.job_id),
             slow_node=self.slow_node,
         )
 
@@ -202,11 +204,6 @@ class Preemption:
 
         return [e for e in read_jsonl(self.layout.ledger) if e.get("event") == "end"
                 and str(e.get("job_id")) == str(self.env.job_id) and e.get("attempt") != self.attempt]
-
-    def _left_out(self) -> list[str]:
-        """The nodes this job's restarts in place leave out so far (the newest end line that says)."""
-        said = [e["left_out"] for e in self._this_jobs_ends() if isinstance(e.get("left_out"), list)]
-        return [str(n) for n in said[-1]] if said else []
 
     def _previous_first_death_node(self) -> str | None:
         """The node whose rank died first in this job's attempt before this one (restarts in place)."""
@@ -247,8 +244,6 @@ class Preemption:
         rank 0 was killed before this. Its first line names this job (an array task's own id)."""
         if self.env.rank != 0 or self.env.launcher != "slurm" or not self.policy.restart_in_place:
             return
-        import os
-
         from launcher.core.atomic import write_atomic
 
         job = os.environ.get("SLURM_JOB_ID", self.env.job_id)
@@ -290,12 +285,3 @@ class Preemption:
                 from lmtrain.preemption.signals import retire
 
                 retire()  # a time-limit warning now (up to a minute early) must not kill it as it exits
-
-
-def _expand(nodelist: str | None) -> list[str] | None:
-    """A SLURM node list (``n[1,3]``) as names; None where SLURM did not give one."""
-    if not nodelist or nodelist in ("(null)", "None"):
-        return None
-    from hostlist import expand_hostlist
-
-    return list(expand_hostlist(nodelist))

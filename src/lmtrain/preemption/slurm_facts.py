@@ -43,17 +43,25 @@ def nodes_down(nodes: list[str]) -> list[str]:
     return [n for n in nodes if states.get(n, "").rstrip("*~#!%$@^-+").startswith(("down", "fail"))]
 
 
+def held_nodes(info: dict[str, str]) -> list[str] | None:
+    """The job's nodes now (`scontrol show job`'s NodeList; a failed node leaves it); None when
+    SLURM gives none."""
+    held = info.get("NodeList", "")
+    if not held or held in ("(null)", "None"):
+        return None
+    from hostlist import expand_hostlist
+
+    return list(expand_hostlist(held))
+
+
 def left_allocation(nodes: list[str], info: dict[str, str]) -> list[str]:
     """Which of ``nodes`` the running job no longer holds: SLURM took a failed node out of a job
     that keeps running (sbatch --no-kill, spare nodes). With ReturnToService=2 such a node may be
     back in service, no longer DOWN, by the time rank 0 asks (seen on the local cluster)."""
-    held = info.get("NodeList", "")
-    if slurm.state_word(info.get("JobState")) != "RUNNING" or not held or held in ("(null)", "None"):
+    held = held_nodes(info)
+    if slurm.state_word(info.get("JobState")) != "RUNNING" or held is None:
         return []
-    from hostlist import expand_hostlist
-
-    now = set(expand_hostlist(held))
-    return [n for n in nodes if n not in now]
+    return [n for n in nodes if n not in held]
 
 
 def nodes_failed(env: Any, info: dict[str, str]) -> list[str]:
