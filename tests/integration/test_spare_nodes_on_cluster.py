@@ -106,12 +106,14 @@ def test_a_straggler_with_action_exclude_is_left_out_for_the_spare_and_the_run_e
     env = {**module_env, **three_nodes.environ()}
     name = job_name("sp", "slow-exclude")
     job, run_dir = submit(env, name, "resources.spare_nodes=1", "health.stragglers.action=exclude",
-                          "health.stragglers.window=3", "health.stragglers.min_interval_s=1", pace_s=None)
+                          "health.stragglers.window=3", "health.stragglers.min_interval_s=0.5", pace_s=None)
     module_jobs.append(job)
-    wait_step(run_dir, 3, attempt=1)
+    wait_step(run_dir, 2, attempt=1)
     records, problems = read_task_records(run_dir, job, 0)
     assert not problems and [(t.rank, t.node) for t in records] == [(0, "n1"), (1, "n2")], records
-    with DutyCycle(next(t.pid for t in records if t.rank == 1)):
+    # slowed hard and early: the unpaced run must not end before a window of slow intervals is scored
+    # (fresh-clone R30: it completed first)
+    with DutyCycle(next(t.pid for t in records if t.rank == 1), stopped_s=0.08, running_s=0.02):
         waiting.until(lambda: [e for e in ends(run_dir) if e["attempt"] == 1], progress=run_progress(run_dir, job),
                       what=f"{name}: attempt 1 ended", explain=lambda: str(ledger(run_dir)))
     finish(job, run_dir)
