@@ -1,11 +1,14 @@
 """A crashed rank: failure -> first step again, restarted in place against requeued, on the real
-local SLURM cluster, both measured in the same run.
+local SLURM cluster, all measured in the same run.
 
-Two runs of jobs/tiny-cpu.yaml (2 nodes x 1 task, gloo), each with rank 1 SIGKILLed at step
+Three runs of jobs/tiny-cpu.yaml (2 nodes x 1 task, gloo), each with rank 1 SIGKILLed at step
 ``--kill-step`` of its first attempt (lmtrain.faults, as the OOM killer would):
 
-- ``in_place``: the default, `preemption.restart_in_place: true`: rank 0 asks the batch script to
-  run srun again in the same allocation;
+- ``in_place``: the default, `preemption.restart_in_place: true` with `warm_restart: true`: rank 0
+  decides the restart and each task's agent (lmtrain.task.agent) forks the training process again
+  inside the same srun step, the frameworks already imported;
+- ``in_place_srun``: `warm_restart: false`: rank 0 asks the batch script to run srun again in the
+  same allocation (new processes, the imports again);
 - ``requeue``: `preemption.restart_in_place: false`: rank 0 requeues the job (scontrol requeue),
   which waits in the queue as SLURM makes it (the local cluster's requeue BeginTime, ~2 min; not
   started early) and starts again.
@@ -37,14 +40,17 @@ from preemption import SPEC, cli, jsonl  # bench/preemption.py: the same job and
 
 from launcher.core import slurm
 
+MODES = {"in_place": ("preemption.restart_in_place=true", "preemption.warm_restart=true"),
+         "in_place_srun": ("preemption.restart_in_place=true", "preemption.warm_restart=false"),
+         "requeue": ("preemption.restart_in_place=false",)}
 
-def one(environ: dict[str, str], root: Path, name: str, kill_step: int, in_place: bool) -> dict:
+
+def one(environ: dict[str, str], root: Path, name: str, kill_step: int, mode: str) -> dict:
     rule = {"point": "train.batch_end", "attempt": 1, "step": kill_step, "rank": 1, "action": "kill"}
     os.environ["LMLAUNCH_FAULTS"] = json.dumps([rule])  # SLURM hands the job the submitting environment
     try:
         out = cli(environ, "submit", SPEC, f"name={name}", "trainer.max_steps=40", "trainer.val_check_interval=null",
-                  "checkpoint.every_n_steps=5", "optim.warmup_steps=2",
-                  f"preemption.restart_in_place={'true' if in_place else 'false'}")
+                  "checkpoint.every_n_steps=5", "optim.warmup_steps=2", *MODES[mode])
     finally:
         os.environ.pop("LMLAUNCH_FAULTS", None)
     job = re.search(r"job (\d+)", out).group(1)
@@ -61,9 +67,9 @@ def one(environ: dict[str, str], root: Path, name: str, kill_step: int, in_place
     crash_t = float(ends[0]["time"])
     first = min(float(b["time"]) for b in jsonl(run_dir / "metrics" / "heartbeat.jsonl")
                 if b.get("event") == "step" and b.get("attempt") == 2)
-    row = {"mode": "in_place" if in_place else "requeue", "job": job, "detail": ends[0].get("detail", "")[-90:],
+    row = {"mode": mode, "job": job, "detail": ends[0].get("detail", "")[-90:],
            "slurm_restarts": slurm.restart_count(job), "failure_to_first_step_s": round(first - crash_t, 2)}
-    if not in_place:
+    if mode == "requeue":
         start = next(float(e["time"]) for e in ledger if e.get("event") == "start" and e.get("attempt") == 2)
         acct = [a for a in slurm.sacct([job], duplicates=True) if a.job_id == job]
         started = max((slurm.parse_time(a.start) or 0.0) for a in acct) if acct else start
@@ -84,13 +90,18 @@ def main() -> int:
     environ = {**os.environ, "LMLAUNCH_HOME": str(tmp / "home"), "LMLAUNCH_RUNS_ROOT": str(tmp / "runs")}
     try:
         stamp = time.strftime("%H%M%S")
-        in_place = one(environ, tmp / "runs", f"bench-rip-{stamp}-a", args.kill_step, True)
-        requeue = one(environ, tmp / "runs", f"bench-rip-{stamp}-b", args.kill_step, False)
+        in_place = one(environ, tmp / "runs", f"bench-rip-{stamp}-a", args.kill_step, "in_place")
+        by_srun = one(environ, tmp / "runs", f"bench-rip-{stamp}-c", args.kill_step, "in_place_srun")
+        requeue = one(environ, tmp / "runs", f"bench-rip-{stamp}-b", args.kill_step, "requeue")
         base = requeue["without_queue_wait_s"]
-        summary = {"in_place_s": in_place["failure_to_first_step_s"], "requeue_s": requeue["failure_to_first_step_s"],
+        summary = {"in_place_s": in_place["failure_to_first_step_s"],
+                   "in_place_by_new_srun_s": by_srun["failure_to_first_step_s"],
+                   "requeue_s": requeue["failure_to_first_step_s"],
                    "requeue_queue_wait_s": requeue["queue_wait_s"], "requeue_without_queue_wait_s": base,
                    "ratio_in_place_to_requeue_without_wait": round(in_place["failure_to_first_step_s"] / base, 3)
                    if base > 0 else None,
+                   "ratio_warm_to_new_srun": round(in_place["failure_to_first_step_s"] / by_srun["failure_to_first_step_s"], 3)
+                   if by_srun["failure_to_first_step_s"] > 0 else None,
                    "in_place_slurm_restarts": in_place["slurm_restarts"],
                    "requeue_slurm_restarts": requeue["slurm_restarts"]}
         summary["meets_goal"] = bool(summary["ratio_in_place_to_requeue_without_wait"] is not None

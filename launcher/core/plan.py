@@ -91,6 +91,7 @@ class PreemptionPlan:
     grace_seconds: int | None  # the partition's GraceTime, when the profile knows it
     agree_every_n_steps: int = 1  # stop agreement every K step boundaries (plans before it: 1)
     restart_in_place: bool = False  # a crash retried inside the allocation (plans before it: requeued)
+    warm_restart: bool = False  # restarts in place forked by each task's agent (plans before it: a new srun each)
 
     @classmethod
     def of(cls, spec: PreemptionSpec, *, cluster_sends_user_signal: bool = False,

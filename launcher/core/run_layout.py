@@ -21,6 +21,9 @@ RESTART_IN_PLACE = "RESTART_IN_PLACE"  # rank 0's decision, for the batch script
 # set by that loop for ranks it starts again after srun failed and rank 0 never decided: srun's exit
 # status (the next attempt's start gate records the missing end line from it)
 UNDECIDED_VAR = "LMLAUNCH_UNDECIDED_END"
+# set by each task's agent (lmtrain.task.agent) for the training process it forks: how many times the
+# ranks restarted in this srun step before it (0: the step's first); part of the rendezvous key
+GENERATION_VAR = "LMLAUNCH_STEP_GENERATION"
 CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
 LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.snapshot, PYTHONPATH in the plan)
@@ -161,6 +164,11 @@ class RunLayout:
 
     def rendezvous_file(self, key: str) -> Path:
         return self.rendezvous / f"{key}.json"
+
+    def verdict_file(self, key: str) -> Path:
+        """Rank 0's agent's word to the others when the ranks of one start (``key``) ended: ``restart``
+        (fork them again in this srun step) or ``exit`` (end the step: the batch script decides)."""
+        return self.rendezvous / f"{key}.next"
 
     def gate_file(self, key: str) -> Path:
         return self.rendezvous / f"{key}.gate.json"

@@ -373,6 +373,8 @@ class PreemptionSpec(StrictModel):
     """Retries after a crash or a hang (non-zero exit with no signal): in place where restart_in_place allows, else requeues."""
     restart_in_place: bool = True
     """Retry a crash or a hang inside the same allocation: the batch script starts the ranks again within seconds, from the newest complete checkpoint, with the same job id and no queue wait; a requeue instead when the allocation's time left is too short, when the rank that died first died on the same node in the attempt before, or when SLURM itself requeues the job (a node failure)."""
+    warm_restart: bool = True
+    """With restart_in_place: each task's process stays as a small agent that imported the frameworks once and forks the training process; when rank 0 decides a restart in place, the agents fork it again inside the same srun step (no new srun, no imports: seconds faster). A restart that leaves a node out, or that follows a rank 0 killed before it decided, is a new srun. Memory: one more process per rank holding the imported frameworks (a few hundred MB, shared with the training process until it writes them)."""
     no_progress_attempts: int = Field(3, ge=1, le=100_000)
     """Stop when the global step did not advance over this many attempts."""
     agree_every_n_steps: int = Field(1, ge=1, le=10_000)

@@ -197,3 +197,31 @@ def test_planned_peak_is_within_10_percent_of_cudas_max_allocated(tmp_path, data
     from tests.memory_helpers import assert_states_as_planned
 
     assert_states_as_planned(run_dir)
+
+
+def test_a_training_process_forked_by_the_task_agent_uses_cuda(tmp_path):
+    """The task agent's imports (lmtrain.task.agent, warm restarts) leave CUDA untouched, so the
+    training process it forks can use the GPU; on a GPU plan deepspeed is not preloaded."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, sys
+        from pathlib import Path
+        from lmtrain.preemption.signals import own_signals
+        from lmtrain.task.agent import AgentSettings, TaskAgent
+
+        settings = AgentSettings(run_dir=Path("."), rank=0, job_id="1", verdict_wait_s=1.0, preload_deepspeed=False)
+        assert TaskAgent(settings, own_signals({"signal": "USR2"}))._preload(), "the imports started CUDA"
+        pid = os.fork()
+        if pid == 0:
+            import torch
+            ok = torch.ones(4, device="cuda").sum().item() == 4.0
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'src'}"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

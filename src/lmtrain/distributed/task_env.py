@@ -29,6 +29,7 @@ from typing import Any
 from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 
 from launcher.core.atomic import write_private
+from launcher.core.run_layout import GENERATION_VAR
 from launcher.core.rundir import RunLayout
 from launcher.core.task_records import TaskRecord, write_task_record
 
@@ -50,14 +51,17 @@ class TaskEnv:
     restart_count: int
     nodes: tuple[str, ...]
     step_id: int = 0  # SLURM_STEP_ID: each srun of a job that restarts in place is a new step
+    generation: int = 0  # restarts in place inside this srun step before this start (lmtrain.task.agent)
 
     @property
     def rendezvous_key(self) -> str:
         """One per start of the ranks: the job, SLURM's requeues, and the srun step (a restart in
         place keeps the job and its restart count; a key without the step let a rank read the
-        attempt before's rendezvous and wait on a master that was gone)."""
+        attempt before's rendezvous and wait on a master that was gone), and the generation: a restart
+        the task agents fork inside one srun step."""
         key = f"{self.job_id}-{self.restart_count}"
-        return f"{key}-s{self.step_id}" if self.step_id else key
+        key = f"{key}-s{self.step_id}" if self.step_id else key
+        return f"{key}-g{self.generation}" if self.generation else key
 
     @property
     def node_name(self) -> str:
@@ -114,6 +118,7 @@ def read_env(environ: dict[str, str] | None = None) -> TaskEnv:
         restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
         nodes=tuple(expand_hostlist(nodelist)) if nodelist else (socket.gethostname(),),
         step_id=_step_id(env),
+        generation=int(env[GENERATION_VAR]) if env.get(GENERATION_VAR, "").isdigit() else 0,
     )
 
 

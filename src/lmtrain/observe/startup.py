@@ -54,6 +54,12 @@ class StartupClock:
     def __init__(self, process_start: float | None = None) -> None:
         self.process_start = process_start if process_start is not None else (process_start_time() or time.time())
         self.ends: dict[str, float] = {}
+        self.backdated: dict[str, float] = {}
+
+    def forked(self, process_start: float, backdated: dict[str, float] | None = None) -> None:
+        """In a training process forked from its task's agent (lmtrain.task.agent): its start, and the
+        phases the agent went through for it (the first one's imports), which its marks then take."""
+        self.process_start, self.ends, self.backdated = process_start, {}, dict(backdated or {})
 
     def begin_attempt(self) -> None:
         """An attempt starts in this process: the first one at the process's start; a later one
@@ -65,7 +71,8 @@ class StartupClock:
         if phase not in STARTUP_PHASES:
             raise ValueError(f"unknown startup phase {phase!r}; phases: {', '.join(STARTUP_PHASES)}")
         if phase not in self.ends:
-            self.ends[phase] = time.time() if at is None else at
+            back = self.backdated.pop(phase, None)
+            self.ends[phase] = back if back is not None else (time.time() if at is None else at)
             faults.point(f"startup.{phase}")  # the fault seam: a test holds a task at this moment of its start
 
     def record(self, attempt: int, job_id: str | None, checkpoint_bytes: int | None) -> AttemptStartup:

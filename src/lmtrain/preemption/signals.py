@@ -164,6 +164,22 @@ def retire() -> None:
         signal.signal(early.warning_signum, signal.SIG_IGN)
 
 
+def carry_over(before: SignalOwner) -> None:
+    """In a training process its task's agent forked (lmtrain.task.agent), after :func:`own_signals`:
+    what the agent recorded while no training process could act on it (during its imports, between
+    two training processes, or during one that ended asking for a restart), as if this process had
+    received it; it is acted on at the first step boundary."""
+    early = _EARLY
+    if early is None or early.pid != os.getpid() or not before.stop.requested:
+        return
+    early.stop.request(before.stop.reason or "preempted", before.stop.detail)
+    early.stop.requested_at = before.stop.requested_at
+    rec, old = early.record, before.record
+    rec.term_at = rec.term_at or old.term_at
+    rec.warning_at = rec.warning_at or old.warning_at
+    rec.count += old.count
+
+
 def adopt_early(stop: StopRequest, warning_signal: str) -> SignalOwner | None:
     early = _EARLY
     if early is None or early.pid != os.getpid() or not early.installed:

@@ -21,6 +21,11 @@ behind, and submitit refuses to write a result where one exists: the next attemp
 job and task trained to the end and then failed. The stale file is removed before the task runs
 (:func:`clear_stale_result`); only this task writes it, and its earlier attempt has ended.
 
+In a run that restarts in place with ``preemption.warm_restart``, this process becomes the task's
+agent (lmtrain.task.agent) once it owns the signals: it imports the frameworks and forks the
+training process (:func:`train`), again for every restart in place rank 0 decides, inside the
+same srun step.
+
 Standard library only until the signals are owned; launcher.submit renders this command (and
 ``_submit``'s for a run whose code snapshot predates this module).
 """
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.preemption.signals import own_signals, release_early_signals
+from lmtrain.task.agent import OWNER_ENV, TaskAgent, owner_alive, settings_here
 
 USAGE = "usage: python -m lmtrain.task.main [--signal NAME] FOLDER"
 
@@ -65,7 +71,6 @@ def clear_stale_result(folder: str) -> Path | None:
     return stale
 
 
-OWNER_ENV = "LMLAUNCH_TASK_PID"  # set by launcher/core/podman_task.sh: the podman client SLURM started
 OWNER_POLL_S = 1.0
 
 
@@ -82,14 +87,10 @@ def watch_owner(environ: Any = None, *, poll_s: float = OWNER_POLL_S) -> threadi
 
     def watch() -> None:
         while True:
-            try:
-                os.kill(owner, 0)
-            except ProcessLookupError:
+            if not owner_alive(env):
                 print(f"lmtrain: the SLURM task that started this container (pid {owner}) is gone: this rank "
                       "ends with it", file=sys.stderr, flush=True)
                 os._exit(137)
-            except PermissionError:
-                pass  # alive, another user's (cannot happen for our own client; be safe)
             time.sleep(poll_s)
 
     thread = threading.Thread(target=watch, name="lmtrain-task-owner", daemon=True)
@@ -99,7 +100,15 @@ def watch_owner(environ: Any = None, *, poll_s: float = OWNER_POLL_S) -> threadi
 
 def main(argv: list[str] | None = None) -> None:
     signal_name, folder = _args(sys.argv[1:] if argv is None else argv)
-    own_signals({"signal": signal_name})
+    owner = own_signals({"signal": signal_name})
+    settings = settings_here()
+    if settings is not None:
+        TaskAgent(settings, owner).serve()  # returns in the training process it forks (lmtrain.task.agent)
+    train(folder)
+
+
+def train(folder: str) -> None:
+    """The training process's body: submitit's runner on lmtrain's task, with lmtrain's signals."""
     watch_owner()
     from lmtrain import faults
 

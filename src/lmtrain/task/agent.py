@@ -1,0 +1,335 @@
+"""Each SLURM task's agent: a restart in place that rank 0 decided is a fork, not a new srun.
+
+A restart in place used to end the srun step and start a new one (launcher.in_place's loop): every
+rank a new interpreter that imports torch, Lightning and transformers again, most of the seconds
+from a crash to the first step again. With ``preemption.warm_restart`` (and restart_in_place),
+the task's process (lmtrain.task.main) becomes an agent instead: it imports the frameworks once and
+forks the training process from itself. When the ranks' training processes end:
+
+- rank 0's agent reads rank 0's decision (launcher.core.rundir's RESTART_IN_PLACE, written by
+  lmtrain.preemption.controller after the attempt's end line). A ``restart`` that leaves no node out,
+  in a job SLURM is not preempting, is taken here: the agent removes the request and writes
+  ``restart`` to its verdict file (``rendezvous/<key>.next``); anything else writes ``exit``;
+- every agent acts on that verdict: ``restart`` forks a new training process in the same step (the
+  next generation: its rendezvous key and :data:`GENERATION_VAR`); ``exit`` ends the agent as its
+  training process ended (the same exit code or signal, which srun reports as before), so the
+  step ends and the batch script's loop does what it did without agents: a restart that leaves a
+  node out, one after rank 0 was killed before it decided, the preemption check, the requeue.
+
+An agent whose training process died of a signal writes the rank's last words for it (srun never
+sees that death), where rank 0 looks for the first death. The agent forwards the warning signal
+and SIGTERM to its training process, and keeps them for the next one when they came while none
+could act (lmtrain.preemption.signals.carry_over). Its training process dies with it (prctl
+PR_SET_PDEATHSIG). The agent does not fork where its imports started CUDA (a forked child cannot
+use it): the task then trains in the agent's own process, as without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launcher.core.run_layout import GENERATION_VAR, UNDECIDED_VAR, RunLayout
+from lmtrain.preemption.signals import SignalOwner, StopRequest
+
+POLL_S = 1.0  # while a training process runs: its owner (podman's client) and rank 0's verdict
+VERDICT_POLL_S = 0.05  # after it ended: how often a rank's agent looks for rank 0's verdict
+VERDICT_MARGIN_S = 120.0  # beyond the longest rank 0 may take to decide (watchdog and collective timeouts)
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    run_dir: Path
+    rank: int
+    job_id: str  # SLURM_JOB_ID: the first line of rank 0's decision names it
+    verdict_wait_s: float  # how long a rank's agent waits for rank 0's verdict once its process ended
+    preload_deepspeed: bool  # on CPU only: deepspeed's import asks for CUDA on a GPU node
+
+
+def settings_of(plan: Mapping[str, Any], environ: Mapping[str, str]) -> AgentSettings | None:
+    """Pure: the agent's settings from plan.json and the task's environment; None where the task
+    runs without an agent (no SLURM task, no restart in place, warm_restart off, a plan before it)."""
+    pre = plan.get("preemption") or {}
+    if not (pre.get("restart_in_place") and pre.get("warm_restart")):
+        return None
+    if not environ.get("SLURM_PROCID", "").isdigit() or not environ.get("SLURM_JOB_ID"):
+        return None
+    watchdog = (plan.get("spec") or {}).get("watchdog") or {}
+    longest = max(float(watchdog.get("collective_timeout_s") or 0), float(watchdog.get("hang_timeout_s") or 0))
+    topology = plan.get("topology") or {}
+    parallelism = topology.get("parallelism") or {}
+    return AgentSettings(
+        run_dir=Path((plan.get("paths") or {}).get("run_dir") or environ.get("LMLAUNCH_RUN_DIR", ".")),
+        rank=int(environ["SLURM_PROCID"]), job_id=environ["SLURM_JOB_ID"],
+        verdict_wait_s=longest + float(watchdog.get("exit_grace_s") or 0) + VERDICT_MARGIN_S,
+        preload_deepspeed=topology.get("accelerator") == "cpu" and parallelism.get("zero_stage") is not None,
+    )
+
+
+def settings_here(environ: Mapping[str, str] | None = None) -> AgentSettings | None:
+    """This task's settings, from the run directory SLURM's environment names; None when it has none."""
+    env = os.environ if environ is None else environ
+    run_dir = env.get("LMLAUNCH_RUN_DIR")
+    if not run_dir or env.get(GENERATION_VAR):  # a training process never becomes an agent itself
+        return None
+    try:
+        plan = json.loads(RunLayout.of(run_dir).plan.read_text())
+    except (OSError, ValueError):
+        return None  # the task's own start says what is wrong with the run directory
+    return settings_of(plan, env)
+
+
+def read_decision(path: Path) -> list[str]:
+    """Rank 0's decision file: [job id, nodes left out, decision], [] when there is none."""
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
+def takes_restart(said: list[str], job_id: str) -> bool:
+    """Pure: whether rank 0's decision is a restart the agents fork themselves (this job's, a
+    restart, no node left out); every other one is the batch script's."""
+    field = (said + ["", "", ""])[:3]
+    return field[0] == job_id and field[2] in ("", "restart") and not field[1].strip()
+
+
+class TaskAgent:
+    """One task's agent (the module's docstring): :meth:`serve` returns only in a training process."""
+
+    def __init__(self, settings: AgentSettings, owner: SignalOwner) -> None:
+        """``owner``: lmtrain.task.main's early signal owner, whose warning signal is the task's."""
+        self.s = settings
+        self.pid = os.getpid()
+        self.layout = RunLayout.of(settings.run_dir)
+        self.worker = 0
+        self.generation = 0
+        self.kept = owner  # what came while no training process could act on it
+        self.phases: dict[str, float] = {}
+        self.killed = False  # this agent ended its training process (rank 0 restarted without it)
+
+    def serve(self) -> bool:
+        """Import, then fork a training process and wait for it, again while rank 0 restarts in place.
+        True in a training process (the caller trains) and where forking is unsafe (CUDA started)."""
+        if not self._preload():
+            return True
+        for signum in self.kept.signums:
+            signal.signal(signum, self._on_signal)
+        while True:
+            if self._fork() == 0:
+                return True
+            status = self._wait()
+            if self._verdict(status) != "restart":
+                self._exit_like(status)
+            self.generation += 1
+
+    def _preload(self) -> bool:
+        from lmtrain.observe.startup import imports_without_gc
+
+        self.phases["entry"] = time.time()
+        with imports_without_gc(freeze=True):
+            import lightning.pytorch  # noqa: F401
+            import submitit.core.submission  # noqa: F401
+            import torch
+            import transformers.modeling_utils  # noqa: F401  (every model's base)
+
+            import launcher.core.plan  # noqa: F401
+            import lmtrain.task.entry
+            import lmtrain.task.training  # noqa: F401
+
+            if self.s.preload_deepspeed:
+                import deepspeed  # noqa: F401
+        self.phases["imports"] = time.time()
+        if torch.cuda.is_initialized() or _maps_libcuda():
+            print("lmtrain: the frameworks' imports started CUDA in this task's agent; a forked training process "
+                  "could not use it: training in this process (a restart in place is a new srun)",
+                  file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.pid:
+            return  # a training process before it owns its signals (they are blocked then)
+        self.kept._handle(signum, frame)  # kept for the next training process if this one cannot act
+        if self.worker:
+            try:
+                os.kill(self.worker, signum)
+            except ProcessLookupError:
+                pass
+
+    def _fork(self) -> int:
+        signums = set(self.kept.signums)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._become_worker()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
+            return 0
+        self.worker = pid
+        self.kept = SignalOwner(StopRequest(), self.kept.warning_name)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)  # what came meanwhile is forwarded now
+        return pid
+
+    def _become_worker(self) -> None:
+        """In the forked training process, signals still blocked: die with the agent, take this
+        generation's environment, own the signals and what the agent kept for it."""
+        _die_with_parent(self.pid)
+        os.environ[GENERATION_VAR] = str(self.generation)
+        if self.generation:
+            os.environ[UNDECIDED_VAR] = ""  # rank 0 decided the restart: no end line is missing
+        from lmtrain.observe.startup import CLOCK
+        from lmtrain.preemption.signals import carry_over, own_signals
+
+        CLOCK.forked(CLOCK.process_start if self.generation == 0 else time.time(),
+                     self.phases if self.generation == 0 else None)
+        own_signals({"signal": self.kept.warning_name})
+        carry_over(self.kept)
+
+    def _wait(self) -> int:
+        """The training process's wait status. While it runs: the container's owner gone ends both;
+        rank 0's verdict ``restart`` for this generation ends it (rank 0 recorded the attempt's end;
+        a rank stuck in a collective would hold the restart up to the collective timeout)."""
+        fd = os.pidfd_open(self.worker)
+        self.killed = False
+        try:
+            while not select.select([fd], [], [], POLL_S)[0]:
+                if not owner_alive() or (self.s.rank != 0 and self._read_verdict() == "restart"):
+                    self.killed = True
+                    os.kill(self.worker, signal.SIGKILL)
+        finally:
+            os.close(fd)
+        _, status = os.waitpid(self.worker, 0)
+        self.worker = 0
+        if os.WIFSIGNALED(status) and not self.killed:
+            self._last_words(os.WTERMSIG(status))
+        return status
+
+    def _key(self) -> str:
+        from lmtrain.distributed.task_env import read_env
+
+        return read_env({**os.environ, GENERATION_VAR: str(self.generation)}).rendezvous_key
+
+    def _read_verdict(self) -> str | None:
+        try:
+            return self.layout.verdict_file(self._key()).read_text().strip() or None
+        except OSError:
+            return None
+
+    def _verdict(self, status: int) -> str:
+        """Rank 0's agent decides for every agent of the step; the others wait for its word."""
+        if self.s.rank == 0:
+            decided = self._decide()
+            from launcher.core.atomic import write_atomic
+
+            path = self.layout.verdict_file(self._key())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, decided + "\n")
+            return decided
+        deadline = time.monotonic() + self.s.verdict_wait_s
+        while (verdict := self._read_verdict()) is None:
+            if time.monotonic() > deadline:
+                print(f"lmtrain: rank 0's agent gave no word within {self.s.verdict_wait_s:.0f} s after this rank's "
+                      "training process ended: ending this task", file=sys.stderr, flush=True)
+                return "exit"
+            time.sleep(VERDICT_POLL_S)
+        return verdict
+
+    def preempting(self) -> bool:
+        """Whether SLURM is preempting this job (its PreemptTime set, GraceTime running)."""
+        from lmtrain.preemption.slurm_facts import job_facts
+
+        return (job_facts(self.s.job_id) or {}).get("PreemptTime", "")[:1].isdigit()
+
+    def _decide(self) -> str:
+        said = read_decision(self.layout.restart_request)
+        if not takes_restart(said, self.s.job_id):
+            return "exit"
+        if self.preempting():
+            print("lmtrain: the job is being preempted: the batch script requeues it, the ranks do not restart",
+                  file=sys.stderr, flush=True)
+            return "exit"
+        self.layout.restart_request.unlink(missing_ok=True)  # taken here: the batch script must not restart too
+        print(f"lmtrain: restarting the ranks in place in this srun step (generation {self.generation + 1})",
+              file=sys.stderr, flush=True)
+        return "restart"
+
+    def _last_words(self, signum: int) -> None:
+        """A training process that died of a signal: srun never sees it (this agent lives on); say it
+        where rank 0 looks for the first death, for the attempt it was in."""
+        from launcher.core.rundir import LastWords
+
+        try:
+            rv = json.loads(self.layout.rendezvous_file(self._key()).read_text())
+            attempt = int(rv["attempt"])
+            if any(w.rank == self.s.rank for w in LastWords.read_all(self.s.run_dir, attempt)):
+                return
+            try:
+                name = signal.Signals(signum).name
+            except ValueError:
+                name = f"signal {signum}"
+            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            LastWords(rank=self.s.rank, node=node, pid=None, time=time.time(), how="signal", detail=name,
+                      source="task's agent").write(self.s.run_dir, attempt)
+        except (OSError, ValueError, KeyError):
+            pass  # rank 0 then names the rank from what else it has
+
+    def _exit_like(self, status: int) -> None:
+        """End as the training process ended: srun reports the same exit code or signal."""
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        if os.WIFSIGNALED(status):
+            signum = os.WTERMSIG(status)
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be handled
+                signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            os.kill(os.getpid(), signum)
+        raise SystemExit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+OWNER_ENV = "LMLAUNCH_TASK_PID"  # set by launcher/core/podman_task.sh: the podman client SLURM started
+
+
+def owner_alive(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the SLURM task that started this container is still there (always, outside podman:
+    SLURM's own task is this process or its agent). The container shares the host's pids."""
+    raw = (os.environ if environ is None else environ).get(OWNER_ENV, "")
+    if not raw.isdigit():
+        return True
+    try:
+        os.kill(int(raw), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's (cannot happen for our own client; be safe)
+    return True
+
+
+def _maps_libcuda() -> bool:
+    try:
+        return "libcuda.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def _die_with_parent(parent: int) -> None:
+    """This process gets SIGKILL when its agent dies (Linux); already gone, it exits now."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(137)
