@@ -262,16 +262,25 @@ def _killed_mid_run(env, jobs, name, *, rank: int):
     return job, run_dir, ends(run_dir)[0]
 
 
+def _task_steps(job: str) -> list[str]:
+    """The job's srun steps, as sacct has them (``<job>.0``, ``<job>.1``, ...)."""
+    rows = slurm.sacct([job], steps=True)
+    return sorted(r.job_id for r in rows if "." in r.job_id and r.job_id.rpartition(".")[2].isdigit())
+
+
 def test_a_rank_sigkilled_like_the_oom_killer_is_named_and_restarted_in_place(reference, env, jobs, name):
     """Rank 1 (on n2) SIGKILLed mid-training: rank 0 fails in its next all-reduce ("Connection
-    closed by peer"), but the ledger names rank 1 on n2, killed by SIGKILL, from srun's own task
-    line; the crash retry restarts the ranks in place: the same SLURM job, never requeued (its
-    restart count stays 0, no queue wait), from the newest complete checkpoint, and the run ends
+    closed by peer"), but the ledger names rank 1 on n2, killed by SIGKILL, from its task's agent,
+    which saw it die; the crash retry restarts the ranks in place, forked again by the task agents
+    inside the same srun step (one step in sacct): the same SLURM job, never requeued (its restart
+    count stays 0, no queue wait), from the newest complete checkpoint, and the run ends
     bit-identical to the uninterrupted one."""
     job, run_dir, first = _killed_mid_run(env, jobs, name, rank=1)
     assert (first["reason"], first["requeued"]) == ("crashed", True), first
     assert first["first_death"] == {"rank": 1, "node": "n2", "how": "killed by SIGKILL",
-                                    "source": "srun: task 1: Killed"}, first
+                                    "source": "the task's agent"}, first
+    waiting.until(lambda: _task_steps(job), progress=waiting.job(job), what=f"job {job}'s steps in sacct")
+    assert _task_steps(job) == [f"{job}.0"], _task_steps(job)  # a warm restart: no second srun
     assert first["detail"].startswith("rank 1 on n2 died first: killed by SIGKILL"), first["detail"]
     assert "restarted in place" in first["detail"] and first["restart"] == "in_place", first
     assert [s["start_step"] for s in starts(run_dir)] == [0, EVERY]
@@ -297,6 +306,8 @@ def test_rank_zero_sigkilled_before_it_can_decide_is_restarted_in_place_by_the_b
     assert [(s["job_id"], s["restart_count"], s["start_step"]) for s in starts(run_dir)] == [
         (job, 0, 0), (job, 0, EVERY)], starts(run_dir)
     assert slurm.restart_count(job) == 0
+    waiting.until(lambda: len(_task_steps(job)) > 1, progress=waiting.job(job), what=f"job {job}'s steps in sacct")
+    assert _task_steps(job) == [f"{job}.0", f"{job}.1"], _task_steps(job)  # no agent could decide: a new srun
     _check_resumed_exactly(run_dir, reference)
 
 
