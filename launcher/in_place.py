@@ -25,6 +25,7 @@ def restart_loop_head(plan: LaunchPlan) -> list[str]:
             "lmlaunch_restarts=0",
             "lmlaunch_undecided=0",
             "lmlaunch_exclude=",
+            "lmlaunch_overlap=  # set from the first restart on (launcher.in_place.restart_srun_prefix)",
             "# a preemption that lands between two sruns signals no task of the next: do not start one then",
             "lmlaunch_preempting() { scontrol show job \"$SLURM_JOB_ID\" 2>/dev/null | grep -q 'PreemptTime=[0-9]'; }",
             "while :; do"]
@@ -51,6 +52,7 @@ def restart_loop_tail(plan: LaunchPlan) -> str:
         '    echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc${lmlaunch_exclude:+; '
         'leaving out $lmlaunch_exclude})" >&2',
         *_unless_preempting("    "),
+        "    lmlaunch_overlap=1",
         "    continue",
         "  fi",
         f'elif [ -n "$SLURM_JOB_ID" ] && [ "$lmlaunch_rc" -ne 0 ] && [ "$lmlaunch_undecided" -lt {most} ]; then',
@@ -60,6 +62,7 @@ def restart_loop_tail(plan: LaunchPlan) -> str:
         '  echo "lmlaunch: srun exited $lmlaunch_rc and rank 0 never decided (killed?): restarting the ranks in place '
         f'($lmlaunch_restarts; $lmlaunch_undecided of max_crash_retries({most}))" >&2',
         *_unless_preempting("  "),
+        "  lmlaunch_overlap=1",
         "  continue",
         "fi",
         "break",
@@ -89,9 +92,16 @@ def spare_srun_args(plan: LaunchPlan) -> list[str]:
     return [f"--nodes={s.run_nodes}", f"--ntasks={s.run_nodes * s.ntasks_per_node}", "--no-kill"]
 
 
-def exclude_prefix(plan: LaunchPlan) -> str:
-    """srun's last options in a job with spare nodes: the nodes rank 0 asked the restart to leave out."""
-    return "${lmlaunch_exclude:+--exclude=$lmlaunch_exclude} " if plan.slurm.spare_nodes else ""
+def restart_srun_prefix(plan: LaunchPlan) -> str:
+    """srun's last options in a job that restarts in place: from the first restart on ``--overlap``
+    (a step whose node died with everything on it stays RUNNING in the controller, holding its CPUs
+    on the live nodes, until that node comes back: seen on SLURM 22.05, "step creation temporarily
+    disabled (Requested nodes are busy)" for ever); with spare nodes, the nodes rank 0 asked the
+    restart to leave out."""
+    if not plan.preemption.restart_in_place:
+        return ""
+    out = "${lmlaunch_overlap:+--overlap} "
+    return out + ("${lmlaunch_exclude:+--exclude=$lmlaunch_exclude} " if plan.slurm.spare_nodes else "")
 
 
 def asked_nodes(plan: LaunchPlan) -> str:

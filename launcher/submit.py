@@ -16,7 +16,7 @@ from launcher.core import container, rundir, slurm, slurm_relay
 from launcher.core.errors import SlurmUnavailable, UserError
 from launcher.core.plan import LaunchPlan
 from launcher.core.shell import export_line
-from launcher.in_place import exclude_prefix, restart_loop_head, restart_loop_tail, spare_srun_args
+from launcher.in_place import restart_loop_head, restart_loop_tail, restart_srun_prefix, spare_srun_args
 
 
 def setup_lines(plan: LaunchPlan) -> list[str]:
@@ -102,7 +102,7 @@ def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
     """The script's command after srun's options: the nodes a restart leaves out (a job with spare
     nodes), the task command, then the restart loop's tail where the job restarts in place
     (:func:`restart_loop_tail`)."""
-    return exclude_prefix(plan) + task_command(plan, folder) + restart_loop_tail(plan)
+    return restart_srun_prefix(plan) + task_command(plan, folder) + restart_loop_tail(plan)
 
 
 def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:

@@ -167,8 +167,15 @@ class RunLayout:
 
     def verdict_file(self, key: str) -> Path:
         """Rank 0's agent's word to the others when the ranks of one start (``key``) ended: ``restart``
-        (fork them again in this srun step) or ``exit`` (end the step: the batch script decides)."""
+        (a proposal: end the training process and say so in :meth:`ready_dir`), then ``fork`` (every
+        agent is ready: fork the next in this srun step) or ``exit`` (end the step: the batch script
+        decides)."""
         return self.rendezvous / f"{key}.next"
+
+    def ready_dir(self, key: str) -> Path:
+        """One empty file per rank whose agent ended its training process for a restart rank 0's
+        agent proposed (``restart`` in the verdict file) and is ready to fork the next."""
+        return self.rendezvous / f"{key}.ready"
 
     def gate_file(self, key: str) -> Path:
         return self.rendezvous / f"{key}.gate.json"

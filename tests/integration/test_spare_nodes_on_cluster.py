@@ -5,6 +5,9 @@ cluster grown to three nodes (`cluster up --nodes 3`).
   it: SLURM takes the node out of the allocation and kills its task (sbatch --no-kill keeps the
   job; srun --no-kill keeps rank 0), rank 0 sees the node gone, leaves it out and asks the batch
   script to start the ranks again on the spare.
+- The node dies outright (its slurmd and every process of the job on it SIGKILLed): nobody on it
+  says anything, SLURM declares it DOWN only after SlurmdTimeout, and the ranks go on on the
+  spare through the batch script's new srun.
 - A rank slowed from outside (stopped and continued in a duty cycle) with
   ``health.stragglers.action: exclude``: rank 0's straggler watch names it, the attempt stops at
   a step boundary with a checkpoint, and the ranks restart in place without its node.
@@ -15,6 +18,11 @@ uninterrupted one (the shared reference of test_preempt_resume.py)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 import waiting
@@ -98,6 +106,66 @@ def test_a_node_that_fails_is_replaced_by_the_spare_in_the_same_job_and_the_run_
     code, out, _ = lm(env, "history", name)
     said = " ".join(out.split())
     assert code == 0 and "n2 left out, a spare takes its place" in said and "restarted in place" in said, out
+
+
+def _crash_node(layout, node: str, job: str) -> list[int]:
+    """The node dies as a powered-off one does: its slurmd and every process of the job on it
+    (each step's slurmstepd, found by its socket in the node's spool directory, and what it runs)
+    SIGKILLed at once, so nobody there reports anything. The pids killed."""
+    spool = f"{layout.spool}/slurmd-{node}/{node}_{job}."
+    listing = subprocess.run(["ss", "-xlpn"], capture_output=True, text=True, check=True).stdout
+    stepds = {int(m) for line in listing.splitlines() if spool in line for m in re.findall(r"pid=(\d+)", line)}
+    children: dict[int, list[int]] = {}
+    slurmd = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            if cmd[:1] and cmd[0].endswith(b"slurmd") and [b"-N", node.encode()] == cmd[1:3] and \
+                    str(layout.slurm_conf).encode() in cmd:
+                slurmd.append(int(entry))
+    assert len(slurmd) == 1 and stepds, (slurmd, stepds, listing)
+    victims, todo = [], [*slurmd, *stepds]
+    while todo:
+        pid = todo.pop()
+        victims.append(pid)
+        todo.extend(children.get(pid, ()))
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return victims
+
+
+def test_a_node_whose_slurmd_and_processes_die_is_replaced_by_the_spare_in_the_same_job(
+        reference, module_env, module_jobs, three_nodes):
+    """n2 dies (slurmd and every process of the job on it SIGKILLed; nobody there says anything):
+    rank 0 finds rank 1 gone without a word and decides a restart in place; rank 1's agent never
+    answers, so rank 0's agent ends the step; SLURM declares n2 DOWN after SlurmdTimeout and takes
+    it out of the allocation (--no-kill), and the batch script's new srun runs on n1 and the spare.
+    The same job, never requeued, bit-identical to the uninterrupted run."""
+    env = {**module_env, **three_nodes.environ()}
+    name = job_name("sp", "node-dies")
+    job, run_dir = submit(env, name, "resources.spare_nodes=1")
+    module_jobs.append(job)
+    wait_step(run_dir, EVERY + 3, attempt=1)
+    assert starts(run_dir)[0]["nodes"] == ["n1", "n2"], starts(run_dir)
+    _crash_node(three_nodes.layout, "n2", job)
+    finish(job, run_dir)
+
+    end = ends(run_dir)[0]
+    assert end["restart"] == "in_place" and end["first_death"]["rank"] == 1, end
+    assert end["first_death"]["node"] == "n2", end
+    second = starts(run_dir)[1]
+    assert (second["nodes"], second["job_id"], second["restart_count"]) == (["n1", "n3"], job, 0), second
+    assert slurm.restart_count(job) == 0  # one allocation: SLURM never requeued it
+    last = ends(run_dir)[-1]
+    assert (last["reason"], last["end_step"]) == ("completed", MAX_STEPS), last
+    assert_losses_match(run_dir, reference["losses"])
+    assert_weights_identical(run_dir, reference)
 
 
 @pytest.mark.serial  # ranks are compared with each other: no other test may load the machine

@@ -78,6 +78,8 @@ AGENT = textwrap.dedent("""
     from lmtrain.preemption.signals import own_signals
     from lmtrain.task.agent import TaskAgent, settings_here
 
+    import lmtrain.task.agent
+    lmtrain.task.agent.READY_WAIT_S = float(os.environ.get("READY_WAIT_S", "60"))
     owner = own_signals({"signal": "USR2"})
     class Agent(TaskAgent):
         def _preload(self):
@@ -146,7 +148,8 @@ def test_a_restart_rank_0_decided_is_forked_again_in_the_same_step_by_every_agen
     results = _ended(_agents(tmp_path, CRASH_THEN_COMPLETE))
     assert [code for code, _ in results] == [0, 0], results
     layout = RunLayout.of(tmp_path)
-    assert layout.verdict_file("77-0").read_text().strip() == "restart"
+    assert layout.verdict_file("77-0").read_text().strip() == "fork"
+    assert os.listdir(layout.ready_dir("77-0")) == ["1"]  # rank 1's agent said it was ready
     assert layout.verdict_file("77-0-g1").read_text().strip() == "exit"
     # generation 1 of both ranks ran, forked by the same agent as generation 0; the undecided end
     # the batch script exported applies to generation 0 only (rank 0 decided the restart)
@@ -243,3 +246,26 @@ def test_the_training_process_dies_with_its_agent(tmp_path):
 
     waiting.until(gone, progress=lambda: None, what="the training process ended with its agent",
                   explain=lambda: f"pid {worker} alive", poll=0.1)
+
+
+def test_an_agent_gone_with_its_node_ends_the_step_for_the_batch_script(tmp_path):
+    """Rank 1's agent dies (its node gone: slurmd and every process of the step killed), its
+    training process with it; rank 0's agent proposes the restart, hears nothing from rank 1 within
+    READY_WAIT_S and ends the step, leaving rank 0's decision for the batch script's new srun."""
+    body = """
+    if rank == 1:
+        (run / "agent-1").write_text(str(os.getppid()))
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(600)  # dies with its agent
+    while not (run / "agent-1").exists():
+        time.sleep(0.02)
+    (run / "RESTART_IN_PLACE").write_text("77\\n\\nrestart\\n")
+    sys.exit(1)
+    """
+    results = _ended(_agents(tmp_path, body, READY_WAIT_S="1"))
+    assert [code for code, _ in results] == [1, -signal.SIGKILL], results
+    layout = RunLayout.of(tmp_path)
+    assert layout.verdict_file("77-0").read_text().strip() == "exit"
+    assert layout.restart_request.read_text().splitlines()[2] == "restart"  # the batch script's to act on
+    assert "1 of the other ranks' agents did not answer within 1 s" in results[0][1], results[0][1]
+    assert not (tmp_path / "seen-0-1").exists()

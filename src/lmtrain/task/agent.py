@@ -8,13 +8,18 @@ forks the training process from itself. When the ranks' training processes end:
 
 - rank 0's agent reads rank 0's decision (launcher.core.rundir's RESTART_IN_PLACE, written by
   lmtrain.preemption.controller after the attempt's end line). A ``restart`` that leaves no node out,
-  in a job SLURM is not preempting, is taken here: the agent removes the request and writes
-  ``restart`` to its verdict file (``rendezvous/<key>.next``); anything else writes ``exit``;
-- every agent acts on that verdict: ``restart`` forks a new training process in the same step (the
+  in a job SLURM is not preempting, it proposes to the others: ``restart`` in its verdict file
+  (``rendezvous/<key>.next``). Every other agent ends its training process if it still runs (a
+  rank stuck in a collective would hold the restart up to the collective timeout) and says it is
+  ready (``rendezvous/<key>.ready/<rank>``). With all of them ready, rank 0's agent removes the
+  request and writes ``fork``; anything else (another decision, an agent that never answers
+  because its node is gone) writes ``exit``;
+- every agent acts on that word: ``fork`` forks a new training process in the same step (the
   next generation: its rendezvous key and :data:`GENERATION_VAR`); ``exit`` ends the agent as its
   training process ended (the same exit code or signal, which srun reports as before), so the
   step ends and the batch script's loop does what it did without agents: a restart that leaves a
-  node out, one after rank 0 was killed before it decided, the preemption check, the requeue.
+  node out, one after rank 0 was killed before it decided, one after a node vanished, the
+  preemption check, the requeue.
 
 An agent whose training process died of a signal writes the rank's last words for it (srun never
 sees that death), where rank 0 looks for the first death. The agent forwards the warning signal
@@ -44,6 +49,7 @@ from lmtrain.preemption.signals import SignalOwner, StopRequest
 POLL_S = 1.0  # while a training process runs: its owner (podman's client) and rank 0's verdict
 VERDICT_POLL_S = 0.05  # after it ended: how often a rank's agent looks for rank 0's verdict
 VERDICT_MARGIN_S = 120.0  # beyond the longest rank 0 may take to decide (watchdog and collective timeouts)
+READY_WAIT_S = 60.0  # how long rank 0's agent waits for the others to end their training processes
 PR_SET_PDEATHSIG = 1
 
 
@@ -129,7 +135,7 @@ class TaskAgent:
             if self._fork() == 0:
                 return True
             status = self._wait()
-            if self._verdict(status) != "restart":
+            if self._verdict(status) != "fork":
                 self._exit_like(status)
             self.generation += 1
 
@@ -205,7 +211,7 @@ class TaskAgent:
         self.killed = False
         try:
             while not select.select([fd], [], [], POLL_S)[0]:
-                if not owner_alive() or (self.s.rank != 0 and self._read_verdict() == "restart"):
+                if not owner_alive() or (self.s.rank != 0 and self._read_verdict() in ("restart", "fork")):
                     self.killed = True
                     os.kill(self.worker, signal.SIGKILL)
         finally:
@@ -228,20 +234,66 @@ class TaskAgent:
             return None
 
     def _verdict(self, status: int) -> str:
-        """Rank 0's agent decides for every agent of the step; the others wait for its word."""
-        if self.s.rank == 0:
-            decided = self._decide()
-            from launcher.core.atomic import write_atomic
+        """``fork`` or ``exit``, the same for every agent of the step: rank 0's agent decides, the
+        others follow its word (:meth:`_agree`)."""
+        if self.s.rank != 0:
+            return self._follow()
+        decided = self._decide()
+        if decided == "restart":
+            decided = self._agree()
+        self._say(decided)
+        if decided == "fork":
+            self.layout.restart_request.unlink(missing_ok=True)  # taken here: the batch script must not restart too
+            print(f"lmtrain: restarting the ranks in place in this srun step (generation {self.generation + 1})",
+                  file=sys.stderr, flush=True)
+        return decided
 
-            path = self.layout.verdict_file(self._key())
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, decided + "\n")
-            return decided
-        deadline = time.monotonic() + self.s.verdict_wait_s
-        while (verdict := self._read_verdict()) is None:
+    def _say(self, word: str) -> None:
+        from launcher.core.atomic import write_atomic
+
+        path = self.layout.verdict_file(self._key())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, word + "\n")
+
+    def _agree(self) -> str:
+        """Rank 0's agent proposes the restart (``restart``: every agent ends its training process and
+        says it is ready) and forks only when every agent said so within :data:`READY_WAIT_S`. An agent
+        that never does is gone with its node (killed with its slurmd, powered off): then ``exit``, and
+        the batch script's loop starts the ranks by a new srun once SLURM has taken the node out."""
+        world = int(os.environ.get("SLURM_NTASKS") or 1)
+        if world == 1:
+            return "fork"
+        self._say("restart")
+        ready = self.layout.ready_dir(self._key())
+        deadline = time.monotonic() + READY_WAIT_S
+        while True:
+            try:
+                count = len(os.listdir(ready))
+            except OSError:
+                count = 0
+            if count >= world - 1:
+                return "fork"
             if time.monotonic() > deadline:
-                print(f"lmtrain: rank 0's agent gave no word within {self.s.verdict_wait_s:.0f} s after this rank's "
-                      "training process ended: ending this task", file=sys.stderr, flush=True)
+                print(f"lmtrain: {world - 1 - count} of the other ranks' agents did not answer within {READY_WAIT_S:.0f} s "
+                      "(a node gone?): ending this srun step; the batch script starts the ranks again",
+                      file=sys.stderr, flush=True)
+                return "exit"
+            time.sleep(VERDICT_POLL_S)
+
+    def _follow(self) -> str:
+        """Another rank's agent: wait for rank 0's word; on ``restart`` say this agent is ready (its
+        training process has ended) and wait for ``fork`` or ``exit``."""
+        deadline = time.monotonic() + self.s.verdict_wait_s
+        said = False
+        while (verdict := self._read_verdict()) not in ("fork", "exit"):
+            if verdict == "restart" and not said:
+                ready = self.layout.ready_dir(self._key())
+                ready.mkdir(parents=True, exist_ok=True)
+                (ready / str(self.s.rank)).touch()
+                said, deadline = True, time.monotonic() + READY_WAIT_S + VERDICT_MARGIN_S
+            if time.monotonic() > deadline:
+                print("lmtrain: rank 0's agent gave no word in time after this rank's training process ended: "
+                      "ending this task", file=sys.stderr, flush=True)
                 return "exit"
             time.sleep(VERDICT_POLL_S)
         return verdict
@@ -260,9 +312,6 @@ class TaskAgent:
             print("lmtrain: the job is being preempted: the batch script requeues it, the ranks do not restart",
                   file=sys.stderr, flush=True)
             return "exit"
-        self.layout.restart_request.unlink(missing_ok=True)  # taken here: the batch script must not restart too
-        print(f"lmtrain: restarting the ranks in place in this srun step (generation {self.generation + 1})",
-              file=sys.stderr, flush=True)
         return "restart"
 
     def _last_words(self, signum: int) -> None:
