@@ -67,7 +67,10 @@ def one(environ: dict[str, str], root: Path, name: str, kill_step: int, mode: st
     crash_t = float(ends[0]["time"])
     first = min(float(b["time"]) for b in jsonl(run_dir / "metrics" / "heartbeat.jsonl")
                 if b.get("event") == "step" and b.get("attempt") == 2)
-    row = {"mode": mode, "job": job, "detail": ends[0].get("detail", "")[-90:],
+    startup = next((e for e in ledger if e.get("event") == "startup" and e.get("attempt") == 2), {})
+    row = {"mode": mode, "job": job, "attempt_2_startup_phases": startup.get("phases"),
+           "attempt_2_process_start_after_end_s": round(float(startup["process_start"]) - crash_t, 2)
+           if "process_start" in startup else None, "detail": ends[0].get("detail", "")[-90:],
            "slurm_restarts": slurm.restart_count(job), "failure_to_first_step_s": round(first - crash_t, 2)}
     if mode == "requeue":
         start = next(float(e["time"]) for e in ledger if e.get("event") == "start" and e.get("attempt") == 2)
