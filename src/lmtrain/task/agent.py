@@ -207,15 +207,11 @@ class TaskAgent:
         """The training process's wait status. While it runs: the container's owner gone ends both;
         rank 0's verdict ``restart`` for this generation ends it (rank 0 recorded the attempt's end;
         a rank stuck in a collective would hold the restart up to the collective timeout)."""
-        fd = os.pidfd_open(self.worker)
         self.killed = False
-        try:
-            while not select.select([fd], [], [], POLL_S)[0]:
-                if not owner_alive() or (self.s.rank != 0 and self._read_verdict() in ("restart", "fork")):
-                    self.killed = True
-                    os.kill(self.worker, signal.SIGKILL)
-        finally:
-            os.close(fd)
+        while not _ended_within(self.worker, POLL_S):
+            if not owner_alive() or (self.s.rank != 0 and self._read_verdict() in ("restart", "fork")):
+                self.killed = True
+                os.kill(self.worker, signal.SIGKILL)
         _, status = os.waitpid(self.worker, 0)
         self.worker = 0
         if os.WIFSIGNALED(status) and not self.killed:
@@ -363,6 +359,24 @@ def owner_alive(environ: Mapping[str, str] | None = None) -> bool:
     except PermissionError:
         pass  # alive, another user's (cannot happen for our own client; be safe)
     return True
+
+
+def _ended_within(pid: int, seconds: float) -> bool:
+    """Whether child ``pid`` ended within ``seconds`` (not reaped): woken at its end by a pidfd,
+    or, on a kernel without pidfds (before Linux 5.3), by polling."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+            time.sleep(VERDICT_POLL_S)
+        return False
+    try:
+        return bool(select.select([fd], [], [], seconds)[0])
+    finally:
+        os.close(fd)
 
 
 def _maps_libcuda() -> bool:
