@@ -254,6 +254,25 @@ class LastWords:
         write_json(path, asdict(self))
 
     @classmethod
+    def say_for(cls, run_dir: str | Path, attempt: int, *, rank: int, node: str, pid: int | None, code: int,
+                source: str) -> None:
+        """A process's launcher on its behalf: it ended with ``code`` (negative: the signal, as
+        subprocess gives it) without last words of its own; nothing when it has them."""
+        if any(w.rank == rank for w in cls.read_all(run_dir, attempt)):
+            return
+        if code < 0:
+            import signal
+
+            try:
+                how, detail = "signal", signal.Signals(-code).name
+            except ValueError:
+                how, detail = "signal", f"signal {-code}"
+        else:
+            how, detail = "exit", f"exited with code {code} without a Python error"
+        cls(rank=rank, node=node, pid=pid, time=time.time(), how=how, detail=detail, source=source).write(
+            run_dir, attempt)
+
+    @classmethod
     def read_all(cls, run_dir: str | Path, attempt: int) -> list[LastWords]:
         out = []
         names = set(cls.__dataclass_fields__)

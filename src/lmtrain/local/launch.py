@@ -193,18 +193,11 @@ def _words_for(run_dir: Path, rank: int, code: int, pid: int) -> None:
     from launcher.core.rundir import LastWords, Ledger
 
     attempt = Ledger(RunLayout.of(run_dir).ledger).next_attempt() - 1
-    if attempt < 1 or any(w.rank == rank for w in LastWords.read_all(run_dir, attempt)):
+    if attempt < 1:
         return
-    if code < 0:
-        try:
-            how, detail = "signal", signal.Signals(-code).name
-        except ValueError:
-            how, detail = "signal", f"signal {-code}"
-    else:
-        how, detail = "exit", f"exited with code {code} without a Python error"
     try:
-        LastWords(rank=rank, node=socket.gethostname(), pid=pid, time=time.time(), how=how, detail=detail,
-                  source="local launcher").write(run_dir, attempt)
+        LastWords.say_for(run_dir, attempt, rank=rank, node=socket.gethostname(), pid=pid, code=code,
+                          source="local launcher")
     except OSError:
         pass
 

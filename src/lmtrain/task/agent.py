@@ -123,6 +123,7 @@ class TaskAgent:
         self.kept = owner  # what came while no training process could act on it
         self.phases: dict[str, float] = {}
         self.killed = False  # this agent ended its training process (rank 0 restarted without it)
+        self.key, self.key_of = "", -1  # the rendezvous key of generation key_of (:meth:`_key`)
 
     def serve(self) -> bool:
         """Import, then fork a training process and wait for it, again while rank 0 restarts in place.
@@ -144,18 +145,15 @@ class TaskAgent:
 
         self.phases["entry"] = time.time()
         with imports_without_gc(freeze=True):
-            import lightning.pytorch  # noqa: F401
             import submitit.core.submission  # noqa: F401
-            import torch
-            import transformers.modeling_utils  # noqa: F401  (every model's base)
 
             import launcher.core.plan  # noqa: F401
-            import lmtrain.task.entry
-            import lmtrain.task.training  # noqa: F401
+            from lmtrain.task.entry import import_frameworks
 
-            if self.s.preload_deepspeed:
-                import deepspeed  # noqa: F401
+            import_frameworks(deepspeed=self.s.preload_deepspeed)
         self.phases["imports"] = time.time()
+        import torch
+
         if torch.cuda.is_initialized() or _maps_libcuda():
             print("lmtrain: the frameworks' imports started CUDA in this task's agent; a forked training process "
                   "could not use it: training in this process (a restart in place is a new srun)",
@@ -219,9 +217,13 @@ class TaskAgent:
         return status
 
     def _key(self) -> str:
-        from lmtrain.distributed.task_env import read_env
+        """This generation's rendezvous key (the one its training process used), computed once."""
+        if self.key_of != self.generation:
+            from lmtrain.distributed.task_env import read_env
 
-        return read_env({**os.environ, GENERATION_VAR: str(self.generation)}).rendezvous_key
+            self.key = read_env({**os.environ, GENERATION_VAR: str(self.generation)}).rendezvous_key
+            self.key_of = self.generation
+        return self.key
 
     def _read_verdict(self) -> str | None:
         try:
@@ -316,17 +318,9 @@ class TaskAgent:
         from launcher.core.rundir import LastWords
 
         try:
-            rv = json.loads(self.layout.rendezvous_file(self._key()).read_text())
-            attempt = int(rv["attempt"])
-            if any(w.rank == self.s.rank for w in LastWords.read_all(self.s.run_dir, attempt)):
-                return
-            try:
-                name = signal.Signals(signum).name
-            except ValueError:
-                name = f"signal {signum}"
-            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-            LastWords(rank=self.s.rank, node=node, pid=None, time=time.time(), how="signal", detail=name,
-                      source="task's agent").write(self.s.run_dir, attempt)
+            attempt = int(json.loads(self.layout.rendezvous_file(self._key()).read_text())["attempt"])
+            LastWords.say_for(self.s.run_dir, attempt, rank=self.s.rank, pid=None, code=-signum,
+                              node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(), source="task's agent")
         except (OSError, ValueError, KeyError):
             pass  # rank 0 then names the rank from what else it has
 

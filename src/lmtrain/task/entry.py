@@ -74,7 +74,7 @@ def run_task(run_dir: str | Path) -> int:
     record_this_task(run_dir)  # this process's node and pid, for `lmlaunch stacks` (even if stuck starting)
     try:
         with imports_without_gc(freeze=fresh):
-            _import_frameworks(plan.parallelism)  # the rest of them, with the signals already ours
+            import_frameworks(deepspeed=bool(plan.parallelism.zero))  # the rest of them, with the signals already ours
         CLOCK.mark("imports")
         env, gate, rv = _meet(plan)
     except BaseException:
@@ -147,19 +147,21 @@ def _meet(plan: LaunchPlan) -> tuple[TaskEnv, Gate, Rendezvous]:
     return env, gate or read_gate(plan, env), rv
 
 
-def _import_frameworks(parallelism: Any) -> None:
+def import_frameworks(*, deepspeed: bool) -> None:
     """What every attempt imports before it can train (the ``imports`` phase of its startup
     record, with the plan's schema and lmtrain's preemption modules imported before it): the
     frameworks, transformers' model code and lmtrain's training modules, all while the caller
-    has the garbage collector paused (lmtrain.observe.startup.imports_without_gc)."""
+    has the garbage collector paused (lmtrain.observe.startup.imports_without_gc). The task's
+    agent (lmtrain.task.agent) imports the same before it forks the training process."""
     import lightning.pytorch  # noqa: F401
     import torch  # noqa: F401
     import transformers
     import transformers.modeling_utils  # noqa: F401  (every model's base: most of a model's import)
 
+    import lmtrain.task.training  # noqa: F401
 
-    if parallelism.zero:
-        import deepspeed  # noqa: F401
+    if deepspeed:
+        import deepspeed as _deepspeed  # noqa: F401
 
 
 class _Tee:
