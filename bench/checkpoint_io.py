@@ -80,7 +80,7 @@ def _mem_total() -> int:
 
 def train(spec: str, extra: tuple[str, ...], work: Path, steps: int) -> tuple[Path, list[dict]]:
     from launcher.commands.run import prepare_local_run
-    from launcher.core.jsonlines import read_jsonl
+    from lmcore.jsonlines import read_jsonl
     from lmtrain.local.launch import launch
 
     overrides = [

@@ -232,7 +232,7 @@ def bench_training(root: Path, pairs: int, steps: int = 60) -> dict:
     import yaml
 
     from launcher.commands.run import prepare_local_run
-    from launcher.core.jsonlines import read_jsonl
+    from lmcore.jsonlines import read_jsonl
     from lmtrain.local.launch import launch
 
     _stores(root)

@@ -36,8 +36,7 @@ from pathlib import Path
 
 from preemption import SPEC, cli, ledger, poll, steps
 
-from launcher import rehearsal
-from launcher.core import slurm
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 GOAL = 0.90
 OVERRIDES = ("optim.warmup_steps=3", "trainer.val_check_interval=null", "trainer.log_every_n_steps=10",

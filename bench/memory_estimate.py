@@ -4,7 +4,7 @@ held, as ratios.
     python bench/memory_estimate.py [--no-runs]
 
 1. For the shipped GPU jobs, one rank's parameters + gradients + optimizer states under ZeRO-2 and
-   ZeRO-3 as launcher.core.memory plans them, next to DeepSpeed's
+   ZeRO-3 as launcher.planning.memory plans them, next to DeepSpeed's
    ``estimate_zero{2,3}_model_states_mem_needs`` (no offload) for the same parameter count and
    GPUs. DeepSpeed's figure counts 18 bytes per parameter per rank beside the 16-bit weights (its
    fp32 gradient partition, made at the optimizer step, included) and, for ZeRO-3, 4 bytes per
@@ -25,11 +25,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.core import memory
-from launcher.core.parallelism import DataParallel
-from launcher.memory_check import setup_of
-from launcher.memory_inputs import model_facts
-from launcher.resolve import resolve
+from launcher.planning import memory
+from launcher.planning.memory_check import setup_of
+from launcher.planning.memory_inputs import model_facts
+from launcher.planning.resolve import resolve
+from lmcore.parallelism import DataParallel
 
 JOBS = ["gpt2-124m.yaml", "llama-1b-zero2.yaml", "llama-7b-zero3.yaml"]
 STATES = ("parameters", "gradients", "optimizer states")

@@ -51,7 +51,7 @@ def _scrape(port: int) -> tuple[float, bytes]:
 def _make_runs(home: Path, n: int) -> None:
     from monitor_synth import make_run
 
-    from launcher.core import slurm
+    from lmcore.slurm import client as slurm
 
     acct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-7days"], capture_output=True,
                           text=True, env=slurm.slurm_env())
@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
-    from launcher.core import slurm
+    from lmcore.slurm import client as slurm
 
     home = Path(tempfile.mkdtemp(prefix="lmlaunch-scrape-"))
     server = None

@@ -38,10 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher import rehearsal
 from launcher.cli import main as lmlaunch
 from launcher.context import Context
-from launcher.core import slurm
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"
@@ -56,7 +55,7 @@ def cli(environ: dict[str, str], *args: str) -> str:
 
 
 def jsonl(path: Path) -> list[dict]:
-    from launcher.core.jsonlines import read_jsonl  # skips a line being written
+    from lmcore.jsonlines import read_jsonl  # skips a line being written
 
     return read_jsonl(path)
 

@@ -37,8 +37,7 @@ from pathlib import Path
 
 from preemption import REPO, cli, ledger, poll, steps
 
-from launcher import rehearsal
-from launcher.core import slurm
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 GOAL_SLACK_S = 2.0
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from preemption import SPEC, cli, jsonl  # bench/preemption.py: the same job and the CLI in-process
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 MODES = {"in_place": ("preemption.restart_in_place=true", "preemption.warm_restart=true"),
          "in_place_srun": ("preemption.restart_in_place=true", "preemption.warm_restart=false"),

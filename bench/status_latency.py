@@ -12,13 +12,13 @@ so squeue and sacct do real work. The first status call also asks sacct about th
 controller has forgotten and caches their final states; later calls need squeue only — both
 are reported. The run directories are aged by a minute (ended runs); `status_uncached_s` drops
 the run-directory and registry caches before each call (every file read again), the baseline
-for `status_table_s` (unchanged directories served from launcher/status_cache.py).
+for `status_table_s` (unchanged directories served from launcher/monitor/status_cache.py).
 
 ``--over-ssh`` (root): also from a workstation, `lmlaunch --remote P status` through a real sshd on
 a loopback port (tests/integration/sshd_helpers.py: the cluster account, key login) over an open
 master connection, against plain `status` on the same runs in the same run: `remote_plain_s`,
 `remote_overhead_s` and `ssh_round_trip_s` (`true` over the master); then again while `lmlaunch
-metrics serve` runs on the login node and answers the forwarded command (launcher.warm):
+metrics serve` runs on the login node and answers the forwarded command (launcher.remote.warm):
 `remote_warm_plain_s`, `remote_warm_overhead_s` (goal: within 0.3 s of the login node's own).
 """
 
@@ -64,7 +64,7 @@ def main() -> None:
 
     from monitor_synth import make_run
 
-    from launcher.core import slurm
+    from lmcore.slurm import client as slurm
 
     acct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-7days"], capture_output=True,
                           text=True, env=slurm.slurm_env())
@@ -131,7 +131,7 @@ def _warm_process(lmlaunch: str, env: dict[str, str], home: Path):
     """`lmlaunch metrics serve` on the "login node" (this machine, the runs' home) while the block runs."""
     import socket
 
-    from launcher import warm
+    from launcher.remote import warm
 
     with socket.socket() as probe:  # a free loopback port for its scrapes (unused here)
         probe.bind(("127.0.0.1", 0))
@@ -171,7 +171,7 @@ def _over_ssh(home: Path, env: dict[str, str], lmlaunch: str, repeat: int) -> di
         _time([lmlaunch, "--remote", "viassh", "status"], ws_env, 1)  # the login node's caches as warm as here
         local = _time([lmlaunch, "status"], env, repeat)
         over = _time([lmlaunch, "--remote", "viassh", "status"], ws_env, repeat)
-        with _warm_process(lmlaunch, env, home):  # `metrics serve` on the login node answers (launcher.warm)
+        with _warm_process(lmlaunch, env, home):  # `metrics serve` on the login node answers (launcher.remote.warm)
             _time([lmlaunch, "--remote", "viassh", "status"], ws_env, 1)
             warm_over = _time([lmlaunch, "--remote", "viassh", "status"], ws_env, repeat)
             local_again = _time([lmlaunch, "status"], env, repeat)

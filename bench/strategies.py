@@ -167,7 +167,7 @@ def main() -> int:
         load_ratio = f"{r['load_ratio_to_ddp']:6.2f}" if r["load_ratio_to_ddp"] is not None else "   n/a"
         print(f"{r['strategy']:11} {r['processes']:5} {r['step_s']:8.3f} {r['step_ratio_to_ddp']:6.2f} "
               f"{r['save_s']:8.3f} {r['save_ratio_to_ddp']:6.2f} {r['load_s']:8.3f} {load_ratio}  {r['baseline']}")
-    from launcher.core.pipeline_stages import bubble_text
+    from lmcore.pipeline_stages import bubble_text
 
     for r in rows:  # what the schedule predicts: the stages idle this fraction of their compute
         if r["strategy"].startswith("pp2-"):

@@ -6,7 +6,7 @@ For each configuration, one process trains the same model on the same batches tw
   (a) bench/handwritten_loop.py — a hand-written PyTorch loop (torch.compile and fused AdamW on
       CUDA, bf16 autocast, clip 1.0);
   (b) the project's path — ``lmtrain.task.entry.run_task`` on a run directory planned by
-      ``launcher.commands.run.prepare_local_run`` (``launcher.core.planner.make_plan`` with the job's
+      ``launcher.commands.run.prepare_local_run`` (``launcher.planning.planner.make_plan`` with the job's
       cluster profile): the same entry, LMModule, callbacks, loggers, strategy and Trainer
       construction a SLURM task runs, in this process (1 rank).
 - ``deepspeed`` configurations (zero1, zero2, zero3):

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from launcher.commands import COMMANDS
 from launcher.context import Context
-from launcher.core.errors import ExitCode, UserError
+from lmcore.errors import ExitCode, UserError
 
 T = TypeVar("T")
 
@@ -133,16 +133,16 @@ def _reported(call: Callable[[], T], ctx: Context, debug: bool) -> T | int:
 
 
 def _forward(argv: list[str], ctx: Context) -> int | list[str]:
-    """`--remote NAME` / LMLAUNCH_REMOTE (launcher.remote): the command's exit status on the login
+    """`--remote NAME` / LMLAUNCH_REMOTE (launcher.remote.forward): the command's exit status on the login
     node, or the command line to run here (a command about this machine, or no remote)."""
-    from launcher import remote_read
+    from launcher.remote import read as remote_read
 
     name, rest = remote_read.split_remote(argv, ctx.environ)
     if name is None:
         return rest
     code = remote_read.forward_lean(name, rest, ctx)  # a read-only command, its login kept: no profile load
     if code is None:
-        from launcher import remote
+        from launcher.remote import forward as remote
 
         code = remote.forward(name, rest, ctx)
     return rest if code is None else code

@@ -18,7 +18,7 @@ class Context:
     """The interpreter running lmlaunch; what a profile's ``python: auto`` resolves to."""
     entry: Callable[[list[str], Context], int] | None = None
     """The CLI's own entry (launcher.cli.main), for a long-lived command that answers other
-    command lines in-process (launcher.warm)."""
+    command lines in-process (launcher.remote.warm)."""
 
     @classmethod
     def default(cls) -> Context:

@@ -28,7 +28,7 @@ import json, sys, time
 from pathlib import Path
 
 from launcher import rehearsal, runs
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 name = sys.argv[1]
 rec = runs.find_run(name)

@@ -1,4 +1,4 @@
-"""The plan's memory estimate (launcher.core.memory) against what a run's ranks really held (the
+"""The plan's memory estimate (launcher.planning.memory) against what a run's ranks really held (the
 ledger's ``memory`` lines, lmtrain.model.memory_held): parameters, gradients and optimizer states of the
 worst rank, per attempt, at the attempt's own world size (an elastic resume changes it)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launcher.core import memory, memory_stages
-from launcher.core.plan import LaunchPlan
-from launcher.memory_check import setup_of
-from launcher.memory_inputs import model_facts
+from launcher.planning import memory, memory_stages
+from launcher.planning.memory_check import setup_of
+from launcher.planning.memory_inputs import model_facts
+from lmcore.plan import LaunchPlan
 
 STATES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states"}
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"launcher": REPO / "launcher", "lmtrain": REPO / "src" / "lmtrain"}
+ROOTS = {"launcher": REPO / "launcher", "lmcore": REPO / "src" / "lmcore", "lmtrain": REPO / "src" / "lmtrain"}
 START = ("lmtrain.task.entry", "run_task", "run_dir")
 
 

@@ -3,7 +3,7 @@
 `python tests/slurm_replay.py capture DIR` (with PATH/SLURM_CONF pointing at a live cluster,
 e.g. after `eval "$(lmlaunch cluster env --slurm 24.11)"`) runs a short scenario on it (a held
 job, a running two-node job, the same job cancelled) and, through recorder commands first on
-PATH, keeps every answer `launcher.core.slurm` got: its argv, exit code, stdout and stderr, one
+PATH, keeps every answer `lmcore.slurm.client` got: its argv, exit code, stdout and stderr, one
 JSON file each, keyed by the scenario's phase and the argv. :func:`replaying` puts replay
 commands first on PATH that answer exactly so (a call with an argv never recorded exits 99
 saying so). tests/unit/test_slurm_outputs.py reads both versions' recordings through the parsers.
@@ -97,7 +97,7 @@ def _sbatch(*args: str) -> str:
 
 def capture(out: Path) -> None:
     """Run the scenario on the cluster the environment names, recording into ``out``."""
-    from launcher.core import slurm
+    from lmcore.slurm import client as slurm
 
     real = {n: shutil.which(n) for n in COMMANDS}
     missing = [n for n, p in real.items() if p is None]

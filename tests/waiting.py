@@ -137,7 +137,7 @@ def job(job_id: str) -> Callable[[], tuple]:
     run_dir: list[Callable[[], tuple]] = []
 
     def look() -> tuple:
-        from launcher.core import slurm
+        from lmcore.slurm import client as slurm
 
         info = slurm.show_job(job_id) or {}
         sizes = []
@@ -161,7 +161,7 @@ def queue(ids: Iterable[str] | None = None) -> Callable[[], tuple]:
     wanted = list(ids) if ids is not None else None
 
     def look() -> tuple:
-        from launcher.core import slurm
+        from lmcore.slurm import client as slurm
 
         return tuple(sorted((j.job_id, j.state) for j in (slurm.squeue(wanted) if wanted is not None else slurm.squeue())))
 

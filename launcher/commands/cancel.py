@@ -7,10 +7,12 @@ import json
 import time
 from pathlib import Path
 
-from launcher import lifecycle, runs
 from launcher.context import Context
-from launcher.core import rundir, slurm
-from launcher.core.errors import ExitCode, SlurmUnavailable
+from launcher.runs import registry as runs
+from launcher.submit import lifecycle
+from lmcore import rundir
+from lmcore.errors import ExitCode, SlurmUnavailable
+from lmcore.slurm import client as slurm
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +33,7 @@ def cancel_run(rec, environ=None) -> dict:
     active: list[str] = []
     message = ""
     try:
-        active = [j.job_id for j in slurm.squeue(rec.job_ids) if slurm.is_active(j.state)]
+        active = [j.job_id for j in slurm.active_jobs(rec.job_ids)]
         if active:
             slurm.cancel(active)
     except SlurmUnavailable as exc:
@@ -45,7 +47,7 @@ def cancel_run(rec, environ=None) -> dict:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import search_plan
+    from launcher.search import plan as search_plan
 
     search = search_plan.mark_cancelled(args.run, ctx)  # a search's driver stops asking first
     points = runs.sweep_records(args.run, ctx.environ or None)

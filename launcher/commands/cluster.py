@@ -7,7 +7,6 @@ import argparse
 import shlex
 
 from launcher.context import Context
-from launcher.core.errors import UserError
 from launcher.localcluster import cluster
 from launcher.localcluster.config import (
     MAX_NODES,
@@ -20,6 +19,7 @@ from launcher.localcluster.config import (
     native_version,
     primary_root,
 )
+from lmcore.errors import UserError
 
 
 def _version_arg(p: argparse.ArgumentParser) -> None:

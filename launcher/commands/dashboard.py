@@ -9,7 +9,7 @@ A login node is shared: the page binds 127.0.0.1 unless --listen says otherwise 
 `ssh -L`), and every page and API request needs the token printed at start (in the URL, as
 Jupyter's); a request without it gets 403. Only GET is answered: nothing here can cancel or
 change a run, and nothing is written into a run directory. A thread reads the runs again and
-again (launcher.metrics.Snapshots); a request is answered from the newest reading.
+again (launcher.serve.exporter.Snapshots); a request is answered from the newest reading.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Pages:
     """What the server answers: the page, its static files, the runs and one run (read-only)."""
 
     def __init__(self, environ: dict[str, str] | None, token: str, refresh_s: float) -> None:
-        from launcher.metrics import Snapshots
+        from launcher.serve.exporter import Snapshots
 
         self.environ, self.token = environ, token
         self.snapshots = Snapshots(self._read_runs, pause_s=refresh_s)
@@ -69,7 +69,8 @@ class Pages:
         self._lock = threading.Lock()
 
     def _read_runs(self) -> bytes:
-        from launcher import monitor, runs
+        from launcher.monitor import status_rows as monitor
+        from launcher.runs import registry as runs
 
         records = runs.list_records(self.environ)
         rows, view = monitor.gather_status(records, environ=self.environ)
@@ -82,9 +83,10 @@ class Pages:
 
     def run(self, name: str) -> dict[str, Any] | None:
         """One run's curves, attempts, ranks and notes; None for a run the registry does not know."""
-        from launcher import run_files, runs
         from launcher.commands.history import load_history
-        from launcher.core import jsonlines, rundir
+        from launcher.monitor import run_files
+        from launcher.runs import registry as runs
+        from lmcore import jsonlines, rundir
 
         row = next((r for r in self.runs()["runs"] if r["name"] == name), None)
         if row is None:
@@ -163,7 +165,8 @@ def _handler(pages: Pages) -> type:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import http_serve, warm
+    from launcher.remote import warm
+    from launcher.serve import http_serve
 
     host, port = http_serve.parse_listen(args.listen)
     if (warning := http_serve.exposure(host, "dashboard")) is not None:
@@ -172,6 +175,6 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     server = http_serve.bind(host, port, _handler(pages), what="dashboard")
     pages.snapshots.start()
     ctx.out(f"dashboard: http://{host}:{port}/?token={pages.token}  (read-only; Ctrl-C stops)")
-    with warm.answering(ctx):  # forwarded status/logs/history answered without a start (launcher.warm)
+    with warm.answering(ctx):  # forwarded status/logs/history answered without a start (launcher.remote.warm)
         http_serve.serve_until(server, args.seconds, then=pages.snapshots.stop)
     return 0

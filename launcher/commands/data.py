@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from launcher import runtime_stack
 from launcher.context import Context
-from launcher.core.errors import ExitCode, UserError
+from launcher.planning import runtime_stack
+from lmcore.errors import ExitCode, UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -141,7 +141,7 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
 def _on_cluster(args: argparse.Namespace, inputs: list[str], ctx: Context) -> int:
     if args.if_missing:
         raise UserError("--if-missing is for a local preparation; --on-cluster always prepares")
-    from launcher.data_cluster import submit_preparation
+    from launcher.submit.data_cluster import submit_preparation
 
     r = submit_preparation(inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key, skip_bad=args.skip_bad,
                            cluster=args.cluster, tasks=args.tasks, max_parallel=args.max_parallel, name=args.name,

@@ -7,9 +7,10 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from launcher import diff, runs
 from launcher.context import Context
-from launcher.core import rundir
+from launcher.monitor import diff
+from launcher.runs import registry as runs
+from lmcore import rundir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

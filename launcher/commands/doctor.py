@@ -9,15 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher import doctor, doctor_nodes
 from launcher.commands import add_spec_arguments
 from launcher.context import Context
-from launcher.core import excluded_nodes
-from launcher.core.errors import ExitCode, UserError
-from launcher.core.profiles import Profile
-from launcher.doctor_container import container_checks
-from launcher.doctor_ops import jit_ops
-from launcher.resolve import excluded_nodes_path, resolve
+from launcher.doctor import checks as doctor, nodes as doctor_nodes
+from launcher.doctor.container import container_checks
+from launcher.doctor.ops import jit_ops
+from launcher.planning.resolve import excluded_nodes_path, resolve
+from launcher.spec import excluded_nodes
+from launcher.spec.profiles import Profile
+from lmcore.errors import ExitCode, UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError("--exclude-bad needs --on-nodes: nodes are judged only by the probe job it runs")
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True,
                 check_data=False)
-    from launcher.submit import render_script  # the job script exactly as submit writes it
+    from launcher.submit.submission import render_script  # the job script exactly as submit writes it
 
     # with --on-nodes the probe may clear or add excluded nodes: the script is judged after it
     checks = doctor.diagnose(r.plan, r.profile, ctx.environ or None,

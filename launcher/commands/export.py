@@ -8,17 +8,12 @@ import argparse
 import json
 from pathlib import Path
 
-from launcher import runs, runtime_stack
 from launcher.context import Context
-from launcher.core import rundir
-from launcher.core.checkpoint_index import (
-    CompleteCheckpoint,
-    complete_checkpoints,
-    describe_choice,
-    newest_intact,
-    verify,
-)
-from launcher.core.errors import UserError
+from launcher.planning import runtime_stack
+from launcher.runs import registry as runs
+from lmcore import rundir
+from lmcore.checkpoint_index import CompleteCheckpoint, complete_checkpoints, describe_choice, newest_intact, verify
+from lmcore.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,10 +7,11 @@ import argparse
 import json
 from pathlib import Path
 
-from launcher import history_rows, runs, slurm_view
 from launcher.context import Context
-from launcher.core import jsonlines, rundir
-from launcher.monitor_view import history_view, make_console, startup_view
+from launcher.monitor import history_rows, slurm_view
+from launcher.monitor.view import history_view, make_console, startup_view
+from launcher.runs import registry as runs
+from lmcore import jsonlines, rundir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +46,7 @@ def load_history(rec):
 
 def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list[str]]:
     """Each job's task 0 error lines (its srun log's tail), for jobs that never started an attempt."""
-    from launcher.run_files import error_lines
+    from launcher.monitor.run_files import error_lines
 
     out = {}
     for job in job_ids:

@@ -9,10 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from launcher import run_files, runs
 from launcher.context import Context
-from launcher.core import jsonlines, rundir, slurm
-from launcher.core.errors import UserError
+from launcher.monitor import run_files
+from launcher.runs import registry as runs
+from lmcore import jsonlines, rundir
+from lmcore.errors import UserError
+from lmcore.slurm import client as slurm
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,9 @@
 """lmlaunch metrics serve [--listen HOST:PORT] | metrics write DIR | metrics dashboard -o FILE [--force]
 
-The user's runs as Prometheus metrics (launcher.metrics): `serve` answers Prometheus' scrapes on
+The user's runs as Prometheus metrics (launcher.serve.exporter): `serve` answers Prometheus' scrapes on
 the login node (127.0.0.1 unless --listen says otherwise: a login node is shared); `write` leaves
 one atomic `.prom` file for node_exporter's textfile collector (run it from cron); `dashboard`
-writes a Grafana dashboard of those series (launcher.grafana).
+writes a Grafana dashboard of those series (launcher.serve.grafana).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from launcher.context import Context
-from launcher.core.errors import UserError
+from lmcore.errors import UserError
 
 DEFAULT_LISTEN = "127.0.0.1:9767"
 TEXTFILE = "lmlaunch.prom"
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return _dashboard(Path(args.output), force=args.force, ctx=ctx)
     from prometheus_client import CollectorRegistry
 
-    from launcher.metrics import RunsCollector
+    from launcher.serve.exporter import RunsCollector
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RunsCollector(ctx.environ or None))
@@ -56,7 +56,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return _write(registry, Path(args.dir), ctx)
     if args.metrics_command != "serve":
         raise UserError("lmlaunch metrics: say serve, write or dashboard (`lmlaunch metrics --help`)")
-    from launcher import http_serve, warm
+    from launcher.remote import warm
+    from launcher.serve import http_serve
 
     host, port = http_serve.parse_listen(args.listen)
     if (warning := http_serve.exposure(host, "exporter")) is not None:
@@ -64,15 +65,15 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     token, said = _token(args, ctx)
     server = _start(registry, host, port, refresh_s=http_serve.check_refresh(args.refresh), token=token)
     ctx.out(f"serving the runs' metrics on http://{host}:{port}/metrics (Ctrl-C stops){said}")
-    with warm.answering(ctx):  # forwarded status/logs/history answered without a start (launcher.warm)
+    with warm.answering(ctx):  # forwarded status/logs/history answered without a start (launcher.remote.warm)
         http_serve.serve_until(server, args.seconds)
     return 0
 
 
 def _token(args: argparse.Namespace, ctx: Context) -> tuple[str | None, str]:
     """The scrape token (None: --no-token) and what to say about it."""
-    from launcher import http_serve
-    from launcher.core.home import lmlaunch_home
+    from launcher.runs.home import lmlaunch_home
+    from launcher.serve import http_serve
 
     if args.no_token:
         if args.token_file:
@@ -88,13 +89,13 @@ def _token(args: argparse.Namespace, ctx: Context) -> tuple[str | None, str]:
 
 
 def _start(registry, host: str, port: int, *, refresh_s: float, token: str | None = None):
-    """An HTTP server answering GET /metrics with the newest snapshot (launcher.metrics.Snapshots)."""
+    """An HTTP server answering GET /metrics with the newest snapshot (launcher.serve.exporter.Snapshots)."""
     from http.server import BaseHTTPRequestHandler
 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    from launcher import http_serve
-    from launcher.metrics import Snapshots, with_age
+    from launcher.serve import http_serve
+    from launcher.serve.exporter import Snapshots, with_age
 
     snapshots = Snapshots(lambda: generate_latest(registry), pause_s=refresh_s)
 
@@ -149,8 +150,8 @@ def _dashboard(path: Path, *, force: bool, ctx: Context) -> int:
     """The Grafana dashboard into ``path`` (atomically; an existing file only with --force)."""
     import json
 
-    from launcher.core.atomic import write_atomic
-    from launcher.grafana import dashboard
+    from launcher.serve.grafana import dashboard
+    from lmcore.atomic import write_atomic
 
     if path.exists() and not force:
         raise UserError(f"{path} exists: lmlaunch keeps it. Replace it with --force, or choose another file")

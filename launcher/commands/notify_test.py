@@ -7,8 +7,8 @@ import os
 
 from launcher.commands import add_spec_arguments
 from launcher.context import Context
-from launcher.core.errors import ExitCode, UserError
-from launcher.resolve import resolve
+from launcher.planning.resolve import resolve
+from lmcore.errors import ExitCode, UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,13 +7,13 @@ import io
 import json
 from typing import Any
 
-from launcher import dependencies, pipeline
 from launcher.commands import add_force_argument
 from launcher.commands.cancel import cancel_run
 from launcher.context import Context
-from launcher.core.errors import SpecError, UserError
-from launcher.resolve import resolve
-from launcher.submit import submit_plan
+from launcher.planning.resolve import resolve
+from launcher.submit import dependencies, pipeline
+from launcher.submit.submission import submit_plan
+from lmcore.errors import SpecError, UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def _cancel(runs_submitted: list[str], ctx: Context) -> list[str]:
-    from launcher import runs
+    from launcher.runs import registry as runs
 
     done = []
     for name in reversed(runs_submitted):

@@ -1,7 +1,7 @@
 """lmlaunch preempt RUN [--mode signal|term|requeue|node-failure] [--start-now] [--json]
 
 Rehearse what a real cluster does to a running job, on a real SLURM (every SLURM call goes
-through launcher.core.slurm):
+through lmcore.slurm.client):
 
 - ``signal``: the warning signal of the run's plan (``preemption.signal``, e.g. USR2) to every
   task of every step, as SLURM sends it before the time limit (``--signal`` without ``B:``);
@@ -27,11 +27,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher import rehearsal, runs
 from launcher.context import Context
-from launcher.core import rundir, slurm
-from launcher.core.errors import ExitCode, UserError
-from launcher.core.profiles import load_profile
+from launcher.runs import registry as runs
+from launcher.spec.profiles import load_profile
+from lmcore import rundir
+from lmcore.errors import ExitCode, UserError
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 MODES = ("signal", "term", "requeue", "node-failure")
 ENDED = {"completed", "cancelled", "failed", "timeout"}
@@ -134,7 +135,7 @@ def wait_requeued(victim: Victim, *, timeout: float, poll: float = 0.25, since: 
 
 def _restart_in_place_since(victim: Victim, since: float) -> dict | None:
     """The run's end line of this job, written after ``since``, that restarted its ranks in place."""
-    from launcher.core.jsonlines import read_jsonl
+    from lmcore.jsonlines import read_jsonl
 
     ends = [e for e in read_jsonl(rundir.RunLayout.of(victim.run_dir).ledger) if e.get("event") == "end"
             and str(e.get("job_id")) == victim.job_id and float(e.get("time") or 0) >= since]
@@ -144,7 +145,7 @@ def _restart_in_place_since(victim: Victim, since: float) -> dict | None:
 def _ranks_nodes(victim: Victim) -> list[str]:
     """The nodes the job's ranks run on now (the run's last start line), within its allocation:
     all of them, but its idle spares (resources.spare_nodes)."""
-    from launcher.core.jsonlines import read_jsonl
+    from lmcore.jsonlines import read_jsonl
 
     starts = [e for e in read_jsonl(rundir.RunLayout.of(victim.run_dir).ledger) if e.get("event") == "start"
               and str(e.get("job_id")) == victim.job_id]

@@ -1,5 +1,5 @@
 """lmlaunch profile init NAME [-o FILE] [--force]: a cluster profile read off the live cluster
-(launcher.core.profile_draft), written to ``$LMLAUNCH_HOME/profiles/NAME.yaml`` (found by
+(launcher.spec.profile_draft), written to ``$LMLAUNCH_HOME/profiles/NAME.yaml`` (found by
 `--cluster NAME` and a spec's ``cluster: NAME``) or to FILE. The profile is validated before it is
 written; an existing file is kept unless --force."""
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 from launcher.commands import profile_run
 from launcher.context import Context
-from launcher.core import slurm
-from launcher.core.atomic import write_private
-from launcher.core.errors import SpecError, UserError
-from launcher.core.home import user_profiles_dir
-from launcher.core.profile_draft import ClusterFacts, draft
-from launcher.core.profiles import REPO_PROFILES, load_profile_file
-from launcher.core.text_rules import PROFILE_NAME
+from launcher.runs.home import user_profiles_dir
+from launcher.spec.profile_draft import ClusterFacts, draft
+from launcher.spec.profiles import REPO_PROFILES, load_profile_file
+from lmcore.atomic import write_private
+from lmcore.errors import SpecError, UserError
+from lmcore.slurm import client as slurm
+from lmcore.text_rules import PROFILE_NAME
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,12 +39,10 @@ def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
         raise UserError("the SLURM controller does not answer (`scontrol ping`): `profile init` reads the live "
                         "cluster (local cluster: `lmlaunch cluster up`)")
     config = slurm.config()
-    accounting = True
-    try:
-        slurm.run(["sacct", "-n", "-X", "-S", "now", "-E", "now", "-o", "JobID"], timeout=15)
-    except UserError as exc:
-        accounting = False
-        problems.append(f"accounting does not answer ({exc.message.splitlines()[0][:160]})")
+    refused = slurm.accounting_answers()
+    accounting = refused is None
+    if refused is not None:
+        problems.append(f"accounting does not answer ({refused.splitlines()[0][:160]})")
     account = None
     if accounting:
         user = slurm.user_name()

@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher import runs
 from launcher.context import Context
-from launcher.core import jsonlines, rundir, slurm
-from launcher.core.atomic import write_json
-from launcher.core.errors import ExitCode, UserError
+from launcher.runs import registry as runs
+from lmcore import jsonlines, rundir
+from lmcore.atomic import write_json
+from lmcore.errors import ExitCode, UserError
+from lmcore.slurm import client as slurm
 
 POLL_S = 1.0
 MAX_STEPS = 1000  # lmtrain.observe.profiling.MAX_STEPS (the spec's profile.steps bound too)

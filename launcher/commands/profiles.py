@@ -6,7 +6,7 @@ import argparse
 import json
 
 from launcher.context import Context
-from launcher.core.profiles import available_profiles, load_profile_file, profile_summary
+from launcher.spec.profiles import available_profiles, load_profile_file, profile_summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,12 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
-from launcher import runs
 from launcher.commands.history import load_history
 from launcher.context import Context
-from launcher.core import jsonlines, rundir
-from launcher.core.errors import UserError
-from launcher.report import build_report, draw_png, draw_sweep_png, sweep_curves
+from launcher.monitor.report import build_report, draw_png, draw_sweep_png, sweep_curves
+from launcher.runs import registry as runs
+from lmcore import jsonlines, rundir
+from lmcore.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def _sweep_report(args: argparse.Namespace, ctx: Context, points: list[runs.RunR
     out = Path(args.output) if args.output else rundir.RunLayout.of(Path(points[0].run_dir).parent / args.run).report
     if out.suffix.lower() != ".png":
         raise UserError(f"-o {out}: the report is a PNG; give a path ending in .png")
-    from launcher import search_driver
+    from launcher.search import driver as search_driver
 
     search = search_driver.trial_rows(args.run, ctx)  # a search: its trials, the best by its objective
     if search is not None and search[1] is not None:

@@ -16,14 +16,15 @@ import os
 import sys
 from pathlib import Path
 
-from launcher import lifecycle, runtime_stack
 from launcher.context import Context
-from launcher.core.errors import UserError
-from launcher.core.planner import make_plan
-from launcher.core.profiles import load_profile
-from launcher.jobfile import load_job
-from launcher.memory_check import with_memory
-from launcher.resolve import runs_root_for
+from launcher.planning import runtime_stack
+from launcher.planning.memory_check import with_memory
+from launcher.planning.planner import make_plan
+from launcher.planning.resolve import runs_root_for
+from launcher.spec.jobfile import load_job
+from launcher.spec.profiles import load_profile
+from launcher.submit import lifecycle
+from lmcore.errors import UserError
 
 LOCAL_PROFILE = "local"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from launcher.context import Context
-from launcher.runs import registry_dir
+from launcher.runs.registry import registry_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

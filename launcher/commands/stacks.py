@@ -1,8 +1,8 @@
 """lmlaunch stacks RUN [--native] [--json]: the live Python stack of every task of a running job.
 
-The tasks recorded their node and pid when they started (launcher.core.task_records); one srun
+The tasks recorded their node and pid when they started (lmcore.task_records); one srun
 step beside the job's own (``--overlap``, one task per node) runs ``py-spy dump`` on each of
-them (launcher.core.stacks). A rank whose dump fails shows why in its section; the others still
+them (launcher.submit.stacks). A rank whose dump fails shows why in its section; the others still
 show, and the exit code is then 1.
 """
 
@@ -12,11 +12,13 @@ import argparse
 import json
 from pathlib import Path
 
-from launcher import runs
 from launcher.context import Context
-from launcher.core import jsonlines, rundir, slurm, stacks
-from launcher.core.errors import ExitCode, SlurmUnavailable, UserError
-from launcher.core.task_records import read_task_records, recorded_starts
+from launcher.runs import registry as runs
+from launcher.submit import stacks
+from lmcore import jsonlines, rundir
+from lmcore.errors import ExitCode, SlurmUnavailable, UserError
+from lmcore.slurm import client as slurm
+from lmcore.task_records import read_task_records, recorded_starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,10 +6,11 @@ import argparse
 import json
 import time
 
-from launcher import monitor, runs, slurm_view, sweep_rows
 from launcher.context import Context
-from launcher.core.errors import UserError
-from launcher.monitor_view import make_console, status_text, status_view
+from launcher.monitor import slurm_view, status_rows as monitor, sweep_rows
+from launcher.monitor.view import make_console, status_text, status_view
+from launcher.runs import registry as runs
+from lmcore.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,16 +8,16 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from launcher import dependencies
 from launcher.commands import add_spec_arguments
 from launcher.context import Context
-from launcher.core.text_rules import brief, escape_controls
-from launcher.memory_check import summary
-from launcher.resolve import resolve
-from launcher.submit import render_script, submit_plan
+from launcher.planning.memory_check import summary
+from launcher.planning.resolve import resolve
+from launcher.submit import dependencies
+from launcher.submit.submission import render_script, submit_plan
+from lmcore.text_rules import brief, escape_controls
 
 if TYPE_CHECKING:
-    from launcher.core.plan import LaunchPlan
+    from lmcore.plan import LaunchPlan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,14 +106,14 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             ctx.out(render_dry_run(r.plan, script, ctx.environ))
         return 0
 
-    from launcher.core.errors import SpecError
-    from launcher.in_place import spare_problems
+    from launcher.submit.in_place import spare_problems
+    from lmcore.errors import SpecError
 
     spares = spare_problems(r.plan)  # no --force: SLURM would never start it
     if spares:
         raise SpecError([*spares, "nothing was submitted"], source=args.spec)
     if not args.force:  # a container's image and interpreter, where this machine can try them
-        from launcher.doctor_container import submit_problems
+        from launcher.doctor.container import submit_problems
 
         problems = submit_problems(r.plan)
         if problems:

@@ -2,9 +2,9 @@
 lmlaunch sweep results SWEEP [--json | --csv]
 lmlaunch sweep resume SEARCH [--detach]
 
-A sweep file with grid / zip / random is one throttled SLURM array (launcher.sweep); one with
+A sweep file with grid / zip / random is one throttled SLURM array (launcher.search.sweep); one with
 ``search: optuna`` is a search whose driver asks an Optuna study for trials as slots free up
-(launcher.search_driver)."""
+(launcher.search.driver)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher import lifecycle, runs, sweep, sweep_rows
 from launcher.commands import add_force_argument
 from launcher.context import Context
-from launcher.core import jsonlines, rundir, slurm
-from launcher.core.arrays import max_array_size, submit_chained
-from launcher.core.errors import SlurmUnavailable, SpecError, UserError
-from launcher.core.search_spec import SearchFile
-from launcher.resolve import resolve
-from launcher.submit_array import render_array_script, submit_array
+from launcher.monitor import sweep_rows
+from launcher.planning.resolve import resolve
+from launcher.runs import registry as runs
+from launcher.search import sweep
+from launcher.submit import lifecycle
+from launcher.submit.arrays import max_array_size, submit_chained
+from launcher.submit.submission.array import render_array_script, submit_array
+from lmcore import jsonlines, rundir
+from lmcore.errors import SlurmUnavailable, SpecError, UserError
+from lmcore.search_spec import SearchFile
+from lmcore.slurm import client as slurm
+from lmcore.study_storage import StorageRef
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,19 +52,20 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.spec == "results":
         return _results(args, ctx)
     if args.spec == "resume":
-        from launcher import search_driver
+        from launcher.search import driver as search_driver
 
         return search_driver.resume(args.sweep, ctx, detach=args.detach)
     if args.max_parallel is not None and args.max_parallel < 1:
         raise UserError(f"--max-parallel must be at least 1, got {args.max_parallel}")
     sw = sweep.load(args.sweep)
     if isinstance(sw, SearchFile):
-        from launcher import search_driver
+        from launcher.search import driver as search_driver
 
         if args.max_parallel is not None:
             sw = sw.model_copy(update={"max_parallel": args.max_parallel})
         return search_driver.start(args.spec, args.sweep, list(args.overrides), args.cluster, sw, ctx,
-                                   detach=args.detach, dry_run=args.dry_run, json_out=args.json)
+                                   detach=args.detach, dry_run=args.dry_run, json_out=args.json,
+                                   local_cluster=_local_cluster_storage)
     points = sweep.points(sw)
     plans = _plans(args, ctx, sw, points)
     sweep.check_one_shape(plans, points, args.sweep)
@@ -164,7 +170,7 @@ def _dry_run(args, ctx, name: str, points, plans, run_dirs, sweep_dir: str, para
 
 
 def _results(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher import search_driver
+    from launcher.search import driver as search_driver
 
     found = search_driver.trial_rows(args.sweep, ctx)
     if found is not None:
@@ -207,3 +213,11 @@ def _table(args: argparse.Namespace, ctx: Context, rows: list[dict[str, Any]], *
                      + ("  <- best" if search and row["best"] else "")
                      + (f"  ({row['why']})" if search and row.get("why") and row["state"] == "failed" else "")).rstrip())
     return 0
+
+
+def _local_cluster_storage() -> StorageRef:
+    """The local cluster's database for a search's study (a profile with ``sweep_storage:
+    {local_cluster: true}``): made there at the first search."""
+    from launcher.localcluster import cluster
+
+    return cluster.sweeps_storage()

@@ -7,8 +7,8 @@ import json
 
 from launcher.commands import add_spec_arguments
 from launcher.context import Context
-from launcher.memory_check import planned, proposal, summary
-from launcher.resolve import resolve
+from launcher.planning.memory_check import planned, proposal, summary
+from launcher.planning.resolve import resolve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

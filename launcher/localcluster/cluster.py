@@ -18,9 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from launcher.core import slurm
-from launcher.core.errors import SlurmUnavailable, UserError
-from launcher.core.study_storage import StorageRef
 from launcher.localcluster import debian_root
 from launcher.localcluster.config import (
     CLUSTER_NAME,
@@ -47,6 +44,9 @@ from launcher.localcluster.daemons import (
     stop,
     wait_until,
 )
+from lmcore.errors import SlurmUnavailable, UserError
+from lmcore.slurm import client as slurm
+from lmcore.study_storage import StorageRef
 
 APT_PACKAGES = ("slurm-wlm", "munge", "slurmdbd", "mariadb-server")
 # the programs each package brings (what `up` needs on PATH)
@@ -251,7 +251,7 @@ def ensure_mariadb(layout: Layout, ports: Ports, password: str, say: Say) -> Non
     )
 
 
-SWEEPS_DB = "lmlaunch_sweeps"  # the searches' Optuna studies (launcher.core.study_storage: local_cluster)
+SWEEPS_DB = "lmlaunch_sweeps"  # the searches' Optuna studies (lmcore.study_storage: local_cluster)
 
 
 def sweeps_storage(layout: Layout | None = None) -> StorageRef:

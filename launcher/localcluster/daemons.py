@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from launcher.core.errors import UserError
-from launcher.core.processes import alive
+from lmcore.errors import UserError
+from lmcore.processes import alive
 
 
 class ClusterError(UserError):

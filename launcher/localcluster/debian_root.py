@@ -28,9 +28,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.core.errors import ExitCode, UserError
 from launcher.localcluster.config import SLURM_RELEASES, base_root
 from launcher.localcluster.daemons import ClusterError, run_checked
+from lmcore.errors import ExitCode, UserError
 
 ROOTS = Path("/var/lib/lmlaunch-roots")
 MARKER = Path("etc/lmlaunch-debian-root")  # in the root: written once its packages are installed

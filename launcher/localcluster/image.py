@@ -3,7 +3,7 @@
 No image registry is reachable from this machine kind, so the image is built here, offline of any
 registry: a Debian root made by ``debootstrap --variant=minbase`` from the machine's own release
 and mirror, with the libraries this machine's Python needs (and nothing of SLURM: a job in it
-must requeue through the host, launcher.core.slurm_relay), imported with ``podman import``. The
+must requeue through the host, lmcore.slurm.relay), imported with ``podman import``. The
 interpreter and its venv are the host's, bind-mounted by the job (``container.python: auto``).
 
 Podman itself runs here with ``runc`` and the cgroupfs manager and without default ulimits
@@ -19,9 +19,9 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.core.errors import UserError
 from launcher.localcluster.daemons import ClusterError, run_checked
 from launcher.localcluster.debian_root import ROOTS, apt_mirror
+from lmcore.errors import UserError
 
 IMAGE = "localhost/lmlaunch/task:latest"
 HOST_PACKAGES = ("podman", "runc", "debootstrap")

@@ -8,10 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from launcher.core.errors import UserError
 from launcher.localcluster import cluster
 from launcher.localcluster.config import Layout, Settings
 from launcher.localcluster.other_release import RESULT
+from lmcore.errors import UserError
 
 
 def main(argv: list[str]) -> int:

@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import IO
 
-from launcher.core.errors import UserError
 from launcher.localcluster.config import MAX_WORKER_SLOTS, Layout, Ports, primary_root
+from lmcore.errors import UserError
 
 
 @dataclass

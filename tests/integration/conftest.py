@@ -27,8 +27,8 @@ from slurm_helpers import REPO, cancel_orphaned_test_jobs, claim_session, job_na
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core import slurm
-from launcher.core.errors import UserError
+from lmcore.errors import UserError
+from lmcore.slurm import client as slurm
 
 _CLAIM = None  # this worker's cluster (launcher.localcluster.workers.Claim); None when serial
 VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None  # None: the machine's own SLURM

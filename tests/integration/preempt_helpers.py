@@ -25,11 +25,11 @@ from pathlib import Path
 import waiting
 from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, job_name, pace, wait_for
 
-from launcher import rehearsal
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core import jsonlines, slurm
-from launcher.core.errors import UserError
+from lmcore import jsonlines
+from lmcore.errors import UserError
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"
 MAX_STEPS = 80
@@ -265,12 +265,13 @@ def wait_ended(job_id: str) -> str:
 
 
 def private_checkout(where: Path) -> Path:
-    """A copy of the checkout's code (launcher/, src/lmtrain/, cluster_profiles/) in ``where``, for a test that edits
+    """A copy of the checkout's code (launcher/, src/lmcore/, src/lmtrain/, cluster_profiles/) in ``where``, for a test that edits
     the code a run was submitted from, as a user edits a live checkout, while other tests' jobs
     snapshot and import the shared one. `lm_from` runs lmlaunch from it. Its module.py carries a
     marker line, so a snapshot shows which checkout it was taken from."""
     shutil.copytree(REPO / "launcher", where / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "src" / "lmtrain", where / "src" / "lmtrain", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "src" / "lmcore", where / "src" / "lmcore", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "cluster_profiles", where / "cluster_profiles")  # found beside launcher/
     module = where / "src" / "lmtrain" / "model" / "module.py"
     module.write_text(module.read_text() + f"\n# {CHECKOUT_MARKER} {where}\n")

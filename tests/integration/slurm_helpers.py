@@ -16,11 +16,10 @@ from pathlib import Path
 
 import waiting
 
-from launcher import rehearsal
-from launcher.core import slurm
-from launcher.core.errors import UserError
 from launcher.localcluster import cluster
 from launcher.localcluster.config import NODES, Layout
+from lmcore.errors import UserError
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"completed", "cancelled", "failed", "timeout", "preempted"}
@@ -203,7 +202,7 @@ def wait_for(
     when none of them changed for waiting.STALL_S, with the last state seen, the pending reason and
     what the nodes run. With ``start_requeued``, a job pending on its requeue BeginTime is started
     once it has waited 2 s and no node is still completing a job or running its previous run
-    (:func:`launcher.rehearsal.ready_to_start`; started within the second of its requeue, SLURM kills it: 'Job
+    (:func:`lmcore.slurm.admin.ready_to_start`; started within the second of its requeue, SLURM kills it: 'Job
     credential revoked')."""
     wanted = set(groups)
     seen = ["UNKNOWN"]

@@ -12,7 +12,7 @@ import pytest
 import waiting
 from slurm_helpers import REPO, wait_terminal
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 

@@ -19,12 +19,11 @@ from slurm_helpers import (
 )
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher import rehearsal
-from launcher.core import slurm
-from launcher.core.errors import UserError
 from launcher.localcluster import cluster, workers
 from launcher.localcluster.config import NODES, Layout, render_slurm_conf
 from launcher.localcluster.daemons import running_from_pidfile
+from lmcore.errors import UserError
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 LMLAUNCH = str(Path(sys.executable).parent / "lmlaunch")
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import waiting
 from slurm_helpers import faults, wait_for
 
-from launcher import rehearsal
-from launcher.core import slurm
+from lmcore.slurm import admin as rehearsal, client as slurm
 from lmtrain.data.prepare.build import prepare, read_meta
 from tests.unit.test_corpus_inputs import shipped_documents, write
 

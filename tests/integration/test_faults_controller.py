@@ -15,10 +15,10 @@ import waiting
 from slurm_helpers import REPO, SMALL_MODEL, faults, pace, wait_nodes_usable, wait_terminal
 from waiting import HANG_S
 
-from launcher import runs
-from launcher.core import slurm
 from launcher.localcluster import cluster
 from launcher.localcluster.daemons import stop
+from launcher.runs import registry as runs
+from lmcore.slurm import client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 TINY = ("trainer.max_steps=20", "optim.warmup_steps=2", "trainer.val_check_interval=null",

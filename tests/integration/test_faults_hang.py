@@ -13,7 +13,7 @@ from pathlib import Path
 import waiting
 from slurm_helpers import REPO, faults, wait_accounted, wait_terminal
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 HANG_TIMEOUT_S = 12
 GRACE_S = 8

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from slurm_helpers import REPO, wait_for
 
-from launcher import runs
-from launcher.core import slurm
+from launcher.runs import registry as runs
+from lmcore.slurm import client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from slurm_helpers import REPO
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from monitor_synth import make_run

@@ -1,7 +1,7 @@
 """Debian's `prometheus` scrapes `lmlaunch metrics serve` while a real 2-node tiny job trains and is
 preempted on the local cluster: Prometheus' HTTP API gives the run's step, loss, state, per-rank
 step timing and, after the preemption, the preempted attempt and the next one; and every PromQL
-expression of the shipped Grafana dashboard (launcher.grafana) returns series for the run (the
+expression of the shipped Grafana dashboard (launcher.serve.grafana) returns series for the run (the
 DCGM-joined ones and MFU evaluate without error and return nothing here: no NVIDIA DCGM exporter
 runs on this machine, and a CPU has no known peak FLOPs). Grafana's own server is not installable here (no package in Debian's archive)."""
 
@@ -16,7 +16,7 @@ from preempt_helpers import ledger, preempt, run_progress, submit, wait_attempt_
 from prometheus_server import free_port, prometheus
 from waiting import HANG_S
 
-from launcher.grafana import DEVICE_ONLY, EXPRESSIONS
+from launcher.serve.grafana import DEVICE_ONLY, EXPRESSIONS
 
 
 def test_prometheus_follows_a_preempted_job_and_every_dashboard_query_answers(slurm_cluster, lm_env, run_name,

@@ -18,8 +18,7 @@ from preempt_helpers import user_signal_on_preemption
 from slurm_helpers import REPO, SMALL_MODEL, faults, pace, requeues_once_more_after_preemption, wait_for, wait_terminal
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher import rehearsal
-from launcher.core import slurm
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 MAX_STEPS = 150
 OVERRIDES = (
@@ -174,7 +173,7 @@ def test_status_shows_a_preempted_job_requeued_pending_on_begin_time_as_the_next
 ):
     """SLURM's side of preemption, independent of the training runtime: a registered run whose
     job (a plain sleep) is preempted by an exclusive job on `high` and requeued by SLURM."""
-    from launcher import runs
+    from launcher.runs import registry as runs
 
     run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
     (run_dir / "metrics").mkdir(parents=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 import waiting
 from slurm_helpers import REPO, SMALL_MODEL, faults, pace, release_worker
 
-from launcher.core import slurm
 from launcher.localcluster import cluster, workers
+from lmcore.slurm import client as slurm
 
 MAX_STEPS = 120
 

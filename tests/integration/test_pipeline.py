@@ -10,7 +10,7 @@ from pathlib import Path
 import waiting
 from slurm_helpers import REPO, wait_terminal
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 SMALL = ["resources.nodes=1", "trainer.max_steps=6", "optim.warmup_steps=1", "checkpoint.every_n_steps=100",
          "trainer.val_check_interval=null", "preemption.max_crash_retries=0"]

@@ -13,7 +13,7 @@ import waiting
 from preempt_helpers import ends, lm, log_tail, starts, submit, wait_step
 from slurm_helpers import wait_accounted
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 

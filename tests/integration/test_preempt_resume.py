@@ -46,7 +46,7 @@ from preempt_helpers import (
 from shared_results import shared
 from slurm_helpers import faults, job_name, webhook_server
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 from tests.trackers import assert_trackers_log_each_step_once
 
 STORM = 6  # preemptions in a row
@@ -117,7 +117,7 @@ def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, e
 def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(reference, env, jobs, name):
     """The cluster does not send the user signal: SIGTERM, then SIGKILL after GraceTime. The tasks
     run in a podman container whose image has no SLURM commands (`lmlaunch cluster image`): the
-    job is requeued from the host (launcher.core.slurm_relay), and the numbers are the host run's."""
+    job is requeued from the host (lmcore.slurm.relay), and the numbers are the host run's."""
     with user_signal_on_preemption(False):
         assert not cluster_sends_user_signal()
         job, run_dir = submit(env, name, *IN_PODMAN)

@@ -13,7 +13,7 @@ import pytest
 from preempt_helpers import ends, finish, log_tail, starts, submit, wait_ended
 from slurm_helpers import faults, wait_accounted
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 TIME_LIMIT = ("resources.time=00:02:00", "preemption.warning_seconds=60")

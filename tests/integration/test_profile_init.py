@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO, SMALL_MODEL, wait_terminal
 
-from launcher.core.profiles import load_profile_file
+from launcher.spec.profiles import load_profile_file
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 

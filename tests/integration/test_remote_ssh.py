@@ -1,4 +1,4 @@
-"""From a workstation over SSH (launcher.remote): a real sshd on a loopback port and a cluster
+"""From a workstation over SSH (launcher.remote.forward): a real sshd on a loopback port and a cluster
 account of its own (tests/integration/sshd_helpers.py); the workstation is this test process with
 its own runs root, which must stay empty. Every command goes through the master connection the
 user opened with the exact command lmlaunch printed.
@@ -30,8 +30,8 @@ from preempt_helpers import BASE, finish, ledger, wait_step
 from slurm_helpers import REPO, TERMINAL, pace, wait_for
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher import snapshot
-from launcher.core import slurm
+from launcher.runs import snapshot
+from lmcore.slurm import client as slurm
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ import waiting
 from preempt_helpers import current_step, ledger
 from slurm_helpers import REPO
 
-from launcher import rehearsal
-from launcher.core import jsonlines, rundir, slurm
+from lmcore import jsonlines, rundir
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 STEPS = 24

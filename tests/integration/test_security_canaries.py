@@ -16,7 +16,7 @@ from pathlib import Path
 import waiting
 from slurm_helpers import REPO, wait_terminal
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 

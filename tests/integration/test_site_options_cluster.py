@@ -1,4 +1,4 @@
-"""Site sbatch/srun options on the real local cluster (launcher.core.site_options): a run with a
+"""Site sbatch/srun options on the real local cluster (lmcore.site_options): a run with a
 reservation, --hint and --mail-type (the spec's slurm.sbatch) and an srun option (slurm.srun) is
 queued with them and trains to completion inside the reservation; `lmlaunch doctor` has the cluster
 judge the exact job script (sbatch --test-only) and the tasks' srun options (srun --test-only), so a
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO, SMALL_MODEL, wait_accounted, wait_terminal
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 

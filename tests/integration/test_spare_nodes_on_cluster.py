@@ -45,11 +45,10 @@ from preempt_helpers import (
 from shared_results import shared
 from slurm_helpers import DutyCycle, job_name, release_worker
 
-from launcher import rehearsal
-from launcher.core import slurm
-from launcher.core.errors import UserError
-from launcher.core.task_records import read_task_records
 from launcher.localcluster import cluster, workers
+from lmcore.errors import UserError
+from lmcore.slurm import admin as rehearsal, client as slurm
+from lmcore.task_records import read_task_records
 
 
 @pytest.fixture(scope="module")

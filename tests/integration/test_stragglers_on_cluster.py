@@ -16,7 +16,7 @@ import waiting
 from preempt_helpers import finish, ledger, run_progress, wait_step
 from slurm_helpers import REPO, SMALL_MODEL, DutyCycle
 
-from launcher.core.task_records import read_task_records
+from lmcore.task_records import read_task_records
 
 pytestmark = pytest.mark.serial
 

@@ -15,10 +15,10 @@ from pathlib import Path
 from slurm_helpers import REPO, wait_for
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher import runs
-from launcher.core import slurm
-from launcher.resolve import resolve
-from launcher.submit import render_script
+from launcher.planning.resolve import resolve
+from launcher.runs import registry as runs
+from launcher.submit.submission import render_script
+from lmcore.slurm import client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 SMALL = ("trainer.max_steps=12", "optim.warmup_steps=2")

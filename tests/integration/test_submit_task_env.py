@@ -9,9 +9,9 @@ from pathlib import Path
 from slurm_helpers import REPO, wait_accounted, wait_terminal
 from submitit.helpers import CommandFunction
 
-from launcher import runs
-from launcher.resolve import resolve
-from launcher.submit import _submit_with_submitit
+from launcher.planning.resolve import resolve
+from launcher.runs import registry as runs
+from launcher.submit.submission import _submit_with_submitit
 
 
 def _env_file(path: Path) -> dict[str, str]:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO, wait_accounted, wait_terminal
 
-from launcher import runs
-from launcher.core import slurm
+from launcher.runs import registry as runs
+from lmcore.slurm import client as slurm
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 

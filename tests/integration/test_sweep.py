@@ -12,8 +12,8 @@ import pytest
 import waiting
 from slurm_helpers import REPO
 
-from launcher import rehearsal
-from launcher.core import jsonlines, rundir, slurm
+from lmcore import jsonlines, rundir
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 STEPS = 40

@@ -14,7 +14,7 @@ import pytest
 import waiting
 from slurm_helpers import REPO
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 PODMAN_IMAGE = "localhost/lmlaunch/task:latest"  # scripts/test.sh builds it (lmlaunch cluster image)
 SMALL = ["resources.nodes=1", "trainer.max_steps=5", "optim.warmup_steps=1", "trainer.val_check_interval=5"]

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from launcher import runs
 from launcher.cli import main
 from launcher.context import Context
+from launcher.runs import registry as runs
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Which checkpoint a resume or an export uses, and why (launcher.core.checkpoint_index.scan /
-describe_choice, choose_for_resume, launcher.lifecycle.resume_point): a resume reads the checksums
+"""Which checkpoint a resume or an export uses, and why (lmcore.checkpoint_index.scan /
+describe_choice, choose_for_resume, launcher.submit.lifecycle.resume_point): a resume reads the checksums
 of the checkpoint it would start from (a damaged one is passed over, named); with no usable checkpoint it says so and
 asks for --new instead of training from step 0 over the old step directories; a skipped newer
 step directory is named with its reason; the continuation notice gives the step it really
@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher import lifecycle, runs
-from launcher.core import rundir
-from launcher.core.checkpoint_index import (
+from launcher.planning.resolve import resolve
+from launcher.runs import registry as runs
+from launcher.submit import lifecycle
+from lmcore import rundir
+from lmcore.checkpoint_index import (
     CHECKSUM_ALGORITHM,
     choose_for_resume,
     complete_checkpoints,
@@ -25,8 +27,7 @@ from launcher.core.checkpoint_index import (
     file_digest,
     scan,
 )
-from launcher.core.errors import UserError
-from launcher.resolve import resolve
+from lmcore.errors import UserError
 
 
 def _plan(repo, runs_root: Path, *overrides: str):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from launcher.core.parallelism import Parallelism
+from lmcore.parallelism import Parallelism
 from lmtrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,

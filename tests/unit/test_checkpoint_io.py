@@ -36,7 +36,7 @@ def test_the_file_goes_straight_to_its_place_without_the_temp_directory(tmp_path
 
 
 def test_the_ddp_strategy_uses_it(repo):
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
 
     plan = resolve(str(repo / "jobs" / "tiny-cpu.yaml"), [], cluster="local",
                    environ={"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/h", "USER": "u"}).plan
@@ -51,7 +51,7 @@ def test_one_process_runs_without_a_data_parallel_wrapper_and_writes_the_same_ch
     from lightning.pytorch.plugins.environments import SLURMEnvironment
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
 
     plan = resolve(str(repo / "jobs" / "tiny-cpu.yaml"), ["resources.nodes=1"], cluster="local",
                    environ={"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/h", "USER": "u"}).plan

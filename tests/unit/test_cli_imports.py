@@ -12,7 +12,7 @@ def _leaves_out(modules: str, heavy: tuple[str, ...]) -> None:
 
 
 def test_import_launcher_cli_leaves_torch_and_lightning_out():
-    _leaves_out("launcher.cli, launcher.core.plan, launcher.submit, launcher.resolve",
+    _leaves_out("launcher.cli, lmcore.plan, launcher.submit.submission, launcher.planning.resolve",
                 ("torch", "lightning", "transformers", "deepspeed"))
 
 
@@ -25,6 +25,6 @@ def test_the_read_only_commands_leave_pydantic_out():
 
 
 def test_forwarding_a_read_only_command_leaves_pydantic_out():
-    """`--remote P status` from a workstation: the lean path (launcher.remote_read) and the warm
-    client's side stay off the profile models (launcher.core.profiles: 0.3-0.4 s of imports)."""
-    _leaves_out("launcher.cli, launcher.remote_read, launcher.warm", ("pydantic", "torch", "launcher.core.profiles"))
+    """`--remote P status` from a workstation: the lean path (launcher.remote.read) and the warm
+    client's side stay off the profile models (launcher.spec.profiles: 0.3-0.4 s of imports)."""
+    _leaves_out("launcher.cli, launcher.remote.read, launcher.remote.warm", ("pydantic", "torch", "launcher.spec.profiles"))

@@ -1,12 +1,13 @@
 """The code's own rules, checked by the tools that own them (docs/architecture.md):
 
-- import-linter: the core imports neither side, the runtime imports only the core, the CLI's
-  modules form layers (contracts in pyproject.toml);
-- no import cycle anywhere in launcher/ or lmtrain (function-local imports included: grimp sees them);
-- ruff on all Python code, mypy on the CLI and the runtime, --strict on the core (configs in
+- import-linter: the kernel (lmcore) imports neither side, the runtime imports only the kernel, the
+  launcher's packages form layers (contracts in pyproject.toml, by package);
+- no import cycle anywhere in launcher/, lmcore or lmtrain (function-local imports included: grimp sees them);
+- ruff on all Python code, mypy on the CLI and the runtime, --strict on the kernel (configs in
   pyproject.toml);
 - no module grows past 400 lines without a stated reason;
-- the runtime grouped into packages, each saying what belongs in it, at most 8 modules at its root;
+- the runtime and the launcher grouped into packages, each saying what belongs in it, at most 8
+  modules at either root; the wheel's package list names every package on disk;
 - in the runtime: no function over 60 lines, no underscore name imported from another module,
   and the run directory handed on through few hands (tests/run_dir_walk.py).
 """
@@ -26,8 +27,8 @@ BIN = Path(sys.executable).parent
 
 # Modules allowed over the size limit, each with its reason.
 LONG_MODULES = {
-    "launcher/core/spec.py": "the job spec schema: one pydantic model per section, documented field by field",
-    "launcher/core/slurm.py": "the one SLURM client: one small function per SLURM command",
+    "src/lmcore/spec.py": "the job spec schema: one pydantic model per section, documented field by field",
+    "src/lmcore/slurm/client.py": "the one SLURM client: one small function per SLURM command",
     "src/lmtrain/data/loader.py": "the memmap dataset and its resumable sampler, which must change together",
     "launcher/localcluster/cluster.py": "the local SLURM cluster's lifecycle (config, daemons, accounting)",
 }
@@ -55,7 +56,7 @@ def test_import_contracts_are_kept():
 def test_no_import_cycles():
     import grimp
 
-    graph = grimp.build_graph("launcher", "lmtrain")
+    graph = grimp.build_graph("launcher", "lmcore", "lmtrain")
     modules = sorted(graph.modules)
     edges = {m: sorted(graph.find_modules_directly_imported_by(m) & set(modules)) for m in modules}
     # A package's __init__ is its own module: `launcher.commands` importing nothing of its
@@ -101,15 +102,15 @@ def test_ruff_passes():
 
 
 def test_mypy_on_the_cli_and_the_runtime_and_strict_on_the_core(tmp_path):
-    """One run: launcher/ and src/lmtrain (every parameter typed, every body checked); pyproject.toml
-    gives launcher.core every per-module flag of --strict."""
+    """One run: launcher/, src/lmcore and src/lmtrain (every parameter typed, every body checked);
+    pyproject.toml gives the kernel (lmcore) every per-module flag of --strict."""
     proc = _run([_tool("mypy"), "--cache-dir", str(tmp_path / "mypy-cache")], timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 def test_modules_stay_small_or_say_why():
     long = {}
-    for root in ("launcher", "src/lmtrain"):
+    for root in ("launcher", "src/lmcore", "src/lmtrain"):
         for path in sorted((REPO / root).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
             n = len(path.read_text().splitlines())
@@ -129,7 +130,7 @@ def test_no_function_runs_over_60_lines():
     import ast
 
     long = []
-    for root in ("launcher", "src/lmtrain"):
+    for root in ("launcher", "src/lmcore", "src/lmtrain"):
         for path in sorted((REPO / root).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -142,30 +143,50 @@ def test_no_function_runs_over_60_lines():
 MAX_ROOT_MODULES = 8
 
 
-def test_the_runtime_is_grouped_into_packages_that_say_what_belongs_in_them():
-    """src/lmtrain is a house by concept (docs/architecture.md): few modules at its root, and every
-    package's ``__init__`` says what belongs there, so the place for a new thing is not a guess."""
+@pytest.mark.parametrize("root", ["src/lmtrain", "launcher", "src/lmcore"])
+def test_each_side_is_grouped_into_packages_that_say_what_belongs_in_them(root):
+    """src/lmtrain, launcher/ and the kernel are houses by concept (docs/architecture.md): few
+    modules at the root of each side, and every package's ``__init__`` says what belongs there, so
+    the place for a new thing is not a guess."""
     import ast
 
-    root = REPO / "src" / "lmtrain"
-    modules = sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
-    assert len(modules) <= MAX_ROOT_MODULES, f"{len(modules)} modules at lmtrain's root: {modules}"
+    base = REPO / root
+    if root != "src/lmcore":  # the kernel is one flat package of small modules, plus its SLURM client
+        modules = sorted(p.name for p in base.glob("*.py") if p.name != "__init__.py")
+        assert len(modules) <= MAX_ROOT_MODULES, f"{len(modules)} modules at {root}'s root: {modules}"
     silent = []
-    for folder in sorted(p for p in root.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    for folder in sorted([base, *(p for p in base.rglob("*") if p.is_dir())]):
+        if folder.name in ("__pycache__", "web") or not any(folder.glob("*.py")):
+            continue
         init = folder / "__init__.py"
         if not init.exists() or not ast.get_docstring(ast.parse(init.read_text())):
             silent.append(str(folder.relative_to(REPO)))
     assert not silent, f"packages without a docstring saying what belongs there: {silent}"
 
 
+def test_the_wheel_names_every_package_on_disk():
+    """pyproject.toml lists the packages one by one (three roots: launcher/, src/lmcore,
+    src/lmtrain): a package missing there is missing from an installed lmlaunch."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = set()
+    for root, base in (("launcher", REPO / "launcher"), ("lmcore", REPO / "src" / "lmcore"),
+                       ("lmtrain", REPO / "src" / "lmtrain")):
+        for init in base.rglob("__init__.py"):
+            on_disk.add(".".join([root, *init.parent.relative_to(base).parts]))
+    assert on_disk - listed == set(), f"packages not in pyproject.toml: {sorted(on_disk - listed)}"
+    assert listed - on_disk == {"launcher.cluster_profiles"}, sorted(listed - on_disk)
+
+
 def test_no_run_directory_path_is_joined_by_hand():
-    """launcher.core.run_layout (RunLayout and its names, re-exported by rundir) is the one speller
+    """lmcore.run_layout (RunLayout and its names, re-exported by rundir) is the one speller
     of a run directory's paths, as submitit's JobPaths is of its folder: no other module joins a
     run-directory name onto a path (``x / rundir.PLAN``, ``x / LEDGER``, ``x / "plan.json"``,
     ``x / "submitit"``)."""
     import ast
 
-    from launcher.core import run_layout as rundir
+    from lmcore import run_layout as rundir
 
     names = {n for n, v in vars(rundir).items() if n.isupper() and isinstance(v, str) and not n.startswith("_")
              and n not in ("HANG_MARKER", "LAST_WORDS", "ENVIRONMENT", "RANK_TIMING")}  # files of an attempt's log dir: RunLayout's
@@ -182,14 +203,14 @@ def test_no_run_directory_path_is_joined_by_hand():
         return isinstance(r, ast.Constant) and isinstance(r.value, str) and r.value.split("/")[0] in spelled
 
     joins = []
-    for root in ("launcher", "src/lmtrain"):
+    for root in ("launcher", "src/lmcore", "src/lmtrain"):
         for path in sorted((REPO / root).rglob("*.py")):
-            if path == REPO / "launcher" / "core" / "run_layout.py":
+            if path == REPO / "src" / "lmcore" / "run_layout.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if joined(node):
                     joins.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
-    assert not joins, "run-directory paths joined by hand (use launcher.core.run_layout.RunLayout):\n" + "\n".join(joins)
+    assert not joins, "run-directory paths joined by hand (use lmcore.run_layout.RunLayout):\n" + "\n".join(joins)
 
 
 def _lmtrain_trees():
@@ -213,14 +234,14 @@ def test_no_underscore_name_is_imported_from_another_module():
 
     private = [f"{rel}:{n.lineno} from {n.module} import {a.name}" for rel, tree in _lmtrain_trees()
                for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-               for a in n.names if a.name.startswith("_") and (n.module or "").startswith(("lmtrain", "launcher"))]
+               for a in n.names if a.name.startswith("_") and (n.module or "").startswith(("lmtrain", "lmcore", "launcher"))]
     assert not private, private
 
 
 def test_the_run_directory_passes_through_few_hands():
     """From the task's entry function, the functions that receive the run directory's path: under
     30, and each module entered at most twice (the run directory travels in the plan's paths and
-    core.rundir.RunLayout, which spells every path in it)."""
+    lmcore.rundir.RunLayout, which spells every path in it)."""
     sys.path.insert(0, str(REPO / "tests"))
     try:
         import run_dir_walk
@@ -249,3 +270,47 @@ def test_no_tracker_numbers_in_code_or_docs():
             if pattern.search(line):
                 hits.append(f"{name}:{n}: {line.strip()[:100]}")
     assert not hits, "\n".join(hits)
+
+
+SLURM_COMMANDS = frozenset({"sbatch", "srun", "salloc", "sacct", "squeue", "scontrol", "scancel", "sinfo", "sacctmgr",
+                            "sstat", "sprio", "sshare", "sreport", "strigger", "sattach", "sbcast"})
+SLURM_CLIENT = ("src/lmcore/slurm/", "launcher/localcluster/")  # the client; the local cluster's own administration
+
+
+def _slurm_command_lines(tree):
+    """Command lines of SLURM's programs spelled in a module: a list or tuple display holding one of
+    their names as a constant word (``["sacct", "-n", ...]``, ``["timeout", "5", "sbatch", path]``)."""
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            words = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if SLURM_COMMANDS & set(words):
+                yield node.lineno, next(w for w in words if w in SLURM_COMMANDS)
+
+
+def test_slurm_command_lines_are_built_by_the_slurm_client_only():
+    """One SLURM client (lmcore.slurm): outside it and the local cluster's administration, no module
+    builds an sbatch/srun/sacct/squeue/scontrol/scancel/sinfo/sacctmgr command line; they ask it."""
+    import ast
+
+    spelled = []
+    for root in ("launcher", "src"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel.startswith(SLURM_CLIENT):
+                continue
+            spelled += [f"{rel}:{n} {cmd}" for n, cmd in _slurm_command_lines(ast.parse(path.read_text()))]
+    assert not spelled, "SLURM command lines outside lmcore.slurm (ask the client instead):\n" + "\n".join(spelled)
+
+
+def test_the_slurm_command_line_check_finds_one_added_elsewhere():
+    """The check above, shown a module that spells its own sacct query and a wrapped sbatch."""
+    import ast
+
+    module = ast.parse('import subprocess\n'
+                       'def probe():\n'
+                       '    subprocess.run(["sacct", "-n", "-X"], check=False)\n'
+                       '    return ("timeout", "30", "sbatch", "job.sh")\n'
+                       'KINDS = {"sbatch": 1}  # a name in a mapping is not a command line\n')
+    assert list(_slurm_command_lines(module)) == [(3, "sacct"), (4, "sbatch")]

@@ -1,5 +1,5 @@
 """Every attempt of a run runs the code it was submitted with: the run's code snapshot
-(launcher.snapshot), first on PYTHONPATH and in the tasks' working directory; a resume after the
+(launcher.runs.snapshot), first on PYTHONPATH and in the tasks' working directory; a resume after the
 code changed says what changed and takes the new code only with --new-code."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher import diff, lifecycle, snapshot
-from launcher.core.errors import UserError
-from launcher.resolve import resolve
+from launcher.monitor import diff
+from launcher.planning.resolve import resolve
+from launcher.runs import snapshot
+from launcher.submit import lifecycle
+from lmcore.errors import UserError
 
 
 def _plan(repo, root: Path, *overrides: str):
@@ -33,13 +35,13 @@ def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
     opening.apply()
     run_dir = Path(plan.paths.run_dir)
     snap = snapshot.read(run_dir)
-    assert snap is not None and "lmtrain/task/entry.py" in snap.files and "launcher/core/plan.py" in snap.files
+    assert snap is not None and "lmtrain/task/entry.py" in snap.files and "src/lmcore/plan.py" in snap.files
     assert (run_dir / "code" / "lmtrain" / "task" / "entry.py").read_bytes() == (repo / "src" / "lmtrain" / "task" / "entry.py").read_bytes()
     assert not list((run_dir / "code").rglob("__pycache__"))
     assert snap.size < 5e6 and snap.git is not None and len(str(snap.git["commit"])) == 40
     assert any("code snapshot" in n for n in opening.notes)
     assert plan.env["PYTHONPATH"] == f"{run_dir}/code"  # first: the snapshot
-    from launcher.submit import executor_parameters
+    from launcher.submit.submission import executor_parameters
 
     assert executor_parameters(plan)["additional_parameters"]["chdir"] == str(run_dir)
 

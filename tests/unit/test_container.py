@@ -17,15 +17,15 @@ import pytest
 import waiting
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher.core import slurm, slurm_relay
-from launcher.core.container import ContainerSpec, merged
-from launcher.resolve import resolve
-from launcher.submit import render_script
+from launcher.planning.resolve import resolve
+from launcher.submit.submission import render_script
+from lmcore.container import ContainerSpec, merged
+from lmcore.slurm import client as slurm, relay as slurm_relay
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = str(REPO / "jobs" / "llama-1b-container.yaml")
 ENV = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u", "PATH": os.environ["PATH"]}
-RELAY_SCRIPT = REPO / "launcher" / "core" / slurm_relay.SCRIPT
+RELAY_SCRIPT = REPO / "src" / "lmcore" / "slurm" / slurm_relay.SCRIPT
 
 
 def _script(cluster: str, *overrides: str) -> str:
@@ -74,14 +74,14 @@ def test_apptainer_execs_the_image_with_the_gpus_and_the_planned_variables_winni
 def test_podman_on_a_gpu_cluster_gets_the_gpus_and_names_its_container_per_task():
     script = _script("h100-ib", "container.runtime=podman")
     argv = _srun(script)
-    assert argv[argv.index("/bin/bash") + 1].endswith("launcher/core/podman_task.sh")
+    assert argv[argv.index("/bin/bash") + 1].endswith("/code/lmcore/podman_task.sh")
     for flag in ("--rm", "--network=host", "--ipc=host", "--pid=host", "--device=nvidia.com/gpu=all",
                  "--env=SLURM*", "--env=NCCL_*", "--env=PYTHONPATH", "--volume=/runs:/runs"):
         assert flag in argv, flag
     assert argv[argv.index("nvcr.io/nvidia/pytorch:25.01-py3") + 1] == "python"
-    task = (REPO / "launcher" / "core" / "podman_task.sh").read_text()
+    task = (REPO / "src" / "lmcore" / "podman_task.sh").read_text()
     assert "SLURM_CLUSTER_NAME" in task and "SLURM_PROCID" in task
-    assert subprocess.run(["bash", "-n", str(REPO / "launcher/core/podman_task.sh")]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(REPO / "src/lmcore/podman_task.sh")]).returncode == 0
     assert subprocess.run(["bash", "-n", str(RELAY_SCRIPT)]).returncode == 0
 
 
@@ -164,14 +164,14 @@ def test_no_relay_answering_is_said_at_once_or_after_the_timeout(tmp_path):
 
 
 def _box(runtime: str, image: str):
-    from launcher.core.container import ContainerPlan
+    from lmcore.container import ContainerPlan
 
     return ContainerPlan(runtime=runtime, image=image, python="python", mounts=[], env=[], workdir="/w", flags=[])
 
 
 def test_doctor_judges_the_image_and_the_runtime():
-    from launcher.doctor import FAIL, OK, WARN
-    from launcher.doctor_container import judge_image, judge_runtime
+    from launcher.doctor.checks import FAIL, OK, WARN
+    from launcher.doctor.container import judge_image, judge_runtime
 
     assert judge_image(_box("apptainer", "/img/x.sif"), local_name_exists=None, file_size=None).status == FAIL
     ok = judge_image(_box("apptainer", "/img/x.sif"), local_name_exists=None, file_size=3 * 10**9)
@@ -187,8 +187,8 @@ def test_doctor_judges_the_image_and_the_runtime():
 
 @pytest.mark.skipif(shutil.which("podman") is None, reason="podman is installed by `lmlaunch cluster image`")
 def test_doctor_asks_podman_for_the_image_before_trying_the_interpreter_inside(tmp_path):
-    from launcher.doctor import FAIL, OK
-    from launcher.doctor_container import container_checks
+    from launcher.doctor.checks import FAIL, OK
+    from launcher.doctor.container import container_checks
 
     r = resolve(str(REPO / "jobs" / "tiny-cpu-podman.yaml"), ["container.image=localhost/lmlaunch/no-such:1"],
                 environ={**ENV, "LMLAUNCH_RUNS_ROOT": str(tmp_path)})
@@ -213,7 +213,7 @@ def test_the_relay_ends_with_the_batch_shell_it_serves(tmp_path):
 def test_an_image_file_is_named_by_its_sha256_kept_while_the_file_is_unchanged(tmp_path):
     import hashlib
 
-    from launcher.core.container import ContainerPlan, host_lines
+    from lmcore.container import ContainerPlan, host_lines
 
     image = tmp_path / "train.sif"
     image.write_bytes(b"an image" * 1000)
@@ -245,10 +245,10 @@ def test_a_local_run_of_a_container_job_runs_on_this_machine_and_says_so(repo, r
 
 
 def test_a_try_before_submission_leaves_out_what_does_not_exist_yet():
-    """`submit` tries the interpreter in the image (launcher.doctor_container.submit_problems): the
+    """`submit` tries the interpreter in the image (launcher.doctor.container.submit_problems): the
     run directory does not exist then, and a runtime would make a mount's source or the working
     directory inside the mounted runs root: the try drops both, keeps the rest."""
-    from launcher.core.container import ContainerPlan, trial_argv
+    from lmcore.container import ContainerPlan, trial_argv
 
     there = {"/runs", "/data"}
     podman = ContainerPlan(runtime="podman", image="img", python="python3", mounts=[], env=[], workdir="/runs/r",

@@ -11,7 +11,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.data_cluster import ArrayJob, array_script, assemble_script, slices
+from launcher.submit.data_cluster import ArrayJob, array_script, assemble_script, slices
 
 
 def test_slices_are_contiguous_cover_every_file_and_are_never_empty():
@@ -65,7 +65,8 @@ def test_a_later_array_numbers_its_tasks_after_those_before_it(tmp_path):
 
 
 def test_chained_arrays_cover_every_task_and_a_failed_submission_cancels_those_queued(monkeypatch):
-    from launcher.core import arrays, slurm
+    from launcher.submit import arrays
+    from lmcore.slurm import client as slurm
 
     assert arrays.chunks(5, 2) == [range(0, 2), range(2, 4), range(4, 5)] and arrays.chunks(3, 10) == [range(0, 3)]
     calls, cancelled = [], []

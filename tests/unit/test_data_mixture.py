@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from launcher.commands.run import prepare_local_run
-from launcher.core.errors import SpecError
+from lmcore.errors import SpecError
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
 from lmtrain.data.loader import DataError, datasets, prepare
@@ -186,7 +186,7 @@ def test_the_samples_come_from_the_stores_in_the_weights_proportions(stores):
 
 
 def test_bad_mixtures_are_clear_errors(tmp_path, stores):
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
 
     spec = _spec(tmp_path, stores, weights=(1, 0))
     with pytest.raises(SpecError, match=r"data\.sources\[1\]\.weight \(line \d+\): Input should be greater than 0"):
@@ -220,7 +220,7 @@ def test_bad_mixtures_are_clear_errors(tmp_path, stores):
 def test_validate_names_a_store_whose_vocabulary_the_model_cannot_hold(tmp_path, stores):
     """Before anything is queued: a store tokenized with more ids than the model's embedding is
     refused, naming the source, its line and what to set; one with fewer is a plan note."""
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
     from lmtrain.data.prepare.tokenizer_train import train_tokenizer
 
     train_tokenizer([REPO / "data" / "corpus" / "licenses.jsonl"], tmp_path / "tok", vocab_size=300)

@@ -10,7 +10,7 @@ from pathlib import Path
 from launcher.cli import main
 from launcher.commands.run import prepare_local_run
 from launcher.context import Context
-from launcher.core.rundir import ENVIRONMENT, attempt_logs_dir
+from lmcore.rundir import ENVIRONMENT, attempt_logs_dir
 from lmtrain.observe.environment_record import REDACTED, visible_environment
 
 

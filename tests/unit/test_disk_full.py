@@ -24,8 +24,8 @@ import pytest
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
-from launcher.core.plan import PreemptionPlan
-from launcher.core.spec import PreemptionSpec
+from lmcore.plan import PreemptionPlan
+from lmcore.spec import PreemptionSpec
 from lmtrain.checkpoint.disk_space import DiskFull, is_no_space, room_verdict
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.distributed.task_env import free_port

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher import doctor_nodes
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core import excluded_nodes
-from launcher.core.errors import UserError
-from launcher.core.node_facts import AllReduce, NodeFacts, select_interfaces
-from launcher.doctor import FAIL, OK, WARN
+from launcher.doctor import nodes as doctor_nodes
+from launcher.doctor.checks import FAIL, OK, WARN
+from launcher.spec import excluded_nodes
+from lmcore.errors import UserError
+from lmcore.node_facts import AllReduce, NodeFacts, select_interfaces
 
 REPO = Path(__file__).resolve().parents[2]
 IFACES = ("docker0", "eth0", "eth1", "ib0", "lo")
@@ -241,7 +241,7 @@ def test_another_profiles_record_is_not_applied(tmp_path):
 
 # --------------------------------------------------------------------------- the probe job's command
 def test_probe_runs_one_task_per_node_like_the_run_and_quotes_the_environment(tmp_path):
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
 
     env = {"LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_HOME": str(tmp_path / "home"),
            "HOME": str(tmp_path), "USER": "u"}

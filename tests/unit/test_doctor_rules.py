@@ -1,4 +1,4 @@
-"""The doctor's rules on made-up facts (launcher.doctor.judge_*): what each cluster setup means
+"""The doctor's rules on made-up facts (launcher.doctor.checks.judge_*): what each cluster setup means
 for this job. The same rules run against the real local cluster in integration/test_doctor.py."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from launcher import doctor
-from launcher.core.parallelism import Parallelism
-from launcher.core.profiles import load_profile
-from launcher.resolve import resolve
+from launcher.doctor import checks as doctor
+from launcher.planning.resolve import resolve
+from launcher.spec.profiles import load_profile
+from lmcore.parallelism import Parallelism
 
 ENV = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u"}
 PART = {"PartitionName": "low", "State": "UP", "MaxTime": "02:00:00", "TotalNodes": "2", "MaxNodes": "UNLIMITED",
@@ -116,7 +116,7 @@ def test_space_and_checkpoint_size():
 
 
 def test_a_mixture_of_stores_tokenized_differently_is_named():
-    """The key the runtime compares stores by (launcher.core.token_meta): vocabulary, eos, kind, class."""
+    """The key the runtime compares stores by (lmcore.token_meta): vocabulary, eos, kind, class."""
     bpe = {"vocab_size": 300, "eos_id": 0, "tokenizer": {"kind": "huggingface", "class": "PreTrainedTokenizerFast"}}
     other_class = {**bpe, "tokenizer": {"kind": "huggingface", "class": "GPT2TokenizerFast"}}
     assert doctor.judge_mixture(["/a", "/b"], [bpe, dict(bpe)]).status == doctor.OK

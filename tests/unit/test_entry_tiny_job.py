@@ -15,7 +15,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core.rundir import STARTUP_PHASES
+from lmcore.rundir import STARTUP_PHASES
 
 THRESHOLD = 3.3
 STEPS = 60

@@ -1,4 +1,4 @@
-"""The eval task (lmtrain.task.evaluate) and pipeline files (launcher.pipeline): an eval run computes
+"""The eval task (lmtrain.task.evaluate) and pipeline files (launcher.submit.pipeline): an eval run computes
 what the Trainer's validation computes, on the checkpoint it is pointed at; a pipeline's stages
 are validated and planned before anything is submitted, with their references resolved."""
 
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from launcher import pipeline
-from launcher.core.errors import SpecError
+from launcher.submit import pipeline
+from lmcore.errors import SpecError
 
 TINY = ["model.config.n_layer=1", "model.config.n_embd=32", "model.config.n_head=2", "model.config.n_positions=32",
         "data.seq_len=32"]

@@ -67,7 +67,7 @@ def test_a_kill_rule_fires_only_where_every_field_matches(rule, killed):
 
 
 def test_the_attempt_comes_from_the_ledger(tmp_path, monkeypatch):
-    from launcher.core.rundir import AttemptStart, Ledger
+    from lmcore.rundir import AttemptStart, Ledger
 
     monkeypatch.setenv("LMLAUNCH_RUN_DIR", str(tmp_path))
     ledger = Ledger(tmp_path / "attempts.jsonl")
@@ -114,7 +114,7 @@ def test_a_job_spec_cannot_turn_it_on(repo, override, tmp_path):
 
 
 def test_a_cluster_profile_cannot_turn_it_on():
-    from launcher.core.profiles import Profile
+    from launcher.spec.profiles import Profile
 
     with pytest.raises(ValueError, match="LMLAUNCH_FAULTS may not be set by a cluster profile"):
         Profile.model_validate({

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from launcher.core.rundir import LastWords, is_peer_lost
+from lmcore.rundir import LastWords, is_peer_lost
 from lmtrain.preemption.first_death import attribute, parse_srun
 
 # srun's stderr of a 2-node job whose task 1 was SIGKILLed (seen on the local cluster)

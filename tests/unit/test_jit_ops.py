@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from launcher import doctor
-from launcher.doctor_ops import jit_ops as doctor_jit_ops
-from launcher.resolve import resolve
+from launcher.doctor import checks as doctor
+from launcher.doctor.ops import jit_ops as doctor_jit_ops
+from launcher.planning.resolve import resolve
 from lmtrain.distributed import jit_ops
 
 ENV = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u"}

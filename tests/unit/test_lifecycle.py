@@ -1,4 +1,4 @@
-"""One run lifecycle (launcher.lifecycle) for `submit` and `run --local`: new / resume /
+"""One run lifecycle (launcher.submit.lifecycle) for `submit` and `run --local`: new / resume /
 archive, the CANCELLED mark, and a rollback that leaves nothing half-done."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import lifecycle, runs
-from launcher.core.errors import UserError
-from launcher.resolve import resolve
+from launcher.planning.resolve import resolve
+from launcher.runs import registry as runs
+from launcher.submit import lifecycle
+from lmcore.errors import UserError
 
 
 def _plan(repo, runs_root: Path, *overrides: str):

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 STACK = ("torch", "lightning", "transformers", "deepspeed", "tokenizers", "tensorboard")
 
 # Run lmlaunch's main with the training stack hidden: a meta path finder refuses it and
-# importlib.util.find_spec (what launcher.runtime_stack asks) does not find it.
+# importlib.util.find_spec (what launcher.planning.runtime_stack asks) does not find it.
 HIDDEN = r"""
 import importlib.abc, importlib.util, json, sys
 STACK = tuple(json.loads(sys.argv[1]))
@@ -78,7 +78,7 @@ def test_without_the_stack_the_cli_plans_and_validates_and_the_stack_commands_sa
 def test_an_installed_wheel_finds_the_shipped_profiles(monkeypatch, tmp_path):
     """A wheel carries cluster_profiles/ as launcher/cluster_profiles (pyproject's package-dir):
     without a checkout beside the code, the presets are found there."""
-    from launcher.core import profiles
+    from launcher.spec import profiles
 
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert setuptools["package-dir"]["launcher.cluster_profiles"] == "cluster_profiles"

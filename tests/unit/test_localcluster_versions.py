@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.core.errors import ExitCode, UserError
 from launcher.localcluster import config, debian_root
 from launcher.localcluster.config import Layout, Ports, render_slurm_conf
+from lmcore.errors import ExitCode, UserError
 
 
 def test_the_release_comes_from_os_release(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Continuing a finished run to a larger trainer.max_steps: the submit-time check and the note
-that says how the learning-rate schedule goes on (launcher.lifecycle.continuation_note)."""
+that says how the learning-rate schedule goes on (launcher.submit.lifecycle.continuation_note)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.core.errors import UserError
-from launcher.core.lr_schedule import OptimSettings, extension_note, lr_at
-from launcher.lifecycle import continuation_note
+from launcher.submit.lifecycle import continuation_note
+from lmcore.errors import UserError
+from lmcore.lr_schedule import OptimSettings, extension_note, lr_at
 
 OPTIM = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "warmup_steps": 10,
          "schedule": "cosine", "min_lr": 3e-4}

@@ -12,7 +12,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core.errors import SpecError
+from lmcore.errors import SpecError
 from tests.unit.malformed_cases import BASE, CASES, Case
 
 NOHIGH_PROFILE = """\

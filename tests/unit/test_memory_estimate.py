@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.core import memory
-from launcher.core.parallelism import DataParallel, Parallelism
-from launcher.jobfile import load_job
-from launcher.memory_inputs import model_facts
+from launcher.planning import memory
+from launcher.planning.memory_inputs import model_facts
+from launcher.spec.jobfile import load_job
+from lmcore.parallelism import DataParallel, Parallelism
 from lmtrain.model.causal_lm import attention_for, build_config, model_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,9 +130,9 @@ def test_model_states_each_rank_holds_are_the_planned_ones(repo, runs_root, stra
 def test_a_7b_model_under_ddp_is_refused_with_ranked_fixes_and_the_first_one_validates():
     """In this process: resolve is what validate, submit and the dry run call (the CLI prints the
     UserError's message on stderr and exits with its code)."""
-    from launcher.core.errors import UserError
-    from launcher.memory_check import planned, proposal
-    from launcher.resolve import resolve
+    from launcher.planning.memory_check import planned, proposal
+    from launcher.planning.resolve import resolve
+    from lmcore.errors import UserError
 
     spec, ddp = "jobs/llama-7b-zero3.yaml", ["trainer.strategy=ddp", "trainer.zero_stage=null"]
     env = {**os.environ}
@@ -156,7 +156,7 @@ def test_a_7b_model_under_ddp_is_refused_with_ranked_fixes_and_the_first_one_val
     assert not isinstance(got, str)
     fit = proposal(got, forced.profile)
     assert fit[0].startswith("fit: trainer.strategy=deepspeed"), fit
-    from launcher.core import memory as m
+    from launcher.planning import memory as m
 
     best = m.best_fit(got.facts, got.setup, got.breakdown.capacity)
     assert best is not None and best.breakdown.fits

@@ -17,10 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_server import free_port, prometheus
 from waiting import HANG_S
 
-from launcher import metrics, monitor, runs
 from launcher.cli import main
 from launcher.context import Context
-from launcher.run_files import read_run_files
+from launcher.monitor import status_rows as monitor
+from launcher.monitor.run_files import read_run_files
+from launcher.runs import registry as runs
+from launcher.serve import exporter as metrics
 
 JOB = "999999901"  # no cluster has this job: the rows come from the run directories
 
@@ -154,7 +156,7 @@ def test_the_token_file_is_private_and_the_choice_said(tmp_path):
 
 
 def test_a_running_runs_ranks_are_series_of_their_own_from_rank_0s_summary(tmp_path):
-    from launcher.core.rundir import RunLayout
+    from lmcore.rundir import RunLayout
 
     run_dir = tmp_path / "r"
     (run_dir / "metrics").mkdir(parents=True)
@@ -183,7 +185,7 @@ def test_a_running_runs_ranks_are_series_of_their_own_from_rank_0s_summary(tmp_p
 
 
 def test_the_grafana_dashboard_is_written_once_with_every_query_and_a_run_variable(tmp_path):
-    from launcher.grafana import EXPRESSIONS
+    from launcher.serve.grafana import EXPRESSIONS
 
     target = tmp_path / "board.json"
     code, out, err = _lm({}, "metrics", "dashboard", "-o", str(target))
@@ -239,7 +241,7 @@ def test_a_first_reading_that_hangs_is_answered_come_back_not_held():
 @pytest.mark.parametrize("host, warned", [("127.0.0.1", False), ("localhost", False), ("::1", False),
                                           ("0.0.0.0", True), ("10.1.2.3", True)])
 def test_a_server_listening_beyond_loopback_says_so(host, warned):
-    from launcher import http_serve
+    from launcher.serve import http_serve
 
     said = http_serve.exposure(host, "dashboard")
     assert (said is not None) == warned and (not warned or "reachable beyond this machine" in said)

@@ -48,14 +48,14 @@ def test_the_known_model_types_are_the_installed_transformers_ones_without_impor
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from launcher.core.model_types import causal_lm_types
-    from launcher.core.spec import ModelSpec
+    from lmcore.model_types import causal_lm_types
+    from lmcore.spec import ModelSpec
 
     assert causal_lm_types() == frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert ModelSpec(type="exaone").type == "exaone"
     with pytest.raises(ValueError, match=r"model\.type\(llamma\) is not a transformers causal LM type.*did you mean"):
         ModelSpec(type="llamma")
-    probe = ("import sys; from launcher.core.model_types import causal_lm_types; n = len(causal_lm_types()); "
+    probe = ("import sys; from lmcore.model_types import causal_lm_types; n = len(causal_lm_types()); "
              "print(n, 'transformers' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)), "False", "False"]
@@ -84,7 +84,7 @@ def test_validate_refuses_a_model_section_transformers_cannot_build_naming_the_l
     device, and for a model up to 20 M parameters one training step on the CPU: codegen's default
     rotary_dim 64 is wider than a 16-wide head), before anything is written or submitted, and name
     the line."""
-    from launcher import model_check
+    from launcher.planning import model_check
 
     cases = {
         "phi3-pad": ({"type": "phi3", "config": {"vocab_size": 260, "hidden_size": 32, "num_attention_heads": 2,
@@ -119,7 +119,7 @@ def test_validate_refuses_a_model_section_transformers_cannot_build_naming_the_l
 
 
 def test_without_the_training_stack_the_model_check_is_left_to_doctor_and_said(repo, tmp_path, monkeypatch):
-    from launcher import model_check, runtime_stack
+    from launcher.planning import model_check, runtime_stack
 
     monkeypatch.setattr(runtime_stack, "missing", lambda packages=runtime_stack.TRAINING_STACK: "torch")
     model_check._seen.clear()

@@ -1,4 +1,4 @@
-"""launcher.monitor: pure readings of run directories and the row models of status/history/logs."""
+"""launcher.monitor.status_rows: pure readings of run directories and the row models of status/history/logs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import json
 import pytest
 from monitor_synth import T0, make_run
 
-from launcher import history_rows, monitor, run_files, runs, slurm_view
-from launcher.core import jsonlines, slurm
-from launcher.slurm_view import SlurmJob
+from launcher.monitor import history_rows, run_files, slurm_view, status_rows as monitor
+from launcher.monitor.slurm_view import SlurmJob
+from launcher.runs import registry as runs
+from lmcore import jsonlines
+from lmcore.slurm import client as slurm
 
 
 def _row(home, name, job, *, reachable=True, now=T0):
@@ -131,7 +133,7 @@ def test_markers_decide_when_slurm_forgot_the_job(tmp_path):
 def test_a_job_slurm_forgot_takes_its_state_from_the_last_end_line(tmp_path, reason, detail, requeued, state):
     """No sacct (or the job purged from it) and no marker: the last attempt's end line tells how
     the job ended, through the status cache too (which keeps that line)."""
-    from launcher import status_cache
+    from launcher.monitor import status_cache
 
     make_run(tmp_path, "e", attempts=[{"job_id": "101", "start_step": 0, "end_step": 20, "t0": T0 - 100,
                                        "t1": T0 - 50, "reason": reason, "detail": detail, "requeued": requeued}])
@@ -280,7 +282,7 @@ def test_status_finds_the_checkpoints_where_the_plan_put_them_and_means_the_newe
     (a save killed half-way) is not "the newest checkpoint", whatever `latest` says."""
     import json
 
-    from launcher.run_files import read_run_files
+    from launcher.monitor.run_files import read_run_files
 
     run_dir, ckdir = tmp_path / "runs" / "r", tmp_path / "elsewhere" / "ckpts"
     run_dir.mkdir(parents=True)
@@ -304,8 +306,8 @@ def test_status_finds_the_checkpoints_where_the_plan_put_them_and_means_the_newe
     ("DependencyNeverSatisfied", "never starts: train:ok (job 7) did not succeed (`lmlaunch cancel eval`)"),
 ])
 def test_a_run_waiting_on_another_says_on_which_and_whether_it_ever_can(tmp_path, reason, words):
-    from launcher.run_files import RunFiles
-    from launcher.slurm_view import SlurmJob
+    from launcher.monitor.run_files import RunFiles
+    from launcher.monitor.slurm_view import SlurmJob
 
     rec = runs.RunRecord(name="eval", profile="local", run_dir=str(tmp_path), spec_path=None, job_ids=["8"],
                          after=["train:ok (job 7)"])
@@ -336,7 +338,7 @@ def test_history_reads_what_each_attempt_held_against_the_plan():
 
 
 def test_history_names_a_job_that_ended_before_any_attempt_started():
-    from launcher import history_rows
+    from launcher.monitor import history_rows
 
     ledger = [{"event": "start", "attempt": 1, "job_id": "7"}, {"event": "end", "attempt": 1, "job_id": "7"}]
     errors = {"7": ["srun: error: n1: task 0: Exited with exit code 1"],

@@ -24,8 +24,8 @@ import torch
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
-from launcher.core import pipeline_stages
-from launcher.core.errors import SpecError
+from lmcore import pipeline_stages
+from lmcore.errors import SpecError
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
 from tests.memory_helpers import assert_states_as_planned
@@ -155,7 +155,7 @@ def _exports_give_ddps_logits(ref: dict, tmp_path: Path) -> None:
 # --- what the planner says -------------------------------------------------------------------
 
 def _refused(spec: Path, *overrides: str) -> str:  # (2 nodes x 2 tasks: world 4)
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
 
     with pytest.raises(SpecError) as err:
         resolve(str(spec), ["trainer.pipeline_parallel_size=2", "trainer.tensor_parallel_size=1",
@@ -203,7 +203,7 @@ def test_the_arithmetic_that_does_not_work_is_refused_naming_the_key(tmp_path):
 
 
 def test_the_dry_run_says_the_mesh_the_schedule_and_its_bubble(tmp_path):
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
 
     plan = resolve(str(_spec(tmp_path)), ["trainer.pipeline_parallel_size=2", "trainer.tensor_parallel_size=1",
                                           "trainer.sequence_parallel=false", "trainer.global_batch_size=32",

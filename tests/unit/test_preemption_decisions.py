@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.core.plan import PreemptionPlan
-from launcher.core.rundir import LedgerAttempt as AttemptRow
-from launcher.core.spec import PreemptionSpec
+from lmcore.plan import PreemptionPlan
+from lmcore.rundir import LedgerAttempt as AttemptRow
+from lmcore.spec import PreemptionSpec
 from lmtrain.preemption.policy import EndFacts, StartFacts, decide, start_gate, steps_without_progress
 from lmtrain.preemption.signals import SignalOwner, StopRequest, guard_dataloader_workers
 
@@ -185,7 +185,7 @@ def _missing_end_written(tmp_path, gate, *, attempt: int) -> dict:
     """The end line AttemptRecords writes for the gate's missing end (rank 0 of ``attempt``)."""
     from types import SimpleNamespace
 
-    from launcher.core.jsonlines import read_jsonl
+    from lmcore.jsonlines import read_jsonl
     from lmtrain.observe.attempt import AttemptRecords, MissingEnd
 
     paths = SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path),
@@ -211,7 +211,7 @@ def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start(
 
 def test_an_attempt_whose_rank_zero_died_before_deciding_is_a_crash_restarted_in_place(tmp_path):
     """The batch script restarted the ranks after srun failed with no decision from rank 0
-    (launcher.in_place sets the variable the gate reads): the missing end is a crash, in place."""
+    (launcher.submit.in_place sets the variable the gate reads): the missing end is a crash, in place."""
     gate = start_gate(_start(history=[AttemptRow(1, "12", 0)], restart_count=0, undecided_exit="137"), POLICY)
     assert not gate.exit
     end = _missing_end_written(tmp_path, gate, attempt=2)
@@ -517,7 +517,7 @@ def test_a_node_failure_keeps_the_requeued_job_off_the_failed_node_while_it_stil
 
 
 def test_every_reader_of_a_slurm_state_takes_its_first_word_the_same_way():
-    from launcher.core.slurm import state_group, state_word
+    from lmcore.slurm.client import state_group, state_word
 
     assert [state_word(s) for s in ("CANCELLED by 0", "COMPLETING+", "running", "", None, "  ")] == [
         "CANCELLED", "COMPLETING", "RUNNING", "", "", ""]

@@ -283,8 +283,8 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
 # and stops the task there.
 _WINDOW_PROBE = r"""
 import json, signal, sys
-SLOW = ("torch", "lightning", "transformers", "deepspeed", "numpy", "pydantic", "launcher.core.plan",
-        "launcher.core.spec", "lmtrain.preemption.controller", "lmtrain.observe.callbacks", "lmtrain.distributed.task_env")
+SLOW = ("torch", "lightning", "transformers", "deepspeed", "numpy", "pydantic", "lmcore.plan",
+        "lmcore.spec", "lmtrain.preemption.controller", "lmtrain.observe.callbacks", "lmtrain.distributed.task_env")
 seen = {}
 def checkpoint_and_try_requeue(signum, frame):  # submitit's handler, by name
     seen["submitit_ran"] = True

@@ -8,9 +8,9 @@ from __future__ import annotations
 import io
 import json
 
-from launcher.core.plan import PreemptionPlan
-from launcher.core.rundir import LedgerAttempt as AttemptRow
-from launcher.core.spec import PreemptionSpec
+from lmcore.plan import PreemptionPlan
+from lmcore.rundir import LedgerAttempt as AttemptRow
+from lmcore.spec import PreemptionSpec
 from lmtrain.preemption.policy import EndFacts, decide
 
 POLICY = PreemptionPlan.of(PreemptionSpec(max_requeues=5))

@@ -10,7 +10,7 @@ import pytest
 from launcher.cli import main
 from launcher.commands.profile_run import parse_ranks, side_by_side
 from launcher.context import Context
-from launcher.core.errors import UserError
+from lmcore.errors import UserError
 
 
 def _lm(*args: str, home) -> tuple[int, str]:

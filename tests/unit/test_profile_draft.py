@@ -1,4 +1,4 @@
-"""A cluster profile read off a cluster's scontrol records (launcher.core.profile_draft): the
+"""A cluster profile read off a cluster's scontrol records (launcher.spec.profile_draft): the
 records below are the shapes SLURM prints (a GPU cluster with typed GRES, an UNLIMITED partition, a
 DOWN one, QOS preemption, no accounting, a short MinJobAge); every draft loads as a valid profile."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.core.profile_draft import UNLIMITED_TIME, ClusterFacts, draft, partitions
-from launcher.core.profiles import load_profile_file
+from launcher.spec.profile_draft import UNLIMITED_TIME, ClusterFacts, draft, partitions
+from launcher.spec.profiles import load_profile_file
 
 
 def _part(name: str, **kv: str) -> dict[str, str]:
@@ -93,7 +93,7 @@ def test_a_cluster_without_partitions_cannot_be_drafted():
 
 
 def test_doctor_names_where_a_profile_disagrees_with_the_live_cluster(tmp_path):
-    from launcher.doctor import OK, WARN, judge_profile
+    from launcher.doctor.checks import OK, WARN, judge_profile
 
     agreeing = _load(tmp_path, "big", draft("big", GPU_CLUSTER, when="2026-11-25"))
     assert judge_profile(agreeing, GPU_CLUSTER).status == OK

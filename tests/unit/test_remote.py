@@ -1,4 +1,4 @@
-"""The workstation side of `lmlaunch --remote NAME ...` (launcher.remote, launcher.core.ssh) without
+"""The workstation side of `lmlaunch --remote NAME ...` (launcher.remote.forward, launcher.remote.ssh) without
 a login node: which profile a command goes to, which files travel and how they are named there,
 what the archive holds, and that a missing master connection stops the command at once with the
 command that opens it. tests/integration/test_remote_ssh.py runs the whole path through a real sshd."""
@@ -13,11 +13,12 @@ import time
 import pytest
 import yaml
 
-from launcher import remote, remote_read, snapshot
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core.errors import UserError
-from launcher.core.ssh import Connection, remote_path
+from launcher.remote import forward as remote, read as remote_read
+from launcher.remote.ssh import Connection, remote_path
+from launcher.runs import snapshot
+from lmcore.errors import UserError
 
 
 def test_the_profile_comes_from_the_option_or_the_environment_and_never_twice():
@@ -154,7 +155,7 @@ def test_a_control_path_too_long_for_a_unix_socket_is_named_before_ssh_runs(tmp_
 
 
 def test_a_forwarded_read_only_command_uses_the_kept_login_while_its_profile_is_unchanged(tmp_path):
-    """The lean path (launcher.remote_read): the login section kept after a full load is used
+    """The lean path (launcher.remote.read): the login section kept after a full load is used
     until the profile file changes or a file of that name appears in a directory read before it."""
     import os
 

@@ -11,13 +11,14 @@ from pathlib import Path
 from monitor_synth import T0, make_run
 from rich.console import Console
 
-from launcher import history_rows, monitor, run_files, runs
 from launcher.cli import main
 from launcher.commands.logs import print_logs
 from launcher.context import Context
-from launcher.core import jsonlines
-from launcher.monitor_view import history_view, status_view
-from launcher.slurm_view import SlurmJob, SlurmView
+from launcher.monitor import history_rows, run_files, status_rows as monitor
+from launcher.monitor.slurm_view import SlurmJob, SlurmView
+from launcher.monitor.view import history_view, status_view
+from launcher.runs import registry as runs
+from lmcore import jsonlines
 
 WIDTH = 150
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from monitor_synth import T0, make_run
 
-from launcher import history_rows
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core import jsonlines
-from launcher.report import DPI, FIGSIZE_IN, build_report
+from launcher.monitor import history_rows
+from launcher.monitor.report import DPI, FIGSIZE_IN, build_report
+from lmcore import jsonlines
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""The batch script's restart loop (restart in place, launcher.in_place): srun runs again only when
+"""The batch script's restart loop (restart in place, launcher.submit.in_place): srun runs again only when
 this job's rank 0 asked (the request file names this job), the request is consumed, a stale one
 of an earlier job is dropped first, and the job's exit status is srun's last. Run with bash and
 a stand-in srun; the rank-0 side is lmtrain.preemption.controller, the cluster test

@@ -13,7 +13,7 @@ import pytest
 from launcher.cli import main
 from launcher.commands.schema import reference_markdown
 from launcher.context import Context
-from launcher.core.yamlio import load_yaml_file
+from launcher.spec.yamlio import load_yaml_file
 
 REPO = Path(__file__).resolve().parents[2]
 

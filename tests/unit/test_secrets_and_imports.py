@@ -12,7 +12,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.submit import render_script
+from launcher.submit.submission import render_script
 
 REPO = Path(__file__).resolve().parents[2]
 CANARY = "sk-canary-5f1e0c9d-never-written"
@@ -39,7 +39,7 @@ def test_secret_passed_by_name_never_appears_in_plan_script_output_or_files(tmp_
     assert "WANDB_API_KEY=<passed through from the submitting shell (set here); value never written>" in dry
     plan = json.loads(outputs[2])["plan"]
     assert plan["passthrough"] == ["WANDB_API_KEY", "HF_TOKEN"]
-    from launcher.core.plan import LaunchPlan
+    from lmcore.plan import LaunchPlan
 
     script = render_script(LaunchPlan.from_dict(plan))
     written = [p.read_text() for p in tmp_path.rglob("*") if p.is_file()]

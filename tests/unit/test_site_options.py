@@ -1,4 +1,4 @@
-"""Site sbatch/srun options (launcher.core.site_options): a profile's and a spec's `slurm` section
+"""Site sbatch/srun options (lmcore.site_options): a profile's and a spec's `slurm` section
 reach the job script (#SBATCH lines, the tasks' srun line) and the dry run; the spec's override the
 profile's and null drops one; an option lmlaunch plans itself is refused naming the key that owns
 it, with the file, key path and line; names and values follow full-match rules (nothing can bend the
@@ -15,7 +15,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core import site_options
+from lmcore import site_options
 
 REPO = Path(__file__).resolve().parents[2]
 ENVIRON = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u", "PATH": "/usr/bin"}
@@ -135,8 +135,8 @@ def test_an_option_slurm_does_not_document_is_a_note_with_the_closest_name():
 
 
 def test_the_node_probe_runs_where_the_job_would_with_the_sites_options(tmp_path):
-    from launcher import doctor_nodes
-    from launcher.resolve import resolve
+    from launcher.doctor import nodes as doctor_nodes
+    from launcher.planning.resolve import resolve
 
     env = {**ENVIRON, "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_HOME": str(tmp_path / "home")}
     plan = resolve(str(REPO / "jobs" / "tiny-cpu.yaml"),

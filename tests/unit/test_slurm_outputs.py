@@ -1,4 +1,4 @@
-"""launcher.core.slurm's parsers on what each SLURM version of the local cluster really answered:
+"""lmcore.slurm.client's parsers on what each SLURM version of the local cluster really answered:
 22.05 (Debian 12) and 24.11 (Debian 13), recorded by `python tests/slurm_replay.py capture DIR`
 from the same scenario (a held job, a running two-node job, that job cancelled) and replayed here
 (tests/slurm_replay.py). A version whose answers change shape fails here, not on a user's cluster."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from slurm_replay import phase, replaying
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 OUTPUTS = Path(__file__).parent / "slurm_outputs"
 VERSIONS = ("22.05", "24.11")

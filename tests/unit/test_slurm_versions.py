@@ -1,13 +1,13 @@
 """What the two SLURM versions of the local cluster (22.05 and 24.11) answer differently, and that
-launcher.core.slurm reads both alike. The outputs are the ones captured from each version's
+lmcore.slurm.client reads both alike. The outputs are the ones captured from each version's
 commands on this machine; a stand-in command on PATH replays them."""
 
 from __future__ import annotations
 
 import pytest
 
-from launcher.core import slurm
-from launcher.core.errors import UserError
+from lmcore.errors import UserError
+from lmcore.slurm import client as slurm
 
 # `sacctmgr -i add account lmlaunch ...` when the account exists
 ADD_EXISTING = {

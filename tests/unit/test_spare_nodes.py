@@ -14,11 +14,11 @@ import waiting
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core.plan import PreemptionPlan
-from launcher.core.rundir import AttemptStart
-from launcher.core.spec import PreemptionSpec
-from launcher.monitor import spares_of
-from launcher.status_cache import compact_ledger
+from launcher.monitor.status_cache import compact_ledger
+from launcher.monitor.status_rows import spares_of
+from lmcore.plan import PreemptionPlan
+from lmcore.rundir import AttemptStart
+from lmcore.spec import PreemptionSpec
 from lmtrain.distributed.task_env import read_env
 from lmtrain.preemption.policy import EndFacts, decide
 
@@ -160,7 +160,7 @@ def test_status_says_which_spares_are_idle_and_the_cache_keeps_them():
     plain = AttemptStart(attempt=1, job_id="9", restart_count=0, time=1.0, start_step=0, nodes=["n1"], world_size=1)
     assert "spares" not in plain.to_json() and spares_of([plain.to_json()]) is None
     # the exporter: one gauge per run with spares, none without
-    from launcher.metrics import ledger_values
+    from launcher.serve.exporter import ledger_values
 
     with_spare = [{**start, "spares": ["n3"]}]
     assert ledger_values(with_spare, submitted={}, running=True, now=2.0)["spares"] == 1.0

@@ -13,12 +13,12 @@ import time
 import pytest
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher import history_rows
 from launcher.cli import main
 from launcher.context import Context
-from launcher.core import rundir
-from launcher.core.checkpoint_index import CompleteCheckpoint
-from launcher.core.rundir import STARTUP_PHASES, AttemptStartup, Ledger
+from launcher.monitor import history_rows
+from lmcore import rundir
+from lmcore.checkpoint_index import CompleteCheckpoint
+from lmcore.rundir import STARTUP_PHASES, AttemptStartup, Ledger
 from lmtrain.observe.startup import StartupClock, process_start_time
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from monitor_synth import make_run, write_jsonl
 
-from launcher import monitor, run_files, runs, status_cache
-from launcher.run_files import RunFiles
-from launcher.slurm_view import SlurmJob
+from launcher.monitor import run_files, status_cache, status_rows as monitor
+from launcher.monitor.run_files import RunFiles
+from launcher.monitor.slurm_view import SlurmJob
+from launcher.runs import registry as runs
 
 NOW = time.time()
 ATTEMPT = {"job_id": "11", "start_step": 0, "end_step": 50, "t0": NOW - 3000, "t1": NOW - 2000, "reason": "completed"}

@@ -1,13 +1,13 @@
 """Plain `status` skips, unread, the runs submitted more than a day ago whose last job has ended:
 known final in accounting's cache, or no longer pending or running for the controller, whatever
-accounting holds (launcher.slurm_view.ended_jobs, launcher.runs.recent_or_unfinished)."""
+accounting holds (launcher.monitor.slurm_view.ended_jobs, launcher.runs.registry.recent_or_unfinished)."""
 
 from __future__ import annotations
 
 from monitor_synth import T0, make_run
 
-from launcher import runs
-from launcher.slurm_view import EndedJobs
+from launcher.monitor.slurm_view import EndedJobs
+from launcher.runs import registry as runs
 
 DAY = 86400.0
 

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from launcher import monitor, runs
-from launcher.core import straggler_lines
-from launcher.core.parallelism import Parallelism
-from launcher.core.rundir import Ledger
-from launcher.run_files import RunFiles
-from launcher.slurm_view import SlurmJob
+from launcher.monitor import status_rows as monitor
+from launcher.monitor.run_files import RunFiles
+from launcher.monitor.slurm_view import SlurmJob
+from launcher.runs import registry as runs
+from lmcore import straggler_lines
+from lmcore.parallelism import Parallelism
+from lmcore.rundir import Ledger
 from lmtrain.health.straggler_watch import StragglerWatch, TimingTable
 from lmtrain.health.stragglers import Slow, StragglerPolicy, others_median, score
 
@@ -157,7 +158,7 @@ def test_status_names_the_slow_rank_of_the_current_attempt_only(tmp_path):
 
 
 def test_history_says_when_a_rank_was_slow_and_when_it_no_longer_was():
-    from launcher.history_rows import build_history
+    from launcher.monitor.history_rows import build_history
 
     ledger = [
         {"event": "start", "attempt": 1, "job_id": "7", "start_step": 0, "time": 0.0},

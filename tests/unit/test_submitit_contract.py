@@ -12,8 +12,8 @@ import re
 import stat
 from pathlib import Path
 
-from launcher import submit
-from launcher.resolve import resolve
+from launcher.planning.resolve import resolve
+from launcher.submit import submission as submit
 
 REPO = Path(__file__).resolve().parents[2]
 

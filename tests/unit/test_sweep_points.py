@@ -1,4 +1,4 @@
-"""Sweeps (launcher.sweep): points from grid, zip and seeded random parts; every point planned and
+"""Sweeps (launcher.search.sweep): points from grid, zip and seeded random parts; every point planned and
 validated before anything is submitted; one job shape per array; the array script picks each
 task's run directory; arrays larger than MaxArraySize are split and chained."""
 
@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from launcher import sweep
-from launcher.core.errors import SpecError
+from launcher.search import sweep
+from lmcore.errors import SpecError
 
 
 def _sweep(tmp_path, d: dict) -> str:
@@ -124,7 +124,7 @@ def test_a_point_that_changes_the_jobs_shape_is_refused(repo, env, tmp_path):
 
 def test_an_array_larger_than_max_array_size_is_split_and_chained(repo, env, tmp_path, monkeypatch):
     from launcher.commands import sweep as command
-    from launcher.core import slurm
+    from lmcore.slurm import client as slurm
 
     calls = []
 

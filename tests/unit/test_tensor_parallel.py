@@ -27,7 +27,7 @@ from shared_results import shared
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.commands.run import prepare_local_run
-from launcher.core.errors import SpecError
+from lmcore.errors import SpecError
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
 from tests.memory_helpers import assert_states_as_planned
@@ -131,7 +131,7 @@ def test_2d_run_matches_ddp_resumes_on_every_layout_and_exports(runs_root, tmp_p
 
 
 def _validate(spec: Path, *overrides: str) -> str:
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
 
     with pytest.raises(SpecError) as err:
         resolve(str(spec), list(overrides), environ=dict(os.environ))
@@ -163,7 +163,7 @@ def test_what_cannot_be_split_is_refused_with_the_arithmetic(tmp_path):
 
 
 def test_the_plan_shows_the_mesh_and_what_tensor_parallelism_needs_of_nccl(tmp_path):
-    from launcher.resolve import resolve
+    from launcher.planning.resolve import resolve
 
     gpu = ["resources.gpus_per_node=8", "resources.tasks_per_node=8", "trainer.tensor_parallel_size=4",
            "trainer.global_batch_size=32", "model.config.num_key_value_heads=4", "env.vars.NCCL_P2P_DISABLE=1"]

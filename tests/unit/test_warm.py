@@ -1,4 +1,4 @@
-"""The warm answerer (launcher.warm): a long-lived lmlaunch answers the read-only commands a
+"""The warm answerer (launcher.remote.warm): a long-lived lmlaunch answers the read-only commands a
 workstation forwards, on a Unix socket in the user's lmlaunch home, with exactly what the command
 prints; the login shell's side falls back to lmlaunch itself whenever it cannot answer. The
 over-ssh figure: `python bench/status_latency.py --over-ssh`."""
@@ -14,9 +14,9 @@ import sys
 import pytest
 import waiting
 
-from launcher import warm
 from launcher.cli import main
 from launcher.context import Context
+from launcher.remote import warm
 
 
 def _direct(argv: list[str], environ: dict[str, str]) -> tuple[int, str, str]:

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from launcher.core.checkpoint_index import LIGHTNING_NAME
+from lmcore.checkpoint_index import LIGHTNING_NAME
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
 from lmtrain.checkpoint.async_checkpoint import Stager

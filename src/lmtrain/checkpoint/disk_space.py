@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher.core.checkpoint_index import is_complete
+from lmcore.checkpoint_index import is_complete
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from launcher.core.checkpoint_index import COMPLETE_NAME
+from lmcore.checkpoint_index import COMPLETE_NAME
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
 

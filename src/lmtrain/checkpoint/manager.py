@@ -52,7 +52,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-from launcher.core.checkpoint_index import (
+from lmcore.checkpoint_index import (
     COMPLETE_NAME,
     LATEST_NAME,
     LIGHTNING_NAME,
@@ -64,7 +64,7 @@ from launcher.core.checkpoint_index import (
     step_dir_name,
     temporary_dir_name,
 )
-from launcher.core.parallelism import CheckpointFormat, Parallelism
+from lmcore.parallelism import CheckpointFormat, Parallelism
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
 from lmtrain.checkpoint.async_checkpoint import BackgroundSave, Stager, save_ddp_in_background

@@ -6,7 +6,7 @@ Rank 0 chose the checkpoint before the rendezvous (every rank resumes from its c
 rounds, with no process group yet (files in the run's ``rendezvous/`` directory, as the
 rendezvous itself; ``<key>`` is the rendezvous key and the attempt):
 
-1. every rank hashes its share of the candidate's files (launcher.core.checkpoint_index.shares:
+1. every rank hashes its share of the candidate's files (lmcore.checkpoint_index.shares:
    split by bytes, so the ranks read in parallel) and publishes what it found,
    ``<key>.verify-<round>-rank-<R>.json``;
 2. rank 0 reads every rank's, and publishes the verdict, ``<key>.verify-<round>.json``. Any file
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.core.atomic import write_private
-from launcher.core.checkpoint_index import (
+from lmcore.atomic import write_private
+from lmcore.checkpoint_index import (
     STEP_RE,
     CompleteCheckpoint,
     complete_checkpoints,
@@ -38,7 +38,7 @@ from launcher.core.checkpoint_index import (
     shares,
     verify,
 )
-from launcher.core.rundir import Ledger, LedgerNote, RunLayout
+from lmcore.rundir import Ledger, LedgerNote, RunLayout
 from lmtrain.checkpoint.manager import CheckpointError
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from typing import Any
 
 from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 
-from launcher.core.atomic import write_private
-from launcher.core.run_layout import GENERATION_VAR
-from launcher.core.rundir import RunLayout
-from launcher.core.task_records import TaskRecord, write_task_record
+from lmcore.atomic import write_private
+from lmcore.run_layout import GENERATION_VAR
+from lmcore.rundir import RunLayout
+from lmcore.task_records import TaskRecord, write_task_record
 
 log = logging.getLogger("lmtrain")
 

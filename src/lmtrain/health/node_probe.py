@@ -3,7 +3,7 @@ job (one task per node), after the profile's setup lines and with the plan's env
 
 Each task measures its node (a GEMM, a memory copy, a write+fsync into the checkpoint
 filesystem, the interfaces its ``*_SOCKET_IFNAME`` variables select), then all tasks time one
-all-reduce together, and each prints one line ``MARK {json}`` (``launcher.core.node_facts``).
+all-reduce together, and each prints one line ``MARK {json}`` (``lmcore.node_facts``).
 The GEMM and the memory copy start together (a barrier on the job's store before each), so nodes
 that share hardware are compared under the same load, and each is the best of COMPUTE_PASSES
 short passes (a node starved for a moment by another process is not slow); the write+fsync takes turns in up to
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from launcher.core.node_facts import IFNAME_VARS, MARK, AllReduce, NodeFacts, select_interfaces
+from lmcore.node_facts import IFNAME_VARS, MARK, AllReduce, NodeFacts, select_interfaces
 from lmtrain.distributed.task_env import TaskEnv, read_env, rendezvous
 
 STORE_TIMEOUT_S = 120.0

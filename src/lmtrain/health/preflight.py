@@ -5,7 +5,7 @@ names, otherwise shows up as a hang in the rendezvous or a cryptic error of the 
 library. At the start of every attempt the first rank of each node checks, for that node:
 
 - every ``*_SOCKET_IFNAME`` selects an interface the node has (NCCL's and gloo's syntax,
-  ``launcher.core.node_facts``);
+  ``lmcore.node_facts``);
 - the checkpoint directory is writable from the node (a file written, fsynced, removed);
 - the data directory's metadata is readable from the node.
 
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.core.atomic import write_private
-from launcher.core.node_facts import ifname_verdicts
-from launcher.core.rundir import Ledger, LedgerNote, RunLayout
+from lmcore.atomic import write_private
+from lmcore.node_facts import ifname_verdicts
+from lmcore.rundir import Ledger, LedgerNote, RunLayout
 from lmtrain import faults
 
 WAIT_S = 60.0  # for every node's verdict (a node whose first rank never starts: the rendezvous times out as before)

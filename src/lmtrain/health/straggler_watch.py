@@ -7,7 +7,7 @@ logging steps, columns: ranks), scores it (:func:`lmtrain.health.stragglers.scor
 set of slow ranks changes, writes a ``straggler`` ledger line per change (``state`` ``start`` with
 the rank, its node, the factor and what it was compared with; ``end`` when it is no longer slow),
 logs it in rank 0's log and sends the ``straggler`` webhook event. ``lmlaunch status`` shows the
-ranks slow now from those lines (launcher.monitor).
+ranks slow now from those lines (launcher.monitor.status_rows).
 
 Logging intervals shorter than ``health.stragglers.min_interval_s`` are summed into one scored
 interval (:class:`TimingTable`): a rank descheduled for a moment is not a straggler.
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from launcher.core.atomic import write_json
-from launcher.core.rundir import LedgerNote
-from launcher.core.straggler_lines import describe
+from lmcore.atomic import write_json
+from lmcore.rundir import LedgerNote
+from lmcore.straggler_lines import describe
 from lmtrain.health.stragglers import Slow, StragglerPolicy, line_figures, others_median, score
 from lmtrain.observe.rank_timing import PARTS, read_timing
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from launcher.core.straggler_lines import PEERS, SELF
+from lmcore.straggler_lines import PEERS, SELF
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from launcher.core.rundir import RunLayout
+from lmcore.rundir import RunLayout
 from lmtrain.distributed.task_env import free_port
 from lmtrain.local.zygote import SHARED_ENV as ZYGOTE_ENV, Forked, Zygote, forkable
 
@@ -36,7 +36,7 @@ PEERS_EXIT_S = 20.0  # after one rank failed: how long the others get to fail in
 
 def planned_over(base: Mapping[str, str], plan_env: Mapping[str, str]) -> dict[str, str]:
     """``base`` with the plan's variables over it, a PYTHONPATH ``base`` has kept after the plan's
-    (a cluster's modules: the batch script's rule, launcher.core.shell.INHERITED_AFTER)."""
+    (a cluster's modules: the batch script's rule, launcher.submit.shell.INHERITED_AFTER)."""
     env = {**base, **plan_env}
     if base.get("PYTHONPATH") and "PYTHONPATH" in plan_env:
         env["PYTHONPATH"] = f"{plan_env['PYTHONPATH']}{os.pathsep}{base['PYTHONPATH']}"
@@ -190,7 +190,7 @@ def _wait_all(procs: list[subprocess.Popen | Forked], on_first_failure: Callable
 def _words_for(run_dir: Path, rank: int, code: int, pid: int) -> None:
     """The first rank to fail died of a signal (or exited without its own last words): say so for
     it, where rank 0 looks for the first death (lmtrain.preemption.first_death), before the others are stopped."""
-    from launcher.core.rundir import LastWords, Ledger
+    from lmcore.rundir import LastWords, Ledger
 
     attempt = Ledger(RunLayout.of(run_dir).ledger).next_attempt() - 1
     if attempt < 1:

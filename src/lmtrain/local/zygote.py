@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launcher.core.processes import alive
+from lmcore.processes import alive
 from lmtrain.local import zygote_serve
 from lmtrain.local.zygote_serve import PRELOAD, SHARED_ENV, START_TIMEOUT_S, differences, forkable
 

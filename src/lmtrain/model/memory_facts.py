@@ -1,4 +1,4 @@
-"""What the memory plan (launcher.core.memory) needs to know about a model that only transformers
+"""What the memory plan (launcher.planning.memory) needs to know about a model that only transformers
 knows, found without allocating it:
 
 - :func:`parameter_facts`: every parameter (tied ones once) in the order the optimizer and the
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.core.spec import ModelSpec
+from lmcore.spec import ModelSpec
 from lmtrain.model.causal_lm import (
     attention_for,
     build_config,
@@ -45,7 +45,7 @@ from lmtrain.model.causal_lm import (
     transformer_blocks,
 )
 
-# How a precision computes (launcher.core.memory.compute_mode): Lightning's mixed precision runs
+# How a precision computes (launcher.planning.memory.compute_mode): Lightning's mixed precision runs
 # the fp32 model under autocast; DeepSpeed casts the model itself.
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -9,7 +9,7 @@ starts). Every tensor is counted once, by its storage: a gradient that is a view
 is the bucket; ZeRO's parameters are views of its flat buffers, whose padding is held memory too.
 Tensors the engine holds besides these (DeepSpeed's reduction buckets, FSDP2's unsharded views)
 are ``buffers``. The ledger's ``memory`` line carries each rank's figures, so that the plan's
-estimate (launcher.core.memory) can be read against them (``lmlaunch history``).
+estimate (launcher.planning.memory) can be read against them (``lmlaunch history``).
 """
 
 from __future__ import annotations

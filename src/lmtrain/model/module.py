@@ -28,9 +28,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from launcher.core.lr_schedule import OptimSettings, lr_at
-from launcher.core.parallelism import Parallelism
-from launcher.core.spec import ModelSpec
+from lmcore.lr_schedule import OptimSettings, lr_at
+from lmcore.parallelism import Parallelism
+from lmcore.spec import ModelSpec
 from lmtrain.model.causal_lm import (
     ModelShape,
     build_model,
@@ -65,7 +65,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 class RuntimeSettings:
     """How the module runs: strategy-dependent choices made by the entry."""
 
-    parallelism: Parallelism  # how the model is split over this attempt's ranks (launcher.core.parallelism)
+    parallelism: Parallelism  # how the model is split over this attempt's ranks (lmcore.parallelism)
     precision: str
     accelerator: str  # cpu | gpu
     clip_val: float | None

@@ -8,8 +8,8 @@ The decoder layers become a ``ModuleDict`` keyed by their index in the whole mod
 computes the rotary position embeddings and the causal mask itself (they hold no parameters), and
 passes them to each layer as the whole model's forward does.
 
-Which layers a stage holds comes from :func:`launcher.core.pipeline_stages.split_layers` (the dry
-run shows the same map). The architectures split here are ``launcher.core.pipeline_stages.SPLITTABLE``.
+Which layers a stage holds comes from :func:`lmcore.pipeline_stages.split_layers` (the dry
+run shows the same map). The architectures split here are ``lmcore.pipeline_stages.SPLITTABLE``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launcher.core.pipeline_stages import SCHEDULES, SPLITTABLE, StageMap, split_layers
+from lmcore.pipeline_stages import SCHEDULES, SPLITTABLE, StageMap, split_layers
 
 
 def problems(model: nn.Module, pipeline: int, schedule: str) -> list[str]:

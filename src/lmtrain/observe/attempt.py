@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.core.atomic import write_atomic
-from launcher.core.rundir import AttemptEnd, AttemptStart, Heartbeat, LastWords, Ledger, RunLayout, is_peer_lost
+from lmcore.atomic import write_atomic
+from lmcore.rundir import AttemptEnd, AttemptStart, Heartbeat, LastWords, Ledger, RunLayout, is_peer_lost
 
 log = logging.getLogger("lmtrain")
 
@@ -51,7 +51,7 @@ class MissingEnd:
     end_step: int
     reason: str
     detail: str
-    restart: str | None = None  # "in_place": the batch script started the ranks again (launcher.in_place)
+    restart: str | None = None  # "in_place": the batch script started the ranks again (launcher.submit.in_place)
 
 
 class AttemptRecords:
@@ -86,7 +86,7 @@ class AttemptRecords:
             return None
         from hostlist import expand_hostlist
 
-        from launcher.core.rundir import left_out_of
+        from lmcore.rundir import left_out_of
 
         job = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))  # as it was at the job's start
         out = set(left_out_of(self.ledger.entries(), self.env.job_id))

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from launcher.core.atomic import write_private
-from launcher.core.rundir import RunLayout
+from lmcore.atomic import write_private
+from lmcore.rundir import RunLayout
 
 PACKAGES = ("torch", "lightning", "transformers", "deepspeed", "numpy", "tokenizers", "submitit", "lmlaunch")
 SECRET_WORDS = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE|CREDENTIAL|_KEY$|^KEY$)", re.I)
@@ -55,13 +55,13 @@ def accelerator_versions() -> dict[str, Any]:
 
 
 def code_in_use(run_dir: Path) -> dict[str, Any]:
-    """Where this process imported lmtrain and launcher from, and whether that is the run's snapshot."""
-    import launcher
+    """Where this process imported lmtrain and the kernel (lmcore) from, and whether that is the run's snapshot."""
+    import lmcore
     import lmtrain
 
     snapshot = RunLayout.of(run_dir).code.resolve()
     paths = {"lmtrain": str(Path(lmtrain.__file__).resolve().parent),
-             "launcher": str(Path(launcher.__file__).resolve().parent)}
+             "lmcore": str(Path(lmcore.__file__).resolve().parent)}
     try:
         digest = json.loads((snapshot / "manifest.json").read_text()).get("digest")
     except (OSError, ValueError):

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launcher.core.spec import NotifySpec
+from lmcore.spec import NotifySpec
 
 log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 10.0  # at the end of an attempt, at most this long for queued messages
@@ -132,8 +132,8 @@ def goodput(ledger: Sequence[Mapping[str, Any]], beats: Sequence[Mapping[str, An
 
 def notify_end(notifier: Any, plan: Any, outcome: Any, attempt: int) -> None:
     """The webhook messages of how this attempt ended."""
-    from launcher.core.jsonlines import read_jsonl
-    from launcher.core.rundir import RunLayout
+    from lmcore.jsonlines import read_jsonl
+    from lmcore.rundir import RunLayout
 
     step, reason, detail = outcome.end_step, outcome.reason, outcome.detail or ""
     facts = {"reason": reason, "end_step": step, "detail": detail[:500]}

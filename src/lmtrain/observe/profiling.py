@@ -28,7 +28,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from launcher.core.atomic import write_json
+from lmcore.atomic import write_json
 
 log = logging.getLogger(__name__)
 

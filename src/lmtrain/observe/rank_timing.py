@@ -37,7 +37,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from launcher.core.straggler_lines import TIMING_PARTS
+from lmcore.straggler_lines import TIMING_PARTS
 
 log = logging.getLogger(__name__)
 

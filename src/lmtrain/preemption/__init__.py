@@ -30,7 +30,7 @@ The path of a stop (docs/run-directory.md for the ledger):
    where. All ranks then take part in the checkpoint (CheckpointManager.save: COMPLETE after
    every rank finished, ``latest`` last) and the Trainer stops.
 3. After the fit, rank 0 decides (:func:`lmtrain.preemption.policy.decide`) the ledger reason from the signals, the run's markers
-   (``CANCELLED``, ``DONE``), the job's SLURM state (``launcher.core.slurm``, from the main loop,
+   (``CANCELLED``, ``DONE``), the job's SLURM state (``lmcore.slurm.client``, from the main loop,
    never from the handler: :mod:`lmtrain.preemption.slurm_facts`) and the loop guards; the ledger ``end`` line is written; then
    :meth:`lmtrain.preemption.controller.Preemption.after_end` calls ``scontrol requeue`` LAST when the job must requeue
    itself (a time limit; a stop whose job SLURM is not already requeueing).

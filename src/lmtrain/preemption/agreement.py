@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from launcher.core.checkpoint_index import step_dir_name
+from lmcore.checkpoint_index import step_dir_name
 
 log = logging.getLogger("lmtrain.preemption")
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from hostlist import expand_hostlist  # SLURM hostlist notation
 
-from launcher.core import slurm
-from launcher.core.rundir import Ledger, LedgerNote, RunLayout
+from lmcore.rundir import Ledger, LedgerNote, RunLayout
+from lmcore.slurm import client as slurm
 from lmtrain.health.watchdog import hang_markers
 from lmtrain.preemption.policy import EndFacts
 from lmtrain.preemption.slurm_facts import SLURM_QUERY_TIMEOUT_S

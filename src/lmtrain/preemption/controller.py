@@ -11,10 +11,10 @@ import time
 import traceback
 from typing import Any
 
-from launcher.core import slurm
-from launcher.core.checkpoint_index import newest_complete
-from launcher.core.plan import PreemptionPlan
-from launcher.core.rundir import Ledger, LedgerNote, RunLayout, is_cancelled, left_out_of
+from lmcore.checkpoint_index import newest_complete
+from lmcore.plan import PreemptionPlan
+from lmcore.rundir import Ledger, LedgerNote, RunLayout, is_cancelled, left_out_of
+from lmcore.slurm import client as slurm
 from lmtrain.checkpoint.disk_space import disk_full_in
 from lmtrain.health.preflight import PreflightFailed
 from lmtrain.health.watchdog import hang_reason
@@ -200,7 +200,7 @@ class Preemption:
 
     def _this_jobs_ends(self) -> list[dict[str, Any]]:
         """The end lines of this job's earlier attempts (restarts in place), oldest first."""
-        from launcher.core.jsonlines import read_jsonl
+        from lmcore.jsonlines import read_jsonl
 
         return [e for e in read_jsonl(self.layout.ledger) if e.get("event") == "end"
                 and str(e.get("job_id")) == str(self.env.job_id) and e.get("attempt") != self.attempt]
@@ -239,12 +239,12 @@ class Preemption:
 
     def tell_batch_script(self, decision: str, leave_out: list[str]) -> None:
         """Rank 0 of a job that restarts in place, before it acts: what it decided (``restart``,
-        ``requeue``, ``cancel``, ``none``), for the batch script's loop (launcher.in_place), which
+        ``requeue``, ``cancel``, ``none``), for the batch script's loop (launcher.submit.in_place), which
         restarts the ranks on ``restart`` and, when srun failed with no decision at all, because
         rank 0 was killed before this. Its first line names this job (an array task's own id)."""
         if self.env.rank != 0 or self.env.launcher != "slurm" or not self.policy.restart_in_place:
             return
-        from launcher.core.atomic import write_atomic
+        from lmcore.atomic import write_atomic
 
         job = os.environ.get("SLURM_JOB_ID", self.env.job_id)
         try:
@@ -263,7 +263,7 @@ class Preemption:
                 return
             self.tell_batch_script(outcome.action, outcome.extra.get("left_out") or [])
             try:
-                if outcome.action == "restart":  # the batch script starts the ranks again (launcher.in_place)
+                if outcome.action == "restart":  # the batch script starts the ranks again (launcher.submit.in_place)
                     log.info("asking the batch script to restart the ranks in place (job %s)", self.env.job_id)
                 elif outcome.action == "requeue":
                     log.info("requeueing job %s (scontrol requeue)", self.env.job_id)

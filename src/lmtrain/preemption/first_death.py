@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.core.rundir import LastWords
+from lmcore.rundir import LastWords
 
 # What a surviving rank's error says when it only lost a peer (gloo, NCCL, c10d store).
 SRUN_TASK = re.compile(r"srun: error: (?P<node>[\w.-]+): tasks? (?P<ranks>[\d,\-]+): (?P<what>.+?)\s*$")

@@ -2,7 +2,7 @@
 
 :func:`start_gate` (before an attempt trains) and :func:`decide` (after it) take facts that
 the controller (``lmtrain.preemption``) gathered from the run directory and SLURM, and a
-the plan's :class:`launcher.core.plan.PreemptionPlan` (``plan.preemption``). docs/run-directory.md lists the ledger reasons.
+the plan's :class:`lmcore.plan.PreemptionPlan` (``plan.preemption``). docs/run-directory.md lists the ledger reasons.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.core.plan import PreemptionPlan
-from launcher.core.rundir import LedgerAttempt
-from launcher.core.slurm import state_word
+from lmcore.plan import PreemptionPlan
+from lmcore.rundir import LedgerAttempt
+from lmcore.slurm.client import state_word
 from lmtrain.checkpoint.disk_space import DiskFull
 from lmtrain.preemption.spares import InPlace, spare_for
 
@@ -345,7 +345,7 @@ def start_gate(f: StartFacts, policy: PreemptionPlan) -> Gate:
                        f"write it (node failure, SIGKILL){seen}; recorded at the start of the next attempt, "
                        f"which resumes from step {f.start_step}"),
         }
-        if f.undecided_exit:  # launcher.in_place: srun failed and rank 0 never said what next
+        if f.undecided_exit:  # launcher.submit.in_place: srun failed and rank 0 never said what next
             reason = "crashed"
             previous_end.update(reason=reason, restart="in_place", detail=(
                 f"attempt {prev.attempt} has no end line: rank 0's process ended before it decided (srun exited "

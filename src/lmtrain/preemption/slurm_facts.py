@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any
 
-from launcher.core import slurm
+from lmcore.slurm import client as slurm
 
 SLURM_QUERY_TIMEOUT_S = 10.0  # every query: SLURM that does not answer in time is decided without
 

@@ -1,12 +1,12 @@
 """Each SLURM task's agent: a restart in place that rank 0 decided is a fork, not a new srun.
 
-A restart in place used to end the srun step and start a new one (launcher.in_place's loop): every
+A restart in place used to end the srun step and start a new one (launcher.submit.in_place's loop): every
 rank a new interpreter that imports torch, Lightning and transformers again, most of the seconds
 from a crash to the first step again. With ``preemption.warm_restart`` (and restart_in_place),
 the task's process (lmtrain.task.main) becomes an agent instead: it imports the frameworks once and
 forks the training process from itself. When the ranks' training processes end:
 
-- rank 0's agent reads rank 0's decision (launcher.core.rundir's RESTART_IN_PLACE, written by
+- rank 0's agent reads rank 0's decision (lmcore.rundir's RESTART_IN_PLACE, written by
   lmtrain.preemption.controller after the attempt's end line). A ``restart`` that leaves no node out,
   in a job SLURM is not preempting, it proposes to the others: ``restart`` in its verdict file
   (``rendezvous/<key>.next``). Every other agent ends its training process if it still runs (a
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.core.run_layout import GENERATION_VAR, UNDECIDED_VAR, RunLayout
+from lmcore.run_layout import GENERATION_VAR, UNDECIDED_VAR, RunLayout
 from lmtrain.preemption.signals import SignalOwner, StopRequest
 
 POLL_S = 1.0  # while a training process runs: its owner (podman's client) and rank 0's verdict
@@ -147,7 +147,7 @@ class TaskAgent:
         with imports_without_gc(freeze=True):
             import submitit.core.submission  # noqa: F401
 
-            import launcher.core.plan  # noqa: F401
+            import lmcore.plan  # noqa: F401
             from lmtrain.task.entry import import_frameworks
 
             import_frameworks(deepspeed=self.s.preload_deepspeed)
@@ -247,7 +247,7 @@ class TaskAgent:
         return decided
 
     def _say(self, word: str) -> None:
-        from launcher.core.atomic import write_atomic
+        from lmcore.atomic import write_atomic
 
         path = self.layout.verdict_file(self._key())
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -315,7 +315,7 @@ class TaskAgent:
     def _last_words(self, signum: int) -> None:
         """A training process that died of a signal: srun never sees it (this agent lives on); say it
         where rank 0 looks for the first death, for the attempt it was in."""
-        from launcher.core.rundir import LastWords
+        from lmcore.rundir import LastWords
 
         try:
             attempt = int(json.loads(self.layout.rendezvous_file(self._key()).read_text())["attempt"])
@@ -337,7 +337,7 @@ class TaskAgent:
         raise SystemExit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
-OWNER_ENV = "LMLAUNCH_TASK_PID"  # set by launcher/core/podman_task.sh: the podman client SLURM started
+OWNER_ENV = "LMLAUNCH_TASK_PID"  # set by src/lmcore/podman_task.sh: the podman client SLURM started
 
 
 def owner_alive(environ: Mapping[str, str] | None = None) -> bool:

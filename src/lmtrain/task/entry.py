@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the task imports these when it needs them
-    from launcher.core.plan import LaunchPlan
+    from lmcore.plan import LaunchPlan
     from lmtrain.distributed.task_env import Rendezvous, TaskEnv
     from lmtrain.preemption.policy import Gate
 
@@ -54,7 +54,7 @@ def run_slurm_task(run_dir: str) -> int:
 
 
 def run_task(run_dir: str | Path) -> int:
-    from launcher.core.rundir import RunLayout
+    from lmcore.rundir import RunLayout
     from lmtrain.observe.startup import CLOCK, imports_without_gc
 
     CLOCK.begin_attempt()
@@ -67,7 +67,7 @@ def run_task(run_dir: str | Path) -> int:
     signals = own_signals(raw_plan.get("preemption") or {})
     fresh = "torch" not in sys.modules  # a task's process, not forked from a zygote nor called in-process
     with imports_without_gc(freeze=fresh):
-        from launcher.core.plan import LaunchPlan
+        from lmcore.plan import LaunchPlan
         from lmtrain.distributed.task_env import record_this_task
 
     plan = LaunchPlan.from_dict(raw_plan)
@@ -80,7 +80,7 @@ def run_task(run_dir: str | Path) -> int:
     except BaseException:
         signals.restore()  # this attempt never reaches training: give the handlers back
         raise
-    from launcher.core.rundir import RunLayout
+    from lmcore.rundir import RunLayout
 
     with _rank_log(RunLayout.of_plan(plan).rank_log(rv.attempt, env.rank), env.rank):
         log.info(
@@ -119,8 +119,8 @@ def _meet(plan: LaunchPlan) -> tuple[TaskEnv, Gate, Rendezvous]:
     before the rendezvous, so every rank reads the same one after it. Rank 0 alone lists the
     checkpoints; every rank resumes from its choice (shared filesystems may show each node a
     different listing for a moment)."""
-    from launcher.core.checkpoint_index import newest_complete
-    from launcher.core.rundir import Ledger, attempts_of, next_attempt_of
+    from lmcore.checkpoint_index import newest_complete
+    from lmcore.rundir import Ledger, attempts_of, next_attempt_of
     from lmtrain.distributed.task_env import read_env, rendezvous
     from lmtrain.observe.startup import CLOCK
     from lmtrain.preemption.gate import decide_start, read_gate

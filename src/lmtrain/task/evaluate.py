@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.core.checkpoint_index import (
+from lmcore.checkpoint_index import (
     STEP_RE,
     CompleteCheckpoint,
     complete_checkpoints,
@@ -26,8 +26,8 @@ from launcher.core.checkpoint_index import (
     newest_intact,
     verify,
 )
-from launcher.core.rundir import LedgerNote, RunLayout, checkpoint_dir_of
-from launcher.core.spec import JobSpec
+from lmcore.rundir import LedgerNote, RunLayout, checkpoint_dir_of
+from lmcore.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from lmtrain.observe.attempt import Outcome
 from lmtrain.observe.startup import CLOCK
 
 if TYPE_CHECKING:
-    from launcher.core.checkpoint_index import CompleteCheckpoint
-    from launcher.core.plan import LaunchPlan
+    from lmcore.checkpoint_index import CompleteCheckpoint
+    from lmcore.plan import LaunchPlan
     from lmtrain.distributed.task_env import TaskEnv
     from lmtrain.observe.attempt import AttemptRecords
     from lmtrain.preemption.controller import Preemption
@@ -184,7 +184,7 @@ class Fit:
 
     def _profiling(self) -> Any:
         """torch.profiler on demand (`lmlaunch profile`) or over the spec's window (lmtrain.observe.profiling)."""
-        from launcher.core.rundir import RunLayout
+        from lmcore.rundir import RunLayout
         from lmtrain.observe.profiling import ProfileOnDemand
 
         layout, attempt = RunLayout.of_plan(self.plan), self.records.attempt
@@ -197,7 +197,7 @@ class Fit:
         """This rank's step timing (lmtrain.observe.rank_timing); on rank 0 of a job of 2+ ranks, the
         straggler watch that scores every rank's (lmtrain.health.straggler_watch), unless the spec
         turned it off."""
-        from launcher.core.rundir import RunLayout
+        from lmcore.rundir import RunLayout
         from lmtrain.observe.rank_timing import RankTiming
 
         plan, env, attempt = self.plan, self.env, self.records.attempt
@@ -224,7 +224,7 @@ class Fit:
         """Each rank's held model states (and the device's peak) into the ledger (lmtrain.model.memory_held)."""
         import time
 
-        from launcher.core.rundir import LedgerNote
+        from lmcore.rundir import LedgerNote
         from lmtrain.model.memory_held import MemoryRecord
 
         attempt = self.records.attempt
@@ -239,7 +239,7 @@ class Fit:
         return MemoryRecord(write, start_step=self.ckpt.step if self.ckpt is not None else 0)
 
     def _checkpoint_callback(self) -> Any:
-        from launcher.core.checkpoint_index import checkpoint_bytes
+        from lmcore.checkpoint_index import checkpoint_bytes
         from lmtrain.checkpoint.callback import CheckpointCallback
         from lmtrain.checkpoint.manager import CheckpointManager
         from lmtrain.distributed.task_env import process_group_timeout
@@ -316,7 +316,7 @@ def _layout(state: dict[str, Any], default_world: int) -> tuple[int, int, int]:
 def planned_memory(memory: dict[str, Any] | None, world_size: int) -> dict[str, Any]:
     """The plan's figures beside what the ranks hold (the ledger's ``memory`` line, read by the
     exporter and ``history``): one rank's model states and peak, for the world it was planned for."""
-    from launcher.core.plan import planned_model_states
+    from lmcore.plan import planned_model_states
 
     if not memory:
         return {}

@@ -26,7 +26,7 @@ agent (lmtrain.task.agent) once it owns the signals: it imports the frameworks a
 training process (:func:`train`), again for every restart in place rank 0 decides, inside the
 same srun step.
 
-Standard library only until the signals are owned; launcher.submit renders this command (and
+Standard library only until the signals are owned; launcher.submit.submission renders this command (and
 ``_submit``'s for a run whose code snapshot predates this module).
 """
 

@@ -15,8 +15,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from launcher.core.checkpoint_index import CompleteCheckpoint
-    from launcher.core.plan import LaunchPlan
+    from lmcore.checkpoint_index import CompleteCheckpoint
+    from lmcore.plan import LaunchPlan
     from lmtrain.distributed.task_env import TaskEnv
     from lmtrain.observe.attempt import AttemptRecords, Outcome
     from lmtrain.preemption.controller import Preemption

@@ -3,7 +3,7 @@
 usage: python -m lmtrain.data.prepare.array_task RUN_DIR TASK        (TASK: the SLURM array task id)
        python -m lmtrain.data.prepare.array_task RUN_DIR --assemble
 
-``RUN_DIR/preparation.json`` (launcher.data_cluster writes it) holds the preparation
+``RUN_DIR/preparation.json`` (launcher.submit.data_cluster writes it) holds the preparation
 (lmtrain.data.prepare.build.Preparation), the output directory, the staging directory the shards are written
 into (``OUT.partial``) and each task's slice of the input files. Task K writes the shards of its
 slice; a shard already finished (by an earlier attempt of the task, before a preemption or a
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.core.rundir import Heartbeat, RunLayout
+from lmcore.rundir import Heartbeat, RunLayout
 from lmtrain import faults
 
 log = logging.getLogger("lmtrain.data.prepare.build")
@@ -105,7 +105,7 @@ def run_task(run_dir: Path, task: int) -> int:
 def _cancel_final_step(run_dir: Path) -> None:
     """The final step waits for every task to succeed, which this one will not: it is cancelled
     (rather than left pending forever). The other tasks go on: their shards are kept for a rerun."""
-    from launcher.core import slurm
+    from lmcore.slurm import client as slurm
 
     path, deadline = RunLayout.of(run_dir).preparation_jobs, time.monotonic() + 30
     while not path.exists() and time.monotonic() < deadline:  # written just after the submission
@@ -155,7 +155,7 @@ def _requeue_or_end(job_id: str | None, why: str) -> int:
     """After SIGTERM: a cancelled job ends; otherwise (preempted, out of time) it is requeued, and
     its next attempt keeps the shards this one finished. A preemption's GraceTime is the time this
     has: the job would end FAILED, not requeued, if the task just exited."""
-    from launcher.core import slurm
+    from lmcore.slurm import client as slurm
 
     if job_id is None:
         log.warning("stopped (%s) outside SLURM: nothing to requeue", why)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from launcher.core.atomic import write_atomic
+from lmcore.atomic import write_atomic
 from lmtrain.data.prepare.corpus import DataError, Preparation, ShardJob, collect_inputs
 from lmtrain.data.prepare.token_store import finished, index, sha256_file, shard_name, write_many
 from lmtrain.data.prepare.tokenizer import load_tokenizer

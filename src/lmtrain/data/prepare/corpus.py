@@ -20,7 +20,7 @@ always an error naming the file (and how far it was read): there is no next docu
 
 :class:`Preparation` (which files, which tokenizer, how documents are read) and its
 :class:`ShardJob` records live here too, with the standard library only: the launcher plans a
-preparation on the cluster (launcher.data_cluster) without numpy.
+preparation on the cluster (launcher.submit.data_cluster) without numpy.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from launcher.core.errors import UserError
+from lmcore.errors import UserError
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 PARQUET_BATCH_ROWS = 1024

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from launcher.core.atomic import write_atomic
+from lmcore.atomic import write_atomic
 from lmtrain import faults
 from lmtrain.data.prepare.corpus import BadDocuments, DataError, ShardJob, read_ahead
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from launcher.core.errors import UserError
+from lmcore.errors import UserError
 
 BYTE_VOCAB_SIZE = 260
 BYTE_EOS_ID = 256

@@ -1,0 +1,171 @@
+"""Reading a run directory for the monitor: the files a status row, a history and the logs
+are built from (formats and their one writer: ``lmcore.rundir``; docs/run-directory.md).
+Cheap by design: the heartbeat by its last few KB only, the small ledger whole."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmcore.checkpoint_index import COMPLETE_NAME, newest_complete
+from lmcore.jsonlines import read_jsonl, read_tail
+from lmcore.rundir import RunLayout, checkpoint_dir_of
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str
+    mtime: float
+
+
+def newest_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:
+    """The run's newest COMPLETE checkpoint (the one the next attempt resumes from), dated by
+    its COMPLETE marker."""
+    ckpt = newest_complete(checkpoint_dir)
+    if ckpt is None:
+        return None
+    try:
+        mtime = (ckpt.path / COMPLETE_NAME).stat().st_mtime
+    except OSError:
+        return None
+    return Checkpoint(ckpt.step, str(ckpt.path), mtime)
+
+
+@dataclass
+class RunFiles:
+    """What one run directory says, read cheaply."""
+
+    heartbeat: list[dict[str, Any]] = field(default_factory=list)  # the tail only
+    ledger: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+    done: bool = False
+    cancelled: bool = False
+    plan_time: str | None = None  # the planned time limit, for jobs SLURM has forgotten
+    exists: bool = True
+
+
+def read_run_files(run_dir: Path, *, with_plan_time: bool = False) -> RunFiles:
+    if not run_dir.is_dir():
+        return RunFiles(exists=False)
+    layout = RunLayout.of(run_dir)
+    rf = RunFiles(
+        heartbeat=read_tail(layout.heartbeat),
+        ledger=read_jsonl(layout.ledger),
+        checkpoint=newest_checkpoint(checkpoint_dir_of(run_dir)),
+        done=layout.done.exists(),
+        cancelled=layout.cancelled.exists(),
+    )
+    if with_plan_time:
+        rf.plan_time = read_plan_time(run_dir)
+    return rf
+
+
+def read_rank_times(run_dir: Path) -> dict[str, Any] | None:
+    """Rank 0's summary of every rank's newest step timing and the slow ranks
+    (``metrics/rank-times.json``, lmtrain.health.straggler_watch), or None when there is none or it
+    cannot be read (the exporter then shows no per-rank series for the run)."""
+    try:
+        data = json.loads(RunLayout.of(run_dir).rank_times.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("ranks"), dict):
+        return None
+    data["ranks"] = {k: v for k, v in data["ranks"].items() if str(k).isdigit() and isinstance(v, dict)}
+    return data
+
+
+def read_plan_time(run_dir: Path) -> str | None:
+    try:
+        return str(json.loads(RunLayout.of(run_dir).plan.read_text())["slurm"]["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------- logs (pure listing)
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """One file to show: an attempt's rank log, or submitit's per-task file of a job."""
+
+    attempt: int | None
+    job_id: str | None
+    path: Path
+    label: str
+
+
+def attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    return RunLayout.of(run_dir).attempts_logged()
+
+
+def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt: int | None = None) -> list[LogSource]:
+    """The files of ``rank`` for every attempt in order (or only ``attempt``); submitit's
+    ``%j_%t_log.out/.err`` of each job when an attempt has no log of its own."""
+    out = []
+    for n, _ in attempt_dirs(run_dir):
+        if attempt is not None and n != attempt:
+            continue
+        p = RunLayout.of(run_dir).rank_log(n, rank)
+        if p.exists():
+            out.append(LogSource(n, None, p, f"attempt {n}, rank {rank}"))
+    if out or (attempt is not None and attempt_dirs(run_dir)):
+        return out
+    sub = RunLayout.of(run_dir).submitit
+    for jid in job_ids:
+        for ext in ("out", "err"):
+            p = sub / f"{jid}_{rank}_log.{ext}"
+            if p.exists():
+                out.append(LogSource(None, jid, p, f"job {jid}, task {rank}, submitit {ext}"))
+    return out
+
+
+_ERROR_LINE = re.compile(
+    r"(Traceback \(most recent call last\)|\b[A-Z][A-Za-z]*(Error|Exception)\b|\bERROR\b|\bCRITICAL\b|\bFATAL\b|"
+    r"srun: error|slurmstepd: error|\bKilled\b|OOM|out of memory|DUE TO (TIME LIMIT|PREEMPTION)|CANCELLED AT|"
+    r"^(Error|error|FATAL|ERROR):|^pyxis: .*(error|failed))"  # a container runtime's own (podman, apptainer, pyxis)
+)
+
+
+def error_lines(lines: Iterable[str]) -> list[str]:
+    """Tracebacks (whole) and error lines; everything else dropped."""
+    out: list[str] = []
+    in_tb = False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            in_tb = True
+            out.append(line)
+            continue
+        if in_tb:
+            out.append(line)
+            if line and not line[0].isspace():
+                in_tb = False  # the exception line closes the traceback
+            continue
+        if _ERROR_LINE.search(line):
+            out.append(line)
+    return out
+
+
+def attempt_marker(n: int | None, ledger: Sequence[Mapping[str, Any]], label: str) -> str:
+    """The line between attempts: who ran it, from which step, and how the previous one ended."""
+    if n is None:
+        return f"──── {label} ────"
+    start = next((e for e in ledger if e.get("event") == "start" and e.get("attempt") == n), None)
+    end = next((e for e in ledger if e.get("event") == "end" and e.get("attempt") == n), None)
+    bits = [f"attempt {n}"]
+    if start:
+        bits.append(f"job {start.get('job_id')}")
+        if start.get("nodes"):
+            bits.append("on " + ",".join(start["nodes"]))
+        if start.get("start_step") is not None:
+            bits.append(f"from step {start['start_step']}")
+        if start.get("time"):
+            bits.append("started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(start["time"]))))
+    if end:
+        bits.append(f"ended {end.get('reason')} at step {end.get('end_step')}")
+    return f"──── {' · '.join(bits)} ────"

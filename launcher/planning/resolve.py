@@ -1,0 +1,211 @@
+"""From CLI arguments to a validated spec, profile and plan (the shared front of validate,
+submit and run). Reads files and the environment; the planning itself stays pure in
+lmcore.plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from launcher.planning.memory_check import with_memory
+from launcher.planning.memory_inputs import model_facts
+from launcher.planning.model_check import check_model, pretrained_pipeline_problems, split_of
+from launcher.planning.planner import make_plan
+from launcher.runs.registry import lmlaunch_home
+from launcher.spec import excluded_nodes
+from launcher.spec.jobfile import load_job_with_origin
+from launcher.spec.profiles import Profile, check_slurm_path, expand_path, load_profile
+from launcher.spec.validation import located
+from lmcore.errors import SpecError
+from lmcore.plan import LaunchPlan
+from lmcore.spec import DataSource, JobSpec
+from lmcore.token_meta import read_index, tokenized_with, tokenizer_identity
+
+
+@dataclass(frozen=True)
+class Resolved:
+    spec: JobSpec
+    profile: Profile
+    plan: LaunchPlan
+
+
+StoreIndex = tuple[str, DataSource, "dict[str, Any] | None"]  # (spec key, the store, its meta.json when readable here)
+
+
+def store_indexes(spec: JobSpec) -> list[StoreIndex]:
+    """Each store the run reads (data.path, or data.sources), with its index where it is readable
+    here (the nodes may see other paths): read once for the plan's notes and checks."""
+    keys = ["data.path"] if spec.data.sources is None else [f"data.sources[{i}]" for i in range(len(spec.data.sources))]
+    return [(key, store, read_index(store.path)[0]) for key, store in zip(keys, spec.data.stores)]
+
+
+def mixture_notes(spec: JobSpec, plan: LaunchPlan, stores: list[StoreIndex]) -> list[str]:
+    """For ``data.sources``: how many epochs of each store the run takes (its weight's share of the
+    tokens the run trains on), where its index is readable here."""
+    if spec.data.sources is None:
+        return []
+    needed = plan.trainer.max_steps * plan.topology.global_batch_size * spec.data.seq_len
+    total = sum(s.weight for s in spec.data.sources)
+    out = []
+    for _, src, meta in stores:
+        share = round(needed * src.weight / total)
+        try:
+            tokens = int(meta["num_tokens"])  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            out.append(f"data.sources {src.path}: weight {src.weight / total:.0%}, {share:,} tokens trained "
+                       "(its index is not readable here: epochs unknown)")
+            continue
+        out.append(f"data.sources {src.path}: weight {src.weight / total:.0%}, {share:,} tokens trained of its "
+                   f"{tokens:,}: {share / max(tokens, 1):.2f} epochs" + (" (repeated)" if share > tokens else ""))
+    return out
+
+
+def data_vocab_checks(stores: list[StoreIndex], model_vocab: int,
+                      model_eos: tuple[int, ...] | None = None) -> tuple[list[str], list[str]]:
+    """(problems, notes): each store whose index is readable here, against the model's vocabulary
+    and (a mixture) the first store's tokenizer (the runtime's lmtrain.data.loader.check_same_tokens,
+    before queue time). A store tokenized with more ids than the model's embedding holds is a
+    problem (the runtime would stop on it); fewer is a note (rows never trained), and so is a
+    store whose documents end with an id other than the model's ``eos_token_id`` (``model_eos``;
+    None: not known). A store not readable here is the runtime's to check, on the nodes."""
+    problems, notes = [], []
+    first: tuple[str, dict[str, Any]] | None = None
+    for key, store, meta in stores:
+        try:
+            vocab, kind = int(meta["vocab_size"]), tokenizer_identity(meta)[2] or "?"  # type: ignore[index, arg-type]
+        except (KeyError, TypeError, ValueError):
+            continue
+        assert meta is not None
+        if first is None:
+            first = (f"{key} {store.path}", meta)
+            notes += _eos_notes(key, store.path, meta.get("eos_id"), model_eos)
+        elif tokenizer_identity(meta) != tokenizer_identity(first[1]):
+            problems.append(f"{key} {store.path}: tokenized with {tokenized_with(meta)}, but {first[0]} with "
+                            f"{tokenized_with(first[1])}: the stores of a mixture must share one tokenizer")
+        if vocab > model_vocab:
+            problems.append(f"{key} {store.path}: tokenized with vocab_size {vocab} ({kind} tokenizer), but the model "
+                            f"has vocab_size {model_vocab}: ids >= {model_vocab} would index past its embedding; set "
+                            f"model.config.vocab_size: {vocab}, or use data tokenized for this model")
+        elif vocab < model_vocab:
+            notes.append(f"{key} {store.path}: tokenized with vocab_size {vocab} ({kind} tokenizer), the model has "
+                         f"{model_vocab}: {model_vocab - vocab:,} rows of its embedding are never trained")
+    return problems, notes
+
+
+def _eos_notes(key: str, path: str, eos: Any, model_eos: tuple[int, ...] | None) -> list[str]:
+    """The store's document separator against the model's eos_token_id (one note at most)."""
+    if model_eos is None or not isinstance(eos, int) or eos in model_eos:
+        return []
+    has = (f"eos_token_id {model_eos[0]}" if len(model_eos) == 1 else f"eos_token_id {list(model_eos)}") \
+        if model_eos else "no eos_token_id"
+    return [f"{key} {path}: its documents end with id {eos} (the tokenizer's eos), but the model has {has}: "
+            f"it learns to end a document with an id its generation does not stop at; set "
+            f"model.config.eos_token_id: {eos}"]
+
+
+def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) -> str:
+    """The absolute runs root: LMLAUNCH_RUNS_ROOT, else the profile's runs_root.
+
+    ``~`` (and in a profile's runs_root ``$VARS``) is expanded from ``environ``; an unset variable, a relative result
+    or a character SLURM cannot take in an --output path is a clear error.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("LMLAUNCH_RUNS_ROOT"):
+        # The shell expanded $VARS in the variable already; a '$' left in it is literal.
+        what = "LMLAUNCH_RUNS_ROOT"
+        root = env["LMLAUNCH_RUNS_ROOT"]
+        if root == "~" or root.startswith("~/"):
+            root = expand_path(root.replace("$", "\0"), env, what).replace("\0", "$")
+    else:
+        what = f"profile '{profile.name}' runs_root"
+        root = expand_path(profile.runs_root, env, what)
+    if not root.startswith("/"):
+        cwd = (env.get("PWD") if environ is not None else None) or os.getcwd()
+        root = str(PurePosixPath(cwd) / root)
+    root = os.path.normpath(root)
+    check_slurm_path(root, what)
+    return root
+
+
+def excluded_nodes_path(profile: str, environ: Mapping[str, str] | None = None) -> Path:
+    """The user's record of nodes excluded from submissions to ``profile``
+    (``launcher.spec.excluded_nodes``): beside the run registry, in $LMLAUNCH_HOME."""
+    return lmlaunch_home(environ) / "excluded-nodes" / f"{profile}.json"
+
+
+def host_python_dirs(python: str) -> tuple[str, ...]:
+    """Where the tasks' interpreter ``python`` lives: for the one running lmlaunch, its venv and its
+    base install; for another, the directory above its bin/. What a container whose python is
+    ``auto`` mounts to run it."""
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        dirs = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    else:
+        dirs = {os.path.dirname(os.path.dirname(python))} if python.startswith("/") else set()
+    return tuple(sorted(d for d in dirs if d not in ("/usr", "/", "")))
+
+
+def resolve(
+    spec_path: str,
+    overrides: list[str] | None = None,
+    cluster: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    python: str | None = None,
+    *,
+    force: bool = False,
+    check_data: bool = True,
+) -> Resolved:
+    """Load and validate the spec (with overrides), its profile, and plan the launch (excluding
+    the nodes the user's record for the profile names); the model section is checked against the
+    installed transformers (launcher.planning.model_check) and its memory planned (launcher.planning.memory_check:
+    a GPU job that does not fit is refused unless ``force``); the stores readable here are checked
+    against the model's vocabulary and each other (``check_data``: doctor judges them itself).
+
+    Every problem names the spec file and, where it can, the line or override it came from.
+    """
+    env = os.environ if environ is None else environ
+    spec, origin = load_job_with_origin(spec_path, overrides or [])
+    if cluster:
+        spec = spec.model_copy(update={"cluster": cluster})
+    try:
+        try:
+            profile = load_profile(spec.cluster, env)
+        except SpecError as exc:
+            if exc.source is not None:  # the profile file itself is broken
+                raise
+            where = "--cluster" if cluster else (origin.locate(("cluster",)) or "cluster")
+            raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
+        runs_root = runs_root_for(profile, env)
+        excluded = excluded_nodes.load(excluded_nodes_path(profile.name, env))
+        interpreter = profile.python_command(python or sys.executable)
+        plan = make_plan(spec, profile, runs_root=runs_root, python=interpreter,
+                         exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
+        stores = store_indexes(spec)
+        plan = dataclasses.replace(plan, notes=(*plan.notes, *mixture_notes(spec, plan, stores)))
+        staged = pretrained_pipeline_problems(spec.model, plan.parallelism)
+        if staged:
+            raise SpecError(staged)
+        unchecked = check_model(spec.model, env, split=split_of(plan.topology))  # whatever validates builds
+        if unchecked is not None:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
+        else:  # will it fit? (a GPU job that does not is refused, with what would make it fit)
+            plan = with_memory(spec, profile, plan, env, force=force, source=str(spec_path))
+            try:
+                facts = model_facts(spec, env, gpu=plan.topology.accelerator == "gpu")
+                model_vocab, model_eos = facts.vocab_size, facts.eos_token_ids
+            except Exception:  # what with_memory said already (a model the trace cannot follow)
+                model_vocab, model_eos = None, None
+            problems, notes = (data_vocab_checks(stores, model_vocab, model_eos) if model_vocab and check_data
+                               else ([], []))
+            if problems:
+                raise SpecError(problems)
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))
+    except SpecError as exc:
+        if exc.source is not None:
+            raise
+        raise SpecError([located(p, origin) for p in exc.problems], source=str(spec_path)) from None
+    return Resolved(spec=spec, profile=profile, plan=plan)

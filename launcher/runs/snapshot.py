@@ -1,0 +1,145 @@
+"""The run's code snapshot (``<run dir>/code/``): the launcher, lmcore and lmtrain packages as they were at
+submission, with the git commit and a patch of uncommitted changes when they come from a git
+checkout. Every attempt of the run, requeues days later included, imports the snapshot
+(``PYTHONPATH`` and ``--chdir`` in the plan), not the live checkout; ``--resume`` after the code
+changed says what changed and takes the new code only with ``--new-code``.
+
+Only source goes in (``*.py`` and package data, no ``__pycache__``, no data, no venv).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import launcher
+from lmcore.rundir import RunLayout
+
+MANIFEST = "manifest.json"
+PATCH = "uncommitted.patch"
+
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # where it lives, without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {name} not found")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+PACKAGES = {"launcher": Path(launcher.__file__).parent, "lmcore": _package_dir("lmcore"), "lmtrain": _package_dir("lmtrain")}
+# A workstation's code shipped over ssh (launcher.remote.forward): <dir>/launcher, <dir>/lmcore, <dir>/lmtrain and what
+# git said of them there (<dir>/git.json); a submission on the login node snapshots that instead.
+SHIPPED_ENV = "LMLAUNCH_CODE_FROM"
+SHIPPED_GIT = "git.json"
+
+
+def code_packages(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """The packages a snapshot takes: the shipped ones where ``LMLAUNCH_CODE_FROM`` names them,
+    else this lmlaunch's own."""
+    shipped = (os.environ if environ is None else environ).get(SHIPPED_ENV)
+    return {name: Path(shipped) / name for name in PACKAGES} if shipped else PACKAGES
+_SKIP_DIRS = {"__pycache__"}
+_SUFFIXES = {".py", ".typed", ".json", ".yaml", ".txt", ".sh"}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    files: dict[str, str]  # "lmtrain/model/module.py" -> sha256
+    digest: str  # of all of them
+    size: int  # bytes
+    git: dict[str, object] | None  # commit, dirty, patch file
+
+    def to_json(self) -> str:
+        return json.dumps({"files": self.files, "digest": self.digest, "size": self.size, "git": self.git},
+                          indent=2, sort_keys=True) + "\n"
+
+
+def source_files(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for name, root in packages.items():
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and path.suffix in _SUFFIXES and not _SKIP_DIRS & set(path.relative_to(root).parts):
+                out[f"{name}/{path.relative_to(root).as_posix()}"] = path
+    return out
+
+
+def current(packages: dict[str, Path] | None = None) -> tuple[Snapshot, dict[str, Path]]:
+    """What a snapshot taken now would hold (hashes only; nothing is copied)."""
+    shipped = os.environ.get(SHIPPED_ENV) if packages is None else None
+    packages = code_packages() if packages is None else packages
+    files = source_files(packages)
+    hashes = {rel: hashlib.sha256(p.read_bytes()).hexdigest() for rel, p in files.items()}
+    digest = hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+    size = sum(p.stat().st_size for p in files.values())
+    return Snapshot(hashes, digest, size, _shipped_git(Path(shipped)) if shipped else _git(packages)), files
+
+
+def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
+    """Copy the code into ``run_dir/code`` (replacing an older snapshot); returns what it holds."""
+    snap, files = current(packages)
+    target = RunLayout.of(run_dir).code
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for rel, src in files.items():
+        dst = tmp / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+    if snap.git and snap.git.get("patch"):
+        (tmp / PATCH).write_text(str(snap.git.pop("patch")))
+        snap.git["patch_file"] = PATCH
+    (tmp / MANIFEST).write_text(snap.to_json())
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+    return snap
+
+
+def read(run_dir: Path) -> Snapshot | None:
+    try:
+        d = json.loads((RunLayout.of(run_dir).code / MANIFEST).read_text())
+        return Snapshot(dict(d["files"]), str(d["digest"]), int(d["size"]), d.get("git"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def changes(old: Snapshot, new: Snapshot) -> list[str]:
+    """'changed lmtrain/model/module.py', 'added ...', 'removed ...'."""
+    out = [f"changed {f}" for f in sorted(set(old.files) & set(new.files)) if old.files[f] != new.files[f]]
+    out += [f"added {f}" for f in sorted(set(new.files) - set(old.files))]
+    out += [f"removed {f}" for f in sorted(set(old.files) - set(new.files))]
+    return out
+
+
+def _shipped_git(code: Path) -> dict[str, object] | None:
+    """What git said of shipped code where it was taken (None: not a git checkout there)."""
+    try:
+        told = json.loads((code / SHIPPED_GIT).read_text())
+    except (OSError, ValueError):
+        return None
+    return told if isinstance(told, dict) else None
+
+
+def _git(packages: dict[str, Path]) -> dict[str, object] | None:
+    root = next(iter(packages.values()))
+    try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", top, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        paths = [str(p) for p in packages.values()]
+        patch = subprocess.run(["git", "-C", top, "diff", "HEAD", "--", *paths], capture_output=True, text=True,
+                               timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a git checkout (an installed package): the files are the record
+    return {"commit": commit, "dirty": bool(patch), "patch": patch}

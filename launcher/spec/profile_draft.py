@@ -1,0 +1,219 @@
+"""A cluster profile read off a live cluster (`lmlaunch profile init`): what SLURM knows, written
+as a commented YAML profile. Pure: the facts (``scontrol show partition/node/config``, the user's
+default account) come in as the parsed key -> value records ``lmcore.slurm.client`` returns.
+
+What SLURM knows is filled in, each with where it came from: the partitions with their MaxTime,
+the default one (Default=YES), which are preemptible (a lower PriorityTier under
+preempt/partition_prio, or PreemptMode not OFF under preempt/qos) with their GraceTime, the
+preemptible and the high-priority partitions, the GPUs per node and their GRES name, CPUs and
+memory per GPU, whether the user signal is sent on preemption (SlurmctldParameters), the default
+account. What only the user knows is written as a choice with the reason (runs_root, setup lines,
+the interpreter, the fabric's NCCL variables), and what the cluster lacks (accounting, a short
+MinJobAge) is said in a comment.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lmcore.spec import format_minutes, parse_slurm_time
+
+UNLIMITED_TIME = "365-00:00:00"  # what a profile writes for MaxTime=UNLIMITED (max_time must be a time)
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    """What `profile init` read: scontrol's records, as key -> value."""
+
+    partitions: Sequence[Mapping[str, str]]
+    nodes: Sequence[Mapping[str, str]]
+    config: Mapping[str, str]
+    default_account: str | None = None
+    accounting: bool = True  # sacct answers
+    problems: list[str] = field(default_factory=list)  # what could not be read, for the header
+
+
+@dataclass(frozen=True)
+class PartitionDraft:
+    name: str
+    max_time: str
+    why_time: str
+    preemptible: bool
+    grace_seconds: int | None
+    tier: int
+    default: bool
+    up: bool
+    nodes: str
+
+
+def _int(value: str | None, default: int = 0) -> int:
+    m = re.match(r"\d+", value or "")
+    return int(m.group()) if m else default
+
+
+def _max_time(raw: str) -> tuple[str, str]:
+    if raw in ("UNLIMITED", "INFINITE", ""):
+        return UNLIMITED_TIME, f"MaxTime={raw or 'unset'}: no limit; written as a year"
+    try:
+        return format_minutes(parse_slurm_time(raw)), f"MaxTime={raw}"
+    except ValueError:
+        return UNLIMITED_TIME, f"MaxTime={raw} is not a time lmlaunch reads; written as a year"
+
+
+def partitions(facts: ClusterFacts) -> list[PartitionDraft]:
+    """Every partition, with preemptibility derived from the cluster's preemption settings."""
+    ptype = facts.config.get("PreemptType", "preempt/none")
+    cluster_mode = facts.config.get("PreemptMode", "OFF").upper()
+    tiers = [_int(p.get("PriorityTier"), 1) for p in facts.partitions]
+    out = []
+    for p, tier in zip(facts.partitions, tiers):
+        mode = p.get("PreemptMode", cluster_mode).upper()
+        if ptype == "preempt/partition_prio":
+            preemptible = not mode.startswith("OFF") and any(t > tier for t in tiers)
+        elif ptype == "preempt/qos":
+            preemptible = not mode.startswith("OFF") and not cluster_mode.startswith("OFF")
+        else:
+            preemptible = False
+        max_time, why = _max_time(p.get("MaxTime", ""))
+        grace = _int(p.get("GraceTime"), 0) if preemptible else None
+        out.append(PartitionDraft(
+            name=p.get("PartitionName", "?"), max_time=max_time, why_time=why, preemptible=preemptible,
+            grace_seconds=grace, tier=tier, default=p.get("Default") == "YES", up=p.get("State") == "UP",
+            nodes=p.get("Nodes", ""),
+        ))
+    return out
+
+
+def gpus_of(gres: str) -> tuple[str, int] | None:
+    """('gpu' or 'gpu:TYPE', count) from a node's Gres (``gpu:h100:8(S:0-1),shard:8``)."""
+    for item in gres.split(","):
+        m = re.fullmatch(r"(gpu)(?::([A-Za-z0-9_.-]+))?:(\d+)(?:\(.*\))?", item.strip())
+        if m:
+            name = m.group(1) + (f":{m.group(2)}" if m.group(2) else "")
+            return name, int(m.group(3))
+    return None
+
+
+def _mem(mb: int) -> str:
+    return f"{mb // 1024}G" if mb >= 1024 and mb % 1024 == 0 else f"{mb}M"
+
+
+def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
+    """The profile's YAML text, commented."""
+    parts = partitions(facts)
+    if not parts:
+        raise ValueError("the cluster has no partition (scontrol show partition printed none)")
+    usable = [p for p in parts if p.up] or parts
+    default = next((p for p in usable if p.default), usable[0])
+    cfg = facts.config
+    version = cfg.get("SLURM_VERSION", "?")
+    cluster = cfg.get("ClusterName", "?")
+    node_names = set(_expand_simple(default.nodes))
+    nodes = [n for n in facts.nodes if n.get("NodeName") in node_names] or list(facts.nodes)
+    y: list[str] = [
+        f"# Cluster profile '{name}', read off the live cluster by `lmlaunch profile init` on {when}:",
+        f"# SLURM {version}, cluster '{cluster}'. Each value says where it came from;",
+        "# the lines marked CHOOSE are yours to set (SLURM cannot know them). Check it: lmlaunch doctor SPEC",
+        *(f"# NOTE: {p}" for p in facts.problems),
+        "description: " + _quote(f"Read off cluster {cluster} (SLURM {version}) on {when}"),
+        *_partition_lines(parts, usable, default, cfg),
+    ]
+    if facts.default_account:
+        y.append(f"account: {facts.default_account}  # your DefaultAccount (sacctmgr show user)")
+    else:
+        y.append("# account: CHOOSE  # no DefaultAccount was found" + ("" if facts.accounting else " (no accounting)"))
+    y += _node_lines(nodes, default.name)
+    y += _choices_and_environment(cfg, bool(nodes) and all(n.get("NodeAddr", "").startswith("127.") for n in nodes))
+    if not facts.accounting:
+        y.append("# Accounting: sacct does not answer here. lmlaunch reads states from squeue and the run directory; "
+                 "what only sacct knows (a finished job's exit state) is reported as unknown.")
+    min_age = _int(cfg.get("MinJobAge"), -1)
+    if 0 <= min_age < 60:
+        y.append(f"# MinJobAge={cfg.get('MinJobAge')}: finished jobs leave squeue within a minute.")
+    return "\n".join(y) + "\n"
+
+
+def _partition_lines(parts: list[PartitionDraft], usable: list[PartitionDraft], default: PartitionDraft,
+                     cfg: Mapping[str, str]) -> list[str]:
+    """The partitions, the default one, and the preemptible and high-priority pair a preemption
+    rehearsal uses (the lowest preemptible tier, the highest tier above it)."""
+    preemptible = [p for p in usable if p.preemptible]
+    low = min(preemptible, key=lambda p: (p.tier, not p.default), default=None)
+    high = max(usable, key=lambda p: p.tier) if low is not None else None
+    if high is not None and low is not None and high.tier <= low.tier:
+        high = None
+    y = ["partitions:"]
+    for p in parts:
+        fields = [f"max_time: {_quote(p.max_time)}"]
+        if p.preemptible:
+            fields.append("preemptible: true")
+            fields.append(f"grace_seconds: {p.grace_seconds}")
+        state = "" if p.up else ", DOWN or INACTIVE now"
+        y.append(f"  {p.name}: {{{', '.join(fields)}}}  # {p.why_time}, PriorityTier={p.tier}, nodes {p.nodes}{state}")
+    y.append(f"default_partition: {default.name}  # {'Default=YES' if default.default else 'no partition has Default=YES: the first one'}")
+    if low is not None:
+        y.append(f"preemptible_partition: {low.name}  # the lowest PriorityTier ({low.tier}) that can be preempted")
+    else:
+        y.append(f"# no preemptible partition: PreemptType={cfg.get('PreemptType', '?')}, PreemptMode={cfg.get('PreemptMode', '?')}")
+    if high is not None:
+        y.append(f"high_priority_partition: {high.name}  # the highest PriorityTier ({high.tier})")
+    return y
+
+
+def _node_lines(nodes: list[Mapping[str, str]], partition: str) -> list[str]:
+    """GPUs, CPUs and memory per task, from the default partition's nodes (the smallest of them)."""
+    gpu_counts = Counter(g for g in (gpus_of(n.get("Gres", "")) for n in nodes) if g is not None)
+    cpus = min((_int(n.get("CPUTot")) for n in nodes), default=0) or 1
+    mem_mb = min((_int(n.get("RealMemory")) for n in nodes), default=0)
+    if not gpu_counts:
+        return [f"gpus_per_node: 0  # no GPU Gres on the nodes of '{partition}'",
+                "cpus_per_gpu: 1  # CPU tasks get one core each; raise it for threaded data loading",
+                f"max_tasks_per_node: {cpus}  # the smallest CPUTot of the nodes of '{partition}'"]
+    (gres, gpus), seen = gpu_counts.most_common(1)[0]
+    y = [f"gpus_per_node: {gpus}  # Gres of {seen} of the {len(nodes)} nodes of '{partition}'",
+         f"gres_name: {_quote(gres)}",
+         f"cpus_per_gpu: {max(1, cpus // gpus)}  # CPUTot {cpus} / {gpus} GPUs"]
+    if mem_mb:
+        y.append(f"mem_per_gpu: {_mem(mem_mb // gpus)}  # RealMemory {mem_mb} MB / {gpus} GPUs")
+    y.append(f"max_tasks_per_node: {gpus}  # one task per GPU")
+    return y
+
+
+def _choices_and_environment(cfg: Mapping[str, str], loopback: bool) -> list[str]:
+    """What SLURM cannot know (runs root, interpreter, setup), the preemption signal setting, and
+    the environment the nodes' addresses call for."""
+    sends_signal = "preempt_send_user_signal" in cfg.get("SlurmctldParameters", "")
+    y = [
+        "# CHOOSE: a directory every node sees (a shared filesystem), ~ and $VARS expanded",
+        "runs_root: ~/.lmlaunch/runs",
+        "# CHOOSE: the tasks' interpreter. auto: the one running lmlaunch (its venv on a filesystem the nodes share);",
+        "# else a command found after the setup lines, e.g. python",
+        "python: auto",
+        "# setup:  # CHOOSE: shell lines the job runs first, e.g. module load cuda; source VENV/bin/activate",
+        f"sends_user_signal_on_preemption: {'true' if sends_signal else 'false'}  "
+        f"# SlurmctldParameters={cfg.get('SlurmctldParameters', '(null)')}",
+    ]
+    if loopback:
+        y += ["env:",
+              "  GLOO_SOCKET_IFNAME: {value: lo, why: \"every node's NodeAddr is on loopback (127.0.0.1): gloo must bind lo\"}"]
+    else:
+        y += ["# env:  # CHOOSE: the fabric's variables, each with its reason (see cluster_profiles/h100-ib.yaml), e.g.",
+              "#   NCCL_SOCKET_IFNAME: {value: \"=ib0\", why: \"bootstrap over IPoIB\"}"]
+    return y
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _expand_simple(nodelist: str) -> list[str]:
+    """n[1-2],gpu[01-03,07] -> names (SLURM's common forms; python-hostlist handles the rest)."""
+    import hostlist  # python-hostlist: SLURM's hostlist syntax
+
+    try:
+        return list(hostlist.expand_hostlist(nodelist)) if nodelist else []
+    except hostlist.BadHostlist:
+        return []

@@ -1,0 +1,366 @@
+"""LaunchPlan -> submitit executor -> SLURM job. The only module that uses submitit.
+
+``render_script`` is pure: ``--dry-run`` prints it, and the submission writes the very same
+text (submitit renders both from the same parameters).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from launcher.runs import registry as runs
+from launcher.submit import dependencies, lifecycle
+from launcher.submit.in_place import restart_loop_head, restart_loop_tail, restart_srun_prefix, spare_srun_args
+from launcher.submit.shell import export_line
+from lmcore import container, rundir
+from lmcore.errors import SlurmUnavailable, UserError
+from lmcore.plan import LaunchPlan
+from lmcore.slurm import client as slurm, relay as slurm_relay
+
+
+def setup_lines(plan: LaunchPlan) -> list[str]:
+    """Profile setup, then every planned variable exported with its value shell-quoted.
+
+    MASTER_PORT is not set here: lmtrain's rank 0 picks a free port on its own node at every
+    attempt (see ``plan.rendezvous``)."""
+    lines = [
+        f"# lmlaunch: run {plan.run_name}, profile {plan.profile}; "
+        f"rerun this plan with: lmlaunch submit {plan.paths.spec_yaml} --dry-run"
+    ]
+    lines += list(plan.setup)
+    lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
+    return lines + container_lines(plan) + restart_loop_head(plan)
+
+
+def container_lines(plan: LaunchPlan) -> list[str]:
+    if plan.container is None:
+        return []
+    return container.host_lines(container.ContainerPlan.from_json(plan.container), sorted(plan.env))
+
+
+def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (the keys of ``_make_sbatch_string``); ``dependency``:
+    sbatch --dependency (``submit --after``)."""
+    s = plan.slurm
+    extra: dict[str, Any] = {
+        "requeue": True,
+        "signal": s.signal,  # no "B:": the warning goes to every task of every step
+        # the tasks start in the run directory: `python -m` puts the working directory first on
+        # sys.path, and a checkout there would shadow the run's code snapshot (PYTHONPATH)
+        "chdir": plan.paths.run_dir,
+    }
+    extra.update({"gres": s.gres} if s.gres else {})
+    extra.update({k.replace("-", "_"): v for k, v in s.site_options.items()})  # the site's own (core.site_options)
+    params: dict[str, Any] = {
+        "job_name": s.job_name,
+        "partition": s.partition,
+        "time": s.time_minutes,
+        "nodes": s.nodes,
+        "ntasks_per_node": s.ntasks_per_node,
+        "cpus_per_task": s.cpus_per_task,
+        "signal_delay_s": s.warning_seconds,
+        "setup": setup_lines(plan),
+        "additional_parameters": extra,
+        "stderr_to_stdout": False,
+        "use_srun": True,
+        "wckey": None,  # no accounting wckey (submitit would add "submitit")
+    }
+    for key in ("mem", "account", "qos", "constraint"):
+        value = getattr(s, key)
+        if value is not None:
+            params[key] = value
+    if s.exclusive:
+        params["exclusive"] = True
+    if s.exclude:
+        params["exclude"] = s.exclude
+    if dependency:
+        params["dependency"] = dependency
+    if s.spare_nodes:
+        extra["no_kill"] = True  # a failed node leaves the allocation; the job and its batch script live on
+    srun_args = [*plan.srun_args, *spare_srun_args(plan)]
+    if srun_args:
+        params["srun_args"] = srun_args
+    if plan.container is not None:
+        params["teardown"] = slurm_relay.stop_lines()
+    return params
+
+
+def task_command(plan: LaunchPlan, folder: str | None = None) -> str:
+    """What srun starts in each task: lmtrain.task.main (signals owned, then submitit's runner);
+    submitit's own for older snapshots."""
+    code = rundir.RunLayout.of_plan(plan).code
+    old = code.is_dir() and not (code / "lmtrain" / "task" / "main.py").is_file()  # resumed without --new-code
+    runner = ["submitit.core._submit"] if old else ["lmtrain.task.main", "--signal", plan.preemption.signal]
+    inner = ["-u", "-m", *runner, folder or plan.paths.submitit_dir]
+    if plan.container is not None:  # the interpreter inside the container (lmcore.container)
+        return container.task_command(container.ContainerPlan.from_json(plan.container), inner)
+    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), *inner])
+
+
+def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
+    """The script's command after srun's options: the nodes a restart leaves out (a job with spare
+    nodes), the task command, then the restart loop's tail where the job restarts in place
+    (:func:`restart_loop_tail`)."""
+    return restart_srun_prefix(plan) + task_command(plan, folder) + restart_loop_tail(plan)
+
+
+def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:
+    """The sbatch script exactly as submit writes it."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(
+        command=submit_command(plan), folder=plan.paths.submitit_dir, **executor_parameters(plan, dependency)
+    )
+
+
+# --------------------------------------------------------------------------- submission
+
+
+def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | None = None) -> str:
+    """sbatch the plan through submitit's SlurmExecutor; returns the job id.
+
+    The callable (``fn``, tests pass a trivial one) defaults to
+    ``lmtrain.task.train_task.TrainTask(run_dir)``, pickled by reference: the login node
+    never imports torch, the task imports it when called on the allocation. The command srun
+    starts is :func:`submit_command` and the script is exactly :func:`render_script`.
+    """
+    from lmtrain.task.train_task import TrainTask
+
+    params = executor_parameters(plan, dependency)
+    return run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
+                         plan.paths.submitit_dir)[0]
+
+
+def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str) -> list[str]:
+    """Submit ``fns`` (one: a job; several: an array) with submitit; their job ids."""
+    import contextlib
+    import io
+    import subprocess
+    import time
+
+    from submitit.core.utils import FailedJobError
+    from submitit.slurm.slurm import SlurmExecutor
+
+    sbatch_timeout = sbatch_timeout_s()
+
+    class PlanExecutor(SlurmExecutor):
+        @property
+        def _submitit_command_str(self) -> str:
+            return submit_command(plan, folder_name)
+
+        def _make_submission_command(self, submission_file_path: Any) -> list[str]:
+            # A client-side limit: a controller that accepted the job but answers late must not
+            # block `submit` forever; the job is then found by name and submit time (below).
+            return slurm.sbatch_command(str(submission_file_path), client_timeout_s=sbatch_timeout)
+
+    try:
+        executor = PlanExecutor(folder=folder_name)
+    except RuntimeError as exc:  # submitit: 'Could not detect "srun"'
+        raise SlurmUnavailable(f"cannot submit: {exc} (no SLURM client on this machine)") from None
+    executor.update_parameters(**params)
+    captured = io.StringIO()
+    folder = Path(folder_name)
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    started = time.time()
+    try:
+        with contextlib.redirect_stderr(captured):
+            if len(fns) == 1:
+                jobs = [executor.submit(fns[0])]
+            else:
+                with executor.batch():
+                    pending = [executor.submit(f) for f in fns]
+                jobs = pending
+    except FailedJobError as exc:
+        msg = (str(exc) or captured.getvalue()).strip()
+        cause = exc.__cause__
+        if isinstance(cause, subprocess.CalledProcessError) and cause.returncode in (124, 137) and len(fns) == 1:
+            return [_reconcile_timed_out_sbatch(plan, folder, before, started, sbatch_timeout)]
+        if any(m in msg for m in slurm._DOWN_MARKERS):
+            raise SlurmUnavailable(
+                f"sbatch could not reach the SLURM controller: {msg.splitlines()[0]}. "
+                "Local cluster: start it with `lmlaunch cluster up`."
+            ) from None
+        raise UserError(f"sbatch refused the job of run '{plan.run_name}': {msg}", exit_code=1) from None
+    except FileNotFoundError as exc:
+        raise SlurmUnavailable(f"cannot submit: {exc.filename or exc} not found (no SLURM client)") from None
+    return [str(job.job_id) for job in jobs]
+
+
+SBATCH_TIMEOUT_VAR = "LMLAUNCH_SBATCH_TIMEOUT_S"
+# Below submitit's 60 s: a task that starts while submit still waits for sbatch waits up to 60 s
+# for its pickle, which the reconciliation names after the job id.
+DEFAULT_SBATCH_TIMEOUT_S = 30
+RECONCILE_WAIT_S = 60.0  # how long to wait for the controller to answer before giving up
+
+
+def sbatch_timeout_s() -> int:
+    """Seconds `sbatch` may take before submit stops waiting and reconciles (env LMLAUNCH_SBATCH_TIMEOUT_S)."""
+    import os
+
+    text = os.environ.get(SBATCH_TIMEOUT_VAR, str(DEFAULT_SBATCH_TIMEOUT_S))
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"{SBATCH_TIMEOUT_VAR}={text!r}: expected a whole number of seconds >= 1")
+    return int(text)
+
+
+def _reconcile_timed_out_sbatch(plan: LaunchPlan, folder: Any, before: set[Any], started: float, limit: int) -> str:
+    """`sbatch` did not answer within ``limit`` s: the controller may or may not have queued the
+    job. Ask it (by run name and submit time) instead of submitting a second time; when the job
+    is there, finish what submitit would have done (name the script and the pickle after the job
+    id; the task waits up to 60 s for its pickle). Raises SlurmUnavailable when it cannot tell."""
+    import time
+
+    deadline = time.monotonic() + RECONCILE_WAIT_S
+    ids: list[str] = []
+    while True:
+        try:
+            ids = slurm.jobs_submitted_since(plan.slurm.job_name, started, timeout=10)
+            break
+        except SlurmUnavailable:
+            if time.monotonic() > deadline:
+                raise SlurmUnavailable(
+                    f"sbatch did not answer within {limit} s and the controller still does not answer: "
+                    f"it is unknown whether run '{plan.run_name}' was queued. Check `squeue -n {plan.run_name}` "
+                    "before submitting again (`lmlaunch submit ... --resume` refuses while a job of the run is queued)."
+                ) from None
+            time.sleep(2.0)
+    if not ids:
+        raise SlurmUnavailable(
+            f"sbatch did not answer within {limit} s and the controller has no job '{plan.run_name}' submitted "
+            "since then: nothing was queued; submit again"
+        )
+    job_id = ids[-1]
+    new = [p for p in Path(folder).iterdir() if p not in before]
+    hexname = re.compile(r"^[0-9a-f]{32}\.pkl$")
+    pickles = [p for p in new if hexname.match(p.name)]
+    scripts = [p for p in new if p.name.startswith(".submission_file_") and p.name.endswith(".sh")]
+    if len(pickles) != 1 or len(scripts) != 1:
+        raise SlurmUnavailable(
+            f"sbatch timed out but job {job_id} of run '{plan.run_name}' was queued; its submitit files are "
+            f"ambiguous ({[p.name for p in new]}): cancel it with `scancel {job_id}` and submit again"
+        )
+    pickles[0].rename(Path(folder) / f"{job_id}_submitted.pkl")
+    target = Path(folder) / f"{job_id}_submission.sh"
+    scripts[0].rename(target)
+    scripts[0].symlink_to(target)  # as submitit keeps it
+    return job_id
+
+
+def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
+    """Two runs must never write into one checkpoint directory (each would resume from, and
+    prune, the other's checkpoints). Only a checkpoint.dir outside the run directory can clash."""
+    import json
+    import os
+
+    mine = os.path.realpath(plan.paths.checkpoint_dir)
+    if mine.startswith(os.path.realpath(plan.paths.run_dir) + os.sep):
+        return
+    for rec in runs.list_records(env):
+        if rec.name == plan.run_name:
+            continue
+        try:
+            other = json.loads(rundir.RunLayout.of(rec.run_dir).plan.read_text())["paths"]["checkpoint_dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # an archived or removed run directory holds no checkpoints of a live run
+        if os.path.realpath(other) == mine:
+            raise UserError(
+                f"checkpoint.dir {plan.paths.checkpoint_dir} is already the checkpoint directory of run "
+                f"'{rec.name}' ({rec.run_dir}); two runs must not share one (each would resume from and prune "
+                f"the other's checkpoints). Give this run its own checkpoint.dir, or leave it unset "
+                f"(<run dir>/checkpoints)"
+            )
+
+
+def submit_plan(
+    resolved: Any,
+    ctx: Any,
+    *,
+    new: bool = False,
+    resume: bool = False,
+    new_code: bool = False,
+    spec_path: str | None = None,
+    after: list[Any] | None = None,
+) -> int:
+    """Create (or reuse with ``resume``, or archive and recreate with ``new``) the run directory,
+    write spec/plan, submit, record the job id in the registry and print what to do next.
+
+    Never mixes two runs: an existing run name needs ``--resume`` or ``--new``; neither is
+    allowed while a job of that run is queued or running. When submission fails nothing is left
+    behind: no registry entry, no half-written run directory.
+    """
+    plan: LaunchPlan = resolved.plan
+    env = ctx.environ or None
+    name = plan.run_name
+    opening = lifecycle.plan_opening(plan, new=new, resume=resume, record=runs.load_record(name, env),
+                                     new_code=new_code)
+    _refuse_shared_checkpoint_dir(plan, env)
+    if not slurm.ping():
+        raise SlurmUnavailable(
+            "the SLURM controller does not answer (`scontrol ping`); nothing was submitted. "
+            "Local cluster: start it with `lmlaunch cluster up`."
+        )
+    _refuse_active_job(opening.record, name, resume)
+    dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
+    opening.apply(env)
+    try:
+        job_id = _submit_with_submitit(plan, dependency=dependency)
+    except BaseException:
+        opening.rollback()
+        raise
+    waits = (dependency or "").replace(",", ":").split(":")
+    notes = [*opening.notes, *after_notes, *(f"starts after {a.label()}" for a in after or [] if a.job_id in waits)]
+    _record_submission(opening.record, plan, job_id, spec_path, after or [], env)
+    _say_submitted(ctx, plan, job_id, notes, resumed=resume)
+    return 0
+
+
+def _refuse_active_job(rec: Any, name: str, resume: bool) -> None:
+    """A run with a job still queued or running in SLURM is neither resumed nor started anew."""
+    if not (rec and rec.job_ids):
+        return
+    active = slurm.active_jobs(rec.job_ids)
+    if active:
+        listed = ", ".join(f"{j.job_id} ({j.state})" for j in active)
+        raise UserError(
+            f"run '{name}' still has a job in SLURM: {listed}; wait for it to end or "
+            f"`lmlaunch cancel {name}` before {'--resume' if resume else '--new'}"
+        )
+
+
+def _record_submission(rec: Any, plan: LaunchPlan, job_id: str, spec_path: str | None, after: list[Any],
+                       env: Any) -> None:
+    """The registry's record of the run, with this submission's job id and time."""
+    import time
+
+    run_dir = str(Path(plan.paths.run_dir))
+    if rec is None:
+        rec = runs.RunRecord(name=plan.run_name, profile=plan.profile, run_dir=run_dir, spec_path=spec_path)
+    rec.job_ids.append(job_id)
+    rec.submitted_at.append(time.time())
+    rec.state = "submitted"
+    rec.run_dir = run_dir
+    rec.profile = plan.profile
+    if spec_path:
+        rec.spec_path = str(Path(spec_path).absolute())
+    rec.max_steps = plan.trainer.max_steps
+    rec.after = [a.label() for a in after]
+    runs.save_record(rec, env)
+
+
+def _say_submitted(ctx: Any, plan: LaunchPlan, job_id: str, notes: list[str], *, resumed: bool) -> None:
+    t, s, name = plan.topology, plan.slurm, plan.run_name
+    ctx.out(
+        f"{'resumed' if resumed else 'submitted'} run '{name}': job {job_id} on partition {s.partition}, "
+        f"nodes({t.nodes}) x tasks_per_node({t.tasks_per_node}) = world_size({t.world_size})"
+        + (f" = {t.parallelism.mesh()}" if (t.parallelism.tensor, t.parallelism.pipeline) != (1, 1) else "")
+    )
+    for note in notes:
+        ctx.out(f"note: {note}")
+    ctx.out(f"run directory: {plan.paths.run_dir}")
+    ctx.out("next:")
+    ctx.out(f"  lmlaunch status {name}")
+    ctx.out(f"  lmlaunch logs {name}")
+    ctx.out(f"  lmlaunch cancel {name}")

@@ -1,0 +1,108 @@
+"""Where each task of a job runs: its rank, node and process id (read by ``lmlaunch stacks``).
+
+Every task writes its record as its first act (``lmtrain.distributed.task_env.record_this_task``, before the frameworks
+are imported), so a task stuck in its imports or its rendezvous is found too. The records are
+keyed by what SLURM says about the process, its job id and restart count
+(``logs/tasks/<job_id>-<restart_count>/rank-<R>.json``, :data:`lmcore.rundir.TASK_RECORD`),
+not by the attempt number, which rank 0 picks only at the rendezvous: the CLI asks squeue for
+the running job's restart count and so reads the records of the processes alive now, never
+those of an earlier attempt of the same job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lmcore.atomic import write_json
+from lmcore.rundir import TASK_RECORD, RunLayout
+
+_JOB_ID = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # SLURM's 123, 123_4 (arrays); local-<ppid>
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One task process, as it recorded itself."""
+
+    rank: int
+    local_rank: int
+    node: str  # SLURMD_NODENAME (the name srun --nodelist takes), else the host name
+    pid: int
+    job_id: str
+    restart_count: int
+    python: str  # the task's sys.executable: py-spy is looked for beside it
+    time: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> TaskRecord:
+        """A record read back; ValueError naming what is missing or of the wrong type."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a task record is a JSON object, not {type(d).__name__}")
+        types: dict[str, tuple[type, ...]] = {
+            "rank": (int,), "local_rank": (int,), "node": (str,), "pid": (int,), "job_id": (str,),
+            "restart_count": (int,), "python": (str,), "time": (int, float),
+        }
+        bad = [k for k, t in types.items() if not isinstance(d.get(k), t) or isinstance(d.get(k), bool)]
+        if bad:
+            raise ValueError(f"task record without a valid {', '.join(bad)}")
+        if d["pid"] <= 0 or d["rank"] < 0 or not d["node"]:
+            raise ValueError(f"task record with pid {d['pid']}, rank {d['rank']}, node {d['node']!r}")
+        return cls(**{k: d[k] for k in types})
+
+
+def task_record_path(run_dir: str | Path, job_id: str, restart_count: int, rank: int) -> Path:
+    if not _JOB_ID.fullmatch(job_id):
+        raise ValueError(f"job id {job_id!r} is not one SLURM gives")
+    return RunLayout.of(run_dir).task_record(job_id, restart_count, rank)
+
+
+def write_task_record(run_dir: str | Path, record: TaskRecord) -> Path:
+    """Write ``record`` whole (temporary name, then rename): a reader never sees half of it."""
+    path = task_record_path(run_dir, record.job_id, record.restart_count, record.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, record.to_json())
+    return path
+
+
+def read_task_records(run_dir: str | Path, job_id: str, restart_count: int) -> tuple[list[TaskRecord], list[str]]:
+    """The records of one start of ``job_id``, by rank, and a problem line for each file that
+    could not be read (a record is never skipped silently)."""
+    folder = task_record_path(run_dir, job_id, restart_count, 0).parent
+    records: dict[int, TaskRecord] = {}
+    problems: list[str] = []
+    for path in sorted(folder.glob(TASK_RECORD.rsplit("/", 1)[1].format(rank="*"))):
+        try:
+            rec = TaskRecord.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: {exc}")
+            continue
+        records[rec.rank] = rec
+    return [records[r] for r in sorted(records)], problems
+
+
+def recorded_starts(run_dir: str | Path) -> list[tuple[str, int]]:
+    """(job id, restart count) of every start that left task records, newest file first."""
+    root = RunLayout.of(run_dir).task_records
+    found: list[tuple[float, str, int]] = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for d in entries:
+        job_id, sep, restarts = d.name.rpartition("-")
+        if sep and restarts.isdigit() and _JOB_ID.fullmatch(job_id):
+            try:
+                found.append((d.stat().st_mtime, job_id, int(restarts)))
+            except OSError:
+                continue
+    return [(j, r) for _, j, r in sorted(found, reverse=True)]
+
+
+__all__ = ["TaskRecord", "read_task_records", "recorded_starts", "task_record_path", "write_task_record"]
