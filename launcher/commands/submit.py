@@ -90,7 +90,7 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     lines.append("## run directory")
     for k, v in plan.paths.__dict__.items():
         lines.append(f"{k}: {v}")
-    # Values with line breaks were escaped above (and in the script by core.shell.shell_quote); any
+    # Values with line breaks were escaped above (and in the script by launcher.submit.shell.shell_quote); any
     # other control character left in a line (a terminal escape in a note or a path) shows escaped.
     return "\n".join(escape_controls(line) for line in "\n".join(lines).split("\n"))
 

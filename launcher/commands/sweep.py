@@ -22,9 +22,9 @@ from launcher.monitor import sweep_rows
 from launcher.planning.resolve import resolve
 from launcher.runs import registry as runs
 from launcher.search import sweep
+from launcher.search.array import render_array_script, submit_array
 from launcher.submit import lifecycle
 from launcher.submit.arrays import max_array_size, submit_chained
-from launcher.submit.submission.array import render_array_script, submit_array
 from lmcore import jsonlines, rundir
 from lmcore.errors import SlurmUnavailable, SpecError, UserError
 from lmcore.search_spec import SearchFile
@@ -118,7 +118,7 @@ def _submit(args: argparse.Namespace, ctx: Context, plans: list[Any], run_dirs: 
     applied: list[Any] = []
     job_ids: list[str] = []
 
-    def submit(part: range, dependency: str | None) -> str:  # each chunk after the one before (core.arrays)
+    def submit(part: range, dependency: str | None) -> str:  # each chunk after the one before (launcher.submit.arrays)
         ids = submit_array(plans[part[0]], [run_dirs[i] for i in part], str(sweep_dir), parallel, dependency)
         job_ids.extend(ids)
         return ids[0].split("_")[0]

@@ -53,7 +53,7 @@ def judge_space(where: str, path: str, free: int | None, writable: bool, error: 
     return Check(where, OK, f"{path}: writable, {_gb(free)} free for {what} ({_gb(need)})", figures)
 
 
-def judge_mixture(paths: list[str], metas: list[Any]) -> Check:  # one tokenizer (core.token_meta) for all
+def judge_mixture(paths: list[str], metas: list[Any]) -> Check:  # one tokenizer (lmcore.token_meta) for all
     keys = [tokenizer_identity(m) for m in metas]
     bad = next((i for i, k in enumerate(keys) if k != keys[0]), None)
     if bad is not None:

@@ -15,7 +15,7 @@ final step, registered as a run that ``status``, ``logs`` and ``cancel`` know.
 
 Pure planning (:func:`slices`, :func:`array_script`, :func:`assemble_script`) is separated from
 the submission (:func:`submit_preparation`), which is the only I/O here: sbatch through
-``core.slurm``, the run directory and its registry record.
+``lmcore.slurm.client``, the run directory and its registry record.
 """
 
 from __future__ import annotations

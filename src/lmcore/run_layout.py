@@ -41,7 +41,7 @@ HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report
 LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
 PROFILE_REQUEST = "profile-request.json"  # `lmlaunch profile`: the ranks poll it at logging steps (lmtrain.observe.profiling)
 RANK_TIMING = "timing-rank-{rank}.jsonl"  # logs/attempt-<N>/: a rank's step timing per logging interval (lmtrain.observe.rank_timing)
-TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (core.task_records; lmlaunch stacks)
+TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (lmcore.task_records; lmlaunch stacks)
 
 
 # --------------------------------------------------------------------------- markers and paths
@@ -242,7 +242,7 @@ class RunLayout:
 
     @property
     def task_records(self) -> Path:
-        """Where every task's record lives (core.task_records; lmlaunch stacks)."""
+        """Where every task's record lives (lmcore.task_records; lmlaunch stacks)."""
         return self.logs / TASK_RECORD.split("/", 1)[0]
 
 

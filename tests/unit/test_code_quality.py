@@ -313,4 +313,4 @@ def test_the_slurm_command_line_check_finds_one_added_elsewhere():
                        '    subprocess.run(["sacct", "-n", "-X"], check=False)\n'
                        '    return ("timeout", "30", "sbatch", "job.sh")\n'
                        'KINDS = {"sbatch": 1}  # a name in a mapping is not a command line\n')
-    assert list(_slurm_command_lines(module)) == [(3, "sacct"), (4, "sbatch")]
+    assert sorted(_slurm_command_lines(module)) == [(3, "sacct"), (4, "sbatch")]
