@@ -41,9 +41,10 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
             continue
-        name = ", ".join(action.option_strings) or action.metavar or action.dest
+        metavar = action.metavar if isinstance(action.metavar, str) else None
+        name = ", ".join(action.option_strings) or metavar or action.dest
         if action.option_strings and action.nargs != 0:
-            name += " " + (action.metavar if isinstance(action.metavar, str) else action.dest.upper())
+            name += " " + (metavar or action.dest.upper())
         text = " ".join((action.help or "").split()).replace("|", "\\|")
         if action.choices and not isinstance(action, argparse._SubParsersAction):
             text += f" (one of: {', '.join(map(str, action.choices))})"
