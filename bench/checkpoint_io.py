@@ -79,7 +79,7 @@ def _mem_total() -> int:
 
 
 def train(spec: str, extra: tuple[str, ...], work: Path, steps: int) -> tuple[Path, list[dict]]:
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmcore.jsonlines import read_jsonl
     from lmtrain.local.launch import launch
 

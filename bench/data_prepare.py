@@ -231,7 +231,7 @@ def bench_training(root: Path, pairs: int, steps: int = 60) -> dict:
     one step, not the rate."""
     import yaml
 
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmcore.jsonlines import read_jsonl
     from lmtrain.local.launch import launch
 

@@ -63,7 +63,7 @@ def against_deepspeed() -> None:
 
 
 def measured_on_cpu() -> None:
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
     from tests.memory_helpers import held_against_estimate
 

@@ -35,7 +35,7 @@ def _blackhole() -> tuple[socket.socket, str]:
 
 
 def _run(name: str, steps: int, root: Path, webhook: str | None) -> dict:
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
 
     overrides = ["trainer.limit_val_batches=0", "trainer.val_check_interval=null", "trainer.log_every_n_steps=1",

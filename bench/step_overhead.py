@@ -10,7 +10,7 @@ layer, 64 wide, T=32, B=4), so what the framework adds per step is what is measu
   the same strategy (DDPStrategy on gloo, 1 process), no logger, no checkpointing, no progress
   bar, no callbacks;
 - (c) the project's path: ``lmtrain.task.entry.run_task`` on a run directory planned by
-  ``launcher.commands.run.prepare_local_run`` (LMModule, logging every ``log_every_n_steps``,
+  ``launcher.submit.local_run.prepare_local_run`` (LMModule, logging every ``log_every_n_steps``,
   heartbeat, TensorBoard and CSV loggers, stop agreement, checkpoint callback, hang watchdog).
 
 Each side trains ``warmup`` steps then times ``steps`` steps; the sides run ``--rounds`` times

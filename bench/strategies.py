@@ -77,7 +77,7 @@ LAYOUT = {"ddp-llama2": ("tiny-cpu-tp.yaml", 2, "ddp-llama2"), "tp2": ("tiny-cpu
 
 def _run(name: str, overrides: list[str], steps: int, every: int, runs_root: Path, resume: bool,
          job: str = "tiny-cpu.yaml", devices: int = 2) -> list[dict]:
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
 
     environ = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(runs_root)}

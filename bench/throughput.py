@@ -6,7 +6,7 @@ For each configuration, one process trains the same model on the same batches tw
   (a) bench/handwritten_loop.py — a hand-written PyTorch loop (torch.compile and fused AdamW on
       CUDA, bf16 autocast, clip 1.0);
   (b) the project's path — ``lmtrain.task.entry.run_task`` on a run directory planned by
-      ``launcher.commands.run.prepare_local_run`` (``launcher.planning.planner.make_plan`` with the job's
+      ``launcher.submit.local_run.prepare_local_run`` (``launcher.planning.planner.make_plan`` with the job's
       cluster profile): the same entry, LMModule, callbacks, loggers, strategy and Trainer
       construction a SLURM task runs, in this process (1 rank).
 - ``deepspeed`` configurations (zero1, zero2, zero3):
@@ -186,7 +186,7 @@ def apply_plan_env(plan) -> list[str]:
 def make_run(cfg: BenchConfig, runs_root: Path, name: str, extra: tuple[str, ...], max_steps: int, data: Path):
     """Plan a 1-rank run of the job (the same planning ``lmlaunch run --local [--gpus]`` does) and
     write its run directory; return the plan."""
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
 
     env = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(runs_root)}
     return prepare_local_run(

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError("--exclude-bad needs --on-nodes: nodes are judged only by the probe job it runs")
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True,
                 check_data=False)
-    from launcher.submit.submission import render_script  # the job script exactly as submit writes it
+    from launcher.submit.script import render_script  # the job script exactly as submit writes it
 
     # with --on-nodes the probe may clear or add excluded nodes: the script is judged after it
     checks = doctor.diagnose(r.plan, r.profile, ctx.environ or None,

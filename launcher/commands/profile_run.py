@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.context import Context
+from launcher.monitor.profile_tables import MAX_STEPS, parse_ranks, side_by_side
 from launcher.runs import registry as runs
 from lmcore import jsonlines, rundir
 from lmcore.atomic import write_json
@@ -24,7 +25,6 @@ from lmcore.errors import ExitCode, UserError
 from lmcore.slurm import client as slurm
 
 POLL_S = 1.0
-MAX_STEPS = 1000  # lmtrain.observe.profiling.MAX_STEPS (the spec's profile.steps bound too)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,22 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="every rank's table as JSON")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the tables while the job runs (default 600)")
-
-
-def parse_ranks(text: str | None, world: int) -> list[int] | None:
-    """``--ranks`` as a sorted list (None: every rank); a clear error for anything else."""
-    if text is None:
-        return None
-    try:
-        ranks = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"--ranks {text!r}: give global ranks as numbers, e.g. --ranks 0,1") from None
-    if not ranks:
-        raise UserError("--ranks: give at least one rank, e.g. --ranks 0")
-    outside = [r for r in ranks if r < 0 or r >= world]
-    if outside:
-        raise UserError(f"--ranks: rank {outside[0]} is not a rank of this job: its ranks are 0..{world - 1}")
-    return ranks
 
 
 def _world_size(run_dir: Path) -> int:
@@ -143,20 +127,3 @@ def _wait(out_dir: Path, ranks: list[int] | None, world: int, job_id: str, name:
         time.sleep(POLL_S)
 
 
-def side_by_side(tables: list[dict[str, Any]], top: int) -> str:
-    """The ranks' top operators by self time, one column pair (operator, ms) per rank."""
-    width = 34
-    head = "  ".join(f"{'rank ' + str(t['rank']) + ' (' + str(t['node']) + ')':<{width}}{'self ms':>9}" for t in tables)
-    steps = tables[0]
-    lines = [f"top operators by self time, steps {steps['from_step']}-{steps['to_step']}:", head]
-    for i in range(top):
-        cells = []
-        for t in tables:
-            ops = t.get("ops") or []
-            if i < len(ops):
-                name = ops[i]["name"] if len(ops[i]["name"]) <= width - 1 else ops[i]["name"][:width - 2] + "…"
-                cells.append(f"{name:<{width}}{ops[i]['self_s'] * 1e3:>9.1f}")
-            else:
-                cells.append(" " * (width + 9))
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)

@@ -13,7 +13,8 @@ from launcher.context import Context
 from launcher.planning.memory_check import summary
 from launcher.planning.resolve import resolve
 from launcher.submit import dependencies
-from launcher.submit.submission import render_script, submit_plan
+from launcher.submit.script import render_script
+from launcher.submit.submission import submit_plan
 from lmcore.text_rules import brief, escape_controls
 
 if TYPE_CHECKING:

@@ -22,9 +22,10 @@ from launcher.monitor import sweep_rows
 from launcher.planning.resolve import resolve
 from launcher.runs import registry as runs
 from launcher.search import sweep
-from launcher.search.array import render_array_script, submit_array
+from launcher.search.array import submit_array
 from launcher.submit import lifecycle
 from launcher.submit.arrays import max_array_size, submit_chained
+from launcher.submit.script import render_array_script
 from lmcore import jsonlines, rundir
 from lmcore.errors import SlurmUnavailable, SpecError, UserError
 from lmcore.search_spec import SearchFile

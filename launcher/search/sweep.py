@@ -41,6 +41,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from launcher.spec.validation import format_validation_error
 from launcher.spec.yamlio import load_yaml_file
+from launcher.submit.script import PER_POINT_ENV
 from lmcore.errors import SpecError
 from lmcore.plan import LaunchPlan
 from lmcore.search_spec import SearchFile
@@ -50,7 +51,6 @@ from lmcore.text_rules import RunName
 KEY = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)+$"
 MAX_POINTS = 10_000
 # what an array task gets from the script instead of the plan (one value per point)
-PER_POINT_ENV = ("LMLAUNCH_RUN_DIR", "PYTHONPATH")
 
 
 class Distribution(StrictModel):

@@ -13,7 +13,8 @@ final step, registered as a run that ``status``, ``logs`` and ``cancel`` know.
   renames ``OUT.partial`` to ``OUT``: the files a local ``data prepare`` of the same inputs
   writes, byte for byte.
 
-Pure planning (:func:`slices`, :func:`array_script`, :func:`assemble_script`) is separated from
+Pure planning (:func:`slices`; the scripts: launcher.submit.script's ``array_script`` and
+``assemble_script``, the one renderer) is separated from
 the submission (:func:`submit_preparation`), which is the only I/O here: sbatch through
 ``lmcore.slurm.client``, the run directory and its registry record.
 """
@@ -24,14 +25,13 @@ import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from launcher.runs import registry as runs
 from launcher.spec.profiles import Profile, load_profile
 from launcher.submit import arrays
-from launcher.submit.shell import shell_quote
+from launcher.submit.script import ArrayJob, array_script, assemble_script
 from lmcore.errors import UserError
 from lmcore.rundir import RunLayout
 from lmcore.slurm import client as slurm
@@ -43,49 +43,6 @@ def slices(n_files: int, tasks: int) -> list[tuple[int, int]]:
     """``tasks`` contiguous, non-empty slices of ``n_files`` (as even as they go)."""
     tasks = min(tasks, n_files)
     return [(k * n_files // tasks, (k + 1) * n_files // tasks) for k in range(tasks)]
-
-
-@dataclass(frozen=True)
-class ArrayJob:
-    """What the sbatch scripts say: the run, the partition and limits, the interpreter."""
-
-    name: str
-    run_dir: str
-    partition: str
-    time: str
-    cpus: int
-    python: str
-    account: str | None = None
-    qos: str | None = None
-
-    def header(self, *lines: str) -> list[str]:
-        out = ["#!/bin/bash", f"#SBATCH --job-name={self.name}", f"#SBATCH --partition={self.partition}",
-               "#SBATCH --nodes=1", "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={self.cpus}",
-               f"#SBATCH --time={self.time}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-               f"#SBATCH --chdir={self.run_dir}"]
-        out += [f"#SBATCH --account={self.account}"] if self.account else []
-        out += [f"#SBATCH --qos={self.qos}"] if self.qos else []
-        return out + [f"#SBATCH {x}" for x in lines]
-
-
-def array_script(job: ArrayJob, tasks: range, max_parallel: int) -> str:
-    """The array of tasks ``tasks`` (its SLURM task k is task ``tasks.start + k``)."""
-    lines = job.header(f"--array=0-{len(tasks) - 1}%{max_parallel}",
-                       f"--output={job.run_dir}/submitit/%A_%a_log.out", f"--error={job.run_dir}/submitit/%A_%a_log.err")
-    task = f"$((SLURM_ARRAY_TASK_ID + {tasks.start}))" if tasks.start else "$SLURM_ARRAY_TASK_ID"
-    lines += ["export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
-              # a job step: SLURM's preemption signals (SIGTERM, then SIGKILL after GraceTime) reach the task
-              f"exec srun --ntasks=1 {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} "
-              f"\"{task}\""]
-    return "\n".join(lines) + "\n"
-
-
-def assemble_script(job: ArrayJob) -> str:
-    lines = job.header(f"--output={job.run_dir}/submitit/%j_assemble_log.out",
-                       f"--error={job.run_dir}/submitit/%j_assemble_log.err")
-    lines += ["export PYTHONUNBUFFERED=1",
-              f"exec {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} --assemble"]
-    return "\n".join(lines) + "\n"
 
 
 def _partition(profile: Profile, chosen: str | None) -> str:

@@ -1,108 +1,13 @@
-"""Restart in place, as the batch script does it: the loop around srun that starts the ranks
-again while this job's rank 0 asks (lmtrain.preemption.controller writes the request), and the
-spare nodes (``resources.spare_nodes``) the ranks run beside and swap in for a failed node
-(lmtrain.preemption.spares decides which nodes a restart leaves out)."""
+"""Spare nodes (``resources.spare_nodes``), as submit plans them: the nodes a job asks for with
+the arithmetic, and what submit refuses before queueing. The batch script's restart-in-place loop
+and srun's spare-node options are rendered by launcher.submit.script (the one renderer);
+lmtrain.preemption.spares decides which nodes a restart leaves out."""
 
 from __future__ import annotations
 
-from lmcore import rundir
 from lmcore.errors import UserError
 from lmcore.plan import LaunchPlan
-from lmcore.run_layout import UNDECIDED_VAR
 from lmcore.slurm import client as slurm
-
-
-def restart_loop_head(plan: LaunchPlan) -> list[str]:
-    """The last setup lines of a job that restarts in place: srun (the command section) runs in a
-    loop, once more each time the attempt's rank 0 asked for it (lmtrain.preemption.controller:
-    the decision file, written after the attempt's end line), or when srun failed and rank 0 never
-    decided (its process was killed: SIGKILL, the OOM killer), at most max_crash_retries times."""
-    if not plan.preemption.restart_in_place:
-        return []
-    return ["# lmlaunch: a crash or a hang is retried in this allocation: srun again while rank 0 asks "
-            "($LMLAUNCH_RUN_DIR/" + rundir.RESTART_IN_PLACE + ": the job id, the nodes the ranks leave out, "
-            "rank 0's decision), or when srun failed and rank 0 never decided",
-            'rm -f "$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"  # an earlier job\'s, never this one\'s',
-            "lmlaunch_restarts=0",
-            "lmlaunch_undecided=0",
-            "lmlaunch_exclude=",
-            "lmlaunch_overlap=  # set from the first restart on (launcher.submit.in_place.restart_srun_prefix)",
-            "# a preemption that lands between two sruns signals no task of the next: do not start one then",
-            "lmlaunch_preempting() { scontrol show job \"$SLURM_JOB_ID\" 2>/dev/null | grep -q 'PreemptTime=[0-9]'; }",
-            "while :; do"]
-
-
-def restart_loop_tail(plan: LaunchPlan) -> str:
-    """What follows srun in a job that restarts in place: the loop's test and end, the job's exit
-    status srun's last. Rank 0's file names this job (a file of another job is never this one's);
-    its third line is the decision (``restart``, or what rank 0 did instead: ``requeue``,
-    ``cancel``, ``none``; no third line: a run directory's older code, which wrote only restarts)."""
-    if not plan.preemption.restart_in_place:
-        return ""
-    said = '"$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"'
-    most = plan.preemption.max_crash_retries
-    return "\n".join([
-        "",
-        "lmlaunch_rc=$?",
-        f"lmlaunch_said=$(cat {said} 2>/dev/null); rm -f {said}",
-        'lmlaunch_decision=$(printf "%s\\n" "$lmlaunch_said" | sed -n 3p)',
-        f"export {UNDECIDED_VAR}=",
-        'if [ -n "$SLURM_JOB_ID" ] && [ "$(printf "%s\\n" "$lmlaunch_said" | sed -n 1p)" = "$SLURM_JOB_ID" ]; then',
-        '  if [ -z "$lmlaunch_decision" ] || [ "$lmlaunch_decision" = restart ]; then  # this job\'s rank 0 asked',
-        '    lmlaunch_exclude=$(printf "%s\\n" "$lmlaunch_said" | sed -n 2p); lmlaunch_restarts=$((lmlaunch_restarts + 1))',
-        '    echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc${lmlaunch_exclude:+; '
-        'leaving out $lmlaunch_exclude})" >&2',
-        *_unless_preempting("    "),
-        "    lmlaunch_overlap=1",
-        "    continue",
-        "  fi",
-        f'elif [ -n "$SLURM_JOB_ID" ] && [ "$lmlaunch_rc" -ne 0 ] && [ "$lmlaunch_undecided" -lt {most} ]; then',
-        "  # rank 0 never decided (killed before its end line): the next attempt's rank 0 records why",
-        "  lmlaunch_undecided=$((lmlaunch_undecided + 1)); lmlaunch_restarts=$((lmlaunch_restarts + 1))",
-        f'  export {UNDECIDED_VAR}="$lmlaunch_rc"',
-        '  echo "lmlaunch: srun exited $lmlaunch_rc and rank 0 never decided (killed?): restarting the ranks in place '
-        f'($lmlaunch_restarts; $lmlaunch_undecided of max_crash_retries({most}))" >&2',
-        *_unless_preempting("  "),
-        "  lmlaunch_overlap=1",
-        "  continue",
-        "fi",
-        "break",
-        "done",
-        '(exit "$lmlaunch_rc")',
-    ])
-
-
-def _unless_preempting(indent: str) -> list[str]:
-    """Before a restart: a job SLURM is preempting (PreemptTime set, its GraceTime running) requeues
-    itself instead, as rank 0 would (SLURM 22.05 ends a preempted job whose tasks exit within
-    GraceTime as COMPLETED, never requeued); the next attempt resumes from the newest checkpoint."""
-    return [f"{indent}if lmlaunch_preempting; then",
-            f'{indent}  echo "lmlaunch: the job is being preempted (PreemptTime set): requeueing it, not restarting '
-            f'the ranks" >&2',
-            f'{indent}  scontrol requeue "$SLURM_JOB_ID" || echo "lmlaunch: scontrol requeue failed" >&2',
-            f"{indent}  break",
-            f"{indent}fi"]
-
-
-def spare_srun_args(plan: LaunchPlan) -> list[str]:
-    """srun's options in a job with spare nodes: the ranks on ``run_nodes`` of the allocation, and
-    the step (not the job) lives on when one of its nodes fails, so that rank 0 decides the restart."""
-    s = plan.slurm
-    if not s.spare_nodes:
-        return []
-    return [f"--nodes={s.run_nodes}", f"--ntasks={s.run_nodes * s.ntasks_per_node}", "--no-kill"]
-
-
-def restart_srun_prefix(plan: LaunchPlan) -> str:
-    """srun's last options in a job that restarts in place: from the first restart on ``--overlap``
-    (a step whose node died with everything on it stays RUNNING in the controller, holding its CPUs
-    on the live nodes, until that node comes back: seen on SLURM 22.05, "step creation temporarily
-    disabled (Requested nodes are busy)" for ever); with spare nodes, the nodes rank 0 asked the
-    restart to leave out."""
-    if not plan.preemption.restart_in_place:
-        return ""
-    out = "${lmlaunch_overlap:+--overlap} "
-    return out + ("${lmlaunch_exclude:+--exclude=$lmlaunch_exclude} " if plan.slurm.spare_nodes else "")
 
 
 def asked_nodes(plan: LaunchPlan) -> str:

@@ -1,120 +1,25 @@
-"""LaunchPlan -> submitit executor -> SLURM job. The only module that uses submitit.
+"""LaunchPlan -> submitit executor -> SLURM job. The only module that submits through submitit.
 
-``render_script`` is pure: ``--dry-run`` prints it, and the submission writes the very same
-text (submitit renders both from the same parameters).
+The batch script is rendered before anything is submitted, by launcher.submit.script (the one
+renderer; the dry run prints the same text); a job's submission hands that text to submitit's
+executor (``_make_submission_file_text``), which writes it and runs sbatch on it. An array's
+script is rendered by submitit's array executor from the same parameters, and equals
+launcher.submit.script.render_array_script's (tests/unit/test_sweep_points.py).
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 from typing import Any
 
 from launcher.runs import registry as runs
 from launcher.submit import dependencies, lifecycle
-from launcher.submit.in_place import restart_loop_head, restart_loop_tail, restart_srun_prefix, spare_srun_args
-from launcher.submit.shell import export_line
-from lmcore import container, rundir
+from launcher.submit.script import executor_parameters, render_script, submit_command
+from lmcore import rundir
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.plan import LaunchPlan
-from lmcore.slurm import client as slurm, relay as slurm_relay
-
-
-def setup_lines(plan: LaunchPlan) -> list[str]:
-    """Profile setup, then every planned variable exported with its value shell-quoted.
-
-    MASTER_PORT is not set here: lmtrain's rank 0 picks a free port on its own node at every
-    attempt (see ``plan.rendezvous``)."""
-    lines = [
-        f"# lmlaunch: run {plan.run_name}, profile {plan.profile}; "
-        f"rerun this plan with: lmlaunch submit {plan.paths.spec_yaml} --dry-run"
-    ]
-    lines += list(plan.setup)
-    lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
-    return lines + container_lines(plan) + restart_loop_head(plan)
-
-
-def container_lines(plan: LaunchPlan) -> list[str]:
-    if plan.container is None:
-        return []
-    return container.host_lines(container.ContainerPlan.from_json(plan.container), sorted(plan.env))
-
-
-def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters (the keys of ``_make_sbatch_string``); ``dependency``:
-    sbatch --dependency (``submit --after``)."""
-    s = plan.slurm
-    extra: dict[str, Any] = {
-        "requeue": True,
-        "signal": s.signal,  # no "B:": the warning goes to every task of every step
-        # the tasks start in the run directory: `python -m` puts the working directory first on
-        # sys.path, and a checkout there would shadow the run's code snapshot (PYTHONPATH)
-        "chdir": plan.paths.run_dir,
-    }
-    extra.update({"gres": s.gres} if s.gres else {})
-    extra.update({k.replace("-", "_"): v for k, v in s.site_options.items()})  # the site's own (lmcore.site_options)
-    params: dict[str, Any] = {
-        "job_name": s.job_name,
-        "partition": s.partition,
-        "time": s.time_minutes,
-        "nodes": s.nodes,
-        "ntasks_per_node": s.ntasks_per_node,
-        "cpus_per_task": s.cpus_per_task,
-        "signal_delay_s": s.warning_seconds,
-        "setup": setup_lines(plan),
-        "additional_parameters": extra,
-        "stderr_to_stdout": False,
-        "use_srun": True,
-        "wckey": None,  # no accounting wckey (submitit would add "submitit")
-    }
-    for key in ("mem", "account", "qos", "constraint"):
-        value = getattr(s, key)
-        if value is not None:
-            params[key] = value
-    if s.exclusive:
-        params["exclusive"] = True
-    if s.exclude:
-        params["exclude"] = s.exclude
-    if dependency:
-        params["dependency"] = dependency
-    if s.spare_nodes:
-        extra["no_kill"] = True  # a failed node leaves the allocation; the job and its batch script live on
-    srun_args = [*plan.srun_args, *spare_srun_args(plan)]
-    if srun_args:
-        params["srun_args"] = srun_args
-    if plan.container is not None:
-        params["teardown"] = slurm_relay.stop_lines()
-    return params
-
-
-def task_command(plan: LaunchPlan, folder: str | None = None) -> str:
-    """What srun starts in each task: lmtrain.task.main (signals owned, then submitit's runner);
-    submitit's own for older snapshots."""
-    code = rundir.RunLayout.of_plan(plan).code
-    old = code.is_dir() and not (code / "lmtrain" / "task" / "main.py").is_file()  # resumed without --new-code
-    runner = ["submitit.core._submit"] if old else ["lmtrain.task.main", "--signal", plan.preemption.signal]
-    inner = ["-u", "-m", *runner, folder or plan.paths.submitit_dir]
-    if plan.container is not None:  # the interpreter inside the container (lmcore.container)
-        return container.task_command(container.ContainerPlan.from_json(plan.container), inner)
-    return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), *inner])
-
-
-def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
-    """The script's command after srun's options: the nodes a restart leaves out (a job with spare
-    nodes), the task command, then the restart loop's tail where the job restarts in place
-    (:func:`restart_loop_tail`)."""
-    return restart_srun_prefix(plan) + task_command(plan, folder) + restart_loop_tail(plan)
-
-
-def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:
-    """The sbatch script exactly as submit writes it."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    return _make_sbatch_string(
-        command=submit_command(plan), folder=plan.paths.submitit_dir, **executor_parameters(plan, dependency)
-    )
-
+from lmcore.slurm import client as slurm
 
 # --------------------------------------------------------------------------- submission
 
@@ -125,17 +30,20 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
     The callable (``fn``, tests pass a trivial one) defaults to
     ``lmtrain.task.train_task.TrainTask(run_dir)``, pickled by reference: the login node
     never imports torch, the task imports it when called on the allocation. The command srun
-    starts is :func:`submit_command` and the script is exactly :func:`render_script`.
+    starts is launcher.submit.script.submit_command and the script is exactly its render_script,
+    rendered here before submitit is asked.
     """
     from lmtrain.task.train_task import TrainTask
 
     params = executor_parameters(plan, dependency)
     return run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
-                         plan.paths.submitit_dir)[0]
+                         plan.paths.submitit_dir, text=render_script(plan, dependency))[0]
 
 
-def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str) -> list[str]:
-    """Submit ``fns`` (one: a job; several: an array) with submitit; their job ids."""
+def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str,
+                 text: str | None = None) -> list[str]:
+    """Submit ``fns`` (one: a job; several: an array) with submitit; their job ids. ``text``: the
+    job's script as launcher.submit.script rendered it, which sbatch receives as it is."""
     import contextlib
     import io
     import subprocess
@@ -150,6 +58,11 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
         @property
         def _submitit_command_str(self) -> str:
             return submit_command(plan, folder_name)
+
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            if text is not None and len(fns) == 1:
+                return text  # rendered before submission: what the dry run prints
+            return super()._make_submission_file_text(command, uid)
 
         def _make_submission_command(self, submission_file_path: Any) -> list[str]:
             # A client-side limit: a controller that accepted the job but answers late must not

@@ -250,7 +250,7 @@ def render(c: ContainerSpec, *, host_python: str, needed: list[tuple[str, str]],
         prefix = ["podman", "run", "--rm", "--network=host", "--ipc=host",
                   "--pid=host", *(f"--env={n}" for n in env)]
         prefix += [f"--volume={m['src']}:{m['dst']}" + (f":{m['mode']}" if m["mode"] else "") for m in mounts]
-        prefix += [f"--workdir={workdir}", *(f["flag"] for f in flags), _podman_image(image)]
+        prefix += [f"--workdir={workdir}", *(f["flag"] for f in flags), podman_image(image)]
         notes.append("podman shares the host's network (gloo/NCCL rendezvous), IPC (shared memory) and process ids "
                      "(signals, `lmlaunch stacks`); an earlier attempt's container of the same task is removed first")
     return ContainerPlan(runtime=str(c.runtime), image=image, python=python, mounts=mounts, env=env,
@@ -268,7 +268,7 @@ def _pyxis_image(image: str) -> str:
     return image
 
 
-def _podman_image(image: str) -> str:
+def podman_image(image: str) -> str:
     return image[len("docker://"):] if image.startswith("docker://") else image
 
 
@@ -303,42 +303,3 @@ def trial_argv(cp: ContainerPlan, inner: list[str], exists: Callable[[str], bool
     return out
 
 
-def task_command(cp: ContainerPlan, inner: list[str]) -> str:
-    """The command srun starts for each task: ``inner`` (the interpreter's arguments after
-    ``cp.python``) inside the container, as one shell word list for the job script."""
-    if cp.runtime != "podman":
-        return shlex.join(wrap(cp, inner))
-    # podman: a small script per task (in the run's code snapshot) names its container after the
-    # job and the task, which the batch shell cannot (it would expand $SLURM_PROCID once for all)
-    words = wrap(cp, inner)[2:]  # after "podman run"
-    return f'/bin/bash "$LMLAUNCH_RUN_DIR/code/lmcore/{PODMAN_TASK}" ' + shlex.join(words)
-
-
-def host_lines(cp: ContainerPlan, planned_env: list[str]) -> list[str]:
-    """The batch script's lines on the host, before srun: the SLURM relay, the image's identity
-    for the environment record (podman: its id; a file: sha256, kept beside the run while the
-    file's size and time are unchanged), and for apptainer the planned variables made to win
-    over the image's."""
-    from lmcore.slurm import relay as slurm_relay
-
-    lines = slurm_relay.start_lines()
-    image = shlex.quote(_podman_image(cp.image) if cp.runtime == "podman" else cp.image)
-    if cp.runtime == "podman":
-        lines.append(f"LMLAUNCH_IMAGE_ID=$(podman image inspect --format '{{{{.Id}}}}' {image} 2>/dev/null) "
-                     "&& LMLAUNCH_IMAGE_ID=sha256:$LMLAUNCH_IMAGE_ID")
-    elif cp.image.startswith("/"):  # a file: its sha256 (a registry reference: pulled at start, no id here)
-        lines += [
-            f"if [ -f {image} ]; then",
-            f"  lmlaunch_key=$(stat -Lc '%n %s %Y' {image}); lmlaunch_sum=\"$LMLAUNCH_RUN_DIR/container-image.sha256\"",
-            '  if [ "$(head -n1 "$lmlaunch_sum" 2>/dev/null)" != "$lmlaunch_key" ]; then',
-            f"    {{ echo \"$lmlaunch_key\"; sha256sum < {image} | cut -d' ' -f1; }} > \"$lmlaunch_sum.tmp\" "
-            '&& mv "$lmlaunch_sum.tmp" "$lmlaunch_sum"',
-            "  fi",
-            '  LMLAUNCH_IMAGE_ID=sha256:$(sed -n 2p "$lmlaunch_sum")',
-            "fi",
-        ]
-    lines.append(f"export LMLAUNCH_IMAGE={shlex.quote(cp.runtime + ':' + cp.image)} "
-                 '"LMLAUNCH_IMAGE_ID=${LMLAUNCH_IMAGE_ID:-unknown}"')
-    if cp.runtime == "apptainer":
-        lines += [f'export APPTAINERENV_{n}="${n}"' for n in planned_env]
-    return lines

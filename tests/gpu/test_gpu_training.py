@@ -52,7 +52,7 @@ def data_dir(tmp_path_factory) -> Path:
 def _run(
     tmp_path: Path, name: str, overrides: list[str], data_dir: Path, steps: int, faults: list[dict] | None = None,
 ) -> list[dict]:
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
 
     spec = REPO / "jobs" / ("gpt2-124m.yaml" if "zero" not in name else "llama-1b-zero2.yaml")

@@ -17,7 +17,7 @@ from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on s
 
 from launcher.planning.resolve import resolve
 from launcher.runs import registry as runs
-from launcher.submit.submission import render_script
+from launcher.submit.script import render_script
 from lmcore.slurm import client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")

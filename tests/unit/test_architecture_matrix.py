@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmtrain.local.launch import launch
 from lmtrain.model.causal_lm import model_shape
 from tests.memory_helpers import assert_states_as_planned

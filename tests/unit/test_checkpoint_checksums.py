@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from launcher.cli import main
-from launcher.commands.run import prepare_local_run
 from launcher.context import Context
+from launcher.submit.local_run import prepare_local_run
 from lmcore.checkpoint_index import (
     CHECKSUM_ALGORITHM,
     CORRUPT_NAME,

@@ -91,7 +91,7 @@ def test_zero3_background_staging_writes_the_files_deepspeeds_own_save_writes(re
     state holds, and the gathered parameters stay gathered."""
     import sys
 
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
 
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"),

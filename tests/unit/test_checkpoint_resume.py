@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
 from lmtrain.local.launch import launch

@@ -314,3 +314,40 @@ def test_the_slurm_command_line_check_finds_one_added_elsewhere():
                        '    return ("timeout", "30", "sbatch", "job.sh")\n'
                        'KINDS = {"sbatch": 1}  # a name in a mapping is not a command line\n')
     assert sorted(_slurm_command_lines(module)) == [(3, "sacct"), (4, "sbatch")]
+
+
+def _batch_script_lines(tree):
+    """Where a module writes batch-script text: a script's first line (``#!/bin/bash``), an ``#SBATCH``
+    option line, or submitit's script renderer (``_make_sbatch_string``)."""
+    import ast
+    import re
+
+    option = re.compile(r"^#SBATCH --[\w-]+=")
+    for node in ast.walk(tree):
+        text = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            text = node.values[0].value
+        if isinstance(text, str) and (text.startswith("#!/bin/") or option.match(text)):
+            yield node.lineno, text[:40]
+        if isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
+            name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
+            if name == "_make_sbatch_string":
+                yield node.lineno, name
+
+
+def test_the_batch_script_is_rendered_by_one_module():
+    """launcher/submit/script.py renders every batch script (a run's, a sweep's array, data prepare's):
+    no other module writes a script's first line, an #SBATCH option or calls submitit's renderer."""
+    import ast
+
+    owner = REPO / "launcher" / "submit" / "script.py"
+    found = []
+    for root in ("launcher", "src"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            # the local cluster writes its own daemons' wrappers (its administration, not a job's script)
+            if path != owner and not path.relative_to(REPO).as_posix().startswith("launcher/localcluster/"):
+                found += [f"{path.relative_to(REPO)}:{n} {w!r}" for n, w in _batch_script_lines(ast.parse(path.read_text()))]
+    assert not found, "batch-script text outside launcher/submit/script.py:\n" + "\n".join(found)
+    assert list(_batch_script_lines(ast.parse(owner.read_text()))), "the renderer itself is seen by the check"

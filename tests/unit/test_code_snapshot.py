@@ -35,13 +35,13 @@ def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
     opening.apply()
     run_dir = Path(plan.paths.run_dir)
     snap = snapshot.read(run_dir)
-    assert snap is not None and "lmtrain/task/entry.py" in snap.files and "src/lmcore/plan.py" in snap.files
+    assert snap is not None and "lmtrain/task/entry.py" in snap.files and "lmcore/plan.py" in snap.files
     assert (run_dir / "code" / "lmtrain" / "task" / "entry.py").read_bytes() == (repo / "src" / "lmtrain" / "task" / "entry.py").read_bytes()
     assert not list((run_dir / "code").rglob("__pycache__"))
     assert snap.size < 5e6 and snap.git is not None and len(str(snap.git["commit"])) == 40
     assert any("code snapshot" in n for n in opening.notes)
     assert plan.env["PYTHONPATH"] == f"{run_dir}/code"  # first: the snapshot
-    from launcher.submit.submission import executor_parameters
+    from launcher.submit.script import executor_parameters
 
     assert executor_parameters(plan)["additional_parameters"]["chdir"] == str(run_dir)
 
@@ -78,7 +78,7 @@ def test_diff_names_the_files_that_differ(repo, tmp_path):
 def test_the_tasks_import_the_snapshot_not_the_checkout(repo, runs_root):
     """Change the run's snapshot (not the checkout): the trained steps carry the change, and the
     environment record says the code came from the snapshot."""
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
 
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), ["trainer.limit_val_batches=0"], devices=1,

@@ -18,7 +18,7 @@ import waiting
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.planning.resolve import resolve
-from launcher.submit.submission import render_script
+from launcher.submit.script import render_script, stop_lines
 from lmcore.container import ContainerSpec, merged
 from lmcore.slurm import client as slurm, relay as slurm_relay
 
@@ -55,7 +55,7 @@ def test_pyxis_runs_the_task_in_the_image_with_srun_options_and_the_host_keeps_s
     lines = script.splitlines()
     start = next(i for i, x in enumerate(lines) if slurm_relay.SCRIPT in x)
     assert start < next(i for i, x in enumerate(lines) if x.startswith("srun "))
-    assert lines[-3:] == slurm_relay.stop_lines()
+    assert lines[-3:] == stop_lines()
     assert lines[-4] == "# teardown" and lines[-3].startswith("lmlaunch_rc=$?")  # srun's status, taken first
 
 
@@ -213,7 +213,8 @@ def test_the_relay_ends_with_the_batch_shell_it_serves(tmp_path):
 def test_an_image_file_is_named_by_its_sha256_kept_while_the_file_is_unchanged(tmp_path):
     import hashlib
 
-    from lmcore.container import ContainerPlan, host_lines
+    from launcher.submit.script import host_lines
+    from lmcore.container import ContainerPlan
 
     image = tmp_path / "train.sif"
     image.write_bytes(b"an image" * 1000)
@@ -234,7 +235,7 @@ def test_an_image_file_is_named_by_its_sha256_kept_while_the_file_is_unchanged(t
 def test_a_local_run_of_a_container_job_runs_on_this_machine_and_says_so(repo, runs_root):
     """`run --local` starts this machine's processes: its plan (and so the attempts' environment
     records) must not claim the image."""
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
 
     said: list[str] = []
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu-podman.yaml"), [], devices=1, max_steps=20,

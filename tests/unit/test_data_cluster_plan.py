@@ -11,7 +11,8 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.submit.data_cluster import ArrayJob, array_script, assemble_script, slices
+from launcher.submit.data_cluster import slices
+from launcher.submit.script import ArrayJob, array_script, assemble_script
 
 
 def test_slices_are_contiguous_cover_every_file_and_are_never_empty():

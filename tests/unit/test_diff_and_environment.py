@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from launcher.cli import main
-from launcher.commands.run import prepare_local_run
 from launcher.context import Context
+from launcher.submit.local_run import prepare_local_run
 from lmcore.rundir import ENVIRONMENT, attempt_logs_dir
 from lmtrain.observe.environment_record import REDACTED, visible_environment
 

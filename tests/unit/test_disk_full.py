@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmcore.plan import PreemptionPlan
 from lmcore.spec import PreemptionSpec
 from lmtrain.checkpoint.disk_space import DiskFull, is_no_space, room_verdict

@@ -23,7 +23,7 @@ import pytest
 import torch
 from shared_results import shared
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
 from tests.memory_helpers import assert_states_as_planned

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from launcher.cli import main
 from launcher.context import Context
 from launcher.planning.resolve import resolve
-from launcher.submit.submission import render_script
+from launcher.submit.script import render_script
 from lmcore.spec import JobSpec
 from tests.unit.malformed_cases import BASE
 from tests.unit.test_hostile_strings import planned_directives, slurm_directives

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmtrain.local.launch import launch
 
 HELPER = Path(__file__).with_name("_count_host_reads.py")

@@ -23,7 +23,7 @@ from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on s
 from launcher.cli import main
 from launcher.context import Context
 from launcher.planning.resolve import resolve
-from launcher.submit.submission import render_script
+from launcher.submit.script import render_script
 from lmcore.plan import LaunchPlan
 from tests.unit.malformed_cases import BASE
 

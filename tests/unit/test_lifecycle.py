@@ -68,7 +68,7 @@ def test_new_archives_and_rollback_restores(repo, tmp_path):
 
 
 def test_a_local_run_resumes_a_cancelled_run_as_submit_does(repo, tmp_path):
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
 
     said: list[str] = []
     env = {"LMLAUNCH_RUNS_ROOT": str(tmp_path), "HOME": str(tmp_path)}

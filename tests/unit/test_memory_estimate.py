@@ -110,7 +110,7 @@ STRATEGIES = {"ddp": ["trainer.strategy=ddp"], "zero1": ["trainer.strategy=deeps
 
 @pytest.mark.parametrize("strategy, devices", MISSING_PAIRS, ids=[f"{s}-{d}" for s, d in MISSING_PAIRS])
 def test_model_states_each_rank_holds_are_the_planned_ones(repo, runs_root, strategy, devices):
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
     from tests.memory_helpers import assert_states_as_planned
 

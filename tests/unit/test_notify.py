@@ -123,7 +123,7 @@ def test_a_run_stopped_and_resumed_sends_its_story(repo, runs_root, hook):
     import os
     import sys
 
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
 
     url, got = hook

@@ -23,7 +23,7 @@ import pytest
 import torch
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmcore import pipeline_stages
 from lmcore.errors import SpecError
 from lmtrain.checkpoint.manager import complete_checkpoints

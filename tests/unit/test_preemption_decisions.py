@@ -296,7 +296,7 @@ def test_handlers_are_inert_in_dataloader_workers():
 @pytest.fixture
 def local_run(repo, runs_root, monkeypatch):
     """A 1-process local run directory, and this process set up as its rank 0."""
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
 
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), ["model.config.n_layer=1"], devices=1,
                              max_steps=10, name="gate", environ=dict(os.environ), say=lambda *_: None)
@@ -372,7 +372,7 @@ def test_a_zero_checkpoint_whose_universal_conversion_fails_ends_the_attempt_wit
     """A ZeRO-2 checkpoint of 2 ranks resumed on 1: rank 0 converts it before the rendezvous; this
     one has no DeepSpeed files, so the conversion fails and the attempt ends, not requeued, with
     DeepSpeed's error in the ledger."""
-    from launcher.commands.run import prepare_local_run
+    from launcher.submit.local_run import prepare_local_run
     from lmtrain.task.entry import run_task
 
     plan = prepare_local_run(str(repo / "jobs" / "tiny-cpu.yaml"), ["model.config.n_layer=1", "trainer.strategy=deepspeed",

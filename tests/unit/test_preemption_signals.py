@@ -23,7 +23,7 @@ import torch
 import waiting
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.distributed.task_env import free_port
 from lmtrain.local.launch import worker_env

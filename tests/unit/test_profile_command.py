@@ -8,8 +8,8 @@ import io
 import pytest
 
 from launcher.cli import main
-from launcher.commands.profile_run import parse_ranks, side_by_side
 from launcher.context import Context
+from launcher.monitor.profile_tables import parse_ranks, side_by_side
 from lmcore.errors import UserError
 
 

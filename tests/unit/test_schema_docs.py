@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from launcher.cli import main
-from launcher.commands.schema import reference_markdown
 from launcher.context import Context
+from launcher.spec.schema_docs import reference_markdown
 from launcher.spec.yamlio import load_yaml_file
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.submit.submission import render_script
+from launcher.submit.script import render_script
 
 REPO = Path(__file__).resolve().parents[2]
 CANARY = "sk-canary-5f1e0c9d-never-written"

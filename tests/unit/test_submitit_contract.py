@@ -1,6 +1,6 @@
 """lmlaunch renders the sbatch script and the srun command through submitit's private hooks
-(``_make_sbatch_string``, ``SlurmExecutor._submitit_command_str`` and
-``_make_submission_command``). submitit is pinned to the version these were checked with, and
+(``_make_sbatch_string`` in launcher.submit.script, the one renderer; ``SlurmExecutor._submitit_command_str``,
+``_make_submission_file_text`` and ``_make_submission_command`` in launcher.submit.submission). submitit is pinned to the version these were checked with, and
 these tests fail loudly when a submitit release changes them: the script ``sbatch`` receives
 must be byte for byte the one the dry run prints."""
 
@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from launcher.planning.resolve import resolve
-from launcher.submit import submission as submit
+from launcher.submit import script, submission
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_the_private_hooks_are_where_lmlaunch_plugs_in():
 
     params = inspect.signature(ss._make_sbatch_string).parameters
     plan = _plan(REPO, "/runs")
-    missing = set(submit.executor_parameters(plan)) - set(params)
+    missing = set(script.executor_parameters(plan)) - set(params)
     assert not missing, f"submitit's _make_sbatch_string no longer takes {sorted(missing)}"
     assert isinstance(inspect.getattr_static(ss.SlurmExecutor, "_submitit_command_str"), property)
     assert list(inspect.signature(ss.SlurmExecutor._make_submission_command).parameters) == [
@@ -41,6 +41,11 @@ def test_the_private_hooks_are_where_lmlaunch_plugs_in():
     assert "_submitit_command_str" in inspect.getsource(ss.SlurmExecutor._internal_process_submissions)
     assert "_make_submission_command" in inspect.getsource(ss.SlurmExecutor._submit_command)
     assert "_make_sbatch_string" in inspect.getsource(ss.SlurmExecutor._make_submission_file_text)
+    # a job's submission writes the text launcher.submit.script rendered (the executor's file-text hook)
+    assert list(inspect.signature(ss.SlurmExecutor._make_submission_file_text).parameters) == ["self", "command", "uid"]
+    from submitit.core import core
+
+    assert "_make_submission_file_text" in inspect.getsource(core.PicklingExecutor._submit_command)
     # lmtrain.task.main runs submitit's runner with lmtrain's handlers installed first: process_job
     # must install submitit's through JobEnvironment._handle_signals(paths, delayed), after loading
     # the pickle and before calling the task
@@ -76,25 +81,25 @@ def test_what_sbatch_receives_is_the_dry_run_script(tmp_path, monkeypatch):
     _fake(bin_dir, "timeout", f'echo "timeout $*" >> {calls}\nshift 2\nexec "$@"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
-    job_id = submit._submit_with_submitit(plan, fn=print)
+    job_id = submission._submit_with_submitit(plan, fn=print)
     assert job_id == "4242"
-    assert got.read_text() == submit.render_script(plan)  # byte for byte: our command string is in it
-    assert submit.submit_command(plan) in got.read_text()
+    assert got.read_text() == script.render_script(plan)  # byte for byte: our command string is in it
+    assert script.submit_command(plan) in got.read_text()
     # our submission command ran sbatch, under its client-side time limit
-    assert calls.read_text().startswith(f"timeout --kill-after=5 {submit.sbatch_timeout_s()} sbatch "), calls.read_text()
+    assert calls.read_text().startswith(f"timeout --kill-after=5 {submission.sbatch_timeout_s()} sbatch "), calls.read_text()
 
 
 def test_the_task_command_runs_lmtrains_main_unless_the_runs_code_predates_it(tmp_path):
     plan = _plan(REPO, str(tmp_path / "runs"))
     folder = plan.paths.submitit_dir
-    assert submit.task_command(plan).endswith(f"-u -m lmtrain.task.main --signal USR2 {folder}")
+    assert script.task_command(plan).endswith(f"-u -m lmtrain.task.main --signal USR2 {folder}")
     code = Path(plan.paths.run_dir) / "code"
     (code / "lmtrain").mkdir(parents=True)  # a snapshot taken before lmtrain.task.main existed
-    assert submit.task_command(plan).endswith(f"-u -m submitit.core._submit {folder}")
+    assert script.task_command(plan).endswith(f"-u -m submitit.core._submit {folder}")
     (code / "lmtrain" / "task").mkdir()
     (code / "lmtrain" / "task" / "main.py").write_text("")
-    assert submit.task_command(plan).endswith(f"-u -m lmtrain.task.main --signal USR2 {folder}")
+    assert script.task_command(plan).endswith(f"-u -m lmtrain.task.main --signal USR2 {folder}")
     # the plan's own warning signal, whichever it is
     environ = {"LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs1"), "HOME": "/home/u", "USER": "u"}
     usr1 = resolve(str(REPO / "jobs" / "tiny-cpu.yaml"), ["preemption.signal=USR1"], cluster="local", environ=environ).plan
-    assert submit.task_command(usr1).endswith(f"-u -m lmtrain.task.main --signal USR1 {usr1.paths.submitit_dir}")
+    assert script.task_command(usr1).endswith(f"-u -m lmtrain.task.main --signal USR1 {usr1.paths.submitit_dir}")

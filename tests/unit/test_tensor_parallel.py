@@ -26,7 +26,7 @@ import yaml
 from shared_results import shared
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmcore.errors import SpecError
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict

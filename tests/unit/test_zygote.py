@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from launcher.commands.run import prepare_local_run
+from launcher.submit.local_run import prepare_local_run
 from lmtrain.local.launch import launch, worker_env
 from lmtrain.local.zygote import Zygote, forkable
 

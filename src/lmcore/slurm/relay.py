@@ -33,26 +33,6 @@ POLL_S = 0.05
 SCRIPT = "slurm_relay.sh"  # beside this module, in the run's code snapshot too
 
 
-def start_lines() -> list[str]:
-    """The batch script's lines (on the host, before srun) that start the relay for this job, in
-    ``$LMLAUNCH_RUN_DIR/slurm-relay/$SLURM_JOB_ID`` (an array task's own run directory and id)."""
-    return [
-        "# the ranks run in a container without SLURM's commands: this host runs them (lmcore.slurm.relay)",
-        f'export {RELAY_ENV}="$LMLAUNCH_RUN_DIR/slurm-relay/$SLURM_JOB_ID"',
-        f'/bin/bash "$LMLAUNCH_RUN_DIR/code/lmcore/slurm/{SCRIPT}" "${RELAY_ENV}" $$ &',
-        "lmlaunch_relay_pid=$!",
-    ]
-
-
-def stop_lines() -> list[str]:
-    """The batch script's teardown after srun: the relay stopped, and the job's exit status kept
-    srun's (a task step that failed, e.g. an image without the interpreter, is a FAILED job, not
-    the relay's kill's 0 and a COMPLETED one)."""
-    return ["lmlaunch_rc=$?  # srun's: the job's exit status",
-            'kill -KILL "$lmlaunch_relay_pid" 2>/dev/null || true  # it ignores the job\'s signals',
-            'exit "$lmlaunch_rc"']
-
-
 class RelayError(OSError):
     """The relay did not answer: no batch step serving this job (it ended, or never started)."""
 
