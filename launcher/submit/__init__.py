@@ -1,7 +1,9 @@
-"""Putting a plan on the cluster: the submission through submitit (its only user), the run's
-lifecycle (new, resumed, archived, cancelled), dependencies between runs, pipelines of stages,
-the batch script's restart-in-place loop and shell words, task arrays cut at MaxArraySize, the
-``stacks`` step script, and ``data prepare --on-cluster``.
+"""Putting a plan on the cluster: every batch script rendered in one module (``script``: a run's,
+with its restart-in-place loop, a sweep array's, data prepare's), shell words (``shell``), the
+submission through submitit (``submission``), the run's lifecycle (new, resumed, archived,
+cancelled) and a local run's (``local_run``), dependencies between runs, pipelines of stages,
+spare nodes' checks, task arrays cut at MaxArraySize, the ``stacks`` step script, and
+``data prepare --on-cluster``.
 
 May import: lmcore, launcher.spec, launcher.runs, launcher.planning. Not monitoring, serving,
 doctor, search, remote or commands.

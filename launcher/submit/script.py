@@ -147,7 +147,7 @@ def restart_loop_head(plan: LaunchPlan) -> list[str]:
             "lmlaunch_restarts=0",
             "lmlaunch_undecided=0",
             "lmlaunch_exclude=",
-            "lmlaunch_overlap=  # set from the first restart on (launcher.submit.in_place.restart_srun_prefix)",
+            "lmlaunch_overlap=  # set from the first restart on (launcher.submit.script.restart_srun_prefix)",
             "# a preemption that lands between two sruns signals no task of the next: do not start one then",
             "lmlaunch_preempting() { scontrol show job \"$SLURM_JOB_ID\" 2>/dev/null | grep -q 'PreemptTime=[0-9]'; }",
             "while :; do"]

@@ -17,7 +17,7 @@ RANK_TIMES = f"{METRICS}/rank-times.json"  # the ranks' newest step timing and t
 PLAN = "plan.json"
 DONE = "DONE"
 CANCELLED = "CANCELLED"
-RESTART_IN_PLACE = "RESTART_IN_PLACE"  # rank 0's decision, for the batch script's restart loop (launcher.submit.in_place)
+RESTART_IN_PLACE = "RESTART_IN_PLACE"  # rank 0's decision, for the batch script's restart loop (launcher.submit.script)
 # set by that loop for ranks it starts again after srun failed and rank 0 never decided: srun's exit
 # status (the next attempt's start gate records the missing end line from it)
 UNDECIDED_VAR = "LMLAUNCH_UNDECIDED_END"

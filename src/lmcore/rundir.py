@@ -224,7 +224,7 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "GLHF", "N
 
 def left_out_of(entries: Sequence[Mapping[str, Any]], job_id: str | None) -> list[str]:
     """The nodes ``job_id``'s restarts in place leave out so far: the newest end line of that job
-    that says (``left_out``: spare nodes, launcher.submit.in_place)."""
+    that says (``left_out``: spare nodes, launcher.submit.script)."""
     said = [e["left_out"] for e in entries if e.get("event") == "end" and str(e.get("job_id")) == str(job_id)
             and isinstance(e.get("left_out"), list)]
     return [str(n) for n in said[-1]] if said else []

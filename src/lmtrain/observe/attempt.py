@@ -51,7 +51,7 @@ class MissingEnd:
     end_step: int
     reason: str
     detail: str
-    restart: str | None = None  # "in_place": the batch script started the ranks again (launcher.submit.in_place)
+    restart: str | None = None  # "in_place": the batch script started the ranks again (launcher.submit.script)
 
 
 class AttemptRecords:

@@ -239,7 +239,7 @@ class Preemption:
 
     def tell_batch_script(self, decision: str, leave_out: list[str]) -> None:
         """Rank 0 of a job that restarts in place, before it acts: what it decided (``restart``,
-        ``requeue``, ``cancel``, ``none``), for the batch script's loop (launcher.submit.in_place), which
+        ``requeue``, ``cancel``, ``none``), for the batch script's loop (launcher.submit.script), which
         restarts the ranks on ``restart`` and, when srun failed with no decision at all, because
         rank 0 was killed before this. Its first line names this job (an array task's own id)."""
         if self.env.rank != 0 or self.env.launcher != "slurm" or not self.policy.restart_in_place:
@@ -263,7 +263,7 @@ class Preemption:
                 return
             self.tell_batch_script(outcome.action, outcome.extra.get("left_out") or [])
             try:
-                if outcome.action == "restart":  # the batch script starts the ranks again (launcher.submit.in_place)
+                if outcome.action == "restart":  # the batch script starts the ranks again (launcher.submit.script)
                     log.info("asking the batch script to restart the ranks in place (job %s)", self.env.job_id)
                 elif outcome.action == "requeue":
                     log.info("requeueing job %s (scontrol requeue)", self.env.job_id)

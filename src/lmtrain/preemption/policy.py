@@ -345,7 +345,7 @@ def start_gate(f: StartFacts, policy: PreemptionPlan) -> Gate:
                        f"write it (node failure, SIGKILL){seen}; recorded at the start of the next attempt, "
                        f"which resumes from step {f.start_step}"),
         }
-        if f.undecided_exit:  # launcher.submit.in_place: srun failed and rank 0 never said what next
+        if f.undecided_exit:  # the batch script's loop (launcher.submit.script): srun failed and rank 0 never said what next
             reason = "crashed"
             previous_end.update(reason=reason, restart="in_place", detail=(
                 f"attempt {prev.attempt} has no end line: rank 0's process ended before it decided (srun exited "

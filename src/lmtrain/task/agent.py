@@ -1,6 +1,6 @@
 """Each SLURM task's agent: a restart in place that rank 0 decided is a fork, not a new srun.
 
-A restart in place used to end the srun step and start a new one (launcher.submit.in_place's loop): every
+A restart in place used to end the srun step and start a new one (the loop launcher.submit.script renders): every
 rank a new interpreter that imports torch, Lightning and transformers again, most of the seconds
 from a crash to the first step again. With ``preemption.warm_restart`` (and restart_in_place),
 the task's process (lmtrain.task.main) becomes an agent instead: it imports the frameworks once and
