@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
 
 from launcher.context import Context
 from launcher.monitor import run_files
+from launcher.monitor.logs import finished_check, print_logs
 from launcher.runs import registry as runs
-from lmcore import jsonlines, rundir
+from lmcore import rundir
 from lmcore.errors import UserError
-from lmcore.slurm import client as slurm
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,107 +22,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--errors", action="store_true", help="only tracebacks and error lines")
     p.add_argument("--json", action="store_true", help="the log files (attempt, path, size) as JSON, no content")
     p.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
-
-
-def print_logs(
-    run_dir: Path,
-    job_ids: list[str],
-    out: TextIO,
-    *,
-    rank: int = 0,
-    attempt: int | None = None,
-    errors: bool = False,
-    follow: bool = False,
-    finished: Callable[[], bool] = lambda: True,
-    interval: float = 1.0,
-) -> int:
-    """Print every attempt's log in order with a marker line before each; with ``follow``, keep
-    polling for new output and new attempts until ``finished()`` and nothing new arrived.
-    Returns the number of files shown."""
-    printer = _LogPrinter(run_dir, job_ids, out, rank=rank, attempt=attempt, errors=errors, follow=follow)
-    printer.poll(final=not follow)
-    if not follow:
-        return len(printer.shown)
-    quiet = 0
-    while True:
-        time.sleep(interval)
-        grew = printer.poll(final=False)
-        quiet = 0 if grew else quiet + 1
-        if quiet >= 2 and finished():
-            printer.end_line()
-            return len(printer.shown)
-
-
-class _LogPrinter:
-    """A run's log files in order, each printed from where the last poll left it, a marker line
-    before each new file; a last line without its newline waits for the rest (follow)."""
-
-    def __init__(self, run_dir: Path, job_ids: list[str], out: TextIO, *, rank: int, attempt: int | None,
-                 errors: bool, follow: bool) -> None:
-        self.run_dir, self.job_ids, self.out = run_dir, job_ids, out
-        self.rank, self.attempt, self.errors, self.follow = rank, attempt, errors, follow
-        self.offsets: dict[Path, int] = {}
-        self.shown: list[Path] = []
-        self.pending = ""
-
-    def emit(self, text: str, final: bool) -> None:
-        text = self.pending + text
-        lines = text.split("\n")
-        self.pending = "" if final else lines.pop()
-        if final and lines and lines[-1] == "":
-            lines.pop()
-        if self.errors:
-            lines = run_files.error_lines(lines)
-        for line in lines:
-            self.out.write(line + "\n")
-        self.out.flush()
-
-    def end_line(self) -> None:
-        if self.pending:
-            self.emit("\n", True)
-
-    def poll(self, final: bool) -> bool:
-        """Print what is new; whether anything was."""
-        ledger = jsonlines.read_jsonl(rundir.RunLayout.of(self.run_dir).ledger)
-        grew = False
-        for src in run_files.log_sources(self.run_dir, self.job_ids, rank=self.rank, attempt=self.attempt):
-            if src.path not in self.offsets:
-                self.end_line()
-                self.out.write(run_files.attempt_marker(src.attempt, ledger, src.label) + "\n")
-                self.offsets[src.path] = 0
-                self.shown.append(src.path)
-                grew = True
-            try:
-                with open(src.path, "rb") as f:
-                    f.seek(self.offsets[src.path])
-                    data = f.read()
-            except OSError:
-                continue
-            if data:
-                self.offsets[src.path] += len(data)
-                self.emit(data.decode("utf-8", errors="replace"), final=not self.follow)
-                grew = True
-        return grew
-
-
-def _finished_check(run_dir: Path, job_ids: list[str], every_s: float = 5.0) -> Callable[[], bool]:
-    """The run is over: DONE/CANCELLED marker, or SLURM says its job is neither queued nor running."""
-    last: dict[str, Any] = {"t": 0.0, "v": False}
-
-    def finished() -> bool:
-        if rundir.RunLayout.of(run_dir).done.exists() or rundir.is_cancelled(run_dir):
-            return True
-        if time.monotonic() - last["t"] >= every_s and job_ids:
-
-            last["t"] = time.monotonic()
-            try:
-                jobs = slurm.squeue([job_ids[-1]])
-                last["v"] = not any(slurm.is_active(j.state) for j in jobs)
-            except UserError:
-                last["v"] = False  # SLURM unreachable: keep following
-        return last["v"]
-
-    return finished
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -146,7 +42,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return 0
     n = print_logs(
         run_dir, rec.job_ids, ctx.stdout, rank=args.rank, attempt=args.attempt, errors=args.errors,
-        follow=args.follow, finished=_finished_check(run_dir, rec.job_ids), interval=args.interval,
+        follow=args.follow, finished=finished_check(run_dir, rec.job_ids), interval=args.interval,
     )
     if n == 0 and not args.follow:
         ctx.err(f"run '{rec.name}': no logs yet for rank {args.rank} (looked in {rundir.RunLayout.of(run_dir).logs} and "

@@ -15,8 +15,9 @@ final step, registered as a run that ``status``, ``logs`` and ``cancel`` know.
 
 Pure planning (:func:`slices`; the scripts: launcher.submit.script's ``array_script`` and
 ``assemble_script``, the one renderer) is separated from
-the submission (:func:`submit_preparation`), which is the only I/O here: sbatch through
-``lmcore.slurm.client``, the run directory and its registry record.
+the submission (:func:`submit_preparation`), which is the only I/O here: the scripts submitted
+through launcher.submit.submission (the one submission path: the same client-side limit and
+errors as a run's), the run directory and its registry record.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 from launcher.runs import registry as runs
 from launcher.spec.profiles import Profile, load_profile
-from launcher.submit import arrays
+from launcher.submit import arrays, submission
 from launcher.submit.script import ArrayJob, array_script, assemble_script
 from lmcore.errors import UserError
 from lmcore.rundir import RunLayout
@@ -95,8 +96,8 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
 
     def submit(part: range, dependency: str | None) -> str:
         script = layout.preparation_script("prepare-array.sh" if len(cut) <= size else f"prepare-array-{part.start}.sh")
-        return _sbatch(array_script(job, part, min(parallel, len(part))), script,
-                       *([f"--dependency={dependency}"] if dependency else []))
+        return submission.submit_script(array_script(job, part, min(parallel, len(part))), script,
+                                        dependency=dependency)
 
     array_ids = arrays.submit_chained(len(cut), size, submit)
     assemble_id = _submit_assemble(job, run_dir, array_ids)
@@ -130,15 +131,12 @@ def _submit_assemble(job: ArrayJob, run_dir: Path, array_ids: list[str]) -> str:
     """The final step, after every array task succeeded; all or nothing: a failed submission
     cancels the arrays. The job ids go to the run directory."""
     try:
-        assemble_id = _sbatch(assemble_script(job), RunLayout.of(run_dir).preparation_script("prepare-assemble.sh"),
-                              f"--dependency=afterok:{':'.join(array_ids)}")
+        assemble_id = submission.submit_script(
+            assemble_script(job), RunLayout.of(run_dir).preparation_script("prepare-assemble.sh"),
+            dependency=f"afterok:{':'.join(array_ids)}")
     except BaseException:
         slurm.cancel(array_ids)
         raise
     RunLayout.of(run_dir).preparation_jobs.write_text(json.dumps({"arrays": array_ids, "assemble": assemble_id}) + "\n")
     return assemble_id
 
-
-def _sbatch(script: str, path: Path, *extra: str) -> str:
-    path.write_text(script)
-    return slurm.sbatch_file(str(path), *extra)

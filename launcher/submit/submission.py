@@ -102,6 +102,16 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
     return [str(job.job_id) for job in jobs]
 
 
+def submit_script(text: str, path: Path, *, dependency: str | None = None) -> str:
+    """sbatch a script launcher.submit.script rendered that runs no submitit job (``data prepare
+    --on-cluster``'s array and final step: their tasks run a module, not a pickled callable): written
+    to ``path`` and submitted under the same client-side limit as a run's; its job id. sbatch's
+    refusal is a UserError in its own words, an unreachable controller SlurmUnavailable."""
+    path.write_text(text)
+    return slurm.sbatch_file(str(path), *([f"--dependency={dependency}"] if dependency else []),
+                             timeout=sbatch_timeout_s())
+
+
 SBATCH_TIMEOUT_VAR = "LMLAUNCH_SBATCH_TIMEOUT_S"
 # Below submitit's 60 s: a task that starts while submit still waits for sbatch waits up to 60 s
 # for its pickle, which the reconciliation names after the job id.

@@ -12,9 +12,9 @@ from monitor_synth import T0, make_run
 from rich.console import Console
 
 from launcher.cli import main
-from launcher.commands.logs import print_logs
 from launcher.context import Context
 from launcher.monitor import history_rows, run_files, status_rows as monitor
+from launcher.monitor.logs import print_logs
 from launcher.monitor.slurm_view import SlurmJob, SlurmView
 from launcher.monitor.view import history_view, status_view
 from launcher.runs import registry as runs
