@@ -27,7 +27,8 @@ exec "$VENV/bin/python" - "$NAME" <<'PY'
 import json, sys, time
 from pathlib import Path
 
-from launcher import rehearsal, runs
+from launcher.runs import registry as runs
+from lmcore.slurm import admin as rehearsal
 from lmcore.slurm import client as slurm
 
 name = sys.argv[1]
