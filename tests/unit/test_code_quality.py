@@ -351,3 +351,30 @@ def test_the_batch_script_is_rendered_by_one_module():
                 found += [f"{path.relative_to(REPO)}:{n} {w!r}" for n, w in _batch_script_lines(ast.parse(path.read_text()))]
     assert not found, "batch-script text outside launcher/submit/script.py:\n" + "\n".join(found)
     assert list(_batch_script_lines(ast.parse(owner.read_text()))), "the renderer itself is seen by the check"
+
+
+def test_the_python_inside_the_shell_scripts_imports_what_exists():
+    """scripts/*.sh run Python of their own (heredocs, ``-c``): its imports of lmlaunch's packages name
+    modules and attributes that exist (a move of a module once broke the demo's follow step)."""
+    import ast
+    import importlib
+    import re
+
+    snippets = []
+    for path in sorted((REPO / "scripts").glob("*.sh")):
+        text = path.read_text()
+        snippets += [(path.name, m.group(2)) for m in re.finditer(r"<<'(\w+)'\n(.*?)\n\1\n", text, re.S)]
+        snippets += [(path.name, m.group(1)) for m in re.finditer(r'python"? -c "\n?(.*?)"\)?', text, re.S)]
+    assert snippets, "no Python found in scripts/*.sh"
+    missing = []
+    for name, code in snippets:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("launcher", "lmcore", "lmtrain"):
+                module = importlib.import_module(node.module)
+                missing += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                            if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in ("launcher", "lmcore", "lmtrain") and importlib.util.find_spec(a.name) is None:
+                        missing.append(f"{name}: import {a.name}")
+    assert not missing, missing
