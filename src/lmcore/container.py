@@ -12,7 +12,9 @@ What runs where: the ranks run inside; the batch script stays on the host, where
 are. The ranks' SLURM commands (the job's state, requeue, node exclusion) go through the batch
 step's relay (lmcore.slurm.relay), so an image without ``scontrol`` still requeues.
 
-Every string here reaches the job script shell-quoted; mount paths and images follow the text
+The batch script's lines for a container (its host lines, the task command srun starts) are
+rendered by launcher.submit.script from the plan's ``ContainerPlan``. Every string here reaches the
+job script shell-quoted; mount paths and images follow the text
 rules below, which keep out what the runtimes use as separators (``,`` and ``:`` in paths).
 """
 

@@ -4,7 +4,7 @@ runs them on the ranks' behalf.
 The ranks of a container job (lmcore.container) decide everything themselves, as on the
 host: whether SLURM is already requeueing the job, whether to requeue it, which nodes to keep it
 off. What they cannot do inside an image without SLURM's client (and its munge socket) is run
-``scontrol``, ``sacct``, ``sinfo``, ``squeue`` or ``scancel``. The batch script starts the relay
+``scontrol``, ``sacct``, ``sinfo``, ``squeue`` or ``scancel``. The batch script (its lines: launcher.submit.script) starts the relay
 (``slurm_relay.sh`` beside this module, run from the run's code snapshot; plain bash: the host needs no Python) in the background before ``srun``; a
 rank's :func:`lmcore.slurm.client.run` then writes its command into the job's relay directory in
 the run directory (shared by every node) and reads back what the host printed.
