@@ -173,7 +173,8 @@ class ModelSpec(StrictModel):
     """Recompute activations in the backward pass to save memory."""
     compile: bool = False
     """Compile the model with torch.compile: each transformer block in place (parameter names
-    unchanged), and the loss where one rank computes it over whole logits."""
+    unchanged), and the loss where one rank computes it over whole logits. Validation runs them
+    eagerly, so nothing is compiled twice (no graph for no_grad beside the training one)."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """Attention kernel: auto (sdpa where the architecture supports it, else eager); sdpa (PyTorch's scaled_dot_product_attention); eager; flash_attention_2. A kernel the architecture does not support is refused when the model is built."""
 

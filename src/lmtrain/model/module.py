@@ -19,6 +19,7 @@ Gradient clipping is done here, not by the Trainer's ``gradient_clip_val``:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -297,7 +298,11 @@ class LMModule(pl.LightningModule):
             loss = (got.detach() if got is not None else torch.zeros((), device=input_ids.device))
             loss = loss * self.rt.parallelism.pipeline
         else:
-            loss = self._loss(batch)
+            # Compiled blocks run eagerly here: validation (Lightning's sanity check first, under
+            # no_grad) would otherwise compile an inference graph of every compiled function and
+            # training would compile it again (dynamo's guard on grad_mode: bench/graph_breaks.py)
+            with torch.compiler.set_stance("force_eager") if self.model_spec.compile else contextlib.nullcontext():
+                loss = self._loss(batch)
         self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=self.rt.micro_batch_size)
         return loss
 
