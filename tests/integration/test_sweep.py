@@ -111,11 +111,16 @@ def test_a_throttled_sweep_runs_every_point_and_one_preempted_point_resumes_alon
 
 @pytest.mark.both_versions
 def test_cancelling_a_sweep_cancels_every_point(slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
+    dry = cli("sweep", SPEC, _sweep_file(tmp_path, run_name), *SMALL, "trainer.max_steps=100000", "--dry-run", "--json")
+    assert dry.code == 0, dry.out + dry.err
     r = cli("sweep", SPEC, _sweep_file(tmp_path, run_name), *SMALL, "trainer.max_steps=100000", "--json")
     assert r.code == 0, r.out + r.err
     sub = json.loads(r.out)
     own_jobs.extend(sub["arrays"])
     (array,) = sub["arrays"]
+    # the array's script as sbatch received it is the one the dry run printed (launcher.submit.script)
+    submitted = list((Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name / "submitit").glob("*_submission.sh"))
+    assert len(submitted) == 1 and submitted[0].read_text() == json.loads(dry.out)["script"], submitted
     def two_running() -> list:
         running = [j for j in slurm.squeue([array]) if slurm.state_group(j.state) == "running"]
         return running if len(running) >= 2 else []
