@@ -1,17 +1,15 @@
 """A sweep as one SLURM array (launcher.search.sweep plans the points), submitted through
 launcher.submit.submission's submitit path. Every point has the first point's shape
 (launcher.search.sweep.shape); its script (launcher.submit.script.render_array_script, the one
-renderer) picks what differs per point by SLURM_ARRAY_TASK_ID: the run directory, the code snapshot
+renderer, which the dry run prints) picks what differs per point by SLURM_ARRAY_TASK_ID: the run directory, the code snapshot
 on PYTHONPATH, and every planned variable whose value holds the run directory."""
 
 from __future__ import annotations
 
-from launcher.submit.script import array_parameters, array_plan, render_array_script
+from launcher.submit.script import array_parameters, array_plan
 from launcher.submit.submission import run_submitit
 from lmcore.plan import LaunchPlan
 from lmcore.rundir import RunLayout
-
-__all__ = ["render_array_script", "submit_array"]
 
 
 def submit_array(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,

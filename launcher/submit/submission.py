@@ -4,7 +4,8 @@ The batch script is rendered before anything is submitted, by launcher.submit.sc
 renderer; the dry run prints the same text); a job's submission hands that text to submitit's
 executor (``_make_submission_file_text``), which writes it and runs sbatch on it. An array's
 script is rendered by submitit's array executor from the same parameters, and equals
-launcher.submit.script.render_array_script's (tests/unit/test_sweep_points.py).
+launcher.submit.script.render_array_script's (tests/integration/test_sweep.py compares
+the file sbatch received with the dry run's).
 """
 
 from __future__ import annotations
