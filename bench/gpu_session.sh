@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # The GPU tests and benches, in the parts one device call of at most 10 minutes can hold.
 #
-#   bash bench/gpu_session.sh PART      (PART: lease | lease2 | tests | throughput | big | rest | cpu-io)
+#   COMMIT=<sha> bash bench/gpu_session.sh PART   (PART: lease | lease2 | tests | throughput | big | rest | cpu-io)
 #
-# `lease` and `lease2` are for a lease of 15 minutes in all, two calls back to back: the GPT-2, FSDP2 and
-# ZeRO-2 ratios (with a profile of the GPT-2 step) and the 1B stop checkpoint against dd, then the GPU
-# tests and the 1B throughput; each step capped so that what finished always comes back.
+# `lease` is the one prepared GPU run: one device call of at most 9 minutes (BUDGET=540), in the
+# goals' priority order: the four ratios (GPT-2 and Llama 1.1B against the compiled hand loop, FSDP2
+# and ZeRO-2 against DDP; three alternated pairs each, both sides in one process), the host syncs with
+# their frames (in the GPT-2 line), profiles of the GPT-2 and FSDP2 steps, the 1B stop checkpoint
+# (held and durable) against dd, then the GPU tests with what is left. Each step is capped so that
+# what finished always comes back; at the end bench/gpu_report.py writes the GPU section
+# ($OUT/gpu-section.md) with the date, the GPU and $COMMIT. Back here:
+#   python bench/gpu_report.py FILES_AT --commit <sha> --append bench/RESULTS.md --profiles-to bench/gpu-profiles
+# `lease2` is a second call if the lease has time left (the GPU tests in full, then the 1B throughput again).
 #
 # Run on a GPU machine from the repository root, with the wheels of bench/RESULTS.md ("Commands
 # for an H100 session") in .carry/whl (the device image has torch, lightning and transformers but
@@ -39,13 +45,14 @@ step() {
 
 case "${1:-}" in
     lease)
-        # one lease of 15 minutes, first call (BUDGET=540): the ratios that count first, three
-        # alternated pairs each, then the 1B stop checkpoint against dd; `lease2` right after it
+        # the prepared GPU run, one call (BUDGET=540): the goals' priority order
         python3 -c "import os,torch,lightning.pytorch,transformers;print('after the zygote imports: cuda initialised', torch.cuda.is_initialized(), 'threads', len(os.listdir('/proc/self/task')))" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
-        CAP=170 step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --repeat 3 --out "$OUT/throughput.jsonl" --profile "$OUT/profile"
-        CAP=120 step tp-fsdp python3 bench/throughput.py --config fsdp --repeat 3 --out "$OUT/throughput.jsonl"
-        CAP=110 step tp-zero2 python3 bench/throughput.py --config zero2 --repeat 3 --out "$OUT/throughput.jsonl"
-        step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --no-resume --out "$OUT/ckpt.jsonl"
+        CAP=140 step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --repeat 3 --out "$OUT/throughput.jsonl" --profile "$OUT/profile"
+        CAP=110 step tp-fsdp python3 bench/throughput.py --config fsdp --repeat 3 --out "$OUT/throughput.jsonl" --profile "$OUT/profile"
+        CAP=80 step tp-zero2 python3 bench/throughput.py --config zero2 --repeat 3 --out "$OUT/throughput.jsonl"
+        CAP=110 step tp-llama python3 bench/throughput.py --config llama-1b --repeat 3 --warmup 4 --steps 12 --out "$OUT/throughput.jsonl"
+        CAP=70 step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --no-resume --out "$OUT/ckpt.jsonl"
+        step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -x -p no:cacheprovider -o addopts="" --durations=0
         ;;
     lease2)  # the second call of the same lease (BUDGET=200 or what is left): the GPU tests, then the 1B throughput
         CAP=150 step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -x -p no:cacheprovider -o addopts="" --durations=0
@@ -75,5 +82,7 @@ case "${1:-}" in
     *) echo "usage: bash bench/gpu_session.sh tests|throughput|big|rest|cpu-io" >&2; exit 2 ;;
 esac
 grep -h '^{' "$OUT"/*.jsonl 2>/dev/null | tail -n 8
-# a device call brings back at most 8 files: the logs travel as one archive
-(cd "$OUT" && tar czf "logs-${1}.tgz" ./*.log device.txt && rm -f ./*.log device.txt)
+python3 bench/gpu_report.py "$OUT" --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" > "$OUT/gpu-section.md" 2>&1
+cat "$OUT/gpu-section.md"
+# a device call brings back at most 8 files: the logs travel as one archive (device.txt stays for the report)
+(cd "$OUT" && tar czf "logs-${1}.tgz" ./*.log device.txt && rm -f ./*.log)

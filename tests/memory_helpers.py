@@ -54,3 +54,19 @@ def assert_states_as_planned(run_dir: str | Path, attempts: int = 1) -> None:
             held, planned = entry[k]
             assert abs(held - planned) <= 0.01 * held, (
                 f"attempt {entry['attempt']} on {entry['world_size']} rank(s): {k} held {held:,} B, planned {planned:,} B")
+
+
+def assert_staging_as_planned(run_dir: str | Path, tolerance: float = 0.01) -> None:
+    """Rank 0's staging buffers, as its reservation logged them (lmtrain.checkpoint.manager.reserve),
+    within ``tolerance`` of the plan's ``memory.host_staging.per_rank`` (rank 0 is the heaviest
+    staging rank of every strategy)."""
+    import re
+
+    run_dir = Path(run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    planned = plan["memory"]["host_staging"]["per_rank"]
+    log = (run_dir / "logs" / "attempt-1" / "rank-0.log").read_text()
+    found = re.findall(r"staging buffers reserved: (\d+) bytes", log)
+    assert found, "rank 0 never reserved its staging buffers"
+    held = int(found[-1])
+    assert abs(held - planned) <= tolerance * planned, (held, planned, plan["memory"]["host_staging"])

@@ -50,4 +50,5 @@ def add_spec_arguments(p: argparse.ArgumentParser, example: str = "resources.nod
 def add_force_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="plan (and submit) a GPU job whose planned memory exceeds the profile's gpu_memory, "
+                        "a job whose resources.mem cannot hold its staged checkpoints, "
                         "and (submit) a container job whose image or interpreter could not be started here")

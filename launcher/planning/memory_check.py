@@ -9,11 +9,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from launcher.planning import memory, memory_stages
+from launcher.planning import host_memory, memory, memory_stages
 from launcher.planning.memory_inputs import model_facts, unavailable
 from launcher.spec.profiles import Profile
 from lmcore.errors import UserError
-from lmcore.plan import LaunchPlan
+from lmcore.plan import MODEL_STATE_ROWS, LaunchPlan
 from lmcore.spec import JobSpec, mem_to_mb
 
 
@@ -71,9 +71,36 @@ def with_memory(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapp
     if b.fits is False:
         if not force:
             raise UserError(refusal(got, profile, source))
-        return dataclasses.replace(plan, notes=(*plan.notes, f"memory: the planned peak {memory.gb(b.peak)} exceeds "
+        plan = dataclasses.replace(plan, notes=(*plan.notes, f"memory: the planned peak {memory.gb(b.peak)} exceeds "
                                                 f"{memory.gb(b.usable)} usable of the GPU's {profile.gpu_memory} (--force)"))
+    if spec.checkpoint.async_save:
+        plan = _with_host_staging(plan, got, force=force, source=source)
     return plan
+
+
+def _with_host_staging(plan: LaunchPlan, got: Planned, *, force: bool, source: str) -> LaunchPlan:
+    """The staged checkpoints' host buffers in the plan (``memory.host_staging``, a dry-run line),
+    refused when they cannot fit the memory the job asks SLURM for per node (``resources.mem``):
+    on a CPU job with the ranks' model states, which live in the same memory."""
+    rows = got.breakdown.rows if got.setup.parallelism.pipeline > 1 else None
+    tasks = plan.topology.tasks_per_node
+    staging = host_memory.host_staging(got.facts, got.setup, tasks, rows)
+    states = 0 if got.setup.gpu else tasks * sum(r.bytes for r in got.breakdown.rows if r.name in MODEL_STATE_ROWS)
+    mem = plan.slurm.mem
+    line = (f"host memory: staged checkpoints (checkpoint.async_save) hold {memory.gb(staging.per_node)} per node, "
+            f"{memory.gb(staging.per_rank)} on the heaviest rank ({staging.how})")
+    plan = dataclasses.replace(plan, memory={**(plan.memory or {}), "host_staging": staging.to_json()},
+                               notes=(*plan.notes, line))
+    if mem is None or staging.per_node + states <= mem_to_mb(mem) << 20:
+        return plan
+    what = f"{memory.gb(staging.per_node)} of staging buffers" + (
+        f" beside {memory.gb(states)} of the node's ranks' model states (a CPU job's live in host memory)" if states else "")
+    message = (f"{source + ': ' if source else ''}resources.mem {mem} per node cannot hold the staged checkpoints: "
+               f"{what} (staged: {staging.how}). Ask for more (resources.mem), or set checkpoint.async_save: false "
+               f"(every checkpoint written synchronously, holding training until it is durable)")
+    if not force:
+        raise UserError(message + " (--force submits anyway)")
+    return dataclasses.replace(plan, notes=(*plan.notes, message.split(": ", 1)[-1] + " (--force)"))
 
 
 def refusal(p: Planned, profile: Profile, source: str) -> str:

@@ -352,11 +352,13 @@ class CheckpointSpec(StrictModel):
     keep_last: int = Field(3, ge=1, le=10_000)
     """Complete checkpoints to keep."""
     async_save: bool = True
-    """Periodic checkpoints in the background (every strategy): training waits only while the
-    state is copied into host memory (one more copy of it in RAM: DDP's whole state on rank 0,
-    each rank's own shards for DeepSpeed and FSDP); the writes and COMPLETE follow on a thread per
-    writing rank (every rank writes its shards in parallel), at most one save in flight.
-    Checkpoints at a stop and at the end are always synchronous."""
+    """Periodic checkpoints and the stop's checkpoint staged (every strategy): training waits only
+    while the state is copied into host memory (one more copy of it in RAM, reserved at the
+    attempt's first step: DDP's whole state on rank 0, each rank's own shards for DeepSpeed and
+    FSDP; the plan's host memory line counts it); the writes and COMPLETE follow on a thread per
+    writing rank (every rank writes its shards in parallel), at most one save in flight. At a stop
+    the attempt ends, and requeues, only once that checkpoint is durable. The final checkpoint of
+    a finished run is synchronous; false: every checkpoint is."""
 
 
 class PreemptionSpec(StrictModel):

@@ -14,7 +14,8 @@ A rule fires at a point whose name matches ``point`` (fnmatch) when every field 
 matches: ``file`` (fnmatch over the file the point is about), ``rank`` (the global rank),
 ``step`` (the step being saved or trained), ``attempt`` (the attempt number the ledger
 gives), ``nth`` (the n-th time this rule's other fields matched in this process). Actions:
-``kill`` (SIGKILL), ``sleep`` (``seconds``), ``hang`` (sleep forever), ``enospc`` (raise the
+``kill`` (SIGKILL), ``sigterm`` (the process sends itself SIGTERM, as SLURM does at a
+preemption: bench/stop_checkpoint.py stops every rank at one step this way), ``sleep`` (``seconds``), ``hang`` (sleep forever), ``enospc`` (raise the
 OSError a full disk raises, as if the write at that point had found no room), ``raise`` (a
 RuntimeError, as a bug in the training code would), ``count``
 (nothing: :func:`seen` tells how many points passed).
@@ -50,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "LMLAUNCH_FAULTS"
-ACTIONS = ("kill", "sleep", "hang", "enospc", "raise", "count")
+ACTIONS = ("kill", "sigterm", "sleep", "hang", "enospc", "raise", "count")
 log = logging.getLogger(__name__)
 
 
@@ -149,6 +150,8 @@ def _act(rule: Rule, name: str, facts: dict[str, Any]) -> None:
         h.flush()
     if rule.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif rule.action == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
     elif rule.action == "sleep":
         time.sleep(rule.seconds)
     elif rule.action == "hang":

@@ -40,6 +40,26 @@ def test_buffers_are_reused_between_saves_and_tied_tensors_stay_tied():
     assert third["wte"].shape == (5, 3) and stager.bytes == (15 + 12 + 3) * 4
 
 
+def test_reserved_buffers_are_the_ones_the_first_staging_copies_into():
+    """Stager.reserve (the attempt's first step boundary, on a thread): every buffer the staging of
+    the same layout needs exists before it, tied tensors reserved once, nothing copied; the first
+    real staging allocates nothing more and fills exactly those buffers."""
+    emb = torch.randn(4, 3)
+    state = {"state_dict": OrderedDict(wte=emb, lm_head=emb, b=torch.ones(3)),
+             "optimizer_states": [{"state": {0: {"exp_avg": torch.full((4, 3), 2.0)}}}], "loops": {"step": 1}}
+    stager = Stager()
+    assert stager.reserve(state) == (12 + 3 + 12) * 4
+    reserved = {k: (b.data_ptr(), b.shape) for k, b in stager._buffers.items()}
+    assert sorted(reserved) == ["/optimizer_states/0/state/0/exp_avg", "/state_dict/b", "/state_dict/wte"]
+    assert all(float(b.abs().sum()) == 0 for b in stager._buffers.values())  # touched, nothing copied
+    emb.add_(1)  # training went on after the reservation
+    staged = stager.stage(state)
+    assert {k: (b.data_ptr(), b.shape) for k, b in stager._buffers.items()} == reserved and stager.bytes == 27 * 4
+    assert staged["state_dict"]["wte"] is staged["state_dict"]["lm_head"]
+    assert staged["state_dict"]["wte"].data_ptr() == reserved["/state_dict/wte"][0] and torch.equal(staged["state_dict"]["wte"], emb)
+    assert staged["loops"] == {"step": 1}
+
+
 def test_one_save_in_flight_and_its_error_surfaces_on_the_training_thread():
     saves = BackgroundSave()
     release = threading.Event()

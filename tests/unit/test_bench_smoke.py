@@ -92,6 +92,8 @@ def test_checkpoint_speed_smoke_stops_on_sigterm_checkpoints_and_resumes_in_a_ne
     # The stop is agreed at the first step boundary after the signal, and the checkpoint is of that step.
     assert line["checkpoint_step"] == line["signal_step"] + 1
     assert _positive(line["save_s"]) and line["stop_to_complete_s"] >= line["save_s"]
+    # the stop's save is staged: what held training is part of the save, the ledger says the same
+    assert 0 < line["held_s"] <= line["save_s"] and line["ledger_held_s"] == pytest.approx(line["held_s"], abs=0.002)
     assert line["checkpoint_bytes"] > 4 * line["n_params"]  # weights + AdamW moments at least
     assert line["dd_bytes"] >= line["checkpoint_bytes"] and _positive(line["dd_s"])  # the dd baseline, same bytes
     assert line["save_vs_dd"] == pytest.approx(line["save_s"] / line["dd_s"], rel=1e-12)

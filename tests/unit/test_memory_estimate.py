@@ -112,7 +112,7 @@ STRATEGIES = {"ddp": ["trainer.strategy=ddp"], "zero1": ["trainer.strategy=deeps
 def test_model_states_each_rank_holds_are_the_planned_ones(repo, runs_root, strategy, devices):
     from launcher.submit.local_run import prepare_local_run
     from lmtrain.local.launch import launch
-    from tests.memory_helpers import assert_states_as_planned
+    from tests.memory_helpers import assert_staging_as_planned, assert_states_as_planned
 
     overrides = ["model.config.n_layer=1", "model.config.n_embd=48", "model.config.n_head=2", "data.seq_len=32",
                  "model.config.n_positions=32", "data.micro_batch_size=2", f"trainer.global_batch_size={2 * devices}",
@@ -125,6 +125,7 @@ def test_model_states_each_rank_holds_are_the_planned_ones(repo, runs_root, stra
     assert rc == 0, (Path(plan.paths.run_dir) / "launcher.out").read_text()[-3000:]
     assert plan.memory is not None and plan.memory["peak"] > 0
     assert_states_as_planned(plan.paths.run_dir)
+    assert_staging_as_planned(plan.paths.run_dir)  # the staged checkpoints' host buffers, as planned
 
 
 def test_a_7b_model_under_ddp_is_refused_with_ranked_fixes_and_the_first_one_validates():

@@ -197,6 +197,31 @@ def test_a_signal_to_one_rank_stops_both_ranks_at_the_same_step(repo, runs_root)
     assert ckpt.step == step and ckpt.rank_state(1)["step"] == ckpt.rank_state(0)["step"] == step
 
 
+def test_a_stops_checkpoint_holds_training_for_its_copy_and_the_attempt_ends_once_it_is_durable(repo, runs_root):
+    """checkpoint.async_save (the default): SIGTERM to both ranks during step 5, no periodic save
+    before it. The stop's save holds training only while rank 0 copies the state into host memory
+    (buffers reserved at the first step boundary); its writer thread is slowed by 2 s here (a slow
+    disk), and the attempt still ends, and would requeue, only after COMPLETE is on disk."""
+    run = _plan(repo, "staged-stop", 2)
+    slow_write = [{"point": "checkpoint.rank_saved", "step": 5, "rank": 0, "action": "sleep", "seconds": 2.0}]
+    port, n = free_port("127.0.0.1"), 2
+    env = {**run.env, "LMLAUNCH_FAULTS": json.dumps(slow_write)}
+    out = open(Path(run.paths.run_dir) / "ranks.out", "ab")
+    procs = [rank_procs.start([sys.executable, "-u", str(HELPER), run.paths.run_dir, f"5:{r}:TERM"], out=out,
+                              env=worker_env(r, n, port=port, job_id="local-staged-stop", plan_env=env, threads=1))
+             for r in range(n)]
+    _wait(procs, run.paths.run_dir)
+    end = _ends(run)[-1]
+    assert (end["reason"], end["end_step"], end["stop_step"]) == ("preempted", 5, 5)
+    assert end["checkpoint_held_s"] + 1.5 < end["checkpoint_seconds"]  # the 2 s write came after training let go
+    save = [e for e in _jsonl(run.paths.heartbeat) if e["event"] == "checkpoint"][-1]
+    assert save["step"] == 5 and save["blocked_s"] + 1.5 < save["seconds"]
+    ckpt = complete_checkpoints(run.paths.checkpoint_dir)[-1]
+    assert ckpt.step == 5 and (ckpt.path / "COMPLETE").stat().st_mtime <= end["time"]  # durable before the end
+    log0 = Path(run.paths.logs_dir, "attempt-1", "rank-0.log").read_text()
+    assert "staging buffers reserved" in log0  # at step 1, so the stop's save allocated nothing
+
+
 def test_agreeing_every_k_steps_stops_both_ranks_at_the_next_kth_step(repo, runs_root):
     """preemption.agree_every_n_steps=4: the warning during step 5 (to rank 1 only) stops both
     ranks at step 8, the first agreement boundary after it; the next attempt goes on from there."""

@@ -16,7 +16,7 @@ writes its own small ``rank-R.pt`` before the background part starts.
 
 from __future__ import annotations
 
-import copy
+import copy as _copy
 import logging
 import threading
 import time
@@ -48,17 +48,26 @@ class Stager:
     def stage(self, obj: Any) -> Any:
         shared: dict[tuple, torch.Tensor] = {}
         cuda = [False]
-        staged = self._stage(obj, "", shared, cuda)
+        staged = self._stage(obj, "", shared, cuda, copy=True)
         if cuda[0]:
             torch.cuda.synchronize()  # the non-blocking copies are done before the write reads them
         return staged
 
-    def _stage(self, obj: Any, key: str, shared: dict[tuple, torch.Tensor], cuda: list[bool]) -> Any:
+    def reserve(self, obj: Any) -> int:
+        """The buffers a later ``stage(obj)`` of the same layout copies into, allocated now and
+        their pages touched (pinned where the state is on a GPU), nothing copied: what a first
+        save would otherwise spend holding training (page faults of fresh memory, or pinning).
+        Only shapes, dtypes and storages are read, so a thread may do it while training changes
+        the values. The bytes now held."""
+        self._stage(obj, "", {}, [False], copy=False)
+        return self.bytes
+
+    def _stage(self, obj: Any, key: str, shared: dict[tuple, torch.Tensor], cuda: list[bool], *, copy: bool) -> Any:
         if _is_dtensor(obj):  # a shard of FSDP2's state: this rank's local part, same placement
             from torch.distributed.tensor import DTensor
 
-            local = self._stage(obj._local_tensor, key, shared, cuda)
-            return DTensor(local, obj._spec, requires_grad=False)
+            local = self._stage(obj._local_tensor, key, shared, cuda, copy=copy)
+            return DTensor(local, obj._spec, requires_grad=False) if copy else None
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -68,25 +77,28 @@ class Stager:
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 pin = t.is_cuda
                 buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                if not copy and not pin:
+                    buf.zero_()  # touched: its pages exist before a save needs them (pinned ones do)
                 self._buffers[key] = buf
                 self.bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
-            buf.copy_(t, non_blocking=t.is_cuda)
-            cuda[0] = cuda[0] or t.is_cuda
+            if copy:
+                buf.copy_(t, non_blocking=t.is_cuda)
+                cuda[0] = cuda[0] or t.is_cuda
             shared[ident] = buf
             return buf
         if isinstance(obj, dict):
-            out = {k: self._stage(v, f"{key}/{k}", shared, cuda) for k, v in obj.items()}
-            if type(obj) is dict:
+            out = {k: self._stage(v, f"{key}/{k}", shared, cuda, copy=copy) for k, v in obj.items()}
+            if type(obj) is dict or not copy:
                 return out
-            same_kind = copy.copy(obj)  # OrderedDict, defaultdict, AttributeDict: keep the class
+            same_kind = _copy.copy(obj)  # OrderedDict, defaultdict, AttributeDict: keep the class
             same_kind.clear()
             same_kind.update(out)
             return same_kind
         if isinstance(obj, list):
-            return [self._stage(v, f"{key}/{i}", shared, cuda) for i, v in enumerate(obj)]
+            return [self._stage(v, f"{key}/{i}", shared, cuda, copy=copy) for i, v in enumerate(obj)]
         if type(obj) is tuple:  # not torch.Size (DeepSpeed's param_shapes), nor a namedtuple: kept as they are
-            return tuple(self._stage(v, f"{key}/{i}", shared, cuda) for i, v in enumerate(obj))
-        return copy.deepcopy(obj)  # loop counters, hyperparameters, callback states: small
+            return tuple(self._stage(v, f"{key}/{i}", shared, cuda, copy=copy) for i, v in enumerate(obj))
+        return _copy.deepcopy(obj) if copy else None  # loop counters, hyperparameters, callback states: small
 
 
 def _is_dtensor(obj: Any) -> bool:
@@ -141,6 +153,43 @@ class BackgroundSave:
             raise RuntimeError(f"the background save of checkpoint step-{self.step} failed: "
                                f"{type(error).__name__}: {error}") from error
         return waited
+
+
+def reserve_in_background(manager: Any, trainer: Any, step: int,
+                          take: Callable[[Any, Any], list[tuple[Stager, Any]]]) -> None:
+    """Collective: ``take`` gets the state as a save takes it (shapes only: every rank, as a save
+    runs its hooks), then a background thread allocates and touches the host buffers its staging
+    copies into (Stager.reserve), so that even a first save (a stop before any periodic save)
+    holds training only for the copy. A save waits for that thread (``manager.background``); a
+    failure to reserve (no memory) is logged and leaves the buffers to the first save, as before."""
+    t0 = time.perf_counter()
+    parts = take(manager, trainer)
+    held = time.perf_counter() - t0
+    if not parts:
+        return
+
+    def run() -> None:
+        try:
+            t1 = time.perf_counter()
+            for stager, state in parts:
+                stager.reserve(state)
+            parts.clear()  # the references to the live state
+            stagers = {id(s): s for s in [manager.stager, *manager.stagers.values()]}
+            reserved = sum(s.bytes for s in stagers.values())
+            log.info("staging buffers reserved: %d bytes (%.2f GB) of host memory in %.2fs (training held %.3fs)",
+                     reserved, reserved / 1e9, time.perf_counter() - t1, held)
+        except Exception as exc:  # MemoryError, a pinning failure: the first save allocates, as before
+            parts.clear()
+            log.warning("could not reserve the checkpoint staging buffers (%s: %s): the first save allocates them",
+                        type(exc).__name__, exc)
+
+    manager.background.start(step, run)
+
+
+def reserve_ddp(manager: Any, trainer: Any) -> list[tuple[Stager, Any]]:
+    """Every rank (as a save): Lightning's state; rank 0, which alone stages it, reserves for it."""
+    state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return [(manager.stager, state)] if trainer.global_rank == 0 else []
 
 
 def save_ddp_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dict[str, Any],

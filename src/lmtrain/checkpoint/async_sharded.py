@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -65,6 +66,7 @@ from lmtrain.checkpoint.shard_files import (
 )
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
+RESERVE_DIR_NAME = ".staging-reserve.tmp"  # reserve_zero's scratch directory (removed at once; prune removes leftovers)
 
 class WriterGroup:
     """The collectives of the checkpoint writer threads: a gloo group over every rank of its own
@@ -157,8 +159,9 @@ class ZeroStaging:
     state into host memory (one Stager per file, so its buffers are reused at the next save)
     and records it; everything else is the engine's own (``__getattr__``)."""
 
-    def __init__(self, engine: Any, root: Path, stagers: dict[str, Stager]) -> None:
+    def __init__(self, engine: Any, root: Path, stagers: dict[str, Stager], *, reserving: bool = False) -> None:
         self.engine, self.root, self.stagers = engine, root, stagers
+        self.reserving = reserving  # record each file's state for Stager.reserve, copy nothing
         self.files: list[tuple[Path, Any]] = []
         # module-state entries saved as DeepSpeed's partitioned placeholders (ZeRO-3, see below)
         self.placeholders: dict[str, torch.dtype] = {}
@@ -178,7 +181,7 @@ class ZeroStaging:
             state_dict = {**state_dict, "module": type(module)(
                 (k, torch.empty(0, dtype=self.placeholders[k]) if k in self.placeholders else v) for k, v in module.items())}
         stager = self.stagers.setdefault(Path(path).relative_to(self.root).as_posix(), Stager())
-        self.files.append((Path(path), stager.stage(state_dict)))
+        self.files.append((Path(path), state_dict if self.reserving else stager.stage(state_dict)))
 
     def commit(self, info: Any) -> bool:
         return True
@@ -243,6 +246,41 @@ def _gathered_parameters_saved_as_partitions(engine: Any, staging: ZeroStaging) 
 
 def _nothing() -> None:
     return None
+
+
+def reserve_zero(manager: Any, trainer: Any) -> list[tuple[Stager, Any]]:
+    """Collective: DeepSpeed's save run with :class:`ZeroStaging` recording each file's state
+    instead of copying it (DeepSpeed builds those states inside its save, so this is the one way
+    to learn their shapes), into a scratch directory that rank 0 removes after every rank left it.
+    (the stager of each file, its state) for Stager.reserve."""
+    engine = trainer.strategy.deepspeed_engine
+    original = engine.checkpoint_engine
+    scratch = manager.dir / RESERVE_DIR_NAME
+    if trainer.global_rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+    trainer.strategy.barrier("lmtrain.checkpoint.reserve.begin")
+    root = scratch / LIGHTNING_NAME
+    staging = ZeroStaging(original, root, manager.stagers, reserving=True)
+    engine.checkpoint_engine = staging
+    try:
+        with _gathered_parameters_saved_as_partitions(engine, staging):
+            trainer.save_checkpoint(str(root))  # collective; writes only DeepSpeed's own small files
+    finally:
+        engine.checkpoint_engine = original
+    trainer.strategy.barrier("lmtrain.checkpoint.reserve.end")
+    if trainer.global_rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return [(manager.stagers[path.relative_to(root).as_posix()], state) for path, state in staging.files]
+
+
+def reserve_dcp(manager: Any, trainer: Any) -> list[tuple[Stager, Any]]:
+    """Collective: FSDP2's state as its staging takes it (this rank's shards; rank 0 the rest)."""
+    converted, state = fsdp_parts(trainer)
+    out = [(manager.stagers.setdefault("dcp", Stager()), converted)]
+    if trainer.global_rank == 0:
+        out.append((manager.stagers.setdefault(META_NAME, Stager()), state))
+    return out
 
 
 # --- FSDP2 (DCP) ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ heartbeat, and restores this rank's RNG streams and data position on resume."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,9 @@ class CheckpointCallback(pl.Callback):
         self.last_saved_path: str | None = None
         self._seen_step: int | None = None
         self.save_at_end = save_at_end
-        self.background = background  # periodic saves in the background (checkpoint.async_save)
+        self.background = background  # periodic and stop saves staged (checkpoint.async_save)
+        self._reserved = False  # the staging buffers reserved (the attempt's first step boundary)
+        self.last_held_s: float | None = None  # what the last save held training for
         self._rank_zero = True
         self._flush_loggers = False  # a checkpoint was saved: put the metrics it covers on disk
 
@@ -90,6 +93,9 @@ class CheckpointCallback(pl.Callback):
                 self.save(trainer, step, background=self.background)
             except DiskFull as exc:  # every rank alike: a periodic checkpoint is skipped, loudly
                 self._no_room(exc)
+        elif self.background and not self._reserved and step < trainer.max_steps:
+            self.manager.reserve(trainer, step)  # collective: every rank reaches this boundary
+        self._reserved = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_at_end:
@@ -104,11 +110,21 @@ class CheckpointCallback(pl.Callback):
         except Exception as exc:
             log.error("%s", exc)
 
+    def save_stop(self, trainer: pl.Trainer, step: int) -> str | None:
+        """Collective, the stop's checkpoint (lmtrain.preemption.agreement): staged where saves run
+        in the background, so that training is held only while each rank copies its part into
+        host memory; ``on_train_end`` then waits until it is durable (the attempt ends, and
+        requeues, only after that). Synchronous otherwise."""
+        return self.save(trainer, step, background=self.background)
+
     def save(self, trainer: pl.Trainer, step: int, *, background: bool = False) -> str | None:
-        """Collective: every rank must call it at the same step. Synchronous saves (a stop, the
-        end of training) are complete on return, a save of this step still in flight included."""
+        """Collective: every rank must call it at the same step. Synchronous saves (the end of
+        training) are complete on return, a save of this step still in flight included."""
         if step == self.last_saved_step:  # e.g. a stop at the step of a periodic background save
+            t0 = time.perf_counter()
             if self.manager.finish_background(trainer) is None:
+                if not background:
+                    self.last_held_s = time.perf_counter() - t0  # waiting for it to be durable
                 return self.last_saved_path
             # that save found no room: this one must be written after all (or end the attempt)
         state = {"rng": capture_rng(), **self.rank_state()}
@@ -116,6 +132,7 @@ class CheckpointCallback(pl.Callback):
                                           on_complete=self._complete)
         if background and self.manager.can_save_in_background and trainer.global_rank == 0:
             log.info("checkpoint step-%d: training resumed after %.2fs, writing in the background", step, blocked)
+        self.last_held_s = blocked
         self.last_saved_step, self.last_saved_path = step, str(path)
         self._flush_loggers = trainer.global_rank == 0
         return str(path)

@@ -29,9 +29,14 @@ a checkpoint first renames it to ``.trash-step-S-<pid>`` (one atomic step: it st
 checkpoint at once), then removes it; leftovers of interrupted saves and deletions are removed
 by the next ``prune``. Everything is loaded with ``torch.load(weights_only=True)``.
 
-Periodic saves may run in the background (``checkpoint.async_save``): step 2's writes and step 3
-move to writer threads once each rank's part is in host memory (lmtrain.checkpoint.async_checkpoint;
-DeepSpeed, FSDP: lmtrain.checkpoint.async_sharded). Stop-time and final saves stay synchronous.
+Periodic saves and the stop's save run staged (``checkpoint.async_save``, on by default): step 2's
+writes and step 3 move to writer threads once each rank's part is in host memory
+(lmtrain.checkpoint.async_checkpoint; DeepSpeed, FSDP: lmtrain.checkpoint.async_sharded). A stop's
+save holds training only for that copy; the end of training (``CheckpointCallback.on_train_end``)
+waits until it is durable, and only then does the attempt end and requeue. The host buffers are
+reserved at the attempt's first step boundary (:meth:`CheckpointManager.reserve`), so that even a
+first save (a stop that comes before any periodic save) holds training only for the copy. The
+final save of a finished run stays synchronous.
 
 Every write, fsync, rename and marker step is a named point of the fault-injection seam
 (``lmtrain.faults``, ``checkpoint.*``): the tests SIGKILL a saving process at each of them.
@@ -67,8 +72,21 @@ from lmcore.checkpoint_index import (
 from lmcore.parallelism import CheckpointFormat, Parallelism
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
-from lmtrain.checkpoint.async_checkpoint import BackgroundSave, Stager, save_ddp_in_background
-from lmtrain.checkpoint.async_sharded import WriterGroup, save_in_background, start_writers
+from lmtrain.checkpoint.async_checkpoint import (
+    BackgroundSave,
+    Stager,
+    reserve_ddp,
+    reserve_in_background,
+    save_ddp_in_background,
+)
+from lmtrain.checkpoint.async_sharded import (
+    RESERVE_DIR_NAME,
+    WriterGroup,
+    reserve_dcp,
+    reserve_zero,
+    save_in_background,
+    start_writers,
+)
 from lmtrain.checkpoint.disk_space import (
     DiskFull,
     free_bytes,
@@ -205,6 +223,13 @@ class CheckpointManager:
         if on_complete is not None and trainer.global_rank == 0:
             on_complete(path, self.completed_at - t0, seconds)  # durable at COMPLETE; pruning held training too
         return path, seconds
+
+    def reserve(self, trainer: Any, step: int) -> None:
+        """Collective, every rank once per attempt at its first step boundary (background saves
+        on): the staging buffers allocated by a background thread (lmtrain.checkpoint.async_checkpoint.reserve)."""
+        if self.can_save_in_background:
+            take = reserve_zero if self.parallelism.zero else reserve_dcp if self.parallelism.sharded_checkpoint else reserve_ddp
+            reserve_in_background(self, trainer, step, take)
 
     def wait(self) -> float:
         """Rank-local: finish the background save in flight, if any; seconds waited."""
@@ -379,6 +404,8 @@ class CheckpointManager:
                 remove_tree(child)  # an interrupted write or deletion, superseded
             elif is_temporary_dir_name(child.name):
                 shutil.rmtree(child, ignore_errors=True)  # an interrupted write (never complete)
+            elif child.name == RESERVE_DIR_NAME:
+                shutil.rmtree(child, ignore_errors=True)  # an interrupted reservation's scratch
             elif child.name.startswith(".trash-"):
                 shutil.rmtree(child, ignore_errors=True)  # an interrupted deletion
             elif child.name.startswith(f".{LATEST_NAME}.tmp-"):

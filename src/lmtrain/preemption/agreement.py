@@ -25,7 +25,8 @@ class AgreedStop:
     warning: bool
     signal_time: float | None
     checkpoint_path: str | None = None
-    checkpoint_done_at: float | None = None
+    checkpoint_held_s: float | None = None  # training held by the stop's save (its staging, when staged)
+    checkpoint_done_at: float | None = None  # the stop's checkpoint durable (COMPLETE)
 
 
 class StopAgreement(pl.Callback):
@@ -71,8 +72,10 @@ class StopAgreement(pl.Callback):
         if not self.stop.requested:
             self.stop.request("peer", "another rank was asked to stop")
         log.info("stop agreed at step %d (SIGTERM: %s, warning: %s): checkpointing", step, agreed.term, agreed.warning)
-        path = self.checkpoints.save(trainer, step)
-        agreed.checkpoint_done_at = time.time()
+        path = self.checkpoints.save_stop(trainer, step)  # staged: durable by the end of on_train_end
+        agreed.checkpoint_held_s = self.checkpoints.last_held_s
+        if not self.checkpoints.manager.background.in_flight:
+            agreed.checkpoint_done_at = time.time()
         agreed.checkpoint_path = path or str(self.checkpoints.manager.dir / step_dir_name(step))
         self.controller.agreed = agreed
         self.stop.agreed_step = step
@@ -82,6 +85,12 @@ class StopAgreement(pl.Callback):
             # Lightning validates once more when should_stop is set (as for early stopping): not
             # on the way out of a preemption, the grace time is for the exit and the requeue.
             trainer.limit_val_batches = 0
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after the CheckpointCallback's, which waited until the stop's staged checkpoint is durable
+        agreed = self.controller.agreed
+        if agreed is not None and agreed.checkpoint_done_at is None:
+            agreed.checkpoint_done_at = time.time()
 
     def _exchange(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> AgreedStop | None:
         import torch

@@ -155,6 +155,8 @@ class Preemption:
         agreed = self.agreed
         if agreed is not None:
             outcome.extra["stop_step"] = agreed.step
+            if agreed.checkpoint_held_s is not None:  # the stop's save held training (its staging)
+                outcome.extra["checkpoint_held_s"] = round(agreed.checkpoint_held_s, 3)
         if signal_time is not None:
             outcome.extra["signal_time"] = round(signal_time, 3)
             outcome.extra["signal"] = signal_names(self.signals.warning_name, warning=warning, term=term)
