@@ -151,14 +151,12 @@ def _groups(params: Sequence[tuple[int, int, int, int]]) -> list[list[int]]:
 def _zero12(sizes: list[list[int]], world: int) -> tuple[int, int, int]:
     """(padded elements of all groups, this rank's part of them, the most gradient elements any
     rank holds): DeepSpeed's stage_1_and_2 partitioning."""
-    padded_all = part_all = 0
-    grads = [0] * world
+    padded_all, part_all, grads = 0, 0, [0] * world
     for group in sizes:
         n = sum(group)
         padded = math.ceil(n / (2 * world)) * 2 * world if n else 0
-        part = padded // world
+        part, start = padded // world, 0
         padded_all, part_all = padded_all + padded, part_all + part
-        start = 0
         for numel in group:
             end = start + numel
             for r in range(start // part if part else 0, min(world, math.ceil(end / part) if part else 0)):
@@ -280,12 +278,14 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
             root = sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] < 0)
             largest = max((sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] == b)
                            for b in range(f.blocks)), default=0)
+        gathered, which = (2 * largest, "this and the prefetched one") if s.data_parallel > 1 else (  # a one-rank
+            f.blocks * largest, "every block: a one-rank shard group frees none")  # group: causal_lm.reshards_after_forward
         if s.precision == "bf16-mixed":  # lmtrain.model.causal_lm.shard_fsdp2: gathered in bf16, reduced in fp32
-            return Row("communication buffers", 2 * (root + 2 * largest) + (2 + 4) * largest,
-                       "gathered root and blocks in bf16 (this and the prefetched one), a block's bf16 gradients "
+            return Row("communication buffers", 2 * (root + gathered) + (2 + 4) * largest,
+                       f"gathered root and blocks in bf16 ({which}), a block's bf16 gradients "
                        "and their fp32 copy to reduce-scatter")
-        return Row("communication buffers", 4 * (root + 3 * largest),
-                   "gathered root and blocks (this and the prefetched one), a block's gradients to reduce-scatter")
+        return Row("communication buffers", 4 * (root + gathered + largest),
+                   f"gathered root and blocks ({which}), a block's gradients to reduce-scatter")
     return Row("communication buffers", 0,
                "one process: nothing to reduce" if s.world_size == 1 else "DDP reduces in the gradient buckets")
 

@@ -318,6 +318,7 @@ def make_plan(
         srun_args = (*box.srun_args, *srun_args)
     notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes,
              *_placement_notes(profile, slurm, exclude or {}), *mesh_notes.tensor_parallel(topo, env.values, env.reasons), *mesh_notes.pipeline(topo),
+             *mesh_notes.sharding(topo),
              *_agreement_notes(spec), *_spare_notes(slurm))
     preemption = PreemptionPlan.of(
         spec.preemption,

@@ -59,6 +59,8 @@ dist.destroy_process_group()
 
 
 def test_compile_per_block_and_fsdp2_mixed_precision_with_the_last_block_kept_gathered():
+    from lmtrain.model.causal_lm import reshards_after_forward
+
     import socket
 
     with socket.socket() as s:
@@ -69,7 +71,11 @@ def test_compile_per_block_and_fsdp2_mixed_precision_with_the_last_block_kept_ga
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["compiled_blocks"] == [True, True, True] and not got["compiled_root"] and got["same_names"]
     assert got["compiled_loss"] and got["loss_diff"] < 1e-5 and got["grad_diff"] < 1e-2, got
+    # a one-rank mesh: every block stays gathered after its forward (freeing would save nothing)
     assert got["bf16-mixed"] == {"param_dtype": ["torch.bfloat16"] * 3, "reduce_dtype": ["torch.float32"] * 3,
-                                 "reshard_after_forward": [True, True, False]}
+                                 "reshard_after_forward": [False, False, False]}
     assert got["32-true"] == {"param_dtype": ["None"] * 3, "reduce_dtype": ["None"] * 3,
-                              "reshard_after_forward": [True, True, False]}
+                              "reshard_after_forward": [False, False, False]}
+    # on more ranks every block but the last is freed after its forward and gathered again for its backward
+    assert [reshards_after_forward(i, 3, 2) for i in range(3)] == [True, True, False]
+    assert [reshards_after_forward(i, 3, 1) for i in range(3)] == [False, False, False]
