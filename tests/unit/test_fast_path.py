@@ -59,9 +59,9 @@ dist.destroy_process_group()
 
 
 def test_compile_per_block_and_fsdp2_mixed_precision_with_the_last_block_kept_gathered():
-    from lmtrain.model.causal_lm import reshards_after_forward
-
     import socket
+
+    from lmtrain.model.causal_lm import reshards_after_forward
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
