@@ -56,6 +56,7 @@ class ModelFacts:
     traces: Mapping[tuple[str, bool], tuple[int, int, int, int]]
     tp_dims: tuple[int, ...] = ()  # per parameter: the dimension tensor parallelism splits (-1: none)
     eos_token_ids: tuple[int, ...] = ()  # the config's eos_token_id (one or several; none when unset)
+    tied_head: int = -1  # params index of the embedding weight the head shares (-1: untied)
 
     def split_dim(self, i: int) -> int:
         return self.tp_dims[i] if i < len(self.tp_dims) else -1
@@ -279,8 +280,8 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
             largest = max((sum(_fsdp_local(f, i, whole) for i, p in enumerate(f.params) if p[3] == b)
                            for b in range(f.blocks)), default=0)
         gathered, which = (2 * largest, "this and the prefetched one") if s.data_parallel > 1 else (  # a one-rank
-            f.blocks * largest, "every block: a one-rank shard group frees none")  # group: causal_lm.reshards_after_forward
-        if s.precision == "bf16-mixed":  # lmtrain.model.causal_lm.shard_fsdp2: gathered in bf16, reduced in fp32
+            f.blocks * largest, "every block: a one-rank shard group frees none")  # group: fsdp2.reshards_after_forward
+        if s.precision == "bf16-mixed":  # lmtrain.model.fsdp2.shard_fsdp2: gathered in bf16, reduced in fp32
             return Row("communication buffers", 2 * (root + gathered) + (2 + 4) * largest,
                        f"gathered root and blocks in bf16 ({which}), a block's bf16 gradients "
                        "and their fp32 copy to reduce-scatter")
@@ -297,10 +298,8 @@ def estimate(f: ModelFacts, s: Setup, capacity: int | None = None) -> Breakdown:
     return Breakdown(tuple(rows), capacity if s.gpu else None)
 
 
-# -- what to change when it does not fit -------------------------------------------------------------
-
 @dataclass(frozen=True)
-class Fix:
+class Fix:  # -- what to change when it does not fit
     changes: tuple[tuple[str, Any], ...]  # (spec key, new value)
     cost: str
     rank: int  # lower is cheaper

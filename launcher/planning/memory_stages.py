@@ -53,6 +53,8 @@ def _stage_params(f: ModelFacts, layers: list[tuple[int, int]], first: bool, las
                 keep.append(i)
         elif (i < first_block and first) or (i > first_block and last):
             keep.append(i)
+    if last and f.tied_head >= 0 and f.tied_head not in keep:
+        keep.append(f.tied_head)  # the head tied to the embedding: a copy of it on the last stage
     return tuple(keep)
 
 
@@ -99,6 +101,7 @@ def stage_map(f: ModelFacts, s: Setup) -> pipeline_stages.StageMap:
     first_block = next((i for i, p in enumerate(f.params) if p[3] >= 0), len(f.params))
     before = sum(p[0] for i, p in enumerate(f.params) if p[3] < 0 and i < first_block)
     after = sum(p[0] for i, p in enumerate(f.params) if p[3] < 0 and i > first_block)
+    after += f.params[f.tied_head][0] if f.tied_head >= 0 else 0  # the tied head's copy (lmtrain.model.pipeline)
     smap = pipeline_stages.split_layers(costs, par.pipeline, par.schedule, first_extra=before, last_extra=after,
                                         explicit=list(par.split) if par.split is not None else None)
     if isinstance(smap, str):

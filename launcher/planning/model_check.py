@@ -28,7 +28,7 @@ from lmcore.parallelism import Parallelism
 from lmcore.plan import Topology
 from lmcore.spec import ModelSpec, TensorSplit
 
-CHECK_VERSION = 3  # bump when check_model_spec checks more: older answers are not reused
+CHECK_VERSION = 4  # bump when check_model_spec checks more: older answers are not reused
 _seen: dict[str, str] = {}  # key -> "" (builds) or the problem
 
 
@@ -49,22 +49,23 @@ def split_of(topology: Topology) -> TensorSplit | None:
 
 
 def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None, *,
-                split: TensorSplit | None = None) -> str | None:
+                split: TensorSplit | None = None, pipeline: int = 1) -> str | None:
     """SpecError naming the setting when transformers cannot build the model section as written
-    (or the architecture cannot be split as ``split`` says: its TP plan, its heads); a note when it
-    cannot be checked here; None when it builds."""
+    (or the architecture cannot be split as ``split`` says: its TP plan, its heads; or into
+    ``pipeline`` stages: one list of blocks, a final norm); a note when it cannot be checked here;
+    None when it builds."""
     if model.type is None:
         return None
     lacking = runtime_stack.missing()
     if lacking is not None:
         return (f"model section not checked against transformers here ({lacking} is not "
                 f"installed: {runtime_stack.INSTALL}); `lmlaunch doctor` checks it where the jobs run")
-    key = _key(model, split)
+    key = _key(model, split, pipeline)
     problem = _seen.get(key)
     if problem is None:
         problem = _cached(key, environ)
     if problem is None:
-        problem = _check(model, split)
+        problem = _check(model, split, pipeline)
         _remember(key, problem, environ)
     _seen[key] = problem
     if problem:
@@ -72,14 +73,14 @@ def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None, *,
     return None
 
 
-def _key(model: ModelSpec, split: TensorSplit | None) -> str:
+def _key(model: ModelSpec, split: TensorSplit | None, pipeline: int = 1) -> str:
     what = {"check": CHECK_VERSION, "transformers": importlib.metadata.version("transformers"),
             "torch": importlib.metadata.version("torch"), "model": model.model_dump(mode="json"),
-            **({"split": list(split)} if split else {})}
+            **({"split": list(split)} if split else {}), **({"pipeline": pipeline} if pipeline > 1 else {})}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _check(model: ModelSpec, split: TensorSplit | None) -> str:
+def _check(model: ModelSpec, split: TensorSplit | None, pipeline: int = 1) -> str:
     """The problem, or "". transformers' own warnings about the config stay out of the CLI's
     output: the problem, if any, is said once, naming the setting."""
     from transformers.utils import logging as hf_logging  # torch and transformers: the first time only
@@ -96,6 +97,10 @@ def _check(model: ModelSpec, split: TensorSplit | None) -> str:
                 from lmtrain.model.tensor_parallel import check_split
 
                 check_split(model, split)
+            if pipeline > 1:
+                from lmtrain.model.pipeline import check_pipeline
+
+                check_pipeline(model, pipeline)
     except ValueError as exc:
         return str(exc)
     finally:

@@ -189,7 +189,7 @@ def resolve(
         staged = pretrained_pipeline_problems(spec.model, plan.parallelism)
         if staged:
             raise SpecError(staged)
-        unchecked = check_model(spec.model, env, split=split_of(plan.topology))  # whatever validates builds
+        unchecked = check_model(spec.model, env, split=split_of(plan.topology), pipeline=plan.parallelism.pipeline)
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
         else:  # will it fit? (a GPU job that does not is refused, with what would make it fit)

@@ -26,14 +26,6 @@ SCHEDULES: dict[str, tuple[str, int]] = {
     "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", 2),
 }
 
-# transformers causal LMs whose blocks lmtrain.model.pipeline splits into stages: the embedding
-# (``model.embed_tokens``), the decoder layers (``model.layers``), ``model.norm``, ``lm_head``, and
-# rotary position embeddings each stage computes itself; verified equal to the whole model's loss
-# (tests/unit/test_pipeline_parallel.py). Others (GPT-2's learned positions, Gemma's scaled
-# embeddings) are refused before anything is submitted.
-SPLITTABLE = ("llama", "mistral", "qwen2")
-
-
 def stages_per_rank(schedule: str) -> int:
     return SCHEDULES[schedule][1]
 
@@ -169,22 +161,17 @@ def schedule_problems(par: Parallelism, split: list[int] | None, model_type: str
 
 def model_problems(pp: int, schedule: str, split: list[int] | None, model_type: str | None,
                    config: Mapping[str, Any], pretrained: str | None = None) -> list[str]:
-    """What a pipeline needs of the model (its type, untied embeddings, enough layers): from the
-    spec's ``model`` section, or from a pretrained directory's config.json (``pretrained``: its path)."""
+    """What a pipeline needs of the model's size (enough layers for its stages): from the spec's
+    ``model`` section, or from a pretrained directory's config.json (``pretrained``: its path). Its
+    structure (one list of blocks, a final norm) is checked on the model itself
+    (lmtrain.model.pipeline.problems: launcher.planning.model_check, and the runtime)."""
     out, v = [], stages_per_rank(schedule)
     def key(k: str) -> str:
         if pretrained is None:
             return f"model.{k}"
         return f"model.pretrained's config.json ({pretrained}): " + ("model_type" if k == "type" else k.split(".")[-1])
 
-    if model_type is not None and model_type not in SPLITTABLE:
-        out.append(f"{key('type')} {model_type}: its blocks cannot be split into pipeline stages by lmtrain (it splits "
-                   f"{', '.join(SPLITTABLE)}); use trainer.pipeline_parallel_size 1")
-    if config.get("tie_word_embeddings"):
-        out.append(f"{key('config.tie_word_embeddings')}: the embedding (first stage) and the head (last stage) would be "
-                   f"one tensor on two pipeline stages; " + ("set it false" if pretrained is None else "the pipeline needs an untied model")
-                   + f" for trainer.pipeline_parallel_size({pp})")
-    layers = config.get("num_hidden_layers")
+    layers = config.get("num_hidden_layers", config.get("n_layer"))  # GPT-2 names it n_layer
     if isinstance(layers, int):
         got = split_layers([1] * layers, pp, schedule, explicit=list(split) if split is not None else None)
         if isinstance(got, str):

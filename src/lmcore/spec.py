@@ -262,7 +262,7 @@ class TrainerSpec(StrictModel):
     sequence_parallel: bool = False
     """Keep the residual stream split along the sequence between the tensor-parallel matmuls (norms run on each rank's slice; needs tensor_parallel_size > 1)."""
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
-    """Pipeline stages per model replica (strategy fsdp): the model's blocks are split into this many stages on as many ranks (embedding with the first, norm and head with the last), run by torch.distributed.pipelining; world size = data_parallel x tensor_parallel_size x pipeline_parallel_size."""
+    """Pipeline stages per model replica (strategy fsdp): the model's blocks are split into this many stages on as many ranks (embedding with the first, norm and head with the last; a head tied to the embedding on both, its gradients summed), run by torch.distributed.pipelining; any decoder-only architecture whose blocks form one list; world size = data_parallel x tensor_parallel_size x pipeline_parallel_size."""
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = "1f1b"
     """How the stages take turns (pipeline_parallel_size > 1): gpipe and 1f1b (one stage a rank, bubble (p-1)/m), interleaved_1f1b (two stages a rank, bubble (p-1)/2m), interleaved_zero_bubble (two stages a rank, backward split in two, bubble close to 0)."""
     pipeline_microbatches: int | None = Field(None, ge=1, le=65536)

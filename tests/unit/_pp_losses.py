@@ -2,7 +2,10 @@
 (lmtrain.model.pipeline, gloo, CPU, 2 processes) with each schedule, and as DDP over the same 2
 processes on the same global batches (the reference).
 
-usage: python _pp_losses.py OUT.json. Writes {"<arch>": {"<layout>": [[loss, grad_norm], ...]}}.
+usage: python _pp_losses.py OUT.json [ARCH,... [SCHEDULE,... [STEPS]]]. Writes
+{"<arch>": {"<layout>": [[loss, grad_norm], ...]}}. Each architecture keeps its own default for tied
+embeddings (GPT-2, Gemma and Falcon tie the head to the input embedding); dropout is off, so that
+the two layouts compute the same function.
 """
 
 import os
@@ -19,19 +22,29 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 STEPS, GLOBAL_BATCH, MICRO, SEQ, VOCAB, LAYERS = 20, 8, 2, 16, 101, 4
 
 
+UNTIED = ("llama", "qwen2", "mistral")  # the first three, as they were first checked
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "hidden_dropout": 0.0,
+              "attention_dropout": 0.0, "classifier_dropout": 0.0}
+
+
 def config(kind):
     from transformers import AutoConfig
 
+    extra = {"tie_word_embeddings": False} if kind in UNTIED else {}
+    if kind == "gpt2":
+        extra.update(n_embd=32, n_inner=64, n_layer=LAYERS, n_head=4, n_positions=64)
+    if kind == "gemma":
+        extra.update(head_dim=8)
     return AutoConfig.for_model(kind, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                tie_word_embeddings=False, max_position_embeddings=64)
+                                max_position_embeddings=64, **NO_DROPOUT, **extra)
 
 
 def batch(step):
     return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
 
 
-def ddp(kind, rank, world):
+def ddp(kind, rank, world, steps=STEPS):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -39,7 +52,7 @@ def ddp(kind, rank, world):
         AutoModelForCausalLM.from_config(config(kind), attn_implementation="sdpa"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     per, accum, out = GLOBAL_BATCH // world, GLOBAL_BATCH // world // MICRO, []
-    for step in range(STEPS):
+    for step in range(steps):
         mine, total = batch(step)[rank * per:(rank + 1) * per], torch.zeros(())
         for a in range(accum):  # accumulation: micro batches of MICRO, as the pipeline's microbatches
             micro = mine[a * MICRO:(a + 1) * MICRO]
@@ -63,7 +76,7 @@ class _nothing:
         return False
 
 
-def pipelined(kind, rank, world, schedule):
+def pipelined(kind, rank, world, schedule, steps=STEPS):
     from transformers import AutoModelForCausalLM
 
     from lmtrain.model import pipeline
@@ -74,14 +87,15 @@ def pipelined(kind, rank, world, schedule):
     smap = pipeline.stage_map(lm, world, schedule)
     mine = pipeline.build_stages(lm, smap, rank)
     pipe = pipeline.Pipeline(mine, len(smap.layers), dist.group.WORLD, torch.device("cpu"), schedule,
-                             GLOBAL_BATCH // MICRO)
+                             GLOBAL_BATCH // MICRO, tied_group=dist.group.WORLD)  # 2 ranks: both ends
     params = [p for _, m in mine for p in m.parameters()]
+    counted = [p for p in params if not any(p is d for d in pipe.duplicates)]  # a tied weight once
     opt = torch.optim.AdamW(params, lr=1e-2, foreach=True)
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         ids = batch(step)
         loss = pipe.step(ids, ids)
-        local = torch.stack([p.grad.pow(2).sum() for p in params if p.grad is not None]).sum()
+        local = torch.stack([p.grad.pow(2).sum() for p in counted if p.grad is not None]).sum()
         dist.all_reduce(local)  # the squared norms of every stage's gradients: the whole model's norm
         norm = local.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, 0.5, norm)
@@ -93,18 +107,20 @@ def pipelined(kind, rank, world, schedule):
     return out
 
 
-def run(rank, world, path):
+def run(rank, world, path, archs, schedules, steps):
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = {}
-    for kind in ARCHS:
-        result[kind] = {"ddp": ddp(kind, rank, world)}
-        for schedule in SCHEDULES:
-            result[kind][schedule] = pipelined(kind, rank, world, schedule)
+    for kind in archs:
+        result[kind] = {"ddp": ddp(kind, rank, world, steps)}
+        for schedule in schedules:
+            result[kind][schedule] = pipelined(kind, rank, world, schedule, steps)
     finish(rank, result, path)
 
 
 if __name__ == "__main__":
-    spawn(run, 2, sys.argv[1])
+    args = sys.argv[1:]
+    spawn(run, 2, args[0], args[1].split(",") if len(args) > 1 else list(ARCHS),
+          args[2].split(",") if len(args) > 2 else list(SCHEDULES), int(args[3]) if len(args) > 3 else STEPS)

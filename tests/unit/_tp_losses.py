@@ -33,7 +33,7 @@ def train(kind, tied, world, rank, tp, sp):
     from transformers import AutoModelForCausalLM
 
     from lmtrain.model import tensor_parallel
-    from lmtrain.model.causal_lm import shard_fsdp2
+    from lmtrain.model.fsdp2 import shard_fsdp2
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(kind, tied), attn_implementation="sdpa")

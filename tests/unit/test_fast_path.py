@@ -18,7 +18,8 @@ import torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.device_mesh import init_device_mesh
-from lmtrain.model.causal_lm import build_model, compile_model, model_settings, shard_fsdp2, transformer_blocks
+from lmtrain.model.causal_lm import build_model, compile_model, model_settings, transformer_blocks
+from lmtrain.model.fsdp2 import shard_fsdp2
 
 spec = {"type": "gpt2", "config": {"n_layer": 3, "n_embd": 32, "n_head": 2, "n_positions": 32, "vocab_size": 64,
                                    "eos_token_id": 0, "bos_token_id": 0}}
@@ -61,7 +62,7 @@ dist.destroy_process_group()
 def test_compile_per_block_and_fsdp2_mixed_precision_with_the_last_block_kept_gathered():
     import socket
 
-    from lmtrain.model.causal_lm import reshards_after_forward
+    from lmtrain.model.fsdp2 import reshards_after_forward
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

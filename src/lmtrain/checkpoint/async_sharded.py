@@ -248,6 +248,10 @@ def _nothing() -> None:
     return None
 
 
+def _nothing_for(*_: Any) -> None:
+    return None
+
+
 def reserve_zero(manager: Any, trainer: Any) -> list[tuple[Stager, Any]]:
     """Collective: DeepSpeed's save run with :class:`ZeroStaging` recording each file's state
     instead of copying it (DeepSpeed builds those states inside its save, so this is the one way
@@ -263,11 +267,15 @@ def reserve_zero(manager: Any, trainer: Any) -> list[tuple[Stager, Any]]:
     root = scratch / LIGHTNING_NAME
     staging = ZeroStaging(original, root, manager.stagers, reserving=True)
     engine.checkpoint_engine = staging
+    # no tag check: it compares the tag's hash over the ranks, reading it back on the host (a device
+    # sync at a training step, tests/unit/test_host_reads.py), for a save that writes nothing
+    engine._checkpoint_tag_validation = _nothing_for
     try:
         with _gathered_parameters_saved_as_partitions(engine, staging):
             trainer.save_checkpoint(str(root))  # collective; writes only DeepSpeed's own small files
     finally:
         engine.checkpoint_engine = original
+        del engine._checkpoint_tag_validation  # the class's own again
     trainer.strategy.barrier("lmtrain.checkpoint.reserve.end")
     if trainer.global_rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -154,7 +154,22 @@ def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]
     eos = getattr(config, "eos_token_id", None)
     eos_ids = [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None]
     return {"params": params, "tp_dims": tp_dims, "blocks": len(blocks),
-            "vocab_size": int(getattr(config, "vocab_size", 0) or 0), "eos_token_ids": eos_ids}
+            "vocab_size": int(getattr(config, "vocab_size", 0) or 0), "eos_token_ids": eos_ids,
+            "tied_head": _tied_head(model)}
+
+
+def _tied_head(model: Any) -> int:
+    """The index (in ``params``) of the input embedding's weight when the head shares it, else -1:
+    a pipeline's last stage holds a copy of it (lmtrain.model.pipeline)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    weight = getattr(embed, "weight", None)
+    if head is None or weight is None or getattr(head, "weight", None) is not weight:
+        return -1
+    unique: list[Any] = []
+    for p in model.parameters():
+        if p.requires_grad and not any(p is q for q in unique):
+            unique.append(p)
+    return next((i for i, p in enumerate(unique) if p is weight), -1)
 
 
 def activation_trace(model_spec: ModelSpec | Mapping[str, Any], *, micro_batch: int, seq_len: int,

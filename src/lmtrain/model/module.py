@@ -39,8 +39,8 @@ from lmtrain.model.causal_lm import (
     model_settings,
     model_shape,
     peak_flops_per_device,
-    shard_fsdp2,
 )
+from lmtrain.model.fsdp2 import shard_fsdp2
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 The plan is the architecture's own (transformers' ``model.tp_plan``: the config's
 ``base_model_tp_plan`` under the base model's prefix, the head's ``_tp_plan``, and the input
 embedding when the head is tied to it), applied through torch's ``parallelize_module`` on the
-mesh's ``tensor_parallel`` dimension; then :func:`lmtrain.model.causal_lm.shard_fsdp2` shards every block
+mesh's ``tensor_parallel`` dimension; then :func:`lmtrain.model.fsdp2.shard_fsdp2` shards every block
 and the root over its ``data_parallel`` dimension. transformers' style names map onto torch's
 parallel styles (verified on torch 2.13 CPU/gloo: losses within 1e-6 of one process):
 
