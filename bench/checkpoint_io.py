@@ -78,6 +78,14 @@ def _mem_total() -> int:
     return 0
 
 
+def require_memory(params: str) -> None:
+    """Stop, saying why, where two ranks of this shape cannot fit in this machine's memory."""
+    need = {"124e6": 8 << 30, "1.1e9": 50 << 30}[params]
+    if _mem_total() < need:
+        raise SystemExit(f"--params {params} needs about {need >> 30} GiB of memory (two ranks' weights, gradients "
+                         f"and AdamW state, plus the staging copy); this machine has {_mem_total() >> 30} GiB")
+
+
 def train(spec: str, extra: tuple[str, ...], work: Path, steps: int) -> tuple[Path, list[dict]]:
     from launcher.submit.local_run import prepare_local_run
     from lmcore.jsonlines import read_jsonl
@@ -206,10 +214,7 @@ def host_copy_all_ranks_seconds(nbytes: list[int]) -> float:
 def run(params: str, steps: int, work_root: str | None, strategy: str = "ddp") -> dict:
     spec, extra = SHAPES[params]
     extra = (*extra, *STRATEGIES[strategy])  # the strategy last: the 1.1B shape clears its zero_stage
-    need = {"124e6": 8 << 30, "1.1e9": 50 << 30}[params]
-    if _mem_total() < need:
-        raise SystemExit(f"--params {params} needs about {need >> 30} GiB of memory (two ranks' weights, gradients "
-                         f"and AdamW state, plus the staging copy); this machine has {_mem_total() >> 30} GiB")
+    require_memory(params)
     work = Path(tempfile.mkdtemp(prefix="lmlaunch-bench-ckpt-io-", dir=work_root))
     try:
         dropped = drop_page_cache()

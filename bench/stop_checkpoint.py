@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_io import REPO, SHAPES, STRATEGIES, _mem_total, dd_seconds, drop_page_cache, median_of
+from checkpoint_io import REPO, SHAPES, STRATEGIES, dd_seconds, drop_page_cache, median_of, require_memory
 
 GOAL_HELD_TO_DURABLE = 0.25
 GOAL_DURABLE_TO_DD = 1.2
@@ -93,10 +93,7 @@ def stop_run(spec: str, extra: tuple[str, ...], work: Path, stop_at: int, name: 
 def run(params: str, strategy: str, stop_at: int, work_root: str | None, reference: bool) -> dict:
     spec, extra = SHAPES[params]
     extra = (*extra, *STRATEGIES[strategy])
-    need = {"124e6": 8 << 30, "1.1e9": 50 << 30}[params]
-    if _mem_total() < need:
-        raise SystemExit(f"--params {params} needs about {need >> 30} GiB of memory; this machine has "
-                         f"{_mem_total() >> 30} GiB")
+    require_memory(params)
     work = Path(tempfile.mkdtemp(prefix="lmlaunch-bench-stop-ckpt-", dir=work_root))
     try:
         sync = None

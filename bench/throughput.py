@@ -93,6 +93,12 @@ class BenchConfig:
 CPU_SMOKE = ("data.micro_batch_size=8", "data.seq_len=128", "trainer.global_batch_size=8", "trainer.precision=32-true",
              "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0")
 
+# host-fsdp and host-ddp: GPT-2 124M's tensors at a width where the per-step host work shows
+HOST_SHAPE = ("data.micro_batch_size=4", "data.seq_len=32", "trainer.global_batch_size=4", "trainer.precision=32-true",
+              "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0",
+              "model.config.n_embd=64", "model.config.n_head=2", "model.config.n_positions=32",
+              "model.config.vocab_size=260")
+
 CONFIGS: dict[str, BenchConfig] = {
     c.name: c
     for c in (
@@ -139,30 +145,17 @@ CONFIGS: dict[str, BenchConfig] = {
             gpu=False, warmup=3, steps=10, kind="deepspeed",
             b_overrides=("trainer.strategy=deepspeed", "trainer.zero_stage=2"),
         ),
-        BenchConfig(
-            "host-fsdp", "CPU: the per-step host work of FSDP2 against DDP, one rank each, in one process: GPT-2 "
-            "124M's 12 blocks and 148 tensors at 64 wide, B=4, T=32, 32-true, clip 1.0, no compile, so that the "
-            "arithmetic is small and what the frameworks do around it (hooks, copies, DTensor dispatch, the "
-            "optimizer, clipping) is most of a step",
-            "jobs/gpt2-124m.yaml",
-            ("data.micro_batch_size=4", "data.seq_len=32", "trainer.global_batch_size=4", "trainer.precision=32-true",
-             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0",
-             "model.config.n_embd=64", "model.config.n_head=2", "model.config.n_positions=32",
-             "model.config.vocab_size=260"),
-            gpu=False, warmup=5, steps=40, kind="deepspeed", b_overrides=("trainer.strategy=fsdp",),
-        ),
-        BenchConfig(
-            "host-ddp", "CPU: host-fsdp's control, DDP against DDP (its ratio is the measurement's noise; its profile is "
-            "the DDP step that host-fsdp's FSDP2 step is compared with): GPT-2 "
-            "124M's 12 blocks and 148 tensors at 64 wide, B=4, T=32, 32-true, clip 1.0, no compile, so that the "
-            "arithmetic is small and what the frameworks do around it (hooks, copies, DTensor dispatch, the "
-            "optimizer, clipping) is most of a step",
-            "jobs/gpt2-124m.yaml",
-            ("data.micro_batch_size=4", "data.seq_len=32", "trainer.global_batch_size=4", "trainer.precision=32-true",
-             "trainer.strategy=ddp", "trainer.gradient_clip_val=1.0", "model.compile=false", "data.num_workers=0",
-             "model.config.n_embd=64", "model.config.n_head=2", "model.config.n_positions=32",
-             "model.config.vocab_size=260"),
-            gpu=False, warmup=5, steps=40, kind="deepspeed", b_overrides=("trainer.strategy=ddp",),
+        *(
+            BenchConfig(
+                f"host-{b}", f"CPU: {what}: GPT-2 124M's 12 blocks and 148 tensors at 64 wide, B=4, T=32, "
+                "32-true, clip 1.0, no compile, so that the arithmetic is small and what the frameworks do around "
+                "it (hooks, copies, DTensor dispatch, the optimizer, clipping) is most of a step",
+                "jobs/gpt2-124m.yaml", HOST_SHAPE,
+                gpu=False, warmup=5, steps=40, kind="deepspeed", b_overrides=(f"trainer.strategy={b}",),
+            )
+            for b, what in (("fsdp", "the per-step host work of FSDP2 against DDP, one rank each, in one process"),
+                            ("ddp", "host-fsdp's control, DDP against DDP (its ratio is the measurement's noise; "
+                                    "its profile is the DDP step host-fsdp's FSDP2 step is compared with)"))
         ),
         BenchConfig(
             "smoke-fsdp", "CPU smoke of the fsdp configuration's mechanics: project path twice in one process ((a) "
