@@ -2,7 +2,8 @@
 (lmtrain.model.pipeline, gloo, CPU, 2 processes) with each schedule, and as DDP over the same 2
 processes on the same global batches (the reference).
 
-usage: python _pp_losses.py OUT.json [ARCH,... [SCHEDULE,... [STEPS]]]. Writes
+usage: python _pp_losses.py OUT.json [ARCH[:SCHEDULE+...],... [SCHEDULE,... [STEPS]]] (an
+architecture's own schedules after a colon, else the SCHEDULE list). Writes
 {"<arch>": {"<layout>": [[loss, grad_norm], ...]}}. Each architecture keeps its own default for tied
 embeddings (GPT-2, Gemma and Falcon tie the head to the input embedding); dropout is off, so that
 the two layouts compute the same function.
@@ -113,9 +114,10 @@ def run(rank, world, path, archs, schedules, steps):
     os.environ.update(MASTER_ADDR="127.0.0.1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = {}
-    for kind in archs:
+    for arch in archs:
+        kind, _, own = arch.partition(":")
         result[kind] = {"ddp": ddp(kind, rank, world, steps)}
-        for schedule in schedules:
+        for schedule in own.split("+") if own else schedules:
             result[kind][schedule] = pipelined(kind, rank, world, schedule, steps)
     finish(rank, result, path)
 
