@@ -244,11 +244,7 @@ def _gathered_parameters_saved_as_partitions(engine: Any, staging: ZeroStaging) 
         del optimizer.checkpoint_event_prologue, optimizer.checkpoint_event_epilogue  # the class's own again
 
 
-def _nothing() -> None:
-    return None
-
-
-def _nothing_for(*_: Any) -> None:
+def _nothing(*_: Any) -> None:
     return None
 
 
@@ -269,7 +265,7 @@ def reserve_zero(manager: Any, trainer: Any) -> list[tuple[Stager, Any]]:
     engine.checkpoint_engine = staging
     # no tag check: it compares the tag's hash over the ranks, reading it back on the host (a device
     # sync at a training step, tests/unit/test_host_reads.py), for a save that writes nothing
-    engine._checkpoint_tag_validation = _nothing_for
+    engine._checkpoint_tag_validation = _nothing
     try:
         with _gathered_parameters_saved_as_partitions(engine, staging):
             trainer.save_checkpoint(str(root))  # collective; writes only DeepSpeed's own small files
