@@ -1,5 +1,5 @@
 """lmlaunch cluster up [--slurm VERSION] [--preempt-user-signal | --no-preempt-user-signal]
-[--accounting | --no-accounting] [--min-job-age S] [--nodes N] [--workers N] | down | status | env"""
+[--accounting | --no-accounting] [--min-job-age S] [--nodes N] [--topology KIND:GxN] [--workers N] | down | status | env"""
 
 from __future__ import annotations
 
@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--nodes", type=int, default=None, metavar="N",
                     help=f"virtual nodes n1..nN (1 to {MAX_NODES}; default: what the last `up` had, else 2), e.g. "
                          "3 for a job with a spare node")
+    up.add_argument("--topology", default=None, metavar="KIND:GxN",
+                    help="the network SLURM is told of: tree:2x2 (2 leaf switches of 2 nodes, topology/tree), block:2x2 "
+                         "(2 blocks of 2 nodes, topology/block, SLURM 24.11), KIND:N (--nodes cut into groups of N) "
+                         "or none; default: what the last `up` had. Sets --nodes when it is not given")
     up.add_argument("--workers", type=int, default=0, metavar="N",
                     help="also start the worker clusters 1..N that parallel test workers claim "
                          "(launcher/localcluster/workers.py); scripts/test.sh starts them before pytest")
@@ -102,7 +106,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         if args.nodes is not None and not 1 <= args.nodes <= MAX_NODES:
             raise UserError(f"--nodes {args.nodes}: the local cluster runs 1 to {MAX_NODES} virtual nodes")
         was_up = cluster.up(say, preempt_send_user_signal=args.preempt_user_signal, accounting=args.accounting,
-                            min_job_age=args.min_job_age, version=version, nodes=args.nodes)
+                            min_job_age=args.min_job_age, version=version, nodes=args.nodes, topology=args.topology)
         for k in range(1, min(args.workers, MAX_WORKER_SLOTS) + 1):
             worker = Layout.worker(k, version)
             cluster.up(cluster.tagged(say, worker.root.name), layout=worker,
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if st.settings is not None:
         ctx.out(f"  preempt_send_user_signal: {'on' if st.settings.preempt_send_user_signal else 'off'}")
         ctx.out(f"  accounting: {'slurmdbd' if st.settings.accounting else 'off'}, MinJobAge {st.settings.min_job_age} s")
+        ctx.out(f"  topology: {st.settings.topology or 'none'}")
     workers = cluster.worker_layouts(version)
     if workers:  # the test suite's parallel workers' clusters (launcher/localcluster/workers.py)
         ctx.out("worker clusters: " + ", ".join(

@@ -52,7 +52,8 @@ def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
         except UserError as exc:
             problems.append(f"sacctmgr did not say your default account ({exc.message.splitlines()[0][:160]})")
     return ClusterFacts(partitions=slurm.partition_configs(), nodes=slurm.node_configs(), config=config,
-                        default_account=account, accounting=accounting, problems=problems)
+                        default_account=account, accounting=accounting, problems=problems,
+                        topology=slurm.topology_records() if config.get("TopologyPlugin", "topology/none") != "topology/none" else ())
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

@@ -6,11 +6,12 @@ import argparse
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from launcher.commands import add_spec_arguments
 from launcher.context import Context
 from launcher.planning.memory_check import summary
+from launcher.planning.placement import describe_layout
 from launcher.planning.resolve import resolve
 from launcher.submit import dependencies
 from launcher.submit.script import render_script
@@ -53,6 +54,7 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
         lines.extend(f"#{line}" for line in summary(plan.memory))
     for note in plan.notes:
         lines.append(f"# note: {note}")
+    lines += _layout_lines(plan.placement)
     lines.append("")
     lines.append("## job script (as submitted)")
     lines.append(script.rstrip("\n"))
@@ -94,6 +96,14 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     # Values with line breaks were escaped above (and in the script by launcher.submit.shell.shell_quote); any
     # other control character left in a line (a terminal escape in a note or a path) shows escaped.
     return "\n".join(escape_controls(line) for line in "\n".join(lines).split("\n"))
+
+
+def _layout_lines(placement: dict[str, Any] | None) -> list[str]:
+    """The dry run's rank layout: node slot -> ranks -> stages and replicas -> segment."""
+    if not placement:
+        return []
+    return [f"# rank layout (network topology/{placement['topology']}, within: {placement['within']}; the node slots "
+            "in the order SLURM lists the job's nodes):", *(f"#   {line}" for line in describe_layout(placement))]
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

@@ -28,6 +28,7 @@ from launcher.localcluster.config import (
     Settings,
     base_root,
     is_native,
+    native_version,
     primary_root,
     render_slurm_conf,
     render_slurmdbd_conf,
@@ -44,6 +45,7 @@ from launcher.localcluster.daemons import (
     stop,
     wait_until,
 )
+from launcher.localcluster.topology import LocalTopology, parse as parse_topology, version_problem
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.slurm import client as slurm
 from lmcore.study_storage import StorageRef
@@ -532,12 +534,14 @@ def up(
     min_job_age: int | None = None,
     version: str | None = None,
     nodes: int | None = None,
+    topology: str | None = None,
 ) -> bool:
     """Start the cluster; True when it was already running (and nothing had to change).
 
     ``version`` picks the SLURM: the machine's own (None) or the other Debian release's, which
     runs in a Debian root (other_release.py). Settings not given keep what the last `up` of this
-    state directory was given (its ports and ``nodes`` count included), else the defaults. Two `up`s of one cluster
+    state directory was given (its ports, ``nodes`` count and ``topology`` included; ``topology="none"``
+    drops one), else the defaults. Two `up`s of one cluster
     never race (a lock in its directory); the machine-wide steps (packages, munged, /etc/hosts)
     are locked across clusters."""
     layout = layout or (Layout.default() if version is None else Layout(primary_root(version)))
@@ -547,6 +551,7 @@ def up(
     if version is not None and is_native(version) and not debian_root.inside_root():
         version = None  # inside its root a cluster keeps the version it was started as
     current = loaded or Settings(ports=Ports.for_slot(0, version), version=version)
+    topo, nodes = _wanted_topology(topology, current, nodes)
     wanted = Settings(
         preempt_send_user_signal=_given(preempt_send_user_signal, current.preempt_send_user_signal),
         ports=_given(ports, current.ports) if nodes is None else _given(ports, current.ports).with_nodes(nodes),
@@ -554,6 +559,7 @@ def up(
         accounting=_given(accounting, current.accounting),
         min_job_age=_given(min_job_age, current.min_job_age),
         version=version,
+        topology=topo.text if topo else None,
     )
     root = None
     if version is not None and not is_native(version):
@@ -570,6 +576,33 @@ def up(
         return _up(say, layout, wanted)
 
 
+def _wanted_topology(given: str | None, current: Settings, nodes: int | None) -> tuple[LocalTopology | None, int | None]:
+    """The topology this `up` runs (``given``, else the one kept) and the node count it implies."""
+    text = given if given is not None else current.topology
+    count = nodes if nodes is not None or (text and "x" in text) else len(current.ports.nodes)
+    try:
+        topo = parse_topology(text, count)
+    except ValueError as exc:
+        kept = "" if given is not None else " (kept from the last `up`; `--topology none` drops it)"
+        raise UserError(f"{exc}{kept}") from None
+    if topo is not None and nodes is None and topo.nodes != len(current.ports.nodes):
+        nodes = topo.nodes
+    return topo, nodes
+
+
+def _write_topology(layout: Layout, wanted: Settings) -> str | None:
+    """topology.conf for ``wanted`` (or none); the plugin slurm.conf names."""
+    topo = parse_topology(wanted.topology, len(wanted.ports.nodes))
+    if topo is None:
+        layout.topology_conf.unlink(missing_ok=True)
+        return None
+    problem = version_problem(topo, native_version())
+    if problem:
+        raise UserError(problem)
+    layout.topology_conf.write_text(topo.render(wanted.ports.node_names))
+    return topo.plugin
+
+
 def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
     current = _load_settings(layout)  # again: another `up` may have finished while this one waited
     if current == wanted and is_up(layout):
@@ -582,9 +615,10 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         ensure_packages(say)
         ensure_munge(say)
         ensure_hosts(say, ports.node_names)
+    plugin = _write_topology(layout, wanted)
     layout.slurm_conf.write_text(render_slurm_conf(
         layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=ports,
-        accounting=wanted.accounting, min_job_age=wanted.min_job_age))
+        accounting=wanted.accounting, min_job_age=wanted.min_job_age, topology_plugin=plugin))
     if wanted.system_conf:
         install_system_conf(layout, say)
     if wanted.accounting:
@@ -606,9 +640,9 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         say("restarting slurmctld (accounting " + ("on" if wanted.accounting else "off") + ")")
         stop(layout.pidfile("slurmctld"), "slurmctld")
         controller_was_up = False
-    if controller_was_up and current is not None and current.ports.nodes != wanted.ports.nodes:
-        # node definitions are read at start only, by the controller and every slurmd
-        say(f"restarting slurmctld and the slurmds (nodes {', '.join(ports.node_names)})")
+    if controller_was_up and current is not None and (current.ports.nodes, current.topology) != (wanted.ports.nodes, wanted.topology):
+        # node definitions and the topology plugin are read at start only, by the controller and every slurmd
+        say(f"restarting slurmctld and the slurmds (nodes {', '.join(ports.node_names)}, topology {wanted.topology or 'none'})")
         for pidfile in [layout.pidfile("slurmctld"), *sorted(layout.run.glob("slurmd-n*.pid"))]:
             stop(pidfile, pidfile.stem)
         controller_was_up = False

@@ -119,19 +119,21 @@ class Settings:
     min_job_age: int = 300
     # the SLURM version when it is not the machine's own (the cluster runs in a Debian root)
     version: str | None = None
+    # `--topology` as topology.py reads it (tree:GxN, block:GxN); None: no topology plugin
+    topology: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({"preempt_send_user_signal": self.preempt_send_user_signal,
                            "ports": self.ports.to_json(), "system_conf": self.system_conf,
                            "accounting": self.accounting, "min_job_age": self.min_job_age,
-                           "version": self.version}) + "\n"
+                           "version": self.version, "topology": self.topology}) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Settings:
         d = json.loads(text)
         ports = Ports.from_json(d["ports"]) if "ports" in d else Ports()  # settings written before ports were kept
         return cls(bool(d.get("preempt_send_user_signal", False)), ports, bool(d.get("system_conf", True)),
-                   bool(d.get("accounting", True)), int(d.get("min_job_age", 300)), d.get("version"))
+                   bool(d.get("accounting", True)), int(d.get("min_job_age", 300)), d.get("version"), d.get("topology"))
 
 
 
@@ -187,6 +189,11 @@ class Layout:
     @property
     def slurm_conf(self) -> Path:
         return self.etc / "slurm.conf"
+
+    @property
+    def topology_conf(self) -> Path:
+        # SLURM reads topology.conf from the directory of the slurm.conf it was given
+        return self.etc / "topology.conf"
 
     @property
     def slurmdbd_conf(self) -> Path:
@@ -245,9 +252,11 @@ def controller_hostname() -> str:
 
 
 def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bool, ports: Ports = Ports(),
-                      accounting: bool = True, min_job_age: int = 300) -> str:
+                      accounting: bool = True, min_job_age: int = 300, topology_plugin: str | None = None) -> str:
     host = controller_hostname()
     lines = [*_daemon_lines(layout, host, user, ports), *_POLICY_LINES, f"MinJobAge={min_job_age}", *_TIMEOUT_LINES]
+    if topology_plugin:  # its topology.conf beside this file (launcher/localcluster/topology.py)
+        lines.append(f"TopologyPlugin={topology_plugin}")
     if accounting:  # real accounting (slurmdbd on MariaDB): sacct states, attempts with sacct -D
         lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
                   f"AccountingStoragePort={ports.slurmdbd}"]

@@ -32,7 +32,7 @@ from lmcore.atomic import write_private
 from lmcore.rundir import HEARTBEAT, LEDGER, checkpoint_dir_of
 
 CACHE_FILE = "cache/run-files.json"
-VERSION = 7  # 5: every end line of the ledger (metrics counts them); 6: its straggler lines; 7: restarts in place, spares
+VERSION = 8  # 5: every end line of the ledger (metrics counts them); 6: its straggler lines; 7: restarts in place, spares; 8: the start's nodes and their groups
 RACY_S = 2.0
 FEW = 32  # up to this many run directories are read directly when the cache is big (plain `status`
 BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cached run)
@@ -97,7 +97,7 @@ def compact_ledger(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for e in ledger:
         if e.get("event") == "start":
             start = {"event": "start", "attempt": e.get("attempt"), "job_id": e.get("job_id")}
-            out.append({**start, "spares": e["spares"]} if "spares" in e else start)
+            out.append({**start, **{k: e[k] for k in ("spares", "groups", "nodes", "world_size") if k in e}})
         elif e.get("event") == "end":
             out.append({"event": "end", "attempt": e.get("attempt"), "job_id": e.get("job_id"),
                         "reason": e.get("reason"), "requeued": e.get("requeued"),

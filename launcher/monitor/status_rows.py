@@ -47,6 +47,7 @@ class StatusRow:
     note: str = ""
     stragglers: list[dict[str, Any]] = field(default_factory=list)  # the ranks slow now (slow_ranks)
     spares: list[str] | None = None  # a running job with spare nodes: the idle ones (None: no spares)
+    layout: list[dict[str, Any]] | None = None  # a running attempt's nodes: node, its switch/block, its ranks
 
     @property
     def progress(self) -> float | None:
@@ -101,6 +102,18 @@ def last_end_of(ledger: Sequence[Mapping[str, Any]], job_id: str) -> Mapping[str
     if last is None or last.get("event") != "end" or str(last.get("job_id")) != str(job_id):
         return None
     return last
+
+
+def layout_of(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
+    """The last attempt's nodes in rank order, each with its switch or block (the start line's, a
+    plan with a placement) and its ranks (SLURM's block distribution); None before a start."""
+    last = next((e for e in reversed(ledger) if e.get("event") == "start"), None)
+    nodes = last.get("nodes") if last is not None else None
+    if last is None or not isinstance(nodes, list) or not nodes:
+        return None
+    groups = last.get("groups") if isinstance(last.get("groups"), dict) else {}
+    per = int(last.get("world_size") or len(nodes)) // len(nodes) or 1
+    return [{"node": str(n), "group": groups.get(n), "ranks": [k * per, (k + 1) * per - 1]} for k, n in enumerate(nodes)]
 
 
 def spares_of(ledger: Sequence[Mapping[str, Any]]) -> list[str] | None:
@@ -172,6 +185,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         eta_s=eta, heartbeat_age_s=max(0.0, now - hb_time) if hb_time else None, run_dir=rec.run_dir,
         job_ids=list(rec.job_ids), note=note, stragglers=stragglers,
         spares=spares_of(files.ledger) if group == "running" else None,
+        layout=layout_of(files.ledger) if group == "running" else None,
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import PurePosixPath
 
 from launcher.planning import mesh_notes
 from launcher.planning.deepspeed_config import render_deepspeed
+from launcher.planning.placement import plan_placement
 from launcher.planning.planned_env import render_env
 from launcher.spec.profiles import Profile, check_slurm_path
 from lmcore import container, pipeline_stages, rundir, site_options
@@ -303,20 +304,21 @@ def make_plan(
     slurm = _slurm(spec, profile, topo, paths, problems)
     if problems:
         raise SpecError(problems)
-    if exclude:
-        slurm = dataclasses.replace(slurm, exclude=",".join(sorted(exclude)))
+    slurm = dataclasses.replace(slurm, exclude=",".join(sorted(exclude))) if exclude else slurm
     env = render_env(spec, profile, run_dir=paths.run_dir, cpus_per_task=slurm.cpus_per_task)
     trainer, training, trainer_notes = _trainer_plans(spec, topo, paths.run_dir)
-    deepspeed = None
-    if topo.parallelism.zero:
-        deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum)
+    deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum) if topo.parallelism.zero else None
     box = _container(spec, profile, paths, runs_root, python, host_python_dirs, env.values, problems)
     if problems:
         raise SpecError(problems)
     slurm, srun_args, site_notes = _site_options(spec, profile, slurm)
+    slurm, placement, layout_notes, problems = plan_placement(spec.resources.placement, profile.network, topo, slurm,
+                                                              profile=profile.name)
+    if problems:
+        raise SpecError(problems)  # an impossible placement: nothing is submitted
     if box is not None:
         srun_args = (*box.srun_args, *srun_args)
-    notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes,
+    notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes, *layout_notes,
              *_placement_notes(profile, slurm, exclude or {}), *mesh_notes.tensor_parallel(topo, env.values, env.reasons), *mesh_notes.pipeline(topo),
              *mesh_notes.sharding(topo),
              *_agreement_notes(spec), *_spare_notes(slurm))
@@ -331,7 +333,7 @@ def make_plan(
         setup=tuple(profile.setup), python=python, srun_args=srun_args, deepspeed=deepspeed, trainer=trainer,
         training=training, task={"target": TASK_TARGET, "run_dir": paths.run_dir}, paths=paths,
         preemption=preemption, spec=spec.model_dump(mode="json"), notes=tuple(notes),
-        container=box.to_json() if box is not None else None, rendezvous=dict(RENDEZVOUS),
+        container=box.to_json() if box is not None else None, rendezvous=dict(RENDEZVOUS), placement=placement,
     )
 
 

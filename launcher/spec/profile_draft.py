@@ -33,6 +33,7 @@ class ClusterFacts:
     config: Mapping[str, str]
     default_account: str | None = None
     accounting: bool = True  # sacct answers
+    topology: Sequence[Mapping[str, str]] = ()  # scontrol show topology: switches or blocks
     problems: list[str] = field(default_factory=list)  # what could not be read, for the header
 
 
@@ -127,6 +128,7 @@ def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
         y.append("# account: CHOOSE  # no DefaultAccount was found" + ("" if facts.accounting else " (no accounting)"))
     y += _node_lines(nodes, default.name)
     y += _choices_and_environment(cfg, bool(nodes) and all(n.get("NodeAddr", "").startswith("127.") for n in nodes))
+    y += network_lines(cfg.get("TopologyPlugin", ""), facts.topology)
     if not facts.accounting:
         y.append("# Accounting: sacct does not answer here. lmlaunch reads states from squeue and the run directory; "
                  "what only sacct knows (a finished job's exit state) is reported as unknown.")
@@ -203,6 +205,32 @@ def _choices_and_environment(cfg: Mapping[str, str], loopback: bool) -> list[str
         y += ["# env:  # CHOOSE: the fabric's variables, each with its reason (see cluster_profiles/h100-ib.yaml), e.g.",
               "#   NCCL_SOCKET_IFNAME: {value: \"=ib0\", why: \"bootstrap over IPoIB\"}"]
     return y
+
+
+def network_lines(plugin: str, records: Sequence[Mapping[str, str]]) -> list[str]:
+    """The profile's ``network`` section: SLURM's topology (leaf switches or base blocks, the block
+    sizes), and what SLURM cannot know as choices."""
+    kind = {"topology/tree": "tree", "topology/block": "block"}.get(plugin)
+    choices = ["  # nvlink: {nodes_per_domain: 18}  # CHOOSE: multi-node NVLink domains (GB200/GB300 NVL72), which SLURM does not know",
+               "  # hca_by_gpu: [mlx5_0, mlx5_1]  # CHOOSE: the HCA nearest each GPU (nvidia-smi topo -m): each rank's NCCL_IB_HCA"]
+    if kind == "tree":
+        groups = [(r.get("SwitchName", "?"), r.get("Nodes", "")) for r in records if r.get("Level") == "0" and r.get("Nodes")]
+    elif kind == "block":
+        groups = [(r.get("BlockName", "?"), r.get("Nodes", "")) for r in records if r.get("BlockName") and r.get("Nodes")]
+    else:
+        return ["network:  # TopologyPlugin=" + (plugin or "(null)") + ": SLURM knows no switches or blocks here",
+                "  topology: none", *choices]
+    if not groups:
+        return [f"network:  # TopologyPlugin={plugin} but `scontrol show topology` listed no "
+                f"{'leaf switch' if kind == 'tree' else 'block'}", "  topology: none", *choices]
+    word = "leaf switches (Level=0)" if kind == "tree" else "base blocks"
+    y = [f"network:  # TopologyPlugin={plugin}; its {word} from `scontrol show topology`",
+         f"  topology: {kind}", "  groups:"]
+    y += [f"    {_quote(name)}: {_quote(nodes)}" for name, nodes in groups]
+    sizes = sorted({_int(r.get("BlockSize")) for r in records if _int(r.get("BlockSize"))})
+    if kind == "block" and sizes:
+        y.append(f"  block_sizes: [{', '.join(str(s) for s in sizes)}]  # BlockSize of the blocks and their aggregates")
+    return y + choices
 
 
 def _quote(text: str) -> str:

@@ -21,6 +21,7 @@ from launcher.spec.yamlio import load_yaml_file
 from lmcore import site_options
 from lmcore.container import ContainerSpec
 from lmcore.errors import SpecError, did_you_mean
+from lmcore.network import Network
 from lmcore.spec import parse_slurm_time, reserved_env_reason
 from lmcore.strict_model import StrictModel
 from lmcore.study_storage import SweepStorage
@@ -226,6 +227,8 @@ class Profile(StrictModel):
     """How to reach this cluster from a workstation over ssh (absent: lmlaunch runs on the login node)."""
     sends_user_signal_on_preemption: bool = False
     """The cluster sets SlurmctldParameters=preempt_send_user_signal."""
+    network: Network = Field(default_factory=Network)
+    """The network: SLURM's topology (leaf switches or blocks, read by `lmlaunch profile init`), multi-node NVLink domains and each GPU's HCA (what SLURM does not know)."""
     env: dict[str, EnvVar] = Field(default_factory=dict, max_length=1000)
     """NCCL / fabric environment, each with its reason."""
     slurm: ProfileSlurmOptions = Field(default_factory=ProfileSlurmOptions)

@@ -224,6 +224,8 @@ class LaunchPlan:
     """One rank's planned memory (launcher.planning.memory.Breakdown.to_json); None where it was not estimated."""
     container: dict[str, Any] | None = None
     """The container the tasks run in (lmcore.container.ContainerPlan.to_json); None: on the host."""
+    placement: dict[str, Any] | None = None
+    """Where the nodes sit in the network (launcher.planning.placement: within, the sbatch options, the profile's groups, the rank layout); None: the cluster has no topology and nothing was asked."""
     trial: dict[str, Any] | None = None
     """The search trial this run is (lmcore.study.TrialPlan.to_json): its rank 0 reports the metric to the study; None: not a trial."""
 

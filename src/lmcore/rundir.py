@@ -90,11 +90,13 @@ class AttemptStart:
     nodes: list[str]
     world_size: int
     spares: list[str] | None = None  # a job with spare nodes: those it holds idle now (resources.spare_nodes)
+    groups: dict[str, str | None] | None = None  # node -> its leaf switch or block (a plan with a placement)
 
     def to_json(self) -> dict[str, Any]:
         line = {"event": "start", **asdict(self)}
-        if self.spares is None:
-            del line["spares"]
+        for key in ("spares", "groups"):
+            if line[key] is None:
+                del line[key]
         return line
 
 

@@ -15,6 +15,7 @@ from lmcore import site_options
 from lmcore.container import ContainerSpec
 from lmcore.model_config import check_model_config
 from lmcore.model_types import causal_lm_types, composite_reason
+from lmcore.network import Placement
 from lmcore.parallelism import trainer_problem
 from lmcore.slurm.client import parse_duration
 from lmcore.strict_model import StrictModel
@@ -135,6 +136,8 @@ class Resources(StrictModel):
     """Node feature constraint (SLURM --constraint), e.g. 'h100&ib'."""
     exclusive: bool | None = None
     """Whole nodes (SLURM --exclusive); defaults to the profile's choice."""
+    placement: Placement = Field(default_factory=Placement)
+    """Where the nodes sit in the cluster's network (the profile's network section): one leaf switch, one block, segments of N nodes each in one block. E.g. {within: switch, max_wait: "10:00"}, {within: block}, {segment: 2}, {within: auto}."""
 
     @field_validator("time", mode="before")
     @classmethod

@@ -36,6 +36,9 @@ class TaskRecord:
     restart_count: int
     python: str  # the task's sys.executable: py-spy is looked for beside it
     time: float
+    group: str | None = None  # the node's leaf switch or block (the plan's placement groups); None: no topology
+    stage: int | None = None  # this rank's pipeline stage in the mesh (data, pipeline, tensor)
+    replica: int | None = None  # this rank's data-parallel index
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,7 +57,11 @@ class TaskRecord:
             raise ValueError(f"task record without a valid {', '.join(bad)}")
         if d["pid"] <= 0 or d["rank"] < 0 or not d["node"]:
             raise ValueError(f"task record with pid {d['pid']}, rank {d['rank']}, node {d['node']!r}")
-        return cls(**{k: d[k] for k in types})
+        extra = {k: d[k] for k in ("group", "stage", "replica") if d.get(k) is not None}
+        if not all(isinstance(v, str) for k, v in extra.items() if k == "group") or not all(
+                isinstance(v, int) and not isinstance(v, bool) for k, v in extra.items() if k != "group"):
+            raise ValueError(f"task record with group/stage/replica of the wrong type: {extra}")
+        return cls(**{k: d[k] for k in types}, **extra)
 
 
 def task_record_path(run_dir: str | Path, job_id: str, restart_count: int, rank: int) -> Path:

@@ -70,11 +70,11 @@ def slurm_cluster():
     try:
         # the user signal on preemption, accounting and MinJobAge named: a test may have left the
         # cluster without them (a run killed inside user_signal_on_preemption(True) left it on)
-        if _CLAIM is None:  # two nodes, as the tests expect, whatever `up --nodes` a developer left
-            cluster.up(lines.append, version=VERSION, preempt_send_user_signal=False, nodes=2)
+        if _CLAIM is None:  # two nodes and no topology, as the tests expect, whatever `up` a developer left
+            cluster.up(lines.append, version=VERSION, preempt_send_user_signal=False, nodes=2, topology="none")
         else:
             cluster.up(lines.append, layout=_CLAIM.layout, ports=_CLAIM.ports, system_conf=False, version=VERSION,
-                       accounting=True, min_job_age=300, preempt_send_user_signal=False)
+                       accounting=True, min_job_age=300, preempt_send_user_signal=False, nodes=2, topology="none")
     except UserError as exc:
         pytest.fail(f"`lmlaunch cluster up` failed: {exc.message}\n" + "\n".join(lines))
     layout = cluster.Layout.default()  # the worker's own when parallel (LMLAUNCH_CLUSTER_DIR)

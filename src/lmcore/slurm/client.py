@@ -302,6 +302,18 @@ def node_configs(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]:
     return [_key_values(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
+def topology_records(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]:
+    """`scontrol show topology`: each switch (topology/tree) or block (topology/block) as key -> value;
+    none where the cluster has no topology plugin (scontrol then says so, or fails)."""
+    try:
+        proc = run(["scontrol", "show", "topology"], timeout=timeout)
+    except SlurmUnavailable:
+        raise
+    except UserError:
+        return []  # SLURM 22.05 with topology/none: "scontrol: error: ... No topology information available"
+    return [kv for line in proc.stdout.splitlines() if "=" in line and (kv := _key_values(line))]
+
+
 def config(timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str]:
     """`scontrol show config` as key -> value."""
     proc = run(["scontrol", "show", "config"], timeout=timeout)

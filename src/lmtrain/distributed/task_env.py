@@ -29,6 +29,7 @@ from typing import Any
 from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 
 from lmcore.atomic import write_private
+from lmcore.network import group_of_node
 from lmcore.run_layout import GENERATION_VAR
 from lmcore.rundir import RunLayout
 from lmcore.task_records import TaskRecord, write_task_record
@@ -248,14 +249,22 @@ def cluster_environment(env: TaskEnv) -> Any:
     return LightningEnvironment()
 
 
-def record_this_task(run_dir: str | Path) -> None:
-    """Write this process's record; a failure costs only ``lmlaunch stacks``, never the task."""
+def record_this_task(run_dir: str | Path, plan: Any = None) -> None:
+    """Write this process's record (with ``plan``, a LaunchPlan: the node's switch or block and the
+    rank's place in the mesh); a failure costs only ``lmlaunch stacks`` and the layout check, never the task."""
     try:
         env = read_env()
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        where: dict[str, Any] = {}
+        if plan is not None:
+            par = plan.parallelism
+            where = {"stage": (env.rank // par.tensor) % par.pipeline, "replica": par.data_rank(env.rank)}
+            groups = (plan.placement or {}).get("groups") or {}
+            where["group"] = group_of_node(groups, node)
         write_task_record(run_dir, TaskRecord(
-            rank=env.rank, local_rank=env.local_rank, node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            rank=env.rank, local_rank=env.local_rank, node=node,
             pid=os.getpid(), job_id=env.job_id, restart_count=env.restart_count, python=sys.executable,
-            time=time.time(),
+            time=time.time(), **where,
         ))
     except Exception as exc:  # any failure here costs only the stacks command
         logging.getLogger("lmtrain").warning("could not record this task for `lmlaunch stacks`: %s", exc)

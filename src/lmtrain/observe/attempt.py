@@ -76,8 +76,17 @@ class AttemptRecords:
                 attempt=self.attempt, job_id=env.job_id, restart_count=env.restart_count, time=at or time.time(),
                 start_step=start_step, nodes=list(env.nodes),
                 world_size=env.world_size if world_size is None else world_size,
-                spares=self.idle_spares(),
+                spares=self.idle_spares(), groups=self.node_groups(),
             ))
+
+    def node_groups(self) -> dict[str, str | None] | None:
+        """Each of the attempt's nodes' leaf switch or block (a plan with a placement; else None)."""
+        groups = (getattr(self.plan, "placement", None) or {}).get("groups")
+        if not groups:
+            return None
+        from lmcore.network import group_of_node
+
+        return {n: group_of_node(groups, n) for n in self.env.nodes}
 
     def idle_spares(self) -> list[str] | None:
         """A job with spare nodes: the allocation's nodes the ranks do not run on and no restart in

@@ -71,7 +71,7 @@ def run_task(run_dir: str | Path) -> int:
         from lmtrain.distributed.task_env import record_this_task
 
     plan = LaunchPlan.from_dict(raw_plan)
-    record_this_task(run_dir)  # this process's node and pid, for `lmlaunch stacks` (even if stuck starting)
+    record_this_task(run_dir, plan)  # this process's node, pid and place in the mesh, for `lmlaunch stacks` (even if stuck starting)
     try:
         with imports_without_gc(freeze=fresh):
             import_frameworks(deepspeed=bool(plan.parallelism.zero))  # the rest of them, with the signals already ours

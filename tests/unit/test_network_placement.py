@@ -1,0 +1,163 @@
+"""The cluster's network and a job's placement in it (lmcore.network, launcher.planning.placement,
+the local cluster's --topology, `profile init`'s network section): pure, no SLURM."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from launcher.localcluster.topology import parse as parse_topology, version_problem
+from launcher.planning.placement import group_nodes, layout_rows
+from launcher.spec.profile_draft import network_lines
+from lmcore.network import Network, Placement, Resolved, group_of_node, node_order, resolve_placement
+from lmcore.parallelism import Parallelism
+from lmcore.plan import Topology
+
+BLOCKS = Network(topology="block", groups={"b1": "n[1-2]", "b2": "n[3-4]"}, block_sizes=[2, 4])
+TREE = Network(topology="tree", groups={"s1": "n1,n2", "s2": "n[3-4]"})
+
+
+@pytest.mark.parametrize(("placement", "net", "nodes", "span", "options"), [
+    ({"within": "block"}, BLOCKS, 2, 1, {"segment": "2"}),
+    ({"segment": 2}, BLOCKS, 4, 1, {"segment": "2"}),
+    ({"within": "auto"}, BLOCKS, 4, 2, {"segment": "2"}),  # a pipeline over 2 nodes: segments of 2
+    ({"within": "auto"}, BLOCKS, 2, 1, {"segment": "2"}),
+    ({"within": "auto"}, BLOCKS, 4, 1, {}),  # whole replicas per node: nothing to keep together
+    ({"within": "switch"}, TREE, 2, 1, {"switches": "1"}),
+    ({"within": "switch", "max_wait": "10:00"}, TREE, 2, 1, {"switches": "1@10:00"}),
+    ({"within": "auto"}, TREE, 2, 1, {"switches": "1"}),
+    ({"within": "auto"}, TREE, 3, 1, {}),  # larger than any switch: auto asks nothing
+    ({}, TREE, 4, 2, {}),
+])
+def test_a_placement_becomes_the_sbatch_options_that_ask_slurm_for_it(placement, net, nodes, span, options):
+    got = resolve_placement(Placement(**placement), net, nodes, group_nodes=span)
+    assert isinstance(got, Resolved), got
+    assert got.options == options
+
+
+@pytest.mark.parametrize(("placement", "net", "nodes", "words"), [
+    ({"within": "block"}, BLOCKS, 4, ["4 nodes never fit in one block", "b1, has 2"]),
+    ({"within": "switch"}, TREE, 3, ["3 nodes never fit in one switch", "has 2"]),
+    ({"segment": 4}, BLOCKS, 4, ["segment(4) is larger than the base block (2 nodes)"]),
+    ({"segment": 2}, BLOCKS, 3, ["segment(2) must divide the job's 3 nodes"]),
+    ({"segment": 2}, TREE, 2, ["segment(2) needs a topology/block cluster", "topology tree"]),
+    ({"within": "block"}, TREE, 2, ["within: block needs topology/block", "use within: switch"]),
+    ({"within": "switch"}, BLOCKS, 2, ["within: switch needs topology/tree", "use within: block"]),
+    ({"within": "switch"}, Network(), 2, ["needs the cluster's topology", "profile init"]),
+    ({"within": "block", "segment": 2}, BLOCKS, 2, ["give one of the two"]),
+    ({"within": "nvlink"}, TREE, 2, ["needs network.nvlink"]),
+])
+def test_a_placement_that_can_never_be_satisfied_is_refused_naming_the_key_and_the_numbers(placement, net, nodes, words):
+    got = resolve_placement(Placement(**placement), net, nodes, group_nodes=1, profile="profile 'x'")
+    assert isinstance(got, str), got
+    for w in words:
+        assert w in got, got
+
+
+def test_nvlink_domains_are_asked_for_through_the_blocks_that_hold_them():
+    net = Network(topology="block", groups={"r1": "n[1-18]", "r2": "n[19-36]"}, nvlink={"nodes_per_domain": 18})
+    got = resolve_placement(Placement(within="nvlink"), net, 16)
+    assert isinstance(got, Resolved) and got.options == {"segment": "16"}
+    assert "never fit in one NVLink domain" in str(resolve_placement(Placement(within="nvlink"), net, 19))
+    assert net.nvlink_domain_of("n20") == "r2"  # without domains of its own: the blocks are the domains
+
+
+@pytest.mark.parametrize(("network", "words"), [
+    ({"topology": "block"}, "needs its groups"),
+    ({"groups": {"s1": "n1"}}, "topology is none"),
+    ({"topology": "tree", "groups": {"s1": "n[1-2]", "s2": "n2"}}, "node n2 is in both s1 and s2"),
+    ({"topology": "block", "groups": {"b1": "n[1-2]"}, "block_sizes": [2, 6]}, "power of two"),
+    ({"topology": "tree", "groups": {"s1": "n[1-2]"}, "block_sizes": [2]}, "belong to topology: block"),
+    ({"topology": "tree", "groups": {"s1": "n[1-"}}, "not a SLURM hostlist"),
+    ({"hca_by_gpu": ["mlx5_0", "bad name"]}, "not an HCA name"),
+])
+def test_a_profile_network_that_cannot_be_right_is_refused(network, words):
+    with pytest.raises(ValidationError, match=words):
+        Network(**network)
+
+
+def test_ranks_fill_a_groups_nodes_before_the_next_group():
+    assert node_order(["n1", "n3", "n2", "n4"], BLOCKS) == ["n1", "n2", "n3", "n4"]
+    assert node_order(["n3", "n1", "n4"], BLOCKS) == ["n3", "n4", "n1"]  # groups in the order SLURM lists them
+    assert node_order(["n9", "n1"], BLOCKS) == ["n9", "n1"]  # a node of no group keeps its place
+    assert group_of_node({"b1": "n[1-2]"}, "n2") == "b1" and group_of_node({"b1": "n[1-2]"}, "n3") is None
+
+
+def _topo(nodes: int, tpn: int, *, pipeline: int = 1, tensor: int = 1) -> Topology:
+    world = nodes * tpn
+    par = Parallelism.of("fsdp", world, tensor=tensor, pipeline=pipeline)
+    return Topology(nodes=nodes, tasks_per_node=tpn, world_size=world, accelerator="cpu", micro_batch_size=1,
+                    grad_accum=1, global_batch_size=world, parallelism=par)
+
+
+def test_the_rank_layout_keeps_a_pipeline_inside_a_segment_and_crosses_with_the_data_dimension():
+    topo = _topo(4, 1, pipeline=2)
+    assert group_nodes(topo) == 2
+    rows = layout_rows(topo, 2)
+    assert [(r["stages"], r["replicas"], r["segment"]) for r in rows] == [
+        ([0], [0], 0), ([1], [0], 0), ([0], [1], 1), ([1], [1], 1)]
+    assert group_nodes(_topo(2, 4, pipeline=2, tensor=2)) == 1  # tp2 x pp2 inside one 4-task node
+    assert group_nodes(_topo(4, 2, pipeline=2, tensor=2)) == 2
+
+
+@pytest.mark.parametrize(("text", "nodes", "want"), [
+    ("tree:2x2", None, ("tree", 2, 2)), ("block:2", 8, ("block", 4, 2)), ("block:2x4", 8, ("block", 2, 4)),
+    ("none", 4, None),
+])
+def test_the_local_clusters_topology_option(text, nodes, want):
+    topo = parse_topology(text, nodes)
+    assert (None if topo is None else (topo.kind, topo.groups, topo.per_group)) == want
+
+
+@pytest.mark.parametrize(("text", "nodes", "words"), [
+    ("tree:3", 4, "do not cut into groups of 3"), ("ring:2", 4, "expected tree:GxN"),
+    ("tree:2x2", 3, "has 4 nodes but --nodes is 3"), ("block:2", None, "say the groups"),
+])
+def test_a_topology_option_that_does_not_fit_the_nodes_is_refused(text, nodes, words):
+    with pytest.raises(ValueError, match=words):
+        parse_topology(text, nodes)
+
+
+def test_the_local_topology_conf_is_what_topology_conf_5_describes():
+    tree = parse_topology("tree:2x2", None)
+    assert tree is not None and tree.render(("n1", "n2", "n3", "n4")).splitlines()[1:] == [
+        "SwitchName=s1 Nodes=n[1-2]", "SwitchName=s2 Nodes=n[3-4]", "SwitchName=top Switches=s1,s2"]
+    block = parse_topology("block:2", 8)
+    assert block is not None and block.render(tuple(f"n{i}" for i in range(1, 9))).splitlines()[-1] == "BlockSizes=2,4,8"
+    assert "needs SLURM 23.11 or later" in str(version_problem(block, "22.05"))
+    assert version_problem(block, "24.11") is None and version_problem(tree, "22.05") is None  # type: ignore[arg-type]
+
+
+# `scontrol show topology` as SLURM 24.11 (topology/block) and 22.05 (topology/tree) print it here
+BLOCK_RECORDS = [
+    {"BlockName": "b1", "BlockIndex": "0", "Nodes": "n1,n2", "BlockSize": "2"},
+    {"BlockName": "b2", "BlockIndex": "1", "Nodes": "n3,n4", "BlockSize": "2"},
+    {"AggregatedBlock": "b[1-2]", "BlockIndex": "2", "Nodes": "n[1-4]", "BlockSize": "4"},
+]
+TREE_RECORDS = [
+    {"SwitchName": "s1", "Level": "0", "LinkSpeed": "1", "Nodes": "n1,n2"},
+    {"SwitchName": "s2", "Level": "0", "LinkSpeed": "1", "Nodes": "n3,n4"},
+    {"SwitchName": "top", "Level": "1", "LinkSpeed": "1", "Nodes": "n[1-4]", "Switches": "s1,s2"},
+]
+
+
+@pytest.mark.parametrize(("plugin", "records", "want"), [
+    ("topology/block", BLOCK_RECORDS, {"topology": "block", "groups": {"b1": "n1,n2", "b2": "n3,n4"}, "block_sizes": [2, 4]}),
+    ("topology/tree", TREE_RECORDS, {"topology": "tree", "groups": {"s1": "n1,n2", "s2": "n3,n4"}}),
+    ("topology/none", [], {"topology": "none"}),
+    ("topology/tree", [], {"topology": "none"}),
+])
+def test_profile_init_writes_the_topology_slurm_reports(plugin, records, want):
+    section = yaml.safe_load("\n".join(network_lines(plugin, records)))["network"]
+    assert section == want
+    Network(**section)  # what it wrote loads
+
+
+def test_status_shows_each_node_of_the_running_attempt_with_its_group_and_ranks():
+    from launcher.monitor.status_rows import layout_of
+
+    ledger = [{"event": "start", "nodes": ["n5", "n6"], "world_size": 4, "groups": {"n5": "b3", "n6": "b3"}}]
+    assert layout_of(ledger) == [{"node": "n5", "group": "b3", "ranks": [0, 1]}, {"node": "n6", "group": "b3", "ranks": [2, 3]}]
+    assert layout_of([{"event": "start", "nodes": ["n1"], "world_size": 1}]) == [{"node": "n1", "group": None, "ranks": [0, 0]}]
+    assert layout_of([]) is None
