@@ -62,6 +62,9 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     lines.append("## environment of every task")
     for name in sorted(plan.env):
         lines.append(f"{name}={escape_controls(plan.env[name])}    # {plan.env_reasons.get(name, '')}")
+    for name, spec in sorted(plan.rank_env.items()):
+        by_rank = ", ".join(f"{i}: {v}" for i, v in enumerate(spec["by_local_rank"]))
+        lines.append(f"{name}=<by local rank: {by_rank}>    # {spec['why']}")
     for o in plan.env_overrides:
         lines.append(f"# override: {o.name}: profile {brief(o.profile_value, 200)} -> job {brief(o.job_value, 200)}")
     for name in plan.passthrough:

@@ -14,6 +14,7 @@ order, in which sites number a rack's (a block's, a switch's) nodes together; a 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmcore.network import Network, Placement, Resolved, resolve_placement
@@ -30,27 +31,82 @@ def group_nodes(topo: Topology) -> int:
     return -(-ranks // tpn) if ranks > tpn else 1
 
 
+@dataclass
+class PlacementPlan:
+    """What the network adds to a plan."""
+
+    slurm: SlurmParams  # with the placement's sbatch options
+    record: dict[str, Any] | None = None  # the plan's ``placement`` (None: no topology and nothing asked)
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    env: dict[str, tuple[str, str]] = field(default_factory=dict)  # NCCL for the network: name -> (value, why)
+    rank_env: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"by_local_rank": [...], "why"}
+
+
 def plan_placement(placement: Placement, network: Network, topo: Topology, slurm: SlurmParams, *,
-                   profile: str) -> tuple[SlurmParams, dict[str, Any] | None, list[str], list[str]]:
-    """(the SLURM parameters with the placement's options, the plan's ``placement`` record, notes,
-    problems). The record is None when the cluster has no topology and nothing was asked."""
+                   profile: str) -> PlacementPlan:
+    """The SLURM options, the plan's ``placement`` record, the notes and the NCCL environment the
+    network calls for, or the problems that refuse the spec."""
     span = group_nodes(topo)
     got = resolve_placement(placement, network, slurm.nodes, group_nodes=span, profile=f"profile '{profile}'")
     if isinstance(got, str):
-        return slurm, None, [], [got]
-    problems = _conflicts(placement, network, got, slurm)
+        return PlacementPlan(slurm, problems=[got])
+    problems = _conflicts(placement, network, got, slurm) + _hca_problems(network, topo, profile)
     if problems:
-        return slurm, None, [], problems
+        return PlacementPlan(slurm, problems=problems)
+    env, rank_env = nccl_for_network(network, got, topo)
     if network.topology == "none" and got.within == "any" and network.nvlink is None:
-        return slurm, None, [], []
-    options = {**slurm.site_options, **got.options}
+        return PlacementPlan(slurm, env=env, rank_env=rank_env)
     record = {
         "within": got.within, "why": got.why, "options": got.options, "segment": got.segment,
         "topology": network.topology, "groups": dict(network.groups), "group_nodes": span,
         "layout": layout_rows(topo, got.segment),
     }
-    notes = [_note(got, network, slurm, span)]
-    return dataclasses.replace(slurm, site_options=options), record, [n for n in notes if n], []
+    note = _note(got, network, slurm, span)
+    return PlacementPlan(dataclasses.replace(slurm, site_options={**slurm.site_options, **got.options}), record,
+                         [note] if note else [], env=env, rank_env=rank_env)
+
+
+def merge_env(placed: PlacementPlan, values: dict[str, str], reasons: dict[str, str]) -> list[str]:
+    """The network's NCCL variables into the task environment, where the profile's env and the
+    job's env.vars do not set them already (theirs win, said in a note)."""
+    notes = []
+    for name, (value, why) in placed.env.items():
+        if name in values:
+            notes.append(f"{name}={values[name]} as set ({reasons.get(name, '')}), not the network's {value}")
+            continue
+        values[name], reasons[name] = value, why
+    for name in [n for n in placed.rank_env if n in values]:
+        del placed.rank_env[name]
+        notes.append(f"{name}={values[name]} on every rank as set ({reasons.get(name, '')}), not network.hca_by_gpu's "
+                     "HCA per rank")
+    return notes
+
+
+def _hca_problems(network: Network, topo: Topology, profile: str) -> list[str]:
+    if network.hca_by_gpu and topo.accelerator == "gpu" and topo.tasks_per_node > len(network.hca_by_gpu):
+        return [f"profile '{profile}' network.hca_by_gpu names {len(network.hca_by_gpu)} HCA(s), the job runs "
+                f"{topo.tasks_per_node} GPU ranks per node: name the HCA of every GPU"]
+    return []
+
+
+def nccl_for_network(network: Network, got: Resolved, topo: Topology) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, Any]]]:
+    """NCCL's variables for the profile's network (GPU jobs; nothing where the profile says nothing):
+    each rank's own HCA, multi-node NVLink inside one domain."""
+    env: dict[str, tuple[str, str]] = {}
+    rank_env: dict[str, dict[str, Any]] = {}
+    if topo.accelerator != "gpu":
+        return env, rank_env
+    if network.hca_by_gpu:
+        hcas = [f"={h}" for h in network.hca_by_gpu[:topo.tasks_per_node]]
+        rank_env["NCCL_IB_HCA"] = {"by_local_rank": hcas, "why": (
+            "each rank uses the HCA nearest its GPU (network.hca_by_gpu; '=' matches the name exactly, so mlx5_1 "
+            "is not mlx5_10)")}
+    if got.within == "nvlink" and topo.nodes > 1:
+        env["NCCL_MNNVL_ENABLE"] = ("1", "the job's nodes are one NVLink domain (resources.placement.within: nvlink): "
+                                         "NCCL uses multi-node NVLink between them, and fails rather than falling back "
+                                         "to the network")
+    return env, rank_env
 
 
 def _conflicts(placement: Placement, network: Network, got: Resolved, slurm: SlurmParams) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import PurePosixPath
 
 from launcher.planning import mesh_notes
 from launcher.planning.deepspeed_config import render_deepspeed
-from launcher.planning.placement import plan_placement
+from launcher.planning.placement import merge_env, plan_placement
 from launcher.planning.planned_env import render_env
 from launcher.spec.profiles import Profile, check_slurm_path
 from lmcore import container, pipeline_stages, rundir, site_options
@@ -312,13 +312,13 @@ def make_plan(
     if problems:
         raise SpecError(problems)
     slurm, srun_args, site_notes = _site_options(spec, profile, slurm)
-    slurm, placement, layout_notes, problems = plan_placement(spec.resources.placement, profile.network, topo, slurm,
-                                                              profile=profile.name)
-    if problems:
-        raise SpecError(problems)  # an impossible placement: nothing is submitted
+    placed = plan_placement(spec.resources.placement, profile.network, topo, slurm, profile=profile.name)
+    if placed.problems:
+        raise SpecError(placed.problems)  # an impossible placement: nothing is submitted
+    slurm, env_notes = placed.slurm, merge_env(placed, env.values, env.reasons)
     if box is not None:
         srun_args = (*box.srun_args, *srun_args)
-    notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes, *layout_notes,
+    notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes, *placed.notes, *env_notes,
              *_placement_notes(profile, slurm, exclude or {}), *mesh_notes.tensor_parallel(topo, env.values, env.reasons), *mesh_notes.pipeline(topo),
              *mesh_notes.sharding(topo),
              *_agreement_notes(spec), *_spare_notes(slurm))
@@ -333,7 +333,8 @@ def make_plan(
         setup=tuple(profile.setup), python=python, srun_args=srun_args, deepspeed=deepspeed, trainer=trainer,
         training=training, task={"target": TASK_TARGET, "run_dir": paths.run_dir}, paths=paths,
         preemption=preemption, spec=spec.model_dump(mode="json"), notes=tuple(notes),
-        container=box.to_json() if box is not None else None, rendezvous=dict(RENDEZVOUS), placement=placement,
+        container=box.to_json() if box is not None else None, rendezvous=dict(RENDEZVOUS), placement=placed.record,
+        rank_env=placed.rank_env,
     )
 
 

@@ -286,6 +286,12 @@ class Profile(StrictModel):
                     f"{field} {brief(value)} is not among partitions ({', '.join(names)})"
                     f"{did_you_mean(value, names)}"
                 )
+        hcas = len(self.network.hca_by_gpu)
+        if hcas and hcas != self.gpus_per_node:
+            raise ValueError(f"network.hca_by_gpu names {hcas} HCA(s) for {self.gpus_per_node} GPUs per node: one per GPU")
+        if hcas and "NCCL_IB_HCA" in self.env:
+            raise ValueError("env.NCCL_IB_HCA and network.hca_by_gpu both set NCCL_IB_HCA: keep one (hca_by_gpu gives "
+                             "each rank the HCA nearest its GPU)")
         try:
             GRES_NAME.check(self.gres_name)
         except ValueError as exc:

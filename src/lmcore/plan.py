@@ -226,6 +226,8 @@ class LaunchPlan:
     """The container the tasks run in (lmcore.container.ContainerPlan.to_json); None: on the host."""
     placement: dict[str, Any] | None = None
     """Where the nodes sit in the network (launcher.planning.placement: within, the sbatch options, the profile's groups, the rank layout); None: the cluster has no topology and nothing was asked."""
+    rank_env: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Variables whose value differs by local rank (name -> {"by_local_rank": [...], "why": ...}): each task sets its own before torch.distributed starts (lmtrain.distributed.task_env.apply_rank_env)."""
     trial: dict[str, Any] | None = None
     """The search trial this run is (lmcore.study.TrialPlan.to_json): its rank 0 reports the metric to the study; None: not a trial."""
 

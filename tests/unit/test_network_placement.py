@@ -161,3 +161,68 @@ def test_status_shows_each_node_of_the_running_attempt_with_its_group_and_ranks(
     assert layout_of(ledger) == [{"node": "n5", "group": "b3", "ranks": [0, 1]}, {"node": "n6", "group": "b3", "ranks": [2, 3]}]
     assert layout_of([{"event": "start", "nodes": ["n1"], "world_size": 1}]) == [{"node": "n1", "group": None, "ranks": [0, 0]}]
     assert layout_of([]) is None
+
+
+def _gpu_profile(tmp_path, network: str) -> dict[str, str]:
+    """The shipped H100 profile with a network section (and without its all-HCA NCCL_IB_HCA)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "cluster_profiles" / "h100-ib.yaml").read_text()
+    text = "\n".join(line for line in text.splitlines() if not line.strip().startswith("NCCL_IB_HCA:"))
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "gpus.yaml").write_text(text + "\n" + network)
+    return {"LMLAUNCH_PROFILES_DIR": str(tmp_path), "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs")}
+
+
+def _dry_run(environ: dict[str, str], *overrides: str) -> tuple[int, str, str]:
+    import io
+    from pathlib import Path
+
+    from launcher.cli import main
+    from launcher.context import Context
+
+    spec = Path(__file__).resolve().parents[2] / "jobs" / "tiny-cpu.yaml"
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["submit", str(spec), "cluster=gpus", "resources.gpus_per_node=8", "resources.tasks_per_node=null",
+                 "trainer.global_batch_size=128", *overrides, "--dry-run"], Context(stdout=out, stderr=err, environ=environ))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_each_gpu_rank_gets_the_hca_nearest_its_gpu_and_one_nvlink_domain_gets_mnnvl(tmp_path):
+    hcas = ", ".join(f"mlx5_{i}" for i in range(8))
+    environ = _gpu_profile(tmp_path, f"network:\n  topology: block\n  groups: {{r1: \"gpu[1-18]\", r2: \"gpu[19-36]\"}}\n"
+                                     f"  nvlink: {{nodes_per_domain: 18}}\n  hca_by_gpu: [{hcas}]\n")
+    code, out, err = _dry_run(environ, "resources.placement.within=nvlink")
+    assert code == 0, err
+    assert "NCCL_IB_HCA=<by local rank: 0: =mlx5_0, 1: =mlx5_1, 2: =mlx5_2" in out and "7: =mlx5_7>" in out, out
+    assert "NCCL_MNNVL_ENABLE=1    # the job's nodes are one NVLink domain" in out, out
+    assert "#SBATCH --segment=2" in out, out
+    # the job's own env.vars win over the network's, said
+    code, out, err = _dry_run(environ, "resources.placement.within=nvlink", "env.vars={NCCL_MNNVL_ENABLE: '0'}")
+    assert code == 0 and "NCCL_MNNVL_ENABLE=0" in out and "not the network's 1" in out, out + err
+    # a profile that says nothing of its network sets nothing
+    code, out, err = _dry_run(_gpu_profile(tmp_path / "plain", ""))
+    assert code == 0 and "NCCL_MNNVL_ENABLE" not in out and "by local rank" not in out, out + err
+
+
+def test_a_rank_sets_its_own_value_before_nccl_starts():
+    from lmtrain.distributed.task_env import apply_rank_env
+
+    env: dict[str, str] = {}
+    assert apply_rank_env({"NCCL_IB_HCA": {"by_local_rank": ["=mlx5_0", "=mlx5_1"], "why": ""}}, 1, env) == {
+        "NCCL_IB_HCA": "=mlx5_1"}
+    assert env == {"NCCL_IB_HCA": "=mlx5_1"}
+
+
+@pytest.mark.parametrize(("network", "env_line", "words"), [
+    ("network:\n  hca_by_gpu: [mlx5_0, mlx5_1]\n", "", "names 2 HCA(s) for 8 GPUs per node"),
+    ("network:\n  hca_by_gpu: [" + ", ".join(f"mlx5_{i}" for i in range(8)) + "]\n",
+     "  NCCL_IB_HCA: {value: mlx5_0, why: all}\n", "both set NCCL_IB_HCA"),
+])
+def test_a_profile_whose_hcas_do_not_match_its_gpus_is_refused(tmp_path, network, env_line, words):
+    environ = _gpu_profile(tmp_path, network)
+    if env_line:
+        text = (tmp_path / "gpus.yaml").read_text().replace("env:\n", "env:\n" + env_line, 1)
+        (tmp_path / "gpus.yaml").write_text(text)
+    code, out, err = _dry_run(environ)
+    assert code == 2 and words in err, out + err

@@ -514,6 +514,16 @@ def test_a_node_failure_keeps_the_requeued_job_off_the_failed_node_while_it_stil
     # a plain crash excludes nothing
     assert decide(_facts(stopped=False, crashed=True, bad_nodes=["n2"], partition_nodes=["n1", "n2", "n3"]),
                   POLICY).exclude == []
+    # segments of 2 inside blocks of 2 (resources.placement): excluded while a whole block is left for it ...
+    blocks = {"n1": "b1", "n2": "b1", "n3": "b2", "n4": "b2"}
+    d = decide(_facts(**{**base, "job_nodes": 2, "segment": 2, "node_groups": blocks,
+                         "partition_nodes": ["n1", "n2", "n3", "n4"]}), POLICY)
+    assert d.exclude == ["n2"], d.detail
+    # ... never when no block could hold the job's segments any more: SLURM would never start it
+    d = decide(_facts(**{**base, "job_nodes": 4, "segment": 2, "node_groups": blocks, "nodes_down": ["n2"],
+                         "partition_nodes": ["n1", "n2", "n3", "n4", "n5"]}), POLICY)
+    assert d.exclude == [] and ("n2 not excluded: without it the blocks hold 1 whole segment(s) of 2 node(s), "
+                                "the job needs 2") in d.detail, d.detail
 
 
 def test_every_reader_of_a_slurm_state_takes_its_first_word_the_same_way():

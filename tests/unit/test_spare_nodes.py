@@ -189,3 +189,36 @@ def test_the_straggler_watch_hands_a_new_slow_rank_to_the_exclusion(tmp_path):
     watch.look()
     watch.look()
     assert [rank for rank, _ in seen] == [1] and "rank 1 (n2)" in seen[0][1], seen
+
+
+BLOCKS_OF_2 = {"n1": "b1", "n2": "b1", "n3": "b2", "n4": "b2"}
+BLOCKS_OF_3 = {"n1": "b1", "n2": "b1", "n3": "b1", "n4": "b2", "n5": "b2", "n6": "b2"}
+
+
+@pytest.mark.parametrize("kw, hold_back, words", [
+    # a pipeline over 2 nodes in b1 loses n2; b1 has no whole pipeline left: the ranks move to b2
+    # (SLURM's own pick, n1 + n3, would straddle the blocks)
+    ({"attempt_nodes": ["n1", "n2"], "node_groups": BLOCKS_OF_2, "unit_nodes": 2, "nodes_down": ["n2"],
+      "allocation_nodes": ["n1", "n3", "n4"], "spare_nodes": 2}, ["n1"], "a spare takes its place (n3 of b2, n4 of b2)"),
+    # whole replicas per node (unit 1): the spare of the failed node's block first, though a lower one is free
+    ({"attempt_nodes": ["n1", "n2", "n4", "n5"], "node_groups": BLOCKS_OF_3, "unit_nodes": 1, "nodes_down": ["n4"],
+      "allocation_nodes": ["n1", "n2", "n3", "n5", "n6"], "job_nodes": 4, "spare_nodes": 2}, ["n3"],
+     "(n6 of the same b2)"),
+    # pipelines of 2 on blocks of 3: n4 fails; n5 + n6 keep a whole pipeline in b2, n3 stays idle
+    ({"attempt_nodes": ["n1", "n2", "n4", "n5"], "node_groups": BLOCKS_OF_3, "unit_nodes": 2, "nodes_down": ["n4"],
+      "allocation_nodes": ["n1", "n2", "n3", "n5", "n6"], "job_nodes": 4, "spare_nodes": 2}, ["n3"], "(n6 of the same b2)"),
+    # no block holds a whole pipeline any more: said, and the ranks run across
+    ({"attempt_nodes": ["n1", "n2", "n3", "n4"], "node_groups": {**BLOCKS_OF_2, "n5": "b3"}, "unit_nodes": 2,
+      "nodes_down": ["n2"], "allocation_nodes": ["n1", "n3", "n4", "n5"], "job_nodes": 4, "spare_nodes": 1}, [],
+     "no switch or block holds the whole of n1+n3, n4+n5 any more"),
+])
+def test_a_restart_in_place_takes_spares_by_switch_or_block(kw, hold_back, words):
+    d = decide(_facts(**kw), POLICY)
+    assert d.action == "restart", d
+    assert d.hold_back == hold_back and d.leave_out == sorted(kw["nodes_down"]), d
+    assert words in d.detail, d.detail
+
+
+def test_without_a_topology_the_spares_are_slurms_choice():
+    d = decide(_facts(nodes_down=["n1"], allocation_nodes=["n2", "n3"], attempt_nodes=["n1", "n2"]), POLICY)
+    assert (d.action, d.leave_out, d.hold_back) == ("restart", ["n1"], []), d

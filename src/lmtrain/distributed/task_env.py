@@ -249,6 +249,19 @@ def cluster_environment(env: TaskEnv) -> Any:
     return LightningEnvironment()
 
 
+def apply_rank_env(rank_env: dict[str, Any], local_rank: int, environ: Any = None) -> dict[str, str]:
+    """Set this task's own value of each variable that differs by local rank (the plan's
+    ``rank_env``, e.g. NCCL_IB_HCA from the profile's network.hca_by_gpu), before NCCL reads it;
+    the names and values set."""
+    target = os.environ if environ is None else environ
+    done = {}
+    for name, spec in rank_env.items():
+        values = spec.get("by_local_rank") or []
+        if values:
+            target[name] = done[name] = str(values[local_rank % len(values)])
+    return done
+
+
 def record_this_task(run_dir: str | Path, plan: Any = None) -> None:
     """Write this process's record (with ``plan``, a LaunchPlan: the node's switch or block and the
     rank's place in the mesh); a failure costs only ``lmlaunch stacks`` and the layout check, never the task."""

@@ -85,8 +85,15 @@ class AttemptRecords:
         if not groups:
             return None
         from lmcore.network import group_of_node
+        from lmtrain.preemption.spares import crossing_units
 
-        return {n: group_of_node(groups, n) for n in self.env.nodes}
+        where = {n: group_of_node(groups, n) for n in self.env.nodes}
+        unit = int(self.plan.placement.get("group_nodes") or 1)
+        crossing = crossing_units(list(self.env.nodes), {n: g for n, g in where.items() if g}, unit)
+        if crossing:  # SLURM listed the job's nodes so that a model-parallel group spans two switches or blocks
+            log.warning("notice: the model-parallel group(s) on %s cross a switch or block (%s)",
+                        ", ".join("+".join(u) for u in crossing), ", ".join(f"{n}: {where[n]}" for u in crossing for n in u))
+        return where
 
     def idle_spares(self) -> list[str] | None:
         """A job with spare nodes: the allocation's nodes the ranks do not run on and no restart in

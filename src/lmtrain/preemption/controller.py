@@ -144,6 +144,8 @@ class Preemption:
             outcome.extra["restart"] = "in_place"
             if d.leave_out or facts.spare_nodes:  # the nodes the ranks leave out from now on (srun --exclude)
                 outcome.extra["left_out"] = d.leave_out
+            if d.hold_back:  # healthy spares kept idle so that the ranks keep their switch or block
+                outcome.extra["held_back"] = d.hold_back
         if d.action is None and d.exclude and slurm.state_word(facts.slurm_state or "") == "PENDING":
             # SLURM requeued the job itself (a node failure): exclude now, before the end line. The
             # failed node's slurmd kills this rank within seconds, before after_end would run.
@@ -197,8 +199,18 @@ class Preemption:
             spare_nodes=getattr(self.plan.slurm, "spare_nodes", 0),
             allocation_nodes=held_nodes(info) if info is not None else None,
             left_out=left_out_of(self._this_jobs_ends(), self.env.job_id),
-            slow_node=self.slow_node,
+            slow_node=self.slow_node, **self._network_facts(),
         )
+
+    def _network_facts(self) -> dict[str, Any]:
+        """The attempt's nodes and, with a placement, every allocation node's switch or block."""
+        placement = getattr(self.plan, "placement", None) or {}
+        groups = placement.get("groups") or {}
+        from hostlist import expand_hostlist
+
+        return {"attempt_nodes": list(self.env.nodes),
+                "node_groups": {n: g for g, nodes in groups.items() for n in expand_hostlist(nodes)},
+                "unit_nodes": int(placement.get("group_nodes") or 1), "segment": placement.get("segment")}
 
     def _this_jobs_ends(self) -> list[dict[str, Any]]:
         """The end lines of this job's earlier attempts (restarts in place), oldest first."""
@@ -263,7 +275,8 @@ class Preemption:
                 self.tell_batch_script("none", [])
                 exclude_nodes(self.plan, self.env, self.attempt, outcome.exclude)  # SLURM requeued it itself
                 return
-            self.tell_batch_script(outcome.action, outcome.extra.get("left_out") or [])
+            self.tell_batch_script(outcome.action, [*(outcome.extra.get("left_out") or []),
+                                                    *(outcome.extra.get("held_back") or [])])
             try:
                 if outcome.action == "restart":  # the batch script starts the ranks again (launcher.submit.script)
                     log.info("asking the batch script to restart the ranks in place (job %s)", self.env.job_id)

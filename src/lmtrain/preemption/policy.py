@@ -78,6 +78,10 @@ class EndFacts:
     allocation_nodes: list[str] | None = None  # the job's nodes now (a failed one leaves them); None: unknown
     left_out: list[str] = field(default_factory=list)  # nodes this job's earlier restarts in place left out
     slow_node: str | None = None  # the straggler's node this attempt stopped to leave out (action exclude)
+    attempt_nodes: list[str] = field(default_factory=list)  # the nodes this attempt's ranks ran on
+    node_groups: dict[str, str] = field(default_factory=dict)  # node -> its switch or block (a plan with a placement)
+    unit_nodes: int = 1  # nodes one model-parallel group (tensor x pipeline) spans
+    segment: int | None = None  # sbatch --segment: the job's nodes in segments of this many, each in one block
 
 
 @dataclass
@@ -89,6 +93,7 @@ class Decision:
     exit_code: int = 0
     exclude: list[str] = field(default_factory=list)  # nodes to keep the requeued job off (ExcNodeList)
     leave_out: list[str] = field(default_factory=list)  # a restart in place: the nodes its ranks leave out (srun --exclude)
+    hold_back: list[str] = field(default_factory=list)  # a restart in place: healthy spares kept idle (srun --exclude too)
 
 
 def signal_names(warning_name: str, *, warning: bool, term: bool) -> str:
@@ -172,7 +177,8 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
             swap = f"; {place.why}" if place.why else ""
             where = "the same job" if place.why else "the same job and nodes"
             return Decision(reason, detail + f"{swap}; restarted in place ({where}, no queue wait)",
-                            requeued=True, action="restart", exit_code=exit_code, leave_out=place.leave_out)
+                            requeued=True, action="restart", exit_code=exit_code, leave_out=place.leave_out,
+                            hold_back=place.hold_back)
         detail += f"; not restarted in place: {place.refused}"
     return _requeued(f, reason, detail, state, slurm_requeues=slurm_requeues, exit_code=exit_code)
 
@@ -297,7 +303,23 @@ def nodes_to_exclude(f: EndFacts, *, own_requeue: bool = False) -> tuple[list[st
     if len(left) < f.job_nodes:
         return [], (f"{', '.join(bad)} not excluded: the partition would keep {len(left)} node(s) for a job "
                     f"of {f.job_nodes}")
+    if f.segment and f.node_groups:
+        room = segments_left(left, f.node_groups, f.segment)
+        needed = -(-(f.job_nodes + f.spare_nodes) // f.segment)
+        if room < needed:
+            return [], (f"{', '.join(bad)} not excluded: without it the blocks hold {room} whole segment(s) of "
+                        f"{f.segment} node(s), the job needs {needed} (resources.placement); SLURM would never start it")
     return sorted(set(f.excluded) | set(bad)), ""
+
+
+def segments_left(nodes: set[str], groups: dict[str, str], segment: int) -> int:
+    """How many segments of ``segment`` nodes the blocks can still hold of ``nodes`` (SLURM puts
+    each segment inside one block)."""
+    per: dict[str, int] = {}
+    for n in nodes:
+        if groups.get(n) is not None:
+            per[groups[n]] = per.get(groups[n], 0) + 1
+    return sum(k // segment for k in per.values())
 
 
 @dataclass

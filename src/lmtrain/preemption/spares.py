@@ -26,6 +26,9 @@ class EndFacts(Protocol):
     left_out: list[str]
     job_nodes: int
     slow_node: str | None
+    attempt_nodes: list[str]
+    node_groups: dict[str, str]
+    unit_nodes: int
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class InPlace:
     refused: str | None = None
     leave_out: list[str] = field(default_factory=list)  # srun --exclude, every node this job left out so far
     why: str = ""  # the nodes newly left out and the spares that take their place ("" : none changed)
+    hold_back: list[str] = field(default_factory=list)  # healthy spares kept idle this time (srun --exclude too)
 
 
 def suspects(f: EndFacts) -> tuple[list[str], str]:
@@ -65,6 +69,70 @@ def spare_for(f: EndFacts) -> InPlace:
         return InPlace(refused=f"{why}: no spare left (the job holds {len(usable)} usable node(s) "
                                f"{','.join(usable) or '-'} for ranks on {f.job_nodes}; "
                                f"{','.join(out)} left out)")
+    run = choose_nodes(usable, f.job_nodes, f.attempt_nodes, f.node_groups, f.unit_nodes, bad)
+    hold = [n for n in usable if n not in run]
     spares = len(usable) - f.job_nodes
-    return InPlace(leave_out=out, why=f"{why}: {', '.join(bad)} left out, a spare takes its place "
-                                      f"({spares} spare(s) left)")
+    took = [n for n in run if n not in f.attempt_nodes]
+    where = _where(took, bad, f.node_groups)
+    moved = _crossing_note(run, f.node_groups, f.unit_nodes)
+    return InPlace(leave_out=out, hold_back=hold if f.node_groups else [],
+                   why=f"{why}: {', '.join(bad)} left out, a spare takes its place{where} ({spares} spare(s) left){moved}")
+
+
+def _where(took: list[str], bad: list[str], groups: dict[str, str]) -> str:
+    """Which spares took the place and whether they are of the failed nodes' group."""
+    if not groups or not took:
+        return ""
+    failed = {groups[n] for n in bad if n in groups}
+    same = [n for n in took if groups.get(n) in failed]
+    other = [f"{n} of {groups.get(n, '?')}" for n in took if n not in same]
+    said = [f"{n} of the same {'/'.join(sorted(failed))}" for n in same] + other
+    return f" ({', '.join(said)})" if said else ""
+
+
+def _crossing_note(run: list[str], groups: dict[str, str], unit: int) -> str:
+    crossing = crossing_units(run, groups, unit)
+    if not crossing:
+        return ""
+    return ("; no switch or block holds the whole of " + ", ".join("+".join(u) for u in crossing)
+            + " any more: those ranks' model-parallel group crosses one")
+
+
+def crossing_units(run: list[str], groups: dict[str, str], unit: int) -> list[list[str]]:
+    """The model-parallel units (``unit`` consecutive nodes in SLURM's order) that span groups."""
+    if unit <= 1 or not groups:
+        return []
+    units = [run[i:i + unit] for i in range(0, len(run), unit)]
+    return [u for u in units if len({groups.get(n) for n in u}) > 1]
+
+
+def choose_nodes(usable: list[str], need: int, current: list[str], groups: dict[str, str], unit: int,
+                 failed: list[str]) -> list[str]:
+    """The ``need`` nodes of ``usable`` (SLURM's order) a restart in place runs on: the attempt's
+    nodes that are left, and spares from the failed nodes' switch or block first; where that
+    breaks a model-parallel unit (``unit`` consecutive nodes) across groups and whole groups can
+    hold every unit instead, the ranks move to those. Without groups: SLURM's choice, the first
+    ``need`` usable nodes."""
+    if not groups:
+        return usable[:need]
+    order = {n: i for i, n in enumerate(usable)}
+    kept = [n for n in current if n in order]
+    failed_groups = {groups[n] for n in failed if n in groups}
+    spares = sorted((n for n in usable if n not in kept), key=lambda n: (groups.get(n) not in failed_groups, order[n]))
+    simple = sorted(kept + spares[:max(0, need - len(kept))], key=order.__getitem__)[:need]
+    if unit <= 1 or not crossing_units(simple, groups, unit):
+        return simple
+    packed = _packed(usable, need, groups, unit)
+    return packed if len(crossing_units(packed, groups, unit)) < len(crossing_units(simple, groups, unit)) else simple
+
+
+def _packed(usable: list[str], need: int, groups: dict[str, str], unit: int) -> list[str]:
+    """Whole units inside groups first (groups in SLURM's order), then what is left."""
+    chosen: list[str] = []
+    for g in dict.fromkeys(groups.get(n) for n in usable):
+        members = [n for n in usable if groups.get(n) == g]
+        whole = members[:len(members) // unit * unit]
+        chosen += whole[:max(0, need - len(chosen))]
+    chosen += [n for n in usable if n not in chosen][:max(0, need - len(chosen))]
+    order = {n: i for i, n in enumerate(usable)}
+    return sorted(chosen, key=order.__getitem__)

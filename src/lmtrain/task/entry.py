@@ -72,6 +72,10 @@ def run_task(run_dir: str | Path) -> int:
 
     plan = LaunchPlan.from_dict(raw_plan)
     record_this_task(run_dir, plan)  # this process's node, pid and place in the mesh, for `lmlaunch stacks` (even if stuck starting)
+    if plan.rank_env:  # this rank's own NCCL_IB_HCA (network.hca_by_gpu), before NCCL starts
+        from lmtrain.distributed.task_env import apply_rank_env, read_env
+
+        apply_rank_env(plan.rank_env, read_env().local_rank)
     try:
         with imports_without_gc(freeze=fresh):
             import_frameworks(deepspeed=bool(plan.parallelism.zero))  # the rest of them, with the signals already ours
