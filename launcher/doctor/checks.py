@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.doctor.network_check import network_differences
 from launcher.planning import runtime_stack
 from launcher.spec.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of, partitions as draft_partitions
 from launcher.spec.profiles import Profile
@@ -199,6 +200,7 @@ def judge_profile(profile: Profile, facts: ClusterFacts) -> Check:
         differ.append(f"gpus_per_node {profile.gpus_per_node}, the nodes have {', '.join(map(str, gpus))}")
     if profile.gpus_per_node and facts.nodes and not gpus:
         differ.append(f"gpus_per_node {profile.gpus_per_node}, but no node has a GPU Gres")
+    differ += network_differences(profile, facts)
     figures = {"differences": differ}
     if differ:
         return Check("profile", WARN, f"profile '{profile.name}' disagrees with the live cluster: {'; '.join(differ)} "
@@ -273,6 +275,7 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
         part = None
     checks.append(judge_partition(plan, part))
     checks.append(judge_profile(profile, ClusterFacts(partitions=slurm.partition_configs(), nodes=slurm.node_configs(),
+                                                      topology=slurm.topology_records(),
                                                       config=config)))
     checks += _association_checks(plan)
     if job_script is not None:

@@ -112,8 +112,10 @@ def nccl_for_network(network: Network, got: Resolved, topo: Topology) -> tuple[d
 def _conflicts(placement: Placement, network: Network, got: Resolved, slurm: SlurmParams) -> list[str]:
     problems = [f"slurm.sbatch.{k} and resources.placement both ask SLURM where to place the nodes: keep one"
                 for k in OPTIONS if k in slurm.site_options and k in got.options]
-    if placement.max_wait is not None and "switches" not in got.options:
-        problems.append(f"resources.placement.max_wait applies to topology/tree (sbatch --switches=1@WAIT); here "
+    if placement.max_wait is not None and not got.options:
+        problems.append(f"resources.placement.max_wait: nothing to wait for (within: {got.within} asks SLURM for no placement)")
+    elif placement.max_wait is not None and "switches" not in got.options:
+        problems.append(f"resources.placement.max_wait applies to topology/tree (sbatch --switches=N@WAIT); here "
                         f"({network.topology}, within: {got.within}) SLURM waits for the placement without a bound")
     return problems
 

@@ -207,17 +207,27 @@ def _choices_and_environment(cfg: Mapping[str, str], loopback: bool) -> list[str
     return y
 
 
-def network_lines(plugin: str, records: Sequence[Mapping[str, str]]) -> list[str]:
-    """The profile's ``network`` section: SLURM's topology (leaf switches or base blocks, the block
-    sizes), and what SLURM cannot know as choices."""
-    kind = {"topology/tree": "tree", "topology/block": "block"}.get(plugin)
-    choices = ["  # nvlink: {nodes_per_domain: 18}  # CHOOSE: multi-node NVLink domains (GB200/GB300 NVL72), which SLURM does not know",
-               "  # hca_by_gpu: [mlx5_0, mlx5_1]  # CHOOSE: the HCA nearest each GPU (nvidia-smi topo -m): each rank's NCCL_IB_HCA"]
+def live_network(plugin: str, records: Sequence[Mapping[str, str]]) -> tuple[str, list[tuple[str, str]], list[int]]:
+    """(tree | block | none, its leaf switches or base blocks as (name, nodes), the block sizes) from
+    TopologyPlugin and `scontrol show topology`."""
+    kind = {"topology/tree": "tree", "topology/block": "block"}.get(plugin, "none")
     if kind == "tree":
         groups = [(r.get("SwitchName", "?"), r.get("Nodes", "")) for r in records if r.get("Level") == "0" and r.get("Nodes")]
     elif kind == "block":
         groups = [(r.get("BlockName", "?"), r.get("Nodes", "")) for r in records if r.get("BlockName") and r.get("Nodes")]
     else:
+        groups = []
+    sizes = sorted({_int(r.get("BlockSize")) for r in records if _int(r.get("BlockSize"))}) if kind == "block" else []
+    return kind, groups, sizes
+
+
+def network_lines(plugin: str, records: Sequence[Mapping[str, str]]) -> list[str]:
+    """The profile's ``network`` section: SLURM's topology (leaf switches or base blocks, the block
+    sizes), and what SLURM cannot know as choices."""
+    kind, groups, sizes = live_network(plugin, records)
+    choices = ["  # nvlink: {nodes_per_domain: 18}  # CHOOSE: multi-node NVLink domains (GB200/GB300 NVL72), which SLURM does not know",
+               "  # hca_by_gpu: [mlx5_0, mlx5_1]  # CHOOSE: the HCA nearest each GPU (nvidia-smi topo -m): each rank's NCCL_IB_HCA"]
+    if kind == "none":
         return ["network:  # TopologyPlugin=" + (plugin or "(null)") + ": SLURM knows no switches or blocks here",
                 "  topology: none", *choices]
     if not groups:
@@ -227,8 +237,7 @@ def network_lines(plugin: str, records: Sequence[Mapping[str, str]]) -> list[str
     y = [f"network:  # TopologyPlugin={plugin}; its {word} from `scontrol show topology`",
          f"  topology: {kind}", "  groups:"]
     y += [f"    {_quote(name)}: {_quote(nodes)}" for name, nodes in groups]
-    sizes = sorted({_int(r.get("BlockSize")) for r in records if _int(r.get("BlockSize"))})
-    if kind == "block" and sizes:
+    if sizes:
         y.append(f"  block_sizes: [{', '.join(str(s) for s in sizes)}]  # BlockSize of the blocks and their aggregates")
     return y + choices
 

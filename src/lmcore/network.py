@@ -184,7 +184,11 @@ def resolve_placement(p: Placement, net: Network, nodes: int, *, group_nodes: in
         return (f"resources.placement.segment({p.segment}) needs a topology/block cluster; {profile} has network "
                 f"topology {net.topology}")
     if within == "any":
-        return _segments(p, net, nodes, group_nodes, "any") if net.topology == "block" else Resolved("any", {}, "no placement asked")
+        if net.topology == "block":
+            return _segments(p, net, nodes, group_nodes, "any")
+        if net.topology == "tree" and p.within == "auto":
+            return _fewest_switches(p, net, nodes, group_nodes)
+        return Resolved("any", {}, "no placement asked")
     if within == "nvlink":
         return _nvlink(net, nodes, profile)
     kind = {"switch": "tree", "block": "block"}[within]
@@ -221,6 +225,19 @@ def _auto(net: Network, nodes: int, group_nodes: int) -> str:
         return "nvlink" if net.nvlink is not None and group_nodes > 1 else "any"
     fits = nodes <= _biggest(net)[1] and (net.topology == "tree" or nodes <= (net.base_block or nodes))
     return ("switch" if net.topology == "tree" else "block") if fits else "any"
+
+
+def _fewest_switches(p: Placement, net: Network, nodes: int, group_nodes: int) -> Resolved:
+    """topology/tree for a job larger than a leaf switch: the fewest switches that hold it, so that
+    each model-parallel group lies under one when the switches hold whole groups."""
+    size = min(len(n) for n in net.members().values())
+    if group_nodes > 1 and size % group_nodes:
+        return Resolved("any", {}, f"no placement asked: a model-parallel group of {group_nodes} nodes does not "
+                                   f"divide a leaf switch of {size}")
+    count = -(-nodes // size)
+    wait = f"@{p.max_wait}" if p.max_wait is not None else ""
+    return Resolved("switches", {"switches": f"{count}{wait}"},
+                    f"the {nodes} nodes under the fewest leaf switches ({count} of {size} nodes)")
 
 
 def _segments(p: Placement, net: Network, nodes: int, group_nodes: int, within: str) -> Resolved | str:

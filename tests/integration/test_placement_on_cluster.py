@@ -1,9 +1,10 @@
-"""Placement on a real SLURM topology: a worker cluster of 8 nodes with two leaf switches of 4
+"""Placement on a real SLURM topology: a worker cluster of 8 nodes in four leaf switches of 2
 (topology/tree, SLURM 22.05) or four blocks of 2 (topology/block, SLURM 23.11 and later), its profile
 read off it by `lmlaunch profile init`.
 
-- One node kept busy, and a 4-node pp2 x dp2 job that must not touch that node's switch or block;
-  what the job got is read from sacct and from the ranks' own records.
+- One node kept busy; a 2-node job asked to stay inside one switch or block, and a 4-node
+  pp2 x dp2 job whose pipelines must each stay inside one (within: auto: --switches=2 or
+  --segment=2): what they got is read from sacct and from the ranks' own records.
 - A pipeline over 2 nodes with 2 spare nodes loses a node (`lmlaunch preempt --mode node-failure`):
   the restart in place takes its spares by switch or block, never SLURM's first free node.
 """
@@ -38,12 +39,13 @@ def _block_topology(version: str) -> bool:
 
 @pytest.fixture(scope="module")
 def topology_cluster(slurm_cluster):
-    """A worker cluster of this test's own: 8 nodes, tree:2x4 or block:4x2 by the SLURM version;
+    """A worker cluster of this module's own: 8 nodes in 4 leaf switches (tree:4x2) or 4 blocks
+    (block:4x2) of 2, by the SLURM version;
     back to 2 nodes without a topology afterwards."""
     from launcher.localcluster.config import native_version
 
     version = VERSION or native_version() or "22.05"
-    text = "block:4x2" if _block_topology(version) else "tree:2x4"
+    text = "block:4x2" if _block_topology(version) else "tree:4x2"
     claim = workers.claim(VERSION)
     lines: list[str] = []
     try:
@@ -70,55 +72,60 @@ def _profile(claim, lm_env, tmp_path) -> dict[str, str]:
     return env
 
 
-def test_a_job_asked_to_stay_inside_one_switch_or_block_gets_one_and_its_pipelines_lie_inside_a_group(
+def _lm_job(env: dict[str, str], claim, *args: str) -> str:
+    with cluster.own_conf(claim.layout):
+        code, out, err = lm(env, "submit", SPEC, *args)
+    assert code == 0, out + err
+    return re.search(r"job (\d+)", out).group(1)
+
+
+def test_jobs_asked_to_stay_inside_switches_or_blocks_get_them_and_their_pipelines_lie_inside_one(
         topology_cluster, lm_env, tmp_path):
     claim, text = topology_cluster
     block = text.startswith("block")
+    word = "block" if block else "switch"
     env = _profile(claim, lm_env, tmp_path)
     said = (tmp_path / "profiles" / "topo.yaml").read_text()
-    want = ('"b3": "n[5-6]"' if block else '"s2": "n[5-8]"')
-    assert want in said and f"topology: {'block' if block else 'tree'}" in said, said
+    assert f'"{"b2" if block else "s2"}": "n[3-4]"' in said and f"topology: {'block' if block else 'tree'}" in said, said
 
-    name = job_name("pl", "pp")
+    pair, four = job_name("pl", "pair"), job_name("pl", "pp")
+    small = (f"name={pair}", "cluster=topo", *BASE, "trainer.max_steps=4", "checkpoint.every_n_steps=100",
+             f"resources.placement.within={word}")
     # pp2 x dp2 on 4 nodes: each data-parallel replica's two stages on two consecutive nodes
-    job_args = (f"name={name}", "cluster=topo", *BASE, "trainer.max_steps=4", "checkpoint.every_n_steps=100",
-                "resources.nodes=4", "resources.tasks_per_node=1", "trainer.strategy=fsdp",
-                "trainer.pipeline_parallel_size=2", "data.micro_batch_size=4", "trainer.global_batch_size=16",
-                "resources.placement.within=auto" if block else "resources.placement.within=switch")
-    # what can never be: a segment larger than a block, more nodes than a switch holds
-    bad, why = ((("resources.placement.segment=4",), "segment(4) is larger than the base block (2 nodes)") if block else
-                (("resources.nodes=8", "trainer.global_batch_size=32"), "the job's 8 nodes never fit in one switch"))
-    code, out, err = lm(env, "submit", SPEC, *job_args, *bad, "--dry-run")
-    assert code == 2 and why in err, out + err
-    code, out, err = lm(env, "submit", SPEC, *job_args, "--dry-run")
-    option = "#SBATCH --segment=2" if block else "#SBATCH --switches=1"
-    assert code == 0 and option in out, out + err
+    pp = (f"name={four}", "cluster=topo", *BASE, "trainer.max_steps=4", "checkpoint.every_n_steps=100",
+          "resources.nodes=4", "resources.tasks_per_node=1", "trainer.strategy=fsdp",
+          "trainer.pipeline_parallel_size=2", "data.micro_batch_size=4", "trainer.global_batch_size=16")
+    # what can never be: 4 nodes inside one switch or block of 2
+    code, out, err = lm(env, "submit", SPEC, *pp, f"resources.placement.within={word}", "--dry-run")
+    assert code == 2 and f"the job's 4 nodes never fit in one {word}" in err and "has 2" in err, out + err
+    code, out, err = lm(env, "submit", SPEC, *pp, "resources.placement.within=auto", "--dry-run")
+    assert code == 0 and ("#SBATCH --segment=2" if block else "#SBATCH --switches=2") in out, out + err
     assert "#   node 1: ranks 1-1  stage(s) 1  replica(s) 0" in out, out
 
     busy = ""
-    with cluster.own_conf(claim.layout):  # n2 busy: its block (n1, n2) or switch (n1-n4) cannot hold the job
-        busy = subprocess.run(["sbatch", "--parsable", "-p", "low", "-w", "n2", "--exclusive", "-N1", "-J", f"{name}-busy",
+    with cluster.own_conf(claim.layout):  # n2 busy: its switch or block (n1, n2) cannot hold a job
+        busy = subprocess.run(["sbatch", "--parsable", "-p", "low", "-w", "n2", "--exclusive", "-N1", "-J", f"{pair}-busy",
                                "-o", "/dev/null", "--wrap", "sleep 600"], capture_output=True, text=True, check=True,
                               env={**os.environ, **claim.environ()}).stdout.strip().split(";")[0]
     try:
+        jobs = {pair: _lm_job(env, claim, *small), four: _lm_job(env, claim, *pp, "resources.placement.within=auto")}
+        runs = Path(env["LMLAUNCH_RUNS_ROOT"])
         with cluster.own_conf(claim.layout):
-            code, out, err = lm(env, "submit", SPEC, *job_args)
-        assert code == 0, out + err
-        job = re.search(r"job (\d+)", out).group(1)
-        run_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
-        with cluster.own_conf(claim.layout):
-            finish(job, run_dir)
-            got = slurm.sacct([job])
-        nodes = got[0].nodes if got else ""
-        assert nodes == "n[5-8]", got  # never n1 or n3/n4 beside the busy n2
-        records, problems = read_task_records(run_dir, job, 0)
+            for name, job in jobs.items():
+                finish(job, runs / name)
+            got = {r.job_id: r.nodes for r in slurm.sacct(list(jobs.values()))}
+        from hostlist import expand_hostlist
+
+        pair_nodes = expand_hostlist(got[jobs[pair]])
+        assert len(pair_nodes) == 2 and not {"n1", "n2"} & set(pair_nodes), got  # never n1 beside the busy n2
+        assert int(pair_nodes[0][1:]) % 2 == 1 and int(pair_nodes[1][1:]) == int(pair_nodes[0][1:]) + 1, got  # one group
+        records, problems = read_task_records(runs / four, jobs[four], 0)
         assert not problems and len(records) == 4, problems
-        where = {(r.replica, r.stage): (r.node, r.group) for r in records}
-        for replica in (0, 1):  # both stages of a replica inside one group
-            assert where[(replica, 0)][1] == where[(replica, 1)][1] is not None, where
-        if block:
-            assert {where[(0, 0)][1], where[(1, 0)][1]} == {"b3", "b4"}, where
-        start = json.loads(next(line for line in (run_dir / "attempts.jsonl").read_text().splitlines()
+        assert not {"n1", "n2"} & {r.node for r in records}, records
+        where = {(r.replica, r.stage): r.group for r in records}
+        for replica in (0, 1):  # both stages of a replica inside one switch or block, read from the ranks
+            assert where[(replica, 0)] == where[(replica, 1)] is not None, where
+        start = json.loads(next(line for line in (runs / four / "attempts.jsonl").read_text().splitlines()
                                 if '"start"' in line))
         assert start["groups"] == {r.node: r.group for r in records}, start
     finally:
@@ -126,14 +133,14 @@ def test_a_job_asked_to_stay_inside_one_switch_or_block_gets_one_and_its_pipelin
             slurm.cancel([busy] if busy else [])
 
 
-def test_a_restart_in_place_takes_the_spares_of_the_failed_nodes_switch_or_block(topology_cluster, lm_env, tmp_path):
+def test_a_restart_in_place_takes_the_spares_by_switch_or_block(topology_cluster, lm_env, tmp_path):
     claim, text = topology_cluster
     block = text.startswith("block")
     env = _profile(claim, lm_env, tmp_path)
     name = job_name("pl", "spare")
     with cluster.own_conf(claim.layout):
-        # a pipeline over 2 nodes, 2 spares: blocks of 2 put them in another block (--segment=2); a
-        # switch of 4 holds all four (--switches=1)
+        # a pipeline over 2 nodes, 2 spares: the spares in another block or switch of 2 (--segment=2,
+        # --switches=2)
         job, run_dir = submit(env, name, "cluster=topo", "trainer.max_steps=40", "resources.spare_nodes=2",
                               "trainer.strategy=fsdp", "trainer.pipeline_parallel_size=2",
                               "resources.placement.within=auto")
@@ -145,10 +152,10 @@ def test_a_restart_in_place_takes_the_spares_of_the_failed_nodes_switch_or_block
     end = ends(run_dir)[0]
     assert (end["reason"], end["restart"], end["left_out"]) == ("node_failure", "in_place", ["n2"]), end
     second = starts(run_dir)[1]
-    if block:  # b1 has no whole pipeline left: the ranks move to b2 (SLURM's first free pair, n1 + n3, straddles)
-        assert (second["nodes"], end["held_back"]) == (["n3", "n4"], ["n1"]), (second, end)
-        assert "a spare takes its place (n3 of b2, n4 of b2)" in end["detail"], end
-    else:  # the spare of the same switch
-        assert second["nodes"] == ["n1", "n3"] and "(n3 of the same s1)" in end["detail"], (second, end)
+    # the failed node's switch or block has no whole pipeline left: the ranks move to the spares' one
+    # (SLURM's first free pair, n1 + n3, would straddle the two)
+    group = "b2" if block else "s2"
+    assert (second["nodes"], end["held_back"]) == (["n3", "n4"], ["n1"]), (second, end)
+    assert f"a spare takes its place (n3 of {group}, n4 of {group})" in end["detail"], end
     assert second["job_id"] == job and len({second["groups"][n] for n in second["nodes"]}) == 1, second
     assert ends(run_dir)[-1]["reason"] == "completed", ends(run_dir)

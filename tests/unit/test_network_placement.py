@@ -27,7 +27,8 @@ TREE = Network(topology="tree", groups={"s1": "n1,n2", "s2": "n[3-4]"})
     ({"within": "switch"}, TREE, 2, 1, {"switches": "1"}),
     ({"within": "switch", "max_wait": "10:00"}, TREE, 2, 1, {"switches": "1@10:00"}),
     ({"within": "auto"}, TREE, 2, 1, {"switches": "1"}),
-    ({"within": "auto"}, TREE, 3, 1, {}),  # larger than any switch: auto asks nothing
+    ({"within": "auto"}, TREE, 3, 1, {"switches": "2"}),  # larger than a switch: the fewest switches
+    ({"within": "auto"}, Network(topology="tree", groups={"s1": "n[1-3]", "s2": "n[4-6]"}), 4, 2, {}),  # 2 does not divide 3
     ({}, TREE, 4, 2, {}),
 ])
 def test_a_placement_becomes_the_sbatch_options_that_ask_slurm_for_it(placement, net, nodes, span, options):

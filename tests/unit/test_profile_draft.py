@@ -112,3 +112,24 @@ def test_doctor_names_where_a_profile_disagrees_with_the_live_cluster(tmp_path):
         "default_partition urgent, the cluster's default is batch",
         "gpus_per_node 16, the nodes have 4, 8",
     ]
+
+
+def test_doctor_names_where_a_profiles_network_is_not_the_clusters_topology(tmp_path):
+    import dataclasses
+
+    from launcher.doctor.checks import OK, WARN, judge_profile
+
+    records = [{"BlockName": "b1", "Nodes": "n[1-2]", "BlockSize": "2"}, {"BlockName": "b2", "Nodes": "n[3-4]", "BlockSize": "2"},
+               {"AggregatedBlock": "b[1-2]", "Nodes": "n[1-4]", "BlockSize": "4"}]
+    live = dataclasses.replace(GPU_CLUSTER, config={**GPU_CLUSTER.config, "TopologyPlugin": "topology/block"},
+                               topology=records)
+    text = draft("big", live, when="2026-11-28")
+    assert judge_profile(_load(tmp_path, "big", text), live).status == OK  # what profile init wrote agrees
+    (tmp_path / "edited").mkdir()
+    edited = text.replace('"b2": "n[3-4]"', '"b2": "n[3-5]"').replace("block_sizes: [2, 4]", "block_sizes: [2, 8]")
+    check = judge_profile(_load(tmp_path / "edited", "big", edited), live)
+    assert check.status == WARN and check.figures["differences"] == [
+        "network.groups b2: 'n[3-5]', the cluster's b2 has n[3-4]", "network.block_sizes [2, 8], the cluster's [2, 4]"]
+    (tmp_path / "tree").mkdir()
+    check = judge_profile(_load(tmp_path / "tree", "big", text), dataclasses.replace(live, config=GPU_CLUSTER.config))
+    assert check.figures["differences"] == ["network.topology block, the cluster's TopologyPlugin is topology/none"]
