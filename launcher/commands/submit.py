@@ -59,17 +59,7 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     lines.append("## job script (as submitted)")
     lines.append(script.rstrip("\n"))
     lines.append("")
-    lines.append("## environment of every task")
-    for name in sorted(plan.env):
-        lines.append(f"{name}={escape_controls(plan.env[name])}    # {plan.env_reasons.get(name, '')}")
-    for name, spec in sorted(plan.rank_env.items()):
-        by_rank = ", ".join(f"{i}: {v}" for i, v in enumerate(spec["by_local_rank"]))
-        lines.append(f"{name}=<by local rank: {by_rank}>    # {spec['why']}")
-    for o in plan.env_overrides:
-        lines.append(f"# override: {o.name}: profile {brief(o.profile_value, 200)} -> job {brief(o.job_value, 200)}")
-    for name in plan.passthrough:
-        state = "" if environ is None else (" (set here)" if environ.get(name) else " (NOT set in this shell)")
-        lines.append(f"{name}=<passed through from the submitting shell{state}; value never written>")
+    lines += _env_lines(plan, environ)
     port = plan.rendezvous.get("master_port")
     if port:
         lines.append(f"MASTER_PORT=<{port}>")
@@ -99,6 +89,22 @@ def render_dry_run(plan: LaunchPlan, script: str, environ: Mapping[str, str] | N
     # Values with line breaks were escaped above (and in the script by launcher.submit.shell.shell_quote); any
     # other control character left in a line (a terminal escape in a note or a path) shows escaped.
     return "\n".join(escape_controls(line) for line in "\n".join(lines).split("\n"))
+
+
+def _env_lines(plan: LaunchPlan, environ: Mapping[str, str] | None) -> list[str]:
+    """The task environment, each variable with its reason (a rank's own values by local rank)."""
+    lines = ["## environment of every task"]
+    for name in sorted(plan.env):
+        lines.append(f"{name}={escape_controls(plan.env[name])}    # {plan.env_reasons.get(name, '')}")
+    for name, spec in sorted(plan.rank_env.items()):
+        by_rank = ", ".join(f"{i}: {v}" for i, v in enumerate(spec["by_local_rank"]))
+        lines.append(f"{name}=<by local rank: {by_rank}>    # {spec['why']}")
+    for o in plan.env_overrides:
+        lines.append(f"# override: {o.name}: profile {brief(o.profile_value, 200)} -> job {brief(o.job_value, 200)}")
+    for name in plan.passthrough:
+        state = "" if environ is None else (" (set here)" if environ.get(name) else " (NOT set in this shell)")
+        lines.append(f"{name}=<passed through from the submitting shell{state}; value never written>")
+    return lines
 
 
 def _layout_lines(placement: dict[str, Any] | None) -> list[str]:

@@ -309,19 +309,16 @@ def make_plan(
     trainer, training, trainer_notes = _trainer_plans(spec, topo, paths.run_dir)
     deepspeed = render_deepspeed(spec, world_size=topo.world_size, grad_accum=topo.grad_accum) if topo.parallelism.zero else None
     box = _container(spec, profile, paths, runs_root, python, host_python_dirs, env.values, problems)
-    if problems:
-        raise SpecError(problems)
     slurm, srun_args, site_notes = _site_options(spec, profile, slurm)
     placed = plan_placement(spec.resources.placement, profile.network, topo, slurm, profile=profile.name)
-    if placed.problems:
-        raise SpecError(placed.problems)  # an impossible placement: nothing is submitted
+    if problems or placed.problems:  # an impossible placement among them: nothing is submitted
+        raise SpecError(problems + placed.problems)
     slurm, env_notes = placed.slurm, merge_env(placed, env.values, env.reasons)
     if box is not None:
         srun_args = (*box.srun_args, *srun_args)
     notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes, *placed.notes, *env_notes,
-             *_placement_notes(profile, slurm, exclude or {}), *mesh_notes.tensor_parallel(topo, env.values, env.reasons), *mesh_notes.pipeline(topo),
-             *mesh_notes.sharding(topo),
-             *_agreement_notes(spec), *_spare_notes(slurm))
+             *_placement_notes(profile, slurm, exclude or {}), *mesh_notes.tensor_parallel(topo, env.values, env.reasons),
+             *mesh_notes.pipeline(topo), *mesh_notes.sharding(topo), *_agreement_notes(spec), *_spare_notes(slurm))
     preemption = PreemptionPlan.of(
         spec.preemption,
         cluster_sends_user_signal=profile.sends_user_signal_on_preemption,

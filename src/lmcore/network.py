@@ -286,3 +286,11 @@ def node_order(nodes: list[str] | tuple[str, ...], net: Network | None) -> list[
     for i, n in enumerate(nodes):
         first.setdefault(where.get(n), i)
     return sorted(nodes, key=lambda n: (first[where.get(n)], list(nodes).index(n)))
+
+
+def crossing_units(run: list[str], groups: dict[str, str], unit: int) -> list[list[str]]:
+    """The model-parallel units (``unit`` consecutive nodes in SLURM's order) that span groups."""
+    if unit <= 1 or not groups:
+        return []
+    units = [run[i:i + unit] for i in range(0, len(run), unit)]
+    return [u for u in units if len({groups.get(n) for n in u}) > 1]

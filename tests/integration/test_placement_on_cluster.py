@@ -55,8 +55,10 @@ def topology_cluster(slurm_cluster):
             assert cluster.nodes_ready(NODES), lines
         yield claim, text
     finally:
-        with cluster.own_conf(claim.layout), contextlib.suppress(UserError):
-            rehearsal.set_node_state("n2", "RESUME")  # a node failure leaves it DOWN
+        with cluster.own_conf(claim.layout):
+            for node in NODES:  # a node failure leaves one DOWN
+                with contextlib.suppress(UserError):
+                    rehearsal.set_node_state(node, "RESUME")
         cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, version=VERSION,
                    nodes=2, topology="none")
         release_worker(claim, "pl-")
@@ -134,8 +136,7 @@ def test_jobs_asked_to_stay_inside_switches_or_blocks_get_them_and_their_pipelin
 
 
 def test_a_restart_in_place_takes_the_spares_by_switch_or_block(topology_cluster, lm_env, tmp_path):
-    claim, text = topology_cluster
-    block = text.startswith("block")
+    claim, _ = topology_cluster
     env = _profile(claim, lm_env, tmp_path)
     name = job_name("pl", "spare")
     with cluster.own_conf(claim.layout):
@@ -145,17 +146,19 @@ def test_a_restart_in_place_takes_the_spares_by_switch_or_block(topology_cluster
                               "trainer.strategy=fsdp", "trainer.pipeline_parallel_size=2",
                               "resources.placement.within=auto")
         wait_step(run_dir, 3, attempt=1)
-        assert starts(run_dir)[0]["nodes"] == ["n1", "n2"], starts(run_dir)
+        first = starts(run_dir)[0]  # SLURM picks the pair of blocks or switches; the ranks on the first two nodes
+        (kept, lost), spares = first["nodes"], first["spares"]
+        assert len(spares) == 2 and len({first["groups"][n] for n in (kept, lost)}) == 1, first
         r = preempt(env, name, "node-failure")  # the last node the ranks run on
-        assert r["node"] == "n2", r
+        assert r["node"] == lost, r
         finish(job, run_dir)
     end = ends(run_dir)[0]
-    assert (end["reason"], end["restart"], end["left_out"]) == ("node_failure", "in_place", ["n2"]), end
+    assert (end["reason"], end["restart"], end["left_out"]) == ("node_failure", "in_place", [lost]), end
     second = starts(run_dir)[1]
     # the failed node's switch or block has no whole pipeline left: the ranks move to the spares' one
-    # (SLURM's first free pair, n1 + n3, would straddle the two)
-    group = "b2" if block else "s2"
-    assert (second["nodes"], end["held_back"]) == (["n3", "n4"], ["n1"]), (second, end)
-    assert f"a spare takes its place (n3 of {group}, n4 of {group})" in end["detail"], end
+    # (SLURM's first free pair, the kept node and a spare, would straddle the two)
+    group = second["groups"][spares[0]]
+    assert (second["nodes"], end["held_back"]) == (spares, [kept]), (second, end)
+    assert f"a spare takes its place ({spares[0]} of {group}, {spares[1]} of {group})" in end["detail"], end
     assert second["job_id"] == job and len({second["groups"][n] for n in second["nodes"]}) == 1, second
     assert ends(run_dir)[-1]["reason"] == "completed", ends(run_dir)

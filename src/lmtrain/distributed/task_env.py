@@ -262,6 +262,15 @@ def apply_rank_env(rank_env: dict[str, Any], local_rank: int, environ: Any = Non
     return done
 
 
+def begin_task(run_dir: str | Path, plan: Any) -> None:
+    """A task's first acts: its record, for `lmlaunch stacks` and the layout (even if it gets stuck
+    starting), and its own value of each variable that differs by local rank (network.hca_by_gpu's
+    NCCL_IB_HCA), before NCCL starts."""
+    record_this_task(run_dir, plan)
+    if plan.rank_env:
+        apply_rank_env(plan.rank_env, read_env().local_rank)
+
+
 def record_this_task(run_dir: str | Path, plan: Any = None) -> None:
     """Write this process's record (with ``plan``, a LaunchPlan: the node's switch or block and the
     rank's place in the mesh); a failure costs only ``lmlaunch stacks`` and the layout check, never the task."""

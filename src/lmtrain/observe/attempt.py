@@ -84,8 +84,7 @@ class AttemptRecords:
         groups = (getattr(self.plan, "placement", None) or {}).get("groups")
         if not groups:
             return None
-        from lmcore.network import group_of_node
-        from lmtrain.preemption.spares import crossing_units
+        from lmcore.network import crossing_units, group_of_node
 
         where = {n: group_of_node(groups, n) for n in self.env.nodes}
         unit = int(self.plan.placement.get("group_nodes") or 1)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from lmcore.network import crossing_units
+
 
 class EndFacts(Protocol):
     """What this module reads of the policy's facts (lmtrain.preemption.policy.EndFacts)."""
@@ -96,14 +98,6 @@ def _crossing_note(run: list[str], groups: dict[str, str], unit: int) -> str:
         return ""
     return ("; no switch or block holds the whole of " + ", ".join("+".join(u) for u in crossing)
             + " any more: those ranks' model-parallel group crosses one")
-
-
-def crossing_units(run: list[str], groups: dict[str, str], unit: int) -> list[list[str]]:
-    """The model-parallel units (``unit`` consecutive nodes in SLURM's order) that span groups."""
-    if unit <= 1 or not groups:
-        return []
-    units = [run[i:i + unit] for i in range(0, len(run), unit)]
-    return [u for u in units if len({groups.get(n) for n in u}) > 1]
 
 
 def choose_nodes(usable: list[str], need: int, current: list[str], groups: dict[str, str], unit: int,

@@ -68,14 +68,10 @@ def run_task(run_dir: str | Path) -> int:
     fresh = "torch" not in sys.modules  # a task's process, not forked from a zygote nor called in-process
     with imports_without_gc(freeze=fresh):
         from lmcore.plan import LaunchPlan
-        from lmtrain.distributed.task_env import record_this_task
+        from lmtrain.distributed.task_env import begin_task
 
     plan = LaunchPlan.from_dict(raw_plan)
-    record_this_task(run_dir, plan)  # this process's node, pid and place in the mesh, for `lmlaunch stacks` (even if stuck starting)
-    if plan.rank_env:  # this rank's own NCCL_IB_HCA (network.hca_by_gpu), before NCCL starts
-        from lmtrain.distributed.task_env import apply_rank_env, read_env
-
-        apply_rank_env(plan.rank_env, read_env().local_rank)
+    begin_task(run_dir, plan)  # its record (node, pid, place in the mesh) and its own NCCL_IB_HCA
     try:
         with imports_without_gc(freeze=fresh):
             import_frameworks(deepspeed=bool(plan.parallelism.zero))  # the rest of them, with the signals already ours
