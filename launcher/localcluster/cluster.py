@@ -21,6 +21,7 @@ from typing import TypeVar
 from launcher.localcluster import debian_root
 from launcher.localcluster.config import (
     CLUSTER_NAME,
+    MAX_NODES,
     MAX_WORKER_SLOTS,
     NODES,
     Layout,
@@ -585,6 +586,8 @@ def _wanted_topology(given: str | None, current: Settings, nodes: int | None) ->
     except ValueError as exc:
         kept = "" if given is not None else " (kept from the last `up`; `--topology none` drops it)"
         raise UserError(f"{exc}{kept}") from None
+    if topo is not None and not 1 <= topo.nodes <= MAX_NODES:
+        raise UserError(f"--topology {topo.text}: {topo.nodes} nodes; the local cluster runs 1 to {MAX_NODES}")
     if topo is not None and nodes is None and topo.nodes != len(current.ports.nodes):
         nodes = topo.nodes
     return topo, nodes

@@ -14,6 +14,7 @@ order, in which sites number a rack's (a block's, a switch's) nodes together; a 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +25,12 @@ OPTIONS = ("switches", "segment")  # the sbatch options a placement sets
 
 
 def group_nodes(topo: Topology) -> int:
-    """The nodes one model-parallel group (tensor x pipeline ranks) spans; 1 when it fits in a node."""
+    """The nodes that hold whole model-parallel groups (tensor x pipeline ranks): 1 when the groups
+    fit nodes exactly, 2 for a group of 8 ranks on nodes of 4, 3 for groups of 3 on nodes of 4
+    (ranks 3-5 straddle nodes 0 and 1; three nodes hold four whole groups)."""
     par = topo.parallelism
-    ranks = par.tensor * par.pipeline
-    tpn = topo.tasks_per_node
-    return -(-ranks // tpn) if ranks > tpn else 1
+    ranks, tpn = par.tensor * par.pipeline, topo.tasks_per_node
+    return math.lcm(ranks, tpn) // tpn  # the fewest whole nodes that hold whole groups
 
 
 @dataclass
@@ -102,7 +104,7 @@ def nccl_for_network(network: Network, got: Resolved, topo: Topology) -> tuple[d
         rank_env["NCCL_IB_HCA"] = {"by_local_rank": hcas, "why": (
             "each rank uses the HCA nearest its GPU (network.hca_by_gpu; '=' matches the name exactly, so mlx5_1 "
             "is not mlx5_10)")}
-    if got.within == "nvlink" and topo.nodes > 1:
+    if got.within == "nvlink" and topo.nodes > 1:  # one block that is one domain (lmcore.network._nvlink)
         env["NCCL_MNNVL_ENABLE"] = ("1", "the job's nodes are one NVLink domain (resources.placement.within: nvlink): "
                                          "NCCL uses multi-node NVLink between them, and fails rather than falling back "
                                          "to the network")

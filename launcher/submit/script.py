@@ -172,7 +172,7 @@ def restart_loop_tail(plan: LaunchPlan) -> str:
         '  if [ -z "$lmlaunch_decision" ] || [ "$lmlaunch_decision" = restart ]; then  # this job\'s rank 0 asked',
         '    lmlaunch_exclude=$(printf "%s\\n" "$lmlaunch_said" | sed -n 2p); lmlaunch_restarts=$((lmlaunch_restarts + 1))',
         '    echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc${lmlaunch_exclude:+; '
-        'leaving out $lmlaunch_exclude})" >&2',
+        'not on $lmlaunch_exclude})" >&2',
         *_unless_preempting("    "),
         "    lmlaunch_overlap=1",
         "    continue",

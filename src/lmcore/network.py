@@ -25,7 +25,7 @@ from lmcore.slurm.client import parse_duration
 from lmcore.strict_model import StrictModel
 
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_.\[\],-]{1,64}")
-_HCA = re.compile(r"[A-Za-z0-9_.:=-]{1,64}")
+_HCA = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # lmlaunch writes NCCL's exact-match '=' itself
 
 
 def _hostlist(value: str, what: str) -> tuple[str, ...]:
@@ -100,10 +100,10 @@ class Network(StrictModel):
         if self.block_sizes and self.topology != "block":
             raise ValueError("block_sizes belong to topology: block")
         sizes = self.block_sizes
+        if any(size < 1 for size in sizes):
+            raise ValueError(f"block_sizes {sizes}: a block holds at least one node")
         if any(b <= a or b % a or (b // a) & (b // a - 1) for a, b in zip(sizes, sizes[1:])):
             raise ValueError(f"block_sizes {sizes}: each must be a power of two times the one before (topology.conf(5))")
-        if sizes and sizes[0] < 1:
-            raise ValueError("block_sizes: the base block holds at least one node")
         return self
 
     # -- what it says ---------------------------------------------------------------------------
@@ -178,8 +178,8 @@ def resolve_placement(p: Placement, net: Network, nodes: int, *, group_nodes: in
     it can never be satisfied (naming the key and the numbers). ``group_nodes``: the nodes one
     model-parallel group (tensor x pipeline) spans, which ``within: auto`` keeps inside one block."""
     within: str = p.within
-    if within == "auto":
-        within = _auto(net, nodes, group_nodes)
+    if within == "auto":  # an explicit segment under auto: segments, whatever else auto would pick
+        within = "any" if p.segment is not None else _auto(net, nodes, group_nodes)
     if p.segment is not None and net.topology != "block":
         return (f"resources.placement.segment({p.segment}) needs a topology/block cluster; {profile} has network "
                 f"topology {net.topology}")
@@ -190,6 +190,9 @@ def resolve_placement(p: Placement, net: Network, nodes: int, *, group_nodes: in
             return _fewest_switches(p, net, nodes, group_nodes)
         return Resolved("any", {}, "no placement asked")
     if within == "nvlink":
+        if p.segment is not None:
+            return (f"resources.placement.segment({p.segment}) with within: nvlink: one NVLink domain is one segment "
+                    "of all the nodes; give one of the two")
         return _nvlink(net, nodes, profile)
     kind = {"switch": "tree", "block": "block"}[within]
     if net.topology == "none":
@@ -221,8 +224,8 @@ def _biggest(net: Network) -> tuple[str, int]:
 
 
 def _auto(net: Network, nodes: int, group_nodes: int) -> str:
-    if net.topology == "none":
-        return "nvlink" if net.nvlink is not None and group_nodes > 1 else "any"
+    if net.topology == "none":  # SLURM cannot be asked for anything (an NVLink domain needs blocks)
+        return "any"
     fits = nodes <= _biggest(net)[1] and (net.topology == "tree" or nodes <= (net.base_block or nodes))
     return ("switch" if net.topology == "tree" else "block") if fits else "any"
 
@@ -256,17 +259,29 @@ def _segments(p: Placement, net: Network, nodes: int, group_nodes: int, within: 
 
 
 def _nvlink(net: Network, nodes: int, profile: str) -> Resolved | str:
+    """One NVLink domain, asked of SLURM as one block (--segment=<nodes>): only topology/block
+    guarantees it (topology/tree's --switches is a preference SLURM drops after max_switch_wait,
+    and NCCL_MNNVL_ENABLE=1 then fails the job)."""
+    key = "resources.placement.within: nvlink"
     if net.nvlink is None:
-        return f"resources.placement.within: nvlink needs network.nvlink in {profile} (the nodes of one NVLink domain)"
+        return f"{key} needs network.nvlink in {profile} (the nodes of one NVLink domain)"
     if nodes > net.nvlink.nodes_per_domain:
-        return (f"resources.placement.within: nvlink: the job's {nodes} nodes never fit in one NVLink domain of "
-                f"{profile} ({net.nvlink.nodes_per_domain} nodes)")
-    if net.topology == "block" and nodes <= (net.base_block or nodes):
-        return Resolved("nvlink", {"segment": str(nodes)}, f"one NVLink domain: the blocks are the domains (--segment={nodes})", nodes)
-    if net.topology == "tree":
-        return Resolved("nvlink", {"switches": "1"}, "one NVLink domain: one leaf switch")
-    return (f"resources.placement.within: nvlink: SLURM cannot be asked for one NVLink domain on {profile} (no "
-            "topology/block or tree names the domains); ask the site for blocks that match the domains")
+        return (f"{key}: the job's {nodes} nodes never fit in one NVLink domain of {profile} "
+                f"({net.nvlink.nodes_per_domain} nodes)")
+    if net.topology != "block":
+        return (f"{key} needs topology/block whose blocks are the NVLink domains; {profile} has network topology "
+                f"{net.topology} (SLURM cannot be asked to keep a job inside one domain there)")
+    if net.nvlink.domains:
+        blocks = {frozenset(n) for n in net.members().values()}
+        odd = [d for d, hosts in net.nvlink.domains.items() if frozenset(expand_hostlist(hosts)) not in blocks]
+        if odd:
+            return (f"{key}: network.nvlink.domains {', '.join(sorted(odd))} of {profile} are not blocks of its "
+                    "topology, and SLURM places by blocks")
+    base = net.base_block or nodes
+    if nodes > base:
+        return (f"{key}: the job's {nodes} nodes are more than the base block of {profile} ({base} nodes); SLURM's "
+                "--segment, which keeps them in one block, is at most the base block")
+    return Resolved("nvlink", {"segment": str(nodes)}, f"one NVLink domain: one block (--segment={nodes})", nodes)
 
 
 def group_of_node(groups: dict[str, str], node: str) -> str | None:
@@ -293,4 +308,4 @@ def crossing_units(run: list[str], groups: dict[str, str], unit: int) -> list[li
     if unit <= 1 or not groups:
         return []
     units = [run[i:i + unit] for i in range(0, len(run), unit)]
-    return [u for u in units if len({groups.get(n) for n in u}) > 1]
+    return [u for u in units if len({groups.get(n) or f"?{n}" for n in u}) > 1]  # a node of no group: its own

@@ -30,6 +30,8 @@ TREE = Network(topology="tree", groups={"s1": "n1,n2", "s2": "n[3-4]"})
     ({"within": "auto"}, TREE, 3, 1, {"switches": "2"}),  # larger than a switch: the fewest switches
     ({"within": "auto"}, Network(topology="tree", groups={"s1": "n[1-3]", "s2": "n[4-6]"}), 4, 2, {}),  # 2 does not divide 3
     ({}, TREE, 4, 2, {}),
+    ({"within": "auto", "segment": 1}, BLOCKS, 2, 1, {"segment": "1"}),  # an explicit segment under auto: segments
+    ({"within": "auto"}, Network(nvlink={"nodes_per_domain": 18}), 4, 2, {}),  # no topology: nothing SLURM can do
 ])
 def test_a_placement_becomes_the_sbatch_options_that_ask_slurm_for_it(placement, net, nodes, span, options):
     got = resolve_placement(Placement(**placement), net, nodes, group_nodes=span)
@@ -48,6 +50,15 @@ def test_a_placement_becomes_the_sbatch_options_that_ask_slurm_for_it(placement,
     ({"within": "switch"}, Network(), 2, ["needs the cluster's topology", "profile init"]),
     ({"within": "block", "segment": 2}, BLOCKS, 2, ["give one of the two"]),
     ({"within": "nvlink"}, TREE, 2, ["needs network.nvlink"]),
+    ({"within": "nvlink"}, Network(topology="tree", groups={"s1": "n[1-4]"}, nvlink={"nodes_per_domain": 4}), 2,
+     ["needs topology/block whose blocks are the NVLink domains", "topology tree"]),
+    ({"within": "nvlink"}, Network(topology="block", groups={"b1": "n[1-4]", "b2": "n[5-8]"},
+                                   nvlink={"nodes_per_domain": 8, "domains": {"d1": "n[1-8]"}}), 2,
+     ["network.nvlink.domains d1 of profile 'x' are not blocks"]),
+    ({"within": "nvlink"}, Network(topology="block", groups={"b1": "n[1-4]"}, nvlink={"nodes_per_domain": 8}), 6,
+     ["6 nodes are more than the base block", "(4 nodes)"]),
+    ({"within": "nvlink", "segment": 2}, Network(topology="block", groups={"b1": "n[1-4]"}, nvlink={"nodes_per_domain": 4}),
+     4, ["give one of the two"]),
 ])
 def test_a_placement_that_can_never_be_satisfied_is_refused_naming_the_key_and_the_numbers(placement, net, nodes, words):
     got = resolve_placement(Placement(**placement), net, nodes, group_nodes=1, profile="profile 'x'")
@@ -69,6 +80,8 @@ def test_nvlink_domains_are_asked_for_through_the_blocks_that_hold_them():
     ({"groups": {"s1": "n1"}}, "topology is none"),
     ({"topology": "tree", "groups": {"s1": "n[1-2]", "s2": "n2"}}, "node n2 is in both s1 and s2"),
     ({"topology": "block", "groups": {"b1": "n[1-2]"}, "block_sizes": [2, 6]}, "power of two"),
+    ({"topology": "block", "groups": {"b1": "n[1-2]"}, "block_sizes": [0, 4]}, "a block holds at least one node"),
+    ({"hca_by_gpu": ["=mlx5_0"]}, "not an HCA name"),
     ({"topology": "tree", "groups": {"s1": "n[1-2]"}, "block_sizes": [2]}, "belong to topology: block"),
     ({"topology": "tree", "groups": {"s1": "n[1-"}}, "not a SLURM hostlist"),
     ({"hca_by_gpu": ["mlx5_0", "bad name"]}, "not an HCA name"),
@@ -100,6 +113,8 @@ def test_the_rank_layout_keeps_a_pipeline_inside_a_segment_and_crosses_with_the_
         ([0], [0], 0), ([1], [0], 0), ([0], [1], 1), ([1], [1], 1)]
     assert group_nodes(_topo(2, 4, pipeline=2, tensor=2)) == 1  # tp2 x pp2 inside one 4-task node
     assert group_nodes(_topo(4, 2, pipeline=2, tensor=2)) == 2
+    assert group_nodes(_topo(3, 4, pipeline=3)) == 3  # pipelines of 3 on nodes of 4: ranks 3-5 straddle nodes 0 and 1
+    assert group_nodes(_topo(6, 4, pipeline=3, tensor=2)) == 3
 
 
 @pytest.mark.parametrize(("text", "nodes", "want"), [
@@ -118,6 +133,15 @@ def test_the_local_clusters_topology_option(text, nodes, want):
 def test_a_topology_option_that_does_not_fit_the_nodes_is_refused(text, nodes, words):
     with pytest.raises(ValueError, match=words):
         parse_topology(text, nodes)
+
+
+def test_a_topology_larger_than_the_local_cluster_is_refused_naming_the_option():
+    from launcher.localcluster.cluster import _wanted_topology
+    from launcher.localcluster.config import Settings
+    from lmcore.errors import UserError
+
+    with pytest.raises(UserError, match="--topology tree:3x3: 9 nodes; the local cluster runs 1 to 8"):
+        _wanted_topology("tree:3x3", Settings(), None)
 
 
 def test_the_local_topology_conf_is_what_topology_conf_5_describes():

@@ -58,8 +58,8 @@ def spare_for(f: EndFacts) -> InPlace:
     """The nodes of the next restart in place, or why there is none here."""
     bad, why = suspects(f)
     kept_out = sorted(set(f.left_out))
-    if not bad:
-        return InPlace(leave_out=kept_out)
+    if not bad:  # the same nodes again (the spares held back before stay idle)
+        return InPlace(leave_out=kept_out, hold_back=_idle(f, kept_out))
     if not f.spare_nodes:
         return InPlace(refused=f"{why}: the node is suspect, and the job has no spare (resources.spare_nodes) to "
                                f"take its place; a requeue lets SLURM place the job again")
@@ -79,6 +79,16 @@ def spare_for(f: EndFacts) -> InPlace:
     moved = _crossing_note(run, f.node_groups, f.unit_nodes)
     return InPlace(leave_out=out, hold_back=hold if f.node_groups else [],
                    why=f"{why}: {', '.join(bad)} left out, a spare takes its place{where} ({spares} spare(s) left){moved}")
+
+
+def _idle(f: EndFacts, kept_out: list[str]) -> list[str]:
+    """With groups, the allocation's usable nodes the attempt did not run on: held back again, so that
+    srun (which takes the first usable nodes) runs the ranks where they were."""
+    if not f.node_groups or f.allocation_nodes is None:
+        return []
+    usable = [n for n in f.allocation_nodes if n not in kept_out]
+    on = [n for n in usable if n in f.attempt_nodes]
+    return [n for n in usable if n not in on] if len(on) == f.job_nodes else []
 
 
 def _where(took: list[str], bad: list[str], groups: dict[str, str]) -> str:
@@ -123,7 +133,7 @@ def choose_nodes(usable: list[str], need: int, current: list[str], groups: dict[
 def _packed(usable: list[str], need: int, groups: dict[str, str], unit: int) -> list[str]:
     """Whole units inside groups first (groups in SLURM's order), then what is left."""
     chosen: list[str] = []
-    for g in dict.fromkeys(groups.get(n) for n in usable):
+    for g in dict.fromkeys(groups[n] for n in usable if n in groups):  # a node of no group holds no whole unit
         members = [n for n in usable if groups.get(n) == g]
         whole = members[:len(members) // unit * unit]
         chosen += whole[:max(0, need - len(chosen))]
