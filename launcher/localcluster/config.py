@@ -33,19 +33,24 @@ PORT_STRIDE = 100
 MAX_WORKER_SLOTS = 16
 
 # The SLURM each Debian release's packages give. The local cluster runs the machine's own release
-# natively and the other one from a Debian root made by debootstrap (launcher/localcluster/
-# debian_root.py): its state under <primary>/slurm-<version>, its ports the native ones +
-# OTHER_RELEASE_PORT_OFFSET (past every worker slot's).
-SLURM_RELEASES = {"22.05": "bookworm", "24.11": "trixie"}
-OTHER_RELEASE_PORT_OFFSET = 5000
+# natively and the others each from a Debian root made by debootstrap (launcher/localcluster/
+# debian_root.py): each one's state under <primary>/slurm-<version>, its ports the native ones +
+# OTHER_RELEASE_PORT_OFFSET x K (past every worker slot's) for the K-th release that is not the
+# machine's. Debian unstable (sid) carries the newest SLURM; its releases that a machine runs
+# natively come first, so `other_version` stays the other stable release's.
+SLURM_RELEASES = {"22.05": "bookworm", "24.11": "trixie", "26.05": "sid"}
+OTHER_RELEASE_PORT_OFFSET = 5000  # 24.11 or 22.05 at +5000, 26.05 at +10000: all below the rendezvous ports (20000+)
 MIN_JOB_AGE_FLOOR = 2  # slurm.conf(5): "the minimum non-zero value for MinJobAge recommended is 2"
 
 
 def debian_release(os_release: Path = Path("/etc/os-release")) -> str | None:
-    """This machine's Debian codename (bookworm, trixie), or None elsewhere."""
+    """This machine's Debian codename (bookworm, trixie; sid for unstable, which names the next
+    release's codename in VERSION_CODENAME and says sid only in PRETTY_NAME), or None elsewhere."""
     try:
-        for line in os_release.read_text().splitlines():
-            key, _, value = line.partition("=")
+        fields = dict(line.partition("=")[::2] for line in os_release.read_text().splitlines())
+        if "/sid" in fields.get("PRETTY_NAME", ""):
+            return "sid"
+        for key, value in fields.items():
             if key == "VERSION_CODENAME":
                 return value.strip().strip('"') or None
     except OSError:
@@ -60,13 +65,22 @@ def native_version() -> str | None:
 
 
 def other_version() -> str | None:
-    """The SLURM version this machine runs from a Debian root (the other release's)."""
+    """The other stable Debian release's SLURM, which this machine runs from a Debian root (the
+    suite's second phase); 26.05 from sid is asked for by name."""
     native = native_version()
     return next((v for v in SLURM_RELEASES if v != native), None) if native else None
 
 
 def is_native(version: str | None) -> bool:
     return version is None or version == native_version()
+
+
+def _release_index(version: str | None) -> int:
+    """0 for the machine's own SLURM; K for the K-th other release (SLURM_RELEASES' order)."""
+    if is_native(version):
+        return 0
+    others = [v for v in SLURM_RELEASES if not is_native(v)]
+    return others.index(version) + 1 if version in others else len(others) + 1
 
 
 @dataclass(frozen=True)
@@ -80,7 +94,7 @@ class Ports:
     def for_slot(cls, slot: int, version: str | None = None) -> Ports:
         """The primary cluster's ports (slot 0) shifted for worker cluster ``slot``, and past all
         of the native release's when ``version`` is the other release's SLURM."""
-        base, k = cls(), slot * PORT_STRIDE + (0 if is_native(version) else OTHER_RELEASE_PORT_OFFSET)
+        base, k = cls(), slot * PORT_STRIDE + OTHER_RELEASE_PORT_OFFSET * _release_index(version)
         return cls(base.slurmctld + k, base.slurmdbd + k, base.mariadb + k, tuple(p + k for p in base.nodes))
 
     def with_nodes(self, count: int) -> Ports:

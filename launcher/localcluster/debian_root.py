@@ -43,7 +43,9 @@ PACKAGES = (
     # DeepSpeed's CPU communication op is JIT-loaded through ninja (and rebuilt with g++ when stale)
     "ninja-build", "g++",
 )
-RELEASE_PACKAGES = {"bookworm": ("libssl3",), "trixie": ("libssl3t64",)}  # one library, renamed in 13
+RELEASE_PACKAGES = {"bookworm": ("libssl3",), "trixie": ("libssl3t64",), "sid": ("libssl3t64",)}  # renamed in 13
+# apt's options per release: unstable's Release file on a mirror snapshot is often past its Valid-Until
+APT_OPTIONS = {"sid": "-o Acquire::Check-Valid-Until=false "}
 CLIENT_COMMANDS = (
     "sbatch", "srun", "salloc", "squeue", "sacct", "sacctmgr", "scontrol", "scancel", "sinfo",
     "sprio", "sshare", "sstat", "sattach", "sbcast", "sdiag", "sreport", "strigger",
@@ -194,7 +196,8 @@ def ensure_root(version: str, say: Say) -> Path:
     ensure_mounts(root)
     _same_names(root)
     say(f"installing SLURM {version} and what it needs in {root} (apt-get)")
-    apt = "apt-get update -qq && apt-get install -y -qq --no-install-recommends " + " ".join(packages)
+    options = APT_OPTIONS.get(SLURM_RELEASES[version], "")
+    apt = f"apt-get {options}update -qq && apt-get install -y -qq --no-install-recommends " + " ".join(packages)
     run_checked(["chroot", str(root), "/bin/sh", "-c", apt], f"apt-get install in {root}", env=env, timeout=1800)
     (root / MARKER).write_text(marker)  # a later lmlaunch that needs more packages installs them
     _python_runs(root, version)

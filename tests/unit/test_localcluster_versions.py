@@ -21,6 +21,8 @@ def test_the_release_comes_from_os_release(tmp_path, monkeypatch):
     f = tmp_path / "os-release"
     f.write_text('PRETTY_NAME="Debian GNU/Linux 13 (trixie)"\nVERSION_CODENAME=trixie\nID=debian\n')
     assert config.debian_release(f) == "trixie"
+    f.write_text('PRETTY_NAME="Debian GNU/Linux forky/sid"\nVERSION_CODENAME=forky\nID=debian\n')
+    assert config.debian_release(f) == "sid"  # unstable names the next release's codename
     f.write_text('ID=ubuntu\n')
     assert config.debian_release(f) is None
     assert config.debian_release(tmp_path / "missing") is None

@@ -22,17 +22,23 @@ def machine(tmp_path, monkeypatch):
     return tmp_path / "primary"
 
 
-def test_every_slot_of_both_slurm_versions_has_ports_and_a_directory_of_its_own(monkeypatch):
-    monkeypatch.setattr(config, "native_version", lambda: "22.05")
-    ports = [Ports.for_slot(k, v) for v in ("22.05", "24.11") for k in range(MAX_WORKER_SLOTS + 1)]
-    assert ports[0] == Ports()
-    every = [p for s in ports for p in (s.slurmctld, s.slurmdbd, s.mariadb, *s.nodes)]
+@pytest.mark.parametrize("native", ["22.05", "24.11"])
+def test_every_slot_of_every_slurm_version_has_ports_and_a_directory_of_its_own(monkeypatch, native):
+    from lmtrain.distributed.task_env import PORT_FLOOR
+
+    monkeypatch.setattr(config, "native_version", lambda: native)
+    versions = list(config.SLURM_RELEASES)
+    ports = [Ports.for_slot(k, v) for v in versions for k in range(MAX_WORKER_SLOTS + 1)]
+    assert Ports.for_slot(0, native) == Ports()
+    every = [p for s in ports for p in (s.slurmctld, s.slurmdbd, s.mariadb, *s.with_nodes(8).nodes)]
     assert len(every) == len(set(every)), "two slots share a port"
-    roots = {Layout.worker(k, v).root for v in ("22.05", "24.11") for k in range(1, MAX_WORKER_SLOTS + 1)}
-    roots |= {config.primary_root("22.05"), config.primary_root("24.11")}
-    assert len(roots) == 2 * MAX_WORKER_SLOTS + 2
-    assert config.primary_root("24.11") == config.base_root() / "slurm-24.11"
-    assert config.primary_root(None) == config.primary_root("22.05") == config.base_root()
+    assert max(every) < PORT_FLOOR, "a cluster's port among the ones rendezvous draw from"
+    roots = {Layout.worker(k, v).root for v in versions for k in range(1, MAX_WORKER_SLOTS + 1)}
+    roots |= {config.primary_root(v) for v in versions}
+    assert len(roots) == len(versions) * (MAX_WORKER_SLOTS + 1)
+    assert config.primary_root("26.05") == config.base_root() / "slurm-26.05"
+    assert config.primary_root(None) == config.primary_root(native) == config.base_root()
+    assert config.other_version() == ("24.11" if native == "22.05" else "22.05")  # the suite's second phase
 
 
 def test_settings_keep_the_ports_and_read_files_written_before_ports_were_kept():

@@ -129,8 +129,9 @@ def _step_id(env: dict[str, str]) -> int:
 
 
 # Where rendezvous ports are drawn from: below the kernel's ephemeral range, above the well-known and
-# registered services lmlaunch's own daemons use (the local clusters' SLURM and MariaDB ports < 9000).
-PORT_FLOOR = 15000
+# registered services lmlaunch's own daemons use (the local clusters' SLURM and MariaDB ports < 20000:
+# launcher/localcluster/config.py, three SLURM versions 5000 apart).
+PORT_FLOOR = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
