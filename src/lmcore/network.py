@@ -8,8 +8,8 @@ of a GB200/GB300 rack, the InfiniBand/RoCE HCA beside each GPU). A job spec's
 segments of N nodes that each lie inside one block.
 
 Pure: the planner asks :func:`resolve_placement` for the SLURM options (or why the placement can
-never be satisfied), the job's tasks ask :func:`node_order` how to lay ranks over the nodes they
-got, and every reader names a node's group with :meth:`Network.group_of`.
+never be satisfied); the tasks, the policy and status name a node's group with :func:`group_of_node`
+and find the model-parallel units that cross groups with :func:`crossing_units`.
 """
 
 from __future__ import annotations
@@ -116,8 +116,6 @@ class Network(StrictModel):
         """Each group's nodes, expanded."""
         return {name: tuple(expand_hostlist(nodes)) for name, nodes in self.groups.items()}
 
-    def group_of(self, node: str) -> str | None:
-        return next((name for name, nodes in self.members().items() if node in nodes), None)
 
     def largest_group(self) -> tuple[str, int] | None:
         sizes = {name: len(nodes) for name, nodes in self.members().items()}
@@ -132,13 +130,6 @@ class Network(StrictModel):
             return self.block_sizes[0]
         return min(len(n) for n in self.members().values())
 
-    def nvlink_domain_of(self, node: str) -> str | None:
-        if self.nvlink is None:
-            return None
-        for name, nodes in self.nvlink.domains.items():
-            if node in expand_hostlist(nodes):
-                return name
-        return self.group_of(node) if not self.nvlink.domains else None
 
 
 class Placement(StrictModel):
@@ -287,20 +278,6 @@ def _nvlink(net: Network, nodes: int, profile: str) -> Resolved | str:
 def group_of_node(groups: dict[str, str], node: str) -> str | None:
     """``node``'s group in a plan's placement record (name -> hostlist)."""
     return next((g for g, nodes in groups.items() if node in expand_hostlist(nodes)), None)
-
-
-def node_order(nodes: list[str] | tuple[str, ...], net: Network | None) -> list[str]:
-    """The job's nodes in the order ranks fill them: a group's nodes together (groups in the order
-    their first node comes in SLURM's list), so that consecutive ranks (the tensor, then pipeline
-    dimensions of the mesh) share a switch or block before they cross one. Without a topology: SLURM's order."""
-    if net is None or net.topology == "none":
-        return list(nodes)
-    members = net.members()
-    where = {n: g for g, ns in members.items() for n in ns}
-    first: dict[str | None, int] = {}
-    for i, n in enumerate(nodes):
-        first.setdefault(where.get(n), i)
-    return sorted(nodes, key=lambda n: (first[where.get(n)], list(nodes).index(n)))
 
 
 def crossing_units(run: list[str], groups: dict[str, str], unit: int) -> list[list[str]]:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from launcher.localcluster.topology import parse as parse_topology, version_problem
 from launcher.planning.placement import group_nodes, layout_rows
 from launcher.spec.profile_draft import network_lines
-from lmcore.network import Network, Placement, Resolved, group_of_node, node_order, resolve_placement
+from lmcore.network import Network, Placement, Resolved, group_of_node, resolve_placement
 from lmcore.parallelism import Parallelism
 from lmcore.plan import Topology
 
@@ -72,7 +72,6 @@ def test_nvlink_domains_are_asked_for_through_the_blocks_that_hold_them():
     got = resolve_placement(Placement(within="nvlink"), net, 16)
     assert isinstance(got, Resolved) and got.options == {"segment": "16"}
     assert "never fit in one NVLink domain" in str(resolve_placement(Placement(within="nvlink"), net, 19))
-    assert net.nvlink_domain_of("n20") == "r2"  # without domains of its own: the blocks are the domains
 
 
 @pytest.mark.parametrize(("network", "words"), [
@@ -91,10 +90,10 @@ def test_a_profile_network_that_cannot_be_right_is_refused(network, words):
         Network(**network)
 
 
-def test_ranks_fill_a_groups_nodes_before_the_next_group():
-    assert node_order(["n1", "n3", "n2", "n4"], BLOCKS) == ["n1", "n2", "n3", "n4"]
-    assert node_order(["n3", "n1", "n4"], BLOCKS) == ["n3", "n4", "n1"]  # groups in the order SLURM lists them
-    assert node_order(["n9", "n1"], BLOCKS) == ["n9", "n1"]  # a node of no group keeps its place
+def test_a_nodes_group_and_the_units_that_cross_groups():
+    from lmcore.network import crossing_units
+
+    assert crossing_units(["n1", "n2", "n3", "n9"], {"n1": "b1", "n2": "b1", "n3": "b2"}, 2) == [["n3", "n9"]]
     assert group_of_node({"b1": "n[1-2]"}, "n2") == "b1" and group_of_node({"b1": "n[1-2]"}, "n3") is None
 
 
