@@ -280,6 +280,11 @@ def group_of_node(groups: dict[str, str], node: str) -> str | None:
     return next((g for g, nodes in groups.items() if node in expand_hostlist(nodes)), None)
 
 
+def groups_by_node(groups: dict[str, str]) -> dict[str, str]:
+    """node -> its group, every group's hostlist expanded once (for many nodes at a time)."""
+    return {n: g for g, nodes in groups.items() for n in expand_hostlist(nodes)}
+
+
 def crossing_units(run: list[str], groups: dict[str, str], unit: int) -> list[list[str]]:
     """The model-parallel units (``unit`` consecutive nodes in SLURM's order) that span groups."""
     if unit <= 1 or not groups:

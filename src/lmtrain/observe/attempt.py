@@ -84,9 +84,10 @@ class AttemptRecords:
         groups = (getattr(self.plan, "placement", None) or {}).get("groups")
         if not groups:
             return None
-        from lmcore.network import crossing_units, group_of_node
+        from lmcore.network import crossing_units, groups_by_node
 
-        where = {n: group_of_node(groups, n) for n in self.env.nodes}
+        known = groups_by_node(groups)
+        where = {n: known.get(n) for n in self.env.nodes}
         unit = int(self.plan.placement.get("group_nodes") or 1)
         crossing = crossing_units(list(self.env.nodes), {n: g for n, g in where.items() if g}, unit)
         if crossing:  # SLURM listed the job's nodes so that a model-parallel group spans two switches or blocks

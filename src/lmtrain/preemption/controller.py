@@ -206,10 +206,10 @@ class Preemption:
         """The attempt's nodes and, with a placement, every allocation node's switch or block."""
         placement = getattr(self.plan, "placement", None) or {}
         groups = placement.get("groups") or {}
-        from hostlist import expand_hostlist
+        from lmcore.network import groups_by_node
 
         return {"attempt_nodes": list(self.env.nodes),
-                "node_groups": {n: g for g, nodes in groups.items() for n in expand_hostlist(nodes)},
+                "node_groups": groups_by_node(groups),
                 "unit_nodes": int(placement.get("group_nodes") or 1), "segment": placement.get("segment")}
 
     def _this_jobs_ends(self) -> list[dict[str, Any]]:
