@@ -28,6 +28,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--remote", metavar="PROFILE",
                         help="run the command on the login node of this cluster profile (its login section) over "
                              "your ssh master connection; default $LMLAUNCH_REMOTE")
+    parser.add_argument("--rest", metavar="PROFILE",
+                        help="ask SLURM through this cluster profile's slurmrestd (its submit.url, a JWT from its "
+                             "submit.token_file or $SLURM_JWT) instead of SLURM's commands here; default $LMLAUNCH_REST")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         listed: dict[str, Any] = {} if help_text == argparse.SUPPRESS else {"help": help_text}  # hidden: not in --help
@@ -84,7 +87,8 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
         ctx.err(f"lmlaunch {args.command}: not available in this build")
         return ExitCode.FAILURE
     def run() -> int:
-        code = int(mod.run(args, ctx) or 0)
+        with _transport(args, ctx):
+            code = int(mod.run(args, ctx) or 0)
         ctx.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return code
 
@@ -130,6 +134,21 @@ def _reported(call: Callable[[], T], ctx: Context, debug: bool) -> T | int:
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
+
+
+def _transport(args: argparse.Namespace, ctx: Context) -> Any:
+    """SLURM's commands here, or a slurmrestd: ``--rest PROFILE``, else the profile a named run was
+    submitted with when that profile submits through slurmrestd (launcher.submit.transport)."""
+    import contextlib
+
+    name = getattr(args, "rest", None) or ctx.environ.get("LMLAUNCH_REST")
+    run = getattr(args, "run", None)
+    if not name and not isinstance(run, str):
+        return contextlib.nullcontext()
+    from launcher.submit import transport
+
+    target = transport.forced_target(name, ctx.environ) if name else transport.run_target(run, ctx.environ)
+    return transport.through(target)
 
 
 def _forward(argv: list[str], ctx: Context) -> int | list[str]:

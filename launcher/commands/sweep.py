@@ -110,7 +110,17 @@ def _plans(args: argparse.Namespace, ctx: Context, sw: Any, points: list[Any]) -
 def _submit(args: argparse.Namespace, ctx: Context, plans: list[Any], run_dirs: list[str], sweep_dir: Path,
             parallel: int) -> tuple[list[str], list[str]]:
     """The points' run directories opened and their arrays submitted (chained where the cluster's
-    MaxArraySize splits them); on any failure every opened run directory is rolled back."""
+    MaxArraySize splits them), through the profile's slurmrestd where it says so; on any failure
+    every opened run directory is rolled back."""
+    from launcher.spec.profiles import load_profile
+    from launcher.submit import transport
+
+    with transport.through(transport.profile_target(load_profile(plans[0].profile, ctx.environ or None))):
+        return _submit_points(args, ctx, plans, run_dirs, sweep_dir, parallel)
+
+
+def _submit_points(args: argparse.Namespace, ctx: Context, plans: list[Any], run_dirs: list[str], sweep_dir: Path,
+                   parallel: int) -> tuple[list[str], list[str]]:
     env = ctx.environ or None
     openings = [lifecycle.plan_opening(p, new=args.new, resume=False, record=runs.load_record(p.run_name, env))
                 for p in plans]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from launcher.localcluster import debian_root
+from launcher.localcluster import debian_root, restd
 from launcher.localcluster.config import (
     CLUSTER_NAME,
     MAX_NODES,
@@ -136,6 +136,7 @@ def missing_packages() -> list[str]:
 def ensure_packages(say: Say) -> None:
     missing = missing_packages()
     if not missing:
+        _ensure_rest_packages(say)
         return
     if os.geteuid() != 0:
         raise UserError(
@@ -157,6 +158,20 @@ def ensure_packages(say: Say) -> None:
     still = missing_packages()
     if still:
         raise ClusterError(f"after apt-get install, still missing: {' '.join(still)}")
+    _ensure_rest_packages(say)
+
+
+def _ensure_rest_packages(say: Say) -> None:
+    """slurmrestd and the JWT plugin where this SLURM's REST API is one lmlaunch speaks (restd.py);
+    optional: a cluster without them runs, its REST submission is left out (said once)."""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None or not restd.wants_rest_packages():
+        return
+    say(f"installing {' '.join(restd.REST_PACKAGES)} (apt-get): submission through slurmrestd")
+    env = {**_sbin_env(), "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        run_checked(["apt-get", "install", "-y", "-qq", *restd.REST_PACKAGES], "apt-get install", env=env, timeout=600)
+    except ClusterError as exc:
+        say(f"slurmrestd not installed ({exc.message}); this cluster runs without its REST API")
 
 
 # --------------------------------------------------------------------------- munge
@@ -504,6 +519,8 @@ def _node_names(layout: Layout) -> tuple[str, ...]:
 def _our_daemons(layout: Layout) -> dict[str, Path]:
     files = {"slurmctld": layout.pidfile("slurmctld")}
     files.update({f"slurmd {n}": layout.run / f"slurmd-{n}.pid" for n in _node_names(layout)})
+    if restd.runs_rest(layout):
+        files["slurmrestd"] = layout.pidfile("slurmrestd")
     files["slurmdbd"] = layout.pidfile("slurmdbd")
     files["mariadb"] = layout.pidfile("mariadb")
     files["munged"] = layout.pidfile("munged")
@@ -606,6 +623,28 @@ def _write_topology(layout: Layout, wanted: Settings) -> str | None:
     return topo.plugin
 
 
+def _write_slurm_conf(layout: Layout, wanted: Settings, user: str, say: Say) -> list[str]:
+    """slurm.conf for ``wanted``, with what this SLURM offers beyond the basics (restd.py: JWT auth
+    for slurmrestd, the expedited requeue, the controller's metrics); the JWT auth lines (empty:
+    no slurmrestd). Daemons that must read a new auth setting at start are stopped (`up` starts them)."""
+    plugin = _write_topology(layout, wanted)
+    rest = restd.rest_available()
+    new_auth = rest and not restd.runs_rest(layout)  # auth plugins are read at start only
+    if rest:
+        restd.ensure_key(layout)
+    auth = restd.auth_lines(layout) if rest else []
+    layout.slurm_conf.write_text(render_slurm_conf(
+        layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=wanted.ports,
+        accounting=wanted.accounting, min_job_age=wanted.min_job_age, topology_plugin=plugin,
+        ctld_parameters=restd.ctld_parameters(), extra_lines=auth + restd.controller_lines()))
+    if new_auth:
+        for pidfile in [layout.pidfile("slurmctld"), layout.pidfile("slurmdbd"), *sorted(layout.run.glob("slurmd-n*.pid"))]:
+            line = stop(pidfile, pidfile.stem)
+            if line:
+                say(line + " (JWT auth for slurmrestd: read at start only)")
+    return auth
+
+
 def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
     current = _load_settings(layout)  # again: another `up` may have finished while this one waited
     if current == wanted and is_up(layout):
@@ -618,16 +657,14 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         ensure_packages(say)
         ensure_munge(say)
         ensure_hosts(say, ports.node_names)
-    plugin = _write_topology(layout, wanted)
-    layout.slurm_conf.write_text(render_slurm_conf(
-        layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=ports,
-        accounting=wanted.accounting, min_job_age=wanted.min_job_age, topology_plugin=plugin))
+    auth = _write_slurm_conf(layout, wanted, user, say)
+    rest = bool(auth)
     if wanted.system_conf:
         install_system_conf(layout, say)
     if wanted.accounting:
         password = _db_password(layout)
         dbd = layout.slurmdbd_conf
-        dbd.write_text(render_slurmdbd_conf(layout, user=user, db_password=password, ports=ports))
+        dbd.write_text(render_slurmdbd_conf(layout, user=user, db_password=password, ports=ports, extra_lines=auth))
         dbd.chmod(0o600)  # slurmdbd refuses a readable config; it holds the DB password
         ensure_mariadb(layout, ports, password, say)
         ensure_slurmdbd(layout, ports, say)
@@ -654,6 +691,8 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         say("reconfiguring slurmctld (its settings changed)")
         slurm.run(["scontrol", "reconfigure"])
     ensure_slurmd(layout, say, ports.node_names)
+    if rest:
+        restd.ensure_slurmrestd(layout, ports.slurmctld, say)
     layout.settings.write_text(wanted.to_json())
     return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -266,7 +267,10 @@ def controller_hostname() -> str:
 
 
 def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bool, ports: Ports = Ports(),
-                      accounting: bool = True, min_job_age: int = 300, topology_plugin: str | None = None) -> str:
+                      accounting: bool = True, min_job_age: int = 300, topology_plugin: str | None = None,
+                      ctld_parameters: Sequence[str] = (), extra_lines: Sequence[str] = ()) -> str:
+    """``ctld_parameters``: SlurmctldParameters words beyond preempt_send_user_signal; ``extra_lines``:
+    what a newer SLURM's cluster adds (restd.py: JWT auth, the controller's metrics)."""
     host = controller_hostname()
     lines = [*_daemon_lines(layout, host, user, ports), *_POLICY_LINES, f"MinJobAge={min_job_age}", *_TIMEOUT_LINES]
     if topology_plugin:  # its topology.conf beside this file (launcher/localcluster/topology.py)
@@ -276,8 +280,10 @@ def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bo
                   f"AccountingStoragePort={ports.slurmdbd}"]
     else:  # as a site without slurmdbd: sacct and sacctmgr fail, squeue is all there is
         lines.append("AccountingStorageType=accounting_storage/none")
-    if preempt_send_user_signal:
-        lines.append("SlurmctldParameters=preempt_send_user_signal")
+    words = (["preempt_send_user_signal"] if preempt_send_user_signal else []) + list(ctld_parameters)
+    if words:
+        lines.append("SlurmctldParameters=" + ",".join(words))
+    lines += extra_lines
     for name, port in zip(ports.node_names, ports.nodes):
         lines.append(
             f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
@@ -345,7 +351,8 @@ _TIMEOUT_LINES = (
 )
 
 
-def render_slurmdbd_conf(layout: Layout, *, user: str, db_password: str, ports: Ports = Ports()) -> str:
+def render_slurmdbd_conf(layout: Layout, *, user: str, db_password: str, ports: Ports = Ports(),
+                         extra_lines: Sequence[str] = ()) -> str:
     lines = [
         "# Written by `lmlaunch cluster up` (launcher/localcluster). Mode 0600: holds the DB password.",
         "AuthType=auth/munge",
@@ -362,5 +369,6 @@ def render_slurmdbd_conf(layout: Layout, *, user: str, db_password: str, ports: 
         "StorageUser=slurm",
         f"StoragePass={db_password}",
         "StorageLoc=slurm_acct_db",
+        *extra_lines,
     ]
     return "\n".join(lines) + "\n"

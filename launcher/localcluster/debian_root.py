@@ -43,7 +43,12 @@ PACKAGES = (
     # DeepSpeed's CPU communication op is JIT-loaded through ninja (and rebuilt with g++ when stale)
     "ninja-build", "g++",
 )
-RELEASE_PACKAGES = {"bookworm": ("libssl3",), "trixie": ("libssl3t64",), "sid": ("libssl3t64",)}  # renamed in 13
+RELEASE_PACKAGES = {
+    "bookworm": ("libssl3",),
+    # libssl3 renamed in 13; slurmrestd and its JWT plugin for submission through REST (restd.py)
+    "trixie": ("libssl3t64", "slurmrestd", "slurm-wlm-jwt-plugin"),
+    "sid": ("libssl3t64", "slurmrestd", "slurm-wlm-jwt-plugin"),
+}
 # apt's options per release: unstable's Release file on a mirror snapshot is often past its Valid-Until
 APT_OPTIONS = {"sid": "-o Acquire::Check-Valid-Until=false "}
 CLIENT_COMMANDS = (

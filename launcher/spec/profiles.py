@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from launcher.runs.home import user_profiles_dir
+from launcher.spec.profile_submit import Submission
 from launcher.spec.validation import format_validation_error
 from launcher.spec.yamlio import load_yaml_file
 from lmcore import site_options
@@ -231,6 +232,10 @@ class Profile(StrictModel):
     """The network: SLURM's topology (leaf switches or blocks, read by `lmlaunch profile init`), multi-node NVLink domains and each GPU's HCA (what SLURM does not know)."""
     env: dict[str, EnvVar] = Field(default_factory=dict, max_length=1000)
     """NCCL / fabric environment, each with its reason."""
+    submit: Submission = Field(default_factory=Submission)
+    """How lmlaunch reaches SLURM here: its commands (via: sbatch) or slurmrestd (via: rest, url, token_file)."""
+    slurm_version: OneLine | None = None
+    """The SLURM version `lmlaunch profile init` read off the cluster (e.g. 26.05.5); `lmlaunch doctor` says when the live one differs, and when lmlaunch was never tested on it."""
     slurm: ProfileSlurmOptions = Field(default_factory=ProfileSlurmOptions)
     """Site sbatch/srun options every job here gets (a job spec's slurm section adds to them or drops one with null)."""
     sweep_storage: SweepStorage | None = None

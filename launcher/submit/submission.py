@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from launcher.runs import registry as runs
-from launcher.submit import dependencies, lifecycle
+from launcher.submit import dependencies, lifecycle, transport
 from launcher.submit.script import executor_parameters, render_script, submit_command
 from lmcore import rundir
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.plan import LaunchPlan
-from lmcore.slurm import client as slurm
+from lmcore.slurm import client as slurm, rest_calls
 
 # --------------------------------------------------------------------------- submission
 
@@ -51,25 +51,9 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
     import time
 
     from submitit.core.utils import FailedJobError
-    from submitit.slurm.slurm import SlurmExecutor
 
     sbatch_timeout = sbatch_timeout_s()
-
-    class PlanExecutor(SlurmExecutor):
-        @property
-        def _submitit_command_str(self) -> str:
-            return submit_command(plan, folder_name)
-
-        def _make_submission_file_text(self, command: str, uid: str) -> str:
-            if text is not None and len(fns) == 1:
-                return text  # rendered before submission: what the dry run prints
-            return super()._make_submission_file_text(command, uid)
-
-        def _make_submission_command(self, submission_file_path: Any) -> list[str]:
-            # A client-side limit: a controller that accepted the job but answers late must not
-            # block `submit` forever; the job is then found by name and submit time (below).
-            return slurm.sbatch_command(str(submission_file_path), client_timeout_s=sbatch_timeout)
-
+    PlanExecutor = _plan_executor(plan, folder_name, text if len(fns) == 1 else None, sbatch_timeout)
     try:
         executor = PlanExecutor(folder=folder_name)
     except RuntimeError as exc:  # submitit: 'Could not detect "srun"'
@@ -101,6 +85,50 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
     except FileNotFoundError as exc:
         raise SlurmUnavailable(f"cannot submit: {exc.filename or exc} not found (no SLURM client)") from None
     return [str(job.job_id) for job in jobs]
+
+
+def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_timeout: int) -> Any:
+    """submitit's SlurmExecutor for ``plan``: its srun command, ``text`` as the script of a single
+    job (rendered before submission), and the submission command this module chooses."""
+    from submitit.slurm.slurm import SlurmExecutor
+
+    class PlanExecutor(SlurmExecutor):
+        @property
+        def _submitit_command_str(self) -> str:
+            return submit_command(plan, folder_name)
+
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            if text is not None:
+                return text  # rendered before submission: what the dry run prints
+            return super()._make_submission_file_text(command, uid)
+
+        def _make_submission_command(self, submission_file_path: Any) -> list[str]:
+            if slurm.rest_client() is not None:
+                # Through slurmrestd: the script submitit wrote is submitted here, in-process (its
+                # #SBATCH options as the job's fields: lmcore.slurm.rest_job); submitit then reads
+                # the job id from the line sbatch would have printed. A refusal is the server's
+                # RestError, raised before anything is left claiming a job.
+                job_id = slurm.sbatch_file(str(submission_file_path))
+                return ["echo", f"Submitted batch job {job_id}"]
+            # A client-side limit: a controller that accepted the job but answers late must not
+            # block `submit` forever; the job is then found by name and submit time (below).
+            return slurm.sbatch_command(str(submission_file_path), client_timeout_s=sbatch_timeout)
+
+        def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
+            if len(delayed) < 2:
+                return super()._internal_process_submissions(delayed)
+            # submitit submits an array through a plain SlurmExecutor it makes by this module-level
+            # name: made ours for the call, the array gets the same submission command (the
+            # client-side limit, or slurmrestd) as a single job.
+            import submitit.slurm.slurm as submitit_slurm
+
+            plain, submitit_slurm.SlurmExecutor = submitit_slurm.SlurmExecutor, type(self)  # type: ignore[misc]
+            try:
+                return super()._internal_process_submissions(delayed)
+            finally:
+                submitit_slurm.SlurmExecutor = plain  # type: ignore[misc]
+
+    return PlanExecutor
 
 
 def submit_script(text: str, path: Path, *, dependency: str | None = None) -> str:
@@ -213,8 +241,15 @@ def submit_plan(
 
     Never mixes two runs: an existing run name needs ``--resume`` or ``--new``; neither is
     allowed while a job of that run is queued or running. When submission fails nothing is left
-    behind: no registry entry, no half-written run directory.
+    behind: no registry entry, no half-written run directory. Through the profile's slurmrestd
+    when it says so (submit.via: rest; launcher.submit.transport).
     """
+    with transport.through(transport.profile_target(resolved.profile)):
+        return _submit_plan(resolved, ctx, new=new, resume=resume, new_code=new_code, spec_path=spec_path, after=after)
+
+
+def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: bool, spec_path: str | None,
+                 after: list[Any] | None) -> int:
     plan: LaunchPlan = resolved.plan
     env = ctx.environ or None
     name = plan.run_name
@@ -228,6 +263,8 @@ def submit_plan(
         )
     _refuse_active_job(opening.record, name, resume)
     dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
+    if (rest := slurm.rest_client()) is not None:  # what slurmrestd cannot carry is refused before anything changes
+        rest_calls.body_of(rest, render_script(plan, dependency), f"run '{name}'")
     opening.apply(env)
     try:
         job_id = _submit_with_submitit(plan, dependency=dependency)
@@ -236,6 +273,8 @@ def submit_plan(
         raise
     waits = (dependency or "").replace(",", ":").split(":")
     notes = [*opening.notes, *after_notes, *(f"starts after {a.label()}" for a in after or [] if a.job_id in waits)]
+    if rest is not None:
+        notes.append(f"submitted through {rest.target.where}: API {rest.api()}, SLURM {rest.release or 'of unknown version'}")
     _record_submission(opening.record, plan, job_id, spec_path, after or [], env)
     _say_submitted(ctx, plan, job_id, notes, resumed=resume)
     return 0

@@ -9,17 +9,28 @@ turns its failures into the same error.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
-from lmcore.slurm import relay as slurm_relay
+from lmcore.slurm import relay as slurm_relay, rest_calls
+from lmcore.slurm.records import (
+    ACTIVE_GROUPS as ACTIVE_GROUPS,  # the client's records, as its callers know them
+    STATE_GROUPS as STATE_GROUPS,
+    AccountedJob as AccountedJob,
+    QueuedJob as QueuedJob,
+    is_active as is_active,
+    state_group as state_group,
+    state_word as state_word,
+)
+from lmcore.slurm.rest import RestClient, RestTarget
 
 DEFAULT_TIMEOUT_S = 30.0
 FIELD_SEP = "\x1f"  # unit separator: never part of a job name, node list or reason
@@ -48,50 +59,6 @@ class NoAccounting(SlurmUnavailable):
 
 # What sacctmgr says when what it was asked to add exists already (22.05, 24.11)
 _ALREADY_THERE = ("Nothing new added", "already exists", "Already existing")
-
-# SLURM job states -> the few states lmlaunch talks about (one table, like torchx).
-STATE_GROUPS: dict[str, str] = {
-    "PENDING": "queued",
-    "CONFIGURING": "queued",
-    "REQUEUED": "queued",
-    "REQUEUE_HOLD": "queued",
-    "REQUEUE_FED": "queued",
-    "RESV_DEL_HOLD": "queued",
-    "SUSPENDED": "queued",
-    "RUNNING": "running",
-    "COMPLETING": "running",
-    "SIGNALING": "running",
-    "STAGE_OUT": "running",
-    "RESIZING": "running",
-    "STOPPED": "running",
-    "PREEMPTED": "preempted",
-    "COMPLETED": "completed",
-    "CANCELLED": "cancelled",
-    "FAILED": "failed",
-    "NODE_FAIL": "failed",
-    "BOOT_FAIL": "failed",
-    "OUT_OF_MEMORY": "failed",
-    "DEADLINE": "failed",
-    "TIMEOUT": "timeout",
-}
-ACTIVE_GROUPS = frozenset({"queued", "running"})
-
-
-def state_word(state: str | None) -> str:
-    """SLURM's state as one word: 'CANCELLED by 0' -> 'CANCELLED', 'COMPLETING+' -> 'COMPLETING';
-    '' when there is none. Every reader of a state from squeue, sacct or scontrol uses it."""
-    return state.split()[0].rstrip("+").upper() if state and state.strip() else ""
-
-
-def state_group(state: str) -> str:
-    """'CANCELLED by 0' -> 'cancelled'; unknown states -> 'unknown'."""
-    return STATE_GROUPS.get(state_word(state), "unknown")
-
-
-def is_active(state: str) -> bool:
-    """Queued or running (the job may still use resources or start)."""
-    return state_group(state) in ACTIVE_GROUPS
-
 
 # --------------------------------------------------------------------------- SLURM's time notations
 
@@ -137,6 +104,31 @@ LOCAL_CLUSTER_CONF_CANDIDATES = (
     Path("/var/lib/lmlaunch-cluster/etc/slurm.conf"),
     Path.home() / ".lmlaunch" / "cluster" / "etc" / "slurm.conf",
 )
+
+
+# --------------------------------------------------------------------------- the transport
+
+# A command that runs through a cluster's slurmrestd (a profile's submit.via: rest, or `lmlaunch
+# --rest PROFILE`) sets it for its duration (`through_rest`): ping, squeue, sacct, show_job, cancel,
+# requeue and the submissions then ask the REST API (lmcore.slurm.rest_calls) instead of the commands.
+_REST: list[RestClient] = []
+
+
+@contextlib.contextmanager
+def through_rest(target: RestTarget) -> Iterator[RestClient]:
+    """Within: SLURM is asked through ``target``'s slurmrestd."""
+    scontrol = (lambda: run(["scontrol", "token"]).stdout) if shutil.which("scontrol") else None
+    client = RestClient(target, scontrol_token=scontrol)
+    _REST.append(client)
+    try:
+        yield client
+    finally:
+        _REST.remove(client)
+
+
+def rest_client() -> RestClient | None:
+    """The slurmrestd this command talks to, or None: SLURM's commands."""
+    return _REST[-1] if _REST else None
 
 
 def slurm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -236,7 +228,10 @@ def _rows(stdout: str, n_fields: int) -> list[list[str]]:
 
 
 def ping(timeout: float = 10.0) -> bool:
-    """True when slurmctld answers (`scontrol ping`)."""
+    """True when slurmctld answers (`scontrol ping`; over REST, slurmrestd's ping, whose failure to
+    answer is its own error)."""
+    if (r := rest_client()) is not None:
+        return rest_calls.ping(r)
     try:
         proc = run(["scontrol", "ping"], timeout=timeout, check=False)
     except SlurmUnavailable:
@@ -315,7 +310,9 @@ def topology_records(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]
 
 
 def config(timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str]:
-    """`scontrol show config` as key -> value."""
+    """`scontrol show config` as key -> value (over REST: slurm.conf's keys, from API v0.0.45 on)."""
+    if (r := rest_client()) is not None:
+        return rest_calls.config(r)
     proc = run(["scontrol", "show", "config"], timeout=timeout)
     out: dict[str, str] = {}
     for line in proc.stdout.splitlines():
@@ -342,30 +339,6 @@ def _key_values(text: str) -> dict[str, str]:
 # --------------------------------------------------------------------------- jobs
 
 
-class _InStateGroup:
-    """A job record's ``group``: lmlaunch's word for its SLURM state (:data:`STATE_GROUPS`)."""
-
-    state: str
-
-    @property
-    def group(self) -> str:
-        return state_group(self.state)
-
-
-@dataclass(frozen=True)
-class AccountedJob(_InStateGroup):
-    job_id: str
-    name: str
-    state: str  # e.g. COMPLETED, CANCELLED by 0, PREEMPTED, REQUEUED
-    exit_code: str
-    start: str
-    end: str
-    elapsed: str
-    nodes: str
-    partition: str
-    submit: str
-
-
 def sacct(
     job_ids: Iterable[str],
     *,
@@ -378,6 +351,8 @@ def sacct(
     ids = [str(j) for j in job_ids]
     if not ids:
         return []
+    if (r := rest_client()) is not None:
+        return rest_calls.sacct(r, ids, duplicates)
     fields = ["JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList", "Partition", "Submit"]
     cmd = ["sacct", "-n", "-P", f"--delimiter={FIELD_SEP}", f"--format={','.join(fields)}", "-j", ",".join(ids)]
     if not steps:
@@ -400,6 +375,8 @@ def sacct(
 
 def show_job(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str] | None:
     """`scontrol show job` as key -> value, or None when the controller forgot the job."""
+    if (r := rest_client()) is not None:
+        return rest_calls.show_job(r, str(job_id))
     proc = run(["scontrol", "-o", "show", "job", str(job_id)], timeout=timeout, check=False)
     if proc.returncode != 0:
         if "Invalid job id" in proc.stderr:
@@ -431,6 +408,8 @@ def cancel(job_ids: Iterable[str], *, signal: str | None = None, timeout: float 
     ids = [str(j) for j in job_ids]
     if not ids:
         return
+    if (r := rest_client()) is not None:
+        return rest_calls.cancel(r, ids, signal)
     cmd = ["scancel"]
     if signal:
         cmd += [f"--signal={signal}"]
@@ -439,6 +418,8 @@ def cancel(job_ids: Iterable[str], *, signal: str | None = None, timeout: float 
 
 def requeue(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """`scontrol requeue` (kills the running job; it restarts later with the same id)."""
+    if (r := rest_client()) is not None:
+        return r.requeue(str(job_id))
     run(["scontrol", "requeue", str(job_id)], timeout=timeout)
 
 
@@ -463,25 +444,6 @@ def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
 # --------------------------------------------------------------------------- batched status (lmlaunch status)
 
 
-@dataclass(frozen=True)
-class QueuedJob(_InStateGroup):
-    """One job as the controller knows it now (squeue: queued, running, or ended within MinJobAge)."""
-
-    job_id: str
-    name: str
-    state: str  # SLURM state, upper case: PENDING, RUNNING, ...
-    reason: str  # PENDING: Priority, Resources, BeginTime, Dependency ...; 'None' otherwise
-    restarts: int  # SLURM_RESTART_COUNT of the current attempt (requeues so far)
-    time_limit: str
-    num_nodes: int
-    elapsed: str
-    nodelist: str
-    partition: str
-    user: str
-    start: str
-    submit: str
-
-
 _SQUEUE_FIELDS = ["JobID", "Name", "State", "Reason", "RestartCnt", "TimeLimit", "NumNodes", "TimeUsed",
                   "NodeList", "Partition", "UserName", "StartTime", "SubmitTime", "ArrayJobID", "ArrayTaskID"]
 
@@ -495,6 +457,8 @@ def squeue(
 ) -> list[QueuedJob]:
     """ONE `squeue -O` call: the jobs the controller knows now, all of ``job_ids`` (in any state
     it still remembers) or those called ``name`` / of ``user``."""
+    if (r := rest_client()) is not None:
+        return rest_calls.squeue(r, job_ids, name, user)
     fmt = ",".join(f"{f}:{FIELD_SEP}" for f in _SQUEUE_FIELDS)  # `Field:suffix`: unpadded, separated
     cmd = ["squeue", "-h", "-r", "-O", fmt]  # -r: an array's pending tasks one per line, as A_i
     ids = sorted({str(j) for j in job_ids}) if job_ids is not None else None
@@ -637,6 +601,8 @@ def srun_has_option(option: str, timeout: float = 30.0) -> bool:
 
 def sbatch_file(path: str, *extra: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
     """``sbatch --parsable [EXTRA] PATH``: the job id (a job array's id for an array)."""
+    if (r := rest_client()) is not None:
+        return rest_calls.submit_file(r, path, [_option(e) for e in extra])
     proc = run(["sbatch", "--parsable", *extra, path], timeout=timeout)
     return proc.stdout.strip().split(";")[0]
 
@@ -645,6 +611,11 @@ def sbatch_command(path: str, *, client_timeout_s: float) -> list[str]:
     """The command line submitit runs to submit a script: sbatch under a client-side limit, so a
     controller that accepted the job but answers late cannot block ``submit`` for ever."""
     return ["timeout", "--kill-after=5", str(client_timeout_s), "sbatch", path]
+
+
+def _option(word: str) -> tuple[str, str]:
+    name, _, value = word.removeprefix("--").partition("=")
+    return name, value
 
 
 def srun_command(options: Sequence[str], command: Sequence[str]) -> list[str]:

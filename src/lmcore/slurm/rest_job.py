@@ -1,0 +1,302 @@
+"""A batch script's ``#SBATCH`` options as slurmrestd's job description (pure; no I/O).
+
+slurmrestd runs the script it is given but does not read its ``#SBATCH`` lines (a script with
+``--nodes=2 --job-name=x`` submitted alone ran as a 1-node job named "(null)" on 26.05.5): what
+sbatch reads from them must be sent as fields of the job description (``job_desc_msg`` in the
+server's OpenAPI schema). This module reads the options exactly where sbatch does (the comment
+block before the script's first command) and turns each into its field, so that the REST path
+submits the same rendered script, with the same options, as the sbatch path.
+
+An option with no field (a SPANK plugin's, or one sbatch handles on the client side such as
+``--wrap`` or ``--parsable``) is an error naming it: the REST path never drops an option.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+SHORT = {"A": "account", "a": "array", "C": "constraint", "c": "cpus-per-task", "D": "chdir", "d": "dependency",
+         "e": "error", "G": "gpus", "H": "hold", "i": "input", "J": "job-name", "N": "nodes", "n": "ntasks",
+         "o": "output", "p": "partition", "q": "qos", "t": "time", "w": "nodelist", "x": "exclude"}
+FLAGS = {"requeue", "no-requeue", "exclusive", "hold", "contiguous", "overcommit", "reboot", "oversubscribe",
+         "kill-on-invalid-dep", "spread-job", "use-min-nodes", "wait-all-nodes"}
+
+
+class RestJobError(ValueError):
+    """An option the job description cannot carry, or a value it cannot read."""
+
+
+def _no_val(number: int) -> dict[str, Any]:
+    return {"set": True, "infinite": False, "number": number}
+
+
+def minutes(text: str) -> dict[str, Any]:
+    """sbatch --time's forms (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; UNLIMITED) in whole minutes,
+    seconds rounded up as SLURM does."""
+    t = text.strip().lower()
+    if t in ("unlimited", "infinite", "-1"):
+        return {"set": True, "infinite": True, "number": 0}
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t)
+    if m is None:
+        raise RestJobError(f"{text!r} is not a SLURM time (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
+    days_t, a_t, b_t, c_t = m.groups()
+    a, b, c = int(a_t), int(b_t or 0), int(c_t or 0)
+    if days_t is not None:  # D-H[:M[:S]]
+        secs = int(days_t) * 86400 + a * 3600 + b * 60 + c
+    elif c_t is not None:  # H:M:S
+        secs = a * 3600 + b * 60 + c
+    elif b_t is not None:  # M:S
+        secs = a * 60 + b
+    else:
+        secs = a * 60
+    return _no_val(-(-secs // 60))
+
+
+def megabytes(text: str) -> dict[str, Any]:
+    """sbatch --mem's forms (a number with K, M, G or T; M without) in MB."""
+    m = re.fullmatch(r"(\d+)([KMGT]?)B?", text.strip().upper())
+    if m is None:
+        raise RestJobError(f"{text!r} is not a memory size (a whole number with K, M, G or T)")
+    n, unit = int(m.group(1)), m.group(2) or "M"
+    return _no_val({"K": -(-n // 1024), "M": n, "G": n * 1024, "T": n * 1024 * 1024}[unit])
+
+
+def _integer(text: str) -> int:
+    if not re.fullmatch(r"\d+", text.strip()):
+        raise RestJobError(f"{text!r} is not a whole number")
+    return int(text)
+
+
+def _signal(text: str) -> dict[str, Any]:
+    """--signal=[{R|B}:]<sig>[@sig_time] (sbatch(1)); sig_time defaults to 60 s."""
+    m = re.fullmatch(r"(?:([RB]+):)?([A-Z0-9]+)(?:@(\d+))?", text.strip().upper())
+    if m is None:
+        raise RestJobError(f"{text!r} is not [R|B:]SIGNAL[@SECONDS]")
+    flags = [{"B": "BATCH_JOB", "R": "RESERVATION_JOB"}[c] for c in (m.group(1) or "")]
+    sig = m.group(2) if m.group(2).isdigit() or m.group(2).startswith("SIG") else "SIG" + m.group(2)
+    return {"kill_warning_signal": sig, "kill_warning_delay": {"set": True, "infinite": False,
+            "number": int(m.group(3) or 60)}, "kill_warning_flags": flags}
+
+
+def _gres(text: str) -> str:
+    """--gres=gpu:8[,other:1] as TRES per node: gres/gpu:8 (sbatch's own translation)."""
+    return ",".join(part if part.startswith("gres/") else "gres/" + part for part in text.split(","))
+
+
+def _exclusive(text: str) -> dict[str, Any]:
+    word = {"": "none", "true": "none", "user": "user", "mcs": "mcs", "topo": "topo"}.get(text.strip().lower())
+    if word is None:
+        raise RestJobError(f"{text!r}: --exclusive takes user, mcs or topo, or no value")
+    return {"shared": [word]}
+
+
+def _switches(text: str) -> dict[str, Any]:
+    """--switches=count[@max-time]."""
+    count, _, wait = text.partition("@")
+    out: dict[str, Any] = {"required_switches": _no_val(_integer(count))}
+    if wait:
+        out["wait_for_switch"] = minutes(wait)["number"] * 60
+    return out
+
+
+def _gres_flags(text: str) -> dict[str, Any]:
+    flags = {"enforce-binding": "GRES_BINDING_ENFORCED", "disable-binding": "GRES_BINDING_DISABLED"}
+    out = [flags[w] for w in text.split(",") if w in flags]
+    if len(out) != len(text.split(",")):
+        raise RestJobError(f"{text!r}: --gres-flags takes enforce-binding or disable-binding here")
+    return {"flags": out}
+
+
+def _field(name: str, conv: Callable[[str], Any] = str) -> Callable[[str], dict[str, Any]]:
+    return lambda v: {name: conv(v)}
+
+
+def _flag(name: str, value: Any) -> Callable[[str], dict[str, Any]]:
+    return lambda v: {name: value}
+
+
+def _requeue(text: str) -> dict[str, Any]:
+    if text in ("", "true"):
+        return {"requeue": True}
+    if text == "expedite":  # sbatch(1) --requeue[=expedite]
+        return {"requeue": True, "flags": ["EXPEDITED_REQUEUE"]}
+    raise RestJobError(f"{text!r}: --requeue takes no value or expedite")
+
+
+def _open_mode(text: str) -> dict[str, Any]:
+    if text not in ("append", "truncate"):
+        raise RestJobError(f"{text!r}: --open-mode is append or truncate")
+    return {"open_mode": [text.upper()]}
+
+
+def _mail_type(text: str) -> dict[str, Any]:
+    words = [w.upper() for w in text.split(",")]
+    if "ALL" in words:
+        words = ["BEGIN", "END", "FAIL", "REQUEUE", "STAGE_OUT"]
+    if "NONE" in words:
+        words = []
+    return {"mail_type": [("ARRAY_TASKS" if w == "ARRAY_TASKS" else w) for w in words]}
+
+
+# sbatch's long option -> the fields it sets in the job description (slurmrestd's job_desc_msg).
+OPTIONS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "job-name": _field("name"), "partition": _field("partition"), "account": _field("account"),
+    "qos": _field("qos"), "reservation": _field("reservation"), "comment": _field("comment"),
+    "constraint": _field("constraints"), "prefer": _field("prefer"), "licenses": _field("licenses"),
+    "wckey": _field("wckey"), "network": _field("network"), "dependency": _field("dependency"),
+    "array": _field("array"), "mail-user": _field("mail_user"), "distribution": _field("distribution"),
+    "cluster-constraint": _field("cluster_constraint"), "clusters": _field("clusters"),
+    "container": _field("container"), "mcs-label": _field("mcs_label"),
+    "output": _field("standard_output"), "error": _field("standard_error"), "input": _field("standard_input"),
+    "chdir": _field("current_working_directory"),
+    "nodes": _field("nodes"), "ntasks": _field("tasks", _integer), "ntasks-per-node": _field("tasks_per_node", _integer),
+    "ntasks-per-core": _field("tasks_per_core", _integer), "ntasks-per-socket": _field("tasks_per_socket", _integer),
+    "ntasks-per-gpu": _field("ntasks_per_tres", _integer),
+    # sbatch sends --cpus-per-task as TRES per task too (TresPerTask=cpu=N in the job record)
+    "cpus-per-task": lambda v: {"cpus_per_task": _integer(v), "tres_per_task": f"cpu={_integer(v)}"},
+    "cpus-per-gpu": _field("cpus_per_tres", lambda v: f"gres/gpu:{_integer(v)}"),
+    "mincpus": _field("minimum_cpus_per_node", _integer), "threads-per-core": _field("threads_per_core", _integer),
+    "sockets-per-node": _field("sockets_per_node", _integer), "cores-per-socket": _field("cores_per_socket", _integer),
+    "core-spec": _field("core_specification", _integer), "thread-spec": _field("thread_specification", _integer),
+    "nice": _field("nice", _integer), "priority": _field("priority", lambda v: _no_val(_integer(v))),
+    "time": _field("time_limit", minutes), "time-min": _field("time_minimum", minutes),
+    "mem": _field("memory_per_node", megabytes), "mem-per-cpu": _field("memory_per_cpu", megabytes),
+    "mem-per-gpu": _field("memory_per_tres", lambda v: f"gres/gpu:{megabytes(v)['number']}"),
+    "tmp": _field("temporary_disk_per_node", lambda v: megabytes(v)["number"]),
+    "gres": _field("tres_per_node", _gres), "gpus-per-node": _field("tres_per_node", lambda v: _gres(f"gpu:{v}")),
+    "gpus": _field("tres_per_job", lambda v: _gres(f"gpu:{v}")),
+    "gpus-per-task": _field("tres_per_task", lambda v: _gres(f"gpu:{v}")),
+    "gpus-per-socket": _field("tres_per_socket", lambda v: _gres(f"gpu:{v}")),
+    "gres-flags": _gres_flags, "segment": _field("segment_size", lambda v: _no_val(_integer(v))),
+    "switches": _switches, "signal": _signal, "open-mode": _open_mode, "mail-type": _mail_type,
+    "exclude": _field("excluded_nodes", lambda v: v.split(",") if "[" not in v else [v]),
+    "nodelist": _field("required_nodes", lambda v: v.split(",") if "[" not in v else [v]),
+    "requeue": _requeue, "no-requeue": _flag("requeue", False), "exclusive": _exclusive,
+    "oversubscribe": _flag("shared", ["oversubscribe"]), "hold": _flag("hold", True),
+    "contiguous": _flag("contiguous", True), "overcommit": _flag("overcommit", True), "reboot": _flag("reboot", True),
+    "kill-on-invalid-dep": lambda v: {"flags": ["KILL_INVALID_DEPENDENCY" if v in ("", "yes") else "NO_KILL_INVALID_DEPENDENCY"]},
+    "spread-job": _flag("flags", ["SPREAD_JOB"]), "use-min-nodes": _flag("flags", ["PREFER_MINIMUM_NODE_COUNT"]),
+    "wait-all-nodes": _field("wait_all_nodes", lambda v: v in ("1", "")),
+    "delay-boot": _field("delay_boot", lambda v: minutes(v)["number"] * 60),
+    "oom-kill-step": _field("oom_kill_step", lambda v: 0 if v == "0" else 1),
+}
+NO_VAL16 = 0xFFFE  # SLURM's "not set" for a 16-bit field: the cluster's default applies
+# What sbatch sends for an option it was not given, where slurmrestd's parser would put another
+# value for an absent field (seen comparing the two job records on 26.05.5: slurmrestd made an
+# absent oom_kill_step 0, overriding the cluster's default, where sbatch leaves it unset).
+UNSET = {"oom_kill_step": NO_VAL16}
+# What sbatch does on the submitting side, with no field to carry it.
+CLIENT_SIDE = {"wrap", "parsable", "quiet", "verbose", "test-only", "wait", "ignore-pbs", "get-user-env",
+               "export-file", "nodefile", "batch", "bb", "bbf", "propagate", "uid", "gid", "power", "profile",
+               "acctg-freq", "cpu-freq", "gpu-bind", "gpu-freq", "mem-bind", "hint", "extra-node-info",
+               "begin", "deadline", "export"}
+
+
+def sbatch_options(script: str) -> list[tuple[str, str]]:
+    """The ``#SBATCH`` options sbatch reads from ``script``: (long name, value; "" for a flag), in
+    order, from the lines before its first command (sbatch(1): "before any executable commands")."""
+    out: list[tuple[str, str]] = []
+    for line in script.splitlines()[1:] if script.startswith("#!") else script.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if not stripped.startswith("#"):
+            break
+        if not stripped.startswith("#SBATCH"):
+            continue
+        words = shlex.split(stripped[len("#SBATCH"):], comments=True)
+        out += _parse_words(words, line)
+    return out
+
+
+def _parse_words(words: Sequence[str], line: str) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(words):
+        w = words[i]
+        if w.startswith("--"):
+            name, eq, value = w[2:].partition("=")
+            if not eq and name not in FLAGS and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                value, i = words[i + 1], i + 1
+        elif w.startswith("-") and len(w) >= 2 and w[1] in SHORT:
+            name, value = SHORT[w[1]], w[2:]
+            if not value and name not in FLAGS and i + 1 < len(words):
+                value, i = words[i + 1], i + 1
+        else:
+            raise RestJobError(f"{line.strip()!r}: {w!r} is not an sbatch option")
+        out.append((name, value))
+        i += 1
+    return out
+
+
+# What sbatch puts in the job's environment from its options (sbatch(1) OUTPUT ENVIRONMENT
+# VARIABLES; seen by diffing a job's `env` submitted by sbatch and through slurmrestd on 26.05.5).
+_OPTION_ENV = {"ntasks-per-node": "SLURM_NTASKS_PER_NODE", "mem": "SLURM_MEM_PER_NODE", "mem-per-cpu": "SLURM_MEM_PER_CPU",
+               "mem-per-gpu": "SLURM_MEM_PER_GPU", "gpus": "SLURM_GPUS", "gpus-per-node": "SLURM_GPUS_PER_NODE",
+               "gpus-per-task": "SLURM_GPUS_PER_TASK", "gpus-per-socket": "SLURM_GPUS_PER_SOCKET",
+               "cpus-per-gpu": "SLURM_CPUS_PER_GPU", "distribution": "SLURM_DISTRIBUTION",
+               "threads-per-core": "SLURM_THREADS_PER_CORE", "ntasks-per-core": "SLURM_NTASKS_PER_CORE",
+               "ntasks-per-socket": "SLURM_NTASKS_PER_SOCKET", "ntasks-per-gpu": "SLURM_NTASKS_PER_GPU",
+               "network": "SLURM_NETWORK"}
+# sbatch sets these for MPI launchers started inside the job unless they are set (23.11 and later)
+_MPI_ENV = {"HYDRA_BOOTSTRAP": "slurm", "HYDRA_LAUNCHER_EXTRA_ARGS": "--external-launcher",
+            "I_MPI_HYDRA_BOOTSTRAP": "slurm", "I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS": "--external-launcher",
+            "OMPI_MCA_plm_slurm_args": "--external-launcher", "PRTE_MCA_plm_slurm_args": "--external-launcher"}
+
+
+def sbatch_environment(options: Sequence[tuple[str, str]], environment: Mapping[str, str], cwd: str,
+                       host: str, nice: int) -> dict[str, str]:
+    """The environment sbatch would send: the submitting one (--export=ALL) plus what sbatch adds
+    from its options (SLURM_NTASKS from --nodes x --ntasks-per-node, SLURM_CPUS_PER_TASK, ...)
+    and about the submission (SLURM_SUBMIT_DIR, SLURM_SUBMIT_HOST, SLURM_PRIO_PROCESS)."""
+    env = dict(environment)
+    for name, value in _MPI_ENV.items():
+        env.setdefault(name, value)
+    given = dict(options)
+    for name, var in _OPTION_ENV.items():
+        if name in given:
+            env[var] = str(megabytes(given[name])["number"]) if name.startswith("mem") else given[name]
+    tasks = given.get("ntasks")
+    if tasks is None and "ntasks-per-node" in given and given.get("nodes", "").isdigit():
+        tasks = str(int(given["nodes"]) * int(given["ntasks-per-node"]))
+    if tasks is not None:
+        env["SLURM_NTASKS"] = env["SLURM_NPROCS"] = tasks
+    if "cpus-per-task" in given:
+        env["SLURM_CPUS_PER_TASK"] = given["cpus-per-task"]
+        env["SLURM_TRES_PER_TASK"] = f"cpu={given['cpus-per-task']}"
+    env.update(SLURM_SUBMIT_DIR=cwd, SLURM_SUBMIT_HOST=host, SLURM_PRIO_PROCESS=str(nice))
+    return env
+
+
+def job_description(script: str, *, environment: Mapping[str, str], cwd: str, host: str, nice: int = 0,
+                    extra: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """The request body of ``POST /slurm/<version>/job/submit`` that runs ``script`` as sbatch
+    would: its ``#SBATCH`` options (then ``extra``, as sbatch's command line, winning) as fields,
+    the environment sbatch would send (:func:`sbatch_environment`) and the working directory."""
+    options = [*sbatch_options(script), *extra]
+    env = sbatch_environment(options, environment, cwd, host, nice)
+    job: dict[str, Any] = {"environment": [f"{k}={v}" for k, v in sorted(env.items())],
+                           "current_working_directory": cwd}
+    for name, value in options:
+        convert = OPTIONS.get(name)
+        if convert is None:
+            why = ("sbatch handles it on the submitting side" if name in CLIENT_SIDE
+                   else "a SPANK plugin's option or one slurmrestd does not take")
+            raise RestJobError(f"--{name}: slurmrestd's job description has no field for it ({why}); "
+                               "submit this job with sbatch (the profile's submit.via: sbatch)")
+        try:
+            fields = convert(value)
+        except (RestJobError, KeyError, ValueError) as exc:
+            raise RestJobError(f"--{name}={value}: {exc}") from None
+        for key, v in fields.items():
+            if key == "flags":
+                v = sorted(set(job.get(key, [])) | set(v))
+            elif key == "tres_per_task" and key in job:  # --cpus-per-task and --gpus-per-task: one TRES list
+                v = ",".join(sorted({*job[key].split(","), v}))
+            job[key] = v
+    for key, unset in UNSET.items():
+        job.setdefault(key, unset)
+    return {"script": script, "job": job}
