@@ -136,13 +136,18 @@ def _reported(call: Callable[[], T], ctx: Context, debug: bool) -> T | int:
         return ExitCode.INTERRUPTED
 
 
+# The commands about a run that ask SLURM through slurmrestd when the run was submitted so (the
+# others, e.g. preempt, stacks and profile, need SLURM's commands on the cluster: `--rest` asks for it).
+RUN_COMMANDS_THROUGH_REST = frozenset({"status", "logs", "history", "cancel", "metrics", "report"})
+
+
 def _transport(args: argparse.Namespace, ctx: Context) -> Any:
     """SLURM's commands here, or a slurmrestd: ``--rest PROFILE``, else the profile a named run was
     submitted with when that profile submits through slurmrestd (launcher.submit.transport)."""
     import contextlib
 
     name = getattr(args, "rest", None) or ctx.environ.get("LMLAUNCH_REST")
-    run = getattr(args, "run", None)
+    run = getattr(args, "run", None) if args.command in RUN_COMMANDS_THROUGH_REST else None
     if not name and not isinstance(run, str):
         return contextlib.nullcontext()
     from launcher.submit import transport

@@ -158,9 +158,10 @@ class RestClient:
                 raise self.refused(f"HTTP 401: {_first(text) or exc.reason}") from None
             if exc.code == 404 and missing_ok:
                 return {}
-            answer = _json(text.encode())
-            raise RestError(f"{self.target.where}: {method} {path}: {_server_words(answer) or _first(text) or exc.reason} "
-                            f"(HTTP {exc.code})") from None
+            words = _server_words(_json(text.encode())) or _first(text) or str(exc.reason)
+            if "authentication" in words.lower():  # slurmctld refused the token slurmrestd passed on
+                raise self.refused(f"{words}, HTTP {exc.code}") from None
+            raise RestError(f"{self.target.where}: {method} {path}: {words} (HTTP {exc.code})") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise RestError(f"{self.target.where} does not answer ({reason}); check the profile's submit.url "
@@ -202,6 +203,12 @@ class RestClient:
         said = "; ".join(str(p.get("status", "")) for p in pings if p.get("status"))
         if "authentication" in said.lower():
             raise self.refused(said)
+        if not said:  # 24.11's ping says only DOWN: its statistics call says why (a refused token raises)
+            try:
+                self.request("GET", f"/slurm/{self.api()}/diag/")
+            except RestError as exc:
+                if "refused the token" in exc.message:
+                    raise
         return False
 
     def refused(self, said: str) -> RestError:

@@ -181,6 +181,7 @@ OPTIONS: dict[str, Callable[[str], dict[str, Any]]] = {
     "spread-job": _flag("flags", ["SPREAD_JOB"]), "use-min-nodes": _flag("flags", ["PREFER_MINIMUM_NODE_COUNT"]),
     "wait-all-nodes": _field("wait_all_nodes", lambda v: v in ("1", "")),
     "delay-boot": _field("delay_boot", lambda v: minutes(v)["number"] * 60),
+    "no-kill": _flag("kill_on_node_fail", False),
     "oom-kill-step": _field("oom_kill_step", lambda v: 0 if v == "0" else 1),
 }
 NO_VAL16 = 0xFFFE  # SLURM's "not set" for a 16-bit field: the cluster's default applies

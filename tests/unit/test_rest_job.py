@@ -1,0 +1,212 @@
+"""The REST path's pure parts (lmcore.slurm.rest_job, rest_records, rest): a script's #SBATCH
+options as slurmrestd's job description, the environment sbatch would send, the server's answers
+as squeue's and sacct's rows, the token's checks and the API version chosen. The real slurmrestd
+is exercised in tests/integration/test_rest_submission.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import pytest
+
+from lmcore import site_options
+from lmcore.slurm import rest_records
+from lmcore.slurm.rest import KNOWN_APIS, RestError, choose_api, read_token_file, token_claims
+from lmcore.slurm.rest_job import (
+    CLIENT_SIDE,
+    NO_VAL16,
+    OPTIONS,
+    RestJobError,
+    job_description,
+    megabytes,
+    minutes,
+    sbatch_options,
+)
+
+SCRIPT = """#!/bin/bash
+# lmlaunch: a comment before the options is fine
+#SBATCH --chdir=/runs/x
+#SBATCH --cpus-per-task=2
+#SBATCH --error=/runs/x/submitit/%j_0_log.err
+#SBATCH --exclusive
+#SBATCH --gres=gpu:8
+#SBATCH --gres-flags=enforce-binding
+#SBATCH --job-name=x
+#SBATCH --mem=1802240M
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --open-mode=append
+#SBATCH --output=/runs/x/submitit/%j_0_log.out
+#SBATCH --partition=gpu
+#SBATCH --requeue
+#SBATCH --signal=USR2@120
+#SBATCH --time=720
+#SBATCH -A proj --qos normal
+set -e
+#SBATCH --nodes=99
+srun python -m x
+"""
+
+
+def _desc(script: str = SCRIPT, **kw):
+    return job_description(script, environment={"PATH": "/usr/bin", "HOME": "/root"}, cwd="/work", host="login1",
+                           **kw)["job"]
+
+
+def test_the_options_sbatch_reads_become_the_job_descriptions_fields():
+    job = _desc()
+    assert job["name"] == "x" and job["nodes"] == "2" and job["tasks_per_node"] == 8 and job["cpus_per_task"] == 2
+    assert job["time_limit"] == {"set": True, "infinite": False, "number": 720}
+    assert job["memory_per_node"]["number"] == 1802240 and job["tres_per_node"] == "gres/gpu:8"
+    assert job["flags"] == ["GRES_BINDING_ENFORCED"] and job["shared"] == ["none"] and job["requeue"] is True
+    assert job["kill_warning_signal"] == "SIGUSR2" and job["kill_warning_delay"]["number"] == 120
+    assert job["kill_warning_flags"] == [] and job["open_mode"] == ["APPEND"]
+    assert job["standard_output"].endswith("%j_0_log.out") and job["current_working_directory"] == "/runs/x"
+    assert job["account"] == "proj" and job["qos"] == "normal" and job["partition"] == "gpu"
+    assert job["tres_per_task"] == "cpu=2"  # as sbatch sends --cpus-per-task
+    assert job["oom_kill_step"] == NO_VAL16  # sbatch's "not set": the cluster's default applies
+
+
+def test_options_after_the_first_command_are_not_read_as_sbatch_does():
+    assert ("nodes", "99") not in sbatch_options(SCRIPT)
+    assert sbatch_options("#!/bin/sh\n\n#SBATCH -N 3 -J a\n#SBATCH --hold\necho\n") == [
+        ("nodes", "3"), ("job-name", "a"), ("hold", "")]
+
+
+def test_the_command_lines_options_win_over_the_scripts():
+    job = _desc(extra=[("dependency", "afterok:12"), ("partition", "high")])
+    assert job["dependency"] == "afterok:12" and job["partition"] == "high"
+
+
+def test_the_environment_is_what_sbatch_would_send():
+    env = dict(e.split("=", 1) for e in _desc()["environment"])
+    assert env["PATH"] == "/usr/bin" and env["SLURM_SUBMIT_DIR"] == "/work" and env["SLURM_SUBMIT_HOST"] == "login1"
+    assert env["SLURM_NTASKS"] == env["SLURM_NPROCS"] == "16" and env["SLURM_NTASKS_PER_NODE"] == "8"
+    assert env["SLURM_CPUS_PER_TASK"] == "2" and env["SLURM_TRES_PER_TASK"] == "cpu=2"
+    assert env["SLURM_MEM_PER_NODE"] == "1802240" and env["HYDRA_BOOTSTRAP"] == "slurm"
+    assert env["SLURM_PRIO_PROCESS"] == "0"
+
+
+def test_every_documented_sbatch_option_has_a_field_or_a_reason_it_has_none():
+    """The class, not one example: each of sbatch's long options either maps to the job
+    description or is named as one sbatch handles on the submitting side (refused, not dropped)."""
+    assert not (set(site_options.SBATCH_OPTIONS) - set(OPTIONS) - CLIENT_SIDE - {"test-only"})
+    assert not set(OPTIONS) & CLIENT_SIDE
+
+
+@pytest.mark.parametrize("option", sorted(CLIENT_SIDE | {"container-image"}))
+def test_an_option_without_a_field_is_refused_naming_it(option):
+    with pytest.raises(RestJobError, match=f"--{option}: slurmrestd's job description has no field"):
+        _desc(f"#!/bin/bash\n#SBATCH --{option}=x\ntrue\n")
+
+
+@pytest.mark.parametrize(("text", "mins"), [("20", 20), ("1:30", 2), ("2:00:00", 120), ("1-0", 1440),
+                                            ("1-2:30", 1590), ("0-0:0:59", 1), ("UNLIMITED", None)])
+def test_slurm_times_in_whole_minutes(text, mins):
+    got = minutes(text)
+    assert (None if got["infinite"] else got["number"]) == mins
+
+
+@pytest.mark.parametrize("bad", ["abc", "1:2:3:4", "-5", ""])
+def test_a_bad_time_is_refused(bad):
+    with pytest.raises(RestJobError):
+        minutes(bad)
+
+
+def test_memory_sizes_in_megabytes():
+    assert [megabytes(t)["number"] for t in ("512", "512M", "2G", "1T", "1536K")] == [512, 512, 2048, 1048576, 2]
+    with pytest.raises(RestJobError):
+        megabytes("lots")
+
+
+def test_bad_values_name_the_option():
+    with pytest.raises(RestJobError, match="--open-mode=sometimes"):
+        _desc("#!/bin/bash\n#SBATCH --open-mode=sometimes\ntrue\n")
+    with pytest.raises(RestJobError, match="--ntasks-per-node=many"):
+        _desc("#!/bin/bash\n#SBATCH --ntasks-per-node=many\ntrue\n")
+
+
+def test_expedited_requeue_is_a_flag():
+    job = _desc("#!/bin/bash\n#SBATCH --requeue=expedite\n#SBATCH --kill-on-invalid-dep=yes\ntrue\n")
+    assert job["requeue"] is True and job["flags"] == ["EXPEDITED_REQUEUE", "KILL_INVALID_DEPENDENCY"]
+
+
+# --------------------------------------------------------------------------- answers as rows
+
+JOB = {"job_id": 31, "name": "a", "job_state": ["PENDING"], "state_reason": "JobHeldUser", "restart_cnt": 1,
+       "array_job_id": {"set": True, "number": 31}, "array_task_id": {"set": False, "number": 0},
+       "array_task_string": "0-2%1", "time_limit": {"set": True, "number": 90}, "node_count": {"set": True, "number": 2},
+       "nodes": "", "partition": "low", "user_name": "root", "submit_time": {"set": True, "number": 0},
+       "start_time": {"set": True, "number": 0}}
+
+
+def test_a_pending_arrays_one_record_is_one_row_per_task_as_squeue_r():
+    rows = rest_records.queued_rows(JOB)
+    assert [r.job_id for r in rows] == ["31_0", "31_1", "31_2"]
+    assert rows[0].time_limit == "1:30:00" and rows[0].num_nodes == 2 and rows[0].restarts == 1
+    assert rows[0].start == "N/A" and rows[0].reason == "JobHeldUser"
+    assert rest_records.array_tasks({**JOB, "array_task_string": "1,4-8:2%2"}) == [1, 4, 6, 8]
+
+
+def test_a_running_task_and_an_accounted_attempt_read_as_squeue_and_sacct_print_them():
+    running = {**JOB, "job_state": ["RUNNING"], "array_task_id": {"set": True, "number": 2}, "array_task_string": "",
+               "start_time": {"set": True, "number": 1000}}
+    (row,) = rest_records.queued_rows(running, now=1000 + 3725)
+    assert row.job_id == "31_2" and row.elapsed == "1:02:05" and row.state == "RUNNING"
+    acct = rest_records.accounted({"job_id": 7, "name": "n", "state": {"current": ["CANCELLED"]},
+                                   "kill_request_user": "alice", "exit_code": {"return_code": {"set": True, "number": 0},
+                                   "signal": {"id": {"set": True, "number": 15}}}, "time": {"elapsed": 59, "start": 0,
+                                   "end": 0, "submission": 0}, "nodes": "n[1-2]", "partition": "low"})
+    assert acct.state == "CANCELLED by alice" and acct.exit_code == "0:15" and acct.elapsed == "0:59"
+    assert acct.start == "Unknown" and acct.nodes == "n[1-2]"
+    assert rest_records.duration(2 * 86400 + 61) == "2-00:01:01" and rest_records.limit({"infinite": True}) == "UNLIMITED"
+
+
+# --------------------------------------------------------------------------- token and version
+
+
+def _jwt(claims: dict) -> str:
+    def part(d):
+        return base64.urlsafe_b64encode(json.dumps(d).encode()).decode().rstrip("=")
+    return f"{part({'alg': 'HS256'})}.{part(claims)}.c2ln"
+
+
+def test_a_token_file_is_read_only_when_others_cannot(tmp_path):
+    token = _jwt({"sun": "alice", "exp": 4102444800})
+    f = tmp_path / "tok"
+    f.write_text(f"SLURM_JWT={token}\n")
+    f.chmod(0o600)
+    assert read_token_file(str(f)) == token and token_claims(token)["sun"] == "alice"
+    f.chmod(0o640)
+    with pytest.raises(RestError, match="chmod 600") as exc:
+        read_token_file(str(f))
+    assert token not in exc.value.message
+    f.write_text("not a token")
+    f.chmod(0o600)
+    with pytest.raises(RestError, match="holds no JWT"):
+        read_token_file(str(f))
+    with pytest.raises(RestError, match="No such file"):
+        read_token_file(str(tmp_path / "missing"))
+
+
+def test_the_newest_api_both_speak_is_chosen_or_the_pinned_one_if_offered():
+    assert choose_api(["v0.0.42", "v0.0.43", "v0.0.44", "v0.0.45"], None, "x") == "v0.0.45"
+    assert choose_api(["v0.0.40", "v0.0.41", "v0.0.42"], None, "x") == "v0.0.42"
+    assert choose_api(["v0.0.42", "v0.0.44"], "v0.0.42", "x") == "v0.0.42"
+    with pytest.raises(RestError, match="does not offer API v0.0.39.*v0.0.42, v0.0.44"):
+        choose_api(["v0.0.42", "v0.0.44"], "v0.0.39", "x")
+    with pytest.raises(RestError, match=f"lmlaunch speaks {KNOWN_APIS[-1]} to {KNOWN_APIS[0]}"):
+        choose_api(["v0.0.38"], None, "x")
+
+
+def test_the_token_file_is_never_world_readable_by_default_umask(tmp_path):
+    """What `scontrol token > file` leaves with a common umask (022) is refused; 077 is accepted."""
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "t").write_text(_jwt({"sun": "a"}))
+    finally:
+        os.umask(old)
+    with pytest.raises(RestError, match="mode 644"):
+        read_token_file(str(tmp_path / "t"))
