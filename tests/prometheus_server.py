@@ -24,17 +24,20 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def prometheus(targets: list[str], where: Path, token_file: Path | None = None
-               ) -> Iterator[tuple[subprocess.Popen, Callable[[str], list]]]:
+def prometheus(targets: list[str], where: Path, token_file: Path | None = None,
+               paths: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[subprocess.Popen, Callable[[str], list]]]:
     """(the server's process, ``query(expr)`` -> the instant vector's results, [] while it does not
-    answer yet); its log is ``where/prometheus.log``."""
+    answer yet); its log is ``where/prometheus.log``. ``paths``: more scrape jobs, (target, metrics
+    path) each (slurmctld serves its metrics on several paths of one port)."""
     binary = shutil.which("prometheus")
     assert binary, "Debian's prometheus is missing: scripts/setup.sh installs it (as root)"
     web = free_port()
     config = where / "prometheus.yml"
     auth = f"    authorization: {{credentials_file: {json.dumps(str(token_file))}}}\n" if token_file else ""
+    more = "".join(f"  - job_name: extra{i}\n    metrics_path: {json.dumps(path)}\n"
+                   f"    static_configs: [{{targets: [{json.dumps(target)}]}}]\n" for i, (target, path) in enumerate(paths))
     config.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: lmlaunch\n"
-                      f"    static_configs: [{{targets: {json.dumps(targets)}}}]\n" + auth)
+                      f"    static_configs: [{{targets: {json.dumps(targets)}}}]\n" + auth + more)
     server = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={where / 'tsdb'}",
                                f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.DEVNULL,
                               stderr=open(where / "prometheus.log", "w"))

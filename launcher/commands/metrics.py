@@ -40,12 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     write.add_argument("dir", metavar="DIR", help="the textfile collector's directory (--collector.textfile.directory)")
     board = sub.add_parser("dashboard", help="write a Grafana dashboard (JSON) of these metrics, to import or provision")
     board.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the dashboard's JSON")
+    board.add_argument("--controller-metrics", choices=("auto", "yes", "no"), default="auto",
+                       help="panels of slurmctld's own series (queue, node states, requeues): auto = when the "
+                            "cluster's MetricsType is metrics/openmetrics (SLURM 26.05 here)")
     board.add_argument("--force", action="store_true", help="replace FILE if it exists")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.metrics_command == "dashboard":
-        return _dashboard(Path(args.output), force=args.force, ctx=ctx)
+        return _dashboard(Path(args.output), force=args.force, ctx=ctx, controller=args.controller_metrics)
     from prometheus_client import CollectorRegistry
 
     from launcher.serve.exporter import RunsCollector
@@ -146,18 +149,41 @@ def _write(registry, folder: Path, ctx: Context) -> int:
     return 0
 
 
-def _dashboard(path: Path, *, force: bool, ctx: Context) -> int:
-    """The Grafana dashboard into ``path`` (atomically; an existing file only with --force)."""
+def _dashboard(path: Path, *, force: bool, ctx: Context, controller: str = "auto") -> int:
+    """The Grafana dashboard into ``path`` (atomically; an existing file only with --force), with
+    the controller's panels where it serves its metrics (said either way)."""
     import json
 
-    from launcher.serve.grafana import dashboard
+    from launcher.serve.grafana import CONTROLLER_PATHS, dashboard
     from lmcore.atomic import write_atomic
 
     if path.exists() and not force:
         raise UserError(f"{path} exists: lmlaunch keeps it. Replace it with --force, or choose another file")
     if not path.parent.is_dir():
         raise UserError(f"-o {path}: the directory {path.parent} does not exist")
-    write_atomic(path, json.dumps(dashboard(), indent=2) + "\n")
+    served, where = _controller_metrics() if controller == "auto" else (controller == "yes", "")
+    write_atomic(path, json.dumps(dashboard(controller=served), indent=2) + "\n")
     ctx.out(f"wrote {path}: import it in Grafana (Dashboards > New > Import) with your Prometheus as its data "
             "source, or drop it into a dashboards provider's folder")
+    if served:
+        ctx.out(f"with the controller's panels: have Prometheus scrape slurmctld{' at ' + where if where else ''} "
+                f"on each of {', '.join(CONTROLLER_PATHS)} (one scrape job per metrics_path)")
+    else:
+        ctx.out("without the controller's panels: " + (where or "--controller-metrics no"))
     return 0
+
+
+def _controller_metrics() -> tuple[bool, str]:
+    """(slurmctld serves its own metrics, where it listens / why not)."""
+    from lmcore.errors import SlurmUnavailable
+    from lmcore.slurm import client as slurm
+
+    try:
+        cfg = slurm.config()
+    except (UserError, SlurmUnavailable) as exc:
+        return False, f"the cluster's configuration could not be read ({exc.message})"
+    if "openmetrics" not in cfg.get("MetricsType", ""):
+        return False, (f"this cluster's slurmctld (SLURM {cfg.get('SLURM_VERSION', '?')}) serves no metrics "
+                       "(MetricsType is not metrics/openmetrics)")
+    host = cfg.get("SlurmctldHost[0]", "").split("(")[-1].rstrip(")") or "the controller"
+    return True, f"{host}:{cfg.get('SlurmctldPort', '6817')}"

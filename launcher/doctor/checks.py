@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.doctor.network_check import network_differences
+from launcher.doctor.version_check import version_problems
 from launcher.planning import runtime_stack
 from launcher.spec.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of, partitions as draft_partitions
 from launcher.spec.profiles import Profile
@@ -277,6 +278,9 @@ def diagnose(plan: LaunchPlan, profile: Profile, environ: Mapping[str, str] | No
     checks.append(judge_profile(profile, ClusterFacts(partitions=slurm.partition_configs(), nodes=slurm.node_configs(),
                                                       topology=slurm.topology_records(),
                                                       config=config)))
+    versions = version_problems(profile, config)
+    checks.append(Check("slurm version", WARN if versions else OK, "; ".join(versions) or
+                        f"SLURM {config.get('SLURM_VERSION')}, a release lmlaunch is tested on"))
     checks += _association_checks(plan)
     if job_script is not None:
         checks += job_script_checks(plan, job_script)

@@ -167,6 +167,7 @@ def _slurm(
         signal_name=signal_name,
         warning_seconds=spec.preemption.warning_seconds,
         requeue=True,
+        requeue_expedite=profile.expedited_requeue,
         open_mode="append",
         output=str(submitit_dir / "%j_0_log.out"),
         error=str(submitit_dir / "%j_0_log.err"),

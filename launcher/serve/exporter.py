@@ -157,6 +157,9 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
     gauges = {attr: GaugeMetricFamily(name, text, labels=["run"]) for name, text, attr in ROW_GAUGES}
     requeued = GaugeMetricFamily("lmlaunch_run_requeued", "1 while the run's job was requeued by SLURM",
                                  labels=["run"])
+    pending = GaugeMetricFamily("lmlaunch_run_pending_reason", "1 while the run's job waits in the queue, labelled "
+                                "with SLURM's reason (Priority, Resources, BeginTime, JobHeldUser, ...)",
+                                labels=["run", "reason"])
     ended = CounterMetricFamily("lmlaunch_run_attempts_ended", "Attempts that ended, by why (the ledger)",
                                 labels=["run", "reason"])
     from_ledger = {key: (CounterMetricFamily if counter else GaugeMetricFamily)(name, text, labels=["run"])
@@ -172,6 +175,8 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
             if value is not None:
                 family.add_metric([row.name], float(value))
         requeued.add_metric([row.name], 1.0 if row.requeued else 0.0)
+        if row.group == "queued" and row.reason:
+            pending.add_metric([row.name, row.reason], 1.0)
         reasons = Counter(str(e.get("reason") or "unknown") for e in ledger if e.get("event") == "end")
         for reason, n in sorted(reasons.items()):
             ended.add_metric([row.name, reason], n)
@@ -189,7 +194,7 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
     count = GaugeMetricFamily("lmlaunch_runs", "Runs in the registry, by state group", labels=["group"])
     for group, n in sorted(Counter(r.group for r in rows).items()):
         count.add_metric([group], n)
-    return [info, *gauges.values(), requeued, ended, *from_ledger.values(), *prepared.values(), up, count]
+    return [info, *gauges.values(), requeued, pending, ended, *from_ledger.values(), *prepared.values(), up, count]
 
 
 def preparation_progress(heartbeat: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:

@@ -5,7 +5,9 @@ folder). A ``run`` variable (the runs the exporter knows, several at once) and a
 variable (the site's Prometheus). Panels: state, loss, throughput, MFU, steps, checkpoint age,
 attempts started and ended by why, per-rank seconds per step (a heatmap: a slow rank is a hot
 row), each rank's compute against the others' median, the slow ranks, and, where a site runs NVIDIA's DCGM exporter, GPU utilisation, memory,
-power and XID errors of the nodes the selected runs' ranks are on (DCGM's ``Hostname`` label against
+power and XID errors of the nodes the selected runs' ranks are on; where slurmctld serves its own
+metrics (SLURM 26.05's metrics/openmetrics), the queue by partition, the nodes' states and the
+controller's requeues (DCGM's ``Hostname`` label against
 the node the ranks report, as a filter: ``DCGM_... and on (Hostname) label_replace(...)``).
 
 Every expression is in :data:`EXPRESSIONS` (the panels are built from them), so a test can run
@@ -60,6 +62,8 @@ PANELS: tuple[tuple[str, str, str, str, str], ...] = (
     ("Compute against the other ranks' median", f"lmlaunch_rank_compute_ratio{{{RUN}}}",
      "{{run}} rank {{rank}} ({{node}})", "none", "timeseries"),
     ("Slow ranks (stragglers)", f"lmlaunch_run_slow_ranks{{{RUN}}}", "{{run}}", "none", "timeseries"),
+    ("Why the run waits (SLURM's pending reason)", f"lmlaunch_run_pending_reason{{{RUN}}}", "{{run}}: {{reason}}",
+     "none", "stat"),
     ("GPU utilisation (DCGM)", _dcgm("DCGM_FI_DEV_GPU_UTIL"), "{{Hostname}} gpu {{gpu}}", "percent",
      "timeseries"),
     ("GPU memory used (DCGM)", _dcgm("DCGM_FI_DEV_FB_USED"), "{{Hostname}} gpu {{gpu}}", "decmbytes",
@@ -68,16 +72,36 @@ PANELS: tuple[tuple[str, str, str, str, str], ...] = (
     ("GPU XID errors (DCGM)", _dcgm("DCGM_FI_DEV_XID_ERRORS"), "{{Hostname}} gpu {{gpu}}", "none",
      "timeseries"),
 )
+# The controller's own series (slurmctld with MetricsType=metrics/openmetrics, SLURM 26.05 here: GET
+# /metrics/{jobs,nodes,partitions,scheduler} on SlurmctldPort, slurmctld(8)): the queue, the nodes'
+# states, the requeues. In the dashboard only where the cluster serves them (dashboard(controller=...)).
+CONTROLLER_PANELS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("Queue: pending jobs by partition (slurmctld)", "slurm_partition_jobs_pending", "{{partition}}", "none",
+     "timeseries"),
+    ("Queue: running jobs by partition (slurmctld)", "slurm_partition_jobs_running", "{{partition}}", "none",
+     "timeseries"),
+    ("Nodes by state (slurmctld)", '{__name__=~"slurm_nodes_(idle|alloc|mixed|down|drain|fail|completing)"}',
+     "{{__name__}}", "none", "timeseries"),
+    ("Jobs requeued, preempted, failed with a node (slurmctld)",
+     '{__name__=~"slurm_jobs_(requeued|preempted|node_failed|expediting)"}', "{{__name__}}", "none", "timeseries"),
+    ("Scheduler: jobs in the main and backfill queues (slurmctld)",
+     '{__name__=~"slurm_(schedule_queue_len|bf_queue_len)"}', "{{__name__}}", "none", "timeseries"),
+)
+CONTROLLER_PATHS = ("/metrics/jobs", "/metrics/nodes", "/metrics/partitions", "/metrics/scheduler")
+CONTROLLER_EXPRESSIONS: tuple[str, ...] = tuple(p[1] for p in CONTROLLER_PANELS)
 EXPRESSIONS: tuple[str, ...] = tuple(p[1] for p in PANELS)
 DCGM = tuple(p[1] for p in PANELS if "DCGM_" in p[1])  # series only where a site runs NVIDIA's DCGM exporter
+# series only while a selected run's job waits in the queue (SLURM's pending reason)
+WAITING_ONLY = tuple(p[1] for p in PANELS if "pending_reason" in p[1])
 # series only on a device whose peak FLOPs lmtrain knows (a GPU): MFU, besides DCGM's
 DEVICE_ONLY = DCGM + tuple(p[1] for p in PANELS if "mfu" in p[1])
 
 
-def dashboard(title: str = "lmlaunch runs") -> dict[str, Any]:
-    """The dashboard as Grafana's JSON model (schemaVersion 39)."""
+def dashboard(title: str = "lmlaunch runs", *, controller: bool = False) -> dict[str, Any]:
+    """The dashboard as Grafana's JSON model (schemaVersion 39); with ``controller``, the panels of
+    slurmctld's own series too (a cluster that serves them: MetricsType=metrics/openmetrics)."""
     panels = []
-    for i, (name, expr, legend, unit, kind) in enumerate(PANELS):
+    for i, (name, expr, legend, unit, kind) in enumerate(PANELS + (CONTROLLER_PANELS if controller else ())):
         panels.append({
             "id": i + 1, "type": kind, "title": name,
             "datasource": {"type": "prometheus", "uid": "${datasource}"},

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lmcore.slurm import versions
 from lmcore.spec import format_minutes, parse_slurm_time
 
 UNLIMITED_TIME = "365-00:00:00"  # what a profile writes for MaxTime=UNLIMITED (max_time must be a time)
@@ -120,6 +121,9 @@ def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
         "# the lines marked CHOOSE are yours to set (SLURM cannot know them). Check it: lmlaunch doctor SPEC",
         *(f"# NOTE: {p}" for p in facts.problems),
         "description: " + _quote(f"Read off cluster {cluster} (SLURM {version}) on {when}"),
+        (f"slurm_version: {_quote(version)}  # scontrol show config: SLURM_VERSION (doctor says when it changes)"
+         if versions.release(version) else "# slurm_version: not read (scontrol show config gave no SLURM_VERSION)"),
+        *(f"# NOTE: {note}" for note in [versions.untested_note(version)] if note),
         *_partition_lines(parts, usable, default, cfg),
     ]
     if facts.default_account:
@@ -198,6 +202,9 @@ def _choices_and_environment(cfg: Mapping[str, str], loopback: bool) -> list[str
         f"sends_user_signal_on_preemption: {'true' if sends_signal else 'false'}  "
         f"# SlurmctldParameters={cfg.get('SlurmctldParameters', '(null)')}",
     ]
+    if "enable_expedited_requeue" in cfg.get("SlurmctldParameters", ""):  # SLURM 26.05's sbatch --requeue=expedite
+        y.append("expedited_requeue: true  # SlurmctldParameters has enable_expedited_requeue: a requeued job is "
+                 "eligible again at once")
     if loopback:
         y += ["env:",
               "  GLOO_SOCKET_IFNAME: {value: lo, why: \"every node's NodeAddr is on loopback (127.0.0.1): gloo must bind lo\"}"]

@@ -228,6 +228,8 @@ class Profile(StrictModel):
     """How to reach this cluster from a workstation over ssh (absent: lmlaunch runs on the login node)."""
     sends_user_signal_on_preemption: bool = False
     """The cluster sets SlurmctldParameters=preempt_send_user_signal."""
+    expedited_requeue: bool = False
+    """The cluster sets SlurmctldParameters=enable_expedited_requeue (SLURM 26.05): jobs ask for it (sbatch --requeue=expedite), and a requeued attempt (a node failure, a preemption, the time limit) is eligible again at once, at the top of the queue, instead of after SchedulerParameters' requeue_delay (120 s by default)."""
     network: Network = Field(default_factory=Network)
     """The network: SLURM's topology (leaf switches or blocks, read by `lmlaunch profile init`), multi-node NVLink domains and each GPU's HCA (what SLURM does not know)."""
     env: dict[str, EnvVar] = Field(default_factory=dict, max_length=1000)

@@ -62,7 +62,7 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
     sbatch --dependency (``submit --after``)."""
     s = plan.slurm
     extra: dict[str, Any] = {
-        "requeue": True,
+        "requeue": "expedite" if s.requeue_expedite else True,  # sbatch --requeue[=expedite]
         "signal": s.signal,  # no "B:": the warning goes to every task of every step
         # the tasks start in the run directory: `python -m` puts the working directory first on
         # sys.path, and a checkout there would shadow the run's code snapshot (PYTHONPATH)

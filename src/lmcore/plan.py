@@ -176,6 +176,7 @@ class SlurmParams:
     exclude: str | None = None  # sbatch --exclude: nodes `doctor --on-nodes --exclude-bad` found bad (plan notes say why)
     site_options: dict[str, str | bool] = field(default_factory=dict)  # the profile's and the spec's slurm.sbatch (true: a flag)
     spare_nodes: int = 0  # of ``nodes`` (sbatch --nodes): allocated, kept idle, swapped in for a failed node
+    requeue_expedite: bool = False  # sbatch --requeue=expedite (the profile's expedited_requeue)
 
     @property
     def run_nodes(self) -> int:

@@ -60,6 +60,7 @@ def test_a_gpu_cluster_is_read_into_a_profile_that_validates(tmp_path):
     assert "old: {max_time: \"01:00:00\"}  # MaxTime=1:00:00, PriorityTier=1, nodes old[1-2], DOWN or INACTIVE now" in text
     assert "# CHOOSE: a directory every node sees" in text and "NCCL_SOCKET_IFNAME" in text
     assert "MinJobAge=2 sec: finished jobs leave squeue within a minute" in text
+    assert p.slurm_version == "24.11.5" and "# NOTE: SLURM" not in text  # a tested release: nothing to say
 
 
 def test_qos_preemption_no_accounting_and_a_cpu_cluster(tmp_path):
@@ -78,6 +79,7 @@ def test_qos_preemption_no_accounting_and_a_cpu_cluster(tmp_path):
     assert p.env["GLOO_SOCKET_IFNAME"].value == "lo"  # every node on loopback, as the local cluster's
     assert "# NOTE: accounting does not answer" in text and "sacct does not answer here" in text
     assert "# account: CHOOSE  # no DefaultAccount was found (no accounting)" in text
+    assert p.slurm_version is None and "# slurm_version: not read" in text
 
 
 def test_without_preemption_no_partition_is_preemptible():
@@ -133,3 +135,28 @@ def test_doctor_names_where_a_profiles_network_is_not_the_clusters_topology(tmp_
     (tmp_path / "tree").mkdir()
     check = judge_profile(_load(tmp_path / "tree", "big", text), dataclasses.replace(live, config=GPU_CLUSTER.config))
     assert check.figures["differences"] == ["network.topology block, the cluster's TopologyPlugin is topology/none"]
+
+
+def test_a_release_lmlaunch_was_never_tested_on_is_recorded_with_the_nearest_tested_one(tmp_path):
+    from lmcore.slurm import versions
+
+    facts = ClusterFacts(partitions=GPU_CLUSTER.partitions, nodes=GPU_CLUSTER.nodes,
+                         config={**GPU_CLUSTER.config, "SLURM_VERSION": "25.11.2"})
+    text = draft("newer", facts, when="2026-11-29")
+    assert _load(tmp_path, "newer", text).slurm_version == "25.11.2"
+    assert "# NOTE: SLURM 25.11.2 is not a release lmlaunch was tested on (22.05, 24.11, 26.05); the nearest tested " \
+           "is 26.05" in text
+    assert [versions.nearest_tested(v) for v in ("23.02.7", "23.11.1", "25.05.3", "27.11.0", "21.08.8")] == \
+        ["22.05", "24.11", "24.11", "26.05", "22.05"]
+    assert versions.is_tested("26.05.5") and versions.is_tested("22.05.8") and not versions.is_tested("25.05.0")
+    assert versions.untested_note("26.05.5") is None and "could not be read" in versions.untested_note("weird")
+
+
+def test_doctor_says_when_the_live_release_differs_from_the_profiles_or_was_never_tested(tmp_path):
+    from launcher.doctor.version_check import version_problems
+
+    p = _load(tmp_path, "big", draft("big", GPU_CLUSTER, when="2026-11-25"))
+    assert version_problems(p, {"SLURM_VERSION": "24.11.6"}) == []  # a point release: the same release
+    (moved,) = version_problems(p, {"SLURM_VERSION": "26.05.5"})
+    assert moved == "profile 'big' was read off SLURM 24.11.5, the cluster now runs 26.05.5 (`lmlaunch profile init` reads it again)"
+    assert len(version_problems(p, {"SLURM_VERSION": "25.05.1"})) == 2

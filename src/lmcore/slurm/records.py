@@ -11,6 +11,7 @@ STATE_GROUPS: dict[str, str] = {
     "PENDING": "queued",
     "CONFIGURING": "queued",
     "REQUEUED": "queued",
+    "EXPEDITING": "queued",  # SLURM 26.05: a job whose requeue is expedited, between its end and its next start
     "REQUEUE_HOLD": "queued",
     "REQUEUE_FED": "queued",
     "RESV_DEL_HOLD": "queued",

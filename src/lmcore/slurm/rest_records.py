@@ -143,4 +143,5 @@ def show_job(rec: Mapping[str, Any]) -> dict[str, str]:
         "ExcNodeList": (",".join(exc) if isinstance(exc, list) else str(exc)) or "(null)",
         "Requeue": "1" if rec.get("requeue") else "0", "BatchHost": str(rec.get("batch_host", "") or ""),
         "UserId": f"{rec.get('user_name', '')}({rec.get('user_id', '')})",
+        **({"ExpeditedRequeue": "Yes"} if "EXPEDITED_REQUEUE" in (rec.get("flags") or []) else {}),
     }

@@ -188,6 +188,7 @@ class Preemption:
             job_id=self.env.job_id, restart_count=self.env.restart_count,
             slurm_state=why_completing(self.env, info) or (info or {}).get("JobState"),
             preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),
+            expedited=(info or {}).get("ExpeditedRequeue") == "Yes",  # scontrol show job, SLURM 26.05
             slurm_restarts=int(restarts) if restarts.isdigit() else None,
             nodes_down=nodes_failed(self.env, info) if info is not None else [],
             seconds_left=seconds_left(info, signal_time if signal_time is not None else time.time())

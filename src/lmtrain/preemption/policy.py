@@ -62,6 +62,7 @@ class EndFacts:
     restart_count: int = 0
     slurm_state: str | None = None  # JobState now; None: not SLURM or SLURM did not answer
     preempting: bool = False  # scontrol shows a PreemptTime: SLURM is preempting (and will requeue) it
+    expedited: bool = False  # the job's requeues are expedited (sbatch --requeue=expedite: ExpeditedRequeue=Yes)
     seconds_left: float | None = None  # until the job's time limit, at the signal
     slurm_restarts: int | None = None  # the job's Restarts now: above restart_count = SLURM requeued it already
     nodes_down: list[str] = field(default_factory=list)  # this attempt's nodes that SLURM has DOWN/failed now
@@ -193,6 +194,8 @@ def _requeued(f: EndFacts, reason: str, detail: str, state: str, *, slurm_requeu
         detail += f"; {', '.join(new)} kept out of the requeued job (ExcNodeList={','.join(exclude)})"
     elif why_not:
         detail += f"; {why_not}"
+    if f.expedited:  # SlurmctldParameters=enable_expedited_requeue: no requeue_delay, the top of the queue
+        detail += "; an expedited requeue: eligible again at once, at the top of the queue"
     if slurm_requeues:
         return Decision(reason, detail + f"; requeued by SLURM (JobState {state})", requeued=True, exit_code=exit_code,
                         exclude=exclude)
