@@ -5,9 +5,9 @@
 # By default the suite runs in three phases: every test but those marked `serial` on
 # LMLAUNCH_TEST_WORKERS parallel workers (pytest-xdist; each worker runs its SLURM tests on a
 # local cluster of its own, launcher/localcluster/workers.py), then the `serial` ones alone, then
-# the integration tests marked `both_versions` again on the other SLURM version (24.11 on Debian
-# 12, 22.05 on Debian 13; from a Debian root, launcher/localcluster/debian_root.py), unless
-# LMLAUNCH_TEST_OTHER_SLURM=0.
+# the integration tests marked `both_versions` again on each other SLURM version (24.11 on Debian
+# 12, 22.05 on Debian 13, and 26.05 from Debian unstable; each from a Debian root,
+# launcher/localcluster/debian_root.py), unless LMLAUNCH_TEST_OTHER_SLURM=0.
 # `-n 0` (or any -n / --numprocesses / -p no:xdist) runs one pytest invocation as given instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,21 +45,26 @@ if [ "$(id -u)" = 0 ] && ! "$VENV/bin/lmlaunch" cluster image; then
   echo "[test] the container image for podman jobs could not be built (see above)" >&2
   exit 1
 fi
-OTHER=""
+OTHERS=()
 if [ "${LMLAUNCH_TEST_OTHER_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ]; then
-  OTHER=$("$VENV/bin/python" -c "from launcher.localcluster.config import other_version; print(other_version() or '')")
-  if [ -n "$OTHER" ]; then
+  # the other Debian stable release's SLURM and unstable's (26.05), each but the machine's own
+  mapfile -t wanted < <("$VENV/bin/python" -c "
+from launcher.localcluster.config import SLURM_RELEASES, native_version, other_version
+for v in dict.fromkeys([other_version(), '26.05']):
+    if v and v != native_version() and v in SLURM_RELEASES: print(v)")
+  for version in "${wanted[@]}"; do
     # the first time, this makes the Debian root (debootstrap + apt-get: a few minutes)
     # exit 3: that SLURM cannot run here (this Python does not run in its root): said, and left out
-    "$VENV/bin/lmlaunch" cluster up --slurm "$OTHER" --workers "$WORKERS" && rc0=0 || rc0=$?
+    "$VENV/bin/lmlaunch" cluster up --slurm "$version" --workers "$WORKERS" && rc0=0 || rc0=$?
     if [ "$rc0" = 3 ]; then
-      echo "[test] SLURM $OTHER cannot run on this machine (above): its phase is left out" >&2
-      OTHER=""
+      echo "[test] SLURM $version cannot run on this machine (above): its phase is left out" >&2
     elif [ "$rc0" != 0 ]; then
-      echo "[test] the SLURM $OTHER cluster did not start (see above)" >&2
+      echo "[test] the SLURM $version cluster did not start (see above)" >&2
       exit 1
+    else
+      OTHERS+=("$version")
     fi
-  fi
+  done
 fi
 # The host's speed, so that runs on different machines can be compared (docs/testing.md): one
 # task's imports in CPU-s (bench/task_imports.py, one fresh interpreter per side, ~25 s).
@@ -120,10 +125,13 @@ else
 fi
 rc3=5
 mapfile -t both_modules < <(grep -rl --include='test_*.py' 'pytest.mark.both_versions' tests/integration | sort)
-if [ -n "$OTHER" ] && ((${#both_modules[@]})); then
-  echo "[test] phase 3: the tests marked both_versions, on SLURM $OTHER"
-  LMLAUNCH_TEST_SLURM=$OTHER pytest "${both_modules[@]}" -n "$WORKERS" --dist load \
-    --phase other-slurm "$@" && rc3=0 || rc3=$?
+if ((${#both_modules[@]})); then
+  for version in "${OTHERS[@]}"; do
+    echo "[test] phase 3: the tests marked both_versions, on SLURM $version"
+    LMLAUNCH_TEST_SLURM=$version pytest "${both_modules[@]}" -n "$WORKERS" --dist load \
+      --phase other-slurm "$@" && rc=0 || rc=$?
+    [ "$rc3" = 5 ] || [ "$rc3" = 0 ] && rc3=$rc
+  done
 fi
 echo "[test] all phases: $(( $(date +%s) - start )) s (phase 1 exit $rc1, phase 2 exit $rc2, phase 3 exit $rc3)"
 # exit 5 (nothing collected) is fine for one phase when a filter (-k, -m) left it nothing to run

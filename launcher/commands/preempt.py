@@ -11,9 +11,9 @@ through lmcore.slurm.client):
 - ``requeue`` (default): a real preemption: an ``--exclusive`` job on the profile's
   high-priority partition over the job's nodes; SLURM signals, requeues the victim, and the
   preemptor is cancelled as soon as the victim is requeued;
-- ``node-failure``: one node the job's ranks run on is set DOWN (SLURM kills the job and
-  requeues it as a node failure; a job with spare nodes restarts its ranks in place on a spare),
-  then RESUMEd, always, even when waiting fails.
+- ``node-failure``: one node the job's ranks run on is drained and set DOWN (SLURM kills the job
+  and requeues it as a node failure; a job with spare nodes restarts its ranks in place on a
+  spare), then RESUMEd once the job's tasks are gone from it, always, even when waiting fails.
 
 ``--start-now`` lets a requeued job start at once instead of after SLURM's ~2 min BeginTime
 delay. The command prints what it did and how long SLURM took; ``--json`` prints it as JSON.
@@ -229,7 +229,12 @@ def preempt(victim: Victim, mode: str, *, node: str | None = None, partition: st
         if down is None or down not in victim.nodes:
             raise UserError(f"--node {down}: job {victim.job_id} runs on {', '.join(victim.nodes) or 'no node'}")
         result["node"] = down
-        rehearsal.set_node_state(down, "DOWN", reason=f"lmlaunch preempt --mode node-failure of job {victim.job_id}")
+        why = f"lmlaunch preempt --mode node-failure of job {victim.job_id}"
+        # drained first: a failed node takes no job until it is RESUMEd, as a real one would not (DOWN alone
+        # is undone by ReturnToService=2 the moment its slurmd registers again, within a second here, and
+        # an expedited requeue (SLURM 26.05) was then started on it at once while it still killed the last run)
+        rehearsal.set_node_state(down, "DRAIN", reason=why)
+        rehearsal.set_node_state(down, "DOWN", reason=why)
         try:
             result.update(wait_requeued(victim, timeout=timeout, since=t0))
             # a failed node stays down until the job's tasks are gone from it (as a real one would)

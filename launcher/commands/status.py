@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     rows, view, hidden, now = _collect(args, ctx)
     if args.json:
         ctx.out(json.dumps({
-            "slurm": {"reachable": view.reachable, "message": view.message, "calls": view.calls},
+            "slurm": {"reachable": view.reachable, "message": view.message, "calls": view.calls, "via": _via()},
             "hidden": hidden,
             "runs": [r.to_dict() for r in rows],
         }, indent=2 if getattr(ctx.stdout, "isatty", lambda: False)() else None))
@@ -77,3 +77,11 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             live.update(status_view(rows, view, hidden=hidden, now=now), refresh=True)
             n += 1
     return 0
+
+
+def _via() -> str:
+    """How SLURM was asked: its commands here, or the slurmrestd at URL (launcher.submit.transport)."""
+    from lmcore.slurm import client as slurm
+
+    rest = slurm.rest_client()
+    return "commands" if rest is None else f"slurmrestd {rest.target.url}"

@@ -110,3 +110,22 @@ def test_the_controllers_own_metrics_answer_every_query_of_the_dashboards_contro
         serve.terminate()
         serve.wait(timeout=HANG_S)
         slurm.cancel([job])
+
+
+def test_an_expedited_node_failure_requeue_starts_at_once_off_the_failed_node(newer, module_jobs):
+    """The node is kept out (drained, as a failed one is out of service), and the job, requeued by
+    SLURM for the node failure, starts again at once on the other node and completes."""
+    name = job_name("new", "expedite-nf")
+    job, run_dir = submit(newer, name, "resources.nodes=1", "--cluster", "local-expedite")
+    module_jobs.append(job)
+    wait_step(run_dir, 15, attempt=1)
+    r = preempt(newer, name, "node-failure")  # no --start-now
+    assert r["requeued"], r
+    finish(job, run_dir)
+    first, second = ends(run_dir)[0], starts(run_dir)[1]
+    assert first["reason"] == "node_failure" and ends(run_dir)[-1]["reason"] == "completed", ends(run_dir)
+    assert r["node"] in starts(run_dir)[0]["nodes"] and r["node"] not in second["nodes"], starts(run_dir)
+    code, out, err = lm(newer, "history", name, "--json")
+    assert code == 0, out + err
+    attempts = json.loads(out)["attempts"]
+    assert "an expedited requeue" in attempts[0]["detail"] and attempts[1]["queue_wait_s"] < 60, attempts

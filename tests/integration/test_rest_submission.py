@@ -103,7 +103,9 @@ def test_a_run_submitted_through_slurmrestd_is_preempted_requeued_and_resumes_bi
     # status and history through slurmrestd alone (the run's profile submits through it)
     st = lm_without_slurm_commands(rest_env, "status", name, "--json")
     assert st.returncode == 0, st.stdout + st.stderr
-    (row,) = json.loads(st.stdout)["runs"]
+    view = json.loads(st.stdout)
+    assert view["slurm"]["via"] == f"slurmrestd {rest_env['REST_URL']}", view["slurm"]
+    (row,) = view["runs"]
     assert row["job_id"] == job and row["state"] == "COMPLETED" and row["step"] == MAX_STEPS, row
     hist = lm_without_slurm_commands(rest_env, "history", name, "--json")
     assert hist.returncode == 0, hist.stdout + hist.stderr
