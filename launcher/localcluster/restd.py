@@ -119,7 +119,8 @@ def url(slurmctld_port: int) -> str:
 
 
 def ensure_slurmrestd(layout: Layout, slurmctld_port: int, say: Say) -> None:
-    """slurmrestd of this cluster, started (or restarted when its configuration changed)."""
+    """slurmrestd of this cluster, started when it does not run (it reads slurm.conf at start; a
+    change of its auth stops the daemons first: cluster._write_slurm_conf)."""
     port = slurmctld_port + 3
     pidfile = layout.pidfile("slurmrestd")
     if running_from_pidfile(pidfile) and port_open(port):

@@ -93,6 +93,11 @@ def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_
     from submitit.slurm.slurm import SlurmExecutor
 
     class PlanExecutor(SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:
+            # submitit refuses to start without srun on PATH; through slurmrestd none is needed here
+            return 2 if slurm.rest_client() is not None else super().affinity()
+
         @property
         def _submitit_command_str(self) -> str:
             return submit_command(plan, folder_name)
@@ -115,11 +120,11 @@ def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_
             return slurm.sbatch_command(str(submission_file_path), client_timeout_s=sbatch_timeout)
 
         def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
-            if len(delayed) < 2:
+            if len(delayed) < 2 or slurm.rest_client() is None:
                 return super()._internal_process_submissions(delayed)
-            # submitit submits an array through a plain SlurmExecutor it makes by this module-level
-            # name: made ours for the call, the array gets the same submission command (the
-            # client-side limit, or slurmrestd) as a single job.
+            # submitit submits an array through a plain SlurmExecutor (plain sbatch) it makes by this
+            # module-level name: through slurmrestd it is made ours for the call, so the array is
+            # submitted as a single job is.
             import submitit.slurm.slurm as submitit_slurm
 
             plain, submitit_slurm.SlurmExecutor = submitit_slurm.SlurmExecutor, type(self)  # type: ignore[misc]

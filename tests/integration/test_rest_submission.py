@@ -47,6 +47,7 @@ from launcher.localcluster import restd
 from launcher.localcluster.config import Settings
 from launcher.runs import registry
 from lmcore.slurm import client as slurm
+from lmcore.slurm.rest import RestError, RestTarget
 
 pytestmark = pytest.mark.both_versions
 PROFILE = "local-rest"
@@ -72,14 +73,31 @@ def rest_env(slurm_cluster, module_env, tmp_path_factory) -> dict[str, str]:
     (profiles / f"{PROFILE}.yaml").write_text(
         local + f"\nsubmit: {{via: rest, url: '{restd.url(ports.slurmctld)}', token_file: '{token}'}}\n")
     return {**module_env, "LMLAUNCH_PROFILES_DIR": str(profiles), "REST_TOKEN_FILE": str(token),
-            "REST_URL": restd.url(ports.slurmctld)}
+            "REST_URL": restd.url(ports.slurmctld), "NO_SLURM_PATH": path_without_slurm(root / "bin")}
+
+
+SLURM_COMMANDS = {"sbatch", "srun", "salloc", "squeue", "sacct", "scontrol", "scancel", "sinfo", "sacctmgr", "sstat",
+                  "sprio", "sshare", "sattach", "sbcast", "sdiag", "sreport", "strigger", "scrontab", "sh5util"}
+
+
+def path_without_slurm(where: Path) -> str:
+    """A PATH with every program of this one but SLURM's commands (links in ``where``), as on a
+    workstation that has no SLURM."""
+    where.mkdir(parents=True, exist_ok=True)
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        if not d or not os.path.isdir(d):
+            continue
+        for entry in os.scandir(d):
+            link = where / entry.name
+            if entry.name not in SLURM_COMMANDS and not link.exists() and not link.is_symlink():
+                link.symlink_to(entry.path)
+    return str(where)
 
 
 def lm_without_slurm_commands(environ: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    """`lmlaunch ARGS` in a process whose SLURM commands cannot reach any cluster (SLURM_CONF names
-    no file): what it learns about the cluster, it learns through slurmrestd."""
-    env = {**environ, "SLURM_CONF": "/nonexistent/slurm.conf"}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if "lmlaunch-cluster" not in p)
+    """`lmlaunch ARGS` in a process without SLURM's commands (none on PATH, SLURM_CONF naming no
+    file): what it learns about the cluster, it learns through slurmrestd."""
+    env = {**environ, "SLURM_CONF": "/nonexistent/slurm.conf", "PATH": environ["NO_SLURM_PATH"]}
     return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=120)
 
@@ -113,6 +131,16 @@ def test_a_run_submitted_through_slurmrestd_is_preempted_requeued_and_resumes_bi
     assert [a["job_id"] for a in attempts] == [job] * (2 + extra), attempts
     assert (attempts[0]["reason"], attempts[-1]["reason"]) == ("preempted", "completed"), attempts
     assert attempts[1]["queue_wait_s"] is not None, attempts  # sacct's record of the requeue, through REST
+    # a requeue through slurmrestd: API v0.0.45 (26.05) has the endpoint; 24.11's v0.0.42 says it has none
+    target = RestTarget(rest_env["REST_URL"], rest_env["REST_TOKEN_FILE"], profile=PROFILE)
+    with slurm.through_rest(target) as rest:
+        if rest.offers("v0.0.45"):
+            slurm.requeue(job)
+            assert slurm.state_word(slurm.job_state(job)) in ("PENDING", "REQUEUED", "EXPEDITING"), slurm.job_state(job)
+            slurm.cancel([job])
+        else:
+            with pytest.raises(RestError, match="has no job requeue endpoint"):
+                slurm.requeue(job)
 
 
 def _record(job_id: str, runs_root: str) -> dict[str, str]:
@@ -134,7 +162,12 @@ def test_the_rest_submission_has_the_sbatch_submissions_job_record(rest_env, mod
     via = {}
     for path, profile in (("sbatch", "local"), ("rest", PROFILE)):
         env = {**rest_env, "LMLAUNCH_HOME": str(tmp_path / path / "home"), "LMLAUNCH_RUNS_ROOT": str(tmp_path / path / "runs")}
-        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, *held, "--cluster", profile)
+        args = ("submit", str(SPEC), f"name={name}", *BASE, *held, "--cluster", profile)
+        if path == "rest":  # from a process with no SLURM command (no srun, no sbatch): through slurmrestd only
+            r = lm_without_slurm_commands(env, *args)
+            code, out, err = r.returncode, r.stdout, r.stderr
+        else:
+            code, out, err = lm(env, *args)
         assert code == 0, out + err
         via[path] = (re.search(r"job (\d+)", out).group(1), env)
         module_jobs.append(via[path][0])

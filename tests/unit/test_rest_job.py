@@ -210,3 +210,88 @@ def test_the_token_file_is_never_world_readable_by_default_umask(tmp_path):
         os.umask(old)
     with pytest.raises(RestError, match="mode 644"):
         read_token_file(str(tmp_path / "t"))
+
+
+# --------------------------------------------------------------------------- review: what sbatch and squeue do
+
+
+def test_state_flags_read_as_squeue_prints_them():
+    assert rest_records.queued({**JOB, "job_state": ["CANCELLED", "COMPLETING"]}).state == "COMPLETING"
+    assert rest_records.queued({**JOB, "job_state": ["PENDING", "REQUEUED"]}).state == "REQUEUED"
+    assert rest_records.queued({**JOB, "job_state": ["PENDING", "EXPEDITING"]}).state == "EXPEDITING"
+
+
+def test_time_used_counts_only_running_time_around_a_suspension():
+    suspended = {**JOB, "job_state": ["SUSPENDED"], "array_task_string": "", "start_time": {"set": True, "number": 1000},
+                 "pre_sus_time": {"set": True, "number": 300}, "suspend_time": {"set": True, "number": 1300}}
+    assert rest_records.queued(suspended, now=5000).elapsed == "5:00"
+    resumed = {**suspended, "job_state": ["RUNNING"], "suspend_time": {"set": True, "number": 2000}}
+    assert rest_records.queued(resumed, now=2060).elapsed == "6:00"
+
+
+def test_sbatch_reads_only_column_zero_and_refuses_an_unbalanced_quote():
+    assert sbatch_options("#!/bin/bash\n  #SBATCH --nodes=4\n#SBATCH --wait-all-nodes 1\ntrue\n") == [
+        ("wait-all-nodes", "1")]
+    with pytest.raises(RestJobError, match="No closing quotation"):
+        _desc("#!/bin/bash\n#SBATCH --comment=bob's run\ntrue\n")
+
+
+def test_zero_time_is_no_limit_and_mail_types_are_the_apis_words():
+    assert minutes("0")["infinite"] is True
+    job = _desc("#!/bin/bash\n#SBATCH --mail-type=TIME_LIMIT_80,FAIL\ntrue\n")
+    assert job["mail_type"] == ["FAIL", "TIME=80%"]
+    with pytest.raises(RestJobError, match="not a --mail-type"):
+        _desc("#!/bin/bash\n#SBATCH --mail-type=SOMETIMES\ntrue\n")
+
+
+def test_tres_per_node_from_two_options_is_one_list():
+    job = _desc("#!/bin/bash\n#SBATCH --gres=nvme:1\n#SBATCH --gpus-per-node=8\ntrue\n")
+    assert job["tres_per_node"] == "gres/gpu:8,gres/nvme:1"
+
+
+def test_sbatch_input_variables_apply_and_the_token_never_reaches_the_job():
+    job = job_description("#!/bin/bash\n#SBATCH --partition=a\ntrue\n", cwd="/w", host="h",
+                          environment={"SBATCH_PARTITION": "b", "SBATCH_TIMELIMIT": "30", "SLURM_JWT": "a.b.c"})["job"]
+    assert job["partition"] == "b" and job["time_limit"]["number"] == 30
+    assert not any(e.startswith("SLURM_JWT=") for e in job["environment"])
+    with pytest.raises(RestJobError, match=r"\$SBATCH_EXPORT is set"):
+        job_description("#!/bin/bash\ntrue\n", cwd="/w", host="h", environment={"SBATCH_EXPORT": "NONE"})
+
+
+def test_a_client_never_shows_its_token_and_refuses_a_page_that_is_not_slurmrestds(tmp_path):
+    import http.server
+    import threading
+
+    from lmcore.slurm.rest import RestClient, RestTarget
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.startswith("/away"):
+                self.send_response(302)
+                self.send_header("Location", "http://example.invalid/steal")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html>Please log in</html>")
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    token = _jwt({"sun": "alice"})
+    client = RestClient(RestTarget(f"http://127.0.0.1:{server.server_port}"), environ={"SLURM_JWT": token})
+    try:
+        with pytest.raises(RestError, match="not slurmrestd's JSON") as exc:
+            client.api()
+        assert token not in exc.value.message and token not in repr(client)
+        with pytest.raises(RestError, match="redirected to http://example.invalid/steal: refused"):
+            client.request("GET", "/away")
+    finally:
+        server.shutdown()
+    with pytest.raises(RestError, match="does not answer"):
+        RestClient(RestTarget("http://127.0.0.1:9"), environ={"SLURM_JWT": token}).api()
+    with pytest.raises(RestError, match=r"\$SLURM_JWT holds no JWT"):
+        RestClient(RestTarget("http://127.0.0.1:9"), environ={"SLURM_JWT": "x\ny"}).api()

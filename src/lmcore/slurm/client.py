@@ -519,6 +519,8 @@ def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TI
     """Ids of this user's jobs called ``name`` that the controller received at or after ``since``
     (epoch seconds; SubmitTime has whole seconds, so compare with a second of slack), oldest first.
     Used to find a job whose ``sbatch`` timed out on the client side but reached the controller."""
+    if (r := rest_client()) is not None:
+        return rest_calls.submitted_since(r, name, since)
     fmt = ",".join(f"{f}:{FIELD_SEP}" for f in ("JobID", "SubmitTime", "Name"))
     cmd = ["squeue", "-h", "--states=all", "-u", user_name(), "-n", name, "-O", fmt]
     proc = run(cmd, timeout=timeout)

@@ -17,6 +17,7 @@ controls here, and gets the same records back (rest_records.py turns the server'
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import re
@@ -36,6 +37,7 @@ KNOWN_APIS = ("v0.0.45", "v0.0.44", "v0.0.43", "v0.0.42", "v0.0.41", "v0.0.40")
 REQUEUE_API = "v0.0.45"  # the first with GET /slurm/<v>/job/{job_id}/requeue and /slurm/<v>/conf
 DEFAULT_TIMEOUT_S = 20.0
 Via = Literal["sbatch", "rest"]  # the two ways to SLURM: its commands here, or slurmrestd
+JWT = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")  # header.payload.signature, base64url
 
 
 class RestError(UserError):
@@ -43,6 +45,26 @@ class RestError(UserError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, exit_code=ExitCode.USAGE)
+
+
+class RestUnanswered(RestError):
+    """No answer: refused, timed out, or not HTTP. ``sent``: a request body went out first (a
+    submission may have been queued all the same)."""
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """slurmrestd never redirects: a redirect would carry the token's header to another address."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        raise urllib.error.HTTPError(req.full_url, code, f"redirected to {newurl}: refused (the token stays here)",
+                                     headers, fp)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
 
 
 @dataclass(frozen=True)
@@ -72,14 +94,17 @@ def read_token_file(path: str) -> str:
     p = os.path.expanduser(path)
     try:
         st = os.stat(p)
-        text = open(p).read().strip()
+        with open(p, encoding="ascii") as f:
+            text = f.read(65536).strip()
     except OSError as exc:
         raise RestError(f"token_file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise RestError(f"token_file {path} holds no JWT (not ASCII text)") from None
     if st.st_mode & 0o077:
         raise RestError(f"token_file {path} is open to other users (mode {st.st_mode & 0o777:o}); "
                         f"a token is a password: `chmod 600 {path}`")
     token = text.removeprefix("SLURM_JWT=").strip()
-    if not token or len(token.split(".")) != 3:
+    if not JWT.fullmatch(token):
         raise RestError(f"token_file {path} holds no JWT (expected the token, or `scontrol token`'s SLURM_JWT=... line)")
     return token
 
@@ -93,13 +118,13 @@ def token_claims(token: str) -> dict[str, Any]:
         return {}
 
 
-@dataclass
+@dataclass(eq=False)  # one client per command; never shown with its token or environment
 class RestClient:
     target: RestTarget
     timeout: float = DEFAULT_TIMEOUT_S
-    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    scontrol_token: Callable[[], str] | None = None  # `scontrol token`'s output, where SLURM's commands are
-    _token: tuple[str, str] | None = None  # (token, where it came from)
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ), repr=False)
+    scontrol_token: Callable[[], str] | None = field(default=None, repr=False)  # `scontrol token`'s output
+    _token: tuple[str, str] | None = field(default=None, repr=False)  # (token, where it came from)
     _api: str | None = None
     _offered: tuple[str, ...] = ()
     _job_fields: tuple[str, ...] = ()
@@ -113,6 +138,8 @@ class RestClient:
                 tok, source = read_token_file(self.target.token_file), f"token_file {self.target.token_file}"
             elif self.environ.get("SLURM_JWT"):
                 tok, source = self.environ["SLURM_JWT"].strip(), "$SLURM_JWT"
+                if not JWT.fullmatch(tok):
+                    raise RestError("$SLURM_JWT holds no JWT (expected header.payload.signature)")
             elif self.scontrol_token is not None:
                 tok, source = _token_line(self.scontrol_token()), "`scontrol token`"
             else:
@@ -148,24 +175,31 @@ class RestClient:
         data = None
         if body is not None:
             data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
-        req = urllib.request.Request(url, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                answer = _json(resp.read())
+            req = urllib.request.Request(url, data=data, headers=headers, method=method)
+            with _OPENER.open(req, timeout=self.timeout) as resp:
+                raw = resp.read()
         except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")
+            try:
+                text = exc.read().decode(errors="replace")
+            except (OSError, http.client.HTTPException):
+                text = ""
             if exc.code == 401:
                 raise self.refused(f"HTTP 401: {_first(text) or exc.reason}") from None
             if exc.code == 404 and missing_ok:
                 return {}
-            words = _server_words(_json(text.encode())) or _first(text) or str(exc.reason)
+            words = _server_words(_json(text.encode()) or {}) or _first(text) or str(exc.reason)
             if "authentication" in words.lower():  # slurmctld refused the token slurmrestd passed on
                 raise self.refused(f"{words}, HTTP {exc.code}") from None
             raise RestError(f"{self.target.where}: {method} {path}: {words} (HTTP {exc.code})") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise RestError(f"{self.target.where} does not answer ({reason}); check the profile's submit.url "
-                            "and that slurmrestd runs") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+            reason = getattr(exc, "reason", None) or type(exc).__name__
+            raise RestUnanswered(f"{self.target.where} does not answer ({reason}); check the profile's submit.url "
+                                 "and that slurmrestd runs", sent=data is not None) from None
+        answer = _json(raw)
+        if answer is None:
+            raise RestError(f"{self.target.where}: {method} {path} answered with something that is not slurmrestd's "
+                            f"JSON: {_first(raw.decode(errors='replace'))!r} (a proxy or login page at submit.url?)")
         words = _server_words(answer)
         if words and "authentication" in words.lower():
             raise self.refused(words)
@@ -182,9 +216,10 @@ class RestClient:
             offered = sorted({m.group(1) for p in doc.get("paths", {}) if (m := re.match(r"/slurm/(v\d+\.\d+\.\d+)/", p))})
             info = doc.get("info", {})
             self.release = str(info.get("x-slurm", {}).get("release") or info.get("version", "")).removeprefix("Slurm-")
-            self._api, self._offered = choose_api(offered, self.target.api, self.target.where), tuple(offered)
-            schema = doc.get("components", {}).get("schemas", {}).get(f"{self._api}_job_desc_msg", {})
-            self._job_fields = tuple(schema.get("properties", {}))
+            api = choose_api(offered, self.target.api, self.target.where)
+            schema = doc.get("components", {}).get("schemas", {}).get(f"{api}_job_desc_msg", {})
+            self._offered, self._job_fields = tuple(offered), tuple(schema.get("properties", {}))
+            self._api = api  # last: another thread that sees it sees the rest
         return self._api
 
     def job_fields(self) -> tuple[str, ...]:
@@ -235,7 +270,7 @@ class RestClient:
 
     def jobs(self) -> list[dict[str, Any]]:
         """Every job the controller knows (one call, as squeue)."""
-        return list(self.request("GET", f"/slurm/{self.api()}/jobs/", query={"flags": "DETAIL"}).get("jobs", []))
+        return _listed(self.request("GET", f"/slurm/{self.api()}/jobs/"), "jobs", self.target.where)
 
     def job(self, job_id: str) -> list[dict[str, Any]]:
         """The controller's records of one job (an array: its tasks); [] once it forgot it."""
@@ -251,7 +286,7 @@ class RestClient:
         query = {"step": ",".join(job_ids)}
         if duplicates:
             query["show_duplicates"] = "true"
-        return list(self.request("GET", f"/slurmdb/{self.api()}/jobs/", query=query).get("jobs", []))
+        return _listed(self.request("GET", f"/slurmdb/{self.api()}/jobs/", query=query), "jobs", self.target.where)
 
     def cancel(self, job_id: str, signal: str | None = None) -> None:
         query = {"signal": signal if signal.startswith("SIG") or signal.isdigit() else "SIG" + signal} if signal else None
@@ -299,12 +334,20 @@ def _token_line(out: str) -> str:
     return m.group(1)
 
 
-def _json(raw: bytes) -> dict[str, Any]:
+def _json(raw: bytes) -> dict[str, Any] | None:
+    """The answer as a JSON object; None when it is not one."""
     try:
         value = json.loads(raw or b"{}")
     except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _listed(answer: dict[str, Any], key: str, where: str) -> list[dict[str, Any]]:
+    value = answer.get(key)
+    if not isinstance(value, list):
+        raise RestError(f"{where} answered without its {key!r} list (another API, or not slurmrestd?)")
+    return [v for v in value if isinstance(v, dict)]
 
 
 def _server_words(answer: dict[str, Any]) -> str:

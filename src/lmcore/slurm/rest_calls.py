@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lmcore.slurm import rest_records
-from lmcore.slurm.records import AccountedJob, QueuedJob
-from lmcore.slurm.rest import RestClient, RestError
+from lmcore.slurm.records import AccountedJob, QueuedJob, is_active
+from lmcore.slurm.rest import RestClient, RestError, RestUnanswered
 from lmcore.slurm.rest_job import UNSET, RestJobError, job_description
 
 
@@ -20,20 +21,36 @@ def ping(r: RestClient) -> bool:
 
 
 def squeue(r: RestClient, job_ids: Iterable[str] | None, name: str | None, user: str | None) -> list[QueuedJob]:
-    """As ``squeue -r [-j IDS] [-n NAME] [-u USER]``: an array's id stands for all its tasks."""
+    """As ``squeue -r [--states=all -j IDS] [-n NAME] [-u USER]``: an array's id stands for all its
+    tasks, a task's own job id for that task; without ids only the active jobs, as squeue's default.
+    ``user`` (this login's name, to the commands) is the token's user here: the jobs are theirs."""
     ids = None if job_ids is None else {str(j) for j in job_ids}
     if ids is not None and not ids:
         return []
+    owner = r.user() if user is not None else None
     out = []
-    for q in (row for rec in r.jobs() for row in rest_records.queued_rows(rec)):
-        if ids is not None and q.job_id not in ids and q.job_id.split("_")[0] not in ids:
-            continue
-        if name is not None and q.name != name:
-            continue
-        if user is not None and q.user != user:
-            continue
-        out.append(q)
+    for rec in r.jobs():
+        for q in rest_records.queued_rows(rec):
+            if ids is not None and not ({q.job_id, q.job_id.split("_")[0], str(rec.get("job_id"))} & ids):
+                continue
+            if ids is None and not is_active(q.state):
+                continue
+            if (name is not None and q.name != name) or (owner is not None and q.user != owner):
+                continue
+            out.append(q)
     return out
+
+
+def submitted_since(r: RestClient, name: str, since: float) -> list[str]:
+    """Ids of the token user's jobs called ``name`` received at or after ``since`` (a second of
+    slack), oldest first: a submission whose answer never came may have been queued all the same."""
+    found = []
+    for rec in r.jobs():
+        submitted = rest_records.number(rec.get("submit_time"))
+        if rec.get("name") == name and rec.get("user_name") == r.user() and submitted is not None \
+                and submitted >= int(since) - 1:
+            found.append((submitted, str(rec.get("job_id"))))
+    return [jid for _, jid in sorted(found)]
 
 
 def sacct(r: RestClient, job_ids: Sequence[str], duplicates: bool) -> list[AccountedJob]:
@@ -47,8 +64,19 @@ def show_job(r: RestClient, job_id: str) -> dict[str, str] | None:
 
 
 def cancel(r: RestClient, job_ids: Sequence[str], signal: str | None) -> None:
+    """Every job asked, as scancel does (one that ended already is no error); then what failed."""
+    failed = []
     for job_id in job_ids:
-        r.cancel(job_id, signal)
+        try:
+            r.cancel(job_id, signal)
+        except RestUnanswered:
+            raise
+        except RestError as exc:
+            if not any(m in exc.message for m in ("already completing or completed", "Invalid job id",
+                                                  "Job/step already completing")):
+                failed.append(f"{job_id}: {exc.message}")
+    if failed:
+        raise RestError("; ".join(failed))
 
 
 def config(r: RestClient) -> dict[str, str]:
@@ -87,4 +115,20 @@ def submit_file(r: RestClient, path: str, extra: Sequence[tuple[str, str]] = ())
     """The script at ``path`` submitted as sbatch would submit it."""
     with open(path) as f:
         text = f.read()
-    return r.submit(body_of(r, text, f"the job script {path}", extra))
+    body = body_of(r, text, f"the job script {path}", extra)
+    started = time.time()
+    try:
+        return r.submit(body)
+    except RestUnanswered as exc:
+        if not exc.sent:
+            raise
+        name = str(body["job"].get("name", ""))
+        try:  # the request went out: the controller may have queued it and the answer got lost
+            found = submitted_since(r, name, started) if name else []
+        except RestError:
+            found = []
+        if len(found) == 1:
+            return found[0]
+        raise RestError(f"{exc.message}; the job may have been queued all the same: look for jobs named "
+                        f"'{name}' submitted since {time.strftime('%H:%M:%S', time.localtime(started))} "
+                        f"before submitting again") from None

@@ -22,7 +22,7 @@ SHORT = {"A": "account", "a": "array", "C": "constraint", "c": "cpus-per-task", 
          "e": "error", "G": "gpus", "H": "hold", "i": "input", "J": "job-name", "N": "nodes", "n": "ntasks",
          "o": "output", "p": "partition", "q": "qos", "t": "time", "w": "nodelist", "x": "exclude"}
 FLAGS = {"requeue", "no-requeue", "exclusive", "hold", "contiguous", "overcommit", "reboot", "oversubscribe",
-         "kill-on-invalid-dep", "spread-job", "use-min-nodes", "wait-all-nodes"}
+         "spread-job", "use-min-nodes", "no-kill", "oom-kill-step"}  # no value, or an optional one (--opt=value)
 
 
 class RestJobError(ValueError):
@@ -52,6 +52,8 @@ def minutes(text: str) -> dict[str, Any]:
         secs = a * 60 + b
     else:
         secs = a * 60
+    if secs == 0:  # sbatch(1) --time: "A time limit of zero requests that no time limit be imposed"
+        return {"set": True, "infinite": True, "number": 0}
     return _no_val(-(-secs // 60))
 
 
@@ -132,13 +134,22 @@ def _open_mode(text: str) -> dict[str, Any]:
     return {"open_mode": [text.upper()]}
 
 
+_MAIL = {"TIME_LIMIT": "TIME=100%", "TIME_LIMIT_90": "TIME=90%", "TIME_LIMIT_80": "TIME=80%",
+         "TIME_LIMIT_50": "TIME=50%", "INVALID_DEPEND": "INVALID_DEPENDENCY"}
+
+
 def _mail_type(text: str) -> dict[str, Any]:
+    """sbatch's --mail-type words as the API's (ALL: BEGIN, END, FAIL, INVALID_DEPEND, REQUEUE, STAGE_OUT)."""
     words = [w.upper() for w in text.split(",")]
-    if "ALL" in words:
-        words = ["BEGIN", "END", "FAIL", "REQUEUE", "STAGE_OUT"]
     if "NONE" in words:
-        words = []
-    return {"mail_type": [("ARRAY_TASKS" if w == "ARRAY_TASKS" else w) for w in words]}
+        return {"mail_type": []}
+    if "ALL" in words:
+        words = [w for w in words if w != "ALL"] + ["BEGIN", "END", "FAIL", "INVALID_DEPEND", "REQUEUE", "STAGE_OUT"]
+    known = {"BEGIN", "END", "FAIL", "REQUEUE", "STAGE_OUT", "ARRAY_TASKS", *_MAIL}
+    bad = [w for w in words if w not in known]
+    if bad:
+        raise RestJobError(f"{', '.join(bad)}: not a --mail-type (allowed: NONE, ALL, {', '.join(sorted(known))})")
+    return {"mail_type": sorted({_MAIL.get(w, w) for w in words})}
 
 
 # sbatch's long option -> the fields it sets in the job description (slurmrestd's job_desc_msg).
@@ -206,9 +217,12 @@ def sbatch_options(script: str) -> list[tuple[str, str]]:
             continue
         if not stripped.startswith("#"):
             break
-        if not stripped.startswith("#SBATCH"):
+        if not line.startswith("#SBATCH"):  # sbatch reads the magic word at the line's start only
             continue
-        words = shlex.split(stripped[len("#SBATCH"):], comments=True)
+        try:
+            words = shlex.split(line[len("#SBATCH"):], comments=True)
+        except ValueError as exc:  # an unbalanced quote
+            raise RestJobError(f"{line.strip()!r}: {exc}") from None
         out += _parse_words(words, line)
     return out
 
@@ -242,6 +256,8 @@ _OPTION_ENV = {"ntasks-per-node": "SLURM_NTASKS_PER_NODE", "mem": "SLURM_MEM_PER
                "threads-per-core": "SLURM_THREADS_PER_CORE", "ntasks-per-core": "SLURM_NTASKS_PER_CORE",
                "ntasks-per-socket": "SLURM_NTASKS_PER_SOCKET", "ntasks-per-gpu": "SLURM_NTASKS_PER_GPU",
                "network": "SLURM_NETWORK"}
+# Never put in the job's environment by the REST path: the token it was submitted with
+NOT_SENT = frozenset({"SLURM_JWT"})
 # sbatch sets these for MPI launchers started inside the job unless they are set (23.11 and later)
 _MPI_ENV = {"HYDRA_BOOTSTRAP": "slurm", "HYDRA_LAUNCHER_EXTRA_ARGS": "--external-launcher",
             "I_MPI_HYDRA_BOOTSTRAP": "slurm", "I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS": "--external-launcher",
@@ -253,7 +269,7 @@ def sbatch_environment(options: Sequence[tuple[str, str]], environment: Mapping[
     """The environment sbatch would send: the submitting one (--export=ALL) plus what sbatch adds
     from its options (SLURM_NTASKS from --nodes x --ntasks-per-node, SLURM_CPUS_PER_TASK, ...)
     and about the submission (SLURM_SUBMIT_DIR, SLURM_SUBMIT_HOST, SLURM_PRIO_PROCESS)."""
-    env = dict(environment)
+    env = {k: v for k, v in environment.items() if k not in NOT_SENT}
     for name, value in _MPI_ENV.items():
         env.setdefault(name, value)
     given = dict(options)
@@ -261,7 +277,7 @@ def sbatch_environment(options: Sequence[tuple[str, str]], environment: Mapping[
         if name in given:
             env[var] = str(megabytes(given[name])["number"]) if name.startswith("mem") else given[name]
     tasks = given.get("ntasks")
-    if tasks is None and "ntasks-per-node" in given and given.get("nodes", "").isdigit():
+    if tasks is None and given.get("ntasks-per-node", "").isdigit() and given.get("nodes", "").isdigit():
         tasks = str(int(given["nodes"]) * int(given["ntasks-per-node"]))
     if tasks is not None:
         env["SLURM_NTASKS"] = env["SLURM_NPROCS"] = tasks
@@ -272,12 +288,41 @@ def sbatch_environment(options: Sequence[tuple[str, str]], environment: Mapping[
     return env
 
 
+# sbatch(1) INPUT ENVIRONMENT VARIABLES: what sbatch reads from its environment, over the script's
+# #SBATCH lines and under its command line. Those with an option here are applied as sbatch would.
+INPUT_VARIABLES = {"SBATCH_ACCOUNT": "account", "SBATCH_PARTITION": "partition", "SBATCH_QOS": "qos",
+                   "SBATCH_TIMELIMIT": "time", "SBATCH_RESERVATION": "reservation", "SBATCH_CONSTRAINT": "constraint",
+                   "SBATCH_WCKEY": "wckey", "SBATCH_REQUEUE": "requeue", "SBATCH_NO_REQUEUE": "no-requeue",
+                   "SBATCH_EXCLUSIVE": "exclusive", "SBATCH_GRES": "gres", "SBATCH_GPUS_PER_NODE": "gpus-per-node",
+                   "SBATCH_MEM_PER_CPU": "mem-per-cpu", "SBATCH_MEM_PER_GPU": "mem-per-gpu", "SBATCH_NETWORK": "network",
+                   "SBATCH_CLUSTERS": "clusters", "SBATCH_DISTRIBUTION": "distribution", "SBATCH_OPEN_MODE": "open-mode",
+                   "SBATCH_SIGNAL": "signal", "SBATCH_SEGMENT_SIZE": "segment", "SBATCH_JOB_NAME": "job-name"}
+# sbatch's own input variables that carry no job option (how sbatch itself behaves)
+_CLIENT_VARIABLES = {"SBATCH_DEBUG", "SBATCH_EXPORT", "SBATCH_GET_USER_ENV", "SBATCH_IGNORE_PBS", "SBATCH_WAIT",
+                     "SBATCH_EXPORT_FILE", "SBATCH_HINT", "SBATCH_CPU_FREQ_REQ", "SBATCH_PROFILE"}
+
+
+def input_variables(environment: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The options sbatch would take from ``environment``'s SBATCH_ variables; one it would read
+    that the REST path cannot carry is refused, naming it."""
+    out = []
+    for name in sorted(k for k in environment if k.startswith("SBATCH_")):
+        option = INPUT_VARIABLES.get(name)
+        if option is not None:
+            value = environment[name]
+            out.append((option, "" if option in FLAGS and value.lower() in ("", "1", "yes", "true") else value))
+        elif name in _CLIENT_VARIABLES:
+            raise RestJobError(f"${name} is set: sbatch would read it, and the REST path does not; unset it, or "
+                               "submit with sbatch")
+    return out
+
+
 def job_description(script: str, *, environment: Mapping[str, str], cwd: str, host: str, nice: int = 0,
                     extra: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
     """The request body of ``POST /slurm/<version>/job/submit`` that runs ``script`` as sbatch
     would: its ``#SBATCH`` options (then ``extra``, as sbatch's command line, winning) as fields,
     the environment sbatch would send (:func:`sbatch_environment`) and the working directory."""
-    options = [*sbatch_options(script), *extra]
+    options = [*sbatch_options(script), *input_variables(environment), *extra]
     env = sbatch_environment(options, environment, cwd, host, nice)
     job: dict[str, Any] = {"environment": [f"{k}={v}" for k, v in sorted(env.items())],
                            "current_working_directory": cwd}
@@ -295,7 +340,7 @@ def job_description(script: str, *, environment: Mapping[str, str], cwd: str, ho
         for key, v in fields.items():
             if key == "flags":
                 v = sorted(set(job.get(key, [])) | set(v))
-            elif key == "tres_per_task" and key in job:  # --cpus-per-task and --gpus-per-task: one TRES list
+            elif key in ("tres_per_task", "tres_per_node") and key in job:  # e.g. --cpus-per-task and --gpus-per-task
                 v = ",".join(sorted({*job[key].split(","), v}))
             job[key] = v
     for key, unset in UNSET.items():

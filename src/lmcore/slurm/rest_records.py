@@ -59,11 +59,19 @@ def _job_id(rec: Mapping[str, Any]) -> str:
     return str(rec.get("job_id"))
 
 
+# The state flags that squeue's %T and scontrol's JobState print instead of the base state, in the
+# order SLURM's job_state_string() tests them (a job COMPLETING its cancellation reads COMPLETING).
+STATE_FLAGS = ("COMPLETING", "CONFIGURING", "RESIZING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "SPECIAL_EXIT",
+               "STOPPED", "REVOKED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "EXPEDITING")
+
+
 def _state(states: Any) -> str:
-    """The base state (squeue's %T): the first word of the state list (e.g. PENDING of [PENDING, REQUEUED])."""
-    if isinstance(states, list):
-        return str(states[0]) if states else "UNKNOWN"
-    return str(states or "UNKNOWN")
+    """The state as squeue and scontrol print it: a flag of :data:`STATE_FLAGS` the list holds,
+    else its base state (REST lists ``[CANCELLED, COMPLETING]`` where squeue says COMPLETING)."""
+    if not isinstance(states, list):
+        return str(states or "UNKNOWN")
+    words = [str(w) for w in states]
+    return next((f for f in STATE_FLAGS if f in words), words[0] if words else "UNKNOWN")
 
 
 def array_tasks(rec: Mapping[str, Any]) -> list[int]:
@@ -97,8 +105,12 @@ def queued(rec: Mapping[str, Any], now: float | None = None) -> QueuedJob:
     now = time.time() if now is None else now
     state = _state(rec.get("job_state"))
     start, end = number(rec.get("start_time")), number(rec.get("end_time"))
-    if state in ("RUNNING", "COMPLETING", "SUSPENDED") and start:
-        used: int | None = int(now) - start - (number(rec.get("suspend_time"), 0) or 0 if state == "SUSPENDED" else 0)
+    before = number(rec.get("pre_sus_time"), 0) or 0  # run time before the last suspension
+    resumed = max(start or 0, number(rec.get("suspend_time"), 0) or 0)  # when it last started or resumed
+    if state == "SUSPENDED":
+        used: int | None = before
+    elif state in ("RUNNING", "COMPLETING") and start:
+        used = before + int(now) - resumed
     elif start and end and end >= start and state != "PENDING":
         used = end - start
     else:
