@@ -183,6 +183,15 @@ def test_the_rest_submission_has_the_sbatch_submissions_job_record(rest_env, mod
                .replace(f"profile {PROFILE}", "profile local").replace(f"file {PROFILE}", "file local")
                for j, e in ((a, env_a), (b, env_b))]
     assert scripts[0] == scripts[1] and "#SBATCH --hold" in scripts[0]
+    # any command through a profile's slurmrestd, per command (the sbatch path's run, asked with --rest)
+    st = lm_without_slurm_commands(env_a, "--rest", PROFILE, "status", name, "--json")
+    assert st.returncode == 0, st.stdout + st.stderr
+    view = json.loads(st.stdout)
+    assert view["slurm"]["via"].startswith("slurmrestd ") and view["runs"][0]["state"] == "PENDING", view
+    assert view["runs"][0]["reason"] == "JobHeldUser", view["runs"][0]
+    # the logs' job facts, through slurmrestd (the run's profile says so)
+    lg = lm_without_slurm_commands(env_b, "logs", name)
+    assert lg.returncode == 0 and "slurm_conf" not in lg.stderr, lg.stdout + lg.stderr
     # cancel through slurmrestd only
     c = lm_without_slurm_commands(env_b, "cancel", name)
     assert c.returncode == 0, c.stdout + c.stderr
