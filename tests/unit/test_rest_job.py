@@ -295,3 +295,17 @@ def test_a_client_never_shows_its_token_and_refuses_a_page_that_is_not_slurmrest
         RestClient(RestTarget("http://127.0.0.1:9"), environ={"SLURM_JWT": token}).api()
     with pytest.raises(RestError, match=r"\$SLURM_JWT holds no JWT"):
         RestClient(RestTarget("http://127.0.0.1:9"), environ={"SLURM_JWT": "x\ny"}).api()
+
+
+def test_a_renewed_token_file_is_read_again(tmp_path):
+    from lmcore.slurm.rest import RestClient, RestTarget
+
+    f = tmp_path / "tok"
+    first, second = _jwt({"sun": "alice", "n": 1}), _jwt({"sun": "alice", "n": 2})
+    f.write_text(first)
+    f.chmod(0o600)
+    client = RestClient(RestTarget("http://127.0.0.1:9", str(f)), environ={})
+    assert client.token()[0] == first
+    f.write_text(second)
+    os.utime(f, (1, 1))  # another mtime, as a renewal gives
+    assert client.token()[0] == second

@@ -125,6 +125,7 @@ class RestClient:
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ), repr=False)
     scontrol_token: Callable[[], str] | None = field(default=None, repr=False)  # `scontrol token`'s output
     _token: tuple[str, str] | None = field(default=None, repr=False)  # (token, where it came from)
+    _token_mtime: float | None = field(default=None, repr=False)  # its file's, when read
     _api: str | None = None
     _offered: tuple[str, ...] = ()
     _job_fields: tuple[str, ...] = ()
@@ -133,6 +134,11 @@ class RestClient:
     # ------------------------------------------------------------------ auth
 
     def token(self) -> tuple[str, str]:
+        """(the token, where it came from). Read again when its file changed or it expired since it
+        was read: a long-lived command (metrics serve, status --watch, a search's driver) follows
+        a token file that is renewed beside it."""
+        if self._token is not None and (self._stale() or self._file_changed()):
+            self._token = None
         if self._token is None:
             if self.target.token_file:
                 tok, source = read_token_file(self.target.token_file), f"token_file {self.target.token_file}"
@@ -151,7 +157,21 @@ class RestClient:
                 raise RestError(f"the token from {source} expired at {when}: make a new one "
                                 "(`scontrol token lifespan=SECONDS` on the cluster)")
             self._token = (tok, source)
+            self._token_mtime = self._mtime()
         return self._token
+
+    def _mtime(self) -> float | None:
+        try:
+            return os.stat(os.path.expanduser(self.target.token_file)).st_mtime if self.target.token_file else None
+        except OSError:
+            return None
+
+    def _file_changed(self) -> bool:
+        return self.target.token_file is not None and self._mtime() != self._token_mtime
+
+    def _stale(self) -> bool:
+        exp = token_claims(self._token[0]).get("exp") if self._token else None
+        return isinstance(exp, (int, float)) and exp < time.time()
 
     def user(self) -> str:
         if self.target.user:
