@@ -152,7 +152,10 @@ def _transport(args: argparse.Namespace, ctx: Context) -> Any:
         return contextlib.nullcontext()
     from launcher.submit import transport
 
-    target = transport.forced_target(name, ctx.environ) if name else transport.run_target(run, ctx.environ)
+    own = transport.run_target(run, ctx.environ) if isinstance(run, str) else None
+    target = transport.forced_target(name, ctx.environ) if name else own
+    if name and own is not None and target is not None and own.url != target.url:
+        ctx.err(f"note: run '{run}' was submitted through {own.where}; --rest {name} asks {target.url} instead")
     return transport.through(target)
 
 
