@@ -42,6 +42,7 @@ from preempt_helpers import (
 )
 from shared_results import shared
 from slurm_helpers import REPO, job_name, requeues_once_more_after_preemption
+from waiting import HANG_S
 
 from launcher.localcluster import restd
 from launcher.localcluster.config import Settings
@@ -99,7 +100,7 @@ def lm_without_slurm_commands(environ: dict[str, str], *args: str) -> subprocess
     file): what it learns about the cluster, it learns through slurmrestd."""
     env = {**environ, "SLURM_CONF": "/nonexistent/slurm.conf", "PATH": environ["NO_SLURM_PATH"]}
     return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=120)
+                          cwd=REPO, timeout=HANG_S)
 
 
 def test_a_run_submitted_through_slurmrestd_is_preempted_requeued_and_resumes_bit_identical(rest_env, module_jobs):
@@ -207,7 +208,7 @@ def test_a_sweep_is_one_array_through_slurmrestd_and_cancel_reaches_every_task(r
     sweep.write_text(json.dumps({"name": name, "max_parallel": 1, "grid": {"optim.lr": [0.001, 0.01]}}))
     r = subprocess.run([sys.executable, "-m", "launcher.cli", "sweep", str(SPEC), str(sweep), *BASE, "resources.nodes=1",
                         "slurm.sbatch.hold=true", "--cluster", PROFILE, "--json"], capture_output=True, text=True,
-                       env=rest_env, cwd=REPO, timeout=120)
+                       env=rest_env, cwd=REPO, timeout=HANG_S)
     assert r.returncode == 0, r.stdout + r.stderr
     (array,) = json.loads(r.stdout)["arrays"]
     module_jobs.append(array)
@@ -224,7 +225,7 @@ def test_a_sweep_is_one_array_through_slurmrestd_and_cancel_reaches_every_task(r
 
 def _refused(env: dict[str, str], name: str, *extra: str) -> subprocess.CompletedProcess[str]:
     r = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", str(SPEC), f"name={name}", *BASE, *extra,
-                        "--cluster", PROFILE], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+                        "--cluster", PROFILE], capture_output=True, text=True, env=env, cwd=REPO, timeout=HANG_S)
     assert r.returncode == 2, r.stdout + r.stderr
     assert not (Path(env["LMLAUNCH_RUNS_ROOT"]) / name).exists(), "a refused submission left its run directory"
     assert registry.load_record(name, env) is None, "a refused submission left its registry record"
