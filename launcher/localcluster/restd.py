@@ -41,16 +41,23 @@ def release(version: str | None) -> tuple[int, int] | None:
 
 
 def offers_expedite() -> bool:
-    """This SLURM's sbatch takes --requeue[=expedite] (sbatch --help says so; 26.05 does, 24.11 not)."""
+    """This SLURM's sbatch takes --requeue[=expedite] (sbatch --help says so; 26.05 does, 24.11 not).
+    Asked with a configuration of its own: sbatch reads SLURM_CONF even for --help, and the
+    cluster's may not be written yet (it then retried for 60 s and failed: seen on a first `up`)."""
     import subprocess
+    import tempfile
 
-    sbatch = shutil.which("sbatch")
+    sbatch = shutil.which("sbatch", path=os.environ.get("PATH", "") + ":/usr/bin")
     if sbatch is None:
         return False
-    try:
-        out = subprocess.run([sbatch, "--help"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    with tempfile.NamedTemporaryFile("w", suffix=".conf") as conf:
+        conf.write("ClusterName=probe\nSlurmctldHost=localhost\n")
+        conf.flush()
+        try:
+            out = subprocess.run([sbatch, "--help"], capture_output=True, text=True, timeout=30,
+                                 env={**os.environ, "SLURM_CONF": conf.name}).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return False
     return "--requeue[=expedite]" in out
 
 
