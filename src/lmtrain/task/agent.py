@@ -325,7 +325,14 @@ class TaskAgent:
             pass  # rank 0 then names the rank from what else it has
 
     def _exit_like(self, status: int) -> None:
-        """End as the training process ended: srun reports the same exit code or signal."""
+        """End as the training process ended: srun reports the same exit code or signal. The warning
+        signal is ignored from here on: the attempt is over, and Python gives a signal with a Python
+        handler back its default action while the interpreter shuts down, so a time-limit warning
+        then (SLURM sends it up to a minute early) killed this agent and SLURM recorded a run that
+        had completed as FAILED (seen on 26.05 under load: both tasks "User defined signal 2" after
+        the end line "completed"); lmtrain.preemption.signals.retire does the same in the training
+        process."""
+        signal.signal(self.kept.warning_signum, signal.SIG_IGN)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         if os.WIFSIGNALED(status):
