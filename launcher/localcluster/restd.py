@@ -23,21 +23,12 @@ from pathlib import Path
 
 from launcher.localcluster.config import Layout, native_version
 from launcher.localcluster.daemons import ClusterError, port_open, running_from_pidfile, spawn, wait_until
+from lmcore.slurm import versions
 
 Say = Callable[[str], None]
 NOBODY = "65534"  # by number: a Debian root's /etc/passwd is the machine's (debian_root._same_names)
 FIRST_REST_RELEASE = (23, 11)  # data_parser v0.0.40, the oldest the REST client speaks
 REST_PACKAGES = ("slurmrestd", "slurm-wlm-jwt-plugin")
-
-
-def release(version: str | None) -> tuple[int, int] | None:
-    if not version:
-        return None
-    try:
-        major, minor = version.split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return None
 
 
 def offers_expedite() -> bool:
@@ -68,14 +59,14 @@ def offers_metrics() -> bool:
 
 def rest_available(version: str | None = None) -> bool:
     """slurmrestd and the JWT plugin are installed here, in a release the REST client speaks."""
-    r = release(version or native_version())
+    r = versions.release(version or native_version())
     return (r is not None and r >= FIRST_REST_RELEASE and _slurmrestd() is not None
             and any(Path(d, "auth_jwt.so").exists() for d in _plugin_dirs()))
 
 
 def wants_rest_packages() -> bool:
     """This machine's SLURM speaks a REST API lmlaunch speaks, and slurmrestd or its JWT plugin is missing."""
-    r = release(native_version())
+    r = versions.release(native_version())
     return r is not None and r >= FIRST_REST_RELEASE and not rest_available()
 
 
