@@ -87,8 +87,8 @@ if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('dee
 fi
 stamp="$VENV/.lmlaunch-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  log "installing lmlaunch (editable) with the training stack and the dev extras"
-  "$PY" -m pip install -q -e ".[runtime,dev]"
+  log "installing lmlaunch (editable) with the training stack, the evaluator's lm-eval and the dev extras"
+  "$PY" -m pip install -q -e ".[runtime,eval,dev]"
   touch "$stamp"
 fi
 

@@ -105,6 +105,8 @@ def capture(out: Path) -> None:
         raise SystemExit(f"no {', '.join(missing)} on PATH")
     out.mkdir(parents=True, exist_ok=True)
     held = _sbatch("-J", "replay-held", "-p", "low", "-N", "1", "--hold", "-o", "/dev/null", "--wrap", "sleep 60")
+    het = _sbatch("-J", "replay-het", "-p", "low", "-N", "1", "--hold", "-o", "/dev/null", ":", "-p", "low", "-N", "1",
+                  "--wrap", "sleep 60")  # a heterogeneous job (the evaluator alongside): two components
     running = _sbatch("-J", "replay-running", "-p", "low", "-N", "2", "--requeue", "-o", "/dev/null",
                       "--wrap", "srun sleep 120")
     waiting.until(lambda: subprocess.run(["squeue", "-h", "-j", running, "-o", "%T"], capture_output=True,
@@ -120,8 +122,9 @@ def capture(out: Path) -> None:
                 slurm.ping(), slurm.nodes(), slurm.partitions(), slurm.partition_configs(), slurm.node_configs()
                 slurm.config(), slurm.squeue([held, running]), slurm.show_job(running), slurm.show_job("999999")
                 slurm.sacct([held, running], duplicates=True), slurm.squeue(["999999"])
+                slurm.squeue([het]), slurm.squeue([het, f"{het}+1"]), slurm.sacct([het], duplicates=True)
             os.environ["PATH"] = path
-            slurm.cancel([running, held])
+            slurm.cancel([running, held, het])
             while slurm.is_active(subprocess.run(["squeue", "-h", "-j", running, "-o", "%T"], capture_output=True,
                                                  text=True).stdout.strip() or "CANCELLED"):
                 time.sleep(0.5)
@@ -132,7 +135,8 @@ def capture(out: Path) -> None:
         finally:
             os.environ["PATH"] = path
     version = subprocess.run(["sbatch", "--version"], capture_output=True, text=True).stdout.split()[-1]
-    (out / "scenario.json").write_text(json.dumps({"version": version, "held": held, "running": running}, indent=1) + "\n")
+    (out / "scenario.json").write_text(json.dumps({"version": version, "held": held, "running": running, "het": het},
+                                                    indent=1) + "\n")
 
 
 if __name__ == "__main__":

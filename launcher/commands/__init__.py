@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("report", "plot a run's loss and throughput to a PNG"),
     "diff": ("diff", "what differs between two runs: spec, plan, packages, environment"),
     "export": ("export", "a checkpoint of any strategy as a transformers model directory"),
+    "eval": ("eval", "score a run's checkpoints with lm-evaluation-harness, as a SLURM job"),
     "preempt": ("preempt", "rehearse preemption of a running job"),
     "metrics": ("metrics", "every run's metrics for Prometheus: `metrics serve`, or `metrics write DIR` (textfile)"),
     "notify-test": ("notify_test", "send a test message to each of a spec's notify.webhooks"),

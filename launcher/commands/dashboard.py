@@ -96,7 +96,8 @@ class Pages:
             cached = self._histories.get(name)
             if cached is None or time.monotonic() - cached[0] > HISTORY_CACHE_S:
                 h = load_history(rec)
-                cached = (time.monotonic(), {"attempts": [a.to_dict() for a in h.attempts], "notes": h.notes})
+                cached = (time.monotonic(), {"attempts": [a.to_dict() for a in h.attempts], "notes": h.notes,
+                                             "eval": h.eval})
                 self._histories[name] = cached
         run_dir = Path(rec.run_dir)
         steps = [{"step": b.get("step"), "loss": b.get("loss"), "tokens_per_s": b.get("tokens_per_s")}

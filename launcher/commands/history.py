@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 from launcher.context import Context
-from launcher.monitor import history_rows, slurm_view
+from launcher.monitor import eval_rows, history_rows, slurm_view
 from launcher.monitor.view import history_view, make_console, startup_view
 from launcher.runs import registry as runs
-from lmcore import jsonlines, rundir
+from lmcore import eval_alongside, jsonlines, rundir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_history(rec):
-    """The ledger, the whole heartbeat (for training time per attempt) and ONE `sacct -D` call."""
+    """The ledger, the whole heartbeat (for training time per attempt), ONE `sacct -D` call, and the
+    evaluator's scores (eval.alongside)."""
     run_dir = Path(rec.run_dir)
     layout = rundir.RunLayout.of(run_dir)
     ledger = jsonlines.read_jsonl(layout.ledger)
@@ -41,6 +42,10 @@ def load_history(rec):
         h.notes.extend(history_rows.memory_notes(h, plan["memory"], world if isinstance(world, int) else None))
     h.notes.extend(history_rows.container_notes(rundir.environment_records(run_dir)))
     h.notes.extend(history_rows.unstarted_notes(rec.job_ids, ledger, _task_errors(layout, rec.job_ids)))
+    evaluation = eval_rows.read_evaluation(run_dir)
+    h.eval = eval_alongside.flat_scores(evaluation.records)
+    if (bad := eval_rows.trouble(evaluation)) is not None:
+        h.notes.append(bad.replace("RUN", rec.name))
     return h
 
 

@@ -19,7 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output and new attempts until the run ends")
     p.add_argument("--rank", type=int, default=0, help="global rank whose log to show (default 0)")
     p.add_argument("--attempt", type=int, default=None, help="only this attempt (1-based)")
-    p.add_argument("--errors", action="store_true", help="only tracebacks and error lines")
+    p.add_argument("--errors", action="store_true",
+                   help="only tracebacks and error lines (the evaluator's too, for a run with eval.alongside)")
+    p.add_argument("--evaluator", action="store_true",
+                   help="the evaluator's log of each job instead of a rank's (eval.alongside)")
     p.add_argument("--json", action="store_true", help="the log files (attempt, path, size) as JSON, no content")
     p.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
 
@@ -34,7 +37,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         if known and args.attempt not in known:
             raise UserError(f"--attempt {args.attempt}: run '{rec.name}' has attempts {', '.join(map(str, known))}")
     if args.json:
-        srcs = run_files.log_sources(run_dir, rec.job_ids, rank=args.rank, attempt=args.attempt)
+        srcs = run_files.evaluator_sources(run_dir, rec.job_ids) if args.evaluator else \
+            run_files.log_sources(run_dir, rec.job_ids, rank=args.rank, attempt=args.attempt)
         ctx.out(json.dumps([
             {"attempt": s.attempt, "job_id": s.job_id, "label": s.label, "path": str(s.path),
              "bytes": s.path.stat().st_size} for s in srcs
@@ -43,6 +47,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     n = print_logs(
         run_dir, rec.job_ids, ctx.stdout, rank=args.rank, attempt=args.attempt, errors=args.errors,
         follow=args.follow, finished=finished_check(run_dir, rec.job_ids), interval=args.interval,
+        evaluator=args.evaluator,
     )
     if n == 0 and not args.follow:
         ctx.err(f"run '{rec.name}': no logs yet for rank {args.rank} (looked in {rundir.RunLayout.of(run_dir).logs} and "

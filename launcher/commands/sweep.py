@@ -26,7 +26,7 @@ from launcher.search.array import submit_array
 from launcher.submit import lifecycle
 from launcher.submit.arrays import max_array_size, submit_chained
 from launcher.submit.script import render_array_script
-from lmcore import jsonlines, rundir
+from lmcore import eval_alongside, jsonlines, rundir
 from lmcore.errors import SlurmUnavailable, SpecError, UserError
 from lmcore.search_spec import SearchFile
 from lmcore.slurm import client as slurm
@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new", action="store_true", help="archive and replace points whose run names exist")
     p.add_argument("--json", action="store_true", help="as JSON")
     p.add_argument("--csv", action="store_true", help="with results: as CSV")
+    p.add_argument("--by", metavar="TASK/METRIC",
+                   help="with results: rank the points by their newest lm-eval score of TASK/METRIC (scored by "
+                        "`lmlaunch eval POINT`), best first; the metric's name says which way is better")
     p.add_argument("--detach", action="store_true",
                    help="a search: run its driver in the background (it writes driver.log in the search's directory)")
     add_force_argument(p)
@@ -199,7 +202,11 @@ def _results(args: argparse.Namespace, ctx: Context) -> int:
                           "step": steps[-1].get("step") if steps else None,
                           "loss": steps[-1].get("loss") if steps else None,
                           "val_loss": vals[-1] if vals else None, "best_val_loss": min(vals) if vals else None}
-    return _table(args, ctx, sweep_rows.results(records, finals), search=False)
+    rows = sweep_rows.results(records, finals)
+    if args.by:
+        rows = sweep_rows.ranked_by_eval(rows, {r.name: eval_alongside.read_scores(r.run_dir) for r in records},
+                                         args.by)
+    return _table(args, ctx, rows, search=False)
 
 
 def _table(args: argparse.Namespace, ctx: Context, rows: list[dict[str, Any]], *, search: bool) -> int:

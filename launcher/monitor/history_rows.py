@@ -52,6 +52,7 @@ class History:
     cancel_requested: float | None = None
     notes: list[str] = field(default_factory=list)
     planned_memory: dict[str, Any] | None = None  # plan.json's memory (launcher.planning.memory.Breakdown.to_json)
+    eval: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's scores: step, task, metric, value, stderr, lm_eval
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +64,7 @@ class History:
             "notes": self.notes,
             "planned_memory": self.planned_memory,
             "attempts": [a.to_dict() for a in self.attempts],
+            "eval": self.eval,
         }
 
 

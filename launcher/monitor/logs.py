@@ -25,11 +25,14 @@ def print_logs(
     follow: bool = False,
     finished: Callable[[], bool] = lambda: True,
     interval: float = 1.0,
+    evaluator: bool = False,
 ) -> int:
     """Print every attempt's log in order with a marker line before each; with ``follow``, keep
-    polling for new output and new attempts until ``finished()`` and nothing new arrived.
+    polling for new output and new attempts until ``finished()`` and nothing new arrived. With
+    ``errors`` the evaluator's logs follow the rank's (eval.alongside); ``evaluator``: only them.
     Returns the number of files shown."""
     printer = _LogPrinter(run_dir, job_ids, out, rank=rank, attempt=attempt, errors=errors, follow=follow)
+    printer.evaluator = evaluator
     printer.poll(final=not follow)
     if not follow:
         return len(printer.shown)
@@ -52,6 +55,7 @@ class _LogPrinter:
         self.run_dir, self.job_ids, self.out = run_dir, job_ids, out
         self.rank, self.attempt, self.errors, self.follow = rank, attempt, errors, follow
         self.offsets: dict[Path, int] = {}
+        self.evaluator = False  # only the evaluator's logs
         self.shown: list[Path] = []
         self.pending = ""
 
@@ -75,7 +79,9 @@ class _LogPrinter:
         """Print what is new; whether anything was."""
         ledger = jsonlines.read_jsonl(rundir.RunLayout.of(self.run_dir).ledger)
         grew = False
-        for src in run_files.log_sources(self.run_dir, self.job_ids, rank=self.rank, attempt=self.attempt):
+        sources = run_files.evaluator_sources(self.run_dir, self.job_ids) if self.evaluator else \
+            run_files.log_sources(self.run_dir, self.job_ids, rank=self.rank, attempt=self.attempt, evaluator=self.errors)
+        for src in sources:
             if src.path not in self.offsets:
                 self.end_line()
                 self.out.write(run_files.attempt_marker(src.attempt, ledger, src.label) + "\n")

@@ -35,6 +35,7 @@ class ReportData:
     val_loss: list[float] = field(default_factory=list)
     stops: list[Stop] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)
+    eval: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's scores (history's eval rows)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "points": len(self.steps), "stops": [asdict(s) for s in self.stops],
@@ -54,6 +55,7 @@ def build_report(name: str, heartbeat: Sequence[Mapping[str, Any]], history: Any
         elif b.get("event") == "val" and b.get("val_loss") is not None and b.get("step") is not None:
             r.val_steps.append(int(b["step"]))
             r.val_loss.append(float(b["val_loss"]))
+    r.eval = list(getattr(history, "eval", None) or [])
     attempts = history.attempts
     for a, nxt in zip(attempts, attempts[1:]):
         r.stops.append(Stop(a.attempt, a.end_step if a.end_step is not None else nxt.start_step, a.end_time, a.reason))
@@ -69,6 +71,11 @@ def build_report(name: str, heartbeat: Sequence[Mapping[str, Any]], history: Any
         r.summary.append(f"val loss {r.val_loss[-1]:.3f} at step {r.val_steps[-1]}")
     if tps:
         r.summary.append(f"tokens/s median {sorted(tps)[len(tps) // 2]:.0f}")
+    if r.eval:
+        newest = max(row["step"] for row in r.eval)
+        said = [f"{row['task']}/{row['metric']} {row['value']:.4g}" for row in r.eval
+                if row["step"] == newest and isinstance(row.get("value"), (int, float))]
+        r.summary.append(f"eval step {newest}: " + ", ".join(said[:3]) + (f" (+{len(said) - 3})" if len(said) > 3 else ""))
     r.summary.append(f"goodput {'-' if history.goodput is None else f'{100 * history.goodput:.0f}%'}, "
                      f"steps lost to stops {history.steps_lost_total}, "
                      f"queue wait {format_duration(history.queue_wait_total_s)}")
@@ -76,7 +83,8 @@ def build_report(name: str, heartbeat: Sequence[Mapping[str, Any]], history: Any
 
 
 def draw_png(r: ReportData, out: Path) -> Path:
-    """2 x 2 panels: loss and tokens/s against step (top) and against wall time (bottom)."""
+    """2 x 2 panels: loss and tokens/s against step (top) and against wall time (bottom); with an
+    evaluator's scores (eval.alongside) the last panel is each task's metric against the step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,12 +121,32 @@ def draw_png(r: ReportData, out: Path) -> Path:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+    if r.eval:
+        _eval_panel(axes[1][1], r.eval)
     fig.text(0.01, 0.005, "  ·  ".join(r.summary), fontsize=8.5, va="bottom", family="monospace", wrap=True)
     fig.tight_layout(rect=(0, 0.05, 1, 0.96))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
+
+
+def _eval_panel(ax: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Each lm-eval task's metric over the scored checkpoints' steps, on a log scale (accuracies and
+    perplexities on one axis)."""
+    ax.clear()
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        if isinstance(row.get("value"), (int, float)) and row["value"] > 0:
+            series.setdefault(f"{row['task']}/{row['metric']}", []).append((int(row["step"]), float(row["value"])))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1.2, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("checkpoint step")
+    ax.set_ylabel("eval (lm-eval)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=6)
 
 
 def sweep_curves(points: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.checkpoint_index import COMPLETE_NAME, newest_complete
+from lmcore.eval_alongside import EVAL_DIR
 from lmcore.jsonlines import read_jsonl, read_tail
 from lmcore.rundir import RunLayout, checkpoint_dir_of
 
@@ -48,6 +49,7 @@ class RunFiles:
     cancelled: bool = False
     plan_time: str | None = None  # the planned time limit, for jobs SLURM has forgotten
     exists: bool = True
+    evaluation: Any = None  # the evaluator alongside (launcher.monitor.eval_rows.Evaluation); None: none
 
 
 def read_run_files(run_dir: Path, *, with_plan_time: bool = False) -> RunFiles:
@@ -61,6 +63,10 @@ def read_run_files(run_dir: Path, *, with_plan_time: bool = False) -> RunFiles:
         done=layout.done.exists(),
         cancelled=layout.cancelled.exists(),
     )
+    if (run_dir / EVAL_DIR).is_dir():
+        from launcher.monitor.eval_rows import read_evaluation
+
+        rf.evaluation = read_evaluation(run_dir)
     if with_plan_time:
         rf.plan_time = read_plan_time(run_dir)
     return rf
@@ -104,9 +110,26 @@ def attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return RunLayout.of(run_dir).attempts_logged()
 
 
-def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt: int | None = None) -> list[LogSource]:
+def evaluator_sources(run_dir: Path, job_ids: Sequence[str]) -> list[LogSource]:
+    """The evaluator's log of each job (eval.alongside: ``logs/evaluator-<job>.log``, srun's output)."""
+    out = []
+    for jid in job_ids:
+        p = RunLayout.of(run_dir).logs / f"evaluator-{jid}.log"
+        if p.exists():
+            out.append(LogSource(None, jid, p, f"job {jid}, the evaluator"))
+    return out
+
+
+def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt: int | None = None,
+                evaluator: bool = False) -> list[LogSource]:
     """The files of ``rank`` for every attempt in order (or only ``attempt``); submitit's
-    ``%j_%t_log.out/.err`` of each job when an attempt has no log of its own."""
+    ``%j_%t_log.out/.err`` of each job when an attempt has no log of its own; the evaluator's logs
+    too (``evaluator``)."""
+    more = evaluator_sources(run_dir, job_ids) if evaluator and attempt is None else []
+    return _rank_sources(run_dir, job_ids, rank=rank, attempt=attempt) + more
+
+
+def _rank_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int, attempt: int | None) -> list[LogSource]:
     out = []
     for n, _ in attempt_dirs(run_dir):
         if attempt is not None and n != attempt:

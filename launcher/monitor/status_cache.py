@@ -26,20 +26,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from launcher.monitor.eval_rows import Evaluation
 from launcher.monitor.run_files import Checkpoint, RunFiles, read_run_files
 from launcher.runs.registry import lmlaunch_home
 from lmcore.atomic import write_private
+from lmcore.eval_alongside import EVAL_DIR
 from lmcore.rundir import HEARTBEAT, LEDGER, checkpoint_dir_of
 
 CACHE_FILE = "cache/run-files.json"
-VERSION = 8  # 5: every end line of the ledger (metrics counts them); 6: its straggler lines; 7: restarts in place, spares; 8: the start's nodes and their groups
+VERSION = 9  # 5: every end line of the ledger (metrics counts them); 6: its straggler lines; 7: restarts in place, spares; 8: the start's nodes and their groups; 9: the evaluator alongside
 RACY_S = 2.0
 FEW = 32  # up to this many run directories are read directly when the cache is big (plain `status`
 BIG_CACHE_BYTES = 1 << 20  # of thousands of mostly finished runs: ~1 KB per cached run)
 # the files a status row is built from, relative to the run directory. "" is the directory
 # itself: DONE, CANCELLED and plan.json are only ever created, removed or replaced by rename,
 # each of which moves the directory's mtime, so they need no stat of their own.
-WATCHED = ("", HEARTBEAT, LEDGER)  # and the checkpoint directory (the plan says where)
+# eval/: the evaluator's state is replaced by rename after every scored checkpoint's line, and its
+# srun's exit record is removed at each start: both move the directory's mtime.
+WATCHED = ("", HEARTBEAT, LEDGER, EVAL_DIR)  # and the checkpoint directory (the plan says where)
 ROW_KEYS = ("time", "event", "step", "max_steps", "attempt", "loss", "tokens_per_s", "mfu", "documents", "tokens", "task", "error", "job_id")  # heartbeat keys build_row reads
 
 
@@ -121,6 +125,7 @@ def _to_json(f: RunFiles) -> dict[str, Any]:
         "cancelled": f.cancelled,
         "plan_time": f.plan_time,
         "exists": f.exists,
+        "evaluation": f.evaluation.to_json() if f.evaluation is not None else None,
     }
 
 
@@ -134,6 +139,7 @@ def _from_json(d: Mapping[str, Any]) -> RunFiles:
         cancelled=bool(d["cancelled"]),
         plan_time=d.get("plan_time"),
         exists=bool(d["exists"]),
+        evaluation=Evaluation.from_json(d["evaluation"]) if d.get("evaluation") else None,
     )
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from launcher.monitor import status_cache
+from launcher.monitor import eval_rows, status_cache
 from launcher.monitor.run_files import RunFiles
 from launcher.monitor.slurm_view import UNREACHABLE, SlurmJob, SlurmView, format_duration, query_slurm
 from lmcore import straggler_lines
@@ -48,6 +48,7 @@ class StatusRow:
     stragglers: list[dict[str, Any]] = field(default_factory=list)  # the ranks slow now (slow_ranks)
     spares: list[str] | None = None  # a running job with spare nodes: the idle ones (None: no spares)
     layout: list[dict[str, Any]] | None = None  # a running attempt's nodes: node, its switch/block, its ranks
+    eval: dict[str, Any] | None = None  # the evaluator alongside: newest scores, state (launcher.monitor.eval_rows.summary)
 
     @property
     def progress(self) -> float | None:
@@ -164,6 +165,8 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
     if stragglers:
         note = (note + "; " if note else "") + "slow: " + ", ".join(straggler_lines.describe(s) for s in stragglers)
 
+    if files.evaluation is not None and (said := eval_rows.note(files.evaluation, rec.name)):
+        note = (note + "; " if note else "") + said
     step = int(last_any_step["step"]) if last_any_step is not None else None
     attempt = attempt_number(files.ledger, job if slurm_reachable else None)
     if attempt == 0 and job is not None:
@@ -186,6 +189,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         job_ids=list(rec.job_ids), note=note, stragglers=stragglers,
         spares=spares_of(files.ledger) if group == "running" else None,
         layout=layout_of(files.ledger) if group == "running" else None,
+        eval=eval_rows.summary(files.evaluation) if files.evaluation is not None else None,
     )
 
 

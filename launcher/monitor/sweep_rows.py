@@ -1,5 +1,5 @@
 """A sweep in `status` and `sweep results`: one row for the whole sweep (points by state, the
-best loss so far) and a table of every point's parameters against its losses. Pure."""
+best loss so far) and a table of every point's parameters against its losses (and, `--by`, an eval score). Pure."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from launcher.monitor.status_rows import StatusRow
 from launcher.runs.registry import RunRecord
+from lmcore.errors import UserError
 from lmcore.slurm.client import state_word
 
 # the group a sweep row takes: the liveliest of its points'
@@ -83,3 +84,26 @@ def search_rows(trials: Sequence[Mapping[str, Any]], run_name: Any, keys: Sequen
                      "pruned_at": t["steps"][-1] if state == "pruned" and t["steps"] else None,
                      "best": t["number"] == best, "why": t.get("why") if state != "complete" else None})
     return rows
+
+
+# lm-eval metrics where lower is better (the rest: accuracies, F1, exact match, ... higher is better)
+LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "loss", "ter", "error")
+
+
+def ranked_by_eval(rows: list[dict[str, Any]], scores: Mapping[str, Sequence[Any]], by: str) -> list[dict[str, Any]]:
+    """``sweep results --by TASK/METRIC``: each point's newest scored value of it as a column, the
+    points best first (lower first for perplexities, bits per byte and losses), unscored ones last."""
+    task, _, metric = by.partition("/")
+    if not task or not metric:
+        raise UserError(f"--by {by!r}: give TASK/METRIC, e.g. lmlaunch_pydoc_choice/acc")
+    column = f"eval {by}"
+    for row in rows:
+        recs = sorted(scores.get(row["run"], ()), key=lambda r: r.step)
+        values = [(r.step, s.get("value")) for r in recs for s in r.scores
+                  if s.get("task") == task and s.get("metric") == metric and isinstance(s.get("value"), (int, float))]
+        row[column] = values[-1][1] if values else None
+        row["eval step"] = values[-1][0] if values else None
+    if all(row[column] is None for row in rows):
+        raise UserError(f"--by {by}: no point has a score of {by} (score them with `lmlaunch eval POINT --tasks {task}`)")
+    lower = any(word in metric for word in LOWER_IS_BETTER)
+    return sorted(rows, key=lambda row: (row[column] is None, (row[column] or 0) * (1 if lower else -1)))

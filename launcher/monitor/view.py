@@ -255,6 +255,18 @@ def history_view(h: History) -> Group:
     for a in h.attempts:
         if a.detail:
             parts.append(Text(f"  attempt {a.attempt}: {a.detail}", style="dim"))
+    if h.eval:
+        scores = Table(box=None, header_style="bold", pad_edge=False, title_justify="left")
+        for col in ("STEP", "TASK", "METRIC", "VALUE"):
+            scores.add_column(col, justify="right" if col in ("STEP", "VALUE") else "left", no_wrap=True)
+        for row in h.eval:
+            err = row.get("stderr")
+            value = row.get("value")
+            scores.add_row(str(row.get("step")), str(row.get("task")), str(row.get("metric")),
+                           (f"{value:.4g}" if isinstance(value, (int, float)) else str(value))
+                           + (f" ± {err:.2g}" if isinstance(err, (int, float)) else ""))
+        parts += [Text(f"scores of {len({r.get('step') for r in h.eval})} checkpoint(s) (eval.alongside, lm-eval "
+                       f"{h.eval[-1].get('lm_eval')})", style="bold"), scores]
     for n in h.notes:
         parts.append(Text(n, style="yellow"))
     return Group(*parts)

@@ -10,6 +10,7 @@ from pathlib import PurePosixPath
 
 from launcher.planning import mesh_notes
 from launcher.planning.deepspeed_config import render_deepspeed
+from launcher.planning.evaluator import plan_evaluator
 from launcher.planning.placement import merge_env, plan_placement
 from launcher.planning.planned_env import render_env
 from launcher.spec.profiles import Profile, check_slurm_path
@@ -303,6 +304,7 @@ def make_plan(
     problems += _strategy_problems(spec, topo)
     paths = run_paths(spec, runs_root, uses_deepspeed=topo.parallelism.zero)
     slurm = _slurm(spec, profile, topo, paths, problems)
+    evaluator = plan_evaluator(spec, profile, slurm, paths, problems)
     if problems:
         raise SpecError(problems)
     slurm = dataclasses.replace(slurm, exclude=",".join(sorted(exclude))) if exclude else slurm
@@ -332,7 +334,7 @@ def make_plan(
         training=training, task={"target": TASK_TARGET, "run_dir": paths.run_dir}, paths=paths,
         preemption=preemption, spec=spec.model_dump(mode="json"), notes=tuple(notes),
         container=box.to_json() if box is not None else None, rendezvous=dict(RENDEZVOUS), placement=placed.record,
-        rank_env=placed.rank_env,
+        rank_env=placed.rank_env, evaluator=evaluator.to_json() if evaluator is not None else None,
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from launcher.planning.evaluator import task_problems
 from launcher.planning.memory_check import with_memory
 from launcher.planning.memory_inputs import model_facts
 from launcher.planning.model_check import check_model, pretrained_pipeline_problems, split_of
@@ -149,6 +150,23 @@ def host_python_dirs(python: str) -> tuple[str, ...]:
     return tuple(sorted(d for d in dirs if d not in ("/usr", "/", "")))
 
 
+def _planned(spec: JobSpec, profile: Profile, env: Mapping[str, str], python: str | None) -> LaunchPlan:
+    """make_plan with what it needs read here: the runs root, the nodes the user's record excludes,
+    the interpreter the tasks run and where it lives."""
+    excluded = excluded_nodes.load(excluded_nodes_path(profile.name, env))
+    interpreter = profile.python_command(python or sys.executable)
+    return make_plan(spec, profile, runs_root=runs_root_for(profile, env), python=interpreter,
+                     exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
+
+
+def _with_eval_tasks(spec: JobSpec, plan: LaunchPlan) -> LaunchPlan:
+    """``eval.alongside``'s tasks and task directories checked against the task files here."""
+    problems, notes = task_problems(spec)
+    if problems:
+        raise SpecError(problems)
+    return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan
+
+
 def resolve(
     spec_path: str,
     overrides: list[str] | None = None,
@@ -179,11 +197,7 @@ def resolve(
                 raise
             where = "--cluster" if cluster else (origin.locate(("cluster",)) or "cluster")
             raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
-        runs_root = runs_root_for(profile, env)
-        excluded = excluded_nodes.load(excluded_nodes_path(profile.name, env))
-        interpreter = profile.python_command(python or sys.executable)
-        plan = make_plan(spec, profile, runs_root=runs_root, python=interpreter,
-                         exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
+        plan = _with_eval_tasks(spec, _planned(spec, profile, env, python))
         stores = store_indexes(spec)
         plan = dataclasses.replace(plan, notes=(*plan.notes, *mixture_notes(spec, plan, stores)))
         staged = pretrained_pipeline_problems(spec.model, plan.parallelism)

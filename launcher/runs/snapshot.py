@@ -47,7 +47,7 @@ def code_packages(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
     shipped = (os.environ if environ is None else environ).get(SHIPPED_ENV)
     return {name: Path(shipped) / name for name in PACKAGES} if shipped else PACKAGES
 _SKIP_DIRS = {"__pycache__"}
-_SUFFIXES = {".py", ".typed", ".json", ".yaml", ".txt", ".sh"}
+_SUFFIXES = {".py", ".typed", ".json", ".jsonl", ".yaml", ".txt", ".sh"}  # .jsonl: the evaluator's shipped tasks
 
 
 @dataclass(frozen=True)

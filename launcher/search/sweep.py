@@ -181,6 +181,10 @@ def shape(plan: LaunchPlan) -> dict[str, Any]:
 
 
 def check_one_shape(plans: Sequence[LaunchPlan], pts: Sequence[dict[str, Any]], source: str) -> None:
+    if plans[0].evaluator:  # SLURM: "job arrays of heterogeneous jobs are not supported"
+        raise SpecError(["eval.alongside: a sweep is one SLURM job array, and an array cannot be of heterogeneous "
+                         "jobs (trainer + evaluator); sweep without it and score the points after with "
+                         "`lmlaunch eval RUN`, or submit each point on its own"], source=source)
     first = shape(plans[0])
     for i, plan in enumerate(plans[1:], 1):
         other = shape(plan)

@@ -59,6 +59,7 @@ class RunsCollector:
                             submitted=[submitted.get(row.name, {}) for row in rows],
                             heartbeats=[f.heartbeat for f in files])
         yield from rank_families(rows)
+        yield from eval_families(rows)
         self.scrapes += 1
         took = GaugeMetricFamily("lmlaunch_exporter_read_duration_seconds", "Seconds the newest reading of the runs took")
         took.add_metric([], time.perf_counter() - started)
@@ -329,3 +330,31 @@ def rank_families(rows: Sequence[monitor.StatusRow]) -> list[Metric]:
             flagged += bool(figures.get("slow"))
         count.add_metric([row.name], flagged)
     return [seconds, ratio, slow, count]
+
+
+def eval_families(rows: Sequence[monitor.StatusRow]) -> list[Metric]:
+    """The evaluator alongside a run (eval.alongside): its newest scored checkpoint's metrics, by task
+    and metric, that checkpoint's step, how many are scored, and 1 while it is in trouble (failed,
+    killed: training goes on)."""
+    value = GaugeMetricFamily("lmlaunch_run_eval", "The newest scored checkpoint's value of an lm-eval metric "
+                              "(eval.alongside)", labels=["run", "task", "metric"])
+    step = GaugeMetricFamily("lmlaunch_run_eval_step", "Step of the newest checkpoint the evaluator scored",
+                             labels=["run"])
+    scored = GaugeMetricFamily("lmlaunch_run_eval_checkpoints_scored", "Checkpoints the evaluator has scored",
+                               labels=["run"])
+    trouble = GaugeMetricFamily("lmlaunch_run_evaluator_failed", "1 while the run's evaluator failed or was killed "
+                                "this attempt (the training goes on), else 0", labels=["run"])
+    for row in rows:
+        ev = row.eval
+        if not ev:
+            continue
+        latest = ev.get("latest") or {}
+        for key, v in sorted((latest.get("scores") or {}).items()):
+            task, _, metric = key.partition("/")
+            if isinstance(v, (int, float)):
+                value.add_metric([row.name, task, metric], float(v))
+        if latest.get("step") is not None:
+            step.add_metric([row.name], float(latest["step"]))
+        scored.add_metric([row.name], float(ev.get("scored") or 0))
+        trouble.add_metric([row.name], 1.0 if ev.get("trouble") else 0.0)
+    return [value, step, scored, trouble]

@@ -123,7 +123,11 @@ def resolve_paths(spec: JobSpec, base: Path, origin: Origin | None = None) -> Jo
     )
     update: dict[str, Any] = {"data": data, "checkpoint": ckpt, "model": model}
     if spec.eval is not None:
-        update["eval"] = spec.eval.model_copy(update={"checkpoint": absolute(spec.eval.checkpoint, ("eval", "checkpoint"))})
+        ev = spec.eval.model_copy(update={"checkpoint": absolute(spec.eval.checkpoint, ("eval", "checkpoint"))})
+        if ev.alongside is not None:
+            dirs = [absolute(d, ("eval", "alongside", "task_dirs", i)) for i, d in enumerate(ev.alongside.task_dirs)]
+            ev = ev.model_copy(update={"alongside": ev.alongside.model_copy(update={"task_dirs": dirs})})
+        update["eval"] = ev
     return spec.model_copy(update=update)
 
 

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.submit import hetjob
+from launcher.submit.container_lines import container_task_command, host_lines, stop_lines
 from launcher.submit.shell import export_line, shell_quote
 from lmcore import rundir
-from lmcore.container import PODMAN_TASK, ContainerPlan, podman_image, wrap
+from lmcore.container import ContainerPlan
 from lmcore.plan import LaunchPlan
 from lmcore.run_layout import UNDECIDED_VAR
 from lmcore.rundir import RunLayout
-from lmcore.slurm.relay import RELAY_ENV, SCRIPT
 
 
 # --------------------------------------------------------------------------- a run's job script
@@ -48,7 +49,7 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     ]
     lines += list(plan.setup)
     lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
-    return lines + container_lines(plan) + restart_loop_head(plan)
+    return lines + container_lines(plan) + hetjob.start_lines(plan) + restart_loop_head(plan)
 
 
 def container_lines(plan: LaunchPlan) -> list[str]:
@@ -99,8 +100,9 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
     srun_args = [*plan.srun_args, *spare_srun_args(plan)]
     if srun_args:
         params["srun_args"] = srun_args
-    if plan.container is not None:
-        params["teardown"] = stop_lines()
+    if plan.container is not None or plan.evaluator:  # the job's exit status stays srun's (the trainer's)
+        params["teardown"] = [stop_lines()[0], *hetjob.finish_lines(plan),
+                              *(stop_lines()[1:-1] if plan.container is not None else []), stop_lines()[-1]]
     return params
 
 
@@ -127,9 +129,9 @@ def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:
     """The sbatch script exactly as submit writes it."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    return _make_sbatch_string(
+    return hetjob.with_component(_make_sbatch_string(
         command=submit_command(plan), folder=plan.paths.submitit_dir, **executor_parameters(plan, dependency)
-    )
+    ), plan)
 
 
 # --------------------------------------------------------------------------- the restart-in-place loop and spare nodes' srun options
@@ -226,66 +228,6 @@ def restart_srun_prefix(plan: LaunchPlan) -> str:
     return out + ("${lmlaunch_exclude:+--exclude=$lmlaunch_exclude} " if plan.slurm.spare_nodes else "")
 
 
-# --------------------------------------------------------------------------- a container's lines on the host and its task command
-def container_task_command(cp: ContainerPlan, inner: list[str]) -> str:
-    """The command srun starts for each task: ``inner`` (the interpreter's arguments after
-    ``cp.python``) inside the container, as one shell word list for the job script."""
-    if cp.runtime != "podman":
-        return shlex.join(wrap(cp, inner))
-    # podman: a small script per task (in the run's code snapshot) names its container after the
-    # job and the task, which the batch shell cannot (it would expand $SLURM_PROCID once for all)
-    words = wrap(cp, inner)[2:]  # after "podman run"
-    return f'/bin/bash "$LMLAUNCH_RUN_DIR/code/lmcore/{PODMAN_TASK}" ' + shlex.join(words)
-
-
-def host_lines(cp: ContainerPlan, planned_env: list[str]) -> list[str]:
-    """The batch script's lines on the host, before srun: the SLURM relay, the image's identity
-    for the environment record (podman: its id; a file: sha256, kept beside the run while the
-    file's size and time are unchanged), and for apptainer the planned variables made to win
-    over the image's."""
-    lines = start_lines()
-    image = shlex.quote(podman_image(cp.image) if cp.runtime == "podman" else cp.image)
-    if cp.runtime == "podman":
-        lines.append(f"LMLAUNCH_IMAGE_ID=$(podman image inspect --format '{{{{.Id}}}}' {image} 2>/dev/null) "
-                     "&& LMLAUNCH_IMAGE_ID=sha256:$LMLAUNCH_IMAGE_ID")
-    elif cp.image.startswith("/"):  # a file: its sha256 (a registry reference: pulled at start, no id here)
-        lines += [
-            f"if [ -f {image} ]; then",
-            f"  lmlaunch_key=$(stat -Lc '%n %s %Y' {image}); lmlaunch_sum=\"$LMLAUNCH_RUN_DIR/container-image.sha256\"",
-            '  if [ "$(head -n1 "$lmlaunch_sum" 2>/dev/null)" != "$lmlaunch_key" ]; then',
-            f"    {{ echo \"$lmlaunch_key\"; sha256sum < {image} | cut -d' ' -f1; }} > \"$lmlaunch_sum.tmp\" "
-            '&& mv "$lmlaunch_sum.tmp" "$lmlaunch_sum"',
-            "  fi",
-            '  LMLAUNCH_IMAGE_ID=sha256:$(sed -n 2p "$lmlaunch_sum")',
-            "fi",
-        ]
-    lines.append(f"export LMLAUNCH_IMAGE={shlex.quote(cp.runtime + ':' + cp.image)} "
-                 '"LMLAUNCH_IMAGE_ID=${LMLAUNCH_IMAGE_ID:-unknown}"')
-    if cp.runtime == "apptainer":
-        lines += [f'export APPTAINERENV_{n}="${n}"' for n in planned_env]
-    return lines
-
-
-def start_lines() -> list[str]:
-    """The batch script's lines (on the host, before srun) that start the relay for this job, in
-    ``$LMLAUNCH_RUN_DIR/slurm-relay/$SLURM_JOB_ID`` (an array task's own run directory and id)."""
-    return [
-        "# the ranks run in a container without SLURM's commands: this host runs them (lmcore.slurm.relay)",
-        f'export {RELAY_ENV}="$LMLAUNCH_RUN_DIR/slurm-relay/$SLURM_JOB_ID"',
-        f'/bin/bash "$LMLAUNCH_RUN_DIR/code/lmcore/slurm/{SCRIPT}" "${RELAY_ENV}" $$ &',
-        "lmlaunch_relay_pid=$!",
-    ]
-
-
-def stop_lines() -> list[str]:
-    """The batch script's teardown after srun: the relay stopped, and the job's exit status kept
-    srun's (a task step that failed, e.g. an image without the interpreter, is a FAILED job, not
-    the relay's kill's 0 and a COMPLETED one)."""
-    return ["lmlaunch_rc=$?  # srun's: the job's exit status",
-            'kill -KILL "$lmlaunch_relay_pid" 2>/dev/null || true  # it ignores the job\'s signals',
-            'exit "$lmlaunch_rc"']
-
-
 # --------------------------------------------------------------------------- a sweep's array script
 PER_POINT_ENV = ("LMLAUNCH_RUN_DIR", "PYTHONPATH")  # what each array task sets for its own point
 
@@ -309,7 +251,7 @@ def array_setup(plan: LaunchPlan, run_dirs: list[str]) -> list[str]:
     lines.append('export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"')
     lines.append('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code${PYTHONPATH:+:$PYTHONPATH}"')
     lines += [_per_point_export(n, plan.env[n], run_dir) for n in own]  # e.g. the NCCL flight recorder's file
-    return lines + container_lines(plan) + restart_loop_head(plan)
+    return lines + container_lines(plan) + hetjob.start_lines(plan) + restart_loop_head(plan)
 
 
 def array_parameters(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,

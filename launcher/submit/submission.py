@@ -37,8 +37,26 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
     from lmtrain.task.train_task import TrainTask
 
     params = executor_parameters(plan, dependency)
+    text = render_script(plan, dependency)
+    if plan.evaluator:
+        _check_heterogeneous_job(text)
     return run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
-                         plan.paths.submitit_dir, text=render_script(plan, dependency))[0]
+                         plan.paths.submitit_dir, text=text)[0]
+
+
+def _check_heterogeneous_job(text: str) -> None:
+    """A run with an evaluator alongside is one heterogeneous job: the controller judges it first
+    (``sbatch --test-only``: an evaluator larger than its partition, a cluster that refuses
+    heterogeneous jobs), and a refusal names eval.alongside with SLURM's words; nothing is queued."""
+    if slurm.rest_client() is not None:
+        raise UserError("eval.alongside: a heterogeneous job (trainer + evaluator) cannot be submitted through "
+                        "slurmrestd yet (its job_desc list is not built); submit with sbatch (the profile's "
+                        "submit.via: sbatch, without --rest), or score the checkpoints after with `lmlaunch eval`",
+                        exit_code=2)
+    ok, message = slurm.test_only("sbatch", [], script=text)
+    if not ok:
+        raise UserError(f"eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator): {message}",
+                        exit_code=2)
 
 
 def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str,

@@ -1,5 +1,5 @@
 // lmlaunch dashboard: the runs table as `status` shows it and the selected run's curves, attempts,
-// per-rank compute and notes, refreshed every 2 s without reloading. Read-only: GET requests only.
+// per-rank compute, evaluation scores (eval.alongside) and notes, refreshed every 2 s without reloading. Read-only: GET requests only.
 "use strict";
 
 const TOKEN = new URLSearchParams(window.location.search).get("token") || "";
@@ -60,6 +60,13 @@ function lineChart(id, label, color) {
 const charts = {
   loss: lineChart("loss-chart", "training loss", "#2f6fdb"),
   speed: lineChart("speed-chart", "tokens/s", "#0a7a2f"),
+  // one line per lm-eval task and metric over the checkpoints' steps; a log scale holds accuracies and perplexities
+  eval: new Chart(document.getElementById("eval-chart"), {
+    type: "line",
+    data: { datasets: [] },
+    options: { animation: false, parsing: false, plugins: { title: { display: true, text: "evaluation (eval.alongside)" } },
+      scales: { x: { type: "linear", title: { display: true, text: "checkpoint step" } }, y: { type: "logarithmic" } } },
+  }),
   ranks: new Chart(document.getElementById("rank-chart"), {
     type: "bar",
     data: { labels: [], datasets: [{ label: "forward s/step by rank", data: [], backgroundColor: [] }] },
@@ -77,6 +84,17 @@ function drawRun(run) {
   charts.ranks.data.labels = ranks.map((r) => `rank ${r.rank} (${r.node})`);
   charts.ranks.data.datasets[0].data = ranks.map((r) => r.forward);
   charts.ranks.data.datasets[0].backgroundColor = ranks.map((r) => (r.slow ? "#b3261e" : "#7a8fb0"));
+  const palette = ["#6a3d9a", "#e6550d", "#31a354", "#3182bd", "#de2d26", "#756bb1", "#636363"];
+  const series = new Map();
+  for (const e of run.eval || []) {
+    const key = `${e.task}/${e.metric}`;
+    if (!series.has(key)) series.set(key, []);
+    if (typeof e.value === "number" && e.value > 0) series.get(key).push({ x: e.step, y: e.value });
+  }
+  charts.eval.data.datasets = [...series.entries()].map(([label, data], i) => (
+    { label, data, borderColor: palette[i % palette.length], pointRadius: 3, borderWidth: 1.5 }));
+  // the scored steps this page has drawn (what a reader or a test sees)
+  document.body.dataset.evalSteps = [...new Set((run.eval || []).map((e) => e.step))].join(",");
   for (const c of Object.values(charts)) c.update("none");
   const attempts = document.getElementById("attempts");
   attempts.replaceChildren(...run.attempts.map((a) => {

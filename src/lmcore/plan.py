@@ -229,6 +229,8 @@ class LaunchPlan:
     """Where the nodes sit in the network (launcher.planning.placement: within, the sbatch options, the profile's groups, the rank layout); None: the cluster has no topology and nothing was asked."""
     rank_env: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Variables whose value differs by local rank (name -> {"by_local_rank": [...], "why": ...}): each task sets its own before torch.distributed starts (lmtrain.distributed.task_env.apply_rank_env)."""
+    evaluator: dict[str, Any] | None = None
+    """The evaluator alongside the training: the heterogeneous job's second component (lmcore.eval_alongside.EvaluatorPlan.to_json); None: none."""
     trial: dict[str, Any] | None = None
     """The search trial this run is (lmcore.study.TrialPlan.to_json): its rank 0 reports the metric to the study; None: not a trial."""
 

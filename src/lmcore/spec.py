@@ -561,15 +561,65 @@ class Webhook(StrictModel):
         return self
 
 
-class EvalSpec(StrictModel):
-    """Evaluate a checkpoint instead of training: the model's loss and perplexity on the data's
-    validation split, written to the run's ledger (``eval``) and shown by status and history."""
+SHIPPED_EVAL_TASKS = ("lmlaunch_pydoc_choice", "lmlaunch_pydoc_perplexity")
 
-    checkpoint: PathText
+
+class EvalAlongside(StrictModel):
+    """An evaluator beside the training: the second component of one SLURM heterogeneous job
+    (started, preempted and requeued with the trainer), scoring the run's checkpoints with
+    lm-evaluation-harness as they complete (lmtrain.evaluator). Needs the ``eval`` extra
+    (``pip install 'lmlaunch[eval]'``: lm-eval) where the tasks run."""
+
+    tasks: list[SlurmWord] = Field(default_factory=lambda: list(SHIPPED_EVAL_TASKS), min_length=1, max_length=64)
+    """lm-eval task (or group or tag) names: the shipped local tasks (lmlaunch_pydoc_choice: multiple
+    choice, lmlaunch_pydoc_perplexity: held-out perplexity), lm-eval's own, or those of ``task_dirs``.
+    Nothing is downloaded at run time: a task whose data is not on disk fails there."""
+    task_dirs: list[PathText] = Field(default_factory=list, max_length=16)
+    """Directories of lm-eval task YAML files (lm-eval's ``include_path``), relative to the spec file."""
+    every_n_steps: int | None = Field(None, ge=1)
+    """Score the checkpoints whose step is a multiple of this (and the run's last); null: every checkpoint."""
+    behind: Literal["all", "newest"] = "all"
+    """When checkpoints complete faster than they are scored: ``all`` scores each in step order (and
+    retention keeps a checkpoint until it is scored); ``newest`` skips to the newest unscored one."""
+    limit: int | None = Field(None, ge=1)
+    """At most this many examples per task (lm-eval's ``limit``); null: all of them."""
+    batch_size: int = Field(8, ge=1, le=4096)
+    """lm-eval's batch size."""
+    nodes: int = Field(1, ge=1, le=1)
+    """Nodes of the evaluator's component (one: lm-eval's model runs in one process)."""
+    gpus_per_node: int | None = Field(None, ge=0, le=64)
+    """GPUs of the evaluator; null: one where the trainer has GPUs, else none. More than one shard the
+    model over them (lm-eval's ``parallelize``)."""
+    cpus_per_task: int | None = Field(None, ge=1, le=1024)
+    """CPU cores of the evaluator; null: the trainer's cpus_per_task."""
+    mem: MemSize | None = None
+    """Memory of the evaluator's node as SLURM writes it; null: the partition's default."""
+    partition: SlurmWord | None = None
+    """The evaluator's partition; null: the trainer's."""
+    finish_wait_s: int = Field(600, ge=0, le=86_400)
+    """After the training ends, how long the job waits for the evaluator to score what is left."""
+
+
+class EvalSpec(StrictModel):
+    """Evaluation: of one checkpoint instead of training (``checkpoint``: the model's loss and
+    perplexity on the data's validation split, in the run's ledger), or of every checkpoint while
+    the run trains (``alongside``: lm-evaluation-harness tasks, in the run's ``eval/scores.jsonl``).
+    Status and history show both."""
+
+    checkpoint: PathText | None = None
     """A checkpoint step directory, or a run directory: its newest complete checkpoint when the
-    evaluation starts (a pipeline's ``${train.checkpoint}``)."""
+    evaluation starts (a pipeline's ``${train.checkpoint}``). The job then evaluates instead of training."""
     max_batches: int = Field(50, ge=1, le=10_000_000)
     """Validation micro batches to evaluate (fewer when the split has fewer)."""
+    alongside: EvalAlongside | None = None
+    """Score the run's checkpoints with lm-evaluation-harness while it trains, in the same allocation."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EvalSpec:
+        if (self.checkpoint is None) == (self.alongside is None):
+            raise ValueError("eval gives exactly one of checkpoint (evaluate instead of training) and alongside "
+                             "(score the checkpoints while training)")
+        return self
 
 
 class NotifySpec(StrictModel):
@@ -631,7 +681,7 @@ class JobSpec(StrictModel):
     notify: NotifySpec = Field(default_factory=NotifySpec)
     """Webhook messages: started, preempted, requeued, hang, failed, completed."""
     eval: EvalSpec | None = None
-    """Evaluate a checkpoint (on rank 0) instead of training."""
+    """Evaluate a checkpoint (on rank 0) instead of training, or score every checkpoint alongside the training."""
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
     """Site sbatch/srun options (reservation, hint, mail-type, mpi, ...) over the profile's."""
     container: ContainerSpec | None = None

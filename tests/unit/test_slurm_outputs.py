@@ -76,3 +76,17 @@ def test_the_same_job_cancelled(recorded):
         assert slurm.parse_duration(a.elapsed) is not None and slurm.parse_time(a.end) is not None
         info = slurm.show_job(running)
         assert info is not None and info["JobState"] == "CANCELLED"
+
+
+def test_a_heterogeneous_job_is_its_first_component_unless_another_is_named(recorded):
+    """squeue gives each component its own JobID (the second J+1's number), sacct names them J+0 and
+    J+1: asked for J, both answer the first component as J; J+1 only when named (the evaluator
+    alongside the training, launcher.submit.hetjob)."""
+    het = recorded["het"]
+    with phase("live"):
+        (q,) = slurm.squeue([het])
+        assert (q.job_id, q.name, q.state, q.num_nodes) == (het, "replay-het", "PENDING", 1)
+        both = {j.job_id: j for j in slurm.squeue([het, f"{het}+1"])}
+        assert set(both) == {het, f"{het}+1"} and both[f"{het}+1"].reason == "JobHeldUser"
+        (a,) = slurm.sacct([het], duplicates=True)
+        assert (a.job_id, a.state) == (het, "PENDING")

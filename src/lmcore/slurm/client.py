@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.slurm import relay as slurm_relay, rest_calls
@@ -26,6 +27,8 @@ from lmcore.slurm.records import (
     STATE_GROUPS as STATE_GROUPS,
     AccountedJob as AccountedJob,
     QueuedJob as QueuedJob,
+    het_component,
+    het_leader,
     is_active as is_active,
     state_group as state_group,
     state_word as state_word,
@@ -352,7 +355,7 @@ def sacct(
     if not ids:
         return []
     if (r := rest_client()) is not None:
-        return rest_calls.sacct(r, ids, duplicates)
+        return only_asked(rest_calls.sacct(r, ids, duplicates), ids)
     fields = ["JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList", "Partition", "Submit"]
     cmd = ["sacct", "-n", "-P", f"--delimiter={FIELD_SEP}", f"--format={','.join(fields)}", "-j", ",".join(ids)]
     if not steps:
@@ -370,7 +373,16 @@ def sacct(
                 "completion need slurmdbd. Local cluster: `lmlaunch cluster up` starts it."
             )
         raise UserError(f"`{' '.join(cmd)}` failed: {msg}", exit_code=ExitCode.FAILURE)
-    return [AccountedJob(*row) for row in _rows(proc.stdout, len(fields))]
+    return only_asked([AccountedJob(het_leader(row[0]), *row[1:]) for row in _rows(proc.stdout, len(fields))], ids)
+
+
+def only_asked(rows: list[Any], ids: Iterable[str] | None) -> list[Any]:
+    """A heterogeneous job asked for by its id is its first component: the others (``J+N``, the
+    evaluator alongside the training) only where asked for by their own names."""
+    if ids is None:
+        return rows
+    asked = {str(i) for i in ids}
+    return [r for r in rows if "+" not in r.job_id.split(".")[0] or r.job_id.split(".")[0] in asked]
 
 
 def show_job(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str] | None:
@@ -445,7 +457,8 @@ def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
 
 
 _SQUEUE_FIELDS = ["JobID", "Name", "State", "Reason", "RestartCnt", "TimeLimit", "NumNodes", "TimeUsed",
-                  "NodeList", "Partition", "UserName", "StartTime", "SubmitTime", "ArrayJobID", "ArrayTaskID"]
+                  "NodeList", "Partition", "UserName", "StartTime", "SubmitTime", "ArrayJobID", "ArrayTaskID",
+                  "HetJobID", "HetJobOffset"]
 
 
 def squeue(
@@ -458,7 +471,7 @@ def squeue(
     """ONE `squeue -O` call: the jobs the controller knows now, all of ``job_ids`` (in any state
     it still remembers) or those called ``name`` / of ``user``."""
     if (r := rest_client()) is not None:
-        return rest_calls.squeue(r, job_ids, name, user)
+        return only_asked(rest_calls.squeue(r, job_ids, name, user), None if job_ids is None else list(job_ids))
     fmt = ",".join(f"{f}:{FIELD_SEP}" for f in _SQUEUE_FIELDS)  # `Field:suffix`: unpadded, separated
     cmd = ["squeue", "-h", "-r", "-O", fmt]  # -r: an array's pending tasks one per line, as A_i
     ids = sorted({str(j) for j in job_ids}) if job_ids is not None else None
@@ -482,13 +495,14 @@ def squeue(
         parts = [p.strip() for p in line.split(FIELD_SEP)]
         if len(parts) < len(_SQUEUE_FIELDS):
             continue
-        jid, jname, state, reason, restarts, limit, nnodes, used, nodelist, part, usr, start, submit, aid, tid = \
-            parts[: len(_SQUEUE_FIELDS)]
+        jid, jname, state, reason, restarts, limit, nnodes, used, nodelist, part, usr, start, submit, aid, tid, \
+            hid, hoff = parts[: len(_SQUEUE_FIELDS)]
         if tid.isdigit() and aid.isdigit():  # an array task: named A_i, as sbatch, sacct and scontrol name it
             jid = f"{aid}_{tid}"
+        jid = het_component(jid, hid, hoff)
         out.append(QueuedJob(jid, jname, state, reason, int(restarts) if restarts.isdigit() else 0, limit,
                              int(nnodes) if nnodes.isdigit() else 0, used, nodelist, part, usr, start, submit))
-    return out
+    return only_asked(out, ids)
 
 
 # --------------------------------------------------------------------------- submission reconciliation (launcher.submit.submission)

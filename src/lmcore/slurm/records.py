@@ -35,6 +35,25 @@ STATE_GROUPS: dict[str, str] = {
 ACTIVE_GROUPS = frozenset({"queued", "running"})
 
 
+def het_leader(job_id: str) -> str:
+    """sacct's name of a heterogeneous job's first component (``J+0``, its steps ``J+0.S``) is the job's
+    own id as sbatch returned it (``J``, ``J.S``); other components keep theirs (``J+1``): the
+    evaluator alongside the training (lmcore.eval_alongside)."""
+    head, plus, rest = job_id.partition("+")
+    if not plus:
+        return job_id
+    offset, dot, step = rest.partition(".")
+    return head + dot + step if offset == "0" else job_id
+
+
+def het_component(job_id: str, het_job_id: str, offset: str) -> str:
+    """squeue's row of a heterogeneous job's component (each has its own JobID) named as sacct
+    names it: the first component by the job's id, the others ``J+N``; other jobs unchanged."""
+    if not (het_job_id.isdigit() and offset.isdigit()) or offset == "0":
+        return job_id
+    return f"{het_job_id}+{offset}"
+
+
 def state_word(state: str | None) -> str:
     """SLURM's state as one word: 'CANCELLED by 0' -> 'CANCELLED', 'COMPLETING+' -> 'COMPLETING';
     '' when there is none. Every reader of a state from squeue, sacct or scontrol uses it."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from lmcore.slurm.records import AccountedJob, QueuedJob
+from lmcore.slurm.records import AccountedJob, QueuedJob, het_component
 
 
 def number(value: Any, default: int | None = None) -> int | None:
@@ -56,7 +56,8 @@ def _job_id(rec: Mapping[str, Any]) -> str:
     array = number(rec.get("array_job_id"))
     if task is not None and array:
         return f"{array}_{task}"
-    return str(rec.get("job_id"))
+    het, offset = number(rec.get("het_job_id")), number(rec.get("het_job_offset"))
+    return het_component(str(rec.get("job_id")), str(het or ""), str(offset if offset is not None else ""))
 
 
 # The state flags that squeue's %T and scontrol's JobState print instead of the base state, in the
@@ -136,7 +137,10 @@ def accounted(rec: Mapping[str, Any]) -> AccountedJob:
     sig = number((code.get("signal") or {}).get("id"), 0) or 0
     array = rec.get("array", {}) or {}
     task = number(array.get("task_id"))
-    jid = f"{array.get('job_id')}_{task}" if task is not None and array.get("job_id") else str(rec.get("job_id"))
+    het = rec.get("het", {}) or {}
+    offset, het_id = number(het.get("job_offset")), number(het.get("job_id"))
+    jid = f"{array.get('job_id')}_{task}" if task is not None and array.get("job_id") else \
+        het_component(str(rec.get("job_id")), str(het_id or ""), str(offset if offset is not None else ""))
     start, end = number(t.get("start")), number(t.get("end"))
     return AccountedJob(jid, str(rec.get("name", "")), st, f"{rc}:{sig}", stamp(start) if start else "Unknown",
                         stamp(end) if end else "Unknown", duration(number(t.get("elapsed"), 0)),

@@ -183,6 +183,8 @@ class CheckpointManager:
         # the room a first checkpoint needs, before there is one to measure (bytes; None: unknown)
         self.estimate: Callable[[], int | None] | None = None
         self.on_failure: Callable[[DiskFull], None] | None = None  # a background save found no room
+        # steps retention keeps beyond keep_last: what an evaluator alongside has still to score (lmcore.eval_alongside)
+        self.keep_also: Callable[[list[int]], set[int]] | None = None
         self.completed_at = 0.0  # rank 0: perf_counter at the last COMPLETE (before pruning)
 
     def start(self, trainer: Any, *, on_failure: Callable[[DiskFull], None], background: bool) -> None:
@@ -392,10 +394,14 @@ class CheckpointManager:
         self.prune()
 
     def prune(self) -> None:
-        """Keep the newest ``keep_last`` complete checkpoints; drop stale temporaries."""
+        """Keep the newest ``keep_last`` complete checkpoints (and those ``keep_also`` names); drop
+        stale temporaries."""
         complete = complete_checkpoints(self.dir)
+        also = self.keep_also([c.step for c in complete]) if self.keep_also is not None else set()
         for old in complete[: max(0, len(complete) - self.keep_last)]:
-            remove_tree(old.path)
+            if old.step not in also:
+                remove_tree(old.path)
+        complete = [c for c in complete if c.path.is_dir()]
         newest = complete[-1].step if complete else -1
         kept = {c.path.name for c in complete}
         for child in self.dir.iterdir():

@@ -94,7 +94,7 @@ def run_task(run_dir: str | Path) -> int:
             from lmtrain.preemption.gate import finish_without_training
 
             return finish_without_training(plan, env, rv.attempt, gate)
-        if plan.job_spec().eval is not None:  # an eval job: rank 0 evaluates a checkpoint (lmtrain.task.evaluate)
+        if (ev := plan.job_spec().eval) is not None and ev.checkpoint is not None:  # an eval job: rank 0 evaluates a checkpoint (lmtrain.task.evaluate)
             from lmtrain.task.evaluate import run_eval
 
             try:

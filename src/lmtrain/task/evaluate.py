@@ -62,7 +62,7 @@ def pick_checkpoint(ref: str | Path) -> CompleteCheckpoint:
 def evaluate(job: JobSpec, seed: int) -> dict[str, Any]:
     """Rank 0: the figures of evaluating the checkpoint the job's ``eval.checkpoint`` names."""
     eval_spec, data_spec = job.eval, job.data
-    assert eval_spec is not None
+    assert eval_spec is not None and eval_spec.checkpoint is not None  # an eval job (lmtrain.task.entry)
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -256,6 +256,11 @@ class Fit:
         manager.collective_timeout = process_group_timeout(plan)  # the background writers' group (gloo)
         # room for a first checkpoint, before there is one to measure (lmtrain.checkpoint.disk_space)
         manager.estimate = lambda: checkpoint_bytes(parameter_count(job.model)[0], par, plan.trainer.precision)
+        if plan.evaluator is not None:  # an evaluator alongside: what it has still to score is kept
+            from lmcore import eval_alongside as ev
+
+            evaluator, run_dir = ev.EvaluatorPlan.from_json(plan.evaluator), plan.paths.run_dir
+            manager.keep_also = lambda steps: ev.kept_for_evaluator(run_dir, steps, evaluator)
         return CheckpointCallback(
             manager, lambda: {"data_sampler": sampler.state_dict(), "loss_window": self.module.loss_window()},
             self.records.heartbeat,

@@ -1,0 +1,102 @@
+"""lmlaunch eval RUN [--tasks A,B] [--steps N,M] [--limit K] [--dry-run]: a run's checkpoints scored
+with lm-evaluation-harness as an ordinary SLURM job, the way the evaluator alongside the training
+scores them (eval.alongside: the same module, records and tasks), for a run trained without one or
+with other tasks. Scores go to the run's ``eval/scores.jsonl``: a checkpoint scored already is not
+scored again; ``status``, ``history``, the exporter and the dashboard show them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from launcher.context import Context
+from launcher.planning import eval_tasks
+from launcher.runs import registry as runs
+from launcher.submit import hetjob, submission
+from lmcore import rundir
+from lmcore.atomic import write_json
+from lmcore.checkpoint_index import complete_checkpoints
+from lmcore.errors import UserError
+from lmcore.eval_alongside import EVAL_DIR, EVALUATOR_LOG, EvaluatorPlan, read_scores
+from lmcore.plan import LaunchPlan
+from lmcore.spec import SHIPPED_EVAL_TASKS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a run name, one of its job ids, or a run directory")
+    p.add_argument("--tasks", help="lm-eval task names, comma separated (default: the run's eval.alongside tasks, "
+                                   "else the shipped lmlaunch_pydoc_choice,lmlaunch_pydoc_perplexity)")
+    p.add_argument("--task-dir", action="append", default=[], help="a directory of lm-eval task YAML files (repeatable)")
+    p.add_argument("--steps", help="only these checkpoint steps, comma separated (default: every complete one)")
+    p.add_argument("--limit", type=int, help="at most this many examples per task")
+    p.add_argument("--partition", help="the job's partition (default: the run's evaluator's, else the run's)")
+    p.add_argument("--cpus", type=int, help="CPU cores of the job (default: the run's evaluator's, else a task's)")
+    p.add_argument("--time", type=int, default=60, help="the job's time limit in minutes (default 60)")
+    p.add_argument("--dry-run", action="store_true", help="print the job script; submit nothing")
+
+
+def _run_dir(ref: str, ctx: Context) -> Path:
+    p = Path(ref)
+    if p.is_dir() and rundir.RunLayout.of(p).plan.is_file():
+        return p
+    return Path(runs.find_run(ref, ctx.environ or None).run_dir)
+
+
+def evaluator_for(plan: LaunchPlan, args: argparse.Namespace) -> EvaluatorPlan:
+    """The run's own evaluator (or the shipped tasks on the run's partition), with the options' changes."""
+    base = EvaluatorPlan.from_json(plan.evaluator) if plan.evaluator else EvaluatorPlan(
+        partition=plan.slurm.partition, nodes=1, cpus_per_task=plan.slurm.cpus_per_task,
+        gpus=min(1, plan.slurm.gpus_per_node), gres=None, mem=None, tasks=SHIPPED_EVAL_TASKS,
+        log=str(Path(plan.paths.run_dir) / EVALUATOR_LOG))
+    if base.gpus and not base.gres:
+        base = dataclasses.replace(base, gres=(plan.slurm.gres or "gpu:1").rsplit(":", 1)[0] + f":{base.gpus}")
+    change = {k: v for k, v in (("partition", args.partition), ("cpus_per_task", args.cpus), ("limit", args.limit))
+              if v is not None}
+    if args.tasks:
+        change["tasks"] = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    if args.task_dir:
+        change["task_dirs"] = tuple(str(Path(d).resolve()) for d in args.task_dir)
+    return dataclasses.replace(base, **change)
+
+
+def _check(ev: EvaluatorPlan, run_dir: Path, steps: str | None) -> list[int]:
+    """The steps to score (exit 2 on a bad task, directory or step; nothing submitted)."""
+    bad = [f"--task-dir {d}: not a directory" for d in ev.task_dirs if not Path(d).is_dir()]
+    unknown, looked = eval_tasks.unknown_tasks(ev.tasks, ev.task_dirs)
+    bad += [f"--tasks: lm-eval knows no task '{t}'" for t in unknown] if looked else []
+    found = [c.step for c in complete_checkpoints(rundir.checkpoint_dir_of(run_dir))]
+    asked = [int(s) for s in steps.split(",")] if steps else found
+    bad += [f"--steps: step {s} has no complete checkpoint (complete: {', '.join(map(str, found)) or 'none'})"
+            for s in asked if s not in found]
+    if bad:
+        raise UserError("; ".join(bad), exit_code=2)
+    done = {r.step for r in read_scores(run_dir)}
+    return [s for s in asked if s not in done]
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    run_dir = _run_dir(args.run, ctx)
+    plan = LaunchPlan.from_dict(json.loads(rundir.RunLayout.of(run_dir).plan.read_text()))
+    if Path(plan.paths.run_dir).resolve() != run_dir.resolve():
+        raise UserError(f"{run_dir} was planned as {plan.paths.run_dir} (archived or moved): its plan names another "
+                        "directory's checkpoints; evaluate the run where it lives", exit_code=2)
+    ev = evaluator_for(plan, args)
+    todo = _check(ev, run_dir, args.steps)
+    if not todo:
+        ctx.out(f"run {plan.run_name}: every asked checkpoint is scored already (`lmlaunch history {plan.run_name}`)")
+        return 0
+    path = run_dir / EVAL_DIR / f"evaluator-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    text = hetjob.eval_job_script(plan, ev, str(path), steps=",".join(map(str, todo)), time_minutes=args.time)
+    if args.dry_run:
+        ctx.out(text)
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, ev.to_json())
+    job_id = submission.submit_script(text, path.with_suffix(".sh"))
+    ctx.out(f"submitted job {job_id}: scores {len(todo)} checkpoint(s) of {plan.run_name} "
+            f"({', '.join(ev.tasks)})\n  follow: lmlaunch logs {plan.run_name} --evaluator; "
+            f"scores: lmlaunch history {plan.run_name}")
+    return 0

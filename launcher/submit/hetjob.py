@@ -1,0 +1,136 @@
+"""The batch script's parts for an evaluator alongside the training (``eval.alongside``): the run is
+one SLURM heterogeneous job, the trainer its first component (every option launcher.submit.script
+renders) and the evaluator its second (``#SBATCH hetjob``, then the evaluator's own partition,
+nodes, CPUs, GPUs and memory; the job's name, time, requeue, signal, account and QOS are SLURM's
+propagated options). Both start together, and a preemption or a requeue takes both.
+
+In the script: the evaluator's srun (``--het-group=1``) starts in the background before the
+trainer's; a plain srun is the first component's, so the trainer's command is unchanged. When
+the trainer's srun has ended (its restart loop too), the script says so in the run's
+``eval/training-ended`` (the job id and srun's exit status) and waits at most
+``finish_wait_s`` for the evaluator to score what is left, then stops it; the job's exit status
+stays the trainer's. Pure: text only (launcher.submit.script calls it).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from launcher.submit.container_lines import container_task_command, host_lines
+from launcher.submit.shell import export_line
+from lmcore.container import ContainerPlan
+from lmcore.eval_alongside import EVALUATOR_EXIT, TRAINING_ENDED, EvaluatorPlan
+from lmcore.plan import LaunchPlan
+
+EVALUATOR_MODULE = "lmtrain.evaluator.main"
+
+
+def evaluator_of(plan: LaunchPlan) -> EvaluatorPlan | None:
+    return EvaluatorPlan.from_json(plan.evaluator) if plan.evaluator else None
+
+
+def component_lines(ev: EvaluatorPlan) -> list[str]:
+    """The second component's ``#SBATCH`` lines, after the first's."""
+    lines = ["#SBATCH hetjob", f"#SBATCH --partition={ev.partition}", f"#SBATCH --nodes={ev.nodes}",
+             "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={ev.cpus_per_task}"]
+    if ev.gres:
+        lines.append(f"#SBATCH --gres={ev.gres}")
+    if ev.mem:
+        lines.append(f"#SBATCH --mem={ev.mem}")
+    return lines
+
+
+def with_component(text: str, plan: LaunchPlan) -> str:
+    """The rendered script with the evaluator's component after the last ``#SBATCH`` line."""
+    ev = evaluator_of(plan)
+    if ev is None:
+        return text
+    lines = text.split("\n")
+    last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
+    return "\n".join([*lines[: last + 1], *component_lines(ev), *lines[last + 1:]])
+
+
+def evaluator_command(plan: LaunchPlan, *extra: str) -> str:
+    """What the evaluator's srun starts: lmtrain.evaluator.main on the run directory (and ``extra``
+    arguments), on the host or in the run's container as the trainer's tasks are."""
+    inner = ["-u", "-m", EVALUATOR_MODULE, plan.paths.run_dir, *extra]
+    if plan.container is not None:
+        return container_task_command(ContainerPlan.from_json(plan.container), inner)
+    return shlex.join([*shlex.split(plan.python), *inner])
+
+
+def start_lines(plan: LaunchPlan) -> list[str]:
+    """The evaluator's srun, in the background, its exit status recorded when it ends."""
+    ev = evaluator_of(plan)
+    if ev is None:
+        return []
+    log = shlex.quote(ev.log.split("%j")[0]) + '"$SLURM_JOB_ID"' + shlex.quote(ev.log.split("%j", 1)[1]) \
+        if "%j" in ev.log else shlex.quote(ev.log)
+    ended = '"$LMLAUNCH_RUN_DIR/' + TRAINING_ENDED + '"'
+    exited = '"$LMLAUNCH_RUN_DIR/' + EVALUATOR_EXIT + '"'
+    srun = " ".join(["srun --het-group=1 --unbuffered --nodes=1 --ntasks=1", *map(shlex.quote, plan.srun_args)])
+    return [
+        "# lmlaunch: the evaluator, the heterogeneous job's second component, scores each checkpoint as it completes "
+        "(eval.alongside; lmtrain.evaluator); its srun's exit status is recorded for status (a crash, the OOM killer)",
+        f"rm -f {ended} {exited}  # an earlier attempt's",
+        f"mkdir -p \"$(dirname {ended})\"",
+        f"( {srun} --output={log} --error={log} {evaluator_command(plan)} &",
+        "  lmlaunch_p=$!",
+        "  trap 'kill -TERM \"$lmlaunch_p\" 2>/dev/null' TERM",
+        '  wait "$lmlaunch_p"; lmlaunch_erc=$?',
+        '  while kill -0 "$lmlaunch_p" 2>/dev/null; do wait "$lmlaunch_p"; lmlaunch_erc=$?; done',
+        f'  echo "$SLURM_JOB_ID $lmlaunch_erc $(date +%s)" > {exited}',
+        '  if [ "$lmlaunch_erc" -gt 128 ]; then lmlaunch_why=" (killed by signal $((lmlaunch_erc - 128)))"; '
+        'else lmlaunch_why=""; fi',
+        f'  [ "$lmlaunch_erc" -eq 0 ] || echo "lmlaunch: ERROR: the evaluator\'s srun exited $lmlaunch_erc'
+        f'$lmlaunch_why; the training goes on" >> {log} ) &',
+        "lmlaunch_eval_pid=$!",
+    ]
+
+
+def finish_lines(plan: LaunchPlan) -> list[str]:
+    """After the trainer's srun: say it ended, give the evaluator ``finish_wait_s`` to catch up."""
+    ev = evaluator_of(plan)
+    if ev is None:
+        return []
+    ended = '"$LMLAUNCH_RUN_DIR/' + TRAINING_ENDED + '"'
+    most = ev.finish_wait_s
+    return [
+        f'echo "$SLURM_JOB_ID $lmlaunch_rc" > {ended}.tmp && mv -f {ended}.tmp {ended}',
+        "lmlaunch_waited=0",
+        f'while kill -0 "$lmlaunch_eval_pid" 2>/dev/null && [ "$lmlaunch_waited" -lt {most} ]; do '
+        "sleep 1; lmlaunch_waited=$((lmlaunch_waited + 1)); done",
+        'if kill -0 "$lmlaunch_eval_pid" 2>/dev/null; then',
+        f'  echo "lmlaunch: the evaluator has not finished {most} s after the training ended '
+        f'(eval.alongside.finish_wait_s): stopped" >&2',
+        '  kill -TERM "$lmlaunch_eval_pid" 2>/dev/null',
+        "fi",
+        'wait "$lmlaunch_eval_pid" 2>/dev/null',
+    ]
+
+
+def eval_job_script(plan: LaunchPlan, ev: EvaluatorPlan, evaluator_file: str, *, steps: str | None,
+                    time_minutes: int) -> str:
+    """``lmlaunch eval RUN``'s job: an ordinary single-node job on the evaluator's resources that
+    scores the finished run's checkpoints (``--once``: what is there, then it ends) as the evaluator
+    alongside would, with the run's environment and code snapshot; its log is the evaluator's."""
+    s = plan.slurm
+    log = ev.log or f"{plan.paths.run_dir}/logs/evaluator-%j.log"
+    head = ["#!/bin/bash", f"#SBATCH --job-name={s.job_name}-eval", f"#SBATCH --partition={ev.partition}",
+            "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={ev.cpus_per_task}",
+            f"#SBATCH --time={time_minutes}", f"#SBATCH --output={log}", f"#SBATCH --error={log}",
+            "#SBATCH --open-mode=append", f"#SBATCH --chdir={plan.paths.run_dir}"]
+    head += [f"#SBATCH --gres={ev.gres}"] if ev.gres else []
+    head += [f"#SBATCH --mem={ev.mem}"] if ev.mem else []
+    head += [f"#SBATCH --{k}={getattr(s, k)}" for k in ("account", "qos") if getattr(s, k)]
+    extra = ["--evaluator", evaluator_file, "--once", *(["--steps", steps] if steps else [])]
+    return "\n".join([
+        *head, "",
+        f"# lmlaunch: `lmlaunch eval {plan.run_name}`: its checkpoints scored with lm-evaluation-harness as the "
+        "evaluator alongside the training scores them (lmtrain.evaluator), then the job ends",
+        *plan.setup, *(export_line(name, plan.env[name]) for name in sorted(plan.env) if name != "PYTHONPATH"),
+        "# this lmlaunch's evaluator, not the run's code snapshot (a run trained before it has none): it only reads",
+        "# the checkpoints, in the formats every lmlaunch since reads",
+        *(host_lines(ContainerPlan.from_json(plan.container), sorted(plan.env)) if plan.container is not None else []),
+        f"srun --unbuffered --nodes=1 --ntasks=1 {evaluator_command(plan, *extra)}", "",
+    ])
