@@ -2,7 +2,8 @@
 DCP shards, ZeRO partitions) into a transformers directory: from_pretrained(DIR) gives the
 logits the trained model gave at the end of training (computed by all ranks of the training
 run itself, tests/unit/_train_with_stop.py), the tokenizer gives lmlaunch's byte ids, and
-`model.pretrained: DIR` fine-tunes from it."""
+`model.pretrained: DIR` fine-tunes from it; the evaluator alongside (lmtrain.evaluator) scores the
+sharded ones through it."""
 
 from __future__ import annotations
 
@@ -48,6 +49,23 @@ def test_export_gives_the_trained_models_logits_and_byte_ids(repo, runs_root, tm
     assert tok.eos_token_id == 256 and tok.decode(list(text.encode("utf-8"))) == text
     summary = json.loads((out / "lmlaunch_export.json").read_text())
     assert summary["step"] == 12 and summary["tokenizer_problems"] == [] and "warning" not in text, text
+    if strategy != "ddp":  # the evaluator alongside (eval.alongside) scores a sharded checkpoint through this export
+        _scored_by_the_evaluator(Path(plan.paths.run_dir), tmp_path)
+
+
+def _scored_by_the_evaluator(run_dir: Path, tmp_path: Path) -> None:
+    from lmcore import eval_alongside as ev
+    from lmtrain.evaluator.main import main as evaluator_main
+
+    plan = ev.EvaluatorPlan(partition="low", nodes=1, cpus_per_task=1, gpus=0, gres=None, mem=None,
+                            tasks=("lmlaunch_pydoc_perplexity",), limit=2)  # rolling windows: any context fits
+    (tmp_path / "evaluator.json").write_text(json.dumps(plan.to_json()))
+    assert evaluator_main([str(run_dir), "--evaluator", str(tmp_path / "evaluator.json"), "--once"]) == 0
+    recs = ev.read_scores(run_dir)  # every complete checkpoint, in step order
+    rec = recs[-1]
+    assert [r.step for r in recs] == sorted(r.step for r in recs) and rec.step == 12 and {s["metric"] for s in rec.scores} == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    assert all(s["value"] > 0 for s in rec.scores)
+    assert (ev.read_state(run_dir) or {}).get("state") == "done"
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3"])

@@ -94,7 +94,7 @@ def score(plan: dict[str, Any], ckpt: CompleteCheckpoint, ev: EvaluatorPlan, inc
                 tasks=list(ev.tasks), task_manager=TaskManager(include_path=include), device=device,
                 batch_size=ev.batch_size, limit=ev.limit, log_samples=False)
         except AssertionError as exc:  # lm-eval's own checks say nothing: say what they check
-            raise RuntimeError(f"lm-eval's check failed ({exc or 'no message'}): most often an answer longer than the "
+            raise RuntimeError(f"lm-eval's check failed ({str(exc) or 'no message'}): most often an answer longer than the "
                                f"model's context ({_positions(model_dir)} positions), which lm-eval cannot score") from exc
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
