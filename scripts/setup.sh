@@ -87,9 +87,29 @@ if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('dee
 fi
 stamp="$VENV/.lmlaunch-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  log "installing lmlaunch (editable) with the training stack, the evaluator's lm-eval and the dev extras"
-  "$PY" -m pip install -q -e ".[runtime,eval,dev]"
+  log "installing lmlaunch (editable) with the training stack and the dev extras"
+  "$PY" -m pip install -q -e ".[runtime,dev]"
   touch "$stamp"
+fi
+
+# The evaluator's environment (eval.alongside, `lmlaunch eval`: the local profile's eval_python:
+# auto), beside this one and layered on it: this venv's packages are visible there (a .pth file),
+# and lm-eval with what it adds (scipy, scikit-learn, pandas, datasets, ...) is installed there
+# only. In the tasks' own environment torchmetrics would import scipy.signal at every rank's start
+# (1.3 CPU-s, a quarter of a task's imports: bench/task_imports.py).
+EVAL_VENV="$VENV-eval"
+if [ ! -x "$EVAL_VENV/bin/python" ]; then
+  log "creating $EVAL_VENV (the evaluator's environment, layered on $VENV)"
+  "$("$PY" -c 'import sys; print(sys._base_executable)')" -m venv "$EVAL_VENV"
+fi
+eval_site=$("$EVAL_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+main_site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "import site; site.addsitedir('$main_site')" > "$eval_site/lmlaunch-runtime.pth"
+eval_stamp="$EVAL_VENV/.lmlaunch-eval-installed"
+if [ ! -f "$eval_stamp" ] || [ pyproject.toml -nt "$eval_stamp" ]; then
+  log "installing lm-eval into $EVAL_VENV (the eval extra)"
+  "$EVAL_VENV/bin/python" -m pip install -q "$("$PY" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['eval'][0])")"
+  touch "$eval_stamp"
 fi
 
 # DeepSpeed's CPU shared-memory collective op is compiled on first use (JIT, ~1 CPU-min) unless

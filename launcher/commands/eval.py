@@ -1,27 +1,31 @@
 """lmlaunch eval RUN [--tasks A,B] [--steps N,M] [--limit K] [--dry-run]: a run's checkpoints scored
 with lm-evaluation-harness as an ordinary SLURM job, the way the evaluator alongside the training
 scores them (eval.alongside: the same module, records and tasks), for a run trained without one or
-with other tasks. Scores go to the run's ``eval/scores.jsonl``: a checkpoint scored already is not
-scored again; ``status``, ``history``, the exporter and the dashboard show them."""
+with other tasks. Scores go to the run's ``eval/scores.jsonl``: a checkpoint scored already with the
+tasks asked is not scored again (with other tasks, a further line of its scores); ``status``, ``history``, the exporter and the dashboard show them."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
 from launcher.context import Context
 from launcher.planning import eval_tasks
+from launcher.planning.resolve import eval_interpreter
 from launcher.runs import registry as runs
+from launcher.spec.profiles import load_profile
 from launcher.submit import hetjob, submission
 from lmcore import rundir
 from lmcore.atomic import write_json
 from lmcore.checkpoint_index import complete_checkpoints
 from lmcore.errors import UserError
-from lmcore.eval_alongside import EVAL_DIR, EVALUATOR_LOG, EvaluatorPlan, read_scores
+from lmcore.eval_alongside import EVAL_DIR, EVALUATOR_LOG, EvaluatorPlan, read_scores, scored_steps
 from lmcore.plan import LaunchPlan
+from lmcore.slurm import client as slurm
 from lmcore.spec import SHIPPED_EVAL_TASKS
 
 
@@ -50,7 +54,10 @@ def evaluator_for(plan: LaunchPlan, args: argparse.Namespace) -> EvaluatorPlan:
     base = EvaluatorPlan.from_json(plan.evaluator) if plan.evaluator else EvaluatorPlan(
         partition=plan.slurm.partition, nodes=1, cpus_per_task=plan.slurm.cpus_per_task,
         gpus=min(1, plan.slurm.gpus_per_node), gres=None, mem=None, tasks=SHIPPED_EVAL_TASKS,
-        log=str(Path(plan.paths.run_dir) / EVALUATOR_LOG))
+        log=str(Path(plan.paths.run_dir) / EVALUATOR_LOG),
+        python=eval_interpreter(load_profile(plan.profile), sys.executable))
+    # the steps are named (every complete one, or --steps): none skipped for every_n_steps or behind
+    base = dataclasses.replace(base, every_n_steps=None, behind="all")
     if base.gpus and not base.gres:
         base = dataclasses.replace(base, gres=(plan.slurm.gres or "gpu:1").rsplit(":", 1)[0] + f":{base.gpus}")
     change = {k: v for k, v in (("partition", args.partition), ("cpus_per_task", args.cpus), ("limit", args.limit))
@@ -65,7 +72,7 @@ def evaluator_for(plan: LaunchPlan, args: argparse.Namespace) -> EvaluatorPlan:
 def _check(ev: EvaluatorPlan, run_dir: Path, steps: str | None) -> list[int]:
     """The steps to score (exit 2 on a bad task, directory or step; nothing submitted)."""
     bad = [f"--task-dir {d}: not a directory" for d in ev.task_dirs if not Path(d).is_dir()]
-    unknown, looked = eval_tasks.unknown_tasks(ev.tasks, ev.task_dirs)
+    unknown, looked = eval_tasks.unknown_tasks(ev.tasks, ev.task_dirs, ev.python or None)
     bad += [f"--tasks: lm-eval knows no task '{t}'" for t in unknown] if looked else []
     found = [c.step for c in complete_checkpoints(rundir.checkpoint_dir_of(run_dir))]
     asked = [int(s) for s in steps.split(",")] if steps else found
@@ -73,13 +80,17 @@ def _check(ev: EvaluatorPlan, run_dir: Path, steps: str | None) -> list[int]:
             for s in asked if s not in found]
     if bad:
         raise UserError("; ".join(bad), exit_code=2)
-    done = {r.step for r in read_scores(run_dir)}
+    done = scored_steps(read_scores(run_dir), ev.tasks)
     return [s for s in asked if s not in done]
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     run_dir = _run_dir(args.run, ctx)
     plan = LaunchPlan.from_dict(json.loads(rundir.RunLayout.of(run_dir).plan.read_text()))
+    rec = runs.find_run(args.run, ctx.environ or None) if not Path(args.run).is_dir() else None
+    if rec is not None and slurm.active_jobs(rec.job_ids):  # one evaluator at a time writes the run's eval/
+        raise UserError(f"run {rec.name} is queued or running: its evaluator alongside scores its checkpoints; "
+                        f"`lmlaunch eval` scores a finished run's", exit_code=2)
     if Path(plan.paths.run_dir).resolve() != run_dir.resolve():
         raise UserError(f"{run_dir} was planned as {plan.paths.run_dir} (archived or moved): its plan names another "
                         "directory's checkpoints; evaluate the run where it lives", exit_code=2)

@@ -20,7 +20,7 @@ class Evaluation:
 
     records: list[ev.CheckpointScores] = field(default_factory=list)  # every scored checkpoint, or the newest
     state: dict[str, Any] | None = None
-    exit: tuple[str, int, float] | None = None  # job id, its srun's exit status, when
+    exit: tuple[str, int, float, bool] | None = None  # job id, its srun's exit status, when, stopped by the job
     scored: int | None = None  # how many checkpoints are scored, where ``records`` holds only the newest
 
     @property
@@ -40,9 +40,11 @@ class Evaluation:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Evaluation:
         n = d.get("newest")
-        newest = [ev.CheckpointScores(**{**n, "scores": tuple(n["scores"])})] if n else []
+        newest = [ev.CheckpointScores(**{**n, "scores": tuple(n["scores"]), "tasks": tuple(n.get("tasks") or ())})] \
+            if n else []
         x = d.get("exit")
-        return cls(newest, d.get("state"), (str(x[0]), int(x[1]), float(x[2])) if x else None, int(d["scored"]))
+        return cls(newest, d.get("state"), (str(x[0]), int(x[1]), float(x[2]), bool(x[3])) if x else None,
+                   int(d["scored"]))
 
 
 def read_evaluation(run_dir: str | Path) -> Evaluation:
@@ -68,8 +70,8 @@ def trouble(e: Evaluation) -> str | None:
         else ""
     if state.get("state") == "failed":
         return f"evaluator failed at step {state.get('step')}: {state.get('detail')} (`lmlaunch logs RUN --errors`)"
-    # SIGTERM (143): the job stopped it (a preemption, a requeue, finish_wait_s over), not a fault of its own
-    if e.exit is not None and e.exit[1] not in (0, ev.SIGTERM_EXIT) and state.get("state") != "done":
+    # stopped: the job ended it (a preemption, a requeue, a cancel, finish_wait_s over), not a fault of its own
+    if e.exit is not None and e.exit[1] != 0 and not e.exit[3] and state.get("state") != "done":
         return f"evaluator {exit_words(e.exit[1])}{at}; training goes on (`lmlaunch logs RUN --errors`)"
     return None
 

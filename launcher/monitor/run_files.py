@@ -111,13 +111,14 @@ def attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def evaluator_sources(run_dir: Path, job_ids: Sequence[str]) -> list[LogSource]:
-    """The evaluator's log of each job (eval.alongside: ``logs/evaluator-<job>.log``, srun's output)."""
-    out = []
-    for jid in job_ids:
-        p = RunLayout.of(run_dir).logs / f"evaluator-{jid}.log"
-        if p.exists():
-            out.append(LogSource(None, jid, p, f"job {jid}, the evaluator"))
-    return out
+    """The evaluator's logs (``logs/evaluator-<job>.log``, srun's output): of the run's jobs
+    (eval.alongside) in their order, then of `lmlaunch eval`'s jobs, oldest first."""
+    logs = RunLayout.of(run_dir).logs
+    found = {p.name.removeprefix("evaluator-").removesuffix(".log"): p for p in logs.glob("evaluator-*.log")}
+    order = [j for j in job_ids if j in found] + sorted((j for j in found if j not in job_ids),
+                                                        key=lambda j: found[j].stat().st_mtime)
+    return [LogSource(None, j, found[j], f"job {j}, the evaluator" + ("" if j in job_ids else " (lmlaunch eval)"))
+            for j in order]
 
 
 def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt: int | None = None,

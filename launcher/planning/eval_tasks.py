@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import re
+import shlex
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -51,23 +53,35 @@ def names_under(folder: Path) -> set[str]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def lm_eval_tasks() -> frozenset[str] | None:
-    """lm-eval's own task names; None where lm-eval is not installed here."""
-    spec = importlib.util.find_spec("lm_eval")
-    if spec is None or not spec.origin:
+FIND = "import importlib.util as u; s = u.find_spec('lm_eval'); print(s.origin if s and s.origin else '')"
+
+
+@functools.lru_cache(maxsize=4)
+def lm_eval_tasks(python: str | None = None) -> frozenset[str] | None:
+    """lm-eval's own task names, where ``python`` (an interpreter command: the evaluator's
+    environment; None: this process's) finds lm-eval (found, not imported); None where it does not."""
+    if python is None:
+        spec = importlib.util.find_spec("lm_eval")
+        origin = spec.origin if spec is not None else None
+    else:
+        try:
+            proc = subprocess.run([*shlex.split(python), "-c", FIND], capture_output=True, text=True, timeout=60)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            return None
+        origin = proc.stdout.strip() if proc.returncode == 0 else None
+    if not origin:
         return None
-    return frozenset(names_under(Path(spec.origin).with_name("tasks")))
+    return frozenset(names_under(Path(origin).with_name("tasks")))
 
 
-def unknown_tasks(tasks: Iterable[str], task_dirs: Iterable[str]) -> tuple[list[str], bool]:
-    """The names no task file declares, and whether lm-eval's own tasks were looked at (False: it is
-    not installed on this machine, so its names could not be checked)."""
+def unknown_tasks(tasks: Iterable[str], task_dirs: Iterable[str], python: str | None = None) -> tuple[list[str], bool]:
+    """The names no task file declares, and whether lm-eval's own tasks were looked at (False: the
+    evaluator's interpreter ``python`` has no lm-eval here, so its names could not be checked)."""
     known = set(SHIPPED_EVAL_TASKS)
     for d in task_dirs:
         if Path(d).is_dir():
             known |= names_under(Path(d))
-    installed = lm_eval_tasks()
+    installed = lm_eval_tasks(python)
     if installed is not None:
         known |= installed
     return [t for t in tasks if t not in known], installed is not None

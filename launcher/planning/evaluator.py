@@ -17,7 +17,7 @@ KEY = "eval.alongside"
 
 
 def plan_evaluator(spec: JobSpec, profile: Any, slurm: SlurmParams, paths: RunPaths,
-                   problems: list[str]) -> EvaluatorPlan | None:
+                   problems: list[str], python: str = "python") -> EvaluatorPlan | None:
     """The evaluator of a spec with ``eval.alongside`` (None without); what cannot work is added to
     ``problems`` (each naming its key and what is allowed)."""
     ev = spec.eval.alongside if spec.eval is not None else None
@@ -46,24 +46,25 @@ def plan_evaluator(spec: JobSpec, profile: Any, slurm: SlurmParams, paths: RunPa
         gres=f"{profile.gres_name}:{gpus}" if gpus else None, mem=ev.mem, tasks=tuple(ev.tasks),
         task_dirs=tuple(ev.task_dirs), every_n_steps=n, behind=ev.behind, limit=ev.limit,
         batch_size=ev.batch_size, finish_wait_s=ev.finish_wait_s,
-        log=str(PurePosixPath(paths.run_dir) / EVALUATOR_LOG),
+        log=str(PurePosixPath(paths.run_dir) / EVALUATOR_LOG), python=python,
     )
 
 
-def task_problems(spec: JobSpec) -> tuple[list[str], list[str]]:
+def task_problems(spec: JobSpec, python: str | None = None) -> tuple[list[str], list[str]]:
     """(problems, notes) of ``eval.alongside``'s task directories and names, read from the task
-    files here (the same lmlaunch and lm-eval run on the allocation)."""
+    files here (lm-eval's: where ``python``, the evaluator's interpreter, has it)."""
     ev = spec.eval.alongside if spec.eval is not None else None
     if ev is None:
         return [], []
     problems = [f"{KEY}.task_dirs[{i}]: {d} is not a directory" for i, d in enumerate(ev.task_dirs)
                 if not Path(d).is_dir()]
-    unknown, looked = eval_tasks.unknown_tasks(ev.tasks, ev.task_dirs)
+    unknown, looked = eval_tasks.unknown_tasks(ev.tasks, ev.task_dirs, python)
     if unknown and looked:
         problems += [f"{KEY}.tasks: lm-eval knows no task '{t}' (not lm-eval's, not shipped: "
                      f"{', '.join(eval_tasks.SHIPPED_EVAL_TASKS)}, not in task_dirs)" for t in unknown]
         return problems, []
     if unknown:
-        return problems, [f"{KEY}.tasks: lm-eval is not installed here (pip install 'lmlaunch[eval]'), so "
+        return problems, [f"{KEY}.tasks: lm-eval is not installed for {python or 'this interpreter'} (pip install "
+                          f"'lmlaunch[eval]'; the profile's eval_python names the evaluator's environment), so "
                           f"{', '.join(unknown)} could not be checked; the evaluator fails on a name lm-eval does not know"]
     return problems, []

@@ -285,6 +285,7 @@ def make_plan(
     python: str | None = None,
     exclude: Mapping[str, str] | None = None,
     host_python_dirs: tuple[str, ...] = (),
+    eval_python: str | None = None,
 ) -> LaunchPlan:
     """The whole launch, as data. Raises SpecError with the arithmetic when it cannot work.
 
@@ -293,7 +294,8 @@ def make_plan(
     profile with ``python: auto`` needs it given); ``exclude``: node -> why, the nodes the user's
     record for this profile excludes (``launcher.spec.excluded_nodes``, read by the caller);
     ``host_python_dirs``: the directories a host interpreter lives in (its venv and base install),
-    mounted into a container whose ``python`` is ``auto``.
+    mounted into a container whose ``python`` is ``auto``; ``eval_python``: the evaluator's interpreter
+    command (eval.alongside; default: ``python``).
     """
     if not runs_root.startswith("/"):
         raise SpecError([f"runs root '{runs_root}' must be an absolute path"])
@@ -304,7 +306,7 @@ def make_plan(
     problems += _strategy_problems(spec, topo)
     paths = run_paths(spec, runs_root, uses_deepspeed=topo.parallelism.zero)
     slurm = _slurm(spec, profile, topo, paths, problems)
-    evaluator = plan_evaluator(spec, profile, slurm, paths, problems)
+    evaluator = plan_evaluator(spec, profile, slurm, paths, problems, eval_python or python)
     if problems:
         raise SpecError(problems)
     slurm = dataclasses.replace(slurm, exclude=",".join(sorted(exclude))) if exclude else slurm

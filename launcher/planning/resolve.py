@@ -152,16 +152,31 @@ def host_python_dirs(python: str) -> tuple[str, ...]:
 
 def _planned(spec: JobSpec, profile: Profile, env: Mapping[str, str], python: str | None) -> LaunchPlan:
     """make_plan with what it needs read here: the runs root, the nodes the user's record excludes,
-    the interpreter the tasks run and where it lives."""
+    the interpreters the tasks and the evaluator run and where the tasks' lives."""
     excluded = excluded_nodes.load(excluded_nodes_path(profile.name, env))
     interpreter = profile.python_command(python or sys.executable)
     return make_plan(spec, profile, runs_root=runs_root_for(profile, env), python=interpreter,
-                     exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter))
+                     exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter),
+                     eval_python=eval_interpreter(profile, python or sys.executable))
+
+
+def eval_interpreter(profile: Profile, interpreter: str) -> str:
+    """The evaluator's interpreter command (the profile's ``eval_python``): as written; for ``auto``
+    the environment ``<venv>-eval`` beside ``interpreter``'s when there is one (scripts/setup.sh
+    makes it), else ``interpreter``; none: the tasks' interpreter."""
+    if profile.eval_python is None:
+        return profile.python_command(interpreter)
+    if profile.eval_python != "auto":
+        return profile.eval_python
+    venv = Path(interpreter).parent.parent
+    beside = venv.with_name(venv.name + "-eval") / "bin" / "python"
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else interpreter
 
 
 def _with_eval_tasks(spec: JobSpec, plan: LaunchPlan) -> LaunchPlan:
-    """``eval.alongside``'s tasks and task directories checked against the task files here."""
-    problems, notes = task_problems(spec)
+    """``eval.alongside``'s tasks and task directories checked against the task files here (lm-eval's
+    in the evaluator's environment)."""
+    problems, notes = task_problems(spec, plan.evaluator["python"] if plan.evaluator else None)
     if problems:
         raise SpecError(problems)
     return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan

@@ -222,6 +222,8 @@ class Profile(StrictModel):
     """Shell lines run in the batch script before the tasks start (module load, venv)."""
     python: OneLine = "python"
     """Python interpreter on the nodes (after setup). 'auto': the interpreter running lmlaunch (clusters that share its venv, such as local)."""
+    eval_python: OneLine | None = None
+    """The interpreter the evaluator runs (eval.alongside, `lmlaunch eval`): an environment with lm-eval (pip install 'lmlaunch[eval]'), kept apart from the tasks' so that its packages never slow a rank's start; null: ``python``. 'auto': the environment ``<venv>-eval`` beside the one running lmlaunch (what scripts/setup.sh makes), else that one."""
     container: ContainerSpec | None = None
     """The cluster's container runtime and what every container here needs (mounts, flags, variables, each with its reason); with an image, every job runs in it (a job spec's container section adds to it or says runtime: none)."""
     login: Login | None = None

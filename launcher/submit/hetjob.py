@@ -50,13 +50,16 @@ def with_component(text: str, plan: LaunchPlan) -> str:
     return "\n".join([*lines[: last + 1], *component_lines(ev), *lines[last + 1:]])
 
 
-def evaluator_command(plan: LaunchPlan, *extra: str) -> str:
+def evaluator_command(plan: LaunchPlan, *extra: str, python: str | None = None) -> str:
     """What the evaluator's srun starts: lmtrain.evaluator.main on the run directory (and ``extra``
-    arguments), on the host or in the run's container as the trainer's tasks are."""
+    arguments) with the evaluator's interpreter (``python``, else the plan's evaluator's, else the
+    tasks'), or in the run's container as the trainer's tasks are."""
     inner = ["-u", "-m", EVALUATOR_MODULE, plan.paths.run_dir, *extra]
-    if plan.container is not None:
+    if plan.container is not None:  # the container's interpreter: the image must hold lm-eval
         return container_task_command(ContainerPlan.from_json(plan.container), inner)
-    return shlex.join([*shlex.split(plan.python), *inner])
+    ev = evaluator_of(plan)
+    python = python or (ev.python if ev is not None and ev.python else plan.python)
+    return shlex.join([*shlex.split(python), *inner])
 
 
 def start_lines(plan: LaunchPlan) -> list[str]:
@@ -68,7 +71,11 @@ def start_lines(plan: LaunchPlan) -> list[str]:
         if "%j" in ev.log else shlex.quote(ev.log)
     ended = '"$LMLAUNCH_RUN_DIR/' + TRAINING_ENDED + '"'
     exited = '"$LMLAUNCH_RUN_DIR/' + EVALUATOR_EXIT + '"'
-    srun = " ".join(["srun --het-group=1 --unbuffered --nodes=1 --ntasks=1", *map(shlex.quote, plan.srun_args)])
+    # the container's srun options only (pyxis): the site's trainer options (--gpus-per-task, --cpu-bind, ...)
+    # may not fit the evaluator's shape; LMLAUNCH_TASK_ROLE names its podman container apart from rank 0's
+    box = ContainerPlan.from_json(plan.container).srun_args if plan.container is not None else []
+    srun = " ".join(["LMLAUNCH_TASK_ROLE=evaluator srun --het-group=1 --unbuffered --nodes=1 --ntasks=1",
+                     *map(shlex.quote, box)])
     return [
         "# lmlaunch: the evaluator, the heterogeneous job's second component, scores each checkpoint as it completes "
         "(eval.alongside; lmtrain.evaluator); its srun's exit status is recorded for status (a crash, the OOM killer)",
@@ -76,14 +83,15 @@ def start_lines(plan: LaunchPlan) -> list[str]:
         f"mkdir -p \"$(dirname {ended})\"",
         f"( {srun} --output={log} --error={log} {evaluator_command(plan)} &",
         "  lmlaunch_p=$!",
-        "  trap 'kill -TERM \"$lmlaunch_p\" 2>/dev/null' TERM",
+        "  lmlaunch_how=exited  # or stopped: the job ended it (a preemption, a requeue, a cancel, finish_wait_s)",
+        "  trap 'lmlaunch_how=stopped; kill -TERM \"$lmlaunch_p\" 2>/dev/null' TERM",
         '  wait "$lmlaunch_p"; lmlaunch_erc=$?',
         '  while kill -0 "$lmlaunch_p" 2>/dev/null; do wait "$lmlaunch_p"; lmlaunch_erc=$?; done',
-        f'  echo "$SLURM_JOB_ID $lmlaunch_erc $(date +%s)" > {exited}',
+        f'  echo "$SLURM_JOB_ID $lmlaunch_erc $(date +%s) $lmlaunch_how" > {exited}',
         '  if [ "$lmlaunch_erc" -gt 128 ]; then lmlaunch_why=" (killed by signal $((lmlaunch_erc - 128)))"; '
         'else lmlaunch_why=""; fi',
-        f'  [ "$lmlaunch_erc" -eq 0 ] || echo "lmlaunch: ERROR: the evaluator\'s srun exited $lmlaunch_erc'
-        f'$lmlaunch_why; the training goes on" >> {log} ) &',
+        f'  [ "$lmlaunch_erc" -eq 0 ] || [ "$lmlaunch_how" = stopped ] || echo "lmlaunch: ERROR: the evaluator\'s srun '
+        f'exited $lmlaunch_erc$lmlaunch_why; the training goes on" >> {log} ) &',
         "lmlaunch_eval_pid=$!",
     ]
 
@@ -97,12 +105,20 @@ def finish_lines(plan: LaunchPlan) -> list[str]:
     most = ev.finish_wait_s
     return [
         f'echo "$SLURM_JOB_ID $lmlaunch_rc" > {ended}.tmp && mv -f {ended}.tmp {ended}',
+        "# at most finish_wait_s, and never into the time limit (the job would end TIMEOUT, not as the training did)",
+        f"lmlaunch_most={most}",
+        'lmlaunch_end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null | head -n1)  # the job\'s EndTime, or nothing',
+        'case "$lmlaunch_end" in [0-9]*) lmlaunch_end=$(date -d "$lmlaunch_end" +%s 2>/dev/null || echo 0) ;; '
+        "*) lmlaunch_end=0 ;; esac",
+        'if [ "$lmlaunch_end" -gt 0 ] && [ $((lmlaunch_end - $(date +%s) - 30)) -lt "$lmlaunch_most" ]; then',
+        "  lmlaunch_most=$((lmlaunch_end - $(date +%s) - 30))",
+        "fi",
         "lmlaunch_waited=0",
-        f'while kill -0 "$lmlaunch_eval_pid" 2>/dev/null && [ "$lmlaunch_waited" -lt {most} ]; do '
+        'while kill -0 "$lmlaunch_eval_pid" 2>/dev/null && [ "$lmlaunch_waited" -lt "$lmlaunch_most" ]; do '
         "sleep 1; lmlaunch_waited=$((lmlaunch_waited + 1)); done",
         'if kill -0 "$lmlaunch_eval_pid" 2>/dev/null; then',
-        f'  echo "lmlaunch: the evaluator has not finished {most} s after the training ended '
-        f'(eval.alongside.finish_wait_s): stopped" >&2',
+        '  echo "lmlaunch: the evaluator has not finished $lmlaunch_waited s after the training ended '
+        f'(eval.alongside.finish_wait_s: {most}, or the time limit): stopped" >&2',
         '  kill -TERM "$lmlaunch_eval_pid" 2>/dev/null',
         "fi",
         'wait "$lmlaunch_eval_pid" 2>/dev/null',
@@ -132,5 +148,5 @@ def eval_job_script(plan: LaunchPlan, ev: EvaluatorPlan, evaluator_file: str, *,
         "# this lmlaunch's evaluator, not the run's code snapshot (a run trained before it has none): it only reads",
         "# the checkpoints, in the formats every lmlaunch since reads",
         *(host_lines(ContainerPlan.from_json(plan.container), sorted(plan.env)) if plan.container is not None else []),
-        f"srun --unbuffered --nodes=1 --ntasks=1 {evaluator_command(plan, *extra)}", "",
+        f"srun --unbuffered --nodes=1 --ntasks=1 {evaluator_command(plan, *extra, python=ev.python or None)}", "",
     ])

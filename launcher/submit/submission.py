@@ -39,20 +39,28 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
     params = executor_parameters(plan, dependency)
     text = render_script(plan, dependency)
     if plan.evaluator:
-        _check_heterogeneous_job(text)
+        _check_heterogeneous_job(plan, text)
     return run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
                          plan.paths.submitit_dir, text=text)[0]
 
 
-def _check_heterogeneous_job(text: str) -> None:
+def _refuse_rest_heterogeneous_job() -> None:
+    raise UserError("eval.alongside: a heterogeneous job (trainer + evaluator) cannot be submitted through "
+                    "slurmrestd yet (its job_desc list is not built); submit with sbatch (the profile's "
+                    "submit.via: sbatch, without --rest), or score the checkpoints after with `lmlaunch eval`",
+                    exit_code=2)
+
+
+def _check_heterogeneous_job(plan: LaunchPlan, text: str) -> None:
     """A run with an evaluator alongside is one heterogeneous job: the controller judges it first
     (``sbatch --test-only``: an evaluator larger than its partition, a cluster that refuses
     heterogeneous jobs), and a refusal names eval.alongside with SLURM's words; nothing is queued."""
     if slurm.rest_client() is not None:
-        raise UserError("eval.alongside: a heterogeneous job (trainer + evaluator) cannot be submitted through "
-                        "slurmrestd yet (its job_desc list is not built); submit with sbatch (the profile's "
-                        "submit.via: sbatch, without --rest), or score the checkpoints after with `lmlaunch eval`",
-                        exit_code=2)
+        _refuse_rest_heterogeneous_job()
+    code = rundir.RunLayout.of_plan(plan).code
+    if code.is_dir() and not (code / "lmtrain" / "evaluator" / "main.py").is_file():
+        raise UserError(f"eval.alongside: the run's code snapshot ({code}) predates the evaluator: resume with "
+                        "--new-code, or score its checkpoints after with `lmlaunch eval`", exit_code=2)
     ok, message = slurm.test_only("sbatch", [], script=text)
     if not ok:
         raise UserError(f"eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator): {message}",
@@ -287,6 +295,8 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
     _refuse_active_job(opening.record, name, resume)
     dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
     if (rest := slurm.rest_client()) is not None:  # what slurmrestd cannot carry is refused before anything changes
+        if plan.evaluator:
+            _refuse_rest_heterogeneous_job()
         rest_calls.body_of(rest, render_script(plan, dependency), f"run '{name}'")
     opening.apply(env)
     try:

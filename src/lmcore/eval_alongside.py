@@ -25,9 +25,8 @@ EVAL_DIR = "eval"
 SCORES = "eval/scores.jsonl"  # one line per scored checkpoint
 STATE = "eval/state.json"  # what the evaluator does now (scoring step N, waiting, failed: why)
 TRAINING_ENDED = "eval/training-ended"  # the batch script: "<job id> <srun's exit status>" once the trainer's srun ended
-EVALUATOR_EXIT = "eval/evaluator-exit"  # the batch script: "<job id> <the evaluator's srun exit status> <epoch>"
+EVALUATOR_EXIT = "eval/evaluator-exit"  # the batch script: "<job id> <srun's exit status> <epoch> stopped|exited"
 TASKS_DIR = "eval/tasks"  # the shipped tasks, their data paths made absolute (lm-eval reads data_files from the cwd)
-SIGTERM_EXIT = 143  # srun's exit status when SIGTERM ended its task: a preemption, a requeue, the job's stop
 EVALUATOR_LOG = "logs/evaluator-%j.log"  # the evaluator's stdout and stderr, by job id (srun --output)
 
 
@@ -50,6 +49,7 @@ class EvaluatorPlan:
     batch_size: int = 8
     finish_wait_s: int = 600
     log: str = ""  # the evaluator's srun --output (absolute; %j: the job id)
+    python: str = ""  # its interpreter command (the profile's eval_python; "": the tasks')
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,11 +91,11 @@ def kept_for_evaluator(run_dir: str | Path, complete: Iterable[int], plan: Evalu
     """What the trainer's retention keeps beyond ``keep_last`` (lmtrain.checkpoint.manager): what the
     evaluator has still to score. Not for an evaluator that failed or was killed this attempt (a
     crash, the OOM killer: it would fail again, and keeping for it would fill the disk); for one
-    that SIGTERM ended, yes: a preemption or a requeue stops it, and the next attempt's scores them."""
+    the job stopped, yes: after a preemption or a requeue the next attempt's scores them."""
     state, ended = read_state(run_dir) or {}, read_exit(run_dir)
-    if state.get("state") == "failed" or (ended is not None and ended[1] not in (0, SIGTERM_EXIT)):
+    if state.get("state") == "failed" or (ended is not None and ended[1] != 0 and not ended[3]):
         return set()
-    return still_to_score(complete, [r.step for r in read_scores(run_dir)], plan)
+    return still_to_score(complete, scored_steps(read_scores(run_dir), plan.tasks), plan)
 
 
 # --------------------------------------------------------------------------- the records
@@ -110,9 +110,10 @@ class CheckpointScores:
     lm_eval: str  # lm-evaluation-harness's version
     seconds: float  # the scoring's wall time (model load and every task)
     scores: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # {task, metric, value, stderr}
+    tasks: tuple[str, ...] = ()  # the task names asked (a group's results are its subtasks': named otherwise)
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "scores": list(self.scores)}
+        return {**dataclasses.asdict(self), "scores": list(self.scores), "tasks": list(self.tasks)}
 
 
 def scores_path(run_dir: str | Path) -> Path:
@@ -124,8 +125,11 @@ def append_scores(run_dir: str | Path, rec: CheckpointScores) -> None:
     path = scores_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(rec.to_json(), sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a crash: this one starts anew
+            line = b"\n" + line
         os.write(fd, line)
         os.fsync(fd)
     finally:
@@ -133,26 +137,46 @@ def append_scores(run_dir: str | Path, rec: CheckpointScores) -> None:
 
 
 def read_scores(run_dir: str | Path) -> list[CheckpointScores]:
-    """Every scored checkpoint in the order scored; a torn last line (a crash mid-write) is left out.
-    A step recorded twice (never written so, but a hand-edited file) counts once: its first line."""
+    """Every scored checkpoint in the order first scored; a torn line (a crash mid-write) is left out.
+    A step's further lines (`lmlaunch eval --tasks` adding tasks) add their tasks' metrics to it; a
+    task's metric scored twice counts once (its first value)."""
     try:
         text = scores_path(run_dir).read_text()
     except OSError:
         return []
     out: list[CheckpointScores] = []
-    seen: set[int] = set()
+    seen: dict[int, int] = {}  # step -> its index in out
     for line in text.splitlines():
         try:
             d = json.loads(line)
             rec = CheckpointScores(step=int(d["step"]), checkpoint=str(d["checkpoint"]), time=float(d["time"]),
                                    job_id=str(d["job_id"]), lm_eval=str(d["lm_eval"]), seconds=float(d["seconds"]),
-                                   scores=tuple(s for s in d["scores"] if isinstance(s, dict)))
+                                   scores=tuple(s for s in d["scores"] if isinstance(s, dict)),
+                                   tasks=tuple(str(t) for t in d.get("tasks") or ()))
         except (ValueError, KeyError, TypeError):
             continue
         if rec.step not in seen:
-            seen.add(rec.step)
+            seen[rec.step] = len(out)
             out.append(rec)
+            continue
+        first = out[seen[rec.step]]
+        have = {(s.get("task"), s.get("metric")) for s in first.scores}
+        out[seen[rec.step]] = dataclasses.replace(
+            first, scores=first.scores + tuple(s for s in rec.scores if (s.get("task"), s.get("metric")) not in have),
+            tasks=(asked := _asked(first)) + tuple(t for t in _asked(rec) if t not in asked))
     return out
+
+
+def _asked(rec: CheckpointScores) -> tuple[str, ...]:
+    """The tasks a line was asked for (one written before they were kept: those its metrics name)."""
+    return rec.tasks or tuple(sorted({str(s.get("task")) for s in rec.scores}))
+
+
+def scored_steps(records: Iterable[CheckpointScores], tasks: Iterable[str]) -> set[int]:
+    """The steps whose records hold every one of ``tasks`` as asked (a group is asked by its name;
+    its results are its subtasks')."""
+    wanted = set(tasks)
+    return {r.step for r in records if wanted <= set(_asked(r))}
 
 
 def flat_scores(records: Iterable[CheckpointScores]) -> list[dict[str, Any]]:
@@ -170,12 +194,13 @@ def latest_scores(records: list[CheckpointScores]) -> dict[str, Any] | None:
                                             for s in newest.scores}}
 
 
-def read_exit(run_dir: str | Path) -> tuple[str, int, float] | None:
-    """The evaluator's srun's end this attempt (job id, exit status, time); None while it runs or never ran."""
+def read_exit(run_dir: str | Path) -> tuple[str, int, float, bool] | None:
+    """The evaluator's srun's end this attempt (job id, exit status, time, whether the job stopped it:
+    a preemption, a requeue, a cancel, finish_wait_s over); None while it runs or never ran."""
     try:
-        job, rc, when = (Path(run_dir) / EVALUATOR_EXIT).read_text().split()[:3]
-        return job, int(rc), float(when)
-    except (OSError, ValueError):
+        words = (Path(run_dir) / EVALUATOR_EXIT).read_text().split()
+        return words[0], int(words[1]), float(words[2]), words[3:4] == ["stopped"]
+    except (OSError, ValueError, IndexError):
         return None
 
 

@@ -10,12 +10,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def spawn(run, world, *args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    mp.spawn(run, args=(world, *args), nprocs=world)
+def spawn(run, world, *args, tries=3):
+    """The port is free when picked, and may be taken before rank 0's store listens on it (another
+    test's, or a job's, connection: seen under the suite's load, EADDRINUSE in rank 0's
+    init_process_group): then the ranks start again, on another port, before any trained."""
+    for attempt in range(tries):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        try:
+            mp.spawn(run, args=(world, *args), nprocs=world)
+            return
+        except mp.ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == tries - 1:
+                raise
 
 
 def finish(rank, result, path):

@@ -54,13 +54,23 @@ def test_export_gives_the_trained_models_logits_and_byte_ids(repo, runs_root, tm
 
 
 def _scored_by_the_evaluator(run_dir: Path, tmp_path: Path) -> None:
+    """The evaluator's process, in the evaluator's environment (the local profile's eval_python)."""
+    import os
+    import subprocess
+    import sys
+
+    from launcher.planning.resolve import eval_interpreter
+    from launcher.spec.profiles import load_profile
     from lmcore import eval_alongside as ev
-    from lmtrain.evaluator.main import main as evaluator_main
 
     plan = ev.EvaluatorPlan(partition="low", nodes=1, cpus_per_task=1, gpus=0, gres=None, mem=None,
                             tasks=("lmlaunch_pydoc_perplexity",), limit=2)  # rolling windows: any context fits
     (tmp_path / "evaluator.json").write_text(json.dumps(plan.to_json()))
-    assert evaluator_main([str(run_dir), "--evaluator", str(tmp_path / "evaluator.json"), "--once"]) == 0
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([eval_interpreter(load_profile("local"), sys.executable), "-m", "lmtrain.evaluator.main",
+                           str(run_dir), "--evaluator", str(tmp_path / "evaluator.json"), "--once"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo / "src")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
     recs = ev.read_scores(run_dir)  # every complete checkpoint, in step order
     rec = recs[-1]
     assert [r.step for r in recs] == sorted(r.step for r in recs) and rec.step == 12 and {s["metric"] for s in rec.scores} == {"word_perplexity", "byte_perplexity", "bits_per_byte"}

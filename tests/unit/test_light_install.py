@@ -55,7 +55,7 @@ def test_the_package_declares_the_training_stack_as_an_extra():
     runtime = {d.split(">")[0].split("=")[0].split("<")[0].strip() for d in project["optional-dependencies"]["runtime"]}
     assert not base & {"torch", "lightning", "transformers", "deepspeed"}, base
     assert {"torch", "lightning", "transformers", "deepspeed"} <= runtime, runtime
-    assert '.[runtime,eval,dev]' in (REPO / "scripts" / "setup.sh").read_text()  # the repo's own setup has both
+    assert '.[runtime,dev]' in (REPO / "scripts" / "setup.sh").read_text()  # the repo's own setup has both
 
 
 def test_without_the_stack_the_cli_plans_and_validates_and_the_stack_commands_say_what_is_missing(tmp_path):

@@ -535,13 +535,14 @@ def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TI
     Used to find a job whose ``sbatch`` timed out on the client side but reached the controller."""
     if (r := rest_client()) is not None:
         return rest_calls.submitted_since(r, name, since)
-    fmt = ",".join(f"{f}:{FIELD_SEP}" for f in ("JobID", "SubmitTime", "Name"))
+    fmt = ",".join(f"{f}:{FIELD_SEP}" for f in ("JobID", "SubmitTime", "Name", "HetJobOffset"))
     cmd = ["squeue", "-h", "--states=all", "-u", user_name(), "-n", name, "-O", fmt]
     proc = run(cmd, timeout=timeout)
     found: list[tuple[float, str]] = []
     for line in proc.stdout.splitlines():
         parts = [p.strip() for p in line.split(FIELD_SEP)]
-        if len(parts) < 3 or parts[2] != name:
+        # a heterogeneous job's other components (their own JobIDs) are not jobs sbatch returned
+        if len(parts) < 4 or parts[2] != name or (parts[3].isdigit() and parts[3] != "0"):
             continue
         submitted = parse_time(parts[1])
         if submitted is not None and submitted >= int(since) - 1:

@@ -47,8 +47,9 @@ def submitted_since(r: RestClient, name: str, since: float) -> list[str]:
     found = []
     for rec in r.jobs():
         submitted = rest_records.number(rec.get("submit_time"))
+        offset = rest_records.number(rec.get("het_job_offset"))  # another component of a heterogeneous job: not it
         if rec.get("name") == name and rec.get("user_name") == r.user() and submitted is not None \
-                and submitted >= int(since) - 1:
+                and submitted >= int(since) - 1 and not offset:
             found.append((submitted, str(rec.get("job_id"))))
     return [jid for _, jid in sorted(found)]
 

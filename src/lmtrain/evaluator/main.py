@@ -38,6 +38,7 @@ from lmcore.eval_alongside import (
     append_scores,
     next_step,
     read_scores,
+    scored_steps,
 )
 from lmcore.run_layout import RunLayout
 
@@ -81,7 +82,7 @@ class Evaluator:
             ended = self.once or (self.run_dir / TRAINING_ENDED).exists()
             found = {c.step: c for c in complete_checkpoints(self.ckpt_dir)
                      if self.steps is None or c.step in self.steps}
-            done = [r.step for r in read_scores(self.run_dir)]
+            done = sorted(scored_steps(read_scores(self.run_dir), self.ev.tasks))
             step = next_step(found, [*done, *self.passed_over], self.ev, ended=ended)
             if step is None:
                 if ended:
@@ -113,7 +114,8 @@ class Evaluator:
             raise
         append_scores(self.run_dir, CheckpointScores(
             step=ckpt.step, checkpoint=str(ckpt.path), time=time.time(), job_id=self.job_id, lm_eval=scored.lm_eval,
-            seconds=scored.seconds, scores=tuple(scored.scores)))
+            seconds=scored.seconds, scores=tuple(scored.scores), tasks=tuple(self.ev.tasks)))
+        self.state("scored", ckpt.step, str(ckpt.path))  # a rename: status's cache sees eval/ change
         log.info("evaluator: step %d scored in %.1f s: %s", ckpt.step, scored.seconds,
                  ", ".join(f"{s['task']}/{s['metric']} {s['value']:.4g}" for s in scored.scores))
 

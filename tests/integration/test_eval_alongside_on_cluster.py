@@ -25,6 +25,8 @@ from prometheus_server import free_port, prometheus
 from slurm_helpers import PACE_S, REPO, faults, pace, wait_terminal
 from waiting import HANG_S
 
+from launcher.planning.resolve import eval_interpreter
+from launcher.spec.profiles import load_profile
 from lmcore import eval_alongside as ev
 
 SPEC = REPO / "jobs" / "tiny-cpu-eval.yaml"
@@ -102,8 +104,10 @@ def _ledger(run_dir: Path) -> list[dict]:
 
 
 def _lm_eval_run(model: Path, tasks: Path, out: Path) -> dict:
+    """`lm-eval run` on its own, in the evaluator's environment (the local profile's eval_python)."""
     env = {**os.environ, **{k: "1" for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}}
-    proc = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+    python = eval_interpreter(load_profile("local"), sys.executable)
+    proc = subprocess.run([python, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
                            f"pretrained={model},dtype=float32", "--tasks", ",".join(TASKS), "--include_path", str(tasks),
                            "--batch_size", "8", "--limit", str(LIMIT), "--device", "cpu", "--output_path", str(out)],
                           capture_output=True, text=True, env=env, timeout=HANG_S)
