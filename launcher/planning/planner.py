@@ -294,8 +294,7 @@ def make_plan(
     profile with ``python: auto`` needs it given); ``exclude``: node -> why, the nodes the user's
     record for this profile excludes (``launcher.spec.excluded_nodes``, read by the caller);
     ``host_python_dirs``: the directories a host interpreter lives in (its venv and base install),
-    mounted into a container whose ``python`` is ``auto``; ``eval_python``: the evaluator's interpreter
-    command (eval.alongside; default: ``python``).
+    mounted into a container whose ``python`` is ``auto``; ``eval_python``: the evaluator's (default: ``python``).
     """
     if not runs_root.startswith("/"):
         raise SpecError([f"runs root '{runs_root}' must be an absolute path"])

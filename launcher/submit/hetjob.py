@@ -87,6 +87,11 @@ def start_lines(plan: LaunchPlan) -> list[str]:
         "  trap 'lmlaunch_how=stopped; kill -TERM \"$lmlaunch_p\" 2>/dev/null' TERM",
         '  wait "$lmlaunch_p"; lmlaunch_erc=$?',
         '  while kill -0 "$lmlaunch_p" 2>/dev/null; do wait "$lmlaunch_p"; lmlaunch_erc=$?; done',
+        "  # the job stopped it unless the job still runs and is not being preempted (SLURM signals the",
+        "  # tasks, not always this shell: a preemption, a cancel, a requeue, the time limit)",
+        '  lmlaunch_job=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null)',
+        '  case "$lmlaunch_job" in *JobState=RUNNING*) case "$lmlaunch_job" in *PreemptTime=[0-9]*) '
+        "lmlaunch_how=stopped ;; esac ;; *) lmlaunch_how=stopped ;; esac",
         f'  echo "$SLURM_JOB_ID $lmlaunch_erc $(date +%s) $lmlaunch_how" > {exited}',
         '  if [ "$lmlaunch_erc" -gt 128 ]; then lmlaunch_why=" (killed by signal $((lmlaunch_erc - 128)))"; '
         'else lmlaunch_why=""; fi',
