@@ -42,12 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the job script; submit nothing")
 
 
-def _run_dir(ref: str, ctx: Context) -> Path:
-    p = Path(ref)
-    if p.is_dir() and rundir.RunLayout.of(p).plan.is_file():
-        return p
-    return Path(runs.find_run(ref, ctx.environ or None).run_dir)
-
 
 def evaluator_for(plan: LaunchPlan, args: argparse.Namespace) -> EvaluatorPlan:
     """The run's own evaluator (or the shipped tasks on the run's partition), with the options' changes."""
@@ -85,7 +79,7 @@ def _check(ev: EvaluatorPlan, run_dir: Path, steps: str | None) -> list[int]:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    run_dir = _run_dir(args.run, ctx)
+    run_dir = runs.run_dir_of(args.run, ctx.environ or None)
     plan = LaunchPlan.from_dict(json.loads(rundir.RunLayout.of(run_dir).plan.read_text()))
     rec = runs.find_run(args.run, ctx.environ or None) if not Path(args.run).is_dir() else None
     if rec is not None and slurm.active_jobs(rec.job_ids):  # one evaluator at a time writes the run's eval/

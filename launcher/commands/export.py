@@ -23,13 +23,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=None, help="the checkpoint of step N (default: the newest complete one)")
 
 
-def _run_dir(ref: str, ctx: Context) -> Path:
-    p = Path(ref)
-    if p.is_dir() and rundir.RunLayout.of(p).plan.is_file():
-        return p
-
-    return Path(runs.find_run(ref, ctx.environ or None).run_dir)
-
 
 def _newest_intact(run_dir: Path, ckpts: list[CompleteCheckpoint], ctx: Context) -> CompleteCheckpoint:
     """The newest checkpoint whose files all match their checksums; each newer one is said."""
@@ -42,7 +35,7 @@ def _newest_intact(run_dir: Path, ckpts: list[CompleteCheckpoint], ctx: Context)
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     runtime_stack.require("export")  # torch and transformers read and write the weights
-    run_dir = _run_dir(args.run, ctx)
+    run_dir = runs.run_dir_of(args.run, ctx.environ or None)
     plan = json.loads(rundir.RunLayout.of(run_dir).plan.read_text())
     ckpt_dir = rundir.checkpoint_dir_of(run_dir)
     ckpts = complete_checkpoints(ckpt_dir)

@@ -228,6 +228,15 @@ def _save_index(path: Path, entries: dict[str, list[Any]]) -> None:
         pass  # an index that cannot be written only costs the next call reading every entry
 
 
+def run_dir_of(ref: str, environ: Mapping[str, str] | None = None) -> Path:
+    """A run directory given as a path (one with a plan.json, registered or not), else the directory
+    of the registry's run ``ref`` names (:func:`find_run`)."""
+    p = Path(ref)
+    if p.is_dir() and RunLayout.of(p).plan.is_file():
+        return p
+    return Path(find_run(ref, environ).run_dir)
+
+
 def find_run(ref: str, environ: Mapping[str, str] | None = None) -> RunRecord:
     """A run by name, by any of its job ids, or by its run directory (a path with a ``/``: local
     runs are not in the registry). A reference that is not a valid run name names no registry

@@ -7,6 +7,7 @@ set before lm-eval is imported; a task whose data is not on disk fails instead o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -104,8 +105,6 @@ def score(plan: dict[str, Any], ckpt: CompleteCheckpoint, ev: EvaluatorPlan, inc
 
 
 def _positions(model_dir: Path) -> str:
-    import json
-
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
