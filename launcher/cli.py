@@ -139,23 +139,30 @@ def _reported(call: Callable[[], T], ctx: Context, debug: bool) -> T | int:
 # The commands about a run that ask SLURM through slurmrestd when the run was submitted so (the
 # others, e.g. preempt, stacks and profile, need SLURM's commands on the cluster: `--rest` asks for it).
 RUN_COMMANDS_THROUGH_REST = frozenset({"status", "logs", "history", "cancel", "metrics", "report"})
+# ... and those that run SLURM's commands with the run's cluster's own SLURM_CONF and clients when
+# its profile names them (submit.slurm_conf / slurm_bin: one login machine, several clusters).
+RUN_COMMANDS_ON_ITS_CLUSTER = RUN_COMMANDS_THROUGH_REST | {"preempt", "stacks", "profile", "eval", "export"}
 
 
 def _transport(args: argparse.Namespace, ctx: Context) -> Any:
-    """SLURM's commands here, or a slurmrestd: ``--rest PROFILE``, else the profile a named run was
-    submitted with when that profile submits through slurmrestd (launcher.submit.transport)."""
+    """SLURM's commands here, or a slurmrestd: ``--rest PROFILE``, else the way to the cluster of
+    the profile a named run was submitted with (its slurmrestd, or its own SLURM_CONF and commands;
+    launcher.spec.transport)."""
     import contextlib
 
     name = getattr(args, "rest", None) or ctx.environ.get("LMLAUNCH_REST")
-    run = getattr(args, "run", None) if args.command in RUN_COMMANDS_THROUGH_REST else None
+    run = getattr(args, "run", None) if args.command in RUN_COMMANDS_ON_ITS_CLUSTER else None
     if not name and not isinstance(run, str):
         return contextlib.nullcontext()
-    from launcher.submit import transport
+    from launcher.spec import transport
+    from lmcore.slurm.rest import RestTarget
 
     own = transport.run_target(run, ctx.environ) if isinstance(run, str) else None
+    if isinstance(own, RestTarget) and args.command not in RUN_COMMANDS_THROUGH_REST:
+        own = None  # these need SLURM's commands: as before, `--rest` asks for slurmrestd
     target = transport.forced_target(name, ctx.environ) if name else own
-    if name and own is not None and target is not None and own.url != target.url:
-        ctx.err(f"note: run '{run}' was submitted through {own.where}; --rest {name} asks {target.url} instead")
+    if name and own is not None and target is not None and own.where != target.where:
+        ctx.err(f"note: run '{run}' was submitted through {own.where}; --rest {name} asks {target.where} instead")
     return transport.through(target)
 
 

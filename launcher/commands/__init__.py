@@ -44,7 +44,8 @@ def add_spec_arguments(p: argparse.ArgumentParser, example: str = "resources.nod
     """SPEC [overrides...] [--cluster NAME]: how every command that plans a job spec takes it."""
     p.add_argument("spec", help="job spec YAML")
     p.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {example}")
-    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster' and 'clusters'); submit and "
+                                     "validate take several, a,b: the run goes where it starts soonest")
     add_force_argument(p)
 
 

@@ -28,10 +28,13 @@ def load_history(rec):
     layout = rundir.RunLayout.of(run_dir)
     ledger = jsonlines.read_jsonl(layout.ledger)
     heartbeat = jsonlines.read_jsonl(layout.heartbeat)
-    times, message = slurm_view.sacct_attempt_times(rec.job_ids)
+    times, message = _attempt_times(rec)
     h = history_rows.build_history(rec.name, ledger, heartbeat, times)
     if message:
         h.notes.append(f"queue wait unknown: {message}")
+    if len(rec.jobs_by_profile()) > 1:  # a run whose jobs went to several clusters: each attempt's
+        for row in h.attempts:
+            row.cluster = rec.profile_of(row.job_id) if row.job_id else None
     try:
         plan = json.loads(layout.plan.read_text())
     except (OSError, ValueError):
@@ -47,6 +50,23 @@ def load_history(rec):
     if (bad := eval_rows.trouble(evaluation)) is not None:
         h.notes.append(bad.replace("RUN", rec.name))
     return h
+
+
+def _attempt_times(rec):
+    """sacct's figures of every attempt of the run's jobs, each job asked on the cluster it went to
+    (ONE `sacct -D` per cluster)."""
+    groups = rec.jobs_by_profile()
+    if len(groups) <= 1:
+        return slurm_view.sacct_attempt_times(rec.job_ids)  # the command runs on the run's cluster already
+    from launcher.spec import transport
+
+    times, messages = {}, []
+    for prof, ids in groups.items():
+        with transport.through(transport.target_from_json(rec.targets.get(prof)), exactly=True):
+            got, message = slurm_view.sacct_attempt_times(ids)
+        times.update(got)  # job ids of other clusters are other jobs: a run's own seldom meet
+        messages += [f"{prof}: {message}"] if message else []
+    return times, "; ".join(messages)
 
 
 def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list[str]]:

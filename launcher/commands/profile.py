@@ -51,9 +51,26 @@ def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
             account = rows[0] if rows and rows[0] else None
         except UserError as exc:
             problems.append(f"sacctmgr did not say your default account ({exc.message.splitlines()[0][:160]})")
+    conf, commands = client_side(environ)
     return ClusterFacts(partitions=slurm.partition_configs(), nodes=slurm.node_configs(), config=config,
                         default_account=account, accounting=accounting, problems=problems,
+                        slurm_conf=conf, slurm_bin=commands,
                         topology=slurm.topology_records() if config.get("TopologyPlugin", "topology/none") != "topology/none" else ())
+
+
+SYSTEM_BIN = ("/usr/bin", "/bin", "/usr/local/bin", "/usr/sbin", "/sbin")
+
+
+def client_side(environ: dict[str, str] | None) -> tuple[str | None, str | None]:
+    """The SLURM_CONF and the non-system directory of sbatch this shell reaches the cluster with."""
+    import os
+    import shutil
+
+    env = os.environ if environ is None else environ
+    conf = env.get("SLURM_CONF") or None
+    sbatch = shutil.which("sbatch", path=env.get("PATH"))
+    where = os.path.dirname(sbatch) if sbatch else None
+    return (os.path.abspath(conf) if conf else None), (where if where and where not in SYSTEM_BIN else None)
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

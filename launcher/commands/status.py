@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def _via() -> str:
-    """How SLURM was asked: its commands here, or the slurmrestd at URL (launcher.submit.transport)."""
+    """How SLURM was asked: its commands here, or the slurmrestd at URL (launcher.spec.transport)."""
     from lmcore.slurm import client as slurm
 
     rest = slurm.rest_client()

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_spec_arguments(p, "trainer.zero_stage=3")
-    p.add_argument("--dry-run", action="store_true", help="print the plan; call no SLURM command")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan; call no SLURM command (a run naming several clusters asks each when it "
+                        "would start: sbatch --test-only, nothing queued)")
     p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--new", action="store_true", help="start over if the run name exists (old run is archived)")
@@ -115,16 +117,46 @@ def _layout_lines(placement: dict[str, Any] | None) -> list[str]:
             "in the order SLURM lists the job's nodes):", *(f"#   {line}" for line in describe_layout(placement))]
 
 
+def _placed(args: argparse.Namespace, ctx: Context, first: Any, overrides: list[str],
+            dependency: str | None) -> tuple[Any, list[Any], list[str]]:
+    """A run naming several clusters: planned on each (each must be able to run it), each asked
+    when it would start, and the plan of the one chosen; with the answers and their lines."""
+    from launcher.planning.clusters import choose, plan_each
+    from launcher.submit.start_estimates import ask_each, describe
+    from lmcore.errors import UserError
+
+    plans = plan_each(args.spec, overrides, first.spec.clusters, ctx.environ, ctx.python, force=args.force, done=first)
+    answers = ask_each(plans, dependency, ctx.environ or None)
+    chosen, why = choose(answers)
+    lines = describe(answers, chosen, why)
+    if chosen is None:
+        if args.dry_run:
+            ctx.out("\n".join(f"# {line}" for line in lines))
+        raise UserError("no cluster the run names would take it; nothing was submitted:\n" + "\n".join(lines[1:-1]),
+                        exit_code=2)
+    return next(p for p in plans if p.profile.name == chosen.cluster), answers, lines
+
+
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=args.force)
+    cluster, overrides = args.cluster, list(args.overrides)
+    if cluster and "," in cluster:  # --cluster a,b: several
+        cluster, overrides = None, [*overrides, f"clusters=[{cluster}]"]
+    r = resolve(args.spec, overrides, cluster, ctx.environ, python=ctx.python, force=args.force, several=True)
     after = dependencies.parse(args.after, ctx.environ or None)
+    placed: list[str] = []
+    answers: list[Any] = []
+    if r.spec.clusters and not cluster:  # several: the one where it starts soonest
+        r, answers, placed = _placed(args, ctx, r, overrides, dependencies.planned(after))
     if args.dry_run:  # the dependency as it would be asked for (SLURM is not asked here)
         script = render_script(r.plan, dependencies.planned(after))
         if args.json:
-            ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script}, indent=2, sort_keys=True))
+            chosen = {"clusters": [dataclasses.asdict(a) for a in answers], "chosen": r.profile.name} if answers else {}
+            ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script, **chosen}, indent=2, sort_keys=True))
         else:
-            ctx.out(render_dry_run(r.plan, script, ctx.environ))
+            ctx.out("\n".join([*(f"# {line}" for line in placed), render_dry_run(r.plan, script, ctx.environ)]))
         return 0
+    for line in placed:
+        ctx.out(line)
 
     from launcher.submit.in_place import spare_problems
     from lmcore.errors import SpecError

@@ -115,8 +115,8 @@ def _submit(args: argparse.Namespace, ctx: Context, plans: list[Any], run_dirs: 
     """The points' run directories opened and their arrays submitted (chained where the cluster's
     MaxArraySize splits them), through the profile's slurmrestd where it says so; on any failure
     every opened run directory is rolled back."""
+    from launcher.spec import transport
     from launcher.spec.profiles import load_profile
-    from launcher.submit import transport
 
     with transport.through(transport.profile_target(load_profile(plans[0].profile, ctx.environ or None))):
         return _submit_points(args, ctx, plans, run_dirs, sweep_dir, parallel)
@@ -153,11 +153,15 @@ def _submit_points(args: argparse.Namespace, ctx: Context, plans: list[Any], run
 def _record(args: argparse.Namespace, ctx: Context, name: str, plans: list[Any], points: list[Any],
             job_ids: list[str], arrays: list[str], sweep_dir: Path, parallel: int) -> None:
     """Each point's registry record and the sweep's sweep.json."""
+    from launcher.spec import transport
+    from launcher.spec.profiles import load_profile
+
     now = time.time()
+    targets = transport.recorded(load_profile(plans[0].profile, ctx.environ or None))
     for plan, pt, job in zip(plans, points, job_ids):
         rec = runs.RunRecord(name=plan.run_name, profile=plan.profile, run_dir=plan.paths.run_dir,
                              spec_path=str(Path(args.spec).absolute()), job_ids=[job], submitted_at=[now],
-                             max_steps=plan.trainer.max_steps, sweep=name, point=pt)
+                             max_steps=plan.trainer.max_steps, sweep=name, point=pt, targets=targets)
         runs.save_record(rec, ctx.environ or None)
     (sweep_dir / "sweep.json").write_text(json.dumps({
         "name": name, "spec": str(Path(args.spec).absolute()), "file": str(Path(args.sweep).absolute()),

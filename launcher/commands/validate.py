@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from launcher.commands import add_spec_arguments
 from launcher.context import Context
@@ -20,7 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python,
-                force=args.force or args.fit)
+                force=args.force or args.fit, several=True)
+    if r.spec.clusters:
+        return _several(args, ctx, r)
     t = r.plan.topology
     if args.json:
         ctx.out(json.dumps({"ok": True, "spec": args.spec, "cluster": r.profile.name,
@@ -41,4 +44,26 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         got = planned(r.spec, r.profile, r.plan, ctx.environ)  # the facts come from the cache resolve filled
         for line in [got] if isinstance(got, str) else proposal(got, r.profile):
             ctx.out(line)
+    return 0
+
+
+def _several(args: argparse.Namespace, ctx: Context, first: Any) -> int:
+    """A spec naming several clusters: valid when each can run it and they can carry one run between
+    them (launcher.planning.clusters); each cluster's plan in brief."""
+    from launcher.planning.clusters import plan_each
+
+    overrides = list(args.overrides) + ([f"clusters=[{args.cluster}]"] if args.cluster else [])  # --cluster a,b
+    plans = plan_each(args.spec, overrides, first.spec.clusters, ctx.environ, ctx.python,
+                      force=args.force or args.fit, done=first)
+    if args.json:
+        ctx.out(json.dumps({"ok": True, "spec": args.spec, "clusters": [
+            {"cluster": r.profile.name, "topology": {k: getattr(r.plan.topology, k) for k in r.plan.topology.__dataclass_fields__},
+             "memory": r.plan.memory, "notes": list(r.plan.notes)} for r in plans]}, indent=2, sort_keys=True))
+        return 0
+    ctx.out(f"ok: {args.spec} is valid for each of its clusters ({', '.join(r.profile.name for r in plans)}); "
+            "submit places it where it starts soonest")
+    for r in plans:
+        ctx.out(f"  {r.profile.name}: {r.plan.topology.arithmetic()}")
+        for note in r.plan.notes:
+            ctx.out(f"    note: {note}")
     return 0

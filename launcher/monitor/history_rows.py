@@ -37,6 +37,7 @@ class HistoryRow:
     world_size: int | None = None
     held_bytes: int | None = None  # the most model states (params + grads + optimizer) a rank held (ledger "memory")
     device_peak: int | None = None  # the most device memory a rank allocated (CUDA's max allocated), where kept
+    cluster: str | None = None  # the cluster profile of its job, for a run whose jobs went to several
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -95,12 +95,14 @@ def _save_cache(cache: dict[str, dict[str, Any]], environ: Mapping[str, str] | N
         pass  # a cache that cannot be written only costs the next status one sacct call
 
 
-def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = None, cache: bool = True) -> SlurmView:
+def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = None, cache: bool = True,
+                scope: str = "") -> SlurmView:
     """ONE squeue call for all ``job_ids``; ONE sacct call for those squeue no longer knows.
 
     A job the controller has forgotten is finished for good, so its sacct answer is cached
     (``$LMLAUNCH_HOME/cache/final-jobs.json``) and later calls skip sacct for it.
-    Never raises for an unreachable SLURM: the view says so instead.
+    Never raises for an unreachable SLURM: the view says so instead. ``scope``: the profile of a
+    cluster of its own (its job ids are other jobs than this cluster's), keying its cached answers.
     """
     ids = sorted({str(j) for j in job_ids if j}, key=_job_sort_key)
     view = SlurmView(jobs={})
@@ -116,10 +118,14 @@ def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = N
         view.message = exc.message
         return view
     cached = _load_cache(environ) if cache else {}
-    missing = [j for j in ids if j not in view.jobs and j not in cached]
+
+    def key(j: str) -> str:
+        return f"{scope}:{j}" if scope else j
+
+    missing = [j for j in ids if j not in view.jobs and key(j) not in cached]
     for j in ids:
-        if j not in view.jobs and j in cached:
-            view.jobs[j] = SlurmJob(**{**cached[j], "source": "cache"})
+        if j not in view.jobs and key(j) in cached:
+            view.jobs[j] = SlurmJob(**{**cached[key(j)], "source": "cache"})
     if missing:
         try:
             view.calls.append("sacct")
@@ -139,7 +145,7 @@ def query_slurm(job_ids: Iterable[str], *, environ: Mapping[str, str] | None = N
                            _elapsed(last.elapsed), last.nodes, "sacct")
             view.jobs[jid] = job
             if cache and not slurm.is_active(last.state):
-                cached[jid] = {k: v for k, v in asdict(job).items() if k != "source"}
+                cached[key(jid)] = {k: v for k, v in asdict(job).items() if k != "source"}
         if cache and by_job:
             _save_cache(cached, environ)
     return view

@@ -13,7 +13,9 @@ from typing import Any
 from launcher.monitor import eval_rows, status_cache
 from launcher.monitor.run_files import RunFiles
 from launcher.monitor.slurm_view import UNREACHABLE, SlurmJob, SlurmView, format_duration, query_slurm
+from launcher.spec import transport
 from lmcore import straggler_lines
+from lmcore.errors import UserError
 from lmcore.slurm import client as slurm
 
 # --------------------------------------------------------------------------- status rows (pure)
@@ -311,15 +313,42 @@ def gather_status_and_files(
     import threading
 
     now = time.time() if now is None else now
-    ids = [r.last_job_id for r in records if r.last_job_id]
-    result: dict[str, SlurmView] = {}
-    t = threading.Thread(target=lambda: result.setdefault("v", query_slurm(ids, environ=environ)))
+    groups = transport.by_cluster(records, environ)  # runs on clusters of their own: each asked there
+    views: list[SlurmView] = []
+    t = threading.Thread(target=lambda: views.extend(_ask_each_cluster(records, groups, environ)))
     t.start()
     files = status_cache.read_all([r.run_dir for r in records], environ)
     t.join()
-    view = result["v"]
-    rows = [
-        build_row(r, f, view.jobs.get(r.last_job_id or ""), slurm_reachable=view.reachable, now=now)
-        for r, f in zip(records, files)
-    ]
-    return rows, view, files
+    rows: list[StatusRow | None] = [None] * len(records)
+    for (_, indices), view in zip(groups, views):
+        for i in indices:
+            r = records[i]
+            rows[i] = build_row(r, files[i], view.jobs.get(r.last_job_id or ""), slurm_reachable=view.reachable, now=now)
+    return [r for r in rows if r is not None], _merged(views), files
+
+
+def _ask_each_cluster(records: Sequence[Any], groups: list[tuple[Any, list[int]]],
+                      environ: Mapping[str, str] | None) -> list[SlurmView]:
+    """Each cluster's view of its runs' current jobs (one squeue, at most one sacct, each)."""
+    views = []
+    for target, indices in groups:
+        ids = [records[i].last_job_id for i in indices if records[i].last_job_id]
+        scope = getattr(target, "profile", "") if target is not None else ""
+        try:
+            with transport.through(target):
+                views.append(query_slurm(ids, environ=environ, scope=scope))
+        except UserError as exc:  # its profile's slurm_conf or slurm_bin gone
+            views.append(SlurmView(jobs={}, reachable=False, message=exc.message))
+    return views
+
+
+def _merged(views: list[SlurmView]) -> SlurmView:
+    """One view for the table's footer and --json: reachable when every cluster answered."""
+    if len(views) == 1:
+        return views[0]
+    jobs = {}
+    for v in views:
+        jobs.update(v.jobs)
+    return SlurmView(jobs=jobs, reachable=all(v.reachable for v in views),
+                     message="; ".join(v.message for v in views if v.message),
+                     calls=[c for v in views for c in v.calls])

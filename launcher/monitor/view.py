@@ -239,8 +239,8 @@ def history_view(h: History) -> Group:
         ended = Text(a.reason + (" ↻" if a.requeued else ""), style=style)
         good = "-" if not a.alloc_s or a.train_s is None else f"{100 * min(1.0, a.train_s / a.alloc_s):.0f}%"
         table.add_row(
-            str(a.attempt), a.job_id or "-", ",".join(a.nodes) or "-", _clock(a.start_time),
-            format_duration(a.queue_wait_s), steps, ended,
+            str(a.attempt), (a.job_id or "-") + (f" on {a.cluster}" if a.cluster else ""), ",".join(a.nodes) or "-",
+            _clock(a.start_time), format_duration(a.queue_wait_s), steps, ended,
             "-" if a.steps_lost is None else str(a.steps_lost),
             f"{format_duration(a.train_s)}/{format_duration(a.alloc_s)}", good,
         )

@@ -182,6 +182,22 @@ def _with_eval_tasks(spec: JobSpec, plan: LaunchPlan) -> LaunchPlan:
     return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan
 
 
+def _load_spec(spec_path: str, overrides: list[str], cluster: str | None, several: bool) -> tuple[JobSpec, Any]:
+    """The spec with its overrides, on ``cluster`` when one is named; one naming several clusters
+    on its first (refused unless the caller plans it on the others too: ``several``)."""
+    spec, origin = load_job_with_origin(spec_path, overrides)
+    if cluster:
+        return spec.model_copy(update={"cluster": cluster, "clusters": None}), origin
+    if spec.clusters:
+        if not several:
+            where = origin.locate(("clusters",)) or "clusters"
+            raise SpecError([f"{where}: this command plans a run on one cluster, and the spec names "
+                             f"{len(spec.clusters)} ({', '.join(spec.clusters)}): choose one with --cluster NAME "
+                             "(submit and validate take several)"], source=str(spec_path))
+        spec = spec.model_copy(update={"cluster": spec.clusters[0]})
+    return spec, origin
+
+
 def resolve(
     spec_path: str,
     overrides: list[str] | None = None,
@@ -191,6 +207,7 @@ def resolve(
     *,
     force: bool = False,
     check_data: bool = True,
+    several: bool = False,
 ) -> Resolved:
     """Load and validate the spec (with overrides), its profile, and plan the launch (excluding
     the nodes the user's record for the profile names); the model section is checked against the
@@ -198,12 +215,16 @@ def resolve(
     a GPU job that does not fit is refused unless ``force``); the stores readable here are checked
     against the model's vocabulary and each other (``check_data``: doctor judges them itself).
 
+    A spec naming several clusters (``clusters``, or ``--cluster a,b``) is planned here on the
+    first; ``several``: the caller plans it on the others too (launcher.planning.clusters: submit
+    and validate), else it is refused, with how to name one.
+
     Every problem names the spec file and, where it can, the line or override it came from.
     """
     env = os.environ if environ is None else environ
-    spec, origin = load_job_with_origin(spec_path, overrides or [])
-    if cluster:
-        spec = spec.model_copy(update={"cluster": cluster})
+    if cluster and "," in cluster:  # --cluster a,b: several
+        cluster, overrides = None, [*(overrides or []), f"clusters=[{cluster}]"]
+    spec, origin = _load_spec(spec_path, overrides or [], cluster, several)
     try:
         try:
             profile = load_profile(spec.cluster, env)

@@ -56,6 +56,12 @@ class RunRecord:
     after: list[str] = field(default_factory=list)  # submit --after: "RUN:ok (job 12)"
     sweep: str | None = None  # the sweep this run is a point of (lmlaunch sweep)
     point: dict[str, Any] = field(default_factory=dict)  # its swept keys and values
+    # each job's cluster profile, beside job_ids (a run over several clusters); older records
+    # have none: every job on ``profile``
+    job_profiles: list[str] = field(default_factory=list)
+    # profile -> its way to SLURM when it is a cluster of its own (own SLURM_CONF/commands, or a
+    # slurmrestd) as submitted: launcher.spec.transport's JSON; read back without the profile
+    targets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +74,25 @@ class RunRecord:
     @property
     def last_job_id(self) -> str | None:
         return self.job_ids[-1] if self.job_ids else None
+
+    def profile_of(self, job_id: str) -> str:
+        """The cluster profile ``job_id`` was submitted with (the newest job of that id)."""
+        for i in range(len(self.job_ids) - 1, -1, -1):
+            if self.job_ids[i] == job_id:
+                return self.job_profiles[i] if i < len(self.job_profiles) and self.job_profiles[i] else self.profile
+        return self.profile
+
+    def target_of(self, job_id: str | None) -> dict[str, Any] | None:
+        """The way to the cluster ``job_id`` went to, as recorded (None: this machine's default)."""
+        return self.targets.get(self.profile_of(job_id) if job_id else self.profile)
+
+    def jobs_by_profile(self) -> dict[str, list[str]]:
+        """The run's job ids grouped by the cluster profile each was submitted with, in order."""
+        out: dict[str, list[str]] = {}
+        for i, job in enumerate(self.job_ids):
+            prof = self.job_profiles[i] if i < len(self.job_profiles) and self.job_profiles[i] else self.profile
+            out.setdefault(prof, []).append(job)
+        return out
 
 
 def _record_path(name: str, environ: Mapping[str, str] | None = None) -> Path:
@@ -151,7 +176,10 @@ def recent_or_unfinished(final: Container[str], now: float, days: float = 1.0,
     others: the index's heads (``$LMLAUNCH_HOME/cache/registry-heads.json``: name -> identity,
     last submission, last job) decide, ``final`` holding the jobs known to have ended
     (slurm_view.ended_jobs); an entry whose file changed is read as ``list_records`` would. With
-    10,000 mostly finished runs this reads a few records instead of all of them."""
+    10,000 mostly finished runs this reads a few records instead of all of them. A run whose last
+    job went to a cluster of its own (its record's ``targets``: a profile's own SLURM_CONF,
+    commands or slurmrestd) is always read: ``final`` holds this cluster's job ids, and another
+    cluster's ids are other jobs."""
     d = registry_dir(environ)
     try:
         with os.scandir(d) as it:
@@ -165,8 +193,8 @@ def recent_or_unfinished(final: Container[str], now: float, days: float = 1.0,
     keep: list[RunRecord] = []
     skipped = 0
 
-    def done_long_ago(submitted: float, job: str | None) -> bool:
-        return now - submitted >= days * 86400 and job is not None and job in final
+    def done_long_ago(submitted: float, job: str | None, elsewhere: bool) -> bool:
+        return now - submitted >= days * 86400 and job is not None and job in final and not elsewhere
 
     for name, entry in entries:
         try:
@@ -174,17 +202,27 @@ def recent_or_unfinished(final: Container[str], now: float, days: float = 1.0,
         except OSError:
             continue
         head = heads.get(name)
-        if head is not None and head[0] == [st.st_ino, st.st_mtime_ns, st.st_size] and done_long_ago(head[1], head[2]):
+        elsewhere = bool(head[3]) if head is not None and len(head) > 3 else False
+        if head is not None and head[0] == [st.st_ino, st.st_mtime_ns, st.st_size] and done_long_ago(head[1], head[2], elsewhere):
             skipped += 1
             continue
         rec = load_record(name[:-5], environ)  # shown, or new or changed (the file decides)
         if rec is None:
             continue
-        if done_long_ago(rec.submitted_at[-1] if rec.submitted_at else 0.0, rec.last_job_id):
+        if done_long_ago(rec.submitted_at[-1] if rec.submitted_at else 0.0, rec.last_job_id,
+                         rec.target_of(rec.last_job_id) is not None):
             skipped += 1
         else:
             keep.append(rec)
     return keep, skipped
+
+
+def _elsewhere(data: Mapping[str, Any]) -> bool:
+    """Whether a record's (JSON) last job went to a cluster of its own."""
+    try:
+        return RunRecord.from_dict(data).target_of(RunRecord.from_dict(data).last_job_id) is not None
+    except (TypeError, AttributeError):
+        return False
 
 
 def _read_json(path: Path) -> Any:
@@ -218,7 +256,8 @@ def _load_index(path: Path) -> dict[str, list[Any]]:
 
 def _save_index(path: Path, entries: dict[str, list[Any]]) -> None:
     """The index, and its heads (what `recent_or_unfinished` needs of each entry) beside it."""
-    heads = {name: [ident, (data.get("submitted_at") or [0.0])[-1], (data.get("job_ids") or [None])[-1]]
+    heads = {name: [ident, (data.get("submitted_at") or [0.0])[-1], (data.get("job_ids") or [None])[-1],
+                    _elsewhere(data)]
              for name, (ident, data) in entries.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)

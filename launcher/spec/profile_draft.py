@@ -36,6 +36,8 @@ class ClusterFacts:
     accounting: bool = True  # sacct answers
     topology: Sequence[Mapping[str, str]] = ()  # scontrol show topology: switches or blocks
     problems: list[str] = field(default_factory=list)  # what could not be read, for the header
+    slurm_conf: str | None = None  # the SLURM_CONF `profile init` ran with (this machine's way to the cluster)
+    slurm_bin: str | None = None  # where its sbatch was, when not a system directory
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
     y += _node_lines(nodes, default.name)
     y += _choices_and_environment(cfg, bool(nodes) and all(n.get("NodeAddr", "").startswith("127.") for n in nodes))
     y += network_lines(cfg.get("TopologyPlugin", ""), facts.topology)
+    y += _client_lines(facts)
     if not facts.accounting:
         y.append("# Accounting: sacct does not answer here. lmlaunch reads states from squeue and the run directory; "
                  "what only sacct knows (a finished job's exit state) is reported as unknown.")
@@ -140,6 +143,20 @@ def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
     if 0 <= min_age < 60:
         y.append(f"# MinJobAge={cfg.get('MinJobAge')}: finished jobs leave squeue within a minute.")
     return "\n".join(y) + "\n"
+
+
+def _client_lines(facts: ClusterFacts) -> list[str]:
+    """How this machine reached the cluster when `profile init` read it: its SLURM_CONF and its
+    commands' directory, so that a run with this profile asks this cluster whatever the shell then
+    points at (one login machine, several clusters)."""
+    if not (facts.slurm_conf or facts.slurm_bin):
+        return []
+    y = ["submit:  # this machine's way to this cluster (the shell `profile init` ran in)"]
+    if facts.slurm_conf:
+        y.append(f"  slurm_conf: {_quote(facts.slurm_conf)}  # $SLURM_CONF")
+    if facts.slurm_bin:
+        y.append(f"  slurm_bin: {_quote(facts.slurm_bin)}  # where sbatch was found (not a system directory)")
+    return y
 
 
 def _partition_lines(parts: list[PartitionDraft], usable: list[PartitionDraft], default: PartitionDraft,

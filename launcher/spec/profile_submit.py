@@ -7,6 +7,7 @@ import re
 
 from pydantic import field_validator, model_validator
 
+from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.rest import RestTarget, Via
 from lmcore.strict_model import StrictModel
 from lmcore.text_rules import OneLine, PathText, SlurmWord, brief
@@ -27,6 +28,10 @@ class Submission(StrictModel):
     """The user name sent with the token (X-SLURM-USER-NAME); absent: the token's own user."""
     api: OneLine | None = None
     """Pin slurmrestd's API version (e.g. v0.0.44); absent: the newest that the server offers and lmlaunch speaks."""
+    slurm_conf: PathText | None = None
+    """via: sbatch, a login machine that reaches several clusters: this cluster's slurm.conf (SLURM_CONF for its commands and its jobs); absent: the commands' default (or the shell's SLURM_CONF)."""
+    slurm_bin: PathText | None = None
+    """via: sbatch: the directory of this cluster's SLURM commands (sbatch, squeue, ...), searched before PATH; e.g. another SLURM version's clients. Absent: PATH."""
 
     @field_validator("url")
     @classmethod
@@ -46,7 +51,17 @@ class Submission(StrictModel):
     def _needs_url(self) -> Submission:
         if self.via == "rest" and self.url is None:
             raise ValueError("via: rest needs url (slurmrestd's address, e.g. http://host:6820)")
+        if self.via == "rest" and (self.slurm_conf or self.slurm_bin):
+            raise ValueError("slurm_conf and slurm_bin say how SLURM's commands reach this cluster (via: sbatch); "
+                             "via: rest reaches it through url instead: remove them or set via: sbatch")
         return self
+
+    def commands_target(self, profile: str) -> CommandsTarget | None:
+        """This cluster's own SLURM_CONF and commands, or None when the defaults serve."""
+        if self.slurm_conf is None and self.slurm_bin is None:
+            return None
+        conf = os.path.expanduser(self.slurm_conf) if self.slurm_conf else None
+        return CommandsTarget(conf, os.path.expanduser(self.slurm_bin) if self.slurm_bin else None, profile)
 
     def rest_target(self, profile: str) -> RestTarget | None:
         """Where slurmrestd is, or None when this profile names none."""

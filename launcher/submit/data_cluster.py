@@ -57,8 +57,22 @@ def _partition(profile: Profile, chosen: str | None) -> str:
 def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None, text_key: str, skip_bad: bool,
                        cluster: str, tasks: int, max_parallel: int, name: str | None, partition: str | None,
                        time_limit: str, environ: Mapping[str, str], array_size: int | None = None) -> dict[str, Any]:
-    """Queue the preparation; what was queued (run, job ids, files, slices, where the result goes)."""
+    """Queue the preparation; what was queued (run, job ids, files, slices, where the result goes).
+    On the profile's cluster: its own SLURM_CONF and commands, or its slurmrestd, where it names them."""
+    from launcher.spec import transport
+
+    profile = load_profile(cluster, environ)
+    with transport.through(transport.profile_target(profile)):
+        return _submit_preparation(inputs, out, tokenizer=tokenizer, text_key=text_key, skip_bad=skip_bad,
+                                   profile=profile, tasks=tasks, max_parallel=max_parallel, name=name,
+                                   partition=partition, time_limit=time_limit, environ=environ, array_size=array_size)
+
+
+def _submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None, text_key: str, skip_bad: bool,
+                        profile: Profile, tasks: int, max_parallel: int, name: str | None, partition: str | None,
+                        time_limit: str, environ: Mapping[str, str], array_size: int | None) -> dict[str, Any]:
     from launcher.planning.resolve import runs_root_for
+    from launcher.spec import transport
     from lmtrain.data.prepare.corpus import Preparation, collect_inputs  # the standard library only: no numpy here
 
     minutes = _checked_options(tasks, max_parallel, time_limit, name)
@@ -73,7 +87,6 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
         raise UserError(f"--array-size {array_size}: must be 1..{limit} (the cluster's MaxArraySize: task ids "
                         f"0..{limit - 1})")
     size = array_size or limit
-    profile = load_profile(cluster, environ)
     part = _partition(profile, partition)
     if minutes > profile.partitions[part].max_minutes:
         raise UserError(f"--time {time_limit} = {minutes} min is above partition '{part}' max_time "
@@ -104,7 +117,8 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
     what = f"job {array_ids[0]}" if len(array_ids) == 1 else f"jobs {', '.join(array_ids)}"
     runs.save_record(runs.RunRecord(name=run_name, profile=profile.name, run_dir=str(run_dir), spec_path=None,
                                     job_ids=[*array_ids, assemble_id], submitted_at=[time.time()],
-                                    max_steps=len(files), after=[f"the preparation array ({what})"]), environ)
+                                    max_steps=len(files), after=[f"the preparation array ({what})"],
+                                    targets=transport.recorded(profile)), environ)
     return {"run": run_name, "run_dir": str(run_dir), "array_job": array_ids[0], "array_jobs": array_ids,
             "array_size": size, "assemble_job": assemble_id, "files": len(files), "tasks": len(cut),
             "max_parallel": parallel, "partition": part, "out": str(target), "staging": str(staging)}

@@ -10,12 +10,14 @@ the file sbatch received with the dry run's).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
 
 from launcher.runs import registry as runs
-from launcher.submit import dependencies, lifecycle, transport
+from launcher.spec import transport
+from launcher.submit import dependencies, lifecycle
 from launcher.submit.script import executor_parameters, render_script, submit_command
 from lmcore import rundir
 from lmcore.errors import SlurmUnavailable, UserError
@@ -121,8 +123,11 @@ def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_
     class PlanExecutor(SlurmExecutor):
         @classmethod
         def affinity(cls) -> int:
-            # submitit refuses to start without srun on PATH; through slurmrestd none is needed here
-            return 2 if slurm.rest_client() is not None else super().affinity()
+            # submitit refuses to start without srun on PATH; through slurmrestd none is needed
+            # here, and a profile's own commands (submit.slurm_bin) need not be on PATH
+            if slurm.rest_client() is not None or (slurm.commands_target() is not None and slurm.has_command("srun")):
+                return 2
+            return super().affinity()
 
         @property
         def _submitit_command_str(self) -> str:
@@ -273,7 +278,7 @@ def submit_plan(
     Never mixes two runs: an existing run name needs ``--resume`` or ``--new``; neither is
     allowed while a job of that run is queued or running. When submission fails nothing is left
     behind: no registry entry, no half-written run directory. Through the profile's slurmrestd
-    when it says so (submit.via: rest; launcher.submit.transport).
+    when it says so (submit.via: rest; launcher.spec.transport).
     """
     with transport.through(transport.profile_target(resolved.profile)):
         return _submit_plan(resolved, ctx, new=new, resume=resume, new_code=new_code, spec_path=spec_path, after=after)
@@ -292,7 +297,7 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
             "the SLURM controller does not answer (`scontrol ping`); nothing was submitted. "
             "Local cluster: start it with `lmlaunch cluster up`."
         )
-    _refuse_active_job(opening.record, name, resume)
+    _refuse_active_job(opening.record, plan, resume, env)
     dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
     if (rest := slurm.rest_client()) is not None:  # what slurmrestd cannot carry is refused before anything changes
         if plan.evaluator:
@@ -308,16 +313,25 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
     notes = [*opening.notes, *after_notes, *(f"starts after {a.label()}" for a in after or [] if a.job_id in waits)]
     if rest is not None:
         notes.append(f"submitted through {rest.target.where}: API {rest.api()}, SLURM {rest.release or 'of unknown version'}")
-    _record_submission(opening.record, plan, job_id, spec_path, after or [], env)
+    _record_submission(opening.record, plan, job_id, spec_path, after or [], env,
+                       transport.recorded(resolved.profile).get(plan.profile))
     _say_submitted(ctx, plan, job_id, notes, resumed=resume)
     return 0
 
 
-def _refuse_active_job(rec: Any, name: str, resume: bool) -> None:
-    """A run with a job still queued or running in SLURM is neither resumed nor started anew."""
+def _refuse_active_job(rec: Any, plan: LaunchPlan, resume: bool, environ: Any = None) -> None:
+    """A run with a job still queued or running in SLURM is neither resumed nor started anew: each
+    of its jobs asked on the cluster it was submitted to (a run over several clusters)."""
     if not (rec and rec.job_ids):
         return
-    active = slurm.active_jobs(rec.job_ids)
+    name = plan.run_name
+    active = []
+    for prof, ids in rec.jobs_by_profile().items():
+        if prof == plan.profile:  # the cluster this submission asks already
+            active += slurm.active_jobs(ids)
+            continue
+        with transport.through(transport.run_profile_target(prof, environ)):
+            active += [dataclasses.replace(j, job_id=f"{j.job_id} on {prof}") for j in slurm.active_jobs(ids)]
     if active:
         listed = ", ".join(f"{j.job_id} ({j.state})" for j in active)
         raise UserError(
@@ -327,14 +341,21 @@ def _refuse_active_job(rec: Any, name: str, resume: bool) -> None:
 
 
 def _record_submission(rec: Any, plan: LaunchPlan, job_id: str, spec_path: str | None, after: list[Any],
-                       env: Any) -> None:
-    """The registry's record of the run, with this submission's job id and time."""
+                       env: Any, target: dict[str, Any] | None = None) -> None:
+    """The registry's record of the run, with this submission's job id, time and cluster (its
+    profile, and its way to SLURM when it is a cluster of its own: ``target``)."""
     import time
 
     run_dir = str(Path(plan.paths.run_dir))
     if rec is None:
         rec = runs.RunRecord(name=plan.run_name, profile=plan.profile, run_dir=run_dir, spec_path=spec_path)
+    rec.job_profiles = [rec.profile_of(j) if i >= len(rec.job_profiles) else rec.job_profiles[i]
+                        for i, j in enumerate(rec.job_ids)] + [plan.profile]
     rec.job_ids.append(job_id)
+    if target is not None:
+        rec.targets[plan.profile] = target
+    else:
+        rec.targets.pop(plan.profile, None)
     rec.submitted_at.append(time.time())
     rec.state = "submitted"
     rec.run_dir = run_dir

@@ -654,6 +654,8 @@ class JobSpec(StrictModel):
     """Run name: the SLURM job name and the run directory name (letters, digits, . _ -)."""
     cluster: ProfileName = "local"
     """Cluster profile name (a file in cluster_profiles/)."""
+    clusters: list[ProfileName] | None = Field(None, min_length=2, max_length=16)
+    """Several cluster profiles instead of one (cluster is then ignored): the run is submitted to the one where it would start soonest (each asked with sbatch --test-only), and each must be able to run it. E.g. [uni, centre]."""
     resources: Resources = Field(default_factory=Resources)
     """Nodes, GPUs, CPUs, memory, time and partition."""
     model: ModelSpec
@@ -689,6 +691,10 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:
+        if self.clusters is not None:
+            twice = sorted({c for c in self.clusters if self.clusters.count(c) > 1})
+            if twice:
+                raise ValueError(f"clusters: {', '.join(twice)} named twice; each cluster once")
         missing = [w.url_env for w in self.notify.webhooks if w.url_env and w.url_env not in self.env.passthrough]
         if missing:
             raise ValueError(

@@ -49,7 +49,7 @@ from slurm_helpers import faults, job_name, webhook_server
 from lmcore.slurm import client as slurm
 from tests.trackers import assert_trackers_log_each_step_once
 
-STORM = 6  # preemptions in a row
+STORM = 3  # preemptions in a row (each attempt costs its start: 3 were as telling as 6, at half the time)
 PODMAN_IMAGE = "localhost/lmlaunch/task:latest"  # scripts/test.sh builds it (lmlaunch cluster image)
 IN_PODMAN = ("container.runtime=podman", f"container.image={PODMAN_IMAGE}", "container.python=auto")
 
@@ -181,8 +181,8 @@ def _preempt_each_attempt(env, name: str, job: str, run_dir, *, times: int, afte
 
 
 def test_storm_of_preemptions_completes_bit_identical_with_one_series_per_tracker(reference, env, jobs, name):
-    """Six preemptions in a row, each one step into its attempt. TensorBoard, CSV and W&B (offline)
-    across the seven attempts: one series per metric with every step once, and one W&B run id that
+    """Three preemptions in a row, each one step into its attempt. TensorBoard, CSV and W&B (offline)
+    across the four attempts: one series per metric with every step once, and one W&B run id that
     every attempt resumes; W&B changes no number."""
     # Every batch slowed more than the others' (a sleep changes no number): steps go on while each
     # preemption takes effect (seen: 24 steps of 0.1 s in one), and all of them must land before
@@ -195,7 +195,7 @@ def test_storm_of_preemptions_completes_bit_identical_with_one_series_per_tracke
 
     reasons = [e["reason"] for e in ends(run_dir)]
     assert reasons == ["preempted"] * STORM + ["completed"], reasons
-    assert_trackers_log_each_step_once(run_dir, MAX_STEPS)  # seven attempts, one series per metric
+    assert_trackers_log_each_step_once(run_dir, MAX_STEPS)  # four attempts, one series per metric
     run_id = (run_dir / "wandb_id").read_text().strip()
     offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == STORM + 1 and all(n.endswith(f"-{run_id}") for n in offline), (run_id, offline)

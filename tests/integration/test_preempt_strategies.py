@@ -23,7 +23,6 @@ import pytest
 import torch
 from preempt_helpers import (
     BASE,
-    MAX_STEPS,
     SPEC,
     assert_losses_match,
     ends,
@@ -83,11 +82,16 @@ def _final(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return last.step, lightning_state_dict(last.path)
 
 
+# Half the DDP tests' steps (preempt_helpers.MAX_STEPS): a sharded step costs several DDP ones on
+# CPU (ZeRO-3, 4 ranks of 2D on 2 cores), and 40 steps still hold 4 periodic checkpoints, a
+# preemption between two of them and a cancel at step 25.
+MAX_STEPS = 40
+STEPS = (f"trainer.max_steps={MAX_STEPS}",)  # after BASE's: the later override wins
 NO_DROPOUT = ("model.config.resid_pdrop=0.0", "model.config.embd_pdrop=0.0", "model.config.attn_pdrop=0.0")
 # every run here: dropout off (the elastic runs compare losses across world sizes) and micro batch 4
 # (accumulation 2 on 2 ranks, 1 on 4)
-COMMON = (*NO_DROPOUT, "data.micro_batch_size=4")
-LLAMA_COMMON = ("data.micro_batch_size=4",)  # llama's config has no GPT-2 dropout keys (its attention_dropout is 0)
+COMMON = (*NO_DROPOUT, "data.micro_batch_size=4", *STEPS)
+LLAMA_COMMON = ("data.micro_batch_size=4", *STEPS)  # llama's config has no GPT-2 dropout keys (its attention_dropout is 0)
 
 
 def _common(strategy: str) -> tuple[str, ...]:
@@ -123,7 +127,7 @@ def test_sharded_strategy_preempted_and_resumed_equals_uninterrupted(strategy, s
     name = job_name("pr", f"pre-{strategy}")
     job, run_dir = submit(env, name, *overrides)
     jobs.append(job)
-    seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 20), attempt=1)
+    seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)
     r = preempt(env, name, "requeue", "--start-now")
     assert r["requeued"], r
     finish(job, run_dir)

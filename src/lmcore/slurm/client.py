@@ -22,6 +22,7 @@ from typing import Any
 
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.slurm import relay as slurm_relay, rest_calls
+from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.records import (
     ACTIVE_GROUPS as ACTIVE_GROUPS,  # the client's records, as its callers know them
     STATE_GROUPS as STATE_GROUPS,
@@ -134,6 +135,27 @@ def rest_client() -> RestClient | None:
     return _REST[-1] if _REST else None
 
 
+# A command about a run on a cluster whose profile names its own SLURM_CONF or client commands
+# (submit.slurm_conf / submit.slurm_bin) sets it for its duration: every command below then runs
+# with them, and a job submitted within gets them in its environment.
+_COMMANDS: list[CommandsTarget] = []
+
+
+@contextlib.contextmanager
+def through_commands(target: CommandsTarget) -> Iterator[CommandsTarget]:
+    """Within: SLURM's commands talk to ``target``'s cluster."""
+    _COMMANDS.append(target)
+    try:
+        yield target
+    finally:
+        _COMMANDS.remove(target)
+
+
+def commands_target() -> CommandsTarget | None:
+    """The cluster SLURM's commands talk to when not the default one."""
+    return _COMMANDS[-1] if _COMMANDS else None
+
+
 def slurm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for SLURM clients.
 
@@ -141,12 +163,24 @@ def slurm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     cluster wrote one, point at it (a non-root `lmlaunch cluster up` cannot install it in /etc).
     """
     env = dict(os.environ if environ is None else environ)
+    if (target := commands_target()) is not None and (target.conf or target.bin):
+        return target.environ(env)  # that cluster's, whatever this shell points at
     if "SLURM_CONF" not in env and not Path("/etc/slurm/slurm.conf").exists():
         for cand in LOCAL_CLUSTER_CONF_CANDIDATES:
             if cand.exists():
                 env["SLURM_CONF"] = str(cand)
                 break
     return env
+
+
+def _which(command: str) -> str | None:
+    """Where ``command`` is for the cluster asked (its profile's slurm_bin first)."""
+    return shutil.which(command, path=slurm_env().get("PATH"))
+
+
+def has_command(command: str) -> bool:
+    """Whether the cluster asked has ``command`` (e.g. srun) on this machine."""
+    return _which(command) is not None
 
 
 def _missing(cmd: str) -> SlurmUnavailable:
@@ -174,7 +208,7 @@ def run(
         if relay:  # a rank in a container: the batch step runs the command on the host
             proc = slurm_relay.call(relay, cmd, timeout=timeout, input=input)
         else:
-            exe = shutil.which(cmd[0])
+            exe = _which(cmd[0])
             if exe is None:
                 raise _missing(cmd[0])
             proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout,
@@ -578,7 +612,7 @@ def run_overlap_step(job_id: str, nodes: Sequence[str], command: Sequence[str], 
         raw = (show_job(job_id, timeout=DEFAULT_TIMEOUT_S) or {}).get("JobId", "")
         job_id = raw if raw.isdigit() else job_id
     cmd = overlap_step_args(job_id, nodes, command)
-    exe = shutil.which(cmd[0])
+    exe = _which(cmd[0])
     if exe is None:
         raise _missing(cmd[0])
     try:
@@ -609,8 +643,9 @@ def accounting_answers(timeout: float = 15.0) -> str | None:
 def srun_has_option(option: str, timeout: float = 30.0) -> bool:
     """Whether this machine's ``srun --help`` lists ``option`` (a SPANK plugin's, e.g. pyxis'
     ``--container-image``); False where srun is missing or does not answer."""
+    exe = _which("srun")
     try:
-        proc = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([exe or "srun", "--help"], capture_output=True, text=True, timeout=timeout, env=slurm_env())
     except (OSError, subprocess.TimeoutExpired):
         return False
     return option in proc.stdout
@@ -626,8 +661,12 @@ def sbatch_file(path: str, *extra: str, timeout: float = DEFAULT_TIMEOUT_S) -> s
 
 def sbatch_command(path: str, *, client_timeout_s: float) -> list[str]:
     """The command line submitit runs to submit a script: sbatch under a client-side limit, so a
-    controller that accepted the job but answers late cannot block ``submit`` for ever."""
-    return ["timeout", "--kill-after=5", str(client_timeout_s), "sbatch", path]
+    controller that accepted the job but answers late cannot block ``submit`` for ever. On a
+    cluster of a profile's own SLURM_CONF and commands, through ``env`` with them: submitit runs
+    the line in this process's environment, and sbatch hands its own to the job."""
+    line = ["timeout", "--kill-after=5", str(client_timeout_s), "sbatch", path]
+    target = commands_target()
+    return ["env", *target.assignments(dict(os.environ)), *line] if target is not None else line
 
 
 def _option(word: str) -> tuple[str, str]:

@@ -1,0 +1,144 @@
+"""Which way a command reaches SLURM, and which cluster: the commands, or its slurmrestd.
+
+- ``lmlaunch --rest PROFILE COMMAND`` (or $LMLAUNCH_REST): everything the command asks of SLURM
+  goes through that profile's slurmrestd (its ``submit.url``).
+- A profile with ``submit.via: rest``: a run submitted with it is submitted through slurmrestd,
+  and the commands about that run (status, logs, history, cancel) ask through it too (the run's
+  registry record names its profile).
+- A profile with ``submit.slurm_conf`` / ``submit.slurm_bin`` (one login machine, several
+  clusters): a run submitted with it, and the commands about it, run SLURM's commands with that
+  cluster's configuration and clients.
+- Otherwise SLURM's commands on this machine, as always.
+
+lmcore.slurm.client does the asking either way (``through_rest``, ``through_commands``); this
+module only chooses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lmcore.errors import UserError
+from lmcore.slurm import client as slurm
+from lmcore.slurm.commands_target import CommandsTarget
+from lmcore.slurm.rest import RestTarget
+
+if TYPE_CHECKING:  # `status` reads the registry's recorded targets: no pydantic/yaml import on that path
+    from launcher.spec.profiles import Profile
+
+Target = RestTarget | CommandsTarget  # a cluster's slurmrestd, or its own SLURM_CONF and commands
+
+
+def forced_target(name: str, environ: Mapping[str, str] | None = None) -> RestTarget:
+    """``--rest NAME``: that profile's slurmrestd (its submit.url is required)."""
+    from launcher.spec.profiles import load_profile
+
+    target = load_profile(name, environ).submit.rest_target(name)
+    if target is None:
+        raise UserError(f"--rest {name}: profile '{name}' names no slurmrestd (its submit.url); add "
+                        "submit: {url: http://HOST:6820, token_file: ~/.slurm-token}")
+    return target
+
+
+def profile_target(profile: Profile) -> Target | None:
+    """The profile's slurmrestd when its runs are submitted through it (submit.via: rest); its own
+    SLURM_CONF and commands when it names them; None: the defaults."""
+    if profile.submit.via == "rest":
+        return profile.submit.rest_target(profile.name)
+    return profile.submit.commands_target(profile.name)
+
+
+def run_target(run: str | None, environ: Mapping[str, str] | None = None) -> Target | None:
+    """The way to the cluster of the profile a named run (or sweep) was submitted with, when it is
+    not the default one."""
+    if not run:
+        return None
+    from launcher.runs import registry
+
+    try:
+        points = registry.sweep_records(run, environ)  # a sweep: its points' profile
+        rec = points[0] if points else registry.find_run(run, environ)  # a run name or one of its job ids
+    except (UserError, OSError, ValueError):
+        return None  # the command says what it cannot find
+    if not rec.profile:
+        return None
+    return run_profile_target(rec.profile_of(rec.job_ids[-1]) if rec.job_ids else rec.profile, environ)
+
+
+def run_profile_target(name: str, environ: Mapping[str, str] | None = None) -> Target | None:
+    """The way to the cluster of profile ``name`` (a job of a run submitted with it); a profile
+    gone since: the defaults."""
+    try:
+        from launcher.spec.profiles import load_profile
+
+        return profile_target(load_profile(name, environ))
+    except UserError:
+        return None
+
+
+def target_json(target: Target | None) -> dict[str, Any] | None:
+    """A way to SLURM as the registry records it with a run's jobs (never a token, only where it is)."""
+    if target is None:
+        return None
+    return {"via": "rest" if isinstance(target, RestTarget) else "commands", **target.to_json()}
+
+
+def recorded(profile: Profile) -> dict[str, dict[str, Any]]:
+    """A registry record's ``targets`` for jobs submitted with ``profile``."""
+    target = target_json(profile_target(profile))
+    return {profile.name: target} if target is not None else {}
+
+
+def target_from_json(data: Mapping[str, Any] | None) -> Target | None:
+    """:func:`target_json`'s inverse; None for None or a record it cannot read."""
+    if not data:
+        return None
+    try:
+        return RestTarget.from_json(dict(data)) if data.get("via") == "rest" else CommandsTarget.from_json(dict(data))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def by_cluster(records: Sequence[Any], environ: Mapping[str, str] | None = None) -> list[tuple[Target | None, list[int]]]:
+    """``records`` (registry records) grouped by the cluster of each one's last job, as recorded
+    when it was submitted (no profile is read: `status` stays light), in order of first
+    appearance: each group's way to SLURM and the indices of its records."""
+    groups: dict[str, tuple[Target | None, list[int]]] = {}
+    for i, rec in enumerate(records):
+        target = target_from_json(rec.target_of(rec.last_job_id))
+        groups.setdefault(repr(target), (target, []))[1].append(i)  # two profiles of one cluster: one group
+    return list(groups.values())
+
+
+@contextlib.contextmanager
+def through(target: Target | None, *, exactly: bool = False) -> Iterator[Any]:
+    """Within: SLURM through ``target`` (nothing changes for None, or when the command already
+    runs through a slurmrestd: ``--rest`` wins). ``exactly``: None is this machine's default
+    cluster even within another's (a run whose jobs went to several)."""
+    if target is None and exactly and slurm.commands_target() is not None:
+        target = CommandsTarget()  # the shell's own SLURM_CONF and PATH
+    if target is None or slurm.rest_client() is not None:
+        yield slurm.rest_client()
+        return
+    if isinstance(target, CommandsTarget):
+        _check_commands_target(target)
+        with slurm.through_commands(target):
+            yield None
+        return
+    with slurm.through_rest(target) as client:
+        yield client
+
+
+def _check_commands_target(target: CommandsTarget) -> None:
+    """A profile's slurm_conf that is not a file, or slurm_bin that is not a directory, is said
+    by name before SLURM's commands fail in their own words."""
+    import os
+
+    if target.conf and not os.path.isfile(target.conf):
+        raise UserError(f"profile '{target.profile}': submit.slurm_conf {target.conf} is not a file "
+                        "(the cluster's slurm.conf on this machine)", exit_code=2)
+    if target.bin and not os.path.isdir(target.bin):
+        raise UserError(f"profile '{target.profile}': submit.slurm_bin {target.bin} is not a directory "
+                        "(where that cluster's sbatch, squeue, ... are)", exit_code=2)

@@ -1,0 +1,221 @@
+"""A run over several clusters, the parts that need no cluster: which one it goes to (a table),
+what is refused before anything is asked or submitted (the spec, the profiles, the commands that
+plan one cluster), a profile's own way to its cluster (SLURM_CONF and commands, as `profile init`
+reads it), and the registry's record of each job's cluster (status asks each cluster about its
+own jobs). On the real clusters: tests/integration/test_several_clusters.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main
+from launcher.context import Context
+from launcher.planning.clusters import TIE_S, Answer, choose
+from launcher.runs import registry
+from launcher.spec import transport
+from launcher.spec.profile_draft import ClusterFacts, draft
+from launcher.spec.profiles import load_profile_file
+from launcher.submit.start_estimates import describe
+from lmcore.slurm import client as slurm
+from lmcore.slurm.commands_target import CommandsTarget
+from lmcore.slurm.rest import RestTarget
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = REPO / "jobs" / "tiny-cpu.yaml"
+LOCAL = (REPO / "cluster_profiles" / "local.yaml").read_text()
+T0 = 1_800_000_000.0
+
+
+def A(cluster: str, start: float | None = T0, *, accepted: bool = True, pending: int | None = 0,
+      answered: bool = True) -> Answer:
+    return Answer(cluster, accepted, start, "m", pending, answered)
+
+
+@pytest.mark.parametrize("answers, chosen, why", [
+    ([A("a", T0 + 1800), A("b", T0)], "b", "it starts soonest"),
+    ([A("a", T0 + 30), A("b", T0)], "a", "it starts as soon as b and is named first"),  # within TIE_S
+    ([A("a", T0 + 30, pending=3), A("b", T0, pending=1)], "b", "it starts as soon as a, with fewer of your jobs pending"),
+    ([A("a", None), A("b", T0 + 86400)], "b", "it starts soonest"),  # an estimate beats none
+    ([A("a", None), A("b", None)], "a", "it starts as soon as b and is named first"),
+    ([A("a", accepted=False), A("b", T0 + 600)], "b", "the only cluster that would take it"),
+    ([A("a", answered=False, accepted=False), A("b", T0 + 600)], "b", "the only cluster that would take it"),
+    ([A("a", accepted=False), A("b", answered=False, accepted=False)], None, "no cluster would take the job"),
+])
+def test_the_run_goes_where_it_starts_soonest(answers, chosen, why):
+    got, reason = choose(answers)
+    assert (got.cluster if got else None, reason) == (chosen, why)
+    assert TIE_S == 60.0
+
+
+def test_the_answers_are_said_one_line_per_cluster():
+    answers = [A("uni", T0 + 1800, pending=2), Answer("centre", True, T0, "x", 0),
+               Answer("own", False, None, "skipped: `sbatch` did not answer within 10 s", answered=False),
+               Answer("old", False, None, "Requested node configuration is not available")]
+    lines = describe(answers, answers[1], "it starts soonest", now=T0)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 + 1800))
+    assert lines == [
+        "clusters asked when the run would start (sbatch --test-only):",
+        f"  uni: starts {stamp} (30 min from now); 2 of your jobs pending there",
+        f"  centre: starts {time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(T0))} (now); 0 of your jobs pending there",
+        "  own: skipped: `sbatch` did not answer within 10 s",
+        "  old: would not take the job: Requested node configuration is not available",
+        "chosen: centre (it starts soonest)",
+    ]
+
+
+# --------------------------------------------------------------------------- refused before anything is asked
+
+def _profiles(tmp_path: Path, **extra: str) -> Path:
+    d = tmp_path / "profiles"
+    d.mkdir(exist_ok=True)
+    for name, tail in {"here": "", "there": "", **extra}.items():
+        if not (d / f"{name}.yaml").exists():
+            (d / f"{name}.yaml").write_text(LOCAL + tail)
+    return d
+
+
+def _lm(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    environ = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LMLAUNCH_HOME": str(tmp_path / "home"),
+               "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_PROFILES_DIR": str(_profiles(tmp_path)),
+               **(env or {})}
+    code = main([str(a) for a in args], Context(stdout=out, stderr=err, environ=environ))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_validate_plans_the_run_on_each_cluster(tmp_path):
+    code, out, err = _lm(tmp_path, "validate", SPEC, "clusters=[here, there]")
+    assert code == 0, err
+    assert out.startswith(f"ok: {SPEC} is valid for each of its clusters (here, there); submit places it where it "
+                          "starts soonest\n  here: nodes(2)"), out
+    code, out, err = _lm(tmp_path, "validate", SPEC, "--cluster", "there,here")
+    assert code == 0 and "(there, here)" in out, err
+
+
+@pytest.mark.parametrize("overrides, extra, expected", [
+    (["clusters=[here, nowhere]"], {}, "clusters: nowhere: unknown profile 'nowhere' (did you mean 'here'?); available: "),
+    (["clusters=[here, here]"], {}, "clusters: here named twice; each cluster once"),
+    (["clusters=[here]"], {}, "clusters (override 'clusters=[here]'): List should have at least 2 items"),
+    # one cluster cannot run it: its profile lacks the partition the spec asks for
+    (["clusters=[here, small]", "resources.partition=high"], {"small": "\n"},
+     "clusters: small: override 'resources.partition=high': resources.partition 'high' is not a partition of "
+     "profile 'small'; allowed: low"),
+    (["clusters=[here, ssh]"], {"ssh": "\nlogin: {ssh: user@login.example.org}\n"},
+     "clusters: ssh is reached over SSH"),
+])
+def test_what_a_run_over_several_clusters_cannot_be_is_refused_naming_the_cluster(tmp_path, overrides, extra, expected):
+    d = _profiles(tmp_path, **extra)
+    if "small" in extra:
+        text = LOCAL.replace("  high: {max_time: \"2:00:00\"}\n", "").replace("high_priority_partition: high\n", "")
+        (d / "small.yaml").write_text(text)
+    code, out, err = _lm(tmp_path, "submit", SPEC, *overrides, "--dry-run")
+    assert code == 2 and out == "", (out, err)
+    assert expected in err, err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "registry").exists()  # nothing half-done
+
+
+def test_clusters_without_one_runs_root_are_refused(tmp_path):
+    d = _profiles(tmp_path)
+    (d / "there.yaml").write_text(LOCAL.replace("runs_root: ~/.lmlaunch/runs", "runs_root: ~/elsewhere"))
+    code, out, err = _lm(tmp_path, "validate", SPEC, "clusters=[here, there]", env={"LMLAUNCH_RUNS_ROOT": ""})
+    assert code == 2, (out, err)
+    assert f"the run's directory differs between them (here: {tmp_path}/.lmlaunch/runs/tiny-cpu, there: " \
+           f"{tmp_path}/elsewhere/tiny-cpu)" in err, err
+    assert "give their profiles the same runs_root" in err
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["notify-test"]])
+def test_commands_that_plan_one_cluster_say_how_to_choose_one(tmp_path, command):
+    code, out, err = _lm(tmp_path, *command, SPEC, "clusters=[here, there]")
+    assert code == 2, (out, err)
+    assert "override 'clusters=[here, there]': this command plans a run on one cluster, and the spec names 2 " \
+           "(here, there): choose one with --cluster NAME (submit and validate take several)" in err, err
+
+
+def test_a_sweep_over_several_clusters_is_refused_with_how(tmp_path):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\ngrid:\n  optim.lr: [0.001, 0.002]\n")
+    code, out, err = _lm(tmp_path, "sweep", SPEC, sweep, "clusters=[here, there]", "--dry-run")
+    assert code == 2 and "choose one with --cluster NAME" in err, (out, err)
+
+
+# --------------------------------------------------------------------------- a profile's own way to its cluster
+
+def test_a_profile_names_its_clusters_slurm_conf_and_commands(tmp_path):
+    d = _profiles(tmp_path, own="\nsubmit: {slurm_conf: /etc/other/slurm.conf, slurm_bin: ~/slurm-24/bin}\n",
+                  bad="\nsubmit: {via: rest, url: 'http://h:6820', slurm_conf: /x}\n")
+    p = load_profile_file(d / "own.yaml")
+    target = transport.profile_target(p)
+    assert target == CommandsTarget("/etc/other/slurm.conf", os.path.expanduser("~/slurm-24/bin"), "own")
+    env = target.environ({"PATH": "/usr/bin:/bin", "SLURM_CONF": "/etc/slurm/slurm.conf"})
+    assert env == {"PATH": f"{os.path.expanduser('~/slurm-24/bin')}:/usr/bin:/bin", "SLURM_CONF": "/etc/other/slurm.conf"}
+    assert transport.profile_target(load_profile_file(d / "here.yaml")) is None
+    with pytest.raises(Exception, match="slurm_conf and slurm_bin say how SLURM's commands reach this cluster"):
+        load_profile_file(d / "bad.yaml")
+
+
+def test_the_commands_and_the_jobs_they_submit_talk_to_the_profiles_cluster(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=other\n")
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho \"$SLURM_CONF\"\n")  # a cluster's client, as a site's module puts it
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/mine.conf")
+    target = CommandsTarget(str(conf), str(bin_dir), "other")
+    with transport.through(target):
+        assert slurm.run(["squeue"]).stdout.strip() == str(conf)
+        line = slurm.sbatch_command("job.sh", client_timeout_s=30)
+        assert line[:3] == ["env", f"SLURM_CONF={conf}", f"PATH={bin_dir}:{os.environ['PATH']}"], line
+        assert line[3:] == ["timeout", "--kill-after=5", "30", "sbatch", "job.sh"]
+        with transport.through(None, exactly=True):  # this machine's own cluster, inside another's
+            assert slurm.slurm_env()["SLURM_CONF"] == "/etc/slurm/mine.conf"
+    assert slurm.sbatch_command("job.sh", client_timeout_s=30)[0] == "timeout"
+    with pytest.raises(Exception, match=r"profile 'gone': submit.slurm_conf /nonexistent/slurm.conf is not a file"):
+        with transport.through(CommandsTarget("/nonexistent/slurm.conf", None, "gone")):
+            pass
+
+
+def test_profile_init_writes_the_way_it_reached_the_cluster(tmp_path):
+    facts = ClusterFacts(partitions=[{"PartitionName": "low", "Default": "YES", "MaxTime": "1:00:00", "State": "UP",
+                                      "PriorityTier": "1", "PreemptMode": "OFF", "Nodes": "n[1-2]"}],
+                         nodes=[], config={"SLURM_VERSION": "24.11.5", "ClusterName": "c"},
+                         slurm_conf="/srv/c/slurm.conf", slurm_bin="/srv/c/bin")
+    text = draft("c", facts, when="2026-11-29")
+    assert 'submit:  # this machine\'s way to this cluster (the shell `profile init` ran in)\n' \
+           '  slurm_conf: "/srv/c/slurm.conf"  # $SLURM_CONF\n' in text
+    (tmp_path / "c.yaml").write_text(text)
+    assert transport.profile_target(load_profile_file(tmp_path / "c.yaml")) == CommandsTarget("/srv/c/slurm.conf", "/srv/c/bin", "c")
+    plain = ClusterFacts(partitions=facts.partitions, nodes=[], config=facts.config)
+    assert "submit:" not in draft("c", plain, when="2026-11-29")
+
+
+# --------------------------------------------------------------------------- the registry: each job's cluster
+
+def test_the_registry_keeps_each_jobs_cluster_and_status_groups_by_it(tmp_path):
+    env = {"LMLAUNCH_HOME": str(tmp_path)}
+    there = transport.target_json(CommandsTarget("/srv/b/slurm.conf", "/srv/b/bin", "b"))
+    rest = transport.target_json(RestTarget("http://r:6820", "/t", None, None, "r"))
+    assert transport.target_from_json(rest) == RestTarget("http://r:6820", "/t", None, None, "r")
+    old = registry.RunRecord(name="old", profile="a", run_dir="/x", spec_path=None, job_ids=["5"], submitted_at=[1.0])
+    moved = registry.RunRecord(name="moved", profile="a", run_dir="/y", spec_path=None, job_ids=["35", "231"],
+                               submitted_at=[1.0, 2.0], job_profiles=["b", "a"], targets={"b": there})
+    away = registry.RunRecord(name="away", profile="b", run_dir="/z", spec_path=None, job_ids=["5"],
+                              submitted_at=[1.0], job_profiles=["b"], targets={"b": there})
+    assert (moved.profile_of("35"), moved.profile_of("231"), old.profile_of("5")) == ("b", "a", "a")
+    assert moved.jobs_by_profile() == {"b": ["35"], "a": ["231"]}
+    groups = transport.by_cluster([old, moved, away])
+    assert [(t, i) for t, i in groups] == [(None, [0, 1]), (transport.target_from_json(there), [2])]
+    for rec in (old, moved, away):
+        registry.save_record(rec, env)
+    # job 5 ended on this machine's cluster long ago: the run there is skipped unread, the one
+    # whose job 5 is another cluster's is read (its own cluster says how it is)
+    kept, skipped = registry.recent_or_unfinished({"5"}, now=10 * 86400.0, environ=env)
+    assert [r.name for r in kept] == ["away", "moved"] and skipped == 1
+    kept, skipped = registry.recent_or_unfinished({"5"}, now=10 * 86400.0, environ=env)  # from the index's heads
+    assert [r.name for r in kept] == ["away", "moved"] and skipped == 1
