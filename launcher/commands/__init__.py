@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("dashboard", "a live, read-only web page of the runs (127.0.0.1, with a token in its URL)"),
     "stacks": ("stacks", "the live Python stacks (--native: and C frames) of every task of a running job"),
     "cancel": ("cancel", "cancel a run (never requeued)"),
+    "move": ("move", "move a queued run over several clusters where it starts sooner; --watch: as its spec says"),
     "history": ("history", "a run's attempts: why each ended, goodput"),
     "report": ("report", "plot a run's loss and throughput to a PNG"),
     "diff": ("diff", "what differs between two runs: spec, plan, packages, environment"),

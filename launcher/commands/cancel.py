@@ -9,6 +9,7 @@ from pathlib import Path
 
 from launcher.context import Context
 from launcher.runs import registry as runs
+from launcher.spec import transport
 from launcher.submit import lifecycle
 from lmcore import rundir
 from lmcore.errors import ExitCode, SlurmUnavailable
@@ -18,6 +19,13 @@ from lmcore.slurm import client as slurm
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="a run name or one of its job ids")
     p.add_argument("--json", action="store_true", help="what was done, as JSON")
+
+
+def _by_cluster(jobs: list) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for prof, job in jobs:
+        out.setdefault(prof, []).append(job.job_id)
+    return out
 
 
 def cancel_run(rec, environ=None) -> dict:
@@ -33,9 +41,11 @@ def cancel_run(rec, environ=None) -> dict:
     active: list[str] = []
     message = ""
     try:
-        active = [j.job_id for j in slurm.active_jobs(rec.job_ids)]
-        if active:
-            slurm.cancel(active)
+        for prof, ids in _by_cluster(transport.active_jobs_of(rec, environ)).items():  # each on its own cluster
+            with transport.through(transport.run_profile_target(prof, environ)
+                                   or transport.target_from_json(rec.targets.get(prof)), exactly=True):
+                slurm.cancel(ids)
+            active += ids
     except SlurmUnavailable as exc:
         message = f"SLURM unreachable, nothing was scancelled: {exc.message}"
 

@@ -17,6 +17,7 @@ from launcher.context import Context
 from launcher.planning import eval_tasks
 from launcher.planning.resolve import eval_interpreter
 from launcher.runs import registry as runs
+from launcher.spec import transport
 from launcher.spec.profiles import load_profile
 from launcher.submit import hetjob, submission
 from lmcore import rundir
@@ -25,7 +26,6 @@ from lmcore.checkpoint_index import complete_checkpoints
 from lmcore.errors import UserError
 from lmcore.eval_alongside import EVAL_DIR, EVALUATOR_LOG, EvaluatorPlan, read_scores, scored_steps
 from lmcore.plan import LaunchPlan
-from lmcore.slurm import client as slurm
 from lmcore.spec import SHIPPED_EVAL_TASKS
 
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     run_dir = runs.run_dir_of(args.run, ctx.environ or None)
     plan = LaunchPlan.from_dict(json.loads(rundir.RunLayout.of(run_dir).plan.read_text()))
     rec = runs.find_run(args.run, ctx.environ or None) if not Path(args.run).is_dir() else None
-    if rec is not None and slurm.active_jobs(rec.job_ids):  # one evaluator at a time writes the run's eval/
+    if rec is not None and transport.active_jobs_of(rec, ctx.environ or None):  # one evaluator at a time writes the run's eval/
         raise UserError(f"run {rec.name} is queued or running: its evaluator alongside scores its checkpoints; "
                         f"`lmlaunch eval` scores a finished run's", exit_code=2)
     if Path(plan.paths.run_dir).resolve() != run_dir.resolve():

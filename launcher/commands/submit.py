@@ -171,5 +171,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         if problems:
             raise SpecError([*problems, "nothing was submitted (`lmlaunch doctor SPEC` says more; --force submits "
                              "anyway)"], source=args.spec)
-    return submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec,
+    code = submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec,
                        after=after)
+    if code == 0 and r.spec.move is not None and r.spec.clusters:  # the watcher that moves it (one per run)
+        from launcher.submit.mover import start_watcher
+        from lmcore.run_layout import RunLayout
+
+        pid = start_watcher(r.plan.run_name, r.plan.paths.run_dir, ctx)
+        ctx.out(f"note: a watcher (pid {pid}) moves it between {', '.join(r.spec.clusters)} as its move section says; "
+                f"it writes {RunLayout.of_plan(r.plan).mover_log} (again: lmlaunch move {r.plan.run_name} --detach)")
+    return code

@@ -197,6 +197,8 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
             instead = f"resumed from {x['fallback']} instead" if x.get("fallback") else "no older checkpoint was left"
             notes.append(f"attempt {x.get('attempt')}: step-{x.get('step')} failed its checksums "
                          f"({x.get('detail', '')}); {instead}")
+        elif x.get("event") in ("moved", "move_failed"):  # launcher.submit.mover: a run over several clusters
+            notes.append(_move_note(x))
         elif x.get("event") == "straggler":  # lmtrain.health.straggler_watch
             said = straggler_lines.describe(x)
             if x.get("state") == "start":
@@ -205,6 +207,18 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
                 notes.append(f"attempt {x.get('attempt')}: from step {x.get('step')}, rank {x.get('rank')} "
                              f"({x.get('node')}) no longer slow (it was {said.split(') ', 1)[1]})")
     return notes + restart_notes(ledger)
+
+
+def _move_note(x: Mapping[str, Any]) -> str:
+    """A move between clusters, as the watcher recorded it."""
+    import time
+
+    when = time.strftime("%m-%d %H:%M:%S", time.localtime(float(x.get("time") or 0)))
+    if x.get("event") == "moved":
+        return (f"{when}: moved from {x.get('from')} (job {x.get('from_job')}, queued) to {x.get('to')} "
+                f"(job {x.get('to_job')}): {x.get('why')}")
+    return (f"{when}: a move from {x.get('from')} (job {x.get('from_job')}) to {x.get('to')} failed "
+            f"({x.get('error')}); queued again on {x.get('from')} as job {x.get('job')}")
 
 
 def restart_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:

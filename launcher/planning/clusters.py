@@ -7,7 +7,6 @@ on the answers launcher.submit.start_estimates got from the clusters.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,8 +41,7 @@ def plan_each(spec_path: str, overrides: Sequence[str], names: Sequence[str], en
             plans.append(done)
             continue
         try:
-            one = resolve(spec_path, list(overrides), name, environ, python, force=force)
-            plans.append(dataclasses.replace(one, spec=one.spec.model_copy(update={"clusters": list(names)})))
+            plans.append(resolve(spec_path, list(overrides), name, environ, python, force=force))  # keeps clusters
         except SpecError as exc:
             problems += [f"clusters: {name}: {p.removeprefix('--cluster: ')}" for p in exc.problems]
     if problems:
@@ -100,3 +98,51 @@ def choose(answers: Sequence[Answer]) -> tuple[Answer | None, str]:
     else:
         why = f"it starts as soon as {', '.join(a.cluster for a in tied if a is not best)} and is named first"
     return best, why
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The run's current job as the watcher found it on its cluster."""
+
+    cluster: str
+    job_id: str
+    state: str  # SLURM's word: PENDING, RUNNING, ...
+    reason: str  # squeue's: Priority, Resources, BeginTime, JobHeldUser, Dependency ...
+    waited_s: float  # since it was submitted or requeued (the later)
+    after_preemption: bool  # its last attempt ended preempted and requeued itself
+
+
+HELD = ("JobHeldUser", "JobHeldAdmin")  # someone holds it on purpose: it is theirs to release, not moved
+
+
+def move_due(q: Queued, *, after_s: float | None, on_preemption: bool) -> str | None:
+    """Why the queued job should go elsewhere now, or None: only a pending job that nobody holds
+    and that waits on the cluster (not on a dependency or a begin time of its own) is moved, after
+    a preemption (``on_preemption``) or after ``after_s`` in the queue."""
+    if q.state != "PENDING" or q.reason in HELD or q.reason.startswith("Dependency"):
+        return None
+    if on_preemption and q.after_preemption:
+        return "preempted"
+    if after_s is not None and q.waited_s >= after_s:
+        return f"queued {q.waited_s:.0f} s (move.after {after_s:.0f} s)"
+    return None
+
+
+def move_target(q: Queued, here: Answer, others: Sequence[Answer]) -> tuple[Answer | None, str]:
+    """Where the run goes from ``q``'s cluster (its answer ``here``: the job's own start estimate,
+    or a new job's), or None: another cluster moves it only when it would start more than
+    ``TIE_S`` sooner (a cluster that does not answer is never moved to)."""
+    best, why = choose([a for a in others if a.cluster != q.cluster])
+    if best is None:
+        return None, "no other cluster would take it"
+    mine = here.start if here.answered and here.start is not None else math.inf
+    theirs = best.start if best.start is not None else math.inf
+    if not theirs + TIE_S < mine:
+        return None, f"no other cluster starts it sooner (here: {_when(mine)}, {best.cluster}: {_when(theirs)})"
+    return best, f"{best.cluster} starts it sooner ({_when(theirs)} against {_when(mine)} on {q.cluster})"
+
+
+def _when(t: float) -> str:
+    import time
+
+    return "no estimate" if t == math.inf else time.strftime("%H:%M:%S", time.localtime(t))

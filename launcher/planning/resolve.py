@@ -186,8 +186,10 @@ def _load_spec(spec_path: str, overrides: list[str], cluster: str | None, severa
     """The spec with its overrides, on ``cluster`` when one is named; one naming several clusters
     on its first (refused unless the caller plans it on the others too: ``several``)."""
     spec, origin = load_job_with_origin(spec_path, overrides)
+    if cluster and spec.clusters and cluster in spec.clusters:  # one of its clusters: it keeps the others
+        return spec.model_copy(update={"cluster": cluster}), origin
     if cluster:
-        return spec.model_copy(update={"cluster": cluster, "clusters": None}), origin
+        return spec.model_copy(update={"cluster": cluster, "clusters": None, "move": None}), origin
     if spec.clusters:
         if not several:
             where = origin.locate(("clusters",)) or "clusters"

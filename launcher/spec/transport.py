@@ -112,6 +112,17 @@ def by_cluster(records: Sequence[Any], environ: Mapping[str, str] | None = None)
     return list(groups.values())
 
 
+def active_jobs_of(rec: Any, environ: Mapping[str, str] | None = None) -> list[tuple[str, Any]]:
+    """The run's jobs still queued or running, each asked on the cluster it was submitted to (a
+    job id of one cluster is another job on the next): (profile, squeue's record) pairs."""
+    out = []
+    for prof, ids in rec.jobs_by_profile().items():
+        target = run_profile_target(prof, environ) or target_from_json(rec.targets.get(prof))  # a profile gone: as recorded
+        with through(target, exactly=True):
+            out += [(prof, j) for j in slurm.active_jobs(ids)]
+    return out
+
+
 @contextlib.contextmanager
 def through(target: Target | None, *, exactly: bool = False) -> Iterator[Any]:
     """Within: SLURM through ``target`` (nothing changes for None, or when the command already

@@ -325,13 +325,9 @@ def _refuse_active_job(rec: Any, plan: LaunchPlan, resume: bool, environ: Any = 
     if not (rec and rec.job_ids):
         return
     name = plan.run_name
-    active = []
-    for prof, ids in rec.jobs_by_profile().items():
-        if prof == plan.profile:  # the cluster this submission asks already
-            active += slurm.active_jobs(ids)
-            continue
-        with transport.through(transport.run_profile_target(prof, environ)):
-            active += [dataclasses.replace(j, job_id=f"{j.job_id} on {prof}") for j in slurm.active_jobs(ids)]
+    several = len(rec.jobs_by_profile()) > 1 or rec.profile_of(rec.job_ids[-1]) != plan.profile
+    active = [dataclasses.replace(j, job_id=f"{j.job_id} on {prof}") if several else j
+              for prof, j in transport.active_jobs_of(rec, environ)]
     if active:
         listed = ", ".join(f"{j.job_id} ({j.state})" for j in active)
         raise UserError(

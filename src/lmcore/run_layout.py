@@ -29,6 +29,8 @@ LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.runs.snapshot, PYTHONPATH in the plan)
 SUBMITIT = "submitit"  # submitit's folder: the pickled task, the job script, each task's stdout/stderr
 SPEC_YAML = "spec.yaml"
+MOVER_LOCK = "mover.lock"  # `lmlaunch move --watch` of a run over several clusters: one watcher at a time
+MOVER_LOG = "mover.log"  # logs/: what it saw and did
 DEEPSPEED_JSON = "deepspeed.json"
 REPORT = "report.png"  # `lmlaunch report`'s default output
 WANDB_ID = "wandb_id"  # the W&B run id every attempt logs into (lmtrain.observe.loggers)
@@ -150,6 +152,16 @@ class RunLayout:
     @property
     def cancelled(self) -> Path:
         return self.run_dir / CANCELLED
+
+    @property
+    def mover_lock(self) -> Path:
+        """Held by the one watcher that moves a run over several clusters (`lmlaunch move --watch`)."""
+        return self.run_dir / MOVER_LOCK
+
+    @property
+    def mover_log(self) -> Path:
+        """What that watcher saw and did, with times."""
+        return self.logs / MOVER_LOG
 
     @property
     def restart_request(self) -> Path:

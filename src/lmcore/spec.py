@@ -638,6 +638,33 @@ class NotifySpec(StrictModel):
     """Further attempts after a failed delivery (1 s, 2 s, 4 s ... apart)."""
 
 
+class MoveSpec(StrictModel):
+    """When a run over several clusters (clusters) moves its next attempt to another of them: a
+    watcher on this machine (`lmlaunch move RUN --watch`, started by submit) holds and cancels the
+    queued job where it waits, and submits the run where it starts sooner, from its newest complete
+    checkpoint. Only a queued job moves: a running one is never stopped for it."""
+
+    after: str | None = None
+    """A queued attempt that has waited this long (a SLURM time: MM:SS, HH:MM:SS, D-HH) moves to the cluster where it would start sooner; null: never for waiting alone."""
+    on_preemption: bool = True
+    """A preempted attempt's next one goes to the cluster where it would start soonest (not back into the queue it was preempted from when another starts sooner)."""
+    poll_s: int = Field(30, ge=1, le=3600)
+    """How often the watcher asks the run's cluster about its job (and, when a move may be due, every cluster when it would start)."""
+
+    @field_validator("after", mode="before")
+    @classmethod
+    def _after(cls, v: Any) -> str | None:
+        if v is None:
+            return None
+        if isinstance(v, bool) or parse_duration(str(v)) is None or (parse_duration(str(v)) or 0) <= 0:
+            raise ValueError(f"{brief(str(v))} is not a SLURM time; use MM:SS, HH:MM:SS or D-HH (e.g. 30:00)")
+        return str(v)
+
+    @property
+    def after_s(self) -> float | None:
+        return parse_duration(self.after) if self.after is not None else None
+
+
 class SlurmOptions(StrictModel):
     """sbatch and srun options of this job that lmlaunch does not plan itself, over the profile's."""
 
@@ -656,6 +683,8 @@ class JobSpec(StrictModel):
     """Cluster profile name (a file in cluster_profiles/)."""
     clusters: list[ProfileName] | None = Field(None, min_length=2, max_length=16)
     """Several cluster profiles instead of one (cluster is then ignored): the run is submitted to the one where it would start soonest (each asked with sbatch --test-only), and each must be able to run it. E.g. [uni, centre]."""
+    move: MoveSpec | None = None
+    """With clusters: when a queued attempt moves to another of them (after waiting, after a preemption); null: a run stays where it was placed."""
     resources: Resources = Field(default_factory=Resources)
     """Nodes, GPUs, CPUs, memory, time and partition."""
     model: ModelSpec
@@ -691,6 +720,8 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:
+        if self.move is not None and self.clusters is None:
+            raise ValueError("move: a run moves between the clusters it names; give clusters: [a, b] (or remove move)")
         if self.clusters is not None:
             twice = sorted({c for c in self.clusters if self.clusters.count(c) > 1})
             if twice:

@@ -462,6 +462,14 @@ def cancel(job_ids: Iterable[str], *, signal: str | None = None, timeout: float 
     run([*cmd, *ids], timeout=timeout)
 
 
+def hold(job_id: str, *, release: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """``scontrol hold`` a pending job (it will not start until released), or ``release`` it."""
+    if rest_client() is not None:
+        raise UserError("holding a job through slurmrestd is not built yet: hold and release it with SLURM's "
+                        "commands (scontrol hold/release) on the cluster", exit_code=ExitCode.USAGE)
+    run(["scontrol", "release" if release else "hold", str(job_id)], timeout=timeout)
+
+
 def requeue(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """`scontrol requeue` (kills the running job; it restarts later with the same id)."""
     if (r := rest_client()) is not None:

@@ -1,0 +1,215 @@
+"""Moving a run over several clusters (the spec's ``clusters`` and ``move``): the watcher that
+`lmlaunch submit` starts beside such a run (`lmlaunch move RUN --watch`), and one move.
+
+The watcher asks the run's cluster about its current job every ``move.poll_s``. When the job
+waits in the queue and a move is due (after a preemption, or past ``move.after``:
+launcher.planning.clusters.move_due), it asks every named cluster when the run would start there
+(sbatch --test-only) and moves it where it starts more than a minute sooner:
+
+1. the queued job is held (``scontrol hold``): it cannot start while the move goes on; a job that
+   started meanwhile is released and left alone (only a queued job moves, never a running one);
+2. it is cancelled, and the watcher waits until its cluster no longer lists it as queued;
+3. the run is submitted on the other cluster as ``submit --resume`` would (its code snapshot,
+   its newest complete checkpoint, on the run directory the clusters share);
+4. the ledger says so (``moved``: from, to, both job ids, why). When the other cluster refuses
+   the submission, the run is submitted again where it was (``move_failed``).
+
+So two attempts never train at once: the old job is gone before the new one is queued. The
+watcher holds ``RUN/mover.lock`` (one at a time; a killed one's lock goes with its process), writes
+``RUN/logs/mover.log``, and ends when the run does (DONE, CANCELLED, or its job ended without a
+requeue).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher.context import Context
+from launcher.planning.clusters import HELD, Answer, Queued, move_due, move_target, plan_each
+from launcher.planning.resolve import Resolved, resolve
+from launcher.runs import registry as runs
+from launcher.spec import transport
+from launcher.submit.start_estimates import answer_s, ask, describe
+from launcher.submit.submission import submit_plan
+from lmcore import jsonlines, rundir
+from lmcore.errors import SlurmUnavailable, UserError
+from lmcore.slurm import client as slurm
+
+__all__ = ["HELD", "current_job", "decide", "move", "start_watcher", "watch"]  # HELD: for the command
+GONE_WAIT_S = 60.0  # how long a cancelled job may take to leave its cluster's queue
+ENDED_LOOKS = 3  # the run's job unknown to its cluster this many looks in a row: the run ended
+
+
+def current_job(rec: runs.RunRecord, environ: dict[str, str] | None, now: float | None = None) -> Queued | None:
+    """The run's newest job as its cluster lists it now; None when the cluster no longer does."""
+    job = rec.last_job_id
+    if job is None:
+        return None
+    prof = rec.profile_of(job)
+    with transport.through(transport.run_profile_target(prof, environ), exactly=True):
+        rows = [q for q in slurm.squeue([job]) if q.job_id == job]
+    if not rows:
+        return None
+    q = rows[0]
+    ledger = jsonlines.read_jsonl(rundir.RunLayout.of(rec.run_dir).ledger)
+    last = next((e for e in reversed(ledger) if e.get("event") in ("start", "end")), None)
+    preempted = bool(last and last.get("event") == "end" and last.get("reason") == "preempted" and last.get("requeued")
+                     and str(last.get("job_id")) == job)
+    since = max([rec.submitted_at[-1] if rec.submitted_at else 0.0,
+                 float(last["time"]) if last and last.get("event") == "end" and last.get("time") else 0.0])
+    now = time.time() if now is None else now
+    return Queued(prof, job, q.state, q.reason, max(0.0, now - since), preempted)
+
+
+def _plans(rec: runs.RunRecord, ctx: Context) -> list[Resolved]:
+    """The run planned on each of its clusters, from its own resolved spec."""
+    layout = rundir.RunLayout.of(rec.run_dir)
+    first = resolve(str(layout.spec_yaml), [], None, ctx.environ, python=ctx.python, force=True, several=True)
+    if not first.spec.clusters:
+        raise UserError(f"run '{rec.name}' names one cluster ({first.profile.name}): there is nowhere to move it",
+                        exit_code=2)
+    return plan_each(str(layout.spec_yaml), [], first.spec.clusters, ctx.environ, ctx.python, force=True, done=first)
+
+
+def _here(q: Queued, plans: list[Resolved], bound: float, environ: dict[str, str] | None) -> Answer:
+    """The queued job's own start estimate (squeue's StartTime), else a new job's there."""
+    with transport.through(transport.run_profile_target(q.cluster, environ), exactly=True):
+        rows = [r for r in slurm.squeue([q.job_id]) if r.job_id == q.job_id]
+    start = slurm.parse_time(rows[0].start) if rows else None
+    if start is not None:
+        return Answer(q.cluster, True, start, f"job {q.job_id}'s own start estimate")
+    mine = next((p for p in plans if p.profile.name == q.cluster), None)
+    return ask(mine, None, bound) if mine is not None else Answer(q.cluster, True, None, "not asked")
+
+
+def decide(rec: runs.RunRecord, q: Queued, ctx: Context, to: str | None = None) -> tuple[Resolved | None, list[str]]:
+    """Where the queued job ``q`` goes (its plan there), or None; with what the clusters said."""
+    plans = _plans(rec, ctx)
+    bound = answer_s(ctx.environ or None)
+    others = [ask(p, None, bound) for p in plans if p.profile.name != q.cluster and (to is None or p.profile.name == to)]
+    if to is not None and not others:
+        names = ", ".join(p.profile.name for p in plans)
+        raise UserError(f"move --to {to}: not one of the run's other clusters ({names})", exit_code=2)
+    here = _here(q, plans, bound, ctx.environ or None)
+    best, why = move_target(q, here, others)
+    lines = describe([here, *others], best, why)
+    return (next(p for p in plans if p.profile.name == best.cluster) if best else None), lines
+
+
+def move(rec: runs.RunRecord, q: Queued, dest: Resolved, why: str, ctx: Context, say: Any) -> str | None:
+    """Move the queued job ``q`` to ``dest``'s cluster; the new job id, or None when it started
+    meanwhile (left alone)."""
+    env = ctx.environ or None
+    layout = rundir.RunLayout.of(rec.run_dir)
+    with transport.through(transport.run_profile_target(q.cluster, env), exactly=True):
+        slurm.hold(q.job_id)
+        now = [r for r in slurm.squeue([q.job_id]) if r.job_id == q.job_id]
+        if not now or now[0].state != "PENDING":
+            if now and now[0].state == "PENDING":
+                slurm.hold(q.job_id, release=True)
+            say(f"job {q.job_id} on {q.cluster} is {now[0].state if now else 'gone'} now: not moved")
+            return None
+        slurm.cancel([q.job_id])
+        _wait_gone(q.job_id)
+    say(f"job {q.job_id} on {q.cluster}: held and cancelled while queued ({why})")
+    out = io.StringIO()
+    quiet = Context(stdout=out, stderr=out, environ=ctx.environ, python=ctx.python)
+    try:
+        submit_plan(dest, quiet, resume=True, spec_path=rec.spec_path)
+    except (UserError, SlurmUnavailable) as exc:
+        say(f"submitting on {dest.profile.name} failed ({exc.message}); submitting again on {q.cluster}")
+        back = resolve(str(layout.spec_yaml), [], q.cluster, ctx.environ, python=ctx.python, force=True)
+        submit_plan(back, quiet, resume=True, spec_path=rec.spec_path)
+        _note(layout, "move_failed", {"from": q.cluster, "from_job": q.job_id, "to": dest.profile.name,
+                                      "why": why, "error": exc.message, "job": (runs.load_record(rec.name, env) or rec).last_job_id})
+        say(out.getvalue().rstrip())
+        return None
+    new = runs.load_record(rec.name, env)
+    job = new.last_job_id if new else None
+    _note(layout, "moved", {"from": q.cluster, "from_job": q.job_id, "to": dest.profile.name, "to_job": job, "why": why})
+    say(out.getvalue().rstrip())
+    return job
+
+
+def _wait_gone(job_id: str) -> None:
+    deadline = time.monotonic() + GONE_WAIT_S
+    while [r for r in slurm.squeue([job_id]) if r.job_id == job_id and slurm.is_active(r.state)]:
+        if time.monotonic() > deadline:
+            raise UserError(f"job {job_id} was cancelled but is still listed after {GONE_WAIT_S:.0f} s: not moved",
+                            exit_code=1)
+        time.sleep(1.0)
+
+
+def _note(layout: rundir.RunLayout, event: str, fields: dict[str, Any]) -> None:
+    rundir.Ledger(layout.ledger).write(rundir.LedgerNote(event=event, time=time.time(), fields=fields))
+
+
+# --------------------------------------------------------------------------- the watcher
+
+def watch(rec: runs.RunRecord, ctx: Context) -> int:
+    """Watch the run until it ends, moving its queued job when a move is due (one watcher per run)."""
+    layout = rundir.RunLayout.of(rec.run_dir)
+    lock = open(layout.mover_lock, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        ctx.out(f"run '{rec.name}': a watcher already runs (it holds {layout.mover_lock})")
+        return 0
+    move_spec = _plans(rec, ctx)[0].spec.move
+    if move_spec is None:
+        raise UserError(f"run '{rec.name}' has no move section: it stays where it was placed", exit_code=2)
+
+    def say(text: str) -> None:
+        ctx.out(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
+        ctx.stdout.flush()
+
+    say(f"watching run '{rec.name}' (move.after {move_spec.after}, on_preemption {move_spec.on_preemption}, "
+        f"every {move_spec.poll_s} s)")
+    misses, said = 0, ""
+    while True:
+        rec = runs.load_record(rec.name, ctx.environ or None) or rec
+        if layout.done.exists() or layout.cancelled.exists():
+            say("the run is " + ("done" if layout.done.exists() else "cancelled") + ": the watcher ends")
+            return 0
+        try:
+            q = current_job(rec, ctx.environ or None)
+        except (SlurmUnavailable, UserError) as exc:
+            say(f"its cluster did not answer ({exc.message}); trying again")
+            time.sleep(move_spec.poll_s)
+            continue
+        misses = misses + 1 if q is None or not slurm.is_active(q.state) else 0
+        if misses >= ENDED_LOOKS:
+            say(f"job {rec.last_job_id} ended and is not queued again: the watcher ends")
+            return 0
+        why = move_due(q, after_s=move_spec.after_s, on_preemption=move_spec.on_preemption) if q else None
+        if q is not None and why is not None:
+            dest, lines = decide(rec, q, ctx)
+            if "\n".join(lines) != said:
+                for line in lines:
+                    say(line)
+                said = "\n".join(lines)
+            if dest is not None:
+                job = move(rec, q, dest, why, ctx, say)
+                if job:
+                    say(f"moved to {dest.profile.name}: job {job}")
+                said = ""
+        time.sleep(move_spec.poll_s)
+
+
+def start_watcher(run: str, run_dir: str, ctx: Context) -> int:
+    """`lmlaunch move RUN --watch` in the background, writing RUN/logs/mover.log; its pid."""
+    layout = rundir.RunLayout.of(run_dir)
+    layout.logs.mkdir(parents=True, exist_ok=True)
+    with open(layout.mover_log, "a") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from launcher.cli import main; sys.exit(main())", "move", run, "--watch"],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(Path(run_dir)),
+            env={**os.environ, **(ctx.environ or {})})
+    return proc.pid
