@@ -1,0 +1,193 @@
+"""One run over two real SLURM clusters side by side, sharing the runs root: this worker's own
+cluster (the machine's SLURM) and a worker cluster of the other Debian release's SLURM (24.11 on
+Debian 12, 22.05 on Debian 13), each profile read off its live cluster by `lmlaunch profile init`
+(which writes the way to it: submit.slurm_conf and slurm_bin).
+
+- Placement: with the first cluster's nodes held, the dry run shows both clusters' start
+  estimates (and a third, unreachable, skipped within the bound), and the run lands on the second.
+- Moving on preemption: placed on the first, preempted there; the watcher submit started holds and
+  cancels the requeued job and submits it on the second; the run ends bit-identical to an
+  uninterrupted one, `history` lists both clusters' attempts with their job ids, `status` and
+  `cancel` reach the cluster that holds it.
+- Moving after a wait: queued on the first past move.after while the second frees up: it moves,
+  and the job it left is gone from the first queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import waiting
+from preempt_helpers import (
+    BASE,
+    SPEC,
+    assert_losses_match,
+    assert_weights_identical,
+    ddp_reference,
+    ends,
+    ledger,
+    lm,
+    log_tail,
+    starts,
+    submit,
+    wait_step,
+)
+from shared_results import shared
+from slurm_helpers import job_name, release_worker
+
+from launcher.localcluster import cluster, workers
+from launcher.localcluster.config import SLURM_RELEASES, other_version
+from lmcore.slurm import admin, client as slurm
+
+pytestmark = pytest.mark.skipif(os.environ.get("LMLAUNCH_TEST_OTHER_SLURM") == "0",
+                                reason="LMLAUNCH_TEST_OTHER_SLURM=0: the other SLURM version's clusters were left out "
+                                       "on purpose, and this test needs one")
+MOVE = "move={poll_s: 1}"
+
+
+@pytest.fixture(scope="module")
+def jobs(module_jobs):
+    return module_jobs
+
+
+@pytest.fixture(scope="module")
+def two(slurm_cluster, tmp_path_factory):
+    """(environment, the other cluster's claim): profiles 'here' (this worker's cluster) and
+    'there' (the other version's) read off the live clusters, and 'gone' (a controller that does
+    not answer), in a private LMLAUNCH_HOME; one runs root."""
+    version = other_version()
+    assert version in SLURM_RELEASES, version
+    claim = workers.claim(version)
+    root = tmp_path_factory.mktemp("two")
+    env = {**os.environ, "LMLAUNCH_HOME": str(root / "home"), "LMLAUNCH_RUNS_ROOT": str(root / "runs"),
+           "LMLAUNCH_CLUSTER_ANSWER_S": "3"}
+    try:
+        lines: list[str] = []
+        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, version=version,
+                   accounting=True, min_job_age=300, preempt_send_user_signal=False, nodes=2, topology="none")
+        code, out, err = lm(env, "profile", "init", "here")
+        assert code == 0, out + err
+        code, out, err = lm({**env, **cluster.environ_of(claim.layout, version)}, "profile", "init", "there")
+        assert code == 0, out + err
+        profiles = root / "home" / "profiles"
+        there = (profiles / "there.yaml").read_text()
+        assert f'slurm_conf: "{claim.layout.slurm_conf}"' in there and f'slurm_bin: "{claim.layout.bin}"' in there
+        conf = slurm.slurm_env().get("SLURM_CONF") or "/etc/slurm/slurm.conf"  # this worker's cluster's
+        dead = root / "dead.conf"  # its configuration with a controller port nobody listens on
+        dead.write_text(re.sub(r"SlurmctldPort=\d+", "SlurmctldPort=9", Path(conf).read_text()))
+        here = [line for line in (profiles / "here.yaml").read_text().splitlines()
+                if not line.startswith(("submit:", "  slurm_conf:", "  slurm_bin:"))]
+        (profiles / "gone.yaml").write_text("\n".join([*here, "submit:", f'  slurm_conf: "{dead}"']) + "\n")
+        yield env, claim
+    finally:
+        release_worker(claim, "mc-")
+
+
+def _on_there(claim):
+    return cluster.own_conf(claim.layout)
+
+
+def _job(out: str) -> str:
+    return re.search(r"job (\d+)", out).group(1)
+
+
+def _wait_done(run_dir: Path, what: str) -> None:
+    waiting.until(lambda: (run_dir / "DONE").exists(), progress=lambda: (len(ledger(run_dir)), run_dir.stat().st_mtime),
+                  what=what, explain=lambda: log_tail(run_dir) + _mover_log(run_dir))
+
+
+def _running(job: str) -> None:
+    """Until ``job`` (a holder) runs: the nodes it holds may still be completing the last test's job."""
+    waiting.until(lambda: slurm.job_state(job) == "RUNNING", progress=lambda: slurm.job_state(job),
+                  what=f"holder {job} running")
+
+
+def _mover_log(run_dir: Path) -> str:
+    path = run_dir / "logs" / "mover.log"
+    return "\n--- mover.log\n" + (path.read_text()[-3000:] if path.exists() else "(none)")
+
+
+def test_a_run_is_placed_where_it_starts_soonest_moves_when_preempted_and_ends_bit_identical(two, jobs):
+    env, claim = two
+    reference = shared("preempt-ddp-reference", lambda: ddp_reference(env, jobs))
+    name = job_name("mc", "placed")
+    run_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
+    holder = admin.submit_holder(name=f"{name}-hold", partition="high", nodelist="n[1-2]", num_nodes=2, seconds=600)
+    try:
+        _running(holder)
+        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, "clusters=[here, gone, there]", "--dry-run")
+        assert code == 0, out + err
+        assert re.search(r"#   here: starts \S+ \(\d+ min from now\)", out), out[:1500]
+        assert "#   gone: skipped: " in out and "#   there: starts " in out and "(now)" in out, out[:1500]
+        assert "# chosen: there (it starts soonest)" in out, out[:1500]
+        assert "on cluster 'there'" in out
+        assert not run_dir.exists()  # a dry run changes nothing
+    finally:
+        slurm.cancel([holder])
+
+    # both free: placed on the first named; preempted there, it moves to the other (steps paced)
+    first, run_dir = submit(env, name, "clusters=[here, there]", MOVE)
+    jobs.append(first)
+    wait_step(run_dir, 15, attempt=1)
+    code, out, err = lm(env, "preempt", name, "--mode", "requeue")
+    assert code == 0, out + err
+    _wait_done(run_dir, f"run {name} moved and done")
+    moved = [e for e in ledger(run_dir) if e.get("event") == "moved"]
+    assert len(moved) == 1 and (moved[0]["from"], moved[0]["from_job"], moved[0]["to"], moved[0]["why"]) == \
+        ("here", first, "there", "preempted"), moved
+    second = moved[0]["to_job"]
+    assert [s["job_id"] for s in starts(run_dir)] == [first, second]
+    assert [e["reason"] for e in ends(run_dir)] == ["preempted", "completed"]
+    assert starts(run_dir)[1]["start_step"] == ends(run_dir)[0]["end_step"]  # from the stop checkpoint
+    assert_losses_match(run_dir, reference["losses"])
+    assert_weights_identical(run_dir, reference)
+    assert not [j for j in slurm.squeue([first]) if j.job_id == first and slurm.is_active(j.state)]
+    with _on_there(claim):  # its batch script ends a moment after the DONE marker
+        assert waiting.until(lambda: slurm.state_group(slurm.job_state(second)) not in ("queued", "running"),
+                             progress=lambda: slurm.job_state(second), what=f"job {second} ended") \
+            and slurm.job_state(second) == "COMPLETED"
+    code, out, err = lm(env, "history", name, "--json")
+    rows = json.loads(out)["attempts"]
+    assert [(r["job_id"], r["cluster"]) for r in rows] == [(first, "here"), (second, "there")], rows
+    assert any("moved from here (job" in n and "to there (job" in n for n in json.loads(out)["notes"])
+    code, out, err = lm(env, "status", "--json")
+    row = next(r for r in json.loads(out)["runs"] if r["name"] == name)
+    assert (row["job_id"], row["state"]) == (second, "COMPLETED"), row
+
+
+def test_a_queued_run_past_move_after_moves_and_leaves_no_job_behind(two, jobs):
+    env, claim = two
+    name = job_name("mc", "waited")
+    run_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
+    here_hold = admin.submit_holder(name=f"{name}-hold", partition="high", nodelist="n[1-2]", num_nodes=2, seconds=240)
+    with _on_there(claim):
+        there_hold = admin.submit_holder(name=f"{name}-hold", partition="high", nodelist="n[1-2]", num_nodes=2,
+                                         seconds=1800)
+    try:
+        _running(here_hold)
+        with _on_there(claim):
+            _running(there_hold)
+        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, "trainer.max_steps=10", "clusters=[here, there]",
+                            "move={poll_s: 1, after: '0:10', on_preemption: false}")
+        assert code == 0, out + err
+        assert "chosen: here (it starts soonest)" in out, out
+        first = _job(out)
+        jobs.append(first)
+        with _on_there(claim):
+            slurm.cancel([there_hold])
+        _wait_done(run_dir, f"run {name} moved after its wait and done")
+    finally:
+        slurm.cancel([here_hold])
+        with _on_there(claim):
+            slurm.cancel([there_hold])
+    moved = [e for e in ledger(run_dir) if e.get("event") == "moved"]
+    assert len(moved) == 1 and moved[0]["from_job"] == first and moved[0]["to"] == "there", moved
+    assert moved[0]["why"].startswith("queued ") and "(move.after 10 s)" in moved[0]["why"], moved
+    assert not [j for j in slurm.squeue([first]) if j.job_id == first and slurm.is_active(j.state)]
+    assert slurm.job_state(first) == "CANCELLED"
+    assert [s["job_id"] for s in starts(run_dir)] == [moved[0]["to_job"]]  # the first never started
+    assert ends(run_dir)[-1]["reason"] == "completed" and ends(run_dir)[-1]["end_step"] == 10
