@@ -185,6 +185,8 @@ def _with_eval_tasks(spec: JobSpec, plan: LaunchPlan) -> LaunchPlan:
 def _load_spec(spec_path: str, overrides: list[str], cluster: str | None, several: bool) -> tuple[JobSpec, Any]:
     """The spec with its overrides, on ``cluster`` when one is named; one naming several clusters
     on its first (refused unless the caller plans it on the others too: ``several``)."""
+    if cluster and "," in cluster:  # --cluster a,b: several
+        cluster, overrides = None, [*overrides, f"clusters=[{cluster}]"]
     spec, origin = load_job_with_origin(spec_path, overrides)
     if cluster and spec.clusters and cluster in spec.clusters:  # one of its clusters: it keeps the others
         return spec.model_copy(update={"cluster": cluster}), origin
@@ -224,8 +226,6 @@ def resolve(
     Every problem names the spec file and, where it can, the line or override it came from.
     """
     env = os.environ if environ is None else environ
-    if cluster and "," in cluster:  # --cluster a,b: several
-        cluster, overrides = None, [*(overrides or []), f"clusters=[{cluster}]"]
     spec, origin = _load_spec(spec_path, overrides or [], cluster, several)
     try:
         try:

@@ -15,7 +15,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from launcher.planning.clusters import TIE_S, Answer, choose
+from launcher.planning.clusters import TIE_S, Answer, Queued, choose, move_due, move_target
 from launcher.runs import registry
 from launcher.spec import transport
 from launcher.spec.profile_draft import ClusterFacts, draft
@@ -219,3 +219,45 @@ def test_the_registry_keeps_each_jobs_cluster_and_status_groups_by_it(tmp_path):
     assert [r.name for r in kept] == ["away", "moved"] and skipped == 1
     kept, skipped = registry.recent_or_unfinished({"5"}, now=10 * 86400.0, environ=env)  # from the index's heads
     assert [r.name for r in kept] == ["away", "moved"] and skipped == 1
+
+
+# --------------------------------------------------------------------------- moving a queued run
+
+def Q(state: str = "PENDING", reason: str = "Priority", waited: float = 0.0, preempted: bool = False) -> Queued:
+    return Queued("a", "17", state, reason, waited, preempted)
+
+
+@pytest.mark.parametrize("q, after_s, on_preemption, due", [
+    (Q(preempted=True), None, True, "preempted"),
+    (Q(preempted=True), None, False, None),
+    (Q(waited=1799), 1800.0, True, None),
+    (Q(waited=1800), 1800.0, True, "queued 1800 s (move.after 1800 s)"),
+    (Q(state="RUNNING", preempted=True, waited=9999), 60.0, True, None),  # a running job is never moved
+    (Q(reason="JobHeldUser", waited=9999, preempted=True), 60.0, True, None),  # someone holds it on purpose
+    (Q(reason="Dependency", waited=9999), 60.0, True, None),  # it waits for another job, not for nodes
+    (Q(reason="BeginTime", preempted=True), None, True, "preempted"),  # the requeue's BeginTime delay
+])
+def test_a_move_is_due_only_for_a_queued_job_after_a_preemption_or_the_wait_allowed(q, after_s, on_preemption, due):
+    assert move_due(q, after_s=after_s, on_preemption=on_preemption) == due
+
+
+def test_a_queued_run_moves_only_where_it_starts_more_than_a_minute_sooner():
+    q = Q(preempted=True)
+    here = A("a", T0 + 120)
+    dest, why = move_target(q, here, [A("b", T0)])
+    assert dest.cluster == "b" and why.startswith("b starts it sooner"), why
+    assert move_target(q, here, [A("b", T0 + 90)]) == (None, move_target(q, here, [A("b", T0 + 90)])[1])
+    assert "no other cluster starts it sooner" in move_target(q, here, [A("b", T0 + 90)])[1]
+    assert move_target(q, here, [A("b", answered=False, accepted=False)])[0] is None
+    assert move_target(q, Answer("a", True, None, "none"), [A("b", T0 + 86400)])[0].cluster == "b"  # vs no estimate
+    assert move_target(q, here, [A("a", T0)])[0] is None  # never to where it is
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["move={after: '30:00'}"], "move: a run moves between the clusters it names; give clusters: [a, b]"),
+    (["clusters=[here, there]", "move={after: soon}"], "'soon' is not a SLURM time; use MM:SS, HH:MM:SS or D-HH"),
+    (["clusters=[here, there]", "move={poll_s: 0}"], "move.poll_s"),
+])
+def test_a_move_section_that_cannot_work_is_refused(tmp_path, overrides, expected):
+    code, out, err = _lm(tmp_path, "validate", SPEC, *overrides)
+    assert code == 2 and expected in err, (out, err)
