@@ -51,6 +51,7 @@ class StatusRow:
     spares: list[str] | None = None  # a running job with spare nodes: the idle ones (None: no spares)
     layout: list[dict[str, Any]] | None = None  # a running attempt's nodes: node, its switch/block, its ranks
     eval: dict[str, Any] | None = None  # the evaluator alongside: newest scores, state (launcher.monitor.eval_rows.summary)
+    cluster: str = ""  # the cluster profile of its current job (a run over several clusters moves between them)
 
     @property
     def progress(self) -> float | None:
@@ -192,6 +193,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         spares=spares_of(files.ledger) if group == "running" else None,
         layout=layout_of(files.ledger) if group == "running" else None,
         eval=eval_rows.summary(files.evaluation) if files.evaluation is not None else None,
+        cluster=rec.profile_of(rec.job_ids[-1]) if rec.job_ids else rec.profile,
     )
 
 
@@ -310,12 +312,14 @@ def gather_status_and_files(
     now: float | None = None,
 ) -> tuple[list[StatusRow], SlurmView, list[RunFiles]]:
     """:func:`gather_status`, and what each run directory said (the exporter counts the ledger)."""
+    import contextvars
     import threading
 
     now = time.time() if now is None else now
     groups = transport.by_cluster(records, environ)  # runs on clusters of their own: each asked there
     views: list[SlurmView] = []
-    t = threading.Thread(target=lambda: views.extend(_ask_each_cluster(records, groups, environ)))
+    asked = contextvars.copy_context()  # the cluster this command asks (--rest, a run's own) goes along
+    t = threading.Thread(target=lambda: asked.run(lambda: views.extend(_ask_each_cluster(records, groups, environ))))
     t.start()
     files = status_cache.read_all([r.run_dir for r in records], environ)
     t.join()

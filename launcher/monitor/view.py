@@ -116,6 +116,7 @@ def status_lines(rows: Sequence[StatusRow], *, color: bool = False) -> list[str]
     """The status table as lines, laid out by hand: a rich Table measures every cell and costs
     ~0.5 s for 200 runs, longer than the whole status budget (bench/status_latency.py)."""
     cells: list[list[tuple[str, int]]] = []  # (text, printed width) per column
+    several = len({r.cluster for r in rows}) > 1  # runs on several clusters: each job says where
     for r in rows:
         state = _paint(r.state, GROUP_STYLE.get(r.group, ""), color)
         width = len(r.state)
@@ -125,7 +126,8 @@ def status_lines(rows: Sequence[StatusRow], *, color: bool = False) -> list[str]
         ck = "-" if r.checkpoint_step is None else f"{r.checkpoint_step} ({format_duration(r.checkpoint_age_s)} ago)"
         att = (f"{r.attempt}" + ("↻" if r.requeued else "")) if r.attempt else "-"
         plain = [
-            r.name, r.job_id or "-", None, "-" if r.nodes is None else str(r.nodes),
+            r.name, (r.job_id or "-") + (f"@{r.cluster}" if several and r.job_id else ""), None,
+            "-" if r.nodes is None else str(r.nodes),
             f"{r.elapsed or '-'}/{r.time_limit or '-'}", att, None, _fmt(r.loss, ".3f"), _tokens(r.tokens_per_s),
             "-" if r.mfu is None else f"{100 * r.mfu:.1f}%", ck, format_duration(r.eta_s) if r.eta_s is not None else "-",
         ]

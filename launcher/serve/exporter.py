@@ -13,6 +13,7 @@ reading; nothing is written into a run directory.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections import Counter
@@ -83,7 +84,8 @@ class Snapshots:
         self._ready = threading.Event()
         self._stop = threading.Event()
         self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="lmlaunch-metrics-render", daemon=True)
+        asked = contextvars.copy_context()  # `--rest PROFILE`: the renders ask that slurmrestd too
+        self._thread = threading.Thread(target=lambda: asked.run(self._run), name="lmlaunch-metrics-render", daemon=True)
 
     def start(self) -> Snapshots:
         self._thread.start()
@@ -153,8 +155,8 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
     """Pure: status rows (and each run's ledger; ``submitted``: each run's job id -> submit time, from
     the registry; ``heartbeats``: each run's heartbeat tail) -> the metric families of one scrape."""
     now = time.time() if now is None else now
-    info = GaugeMetricFamily("lmlaunch_run_info", "A run: its current job, SLURM state and state group (value 1)",
-                             labels=["run", "job_id", "state", "group"])
+    info = GaugeMetricFamily("lmlaunch_run_info", "A run: its current job, the cluster profile that job went to, "
+                             "SLURM state and state group (value 1)", labels=["run", "job_id", "cluster", "state", "group"])
     gauges = {attr: GaugeMetricFamily(name, text, labels=["run"]) for name, text, attr in ROW_GAUGES}
     requeued = GaugeMetricFamily("lmlaunch_run_requeued", "1 while the run's job was requeued by SLURM",
                                  labels=["run"])
@@ -170,7 +172,7 @@ def families(rows: Sequence[monitor.StatusRow], ledgers: Sequence[Sequence[Mappi
                                        "are lmlaunch_run_step of _max_steps)", labels=["run"])
                 for key in ("documents", "tokens")}
     for i, (row, ledger) in enumerate(zip(rows, ledgers)):
-        info.add_metric([row.name, row.job_id or "", row.state, row.group], 1)
+        info.add_metric([row.name, row.job_id or "", row.cluster, row.state, row.group], 1)
         for attr, family in gauges.items():
             value = getattr(row, attr)
             if value is not None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import threading
 import time
@@ -58,6 +59,12 @@ def bind(host: str, port: int, handler: Any, *, what: str) -> ThreadingHTTPServe
                             f"with --listen HOST:PORT") from None
         raise UserError(f"--listen {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
     server.daemon_threads = True
+    # each request's thread asks the cluster this command asks (`--rest PROFILE`): the caller's
+    # context, a copy per request (contextvars: threads start without one)
+    asked = contextvars.copy_context()
+    serve_one = server.process_request_thread
+    server.process_request_thread = (  # type: ignore[method-assign, assignment]
+        lambda request, client_address: asked.copy().run(serve_one, request, client_address))
     threading.Thread(target=server.serve_forever, name=f"lmlaunch-{what}", daemon=True).start()
     return server
 

@@ -31,12 +31,13 @@ function drawRuns(rows) {
   const body = document.querySelector("#runs tbody");
   body.replaceChildren();
   if (!selected && rows.length) selected = (rows.find((r) => r.group === "running") || rows[0]).name;
+  const several = new Set(rows.map((r) => r.cluster)).size > 1;  // runs on several clusters: each job says where
   for (const r of rows) {
     const tr = document.createElement("tr");
     tr.className = "run" + (r.name === selected ? " selected" : "");
     tr.dataset.run = r.name;
     cell(tr, r.name);
-    cell(tr, text(r.job_id));
+    cell(tr, text(r.job_id) + (several && r.job_id ? `@${r.cluster}` : ""));
     cell(tr, r.state, r.group);
     cell(tr, text(r.attempt));
     cell(tr, `${text(r.step)}/${text(r.max_steps)}`);
@@ -99,7 +100,7 @@ function drawRun(run) {
   const attempts = document.getElementById("attempts");
   attempts.replaceChildren(...run.attempts.map((a) => {
     const li = document.createElement("li");
-    li.textContent = `attempt ${a.attempt} (job ${a.job_id}): steps ${text(a.start_step)} → ${text(a.end_step)}, ` +
+    li.textContent = `attempt ${a.attempt} (job ${a.job_id}${a.cluster ? " on " + a.cluster : ""}): steps ${text(a.start_step)} → ${text(a.end_step)}, ` +
       `${a.reason || "running"}${a.requeued ? ", requeued" : ""}`;
     return li;
   }));

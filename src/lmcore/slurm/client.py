@@ -10,6 +10,7 @@ turns its failures into the same error.)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import re
 import shutil
@@ -115,7 +116,10 @@ LOCAL_CLUSTER_CONF_CANDIDATES = (
 # A command that runs through a cluster's slurmrestd (a profile's submit.via: rest, or `lmlaunch
 # --rest PROFILE`) sets it for its duration (`through_rest`): ping, squeue, sacct, show_job, cancel,
 # requeue and the submissions then ask the REST API (lmcore.slurm.rest_calls) instead of the commands.
-_REST: list[RestClient] = []
+# A stack per context (contextvars): a thread started with the caller's context
+# (``contextvars.copy_context().run``) asks the same cluster, one started without asks the default,
+# and two threads asking two clusters at once (status over several) never see each other's.
+_REST: contextvars.ContextVar[tuple[RestClient, ...]] = contextvars.ContextVar("lmlaunch_rest", default=())
 
 
 @contextlib.contextmanager
@@ -123,37 +127,39 @@ def through_rest(target: RestTarget) -> Iterator[RestClient]:
     """Within: SLURM is asked through ``target``'s slurmrestd."""
     scontrol = (lambda: run(["scontrol", "token"]).stdout) if shutil.which("scontrol") else None
     client = RestClient(target, scontrol_token=scontrol)
-    _REST.append(client)
+    token = _REST.set((*_REST.get(), client))
     try:
         yield client
     finally:
-        _REST.remove(client)
+        _REST.reset(token)
 
 
 def rest_client() -> RestClient | None:
     """The slurmrestd this command talks to, or None: SLURM's commands."""
-    return _REST[-1] if _REST else None
+    stack = _REST.get()
+    return stack[-1] if stack else None
 
 
 # A command about a run on a cluster whose profile names its own SLURM_CONF or client commands
 # (submit.slurm_conf / submit.slurm_bin) sets it for its duration: every command below then runs
 # with them, and a job submitted within gets them in its environment.
-_COMMANDS: list[CommandsTarget] = []
+_COMMANDS: contextvars.ContextVar[tuple[CommandsTarget, ...]] = contextvars.ContextVar("lmlaunch_commands", default=())
 
 
 @contextlib.contextmanager
 def through_commands(target: CommandsTarget) -> Iterator[CommandsTarget]:
     """Within: SLURM's commands talk to ``target``'s cluster."""
-    _COMMANDS.append(target)
+    token = _COMMANDS.set((*_COMMANDS.get(), target))
     try:
         yield target
     finally:
-        _COMMANDS.remove(target)
+        _COMMANDS.reset(token)
 
 
 def commands_target() -> CommandsTarget | None:
     """The cluster SLURM's commands talk to when not the default one."""
-    return _COMMANDS[-1] if _COMMANDS else None
+    stack = _COMMANDS.get()
+    return stack[-1] if stack else None
 
 
 def slurm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
