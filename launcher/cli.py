@@ -160,10 +160,12 @@ def _transport(args: argparse.Namespace, ctx: Context) -> Any:
     own = transport.run_target(run, ctx.environ) if isinstance(run, str) else None
     if isinstance(own, RestTarget) and args.command not in RUN_COMMANDS_THROUGH_REST:
         own = None  # these need SLURM's commands: as before, `--rest` asks for slurmrestd
-    target = transport.forced_target(name, ctx.environ) if name else own
-    if name and own is not None and target is not None and own.where != target.where:
+    if not name:
+        return transport.through(own)
+    target = transport.forced_target(name, ctx.environ)
+    if own is not None and own.where != target.where:
         ctx.err(f"note: run '{run}' was submitted through {own.where}; --rest {name} asks {target.where} instead")
-    return transport.through(target)
+    return transport.forced(target)
 
 
 def _forward(argv: list[str], ctx: Context) -> int | list[str]:

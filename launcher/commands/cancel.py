@@ -9,10 +9,11 @@ from pathlib import Path
 
 from launcher.context import Context
 from launcher.runs import registry as runs
+from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
 from launcher.submit import lifecycle
 from lmcore import rundir
-from lmcore.errors import ExitCode, SlurmUnavailable
+from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.slurm import client as slurm
 
 
@@ -21,16 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="what was done, as JSON")
 
 
-def _by_cluster(jobs: list) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for prof, job in jobs:
-        out.setdefault(prof, []).append(job.job_id)
-    return out
-
-
 def cancel_run(rec, environ=None) -> dict:
     """The order matters: the CANCELLED marker is on disk BEFORE scancel's SIGTERM reaches the
-    tasks, so the runtime reads it as a user cancel and never requeues."""
+    tasks, so the runtime reads it as a user cancel and never requeues. Under the run's lock: a
+    move between clusters in progress finishes first, and its new job is cancelled too."""
+    with run_lock(rec.name, environ):
+        return _cancel_run(runs.load_record(rec.name, environ) or rec, environ)
+
+
+def _cancel_run(rec, environ=None) -> dict:
     run_dir = Path(rec.run_dir)
     now = time.time()
     user = slurm.user_name()
@@ -39,16 +39,18 @@ def cancel_run(rec, environ=None) -> dict:
         lifecycle.mark_cancelled(run_dir, user=user, job_ids=list(rec.job_ids), now=now)
 
     active: list[str] = []
-    message = ""
-    try:
-        for prof, ids in _by_cluster(transport.active_jobs_of(rec, environ)).items():  # each on its own cluster
-            with transport.through(transport.run_profile_target(prof, environ)
-                                   or transport.target_from_json(rec.targets.get(prof)), exactly=True):
-                slurm.cancel(ids)
-            active += ids
-    except SlurmUnavailable as exc:
-        message = f"SLURM unreachable, nothing was scancelled: {exc.message}"
-
+    problems: list[str] = []
+    for prof, ids in rec.jobs_by_profile().items():  # each cluster on its own: one that does not answer stops no other
+        try:
+            with transport.through(transport.job_target(rec, ids[-1], environ), exactly=True):
+                live = [j.job_id for j in slurm.active_jobs(ids)]
+                if live:
+                    slurm.cancel(live)
+            active += live
+        except (SlurmUnavailable, UserError) as exc:
+            problems.append(f"{prof}: {exc.message}" if len(rec.jobs_by_profile()) > 1 else exc.message)
+    message = "" if not problems else (f"SLURM unreachable, nothing was scancelled: {'; '.join(problems)}" if not active
+                                       else f"SLURM unreachable there, its jobs not scancelled: {'; '.join(problems)}")
     rec.state = "cancelled"
     runs.save_record(rec, environ)
     if run_dir.is_dir():

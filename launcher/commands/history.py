@@ -54,15 +54,14 @@ def load_history(rec):
 
 def _attempt_times(rec):
     """sacct's figures of every attempt of the run's jobs, each job asked on the cluster it went to
-    (ONE `sacct -D` per cluster)."""
-    groups = rec.jobs_by_profile()
-    if len(groups) <= 1:
-        return slurm_view.sacct_attempt_times(rec.job_ids)  # the command runs on the run's cluster already
+    (ONE `sacct -D` per cluster; the dashboard asks without the command's own way to the run's)."""
     from launcher.spec import transport
+
+    groups = rec.jobs_by_profile()
 
     times, messages = {}, []
     for prof, ids in groups.items():
-        with transport.through(transport.target_from_json(rec.targets.get(prof)), exactly=True):
+        with transport.through(transport.job_target(rec, ids[-1]), exactly=True):
             got, message = slurm_view.sacct_attempt_times(ids)
         times.update(got)  # job ids of other clusters are other jobs: a run's own seldom meet
         messages += [f"{prof}: {message}"] if message else []

@@ -14,7 +14,9 @@ from lmcore.slurm import client as slurm
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="a run name or one of its job ids")
-    p.add_argument("--to", metavar="CLUSTER", help="move it to this one of its clusters (default: where it starts soonest)")
+    p.add_argument("--to", metavar="CLUSTER",
+                   help="move it to this one of its clusters whenever that one would take it (default: where it "
+                        "starts more than a minute sooner, if any)")
     p.add_argument("--dry-run", action="store_true", help="ask the clusters and say what would be done; change nothing")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--watch", action="store_true",

@@ -51,7 +51,7 @@ def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
             account = rows[0] if rows and rows[0] else None
         except UserError as exc:
             problems.append(f"sacctmgr did not say your default account ({exc.message.splitlines()[0][:160]})")
-    conf, commands = client_side(environ)
+    conf, commands = client_side(environ) if slurm.rest_client() is None else (None, None)  # --rest: its url is the way
     return ClusterFacts(partitions=slurm.partition_configs(), nodes=slurm.node_configs(), config=config,
                         default_account=account, accounting=accounting, problems=problems,
                         slurm_conf=conf, slurm_bin=commands,

@@ -118,7 +118,7 @@ def _submit(args: argparse.Namespace, ctx: Context, plans: list[Any], run_dirs: 
     from launcher.spec import transport
     from launcher.spec.profiles import load_profile
 
-    with transport.through(transport.profile_target(load_profile(plans[0].profile, ctx.environ or None))):
+    with transport.through(transport.profile_target(load_profile(plans[0].profile, ctx.environ or None)), exactly=True):
         return _submit_points(args, ctx, plans, run_dirs, sweep_dir, parallel)
 
 

@@ -52,7 +52,7 @@ def _several(args: argparse.Namespace, ctx: Context, first: Any) -> int:
     them (launcher.planning.clusters); each cluster's plan in brief."""
     from launcher.planning.clusters import plan_each
 
-    overrides = list(args.overrides) + ([f"clusters=[{args.cluster}]"] if args.cluster else [])  # --cluster a,b
+    overrides = list(args.overrides) + ([f"clusters=[{args.cluster}]"] if args.cluster and "," in args.cluster else [])
     plans = plan_each(args.spec, overrides, first.spec.clusters, ctx.environ, ctx.python,
                       force=args.force or args.fit, done=first)
     if args.json:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from launcher.planning.resolve import Resolved, resolve
 from lmcore.errors import SpecError
+from lmcore.parallelism import Parallelism
 
 TIE_S = 60.0  # start estimates this close are a tie: fewer of the user's pending jobs, then the order listed
 
@@ -72,10 +73,15 @@ def shared_run_problems(plans: Sequence[Resolved]) -> list[str]:
                         "the same runs_root (or set LMLAUNCH_RUNS_ROOT)")
     for r in plans[1:]:
         a, b = first.plan.parallelism, r.plan.parallelism
-        if (a.tensor, a.pipeline) != (b.tensor, b.pipeline):
-            problems.append(f"clusters: {first.profile.name} plans tensor x pipeline {a.tensor}x{a.pipeline}, "
-                            f"{r.profile.name} {b.tensor}x{b.pipeline}: their checkpoints' layouts differ")
+        if (a.data, a.zero_stage, a.tensor, a.pipeline) != (b.data, b.zero_stage, b.tensor, b.pipeline):
+            problems.append(f"clusters: {first.profile.name} plans {_layout(a)}, {r.profile.name} {_layout(b)}: a "
+                            "checkpoint of one could not be resumed on the other (the elastic path bridges world "
+                            "sizes, not strategies or model splits)")
     return problems
+
+
+def _layout(p: Parallelism) -> str:
+    return f"{p.data.value}" + (f" ZeRO-{p.zero_stage}" if p.zero_stage else "") + f", tensor x pipeline {p.tensor}x{p.pipeline}"
 
 
 def choose(answers: Sequence[Answer]) -> tuple[Answer | None, str]:
@@ -117,8 +123,9 @@ HELD = ("JobHeldUser", "JobHeldAdmin")  # someone holds it on purpose: it is the
 
 def move_due(q: Queued, *, after_s: float | None, on_preemption: bool) -> str | None:
     """Why the queued job should go elsewhere now, or None: only a pending job that nobody holds
-    and that waits on the cluster (not on a dependency or a begin time of its own) is moved, after
-    a preemption (``on_preemption``) or after ``after_s`` in the queue."""
+    and that does not wait for another job (a dependency) is moved, after a preemption
+    (``on_preemption``: the requeue's BeginTime delay is waiting too) or after ``after_s`` in the
+    queue."""
     if q.state != "PENDING" or q.reason in HELD or q.reason.startswith("Dependency"):
         return None
     if on_preemption and q.after_preemption:

@@ -41,6 +41,7 @@ from launcher.search.plan import (
     trial_resolved,
 )
 from launcher.search.policy import Step, TrialFacts, next_steps, objective
+from launcher.spec import transport
 from launcher.submit.submission import submit_plan
 from lmcore import jsonlines, rundir, study
 from lmcore.errors import SlurmUnavailable, SpecError, UserError
@@ -128,10 +129,12 @@ class Driver:
         """The search is cancelled: a trial job still queued or running (one submitted while the
         cancel ran) is cancelled too."""
         live = [self.search.run_name(t.number) for t in facts if t.job_active]
-        ids = [j for name in live if (rec := runs.load_record(name, self.env)) for j in rec.job_ids[-1:]]
+        recs = [rec for name in live if (rec := runs.load_record(name, self.env)) and rec.job_ids]
+        ids = [rec.job_ids[-1] for rec in recs]
         if ids:
             try:
-                slurm.cancel(ids)
+                with transport.through(transport.job_target(recs[0], ids[0], self.env), exactly=True):
+                    slurm.cancel(ids)  # a search's trials: all on its one cluster
             except UserError as exc:
                 self.say(f"cancelling jobs {', '.join(ids)} failed: {exc.message}")
 
@@ -141,10 +144,13 @@ class Driver:
         records = {r.name: r for r in runs.sweep_records(self.search.name, self.env)}
         live = [t for t in trials if t.state.name in ("RUNNING", "WAITING")]
         ids = [j for t in live if (r := records.get(self.search.run_name(t.number))) for j in r.job_ids]
+        first = next(iter(records.values()), None)
         try:
-            jobs = {j.job_id: j for j in slurm.squeue(ids)} if ids else {}
+            with transport.through(transport.job_target(first, first.last_job_id, self.env) if first else None,
+                                   exactly=first is not None):  # its trials' cluster (a profile's own, or the default)
+                jobs = {j.job_id: j for j in slurm.squeue(ids)} if ids else {}
             answered = True
-        except SlurmUnavailable:
+        except (SlurmUnavailable, UserError):
             jobs, answered = {}, False
         out = []
         for t in trials:

@@ -17,6 +17,7 @@ module only chooses.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -112,34 +113,59 @@ def by_cluster(records: Sequence[Any], environ: Mapping[str, str] | None = None)
     return list(groups.values())
 
 
+def job_target(rec: Any, job_id: str | None, environ: Mapping[str, str] | None = None) -> Target | None:
+    """The way to the cluster a run's job went to: its profile's now, or as recorded when the
+    profile is gone (a job id of one cluster is another job on the next: never the default's)."""
+    from launcher.spec.profiles import load_profile
+
+    prof = rec.profile_of(job_id) if job_id else rec.profile
+    try:
+        return profile_target(load_profile(prof, environ))
+    except UserError:
+        return target_from_json(rec.targets.get(prof))
+
+
 def active_jobs_of(rec: Any, environ: Mapping[str, str] | None = None) -> list[tuple[str, Any]]:
     """The run's jobs still queued or running, each asked on the cluster it was submitted to (a
     job id of one cluster is another job on the next): (profile, squeue's record) pairs."""
     out = []
     for prof, ids in rec.jobs_by_profile().items():
-        target = run_profile_target(prof, environ) or target_from_json(rec.targets.get(prof))  # a profile gone: as recorded
-        with through(target, exactly=True):
+        with through(job_target(rec, ids[-1], environ), exactly=True):
             out += [(prof, j) for j in slurm.active_jobs(ids)]
     return out
 
 
+_FORCED: contextvars.ContextVar[bool] = contextvars.ContextVar("lmlaunch_forced_rest", default=False)
+
+
+@contextlib.contextmanager
+def forced(target: RestTarget) -> Iterator[Any]:
+    """``--rest PROFILE``: every SLURM call of the command through that slurmrestd, whatever run
+    or cluster it is about."""
+    token = _FORCED.set(True)
+    try:
+        with slurm.through_rest(target) as client:
+            yield client
+    finally:
+        _FORCED.reset(token)
+
+
 @contextlib.contextmanager
 def through(target: Target | None, *, exactly: bool = False) -> Iterator[Any]:
-    """Within: SLURM through ``target`` (nothing changes for None, or when the command already
-    runs through a slurmrestd: ``--rest`` wins). ``exactly``: None is this machine's default
-    cluster even within another's (a run whose jobs went to several)."""
-    if target is None and exactly and slurm.commands_target() is not None:
-        target = CommandsTarget()  # the shell's own SLURM_CONF and PATH
-    if target is None or slurm.rest_client() is not None:
+    """Within: SLURM through ``target``: its slurmrestd, or its own SLURM_CONF and commands. None
+    changes nothing, unless ``exactly``: then it is this machine's default cluster even within a
+    command about another (a run whose jobs went to several). ``--rest`` wins over all."""
+    if _FORCED.get() or (target is None and not exactly):
         yield slurm.rest_client()
         return
-    if isinstance(target, CommandsTarget):
-        _check_commands_target(target)
-        with slurm.through_commands(target):
-            yield None
+    if isinstance(target, RestTarget):
+        with slurm.through_rest(target) as client:
+            yield client
         return
-    with slurm.through_rest(target) as client:
-        yield client
+    commands = target or CommandsTarget()  # None, exactly: the shell's own SLURM_CONF and PATH
+    _check_commands_target(commands)
+    with slurm.without_rest(), slurm.through_commands(commands):
+        yield None
 
 
 def _check_commands_target(target: CommandsTarget) -> None:

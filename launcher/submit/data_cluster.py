@@ -62,7 +62,7 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
     from launcher.spec import transport
 
     profile = load_profile(cluster, environ)
-    with transport.through(transport.profile_target(profile)):
+    with transport.through(transport.profile_target(profile), exactly=True):
         return _submit_preparation(inputs, out, tokenizer=tokenizer, text_key=text_key, skip_bad=skip_bad,
                                    profile=profile, tasks=tasks, max_parallel=max_parallel, name=name,
                                    partition=partition, time_limit=time_limit, environ=environ, array_size=array_size)

@@ -22,6 +22,7 @@ requeue).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import os
@@ -35,6 +36,7 @@ from launcher.context import Context
 from launcher.planning.clusters import HELD, Answer, Queued, move_due, move_target, plan_each
 from launcher.planning.resolve import Resolved, resolve
 from launcher.runs import registry as runs
+from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
 from launcher.submit.start_estimates import answer_s, ask, describe
 from launcher.submit.submission import submit_plan
@@ -53,16 +55,17 @@ def current_job(rec: runs.RunRecord, environ: dict[str, str] | None, now: float 
     if job is None:
         return None
     prof = rec.profile_of(job)
-    with transport.through(transport.run_profile_target(prof, environ), exactly=True):
+    with transport.through(transport.job_target(rec, job, environ), exactly=True):
         rows = [q for q in slurm.squeue([job]) if q.job_id == job]
     if not rows:
         return None
     q = rows[0]
     ledger = jsonlines.read_jsonl(rundir.RunLayout.of(rec.run_dir).ledger)
     last = next((e for e in reversed(ledger) if e.get("event") in ("start", "end")), None)
+    submitted = rec.submitted_at[-1] if rec.submitted_at else 0.0
     preempted = bool(last and last.get("event") == "end" and last.get("reason") == "preempted" and last.get("requeued")
-                     and str(last.get("job_id")) == job)
-    since = max([rec.submitted_at[-1] if rec.submitted_at else 0.0,
+                     and str(last.get("job_id")) == job and float(last.get("time") or 0) >= submitted)
+    since = max([submitted,
                  float(last["time"]) if last and last.get("event") == "end" and last.get("time") else 0.0])
     now = time.time() if now is None else now
     return Queued(prof, job, q.state, q.reason, max(0.0, now - since), preempted)
@@ -98,44 +101,98 @@ def decide(rec: runs.RunRecord, q: Queued, ctx: Context, to: str | None = None) 
         names = ", ".join(p.profile.name for p in plans)
         raise UserError(f"move --to {to}: not one of the run's other clusters ({names})", exit_code=2)
     here = _here(q, plans, bound, ctx.environ or None)
-    best, why = move_target(q, here, others)
+    if to is not None:  # asked for by name: there, whenever it would take the job
+        best = others[0] if others[0].answered and others[0].accepted else None
+        why = "asked for with --to" if best else f"{to} would not take the job"
+    else:
+        best, why = move_target(q, here, others)
     lines = describe([here, *others], best, why)
     return (next(p for p in plans if p.profile.name == best.cluster) if best else None), lines
 
 
+class NothingQueued(UserError):
+    """A move cancelled the run's queued job and could queue it neither there nor back: the watcher
+    submits it again at its next look (:func:`requeue_lost`)."""
+
+
 def move(rec: runs.RunRecord, q: Queued, dest: Resolved, why: str, ctx: Context, say: Any) -> str | None:
-    """Move the queued job ``q`` to ``dest``'s cluster; the new job id, or None when it started
-    meanwhile (left alone)."""
+    """Move the queued job ``q`` to ``dest``'s cluster, under the run's lock (no submit, cancel or
+    other move meanwhile); the new job id, or None when the job started, ended or was cancelled
+    meanwhile (left alone). Once the old job is cancelled the run is always queued again: there,
+    or back where it was, or (:class:`NothingQueued`) by the watcher's next look."""
     env = ctx.environ or None
     layout = rundir.RunLayout.of(rec.run_dir)
-    with transport.through(transport.run_profile_target(q.cluster, env), exactly=True):
-        slurm.hold(q.job_id)
+    with run_lock(rec.name, env):
+        now_rec = runs.load_record(rec.name, env) or rec
+        if layout.cancelled.exists() or layout.done.exists() or now_rec.last_job_id != q.job_id:
+            say(f"run '{rec.name}' changed meanwhile (cancelled, done or submitted again): not moved")
+            return None
+        with transport.through(transport.job_target(now_rec, q.job_id, env), exactly=True):
+            if not _hold_and_cancel(q, say):
+                return None
+        say(f"job {q.job_id} on {q.cluster}: held and cancelled while queued ({why})")
+        out = io.StringIO()
+        quiet = Context(stdout=out, stderr=out, environ=ctx.environ, python=ctx.python)
+        try:
+            submit_plan(dest, quiet, resume=True, spec_path=now_rec.spec_path)
+        except (UserError, SlurmUnavailable) as exc:
+            say(f"submitting on {dest.profile.name} failed ({exc.message}); submitting again on {q.cluster}")
+            job = _back(now_rec, q.cluster, ctx, quiet, say)
+            _note(layout, "move_failed", {"from": q.cluster, "from_job": q.job_id, "to": dest.profile.name,
+                                          "why": why, "error": exc.message, "job": job})
+            say(out.getvalue().rstrip())
+            if job is None:
+                raise NothingQueued(f"run '{rec.name}' is queued nowhere: its job {q.job_id} was cancelled for a move "
+                                    f"that failed ({exc.message}), and so did submitting it again on {q.cluster}") from None
+            return None
+        job = (runs.load_record(rec.name, env) or now_rec).last_job_id
+        _note(layout, "moved", {"from": q.cluster, "from_job": q.job_id, "to": dest.profile.name, "to_job": job,
+                                "why": why})
+        say(out.getvalue().rstrip())
+        return job
+
+
+def _hold_and_cancel(q: Queued, say: Any) -> bool:
+    """Hold the queued job (it cannot start meanwhile), then cancel it and wait until its queue no
+    longer lists it; False (and the job released) when it is no longer queued once held. A failure
+    before the cancel releases it: it waits where it was, as before."""
+    slurm.hold(q.job_id)
+    try:
         now = [r for r in slurm.squeue([q.job_id]) if r.job_id == q.job_id]
         if not now or now[0].state != "PENDING":
-            if now and now[0].state == "PENDING":
-                slurm.hold(q.job_id, release=True)
             say(f"job {q.job_id} on {q.cluster} is {now[0].state if now else 'gone'} now: not moved")
-            return None
+            return False
         slurm.cancel([q.job_id])
-        _wait_gone(q.job_id)
-    say(f"job {q.job_id} on {q.cluster}: held and cancelled while queued ({why})")
+    except BaseException:
+        with contextlib.suppress(SlurmUnavailable, UserError):
+            slurm.hold(q.job_id, release=True)
+        raise
+    _wait_gone(q.job_id)
+    return True
+
+
+def _back(rec: runs.RunRecord, cluster: str, ctx: Context, quiet: Context, say: Any) -> str | None:
+    """The run submitted again on ``cluster`` (where a failed move took it from); its job id, or
+    None when that fails too."""
+    layout = rundir.RunLayout.of(rec.run_dir)
+    try:
+        back = resolve(str(layout.spec_yaml), [], cluster, ctx.environ, python=ctx.python, force=True)
+        submit_plan(back, quiet, resume=True, spec_path=rec.spec_path)
+    except (UserError, SlurmUnavailable) as exc:
+        say(f"submitting again on {cluster} failed too ({exc.message})")
+        return None
+    return (runs.load_record(rec.name, ctx.environ or None) or rec).last_job_id
+
+
+def requeue_lost(rec: runs.RunRecord, ctx: Context, say: Any) -> bool:
+    """After :class:`NothingQueued`: the run submitted again where its last job was; True when queued."""
     out = io.StringIO()
     quiet = Context(stdout=out, stderr=out, environ=ctx.environ, python=ctx.python)
-    try:
-        submit_plan(dest, quiet, resume=True, spec_path=rec.spec_path)
-    except (UserError, SlurmUnavailable) as exc:
-        say(f"submitting on {dest.profile.name} failed ({exc.message}); submitting again on {q.cluster}")
-        back = resolve(str(layout.spec_yaml), [], q.cluster, ctx.environ, python=ctx.python, force=True)
-        submit_plan(back, quiet, resume=True, spec_path=rec.spec_path)
-        _note(layout, "move_failed", {"from": q.cluster, "from_job": q.job_id, "to": dest.profile.name,
-                                      "why": why, "error": exc.message, "job": (runs.load_record(rec.name, env) or rec).last_job_id})
-        say(out.getvalue().rstrip())
-        return None
-    new = runs.load_record(rec.name, env)
-    job = new.last_job_id if new else None
-    _note(layout, "moved", {"from": q.cluster, "from_job": q.job_id, "to": dest.profile.name, "to_job": job, "why": why})
-    say(out.getvalue().rstrip())
-    return job
+    with run_lock(rec.name, ctx.environ or None):
+        job = _back(rec, rec.profile_of(rec.last_job_id or ""), ctx, quiet, say)
+    if job is not None:
+        say(f"queued again: job {job}")
+    return job is not None
 
 
 def _wait_gone(job_id: str) -> None:
@@ -172,12 +229,16 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
 
     say(f"watching run '{rec.name}' (move.after {move_spec.after}, on_preemption {move_spec.on_preemption}, "
         f"every {move_spec.poll_s} s)")
-    misses, said = 0, ""
+    misses, said, lost = 0, "", False
     while True:
         rec = runs.load_record(rec.name, ctx.environ or None) or rec
         if layout.done.exists() or layout.cancelled.exists():
             say("the run is " + ("done" if layout.done.exists() else "cancelled") + ": the watcher ends")
             return 0
+        if lost:  # a failed move left it queued nowhere: queue it again before anything else
+            lost = not requeue_lost(rec, ctx, say)
+            time.sleep(move_spec.poll_s)
+            continue
         try:
             q = current_job(rec, ctx.environ or None)
         except (SlurmUnavailable, UserError) as exc:
@@ -190,17 +251,30 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
             return 0
         why = move_due(q, after_s=move_spec.after_s, on_preemption=move_spec.on_preemption) if q else None
         if q is not None and why is not None:
-            dest, lines = decide(rec, q, ctx)
-            if "\n".join(lines) != said:
-                for line in lines:
-                    say(line)
-                said = "\n".join(lines)
-            if dest is not None:
-                job = move(rec, q, dest, why, ctx, say)
-                if job:
-                    say(f"moved to {dest.profile.name}: job {job}")
-                said = ""
+            try:
+                said = _move_if_sooner(rec, q, why, ctx, say, said)
+            except NothingQueued as exc:
+                say(exc.message)
+                lost = True
+            except (SlurmUnavailable, UserError) as exc:  # a cluster or a plan that fails now: said, tried again
+                say(f"no move now: {exc.message}")
         time.sleep(move_spec.poll_s)
+
+
+def _move_if_sooner(rec: runs.RunRecord, q: Queued, why: str, ctx: Context, say: Any, said: str) -> str:
+    """One look at the clusters for a due move (their answers said when they changed), and the
+    move where another starts it sooner; what was said last."""
+    dest, lines = decide(rec, q, ctx)
+    if "\n".join(lines) != said:
+        for line in lines:
+            say(line)
+        said = "\n".join(lines)
+    if dest is not None:
+        job = move(rec, q, dest, why, ctx, say)
+        if job:
+            say(f"moved to {dest.profile.name}: job {job}")
+        said = ""
+    return said
 
 
 def start_watcher(run: str, run_dir: str, ctx: Context) -> int:

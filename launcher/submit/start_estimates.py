@@ -43,7 +43,7 @@ def ask(resolved: Resolved, dependency: str | None, bound: float) -> Answer:
     name = resolved.profile.name
     target = transport.profile_target(resolved.profile)
     try:
-        with transport.through(target) as rest:
+        with transport.through(target, exactly=True) as rest:
             if rest is not None:
                 return Answer(name, True, None, f"no start estimate: {rest.target.where} has no sbatch --test-only",
                               _pending(bound))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.runs import registry as runs
+from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
 from launcher.submit import dependencies, lifecycle
 from launcher.submit.script import executor_parameters, render_script, submit_command
@@ -280,7 +281,8 @@ def submit_plan(
     behind: no registry entry, no half-written run directory. Through the profile's slurmrestd
     when it says so (submit.via: rest; launcher.spec.transport).
     """
-    with transport.through(transport.profile_target(resolved.profile)):
+    with run_lock(resolved.plan.run_name, ctx.environ or None), \
+            transport.through(transport.profile_target(resolved.profile), exactly=True):
         return _submit_plan(resolved, ctx, new=new, resume=resume, new_code=new_code, spec_path=spec_path, after=after)
 
 
@@ -298,6 +300,7 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
             "Local cluster: start it with `lmlaunch cluster up`."
         )
     _refuse_active_job(opening.record, plan, resume, env)
+    _refuse_dependency_elsewhere(after or [], resolved, env)
     dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
     if (rest := slurm.rest_client()) is not None:  # what slurmrestd cannot carry is refused before anything changes
         if plan.evaluator:
@@ -317,6 +320,18 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
                        transport.recorded(resolved.profile).get(plan.profile))
     _say_submitted(ctx, plan, job_id, notes, resumed=resume)
     return 0
+
+
+def _refuse_dependency_elsewhere(after: list[Any], resolved: Any, environ: Any) -> None:
+    """``--after RUN``: SLURM's dependency names a job of the cluster the run is submitted to; an
+    upstream run whose job went to another cluster (runs over several clusters) is refused by name."""
+    here = repr(transport.profile_target(resolved.profile))
+    for a in after:
+        up = runs.load_record(a.run, environ) if a.kind != dependencies.SINGLETON else None
+        if up is not None and repr(transport.job_target(up, a.job_id, environ)) != here:
+            raise UserError(f"--after {a.run}: its job {a.job_id} went to cluster '{up.profile_of(a.job_id)}', this run "
+                            f"to '{resolved.profile.name}': a SLURM dependency names a job of the same cluster. Submit "
+                            f"it with --cluster {up.profile_of(a.job_id)}, or once {a.run} has ended", exit_code=2)
 
 
 def _refuse_active_job(rec: Any, plan: LaunchPlan, resume: bool, environ: Any = None) -> None:

@@ -261,3 +261,61 @@ def test_a_queued_run_moves_only_where_it_starts_more_than_a_minute_sooner():
 def test_a_move_section_that_cannot_work_is_refused(tmp_path, overrides, expected):
     code, out, err = _lm(tmp_path, "validate", SPEC, *overrides)
     assert code == 2 and expected in err, (out, err)
+
+
+def test_clusters_whose_plans_split_the_model_differently_are_refused(tmp_path):
+    import dataclasses
+
+    from launcher.planning.clusters import shared_run_problems
+    from launcher.planning.resolve import resolve
+    from lmcore.parallelism import Parallelism
+
+    environ = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LMLAUNCH_HOME": str(tmp_path / "home"),
+               "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_PROFILES_DIR": str(_profiles(tmp_path))}
+    here, there = (resolve(str(SPEC), ["clusters=[here, there]"], name, environ, several=True) for name in ("here", "there"))
+    assert shared_run_problems([here, there]) == []
+    other = dataclasses.replace(there.plan, topology=dataclasses.replace(
+        there.plan.topology, parallelism=Parallelism.of("deepspeed", 2, zero_stage=3)))
+    assert shared_run_problems([here, dataclasses.replace(there, plan=other)]) == [
+        "clusters: here plans ddp, tensor x pipeline 1x1, there deepspeed ZeRO-3, tensor x pipeline 1x1: a checkpoint "
+        "of one could not be resumed on the other (the elastic path bridges world sizes, not strategies or model splits)"]
+
+
+def test_a_run_is_changed_by_one_lmlaunch_at_a_time(tmp_path):
+    """submit, move and cancel hold the run's lock: re-entrant in one process (a move submits), and
+    another process waits for it, then is told who holds it."""
+    import subprocess
+    import sys
+
+    from launcher.runs.run_lock import run_lock
+
+    env = {"LMLAUNCH_HOME": str(tmp_path)}
+    other = [sys.executable, "-c", "import sys; from launcher.runs.run_lock import run_lock\n"
+             "try:\n with run_lock('r', {'LMLAUNCH_HOME': sys.argv[1]}, wait_s=0.5): print('got it')\n"
+             "except Exception as e: print(e)", str(tmp_path)]
+    pythonpath = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with run_lock("r", env), run_lock("r", env):  # re-entered by this process
+        said = subprocess.run(other, capture_output=True, text=True, env=pythonpath, timeout=60).stdout
+        assert "run 'r' is being changed by another lmlaunch" in said, said
+    assert subprocess.run(other, capture_output=True, text=True, env=pythonpath, timeout=60).stdout.strip() == "got it"
+
+
+def test_rest_forced_wins_and_a_jobs_own_cluster_is_asked_exactly(tmp_path):
+    """`--rest P` sends every call through P's slurmrestd; otherwise a job asked about `exactly` is
+    asked on its own cluster even inside a command about a run submitted through a slurmrestd."""
+    rest = RestTarget("http://r:6820", None, None, None, "r")
+    (tmp_path / "slurm.conf").write_text("ClusterName=b\n")
+    mine = CommandsTarget(str(tmp_path / "slurm.conf"), None, "b")
+    with transport.through(rest):
+        assert slurm.rest_client() is not None
+        with transport.through(None):
+            assert slurm.rest_client() is not None  # nothing changes
+        with transport.through(None, exactly=True):
+            assert slurm.rest_client() is None and slurm.commands_target() == CommandsTarget()
+        with transport.through(mine, exactly=True):
+            assert slurm.rest_client() is None and slurm.commands_target() == mine
+        assert slurm.rest_client().target == rest
+    with transport.forced(rest):
+        with transport.through(None, exactly=True):
+            assert slurm.rest_client().target == rest  # --rest wins
+    assert slurm.rest_client() is None

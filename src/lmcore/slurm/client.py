@@ -119,7 +119,7 @@ LOCAL_CLUSTER_CONF_CANDIDATES = (
 # A stack per context (contextvars): a thread started with the caller's context
 # (``contextvars.copy_context().run``) asks the same cluster, one started without asks the default,
 # and two threads asking two clusters at once (status over several) never see each other's.
-_REST: contextvars.ContextVar[tuple[RestClient, ...]] = contextvars.ContextVar("lmlaunch_rest", default=())
+_REST: contextvars.ContextVar[tuple[RestClient | None, ...]] = contextvars.ContextVar("lmlaunch_rest", default=())
 
 
 @contextlib.contextmanager
@@ -130,6 +130,17 @@ def through_rest(target: RestTarget) -> Iterator[RestClient]:
     token = _REST.set((*_REST.get(), client))
     try:
         yield client
+    finally:
+        _REST.reset(token)
+
+
+@contextlib.contextmanager
+def without_rest() -> Iterator[None]:
+    """Within: SLURM's commands, even inside a command that asks a slurmrestd (a run's job on
+    another cluster than the one the command asks)."""
+    token = _REST.set((*_REST.get(), None))
+    try:
+        yield
     finally:
         _REST.reset(token)
 
