@@ -22,14 +22,12 @@ from launcher.monitor import sweep_rows
 from launcher.planning.resolve import resolve
 from launcher.runs import registry as runs
 from launcher.search import sweep
-from launcher.search.array import submit_array
-from launcher.submit import lifecycle
-from launcher.submit.arrays import max_array_size, submit_chained
+from launcher.search.sweep_arrays import Group, spread_over, submit_groups
+from launcher.submit.arrays import max_array_size
 from launcher.submit.script import render_array_script
 from lmcore import eval_alongside, jsonlines, rundir
-from lmcore.errors import SlurmUnavailable, SpecError, UserError
+from lmcore.errors import SpecError, UserError
 from lmcore.search_spec import SearchFile
-from lmcore.slurm import client as slurm
 from lmcore.study_storage import StorageRef
 
 
@@ -71,36 +69,57 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                                    detach=args.detach, dry_run=args.dry_run, json_out=args.json,
                                    local_cluster=_local_cluster_storage)
     points = sweep.points(sw)
-    plans = _plans(args, ctx, sw, points)
-    sweep.check_one_shape(plans, points, args.sweep)
     parallel = min(args.max_parallel or sw.max_parallel or len(points), len(points))
+    groups, said = _groups(args, ctx, sw, points, parallel)
+    plans = _plans(args, ctx, sw, points, {i: g.cluster for g in groups if g.cluster for i in g.points})
+    for g in groups:
+        sweep.check_one_shape([plans[i] for i in g.points], [points[i] for i in g.points], args.sweep)
     sweep_dir = Path(plans[0].paths.run_dir).parent / sw.name
     if rundir.RunLayout.of(sweep_dir).plan.exists():
         raise UserError(f"{sweep_dir} is the run directory of a run named '{sw.name}': give the sweep another name")
     run_dirs = [p.paths.run_dir for p in plans]
     if args.dry_run:
-        return _dry_run(args, ctx, sw.name, points, plans, run_dirs, str(sweep_dir), parallel)
-    arrays, job_ids = _submit(args, ctx, plans, run_dirs, sweep_dir, parallel)
-    _record(args, ctx, sw.name, plans, points, job_ids, arrays, sweep_dir, parallel)
+        return _dry_run(args, ctx, sw.name, points, plans, run_dirs, sweep_dir, groups, said)
+    for line in said:
+        ctx.out(line)
+    arrays, job_ids = submit_groups(plans, run_dirs, sweep_dir, groups, new=args.new, environ=ctx.environ or None)
+    _record(args, ctx, sw.name, plans, points, job_ids, arrays, sweep_dir, parallel, groups)
     if args.json:
         ctx.out(json.dumps({"sweep": sw.name, "arrays": arrays, "max_parallel": parallel,
                             "points": [{"run": p.run_name, "job_id": j} for p, j in zip(plans, job_ids)]}, indent=2))
     else:
         ctx.out(f"submitted sweep '{sw.name}': {len(points)} points as array job{'s' if len(arrays) > 1 else ''} "
-                f"{', '.join(arrays)}, at most {parallel} at once")
+                f"{', '.join(arrays)}, at most {parallel} at once"
+                + (f" in all, over {', '.join(str(g.cluster) for g in groups)}" if len(groups) > 1 else ""))
         for plan, j in zip(plans, job_ids):
             ctx.out(f"  {plan.run_name:<24} job {j}")
         ctx.out(f"next: lmlaunch status {sw.name}; lmlaunch sweep results {sw.name}; lmlaunch cancel {sw.name}")
     return 0
 
 
-def _plans(args: argparse.Namespace, ctx: Context, sw: Any, points: list[Any]) -> list[Any]:
-    """Every point's plan; the whole sweep fails before anything is submitted, naming the point."""
+def _groups(args: argparse.Namespace, ctx: Context, sw: Any, points: list[Any], parallel: int) -> tuple[list[Group], list[str]]:
+    """One array for a sweep on one cluster; for a spec naming several (``clusters``, ``--cluster
+    a,b``), an array per cluster with the points dealt between them (launcher.search.sweep_arrays),
+    and what the clusters said."""
+    whole = [Group(None, list(range(len(points))), parallel)]
+    ov = [*args.overrides, *sweep.overrides(points[0]), f"name={sweep.run_name(sw.name, 0)}"]
+    try:
+        first = resolve(args.spec, ov, args.cluster, ctx.environ, python=ctx.python, force=args.force, several=True)
+    except UserError:
+        return whole, []  # said by _plans, naming the point
+    if not first.spec.clusters or (args.cluster and "," not in args.cluster):
+        return whole, []
+    return spread_over(first, args.spec, ov, len(points), parallel, ctx.environ, ctx.python, force=args.force)
+
+
+def _plans(args: argparse.Namespace, ctx: Context, sw: Any, points: list[Any], cluster_of: dict[int, str]) -> list[Any]:
+    """Every point's plan (on its cluster); the whole sweep fails before anything is submitted, naming the point."""
     plans = []
     for i, pt in enumerate(points):
         ov = [*args.overrides, *sweep.overrides(pt), f"name={sweep.run_name(sw.name, i)}"]
         try:
-            plans.append(resolve(args.spec, ov, args.cluster, ctx.environ, python=ctx.python, force=args.force).plan)
+            plans.append(resolve(args.spec, ov, cluster_of.get(i, args.cluster), ctx.environ, python=ctx.python,
+                                 force=args.force).plan)
         except SpecError as exc:
             raise SpecError([f"sweep {args.sweep}, point {i} ({', '.join(sweep.overrides(pt))}): {p}"
                              for p in exc.problems], source=exc.source) from None
@@ -110,80 +129,53 @@ def _plans(args: argparse.Namespace, ctx: Context, sw: Any, points: list[Any]) -
     return plans
 
 
-def _submit(args: argparse.Namespace, ctx: Context, plans: list[Any], run_dirs: list[str], sweep_dir: Path,
-            parallel: int) -> tuple[list[str], list[str]]:
-    """The points' run directories opened and their arrays submitted (chained where the cluster's
-    MaxArraySize splits them), through the profile's slurmrestd where it says so; on any failure
-    every opened run directory is rolled back."""
-    from launcher.spec import transport
-    from launcher.spec.profiles import load_profile
-
-    with transport.through(transport.profile_target(load_profile(plans[0].profile, ctx.environ or None)), exactly=True):
-        return _submit_points(args, ctx, plans, run_dirs, sweep_dir, parallel)
-
-
-def _submit_points(args: argparse.Namespace, ctx: Context, plans: list[Any], run_dirs: list[str], sweep_dir: Path,
-                   parallel: int) -> tuple[list[str], list[str]]:
-    env = ctx.environ or None
-    openings = [lifecycle.plan_opening(p, new=args.new, resume=False, record=runs.load_record(p.run_name, env))
-                for p in plans]
-    if not slurm.ping():
-        raise SlurmUnavailable("the SLURM controller does not answer (`scontrol ping`); nothing was submitted")
-    applied: list[Any] = []
-    job_ids: list[str] = []
-
-    def submit(part: range, dependency: str | None) -> str:  # each chunk after the one before (launcher.submit.arrays)
-        ids = submit_array(plans[part[0]], [run_dirs[i] for i in part], str(sweep_dir), parallel, dependency)
-        job_ids.extend(ids)
-        return ids[0].split("_")[0]
-
-    try:
-        sweep_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for o in openings:
-            o.apply(env)
-            applied.append(o)
-        arrays = submit_chained(len(plans), max_array_size(), submit)
-    except BaseException:
-        for o in reversed(applied):
-            o.rollback()
-        raise
-    return arrays, job_ids
-
-
 def _record(args: argparse.Namespace, ctx: Context, name: str, plans: list[Any], points: list[Any],
-            job_ids: list[str], arrays: list[str], sweep_dir: Path, parallel: int) -> None:
-    """Each point's registry record and the sweep's sweep.json."""
+            job_ids: list[str], arrays: list[str], sweep_dir: Path, parallel: int, groups: list[Group]) -> None:
+    """Each point's registry record (with its cluster's way to SLURM) and the sweep's sweep.json."""
     from launcher.spec import transport
     from launcher.spec.profiles import load_profile
 
     now = time.time()
-    targets = transport.recorded(load_profile(plans[0].profile, ctx.environ or None))
+    targets = {p: transport.recorded(load_profile(p, ctx.environ or None)) for p in {plan.profile for plan in plans}}
     for plan, pt, job in zip(plans, points, job_ids):
         rec = runs.RunRecord(name=plan.run_name, profile=plan.profile, run_dir=plan.paths.run_dir,
                              spec_path=str(Path(args.spec).absolute()), job_ids=[job], submitted_at=[now],
-                             max_steps=plan.trainer.max_steps, sweep=name, point=pt, targets=targets)
+                             max_steps=plan.trainer.max_steps, sweep=name, point=pt, targets=targets[plan.profile],
+                             job_profiles=[plan.profile])
         runs.save_record(rec, ctx.environ or None)
+    several = {str(g.cluster): {"points": [plans[i].run_name for i in g.points], "max_parallel": g.max_parallel}
+               for g in groups if g.cluster}
     (sweep_dir / "sweep.json").write_text(json.dumps({
         "name": name, "spec": str(Path(args.spec).absolute()), "file": str(Path(args.sweep).absolute()),
-        "max_parallel": parallel, "arrays": arrays,
+        "max_parallel": parallel, "arrays": arrays, **({"clusters": several} if several else {}),
         "points": [{"run": p.run_name, "job_id": j, "point": pt} for p, j, pt in zip(plans, job_ids, points)],
     }, indent=2) + "\n")
 
 
-def _dry_run(args, ctx, name: str, points, plans, run_dirs, sweep_dir: str, parallel: int) -> int:
-    script = render_array_script(plans[0], run_dirs[:max_array_size(query=False)], sweep_dir, parallel)
+def _dry_run(args, ctx, name: str, points, plans, run_dirs, sweep_dir: Path, groups: list[Group], said: list[str]) -> int:
+    scripts = [render_array_script(plans[g.points[0]], [run_dirs[i] for i in g.points][:max_array_size(query=False)],
+                                   str(g.folder(sweep_dir)), g.max_parallel) for g in groups]
+    parallel = sum(g.max_parallel for g in groups)
     if args.json:
-        ctx.out(json.dumps({"sweep": name, "max_parallel": parallel, "script": script,
-                            "points": [{"run": p.run_name, "point": pt} for p, pt in zip(plans, points)]}, indent=2))
+        ctx.out(json.dumps({"sweep": name, "max_parallel": parallel, "script": scripts[0],
+                            "points": [{"run": p.run_name, "point": pt} for p, pt in zip(plans, points)],
+                            **({"clusters": [{"cluster": g.cluster, "points": [plans[i].run_name for i in g.points],
+                                              "max_parallel": g.max_parallel, "script": sc}
+                                             for g, sc in zip(groups, scripts)]} if len(groups) > 1 or groups[0].cluster
+                               else {})}, indent=2))
         return 0
     keys = list(dict.fromkeys(k for pt in points for k in pt))
-    ctx.out(f"# sweep '{name}': {len(points)} points, one SLURM array, at most {parallel} at once; nothing submitted")
+    arrays = "one SLURM array" if len(groups) == 1 else f"one SLURM array on each of {len(groups)} clusters"
+    ctx.out(f"# sweep '{name}': {len(points)} points, {arrays}, at most {parallel} at once; nothing submitted")
+    for line in said:
+        ctx.out(f"# {line}")
     ctx.out("  ".join(["RUN".ljust(24), *keys]))
     for plan, pt in zip(plans, points):
         ctx.out("  ".join([plan.run_name.ljust(24), *(str(pt.get(k, "-")) for k in keys)]))
-    ctx.out("")
-    ctx.out("## array job script (as submitted)")
-    ctx.out(script.rstrip("\n"))
+    for g, script in zip(groups, scripts):
+        ctx.out("")
+        ctx.out("## array job script (as submitted)" + (f" on {g.cluster}" if g.cluster else ""))
+        ctx.out(script.rstrip("\n"))
     return 0
 
 

@@ -191,3 +191,31 @@ def test_a_queued_run_past_move_after_moves_and_leaves_no_job_behind(two, jobs):
     assert slurm.job_state(first) == "CANCELLED"
     assert [s["job_id"] for s in starts(run_dir)] == [moved[0]["to_job"]]  # the first never started
     assert ends(run_dir)[-1]["reason"] == "completed" and ends(run_dir)[-1]["end_step"] == 10
+
+
+def test_a_sweep_spreads_its_points_over_both_clusters_with_one_max_parallel(two, jobs, tmp_path):
+    env, claim = two
+    name = job_name("mc", "spread")
+    grid = tmp_path / "sweep.yaml"
+    grid.write_text(f"name: {name}\nmax_parallel: 2\ngrid:\n  optim.lr: [0.001, 0.002]\n")
+    args = (SPEC, grid, *BASE, "trainer.max_steps=10", "clusters=[here, there]")
+    code, out, err = lm(env, "sweep", *args, "--dry-run")
+    assert code == 0, out + err
+    assert f"# sweep '{name}': 2 points, one SLURM array on each of 2 clusters, at most 2 at once" in out, out[:2000]
+    assert "# here: points 0, at most 1 at once" in out and "# there: points 1, at most 1 at once" in out, out[:2000]
+    assert "## array job script (as submitted) on there" in out
+    code, out, err = lm(env, "sweep", *args)
+    assert code == 0, out + err
+    sweep_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
+    placed = json.loads((sweep_dir / "sweep.json").read_text())["clusters"]
+    assert {c: v["points"] for c, v in placed.items()} == {"here": [f"{name}.0"], "there": [f"{name}.1"]}, placed
+    points = [Path(env["LMLAUNCH_RUNS_ROOT"]) / f"{name}.{i}" for i in (0, 1)]
+    for run_dir in points:
+        _wait_done(run_dir, f"sweep point {run_dir.name} done")
+
+    def rows() -> dict:  # each point's state from its own cluster (the batch script ends just after DONE)
+        return {r["name"]: (r["cluster"], r["state"]) for r in json.loads(lm(env, "status", name, "--json")[1])["runs"]}
+
+    want = {f"{name}.0": ("here", "COMPLETED"), f"{name}.1": ("there", "COMPLETED")}
+    waiting.until(lambda: rows() == want, progress=rows, what="both points COMPLETED on their clusters", poll=1.0)
+    assert (sweep_dir / "on-there" / "submitit").is_dir() and (sweep_dir / "on-here" / "submitit").is_dir()

@@ -137,10 +137,12 @@ def test_commands_that_plan_one_cluster_say_how_to_choose_one(tmp_path, command)
            "(here, there): choose one with --cluster NAME (submit and validate take several)" in err, err
 
 
-def test_a_sweep_over_several_clusters_is_refused_with_how(tmp_path):
-    sweep = tmp_path / "s.yaml"
-    sweep.write_text("name: s\ngrid:\n  optim.lr: [0.001, 0.002]\n")
-    code, out, err = _lm(tmp_path, "sweep", SPEC, sweep, "clusters=[here, there]", "--dry-run")
+def test_a_search_over_several_clusters_is_refused_with_how(tmp_path):
+    """A search's driver submits its trials one cluster (a sweep's arrays spread over several:
+    tests/integration/test_several_clusters.py)."""
+    search = tmp_path / "s.yaml"
+    search.write_text('{"name": "s", "search": "optuna", "trials": 2, "params": {"optim.lr": {"float": [1e-3, 1e-2]}}}')
+    code, out, err = _lm(tmp_path, "sweep", SPEC, search, "clusters=[here, there]", "--dry-run")
     assert code == 2 and "choose one with --cluster NAME" in err, (out, err)
 
 
@@ -319,3 +321,22 @@ def test_rest_forced_wins_and_a_jobs_own_cluster_is_asked_exactly(tmp_path):
         with transport.through(None, exactly=True):
             assert slurm.rest_client().target == rest  # --rest wins
     assert slurm.rest_client() is None
+
+
+# --------------------------------------------------------------------------- a sweep over several clusters
+
+@pytest.mark.parametrize("n, answers, parallel, expected", [
+    (4, [A("a", T0 + 600), A("b", T0)], 2, [("b", [0, 2], 1), ("a", [1, 3], 1)]),  # soonest first
+    (4, [A("a", T0), A("b", T0)], 3, [("a", [0, 2], 2), ("b", [1, 3], 1)]),  # the soonest gets the rest of %N
+    (5, [A("a", T0), A("b", T0)], 1, [("a", [0, 1, 2, 3, 4], 1)]),  # one at once: one cluster
+    (1, [A("a", T0), A("b", T0)], 4, [("a", [0], 1)]),
+    (3, [A("a", accepted=False), A("b", T0), A("c", answered=False, accepted=False)], 2, [("b", [0, 1, 2], 2)]),
+    (3, [A("a", accepted=False)], 2, []),
+])
+def test_a_sweeps_points_are_dealt_to_the_clusters_that_take_them_with_one_max_parallel(n, answers, parallel, expected):
+    from launcher.search.spread import spread
+
+    got = spread(n, answers, parallel)
+    assert [(s.cluster, s.points, s.max_parallel) for s in got] == expected
+    assert sum(s.max_parallel for s in got) <= parallel and sorted(i for s in got for i in s.points) == (
+        list(range(n)) if expected else [])
