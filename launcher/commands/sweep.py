@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", help="sweep YAML: name, grid / zip / random, max_parallel, or search: optuna with params, "
                                  "trials, sampler, pruner, objective (after `results` or `resume`: its name)")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every point")
-    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster')")
+    p.add_argument("--cluster", help="cluster profile (overrides the spec's 'cluster' and 'clusters'); a,b: an array "
+                                     "on each, the points dealt between them")
     p.add_argument("--max-parallel", type=int, help="at most this many points at once (the array's %%N)")
     p.add_argument("--dry-run", action="store_true", help="the table of points and the array script; submit nothing")
     p.add_argument("--new", action="store_true", help="archive and replace points whose run names exist")
