@@ -64,7 +64,7 @@ def _attempt_times(rec):
         with transport.through(transport.job_target(rec, ids[-1]), exactly=True):
             got, message = slurm_view.sacct_attempt_times(ids)
         times.update(got)  # job ids of other clusters are other jobs: a run's own seldom meet
-        messages += [f"{prof}: {message}"] if message else []
+        messages += [f"{prof}: {message}" if len(groups) > 1 else message] if message else []
     return times, "; ".join(messages)
 
 
