@@ -123,7 +123,7 @@ def test_a_point_that_changes_the_jobs_shape_is_refused(repo, env, tmp_path):
 
 
 def test_an_array_larger_than_max_array_size_is_split_and_chained(repo, env, tmp_path, monkeypatch):
-    from launcher.commands import sweep as command
+    from launcher.search import sweep_arrays as command  # where the sweep's arrays are submitted
     from lmcore.slurm import client as slurm
 
     calls = []
