@@ -289,6 +289,8 @@ def test_a_run_is_changed_by_one_lmlaunch_at_a_time(tmp_path):
     import subprocess
     import sys
 
+    from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
+
     from launcher.runs.run_lock import run_lock
 
     env = {"LMLAUNCH_HOME": str(tmp_path)}
@@ -297,9 +299,9 @@ def test_a_run_is_changed_by_one_lmlaunch_at_a_time(tmp_path):
              "except Exception as e: print(e)", str(tmp_path)]
     pythonpath = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     with run_lock("r", env), run_lock("r", env):  # re-entered by this process
-        said = subprocess.run(other, capture_output=True, text=True, env=pythonpath, timeout=60).stdout
+        said = subprocess.run(other, capture_output=True, text=True, env=pythonpath, timeout=HANG_S).stdout
         assert "run 'r' is being changed by another lmlaunch" in said, said
-    assert subprocess.run(other, capture_output=True, text=True, env=pythonpath, timeout=60).stdout.strip() == "got it"
+    assert subprocess.run(other, capture_output=True, text=True, env=pythonpath, timeout=HANG_S).stdout.strip() == "got it"
 
 
 def test_rest_forced_wins_and_a_jobs_own_cluster_is_asked_exactly(tmp_path):
