@@ -12,7 +12,7 @@ from launcher.commands import add_spec_arguments
 from launcher.context import Context
 from launcher.planning.memory_check import summary
 from launcher.planning.placement import describe_layout
-from launcher.planning.resolve import resolve
+from launcher.planning.resolve import cluster_argument, resolve
 from launcher.submit import dependencies
 from launcher.submit.script import render_script
 from launcher.submit.submission import submit_plan
@@ -138,9 +138,7 @@ def _placed(args: argparse.Namespace, ctx: Context, first: Any, overrides: list[
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    cluster, overrides = args.cluster, list(args.overrides)
-    if cluster and "," in cluster:  # --cluster a,b: several
-        cluster, overrides = None, [*overrides, f"clusters=[{cluster}]"]
+    cluster, overrides = cluster_argument(args.cluster, args.overrides)
     r = resolve(args.spec, overrides, cluster, ctx.environ, python=ctx.python, force=args.force, several=True)
     after = dependencies.parse(args.after, ctx.environ or None)
     placed: list[str] = []

@@ -9,7 +9,7 @@ from typing import Any
 from launcher.commands import add_spec_arguments
 from launcher.context import Context
 from launcher.planning.memory_check import planned, proposal, summary
-from launcher.planning.resolve import resolve
+from launcher.planning.resolve import cluster_argument, resolve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def _several(args: argparse.Namespace, ctx: Context, first: Any) -> int:
     them (launcher.planning.clusters); each cluster's plan in brief."""
     from launcher.planning.clusters import plan_each
 
-    overrides = list(args.overrides) + ([f"clusters=[{args.cluster}]"] if args.cluster and "," in args.cluster else [])
+    overrides = cluster_argument(args.cluster, args.overrides)[1]
     plans = plan_each(args.spec, overrides, first.spec.clusters, ctx.environ, ctx.python,
                       force=args.force or args.fit, done=first)
     if args.json:

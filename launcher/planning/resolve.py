@@ -182,11 +182,18 @@ def _with_eval_tasks(spec: JobSpec, plan: LaunchPlan) -> LaunchPlan:
     return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan
 
 
+def cluster_argument(cluster: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``--cluster a,b`` (several) as the override ``clusters=[a,b]`` and no one cluster; one name
+    (or none) as it is."""
+    if cluster and "," in cluster:
+        return None, [*overrides, f"clusters=[{cluster}]"]
+    return cluster, list(overrides)
+
+
 def _load_spec(spec_path: str, overrides: list[str], cluster: str | None, several: bool) -> tuple[JobSpec, Any]:
     """The spec with its overrides, on ``cluster`` when one is named; one naming several clusters
     on its first (refused unless the caller plans it on the others too: ``several``)."""
-    if cluster and "," in cluster:  # --cluster a,b: several
-        cluster, overrides = None, [*overrides, f"clusters=[{cluster}]"]
+    cluster, overrides = cluster_argument(cluster, overrides)
     spec, origin = load_job_with_origin(spec_path, overrides)
     if cluster and spec.clusters and cluster in spec.clusters:  # one of its clusters: it keeps the others
         return spec.model_copy(update={"cluster": cluster}), origin
