@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "notify-test": ("notify_test", "send a test message to each of a spec's notify.webhooks"),
     "completion": ("completion", "print a shell completion script (bash, zsh)"),
     "_runs": ("runs_list", argparse.SUPPRESS),  # run names for shell completion (hidden)
+    "_checkpoint": ("checkpoint_copy", argparse.SUPPRESS),  # a copied checkpoint checked (a run over SSH clusters; hidden)
 }
 
 

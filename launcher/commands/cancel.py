@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from launcher.context import Context
-from launcher.runs import registry as runs
+from launcher.runs import far_copy, registry as runs
 from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
 from launcher.submit import lifecycle
@@ -45,6 +45,8 @@ def _cancel_run(rec, environ=None) -> dict:
             with transport.through(transport.job_target(rec, ids[-1], environ), exactly=True):
                 live = [j.job_id for j in slurm.active_jobs(ids)]
                 if live:
+                    if run_dir.is_dir():  # a copy over SSH: its ranks read the marker there
+                        far_copy.put_marker(rec, live[-1], rundir.CANCELLED)
                     slurm.cancel(live)
             active += live
         except (SlurmUnavailable, UserError) as exc:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from launcher.context import Context
 from launcher.planning import runtime_stack
-from launcher.runs import registry as runs
+from launcher.runs import far_copy, registry as runs
 from lmcore import rundir
 from lmcore.checkpoint_index import CompleteCheckpoint, complete_checkpoints, describe_choice, newest_intact, verify
 from lmcore.errors import UserError
@@ -36,6 +36,9 @@ def _newest_intact(run_dir: Path, ckpts: list[CompleteCheckpoint], ctx: Context)
 def run(args: argparse.Namespace, ctx: Context) -> int:
     runtime_stack.require("export")  # torch and transformers read and write the weights
     run_dir = runs.run_dir_of(args.run, ctx.environ or None)
+    rec = runs.load_record(run_dir.name, ctx.environ or None)
+    if rec is not None and (trouble := far_copy.refresh(rec, checkpoint=True)) is not None:
+        ctx.err(f"note: {trouble}: shown as last copied")
     plan = json.loads(rundir.RunLayout.of(run_dir).plan.read_text())
     ckpt_dir = rundir.checkpoint_dir_of(run_dir)
     ckpts = complete_checkpoints(ckpt_dir)

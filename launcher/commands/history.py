@@ -10,7 +10,7 @@ from pathlib import Path
 from launcher.context import Context
 from launcher.monitor import eval_rows, history_rows, slurm_view
 from launcher.monitor.view import history_view, make_console, startup_view
-from launcher.runs import registry as runs
+from launcher.runs import far_copy, registry as runs
 from lmcore import eval_alongside, jsonlines, rundir
 
 
@@ -34,7 +34,7 @@ def load_history(rec):
         h.notes.append(f"queue wait unknown: {message}")
     if len(rec.jobs_by_profile()) > 1:  # a run whose jobs went to several clusters: each attempt's
         for row in h.attempts:
-            row.cluster = rec.profile_of(row.job_id) if row.job_id else None
+            row.cluster = attempt_cluster(rec, row.profile, row.job_id)
     try:
         plan = json.loads(layout.plan.read_text())
     except (OSError, ValueError):
@@ -50,6 +50,19 @@ def load_history(rec):
     if (bad := eval_rows.trouble(evaluation)) is not None:
         h.notes.append(bad.replace("RUN", rec.name))
     return h
+
+
+def attempt_cluster(rec, profile: str | None, job_id: str | None) -> str | None:
+    """The cluster an attempt ran on: the profile its start line names (as this machine names it: a
+    copy over SSH planned there on its own profile), else its job's (two clusters' job ids can meet)."""
+    known = set(rec.job_profiles)
+    if profile in known:
+        return profile
+    for name, target in rec.targets.items():
+        far = (target or {}).get("far") or {}
+        if profile and far.get("profile") == profile and name in known:
+            return name
+    return rec.profile_of(job_id) if job_id else None
 
 
 def _attempt_times(rec):
@@ -87,6 +100,8 @@ def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     rec = runs.find_run(args.run, ctx.environ or None)
+    if (trouble := far_copy.refresh(rec)) is not None:
+        ctx.err(f"note: {trouble}: shown as last copied")
     h = load_history(rec)
     if args.json:
         ctx.out(json.dumps(h.to_dict(), indent=2))

@@ -9,7 +9,7 @@ from pathlib import Path
 from launcher.context import Context
 from launcher.monitor import run_files
 from launcher.monitor.logs import finished_check, print_logs
-from launcher.runs import registry as runs
+from launcher.runs import far_copy, registry as runs
 from lmcore import rundir
 from lmcore.errors import UserError
 
@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     rec = runs.find_run(args.run, ctx.environ or None)
+    if (trouble := far_copy.refresh(rec)) is not None:
+        ctx.err(f"note: {trouble}: shown as last copied")
     run_dir = Path(rec.run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run '{rec.name}': its run directory {run_dir} does not exist", exit_code=1)

@@ -171,11 +171,19 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                              "anyway)"], source=args.spec)
     code = submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec,
                        after=after)
-    if code == 0 and r.spec.move is not None and r.spec.clusters:  # the watcher that moves it (one per run)
-        from launcher.submit.mover import start_watcher
+    if code == 0 and r.spec.clusters and (r.spec.move is not None or _over_ssh(r.spec.clusters, ctx)):
+        from launcher.submit.mover import start_watcher  # the watcher that moves it and copies back (one per run)
         from lmcore.run_layout import RunLayout
 
         pid = start_watcher(r.plan.run_name, r.plan.paths.run_dir, ctx)
-        ctx.out(f"note: a watcher (pid {pid}) moves it between {', '.join(r.spec.clusters)} as its move section says; "
-                f"it writes {RunLayout.of_plan(r.plan).mover_log} (again: lmlaunch move {r.plan.run_name} --detach)")
+        does = (f"moves it between {', '.join(r.spec.clusters)} as its move section says" if r.spec.move is not None
+                else "copies its files back from a cluster over SSH")
+        ctx.out(f"note: a watcher (pid {pid}) {does}; it writes {RunLayout.of_plan(r.plan).mover_log} (again: "
+                f"lmlaunch move {r.plan.run_name} --detach)")
     return code
+
+
+def _over_ssh(clusters: list[str], ctx: Context) -> bool:
+    from launcher.spec.profiles import load_profile
+
+    return any(load_profile(name, ctx.environ).login is not None for name in clusters)

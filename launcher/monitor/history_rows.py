@@ -38,6 +38,7 @@ class HistoryRow:
     held_bytes: int | None = None  # the most model states (params + grads + optimizer) a rank held (ledger "memory")
     device_peak: int | None = None  # the most device memory a rank allocated (CUDA's max allocated), where kept
     cluster: str | None = None  # the cluster profile of its job, for a run whose jobs went to several
+    profile: str | None = None  # the profile its ranks were planned on (the start line's; a copy over SSH: that side's name)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,6 +170,7 @@ def _attempt_row(n: int, start: Mapping[str, Any], end: Mapping[str, Any] | None
         train_s=max(span) - min(span) if span and len(span) >= 2 else None, alloc_s=alloc,
     )
     row.world_size = _int(start.get("world_size"))
+    row.profile = str(start["profile"]) if start.get("profile") else None
     return row
 
 
@@ -197,7 +199,7 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
             instead = f"resumed from {x['fallback']} instead" if x.get("fallback") else "no older checkpoint was left"
             notes.append(f"attempt {x.get('attempt')}: step-{x.get('step')} failed its checksums "
                          f"({x.get('detail', '')}); {instead}")
-        elif x.get("event") in ("moved", "move_failed"):  # launcher.submit.mover: a run over several clusters
+        elif x.get("event") in ("moved", "move_failed", "move_abandoned"):  # launcher.submit.mover: several clusters
             notes.append(_move_note(x))
         elif x.get("event") == "straggler":  # lmtrain.health.straggler_watch
             said = straggler_lines.describe(x)
@@ -217,6 +219,9 @@ def _move_note(x: Mapping[str, Any]) -> str:
     if x.get("event") == "moved":
         return (f"{when}: moved from {x.get('from')} (job {x.get('from_job')}, queued) to {x.get('to')} "
                 f"(job {x.get('to_job')}): {x.get('why')}")
+    if x.get("event") == "move_abandoned":
+        return (f"{when}: a move from {x.get('from')} (job {x.get('from_job')}) to {x.get('to')} was abandoned "
+                f"({x.get('error')}); the job stayed queued there")
     return (f"{when}: a move from {x.get('from')} (job {x.get('from_job')}) to {x.get('to')} failed "
             f"({x.get('error')}); queued again on {x.get('from')} as job {x.get('job')}")
 

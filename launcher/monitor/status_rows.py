@@ -168,6 +168,10 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
     if stragglers:
         note = (note + "; " if note else "") + "slow: " + ", ".join(straggler_lines.describe(s) for s in stragglers)
 
+    moves = [e for e in files.ledger if e.get("event") in ("moved", "move_failed", "move_abandoned")]
+    if moves and moves[-1].get("event") == "move_abandoned" and group == "queued":  # launcher.submit.mover
+        note = "; ".join(x for x in (f"a move to {moves[-1].get('to')} was abandoned ({moves[-1].get('error')}); "
+                                     f"it waits on {moves[-1].get('from')} still", note) if x)
     if files.evaluation is not None and (said := eval_rows.note(files.evaluation, rec.name)):
         note = (note + "; " if note else "") + said
     step = int(last_any_step["step"]) if last_any_step is not None else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 from launcher.planning.resolve import Resolved, resolve
 from lmcore.errors import SpecError
@@ -60,11 +61,10 @@ def shared_run_problems(plans: Sequence[Resolved]) -> list[str]:
     first = plans[0]
     problems = []
     for r in plans:
-        p = r.profile
-        if p.login is not None:
-            problems.append(f"clusters: {p.name} is reached over SSH (its profile's login: {p.login.ssh}); a run "
-                            "over several clusters asks each from this machine (its SLURM commands, submit.slurm_conf "
-                            "and slurm_bin, or its slurmrestd): SSH clusters in clusters are not supported yet")
+        if r.profile.login is not None and not _inside(r.plan.paths.checkpoint_dir, r.plan.paths.run_dir):
+            problems.append(f"clusters: {r.profile.name} is reached over SSH: the run directory is copied there with "
+                            f"its newest checkpoint, and checkpoint.dir ({r.plan.paths.checkpoint_dir}) is outside it; "
+                            "leave checkpoint.dir out (the run directory's checkpoints/)")
     dirs = {r.profile.name: r.plan.paths.run_dir for r in plans}
     if len(set(dirs.values())) > 1:
         listed = ", ".join(f"{n}: {d}" for n, d in dirs.items())
@@ -78,6 +78,10 @@ def shared_run_problems(plans: Sequence[Resolved]) -> list[str]:
                             "checkpoint of one could not be resumed on the other (the elastic path bridges world "
                             "sizes, not strategies or model splits)")
     return problems
+
+
+def _inside(path: str, directory: str) -> bool:
+    return PurePosixPath(path).is_relative_to(PurePosixPath(directory))
 
 
 def _layout(p: Parallelism) -> str:

@@ -133,6 +133,21 @@ def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) ->
     return root
 
 
+def home_runs_root(spec: JobSpec, profile: Profile, env: Mapping[str, str]) -> str:
+    """Where the run's directory is on this machine. On a cluster reached over SSH in a run over
+    several clusters (its profile's login section), that of the first named cluster reached from
+    here: the run's home, which its copy there (launcher.runs.far_copy) is kept in step with."""
+    if profile.login is None or not spec.clusters or env.get("LMLAUNCH_FORWARDED") == "1":
+        return runs_root_for(profile, env)
+    for name in spec.clusters:
+        other = load_profile(name, env)
+        if other.login is None:
+            return runs_root_for(other, env)
+    raise SpecError([f"clusters: every cluster named ({', '.join(spec.clusters)}) is reached over SSH (its profile's "
+                     "login section); a run over several clusters keeps its run directory on this machine: name one "
+                     "reached from here too, or run it on one with `lmlaunch --remote NAME submit ...`"])
+
+
 def excluded_nodes_path(profile: str, environ: Mapping[str, str] | None = None) -> Path:
     """The user's record of nodes excluded from submissions to ``profile``
     (``launcher.spec.excluded_nodes``): beside the run registry, in $LMLAUNCH_HOME."""
@@ -155,7 +170,7 @@ def _planned(spec: JobSpec, profile: Profile, env: Mapping[str, str], python: st
     the interpreters the tasks and the evaluator run and where the tasks' lives."""
     excluded = excluded_nodes.load(excluded_nodes_path(profile.name, env))
     interpreter = profile.python_command(python or sys.executable)
-    return make_plan(spec, profile, runs_root=runs_root_for(profile, env), python=interpreter,
+    return make_plan(spec, profile, runs_root=home_runs_root(spec, profile, env), python=interpreter,
                      exclude=excluded_nodes.reasons(excluded), host_python_dirs=host_python_dirs(interpreter),
                      eval_python=eval_interpreter(profile, python or sys.executable))
 

@@ -38,12 +38,12 @@ from pathlib import Path
 from launcher.context import Context
 from launcher.remote import read as remote_read
 from launcher.remote.read import FORWARDED_ENV, check_control_path, ensure_master
-from launcher.remote.ssh import Connection, remote_path
 from launcher.runs import snapshot
 from launcher.spec.jobfile import SPEC_BASE_ENV
 from launcher.spec.profiles import Login, load_profile
 from launcher.spec.yamlio import load_yaml_file
 from lmcore.errors import UserError
+from lmcore.ssh import Connection, remote_path
 
 LOCAL_ONLY = frozenset({"run", "cluster", "data", "profiles", "schema", "completion"})
 SHIPS_FILES = frozenset({"validate", "doctor", "submit", "sweep", "pipeline", "notify-test"})

@@ -172,6 +172,8 @@ class Login(StrictModel):
     """Directory on the cluster that relative paths of a spec sent from the workstation start from (data.path, checkpoint.dir, model.pretrained, eval.checkpoint): where the spec would sit there, e.g. ~/project/jobs."""
     options: list[OneLine] = Field(default_factory=list, max_length=100)
     """More ssh arguments, e.g. [-F, ~/.ssh/cluster_config] or [-o, SetEnv=SLURM_CONF=/etc/slurm/x.conf]."""
+    profile: OneLine | None = None
+    """In a run over several clusters (clusters: [...]): the name of this cluster's profile for the lmlaunch on the login node, which submits the run's attempts there; null: this profile's own name."""
 
 
 class ProfileSlurmOptions(StrictModel):

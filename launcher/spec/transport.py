@@ -8,6 +8,11 @@
 - A profile with ``submit.slurm_conf`` / ``submit.slurm_bin`` (one login machine, several
   clusters): a run submitted with it, and the commands about it, run SLURM's commands with that
   cluster's configuration and clients.
+- A profile with a ``login`` section named in a run over several clusters: SLURM's commands run
+  on its login node over the user's ssh master connection (lmcore.ssh), and the run's attempts
+  there are submitted by the lmlaunch there, on a copy of the run directory
+  (launcher.runs.far_copy). A process that was itself forwarded there (``LMLAUNCH_FORWARDED``) is
+  on that login node: its commands run where it is.
 - Otherwise SLURM's commands on this machine, as always.
 
 lmcore.slurm.client does the asking either way (``through_rest``, ``through_commands``); this
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +32,7 @@ from lmcore.errors import UserError
 from lmcore.slurm import client as slurm
 from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.rest import RestTarget
+from lmcore.ssh import Connection
 
 if TYPE_CHECKING:  # `status` reads the registry's recorded targets: no pydantic/yaml import on that path
     from launcher.spec.profiles import Profile
@@ -48,7 +56,22 @@ def profile_target(profile: Profile) -> Target | None:
     SLURM_CONF and commands when it names them; None: the defaults."""
     if profile.submit.via == "rest":
         return profile.submit.rest_target(profile.name)
-    return profile.submit.commands_target(profile.name)
+    target = profile.submit.commands_target(profile.name)
+    if profile.login is not None and os.environ.get("LMLAUNCH_FORWARDED") != "1":
+        base = target or CommandsTarget(profile=profile.name)
+        return dataclasses.replace(base, login=login_argv(profile))
+    return target
+
+
+def login_argv(profile: Profile) -> tuple[str, ...]:
+    """ssh ... DESTINATION for the profile's login node: over the master connection, never prompting."""
+    return tuple(connection(profile).argv("")[:-1])
+
+
+def connection(profile: Profile) -> Connection:
+    assert profile.login is not None
+    login = profile.login
+    return Connection(login.ssh, login.control_path, tuple(os.path.expanduser(o) for o in login.options))
 
 
 def run_target(run: str | None, environ: Mapping[str, str] | None = None) -> Target | None:
@@ -171,8 +194,8 @@ def through(target: Target | None, *, exactly: bool = False) -> Iterator[Any]:
 def _check_commands_target(target: CommandsTarget) -> None:
     """A profile's slurm_conf that is not a file, or slurm_bin that is not a directory, is said
     by name before SLURM's commands fail in their own words."""
-    import os
-
+    if target.login:
+        return  # paths on its login node
     if target.conf and not os.path.isfile(target.conf):
         raise UserError(f"profile '{target.profile}': submit.slurm_conf {target.conf} is not a file "
                         "(the cluster's slurm.conf on this machine)", exit_code=2)

@@ -35,17 +35,20 @@ from typing import Any
 from launcher.context import Context
 from launcher.planning.clusters import HELD, Answer, Queued, move_due, move_target, plan_each
 from launcher.planning.resolve import Resolved, resolve
-from launcher.runs import registry as runs
+from launcher.runs import far_copy, registry as runs
 from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
+from launcher.submit.far_submit import far_run
 from launcher.submit.start_estimates import answer_s, ask, describe
 from launcher.submit.submission import submit_plan
 from lmcore import jsonlines, rundir
+from lmcore.checkpoint_index import choose_for_resume
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.slurm import client as slurm
 
 __all__ = ["HELD", "current_job", "decide", "move", "start_watcher", "watch"]  # HELD: for the command
 GONE_WAIT_S = 60.0  # how long a cancelled job may take to leave its cluster's queue
+FAR_POLL_S = 30.0  # a run without a move section: how often its copy over SSH is brought back
 ENDED_LOOKS = 3  # the run's job unknown to its cluster this many looks in a row: the run ended
 
 
@@ -127,10 +130,18 @@ def move(rec: runs.RunRecord, q: Queued, dest: Resolved, why: str, ctx: Context,
         if layout.cancelled.exists() or layout.done.exists() or now_rec.last_job_id != q.job_id:
             say(f"run '{rec.name}' changed meanwhile (cancelled, done or submitted again): not moved")
             return None
-        with transport.through(transport.job_target(now_rec, q.job_id, env), exactly=True):
-            if not _hold_and_cancel(q, say):
-                return None
+        try:
+            with transport.through(transport.job_target(now_rec, q.job_id, env), exactly=True):
+                if not _hold_and_cancel(q, say, lambda: _copy_for_move(now_rec, q, dest, say)):
+                    return None
+        except far_copy.CopyFailed as exc:  # released: it waits where it was
+            say(f"move to {dest.profile.name} abandoned: {exc.message}; job {q.job_id} stays queued on {q.cluster}")
+            _note(layout, "move_abandoned", {"from": q.cluster, "from_job": q.job_id, "to": dest.profile.name,
+                                             "why": why, "error": exc.message})
+            return None
         say(f"job {q.job_id} on {q.cluster}: held and cancelled while queued ({why})")
+        if (source := far_copy.of_record(now_rec, q.job_id)) is not None:
+            far_copy.pull(layout.run_dir, source)  # its ledger's last lines, before the next attempt's
         out = io.StringIO()
         quiet = Context(stdout=out, stderr=out, environ=ctx.environ, python=ctx.python)
         try:
@@ -152,16 +163,18 @@ def move(rec: runs.RunRecord, q: Queued, dest: Resolved, why: str, ctx: Context,
         return job
 
 
-def _hold_and_cancel(q: Queued, say: Any) -> bool:
-    """Hold the queued job (it cannot start meanwhile), then cancel it and wait until its queue no
-    longer lists it; False (and the job released) when it is no longer queued once held. A failure
-    before the cancel releases it: it waits where it was, as before."""
+def _hold_and_cancel(q: Queued, say: Any, prepare: Any) -> bool:
+    """Hold the queued job (it cannot start meanwhile), ``prepare`` the move (a checkpoint copied
+    between clusters over SSH), then cancel it and wait until its queue no longer lists it; False
+    (and the job released) when it is no longer queued once held. A failure before the cancel
+    releases it: it waits where it was, as before."""
     slurm.hold(q.job_id)
     try:
         now = [r for r in slurm.squeue([q.job_id]) if r.job_id == q.job_id]
         if not now or now[0].state != "PENDING":
             say(f"job {q.job_id} on {q.cluster} is {now[0].state if now else 'gone'} now: not moved")
             return False
+        prepare()
         slurm.cancel([q.job_id])
     except BaseException:
         with contextlib.suppress(SlurmUnavailable, UserError):
@@ -169,6 +182,22 @@ def _hold_and_cancel(q: Queued, say: Any) -> bool:
         raise
     _wait_gone(q.job_id)
     return True
+
+
+def _copy_for_move(rec: runs.RunRecord, q: Queued, dest: Resolved, say: Any) -> None:
+    """While the queued job is held: the run's newest checkpoint brought here from the cluster over
+    SSH it waits on, and copied to the cluster over SSH it goes to, each copy checked against its
+    manifest (:class:`far_copy.CopyFailed`: the move is abandoned)."""
+    run_dir = Path(rec.run_dir)
+    if (source := far_copy.of_record(rec, q.job_id)) is not None:
+        name = far_copy.pull(run_dir, source, checkpoint=True)
+        say(f"copied from {source.where}: its files, and checkpoint {name or '(none yet)'}, checked")
+    if dest.profile.login is not None:
+        far = far_run(dest.profile, dest.plan)
+        chosen = choose_for_resume(dest.plan.paths.checkpoint_dir).chosen
+        far_copy.push(run_dir, far, chosen.path if chosen else None)
+        say(f"copied to {far.where}: the run directory, and checkpoint {chosen.path.name if chosen else '(none yet)'}, "
+            "checked there")
 
 
 def _back(rec: runs.RunRecord, cluster: str, ctx: Context, quiet: Context, say: Any) -> str | None:
@@ -219,37 +248,43 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
     except BlockingIOError:
         ctx.out(f"run '{rec.name}': a watcher already runs (it holds {layout.mover_lock})")
         return 0
-    move_spec = _plans(rec, ctx)[0].spec.move
-    if move_spec is None:
+    plans = _plans(rec, ctx)
+    move_spec = plans[0].spec.move
+    over_ssh = [p.profile.name for p in plans if p.profile.login is not None]
+    if move_spec is None and not over_ssh:
         raise UserError(f"run '{rec.name}' has no move section: it stays where it was placed", exit_code=2)
+    poll_s = move_spec.poll_s if move_spec is not None else FAR_POLL_S
 
     def say(text: str) -> None:
         ctx.out(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
         ctx.stdout.flush()
 
-    say(f"watching run '{rec.name}' (move.after {move_spec.after}, on_preemption {move_spec.on_preemption}, "
-        f"every {move_spec.poll_s} s)")
+    say(f"watching run '{rec.name}' (" + (f"move.after {move_spec.after}, on_preemption {move_spec.on_preemption}, "
+        if move_spec is not None else "no move section: ") + (f"its copies on {', '.join(over_ssh)} kept in step, "
+        if over_ssh else "") + f"every {poll_s} s)")
     misses, said, lost = 0, "", False
     while True:
         rec = runs.load_record(rec.name, ctx.environ or None) or rec
+        _copy_back(rec, say)
         if layout.done.exists() or layout.cancelled.exists():
             say("the run is " + ("done" if layout.done.exists() else "cancelled") + ": the watcher ends")
             return 0
         if lost:  # a failed move left it queued nowhere: queue it again before anything else
             lost = not requeue_lost(rec, ctx, say)
-            time.sleep(move_spec.poll_s)
+            time.sleep(poll_s)
             continue
         try:
             q = current_job(rec, ctx.environ or None)
         except (SlurmUnavailable, UserError) as exc:
             say(f"its cluster did not answer ({exc.message}); trying again")
-            time.sleep(move_spec.poll_s)
+            time.sleep(poll_s)
             continue
         misses = misses + 1 if q is None or not slurm.is_active(q.state) else 0
         if misses >= ENDED_LOOKS:
             say(f"job {rec.last_job_id} ended and is not queued again: the watcher ends")
             return 0
-        why = move_due(q, after_s=move_spec.after_s, on_preemption=move_spec.on_preemption) if q else None
+        why = move_due(q, after_s=move_spec.after_s, on_preemption=move_spec.on_preemption) \
+            if q and move_spec is not None else None
         if q is not None and why is not None:
             try:
                 said = _move_if_sooner(rec, q, why, ctx, say, said)
@@ -258,7 +293,25 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
                 lost = True
             except (SlurmUnavailable, UserError) as exc:  # a cluster or a plan that fails now: said, tried again
                 say(f"no move now: {exc.message}")
-        time.sleep(move_spec.poll_s)
+        time.sleep(poll_s)
+
+
+def _copy_back(rec: runs.RunRecord, say: Any) -> None:
+    """The run's files back from the cluster over SSH its last job went to (its ledger merged);
+    once it is done there, its newest checkpoint too (the final weights), checked here."""
+    far = far_copy.of_record(rec, rec.last_job_id)
+    if far is None:
+        return
+    layout = rundir.RunLayout.of(rec.run_dir)
+    try:
+        far_copy.pull(layout.run_dir, far)
+        if layout.done.exists():
+            name = far_copy.pull(layout.run_dir, far, checkpoint=True)
+            say(f"the run is done on {far.cluster}: its files and checkpoint {name or '(none)'} copied back, checked")
+    except (far_copy.CopyFailed, UserError) as exc:
+        say(f"copying back from {far.where} failed ({exc.message}); trying again")
+        if layout.done.exists():  # not done here until its checkpoint is
+            layout.done.unlink()
 
 
 def _move_if_sooner(rec: runs.RunRecord, q: Queued, why: str, ctx: Context, say: Any, said: str) -> str:

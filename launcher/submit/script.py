@@ -33,7 +33,7 @@ from launcher.submit.shell import export_line, shell_quote
 from lmcore import rundir
 from lmcore.container import ContainerPlan
 from lmcore.plan import LaunchPlan
-from lmcore.run_layout import UNDECIDED_VAR
+from lmcore.run_layout import BATCH_VAR, UNDECIDED_VAR
 from lmcore.rundir import RunLayout
 
 
@@ -49,6 +49,8 @@ def setup_lines(plan: LaunchPlan) -> list[str]:
     ]
     lines += list(plan.setup)
     lines += [export_line(name, plan.env[name]) for name in sorted(plan.env)]
+    # this run of the script (a requeue runs it again): the ranks' rendezvous key, another cluster's job of the same id apart
+    lines += [f'export {BATCH_VAR}="$(date +%s%N)-$$"']
     return lines + container_lines(plan) + hetjob.start_lines(plan) + restart_loop_head(plan)
 
 

@@ -24,6 +24,10 @@ UNDECIDED_VAR = "LMLAUNCH_UNDECIDED_END"
 # set by each task's agent (lmtrain.task.agent) for the training process it forks: how many times the
 # ranks restarted in this srun step before it (0: the step's first); part of the rendezvous key
 GENERATION_VAR = "LMLAUNCH_STEP_GENERATION"
+# set by the batch script (launcher.submit.script.setup_lines), once each time it runs (a requeue runs it again):
+# part of the rendezvous key, so that a job of another cluster with the same job id (a run over several
+# clusters shares its run directory) never reads this one's rendezvous, gate or verdict files
+BATCH_VAR = "LMLAUNCH_BATCH"
 CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
 LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.runs.snapshot, PYTHONPATH in the plan)

@@ -11,6 +11,11 @@ Debian 12, 22.05 on Debian 13), each profile read off its live cluster by `lmlau
   `cancel` reach the cluster that holds it.
 - Moving after a wait: queued on the first past move.after while the second frees up: it moves,
   and the job it left is gone from the first queue.
+- Over SSH: the second cluster reached through a real sshd (tests/integration/sshd_helpers.py), its
+  lmlaunch with its own home and runs root (nothing shared): placed there when the first is held;
+  preempted on the first, the copy of its checkpoint damaged on the way (the move abandoned, the
+  job left queued where it was, said in status), then copied whole: it ends there bit-identical,
+  and its files and final checkpoint come back into the run's directory here.
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import sshd_helpers
 import waiting
 from preempt_helpers import (
     BASE,
@@ -219,3 +228,89 @@ def test_a_sweep_spreads_its_points_over_both_clusters_with_one_max_parallel(two
     want = {f"{name}.0": ("here", "COMPLETED"), f"{name}.1": ("there", "COMPLETED")}
     waiting.until(lambda: rows() == want, progress=rows, what="both points COMPLETED on their clusters", poll=1.0)
     assert (sweep_dir / "on-there" / "submitit").is_dir() and (sweep_dir / "on-here" / "submitit").is_dir()
+
+
+# the lmlaunch on the login node; while DAMAGE exists, a checkpoint copied there arrives with a changed byte
+WRAPPER = """#!/bin/bash
+if [ "$1" = _checkpoint ] && [ "$2" = accept ] && [ -e {damage} ]; then
+  printf X | dd of="$3/meta.json" bs=1 count=1 conv=notrunc status=none
+fi
+exec {lmlaunch} "$@"
+"""
+
+
+@pytest.fixture(scope="module")
+def over_ssh(two, tmp_path_factory):
+    """(environment, the damage switch, the runs root there): profile 'viassh' is the other cluster
+    ('there') reached through a real sshd, where an lmlaunch of its own home and runs root submits."""
+    env, _ = two
+    root = tmp_path_factory.mktemp("ssh")
+    sockets = Path(tempfile.mkdtemp(prefix="lmcm-", dir="/tmp"))  # a Unix socket's path: at most 107 bytes
+    node = sshd_helpers.start(root / "login")
+    far_home, far_runs = root / "far-home", root / "far-runs"
+    (far_home / "profiles").mkdir(parents=True)
+    there = (Path(env["LMLAUNCH_HOME"]) / "profiles" / "there.yaml").read_text()
+    (far_home / "profiles" / "there.yaml").write_text(there)
+    damage, wrapper = root / "damage", root / "lmlaunch-there"
+    wrapper.write_text(WRAPPER.format(damage=damage, lmlaunch=Path(sys.executable).parent / "lmlaunch"))
+    wrapper.chmod(0o755)
+    kept = [line for line in there.splitlines() if not line.startswith("runs_root:")]
+    (Path(env["LMLAUNCH_HOME"]) / "profiles" / "viassh.yaml").write_text("\n".join([
+        *kept, f"runs_root: {far_runs}", "login:", "  ssh: cluster-login", f"  lmlaunch: {wrapper}",
+        f"  control_path: {sockets}/cm-%C", "  profile: there",
+        f"  options: [-F, {node.config}, -o, 'SetEnv=LMLAUNCH_HOME={far_home}']"]) + "\n")
+    try:
+        yield env, damage, far_runs
+    finally:
+        node.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def test_a_run_moves_to_a_cluster_over_ssh_its_checkpoint_copied_checked_and_brought_back(over_ssh, jobs):
+    env, damage, far_runs = over_ssh
+    reference = shared("preempt-ddp-reference", lambda: ddp_reference(env, jobs))
+    name = job_name("mc", "ssh")
+    run_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
+    holder = admin.submit_holder(name=f"{name}-hold", partition="high", nodelist="n[1-2]", num_nodes=2, seconds=600)
+    try:
+        _running(holder)
+        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, "clusters=[here, viassh]", "--dry-run")
+        assert code == 0, out + err
+        assert re.search(r"#   here: starts \S+ \(\d+ min from now\)", out) and "#   viassh: starts " in out, out[:1500]
+        assert "# chosen: viassh (it starts soonest)" in out, out[:1500]  # asked over ssh (sbatch --test-only there)
+    finally:
+        slurm.cancel([holder])
+
+    damage.write_text("")  # the first copy there arrives damaged
+    first, run_dir = submit(env, name, "clusters=[here, viassh]", MOVE)
+    jobs.append(first)
+    wait_step(run_dir, 15, attempt=1)
+    code, out, err = lm(env, "preempt", name, "--mode", "requeue")
+    assert code == 0, out + err
+    waiting.until(lambda: any(e.get("event") == "move_abandoned" for e in ledger(run_dir)),
+                  progress=lambda: len(ledger(run_dir)), what="the damaged copy refused",
+                  explain=lambda: _mover_log(run_dir))
+    code, out, err = lm(env, "status", name, "--json")
+    row = json.loads(out)["runs"][0]
+    assert row["job_id"] == first and row["state"] == "PENDING", row
+    assert "a move to viassh was abandoned (the copy of checkpoint step-" in row["note"], row
+    assert "does not match its checksums (meta.json: xxh3_128" in row["note"] and "it waits on here still" in row["note"]
+    damage.unlink()  # the next copy arrives whole: moved, and trained there to the end
+    _wait_done(run_dir, f"run {name} moved over ssh and done")
+
+    moved = [e for e in ledger(run_dir) if e.get("event") == "moved"]
+    assert len(moved) == 1 and (moved[0]["from"], moved[0]["from_job"], moved[0]["to"]) == ("here", first, "viassh")
+    second = moved[0]["to_job"]
+    assert [(s["job_id"], s.get("profile")) for s in starts(run_dir)] == [(first, "here"), (second, "there")]
+    assert [e["reason"] for e in ends(run_dir)] == ["preempted", "completed"]
+    assert_losses_match(run_dir, reference["losses"])
+    assert_weights_identical(run_dir, reference)  # the final checkpoint, copied back and checked here
+    assert (far_runs / name / "DONE").exists() and not (far_runs / name / "mover.lock").exists()
+    assert not [j for j in slurm.squeue([first]) if j.job_id == first and slurm.is_active(j.state)]
+    code, out, err = lm(env, "history", name, "--json")
+    h = json.loads(out)
+    assert [(r["job_id"], r["cluster"]) for r in h["attempts"]] == [(first, "here"), (second, "viassh")], h["attempts"]
+    assert any("was abandoned" in n for n in h["notes"]) and any("to viassh (job" in n for n in h["notes"]), h["notes"]
+    code, out, err = lm(env, "status", "--json")
+    row = next(r for r in json.loads(out)["runs"] if r["name"] == name)
+    assert (row["job_id"], row["cluster"]) == (second, "viassh") and row["state"] in ("COMPLETED", "RUNNING"), row

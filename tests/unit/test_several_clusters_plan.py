@@ -105,8 +105,14 @@ def test_validate_plans_the_run_on_each_cluster(tmp_path):
     (["clusters=[here, small]", "resources.partition=high"], {"small": "\n"},
      "clusters: small: override 'resources.partition=high': resources.partition 'high' is not a partition of "
      "profile 'small'; allowed: low"),
-    (["clusters=[here, ssh]"], {"ssh": "\nlogin: {ssh: user@login.example.org}\n"},
-     "clusters: ssh is reached over SSH"),
+    # a cluster over SSH gets a copy of the run directory, with its newest checkpoint: the checkpoints go with it
+    (["clusters=[here, ssh]", "checkpoint.dir=/scratch/ck"], {"ssh": "\nlogin: {ssh: user@login.example.org}\n"},
+     "clusters: ssh is reached over SSH: the run directory is copied there with its newest checkpoint, and "
+     "checkpoint.dir (/scratch/ck) is outside it"),
+    (["clusters=[ssh, ssh2]"], {"ssh": "\nlogin: {ssh: user@login.example.org}\n",
+                                "ssh2": "\nlogin: {ssh: user@login2.example.org}\n"},
+     "clusters: every cluster named (ssh, ssh2) is reached over SSH (its profile's login section); a run over several "
+     "clusters keeps its run directory on this machine"),
 ])
 def test_what_a_run_over_several_clusters_cannot_be_is_refused_naming_the_cluster(tmp_path, overrides, extra, expected):
     d = _profiles(tmp_path, **extra)

@@ -38,6 +38,7 @@ from lmcore.slurm.records import (
 from lmcore.slurm.rest import RestClient, RestTarget
 
 DEFAULT_TIMEOUT_S = 30.0
+SSH_FAILED = 255  # ssh's own exit status: it could not connect, or the connection dropped
 FIELD_SEP = "\x1f"  # unit separator: never part of a job name, node list or reason
 
 # What the messages of the SLURM clients say when the controller or the config is missing.
@@ -224,6 +225,12 @@ def run(
     try:
         if relay:  # a rank in a container: the batch step runs the command on the host
             proc = slurm_relay.call(relay, cmd, timeout=timeout, input=input)
+        elif (target := commands_target()) is not None and target.login:  # on its login node, over ssh
+            proc = subprocess.run(target.remote_argv(cmd), capture_output=True, text=True, timeout=timeout,
+                                  input=input, stdin=None if input is not None else subprocess.DEVNULL)
+            if proc.returncode == SSH_FAILED:
+                raise SlurmUnavailable(f"`{cmd[0]}` on {target.login[-1]}: ssh failed "
+                                       f"({_first_line(proc.stderr.strip()) or 'exit 255'}); is its master connection open?")
         else:
             exe = _which(cmd[0])
             if exe is None:

@@ -6,6 +6,10 @@ PATH per cluster. A profile says so once; a command about a run on that cluster 
 logs, history, cancel, ...) runs SLURM's commands with them, and so does the job it submits
 (sbatch exports its environment to the job, whose ranks then ask their own controller).
 
+A cluster reached through its login node (a profile's ``login`` section, in a run over several
+clusters) has ``login``: the ssh command line up to its destination. Its commands then run there,
+in the login shell, with its SLURM_CONF and clients (paths on that machine).
+
 Nothing here runs a command: lmcore.slurm.client asks through the target in force
 (``client.through_commands``).
 """
@@ -13,6 +17,7 @@ Nothing here runs a command: lmcore.slurm.client asks through the target in forc
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,24 +29,40 @@ class CommandsTarget:
     conf: str | None = None  # SLURM_CONF for the commands; None: theirs by default
     bin: str | None = None  # a directory searched before PATH for sbatch, squeue, ...; None: PATH
     profile: str = ""  # for messages
+    login: tuple[str, ...] = ()  # ssh ... DESTINATION: the commands run on that login node; (): here
 
     def to_json(self) -> dict[str, Any]:
-        return {"conf": self.conf, "bin": self.bin, "profile": self.profile}
+        return {"conf": self.conf, "bin": self.bin, "profile": self.profile,
+                **({"login": list(self.login)} if self.login else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CommandsTarget:
-        return cls(d.get("conf"), d.get("bin"), str(d.get("profile", "")))
+        login = d.get("login") or ()
+        if not isinstance(login, (list, tuple)) or not all(isinstance(w, str) for w in login):
+            raise ValueError(f"login: not a command line: {login!r}")
+        return cls(d.get("conf"), d.get("bin"), str(d.get("profile", "")), tuple(login))
 
     @property
     def where(self) -> str:
         parts = [f"SLURM_CONF={self.conf}"] if self.conf else []
         parts += [f"commands in {self.bin}"] if self.bin else []
         name = f"profile '{self.profile}'" if self.profile else "this cluster"
-        return f"{name}'s SLURM ({', '.join(parts) or 'the default configuration'})"
+        over = f" over ssh to {self.login[-1]}" if self.login else ""
+        return f"{name}'s SLURM{over} ({', '.join(parts) or 'the default configuration'})"
+
+    def remote_argv(self, command: list[str]) -> list[str]:
+        """``command`` run on the login node (``login``), in its login shell, with this cluster's
+        SLURM_CONF and its clients first on that machine's PATH."""
+        words = [f"SLURM_CONF={shlex.quote(self.conf)}"] if self.conf else []
+        words += [f'PATH={shlex.quote(self.bin)}:"$PATH"'] if self.bin else []
+        return [*self.login, " ".join([*words, shlex.join(command)])]
 
     def environ(self, base: dict[str, str]) -> dict[str, str]:
-        """``base`` with this cluster's SLURM_CONF set and its commands first on PATH."""
+        """``base`` with this cluster's SLURM_CONF set and its commands first on PATH (unchanged
+        for a cluster reached over ssh: they are that machine's paths)."""
         env = dict(base)
+        if self.login:
+            return env
         if self.conf:
             env["SLURM_CONF"] = os.path.expanduser(self.conf)
         if self.bin:

@@ -30,7 +30,7 @@ from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[0
 
 from lmcore.atomic import write_private
 from lmcore.network import group_of_node
-from lmcore.run_layout import GENERATION_VAR
+from lmcore.run_layout import BATCH_VAR, GENERATION_VAR
 from lmcore.rundir import RunLayout
 from lmcore.task_records import TaskRecord, write_task_record
 
@@ -53,14 +53,16 @@ class TaskEnv:
     nodes: tuple[str, ...]
     step_id: int = 0  # SLURM_STEP_ID: each srun of a job that restarts in place is a new step
     generation: int = 0  # restarts in place inside this srun step before this start (lmtrain.task.agent)
+    batch: str = ""  # the batch script's run (BATCH_VAR): job ids of two clusters may be the same
 
     @property
     def rendezvous_key(self) -> str:
         """One per start of the ranks: the job, SLURM's requeues, and the srun step (a restart in
         place keeps the job and its restart count; a key without the step let a rank read the
         attempt before's rendezvous and wait on a master that was gone), and the generation: a restart
-        the task agents fork inside one srun step."""
-        key = f"{self.job_id}-{self.restart_count}"
+        the task agents fork inside one srun step. With the batch script's own mark: another
+        cluster's job of the same id, in a run directory the clusters share, is another key."""
+        key = f"{self.job_id}-{self.restart_count}" + (f"-b{self.batch}" if self.batch else "")
         key = f"{key}-s{self.step_id}" if self.step_id else key
         return f"{key}-g{self.generation}" if self.generation else key
 
@@ -120,6 +122,7 @@ def read_env(environ: dict[str, str] | None = None) -> TaskEnv:
         nodes=tuple(expand_hostlist(nodelist)) if nodelist else (socket.gethostname(),),
         step_id=_step_id(env),
         generation=int(env[GENERATION_VAR]) if env.get(GENERATION_VAR, "").isdigit() else 0,
+        batch=env.get(BATCH_VAR, "") if env.get(BATCH_VAR, "").replace("-", "").isalnum() else "",
     )
 
 

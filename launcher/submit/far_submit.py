@@ -1,0 +1,56 @@
+"""An attempt of a run over several clusters on one reached over SSH (its profile's ``login``
+section): the run directory copied there with its newest complete checkpoint (checked against its
+manifest there: launcher.runs.far_copy), then submitted by the lmlaunch on that login node as
+``submit --resume`` would, on that cluster's profile (``login.profile``), under the runs root of
+this profile (``runs_root``: a path there). The job id it gave is this run's next job; the
+registry records where the copy is, so that `status`, `history`, `cancel` and the watcher reach it.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path, PurePosixPath
+
+from launcher.runs import far_copy
+from launcher.spec import transport
+from launcher.spec.profiles import Profile
+from lmcore.checkpoint_index import choose_for_resume
+from lmcore.errors import UserError
+from lmcore.plan import LaunchPlan
+
+SUBMIT_TIMEOUT_S = 600.0  # the lmlaunch there plans and submits (imports, sbatch): a hang guard
+
+
+def far_run(profile: Profile, plan: LaunchPlan) -> far_copy.FarRun:
+    """Where the run's copy is on ``profile``'s cluster (its runs root asked there once)."""
+    assert profile.login is not None
+    login = transport.login_argv(profile)
+    run_dir = PurePosixPath(plan.paths.run_dir)
+    checkpoints = PurePosixPath(plan.paths.checkpoint_dir).relative_to(run_dir)  # inside: planning.clusters checked
+    try:
+        root = far_copy.resolve_root(login, profile.runs_root, profile.name)
+    except far_copy.CopyFailed as exc:
+        conn = transport.connection(profile)
+        if conn.master_alive():
+            raise
+        raise UserError(f"{exc.message}\n(no ssh master connection to {profile.login.ssh} is open; where its login "
+                        f"asks for a password or a second factor, open one with\n  {shlex.join(conn.open_command())}\n"
+                        "then submit again)", exit_code=2) from None
+    return far_copy.FarRun(profile.name, login, f"{root}/{run_dir.name}", profile.login.lmlaunch,
+                           profile.login.profile or profile.name, str(checkpoints))
+
+
+def submit_there(plan: LaunchPlan, far: far_copy.FarRun) -> str:
+    """The run (its directory here, opened already) copied to ``far`` and submitted there; its job
+    id. Nothing is queued when the copy fails its checks."""
+    choice = choose_for_resume(plan.paths.checkpoint_dir)
+    far_copy.push(Path(plan.paths.run_dir), far, choice.chosen.path if choice.chosen else None)
+    words = ("submit", f"{far.run_dir}/spec.yaml", "--resume", "--cluster", far.profile, "clusters=null", "move=null")
+    answer = far.shell(f"cd {shlex.quote(far.run_dir)} && {far.lmlaunch_argv(*words)}", timeout=SUBMIT_TIMEOUT_S)
+    said = (answer.stdout + answer.stderr).strip()
+    job = re.search(r"^(?:resumed|submitted) run '[^']*': job (\d+)", answer.stdout, re.M)
+    if answer.returncode != 0 or job is None:
+        raise UserError(f"{far.cluster}: the lmlaunch on {far.login[-1]} did not submit the run "
+                        f"(exit {answer.returncode}): {said[-1500:] or 'no output'}")
+    return job.group(1)
