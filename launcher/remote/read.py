@@ -41,6 +41,7 @@ class LoginFacts:
     staging: str
     workdir: str
     options: list[str]
+    profile: str | None = None  # the cluster's profile for the lmlaunch there (a run over several clusters)
 
 
 def split_remote(argv: list[str], environ: dict[str, str]) -> tuple[str | None, list[str]]:

@@ -40,9 +40,10 @@ COMMAND_TIMEOUT_S = 120.0
 # jobs on its own, and its job 7 is not this one's). submitit's files come back where this side has none.
 _BY_JOB = ("/" + run_layout.SUBMITIT + "/", "/rendezvous/", f"/{run_layout.LOGS}/tasks/")
 PUSH_EXCLUDES = ("/" + run_layout.MOVER_LOCK, f"/{run_layout.LOGS}/{run_layout.MOVER_LOG}", ".step-*.tmp", *_BY_JOB)
-# never copied back: what this side owns (the ledger is merged, the plan and spec are this side's)
+# never copied back: what this side owns (the ledger is merged, the plan and spec are this side's); DONE is
+# written here by the watcher once the job there ended and everything is here (launcher.submit.mover)
 PULL_EXCLUDES = (*PUSH_EXCLUDES, "/" + run_layout.LEDGER, "/" + run_layout.CODE_DIR, "/" + run_layout.SPEC_YAML,
-                 "/" + run_layout.PLAN, "/" + run_layout.DEEPSPEED_JSON)
+                 "/" + run_layout.PLAN, "/" + run_layout.DEEPSPEED_JSON, "/" + run_layout.DONE)
 
 
 class CopyFailed(UserError):
@@ -191,6 +192,12 @@ def pull(local_run_dir: Path, far: FarRun, *, checkpoint: bool = False) -> str |
         raise CopyFailed(f"the copy of checkpoint {name} from {far.cluster} does not match its checksums "
                          f"({'; '.join(problems[:3])}): removed here")
     return str(name)
+
+
+def done_there(far: FarRun) -> str | None:
+    """The DONE marker of the copy (its text), None while it has none."""
+    proc = far.shell(f"cat {shlex.quote(far.run_dir)}/{run_layout.DONE}")
+    return proc.stdout if proc.returncode == 0 else None
 
 
 def _far_text(far: FarRun, rel: str) -> str:

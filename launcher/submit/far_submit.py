@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from launcher.runs import far_copy
 from launcher.spec import transport
@@ -18,6 +19,7 @@ from launcher.spec.profiles import Profile
 from lmcore.checkpoint_index import choose_for_resume
 from lmcore.errors import UserError
 from lmcore.plan import LaunchPlan
+from lmcore.slurm.commands_target import CommandsTarget
 
 SUBMIT_TIMEOUT_S = 600.0  # the lmlaunch there plans and submits (imports, sbatch): a hang guard
 
@@ -54,3 +56,32 @@ def submit_there(plan: LaunchPlan, far: far_copy.FarRun) -> str:
         raise UserError(f"{far.cluster}: the lmlaunch on {far.login[-1]} did not submit the run "
                         f"(exit {answer.returncode}): {said[-1500:] or 'no output'}")
     return job.group(1)
+
+
+def over_ssh(target: Any, resolved: Any) -> bool:
+    """Whether the run goes to a cluster reached over SSH (a run over several clusters only: one
+    cluster over SSH is `lmlaunch --remote NAME submit`)."""
+    if not (isinstance(target, CommandsTarget) and target.login):
+        return False
+    if not resolved.spec.clusters:
+        raise UserError(f"profile '{resolved.profile.name}' is reached over SSH (its login section): submit on it "
+                        f"with `lmlaunch --remote {resolved.profile.name} submit ...`, or name it in clusters: [...] "
+                        "beside a cluster reached from here", exit_code=2)
+    return True
+
+
+def recorded(target: dict[str, Any] | None, far: far_copy.FarRun | None, notes: list[str]) -> dict[str, Any] | None:
+    """The registry's way to the job's cluster, with where the copy is when it went over SSH (said in ``notes``)."""
+    if far is None or target is None:
+        return target
+    notes.append(f"submitted there by its lmlaunch, on a copy of the run directory ({far.where}); the watcher beside "
+                 "the run copies its files back")
+    return {**target, "far": far.to_json()}
+
+
+def bring_back(record: Any) -> None:
+    """Before a resume here: the files and newest checkpoint of the copy over SSH the run's last job
+    ran on, checked; refused when it cannot be reached (the resume would start from an older one)."""
+    if (trouble := far_copy.refresh(record, checkpoint=True)) is not None:
+        raise UserError(f"run '{record.name}' last ran on a cluster over SSH, and {trouble}: its newest checkpoint is "
+                        "there; resume once it can be reached", exit_code=1)

@@ -297,21 +297,29 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
 
 
 def _copy_back(rec: runs.RunRecord, say: Any) -> None:
-    """The run's files back from the cluster over SSH its last job went to (its ledger merged);
-    once it is done there, its newest checkpoint too (the final weights), checked here."""
+    """The run's files back from the cluster over SSH its last job went to (its ledger merged).
+    Once it is done there and its job has ended (its last lines written), its newest checkpoint
+    too (the final weights), checked here, and then DONE here: done here means all of it is here."""
     far = far_copy.of_record(rec, rec.last_job_id)
-    if far is None:
-        return
     layout = rundir.RunLayout.of(rec.run_dir)
+    if far is None or layout.done.exists():
+        return
     try:
         far_copy.pull(layout.run_dir, far)
-        if layout.done.exists():
-            name = far_copy.pull(layout.run_dir, far, checkpoint=True)
-            say(f"the run is done on {far.cluster}: its files and checkpoint {name or '(none)'} copied back, checked")
-    except (far_copy.CopyFailed, UserError) as exc:
+        if (done := far_copy.done_there(far)) is None or _still_there(rec):
+            return
+        name = far_copy.pull(layout.run_dir, far, checkpoint=True)  # and the lines written since
+        layout.done.write_text(done)
+        say(f"the run is done on {far.cluster}: its files and checkpoint {name or '(none)'} copied back, checked")
+    except (far_copy.CopyFailed, UserError, SlurmUnavailable) as exc:
         say(f"copying back from {far.where} failed ({exc.message}); trying again")
-        if layout.done.exists():  # not done here until its checkpoint is
-            layout.done.unlink()
+
+
+def _still_there(rec: runs.RunRecord) -> bool:
+    """Whether the run's last job is still queued or running on its cluster."""
+    job = rec.last_job_id or ""
+    with transport.through(transport.job_target(rec, job), exactly=True):
+        return any(j.job_id == job and slurm.is_active(j.state) for j in slurm.squeue([job]))
 
 
 def _move_if_sooner(rec: runs.RunRecord, q: Queued, why: str, ctx: Context, say: Any, said: str) -> str:

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from launcher.runs import far_copy, registry as runs
+from launcher.runs import registry as runs
 from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
 from launcher.submit import dependencies, far_submit, lifecycle
@@ -24,7 +24,6 @@ from lmcore import rundir
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.plan import LaunchPlan
 from lmcore.slurm import client as slurm, rest_calls
-from lmcore.slurm.commands_target import CommandsTarget
 
 # --------------------------------------------------------------------------- submission
 
@@ -289,13 +288,10 @@ def submit_plan(
 
 def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: bool, spec_path: str | None,
                  after: list[Any] | None) -> int:
-    plan: LaunchPlan = resolved.plan
-    env = ctx.environ or None
-    name = plan.run_name
+    plan, env, name = resolved.plan, ctx.environ or None, resolved.plan.run_name
+    if resume and (record := runs.load_record(name, env)) is not None:
+        far_submit.bring_back(record)  # a copy over SSH its last job ran on: its newest checkpoint
     record = runs.load_record(name, env)
-    if resume and record is not None and (trouble := far_copy.refresh(record, checkpoint=True)) is not None:
-        raise UserError(f"run '{name}' last ran on a cluster over SSH, and {trouble}: its newest "
-                        "checkpoint is there; resume once it can be reached", exit_code=1)
     opening = lifecycle.plan_opening(plan, new=new, resume=resume, record=record, new_code=new_code)
     _refuse_shared_checkpoint_dir(plan, env)
     if not slurm.ping():
@@ -311,7 +307,7 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
             _refuse_rest_heterogeneous_job()
         rest_calls.body_of(rest, render_script(plan, dependency), f"run '{name}'")
     target = transport.profile_target(resolved.profile)
-    far = far_submit.far_run(resolved.profile, plan) if _over_ssh(target, resolved) else None
+    far = far_submit.far_run(resolved.profile, plan) if far_submit.over_ssh(target, resolved) else None
     opening.apply(env)
     try:
         if far is not None:  # its lmlaunch submits a copy of the run directory there
@@ -325,26 +321,10 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
     notes = [*opening.notes, *after_notes, *(f"starts after {a.label()}" for a in after or [] if a.job_id in waits)]
     if rest is not None:
         notes.append(f"submitted through {rest.target.where}: API {rest.api()}, SLURM {rest.release or 'of unknown version'}")
-    recorded = transport.recorded(resolved.profile).get(plan.profile)
-    if far is not None and recorded is not None:
-        recorded = {**recorded, "far": far.to_json()}
-        notes.append(f"submitted there by its lmlaunch, on a copy of the run directory ({far.where}); "
-                     "the watcher beside the run copies its files back")
+    recorded = far_submit.recorded(transport.recorded(resolved.profile).get(plan.profile), far, notes)
     _record_submission(opening.record, plan, job_id, spec_path, after or [], env, recorded)
     _say_submitted(ctx, plan, job_id, notes, resumed=resume)
     return 0
-
-
-def _over_ssh(target: Any, resolved: Any) -> bool:
-    """Whether the run goes to a cluster reached over SSH (a run over several clusters only: one
-    cluster over SSH is `lmlaunch --remote NAME submit`)."""
-    if not (isinstance(target, CommandsTarget) and target.login):
-        return False
-    if not resolved.spec.clusters:
-        raise UserError(f"profile '{resolved.profile.name}' is reached over SSH (its login section): submit on it "
-                        f"with `lmlaunch --remote {resolved.profile.name} submit ...`, or name it in clusters: [...] "
-                        "beside a cluster reached from here", exit_code=2)
-    return True
 
 
 def _refuse_dependency_elsewhere(after: list[Any], resolved: Any, environ: Any) -> None:
