@@ -119,22 +119,18 @@ def _layout_lines(placement: dict[str, Any] | None) -> list[str]:
 
 def _placed(args: argparse.Namespace, ctx: Context, first: Any, overrides: list[str],
             dependency: str | None) -> tuple[Any, list[Any], list[str]]:
-    """A run naming several clusters: planned on each (each must be able to run it), each asked
-    when it would start, and the plan of the one chosen; with the answers and their lines."""
-    from launcher.planning.clusters import choose, plan_each
-    from launcher.submit.start_estimates import ask_each, describe
+    """A run naming several clusters: the plan of the one where it starts soonest (each must be
+    able to run it), with the clusters' answers and their lines."""
+    from launcher.submit.start_estimates import place
     from lmcore.errors import UserError
 
-    plans = plan_each(args.spec, overrides, first.spec.clusters, ctx.environ, ctx.python, force=args.force, done=first)
-    answers = ask_each(plans, dependency, ctx.environ or None)
-    chosen, why = choose(answers)
-    lines = describe(answers, chosen, why)
+    chosen, answers, lines = place(args.spec, overrides, first, ctx.environ, ctx.python, dependency, force=args.force)
     if chosen is None:
         if args.dry_run:
             ctx.out("\n".join(f"# {line}" for line in lines))
         raise UserError("no cluster the run names would take it; nothing was submitted:\n" + "\n".join(lines[1:-1]),
                         exit_code=2)
-    return next(p for p in plans if p.profile.name == chosen.cluster), answers, lines
+    return chosen, answers, lines
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

@@ -183,7 +183,8 @@ def attempt_marker(n: int | None, ledger: Sequence[Mapping[str, Any]], label: st
     end = next((e for e in ledger if e.get("event") == "end" and e.get("attempt") == n), None)
     bits = [f"attempt {n}"]
     if start:
-        bits.append(f"job {start.get('job_id')}")
+        several = len({e.get("profile") for e in ledger if e.get("event") == "start"}) > 1  # its clusters' profiles
+        bits.append(f"job {start.get('job_id')}" + (f" of {start['profile']}" if several and start.get("profile") else ""))
         if start.get("nodes"):
             bits.append("on " + ",".join(start["nodes"]))
         if start.get("start_step") is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from launcher.context import Context
 from launcher.planning.resolve import Resolved
-from launcher.runs import registry as runs
+from launcher.runs import far_copy, registry as runs
 from launcher.search.plan import (
     LOCK,
     LOG,
@@ -38,6 +38,7 @@ from launcher.search.plan import (
     find,
     pointer_file,
     render_dry_run,
+    spread_over,
     trial_resolved,
 )
 from launcher.search.policy import Step, TrialFacts, next_steps, objective
@@ -130,11 +131,11 @@ class Driver:
         cancel ran) is cancelled too."""
         live = [self.search.run_name(t.number) for t in facts if t.job_active]
         recs = [rec for name in live if (rec := runs.load_record(name, self.env)) and rec.job_ids]
-        ids = [rec.job_ids[-1] for rec in recs]
-        if ids:
+        for target, members in transport.by_cluster(recs, self.env):  # each trial on its own cluster
+            ids = [recs[i].job_ids[-1] for i in members]
             try:
-                with transport.through(transport.job_target(recs[0], ids[0], self.env), exactly=True):
-                    slurm.cancel(ids)  # a search's trials: all on its one cluster
+                with transport.through(target, exactly=True):
+                    slurm.cancel(ids)
             except UserError as exc:
                 self.say(f"cancelling jobs {', '.join(ids)} failed: {exc.message}")
 
@@ -142,16 +143,20 @@ class Driver:
     def _facts(self, st: Any) -> list[TrialFacts]:
         trials = st.get_trials(deepcopy=False)
         records = {r.name: r for r in runs.sweep_records(self.search.name, self.env)}
-        live = [t for t in trials if t.state.name in ("RUNNING", "WAITING")]
-        ids = [j for t in live if (r := records.get(self.search.run_name(t.number))) for j in r.job_ids]
-        first = next(iter(records.values()), None)
-        try:
-            with transport.through(transport.job_target(first, first.last_job_id, self.env) if first else None,
-                                   exactly=first is not None):  # its trials' cluster (a profile's own, or the default)
-                jobs = {j.job_id: j for j in slurm.squeue(ids)} if ids else {}
-            answered = True
-        except (SlurmUnavailable, UserError):
-            jobs, answered = {}, False
+        live = [r for t in trials if t.state.name in ("RUNNING", "WAITING")
+                and (r := records.get(self.search.run_name(t.number))) is not None and r.job_ids]
+        jobs: dict[tuple[str, str], Any] = {}  # (trial, job id): two clusters' job ids may meet
+        answered = True
+        for target, members in transport.by_cluster(live, self.env):  # each trial asked on its own cluster
+            try:
+                with transport.through(target, exactly=True):
+                    found = {j.job_id: j for j in slurm.squeue([j for i in members for j in live[i].job_ids])}
+            except (SlurmUnavailable, UserError):
+                answered = False
+                continue
+            jobs.update({(live[i].name, k): v for i in members for k, v in found.items() if k in live[i].job_ids})
+        for live_rec in live:
+            far_copy.refresh(live_rec)  # a trial on a cluster over SSH: its ledger and metrics brought back
         out = []
         for t in trials:
             name = self.search.run_name(t.number)
@@ -162,7 +167,8 @@ class Driver:
             if rec is None or not rec.job_ids:
                 out.append(TrialFacts(t.number, t.state.name, False, None))
                 continue
-            active = any(slurm.is_active(jobs[j].state) for j in rec.job_ids if j in jobs) if answered else None
+            active = any(slurm.is_active(jobs[rec.name, j].state) for j in rec.job_ids if (rec.name, j) in jobs) \
+                if answered else None
             end, values = self._run_end(Path(rec.run_dir))
             out.append(TrialFacts(t.number, t.state.name, True, active, end.get("reason"), end.get("detail"),
                                   objective(values, at=self.search.objective.at,
@@ -245,7 +251,8 @@ class Driver:
                 return
             assert rec is not None
             shown = ", ".join(f"{k}={_show(v)}" for k, v in params.items())
-            self.say(f"trial {number} ({name}): job {rec.job_ids[-1]}: {shown}")
+            where = f" on {rec.profile_of(rec.job_ids[-1])}" if spread_over(r, self.state.cluster) else ""
+            self.say(f"trial {number} ({name}): job {rec.job_ids[-1]}{where}: {shown}")
         if rec.sweep != self.search.name or rec.point != params:
             rec.sweep, rec.point = self.search.name, params
             runs.save_record(rec, self.env)
@@ -282,7 +289,7 @@ def start(spec: str, file: str, overrides: list[str], cluster: str | None, searc
         not first.profile.sweep_storage.local_cluster else StorageRef("rdb", "(the local cluster's MariaDB)")
     directory = Path(first.plan.paths.run_dir).parent / search.name
     if dry_run:
-        return render_dry_run(search, ref, directory, first, ctx, json_out)
+        return render_dry_run(search, ref, directory, first, ctx, json_out, spread_over(first, cluster))
     if rundir.RunLayout.of(directory).plan.exists():
         raise UserError(f"{directory} is the run directory of a run named '{search.name}': give the search another name")
     if (directory / STATE).exists():

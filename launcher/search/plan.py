@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from launcher.context import Context
+from launcher.planning.clusters import plan_each
 from launcher.planning.resolve import Resolved, resolve
 from launcher.search import sweep
+from launcher.submit.start_estimates import place
 from lmcore import rundir, study
 from lmcore.errors import SpecError, UserError
 from lmcore.search_spec import SearchFile
@@ -53,7 +55,12 @@ def trial_resolved(state: SearchState, number: int, params: dict[str, Any], ctx:
     and the trial its rank 0 reports to."""
     search = state.search_file()
     ov = [*state.overrides, *sweep.overrides(params), f"name={search.run_name(number)}"]
-    r = resolve(state.spec, ov, state.cluster, ctx.environ, python=ctx.python)
+    r = resolve(state.spec, ov, state.cluster, ctx.environ, python=ctx.python, several=True)
+    if spread_over(r, state.cluster):  # several: where this trial starts soonest
+        chosen, _, lines = place(state.spec, ov, r, ctx.environ, ctx.python)
+        if chosen is None:
+            raise UserError("no cluster the search names would take the trial:\n" + "\n".join(lines[1:-1]))
+        r = chosen
     trial = study.TrialPlan(state.ref(), search.name, number, search.objective.metric, search.objective.direction,
                             search.pruner.model_dump())
     return dataclasses.replace(r, plan=dataclasses.replace(r.plan, trial=trial.to_json()))
@@ -69,14 +76,17 @@ def check_corners(spec: str, overrides: list[str], cluster: str | None, search: 
     for key, space in search.params.items():
         for value in space.corners():
             point = {**low, key: value}
+            ov = [*overrides, *sweep.overrides(point), f"name={search.run_name(0)}"]
             try:
-                r = resolve(spec, [*overrides, *sweep.overrides(point), f"name={search.run_name(0)}"], cluster,
-                            ctx.environ, python=ctx.python)
+                r = resolve(spec, ov, cluster, ctx.environ, python=ctx.python, several=True)
+                if spread_over(r, cluster):  # its trials may go to each: each must run it
+                    plan_each(spec, ov, r.spec.clusters or [], ctx.environ, ctx.python, done=r)
             except SpecError as exc:
                 raise SpecError([f"search {source}, params.{key} = {value!r}: {p}" for p in exc.problems],
                                 source=exc.source) from None
             first = first or r
     assert first is not None
+    _one_study(first, ctx, source)
     plan = first.plan
     if search.objective.metric == "val_loss" and plan.trainer.val_check_interval is None:
         raise SpecError([f"objective.metric val_loss: the runs never log it (validation is off: "
@@ -89,6 +99,21 @@ def check_corners(spec: str, overrides: list[str], cluster: str | None, search: 
                              f"(val every {every} of {plan.trainer.max_steps} steps): nothing to prune on; "
                              f"validate more often or use pruner: {{name: none}}"], source=source)
     return first
+
+
+def _one_study(first: Resolved, ctx: Context, source: str) -> None:
+    """A search over several clusters keeps one study, in the first cluster's sweep_storage: a
+    cluster whose profile names another one is refused (its trials would report elsewhere)."""
+    from launcher.spec.profiles import load_profile
+
+    for name in first.spec.clusters or []:
+        other = load_profile(name, ctx.environ).sweep_storage
+        if other is not None and other != first.profile.sweep_storage:
+            said = other.model_dump(exclude_none=True, exclude_defaults=True)
+            raise SpecError([f"clusters: {name}'s profile keeps its searches elsewhere ({said}) "
+                             f"than {first.profile.name}'s: the trials of one search report to one study (the first "
+                             "cluster's sweep_storage), which every cluster's ranks must reach; give them one"],
+                            source=source)
 
 
 # --------------------------------------------------------------------------- the directory
@@ -124,15 +149,21 @@ def mark_cancelled(name: str, ctx: Context) -> Path | None:
 
 
 # --------------------------------------------------------------------------- the dry run
+def spread_over(first: Resolved, cluster: str | None) -> list[str]:
+    """The clusters a search's trials are placed on, each where it starts soonest ([]: the one it plans on)."""
+    return list(first.spec.clusters or []) if not cluster or "," in cluster else []
+
+
 def render_dry_run(search: SearchFile, ref: StorageRef, directory: Path, first: Resolved, ctx: Context,
-             json_out: bool) -> int:
+                   json_out: bool, clusters: list[str] | None = None) -> int:
     spaces = {k: s.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_defaults=True)
               for k, s in search.params.items()}
     if json_out:
         ctx.out(json.dumps({"search": search.name, "trials": search.trials, "max_parallel": search.max_parallel,
                             "sampler": search.sampler.model_dump(), "pruner": search.pruner.model_dump(),
                             "objective": search.objective.model_dump(), "params": spaces,
-                            "storage": ref.describe(), "directory": str(directory)}, indent=2))
+                            "storage": ref.describe(), "directory": str(directory),
+                            **({"clusters": clusters} if clusters else {})}, indent=2))
         return 0
     o = search.objective
     ctx.out(f"# search '{search.name}': {search.trials} trials, at most {search.max_parallel} queued or running at "
@@ -146,4 +177,7 @@ def render_dry_run(search: SearchFile, ref: StorageRef, directory: Path, first: 
     ctx.out(f"trials:    runs {search.run_name(0)} .. {search.run_name(search.trials - 1)}, each planned as "
             f"{first.plan.topology.nodes} node(s) x {first.plan.topology.tasks_per_node} task(s), "
             f"{first.plan.trainer.max_steps} steps")
+    if clusters:
+        ctx.out(f"clusters:  {', '.join(clusters)}: each trial goes where it starts soonest when it is submitted "
+                f"(sbatch --test-only on each); at most {search.max_parallel} at once in all")
     return 0

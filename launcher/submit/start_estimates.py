@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 
-from launcher.planning.clusters import Answer
+from launcher.planning.clusters import Answer, choose, plan_each
 from launcher.planning.resolve import Resolved
 from launcher.spec import transport
 from launcher.submit.script import render_script
@@ -92,3 +92,15 @@ def describe(answers: Sequence[Answer], chosen: Answer | None, why: str, now: fl
 def _span(seconds: float) -> str:
     minutes = round(seconds / 60)
     return f"{minutes} min" if minutes < 120 else f"{minutes / 60:.1f} h"
+
+
+def place(spec: str, overrides: Sequence[str], first: Resolved, environ: Mapping[str, str] | None, python: str | None,
+          dependency: str | None = None, *, force: bool = False) -> tuple[Resolved | None, list[Answer], list[str]]:
+    """A run naming several clusters: planned on each (each must be able to run it), each asked
+    when it would start, and the plan of the one chosen (None: no cluster would take it); with the
+    answers and their lines."""
+    plans = plan_each(spec, list(overrides), first.spec.clusters or [], environ, python, force=force, done=first)
+    answers = ask_each(plans, dependency, environ)
+    chosen, why = choose(answers)
+    lines = describe(answers, chosen, why)
+    return (next(p for p in plans if p.profile.name == chosen.cluster) if chosen else None), answers, lines

@@ -314,3 +314,29 @@ def test_a_run_moves_to_a_cluster_over_ssh_its_checkpoint_copied_checked_and_bro
     code, out, err = lm(env, "status", "--json")
     row = next(r for r in json.loads(out)["runs"] if r["name"] == name)
     assert (row["job_id"], row["cluster"]) == (second, "viassh") and row["state"] in ("COMPLETED", "RUNNING"), row
+
+
+def test_a_search_places_each_trial_where_it_starts_soonest(two, jobs, tmp_path):
+    """Each trial takes both nodes of a cluster: the first goes to the first named, the second to the other
+    (the first is busy there); one max_parallel across them, one study."""
+    env, _ = two
+    name = job_name("mc", "search")
+    here = Path(env["LMLAUNCH_HOME"]) / "profiles" / "here.yaml"
+    if "sweep_storage:" not in here.read_text():
+        here.write_text(here.read_text() + "sweep_storage: {local_cluster: true}\n")  # the study: one, the first's
+    search = tmp_path / "search.yaml"
+    search.write_text(json.dumps({"name": name, "search": "optuna", "trials": 2, "max_parallel": 2,
+                                  "objective": {"metric": "loss", "at": "last"}, "pruner": {"name": "none"},
+                                  "params": {"optim.lr": {"float": [1.0e-3, 1.0e-2], "log": True}}}))
+    args = (SPEC, search, *BASE, "trainer.max_steps=10", "clusters=[here, there]")
+    code, out, err = lm(env, "sweep", *args, "--dry-run")
+    assert code == 0 and "clusters:  here, there: each trial goes where it starts soonest" in out, out + err
+    code, out, err = lm(env, "sweep", *args)
+    assert code == 0, out + err
+    placed = dict(re.findall(rf"trial (\d) \({re.escape(name)}\.\d\): job \d+ on (\w+):", out))
+    assert placed == {"0": "here", "1": "there"}, out
+    assert f"search '{name}' done: 2 trials (2 complete)" in out, out
+    code, out, err = lm(env, "status", name, "--json")
+    rows = json.loads(out)["runs"]
+    assert sorted((r["name"], r["cluster"]) for r in rows) == [(f"{name}.0", "here"), (f"{name}.1", "there")], rows
+    jobs.extend(r["job_id"] for r in rows if r["cluster"] == "here")

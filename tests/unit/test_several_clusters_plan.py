@@ -143,13 +143,22 @@ def test_commands_that_plan_one_cluster_say_how_to_choose_one(tmp_path, command)
            "(here, there): choose one with --cluster NAME (submit and validate take several)" in err, err
 
 
-def test_a_search_over_several_clusters_is_refused_with_how(tmp_path):
-    """A search's driver submits its trials one cluster (a sweep's arrays spread over several:
-    tests/integration/test_several_clusters.py)."""
+def test_a_search_over_several_clusters_places_each_trial_and_keeps_one_study(tmp_path):
+    """Each trial goes where it starts soonest when it is submitted (its corners planned on every
+    cluster first); the trials report to one study, the first cluster's sweep_storage
+    (tests/integration/test_several_clusters.py runs one)."""
     search = tmp_path / "s.yaml"
     search.write_text('{"name": "s", "search": "optuna", "trials": 2, "params": {"optim.lr": {"float": [1e-3, 1e-2]}}}')
     code, out, err = _lm(tmp_path, "sweep", SPEC, search, "clusters=[here, there]", "--dry-run")
-    assert code == 2 and "choose one with --cluster NAME" in err, (out, err)
+    assert code == 0, (out, err)
+    assert "clusters:  here, there: each trial goes where it starts soonest when it is submitted" in out, out
+    code, out, err = _lm(tmp_path, "sweep", SPEC, search, "clusters=[here, there]", "--cluster", "there", "--dry-run")
+    assert code == 0 and "clusters:" not in out, (out, err)  # one named: every trial there
+    d = _profiles(tmp_path)
+    (d / "there.yaml").write_text(LOCAL.replace("sweep_storage: {local_cluster: true}", "sweep_storage: {journal: /x/j}"))
+    code, out, err = _lm(tmp_path, "sweep", SPEC, search, "clusters=[here, there]", "--dry-run")
+    assert code == 2 and "clusters: there's profile keeps its searches elsewhere ({'journal': '/x/j'}) than here's: " \
+        "the trials of one search report to one study" in err, (out, err)
 
 
 # --------------------------------------------------------------------------- a profile's own way to its cluster
