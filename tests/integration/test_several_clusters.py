@@ -120,23 +120,29 @@ def _mover_log(run_dir: Path) -> str:
     return "\n--- mover.log\n" + (path.read_text()[-3000:] if path.exists() else "(none)")
 
 
+def _dry_run_with_here_held(env: dict[str, str], name: str, clusters: str) -> str:
+    """`submit --dry-run` over ``clusters`` while the first cluster's nodes are held: its output."""
+    holder = admin.submit_holder(name=f"{name}-hold", partition="high", nodelist="n[1-2]", num_nodes=2, seconds=600)
+    try:
+        _running(holder)
+        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, f"clusters={clusters}", "--dry-run")
+        assert code == 0, out + err
+        assert re.search(r"#   here: starts \S+ \(\d+ min from now\)", out), out[:1500]
+        return out
+    finally:
+        slurm.cancel([holder])
+
+
 def test_a_run_is_placed_where_it_starts_soonest_moves_when_preempted_and_ends_bit_identical(two, jobs):
     env, claim = two
     reference = shared("preempt-ddp-reference", lambda: ddp_reference(env, jobs))
     name = job_name("mc", "placed")
     run_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
-    holder = admin.submit_holder(name=f"{name}-hold", partition="high", nodelist="n[1-2]", num_nodes=2, seconds=600)
-    try:
-        _running(holder)
-        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, "clusters=[here, gone, there]", "--dry-run")
-        assert code == 0, out + err
-        assert re.search(r"#   here: starts \S+ \(\d+ min from now\)", out), out[:1500]
-        assert "#   gone: skipped: " in out and "#   there: starts " in out and "(now)" in out, out[:1500]
-        assert "# chosen: there (it starts soonest)" in out, out[:1500]
-        assert "on cluster 'there'" in out
-        assert not run_dir.exists()  # a dry run changes nothing
-    finally:
-        slurm.cancel([holder])
+    out = _dry_run_with_here_held(env, name, "[here, gone, there]")
+    assert "#   gone: skipped: " in out and "#   there: starts " in out and "(now)" in out, out[:1500]
+    assert "# chosen: there (it starts soonest)" in out, out[:1500]
+    assert "on cluster 'there'" in out
+    assert not run_dir.exists()  # a dry run changes nothing
 
     # both free: placed on the first named; preempted there, it moves to the other (steps paced)
     first, run_dir = submit(env, name, "clusters=[here, there]", MOVE)
@@ -271,15 +277,8 @@ def test_a_run_moves_to_a_cluster_over_ssh_its_checkpoint_copied_checked_and_bro
     reference = shared("preempt-ddp-reference", lambda: ddp_reference(env, jobs))
     name = job_name("mc", "ssh")
     run_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
-    holder = admin.submit_holder(name=f"{name}-hold", partition="high", nodelist="n[1-2]", num_nodes=2, seconds=600)
-    try:
-        _running(holder)
-        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, "clusters=[here, viassh]", "--dry-run")
-        assert code == 0, out + err
-        assert re.search(r"#   here: starts \S+ \(\d+ min from now\)", out) and "#   viassh: starts " in out, out[:1500]
-        assert "# chosen: viassh (it starts soonest)" in out, out[:1500]  # asked over ssh (sbatch --test-only there)
-    finally:
-        slurm.cancel([holder])
+    out = _dry_run_with_here_held(env, name, "[here, viassh]")
+    assert "#   viassh: starts " in out and "# chosen: viassh (it starts soonest)" in out, out[:1500]  # asked over ssh
 
     damage.write_text("")  # the first copy there arrives damaged
     first, run_dir = submit(env, name, "clusters=[here, viassh]", MOVE)
