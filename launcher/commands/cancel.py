@@ -46,7 +46,10 @@ def _cancel_run(rec, environ=None) -> dict:
                 live = [j.job_id for j in slurm.active_jobs(ids)]
                 if live:
                     if run_dir.is_dir():  # a copy over SSH: its ranks read the marker there
-                        far_copy.put_marker(rec, live[-1], rundir.CANCELLED)
+                        try:
+                            far_copy.put_marker(rec, live[-1], rundir.CANCELLED)
+                        except far_copy.CopyFailed as exc:  # cancelled all the same: it would train on
+                            problems.append(f"{prof}: {exc.message}; its ranks may requeue it once")
                     slurm.cancel(live)
             active += live
         except (SlurmUnavailable, UserError) as exc:

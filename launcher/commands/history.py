@@ -73,8 +73,8 @@ def _attempt_times(rec):
     groups = rec.jobs_by_profile()
 
     times, messages = {}, []
-    for prof, ids in groups.items():
-        with transport.through(transport.job_target(rec, ids[-1]), exactly=True):
+    for prof, ids in groups.items():  # each group asked on its own profile's cluster (job ids of two may meet)
+        with transport.through(transport.profile_job_target(rec, prof), exactly=True):
             got, message = slurm_view.sacct_attempt_times(ids)
         times.update(got)  # job ids of other clusters are other jobs: a run's own seldom meet
         messages += [f"{prof}: {message}" if len(groups) > 1 else message] if message else []

@@ -136,11 +136,12 @@ def ended_state(end: Mapping[str, Any]) -> str:
     return _STATE_OF_REASON.get(reason, "FAILED")
 
 
-def _abandoned_move(ledger: Sequence[Mapping[str, Any]]) -> str | None:
+def _abandoned_move(ledger: Sequence[Mapping[str, Any]], job_id: str | None, group: str) -> str | None:
     """The last move between clusters when it was abandoned (launcher.submit.mover: a checkpoint
-    copy that failed); the job it left waits where it was."""
+    copy that failed) and ``job_id``, queued, is the one it left waiting."""
     moves = [e for e in ledger if e.get("event") in ("moved", "move_failed", "move_abandoned")]
-    if not moves or moves[-1].get("event") != "move_abandoned":
+    if group != "queued" or not moves or moves[-1].get("event") != "move_abandoned" \
+            or str(moves[-1].get("from_job")) != str(job_id):
         return None
     return f"a move to {moves[-1].get('to')} was abandoned ({moves[-1].get('error')}); it waits on {moves[-1].get('from')} still"
 
@@ -177,7 +178,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
     if stragglers:
         note = (note + "; " if note else "") + "slow: " + ", ".join(straggler_lines.describe(s) for s in stragglers)
 
-    note = "; ".join(x for x in (_abandoned_move(files.ledger) if group == "queued" else None, note) if x)
+    note = "; ".join(x for x in (_abandoned_move(files.ledger, rec.last_job_id, group), note) if x)
     if files.evaluation is not None and (said := eval_rows.note(files.evaluation, rec.name)):
         note = (note + "; " if note else "") + said
     step = int(last_any_step["step"]) if last_any_step is not None else None

@@ -61,10 +61,11 @@ def shared_run_problems(plans: Sequence[Resolved]) -> list[str]:
     first = plans[0]
     problems = []
     for r in plans:
-        if r.profile.login is not None and not _inside(r.plan.paths.checkpoint_dir, r.plan.paths.run_dir):
+        if r.profile.login is not None and (r.spec.checkpoint.dir is not None or
+                                            not _inside(r.plan.paths.checkpoint_dir, r.plan.paths.run_dir)):
             problems.append(f"clusters: {r.profile.name} is reached over SSH: the run directory is copied there with "
-                            f"its newest checkpoint, and checkpoint.dir ({r.plan.paths.checkpoint_dir}) is outside it; "
-                            "leave checkpoint.dir out (the run directory's checkpoints/)")
+                            f"its newest checkpoint, and checkpoint.dir ({r.plan.paths.checkpoint_dir}) names a path "
+                            "of this machine; leave checkpoint.dir out (the run directory's checkpoints/, there too)")
     dirs = {r.profile.name: r.plan.paths.run_dir for r in plans}
     if len(set(dirs.values())) > 1:
         listed = ", ".join(f"{n}: {d}" for n, d in dirs.items())

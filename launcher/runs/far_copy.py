@@ -21,10 +21,12 @@ this machine (another filesystem): the same copies, without ssh.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shlex
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +39,9 @@ COPY_TIMEOUT_S = 3600.0  # a checkpoint over a slow link; a hang guard, not a fi
 COMMAND_TIMEOUT_S = 120.0
 # Never copied either way: this side's watcher; the checkpoints (the newest one travels on its own); what
 # the jobs keep by job id (submitit's files, the rendezvous, the task records: the other cluster numbers its
-# jobs on its own, and its job 7 is not this one's). submitit's files come back where this side has none.
-_BY_JOB = ("/" + run_layout.SUBMITIT + "/", "/rendezvous/", f"/{run_layout.LOGS}/tasks/")
+# jobs on its own, and its job 7 is not this one's). submitit's files come back under submitit/on-<cluster>/.
+_BY_JOB = ("/" + run_layout.SUBMITIT + "/", "/rendezvous/", f"/{run_layout.LOGS}/tasks/", "/slurm-relay/",
+           "/" + run_layout.RESTART_IN_PLACE)
 PUSH_EXCLUDES = ("/" + run_layout.MOVER_LOCK, f"/{run_layout.LOGS}/{run_layout.MOVER_LOG}", ".step-*.tmp", *_BY_JOB)
 # never copied back: what this side owns (the ledger is merged, the plan and spec are this side's); DONE is
 # written here by the watcher once the job there ended and everything is here (launcher.submit.mover)
@@ -86,10 +89,14 @@ class FarRun:
             return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             raise CopyFailed(f"{self.cluster}: `{command[:200]}` did not answer within {timeout:.0f} s") from None
+        except OSError as exc:
+            raise CopyFailed(f"{self.cluster}: `{argv[0]}` could not be started: {exc}") from None
 
     def lmlaunch_argv(self, *words: str) -> str:
-        """A command line of lmlaunch there, with this run's runs root."""
-        return f"LMLAUNCH_RUNS_ROOT={shlex.quote(self.runs_root)} {self.lmlaunch} {shlex.join(words)}"
+        """A command line of lmlaunch there, with this run's runs root; it is on that cluster's login node
+        (LMLAUNCH_FORWARDED, as `--remote` marks it): its SLURM commands run where it is."""
+        return (f"LMLAUNCH_FORWARDED=1 LMLAUNCH_RUNS_ROOT={shlex.quote(self.runs_root)} {self.lmlaunch} "
+                f"{shlex.join(words)}")
 
     def _side(self, path: str) -> str:
         """An rsync operand of ``path`` there."""
@@ -125,6 +132,18 @@ def resolve_root(login: Sequence[str], runs_root: str, cluster: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+def set_aside(far: FarRun) -> str | None:
+    """An earlier run's copy of this name there (a new run, or --new) renamed out of the way, as
+    `submit --new` keeps the old run directory here; its new name, None when there was none."""
+    kept = f"{far.run_dir}.archived-{int(time.time())}"
+    proc = far.shell(f"if [ -e {shlex.quote(far.run_dir)} ]; then mv {shlex.quote(far.run_dir)} {shlex.quote(kept)} "
+                     "&& echo moved; fi")
+    if proc.returncode != 0:
+        raise CopyFailed(f"{far.cluster}: an earlier copy {far.run_dir} could not be set aside: "
+                         f"{(proc.stderr or proc.stdout).strip()[-400:]}")
+    return kept if proc.stdout.strip() == "moved" else None
+
+
 def _double_quoted(text: str) -> str:
     """``text`` in double quotes for a POSIX shell: ``$VARS`` expand, nothing else does."""
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
@@ -152,11 +171,10 @@ def push(local_run_dir: Path, far: FarRun, checkpoint: Path | None) -> None:
 
 
 def _accepted(answer: subprocess.CompletedProcess[str], far: FarRun, name: str) -> None:
-    try:
-        said = json.loads(answer.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+    said = _last_json(answer.stdout)
+    if said is None:
         raise CopyFailed(f"{far.cluster}: checking the copy of {name} there failed: "
-                         f"{(answer.stderr or answer.stdout).strip()[-600:] or f'exit {answer.returncode}'}") from None
+                         f"{(answer.stderr or answer.stdout).strip()[-600:] or f'exit {answer.returncode}'}")
     if said.get("problems"):
         raise CopyFailed(f"the copy of checkpoint {name} on {far.cluster} does not match its checksums "
                          f"({'; '.join(said['problems'][:3])}): removed there")
@@ -168,22 +186,24 @@ def pull(local_run_dir: Path, far: FarRun, *, checkpoint: bool = False) -> str |
     excludes = [f"--exclude={e}" for e in (*PULL_EXCLUDES, f"/{far.checkpoints}/")]
     local_run_dir.mkdir(parents=True, exist_ok=True)
     far._rsync("--update", *excludes, far._side(f"{far.run_dir}/"), f"{local_run_dir}/")
-    far._rsync("--ignore-existing", far._side(f"{far.run_dir}/{run_layout.SUBMITIT}/"),
-               f"{local_run_dir}/{run_layout.SUBMITIT}/")
+    far._rsync("--update", far._side(f"{far.run_dir}/{run_layout.SUBMITIT}/"),
+               f"{local_run_dir}/{run_layout.SUBMITIT}/on-{far.cluster}/")
     merge_ledger(run_layout.RunLayout.of(local_run_dir).ledger, _far_text(far, run_layout.LEDGER))
     if not checkpoint:
         return None
     answer = far.shell(far.lmlaunch_argv("_checkpoint", "newest", f"{far.run_dir}/{far.checkpoints}"))
-    try:
-        name = json.loads(answer.stdout.strip().splitlines()[-1]).get("newest")
-    except (ValueError, IndexError):
+    said = _last_json(answer.stdout)
+    if said is None:
         raise CopyFailed(f"{far.cluster}: could not list its checkpoints: "
-                         f"{(answer.stderr or answer.stdout).strip()[-600:]}") from None
-    if not name:
+                         f"{(answer.stderr or answer.stdout).strip()[-600:]}")
+    name = said.get("newest")
+    if not isinstance(name, str) or not checkpoint_index.STEP_RE.fullmatch(name):
         return None
     into = local_run_dir / far.checkpoints
-    if (into / name / checkpoint_index.COMPLETE_NAME).exists():
-        return str(name)  # here already, checked when it came
+    here = into / name
+    if (here / checkpoint_index.COMPLETE_NAME).exists() and checkpoint_index.incomplete_reason(here) is None \
+            and not checkpoint_index.verify(here):
+        return name  # here already, and whole
     temporary = into / checkpoint_index.temporary_dir_name(checkpoint_index.step_of(Path(name)))
     temporary.parent.mkdir(parents=True, exist_ok=True)
     far._rsync("--delete", far._side(f"{far.run_dir}/{far.checkpoints}/{name}/"), f"{temporary}/")
@@ -192,6 +212,15 @@ def pull(local_run_dir: Path, far: FarRun, *, checkpoint: bool = False) -> str |
         raise CopyFailed(f"the copy of checkpoint {name} from {far.cluster} does not match its checksums "
                          f"({'; '.join(problems[:3])}): removed here")
     return str(name)
+
+
+def _last_json(text: str) -> dict[str, Any] | None:
+    """The JSON object on the last line of an answer, None when there is none."""
+    try:
+        said = json.loads(text.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+    return said if isinstance(said, dict) else None
 
 
 def done_there(far: FarRun) -> str | None:
@@ -210,15 +239,16 @@ def _far_text(far: FarRun, rel: str) -> str:
 def merge_ledger(path: Path, other: str) -> int:
     """The lines of ``other`` (the copy's ledger) that ``path`` lacks, appended in their order (a
     torn last line left out); how many."""
-    mine = path.read_text().splitlines() if path.exists() else []
-    have = set(mine)
     lines = other.splitlines()
     if other and not other.endswith("\n"):
         lines = lines[:-1]  # being written there
-    new = [line for line in lines if line.strip() and line not in have]
-    if new:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:  # one merge at a time (the watcher, history, logs, a search's driver)
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        have = set(f.read().splitlines())
+        new = [line for line in lines if line.strip() and line not in have]
+        if new:
             f.write("".join(line + "\n" for line in new))
     return len(new)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,11 +55,9 @@ def profile_target(profile: Profile) -> Target | None:
     SLURM_CONF and commands when it names them; None: the defaults."""
     if profile.submit.via == "rest":
         return profile.submit.rest_target(profile.name)
-    target = profile.submit.commands_target(profile.name)
-    if profile.login is not None and os.environ.get("LMLAUNCH_FORWARDED") != "1":
-        base = target or CommandsTarget(profile=profile.name)
-        return dataclasses.replace(base, login=login_argv(profile))
-    return target
+    if profile.login is not None and os.environ.get("LMLAUNCH_FORWARDED") != "1":  # paths of that machine, as written
+        return CommandsTarget(profile.submit.slurm_conf, profile.submit.slurm_bin, profile.name, login_argv(profile))
+    return profile.submit.commands_target(profile.name)
 
 
 def login_argv(profile: Profile) -> tuple[str, ...]:
@@ -139,9 +136,15 @@ def by_cluster(records: Sequence[Any], environ: Mapping[str, str] | None = None)
 def job_target(rec: Any, job_id: str | None, environ: Mapping[str, str] | None = None) -> Target | None:
     """The way to the cluster a run's job went to: its profile's now, or as recorded when the
     profile is gone (a job id of one cluster is another job on the next: never the default's)."""
+
+    return profile_job_target(rec, rec.profile_of(job_id) if job_id else rec.profile, environ)
+
+
+def profile_job_target(rec: Any, prof: str, environ: Mapping[str, str] | None = None) -> Target | None:
+    """The way to the cluster of profile ``prof``, for a run's jobs that went there: its profile's
+    now, or as recorded when the profile is gone."""
     from launcher.spec.profiles import load_profile
 
-    prof = rec.profile_of(job_id) if job_id else rec.profile
     try:
         return profile_target(load_profile(prof, environ))
     except UserError:

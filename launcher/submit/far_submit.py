@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -17,8 +18,9 @@ from launcher.runs import far_copy
 from launcher.spec import transport
 from launcher.spec.profiles import Profile
 from lmcore.checkpoint_index import choose_for_resume
-from lmcore.errors import UserError
+from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.plan import LaunchPlan
+from lmcore.slurm import client as slurm
 from lmcore.slurm.commands_target import CommandsTarget
 
 SUBMIT_TIMEOUT_S = 600.0  # the lmlaunch there plans and submits (imports, sbatch): a hang guard
@@ -43,30 +45,61 @@ def far_run(profile: Profile, plan: LaunchPlan) -> far_copy.FarRun:
                            profile.login.profile or profile.name, str(checkpoints))
 
 
-def submit_there(plan: LaunchPlan, far: far_copy.FarRun) -> str:
+def submit_there(plan: LaunchPlan, far: far_copy.FarRun, *, fresh: bool) -> str:
     """The run (its directory here, opened already) copied to ``far`` and submitted there; its job
-    id. Nothing is queued when the copy fails its checks."""
+    id. A ``fresh`` run (a new one, or --new) first sets aside an earlier run's copy of its name.
+    Nothing is queued when the copy fails its checks. When the answer is lost after the lmlaunch
+    there may have submitted (the connection dropped, no answer in time), the job it queued under
+    the run's name is found and taken (never a second one)."""
+    if fresh:
+        far_copy.set_aside(far)
     choice = choose_for_resume(plan.paths.checkpoint_dir)
     far_copy.push(Path(plan.paths.run_dir), far, choice.chosen.path if choice.chosen else None)
     words = ("submit", f"{far.run_dir}/spec.yaml", "--resume", "--cluster", far.profile, "clusters=null", "move=null")
-    answer = far.shell(f"cd {shlex.quote(far.run_dir)} && {far.lmlaunch_argv(*words)}", timeout=SUBMIT_TIMEOUT_S)
-    said = (answer.stdout + answer.stderr).strip()
+    started = time.time()
+    try:
+        answer = far.shell(f"cd {shlex.quote(far.run_dir)} && {far.lmlaunch_argv(*words)}", timeout=SUBMIT_TIMEOUT_S)
+    except far_copy.CopyFailed as exc:  # no answer in time
+        return _queued_anyway(plan, far, started, exc.message)
     job = re.search(r"^(?:resumed|submitted) run '[^']*': job (\d+)", answer.stdout, re.M)
-    if answer.returncode != 0 or job is None:
-        raise UserError(f"{far.cluster}: the lmlaunch on {far.login[-1]} did not submit the run "
-                        f"(exit {answer.returncode}): {said[-1500:] or 'no output'}")
-    return job.group(1)
+    if job is not None:
+        return job.group(1)
+    said = (answer.stdout + answer.stderr).strip()
+    if answer.returncode == slurm.SSH_FAILED:
+        return _queued_anyway(plan, far, started, said[-600:] or "ssh failed")
+    raise UserError(f"{far.cluster}: the lmlaunch on {far.where} did not submit the run "
+                    f"(exit {answer.returncode}): {said[-1500:] or 'no output'}")
 
 
-def over_ssh(target: Any, resolved: Any) -> bool:
+def _queued_anyway(plan: LaunchPlan, far: far_copy.FarRun, since: float, why: str) -> str:
+    """The job the lmlaunch there queued for the run although its answer was lost; refused with
+    ``why`` when it queued none."""
+    try:
+        with slurm.through_commands(CommandsTarget(profile=far.cluster, login=far.login)):
+            found = slurm.jobs_submitted_since(plan.run_name, since)
+    except (UserError, SlurmUnavailable) as exc:
+        raise UserError(f"{far.cluster}: the answer of the lmlaunch there was lost ({why}), and whether it queued "
+                        f"the run could not be asked ({exc.message}): `lmlaunch status {plan.run_name}` there says; "
+                        "nothing was recorded here") from None
+    if not found:
+        raise UserError(f"{far.cluster}: the lmlaunch there did not answer ({why}) and queued nothing")
+    return found[-1]
+
+
+def over_ssh(target: Any, resolved: Any, after: list[Any]) -> bool:
     """Whether the run goes to a cluster reached over SSH (a run over several clusters only: one
-    cluster over SSH is `lmlaunch --remote NAME submit`)."""
+    cluster over SSH is `lmlaunch --remote NAME submit`); --after is refused there (the lmlaunch
+    there submits, and knows no job of this registry)."""
     if not (isinstance(target, CommandsTarget) and target.login):
         return False
     if not resolved.spec.clusters:
         raise UserError(f"profile '{resolved.profile.name}' is reached over SSH (its login section): submit on it "
                         f"with `lmlaunch --remote {resolved.profile.name} submit ...`, or name it in clusters: [...] "
                         "beside a cluster reached from here", exit_code=2)
+    if after:
+        raise UserError(f"--after: cluster {resolved.profile.name} is reached over SSH, where the lmlaunch there "
+                        "submits the run and no dependency on a job of this machine's registry can be carried; "
+                        "submit it once the upstream run has ended, or on a cluster reached from here", exit_code=2)
     return True
 
 

@@ -141,7 +141,10 @@ def move(rec: runs.RunRecord, q: Queued, dest: Resolved, why: str, ctx: Context,
             return None
         say(f"job {q.job_id} on {q.cluster}: held and cancelled while queued ({why})")
         if (source := far_copy.of_record(now_rec, q.job_id)) is not None:
-            far_copy.pull(layout.run_dir, source)  # its ledger's last lines, before the next attempt's
+            try:
+                far_copy.pull(layout.run_dir, source)  # its ledger's last lines, before the next attempt's
+            except far_copy.CopyFailed as exc:  # its checkpoint came already; the submission tries again
+                say(f"copying back from {source.where} failed ({exc.message}); submitting anyway")
         out = io.StringIO()
         quiet = Context(stdout=out, stderr=out, environ=ctx.environ, python=ctx.python)
         try:
@@ -280,6 +283,8 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
             time.sleep(poll_s)
             continue
         misses = misses + 1 if q is None or not slurm.is_active(q.state) else 0
+        if misses >= ENDED_LOOKS and _done_only_there(rec):
+            misses = 0  # done on a cluster over SSH, not yet here: brought back at the next look
         if misses >= ENDED_LOOKS:
             say(f"job {rec.last_job_id} ended and is not queued again: the watcher ends")
             return 0
@@ -313,6 +318,19 @@ def _copy_back(rec: runs.RunRecord, say: Any) -> None:
         say(f"the run is done on {far.cluster}: its files and checkpoint {name or '(none)'} copied back, checked")
     except (far_copy.CopyFailed, UserError, SlurmUnavailable) as exc:
         say(f"copying back from {far.where} failed ({exc.message}); trying again")
+    except (OSError, ValueError) as exc:  # a full disk here, a listing it could not read: the watcher goes on
+        say(f"copying back from {far.where} failed ({exc}); trying again")
+
+
+def _done_only_there(rec: runs.RunRecord) -> bool:
+    """Whether the copy over SSH the run's last job ran on is done while this directory is not."""
+    far = far_copy.of_record(rec, rec.last_job_id)
+    if far is None or rundir.RunLayout.of(rec.run_dir).done.exists():
+        return False
+    try:
+        return far_copy.done_there(far) is not None
+    except far_copy.CopyFailed:
+        return True  # not reachable now: it may be; look again
 
 
 def _still_there(rec: runs.RunRecord) -> bool:

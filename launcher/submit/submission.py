@@ -307,11 +307,11 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
             _refuse_rest_heterogeneous_job()
         rest_calls.body_of(rest, render_script(plan, dependency), f"run '{name}'")
     target = transport.profile_target(resolved.profile)
-    far = far_submit.far_run(resolved.profile, plan) if far_submit.over_ssh(target, resolved) else None
+    far = far_submit.far_run(resolved.profile, plan) if far_submit.over_ssh(target, resolved, after or []) else None
     opening.apply(env)
     try:
         if far is not None:  # its lmlaunch submits a copy of the run directory there
-            job_id = far_submit.submit_there(plan, far)
+            job_id = far_submit.submit_there(plan, far, fresh=not resume)
         else:
             job_id = _submit_with_submitit(plan, dependency=dependency)
     except BaseException:

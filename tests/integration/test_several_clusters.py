@@ -316,8 +316,8 @@ def test_a_run_moves_to_a_cluster_over_ssh_its_checkpoint_copied_checked_and_bro
 
 
 def test_a_search_places_each_trial_where_it_starts_soonest(two, jobs, tmp_path):
-    """Each trial takes both nodes of a cluster: the first goes to the first named, the second to the other
-    (the first is busy there); one max_parallel across them, one study."""
+    """Each trial takes both nodes of a cluster whole (4 CPUs each): the first goes to the first named, the
+    second to the other (the first fills the first); one max_parallel across them, one study."""
     env, _ = two
     name = job_name("mc", "search")
     here = Path(env["LMLAUNCH_HOME"]) / "profiles" / "here.yaml"
@@ -327,7 +327,7 @@ def test_a_search_places_each_trial_where_it_starts_soonest(two, jobs, tmp_path)
     search.write_text(json.dumps({"name": name, "search": "optuna", "trials": 2, "max_parallel": 2,
                                   "objective": {"metric": "loss", "at": "last"}, "pruner": {"name": "none"},
                                   "params": {"optim.lr": {"float": [1.0e-3, 1.0e-2], "log": True}}}))
-    args = (SPEC, search, *BASE, "trainer.max_steps=10", "clusters=[here, there]")
+    args = (SPEC, search, *BASE, "trainer.max_steps=10", "resources.cpus_per_task=4", "clusters=[here, there]")
     code, out, err = lm(env, "sweep", *args, "--dry-run")
     assert code == 0 and "clusters:  here, there: each trial goes where it starts soonest" in out, out + err
     code, out, err = lm(env, "sweep", *args)

@@ -107,12 +107,25 @@ def test_a_pull_brings_back_newer_files_merges_the_ledger_and_checks_the_checkpo
     assert (here / "logs" / "attempt-2" / "rank-0.log").read_text() == "trained there\n"
     assert (here / "logs" / run_layout.MOVER_LOG).read_text() == "the watcher's own\n"
     assert (here / "submitit" / "7_0_log.out").read_text() == "this cluster's job 7\n"  # kept: another job 7
-    assert (here / "submitit" / "9_0_log.out").read_text() == "its job 9\n"
+    assert (here / "submitit" / "on-centre" / "7_0_log.out").read_text() == "the other cluster's job 7\n"
+    assert (here / "submitit" / "on-centre" / "9_0_log.out").read_text() == "its job 9\n"
     assert not (here / "checkpoints").exists()  # not asked for
 
     assert far_copy.pull(here, far, checkpoint=True) == "step-80"
     assert checkpoint_index.verify(here / "checkpoints" / "step-80") == []
     assert (here / run_layout.LEDGER).read_text().count('"attempt": 2') == 2  # merged once
+    (here / "checkpoints" / "step-80" / "meta.json").write_text(json.dumps({"step": 81}))  # damaged here since
+    assert far_copy.pull(here, far, checkpoint=True) == "step-80"
+    assert checkpoint_index.verify(here / "checkpoints" / "step-80") == []  # brought again, whole
+
+
+def test_an_earlier_runs_copy_of_the_name_is_set_aside_before_a_new_run(tmp_path):
+    here, far = _run(tmp_path)
+    assert far_copy.set_aside(far) is None  # nothing there yet
+    far_copy.push(here, far, _checkpoint(here / "checkpoints", 20))
+    kept = far_copy.set_aside(far)
+    assert kept is not None and kept.startswith(f"{far.run_dir}.archived-") and not Path(far.run_dir).exists()
+    assert (Path(kept) / "checkpoints" / "step-20" / checkpoint_index.COMPLETE_NAME).exists()
 
 
 def test_a_pulled_checkpoint_unlike_its_checksums_is_removed_here(tmp_path):
@@ -150,6 +163,13 @@ def test_slurm_commands_of_a_cluster_over_ssh_run_in_its_login_shell_with_its_co
     with slurm.through_commands(target):
         out = slurm.run(["squeue", "-h", "--me"]).stdout
     assert out == "conf=/etc/slurm-far/slurm.conf args=-h --me\n"
+    home = tmp_path / "far-home"  # paths of that machine: its ~, not this one's
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "squeue").write_text((bin_dir / "squeue").read_text())
+    (home / "bin" / "squeue").chmod(0o755)
+    there = CommandsTarget(conf="~/slurm.conf", bin="~/bin", profile="centre", login=("env", f"HOME={home}", "bash", "-c"))
+    with slurm.through_commands(there):
+        assert slurm.run(["squeue"]).stdout == f"conf={home}/slurm.conf args=\n"
 
 
 def test_an_attempt_is_named_by_the_cluster_its_start_line_names_even_when_job_ids_meet():

@@ -108,7 +108,7 @@ def test_validate_plans_the_run_on_each_cluster(tmp_path):
     # a cluster over SSH gets a copy of the run directory, with its newest checkpoint: the checkpoints go with it
     (["clusters=[here, ssh]", "checkpoint.dir=/scratch/ck"], {"ssh": "\nlogin: {ssh: user@login.example.org}\n"},
      "clusters: ssh is reached over SSH: the run directory is copied there with its newest checkpoint, and "
-     "checkpoint.dir (/scratch/ck) is outside it"),
+     "checkpoint.dir (/scratch/ck) names a path of this machine"),
     (["clusters=[ssh, ssh2]"], {"ssh": "\nlogin: {ssh: user@login.example.org}\n",
                                 "ssh2": "\nlogin: {ssh: user@login2.example.org}\n"},
      "clusters: every cluster named (ssh, ssh2) is reached over SSH (its profile's login section); a run over several "
@@ -159,6 +159,9 @@ def test_a_search_over_several_clusters_places_each_trial_and_keeps_one_study(tm
     code, out, err = _lm(tmp_path, "sweep", SPEC, search, "clusters=[here, there]", "--dry-run")
     assert code == 2 and "clusters: there's profile keeps its searches elsewhere ({'journal': '/x/j'}) than here's: " \
         "the trials of one search report to one study" in err, (out, err)
+    _profiles(tmp_path, far="\nlogin: {ssh: user@login.example.org}\n")
+    code, out, err = _lm(tmp_path, "sweep", SPEC, search, "clusters=[here, far]", "--dry-run")
+    assert code == 2 and "clusters: far is reached over SSH: the lmlaunch there plans a trial's run again" in err, err
 
 
 # --------------------------------------------------------------------------- a profile's own way to its cluster

@@ -21,6 +21,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from lmcore.ssh import remote_path as _there  # ~/x as "$HOME"/x for the login shell there
+
 
 @dataclass(frozen=True)
 class CommandsTarget:
@@ -53,8 +55,8 @@ class CommandsTarget:
     def remote_argv(self, command: list[str]) -> list[str]:
         """``command`` run on the login node (``login``), in its login shell, with this cluster's
         SLURM_CONF and its clients first on that machine's PATH."""
-        words = [f"SLURM_CONF={shlex.quote(self.conf)}"] if self.conf else []
-        words += [f'PATH={shlex.quote(self.bin)}:"$PATH"'] if self.bin else []
+        words = [f"SLURM_CONF={_there(self.conf)}"] if self.conf else []
+        words += [f'PATH={_there(self.bin)}:"$PATH"'] if self.bin else []
         return [*self.login, " ".join([*words, shlex.join(command)])]
 
     def environ(self, base: dict[str, str]) -> dict[str, str]:
