@@ -27,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ PUSH_EXCLUDES = ("/" + run_layout.MOVER_LOCK, f"/{run_layout.LOGS}/{run_layout.M
 # never copied back: what this side owns (the ledger is merged, the plan and spec are this side's); DONE is
 # written here by the watcher once the job there ended and everything is here (launcher.submit.mover)
 PULL_EXCLUDES = (*PUSH_EXCLUDES, "/" + run_layout.LEDGER, "/" + run_layout.CODE_DIR, "/" + run_layout.SPEC_YAML,
-                 "/" + run_layout.PLAN, "/" + run_layout.DEEPSPEED_JSON, "/" + run_layout.DONE)
+                 "/" + run_layout.PLAN, "/" + run_layout.DEEPSPEED_JSON, "/" + run_layout.DONE, "/" + run_layout.COPY_ID)
 
 
 class CopyFailed(UserError):
@@ -133,8 +134,8 @@ def resolve_root(login: Sequence[str], runs_root: str, cluster: str) -> str:
 
 
 def set_aside(far: FarRun) -> str | None:
-    """An earlier run's copy of this name there (a new run, or --new) renamed out of the way, as
-    `submit --new` keeps the old run directory here; its new name, None when there was none."""
+    """An earlier run's copy of this name there renamed out of the way, as `submit --new` keeps the
+    old run directory here; its new name, None when there was none."""
     kept = f"{far.run_dir}.archived-{int(time.time())}"
     proc = far.shell(f"if [ -e {shlex.quote(far.run_dir)} ]; then mv {shlex.quote(far.run_dir)} {shlex.quote(kept)} "
                      "&& echo moved; fi")
@@ -144,6 +145,17 @@ def set_aside(far: FarRun) -> str | None:
     return kept if proc.stdout.strip() == "moved" else None
 
 
+def _copy_id(run_dir: Path) -> str:
+    """This run directory's own id, made the first time it is asked for."""
+    path = run_layout.RunLayout.of(run_dir).copy_id
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        ident = uuid.uuid4().hex
+        path.write_text(ident + "\n")
+        return ident
+
+
 def _double_quoted(text: str) -> str:
     """``text`` in double quotes for a POSIX shell: ``$VARS`` expand, nothing else does."""
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
@@ -151,7 +163,12 @@ def _double_quoted(text: str) -> str:
 
 def push(local_run_dir: Path, far: FarRun, checkpoint: Path | None) -> None:
     """The run directory to ``far`` (its checkpoints left out), then ``checkpoint`` (a complete step
-    directory of it), checked there against its manifest before it takes its name."""
+    directory of it), checked there against its manifest before it takes its name. A directory of
+    that name there that is not this run's copy (another run of the name, or a --new since) is set
+    aside first: its checkpoints and ledger lines are not this run's."""
+    ident = _copy_id(local_run_dir)
+    if _far_text(far, run_layout.COPY_ID).strip() != ident:
+        set_aside(far)
     made = far.shell(f"mkdir -p {shlex.quote(far.run_dir)}/{shlex.quote(far.checkpoints)} "
                      f"{shlex.quote(far.run_dir)}/{run_layout.SUBMITIT}")
     if made.returncode != 0:
@@ -161,8 +178,8 @@ def push(local_run_dir: Path, far: FarRun, checkpoint: Path | None) -> None:
     if checkpoint is None:
         return
     name = checkpoint.name
-    there = f"{far.run_dir}/{far.checkpoints}/{name}/{checkpoint_index.COMPLETE_NAME}"
-    if far.shell(f"test -e {shlex.quote(there)}").returncode == 0:
+    marker = f"{far.run_dir}/{far.checkpoints}/{name}/{checkpoint_index.COMPLETE_NAME}"
+    if far.shell(f"test -e {shlex.quote(marker)}").returncode == 0:
         return  # there already, checked when it came
     temporary = f"{far.run_dir}/{far.checkpoints}/{checkpoint_index.temporary_dir_name(checkpoint_index.step_of(checkpoint))}"
     far._rsync("--delete", f"{checkpoint}/", far._side(f"{temporary}/"))

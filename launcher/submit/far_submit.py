@@ -45,14 +45,12 @@ def far_run(profile: Profile, plan: LaunchPlan) -> far_copy.FarRun:
                            profile.login.profile or profile.name, str(checkpoints))
 
 
-def submit_there(plan: LaunchPlan, far: far_copy.FarRun, *, fresh: bool) -> str:
+def submit_there(plan: LaunchPlan, far: far_copy.FarRun) -> str:
     """The run (its directory here, opened already) copied to ``far`` and submitted there; its job
-    id. A ``fresh`` run (a new one, or --new) first sets aside an earlier run's copy of its name.
-    Nothing is queued when the copy fails its checks. When the answer is lost after the lmlaunch
+    id (an earlier run's copy of its name there is set aside first). Nothing is queued when the
+    copy fails its checks. When the answer is lost after the lmlaunch
     there may have submitted (the connection dropped, no answer in time), the job it queued under
     the run's name is found and taken (never a second one)."""
-    if fresh:
-        far_copy.set_aside(far)
     choice = choose_for_resume(plan.paths.checkpoint_dir)
     far_copy.push(Path(plan.paths.run_dir), far, choice.chosen.path if choice.chosen else None)
     words = ("submit", f"{far.run_dir}/spec.yaml", "--resume", "--cluster", far.profile, "clusters=null", "move=null")

@@ -311,7 +311,7 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
     opening.apply(env)
     try:
         if far is not None:  # its lmlaunch submits a copy of the run directory there
-            job_id = far_submit.submit_there(plan, far, fresh=not resume)
+            job_id = far_submit.submit_there(plan, far)
         else:
             job_id = _submit_with_submitit(plan, dependency=dependency)
     except BaseException:

@@ -35,6 +35,7 @@ SUBMITIT = "submitit"  # submitit's folder: the pickled task, the job script, ea
 SPEC_YAML = "spec.yaml"
 MOVER_LOCK = "mover.lock"  # `lmlaunch move --watch` of a run over several clusters: one watcher at a time
 MOVER_LOG = "mover.log"  # logs/: what it saw and did
+COPY_ID = "copy-id"  # this run directory's own id: its copy on a cluster over SSH carries it (launcher.runs.far_copy)
 DEEPSPEED_JSON = "deepspeed.json"
 REPORT = "report.png"  # `lmlaunch report`'s default output
 WANDB_ID = "wandb_id"  # the W&B run id every attempt logs into (lmtrain.observe.loggers)
@@ -161,6 +162,12 @@ class RunLayout:
     def mover_lock(self) -> Path:
         """Held by the one watcher that moves a run over several clusters (`lmlaunch move --watch`)."""
         return self.run_dir / MOVER_LOCK
+
+    @property
+    def copy_id(self) -> Path:
+        """This run directory's own id (made at its first copy to a cluster over SSH): a copy there
+        without it, or with another, is another run's of the same name."""
+        return self.run_dir / COPY_ID
 
     @property
     def mover_log(self) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -119,13 +120,20 @@ def test_a_pull_brings_back_newer_files_merges_the_ledger_and_checks_the_checkpo
     assert checkpoint_index.verify(here / "checkpoints" / "step-80") == []  # brought again, whole
 
 
-def test_an_earlier_runs_copy_of_the_name_is_set_aside_before_a_new_run(tmp_path):
+def test_another_runs_copy_of_the_name_is_set_aside_never_resumed_from(tmp_path):
+    """A run of the same name copied there before (an earlier run, or this name before --new): its
+    checkpoints and ledger lines are not this run's."""
     here, far = _run(tmp_path)
     assert far_copy.set_aside(far) is None  # nothing there yet
-    far_copy.push(here, far, _checkpoint(here / "checkpoints", 20))
-    kept = far_copy.set_aside(far)
-    assert kept is not None and kept.startswith(f"{far.run_dir}.archived-") and not Path(far.run_dir).exists()
-    assert (Path(kept) / "checkpoints" / "step-20" / checkpoint_index.COMPLETE_NAME).exists()
+    far_copy.push(here, far, _checkpoint(here / "checkpoints", 500))
+    far_copy.push(here, far, None)  # this run's own copy: kept
+    assert (Path(far.run_dir) / "checkpoints" / "step-500").is_dir()
+    shutil.rmtree(here)  # `submit --new` here: a new directory of the name
+    again, _ = _run(tmp_path)
+    far_copy.push(again, far, _checkpoint(again / "checkpoints", 20))
+    assert sorted(p.name for p in (Path(far.run_dir) / "checkpoints").iterdir()) == ["latest", "step-20"]
+    kept = [p for p in Path(far.run_dir).parent.iterdir() if p.name.startswith("r1.archived-")]
+    assert len(kept) == 1 and (kept[0] / "checkpoints" / "step-500" / checkpoint_index.COMPLETE_NAME).exists()
 
 
 def test_a_pulled_checkpoint_unlike_its_checksums_is_removed_here(tmp_path):
