@@ -267,6 +267,9 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
         if over_ssh else "") + f"every {poll_s} s)")
     misses, said, lost = 0, "", False
     while True:
+        if not layout.run_dir.is_dir():  # removed (or its filesystem gone): nothing left to watch for
+            say(f"the run directory {layout.run_dir} is gone: the watcher ends")
+            return 0
         rec = runs.load_record(rec.name, ctx.environ or None) or rec
         _copy_back(rec, say)
         if layout.done.exists() or layout.cancelled.exists():

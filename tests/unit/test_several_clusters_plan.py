@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -360,3 +361,26 @@ def test_a_sweeps_points_are_dealt_to_the_clusters_that_take_them_with_one_max_p
     assert [(s.cluster, s.points, s.max_parallel) for s in got] == expected
     assert sum(s.max_parallel for s in got) <= parallel and sorted(i for s in got for i in s.points) == (
         list(range(n)) if expected else [])
+
+
+def test_a_watcher_whose_run_directory_is_gone_ends(tmp_path, monkeypatch):
+    """A run directory removed under its watcher (a test's temporary one, a user's rm -r): the watcher
+    ends, rather than asking an unreachable cluster about the run for ever."""
+    from types import SimpleNamespace
+
+    from launcher.runs.registry import RunRecord
+    from launcher.submit import mover
+
+    run_dir = tmp_path / "runs" / "gone"
+    run_dir.mkdir(parents=True)
+    rec = RunRecord(name="gone", profile="here", run_dir=str(run_dir), spec_path=None, job_ids=["7"])
+    move = SimpleNamespace(after=None, after_s=None, on_preemption=True, poll_s=0.01)
+
+    def plans_then_removed(r, c):  # the watcher holds its lock and has read the run's plans: then it goes
+        shutil.rmtree(run_dir)
+        return [SimpleNamespace(spec=SimpleNamespace(move=move), profile=SimpleNamespace(name="here", login=None))]
+
+    monkeypatch.setattr(mover, "_plans", plans_then_removed)
+    out = io.StringIO()
+    assert mover.watch(rec, Context(stdout=out, stderr=out, environ={"LMLAUNCH_HOME": str(tmp_path / "home")})) == 0
+    assert f"the run directory {run_dir} is gone: the watcher ends" in out.getvalue(), out.getvalue()
