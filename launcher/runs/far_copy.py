@@ -83,11 +83,13 @@ class FarRun:
     def runs_root(self) -> str:
         return str(Path(self.run_dir).parent)
 
-    def shell(self, command: str, *, timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-        """``command`` in the login shell there (here: ``bash -c``)."""
+    def shell(self, command: str, *, timeout: float = COMMAND_TIMEOUT_S,
+              input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``command`` in the shell there (here: ``bash -c``), ``input`` on its stdin."""
         argv = [*self.login, command] if self.login else ["bash", "-c", command]
         try:
-            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input,
+                                  stdin=subprocess.DEVNULL if input is None else None)
         except subprocess.TimeoutExpired:
             raise CopyFailed(f"{self.cluster}: `{command[:200]}` did not answer within {timeout:.0f} s") from None
         except OSError as exc:
@@ -328,11 +330,6 @@ def put_marker(rec: Any, job_id: str, name: str) -> None:
     if far is None:
         return
     data = (Path(rec.run_dir) / name).read_text()
-    target = shlex.quote(f"{far.run_dir}/{name}")
-    argv = [*far.login, f"cat > {target}"] if far.login else ["bash", "-c", f"cat > {target}"]
-    try:
-        proc = subprocess.run(argv, input=data, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise CopyFailed(f"{far.cluster}: writing {name} there did not answer within {COMMAND_TIMEOUT_S:.0f} s") from None
+    proc = far.shell(f"cat > {shlex.quote(f'{far.run_dir}/{name}')}", input=data)
     if proc.returncode != 0:
         raise CopyFailed(f"{far.cluster}: could not write {name} into {far.where}: {proc.stderr.strip()[-400:]}")

@@ -107,11 +107,12 @@ def _one_study(first: Resolved, ctx: Context, source: str) -> None:
     from launcher.spec.profiles import load_profile
 
     for name in first.spec.clusters or []:
-        if load_profile(name, ctx.environ).login is not None:
+        profile = load_profile(name, ctx.environ)
+        if profile.login is not None:
             raise SpecError([f"clusters: {name} is reached over SSH: the lmlaunch there plans a trial's run again, "
                              "without the trial its ranks report to (no pruning, no objective in the study); a "
                              "search names clusters reached from here"], source=source)
-        other = load_profile(name, ctx.environ).sweep_storage
+        other = profile.sweep_storage
         if other is not None and other != first.profile.sweep_storage:
             said = other.model_dump(exclude_none=True, exclude_defaults=True)
             raise SpecError([f"clusters: {name}'s profile keeps its searches elsewhere ({said}) "

@@ -289,9 +289,9 @@ def submit_plan(
 def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: bool, spec_path: str | None,
                  after: list[Any] | None) -> int:
     plan, env, name = resolved.plan, ctx.environ or None, resolved.plan.run_name
-    if resume and (record := runs.load_record(name, env)) is not None:
-        far_submit.bring_back(record)  # a copy over SSH its last job ran on: its newest checkpoint
     record = runs.load_record(name, env)
+    if resume and record is not None:
+        far_submit.bring_back(record)  # a copy over SSH its last job ran on: its newest checkpoint
     opening = lifecycle.plan_opening(plan, new=new, resume=resume, record=record, new_code=new_code)
     _refuse_shared_checkpoint_dir(plan, env)
     if not slurm.ping():
