@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CLUSTER_NAME = "lmlaunch"
-MAX_NODES = 8  # `cluster up --nodes N`: virtual nodes n1..nN, each a slurmd on this machine
+MAX_NODES = 64  # `cluster up --nodes N`: virtual nodes n1..nN, each a slurmd on this machine
 
 
 def node_names(count: int) -> tuple[str, ...]:

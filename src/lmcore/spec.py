@@ -444,6 +444,27 @@ class ProfileSpec(StrictModel):
     """Which global ranks (null: every rank)."""
 
 
+class SimulateSpec(StrictModel):
+    """The scale harness (docs/scale.md): every rank runs lmlaunch's per-rank machinery (task record,
+    start gate, rendezvous, rank log, ledger, timing lines, straggler watch, profile poll, stop
+    agreement, checkpoint of tiny shards, requeue, restart in place) around a model that imports no
+    torch and does no arithmetic: hundreds of ranks fit on a few cores."""
+
+    step_s: float = Field(0.02, ge=0.0, le=60.0)
+    """Seconds each simulated optimizer step takes (a sleep)."""
+    shard_bytes: int = Field(4096, ge=1, le=64 * 1024 * 1024)
+    """Bytes of each rank's checkpoint shard."""
+    counts_dir: PathText | None = None
+    """Where each rank's process writes what it did to the run directory, by phase (bench/scale.py): an absolute path outside the run directory. null: not counted."""
+
+    @field_validator("counts_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError(f"{v!r} is relative: give an absolute directory (the ranks run elsewhere)")
+        return v
+
+
 def _check_env_name(name: str, where: str) -> None:
     try:
         ENV_NAME.check(name)
@@ -713,6 +734,8 @@ class JobSpec(StrictModel):
     """Webhook messages: started, preempted, requeued, hang, failed, completed."""
     eval: EvalSpec | None = None
     """Evaluate a checkpoint (on rank 0) instead of training, or score every checkpoint alongside the training."""
+    simulate: SimulateSpec | None = None
+    """Run the scale harness instead of training: ranks without torch (docs/scale.md); the model is only planned."""
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
     """Site sbatch/srun options (reservation, hint, mail-type, mpi, ...) over the profile's."""
     container: ContainerSpec | None = None
@@ -720,6 +743,8 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _cross(self) -> JobSpec:
+        if self.simulate is not None and self.eval is not None and self.eval.checkpoint is not None:
+            raise ValueError("simulate: the scale harness trains no model, so it has no checkpoint to evaluate; remove eval or simulate")
         if self.move is not None and self.clusters is None:
             raise ValueError("move: a run moves between the clusters it names; give clusters: [a, b] (or remove move)")
         if self.clusters is not None:

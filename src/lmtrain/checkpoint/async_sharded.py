@@ -55,6 +55,7 @@ from lmcore.checkpoint_index import LIGHTNING_NAME
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
 from lmtrain.checkpoint.async_checkpoint import Stager
+from lmtrain.checkpoint.completion import RESERVE_DIR_NAME
 from lmtrain.checkpoint.disk_space import DiskFull, free_bytes, means_no_room, no_room, remove_partial
 from lmtrain.checkpoint.durable import fsync_file
 from lmtrain.checkpoint.shard_files import (
@@ -66,7 +67,6 @@ from lmtrain.checkpoint.shard_files import (
 )
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
-RESERVE_DIR_NAME = ".staging-reserve.tmp"  # reserve_zero's scratch directory (removed at once; prune removes leftovers)
 
 class WriterGroup:
     """The collectives of the checkpoint writer threads: a gloo group over every rank of its own

@@ -12,8 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lmcore.checkpoint_index import COMPLETE_NAME
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
@@ -56,7 +54,13 @@ def write_text_atomic(path: Path, text: str) -> None:
     _write_atomic(path, "w", lambda f: f.write(text))
 
 
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    _write_atomic(path, "wb", lambda f: f.write(data))
+
+
 def torch_save_atomic(obj: Any, path: Path) -> None:
+    import torch  # here: the rest of this module serves the scale harness's ranks, which import no torch
+
     _write_atomic(path, "wb", lambda f: torch.save(obj, f))
 
 

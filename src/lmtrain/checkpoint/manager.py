@@ -44,9 +44,7 @@ Every write, fsync, rename and marker step is a named point of the fault-injecti
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -59,19 +57,16 @@ log = logging.getLogger(__name__)
 
 from lmcore.checkpoint_index import (
     COMPLETE_NAME,
-    LATEST_NAME,
     LIGHTNING_NAME,
-    STEP_RE,
     CompleteCheckpoint,
-    complete_checkpoints,
-    is_temporary_dir_name,
+    complete_checkpoints,  # noqa: F401  (re-exported: callers read the index through the manager)
     newest_complete,
     step_dir_name,
     temporary_dir_name,
 )
 from lmcore.parallelism import CheckpointFormat, Parallelism
 from lmtrain import faults
-from lmtrain.checkpoint import checksums
+from lmtrain.checkpoint import checksums, completion
 from lmtrain.checkpoint.async_checkpoint import (
     BackgroundSave,
     Stager,
@@ -80,17 +75,16 @@ from lmtrain.checkpoint.async_checkpoint import (
     save_ddp_in_background,
 )
 from lmtrain.checkpoint.async_sharded import (
-    RESERVE_DIR_NAME,
     WriterGroup,
     reserve_dcp,
     reserve_zero,
     save_in_background,
     start_writers,
 )
+from lmtrain.checkpoint.completion import FORMAT_VERSION, UNIVERSAL_PREFIX, CheckpointError
 from lmtrain.checkpoint.disk_space import (
     DiskFull,
     free_bytes,
-    is_no_space,
     means_no_room,
     no_room,
     remove_partial,
@@ -98,18 +92,13 @@ from lmtrain.checkpoint.disk_space import (
 )
 from lmtrain.checkpoint.durable import (
     all_files,
-    fsync_dir,
     fsync_file,
-    manifest,
     remove_tree,
     torch_save_atomic,
-    write_text_atomic,
 )
 from lmtrain.checkpoint.shard_files import save_fsdp, stream_deepspeed_files
 
-FORMAT_VERSION = 1
 # A DeepSpeed checkpoint's universal form (lmtrain.checkpoint.elastic): universal-step-S beside step-S.
-UNIVERSAL_PREFIX = "universal-"
 
 
 def universal_dir(ckpt: CompleteCheckpoint) -> Path:
@@ -124,10 +113,6 @@ def universal_error_path(ckpt: CompleteCheckpoint) -> Path:
 
 def universal_complete(ckpt: CompleteCheckpoint) -> bool:
     return (universal_dir(ckpt) / COMPLETE_NAME).is_file()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be resumed from as things are (the message says what to do)."""
 
 
 def check_compatible(ckpt: CompleteCheckpoint, parallelism: Parallelism) -> None:
@@ -362,66 +347,15 @@ class CheckpointManager:
 
     def _finish(self, tmp: Path, final: Path, step: int, world: int) -> None:
         """Rank 0, every rank's part written: make ``tmp`` the complete checkpoint ``final``."""
-        for path in all_files(tmp):
-            fsync_file(path)
-        meta = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            **self.parallelism.meta(),
-            "world_size": world,
-            "zero_stage": self.parallelism.zero_stage,
-            "time": time.time(),
-            **self.identity,
-        }
-        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=2, sort_keys=True))
-        reported = checksums.collect(tmp)  # every rank's files' checksums (and the sidecars gone)
-        fsync_dir(tmp)
-        os.replace(tmp, final)
-        faults.point("checkpoint.dir_renamed", file=final.name)
-        fsync_dir(self.dir)
-        files = manifest(final)
-        sums = checksums.for_manifest(final, files, reported)
-        write_text_atomic(final / COMPLETE_NAME, json.dumps({"step": step, "files": files, "checksums": sums}) + "\n")
-        checksums.forget()
-        # complete (and durable) from here: `latest` (a hint) and pruning are housekeeping; no room there costs nothing
-        try:
-            write_text_atomic(self.dir / LATEST_NAME, f"{final.name}\n")
-        except OSError as exc:
-            if not is_no_space(exc):
-                raise
-            log.error("checkpoint %s is complete, but `latest` could not be updated: %s", final.name, exc)
+        completion.finish(self.dir, tmp, final, step, {**self.parallelism.meta(), "world_size": world,
+                                                       "zero_stage": self.parallelism.zero_stage, **self.identity})
         self.completed_at = time.perf_counter()
         self.prune()
 
     def prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints (and those ``keep_also`` names); drop
         stale temporaries."""
-        complete = complete_checkpoints(self.dir)
-        also = self.keep_also([c.step for c in complete]) if self.keep_also is not None else set()
-        for old in complete[: max(0, len(complete) - self.keep_last)]:
-            if old.step not in also:
-                remove_tree(old.path)
-        complete = [c for c in complete if c.path.is_dir()]
-        newest = complete[-1].step if complete else -1
-        kept = {c.path.name for c in complete}
-        for child in self.dir.iterdir():
-            m = STEP_RE.fullmatch(child.name)
-            if m and int(m.group(1)) < newest and child.name not in kept and child.is_dir():
-                remove_tree(child)  # an interrupted write or deletion, superseded
-            elif is_temporary_dir_name(child.name):
-                shutil.rmtree(child, ignore_errors=True)  # an interrupted write (never complete)
-            elif child.name == RESERVE_DIR_NAME:
-                shutil.rmtree(child, ignore_errors=True)  # an interrupted reservation's scratch
-            elif child.name.startswith(".trash-"):
-                shutil.rmtree(child, ignore_errors=True)  # an interrupted deletion
-            elif child.name.startswith(f".{LATEST_NAME}.tmp-"):
-                child.unlink(missing_ok=True)  # an interrupted pointer update
-            elif child.name.startswith(UNIVERSAL_PREFIX) and not (self.dir / child.name[len(UNIVERSAL_PREFIX):]).exists():
-                shutil.rmtree(child, ignore_errors=True)  # the universal form of a pruned checkpoint
-            elif child.name.startswith(f".{UNIVERSAL_PREFIX}") and child.name.endswith(".tmp"):
-                shutil.rmtree(child, ignore_errors=True)  # an interrupted conversion
-            elif child.name.startswith(f".{UNIVERSAL_PREFIX}") and child.name.endswith(".error"):
-                child.unlink(missing_ok=True)  # why an old conversion failed
+        completion.prune(self.dir, self.keep_last, self.keep_also)
 
 
 def _files_written_by(root: Path, rank: int) -> Iterator[Path]:

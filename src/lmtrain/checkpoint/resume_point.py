@@ -39,7 +39,7 @@ from lmcore.checkpoint_index import (
     verify,
 )
 from lmcore.rundir import Ledger, LedgerNote, RunLayout
-from lmtrain.checkpoint.manager import CheckpointError
+from lmtrain.checkpoint.completion import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from lmcore.atomic import write_json
 from lmcore.rundir import LedgerNote
 from lmcore.straggler_lines import describe
 from lmtrain.health.stragglers import Slow, StragglerPolicy, line_figures, others_median, score
-from lmtrain.observe.rank_timing import PARTS, read_timing
+from lmtrain.observe.timing_lines import PARTS, read_timing
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,26 @@ class TimingTable:
         if not self.intervals:
             return np.empty((0, len(self.paths)))
         return np.vstack(self.intervals)
+
+
+def watch_for(plan: Any, env: Any, records: Any, peers: list[list[int]],
+              leave_slow_node: Callable[[dict[str, Any], str], None]) -> StragglerWatch | None:
+    """Rank 0 of a job of 2+ ranks: the attempt's straggler watch, started (None elsewhere, or when the
+    spec turned it off). ``records``: the attempt's lmtrain.observe.attempt.AttemptRecords; ``peers``:
+    the ranks that do the same work; ``leave_slow_node``: what ``health.stragglers.action: exclude``
+    calls. Lightning's ranks (lmtrain.task.fit) and the scale harness's (lmtrain.simulate) both start it here."""
+    from lmcore.rundir import RunLayout
+
+    spec = plan.job_spec().health.stragglers
+    if env.rank != 0 or env.world_size <= 1 or not spec.enabled:
+        return None
+    layout, attempt, notifier = RunLayout.of_plan(plan), records.attempt, records.notifier
+    return StragglerWatch([layout.rank_timing(attempt, r) for r in range(env.world_size)],
+                          StragglerPolicy(threshold=spec.threshold, window=spec.window), attempt=attempt,
+                          ledger=records.ledger, min_interval_s=spec.min_interval_s,
+                          summary=layout.rank_times, peers=peers,
+                          notify=notifier.send if notifier is not None else None,
+                          on_slow=leave_slow_node if spec.action == "exclude" else None).start()
 
 
 class StragglerWatch:

@@ -20,35 +20,22 @@ command: its id is ``spec-<start_step>``.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
 from lmcore.atomic import write_json
+from lmtrain.observe.profile_request import RequestPoll, read_request
+
+__all__ = ["MAX_STEPS", "ProfileOnDemand", "read_request", "top_ops"]
 
 log = logging.getLogger(__name__)
 
 TOP_OPS = 25
 MAX_STEPS = 1000  # the most steps one request profiles (the spec's and the command's bound): the ranks asked
 # stop the profiler, export the trace and sum the operators inside a step, while the others wait
-
-
-def read_request(path: Path) -> dict[str, Any] | None:
-    """The request in the run directory, or None (none, or unreadable: asked again next time)."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict) or not isinstance(raw.get("id"), str) or not isinstance(raw.get("steps"), int):
-        return None
-    ranks = raw.get("ranks")
-    if ranks is not None and not (isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
-        return None  # not what `lmlaunch profile` writes: ignored, never a crash of the step
-    return raw
 
 
 class ProfileOnDemand(pl.Callback):
@@ -59,9 +46,9 @@ class ProfileOnDemand(pl.Callback):
         self.request_path, self.out_dir, self.attempt = Path(request_path), out_dir, attempt  # out_dir(id) -> Path
         self.rank, self.node, self.every, self.cuda = rank, node, log_every_n_steps, cuda
         self.spec = spec  # the spec's profile section (start_step, steps, ranks), or None
-        self.served: set[str] = set()
+        self.poll = RequestPoll(self.request_path, attempt=attempt, rank=rank)
+        self.served = self.poll.served
         self.active: dict[str, Any] | None = None
-        self._last_mtime: float | None = None
         self._polled_step: int | None = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -81,25 +68,7 @@ class ProfileOnDemand(pl.Callback):
                 self._start(request, step)
 
     def _asked(self, step: int) -> dict[str, Any] | None:
-        """A request for this rank that it has not served: the spec's window, or the command's file."""
-        spec = self.spec
-        request: dict[str, Any] | None
-        if spec is not None and step >= spec.start_step and f"spec-{spec.start_step}" not in self.served:
-            request = {"id": f"spec-{spec.start_step}", "steps": spec.steps, "ranks": spec.ranks}
-        else:
-            try:
-                mtime = os.stat(self.request_path).st_mtime
-            except OSError:
-                return None
-            if mtime == self._last_mtime:
-                return None
-            self._last_mtime = mtime
-            request = read_request(self.request_path)
-        if request is None or request["id"] in self.served or request.get("attempt", self.attempt) != self.attempt:
-            return None  # served, or asked of an earlier attempt
-        self.served.add(request["id"])
-        ranks = request.get("ranks")
-        return request if ranks is None or self.rank in ranks else None
+        return self.poll.asked(step, self.spec)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         spec = self.spec

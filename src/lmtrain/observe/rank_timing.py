@@ -27,7 +27,6 @@ the interval; ``wall_s`` is the interval's wall time.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -37,11 +36,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lmcore.straggler_lines import TIMING_PARTS
+from lmtrain.observe.timing_lines import PARTS, TimingLines, read_timing
 
 log = logging.getLogger(__name__)
 
-PARTS = TIMING_PARTS  # data, forward, backward, optimizer, boundary
+__all__ = ["PARTS", "BoundaryMark", "RankTiming", "read_timing"]
 
 
 class _HostClock:
@@ -119,12 +118,11 @@ class RankTiming(pl.Callback):
     def __init__(self, path: str | Path, *, rank: int, node: str, log_every_n_steps: int, cuda: bool,
                  after_write: Callable[[], None] | None = None, on_close: Callable[[], None] | None = None) -> None:
         self.path, self.rank, self.node, self.every = Path(path), rank, node, log_every_n_steps
-        self.after_write, self.on_close = after_write, on_close  # rank 0: its straggler watch's poke and stop
+        self.lines = TimingLines(path, rank=rank, node=node, after_write=after_write, on_close=on_close)
         self.clock: _HostClock = _CudaClock() if cuda else _HostClock()
         self.micro_batches = 0
         self._last_step: int | None = None
         self._interval_began: float | None = None
-        self._file: Any = None
 
     def boundary_mark(self) -> BoundaryMark:
         return BoundaryMark(self)
@@ -167,22 +165,10 @@ class RankTiming(pl.Callback):
 
     def _write(self, step: int) -> None:
         now = time.perf_counter()
-        totals = self.clock.read()
         assert self._last_step is not None and self._interval_began is not None
-        line = {"step": step, "steps": step - self._last_step, "micro_batches": self.micro_batches, "rank": self.rank,
-                "node": self.node, "t": round(time.time(), 3),
-                **{f"{part}_s": round(totals[part], 6) for part in PARTS},
-                "wall_s": round(now - self._interval_began, 6)}
+        steps, micro_batches, wall_s = step - self._last_step, self.micro_batches, now - self._interval_began
         self._last_step, self._interval_began, self.micro_batches = step, now, 0
-        try:
-            if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", buffering=1)
-            self._file.write(json.dumps(line) + "\n")
-        except OSError as exc:  # timing never costs the run
-            log.warning("could not write this rank's step timing to %s: %s", self.path, exc)
-        if self.after_write is not None:
-            self.after_write()
+        self.lines.write(step, steps=steps, micro_batches=micro_batches, totals=self.clock.read(), wall_s=wall_s)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
@@ -191,19 +177,7 @@ class RankTiming(pl.Callback):
         self._close()  # the fit raised: Lightning runs no teardown of callbacks then
 
     def _close(self) -> None:
-        """The file closed and rank 0's watch stopped; never raising (the run's outcome is not ours)."""
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError as exc:
-                log.warning("closing this rank's step timing %s: %s", self.path, exc)
-            self._file = None
-        if self.on_close is not None:
-            on_close, self.on_close = self.on_close, None
-            try:
-                on_close()
-            except Exception:
-                log.exception("stopping the straggler watch failed")
+        self.lines.close()
 
 
 class BoundaryMark(pl.Callback):
@@ -215,22 +189,3 @@ class BoundaryMark(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.timing.close_boundary(trainer)
-
-
-def read_timing(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-    """The whole lines of a timing file from ``offset`` on, and the offset after the last whole line
-    (a line being written is read next time)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:  # not there yet, or the filesystem said no this time: asked again next look
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    lines = []
-    for raw in data[:end].splitlines():
-        try:
-            lines.append(json.loads(raw))
-        except ValueError:
-            continue
-    return lines, offset + end

@@ -6,27 +6,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 
 from lmcore.checkpoint_index import step_dir_name
+from lmtrain.preemption.stop_flags import AgreedStop, agreed_from, flags_of
+
+__all__ = ["AgreedStop", "StopAgreement", "without_lightnings_sigterm_broadcast"]
 
 log = logging.getLogger("lmtrain.preemption")
-
-
-@dataclass
-class AgreedStop:
-    """What every rank learned from the agreement collective (the same on all ranks)."""
-
-    step: int
-    term: bool
-    warning: bool
-    signal_time: float | None
-    checkpoint_path: str | None = None
-    checkpoint_held_s: float | None = None  # training held by the stop's save (its staging, when staged)
-    checkpoint_done_at: float | None = None  # the stop's checkpoint durable (COMPLETE)
 
 
 class StopAgreement(pl.Callback):
@@ -96,20 +85,10 @@ class StopAgreement(pl.Callback):
         import torch
         import torch.distributed as dist
 
-        rec = self.controller.signals.record
-        first = rec.first_at if rec.first_at is not None else (self.stop.requested_at if self.stop.requested else None)
-        flags = torch.tensor(
-            [float(self.stop.requested), float(rec.term_at is not None), float(rec.warning_at is not None),
-             -first if first is not None else -1e300],
-            dtype=torch.float64,  # on the CPU: reading it back never waits for the accelerator
-        )
+        flags = torch.tensor(flags_of(self.controller), dtype=torch.float64)  # on the CPU: reading it back never waits for the accelerator
         if self._group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)  # the one collective per boundary
-        requested, term, warning, neg_first = flags.tolist()
-        if requested <= 0:
-            return None
-        return AgreedStop(step=step, term=term > 0, warning=warning > 0,
-                          signal_time=-neg_first if neg_first > -1e299 else None)
+        return agreed_from(flags.tolist(), step)
 
 
 def _cpu_group(trainer: Any, plan: Any) -> Any:

@@ -19,7 +19,6 @@ from lmtrain.checkpoint.disk_space import disk_full_in
 from lmtrain.health.preflight import PreflightFailed
 from lmtrain.health.watchdog import hang_reason
 from lmtrain.observe.attempt import AttemptRecords, Outcome
-from lmtrain.preemption.agreement import AgreedStop, StopAgreement
 from lmtrain.preemption.bad_nodes import bad_node_facts, exclude_nodes
 from lmtrain.preemption.first_death import describe, find_first_death, log_size
 from lmtrain.preemption.policy import EndFacts, decide, signal_names
@@ -32,6 +31,7 @@ from lmtrain.preemption.slurm_facts import (
     seconds_left,
     why_completing,
 )
+from lmtrain.preemption.stop_flags import AgreedStop
 
 log = logging.getLogger("lmtrain.preemption")
 
@@ -70,7 +70,11 @@ class Preemption:
                     node, idle_spares[0])
         self.stop.request("straggler", f"{why}; {node} left out for a spare (health.stragglers.action exclude)")
 
-    def callback(self, checkpoints: Any) -> StopAgreement:
+    def callback(self, checkpoints: Any) -> Any:
+        """The Lightning callback that agrees the stop (lmtrain.preemption.agreement, the package's
+        one Lightning import, made here: the scale harness's ranks import no Lightning)."""
+        from lmtrain.preemption.agreement import StopAgreement
+
         return StopAgreement(self, checkpoints)
 
     def guard_workers(self, *loaders: Any) -> None:

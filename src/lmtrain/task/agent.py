@@ -60,6 +60,7 @@ class AgentSettings:
     job_id: str  # SLURM_JOB_ID: the first line of rank 0's decision names it
     verdict_wait_s: float  # how long a rank's agent waits for rank 0's verdict once its process ended
     preload_deepspeed: bool  # on CPU only: deepspeed's import asks for CUDA on a GPU node
+    simulate: bool = False  # the scale harness's ranks (lmtrain.simulate): no frameworks to import
 
 
 def settings_of(plan: Mapping[str, Any], environ: Mapping[str, str]) -> AgentSettings | None:
@@ -79,6 +80,7 @@ def settings_of(plan: Mapping[str, Any], environ: Mapping[str, str]) -> AgentSet
         rank=int(environ["SLURM_PROCID"]), job_id=environ["SLURM_JOB_ID"],
         verdict_wait_s=longest + float(watchdog.get("exit_grace_s") or 0) + VERDICT_MARGIN_S,
         preload_deepspeed=topology.get("accelerator") == "cpu" and parallelism.get("zero_stage") is not None,
+        simulate=bool((plan.get("spec") or {}).get("simulate")),
     )
 
 
@@ -92,6 +94,11 @@ def settings_here(environ: Mapping[str, str] | None = None) -> AgentSettings | N
         plan = json.loads(RunLayout.of(run_dir).plan.read_text())
     except (OSError, ValueError):
         return None  # the task's own start says what is wrong with the run directory
+    from lmtrain.simulate import fs_count
+
+    fs_count.install_from_plan(plan, {"rank": env.get("SLURM_PROCID"), "job": env.get("SLURM_JOB_ID"),
+                                      "node": env.get("SLURMD_NODENAME"), "role": "agent"})
+    fs_count.phase("agent")
     return settings_of(plan, env)
 
 
@@ -144,6 +151,11 @@ class TaskAgent:
         from lmtrain.observe.startup import imports_without_gc
 
         self.phases["entry"] = time.time()
+        if self.s.simulate:  # the scale harness's ranks import no torch: nothing to preload, nothing started CUDA
+            import submitit.core.submission
+
+            self.phases["imports"] = time.time()
+            return True
         with imports_without_gc(freeze=True):
             import submitit.core.submission  # noqa: F401
 
@@ -336,6 +348,9 @@ class TaskAgent:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         if os.WIFSIGNALED(status):
+            from lmtrain.simulate import fs_count
+
+            fs_count.flush()  # the signal ends this process without its atexit
             signum = os.WTERMSIG(status)
             if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be handled
                 signal.signal(signum, signal.SIG_DFL)

@@ -62,6 +62,9 @@ def run_task(run_dir: str | Path) -> int:
     from lmtrain.preemption.signals import own_signals
 
     raw_plan = json.loads(RunLayout.of(run_dir).plan.read_text())
+    simulated = bool((raw_plan.get("spec") or {}).get("simulate"))  # the scale harness (lmtrain.simulate): no torch
+    if simulated:
+        _count_fs(raw_plan)
     # First of all, before any import that takes time: from here on lmtrain's handlers (record
     # only), not submitit's (tests/unit/test_preemption_signals.py)
     signals = own_signals(raw_plan.get("preemption") or {})
@@ -73,10 +76,11 @@ def run_task(run_dir: str | Path) -> int:
     plan = LaunchPlan.from_dict(raw_plan)
     begin_task(run_dir, plan)  # its record (node, pid, place in the mesh) and its own NCCL_IB_HCA
     try:
-        with imports_without_gc(freeze=fresh):
-            import_frameworks(deepspeed=bool(plan.parallelism.zero))  # the rest of them, with the signals already ours
+        if not simulated:
+            with imports_without_gc(freeze=fresh):
+                import_frameworks(deepspeed=bool(plan.parallelism.zero))  # the rest of them, with the signals already ours
         CLOCK.mark("imports")
-        env, gate, rv = _meet(plan)
+        env, gate, rv = _meet(plan, simulated=simulated)
     except BaseException:
         signals.restore()  # this attempt never reaches training: give the handlers back
         raise
@@ -101,6 +105,13 @@ def run_task(run_dir: str | Path) -> int:
                 code = run_eval(plan, env, rv.attempt)
             finally:
                 signals.restore()
+        elif simulated:
+            from lmtrain.simulate import fs_count
+            from lmtrain.simulate.steps import train as simulate
+
+            fs_count.note(attempt=rv.attempt, generation=env.generation)
+
+            return simulate(plan, env, rv.attempt, rv.resume, addr=rv.addr, port=rv.port)
         else:
             from lmtrain.task.training import train
 
@@ -112,7 +123,18 @@ def run_task(run_dir: str | Path) -> int:
         return code
 
 
-def _meet(plan: LaunchPlan) -> tuple[TaskEnv, Gate, Rendezvous]:
+def _count_fs(raw_plan: dict[str, Any]) -> None:
+    """The scale harness's counters (lmtrain.simulate.fs_count), when its spec asks for them."""
+    import os
+
+    from lmtrain.simulate import fs_count
+
+    fs_count.install_from_plan(raw_plan, {"rank": os.environ.get("SLURM_PROCID"), "job": os.environ.get("SLURM_JOB_ID"),
+                                          "node": os.environ.get("SLURMD_NODENAME"), "role": "task"})
+    fs_count.phase("start")
+
+
+def _meet(plan: LaunchPlan, *, simulated: bool = False) -> tuple[TaskEnv, Gate, Rendezvous]:
     """This task's environment, the start gate's answer and the rendezvous. Rank 0 reads the
     ledger once: this attempt's number, and the history the start gate judges; it decides
     whether this attempt trains at all (DONE / CANCELLED / loop guards) and publishes the answer
@@ -137,7 +159,7 @@ def _meet(plan: LaunchPlan) -> tuple[TaskEnv, Gate, Rendezvous]:
     gate = decide_start(plan, env, attempts_of(entries)) if env.rank == 0 else None
     newest = newest_complete(plan.paths.checkpoint_dir) if env.rank == 0 else None
     resume = newest.path.name if newest is not None else None
-    if resume is not None:
+    if resume is not None and not simulated:  # a ZeRO checkpoint on another world size (the harness has none)
         from lmtrain.checkpoint.resume_point import agreed_checkpoint, convert_for_world_size
 
         convert_for_world_size(plan, env, agreed_checkpoint(plan.paths.checkpoint_dir, resume))
@@ -223,10 +245,9 @@ def _rank_log(path: Path, rank: int) -> Iterator[None]:
     root = logging.getLogger()
     root.addHandler(handler)
     # Lightning installs its own stderr handlers at import ("lightning": "INFO: ..."; its
-    # subpackages): route its records through ours (into the rank log) instead of printing them twice.
-    import lightning.pytorch  # noqa: F401  (installs those handlers now)
-
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+    # subpackages), which import_frameworks did: route its records through ours (into the rank log)
+    # instead of printing them twice. The scale harness's ranks (lmtrain.simulate) never import it.
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric") if "lightning.pytorch" in sys.modules else ():
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
     for h in logging.getLogger("transformers").handlers:  # transformers prints through a handler of its own

@@ -198,24 +198,12 @@ class Fit:
         straggler watch that scores every rank's (lmtrain.health.straggler_watch), unless the spec
         turned it off."""
         from lmcore.rundir import RunLayout
+        from lmtrain.health.straggler_watch import watch_for
         from lmtrain.observe.rank_timing import RankTiming
 
         plan, env, attempt = self.plan, self.env, self.records.attempt
-        layout = RunLayout.of_plan(plan)
-        spec = self.job.health.stragglers
-        watch = None
-        if env.rank == 0 and env.world_size > 1 and spec.enabled:
-            from lmtrain.health.straggler_watch import StragglerWatch
-            from lmtrain.health.stragglers import StragglerPolicy
-
-            notifier = self.records.notifier
-            watch = StragglerWatch([layout.rank_timing(attempt, r) for r in range(env.world_size)],
-                                   StragglerPolicy(threshold=spec.threshold, window=spec.window), attempt=attempt,
-                                   ledger=self.records.ledger, min_interval_s=spec.min_interval_s,
-                                   summary=layout.rank_times, peers=self.parallelism.peer_groups(),
-                                   notify=notifier.send if notifier is not None else None,
-                                   on_slow=self._leave_slow_node if spec.action == "exclude" else None).start()
-        return RankTiming(layout.rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
+        watch = watch_for(plan, env, self.records, self.parallelism.peer_groups(), self._leave_slow_node)
+        return RankTiming(RunLayout.of_plan(plan).rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
                           log_every_n_steps=self.plan.trainer.log_every_n_steps,
                           cuda=self.plan.trainer.accelerator == "gpu",
                           after_write=watch.poke if watch else None, on_close=watch.stop if watch else None)

@@ -61,14 +61,15 @@ def train(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | None) -> i
             outcome = fit.run(trainer)
     except BaseException as exc:
         outcome = ctl.failed(exc, trainer.global_step if trainer is not None else start_step, records)
-    return _end(ctl, records, startup, ctl.settle(outcome, start_step))
+    return end_attempt(ctl, records, startup, ctl.settle(outcome, start_step))
 
 
-def _end(ctl: Preemption, records: AttemptRecords, startup: Any, outcome: Outcome) -> int:
+def end_attempt(ctl: Preemption, records: AttemptRecords, startup: Any, outcome: Outcome) -> int:
     """The attempt's records, its messages delivered (a bounded wait), then (LAST) the requeue or
-    cancel, which gives the signal handlers back; the fit's error raised again."""
+    cancel, which gives the signal handlers back; the fit's error raised again. ``startup``: the
+    attempt's lmtrain.observe.callbacks.StartupRecord (None: the scale harness's ranks, which have none)."""
     first = records.ended(outcome)
-    if records.writer and not startup.written:  # ended before its first step: the phases it reached
+    if startup is not None and records.writer and not startup.written:  # ended before its first step: the phases it reached
         startup.write()
     records.close()  # while lmtrain's handlers still only record: a late signal cannot cut a message
     if first:  # else rank 0's hang watchdog ended this attempt and already asked for what follows
