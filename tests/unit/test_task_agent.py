@@ -78,8 +78,8 @@ AGENT = textwrap.dedent("""
     from lmtrain.preemption.signals import own_signals
     from lmtrain.task.agent import TaskAgent, settings_here
 
-    import lmtrain.task.agent
-    lmtrain.task.agent.READY_WAIT_S = float(os.environ.get("READY_WAIT_S", "60"))
+    import lmtrain.task.verdicts
+    lmtrain.task.verdicts.READY_WAIT_S = float(os.environ.get("READY_WAIT_S", "60"))
     owner = own_signals({"signal": "USR2"})
     class Agent(TaskAgent):
         def _preload(self):
@@ -101,7 +101,9 @@ AGENT = textwrap.dedent("""
 """)
 
 
-def _agents(run_dir: Path, body: str, world: int = 2, **extra: str) -> list[subprocess.Popen]:
+def _agents(run_dir: Path, body: str, world: int = 2, per_node: int | None = None, **extra: str) -> list[subprocess.Popen]:
+    """``world`` agents; with ``per_node``, on nodes of that many tasks as srun places them (the
+    node's agents then share a directory, lmtrain.distributed.node_share, under run_dir/shm)."""
     (run_dir / "plan.json").write_text(json.dumps({**PLAN, "paths": {"run_dir": str(run_dir)}}))
     script = run_dir / "agent.py"
     script.write_text(AGENT)
@@ -111,6 +113,10 @@ def _agents(run_dir: Path, body: str, world: int = 2, **extra: str) -> list[subp
                "SLURM_NTASKS": str(world), "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost",
                "LMLAUNCH_RUN_DIR": str(run_dir), "BODY": textwrap.dedent(body), "PYTHONPATH": str(ROOT),
                "LMLAUNCH_UNDECIDED_END": "137", **extra}
+        if per_node:
+            env.update({"SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node),
+                        "SLURMD_NODENAME": f"n{rank // per_node + 1}", "LMLAUNCH_NODE_LOCAL": str(run_dir / "shm"),
+                        "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{world // per_node})"})
         env.pop("LMLAUNCH_STEP_GENERATION", None)
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=run_dir,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -162,6 +168,23 @@ def test_a_restart_rank_0_decided_is_forked_again_in_the_same_step_by_every_agen
     assert layout.restart_request.read_text().splitlines()[2] == "none"
     words = LastWords.read_all(tmp_path, 1)
     assert [(w.rank, w.how, w.detail, w.source) for w in words] == [(1, "signal", "SIGKILL", "task's agent")]
+    assert "restarting the ranks in place in this srun step (generation 1)" in results[0][1]
+
+
+def test_on_nodes_of_several_tasks_one_agent_per_node_reads_the_word_and_says_its_node_is_ready(tmp_path):
+    """4 ranks on 2 nodes of 2: rank 1 (node 0's second task) is killed; rank 0's agent writes
+    the word for the run and for its node; node 1's leader (rank 2) reads it for its node and, once
+    rank 3 said it was ready in their node's directory, says so for the node: one file, ``node-1``."""
+    results = _ended(_agents(tmp_path, CRASH_THEN_COMPLETE, world=4, per_node=2))
+    assert [code for code, _ in results] == [0, 0, 0, 0], results
+    layout = RunLayout.of(tmp_path)
+    assert layout.verdict_file("77-0").read_text().strip() == "fork"
+    ready = layout.ready_dir("77-0")
+    assert os.listdir(ready) == ["node-1"] and (ready / "node-1").read_text().strip() == "2"
+    for rank in range(4):  # generation 1 of every rank, forked by its agent
+        g0, g1 = (json.loads((tmp_path / f"seen-{rank}-{g}").read_text()) for g in (0, 1))
+        assert g0["ppid"] == g1["ppid"] and g0["pid"] != g1["pid"]
+    assert not any((tmp_path / "shm").iterdir()), "the nodes' leaders remove their directories at the end"
     assert "restarting the ranks in place in this srun step (generation 1)" in results[0][1]
 
 

@@ -305,3 +305,20 @@ class Preemption:
                 from lmtrain.preemption.signals import retire
 
                 retire()  # a time-limit warning now (up to a minute early) must not kill it as it exits
+
+
+def end_attempt(ctl: Preemption, records: AttemptRecords, startup: Any, outcome: Outcome) -> int:
+    """The attempt's records, its messages delivered (a bounded wait), then (LAST) the requeue or
+    cancel, which gives the signal handlers back; the fit's error raised again. ``startup``: the
+    attempt's lmtrain.observe.callbacks.StartupRecord (None: the scale harness's ranks, which have none)."""
+    first = records.ended(outcome)
+    if startup is not None and records.writer and not startup.written:  # ended before its first step: the phases it reached
+        startup.write()
+    records.close()  # while lmtrain's handlers still only record: a late signal cannot cut a message
+    if first:  # else rank 0's hang watchdog ended this attempt and already asked for what follows
+        ctl.after_end(outcome)  # scontrol requeue comes LAST
+    else:
+        ctl.signals.restore()
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.exit_code

@@ -18,10 +18,11 @@ from typing import Any
 
 from lmcore.rundir import RunLayout
 from lmtrain import faults
+from lmtrain.distributed.node_share import local_copy
 from lmtrain.observe.attempt import AttemptRecords, Outcome
 from lmtrain.observe.profile_request import RequestPoll
 from lmtrain.observe.timing_lines import TimingLines
-from lmtrain.preemption.controller import Preemption
+from lmtrain.preemption.controller import Preemption, end_attempt
 from lmtrain.preemption.stop_flags import agreed_from, flags_of
 from lmtrain.simulate import fs_count, shards
 from lmtrain.simulate.collective import Star
@@ -34,7 +35,6 @@ JOIN_TIMEOUT_S = 300.0  # as the rendezvous waits for rank 0 (lmtrain.distribute
 def train(plan: Any, env: Any, attempt: int, resume: str | None, *, addr: str, port: int) -> int:
     """Every rank: this attempt of the harness; its exit code (as lmtrain.task.training.train's)."""
     from lmtrain.checkpoint.completion import CheckpointError
-    from lmtrain.task.training import end_attempt
 
     records = AttemptRecords(plan, env, attempt)
     ctl = Preemption(plan, env, attempt)
@@ -88,7 +88,7 @@ class _Loop:
         self.timing = TimingLines(layout.rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
                                   after_write=self.watch.poke if self.watch else None,
                                   on_close=self.watch.stop if self.watch else None)
-        self.poll = RequestPoll(layout.profile_request, attempt=attempt, rank=env.rank)
+        self.poll = RequestPoll(local_copy(layout.profile_request), attempt=attempt, rank=env.rank)
         self.profile_dir = lambda request_id: layout.profile_dir(attempt, request_id)
         self.identity = {"job_id": env.job_id, "attempt": attempt, "logger": None}
 

@@ -43,13 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcore.run_layout import GENERATION_VAR, UNDECIDED_VAR, RunLayout
+from lmcore.run_layout import BATCH_VAR, GENERATION_VAR, UNDECIDED_VAR, RunLayout
+from lmtrain.distributed.node_share import NODE_SHARE_VAR, NodeShare
 from lmtrain.preemption.signals import SignalOwner, StopRequest
+from lmtrain.task.verdicts import VERDICT_MARGIN_S, VERDICT_POLL_S, Verdicts
 
 POLL_S = 1.0  # while a training process runs: its owner (podman's client) and rank 0's verdict
-VERDICT_POLL_S = 0.05  # after it ended: how often a rank's agent looks for rank 0's verdict
-VERDICT_MARGIN_S = 120.0  # beyond the longest rank 0 may take to decide (watchdog and collective timeouts)
-READY_WAIT_S = 60.0  # how long rank 0's agent waits for the others to end their training processes
 PR_SET_PDEATHSIG = 1
 
 
@@ -61,6 +60,7 @@ class AgentSettings:
     verdict_wait_s: float  # how long a rank's agent waits for rank 0's verdict once its process ended
     preload_deepspeed: bool  # on CPU only: deepspeed's import asks for CUDA on a GPU node
     simulate: bool = False  # the scale harness's ranks (lmtrain.simulate): no frameworks to import
+    share: NodeShare | None = None  # what this node's agents look at once per node (lmtrain.distributed.node_share)
 
 
 def settings_of(plan: Mapping[str, Any], environ: Mapping[str, str]) -> AgentSettings | None:
@@ -81,6 +81,7 @@ def settings_of(plan: Mapping[str, Any], environ: Mapping[str, str]) -> AgentSet
         verdict_wait_s=longest + float(watchdog.get("exit_grace_s") or 0) + VERDICT_MARGIN_S,
         preload_deepspeed=topology.get("accelerator") == "cpu" and parallelism.get("zero_stage") is not None,
         simulate=bool((plan.get("spec") or {}).get("simulate")),
+        share=NodeShare.of_task(environ, environ["SLURM_JOB_ID"], environ.get(BATCH_VAR, "")),
     )
 
 
@@ -131,6 +132,7 @@ class TaskAgent:
         self.phases: dict[str, float] = {}
         self.killed = False  # this agent ended its training process (rank 0 restarted without it)
         self.key, self.key_of = "", -1  # the rendezvous key of generation key_of (:meth:`_key`)
+        self.verdicts = Verdicts(settings, self.layout, self._key)
 
     def serve(self) -> bool:
         """Import, then fork a training process and wait for it, again while rank 0 restarts in place.
@@ -203,6 +205,8 @@ class TaskAgent:
         generation's environment, own the signals and what the agent kept for it."""
         _die_with_parent(self.pid)
         os.environ[GENERATION_VAR] = str(self.generation)
+        if self.s.share is not None:
+            os.environ[NODE_SHARE_VAR] = str(self.s.share.dir)
         if self.generation:
             os.environ[UNDECIDED_VAR] = ""  # rank 0 decided the restart: no end line is missing
         from lmtrain.observe.startup import CLOCK
@@ -219,7 +223,8 @@ class TaskAgent:
         a rank stuck in a collective would hold the restart up to the collective timeout)."""
         self.killed = False
         while not _ended_within(self.worker, POLL_S):
-            if not owner_alive() or (self.s.rank != 0 and self._read_verdict() in ("restart", "fork")):
+            self.verdicts.look()
+            if not owner_alive() or (self.s.rank != 0 and self.verdicts.read() in ("restart", "fork")):
                 self.killed = True
                 os.kill(self.worker, signal.SIGKILL)
         _, status = os.waitpid(self.worker, 0)
@@ -237,76 +242,20 @@ class TaskAgent:
             self.key_of = self.generation
         return self.key
 
-    def _read_verdict(self) -> str | None:
-        try:
-            return self.layout.verdict_file(self._key()).read_text().strip() or None
-        except OSError:
-            return None
-
     def _verdict(self, status: int) -> str:
         """``fork`` or ``exit``, the same for every agent of the step: rank 0's agent decides, the
         others follow its word (:meth:`_agree`)."""
         if self.s.rank != 0:
-            return self._follow()
+            return self.verdicts.follow()
         decided = self._decide()
         if decided == "restart":
-            decided = self._agree()
-        self._say(decided)
+            decided = self.verdicts.agree()
+        self.verdicts.say(decided)
         if decided == "fork":
             self.layout.restart_request.unlink(missing_ok=True)  # taken here: the batch script must not restart too
             print(f"lmtrain: restarting the ranks in place in this srun step (generation {self.generation + 1})",
                   file=sys.stderr, flush=True)
         return decided
-
-    def _say(self, word: str) -> None:
-        from lmcore.atomic import write_atomic
-
-        path = self.layout.verdict_file(self._key())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, word + "\n")
-
-    def _agree(self) -> str:
-        """Rank 0's agent proposes the restart (``restart``: every agent ends its training process and
-        says it is ready) and forks only when every agent said so within :data:`READY_WAIT_S`. An agent
-        that never does is gone with its node (killed with its slurmd, powered off): then ``exit``, and
-        the batch script's loop starts the ranks by a new srun once SLURM has taken the node out."""
-        world = int(os.environ.get("SLURM_NTASKS") or 1)
-        if world == 1:
-            return "fork"
-        self._say("restart")
-        ready = self.layout.ready_dir(self._key())
-        deadline = time.monotonic() + READY_WAIT_S
-        while True:
-            try:
-                count = len(os.listdir(ready))
-            except OSError:
-                count = 0
-            if count >= world - 1:
-                return "fork"
-            if time.monotonic() > deadline:
-                print(f"lmtrain: {world - 1 - count} of the other ranks' agents did not answer within {READY_WAIT_S:.0f} s "
-                      "(a node gone?): ending this srun step; the batch script starts the ranks again",
-                      file=sys.stderr, flush=True)
-                return "exit"
-            time.sleep(VERDICT_POLL_S)
-
-    def _follow(self) -> str:
-        """Another rank's agent: wait for rank 0's word; on ``restart`` say this agent is ready (its
-        training process has ended) and wait for ``fork`` or ``exit``."""
-        deadline = time.monotonic() + self.s.verdict_wait_s
-        said = False
-        while (verdict := self._read_verdict()) not in ("fork", "exit"):
-            if verdict == "restart" and not said:
-                ready = self.layout.ready_dir(self._key())
-                ready.mkdir(parents=True, exist_ok=True)
-                (ready / str(self.s.rank)).touch()
-                said, deadline = True, time.monotonic() + READY_WAIT_S + VERDICT_MARGIN_S
-            if time.monotonic() > deadline:
-                print("lmtrain: rank 0's agent gave no word in time after this rank's training process ended: "
-                      "ending this task", file=sys.stderr, flush=True)
-                return "exit"
-            time.sleep(VERDICT_POLL_S)
-        return verdict
 
     def preempting(self) -> bool:
         """Whether SLURM is preempting this job (its PreemptTime set, GraceTime running)."""
@@ -345,6 +294,7 @@ class TaskAgent:
         the end line "completed"); lmtrain.preemption.signals.retire does the same in the training
         process."""
         signal.signal(self.kept.warning_signum, signal.SIG_IGN)
+        self.verdicts.leave()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         if os.WIFSIGNALED(status):

@@ -188,7 +188,9 @@ class Fit:
         from lmtrain.observe.profiling import ProfileOnDemand
 
         layout, attempt = RunLayout.of_plan(self.plan), self.records.attempt
-        return ProfileOnDemand(layout.profile_request, lambda request_id: layout.profile_dir(attempt, request_id),
+        from lmtrain.distributed.node_share import local_copy
+
+        return ProfileOnDemand(local_copy(layout.profile_request), lambda request_id: layout.profile_dir(attempt, request_id),
                                attempt=attempt, rank=self.env.rank, node=self.env.node_name,
                                log_every_n_steps=self.plan.trainer.log_every_n_steps,
                                cuda=self.plan.trainer.accelerator == "gpu", spec=self.job.profile)

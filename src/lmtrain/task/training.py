@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from lmcore.checkpoint_index import CompleteCheckpoint
     from lmcore.plan import LaunchPlan
     from lmtrain.distributed.task_env import TaskEnv
-    from lmtrain.observe.attempt import AttemptRecords, Outcome
+    from lmtrain.observe.attempt import AttemptRecords
     from lmtrain.preemption.controller import Preemption
 
 log = logging.getLogger("lmtrain")
@@ -28,7 +28,7 @@ def train(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | None) -> i
     """Every rank: train this attempt; its exit code (non-zero: SLURM records the job FAILED)."""
     from lmtrain.observe.attempt import AttemptRecords, Outcome
     from lmtrain.observe.callbacks import StartupRecord
-    from lmtrain.preemption.controller import Preemption
+    from lmtrain.preemption.controller import Preemption, end_attempt
 
     records = AttemptRecords(plan, env, attempt)
     ctl = Preemption(plan, env, attempt)
@@ -62,23 +62,6 @@ def train(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | None) -> i
     except BaseException as exc:
         outcome = ctl.failed(exc, trainer.global_step if trainer is not None else start_step, records)
     return end_attempt(ctl, records, startup, ctl.settle(outcome, start_step))
-
-
-def end_attempt(ctl: Preemption, records: AttemptRecords, startup: Any, outcome: Outcome) -> int:
-    """The attempt's records, its messages delivered (a bounded wait), then (LAST) the requeue or
-    cancel, which gives the signal handlers back; the fit's error raised again. ``startup``: the
-    attempt's lmtrain.observe.callbacks.StartupRecord (None: the scale harness's ranks, which have none)."""
-    first = records.ended(outcome)
-    if startup is not None and records.writer and not startup.written:  # ended before its first step: the phases it reached
-        startup.write()
-    records.close()  # while lmtrain's handlers still only record: a late signal cannot cut a message
-    if first:  # else rank 0's hang watchdog ended this attempt and already asked for what follows
-        ctl.after_end(outcome)  # scontrol requeue comes LAST
-    else:
-        ctl.signals.restore()
-    if outcome.error is not None:
-        raise outcome.error
-    return outcome.exit_code
 
 
 def _resume_point(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | None, ctl: Preemption,

@@ -1,0 +1,117 @@
+"""The scale harness (lmtrain.simulate, jobs/scale-sim.yaml) at 32 ranks on 8 nodes of a worker cluster of
+its own: ranks that import no torch run lmlaunch's per-rank machinery through a crash, a restart in
+place, a preemption and a resume, every rank accounted for at every attempt (docs/scale.md).
+
+1. attempt 1: rank 31 is SIGKILLed at step 40 (lmtrain.faults); the others' all-reduce fails, rank 0
+   decides a restart in place, every task's agent forks again (attempt 2, same job, same nodes);
+2. attempt 2: `lmlaunch preempt --mode signal` at step 80 or later: the stop agreed by all 32 ranks,
+   a checkpoint of 32 shards, the job requeued (started at once here);
+3. attempt 3: every shard verified against COMPLETE's checksums and read back, training to step 160.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from preempt_helpers import ends, finish, lm, preempt, starts, wait_step
+from slurm_helpers import faults, job_name, release_worker
+
+from launcher.localcluster import cluster, workers
+from lmcore.errors import UserError
+from lmcore.slurm import admin as rehearsal
+from lmtrain.simulate.tally import Counts
+
+VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None
+NODES, TASKS = 8, 4
+RANKS = NODES * TASKS
+SPEC = Path(__file__).resolve().parents[2] / "jobs" / "scale-sim.yaml"
+
+
+@pytest.fixture(scope="module")
+def eight_nodes(slurm_cluster):
+    """A worker cluster of this module's own with 8 nodes; back to 2 afterwards."""
+    claim = workers.claim(VERSION)
+    lines: list[str] = []
+    try:
+        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, accounting=True,
+                   min_job_age=300, version=VERSION, nodes=NODES, topology="none")
+        with cluster.own_conf(claim.layout):
+            assert cluster.nodes_ready(tuple(f"n{i}" for i in range(1, NODES + 1))), lines
+        yield claim
+    finally:
+        with cluster.own_conf(claim.layout):
+            for node in (f"n{i}" for i in range(1, NODES + 1)):
+                with contextlib.suppress(UserError):
+                    rehearsal.set_node_state(node, "RESUME")
+        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, version=VERSION,
+                   nodes=2, topology="none")
+        release_worker(claim, "sc-")
+
+
+def _rank_lines(run_dir: Path, attempt: int) -> dict[int, str]:
+    out = {}
+    for rank in range(RANKS):
+        path = run_dir / "logs" / f"attempt-{attempt}" / f"rank-{rank}.log"
+        out[rank] = path.read_text() if path.is_file() else ""
+    return out
+
+
+def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted_for(eight_nodes, lm_env, tmp_path):
+    claim = eight_nodes
+    env = {**lm_env, **claim.environ()}
+    name, counts_dir = job_name("sc", "harness"), tmp_path / "counts"
+    kill = {"point": "train.batch_end", "attempt": 1, "step": 40, "rank": RANKS - 1, "action": "kill"}
+    with cluster.own_conf(claim.layout), faults(kill):
+        code, out, err = lm(env, "submit", SPEC, f"name={name}", f"resources.nodes={NODES}",
+                            f"resources.tasks_per_node={TASKS}", f"trainer.global_batch_size={RANKS}",
+                            "trainer.max_steps=160", "checkpoint.every_n_steps=50", f"simulate.counts_dir={counts_dir}")
+    assert code == 0, out + err
+    job = out.split("job ", 1)[1].split()[0]
+    run_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
+    with cluster.own_conf(claim.layout):
+        wait_step(run_dir, 80, attempt=2, job_id=job)
+        preempt(env, name, "signal")
+        finish(job, run_dir)
+        code, status, err = lm(env, "status", name, "--json")
+        code_h, history, err_h = lm(env, "history", name)
+    assert code == 0 and code_h == 0, err + err_h
+
+    # the story, from the ledger
+    said = [(e["attempt"], e["reason"]) for e in ends(run_dir)]
+    assert said == [(1, "crashed"), (2, "preempted"), (3, "completed")], said
+    first, second, third = ends(run_dir)
+    assert first.get("restart") == "in_place" and first["end_step"] == 40, first
+    assert [s["job_id"] for s in starts(run_dir)] == [job] * 3
+    stop = second["stop_step"]
+    assert [s["start_step"] for s in starts(run_dir)] == [0, 0, stop]  # no checkpoint before step 50 in attempt 1
+    assert third["end_step"] == 160
+
+    # every rank, every attempt: its log line, and (but the killed one) its counts
+    for attempt in (1, 2, 3):
+        lines = _rank_lines(run_dir, attempt)
+        missing = [r for r, text in lines.items() if f"attempt {attempt}, rank {r}/{RANKS}" not in text]
+        assert not missing, f"attempt {attempt}: no start line from ranks {missing}"
+    verified = [r for r, text in _rank_lines(run_dir, 3).items() if f"step-{stop}: every file matches its checksum" in text]
+    assert len(verified) == RANKS, f"ranks that verified their share of step-{stop}: {verified}"
+    counts = Counts.read(counts_dir)
+    assert counts.ranks_of(attempt=1) == set(range(RANKS - 1))  # rank 31 was SIGKILLed: no counts
+    assert counts.ranks_of(attempt=2) == counts.ranks_of(attempt=3) == set(range(RANKS))
+    assert counts.ranks_of(role="agent") == set(range(RANKS))
+    assert not {m for p in counts.processes for m in p.get("frameworks") or []}, "a harness rank imported a framework"
+    # the ranks' timing lines, and the final checkpoint of 32 shards, complete
+    for attempt in (2, 3):
+        timing = [run_dir / "logs" / f"attempt-{attempt}" / f"timing-rank-{r}.jsonl" for r in range(RANKS)]
+        assert all(p.is_file() and p.stat().st_size for p in timing), attempt
+    final = run_dir / "checkpoints" / "step-160"
+    manifest = json.loads((final / "COMPLETE").read_text())
+    assert sorted(manifest["files"]) == sorted(["meta.json", *(f"shard-rank-{r}.bin" for r in range(RANKS))])
+    assert json.loads((final / "meta.json").read_text())["world_size"] == RANKS
+
+    # what the user reads
+    row = json.loads(status)[0] if status.lstrip().startswith("[") else json.loads(status)
+    assert "COMPLETED" in json.dumps(row), status
+    assert "restarted in place" in history and "preempted" in history, history
