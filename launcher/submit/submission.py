@@ -18,7 +18,7 @@ from typing import Any
 from launcher.runs import registry as runs
 from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
-from launcher.submit import dependencies, far_submit, lifecycle
+from launcher.submit import dependencies, far_submit, lifecycle, shape_check
 from launcher.submit.script import executor_parameters, render_script, submit_command
 from lmcore import rundir
 from lmcore.errors import SlurmUnavailable, UserError
@@ -41,33 +41,9 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
 
     params = executor_parameters(plan, dependency)
     text = render_script(plan, dependency)
-    if plan.evaluator:
-        _check_heterogeneous_job(plan, text)
+    shape_check.judge(plan, text)  # a shape no node or partition of the cluster can hold is refused, nothing queued
     return run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
                          plan.paths.submitit_dir, text=text)[0]
-
-
-def _refuse_rest_heterogeneous_job() -> None:
-    raise UserError("eval.alongside: a heterogeneous job (trainer + evaluator) cannot be submitted through "
-                    "slurmrestd yet (its job_desc list is not built); submit with sbatch (the profile's "
-                    "submit.via: sbatch, without --rest), or score the checkpoints after with `lmlaunch eval`",
-                    exit_code=2)
-
-
-def _check_heterogeneous_job(plan: LaunchPlan, text: str) -> None:
-    """A run with an evaluator alongside is one heterogeneous job: the controller judges it first
-    (``sbatch --test-only``: an evaluator larger than its partition, a cluster that refuses
-    heterogeneous jobs), and a refusal names eval.alongside with SLURM's words; nothing is queued."""
-    if slurm.rest_client() is not None:
-        _refuse_rest_heterogeneous_job()
-    code = rundir.RunLayout.of_plan(plan).code
-    if code.is_dir() and not (code / "lmtrain" / "evaluator" / "main.py").is_file():
-        raise UserError(f"eval.alongside: the run's code snapshot ({code}) predates the evaluator: resume with "
-                        "--new-code, or score its checkpoints after with `lmlaunch eval`", exit_code=2)
-    ok, message = slurm.test_only("sbatch", [], script=text)
-    if not ok:
-        raise UserError(f"eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator): {message}",
-                        exit_code=2)
 
 
 def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str,
@@ -304,7 +280,7 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
     dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
     if (rest := slurm.rest_client()) is not None:  # what slurmrestd cannot carry is refused before anything changes
         if plan.evaluator:
-            _refuse_rest_heterogeneous_job()
+            shape_check.refuse_rest_heterogeneous_job()
         rest_calls.body_of(rest, render_script(plan, dependency), f"run '{name}'")
     target = transport.profile_target(resolved.profile)
     far = far_submit.far_run(resolved.profile, plan) if far_submit.over_ssh(target, resolved, after or []) else None

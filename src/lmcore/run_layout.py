@@ -47,7 +47,7 @@ ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (
 HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report (lmtrain.health.watchdog)
 LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
 PROFILE_REQUEST = "profile-request.json"  # `lmlaunch profile`: the ranks poll it at logging steps (lmtrain.observe.profiling)
-RANK_TIMING = "timing-rank-{rank}.jsonl"  # logs/attempt-<N>/: a rank's step timing per logging interval (lmtrain.observe.rank_timing)
+NODE_TIMING = "timing-node-{node}.jsonl"  # logs/attempt-<N>/: the step timing of a node's ranks per logging interval (lmtrain.observe.timing_lines)
 TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (lmcore.task_records; lmlaunch stacks)
 
 
@@ -256,9 +256,10 @@ class RunLayout:
         """One profile's traces and top-operator tables, per rank (lmtrain.observe.profiling)."""
         return self.attempt_logs(attempt) / f"profile-{request_id}"
 
-    def rank_timing(self, attempt: int, rank: int | str) -> Path:
-        """A rank's step timing, one line per logging interval (lmtrain.observe.rank_timing)."""
-        return self.attempt_logs(attempt) / RANK_TIMING.format(rank=rank)
+    def node_timing(self, attempt: int, node: int | str) -> Path:
+        """The step timing of node ``node``'s ranks (SLURM's node index in the step), a line per rank per
+        logging interval, each appended by its rank (lmtrain.observe.timing_lines): one file per node."""
+        return self.attempt_logs(attempt) / NODE_TIMING.format(node=node)
 
     def task_record(self, job_id: str, restart_count: int, rank: int) -> Path:
         return self.logs / TASK_RECORD.format(job_id=job_id, restart_count=restart_count, rank=rank)

@@ -409,7 +409,7 @@ class StragglerSpec(StrictModel):
     """A rank slower than its peers, or than itself, named while the job runs (lmtrain.health.stragglers)."""
 
     enabled: bool = True
-    """Score the ranks' step timing (each rank writes logs/attempt-<N>/timing-rank-<R>.jsonl at its
+    """Score the ranks' step timing (each rank appends to its node's logs/attempt-<N>/timing-node-<N>.jsonl at its
     logging steps either way; rank 0 scores them in the background)."""
     threshold: float = Field(1.5, gt=1.0, le=100.0)
     """A rank is slow when its compute time per step is above this factor of the ranks' median

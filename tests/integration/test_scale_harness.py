@@ -22,7 +22,7 @@ from slurm_helpers import faults, job_name, release_worker
 
 from launcher.localcluster import cluster, workers
 from lmcore.errors import UserError
-from lmcore.slurm import admin as rehearsal
+from lmcore.slurm import admin as rehearsal, client as slurm
 from lmtrain.simulate.tally import Counts
 
 VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None
@@ -102,10 +102,13 @@ def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted
     assert counts.ranks_of(attempt=2) == counts.ranks_of(attempt=3) == set(range(RANKS))
     assert counts.ranks_of(role="agent") == set(range(RANKS))
     assert not {m for p in counts.processes for m in p.get("frameworks") or []}, "a harness rank imported a framework"
-    # the ranks' timing lines, and the final checkpoint of 32 shards, complete
+    # the ranks' timing lines, one file per node holding its 4 ranks' lines, and the final checkpoint
     for attempt in (2, 3):
-        timing = [run_dir / "logs" / f"attempt-{attempt}" / f"timing-rank-{r}.jsonl" for r in range(RANKS)]
-        assert all(p.is_file() and p.stat().st_size for p in timing), attempt
+        logs = run_dir / "logs" / f"attempt-{attempt}"
+        assert sorted(p.name for p in logs.glob("timing-*")) == sorted(f"timing-node-{n}.jsonl" for n in range(NODES))
+        for node in range(NODES):
+            lines = [json.loads(x) for x in (logs / f"timing-node-{node}.jsonl").read_text().splitlines()]
+            assert {t["rank"] for t in lines} == set(range(node * TASKS, (node + 1) * TASKS)), (attempt, node)
     final = run_dir / "checkpoints" / "step-160"
     manifest = json.loads((final / "COMPLETE").read_text())
     assert sorted(manifest["files"]) == sorted(["meta.json", *(f"shard-rank-{r}.bin" for r in range(RANKS))])
@@ -115,3 +118,19 @@ def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted
     row = json.loads(status)[0] if status.lstrip().startswith("[") else json.loads(status)
     assert "COMPLETED" in json.dumps(row), status
     assert "restarted in place" in history and "preempted" in history, history
+
+
+@pytest.mark.parametrize("shape", [
+    (f"resources.nodes={NODES + 1}", f"trainer.global_batch_size={(NODES + 1) * TASKS}"),  # more nodes than the partition
+    ("resources.cpus_per_task=2", f"trainer.global_batch_size={2 * TASKS}", "resources.nodes=2"),  # 4 x 2 CPUs on 4-CPU nodes
+])
+def test_a_shape_no_partition_or_node_holds_is_refused_before_queueing(eight_nodes, lm_env, shape):
+    env = {**lm_env, **eight_nodes.environ()}
+    name = job_name("sc", "shape")
+    with cluster.own_conf(eight_nodes.layout):
+        code, out, err = lm(env, "submit", SPEC, f"name={name}", *shape)
+        queued = [j for j in slurm.squeue() if j.name == name]
+    assert code == 2 and not queued, out + err
+    assert "the cluster cannot run this job as asked (sbatch --test-only: " in err and "nothing was submitted" in err, err
+    assert "Requested node configuration is not available" in err, err
+    assert not (Path(env["LMLAUNCH_RUNS_ROOT"]) / name).exists()

@@ -82,10 +82,11 @@ def test_the_same_job_unslowed_flags_nobody(slurm_cluster, cli, lm_env, run_name
     """Watched long enough to score more than a window of intervals, however fast this host is (a fixed
     step count ran 800 steps in 11.7 s on a fast host, short of the 12 s it needs), then cancelled."""
     job_id, run_dir = _submit(cli, lm_env, run_name, own_jobs, max_steps=100000)
-    timing = run_dir / "logs" / "attempt-1" / "timing-rank-0.jsonl"
+    timing = run_dir / "logs" / "attempt-1" / "timing-node-0.jsonl"  # rank 0's node's (lmtrain.observe.timing_lines)
 
     def scored() -> float | None:  # enough logging intervals for a window of scored ones, and then some
-        wall = sum(float(t.get("wall_s") or 0) for t in jsonlines.read_jsonl(timing)) if timing.exists() else 0.0
+        lines = [t for t in jsonlines.read_jsonl(timing) if t.get("rank") == 0] if timing.exists() else []
+        wall = sum(float(t.get("wall_s") or 0) for t in lines)
         return wall if wall >= 2 * WINDOW * MIN_INTERVAL_S else None
 
     waiting.until(scored, progress=run_progress(run_dir, job_id), poll=1.0, what=f"{run_name}: two windows scored")

@@ -54,6 +54,9 @@ def add(text: str, base: str = BASE) -> str:
 
 
 CASES: list[Case] = [
+    # --- the scale harness (simulate:) ---
+    Case("simulate_counts_dir_relative", add("simulate:\n  counts_dir: counts\n"), "{spec}: simulate.counts_dir (line 18): 'counts' is relative: give an absolute directory (the ranks run elsewhere)"),
+    Case("simulate_and_eval", add("simulate: {}\neval:\n  checkpoint: /tmp/x\n"), "{spec}: simulate: the scale harness trains no model, so it has no checkpoint to evaluate; remove eval or simulate"),
     # --- unknown keys: key path, line, closest key, valid keys ---
     Case("unknown_key_nested", edit("  nodes: 2", "  nodse: 2"), "{spec}: resources.nodse (line 4): unknown key 'nodse' (did you mean 'nodes'?); valid keys here: nodes, spare_nodes, gpus_per_node, tasks_per_node, cpus_per_task, mem, time, partition, partition_kind, account, qos, constraint, exclusive, placement"),
     Case("unknown_key_top_level", add("optimizer: {lr: 0.001}\n"), "{spec}: optimizer (line 17): unknown key 'optimizer' (did you mean 'optim'?); valid keys here: name, cluster, clusters, move, resources, model, data, trainer, optim, checkpoint, preemption, watchdog, health, profile, env, logging, notify, eval, simulate, slurm, container"),

@@ -75,10 +75,13 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert (top["from_step"], top["to_step"], top["rank"]) == (11, 12, 1) and top["ops"][0]["self_s"] > 0
     # operators only: no range that code names (Lightning's Optimizer.step#AdamW.step holds the whole step)
     assert not [op["name"] for op in top["ops"] if "#" in op["name"] or op["name"].startswith("ProfilerStep")]
-    # every rank's step timing, a line per logging interval (lmtrain.observe.rank_timing); nobody slow
+    # every rank's step timing, a line per logging interval, in its node's file (the local launcher's
+    # ranks share one node: one file; lmtrain.observe.timing_lines); nobody slow
+    node = [json.loads(x) for x in (run_dir / "logs" / "attempt-1" / "timing-node-0.jsonl").read_text().splitlines()]
+    assert sorted(p.name for p in (run_dir / "logs" / "attempt-1").glob("timing-*")) == ["timing-node-0.jsonl"]
     for rank in (0, 1):
-        timing = [json.loads(x) for x in (run_dir / "logs" / "attempt-1" / f"timing-rank-{rank}.jsonl").read_text().splitlines()]
+        timing = [t for t in node if t["rank"] == rank]
         assert sum(t["steps"] for t in timing) == STEPS and timing[-1]["step"] == STEPS, timing
-        assert {t["rank"] for t in timing} == {rank} and all(t["node"] for t in timing)
+        assert all(t["node"] for t in timing)
         assert all(t["forward_s"] > 0 and t["backward_s"] > 0 and t["optimizer_s"] > 0 and t["data_s"] >= 0
                    and t["wall_s"] >= t["forward_s"] + t["backward_s"] for t in timing), timing

@@ -56,7 +56,7 @@ def test_more_nodes_take_the_ports_after_the_first_nodes_and_the_settings_keep_t
     three = Ports.for_slot(2).with_nodes(3)
     assert three.nodes == (6821 + 200, 6822 + 200, 6823 + 200) and three.node_names == ("n1", "n2", "n3")
     assert Ports.for_slot(0).with_nodes(config.MAX_NODES).nodes[-1] < Ports.for_slot(1).slurmctld
-    with pytest.raises(ValueError, match="1 to 8 virtual nodes"):
+    with pytest.raises(ValueError, match="1 to 64 virtual nodes"):
         Ports().with_nodes(0)
     s = cluster.Settings(ports=three)
     assert cluster.Settings.from_json(s.to_json()).ports.node_names == ("n1", "n2", "n3")

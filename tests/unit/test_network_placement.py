@@ -139,8 +139,8 @@ def test_a_topology_larger_than_the_local_cluster_is_refused_naming_the_option()
     from launcher.localcluster.config import Settings
     from lmcore.errors import UserError
 
-    with pytest.raises(UserError, match="--topology tree:3x3: 9 nodes; the local cluster runs 1 to 8"):
-        _wanted_topology("tree:3x3", Settings(), None)
+    with pytest.raises(UserError, match="--topology tree:9x8: 72 nodes; the local cluster runs 1 to 64"):
+        _wanted_topology("tree:9x8", Settings(), None)
 
 
 def test_the_local_topology_conf_is_what_topology_conf_5_describes():

@@ -15,7 +15,7 @@ files and copies what changed into a directory of the node's own memory (``/dev/
   leader, once its whole node is, writes one file for the node (``ready/node-<N>``, its count of
   ready ranks) where rank 0's agent adds them up: files per node, not per rank.
 
-Rank 0 is the first task of node 0 (SLURM's block and cyclic distributions both place it so), so it
+In a container the node's tasks must see one ``/dev/shm`` (:func:`shares_dev_shm`). Rank 0 is the first task of node 0 (SLURM's block and cyclic distributions both place it so), so it
 is node 0's leader and counts its own node's agents in the node's directory.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,15 @@ NODE_SHARE_VAR = "LMLAUNCH_NODE_SHARE"  # a training process's: its node's share
 NODE_LOCAL_VAR = "LMLAUNCH_NODE_LOCAL"  # where node directories are made (default /dev/shm)
 
 
-def tasks_on_node(environ: dict[str, str] | os._Environ[str], node_rank: int) -> int | None:
+def shares_dev_shm(runtime: str | None) -> bool:
+    """Whether a node's tasks see one /dev/shm: without a container; in podman's (``--ipc=host``,
+    lmcore.container: checked on this machine) and apptainer's (the host's /dev bound by default).
+    Pyxis (enroot) gives a container its own: the agents then each look at the shared files, as
+    before node sharing."""
+    return runtime in (None, "none", "podman", "apptainer")
+
+
+def tasks_on_node(environ: Mapping[str, str], node_rank: int) -> int | None:
     """This step's number of tasks on node ``node_rank`` (SLURM_STEP_TASKS_PER_NODE, "4(x2),3"),
     None when SLURM did not say."""
     from hostlist import parse_slurm_tasks_per_node
@@ -55,7 +64,7 @@ class NodeShare:
         return self.local_rank == 0
 
     @classmethod
-    def of_task(cls, environ: dict[str, str] | os._Environ[str], job_id: str, batch: str) -> NodeShare | None:
+    def of_task(cls, environ: Mapping[str, str], job_id: str, batch: str) -> NodeShare | None:
         """This task's node share, or None where a task cannot know its node (no SLURM step)."""
         try:
             local, node = int(environ["SLURM_LOCALID"]), int(environ["SLURM_NODEID"])

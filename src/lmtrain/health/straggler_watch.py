@@ -1,7 +1,7 @@
 """Rank 0's straggler watch: the ranks' timing files scored in the background, findings recorded.
 
 At each of its logging steps rank 0 pokes a thread (no collective, nothing in the training loop
-but the poke). The thread reads what every rank appended to ``logs/attempt-<N>/timing-rank-<R>.jsonl``
+but the poke). The thread reads what every rank appended to its node's ``logs/attempt-<N>/timing-node-<N>.jsonl``
 since it last looked (lmtrain.observe.rank_timing), keeps the last intervals as a table (rows:
 logging steps, columns: ranks), scores it (:func:`lmtrain.health.stragglers.score`) and, when the
 set of slow ranks changes, writes a ``straggler`` ledger line per change (``state`` ``start`` with
@@ -45,8 +45,10 @@ class TimingTable:
     ``min_interval_s``. A row is folded once every rank wrote it, or once LATE_ROWS newer rows
     exist (a rank that never writes one is missing there, never slow for it); rows fold in order."""
 
-    def __init__(self, paths: list[Path], *, min_interval_s: float = 0.0) -> None:
+    def __init__(self, paths: list[Path], *, world: int | None = None, min_interval_s: float = 0.0) -> None:
+        # paths: the nodes' timing files (or one per rank); world: the ranks (default: one per path)
         self.paths, self.min_interval_s = paths, min_interval_s
+        self.world = len(paths) if world is None else world
         self.offsets = [0] * len(paths)
         self.rows: dict[int, np.ndarray] = {}  # step -> [forward_s, steps, wall_s] x ranks
         self.intervals: list[np.ndarray] = []
@@ -55,12 +57,12 @@ class TimingTable:
         self.newest: dict[int, dict[str, Any]] = {}  # rank -> its newest line
 
     def read(self) -> None:
-        world = len(self.paths)
-        for rank, path in enumerate(self.paths):
-            lines, self.offsets[rank] = read_timing(path, self.offsets[rank])
+        world = self.world
+        for i, path in enumerate(self.paths):
+            lines, self.offsets[i] = read_timing(path, self.offsets[i])
             for line in lines:
-                step = int(line.get("step", -1))
-                if step < 0 or (self.last_step is not None and step <= self.last_step):
+                step, rank = int(line.get("step", -1)), int(line.get("rank", i))
+                if step < 0 or not 0 <= rank < world or (self.last_step is not None and step <= self.last_step):
                     continue
                 row = self.rows.setdefault(step, np.full((3, world), np.nan))
                 row[:, rank] = line_figures(line)
@@ -95,7 +97,7 @@ class TimingTable:
     def table(self) -> np.ndarray:
         """The scored intervals, oldest first: ``[interval, rank]`` compute seconds per step."""
         if not self.intervals:
-            return np.empty((0, len(self.paths)))
+            return np.empty((0, self.world))
         return np.vstack(self.intervals)
 
 
@@ -111,8 +113,9 @@ def watch_for(plan: Any, env: Any, records: Any, peers: list[list[int]],
     if env.rank != 0 or env.world_size <= 1 or not spec.enabled:
         return None
     layout, attempt, notifier = RunLayout.of_plan(plan), records.attempt, records.notifier
-    return StragglerWatch([layout.rank_timing(attempt, r) for r in range(env.world_size)],
+    return StragglerWatch([layout.node_timing(attempt, n) for n in range(env.num_nodes)],
                           StragglerPolicy(threshold=spec.threshold, window=spec.window), attempt=attempt,
+                          world=env.world_size,
                           ledger=records.ledger, min_interval_s=spec.min_interval_s,
                           summary=layout.rank_times, peers=peers,
                           notify=notifier.send if notifier is not None else None,
@@ -125,10 +128,10 @@ class StragglerWatch:
     def __init__(self, paths: list[Path], policy: StragglerPolicy, *, attempt: int, ledger: Any,
                  notify: Callable[..., None] | None = None, min_interval_s: float = 0.0,
                  summary: Path | None = None, peers: list[list[int]] | None = None,
-                 on_slow: Callable[[dict[str, Any], str], None] | None = None) -> None:
-        self.table = TimingTable(paths, min_interval_s=min_interval_s)
+                 on_slow: Callable[[dict[str, Any], str], None] | None = None, world: int | None = None) -> None:
+        self.table = TimingTable(paths, world=world, min_interval_s=min_interval_s)
         # ranks that do the same work, compared with each other (a pipeline's stages differ by design)
-        self.peers = peers or [list(range(len(paths)))]
+        self.peers = peers or [list(range(self.table.world))]
         self.summary = summary  # metrics/rank-times.json: what the exporter shows per rank
         self.policy, self.attempt, self.ledger, self.notify = policy, attempt, ledger, notify
         self.on_slow = on_slow  # health.stragglers.action exclude: the controller leaves the node out

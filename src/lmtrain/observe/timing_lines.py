@@ -1,4 +1,8 @@
-"""A rank's step-timing lines (torch-free): the writer and the reader of ``timing-rank-<R>.jsonl``.
+"""A rank's step-timing lines (torch-free): the writer and the reader of ``timing-node-<N>.jsonl``.
+
+Every rank of a node appends its lines to the node's one file (opened with O_APPEND: each line one
+write by one process of that node, so lines never interleave within a line), so an attempt creates a
+timing file per node, not per rank, and rank 0's straggler watch opens one per node at each look.
 
 :class:`lmtrain.observe.rank_timing.RankTiming` times a Lightning rank's micro batches and hands each
 logging interval's totals to :class:`TimingLines`; the scale harness (lmtrain.simulate) hands its own.
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +34,7 @@ class TimingLines:
                  after_write: Callable[[], None] | None = None, on_close: Callable[[], None] | None = None) -> None:
         self.path, self.rank, self.node = Path(path), rank, node
         self.after_write, self.on_close = after_write, on_close  # rank 0: its straggler watch's poke and stop
-        self._file: Any = None
+        self._fd: int | None = None
 
     def write(self, step: int, *, steps: int, micro_batches: int, totals: dict[str, float], wall_s: float) -> None:
         line = {"step": step, "steps": steps, "micro_batches": micro_batches, "rank": self.rank,
@@ -37,10 +42,10 @@ class TimingLines:
                 **{f"{part}_s": round(totals.get(part, 0.0), 6) for part in PARTS},
                 "wall_s": round(wall_s, 6)}
         try:
-            if self._file is None:
+            if self._fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", buffering=1)
-            self._file.write(json.dumps(line) + "\n")
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(self._fd, (json.dumps(line) + "\n").encode())  # one write: the node's other ranks append too
         except OSError as exc:  # timing never costs the run
             log.warning("could not write this rank's step timing to %s: %s", self.path, exc)
         if self.after_write is not None:
@@ -48,12 +53,12 @@ class TimingLines:
 
     def close(self) -> None:
         """The file closed and rank 0's watch stopped; never raising (the run's outcome is not ours)."""
-        if self._file is not None:
+        if self._fd is not None:
             try:
-                self._file.close()
+                os.close(self._fd)
             except OSError as exc:
                 log.warning("closing this rank's step timing %s: %s", self.path, exc)
-            self._file = None
+            self._fd = None
         if self.on_close is not None:
             on_close, self.on_close = self.on_close, None
             try:

@@ -96,7 +96,8 @@ class Star:
             for peer in self.peers:
                 peer.send(out)
             return out
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, CollectiveError) as exc:
+            self.close()  # the others learn at once, not at their timeout
             raise CollectiveError(f"rank {self.rank}: the all-reduce failed: {exc}") from None
 
     def barrier(self) -> None:

@@ -85,7 +85,7 @@ class _Loop:
         self.step = start_step
         layout = RunLayout.of_plan(plan)
         self.watch = watch_for(plan, env, records, [list(range(env.world_size))], self._leave_slow_node)
-        self.timing = TimingLines(layout.rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
+        self.timing = TimingLines(layout.node_timing(attempt, env.node_rank), rank=env.rank, node=env.node_name,
                                   after_write=self.watch.poke if self.watch else None,
                                   on_close=self.watch.stop if self.watch else None)
         self.poll = RequestPoll(local_copy(layout.profile_request), attempt=attempt, rank=env.rank)

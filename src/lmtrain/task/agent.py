@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.run_layout import BATCH_VAR, GENERATION_VAR, UNDECIDED_VAR, RunLayout
-from lmtrain.distributed.node_share import NODE_SHARE_VAR, NodeShare
+from lmtrain.distributed.node_share import NODE_SHARE_VAR, NodeShare, shares_dev_shm
 from lmtrain.preemption.signals import SignalOwner, StopRequest
 from lmtrain.task.verdicts import VERDICT_MARGIN_S, VERDICT_POLL_S, Verdicts
 
@@ -81,7 +81,8 @@ def settings_of(plan: Mapping[str, Any], environ: Mapping[str, str]) -> AgentSet
         verdict_wait_s=longest + float(watchdog.get("exit_grace_s") or 0) + VERDICT_MARGIN_S,
         preload_deepspeed=topology.get("accelerator") == "cpu" and parallelism.get("zero_stage") is not None,
         simulate=bool((plan.get("spec") or {}).get("simulate")),
-        share=NodeShare.of_task(environ, environ["SLURM_JOB_ID"], environ.get(BATCH_VAR, "")),
+        share=NodeShare.of_task(environ, environ["SLURM_JOB_ID"], environ.get(BATCH_VAR, ""))
+        if shares_dev_shm((plan.get("container") or {}).get("runtime")) else None,
     )
 
 

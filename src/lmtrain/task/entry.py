@@ -98,29 +98,34 @@ def run_task(run_dir: str | Path) -> int:
             from lmtrain.preemption.gate import finish_without_training
 
             return finish_without_training(plan, env, rv.attempt, gate)
-        if (ev := plan.job_spec().eval) is not None and ev.checkpoint is not None:  # an eval job: rank 0 evaluates a checkpoint (lmtrain.task.evaluate)
-            from lmtrain.task.evaluate import run_eval
+        return _attempt(plan, env, rv, signals, simulated=simulated)
 
-            try:
-                code = run_eval(plan, env, rv.attempt)
-            finally:
-                signals.restore()
-        elif simulated:
-            from lmtrain.simulate import fs_count
-            from lmtrain.simulate.steps import train as simulate
 
-            fs_count.note(attempt=rv.attempt, generation=env.generation)
+def _attempt(plan: LaunchPlan, env: TaskEnv, rv: Rendezvous, signals: Any, *, simulated: bool) -> int:
+    """What this attempt does once the start gate let it: evaluate a checkpoint (an eval job), run the
+    scale harness (``simulate``), or train."""
+    if (ev := plan.job_spec().eval) is not None and ev.checkpoint is not None:  # an eval job: rank 0 evaluates a checkpoint (lmtrain.task.evaluate)
+        from lmtrain.task.evaluate import run_eval
 
-            return simulate(plan, env, rv.attempt, rv.resume, addr=rv.addr, port=rv.port)
-        else:
-            from lmtrain.task.training import train
+        try:
+            code = run_eval(plan, env, rv.attempt)
+        finally:
+            signals.restore()
+    elif simulated:
+        from lmtrain.simulate import fs_count
+        from lmtrain.simulate.steps import train as simulate
 
-            code = train(plan, env, rv.attempt, resume=rv.resume)
-        if code == 0:
-            from lmtrain.distributed.task_env import leave_process_group
+        fs_count.note(attempt=rv.attempt, generation=env.generation)
+        return simulate(plan, env, rv.attempt, rv.resume, addr=rv.addr, port=rv.port)
+    else:
+        from lmtrain.task.training import train
 
-            leave_process_group()  # before the interpreter's teardown (an abort there fails the job)
-        return code
+        code = train(plan, env, rv.attempt, resume=rv.resume)
+    if code == 0:
+        from lmtrain.distributed.task_env import leave_process_group
+
+        leave_process_group()  # before the interpreter's teardown (an abort there fails the job)
+    return code
 
 
 def _count_fs(raw_plan: dict[str, Any]) -> None:

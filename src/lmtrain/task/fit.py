@@ -205,7 +205,7 @@ class Fit:
 
         plan, env, attempt = self.plan, self.env, self.records.attempt
         watch = watch_for(plan, env, self.records, self.parallelism.peer_groups(), self._leave_slow_node)
-        return RankTiming(RunLayout.of_plan(plan).rank_timing(attempt, env.rank), rank=env.rank, node=env.node_name,
+        return RankTiming(RunLayout.of_plan(plan).node_timing(attempt, env.node_rank), rank=env.rank, node=env.node_name,
                           log_every_n_steps=self.plan.trainer.log_every_n_steps,
                           cuda=self.plan.trainer.accelerator == "gpu",
                           after_write=watch.poke if watch else None, on_close=watch.stop if watch else None)
