@@ -31,8 +31,6 @@ LONG_MODULES = {
     "src/lmcore/slurm/client.py": "the one SLURM client: one small function per SLURM command",
     "src/lmtrain/data/loader.py": "the memmap dataset and its resumable sampler, which must change together",
     "launcher/localcluster/cluster.py": "the local SLURM cluster's lifecycle (config, daemons, accounting)",
-    "src/lmtrain/checkpoint/manager.py": "the checkpoint protocol's one owner: begin, settle, finish, prune, "
-                                         "and the compatibility a resume checks against the format it writes",
 }
 MAX_LINES = 400
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import waiting
 
 from lmcore.checkpoint_index import newest_complete, verify
 from lmtrain.checkpoint.completion import CheckpointError
@@ -40,7 +41,7 @@ def _ranks(world: int, body) -> list:
 
     def run(rank: int) -> None:
         try:
-            star = Star(rank, world, "127.0.0.1", port, timeout_s=20)
+            star = Star(rank, world, "127.0.0.1", port, timeout_s=waiting.HANG_S)
             out[rank] = body(rank, star)
         except Exception as exc:  # reported by the test
             errors.append((rank, exc))
@@ -49,7 +50,7 @@ def _ranks(world: int, body) -> list:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(waiting.HANG_S)
     return [out, errors]
 
 
