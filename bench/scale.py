@@ -92,6 +92,19 @@ def _start_requeued(job: str) -> bool:
     return False
 
 
+def _exchange_s(run_dir: Path, crashed_at: float) -> float | None:
+    """Attempt 1's end line -> rank 0's agent wrote ``fork`` (every rank's agent ready): the restart's
+    exchange between the agents, without the new training processes' own start."""
+    forks = [p for p in (run_dir / "rendezvous").glob("*.next") if "-g" not in p.name and p.read_text().strip() == "fork"]
+    return round(min(p.stat().st_mtime for p in forks) - crashed_at, 2) if forks else None
+
+
+def _restart_cpu(counts: Counts) -> float | None:
+    """The CPU seconds of an attempt-2 training process from its fork to its first step, per rank."""
+    got = [p["cpu_to_first_step_s"] for p in counts.processes if p.get("attempt") == 2 and "cpu_to_first_step_s" in p]
+    return round(statistics.median(got), 3) if got else None
+
+
 def _median_s(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -149,6 +162,8 @@ def one(root: Path, ranks: int, nodes: int, args: argparse.Namespace, cluster_en
         "agent_ops_per_node_per_s": round(counts.total("agent") / wall / nodes, 3),
         "run_wall_s": round(wall, 1),
         "restart_in_place_s": round(first[2] - float(ends[0]["time"]), 2),
+        "restart_exchange_s": _exchange_s(run_dir, float(ends[0]["time"])),
+        "restart_cpu_s_per_rank": _restart_cpu(counts),
         "requeue_to_first_step_s": round(first[3] - float(ends[1]["time"]), 2),
         "status_s": _median_s(lambda: cli(environ, "status", name), args.repeat),
         "history_s": _median_s(lambda: cli(environ, "history", name), args.repeat),
@@ -167,6 +182,7 @@ def laws(rows: list[dict]) -> dict[str, dict]:
     for phase in sorted({p for r in rows for p in r["ops_by_phase"]}):
         figures[f"ops {phase}"] = [sum(r["ops_by_phase"].get(phase, {}).values()) for r in rows]
     for key in ("ops_per_rank_step", "ops_per_rank_log_step", "agent_ops_per_node_per_s", "restart_in_place_s",
+                "restart_exchange_s", "restart_cpu_s_per_rank",
                 "status_s", "history_s", "exporter_s"):
         figures[key] = [r[key] or 0.0 for r in rows]
     return {k: {**growth_law(sizes, v), "values": v} for k, v in figures.items()}
@@ -190,6 +206,9 @@ def budgets(rows: list[dict]) -> dict[str, dict]:
         "ops_per_node_logging_step": {"figure": round(log_node, 2), "budget": 1, "holds": log_node <= 1},
         "restart_in_place_vs_4_ranks": {"figure": round(big["restart_in_place_s"] / four["restart_in_place_s"], 2),
                                         "budget": 2.0, "holds": big["restart_in_place_s"] <= 2 * four["restart_in_place_s"]},
+        "restart_exchange_vs_4_ranks": {"figure": round((big["restart_exchange_s"] or 0) / (four["restart_exchange_s"] or 1), 2),
+                                        "budget": 2.0,
+                                        "holds": (big["restart_exchange_s"] or 0) <= 2 * (four["restart_exchange_s"] or 0)},
     }
     for key in ("status_s", "history_s", "exporter_s"):
         ratio = big[key] / two[key] if two[key] else None

@@ -61,12 +61,25 @@ def checkpoint_bytes(params: int, parallelism: Parallelism, precision: str) -> i
     return params * parallelism.checkpoint_bytes_per_param(precision)
 
 
-def incomplete_reason(path: Path) -> str | None:
+# A rank's own file: rank-R.pt, shard-rank-R.bin, DeepSpeed's zero_pp_rank_R_..., DCP's __R_0.distcp;
+# not DeepSpeed's mp_rank_00_model_states.pt, which every rank of a model-parallel rank reads
+_RANK_FILE = re.compile(r"(?:^|[^a-z])(?<!mp_)rank[-_](\d+)|^__(\d+)_\d+\.distcp$")
+
+
+def rank_of_file(rel: str) -> int | None:
+    """The rank a checkpoint file belongs to, by its name (None: a file every rank may read)."""
+    m = _RANK_FILE.search(rel.rsplit("/", 1)[-1])
+    return None if m is None else int(m.group(1) if m.group(1) is not None else m.group(2))
+
+
+def incomplete_reason(path: Path, *, rank: int | None = None) -> str | None:
     """Why the step directory ``path`` is not a complete checkpoint (None: it is). Complete means
     COMPLETE is there, no CORRUPT marker (a load found a file unlike its checksum) and, when
     COMPLETE has a manifest, every file it names is there at its size. (A COMPLETE without a
     manifest, as older lmtrain wrote, is trusted as it is.) Sizes only: checksums are verified
-    where the files are read (:func:`verify`)."""
+    where the files are read (:func:`verify`). With ``rank``: as that rank sees it, the other ranks'
+    own files left out (each rank looks at the files it reads: at R ranks, R stats each, not R x R;
+    rank 0 chose the checkpoint having looked at every one, docs/scale.md)."""
     marker = path / COMPLETE_NAME
     try:
         text = marker.read_text()
@@ -87,6 +100,8 @@ def incomplete_reason(path: Path) -> str | None:
     if not isinstance(files, dict):
         return None
     for rel, size in files.items():
+        if rank is not None and (owner := rank_of_file(rel)) is not None and owner != rank:
+            continue
         try:
             actual = (path / rel).stat().st_size
         except OSError:
@@ -224,9 +239,9 @@ def mark_corrupt(path: Path, problems: list[str]) -> None:
     write_private(path / CORRUPT_NAME, text)
 
 
-def is_complete(path: Path) -> bool:
-    """:func:`incomplete_reason` finds nothing wrong with ``path``."""
-    return incomplete_reason(path) is None
+def is_complete(path: Path, *, rank: int | None = None) -> bool:
+    """:func:`incomplete_reason` finds nothing wrong with ``path`` (as ``rank`` sees it)."""
+    return incomplete_reason(path, rank=rank) is None
 
 
 @dataclass(frozen=True)

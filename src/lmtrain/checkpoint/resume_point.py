@@ -73,7 +73,7 @@ def resume_point(plan: Any, env: Any, attempt: int, ckpt: CompleteCheckpoint,
         rejected.append(f"{ckpt.path.name}: {verdict['reason']}")
         if verdict["next"] is None:
             raise CheckpointError("no usable checkpoint: every one failed its checksums (" + "; ".join(rejected) + ")")
-        following = agreed_checkpoint(plan.paths.checkpoint_dir, verdict["next"])  # rank 0 marked the bad one
+        following = agreed_checkpoint(plan.paths.checkpoint_dir, verdict["next"], rank=env.rank)  # rank 0 marked the bad one
         assert following is not None
         ckpt = following
     raise AssertionError("unreachable")
@@ -124,11 +124,13 @@ def _wait(path: Path, wait_s: float) -> dict[str, Any]:
             time.sleep(0.2)
 
 
-def agreed_checkpoint(ckpt_dir: str | Path, name: str | None, *, wait_s: float = 60.0) -> CompleteCheckpoint | None:
+def agreed_checkpoint(ckpt_dir: str | Path, name: str | None, *, wait_s: float = 60.0,
+                      rank: int | None = None) -> CompleteCheckpoint | None:
     """The checkpoint rank 0 chose to resume from (published in the rendezvous), as this rank
     sees it. Every rank resumes from the same step whatever its own listing of a shared
     filesystem says at this instant (a newer checkpoint that appears, or attribute caches that
-    lag). Waits up to ``wait_s`` for it to look complete here; CheckpointError if it never does."""
+    lag). Waits up to ``wait_s`` for it to look complete here (``rank``: the files this rank reads, not
+    the other ranks' own); CheckpointError if it never does."""
     if name is None:
         return None
     m = STEP_RE.fullmatch(name)
@@ -136,7 +138,7 @@ def agreed_checkpoint(ckpt_dir: str | Path, name: str | None, *, wait_s: float =
         raise CheckpointError(f"rank 0 published '{name}' as the checkpoint to resume: not a step-<S> directory name")
     path = Path(ckpt_dir) / name
     deadline = time.monotonic() + wait_s
-    while not is_complete(path):
+    while not is_complete(path, rank=rank):
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"rank 0 resumes from {path}, but this node does not see it complete after {wait_s:.0f} s: "

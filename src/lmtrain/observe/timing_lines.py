@@ -36,15 +36,20 @@ class TimingLines:
         self.after_write, self.on_close = after_write, on_close  # rank 0: its straggler watch's poke and stop
         self._fd: int | None = None
 
+    def open(self) -> None:
+        """Open (and create) the node's file now rather than at the first line."""
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
     def write(self, step: int, *, steps: int, micro_batches: int, totals: dict[str, float], wall_s: float) -> None:
         line = {"step": step, "steps": steps, "micro_batches": micro_batches, "rank": self.rank,
                 "node": self.node, "t": round(time.time(), 3),
                 **{f"{part}_s": round(totals.get(part, 0.0), 6) for part in PARTS},
                 "wall_s": round(wall_s, 6)}
         try:
-            if self._fd is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.open()
+            assert self._fd is not None
             os.write(self._fd, (json.dumps(line) + "\n").encode())  # one write: the node's other ranks append too
         except OSError as exc:  # timing never costs the run
             log.warning("could not write this rank's step timing to %s: %s", self.path, exc)

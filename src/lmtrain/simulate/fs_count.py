@@ -2,8 +2,9 @@
 
 Python-level and LD_PRELOAD-free: an audit hook (PEP 578) sees every ``open`` (the builtin's and
 ``os.open``), ``os.mkdir``, ``os.rename``/``os.replace``, ``os.remove``/``os.unlink``, ``os.rmdir``,
-``os.listdir`` and ``os.scandir``; ``os.stat`` and ``os.lstat``, which raise no audit event, are
-wrapped (pathlib and os.path look them up at each call). Only paths under the run directory count.
+``os.listdir`` and ``os.scandir``; ``stat`` and ``lstat``, which raise no audit event, are wrapped in
+``os`` and ``posix`` (pathlib, os.path and importlib look them up at each call: an import's stats of
+the run's code snapshot count). Only paths under the run directory count.
 The phase is what the rank is doing (:data:`PHASES`); the harness's step loop moves it. At exit each
 process writes ``<counts_dir>/<job>-<rank>-<pid>.json`` (``simulate.counts_dir``, outside the run
 directory, so the counts never count themselves): ``{"rank", "node", "job", "pid", "phases": {phase:
@@ -106,6 +107,8 @@ def install(run_dir: str | Path, counts_dir: str | Path, who: dict[str, Any]) ->
     counts = _COUNTS = _Counts()
     counts.root, counts.out, counts.who = os.path.abspath(run_dir), Path(counts_dir), dict(who)
     sys.addaudithook(counts.hook)
+    import posix  # importlib's stats call posix.stat, not os.stat
+
     for name in ("stat", "lstat"):
         real = getattr(os, name)
 
@@ -114,6 +117,7 @@ def install(run_dir: str | Path, counts_dir: str | Path, who: dict[str, Any]) ->
             return _real(path, *args, **kwargs)
 
         setattr(os, name, counted)
+        setattr(posix, name, counted)
     os.register_at_fork(after_in_child=counts.reset)
     atexit.register(counts.write)
 

@@ -66,7 +66,7 @@ def _resume(plan: Any, env: Any, attempt: int, resume: str | None, ctl: Preempti
     each rank its share), and this rank's shard read back; None: a fresh start."""
     from lmtrain.checkpoint.resume_point import agreed_checkpoint, resume_point
 
-    ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, resume)
+    ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, resume, rank=env.rank)
     if ckpt is None:
         return None
     ckpt = resume_point(plan, env, attempt, ckpt)
@@ -99,8 +99,10 @@ class _Loop:
         t = self.plan.trainer
         max_steps, every_log = t.max_steps, t.log_every_n_steps
         every_ckpt, agree = self.job.checkpoint.every_n_steps, max(1, self.plan.preemption.agree_every_n_steps)
+        self.timing.open()  # before the first step: a logging step's operations are the steady ones
         interval_began, interval_from, busy = time.perf_counter(), self.step, 0.0
         fs_count.phase("step")
+        first = True
         while self.step < max_steps:
             t0 = time.perf_counter()
             time.sleep(self.sim.step_s)
@@ -124,6 +126,9 @@ class _Loop:
                 fs_count.phase("checkpoint")
                 shards.save(self.star, self.plan, self.env, self.step, size=self.sim.shard_bytes, identity=self.identity)
             fs_count.step_done("log_step" if logging_step else "step")
+            if first:
+                fs_count.note(cpu_to_first_step_s=round(time.process_time(), 3))  # this process's CPU until its first step
+                first = False
             fs_count.phase("step")
         return Outcome(reason="completed", end_step=self.step)
 

@@ -72,7 +72,7 @@ def _resume_point(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | No
     from lmtrain.checkpoint.resume_point import agreed_checkpoint, resume_point
 
     try:
-        ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, resume)
+        ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, resume, rank=env.rank)
     except CheckpointError as exc:
         ctl.signals.restore()
         raise RuntimeError(f"rank {env.rank}: {exc}") from None
