@@ -105,6 +105,13 @@ def _restart_cpu(counts: Counts) -> float | None:
     return round(statistics.median(got), 3) if got else None
 
 
+def _watch_per_look(counts: Counts) -> float | None:
+    """Rank 0's straggler watch: its reads of the nodes' timing files per look (a look per logging step)."""
+    reads = counts.total("thread lmtrain-straggler-watch", "open_read")
+    looks = sum(int((p.get("steps") or {}).get("log_step", 0)) for p in counts.processes if str(p.get("rank")) == "0")
+    return round(reads / looks, 2) if looks else None
+
+
 def _median_s(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -159,7 +166,8 @@ def one(root: Path, ranks: int, nodes: int, args: argparse.Namespace, cluster_en
         "ops_by_phase": counts.by_phase(),
         "ops_per_rank_step": round(counts.total("step") / steps, 4) if steps else None,
         "ops_per_rank_log_step": round(counts.total("log_step") / log_steps, 4) if log_steps else None,
-        "agent_ops_per_node_per_s": round(counts.total("agent") / wall / nodes, 3),
+        "watch_opens_per_look": _watch_per_look(counts),
+        "agent_ops_per_node_per_s": round(counts.total("agent_wait") / wall / nodes, 3),
         "run_wall_s": round(wall, 1),
         "restart_in_place_s": round(first[2] - float(ends[0]["time"]), 2),
         "restart_exchange_s": _exchange_s(run_dir, float(ends[0]["time"])),
@@ -181,7 +189,8 @@ def laws(rows: list[dict]) -> dict[str, dict]:
         figures[f"files {kind}"] = [r["files_by_kind"].get(kind, 0) for r in rows]
     for phase in sorted({p for r in rows for p in r["ops_by_phase"]}):
         figures[f"ops {phase}"] = [sum(r["ops_by_phase"].get(phase, {}).values()) for r in rows]
-    for key in ("ops_per_rank_step", "ops_per_rank_log_step", "agent_ops_per_node_per_s", "restart_in_place_s",
+    for key in ("ops_per_rank_step", "ops_per_rank_log_step", "watch_opens_per_look", "agent_ops_per_node_per_s",
+                "restart_in_place_s",
                 "restart_exchange_s", "restart_cpu_s_per_rank",
                 "status_s", "history_s", "exporter_s"):
         figures[key] = [r[key] or 0.0 for r in rows]

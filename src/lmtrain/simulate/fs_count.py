@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 FRAMEWORKS = frozenset({"torch", "lightning", "transformers", "deepspeed"})  # what a harness rank must not import
-PHASES = ("start", "step", "log_step", "checkpoint", "stop", "end", "agent")
+PHASES = ("start", "step", "log_step", "checkpoint", "stop", "end", "agent", "agent_wait",
+          "thread lmtrain-straggler-watch")  # and any other thread's, by its name
 _EVENTS = {
     "open": "open", "os.mkdir": "mkdir", "os.rename": "rename", "os.replace": "rename", "os.remove": "remove",
     "os.unlink": "remove", "os.rmdir": "rmdir", "os.listdir": "listdir", "os.scandir": "listdir",
@@ -64,8 +65,11 @@ class _Counts:
         except (TypeError, ValueError):
             return
         if text.startswith(self.root):
-            self.ops.setdefault(self.phase, Counter())[op] += 1
-            self.paths.setdefault(self.phase, Counter())[f"{op} {path_kind(text[len(self.root):])}"] += 1
+            # another thread's (rank 0's straggler watch) under its own name, not the step it runs beside
+            thread = threading.current_thread()
+            phase = self.phase if thread is threading.main_thread() else f"thread {thread.name}"
+            self.ops.setdefault(phase, Counter())[op] += 1
+            self.paths.setdefault(phase, Counter())[f"{op} {path_kind(text[len(self.root):])}"] += 1
 
     def hook(self, event: str, args: tuple[Any, ...]) -> None:
         op = _EVENTS.get(event)

@@ -71,7 +71,7 @@ class Counts:
     def by_phase(self) -> dict[str, dict[str, int]]:
         """Every phase's operations, summed over the processes (agents included)."""
         out: dict[str, dict[str, int]] = {}
-        for phase in PHASES:
+        for phase in [*PHASES, *sorted({p for q in self.processes for p in q.get("phases") or {}} - set(PHASES))]:
             row = {op: self.total(phase, op) for op in OPS}
             if any(row.values()):
                 out[phase] = row

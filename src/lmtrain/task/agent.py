@@ -140,6 +140,9 @@ class TaskAgent:
         True in a training process (the caller trains) and where forking is unsafe (CUDA started)."""
         if not self._preload():
             return True
+        from lmtrain.simulate import fs_count
+
+        fs_count.phase("agent_wait")  # the scale harness's counters: what an agent does while its ranks train
         for signum in self.kept.signums:
             signal.signal(signum, self._on_signal)
         while True:
