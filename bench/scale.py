@@ -105,6 +105,18 @@ def _restart_cpu(counts: Counts) -> float | None:
     return round(statistics.median(got), 3) if got else None
 
 
+IMPORT_KINDS = ("code/*", ".")  # the code snapshot's modules, and the task's directory as sys.path's ''
+
+
+def _imports(counts: Counts, phase: str) -> int:
+    return sum(n for k, n in counts.paths(phase).items() if k.split(" ", 1)[1] in IMPORT_KINDS)
+
+
+def _not_imports(counts: Counts, phase: str) -> int:
+    """A phase's operations but Python's imports (an agent's lazy imports come once, at its first restart)."""
+    return counts.total(phase) - _imports(counts, phase)
+
+
 def _watch_per_look(counts: Counts) -> float | None:
     """Rank 0's straggler watch: its reads of the nodes' timing files per look (a look per logging step)."""
     reads = counts.total("thread lmtrain-straggler-watch", "open_read")
@@ -167,7 +179,8 @@ def one(root: Path, ranks: int, nodes: int, args: argparse.Namespace, cluster_en
         "ops_per_rank_step": round(counts.total("step") / steps, 4) if steps else None,
         "ops_per_rank_log_step": round(counts.total("log_step") / log_steps, 4) if log_steps else None,
         "watch_opens_per_look": _watch_per_look(counts),
-        "agent_ops_per_node_per_s": round(counts.total("agent_wait") / wall / nodes, 3),
+        "agent_ops_per_node_per_s": round(_not_imports(counts, "agent_wait") / wall / nodes, 3),
+        "imports_per_process": round(sum(_imports(counts, ph) for ph in ("start", "agent")) / len(counts.processes), 1),
         "run_wall_s": round(wall, 1),
         "restart_in_place_s": round(first[2] - float(ends[0]["time"]), 2),
         "restart_exchange_s": _exchange_s(run_dir, float(ends[0]["time"])),
@@ -190,6 +203,7 @@ def laws(rows: list[dict]) -> dict[str, dict]:
     for phase in sorted({p for r in rows for p in r["ops_by_phase"]}):
         figures[f"ops {phase}"] = [sum(r["ops_by_phase"].get(phase, {}).values()) for r in rows]
     for key in ("ops_per_rank_step", "ops_per_rank_log_step", "watch_opens_per_look", "agent_ops_per_node_per_s",
+                "imports_per_process",
                 "restart_in_place_s",
                 "restart_exchange_s", "restart_cpu_s_per_rank",
                 "status_s", "history_s", "exporter_s"):
