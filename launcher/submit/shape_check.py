@@ -35,6 +35,8 @@ def judge(plan: LaunchPlan, text: str) -> None:
     if plan.evaluator:
         _check_heterogeneous_job(plan, text)
         return
+    if slurm.rest_client() is not None:  # through slurmrestd: its controller judges the job when it is submitted
+        return
     try:
         ok, message = slurm.test_only("sbatch", [], script=text)
     except Exception:  # the controller did not answer in time: sbatch itself will say

@@ -72,14 +72,15 @@ def rank_of_file(rel: str) -> int | None:
     return None if m is None else int(m.group(1) if m.group(1) is not None else m.group(2))
 
 
-def incomplete_reason(path: Path, *, rank: int | None = None) -> str | None:
+def incomplete_reason(path: Path, *, rank: int | None = None, files: bool = True) -> str | None:
     """Why the step directory ``path`` is not a complete checkpoint (None: it is). Complete means
     COMPLETE is there, no CORRUPT marker (a load found a file unlike its checksum) and, when
     COMPLETE has a manifest, every file it names is there at its size. (A COMPLETE without a
     manifest, as older lmtrain wrote, is trusted as it is.) Sizes only: checksums are verified
     where the files are read (:func:`verify`). With ``rank``: as that rank sees it, the other ranks'
     own files left out (each rank looks at the files it reads: at R ranks, R stats each, not R x R;
-    rank 0 chose the checkpoint having looked at every one, docs/scale.md)."""
+    rank 0 chose the checkpoint having looked at every one, docs/scale.md). ``files=False``: the
+    markers only, no file of the manifest stat'ed (what `status` shows, at any number of ranks)."""
     marker = path / COMPLETE_NAME
     try:
         text = marker.read_text()
@@ -93,6 +94,8 @@ def incomplete_reason(path: Path, *, rank: int | None = None) -> str | None:
         corrupt = {"reason": f"{CORRUPT_NAME} marker is unreadable"}
     if corrupt is not None:
         return f"its files failed their checksums: {corrupt.get('reason', '?')}"
+    if not files:
+        return None
     try:
         files = json.loads(text).get("files")
     except (json.JSONDecodeError, AttributeError):
@@ -320,9 +323,20 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[CompleteCheckpoint]:
     return found
 
 
-def newest_complete(ckpt_dir: str | Path) -> CompleteCheckpoint | None:
-    found = complete_checkpoints(ckpt_dir)
-    return found[-1] if found else None
+def newest_complete(ckpt_dir: str | Path, *, files: bool = True) -> CompleteCheckpoint | None:
+    """The newest complete checkpoint, looking from the newest step down and stopping at the first
+    complete one (older ones are not looked at). ``files=False``: by its markers only
+    (:func:`incomplete_reason`)."""
+    root = Path(ckpt_dir)
+    try:
+        steps = sorted(((int(m.group(1)), child) for child in root.iterdir() if (m := STEP_RE.fullmatch(child.name))),
+                       key=lambda pair: -pair[0])
+    except OSError:
+        return None
+    for step, child in steps:
+        if child.is_dir() and incomplete_reason(child, files=files) is None:
+            return CompleteCheckpoint(step=step, path=child)
+    return None
 
 
 def describe_choice(ckpt_dir: str | Path, chosen: CompleteCheckpoint | None = None, *,

@@ -102,6 +102,15 @@ def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted
     assert counts.ranks_of(attempt=2) == counts.ranks_of(attempt=3) == set(range(RANKS))
     assert counts.ranks_of(role="agent") == set(range(RANKS))
     assert not {m for p in counts.processes for m in p.get("frameworks") or []}, "a harness rank imported a framework"
+    # one agent per node looks at rank 0's verdict on the shared filesystem (lmtrain.distributed.node_share):
+    # the others read their node's copy, but at most a look or two before their leader made the directory
+    def verdict_reads(p: dict) -> int:
+        return sum(n for k, n in ((p.get("paths") or {}).get("agent_wait") or {}).items()
+                   if k.startswith("open_read rendezvous/") and k.endswith(".next"))
+    agents = [p for p in counts.processes if p.get("role") == "agent"]
+    leaders = [verdict_reads(p) for p in agents if int(p["rank"]) % TASKS == 0]
+    others = [verdict_reads(p) for p in agents if int(p["rank"]) % TASKS]
+    assert len(others) == RANKS - NODES and sum(others) <= 2 * len(others) < sum(leaders), (others, leaders)
     # the ranks' timing lines, one file per node holding its 4 ranks' lines, and the final checkpoint
     for attempt in (2, 3):
         logs = run_dir / "logs" / f"attempt-{attempt}"

@@ -54,10 +54,11 @@ def train(plan: Any, env: Any, attempt: int, resume: str | None, *, addr: str, p
     try:
         outcome = loop.run()
     except BaseException as exc:
+        fs_count.phase("end")  # its last words are the end's, not the step's it failed in
         outcome = ctl.failed(exc, loop.step, records)
     finally:
+        fs_count.phase("end")  # the straggler watch's last look, as the timing closes, included
         loop.close()
-    fs_count.phase("end")
     return end_attempt(ctl, records, None, ctl.settle(outcome, start_step))
 
 

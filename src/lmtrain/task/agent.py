@@ -143,6 +143,7 @@ class TaskAgent:
         from lmtrain.simulate import fs_count
 
         fs_count.phase("agent_wait")  # the scale harness's counters: what an agent does while its ranks train
+        self.verdicts.begin()
         for signum in self.kept.signums:
             signal.signal(signum, self._on_signal)
         while True:

@@ -27,6 +27,16 @@ class Verdicts:
         self.s, self.layout, self.key = settings, layout, key
         self.seen: dict[str, float] = {}  # a node leader's look: the shared files' mtimes it copied
 
+    def begin(self) -> None:
+        """A node leader, before its first training process: the node's directory made, so that its
+        node's agents read the copies there from the start (without it they read the shared file)."""
+        share = self.s.share
+        if share is not None and share.leader:
+            try:
+                share.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError:
+                pass  # the node's agents then read the shared files themselves
+
     def look(self) -> None:
         """A node leader, once a POLL_S while its training process runs: the profile request copied
         for its node (one stat of the shared file)."""
