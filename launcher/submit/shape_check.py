@@ -1,17 +1,28 @@
-"""Before a job is queued: whether the cluster can ever run it (``sbatch --test-only`` on its script).
+"""Before a job is queued: whether the cluster can ever run it.
 
-SLURM queues a job that asks for more nodes than its partition holds, or more CPUs or GPUs on a node
-than any node has, and leaves it pending for ever (``PartitionConfig``, ``Resources``). At scale that
-is an easy mistake (``resources.nodes: 512`` on a partition of 256; ``tasks_per_node: 8`` x
-``cpus_per_task: 16`` on 96-CPU nodes). The controller judges the job's exact script first; a shape it
-says no node configuration can hold is refused with SLURM's words and the job's shape, nothing queued.
-Any other answer (a busy controller, a timeout, a start in the future) leaves the decision to sbatch.
+SLURM queues a job that asks for more nodes than its partition holds, or more CPUs on a node than
+any node has, and leaves it pending for ever (``PartitionConfig``). At scale that is an easy mistake
+(``resources.nodes: 512`` on a partition of 256; ``tasks_per_node: 8`` x ``cpus_per_task: 16`` on
+96-CPU nodes).
+
+The partition's nodes and their CPUs come from one ``sinfo``, kept ``FACTS_TTL_S`` in the lmlaunch
+home's cache (one submission after another asks nothing more of the controller:
+tests/integration/test_load_status.py). A shape they cannot hold is asked again of fresh facts and
+then of the controller itself (``sbatch --test-only`` on the job's exact script). Only a shape the
+controller also refuses is refused, with SLURM's words, the shape and the partition's facts;
+nothing is queued. Any other answer (a busy controller, a timeout) leaves the decision to sbatch.
 
 A run with an evaluator alongside is one heterogeneous job: every refusal of it names eval.alongside.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from typing import Any
+
+from launcher.runs.home import lmlaunch_home
 from lmcore import rundir
 from lmcore.errors import UserError
 from lmcore.plan import LaunchPlan
@@ -37,19 +48,68 @@ def judge(plan: LaunchPlan, text: str) -> None:
         return
     if slurm.rest_client() is not None:  # through slurmrestd: its controller judges the job when it is submitted
         return
+    p = plan.slurm
+    if _fits(p, _facts(p.partition, fresh=False)) or _fits(p, _facts(p.partition, fresh=True)):
+        return
     try:
         ok, message = slurm.test_only("sbatch", [], script=text)
     except Exception:  # the controller did not answer in time: sbatch itself will say
         return
     if ok or not any(words in message for words in IMPOSSIBLE):
         return
-    p = plan.slurm
+    facts = _facts(p.partition, fresh=False) or {}
     raise UserError(
         f"resources: the cluster cannot run this job as asked (sbatch --test-only: {message}): "
         f"nodes({p.nodes}) x tasks_per_node({p.ntasks_per_node}) x cpus_per_task({p.cpus_per_task})"
-        f"{f', gpus_per_node({p.gpus_per_node})' if p.gpus_per_node else ''} on partition "
-        f"'{plan.slurm.partition}'. `sinfo -p {plan.slurm.partition} -o '%D %c %G'` shows its nodes, their CPUs "
-        "and GPUs; nothing was submitted", exit_code=2)
+        f"{f', gpus_per_node({p.gpus_per_node})' if p.gpus_per_node else ''} on partition '{p.partition}', "
+        f"which has {len(facts.get('cpus') or [])} node(s) of {_cpus_text(facts)} CPUs. "
+        f"`sinfo -p {p.partition} -o '%D %c %G'` shows its nodes; nothing was submitted", exit_code=2)
+
+
+FACTS_TTL_S = 600.0
+
+
+def _fits(p: Any, facts: dict[str, Any] | None) -> bool:
+    """Whether ``nodes`` nodes of the partition each hold ``tasks_per_node x cpus_per_task`` CPUs
+    (None facts: unknown, taken as fitting)."""
+    if facts is None:
+        return True
+    need = p.ntasks_per_node * p.cpus_per_task
+    return sum(1 for cpus in facts["cpus"] if cpus >= need) >= p.nodes
+
+
+def _cpus_text(facts: dict[str, Any]) -> str:
+    cpus = sorted(set(facts.get("cpus") or []))
+    return "?" if not cpus else str(cpus[0]) if len(cpus) == 1 else f"{cpus[0]}-{cpus[-1]}"
+
+
+def _facts(partition: str, *, fresh: bool) -> dict[str, Any] | None:
+    """The partition's nodes' CPUs (``{"cpus": [...]}``), from the cache unless ``fresh`` or stale;
+    None when SLURM did not say."""
+    path = lmlaunch_home(None) / "cache" / "partition-facts.json"
+    key = f"{os.environ.get('SLURM_CONF', '')}|{partition}"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key) if isinstance(cached, dict) else None
+    if not fresh and isinstance(entry, dict) and time.time() - float(entry.get("time", 0)) < FACTS_TTL_S:
+        return entry
+    try:
+        cpus = [n.cpus for n in slurm.nodes() if partition in n.partitions]
+    except Exception:  # sinfo failed: nothing judged here
+        return None
+    if not cpus:
+        return None
+    entry = {"time": time.time(), "cpus": cpus}
+    try:
+        from lmcore.atomic import write_atomic
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({**(cached if isinstance(cached, dict) else {}), key: entry}))
+    except OSError:
+        pass  # asked again next time
+    return entry
 
 
 def _check_heterogeneous_job(plan: LaunchPlan, text: str) -> None:
