@@ -101,9 +101,11 @@ def test_100_fast_submissions_then_status_of_1000_runs_calls_slurm_at_most_twice
         per_submit = _calls(log)
         print(f"\n{SUBMITTED} submissions in {submit_s:.1f} s ({SUBMITTED / submit_s:.1f}/s), "
               f"{len(per_submit)} SLURM calls")
-        # every submission: one controller ping (scontrol) and one sbatch, nothing per existing run
+        # every submission: one controller ping (scontrol) and one sbatch, nothing per existing run; and one
+        # sinfo for them all (the partition's facts the shape check keeps: launcher/submit/shape_check.py)
         assert sum(c.startswith("sbatch ") for c in per_submit) == SUBMITTED
-        assert len(per_submit) == 2 * SUBMITTED, per_submit[:6]
+        sinfo = sum(c.startswith("sinfo ") for c in per_submit)
+        assert sinfo == 1 and len(per_submit) == 2 * SUBMITTED + sinfo, per_submit[:6]
         held = slurm.squeue(ids)
         assert len(held) == SUBMITTED and {j.state for j in held} == {"PENDING"}
         assert len(set(ids)) == SUBMITTED
