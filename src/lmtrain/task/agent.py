@@ -11,7 +11,10 @@ forks the training process from itself. When the ranks' training processes end:
   in a job SLURM is not preempting, it proposes to the others: ``restart`` in its verdict file
   (``rendezvous/<key>.next``). Every other agent ends its training process if it still runs (a
   rank stuck in a collective would hold the restart up to the collective timeout) and says it is
-  ready (``rendezvous/<key>.ready/<rank>``). With all of them ready, rank 0's agent removes the
+  ready: in its node's directory in ``/dev/shm``, whose leader (SLURM local rank 0), once its whole
+  node is, writes one file for the node (``rendezvous/<key>.ready/node-<N>``; lmtrain.task.verdicts,
+  lmtrain.distributed.node_share; ``ready/<rank>`` where a node's tasks share no ``/dev/shm``). The
+  leader also reads the verdict for its node. With all of them ready, rank 0's agent removes the
   request and writes ``fork``; anything else (another decision, an agent that never answers
   because its node is gone) writes ``exit``;
 - every agent acts on that word: ``fork`` forks a new training process in the same step (the
