@@ -124,6 +124,10 @@ def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted
     assert sorted(manifest["files"]) == sorted(["meta.json", *(f"shard-rank-{r}.bin" for r in range(RANKS))])
     assert json.loads((final / "meta.json").read_text())["world_size"] == RANKS
 
+    # the nodes' directories in /dev/shm: the requeued run's leaders removed the earlier run's (killed with
+    # its step), and their own at the end
+    assert not list(Path("/dev/shm").glob(f"lmlaunch-{os.getuid()}-{job}-b*")), sorted(Path("/dev/shm").iterdir())
+
     # what the user reads
     row = json.loads(status)[0] if status.lstrip().startswith("[") else json.loads(status)
     assert "COMPLETED" in json.dumps(row), status

@@ -4,6 +4,7 @@ share and per-node timing files that real ranks use too."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -171,11 +172,11 @@ def test_the_node_share_is_srun_s_node_and_one_stat_a_look_copies_a_changed_file
     env = {"SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURMD_NODENAME": "gpu-7", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3",
            "LMLAUNCH_NODE_LOCAL": str(tmp_path / "shm")}
     assert tasks_on_node(env, 2) == 3 and tasks_on_node(env, 0) == 4 and tasks_on_node({}, 0) is None
-    share = NodeShare.of_task(env, "81", "b7")
+    share = NodeShare.of_task(env, "81", "1795-77")
     assert share is not None and not share.leader and share.node_tasks == 3 and share.dir.parent == tmp_path / "shm"
     assert NodeShare.of_task({}, "81", "b7") is None  # not a SLURM task: every agent looks itself
     assert shares_dev_shm(None) and shares_dev_shm("podman") and not shares_dev_shm("pyxis")
-    leader = NodeShare(share.dir, 0, 2, 3)
+    leader = dataclasses.replace(share, local_rank=0)
     shared, seen = tmp_path / "profile-request.json", {}
     leader.copy_if_changed(shared, shared.name, seen)
     assert not leader.dir.exists()  # nothing to copy yet
@@ -194,6 +195,14 @@ def test_the_node_share_is_srun_s_node_and_one_stat_a_look_copies_a_changed_file
     (ready / "node-2").write_text("3\n")
     (ready / "node-3").write_text("")  # being written
     assert ready_ranks(ready) == 7
+    # a leader's start: this job's directories of earlier runs of the batch script on this node go (a requeue
+    # kills the step before its leader removes its own); another node's, another job's stay
+    uid, shm = os.getuid(), tmp_path / "shm"
+    names = [f"lmlaunch-{uid}-81-b1-2-gpu-7", f"lmlaunch-{uid}-81-b1-2-gpu-17", f"lmlaunch-{uid}-810-b1-2-gpu-7"]
+    for name in names:
+        (shm / name).mkdir()
+    assert [p.name for p in leader.remove_earlier()] == [names[0]]
+    assert sorted(p.name for p in shm.iterdir()) == sorted([share.dir.name, *names[1:]])
     os.environ.pop("LMLAUNCH_NODE_SHARE", None)
     assert local_copy(shared) == shared
     os.environ["LMLAUNCH_NODE_SHARE"] = str(share.dir)

@@ -58,6 +58,8 @@ class NodeShare:
     local_rank: int
     node_rank: int
     node_tasks: int
+    job_prefix: str = ""  # the directory's name up to its batch mark: this job's on this host
+    node_suffix: str = ""  # and from the node's name on
 
     @property
     def leader(self) -> bool:
@@ -74,8 +76,8 @@ class NodeShare:
         name = environ.get("SLURMD_NODENAME") or ""
         if tasks is None or not name:
             return None
-        base = Path(environ.get(NODE_LOCAL_VAR) or "/dev/shm")
-        return cls(base / f"lmlaunch-{os.getuid()}-{job_id}-b{batch or 0}-{name}", local, node, tasks)
+        base, prefix = Path(environ.get(NODE_LOCAL_VAR) or "/dev/shm"), f"lmlaunch-{os.getuid()}-{job_id}-b"
+        return cls(base / f"{prefix}{batch or 0}-{name}", local, node, tasks, prefix, f"-{name}")
 
     # -- the leader's copies --------------------------------------------------------------------
     def copy(self, shared: Path, name: str) -> str | None:
@@ -134,6 +136,20 @@ class NodeShare:
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def remove_earlier(self) -> list[Path]:
+        """A leader at its start: this job's directories of earlier runs of its batch script on this
+        node (a requeue or a restart by srun ends a step with SIGKILL, before its leader could remove
+        its own); the ones removed."""
+        prefix, suffix = self.job_prefix, self.node_suffix
+        gone: list[Path] = []
+        if not prefix or not suffix:
+            return gone
+        for old in self.dir.parent.glob(f"{prefix}*"):
+            if old != self.dir and old.name.endswith(suffix) and old.name[len(prefix):-len(suffix)].replace("-", "").isdigit():
+                shutil.rmtree(old, ignore_errors=True)
+                gone.append(old)
+        return gone
 
 
 def node_ready_name(node_rank: int) -> str:

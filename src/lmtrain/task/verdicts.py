@@ -32,6 +32,7 @@ class Verdicts:
         node's agents read the copies there from the start (without it they read the shared file)."""
         share = self.s.share
         if share is not None and share.leader:
+            share.remove_earlier()
             try:
                 share.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             except OSError:
