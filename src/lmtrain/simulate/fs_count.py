@@ -126,11 +126,17 @@ def install(run_dir: str | Path, counts_dir: str | Path, who: dict[str, Any]) ->
     atexit.register(counts.write)
 
 
-def install_from_plan(plan: dict[str, Any], who: dict[str, Any]) -> None:
-    """:func:`install` when the plan's spec asks for counts (``simulate.counts_dir``)."""
+def install_from_plan(plan: dict[str, Any], role: str, phase_now: str, environ: Any = None) -> None:
+    """:func:`install` when the plan's spec asks for counts (``simulate.counts_dir``), this SLURM
+    task (``role``: task or agent) named from its environment; then the phase ``phase_now``."""
     sim = ((plan.get("spec") or {}).get("simulate") or {})
-    if sim.get("counts_dir"):
-        install((plan.get("paths") or {}).get("run_dir") or ".", sim["counts_dir"], who)
+    if not sim.get("counts_dir"):
+        return
+    env = os.environ if environ is None else environ
+    install((plan.get("paths") or {}).get("run_dir") or ".", sim["counts_dir"],
+            {"rank": env.get("SLURM_PROCID"), "job": env.get("SLURM_JOB_ID"), "node": env.get("SLURMD_NODENAME"),
+             "role": role})
+    phase(phase_now)
 
 
 def note(**fields: Any) -> None:

@@ -101,9 +101,7 @@ def settings_here(environ: Mapping[str, str] | None = None) -> AgentSettings | N
         return None  # the task's own start says what is wrong with the run directory
     from lmtrain.simulate import fs_count
 
-    fs_count.install_from_plan(plan, {"rank": env.get("SLURM_PROCID"), "job": env.get("SLURM_JOB_ID"),
-                                      "node": env.get("SLURMD_NODENAME"), "role": "agent"})
-    fs_count.phase("agent")
+    fs_count.install_from_plan(plan, "agent", "agent", env)
     return settings_of(plan, env)
 
 

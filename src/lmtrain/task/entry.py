@@ -63,8 +63,10 @@ def run_task(run_dir: str | Path) -> int:
 
     raw_plan = json.loads(RunLayout.of(run_dir).plan.read_text())
     simulated = bool((raw_plan.get("spec") or {}).get("simulate"))  # the scale harness (lmtrain.simulate): no torch
-    if simulated:
-        _count_fs(raw_plan)
+    if simulated:  # the scale harness's counters, when its spec asks for them
+        from lmtrain.simulate import fs_count
+
+        fs_count.install_from_plan(raw_plan, "task", "start")
     # First of all, before any import that takes time: from here on lmtrain's handlers (record
     # only), not submitit's (tests/unit/test_preemption_signals.py)
     signals = own_signals(raw_plan.get("preemption") or {})
@@ -126,17 +128,6 @@ def _attempt(plan: LaunchPlan, env: TaskEnv, rv: Rendezvous, signals: Any, *, si
 
         leave_process_group()  # before the interpreter's teardown (an abort there fails the job)
     return code
-
-
-def _count_fs(raw_plan: dict[str, Any]) -> None:
-    """The scale harness's counters (lmtrain.simulate.fs_count), when its spec asks for them."""
-    import os
-
-    from lmtrain.simulate import fs_count
-
-    fs_count.install_from_plan(raw_plan, {"rank": os.environ.get("SLURM_PROCID"), "job": os.environ.get("SLURM_JOB_ID"),
-                                          "node": os.environ.get("SLURMD_NODENAME"), "role": "task"})
-    fs_count.phase("start")
 
 
 def _meet(plan: LaunchPlan, *, simulated: bool = False) -> tuple[TaskEnv, Gate, Rendezvous]:
