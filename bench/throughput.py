@@ -273,6 +273,39 @@ def free_memory() -> None:
 
 
 # --------------------------------------------------------------------------- the project path
+class SyncLedger:
+    """The host syncs of a timed window, filed by optimizer step. A step's syncs run from its batch's
+    start to the next batch's start: the module logs, and Lightning's logger reads the logged
+    values, after a callback's ``on_train_batch_end``. So each is filed when the next batch starts
+    (or the window ends) under the step whose batch ended last."""
+
+    def __init__(self) -> None:
+        self._unfiled: list[str] = []
+        self._filed: list[tuple[int | None, str]] = []
+        self._logging_steps: set[int] = set()
+        self._last_end: int | None = None
+
+    def sync(self, where: str) -> None:
+        self._unfiled.append(where)
+
+    def batch_start(self) -> None:
+        self._filed += [(self._last_end, w) for w in self._unfiled]
+        self._unfiled = []
+
+    def batch_end(self, step: int, *, logging: bool) -> None:
+        self._last_end = step
+        if logging:
+            self._logging_steps.add(step)
+
+    def summary(self) -> dict[str, Any]:
+        """Totals, those on non-logging steps, and the Python frames of the most frequent of those."""
+        from collections import Counter
+
+        self.batch_start()
+        off = [w for step, w in self._filed if step not in self._logging_steps]
+        return {"total": len(self._filed), "non_logging_steps": len(off), "where": dict(Counter(off).most_common(6))}
+
+
 def _probe_class():
     import lightning.pytorch as pl
     import torch
@@ -297,20 +330,18 @@ def _probe_class():
             # on each synchronizing call; the logging steps are allowed theirs)
             self.syncs: dict[str, Any] | None = None
             self._catcher: Any = None
-            self._caught: list[Any] = []
+            self._ledger = SyncLedger()
             self._step_now = 0
-            self._logging_steps: set[int] = set()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self._step_now = trainer.global_step + 1
+            self._ledger.batch_start()
 
         def _count_syncs(self, pl_module, on: bool) -> None:
             if pl_module.device.type != "cuda":
                 return
             import traceback
             import warnings
-            from collections import Counter
-            from types import SimpleNamespace
 
             if on:
                 self._catcher = warnings.catch_warnings()
@@ -321,19 +352,15 @@ def _probe_class():
                     # where the Python side stood when the synchronizing op ran: its innermost frames
                     frames = [f for f in traceback.extract_stack(limit=16)[:-1] if "/warnings.py" not in f.filename]
                     where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[::-1][:5])
-                    self._caught.append(SimpleNamespace(message=message, where=where))
+                    if "synchronizing CUDA operation" in str(message):
+                        self._ledger.sync(where)
 
                 warnings.showwarning = seen
-                self._caught.append(None)  # marks where the window began
                 torch.cuda.set_sync_debug_mode("warn")
                 return
             torch.cuda.set_sync_debug_mode(0)
             self._catcher.__exit__(None, None, None)
-            mine = [w for w in self._caught if w is not None and "synchronizing CUDA operation" in str(w.message)]
-            off_logging = [w for w in mine if getattr(w, "lmtrain_step", None) not in self._logging_steps]
-            self.syncs = {"total": len(mine), "non_logging_steps": len(off_logging),
-                          # the Python frames that were running when each non-logging sync happened
-                          "where": dict(Counter(w.where for w in off_logging).most_common(6))}
+            self.syncs = self._ledger.summary()
 
         def _sync(self, pl_module) -> None:
             if pl_module.device.type == "cuda":
@@ -357,11 +384,7 @@ def _probe_class():
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             if self.start is not None and step == self.start + 1 or step == self.end:
                 self._losses.append(loss.detach())
-            for w in self._caught:  # file this step's syncs under it
-                if w is not None and not hasattr(w, "lmtrain_step"):
-                    w.lmtrain_step = step
-            if hasattr(pl_module, "_logs_at") and pl_module._logs_at(step):
-                self._logging_steps.add(step)
+            self._ledger.batch_end(step, logging=hasattr(pl_module, "_logs_at") and pl_module._logs_at(step))
             if step == self.start and self.t0 is None:
                 self._sync(pl_module)
                 self.t0 = time.perf_counter()

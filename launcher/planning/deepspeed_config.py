@@ -63,7 +63,9 @@ def render_deepspeed(spec: JobSpec, *, world_size: int, grad_accum: int) -> dict
     if t.gradient_clip_val is not None:
         config["gradient_clipping"] = t.gradient_clip_val
     if t.precision == "bf16-mixed":
-        config["bf16"] = {"enabled": True}
+        # no step skipped on a non-finite norm, as under DDP and FSDP2 (bf16 has no loss scale):
+        # DeepSpeed's check reads a flag and the norm on the host every step (lmtrain.distributed.zero_syncs)
+        config["bf16"] = {"enabled": True, "check_grad_overflow": False}
     elif t.precision == "16-mixed":
         config["fp16"] = {
             "enabled": True,

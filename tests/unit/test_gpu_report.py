@@ -68,3 +68,27 @@ def test_appends_to_results_and_keeps_the_profiles(tmp_path):
                             "--profiles-to", str(tmp_path / "profiles")]) == 0
     assert results.read_text().startswith("# Results\n\n## GPU: ")
     assert (tmp_path / "profiles" / "top-fsdp.json").is_file()
+
+
+def test_the_sync_ledger_files_a_logging_steps_syncs_under_it_though_they_come_after_the_probes_batch_end():
+    """Lightning runs a callback's on_train_batch_end before the module's, and its logger reads the
+    logged values after both: the H200 run of 0b47bf8 filed the logging step's 12 syncs under the
+    step after it and reported 60 syncs on non-logging steps where there were none."""
+    from throughput import SyncLedger
+
+    ledger = SyncLedger()
+    for step in range(1, 21):  # logging every 10 steps, as the GPT-2 bench does
+        ledger.batch_start()
+        if step == 7:
+            ledger.sync("forward of step 7")  # a real sync on a non-logging step
+        ledger.batch_end(step, logging=step % 10 == 0)  # the probe's hook
+        if step % 10 == 0:  # then the module's hook and Lightning's logger connector
+            ledger.sync("module.py _log_step_metrics")
+            ledger.sync("logger_connector.py to_item")
+    ledger.batch_start()
+    ledger.sync("forward of step 21")
+    ledger.batch_end(21, logging=False)  # the window ends at the probe's hook of its last step
+    summary = ledger.summary()
+    assert summary["total"] == 6
+    assert summary["non_logging_steps"] == 2
+    assert summary["where"] == {"forward of step 7": 1, "forward of step 21": 1}

@@ -113,11 +113,15 @@ def _compiled_on_first_call() -> Callable[[Callable[..., Any]], Callable[..., An
 
 
 class LmDeepSpeedStrategy(DeepSpeedStrategy):
-    """Lightning's DeepSpeedStrategy whose engine starts without compiling Muon's kernels."""
+    """Lightning's DeepSpeedStrategy whose engine starts without compiling Muon's kernels, and
+    whose ZeRO optimizer steps without host syncs (:mod:`lmtrain.distributed.zero_syncs`)."""
 
     def init_deepspeed(self) -> None:
+        from lmtrain.distributed.zero_syncs import without_host_syncs
+
         import_muon_compiled_on_first_use()
         super().init_deepspeed()
+        without_host_syncs(getattr(self.model, "optimizer", None))
 
 
 class CPUDeepSpeedStrategy(LmDeepSpeedStrategy):
