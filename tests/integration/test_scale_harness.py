@@ -97,6 +97,10 @@ def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted
         assert not missing, f"attempt {attempt}: no start line from ranks {missing}"
     verified = [r for r, text in _rank_lines(run_dir, 3).items() if f"step-{stop}: every file matches its checksum" in text]
     assert len(verified) == RANKS, f"ranks that verified their share of step-{stop}: {verified}"
+    # through the node share: a file per node and the verdict on the shared filesystem, none per rank
+    # (lmtrain.checkpoint.verify_exchange)
+    checks = sorted(p.name.split(".verify-", 1)[1] for p in (run_dir / "rendezvous").glob("*.verify-*.json"))
+    assert checks == sorted(["0.json", *(f"0-node-{n}.json" for n in range(NODES))]), checks
     counts = Counts.read(counts_dir)
     assert counts.ranks_of(attempt=1) == set(range(RANKS - 1))  # rank 31 was SIGKILLed: no counts
     assert counts.ranks_of(attempt=2) == counts.ranks_of(attempt=3) == set(range(RANKS))

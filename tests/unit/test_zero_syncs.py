@@ -10,9 +10,9 @@ import pytest
 import torch
 
 deepspeed_zero = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
-from deepspeed.runtime import utils as ds_utils  # noqa: E402
+from deepspeed.runtime import utils as ds_utils
 
-from lmtrain.distributed import zero_syncs  # noqa: E402
+from lmtrain.distributed import zero_syncs
 
 NORMS = [0.5, 3.0, 1e30, float("inf"), float("nan"), -1.0]
 

@@ -7,9 +7,9 @@ rounds, with no process group yet (files in the run's ``rendezvous/`` directory,
 rendezvous itself; ``<key>`` is the rendezvous key and the attempt):
 
 1. every rank hashes its share of the candidate's files (lmcore.checkpoint_index.shares:
-   split by bytes, so the ranks read in parallel) and publishes what it found,
-   ``<key>.verify-<round>-rank-<R>.json``;
-2. rank 0 reads every rank's, and publishes the verdict, ``<key>.verify-<round>.json``. Any file
+   split by bytes, so the ranks read in parallel) and publishes what it found: one file per node
+   where the node's ranks share node memory, else per rank (lmtrain.checkpoint.verify_exchange);
+2. rank 0 reads them all, and publishes the verdict, ``<key>.verify-<round>.json``. Any file
    unlike its checksum makes the candidate incomplete for good (a ``CORRUPT`` marker naming the
    files), a ``checkpoint_rejected`` ledger line says so, and the next round checks the newest
    older complete checkpoint (given its universal form first when the world size needs one);
@@ -22,13 +22,11 @@ A checkpoint written before checksums (a COMPLETE without them) passes as it did
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from lmcore.atomic import write_private
 from lmcore.checkpoint_index import (
     STEP_RE,
     CompleteCheckpoint,
@@ -40,32 +38,31 @@ from lmcore.checkpoint_index import (
 )
 from lmcore.rundir import Ledger, LedgerNote, RunLayout
 from lmtrain.checkpoint.completion import CheckpointError
+from lmtrain.checkpoint.verify_exchange import exchange_for
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 600.0  # for the other ranks' checks (each reads 1/world of the checkpoint)
 
 
-def resume_point(plan: Any, env: Any, attempt: int, ckpt: CompleteCheckpoint,
-                 *, wait_s: float = WAIT_S) -> CompleteCheckpoint:
+def resume_point(plan: Any, env: Any, attempt: int, ckpt: CompleteCheckpoint, *, wait_s: float = WAIT_S,
+                 node: tuple[Path, int] | None = None) -> CompleteCheckpoint:
     """Every rank, the same answer: ``ckpt`` if every file of it is the one written, else the
-    newest older checkpoint that is. CheckpointError when none is."""
+    newest older checkpoint that is. CheckpointError when none is. ``node``: this rank's node share
+    and its node's number of tasks, where the ranks' checks go per node."""
     # the attempt in the name too: a local launch's key can come back (a reused pid), its attempt cannot
     base = RunLayout.of_plan(plan).verify_file(env.rendezvous_key, attempt)
+    exchange = exchange_for(base, env, wait_s, node)
     rejected: list[str] = []
     for round_ in itertools.count():
         t0 = time.perf_counter()
         problems = verify(ckpt.path, shares(ckpt.path, env.world_size)[env.rank])
-        mine = Path(f"{base}-{round_}-rank-{env.rank}.json")
-        write_private(mine, json.dumps({"step": ckpt.step, "problems": problems}))
-        verdict_path = Path(f"{base}-{round_}.json")
+        exchange.publish(round_, {"step": ckpt.step, "problems": problems})
         if env.rank == 0:
-            found = [p for r in range(env.world_size)
-                     for p in _wait(Path(f"{base}-{round_}-rank-{r}.json"), wait_s)["problems"]]
-            verdict = _judge(plan, env, attempt, ckpt, found)
-            write_private(verdict_path, json.dumps(verdict))
+            verdict = _judge(plan, env, attempt, ckpt, exchange.gather(round_))
+            exchange.announce(round_, verdict)
         else:
-            verdict = _wait(verdict_path, wait_s)
+            verdict = exchange.verdict(round_)
         if verdict["ok"]:
             log.info("checkpoint %s: every file matches its checksum (this rank's share in %.2fs)",
                      ckpt.path.name, time.perf_counter() - t0)
@@ -109,19 +106,6 @@ def convert_for_world_size(plan: Any, env: Any, ckpt: CompleteCheckpoint | None)
         except Exception as exc:  # the attempt ends with this reason in the ledger
             log.error("converting %s to a universal checkpoint failed: %s", ckpt.path, exc)
             record_failure(ckpt, f"{type(exc).__name__}: {exc}")
-
-
-def _wait(path: Path, wait_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            data: dict[str, Any] = json.loads(path.read_text())
-            return data
-        except (FileNotFoundError, json.JSONDecodeError):
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"{path.name} did not appear within {wait_s:.0f}s: did every rank start? "
-                                      "(the checkpoint check before resuming)") from None
-            time.sleep(0.2)
 
 
 def agreed_checkpoint(ckpt_dir: str | Path, name: str | None, *, wait_s: float = 60.0,

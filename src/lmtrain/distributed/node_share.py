@@ -171,6 +171,14 @@ def ready_ranks(ready_dir: Path) -> int:
     return total
 
 
+def training_share(environ: Mapping[str, str], node_rank: int) -> tuple[Path, int] | None:
+    """A training process's node share and its node's number of tasks, where its agent keeps one
+    and SLURM says how many tasks the node runs (lmtrain.checkpoint.verify_exchange); else None."""
+    share = environ.get(NODE_SHARE_VAR)
+    tasks = tasks_on_node(environ, node_rank) if share else None
+    return (Path(share), tasks) if share and tasks else None
+
+
 def local_copy(shared: Path) -> Path:
     """What a training process polls for ``shared`` (the profile request): its node's copy when its
     agent keeps one, else the shared file itself."""

@@ -12,13 +12,14 @@ records are written and rank 0 requeues, cancels or restarts in place, as after 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from lmcore.rundir import RunLayout
 from lmtrain import faults
-from lmtrain.distributed.node_share import local_copy
+from lmtrain.distributed.node_share import local_copy, training_share
 from lmtrain.observe.attempt import AttemptRecords, Outcome
 from lmtrain.observe.profile_request import RequestPoll
 from lmtrain.observe.timing_lines import TimingLines
@@ -70,7 +71,7 @@ def _resume(plan: Any, env: Any, attempt: int, resume: str | None, ctl: Preempti
     ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, resume, rank=env.rank)
     if ckpt is None:
         return None
-    ckpt = resume_point(plan, env, attempt, ckpt)
+    ckpt = resume_point(plan, env, attempt, ckpt, node=training_share(os.environ, env.node_rank))
     shards.load(ckpt, env)
     return ckpt
 

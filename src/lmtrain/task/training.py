@@ -70,6 +70,7 @@ def _resume_point(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | No
     rank's own state in it; or, when it cannot resume, the exit code (2, never requeued)."""
     from lmtrain.checkpoint.manager import CheckpointError, check_compatible
     from lmtrain.checkpoint.resume_point import agreed_checkpoint, resume_point
+    from lmtrain.distributed.node_share import training_share
 
     try:
         ckpt = agreed_checkpoint(plan.paths.checkpoint_dir, resume, rank=env.rank)
@@ -79,7 +80,8 @@ def _resume_point(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | No
     if ckpt is None:
         return None, None
     try:
-        ckpt = resume_point(plan, env, attempt, ckpt)  # its files are the ones written
+        # its files are the ones written, the ranks' checks gathered per node where they can be
+        ckpt = resume_point(plan, env, attempt, ckpt, node=training_share(os.environ, env.node_rank))
         check_compatible(ckpt, plan.parallelism.with_world(env.world_size))
     except CheckpointError as exc:
         log.error("cannot resume: %s", exc)
