@@ -48,7 +48,8 @@ HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report
 LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
 PROFILE_REQUEST = "profile-request.json"  # `lmlaunch profile`: the ranks poll it at logging steps (lmtrain.observe.profiling)
 NODE_TIMING = "timing-node-{node}.jsonl"  # logs/attempt-<N>/: the step timing of a node's ranks per logging interval (lmtrain.observe.timing_lines)
-TASK_RECORD = "tasks/{job_id}-{restart_count}/rank-{rank}.json"  # logs/: where a task runs, its pid (lmcore.task_records; lmlaunch stacks)
+TASK_RECORD = "tasks/{job_id}-{restart_count}/node-{node}.jsonl"  # logs/: where a task runs, its pid (lmcore.task_records; lmlaunch stacks)
+TASK_RECORD_OF_A_RANK = "rank-{rank}.json"  # beside them: a record of a run written before the records were per node
 
 
 # --------------------------------------------------------------------------- markers and paths
@@ -261,8 +262,10 @@ class RunLayout:
         logging interval, each appended by its rank (lmtrain.observe.timing_lines): one file per node."""
         return self.attempt_logs(attempt) / NODE_TIMING.format(node=node)
 
-    def task_record(self, job_id: str, restart_count: int, rank: int) -> Path:
-        return self.logs / TASK_RECORD.format(job_id=job_id, restart_count=restart_count, rank=rank)
+    def task_record(self, job_id: str, restart_count: int, node: int) -> Path:
+        """The records of node ``node``'s tasks (SLURM's node index in the step) of one start of a
+        job, a line per task, each appended by its task: one file per node."""
+        return self.logs / TASK_RECORD.format(job_id=job_id, restart_count=restart_count, node=node)
 
     @property
     def task_records(self) -> Path:

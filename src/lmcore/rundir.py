@@ -45,6 +45,7 @@ from lmcore.run_layout import (
     SPEC_YAML as SPEC_YAML,
     SUBMITIT as SUBMITIT,
     TASK_RECORD as TASK_RECORD,
+    TASK_RECORD_OF_A_RANK as TASK_RECORD_OF_A_RANK,
     TENSORBOARD as TENSORBOARD,
     WANDB_ID as WANDB_ID,
     RunLayout as RunLayout,

@@ -3,10 +3,15 @@
 Every task writes its record as its first act (``lmtrain.distributed.task_env.record_this_task``, before the frameworks
 are imported), so a task stuck in its imports or its rendezvous is found too. The records are
 keyed by what SLURM says about the process, its job id and restart count
-(``logs/tasks/<job_id>-<restart_count>/rank-<R>.json``, :data:`lmcore.rundir.TASK_RECORD`),
+(``logs/tasks/<job_id>-<restart_count>/node-<N>.jsonl``, :data:`lmcore.rundir.TASK_RECORD`),
 not by the attempt number, which rank 0 picks only at the rendezvous: the CLI asks squeue for
 the running job's restart count and so reads the records of the processes alive now, never
 those of an earlier attempt of the same job.
+
+One file per node, not per task (docs/scale.md: files created per attempt): each task appends its
+record as one line in one ``O_APPEND`` write. A training process forked again by a restart in
+place appends a newer line for its rank; the newest is the one read. Runs written before keep a
+file per rank (``rank-<R>.json``), read as they are.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcore.atomic import write_json
-from lmcore.rundir import TASK_RECORD, RunLayout
+from lmcore.jsonlines import append_jsonl
+from lmcore.rundir import TASK_RECORD, TASK_RECORD_OF_A_RANK, RunLayout
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # SLURM's 123, 123_4 (arrays); local-<ppid>
 
@@ -64,33 +69,53 @@ class TaskRecord:
         return cls(**{k: d[k] for k in types}, **extra)
 
 
-def task_record_path(run_dir: str | Path, job_id: str, restart_count: int, rank: int) -> Path:
+def task_record_path(run_dir: str | Path, job_id: str, restart_count: int, node: int) -> Path:
     if not _JOB_ID.fullmatch(job_id):
         raise ValueError(f"job id {job_id!r} is not one SLURM gives")
-    return RunLayout.of(run_dir).task_record(job_id, restart_count, rank)
+    return RunLayout.of(run_dir).task_record(job_id, restart_count, node)
 
 
-def write_task_record(run_dir: str | Path, record: TaskRecord) -> Path:
-    """Write ``record`` whole (temporary name, then rename): a reader never sees half of it."""
-    path = task_record_path(run_dir, record.job_id, record.restart_count, record.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, record.to_json())
+def write_task_record(run_dir: str | Path, record: TaskRecord, *, node: int = 0) -> Path:
+    """Append ``record`` to its node's file (``node``: SLURM's node index in the step) as one line in
+    one write: a reader never sees half of it, and the node's tasks never interleave."""
+    path = task_record_path(run_dir, record.job_id, record.restart_count, node)
+    append_jsonl(path, record.to_json())
     return path
 
 
 def read_task_records(run_dir: str | Path, job_id: str, restart_count: int) -> tuple[list[TaskRecord], list[str]]:
-    """The records of one start of ``job_id``, by rank, and a problem line for each file that
-    could not be read (a record is never skipped silently)."""
+    """The records of one start of ``job_id``, by rank (a rank's newest), and a problem line for each
+    line or file that could not be read (a record is never skipped silently)."""
     folder = task_record_path(run_dir, job_id, restart_count, 0).parent
     records: dict[int, TaskRecord] = {}
     problems: list[str] = []
-    for path in sorted(folder.glob(TASK_RECORD.rsplit("/", 1)[1].format(rank="*"))):
+
+    def take(where: str, raw: Any) -> None:
         try:
-            rec = TaskRecord.from_json(json.loads(path.read_text()))
+            rec = TaskRecord.from_json(raw)
+        except ValueError as exc:
+            problems.append(f"{where}: {exc}")
+            return
+        if rec.rank not in records or rec.time >= records[rec.rank].time:
+            records[rec.rank] = rec
+
+    for path in sorted(folder.glob(TASK_RECORD_OF_A_RANK.format(rank="*"))):  # a run of before
+        try:
+            take(str(path), json.loads(path.read_text()))
         except (OSError, ValueError) as exc:
             problems.append(f"{path}: {exc}")
+    for path in sorted(folder.glob(Path(TASK_RECORD).name.format(node="*"))):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError as exc:
+            problems.append(f"{path}: {exc}")
             continue
-        records[rec.rank] = rec
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    take(f"{path}:{n}", json.loads(line))
+                except ValueError as exc:  # a torn line: its task was killed in its write
+                    problems.append(f"{path}:{n}: {exc}")
     return [records[r] for r in sorted(records)], problems
 
 

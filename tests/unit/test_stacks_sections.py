@@ -5,6 +5,7 @@ rank, and the errors. The step on the real cluster: tests/integration/test_stack
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -36,16 +37,27 @@ def _rec(rank: int, node: str, pid: int, python: str = "/venv/bin/python", job: 
 
 
 def test_task_records_round_trip_per_job_start_and_bad_files_are_reported(tmp_path):
-    write_task_record(tmp_path, _rec(1, "n2", 222))
-    write_task_record(tmp_path, _rec(0, "n1", 111))
+    write_task_record(tmp_path, _rec(1, "n2", 222), node=1)
+    write_task_record(tmp_path, _rec(0, "n1", 111), node=0)
+    write_task_record(tmp_path, _rec(2, "n1", 333), node=0)
     write_task_record(tmp_path, _rec(0, "n1", 999, restarts=1))  # the requeued start of the same job
     path = task_record_path(tmp_path, "42", 0, 0)
-    assert path == tmp_path / "logs" / "tasks" / "42-0" / "rank-0.json"
-    (path.parent / "rank-7.json").write_text('{"rank": 7, "pid": "x"}')
+    assert path == tmp_path / "logs" / "tasks" / "42-0" / "node-0.jsonl"
+    # one file per node, a line per task
+    assert sorted(p.name for p in path.parent.iterdir()) == ["node-0.jsonl", "node-1.jsonl"]
+    assert len(path.read_text().splitlines()) == 2
+    # a rank's process forked again by a restart in place: its newer line is the one read
+    write_task_record(tmp_path, dataclasses.replace(_rec(2, "n1", 444), time=2.0), node=0)
+    (path.parent / "rank-7.json").write_text('{"rank": 7, "pid": "x"}')  # a record of a run of before: read too
+    (path.parent / "rank-5.json").write_text(json.dumps(_rec(5, "n3", 555).to_json()))
+    with open(path.parent / "node-1.jsonl", "a") as f:
+        f.write('{"rank": 3, "local_rank": 1, "no')  # a task killed in its write
 
     records, problems = read_task_records(tmp_path, "42", 0)
-    assert [(r.rank, r.node, r.pid) for r in records] == [(0, "n1", 111), (1, "n2", 222)]
-    assert len(problems) == 1 and "rank-7.json" in problems[0] and "pid" in problems[0]
+    assert [(r.rank, r.node, r.pid) for r in records] == [(0, "n1", 111), (1, "n2", 222), (2, "n1", 444), (5, "n3", 555)]
+    assert len(problems) == 2, problems
+    assert "rank-7.json" in problems[0] and "pid" in problems[0]
+    assert "node-1.jsonl:2" in problems[1]
     assert [r.pid for r in read_task_records(tmp_path, "42", 1)[0]] == [999]
     assert read_task_records(tmp_path, "43", 0) == ([], [])
     assert set(recorded_starts(tmp_path)) == {("42", 0), ("42", 1)}

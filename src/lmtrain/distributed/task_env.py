@@ -291,7 +291,7 @@ def record_this_task(run_dir: str | Path, plan: Any = None) -> None:
             rank=env.rank, local_rank=env.local_rank, node=node,
             pid=os.getpid(), job_id=env.job_id, restart_count=env.restart_count, python=sys.executable,
             time=time.time(), **where,
-        ))
+        ), node=env.node_rank)
     except Exception as exc:  # any failure here costs only the stacks command
         logging.getLogger("lmtrain").warning("could not record this task for `lmlaunch stacks`: %s", exc)
 
