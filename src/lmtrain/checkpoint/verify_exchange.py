@@ -98,7 +98,8 @@ class NodeFiles(RankFiles):
 
     def gather(self, round_: int) -> list[str]:
         """Rank 0: the nodes' files, until they count every rank."""
-        prefix, seen = f"{self.base.name}-{round_}-node-", {}
+        prefix = f"{self.base.name}-{round_}-node-"
+        seen: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + self.wait_s
         while sum(n["ranks"] for n in seen.values()) < self.world_size:
             for name in os.listdir(self.base.parent):
