@@ -67,7 +67,7 @@ def project_run(model: str, strategy: str, steps: int, root: Path) -> dict[str, 
     argv = [str(LMLAUNCH), "run", spec, "--local", "--devices", "2", "--max-steps", str(steps), "--name", name,
             "--new", "model.compile=true", *extra, *STRATEGIES[strategy]]
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    logs = sorted((root / name / "logs").rglob("rank-*.out")) + sorted((root / name / "logs").rglob("rank-*.log"))
+    logs = sorted((root / name / "logs").rglob("rank-*.out")) + sorted((root / name / "logs").rglob("node-*.log"))
     text = proc.stdout + proc.stderr + "".join(p.read_text(errors="replace") for p in logs)
     per_rank = {f"rank{r}": dynamo_events("\n".join(line for line in text.splitlines() if f"[rank{r}]" in line))
                 for r in (0, 1)}

@@ -82,7 +82,9 @@ def stop_run(spec: str, extra: tuple[str, ...], work: Path, stop_at: int, name: 
     save = [b for b in read_jsonl(plan.paths.heartbeat) if b.get("event") == "checkpoint"][-1]
     ckpt = Path(save["path"])
     size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
-    logs = Path(plan.paths.logs_dir, "attempt-1", "rank-0.log").read_text()
+    from lmcore.rank_logs import rank_text
+
+    logs = rank_text(Path(plan.paths.logs_dir, "attempt-1"), 0)
     reserved = [line for line in logs.splitlines() if "staging buffers reserved" in line]
     return {"stop_step": end["stop_step"], "held_s": save["blocked_s"], "durable_s": save["seconds"],
             "ledger_held_s": end.get("checkpoint_held_s"), "signal_to_durable_s": end.get("checkpoint_seconds"),

@@ -15,7 +15,7 @@ Figures, from the run's own heartbeat (metrics/heartbeat.jsonl):
 - save: the median ``seconds`` of run 1's checkpoint lines (collective: every rank writes its
   shards; COMPLETE marker included);
 - load: in run 2, from Lightning's "Restoring states from the checkpoint path" to its "Restored
-  all states" (rank 0's log, logs/attempt-2/rank-0.log): reading the checkpoint into model,
+  all states" (rank 0's log, its lines in logs/attempt-2/node-0.log): reading the checkpoint into model,
   optimizer, scheduler and loops (every rank loads its shards at the same time).
 
 Tensor parallelism (``--only tp2,tp2-sp,dp2xtp2``): jobs/tiny-cpu-tp.yaml's tiny Llama as tp2
@@ -102,7 +102,9 @@ def _load_seconds(run_dir: Path) -> float:
     def stamp(line: str) -> float:
         return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
-    lines = (run_dir / "logs" / "attempt-2" / "rank-0.log").read_text().splitlines()
+    from lmcore.rank_logs import rank_text
+
+    lines = rank_text(run_dir / "logs" / "attempt-2", 0).splitlines()
     begin = next(stamp(x) for x in lines if "Restoring states from the checkpoint path" in x and x[:4].isdigit())
     end = next(stamp(x) for x in lines if "Restored all states from the checkpoint" in x and x[:4].isdigit())
     return end - begin

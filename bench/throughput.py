@@ -419,7 +419,7 @@ def run_project_path(run_dir: str | Path, probe) -> None:
     finally:
         fit.Fit.callbacks = own  # type: ignore[method-assign]
     if code != 0:
-        logs = sorted(Path(run_dir, "logs").glob("attempt-*/rank-0.log"))
+        logs = sorted(Path(run_dir, "logs").glob("attempt-*/node-0.log"))  # rank 0's lines are marked [rank 0]
         raise RuntimeError(f"the project path exited with code {code}; see {logs[-1] if logs else run_dir}")
 
 

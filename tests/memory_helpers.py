@@ -11,6 +11,7 @@ from launcher.planning import memory, memory_stages
 from launcher.planning.memory_check import setup_of
 from launcher.planning.memory_inputs import model_facts
 from lmcore.plan import LaunchPlan
+from lmcore.rank_logs import rank_text
 
 STATES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states"}
 
@@ -65,7 +66,7 @@ def assert_staging_as_planned(run_dir: str | Path, tolerance: float = 0.01) -> N
     run_dir = Path(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     planned = plan["memory"]["host_staging"]["per_rank"]
-    log = (run_dir / "logs" / "attempt-1" / "rank-0.log").read_text()
+    log = rank_text(run_dir / "logs" / "attempt-1", 0)
     found = re.findall(r"staging buffers reserved: (\d+) bytes", log)
     assert found, "rank 0 never reserved its staging buffers"
     held = int(found[-1])

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             run_files.log_sources(run_dir, rec.job_ids, rank=args.rank, attempt=args.attempt)
         ctx.out(json.dumps([
             {"attempt": s.attempt, "job_id": s.job_id, "label": s.label, "path": str(s.path),
-             "bytes": s.path.stat().st_size} for s in srcs
+             "bytes": s.path.stat().st_size, "rank": s.rank} for s in srcs
         ], indent=2))
         return 0
     n = print_logs(

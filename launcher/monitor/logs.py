@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from launcher.monitor import run_files
 from lmcore import jsonlines, rundir
 from lmcore.errors import UserError
+from lmcore.rank_logs import take_rank
 from lmcore.slurm import client as slurm
 
 
@@ -58,6 +59,7 @@ class _LogPrinter:
         self.evaluator = False  # only the evaluator's logs
         self.shown: list[Path] = []
         self.pending = ""
+        self.partial: dict[Path, str] = {}  # a node log's line not yet whole
 
     def emit(self, text: str, final: bool) -> None:
         text = self.pending + text
@@ -96,7 +98,13 @@ class _LogPrinter:
                 continue
             if data:
                 self.offsets[src.path] += len(data)
-                self.emit(data.decode("utf-8", errors="replace"), final=not self.follow)
+                text = data.decode("utf-8", errors="replace")
+                if src.rank is not None:  # a node's log: this rank's whole lines, unmarked
+                    lines = (self.partial.get(src.path, "") + text).split("\n")
+                    self.partial[src.path] = lines.pop()
+                    text = "".join(line + "\n" for line in take_rank(lines, src.rank))
+                if text:
+                    self.emit(text, final=not self.follow)
                 grew = True
         return grew
 

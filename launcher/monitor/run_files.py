@@ -15,6 +15,7 @@ from typing import Any
 from lmcore.checkpoint_index import COMPLETE_NAME, newest_complete
 from lmcore.eval_alongside import EVAL_DIR
 from lmcore.jsonlines import read_jsonl, read_tail
+from lmcore.rank_logs import node_log_of
 from lmcore.rundir import RunLayout, checkpoint_dir_of
 
 
@@ -99,12 +100,14 @@ def read_plan_time(run_dir: Path) -> str | None:
 
 @dataclass(frozen=True)
 class LogSource:
-    """One file to show: an attempt's rank log, or submitit's per-task file of a job."""
+    """One file to show: an attempt's node log (``rank``: only that rank's lines, unmarked), a rank's
+    own log of a run of before, or submitit's per-task file of a job."""
 
     attempt: int | None
     job_id: str | None
     path: Path
     label: str
+    rank: int | None = None
 
 
 def attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -133,10 +136,14 @@ def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt
 
 def _rank_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int, attempt: int | None) -> list[LogSource]:
     out = []
-    for n, _ in attempt_dirs(run_dir):
+    for n, d in attempt_dirs(run_dir):
         if attempt is not None and n != attempt:
             continue
-        p = RunLayout.of(run_dir).rank_log(n, rank)
+        node = node_log_of(d, rank)  # the rank's lines in its node's log
+        if node is not None:
+            out.append(LogSource(n, None, node, f"attempt {n}, rank {rank}", rank=rank))
+            continue
+        p = RunLayout.of(run_dir).rank_log(n, rank)  # a run of before: a file per rank
         if p.exists():
             out.append(LogSource(n, None, p, f"attempt {n}, rank {rank}"))
     if out or (attempt is not None and attempt_dirs(run_dir)):

@@ -45,7 +45,8 @@ PREPARATION = "preparation.json"  # `data prepare --on-cluster`: what its tasks 
 PREPARATION_JOBS = "preparation-jobs.json"  # {"arrays": [...], "assemble": id}, written after the submission
 ENVIRONMENT = "environment.json"  # logs/attempt-<N>/: what the attempt ran on (lmtrain.observe.environment_record)
 HANG_MARKER = "hang-rank-{rank}.json"  # logs/attempt-<N>/: a rank's hang report (lmtrain.health.watchdog)
-LAST_WORDS = "exit-rank-{rank}.json"  # logs/attempt-<N>/: how a rank ended badly (lmtrain.preemption.first_death)
+LAST_WORDS = "exit-{node}.jsonl"  # logs/attempt-<N>/: how the node's ranks ended badly, a line each (lmtrain.preemption.first_death)
+LAST_WORDS_OF_A_RANK = "exit-rank-{rank}.json"  # beside them: a rank's of a run written before they were per node
 PROFILE_REQUEST = "profile-request.json"  # `lmlaunch profile`: the ranks poll it at logging steps (lmtrain.observe.profiling)
 NODE_TIMING = "timing-node-{node}.jsonl"  # logs/attempt-<N>/: the step timing of a node's ranks per logging interval (lmtrain.observe.timing_lines)
 TASK_RECORD = "tasks/{job_id}-{restart_count}/node-{node}.jsonl"  # logs/: where a task runs, its pid (lmcore.task_records; lmlaunch stacks)
@@ -228,13 +229,23 @@ class RunLayout:
         return self.logs / "local"
 
     def rank_log(self, attempt: int, rank: int | str) -> Path:
+        """A rank's own log: a data preparation's array task, and a training run written before the
+        ranks' logs were per node (:meth:`node_log`)."""
         return self.attempt_logs(attempt) / f"rank-{rank}.log"
+
+    def node_log(self, attempt: int, node: int) -> Path:
+        """The log of node ``node``'s ranks (SLURM's node index in the step), every line marked with
+        its rank (lmcore.rank_logs): one file per node."""
+        return self.attempt_logs(attempt) / f"node-{node}.log"
 
     def environment(self, attempt: int) -> Path:
         return self.attempt_logs(attempt) / ENVIRONMENT
 
-    def last_words(self, attempt: int, rank: int | str) -> Path:
-        return self.attempt_logs(attempt) / LAST_WORDS.format(rank=rank)
+    def last_words(self, attempt: int, node: str) -> Path:
+        """The last words of the ranks on node ``node`` (its name; a character a file name should
+        not hold made ``_``): one file per node, a line per rank that died."""
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
+        return self.attempt_logs(attempt) / LAST_WORDS.format(node=safe)
 
     def stacks(self, attempt: int, rank: int | str) -> Path:
         """A hung rank's Python stacks (lmtrain.health.watchdog, ``lmlaunch stacks``)."""

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcore.atomic import write_json
 from lmcore.jsonlines import append_jsonl, read_jsonl
 from lmcore.run_layout import (
     CANCELLED as CANCELLED,
@@ -33,6 +32,7 @@ from lmcore.run_layout import (
     HANG_MARKER as HANG_MARKER,
     HEARTBEAT as HEARTBEAT,
     LAST_WORDS as LAST_WORDS,
+    LAST_WORDS_OF_A_RANK as LAST_WORDS_OF_A_RANK,
     LEDGER as LEDGER,
     LOGS as LOGS,
     METRICS as METRICS,
@@ -253,9 +253,9 @@ class LastWords:
     source: str = "rank"
 
     def write(self, run_dir: str | Path, attempt: int) -> None:
-        path = RunLayout.of(run_dir).last_words(attempt, self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, asdict(self))
+        """One line appended to the node's file in one write (lmcore.jsonlines): the node's dying
+        ranks never interleave, and a node's file, not a rank's, is created."""
+        append_jsonl(RunLayout.of(run_dir).last_words(attempt, self.node), asdict(self))
 
     @classmethod
     def say_for(cls, run_dir: str | Path, attempt: int, *, rank: int, node: str, pid: int | None, code: int,
@@ -278,15 +278,25 @@ class LastWords:
 
     @classmethod
     def read_all(cls, run_dir: str | Path, attempt: int) -> list[LastWords]:
+        """Every rank's last words of an attempt, the nodes' files and a run of before's files per
+        rank; a line or file that does not read is left out (a rank killed in its write)."""
         out = []
         names = set(cls.__dataclass_fields__)
-        for path in sorted(RunLayout.of(run_dir).attempt_logs(attempt).glob(LAST_WORDS.format(rank="*"))):
+        logs = RunLayout.of(run_dir).attempt_logs(attempt)
+        found: list[dict[str, Any]] = []
+        for path in sorted(logs.glob(LAST_WORDS_OF_A_RANK.format(rank="*"))):
             try:
-                d = json.loads(path.read_text())
-                out.append(cls(**{k: v for k, v in d.items() if k in names}))
-            except (OSError, ValueError, TypeError):
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
                 continue
-        return out
+        for path in sorted(logs.glob(LAST_WORDS.format(node="*"))):
+            found += read_jsonl(path)
+        for d in found:
+            try:
+                out.append(cls(**{k: v for k, v in d.items() if k in names}))
+            except TypeError:
+                continue
+        return sorted(out, key=lambda w: (w.time, w.rank))
 
 
 def startup_breakdown(record: Mapping[str, Any], alloc_start: float | None = None) -> dict[str, float]:

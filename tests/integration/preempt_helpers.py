@@ -29,6 +29,8 @@ from launcher.cli import main
 from launcher.context import Context
 from lmcore import jsonlines
 from lmcore.errors import UserError
+from lmcore.rank_logs import rank_text
+from lmcore.rundir import RunLayout
 from lmcore.slurm import admin as rehearsal, client as slurm
 
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"
@@ -172,8 +174,8 @@ def finish(job_id: str, run_dir: Path) -> str:
 
 def log_tail(run_dir: Path, chars: int = 1500) -> str:
     parts = []
-    for p in sorted((run_dir / "logs").rglob("rank-0.log"))[-2:]:
-        parts.append(f"--- {p}\n" + p.read_text(errors="replace")[-chars:])
+    for _n, attempt_dir in RunLayout.of(run_dir).attempts_logged()[-2:]:  # rank 0's lines of its node's log
+        parts.append(f"--- {attempt_dir}, rank 0\n" + rank_text(attempt_dir, 0)[-chars:])
     for p in sorted((run_dir / "submitit").glob("*_0_log.err"))[-1:]:
         parts.append(f"--- {p}\n" + p.read_text(errors="replace")[-chars:])
     return "\n".join(parts)

@@ -22,6 +22,7 @@ from slurm_helpers import faults, job_name, release_worker
 
 from launcher.localcluster import cluster, workers
 from lmcore.errors import UserError
+from lmcore.rank_logs import ranks_texts
 from lmcore.slurm import admin as rehearsal, client as slurm
 from lmtrain.simulate.tally import Counts
 
@@ -53,11 +54,8 @@ def eight_nodes(slurm_cluster):
 
 
 def _rank_lines(run_dir: Path, attempt: int) -> dict[int, str]:
-    out = {}
-    for rank in range(RANKS):
-        path = run_dir / "logs" / f"attempt-{attempt}" / f"rank-{rank}.log"
-        out[rank] = path.read_text() if path.is_file() else ""
-    return out
+    texts = ranks_texts(run_dir / "logs" / f"attempt-{attempt}")  # the node logs, by rank
+    return {rank: "\n".join(texts.get(rank, [])) for rank in range(RANKS)}
 
 
 def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted_for(eight_nodes, lm_env, tmp_path):

@@ -17,6 +17,7 @@ from preempt_helpers import ledger, run_progress, wait_step
 from slurm_helpers import REPO, SMALL_MODEL, DutyCycle
 
 from lmcore import jsonlines
+from lmcore.rank_logs import rank_text
 from lmcore.task_records import read_task_records
 
 pytestmark = pytest.mark.serial
@@ -73,7 +74,7 @@ def test_a_rank_slowed_from_outside_is_named_with_its_node_and_the_other_is_not(
     waiting.until(lambda: any(e["state"] == "end" for e in _stragglers(run_dir)), progress=run_progress(run_dir, job_id),
                   poll=1.0, what=f"{run_name}: rank 1 no longer slow", explain=lambda: str(_stragglers(run_dir)))
     assert [(e["state"], e["rank"], e["node"]) for e in _stragglers(run_dir)] == [("start", 1, "n2"), ("end", 1, "n2")]
-    log = (run_dir / "logs" / "attempt-1" / "rank-0.log").read_text()
+    log = rank_text(run_dir / "logs" / "attempt-1", 0)
     assert "straggler: rank 1 (n2)" in log and "straggler no longer: rank 1 (n2)" in log
     assert cli("cancel", run_name).code == 0
 

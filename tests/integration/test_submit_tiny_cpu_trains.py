@@ -13,6 +13,7 @@ import pytest
 from slurm_helpers import REPO, wait_accounted, wait_terminal
 
 from launcher.runs import registry as runs
+from lmcore.rank_logs import rank_text
 from lmcore.slurm import client as slurm
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
@@ -78,7 +79,7 @@ def test_tiny_cpu_job_trains_to_completion_on_two_nodes(slurm_cluster, cli, lm_e
 
     # one log per rank for attempt 1; each rank reports the rendezvous on the first node
     for rank in (0, 1):
-        text = (run_dir / "logs" / "attempt-1" / f"rank-{rank}.log").read_text()
+        text = rank_text(run_dir / "logs" / "attempt-1", rank)
         m = re.search(r"rank (\d+)/(\d+).*master (\S+):(\d+)", text)
         assert m, text[:2000]
         assert (int(m.group(1)), int(m.group(2)), m.group(3)) == (rank, 2, "n1")

@@ -189,7 +189,7 @@ def test_no_run_directory_path_is_joined_by_hand():
     from lmcore import run_layout as rundir
 
     names = {n for n, v in vars(rundir).items() if n.isupper() and isinstance(v, str) and not n.startswith("_")
-             and n not in ("HANG_MARKER", "LAST_WORDS", "ENVIRONMENT", "RANK_TIMING")}  # files of an attempt's log dir: RunLayout's
+             and n not in ("HANG_MARKER", "LAST_WORDS", "LAST_WORDS_OF_A_RANK", "ENVIRONMENT", "RANK_TIMING")}  # files of an attempt's log dir: RunLayout's
     spelled = {getattr(rundir, n).split("/")[0] for n in names}
 
     def joined(node: ast.AST) -> bool:

@@ -25,6 +25,7 @@ from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on s
 
 from launcher.submit.local_run import prepare_local_run
 from lmcore.plan import PreemptionPlan
+from lmcore.rank_logs import rank_text
 from lmcore.spec import PreemptionSpec
 from lmtrain.checkpoint.disk_space import DiskFull, is_no_space, room_verdict
 from lmtrain.checkpoint.manager import complete_checkpoints
@@ -84,7 +85,7 @@ def _debris(plan) -> list[str]:
 
 
 def _log(plan, rank: int) -> str:
-    return Path(plan.paths.logs_dir, "attempt-1", f"rank-{rank}.log").read_text()
+    return rank_text(Path(plan.paths.logs_dir, "attempt-1"), rank)
 
 
 # --------------------------------------------------------------------------- pure parts

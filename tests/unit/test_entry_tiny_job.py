@@ -15,6 +15,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
+from lmcore.rank_logs import rank_text
 from lmcore.rundir import STARTUP_PHASES
 
 THRESHOLD = 3.3
@@ -52,10 +53,13 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert ends == sorted(ends) and 0 < ends[-1] < 600, startup
     assert abs(startup["process_start"] + ends[-1] - steps[0]["time"]) < 5, (startup, steps[0])
     assert (run_dir / "DONE").exists()
-    assert (run_dir / "logs" / "attempt-1" / "rank-0.log").stat().st_size > 0
-    assert (run_dir / "logs" / "attempt-1" / "rank-1.log").stat().st_size > 0
+    # one log for the node, every line marked with its rank (lmcore.rank_logs)
+    logs = run_dir / "logs" / "attempt-1"
+    assert [p.name for p in logs.glob("*.log")] == ["node-0.log"]
+    assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in (logs / "node-0.log").read_text().splitlines())
+    assert rank_text(logs, 1).strip()
     # each event once, with lmtrain's prefix; third-party advice that does not apply is left out
-    rank0 = (run_dir / "logs" / "attempt-1" / "rank-0.log").read_text()
+    rank0 = rank_text(logs, 0)
     for text in (rank0, out.getvalue()):
         assert not [line for line in text.splitlines() if line.startswith("INFO: ")]  # Lightning's own handler
         assert "litlogger" not in text and "The `srun` command is available on your system" not in text

@@ -87,3 +87,20 @@ def test_the_ledger_names_the_rank_that_died_first_not_the_survivors_error(repo,
     assert (death["rank"], death["how"], death["source"]) == (1, how, source), end
     assert end["detail"].startswith(f"rank 1 on {death['node']} died first: {how}"), end["detail"]
     assert "rank 0 saw:" in end["detail"]  # the symptom is kept, after the cause
+
+
+def test_last_words_are_a_line_per_rank_in_their_nodes_file_and_a_run_of_befores_still_read(tmp_path):
+    """One file per node (docs/scale.md: at a crash every rank that lost its peer has last words)."""
+    from lmcore.rundir import RunLayout
+
+    for rank, node, t in ((1, "n1", 3.0), (0, "n1", 2.0), (2, "gpu/7 a", 1.0)):
+        LastWords(rank=rank, node=node, pid=10 + rank, time=t, how="exception", detail="boom").write(tmp_path, 2)
+    logs = RunLayout.of(tmp_path).attempt_logs(2)
+    assert sorted(p.name for p in logs.iterdir()) == ["exit-gpu_7_a.jsonl", "exit-n1.jsonl"]
+    (logs / "exit-rank-5.json").write_text(json.dumps({"rank": 5, "node": "n9", "pid": 1, "time": 0.5,
+                                                        "how": "signal", "detail": "SIGKILL"}))
+    with open(logs / "exit-n1.jsonl", "a") as f:
+        f.write('{"rank": 3, "node": "n1", "pi')  # a rank killed in its write
+    LastWords.say_for(tmp_path, 2, rank=0, node="n1", pid=10, code=-9, source="agent")  # it has its own
+    words = LastWords.read_all(tmp_path, 2)
+    assert [(w.rank, w.node) for w in words] == [(5, "n9"), (2, "gpu/7 a"), (0, "n1"), (1, "n1")]

@@ -271,6 +271,38 @@ def test_log_sources_fall_back_to_submitit_files_of_each_job(tmp_path):
     assert [s.attempt for s in run_files.log_sources(run_dir, ["11", "12"])] == [2, 10]  # numeric order, per-attempt logs win
 
 
+def test_a_ranks_log_is_its_lines_of_its_nodes_log_unmarked_followed_as_they_come(tmp_path):
+    """The ranks' logs are one file per node (lmcore.rank_logs): `lmlaunch logs --rank R` shows R's
+    lines, unmarked, from the node that holds them, and a line being written is shown once whole."""
+    import io
+
+    from launcher.monitor.logs import _LogPrinter
+    from lmcore.rank_logs import NodeLogWriter
+
+    run_dir = tmp_path / "r"
+    logs = run_dir / "logs" / "attempt-1"
+    w = {r: NodeLogWriter(logs / f"node-{r // 2}.log", r) for r in range(4)}
+    w[2].write("rank 2 starts\n")
+    w[3].write("rank 3 starts\nTraceback (most recent call last):\n")
+    w[2].write("rank 2 ")  # half a line: held until its end
+    srcs = run_files.log_sources(run_dir, [], rank=3)
+    assert [(s.path.name, s.rank) for s in srcs] == [("node-1.log", 3)]
+    assert run_files.log_sources(run_dir, [], rank=5) == []
+    out = io.StringIO()
+    printer = _LogPrinter(run_dir, [], out, rank=2, attempt=None, errors=False, follow=True)
+    printer.poll(final=False)
+    w[3].write("ValueError: bad batch\n")
+    w[2].write("trains\n")
+    printer.poll(final=False)
+    shown = out.getvalue().splitlines()
+    assert shown[1:] == ["rank 2 starts", "rank 2 trains"], shown
+    for writer in w.values():
+        writer.close()
+    assert (logs / "node-1.log").read_text().splitlines() == [
+        "[rank 2] rank 2 starts", "[rank 3] rank 3 starts", "[rank 3] Traceback (most recent call last):",
+        "[rank 3] ValueError: bad batch", "[rank 2] rank 2 trains"]
+
+
 def test_unreachable_slurm_is_reported_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no squeue on PATH
     view = slurm_view.query_slurm(["1", "2"], environ={"LMLAUNCH_HOME": str(tmp_path)})

@@ -159,8 +159,9 @@ def test_how_an_attempt_ended_becomes_messages(tmp_path, reason, requeued, event
 
     logs = tmp_path / "logs" / "attempt-2"
     logs.mkdir(parents=True)
-    (logs / "rank-0.log").write_text("step 5\nall fine\n")
-    (logs / "rank-1.log").write_text("step 5\nTraceback (most recent call last):\nValueError: bad batch\n")
+    # the node's log: rank 1's traceback between rank 0's lines (lmcore.rank_logs)
+    (logs / "node-0.log").write_text("[rank 0] step 5\n[rank 1] step 5\n[rank 1] Traceback (most recent call last):\n"
+                                     "[rank 0] all fine\n[rank 1] ValueError: bad batch\n")
     plan = SimpleNamespace(paths=SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"),
                                                  checkpoint_dir=str(tmp_path / "checkpoints"),
                                                  heartbeat=str(tmp_path / "hb"), ledger=str(tmp_path / "ledger")))
@@ -170,7 +171,8 @@ def test_how_an_attempt_ended_becomes_messages(tmp_path, reason, requeued, event
                 attempt=2)
     assert [e for e, _, _ in sent] == events
     if events == ["failed"]:
-        assert sent[0][2]["log_tail"].endswith("ValueError: bad batch") and "crashed" in sent[0][1]
+        assert sent[0][2]["log_tail"] == "step 5\nTraceback (most recent call last):\nValueError: bad batch"
+        assert "crashed" in sent[0][1]
 
 
 def test_a_crash_restarted_in_place_says_so():

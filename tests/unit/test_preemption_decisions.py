@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lmcore.plan import PreemptionPlan
+from lmcore.rank_logs import rank_text
 from lmcore.rundir import LedgerAttempt as AttemptRow
 from lmcore.spec import PreemptionSpec
 from lmtrain.preemption.policy import EndFacts, StartFacts, decide, start_gate, steps_without_progress
@@ -363,7 +364,7 @@ def test_resuming_a_checkpoint_of_another_strategy_fails_and_says_why(local_run)
     end = _ledger(local_run)[-1]
     assert (end["reason"], end["requeued"]) == ("crashed", False)
     assert "written with strategy deepspeed and this attempt uses ddp" in end["detail"]
-    log_text = Path(local_run.paths.logs_dir, "attempt-1", "rank-0.log").read_text()
+    log_text = rank_text(Path(local_run.paths.logs_dir, "attempt-1"), 0)
     assert "cannot resume" in log_text and "lmlaunch export" in log_text
     assert signal.getsignal(signal.SIGTERM) is before  # handlers given back
 

@@ -24,6 +24,7 @@ import waiting
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.submit.local_run import prepare_local_run
+from lmcore.rank_logs import rank_text
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.distributed.task_env import free_port
 from lmtrain.local.launch import worker_env
@@ -101,7 +102,7 @@ def _ends(plan) -> list[dict]:
 
 
 def _stop_logged(plan, attempt: int, rank: int) -> int:
-    text = Path(plan.paths.logs_dir, f"attempt-{attempt}", f"rank-{rank}.log").read_text()
+    text = rank_text(Path(plan.paths.logs_dir, f"attempt-{attempt}"), rank)
     return int(text.split("stop agreed at step ")[1].split()[0])
 
 
@@ -218,7 +219,7 @@ def test_a_stops_checkpoint_holds_training_for_its_copy_and_the_attempt_ends_onc
     assert save["step"] == 5 and save["blocked_s"] + 1.5 < save["seconds"]
     ckpt = complete_checkpoints(run.paths.checkpoint_dir)[-1]
     assert ckpt.step == 5 and (ckpt.path / "COMPLETE").stat().st_mtime <= end["time"]  # durable before the end
-    log0 = Path(run.paths.logs_dir, "attempt-1", "rank-0.log").read_text()
+    log0 = rank_text(Path(run.paths.logs_dir, "attempt-1"), 0)
     assert "staging buffers reserved" in log0  # at step 1, so the stop's save allocated nothing
 
 

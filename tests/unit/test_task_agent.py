@@ -140,7 +140,7 @@ CRASH_THEN_COMPLETE = """
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGKILL)
     if gen == 0:
-        while not any((run / "logs").rglob("exit-rank-1.json")) and rank == 0:
+        while rank == 0 and not any('"rank": 1' in p.read_text() for p in (run / "logs").rglob("exit-*.jsonl")):
             time.sleep(0.02)
         (run / "RESTART_IN_PLACE").write_text("77\\n\\nrestart\\n")
         sys.exit(1)

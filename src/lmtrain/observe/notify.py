@@ -104,14 +104,11 @@ class Notifier:
                     log.warning("notify: %s could not be delivered to a webhook: %s", body["event"], error)
 
 
-def last_lines(paths: Sequence[Path], n: int = 20) -> str:
-    """The last lines of the first log that shows an error (else of the first log)."""
-    texts = []
-    for p in paths:
-        try:
-            texts.append(p.read_text(errors="replace").splitlines())
-        except OSError:
-            continue
+def last_lines(attempt_dir: Path, n: int = 20) -> str:
+    """The last lines of the first rank whose log shows an error (else of the first rank's)."""
+    from lmcore.rank_logs import ranks_texts
+
+    texts = list(ranks_texts(attempt_dir).values())
     failing = next((t for t in texts if any("Traceback" in x or "Error" in x for x in t)), texts[0] if texts else [])
     return "\n".join(failing[-n:])
 
@@ -155,7 +152,5 @@ def notify_end(notifier: Any, plan: Any, outcome: Any, attempt: int) -> None:
         notifier.send("requeued", f"requeued after {reason}: the next attempt resumes from the newest checkpoint",
                       **facts)
     elif reason not in ("completed", "preempted", "timeout", "cancelled", "hang"):
-        layout = RunLayout.of_plan(plan)
-        logs = sorted(layout.attempt_logs(attempt).glob(layout.rank_log(attempt, "*").name))
         notifier.send("failed", f"attempt {attempt} failed ({reason}) at step {step}: {detail[:300]}",
-                      **facts, log_tail=last_lines(logs))
+                      **facts, log_tail=last_lines(RunLayout.of_plan(plan).attempt_logs(attempt)))

@@ -6,7 +6,7 @@
 
 1. read the plan and this task's environment (SLURM's, or the local launcher's);
 2. rendezvous: rank 0 picks the attempt number and a free MASTER_PORT and publishes them;
-3. tee this rank's output into ``logs/attempt-<N>/rank-<R>.log``;
+3. tee this rank's output into its node's log, ``logs/attempt-<N>/node-<K>.log`` (its lines marked ``[rank R]``);
 4. build data, model and Trainer from the plan; resume from the newest complete checkpoint;
 5. train; write the ledger ``end`` line, the heartbeat ``end`` event and ``DONE`` (rank 0).
 
@@ -88,7 +88,7 @@ def run_task(run_dir: str | Path) -> int:
         raise
     from lmcore.rundir import RunLayout
 
-    with _rank_log(RunLayout.of_plan(plan).rank_log(rv.attempt, env.rank), env.rank):
+    with _rank_log(RunLayout.of_plan(plan).node_log(rv.attempt, env.node_rank), env.rank):
         log.info(
             "lmtrain: run %s attempt %d, rank %d/%d (local %d, node %d), job %s, master %s:%d",
             plan.run_name, rv.attempt, env.rank, env.world_size, env.local_rank, env.node_rank,
@@ -229,10 +229,12 @@ class NotForLmlaunch(logging.Filter):
 
 @contextlib.contextmanager
 def _rank_log(path: Path, rank: int) -> Iterator[None]:
-    """Tee Python's stdout/stderr (and logging) into this rank's own log file. Output of C
-    libraries (NCCL) still goes to the task's stdout, which submitit keeps per task."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a", buffering=1)
+    """Tee Python's stdout/stderr (and logging) into this rank's share of its node's log, every line
+    marked with the rank (lmcore.rank_logs). Output of C libraries (NCCL) still goes to the task's
+    stdout, which submitit keeps per task."""
+    from lmcore.rank_logs import NodeLogWriter
+
+    f = NodeLogWriter(path, rank)
     old_out, old_err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(old_out, f), _Tee(old_err, f)
     handler = logging.StreamHandler(sys.stderr)
