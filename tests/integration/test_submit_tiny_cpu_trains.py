@@ -77,7 +77,7 @@ def test_tiny_cpu_job_trains_to_completion_on_two_nodes(slurm_cluster, cli, lm_e
     assert len(losses) >= 4
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
 
-    # one log per rank for attempt 1; each rank reports the rendezvous on the first node
+    # each rank's lines of its node's log for attempt 1: each reports the rendezvous on the first node
     for rank in (0, 1):
         text = rank_text(run_dir / "logs" / "attempt-1", rank)
         m = re.search(r"rank (\d+)/(\d+).*master (\S+):(\d+)", text)
