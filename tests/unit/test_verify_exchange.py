@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from lmtrain.checkpoint.completion import CheckpointError
 from lmtrain.checkpoint.verify_exchange import NodeFiles, RankFiles, exchange_for
@@ -17,7 +18,7 @@ from lmtrain.distributed.node_share import training_share
 NODES, PER_NODE = 3, 4
 
 
-def _run_round(tmp_path: Path, problems_of, *, missing: int | None = None, wait_s: float = 30.0):
+def _run_round(tmp_path: Path, problems_of, *, missing: int | None = None, wait_s: float = HANG_S):
     shared = tmp_path / "rendezvous"
     shared.mkdir()
     base = shared / "key-attempt-1.verify"
@@ -61,7 +62,7 @@ def test_one_file_per_node_reaches_rank_0_and_every_rank_follows_its_verdict(tmp
 
 
 def test_a_rank_that_never_checks_ends_its_node_and_rank_0_with_a_reason(tmp_path):
-    _shared, verdicts = _run_round(tmp_path, lambda r: [], missing=6, wait_s=1.0)
+    _shared, verdicts = _run_round(tmp_path, lambda r: [], missing=6, wait_s=2.0)
     assert "3 of node 1's 4 ranks checked their share" in str(verdicts[4])  # node 1's leader
     assert "counted 8 of 12 ranks" in str(verdicts[0])
 

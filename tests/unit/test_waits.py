@@ -23,6 +23,9 @@ WAIT_METHODS = {"wait", "join", "communicate"}
 
 # (file under tests/, text the offending line contains) -> why that figure is no verdict on speed.
 ALLOWED: dict[tuple[str, str], str] = {
+    ("unit/test_verify_exchange.py", "missing=6, wait_s=2.0"):
+        "the exchange's own bound, the feature under test: the missing rank never checks, so the waits end "
+        "at it whatever the host's speed (the others publish at once, in milliseconds)",
     ("unit/test_stragglers.py", "and took < 1.0, took"):
         "the scorer's own bound, the feature under test (8,192 ranks scored in under 1 s; it takes "
         "milliseconds, a margin of 100x), timed around the pure call alone",
