@@ -23,6 +23,7 @@ MARK = "[rank {rank}] "
 _MARK = re.compile(r"\[rank (\d+)\] ")
 NODE_LOG = "node-{node}.log"  # in logs/attempt-<N>/
 RANK_LOG = "rank-{rank}.log"  # in logs/attempt-<N>/: a run of before (and a data preparation's array task)
+PARTIAL_MAX = 8192  # a line held for its end longer than this is written as it stands
 
 
 class NodeLogWriter:
@@ -40,6 +41,9 @@ class NodeLogWriter:
         with self._lock:
             lines = (self._partial + text).split("\n")
             self._partial = lines.pop()
+            if len(self._partial) > PARTIAL_MAX:  # a progress bar redrawn with "\r" and no newline
+                lines.append(self._partial)
+                self._partial = ""
             if lines:
                 self._out(lines)
         return len(text)

@@ -296,6 +296,8 @@ def test_a_ranks_log_is_its_lines_of_its_nodes_log_unmarked_followed_as_they_com
     printer.poll(final=False)
     shown = out.getvalue().splitlines()
     assert shown[1:] == ["rank 2 starts", "rank 2 trains"], shown
+    w[1].write("\r" + "=" * 9000)  # a redrawn bar without a newline: written once it is long, not held for ever
+    assert (logs / "node-0.log").read_bytes().endswith(b"[rank 1] \r" + b"=" * 9000 + b"\n")
     for writer in w.values():
         writer.close()
     assert (logs / "node-1.log").read_text().splitlines() == [
