@@ -139,7 +139,9 @@ def ranks_texts(attempt_dir: Path) -> dict[int, list[str]]:
     return dict(sorted(out.items()))
 
 
-_FOUND: dict[tuple[Path, int], Path] = {}  # a rank's node log of an attempt, once found (it never moves)
+# a rank's node log of an attempt once found, with the file's inode: a rank stays on its node for an
+# attempt, and a run directory made again under the same name (`--new`) has files of other inodes
+_FOUND: dict[tuple[Path, int], tuple[Path, int]] = {}
 
 
 def node_log_of(attempt_dir: Path, rank: int, chunk: int = 1 << 20) -> Path | None:
@@ -147,7 +149,13 @@ def node_log_of(attempt_dir: Path, rank: int, chunk: int = 1 << 20) -> Path | No
     only until the rank's mark is found); None when none does yet."""
     key = (attempt_dir, rank)
     if key in _FOUND:
-        return _FOUND[key]
+        path, inode = _FOUND[key]
+        try:
+            if os.stat(path).st_ino == inode:
+                return path
+        except OSError:
+            pass
+        del _FOUND[key]
     mark = MARK.format(rank=rank).encode()
     for p in node_logs(attempt_dir):
         try:
@@ -155,7 +163,7 @@ def node_log_of(attempt_dir: Path, rank: int, chunk: int = 1 << 20) -> Path | No
                 tail = b"\n"
                 while block := f.read(chunk):
                     if (tail + block).find(b"\n" + mark) >= 0:
-                        _FOUND[key] = p
+                        _FOUND[key] = (p, os.fstat(f.fileno()).st_ino)
                         return p
                     tail = block[-len(mark):]
         except OSError:

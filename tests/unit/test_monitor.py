@@ -300,7 +300,14 @@ def test_a_ranks_log_is_its_lines_of_its_nodes_log_unmarked_followed_as_they_com
     assert (logs / "node-0.log").read_bytes().endswith(b"[rank 1] \r" + b"=" * 9000 + b"\n")
     for writer in w.values():
         writer.close()
-    assert (logs / "node-1.log").read_text().splitlines() == [
+    # the run made again under its name (`--new`): rank 3 is on node 0 now, and the reader finds it there
+    old_node_1 = (logs / "node-1.log").read_text()
+    (logs / "node-1.log").unlink()
+    again = NodeLogWriter(logs / "node-0.log", 3)
+    again.write("rank 3 again\n")
+    again.close()
+    assert [s.path.name for s in run_files.log_sources(run_dir, [], rank=3)] == ["node-0.log"]
+    assert old_node_1.splitlines() == [
         "[rank 2] rank 2 starts", "[rank 3] rank 3 starts", "[rank 3] Traceback (most recent call last):",
         "[rank 3] ValueError: bad batch", "[rank 2] rank 2 trains"]
 
