@@ -12,6 +12,7 @@ skipped saying what its SLURM lacks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -25,9 +26,11 @@ from prometheus_server import free_port, prometheus
 from slurm_helpers import REPO, job_name
 from waiting import HANG_S
 
+from launcher.localcluster import cluster
 from launcher.localcluster.config import Settings
 from launcher.serve.grafana import CONTROLLER_EXPRESSIONS, CONTROLLER_PATHS, WAITING_ONLY, dashboard
-from lmcore.slurm import client as slurm
+from lmcore.errors import UserError
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 pytestmark = pytest.mark.both_versions
 
@@ -129,3 +132,9 @@ def test_an_expedited_node_failure_requeue_starts_at_once_off_the_failed_node(ne
     assert code == 0, out + err
     attempts = json.loads(out)["attempts"]
     assert "an expedited requeue" in attempts[0]["detail"] and attempts[1]["queue_wait_s"] < 60, attempts
+    # the node back in service for the next test on this worker's cluster (preempt resumed it; wait
+    # until its daemon answers): a reservation of both nodes failed after this test otherwise (R50)
+    with contextlib.suppress(UserError):
+        rehearsal.set_node_state(r["node"], "RESUME")
+    waiting.until(lambda: cluster.nodes_ready(), progress=lambda: slurm.run(["sinfo", "-N", "-h"], check=False).stdout,
+                  what=f"{r['node']} in service again")

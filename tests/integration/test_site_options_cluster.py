@@ -6,25 +6,37 @@ reservation that does not exist and an MPI plugin the cluster lacks fail before 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
 
 import pytest
+import waiting
 from slurm_helpers import REPO, SMALL_MODEL, wait_accounted, wait_terminal
 
-from lmcore.slurm import client as slurm
+from launcher.localcluster import cluster
+from lmcore.errors import UserError
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
+NODES = ("n1", "n2")
 SHORT = ("trainer.max_steps=6", "optim.warmup_steps=1", "trainer.val_check_interval=null", *SMALL_MODEL)
 
 
 @pytest.fixture
 def reservation(slurm_cluster, request):
-    """A reservation of both nodes for root on this worker's cluster, deleted afterwards."""
+    """A reservation of both nodes for root on this worker's cluster, deleted afterwards. Both nodes
+    in service first: a node-failure test before it on this cluster (test_newer_slurm's) left one
+    being resumed, and `sbatch --test-only` then found no 2 nodes in the reservation (R47, R50)."""
     name = f"lmres-{abs(hash(request.node.nodeid)) % 10**8}"
+    for node in NODES:
+        with contextlib.suppress(UserError):  # one in service already refuses the transition
+            rehearsal.set_node_state(node, "RESUME")
+    waiting.until(lambda: cluster.nodes_ready(NODES), progress=lambda: slurm.run(["sinfo", "-N", "-h"], check=False).stdout,
+                  what=f"nodes {', '.join(NODES)} in service before the reservation")
     for stale in re.findall(r"ReservationName=(lmres-\d+)", slurm.run(["scontrol", "show", "reservation"],
                                                                        check=False).stdout or ""):
         slurm.run(["scontrol", "delete", f"ReservationName={stale}"], check=False)  # a killed run's, on both nodes
