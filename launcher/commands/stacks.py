@@ -99,6 +99,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"run '{rec.name}' · {where}job {job_ref} on {job.nodelist} · "
                 f"{'Python and native' if args.native else 'Python'} stacks, most recent call first\n")
         ctx.out(stacks.format_sections(sections))
+    for s in sections:
+        if s.note:
+            ctx.err(f"warning: rank {s.rank}: {s.note}")
     failed = [s.rank for s in sections if s.error is not None]
     if failed:
         ctx.err(f"no stack for rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}: see "

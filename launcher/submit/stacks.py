@@ -20,13 +20,20 @@ MARK = "@@lmlaunch-stacks@@"
 RC_NO_PYSPY = 127  # the node has no py-spy beside the task's python nor on PATH
 RC_GONE = 3  # the process is no longer there
 RC_TIMEOUT = 124  # coreutils timeout(1): the dump took longer than its limit
+NATIVE_TRIES = 3  # py-spy's native unwinding fails now and then (libunwind's UNW_EINVAL): tries before Python only
 _LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label: "0: text"
 _BEGIN = re.compile(rf"^{re.escape(MARK)} begin (\d+) (\S+)$")
+_NOTE = re.compile(rf"^{re.escape(MARK)} note (.*)$")
 _END = re.compile(rf"^{re.escape(MARK)} end (\d+) (-?\d+)$")
 
 _DUMP = f"""\
 export RUST_BACKTRACE=0
 node="${{SLURMD_NODENAME:-$(hostname)}}"
+spied() {{  # PID NATIVE: one py-spy dump, within what is left of this dump's time
+  left=$((deadline - SECONDS)); [ "$left" -lt 1 ] && left=1
+  to=""; command -v timeout >/dev/null && to="timeout -k 5 $left"
+  $to "$spy" dump --pid "$1" $2 2>&1 </dev/null
+}}
 dump() {{  # RANK PID PYTHON
   echo "{MARK} begin $1 $node"
   if [ ! -d "/proc/$2" ]; then
@@ -38,8 +45,24 @@ dump() {{  # RANK PID PYTHON
       echo "py-spy is not installed on $node: not beside the task's python ($3) nor on PATH;" \\
            "install it into the run's environment (pip install py-spy)"; rc={RC_NO_PYSPY}
     else
-      to=""; command -v timeout >/dev/null && to="timeout -k 5 $DUMP_TIMEOUT"
-      $to "$spy" dump --pid "$2" $NATIVE 2>&1 </dev/null; rc=$?
+      deadline=$((SECONDS + DUMP_TIMEOUT)); tries=0
+      while :; do  # native unwinding can fail on what the thread is doing at that instant: again
+        out="$(spied "$2" "$NATIVE")"; rc=$?; tries=$((tries + 1))
+        {{ [ -z "$NATIVE" ] || [ "$rc" = 0 ] || [ "$rc" = {RC_TIMEOUT} ] || [ ! -d "/proc/$2" ] \\
+          || [ "$tries" -ge {NATIVE_TRIES} ] || [ $((deadline - SECONDS)) -lt 2 ]; }} && break
+      done
+      if [ -n "$NATIVE" ] && [ "$rc" != 0 ] && [ "$rc" != {RC_TIMEOUT} ] && [ -d "/proc/$2" ] \\
+         && [ $((deadline - SECONDS)) -ge 2 ]; then
+        why="$(printf '%s\\n' "$out" | grep -v '^[[:space:]]*$' | tail -n 1)"
+        if py="$(spied "$2" "")"; then  # the Python frames rather than nothing
+          echo "{MARK} note native frames unavailable after $tries tries (py-spy: $why): Python frames only"
+          out="$py"; rc=0
+        else
+          out="$out
+without --native: $py"
+        fi
+      fi
+      printf '%s\\n' "$out"
       [ "$rc" = {RC_TIMEOUT} ] && echo "py-spy did not finish within $DUMP_TIMEOUT s"
     fi
   fi
@@ -73,24 +96,31 @@ class Dump:
     node: str
     returncode: int | None  # None: the end marker never came (the step was cut short)
     text: str
+    note: str | None = None  # what the dump lacks, e.g. the native frames py-spy could not unwind
 
 
 def parse_step_output(stdout: str) -> dict[int, Dump]:
     """Every rank's dump in the step's labelled output (lines of other tasks interleave)."""
-    open_: dict[str, tuple[int, str, list[str]]] = {}  # srun task label -> (rank, node, lines)
+    open_: dict[str, tuple[int, str, list[str], list[str]]] = {}  # srun task label -> (rank, node, lines, notes)
     out: dict[int, Dump] = {}
+
+    def done(rank: int, node: str, rc: int | None, lines: list[str], notes: list[str]) -> None:
+        out[rank] = Dump(rank, node, rc, "\n".join(lines).strip("\n"), "; ".join(notes) or None)
+
     for line in stdout.splitlines():
         m = _LABEL.match(line)
         label, text = (m.group(1), m.group(2)) if m else ("", line)
         if b := _BEGIN.match(text):
-            open_[label] = (int(b.group(1)), b.group(2), [])
+            open_[label] = (int(b.group(1)), b.group(2), [], [])
         elif (e := _END.match(text)) and label in open_:
-            rank, node, lines = open_.pop(label)
-            out[rank] = Dump(rank, node, int(e.group(2)), "\n".join(lines).strip("\n"))
+            rank, node, lines, notes = open_.pop(label)
+            done(rank, node, int(e.group(2)), lines, notes)
+        elif (n := _NOTE.match(text)) and label in open_:
+            open_[label][3].append(n.group(1))
         elif label in open_:
             open_[label][2].append(text)
-    for rank, node, lines in open_.values():
-        out[rank] = Dump(rank, node, None, "\n".join(lines).strip("\n"))
+    for rank, node, lines, notes in open_.values():
+        done(rank, node, None, lines, notes)
     return out
 
 
@@ -103,9 +133,11 @@ class RankStack:
     pid: int | None
     stack: str | None = None
     error: str | None = None
+    note: str | None = None  # what the stack lacks (native frames py-spy could not unwind)
 
     def to_json(self) -> dict[str, object]:
-        return {"rank": self.rank, "node": self.node, "pid": self.pid, "stack": self.stack, "error": self.error}
+        return {"rank": self.rank, "node": self.node, "pid": self.pid, "stack": self.stack, "error": self.error,
+                "note": self.note}
 
 
 def assemble(
@@ -131,7 +163,7 @@ def assemble(
             why = f": {step_error}" if step_error else ""
             out.append(RankStack(rank, rec.node, rec.pid, error=f"no answer from node {rec.node}{why}"))
         elif d.returncode == 0 and d.text.strip():
-            out.append(RankStack(rank, rec.node, rec.pid, stack=d.text))
+            out.append(RankStack(rank, rec.node, rec.pid, stack=d.text, note=d.note))
         else:
             status = "cut short" if d.returncode is None else f"exit status {d.returncode}"
             detail = d.text.strip() or "no output"
@@ -152,7 +184,8 @@ def format_sections(stacks: Sequence[RankStack]) -> str:
     for s in stacks:
         body = s.stack if s.stack is not None else "\n".join(f"error: {line}" if i == 0 else f"       {line}"
                                                              for i, line in enumerate((s.error or "").splitlines()))
-        parts.append(f"{header(s)}\n{body.rstrip()}\n")
+        note = f"note: {s.note}\n" if s.note else ""
+        parts.append(f"{header(s)}\n{note}{body.rstrip()}\n")
     return "\n".join(parts)
 
 

@@ -127,7 +127,7 @@ def test_every_rank_gets_a_section_with_its_stack_or_why_not():
     assert "== rank 1 on n2 (pid 22) ==\nerror: no answer from node n2" in text
     assert "== rank 2 on ? (no pid) ==\nerror: " in text
     assert json.loads(json.dumps([s.to_json() for s in secs]))[1] == {
-        "rank": 1, "node": "n2", "pid": 22, "stack": None, "error": secs[1].error}
+        "rank": 1, "node": "n2", "pid": 22, "stack": None, "error": secs[1].error, "note": None}
 
 
 # --------------------------------------------------------------------------- the node script, for real
@@ -183,6 +183,49 @@ def test_the_node_script_dumps_its_own_nodes_tasks_and_says_why_others_fail(slee
     [sec] = stacks.assemble([_rec(0, "n1", sleeper.pid)], 1, native)
     assert sec.error is None and "waiting_in_a_named_frame" in sec.stack
     assert "sleep" in sec.stack.lower()  # the C frame of time.sleep (select/clock_nanosleep)
+
+
+_FLAKY_SPY = """#!/bin/bash
+# a py-spy whose native unwinding fails its first $FAIL_NATIVE tries, as libunwind's does now and then
+n=$(( $(cat "$COUNT" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$COUNT"
+case " $* " in *" --native "*) native=1 ;; esac
+if [ -n "$native" ] && [ "$n" -le "$FAIL_NATIVE" ]; then
+  echo "Error: W_EINVAL: unsupported operation or bad value"; exit 1
+fi
+[ -n "$FAIL_ALL" ] && { echo "Error: Permission denied"; exit 1; }
+echo "Thread $3 (idle)"; echo "    waiting_in_a_named_frame (x.py:4)"
+[ -n "$native" ] && echo "    clock_nanosleep (libc.so.6)"
+exit 0
+"""
+
+
+@pytest.mark.parametrize(("fail_native", "fail_all", "calls"), [(2, "", 3), (99, "", 4), (99, "1", 4), (0, "1", 1)])
+def test_a_native_dump_that_fails_is_tried_again_then_shows_the_python_frames_with_a_note(tmp_path, monkeypatch,
+                                                                                         fail_native, fail_all, calls):
+    spy = tmp_path / "venv" / "bin" / "py-spy"
+    spy.parent.mkdir(parents=True)
+    spy.write_text(_FLAKY_SPY)
+    spy.chmod(0o755)
+    count = tmp_path / "count"
+    monkeypatch.setenv("COUNT", str(count))
+    monkeypatch.setenv("FAIL_NATIVE", str(fail_native))
+    monkeypatch.setenv("FAIL_ALL", fail_all)
+    rec = _rec(0, "n1", os.getpid(), python=str(spy.parent / "python"))
+    out = _run_node_script([rec], "n1", native=bool(fail_native) or not fail_all)
+    [sec] = stacks.assemble([rec], 1, out)
+    assert int(count.read_text()) == calls, out
+    if fail_all:  # py-spy cannot read the process at all: an error, with what py-spy said
+        assert sec.stack is None and "Permission denied" in sec.error and "(exit status 1)" in sec.error, sec
+        assert fail_native == 0 or "W_EINVAL" in sec.error and "without --native: Error: Permission" in sec.error
+    elif fail_native == 2:  # the third try unwound it: native frames, no note
+        assert sec.note is None and "clock_nanosleep" in sec.stack and "waiting_in_a_named_frame" in sec.stack
+    else:  # never: the Python frames, with a note saying why the native ones are missing
+        assert sec.error is None and "waiting_in_a_named_frame" in sec.stack and "clock_nanosleep" not in sec.stack
+        assert sec.note == ("native frames unavailable after 3 tries (py-spy: Error: W_EINVAL: unsupported "
+                            "operation or bad value): Python frames only")
+        text = stacks.format_sections([sec])
+        assert text.startswith(f"== rank 0 on n1 (pid {os.getpid()}) ==\nnote: native frames unavailable"), text
+        assert sec.to_json()["note"] == sec.note
 
 
 def test_hostile_node_names_and_paths_stay_data_in_the_script(tmp_path):
