@@ -81,20 +81,30 @@ def _attempt_times(rec):
     return times, "; ".join(messages)
 
 
+def _tail_lines(path: Path, size: int) -> list[str] | None:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - size))
+            return f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+
+
 def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list[str]]:
-    """Each job's task 0 error lines (its srun log's tail), for jobs that never started an attempt."""
+    """Each job's error lines, for jobs that never started an attempt: task 0's (from its node's
+    srun file, the first node's), then the batch script's and srun's own (``<job>_0_log.err``, which
+    in a run of before was task 0's too)."""
     from launcher.monitor.run_files import error_lines
+    from lmcore.rank_logs import take_srun_task
 
     out = {}
     for job in job_ids:
-        path = layout.submitit / f"{job}_0_log.err"
-        try:
-            with path.open("rb") as f:
-                f.seek(max(0, path.stat().st_size - 8192))
-                tail = f.read().decode("utf-8", errors="replace").splitlines()
-        except OSError:
+        nodes = layout.submitit_node_logs(job, "err")
+        task = take_srun_task(_tail_lines(nodes[0], 65536) or [], 0) if nodes else []
+        batch = _tail_lines(layout.submitit / rundir.SUBMITIT_TASK_LOG.format(job=job, rank=0, ext="err"), 8192)
+        if batch is None and not nodes:
             continue
-        out[job] = error_lines(tail)
+        out[job] = error_lines(task) + error_lines(batch or [])
     return out
 
 

@@ -11,7 +11,6 @@ from typing import Any, TextIO
 from launcher.monitor import run_files
 from lmcore import jsonlines, rundir
 from lmcore.errors import UserError
-from lmcore.rank_logs import take_rank
 from lmcore.slurm import client as slurm
 
 
@@ -99,10 +98,10 @@ class _LogPrinter:
             if data:
                 self.offsets[src.path] += len(data)
                 text = data.decode("utf-8", errors="replace")
-                if src.rank is not None:  # a node's log: this rank's whole lines, unmarked
+                if src.rank is not None:  # a node's file: this rank's whole lines, unmarked
                     lines = (self.partial.get(src.path, "") + text).split("\n")
                     self.partial[src.path] = lines.pop()
-                    text = "".join(line + "\n" for line in take_rank(lines, src.rank))
+                    text = "".join(line + "\n" for line in src.take(lines))
                 if text:
                     self.emit(text, final=not self.follow)
                 grew = True

@@ -15,8 +15,8 @@ from typing import Any
 from lmcore.checkpoint_index import COMPLETE_NAME, newest_complete
 from lmcore.eval_alongside import EVAL_DIR
 from lmcore.jsonlines import read_jsonl, read_tail
-from lmcore.rank_logs import node_log_of
-from lmcore.rundir import RunLayout, checkpoint_dir_of
+from lmcore.rank_logs import node_log_of, srun_node_file_of, take_rank, take_srun_task
+from lmcore.rundir import SUBMITIT_TASK_LOG, RunLayout, checkpoint_dir_of
 
 
 @dataclass(frozen=True)
@@ -101,13 +101,21 @@ def read_plan_time(run_dir: Path) -> str | None:
 @dataclass(frozen=True)
 class LogSource:
     """One file to show: an attempt's node log (``rank``: only that rank's lines, unmarked), a rank's
-    own log of a run of before, or submitit's per-task file of a job."""
+    own log of a run of before, or srun's output of a job's tasks: a node's file (``rank`` and
+    ``srun_labels``: that task's lines, without srun's label) or a task's own of a run of before."""
 
     attempt: int | None
     job_id: str | None
     path: Path
     label: str
     rank: int | None = None
+    srun_labels: bool = False
+
+    def take(self, lines: Iterable[str]) -> list[str]:
+        """Of whole lines read from the file, those to show (all of them in a file of one rank's)."""
+        if self.rank is None:
+            return list(lines)
+        return take_srun_task(lines, self.rank) if self.srun_labels else take_rank(lines, self.rank)
 
 
 def attempt_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -127,9 +135,9 @@ def evaluator_sources(run_dir: Path, job_ids: Sequence[str]) -> list[LogSource]:
 
 def log_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int = 0, attempt: int | None = None,
                 evaluator: bool = False) -> list[LogSource]:
-    """The files of ``rank`` for every attempt in order (or only ``attempt``); submitit's
-    ``%j_%t_log.out/.err`` of each job when an attempt has no log of its own; the evaluator's logs
-    too (``evaluator``)."""
+    """The files of ``rank`` for every attempt in order (or only ``attempt``); srun's output of each
+    job's task ``rank`` when no attempt has a log of its own (the node's ``%j_node-%n_log.out/.err``,
+    or the task's ``%j_%t_log.out/.err`` of a run of before); the evaluator's logs too (``evaluator``)."""
     more = evaluator_sources(run_dir, job_ids) if evaluator and attempt is None else []
     return _rank_sources(run_dir, job_ids, rank=rank, attempt=attempt) + more
 
@@ -148,12 +156,23 @@ def _rank_sources(run_dir: Path, job_ids: Sequence[str], *, rank: int, attempt: 
             out.append(LogSource(n, None, p, f"attempt {n}, rank {rank}"))
     if out or (attempt is not None and attempt_dirs(run_dir)):
         return out
-    sub = RunLayout.of(run_dir).submitit
+    layout = RunLayout.of(run_dir)
     for jid in job_ids:
+        nodes = {ext: layout.submitit_node_logs(jid, ext) for ext in ("out", "err")}
+        if not any(nodes.values()):  # a run of before: a file per task (task 0's held the batch script's too)
+            for ext in ("out", "err"):
+                p = layout.submitit / SUBMITIT_TASK_LOG.format(job=jid, rank=rank, ext=ext)
+                if p.exists():
+                    out.append(LogSource(None, jid, p, f"job {jid}, task {rank}, submitit {ext}"))
+            continue
+        for ext in ("out", "err"):  # the task's lines of its node's file, then the batch script's and srun's own
+            node = srun_node_file_of(nodes[ext], rank)
+            if node is not None:
+                out.append(LogSource(None, jid, node, f"job {jid}, task {rank}, srun {ext}", rank=rank, srun_labels=True))
         for ext in ("out", "err"):
-            p = sub / f"{jid}_{rank}_log.{ext}"
+            p = layout.submitit / SUBMITIT_TASK_LOG.format(job=jid, rank=0, ext=ext)
             if p.exists():
-                out.append(LogSource(None, jid, p, f"job {jid}, task {rank}, submitit {ext}"))
+                out.append(LogSource(None, jid, p, f"job {jid}, the batch script and srun, {ext}"))
     return out
 
 

@@ -172,8 +172,8 @@ def _slurm(
         open_mode="append",
         output=str(submitit_dir / "%j_0_log.out"),
         error=str(submitit_dir / "%j_0_log.err"),
-        task_output=str(submitit_dir / "%j_%t_log.out"),
-        task_error=str(submitit_dir / "%j_%t_log.err"),
+        task_output=str(submitit_dir / rundir.SUBMITIT_NODE_LOG.format(job="%j", node="%n", ext="out")),
+        task_error=str(submitit_dir / rundir.SUBMITIT_NODE_LOG.format(job="%j", node="%n", ext="err")),
     )
 
 

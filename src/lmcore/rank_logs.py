@@ -175,3 +175,35 @@ def take_rank(lines: Iterable[str], rank: int) -> list[str]:
     """The lines of ``lines`` that are rank ``rank``'s, unmarked."""
     mark = MARK.format(rank=rank)
     return [line[len(mark):] for line in lines if line.startswith(mark)]
+
+
+# --------------------------------------------------------------------------- srun's own node files
+_SRUN_LABEL = re.compile(r" *(\d+): ?")  # srun --label: "R: text", R space-padded to the step's widest
+
+
+def take_srun_task(lines: Iterable[str], task: int) -> list[str]:
+    """The lines of an srun ``--label`` output that are task ``task``'s, without the label."""
+    out = []
+    for line in lines:
+        m = _SRUN_LABEL.match(line)
+        if m and int(m.group(1)) == task:
+            out.append(line[m.end():])
+    return out
+
+
+def srun_node_file_of(paths: Sequence[Path], task: int, chunk: int = 1 << 20) -> Path | None:
+    """The first of ``paths`` (srun's ``--label`` files of one job, one per node) holding a line of
+    task ``task``; None when none does."""
+    label = re.compile(rb"(?:^|\n) *" + str(task).encode() + rb": ?")
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                tail = b""
+                while block := f.read(chunk):
+                    if label.search(tail + block):
+                        return p
+                    i = block.rfind(b"\n")  # the last line start, carried for a label split across blocks
+                    tail = block[i:] if i >= 0 else b"\0"  # or none: the block is inside a line
+        except OSError:
+            continue
+    return None

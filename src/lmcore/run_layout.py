@@ -31,7 +31,11 @@ BATCH_VAR = "LMLAUNCH_BATCH"
 CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
 LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.runs.snapshot, PYTHONPATH in the plan)
-SUBMITIT = "submitit"  # submitit's folder: the pickled task, the job script, each task's stdout/stderr
+SUBMITIT = "submitit"  # submitit's folder: the pickled task, the job script, the batch script's and tasks' output
+# in submitit/: srun's output of a job's tasks on node N (srun --output with %n), each line marked with its
+# task, "R: " (srun --label); the batch script's own is "<job>_0_log.<ext>" (sbatch --output)
+SUBMITIT_NODE_LOG = "{job}_node-{node}_log.{ext}"
+SUBMITIT_TASK_LOG = "{job}_{rank}_log.{ext}"  # a task's own file: a run written before (and task 0's, as the batch's)
 SPEC_YAML = "spec.yaml"
 MOVER_LOCK = "mover.lock"  # `lmlaunch move --watch` of a run over several clusters: one watcher at a time
 MOVER_LOG = "mover.log"  # logs/: what it saw and did
@@ -125,6 +129,16 @@ class RunLayout:
     @property
     def submitit(self) -> Path:
         return self.run_dir / SUBMITIT
+
+    def submitit_node_logs(self, job: str, ext: str) -> list[Path]:
+        """srun's ``.out`` or ``.err`` files of job ``job``'s tasks, one per node, by node index."""
+        prefix, suffix = f"{job}_node-", f"_log.{ext}"
+        found = []
+        for p in self.submitit.glob(SUBMITIT_NODE_LOG.format(job=job, node="*", ext=ext)):
+            index = p.name[len(prefix):-len(suffix)]
+            if index.isdigit():
+                found.append((int(index), p))
+        return [p for _, p in sorted(found)]
 
     @property
     def code(self) -> Path:

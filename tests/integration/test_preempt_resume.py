@@ -46,6 +46,8 @@ from preempt_helpers import (
 from shared_results import shared
 from slurm_helpers import faults, job_name, webhook_server
 
+from lmcore.rank_logs import take_srun_task
+from lmcore.rundir import RunLayout
 from lmcore.slurm import client as slurm
 from tests.trackers import assert_trackers_log_each_step_once
 
@@ -486,9 +488,10 @@ def _wait_held(run_dir, job: str, point: str, tasks: int = 2) -> None:
     attempt at once."""
     line = f"fault injection: sleep at {point} "
 
-    def held() -> int:
-        return sum(line in (run_dir / "submitit" / f"{job}_{t}_log.err").read_text(errors="replace")
-                   for t in range(tasks) if (run_dir / "submitit" / f"{job}_{t}_log.err").exists())
+    def held() -> int:  # the tasks whose lines of their node's srun file (labelled "R: ") say so
+        lines = [x for p in RunLayout.of(run_dir).submitit_node_logs(job, "err")
+                 for x in p.read_text(errors="replace").splitlines()]
+        return sum(any(line in x for x in take_srun_task(lines, t)) for t in range(tasks))
 
     waiting.until(lambda: held() >= tasks, progress=run_progress(run_dir, job), poll=0.1,
                   on_poll=lambda: start_if_begin_time(job), what=f"every task of job {job} held at {point}",

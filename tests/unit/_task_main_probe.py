@@ -30,3 +30,14 @@ class ProbeTask(TrainTask):
 
 def plain() -> dict[str, str]:
     return handlers()
+
+
+def touch(path: str) -> None:
+    """A callable whose effect shows without a result pickle: the handlers it ran under, in a file."""
+    from pathlib import Path
+
+    Path(path).write_text(repr(handlers()))
+
+
+def fail() -> None:
+    raise ValueError("the task failed on purpose")

@@ -204,7 +204,9 @@ def test_hostile_runs_root_is_rejected_or_rendered_exactly(value, tmp_path):
     assert sorted(slurm_directives(script)) == planned_directives(plan)
     assert f"--output={root}/t/submitit/%j_0_log.out" in slurm_directives(script)
     srun = shlex.split(next(line for line in script.split("\n") if line.startswith("srun ")))
-    assert srun[srun.index("--output") + 1] == f"{root}/t/submitit/%j_%t_log.out"
+    assert srun[srun.index("--output") + 1] == f"{root}/t/submitit/%j_%t_log.out"  # submitit's, then ours: the last wins
+    assert [a for a in srun if a.startswith(("--output=", "--error="))] == [
+        f"--output={root}/t/submitit/%j_node-%n_log.out", f"--error={root}/t/submitit/%j_node-%n_log.err"]
     assert srun[-1] == f"{root}/t/submitit"
     sandbox = tmp_path / "sandbox"
     sandbox.mkdir()

@@ -271,6 +271,44 @@ def test_log_sources_fall_back_to_submitit_files_of_each_job(tmp_path):
     assert [s.attempt for s in run_files.log_sources(run_dir, ["11", "12"])] == [2, 10]  # numeric order, per-attempt logs win
 
 
+def test_log_sources_fall_back_to_a_tasks_lines_in_sruns_node_files_and_follow_them(tmp_path):
+    """srun writes a job's tasks' output to a file per node (``%j_node-%n_log.out``), each line
+    labelled with its task, padded to the step's widest (``srun --label``): a rank's fallback is its
+    lines of its node's file, without the label; a label split across the reader's blocks is found."""
+    run_dir = tmp_path / "r"
+    import io
+
+    from launcher.monitor.logs import print_logs
+    from lmcore import rank_logs
+    from lmcore.rundir import RunLayout
+
+    sub = run_dir / "submitit"
+    sub.mkdir(parents=True)
+    (sub / "13_node-0_log.out").write_text(" 0: zero a\n 1: one\n 0: zero b\n")
+    (sub / "13_node-1_log.out").write_text("x" * 70 + "\n 2: two\n11: eleven\n 2: \n")
+    (sub / "13_node-1_log.err").write_text(" 2: Traceback (most recent call last):\n 2: ValueError: x\n")
+    (sub / "13_node-x_log.out").write_text(" 2: not a node's file\n")
+    (sub / "13_0_log.err").write_text("srun: error: n2: task 2: Exited with exit code 1\n")  # the batch script's
+    srcs = run_files.log_sources(run_dir, ["13"], rank=2)
+    assert [(s.path.name, s.rank, s.srun_labels) for s in srcs] == [("13_node-1_log.out", 2, True),
+                                                                    ("13_node-1_log.err", 2, True),
+                                                                    ("13_0_log.err", None, False)]
+    out = io.StringIO()
+    assert print_logs(run_dir, ["13"], out, rank=2) == 3
+    assert out.getvalue() == ("──── job 13, task 2, srun out ────\ntwo\n\n──── job 13, task 2, srun err ────\n"
+                              "Traceback (most recent call last):\nValueError: x\n"
+                              "──── job 13, the batch script and srun, err ────\n"
+                              "srun: error: n2: task 2: Exited with exit code 1\n"), out.getvalue()
+    assert "eleven" not in out.getvalue() and "not a node" not in out.getvalue()
+    assert [s.path.name for s in run_files.log_sources(run_dir, ["13"], rank=11)] == ["13_node-1_log.out",
+                                                                                     "13_0_log.err"]
+    assert rank_logs.srun_node_file_of(RunLayout.of(run_dir).submitit_node_logs("13", "out"), 2, chunk=8) == (
+        sub / "13_node-1_log.out")  # its label across two blocks of 8 bytes
+    assert rank_logs.srun_node_file_of(RunLayout.of(run_dir).submitit_node_logs("13", "out"), 1, chunk=5) == (
+        sub / "13_node-0_log.out")
+    assert rank_logs.srun_node_file_of(RunLayout.of(run_dir).submitit_node_logs("13", "out"), 3, chunk=8) is None
+
+
 def test_a_ranks_log_is_its_lines_of_its_nodes_log_unmarked_followed_as_they_come(tmp_path):
     """The ranks' logs are one file per node (lmcore.rank_logs): `lmlaunch logs --rank R` shows R's
     lines, unmarked, from the node that holds them, and a line being written is shown once whole."""
@@ -390,3 +428,23 @@ def test_history_names_a_job_that_ended_before_any_attempt_started():
     assert notes == ['job 9 ended before any attempt started (its tasks failed before the training entry): '
                      'Error: runc: runc create failed: exec: "python3": executable file not found in $PATH '
                      '(srun: error: n1: task 0: Exited with exit code 127)']
+
+
+def test_history_reads_task_0s_errors_from_its_nodes_srun_file_then_the_batch_scripts(tmp_path):
+    """Where `history` finds those lines: task 0's in the first node's srun file (labelled, the other
+    tasks' lines left out), then srun's own in the batch script's stderr; a run of before had task 0's
+    in the batch script's file, read as it is."""
+    from launcher.commands.history import _task_errors
+    from lmcore.rundir import RunLayout
+
+    layout = RunLayout.of(tmp_path)
+    layout.submitit.mkdir()
+    (layout.submitit / "9_node-0_log.err").write_text(
+        ' 0: Error: runc create failed: exec: "python3": executable file not found\n 1: Error: not task 0\n')
+    (layout.submitit / "9_node-1_log.err").write_text(" 2: Error: not task 0 either\n")
+    (layout.submitit / "9_0_log.err").write_text("srun: error: n1: task 0: Exited with exit code 127\nfine\n")
+    (layout.submitit / "7_0_log.err").write_text("Traceback (most recent call last):\nValueError: old run\n")
+    assert _task_errors(layout, ["9", "7", "5"]) == {
+        "9": ['Error: runc create failed: exec: "python3": executable file not found',
+              "srun: error: n1: task 0: Exited with exit code 127"],
+        "7": ["Traceback (most recent call last):", "ValueError: old run"]}

@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 JOB = "4242"
 
 
-def _start(folder: Path, runner: list[str], tmp_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": JOB, "SLURM_PROCID": "0",
-           "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1",
+def _start(folder: Path, runner: list[str], tmp_path: Path, rank: int = 0) -> subprocess.Popen:
+    env = {**os.environ, "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": JOB, "SLURM_PROCID": str(rank),
+           "SLURM_NTASKS": str(rank + 1), "SLURM_LOCALID": "0", "SLURM_NODEID": str(rank),
+           "SLURM_JOB_NUM_NODES": str(rank + 1),
            "SLURM_JOB_NODELIST": "n1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
     env.pop("SUBMITIT_PREEMPT_SIGNAL", None)
     return subprocess.Popen([sys.executable, "-u", *runner, str(folder)], env=env, cwd=tmp_path,
@@ -147,6 +148,31 @@ def test_a_result_an_earlier_attempt_was_killed_writing_does_not_fail_the_next(t
             assert not (folder / f"{JOB}_0_result.pkl").exists()
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_task_other_than_the_first_runs_the_callable_and_writes_no_result(tmp_path, fails):
+    """Only task 0 writes submitit's result (or error) pickle: the others' were a file per rank per
+    job that nothing reads. The callable still runs with submitit's handlers (it is not lmtrain's
+    task), and a failure still ends the task non-zero with its traceback on stderr."""
+    from tests.unit._task_main_probe import fail, touch
+
+    folder = tmp_path / "submitit"
+    folder.mkdir()
+    mark = tmp_path / "ran"
+    _submit(folder, fail if fails else lambda: touch(str(mark)))
+    proc = _start(folder, ["-m", "lmtrain.task.main", "--signal", "USR2"], tmp_path, rank=1)
+    try:
+        rc = proc.wait(timeout=HANG_S)
+    finally:
+        proc.kill()
+    assert sorted(p.name for p in folder.iterdir()) == [f"{JOB}_submitted.pkl"], _output(tmp_path)
+    if fails:
+        assert rc == 1 and "ValueError: the task failed on purpose" in _output(tmp_path), _output(tmp_path)
+    else:
+        assert rc == 0, _output(tmp_path)
+        assert "checkpoint_and_try_requeue" in mark.read_text()  # submitit's handler: not lmtrain's task
+        assert "no result pickle: not the job's first task" in _output(tmp_path)
 
 
 @pytest.mark.parametrize("argv", [[], ["--signal"], ["--signal", "USR2"], ["a", "b"]])

@@ -10,7 +10,7 @@ and SIGTERM was only logged, so the attempt trained on until SIGKILL.
 
 Here lmtrain's record-only handlers (lmtrain.preemption.signals.own_signals) are the first thing the process
 does; only the interpreter's own start comes before them. Then submitit's runner runs the task as
-``_submit`` would (its logs, its result and error pickles), except that for lmtrain's task
+``_submit`` would (its logs, its result and error pickles: task 0's only, :func:`run_without_result`), except that for lmtrain's task
 (lmtrain.task.train_task.TrainTask) it leaves the signals alone: lmtrain's entry adopts the handlers
 installed here, and a signal they recorded is acted on at the first step boundary (a stop in the
 ledger, a checkpoint, a requeue). Any other callable gets submitit's handlers, as under ``_submit``.
@@ -127,8 +127,45 @@ def train(folder: str) -> None:
         submitits(env, paths, delayed)
 
     job_environment.JobEnvironment._handle_signals = handle_signals  # type: ignore[method-assign]
-    clear_stale_result(folder)
-    submission.process_job(folder)
+    if task_rank() == 0:
+        clear_stale_result(folder)
+        submission.process_job(folder)
+    else:
+        run_without_result(folder)
+
+
+def task_rank() -> int:
+    """This task's rank in the job, as submitit's JobEnvironment reads it (SLURM_PROCID here)."""
+    from submitit.core import job_environment
+
+    return int(job_environment.JobEnvironment().global_rank)
+
+
+SUBMITTED_WAIT_S = 60  # as submitit's process_job waits for the pickled task to appear
+
+
+def run_without_result(folder: str) -> None:
+    """submitit's runner (``submission.process_job``) for a task other than the job's first: the same
+    load, signals and call, but no result or error pickle. lmlaunch reads none of them (a run's
+    outcome is its ledger and markers); task 0's stays, as submitit writes it, for its stale-file
+    care above and a reader of submitit's folder. The others' were a file per rank per job: 16,384
+    at 16,384 ranks (docs/scale.md). A failure still raises, its traceback on the task's stderr."""
+    from submitit.core import job_environment, utils
+    from submitit.core.logger import get_logger
+
+    os.environ["SUBMITIT_FOLDER"] = folder
+    env = job_environment.JobEnvironment()
+    paths = env.paths
+    get_logger().info(f"Starting with {env} (no result pickle: not the job's first task)")
+    deadline = time.monotonic() + SUBMITTED_WAIT_S
+    while not paths.submitted_pickle.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    if not paths.submitted_pickle.exists():
+        raise RuntimeError(f"Waited for {SUBMITTED_WAIT_S} seconds but could not find submitted jobs in path:\n"
+                           f"{paths.submitted_pickle}")
+    delayed = utils.DelayedSubmission.load(paths.submitted_pickle)
+    env._handle_signals(paths, delayed)
+    delayed.result()
 
 
 if __name__ == "__main__":
