@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from launcher.spec.profiles import Profile
 from lmcore.parallelism import DataParallel
 from lmcore.plan import EnvOverride
-from lmcore.rundir import CODE_DIR
+from lmcore.rundir import CODE_DIR, CODE_ZIP
 from lmcore.spec import JobSpec
 
 
@@ -70,10 +70,11 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
         if name in values and values[name] != value:
             overrides.append(EnvOverride(name, values[name], value))
         put(name, value, "set by the job spec (env.vars)")
-    code = f"{run_dir}/{CODE_DIR}"
+    code = f"{run_dir}/{CODE_DIR}/{CODE_ZIP}:{run_dir}/{CODE_DIR}"
     extra = values.get("PYTHONPATH")
     put("PYTHONPATH", f"{code}:{extra}" if extra else code,
-        "the run's code snapshot first: every attempt, requeues included, runs the code it was submitted with"
+        "the run's code snapshot first: every attempt, requeues included, runs the code it was submitted with "
+        "(its zip, one file to open; then its directory, for a snapshot taken before the zip)"
         + (f" (then {reasons['PYTHONPATH']})" if extra else "")
         + "; a PYTHONPATH the job already has (the cluster's modules, the profile's setup) is kept after it")
     return PlannedEnv(

@@ -4,7 +4,11 @@ checkout. Every attempt of the run, requeues days later included, imports the sn
 (``PYTHONPATH`` and ``--chdir`` in the plan), not the live checkout; ``--resume`` after the code
 changed says what changed and takes the new code only with ``--new-code``.
 
-Only source goes in (``*.py`` and package data, no ``__pycache__``, no data, no venv).
+Only source goes in (``*.py`` and package data, no ``__pycache__``, no data, no venv). The same files
+go into one zip beside them (``code/lmlaunch-code.zip``, :func:`write_zip`), first on the tasks'
+``PYTHONPATH``: a process's imports then open one file instead of stat'ing and opening a few hundred
+on the shared filesystem (docs/scale.md). The directory stays for people, ``lmlaunch diff``, the data
+files read by path, and a run's older code without the zip.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import launcher
-from lmcore.rundir import RunLayout
+from lmcore.rundir import CODE_ZIP, RunLayout
 
 MANIFEST = "manifest.json"
 PATCH = "uncommitted.patch"
@@ -95,6 +99,7 @@ def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
     if snap.git and snap.git.get("patch"):
         (tmp / PATCH).write_text(str(snap.git.pop("patch")))
         snap.git["patch_file"] = PATCH
+    write_zip(tmp / CODE_ZIP, {rel: tmp / rel for rel in files}, target)
     (tmp / MANIFEST).write_text(snap.to_json())
     old = target.with_name(f".{target.name}.old")
     shutil.rmtree(old, ignore_errors=True)
@@ -103,6 +108,31 @@ def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
     tmp.rename(target)
     shutil.rmtree(old, ignore_errors=True)
     return snap
+
+
+_PYC_UNCHECKED = (0b01).to_bytes(4, "little")  # PEP 552: hash-based, never checked against the source
+
+
+def write_zip(out: Path, files: Mapping[str, Path], shown_at: Path) -> None:
+    """The zip ``out`` of ``files`` (its name for each -> where to read it), and beside each module
+    its bytecode for this interpreter (``mod.pyc``, which zipimport tries first), never checked
+    against its source (the zip is never changed). The bytecode names each module's file as the
+    snapshot's directory ``shown_at`` holds it: tracebacks, debuggers and py-spy show a file that
+    exists, with the package path. A task whose Python differs finds the bytecode's magic number
+    wrong and compiles the zip's source instead. Modules imported from the zip have ``__file__``
+    ``<zip>/pkg/mod.pyc`` (:func:`lmcore.rundir.unzipped` maps it to the directory)."""
+    import importlib.util
+    import marshal
+    import zipfile
+
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
+        for rel in sorted(files):
+            data = files[rel].read_bytes()
+            zf.writestr(rel, data)
+            if rel.endswith(".py"):
+                code = compile(data, str(shown_at / rel), "exec", dont_inherit=True)
+                zf.writestr(rel[:-3] + ".pyc", importlib.util.MAGIC_NUMBER + _PYC_UNCHECKED
+                            + importlib.util.source_hash(data) + marshal.dumps(code))
 
 
 def read(run_dir: Path) -> Snapshot | None:

@@ -261,7 +261,8 @@ def array_setup(plan: LaunchPlan, run_dirs: list[str]) -> list[str]:
     lines += [export_line(n, plan.env[n]) for n in sorted(plan.env) if n not in PER_POINT_ENV and n not in own]
     lines.append("LMLAUNCH_POINTS=(" + " ".join(shell_quote(d) for d in run_dirs) + ")")
     lines.append('export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"')
-    lines.append('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code${PYTHONPATH:+:$PYTHONPATH}"')
+    code = f"$LMLAUNCH_RUN_DIR/{rundir.CODE_DIR}"  # its zip first, as lmcore's planned PYTHONPATH
+    lines.append(f'export PYTHONPATH="{code}/{rundir.CODE_ZIP}:{code}${{PYTHONPATH:+:$PYTHONPATH}}"')
     lines += [_per_point_export(n, plan.env[n], run_dir) for n in own]  # e.g. the NCCL flight recorder's file
     return lines + container_lines(plan) + hetjob.start_lines(plan) + restart_loop_head(plan)
 

@@ -31,6 +31,9 @@ BATCH_VAR = "LMLAUNCH_BATCH"
 CHECKPOINTS = "checkpoints"  # the default checkpoint directory; the plan may name another
 LOGS = "logs"
 CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.runs.snapshot, PYTHONPATH in the plan)
+# in code/: the same files in one zip, each module with its bytecode, first on PYTHONPATH: a process's imports
+# open one file, not a few hundred (docs/scale.md); code/ keeps them unpacked for people, diffs and data files
+CODE_ZIP = "lmlaunch-code.zip"
 SUBMITIT = "submitit"  # submitit's folder: the pickled task, the job script, the batch script's and tasks' output
 # in submitit/: srun's output of a job's tasks on node N (srun --output with %n), each line marked with its
 # task, "R: " (srun --label); the batch script's own is "<job>_0_log.<ext>" (sbatch --output)
@@ -58,6 +61,17 @@ TASK_RECORD_OF_A_RANK = "rank-{rank}.json"  # beside them: a record of a run wri
 
 
 # --------------------------------------------------------------------------- markers and paths
+def unzipped(path: str | Path) -> Path:
+    """A path inside the code snapshot's zip (a module's ``__file__`` imported from it), as the
+    snapshot's directory holds it on disk; any other path as it is. For files read or run by path
+    (data beside a module, a script), which a zip cannot give."""
+    parts = Path(path).parts
+    if CODE_ZIP not in parts:
+        return Path(path)
+    i = len(parts) - 1 - parts[::-1].index(CODE_ZIP)
+    return Path(*parts[:i], *parts[i + 1:])
+
+
 def read_done_step(run_dir: str | Path) -> tuple[bool, int | None]:
     """(DONE exists, the step it names)."""
     try:

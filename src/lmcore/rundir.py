@@ -25,6 +25,7 @@ from lmcore.run_layout import (
     CANCELLED as CANCELLED,
     CHECKPOINTS as CHECKPOINTS,
     CODE_DIR as CODE_DIR,
+    CODE_ZIP as CODE_ZIP,
     CSV as CSV,
     DEEPSPEED_JSON as DEEPSPEED_JSON,
     DONE as DONE,
@@ -56,6 +57,7 @@ from lmcore.run_layout import (
     environment_records as environment_records,
     is_cancelled as is_cancelled,
     read_done_step as read_done_step,
+    unzipped as unzipped,
 )
 
 # --------------------------------------------------------------------------- heartbeat

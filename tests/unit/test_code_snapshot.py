@@ -40,7 +40,12 @@ def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
     assert not list((run_dir / "code").rglob("__pycache__"))
     assert snap.size < 5e6 and snap.git is not None and len(str(snap.git["commit"])) == 40
     assert any("code snapshot" in n for n in opening.notes)
-    assert plan.env["PYTHONPATH"] == f"{run_dir}/code"  # first: the snapshot
+    assert plan.env["PYTHONPATH"] == f"{run_dir}/code/lmlaunch-code.zip:{run_dir}/code"  # first: the snapshot's zip
+    import zipfile
+
+    with zipfile.ZipFile(run_dir / "code" / "lmlaunch-code.zip") as zf:
+        names = set(zf.namelist())
+    assert names == set(snap.files) | {rel[:-3] + ".pyc" for rel in snap.files if rel.endswith(".py")}
     from launcher.submit.script import executor_parameters
 
     assert executor_parameters(plan)["additional_parameters"]["chdir"] == str(run_dir)
@@ -63,6 +68,60 @@ def test_a_resume_after_the_code_changed_needs_new_code_and_says_what_changed(re
     assert (run_dir / "code" / "manifest.json").read_text() == before
     with pytest.raises(UserError, match="--new-code goes with --resume"):
         lifecycle.plan_opening(_plan(repo, tmp_path, "name=other"), new_code=True)
+
+
+def test_the_zip_is_imported_from_its_bytecode_or_else_its_source(tmp_path):
+    """A module of the snapshot's zip runs from the bytecode beside it, compiled once naming the
+    snapshot directory's copy of its file and never checked against the source (the zip is never changed); bytecode of another
+    Python (its magic number) is passed over for the source. A data file read by path is found in
+    the directory beside the zip (lmcore.rundir.unzipped)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from lmcore.rundir import unzipped
+
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "__init__.py").write_text("")
+    (src / "pkg" / "m.py").write_text("X = 'source'\ndef where():\n    raise ValueError('from m')\n")
+    (src / "pkg" / "data.txt").write_text("beside")
+    files = {rel: src / rel for rel in ("pkg/__init__.py", "pkg/m.py", "pkg/data.txt")}
+    final = tmp_path / "code"
+    final.mkdir()
+    made = src / "lmlaunch-code.zip"
+    snapshot.write_zip(made, files, final)
+
+    def rebuilt(name: str, source: bytes, pyc_magic: bytes | None = None) -> Path:
+        """The zip with m.py's source replaced (its bytecode kept, or given another magic number)."""
+        out = tmp_path / name / "lmlaunch-code.zip"
+        out.parent.mkdir()
+        with zipfile.ZipFile(made) as zin, zipfile.ZipFile(out, "w") as zout:
+            for info in zin.infolist():
+                data = zin.read(info)
+                if info.filename == "pkg/m.py":
+                    data = source
+                elif info.filename == "pkg/m.pyc" and pyc_magic is not None:
+                    data = pyc_magic + data[4:]
+                zout.writestr(info, data)
+        return out
+
+    probe = ("import pkg.m, traceback\nprint(pkg.m.X, pkg.m.__file__)\n"
+             "try:\n    pkg.m.where()\nexcept ValueError:\n    print(traceback.format_exc())")
+    edited = b"X = 'edited'\ndef where():\n    raise ValueError('edited')\n"
+    for zipped, want in ((rebuilt("bytecode", edited), "source"), (rebuilt("other-python", edited, b"\x00\x00\r\n"), "edited")):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={"PYTHONPATH": str(zipped)},
+                             cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        value, path = out.stdout.split("\n")[0].split()
+        assert value == want and path == f"{zipped}/pkg/m.py{'c' if want == 'source' else ''}", out.stdout
+    made_here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                               env={"PYTHONPATH": str(made)}).stdout
+    # the traceback names the file as the snapshot's directory holds it, its line read from the zip (no file there here)
+    assert f'File "{final}/pkg/m.py", line 3, in where' in made_here, made_here
+    assert "raise ValueError('from m')" in made_here
+    assert unzipped(f"{final}/lmlaunch-code.zip/pkg/data.txt") == final / "pkg" / "data.txt"
+    assert unzipped("/a/b/c.txt") == Path("/a/b/c.txt")
 
 
 def test_diff_names_the_files_that_differ(repo, tmp_path):
@@ -91,10 +150,14 @@ def test_the_tasks_import_the_snapshot_not_the_checkout(repo, runs_root):
                           'self.heartbeat.emit("step", max_steps=max_steps, snapshot_marker=1, **metrics)')
     assert marked != text
     callbacks.write_text(marked)
+    code_dir = run_dir / "code"  # the processes import the zip: it is made again from the edited directory
+    zipped = code_dir / "lmlaunch-code.zip"
+    snapshot.write_zip(zipped, {rel: code_dir / rel for rel in snapshot.read(run_dir).files}, code_dir)
     with open(run_dir / "launcher.out", "w") as out:
         assert launch(plan.paths.run_dir, 1, plan_env=plan.env, out=out, threads_per_proc=1) == 0
     steps = [json.loads(x) for x in (run_dir / "metrics" / "heartbeat.jsonl").read_text().splitlines()]
     steps = [x for x in steps if x["event"] == "step"]
     assert steps and all(x.get("snapshot_marker") == 1 for x in steps), steps
     code = json.loads((run_dir / "logs" / "attempt-1" / "environment.json").read_text())["code"]
-    assert code["from_snapshot"] is True and code["lmtrain"] == str((run_dir / "code" / "lmtrain").resolve())
+    assert code["from_snapshot"] is True
+    assert code["lmtrain"] == str(run_dir.resolve() / "code" / "lmlaunch-code.zip" / "lmtrain"), code

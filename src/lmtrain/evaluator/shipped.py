@@ -11,8 +11,9 @@ import shutil
 from pathlib import Path
 
 from lmcore.eval_alongside import TASKS_DIR
+from lmcore.rundir import unzipped
 
-SHIPPED = Path(__file__).resolve().with_name("tasks")
+SHIPPED = unzipped(Path(__file__).resolve()).with_name("tasks")  # on disk, also when imported from the snapshot's zip
 _DATA_FILE = re.compile(r"^(\s+\w+:\s*)(\S+\.jsonl)\s*$")
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.processes import alive
+from lmcore.rundir import unzipped
 from lmtrain.local import zygote_serve
 from lmtrain.local.zygote_serve import PRELOAD, SHARED_ENV, START_TIMEOUT_S, differences, forkable
 
@@ -140,7 +141,8 @@ class Zygote:
         # threads must not fork); each rank sets its own count.
         env = {**{k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "PYTHONPATH")}, "OMP_NUM_THREADS": "1"}
         Path(socket_path).unlink(missing_ok=True)
-        return subprocess.Popen([sys.executable, "-u", "-P", zygote_serve.__file__, str(socket_path)], env=env,
+        script = str(unzipped(zygote_serve.__file__))  # a file on disk, also when imported from the snapshot's zip
+        return subprocess.Popen([sys.executable, "-u", "-P", script, str(socket_path)], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=log if log is not None else subprocess.DEVNULL, text=True)
 
