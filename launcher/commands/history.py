@@ -92,14 +92,14 @@ def _tail_lines(path: Path, size: int) -> list[str] | None:
 
 def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list[str]]:
     """Each job's error lines, for jobs that never started an attempt: task 0's (from its node's
-    srun file, the first node's), then the batch script's and srun's own (``<job>_0_log.err``, which
-    in a run of before was task 0's too)."""
+    srun file, the first node's, stdout and stderr), then the batch script's and srun's own
+    (``<job>_0_log.err``, which in a run of before was task 0's too)."""
     from launcher.monitor.run_files import error_lines
     from lmcore.rank_logs import take_srun_task
 
     out = {}
     for job in job_ids:
-        nodes = layout.submitit_node_logs(job, "err")
+        nodes = layout.submitit_node_logs(job, "out")
         task = take_srun_task(_tail_lines(nodes[0], 65536) or [], 0) if nodes else []
         batch = _tail_lines(layout.submitit / rundir.SUBMITIT_TASK_LOG.format(job=job, rank=0, ext="err"), 8192)
         if batch is None and not nodes:

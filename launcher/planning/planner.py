@@ -173,7 +173,7 @@ def _slurm(
         output=str(submitit_dir / "%j_0_log.out"),
         error=str(submitit_dir / "%j_0_log.err"),
         task_output=str(submitit_dir / rundir.SUBMITIT_NODE_LOG.format(job="%j", node="%n", ext="out")),
-        task_error=str(submitit_dir / rundir.SUBMITIT_NODE_LOG.format(job="%j", node="%n", ext="err")),
+        task_error=str(submitit_dir / rundir.SUBMITIT_NODE_LOG.format(job="%j", node="%n", ext="out")),  # the same file
     )
 
 

@@ -135,6 +135,19 @@ def write_zip(out: Path, files: Mapping[str, Path], shown_at: Path) -> None:
                             + importlib.util.source_hash(data) + marshal.dumps(code))
 
 
+def add_zip(run_dir: Path) -> bool:
+    """Zip a snapshot taken before the zip (its directory's files, as its manifest lists them), for
+    the plan's PYTHONPATH; False when it has one already (or no manifest to go by)."""
+    code = RunLayout.of(run_dir).code
+    snap = read(run_dir)
+    if snap is None or (code / CODE_ZIP).exists():
+        return False
+    tmp = code / f".{CODE_ZIP}.tmp"
+    write_zip(tmp, {rel: code / rel for rel in snap.files}, code)
+    os.replace(tmp, code / CODE_ZIP)
+    return True
+
+
 def read(run_dir: Path) -> Snapshot | None:
     try:
         d = json.loads((RunLayout.of(run_dir).code / MANIFEST).read_text())

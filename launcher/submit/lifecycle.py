@@ -106,8 +106,10 @@ class Opening:
     def _snapshot_code(self) -> None:
         """A new run gets the code as it is now; a resumed one keeps its own unless --new-code."""
         code_dir = rundir.RunLayout.of(self.run_dir).code
-        if self.resume and code_dir.is_dir() and self.code_changes is None:
-            return  # unchanged code (plan_opening compared it): the run keeps its snapshot
+        if self.resume and code_dir.is_dir() and self.code_changes is None:  # unchanged code (plan_opening compared it)
+            if snapshot.add_zip(self.run_dir):  # a snapshot taken before the zip: its files zipped, as the plan imports
+                self._undo.append(functools.partial(Path.unlink, code_dir / rundir.CODE_ZIP, missing_ok=True))
+            return  # the run keeps its snapshot
         if code_dir.is_dir():
             code = rundir.RunLayout.of(self.run_dir).code
             kept = code.with_name(f".{code.name}.undo")

@@ -210,9 +210,10 @@ def _unless_preempting(indent: str) -> list[str]:
 
 
 def task_output_args(plan: LaunchPlan) -> list[str]:
-    """srun's output files of the tasks, one per node, each line labelled with its task (submitit's
-    srun options come first, a file per task; srun takes the last of each); none for a plan of
-    before, whose tasks keep submitit's. At 2,048 nodes of 8 ranks: 4,096 files a job, not 32,768."""
+    """srun's output file of the tasks, one per node for their stdout and stderr, each line labelled
+    with its task (submitit's srun options come first, two files per task; srun takes the last of
+    each); none for a plan of before, whose tasks keep submitit's. At 2,048 nodes of 8 ranks: 2,048
+    files a job, not 32,768."""
     s = plan.slurm
     if "%n" not in s.task_output or "%n" not in s.task_error:
         return []
@@ -261,8 +262,8 @@ def array_setup(plan: LaunchPlan, run_dirs: list[str]) -> list[str]:
     lines += [export_line(n, plan.env[n]) for n in sorted(plan.env) if n not in PER_POINT_ENV and n not in own]
     lines.append("LMLAUNCH_POINTS=(" + " ".join(shell_quote(d) for d in run_dirs) + ")")
     lines.append('export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"')
-    code = f"$LMLAUNCH_RUN_DIR/{rundir.CODE_DIR}"  # its zip first, as lmcore's planned PYTHONPATH
-    lines.append(f'export PYTHONPATH="{code}/{rundir.CODE_ZIP}:{code}${{PYTHONPATH:+:$PYTHONPATH}}"')
+    code = f"$LMLAUNCH_RUN_DIR/{rundir.CODE_DIR}/{rundir.CODE_ZIP}"  # its snapshot's zip, as the planned PYTHONPATH
+    lines.append(f'export PYTHONPATH="{code}${{PYTHONPATH:+:$PYTHONPATH}}"')
     lines += [_per_point_export(n, plan.env[n], run_dir) for n in own]  # e.g. the NCCL flight recorder's file
     return lines + container_lines(plan) + hetjob.start_lines(plan) + restart_loop_head(plan)
 

@@ -172,7 +172,7 @@ class SlurmParams:
     output: str  # the batch shell's stdout (#SBATCH --output), as submitit writes it
     error: str  # the batch shell's stderr (#SBATCH --error)
     task_output: str = ""  # the tasks' stdout (srun --output): a file per node (%n), each line "R: " (srun --label)
-    task_error: str = ""  # the tasks' stderr (srun --error), the same way
+    task_error: str = ""  # the tasks' stderr (srun --error): the same file as their stdout
     exclude: str | None = None  # sbatch --exclude: nodes `doctor --on-nodes --exclude-bad` found bad (plan notes say why)
     site_options: dict[str, str | bool] = field(default_factory=dict)  # the profile's and the spec's slurm.sbatch (true: a flag)
     spare_nodes: int = 0  # of ``nodes`` (sbatch --nodes): allocated, kept idle, swapped in for a failed node

@@ -35,8 +35,8 @@ CODE_DIR = "code"  # the code snapshot every attempt imports (launcher.runs.snap
 # open one file, not a few hundred (docs/scale.md); code/ keeps them unpacked for people, diffs and data files
 CODE_ZIP = "lmlaunch-code.zip"
 SUBMITIT = "submitit"  # submitit's folder: the pickled task, the job script, the batch script's and tasks' output
-# in submitit/: srun's output of a job's tasks on node N (srun --output with %n), each line marked with its
-# task, "R: " (srun --label); the batch script's own is "<job>_0_log.<ext>" (sbatch --output)
+# in submitit/: srun's output of a job's tasks on node N, stdout and stderr (srun --output and --error with %n,
+# ext "out"), each line marked with its task, "R: " (srun --label); the batch script's own is "<job>_0_log.<ext>"
 SUBMITIT_NODE_LOG = "{job}_node-{node}_log.{ext}"
 SUBMITIT_TASK_LOG = "{job}_{rank}_log.{ext}"  # a task's own file: a run written before (and task 0's, as the batch's)
 SPEC_YAML = "spec.yaml"

@@ -178,7 +178,7 @@ def log_tail(run_dir: Path, chars: int = 1500) -> str:
         parts.append(f"--- {attempt_dir}, rank 0\n" + rank_text(attempt_dir, 0)[-chars:])
     for p in sorted((run_dir / "submitit").glob("*_0_log.err"))[-1:]:  # the batch script's and srun's
         parts.append(f"--- {p}\n" + p.read_text(errors="replace")[-chars:])
-    for p in sorted((run_dir / "submitit").glob("*_node-0_log.err"))[-1:]:  # the tasks' of node 0, labelled
+    for p in sorted((run_dir / "submitit").glob("*_node-0_log.out"))[-1:]:  # the tasks' of node 0, labelled
         parts.append(f"--- {p}\n" + p.read_text(errors="replace")[-chars:])
     return "\n".join(parts)
 

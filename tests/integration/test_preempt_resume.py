@@ -488,8 +488,8 @@ def _wait_held(run_dir, job: str, point: str, tasks: int = 2) -> None:
     attempt at once."""
     line = f"fault injection: sleep at {point} "
 
-    def held() -> int:  # the tasks whose lines of their node's srun file (labelled "R: ") say so
-        lines = [x for p in RunLayout.of(run_dir).submitit_node_logs(job, "err")
+    def held() -> int:  # the tasks whose lines of their node's srun file (stdout and stderr, labelled "R: ") say so
+        lines = [x for p in RunLayout.of(run_dir).submitit_node_logs(job, "out")
                  for x in p.read_text(errors="replace").splitlines()]
         return sum(any(line in x for x in take_srun_task(lines, t)) for t in range(tasks))
 

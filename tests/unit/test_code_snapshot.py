@@ -40,7 +40,8 @@ def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
     assert not list((run_dir / "code").rglob("__pycache__"))
     assert snap.size < 5e6 and snap.git is not None and len(str(snap.git["commit"])) == 40
     assert any("code snapshot" in n for n in opening.notes)
-    assert plan.env["PYTHONPATH"] == f"{run_dir}/code/lmlaunch-code.zip:{run_dir}/code"  # first: the snapshot's zip
+    assert plan.env["PYTHONPATH"] == f"{run_dir}/code/lmlaunch-code.zip"  # first: the snapshot's zip
+    assert plan.env["PYTHONSAFEPATH"] == "1"  # not the run directory first on sys.path (python -m)
     import zipfile
 
     with zipfile.ZipFile(run_dir / "code" / "lmlaunch-code.zip") as zf:
@@ -49,6 +50,28 @@ def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
     from launcher.submit.script import executor_parameters
 
     assert executor_parameters(plan)["additional_parameters"]["chdir"] == str(run_dir)
+
+
+def test_a_resume_of_a_snapshot_taken_before_the_zip_zips_its_own_files(repo, tmp_path):
+    """The plan imports the snapshot's zip: a run whose snapshot has none (taken before it existed)
+    gets one of its own files at its resume, not of the current code; undone when the submission is."""
+    import zipfile
+
+    plan = _plan(repo, tmp_path)
+    lifecycle.plan_opening(plan).apply()
+    run_dir = Path(plan.paths.run_dir)
+    code = run_dir / "code"
+    (code / "lmlaunch-code.zip").unlink()
+    (code / "lmtrain" / "model" / "module.py").write_text("# the run's own, older module\n")  # as it was then
+    opening = lifecycle.plan_opening(plan, resume=True)  # the manifest is unchanged: no --new-code needed
+    opening.apply()
+    with zipfile.ZipFile(code / "lmlaunch-code.zip") as zf:
+        assert zf.read("lmtrain/model/module.py") == b"# the run's own, older module\n"
+        assert "lmtrain/model/module.pyc" in zf.namelist()
+    assert not list(code.glob(".*.tmp"))
+    opening.rollback()
+    assert not (code / "lmlaunch-code.zip").exists()
+    assert snapshot.add_zip(run_dir) and not snapshot.add_zip(run_dir)  # made once, then kept
 
 
 def test_a_resume_after_the_code_changed_needs_new_code_and_says_what_changed(repo, tmp_path):

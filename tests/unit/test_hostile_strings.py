@@ -206,7 +206,7 @@ def test_hostile_runs_root_is_rejected_or_rendered_exactly(value, tmp_path):
     srun = shlex.split(next(line for line in script.split("\n") if line.startswith("srun ")))
     assert srun[srun.index("--output") + 1] == f"{root}/t/submitit/%j_%t_log.out"  # submitit's, then ours: the last wins
     assert [a for a in srun if a.startswith(("--output=", "--error="))] == [
-        f"--output={root}/t/submitit/%j_node-%n_log.out", f"--error={root}/t/submitit/%j_node-%n_log.err"]
+        f"--output={root}/t/submitit/%j_node-%n_log.out", f"--error={root}/t/submitit/%j_node-%n_log.out"]
     assert srun[-1] == f"{root}/t/submitit"
     sandbox = tmp_path / "sandbox"
     sandbox.mkdir()
@@ -246,5 +246,5 @@ def test_a_pythonpath_the_clusters_setup_gives_is_kept_after_the_code_snapshot(t
         sandbox.mkdir()
         env = run_setup_in_sandbox(render_script(plan), sandbox)
         assert env["PYTHONPATH"] == plan.env["PYTHONPATH"] + inherited
-        assert plan.env["PYTHONPATH"].endswith("/code")
+        assert plan.env["PYTHONPATH"].endswith("/code/lmlaunch-code.zip")
     assert "kept after it" in plan.env_reasons["PYTHONPATH"]

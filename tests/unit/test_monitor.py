@@ -439,9 +439,9 @@ def test_history_reads_task_0s_errors_from_its_nodes_srun_file_then_the_batch_sc
 
     layout = RunLayout.of(tmp_path)
     layout.submitit.mkdir()
-    (layout.submitit / "9_node-0_log.err").write_text(
+    (layout.submitit / "9_node-0_log.out").write_text(
         ' 0: Error: runc create failed: exec: "python3": executable file not found\n 1: Error: not task 0\n')
-    (layout.submitit / "9_node-1_log.err").write_text(" 2: Error: not task 0 either\n")
+    (layout.submitit / "9_node-1_log.out").write_text(" 2: Error: not task 0 either\n")
     (layout.submitit / "9_0_log.err").write_text("srun: error: n1: task 0: Exited with exit code 127\nfine\n")
     (layout.submitit / "7_0_log.err").write_text("Traceback (most recent call last):\nValueError: old run\n")
     assert _task_errors(layout, ["9", "7", "5"]) == {

@@ -76,11 +76,10 @@ def test_the_dry_run_shows_the_points_and_the_one_array_script(repo, env, tmp_pa
     runs_root = env["LMLAUNCH_RUNS_ROOT"]
     assert f"LMLAUNCH_POINTS=({' '.join(f'{runs_root}/lr.{i}' for i in range(6))})" in out
     assert 'export LMLAUNCH_RUN_DIR="${LMLAUNCH_POINTS[$SLURM_ARRAY_TASK_ID]}"' in out
-    assert ('export PYTHONPATH="$LMLAUNCH_RUN_DIR/code/lmlaunch-code.zip:$LMLAUNCH_RUN_DIR/code'
-            '${PYTHONPATH:+:$PYTHONPATH}"') in out
+    assert 'export PYTHONPATH="$LMLAUNCH_RUN_DIR/code/lmlaunch-code.zip${PYTHONPATH:+:$PYTHONPATH}"' in out
     # each task's code snapshot first, a PYTHONPATH the cluster's setup gave kept after it, none empty
     points = out[out.index("LMLAUNCH_POINTS=("):].split("\n")[:3]
-    code = f"{runs_root}/lr.1/code/lmlaunch-code.zip:{runs_root}/lr.1/code"
+    code = f"{runs_root}/lr.1/code/lmlaunch-code.zip"
     for inherited, want in (("/opt/site", f"{code}:/opt/site"), ("", code)):
         shown = subprocess.run(["bash", "-c", "\n".join([*points, 'printf %s "$PYTHONPATH"'])], capture_output=True,
                                text=True, env={"SLURM_ARRAY_TASK_ID": "1", **({"PYTHONPATH": inherited} if inherited else {})})
