@@ -34,28 +34,22 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
     put("OMP_NUM_THREADS", str(cpus_per_task), "one intra-op thread per allocated core, no oversubscription")
     put("TOKENIZERS_PARALLELISM", "false", "no tokenizer thread pools forked into DataLoader workers")
     put("LMLAUNCH_RUN_DIR", run_dir, "where the task finds its plan, checkpoints and heartbeat")
+    put("PYTHONSAFEPATH", "1", "`python -m` would put the working directory (the run directory) first on sys.path: "
+        "every import from outside the snapshot would look there first, and a file there could shadow a module "
+        "(Python 3.11 on; older ones ignore it; env.vars PYTHONSAFEPATH='' puts it back)")
     if profile.gpus_per_node > 0 or spec.resources.gpus_per_node > 0:
-        put(
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-            "3",
-            "a failed or timed-out collective tears down the process group instead of hanging",
-        )
         # torch >= 2.2 reads the TORCH_NCCL_* names; the NCCL_* spellings are deprecated.
-        put(
-            "TORCH_NCCL_DUMP_ON_TIMEOUT",
-            "1",
-            "on a collective timeout the NCCL watchdog writes its flight recorder (which collective, which ranks)",
-        )
-        put(
-            "TORCH_NCCL_TRACE_BUFFER_SIZE",
-            "2000",
-            "the flight recorder keeps the last 2000 collectives (0 records nothing to dump)",
-        )
-        put(
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-            f"{run_dir}/logs/nccl-flight-rank-",
-            "the flight recorder dump goes into the run directory (torch appends the rank)",
-        )
+        for name, value, why in (
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3",
+             "a failed or timed-out collective tears down the process group instead of hanging"),
+            ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1",
+             "on a collective timeout the NCCL watchdog writes its flight recorder (which collective, which ranks)"),
+            ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000",
+             "the flight recorder keeps the last 2000 collectives (0 records nothing to dump)"),
+            ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{run_dir}/logs/nccl-flight-rank-",
+             "the flight recorder dump goes into the run directory (torch appends the rank)"),
+        ):
+            put(name, value, why)
     if DataParallel(spec.trainer.strategy) is DataParallel.ZERO and spec.resources.gpus_per_node == 0:
         put(
             "DS_ACCELERATOR",
@@ -77,9 +71,6 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
         "(its zip: a process's imports open one file, not a few hundred)"
         + (f" (then {reasons['PYTHONPATH']})" if extra else "")
         + "; a PYTHONPATH the job already has (the cluster's modules, the profile's setup) is kept after it")
-    put("PYTHONSAFEPATH", "1", "`python -m` would put the working directory (the run directory) first on sys.path: "
-        "every import of a module from outside the snapshot would look there first, and a file there could shadow "
-        "one (Python 3.11 on; older ones ignore it)")
     return PlannedEnv(
         values=values,
         reasons=reasons,

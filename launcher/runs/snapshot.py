@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import launcher
-from lmcore.rundir import CODE_ZIP, RunLayout
+from lmcore.rundir import RunLayout
 
 MANIFEST = "manifest.json"
 PATCH = "uncommitted.patch"
@@ -99,7 +99,8 @@ def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
     if snap.git and snap.git.get("patch"):
         (tmp / PATCH).write_text(str(snap.git.pop("patch")))
         snap.git["patch_file"] = PATCH
-    write_zip(tmp / CODE_ZIP, {rel: tmp / rel for rel in files}, target)
+    layout = RunLayout.of(run_dir)
+    write_zip(tmp / layout.code_zip.relative_to(layout.code), {rel: tmp / rel for rel in files}, target)
     (tmp / MANIFEST).write_text(snap.to_json())
     old = target.with_name(f".{target.name}.old")
     shutil.rmtree(old, ignore_errors=True)
@@ -138,13 +139,13 @@ def write_zip(out: Path, files: Mapping[str, Path], shown_at: Path) -> None:
 def add_zip(run_dir: Path) -> bool:
     """Zip a snapshot taken before the zip (its directory's files, as its manifest lists them), for
     the plan's PYTHONPATH; False when it has one already (or no manifest to go by)."""
-    code = RunLayout.of(run_dir).code
+    layout = RunLayout.of(run_dir)
     snap = read(run_dir)
-    if snap is None or (code / CODE_ZIP).exists():
+    if snap is None or layout.code_zip.exists():
         return False
-    tmp = code / f".{CODE_ZIP}.tmp"
-    write_zip(tmp, {rel: code / rel for rel in snap.files}, code)
-    os.replace(tmp, code / CODE_ZIP)
+    tmp = layout.code_zip.with_name(f".{layout.code_zip.name}.tmp")
+    write_zip(tmp, {rel: layout.code / rel for rel in snap.files}, layout.code)
+    os.replace(tmp, layout.code_zip)
     return True
 
 

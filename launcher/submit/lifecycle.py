@@ -108,7 +108,8 @@ class Opening:
         code_dir = rundir.RunLayout.of(self.run_dir).code
         if self.resume and code_dir.is_dir() and self.code_changes is None:  # unchanged code (plan_opening compared it)
             if snapshot.add_zip(self.run_dir):  # a snapshot taken before the zip: its files zipped, as the plan imports
-                self._undo.append(functools.partial(Path.unlink, code_dir / rundir.CODE_ZIP, missing_ok=True))
+                self._undo.append(functools.partial(Path.unlink, rundir.RunLayout.of(self.run_dir).code_zip,
+                                                    missing_ok=True))
             return  # the run keeps its snapshot
         if code_dir.is_dir():
             code = rundir.RunLayout.of(self.run_dir).code

@@ -160,6 +160,11 @@ class RunLayout:
         return self.run_dir / CODE_DIR
 
     @property
+    def code_zip(self) -> Path:
+        """The code snapshot's files in one zip, what the tasks import (``PYTHONPATH``)."""
+        return self.code / CODE_ZIP
+
+    @property
     def report(self) -> Path:
         return self.run_dir / REPORT
 
