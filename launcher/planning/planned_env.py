@@ -34,9 +34,6 @@ def render_env(spec: JobSpec, profile: Profile, *, run_dir: str, cpus_per_task: 
     put("OMP_NUM_THREADS", str(cpus_per_task), "one intra-op thread per allocated core, no oversubscription")
     put("TOKENIZERS_PARALLELISM", "false", "no tokenizer thread pools forked into DataLoader workers")
     put("LMLAUNCH_RUN_DIR", run_dir, "where the task finds its plan, checkpoints and heartbeat")
-    put("PYTHONSAFEPATH", "1", "`python -m` would put the working directory (the run directory) first on sys.path: "
-        "every import from outside the snapshot would look there first, and a file there could shadow a module "
-        "(Python 3.11 on; older ones ignore it; env.vars PYTHONSAFEPATH='' puts it back)")
     if profile.gpus_per_node > 0 or spec.resources.gpus_per_node > 0:
         # torch >= 2.2 reads the TORCH_NCCL_* names; the NCCL_* spellings are deprecated.
         for name, value, why in (

@@ -41,7 +41,6 @@ def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
     assert snap.size < 5e6 and snap.git is not None and len(str(snap.git["commit"])) == 40
     assert any("code snapshot" in n for n in opening.notes)
     assert plan.env["PYTHONPATH"] == f"{run_dir}/code/lmlaunch-code.zip"  # first: the snapshot's zip
-    assert plan.env["PYTHONSAFEPATH"] == "1"  # not the run directory first on sys.path (python -m)
     import zipfile
 
     with zipfile.ZipFile(run_dir / "code" / "lmlaunch-code.zip") as zf:

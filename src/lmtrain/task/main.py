@@ -34,6 +34,14 @@ from __future__ import annotations
 
 import os
 import sys
+
+# `python -m` put the working directory, the run directory on the shared filesystem, first on sys.path:
+# every import of a module from outside the run's code snapshot would look there first (a stat each),
+# and a file there could shadow a module. This process imports from PYTHONPATH (the snapshot's zip) and
+# its environment; the processes it starts get the directory back (their own sys.path).
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]
+
 import threading
 import time
 from pathlib import Path
