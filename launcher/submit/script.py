@@ -99,7 +99,7 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
         params["dependency"] = dependency
     if s.spare_nodes:
         extra["no_kill"] = True  # a failed node leaves the allocation; the job and its batch script live on
-    srun_args = [*plan.srun_args, *spare_srun_args(plan), *task_output_args(plan)]
+    srun_args = [*plan.srun_args, *task_output_args(plan), *spare_srun_args(plan)]  # the spares' beside the restart's
     if srun_args:
         params["srun_args"] = srun_args
     if plan.container is not None or plan.evaluator:  # the job's exit status stays srun's (the trainer's)

@@ -43,6 +43,11 @@ def test_two_tasks_run_on_n1_and_n2_with_the_planned_environment(slurm_cluster, 
         assert e["SLURM_JOB_NODELIST"] == "n[1-2]"
         for name, value in plan.env.items():
             assert e.get(name) == value, f"rank {rank}: {name}={e.get(name)!r}, planned {value!r}"
-    # submitit's per-task outputs sit in the private submitit folder
-    for rank in (0, 1):
-        assert (run_dir / "submitit" / f"{job_id}_{rank}_result.pkl").exists()
+    # the private submitit folder: task 0's result (the only one written), srun's output a file per node,
+    # each line marked with its task, and no file per task
+    sub = run_dir / "submitit"
+    assert (sub / f"{job_id}_0_result.pkl").exists() and not (sub / f"{job_id}_1_result.pkl").exists()
+    for node in (0, 1):
+        lines = (sub / f"{job_id}_node-{node}_log.out").read_text().splitlines()
+        assert lines and all(line.startswith(f"{node}: ") for line in lines), lines  # task N runs on node N here
+    assert not list(sub.glob(f"{job_id}_1_log.*"))
