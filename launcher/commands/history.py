@@ -81,15 +81,6 @@ def _attempt_times(rec):
     return times, "; ".join(messages)
 
 
-def _tail_lines(path: Path, size: int) -> list[str] | None:
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, path.stat().st_size - size))
-            return f.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-
-
 def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list[str]]:
     """Each job's error lines, for jobs that never started an attempt: task 0's (from its node's
     srun file, the first node's, stdout and stderr), then the batch script's and srun's own
@@ -100,11 +91,11 @@ def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list
     out = {}
     for job in job_ids:
         nodes = layout.submitit_node_logs(job, "out")
-        task = take_srun_task(_tail_lines(nodes[0], 65536) or [], 0) if nodes else []
-        batch = _tail_lines(layout.submitit / rundir.SUBMITIT_TASK_LOG.format(job=job, rank=0, ext="err"), 8192)
+        task = take_srun_task((jsonlines.tail_text(nodes[0], 65536) or "").splitlines(), 0) if nodes else []
+        batch = jsonlines.tail_text(layout.submitit / rundir.SUBMITIT_TASK_LOG.format(job=job, rank=0, ext="err"), 8192)
         if batch is None and not nodes:
             continue
-        out[job] = error_lines(task) + error_lines(batch or [])
+        out[job] = error_lines(task) + error_lines((batch or "").splitlines())
     return out
 
 

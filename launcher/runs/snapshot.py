@@ -99,8 +99,7 @@ def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
     if snap.git and snap.git.get("patch"):
         (tmp / PATCH).write_text(str(snap.git.pop("patch")))
         snap.git["patch_file"] = PATCH
-    layout = RunLayout.of(run_dir)
-    write_zip(tmp / layout.code_zip.relative_to(layout.code), {rel: tmp / rel for rel in files}, target)
+    write_zip(tmp / RunLayout.of(run_dir).code_zip.name, {rel: tmp / rel for rel in files}, target)
     (tmp / MANIFEST).write_text(snap.to_json())
     old = target.with_name(f".{target.name}.old")
     shutil.rmtree(old, ignore_errors=True)

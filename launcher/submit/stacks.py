@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lmcore.rank_logs import srun_label
 from lmcore.task_records import TaskRecord
 
 MARK = "@@lmlaunch-stacks@@"
@@ -21,7 +22,6 @@ RC_NO_PYSPY = 127  # the node has no py-spy beside the task's python nor on PATH
 RC_GONE = 3  # the process is no longer there
 RC_TIMEOUT = 124  # coreutils timeout(1): the dump took longer than its limit
 NATIVE_TRIES = 3  # py-spy's native unwinding fails now and then (libunwind's UNW_EINVAL): tries before Python only
-_LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label: "0: text"
 _BEGIN = re.compile(rf"^{re.escape(MARK)} begin (\d+) (\S+)$")
 _NOTE = re.compile(rf"^{re.escape(MARK)} note (.*)$")
 _END = re.compile(rf"^{re.escape(MARK)} end (\d+) (-?\d+)$")
@@ -108,8 +108,8 @@ def parse_step_output(stdout: str) -> dict[int, Dump]:
         out[rank] = Dump(rank, node, rc, "\n".join(lines).strip("\n"), "; ".join(notes) or None)
 
     for line in stdout.splitlines():
-        m = _LABEL.match(line)
-        label, text = (m.group(1), m.group(2)) if m else ("", line)
+        task, text = srun_label(line)  # srun --label: " 0: text"
+        label = "" if task is None else str(task)
         if b := _BEGIN.match(text):
             open_[label] = (int(b.group(1)), b.group(2), [], [])
         elif (e := _END.match(text)) and label in open_:

@@ -48,8 +48,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return []
 
 
-def read_tail(path: str | Path, max_bytes: int = HEARTBEAT_TAIL_BYTES) -> list[dict[str, Any]]:
-    """The last whole JSON lines of ``path`` within its last ``max_bytes`` (never the whole file)."""
+def tail_text(path: str | Path, max_bytes: int) -> str | None:
+    """The last whole lines of ``path`` within its last ``max_bytes`` (never the whole file); None
+    when it cannot be read."""
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -57,8 +58,13 @@ def read_tail(path: str | Path, max_bytes: int = HEARTBEAT_TAIL_BYTES) -> list[d
             f.seek(start)
             data = f.read()
     except OSError:
-        return []
+        return None
     if start > 0:
         nl = data.find(b"\n")
         data = data[nl + 1 :] if nl >= 0 else b""  # the first line is cut: drop it
-    return parse_jsonl(data.decode("utf-8", errors="replace"))
+    return data.decode("utf-8", errors="replace")
+
+
+def read_tail(path: str | Path, max_bytes: int = HEARTBEAT_TAIL_BYTES) -> list[dict[str, Any]]:
+    """The last whole JSON lines of ``path`` within its last ``max_bytes`` (never the whole file)."""
+    return parse_jsonl(tail_text(path, max_bytes) or "")

@@ -156,16 +156,26 @@ def node_log_of(attempt_dir: Path, rank: int, chunk: int = 1 << 20) -> Path | No
         except OSError:
             pass
         del _FOUND[key]
-    mark = MARK.format(rank=rank).encode()
-    for p in node_logs(attempt_dir):
+    found = _first_holding(node_logs(attempt_dir), re.escape(MARK.format(rank=rank).encode()), chunk)
+    if found is None:
+        return None
+    _FOUND[key] = found
+    return found[0]
+
+
+def _first_holding(paths: Iterable[Path], line_start: bytes, chunk: int) -> tuple[Path, int] | None:
+    """The first of ``paths`` with a line that starts with the pattern ``line_start`` (each file read
+    only until one is found), and its inode; None when none has one."""
+    pattern = re.compile(rb"(?:^|\n)" + line_start)
+    for p in paths:
         try:
             with open(p, "rb") as f:
-                tail = b"\n"
+                tail = b""
                 while block := f.read(chunk):
-                    if (tail + block).find(b"\n" + mark) >= 0:
-                        _FOUND[key] = (p, os.fstat(f.fileno()).st_ino)
-                        return p
-                    tail = block[-len(mark):]
+                    if pattern.search(tail + block):
+                        return p, os.fstat(f.fileno()).st_ino
+                    i = block.rfind(b"\n")  # the last line start, carried for a match split across blocks
+                    tail = block[i:] if i >= 0 else b"\0"  # or none: the block is inside a line
         except OSError:
             continue
     return None
@@ -181,29 +191,19 @@ def take_rank(lines: Iterable[str], rank: int) -> list[str]:
 _SRUN_LABEL = re.compile(r" *(\d+): ?")  # srun --label: "R: text", R space-padded to the step's widest
 
 
+def srun_label(line: str) -> tuple[int | None, str]:
+    """(task, the line without its label) of a line of srun ``--label`` output; (None, line) without one."""
+    m = _SRUN_LABEL.match(line)
+    return (int(m.group(1)), line[m.end():]) if m else (None, line)
+
+
 def take_srun_task(lines: Iterable[str], task: int) -> list[str]:
     """The lines of an srun ``--label`` output that are task ``task``'s, without the label."""
-    out = []
-    for line in lines:
-        m = _SRUN_LABEL.match(line)
-        if m and int(m.group(1)) == task:
-            out.append(line[m.end():])
-    return out
+    return [text for n, text in map(srun_label, lines) if n == task]
 
 
 def srun_node_file_of(paths: Sequence[Path], task: int, chunk: int = 1 << 20) -> Path | None:
     """The first of ``paths`` (srun's ``--label`` files of one job, one per node) holding a line of
     task ``task``; None when none does."""
-    label = re.compile(rb"(?:^|\n) *" + str(task).encode() + rb": ?")
-    for p in paths:
-        try:
-            with open(p, "rb") as f:
-                tail = b""
-                while block := f.read(chunk):
-                    if label.search(tail + block):
-                        return p
-                    i = block.rfind(b"\n")  # the last line start, carried for a label split across blocks
-                    tail = block[i:] if i >= 0 else b"\0"  # or none: the block is inside a line
-        except OSError:
-            continue
-    return None
+    found = _first_holding(paths, rb" *" + str(task).encode() + rb": ?", chunk)
+    return found[0] if found else None
