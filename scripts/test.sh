@@ -69,7 +69,8 @@ fi
 # The host's speed, so that runs on different machines can be compared (docs/testing.md): one
 # task's imports in CPU-s (bench/task_imports.py, one fresh interpreter per side, ~25 s).
 # LMLAUNCH_TEST_HOST_FIGURE=0 leaves it out.
-if [ "${LMLAUNCH_TEST_HOST_FIGURE:-1}" != 0 ]; then
+STRESS=${LMLAUNCH_TEST_STRESS:-0}
+if [ "${LMLAUNCH_TEST_HOST_FIGURE:-1}" != 0 ] || [ "$STRESS" = slow ]; then
   host=$("$VENV/bin/python" bench/task_imports.py --runs 1 2>/dev/null | tail -1 \
          | "$VENV/bin/python" -c "import json, sys; print(json.load(sys.stdin)['median_paused'])" 2>/dev/null) || host="?"
   echo "[test] host: a task's imports take ${host} CPU-s (bench/task_imports.py --runs 1, collector paused)"
@@ -77,19 +78,36 @@ fi
 # Results made once per test run and shared by its workers and phases (tests/shared_results.py).
 LMLAUNCH_TEST_SHARED=$(mktemp -d "${TMPDIR:-/tmp}/lmlaunch-test-shared.XXXXXX")
 export LMLAUNCH_TEST_SHARED
-# The stress mode (docs/testing.md): LMLAUNCH_TEST_STRESS=N runs N CPU burners (a busy loop each)
-# beside the whole suite, as other work on the machine would; no test may depend on the host's speed.
+# The stress modes (docs/testing.md), beside the whole suite, as other work on the machine or a slower
+# host would be; no test may depend on the host's speed:
+# - LMLAUNCH_TEST_STRESS=N runs N CPU burners (a busy loop each);
+# - LMLAUNCH_TEST_STRESS=slow copies a host whose task imports take LMLAUNCH_TEST_SLOW_S (6) s: a
+#   burner pinned to each core, its nice value chosen from this host's figure (tests/slow_host.py).
 burners=()
 cleanup() {
   ((${#burners[@]})) && kill "${burners[@]}" 2>/dev/null
   rm -rf "$LMLAUNCH_TEST_SHARED"
 }
 trap cleanup EXIT
-for ((i = 0; i < ${LMLAUNCH_TEST_STRESS:-0}; i++)); do
-  bash -c 'while :; do :; done' &
-  burners+=($!)
-done
-((${#burners[@]})) && echo "[test] stress mode: ${#burners[@]} CPU burner(s) beside the suite (pids ${burners[*]})"
+if [ "$STRESS" = slow ]; then
+  if [ "$host" = "?" ]; then
+    echo "[test] the slow-host stress mode needs this host's figure, which could not be measured" >&2
+    exit 1
+  fi
+  slow=$("$VENV/bin/python" tests/slow_host.py --quiet "$host" --target "${LMLAUNCH_TEST_SLOW_S:-6}")
+  mapfile -t burners < <("$VENV/bin/python" -c "import json, sys; sys.stdout.write(''.join(f'{p}\\n' for p in json.loads(sys.argv[1])['pids']))" "$slow")
+  echo "[test] slow-host stress mode: $slow"
+  echo "[test] a task's imports take $("$VENV/bin/python" -c "import json, sys; print(json.loads(sys.argv[1])['imports_s'])" "$slow") s under it (quiet: ${host} CPU-s)"
+elif [[ "$STRESS" =~ ^[0-9]+$ ]]; then
+  for ((i = 0; i < STRESS; i++)); do
+    bash -c 'while :; do :; done' &
+    burners+=($!)
+  done
+  ((${#burners[@]})) && echo "[test] stress mode: ${#burners[@]} CPU burner(s) beside the suite (pids ${burners[*]})"
+else
+  echo "[test] LMLAUNCH_TEST_STRESS=$STRESS: expected a number of CPU burners or 'slow'" >&2
+  exit 2
+fi
 
 pytest() {
   set +e

@@ -15,7 +15,11 @@ matches: ``file`` (fnmatch over the file the point is about), ``rank`` (the glob
 ``step`` (the step being saved or trained), ``attempt`` (the attempt number the ledger
 gives), ``nth`` (the n-th time this rule's other fields matched in this process). Actions:
 ``kill`` (SIGKILL), ``sigterm`` (the process sends itself SIGTERM, as SLURM does at a
-preemption: bench/stop_checkpoint.py stops every rank at one step this way), ``sleep`` (``seconds``), ``hang`` (sleep forever), ``enospc`` (raise the
+preemption: bench/stop_checkpoint.py stops every rank at one step this way), ``sleep`` (``seconds``), ``hang`` (sleep forever),
+``gate`` (wait until the process is told to stop, or until the file ``until`` exists where the
+rule names one: a test holds a run at a point, reads the state the run would otherwise leave, then
+acts on it: a preemption's signal opens every gate of the process, which goes on to the stop it was
+told to make; or the test releases it by creating the file), ``enospc`` (raise the
 OSError a full disk raises, as if the write at that point had found no room), ``raise`` (a
 RuntimeError, as a bug in the training code would), ``count``
 (nothing: :func:`seen` tells how many points passed).
@@ -51,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 ENV = "LMLAUNCH_FAULTS"
-ACTIONS = ("kill", "sigterm", "sleep", "hang", "enospc", "raise", "count")
+ACTIONS = ("kill", "sigterm", "sleep", "hang", "gate", "enospc", "raise", "count")
+GATE_POLL_S = 0.05
 log = logging.getLogger(__name__)
 
 
@@ -65,13 +70,15 @@ class Rule:
     attempt: int | None = None
     nth: int | None = None
     seconds: float = 0.0
+    until: str | None = None  # the file that opens the gate (action "gate"); without one, a stop only
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Rule:
         unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown or "point" not in d or d.get("action") not in ACTIONS:
+        if (unknown or "point" not in d or d.get("action") not in ACTIONS
+                or (d.get("until") is not None and d.get("action") != "gate")):
             raise ValueError(f"{ENV}: bad rule {d!r} (fields: {sorted(cls.__dataclass_fields__)}; "
-                             f"action one of {ACTIONS})")
+                             f"action one of {ACTIONS}; 'until' only with 'gate')")
         return cls(**d)
 
 
@@ -79,6 +86,7 @@ _rules: list[Rule] | None = None  # None: the seam is off (the one check every p
 _matched: dict[int, int] = {}  # rule index -> how many times it matched
 _passed: Counter[str] = Counter()  # point name -> how many times this process passed it
 _local = threading.local()  # per thread: a background checkpoint writer has its own step
+_gates_open = False  # set by open_gates(): the process was told to stop
 
 
 def _context() -> dict[str, Any]:
@@ -90,8 +98,9 @@ def _context() -> dict[str, Any]:
 
 def load(value: str | None = None) -> None:
     """(Re)read the rules from ``value`` or ``$LMLAUNCH_FAULTS``; an empty value turns the seam off."""
-    global _rules
+    global _rules, _gates_open
     value = os.environ.get(ENV, "") if value is None else value
+    _gates_open = False
     _matched.clear()
     _passed.clear()
     if not value.strip():
@@ -100,6 +109,14 @@ def load(value: str | None = None) -> None:
     text = value if value.lstrip().startswith("[") else Path(value).read_text()
     _rules = [Rule.from_json(d) for d in json.loads(text)]
     log.warning("fault injection is on (%s): %d rule(s)", ENV, len(_rules))
+
+
+def open_gates() -> None:
+    """Open every gate of this process, now and later: it was told to stop (lmtrain.preemption's
+    signal handler calls this), and a run held at a point must go on to that stop. Sets a flag
+    only, so a signal handler may call it."""
+    global _gates_open
+    _gates_open = True
 
 
 def set_context(**fields: Any) -> None:
@@ -157,6 +174,9 @@ def _act(rule: Rule, name: str, facts: dict[str, Any]) -> None:
     elif rule.action == "hang":
         while True:
             time.sleep(3600)
+    elif rule.action == "gate":
+        while not _gates_open and not (rule.until and os.path.exists(rule.until)):
+            time.sleep(GATE_POLL_S)
     elif rule.action == "raise":
         raise RuntimeError(f"fault injection at {name}")
     elif rule.action == "enospc":

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import waiting
-from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, job_name, pace, wait_for
+from slurm_helpers import PACE_S, REPO, SMALL_MODEL, TERMINAL, faults, gate, job_name, pace, wait_for
 
 from launcher.cli import main
 from launcher.context import Context
@@ -55,12 +55,39 @@ def lm(environ: dict[str, str], *args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def held_at(step: int, attempt: int = 1) -> dict:
+    """The fault rule that holds every rank of ``attempt`` at the end of ``step`` until it is told
+    to stop (a preemption's signal, SLURM's SIGTERM: lmtrain.faults' gate): a test that acts on a
+    running attempt acts on one that cannot have trained further, or ended, before the act lands.
+    The heartbeat shows ``step - 1`` while it is held (the gate comes before the step's metrics):
+    :func:`wait_held`."""
+    return gate("train.batch_end", step=step, attempt=attempt)
+
+
+def wait_held(run_dir: Path, step: int, *, attempt: int = 1, job_id: str | None = None) -> int:
+    """Wait until rank 0 of ``attempt`` waits at the gate of :func:`held_at` ``step`` (its log says
+    so); the step its heartbeat shows (``step - 1``, or -1 held at step 1)."""
+    waiting.until(
+        lambda: is_held(run_dir, attempt, step=step), progress=run_progress(run_dir, job_id), poll=0.2,
+        on_poll=(lambda: start_if_begin_time(job_id)) if job_id is not None else None,
+        what=f"{run_dir.name}: held at step {step} (attempt {attempt})",
+        explain=lambda: f"at step {current_step(run_dir, attempt)}; ledger {ledger(run_dir)}\n{log_tail(run_dir)}")
+    return current_step(run_dir, attempt)
+
+
+def is_held(run_dir: Path, attempt: int = 1, rank: int = 0, *, step: int | None = None) -> bool:
+    """Whether ``rank`` of ``attempt`` reached a gate (of ``step``): lmtrain.faults logs it as it
+    waits there."""
+    said = r"fault injection: gate at " + ("" if step is None else rf"train\.batch_end \{{[^}}]*'step': {step}[,}}]")
+    return re.search(said, rank_text(run_dir / "logs" / f"attempt-{attempt}", rank)) is not None
+
+
 def submit(environ: dict[str, str], name: str, *overrides: str, pace_s: float | None = PACE_S,
-           checkout: Path | None = None) -> tuple[str, Path]:
+           checkout: Path | None = None, holds: tuple[dict, ...] = ()) -> tuple[str, Path]:
     """Submit the tiny spec, its steps paced by ``pace_s`` (None: as fast as they go), with
-    lmlaunch from ``checkout`` (a private_checkout; default: this one, in-process); return (job
-    id, run dir)."""
-    with faults(*([pace(pace_s)] if pace_s else [])):
+    lmlaunch from ``checkout`` (a private_checkout; default: this one, in-process), with the fault
+    rules ``holds`` (:func:`held_at`); return (job id, run dir)."""
+    with faults(*([pace(pace_s)] if pace_s else []), *holds):
         args = ("submit", SPEC, f"name={name}", *BASE, *overrides)
         code, out, err = lm_from(checkout, environ, *args) if checkout else lm(environ, *args)
     assert code == 0, out + err

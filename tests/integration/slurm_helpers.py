@@ -31,6 +31,19 @@ def wait_terminal(job_id: str, *, watch: Iterable[Path] = ()) -> str:
     return wait_for(job_id, TERMINAL, poll=1.0, start_requeued=True, watch=watch)
 
 
+# A run submitted with this override is queued held: it starts when the test releases it
+# (``slurm.hold(job, release=True)``), so a state that its end would change (its dependents
+# waiting, a run that "still has a job") is read before it can end.
+HELD = "slurm.sbatch.hold=true"
+
+
+def wait_reason(job: str, reason: str) -> None:
+    """Wait until ``job`` pends with ``reason``, while it or the jobs ahead of it change."""
+    waiting.until(lambda: any(j.reason == reason for j in slurm.squeue([job])), poll=1.0,
+                  progress=waiting.watching(waiting.job(job), waiting.queue()), what=f"job {job} with reason {reason}",
+                  explain=lambda: f"{slurm.squeue([job])}")
+
+
 def requeues_once_more_after_preemption() -> bool:
     """SLURM 24.11 requeues a job that a preemption requeued once more when its next run ends
     (docs/architecture.md, "SLURM 22.05 and 24.11: what differed"); 22.05 does not, and neither
@@ -141,6 +154,13 @@ PACE_S = 0.2
 def pace(seconds: float = PACE_S) -> dict:
     """The fault-seam rule that sleeps ``seconds`` after every training batch on every rank."""
     return {"point": "train.batch_end", "action": "sleep", "seconds": seconds}
+
+
+def gate(point: str, until: Path | None = None, **fields) -> dict:
+    """The fault-seam rule that holds every matching task at ``point`` until it is told to stop
+    (a preemption's signal, SLURM's SIGTERM) or, given ``until``, until that file exists (the test
+    creates it once it has read the state the run would otherwise leave)."""
+    return {"point": point, "action": "gate", **({"until": str(until)} if until else {}), **fields}
 
 
 @contextlib.contextmanager

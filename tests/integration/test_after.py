@@ -9,8 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-import waiting
-from slurm_helpers import REPO, wait_terminal
+from slurm_helpers import HELD, REPO, wait_reason, wait_terminal
 
 from lmcore.slurm import client as slurm
 
@@ -36,23 +35,22 @@ def _status(cli, name: str) -> dict:
     return next(x for x in rows if x["name"] == name)
 
 
-def _wait_reason(job: str, reason: str) -> None:
-    """Wait until ``job`` pends with ``reason``, while it or the jobs ahead of it change."""
-    waiting.until(lambda: any(j.reason == reason for j in slurm.squeue([job])), poll=1.0,
-                  progress=waiting.watching(waiting.job(job), waiting.queue()), what=f"job {job} with reason {reason}",
-                  explain=lambda: f"{slurm.squeue([job])}")
-
-
 def test_a_run_after_another_starts_when_it_succeeded_and_never_after_a_failure(slurm_cluster, cli, lm_env, run_name,
                                                                                  own_jobs, tmp_path):
-    good = _submit(cli, own_jobs, f"{run_name}-a")
-    bad = _submit(cli, own_jobs, f"{run_name}-b", f"data.path={tmp_path / 'missing'}")  # crashes at its start
+    # Both upstreams are held until their dependents are queued and seen waiting: neither can end
+    # first (under load the 4-step run had COMPLETED before its dependent was submitted, which then
+    # rightly ran at once; a failed upstream makes `--after` refuse the dependent).
+    good = _submit(cli, own_jobs, f"{run_name}-a", HELD)
+    bad = _submit(cli, own_jobs, f"{run_name}-b", HELD, f"data.path={tmp_path / 'missing'}")  # crashes at its start
     after_good = _submit(cli, own_jobs, f"{run_name}-c", "--after", f"{run_name}-a")
     after_bad = _submit(cli, own_jobs, f"{run_name}-d", "--after", f"{run_name}-b:ok")
-    assert slurm.show_job(after_good)["JobState"] == "PENDING"
+    wait_reason(after_good, "Dependency")
+    wait_reason(after_bad, "Dependency")
+    slurm.hold(good, release=True)
+    slurm.hold(bad, release=True)
 
     assert wait_terminal(bad) == "FAILED"
-    _wait_reason(after_bad, "DependencyNeverSatisfied")
+    wait_reason(after_bad, "DependencyNeverSatisfied")
     row = _status(cli, f"{run_name}-d")
     assert row["reason"] == "DependencyNeverSatisfied" and "never starts" in row["note"], row
     assert f"{run_name}-b:ok (job {bad})" in row["note"]

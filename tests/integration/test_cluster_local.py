@@ -4,6 +4,8 @@ preemption, accounting, and a preempted job requeued with its restart count."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -146,11 +148,22 @@ def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_i
     spool = slurm.config()["SlurmdSpoolDir"]
     assert [p.name for p in rehearsal.step_sockets(spool, "n2", job)] == [f"n2_{job}.0", f"n2_{job}.4294967291"]
     assert rehearsal.step_sockets(spool, "n1", job) == []
-    rehearsal.set_node_state("n2", "DOWN", reason=f"test {run_name}")
+    # n2's step daemons stopped (SIGSTOP) until the state is read: their KillWait (10 s) cannot end the
+    # run first, however slowly the test gets to look
+    stopped = _step_daemons(spool, "n2", job)
+    assert stopped, f"no step daemon of job {job} found by its sockets"
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
     try:
+        rehearsal.set_node_state("n2", "DOWN", reason=f"test {run_name}")
         assert wait_for(job, {"queued"}, poll=0.2) == "PENDING"
         assert rehearsal.steps_left(job, ["n2"]) == ["n2"]
         assert not rehearsal.ready_to_start(job)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    try:
         # KillWait=10 s after the SIGTERM; the kill itself, on a loaded machine, when slurmd gets to it
         waiting.until(lambda: not rehearsal.steps_left(job, ["n2"]), progress=waiting.job(job),
                       what="n2's slurmd done with the job after the node went DOWN")
@@ -163,6 +176,22 @@ def test_a_requeued_job_is_not_ready_to_start_while_its_failed_node_still_runs_i
 
 def _nodes() -> tuple:
     return tuple((n.name, n.state) for n in slurm.nodes())
+
+
+def _step_daemons(spool: str, node: str, job: str) -> list[int]:
+    """The pids of the step daemons of ``job`` on ``node`` of this cluster: the processes holding the
+    sockets in its spool directory (/proc/net/unix names each socket's inode; worker clusters reuse
+    job ids, so a process title would not say which cluster's daemon it is)."""
+    paths = {str(p) for p in rehearsal.step_sockets(spool, node, job)}
+    inodes = {f[6] for f in (line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:])
+              if len(f) >= 8 and f[7] in paths}
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            if any(link == f"socket:[{inode}]" for inode in inodes for link in links):
+                pids.append(int(pid))
+    return pids
 
 
 def _step_processes(job: str, node: str, step: str) -> list[str]:

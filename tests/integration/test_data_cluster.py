@@ -15,13 +15,11 @@ import subprocess
 from pathlib import Path
 
 import waiting
-from slurm_helpers import faults, wait_for
+from slurm_helpers import faults, gate, wait_for
 
 from lmcore.slurm import admin as rehearsal, client as slurm
 from lmtrain.data.prepare.build import prepare, read_meta
 from tests.unit.test_corpus_inputs import shipped_documents, write
-
-SHARD_PACE_S = 8.0  # each shard waits this long first: the preemption lands between two of a task's shards
 
 
 def _split(d: Path) -> Path:
@@ -43,7 +41,10 @@ def _same_tree(a: Path, b: Path) -> list[str]:
 def test_a_preparation_array_preempted_midway_redoes_only_unfinished_shards(slurm_cluster, cli, lm_env, run_name,
                                                                            own_jobs, tmp_path):
     corpus, out = _split(tmp_path / "corpus"), tmp_path / "store"
-    with faults({"point": "prepare.shard", "action": "sleep", "seconds": SHARD_PACE_S}):
+    # every task held before its second shard until the preemption has landed (its SIGTERM ends the wait:
+    # the task's handler raises), then released for the requeued attempts
+    released = tmp_path / "released"
+    with faults(gate("prepare.shard", released, nth=2)):
         r = cli("data", "prepare", str(corpus), "--out", str(out), "--on-cluster", "--tasks", "3",
                 "--max-parallel", "3", "--name", run_name)
     assert r.code == 0, r.err
@@ -52,7 +53,7 @@ def test_a_preparation_array_preempted_midway_redoes_only_unfinished_shards(slur
     own_jobs += [array, assemble]
     staging = tmp_path / "store.partial"
     first = staging / "shards" / "00000.json"
-    # task 0 finished its first shard and waits before its second
+    # task 0 finished its first shard and is held before its second
     waiting.until(first.exists, progress=waiting.watching(waiting.tree(tmp_path), waiting.queue()), poll=0.2,
                   what="task 0's first shard")
     kept = (staging / "shards" / "00000.bin").stat()
@@ -61,6 +62,9 @@ def test_a_preparation_array_preempted_midway_redoes_only_unfinished_shards(slur
     high = rehearsal.submit_holder(name=f"{run_name}-hi", partition="high", nodelist=",".join(nodes),
                                    num_nodes=len(nodes), seconds=2)
     own_jobs.append(high)
+    waiting.until(lambda: slurm.state_group(slurm.job_state(f"{array}_0")) != "running", poll=0.2,
+                  progress=waiting.watching(waiting.job(f"{array}_0"), waiting.queue()), what="task 0 preempted")
+    released.touch()
     for k in range(3):  # requeued tasks restart (their requeue delay cut short), then the final step
         wait_for(f"{array}_{k}", {"completed"}, poll=0.5, start_requeued=True)
     assert wait_for(assemble, {"completed", "failed", "cancelled"}) == "COMPLETED"

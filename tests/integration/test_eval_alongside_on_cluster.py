@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import waiting
-from preempt_helpers import BASE, finish, lm, log_tail, preempt, run_progress, wait_attempt_running
+from preempt_helpers import BASE, finish, held_at, lm, log_tail, preempt, run_progress, wait_attempt_running
 from prometheus_server import free_port, prometheus
 from slurm_helpers import PACE_S, REPO, faults, pace, wait_terminal
 from waiting import HANG_S
@@ -37,18 +37,18 @@ EVAL_BASE = (*[b for b in BASE if not b.startswith(("checkpoint.", "trainer.max_
              "eval.alongside.finish_wait_s=300")
 
 
-def submit_eval(environ: dict[str, str], name: str, *overrides: str) -> tuple[str, Path]:
-    with faults(pace(PACE_S)):
+def submit_eval(environ: dict[str, str], name: str, *overrides: str, holds: tuple[dict, ...] = ()) -> tuple[str, Path]:
+    with faults(pace(PACE_S), *holds):
         code, out, err = lm(environ, "submit", SPEC, f"name={name}", *EVAL_BASE, *overrides)
     assert code == 0, out + err
     return re.search(r"job (\d+)", out).group(1), Path(environ["LMLAUNCH_RUNS_ROOT"]) / name
 
 
-def scoring(run_dir: Path, job_id: str, below: int | None = None) -> dict:
-    """Wait until the evaluator scores a checkpoint (of a step below ``below``); its state."""
+def scoring(run_dir: Path, job_id: str) -> dict:
+    """Wait until the evaluator scores a checkpoint; its state."""
     def now() -> dict | None:
         st = ev.read_state(run_dir) or {}
-        return st if st.get("state") == "scoring" and (below is None or st["step"] < below) else None
+        return st if st.get("state") == "scoring" else None
 
     return waiting.until(now, progress=run_progress(run_dir, job_id), poll=0.1, what="the evaluator scoring",
                          explain=lambda: f"{ev.read_state(run_dir)}\n{log_tail(run_dir)}")
@@ -60,9 +60,12 @@ def score_lines(run_dir: Path) -> list[dict]:
 
 def test_every_checkpoint_is_scored_once_through_a_preemption_and_equals_lm_eval(
         slurm_cluster, lm_env, run_name, own_jobs, tmp_path):
-    job_id, run_dir = submit_eval(lm_env, run_name, "trainer.max_steps=120", "checkpoint.every_n_steps=20")
+    # training held after step 101 until the preemption: it cannot end first, and the evaluator scores
+    # step 100's checkpoint (at the latest) while it is held
+    job_id, run_dir = submit_eval(lm_env, run_name, "trainer.max_steps=120", "checkpoint.every_n_steps=20",
+                                  holds=(held_at(101),))
     own_jobs.append(job_id)
-    at = scoring(run_dir, job_id, below=100)
+    at = scoring(run_dir, job_id)
     assert preempt(lm_env, run_name, "requeue", "--start-now")["requeued"]
     wait_attempt_running(run_dir, 2, job_id)
     finish(job_id, run_dir)

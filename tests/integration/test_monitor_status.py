@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 import waiting
-from preempt_helpers import user_signal_on_preemption
-from slurm_helpers import REPO, SMALL_MODEL, faults, pace, requeues_once_more_after_preemption, wait_for, wait_terminal
+from preempt_helpers import held_at, user_signal_on_preemption
+from slurm_helpers import (
+    REPO,
+    SMALL_MODEL,
+    faults,
+    gate,
+    pace,
+    requeues_once_more_after_preemption,
+    wait_for,
+    wait_terminal,
+)
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from lmcore.slurm import admin as rehearsal, client as slurm
@@ -59,8 +68,8 @@ def _wait_row(cli, name, pred, what: str) -> dict:
                          what=f"{name}: {what}", explain=lambda: f"last row {row}")
 
 
-def _submit(cli, name, *extra) -> str:
-    with faults(pace()):  # steps as long as tiny-cpu's, without their CPU: the test acts on a running run
+def _submit(cli, name, *extra, holds: tuple[dict, ...] = ()) -> str:
+    with faults(pace(), *holds):  # steps as long as tiny-cpu's, without their CPU: the test acts on a running run
         r = cli("submit", str(REPO / "jobs" / "tiny-cpu.yaml"), f"name={name}", *OVERRIDES, *extra)
     assert r.code == 0, r.err
     assert f"lmlaunch status {name}" in r.out and f"lmlaunch cancel {name}" in r.out  # next commands
@@ -82,13 +91,16 @@ def test_status_follows_a_run_through_running_pending_preempted_requeued_and_fin
     signal's path to the same stop is test_preempt_resume.py's first test, which status does not
     tell apart."""
     with user_signal_on_preemption(False):
-        _follow_a_run(cli, lm_env, run_name, own_jobs, False)
+        _follow_a_run(cli, lm_env, run_name, own_jobs, tmp_path, False)
 
 
-def _follow_a_run(cli, lm_env, run_name, own_jobs, user_signal: bool) -> None:
-    job = _submit(cli, run_name)
-    own_jobs.append(job)
+def _follow_a_run(cli, lm_env, run_name, own_jobs, tmp_path: Path, user_signal: bool) -> None:
+    # held at step 12 until the preemption (it cannot finish first), then in its second attempt at
+    # step 20 until the run beside it was seen pending and cancelled (it keeps the node meanwhile)
     run_dir = Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name
+    released = tmp_path / "released"
+    job = _submit(cli, run_name, holds=(held_at(12), gate("train.batch_end", released, step=20, attempt=2)))
+    own_jobs.append(job)
 
     # running: steps advance and a checkpoint is written
     row = _wait_row(cli, run_name, lambda r: r["state"] == "RUNNING" and (r["checkpoint_step"] or 0) >= 10,
@@ -132,6 +144,7 @@ def _follow_a_run(cli, lm_env, run_name, own_jobs, user_signal: bool) -> None:
     assert ledger[-1]["event"] == "cancel_requested" and ledger[-1]["job_ids"] == [pjob]
     crow = _wait_row(cli, pending_name, lambda r: r["state"] == "CANCELLED", "CANCELLED")
     assert crow["group"] == "cancelled"
+    released.touch()
 
     # finished: it trains to max_steps
     assert wait_terminal(job) == "COMPLETED"

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import waiting
-from slurm_helpers import REPO, wait_terminal
+from slurm_helpers import HELD, REPO, wait_reason, wait_terminal
 
 from lmcore.slurm import client as slurm
 
@@ -33,12 +32,14 @@ def _status(cli, name: str) -> dict:
 
 
 def test_train_then_eval_runs_eval_on_trains_checkpoint(slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
-    r = cli("pipeline", str(_pipeline(tmp_path, run_name, [])))
+    # train is held until eval is seen waiting for it: it cannot complete before eval is queued
+    r = cli("pipeline", str(_pipeline(tmp_path, run_name, [HELD])))
     assert r.code == 0, r.out + r.err
     jobs = dict(line.split(": submitted run ")[0:1] + [line.split("job ")[1].split()[0]]
                 for line in r.out.splitlines() if ": submitted run " in line)
     own_jobs.extend(jobs.values())
-    assert slurm.show_job(jobs["eval"])["JobState"] == "PENDING"
+    wait_reason(jobs["eval"], "Dependency")
+    slurm.hold(jobs["train"], release=True)
     assert wait_terminal(jobs["train"]) == "COMPLETED"
     assert wait_terminal(jobs["eval"]) == "COMPLETED"
     assert slurm.parse_time(slurm.show_job(jobs["eval"])["StartTime"]) >= slurm.parse_time(
@@ -57,14 +58,14 @@ def test_train_then_eval_runs_eval_on_trains_checkpoint(slurm_cluster, cli, lm_e
 def test_a_failed_train_leaves_eval_never_starting_and_cancel_clears_it(slurm_cluster, cli, lm_env, run_name, own_jobs,
                                                                          tmp_path):
     # the train stage crashes at its start (no data there); no crash retry
-    r = cli("pipeline", str(_pipeline(tmp_path, run_name, [f"data.path={tmp_path / 'missing'}"])))
+    # held until the pipeline has queued eval behind it (a train failed already would refuse eval)
+    r = cli("pipeline", str(_pipeline(tmp_path, run_name, [HELD, f"data.path={tmp_path / 'missing'}"])))
     assert r.code == 0, r.out + r.err
     jobs = {line.split(":")[0]: line.split("job ")[1].split()[0] for line in r.out.splitlines() if "submitted run" in line}
     own_jobs.extend(jobs.values())
+    slurm.hold(jobs["train"], release=True)
     assert wait_terminal(jobs["train"]) == "FAILED"
-    waiting.until(lambda: all(j.reason == "DependencyNeverSatisfied" for j in slurm.squeue([jobs["eval"]])), poll=1.0,
-                  progress=waiting.watching(waiting.job(jobs["eval"]), waiting.queue()),
-                  what="the eval stage pending with DependencyNeverSatisfied")
+    wait_reason(jobs["eval"], "DependencyNeverSatisfied")
     row = _status(cli, f"{run_name}.eval")
     assert row["reason"] == "DependencyNeverSatisfied" and "never starts" in row["note"], row
     assert cli("cancel", f"{run_name}.eval").code == 0

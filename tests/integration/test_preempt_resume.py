@@ -29,6 +29,7 @@ from preempt_helpers import (
     edited_checkout,
     ends,
     finish,
+    held_at,
     ledger,
     lm,
     log_tail,
@@ -41,10 +42,10 @@ from preempt_helpers import (
     user_signal_on_preemption,
     wait_attempt_running,
     wait_ended,
-    wait_step,
+    wait_held,
 )
 from shared_results import shared
-from slurm_helpers import faults, job_name, webhook_server
+from slurm_helpers import faults, gate, job_name, webhook_server
 
 from lmcore.rank_logs import take_srun_task
 from lmcore.rundir import RunLayout
@@ -91,14 +92,16 @@ def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, e
     (the run's snapshot). The checkout is the test's own copy: other tests' jobs snapshot the
     shared one meanwhile."""
     checkout = private_checkout(tmp_path / "checkout")
+    at = random.randint(5, MAX_STEPS - 15)  # held there until the preemption's signal: it stops at that step
     with user_signal_on_preemption(True), webhook_server() as (url, messages):
         assert cluster_sends_user_signal()
-        job, run_dir = submit(env, name, f"notify.webhooks=[{{url: '{url}'}}]", checkout=checkout)
+        job, run_dir = submit(env, name, f"notify.webhooks=[{{url: '{url}'}}]", checkout=checkout,
+                              holds=(held_at(at),), pace_s=None)
         jobs.append(job)
         snapshot = (run_dir / "code" / "lmtrain" / "model" / "module.py").read_text()
         assert f"# {CHECKOUT_MARKER} {checkout}" in snapshot  # taken from the private checkout
         with edited_checkout(checkout):  # while queued and in both attempts: they run the submitted code
-            seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)
+            seen = wait_held(run_dir, at)
             r = preempt(env, name, "requeue", "--start-now")
             assert r["requeued"], r
             finish(job, run_dir)
@@ -109,7 +112,7 @@ def test_preempted_run_resumes_at_the_step_it_stopped_bit_identical(reference, e
 
     first, second = ends(run_dir)[0], starts(run_dir)[1]
     assert first["reason"] == "preempted", first
-    assert seen <= first["end_step"] < MAX_STEPS, (seen, first)
+    assert seen <= first["end_step"] == at, (seen, at, first)
     # resumed at the very step it stopped: the stop checkpoint, not an older periodic one
     assert second["start_step"] == first["end_step"], (first, second)
     assert second["restart_count"] == 1 and second["job_id"] == job
@@ -122,9 +125,10 @@ def test_preempted_by_sigterm_only_resumes_from_newest_complete_checkpoint(refer
     job is requeued from the host (lmcore.slurm.relay), and the numbers are the host run's."""
     with user_signal_on_preemption(False):
         assert not cluster_sends_user_signal()
-        job, run_dir = submit(env, name, *IN_PODMAN)
+        at = random.randint(EVERY + 2, MAX_STEPS - 15)
+        job, run_dir = submit(env, name, *IN_PODMAN, holds=(held_at(at),), pace_s=None)
         jobs.append(job)
-        seen = wait_step(run_dir, random.randint(EVERY + 2, MAX_STEPS - 15), attempt=1)
+        seen = wait_held(run_dir, at)
         r = preempt(env, name, "requeue", "--start-now")
     assert r["requeued"], r
     finish(job, run_dir)
@@ -150,9 +154,9 @@ def test_node_failure_requeues_and_resumes_from_last_checkpoint(reference, env, 
     (NODE_FAIL). On this one-machine cluster n2's slurmd still answers, so the tasks get SIGTERM
     and may checkpoint in time; either way the next attempt resumes from the newest complete
     checkpoint and the ledger says node_failure."""
-    job, run_dir = submit(env, name)
+    job, run_dir = submit(env, name, holds=(held_at(EVERY + 3),), pace_s=None)
     jobs.append(job)
-    wait_step(run_dir, EVERY + 3, attempt=1)
+    wait_held(run_dir, EVERY + 3)
     r = preempt(env, name, "node-failure", "--start-now")
     assert r["requeued"] and r["node_resumed"], r
     assert {n.name: n.state for n in slurm.nodes()}[r["node"]].rstrip("*~#!%$@^-+") not in {"down", "drain", "drained"}
@@ -172,27 +176,30 @@ def test_node_failure_requeues_and_resumes_from_last_checkpoint(reference, env, 
     _check_resumed_exactly(run_dir, reference)
 
 
-def _preempt_each_attempt(env, name: str, job: str, run_dir, *, times: int, after_steps: int) -> None:
-    """Preempt attempts 1..times, each once it trained ``after_steps`` steps past its start."""
+def _preempt_each_attempt(env, name: str, job: str, run_dir, *, times: int) -> None:
+    """Preempt attempts 1..times, each held at its step (:func:`_storm_holds`)."""
     for attempt in range(1, times + 1):
         wait_attempt_running(run_dir, attempt, job)
-        start = starts(run_dir)[-1]["start_step"]
-        wait_step(run_dir, start + after_steps, attempt=attempt, job_id=job)
+        wait_held(run_dir, attempt, attempt=attempt, job_id=job)
         r = preempt(env, name, "requeue", "--start-now")
         assert r["requeued"], (attempt, r)
+
+
+def _storm_holds(times: int) -> tuple[dict, ...]:
+    """Attempt A held at step A until its preemption: each stops one step into its attempt."""
+    return tuple(held_at(a, attempt=a) for a in range(1, times + 1))
 
 
 def test_storm_of_preemptions_completes_bit_identical_with_one_series_per_tracker(reference, env, jobs, name):
     """Three preemptions in a row, each one step into its attempt. TensorBoard, CSV and W&B (offline)
     across the four attempts: one series per metric with every step once, and one W&B run id that
     every attempt resumes; W&B changes no number."""
-    # Every batch slowed more than the others' (a sleep changes no number): steps go on while each
-    # preemption takes effect (seen: 24 steps of 0.1 s in one), and all of them must land before
-    # max_steps.
+    # Each attempt held at its step until its preemption lands (steps went on while one took effect:
+    # 24 steps of 0.1 s in one), so all of them land before max_steps, unpaced.
     job, run_dir = submit(env, name, "logging.wandb.project=lmlaunch-tests", "logging.wandb.mode=offline",
-                          pace_s=0.25)
+                          pace_s=None, holds=_storm_holds(STORM))
     jobs.append(job)
-    _preempt_each_attempt(env, name, job, run_dir, times=STORM, after_steps=1)
+    _preempt_each_attempt(env, name, job, run_dir, times=STORM)
     finish(job, run_dir)
 
     reasons = [e["reason"] for e in ends(run_dir)]
@@ -320,8 +327,9 @@ def test_a_preemption_while_the_ranks_restart_in_place_checkpoints_or_requeues_a
     Whatever moment it lands on (the batch script between two sruns, a rank importing, the first
     steps), SLURM requeues the job, every attempt has its end line, no two attempts overlap, and the
     run ends bit-identical to the uninterrupted one."""
+    # the restarted ranks held early in their attempt: the run cannot end before the preemption lands
     with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": 1, "action": "kill"}):
-        job, run_dir = submit(env, name)
+        job, run_dir = submit(env, name, holds=(held_at(EVERY + 2, attempt=2),))
     jobs.append(job)
     waiting.until(lambda: [e for e in ends(run_dir) if e.get("restart") == "in_place"], progress=run_progress(run_dir, job),
                   what=f"{name}: attempt 1 restarted in place", explain=lambda: str(ledger(run_dir)))
@@ -364,9 +372,9 @@ def test_a_crash_in_every_attempt_stops_as_no_progress(env, jobs, name):
 def test_a_node_failure_keeps_the_requeued_job_off_that_node(env, jobs, name):
     """A one-node job whose node goes DOWN: SLURM requeues it, rank 0 sets the pending job's
     ExcNodeList to that node (the partition keeps another), and the next attempt runs elsewhere."""
-    job, run_dir = submit(env, name, "resources.nodes=1")
+    job, run_dir = submit(env, name, "resources.nodes=1", holds=(held_at(EVERY + 3),), pace_s=None)
     jobs.append(job)
-    wait_step(run_dir, EVERY + 3, attempt=1)
+    wait_held(run_dir, EVERY + 3)
     r = preempt(env, name, "node-failure", "--start-now")
     assert r["requeued"], r
     finish(job, run_dir)
@@ -419,9 +427,9 @@ def test_a_partition_that_cancels_on_preemption_still_resumes(env, jobs, name):
     slurm.run(["scontrol", "update", "PartitionName=low", "PreemptMode=CANCEL"])
     try:
         assert slurm.partition_config("low")["PreemptMode"] == "CANCEL"
-        job, run_dir = submit(env, name)
+        job, run_dir = submit(env, name, holds=(held_at(EVERY + 3),), pace_s=None)
         jobs.append(job)
-        wait_step(run_dir, EVERY + 3, attempt=1)
+        wait_held(run_dir, EVERY + 3)
         r = preempt(env, name, "requeue", "--start-now")
         assert r["requeued"], r
         finish(job, run_dir)
@@ -434,13 +442,12 @@ def test_a_partition_that_cancels_on_preemption_still_resumes(env, jobs, name):
     assert ends(run_dir)[-1]["reason"] == "completed"
 
 
-# Moments of a task's start (lmtrain's fault seam holds every task there for HOLD_S) and the signal
+# Moments of a task's start (lmtrain's fault seam holds every task there until the signal) and the signal
 # scancel sends to the job's tasks then: SIGTERM before submitit's runner has even loaded the task,
 # the warning signal before the frameworks' imports, SIGTERM before the rendezvous, the warning
 # signal with the model built and no step trained.
 STARTUP_MOMENTS = (("startup.owned", "TERM"), ("startup.entry", "USR2"), ("startup.gate", "TERM"),
                    ("startup.model", "USR2"))
-HOLD_S = 8.0
 
 
 def test_a_signal_at_each_moment_of_a_tasks_start_is_a_stop_in_the_ledger_and_the_run_resumes_exactly(
@@ -454,7 +461,7 @@ def test_a_signal_at_each_moment_of_a_tasks_start_is_a_stop_in_the_ledger_and_th
     rules = tmp_path / "faults.json"
 
     def hold_at(point: str | None) -> None:
-        held = [{"point": point, "action": "sleep", "seconds": HOLD_S}] if point else []
+        held = [gate(point)] if point else []  # opened by the signal the test sends
         tmp = rules.with_suffix(".tmp")
         tmp.write_text(json.dumps(held))
         os.replace(tmp, rules)
@@ -482,11 +489,11 @@ def test_a_signal_at_each_moment_of_a_tasks_start_is_a_stop_in_the_ledger_and_th
 
 
 def _wait_held(run_dir, job: str, point: str, tasks: int = 2) -> None:
-    """Until every task of the job's current attempt sleeps at ``point`` (the seam says so on the
+    """Until every task of the job's current attempt waits at ``point`` (the seam says so on the
     task's stderr, submitit's log): a signal sent before a task's interpreter has run its first line
     would find no handler of lmtrain's yet (the one moment nothing can own). Starts a requeued
     attempt at once."""
-    line = f"fault injection: sleep at {point} "
+    line = f"fault injection: gate at {point} "
 
     def held() -> int:  # the tasks whose lines of their node's srun file (stdout and stderr, labelled "R: ") say so
         lines = [x for p in RunLayout.of(run_dir).submitit_node_logs(job, "out")

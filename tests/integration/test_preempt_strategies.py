@@ -27,13 +27,14 @@ from preempt_helpers import (
     assert_losses_match,
     ends,
     finish,
+    held_at,
     lm,
     losses_by_step,
     preempt,
     starts,
     submit,
     wait_ended,
-    wait_step,
+    wait_held,
 )
 from shared_results import shared
 from slurm_helpers import job_name
@@ -125,16 +126,17 @@ def test_sharded_strategy_preempted_and_resumed_equals_uninterrupted(strategy, s
     reference, ref_step, ref_weights = ref["losses"], ref["step"], ref["weights"]
 
     name = job_name("pr", f"pre-{strategy}")
-    job, run_dir = submit(env, name, *overrides)
+    at = random.randint(5, MAX_STEPS - 15)  # held there until the preemption's signal
+    job, run_dir = submit(env, name, *overrides, holds=(held_at(at),), pace_s=None)
     jobs.append(job)
-    seen = wait_step(run_dir, random.randint(5, MAX_STEPS - 15), attempt=1)
+    seen = wait_held(run_dir, at)
     r = preempt(env, name, "requeue", "--start-now")
     assert r["requeued"], r
     finish(job, run_dir)
 
     first, second = ends(run_dir)[0], starts(run_dir)[1]
     assert first["reason"] == "preempted", first
-    assert seen <= first["end_step"] < MAX_STEPS, (seen, first)
+    assert seen <= first["end_step"] == at, (seen, at, first)
     assert second["start_step"] == first["end_step"], (first, second)  # the stop checkpoint, 0 steps lost
     assert ends(run_dir)[-1]["reason"] == "completed" and ends(run_dir)[-1]["end_step"] == MAX_STEPS
     assert_losses_match(run_dir, reference)
@@ -163,9 +165,9 @@ def test_a_cancelled_run_resumed_with_other_resources_continues_on_the_new_world
     reference = _reference(strategy, env, jobs)["losses"]
 
     name = job_name("pr", f"el-{case}")
-    job, run_dir = submit(env, name, *overrides)
+    job, run_dir = submit(env, name, *overrides, holds=(held_at(25),), pace_s=None)  # held there until the cancel's SIGTERM
     jobs.append(job)
-    wait_step(run_dir, 25, attempt=1)
+    wait_held(run_dir, 25)
     code, out, err = lm(env, "cancel", name)
     assert code == 0, out + err
     wait_ended(job)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import sshd_helpers
 import waiting
-from preempt_helpers import BASE, finish, ledger, wait_step
+from preempt_helpers import BASE, finish, held_at, ledger, wait_held
 from slurm_helpers import REPO, TERMINAL, pace, wait_for
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
@@ -52,7 +52,7 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
     there = sshd_helpers.ACCOUNT_HOME / "tests" / run_name  # the cluster account's runs and registry
     shutil.rmtree(there, ignore_errors=True)
     faults = tmp_path / "faults.json"  # a file: ssh's SetEnv splits and unquotes a JSON value
-    faults.write_text(json.dumps([pace()]))
+    faults.write_text(json.dumps([pace(), held_at(13)]))  # the first run held at step 13 until its preemption
     passed = {**{k: os.environ[k] for k in ("SLURM_CONF", "LMLAUNCH_CLUSTER_DIR") if k in os.environ},
               "LMLAUNCH_RUNS_ROOT": str(there / "runs"), "LMLAUNCH_HOME": str(there / "home"),
               "LMLAUNCH_FAULTS": str(faults)}  # steps paced, as the preemption tests' are
@@ -81,7 +81,7 @@ def test_a_workstation_submits_watches_preempts_exports_and_cancels_over_ssh(log
     assert snapshot.read(run_dir).digest == snapshot.current(snapshot.PACKAGES)[0].digest  # type: ignore[union-attr]
     assert not Path(lm_env["LMLAUNCH_RUNS_ROOT"]).exists()  # nothing on the workstation's side
 
-    wait_step(run_dir, 12, job_id=job_id)
+    wait_held(run_dir, 13, job_id=job_id)
     r = cli("--remote", "viassh", "status", name, "--json")
     assert r.code == 0 and json.loads(r.out)["runs"][0]["name"] == name, r.out + r.err
     r = cli("--remote", "viassh", "stacks", name, "--json")  # py-spy on the nodes, through the login node

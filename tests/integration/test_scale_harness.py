@@ -4,7 +4,7 @@ place, a preemption and a resume, every rank accounted for at every attempt (doc
 
 1. attempt 1: rank 31 is SIGKILLed at step 40 (lmtrain.faults); the others' all-reduce fails, rank 0
    decides a restart in place, every task's agent forks again (attempt 2, same job, same nodes);
-2. attempt 2: `lmlaunch preempt --mode signal` at step 80 or later: the stop agreed by all 32 ranks,
+2. attempt 2: held at step 81 (lmtrain.faults' gate), `lmlaunch preempt --mode signal`: the stop agreed by all 32 ranks,
    a checkpoint of 32 shards, the job requeued (started at once here);
 3. attempt 3: every shard verified against COMPLETE's checksums and read back, training to step 160.
 """
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
-from preempt_helpers import ends, finish, lm, preempt, starts, wait_step
+from preempt_helpers import ends, finish, held_at, lm, preempt, starts, wait_held
 from slurm_helpers import faults, job_name, release_worker
 
 from launcher.localcluster import cluster, workers
@@ -63,7 +63,7 @@ def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted
     env = {**lm_env, **claim.environ()}
     name, counts_dir = job_name("sc", "harness"), tmp_path / "counts"
     kill = {"point": "train.batch_end", "attempt": 1, "step": 40, "rank": RANKS - 1, "action": "kill"}
-    with cluster.own_conf(claim.layout), faults(kill):
+    with cluster.own_conf(claim.layout), faults(kill, held_at(81, attempt=2)):  # held until the preemption's signal
         code, out, err = lm(env, "submit", SPEC, f"name={name}", f"resources.nodes={NODES}",
                             f"resources.tasks_per_node={TASKS}", f"trainer.global_batch_size={RANKS}",
                             "trainer.max_steps=160", "checkpoint.every_n_steps=50", f"simulate.counts_dir={counts_dir}")
@@ -71,7 +71,7 @@ def test_32_ranks_crash_restart_in_place_preempt_and_resume_every_rank_accounted
     job = out.split("job ", 1)[1].split()[0]
     run_dir = Path(env["LMLAUNCH_RUNS_ROOT"]) / name
     with cluster.own_conf(claim.layout):
-        wait_step(run_dir, 80, attempt=2, job_id=job)
+        wait_held(run_dir, 81, attempt=2, job_id=job)
         preempt(env, name, "signal")
         finish(job, run_dir)
         code, status, err = lm(env, "status", name, "--json")

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import waiting
-from preempt_helpers import current_step, ledger
-from slurm_helpers import REPO
+from preempt_helpers import is_held, ledger
+from slurm_helpers import REPO, gate
 
 from lmcore import jsonlines, rundir
 from lmcore.slurm import admin as rehearsal, client as slurm
@@ -45,7 +45,11 @@ def _search_file(tmp_path: Path, name: str) -> str:
 
 def test_a_search_prunes_keeps_two_at_once_survives_a_preemption_and_a_killed_driver(
         slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
-    env = {**lm_env, "LMLAUNCH_SEARCH_POLL_S": "1"}
+    # Every trial is held at step 10 until the test has preempted one held there (SIGTERM opens its
+    # gate) and released the rest: the one preempted cannot end, be pruned or complete first.
+    released = tmp_path / "released"
+    env = {**lm_env, "LMLAUNCH_SEARCH_POLL_S": "1",
+           "LMLAUNCH_FAULTS": json.dumps([gate("train.batch_end", released, step=10, attempt=1)])}
     runs_root = Path(lm_env["LMLAUNCH_RUNS_ROOT"])
     log = (tmp_path / "driver.out").open("w")
     driver = subprocess.Popen([*CLI, "sweep", SPEC, _search_file(tmp_path, run_name), *SMALL], env=env,
@@ -69,9 +73,10 @@ def test_a_search_prunes_keeps_two_at_once_survives_a_preemption_and_a_killed_dr
             most, busiest = len(live), ", ".join(f"{j.name} {j.job_id} {j.state}" for j in live)
         if preempted is None:
             for j in live:
-                if slurm.state_group(j.state) == "running" and current_step(runs_root / j.name) >= 8:
+                if slurm.state_group(j.state) == "running" and is_held(runs_root / j.name):
                     preempted = j  # SIGTERM to its steps, as a preemption
                     rehearsal.signal_steps(j.job_id, "TERM")
+                    released.touch()
                     break
         for j in live:  # a requeued trial waits for SLURM's BeginTime (~2 min): start it now
             if slurm.state_group(j.state) == "queued" and "BeginTime" in (j.reason or "") \

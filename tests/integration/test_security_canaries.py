@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import waiting
-from slurm_helpers import REPO, wait_terminal
+from slurm_helpers import REPO, faults, gate, wait_terminal
 
 from lmcore.slurm import client as slurm
 
@@ -52,7 +52,9 @@ def test_quoted_spaced_runs_root_trains_privately_and_secret_canaries_appear_now
     assert "WANDB_API_KEY" in dry.out  # by name ...
     assert wandb not in dry.out + dry.err and hf not in dry.out + dry.err  # ... never by value
 
-    r = cli("submit", *args, env=env)
+    released = tmp_path / "seen"  # every rank held after its second step until the test has read the tasks' environment
+    with faults(gate("train.batch_end", released, step=2)):
+        r = cli("submit", *args, env=env)
     assert r.code == 0, r.err
     job_id = re.search(r"job (\d+)", r.out).group(1)
     own_jobs.append(job_id)
@@ -71,6 +73,7 @@ def test_quoted_spaced_runs_root_trains_privately_and_secret_canaries_appear_now
         return bool(environs) or slurm.state_group(slurm.job_state(job_id)) not in ("queued", "running")
 
     waiting.until(seen_or_ended, progress=waiting.job(job_id), what=f"a task of job {job_id} running")
+    released.touch()
     assert environs, "no task process of the job was seen running"
     assert all(f"WANDB_API_KEY={wandb}".encode() in e and f"HF_TOKEN={hf}".encode() in e for e in environs)
     assert b"JobState=RUNNING" in shown or b"JobState=" in shown

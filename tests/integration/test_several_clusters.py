@@ -38,12 +38,13 @@ from preempt_helpers import (
     assert_weights_identical,
     ddp_reference,
     ends,
+    held_at,
     ledger,
     lm,
     log_tail,
     starts,
     submit,
-    wait_step,
+    wait_held,
 )
 from shared_results import shared
 from slurm_helpers import job_name, release_worker
@@ -145,9 +146,9 @@ def test_a_run_is_placed_where_it_starts_soonest_moves_when_preempted_and_ends_b
     assert not run_dir.exists()  # a dry run changes nothing
 
     # both free: placed on the first named; preempted there, it moves to the other (steps paced)
-    first, run_dir = submit(env, name, "clusters=[here, there]", MOVE)
+    first, run_dir = submit(env, name, "clusters=[here, there]", MOVE, holds=(held_at(16),))  # until preempted
     jobs.append(first)
-    wait_step(run_dir, 15, attempt=1)
+    wait_held(run_dir, 16)
     code, out, err = lm(env, "preempt", name, "--mode", "requeue")
     assert code == 0, out + err
     _wait_done(run_dir, f"run {name} moved and done")
@@ -281,9 +282,9 @@ def test_a_run_moves_to_a_cluster_over_ssh_its_checkpoint_copied_checked_and_bro
     assert "#   viassh: starts " in out and "# chosen: viassh (it starts soonest)" in out, out[:1500]  # asked over ssh
 
     damage.write_text("")  # the first copy there arrives damaged
-    first, run_dir = submit(env, name, "clusters=[here, viassh]", MOVE)
+    first, run_dir = submit(env, name, "clusters=[here, viassh]", MOVE, holds=(held_at(16),))  # until preempted
     jobs.append(first)
-    wait_step(run_dir, 15, attempt=1)
+    wait_held(run_dir, 16)
     code, out, err = lm(env, "preempt", name, "--mode", "requeue")
     assert code == 0, out + err
     waiting.until(lambda: any(e.get("event") == "move_abandoned" for e in ledger(run_dir)),

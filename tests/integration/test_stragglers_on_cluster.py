@@ -62,12 +62,12 @@ def test_a_rank_slowed_from_outside_is_named_with_its_node_and_the_other_is_not(
         found = [s for row in rows for s in row.get("stragglers", [])]
         return found or None
 
-    with DutyCycle(slow_pid):
+    with DutyCycle(slow_pid):  # the text is read while the rank is still slowed: a window after, it is not
         found = waiting.until(named, progress=run_progress(run_dir, job_id), poll=1.0,
                               what=f"{run_name}: status names a slow rank", explain=lambda: str(ledger(run_dir)))
+        r = cli("status", run_name)
     assert [(s["rank"], s["node"], s["against"]) for s in found] == [(1, "n2", "peers")], found
     assert found[0]["factor"] >= 1.5
-    r = cli("status", run_name)
     assert "slow: rank 1 (n2)" in r.out and "x the median compute" in r.out, r.out
 
     # the slowing stopped: no longer slow after a window of intervals at the others' pace

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slurm_helpers import REPO, wait_for
+from slurm_helpers import HELD, REPO, wait_for
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.planning.resolve import resolve
@@ -72,7 +72,7 @@ def test_submit_creates_private_run_dir_registry_and_the_rendered_script(slurm_c
 
 
 def test_same_run_name_is_refused_then_resume_and_new_work(slurm_cluster, cli, lm_env, run_name, own_jobs):
-    first = cli("submit", SPEC, f"name={run_name}", *SMALL)
+    first = cli("submit", SPEC, f"name={run_name}", *SMALL, HELD)  # held: still queued when --resume is refused
     assert first.code == 0, first.err
     job1 = _job_id(first.out)
     own_jobs.append(job1)

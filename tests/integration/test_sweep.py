@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import waiting
-from slurm_helpers import REPO
+from preempt_helpers import is_held
+from slurm_helpers import REPO, faults, gate, wait_reason
 
 from lmcore import jsonlines, rundir
 from lmcore.slurm import admin as rehearsal, client as slurm
@@ -33,14 +34,13 @@ def _ledger(run_dir: Path) -> list[dict]:
     return jsonlines.read_jsonl(run_dir / rundir.LEDGER)
 
 
-def _step(run_dir: Path) -> int:
-    steps = [b["step"] for b in jsonlines.read_jsonl(run_dir / rundir.HEARTBEAT) if b.get("event") == "step"]
-    return max(steps) if steps else 0
-
-
 def test_a_throttled_sweep_runs_every_point_and_one_preempted_point_resumes_alone(
         slurm_cluster, cli, lm_env, run_name, own_jobs, tmp_path):
-    r = cli("sweep", SPEC, _sweep_file(tmp_path, run_name), *SMALL, "--json")
+    # Every point is held at step 10 until the test has preempted one held there (SIGTERM opens its
+    # gate) and released the rest: the one preempted cannot complete first.
+    released = tmp_path / "released"
+    with faults(gate("train.batch_end", released, step=10, attempt=1)):
+        r = cli("sweep", SPEC, _sweep_file(tmp_path, run_name), *SMALL, "--json")
     assert r.code == 0, r.out + r.err
     sub = json.loads(r.out)
     assert len(sub["arrays"]) == 1 and len(sub["points"]) == POINTS
@@ -63,9 +63,10 @@ def test_a_throttled_sweep_runs_every_point_and_one_preempted_point_resumes_alon
             most, busiest = len(running), ", ".join(f"{j.job_id} {j.state}" for j in jobs)
         if preempted is None:
             for p in sub["points"]:
-                if p["job_id"] in running and _step(dirs[p["run"]]) >= 8:
+                if p["job_id"] in running and is_held(dirs[p["run"]]):
                     preempted = p  # SIGTERM to that array task's processes, as a preemption
                     rehearsal.signal_steps(p["job_id"], "TERM")
+                    released.touch()
                     break
         ended = [p for p in sub["points"] if any(e.get("event") == "end" and e.get("reason") == "completed"
                                                  for e in _ledger(dirs[p["run"]]))]
@@ -129,7 +130,7 @@ def test_cancelling_a_sweep_cancels_every_point(slurm_cluster, cli, lm_env, run_
                             explain=lambda: f"{slurm.squeue([array])}")
     # the throttle (max_parallel 2) holds the other 2 back: SLURM says why
     assert slurm.show_job(array)["ArrayTaskThrottle"] == "2" and len(running) == 2, slurm.squeue([array])
-    assert any(j.reason == "JobArrayTaskLimit" for j in slurm.squeue([array]) if j.state == "PENDING")
+    wait_reason(array, "JobArrayTaskLimit")  # the two running hold it (100000 steps): SLURM may say so late
     c = cli("cancel", run_name, "--json")
     assert c.code == 0, c.err
     assert len(json.loads(c.out)["points"]) == POINTS

@@ -8,8 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import waiting
 
 from lmtrain import faults
 
@@ -77,11 +79,65 @@ def test_the_attempt_comes_from_the_ledger(tmp_path, monkeypatch):
     assert os.WTERMSIG(_child([{"point": "x", "attempt": 2, "action": "kill"}], [("x", {})])) == signal.SIGKILL
 
 
+def test_a_gate_holds_the_process_at_its_point_until_its_file_exists(tmp_path):
+    gate, passed = tmp_path / "open", tmp_path / "passed"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            faults.load(json.dumps([{"point": "train.batch_end", "step": 3, "action": "gate", "until": str(gate)}]))
+            for step in (1, 2, 3):
+                faults.point("train.batch_end", step=step)
+                (tmp_path / f"step-{step}").touch()
+            passed.touch()
+        finally:
+            os._exit(0)
+    try:
+        # held at step 3: its two steps before passed, and it stays there while the file is absent
+        # (a sign of life the test watches: the process sleeps in the gate's poll, alive, not past it)
+        waiting.until(lambda: (tmp_path / "step-2").exists(), progress=waiting.process_cpu(pid), what="the steps before the gate")
+        for _ in range(20):
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0) and not (tmp_path / "step-3").exists()
+            time.sleep(faults.GATE_POLL_S)
+        gate.touch()
+        assert os.waitpid(pid, 0)[1] == 0 and passed.exists()
+    finally:
+        if not passed.exists():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_gate_opens_when_lmtrains_handler_is_told_to_stop(tmp_path):
+    """A run held at a point and then preempted goes on to its stop: the signal opens the gate."""
+    from lmtrain.preemption.signals import SignalOwner, StopRequest
+
+    passed = tmp_path / "passed"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            stop = StopRequest()
+            SignalOwner(stop).install()
+            faults.load(json.dumps([{"point": "p", "action": "gate"}]))  # no file: a stop opens it
+            (tmp_path / "held").touch()
+            faults.point("p")
+            if stop.requested and stop.reason == "preempted":
+                passed.touch()
+        finally:
+            os._exit(0)
+    try:
+        waiting.until(lambda: (tmp_path / "held").exists(), progress=waiting.process_cpu(pid), what="the gate reached")
+        os.kill(pid, signal.SIGTERM)
+        assert os.waitpid(pid, 0)[1] == 0 and passed.exists()
+    finally:
+        if not passed.exists():
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_bad_rule_is_refused():
     with pytest.raises(ValueError, match="bad rule"):
         faults.load(json.dumps([{"point": "x", "action": "explode"}]))
     with pytest.raises(ValueError, match="bad rule"):
         faults.load(json.dumps([{"point": "x", "action": "kill", "when": "now"}]))
+    with pytest.raises(ValueError, match="'until' only with 'gate'"):
+        faults.load(json.dumps([{"point": "x", "action": "kill", "until": "/tmp/f"}]))
 
 
 def test_only_a_task_process_reads_the_environment_at_import():
