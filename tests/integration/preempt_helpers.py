@@ -55,13 +55,15 @@ def lm(environ: dict[str, str], *args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def held_at(step: int, attempt: int = 1) -> dict:
+def held_at(step: int, attempt: int = 1, *, until: Path | None = None) -> dict:
     """The fault rule that holds every rank of ``attempt`` at the end of ``step`` until it is told
-    to stop (a preemption's signal, SLURM's SIGTERM: lmtrain.faults' gate): a test that acts on a
-    running attempt acts on one that cannot have trained further, or ended, before the act lands.
-    The heartbeat shows ``step - 1`` while it is held (the gate comes before the step's metrics):
+    to stop (a preemption's signal, SLURM's SIGTERM: lmtrain.faults' gate) or the file ``until``
+    exists: a test that acts on a running attempt acts on one that cannot have trained further, or
+    ended, before the act lands. A fault that signals no surviving rank (a node that dies, whose
+    peers learn it from their next collective) needs ``until``, created once the fault landed. The
+    heartbeat shows ``step - 1`` while it is held (the gate comes before the step's metrics):
     :func:`wait_held`."""
-    return gate("train.batch_end", step=step, attempt=attempt)
+    return gate("train.batch_end", until, step=step, attempt=attempt)
 
 
 def wait_held(run_dir: Path, step: int, *, attempt: int = 1, job_id: str | None = None) -> int:

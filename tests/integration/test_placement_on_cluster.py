@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from preempt_helpers import BASE, SPEC, ends, finish, held_at, lm, preempt, starts, submit, wait_held
+from preempt_helpers import BASE, SPEC, ends, finish, lm, preempt, starts, submit, wait_step
 from slurm_helpers import job_name, release_worker
 
 from launcher.localcluster import cluster, workers
@@ -144,8 +144,8 @@ def test_a_restart_in_place_takes_the_spares_by_switch_or_block(topology_cluster
         # --switches=2)
         job, run_dir = submit(env, name, "cluster=topo", "trainer.max_steps=40", "resources.spare_nodes=2",
                               "trainer.strategy=fsdp", "trainer.pipeline_parallel_size=2",
-                              "resources.placement.within=auto", holds=(held_at(4),))  # until the node fails
-        wait_held(run_dir, 4)
+                              "resources.placement.within=auto")
+        wait_step(run_dir, 3, attempt=1)
         first = starts(run_dir)[0]  # SLURM picks the pair of blocks or switches; the ranks on the first two nodes
         (kept, lost), spares = first["nodes"], first["spares"]
         assert len(spares) == 2 and len({first["groups"][n] for n in (kept, lost)}) == 1, first

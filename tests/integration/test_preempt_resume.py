@@ -321,19 +321,23 @@ def test_rank_zero_sigkilled_before_it_can_decide_is_restarted_in_place_by_the_b
 
 
 def test_a_preemption_while_the_ranks_restart_in_place_checkpoints_or_requeues_and_the_run_ends_exactly(
-        reference, env, jobs, name):
+        reference, env, jobs, name, tmp_path):
     """Rank 1 SIGKILLed mid-run; the moment rank 0's end line asks for the restart in place, a real
     preemption (an exclusive job on the high partition) hits the job while its ranks start again.
     Whatever moment it lands on (the batch script between two sruns, a rank importing, the first
     steps), SLURM requeues the job, every attempt has its end line, no two attempts overlap, and the
     run ends bit-identical to the uninterrupted one."""
-    # the restarted ranks held early in their attempt: the run cannot end before the preemption lands
+    # Attempt 2 held early until the preemption landed: it cannot end first. It is the restart in
+    # place (the preemption's SIGTERM opens its gate) or, when the preemption came between the two
+    # sruns, the requeued run (released by the file once the preemption requeued the job).
+    released = tmp_path / "released"
     with faults({"point": "train.batch_end", "attempt": 1, "step": EVERY + 5, "rank": 1, "action": "kill"}):
-        job, run_dir = submit(env, name, holds=(held_at(EVERY + 2, attempt=2),))
+        job, run_dir = submit(env, name, holds=(held_at(EVERY + 2, attempt=2, until=released),))
     jobs.append(job)
     waiting.until(lambda: [e for e in ends(run_dir) if e.get("restart") == "in_place"], progress=run_progress(run_dir, job),
                   what=f"{name}: attempt 1 restarted in place", explain=lambda: str(ledger(run_dir)))
     r = preempt(env, name, "requeue", "--start-now")
+    released.touch()
     assert r["requeued"], r
     finish(job, run_dir)
     assert slurm.restart_count(job) >= 1  # the preemption requeued it

@@ -10,7 +10,7 @@ test-only sleep, so they hardly use the CPU) to keep the test at one pair of tim
 from __future__ import annotations
 
 import pytest
-from preempt_helpers import ends, finish, log_tail, starts, submit, wait_ended
+from preempt_helpers import ends, finish, held_at, log_tail, starts, submit, wait_ended
 from slurm_helpers import faults, wait_accounted
 
 from lmcore.slurm import client as slurm
@@ -30,7 +30,9 @@ def runs(slurm_cluster, tmp_path_factory):
         mp.setenv("LMLAUNCH_HOME", str(root / "home"))
         mp.setenv("LMLAUNCH_RUNS_ROOT", str(root / "runs"))
         env = dict(os.environ)
-        with faults(SLOW):
+        # the first attempts held at step 68 until the warning signal (it opens the gate): however fast
+        # the host, neither can finish its 70 steps before its first time limit
+        with faults(SLOW, held_at(68)):
             requeue = submit(env, "tl-requeues", STEPS, *TIME_LIMIT, pace_s=None)  # SLOW paces them
             capped = submit(env, "tl-capped", STEPS, *TIME_LIMIT, "preemption.max_timeouts=0", pace_s=None)
         try:

@@ -34,12 +34,14 @@ from preempt_helpers import (
     ddp_reference,
     ends,
     finish,
+    held_at,
     ledger,
     lm,
     preempt,
     run_progress,
     starts,
     submit,
+    wait_held,
     wait_step,
 )
 from shared_results import shared
@@ -140,7 +142,7 @@ def _crash_node(layout, node: str, job: str) -> list[int]:
 
 
 def test_a_node_whose_slurmd_and_processes_die_is_replaced_by_the_spare_in_the_same_job(
-        reference, module_env, module_jobs, three_nodes):
+        reference, module_env, module_jobs, three_nodes, tmp_path):
     """n2 dies (slurmd and every process of the job on it SIGKILLed; nobody there says anything):
     rank 0 finds rank 1 gone without a word and decides a restart in place; rank 1's agent never
     answers, so rank 0's agent ends the step; SLURM declares n2 DOWN after SlurmdTimeout and takes
@@ -148,11 +150,13 @@ def test_a_node_whose_slurmd_and_processes_die_is_replaced_by_the_spare_in_the_s
     The same job, never requeued, bit-identical to the uninterrupted run."""
     env = {**module_env, **three_nodes.environ()}
     name = job_name("sp", "node-dies")
-    job, run_dir = submit(env, name, "resources.spare_nodes=1")
+    released = tmp_path / "released"  # the ranks held at a step until n2 died: it cannot end first
+    job, run_dir = submit(env, name, "resources.spare_nodes=1", holds=(held_at(EVERY + 3, until=released),))
     module_jobs.append(job)
-    wait_step(run_dir, EVERY + 3, attempt=1)
+    wait_held(run_dir, EVERY + 3)
     assert starts(run_dir)[0]["nodes"] == ["n1", "n2"], starts(run_dir)
     _crash_node(three_nodes.layout, "n2", job)
+    released.touch()  # rank 0 goes on, to find rank 1 gone
     finish(job, run_dir)
 
     end = ends(run_dir)[0]
