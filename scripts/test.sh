@@ -5,8 +5,8 @@
 # By default the suite runs in three phases: every test but those marked `serial` on
 # LMLAUNCH_TEST_WORKERS parallel workers (pytest-xdist; each worker runs its SLURM tests on a
 # local cluster of its own, launcher/localcluster/workers.py), then the `serial` ones alone, then
-# the integration tests marked `both_versions` again on each other SLURM version, all of them at once
-# (24.11 on Debian 12, 22.05 on Debian 13, and 26.05 from Debian unstable; each from a Debian root,
+# the integration tests marked `both_versions` again on each other SLURM version (24.11 on Debian
+# 12, 22.05 on Debian 13, and 26.05 from Debian unstable; each from a Debian root,
 # launcher/localcluster/debian_root.py), unless LMLAUNCH_TEST_OTHER_SLURM=0.
 # `-n 0` (or any -n / --numprocesses / -p no:xdist) runs one pytest invocation as given instead.
 set -euo pipefail
@@ -143,26 +143,11 @@ else
 fi
 rc3=5
 mapfile -t both_modules < <(grep -rl --include='test_*.py' 'pytest.mark.both_versions' tests/integration | sort)
-if ((${#both_modules[@]})) && ((${#OTHERS[@]})); then
-  # Every other version at once, the workers shared out between them (each version has worker
-  # clusters of its own): the phase is as long as its longest version, not their sum (the
-  # time-limit tests wait on SLURM's clock, mostly idle, and end each version's run).
-  per=$(( WORKERS / ${#OTHERS[@]} ))
-  ((per >= 1)) || per=1
-  echo "[test] phase 3: the tests marked both_versions, on SLURM ${OTHERS[*]} at once ($per workers each)"
-  phase3_pids=()
-  phase3_logs=()
+if ((${#both_modules[@]})); then
   for version in "${OTHERS[@]}"; do
-    log="$LMLAUNCH_TEST_SHARED/phase3-$version.log"
-    LMLAUNCH_TEST_SLURM=$version "$VENV/bin/python" -m pytest "${both_modules[@]}" -n "$per" --dist load \
-      --phase other-slurm "$@" > "$log" 2>&1 &
-    phase3_pids+=($!)
-    phase3_logs+=("$log")
-  done
-  for i in "${!phase3_pids[@]}"; do
-    wait "${phase3_pids[$i]}" && rc=0 || rc=$?
-    echo "[test] phase 3 on SLURM ${OTHERS[$i]} (exit $rc):"
-    cat "${phase3_logs[$i]}"
+    echo "[test] phase 3: the tests marked both_versions, on SLURM $version"
+    LMLAUNCH_TEST_SLURM=$version pytest "${both_modules[@]}" -n "$WORKERS" --dist load \
+      --phase other-slurm "$@" && rc=0 || rc=$?
     [ "$rc3" = 5 ] || [ "$rc3" = 0 ] && rc3=$rc
   done
 fi
