@@ -569,10 +569,11 @@ def up(
     if version is not None and is_native(version) and not debian_root.inside_root():
         version = None  # inside its root a cluster keeps the version it was started as
     current = loaded or Settings(ports=Ports.for_slot(0, version), version=version)
-    topo, nodes = _wanted_topology(topology, current, nodes)
+    base = _given(ports, current.ports)
+    topo, nodes = _wanted_topology(topology, current, base, nodes)
     wanted = Settings(
         preempt_send_user_signal=_given(preempt_send_user_signal, current.preempt_send_user_signal),
-        ports=_given(ports, current.ports) if nodes is None else _given(ports, current.ports).with_nodes(nodes),
+        ports=base if nodes is None else base.with_nodes(nodes),
         system_conf=_given(system_conf, current.system_conf),
         accounting=_given(accounting, current.accounting),
         min_job_age=_given(min_job_age, current.min_job_age),
@@ -594,10 +595,13 @@ def up(
         return _up(say, layout, wanted)
 
 
-def _wanted_topology(given: str | None, current: Settings, nodes: int | None) -> tuple[LocalTopology | None, int | None]:
-    """The topology this `up` runs (``given``, else the one kept) and the node count it implies."""
+def _wanted_topology(given: str | None, current: Settings, ports: Ports,
+                     nodes: int | None) -> tuple[LocalTopology | None, int | None]:
+    """The topology this `up` runs (``given``, else the one kept) and the node count it implies;
+    ``ports`` are those this `up` starts from (given, else kept), whose node count the topology
+    overrides: ports given for 2 nodes with a topology of 8 are the 8 nodes' ports."""
     text = given if given is not None else current.topology
-    count = nodes if nodes is not None or (text and "x" in text) else len(current.ports.nodes)
+    count = nodes if nodes is not None or (text and "x" in text) else len(ports.nodes)
     try:
         topo = parse_topology(text, count)
     except ValueError as exc:
@@ -605,7 +609,7 @@ def _wanted_topology(given: str | None, current: Settings, nodes: int | None) ->
         raise UserError(f"{exc}{kept}") from None
     if topo is not None and not 1 <= topo.nodes <= MAX_NODES:
         raise UserError(f"--topology {topo.text}: {topo.nodes} nodes; the local cluster runs 1 to {MAX_NODES}")
-    if topo is not None and nodes is None and topo.nodes != len(current.ports.nodes):
+    if topo is not None and nodes is None and topo.nodes != len(ports.nodes):
         nodes = topo.nodes
     return topo, nodes
 

@@ -140,7 +140,22 @@ def test_a_topology_larger_than_the_local_cluster_is_refused_naming_the_option()
     from lmcore.errors import UserError
 
     with pytest.raises(UserError, match="--topology tree:9x8: 72 nodes; the local cluster runs 1 to 64"):
-        _wanted_topology("tree:9x8", Settings(), None)
+        _wanted_topology("tree:9x8", Settings(), Settings().ports, None)
+
+
+def test_a_topology_sets_the_node_count_whatever_the_ports_given_or_kept_say():
+    """CI's case: the state kept 8 nodes, the claim gave its 2 nodes' ports and asked block:4x2;
+    the topology's 8 nodes win, or topology.conf names nodes that slurm.conf lacks."""
+    from launcher.localcluster.cluster import _wanted_topology
+    from launcher.localcluster.config import Ports, Settings
+
+    kept = Settings(ports=Ports.for_slot(0, None).with_nodes(8), topology="block:4x2")
+    two = Ports.for_slot(0, None)
+    topo, nodes = _wanted_topology("block:4x2", kept, two, None)
+    assert topo is not None and (topo.nodes, nodes) == (8, 8)
+    assert _wanted_topology("none", kept, two, None) == (None, None)  # no topology: the ports' own count
+    topo, nodes = _wanted_topology(None, kept, kept.ports, None)  # kept as it was: nothing to change
+    assert topo is not None and nodes is None
 
 
 def test_the_local_topology_conf_is_what_topology_conf_5_describes():
