@@ -61,10 +61,21 @@ def _command(title: str, help_text: str, parser: argparse.ArgumentParser, level:
         _command(f"{title} {name}", sub_help, sub, level + 1, out)
 
 
+def _exit_codes() -> list[str]:
+    from lmcore.errors import EXIT_CODES
+
+    return ["## Exit codes and `--json`", "",
+            "Every command exits with one of these; under `--json` a command prints one JSON document on "
+            "stdout whether it succeeds or not: on an error `{\"ok\": false, \"error\": {\"kind\", \"message\", "
+            "\"problems\", \"exit_code\"}}` (kind: usage, invalid, unavailable, failed, bug), the message on "
+            "stderr as well. A usage error prints the usage of the command it was made in.", "",
+            "| code | meaning |", "|---|---|", *(f"| {int(c)} | {what} |" for c, what in EXIT_CODES.items()), ""]
+
+
 def reference_markdown() -> str:
     parser = build_parser()
     out = list(HEADER)
-    out += ["```", _usage(parser), "```", "", *_options(parser)]
+    out += ["```", _usage(parser), "```", "", *_options(parser), *_exit_codes()]
     for name, help_text, sub in _subparsers(parser):
         _command(f"lmlaunch {name}", help_text, sub, 2, out)
     return "\n".join(out).rstrip("\n") + "\n"

@@ -34,6 +34,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     run_dir = Path(rec.run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run '{rec.name}': its run directory {run_dir} does not exist", exit_code=1)
+    world = run_files.read_world_size(run_dir)
+    if (world is not None and not 0 <= args.rank < world and not args.evaluator
+            and not run_files.log_sources(run_dir, rec.job_ids, rank=args.rank, attempt=args.attempt)):
+        raise UserError(f"--rank {args.rank}: run '{rec.name}' has ranks 0 to {world - 1} (world_size {world})")
     if args.attempt is not None:
         known = [n for n, _ in run_files.attempt_dirs(run_dir)]
         if known and args.attempt not in known:

@@ -41,7 +41,7 @@ def _plan_all(args: argparse.Namespace, ctx: Context) -> tuple[list[pipeline.Sta
 def _resolve(stage: pipeline.StagePlan, args: argparse.Namespace, ctx: Context) -> Any:
     try:
         return resolve(stage.spec_path, stage.overrides, args.cluster, ctx.environ, python=ctx.python,
-                       force=args.force)
+                       force=args.force, data_later=bool(stage.after))  # an earlier stage may prepare its data
     except SpecError as exc:  # nothing is submitted: the stage that fails is named
         raise SpecError([f"pipeline stage '{stage.name}': {p}" for p in exc.problems], source=exc.source) from None
     except UserError as exc:

@@ -15,7 +15,8 @@ from lmcore.errors import UserError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", nargs="?", help="a run name or one of its job ids (default: all runs)")
-    p.add_argument("--watch", "-w", action="store_true", help="refresh in place until Ctrl-C")
+    p.add_argument("--watch", "-w", action="store_true",
+                   help="refresh in place until Ctrl-C; `status RUN --watch` ends when the run has ended")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch (default 2)")
     p.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # --watch: stop after N refreshes (tests)
     p.add_argument("--json", action="store_true", help="rows as JSON (for scripts)")
@@ -71,12 +72,18 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     n = 1
     with Live(status_view(rows, view, hidden=hidden, now=now), console=console, auto_refresh=False,
               redirect_stdout=False, redirect_stderr=False) as live:
-        while args.count is None or n < args.count:
+        while (args.count is None or n < args.count) and not _ended(args, rows):
             time.sleep(args.interval)
             rows, view, hidden, now = _collect(args, ctx)
             live.update(status_view(rows, view, hidden=hidden, now=now), refresh=True)
             n += 1
     return 0
+
+
+def _ended(args: argparse.Namespace, rows: list[monitor.StatusRow]) -> bool:
+    """`status RUN --watch`: the run (a sweep: each of its points) is neither queued nor running,
+    and SLURM answered; the list of every run is watched until Ctrl-C."""
+    return bool(args.run) and bool(rows) and all(r.group not in ("queued", "running", "unknown") for r in rows)
 
 
 def _via() -> str:

@@ -135,7 +135,8 @@ def _placed(args: argparse.Namespace, ctx: Context, first: Any, overrides: list[
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     cluster, overrides = cluster_argument(args.cluster, args.overrides)
-    r = resolve(args.spec, overrides, cluster, ctx.environ, python=ctx.python, force=args.force, several=True)
+    r = resolve(args.spec, overrides, cluster, ctx.environ, python=ctx.python, force=args.force, several=True,
+                data_later=bool(args.after))  # a run it waits for may prepare its data
     after = dependencies.parse(args.after, ctx.environ or None)
     placed: list[str] = []
     answers: list[Any] = []

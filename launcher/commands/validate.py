@@ -27,7 +27,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     t = r.plan.topology
     if args.json:
         ctx.out(json.dumps({"ok": True, "spec": args.spec, "cluster": r.profile.name,
-                            "topology": {k: getattr(t, k) for k in t.__dataclass_fields__},
+                            "topology": t.to_json(),
                             "memory": r.plan.memory, "notes": list(r.plan.notes)}, indent=2, sort_keys=True))
         return 0
     ctx.out(
@@ -57,7 +57,7 @@ def _several(args: argparse.Namespace, ctx: Context, first: Any) -> int:
                       force=args.force or args.fit, done=first)
     if args.json:
         ctx.out(json.dumps({"ok": True, "spec": args.spec, "clusters": [
-            {"cluster": r.profile.name, "topology": {k: getattr(r.plan.topology, k) for k in r.plan.topology.__dataclass_fields__},
+            {"cluster": r.profile.name, "topology": r.plan.topology.to_json(),
              "memory": r.plan.memory, "notes": list(r.plan.notes)} for r in plans]}, indent=2, sort_keys=True))
         return 0
     ctx.out(f"ok: {args.spec} is valid for each of its clusters ({', '.join(r.profile.name for r in plans)}); "

@@ -88,6 +88,15 @@ def read_rank_times(run_dir: Path) -> dict[str, Any] | None:
     return data
 
 
+def read_world_size(run_dir: Path) -> int | None:
+    """The ranks the run was planned with (plan.json), or None when it cannot be read."""
+    try:
+        size = json.loads(RunLayout.of(run_dir).plan.read_text())["topology"]["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def read_plan_time(run_dir: Path) -> str | None:
     try:
         return str(json.loads(RunLayout.of(run_dir).plan.read_text())["slurm"]["time"])

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lmcore.parallelism import DataParallel, Parallelism
@@ -57,6 +57,7 @@ class ModelFacts:
     tp_dims: tuple[int, ...] = ()  # per parameter: the dimension tensor parallelism splits (-1: none)
     eos_token_ids: tuple[int, ...] = ()  # the config's eos_token_id (one or several; none when unset)
     tied_head: int = -1  # params index of the embedding weight the head shares (-1: untied)
+    positions: Mapping[str, Any] = field(default_factory=dict)  # lmtrain.model.memory_facts.positions
 
     def split_dim(self, i: int) -> int:
         return self.tp_dims[i] if i < len(self.tp_dims) else -1

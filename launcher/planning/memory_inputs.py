@@ -23,7 +23,7 @@ from launcher.planning.model_check import cache_dir
 from lmcore.atomic import write_private
 from lmcore.spec import JobSpec
 
-FACTS_VERSION = 5  # bump when lmtrain.model.memory_facts counts differently: older files are not reused
+FACTS_VERSION = 7  # bump when lmtrain.model.memory_facts counts differently: older files are not reused
 
 
 class _Traces(Mapping[tuple[str, bool], tuple[int, int, int, int]]):
@@ -107,7 +107,7 @@ def model_facts(spec: JobSpec, environ: Mapping[str, str] | None = None, *, gpu:
                       tp_dims=tuple(int(d) for d in data.get("tp_dims") or ()),
                       vocab_size=int(data["vocab_size"]), seq_len=spec.data.seq_len,
                       eos_token_ids=tuple(int(i) for i in data.get("eos_token_ids") or ()),
-                      tied_head=int(data.get("tied_head", -1)),
+                      tied_head=int(data.get("tied_head", -1)), positions=dict(data.get("positions") or {}),
                       traces=_Traces(spec, path, dict(data.get("traces") or {}), gpu))
 
 

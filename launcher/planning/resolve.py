@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from launcher.planning.data_check import (
+    data_vocab_checks,
+    mixture_notes,
+    position_checks,
+    store_indexes,
+    store_path_checks,
+)
 from launcher.planning.evaluator import task_problems
 from launcher.planning.memory_check import with_memory
 from launcher.planning.memory_inputs import model_facts
@@ -24,8 +31,7 @@ from launcher.spec.profiles import Profile, check_slurm_path, expand_path, load_
 from launcher.spec.validation import located
 from lmcore.errors import SpecError
 from lmcore.plan import LaunchPlan
-from lmcore.spec import DataSource, JobSpec
-from lmcore.token_meta import read_index, tokenized_with, tokenizer_identity
+from lmcore.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -33,80 +39,6 @@ class Resolved:
     spec: JobSpec
     profile: Profile
     plan: LaunchPlan
-
-
-StoreIndex = tuple[str, DataSource, "dict[str, Any] | None"]  # (spec key, the store, its meta.json when readable here)
-
-
-def store_indexes(spec: JobSpec) -> list[StoreIndex]:
-    """Each store the run reads (data.path, or data.sources), with its index where it is readable
-    here (the nodes may see other paths): read once for the plan's notes and checks."""
-    keys = ["data.path"] if spec.data.sources is None else [f"data.sources[{i}]" for i in range(len(spec.data.sources))]
-    return [(key, store, read_index(store.path)[0]) for key, store in zip(keys, spec.data.stores)]
-
-
-def mixture_notes(spec: JobSpec, plan: LaunchPlan, stores: list[StoreIndex]) -> list[str]:
-    """For ``data.sources``: how many epochs of each store the run takes (its weight's share of the
-    tokens the run trains on), where its index is readable here."""
-    if spec.data.sources is None:
-        return []
-    needed = plan.trainer.max_steps * plan.topology.global_batch_size * spec.data.seq_len
-    total = sum(s.weight for s in spec.data.sources)
-    out = []
-    for _, src, meta in stores:
-        share = round(needed * src.weight / total)
-        try:
-            tokens = int(meta["num_tokens"])  # type: ignore[index]
-        except (KeyError, TypeError, ValueError):
-            out.append(f"data.sources {src.path}: weight {src.weight / total:.0%}, {share:,} tokens trained "
-                       "(its index is not readable here: epochs unknown)")
-            continue
-        out.append(f"data.sources {src.path}: weight {src.weight / total:.0%}, {share:,} tokens trained of its "
-                   f"{tokens:,}: {share / max(tokens, 1):.2f} epochs" + (" (repeated)" if share > tokens else ""))
-    return out
-
-
-def data_vocab_checks(stores: list[StoreIndex], model_vocab: int,
-                      model_eos: tuple[int, ...] | None = None) -> tuple[list[str], list[str]]:
-    """(problems, notes): each store whose index is readable here, against the model's vocabulary
-    and (a mixture) the first store's tokenizer (the runtime's lmtrain.data.loader.check_same_tokens,
-    before queue time). A store tokenized with more ids than the model's embedding holds is a
-    problem (the runtime would stop on it); fewer is a note (rows never trained), and so is a
-    store whose documents end with an id other than the model's ``eos_token_id`` (``model_eos``;
-    None: not known). A store not readable here is the runtime's to check, on the nodes."""
-    problems, notes = [], []
-    first: tuple[str, dict[str, Any]] | None = None
-    for key, store, meta in stores:
-        try:
-            vocab, kind = int(meta["vocab_size"]), tokenizer_identity(meta)[2] or "?"  # type: ignore[index, arg-type]
-        except (KeyError, TypeError, ValueError):
-            continue
-        assert meta is not None
-        if first is None:
-            first = (f"{key} {store.path}", meta)
-            notes += _eos_notes(key, store.path, meta.get("eos_id"), model_eos)
-        elif tokenizer_identity(meta) != tokenizer_identity(first[1]):
-            problems.append(f"{key} {store.path}: tokenized with {tokenized_with(meta)}, but {first[0]} with "
-                            f"{tokenized_with(first[1])}: the stores of a mixture must share one tokenizer")
-        if vocab > model_vocab:
-            problems.append(f"{key} {store.path}: tokenized with vocab_size {vocab} ({kind} tokenizer), but the model "
-                            f"has vocab_size {model_vocab}: ids >= {model_vocab} would index past its embedding; set "
-                            f"model.config.vocab_size: {vocab}, or use data tokenized for this model")
-        elif vocab < model_vocab:
-            notes.append(f"{key} {store.path}: tokenized with vocab_size {vocab} ({kind} tokenizer), the model has "
-                         f"{model_vocab}: {model_vocab - vocab:,} rows of its embedding are never trained")
-    return problems, notes
-
-
-def _eos_notes(key: str, path: str, eos: Any, model_eos: tuple[int, ...] | None) -> list[str]:
-    """The store's document separator against the model's eos_token_id (one note at most)."""
-    if model_eos is None or not isinstance(eos, int) or eos in model_eos:
-        return []
-    has = (f"eos_token_id {model_eos[0]}" if len(model_eos) == 1 else f"eos_token_id {list(model_eos)}") \
-        if model_eos else "no eos_token_id"
-    return [f"{key} {path}: its documents end with id {eos} (the tokenizer's eos), but the model has {has}: "
-            f"it learns to end a document with an id its generation does not stop at; set "
-            f"model.config.eos_token_id: {eos}"]
 
 
 def runs_root_for(profile: Profile, environ: Mapping[str, str] | None = None) -> str:
@@ -197,6 +129,27 @@ def _with_eval_tasks(spec: JobSpec, plan: LaunchPlan) -> LaunchPlan:
     return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan
 
 
+def _model_against_data(spec: JobSpec, profile: Profile, plan: LaunchPlan, stores: list[Any], env: Mapping[str, str],
+                        *, force: bool, source: str, check_data: bool) -> LaunchPlan:
+    """A model that builds against the data, root cause first: the sequence length against its
+    positions; then will it fit (a GPU job that does not is refused, with what would make it fit);
+    then the stores readable here against its vocabulary and document separator."""
+    try:
+        facts = model_facts(spec, env, gpu=plan.topology.accelerator == "gpu")
+    except Exception:  # what with_memory says (a model the trace cannot follow)
+        facts = None
+    problems, notes = position_checks(spec.data.seq_len, facts.positions if facts else {})
+    if problems:
+        raise SpecError(problems)
+    plan = with_memory(spec, profile, plan, env, force=force, source=source)
+    if facts is not None and facts.vocab_size and check_data:
+        more, also = data_vocab_checks(stores, facts.vocab_size, facts.eos_token_ids)
+        if more:
+            raise SpecError(more)
+        notes = [*notes, *also]
+    return dataclasses.replace(plan, notes=(*plan.notes, *notes))
+
+
 def cluster_argument(cluster: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     """``--cluster a,b`` (several) as the override ``clusters=[a,b]`` and no one cluster; one name
     (or none) as it is."""
@@ -234,12 +187,15 @@ def resolve(
     force: bool = False,
     check_data: bool = True,
     several: bool = False,
+    data_later: bool = False,
 ) -> Resolved:
     """Load and validate the spec (with overrides), its profile, and plan the launch (excluding
     the nodes the user's record for the profile names); the model section is checked against the
     installed transformers (launcher.planning.model_check) and its memory planned (launcher.planning.memory_check:
     a GPU job that does not fit is refused unless ``force``); the stores readable here are checked
-    against the model's vocabulary and each other (``check_data``: doctor judges them itself).
+    against the model's vocabulary and each other, and each store's path (``check_data``: doctor
+    judges them itself; ``data_later``: an earlier job may make a store missing now, which is then a
+    note); ``data.seq_len`` against the model's positions (launcher.planning.data_check).
 
     A spec naming several clusters (``clusters``, or ``--cluster a,b``) is planned here on the
     first; ``several``: the caller plans it on the others too (launcher.planning.clusters: submit
@@ -260,24 +216,21 @@ def resolve(
         plan = _with_eval_tasks(spec, _planned(spec, profile, env, python))
         stores = store_indexes(spec)
         plan = dataclasses.replace(plan, notes=(*plan.notes, *mixture_notes(spec, plan, stores)))
+        if check_data:
+            seen_here = profile.login is None and profile.submit.via != "rest"
+            problems, notes = store_path_checks(stores, seen_here=seen_here, later=data_later)
+            if problems:
+                raise SpecError(problems)
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))
         staged = pretrained_pipeline_problems(spec.model, plan.parallelism)
         if staged:
             raise SpecError(staged)
         unchecked = check_model(spec.model, env, split=split_of(plan.topology), pipeline=plan.parallelism.pipeline)
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
-        else:  # will it fit? (a GPU job that does not is refused, with what would make it fit)
-            plan = with_memory(spec, profile, plan, env, force=force, source=str(spec_path))
-            try:
-                facts = model_facts(spec, env, gpu=plan.topology.accelerator == "gpu")
-                model_vocab, model_eos = facts.vocab_size, facts.eos_token_ids
-            except Exception:  # what with_memory said already (a model the trace cannot follow)
-                model_vocab, model_eos = None, None
-            problems, notes = (data_vocab_checks(stores, model_vocab, model_eos) if model_vocab and check_data
-                               else ([], []))
-            if problems:
-                raise SpecError(problems)
-            plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))
+        else:
+            plan = _model_against_data(spec, profile, plan, stores, env, force=force, source=str(spec_path),
+                                       check_data=check_data)
     except SpecError as exc:
         if exc.source is not None:
             raise

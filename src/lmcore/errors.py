@@ -21,6 +21,16 @@ class ExitCode(enum.IntEnum):
     BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (`... | head -1`)
 
 
+EXIT_CODES: dict[ExitCode, str] = {  # what each exit status means (the CLI's --help and its reference say it)
+    ExitCode.OK: "done",
+    ExitCode.FAILURE: "a command ran and failed (SLURM refused it, the job failed, a bug)",
+    ExitCode.USAGE: "bad input: arguments, job spec, profile or override; nothing was submitted",
+    ExitCode.UNAVAILABLE: "SLURM is absent or its controller does not answer",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C)",
+    ExitCode.BROKEN_PIPE: "the reader of the output went away (a pipe into head that ended)",
+}
+
+
 class UserError(Exception):
     """An error caused by what the user wrote or asked for; printed without a traceback."""
 

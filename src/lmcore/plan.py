@@ -141,6 +141,11 @@ class Topology:
                 f"micro_batch({self.micro_batch_size}) x {steps} x "
                 f"data_parallel({self.data_parallel_size}) = global_batch({self.global_batch_size})")
 
+    def to_json(self) -> dict[str, Any]:
+        """As JSON: the fields, the mesh as lmcore.parallelism writes it, and the data-parallel size."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "parallelism"}
+        return {**d, "parallelism": self.parallelism.to_json(), "data_parallel_size": self.data_parallel_size}
+
     def arithmetic(self) -> str:
         return (f"nodes({self.nodes}) x tasks_per_node({self.tasks_per_node}) = world_size({self.world_size}); "
                 f"{self.batch_arithmetic()}")

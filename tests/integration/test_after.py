@@ -41,7 +41,10 @@ def test_a_run_after_another_starts_when_it_succeeded_and_never_after_a_failure(
     # first (under load the 4-step run had COMPLETED before its dependent was submitted, which then
     # rightly ran at once; a failed upstream makes `--after` refuse the dependent).
     good = _submit(cli, own_jobs, f"{run_name}-a", HELD)
-    bad = _submit(cli, own_jobs, f"{run_name}-b", HELD, f"data.path={tmp_path / 'missing'}")  # crashes at its start
+    store = tmp_path / "store"  # the data, there when submitted (validate checks it), gone when it starts
+    store.symlink_to(REPO / "data" / "prepared" / "tiny")
+    bad = _submit(cli, own_jobs, f"{run_name}-b", HELD, f"data.path={store}")
+    store.unlink()  # so it crashes at its start
     after_good = _submit(cli, own_jobs, f"{run_name}-c", "--after", f"{run_name}-a")
     after_bad = _submit(cli, own_jobs, f"{run_name}-d", "--after", f"{run_name}-b:ok")
     wait_reason(after_good, "Dependency")

@@ -59,8 +59,11 @@ def test_a_failed_train_leaves_eval_never_starting_and_cancel_clears_it(slurm_cl
                                                                          tmp_path):
     # the train stage crashes at its start (no data there); no crash retry
     # held until the pipeline has queued eval behind it (a train failed already would refuse eval)
-    r = cli("pipeline", str(_pipeline(tmp_path, run_name, [HELD, f"data.path={tmp_path / 'missing'}"])))
+    store = tmp_path / "store"  # the data, there when submitted (validate checks it), gone when it starts
+    store.symlink_to(REPO / "data" / "prepared" / "tiny")
+    r = cli("pipeline", str(_pipeline(tmp_path, run_name, [HELD, f"data.path={store}"])))
     assert r.code == 0, r.out + r.err
+    store.unlink()
     jobs = {line.split(":")[0]: line.split("job ")[1].split()[0] for line in r.out.splitlines() if "submitted run" in line}
     own_jobs.extend(jobs.values())
     slurm.hold(jobs["train"], release=True)

@@ -86,7 +86,8 @@ def test_job_on_profile_matches_reference_plan_or_expected_failure(job, profile,
     if (job, profile) in EXPECTED_FAILURES:
         expected = "error: " + EXPECTED_FAILURES[(job, profile)] + "\n"
         assert (code, out, err) == (2, "", expected)
-        assert (dry_code, dry_out, dry_err) == (2, "", expected)
+        assert (dry_code, dry_err) == (2, expected)  # --json: the error as JSON on stdout too
+        assert json.loads(dry_out)["error"]["message"] == EXPECTED_FAILURES[(job, profile)], dry_out
         assert not reference.exists(), f"stale reference plan {reference.name}"
         return
     assert (code, err) == (0, ""), err

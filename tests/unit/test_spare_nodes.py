@@ -138,7 +138,7 @@ def test_without_spares_the_script_is_as_before(repo, runs_root):
 ])
 def test_bad_spare_nodes_are_refused_naming_the_key(repo, runs_root, overrides, words):
     code, out, err = _dry_run(repo, runs_root, *overrides)
-    assert code == 2 and words in err and not out, (code, err)
+    assert code == 2 and words in err and json.loads(out)["ok"] is False, (code, err)  # --json: the error as JSON too
 
 
 def test_a_task_sees_its_steps_nodes_not_the_allocations():

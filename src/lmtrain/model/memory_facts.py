@@ -155,7 +155,31 @@ def parameter_facts(model_spec: ModelSpec | Mapping[str, Any]) -> dict[str, Any]
     eos_ids = [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None]
     return {"params": params, "tp_dims": tp_dims, "blocks": len(blocks),
             "vocab_size": int(getattr(config, "vocab_size", 0) or 0), "eos_token_ids": eos_ids,
-            "tied_head": _tied_head(model)}
+            "tied_head": _tied_head(model), "positions": positions(model)}
+
+
+def positions(model: Any) -> dict[str, Any]:
+    """How long a sequence the model takes: ``learned``, the rows of a learned position table
+    (GPT-2's ``wpe``, OPT's ``embed_positions`` less its offset; a longer sequence indexes past it),
+    else None (rotary, ALiBi: any length runs); ``configured``, the config's maximum, and ``key``,
+    the config key that sets it (``n_positions`` for GPT-2), or None when the config has none."""
+    import torch
+
+    config = model.config
+    key = getattr(config, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
+    configured = getattr(config, key, None)
+    embed = model.get_input_embeddings()
+    learned = None
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Embedding) or module is embed:
+            continue
+        rows = int(module.num_embeddings) - int(getattr(module, "offset", 0) or 0)
+        last = name.rsplit(".", 1)[-1]
+        if rows == configured or "pos" in last or last == "wpe":  # GPT-2's and GPT-Neo's table is `wpe`
+            learned = rows
+            break
+    return {"learned": learned, "configured": int(configured) if isinstance(configured, int) else None,
+            "key": key if isinstance(configured, int) else None}
 
 
 def _tied_head(model: Any) -> int:

@@ -1,0 +1,161 @@
+"""What a new user meets first, in-process through the real CLI: `--version`, usage errors that
+show the command's own usage with a hint where another CLI's habit shows, `--json` that is JSON on
+success and on failure (every shipped spec), and validate refusing what would fail at run time
+(the sequence length against the model's positions; a data path that is a raw file, not prepared,
+or missing where this machine would see it)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main, usage_hint
+from launcher.context import Context
+from launcher.planning.data_check import position_checks, store_path_checks
+from lmcore.spec import DataSource
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "jobs").glob("*.yaml"))
+TINY = str(REPO / "jobs" / "tiny-cpu.yaml")
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(args), Context(stdout=out, stderr=err, environ=dict(os.environ)))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_version_names_lmlaunch_its_python_and_the_packages_a_bug_report_needs(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"], Context(stdout=io.StringIO(), stderr=io.StringIO(), environ={}))
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert out.startswith("lmlaunch 0.") and "python 3." in out and "torch 2." in out and "lightning " in out, out
+
+
+@pytest.mark.parametrize(("words", "hint"), [
+    (["validate", "j.yaml", "--trainer.max_steps=10"], "overrides are written without dashes: trainer.max_steps=10"),
+    (["submit", "j.yaml", "--trainer.max_steps", "10"], "as key=value: trainer.max_steps=10"),
+    (["submit", "j.yaml", "++optim.lr=1e-3"], "without dashes: optim.lr=1e-3"),
+    (["submit", "j.yaml", "--dry-run"], None), (["status", "--all"], None), (["logs", "-f", "x.y"], None),
+])
+def test_a_habit_of_another_cli_gets_a_hint(words, hint):
+    got = usage_hint(words)
+    assert (got is None) if hint is None else (got is not None and hint in got), got
+
+
+def test_a_subcommands_usage_error_prints_that_subcommands_usage_and_the_hint():
+    code, out, err = cli("validate", TINY, "--trainer.max_steps=10")
+    assert code == 2 and out == ""
+    assert err.startswith("usage: lmlaunch validate") and "lmlaunch validate: error: unrecognized arguments" in err, err
+    assert "hint: overrides are written without dashes: trainer.max_steps=10" in err, err
+    code, _, err = cli("data", "prepare", "x", "--no-such-flag")
+    assert code == 2 and err.startswith("usage: lmlaunch data prepare"), err  # the innermost command's usage
+    code, out, err = cli("status", "--json", "--no-such-flag")
+    assert code == 2 and err.startswith("usage: lmlaunch status")
+    error = json.loads(out)["error"]
+    assert json.loads(out)["ok"] is False and error["kind"] == "usage" and error["exit_code"] == 2, out
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_validate_json_is_json_for_every_shipped_spec(spec):
+    code, out, err = cli("validate", str(spec), "--json")
+    got = json.loads(out)
+    assert code == 0 and got["ok"] is True, err
+    topo = got["topology"] if "topology" in got else got["clusters"][0]["topology"]
+    assert topo["world_size"] == topo["nodes"] * topo["tasks_per_node"]
+    assert topo["parallelism"]["world_size"] == topo["world_size"] and topo["data_parallel_size"] >= 1
+
+
+def test_validate_json_of_an_invalid_spec_is_json_naming_every_problem():
+    code, out, err = cli("validate", TINY, "trainer.max_steps=-1", "data.micro_batch_size=0", "--json")
+    got = json.loads(out)
+    assert code == 2 and got["ok"] is False and got["error"]["kind"] == "invalid", out
+    assert len(got["error"]["problems"]) == 2 and "trainer.max_steps" in out and "data.micro_batch_size" in out, out
+    assert err.startswith("error: "), err  # the terminal still says it
+    code, out, _ = cli("validate", "/no/such/spec.yaml", "--json")
+    assert code == 2 and json.loads(out)["ok"] is False
+
+
+def test_a_sequence_longer_than_learned_positions_is_refused_naming_both_keys():
+    code, out, err = cli("validate", TINY, "data.seq_len=4096")
+    assert code == 2 and out == ""
+    assert "data.seq_len 4096 is longer than the model's 128 learned positions" in err, err
+    assert "set data.seq_len: 128 or less, or model.config.n_positions: 4096 or more" in err, err
+    assert "memory" not in err  # root cause first: not the consequence (activations for 4096 tokens)
+
+
+def test_positions_a_learned_table_refuses_computed_positions_note():
+    learned = {"learned": 102 - 2, "configured": 100, "key": "max_position_embeddings"}  # OPT: offset 2
+    problems, notes = position_checks(101, learned)
+    assert problems and "model.config.max_position_embeddings: 101 or more" in problems[0] and not notes
+    assert position_checks(100, learned) == ([], [])
+    problems, notes = position_checks(4096, {"learned": None, "configured": 2048, "key": "max_position_embeddings"})
+    assert not problems and "computed (rotary or ALiBi), so it runs" in notes[0]
+    assert position_checks(4096, {}) == ([], [])  # facts unknown (a CLI-only install): nothing claimed
+
+
+def test_a_data_path_that_is_a_raw_file_unprepared_or_missing_here_is_refused(tmp_path):
+    raw = tmp_path / "corpus.jsonl"
+    raw.write_text('{"text": "hello"}\n')
+    code, _, err = cli("validate", TINY, f"data.path={raw}")
+    assert code == 2 and "a raw text file, not a prepared store" in err and f"lmlaunch data prepare {raw} --out DIR" in err
+    code, _, err = cli("validate", TINY, f"data.path={tmp_path}")
+    assert code == 2 and "meta.json is missing: not a prepared data directory" in err, err
+    code, _, err = cli("validate", TINY, f"data.path={tmp_path / 'typo'}")
+    assert code == 2 and "no such directory here" in err and "--on-cluster" in err, err
+
+
+def test_a_missing_store_is_a_note_where_the_nodes_may_see_it_or_an_earlier_job_makes_it(tmp_path):
+    def store(path: Path) -> list:
+        return [("data.path", DataSource(path=str(path), weight=1.0), None)]
+
+    elsewhere = Path("/no-such-top-directory-here/data/tiny")
+    problems, notes = store_path_checks(store(elsewhere), seen_here=True, later=False)
+    assert not problems and "its filesystem is not visible from here" in notes[0]
+    problems, notes = store_path_checks(store(tmp_path / "later"), seen_here=True, later=True)
+    assert not problems and "made by the job this one runs after" in notes[0]
+    problems, notes = store_path_checks(store(tmp_path / "later"), seen_here=False, later=False)
+    assert not problems and notes  # SLURM over SSH or slurmrestd: the login node's paths, not these
+    problems, _ = store_path_checks(store(tmp_path / "later"), seen_here=True, later=False)
+    assert problems and "no such directory here" in problems[0]
+
+
+def test_logs_of_a_rank_the_run_never_had_is_refused_with_its_ranks(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "unit"))
+    from monitor_synth import T0, make_run
+
+    run_dir = make_run(tmp_path, "r2", attempts=[{"job_id": "101", "start_step": 0, "end_step": 20, "t0": T0 - 100,
+                                                  "t1": T0, "reason": "completed"}], log_lines={1: ["hello from rank 0"]})
+    (run_dir / "plan.json").write_text(json.dumps({"topology": {"world_size": 2}}))
+    out, err = io.StringIO(), io.StringIO()
+    env = {"LMLAUNCH_HOME": str(tmp_path), "PATH": os.environ["PATH"]}
+    code = main(["logs", "r2", "--rank", "5"], Context(stdout=out, stderr=err, environ=env))
+    assert code == 2 and "--rank 5: run 'r2' has ranks 0 to 1 (world_size 2)" in err.getvalue(), err.getvalue()
+    code = main(["logs", "r2", "--rank", "0"], Context(stdout=out, stderr=err, environ=env))
+    assert code == 0 and "hello from rank 0" in out.getvalue()
+
+
+def test_status_watch_of_a_run_ends_when_the_run_has_ended():
+    from argparse import Namespace
+
+    from launcher.commands.status import _ended
+    from launcher.monitor.status_rows import StatusRow
+
+    def row(group: str) -> StatusRow:
+        return StatusRow(name="r", job_id="1", state=group.upper(), group=group, reason=None, requeued=False,
+                         nodes=2, elapsed=None, time_limit=None, attempt=1, step=None, max_steps=None, loss=None,
+                         tokens_per_s=None, mfu=None, checkpoint_step=None, checkpoint_age_s=None, eta_s=None,
+                         heartbeat_age_s=None, run_dir="/r", job_ids=["1"])
+
+    named, every = Namespace(run="r"), Namespace(run=None)
+    assert _ended(named, [row("completed")]) and _ended(named, [row("failed"), row("cancelled")])  # a sweep's points
+    assert not _ended(named, [row("completed"), row("running")]) and not _ended(named, [row("queued")])
+    assert not _ended(named, [row("unknown")])  # SLURM did not answer: keep watching
+    assert not _ended(every, [row("completed")])  # every run: until Ctrl-C
