@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profiles": ("profiles", "list cluster profiles"),
     "profile": ("profile", "`profile init NAME`: write a cluster profile read off the live cluster; "
                            "`profile RUN`: torch.profiler over a running job's next steps, per rank"),
+    "examples": ("examples", "write the example job specs into a directory (the demo's, GPU ones, pipelines, sweeps)"),
     "schema": ("schema", "write the JSON Schema of the job spec (for editors)"),
     "data": ("data", "prepare tokenized training data"),
     "cluster": ("cluster", "start, stop or inspect the local single-machine SLURM cluster"),

@@ -176,7 +176,9 @@ def test_the_wheel_names_every_package_on_disk():
         for init in base.rglob("__init__.py"):
             on_disk.add(".".join([root, *init.parent.relative_to(base).parts]))
     assert on_disk - listed == set(), f"packages not in pyproject.toml: {sorted(on_disk - listed)}"
-    assert listed - on_disk == {"launcher.cluster_profiles"}, sorted(listed - on_disk)
+    # data folders mapped in as packages (package-dir): the profiles, the example specs, the shipped corpus
+    assert listed - on_disk == {"launcher.cluster_profiles", "launcher.examples", "lmtrain.data.corpus"}, \
+        sorted(listed - on_disk)
 
 
 def test_no_run_directory_path_is_joined_by_hand():

@@ -159,3 +159,16 @@ def test_status_watch_of_a_run_ends_when_the_run_has_ended():
     assert not _ended(named, [row("completed"), row("running")]) and not _ended(named, [row("queued")])
     assert not _ended(named, [row("unknown")])  # SLURM did not answer: keep watching
     assert not _ended(every, [row("completed")])  # every run: until Ctrl-C
+
+
+def test_examples_writes_every_shipped_spec_and_never_overwrites_a_changed_one(tmp_path):
+    code, out, err = cli("examples", str(tmp_path))
+    written = sorted(p.relative_to(tmp_path / "jobs") for p in (tmp_path / "jobs").rglob("*.yaml"))
+    assert code == 0 and written == sorted(p.relative_to(REPO / "jobs") for p in (REPO / "jobs").rglob("*.yaml")), err
+    assert f"lmlaunch data prepare --shipped-corpus --out {tmp_path / 'data' / 'prepared' / 'tiny'}" in out
+    assert cli("examples", str(tmp_path))[0] == 0  # the same files again: nothing to refuse
+    mine = tmp_path / "jobs" / "tiny-cpu.yaml"
+    mine.write_text(mine.read_text() + "# mine\n")
+    code, _, err = cli("examples", str(tmp_path))
+    assert code == 2 and "differ from the examples" in err and mine.read_text().endswith("# mine\n"), err
+    assert cli("examples", str(tmp_path), "--force")[0] == 0 and not mine.read_text().endswith("# mine\n")

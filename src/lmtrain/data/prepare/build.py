@@ -44,7 +44,9 @@ READABLE_VERSIONS = (1, 2)
 TOKENS_FILE = "tokens.bin"  # version 1's one flat file
 META_FILE = "meta.json"
 # The corpus that ships with the project (see data/corpus/README.md): real English prose.
-SHIPPED_CORPUS_DIR = Path(__file__).resolve().parents[4] / "data" / "corpus"  # the checkout, above src/lmtrain/data/prepare
+REPO_CORPUS_DIR = Path(__file__).resolve().parents[4] / "data" / "corpus"  # a checkout, above src/lmtrain/data/prepare
+WHEEL_CORPUS_DIR = Path(__file__).resolve().parents[1] / "corpus"  # the same files in an installed wheel (lmtrain.data.corpus)
+SHIPPED_CORPUS_DIR = REPO_CORPUS_DIR if REPO_CORPUS_DIR.is_dir() else WHEEL_CORPUS_DIR
 SHIPPED_CORPUS_FILES = ("licenses.jsonl", "python-docs.jsonl")
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -345,6 +347,6 @@ def shipped_corpus_files() -> list[Path]:
     if missing:
         raise DataError(
             f"the shipped corpus is missing: {', '.join(missing)} (it lives in the lmlaunch "
-            "source tree under data/corpus/; install lmlaunch editable from a checkout)"
+            "source tree under data/corpus/ and in the wheel as lmtrain/data/corpus/: reinstall lmlaunch)"
         )
     return files
