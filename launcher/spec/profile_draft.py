@@ -51,6 +51,7 @@ class PartitionDraft:
     default: bool
     up: bool
     nodes: str
+    size: int | None = None  # the nodes a job may have here: TotalNodes, or MaxNodes when lower
 
 
 def _int(value: str | None, default: int = 0) -> int:
@@ -86,9 +87,17 @@ def partitions(facts: ClusterFacts) -> list[PartitionDraft]:
         out.append(PartitionDraft(
             name=p.get("PartitionName", "?"), max_time=max_time, why_time=why, preemptible=preemptible,
             grace_seconds=grace, tier=tier, default=p.get("Default") == "YES", up=p.get("State") == "UP",
-            nodes=p.get("Nodes", ""),
+            nodes=p.get("Nodes", ""), size=_size(p),
         ))
     return out
+
+
+def _size(p: Mapping[str, str]) -> int | None:
+    """TotalNodes, or MaxNodes (a per-job limit) when lower; None when SLURM did not say."""
+    total = _int(p.get("TotalNodes"), 0)
+    limit = _int(p.get("MaxNodes"), 0)  # UNLIMITED reads as 0
+    sizes = [n for n in (total, limit) if n > 0]
+    return min(sizes) if sizes else None
 
 
 def gpus_of(gres: str) -> tuple[str, int] | None:
@@ -170,7 +179,7 @@ def _partition_lines(parts: list[PartitionDraft], usable: list[PartitionDraft], 
         high = None
     y = ["partitions:"]
     for p in parts:
-        fields = [f"max_time: {_quote(p.max_time)}"]
+        fields = [f"max_time: {_quote(p.max_time)}"] + ([f"nodes: {p.size}"] if p.size else [])
         if p.preemptible:
             fields.append("preemptible: true")
             fields.append(f"grace_seconds: {p.grace_seconds}")

@@ -119,6 +119,8 @@ class Partition(StrictModel):
     """Jobs here can be preempted (requeued) by higher-priority partitions."""
     grace_seconds: int | None = Field(None, ge=0)
     """GraceTime between SIGTERM and SIGKILL on preemption, when known."""
+    nodes: int | None = Field(None, ge=1, le=1_000_000)
+    """Nodes a job may have in this partition (`profile init` reads TotalNodes, or MaxNodes when lower): a job asking more, spare nodes included, is refused at validate; absent: SLURM says so at submission."""
 
     @field_validator("max_time")
     @classmethod

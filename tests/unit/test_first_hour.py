@@ -172,3 +172,25 @@ def test_examples_writes_every_shipped_spec_and_never_overwrites_a_changed_one(t
     code, _, err = cli("examples", str(tmp_path))
     assert code == 2 and "differ from the examples" in err and mine.read_text().endswith("# mine\n"), err
     assert cli("examples", str(tmp_path), "--force")[0] == 0 and not mine.read_text().endswith("# mine\n")
+
+
+def test_more_nodes_than_the_partition_has_spares_included_is_refused_at_validate(tmp_path):
+    import yaml
+
+    from launcher.spec.profile_draft import ClusterFacts, partitions
+
+    facts = ClusterFacts(partitions=[{"PartitionName": "p", "TotalNodes": "4", "MaxNodes": "UNLIMITED"},
+                                     {"PartitionName": "q", "TotalNodes": "8", "MaxNodes": "2"},
+                                     {"PartitionName": "r"}], nodes=[], config={})
+    assert [p.size for p in partitions(facts)] == [4, 2, None]  # profile init: TotalNodes, or a lower MaxNodes
+    local = yaml.safe_load((REPO / "cluster_profiles" / "local.yaml").read_text())
+    local["partitions"]["low"]["nodes"] = 2
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(local))
+    env = {**os.environ, "LMLAUNCH_PROFILES_DIR": str(tmp_path)}
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["submit", TINY, "resources.spare_nodes=1", "--dry-run"], Context(stdout=out, stderr=err, environ=env))
+    assert code == 2 and "#SBATCH" not in out.getvalue(), out.getvalue()
+    assert ("resources.nodes(2) + resources.spare_nodes(1) = 3 is above the 2 node(s) of partition 'low' "
+            "(profile 'local')") in err.getvalue(), err.getvalue()
+    code = main(["validate", TINY], Context(stdout=out, stderr=err, environ=env))
+    assert code == 0  # 2 nodes fit
