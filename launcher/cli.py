@@ -102,6 +102,8 @@ def _load(module: str):
 
 
 def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
+    if argv is None and "_ARGCOMPLETE" in os.environ:  # a shell asks for completions (`lmlaunch completion SHELL`)
+        return _complete()
     ctx = ctx or Context.default()
     ctx.entry = ctx.entry or main
     words = list(sys.argv[1:] if argv is None else argv)
@@ -152,6 +154,23 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
         if as_json:
             _json_error(ctx, "bug", message, ExitCode.FAILURE)
         return ExitCode.FAILURE
+
+
+def _complete(exit_method: Callable[[int], Any] = os._exit) -> int:
+    """argcomplete's answer to the shell: every parser built (only here: an ordinary command builds
+    its own alone), each argument's completer attached by name (launcher.completers)."""
+    import argcomplete
+
+    from launcher import completers
+
+    line = os.environ.get("COMP_LINE", "")[:int(os.environ.get("COMP_POINT") or 10**6)]
+    words = line.split()[1:]
+    chosen = next((w for w in words if not w.startswith("-")), "")
+    typing_it = bool(words) and words[-1] == chosen and not line.endswith(" ")
+    parser = build_parser(only=chosen if chosen in COMMANDS and not typing_it else "")  # that command's module alone
+    completers.attach(parser)
+    argcomplete.autocomplete(parser, exit_method=exit_method)
+    return ExitCode.OK  # not asked after all (argcomplete found no completion request)
 
 
 def _parse(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Namespace:

@@ -50,6 +50,8 @@ install_without_service openssh-server "the remote tests' sshd"
 install_without_service prometheus "the metrics test's server"
 install_without_service prometheus-pushgateway "the push test's gateway"
 install_without_service chromium "the dashboard test's browser (headless)"
+install_without_service zsh "the completion test's shells (lmlaunch completion zsh, fish)"
+install_without_service fish "the completion test's shells (lmlaunch completion zsh, fish)"
 
 # 2. Python environment: torch pinned first so nothing pulls a CUDA build.
 # The Python to build it on: LMLAUNCH_PYTHON, else a Python 3.11 outside /usr where there is one

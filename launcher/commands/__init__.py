@@ -37,8 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "preempt": ("preempt", "rehearse preemption of a running job"),
     "metrics": ("metrics", "every run's metrics for Prometheus: `metrics serve`, or `metrics write DIR` (textfile)"),
     "notify-test": ("notify_test", "send a test message to each of a spec's notify.webhooks"),
-    "completion": ("completion", "print a shell completion script (bash, zsh)"),
-    "_runs": ("runs_list", argparse.SUPPRESS),  # run names for shell completion (hidden)
+    "completion": ("completion", "print a shell completion script (bash, zsh, fish), generated from the parsers"),
     "_checkpoint": ("checkpoint_copy", argparse.SUPPRESS),  # a copied checkpoint checked (a run over SSH clusters; hidden)
 }
 

@@ -142,30 +142,19 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     answers: list[Any] = []
     if r.spec.clusters and not cluster:  # several: the one where it starts soonest
         r, answers, placed = _placed(args, ctx, r, overrides, dependencies.planned(after))
+    opening = _checked(args, r, ctx)  # what submit refuses, the dry run refuses too
     if args.dry_run:  # the dependency as it would be asked for (SLURM is not asked here)
         script = render_script(r.plan, dependencies.planned(after))
         if args.json:
             chosen = {"clusters": [dataclasses.asdict(a) for a in answers], "chosen": r.profile.name} if answers else {}
-            ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script, **chosen}, indent=2, sort_keys=True))
+            said = {"opening": opening} if opening else {}  # what --resume starts from
+            ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script, **said, **chosen}, indent=2, sort_keys=True))
         else:
-            ctx.out("\n".join([*(f"# {line}" for line in placed), render_dry_run(r.plan, script, ctx.environ)]))
+            ctx.out("\n".join([*(f"# {line}" for line in placed), *(f"# {line}" for line in opening),
+                               render_dry_run(r.plan, script, ctx.environ)]))
         return 0
     for line in placed:
         ctx.out(line)
-
-    from launcher.submit.in_place import spare_problems
-    from lmcore.errors import SpecError
-
-    spares = spare_problems(r.plan)  # no --force: SLURM would never start it
-    if spares:
-        raise SpecError([*spares, "nothing was submitted"], source=args.spec)
-    if not args.force:  # a container's image and interpreter, where this machine can try them
-        from launcher.doctor.container import submit_problems
-
-        problems = submit_problems(r.plan)
-        if problems:
-            raise SpecError([*problems, "nothing was submitted (`lmlaunch doctor SPEC` says more; --force submits "
-                             "anyway)"], source=args.spec)
     code = submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec,
                        after=after)
     if code == 0 and r.spec.clusters and (r.spec.move is not None or _over_ssh(r.spec.clusters, ctx)):
@@ -178,6 +167,30 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"note: a watcher (pid {pid}) {does}; it writes {RunLayout.of_plan(r.plan).mover_log} (again: "
                 f"lmlaunch move {r.plan.run_name} --detach)")
     return code
+
+
+def _checked(args: argparse.Namespace, r: Any, ctx: Context) -> list[str]:
+    """Every check submit makes before it changes anything, for the submission and its dry run
+    alike: the run's name against what exists (--new, --resume: what it would resume from),
+    spare nodes the cluster can hold, a container's image and interpreter (unless --force). What
+    the run would start from, as notes."""
+    from launcher.doctor.container import submit_notes, submit_problems
+    from launcher.runs import registry as runs
+    from launcher.submit import lifecycle
+    from launcher.submit.in_place import spare_problems
+    from lmcore.errors import SpecError
+
+    record = runs.load_record(r.plan.run_name, ctx.environ or None)
+    opening = lifecycle.plan_opening(r.plan, new=args.new, resume=args.resume, record=record, new_code=args.new_code)
+    spares = spare_problems(r.plan)  # no --force: SLURM would never start it
+    if spares:
+        raise SpecError([*spares, "nothing was submitted"], source=args.spec)
+    if not args.force:  # a container's image and interpreter, where this machine can try them
+        problems = submit_problems(r.plan)
+        if problems:
+            raise SpecError([*problems, "nothing was submitted (`lmlaunch doctor SPEC` says more; --force submits "
+                             "anyway)"], source=args.spec)
+    return [*opening.notes, *([opening.continuation] if opening.continuation else []), *submit_notes(r.plan)]
 
 
 def _over_ssh(clusters: list[str], ctx: Context) -> bool:

@@ -95,6 +95,18 @@ def container_checks(plan: LaunchPlan) -> list[Check]:
 START_S = 60.0  # the most `submit` waits for the interpreter to start inside the image
 
 
+def submit_notes(plan: LaunchPlan) -> list[str]:
+    """What submit could not try of a container job here: a runtime this machine lacks (a login
+    node without apptainer: the nodes must have it)."""
+    if plan.container is None:
+        return []
+    box = ContainerPlan.from_json(plan.container)
+    if box.runtime == "pyxis" or shutil.which(box.runtime) is not None:
+        return []
+    return [f"container.runtime {box.runtime} is not installed on this machine: its image and interpreter were not "
+            f"tried here; the nodes must have it (`lmlaunch doctor SPEC` tries it there)"]
+
+
 def submit_problems(plan: LaunchPlan) -> list[str]:
     """What ``submit`` refuses before queueing a container job (``--force`` submits anyway): an image
     the runtime here does not have, or an interpreter the image lacks (``python -c pass`` in it: a

@@ -194,3 +194,25 @@ def test_more_nodes_than_the_partition_has_spares_included_is_refused_at_validat
             "(profile 'local')") in err.getvalue(), err.getvalue()
     code = main(["validate", TINY], Context(stdout=out, stderr=err, environ=env))
     assert code == 0  # 2 nodes fit
+
+
+def test_the_dry_run_makes_the_checks_submit_makes_on_the_run_name_and_says_what_resume_starts_from(tmp_path):
+    env = {**os.environ, "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_HOME": str(tmp_path / "home")}
+
+    def dry(*extra: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        code = main(["submit", TINY, "name=again", "--dry-run", *extra], Context(stdout=out, stderr=err, environ=env))
+        return code, out.getvalue(), err.getvalue()
+
+    assert dry()[0] == 0
+    code, _, err = dry("--resume")
+    assert code == 2 and "there is no run directory" in err, err
+    (tmp_path / "runs" / "again").mkdir(parents=True)
+    (tmp_path / "runs" / "again" / "spec.yaml").write_text("name: again\n")
+    code, out, err = dry()
+    assert code == 2 and "run 'again' already exists" in err and "--resume" in err and not out, err
+    code, out, err = dry("--resume")
+    said = "run 'again' has no checkpoint and never trained past step 0: it starts at step 0"
+    assert code == 0 and out.startswith(f"# {said}\n# lmlaunch plan"), out[:300]  # never trained: nothing to lose
+    code, out, err = dry("--resume", "--json")
+    assert code == 0 and json.loads(out)["opening"] == [said], out[:300]

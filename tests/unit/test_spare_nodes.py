@@ -89,16 +89,17 @@ def _dry_run(repo, runs_root, *overrides: str) -> tuple[int, str, str]:
 
 
 def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, runs_root, tmp_path):
-    code, out, err = _dry_run(repo, runs_root, "resources.spare_nodes=1")
+    # one node and its spare: the dry run asks the local cluster (2 nodes) whether it holds them, as submit does
+    code, out, err = _dry_run(repo, runs_root, "resources.nodes=1", "resources.spare_nodes=1")
     assert code == 0, err
     doc = json.loads(out)
     script = doc["script"]
-    assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --no-kill" in script
     srun = next(x for x in script.splitlines() if x.startswith("srun "))
-    assert "--nodes=2 --ntasks=2 --no-kill ${lmlaunch_overlap:+--overlap} ${lmlaunch_exclude:+--exclude=$lmlaunch_exclude} " \
+    assert "--nodes=1 --ntasks=1 --no-kill ${lmlaunch_overlap:+--overlap} ${lmlaunch_exclude:+--exclude=$lmlaunch_exclude} " \
         in srun
-    assert doc["plan"]["topology"]["nodes"] == 2 and doc["plan"]["slurm"]["spare_nodes"] == 1
-    assert any("resources.spare_nodes(1): SLURM allocates 3 nodes" in n for n in doc["plan"]["notes"])
+    assert doc["plan"]["topology"]["nodes"] == 1 and doc["plan"]["slurm"]["spare_nodes"] == 1
+    assert any("resources.spare_nodes(1): SLURM allocates 2 nodes" in n for n in doc["plan"]["notes"])
     # the loop: rank 0's request names the nodes to leave out; the next srun leaves them out
     run_dir, calls = tmp_path / "run", tmp_path / "calls"
     run_dir.mkdir()
@@ -116,8 +117,13 @@ def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, run
     first, second = calls.read_text().splitlines()
     # the restart also overlaps the step before (a dead node's step stays RUNNING in the controller)
     assert "--exclude" not in first and "--overlap" not in first
-    assert "--nodes=2 --ntasks=2 --no-kill --overlap --exclude=n2 " in second
+    assert "--nodes=1 --ntasks=1 --no-kill --overlap --exclude=n2 " in second
     assert "restarting the ranks in place (1; srun exited 1; not on n2)" in proc.stderr
+
+
+def test_the_dry_run_refuses_spares_the_partition_cannot_hold_as_submit_does(repo, runs_root):
+    code, out, err = _dry_run(repo, runs_root, "resources.spare_nodes=1")  # 2 + 1 on the local cluster's 2 nodes
+    assert code == 2 and "partition 'low' holds 2" in err and json.loads(out)["ok"] is False, err
 
 
 def test_without_spares_the_script_is_as_before(repo, runs_root):

@@ -9,7 +9,6 @@ import dataclasses
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -258,8 +257,15 @@ def test_a_run_without_a_slurm_job_is_refused_with_exit_2(tmp_path):
 
 
 def test_the_command_is_listed_and_completed():
-    from launcher.commands import COMMANDS
-    from launcher.commands.completion import OPTIONS, RUN_COMMANDS
+    import argparse
 
-    assert "stacks" in COMMANDS and "stacks" in RUN_COMMANDS and "--native" in OPTIONS["stacks"]
-    assert shutil.which("bash")
+    from launcher import completers
+    from launcher.cli import build_parser
+    from launcher.commands import COMMANDS
+
+    assert "stacks" in COMMANDS
+    parser = build_parser(only="stacks")
+    completers.attach(parser)
+    stacks = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["stacks"]
+    run = next(a for a in stacks._actions if a.dest == "run")
+    assert run.completer is completers.run_names and any("--native" in a.option_strings for a in stacks._actions)
