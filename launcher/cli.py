@@ -158,17 +158,17 @@ def main(argv: Sequence[str] | None = None, ctx: Context | None = None) -> int:
 
 def _complete(exit_method: Callable[[int], Any] = os._exit) -> int:
     """argcomplete's answer to the shell: every parser built (only here: an ordinary command builds
-    its own alone), each argument's completer attached by name (launcher.completers)."""
+    its own alone), each argument's completer attached by name (launcher.commands.completion)."""
     import argcomplete
 
-    from launcher import completers
+    from launcher.commands import completion
 
     line = os.environ.get("COMP_LINE", "")[:int(os.environ.get("COMP_POINT") or 10**6)]
     words = line.split()[1:]
     chosen = next((w for w in words if not w.startswith("-")), "")
     typing_it = bool(words) and words[-1] == chosen and not line.endswith(" ")
     parser = build_parser(only=chosen if chosen in COMMANDS and not typing_it else "")  # that command's module alone
-    completers.attach(parser)
+    completion.attach(parser)
     argcomplete.autocomplete(parser, exit_method=exit_method)
     return ExitCode.OK  # not asked after all (argcomplete found no completion request)
 

@@ -131,11 +131,8 @@ def _partition(spec: JobSpec, profile: Profile, problems: list[str]) -> str:
             )
         if part.nodes is not None and r.nodes + r.spare_nodes > part.nodes:
             spares = f" + resources.spare_nodes({r.spare_nodes}) = {r.nodes + r.spare_nodes}" if r.spare_nodes else ""
-            problems.append(
-                f"resources.nodes({r.nodes}){spares} is above the {part.nodes} node(s) of partition '{partition}' "
-                f"(profile '{profile.name}'): the job would never start; ask for {part.nodes} or fewer"
-                + (" with its spares" if r.spare_nodes else "")
-            )
+            problems.append(f"resources.nodes({r.nodes}){spares} is above the {part.nodes} node(s) of partition "
+                            f"'{partition}' (profile '{profile.name}'): the job would never start")
     return partition
 
 

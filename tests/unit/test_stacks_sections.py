@@ -259,13 +259,12 @@ def test_a_run_without_a_slurm_job_is_refused_with_exit_2(tmp_path):
 def test_the_command_is_listed_and_completed():
     import argparse
 
-    from launcher import completers
     from launcher.cli import build_parser
-    from launcher.commands import COMMANDS
+    from launcher.commands import COMMANDS, completion
 
     assert "stacks" in COMMANDS
     parser = build_parser(only="stacks")
-    completers.attach(parser)
+    completion.attach(parser)
     stacks = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["stacks"]
     run = next(a for a in stacks._actions if a.dest == "run")
-    assert run.completer is completers.run_names and any("--native" in a.option_strings for a in stacks._actions)
+    assert run.completer is completion.run_names and any("--native" in a.option_strings for a in stacks._actions)
