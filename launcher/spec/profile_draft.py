@@ -211,6 +211,8 @@ def _node_lines(nodes: list[Mapping[str, str]], partition: str) -> list[str]:
     if mem_mb:
         y.append(f"mem_per_gpu: {_mem(mem_mb // gpus)}  # RealMemory {mem_mb} MB / {gpus} GPUs")
     y.append(f"max_tasks_per_node: {gpus}  # one task per GPU")
+    y.append("# gpu_memory: 80G  # CHOOSE: one GPU's memory (nvidia-smi --query-gpu=memory.total --format=csv on a "
+             "node; SLURM does not know it): set, validate refuses a job whose planned peak does not fit")
     return y
 
 

@@ -61,6 +61,7 @@ def test_a_gpu_cluster_is_read_into_a_profile_that_validates(tmp_path):
     assert "# CHOOSE: a directory every node sees" in text and "NCCL_SOCKET_IFNAME" in text
     assert "MinJobAge=2 sec: finished jobs leave squeue within a minute" in text
     assert p.slurm_version == "24.11.5" and "# NOTE: SLURM" not in text  # a tested release: nothing to say
+    assert p.gpu_memory is None and "# gpu_memory: 80G  # CHOOSE: one GPU's memory" in text  # SLURM does not know it
 
 
 def test_qos_preemption_no_accounting_and_a_cpu_cluster(tmp_path):
