@@ -64,17 +64,18 @@ def _record_lines(nodes: dict[str, Any], profile: str, exclude_bad: bool) -> lis
     return out
 
 
-def run(args: argparse.Namespace, ctx: Context) -> int:
-    if args.exclude_bad and not args.on_nodes:
-        raise UserError("--exclude-bad needs --on-nodes: nodes are judged only by the probe job it runs")
+def _gather(args: argparse.Namespace, ctx: Context, working: Any) -> tuple[Any, list[Any], dict[str, Any] | None]:
+    """The plan and every check (with --on-nodes the probe job's too), each stage said on ``working``."""
     r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True,
                 check_data=False)
     from launcher.submit.script import render_script  # the job script exactly as submit writes it
 
+    working.update(f"doctor {args.spec}: SLURM, the partition, preemption, space, data, the runtime")
     # with --on-nodes the probe may clear or add excluded nodes: the script is judged after it
     checks = doctor.diagnose(r.plan, r.profile, ctx.environ or None,
                              job_script=None if args.on_nodes else render_script(r.plan))
     if r.plan.container and not any(c.name == "slurm" and c.status == doctor.FAIL for c in checks):
+        working.update(f"doctor {args.spec}: the container's image and interpreter")
         checks += container_checks(r.plan)  # the image, its runtime, the interpreter inside
     if any(c.name == "runtime" and c.status == doctor.OK for c in checks):  # the tasks' interpreter imports it
         jit = jit_ops(r.plan, r.plan.job_spec().trainer.offload_optimizer)
@@ -85,10 +86,19 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         if blocked:
             checks.append(doctor.Check("nodes", doctor.FAIL, f"the node probe was not submitted: {blocked[0].message}"))
         else:
+            working.update(f"doctor {args.spec}: the probe job on the nodes (queued, then measuring)")
             nodes = _on_nodes(args, r, ctx, checks)
             after = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python, force=True,
                             check_data=False).plan
             checks += doctor.job_script_checks(after, render_script(after))
+    return r, checks, nodes
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.exclude_bad and not args.on_nodes:
+        raise UserError("--exclude-bad needs --on-nodes: nodes are judged only by the probe job it runs")
+    with ctx.working(f"doctor {args.spec}: planning it", quiet=args.json) as working:
+        r, checks, nodes = _gather(args, ctx, working)
     failed = [c for c in checks if c.status == doctor.FAIL]
     if args.json:
         body: dict[str, Any] = {"spec": args.spec, "run": r.plan.run_name, "ok": not failed,

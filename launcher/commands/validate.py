@@ -20,8 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python,
-                force=args.force or args.fit, several=True)
+    with ctx.working(f"validating {args.spec}: the spec, its model built and traced, its memory", quiet=args.json):
+        r = resolve(args.spec, args.overrides, args.cluster, ctx.environ, python=ctx.python,
+                    force=args.force or args.fit, several=True)
     if r.spec.clusters:
         return _several(args, ctx, r)
     t = r.plan.topology

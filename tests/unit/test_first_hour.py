@@ -216,3 +216,19 @@ def test_the_dry_run_makes_the_checks_submit_makes_on_the_run_name_and_says_what
     assert code == 0 and out.startswith(f"# {said}\n# lmlaunch plan"), out[:300]  # never trained: nothing to lose
     code, out, err = dry("--resume", "--json")
     assert code == 0 and json.loads(out)["opening"] == [said], out[:300]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_long_work_says_what_runs_on_a_terminal_and_nothing_in_a_pipe_or_under_json():
+    err = _Terminal()
+    code = main(["validate", TINY], Context(stdout=io.StringIO(), stderr=err, environ=dict(os.environ)))
+    assert code == 0 and "validating" in err.getvalue() and "its memory" in err.getvalue()  # then erased
+    err = _Terminal()
+    code = main(["validate", TINY, "--json"], Context(stdout=io.StringIO(), stderr=err, environ=dict(os.environ)))
+    assert code == 0 and err.getvalue() == ""  # --json: quiet
+    code, _, err_text = cli("validate", TINY)  # a pipe
+    assert code == 0 and "validating" not in err_text
