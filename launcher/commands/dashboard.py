@@ -100,14 +100,20 @@ class Pages:
                                              "eval": h.eval})
                 self._histories[name] = cached
         run_dir = Path(rec.run_dir)
+        beats = list(jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).heartbeat))
         steps = [{"step": b.get("step"), "loss": b.get("loss"), "tokens_per_s": b.get("tokens_per_s")}
-                 for b in jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).heartbeat) if b.get("event") == "step"]
+                 for b in beats if b.get("event") == "step"]
+        val = [{"step": b.get("step"), "val_loss": b.get("val_loss")} for b in beats if b.get("event") == "val"]
         summary = run_files.read_rank_times(run_dir) if row["group"] == "running" else None
         if summary is not None and summary.get("attempt") != row["attempt"]:
             summary = None  # an earlier attempt's ranks: not this one's
         ranks = [{"rank": int(k), "node": v.get("node"), "forward": v.get("forward"), "slow": bool(v.get("slow"))}
                  for k, v in sorted((summary or {}).get("ranks", {}).items(), key=lambda kv: int(kv[0]))]
-        return {**row, "steps": steps, "ranks": ranks, **cached[1]}
+        try:  # whether an evaluator runs alongside (an empty evaluation chart says which it is)
+            alongside: bool | None = bool(json.loads(rundir.RunLayout.of(run_dir).plan.read_text()).get("evaluator"))
+        except (OSError, ValueError, AttributeError):
+            alongside = None
+        return {**row, "steps": steps, "val": val, "ranks": ranks, "eval_alongside": alongside, **cached[1]}
 
     def allowed(self, query: str) -> bool:
         given = (parse_qs(query).get("token") or [""])[0]

@@ -50,6 +50,11 @@ function drawRuns(rows) {
   }
 }
 
+function explain(canvasId, noteId, why) {
+  document.getElementById(canvasId).style.display = why ? "none" : "";
+  document.getElementById(noteId).textContent = why;
+}
+
 function lineChart(id, label, color) {
   return new Chart(document.getElementById(id), {
     type: "line",
@@ -59,7 +64,7 @@ function lineChart(id, label, color) {
 }
 
 const charts = {
-  loss: lineChart("loss-chart", "training loss", "#2f6fdb"),
+  loss: lineChart("loss-chart", "training loss", "#2f6fdb"),  // and the validation loss beside it (drawRun)
   speed: lineChart("speed-chart", "tokens/s", "#0a7a2f"),
   // one line per lm-eval task and metric over the checkpoints' steps; a log scale holds accuracies and perplexities
   eval: new Chart(document.getElementById("eval-chart"), {
@@ -79,12 +84,19 @@ function drawRun(run) {
   document.getElementById("run-title").textContent =
     `${run.name}: attempt ${text(run.attempt)}, step ${text(run.step)} of ${text(run.max_steps)}`;
   charts.loss.data.datasets[0].data = run.steps.filter((s) => s.loss !== null).map((s) => ({ x: s.step, y: s.loss }));
+  const val = (run.val || []).filter((v) => typeof v.val_loss === "number").map((v) => ({ x: v.step, y: v.val_loss }));
+  charts.loss.data.datasets = [charts.loss.data.datasets[0]].concat(val.length ? [{ label: "validation loss", data: val,
+    borderColor: "#e6550d", pointRadius: 3, borderWidth: 1.5, showLine: true }] : []);
+  document.body.dataset.lossSeries = charts.loss.data.datasets.map((d) => d.label).join(",");  // what a test reads
   charts.speed.data.datasets[0].data = run.steps.filter((s) => s.tokens_per_s !== null)
     .map((s) => ({ x: s.step, y: s.tokens_per_s }));
   const ranks = run.ranks || [];
   charts.ranks.data.labels = ranks.map((r) => `rank ${r.rank} (${r.node})`);
   charts.ranks.data.datasets[0].data = ranks.map((r) => r.forward);
   charts.ranks.data.datasets[0].backgroundColor = ranks.map((r) => (r.slow ? "#b3261e" : "#7a8fb0"));
+  // an empty chart says why instead of drawing empty axes
+  explain("rank-chart", "rank-empty", ranks.length ? "" : (run.group === "running"
+    ? "per-rank timing: not reported yet by this attempt" : `per-rank timing is shown while an attempt runs (this run is ${run.state})`));
   const palette = ["#6a3d9a", "#e6550d", "#31a354", "#3182bd", "#de2d26", "#756bb1", "#636363"];
   const series = new Map();
   for (const e of run.eval || []) {
@@ -94,6 +106,8 @@ function drawRun(run) {
   }
   charts.eval.data.datasets = [...series.entries()].map(([label, data], i) => (
     { label, data, borderColor: palette[i % palette.length], pointRadius: 3, borderWidth: 1.5 }));
+  explain("eval-chart", "eval-empty", series.size ? "" : (run.eval_alongside === false
+    ? "no evaluator runs alongside this run (eval.alongside in its spec)" : "no checkpoint of this run has been scored yet"));
   // the scored steps this page has drawn (what a reader or a test sees)
   document.body.dataset.evalSteps = [...new Set((run.eval || []).map((e) => e.step))].join(",");
   for (const c of Object.values(charts)) c.update("none");

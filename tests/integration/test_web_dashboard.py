@@ -1,5 +1,6 @@
 """`lmlaunch dashboard` in a real browser: Debian's headless `chromium` loads the page while a 2-node
-job trains on the local cluster. The page shows the run in the runs table and its curves' canvases,
+job trains on the local cluster. The page shows the run in the runs table and its curves' canvases
+(the validation loss beside the training loss; an empty chart says why),
 refreshes without reloading and shows live data (a later load, once the run went on, shows a later
 step), logs nothing to the browser console; a request without the token is refused, a write is refused, and a screenshot is
 kept in the test's directory."""
@@ -40,9 +41,10 @@ def test_the_dashboard_shows_a_training_run_live_in_a_real_browser(slurm_cluster
                                                                    tmp_path):
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is missing: scripts/setup.sh installs it (as root)"
-    job_id, run_dir = submit(lm_env, run_name, "trainer.max_steps=100000")
+    job_id, run_dir = submit(lm_env, run_name, "trainer.max_steps=100000", "trainer.val_check_interval=2",
+                             "trainer.limit_val_batches=1")
     own_jobs.append(job_id)
-    wait_step(run_dir, 3, job_id=job_id)
+    wait_step(run_dir, 3, job_id=job_id)  # validated at step 2 by then
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "launcher.cli", "dashboard", "--listen", f"127.0.0.1:{port}",
                                "--refresh", "0.5", "--seconds", "1800"], env=lm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -58,6 +60,9 @@ def test_the_dashboard_shows_a_training_run_live_in_a_real_browser(slurm_cluster
         assert run_name in dom and "RUNNING" in dom, dom[:3000]
         assert all(f'id="{c}"' in dom for c in ("loss-chart", "speed-chart", "rank-chart", "attempts", "notes"))
         assert "attempt 1 (job " in dom and f"{run_name}: attempt 1, step" in dom
+        # the validation loss beside the training loss; an empty chart says why rather than drawing empty axes
+        assert 'data-loss-series="training loss,validation loss"' in dom, dom[:3000]
+        assert "no evaluator runs alongside this run (eval.alongside in its spec)" in dom, dom[:3000]
         # it refreshed without reloading (the refresh count), and what it shows is live: a later
         # load, once the run has gone on, shows a later step
         assert int(re.search(r"\(refresh (\d+);", dom).group(1)) >= 2, dom[:2000]
