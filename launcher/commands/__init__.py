@@ -56,3 +56,9 @@ def add_force_argument(p: argparse.ArgumentParser) -> None:
                    help="plan (and submit) a GPU job whose planned memory exceeds the profile's gpu_memory, "
                         "a job whose resources.mem cannot hold its staged checkpoints, "
                         "and (submit) a container job whose image or interpreter could not be started here")
+
+
+def with_examples(p: argparse.ArgumentParser, *lines: str) -> None:
+    """``--help`` ends with these example command lines (kept as written)."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "examples:\n" + "\n".join(f"  {line}" for line in lines)

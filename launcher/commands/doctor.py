@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.commands import add_spec_arguments
+from launcher.commands import add_spec_arguments, with_examples
 from launcher.context import Context
 from launcher.doctor import checks as doctor, nodes as doctor_nodes
 from launcher.doctor.container import container_checks
@@ -21,6 +21,11 @@ from lmcore.errors import ExitCode, UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    with_examples(
+        p,
+        'lmlaunch doctor jobs/tiny-cpu.yaml',
+        'lmlaunch doctor jobs/tiny-cpu.yaml --on-nodes     # a probe job measures the nodes',
+    )
     add_spec_arguments(p, "checkpoint.dir=/scratch/ckpt")
     p.add_argument("--json", action="store_true", help="every check with its figures, as JSON")
     p.add_argument("--on-nodes", action="store_true",

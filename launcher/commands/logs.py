@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from launcher.commands import with_examples
 from launcher.context import Context
 from launcher.monitor import run_files
 from launcher.monitor.logs import finished_check, print_logs
@@ -15,6 +16,12 @@ from lmcore.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    with_examples(
+        p,
+        'lmlaunch logs tiny-cpu -f',
+        'lmlaunch logs tiny-cpu --rank 1 --attempt 2',
+        'lmlaunch logs tiny-cpu --errors',
+    )
     p.add_argument("run", help="a run name, one of its job ids, or a run directory (local runs)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output and new attempts until the run ends")
     p.add_argument("--rank", type=int, default=0, help="global rank whose log to show (default 0)")

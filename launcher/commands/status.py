@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from launcher.commands import with_examples
 from launcher.context import Context
 from launcher.monitor import slurm_view, status_rows as monitor, sweep_rows
 from launcher.monitor.view import make_console, status_text, status_view
@@ -14,6 +15,12 @@ from lmcore.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    with_examples(
+        p,
+        'lmlaunch status',
+        'lmlaunch status tiny-cpu --watch           # ends when the run ends',
+        'lmlaunch status --all --json',
+    )
     p.add_argument("run", nargs="?", help="a run name or one of its job ids (default: all runs)")
     p.add_argument("--watch", "-w", action="store_true",
                    help="refresh in place until Ctrl-C; `status RUN --watch` ends when the run has ended")

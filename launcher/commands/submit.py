@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from launcher.commands import add_spec_arguments
+from launcher.commands import add_spec_arguments, with_examples
 from launcher.context import Context
 from launcher.planning.memory_check import summary
 from launcher.planning.placement import describe_layout
@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    with_examples(
+        p,
+        'lmlaunch submit jobs/tiny-cpu.yaml',
+        'lmlaunch submit jobs/tiny-cpu.yaml --dry-run            # the batch script, nothing queued',
+        'lmlaunch submit jobs/tiny-cpu.yaml trainer.max_steps=300 --resume',
+        'lmlaunch submit jobs/tiny-cpu.yaml name=eval-1 --after tiny-cpu',
+    )
     add_spec_arguments(p, "trainer.zero_stage=3")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan; call no SLURM command (a run naming several clusters asks each when it "

@@ -6,13 +6,20 @@ import argparse
 import json
 from typing import Any
 
-from launcher.commands import add_spec_arguments
+from launcher.commands import add_spec_arguments, with_examples
 from launcher.context import Context
 from launcher.planning.memory_check import planned, proposal, summary
 from launcher.planning.resolve import cluster_argument, resolve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    with_examples(
+        p,
+        'lmlaunch validate jobs/tiny-cpu.yaml',
+        'lmlaunch validate jobs/gpt2-124m.yaml --cluster mycluster resources.nodes=2',
+        'lmlaunch validate jobs/llama-7b-zero3.yaml --fit        # the largest micro batch that fits',
+        'lmlaunch validate jobs/tiny-cpu.yaml --json',
+    )
     add_spec_arguments(p, "resources.nodes=4")
     p.add_argument("--fit", action="store_true",
                    help="propose the largest micro batch (with ZeRO stage, checkpointing, offload) that fits the GPU, keeping the global batch")

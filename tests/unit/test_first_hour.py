@@ -232,3 +232,49 @@ def test_long_work_says_what_runs_on_a_terminal_and_nothing_in_a_pipe_or_under_j
     assert code == 0 and err.getvalue() == ""  # --json: quiet
     code, _, err_text = cli("validate", TINY)  # a pipe
     assert code == 0 and "validating" not in err_text
+
+
+def _json_commands() -> list[tuple[list[str], int]]:
+    """Every (sub)command with --json, found in the parsers: its words and its required positionals."""
+    import argparse
+
+    from launcher.cli import build_parser
+
+    def walk(p: argparse.ArgumentParser, path: list[str]):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from walk(sub, [*path, name])
+        if any("--json" in a.option_strings for a in p._actions):
+            yield path, sum(1 for a in p._actions if not a.option_strings and a.nargs not in ("?", "*")
+                            and not isinstance(a, argparse._SubParsersAction))
+
+    return list(walk(build_parser(), []))
+
+
+def test_every_command_with_json_prints_json_when_it_fails(tmp_path):
+    commands = _json_commands()
+    assert len(commands) >= 15 and ["validate"] in [c for c, _ in commands]
+    env = {**os.environ, "LMLAUNCH_HOME": str(tmp_path / "home"), "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs")}
+    for words, positionals in commands:
+        out, err = io.StringIO(), io.StringIO()
+        code = main([*words, *["/no/such/thing"] * positionals, "--json"], Context(stdout=out, stderr=err, environ=env))
+        got = json.loads(out.getvalue())  # JSON whether it worked or not
+        if positionals:  # a spec, run or file that is not there
+            assert code == 2 and got["ok"] is False and got["error"]["exit_code"] == 2, (words, out.getvalue())
+            assert err.getvalue().startswith("error: "), (words, err.getvalue())
+        else:
+            assert code == 0, (words, err.getvalue())
+
+
+@pytest.mark.parametrize("command", ["validate", "submit", "status", "logs", "doctor"])
+def test_the_main_commands_help_ends_with_examples_that_parse(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"], Context(stdout=io.StringIO(), stderr=io.StringIO(), environ={}))
+    text = capsys.readouterr().out
+    assert done.value.code == 0 and "\nexamples:\n" in text, text
+    from launcher.cli import _parse, build_parser
+
+    for line in text.split("\nexamples:\n")[1].splitlines():
+        words = line.split("#")[0].split()
+        assert words[:2] == ["lmlaunch", command] and _parse(build_parser(only=command), words[1:]).command == command
