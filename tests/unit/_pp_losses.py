@@ -25,7 +25,7 @@ STEPS, GLOBAL_BATCH, MICRO, SEQ, VOCAB, LAYERS = 20, 8, 2, 16, 101, 4
 
 UNTIED = ("llama", "qwen2", "mistral")  # the first three, as they were first checked
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "hidden_dropout": 0.0,
-              "attention_dropout": 0.0, "classifier_dropout": 0.0}
+              "attention_dropout": 0.0, "classifier_dropout": 0.0, "dropout": 0.0}
 
 
 def config(kind):
@@ -89,17 +89,16 @@ def pipelined(kind, rank, world, schedule, steps=STEPS):
     mine = pipeline.build_stages(lm, smap, rank)
     pipe = pipeline.Pipeline(mine, len(smap.layers), dist.group.WORLD, torch.device("cpu"), schedule,
                              GLOBAL_BATCH // MICRO, tied_group=dist.group.WORLD)  # 2 ranks: both ends
+    from lmtrain.model.tensor_parallel import clip_grad_norm_  # the module's own clipping rule
+
     params = [p for _, m in mine for p in m.parameters()]
-    counted = [p for p in params if not any(p is d for d in pipe.duplicates)]  # a tied weight once
     opt = torch.optim.AdamW(params, lr=1e-2, foreach=True)
     out = []
     for step in range(steps):
         ids = batch(step)
         loss = pipe.step(ids, ids)
-        local = torch.stack([p.grad.pow(2).sum() for p in counted if p.grad is not None]).sum()
-        dist.all_reduce(local)  # the squared norms of every stage's gradients: the whole model's norm
-        norm = local.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, 0.5, norm)
+        # every stage's squared norms added, a tied weight's copy counted once: the whole model's norm
+        norm = clip_grad_norm_(params, 0.5, across=dist.group.WORLD, uncounted=pipe.duplicates)
         opt.step()
         opt.zero_grad()
         total = loss.detach() if loss is not None else torch.zeros(())

@@ -59,15 +59,17 @@ def test_every_schedule_trains_as_ddp_does(tmp_path):
 
 @pytest.mark.slow
 def test_other_architectures_split_and_train_as_ddp_does(tmp_path):
-    """The splitter finds the stages of architectures with learned positions (GPT-2), partial rotary
+    """The splitter finds the stages of architectures with learned positions (GPT-2; OPT's, called
+    with the attention mask and more arguments, stood in for on the later stage), partial rotary
     (GPT-NeoX, Phi), scaled embeddings (Gemma), parallel attention (Falcon), and a head tied to the
-    embedding (GPT-2, Gemma, Falcon: two copies on the first and last stage, their gradients
-    summed): 1F1B on 2 ranks gives DDP's losses and gradient norms over 8 steps, and the
-    interleaved schedule (stage 0 and the last stage on different ranks) too for tied GPT-2."""
+    embedding (GPT-2, OPT, Gemma, Falcon: two copies on the first and last stage, their gradients
+    summed and counted once in the clipped norm): 1F1B on 2 ranks gives DDP's losses and gradient
+    norms over 8 steps, and the interleaved schedule (stage 0 and the last stage on different ranks)
+    too for tied GPT-2."""
     out = tmp_path / "losses.json"
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     runs = {"gpt2": ["1f1b", "interleaved_1f1b"], "gpt_neox": ["1f1b"], "phi": ["1f1b"], "gemma": ["1f1b"],
-            "falcon": ["1f1b"]}
+            "falcon": ["1f1b"], "opt": ["1f1b"]}
     archs = ",".join(f"{a}:{'+'.join(s)}" for a, s in runs.items())
     done = subprocess.run([sys.executable, str(HELPER), str(out), archs, "1f1b", "8"], env=env,
                           capture_output=True, text=True, timeout=HANG_S)
@@ -161,6 +163,29 @@ def test_pp2_matches_ddp_resumes_on_every_layout_and_exports(runs_root, tmp_path
     assert max(float((weights[k] - straight[k]).abs().max()) for k in weights) < 1e-4
 
     _exports_give_ddps_logits({k: ref[k] for k in ("ddp2", "pp2")}, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_tied_model_clipped_as_the_shipped_spec_clips_trains_as_ddp_does(runs_root):
+    """The demo's own spec (GPT-2, its head tied to the embedding, gradient_clip_val 1.0, hit at every
+    step here) as 2 pipeline stages and as DDP, through the real entry, dropout off: the same loss and
+    gradient norm every step. The tied weight's two copies hold one summed gradient, counted once in
+    the norm (the module once counted it on both stages: 1.3e-4 off DDP at step 3, 2.7e-3 at step 6)."""
+    common = ["trainer.log_every_n_steps=1", "trainer.val_check_interval=100", "checkpoint.every_n_steps=100",
+              "model.config.resid_pdrop=0", "model.config.embd_pdrop=0", "model.config.attn_pdrop=0"]
+    got = {}
+    for layout, extra in (("ddp", ["trainer.strategy=ddp"]),
+                          ("pp2", ["trainer.strategy=fsdp", "trainer.pipeline_parallel_size=2"])):
+        plan = prepare_local_run(str(REPO / "jobs" / "tiny-cpu.yaml"), [*common, *extra], devices=2, max_steps=6,
+                                 name=f"tied-{layout}", environ=dict(os.environ), say=lambda *_: None)
+        assert plan.training.gradient_clip_val == 1.0
+        assert _launch(plan, stop_at=0) == 0, Path(plan.paths.run_dir, "launcher.out").read_text()[-3000:]
+        got[layout] = _steps(plan.paths.run_dir)
+    assert sorted(got["pp2"]) == sorted(got["ddp"]) == list(range(1, 7))
+    assert all(norm > 1.0 for _, norm in got["ddp"].values())  # the clip is hit: it decides every step
+    for step, (loss, norm) in got["pp2"].items():
+        ref_loss, ref_norm = got["ddp"][step]
+        assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5 * ref_norm, (step, loss, ref_loss, norm, ref_norm)
 
 
 def _exports_give_ddps_logits(ref: dict, tmp_path: Path) -> None:

@@ -191,8 +191,10 @@ class LMModule(pl.LightningModule):
         if self.pipeline is not None:  # every stage's gradients: one norm over the pipeline's ranks
             from lmtrain.model.tensor_parallel import clip_grad_norm_ as clip_over_meshes
 
+            # a tied embedding's two copies hold one summed gradient: counted once, as DDP counts it
             group = self.device_mesh["pipeline"].get_group()
-            self._grad_norm = clip_over_meshes(self.parameters(), self.rt.clip_val, across=group)
+            self._grad_norm = clip_over_meshes(self.parameters(), self.rt.clip_val, across=group,
+                                               uncounted=self.pipeline.duplicates)
             return
         if self.rt.parallelism.tensor > 1:  # parameters on two meshes: one norm over both
             from lmtrain.model.tensor_parallel import clip_grad_norm_

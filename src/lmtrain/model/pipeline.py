@@ -111,13 +111,14 @@ class StageLayers(nn.ModuleList):
 
 
 class _Zeros(nn.Module):
-    """A stand-in for an embedding a later stage does not hold: zeros of its width."""
+    """A stand-in for an embedding a later stage does not hold: zeros of its width, shaped as its
+    first argument (the ids; OPT's learned positions take the attention mask, then more arguments)."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.width = width
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
         return torch.zeros(*ids.shape, self.width, device=ids.device)
 
 

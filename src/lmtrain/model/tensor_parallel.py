@@ -223,23 +223,30 @@ def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, across: Any = None) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, across: Any = None,
+                    uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over parameters that live on several device meshes (2D:
     the TP-sharded ones on (dp, tp), the rest on (dp)): each mesh's norm separately, one total, every
     gradient scaled by it. Plain tensors (one process) form one more group. ``across``: a process
     group holding the rest of the model (a pipeline's other stages), whose squared norms are added.
-    The total norm, a plain tensor."""
+    ``uncounted``: parameters whose gradient another rank of ``across`` counts already (a tied
+    embedding's copy on the last stage, its gradient summed with the first stage's): scaled, left out
+    of the norm, so that the norm is the one model's, as DDP's. The total norm, a plain tensor."""
     from torch.distributed.tensor import DTensor, Replicate
 
+    skip = {id(p) for p in uncounted}
     groups: dict[Any, list[torch.Tensor]] = {}
+    counted: dict[Any, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
             key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
+            if id(p) not in skip:
+                counted.setdefault(key, []).append(p)
     if not groups and across is None:
         return torch.zeros(())
     norms_ = [torch.zeros(())]
-    for params in groups.values():
+    for params in counted.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
         norms_.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms_]))
