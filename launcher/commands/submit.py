@@ -197,7 +197,8 @@ def _checked(args: argparse.Namespace, r: Any, ctx: Context) -> list[str]:
         if problems:
             raise SpecError([*problems, "nothing was submitted (`lmlaunch doctor SPEC` says more; --force submits "
                              "anyway)"], source=args.spec)
-    return [*opening.notes, *([opening.continuation] if opening.continuation else []), *submit_notes(r.plan)]
+    untried = [] if args.force else submit_notes(r.plan)  # --force: the container is not tried here
+    return [*opening.notes, *([opening.continuation] if opening.continuation else []), *untried]
 
 
 def _over_ssh(clusters: list[str], ctx: Context) -> bool:

@@ -129,6 +129,23 @@ def _with_eval_tasks(spec: JobSpec, plan: LaunchPlan) -> LaunchPlan:
     return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan
 
 
+def _profile_gpus(spec: JobSpec, profile: Profile) -> tuple[JobSpec, str | None]:
+    """A spec that leaves ``resources.gpus_per_node`` out runs on the GPUs of its profile's nodes (one
+    task each), said in a note: on a GPU cluster it is never planned as a CPU job holding GPU nodes
+    and using none of their GPUs (``gpus_per_node: 0`` asks for that)."""
+    r = spec.resources
+    if "gpus_per_node" in r.model_fields_set or profile.gpus_per_node == 0:
+        return spec, None
+    gpus = profile.gpus_per_node
+    if r.tasks_per_node not in (None, gpus):
+        raise SpecError([f"resources.tasks_per_node({r.tasks_per_node}) with resources.gpus_per_node left out: "
+                         f"profile '{profile.name}' has {gpus} GPUs per node, one task each; leave tasks_per_node "
+                         f"out, or set resources.gpus_per_node (0: a CPU job of tasks_per_node tasks)"])
+    spec = spec.model_copy(update={"resources": r.model_copy(update={"gpus_per_node": gpus})})
+    return spec, (f"resources.gpus_per_node: {gpus}, the GPUs per node of profile '{profile.name}' (the spec "
+                  f"leaves it out; gpus_per_node: 0 plans a CPU job)")
+
+
 def _model_against_data(spec: JobSpec, profile: Profile, plan: LaunchPlan, stores: list[Any], env: Mapping[str, str],
                         *, force: bool, source: str, check_data: bool) -> LaunchPlan:
     """A model that builds against the data, root cause first: the sequence length against its
@@ -213,7 +230,10 @@ def resolve(
                 raise
             where = "--cluster" if cluster else (origin.locate(("cluster",)) or "cluster")
             raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
+        spec, gpus_note = _profile_gpus(spec, profile)
         plan = _with_eval_tasks(spec, _planned(spec, profile, env, python))
+        if gpus_note:
+            plan = dataclasses.replace(plan, notes=(gpus_note, *plan.notes))
         stores = store_indexes(spec)
         plan = dataclasses.replace(plan, notes=(*plan.notes, *mixture_notes(spec, plan, stores)))
         if check_data:

@@ -278,3 +278,25 @@ def test_the_main_commands_help_ends_with_examples_that_parse(command, capsys):
     for line in text.split("\nexamples:\n")[1].splitlines():
         words = line.split("#")[0].split()
         assert words[:2] == ["lmlaunch", command] and _parse(build_parser(only=command), words[1:]).command == command
+
+
+def test_a_spec_without_gpus_per_node_on_a_gpu_profile_is_planned_on_its_gpus(tmp_path):
+    import yaml
+
+    spec = yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text())  # the demo's small model, on h100-ib
+    for key in ("gpus_per_node", "tasks_per_node", "cpus_per_task"):
+        del spec["resources"][key]
+    spec["resources"]["nodes"], spec["cluster"], spec["trainer"]["global_batch_size"] = 1, "h100-ib", 64
+    spec["data"]["path"] = str(REPO / "data" / "prepared" / "tiny")
+    path = tmp_path / "nogpus.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    code, out, err = cli("submit", str(path), "--dry-run", "--json")
+    plan = json.loads(out)["plan"]
+    assert code == 0 and plan["topology"]["accelerator"] == "gpu" and plan["topology"]["tasks_per_node"] == 8, err
+    assert "#SBATCH --gres=gpu:8" in json.loads(out)["script"]
+    assert any("the GPUs per node of profile 'h100-ib' (the spec leaves it out" in n for n in plan["notes"])
+    code, out, _ = cli("submit", str(path), "resources.gpus_per_node=0", "resources.tasks_per_node=4", "--dry-run",
+                       "--json")
+    assert code == 0 and json.loads(out)["plan"]["topology"]["accelerator"] == "cpu"  # said explicitly: a CPU job
+    code, _, err = cli("validate", str(path), "resources.tasks_per_node=2")
+    assert code == 2 and "with resources.gpus_per_node left out: profile 'h100-ib' has 8 GPUs per node" in err, err
