@@ -129,6 +129,17 @@ def _with_eval_tasks(spec: JobSpec, plan: LaunchPlan) -> LaunchPlan:
     return dataclasses.replace(plan, notes=(*plan.notes, *notes)) if notes else plan
 
 
+def _profile_of(spec: JobSpec, cluster: str | None, origin: Any, env: Mapping[str, str]) -> Profile:
+    """The spec's profile; an unknown name is said at the key or option that named it."""
+    try:
+        return load_profile(spec.cluster, env)
+    except SpecError as exc:
+        if exc.source is not None:  # the profile file itself is broken
+            raise
+        where = "--cluster" if cluster else (origin.locate(("cluster",)) or "cluster")
+        raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
+
+
 def _profile_gpus(spec: JobSpec, profile: Profile) -> tuple[JobSpec, str | None]:
     """A spec that leaves ``resources.gpus_per_node`` out runs on the GPUs of its profile's nodes (one
     task each), said in a note: on a GPU cluster it is never planned as a CPU job holding GPU nodes
@@ -223,13 +234,7 @@ def resolve(
     env = os.environ if environ is None else environ
     spec, origin = _load_spec(spec_path, overrides or [], cluster, several)
     try:
-        try:
-            profile = load_profile(spec.cluster, env)
-        except SpecError as exc:
-            if exc.source is not None:  # the profile file itself is broken
-                raise
-            where = "--cluster" if cluster else (origin.locate(("cluster",)) or "cluster")
-            raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
+        profile = _profile_of(spec, cluster, origin, env)
         spec, gpus_note = _profile_gpus(spec, profile)
         plan = _with_eval_tasks(spec, _planned(spec, profile, env, python))
         if gpus_note:
