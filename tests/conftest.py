@@ -142,6 +142,17 @@ def _shared_results(tmp_path_factory):
     shared_results.configure(tmp_path_factory)
 
 
+@pytest.fixture(autouse=True)
+def _own_lmlaunch_home(tmp_path_factory, monkeypatch):
+    """Every test starts with a registry, user profiles and runs root of its own (LMLAUNCH_HOME,
+    LMLAUNCH_RUNS_ROOT; a test or fixture may set its own after): the user's runs never decide a
+    test (the demo's run 'tiny-cpu' in ~/.lmlaunch makes a dry run of that name refuse it, as submit
+    does)."""
+    home = tmp_path_factory.mktemp("lmhome")
+    monkeypatch.setenv("LMLAUNCH_HOME", str(home))
+    monkeypatch.setenv("LMLAUNCH_RUNS_ROOT", str(home / "runs"))
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO

@@ -10,8 +10,11 @@ from pathlib import Path
 
 
 def lmlaunch_home(environ: Mapping[str, str] | None = None) -> Path:
+    """``environ``'s LMLAUNCH_HOME; where the command's environment does not name one (a partial
+    environment: a test's, a forwarded command's), this process's; else ``~/.lmlaunch``."""
     env = os.environ if environ is None else environ
-    return Path(os.path.expanduser(env.get("LMLAUNCH_HOME") or "~/.lmlaunch")).absolute()
+    named = env.get("LMLAUNCH_HOME") or os.environ.get("LMLAUNCH_HOME")
+    return Path(os.path.expanduser(named or "~/.lmlaunch")).absolute()
 
 
 def user_profiles_dir(environ: Mapping[str, str] | None = None) -> Path:

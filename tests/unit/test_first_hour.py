@@ -23,6 +23,14 @@ SHIPPED = sorted((REPO / "jobs").glob("*.yaml"))
 TINY = str(REPO / "jobs" / "tiny-cpu.yaml")
 
 
+@pytest.fixture(autouse=True)
+def _own_registry(tmp_path, monkeypatch):
+    """A registry and runs root of the test's own: a run of the user's named as a spec here (the demo's
+    tiny-cpu) would make the dry run refuse the name, as submit does."""
+    monkeypatch.setenv("LMLAUNCH_HOME", str(tmp_path / "lmhome"))
+    monkeypatch.setenv("LMLAUNCH_RUNS_ROOT", str(tmp_path / "lmruns"))
+
+
 def cli(*args: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = main(list(args), Context(stdout=out, stderr=err, environ=dict(os.environ)))
