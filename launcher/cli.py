@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
-from launcher.commands import COMMANDS
+from launcher.commands import COMMANDS, subcommands
 from launcher.context import Context
 from lmcore.errors import EXIT_CODES, ExitCode, UserError
 
@@ -189,7 +189,7 @@ def _parse(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Namesp
 def _chosen_parser(parser: argparse.ArgumentParser, words: list[str]) -> argparse.ArgumentParser:
     """The innermost (sub)command's parser the words name (`data prepare`'s, not `data`'s)."""
     for word in words:
-        subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+        subs = subcommands(parser)
         if word in subs:
             parser = subs[word]
     return parser

@@ -62,3 +62,8 @@ def with_examples(p: argparse.ArgumentParser, *lines: str) -> None:
     """``--help`` ends with these example command lines (kept as written)."""
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of ``parser``'s subcommands by name (argparse keeps no public list of them)."""
+    return next((dict(a.choices) for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})

@@ -62,11 +62,12 @@ def attach(parser: argparse.ArgumentParser) -> None:
     from argcomplete.completers import FilesCompleter
 
     specs = FilesCompleter(allowednames=("yaml", "yml"), directories=True)
+    from launcher.commands import subcommands
+
+    for sub in subcommands(parser).values():
+        attach(sub)
     for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                attach(sub)
-        elif action.dest in ("run", "run_a", "run_b") and not action.option_strings:
+        if action.dest in ("run", "run_a", "run_b") and not action.option_strings:
             action.completer = run_names  # type: ignore[attr-defined]
         elif action.dest in ("spec", "file") and not action.option_strings:
             action.completer = specs  # type: ignore[attr-defined]
