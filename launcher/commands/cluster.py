@@ -1,5 +1,5 @@
 """lmlaunch cluster up [--slurm VERSION] [--preempt-user-signal | --no-preempt-user-signal]
-[--accounting | --no-accounting] [--min-job-age S] [--nodes N] [--topology KIND:GxN] [--workers N] | down | status | env"""
+[--accounting | --no-accounting] [--min-job-age S] [--nodes N] [--topology KIND:GxN] [--gpus [TYPE:]N] [--workers N] | down | status | env"""
 
 from __future__ import annotations
 
@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="the network SLURM is told of: tree:2x2 (2 leaf switches of 2 nodes, topology/tree), block:2x2 "
                          "(2 blocks of 2 nodes, topology/block, SLURM 24.11), KIND:N (--nodes cut into groups of N) "
                          "or none; default: what the last `up` had. Sets --nodes when it is not given")
+    up.add_argument("--gpus", default=None, metavar="[TYPE:]N",
+                    help="N GPUs on every node that SLURM schedules for real (GRES; fake devices: jobs train on CPU "
+                         "behind SLURM's binding), e.g. 4 or a100:4 (type h100 when not given), or none; default: what "
+                         "the last `up` had, else none")
     up.add_argument("--workers", type=int, default=0, metavar="N",
                     help="also start the worker clusters 1..N that parallel test workers claim "
                          "(launcher/localcluster/workers.py); scripts/test.sh starts them before pytest")
@@ -106,7 +110,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         if args.nodes is not None and not 1 <= args.nodes <= MAX_NODES:
             raise UserError(f"--nodes {args.nodes}: the local cluster runs 1 to {MAX_NODES} virtual nodes")
         was_up = cluster.up(say, preempt_send_user_signal=args.preempt_user_signal, accounting=args.accounting,
-                            min_job_age=args.min_job_age, version=version, nodes=args.nodes, topology=args.topology)
+                            min_job_age=args.min_job_age, version=version, nodes=args.nodes, topology=args.topology,
+                            gpus=args.gpus)
         for k in range(1, min(args.workers, MAX_WORKER_SLOTS) + 1):
             worker = Layout.worker(k, version)
             cluster.up(cluster.tagged(say, worker.root.name), layout=worker,
@@ -128,6 +133,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"  preempt_send_user_signal: {'on' if st.settings.preempt_send_user_signal else 'off'}")
         ctx.out(f"  accounting: {'slurmdbd' if st.settings.accounting else 'off'}, MinJobAge {st.settings.min_job_age} s")
         ctx.out(f"  topology: {st.settings.topology or 'none'}")
+        ctx.out(f"  GPUs a node: {st.settings.gpus or 'none'}")
     workers = cluster.worker_layouts(version)
     if workers:  # the test suite's parallel workers' clusters (launcher/localcluster/workers.py)
         ctx.out("worker clusters: " + ", ".join(
@@ -146,7 +152,8 @@ def _print_nodes(ctx: Context, st) -> None:
     ctx.out("nodes:")
     for n in st.nodes:
         extra = f"  ({n.reason})" if n.reason and n.reason != "none" else ""
-        ctx.out(f"  {n.name:<4} {n.state:<10} cpus={n.cpus:<3} partitions={','.join(n.partitions)}{extra}")
+        gres = f" gres={n.gres}" if n.gres and n.gres != "(null)" else ""
+        ctx.out(f"  {n.name:<4} {n.state:<10} cpus={n.cpus:<3} partitions={','.join(n.partitions)}{gres}{extra}")
     ctx.out("partitions:")
     for p in st.partitions:
         ctx.out(

@@ -97,7 +97,8 @@ class Pages:
             if cached is None or time.monotonic() - cached[0] > HISTORY_CACHE_S:
                 h = load_history(rec)
                 cached = (time.monotonic(), {"attempts": [a.to_dict() for a in h.attempts], "notes": h.notes,
-                                             "eval": h.eval})
+                                             "eval": h.eval, "gpu_hours": h.gpu_hours,
+                                             "train_gpu_hours": h.train_gpu_hours})
                 self._histories[name] = cached
         run_dir = Path(rec.run_dir)
         beats = list(jsonlines.read_jsonl(rundir.RunLayout.of(run_dir).heartbeat))

@@ -54,8 +54,16 @@ def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
     conf, commands = client_side(environ) if slurm.rest_client() is None else (None, None)  # --rest: its url is the way
     return ClusterFacts(partitions=slurm.partition_configs(), nodes=slurm.node_configs(), config=config,
                         default_account=account, accounting=accounting, problems=problems,
-                        slurm_conf=conf, slurm_bin=commands,
+                        slurm_conf=conf, slurm_bin=commands, nvidia_here=_nvidia_here(),
                         topology=slurm.topology_records() if config.get("TopologyPlugin", "topology/none") != "topology/none" else ())
+
+
+def _nvidia_here() -> bool:
+    """Whether this machine has an NVIDIA driver with GPUs (the kernel module's list of them)."""
+    from pathlib import Path
+
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
 
 
 SYSTEM_BIN = ("/usr/bin", "/bin", "/usr/local/bin", "/usr/sbin", "/sbin")

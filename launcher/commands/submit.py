@@ -106,8 +106,9 @@ def _env_lines(plan: LaunchPlan, environ: Mapping[str, str] | None) -> list[str]
     for name in sorted(plan.env):
         lines.append(f"{name}={escape_controls(plan.env[name])}    # {plan.env_reasons.get(name, '')}")
     for name, spec in sorted(plan.rank_env.items()):
-        by_rank = ", ".join(f"{i}: {v}" for i, v in enumerate(spec["by_local_rank"]))
-        lines.append(f"{name}=<by local rank: {by_rank}>    # {spec['why']}")
+        key, said = ("by_gpu", "by the GPU on its node") if spec.get("by_gpu") else ("by_local_rank", "by local rank")
+        by_rank = ", ".join(f"{i}: {v}" for i, v in enumerate(spec[key]))
+        lines.append(f"{name}=<{said}: {by_rank}>    # {spec['why']}")
     for o in plan.env_overrides:
         lines.append(f"# override: {o.name}: profile {brief(o.profile_value, 200)} -> job {brief(o.job_value, 200)}")
     for name in plan.passthrough:

@@ -46,6 +46,7 @@ from launcher.localcluster.daemons import (
     stop,
     wait_until,
 )
+from launcher.localcluster.gpus import make_devices, parse as parse_gpus, remove_devices
 from launcher.localcluster.topology import LocalTopology, parse as parse_topology, version_problem
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.slurm import client as slurm
@@ -553,13 +554,14 @@ def up(
     version: str | None = None,
     nodes: int | None = None,
     topology: str | None = None,
+    gpus: str | None = None,
 ) -> bool:
     """Start the cluster; True when it was already running (and nothing had to change).
 
     ``version`` picks the SLURM: the machine's own (None) or the other Debian release's, which
     runs in a Debian root (other_release.py). Settings not given keep what the last `up` of this
-    state directory was given (its ports, ``nodes`` count and ``topology`` included; ``topology="none"``
-    drops one), else the defaults. Two `up`s of one cluster
+    state directory was given (its ports, ``nodes`` count, ``topology`` and ``gpus`` included; "none"
+    drops either), else the defaults. Two `up`s of one cluster
     never race (a lock in its directory); the machine-wide steps (packages, munged, /etc/hosts)
     are locked across clusters."""
     layout = layout or (Layout.default() if version is None else Layout(primary_root(version)))
@@ -579,6 +581,7 @@ def up(
         min_job_age=_given(min_job_age, current.min_job_age),
         version=version,
         topology=topo.text if topo else None,
+        gpus=_wanted_gpus(gpus, current),
     )
     root = None
     if version is not None and not is_native(version):
@@ -614,6 +617,28 @@ def _wanted_topology(given: str | None, current: Settings, ports: Ports,
     return topo, nodes
 
 
+def _wanted_gpus(given: str | None, current: Settings) -> str | None:
+    """The GPUs a node this `up` declares (``given``, else the ones kept), as Settings keeps them."""
+    text = given if given is not None else current.gpus
+    try:
+        parsed = parse_gpus(text)
+    except ValueError as exc:
+        kept = "" if given is not None else " (kept from the last `up`; `--gpus none` drops it)"
+        raise UserError(f"{exc}{kept}") from None
+    return parsed.text if parsed else None
+
+
+def _write_gres(layout: Layout, wanted: Settings) -> str | None:
+    """gres.conf and the fake GPUs' device files for ``wanted`` (or neither); a node's Gres=."""
+    gpus = parse_gpus(wanted.gpus)
+    make_devices(gpus, layout.root, wanted.ports.node_names)
+    if gpus is None:
+        layout.gres_conf.unlink(missing_ok=True)
+        return None
+    layout.gres_conf.write_text(gpus.render_gres_conf(layout.root, wanted.ports.node_names))
+    return gpus.gres
+
+
 def _write_topology(layout: Layout, wanted: Settings) -> str | None:
     """topology.conf for ``wanted`` (or none); the plugin slurm.conf names."""
     topo = parse_topology(wanted.topology, len(wanted.ports.nodes))
@@ -632,6 +657,7 @@ def _write_slurm_conf(layout: Layout, wanted: Settings, user: str, say: Say) -> 
     for slurmrestd, the expedited requeue, the controller's metrics); the JWT auth lines (empty:
     no slurmrestd). Daemons that must read a new auth setting at start are stopped (`up` starts them)."""
     plugin = _write_topology(layout, wanted)
+    node_gres = _write_gres(layout, wanted)
     rest = restd.rest_available()
     new_auth = rest and not restd.runs_rest(layout)  # auth plugins are read at start only
     if rest:
@@ -640,7 +666,7 @@ def _write_slurm_conf(layout: Layout, wanted: Settings, user: str, say: Say) -> 
     layout.slurm_conf.write_text(render_slurm_conf(
         layout, user=user, preempt_send_user_signal=wanted.preempt_send_user_signal, ports=wanted.ports,
         accounting=wanted.accounting, min_job_age=wanted.min_job_age, topology_plugin=plugin,
-        ctld_parameters=restd.ctld_parameters(), extra_lines=auth + restd.controller_lines()))
+        ctld_parameters=restd.ctld_parameters(), extra_lines=auth + restd.controller_lines(), node_gres=node_gres))
     if new_auth:
         for pidfile in [layout.pidfile("slurmctld"), layout.pidfile("slurmdbd"), *sorted(layout.run.glob("slurmd-n*.pid"))]:
             line = stop(pidfile, pidfile.stem)
@@ -684,9 +710,10 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         say("restarting slurmctld (accounting " + ("on" if wanted.accounting else "off") + ")")
         stop(layout.pidfile("slurmctld"), "slurmctld")
         controller_was_up = False
-    if controller_was_up and current is not None and (current.ports.nodes, current.topology) != (wanted.ports.nodes, wanted.topology):
-        # node definitions and the topology plugin are read at start only, by the controller and every slurmd
-        say(f"restarting slurmctld and the slurmds (nodes {', '.join(ports.node_names)}, topology {wanted.topology or 'none'})")
+    if controller_was_up and current is not None and _node_shape(current) != _node_shape(wanted):
+        # node definitions, their GPUs and the topology plugin are read at start only, by the controller and every slurmd
+        say(f"restarting slurmctld and the slurmds (nodes {', '.join(ports.node_names)}, topology {wanted.topology or 'none'}, "
+            f"GPUs {wanted.gpus or 'none'})")
         for pidfile in [layout.pidfile("slurmctld"), *sorted(layout.run.glob("slurmd-n*.pid"))]:
             stop(pidfile, pidfile.stem)
         controller_was_up = False
@@ -699,6 +726,10 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         restd.ensure_slurmrestd(layout, ports.slurmctld, say)
     layout.settings.write_text(wanted.to_json())
     return False
+
+
+def _node_shape(settings: Settings) -> tuple[object, ...]:
+    return settings.ports.nodes, settings.topology, settings.gpus
 
 
 def worker_layouts(version: str | None = None) -> list[Layout]:
@@ -727,6 +758,8 @@ def down(say: Say, *, layout: Layout | None = None, version: str | None = None) 
         if line:
             say(line)
             stopped.append(name)
+    if remove_devices(layout.root):
+        say("removed the fake GPUs' device files")
     if layout.root == primary and version is not None and not is_native(version):
         from launcher.localcluster import other_release
 

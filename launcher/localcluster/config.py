@@ -136,19 +136,22 @@ class Settings:
     version: str | None = None
     # `--topology` as topology.py reads it (tree:GxN, block:GxN); None: no topology plugin
     topology: str | None = None
+    # `--gpus` as gpus.py reads it (TYPE:N a node); None: CPU-only nodes
+    gpus: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({"preempt_send_user_signal": self.preempt_send_user_signal,
                            "ports": self.ports.to_json(), "system_conf": self.system_conf,
                            "accounting": self.accounting, "min_job_age": self.min_job_age,
-                           "version": self.version, "topology": self.topology}) + "\n"
+                           "version": self.version, "topology": self.topology, "gpus": self.gpus}) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Settings:
         d = json.loads(text)
         ports = Ports.from_json(d["ports"]) if "ports" in d else Ports()  # settings written before ports were kept
         return cls(bool(d.get("preempt_send_user_signal", False)), ports, bool(d.get("system_conf", True)),
-                   bool(d.get("accounting", True)), int(d.get("min_job_age", 300)), d.get("version"), d.get("topology"))
+                   bool(d.get("accounting", True)), int(d.get("min_job_age", 300)), d.get("version"), d.get("topology"),
+                   d.get("gpus"))
 
 
 
@@ -204,6 +207,11 @@ class Layout:
     @property
     def slurm_conf(self) -> Path:
         return self.etc / "slurm.conf"
+
+    @property
+    def gres_conf(self) -> Path:
+        # as topology.conf: read from the directory of the slurm.conf
+        return self.etc / "gres.conf"
 
     @property
     def topology_conf(self) -> Path:
@@ -268,9 +276,11 @@ def controller_hostname() -> str:
 
 def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bool, ports: Ports = Ports(),
                       accounting: bool = True, min_job_age: int = 300, topology_plugin: str | None = None,
-                      ctld_parameters: Sequence[str] = (), extra_lines: Sequence[str] = ()) -> str:
+                      ctld_parameters: Sequence[str] = (), extra_lines: Sequence[str] = (),
+                      node_gres: str | None = None) -> str:
     """``ctld_parameters``: SlurmctldParameters words beyond preempt_send_user_signal; ``extra_lines``:
-    what a newer SLURM's cluster adds (restd.py: JWT auth, the controller's metrics)."""
+    what a newer SLURM's cluster adds (restd.py: JWT auth, the controller's metrics); ``node_gres``:
+    each node's GPUs (``gpu:h100:4``, gres.conf beside this file: gpus.py)."""
     host = controller_hostname()
     lines = [*_daemon_lines(layout, host, user, ports), *_POLICY_LINES, f"MinJobAge={min_job_age}", *_TIMEOUT_LINES]
     if topology_plugin:  # its topology.conf beside this file (launcher/localcluster/topology.py)
@@ -278,16 +288,21 @@ def render_slurm_conf(layout: Layout, *, user: str, preempt_send_user_signal: bo
     if accounting:  # real accounting (slurmdbd on MariaDB): sacct states, attempts with sacct -D
         lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
                   f"AccountingStoragePort={ports.slurmdbd}"]
+        if node_gres:  # sacct's AllocTRES names GPUs only when they are tracked (slurm.conf(5))
+            lines.append("AccountingStorageTRES=gres/gpu,gres/gpu:" + node_gres.split(":")[1])
     else:  # as a site without slurmdbd: sacct and sacctmgr fail, squeue is all there is
         lines.append("AccountingStorageType=accounting_storage/none")
     words = (["preempt_send_user_signal"] if preempt_send_user_signal else []) + list(ctld_parameters)
     if words:
         lines.append("SlurmctldParameters=" + ",".join(words))
     lines += extra_lines
+    if node_gres:
+        lines.append("GresTypes=gpu")
+    gres = f" Gres={node_gres}" if node_gres else ""
     for name, port in zip(ports.node_names, ports.nodes):
         lines.append(
             f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
-            f"CPUs={CPUS_PER_NODE} RealMemory={REAL_MEMORY_MB} State=UNKNOWN"
+            f"CPUs={CPUS_PER_NODE} RealMemory={REAL_MEMORY_MB}{gres} State=UNKNOWN"
         )
     nodes = ",".join(ports.node_names)
     lines.append(

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     try:
         was_up = cluster.up(print, layout=Layout(Path(request["state"])), preempt_send_user_signal=s.preempt_send_user_signal,
                             ports=s.ports, system_conf=s.system_conf, accounting=s.accounting, min_job_age=s.min_job_age,
-                            version=s.version, topology=s.topology or "none")
+                            version=s.version, topology=s.topology or "none", gpus=s.gpus or "none")
     except UserError as exc:
         print(exc.message, file=sys.stderr)
         return 1

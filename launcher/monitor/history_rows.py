@@ -11,6 +11,9 @@ from typing import Any
 
 from lmcore import rundir, straggler_lines
 
+# sacct's figures of one attempt: (submit, start, end) as epoch seconds, then the GPUs it held
+AttemptTimes = tuple[float | None, ...]
+
 
 @dataclass
 class HistoryRow:
@@ -39,6 +42,15 @@ class HistoryRow:
     device_peak: int | None = None  # the most device memory a rank allocated (CUDA's max allocated), where kept
     cluster: str | None = None  # the cluster profile of its job, for a run whose jobs went to several
     profile: str | None = None  # the profile its ranks were planned on (the start line's; a copy over SSH: that side's name)
+    gpus: int | None = None  # the GPUs the attempt held, by sacct's AllocTRES (None: not a GPU job, or no accounting)
+    gpu_hours: float | None = None  # gpus x its allocated hours
+    train_gpu_hours: float | None = None  # gpus x its hours in training steps
+
+    def set_gpus(self, gpus: int | None) -> None:
+        self.gpus = gpus
+        if gpus:
+            self.gpu_hours = round(gpus * self.alloc_s / 3600, 6) if self.alloc_s is not None else None
+            self.train_gpu_hours = round(gpus * self.train_s / 3600, 6) if self.train_s is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,6 +67,8 @@ class History:
     notes: list[str] = field(default_factory=list)
     planned_memory: dict[str, Any] | None = None  # plan.json's memory (launcher.planning.memory.Breakdown.to_json)
     eval: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's scores: step, task, metric, value, stderr, lm_eval
+    gpu_hours: float | None = None  # every attempt's allocated GPU-hours (sacct's AllocTRES); None: no GPUs known
+    train_gpu_hours: float | None = None  # of them, the hours in training steps (goodput in GPU-hours)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +81,8 @@ class History:
             "planned_memory": self.planned_memory,
             "attempts": [a.to_dict() for a in self.attempts],
             "eval": self.eval,
+            "gpu_hours": self.gpu_hours,
+            "train_gpu_hours": self.train_gpu_hours,
         }
 
 
@@ -74,12 +90,12 @@ def build_history(
     name: str,
     ledger: Sequence[Mapping[str, Any]],
     heartbeat: Sequence[Mapping[str, Any]],
-    sacct_attempts: Mapping[str, Sequence[tuple[float | None, float | None, float | None]]] | None = None,
+    sacct_attempts: Mapping[str, Sequence[AttemptTimes]] | None = None,
     *,
     now: float | None = None,
 ) -> History:
-    """Pure: the ledger (+ the whole heartbeat, + sacct's (submit, start, end) per attempt of
-    each job id, in order) -> one row per attempt with goodput, steps lost and queue wait."""
+    """Pure: the ledger (+ the whole heartbeat, + sacct's (submit, start, end[, GPUs]) per attempt of
+    each job id, in order) -> one row per attempt with goodput, steps lost, queue wait and GPU-hours."""
     now = time.time() if now is None else now
     starts = [e for e in ledger if e.get("event") == "start"]
     ends: dict[int, Mapping[str, Any]] = {}
@@ -101,6 +117,7 @@ def build_history(
         still_running = i == len(starts) - 1 and cancel is None and _heartbeat_fresh(spans.get(n), now)
         row = _attempt_row(n, s, ends.get(n), spans.get(n), allocation, still_running, now)
         row.held_bytes, row.device_peak = measured.get(n, (None, None))
+        row.set_gpus(_gpus(sacct_attempts, jid, k))
         if n in startups:
             row.startup = rundir.startup_breakdown(startups[n], allocation[2])
             row.startup_total_s = round(sum(row.startup.values()), 3) if "first_step" in startups[n].get("phases", {}) else None
@@ -111,6 +128,7 @@ def build_history(
     allocs = [a.alloc_s for a in rows if a.alloc_s is not None]
     goodput = (sum(trains) / sum(allocs)) if trains and allocs and sum(allocs) > 0 else None
     waits = [a.queue_wait_s for a in rows if a.queue_wait_s is not None]
+    gpu_rows = [a for a in rows if a.gpu_hours is not None]
     notes = ["no attempt has started yet (the ledger attempts.jsonl is empty)"] if not starts else []
     return History(
         name=name,
@@ -120,6 +138,8 @@ def build_history(
         queue_wait_total_s=sum(waits) if waits else None,
         cancel_requested=cancel,
         notes=notes + _ledger_notes(ledger),
+        gpu_hours=round(sum(a.gpu_hours or 0.0 for a in gpu_rows), 6) if gpu_rows else None,
+        train_gpu_hours=round(sum(a.train_gpu_hours or 0.0 for a in gpu_rows), 6) if gpu_rows else None,
     )
 
 
@@ -133,13 +153,21 @@ def _training_spans(heartbeat: Sequence[Mapping[str, Any]]) -> dict[int, list[fl
     return spans
 
 
-def _allocation(sacct_attempts: Mapping[str, Sequence[tuple[float | None, float | None, float | None]]] | None,
+def _gpus(sacct_attempts: Mapping[str, Sequence[AttemptTimes]] | None, jid: str | None, k: int) -> int | None:
+    """The GPUs sacct says the ``k``-th attempt of job ``jid`` held (AllocTRES), None when it says none."""
+    if not sacct_attempts or jid is None or k >= len(sacct_attempts.get(jid, ())):
+        return None
+    figures = sacct_attempts[jid][k]
+    return int(figures[3]) if len(figures) > 3 and figures[3] is not None else None
+
+
+def _allocation(sacct_attempts: Mapping[str, Sequence[AttemptTimes]] | None,
                 jid: str | None, k: int) -> tuple[float | None, float | None, float | None]:
     """sacct's figures of the ``k``-th attempt of job ``jid``: (queue wait, allocation seconds,
     allocation start); Nones where accounting has none."""
     if not sacct_attempts or jid is None or jid not in sacct_attempts or k >= len(sacct_attempts[jid]):
         return None, None, None
-    sub, st, en = sacct_attempts[jid][k]
+    sub, st, en = sacct_attempts[jid][k][:3]
     wait = max(0.0, st - sub) if sub is not None and st is not None else None
     alloc = max(0.0, en - st) if st is not None and en is not None else None
     return wait, alloc, st

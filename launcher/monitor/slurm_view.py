@@ -172,16 +172,18 @@ def _elapsed(text: str) -> str:
     return text if secs is None else format_duration(secs, slurm_style=True)
 
 
-def sacct_attempt_times(job_ids: Sequence[str]) -> tuple[dict[str, list[tuple[float | None, float | None, float | None]]], str]:
-    """ONE `sacct -D` call: (submit, start, end) of every attempt of every job, in order.
-    Returns the map and a message ('' when accounting answered)."""
+def sacct_attempt_times(job_ids: Sequence[str]) -> tuple[dict[str, list[tuple[Any, ...]]], str]:
+    """ONE `sacct -D` call: (submit, start, end, GPUs held) of every attempt of every job, in order
+    (GPUs from AllocTRES: None where accounting tracks none). Returns the map and a message (''
+    when accounting answered)."""
     try:
         rows = slurm.sacct(list(job_ids), duplicates=True)
     except (SlurmUnavailable, UserError) as exc:
         return {}, exc.message
-    out: dict[str, list[tuple[float | None, float | None, float | None]]] = {}
+    out: dict[str, list[tuple[Any, ...]]] = {}
     for r in rows:
-        out.setdefault(r.job_id, []).append((slurm.parse_time(r.submit), slurm.parse_time(r.start), slurm.parse_time(r.end)))
+        out.setdefault(r.job_id, []).append(
+            (slurm.parse_time(r.submit), slurm.parse_time(r.start), slurm.parse_time(r.end), r.gpus))
     return out, ""
 
 

@@ -219,6 +219,12 @@ def startup_view(h: History) -> Group:
     return Group(*parts)
 
 
+def _gpu_hours(hours: float | None) -> str:
+    if hours is None:
+        return "-"
+    return f"{hours:.2f}" if hours >= 0.1 else f"{hours:.4f}"
+
+
 def history_view(h: History) -> Group:
     from rich.console import Group
     from rich.table import Table
@@ -234,6 +240,9 @@ def history_view(h: History) -> Group:
         ("LOST", {"justify": "right"}), ("TRAIN/ALLOC", {"no_wrap": True}), ("GOODPUT", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
+    gpus = h.gpu_hours is not None
+    if gpus:  # a GPU job with accounting: what each attempt held, in GPU-hours (sacct's AllocTRES)
+        table.add_column("GPU-H", justify="right", no_wrap=True)
     for a in h.attempts:
         style = {"completed": "cyan", "preempted": "magenta", "timeout": "red", "crashed": "bold red", "disk_full": "bold red",
                  "cancelled": "dim", "running": "bold green", "unknown": "bold yellow"}.get(a.reason, "")
@@ -245,12 +254,15 @@ def history_view(h: History) -> Group:
             _clock(a.start_time), format_duration(a.queue_wait_s), steps, ended,
             "-" if a.steps_lost is None else str(a.steps_lost),
             f"{format_duration(a.train_s)}/{format_duration(a.alloc_s)}", good,
+            *([_gpu_hours(a.gpu_hours) + (f" ({a.gpus} GPUs)" if a.gpus else "")] if gpus else []),
         )
     summary = Text()
     summary.append(f"{h.name}: {len(h.attempts)} attempt(s)", style="bold")
     summary.append(f" · goodput {'-' if h.goodput is None else f'{100 * h.goodput:.0f}%'}")
     summary.append(f" · steps lost to stops {h.steps_lost_total}")
     summary.append(f" · queue wait {format_duration(h.queue_wait_total_s)}")
+    if gpus:
+        summary.append(f" · GPU-hours {_gpu_hours(h.gpu_hours)}, {_gpu_hours(h.train_gpu_hours)} of them training")
     if h.cancel_requested:
         summary.append(f" · cancel requested {_clock(h.cancel_requested)}", style="yellow")
     parts: list = [summary, table]

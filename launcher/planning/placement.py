@@ -42,7 +42,7 @@ class PlacementPlan:
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     env: dict[str, tuple[str, str]] = field(default_factory=dict)  # NCCL for the network: name -> (value, why)
-    rank_env: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"by_local_rank": [...], "why"}
+    rank_env: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"by_gpu": [...], "by_local_rank": [...], "why"}
 
 
 def plan_placement(placement: Placement, network: Network, topo: Topology, slurm: SlurmParams, *,
@@ -53,10 +53,10 @@ def plan_placement(placement: Placement, network: Network, topo: Topology, slurm
     got = resolve_placement(placement, network, slurm.nodes, group_nodes=span, profile=f"profile '{profile}'")
     if isinstance(got, str):
         return PlacementPlan(slurm, problems=[got])
-    problems = _conflicts(placement, network, got, slurm) + _hca_problems(network, topo, profile)
+    problems = _conflicts(placement, network, got, slurm) + _hca_problems(network, topo, profile, slurm.gpus_per_node > 0)
     if problems:
         return PlacementPlan(slurm, problems=problems)
-    env, rank_env = nccl_for_network(network, got, topo)
+    env, rank_env = nccl_for_network(network, got, topo, gpus=slurm.gpus_per_node > 0)
     if network.topology == "none" and got.within == "any" and network.nvlink is None:
         return PlacementPlan(slurm, env=env, rank_env=rank_env)
     record = {
@@ -85,25 +85,28 @@ def merge_env(placed: PlacementPlan, values: dict[str, str], reasons: dict[str, 
     return notes
 
 
-def _hca_problems(network: Network, topo: Topology, profile: str) -> list[str]:
-    if network.hca_by_gpu and topo.accelerator == "gpu" and topo.tasks_per_node > len(network.hca_by_gpu):
+def _hca_problems(network: Network, topo: Topology, profile: str, gpus: bool) -> list[str]:
+    if network.hca_by_gpu and gpus and topo.tasks_per_node > len(network.hca_by_gpu):
         return [f"profile '{profile}' network.hca_by_gpu names {len(network.hca_by_gpu)} HCA(s), the job runs "
                 f"{topo.tasks_per_node} GPU ranks per node: name the HCA of every GPU"]
     return []
 
 
-def nccl_for_network(network: Network, got: Resolved, topo: Topology) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, Any]]]:
-    """NCCL's variables for the profile's network (GPU jobs; nothing where the profile says nothing):
-    each rank's own HCA, multi-node NVLink inside one domain."""
+def nccl_for_network(network: Network, got: Resolved, topo: Topology, *, gpus: bool
+                     ) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, Any]]]:
+    """NCCL's variables for the profile's network (jobs that ask SLURM for GPUs, simulated ones
+    included: each rank's variables are set by the GPU it got all the same; nothing where the profile
+    says nothing): each rank's own HCA, multi-node NVLink inside one domain."""
     env: dict[str, tuple[str, str]] = {}
     rank_env: dict[str, dict[str, Any]] = {}
-    if topo.accelerator != "gpu":
+    if not gpus:
         return env, rank_env
     if network.hca_by_gpu:
-        hcas = [f"={h}" for h in network.hca_by_gpu[:topo.tasks_per_node]]
-        rank_env["NCCL_IB_HCA"] = {"by_local_rank": hcas, "why": (
-            "each rank uses the HCA nearest its GPU (network.hca_by_gpu; '=' matches the name exactly, so mlx5_1 "
-            "is not mlx5_10)")}
+        hcas = [f"={h}" for h in network.hca_by_gpu]
+        rank_env["NCCL_IB_HCA"] = {"by_gpu": hcas, "by_local_rank": hcas[:topo.tasks_per_node], "why": (
+            "each rank uses the HCA nearest the GPU SLURM gave it (network.hca_by_gpu, by the GPU's index on the "
+            "node; by local rank where a rank cannot tell its GPU; '=' matches the name exactly, so mlx5_1 is not "
+            "mlx5_10)")}
     if got.within == "nvlink" and topo.nodes > 1:  # one block that is one domain (lmcore.network._nvlink)
         env["NCCL_MNNVL_ENABLE"] = ("1", "the job's nodes are one NVLink domain (resources.placement.within: nvlink): "
                                          "NCCL uses multi-node NVLink between them, and fails rather than falling back "

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 
-from launcher.planning import mesh_notes
+from launcher.planning import gpus, mesh_notes
 from launcher.planning.deepspeed_config import render_deepspeed
 from launcher.planning.evaluator import plan_evaluator
 from launcher.planning.placement import merge_env, plan_placement
@@ -33,11 +33,8 @@ from lmcore.spec import JobSpec, format_minutes, mem_to_mb
 
 def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
     r = spec.resources
-    if r.gpus_per_node > profile.gpus_per_node:
-        problems.append(
-            f"resources.gpus_per_node({r.gpus_per_node}) is above what profile '{profile.name}' "
-            f"nodes have: gpus_per_node({profile.gpus_per_node})"
-        )
+    counted = gpus.count_problems(spec, profile)  # a root cause: the batch arithmetic below is left out then
+    problems += counted
     tasks = spec.tasks_per_node
     if r.gpus_per_node == 0 and tasks > profile.max_tasks_per_node:
         problems.append(
@@ -59,7 +56,7 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
     if pp > 1 and tp is not None:
         mbs = pipeline_stages.microbatch_size(spec.trainer, mbs, dp, problems)
     per_step = mbs * dp
-    if gbs % per_step and tp is not None:  # (a TP size that does not fit said so already)
+    if gbs % per_step and tp is not None and not counted:  # (a TP size that does not fit said so already)
         ranks = f"world_size({world})"
         if tp * pp > 1:
             split = (f"trainer.tensor_parallel_size({tp})" if pp == 1 else f"trainer.pipeline_parallel_size({pp})" if tp == 1
@@ -77,7 +74,7 @@ def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
         nodes=r.nodes,
         tasks_per_node=tasks,
         world_size=world,
-        accelerator="gpu" if r.gpus_per_node > 0 else "cpu",
+        accelerator=gpus.accelerator(profile, r.gpus_per_node),
         micro_batch_size=mbs,
         grad_accum=1 if pp > 1 else accum,  # a pipeline's microbatches are its accumulation, inside one step
         global_batch_size=gbs,
@@ -145,9 +142,7 @@ def _slurm(
     mem = r.mem
     if mem is None and profile.mem_per_gpu and r.gpus_per_node:
         mem = f"{mem_to_mb(profile.mem_per_gpu) * r.gpus_per_node}M"
-    gres = None
-    if r.gpus_per_node:
-        gres = f"{profile.gres_name}:{r.gpus_per_node}"
+    gres = f"{profile.gres_name}:{r.gpus_per_node}" if r.gpus_per_node else None
     signal_name = spec.preemption.signal
     # submitit's file names (submitit.core.utils.JobPaths): the batch shell writes task 0's
     # name, each srun task its own.
@@ -161,6 +156,7 @@ def _slurm(
         cpus_per_task=cpus,
         gpus_per_node=r.gpus_per_node,
         gres=gres,
+        gpu_bind=gpus.gpu_bind(profile, r.gpus_per_node),
         mem=mem,
         time_minutes=r.time_minutes,
         time=format_minutes(r.time_minutes),
@@ -326,7 +322,7 @@ def make_plan(
         srun_args = (*box.srun_args, *srun_args)
     notes = (*trainer_notes, *(box.notes if box is not None else ()), *site_notes, *placed.notes, *env_notes,
              *_placement_notes(profile, slurm, exclude or {}), *mesh_notes.tensor_parallel(topo, env.values, env.reasons),
-             *mesh_notes.pipeline(topo), *mesh_notes.sharding(topo), *_agreement_notes(spec), *_spare_notes(slurm))
+             *mesh_notes.pipeline(topo), *mesh_notes.sharding(topo), *_agreement_notes(spec), *_slurm_notes(slurm, profile))
     preemption = PreemptionPlan.of(
         spec.preemption,
         cluster_sends_user_signal=profile.sends_user_signal_on_preemption,
@@ -343,12 +339,15 @@ def make_plan(
     )
 
 
-def _spare_notes(s: SlurmParams) -> list[str]:
-    if not s.spare_nodes:
-        return []
-    return [f"resources.spare_nodes({s.spare_nodes}): SLURM allocates {s.nodes} nodes (--nodes={s.nodes} --no-kill), "
-            f"the ranks run on {s.run_nodes} (srun --nodes={s.run_nodes}); a node that fails, or on which the rank "
-            f"that died first died twice, is left out of the next restart in place and a spare takes its place"]
+def _slurm_notes(s: SlurmParams, profile: Profile) -> list[str]:
+    """What the plan says of its allocation: how the tasks get their GPUs, and its spare nodes."""
+    notes = gpus.notes(profile, s)
+    if s.spare_nodes:
+        notes.append(f"resources.spare_nodes({s.spare_nodes}): SLURM allocates {s.nodes} nodes (--nodes={s.nodes} "
+                     f"--no-kill), the ranks run on {s.run_nodes} (srun --nodes={s.run_nodes}); a node that fails, or "
+                     "on which the rank that died first died twice, is left out of the next restart in place and a "
+                     "spare takes its place")
+    return notes
 
 
 def _interpreter(profile: Profile, python: str | None) -> str:

@@ -146,6 +146,10 @@ LEDGER_SERIES = (
     ("allocated", "lmlaunch_run_allocated_seconds", "Seconds the run's attempts held their nodes: from each "
      "attempt's start line to its end line (or now, while it runs), and between attempts restarted in place", True),
     ("goodput", "lmlaunch_run_goodput_ratio", "Training seconds over allocated seconds, all attempts (0..1)", False),
+    ("gpu_hours", "lmlaunch_run_gpu_hours", "GPU-hours the run's attempts held: each attempt's allocated seconds "
+     "times the GPUs of its nodes (spares included; GPU jobs only)", True),
+    ("train_gpu_hours", "lmlaunch_run_training_gpu_hours", "Of lmlaunch_run_gpu_hours, the hours in training steps "
+     "(goodput in GPU-hours)", True),
 )
 
 
@@ -222,7 +226,8 @@ def ledger_values(ledger: Sequence[Mapping[str, Any]], *, submitted: Mapping[str
             "spares": float(len(spares)) if (spares := monitor.spares_of(ledger)) is not None else None,
             "waited": queue_wait_s(ledger, submitted), "held": held, "peak": peak, "held_plan": held_plan,
             "peak_plan": peak_plan, "trained": train_s, "allocated": alloc_s,
-            "goodput": min(1.0, train_s / alloc_s) if alloc_s > 0 else None}
+            "goodput": min(1.0, train_s / alloc_s) if alloc_s > 0 else None,
+            **dict(zip(("gpu_hours", "train_gpu_hours"), gpu_hours(ledger, running=running, now=now)))}
 
 
 def goodput_seconds(ledger: Sequence[Mapping[str, Any]], *, running: bool, now: float) -> tuple[float, float]:
@@ -230,6 +235,17 @@ def goodput_seconds(ledger: Sequence[Mapping[str, Any]], *, running: bool, now: 
     first step (the ``startup`` line's process start plus its ``first_step`` phase: training) to its
     end line, or to ``now`` for the newest attempt while the run is running; an attempt that left no
     end line and is not running (killed outright) is left out, as ``history`` cannot time it either."""
+    starts, ends, first = _ledger_times(ledger)
+    train = alloc = 0.0
+    for _, held, trained in _attempt_seconds(starts, ends, first, running=running, now=now):
+        alloc, train = alloc + held, train + trained
+    return train, alloc + restarting_seconds(ledger, starts, ends, running=running, now=now)
+
+
+def _ledger_times(ledger: Sequence[Mapping[str, Any]]
+                  ) -> tuple[list[Mapping[str, Any]], dict[int, float], dict[int, float]]:
+    """The start lines; each attempt's end time and first step's time (a ``startup`` line's process
+    start plus its ``first_step`` phase)."""
     starts = [e for e in ledger if e.get("event") == "start" and isinstance(e.get("attempt"), int)
               and isinstance(e.get("time"), (int, float))]
     ends = {e["attempt"]: float(e["time"]) for e in ledger if e.get("event") == "end"
@@ -240,16 +256,33 @@ def goodput_seconds(ledger: Sequence[Mapping[str, Any]], *, running: bool, now: 
         if isinstance(phases, Mapping) and isinstance(e.get("attempt"), int) \
                 and isinstance(e.get("process_start"), (int, float)) and isinstance(phases.get("first_step"), (int, float)):
             first[e["attempt"]] = float(e["process_start"]) + float(phases["first_step"])
-    train = alloc = 0.0
+    return starts, ends, first
+
+
+def _attempt_seconds(starts: Sequence[Mapping[str, Any]], ends: Mapping[int, float], first: Mapping[int, float], *,
+                     running: bool, now: float) -> list[tuple[Mapping[str, Any], float, float]]:
+    """(start line, allocated seconds, training seconds) of each attempt that can be timed."""
+    out = []
     for i, s in enumerate(starts):
         n = s["attempt"]
         end = ends.get(n, now if running and i == len(starts) - 1 else None)
         if end is None or end < float(s["time"]):
             continue
-        alloc += end - float(s["time"])
-        if n in first and first[n] <= end:
-            train += end - first[n]
-    return train, alloc + restarting_seconds(ledger, starts, ends, running=running, now=now)
+        out.append((s, end - float(s["time"]), end - first[n] if n in first and first[n] <= end else 0.0))
+    return out
+
+
+def gpu_hours(ledger: Sequence[Mapping[str, Any]], *, running: bool, now: float) -> tuple[float | None, float | None]:
+    """(allocated, training) GPU-hours: each attempt's seconds as :func:`goodput_seconds` times the
+    GPUs its start line says it held; (None, None) for a run whose attempts held no GPUs."""
+    starts, ends, first = _ledger_times(ledger)
+    if not any(isinstance(s.get("gpus"), int) and s["gpus"] > 0 for s in starts):
+        return None, None
+    held = trained = 0.0
+    for s, alloc_s, train_s in _attempt_seconds(starts, ends, first, running=running, now=now):
+        gpus = int(s["gpus"]) if isinstance(s.get("gpus"), int) else 0
+        held, trained = held + gpus * alloc_s / 3600, trained + gpus * train_s / 3600
+    return held, trained
 
 
 def restarting_seconds(ledger: Sequence[Mapping[str, Any]], starts: Sequence[Mapping[str, Any]],

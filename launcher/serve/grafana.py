@@ -48,6 +48,10 @@ PANELS: tuple[tuple[str, str, str, str, str], ...] = (
      "timeseries"),
     ("Goodput (training over allocated seconds)", f"lmlaunch_run_goodput_ratio{{{RUN}}}", "{{run}}", "percentunit",
      "timeseries"),
+    ("GPU-hours held (training: goodput in GPU-hours)",
+     f'label_replace(lmlaunch_run_gpu_hours_total{{{RUN}}}, "of", "held", "", "") or '
+     f'label_replace(lmlaunch_run_training_gpu_hours_total{{{RUN}}}, "of", "training", "", "")',
+     "{{run}} {{of}}", "none", "timeseries"),
     ("Model states held by the worst rank", f"lmlaunch_run_model_states_held_bytes{{{RUN}}}", "{{run}}", "bytes",
      "timeseries"),
     ("Model states planned per rank", f"lmlaunch_run_model_states_planned_bytes{{{RUN}}}", "{{run}}", "bytes",
@@ -93,8 +97,9 @@ EXPRESSIONS: tuple[str, ...] = tuple(p[1] for p in PANELS)
 DCGM = tuple(p[1] for p in PANELS if "DCGM_" in p[1])  # series only where a site runs NVIDIA's DCGM exporter
 # series only while a selected run's job waits in the queue (SLURM's pending reason)
 WAITING_ONLY = tuple(p[1] for p in PANELS if "pending_reason" in p[1])
-# series only on a device whose peak FLOPs lmtrain knows (a GPU): MFU, besides DCGM's
-DEVICE_ONLY = DCGM + tuple(p[1] for p in PANELS if "mfu" in p[1])
+# series only on a device whose peak FLOPs lmtrain knows (a GPU): MFU, besides DCGM's;
+# ... and of a GPU job (GPU-hours; the local cluster's `cluster up --gpus` has them, with no device)
+DEVICE_ONLY = DCGM + tuple(p[1] for p in PANELS if "mfu" in p[1] or "gpu_hours" in p[1])
 
 
 def dashboard(title: str = "lmlaunch runs", *, controller: bool = False) -> dict[str, Any]:

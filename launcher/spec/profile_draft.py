@@ -38,6 +38,7 @@ class ClusterFacts:
     problems: list[str] = field(default_factory=list)  # what could not be read, for the header
     slurm_conf: str | None = None  # the SLURM_CONF `profile init` ran with (this machine's way to the cluster)
     slurm_bin: str | None = None  # where its sbatch was, when not a system directory
+    nvidia_here: bool = False  # this machine has an NVIDIA driver with GPUs (/proc/driver/nvidia/gpus)
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,10 @@ def draft(name: str, facts: ClusterFacts, *, when: str) -> str:
         y.append(f"account: {facts.default_account}  # your DefaultAccount (sacctmgr show user)")
     else:
         y.append("# account: CHOOSE  # no DefaultAccount was found" + ("" if facts.accounting else " (no accounting)"))
+    loopback = bool(nodes) and all(n.get("NodeAddr", "").startswith("127.") for n in nodes)
     y += _node_lines(nodes, default.name)
-    y += _choices_and_environment(cfg, bool(nodes) and all(n.get("NodeAddr", "").startswith("127.") for n in nodes))
+    y += _simulated_lines(nodes, loopback, facts.nvidia_here)
+    y += _choices_and_environment(cfg, loopback)
     y += network_lines(cfg.get("TopologyPlugin", ""), facts.topology)
     y += _client_lines(facts)
     if not facts.accounting:
@@ -211,9 +214,40 @@ def _node_lines(nodes: list[Mapping[str, str]], partition: str) -> list[str]:
     if mem_mb:
         y.append(f"mem_per_gpu: {_mem(mem_mb // gpus)}  # RealMemory {mem_mb} MB / {gpus} GPUs")
     y.append(f"max_tasks_per_node: {gpus}  # one task per GPU")
-    y.append("# gpu_memory: 80G  # CHOOSE: one GPU's memory (nvidia-smi --query-gpu=memory.total --format=csv on a "
-             "node; SLURM does not know it): set, validate refuses a job whose planned peak does not fit")
+    kind = gres.partition(":")[2]
+    memory = gpu_memory_of(kind)
+    if memory:
+        y.append(f"gpu_memory: {memory}  # one {kind}'s memory (the GPU type in Gres): validate refuses a job whose "
+                 "planned peak does not fit")
+    else:
+        y.append(f"# gpu_memory: 80G  # CHOOSE: one GPU's memory ({'type ' + kind + ' is not one lmlaunch knows; ' if kind else 'the Gres names no type; '}"
+                 "nvidia-smi --query-gpu=memory.total --format=csv on a node): set, validate refuses a job whose "
+                 "planned peak does not fit")
     return y
+
+
+# One GPU's memory by the type a site's gres.conf gives it (lower case; a size in the name wins:
+# a100_80g, a100-40gb). Types sold in one size only; the others need the size in their name.
+GPU_MEMORY = {"h100": "80G", "h200": "141G", "gh200": "96G", "b200": "180G", "gb200": "186G", "l40s": "48G",
+              "l40": "48G", "l4": "24G", "a10": "24G", "a30": "24G", "mi300x": "192G", "mi250x": "128G", "mi250": "128G"}
+
+
+def gpu_memory_of(kind: str) -> str | None:
+    """A GPU type's memory (``a100_80g``: 80G; ``h100``: 80G), None when the type does not tell."""
+    name = kind.lower()
+    sized = re.search(r"(\d+)\s*g(?:b)?$", name)
+    if sized and int(sized.group(1)) >= 8:
+        return f"{int(sized.group(1))}G"
+    return GPU_MEMORY.get(name)
+
+
+def _simulated_lines(nodes: list[Mapping[str, str]], loopback: bool, nvidia_here: bool) -> list[str]:
+    """A cluster whose nodes are this machine (NodeAddr on loopback), which has no NVIDIA GPU, has
+    simulated GPUs (`lmlaunch cluster up --gpus`): its jobs train on CPU behind SLURM's binding."""
+    if not loopback or nvidia_here or not any(gpus_of(n.get("Gres", "")) for n in nodes):
+        return []
+    return ["gpus_simulated: true  # the nodes are this machine (NodeAddr 127.*), which has no NVIDIA GPU: SLURM "
+            "schedules and binds the GPUs in Gres, the ranks train on CPU"]
 
 
 def _choices_and_environment(cfg: Mapping[str, str], loopback: bool) -> list[str]:

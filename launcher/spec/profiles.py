@@ -23,6 +23,7 @@ from lmcore import site_options
 from lmcore.container import ContainerSpec
 from lmcore.errors import SpecError, did_you_mean
 from lmcore.network import Network
+from lmcore.plan import gpu_bind_problem
 from lmcore.spec import parse_slurm_time, reserved_env_reason
 from lmcore.strict_model import StrictModel
 from lmcore.study_storage import SweepStorage
@@ -41,6 +42,8 @@ from lmcore.text_rules import (
 
 REPO_PROFILES = Path(__file__).resolve().parents[2] / "cluster_profiles"  # a checkout (editable install)
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "cluster_profiles"  # the same files in an installed wheel
+
+
 
 
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
@@ -210,6 +213,10 @@ class Profile(StrictModel):
     """GPUs in each node (0: a CPU-only cluster)."""
     gres_name: str = "gpu"
     """GRES name for GPUs (gpu, or typed like gpu:h100)."""
+    gpu_bind: str = "per_task:1"
+    """How SLURM gives each task its GPUs (sbatch --gpu-bind): per_task:1 (one GPU a task, in task order: each rank sees exactly one, its cuda:0), single:1 or map_gpu:I,J,... (one GPU a task by the node's topology or the list), closest or none (every task sees all of the node's GPUs, and rank k uses the k-th: Lightning's own way). Every rank checks at start that it got one GPU of its own."""
+    gpus_simulated: bool = False
+    """The GPUs are not real: SLURM schedules and binds them (`lmlaunch cluster up --gpus`: devices without CUDA), and the ranks train on CPU behind that binding (gloo); `profile init` sets it for the local cluster."""
     cpus_per_gpu: int = Field(1, ge=1, le=1024)
     """CPU cores per GPU task (or per CPU task on a CPU-only cluster)."""
     mem_per_gpu: MemSize | None = None
@@ -309,6 +316,8 @@ class Profile(StrictModel):
             GRES_NAME.check(self.gres_name)
         except ValueError as exc:
             raise ValueError(f"gres_name: {exc}") from None
+        if (bad := gpu_bind_problem(self.gpu_bind, self.gpus_per_node)) is not None:
+            raise ValueError(bad)
         return self
 
     def python_command(self, interpreter: str) -> str:

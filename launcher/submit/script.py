@@ -72,6 +72,7 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
         "chdir": plan.paths.run_dir,
     }
     extra.update({"gres": s.gres} if s.gres else {})
+    extra.update({"gpu_bind": s.gpu_bind} if s.gpu_bind else {})
     extra.update({k.replace("-", "_"): v for k, v in s.site_options.items()})  # the site's own (lmcore.site_options)
     params: dict[str, Any] = {
         "job_name": s.job_name,

@@ -115,14 +115,22 @@ function drawRun(run) {
   attempts.replaceChildren(...run.attempts.map((a) => {
     const li = document.createElement("li");
     li.textContent = `attempt ${a.attempt} (job ${a.job_id}${a.cluster ? " on " + a.cluster : ""}): steps ${text(a.start_step)} → ${text(a.end_step)}, ` +
-      `${a.reason || "running"}${a.requeued ? ", requeued" : ""}`;
+      `${a.reason || "running"}${a.requeued ? ", requeued" : ""}` +
+      (a.gpu_hours != null ? `, ${gpuHours(a.gpu_hours)} GPU-hours (${a.gpus} GPUs)` : "");
     return li;
   }));
+  // goodput in GPU-hours, where accounting says what the attempts held (sacct's AllocTRES)
+  document.getElementById("gpu-hours").textContent = run.gpu_hours != null
+    ? `GPU-hours: ${gpuHours(run.gpu_hours)} held, ${gpuHours(run.train_gpu_hours)} of them training` : "";
   // the steps this page has shown, newest last (what a reader or a test sees change between refreshes)
   const seen = (document.body.dataset.steps ? document.body.dataset.steps.split(",") : []).concat(String(run.step));
   document.body.dataset.steps = seen.slice(-20).join(",");
   const notes = document.getElementById("notes");
   notes.replaceChildren(...run.notes.map((n) => { const li = document.createElement("li"); li.textContent = n; return li; }));
+}
+
+function gpuHours(h) {
+  return h == null ? "-" : h >= 0.1 ? h.toFixed(2) : h.toFixed(4);
 }
 
 async function refresh() {

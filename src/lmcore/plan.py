@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +152,30 @@ class Topology:
                 f"{self.batch_arithmetic()}")
 
 
+# sbatch --gpu-bind values under which each task sees exactly one GPU (else all of its node's of the job)
+ONE_GPU_A_TASK = ("per_task:", "single:", "map_gpu:")
+
+
+def one_gpu_a_task(bind: str | None) -> bool:
+    return bind is not None and bind.startswith(ONE_GPU_A_TASK)
+
+
+# the sbatch --gpu-bind values a profile may name: each gives every task one GPU, or every task all of them
+GPU_BIND = re.compile(r"per_task:1|single:1|closest|none|map_gpu:\d+(?:,\d+)*")
+
+
+def gpu_bind_problem(bind: str, gpus_per_node: int) -> str | None:
+    """What is wrong with a profile's ``gpu_bind`` for nodes of ``gpus_per_node`` GPUs (None: nothing)."""
+    if not GPU_BIND.fullmatch(bind):
+        return (f"gpu_bind {bind[:60]!r} is not one lmlaunch renders; allowed: per_task:1, single:1, map_gpu:I,J,... "
+                "(one GPU a task), closest or none (every task sees the node's GPUs)")
+    mapped = bind.removeprefix("map_gpu:").split(",") if bind.startswith("map_gpu:") else []
+    if mapped and (len(mapped) != gpus_per_node or len(set(mapped)) != len(mapped)):
+        return (f"gpu_bind {bind}: map_gpu names each of the {gpus_per_node} GPUs of a node once, in the order of the "
+                "node's tasks")
+    return None
+
+
 @dataclass(frozen=True)
 class SlurmParams:
     """The sbatch parameters, one source for the script and for submitit."""
@@ -182,6 +207,7 @@ class SlurmParams:
     site_options: dict[str, str | bool] = field(default_factory=dict)  # the profile's and the spec's slurm.sbatch (true: a flag)
     spare_nodes: int = 0  # of ``nodes`` (sbatch --nodes): allocated, kept idle, swapped in for a failed node
     requeue_expedite: bool = False  # sbatch --requeue=expedite (the profile's expedited_requeue)
+    gpu_bind: str | None = None  # sbatch --gpu-bind (the profile's gpu_bind; launcher.planning.gpus); None: SLURM's default
 
     @property
     def run_nodes(self) -> int:
@@ -233,7 +259,7 @@ class LaunchPlan:
     placement: dict[str, Any] | None = None
     """Where the nodes sit in the network (launcher.planning.placement: within, the sbatch options, the profile's groups, the rank layout); None: the cluster has no topology and nothing was asked."""
     rank_env: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Variables whose value differs by local rank (name -> {"by_local_rank": [...], "why": ...}): each task sets its own before torch.distributed starts (lmtrain.distributed.task_env.apply_rank_env)."""
+    """Variables whose value differs by rank (name -> {"by_gpu": [...], "by_local_rank": [...], "why": ...}): each task sets its own, by the index of the GPU SLURM gave it where given, before torch.distributed starts (lmtrain.distributed.task_env.apply_rank_env)."""
     evaluator: dict[str, Any] | None = None
     """The evaluator alongside the training: the heterogeneous job's second component (lmcore.eval_alongside.EvaluatorPlan.to_json); None: none."""
     trial: dict[str, Any] | None = None

@@ -97,10 +97,11 @@ class AttemptStart:
     spares: list[str] | None = None  # a job with spare nodes: those it holds idle now (resources.spare_nodes)
     groups: dict[str, str | None] | None = None  # node -> its leaf switch or block (a plan with a placement)
     profile: str | None = None  # the cluster profile it was planned on (a run over several clusters: which one)
+    gpus: int | None = None  # the GPUs its allocation holds (GPUs per node x its nodes, spares included); None: a CPU job
 
     def to_json(self) -> dict[str, Any]:
         line = {"event": "start", **asdict(self)}
-        for key in ("spares", "groups", "profile"):
+        for key in ("spares", "groups", "profile", "gpus"):
             if line[key] is None:
                 del line[key]
         return line

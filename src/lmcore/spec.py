@@ -115,7 +115,7 @@ class Resources(StrictModel):
     spare_nodes: int = Field(0, ge=0, le=4096)
     """Nodes allocated beyond `nodes` and kept idle: when a node fails (SLURM sets it DOWN) or the rank that died first died on the same node twice, the ranks restart inside the same job without it and a spare takes its place (the same world size, nothing reshards). SLURM --nodes is nodes + spare_nodes, with --no-kill so that a failed node does not end the job. Needs preemption.restart_in_place."""
     gpus_per_node: int = Field(0, ge=0, le=64)
-    """GPUs used on each node; one task per GPU. 0 runs on CPU (gloo) with tasks_per_node tasks."""
+    """GPUs used on each node; one task per GPU, each bound to its own (the profile's gpu_bind). 0 runs on CPU (gloo) with tasks_per_node tasks; left out: every GPU of the profile's nodes (0 on a CPU cluster)."""
     tasks_per_node: int | None = Field(None, ge=1, le=256)
     """Tasks (ranks) per node for CPU jobs. For GPU jobs it is always gpus_per_node."""
     cpus_per_task: int | None = Field(None, ge=1, le=1024)
@@ -761,12 +761,6 @@ class JobSpec(StrictModel):
             raise ValueError(
                 f"resources.partition({self.resources.partition}) and "
                 f"resources.partition_kind({self.resources.partition_kind}) both pick a partition; set one"
-            )
-        gpus = self.resources.gpus_per_node
-        if gpus > 0 and self.resources.tasks_per_node not in (None, gpus):
-            raise ValueError(
-                f"resources.tasks_per_node({self.resources.tasks_per_node}) must equal "
-                f"resources.gpus_per_node({gpus}): one task per GPU"
             )
         if self.preemption.warning_seconds >= self.resources.time_minutes * 60:
             raise ValueError(

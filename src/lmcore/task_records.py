@@ -16,6 +16,7 @@ file per rank (``rank-<R>.json``), read as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -44,6 +45,9 @@ class TaskRecord:
     group: str | None = None  # the node's leaf switch or block (the plan's placement groups); None: no topology
     stage: int | None = None  # this rank's pipeline stage in the mesh (data, pipeline, tensor)
     replica: int | None = None  # this rank's data-parallel index
+    gpus: str | None = None  # the GPUs it sees (CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS; lmtrain.distributed.gpu_binding); None: a CPU job
+    gpu: str | None = None  # the one it uses (its node's index, as SLURM numbers them); None: none it can tell
+    rank_env: dict[str, str] | None = None  # the variables it set for itself (the plan's rank_env: NCCL_IB_HCA by its GPU)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,11 +66,17 @@ class TaskRecord:
             raise ValueError(f"task record without a valid {', '.join(bad)}")
         if d["pid"] <= 0 or d["rank"] < 0 or not d["node"]:
             raise ValueError(f"task record with pid {d['pid']}, rank {d['rank']}, node {d['node']!r}")
-        extra = {k: d[k] for k in ("group", "stage", "replica") if d.get(k) is not None}
-        if not all(isinstance(v, str) for k, v in extra.items() if k == "group") or not all(
-                isinstance(v, int) and not isinstance(v, bool) for k, v in extra.items() if k != "group"):
-            raise ValueError(f"task record with group/stage/replica of the wrong type: {extra}")
-        return cls(**{k: d[k] for k in types}, **extra)
+        extra = {k: d[k] for k in ("group", "stage", "replica", "gpus", "gpu") if d.get(k) is not None}
+        texts = ("group", "gpus", "gpu")
+        if not all(isinstance(v, str) for k, v in extra.items() if k in texts) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for k, v in extra.items() if k not in texts):
+            raise ValueError(f"task record with group/stage/replica/gpus/gpu of the wrong type: {extra}")
+        own = d.get("rank_env")
+        if own is not None and not (isinstance(own, Mapping) and all(isinstance(k, str) and isinstance(v, str)
+                                                                     for k, v in own.items())):
+            raise ValueError(f"task record with a rank_env that is not names and values: {own!r}")
+        record = cls(**{k: d[k] for k in types}, **extra)
+        return dataclasses.replace(record, rank_env=dict(own)) if own else record
 
 
 def task_record_path(run_dir: str | Path, job_id: str, restart_count: int, node: int) -> Path:

@@ -225,3 +225,39 @@ def test_a_training_process_forked_by_the_task_agent_uses_cuda(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'src'}"}
     r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
+def test_a_rank_slurm_bound_to_one_gpu_trains_on_it_as_cuda_0(monkeypatch, strategy):
+    """`--gpu-bind=per_task:1`: local rank 3 of 4 sees one GPU (CUDA_VISIBLE_DEVICES=0); Lightning is given
+    that one device (lmtrain.distributed.strategies.bound_devices) and takes cuda:0, where devices=4
+    would ask CUDA for four it cannot see. The Trainer is built as a SLURM task's is; no process group starts."""
+    import lightning.pytorch as pl
+
+    from lmcore.plan import LaunchPlan
+    from lmtrain.distributed.strategies import bound_devices, build_strategy
+    from lmtrain.distributed.task_env import read_env
+
+    for key, value in {"SLURM_JOB_ID": "1", "SLURM_PROCID": "3", "SLURM_LOCALID": "3", "SLURM_NODEID": "0",
+                       "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "1",
+                       "SLURM_JOB_NODELIST": "g1", "SLURM_STEP_GPUS": "3", "CUDA_VISIBLE_DEVICES": "0"}.items():
+        monkeypatch.setenv(key, value)
+    from launcher.planning.resolve import resolve
+
+    profiles = Path(os.environ.get("TMPDIR", "/tmp")) / "lmlaunch-gpu-bind-profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "g4.yaml").write_text("partitions: {gpu: {max_time: '1:00:00'}}\ndefault_partition: gpu\n"
+                                      "gpus_per_node: 4\nruns_root: /tmp/lmlaunch-gpu-bind-runs\n")
+    spec = {"ddp": [], "fsdp": ["trainer.strategy=fsdp"], "deepspeed": ["trainer.strategy=deepspeed", "trainer.zero_stage=2"]}
+    plan = resolve(str(REPO / "jobs" / "gpt2-124m.yaml"), ["cluster=g4", "resources.nodes=1", "resources.gpus_per_node=4",
+                                                          "resources.time=00:30:00", *spec[strategy], *GPT2_SMALL,
+                                                          "trainer.global_batch_size=64"],
+                   environ={"LMLAUNCH_PROFILES_DIR": str(profiles), "HOME": str(profiles)}, check_data=False).plan
+    plan = LaunchPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    env = read_env()
+    s = build_strategy(plan, env)
+    kwargs = bound_devices(s, plan.trainer.kwargs(), plan, env)
+    assert kwargs["devices"] == 1
+    trainer = pl.Trainer(**kwargs, strategy=s, logger=False, enable_checkpointing=False)
+    assert trainer.strategy.root_device == torch.device("cuda", 0) and trainer.world_size == 4
+    assert trainer.global_rank == 3 and trainer.local_rank == 3

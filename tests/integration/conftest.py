@@ -70,11 +70,13 @@ def slurm_cluster():
     try:
         # the user signal on preemption, accounting and MinJobAge named: a test may have left the
         # cluster without them (a run killed inside user_signal_on_preemption(True) left it on)
-        if _CLAIM is None:  # two nodes and no topology, as the tests expect, whatever `up` a developer left
-            cluster.up(lines.append, version=VERSION, preempt_send_user_signal=False, nodes=2, topology="none")
+        if _CLAIM is None:  # two CPU nodes and no topology, as the tests expect, whatever `up` a developer left
+            cluster.up(lines.append, version=VERSION, preempt_send_user_signal=False, nodes=2, topology="none",
+                       gpus="none")
         else:
             cluster.up(lines.append, layout=_CLAIM.layout, ports=_CLAIM.ports, system_conf=False, version=VERSION,
-                       accounting=True, min_job_age=300, preempt_send_user_signal=False, nodes=2, topology="none")
+                       accounting=True, min_job_age=300, preempt_send_user_signal=False, nodes=2, topology="none",
+                       gpus="none")
     except UserError as exc:
         pytest.fail(f"`lmlaunch cluster up` failed: {exc.message}\n" + "\n".join(lines))
     layout = cluster.Layout.default()  # the worker's own when parallel (LMLAUNCH_CLUSTER_DIR)

@@ -233,7 +233,7 @@ def test_each_gpu_rank_gets_the_hca_nearest_its_gpu_and_one_nvlink_domain_gets_m
                                      f"  nvlink: {{nodes_per_domain: 18}}\n  hca_by_gpu: [{hcas}]\n")
     code, out, err = _dry_run(environ, "resources.placement.within=nvlink")
     assert code == 0, err
-    assert "NCCL_IB_HCA=<by local rank: 0: =mlx5_0, 1: =mlx5_1, 2: =mlx5_2" in out and "7: =mlx5_7>" in out, out
+    assert "NCCL_IB_HCA=<by the GPU on its node: 0: =mlx5_0, 1: =mlx5_1, 2: =mlx5_2" in out and "7: =mlx5_7>" in out, out
     assert "NCCL_MNNVL_ENABLE=1    # the job's nodes are one NVLink domain" in out, out
     assert "#SBATCH --segment=2" in out, out
     # the job's own env.vars win over the network's, said
@@ -241,7 +241,7 @@ def test_each_gpu_rank_gets_the_hca_nearest_its_gpu_and_one_nvlink_domain_gets_m
     assert code == 0 and "NCCL_MNNVL_ENABLE=0" in out and "not the network's 1" in out, out + err
     # a profile that says nothing of its network sets nothing
     code, out, err = _dry_run(_gpu_profile(tmp_path / "plain", ""))
-    assert code == 0 and "NCCL_MNNVL_ENABLE" not in out and "by local rank" not in out, out + err
+    assert code == 0 and "NCCL_MNNVL_ENABLE" not in out and "by the GPU on its node" not in out, out + err
 
 
 def test_a_rank_sets_its_own_value_before_nccl_starts():
@@ -251,6 +251,11 @@ def test_a_rank_sets_its_own_value_before_nccl_starts():
     assert apply_rank_env({"NCCL_IB_HCA": {"by_local_rank": ["=mlx5_0", "=mlx5_1"], "why": ""}}, 1, env) == {
         "NCCL_IB_HCA": "=mlx5_1"}
     assert env == {"NCCL_IB_HCA": "=mlx5_1"}
+    # by the GPU SLURM gave the rank: a second job's local rank 0 on GPU 2 takes GPU 2's HCA
+    hcas = {"NCCL_IB_HCA": {"by_gpu": [f"=mlx5_{i}" for i in range(4)], "by_local_rank": ["=mlx5_0", "=mlx5_1"]}}
+    assert apply_rank_env(hcas, 0, {}, gpu="2") == {"NCCL_IB_HCA": "=mlx5_2"}
+    assert apply_rank_env(hcas, 1, {}, gpu=None) == {"NCCL_IB_HCA": "=mlx5_1"}  # a rank that cannot tell its GPU
+    assert apply_rank_env(hcas, 1, {}, gpu="7") == {"NCCL_IB_HCA": "=mlx5_1"}  # an index the profile does not name
 
 
 @pytest.mark.parametrize(("network", "env_line", "words"), [

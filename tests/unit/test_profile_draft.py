@@ -61,7 +61,30 @@ def test_a_gpu_cluster_is_read_into_a_profile_that_validates(tmp_path):
     assert "# CHOOSE: a directory every node sees" in text and "NCCL_SOCKET_IFNAME" in text
     assert "MinJobAge=2 sec: finished jobs leave squeue within a minute" in text
     assert p.slurm_version == "24.11.5" and "# NOTE: SLURM" not in text  # a tested release: nothing to say
-    assert p.gpu_memory is None and "# gpu_memory: 80G  # CHOOSE: one GPU's memory" in text  # SLURM does not know it
+    # SLURM does not know a GPU's memory; the type in Gres does, for one sold in one size
+    assert p.gpu_memory == "80G" and "one h100's memory (the GPU type in Gres)" in text
+    assert not p.gpus_simulated  # nodes on the fabric, not this machine
+
+
+@pytest.mark.parametrize(("gres", "memory"), [
+    ("gpu:a100_80g:8", "80G"), ("gpu:A100-40GB:8", "40G"), ("gpu:h200:8", "141G"), ("gpu:a100:8", None),
+    ("gpu:8", None), ("gpu:tesla:8", None)])
+def test_the_gpu_memory_comes_from_the_type_or_is_left_to_choose(tmp_path, gres, memory):
+    facts = ClusterFacts(partitions=[_part("p", Default="YES", Nodes="g[1-2]")],
+                         nodes=[_node("g1", Gres=gres), _node("g2", Gres=gres)], config={"SLURM_VERSION": "24.11.5"})
+    text = draft("t", facts, when="2026-12-02")
+    assert _load(tmp_path, "t", text).gpu_memory == memory
+    if memory is None:  # what validate explains: set it, or the memory fit is not made
+        assert "# gpu_memory: 80G  # CHOOSE: one GPU's memory" in text, text
+
+
+@pytest.mark.parametrize(("addr", "nvidia", "simulated"), [("127.0.0.1", False, True), ("127.0.0.1", True, False),
+                                                           ("10.0.0.1", False, False)])
+def test_gpus_on_nodes_that_are_this_machine_without_a_gpu_are_simulated(tmp_path, addr, nvidia, simulated):
+    facts = ClusterFacts(partitions=[_part("p", Default="YES", Nodes="n[1-2]")],
+                         nodes=[_node("n1", NodeAddr=addr, Gres="gpu:h100:4"), _node("n2", NodeAddr=addr, Gres="gpu:h100:4")],
+                         config={"SLURM_VERSION": "22.05.8"}, nvidia_here=nvidia)
+    assert _load(tmp_path, "s", draft("s", facts, when="2026-12-02")).gpus_simulated is simulated
 
 
 def test_qos_preemption_no_accounting_and_a_cpu_cluster(tmp_path):

@@ -34,7 +34,8 @@ PYTHON = "/opt/lmlaunch/venv/bin/python"
 ENVIRON = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u", "PATH": "/usr/bin"}
 RECORD = os.environ.get("LMLAUNCH_RECORD") == "1"
 
-_GPU_ON_LOCAL = "resources.gpus_per_node(8) is above what profile 'local' nodes have: gpus_per_node(0)"
+_GPU_ON_LOCAL = ("resources.gpus_per_node(8): profile 'local' has no GPUs (its gpus_per_node is 0, a CPU cluster): "
+                 "gpus_per_node: 0 runs tasks_per_node tasks on CPU (gloo), or name a GPU cluster's profile")
 EXPECTED_FAILURES = {
     ("gpt2-124m", "local"): (
         "jobs/gpt2-124m.yaml: 2 problems:\n"

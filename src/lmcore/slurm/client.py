@@ -307,17 +307,18 @@ class NodeInfo:
     partitions: tuple[str, ...]
     cpus: int
     reason: str
+    gres: str = ""  # sinfo's %G: gpu:h100:4(S:0); "(null)" without
 
 
 def nodes(timeout: float = DEFAULT_TIMEOUT_S) -> list[NodeInfo]:
     """One record per node (merged over partitions)."""
-    fmt = FIELD_SEP.join(["%N", "%t", "%R", "%c", "%E"])
+    fmt = FIELD_SEP.join(["%N", "%t", "%R", "%c", "%E", "%G"])
     proc = run(["sinfo", "-h", "-N", "-o", fmt], timeout=timeout)
     merged: dict[str, NodeInfo] = {}
-    for name, state, part, cpus, reason in _rows(proc.stdout, 5):
+    for name, state, part, cpus, reason, gres in _rows(proc.stdout, 6):
         prev = merged.get(name)
         parts = (prev.partitions if prev else ()) + (part,)
-        merged[name] = NodeInfo(name, state, parts, int(cpus) if cpus.isdigit() else 0, reason)
+        merged[name] = NodeInfo(name, state, parts, int(cpus) if cpus.isdigit() else 0, reason, gres)
     return list(merged.values())
 
 
@@ -414,7 +415,8 @@ def sacct(
         return []
     if (r := rest_client()) is not None:
         return only_asked(rest_calls.sacct(r, ids, duplicates), ids)
-    fields = ["JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList", "Partition", "Submit"]
+    fields = ["JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList", "Partition", "Submit",
+              "AllocTRES"]
     cmd = ["sacct", "-n", "-P", f"--delimiter={FIELD_SEP}", f"--format={','.join(fields)}", "-j", ",".join(ids)]
     if not steps:
         cmd.append("-X")

@@ -92,6 +92,21 @@ class AccountedJob(_InStateGroup):
     nodes: str
     partition: str
     submit: str
+    alloc_tres: str = ""  # sacct's AllocTRES: cpu=8,gres/gpu=8,node=2 (gres/gpu only where accounting tracks it)
+
+    @property
+    def gpus(self) -> int | None:
+        """The GPUs the attempt held (AllocTRES gres/gpu), None when accounting says nothing of GPUs."""
+        return gpus_in_tres(self.alloc_tres)
+
+
+def gpus_in_tres(text: str) -> int | None:
+    """``gres/gpu=N`` of a TRES list (``cpu=8,gres/gpu:h100=8,gres/gpu=8``), None without one."""
+    for item in text.split(","):
+        name, _, count = item.partition("=")
+        if name.strip() == "gres/gpu" and count.strip().isdigit():
+            return int(count)
+    return None
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,8 @@ OPTIONS: dict[str, Callable[[str], dict[str, Any]]] = {
     "delay-boot": _field("delay_boot", lambda v: minutes(v)["number"] * 60),
     "no-kill": _flag("kill_on_node_fail", False),
     "oom-kill-step": _field("oom_kill_step", lambda v: 0 if v == "0" else 1),
+    # no field: sbatch puts it in the job's environment (SLURM_GPU_BIND), where each srun reads it
+    "gpu-bind": lambda v: {},
 }
 NO_VAL16 = 0xFFFE  # SLURM's "not set" for a 16-bit field: the cluster's default applies
 # What sbatch sends for an option it was not given, where slurmrestd's parser would put another
@@ -203,7 +205,7 @@ UNSET = {"oom_kill_step": NO_VAL16}
 # What sbatch does on the submitting side, with no field to carry it.
 CLIENT_SIDE = {"wrap", "parsable", "quiet", "verbose", "test-only", "wait", "ignore-pbs", "get-user-env",
                "export-file", "nodefile", "batch", "bb", "bbf", "propagate", "uid", "gid", "power", "profile",
-               "acctg-freq", "cpu-freq", "gpu-bind", "gpu-freq", "mem-bind", "hint", "extra-node-info",
+               "acctg-freq", "cpu-freq", "gpu-freq", "mem-bind", "hint", "extra-node-info",
                "begin", "deadline", "export"}
 
 
@@ -255,7 +257,7 @@ _OPTION_ENV = {"ntasks-per-node": "SLURM_NTASKS_PER_NODE", "mem": "SLURM_MEM_PER
                "cpus-per-gpu": "SLURM_CPUS_PER_GPU", "distribution": "SLURM_DISTRIBUTION",
                "threads-per-core": "SLURM_THREADS_PER_CORE", "ntasks-per-core": "SLURM_NTASKS_PER_CORE",
                "ntasks-per-socket": "SLURM_NTASKS_PER_SOCKET", "ntasks-per-gpu": "SLURM_NTASKS_PER_GPU",
-               "network": "SLURM_NETWORK"}
+               "network": "SLURM_NETWORK", "gpu-bind": "SLURM_GPU_BIND"}
 # Never put in the job's environment by the REST path: the token it was submitted with
 NOT_SENT = frozenset({"SLURM_JWT"})
 # sbatch sets these for MPI launchers started inside the job unless they are set (23.11 and later)

@@ -145,7 +145,17 @@ def accounted(rec: Mapping[str, Any]) -> AccountedJob:
     return AccountedJob(jid, str(rec.get("name", "")), st, f"{rc}:{sig}", stamp(start) if start else "Unknown",
                         stamp(end) if end else "Unknown", duration(number(t.get("elapsed"), 0)),
                         str(rec.get("nodes", "") or "None assigned"), str(rec.get("partition", "")),
-                        stamp(number(t.get("submission"))))
+                        stamp(number(t.get("submission"))), _tres_text((rec.get("tres") or {}).get("allocated")))
+
+
+def _tres_text(items: Any) -> str:
+    """slurmdbd's TRES list ([{type: gres, name: gpu, count: 8}, ...]) as sacct prints AllocTRES."""
+    out = []
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, Mapping) and item.get("type") and number(item.get("count")) is not None:
+            name = f"{item['type']}/{item['name']}" if item.get("name") else str(item["type"])
+            out.append(f"{name}={number(item.get('count'))}")
+    return ",".join(out)
 
 
 def show_job(rec: Mapping[str, Any]) -> dict[str, str]:

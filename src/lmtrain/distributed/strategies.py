@@ -248,6 +248,31 @@ class PipelineStrategy(LmModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
 
+def _cuda_index(env: Any) -> int:
+    """This rank's CUDA device: cuda:0 when SLURM bound it to one GPU (it sees only that one), else
+    the one at its local rank (lmtrain.distributed.gpu_binding)."""
+    from lmtrain.distributed.gpu_binding import cuda_index, cuda_visible
+
+    return cuda_index(cuda_visible(os.environ), env.local_rank)
+
+
+def bound_devices(strategy: Any, trainer_kwargs: dict[str, Any], plan: Any, env: Any) -> dict[str, Any]:
+    """The Trainer's arguments for a rank SLURM bound to one GPU of its own (``--gpu-bind=per_task:1``):
+    it sees one device, so Lightning is given that one (``devices=1``) and the node's ranks as the
+    strategy's devices, each ``cuda:0`` (a rank's device is ``parallel_devices[local_rank]``, and
+    ``devices=N`` would ask CUDA for N it cannot see). Unchanged otherwise (the rank sees the
+    node's GPUs and takes the one at its local rank, as Lightning does)."""
+    per_node = plan.topology.tasks_per_node
+    if plan.trainer.accelerator != "gpu" or per_node == 1 or not hasattr(strategy, "parallel_devices"):
+        return trainer_kwargs
+    from lmtrain.distributed.gpu_binding import cuda_visible
+
+    if len(cuda_visible(os.environ)) != 1:
+        return trainer_kwargs
+    strategy.parallel_devices = [torch.device("cuda", 0)] * per_node
+    return {**trainer_kwargs, "devices": 1}
+
+
 def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
     """The Lightning strategy object for the plan, with lmtrain's cluster environment and the
     spec's collective timeout. ``load_universal``: the DeepSpeed engine resumes a universal
@@ -257,7 +282,7 @@ def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
     timeout = process_group_timeout(plan)  # every collective: spec watchdog.collective_timeout_s
     par = plan.parallelism
     if par.replicated and env.world_size == 1:
-        device = torch.device("cuda", env.local_rank) if plan.trainer.accelerator == "gpu" else torch.device("cpu")
+        device = torch.device("cuda", _cuda_index(env)) if plan.trainer.accelerator == "gpu" else torch.device("cpu")
         return SingleDeviceStrategy(device=device, checkpoint_io=DirectCheckpointIO())
     if par.replicated:
         return DDPStrategy(

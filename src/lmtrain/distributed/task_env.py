@@ -253,29 +253,38 @@ def cluster_environment(env: TaskEnv) -> Any:
     return LightningEnvironment()
 
 
-def apply_rank_env(rank_env: dict[str, Any], local_rank: int, environ: Any = None) -> dict[str, str]:
-    """Set this task's own value of each variable that differs by local rank (the plan's
-    ``rank_env``, e.g. NCCL_IB_HCA from the profile's network.hca_by_gpu), before NCCL reads it;
-    the names and values set."""
+def apply_rank_env(rank_env: dict[str, Any], local_rank: int, environ: Any = None, *, gpu: str | None = None
+                   ) -> dict[str, str]:
+    """Set this task's own value of each variable that differs by rank (the plan's ``rank_env``, e.g.
+    NCCL_IB_HCA from the profile's network.hca_by_gpu), before NCCL reads it: by ``gpu``, the index on
+    its node of the GPU SLURM gave it, where the variable has values by GPU (two jobs on one node:
+    the second's local rank 0 may hold GPU 2), else by local rank; the names and values set."""
     target = os.environ if environ is None else environ
     done = {}
     for name, spec in rank_env.items():
-        values = spec.get("by_local_rank") or []
-        if values:
+        by_gpu, values = spec.get("by_gpu") or [], spec.get("by_local_rank") or []
+        if by_gpu and gpu is not None and gpu.isdigit() and int(gpu) < len(by_gpu):
+            target[name] = done[name] = str(by_gpu[int(gpu)])
+        elif values:
             target[name] = done[name] = str(values[local_rank % len(values)])
     return done
 
 
 def begin_task(run_dir: str | Path, plan: Any) -> None:
-    """A task's first acts: its record, for `lmlaunch stacks` and the layout (even if it gets stuck
-    starting), and its own value of each variable that differs by local rank (network.hca_by_gpu's
-    NCCL_IB_HCA), before NCCL starts."""
-    record_this_task(run_dir, plan)
+    """A task's first acts: its own value of each variable that differs by rank (network.hca_by_gpu's
+    NCCL_IB_HCA, by the GPU SLURM gave it), before NCCL starts; then its record, with them, for
+    `lmlaunch stacks` and the layout (even if it gets stuck starting)."""
+    applied: dict[str, str] = {}
     if plan.rank_env:
-        apply_rank_env(plan.rank_env, read_env().local_rank)
+        from lmtrain.distributed.gpu_binding import gpu_used, gpus_seen
+
+        local_rank = read_env().local_rank
+        gpu = gpu_used(gpus_seen(os.environ), local_rank, plan.slurm.gpu_bind) if plan.slurm.gpus_per_node else None
+        applied = apply_rank_env(plan.rank_env, local_rank, gpu=gpu)
+    record_this_task(run_dir, plan, rank_env=applied)
 
 
-def record_this_task(run_dir: str | Path, plan: Any = None) -> None:
+def record_this_task(run_dir: str | Path, plan: Any = None, *, rank_env: dict[str, str] | None = None) -> None:
     """Write this process's record (with ``plan``, a LaunchPlan: the node's switch or block and the
     rank's place in the mesh); a failure costs only ``lmlaunch stacks`` and the layout check, never the task."""
     try:
@@ -287,10 +296,15 @@ def record_this_task(run_dir: str | Path, plan: Any = None) -> None:
             where = {"stage": (env.rank // par.tensor) % par.pipeline, "replica": par.data_rank(env.rank)}
             groups = (plan.placement or {}).get("groups") or {}
             where["group"] = group_of_node(groups, node)
+            if plan.slurm.gpus_per_node:  # the GPUs SLURM gave it, checked on its node at preflight
+                from lmtrain.distributed.gpu_binding import gpu_used, gpus_seen
+
+                seen = gpus_seen(os.environ)
+                where.update(gpus=",".join(seen), gpu=gpu_used(seen, env.local_rank, plan.slurm.gpu_bind))
         write_task_record(run_dir, TaskRecord(
             rank=env.rank, local_rank=env.local_rank, node=node,
             pid=os.getpid(), job_id=env.job_id, restart_count=env.restart_count, python=sys.executable,
-            time=time.time(), **where,
+            time=time.time(), rank_env=rank_env or None, **where,
         ), node=env.node_rank)
     except Exception as exc:  # any failure here costs only the stacks command
         logging.getLogger("lmtrain").warning("could not record this task for `lmlaunch stacks`: %s", exc)

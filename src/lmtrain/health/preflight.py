@@ -7,7 +7,9 @@ library. At the start of every attempt the first rank of each node checks, for t
 - every ``*_SOCKET_IFNAME`` selects an interface the node has (NCCL's and gloo's syntax,
   ``lmcore.node_facts``);
 - the checkpoint directory is writable from the node (a file written, fsynced, removed);
-- the data directory's metadata is readable from the node.
+- the data directory's metadata is readable from the node;
+- in a GPU job, every rank of the node has a GPU of its own (its task record, written before the
+  ranks met: lmtrain.distributed.gpu_binding).
 
 It writes its verdict to ``logs/attempt-<N>/preflight-node-<K>.json``; every rank waits (up to
 :data:`WAIT_S`) for every node's verdict, so all of them agree. Rank 0 writes the ledger line
@@ -43,9 +45,11 @@ class PreflightFailed(RuntimeError):
         super().__init__("preflight failed on " + "; ".join(f"{n}: {', '.join(m)}" for n, m in sorted(failed.items())))
 
 
-def node_checks(plan: Any, environ: dict[str, str], node: str) -> list[dict[str, Any]]:
-    """This node's checks (each: name, ok, message)."""
+def node_checks(plan: Any, environ: dict[str, str], node: str, env: Any = None) -> list[dict[str, Any]]:
+    """This node's checks (each: name, ok, message); ``env`` (the TaskEnv): its ranks' GPUs too."""
     out = []
+    if env is not None and plan.slurm.gpus_per_node:
+        out.append(gpu_check(plan, env, node))
     try:
         available = sorted(os.listdir("/sys/class/net"))
     except OSError:
@@ -78,13 +82,30 @@ def node_checks(plan: Any, environ: dict[str, str], node: str) -> list[dict[str,
     return out
 
 
+def gpu_check(plan: Any, env: Any, node: str) -> dict[str, Any]:
+    """The GPUs of this node's ranks, from their task records (every rank wrote its own before the
+    ranks met, so the node's are all there by now)."""
+    from lmcore.task_records import read_task_records
+    from lmtrain.distributed.gpu_binding import node_problems
+
+    records, unreadable = read_task_records(plan.paths.run_dir, env.job_id, env.restart_count)
+    here = os.environ.get("SLURMD_NODENAME") or node  # as the records name it (task_env.record_this_task)
+    mine = [r for r in records if r.node == here]
+    problems = node_problems(mine, bind=plan.slurm.gpu_bind, gpus_per_node=plan.slurm.gpus_per_node)
+    if not problems:
+        used = ", ".join(f"rank {r.rank}: {r.gpu}" for r in mine)
+        return {"name": "GPUs", "ok": True, "message": f"one GPU a rank ({used or 'no records'}"
+                f"{'; unreadable: ' + '; '.join(unreadable) if unreadable else ''})"}
+    return {"name": "GPUs", "ok": False, "message": "; ".join(problems)}
+
+
 def run(plan: Any, env: Any, attempt: int, *, wait_s: float = WAIT_S) -> dict[str, Any]:
     """Every rank: check this node (its first rank), agree on every node's verdict through the
     run directory, raise PreflightFailed on every rank alike when a node failed."""
     logs = RunLayout.of_plan(plan).attempt_logs(attempt)
     node = env.nodes[env.node_rank] if env.node_rank < len(env.nodes) else str(env.node_rank)
     if env.local_rank == 0:
-        verdict = {"node": node, "checks": node_checks(plan, dict(os.environ), node), "time": time.time()}
+        verdict = {"node": node, "checks": node_checks(plan, dict(os.environ), node, env), "time": time.time()}
         logs.mkdir(parents=True, exist_ok=True)
         path = logs / NAME.format(node=env.node_rank)
         write_private(path, json.dumps(verdict) + "\n")

@@ -77,6 +77,7 @@ class AttemptRecords:
                 start_step=start_step, nodes=list(env.nodes),
                 world_size=env.world_size if world_size is None else world_size,
                 spares=self.idle_spares(), groups=self.node_groups(), profile=getattr(self.plan, "profile", None) or None,
+                gpus=self.plan.slurm.gpus_per_node * len(env.nodes) or None,
             ))
 
     def node_groups(self) -> dict[str, str | None] | None:

@@ -43,7 +43,7 @@ class Fit:
     def trainer_for(self, startup: Any) -> pl.Trainer:
         """Data, model, callbacks and the Trainer (the ``data`` and ``model`` startup phases)."""
         from lmtrain.checkpoint.elastic import needs_universal
-        from lmtrain.distributed.strategies import build_strategy, trainer_plugins
+        from lmtrain.distributed.strategies import bound_devices, build_strategy, trainer_plugins
 
         plan, env = self.plan, self.env
         self.loaders = self._data()
@@ -61,7 +61,7 @@ class Fit:
                                resume_step=self.ckpt.step if self.ckpt else None)
         strategy = build_strategy(plan, env, load_universal=self.universal)
         trainer = pl.Trainer(
-            **trainer_plan.kwargs(),
+            **bound_devices(strategy, trainer_plan.kwargs(), plan, env),
             strategy=strategy,
             plugins=trainer_plugins(strategy, env),
             enable_model_summary=env.rank == 0,

@@ -1,0 +1,143 @@
+"""GPU jobs on real SLURM before a GPU is lent: a worker cluster of 2 nodes with 4 fake GPUs each
+(`cluster up --gpus h100:4`: GRES on character devices, launcher/localcluster/gpus.py), its profile
+read off it by `lmlaunch profile init`. SLURM allocates and binds the GPUs for real; the ranks train
+on CPU behind the binding (the profile's gpus_simulated).
+
+- A spec that leaves gpus_per_node out runs as 2 nodes x 4 GPUs: its dry run asks SLURM for the GPUs
+  and the binding, 8 ranks reach COMPLETED each with a GPU of its own on its node (the ranks' own
+  records), and history's GPU-hours are sacct's AllocTRES times the allocation's seconds.
+- Two 2-GPU runs on one node get disjoint GPUs; one of them, preempted and requeued, records its
+  ranks' GPUs again when it resumes.
+- Every rank sets its NCCL_IB_HCA by the GPU it got (the profile's network.hca_by_gpu): a run whose
+  local rank 0 holds GPU 2 takes GPU 2's HCA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from preempt_helpers import BASE, SPEC, ends, finish, held_at, lm, preempt, submit, wait_held
+from slurm_helpers import REPO, job_name, release_worker
+
+from launcher.localcluster import cluster, workers
+from lmcore.slurm import client as slurm
+from lmcore.task_records import read_task_records
+
+pytestmark = pytest.mark.both_versions  # scripts/test.sh runs it on the other SLURM version too
+
+VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster(slurm_cluster):
+    """A worker cluster of this module's own with 4 GPUs a node; CPU-only again afterwards."""
+    claim = workers.claim(VERSION)
+    lines: list[str] = []
+    try:
+        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, accounting=True,
+                   min_job_age=300, version=VERSION, nodes=2, topology="none", gpus="h100:4")
+        with cluster.own_conf(claim.layout):
+            assert cluster.nodes_ready(("n1", "n2")), lines
+            assert {n.gres.split("(")[0] for n in slurm.nodes()} == {"gpu:h100:4"}, slurm.nodes()
+        yield claim
+    finally:
+        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, version=VERSION,
+                   gpus="none")
+        release_worker(claim, "gp-")
+
+
+@pytest.fixture
+def gpu_env(gpu_cluster, lm_env, tmp_path) -> dict[str, str]:
+    """A profile read off the GPU cluster by `profile init`; the environment that uses it."""
+    profiles = tmp_path / "profiles"
+    env = {**lm_env, **gpu_cluster.environ(), "LMLAUNCH_PROFILES_DIR": str(profiles)}
+    with cluster.own_conf(gpu_cluster.layout):  # SLURM's commands here read this cluster, as a user's shell would
+        code, out, err = lm(env, "profile", "init", "gpus", "-o", str(profiles / "gpus.yaml"))
+    assert code == 0, out + err
+    said = (profiles / "gpus.yaml").read_text()
+    for line in ("gpus_per_node: 4", 'gres_name: "gpu:h100"', "gpu_memory: 80G", "gpus_simulated: true"):
+        assert line in said, said
+    # the CHOOSE line of each GPU's HCA, chosen: each rank's NCCL_IB_HCA by the GPU SLURM gave it
+    chosen = re.sub(r"  # hca_by_gpu: .*", "  hca_by_gpu: [mlx5_0, mlx5_1, mlx5_2, mlx5_3]", said)
+    assert chosen != said, said
+    (profiles / "gpus.yaml").write_text(chosen)
+    return env
+
+
+def _hcas_follow_the_gpus(records) -> None:
+    """Each rank set the HCA of the GPU it got for itself (its record), not the one of its local rank."""
+    assert all(r.rank_env == {"NCCL_IB_HCA": f"=mlx5_{r.gpu}"} for r in records), records
+
+
+def _by_node(records) -> dict[str, list[tuple[int, str | None]]]:
+    out: dict[str, list[tuple[int, str | None]]] = {}
+    for r in records:
+        out.setdefault(r.node, []).append((r.local_rank, r.gpu))
+    return {node: sorted(v) for node, v in out.items()}
+
+
+def test_a_spec_without_gpus_per_node_runs_8_ranks_each_on_a_gpu_of_its_own(gpu_cluster, gpu_env, tmp_path):
+    spec = tmp_path / "gpu.yaml"  # the demo's spec as a GPU spec: gpus_per_node and tasks_per_node left out
+    text = SPEC.read_text().replace("  gpus_per_node: 0\n", "").replace("  tasks_per_node: 1\n", "")
+    spec.write_text(text.replace("../data/prepared/tiny", str(REPO / "data" / "prepared" / "tiny")))
+    name = job_name("gp", "8")
+    args = (spec, f"name={name}", "cluster=gpus", *BASE, "trainer.max_steps=3", "optim.warmup_steps=1",
+            "checkpoint.every_n_steps=100", "data.micro_batch_size=2")
+    with cluster.own_conf(gpu_cluster.layout):
+        code, out, err = lm(gpu_env, "submit", *args, "--dry-run")
+        assert code == 0, out + err
+        for said in ("#SBATCH --gres=gpu:h100:4", "#SBATCH --gpu-bind=per_task:1", "#SBATCH --ntasks-per-node=4",
+                     "resources.gpus_per_node: 4, the GPUs per node of profile 'gpus'", "train on CPU"):
+            assert said in out, out
+        code, out, err = lm(gpu_env, "submit", *args)
+        assert code == 0, out + err
+        job = re.search(r"job (\d+)", out).group(1)
+        run_dir = Path(gpu_env["LMLAUNCH_RUNS_ROOT"]) / name
+        finish(job, run_dir)
+        records, problems = read_task_records(run_dir, job, 0)
+        assert not problems and len(records) == 8, (problems, records)
+        # each rank its own GPU, in task order on each node, read from what SLURM set in its environment
+        assert _by_node(records) == {n: [(k, str(k)) for k in range(4)] for n in ("n1", "n2")}, records
+        assert {r.gpus for r in records} == {"0", "1", "2", "3"}  # each saw one: bound, not the node's four
+        _hcas_follow_the_gpus(records)
+        accounted = slurm.sacct([job])[-1]
+        code, out, err = lm(gpu_env, "history", name, "--json")
+    assert code == 0, out + err
+    h = json.loads(out)
+    elapsed = slurm.parse_duration(accounted.elapsed)
+    assert accounted.gpus == 8 and h["attempts"][0]["gpus"] == 8, (accounted, h["attempts"])
+    assert h["gpu_hours"] == pytest.approx(8 * elapsed / 3600, abs=1e-5), (h, accounted)
+    assert 0 < h["train_gpu_hours"] <= h["gpu_hours"]
+
+
+def test_two_runs_on_one_node_get_disjoint_gpus_and_a_preempted_run_records_its_gpus_again(gpu_cluster, gpu_env):
+    held, other = job_name("gp", "held"), job_name("gp", "other")
+    shape = ("cluster=gpus", "resources.nodes=1", "resources.gpus_per_node=2", "resources.tasks_per_node=2",
+             "slurm.sbatch.nodelist=n1", "trainer.max_steps=12", "data.micro_batch_size=4")
+    runs = Path(gpu_env["LMLAUNCH_RUNS_ROOT"])
+    with cluster.own_conf(gpu_cluster.layout):
+        job_a, dir_a = submit(gpu_env, held, *shape, holds=(held_at(3),), pace_s=None)
+        wait_held(dir_a, 3, job_id=job_a)  # holding 2 of n1's GPUs while the other run starts beside it
+        job_b, dir_b = submit(gpu_env, other, *shape, pace_s=None)
+        finish(job_b, dir_b)
+        first_a, problems_a = read_task_records(dir_a, job_a, 0)
+        first_b, problems_b = read_task_records(dir_b, job_b, 0)
+        assert not problems_a + problems_b and len(first_a) == len(first_b) == 2, (first_a, first_b)
+        gpus_a, gpus_b = {r.gpu for r in first_a}, {r.gpu for r in first_b}
+        assert {r.node for r in first_a + first_b} == {"n1"} and len(gpus_a) == len(gpus_b) == 2, (first_a, first_b)
+        assert not gpus_a & gpus_b and None not in gpus_a | gpus_b, (gpus_a, gpus_b)  # never one GPU for two ranks
+        _hcas_follow_the_gpus(first_a + first_b)  # one run's local rank 0 holds GPU 2 or 3, and its HCA
+        assert preempt(gpu_env, held, "requeue", "--start-now")["requeued"]
+        finish(job_a, dir_a)
+    reasons = [e["reason"] for e in ends(dir_a)]
+    # SLURM 24.11 may requeue it once more when the preemption's GraceTime runs out after `--start-now` started
+    # it again: that start finds the run done and trains nothing
+    assert reasons[:2] == ["preempted", "completed"] and set(reasons[2:]) <= {"completed"}, ends(dir_a)
+    again, problems = read_task_records(runs / held, job_a, 1)  # the requeued start's own records
+    assert not problems and sorted(r.local_rank for r in again) == [0, 1], again
+    assert len({r.gpu for r in again}) == 2 and None not in {r.gpu for r in again}, again
+    _hcas_follow_the_gpus(again)
