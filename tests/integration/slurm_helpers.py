@@ -64,6 +64,46 @@ def release_worker(claim, run_name: str) -> None:
     claim.release()
 
 
+@contextlib.contextmanager
+def own_worker_cluster(run_prefix: str, *, nodes: int = 2, topology: str = "none", gpus: str = "none"):
+    """A worker cluster of a test module's own (workers.claim()), started with ``nodes``, ``topology``
+    and ``gpus``, on the SLURM version the phase runs; afterwards its nodes resumed (a node failure
+    leaves one DOWN), back to 2 CPU nodes without a topology, its jobs named ``run_prefix...``
+    cancelled and the claim given back."""
+    from launcher.localcluster import workers
+
+    version = os.environ.get("LMLAUNCH_TEST_SLURM") or None
+    claim = workers.claim(version)
+    names = tuple(f"n{i}" for i in range(1, nodes + 1))
+    lines: list[str] = []
+    try:
+        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, accounting=True,
+                   min_job_age=300, version=version, nodes=nodes, topology=topology, gpus=gpus)
+        with cluster.own_conf(claim.layout):
+            assert cluster.nodes_ready(names), lines
+        yield claim
+    finally:
+        with cluster.own_conf(claim.layout):
+            for node in names:
+                with contextlib.suppress(UserError):
+                    rehearsal.set_node_state(node, "RESUME")
+        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, version=version,
+                   nodes=2, topology="none", gpus="none")
+        release_worker(claim, run_prefix)
+
+
+def profile_off(claim, environ: dict[str, str], profiles: Path, name: str) -> dict[str, str]:
+    """A profile read off ``claim``'s cluster by `lmlaunch profile init NAME` into ``profiles``; the
+    environment that uses it (that cluster's commands, LMLAUNCH_PROFILES_DIR)."""
+    from preempt_helpers import lm
+
+    env = {**environ, **claim.environ(), "LMLAUNCH_PROFILES_DIR": str(profiles)}
+    with cluster.own_conf(claim.layout):  # SLURM's commands here read this cluster, as a user's shell would
+        code, out, err = lm(env, "profile", "init", name, "-o", str(profiles / f"{name}.yaml"))
+    assert code == 0, out + err
+    return env
+
+
 def wait_accounted(job_id: str) -> slurm.AccountedJob:
     """sacct lags the controller by a moment (more under load): wait until accounting has the
     final state, while what it reports of the job changes."""

@@ -15,56 +15,42 @@ on CPU behind the binding (the profile's gpus_simulated).
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 from preempt_helpers import BASE, SPEC, ends, finish, held_at, lm, preempt, submit, wait_held
-from slurm_helpers import REPO, job_name, release_worker
+from slurm_helpers import REPO, job_name, own_worker_cluster, profile_off
 
-from launcher.localcluster import cluster, workers
+from launcher.localcluster import cluster
 from lmcore.slurm import client as slurm
 from lmcore.task_records import read_task_records
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs it on the other SLURM version too
 
-VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None
-
 
 @pytest.fixture(scope="module")
 def gpu_cluster(slurm_cluster):
     """A worker cluster of this module's own with 4 GPUs a node; CPU-only again afterwards."""
-    claim = workers.claim(VERSION)
-    lines: list[str] = []
-    try:
-        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, accounting=True,
-                   min_job_age=300, version=VERSION, nodes=2, topology="none", gpus="h100:4")
+    with own_worker_cluster("gp-", gpus="h100:4") as claim:
         with cluster.own_conf(claim.layout):
-            assert cluster.nodes_ready(("n1", "n2")), lines
             assert {n.gres.split("(")[0] for n in slurm.nodes()} == {"gpu:h100:4"}, slurm.nodes()
         yield claim
-    finally:
-        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, version=VERSION,
-                   gpus="none")
-        release_worker(claim, "gp-")
 
 
 @pytest.fixture
 def gpu_env(gpu_cluster, lm_env, tmp_path) -> dict[str, str]:
-    """A profile read off the GPU cluster by `profile init`; the environment that uses it."""
-    profiles = tmp_path / "profiles"
-    env = {**lm_env, **gpu_cluster.environ(), "LMLAUNCH_PROFILES_DIR": str(profiles)}
-    with cluster.own_conf(gpu_cluster.layout):  # SLURM's commands here read this cluster, as a user's shell would
-        code, out, err = lm(env, "profile", "init", "gpus", "-o", str(profiles / "gpus.yaml"))
-    assert code == 0, out + err
-    said = (profiles / "gpus.yaml").read_text()
+    """A profile read off the GPU cluster by `profile init`, each GPU's HCA chosen; the environment
+    that uses it."""
+    env = profile_off(gpu_cluster, lm_env, tmp_path / "profiles", "gpus")
+    path = tmp_path / "profiles" / "gpus.yaml"
+    said = path.read_text()
     for line in ("gpus_per_node: 4", 'gres_name: "gpu:h100"', "gpu_memory: 80G", "gpus_simulated: true"):
         assert line in said, said
     # the CHOOSE line of each GPU's HCA, chosen: each rank's NCCL_IB_HCA by the GPU SLURM gave it
     chosen = re.sub(r"  # hca_by_gpu: .*", "  hca_by_gpu: [mlx5_0, mlx5_1, mlx5_2, mlx5_3]", said)
     assert chosen != said, said
-    (profiles / "gpus.yaml").write_text(chosen)
+    path.write_text(chosen)
     return env
 
 

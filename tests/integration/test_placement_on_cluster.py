@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 from preempt_helpers import BASE, SPEC, ends, finish, lm, preempt, starts, submit, wait_step
-from slurm_helpers import job_name, release_worker
+from slurm_helpers import job_name, own_worker_cluster, profile_off
 
-from launcher.localcluster import cluster, workers
+from launcher.localcluster import cluster
 from lmcore.errors import UserError
-from lmcore.slurm import admin as rehearsal, client as slurm
+from lmcore.slurm import client as slurm
 from lmcore.task_records import read_task_records
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs it on the other SLURM version too
@@ -40,38 +40,18 @@ def _block_topology(version: str) -> bool:
 @pytest.fixture(scope="module")
 def topology_cluster(slurm_cluster):
     """A worker cluster of this module's own: 8 nodes in 4 leaf switches (tree:4x2) or 4 blocks
-    (block:4x2) of 2, by the SLURM version;
-    back to 2 nodes without a topology afterwards."""
+    (block:4x2) of 2, by the SLURM version; back to 2 nodes without a topology afterwards."""
     from launcher.localcluster.config import native_version
 
     version = VERSION or native_version() or "22.05"
     text = "block:4x2" if _block_topology(version) else "tree:4x2"
-    claim = workers.claim(VERSION)
-    lines: list[str] = []
-    try:
-        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, accounting=True,
-                   min_job_age=300, version=VERSION, topology=text)
-        with cluster.own_conf(claim.layout):
-            assert cluster.nodes_ready(NODES), lines
+    with own_worker_cluster("pl-", nodes=len(NODES), topology=text) as claim:
         yield claim, text
-    finally:
-        with cluster.own_conf(claim.layout):
-            for node in NODES:  # a node failure leaves one DOWN
-                with contextlib.suppress(UserError):
-                    rehearsal.set_node_state(node, "RESUME")
-        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, version=VERSION,
-                   nodes=2, topology="none")
-        release_worker(claim, "pl-")
 
 
 def _profile(claim, lm_env, tmp_path) -> dict[str, str]:
     """A profile read off the topology cluster by `profile init`; the environment that uses it."""
-    profiles = tmp_path / "profiles"
-    env = {**lm_env, **claim.environ(), "LMLAUNCH_PROFILES_DIR": str(profiles)}
-    with cluster.own_conf(claim.layout):  # SLURM's commands here read this cluster, as a user's shell would
-        code, out, err = lm(env, "profile", "init", "topo", "-o", str(profiles / "topo.yaml"))
-    assert code == 0, out + err
-    return env
+    return profile_off(claim, lm_env, tmp_path / "profiles", "topo")
 
 
 def _lm_job(env: dict[str, str], claim, *args: str) -> str:

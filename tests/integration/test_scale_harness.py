@@ -11,19 +11,17 @@ place, a preemption and a resume, every rank accounted for at every attempt (doc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
 
 import pytest
 from preempt_helpers import ends, finish, held_at, lm, preempt, starts, wait_held
-from slurm_helpers import faults, job_name, release_worker
+from slurm_helpers import faults, job_name, own_worker_cluster
 
-from launcher.localcluster import cluster, workers
-from lmcore.errors import UserError
+from launcher.localcluster import cluster
 from lmcore.rank_logs import ranks_texts
-from lmcore.slurm import admin as rehearsal, client as slurm
+from lmcore.slurm import client as slurm
 from lmtrain.simulate.tally import Counts
 
 VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None
@@ -35,22 +33,8 @@ SPEC = Path(__file__).resolve().parents[2] / "jobs" / "scale-sim.yaml"
 @pytest.fixture(scope="module")
 def eight_nodes(slurm_cluster):
     """A worker cluster of this module's own with 8 nodes; back to 2 afterwards."""
-    claim = workers.claim(VERSION)
-    lines: list[str] = []
-    try:
-        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, accounting=True,
-                   min_job_age=300, version=VERSION, nodes=NODES, topology="none")
-        with cluster.own_conf(claim.layout):
-            assert cluster.nodes_ready(tuple(f"n{i}" for i in range(1, NODES + 1))), lines
+    with own_worker_cluster("sc-", nodes=NODES) as claim:
         yield claim
-    finally:
-        with cluster.own_conf(claim.layout):
-            for node in (f"n{i}" for i in range(1, NODES + 1)):
-                with contextlib.suppress(UserError):
-                    rehearsal.set_node_state(node, "RESUME")
-        cluster.up(lines.append, layout=claim.layout, ports=claim.ports, system_conf=False, version=VERSION,
-                   nodes=2, topology="none")
-        release_worker(claim, "sc-")
 
 
 def _rank_lines(run_dir: Path, attempt: int) -> dict[int, str]:
