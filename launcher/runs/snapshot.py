@@ -113,26 +113,31 @@ def take(run_dir: Path, packages: dict[str, Path] | None = None) -> Snapshot:
 _PYC_UNCHECKED = (0b01).to_bytes(4, "little")  # PEP 552: hash-based, never checked against the source
 
 
-def write_zip(out: Path, files: Mapping[str, Path], shown_at: Path) -> None:
+def write_zip(out: Path, files: Mapping[str, Path], shown_at: Path, *, cache: Path | None = None) -> None:
     """The zip ``out`` of ``files`` (its name for each -> where to read it), and beside each module
     its bytecode for this interpreter (``mod.pyc``, which zipimport tries first), never checked
     against its source (the zip is never changed). The bytecode names each module's file as the
     snapshot's directory ``shown_at`` holds it: tracebacks, debuggers and py-spy show a file that
     exists, with the package path. A task whose Python differs finds the bytecode's magic number
     wrong and compiles the zip's source instead. Modules imported from the zip have ``__file__``
-    ``<zip>/pkg/mod.pyc`` (:func:`lmcore.rundir.unzipped` maps it to the directory)."""
+    ``<zip>/pkg/mod.pyc`` (:func:`lmcore.rundir.unzipped` maps it to the directory). Each module is
+    compiled once per source into ``cache`` (default: the user's, launcher.runs.bytecode_cache)."""
     import importlib.util
     import marshal
     import zipfile
 
+    from launcher.runs.bytecode_cache import default_dir, module_code, prune
+
+    cache = default_dir() if cache is None else cache
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
         for rel in sorted(files):
             data = files[rel].read_bytes()
             zf.writestr(rel, data)
             if rel.endswith(".py"):
-                code = compile(data, str(shown_at / rel), "exec", dont_inherit=True)
+                code = module_code(data, str(shown_at / rel), cache)
                 zf.writestr(rel[:-3] + ".pyc", importlib.util.MAGIC_NUMBER + _PYC_UNCHECKED
                             + importlib.util.source_hash(data) + marshal.dumps(code))
+    prune(cache)
 
 
 def add_zip(run_dir: Path) -> bool:

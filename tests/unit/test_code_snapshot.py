@@ -183,3 +183,40 @@ def test_the_tasks_import_the_snapshot_not_the_checkout(repo, runs_root):
     code = json.loads((run_dir / "logs" / "attempt-1" / "environment.json").read_text())["code"]
     assert code["from_snapshot"] is True
     assert code["lmtrain"] == str(run_dir.resolve() / "code" / "lmlaunch-code.zip" / "lmtrain"), code
+
+
+def test_a_modules_bytecode_is_compiled_once_and_named_for_each_runs_directory(tmp_path, monkeypatch):
+    """launcher.runs.bytecode_cache: the second zip of the same sources compiles nothing, and every
+    code object in it (functions, classes, comprehensions) names the second run's file."""
+    import marshal
+    import os
+    import time
+    import zipfile
+
+    from launcher.runs import bytecode_cache
+
+    src = tmp_path / "src" / "pkg"
+    src.mkdir(parents=True)
+    (src / "m.py").write_text("class C:\n    def f(self):\n        return [x for x in (1, 2)]\n")
+    files, cache = {"pkg/m.py": src / "m.py"}, tmp_path / "cache"
+    snapshot.write_zip(tmp_path / "a.zip", files, tmp_path / "run-a" / "code", cache=cache)
+    assert len(list(cache.glob("*.marshal"))) == 1
+
+    def no_compile(*_a, **_k):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(bytecode_cache, "compile", no_compile, raising=False)
+    snapshot.write_zip(tmp_path / "b.zip", files, tmp_path / "run-b" / "code", cache=cache)
+    with zipfile.ZipFile(tmp_path / "b.zip") as zf:
+        code = marshal.loads(zf.read("pkg/m.pyc")[16:])
+
+    def names(c):
+        yield c.co_filename
+        for k in c.co_consts:
+            if hasattr(k, "co_filename"):
+                yield from names(k)
+
+    assert set(names(code)) == {str(tmp_path / "run-b" / "code" / "pkg" / "m.py")} and len(list(names(code))) == 4
+    old = next(cache.glob("*.marshal"))
+    os.utime(old, (time.time() - 31 * 86400,) * 2)  # unused for a month: an older checkout's
+    assert bytecode_cache.prune(cache) == 1 and not list(cache.glob("*.marshal"))
