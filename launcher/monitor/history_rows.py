@@ -42,7 +42,7 @@ class HistoryRow:
     device_peak: int | None = None  # the most device memory a rank allocated (CUDA's max allocated), where kept
     cluster: str | None = None  # the cluster profile of its job, for a run whose jobs went to several
     profile: str | None = None  # the profile its ranks were planned on (the start line's; a copy over SSH: that side's name)
-    gpus: int | None = None  # the GPUs the attempt held, by sacct's AllocTRES (None: not a GPU job, or no accounting)
+    gpus: int | None = None  # the GPUs the attempt held: its ledger start line's, else sacct's AllocTRES (None: a CPU job)
     gpu_hours: float | None = None  # gpus x its allocated hours
     train_gpu_hours: float | None = None  # gpus x its hours in training steps
 
@@ -67,7 +67,7 @@ class History:
     notes: list[str] = field(default_factory=list)
     planned_memory: dict[str, Any] | None = None  # plan.json's memory (launcher.planning.memory.Breakdown.to_json)
     eval: list[dict[str, Any]] = field(default_factory=list)  # the evaluator's scores: step, task, metric, value, stderr, lm_eval
-    gpu_hours: float | None = None  # every attempt's allocated GPU-hours (sacct's AllocTRES); None: no GPUs known
+    gpu_hours: float | None = None  # every attempt's allocated GPU-hours (its GPUs x its allocated time); None: no GPUs known
     train_gpu_hours: float | None = None  # of them, the hours in training steps (goodput in GPU-hours)
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,7 +117,9 @@ def build_history(
         still_running = i == len(starts) - 1 and cancel is None and _heartbeat_fresh(spans.get(n), now)
         row = _attempt_row(n, s, ends.get(n), spans.get(n), allocation, still_running, now)
         row.held_bytes, row.device_peak = measured.get(n, (None, None))
-        row.set_gpus(_gpus(sacct_attempts, jid, k))
+        # what the attempt held by its start line (its nodes and spares: a restart in place on a spare
+        # holds fewer than the allocation began with), else by sacct's AllocTRES (the allocation's last shape)
+        row.set_gpus(_int(s.get("gpus")) or _gpus(sacct_attempts, jid, k))
         if n in startups:
             row.startup = rundir.startup_breakdown(startups[n], allocation[2])
             row.startup_total_s = round(sum(row.startup.values()), 3) if "first_step" in startups[n].get("phases", {}) else None

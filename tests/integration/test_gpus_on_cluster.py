@@ -1,11 +1,12 @@
-"""GPU jobs on real SLURM before a GPU is lent: a worker cluster of 2 nodes with 4 fake GPUs each
+"""GPU jobs on real SLURM before a GPU is lent: a worker cluster of 3 nodes with 4 fake GPUs each
 (`cluster up --gpus h100:4`: GRES on character devices, launcher/localcluster/gpus.py), its profile
 read off it by `lmlaunch profile init`. SLURM allocates and binds the GPUs for real; the ranks train
 on CPU behind the binding (the profile's gpus_simulated).
 
-- A spec that leaves gpus_per_node out runs as 2 nodes x 4 GPUs: its dry run asks SLURM for the GPUs
-  and the binding, 8 ranks reach COMPLETED each with a GPU of its own on its node (the ranks' own
-  records), and history's GPU-hours are sacct's AllocTRES times the allocation's seconds.
+- A spec that leaves gpus_per_node out runs as 2 nodes x 4 GPUs and a spare node: its dry run asks
+  SLURM for the GPUs and the binding; a node fails, the ranks restart in place on the spare, and the
+  8 ranks reach COMPLETED each with a GPU of its own on its node (the ranks' own records); history's
+  GPU-hours are sacct's AllocTRES (the spare's GPUs included) times the allocation's seconds.
 - Two 2-GPU runs on one node get disjoint GPUs; one of them, preempted and requeued, records its
   ranks' GPUs again when it resumes.
 - Every rank sets its NCCL_IB_HCA by the GPU it got (the profile's network.hca_by_gpu): a run whose
@@ -19,8 +20,8 @@ import re
 from pathlib import Path
 
 import pytest
-from preempt_helpers import BASE, SPEC, ends, finish, held_at, lm, preempt, submit, wait_held
-from slurm_helpers import REPO, job_name, own_worker_cluster, profile_off
+from preempt_helpers import BASE, SPEC, ends, finish, held_at, lm, preempt, starts, submit, wait_held, wait_step
+from slurm_helpers import PACE_S, REPO, faults, job_name, own_worker_cluster, pace, profile_off
 
 from launcher.localcluster import cluster
 from lmcore.slurm import client as slurm
@@ -32,9 +33,10 @@ pytestmark = pytest.mark.both_versions  # scripts/test.sh runs it on the other S
 @pytest.fixture(scope="module")
 def gpu_cluster(slurm_cluster):
     """A worker cluster of this module's own with 4 GPUs a node; CPU-only again afterwards."""
-    with own_worker_cluster("gp-", gpus="h100:4") as claim:
+    with own_worker_cluster("gp-", nodes=3, gpus="h100:4") as claim:
         with cluster.own_conf(claim.layout):
-            assert {n.gres.split("(")[0] for n in slurm.nodes()} == {"gpu:h100:4"}, slurm.nodes()
+            nodes = slurm.nodes()
+            assert len(nodes) == 3 and {n.gres.split("(")[0] for n in nodes} == {"gpu:h100:4"}, nodes
         yield claim
 
 
@@ -66,38 +68,45 @@ def _by_node(records) -> dict[str, list[tuple[int, str | None]]]:
     return {node: sorted(v) for node, v in out.items()}
 
 
-def test_a_spec_without_gpus_per_node_runs_8_ranks_each_on_a_gpu_of_its_own(gpu_cluster, gpu_env, tmp_path):
+def test_a_spec_without_gpus_per_node_runs_8_ranks_each_on_a_gpu_of_its_own_and_a_spare_node_gets_its_gpus(
+        gpu_cluster, gpu_env, tmp_path):
     spec = tmp_path / "gpu.yaml"  # the demo's spec as a GPU spec: gpus_per_node and tasks_per_node left out
     text = SPEC.read_text().replace("  gpus_per_node: 0\n", "").replace("  tasks_per_node: 1\n", "")
     spec.write_text(text.replace("../data/prepared/tiny", str(REPO / "data" / "prepared" / "tiny")))
     name = job_name("gp", "8")
-    args = (spec, f"name={name}", "cluster=gpus", *BASE, "trainer.max_steps=3", "optim.warmup_steps=1",
-            "checkpoint.every_n_steps=100", "data.micro_batch_size=2")
+    args = (spec, f"name={name}", "cluster=gpus", *BASE, "trainer.max_steps=20", "checkpoint.every_n_steps=5",
+            "data.micro_batch_size=2", "resources.spare_nodes=1")
+    runs = Path(gpu_env["LMLAUNCH_RUNS_ROOT"])
     with cluster.own_conf(gpu_cluster.layout):
         code, out, err = lm(gpu_env, "submit", *args, "--dry-run")
         assert code == 0, out + err
         for said in ("#SBATCH --gres=gpu:h100:4", "#SBATCH --gpu-bind=per_task:1", "#SBATCH --ntasks-per-node=4",
-                     "resources.gpus_per_node: 4, the GPUs per node of profile 'gpus'", "train on CPU"):
+                     "#SBATCH --nodes=3", "resources.gpus_per_node: 4, the GPUs per node of profile 'gpus'",
+                     "train on CPU"):
             assert said in out, out
-        code, out, err = lm(gpu_env, "submit", *args)
+        with faults(pace(PACE_S)):  # paced: the node fails while the ranks still train
+            code, out, err = lm(gpu_env, "submit", *args)
         assert code == 0, out + err
         job = re.search(r"job (\d+)", out).group(1)
-        run_dir = Path(gpu_env["LMLAUNCH_RUNS_ROOT"]) / name
-        finish(job, run_dir)
-        records, problems = read_task_records(run_dir, job, 0)
+        wait_step(runs / name, 3, attempt=1)
+        r = preempt(gpu_env, name, "node-failure")  # n2, the last node the ranks run on: n3 takes its place
+        assert (r["node"], r.get("restarted_in_place"), r.get("left_out")) == ("n2", True, ["n2"]), r
+        finish(job, runs / name)
+        records, problems = read_task_records(runs / name, job, 0)  # each rank's newest: after the restart
         assert not problems and len(records) == 8, (problems, records)
-        # each rank its own GPU, in task order on each node, read from what SLURM set in its environment
-        assert _by_node(records) == {n: [(k, str(k)) for k in range(4)] for n in ("n1", "n2")}, records
+        # each rank its own GPU, in task order on each node, read from what SLURM set in its environment;
+        # ranks 4-7 on the spare, with the spare's GPUs
+        assert _by_node(records) == {n: [(k, str(k)) for k in range(4)] for n in ("n1", "n3")}, records
         assert {r.gpus for r in records} == {"0", "1", "2", "3"}  # each saw one: bound, not the node's four
         _hcas_follow_the_gpus(records)
         accounted = slurm.sacct([job])[-1]
         code, out, err = lm(gpu_env, "history", name, "--json")
     assert code == 0, out + err
-    h = json.loads(out)
-    elapsed = slurm.parse_duration(accounted.elapsed)
-    assert accounted.gpus == 8 and h["attempts"][0]["gpus"] == 8, (accounted, h["attempts"])
-    assert h["gpu_hours"] == pytest.approx(8 * elapsed / 3600, abs=1e-5), (h, accounted)
-    assert 0 < h["train_gpu_hours"] <= h["gpu_hours"]
+    assert [(s["nodes"], s["gpus"]) for s in starts(runs / name)] == [(["n1", "n2"], 12), (["n1", "n3"], 8)]
+    h = json.loads(out)  # each attempt's GPUs as its start line says: the spare's held idle in the first
+    assert [a["gpus"] for a in h["attempts"]] == [12, 8] and accounted.gpus == 8, (h["attempts"], accounted)
+    held = sum(a["gpus"] * a["alloc_s"] for a in h["attempts"]) / 3600  # (sacct keeps the allocation's last shape)
+    assert h["gpu_hours"] == pytest.approx(held, abs=1e-5) and 0 < h["train_gpu_hours"] <= h["gpu_hours"], h
 
 
 def test_two_runs_on_one_node_get_disjoint_gpus_and_a_preempted_run_records_its_gpus_again(gpu_cluster, gpu_env):
@@ -119,6 +128,12 @@ def test_two_runs_on_one_node_get_disjoint_gpus_and_a_preempted_run_records_its_
         _hcas_follow_the_gpus(first_a + first_b)  # one run's local rank 0 holds GPU 2 or 3, and its HCA
         assert preempt(gpu_env, held, "requeue", "--start-now")["requeued"]
         finish(job_a, dir_a)
+        accounted = slurm.sacct([job_b])[-1]
+        code, out, err = lm(gpu_env, "history", other, "--json")
+    assert code == 0, out + err
+    h = json.loads(out)  # GPU-hours as accounting has them: AllocTRES times the allocation's seconds
+    assert accounted.gpus == h["attempts"][0]["gpus"] == 2, (accounted, h["attempts"])
+    assert h["gpu_hours"] == pytest.approx(2 * slurm.parse_duration(accounted.elapsed) / 3600, abs=1e-5), (h, accounted)
     reasons = [e["reason"] for e in ends(dir_a)]
     # SLURM 24.11 may requeue it once more when the preemption's GraceTime runs out after `--start-now` started
     # it again: that start finds the run done and trains nothing

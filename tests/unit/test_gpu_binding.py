@@ -193,10 +193,15 @@ def test_gpu_hours_come_from_sacct_alloc_tres_in_history_and_from_the_start_line
               {"event": "startup", "attempt": 1, "process_start": 1000.0, "phases": {"first_step": 900.0}},
               {"event": "end", "attempt": 1, "time": 4600.0, "end_step": 10, "reason": "completed"}]
     beats = [{"event": "step", "attempt": 1, "step": s, "time": t} for s, t in ((1, 1900.0), (10, 4600.0))]
-    h = build_history("r", ledger, beats, {"9": [(990.0, 1000.0, 4600.0, 8)]}, now=5000.0)
+    unsaid = [{k: v for k, v in ledger[0].items() if k != "gpus"}, *ledger[1:]]  # a start line of before
+    h = build_history("r", unsaid, beats, {"9": [(990.0, 1000.0, 4600.0, 8)]}, now=5000.0)  # sacct's AllocTRES
     assert (h.attempts[0].gpus, h.attempts[0].gpu_hours, h.attempts[0].train_gpu_hours) == (8, 8.0, 6.0)
     assert (h.gpu_hours, h.train_gpu_hours) == (8.0, 6.0) and h.to_dict()["gpu_hours"] == 8.0
-    cpu = build_history("r", ledger, beats, {"9": [(990.0, 1000.0, 4600.0)]}, now=5000.0)
+    # the start line's GPUs win: a restart in place on a spare holds fewer than the allocation began with,
+    # and sacct keeps the allocation's last shape
+    spare = [{**ledger[0], "gpus": 12}, *ledger[1:]]
+    assert build_history("r", spare, beats, {"9": [(990.0, 1000.0, 4600.0, 8)]}, now=5000.0).gpu_hours == 12.0
+    cpu = build_history("r", unsaid, beats, {"9": [(990.0, 1000.0, 4600.0)]}, now=5000.0)
     assert cpu.gpu_hours is None and cpu.attempts[0].gpu_hours is None
     assert gpu_hours(ledger, running=False, now=5000.0) == (8.0, 6.0)
     assert gpu_hours([{**ledger[0], "gpus": None}, *ledger[1:]], running=False, now=5000.0) == (None, None)

@@ -76,8 +76,9 @@ class AttemptRecords:
                 attempt=self.attempt, job_id=env.job_id, restart_count=env.restart_count, time=at or time.time(),
                 start_step=start_step, nodes=list(env.nodes),
                 world_size=env.world_size if world_size is None else world_size,
-                spares=self.idle_spares(), groups=self.node_groups(), profile=getattr(self.plan, "profile", None) or None,
-                gpus=self.plan.slurm.gpus_per_node * len(env.nodes) or None,
+                spares=(spares := self.idle_spares()), groups=self.node_groups(),
+                profile=getattr(self.plan, "profile", None) or None,
+                gpus=self.plan.slurm.gpus_per_node * (len(env.nodes) + len(spares or ())) or None,
             ))
 
     def node_groups(self) -> dict[str, str | None] | None:
