@@ -710,11 +710,16 @@ def _up(say: Say, layout: Layout, wanted: Settings) -> bool:
         say("restarting slurmctld (accounting " + ("on" if wanted.accounting else "off") + ")")
         stop(layout.pidfile("slurmctld"), "slurmctld")
         controller_was_up = False
-    if controller_was_up and current is not None and _node_shape(current) != _node_shape(wanted):
-        # node definitions, their GPUs and the topology plugin are read at start only, by the controller and every slurmd
-        say(f"restarting slurmctld and the slurmds (nodes {', '.join(ports.node_names)}, topology {wanted.topology or 'none'}, "
-            f"GPUs {wanted.gpus or 'none'})")
-        for pidfile in [layout.pidfile("slurmctld"), *sorted(layout.run.glob("slurmd-n*.pid"))]:
+    if current is not None and _node_shape(current) != _node_shape(wanted):
+        # node definitions, their GPUs and the topology plugin are read at start only, by the controller and
+        # every slurmd: whichever of them runs is restarted, the controller answering or not (a slurmd
+        # left running with the old GPUs reports none, and the controller marks its node INVAL)
+        running = [p for p in [layout.pidfile("slurmctld"), *sorted(layout.run.glob("slurmd-n*.pid"))]
+                   if running_from_pidfile(p)]
+        if running:
+            say(f"restarting slurmctld and the slurmds (nodes {', '.join(ports.node_names)}, topology "
+                f"{wanted.topology or 'none'}, GPUs {wanted.gpus or 'none'})")
+        for pidfile in running:
             stop(pidfile, pidfile.stem)
         controller_was_up = False
     ensure_slurmctld(layout, say)

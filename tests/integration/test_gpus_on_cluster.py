@@ -5,10 +5,12 @@ on CPU behind the binding (the profile's gpus_simulated).
 
 - A spec that leaves gpus_per_node out runs as 2 nodes x 4 GPUs and a spare node: its dry run asks
   SLURM for the GPUs and the binding; a node fails, the ranks restart in place on the spare, and the
-  8 ranks reach COMPLETED each with a GPU of its own on its node (the ranks' own records); history's
-  GPU-hours are sacct's AllocTRES (the spare's GPUs included) times the allocation's seconds.
+  8 ranks reach COMPLETED each with a GPU of its own on its node (the ranks' own records); history
+  gives each attempt's GPU-hours by the GPUs its start line held (the spare's included: sacct keeps
+  the allocation's last shape), and a plain run's equal sacct's AllocTRES times its elapsed time.
 - Two 2-GPU runs on one node get disjoint GPUs; one of them, preempted and requeued, records its
   ranks' GPUs again when it resumes.
+- The torch-free scale harness (jobs/scale-sim.yaml) as a GPU job: each rank on a GPU of its own.
 - Every rank sets its NCCL_IB_HCA by the GPU it got (the profile's network.hca_by_gpu): a run whose
   local rank 0 holds GPU 2 takes GPU 2's HCA.
 """
@@ -142,3 +144,19 @@ def test_two_runs_on_one_node_get_disjoint_gpus_and_a_preempted_run_records_its_
     assert not problems and sorted(r.local_rank for r in again) == [0, 1], again
     assert len({r.gpu for r in again}) == 2 and None not in {r.gpu for r in again}, again
     _hcas_follow_the_gpus(again)
+
+
+def test_the_torch_free_scale_harness_runs_on_the_gpu_nodes_each_rank_on_its_gpu(gpu_cluster, gpu_env):
+    """jobs/scale-sim.yaml (lmtrain.simulate: lmlaunch's per-rank machinery, no torch) as a GPU job: its
+    ranks get, record and check their GPUs as a training job's do."""
+    name = job_name("gp", "sim")
+    with cluster.own_conf(gpu_cluster.layout):
+        code, out, err = lm(gpu_env, "submit", REPO / "jobs" / "scale-sim.yaml", f"name={name}", "cluster=gpus",
+                            "resources.gpus_per_node=4", "resources.tasks_per_node=4", "trainer.max_steps=20")
+        assert code == 0, out + err
+        job = re.search(r"job (\d+)", out).group(1)
+        run_dir = Path(gpu_env["LMLAUNCH_RUNS_ROOT"]) / name
+        finish(job, run_dir)
+    records, problems = read_task_records(run_dir, job, 0)
+    assert not problems and _by_node(records) == {n: [(k, str(k)) for k in range(4)] for n in ("n1", "n2")}, records
+    _hcas_follow_the_gpus(records)
