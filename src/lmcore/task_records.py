@@ -16,7 +16,6 @@ file per rank (``rank-<R>.json``), read as they are.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -75,8 +74,7 @@ class TaskRecord:
         if own is not None and not (isinstance(own, Mapping) and all(isinstance(k, str) and isinstance(v, str)
                                                                      for k, v in own.items())):
             raise ValueError(f"task record with a rank_env that is not names and values: {own!r}")
-        record = cls(**{k: d[k] for k in types}, **extra)
-        return dataclasses.replace(record, rank_env=dict(own)) if own else record
+        return cls(**{k: d[k] for k in types}, **extra, rank_env=dict(own) if own else None)
 
 
 def task_record_path(run_dir: str | Path, job_id: str, restart_count: int, node: int) -> Path:

@@ -272,21 +272,25 @@ def apply_rank_env(rank_env: dict[str, Any], local_rank: int, environ: Any = Non
 
 def begin_task(run_dir: str | Path, plan: Any) -> None:
     """A task's first acts: its own value of each variable that differs by rank (network.hca_by_gpu's
-    NCCL_IB_HCA, by the GPU SLURM gave it), before NCCL starts; then its record, with them, for
-    `lmlaunch stacks` and the layout (even if it gets stuck starting)."""
-    applied: dict[str, str] = {}
-    if plan.rank_env:
+    NCCL_IB_HCA, by the GPU SLURM gave it), before NCCL starts; then its record, with them and its
+    GPUs, for `lmlaunch stacks`, the layout and the GPU check (even if it gets stuck starting)."""
+    env = read_env()
+    gpus: tuple[str, ...] | None = None
+    gpu = None
+    if plan.slurm.gpus_per_node:  # the GPUs SLURM gave it, checked on its node at preflight
         from lmtrain.distributed.gpu_binding import gpu_used, gpus_seen
 
-        local_rank = read_env().local_rank
-        gpu = gpu_used(gpus_seen(os.environ), local_rank, plan.slurm.gpu_bind) if plan.slurm.gpus_per_node else None
-        applied = apply_rank_env(plan.rank_env, local_rank, gpu=gpu)
-    record_this_task(run_dir, plan, rank_env=applied)
+        gpus = gpus_seen(os.environ)
+        gpu = gpu_used(gpus, env.local_rank, plan.slurm.gpu_bind)
+    applied = apply_rank_env(plan.rank_env, env.local_rank, gpu=gpu) if plan.rank_env else {}
+    record_this_task(run_dir, plan, rank_env=applied, gpus=None if gpus is None else (",".join(gpus), gpu))
 
 
-def record_this_task(run_dir: str | Path, plan: Any = None, *, rank_env: dict[str, str] | None = None) -> None:
+def record_this_task(run_dir: str | Path, plan: Any = None, *, rank_env: dict[str, str] | None = None,
+                     gpus: tuple[str, str | None] | None = None) -> None:
     """Write this process's record (with ``plan``, a LaunchPlan: the node's switch or block and the
-    rank's place in the mesh); a failure costs only ``lmlaunch stacks`` and the layout check, never the task."""
+    rank's place in the mesh; ``gpus``: the GPUs it has and the one it uses); a failure costs only
+    ``lmlaunch stacks`` and the layout and GPU checks, never the task."""
     try:
         env = read_env()
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -296,11 +300,8 @@ def record_this_task(run_dir: str | Path, plan: Any = None, *, rank_env: dict[st
             where = {"stage": (env.rank // par.tensor) % par.pipeline, "replica": par.data_rank(env.rank)}
             groups = (plan.placement or {}).get("groups") or {}
             where["group"] = group_of_node(groups, node)
-            if plan.slurm.gpus_per_node:  # the GPUs SLURM gave it, checked on its node at preflight
-                from lmtrain.distributed.gpu_binding import gpu_used, gpus_seen
-
-                seen = gpus_seen(os.environ)
-                where.update(gpus=",".join(seen), gpu=gpu_used(seen, env.local_rank, plan.slurm.gpu_bind))
+        if gpus is not None:
+            where["gpus"], where["gpu"] = gpus
         write_task_record(run_dir, TaskRecord(
             rank=env.rank, local_rank=env.local_rank, node=node,
             pid=os.getpid(), job_id=env.job_id, restart_count=env.restart_count, python=sys.executable,
