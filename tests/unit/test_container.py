@@ -10,6 +10,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -83,6 +84,52 @@ def test_podman_on_a_gpu_cluster_gets_the_gpus_and_names_its_container_per_task(
     assert "SLURM_CLUSTER_NAME" in task and "SLURM_PROCID" in task
     assert subprocess.run(["bash", "-n", str(REPO / "src/lmcore/podman_task.sh")]).returncode == 0
     assert subprocess.run(["bash", "-n", str(RELAY_SCRIPT)]).returncode == 0
+
+
+STAND_IN_CLIENT = """#!/bin/bash
+# podman's client as it behaved under load: it forwards no signal; 'run' starts the command apart
+# from itself (conmon's place) with the --env K=V it was given
+[ "$1" = rm ] && exit 0
+shift; envs=()
+while [ "${1#-}" != "$1" ]; do case "$1" in --env) envs+=("$2"); shift 2;; --name) shift 2;; *) shift;; esac; done
+shift; trap "" TERM USR1
+env "${envs[@]}" setsid "$@" &
+wait $!
+"""
+RANK = """import os, signal, sys, time
+seen = open(sys.argv[1] + ".signals", "a")
+def note(n, f):
+    seen.write(signal.Signals(n).name + " ")
+    seen.flush()
+    if n == signal.SIGTERM:
+        sys.exit(7)
+for s in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(s, note)
+open(sys.argv[1], "w").write(os.environ["LMLAUNCH_TASK_PID"])
+time.sleep(600)
+"""
+
+def test_the_podman_task_signals_the_container_itself_and_ends_with_its_status(tmp_path):
+    """SLURM's signals reach the processes in the container from the task's shell, whatever the
+    client forwards, and the task ends with the container's exit status."""
+    (tmp_path / "podman").write_text(STAND_IN_CLIENT)
+    (tmp_path / "podman").chmod(0o755)
+    (tmp_path / "rank.py").write_text(RANK)
+    started = tmp_path / "started"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "5", "SLURM_PROCID": "0"}
+    env.pop("LMLAUNCH_TASK_PID", None)
+    task = subprocess.Popen(["bash", str(REPO / "src/lmcore/podman_task.sh"), "image", sys.executable,
+                             str(tmp_path / "rank.py"), str(started)], env=env, text=True)
+    waiting.until(lambda: started.exists() and started.read_text(), progress=waiting.process_cpu(task.pid), poll=0.02,
+                  what="the container's process started")
+    assert started.read_text() == str(task.pid)  # it knows its owner: the task's shell
+    seen = tmp_path / "started.signals"
+    task.send_signal(signal.SIGUSR1)  # the warning signal
+    waiting.until(lambda: seen.exists() and seen.read_text(), progress=waiting.process_cpu(task.pid), poll=0.02,
+                  what="the warning signal reached the container")
+    task.send_signal(signal.SIGTERM)  # then the preemption
+    task.communicate(timeout=HANG_S)
+    assert (seen.read_text().split(), task.returncode) == (["SIGUSR1", "SIGTERM"], 7)
 
 
 def test_a_job_without_an_image_and_runtime_none_run_on_the_host():
