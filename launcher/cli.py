@@ -17,7 +17,7 @@ from typing import Any, NoReturn, TypeVar
 
 from launcher.commands import COMMANDS, subcommands
 from launcher.context import Context
-from lmcore.errors import EXIT_CODES, ExitCode, UserError
+from lmcore.errors import ERROR_KINDS, EXIT_CODES, ExitCode, UserError
 
 T = TypeVar("T")
 
@@ -258,7 +258,7 @@ def _reported(call: Callable[[], T], ctx: Context, debug: bool, *, as_json: bool
             raise
         ctx.err(f"error: {exc.message}")
         if as_json:
-            kind = {ExitCode.USAGE: "invalid", ExitCode.UNAVAILABLE: "unavailable"}.get(exc.exit_code, "failed")
+            kind = ERROR_KINDS.get(exc.exit_code, "failed")
             _json_error(ctx, kind, exc.message, exc.exit_code, getattr(exc, "problems", None))
         return int(exc.exit_code)
     except KeyboardInterrupt:

@@ -62,12 +62,12 @@ def _command(title: str, help_text: str, parser: argparse.ArgumentParser, level:
 
 
 def _exit_codes() -> list[str]:
-    from lmcore.errors import EXIT_CODES
+    from lmcore.errors import ERROR_KINDS, EXIT_CODES
 
     return ["## Exit codes and `--json`", "",
             "Every command exits with one of these; under `--json` a command prints one JSON document on "
             "stdout whether it succeeds or not: on an error `{\"ok\": false, \"error\": {\"kind\", \"message\", "
-            "\"problems\", \"exit_code\"}}` (kind: usage, invalid, unavailable, failed, bug), the message on "
+            f"\"problems\", \"exit_code\"}}}}` (kind: {', '.join(ERROR_KINDS.values())}, failed, bug), the message on "
             "stderr as well. A usage error prints the usage of the command it was made in.", "",
             "| code | meaning |", "|---|---|", *(f"| {int(c)} | {what} |" for c, what in EXIT_CODES.items()), ""]
 

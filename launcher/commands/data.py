@@ -123,8 +123,11 @@ def _prepare(args: argparse.Namespace, ctx: Context) -> int:
     inputs = shipped_corpus_files() if args.shipped_corpus else args.inputs
     if args.on_cluster:
         return _on_cluster(args, [str(i) for i in inputs], ctx)
-    result = prepare(inputs, args.out, tokenizer=args.tokenizer, if_missing=args.if_missing,
-                     text_key=args.text_key, skip_bad=args.skip_bad)
+    with ctx.working(f"preparing {args.out}: reading {len(inputs)} input(s)") as working:
+        result = prepare(inputs, args.out, tokenizer=args.tokenizer, if_missing=args.if_missing,
+                         text_key=args.text_key, skip_bad=args.skip_bad,
+                         progress=lambda docs, tokens: working.update(
+                             f"preparing {args.out}: {docs:,} documents, {tokens:,} tokens in this shard"))
     m = result.meta
     if result.skipped:
         ctx.out(f"ok: {result.out} already holds {m.num_tokens:,} tokens (--if-missing: kept as is)")

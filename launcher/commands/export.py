@@ -64,7 +64,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     from lmtrain.checkpoint.weights import UnreadableCheckpoint
 
     try:
-        summary = export_hf(plan, ckpt, out)
+        with ctx.working(f"exporting {run_dir.name} step-{ckpt.step} to {out}: its weights gathered and written"):
+            summary = export_hf(plan, ckpt, out)
     except UnreadableCheckpoint as exc:
         raise UserError(f"run {run_dir.name}: {exc}; export an older complete checkpoint with --step N") from exc
     chosen = describe_choice(ckpt_dir, ckpt) if args.step is not None or ckpt.step == ckpts[-1].step \

@@ -43,7 +43,8 @@ def _resolve(stage: pipeline.StagePlan, args: argparse.Namespace, ctx: Context) 
         return resolve(stage.spec_path, stage.overrides, args.cluster, ctx.environ, python=ctx.python,
                        force=args.force, data_later=bool(stage.after))  # an earlier stage may prepare its data
     except SpecError as exc:  # nothing is submitted: the stage that fails is named
-        raise SpecError([f"pipeline stage '{stage.name}': {p}" for p in exc.problems], source=exc.source) from None
+        raise SpecError([f"pipeline stage '{stage.name}': {p}" for p in exc.problems], source=exc.source,
+                        exit_code=exc.exit_code) from None
     except UserError as exc:
         raise UserError(f"pipeline {args.file}, stage '{stage.name}': {exc}", exit_code=exc.exit_code) from None
 

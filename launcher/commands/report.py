@@ -34,7 +34,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     out = Path(args.output) if args.output else rundir.RunLayout.of(run_dir).report
     if out.suffix.lower() != ".png":
         raise UserError(f"-o {out}: the report is a PNG; give a path ending in .png")
-    draw_png(data, out)
+    with ctx.working(f"drawing {out}", quiet=args.json):
+        draw_png(data, out)
     if args.json:
         ctx.out(json.dumps({**data.to_dict(), "png": str(out)}, indent=2))
     else:
@@ -57,7 +58,8 @@ def _sweep_report(args: argparse.Namespace, ctx: Context, points: list[runs.RunR
     search = search_driver.trial_rows(args.run, ctx)  # a search: its trials, the best by its objective
     if search is not None and search[1] is not None:
         data["best"] = search[1]
-    draw_sweep_png(args.run, data, out)
+    with ctx.working(f"drawing {out}", quiet=args.json):
+        draw_sweep_png(args.run, data, out)
     summary = {"sweep": args.run, "points": len(points), "best": data["best"], "final_loss": data["final_loss"],
                "png": str(out)}
     if search is not None:

@@ -32,8 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_spec_arguments(p, "trainer.zero_stage=3")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan; call no SLURM command (a run naming several clusters asks each when it "
-                        "would start: sbatch --test-only, nothing queued)")
+                   help="print the plan after every check submit makes, the controller's too where it answers "
+                        "(sbatch --test-only: its start estimate, or its refusal: exit 5); nothing is queued")
+    p.add_argument("--offline", action="store_true",
+                   help="with --dry-run: ask the controller nothing (the plan and lmlaunch's own checks only)")
     p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--new", action="store_true", help="start over if the run name exists (old run is archived)")
@@ -142,6 +144,11 @@ def _placed(args: argparse.Namespace, ctx: Context, first: Any, overrides: list[
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.offline and not args.dry_run:
+        from lmcore.errors import UserError
+
+        raise UserError("--offline is a dry run's: `lmlaunch submit SPEC --dry-run --offline` (a submission asks the "
+                        "controller in any case)")
     cluster, overrides = cluster_argument(args.cluster, args.overrides)
     r = resolve(args.spec, overrides, cluster, ctx.environ, python=ctx.python, force=args.force, several=True,
                 data_later=bool(args.after))  # a run it waits for may prepare its data
@@ -151,15 +158,17 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if r.spec.clusters and not cluster:  # several: the one where it starts soonest
         r, answers, placed = _placed(args, ctx, r, overrides, dependencies.planned(after))
     opening = _checked(args, r, ctx)  # what submit refuses, the dry run refuses too
-    if args.dry_run:  # the dependency as it would be asked for (SLURM is not asked here)
+    if args.dry_run:  # the dependency as it would be asked for (SLURM is not asked of it here)
         script = render_script(r.plan, dependencies.planned(after))
+        cluster_said = _cluster_answer(r.plan, script, bool(after), bool(answers), args.offline)
         if args.json:
             chosen = {"clusters": [dataclasses.asdict(a) for a in answers], "chosen": r.profile.name} if answers else {}
             said = {"opening": opening} if opening else {}  # what --resume starts from
-            ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script, **said, **chosen}, indent=2, sort_keys=True))
+            ctx.out(json.dumps({"plan": r.plan.to_dict(), "script": script, "cluster": cluster_said, **said, **chosen},
+                               indent=2, sort_keys=True))
         else:
             ctx.out("\n".join([*(f"# {line}" for line in placed), *(f"# {line}" for line in opening),
-                               render_dry_run(r.plan, script, ctx.environ)]))
+                               f"# {cluster_said}", render_dry_run(r.plan, script, ctx.environ)]))
         return 0
     for line in placed:
         ctx.out(line)
@@ -175,6 +184,22 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"note: a watcher (pid {pid}) {does}; it writes {RunLayout.of_plan(r.plan).mover_log} (again: "
                 f"lmlaunch move {r.plan.run_name} --detach)")
     return code
+
+
+def _cluster_answer(plan: LaunchPlan, script: str, after: bool, placed: bool, offline: bool) -> str:
+    """What the controller says of the script (launcher.submit.shape_check.dry_run_answer); a refusal
+    raises. Not asked under --offline, for a run placed among several clusters (their answers are
+    printed) or one waiting for another run (its dependency names jobs the controller judges at
+    submission)."""
+    if offline:
+        return "the cluster: not asked (--offline)"
+    if placed:
+        return "the cluster: chosen by the clusters' answers above"
+    if after:
+        return "the cluster: not asked by the dry run (--after: the dependency is judged when it is submitted)"
+    from launcher.submit.shape_check import dry_run_answer
+
+    return dry_run_answer(plan, script)
 
 
 def _checked(args: argparse.Namespace, r: Any, ctx: Context) -> list[str]:

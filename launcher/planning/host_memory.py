@@ -2,7 +2,8 @@
 checkpoints' buffers (``checkpoint.async_save``: lmtrain.checkpoint.async_checkpoint reserves them at
 the attempt's first step and keeps them for the attempt), per rank and per node, from the same model
 states launcher.planning.memory plans for the accelerator. launcher.planning.memory_check puts them in
-the plan and refuses a job whose ``resources.mem`` cannot hold them."""
+the plan and refuses a job whose ``resources.mem`` cannot hold them. :func:`node_memory_problem`: the
+memory a job asks per node against what the profile's nodes have (``mem_per_node``)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,18 @@ def host_staging(f: ModelFacts, s: Setup, tasks_per_node: int, rows: Sequence[Ro
     if s.parallelism.fsdp or s.parallelism.pipeline > 1 or s.tensor_parallel > 1:
         return HostStaging(params + opt, n * (params + opt), f"every rank its own shards, {n} rank(s) per node")
     return HostStaging(params + opt, params + opt, "rank 0 alone: the whole state (weights and AdamW moments)")
+
+
+def node_memory_problem(mem: str | None, asked: str | None, profile_name: str, mem_per_node: str | None,
+                        derived: str = "") -> str | None:
+    """Why the job's memory per node (``mem``: ``asked`` from resources.mem, else ``derived``, how the
+    profile's default made it) is more than a node of the profile has (``mem_per_node``); None when it
+    fits or either is unknown. SLURM queues such a job and never starts it."""
+    from lmcore.spec import mem_to_mb
+
+    if mem is None or mem_per_node is None or mem_to_mb(mem) <= mem_to_mb(mem_per_node):
+        return None
+    what = f"resources.mem({asked})" if asked else f"the job's memory per node, {derived} = {mem},"
+    return (f"{what} is above the {mem_per_node} a node of profile '{profile_name}' has (mem_per_node): SLURM "
+            f"would never start the job; ask {mem_per_node} or less"
+            + ("" if asked else " (set resources.mem, or correct the profile's mem_per_gpu)"))

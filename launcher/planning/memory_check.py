@@ -12,7 +12,7 @@ from typing import Any
 from launcher.planning import host_memory, memory, memory_stages
 from launcher.planning.memory_inputs import model_facts, unavailable
 from launcher.spec.profiles import Profile
-from lmcore.errors import UserError
+from lmcore.errors import ExitCode, UserError
 from lmcore.plan import MODEL_STATE_ROWS, LaunchPlan
 from lmcore.spec import JobSpec, mem_to_mb
 
@@ -54,7 +54,7 @@ def planned(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapping[
 
 def with_memory(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapping[str, str] | None = None,
                 *, force: bool = False, source: str = "") -> LaunchPlan:
-    """``plan`` with its ``memory``; a GPU job that does not fit is refused (UserError, exit 2)
+    """``plan`` with its ``memory``; a GPU job that does not fit is refused (UserError, exit 4: INVALID)
     unless ``force``."""
     try:
         got = planned(spec, profile, plan, environ)
@@ -70,7 +70,7 @@ def with_memory(spec: JobSpec, profile: Profile, plan: LaunchPlan, environ: Mapp
         plan = dataclasses.replace(plan, notes=(*plan.notes, "pipeline stages: " + "; ".join(stages)))
     if b.fits is False:
         if not force:
-            raise UserError(refusal(got, profile, source))
+            raise UserError(refusal(got, profile, source), exit_code=ExitCode.INVALID)
         plan = dataclasses.replace(plan, notes=(*plan.notes, f"memory: the planned peak {memory.gb(b.peak)} exceeds "
                                                 f"{memory.gb(b.usable)} usable of the GPU's {profile.gpu_memory} (--force)"))
     if spec.checkpoint.async_save:
@@ -99,7 +99,7 @@ def _with_host_staging(plan: LaunchPlan, got: Planned, *, force: bool, source: s
                f"{what} (staged: {staging.how}). Ask for more (resources.mem), or set checkpoint.async_save: false "
                f"(every checkpoint written synchronously, holding training until it is durable)")
     if not force:
-        raise UserError(message + " (--force submits anyway)")
+        raise UserError(message + " (--force submits anyway)", exit_code=ExitCode.INVALID)
     return dataclasses.replace(plan, notes=(*plan.notes, message.split(": ", 1)[-1] + " (--force)"))
 
 

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 from launcher.planning import gpus, mesh_notes
 from launcher.planning.deepspeed_config import render_deepspeed
 from launcher.planning.evaluator import plan_evaluator
+from launcher.planning.host_memory import node_memory_problem
 from launcher.planning.placement import merge_env, plan_placement
 from launcher.planning.planned_env import render_env
 from launcher.spec.profiles import Profile, check_slurm_path
@@ -110,10 +111,8 @@ def _partition(spec: JobSpec, profile: Profile, problems: list[str]) -> str:
     }
     partition = r.partition or by_kind[r.partition_kind] or profile.default_partition
     if r.partition is None and by_kind[r.partition_kind] is None:
-        problems.append(
-            f"resources.partition_kind({r.partition_kind}): profile '{profile.name}' has no "
-            f"{r.partition_kind} partition; its partitions: {', '.join(profile.partitions)}"
-        )
+        problems.append(f"resources.partition_kind({r.partition_kind}): profile '{profile.name}' has no "
+                        f"{r.partition_kind} partition; its partitions: {', '.join(profile.partitions)}")
     elif partition not in profile.partitions:
         problems.append(
             f"resources.partition '{partition}' is not a partition of profile '{profile.name}'"
@@ -122,10 +121,8 @@ def _partition(spec: JobSpec, profile: Profile, problems: list[str]) -> str:
     else:
         part = profile.partitions[partition]
         if r.time_minutes > part.max_minutes:
-            problems.append(
-                f"resources.time({r.time}) = {r.time_minutes} min is above partition '{partition}' "
-                f"max_time({part.max_time}) = {part.max_minutes} min"
-            )
+            problems.append(f"resources.time({r.time}) = {r.time_minutes} min is above partition '{partition}' "
+                            f"max_time({part.max_time}) = {part.max_minutes} min")
         if part.nodes is not None and r.nodes + r.spare_nodes > part.nodes:
             spares = f" + resources.spare_nodes({r.spare_nodes}) = {r.nodes + r.spare_nodes}" if r.spare_nodes else ""
             problems.append(f"resources.nodes({r.nodes}){spares} is above the {part.nodes} node(s) of partition "
@@ -142,6 +139,9 @@ def _slurm(
     mem = r.mem
     if mem is None and profile.mem_per_gpu and r.gpus_per_node:
         mem = f"{mem_to_mb(profile.mem_per_gpu) * r.gpus_per_node}M"
+    if r.mem or r.gpus_per_node <= profile.gpus_per_node:  # (more GPUs than a node has: said, the root cause)
+        problems += filter(None, [node_memory_problem(mem, r.mem, profile.name, profile.mem_per_node,
+                                                      f"mem_per_gpu({profile.mem_per_gpu}) x gpus_per_node({r.gpus_per_node})")])
     gres = f"{profile.gres_name}:{r.gpus_per_node}" if r.gpus_per_node else None
     signal_name = spec.preemption.signal
     # submitit's file names (submitit.core.utils.JobPaths): the batch shell writes task 0's

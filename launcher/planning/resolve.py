@@ -137,7 +137,7 @@ def _profile_of(spec: JobSpec, cluster: str | None, origin: Any, env: Mapping[st
         if exc.source is not None:  # the profile file itself is broken
             raise
         where = "--cluster" if cluster else (origin.locate(("cluster",)) or "cluster")
-        raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"]) from None
+        raise SpecError([f"{where}: {exc.problems[0].removeprefix('cluster: ')}"], exit_code=exc.exit_code) from None
 
 
 def _profile_gpus(spec: JobSpec, profile: Profile) -> tuple[JobSpec, str | None]:
@@ -259,5 +259,6 @@ def resolve(
     except SpecError as exc:
         if exc.source is not None:
             raise
-        raise SpecError([located(p, origin) for p in exc.problems], source=str(spec_path)) from None
+        raise SpecError([located(p, origin) for p in exc.problems], source=str(spec_path),
+                        exit_code=exc.exit_code) from None
     return Resolved(spec=spec, profile=profile, plan=plan)

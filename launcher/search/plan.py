@@ -83,7 +83,7 @@ def check_corners(spec: str, overrides: list[str], cluster: str | None, search: 
                     plan_each(spec, ov, r.spec.clusters or [], ctx.environ, ctx.python, done=r)
             except SpecError as exc:
                 raise SpecError([f"search {source}, params.{key} = {value!r}: {p}" for p in exc.problems],
-                                source=exc.source) from None
+                                source=exc.source, exit_code=exc.exit_code) from None
             first = first or r
     assert first is not None
     _one_study(first, ctx, source)

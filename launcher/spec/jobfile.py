@@ -151,7 +151,7 @@ def load_job_with_origin(
     try:
         return resolve_paths(spec, base, origin), origin
     except SpecError as exc:
-        raise SpecError(exc.problems, source=str(path)) from None
+        raise SpecError(exc.problems, source=str(path), exit_code=exc.exit_code) from None
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:

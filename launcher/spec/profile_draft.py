@@ -203,16 +203,17 @@ def _node_lines(nodes: list[Mapping[str, str]], partition: str) -> list[str]:
     gpu_counts = Counter(g for g in (gpus_of(n.get("Gres", "")) for n in nodes) if g is not None)
     cpus = min((_int(n.get("CPUTot")) for n in nodes), default=0) or 1
     mem_mb = min((_int(n.get("RealMemory")) for n in nodes), default=0)
+    node_mem = [f"mem_per_node: {_mem(mem_mb)}  # the smallest RealMemory of the nodes of '{partition}'"] if mem_mb else []
     if not gpu_counts:
         return [f"gpus_per_node: 0  # no GPU Gres on the nodes of '{partition}'",
                 "cpus_per_gpu: 1  # CPU tasks get one core each; raise it for threaded data loading",
-                f"max_tasks_per_node: {cpus}  # the smallest CPUTot of the nodes of '{partition}'"]
+                f"max_tasks_per_node: {cpus}  # the smallest CPUTot of the nodes of '{partition}'", *node_mem]
     (gres, gpus), seen = gpu_counts.most_common(1)[0]
     y = [f"gpus_per_node: {gpus}  # Gres of {seen} of the {len(nodes)} nodes of '{partition}'",
          f"gres_name: {_quote(gres)}",
          f"cpus_per_gpu: {max(1, cpus // gpus)}  # CPUTot {cpus} / {gpus} GPUs"]
     if mem_mb:
-        y.append(f"mem_per_gpu: {_mem(mem_mb // gpus)}  # RealMemory {mem_mb} MB / {gpus} GPUs")
+        y += [f"mem_per_gpu: {_mem(mem_mb // gpus)}  # RealMemory {mem_mb} MB / {gpus} GPUs", *node_mem]
     y.append(f"max_tasks_per_node: {gpus}  # one task per GPU")
     kind = gres.partition(":")[2]
     memory = gpu_memory_of(kind)

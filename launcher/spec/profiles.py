@@ -221,6 +221,8 @@ class Profile(StrictModel):
     """CPU cores per GPU task (or per CPU task on a CPU-only cluster)."""
     mem_per_gpu: MemSize | None = None
     """Memory per GPU (e.g. 200G); the job's mem per node defaults to this x GPUs."""
+    mem_per_node: MemSize | None = None
+    """Memory a job may have on one node (`profile init` writes the smallest RealMemory of the default partition's nodes): a job asking more per node (resources.mem, or mem_per_gpu x GPUs) is refused at validate; absent: not checked (SLURM would queue it and never start it)."""
     gpu_memory: MemSize | None = None
     """Memory of one GPU (e.g. 80G): a job whose planned per-rank peak exceeds 90 % of it is refused at validate (`--force` submits anyway); absent: not checked."""
     max_tasks_per_node: int = Field(64, ge=1, le=4096)

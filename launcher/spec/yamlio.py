@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from lmcore.errors import SpecError
+from lmcore.errors import ExitCode, SpecError
 from lmcore.text_rules import brief, escape_controls
 
 MAX_FILE_BYTES = 1 << 20
@@ -298,15 +298,15 @@ def read_text_bounded(path: str | Path, what: str = "file", limit: int = MAX_FIL
         st = os.stat(p)
         if not stat.S_ISREG(st.st_mode):
             kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
-            raise SpecError([f"{what} {shown} is {kind}, not a regular file"])
+            raise SpecError([f"{what} {shown} is {kind}, not a regular file"], exit_code=ExitCode.USAGE)
         if st.st_size > limit:
             raise SpecError([f"{what} {shown} is {st.st_size} bytes; at most {limit} ({limit >> 10} KiB)"])
         with open(p, "rb") as f:
             raw = f.read(limit + 1)
     except FileNotFoundError:
-        raise SpecError([f"{what} not found: {shown}"]) from None
+        raise SpecError([f"{what} not found: {shown}"], exit_code=ExitCode.USAGE) from None
     except OSError as exc:
-        raise SpecError([f"cannot read {what} {shown}: {exc.strerror or exc}"]) from None
+        raise SpecError([f"cannot read {what} {shown}: {exc.strerror or exc}"], exit_code=ExitCode.USAGE) from None
     if len(raw) > limit:
         raise SpecError([f"{what} {shown} is more than {limit} bytes ({limit >> 10} KiB)"])
     try:

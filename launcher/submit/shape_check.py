@@ -13,6 +13,11 @@ controller also refuses is refused, with SLURM's words, the shape and the partit
 nothing is queued. Any other answer (a busy controller, a timeout) leaves the decision to sbatch.
 
 A run with an evaluator alongside is one heterogeneous job: every refusal of it names eval.alongside.
+
+The dry run asks the controller itself (:func:`dry_run_answer`: ``sbatch --test-only`` on the
+script submit would send, where the controller answers and has the job's partition): what it refuses (a shape, an account, a
+QOS, a reservation, a GRES) is refused as submit would be (exit 5, REFUSED), what it accepts is
+said with its start estimate.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 from launcher.runs.home import lmlaunch_home
 from lmcore import rundir
-from lmcore.errors import UserError
+from lmcore.errors import ExitCode, UserError
 from lmcore.plan import LaunchPlan
 from lmcore.slurm import client as slurm
 
@@ -42,7 +47,7 @@ def refuse_rest_heterogeneous_job() -> None:
 
 
 def judge(plan: LaunchPlan, text: str) -> None:
-    """Raise UserError (exit 2) when the controller says the job's script can never run."""
+    """Raise UserError (exit 5, REFUSED) when the controller says the job's script can never run."""
     if plan.evaluator:
         _check_heterogeneous_job(plan, text)
         return
@@ -57,13 +62,17 @@ def judge(plan: LaunchPlan, text: str) -> None:
         return
     if ok or not any(words in message for words in IMPOSSIBLE):
         return
+    raise _shape_refused(p, message)
+
+
+def _shape_refused(p: Any, message: str) -> UserError:
     facts = _facts(p.partition, fresh=False) or {}
-    raise UserError(
+    return UserError(
         f"resources: the cluster cannot run this job as asked (sbatch --test-only: {message}): "
         f"nodes({p.nodes}) x tasks_per_node({p.ntasks_per_node}) x cpus_per_task({p.cpus_per_task})"
         f"{f', gpus_per_node({p.gpus_per_node})' if p.gpus_per_node else ''} on partition '{p.partition}', "
         f"which has {len(facts.get('cpus') or [])} node(s) of {_cpus_text(facts)} CPUs. "
-        f"`sinfo -p {p.partition} -o '%D %c %G'` shows its nodes; nothing was submitted", exit_code=2)
+        f"`sinfo -p {p.partition} -o '%D %c %G'` shows its nodes; nothing was submitted", exit_code=ExitCode.REFUSED)
 
 
 FACTS_TTL_S = 600.0
@@ -125,4 +134,29 @@ def _check_heterogeneous_job(plan: LaunchPlan, text: str) -> None:
     ok, message = slurm.test_only("sbatch", [], script=text)
     if not ok:
         raise UserError(f"eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator): {message}",
-                        exit_code=2)
+                        exit_code=ExitCode.REFUSED)
+
+
+def dry_run_answer(plan: LaunchPlan, text: str) -> str:
+    """The dry run's line on the cluster: what ``sbatch --test-only`` says of the job's script where
+    the controller answers (a refusal raised as submit raises it: UserError, REFUSED), else why it
+    was not asked. Nothing is queued."""
+    if slurm.rest_client() is not None:
+        return "the cluster: not asked by the dry run (slurmrestd judges the job when it is submitted)"
+    if not slurm.ping(timeout=5.0):
+        return "the cluster: not asked (its controller does not answer `scontrol ping`); submit asks it"
+    if _facts(plan.slurm.partition, fresh=False) is None:  # another cluster's profile, or a partition gone
+        return (f"the cluster: not asked (the SLURM that answers here lists no partition '{plan.slurm.partition}': "
+                "not this profile's cluster?)")
+    try:
+        ok, message = slurm.test_only("sbatch", [], script=text)
+    except Exception as exc:  # a timeout: said, and submit asks again
+        return f"the cluster: sbatch --test-only gave no answer ({type(exc).__name__}: {str(exc)[:200]})"
+    if not ok and not plan.evaluator and any(words in message for words in IMPOSSIBLE):
+        raise _shape_refused(plan.slurm, message)
+    if not ok:
+        what = "eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator)" if plan.evaluator \
+            else "the cluster refuses the job"
+        raise UserError(f"{what} (sbatch --test-only: {message}); submit would queue nothing",
+                        exit_code=ExitCode.REFUSED)
+    return f"the cluster would take it (sbatch --test-only: {message})"

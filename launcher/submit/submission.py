@@ -21,7 +21,7 @@ from launcher.spec import transport
 from launcher.submit import dependencies, far_submit, lifecycle, shape_check
 from launcher.submit.script import executor_parameters, render_script, submit_command
 from lmcore import rundir
-from lmcore.errors import SlurmUnavailable, UserError
+from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.plan import LaunchPlan
 from lmcore.slurm import client as slurm, rest_calls
 
@@ -86,7 +86,7 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
                 f"sbatch could not reach the SLURM controller: {msg.splitlines()[0]}. "
                 "Local cluster: start it with `lmlaunch cluster up`."
             ) from None
-        raise UserError(f"sbatch refused the job of run '{plan.run_name}': {msg}", exit_code=1) from None
+        raise UserError(f"sbatch refused the job of run '{plan.run_name}': {msg}", exit_code=ExitCode.REFUSED) from None
     except FileNotFoundError as exc:
         raise SlurmUnavailable(f"cannot submit: {exc.filename or exc} not found (no SLURM client)") from None
     return [str(job.job_id) for job in jobs]

@@ -14,21 +14,32 @@ from collections.abc import Iterable
 
 class ExitCode(enum.IntEnum):
     OK = 0
-    FAILURE = 1  # a command ran and failed (the job failed, SLURM refused it, ...)
-    USAGE = 2  # bad input: spec, profile, override, arguments. Nothing was submitted.
+    FAILURE = 1  # a command ran and failed (the job failed, a copy did not happen, ...)
+    USAGE = 2  # the command line: arguments, options, a run, rank or job that does not exist
     UNAVAILABLE = 3  # SLURM is absent or its controller does not answer
+    INVALID = 4  # the job spec, cluster profile or an override is invalid. Nothing was submitted.
+    REFUSED = 5  # the cluster cannot run the job as asked (its controller says so). Nothing was queued.
     INTERRUPTED = 130
     BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (`... | head -1`)
 
 
 EXIT_CODES: dict[ExitCode, str] = {  # what each exit status means (the CLI's --help and its reference say it)
     ExitCode.OK: "done",
-    ExitCode.FAILURE: "a command ran and failed (SLURM refused it, the job failed, a bug)",
-    ExitCode.USAGE: "bad input: arguments, job spec, profile or override; nothing was submitted",
+    ExitCode.FAILURE: "a command ran and failed (the job failed, a copy or a cancel did not happen, a bug)",
+    ExitCode.USAGE: "the command line: an unknown command or option, a bad argument, a run, rank or job that "
+                    "does not exist; nothing was submitted",
     ExitCode.UNAVAILABLE: "SLURM is absent or its controller does not answer",
+    ExitCode.INVALID: "the job spec, a cluster profile or an override is invalid (each problem with its key); "
+                      "nothing was submitted",
+    ExitCode.REFUSED: "the cluster cannot run the job as asked: more nodes, CPUs or GPUs than its partition has, "
+                      "or sbatch refused it; nothing was queued",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C)",
     ExitCode.BROKEN_PIPE: "the reader of the output went away (a pipe into head that ended)",
 }
+
+# The ``kind`` of a --json error for each exit code (any other: "failed"; a traceback: "bug")
+ERROR_KINDS: dict[ExitCode, str] = {ExitCode.USAGE: "usage", ExitCode.INVALID: "invalid",
+                                    ExitCode.UNAVAILABLE: "unavailable", ExitCode.REFUSED: "refused"}
 
 
 class UserError(Exception):
@@ -47,9 +58,10 @@ class UserError(Exception):
 
 
 class SpecError(UserError):
-    """One or more problems in a job spec, cluster profile or override (exit code 2)."""
+    """One or more problems in a job spec, cluster profile or override (exit code 4, INVALID; a file
+    that is not there or cannot be read: 2, USAGE, as any other argument naming nothing)."""
 
-    def __init__(self, problems: list[str], *, source: str | None = None) -> None:
+    def __init__(self, problems: list[str], *, source: str | None = None, exit_code: ExitCode = ExitCode.INVALID) -> None:
         self.problems = [_one_line(p) for p in problems]
         self.source = source
         head = f"{_one_line(source, 200)}: " if source else ""
@@ -59,7 +71,7 @@ class SpecError(UserError):
             text = head + f"{len(self.problems)} problems:\n" + "\n".join(
                 f"  - {p}" for p in self.problems
             )
-        super().__init__(text, exit_code=ExitCode.USAGE)
+        super().__init__(text, exit_code=exit_code)
 
 
 def _one_line(text: str, limit: int = 1000) -> str:

@@ -159,7 +159,7 @@ def _exporter_and_dashboard(lm_env, run_name, tmp_path, ours) -> None:
 def test_an_evaluator_killed_mid_checkpoint_never_stops_the_training(slurm_cluster, lm_env, run_name, own_jobs):
     # first, one the cluster cannot hold: the controller refuses the heterogeneous job, nothing is queued
     code, out, err = lm(lm_env, "submit", SPEC, f"name={run_name}", *EVAL_BASE, "eval.alongside.cpus_per_task=64")
-    assert code == 2 and "eval.alongside: SLURM refuses the heterogeneous job" in err, out + err
+    assert code == 5 and "eval.alongside: SLURM refuses the heterogeneous job" in err, out + err
     assert not (Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name).exists()
     job_id, run_dir = submit_eval(lm_env, run_name, "trainer.max_steps=60", "checkpoint.every_n_steps=20",
                                   "eval.alongside.finish_wait_s=30")

@@ -81,6 +81,6 @@ def test_a_pipeline_with_an_invalid_stage_submits_nothing(slurm_cluster, cli, lm
     d["stages"][1]["overrides"].append("trainer.max_steps=-3")
     path.write_text(json.dumps(d))
     r = cli("pipeline", str(path))
-    assert r.code == 2 and "pipeline stage 'eval'" in r.err and "trainer.max_steps" in r.err, r.out + r.err
+    assert r.code == 4 and "pipeline stage 'eval'" in r.err and "trainer.max_steps" in r.err, r.out + r.err
     assert not (Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / f"{run_name}.train").exists()
     assert cli("status", f"{run_name}.train").code != 0

@@ -130,7 +130,7 @@ def test_a_shape_no_partition_or_node_holds_is_refused_before_queueing(eight_nod
     with cluster.own_conf(eight_nodes.layout):
         code, out, err = lm(env, "submit", SPEC, f"name={name}", *shape)
         queued = [j for j in slurm.squeue() if j.name == name]
-    assert code == 2 and not queued, out + err
+    assert code == 5 and not queued, out + err  # REFUSED: the controller said so
     assert "the cluster cannot run this job as asked (sbatch --test-only: " in err and "nothing was submitted" in err, err
     assert "Requested node configuration is not available" in err, err
     assert not (Path(env["LMLAUNCH_RUNS_ROOT"]) / name).exists()

@@ -139,10 +139,32 @@ def test_sbatch_refusal_leaves_no_run_dir_and_no_registry_entry(slurm_cluster, c
         r = cli("submit", SPEC, f"name={run_name}", "--cluster", "ghostly", env=env)
     finally:
         del os.environ["LMLAUNCH_PROFILES_DIR"]
-    assert r.code == 1, r.out + r.err
+    assert r.code == 5, r.out + r.err  # REFUSED
     assert "sbatch refused the job" in r.err and "partition" in r.err.lower()
     assert not (Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name).exists()
     assert runs.load_record(run_name, lm_env) is None
+    dry = cli("submit", SPEC, f"name={run_name}", "--cluster", "ghostly", "--dry-run", env=env)
+    assert dry.code == 0 and dry.out.startswith(
+        "# the cluster: not asked (the SLURM that answers here lists no partition 'ghost'"), dry.out[:300]
+
+
+def test_the_dry_run_asks_the_controller_and_is_refused_as_submit_would_be(slurm_cluster, cli, lm_env, run_name):
+    """The dry run is the submission minus the queue: `sbatch --test-only` on the script submit would
+    send; what the controller refuses exits 5 (REFUSED) with its words, nothing queued or written."""
+    ok = cli("submit", SPEC, f"name={run_name}", *SMALL, "--dry-run")
+    assert ok.code == 0 and re.match(r"# the cluster would take it \(sbatch --test-only: .*Job \d+ to start at .*"
+                                     r"in partition low\)\n# lmlaunch plan", ok.out), ok.out[:400]
+    said = json.loads(cli("submit", SPEC, f"name={run_name}", *SMALL, "--dry-run", "--json").out)["cluster"]
+    assert said.startswith("the cluster would take it (sbatch --test-only: "), said
+    shape = cli("submit", SPEC, f"name={run_name}", *SMALL, "resources.cpus_per_task=8", "--dry-run")
+    assert shape.code == 5 and shape.out == "", shape.out + shape.err
+    assert ("resources: the cluster cannot run this job as asked (sbatch --test-only: " in shape.err
+            and "cpus_per_task(8) on partition 'low', which has 2 node(s) of 4 CPUs" in shape.err), shape.err
+    refused = cli("submit", SPEC, f"name={run_name}", *SMALL, "slurm.sbatch.reservation=nowhere", "--dry-run", "--json")
+    got = json.loads(refused.out)["error"]
+    assert refused.code == 5 and got["kind"] == "refused" and "reservation" in got["message"].lower(), got
+    assert not [j for j in slurm.squeue() if j.name == run_name]
+    assert not (Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name).exists() and runs.load_record(run_name, lm_env) is None
 
 
 def test_unreachable_controller_is_a_clear_message_and_nothing_is_written(slurm_cluster, lm_env, run_name, tmp_path):

@@ -37,7 +37,7 @@ def test_a_task_that_cannot_start_its_interpreter_fails_the_job(slurm_cluster, c
         overrides = ["--cluster", "nopython"]
     if where == "podman":  # tried before queueing: refused, nothing written; --force submits it anyway
         r = cli("submit", str(spec), f"name={run_name}", *SMALL, *overrides, env=lm_env)
-        assert r.code == 2 and "container.python: `python3` does not start in" in r.err and error in r.err, r.err
+        assert r.code == 4 and "container.python: `python3` does not start in" in r.err and error in r.err, r.err
         assert "--force submits anyway" in r.err and not (tmp_path / "runs" / run_name).exists()  # lm_env's root
         listed = json.loads(cli("status", "--all", "--json", env=lm_env).out)["runs"]
         assert not [x for x in listed if x["name"] == run_name], listed

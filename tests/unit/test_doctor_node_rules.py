@@ -212,7 +212,8 @@ def _dry_run(tmp_path: Path, *extra: str) -> tuple[int, str]:
     out = io.StringIO()
     env = {"LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_HOME": str(tmp_path / "home"),
            "HOME": str(tmp_path), "USER": "u", "PATH": "/usr/bin"}
-    code = main(["submit", str(REPO / "jobs" / "tiny-cpu.yaml"), "--dry-run", *extra],
+    # --offline: the controller is not asked (the live 2-node cluster would refuse a 2-node job without n2)
+    code = main(["submit", str(REPO / "jobs" / "tiny-cpu.yaml"), "--dry-run", "--offline", *extra],
                 Context(stdout=out, stderr=io.StringIO(), environ=env))
     return code, out.getvalue()
 

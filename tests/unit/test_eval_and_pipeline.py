@@ -79,7 +79,7 @@ def test_the_dry_run_plans_every_stage_and_an_invalid_one_stops_everything(repo,
     bad.write_text(text.replace("eval.max_batches=20", "eval.max_batches=0")
                    .replace("spec: ../tiny-cpu.yaml", f"spec: {repo / 'jobs' / 'tiny-cpu.yaml'}"))
     code, out, err = _cli("pipeline", str(bad), environ=env)  # not a dry run: nothing may be submitted
-    assert code == 2 and "pipeline stage 'eval'" in err and "eval.max_batches" in err, err
+    assert code == 4 and "pipeline stage 'eval'" in err and "eval.max_batches" in err, err
     assert not (runs_root.exists() and list(runs_root.iterdir())) and not (tmp_path / "home" / "registry").exists()
 
 

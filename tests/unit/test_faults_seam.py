@@ -165,7 +165,7 @@ def test_a_job_spec_cannot_turn_it_on(repo, override, tmp_path):
     out = io.StringIO()
     code = main(["validate", str(repo / "jobs" / "tiny-cpu.yaml"), override],
                 Context(stdout=out, stderr=out, environ={"LMLAUNCH_RUNS_ROOT": str(tmp_path)}))
-    assert code == 2, out.getvalue()
+    assert code == 4, out.getvalue()
     assert "may not be set by a job" in out.getvalue() and "belong to lmlaunch" in out.getvalue(), out.getvalue()
 
 

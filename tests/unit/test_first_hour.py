@@ -82,16 +82,16 @@ def test_validate_json_is_json_for_every_shipped_spec(spec):
 def test_validate_json_of_an_invalid_spec_is_json_naming_every_problem():
     code, out, err = cli("validate", TINY, "trainer.max_steps=-1", "data.micro_batch_size=0", "--json")
     got = json.loads(out)
-    assert code == 2 and got["ok"] is False and got["error"]["kind"] == "invalid", out
+    assert code == 4 and got["ok"] is False and got["error"]["kind"] == "invalid", out
     assert len(got["error"]["problems"]) == 2 and "trainer.max_steps" in out and "data.micro_batch_size" in out, out
     assert err.startswith("error: "), err  # the terminal still says it
-    code, out, _ = cli("validate", "/no/such/spec.yaml", "--json")
-    assert code == 2 and json.loads(out)["ok"] is False
+    code, out, _ = cli("validate", "/no/such/spec.yaml", "--json")  # an argument naming nothing: a usage error
+    assert code == 2 and json.loads(out)["error"]["kind"] == "usage"
 
 
 def test_a_sequence_longer_than_learned_positions_is_refused_naming_both_keys():
     code, out, err = cli("validate", TINY, "data.seq_len=4096")
-    assert code == 2 and out == ""
+    assert code == 4 and out == ""
     assert "data.seq_len 4096 is longer than the model's 128 learned positions" in err, err
     assert "set data.seq_len: 128 or less, or model.config.n_positions: 4096 or more" in err, err
     assert "memory" not in err  # root cause first: not the consequence (activations for 4096 tokens)
@@ -111,11 +111,11 @@ def test_a_data_path_that_is_a_raw_file_unprepared_or_missing_here_is_refused(tm
     raw = tmp_path / "corpus.jsonl"
     raw.write_text('{"text": "hello"}\n')
     code, _, err = cli("validate", TINY, f"data.path={raw}")
-    assert code == 2 and "a raw text file, not a prepared store" in err and f"lmlaunch data prepare {raw} --out DIR" in err
+    assert code == 4 and "a raw text file, not a prepared store" in err and f"lmlaunch data prepare {raw} --out DIR" in err
     code, _, err = cli("validate", TINY, f"data.path={tmp_path}")
-    assert code == 2 and "meta.json is missing: not a prepared data directory" in err, err
+    assert code == 4 and "meta.json is missing: not a prepared data directory" in err, err
     code, _, err = cli("validate", TINY, f"data.path={tmp_path / 'typo'}")
-    assert code == 2 and "no such directory here" in err and "--on-cluster" in err, err
+    assert code == 4 and "no such directory here" in err and "--on-cluster" in err, err
 
 
 def test_a_missing_store_is_a_note_where_the_nodes_may_see_it_or_an_earlier_job_makes_it(tmp_path):
@@ -197,11 +197,30 @@ def test_more_nodes_than_the_partition_has_spares_included_is_refused_at_validat
     env = {**os.environ, "LMLAUNCH_PROFILES_DIR": str(tmp_path)}
     out, err = io.StringIO(), io.StringIO()
     code = main(["submit", TINY, "resources.spare_nodes=1", "--dry-run"], Context(stdout=out, stderr=err, environ=env))
-    assert code == 2 and "#SBATCH" not in out.getvalue(), out.getvalue()
+    assert code == 4 and "#SBATCH" not in out.getvalue(), out.getvalue()
     assert ("resources.nodes(2) + resources.spare_nodes(1) = 3 is above the 2 node(s) of partition 'low' "
             "(profile 'local')") in err.getvalue(), err.getvalue()
     code = main(["validate", TINY], Context(stdout=out, stderr=err, environ=env))
     assert code == 0  # 2 nodes fit
+
+
+def test_more_memory_a_node_than_the_profiles_nodes_have_is_refused_at_validate(tmp_path):
+    """resources.mem, or the profile's mem_per_gpu x GPUs, against its mem_per_node (what `profile
+    init` reads off RealMemory): SLURM would queue the job and never start it."""
+    code, _, err = cli("validate", TINY, "resources.mem=8G")
+    assert code == 4 and ("resources.mem(8G) is above the 4G a node of profile 'local' has (mem_per_node): SLURM "
+                          "would never start the job; ask 4G or less") in err, err
+    assert cli("validate", TINY, "resources.mem=4G")[0] == 0
+    import yaml
+
+    h100 = yaml.safe_load((REPO / "cluster_profiles" / "h100-ib.yaml").read_text())
+    h100["mem_per_node"] = "1000G"  # below mem_per_gpu(220G) x 8
+    (tmp_path / "h100-ib.yaml").write_text(yaml.safe_dump(h100))
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["validate", str(REPO / "jobs" / "llama-1b-zero2.yaml"), "--cluster", "h100-ib"],
+                Context(stdout=out, stderr=err, environ={**os.environ, "LMLAUNCH_PROFILES_DIR": str(tmp_path)}))
+    assert code == 4 and ("the job's memory per node, mem_per_gpu(220G) x gpus_per_node(8) = 1802240M, is above the "
+                          "1000G a node of profile 'h100-ib' has") in err.getvalue(), err.getvalue()
 
 
 def test_the_dry_run_makes_the_checks_submit_makes_on_the_run_name_and_says_what_resume_starts_from(tmp_path):
@@ -221,7 +240,8 @@ def test_the_dry_run_makes_the_checks_submit_makes_on_the_run_name_and_says_what
     assert code == 2 and "run 'again' already exists" in err and "--resume" in err and not out, err
     code, out, err = dry("--resume")
     said = "run 'again' has no checkpoint and never trained past step 0: it starts at step 0"
-    assert code == 0 and out.startswith(f"# {said}\n# lmlaunch plan"), out[:300]  # never trained: nothing to lose
+    assert code == 0 and out.startswith(f"# {said}\n# the cluster"), out[:300]  # never trained: nothing to lose
+    assert "\n# lmlaunch plan" in out  # (the controller's answer, where it answers: tests/integration/test_submit_local.py)
     code, out, err = dry("--resume", "--json")
     assert code == 0 and json.loads(out)["opening"] == [said], out[:300]
 
@@ -240,6 +260,19 @@ def test_long_work_says_what_runs_on_a_terminal_and_nothing_in_a_pipe_or_under_j
     assert code == 0 and err.getvalue() == ""  # --json: quiet
     code, _, err_text = cli("validate", TINY)  # a pipe
     assert code == 0 and "validating" not in err_text
+
+
+def test_data_prepare_says_how_far_it_is_on_a_terminal_only(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some words to tokenize\n" * 200)
+    err = _Terminal()
+    code = main(["data", "prepare", str(corpus), "--out", str(tmp_path / "store")],
+                Context(stdout=io.StringIO(), stderr=err, environ=dict(os.environ)))
+    said = " ".join(err.getvalue().split())  # as rich wrapped it
+    assert code == 0 and f"preparing {tmp_path / 'store'}: " in said, said
+    assert "tokens in this shard" in said, said  # the batches' counts, as they are written
+    code, out, err_text = cli("data", "prepare", str(corpus), "--out", str(tmp_path / "again"))  # a pipe
+    assert code == 0 and out.startswith("ok: ") and "preparing" not in err_text
 
 
 def _json_commands() -> list[tuple[list[str], int]]:
@@ -307,4 +340,4 @@ def test_a_spec_without_gpus_per_node_on_a_gpu_profile_is_planned_on_its_gpus(tm
                        "--json")
     assert code == 0 and json.loads(out)["plan"]["topology"]["accelerator"] == "cpu"  # said explicitly: a CPU job
     code, _, err = cli("validate", str(path), "resources.tasks_per_node=2")
-    assert code == 2 and "with resources.gpus_per_node left out: profile 'h100-ib' has 8 GPUs per node" in err, err
+    assert code == 4 and "with resources.gpus_per_node left out: profile 'h100-ib' has 8 GPUs per node" in err, err

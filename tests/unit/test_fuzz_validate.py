@@ -80,9 +80,9 @@ def _validate(tmp_path: Path, text: str, overrides: list[str]) -> tuple[int, str
 
 def _check(tmp_path: Path, text: str, overrides: list[str]) -> None:
     code, out, err, spec = _validate(tmp_path, text, overrides)
-    assert code in (0, 2), (code, err[-1500:])
+    assert code in (0, 4), (code, err[-1500:])
     assert "Traceback" not in err
-    if code == 2:
+    if code == 4:
         assert err.startswith("error: ") and out == "", err[:500]
         assert len(err) < 5000
         return

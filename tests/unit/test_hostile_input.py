@@ -122,12 +122,14 @@ def run_measured(sb: Sandbox, args: list[str], extra_env: dict[str, str] | None 
     )
 
 
-def assert_refused(sb: Sandbox, args: list[str], *needles: str, extra_env: dict[str, str] | None = None) -> Result:
-    """Exit 2, one 'error:' message holding every needle, no traceback, within the CPU and
-    memory bounds, nothing written, no SLURM command called."""
+def assert_refused(sb: Sandbox, args: list[str], *needles: str, extra_env: dict[str, str] | None = None,
+                   code: int = 4) -> Result:
+    """Exit ``code`` (4: an invalid spec, profile or override; 2: an argument naming no file or run),
+    one 'error:' message holding every needle, no traceback, within the CPU and memory bounds,
+    nothing written, no SLURM command called."""
     before = sb.snapshot()
     r = run_measured(sb, args, extra_env)
-    assert r.code == 2, (r.code, r.err[-2000:])
+    assert r.code == code, (r.code, r.err[-2000:])
     assert "Traceback" not in r.err, r.err[-2000:]
     assert r.err.startswith("error: "), r.err[:500]
     assert r.out == ""
@@ -256,7 +258,7 @@ def test_a_self_referencing_alias_is_refused(text, sandbox):
 def test_ten_thousand_nested_lists_are_refused(sandbox):
     sandbox.spec.write_text(BASE + "junk: " + "[" * 10_000 + "]" * 10_000 + "\n")
     assert_refused(sandbox, ["validate", str(sandbox.spec)], "line 17: nesting is deeper than 32 levels")
-    assert_refused(sandbox, ["validate", str(sandbox.spec.with_name("nothing.yaml")), "x=" + "[" * 5000 + "]" * 5000], "job spec not found")
+    assert_refused(sandbox, ["validate", str(sandbox.spec.with_name("nothing.yaml")), "x=" + "[" * 5000 + "]" * 5000], "job spec not found", code=2)
     sandbox.spec.write_text(BASE)
     assert_refused(sandbox, ["validate", str(sandbox.spec), "model.config=" + "[" * 4000 + "]" * 4000], "nesting is deeper than 32 levels")
 
@@ -270,13 +272,13 @@ def test_a_30_mb_spec_is_refused_without_reading_it(sandbox):
 
 @pytest.mark.parametrize("path, kind", [("/dev/zero", "a character device"), ("/tmp", "a directory")])
 def test_a_spec_that_is_not_a_regular_file_is_refused_before_reading(path, kind, sandbox):
-    assert_refused(sandbox, ["validate", path], f"job spec {path} is {kind}, not a regular file")
+    assert_refused(sandbox, ["validate", path], f"job spec {path} is {kind}, not a regular file", code=2)
 
 
 def test_a_fifo_as_spec_is_refused_without_blocking(sandbox, tmp_path):
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)
-    assert_refused(sandbox, ["validate", str(fifo)], "is a named pipe, not a regular file")
+    assert_refused(sandbox, ["validate", str(fifo)], "is a named pipe, not a regular file", code=2)
 
 
 def test_an_oversized_or_bombed_profile_is_refused(sandbox):
@@ -310,12 +312,12 @@ def test_an_integer_beyond_a_fields_range_names_the_range(sandbox):
 def test_a_spec_path_that_is_a_symlink_loop_is_an_error(sandbox, tmp_path):
     loop = tmp_path / "loop.yaml"
     loop.symlink_to(loop)
-    assert_refused(sandbox, ["validate", str(loop)], f"cannot read job spec {loop}: Too many levels of symbolic links")
+    assert_refused(sandbox, ["validate", str(loop)], f"cannot read job spec {loop}: Too many levels of symbolic links", code=2)
 
 
 def test_a_spec_name_too_long_for_the_filesystem_is_an_error(sandbox, tmp_path):
     long = tmp_path / ("x" * 300 + ".yaml")
-    r = assert_refused(sandbox, ["validate", str(long)], "cannot read job spec ", "File name too long")
+    r = assert_refused(sandbox, ["validate", str(long)], "cannot read job spec ", "File name too long", code=2)
     assert "x" * 200 not in r.err  # shortened in the message
 
 
@@ -408,10 +410,10 @@ def test_the_human_dry_run_shows_values_with_line_breaks_escaped(sandbox):
 
 def test_a_closed_pipe_ends_the_dry_run_quietly(sandbox):
     sandbox.spec.write_text(BASE)
-    cmd = f"{sys.executable} -m launcher.cli submit {sandbox.spec} --dry-run | head -1"
+    cmd = f"{sys.executable} -m launcher.cli submit {sandbox.spec} --dry-run --offline | head -2"
     proc = subprocess.run(["bash", "-c", cmd], cwd=sandbox.root, env=sandbox.env, capture_output=True, text=True, timeout=HANG_S)
-    assert proc.stdout.startswith("# lmlaunch plan for run 't'")
-    assert proc.stdout.count("\n") == 1
+    assert proc.stdout.startswith("# the cluster: not asked (--offline)\n# lmlaunch plan for run 't'"), proc.stdout
+    assert proc.stdout.count("\n") == 2
     assert proc.stderr == ""
     big = f"{sys.executable} -m launcher.cli schema | head -c 10"
     proc = subprocess.run(["bash", "-c", big], cwd=sandbox.root, env=sandbox.env, capture_output=True, text=True, timeout=HANG_S)
@@ -455,5 +457,5 @@ def test_the_integer_rule_of_model_config_matches_real_transformers_configs(mode
 @pytest.mark.parametrize("ref", ["x" * 5000, "../../etc/passwd", "a\nb", "/dev/zero"], ids=["long", "traversal", "newline", "device"])
 def test_a_hostile_run_reference_is_not_found_and_reads_nothing(ref, sandbox):
     for command in ("history", "logs"):
-        r = assert_refused(sandbox, [command, ref], "no run named or with job id ")
+        r = assert_refused(sandbox, [command, ref], "no run named or with job id ", code=2)
         assert len(r.err) < 400

@@ -162,7 +162,7 @@ def test_hostile_run_name_is_rejected_at_validation(value, tmp_path):
     spec = write_spec(tmp_path, BASE.replace("name: t", "name: " + json.dumps(value)))
     out, err = io.StringIO(), io.StringIO()
     ctx = Context(stdout=out, stderr=err, environ={"LMLAUNCH_RUNS_ROOT": "/runs"})
-    assert main(["validate", str(spec)], ctx) == 2
+    assert main(["validate", str(spec)], ctx) == 4
     assert f"name (line 1): {value!r} is not a valid run name" in err.getvalue()
 
 
@@ -174,7 +174,7 @@ def test_hostile_data_and_checkpoint_paths_stay_out_of_the_script(value, tmp_pat
     if SLURM_UNSAFE.search(value) and "\\" not in value:  # a line break: no path holds one
         out, err = io.StringIO(), io.StringIO()
         ctx = Context(stdout=out, stderr=err, environ={"LMLAUNCH_RUNS_ROOT": "/runs"})
-        assert main(["validate", str(write_spec(tmp_path, text))], ctx) == 2
+        assert main(["validate", str(write_spec(tmp_path, text))], ctx) == 4
         assert "data.path (line 10): " in err.getvalue()
         assert "is not a usable path (it holds the control character '\\n')" in err.getvalue()
         assert "checkpoint.dir (line 18): " in err.getvalue()
@@ -194,7 +194,7 @@ def test_hostile_runs_root_is_rejected_or_rendered_exactly(value, tmp_path):
     if SLURM_UNSAFE.search(value):
         out, err = io.StringIO(), io.StringIO()
         ctx = Context(stdout=out, stderr=err, environ={"LMLAUNCH_RUNS_ROOT": root})
-        assert main(["submit", str(spec), "--dry-run"], ctx) == 2
+        assert main(["submit", str(spec), "--dry-run"], ctx) == 4
         assert "which SLURM cannot take in a #SBATCH --output path" in err.getvalue()
         assert out.getvalue() == ""
         return

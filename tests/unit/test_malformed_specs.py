@@ -53,10 +53,10 @@ def test_there_are_at_least_40_malformed_cases():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_malformed_input_exits_2_with_exact_message(case: Case, tmp_path, monkeypatch):
+def test_malformed_input_exits_4_with_exact_message(case: Case, tmp_path, monkeypatch):
     monkeypatch.delenv("LMLAUNCH_DEBUG", raising=False)
     code, out, err, spec = run_case(case, tmp_path)
-    assert code == 2
+    assert code == (2 if case.id == "missing_file" else 4)  # a file argument naming nothing: a usage error
     assert out == ""
     assert "Traceback" not in err
     assert err == "error: " + case.expected.replace("{spec}", spec).replace(

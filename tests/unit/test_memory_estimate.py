@@ -139,7 +139,7 @@ def test_a_7b_model_under_ddp_is_refused_with_ranked_fixes_and_the_first_one_val
     env = {**os.environ}
     with pytest.raises(UserError) as exc:
         resolve(str(REPO / spec), ddp, environ=env)
-    assert exc.value.exit_code == 2  # what the CLI exits with, the message on stderr
+    assert exc.value.exit_code == 4  # what the CLI exits with, the message on stderr
     err = str(exc.value)
     assert "does not fit the GPU's 80G of profile 'h100-ib'" in err, err
     for row in ("parameters", "gradients", "optimizer states", "activations", "logits and loss",

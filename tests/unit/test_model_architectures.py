@@ -102,7 +102,7 @@ def test_validate_refuses_a_model_section_transformers_cannot_build_naming_the_l
     }
     for name, (model, expected) in cases.items():
         code, text = _validate(repo, tmp_path, model, name)
-        assert code == 2 and re.search(expected, text), (name, text)
+        assert code == 4 and re.search(expected, text), (name, text)
         assert "[transformers]" not in text, text  # said once, by lmlaunch
     assert not (tmp_path / "runs").exists()
     code, text = _validate(repo, tmp_path, {"type": "bloom", "config": {"vocab_size": 260, "hidden_size": 64, "n_head": 4}})
@@ -114,7 +114,7 @@ def test_validate_refuses_a_model_section_transformers_cannot_build_naming_the_l
     for f in kept:  # a kept answer is what the next command says, without building anything
         f.write_text(json.dumps({"problem": "model.config: (the kept answer)"}) + "\n")
     code, text = _validate(repo, tmp_path, {"type": "bloom", "config": {"vocab_size": 260, "hidden_size": 64, "n_head": 4}})
-    assert code == 2 and "model.config: (the kept answer)" in text, text
+    assert code == 4 and "model.config: (the kept answer)" in text, text
     model_check._seen.clear()
 
 

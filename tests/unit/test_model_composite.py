@@ -40,7 +40,7 @@ def test_a_composite_type_is_refused_at_validate_naming_the_text_type(repo, mode
     out, err = io.StringIO(), io.StringIO()
     code = main(["validate", str(repo / "jobs" / "tiny-cpu.yaml"), f"model.type={model_type}", "model.config={hidden_size: 64}"],
                 Context(stdout=out, stderr=err))
-    assert code == 2, out.getvalue()
+    assert code == 4, out.getvalue()
     text = err.getvalue()
     assert f"model.type({model_type}) is a composite model" in text and "text_config" in text, text
     assert (f"its language model alone is the type {instead}" if instead else "choose a text-only type") in text, text

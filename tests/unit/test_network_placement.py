@@ -269,4 +269,4 @@ def test_a_profile_whose_hcas_do_not_match_its_gpus_is_refused(tmp_path, network
         text = (tmp_path / "gpus.yaml").read_text().replace("env:\n", "env:\n" + env_line, 1)
         (tmp_path / "gpus.yaml").write_text(text)
     code, out, err = _dry_run(environ)
-    assert code == 2 and words in err, out + err
+    assert code == 4 and words in err, out + err

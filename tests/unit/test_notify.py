@@ -101,7 +101,7 @@ def test_a_bad_webhook_is_refused(repo, tmp_path, hooks, words):
     out = io.StringIO()
     code = main(["validate", str(repo / "jobs" / "tiny-cpu.yaml"), f"notify.webhooks={hooks}"],
                 Context(stdout=out, stderr=out, environ={"LMLAUNCH_RUNS_ROOT": str(tmp_path)}))
-    assert code == 2 and words in out.getvalue(), out.getvalue()
+    assert code == 4 and words in out.getvalue(), out.getvalue()
 
 
 def test_notify_test_sends_one_message_per_webhook(repo, tmp_path, hook):

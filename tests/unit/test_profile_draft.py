@@ -53,6 +53,7 @@ def test_a_gpu_cluster_is_read_into_a_profile_that_validates(tmp_path):
     assert not p.partitions["urgent"].preemptible and p.partitions["urgent"].max_time == "12:00:00"
     assert (p.default_partition, p.preemptible_partition, p.high_priority_partition) == ("batch", "batch", "urgent")
     assert (p.gpus_per_node, p.gres_name, p.cpus_per_gpu, p.mem_per_gpu) == (8, "gpu:h100", 12, "125G")  # 1,024,000 MB / 8
+    assert p.mem_per_node == "1000G" and "the smallest RealMemory of the nodes of 'batch'" in text  # 1,024,000 MB
     assert p.account == "proj42" and p.sends_user_signal_on_preemption and p.max_tasks_per_node == 8
     assert p.env == {}  # the fabric's variables are the user's to choose
     assert "MaxTime=UNLIMITED: no limit; written as a year" in text

@@ -108,7 +108,7 @@ def test_the_dry_run_says_the_search_and_plans_every_parameters_ends(repo, env, 
 def test_a_space_the_spec_refuses_fails_before_anything_is_made(repo, env, tmp_path, params, extra, words):
     path = _file(tmp_path, {**BASE, "params": params})
     code, out, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, *SMALL, *extra, environ=env)
-    assert code == 2 and words in err, err
+    assert code == 4 and words in err, err
     assert not (Path(env["LMLAUNCH_HOME"]) / "searches").exists()
 
 
@@ -116,10 +116,10 @@ def test_a_metric_the_runs_never_log_is_refused(repo, env, tmp_path):
     path = _file(tmp_path, BASE)
     code, _, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, *SMALL, "trainer.limit_val_batches=0",
                         "--dry-run", environ=env)
-    assert code == 2 and "objective.metric val_loss: the runs never log it" in err, err
+    assert code == 4 and "objective.metric val_loss: the runs never log it" in err, err
     code, _, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, *SMALL[:-1],
                         "trainer.val_check_interval=30", "--dry-run", environ=env)
-    assert code == 2 and "nothing to prune on" in err, err
+    assert code == 4 and "nothing to prune on" in err, err
     ok = _file(tmp_path, {**BASE, "objective": {"metric": "loss"}})
     code, _, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), ok, *SMALL, "trainer.limit_val_batches=0",
                         "--dry-run", environ=env)
@@ -135,7 +135,7 @@ def test_a_profile_storage_url_with_a_password_is_an_error_naming_the_key(repo, 
         "sweep_storage: {url: 'mysql+pymysql://optuna:hunter2@db/optuna'}"))
     code, _, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), _file(tmp_path, BASE), *SMALL,
                         "--cluster", "pwsite", "--dry-run", environ={**env, "LMLAUNCH_PROFILES_DIR": str(profiles)})
-    assert code == 2 and "sweep_storage" in err and "holds a password" in err and "hunter2" not in err, err
+    assert code == 4 and "sweep_storage" in err and "holds a password" in err and "hunter2" not in err, err
     assert "pwsite.yaml" in err
 
 

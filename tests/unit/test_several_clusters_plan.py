@@ -121,7 +121,7 @@ def test_what_a_run_over_several_clusters_cannot_be_is_refused_naming_the_cluste
         text = LOCAL.replace("  high: {max_time: \"2:00:00\"}\n", "").replace("high_priority_partition: high\n", "")
         (d / "small.yaml").write_text(text)
     code, out, err = _lm(tmp_path, "submit", SPEC, *overrides, "--dry-run")
-    assert code == 2 and out == "", (out, err)
+    assert code == 4 and out == "", (out, err)
     assert expected in err, err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "registry").exists()  # nothing half-done
 
@@ -130,7 +130,7 @@ def test_clusters_without_one_runs_root_are_refused(tmp_path):
     d = _profiles(tmp_path)
     (d / "there.yaml").write_text(LOCAL.replace("runs_root: ~/.lmlaunch/runs", "runs_root: ~/elsewhere"))
     code, out, err = _lm(tmp_path, "validate", SPEC, "clusters=[here, there]", env={"LMLAUNCH_RUNS_ROOT": ""})
-    assert code == 2, (out, err)
+    assert code == 4, (out, err)
     assert f"the run's directory differs between them (here: {tmp_path}/.lmlaunch/runs/tiny-cpu, there: " \
            f"{tmp_path}/elsewhere/tiny-cpu)" in err, err
     assert "give their profiles the same runs_root" in err
@@ -139,7 +139,7 @@ def test_clusters_without_one_runs_root_are_refused(tmp_path):
 @pytest.mark.parametrize("command", [["doctor"], ["notify-test"]])
 def test_commands_that_plan_one_cluster_say_how_to_choose_one(tmp_path, command):
     code, out, err = _lm(tmp_path, *command, SPEC, "clusters=[here, there]")
-    assert code == 2, (out, err)
+    assert code == 4, (out, err)
     assert "override 'clusters=[here, there]': this command plans a run on one cluster, and the spec names 2 " \
            "(here, there): choose one with --cluster NAME (submit and validate take several)" in err, err
 
@@ -158,11 +158,11 @@ def test_a_search_over_several_clusters_places_each_trial_and_keeps_one_study(tm
     d = _profiles(tmp_path)
     (d / "there.yaml").write_text(LOCAL.replace("sweep_storage: {local_cluster: true}", "sweep_storage: {journal: /x/j}"))
     code, out, err = _lm(tmp_path, "sweep", SPEC, search, "clusters=[here, there]", "--dry-run")
-    assert code == 2 and "clusters: there's profile keeps its searches elsewhere ({'journal': '/x/j'}) than here's: " \
+    assert code == 4 and "clusters: there's profile keeps its searches elsewhere ({'journal': '/x/j'}) than here's: " \
         "the trials of one search report to one study" in err, (out, err)
     _profiles(tmp_path, far="\nlogin: {ssh: user@login.example.org}\n")
     code, out, err = _lm(tmp_path, "sweep", SPEC, search, "clusters=[here, far]", "--dry-run")
-    assert code == 2 and "clusters: far is reached over SSH: the lmlaunch there plans a trial's run again" in err, err
+    assert code == 4 and "clusters: far is reached over SSH: the lmlaunch there plans a trial's run again" in err, err
 
 
 # --------------------------------------------------------------------------- a profile's own way to its cluster
@@ -281,7 +281,7 @@ def test_a_queued_run_moves_only_where_it_starts_more_than_a_minute_sooner():
 ])
 def test_a_move_section_that_cannot_work_is_refused(tmp_path, overrides, expected):
     code, out, err = _lm(tmp_path, "validate", SPEC, *overrides)
-    assert code == 2 and expected in err, (out, err)
+    assert code == 4 and expected in err, (out, err)
 
 
 def test_clusters_whose_plans_split_the_model_differently_are_refused(tmp_path):

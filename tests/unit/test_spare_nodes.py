@@ -123,7 +123,7 @@ def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, run
 
 def test_the_dry_run_refuses_spares_the_partition_cannot_hold_as_submit_does(repo, runs_root):
     code, out, err = _dry_run(repo, runs_root, "resources.spare_nodes=1")  # 2 + 1 on the local cluster's 2 nodes
-    assert code == 2 and "partition 'low' holds 2" in err and json.loads(out)["ok"] is False, err
+    assert code == 4 and "partition 'low' holds 2" in err and json.loads(out)["ok"] is False, err
 
 
 def test_without_spares_the_script_is_as_before(repo, runs_root):
@@ -144,7 +144,7 @@ def test_without_spares_the_script_is_as_before(repo, runs_root):
 ])
 def test_bad_spare_nodes_are_refused_naming_the_key(repo, runs_root, overrides, words):
     code, out, err = _dry_run(repo, runs_root, *overrides)
-    assert code == 2 and words in err and json.loads(out)["ok"] is False, (code, err)  # --json: the error as JSON too
+    assert code == 4 and words in err and json.loads(out)["ok"] is False, (code, err)  # --json: the error as JSON too
 
 
 def test_a_task_sees_its_steps_nodes_not_the_allocations():

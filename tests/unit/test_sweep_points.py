@@ -112,7 +112,7 @@ def test_a_gpu_sweep_in_a_container_sets_each_points_own_paths(repo, env, tmp_pa
 def test_one_invalid_point_fails_the_sweep_naming_it_and_nothing_is_written(repo, env, tmp_path):
     path = _sweep(tmp_path, {"name": "bad", "grid": {"trainer.max_steps": [10, 20, -1]}})
     code, out, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, environ=env)
-    assert code == 2 and "point 2 (trainer.max_steps=-1)" in err and "trainer.max_steps" in err, err
+    assert code == 4 and "point 2 (trainer.max_steps=-1)" in err and "trainer.max_steps" in err, err
     root = tmp_path / "runs"
     assert not (root.exists() and list(root.iterdir())) and not (tmp_path / "home" / "registry").exists()
 
@@ -120,7 +120,7 @@ def test_one_invalid_point_fails_the_sweep_naming_it_and_nothing_is_written(repo
 def test_a_point_that_changes_the_jobs_shape_is_refused(repo, env, tmp_path):
     path = _sweep(tmp_path, {"name": "shape", "grid": {"resources.nodes": [1, 2]}})
     code, out, err = _cli("sweep", str(repo / "jobs" / "tiny-cpu.yaml"), path, "--dry-run", environ=env)
-    assert code == 2 and "point 1 (resources.nodes=2) changes the job's shape (slurm.nodes" in err, err
+    assert code == 4 and "point 1 (resources.nodes=2) changes the job's shape (slurm.nodes" in err, err
 
 
 def test_an_array_larger_than_max_array_size_is_split_and_chained(repo, env, tmp_path, monkeypatch):

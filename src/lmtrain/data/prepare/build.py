@@ -266,9 +266,10 @@ def prepare(
     if_missing: bool = False,
     text_key: str = "text",
     skip_bad: bool = False,
+    progress: Any = None,
 ) -> PrepareResult:
     """Tokenize ``inputs`` into the sharded store ``out`` (atomically: a reader sees the old
-    directory or the new one).
+    directory or the new one); ``progress(documents, tokens)`` after each batch of a shard.
 
     ``tokenizer`` is a local transformers tokenizer directory, or None for bytes (vocab 260).
     With ``if_missing``, valid prepared data already in ``out`` is kept as it is. ``text_key``:
@@ -286,7 +287,7 @@ def prepare(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write_shards(tmp, prep, prep.jobs(), tok=tok)
+        write_shards(tmp, prep, prep.jobs(), tok=tok, progress=progress)
         write_index(tmp, prep, tok)
         os.chmod(tmp, 0o755)
         installed = replace_dir(tmp, out, keep_existing=if_missing)
