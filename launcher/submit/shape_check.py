@@ -71,7 +71,8 @@ def _shape_refused(p: Any, message: str) -> UserError:
         f"resources: the cluster cannot run this job as asked (sbatch --test-only: {message}): "
         f"nodes({p.nodes}) x tasks_per_node({p.ntasks_per_node}) x cpus_per_task({p.cpus_per_task})"
         f"{f', gpus_per_node({p.gpus_per_node})' if p.gpus_per_node else ''} on partition '{p.partition}', "
-        f"which has {len(facts.get('cpus') or [])} node(s) of {_cpus_text(facts)} CPUs. "
+        f"which has {len(facts.get('cpus') or [])} node(s) of {_cpus_text(facts)} CPUs"
+        f"{f', less those the job excludes ({p.exclude}: `lmlaunch doctor --on-nodes` recorded them)' if p.exclude else ''}. "
         f"`sinfo -p {p.partition} -o '%D %c %G'` shows its nodes; nothing was submitted", exit_code=ExitCode.REFUSED)
 
 

@@ -83,7 +83,7 @@ def _checks(report: dict) -> dict[str, dict]:
 
 
 def _dry_run(cli, run_name: str) -> str:
-    r = cli("submit", SPEC, f"name={run_name}", "--dry-run")
+    r = cli("submit", SPEC, f"name={run_name}", "--dry-run", "--offline")  # the script (asked below: the controller)
     assert r.code == 0, r.err
     return r.out
 
@@ -144,6 +144,9 @@ def test_a_slow_node_is_named_excluded_with_exclude_bad_and_cleared_when_well(sl
     assert "#SBATCH --exclude=n2" in text.splitlines()
     note = next(line for line in text.splitlines() if line.startswith("# note: node n2 is excluded"))
     assert "GEMM" in note and "below 0.5 x the median" in note
+    # the 2-node job without n2 on this 2-node cluster: the controller refuses it, and says why
+    r = cli("submit", SPEC, f"name={run_name}", "--dry-run")
+    assert r.code == 5 and "less those the job excludes (n2: `lmlaunch doctor --on-nodes` recorded them)" in r.err, r.err
 
     r = cli("doctor", SPEC, f"name={run_name}", "--on-nodes")  # n2 well again: the text report clears it
     assert r.code == 0, r.out
