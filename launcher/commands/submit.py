@@ -205,7 +205,8 @@ def _cluster_answer(plan: LaunchPlan, script: str, after: bool, placed: bool, of
 def _checked(args: argparse.Namespace, r: Any, ctx: Context) -> list[str]:
     """Every check submit makes before it changes anything, for the submission and its dry run
     alike: the run's name against what exists (--new, --resume: what it would resume from),
-    spare nodes the cluster can hold, a container's image and interpreter (unless --force). What
+    spare nodes the cluster can hold, a container's image and interpreter (unless --force); in a
+    dry run also a checkpoint.dir another run writes and a job the run still has in SLURM. What
     the run would start from, as notes."""
     from launcher.doctor.container import submit_notes, submit_problems
     from launcher.runs import registry as runs
@@ -224,6 +225,10 @@ def _checked(args: argparse.Namespace, r: Any, ctx: Context) -> list[str]:
             raise SpecError([*problems, "nothing was submitted (`lmlaunch doctor SPEC` says more; --force submits "
                              "anyway)"], source=args.spec)
     untried = [] if args.force else submit_notes(r.plan)  # --force: the container is not tried here
+    if args.dry_run:  # (submit makes these itself, with the controller's ping between them)
+        from launcher.submit.submission import refuse_clashes
+
+        refuse_clashes(r.plan, opening.record, args.resume, ctx.environ or None, ask_slurm=not args.offline)
     return [*opening.notes, *([opening.continuation] if opening.continuation else []), *untried]
 
 

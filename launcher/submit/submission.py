@@ -214,6 +214,14 @@ def _reconcile_timed_out_sbatch(plan: LaunchPlan, folder: Any, before: set[Any],
     return job_id
 
 
+def refuse_clashes(plan: LaunchPlan, record: Any, resume: bool, env: Any, *, ask_slurm: bool = True) -> None:
+    """A dry run's checks of what the submission would clash with: a checkpoint.dir another run
+    writes; with ``ask_slurm``, where the controller answers, a job the run still has in SLURM."""
+    _refuse_shared_checkpoint_dir(plan, env)
+    if ask_slurm and record is not None and record.job_ids and slurm.ping(timeout=5.0):
+        _refuse_active_job(record, plan, resume, env)
+
+
 def _refuse_shared_checkpoint_dir(plan: LaunchPlan, env: Any) -> None:
     """Two runs must never write into one checkpoint directory (each would resume from, and
     prune, the other's checkpoints). Only a checkpoint.dir outside the run directory can clash."""

@@ -85,6 +85,8 @@ def test_same_run_name_is_refused_then_resume_and_new_work(slurm_cluster, cli, l
     # the first job is still queued or running: --resume and --new must not mix two jobs in one run
     busy = cli("submit", SPEC, f"name={run_name}", *SMALL, "--resume")
     assert busy.code == 2 and job1 in busy.err and "still has a job" in busy.err
+    dry = cli("submit", SPEC, f"name={run_name}", *SMALL, "--resume", "--dry-run")  # the dry run says the same
+    assert dry.code == 2 and job1 in dry.err and "still has a job" in dry.err and dry.out == "", dry.out + dry.err
     assert runs.load_record(run_name, lm_env).job_ids == [job1]
 
     slurm.cancel([job1])
