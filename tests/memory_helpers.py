@@ -40,7 +40,7 @@ def held_against_estimate(run_dir: str | Path) -> list[dict]:
             out.append({"attempt": e["attempt"], "world_size": world,
                         **{k: (e["held"][g][k], planned[g][STATES[k]]) for k, g in worst.items()}})
             continue
-        rows = {r.name: r.bytes for r in memory._model_states(facts, setup)}  # no activation trace needed
+        rows = {r.name: r.bytes for r in memory.model_states(facts, setup)}  # no activation trace needed
         out.append({"attempt": e["attempt"], "world_size": world,
                     **{k: (max(rank[k] for rank in e["held"]), rows[name]) for k, name in STATES.items()}})
     return out

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from launcher.planning.memory import ModelFacts, Row, Setup, _model_states
+from launcher.planning.memory import ModelFacts, Row, Setup, model_states
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def host_staging(f: ModelFacts, s: Setup, tasks_per_node: int, rows: Sequence[Ro
     (they are written from the host copy). ``rows``: a pipeline stage's model states (the heaviest
     stage, launcher.planning.memory_stages), else the whole model's."""
     if rows is None:
-        rows = _model_states(f, replace(s, offload_optimizer=False, offload_params=False))
+        rows = model_states(f, replace(s, offload_optimizer=False, offload_params=False))
     by = {r.name: r.bytes for r in rows}
     params, opt = by.get("parameters", 0), by.get("optimizer states", 0)
     n = max(1, tasks_per_node)

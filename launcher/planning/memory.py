@@ -167,7 +167,7 @@ def _zero12(sizes: list[list[int]], world: int) -> tuple[int, int, int]:
     return padded_all, part_all, max(grads)
 
 
-def _model_states(f: ModelFacts, s: Setup) -> list[Row]:
+def model_states(f: ModelFacts, s: Setup) -> list[Row]:
     w, n_tensors = s.world_size, len(f.params)
     if s.parallelism.zero:
         kind = _PRECISION_KIND[s.precision]
@@ -293,7 +293,7 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
 
 
 def estimate(f: ModelFacts, s: Setup, capacity: int | None = None) -> Breakdown:
-    rows = [*_model_states(f, s), *_activations(f, s), _buffers(f, s)]
+    rows = [*model_states(f, s), *_activations(f, s), _buffers(f, s)]
     if s.gpu:
         rows.append(Row("framework", FRAMEWORK_BYTES, "CUDA context, cuBLAS workspaces, NCCL buffers"))
     return Breakdown(tuple(rows), capacity if s.gpu else None)

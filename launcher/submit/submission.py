@@ -81,7 +81,7 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
         cause = exc.__cause__
         if isinstance(cause, subprocess.CalledProcessError) and cause.returncode in (124, 137) and len(fns) == 1:
             return [_reconcile_timed_out_sbatch(plan, folder, before, started, sbatch_timeout)]
-        if any(m in msg for m in slurm._DOWN_MARKERS):
+        if slurm.says_controller_down(msg):
             raise SlurmUnavailable(
                 f"sbatch could not reach the SLURM controller: {msg.splitlines()[0]}. "
                 "Local cluster: start it with `lmlaunch cluster up`."

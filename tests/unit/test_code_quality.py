@@ -231,12 +231,38 @@ def test_no_runtime_function_is_over_60_lines():
     assert not long, long
 
 
-def test_no_underscore_name_is_imported_from_another_module():
+OUR_PACKAGES = ("launcher", "lmcore", "lmtrain", "lmeval")
+
+
+def _private_uses(tree) -> list[tuple[int, str]]:
+    """A module's uses of another module's underscore names: ``from ours import _x`` and
+    ``module._x`` where ``module`` (or a class) was imported from our packages."""
     import ast
 
-    private = [f"{rel}:{n.lineno} from {n.module} import {a.name}" for rel, tree in _lmtrain_trees()
-               for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-               for a in n.names if a.name.startswith("_") and (n.module or "").startswith(("lmtrain", "lmcore", "launcher"))]
+    found, imported = [], set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] in OUR_PACKAGES:
+            for a in n.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append((n.lineno, f"from {n.module} import {a.name}"))
+                imported.add(a.asname or a.name)
+        elif isinstance(n, ast.Import):
+            imported.update(a.asname or a.name.split(".")[0] for a in n.names if a.name.split(".")[0] in OUR_PACKAGES)
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                and isinstance(n.value, ast.Name) and n.value.id in imported):
+            found.append((n.lineno, f"{n.value.id}.{n.attr}"))
+    return found
+
+
+def test_no_underscore_name_of_another_module_is_used():
+    import ast
+
+    sample = ast.parse("from lmcore.x import _a\nfrom lmcore.slurm import client as slurm\nslurm._B\nimport os\nos._exit")
+    assert [what for _, what in _private_uses(sample)] == ["from lmcore.x import _a", "slurm._B"]  # the check finds both
+    private = [f"{path.relative_to(REPO).as_posix()}:{line} {what}"
+               for root in (REPO / "launcher", REPO / "src") for path in sorted(root.rglob("*.py"))
+               for line, what in _private_uses(ast.parse(path.read_text()))]
     assert not private, private
 
 

@@ -42,7 +42,7 @@ SSH_FAILED = 255  # ssh's own exit status: it could not connect, or the connecti
 FIELD_SEP = "\x1f"  # unit separator: never part of a job name, node list or reason
 
 # What the messages of the SLURM clients say when the controller or the config is missing.
-_DOWN_MARKERS = (
+DOWN_MARKERS = (
     "Unable to contact slurm controller",
     "Connection refused",
     "Could not establish a configuration source",
@@ -246,7 +246,7 @@ def run(
         ) from None
     if proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip()
-        if any(m in msg for m in _DOWN_MARKERS):
+        if says_controller_down(msg):
             raise SlurmUnavailable(
                 f"the SLURM controller does not answer (`{cmd[0]}`: {_first_line(msg)}). "
                 "Local cluster: start it with `lmlaunch cluster up`."
@@ -267,6 +267,11 @@ def test_only(command: str, args: Sequence[str], *, script: str | None = None,
     proc = run([command, "--test-only", *args], input=script, check=False, timeout=timeout)
     message = " ".join(line.strip() for line in (proc.stderr + proc.stdout).strip().splitlines() if line.strip())
     return proc.returncode == 0, message
+
+
+def says_controller_down(message: str) -> bool:
+    """Whether a SLURM client's message says the controller (or its configuration) is not there."""
+    return any(m in message for m in DOWN_MARKERS)
 
 
 def _first_line(text: str) -> str:
@@ -658,7 +663,7 @@ def run_overlap_step(job_id: str, nodes: Sequence[str], command: Sequence[str], 
 
         return StepResult(None, text(exc.stdout), text(exc.stderr) + f"\nsrun did not finish within {timeout:.0f} s")
     msg = proc.stderr.strip()
-    if proc.returncode != 0 and any(m in msg for m in _DOWN_MARKERS):
+    if proc.returncode != 0 and says_controller_down(msg):
         raise SlurmUnavailable(f"the SLURM controller does not answer (`srun`: {_first_line(msg)})")
     return StepResult(proc.returncode, proc.stdout, proc.stderr)
 
