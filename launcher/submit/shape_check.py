@@ -70,10 +70,26 @@ def _shape_refused(p: Any, message: str) -> UserError:
     return UserError(
         f"resources: the cluster cannot run this job as asked (sbatch --test-only: {message}): "
         f"nodes({p.nodes}) x tasks_per_node({p.ntasks_per_node}) x cpus_per_task({p.cpus_per_task})"
-        f"{f', gpus_per_node({p.gpus_per_node})' if p.gpus_per_node else ''} on partition '{p.partition}', "
+        f"{f', gpus_per_node({p.gpus_per_node})' if p.gpus_per_node else ''}{f', mem({p.mem}) a node' if p.mem else ''} "
+        f"on partition '{p.partition}', "
         f"which has {len(facts.get('cpus') or [])} node(s) of {_cpus_text(facts)} CPUs"
         f"{f', less those the job excludes ({p.exclude}: `lmlaunch doctor --on-nodes` recorded them)' if p.exclude else ''}. "
         f"`sinfo -p {p.partition} -o '%D %c %G'` shows its nodes; nothing was submitted", exit_code=ExitCode.REFUSED)
+
+
+# Which keys of the spec a refusal's words concern (SLURM 22.05 to 26.05 say these in sbatch's
+# error, lower-cased here)
+KEYS_BY_WORDS = (("reservation", "slurm.sbatch.reservation"), ("account", "resources.account"),
+                 ("qos", "resources.qos"), ("partition", "resources.partition"), ("feature", "resources.constraint"),
+                 ("generic resource", "resources.gpus_per_node"), ("time limit", "resources.time"),
+                 ("memory", "resources.mem"))
+
+
+def keys_of(message: str) -> str:
+    """``; it concerns KEY, ...`` for the spec keys SLURM's refusal names, else nothing."""
+    words = message.lower()
+    keys = [key for said, key in KEYS_BY_WORDS if said in words]
+    return f"; it concerns {', '.join(keys)}" if keys else ""
 
 
 FACTS_TTL_S = 600.0
@@ -158,6 +174,6 @@ def dry_run_answer(plan: LaunchPlan, text: str) -> str:
     if not ok:
         what = "eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator)" if plan.evaluator \
             else "the cluster refuses the job"
-        raise UserError(f"{what} (sbatch --test-only: {message}); submit would queue nothing",
+        raise UserError(f"{what} (sbatch --test-only: {message}){keys_of(message)}; submit would queue nothing",
                         exit_code=ExitCode.REFUSED)
     return f"the cluster would take it (sbatch --test-only: {message})"

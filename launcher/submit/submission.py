@@ -86,7 +86,8 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
                 f"sbatch could not reach the SLURM controller: {msg.splitlines()[0]}. "
                 "Local cluster: start it with `lmlaunch cluster up`."
             ) from None
-        raise UserError(f"sbatch refused the job of run '{plan.run_name}': {msg}", exit_code=ExitCode.REFUSED) from None
+        raise UserError(f"sbatch refused the job of run '{plan.run_name}': {msg}{shape_check.keys_of(msg)}",
+                        exit_code=ExitCode.REFUSED) from None
     except FileNotFoundError as exc:
         raise SlurmUnavailable(f"cannot submit: {exc.filename or exc} not found (no SLURM client)") from None
     return [str(job.job_id) for job in jobs]

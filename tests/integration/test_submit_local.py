@@ -165,6 +165,10 @@ def test_the_dry_run_asks_the_controller_and_is_refused_as_submit_would_be(slurm
     refused = cli("submit", SPEC, f"name={run_name}", *SMALL, "slurm.sbatch.reservation=nowhere", "--dry-run", "--json")
     got = json.loads(refused.out)["error"]
     assert refused.code == 5 and got["kind"] == "refused" and "reservation" in got["message"].lower(), got
+    assert "; it concerns slurm.sbatch.reservation;" in got["message"], got  # the key SLURM's words name
+    feature = cli("submit", SPEC, f"name={run_name}", *SMALL, "resources.constraint=nowhere", "--dry-run")
+    assert feature.code == 5 and "Invalid feature specification); it concerns resources.constraint" in feature.err, \
+        feature.err
     assert not [j for j in slurm.squeue() if j.name == run_name]
     assert not (Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name).exists() and runs.load_record(run_name, lm_env) is None
 

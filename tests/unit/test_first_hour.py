@@ -341,3 +341,20 @@ def test_a_spec_without_gpus_per_node_on_a_gpu_profile_is_planned_on_its_gpus(tm
     assert code == 0 and json.loads(out)["plan"]["topology"]["accelerator"] == "cpu"  # said explicitly: a CPU job
     code, _, err = cli("validate", str(path), "resources.tasks_per_node=2")
     assert code == 4 and "with resources.gpus_per_node left out: profile 'h100-ib' has 8 GPUs per node" in err, err
+
+
+@pytest.mark.parametrize(("said", "keys"), [
+    ("allocation failure: Requested reservation is invalid", "slurm.sbatch.reservation"),
+    ("Invalid account or account/partition combination specified", "resources.account, resources.partition"),
+    ("Invalid qos specification", "resources.qos"), ("allocation failure: Invalid partition name specified",
+                                                     "resources.partition"),
+    ("allocation failure: Invalid feature specification", "resources.constraint"),
+    ("sbatch: error: Invalid generic resource (gres) specification", "resources.gpus_per_node"),
+    ("Requested time limit is invalid (missing or exceeds some limit)", "resources.time"),
+    ("Memory specification can not be satisfied", "resources.mem"), ("Socket timed out", None)])
+def test_a_refusal_by_the_controller_names_the_keys_its_words_concern(said, keys):
+    """SLURM's own words (sbatch's, or --test-only's in the dry run) mapped to the spec's keys."""
+    from launcher.submit.shape_check import keys_of
+
+    assert keys_of(said) == (f"; it concerns {keys}" if keys else "")
+
