@@ -78,9 +78,11 @@ def test_jobs_asked_to_stay_inside_switches_or_blocks_get_them_and_their_pipelin
           "resources.nodes=4", "resources.tasks_per_node=1", "trainer.strategy=fsdp",
           "trainer.pipeline_parallel_size=2", "data.micro_batch_size=4", "trainer.global_batch_size=16")
     # what can never be: 4 nodes inside one switch or block of 2
-    code, out, err = lm(env, "submit", SPEC, *pp, f"resources.placement.within={word}", "--dry-run")
-    assert code == 4 and f"the job's 4 nodes never fit in one {word}" in err and "has 2" in err, out + err
-    code, out, err = lm(env, "submit", SPEC, *pp, "resources.placement.within=auto", "--dry-run")
+    with cluster.own_conf(claim.layout):  # the dry run asks this cluster's controller, as submit would
+        code, out, err = lm(env, "submit", SPEC, *pp, f"resources.placement.within={word}", "--dry-run")
+        assert code == 4 and f"the job's 4 nodes never fit in one {word}" in err and "has 2" in err, out + err
+        code, out, err = lm(env, "submit", SPEC, *pp, "resources.placement.within=auto", "--dry-run")
+    assert out.startswith("# the cluster would take it (sbatch --test-only: "), out[:300]
     assert code == 0 and ("#SBATCH --segment=2" if block else "#SBATCH --switches=2") in out, out + err
     assert "#   node 1: ranks 1-1  stage(s) 1  replica(s) 0" in out, out
 

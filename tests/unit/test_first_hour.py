@@ -262,7 +262,8 @@ def test_long_work_says_what_runs_on_a_terminal_and_nothing_in_a_pipe_or_under_j
     assert code == 0 and "validating" not in err_text
 
 
-def test_data_prepare_says_how_far_it_is_on_a_terminal_only(tmp_path):
+def test_data_prepare_says_how_far_it_is_on_a_terminal_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # rich's width: each status on one line
     corpus = tmp_path / "c.txt"
     corpus.write_text("some words to tokenize\n" * 200)
     err = _Terminal()

@@ -54,6 +54,7 @@ def test_report_command_writes_a_png_of_the_expected_size(tmp_path, monkeypatch)
     data = json.loads(out.getvalue())
     assert data["png"] == str(out_png) and data["stops"][0]["reason"] == "preempted" and data["points"] == 11
     assert _png_size(out_png) == (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))
+    monkeypatch.setenv("COLUMNS", "1000")  # rich's width: the path on one line
     terminal = _Terminal()  # on a terminal it says what it draws (then erases it); not under --json above
     code = main(["report", "rep", "-o", str(out_png)], Context(io.StringIO(), terminal, {"LMLAUNCH_HOME": str(tmp_path)}))
     assert code == 0 and f"drawing {out_png}" in terminal.getvalue(), terminal.getvalue()
