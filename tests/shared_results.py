@@ -42,6 +42,14 @@ def configure(tmp_path_factory) -> Path:
     return _ROOT
 
 
+def directory() -> Path:
+    """Where this test run's shared results live: a shared computation that makes files (a reference
+    run's directory) makes them under it, so that every worker reads the same ones."""
+    if _ROOT is None:
+        raise RuntimeError("shared_results.configure() was not called (tests/conftest.py does it)")
+    return _ROOT
+
+
 def shared(key: str, compute: Callable[[], T]) -> T:
     if _ROOT is None:
         raise RuntimeError("shared_results.configure() was not called (tests/conftest.py does it)")

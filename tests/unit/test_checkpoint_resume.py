@@ -9,12 +9,14 @@ CPU/gloo."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import shared_results
 import torch
 
 from launcher.submit.local_run import prepare_local_run
@@ -71,6 +73,34 @@ IN_BACKGROUND_WRITE = {
 }
 
 
+@contextlib.contextmanager
+def _runs_root(root: Path):
+    old = os.environ.get("LMLAUNCH_RUNS_ROOT")
+    os.environ["LMLAUNCH_RUNS_ROOT"] = str(root)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LMLAUNCH_RUNS_ROOT", None)
+        else:
+            os.environ["LMLAUNCH_RUNS_ROOT"] = old
+
+
+def straight_run(repo, devices: int, strategy: str):
+    """The uninterrupted run of ``strategy`` on ``devices`` ranks (its plan): trained once per test
+    run for every test and worker that compares with it or exports it (tests/shared_results.py), in
+    a runs root of its own beside the shared results. Its users read its directory and write only
+    its evaluator's scores (test_export)."""
+
+    def train():
+        with _runs_root(shared_results.directory() / "straight-runs"):
+            plan = _plan(repo, f"straight-{strategy}-{devices}", devices, strategy)
+            assert _launch(plan, stop_at=0) == 0, Path(plan.paths.run_dir, "launcher.out").read_text()[-3000:]
+        return plan
+
+    return shared_results.shared(f"checkpoint-resume-straight-{strategy}-{devices}", train)
+
+
 def _launch(plan, stop_at: int, faults: list[dict] | None = None) -> int:
     run_dir = plan.paths.run_dir
     env = {**plan.env, "LMLAUNCH_FAULTS": json.dumps(faults)} if faults else plan.env
@@ -113,8 +143,7 @@ def _ledger(run_dir: str) -> list[dict]:
     ids=["ddp-1", *(f"{s}-2" for s in STRATEGIES)],
 )
 def test_run_stopped_at_a_validation_step_and_resumed_is_bit_identical_to_uninterrupted(repo, runs_root, devices, strategy):
-    straight = _plan(repo, f"straight-{devices}", devices, strategy)
-    assert _launch(straight, stop_at=0) == 0
+    straight = straight_run(repo, devices, strategy)  # the export test's run too
     assert json.loads(Path(straight.paths.plan_json).read_text())["topology"]["parallelism"]["strategy"] == strategy.rstrip("123").replace("zero", "deepspeed")
     # the Trainer got exactly the plan's Trainer arguments (what the dry run prints)
     built = json.loads(Path(straight.paths.run_dir, "trainer-args.json").read_text())

@@ -16,7 +16,7 @@ import torch
 
 from launcher.cli import main
 from launcher.context import Context
-from tests.unit.test_checkpoint_resume import _launch, _plan
+from tests.unit.test_checkpoint_resume import straight_run
 
 
 def lm(runs_root: Path, *args: str) -> tuple[int, str]:
@@ -30,14 +30,13 @@ def lm(runs_root: Path, *args: str) -> tuple[int, str]:
 def test_export_gives_the_trained_models_logits_and_byte_ids(repo, runs_root, tmp_path, strategy):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    plan = _plan(repo, f"export-{strategy}", 2, strategy)
-    assert _launch(plan, stop_at=0) == 0
+    plan = straight_run(repo, 2, strategy)  # test_checkpoint_resume's uninterrupted run, trained once for both
     trained = torch.load(Path(plan.paths.run_dir, "final-logits.pt"), weights_only=True)
 
     out = tmp_path / "hf"
     code, text = lm(runs_root, "export", plan.paths.run_dir, "--to", "hf", out)
     assert code == 0, text
-    assert f"exported export-{strategy} step-12 (the newest complete checkpoint) to {out}" in text
+    assert f"exported {plan.run_name} step-12 (the newest complete checkpoint) to {out}" in text
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         logits = model(input_ids=trained["input_ids"]).logits
@@ -111,8 +110,7 @@ def test_the_exported_byte_tokenizer_is_checked_as_a_user_loads_it(tmp_path, mod
 
 @pytest.mark.slow
 def test_a_run_fine_tunes_from_an_exported_directory(repo, runs_root, tmp_path):
-    plan = _plan(repo, "export-src", 1, "ddp")
-    assert _launch(plan, stop_at=0) == 0
+    plan = straight_run(repo, 1, "ddp")  # test_checkpoint_resume's uninterrupted run on one process
     out = tmp_path / "hf"
     assert lm(runs_root, "export", plan.paths.run_dir, "--to", "hf", out)[0] == 0
     code, text = lm(runs_root, "run", repo / "jobs" / "tiny-cpu.yaml", "--local", "--devices", "1", "--max-steps", "2",
