@@ -9,7 +9,6 @@ CPU/gloo."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -73,19 +72,6 @@ IN_BACKGROUND_WRITE = {
 }
 
 
-@contextlib.contextmanager
-def _runs_root(root: Path):
-    old = os.environ.get("LMLAUNCH_RUNS_ROOT")
-    os.environ["LMLAUNCH_RUNS_ROOT"] = str(root)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("LMLAUNCH_RUNS_ROOT", None)
-        else:
-            os.environ["LMLAUNCH_RUNS_ROOT"] = old
-
-
 def straight_run(repo, devices: int, strategy: str):
     """The uninterrupted run of ``strategy`` on ``devices`` ranks (its plan): trained once per test
     run for every test and worker that compares with it or exports it (tests/shared_results.py), in
@@ -93,7 +79,8 @@ def straight_run(repo, devices: int, strategy: str):
     its evaluator's scores (test_export)."""
 
     def train():
-        with _runs_root(shared_results.directory() / "straight-runs"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LMLAUNCH_RUNS_ROOT", str(shared_results.directory() / "straight-runs"))
             plan = _plan(repo, f"straight-{strategy}-{devices}", devices, strategy)
             assert _launch(plan, stop_at=0) == 0, Path(plan.paths.run_dir, "launcher.out").read_text()[-3000:]
         return plan
