@@ -211,12 +211,13 @@ def build_model(model_spec: ModelSpec | Mapping[str, Any], *, seed: int) -> nn.M
             attn_implementation=attn,
             dtype=torch.float32,
         )
-    elif _under_zero3_init():
+    else:
         with _weights_initialised_later():
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-        _init_zero3_weights(model)
-    else:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        # the init's random stream starts here, whatever building the layers drew (zero.Init draws
+        # otherwise): ZeRO-3's partitioned model starts as every other strategy's
+        torch.manual_seed(seed)
+        _init_weights(model, zero3=_under_zero3_init())
     if m.activation_checkpointing:
         checkpoint_activations(model)
     return model
@@ -242,7 +243,7 @@ def _weights_initialised_later():
     """transformers' weight init after construction skipped (weights are still tied): under
     ``zero.Init`` it would run on each rank's empty partitions, where indexing a row fails (the
     padding row of an embedding with a ``padding_idx``: IndexError, for every architecture with a
-    pad token). :func:`_init_zero3_weights` runs it on gathered parameters instead. PyTorch's
+    pad token). :func:`_init_weights` runs it afterwards (on gathered parameters under ZeRO-3). PyTorch's
     own initialisation in each layer's constructor still runs on the full tensors."""
     from transformers.modeling_utils import PreTrainedModel
 
@@ -258,21 +259,24 @@ def _weights_initialised_later():
         PreTrainedModel.init_weights = original  # type: ignore[method-assign]
 
 
-def _init_zero3_weights(model: nn.Module) -> None:
-    """Initialise a model whose parameters ZeRO-3 partitioned while it was built. transformers'
-    init after construction ran on the empty partitions (under a ``zero.Init`` it did not enter)
-    and did nothing (PyTorch's layer defaults: a loss of ~80, not ln(vocab)), marking every module
-    initialised. Clear the marks and run transformers' ZeRO-3 init: each module's parameters are
-    gathered, rank 0 initialises them from the seeded RNG (the unpartitioned init's stream and
-    order) and they are partitioned again."""
-    from transformers.integrations.deepspeed import initialize_weights_zero3
-
+def _init_weights(model: nn.Module, *, zero3: bool) -> None:
+    """transformers' weight init of a model built with it deferred (:func:`_weights_initialised_later`),
+    in its own order (each module after its children). Under ZeRO-3 the parameters were partitioned
+    as they were built: transformers' ZeRO-3 init gathers each module's, rank 0 initialises them
+    from the seeded stream (the same draws in the same order as the plain init) and they are
+    partitioned again. Without the deferral the init would have run on the empty partitions and
+    done nothing (PyTorch's layer defaults: a loss of ~80, not ln(vocab))."""
     for module in model.modules():
         module._is_hf_initialized = False
     for p in (p for p in model.parameters() if getattr(p, "_is_hf_initialized", False)):
         p._is_hf_initialized = False
-    initialize_weights_zero3(model)
-    model.tie_weights()
+    if zero3:
+        from transformers.integrations.deepspeed import initialize_weights_zero3
+
+        initialize_weights_zero3(model)
+    else:
+        model.initialize_weights()  # type: ignore[operator]
+    model.tie_weights()  # type: ignore[operator]
 
 
 def compile_model(model: nn.Module, *, loss: bool = True) -> nn.Module:
