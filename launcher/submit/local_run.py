@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from launcher.planning.memory_check import with_memory
+from launcher.planning.model_check import check_model, split_of
 from launcher.planning.planner import make_plan
 from launcher.planning.resolve import runs_root_for
 from launcher.spec.jobfile import load_job
@@ -89,6 +90,9 @@ def prepare_local_run(
     spec = load_job(spec_path, [*overrides, *extra])
     plan = make_plan(spec, profile, runs_root=runs_root_for(profile, environ), python=sys.executable)
     plan = with_memory(spec, profile, plan, environ, force=True)  # the estimate the ledger's measurement meets
+    # the model against the installed transformers and the layout, as validate checks it (cached)
+    check_model(spec.model, environ, split=split_of(plan.topology), pipeline=plan.parallelism.pipeline,
+                schedule=plan.parallelism.schedule)
 
     run_dir = Path(plan.paths.run_dir)
     opening = lifecycle.plan_opening(plan, new=new, resume=resume, new_code=new_code)  # as submit
