@@ -28,8 +28,8 @@ from lmcore.parallelism import Parallelism
 from lmcore.plan import Topology
 from lmcore.spec import ModelSpec, TensorSplit
 
-CHECK_VERSION = 4  # bump when check_model_spec checks more: older answers are not reused
-_seen: dict[str, str] = {}  # key -> "" (builds) or the problem
+CHECK_VERSION = 5  # bump when check_model_spec checks more: older answers are not reused
+_seen: dict[str, tuple[str, str]] = {}  # key -> (the problem or "", a note or "")
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -49,46 +49,48 @@ def split_of(topology: Topology) -> TensorSplit | None:
 
 
 def check_model(model: ModelSpec, environ: Mapping[str, str] | None = None, *,
-                split: TensorSplit | None = None, pipeline: int = 1) -> str | None:
+                split: TensorSplit | None = None, pipeline: int = 1, schedule: str = "1f1b") -> str | None:
     """SpecError naming the setting when transformers cannot build the model section as written
     (or the architecture cannot be split as ``split`` says: its TP plan, its heads; or into
-    ``pipeline`` stages: one list of blocks, a final norm); a note when it cannot be checked here;
-    None when it builds."""
+    ``pipeline`` stages under ``schedule``: one list of blocks, a final norm, each stage's forward
+    run: lmtrain.model.pipeline_check); a note when it (or its stages) cannot be checked here; None
+    when it builds."""
     if model.type is None:
         return None
     lacking = runtime_stack.missing()
     if lacking is not None:
         return (f"model section not checked against transformers here ({lacking} is not "
                 f"installed: {runtime_stack.INSTALL}); `lmlaunch doctor` checks it where the jobs run")
-    key = _key(model, split, pipeline)
-    problem = _seen.get(key)
-    if problem is None:
-        problem = _cached(key, environ)
-    if problem is None:
-        problem = _check(model, split, pipeline)
-        _remember(key, problem, environ)
-    _seen[key] = problem
+    key = _key(model, split, pipeline, schedule)
+    answer = _seen.get(key) or _cached(key, environ)
+    if answer is None:
+        answer = _check(model, split, pipeline, schedule)
+        _remember(key, answer, environ)
+    _seen[key] = answer
+    problem, note = answer
     if problem:
         raise SpecError([problem])
-    return None
+    return note or None
 
 
-def _key(model: ModelSpec, split: TensorSplit | None, pipeline: int = 1) -> str:
+def _key(model: ModelSpec, split: TensorSplit | None, pipeline: int = 1, schedule: str = "1f1b") -> str:
     what = {"check": CHECK_VERSION, "transformers": importlib.metadata.version("transformers"),
             "torch": importlib.metadata.version("torch"), "model": model.model_dump(mode="json"),
-            **({"split": list(split)} if split else {}), **({"pipeline": pipeline} if pipeline > 1 else {})}
+            **({"split": list(split)} if split else {}),
+            **({"pipeline": pipeline, "schedule": schedule} if pipeline > 1 else {})}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _check(model: ModelSpec, split: TensorSplit | None, pipeline: int = 1) -> str:
-    """The problem, or "". transformers' own warnings about the config stay out of the CLI's
-    output: the problem, if any, is said once, naming the setting."""
+def _check(model: ModelSpec, split: TensorSplit | None, pipeline: int = 1, schedule: str = "1f1b") -> tuple[str, str]:
+    """(the problem or "", a note or ""). transformers' own warnings about the config stay out of
+    the CLI's output: the problem, if any, is said once, naming the setting."""
     from transformers.utils import logging as hf_logging  # torch and transformers: the first time only
 
     from lmtrain.model.causal_lm import check_model_spec
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    note = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -98,30 +100,31 @@ def _check(model: ModelSpec, split: TensorSplit | None, pipeline: int = 1) -> st
 
                 check_split(model, split)
             if pipeline > 1:
-                from lmtrain.model.pipeline import check_pipeline
+                from lmtrain.model.pipeline_check import check_pipeline
 
-                check_pipeline(model, pipeline)
+                note = check_pipeline(model, pipeline, schedule)
     except ValueError as exc:
-        return str(exc)
+        return str(exc), ""
     finally:
         hf_logging.set_verbosity(level)
-    return ""
+    return "", note or ""
 
 
-def _cached(key: str, environ: Mapping[str, str] | None) -> str | None:
+def _cached(key: str, environ: Mapping[str, str] | None) -> tuple[str, str] | None:
     try:
         data = json.loads((cache_dir(environ) / f"{key}.json").read_text())
     except (OSError, ValueError):
         return None
     problem = data.get("problem") if isinstance(data, dict) else None
-    return problem if isinstance(problem, str) else None
+    note = data.get("note", "") if isinstance(data, dict) else None
+    return (problem, note) if isinstance(problem, str) and isinstance(note, str) else None
 
 
-def _remember(key: str, problem: str, environ: Mapping[str, str] | None) -> None:
+def _remember(key: str, answer: tuple[str, str], environ: Mapping[str, str] | None) -> None:
     try:
         where = cache_dir(environ)
         where.mkdir(parents=True, exist_ok=True)
-        write_private(where / f"{key}.json", json.dumps({"problem": problem}) + "\n")
+        write_private(where / f"{key}.json", json.dumps({"problem": answer[0], "note": answer[1]}) + "\n")
     except OSError:
         pass  # a cache only: the next command checks again
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from launcher.planning import runtime_stack
 from launcher.planning.data_check import (
     data_vocab_checks,
     mixture_notes,
@@ -250,10 +251,11 @@ def resolve(
         staged = pretrained_pipeline_problems(spec.model, plan.parallelism)
         if staged:
             raise SpecError(staged)
-        unchecked = check_model(spec.model, env, split=split_of(plan.topology), pipeline=plan.parallelism.pipeline)
+        unchecked = check_model(spec.model, env, split=split_of(plan.topology), pipeline=plan.parallelism.pipeline,
+                                schedule=plan.parallelism.schedule)
         if unchecked is not None:
             plan = dataclasses.replace(plan, notes=(*plan.notes, unchecked))
-        else:
+        if runtime_stack.missing() is None:  # the model was built here: its vocabulary and positions
             plan = _model_against_data(spec, profile, plan, stores, env, force=force, source=str(spec_path),
                                        check_data=check_data)
     except SpecError as exc:

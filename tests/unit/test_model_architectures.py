@@ -61,7 +61,7 @@ def test_the_known_model_types_are_the_installed_transformers_ones_without_impor
     assert out == [str(len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)), "False", "False"]
 
 
-def _validate(repo, tmp_path, model: dict, name: str = "m") -> tuple[int, str]:
+def _validate(repo, tmp_path, model: dict, name: str = "m", overrides: tuple[str, ...] | list[str] = ()) -> tuple[int, str]:
     import io
 
     from launcher.cli import main
@@ -73,7 +73,7 @@ def _validate(repo, tmp_path, model: dict, name: str = "m") -> tuple[int, str]:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     out = io.StringIO()
-    code = main(["validate", str(path)], Context(stdout=out, stderr=out, environ={
+    code = main(["validate", str(path), *overrides], Context(stdout=out, stderr=out, environ={
         "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "XDG_CACHE_HOME": str(tmp_path / "cache")}))
     return code, out.getvalue()
 

@@ -42,21 +42,6 @@ def problems(model: nn.Module, pipeline: int, schedule: str) -> list[str]:
     return []
 
 
-def check_pipeline(model_spec: Any, pipeline: int) -> None:
-    """The model section's structure against a pipeline, on the meta device (no memory):
-    ValueError naming the setting when its blocks cannot be split (launcher.planning.model_check)."""
-    from transformers import AutoModelForCausalLM
-
-    from lmtrain.model.causal_lm import attention_for, build_config
-
-    config = build_config(model_spec)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(model_spec, config))
-    found = problems(lm, pipeline, "1f1b")
-    if found:
-        raise ValueError(found[0])
-
-
 def stage_map(model: nn.Module, pipeline: int, schedule: str, explicit: list[int] | None = None) -> StageMap:
     """The planner's split of this model's layers (parameters: what runs before the blocks on the
     first stage, the final norm and the head on the last)."""
@@ -170,7 +155,10 @@ class Stage(nn.Module):
                 h = stack(inputs_embeds=x, use_cache=False)[0]
             finally:
                 layers.incoming = None
-        return self.get_submodule(self.parts.head)(h) if self.last else h
+        out = self.get_submodule(self.parts.head)(h) if self.last else h
+        # a view (GPT-2's stack reshapes its output) cannot be detached in place, as the zero-bubble
+        # schedules' split backward does with each stage's outputs: hand on a tensor of its own
+        return out.clone() if out._is_view() else out
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The whole model's causal-LM loss (transformers shifts the labels inside)."""
