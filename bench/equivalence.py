@@ -13,7 +13,8 @@ fails where the planner accepted it.
   tensor-parallel plan), gpt_neox (partial rotary, parallel residual), opt (learned positions
   called with the mask, a tied head);
 - precisions: 32-true, and bf16-mixed (each strategy's own autocast or casts, its own tolerance);
-- layouts: tests/equivalence.py's LAYOUTS, 3D (dp2 x tp2 x pp2 on 8 ranks) included.
+- layouts: tests/equivalence.py's LAYOUTS (3D with data parallelism, dp2 x tp2 x pp2, needs 8 ranks:
+  beyond the local profile's 4 a node; tp2xpp2 is its dp1 form).
 
 usage: python bench/equivalence.py [--models gpt2,llama] [--precisions 32-true,bf16-mixed]
                                    [--layouts fsdp2,zero3] [--json OUT]

@@ -260,8 +260,9 @@ def continuation_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) 
 
 def resume_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str | None:
     """What resuming ``ckpt`` (default: the newest complete checkpoint) at this plan's topology
-    means, or None when there is none. A checkpoint of another strategy cannot be resumed: an error, before anything
-    is submitted (each strategy has its own checkpoint format)."""
+    means, or None when there is none. Another strategy's checkpoint is converted when the job
+    starts (lmtrain.checkpoint.cross_format), except into DeepSpeed ZeRO: an error, before anything
+    is submitted."""
     ckpt = ckpt or newest_complete(plan.paths.checkpoint_dir)
     if ckpt is None:
         return None
@@ -271,12 +272,18 @@ def resume_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str
         return None  # the runtime's own check reports an unreadable checkpoint
     now = plan.parallelism
     if not now.same_format(old):
-        raise UserError(
-            f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
-            f"{old.strategy} and this plan uses {now.strategy}: each strategy has its own checkpoint format, so it "
-            f"cannot be resumed as it is. Resume with trainer.strategy={old.strategy}, or export it "
-            f"(`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run with model.pretrained: DIR"
-        )
+        if now.zero:
+            raise UserError(
+                f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
+                f"{old.strategy} and this plan uses DeepSpeed ZeRO, which loads only its own checkpoints. Resume with "
+                f"trainer.strategy={old.strategy} (or ddp, fsdp, tensor or pipeline parallelism: lmtrain converts "
+                f"between those), or export it (`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run "
+                f"with model.pretrained: DIR"
+            )
+        return (f"resuming {ckpt.path.name} (written by {old.describe()} on {old.world_size} ranks) with "
+                f"{now.describe()} on {now.world_size}: converted from its format when the job starts (weights, "
+                f"AdamW's moments, the schedule and the data order kept); the global batch stays "
+                f"{plan.topology.global_batch_size}")
     if now.same_layout(old):
         return None
     split = (old.tensor, old.pipeline, now.tensor, now.pipeline) != (1, 1, 1, 1)  # then both meshes are said

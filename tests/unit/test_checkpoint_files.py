@@ -96,8 +96,8 @@ def test_zero_checkpoint_on_another_world_size_loads_only_through_its_universal_
     with pytest.raises(CheckpointError) as e:
         check_compatible(ckpt, Parallelism.of("deepspeed", 8, zero_stage=2))
     msg = str(e.value)
-    assert "ZeRO-3 on 16 ranks and this attempt has 8" in msg
-    assert "converting it to DeepSpeed's universal checkpoint failed (no conversion was attempted)" in msg
+    assert "ZeRO-3 on 16 ranks and this attempt runs deepspeed on 8" in msg
+    assert "else through DeepSpeed's universal checkpoint, and converting it failed (no conversion was attempted)" in msg
     check_compatible(ckpt, Parallelism.of("deepspeed", 16, zero_stage=2))  # same size: fine
     universal = ckpt.path.parent / f"universal-{ckpt.path.name}"
     universal.mkdir()
@@ -105,10 +105,22 @@ def test_zero_checkpoint_on_another_world_size_loads_only_through_its_universal_
     check_compatible(ckpt, Parallelism.of("deepspeed", 8, zero_stage=2))
 
 
-def test_a_checkpoint_of_another_strategy_is_refused(tmp_path):
-    ckpt = _fake_complete(tmp_path, strategy="fsdp", zero_stage=None, world_size=2)
-    with pytest.raises(CheckpointError, match="written with strategy fsdp and this attempt uses ddp"):
-        check_compatible(ckpt, Parallelism.of("ddp", 2, zero_stage=2))
+def test_another_strategys_checkpoint_is_converted_except_into_zero(tmp_path):
+    """DDP, FSDP2, TP and pipeline checkpoints resume under each other (lmtrain.checkpoint.cross_format),
+    a ZeRO one through its universal form; ZeRO loads only its own."""
+    fsdp = _fake_complete(tmp_path / "a", strategy="fsdp", zero_stage=None, world_size=2)
+    check_compatible(fsdp, Parallelism.of("ddp", 2))
+    check_compatible(fsdp, Parallelism.of("fsdp", 4, pipeline=2))
+    with pytest.raises(CheckpointError, match="written with strategy fsdp and this attempt uses DeepSpeed ZeRO, which "
+                                              "loads only its own checkpoints. Resume it with trainer.strategy fsdp"):
+        check_compatible(fsdp, Parallelism.of("deepspeed", 2, zero_stage=2))
+    zero = _fake_complete(tmp_path / "b", strategy="deepspeed", zero_stage=3, world_size=2)
+    with pytest.raises(CheckpointError, match="this attempt runs ddp on 2: ZeRO partitions load only into ZeRO"):
+        check_compatible(zero, Parallelism.of("ddp", 2))  # same world size, another strategy: the universal form
+    universal = zero.path.parent / f"universal-{zero.path.name}"
+    universal.mkdir()
+    (universal / "COMPLETE").write_text("10\n")
+    check_compatible(zero, Parallelism.of("ddp", 2))
 
 
 def test_ddp_checkpoint_may_resume_on_another_world_size(tmp_path):

@@ -5,25 +5,46 @@ real entry, as FSDP2, ZeRO 1-3, tensor parallel (with and without sequence paral
 pipeline stages under each schedule, FSDP2 x TP, TP x PP and FSDP2 x PP: the loss and gradient
 norm of each of 8 steps and the final weights (read as export reads them) against DDP on 2 ranks,
 and each rank's model states as the memory plan said. GPT-2 has no tensor-parallel plan: its TP
-cells are refused by the planner, naming why. The slow cells (more architectures, bf16 autocast,
-3D on 8 ranks) are bench/equivalence.py's."""
+cells are refused by the planner, naming why. The slow cells (more architectures, bf16 autocast)
+are bench/equivalence.py's.
+
+A run checkpointed under one strategy and resumed under another (ZeRO-3 -> DDP -> 2 pipeline
+stages; 2 stages -> FSDP2 -> DDP, each resume a change of checkpoint format but the second)
+continues with the losses of the run that never changed, and a ZeRO resume of another format is
+refused before anything is queued."""
 
 from __future__ import annotations
 
 import pytest
+import shared_results
 
 from tests import equivalence as eq
 from tests.memory_helpers import assert_states_as_planned
 
 TP = ("tp2", "tp2+sp", "fsdp2xtp2", "tp2xpp2")
-SUITE = [layout for layout in eq.LAYOUTS if layout not in ("ddp", "3d")]
+SUITE = [layout for layout in eq.LAYOUTS if layout != "ddp"]
+
+
+def ddp_reference(model: str) -> eq.Trained:
+    """DDP's run of ``model``: trained once per test run (tests/shared_results.py) for every test that
+    compares with it, in a runs root of its own beside the shared results."""
+
+    def train() -> eq.Trained:
+        with pytest.MonkeyPatch.context() as mp:
+            where = shared_results.directory() / "equivalence"
+            where.mkdir(exist_ok=True)
+            mp.setenv("LMLAUNCH_RUNS_ROOT", str(where / "runs"))
+            got = eq.train(model, "ddp", where)
+        assert isinstance(got, eq.Trained), got
+        return got
+
+    return shared_results.shared(f"equivalence-ddp-{model}", train)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_every_way_to_scale_trains_the_model_ddp_trains(model, runs_root, tmp_path):
-    ref = eq.train(model, "ddp", tmp_path)
-    assert isinstance(ref, eq.Trained), ref
+    ref = ddp_reference(model)
     rows, runs = [], {}
     for layout in SUITE:
         got = eq.train(model, layout, tmp_path)
@@ -40,3 +61,31 @@ def test_every_way_to_scale_trains_the_model_ddp_trains(model, runs_root, tmp_pa
     assert not refused and all(r.ok() for r in rows), text
     for run_dir in runs.values():
         assert_states_as_planned(run_dir)  # each rank's parameters, gradients and moments, as planned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, chain", [
+    ("llama", [("zero3", 3), ("ddp", 6), ("pp2-1f1b", 0)]),  # ZeRO's universal form -> DDP's file -> stages
+    ("gpt2", [("pp2-1f1b", 3), ("fsdp2", 5), ("ddp", 0)]),  # stages -> FSDP2 (DCP reshards) -> DDP; tied head
+])
+def test_a_run_resumed_under_another_strategy_continues_the_unchanged_runs_losses(model, chain, runs_root, tmp_path):
+    from tests.unit.test_checkpoint_resume import _ledger
+
+    ref = ddp_reference(model)
+    for i, (layout, stop_at) in enumerate(chain):
+        got = eq.train(model, layout, tmp_path, name=f"across-{model}", stop_at=stop_at, resume=i > 0)
+        assert isinstance(got, eq.Trained), got
+    starts = [e["start_step"] for e in _ledger(got.run_dir) if e["event"] == "start"]
+    assert starts == [0, chain[0][1], chain[1][1]], starts
+    row = eq.compare(model, "across", ref, got)
+    assert row.ok(), eq.table([row])  # every step's loss and norm, and the final weights, as DDP's
+
+
+def test_resuming_another_strategys_checkpoint_with_zero_is_refused_before_anything_is_queued(runs_root, tmp_path):
+    from lmcore.errors import UserError
+
+    got = eq.train("llama", "ddp", tmp_path, name="into-zero", stop_at=0, max_steps=1)
+    assert isinstance(got, eq.Trained), got
+    with pytest.raises(UserError, match=r"this plan uses DeepSpeed ZeRO, which loads only its own checkpoints. "
+                                        r"Resume with trainer.strategy=ddp \(or ddp, fsdp, tensor or pipeline"):
+        eq.plan("llama", "zero2", tmp_path, name="into-zero", resume=True)

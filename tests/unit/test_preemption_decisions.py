@@ -387,8 +387,8 @@ def test_a_zero_checkpoint_whose_universal_conversion_fails_ends_the_attempt_wit
     assert run_task(plan.paths.run_dir) == 2
     end = _ledger(plan)[-1]
     assert (end["reason"], end["requeued"]) == ("crashed", False)
-    assert "ZeRO-2 on 2 ranks and this attempt has 1" in end["detail"]
-    assert "converting it to DeepSpeed's universal checkpoint failed (FileNotFoundError" in end["detail"]
+    assert "ZeRO-2 on 2 ranks and this attempt runs deepspeed on 1" in end["detail"]
+    assert "else through DeepSpeed's universal checkpoint, and converting it failed (FileNotFoundError" in end["detail"]
 
 
 def test_a_signal_before_training_starts_is_kept_and_acted_on(monkeypatch, tmp_path):

@@ -38,9 +38,10 @@ DONE_NAME = COMPLETE_NAME
 
 
 def needs_universal(ckpt: CompleteCheckpoint, parallelism: Parallelism) -> bool:
-    """A DeepSpeed checkpoint resumed by DeepSpeed on another world size."""
+    """A DeepSpeed checkpoint resumed by DeepSpeed on another world size, or by another strategy
+    (lmtrain.checkpoint.cross_format reads the universal form)."""
     old = Parallelism.of_meta(ckpt.meta())
-    return old.zero and parallelism.zero and old.world_size != parallelism.world_size
+    return old.zero and (not parallelism.zero or old.world_size != parallelism.world_size)
 
 
 def ensure_universal(ckpt: CompleteCheckpoint) -> Path:

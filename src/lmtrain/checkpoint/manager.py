@@ -117,7 +117,9 @@ def universal_complete(ckpt: CompleteCheckpoint) -> bool:
 
 def check_compatible(ckpt: CompleteCheckpoint, parallelism: Parallelism) -> None:
     """Raise CheckpointError when this attempt cannot load ``ckpt`` (or, for a ZeRO checkpoint on
-    another world size, its universal form, which lmtrain.checkpoint.elastic makes before the rendezvous)."""
+    another world size or resumed by another strategy, its universal form, which
+    lmtrain.checkpoint.elastic makes before the rendezvous). Another strategy's checkpoint is read
+    through lmtrain.checkpoint.cross_format, except into ZeRO."""
     meta = ckpt.meta()
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(
@@ -125,19 +127,21 @@ def check_compatible(ckpt: CompleteCheckpoint, parallelism: Parallelism) -> None
         )
     old, world_size = Parallelism.of_meta(meta), parallelism.world_size
     old_world = old.world_size
-    if not parallelism.same_format(old):
+    if parallelism.zero and not old.zero:
         raise CheckpointError(
-            f"{ckpt.path} was written with strategy {old.strategy} and this attempt uses {parallelism.strategy}: each "
-            f"strategy has its own checkpoint format. Use the same trainer.strategy, or export the checkpoint "
-            f"(`lmlaunch export RUN --to hf DIR`) and start a new run with model.pretrained: DIR."
+            f"{ckpt.path} was written with strategy {old.strategy} and this attempt uses DeepSpeed ZeRO, which loads "
+            f"only its own checkpoints. Resume it with trainer.strategy {old.strategy} (or ddp, fsdp, tensor or pipeline "
+            f"parallelism: lmtrain converts between those), or export it (`lmlaunch export RUN --to hf DIR`) and "
+            f"start a new run with model.pretrained: DIR."
         )
-    if parallelism.zero and old_world != world_size and not universal_complete(ckpt):
+    if old.zero and (old_world != world_size or not parallelism.zero) and not universal_complete(ckpt):
         error = universal_error_path(ckpt)
         why = error.read_text().strip() if error.is_file() else "no conversion was attempted"
         raise CheckpointError(
             f"{ckpt.path} was written by DeepSpeed ZeRO-{meta.get('zero_stage')} on {old_world} ranks and this "
-            f"attempt has {world_size}: ZeRO partitions load only at the same world size, and converting it to "
-            f"DeepSpeed's universal checkpoint failed ({why}). Resume with {old_world} ranks, or export it "
+            f"attempt runs {parallelism.strategy} on {world_size}: ZeRO partitions load only into ZeRO at the same "
+            f"world size, else through DeepSpeed's universal checkpoint, and converting it failed ({why}). Resume "
+            f"with ZeRO on {old_world} ranks, or export it "
             f"(`lmlaunch export RUN --to hf DIR`) and start a new run with model.pretrained: DIR."
         )
 

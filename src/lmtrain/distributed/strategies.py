@@ -58,6 +58,15 @@ class DirectCheckpointIO(TorchCheckpointIO):
     that into place: twice the checkpoint in host memory, a node-local /tmp that must hold all of
     it, and a second full copy when /tmp is another filesystem."""
 
+    def __init__(self, source: Any = None) -> None:
+        super().__init__()
+        self.source = source  # lmtrain.checkpoint.cross_format.Source: a checkpoint of another format
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.source is not None and Path(path).is_dir():  # FSDP2's, TP's, stages' or ZeRO's files
+            return self.source.ddp_checkpoint(Path(path))
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("lmtrain's checkpoint IO takes no storage_options")
@@ -208,6 +217,9 @@ class LmModelParallelStrategy(ModelParallelStrategy):
         )
 
         path = Path(self.broadcast(checkpoint_path))
+        source = getattr(self, "source", None)
+        if source is not None:  # DDP's file or ZeRO's directory: lmtrain.checkpoint.cross_format
+            return self._load_portable(source.portable(path))
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
         # nested param groups (written before) are numbered: optimizer_0.param_groups.0.lr; flattened
         # ones are keyed by parameter name: optimizer_0.param_groups.model.model.layers.0....lr
@@ -223,6 +235,32 @@ class LmModelParallelStrategy(ModelParallelStrategy):
             _distributed_checkpoint_load(part, path)
             set_optimizer_state_dict(module, optimizer, optim_state_dict=part[f"optimizer_{i}"], options=options)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+    def _load_portable(self, portable: Any) -> dict[str, Any]:
+        """Every rank takes its own part (its shards, its stages' parameters) of the whole state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = self.model
+        assert module is not None
+        mine = set(module.state_dict())
+        missing = sorted(mine - set(portable.model))
+        if missing:
+            raise RuntimeError(f"the checkpoint holds no weights for {missing[:5]}")
+        set_model_state_dict(module, {k: v for k, v in portable.model.items() if k in mine},
+                             options=StateDictOptions(full_state_dict=True))
+        from lmtrain.checkpoint.cross_format import fill
+
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        for optimizer in self.optimizers:  # this rank's state, by name, each entry cut from the whole one
+            mine = get_optimizer_state_dict(module, optimizer, options=options)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=fill(mine, portable.optimizer), options=options)
+        return portable.lightning
 
 
 class PipelineStrategy(LmModelParallelStrategy):
@@ -273,10 +311,23 @@ def bound_devices(strategy: Any, trainer_kwargs: dict[str, Any], plan: Any, env:
     return {**trainer_kwargs, "devices": 1}
 
 
-def build_strategy(plan: Any, env: Any, *, load_universal: bool = False) -> Any:
+def build_strategy(plan: Any, env: Any, *, load_universal: bool = False, source: Any = None) -> Any:
     """The Lightning strategy object for the plan, with lmtrain's cluster environment and the
     spec's collective timeout. ``load_universal``: the DeepSpeed engine resumes a universal
-    checkpoint (lmtrain.checkpoint.elastic; the one key added to the plan's DeepSpeed config)."""
+    checkpoint (lmtrain.checkpoint.elastic; the one key added to the plan's DeepSpeed config).
+    ``source``: the checkpoint resumed is another format's (lmtrain.checkpoint.cross_format)."""
+    strategy = _strategy(plan, env, load_universal)
+    if source is not None:
+        if isinstance(strategy, LmModelParallelStrategy):
+            strategy.source = source
+        elif isinstance(getattr(strategy, "checkpoint_io", None), DirectCheckpointIO):
+            strategy.checkpoint_io.source = source
+        else:
+            raise RuntimeError(f"{type(strategy).__name__} does not load a checkpoint of another strategy")
+    return strategy
+
+
+def _strategy(plan: Any, env: Any, load_universal: bool) -> Any:
     cluster = cluster_environment(env)
     backend = plan.training.process_group_backend
     timeout = process_group_timeout(plan)  # every collective: spec watchdog.collective_timeout_s

@@ -47,7 +47,8 @@ class Fit:
 
         plan, env = self.plan, self.env
         self.loaders = self._data()
-        self.universal = self.ckpt is not None and needs_universal(self.ckpt, self.parallelism)
+        # a ZeRO checkpoint resumed by ZeRO on another world size: the engine loads its universal form
+        self.universal = self.ckpt is not None and needs_universal(self.ckpt, self.parallelism) and self.parallelism.zero
         CLOCK.mark("data")
         self.module = self._module()
         # The plan's Trainer arguments as they are (the dry run printed them); without a
@@ -59,7 +60,7 @@ class Fit:
 
         loggers = make_loggers(plan.paths.run_dir, self.job.logging, plan.run_name,
                                resume_step=self.ckpt.step if self.ckpt else None)
-        strategy = build_strategy(plan, env, load_universal=self.universal)
+        strategy = build_strategy(plan, env, load_universal=self.universal, source=self._other_format())
         trainer = pl.Trainer(
             **bound_devices(strategy, trainer_plan.kwargs(), plan, env),
             strategy=strategy,
@@ -73,6 +74,19 @@ class Fit:
         without_lightnings_sigterm_broadcast(trainer)  # the stop is agreed by lmtrain at step boundaries
         CLOCK.mark("model")
         return trainer
+
+    def _other_format(self) -> Any:
+        """The checkpoint resumed, when another strategy's format wrote it (lmtrain.checkpoint.cross_format)."""
+        from lmcore.parallelism import Parallelism
+        from lmtrain.checkpoint.cross_format import Source, converts
+        from lmtrain.checkpoint.manager import universal_dir
+
+        if self.ckpt is None:
+            return None
+        old = Parallelism.of_meta(self.ckpt.meta())
+        if not converts(old, self.parallelism):
+            return None
+        return Source(self.job.model, universal_dir(self.ckpt) if old.zero else None)
 
     def _data(self) -> tuple[Any, Any, Any]:
         """The loaders and the sampler, at this rank's data position when resuming."""
