@@ -9,7 +9,8 @@ cells are refused by the planner, naming why. The slow cells (more architectures
 are bench/equivalence.py's.
 
 A run checkpointed under one strategy and resumed under another (ZeRO-3 -> DDP -> 2 pipeline
-stages; 2 stages -> FSDP2 -> DDP, each resume a change of checkpoint format but the second)
+stages; ZeRO-2 -> TP with sequence parallelism -> DDP; 2 stages -> FSDP2 -> DDP: each resume a
+change of checkpoint format but FSDP2's)
 continues with the losses of the run that never changed, and a ZeRO resume of another format is
 refused before anything is queued."""
 
@@ -66,6 +67,7 @@ def test_every_way_to_scale_trains_the_model_ddp_trains(model, runs_root, tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("model, chain", [
     ("llama", [("zero3", 3), ("ddp", 6), ("pp2-1f1b", 0)]),  # ZeRO's universal form -> DDP's file -> stages
+    ("llama", [("zero2", 3), ("tp2+sp", 6), ("ddp", 0)]),  # ZeRO-1/2's optimizer file -> TP shards -> DDP
     ("gpt2", [("pp2-1f1b", 3), ("fsdp2", 5), ("ddp", 0)]),  # stages -> FSDP2 (DCP reshards) -> DDP; tied head
 ])
 def test_a_run_resumed_under_another_strategy_continues_the_unchanged_runs_losses(model, chain, runs_root, tmp_path):
@@ -73,7 +75,7 @@ def test_a_run_resumed_under_another_strategy_continues_the_unchanged_runs_losse
 
     ref = ddp_reference(model)
     for i, (layout, stop_at) in enumerate(chain):
-        got = eq.train(model, layout, tmp_path, name=f"across-{model}", stop_at=stop_at, resume=i > 0)
+        got = eq.train(model, layout, tmp_path, name=f"across-{model}-{chain[0][0]}", stop_at=stop_at, resume=i > 0)
         assert isinstance(got, eq.Trained), got
     starts = [e["start_step"] for e in _ledger(got.run_dir) if e["event"] == "start"]
     assert starts == [0, chain[0][1], chain[1][1]], starts

@@ -119,7 +119,8 @@ def _from_zero(path: Path, universal: Path, shapes: dict[str, torch.Size]) -> Po
     root = universal / tag
     states = torch.load(next(root.glob("*mp_rank_00_model_states.pt")), map_location="cpu", weights_only=False)
     opt = torch.load(next((path / tag).glob("*optim_states.pt")), map_location="cpu", weights_only=False)
-    groups = opt["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]  # lmtrain's two: decay, none
+    zero = opt["optimizer_state_dict"]  # ZeRO-3 keeps the torch optimizer's under its own name, 1 and 2 as the base's
+    groups = (zero.get("optimizer_state_dict") or zero["base_optimizer_state"])["param_groups"]  # decay, none
     step = torch.tensor(float(states["global_steps"]))
     model: dict[str, torch.Tensor] = {}
     flat: dict[str, Any] = {}
