@@ -276,8 +276,8 @@ def resume_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str
             raise UserError(
                 f"run '{plan.run_name}': its newest checkpoint ({ckpt.path.name}) was written with trainer.strategy "
                 f"{old.strategy} and this plan uses DeepSpeed ZeRO, which loads only its own checkpoints. Resume with "
-                f"trainer.strategy={old.strategy} (or ddp, fsdp, tensor or pipeline parallelism: lmtrain converts "
-                f"between those), or export it (`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run "
+                f"trainer.strategy ddp or fsdp (with tensor or pipeline parallelism or without: lmtrain converts "
+                f"the checkpoint to any of those), or export it (`lmlaunch export {plan.run_name} --to hf DIR`) and start a new run "
                 f"with model.pretrained: DIR"
             )
         return (f"resuming {ckpt.path.name} (written by {old.describe()} on {old.world_size} ranks) with "

@@ -112,7 +112,7 @@ def test_another_strategys_checkpoint_is_converted_except_into_zero(tmp_path):
     check_compatible(fsdp, Parallelism.of("ddp", 2))
     check_compatible(fsdp, Parallelism.of("fsdp", 4, pipeline=2))
     with pytest.raises(CheckpointError, match="written with strategy fsdp and this attempt uses DeepSpeed ZeRO, which "
-                                              "loads only its own checkpoints. Resume it with trainer.strategy fsdp"):
+                                              "loads only its own checkpoints. Resume it with trainer.strategy ddp or fsdp"):
         check_compatible(fsdp, Parallelism.of("deepspeed", 2, zero_stage=2))
     zero = _fake_complete(tmp_path / "b", strategy="deepspeed", zero_stage=3, world_size=2)
     with pytest.raises(CheckpointError, match="this attempt runs ddp on 2: ZeRO partitions load only into ZeRO"):

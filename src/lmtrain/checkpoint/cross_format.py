@@ -149,9 +149,9 @@ def as_ddp(portable: Portable, names: list[str], state_keys: list[str]) -> dict[
     optimizer state numbered as DDP's optimizer numbers ``names``; ``state_keys``: the module's
     state dict keys (a tied head stored once by the source is its embedding again)."""
     model = dict(portable.model)
-    for key in state_keys:
-        if key not in model and key.endswith("lm_head.weight"):
-            model[key] = _tied_source(model, key)
+    lacking = sorted(set(state_keys) - set(model))
+    if lacking:
+        raise RuntimeError(f"the checkpoint holds no weights for {lacking[:5]}")
     state: dict[int, dict[str, Any]] = {}
     groups: dict[tuple, dict[str, Any]] = {}
     for index, name in enumerate(names):
@@ -166,11 +166,34 @@ def as_ddp(portable: Portable, names: list[str], state_keys: list[str]) -> dict[
             "optimizer_states": [{"state": state, "param_groups": list(groups.values())}]}
 
 
-def _tied_source(model: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    embeds = [v for k, v in model.items() if k.endswith(("embed_tokens.weight", "wte.weight", "embed_in.weight"))]
-    if len(embeds) != 1:
-        raise RuntimeError(f"the checkpoint holds no {key} and no single input embedding it could be tied to")
-    return embeds[0]
+def tied_names(model_spec: Any) -> dict[str, str]:
+    """Each second name of a tied parameter (a head tied to the input embedding: ``model.lm_head.weight``)
+    and the name the model counts it under (``model.model.embed_tokens.weight``)."""
+    from lmtrain.model.causal_lm import meta_model
+
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in meta_model(model_spec).named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[f"model.{name}"] = f"model.{first[id(p)]}"
+        else:
+            first[id(p)] = name
+    return out
+
+
+def with_tied_names(portable: Portable, tied: dict[str, str]) -> Portable:
+    """``portable`` with a tied weight's state under both its names: a strategy that counts the
+    weight once (DDP, FSDP2) wrote one, a pipeline's last stage holds the head's copy under the other
+    (its gradient summed with the embedding's, so its moments are the embedding's)."""
+    model, optimizer = dict(portable.model), dict(portable.optimizer)
+    for alias, name in tied.items():
+        if alias not in model and name in model:
+            model[alias] = model[name]
+        for key, value in portable.optimizer.items():
+            for kind in ("state.", "param_groups."):
+                if key.startswith(f"{kind}{name}."):
+                    optimizer.setdefault(f"{kind}{alias}.{key[len(kind) + len(name) + 1:]}", value)
+    return Portable(model, optimizer, portable.lightning)
 
 
 @dataclass(frozen=True)
@@ -183,7 +206,7 @@ class Source:
 
     def portable(self, path: Path) -> Portable:
         log.warning("reading %s (%s format) to resume it in another strategy's", path, format_of(path))
-        return read(path, self.model_spec, self.universal)
+        return with_tied_names(read(path, self.model_spec, self.universal), tied_names(self.model_spec))
 
     def ddp_checkpoint(self, path: Path) -> dict[str, Any]:
         """What DDP's Lightning loads from its own file, made from ``path``."""

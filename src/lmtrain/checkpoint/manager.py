@@ -130,8 +130,8 @@ def check_compatible(ckpt: CompleteCheckpoint, parallelism: Parallelism) -> None
     if parallelism.zero and not old.zero:
         raise CheckpointError(
             f"{ckpt.path} was written with strategy {old.strategy} and this attempt uses DeepSpeed ZeRO, which loads "
-            f"only its own checkpoints. Resume it with trainer.strategy {old.strategy} (or ddp, fsdp, tensor or pipeline "
-            f"parallelism: lmtrain converts between those), or export it (`lmlaunch export RUN --to hf DIR`) and "
+            f"only its own checkpoints. Resume it with trainer.strategy ddp or fsdp (with tensor or pipeline parallelism "
+            f"or without: lmtrain converts the checkpoint to any of those), or export it (`lmlaunch export RUN --to hf DIR`) and "
             f"start a new run with model.pretrained: DIR."
         )
     if old.zero and (old_world != world_size or not parallelism.zero) and not universal_complete(ckpt):
