@@ -43,6 +43,9 @@ MODELS: dict[str, dict[str, Any]] = {
             "max_position_embeddings": 64, "word_embed_proj_dim": 32, "dropout": 0.0,
             "attention_dropout": 0.0, "activation_dropout": 0.0},  # tied head, learned positions
 }
+# any other type (bench/equivalence.py --models): the sizes most decoder-only types name this way
+LLAMA_LIKE = {**MODELS["llama"], "head_dim": 8}
+
 COMMON = ["data.seq_len=32", "data.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.log_every_n_steps=1",
           f"trainer.val_check_interval={STEPS}", "trainer.limit_val_batches=1", f"checkpoint.every_n_steps={STEPS}",
           "checkpoint.keep_last=1", "optim.warmup_steps=3", "optim.schedule=cosine", "optim.weight_decay=0.1",
@@ -80,7 +83,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 def spec_file(model: str, where: Path) -> Path:
     """jobs/tiny-cpu.yaml with ``model``'s tiny config (dropout off) and the repository's data."""
     spec = yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text())
-    spec["model"] = {"type": model, "config": {**MODELS[model], **TOKENS}}
+    spec["model"] = {"type": model, "config": {**MODELS.get(model, LLAMA_LIKE), **TOKENS}}
     spec["data"]["path"] = str(REPO / "data" / "prepared" / "tiny")
     path = where / f"equivalence-{model}.yaml"
     path.write_text(yaml.safe_dump(spec))
