@@ -355,7 +355,10 @@ def _fake_zero_checkpoint(plan) -> None:
     (step / "COMPLETE").write_text("4\n")
 
 
-def test_resuming_a_checkpoint_of_another_strategy_fails_and_says_why(local_run):
+def test_another_strategys_checkpoint_that_cannot_be_converted_fails_and_says_why(local_run):
+    """A ZeRO checkpoint resumed by DDP is read through its universal form (lmtrain.checkpoint.cross_format);
+    this one has no DeepSpeed files, so rank 0's conversion fails and the attempt ends, not requeued,
+    with the reason and the ways that work."""
     from lmtrain.task.entry import run_task
 
     _fake_zero_checkpoint(local_run)
@@ -363,7 +366,8 @@ def test_resuming_a_checkpoint_of_another_strategy_fails_and_says_why(local_run)
     assert run_task(local_run.paths.run_dir) == 2
     end = _ledger(local_run)[-1]
     assert (end["reason"], end["requeued"]) == ("crashed", False)
-    assert "written with strategy deepspeed and this attempt uses ddp" in end["detail"]
+    assert "ZeRO-2 on 2 ranks and this attempt runs ddp on 1" in end["detail"]
+    assert "converting it failed (FileNotFoundError" in end["detail"] and "Resume with ZeRO on 2 ranks" in end["detail"]
     log_text = rank_text(Path(local_run.paths.logs_dir, "attempt-1"), 0)
     assert "cannot resume" in log_text and "lmlaunch export" in log_text
     assert signal.getsignal(signal.SIGTERM) is before  # handlers given back
