@@ -5,7 +5,8 @@ tests/unit/test_equivalence_matrix.py: the suite's cells, fp32, GPT-2 and Llama)
 Each cell trains the same model on the same data for 8 steps through the real entry with the
 shipped specs' clipping (1.0, hit), accumulation 2, weight decay, warmup and cosine, dropout off,
 and is compared with DDP on 2 ranks trained in the same run: the largest relative difference of a
-step's loss and gradient norm, and of any final weight (read as export reads it). Printed as a
+step's loss and gradient norm, the largest of any final weight (read as export reads it), and the
+update's (the weights' distance from DDP's against DDP's distance from the initial weights). Printed as a
 markdown table (bench/RESULTS.md keeps the last one); exit 1 when a cell is off its tolerance or
 fails where the planner accepted it.
 
@@ -54,6 +55,7 @@ def main() -> int:
                 if isinstance(ref, str):
                     print(f"{model} {precision}: DDP refused: {ref}", file=sys.stderr)
                     continue
+                initial = eq.initial_weights(model, Path(tmp))
                 for layout in args.layouts.split(","):
                     t = time.perf_counter()
                     try:
@@ -62,9 +64,10 @@ def main() -> int:
                         got = eq.Trained(layout, "", {}, {})
                         row = eq.Row(model, layout, precision, said=f"FAILED: {str(exc).splitlines()[0]}")
                     else:
-                        row = eq.compare(model, layout, ref, got, precision)
+                        row = eq.compare(model, layout, ref, got, precision, initial)
                     rows.append(row)
-                    print(f"{model:9s} {precision:10s} {layout:16s} {time.perf_counter() - t:5.1f} s "
+                    figures = " ".join("-" if v is None else f"{v:.1e}" for v in (row.loss, row.norm, row.weight, row.update))
+                    print(f"{model:9s} {precision:10s} {layout:16s} {time.perf_counter() - t:5.1f} s {figures} "
                           f"{'ok' if row.ok() else row.said[:90] or 'OFF'}", file=sys.stderr, flush=True)
     print(eq.table(rows))
     failed = [r for r in rows if r.said.startswith("FAILED") or (not r.said and not r.ok())]

@@ -51,10 +51,11 @@ def ddp_reference(model: str) -> eq.Trained:
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_every_way_to_scale_trains_the_model_ddp_trains(model, group, runs_root, tmp_path):
     ref = ddp_reference(model)
+    initial = eq.initial_weights(model, tmp_path)
     rows, runs = [], {}
     for layout in GROUPS[group]:
         got = eq.train(model, layout, tmp_path)
-        rows.append(eq.compare(model, layout, ref, got))
+        rows.append(eq.compare(model, layout, ref, got, initial=initial))
         if isinstance(got, eq.Trained):
             runs[layout] = got.run_dir
     text = eq.table(rows)
@@ -74,8 +75,8 @@ def test_every_way_to_scale_trains_the_model_ddp_trains(model, group, runs_root,
 @pytest.mark.parametrize("model, chain", [
     ("llama", [("zero3", 3), ("ddp", 6), ("pp2-1f1b", 0)]),  # ZeRO's universal form -> DDP's file -> stages
     ("llama", [("zero2", 3), ("tp2+sp", 6), ("ddp", 0)]),  # ZeRO-1/2's optimizer file -> TP shards -> DDP
-    # tied head: DDP counts it once, the last stage holds its copy under the head's name, and back
-    ("gpt2", [("ddp", 3), ("pp2-1f1b", 6), ("ddp", 0)]),
+    # tied head: DDP counts it once, the last stage holds its copy under the head's name, FSDP2 once
+    ("gpt2", [("ddp", 3), ("pp2-1f1b", 6), ("fsdp2", 0)]),
 ])
 def test_a_run_resumed_under_another_strategy_continues_the_unchanged_runs_losses(model, chain, runs_root, tmp_path):
     from tests.unit.test_checkpoint_resume import _ledger
@@ -86,7 +87,7 @@ def test_a_run_resumed_under_another_strategy_continues_the_unchanged_runs_losse
         assert isinstance(got, eq.Trained), got
     starts = [e["start_step"] for e in _ledger(got.run_dir) if e["event"] == "start"]
     assert starts == [0, chain[0][1], chain[1][1]], starts
-    row = eq.compare(model, "across", ref, got)
+    row = eq.compare(model, "across", ref, got, initial=eq.initial_weights(model, tmp_path))
     assert row.ok(), eq.table([row])  # every step's loss and norm, and the final weights, as DDP's
 
 
