@@ -47,11 +47,12 @@ if [ "$(id -u)" = 0 ] && ! "$VENV/bin/lmlaunch" cluster image; then
 fi
 OTHERS=()
 if [ "${LMLAUNCH_TEST_OTHER_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ]; then
-  # the other Debian stable release's SLURM and unstable's (26.05), each but the machine's own
+  # every tested release but the machine's own (lmcore.slurm.versions' table), the other Debian
+  # stable release's first, then unstable's (26.05)
   mapfile -t wanted < <("$VENV/bin/python" -c "
 from launcher.localcluster.config import SLURM_RELEASES, native_version, other_version
-for v in dict.fromkeys([other_version(), '26.05']):
-    if v and v != native_version() and v in SLURM_RELEASES: print(v)")
+for v in dict.fromkeys([other_version(), *SLURM_RELEASES]):
+    if v and v != native_version(): print(v)")
   for version in "${wanted[@]}"; do
     # the first time, this makes the Debian root (debootstrap + apt-get: a few minutes)
     # exit 3: that SLURM cannot run here (this Python does not run in its root): said, and left out

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmcore.slurm import versions
+
 CLUSTER_NAME = "lmlaunch"
 MAX_NODES = 64  # `cluster up --nodes N`: virtual nodes n1..nN, each a slurmd on this machine
 
@@ -39,7 +41,7 @@ MAX_WORKER_SLOTS = 16
 # OTHER_RELEASE_PORT_OFFSET x K (past every worker slot's) for the K-th release that is not the
 # machine's. Debian unstable (sid) carries the newest SLURM; its releases that a machine runs
 # natively come first, so `other_version` stays the other stable release's.
-SLURM_RELEASES = {"22.05": "bookworm", "24.11": "trixie", "26.05": "sid"}
+SLURM_RELEASES = {r.name: r.debian for r in versions.RELEASES}  # lmcore.slurm.versions: one entry a release
 OTHER_RELEASE_PORT_OFFSET = 5000  # 24.11 or 22.05 at +5000, 26.05 at +10000: all below the rendezvous ports (20000+)
 MIN_JOB_AGE_FLOOR = 2  # slurm.conf(5): "the minimum non-zero value for MinJobAge recommended is 2"
 

@@ -27,7 +27,6 @@ from lmcore.slurm import versions
 
 Say = Callable[[str], None]
 NOBODY = "65534"  # by number: a Debian root's /etc/passwd is the machine's (debian_root._same_names)
-FIRST_REST_RELEASE = (23, 11)  # data_parser v0.0.40, the oldest the REST client speaks
 REST_PACKAGES = ("slurmrestd", "slurm-wlm-jwt-plugin")
 
 
@@ -59,15 +58,19 @@ def offers_metrics() -> bool:
 
 def rest_available(version: str | None = None) -> bool:
     """slurmrestd and the JWT plugin are installed here, in a release the REST client speaks."""
-    r = versions.release(version or native_version())
-    return (r is not None and r >= FIRST_REST_RELEASE and _slurmrestd() is not None
+    return (_speaks_rest(version or native_version()) and _slurmrestd() is not None
             and any(Path(d, "auth_jwt.so").exists() for d in _plugin_dirs()))
 
 
 def wants_rest_packages() -> bool:
     """This machine's SLURM speaks a REST API lmlaunch speaks, and slurmrestd or its JWT plugin is missing."""
-    r = versions.release(native_version())
-    return r is not None and r >= FIRST_REST_RELEASE and not rest_available()
+    return _speaks_rest(native_version()) and not rest_available()
+
+
+def _speaks_rest(version: str | None) -> bool:
+    """Its slurmrestd serves a REST API version the client speaks (the release table says)."""
+    known = versions.facts(version)
+    return known is not None and bool(known.rest_apis)
 
 
 def _slurmrestd() -> str | None:

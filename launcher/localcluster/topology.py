@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from lmcore.slurm import versions
+
 KINDS = {"tree": "topology/tree", "block": "topology/block"}
-# topology/block came with SLURM 23.11 (slurm.conf(5) of 24.11; 22.05's has no such plugin)
-BLOCK_SINCE = (23, 11)
 _SYNTAX = re.compile(r"(tree|block):(?:(\d+)x)?(\d+)")
 USAGE = "tree:GxN (G leaf switches of N nodes), block:GxN (G blocks of N nodes), KIND:N (groups of N) or none"
 
@@ -96,10 +96,12 @@ def parse(text: str | None, nodes: int | None) -> LocalTopology | None:
 
 
 def version_problem(topo: LocalTopology, version: str | None) -> str | None:
-    """Why SLURM ``version`` ("22.05") cannot run ``topo`` (None: it can, or the version is unknown)."""
-    parts = tuple(int(p) for p in version.split(".")[:2]) if version else None
-    if topo.kind == "block" and parts is not None and parts < BLOCK_SINCE:
-        return (f"--topology {topo.text}: topology/block needs SLURM {BLOCK_SINCE[0]}.{BLOCK_SINCE[1]} or later "
-                f"(this cluster runs {version}); use tree:{topo.groups}x{topo.per_group}, or block on the 24.11 "
-                "cluster (--slurm 24.11)")
-    return None
+    """Why SLURM ``version`` ("22.05") cannot run ``topo`` (None: it can, or the version is unknown);
+    which release runs which plugin is lmcore.slurm.versions' table."""
+    known = versions.facts(version)
+    if known is None or topo.kind in known.topologies:
+        return None
+    others = versions.with_topology(topo.kind)
+    return (f"--topology {topo.text}: SLURM {version} has no topology/{topo.kind} plugin (of the tested releases, "
+            f"{', '.join(others)} have it); use tree:{topo.groups}x{topo.per_group}"
+            + "".join(f", or {topo.kind} on the {v} cluster (--slurm {v})" for v in others[:1]))

@@ -63,3 +63,37 @@ def test_the_user_is_the_one_slurm_knows_whatever_USER_says(monkeypatch):
     assert slurm.user_name() == own
     monkeypatch.setenv("USER", "someone-else")
     assert slurm.user_name() == own
+
+
+def test_what_differs_by_release_is_read_from_the_release_table():
+    """Adding a release is one entry in lmcore.slurm.versions: the local cluster's releases, the REST
+    client's API versions, sacctmgr's words and the job states all come from it."""
+    from pathlib import Path
+
+    from launcher.localcluster.config import SLURM_RELEASES
+    from lmcore.slurm import records, rest, versions
+
+    assert SLURM_RELEASES == {r.name: r.debian for r in versions.RELEASES}
+    assert versions.TESTED == ("22.05", "24.11", "26.05")
+    assert rest.KNOWN_APIS == ("v0.0.45", "v0.0.44", "v0.0.43", "v0.0.42", "v0.0.41", "v0.0.40")
+    assert all(records.STATE_GROUPS[s] == g for r in versions.RELEASES for s, g in r.job_states.items())
+    assert records.state_group("EXPEDITING") == "queued"
+    for version, (_code, out) in ADD_EXISTING.items():  # each release's own words are in its entry
+        assert any(w in out for w in versions.facts(version).sacctmgr_exists), version
+    assert versions.facts("24.11.5").name == "24.11" and versions.facts("25.05.1") is None
+    assert versions.with_topology("block") == ("24.11", "26.05")
+    repo = Path(__file__).resolve().parents[2]
+    for r in versions.RELEASES:  # every behaviour handled for a release names a module that exists
+        for q in r.quirks:
+            parts = q.where.split(".")
+            assert any((repo / root / Path(*parts)).with_suffix(".py").is_file() for root in ("", "src")), q
+
+
+def test_the_architecture_page_shows_the_release_table_as_it_is():
+    from pathlib import Path
+
+    from lmcore.slurm import versions
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    assert versions.markdown_table() in page, (
+        "docs/architecture.md's release table is stale: run `python -m lmcore.slurm.versions --write docs/architecture.md`")

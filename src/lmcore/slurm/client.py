@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
-from lmcore.slurm import relay as slurm_relay, rest_calls
+from lmcore.slurm import relay as slurm_relay, rest_calls, versions
 from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.records import (
     ACTIVE_GROUPS as ACTIVE_GROUPS,  # the client's records, as its callers know them
@@ -63,8 +63,8 @@ NO_ACCOUNTING_NOTE = ("this cluster keeps no job accounting (sacct: accounting s
 class NoAccounting(SlurmUnavailable):
     """The cluster runs without accounting: sacct can never answer (not a slurmdbd that is down)."""
 
-# What sacctmgr says when what it was asked to add exists already (22.05, 24.11)
-_ALREADY_THERE = ("Nothing new added", "already exists", "Already existing")
+# What sacctmgr says when what it was asked to add exists already (each release's: lmcore.slurm.versions)
+_ALREADY_THERE = versions.sacctmgr_exists()
 
 # --------------------------------------------------------------------------- SLURM's time notations
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmcore.slurm import versions
+
 # SLURM job states -> the few states lmlaunch talks about (one table, like torchx).
 STATE_GROUPS: dict[str, str] = {
     "PENDING": "queued",
     "CONFIGURING": "queued",
     "REQUEUED": "queued",
-    "EXPEDITING": "queued",  # SLURM 26.05: a job whose requeue is expedited, between its end and its next start
     "REQUEUE_HOLD": "queued",
     "REQUEUE_FED": "queued",
     "RESV_DEL_HOLD": "queued",
@@ -31,6 +32,7 @@ STATE_GROUPS: dict[str, str] = {
     "OUT_OF_MEMORY": "failed",
     "DEADLINE": "failed",
     "TIMEOUT": "timeout",
+    **versions.job_states(),  # the states a release added (26.05's EXPEDITING: lmcore.slurm.versions)
 }
 ACTIVE_GROUPS = frozenset({"queued", "running"})
 

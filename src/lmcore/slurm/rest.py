@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
+from lmcore.slurm import versions
 
-# The data_parser versions this client speaks, newest first (SLURM 23.11 gave v0.0.40; 26.05
-# offers v0.0.42 to v0.0.45). Their job records and job descriptions share the fields used here.
-KNOWN_APIS = ("v0.0.45", "v0.0.44", "v0.0.43", "v0.0.42", "v0.0.41", "v0.0.40")
+# The data_parser versions this client speaks, newest first: those the tested releases serve
+# (lmcore.slurm.versions; 24.11 v0.0.40 to v0.0.42, 26.05 v0.0.42 to v0.0.45). Their job records
+# and job descriptions share the fields used here.
+KNOWN_APIS = versions.rest_apis()
 REQUEUE_API = "v0.0.45"  # the first with GET /slurm/<v>/job/{job_id}/requeue and /slurm/<v>/conf
 DEFAULT_TIMEOUT_S = 20.0
 Via = Literal["sbatch", "rest"]  # the two ways to SLURM: its commands here, or slurmrestd
