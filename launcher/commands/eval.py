@@ -19,7 +19,7 @@ from launcher.planning.resolve import eval_interpreter
 from launcher.runs import registry as runs
 from launcher.spec import transport
 from launcher.spec.profiles import load_profile
-from launcher.submit import hetjob, submission
+from launcher.submit import script, submission
 from lmcore import rundir
 from lmcore.atomic import write_json
 from lmcore.checkpoint_index import complete_checkpoints
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"run {plan.run_name}: every asked checkpoint is scored already (`lmlaunch history {plan.run_name}`)")
         return 0
     path = run_dir / EVAL_DIR / f"evaluator-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    text = hetjob.eval_job_script(plan, ev, str(path), steps=",".join(map(str, todo)), time_minutes=args.time)
+    text = script.render_eval_script(plan, ev, str(path), steps=",".join(map(str, todo)), time_minutes=args.time)
     if args.dry_run:
         ctx.out(text)
         return 0

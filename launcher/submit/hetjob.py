@@ -9,12 +9,13 @@ trainer's; a plain srun is the first component's, so the trainer's command is un
 the trainer's srun has ended (its restart loop too), the script says so in the run's
 ``eval/training-ended`` (the job id and srun's exit status) and waits at most
 ``finish_wait_s`` for the evaluator to score what is left, then stops it; the job's exit status
-stays the trainer's. Pure: text only (launcher.submit.script calls it).
+stays the trainer's. Pure: its options and shell lines (launcher.submit.script renders the scripts).
 """
 
 from __future__ import annotations
 
 import shlex
+from typing import Any
 
 from launcher.submit.container_lines import container_task_command, host_lines
 from launcher.submit.shell import export_line
@@ -29,25 +30,10 @@ def evaluator_of(plan: LaunchPlan) -> EvaluatorPlan | None:
     return EvaluatorPlan.from_json(plan.evaluator) if plan.evaluator else None
 
 
-def component_lines(ev: EvaluatorPlan) -> list[str]:
-    """The second component's ``#SBATCH`` lines, after the first's."""
-    lines = ["#SBATCH hetjob", f"#SBATCH --partition={ev.partition}", f"#SBATCH --nodes={ev.nodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={ev.cpus_per_task}"]
-    if ev.gres:
-        lines.append(f"#SBATCH --gres={ev.gres}")
-    if ev.mem:
-        lines.append(f"#SBATCH --mem={ev.mem}")
-    return lines
-
-
-def with_component(text: str, plan: LaunchPlan) -> str:
-    """The rendered script with the evaluator's component after the last ``#SBATCH`` line."""
-    ev = evaluator_of(plan)
-    if ev is None:
-        return text
-    lines = text.split("\n")
-    last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
-    return "\n".join([*lines[: last + 1], *component_lines(ev), *lines[last + 1:]])
+def component_options(ev: EvaluatorPlan) -> list[tuple[str, Any]]:
+    """The second component's sbatch options (launcher.submit.script renders them after ``hetjob``)."""
+    return [("partition", ev.partition), ("nodes", ev.nodes), ("ntasks-per-node", 1),
+            ("cpus-per-task", ev.cpus_per_task), ("gres", ev.gres or None), ("mem", ev.mem or None)]
 
 
 def evaluator_command(plan: LaunchPlan, *extra: str, python: str | None = None) -> str:
@@ -130,28 +116,27 @@ def finish_lines(plan: LaunchPlan) -> list[str]:
     ]
 
 
-def eval_job_script(plan: LaunchPlan, ev: EvaluatorPlan, evaluator_file: str, *, steps: str | None,
-                    time_minutes: int) -> str:
-    """``lmlaunch eval RUN``'s job: an ordinary single-node job on the evaluator's resources that
-    scores the finished run's checkpoints (``--once``: what is there, then it ends) as the evaluator
-    alongside would, with the run's environment and code snapshot; its log is the evaluator's."""
+def eval_job_options(plan: LaunchPlan, ev: EvaluatorPlan, time_minutes: int) -> list[tuple[str, Any]]:
+    """``lmlaunch eval RUN``'s job's sbatch options: an ordinary single-node job on the evaluator's
+    resources; its log is the evaluator's."""
     s = plan.slurm
     log = ev.log or f"{plan.paths.run_dir}/logs/evaluator-%j.log"
-    head = ["#!/bin/bash", f"#SBATCH --job-name={s.job_name}-eval", f"#SBATCH --partition={ev.partition}",
-            "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={ev.cpus_per_task}",
-            f"#SBATCH --time={time_minutes}", f"#SBATCH --output={log}", f"#SBATCH --error={log}",
-            "#SBATCH --open-mode=append", f"#SBATCH --chdir={plan.paths.run_dir}"]
-    head += [f"#SBATCH --gres={ev.gres}"] if ev.gres else []
-    head += [f"#SBATCH --mem={ev.mem}"] if ev.mem else []
-    head += [f"#SBATCH --{k}={getattr(s, k)}" for k in ("account", "qos") if getattr(s, k)]
+    return [("job-name", f"{s.job_name}-eval"), ("partition", ev.partition), ("nodes", 1), ("ntasks-per-node", 1),
+            ("cpus-per-task", ev.cpus_per_task), ("time", time_minutes), ("output", log), ("error", log),
+            ("open-mode", "append"), ("chdir", plan.paths.run_dir), ("gres", ev.gres or None), ("mem", ev.mem or None),
+            ("account", s.account or None), ("qos", s.qos or None)]
+
+
+def eval_job_body(plan: LaunchPlan, ev: EvaluatorPlan, evaluator_file: str, *, steps: str | None) -> list[str]:
+    """``lmlaunch eval RUN``'s job's commands: it scores the finished run's checkpoints (``--once``: what
+    is there, then it ends) as the evaluator alongside would, with the run's environment."""
     extra = ["--evaluator", evaluator_file, "--once", *(["--steps", steps] if steps else [])]
-    return "\n".join([
-        *head, "",
+    return [
         f"# lmlaunch: `lmlaunch eval {plan.run_name}`: its checkpoints scored with lm-evaluation-harness as the "
         "evaluator alongside the training scores them (lmtrain.evaluator), then the job ends",
         *plan.setup, *(export_line(name, plan.env[name]) for name in sorted(plan.env) if name != "PYTHONPATH"),
         "# this lmlaunch's evaluator, not the run's code snapshot (a run trained before it has none): it only reads",
         "# the checkpoints, in the formats every lmlaunch since reads",
         *(host_lines(ContainerPlan.from_json(plan.container), sorted(plan.env)) if plan.container is not None else []),
-        f"srun --unbuffered --nodes=1 --ntasks=1 {evaluator_command(plan, *extra, python=ev.python or None)}", "",
-    ])
+        f"srun --unbuffered --nodes=1 --ntasks=1 {evaluator_command(plan, *extra, python=ev.python or None)}",
+    ]

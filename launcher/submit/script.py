@@ -13,6 +13,12 @@ is submitted. The dry run prints this text and ``sbatch`` receives it byte for b
   by ``SLURM_ARRAY_TASK_ID``.
 - ``data prepare --on-cluster``'s scripts (:func:`array_script`, :func:`assemble_script`): a
   throttled array of slices and its final step.
+- ``lmlaunch eval``'s job (:func:`render_eval_script`) and the evaluator alongside's component of a
+  run's heterogeneous job: their options and shell lines from launcher.submit.hetjob.
+
+Every ``#SBATCH`` line lmlaunch writes itself is one option of a list of (option, value) pairs rendered
+by :func:`sbatch_lines`; the run's and the sweep's headers are submitit's, from
+:func:`executor_parameters`.
 
 launcher.submit.submission submits the text (the executor's hooks); launcher.search.array and
 launcher.submit.data_cluster submit theirs. Pure: no I/O but reading whether a run's code snapshot
@@ -32,6 +38,7 @@ from launcher.submit.container_lines import container_task_command, host_lines, 
 from launcher.submit.shell import export_line, shell_quote
 from lmcore import rundir
 from lmcore.container import ContainerPlan
+from lmcore.eval_alongside import EvaluatorPlan
 from lmcore.plan import LaunchPlan
 from lmcore.run_layout import BATCH_VAR, UNDECIDED_VAR
 from lmcore.rundir import RunLayout
@@ -132,9 +139,35 @@ def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:
     """The sbatch script exactly as submit writes it."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    return hetjob.with_component(_make_sbatch_string(
+    return with_component(_make_sbatch_string(
         command=submit_command(plan), folder=plan.paths.submitit_dir, **executor_parameters(plan, dependency)
     ), plan)
+
+
+# --------------------------------------------------------------------------- the #SBATCH lines lmlaunch writes itself
+Options = list[tuple[str, Any]]  # (sbatch's long option, value): True a flag; None or False: left out
+
+
+def sbatch_lines(options: Options) -> list[str]:
+    """``#SBATCH --option=value`` for each option in order (``--option`` for True)."""
+    return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}" for k, v in options if v is not None and v is not False]
+
+
+def with_component(text: str, plan: LaunchPlan) -> str:
+    """The rendered script with the evaluator's component (``hetjob``) after the last ``#SBATCH`` line."""
+    ev = hetjob.evaluator_of(plan)
+    if ev is None:
+        return text
+    lines = text.split("\n")
+    last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
+    component = ["#SBATCH hetjob", *sbatch_lines(hetjob.component_options(ev))]
+    return "\n".join([*lines[: last + 1], *component, *lines[last + 1:]])
+
+
+def render_eval_script(plan: LaunchPlan, ev: EvaluatorPlan, evaluator_file: str, *, steps: str | None, time_minutes: int) -> str:
+    """``lmlaunch eval RUN``'s job: the finished run's checkpoints scored on the evaluator's resources."""
+    head = sbatch_lines(hetjob.eval_job_options(plan, ev, time_minutes))
+    return "\n".join(["#!/bin/bash", *head, "", *hetjob.eval_job_body(plan, ev, evaluator_file, steps=steps), ""])
 
 
 # --------------------------------------------------------------------------- the restart-in-place loop and spare nodes' srun options
@@ -326,20 +359,18 @@ class ArrayJob:
     account: str | None = None
     qos: str | None = None
 
-    def header(self, *lines: str) -> list[str]:
-        out = ["#!/bin/bash", f"#SBATCH --job-name={self.name}", f"#SBATCH --partition={self.partition}",
-               "#SBATCH --nodes=1", "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={self.cpus}",
-               f"#SBATCH --time={self.time}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-               f"#SBATCH --chdir={self.run_dir}"]
-        out += [f"#SBATCH --account={self.account}"] if self.account else []
-        out += [f"#SBATCH --qos={self.qos}"] if self.qos else []
-        return out + [f"#SBATCH {x}" for x in lines]
+    def header(self, *more: tuple[str, Any]) -> list[str]:
+        options: Options = [("job-name", self.name), ("partition", self.partition), ("nodes", 1), ("ntasks", 1),
+                            ("cpus-per-task", self.cpus), ("time", self.time), ("requeue", True),
+                            ("open-mode", "append"), ("chdir", self.run_dir), ("account", self.account or None),
+                            ("qos", self.qos or None), *more]
+        return ["#!/bin/bash", *sbatch_lines(options)]
 
 
 def array_script(job: ArrayJob, tasks: range, max_parallel: int) -> str:
     """The array of tasks ``tasks`` (its SLURM task k is task ``tasks.start + k``)."""
-    lines = job.header(f"--array=0-{len(tasks) - 1}%{max_parallel}",
-                       f"--output={job.run_dir}/submitit/%A_%a_log.out", f"--error={job.run_dir}/submitit/%A_%a_log.err")
+    lines = job.header(("array", f"0-{len(tasks) - 1}%{max_parallel}"),
+                       ("output", f"{job.run_dir}/submitit/%A_%a_log.out"), ("error", f"{job.run_dir}/submitit/%A_%a_log.err"))
     task = f"$((SLURM_ARRAY_TASK_ID + {tasks.start}))" if tasks.start else "$SLURM_ARRAY_TASK_ID"
     lines += ["export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
               # a job step: SLURM's preemption signals (SIGTERM, then SIGKILL after GraceTime) reach the task
@@ -349,8 +380,8 @@ def array_script(job: ArrayJob, tasks: range, max_parallel: int) -> str:
 
 
 def assemble_script(job: ArrayJob) -> str:
-    lines = job.header(f"--output={job.run_dir}/submitit/%j_assemble_log.out",
-                       f"--error={job.run_dir}/submitit/%j_assemble_log.err")
+    lines = job.header(("output", f"{job.run_dir}/submitit/%j_assemble_log.out"),
+                       ("error", f"{job.run_dir}/submitit/%j_assemble_log.err"))
     lines += ["export PYTHONUNBUFFERED=1",
               f"exec {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} --assemble"]
     return "\n".join(lines) + "\n"

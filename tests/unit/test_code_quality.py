@@ -366,19 +366,18 @@ def _batch_script_lines(tree):
 
 
 def test_the_batch_script_is_rendered_by_one_module():
-    """launcher/submit/script.py renders every batch script (a run's, a sweep's array, data prepare's),
-    with its parts beside it (hetjob.py: an evaluator's component; container_lines.py: a container's
-    lines on the host): no other module writes a script's first line, an #SBATCH option or calls
-    submitit's renderer."""
+    """launcher/submit/script.py renders every batch script (a run's, a sweep's array, data prepare's,
+    `lmlaunch eval`'s, an evaluator's component): no other module writes a script's first line, an
+    #SBATCH option or calls submitit's renderer (hetjob.py and container_lines.py give it options and
+    shell lines, never script text of that kind)."""
     import ast
 
     owner = REPO / "launcher" / "submit" / "script.py"
-    parts = {owner.with_name("hetjob.py"), owner.with_name("container_lines.py")}
     found = []
     for root in ("launcher", "src"):
         for path in sorted((REPO / root).rglob("*.py")):
             # the local cluster writes its own daemons' wrappers (its administration, not a job's script)
-            if path != owner and path not in parts and \
+            if path != owner and \
                     not path.relative_to(REPO).as_posix().startswith("launcher/localcluster/"):
                 found += [f"{path.relative_to(REPO)}:{n} {w!r}" for n, w in _batch_script_lines(ast.parse(path.read_text()))]
     assert not found, "batch-script text outside launcher/submit/script.py:\n" + "\n".join(found)
