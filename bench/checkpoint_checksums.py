@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from lmcore.checkpoint_index import file_digest
+    from lmcore.run.checkpoint_index import file_digest
     from lmtrain.checkpoint import checksums
     from lmtrain.checkpoint.writeback import save_streamed
 

@@ -78,7 +78,7 @@ def project_run(model: str, strategy: str, steps: int, root: Path) -> dict[str, 
 REFERENCE = r"""
 import sys, torch
 sys.path[:0] = [sys.argv[3]]
-from lmcore.spec import JobSpec
+from lmcore.job.spec import JobSpec
 from launcher.spec.jobfile import load_job
 from lmtrain.model.causal_lm import build_model
 spec = load_job(sys.argv[1], sys.argv[4:])

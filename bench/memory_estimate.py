@@ -29,7 +29,7 @@ from launcher.planning import memory
 from launcher.planning.memory_check import setup_of
 from launcher.planning.memory_inputs import model_facts
 from launcher.planning.resolve import resolve
-from lmcore.parallelism import DataParallel
+from lmcore.job.parallelism import DataParallel
 
 JOBS = ["gpt2-124m.yaml", "llama-1b-zero2.yaml", "llama-7b-zero3.yaml"]
 STATES = ("parameters", "gradients", "optimizer states")

@@ -82,7 +82,7 @@ def stop_run(spec: str, extra: tuple[str, ...], work: Path, stop_at: int, name: 
     save = [b for b in read_jsonl(plan.paths.heartbeat) if b.get("event") == "checkpoint"][-1]
     ckpt = Path(save["path"])
     size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
-    from lmcore.rank_logs import rank_text
+    from lmcore.run.rank_logs import rank_text
 
     logs = rank_text(Path(plan.paths.logs_dir, "attempt-1"), 0)
     reserved = [line for line in logs.splitlines() if "staging buffers reserved" in line]

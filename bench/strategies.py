@@ -102,7 +102,7 @@ def _load_seconds(run_dir: Path) -> float:
     def stamp(line: str) -> float:
         return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
-    from lmcore.rank_logs import rank_text
+    from lmcore.run.rank_logs import rank_text
 
     lines = rank_text(run_dir / "logs" / "attempt-2", 0).splitlines()
     begin = next(stamp(x) for x in lines if "Restoring states from the checkpoint path" in x and x[:4].isdigit())
@@ -169,7 +169,7 @@ def main() -> int:
         load_ratio = f"{r['load_ratio_to_ddp']:6.2f}" if r["load_ratio_to_ddp"] is not None else "   n/a"
         print(f"{r['strategy']:11} {r['processes']:5} {r['step_s']:8.3f} {r['step_ratio_to_ddp']:6.2f} "
               f"{r['save_s']:8.3f} {r['save_ratio_to_ddp']:6.2f} {r['load_s']:8.3f} {load_ratio}  {r['baseline']}")
-    from lmcore.pipeline_stages import bubble_text
+    from lmcore.job.pipeline_stages import bubble_text
 
     for r in rows:  # what the schedule predicts: the stages idle this fraction of their compute
         if r["strategy"].startswith("pp2-"):

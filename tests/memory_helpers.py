@@ -10,8 +10,8 @@ from pathlib import Path
 from launcher.planning import memory, memory_stages
 from launcher.planning.memory_check import setup_of
 from launcher.planning.memory_inputs import model_facts
-from lmcore.plan import LaunchPlan
-from lmcore.rank_logs import rank_text
+from lmcore.job.plan import LaunchPlan
+from lmcore.run.rank_logs import rank_text
 
 STATES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states"}
 

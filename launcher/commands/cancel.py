@@ -12,8 +12,8 @@ from launcher.runs import far_copy, registry as runs
 from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
 from launcher.submit import lifecycle
-from lmcore import rundir
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
+from lmcore.run import rundir
 from lmcore.slurm import client as slurm
 
 

@@ -86,7 +86,8 @@ class Pages:
         from launcher.commands.history import load_history
         from launcher.monitor import run_files
         from launcher.runs import registry as runs
-        from lmcore import jsonlines, rundir
+        from lmcore import jsonlines
+        from lmcore.run import rundir
 
         row = next((r for r in self.runs()["runs"] if r["name"] == name), None)
         if row is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from launcher.context import Context
 from launcher.monitor import diff
 from launcher.runs import registry as runs
-from lmcore import rundir
+from lmcore.run import rundir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,13 +20,13 @@ from launcher.runs import registry as runs
 from launcher.spec import transport
 from launcher.spec.profiles import load_profile
 from launcher.submit import script, submission
-from lmcore import rundir
 from lmcore.atomic import write_json
-from lmcore.checkpoint_index import complete_checkpoints
 from lmcore.errors import UserError
-from lmcore.eval_alongside import EVAL_DIR, EVALUATOR_LOG, EvaluatorPlan, read_scores, scored_steps
-from lmcore.plan import LaunchPlan
-from lmcore.spec import SHIPPED_EVAL_TASKS
+from lmcore.job.plan import LaunchPlan
+from lmcore.job.spec import SHIPPED_EVAL_TASKS
+from lmcore.run import rundir
+from lmcore.run.checkpoint_index import complete_checkpoints
+from lmcore.run.eval_alongside import EVAL_DIR, EVALUATOR_LOG, EvaluatorPlan, read_scores, scored_steps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 from launcher.context import Context
 from launcher.planning import runtime_stack
 from launcher.runs import far_copy, registry as runs
-from lmcore import rundir
-from lmcore.checkpoint_index import CompleteCheckpoint, complete_checkpoints, describe_choice, newest_intact, verify
 from lmcore.errors import UserError
+from lmcore.run import rundir
+from lmcore.run.checkpoint_index import CompleteCheckpoint, complete_checkpoints, describe_choice, newest_intact, verify
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

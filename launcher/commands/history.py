@@ -11,7 +11,8 @@ from launcher.context import Context
 from launcher.monitor import eval_rows, history_rows, slurm_view
 from launcher.monitor.view import history_view, make_console, startup_view
 from launcher.runs import far_copy, registry as runs
-from lmcore import eval_alongside, jsonlines, rundir
+from lmcore import jsonlines
+from lmcore.run import eval_alongside, rundir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,7 +87,7 @@ def _task_errors(layout: rundir.RunLayout, job_ids: list[str]) -> dict[str, list
     srun file, the first node's, stdout and stderr), then the batch script's and srun's own
     (``<job>_0_log.err``, which in a run of before was task 0's too)."""
     from launcher.monitor.run_files import error_lines
-    from lmcore.rank_logs import take_srun_task
+    from lmcore.run.rank_logs import take_srun_task
 
     out = {}
     for job in job_ids:

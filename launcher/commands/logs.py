@@ -11,8 +11,8 @@ from launcher.context import Context
 from launcher.monitor import run_files
 from launcher.monitor.logs import finished_check, print_logs
 from launcher.runs import far_copy, registry as runs
-from lmcore import rundir
 from lmcore.errors import UserError
+from lmcore.run import rundir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,8 +7,8 @@ import argparse
 
 from launcher.context import Context
 from launcher.runs import registry as runs
-from lmcore import rundir
 from lmcore.errors import UserError
+from lmcore.run import rundir
 from lmcore.slurm import client as slurm
 
 

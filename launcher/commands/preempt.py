@@ -30,8 +30,8 @@ from pathlib import Path
 from launcher.context import Context
 from launcher.runs import registry as runs
 from launcher.spec.profiles import load_profile
-from lmcore import rundir
 from lmcore.errors import ExitCode, UserError
+from lmcore.run import rundir
 from lmcore.slurm import admin as rehearsal, client as slurm
 
 MODES = ("signal", "term", "requeue", "node-failure")

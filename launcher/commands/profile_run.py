@@ -19,9 +19,10 @@ from typing import Any
 from launcher.context import Context
 from launcher.monitor.profile_tables import MAX_STEPS, parse_ranks, side_by_side
 from launcher.runs import registry as runs
-from lmcore import jsonlines, rundir
+from lmcore import jsonlines
 from lmcore.atomic import write_json
 from lmcore.errors import ExitCode, UserError
+from lmcore.run import rundir
 from lmcore.slurm import client as slurm
 
 POLL_S = 1.0

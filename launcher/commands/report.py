@@ -10,8 +10,9 @@ from launcher.commands.history import load_history
 from launcher.context import Context
 from launcher.monitor.report import build_report, draw_png, draw_sweep_png, sweep_curves
 from launcher.runs import registry as runs
-from lmcore import jsonlines, rundir
+from lmcore import jsonlines
 from lmcore.errors import UserError
+from lmcore.run import rundir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

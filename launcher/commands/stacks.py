@@ -1,6 +1,6 @@
 """lmlaunch stacks RUN [--native] [--json]: the live Python stack of every task of a running job.
 
-The tasks recorded their node and pid when they started (lmcore.task_records); one srun
+The tasks recorded their node and pid when they started (lmcore.run.task_records); one srun
 step beside the job's own (``--overlap``, one task per node) runs ``py-spy dump`` on each of
 them (launcher.submit.stacks). A rank whose dump fails shows why in its section; the others still
 show, and the exit code is then 1.
@@ -15,10 +15,11 @@ from pathlib import Path
 from launcher.context import Context
 from launcher.runs import registry as runs
 from launcher.submit import stacks
-from lmcore import jsonlines, rundir
+from lmcore import jsonlines
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
+from lmcore.run import rundir
+from lmcore.run.task_records import read_task_records, recorded_starts
 from lmcore.slurm import client as slurm
-from lmcore.task_records import read_task_records, recorded_starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from launcher.submit.submission import submit_plan
 from lmcore.text_rules import brief, escape_controls
 
 if TYPE_CHECKING:
-    from lmcore.plan import LaunchPlan
+    from lmcore.job.plan import LaunchPlan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                        after=after)
     if code == 0 and r.spec.clusters and (r.spec.move is not None or _over_ssh(r.spec.clusters, ctx)):
         from launcher.submit.mover import start_watcher  # the watcher that moves it and copies back (one per run)
-        from lmcore.run_layout import RunLayout
+        from lmcore.run.run_layout import RunLayout
 
         pid = start_watcher(r.plan.run_name, r.plan.paths.run_dir, ctx)
         does = (f"moves it between {', '.join(r.spec.clusters)} as its move section says" if r.spec.move is not None

@@ -25,10 +25,11 @@ from launcher.search import sweep
 from launcher.search.sweep_arrays import Group, spread_over, submit_groups
 from launcher.submit.arrays import max_array_size
 from launcher.submit.script import render_array_script
-from lmcore import eval_alongside, jsonlines, rundir
+from lmcore import jsonlines
 from lmcore.errors import SpecError, UserError
-from lmcore.search_spec import SearchFile
-from lmcore.study_storage import StorageRef
+from lmcore.run import eval_alongside, rundir
+from lmcore.search.search_spec import SearchFile
+from lmcore.search.study_storage import StorageRef
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

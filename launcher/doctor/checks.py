@@ -23,13 +23,14 @@ from launcher.planning import runtime_stack
 from launcher.spec.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of, partitions as draft_partitions
 from launcher.spec.profiles import Profile
 from launcher.submit.in_place import asked_nodes
-from lmcore import jsonlines, rundir
-from lmcore.checkpoint_index import checkpoint_bytes
+from lmcore import jsonlines
 from lmcore.errors import UserError
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
+from lmcore.job.spec import parse_slurm_time
+from lmcore.run import rundir
+from lmcore.run.checkpoint_index import checkpoint_bytes
+from lmcore.run.token_meta import read_index, tokenizer_identity
 from lmcore.slurm import client as slurm
-from lmcore.spec import parse_slurm_time
-from lmcore.token_meta import read_index, tokenizer_identity
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 ASSUMED_WRITE_BYTES_PER_S = 0.2e9  # when the run has no measured checkpoint yet (this machine kind: 0.19-0.23 GB/s)
@@ -55,7 +56,7 @@ def judge_space(where: str, path: str, free: int | None, writable: bool, error: 
     return Check(where, OK, f"{path}: writable, {_gb(free)} free for {what} ({_gb(need)})", figures)
 
 
-def judge_mixture(paths: list[str], metas: list[Any]) -> Check:  # one tokenizer (lmcore.token_meta) for all
+def judge_mixture(paths: list[str], metas: list[Any]) -> Check:  # one tokenizer (lmcore.run.token_meta) for all
     keys = [tokenizer_identity(m) for m in metas]
     bad = next((i for i, k in enumerate(keys) if k != keys[0]), None)
     if bad is not None:

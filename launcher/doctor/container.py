@@ -1,4 +1,4 @@
-"""`lmlaunch doctor` for a job that runs in a container (lmcore.container): the image, the
+"""`lmlaunch doctor` for a job that runs in a container (lmcore.job.container): the image, the
 runtime, and the interpreter inside, checked on the login node where they can be. The nodes'
 side is `doctor --on-nodes`, whose probe runs inside the container (launcher.doctor.nodes).
 
@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 from launcher.doctor.checks import FAIL, OK, WARN, Check
-from lmcore.container import ContainerPlan, trial_argv, wrap
-from lmcore.plan import LaunchPlan
+from lmcore.job.container import ContainerPlan, trial_argv, wrap
+from lmcore.job.plan import LaunchPlan
 from lmcore.slurm import client as slurm
 
 INSIDE_TIMEOUT_S = 180.0

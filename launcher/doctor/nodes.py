@@ -25,11 +25,11 @@ from pathlib import Path
 from launcher.doctor.checks import FAIL, OK, WARN, Check
 from launcher.runs import snapshot
 from launcher.submit.shell import shell_quote
-from lmcore import site_options
-from lmcore.container import ContainerPlan, wrap
 from lmcore.errors import SlurmUnavailable, UserError
+from lmcore.job import site_options
+from lmcore.job.container import ContainerPlan, wrap
+from lmcore.job.plan import LaunchPlan
 from lmcore.node_facts import MARK, NodeFacts, ifname_verdicts
-from lmcore.plan import LaunchPlan
 from lmcore.slurm import client as slurm
 
 # A node below half the median sets the pace of every synchronous step (the others wait at each

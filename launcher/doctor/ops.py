@@ -9,7 +9,7 @@ import os
 import subprocess
 
 from launcher.doctor.checks import OK, RUNTIME_IMPORT_TIMEOUT_S, WARN, Check
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
 
 
 def jit_ops(plan: LaunchPlan, offload_optimizer: bool) -> Check | None:

@@ -49,8 +49,8 @@ from launcher.localcluster.daemons import (
 from launcher.localcluster.gpus import make_devices, parse as parse_gpus, remove_devices
 from launcher.localcluster.topology import LocalTopology, parse as parse_topology, version_problem
 from lmcore.errors import SlurmUnavailable, UserError
+from lmcore.search.study_storage import StorageRef
 from lmcore.slurm import client as slurm
-from lmcore.study_storage import StorageRef
 
 APT_PACKAGES = ("slurm-wlm", "munge", "slurmdbd", "mariadb-server")
 # the programs each package brings (what `up` needs on PATH)
@@ -270,7 +270,7 @@ def ensure_mariadb(layout: Layout, ports: Ports, password: str, say: Say) -> Non
     )
 
 
-SWEEPS_DB = "lmlaunch_sweeps"  # the searches' Optuna studies (lmcore.study_storage: local_cluster)
+SWEEPS_DB = "lmlaunch_sweeps"  # the searches' Optuna studies (lmcore.search.study_storage: local_cluster)
 
 
 def sweeps_storage(layout: Layout | None = None) -> StorageRef:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.runs import snapshot
-from lmcore import rundir
 from lmcore.errors import UserError
+from lmcore.run import rundir
 
 VOLATILE_ENV_PREFIXES = ("SLURM_", "SUBMITIT_", "SLURMD_")
 VOLATILE_ENV = frozenset({"MASTER_PORT", "LMTRAIN_JOB_ID", "OLDPWD", "_", "SHLVL"})

@@ -1,5 +1,5 @@
 """What status, history, the exporter and the dashboard say about the evaluator alongside a run
-(``eval.alongside``), from its files (lmcore.eval_alongside: ``eval/scores.jsonl``, its state, its
+(``eval.alongside``), from its files (lmcore.run.eval_alongside: ``eval/scores.jsonl``, its state, its
 srun's exit status). Pure but for :func:`read_evaluation`, which reads them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcore import eval_alongside as ev
+from lmcore.run import eval_alongside as ev
 
 SHOWN = 4  # metrics in a status note (status --json and history have all)
 

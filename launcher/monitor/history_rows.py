@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lmcore import rundir, straggler_lines
+from lmcore.run import rundir, straggler_lines
 
 # sacct's figures of one attempt: (submit, start, end) as epoch seconds, then the GPUs it held
 AttemptTimes = tuple[float | None, ...]
@@ -311,7 +311,7 @@ def memory_lines(ledger: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int | N
 def memory_notes(h: History, planned: Mapping[str, Any] | None, planned_world: int | None) -> list[str]:
     """Estimate against measurement, one line per measured attempt (``history``)."""
     from launcher.planning.memory import gb
-    from lmcore.plan import planned_model_states  # pydantic, through the spec: `history` only
+    from lmcore.job.plan import planned_model_states  # pydantic, through the spec: `history` only
 
     states = planned_model_states(planned)
     if not planned or states is None:

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from launcher.monitor import run_files
-from lmcore import jsonlines, rundir
+from lmcore import jsonlines
 from lmcore.errors import UserError
+from lmcore.run import rundir
 from lmcore.slurm import client as slurm
 
 

@@ -1,5 +1,5 @@
 """Reading a run directory for the monitor: the files a status row, a history and the logs
-are built from (formats and their one writer: ``lmcore.rundir``; docs/run-directory.md).
+are built from (formats and their one writer: ``lmcore.run.rundir``; docs/run-directory.md).
 Cheap by design: the heartbeat by its last few KB only, the small ledger whole."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcore.checkpoint_index import COMPLETE_NAME, newest_complete
-from lmcore.eval_alongside import EVAL_DIR
 from lmcore.jsonlines import read_jsonl, read_tail
-from lmcore.rank_logs import node_log_of, srun_node_file_of, take_rank, take_srun_task
-from lmcore.rundir import SUBMITIT_TASK_LOG, RunLayout, checkpoint_dir_of
+from lmcore.run.checkpoint_index import COMPLETE_NAME, newest_complete
+from lmcore.run.eval_alongside import EVAL_DIR
+from lmcore.run.rank_logs import node_log_of, srun_node_file_of, take_rank, take_srun_task
+from lmcore.run.rundir import SUBMITIT_TASK_LOG, RunLayout, checkpoint_dir_of
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from launcher.monitor.eval_rows import Evaluation
 from launcher.monitor.run_files import Checkpoint, RunFiles, read_run_files
 from launcher.runs.registry import lmlaunch_home
 from lmcore.atomic import write_private
-from lmcore.eval_alongside import EVAL_DIR
-from lmcore.rundir import HEARTBEAT, LEDGER, checkpoint_dir_of
+from lmcore.run.eval_alongside import EVAL_DIR
+from lmcore.run.rundir import HEARTBEAT, LEDGER, checkpoint_dir_of
 
 CACHE_FILE = "cache/run-files.json"
 VERSION = 9  # 5: every end line of the ledger (metrics counts them); 6: its straggler lines; 7: restarts in place, spares; 8: the start's nodes and their groups; 9: the evaluator alongside

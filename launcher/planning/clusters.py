@@ -14,7 +14,7 @@ from pathlib import PurePosixPath
 
 from launcher.planning.resolve import Resolved, resolve
 from lmcore.errors import SpecError
-from lmcore.parallelism import Parallelism
+from lmcore.job.parallelism import Parallelism
 
 TIE_S = 60.0  # start estimates this close are a tie: fewer of the user's pending jobs, then the order listed
 

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lmcore.plan import LaunchPlan
-from lmcore.spec import DataSource, JobSpec
-from lmcore.token_meta import read_index, tokenized_with, tokenizer_identity
+from lmcore.job.plan import LaunchPlan
+from lmcore.job.spec import DataSource, JobSpec
+from lmcore.run.token_meta import read_index, tokenized_with, tokenizer_identity
 
 StoreIndex = tuple[str, DataSource, "dict[str, Any] | None"]  # (spec key, the store, its meta.json when readable here)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmcore.spec import JobSpec
+from lmcore.job.spec import JobSpec
 
 # Bucket sizes in elements. 5e8 is DeepSpeed's default for stage 1/2; stage 3 uses the
 # usual "auto"-equivalent values scaled for a 7B-class model on 80 GB GPUs.

@@ -1,7 +1,7 @@
 """Which lm-evaluation-harness task names exist, without importing lm-eval (it imports torch and
 datasets): the names its task YAML files declare (``task:``, ``group:``, ``tag:``, one value or a
 list), in lm-eval's installed ``tasks`` folder and in the spec's ``eval.alongside.task_dirs``, with
-the shipped local tasks (lmcore.spec.SHIPPED_EVAL_TASKS). The planner refuses a name none declares.
+the shipped local tasks (lmcore.job.spec.SHIPPED_EVAL_TASKS). The planner refuses a name none declares.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from lmcore.spec import SHIPPED_EVAL_TASKS
+from lmcore.job.spec import SHIPPED_EVAL_TASKS
 
 _KEY = re.compile(r"^(task|group|tag):\s*(.*?)\s*$")
 _ITEM = re.compile(r"^\s+-\s+(\S.*?)\s*$")

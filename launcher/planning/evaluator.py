@@ -1,4 +1,4 @@
-"""``eval.alongside`` -> the evaluator's plan (lmcore.eval_alongside.EvaluatorPlan): the second
+"""``eval.alongside`` -> the evaluator's plan (lmcore.run.eval_alongside.EvaluatorPlan): the second
 component of the run's heterogeneous job and what it scores. Pure, as the planner is; the task
 names are checked against the task files by :func:`task_problems` (it reads them)."""
 
@@ -9,9 +9,9 @@ from typing import Any
 
 from launcher.planning import eval_tasks
 from lmcore.errors import did_you_mean
-from lmcore.eval_alongside import EVALUATOR_LOG, EvaluatorPlan
-from lmcore.plan import RunPaths, SlurmParams
-from lmcore.spec import JobSpec
+from lmcore.job.plan import RunPaths, SlurmParams
+from lmcore.job.spec import JobSpec
+from lmcore.run.eval_alongside import EVALUATOR_LOG, EvaluatorPlan
 
 KEY = "eval.alongside"
 

@@ -11,8 +11,8 @@ schedules and binds them all the same, and the ranks train on CPU behind that bi
 from __future__ import annotations
 
 from launcher.spec.profiles import Profile
-from lmcore.plan import SlurmParams, one_gpu_a_task
-from lmcore.spec import JobSpec
+from lmcore.job.plan import SlurmParams, one_gpu_a_task
+from lmcore.job.spec import JobSpec
 
 
 def count_problems(spec: JobSpec, profile: Profile) -> list[str]:

@@ -55,7 +55,7 @@ def node_memory_problem(mem: str | None, asked: str | None, profile_name: str, m
     """Why the job's memory per node (``mem``: ``asked`` from resources.mem, else ``derived``, how the
     profile's default made it) is more than a node of the profile has (``mem_per_node``); None when it
     fits or either is unknown. SLURM queues such a job and never starts it."""
-    from lmcore.spec import mem_to_mb
+    from lmcore.job.spec import mem_to_mb
 
     if mem is None or mem_per_node is None or mem_to_mb(mem) <= mem_to_mb(mem_per_node):
         return None

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lmcore.parallelism import DataParallel, Parallelism
+from lmcore.job.parallelism import DataParallel, Parallelism
 
 GB = 1e9
 USABLE_FRACTION = 0.90

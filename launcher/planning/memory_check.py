@@ -13,8 +13,8 @@ from launcher.planning import host_memory, memory, memory_stages
 from launcher.planning.memory_inputs import model_facts, unavailable
 from launcher.spec.profiles import Profile
 from lmcore.errors import ExitCode, UserError
-from lmcore.plan import MODEL_STATE_ROWS, LaunchPlan
-from lmcore.spec import JobSpec, mem_to_mb
+from lmcore.job.plan import MODEL_STATE_ROWS, LaunchPlan
+from lmcore.job.spec import JobSpec, mem_to_mb
 
 
 def setup_of(spec: JobSpec, plan: LaunchPlan) -> memory.Setup:

@@ -21,7 +21,7 @@ from launcher.planning import runtime_stack
 from launcher.planning.memory import ModelFacts
 from launcher.planning.model_check import cache_dir
 from lmcore.atomic import write_private
-from lmcore.spec import JobSpec
+from lmcore.job.spec import JobSpec
 
 FACTS_VERSION = 7  # bump when lmtrain.model.memory_facts counts differently: older files are not reused
 

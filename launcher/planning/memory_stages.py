@@ -21,14 +21,14 @@ from dataclasses import replace
 
 from launcher.planning import memory
 from launcher.planning.memory import Breakdown, ModelFacts, Row, Setup
-from lmcore import pipeline_stages
+from lmcore.job import pipeline_stages
 
 # the rows of one plain replica's stages: FSDP2 does not shard them (Parallelism.shards_stages)
 _UNSHARDED = {
     "parameters": "fp32, whole, this rank's stages",
     "gradients": "fp32, whole",
     "optimizer states": "AdamW moments fp32, whole",
-    "communication buffers": "one replica: its stages are not sharded (lmcore.parallelism: shards_stages)",
+    "communication buffers": "one replica: its stages are not sharded (lmcore.job.parallelism: shards_stages)",
 }
 
 

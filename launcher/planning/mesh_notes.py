@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lmcore import pipeline_stages
-from lmcore.plan import Topology
+from lmcore.job import pipeline_stages
+from lmcore.job.plan import Topology
 
 # NCCL settings that take the intra-node path tensor parallelism depends on off the fast links
 _TP_SLOW_PATHS = {

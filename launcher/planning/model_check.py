@@ -21,12 +21,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from launcher.planning import runtime_stack
-from lmcore import pipeline_stages
 from lmcore.atomic import write_private
 from lmcore.errors import SpecError
-from lmcore.parallelism import Parallelism
-from lmcore.plan import Topology
-from lmcore.spec import ModelSpec, TensorSplit
+from lmcore.job import pipeline_stages
+from lmcore.job.parallelism import Parallelism
+from lmcore.job.plan import Topology
+from lmcore.job.spec import ModelSpec, TensorSplit
 
 CHECK_VERSION = 5  # bump when check_model_spec checks more: older answers are not reused
 _seen: dict[str, tuple[str, str]] = {}  # key -> (the problem or "", a note or "")

@@ -1,11 +1,11 @@
 """Where the job's nodes sit in the network, planned: the spec's ``resources.placement`` against the
-profile's ``network`` (lmcore.network), the sbatch options that ask SLURM for it, and the rank layout
+profile's ``network`` (lmcore.job.network), the sbatch options that ask SLURM for it, and the rank layout
 the dry run shows (node slot -> ranks -> their pipeline stages and data-parallel replicas -> the
 segment the node lies in). Pure.
 
 Ranks fill the job's nodes in SLURM's order (block distribution: node k holds ranks
 k x tasks_per_node ...), and the mesh is (data, pipeline, tensor) with tensor innermost
-(lmcore.parallelism): a tensor-parallel group lies within a node, a pipeline's stages on
+(lmcore.job.parallelism): a tensor-parallel group lies within a node, a pipeline's stages on
 consecutive nodes, the data-parallel replicas cross last. SLURM lists a job's nodes in slurm.conf
 order, in which sites number a rack's (a block's, a switch's) nodes together; a segment of
 ``group_nodes`` nodes inside one block therefore holds whole pipelines.
@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcore.network import Network, Placement, Resolved, resolve_placement
-from lmcore.plan import SlurmParams, Topology
+from lmcore.job.network import Network, Placement, Resolved, resolve_placement
+from lmcore.job.plan import SlurmParams, Topology
 
 OPTIONS = ("switches", "segment")  # the sbatch options a placement sets
 
@@ -107,7 +107,7 @@ def nccl_for_network(network: Network, got: Resolved, topo: Topology, *, gpus: b
             "each rank uses the HCA nearest the GPU SLURM gave it (network.hca_by_gpu, by the GPU's index on the "
             "node; by local rank where a rank cannot tell its GPU; '=' matches the name exactly, so mlx5_1 is not "
             "mlx5_10)")}
-    if got.within == "nvlink" and topo.nodes > 1:  # one block that is one domain (lmcore.network._nvlink)
+    if got.within == "nvlink" and topo.nodes > 1:  # one block that is one domain (lmcore.job.network._nvlink)
         env["NCCL_MNNVL_ENABLE"] = ("1", "the job's nodes are one NVLink domain (resources.placement.within: nvlink): "
                                          "NCCL uses multi-node NVLink between them, and fails rather than falling back "
                                          "to the network")

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.spec.profiles import Profile
-from lmcore.parallelism import DataParallel
-from lmcore.plan import EnvOverride
-from lmcore.rundir import CODE_DIR, CODE_ZIP
-from lmcore.spec import JobSpec
+from lmcore.job.parallelism import DataParallel
+from lmcore.job.plan import EnvOverride
+from lmcore.job.spec import JobSpec
+from lmcore.run.rundir import CODE_DIR, CODE_ZIP
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""spec + profile -> LaunchPlan (``lmcore.plan``): everything the cluster will see,
+"""spec + profile -> LaunchPlan (``lmcore.job.plan``): everything the cluster will see,
 computed without any I/O. Every problem is collected and raised at once (SpecError), with the
 arithmetic that does not work."""
 
@@ -15,10 +15,10 @@ from launcher.planning.host_memory import node_memory_problem
 from launcher.planning.placement import merge_env, plan_placement
 from launcher.planning.planned_env import render_env
 from launcher.spec.profiles import Profile, check_slurm_path
-from lmcore import container, pipeline_stages, rundir, site_options
 from lmcore.errors import SpecError, did_you_mean
-from lmcore.parallelism import Parallelism
-from lmcore.plan import (
+from lmcore.job import container, pipeline_stages, site_options
+from lmcore.job.parallelism import Parallelism
+from lmcore.job.plan import (
     PLAN_VERSION,
     TASK_TARGET,
     LaunchPlan,
@@ -29,7 +29,8 @@ from lmcore.plan import (
     TrainerPlan,
     TrainingPlan,
 )
-from lmcore.spec import JobSpec, format_minutes, mem_to_mb
+from lmcore.job.spec import JobSpec, format_minutes, mem_to_mb
+from lmcore.run import rundir
 
 
 def _topology(spec: JobSpec, profile: Profile, problems: list[str]) -> Topology:
@@ -252,7 +253,7 @@ def _container(spec: JobSpec, profile: Profile, paths: RunPaths, runs_root: str,
 
 
 def run_paths(spec: JobSpec, runs_root: str, *, uses_deepspeed: bool) -> RunPaths:
-    """The plan's record of the run directory's paths, as :class:`lmcore.rundir.RunLayout`
+    """The plan's record of the run directory's paths, as :class:`lmcore.run.rundir.RunLayout`
     (their one speller) places them; the checkpoint directory where the spec puts it."""
     layout = rundir.RunLayout.of(str(PurePosixPath(runs_root) / spec.name))
     return RunPaths(

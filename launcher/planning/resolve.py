@@ -1,6 +1,6 @@
 """From CLI arguments to a validated spec, profile and plan (the shared front of validate,
 submit and run). Reads files and the environment; the planning itself stays pure in
-lmcore.plan."""
+lmcore.job.plan."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from launcher.spec.jobfile import load_job_with_origin
 from launcher.spec.profiles import Profile, check_slurm_path, expand_path, load_profile
 from launcher.spec.validation import located
 from lmcore.errors import SpecError
-from lmcore.plan import LaunchPlan
-from lmcore.spec import JobSpec
+from lmcore.job.plan import LaunchPlan
+from lmcore.job.spec import JobSpec
 
 
 @dataclass(frozen=True)

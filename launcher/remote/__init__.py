@@ -1,4 +1,4 @@
-"""Commands from a workstation: ``--remote NAME`` forwarded over OpenSSH (lmcore.ssh, the one owner of ssh),
+"""Commands from a workstation: ``--remote NAME`` forwarded over OpenSSH (lmcore.slurm.ssh, the one owner of ssh),
 the lean read-only path that ships nothing, and the warm lmlaunch on the login node that answers
 forwarded read-only commands in-process.
 

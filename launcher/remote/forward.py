@@ -43,7 +43,7 @@ from launcher.spec.jobfile import SPEC_BASE_ENV
 from launcher.spec.profiles import Login, load_profile
 from launcher.spec.yamlio import load_yaml_file
 from lmcore.errors import UserError
-from lmcore.ssh import Connection, remote_path
+from lmcore.slurm.ssh import Connection, remote_path
 
 LOCAL_ONLY = frozenset({"run", "cluster", "data", "profiles", "schema", "completion"})
 SHIPS_FILES = frozenset({"validate", "doctor", "submit", "sweep", "pipeline", "notify-test"})

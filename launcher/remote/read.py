@@ -19,7 +19,7 @@ from launcher.context import Context
 from launcher.remote import warm
 from launcher.runs.home import lmlaunch_home
 from lmcore.errors import UserError
-from lmcore.ssh import SSH_FAILED, Connection, remote_path
+from lmcore.slurm.ssh import SSH_FAILED, Connection, remote_path
 
 REMOTE_ENV = "LMLAUNCH_REMOTE"
 FORWARDED_ENV = "LMLAUNCH_FORWARDED"  # set on the login node's side: it never forwards again

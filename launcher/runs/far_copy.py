@@ -15,7 +15,7 @@ runs root of its profile, on its own filesystem:
   here the same way before it takes its name.
 
 Commands there run in its login shell over the user's master connection (``login``: the ssh
-command line up to the destination, lmcore.ssh). With ``login`` empty the other directory is on
+command line up to the destination, lmcore.slurm.ssh). With ``login`` empty the other directory is on
 this machine (another filesystem): the same copies, without ssh.
 """
 
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcore import checkpoint_index, run_layout
 from lmcore.errors import UserError
+from lmcore.run import checkpoint_index, run_layout
 
 COPY_TIMEOUT_S = 3600.0  # a checkpoint over a slow link; a hang guard, not a figure
 COMMAND_TIMEOUT_S = 120.0

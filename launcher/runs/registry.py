@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher.runs.home import lmlaunch_home
-from lmcore import rundir
 from lmcore.atomic import write_private
 from lmcore.errors import UserError, did_you_mean
-from lmcore.rundir import RunLayout
+from lmcore.run import rundir
+from lmcore.run.rundir import RunLayout
 from lmcore.text_rules import RUN_NAME, brief
 
 if TYPE_CHECKING:  # `lmlaunch status` reads the registry: no pydantic/yaml import on that path
-    from lmcore.plan import LaunchPlan
+    from lmcore.job.plan import LaunchPlan
 
 PRIVATE_DIR_MODE = 0o700
 # created at submit time; lmtrain creates the rest (checkpoints/, metrics/ ...) under the same 0700 root

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import launcher
-from lmcore.rundir import RunLayout
+from lmcore.run.rundir import RunLayout
 
 MANIFEST = "manifest.json"
 PATCH = "uncommitted.patch"
@@ -120,7 +120,7 @@ def write_zip(out: Path, files: Mapping[str, Path], shown_at: Path, *, cache: Pa
     snapshot's directory ``shown_at`` holds it: tracebacks, debuggers and py-spy show a file that
     exists, with the package path. A task whose Python differs finds the bytecode's magic number
     wrong and compiles the zip's source instead. Modules imported from the zip have ``__file__``
-    ``<zip>/pkg/mod.pyc`` (:func:`lmcore.rundir.unzipped` maps it to the directory). Each module is
+    ``<zip>/pkg/mod.pyc`` (:func:`lmcore.run.rundir.unzipped` maps it to the directory). Each module is
     compiled once per source into ``cache`` (default: the user's, launcher.runs.bytecode_cache)."""
     import importlib.util
     import marshal

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from launcher.submit.script import array_parameters, array_plan
 from launcher.submit.submission import run_submitit
-from lmcore.plan import LaunchPlan
-from lmcore.rundir import RunLayout
+from lmcore.job.plan import LaunchPlan
+from lmcore.run.rundir import RunLayout
 
 
 def submit_array(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,

@@ -44,11 +44,13 @@ from launcher.search.plan import (
 from launcher.search.policy import Step, TrialFacts, next_steps, objective
 from launcher.spec import transport
 from launcher.submit.submission import submit_plan
-from lmcore import jsonlines, rundir, study
+from lmcore import jsonlines
 from lmcore.errors import SlurmUnavailable, SpecError, UserError
-from lmcore.search_spec import SearchFile
+from lmcore.run import rundir
+from lmcore.search import study
+from lmcore.search.search_spec import SearchFile
+from lmcore.search.study_storage import StorageRef
 from lmcore.slurm import client as slurm
-from lmcore.study_storage import StorageRef
 
 POLL_S = float(os.environ.get("LMLAUNCH_SEARCH_POLL_S", "3"))
 

@@ -17,10 +17,11 @@ from launcher.planning.clusters import plan_each
 from launcher.planning.resolve import Resolved, resolve
 from launcher.search import sweep
 from launcher.submit.start_estimates import place
-from lmcore import rundir, study
 from lmcore.errors import SpecError, UserError
-from lmcore.search_spec import SearchFile
-from lmcore.study_storage import StorageRef
+from lmcore.run import rundir
+from lmcore.search import study
+from lmcore.search.search_spec import SearchFile
+from lmcore.search.study_storage import StorageRef
 
 STATE = "search.json"
 LOG = "driver.log"

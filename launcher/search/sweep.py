@@ -43,9 +43,9 @@ from launcher.spec.validation import format_validation_error
 from launcher.spec.yamlio import load_yaml_file
 from launcher.submit.script import PER_POINT_ENV
 from lmcore.errors import SpecError
-from lmcore.plan import LaunchPlan
-from lmcore.search_spec import SearchFile
-from lmcore.strict_model import StrictModel
+from lmcore.job.plan import LaunchPlan
+from lmcore.job.strict_model import StrictModel
+from lmcore.search.search_spec import SearchFile
 from lmcore.text_rules import RunName
 
 KEY = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)+$"
@@ -102,7 +102,7 @@ class SweepFile(StrictModel):
 
 def load(path: str) -> SweepFile | SearchFile:
     """A sweep file: a grid/zip/random sweep, or (with a ``search`` key) a search
-    (lmcore.search_spec)."""
+    (lmcore.search.search_spec)."""
     loaded = load_yaml_file(path, "sweep file")
     if isinstance(loaded.data, dict) and "search" in loaded.data:
         try:

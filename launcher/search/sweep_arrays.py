@@ -22,7 +22,7 @@ from launcher.submit import lifecycle
 from launcher.submit.arrays import max_array_size, submit_chained
 from launcher.submit.start_estimates import ask_each, describe
 from lmcore.errors import SlurmUnavailable, UserError
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
 from lmcore.slurm import client as slurm
 
 

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from launcher.monitor import history_rows, run_files, status_rows as monitor
 from launcher.runs import registry as runs
-from lmcore import straggler_lines
+from lmcore.run import straggler_lines
 
 # (metric, help, StatusRow attribute): a gauge per run where the row has the figure
 ROW_GAUGES = (

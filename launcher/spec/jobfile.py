@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from launcher.spec.validation import Origin, format_validation_error
 from launcher.spec.yamlio import load_yaml_file, parse_scalar
 from lmcore.errors import SpecError
-from lmcore.spec import JobSpec
+from lmcore.job.spec import JobSpec
 from lmcore.text_rules import brief, check_override_text
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")

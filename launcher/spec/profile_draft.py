@@ -19,8 +19,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lmcore.job.spec import format_minutes, parse_slurm_time
 from lmcore.slurm import versions
-from lmcore.spec import format_minutes, parse_slurm_time
 
 UNLIMITED_TIME = "365-00:00:00"  # what a profile writes for MaxTime=UNLIMITED (max_time must be a time)
 

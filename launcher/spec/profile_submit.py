@@ -7,9 +7,9 @@ import re
 
 from pydantic import field_validator, model_validator
 
+from lmcore.job.strict_model import StrictModel
 from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.rest import RestTarget, Via
-from lmcore.strict_model import StrictModel
 from lmcore.text_rules import OneLine, PathText, SlurmWord, brief
 
 

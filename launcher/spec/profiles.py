@@ -19,14 +19,14 @@ from launcher.runs.home import user_profiles_dir
 from launcher.spec.profile_submit import Submission
 from launcher.spec.validation import format_validation_error
 from launcher.spec.yamlio import load_yaml_file
-from lmcore import site_options
-from lmcore.container import ContainerSpec
 from lmcore.errors import SpecError, did_you_mean
-from lmcore.network import Network
-from lmcore.plan import gpu_bind_problem
-from lmcore.spec import parse_slurm_time, reserved_env_reason
-from lmcore.strict_model import StrictModel
-from lmcore.study_storage import SweepStorage
+from lmcore.job import site_options
+from lmcore.job.container import ContainerSpec
+from lmcore.job.network import Network
+from lmcore.job.plan import gpu_bind_problem
+from lmcore.job.spec import parse_slurm_time, reserved_env_reason
+from lmcore.job.strict_model import StrictModel
+from lmcore.search.study_storage import SweepStorage
 from lmcore.text_rules import (
     ENV_NAME,
     GRES_NAME,

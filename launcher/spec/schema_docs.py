@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from launcher.spec.profiles import Profile
-from lmcore.spec import JobSpec
+from lmcore.job.spec import JobSpec
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -89,7 +89,7 @@ def reference_markdown() -> str:
     out = [
         "# Job spec and cluster profile reference",
         "",
-        "Generated from the schemas in `src/lmcore/spec.py` and `launcher/spec/profiles.py` by",
+        "Generated from the schemas in `src/lmcore/job/spec.py` and `launcher/spec/profiles.py` by",
         "`lmlaunch schema --format markdown -o docs/spec-reference.md`; do not edit by hand",
         "(a test checks it is up to date). Unknown keys are errors. Editors can validate job",
         "specs with `lmlaunch schema -o job.schema.json`.",

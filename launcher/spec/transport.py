@@ -9,7 +9,7 @@
   clusters): a run submitted with it, and the commands about it, run SLURM's commands with that
   cluster's configuration and clients.
 - A profile with a ``login`` section named in a run over several clusters: SLURM's commands run
-  on its login node over the user's ssh master connection (lmcore.ssh), and the run's attempts
+  on its login node over the user's ssh master connection (lmcore.slurm.ssh), and the run's attempts
   there are submitted by the lmlaunch there, on a copy of the run directory
   (launcher.runs.far_copy). A process that was itself forwarded there (``LMLAUNCH_FORWARDED``) is
   on that login node: its commands run where it is.
@@ -31,7 +31,7 @@ from lmcore.errors import UserError
 from lmcore.slurm import client as slurm
 from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.rest import RestTarget
-from lmcore.ssh import Connection
+from lmcore.slurm.ssh import Connection
 
 if TYPE_CHECKING:  # `status` reads the registry's recorded targets: no pydantic/yaml import on that path
     from launcher.spec.profiles import Profile

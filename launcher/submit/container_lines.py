@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shlex
 
-from lmcore.container import PODMAN_TASK, ContainerPlan, podman_image, wrap
+from lmcore.job.container import PODMAN_TASK, ContainerPlan, podman_image, wrap
 from lmcore.slurm.relay import RELAY_ENV, SCRIPT
 
 
@@ -18,7 +18,7 @@ def container_task_command(cp: ContainerPlan, inner: list[str]) -> str:
     # podman: a small script per task (in the run's code snapshot) names its container after the
     # job and the task, which the batch shell cannot (it would expand $SLURM_PROCID once for all)
     words = wrap(cp, inner)[2:]  # after "podman run"
-    return f'/bin/bash "$LMLAUNCH_RUN_DIR/code/lmcore/{PODMAN_TASK}" ' + shlex.join(words)
+    return f'/bin/bash "$LMLAUNCH_RUN_DIR/code/lmcore/job/{PODMAN_TASK}" ' + shlex.join(words)
 
 
 def host_lines(cp: ContainerPlan, planned_env: list[str]) -> list[str]:

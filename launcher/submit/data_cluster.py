@@ -34,9 +34,9 @@ from launcher.spec.profiles import Profile, load_profile
 from launcher.submit import arrays, submission
 from launcher.submit.script import ArrayJob, array_script, assemble_script
 from lmcore.errors import UserError
-from lmcore.rundir import RunLayout
+from lmcore.job.spec import format_minutes, parse_slurm_time
+from lmcore.run.rundir import RunLayout
 from lmcore.slurm import client as slurm
-from lmcore.spec import format_minutes, parse_slurm_time
 from lmcore.text_rules import RUN_NAME, brief
 
 

@@ -17,9 +17,9 @@ from typing import Any
 from launcher.runs import far_copy
 from launcher.spec import transport
 from launcher.spec.profiles import Profile
-from lmcore.checkpoint_index import choose_for_resume
 from lmcore.errors import SlurmUnavailable, UserError
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
+from lmcore.run.checkpoint_index import choose_for_resume
 from lmcore.slurm import client as slurm
 from lmcore.slurm.commands_target import CommandsTarget
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from launcher.submit.container_lines import container_task_command, host_lines
 from launcher.submit.shell import export_line
-from lmcore.container import ContainerPlan
-from lmcore.eval_alongside import EVALUATOR_EXIT, TRAINING_ENDED, EvaluatorPlan
-from lmcore.plan import LaunchPlan
+from lmcore.job.container import ContainerPlan
+from lmcore.job.plan import LaunchPlan
+from lmcore.run.eval_alongside import EVALUATOR_EXIT, TRAINING_ENDED, EvaluatorPlan
 
 EVALUATOR_MODULE = "lmtrain.evaluator.main"
 

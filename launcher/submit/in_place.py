@@ -6,7 +6,7 @@ lmtrain.preemption.spares decides which nodes a restart leaves out."""
 from __future__ import annotations
 
 from lmcore.errors import UserError
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
 from lmcore.slurm import client as slurm
 
 

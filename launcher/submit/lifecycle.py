@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.runs import registry as runs, snapshot
-from lmcore import rundir
 from lmcore.atomic import write_private
-from lmcore.checkpoint_index import CompleteCheckpoint, ResumeChoice, choose_for_resume, newest_complete
 from lmcore.errors import UserError
-from lmcore.lr_schedule import extension_note
-from lmcore.parallelism import Parallelism
-from lmcore.plan import LaunchPlan
+from lmcore.job.lr_schedule import extension_note
+from lmcore.job.parallelism import Parallelism
+from lmcore.job.plan import LaunchPlan
+from lmcore.run import rundir
+from lmcore.run.checkpoint_index import CompleteCheckpoint, ResumeChoice, choose_for_resume, newest_complete
 
 
 @dataclass

@@ -41,9 +41,10 @@ from launcher.spec import transport
 from launcher.submit.far_submit import far_run
 from launcher.submit.start_estimates import answer_s, ask, describe
 from launcher.submit.submission import submit_plan
-from lmcore import jsonlines, rundir
-from lmcore.checkpoint_index import choose_for_resume
+from lmcore import jsonlines
 from lmcore.errors import SlurmUnavailable, UserError
+from lmcore.run import rundir
+from lmcore.run.checkpoint_index import choose_for_resume
 from lmcore.slurm import client as slurm
 
 __all__ = ["HELD", "current_job", "decide", "move", "start_watcher", "watch"]  # HELD: for the command

@@ -34,7 +34,7 @@ from pydantic import Field, ValidationError, field_validator
 from launcher.spec.validation import format_validation_error
 from launcher.spec.yamlio import load_yaml_file
 from lmcore.errors import SpecError
-from lmcore.strict_model import StrictModel
+from lmcore.job.strict_model import StrictModel
 from lmcore.text_rules import RunName
 
 REFERENCE = re.compile(r"\$\{(?P<stage>[A-Za-z0-9_-]{1,64})\.(?P<what>checkpoint|run_dir)\}")

@@ -36,12 +36,12 @@ from typing import Any
 from launcher.submit import hetjob
 from launcher.submit.container_lines import container_task_command, host_lines, stop_lines
 from launcher.submit.shell import export_line, shell_quote
-from lmcore import rundir
-from lmcore.container import ContainerPlan
-from lmcore.eval_alongside import EvaluatorPlan
-from lmcore.plan import LaunchPlan
-from lmcore.run_layout import BATCH_VAR, UNDECIDED_VAR
-from lmcore.rundir import RunLayout
+from lmcore.job.container import ContainerPlan
+from lmcore.job.plan import LaunchPlan
+from lmcore.run import rundir
+from lmcore.run.eval_alongside import EvaluatorPlan
+from lmcore.run.run_layout import BATCH_VAR, UNDECIDED_VAR
+from lmcore.run.rundir import RunLayout
 
 
 # --------------------------------------------------------------------------- a run's job script
@@ -80,7 +80,7 @@ def executor_parameters(plan: LaunchPlan, dependency: str | None = None) -> dict
     }
     extra.update({"gres": s.gres} if s.gres else {})
     extra.update({"gpu_bind": s.gpu_bind} if s.gpu_bind else {})
-    extra.update({k.replace("-", "_"): v for k, v in s.site_options.items()})  # the site's own (lmcore.site_options)
+    extra.update({k.replace("-", "_"): v for k, v in s.site_options.items()})  # the site's own (lmcore.job.site_options)
     params: dict[str, Any] = {
         "job_name": s.job_name,
         "partition": s.partition,
@@ -123,7 +123,7 @@ def task_command(plan: LaunchPlan, folder: str | None = None) -> str:
     old = code.is_dir() and not (code / "lmtrain" / "task" / "main.py").is_file()  # resumed without --new-code
     runner = ["submitit.core._submit"] if old else ["lmtrain.task.main", "--signal", plan.preemption.signal]
     inner = ["-u", "-m", *runner, folder or plan.paths.submitit_dir]
-    if plan.container is not None:  # the interpreter inside the container (lmcore.container)
+    if plan.container is not None:  # the interpreter inside the container (lmcore.job.container)
         return container_task_command(ContainerPlan.from_json(plan.container), inner)
     return " ".join(shlex.quote(x) for x in [*shlex.split(plan.python), *inner])
 

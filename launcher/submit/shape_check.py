@@ -28,9 +28,9 @@ import time
 from typing import Any
 
 from launcher.runs.home import lmlaunch_home
-from lmcore import rundir
 from lmcore.errors import ExitCode, UserError
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
+from lmcore.run import rundir
 from lmcore.slurm import client as slurm
 
 # What SLURM says of a job no node or partition of the cluster can hold (22.05 to 26.05)

@@ -14,8 +14,8 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lmcore.rank_logs import srun_label
-from lmcore.task_records import TaskRecord
+from lmcore.run.rank_logs import srun_label
+from lmcore.run.task_records import TaskRecord
 
 MARK = "@@lmlaunch-stacks@@"
 RC_NO_PYSPY = 127  # the node has no py-spy beside the task's python nor on PATH

@@ -20,9 +20,9 @@ from launcher.runs.run_lock import run_lock
 from launcher.spec import transport
 from launcher.submit import dependencies, far_submit, lifecycle, shape_check
 from launcher.submit.script import executor_parameters, render_script, submit_command
-from lmcore import rundir
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
+from lmcore.run import rundir
 from lmcore.slurm import client as slurm, rest_calls
 
 # --------------------------------------------------------------------------- submission

@@ -1,7 +1,7 @@
 """JSON lines: one whole line per ``write`` (O_APPEND), so concurrent writers never interleave,
 and readers that skip a line that does not parse (a write in progress, or the torn last line of
 a process that was SIGKILLed). The run directory's ledger and heartbeat are JSON lines
-(:mod:`lmcore.rundir`)."""
+(:mod:`lmcore.run.rundir`)."""
 
 from __future__ import annotations
 

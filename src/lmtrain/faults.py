@@ -4,7 +4,7 @@ sleep or hang. Off unless the test harness turns it on; a job spec cannot.
 The harness sets ``LMLAUNCH_FAULTS`` in the environment of the process that runs the task (for
 a SLURM job: of the process that submits it, as SLURM hands the submitting environment to the
 job); the task reads it once, when lmtrain's modules are imported. A job spec cannot set it: ``env.vars`` and ``env.passthrough`` refuse the ``LMLAUNCH_``
-prefix (``lmcore.spec.RESERVED_ENV_PREFIXES``). The value is a JSON list of rules, or
+prefix (``lmcore.job.spec.RESERVED_ENV_PREFIXES``). The value is a JSON list of rules, or
 the path of a file holding one::
 
     [{"point": "checkpoint.renamed", "file": "COMPLETE", "attempt": 1, "step": 20, "rank": 0,
@@ -192,7 +192,7 @@ def _rank() -> int:
 
 def _attempt() -> int:
     """The attempt number: the ledger's start lines (this attempt's is written before training)."""
-    from lmcore.rundir import Ledger, RunLayout
+    from lmcore.run.rundir import Ledger, RunLayout
 
     run_dir = os.environ.get("LMLAUNCH_RUN_DIR", "")
     return Ledger(RunLayout.of(run_dir).ledger).next_attempt() - 1 if run_dir else 0

@@ -145,7 +145,7 @@ def test_background_checkpoint_on_gpu_matches_a_synchronous_one_and_resumes(tmp_
     training goes on: its step-10 checkpoint holds the same weights as a synchronous save of the
     same run at step 10 (both runs plan 30 steps: the learning-rate schedule depends on it), and a
     run killed after step 18 resumes from it and reaches step 30 with the uninterrupted run's loss."""
-    from lmcore.checkpoint_index import complete_checkpoints
+    from lmcore.run.checkpoint_index import complete_checkpoints
 
     base = ["trainer.precision=32-true", "model.compile=false", "checkpoint.every_n_steps=10", "checkpoint.keep_last=5"]
     sync = _run(tmp_path, "gpu-sync", [*base, "checkpoint.async_save=false"], data_dir, 30)
@@ -234,7 +234,7 @@ def test_a_rank_slurm_bound_to_one_gpu_trains_on_it_as_cuda_0(monkeypatch, strat
     would ask CUDA for four it cannot see. The Trainer is built as a SLURM task's is; no process group starts."""
     import lightning.pytorch as pl
 
-    from lmcore.plan import LaunchPlan
+    from lmcore.job.plan import LaunchPlan
     from lmtrain.distributed.strategies import bound_devices, build_strategy
     from lmtrain.distributed.task_env import read_env
 

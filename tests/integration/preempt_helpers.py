@@ -29,8 +29,8 @@ from launcher.cli import main
 from launcher.context import Context
 from lmcore import jsonlines
 from lmcore.errors import UserError
-from lmcore.rank_logs import rank_text
-from lmcore.rundir import RunLayout
+from lmcore.run.rank_logs import rank_text
+from lmcore.run.rundir import RunLayout
 from lmcore.slurm import admin as rehearsal, client as slurm
 
 SPEC = REPO / "jobs" / "tiny-cpu.yaml"

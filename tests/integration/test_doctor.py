@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO
 
-from lmcore.rundir import LEDGER, AttemptEnd, AttemptStart, Ledger
+from lmcore.run.rundir import LEDGER, AttemptEnd, AttemptStart, Ledger
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 

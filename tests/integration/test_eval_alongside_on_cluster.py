@@ -27,7 +27,7 @@ from waiting import HANG_S
 
 from launcher.planning.resolve import eval_interpreter
 from launcher.spec.profiles import load_profile
-from lmcore import eval_alongside as ev
+from lmcore.run import eval_alongside as ev
 
 SPEC = REPO / "jobs" / "tiny-cpu-eval.yaml"
 TASKS = ("lmlaunch_pydoc_choice", "lmlaunch_pydoc_perplexity")

@@ -26,8 +26,8 @@ from preempt_helpers import BASE, SPEC, ends, finish, held_at, lm, preempt, star
 from slurm_helpers import PACE_S, REPO, faults, job_name, own_worker_cluster, pace, profile_off
 
 from launcher.localcluster import cluster
+from lmcore.run.task_records import read_task_records
 from lmcore.slurm import client as slurm
-from lmcore.task_records import read_task_records
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs it on the other SLURM version too
 

@@ -24,8 +24,8 @@ from slurm_helpers import job_name, own_worker_cluster, profile_off
 
 from launcher.localcluster import cluster
 from lmcore.errors import UserError
+from lmcore.run.task_records import read_task_records
 from lmcore.slurm import client as slurm
-from lmcore.task_records import read_task_records
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs it on the other SLURM version too
 

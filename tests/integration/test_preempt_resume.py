@@ -47,8 +47,8 @@ from preempt_helpers import (
 from shared_results import shared
 from slurm_helpers import faults, gate, job_name, webhook_server
 
-from lmcore.rank_logs import take_srun_task
-from lmcore.rundir import RunLayout
+from lmcore.run.rank_logs import take_srun_task
+from lmcore.run.rundir import RunLayout
 from lmcore.slurm import client as slurm
 from tests.trackers import assert_trackers_log_each_step_once
 

@@ -20,7 +20,7 @@ from preempt_helpers import ends, finish, held_at, lm, preempt, starts, wait_hel
 from slurm_helpers import faults, job_name, own_worker_cluster
 
 from launcher.localcluster import cluster
-from lmcore.rank_logs import ranks_texts
+from lmcore.run.rank_logs import ranks_texts
 from lmcore.slurm import client as slurm
 from lmtrain.simulate.tally import Counts
 

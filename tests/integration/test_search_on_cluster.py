@@ -20,7 +20,8 @@ import waiting
 from preempt_helpers import is_held, ledger
 from slurm_helpers import REPO, gate
 
-from lmcore import jsonlines, rundir
+from lmcore import jsonlines
+from lmcore.run import rundir
 from lmcore.slurm import admin as rehearsal, client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")

@@ -1,4 +1,4 @@
-"""Site sbatch/srun options on the real local cluster (lmcore.site_options): a run with a
+"""Site sbatch/srun options on the real local cluster (lmcore.job.site_options): a run with a
 reservation, --hint and --mail-type (the spec's slurm.sbatch) and an srun option (slurm.srun) is
 queued with them and trains to completion inside the reservation; `lmlaunch doctor` has the cluster
 judge the exact job script (sbatch --test-only) and the tasks' srun options (srun --test-only), so a

@@ -49,8 +49,8 @@ from slurm_helpers import DutyCycle, job_name, release_worker
 
 from launcher.localcluster import cluster, workers
 from lmcore.errors import UserError
+from lmcore.run.task_records import read_task_records
 from lmcore.slurm import admin as rehearsal, client as slurm
-from lmcore.task_records import read_task_records
 
 
 @pytest.fixture(scope="module")

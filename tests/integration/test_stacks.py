@@ -16,8 +16,8 @@ import waiting
 from preempt_helpers import SPEC, wait_step
 from slurm_helpers import SMALL_MODEL, faults, pace
 
+from lmcore.run.task_records import TaskRecord, read_task_records, write_task_record
 from lmcore.slurm import client as slurm
-from lmcore.task_records import TaskRecord, read_task_records, write_task_record
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too
 

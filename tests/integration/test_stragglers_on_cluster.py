@@ -17,8 +17,8 @@ from preempt_helpers import ledger, run_progress, wait_step
 from slurm_helpers import REPO, SMALL_MODEL, DutyCycle
 
 from lmcore import jsonlines
-from lmcore.rank_logs import rank_text
-from lmcore.task_records import read_task_records
+from lmcore.run.rank_logs import rank_text
+from lmcore.run.task_records import read_task_records
 
 pytestmark = pytest.mark.serial
 

@@ -13,7 +13,7 @@ import pytest
 from slurm_helpers import REPO, wait_accounted, wait_terminal
 
 from launcher.runs import registry as runs
-from lmcore.rank_logs import rank_text
+from lmcore.run.rank_logs import rank_text
 from lmcore.slurm import client as slurm
 
 pytestmark = pytest.mark.both_versions  # scripts/test.sh runs these on the other SLURM version too

@@ -13,7 +13,8 @@ import waiting
 from preempt_helpers import is_held
 from slurm_helpers import REPO, faults, gate, wait_reason
 
-from lmcore import jsonlines, rundir
+from lmcore import jsonlines
+from lmcore.run import rundir
 from lmcore.slurm import admin as rehearsal, client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")

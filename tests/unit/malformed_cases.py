@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmcore.model_types import causal_lm_types
+from lmcore.job.model_types import causal_lm_types
 
 BASE = """\
 name: t

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from launcher.runs import registry as runs
-from lmcore.rundir import LEDGER, AttemptEnd, AttemptStart, Ledger
+from lmcore.run.rundir import LEDGER, AttemptEnd, AttemptStart, Ledger
 
 T0 = 1_800_000_000.0  # a fixed clock: rendered ages and times are stable
 
@@ -59,7 +59,7 @@ def make_run(
             ledger.append(AttemptEnd(attempt=n, job_id=jid, time=t1, end_step=a["end_step"], reason=a["reason"],
                                      detail=a.get("detail", ""), requeued=a.get("requeued", False),
                                      extra=a.get("extra", {})))
-    for record in ledger:  # the runtime's own writer and records (lmcore.rundir)
+    for record in ledger:  # the runtime's own writer and records (lmcore.run.rundir)
         Ledger(run_dir / LEDGER).write(record)
     write_jsonl(run_dir / "metrics" / "heartbeat.jsonl", beats)
     if checkpoint_step is not None:

@@ -17,7 +17,7 @@ import pytest
 from launcher.cli import main
 from launcher.context import Context
 from launcher.submit.local_run import prepare_local_run
-from lmcore.checkpoint_index import (
+from lmcore.run.checkpoint_index import (
     CHECKSUM_ALGORITHM,
     CORRUPT_NAME,
     complete_checkpoints,

@@ -1,4 +1,4 @@
-"""Which checkpoint a resume or an export uses, and why (lmcore.checkpoint_index.scan /
+"""Which checkpoint a resume or an export uses, and why (lmcore.run.checkpoint_index.scan /
 describe_choice, choose_for_resume, launcher.submit.lifecycle.resume_point): a resume reads the checksums
 of the checkpoint it would start from (a damaged one is passed over, named); with no usable checkpoint it says so and
 asks for --new instead of training from step 0 over the old step directories; a skipped newer
@@ -18,8 +18,9 @@ import pytest
 from launcher.planning.resolve import resolve
 from launcher.runs import registry as runs
 from launcher.submit import lifecycle
-from lmcore import rundir
-from lmcore.checkpoint_index import (
+from lmcore.errors import UserError
+from lmcore.run import rundir
+from lmcore.run.checkpoint_index import (
     CHECKSUM_ALGORITHM,
     choose_for_resume,
     complete_checkpoints,
@@ -27,7 +28,6 @@ from lmcore.checkpoint_index import (
     file_digest,
     scan,
 )
-from lmcore.errors import UserError
 
 
 def _plan(repo, runs_root: Path, *overrides: str):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lmcore.parallelism import Parallelism
+from lmcore.job.parallelism import Parallelism
 from lmtrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,

@@ -12,7 +12,7 @@ def _leaves_out(modules: str, heavy: tuple[str, ...]) -> None:
 
 
 def test_import_launcher_cli_leaves_torch_and_lightning_out():
-    _leaves_out("launcher.cli, lmcore.plan, launcher.submit.submission, launcher.planning.resolve",
+    _leaves_out("launcher.cli, lmcore.job.plan, launcher.submit.submission, launcher.planning.resolve",
                 ("torch", "lightning", "transformers", "deepspeed"))
 
 

@@ -27,7 +27,7 @@ BIN = Path(sys.executable).parent
 
 # Modules allowed over the size limit, each with its reason.
 LONG_MODULES = {
-    "src/lmcore/spec.py": "the job spec schema: one pydantic model per section, documented field by field",
+    "src/lmcore/job/spec.py": "the job spec schema: one pydantic model per section, documented field by field",
     "src/lmcore/slurm/client.py": "the one SLURM client: one small function per SLURM command",
     "src/lmtrain/data/loader.py": "the memmap dataset and its resumable sampler, which must change together",
     "launcher/localcluster/cluster.py": "the local SLURM cluster's lifecycle (config, daemons, accounting)",
@@ -151,9 +151,8 @@ def test_each_side_is_grouped_into_packages_that_say_what_belongs_in_them(root):
     import ast
 
     base = REPO / root
-    if root != "src/lmcore":  # the kernel is one flat package of small modules, plus its SLURM client
-        modules = sorted(p.name for p in base.glob("*.py") if p.name != "__init__.py")
-        assert len(modules) <= MAX_ROOT_MODULES, f"{len(modules)} modules at {root}'s root: {modules}"
+    modules = sorted(p.name for p in base.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= MAX_ROOT_MODULES, f"{len(modules)} modules at {root}'s root: {modules}"
     silent = []
     for folder in sorted([base, *(p for p in base.rglob("*") if p.is_dir())]):
         if folder.name in ("__pycache__", "web") or not any(folder.glob("*.py")):
@@ -182,13 +181,13 @@ def test_the_wheel_names_every_package_on_disk():
 
 
 def test_no_run_directory_path_is_joined_by_hand():
-    """lmcore.run_layout (RunLayout and its names, re-exported by rundir) is the one speller
+    """lmcore.run.run_layout (RunLayout and its names, re-exported by rundir) is the one speller
     of a run directory's paths, as submitit's JobPaths is of its folder: no other module joins a
     run-directory name onto a path (``x / rundir.PLAN``, ``x / LEDGER``, ``x / "plan.json"``,
     ``x / "submitit"``)."""
     import ast
 
-    from lmcore import run_layout as rundir
+    from lmcore.run import run_layout as rundir
 
     names = {n for n, v in vars(rundir).items() if n.isupper() and isinstance(v, str) and not n.startswith("_")
              and n not in ("HANG_MARKER", "LAST_WORDS", "LAST_WORDS_OF_A_RANK", "ENVIRONMENT", "RANK_TIMING")}  # files of an attempt's log dir: RunLayout's
@@ -207,12 +206,12 @@ def test_no_run_directory_path_is_joined_by_hand():
     joins = []
     for root in ("launcher", "src/lmcore", "src/lmtrain"):
         for path in sorted((REPO / root).rglob("*.py")):
-            if path == REPO / "src" / "lmcore" / "run_layout.py":
+            if path == REPO / "src" / "lmcore" / "run" / "run_layout.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if joined(node):
                     joins.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
-    assert not joins, "run-directory paths joined by hand (use lmcore.run_layout.RunLayout):\n" + "\n".join(joins)
+    assert not joins, "run-directory paths joined by hand (use lmcore.run.run_layout.RunLayout):\n" + "\n".join(joins)
 
 
 def _lmtrain_trees():
@@ -269,7 +268,7 @@ def test_no_underscore_name_of_another_module_is_used():
 def test_the_run_directory_passes_through_few_hands():
     """From the task's entry function, the functions that receive the run directory's path: under
     30, and each module entered at most twice (the run directory travels in the plan's paths and
-    lmcore.rundir.RunLayout, which spells every path in it)."""
+    lmcore.run.rundir.RunLayout, which spells every path in it)."""
     sys.path.insert(0, str(REPO / "tests"))
     try:
         import run_dir_walk

@@ -35,7 +35,7 @@ def test_a_new_run_holds_its_code_and_the_plan_runs_it(repo, tmp_path):
     opening.apply()
     run_dir = Path(plan.paths.run_dir)
     snap = snapshot.read(run_dir)
-    assert snap is not None and "lmtrain/task/entry.py" in snap.files and "lmcore/plan.py" in snap.files
+    assert snap is not None and "lmtrain/task/entry.py" in snap.files and "lmcore/job/plan.py" in snap.files
     assert (run_dir / "code" / "lmtrain" / "task" / "entry.py").read_bytes() == (repo / "src" / "lmtrain" / "task" / "entry.py").read_bytes()
     assert not list((run_dir / "code").rglob("__pycache__"))
     assert snap.size < 5e6 and snap.git is not None and len(str(snap.git["commit"])) == 40
@@ -96,12 +96,12 @@ def test_the_zip_is_imported_from_its_bytecode_or_else_its_source(tmp_path):
     """A module of the snapshot's zip runs from the bytecode beside it, compiled once naming the
     snapshot directory's copy of its file and never checked against the source (the zip is never changed); bytecode of another
     Python (its magic number) is passed over for the source. A data file read by path is found in
-    the directory beside the zip (lmcore.rundir.unzipped)."""
+    the directory beside the zip (lmcore.run.rundir.unzipped)."""
     import subprocess
     import sys
     import zipfile
 
-    from lmcore.rundir import unzipped
+    from lmcore.run.rundir import unzipped
 
     src = tmp_path / "src"
     (src / "pkg").mkdir(parents=True)

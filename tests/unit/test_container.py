@@ -20,7 +20,7 @@ from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on s
 
 from launcher.planning.resolve import resolve
 from launcher.submit.script import render_script, stop_lines
-from lmcore.container import ContainerSpec, merged
+from lmcore.job.container import ContainerSpec, merged
 from lmcore.slurm import client as slurm, relay as slurm_relay
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,14 +75,14 @@ def test_apptainer_execs_the_image_with_the_gpus_and_the_planned_variables_winni
 def test_podman_on_a_gpu_cluster_gets_the_gpus_and_names_its_container_per_task():
     script = _script("h100-ib", "container.runtime=podman")
     argv = _srun(script)
-    assert argv[argv.index("/bin/bash") + 1].endswith("/code/lmcore/podman_task.sh")
+    assert argv[argv.index("/bin/bash") + 1].endswith("/code/lmcore/job/podman_task.sh")
     for flag in ("--rm", "--network=host", "--ipc=host", "--pid=host", "--device=nvidia.com/gpu=all",
                  "--env=SLURM*", "--env=NCCL_*", "--env=PYTHONPATH", "--volume=/runs:/runs"):
         assert flag in argv, flag
     assert argv[argv.index("nvcr.io/nvidia/pytorch:25.01-py3") + 1] == "python"
-    task = (REPO / "src" / "lmcore" / "podman_task.sh").read_text()
+    task = (REPO / "src" / "lmcore" / "job" / "podman_task.sh").read_text()
     assert "SLURM_CLUSTER_NAME" in task and "SLURM_PROCID" in task
-    assert subprocess.run(["bash", "-n", str(REPO / "src/lmcore/podman_task.sh")]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(REPO / "src/lmcore/job/podman_task.sh")]).returncode == 0
     assert subprocess.run(["bash", "-n", str(RELAY_SCRIPT)]).returncode == 0
 
 
@@ -118,7 +118,7 @@ def test_the_podman_task_signals_the_container_itself_and_ends_with_its_status(t
     started = tmp_path / "started"
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "5", "SLURM_PROCID": "0"}
     env.pop("LMLAUNCH_TASK_PID", None)
-    task = subprocess.Popen(["bash", str(REPO / "src/lmcore/podman_task.sh"), "image", sys.executable,
+    task = subprocess.Popen(["bash", str(REPO / "src/lmcore/job/podman_task.sh"), "image", sys.executable,
                              str(tmp_path / "rank.py"), str(started)], env=env, text=True)
     waiting.until(lambda: started.exists() and started.read_text(), progress=waiting.process_cpu(task.pid), poll=0.02,
                   what="the container's process started")
@@ -211,7 +211,7 @@ def test_no_relay_answering_is_said_at_once_or_after_the_timeout(tmp_path):
 
 
 def _box(runtime: str, image: str):
-    from lmcore.container import ContainerPlan
+    from lmcore.job.container import ContainerPlan
 
     return ContainerPlan(runtime=runtime, image=image, python="python", mounts=[], env=[], workdir="/w", flags=[])
 
@@ -261,7 +261,7 @@ def test_an_image_file_is_named_by_its_sha256_kept_while_the_file_is_unchanged(t
     import hashlib
 
     from launcher.submit.script import host_lines
-    from lmcore.container import ContainerPlan
+    from lmcore.job.container import ContainerPlan
 
     image = tmp_path / "train.sif"
     image.write_bytes(b"an image" * 1000)
@@ -296,7 +296,7 @@ def test_a_try_before_submission_leaves_out_what_does_not_exist_yet():
     """`submit` tries the interpreter in the image (launcher.doctor.container.submit_problems): the
     run directory does not exist then, and a runtime would make a mount's source or the working
     directory inside the mounted runs root: the try drops both, keeps the rest."""
-    from lmcore.container import ContainerPlan, trial_argv
+    from lmcore.job.container import ContainerPlan, trial_argv
 
     there = {"/runs", "/data"}
     podman = ContainerPlan(runtime="podman", image="img", python="python3", mounts=[], env=[], workdir="/runs/r",

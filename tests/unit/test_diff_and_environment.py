@@ -10,7 +10,7 @@ from pathlib import Path
 from launcher.cli import main
 from launcher.context import Context
 from launcher.submit.local_run import prepare_local_run
-from lmcore.rundir import ENVIRONMENT, attempt_logs_dir
+from lmcore.run.rundir import ENVIRONMENT, attempt_logs_dir
 from lmtrain.observe.environment_record import REDACTED, visible_environment
 
 

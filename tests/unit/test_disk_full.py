@@ -24,9 +24,9 @@ import pytest
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.submit.local_run import prepare_local_run
-from lmcore.plan import PreemptionPlan
-from lmcore.rank_logs import rank_text
-from lmcore.spec import PreemptionSpec
+from lmcore.job.plan import PreemptionPlan
+from lmcore.job.spec import PreemptionSpec
+from lmcore.run.rank_logs import rank_text
 from lmtrain.checkpoint.disk_space import DiskFull, is_no_space, room_verdict
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.distributed.task_env import free_port

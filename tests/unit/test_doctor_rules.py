@@ -10,7 +10,7 @@ import pytest
 from launcher.doctor import checks as doctor
 from launcher.planning.resolve import resolve
 from launcher.spec.profiles import load_profile
-from lmcore.parallelism import Parallelism
+from lmcore.job.parallelism import Parallelism
 
 ENV = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u"}
 PART = {"PartitionName": "low", "State": "UP", "MaxTime": "02:00:00", "TotalNodes": "2", "MaxNodes": "UNLIMITED",
@@ -116,7 +116,7 @@ def test_space_and_checkpoint_size():
 
 
 def test_a_mixture_of_stores_tokenized_differently_is_named():
-    """The key the runtime compares stores by (lmcore.token_meta): vocabulary, eos, kind, class."""
+    """The key the runtime compares stores by (lmcore.run.token_meta): vocabulary, eos, kind, class."""
     bpe = {"vocab_size": 300, "eos_id": 0, "tokenizer": {"kind": "huggingface", "class": "PreTrainedTokenizerFast"}}
     other_class = {**bpe, "tokenizer": {"kind": "huggingface", "class": "GPT2TokenizerFast"}}
     assert doctor.judge_mixture(["/a", "/b"], [bpe, dict(bpe)]).status == doctor.OK

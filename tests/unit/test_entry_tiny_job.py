@@ -15,8 +15,8 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from lmcore.rank_logs import rank_text
-from lmcore.rundir import STARTUP_PHASES
+from lmcore.run.rank_logs import rank_text
+from lmcore.run.rundir import STARTUP_PHASES
 
 THRESHOLD = 3.3
 STEPS = 60
@@ -53,7 +53,7 @@ def test_tiny_job_loss_falls_below_threshold_via_lmlaunch_run_local(repo, runs_r
     assert ends == sorted(ends) and 0 < ends[-1] < 600, startup
     assert abs(startup["process_start"] + ends[-1] - steps[0]["time"]) < 5, (startup, steps[0])
     assert (run_dir / "DONE").exists()
-    # one log for the node, every line marked with its rank (lmcore.rank_logs)
+    # one log for the node, every line marked with its rank (lmcore.run.rank_logs)
     logs = run_dir / "logs" / "attempt-1"
     assert [p.name for p in logs.glob("*.log")] == ["node-0.log"]
     assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in (logs / "node-0.log").read_text().splitlines())

@@ -19,9 +19,9 @@ from launcher.planning.resolve import eval_interpreter
 from launcher.spec.jobfile import load_job
 from launcher.spec.profiles import load_profile
 from launcher.submit.script import render_script
-from lmcore import eval_alongside as ev
 from lmcore.errors import SpecError
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
+from lmcore.run import eval_alongside as ev
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "jobs" / "tiny-cpu-eval.yaml"

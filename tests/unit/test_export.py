@@ -60,7 +60,7 @@ def _scored_by_the_evaluator(run_dir: Path, tmp_path: Path) -> None:
 
     from launcher.planning.resolve import eval_interpreter
     from launcher.spec.profiles import load_profile
-    from lmcore import eval_alongside as ev
+    from lmcore.run import eval_alongside as ev
 
     plan = ev.EvaluatorPlan(partition="low", nodes=1, cpus_per_task=1, gpus=0, gres=None, mem=None,
                             tasks=("lmlaunch_pydoc_perplexity",), limit=2)  # rolling windows: any context fits

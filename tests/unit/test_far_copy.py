@@ -16,7 +16,7 @@ import pytest
 from launcher.commands.history import attempt_cluster
 from launcher.runs import far_copy
 from launcher.runs.registry import RunRecord
-from lmcore import checkpoint_index, run_layout
+from lmcore.run import checkpoint_index, run_layout
 from lmcore.slurm import client as slurm
 from lmcore.slurm.commands_target import CommandsTarget
 

@@ -69,7 +69,7 @@ def test_a_kill_rule_fires_only_where_every_field_matches(rule, killed):
 
 
 def test_the_attempt_comes_from_the_ledger(tmp_path, monkeypatch):
-    from lmcore.rundir import AttemptStart, Ledger
+    from lmcore.run.rundir import AttemptStart, Ledger
 
     monkeypatch.setenv("LMLAUNCH_RUN_DIR", str(tmp_path))
     ledger = Ledger(tmp_path / "attempts.jsonl")

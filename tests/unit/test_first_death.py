@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from lmcore.rundir import LastWords, is_peer_lost
+from lmcore.run.rundir import LastWords, is_peer_lost
 from lmtrain.preemption.first_death import attribute, parse_srun
 
 # srun's stderr of a 2-node job whose task 1 was SIGKILLed (seen on the local cluster)
@@ -91,7 +91,7 @@ def test_the_ledger_names_the_rank_that_died_first_not_the_survivors_error(repo,
 
 def test_last_words_are_a_line_per_rank_in_their_nodes_file_and_a_run_of_befores_still_read(tmp_path):
     """One file per node (docs/scale.md: at a crash every rank that lost its peer has last words)."""
-    from lmcore.rundir import RunLayout
+    from lmcore.run.rundir import RunLayout
 
     for rank, node, t in ((1, "n1", 3.0), (0, "n1", 2.0), (2, "gpu/7 a", 1.0)):
         LastWords(rank=rank, node=node, pid=10 + rank, time=t, how="exception", detail="boom").write(tmp_path, 2)

@@ -16,7 +16,7 @@ import pytest
 from launcher.cli import main, usage_hint
 from launcher.context import Context
 from launcher.planning.data_check import position_checks, store_path_checks
-from lmcore.spec import DataSource
+from lmcore.job.spec import DataSource
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "jobs").glob("*.yaml"))

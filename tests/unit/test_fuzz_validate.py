@@ -22,7 +22,7 @@ from launcher.cli import main
 from launcher.context import Context
 from launcher.planning.resolve import resolve
 from launcher.submit.script import render_script
-from lmcore.spec import JobSpec
+from lmcore.job.spec import JobSpec
 from tests.unit.malformed_cases import BASE
 from tests.unit.test_hostile_strings import planned_directives, slurm_directives
 

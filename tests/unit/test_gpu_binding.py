@@ -18,10 +18,10 @@ from launcher.monitor.history_rows import build_history
 from launcher.planning.resolve import resolve
 from launcher.serve.exporter import gpu_hours
 from lmcore.errors import SpecError
+from lmcore.run.task_records import TaskRecord, write_task_record
 from lmcore.slurm.records import gpus_in_tres
 from lmcore.slurm.rest_job import job_description
 from lmcore.slurm.rest_records import accounted
-from lmcore.task_records import TaskRecord, write_task_record
 from lmtrain.distributed.gpu_binding import cuda_index, cuda_visible, gpu_used, gpus_seen, node_problems
 from lmtrain.health.preflight import gpu_check
 

@@ -444,7 +444,7 @@ def test_runs_root_with_user_falls_back_to_the_account_name_without_USER(sandbox
 def test_the_integer_rule_of_model_config_matches_real_transformers_configs(model_type):
     from transformers import AutoConfig
 
-    from lmcore.model_config import expects_integer
+    from lmcore.job.model_config import expects_integer
 
     config = AutoConfig.for_model(model_type).to_dict()
     whole = {k for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}

@@ -24,7 +24,7 @@ from launcher.cli import main
 from launcher.context import Context
 from launcher.planning.resolve import resolve
 from launcher.submit.script import render_script
-from lmcore.plan import LaunchPlan
+from lmcore.job.plan import LaunchPlan
 from tests.unit.malformed_cases import BASE
 
 HOSTILE = [

@@ -10,7 +10,7 @@ import pytest
 
 from launcher.submit.lifecycle import continuation_note
 from lmcore.errors import UserError
-from lmcore.lr_schedule import OptimSettings, extension_note, lr_at
+from lmcore.job.lr_schedule import OptimSettings, extension_note, lr_at
 
 OPTIM = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "warmup_steps": 10,
          "schedule": "cosine", "min_lr": 3e-4}

@@ -25,7 +25,7 @@ import torch
 from launcher.planning import memory
 from launcher.planning.memory_inputs import model_facts
 from launcher.spec.jobfile import load_job
-from lmcore.parallelism import DataParallel, Parallelism
+from lmcore.job.parallelism import DataParallel, Parallelism
 from lmtrain.model.causal_lm import attention_for, build_config, model_settings
 
 REPO = Path(__file__).resolve().parents[2]

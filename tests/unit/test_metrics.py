@@ -156,7 +156,7 @@ def test_the_token_file_is_private_and_the_choice_said(tmp_path):
 
 
 def test_a_running_runs_ranks_are_series_of_their_own_from_rank_0s_summary(tmp_path):
-    from lmcore.rundir import RunLayout
+    from lmcore.run.rundir import RunLayout
 
     run_dir = tmp_path / "r"
     (run_dir / "metrics").mkdir(parents=True)

@@ -48,14 +48,14 @@ def test_the_known_model_types_are_the_installed_transformers_ones_without_impor
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from lmcore.model_types import causal_lm_types
-    from lmcore.spec import ModelSpec
+    from lmcore.job.model_types import causal_lm_types
+    from lmcore.job.spec import ModelSpec
 
     assert causal_lm_types() == frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert ModelSpec(type="exaone").type == "exaone"
     with pytest.raises(ValueError, match=r"model\.type\(llamma\) is not a transformers causal LM type.*did you mean"):
         ModelSpec(type="llamma")
-    probe = ("import sys; from lmcore.model_types import causal_lm_types; n = len(causal_lm_types()); "
+    probe = ("import sys; from lmcore.job.model_types import causal_lm_types; n = len(causal_lm_types()); "
              "print(n, 'transformers' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)), "False", "False"]

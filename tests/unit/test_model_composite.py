@@ -1,5 +1,5 @@
 """Composite model types (a vision or audio model around a language model) are refused at validate
-with the reason and the text type to use instead (lmcore.model_types.composite_reason): their
+with the reason and the text type to use instead (lmcore.job.model_types.composite_reason): their
 language model's sizes live in a text_config sub-config, so model.config's sizes were ignored and a
 multi-billion-parameter default was built. The verdict is read from transformers' files without
 importing it; here it is checked against every causal LM type's imported config class."""
@@ -13,7 +13,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from lmcore.model_types import causal_lm_types, composite_reason
+from lmcore.job.model_types import causal_lm_types, composite_reason
 
 
 def _declares_text_config(model_type: str) -> bool:

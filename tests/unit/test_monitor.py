@@ -279,8 +279,8 @@ def test_log_sources_fall_back_to_a_tasks_lines_in_sruns_node_files_and_follow_t
     import io
 
     from launcher.monitor.logs import print_logs
-    from lmcore import rank_logs
-    from lmcore.rundir import RunLayout
+    from lmcore.run import rank_logs
+    from lmcore.run.rundir import RunLayout
 
     sub = run_dir / "submitit"
     sub.mkdir(parents=True)
@@ -310,12 +310,12 @@ def test_log_sources_fall_back_to_a_tasks_lines_in_sruns_node_files_and_follow_t
 
 
 def test_a_ranks_log_is_its_lines_of_its_nodes_log_unmarked_followed_as_they_come(tmp_path):
-    """The ranks' logs are one file per node (lmcore.rank_logs): `lmlaunch logs --rank R` shows R's
+    """The ranks' logs are one file per node (lmcore.run.rank_logs): `lmlaunch logs --rank R` shows R's
     lines, unmarked, from the node that holds them, and a line being written is shown once whole."""
     import io
 
     from launcher.monitor.logs import _LogPrinter
-    from lmcore.rank_logs import NodeLogWriter
+    from lmcore.run.rank_logs import NodeLogWriter
 
     run_dir = tmp_path / "r"
     logs = run_dir / "logs" / "attempt-1"
@@ -435,7 +435,7 @@ def test_history_reads_task_0s_errors_from_its_nodes_srun_file_then_the_batch_sc
     tasks' lines left out), then srun's own in the batch script's stderr; a run of before had task 0's
     in the batch script's file, read as it is."""
     from launcher.commands.history import _task_errors
-    from lmcore.rundir import RunLayout
+    from lmcore.run.rundir import RunLayout
 
     layout = RunLayout.of(tmp_path)
     layout.submitit.mkdir()

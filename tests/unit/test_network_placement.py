@@ -1,4 +1,4 @@
-"""The cluster's network and a job's placement in it (lmcore.network, launcher.planning.placement,
+"""The cluster's network and a job's placement in it (lmcore.job.network, launcher.planning.placement,
 the local cluster's --topology, `profile init`'s network section): pure, no SLURM."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pydantic import ValidationError
 from launcher.localcluster.topology import parse as parse_topology, version_problem
 from launcher.planning.placement import group_nodes, layout_rows
 from launcher.spec.profile_draft import network_lines
-from lmcore.network import Network, Placement, Resolved, group_of_node, resolve_placement
-from lmcore.parallelism import Parallelism
-from lmcore.plan import Topology
+from lmcore.job.network import Network, Placement, Resolved, group_of_node, resolve_placement
+from lmcore.job.parallelism import Parallelism
+from lmcore.job.plan import Topology
 
 BLOCKS = Network(topology="block", groups={"b1": "n[1-2]", "b2": "n[3-4]"}, block_sizes=[2, 4])
 TREE = Network(topology="tree", groups={"s1": "n1,n2", "s2": "n[3-4]"})
@@ -91,7 +91,7 @@ def test_a_profile_network_that_cannot_be_right_is_refused(network, words):
 
 
 def test_a_nodes_group_and_the_units_that_cross_groups():
-    from lmcore.network import crossing_units
+    from lmcore.job.network import crossing_units
 
     assert crossing_units(["n1", "n2", "n3", "n9"], {"n1": "b1", "n2": "b1", "n3": "b2"}, 2) == [["n3", "n9"]]
     assert group_of_node({"b1": "n[1-2]"}, "n2") == "b1" and group_of_node({"b1": "n[1-2]"}, "n3") is None

@@ -159,7 +159,7 @@ def test_how_an_attempt_ended_becomes_messages(tmp_path, reason, requeued, event
 
     logs = tmp_path / "logs" / "attempt-2"
     logs.mkdir(parents=True)
-    # the node's log: rank 1's traceback between rank 0's lines (lmcore.rank_logs)
+    # the node's log: rank 1's traceback between rank 0's lines (lmcore.run.rank_logs)
     (logs / "node-0.log").write_text("[rank 0] step 5\n[rank 1] step 5\n[rank 1] Traceback (most recent call last):\n"
                                      "[rank 0] all fine\n[rank 1] ValueError: bad batch\n")
     plan = SimpleNamespace(paths=SimpleNamespace(run_dir=str(tmp_path), logs_dir=str(tmp_path / "logs"),

@@ -1,4 +1,4 @@
-"""How the model is split is one typed concept (lmcore.parallelism): made once by the
+"""How the model is split is one typed concept (lmcore.job.parallelism): made once by the
 planner, carried in plan.json, read back from a checkpoint's meta.json, and asked by everyone that
 used to compare strategy names. Pure: tables, no torch."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcore.parallelism import CheckpointFormat, DataParallel, Parallelism, trainer_problem
+from lmcore.job.parallelism import CheckpointFormat, DataParallel, Parallelism, trainer_problem
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def _compares_a_strategy_name(node: ast.AST) -> bool:
 
 
 def test_strategy_names_are_compared_only_where_the_spec_is_mapped_to_the_concept():
-    owner = REPO / "src" / "lmcore" / "parallelism.py"
+    owner = REPO / "src" / "lmcore" / "job" / "parallelism.py"
     found = []
     for path in sorted([*(REPO / "launcher").rglob("*.py"), *(REPO / "src").rglob("*.py")]):
         if path == owner:
@@ -107,4 +107,4 @@ def test_strategy_names_are_compared_only_where_the_spec_is_mapped_to_the_concep
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if _compares_a_strategy_name(node):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")  # type: ignore[attr-defined]
-    assert not found, f"ask lmcore.parallelism instead of comparing strategy names: {found}"
+    assert not found, f"ask lmcore.job.parallelism instead of comparing strategy names: {found}"

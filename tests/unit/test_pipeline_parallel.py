@@ -25,8 +25,8 @@ import torch
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.submit.local_run import prepare_local_run
-from lmcore import pipeline_stages
 from lmcore.errors import SpecError
+from lmcore.job import pipeline_stages
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.checkpoint.weights import lightning_state_dict
 from tests.memory_helpers import assert_states_as_planned
@@ -248,7 +248,7 @@ def test_the_plans_stage_map_is_the_runtimes(kind, config):
     last stage in both (it holds a copy of the embedding); a large vocabulary moves layers off the
     first and last stage alike."""
     from launcher.planning import memory, memory_stages
-    from lmcore.parallelism import Parallelism
+    from lmcore.job.parallelism import Parallelism
     from lmtrain.model import pipeline
     from lmtrain.model.causal_lm import meta_model
     from lmtrain.model.memory_facts import parameter_facts

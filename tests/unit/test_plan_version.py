@@ -9,7 +9,7 @@ import json
 import pytest
 
 from launcher.planning.resolve import resolve
-from lmcore.plan import PLAN_VERSION, LaunchPlan, PlanVersionError
+from lmcore.job.plan import PLAN_VERSION, LaunchPlan, PlanVersionError
 
 
 def _plan(repo, *overrides: str, job: str = "tiny-cpu.yaml") -> LaunchPlan:
@@ -68,7 +68,7 @@ def test_a_version_1_plan_reads_as_the_same_plan(repo, overrides):
 ], ids=["ddp", "zero3", "fsdp-tp2-sp"])
 def test_a_version_2_plan_reads_as_the_same_parallelism(repo, job, overrides):
     """Version 2 named the strategy and the tensor-parallel size in two places; version 3 has one
-    typed record of how the model is split (lmcore.parallelism), made from them."""
+    typed record of how the model is split (lmcore.job.parallelism), made from them."""
     plan = _plan(repo, *overrides, job=job)
     assert plan.parallelism.tensor == (2 if job == "tiny-cpu-tp.yaml" else 1)
     old = LaunchPlan.from_dict(_as_version_2(plan))

@@ -43,7 +43,7 @@ import torch.distributed.tensor
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from lmcore.parallelism import Parallelism
+from lmcore.job.parallelism import Parallelism
 from lmtrain import faults
 from lmtrain.checkpoint import async_sharded, manager as ck
 from lmtrain.checkpoint.shard_files import stream_deepspeed_files

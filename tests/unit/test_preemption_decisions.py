@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcore.plan import PreemptionPlan
-from lmcore.rank_logs import rank_text
-from lmcore.rundir import LedgerAttempt as AttemptRow
-from lmcore.spec import PreemptionSpec
+from lmcore.job.plan import PreemptionPlan
+from lmcore.job.spec import PreemptionSpec
+from lmcore.run.rank_logs import rank_text
+from lmcore.run.rundir import LedgerAttempt as AttemptRow
 from lmtrain.preemption.policy import EndFacts, StartFacts, decide, start_gate, steps_without_progress
 from lmtrain.preemption.signals import SignalOwner, StopRequest, guard_dataloader_workers
 

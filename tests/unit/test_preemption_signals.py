@@ -24,7 +24,7 @@ import waiting
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from launcher.submit.local_run import prepare_local_run
-from lmcore.rank_logs import rank_text
+from lmcore.run.rank_logs import rank_text
 from lmtrain.checkpoint.manager import complete_checkpoints
 from lmtrain.distributed.task_env import free_port
 from lmtrain.local.launch import worker_env
@@ -309,8 +309,8 @@ def test_sigkill_in_the_middle_of_a_real_checkpoint_write_resumes_from_the_previ
 # and stops the task there.
 _WINDOW_PROBE = r"""
 import json, signal, sys
-SLOW = ("torch", "lightning", "transformers", "deepspeed", "numpy", "pydantic", "lmcore.plan",
-        "lmcore.spec", "lmtrain.preemption.controller", "lmtrain.observe.callbacks", "lmtrain.distributed.task_env")
+SLOW = ("torch", "lightning", "transformers", "deepspeed", "numpy", "pydantic", "lmcore.job.plan",
+        "lmcore.job.spec", "lmtrain.preemption.controller", "lmtrain.observe.callbacks", "lmtrain.distributed.task_env")
 seen = {}
 def checkpoint_and_try_requeue(signum, frame):  # submitit's handler, by name
     seen["submitit_ran"] = True

@@ -8,9 +8,9 @@ from __future__ import annotations
 import io
 import json
 
-from lmcore.plan import PreemptionPlan
-from lmcore.rundir import LedgerAttempt as AttemptRow
-from lmcore.spec import PreemptionSpec
+from lmcore.job.plan import PreemptionPlan
+from lmcore.job.spec import PreemptionSpec
+from lmcore.run.rundir import LedgerAttempt as AttemptRow
 from lmtrain.preemption.policy import EndFacts, decide
 
 POLICY = PreemptionPlan.of(PreemptionSpec(max_requeues=5))

@@ -1,4 +1,4 @@
-"""The workstation side of `lmlaunch --remote NAME ...` (launcher.remote.forward, lmcore.ssh) without
+"""The workstation side of `lmlaunch --remote NAME ...` (launcher.remote.forward, lmcore.slurm.ssh) without
 a login node: which profile a command goes to, which files travel and how they are named there,
 what the archive holds, and that a missing master connection stops the command at once with the
 command that opens it. tests/integration/test_remote_ssh.py runs the whole path through a real sshd."""
@@ -18,7 +18,7 @@ from launcher.context import Context
 from launcher.remote import forward as remote, read as remote_read
 from launcher.runs import snapshot
 from lmcore.errors import UserError
-from lmcore.ssh import Connection, remote_path
+from lmcore.slurm.ssh import Connection, remote_path
 
 
 def test_the_profile_comes_from_the_option_or_the_environment_and_never_twice():

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from lmcore import site_options
+from lmcore.job import site_options
 from lmcore.slurm import rest_records
 from lmcore.slurm.rest import KNOWN_APIS, RestError, choose_api, read_token_file, token_claims
 from lmcore.slurm.rest_job import (

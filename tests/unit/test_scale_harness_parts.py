@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import waiting
 
-from lmcore.checkpoint_index import newest_complete, verify
+from lmcore.run.checkpoint_index import newest_complete, verify
 from lmtrain.checkpoint.completion import CheckpointError
 from lmtrain.distributed.node_share import NodeShare, local_copy, ready_ranks, shares_dev_shm, tasks_on_node
 from lmtrain.health.straggler_watch import TimingTable
@@ -78,7 +78,7 @@ def test_the_star_reduces_with_max_over_every_rank_and_a_lost_rank_fails_the_oth
 
 
 def _plan(tmp_path: Path, world: int) -> SimpleNamespace:
-    from lmcore.parallelism import Parallelism
+    from lmcore.job.parallelism import Parallelism
 
     par = Parallelism.of_meta({"strategy": "ddp", "world_size": world})
     return SimpleNamespace(paths=SimpleNamespace(checkpoint_dir=str(tmp_path / "checkpoints")), parallelism=par,

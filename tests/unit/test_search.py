@@ -15,8 +15,8 @@ from launcher.monitor import sweep_rows
 from launcher.search import sweep
 from launcher.search.policy import TrialFacts, next_steps, objective
 from lmcore.errors import SpecError
-from lmcore.search_spec import SearchFile
-from lmcore.study_storage import StorageRef, SweepStorage, mask_password
+from lmcore.search.search_spec import SearchFile
+from lmcore.search.study_storage import StorageRef, SweepStorage, mask_password
 
 BASE = {"name": "s", "search": "optuna", "trials": 4, "params": {"optim.lr": {"float": [1e-4, 1e-2], "log": True}}}
 
@@ -195,8 +195,8 @@ def test_results_mark_the_best_and_the_step_a_trial_was_pruned_at():
 
 # --------------------------------------------------------------------------- a pruned attempt's end
 def test_a_pruned_stop_ends_the_attempt_clean_and_never_requeues():
-    from lmcore.plan import PreemptionPlan
-    from lmcore.spec import PreemptionSpec
+    from lmcore.job.plan import PreemptionPlan
+    from lmcore.job.spec import PreemptionSpec
     from lmtrain.preemption.policy import EndFacts, StartFacts, decide, start_gate
 
     policy = PreemptionPlan.of(PreemptionSpec())
@@ -209,7 +209,7 @@ def test_a_pruned_stop_ends_the_attempt_clean_and_never_requeues():
     # a preemption at the same moment: SLURM requeues it; the pruned trial is cancelled, not trained again
     d = decide(EndFacts(**{**facts.__dict__, "slurm_state": "PENDING"}), policy)
     assert (d.reason, d.action) == ("pruned", "cancel")
-    from lmcore.rundir import LedgerAttempt
+    from lmcore.run.rundir import LedgerAttempt
 
     pruned = LedgerAttempt(attempt=1, job_id="7", start_step=0, end_step=6, reason="pruned", requeued=False)
     gate = start_gate(StartFacts(done_marker=False, cancelled_marker=False, start_step=6, restart_count=1,
@@ -221,7 +221,7 @@ def test_a_pruned_stop_ends_the_attempt_clean_and_never_requeues():
 def test_rank_zero_reports_each_step_once_and_requests_the_stop_when_pruned(tmp_path):
     import optuna
 
-    from lmcore import study
+    from lmcore.search import study
     from lmtrain.observe.trial_report import TrialReport
 
     ref = StorageRef("journal", str(tmp_path / "journal.log"))
@@ -253,7 +253,7 @@ def test_rank_zero_reports_each_step_once_and_requests_the_stop_when_pruned(tmp_
 
 def test_a_resumed_driver_does_not_ask_the_values_it_asked_before(tmp_path):
     """Seeded afresh, a sampler repeats its first draws: resumed after k trials it is seeded past them."""
-    from lmcore import study
+    from lmcore.search import study
 
     ref = StorageRef("journal", str(tmp_path / "journal.log"))
     search = SearchFile.model_validate({**BASE, "trials": 6, "params": {**BASE["params"],
@@ -272,7 +272,7 @@ def test_a_resumed_driver_does_not_ask_the_values_it_asked_before(tmp_path):
 def test_every_sampler_and_pruner_asks_values_within_the_spaces(tmp_path, sampler, pruner):
     """Each sampler asks trials inside the spaces (grid: every point once), each pruner answers
     at a reported step, all on a real Optuna study."""
-    from lmcore import study
+    from lmcore.search import study
 
     params = ({"optim.warmup_steps": {"int": [0, 4], "step": 2}, "data.micro_batch_size": {"categorical": [2, 4]}}
               if sampler == "grid" else

@@ -39,7 +39,7 @@ def test_secret_passed_by_name_never_appears_in_plan_script_output_or_files(tmp_
     assert "WANDB_API_KEY=<passed through from the submitting shell (set here); value never written>" in dry
     plan = json.loads(outputs[2])["plan"]
     assert plan["passthrough"] == ["WANDB_API_KEY", "HF_TOKEN"]
-    from lmcore.plan import LaunchPlan
+    from lmcore.job.plan import LaunchPlan
 
     script = render_script(LaunchPlan.from_dict(plan))
     written = [p.read_text() for p in tmp_path.rglob("*") if p.is_file()]

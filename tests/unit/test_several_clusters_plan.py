@@ -289,7 +289,7 @@ def test_clusters_whose_plans_split_the_model_differently_are_refused(tmp_path):
 
     from launcher.planning.clusters import shared_run_problems
     from launcher.planning.resolve import resolve
-    from lmcore.parallelism import Parallelism
+    from lmcore.job.parallelism import Parallelism
 
     environ = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LMLAUNCH_HOME": str(tmp_path / "home"),
                "LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_PROFILES_DIR": str(_profiles(tmp_path))}

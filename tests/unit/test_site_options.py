@@ -1,4 +1,4 @@
-"""Site sbatch/srun options (lmcore.site_options): a profile's and a spec's `slurm` section
+"""Site sbatch/srun options (lmcore.job.site_options): a profile's and a spec's `slurm` section
 reach the job script (#SBATCH lines, the tasks' srun line) and the dry run; the spec's override the
 profile's and null drops one; an option lmlaunch plans itself is refused naming the key that owns
 it, with the file, key path and line; names and values follow full-match rules (nothing can bend the
@@ -15,7 +15,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
-from lmcore import site_options
+from lmcore.job import site_options
 
 REPO = Path(__file__).resolve().parents[2]
 ENVIRON = {"LMLAUNCH_RUNS_ROOT": "/runs", "HOME": "/home/u", "USER": "u", "PATH": "/usr/bin"}

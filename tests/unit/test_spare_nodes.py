@@ -16,9 +16,9 @@ from launcher.cli import main
 from launcher.context import Context
 from launcher.monitor.status_cache import compact_ledger
 from launcher.monitor.status_rows import spares_of
-from lmcore.plan import PreemptionPlan
-from lmcore.rundir import AttemptStart
-from lmcore.spec import PreemptionSpec
+from lmcore.job.plan import PreemptionPlan
+from lmcore.job.spec import PreemptionSpec
+from lmcore.run.rundir import AttemptStart
 from lmtrain.distributed.task_env import read_env
 from lmtrain.preemption.policy import EndFacts, decide
 

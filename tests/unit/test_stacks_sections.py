@@ -21,8 +21,8 @@ from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on s
 from launcher.cli import main
 from launcher.context import Context
 from launcher.submit import stacks
+from lmcore.run.task_records import TaskRecord, read_task_records, recorded_starts, task_record_path, write_task_record
 from lmcore.slurm import client as slurm
-from lmcore.task_records import TaskRecord, read_task_records, recorded_starts, task_record_path, write_task_record
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 

@@ -16,9 +16,9 @@ from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on s
 from launcher.cli import main
 from launcher.context import Context
 from launcher.monitor import history_rows
-from lmcore import rundir
-from lmcore.checkpoint_index import CompleteCheckpoint
-from lmcore.rundir import STARTUP_PHASES, AttemptStartup, Ledger
+from lmcore.run import rundir
+from lmcore.run.checkpoint_index import CompleteCheckpoint
+from lmcore.run.rundir import STARTUP_PHASES, AttemptStartup, Ledger
 from lmtrain.observe.startup import StartupClock, process_start_time
 
 

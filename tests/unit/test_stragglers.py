@@ -15,9 +15,9 @@ from launcher.monitor import status_rows as monitor
 from launcher.monitor.run_files import RunFiles
 from launcher.monitor.slurm_view import SlurmJob
 from launcher.runs import registry as runs
-from lmcore import straggler_lines
-from lmcore.parallelism import Parallelism
-from lmcore.rundir import Ledger
+from lmcore.job.parallelism import Parallelism
+from lmcore.run import straggler_lines
+from lmcore.run.rundir import Ledger
 from lmtrain.health.straggler_watch import StragglerWatch, TimingTable
 from lmtrain.health.stragglers import Slow, StragglerPolicy, others_median, score
 

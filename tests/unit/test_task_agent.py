@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import waiting
 
-from lmcore.rundir import LastWords, RunLayout
+from lmcore.run.rundir import LastWords, RunLayout
 from lmtrain.task.agent import VERDICT_MARGIN_S, owner_alive, settings_of, takes_restart
 
 ROOT = Path(__file__).resolve().parents[2]

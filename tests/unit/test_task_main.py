@@ -184,7 +184,7 @@ def test_a_malformed_command_line_says_how_to_call_it(argv):
 
 def test_a_rank_in_a_container_ends_when_the_slurm_task_that_started_it_is_gone():
     """SLURM SIGKILLs a step's podman client, not the container conmon keeps; the rank inside
-    watches the client's pid (LMLAUNCH_TASK_PID, set by src/lmcore/podman_task.sh) and ends."""
+    watches the client's pid (LMLAUNCH_TASK_PID, set by src/lmcore/job/podman_task.sh) and ends."""
     owner = subprocess.Popen(["sleep", "600"])
     rank = subprocess.Popen(
         [sys.executable, "-c", "from lmtrain.task.main import watch_owner; import time; "

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
-from lmcore.rundir import AttemptEnd, Ledger, RunLayout
+from lmcore.run.rundir import AttemptEnd, Ledger, RunLayout
 from lmtrain.health import watchdog
 from lmtrain.health.watchdog import EXIT_HANG, hang_markers, hang_reason
 
@@ -126,7 +126,7 @@ def test_ledger_end_line_is_written_once_per_attempt(tmp_path):
 def test_watchdog_spec_bounds_are_enforced(field, value):
     from pydantic import ValidationError
 
-    from lmcore.spec import WatchdogSpec
+    from lmcore.job.spec import WatchdogSpec
 
     with pytest.raises(ValidationError, match=field):
         WatchdogSpec(**{field: value})

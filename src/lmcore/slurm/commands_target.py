@@ -21,7 +21,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from lmcore.ssh import remote_path as _there  # ~/x as "$HOME"/x for the login shell there
+from lmcore.slurm.ssh import remote_path as _there  # ~/x as "$HOME"/x for the login shell there
 
 
 @dataclass(frozen=True)

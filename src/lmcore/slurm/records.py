@@ -40,7 +40,7 @@ ACTIVE_GROUPS = frozenset({"queued", "running"})
 def het_leader(job_id: str) -> str:
     """sacct's name of a heterogeneous job's first component (``J+0``, its steps ``J+0.S``) is the job's
     own id as sbatch returned it (``J``, ``J.S``); other components keep theirs (``J+1``): the
-    evaluator alongside the training (lmcore.eval_alongside)."""
+    evaluator alongside the training (lmcore.run.eval_alongside)."""
     head, plus, rest = job_id.partition("+")
     if not plus:
         return job_id

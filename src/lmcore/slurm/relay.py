@@ -1,7 +1,7 @@
 """SLURM's commands for ranks that run in a container without them: the batch step, on the host,
 runs them on the ranks' behalf.
 
-The ranks of a container job (lmcore.container) decide everything themselves, as on the
+The ranks of a container job (lmcore.job.container) decide everything themselves, as on the
 host: whether SLURM is already requeueing the job, whether to requeue it, which nodes to keep it
 off. What they cannot do inside an image without SLURM's client (and its munge socket) is run
 ``scontrol``, ``sacct``, ``sinfo``, ``squeue`` or ``scancel``. The batch script (its lines: launcher.submit.script) starts the relay

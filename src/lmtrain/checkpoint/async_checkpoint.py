@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lmcore.checkpoint_index import LIGHTNING_NAME
+from lmcore.run.checkpoint_index import LIGHTNING_NAME
 from lmtrain import faults
 from lmtrain.checkpoint.disk_space import DiskFull, no_room
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from lmcore.checkpoint_index import LIGHTNING_NAME
+from lmcore.run.checkpoint_index import LIGHTNING_NAME
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
 from lmtrain.checkpoint.async_checkpoint import Stager

@@ -12,8 +12,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lmcore.checkpoint_index import step_of
-from lmcore.rundir import Heartbeat
+from lmcore.run.checkpoint_index import step_of
+from lmcore.run.rundir import Heartbeat
 from lmtrain import faults
 from lmtrain.checkpoint.disk_space import DiskFull
 from lmtrain.checkpoint.manager import CheckpointManager

@@ -2,7 +2,7 @@
 
 Every large file of a checkpoint goes through a :class:`lmtrain.checkpoint.writeback.WritebackStream`
 (``save_streamed``: DDP's Lightning file, DeepSpeed's shards, FSDP2's DCP files, ``meta.pt``), which
-hashes the bytes as they pass (:func:`new_hasher`; lmcore.checkpoint_index names the
+hashes the bytes as they pass (:func:`new_hasher`; lmcore.run.checkpoint_index names the
 algorithm) and reports ``(path, size, digest)`` here when the file is whole (:func:`record`). The
 small files lmtrain writes itself (``rank-R.pt``, ``meta.json``) are hashed once written
 (lmtrain.checkpoint.durable). So no file is read back for its checksum.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.atomic import write_private
-from lmcore.checkpoint_index import CHECKSUM_ALGORITHM, file_digest
+from lmcore.run.checkpoint_index import CHECKSUM_ALGORITHM, file_digest
 
 SIDECAR_PREFIX = ".sums-rank-"
 _lock = threading.Lock()

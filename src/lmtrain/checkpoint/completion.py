@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmcore.checkpoint_index import (
+from lmcore.run.checkpoint_index import (
     COMPLETE_NAME,
     LATEST_NAME,
     STEP_RE,

@@ -3,7 +3,7 @@ apart from a crash where it cannot, and always described with the figures (what 
 needs, what is free) instead of a traceback.
 
 A save first compares the room it needs (the newest complete checkpoint's size, or before the
-first one an estimate from the parameter count, ``lmcore.checkpoint_index.checkpoint_bytes``) with
+first one an estimate from the parameter count, ``lmcore.run.checkpoint_index.checkpoint_bytes``) with
 the free space of the checkpoint directory's filesystem; a write that still finds no room
 (``ENOSPC``/``EDQUOT``, on any rank) is agreed by every rank, the partial save is removed and
 :class:`DiskFull` is raised on every rank. The callers decide what it costs: a periodic save
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmcore.checkpoint_index import is_complete
+from lmcore.run.checkpoint_index import is_complete
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from lmcore.checkpoint_index import COMPLETE_NAME
+from lmcore.run.checkpoint_index import COMPLETE_NAME
 from lmtrain import faults
 from lmtrain.checkpoint import checksums
 

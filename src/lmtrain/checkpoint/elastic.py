@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from lmcore.checkpoint_index import COMPLETE_NAME
-from lmcore.parallelism import Parallelism
+from lmcore.job.parallelism import Parallelism
+from lmcore.run.checkpoint_index import COMPLETE_NAME
 from lmtrain.checkpoint.durable import fsync_dir, write_text_atomic
 from lmtrain.checkpoint.manager import CompleteCheckpoint, universal_complete, universal_dir, universal_error_path
 

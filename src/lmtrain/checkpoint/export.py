@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from lmcore.checkpoint_index import CompleteCheckpoint
-from lmcore.parallelism import Parallelism
+from lmcore.job.parallelism import Parallelism
+from lmcore.run.checkpoint_index import CompleteCheckpoint
 from lmtrain.checkpoint.weights import model_state_dict
 from lmtrain.data.prepare.tokenizer import BYTE_EOS_ID, BYTE_VOCAB_SIZE
 from lmtrain.model.causal_lm import build_config

@@ -55,7 +55,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-from lmcore.checkpoint_index import (
+from lmcore.job.parallelism import CheckpointFormat, Parallelism
+from lmcore.run.checkpoint_index import (
     COMPLETE_NAME,
     LIGHTNING_NAME,
     CompleteCheckpoint,
@@ -64,7 +65,6 @@ from lmcore.checkpoint_index import (
     step_dir_name,
     temporary_dir_name,
 )
-from lmcore.parallelism import CheckpointFormat, Parallelism
 from lmtrain import faults
 from lmtrain.checkpoint import checksums, completion
 from lmtrain.checkpoint.async_checkpoint import (
@@ -172,7 +172,7 @@ class CheckpointManager:
         # the room a first checkpoint needs, before there is one to measure (bytes; None: unknown)
         self.estimate: Callable[[], int | None] | None = None
         self.on_failure: Callable[[DiskFull], None] | None = None  # a background save found no room
-        # steps retention keeps beyond keep_last: what an evaluator alongside has still to score (lmcore.eval_alongside)
+        # steps retention keeps beyond keep_last: what an evaluator alongside has still to score (lmcore.run.eval_alongside)
         self.keep_also: Callable[[list[int]], set[int]] | None = None
         self.completed_at = 0.0  # rank 0: perf_counter at the last COMPLETE (before pruning)
 

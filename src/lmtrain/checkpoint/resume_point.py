@@ -6,7 +6,7 @@ Rank 0 chose the checkpoint before the rendezvous (every rank resumes from its c
 rounds, with no process group yet (files in the run's ``rendezvous/`` directory, as the
 rendezvous itself; ``<key>`` is the rendezvous key and the attempt):
 
-1. every rank hashes its share of the candidate's files (lmcore.checkpoint_index.shares:
+1. every rank hashes its share of the candidate's files (lmcore.run.checkpoint_index.shares:
    split by bytes, so the ranks read in parallel) and publishes what it found: one file per node
    where the node's ranks share node memory, else per rank (lmtrain.checkpoint.verify_exchange);
 2. rank 0 reads them all, and publishes the verdict, ``<key>.verify-<round>.json``. Any file
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmcore.checkpoint_index import (
+from lmcore.run.checkpoint_index import (
     STEP_RE,
     CompleteCheckpoint,
     complete_checkpoints,
@@ -36,7 +36,7 @@ from lmcore.checkpoint_index import (
     shares,
     verify,
 )
-from lmcore.rundir import Ledger, LedgerNote, RunLayout
+from lmcore.run.rundir import Ledger, LedgerNote, RunLayout
 from lmtrain.checkpoint.completion import CheckpointError
 from lmtrain.checkpoint.verify_exchange import exchange_for
 

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
-from lmcore.token_meta import tokenized_with, tokenizer_identity
+from lmcore.run.token_meta import tokenized_with, tokenizer_identity
 from lmtrain.data.mixture import MixtureWindows
 from lmtrain.data.prepare.build import (  # re-exported: the data API lives here
     DataError,
@@ -387,7 +387,7 @@ def datasets(data_spec: Any, seed: int) -> tuple[Any, Any]:
 
 
 def check_same_tokens(paths: list[str]) -> None:
-    """Every store of a mixture was tokenized alike (lmcore.token_meta: vocabulary, eos,
+    """Every store of a mixture was tokenized alike (lmcore.run.token_meta: vocabulary, eos,
     tokenizer): DataError naming the first that differs from the first store."""
     metas = [read_meta(p).to_json() for p in paths]
     for path, m in zip(paths[1:], metas[1:]):
@@ -411,7 +411,7 @@ def make_dataloaders(
     """Train loader (infinite, resumable), validation loader (None when val_fraction is 0
     or there are no validation windows) and the train sampler, for one rank.
 
-    ``data_spec`` is a ``lmcore.spec.DataSpec`` (or anything with ``path``, ``seq_len``,
+    ``data_spec`` is a ``lmcore.job.spec.DataSpec`` (or anything with ``path``, ``seq_len``,
     ``micro_batch_size``, ``num_workers`` and ``val_fraction``). ``pin_memory`` defaults to
     whether CUDA is available; workers persist across iterations when there are any.
     """

@@ -7,7 +7,7 @@ with them, CUDA renumbers a task's GPUs from 0, so two tasks would both say 0); 
 CUDA shows it is ``CUDA_VISIBLE_DEVICES``'s count. Under a binding of one GPU a task
 (``--gpu-bind=per_task:1``, ``single:1``, ``map_gpu:...``) a rank has exactly one and uses it as
 ``cuda:0``; under ``closest`` or none it has the node's GPUs of the job and uses the one at its local
-rank. Each rank records what it has and the GPU it uses (lmcore.task_records); the first rank of
+rank. Each rank records what it has and the GPU it uses (lmcore.run.task_records); the first rank of
 each node checks the node's records before the ranks meet (lmtrain.health.preflight): a rank
 without a GPU, with several where one was bound, or sharing one with another rank fails the
 attempt there with the ranks named, rather than in NCCL ("Duplicate GPU detected") or CUDA
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lmcore.plan import one_gpu_a_task
+from lmcore.job.plan import one_gpu_a_task
 
 
 def _listed(environ: Mapping[str, str], *names: str) -> tuple[str, ...]:

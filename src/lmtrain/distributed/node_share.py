@@ -33,7 +33,7 @@ NODE_LOCAL_VAR = "LMLAUNCH_NODE_LOCAL"  # where node directories are made (defau
 
 def shares_dev_shm(runtime: str | None) -> bool:
     """Whether a node's tasks see one /dev/shm: without a container; in podman's (``--ipc=host``,
-    lmcore.container: checked on this machine) and apptainer's (the host's /dev bound by default).
+    lmcore.job.container: checked on this machine) and apptainer's (the host's /dev bound by default).
     Pyxis (enroot) gives a container its own: the agents then each look at the shared files, as
     before node sharing."""
     return runtime in (None, "none", "podman", "apptainer")

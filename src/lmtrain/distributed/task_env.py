@@ -29,10 +29,10 @@ from typing import Any
 from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7],gpu-[01-02]-ib
 
 from lmcore.atomic import write_private
-from lmcore.network import group_of_node
-from lmcore.run_layout import BATCH_VAR, GENERATION_VAR
-from lmcore.rundir import RunLayout
-from lmcore.task_records import TaskRecord, write_task_record
+from lmcore.job.network import group_of_node
+from lmcore.run.run_layout import BATCH_VAR, GENERATION_VAR
+from lmcore.run.rundir import RunLayout
+from lmcore.run.task_records import TaskRecord, write_task_record
 
 log = logging.getLogger("lmtrain")
 

@@ -4,7 +4,7 @@ trainer trains.
 
 :mod:`.main` (``python -m lmtrain.evaluator.main RUN_DIR``: what the evaluator's srun starts, and
 ``lmlaunch eval``'s job) watches the run's checkpoints and records each checkpoint's scores
-(lmcore.eval_alongside: which one next, the records); :mod:`.harness` turns a checkpoint into a
+(lmcore.run.eval_alongside: which one next, the records); :mod:`.harness` turns a checkpoint into a
 transformers model directory (lmtrain.checkpoint.export, any strategy) and runs lm-eval on it;
 :mod:`.shipped` puts the shipped local tasks (``tasks/``) where lm-eval can read them.
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcore.checkpoint_index import CompleteCheckpoint
-from lmcore.eval_alongside import EvaluatorPlan
+from lmcore.run.checkpoint_index import CompleteCheckpoint
+from lmcore.run.eval_alongside import EvaluatorPlan
 
 log = logging.getLogger("lmtrain.evaluator")
 

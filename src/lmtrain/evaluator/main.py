@@ -1,8 +1,8 @@
 """The evaluator's process: ``python -u -m lmtrain.evaluator.main RUN_DIR``.
 
 Alongside the training (the heterogeneous job's second component, launcher.submit.hetjob), it
-loops: the run's complete checkpoints (a COMPLETE marker: lmcore.checkpoint_index), less those
-``eval/scores.jsonl`` has, give the next to score (lmcore.eval_alongside.next_step: every one or
+loops: the run's complete checkpoints (a COMPLETE marker: lmcore.run.checkpoint_index), less those
+``eval/scores.jsonl`` has, give the next to score (lmcore.run.eval_alongside.next_step: every one or
 every Nth, in step order or the newest when behind); its files are checked against the checksums
 it was written with, then it is exported and scored (:mod:`.harness`) and its line appended. When
 the batch script has written ``eval/training-ended`` (the trainer's srun ended), the newest
@@ -13,7 +13,7 @@ What it does now is in ``eval/state.json`` (starting, waiting, scoring step N, d
 which ``status`` shows; it never touches the training. The job's warning signal (``--signal`` is
 propagated to every component) is ignored: the trainer acts on it; a preemption's SIGTERM ends
 the evaluator, and the checkpoint it was scoring is not in the records, so the next attempt
-scores it (once: a checkpoint's tasks are one line, lmcore.eval_alongside.append_scores).
+scores it (once: a checkpoint's tasks are one line, lmcore.run.eval_alongside.append_scores).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.atomic import write_json
-from lmcore.checkpoint_index import complete_checkpoints, verify
-from lmcore.eval_alongside import (
+from lmcore.run.checkpoint_index import complete_checkpoints, verify
+from lmcore.run.eval_alongside import (
     STATE,
     TRAINING_ENDED,
     CheckpointScores,
@@ -40,7 +40,7 @@ from lmcore.eval_alongside import (
     read_scores,
     scored_steps,
 )
-from lmcore.run_layout import RunLayout
+from lmcore.run.run_layout import RunLayout
 
 log = logging.getLogger("lmtrain.evaluator")
 POLL_S = 2.0  # how often it looks for a new complete checkpoint while none is left to score

@@ -10,8 +10,8 @@ import re
 import shutil
 from pathlib import Path
 
-from lmcore.eval_alongside import TASKS_DIR
-from lmcore.rundir import unzipped
+from lmcore.run.eval_alongside import TASKS_DIR
+from lmcore.run.rundir import unzipped
 
 SHIPPED = unzipped(Path(__file__).resolve()).with_name("tasks")  # on disk, also when imported from the snapshot's zip
 _DATA_FILE = re.compile(r"^(\s+\w+:\s*)(\S+\.jsonl)\s*$")

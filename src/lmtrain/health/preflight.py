@@ -29,7 +29,7 @@ from typing import Any
 
 from lmcore.atomic import write_private
 from lmcore.node_facts import ifname_verdicts
-from lmcore.rundir import Ledger, LedgerNote, RunLayout
+from lmcore.run.rundir import Ledger, LedgerNote, RunLayout
 from lmtrain import faults
 
 WAIT_S = 60.0  # for every node's verdict (a node whose first rank never starts: the rendezvous times out as before)
@@ -85,7 +85,7 @@ def node_checks(plan: Any, environ: dict[str, str], node: str, env: Any = None) 
 def gpu_check(plan: Any, env: Any, node: str) -> dict[str, Any]:
     """The GPUs of this node's ranks, from their task records (every rank wrote its own before the
     ranks met, so the node's are all there by now)."""
-    from lmcore.task_records import read_task_records
+    from lmcore.run.task_records import read_task_records
     from lmtrain.distributed.gpu_binding import node_problems
 
     records, unreadable = read_task_records(plan.paths.run_dir, env.job_id, env.restart_count)

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from lmcore.atomic import write_json
-from lmcore.rundir import LedgerNote
-from lmcore.straggler_lines import describe
+from lmcore.run.rundir import LedgerNote
+from lmcore.run.straggler_lines import describe
 from lmtrain.health.stragglers import Slow, StragglerPolicy, line_figures, others_median, score
 from lmtrain.observe.timing_lines import PARTS, read_timing
 
@@ -107,7 +107,7 @@ def watch_for(plan: Any, env: Any, records: Any, peers: list[list[int]],
     spec turned it off). ``records``: the attempt's lmtrain.observe.attempt.AttemptRecords; ``peers``:
     the ranks that do the same work; ``leave_slow_node``: what ``health.stragglers.action: exclude``
     calls. Lightning's ranks (lmtrain.task.fit) and the scale harness's (lmtrain.simulate) both start it here."""
-    from lmcore.rundir import RunLayout
+    from lmcore.run.rundir import RunLayout
 
     spec = plan.job_spec().health.stragglers
     if env.rank != 0 or env.world_size <= 1 or not spec.enabled:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from lmcore.straggler_lines import PEERS, SELF
+from lmcore.run.straggler_lines import PEERS, SELF
 
 
 @dataclass(frozen=True)

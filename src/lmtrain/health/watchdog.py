@@ -12,7 +12,7 @@ watchdog on the progress of its training loop:
   ``hang_timeout_s`` it writes all thread stacks (``faulthandler.dump_traceback(all_threads=True)``)
   to ``logs/attempt-<N>/stacks-rank-<R>.txt``, leaves a marker ``hang-rank-<R>.json`` next to
   it, writes the ledger ``end`` line with reason ``hang`` (rank 0; once per process, see
-  :meth:`lmcore.rundir.Ledger.write_end_once`) and ends the process with :data:`EXIT_HANG`, so SLURM sees a failed
+  :meth:`lmcore.run.rundir.Ledger.write_end_once`) and ends the process with :data:`EXIT_HANG`, so SLURM sees a failed
   task and the requeue logic can read why;
 - the Python thread needs the GIL. A C call that holds it forever would keep the thread from
   running, so a C-level timer (``faulthandler.dump_traceback_later(exit=True)``, a thread of
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from lmcore.atomic import write_private
-from lmcore.rundir import HANG_MARKER, RunLayout
+from lmcore.run.rundir import HANG_MARKER, RunLayout
 from lmtrain import faults
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from lmcore.rundir import RunLayout
+from lmcore.run.rundir import RunLayout
 from lmtrain.distributed.task_env import free_port
 from lmtrain.local.zygote import SHARED_ENV as ZYGOTE_ENV, Forked, Zygote, forkable
 
@@ -190,7 +190,7 @@ def _wait_all(procs: list[subprocess.Popen | Forked], on_first_failure: Callable
 def _words_for(run_dir: Path, rank: int, code: int, pid: int) -> None:
     """The first rank to fail died of a signal (or exited without its own last words): say so for
     it, where rank 0 looks for the first death (lmtrain.preemption.first_death), before the others are stopped."""
-    from lmcore.rundir import LastWords, Ledger
+    from lmcore.run.rundir import LastWords, Ledger
 
     attempt = Ledger(RunLayout.of(run_dir).ledger).next_attempt() - 1
     if attempt < 1:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.processes import alive
-from lmcore.rundir import unzipped
+from lmcore.run.rundir import unzipped
 from lmtrain.local import zygote_serve
 from lmtrain.local.zygote_serve import PRELOAD, SHARED_ENV, START_TIMEOUT_S, differences, forkable
 

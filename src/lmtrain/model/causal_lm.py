@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcore.spec import ModelSpec
+from lmcore.job.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

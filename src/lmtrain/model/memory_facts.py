@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcore.spec import ModelSpec
+from lmcore.job.spec import ModelSpec
 from lmtrain.model.causal_lm import (
     attention_for,
     build_config,

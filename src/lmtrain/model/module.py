@@ -29,9 +29,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lmcore.lr_schedule import OptimSettings, lr_at
-from lmcore.parallelism import Parallelism
-from lmcore.spec import ModelSpec
+from lmcore.job.lr_schedule import OptimSettings, lr_at
+from lmcore.job.parallelism import Parallelism
+from lmcore.job.spec import ModelSpec
 from lmtrain.model.causal_lm import (
     ModelShape,
     build_model,
@@ -66,7 +66,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 class RuntimeSettings:
     """How the module runs: strategy-dependent choices made by the entry."""
 
-    parallelism: Parallelism  # how the model is split over this attempt's ranks (lmcore.parallelism)
+    parallelism: Parallelism  # how the model is split over this attempt's ranks (lmcore.job.parallelism)
     precision: str
     accelerator: str  # cpu | gpu
     clip_val: float | None

@@ -16,7 +16,7 @@ Gemma, Falcon) lives on the first and the last stage as two copies of one weight
 are summed after every backward over the two ranks (:func:`tied_group_of`), so both take the same
 step, and the gradient norm counts the weight once.
 
-Which layers a stage holds comes from :func:`lmcore.pipeline_stages.split_layers` (the dry
+Which layers a stage holds comes from :func:`lmcore.job.pipeline_stages.split_layers` (the dry
 run shows the same map).
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcore.pipeline_stages import SCHEDULES, StageMap, split_layers
+from lmcore.job.pipeline_stages import SCHEDULES, StageMap, split_layers
 from lmtrain.model.stack_parts import Parts, Unsplittable, find_parts
 
 

@@ -90,7 +90,7 @@ def problems(model: nn.Module, tp: int, *, sequence_parallel: bool = False, seq_
 
 def check_split(model_spec: Any, split: Any) -> None:
     """ValueError with :func:`problems` of the model the spec builds (on the meta device: no
-    memory) split as ``split`` (lmcore.spec.TensorSplit) says."""
+    memory) split as ``split`` (lmcore.job.spec.TensorSplit) says."""
     from lmtrain.model.causal_lm import meta_model
 
     meta = meta_model(model_spec)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcore.atomic import write_atomic
-from lmcore.rundir import AttemptEnd, AttemptStart, Heartbeat, LastWords, Ledger, RunLayout, is_peer_lost
+from lmcore.run.rundir import AttemptEnd, AttemptStart, Heartbeat, LastWords, Ledger, RunLayout, is_peer_lost
 
 log = logging.getLogger("lmtrain")
 
@@ -86,7 +86,7 @@ class AttemptRecords:
         groups = (getattr(self.plan, "placement", None) or {}).get("groups")
         if not groups:
             return None
-        from lmcore.network import crossing_units, groups_by_node
+        from lmcore.job.network import crossing_units, groups_by_node
 
         known = groups_by_node(groups)
         where = {n: known.get(n) for n in self.env.nodes}
@@ -104,7 +104,7 @@ class AttemptRecords:
             return None
         from hostlist import expand_hostlist
 
-        from lmcore.rundir import left_out_of
+        from lmcore.run.rundir import left_out_of
 
         job = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))  # as it was at the job's start
         out = set(left_out_of(self.ledger.entries(), self.env.job_id))

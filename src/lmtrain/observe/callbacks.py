@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lmcore.rundir import Heartbeat, Ledger
+from lmcore.run.rundir import Heartbeat, Ledger
 from lmtrain.observe.startup import CLOCK
 
 log = logging.getLogger(__name__)

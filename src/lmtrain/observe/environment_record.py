@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.atomic import write_private
-from lmcore.rundir import RunLayout
+from lmcore.run.rundir import RunLayout
 
 PACKAGES = ("torch", "lightning", "transformers", "deepspeed", "numpy", "tokenizers", "submitit", "lmlaunch")
 SECRET_WORDS = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE|CREDENTIAL|_KEY$|^KEY$)", re.I)

@@ -15,9 +15,9 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from lmcore import rundir
 from lmcore.atomic import write_atomic
-from lmcore.spec import LoggingSpec
+from lmcore.job.spec import LoggingSpec
+from lmcore.run import rundir
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -107,7 +107,7 @@ def make_loggers(run_dir: str | Path, logging_spec: LoggingSpec | Mapping[str, A
     return loggers
 
 
-WANDB_ID_FILE = rundir.WANDB_ID  # in the run directory (lmcore.rundir.RunLayout.wandb_id)
+WANDB_ID_FILE = rundir.WANDB_ID  # in the run directory (lmcore.run.rundir.RunLayout.wandb_id)
 log = logging.getLogger(__name__)
 
 

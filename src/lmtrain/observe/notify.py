@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcore.spec import NotifySpec
+from lmcore.job.spec import NotifySpec
 
 log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 10.0  # at the end of an attempt, at most this long for queued messages
@@ -106,7 +106,7 @@ class Notifier:
 
 def last_lines(attempt_dir: Path, n: int = 20) -> str:
     """The last lines of the first rank whose log shows an error (else of the first rank's)."""
-    from lmcore.rank_logs import ranks_texts
+    from lmcore.run.rank_logs import ranks_texts
 
     texts = list(ranks_texts(attempt_dir).values())
     failing = next((t for t in texts if any("Traceback" in x or "Error" in x for x in t)), texts[0] if texts else [])
@@ -130,7 +130,7 @@ def goodput(ledger: Sequence[Mapping[str, Any]], beats: Sequence[Mapping[str, An
 def notify_end(notifier: Any, plan: Any, outcome: Any, attempt: int) -> None:
     """The webhook messages of how this attempt ended."""
     from lmcore.jsonlines import read_jsonl
-    from lmcore.rundir import RunLayout
+    from lmcore.run.rundir import RunLayout
 
     step, reason, detail = outcome.end_step, outcome.reason, outcome.detail or ""
     facts = {"reason": reason, "end_step": step, "detail": detail[:500]}

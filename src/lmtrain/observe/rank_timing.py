@@ -1,7 +1,7 @@
 """Per-rank step timing: where each rank's step goes, written per logging interval.
 
 Every rank times the parts of its micro batches that differ between ranks and appends one line
-per logging interval to its node's ``logs/attempt-<N>/timing-node-<N>.jsonl`` (lmcore.run_layout), with its
+per logging interval to its node's ``logs/attempt-<N>/timing-node-<N>.jsonl`` (lmcore.run.run_layout), with its
 node. No collective, no host sync: host clocks between Lightning's hooks on CPU; on a GPU, CUDA
 events recorded at the same hooks and read at logging steps only (the event of the interval's
 last part is waited for then, when the logging step reads the loss anyway).

@@ -1,10 +1,10 @@
 """Where a (re)started attempt spends the time before its first training step.
 
 Every task process marks the end of each startup phase on one clock (:data:`CLOCK`); rank 0
-writes them into the ledger as one ``startup`` record (:class:`lmcore.rundir.AttemptStartup`)
+writes them into the ledger as one ``startup`` record (:class:`lmcore.run.rundir.AttemptStartup`)
 once the first step is done, or when the attempt ends before it. ``lmlaunch history --timing``
 shows the record per attempt. The phases, in the order a task goes through them
-(:data:`lmcore.rundir.STARTUP_PHASES`):
+(:data:`lmcore.run.rundir.STARTUP_PHASES`):
 
 - ``entry``: the Python process started (the kernel's start time of the process) -> lmtrain's
   entry runs (interpreter start, submitit unpickling the task);
@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmcore.rundir import STARTUP_PHASES, AttemptStartup
+from lmcore.run.rundir import STARTUP_PHASES, AttemptStartup
 from lmtrain import faults
 
 

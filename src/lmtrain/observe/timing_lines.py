@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lmcore.straggler_lines import TIMING_PARTS
+from lmcore.run.straggler_lines import TIMING_PARTS
 
 log = logging.getLogger(__name__)
 

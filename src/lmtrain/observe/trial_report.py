@@ -1,5 +1,5 @@
 """A search trial's rank 0 reports its metric to the study and learns it is pruned
-(:mod:`lmcore.study` owns Optuna; the driver, ``launcher.search.driver``, asks and ends trials).
+(:mod:`lmcore.search.study` owns Optuna; the driver, ``launcher.search.driver``, asks and ends trials).
 
 At each value the run logs of the search's metric (``loss`` on the logging steps, ``val_loss`` at
 each validation: the very values the heartbeat records), rank 0 calls ``trial.report(value, step)``
@@ -30,7 +30,7 @@ class TrialReport(pl.Callback):
     """Rank 0's link to its trial (other ranks get none: the stop agreement tells them)."""
 
     def __init__(self, plan: dict[str, Any], request_stop: Callable[[str, str], None]) -> None:
-        from lmcore.study import TrialPlan
+        from lmcore.search.study import TrialPlan
 
         self.plan = TrialPlan.from_json(plan)
         self.request_stop = request_stop
@@ -56,7 +56,7 @@ class TrialReport(pl.Callback):
         if self._trial is None:
             import optuna
 
-            from lmcore.study import open_storage, pruner
+            from lmcore.search.study import open_storage, pruner
 
             storage = open_storage(self.plan.storage)
             study = optuna.load_study(study_name=self.plan.study, storage=storage, pruner=pruner(self.plan.pruner))

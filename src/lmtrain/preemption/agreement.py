@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lmcore.checkpoint_index import step_dir_name
+from lmcore.run.checkpoint_index import step_dir_name
 from lmtrain.preemption.stop_flags import AgreedStop, agreed_from, flags_of
 
 __all__ = ["AgreedStop", "StopAgreement", "without_lightnings_sigterm_broadcast"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from hostlist import expand_hostlist  # SLURM hostlist notation
 
-from lmcore.rundir import Ledger, LedgerNote, RunLayout
+from lmcore.run.rundir import Ledger, LedgerNote, RunLayout
 from lmcore.slurm import client as slurm
 from lmtrain.health.watchdog import hang_markers
 from lmtrain.preemption.policy import EndFacts

@@ -11,9 +11,9 @@ import time
 import traceback
 from typing import Any
 
-from lmcore.checkpoint_index import newest_complete
-from lmcore.plan import PreemptionPlan
-from lmcore.rundir import Ledger, LedgerNote, RunLayout, is_cancelled, left_out_of
+from lmcore.job.plan import PreemptionPlan
+from lmcore.run.checkpoint_index import newest_complete
+from lmcore.run.rundir import Ledger, LedgerNote, RunLayout, is_cancelled, left_out_of
 from lmcore.slurm import client as slurm
 from lmtrain.checkpoint.disk_space import disk_full_in
 from lmtrain.health.preflight import PreflightFailed
@@ -211,7 +211,7 @@ class Preemption:
         """The attempt's nodes and, with a placement, every allocation node's switch or block."""
         placement = getattr(self.plan, "placement", None) or {}
         groups = placement.get("groups") or {}
-        from lmcore.network import groups_by_node
+        from lmcore.job.network import groups_by_node
 
         return {"attempt_nodes": list(self.env.nodes),
                 "node_groups": groups_by_node(groups),

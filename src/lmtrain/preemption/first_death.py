@@ -5,7 +5,7 @@ their next collective with an error that only says a peer went away ("Connection
 peer ... GLHF!"). Rank 0 writes the attempt's ledger ``end`` line, so before it does it looks
 for who died first and how, from the best evidence there is:
 
-1. the ranks' own last words (``lmcore.rundir.LastWords``: every rank that dies of a Python
+1. the ranks' own last words (``lmcore.run.rundir.LastWords``: every rank that dies of a Python
    exception writes its last line; the local launcher writes the signal or exit code of a rank
    that died without a word);
 2. SLURM's: srun writes ``srun: error: n2: task 1: Killed`` to the job's stderr the moment a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcore.rundir import LastWords
+from lmcore.run.rundir import LastWords
 
 # What a surviving rank's error says when it only lost a peer (gloo, NCCL, c10d store).
 SRUN_TASK = re.compile(r"srun: error: (?P<node>[\w.-]+): tasks? (?P<ranks>[\d,\-]+): (?P<what>.+?)\s*$")

@@ -11,9 +11,9 @@ import os
 from typing import Any
 
 from lmcore.atomic import write_private
-from lmcore.checkpoint_index import newest_complete
-from lmcore.run_layout import UNDECIDED_VAR
-from lmcore.rundir import LedgerAttempt, RunLayout, is_cancelled, read_done_step
+from lmcore.run.checkpoint_index import newest_complete
+from lmcore.run.run_layout import UNDECIDED_VAR
+from lmcore.run.rundir import LedgerAttempt, RunLayout, is_cancelled, read_done_step
 from lmtrain.observe.attempt import AttemptRecords, MissingEnd
 from lmtrain.preemption.policy import Gate, StartFacts, start_gate
 from lmtrain.preemption.signals import release_early_signals

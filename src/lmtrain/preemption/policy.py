@@ -2,7 +2,7 @@
 
 :func:`start_gate` (before an attempt trains) and :func:`decide` (after it) take facts that
 the controller (``lmtrain.preemption``) gathered from the run directory and SLURM, and a
-the plan's :class:`lmcore.plan.PreemptionPlan` (``plan.preemption``). docs/run-directory.md lists the ledger reasons.
+the plan's :class:`lmcore.job.plan.PreemptionPlan` (``plan.preemption``). docs/run-directory.md lists the ledger reasons.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcore.plan import PreemptionPlan
-from lmcore.rundir import LedgerAttempt
+from lmcore.job.plan import PreemptionPlan
+from lmcore.run.rundir import LedgerAttempt
 from lmcore.slurm.client import state_word
 from lmtrain.checkpoint.disk_space import DiskFull
 from lmtrain.preemption.spares import InPlace, spare_for

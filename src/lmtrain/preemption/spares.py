@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lmcore.network import crossing_units
+from lmcore.job.network import crossing_units
 
 
 class EndFacts(Protocol):

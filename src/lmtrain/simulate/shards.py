@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lmcore.checkpoint_index import CompleteCheckpoint, step_dir_name, temporary_dir_name
+from lmcore.run.checkpoint_index import CompleteCheckpoint, step_dir_name, temporary_dir_name
 from lmtrain.checkpoint import checksums, completion
 from lmtrain.checkpoint.completion import CheckpointError
 from lmtrain.checkpoint.durable import remove_tree, write_bytes_atomic

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmcore.rundir import RunLayout
+from lmcore.run.rundir import RunLayout
 from lmtrain import faults
 from lmtrain.distributed.node_share import local_copy, training_share
 from lmtrain.observe.attempt import AttemptRecords, Outcome

@@ -6,7 +6,7 @@ from a crash to the first step again. With ``preemption.warm_restart`` (and rest
 the task's process (lmtrain.task.main) becomes an agent instead: it imports the frameworks once and
 forks the training process from itself. When the ranks' training processes end:
 
-- rank 0's agent reads rank 0's decision (lmcore.rundir's RESTART_IN_PLACE, written by
+- rank 0's agent reads rank 0's decision (lmcore.run.rundir's RESTART_IN_PLACE, written by
   lmtrain.preemption.controller after the attempt's end line). A ``restart`` that leaves no node out,
   in a job SLURM is not preempting, it proposes to the others: ``restart`` in its verdict file
   (``rendezvous/<key>.next``). Every other agent ends its training process if it still runs (a
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcore.run_layout import BATCH_VAR, GENERATION_VAR, UNDECIDED_VAR, RunLayout
+from lmcore.run.run_layout import BATCH_VAR, GENERATION_VAR, UNDECIDED_VAR, RunLayout
 from lmtrain.distributed.node_share import NODE_SHARE_VAR, NodeShare, shares_dev_shm
 from lmtrain.preemption.signals import SignalOwner, StopRequest
 from lmtrain.task.verdicts import VERDICT_MARGIN_S, VERDICT_POLL_S, Verdicts
@@ -167,7 +167,7 @@ class TaskAgent:
         with imports_without_gc(freeze=True):
             import submitit.core.submission  # noqa: F401
 
-            import lmcore.plan  # noqa: F401
+            import lmcore.job.plan  # noqa: F401
             from lmtrain.task.entry import import_frameworks
 
             import_frameworks(deepspeed=self.s.preload_deepspeed)
@@ -282,7 +282,7 @@ class TaskAgent:
     def _last_words(self, signum: int) -> None:
         """A training process that died of a signal: srun never sees it (this agent lives on); say it
         where rank 0 looks for the first death, for the attempt it was in."""
-        from lmcore.rundir import LastWords
+        from lmcore.run.rundir import LastWords
 
         try:
             attempt = int(json.loads(self.layout.rendezvous_file(self._key()).read_text())["attempt"])
@@ -315,7 +315,7 @@ class TaskAgent:
         raise SystemExit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
-OWNER_ENV = "LMLAUNCH_TASK_PID"  # set by src/lmcore/podman_task.sh: the podman client SLURM started
+OWNER_ENV = "LMLAUNCH_TASK_PID"  # set by src/lmcore/job/podman_task.sh: the podman client SLURM started
 
 
 def owner_alive(environ: Mapping[str, str] | None = None) -> bool:

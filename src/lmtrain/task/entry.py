@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the task imports these when it needs them
-    from lmcore.plan import LaunchPlan
+    from lmcore.job.plan import LaunchPlan
     from lmtrain.distributed.task_env import Rendezvous, TaskEnv
     from lmtrain.preemption.policy import Gate
 
@@ -54,7 +54,7 @@ def run_slurm_task(run_dir: str) -> int:
 
 
 def run_task(run_dir: str | Path) -> int:
-    from lmcore.rundir import RunLayout
+    from lmcore.run.rundir import RunLayout
     from lmtrain.observe.startup import CLOCK, imports_without_gc
 
     CLOCK.begin_attempt()
@@ -72,7 +72,7 @@ def run_task(run_dir: str | Path) -> int:
     signals = own_signals(raw_plan.get("preemption") or {})
     fresh = "torch" not in sys.modules  # a task's process, not forked from a zygote nor called in-process
     with imports_without_gc(freeze=fresh):
-        from lmcore.plan import LaunchPlan
+        from lmcore.job.plan import LaunchPlan
         from lmtrain.distributed.task_env import begin_task
 
     plan = LaunchPlan.from_dict(raw_plan)
@@ -86,7 +86,7 @@ def run_task(run_dir: str | Path) -> int:
     except BaseException:
         signals.restore()  # this attempt never reaches training: give the handlers back
         raise
-    from lmcore.rundir import RunLayout
+    from lmcore.run.rundir import RunLayout
 
     with _rank_log(RunLayout.of_plan(plan).node_log(rv.attempt, env.node_rank), env.rank):
         log.info(
@@ -137,8 +137,8 @@ def _meet(plan: LaunchPlan, *, simulated: bool = False) -> tuple[TaskEnv, Gate, 
     before the rendezvous, so every rank reads the same one after it. Rank 0 alone lists the
     checkpoints; every rank resumes from its choice (shared filesystems may show each node a
     different listing for a moment)."""
-    from lmcore.checkpoint_index import newest_complete
-    from lmcore.rundir import Ledger, attempts_of, next_attempt_of
+    from lmcore.run.checkpoint_index import newest_complete
+    from lmcore.run.rundir import Ledger, attempts_of, next_attempt_of
     from lmtrain.distributed.task_env import read_env, rendezvous
     from lmtrain.observe.startup import CLOCK
     from lmtrain.preemption.gate import decide_start, read_gate
@@ -230,9 +230,9 @@ class NotForLmlaunch(logging.Filter):
 @contextlib.contextmanager
 def _rank_log(path: Path, rank: int) -> Iterator[None]:
     """Tee Python's stdout/stderr (and logging) into this rank's share of its node's log, every line
-    marked with the rank (lmcore.rank_logs). Output of C libraries (NCCL) still goes to the task's
+    marked with the rank (lmcore.run.rank_logs). Output of C libraries (NCCL) still goes to the task's
     stdout, which submitit keeps per task."""
-    from lmcore.rank_logs import NodeLogWriter
+    from lmcore.run.rank_logs import NodeLogWriter
 
     f = NodeLogWriter(path, rank)
     old_out, old_err = sys.stdout, sys.stderr

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmcore.checkpoint_index import (
+from lmcore.job.spec import JobSpec
+from lmcore.run.checkpoint_index import (
     STEP_RE,
     CompleteCheckpoint,
     complete_checkpoints,
@@ -26,8 +27,7 @@ from lmcore.checkpoint_index import (
     newest_intact,
     verify,
 )
-from lmcore.rundir import LedgerNote, RunLayout, checkpoint_dir_of
-from lmcore.spec import JobSpec
+from lmcore.run.rundir import LedgerNote, RunLayout, checkpoint_dir_of
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from lmtrain.observe.attempt import Outcome
 from lmtrain.observe.startup import CLOCK
 
 if TYPE_CHECKING:
-    from lmcore.checkpoint_index import CompleteCheckpoint
-    from lmcore.plan import LaunchPlan
+    from lmcore.job.plan import LaunchPlan
+    from lmcore.run.checkpoint_index import CompleteCheckpoint
     from lmtrain.distributed.task_env import TaskEnv
     from lmtrain.observe.attempt import AttemptRecords
     from lmtrain.preemption.controller import Preemption
@@ -77,7 +77,7 @@ class Fit:
 
     def _other_format(self) -> Any:
         """The checkpoint resumed, when another strategy's format wrote it (lmtrain.checkpoint.cross_format)."""
-        from lmcore.parallelism import Parallelism
+        from lmcore.job.parallelism import Parallelism
         from lmtrain.checkpoint.cross_format import Source, converts
         from lmtrain.checkpoint.manager import universal_dir
 
@@ -198,7 +198,7 @@ class Fit:
 
     def _profiling(self) -> Any:
         """torch.profiler on demand (`lmlaunch profile`) or over the spec's window (lmtrain.observe.profiling)."""
-        from lmcore.rundir import RunLayout
+        from lmcore.run.rundir import RunLayout
         from lmtrain.observe.profiling import ProfileOnDemand
 
         layout, attempt = RunLayout.of_plan(self.plan), self.records.attempt
@@ -213,7 +213,7 @@ class Fit:
         """This rank's step timing (lmtrain.observe.rank_timing); on rank 0 of a job of 2+ ranks, the
         straggler watch that scores every rank's (lmtrain.health.straggler_watch), unless the spec
         turned it off."""
-        from lmcore.rundir import RunLayout
+        from lmcore.run.rundir import RunLayout
         from lmtrain.health.straggler_watch import watch_for
         from lmtrain.observe.rank_timing import RankTiming
 
@@ -228,7 +228,7 @@ class Fit:
         """Each rank's held model states (and the device's peak) into the ledger (lmtrain.model.memory_held)."""
         import time
 
-        from lmcore.rundir import LedgerNote
+        from lmcore.run.rundir import LedgerNote
         from lmtrain.model.memory_held import MemoryRecord
 
         attempt = self.records.attempt
@@ -243,7 +243,7 @@ class Fit:
         return MemoryRecord(write, start_step=self.ckpt.step if self.ckpt is not None else 0)
 
     def _checkpoint_callback(self) -> Any:
-        from lmcore.checkpoint_index import checkpoint_bytes
+        from lmcore.run.checkpoint_index import checkpoint_bytes
         from lmtrain.checkpoint.callback import CheckpointCallback
         from lmtrain.checkpoint.manager import CheckpointManager
         from lmtrain.distributed.task_env import process_group_timeout
@@ -261,7 +261,7 @@ class Fit:
         # room for a first checkpoint, before there is one to measure (lmtrain.checkpoint.disk_space)
         manager.estimate = lambda: checkpoint_bytes(parameter_count(job.model)[0], par, plan.trainer.precision)
         if plan.evaluator is not None:  # an evaluator alongside: what it has still to score is kept
-            from lmcore import eval_alongside as ev
+            from lmcore.run import eval_alongside as ev
 
             evaluator, run_dir = ev.EvaluatorPlan.from_json(plan.evaluator), plan.paths.run_dir
             manager.keep_also = lambda steps: ev.kept_for_evaluator(run_dir, steps, evaluator)
@@ -325,7 +325,7 @@ def _layout(state: dict[str, Any], default_world: int) -> tuple[int, int, int]:
 def planned_memory(memory: dict[str, Any] | None, world_size: int) -> dict[str, Any]:
     """The plan's figures beside what the ranks hold (the ledger's ``memory`` line, read by the
     exporter and ``history``): one rank's model states and peak, for the world it was planned for."""
-    from lmcore.plan import planned_model_states
+    from lmcore.job.plan import planned_model_states
 
     if not memory:
         return {}

@@ -15,8 +15,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmcore.checkpoint_index import CompleteCheckpoint
-    from lmcore.plan import LaunchPlan
+    from lmcore.job.plan import LaunchPlan
+    from lmcore.run.checkpoint_index import CompleteCheckpoint
     from lmtrain.distributed.task_env import TaskEnv
     from lmtrain.observe.attempt import AttemptRecords
     from lmtrain.preemption.controller import Preemption

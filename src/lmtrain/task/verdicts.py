@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lmcore.run_layout import RunLayout
+from lmcore.run.run_layout import RunLayout
 from lmtrain.distributed.node_share import node_ready_name, ready_ranks
 
 VERDICT_POLL_S = 0.05  # after it ended: how often a rank's agent looks for rank 0's verdict

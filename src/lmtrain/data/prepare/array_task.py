@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from lmcore.rundir import Heartbeat, RunLayout
+from lmcore.run.rundir import Heartbeat, RunLayout
 from lmtrain import faults
 
 log = logging.getLogger("lmtrain.data.prepare.build")

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcore.parallelism import Parallelism
-from lmcore.spec import JobSpec, PreemptionSpec
+from lmcore.job.parallelism import Parallelism
+from lmcore.job.spec import JobSpec, PreemptionSpec
 
 # 2: `trainer` is exactly the Trainer's keyword arguments (TrainerPlan); `training` holds the rest.
 # 3: how the model is split is one record, `topology.parallelism` (was training.strategy and
@@ -105,7 +105,7 @@ class PreemptionPlan:
     @classmethod
     def of(cls, spec: PreemptionSpec, *, cluster_sends_user_signal: bool = False,
            grace_seconds: int | None = None) -> PreemptionPlan:
-        """The spec's settings (their defaults live in :class:`lmcore.spec.PreemptionSpec`
+        """The spec's settings (their defaults live in :class:`lmcore.job.spec.PreemptionSpec`
         only) and what the profile says about the cluster."""
         return cls(**spec.model_dump(), cluster_sends_user_signal=cluster_sends_user_signal,
                    grace_seconds=grace_seconds)
@@ -120,7 +120,7 @@ class Topology:
     micro_batch_size: int
     grad_accum: int
     global_batch_size: int
-    parallelism: Parallelism  # how the model is split over the world (lmcore.parallelism)
+    parallelism: Parallelism  # how the model is split over the world (lmcore.job.parallelism)
 
     @property
     def data_parallel_size(self) -> int:
@@ -143,7 +143,7 @@ class Topology:
                 f"data_parallel({self.data_parallel_size}) = global_batch({self.global_batch_size})")
 
     def to_json(self) -> dict[str, Any]:
-        """As JSON: the fields, the mesh as lmcore.parallelism writes it, and the data-parallel size."""
+        """As JSON: the fields, the mesh as lmcore.job.parallelism writes it, and the data-parallel size."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "parallelism"}
         return {**d, "parallelism": self.parallelism.to_json(), "data_parallel_size": self.data_parallel_size}
 
@@ -255,15 +255,15 @@ class LaunchPlan:
     memory: dict[str, Any] | None = None
     """One rank's planned memory (launcher.planning.memory.Breakdown.to_json); None where it was not estimated."""
     container: dict[str, Any] | None = None
-    """The container the tasks run in (lmcore.container.ContainerPlan.to_json); None: on the host."""
+    """The container the tasks run in (lmcore.job.container.ContainerPlan.to_json); None: on the host."""
     placement: dict[str, Any] | None = None
     """Where the nodes sit in the network (launcher.planning.placement: within, the sbatch options, the profile's groups, the rank layout); None: the cluster has no topology and nothing was asked."""
     rank_env: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Variables whose value differs by rank (name -> {"by_gpu": [...], "by_local_rank": [...], "why": ...}): each task sets its own, by the index of the GPU SLURM gave it where given, before torch.distributed starts (lmtrain.distributed.task_env.apply_rank_env)."""
     evaluator: dict[str, Any] | None = None
-    """The evaluator alongside the training: the heterogeneous job's second component (lmcore.eval_alongside.EvaluatorPlan.to_json); None: none."""
+    """The evaluator alongside the training: the heterogeneous job's second component (lmcore.run.eval_alongside.EvaluatorPlan.to_json); None: none."""
     trial: dict[str, Any] | None = None
-    """The search trial this run is (lmcore.study.TrialPlan.to_json): its rank 0 reports the metric to the study; None: not a trial."""
+    """The search trial this run is (lmcore.search.study.TrialPlan.to_json): its rank 0 reports the metric to the study; None: not a trial."""
 
     @property
     def parallelism(self) -> Parallelism:

@@ -5,7 +5,7 @@
 validating a spec never imports transformers or torch, and a type a newer transformers adds is
 known at once. Where transformers is not installed (a login-node install without it) or its file
 has another shape, :data:`KNOWN_CAUSAL_LM_TYPES` stands in: transformers 5.23.0's list, kept by
-``python -m lmcore.model_types`` (which prints what the installed one adds or drops).
+``python -m lmcore.job.model_types`` (which prints what the installed one adds or drops).
 tests/unit/test_model_architectures.py checks the reading against the imported mapping.
 """
 

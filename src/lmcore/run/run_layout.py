@@ -1,6 +1,6 @@
 """Where each file of a run directory lives: the one speller of its paths (docs/run-directory.md),
 as submitit's ``JobPaths`` is of its folder. Pure of everything but ``pathlib`` and ``json``;
-:mod:`lmcore.rundir` (the records written there) re-exports these names."""
+:mod:`lmcore.run.rundir` (the records written there) re-exports these names."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ LAST_WORDS = "exit-{node}.jsonl"  # logs/attempt-<N>/: how the node's ranks ende
 LAST_WORDS_OF_A_RANK = "exit-rank-{rank}.json"  # beside them: a rank's of a run written before they were per node
 PROFILE_REQUEST = "profile-request.json"  # `lmlaunch profile`: the ranks poll it at logging steps (lmtrain.observe.profiling)
 NODE_TIMING = "timing-node-{node}.jsonl"  # logs/attempt-<N>/: the step timing of a node's ranks per logging interval (lmtrain.observe.timing_lines)
-TASK_RECORD = "tasks/{job_id}-{restart_count}/node-{node}.jsonl"  # logs/: where a task runs, its pid (lmcore.task_records; lmlaunch stacks)
+TASK_RECORD = "tasks/{job_id}-{restart_count}/node-{node}.jsonl"  # logs/: where a task runs, its pid (lmcore.run.task_records; lmlaunch stacks)
 TASK_RECORD_OF_A_RANK = "rank-{rank}.json"  # beside them: a record of a run written before the records were per node
 
 
@@ -107,7 +107,7 @@ class RunLayout:
 
     @classmethod
     def of_plan(cls, plan: Any) -> RunLayout:
-        """From a :class:`lmcore.plan.LaunchPlan` (its ``paths``)."""
+        """From a :class:`lmcore.job.plan.LaunchPlan` (its ``paths``)."""
         p = plan.paths
         return cls(Path(p.run_dir), Path(p.logs_dir), Path(p.checkpoint_dir))
 
@@ -268,7 +268,7 @@ class RunLayout:
 
     def node_log(self, attempt: int, node: int) -> Path:
         """The log of node ``node``'s ranks (SLURM's node index in the step), every line marked with
-        its rank (lmcore.rank_logs): one file per node."""
+        its rank (lmcore.run.rank_logs): one file per node."""
         return self.attempt_logs(attempt) / f"node-{node}.log"
 
     def environment(self, attempt: int) -> Path:
@@ -313,7 +313,7 @@ class RunLayout:
 
     @property
     def task_records(self) -> Path:
-        """Where every task's record lives (lmcore.task_records; lmlaunch stacks)."""
+        """Where every task's record lives (lmcore.run.task_records; lmlaunch stacks)."""
         return self.logs / TASK_RECORD.split("/", 1)[0]
 
 

@@ -2,7 +2,7 @@
 
 Every field carries a docstring (it becomes the JSON Schema description and the reference
 documentation). Unknown keys are rejected. Cross-field rules that need the cluster profile
-(topology against the profile's GPUs, time against the partition) live in :mod:`lmcore.plan`.
+(topology against the profile's GPUs, time against the partition) live in :mod:`lmcore.job.plan`.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
-from lmcore import site_options
-from lmcore.container import ContainerSpec
-from lmcore.model_config import check_model_config
-from lmcore.model_types import causal_lm_types, composite_reason
-from lmcore.network import Placement
-from lmcore.parallelism import trainer_problem
+from lmcore.job import site_options
+from lmcore.job.container import ContainerSpec
+from lmcore.job.model_config import check_model_config
+from lmcore.job.model_types import causal_lm_types, composite_reason
+from lmcore.job.network import Placement
+from lmcore.job.parallelism import trainer_problem
+from lmcore.job.strict_model import StrictModel
 from lmcore.slurm.client import parse_duration
-from lmcore.strict_model import StrictModel
 from lmcore.text_rules import (
     ENV_NAME,
     EnvName,
@@ -256,7 +256,7 @@ class DataSpec(StrictModel):
 class TrainerSpec(StrictModel):
     """Lightning Trainer settings; gradient accumulation is derived from global_batch_size."""
 
-    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"  # lmcore.parallelism.DataParallel
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"  # lmcore.job.parallelism.DataParallel
     """Distributed strategy, on GPUs and on CPU processes alike: ddp; fsdp (FSDP2, each transformer block sharded, DCP checkpoints); deepspeed (ZeRO stage zero_stage; its CPU accelerator on CPU jobs)."""
     zero_stage: Literal[1, 2, 3] | None = None
     """DeepSpeed ZeRO stage (strategy deepspeed only)."""

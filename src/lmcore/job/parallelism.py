@@ -89,7 +89,7 @@ class Parallelism:
     tensor: int = 1  # tensor-parallel ranks of one model replica, inside a node (FSDP2 x TP)
     sequence_parallel: bool = False  # the residual stream split along the sequence between TP matmuls
     pipeline: int = 1  # pipeline ranks of one model replica
-    schedule: str = "1f1b"  # the pipeline's schedule (lmcore.pipeline_stages.SCHEDULES)
+    schedule: str = "1f1b"  # the pipeline's schedule (lmcore.job.pipeline_stages.SCHEDULES)
     microbatches: int = 1  # per step and replica, when pipeline > 1
     split: tuple[int, ...] | None = None  # layers per stage as the spec gave them (None: balanced)
 
@@ -175,7 +175,7 @@ class Parallelism:
         """Whether FSDP2 shards a pipeline's stages: with several replicas, and under tensor
         parallelism (whose embedding gradient FSDP2's reduce-scatter keeps to the rank's rows). One
         plain replica has nothing to shard, and the zero-bubble schedules' split weight backward
-        needs it so (lmcore.pipeline_stages refuses them otherwise)."""
+        needs it so (lmcore.job.pipeline_stages refuses them otherwise)."""
         return self.data_parallel_size > 1 or self.tensor > 1
 
     @property

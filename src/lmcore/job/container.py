@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from pydantic import Field, field_validator
 
-from lmcore.strict_model import StrictModel
+from lmcore.job.strict_model import StrictModel
 from lmcore.text_rules import EnvName, OneLine, TextRule
 
 Runtime = Literal["pyxis", "apptainer", "podman"]

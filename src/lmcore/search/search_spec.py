@@ -1,5 +1,5 @@
 """A search sweep file (``search: optuna``): the parameter spaces, the sampler, the pruner and the
-objective. Pure: schema and checks; :mod:`lmcore.study` turns them into Optuna's objects.
+objective. Pure: schema and checks; :mod:`lmcore.search.study` turns them into Optuna's objects.
 
 ::
 
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lmcore.strict_model import StrictModel
+from lmcore.job.strict_model import StrictModel
 from lmcore.text_rules import RunName
 
 KEY = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)+$"

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from lmcore.strict_model import StrictModel
+from lmcore.job.strict_model import StrictModel
 from lmcore.text_rules import OneLine, PathText
 
 # scheme://user:password@host...: the password part, masked wherever a URL is said

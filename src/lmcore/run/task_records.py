@@ -3,7 +3,7 @@
 Every task writes its record as its first act (``lmtrain.distributed.task_env.record_this_task``, before the frameworks
 are imported), so a task stuck in its imports or its rendezvous is found too. The records are
 keyed by what SLURM says about the process, its job id and restart count
-(``logs/tasks/<job_id>-<restart_count>/node-<N>.jsonl``, :data:`lmcore.rundir.TASK_RECORD`),
+(``logs/tasks/<job_id>-<restart_count>/node-<N>.jsonl``, :data:`lmcore.run.rundir.TASK_RECORD`),
 not by the attempt number, which rank 0 picks only at the rendezvous: the CLI asks squeue for
 the running job's restart count and so reads the records of the processes alive now, never
 those of an earlier attempt of the same job.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.jsonlines import append_jsonl
-from lmcore.rundir import TASK_RECORD, TASK_RECORD_OF_A_RANK, RunLayout
+from lmcore.run.rundir import TASK_RECORD, TASK_RECORD_OF_A_RANK, RunLayout
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # SLURM's 123, 123_4 (arrays); local-<ppid>
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.errors import UserError
-from lmcore.search_spec import Pruner, Sampler, SearchFile, Space
-from lmcore.study_storage import StorageRef, mask_password
+from lmcore.search.search_spec import Pruner, Sampler, SearchFile, Space
+from lmcore.search.study_storage import StorageRef, mask_password
 
 # the user attribute that ties a trial to its run
 RUN_ATTR = "lmlaunch_run"

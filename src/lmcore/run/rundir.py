@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.jsonlines import append_jsonl, read_jsonl
-from lmcore.run_layout import (
+from lmcore.run.run_layout import (
     CANCELLED as CANCELLED,
     CHECKPOINTS as CHECKPOINTS,
     CODE_DIR as CODE_DIR,

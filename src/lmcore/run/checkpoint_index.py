@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.atomic import write_private
-from lmcore.parallelism import Parallelism
+from lmcore.job.parallelism import Parallelism
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmcore.spec import OptimSpec
+from lmcore.job.spec import OptimSpec
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmcore.parallelism import Parallelism
-    from lmcore.spec import TrainerSpec
+    from lmcore.job.parallelism import Parallelism
+    from lmcore.job.spec import TrainerSpec
 
 # trainer.pipeline_schedule -> (torch.distributed.pipelining class, stages per rank)
 SCHEDULES: dict[str, tuple[str, int]] = {

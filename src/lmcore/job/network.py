@@ -21,8 +21,8 @@ from typing import Literal
 from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7]
 from pydantic import Field, field_validator, model_validator
 
+from lmcore.job.strict_model import StrictModel
 from lmcore.slurm.client import parse_duration
-from lmcore.strict_model import StrictModel
 
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_.\[\],-]{1,64}")
 _HCA = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # lmlaunch writes NCCL's exact-match '=' itself

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One task of a podman container job (lmcore.container): its container is named after the
+# One task of a podman container job (lmcore.job.container): its container is named after the
 # cluster, the job and the task (job ids of two clusters on one host can be equal), and an earlier
 # attempt's container of the same name on this node (its client SIGKILLed at a time limit or a
 # preemption, which leaves the container running) is removed first.
