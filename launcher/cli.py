@@ -284,17 +284,9 @@ def _transport(args: argparse.Namespace, ctx: Context) -> Any:
     if not name and not isinstance(run, str):
         return contextlib.nullcontext()
     from launcher.spec import transport
-    from lmcore.slurm.rest import RestTarget
 
-    own = transport.run_target(run, ctx.environ) if isinstance(run, str) else None
-    if isinstance(own, RestTarget) and args.command not in RUN_COMMANDS_THROUGH_REST:
-        own = None  # these need SLURM's commands: as before, `--rest` asks for slurmrestd
-    if not name:
-        return transport.through(own)
-    target = transport.forced_target(name, ctx.environ)
-    if own is not None and own.where != target.where:
-        ctx.err(f"note: run '{run}' was submitted through {own.where}; --rest {name} asks {target.where} instead")
-    return transport.forced(target)
+    return transport.for_command(run if isinstance(run, str) else None, name, ctx.environ,
+                                 rest_answers=args.command in RUN_COMMANDS_THROUGH_REST, say=ctx.err)
 
 
 def _forward(argv: list[str], ctx: Context) -> int | list[str]:

@@ -17,7 +17,7 @@ from launcher.spec.profile_draft import ClusterFacts, draft
 from launcher.spec.profiles import REPO_PROFILES, load_profile_file
 from lmcore.atomic import write_private
 from lmcore.errors import SpecError, UserError
-from lmcore.slurm import client as slurm
+from lmcore.slurm import client as slurm, way as slurm_way
 from lmcore.text_rules import PROFILE_NAME
 
 
@@ -51,7 +51,7 @@ def read_facts(environ: dict[str, str] | None) -> ClusterFacts:
             account = rows[0] if rows and rows[0] else None
         except UserError as exc:
             problems.append(f"sacctmgr did not say your default account ({exc.message.splitlines()[0][:160]})")
-    conf, commands = client_side(environ) if slurm.rest_client() is None else (None, None)  # --rest: its url is the way
+    conf, commands = client_side(environ) if slurm_way.way().reads_this_machines_config else (None, None)
     return ClusterFacts(partitions=slurm.partition_configs(), nodes=slurm.node_configs(), config=config,
                         default_account=account, accounting=accounting, problems=problems,
                         slurm_conf=conf, slurm_bin=commands, nvidia_here=_nvidia_here(),

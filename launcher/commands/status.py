@@ -95,7 +95,6 @@ def _ended(args: argparse.Namespace, rows: list[monitor.StatusRow]) -> bool:
 
 def _via() -> str:
     """How SLURM was asked: its commands here, or the slurmrestd at URL (launcher.spec.transport)."""
-    from lmcore.slurm import client as slurm
+    from lmcore.slurm.way import way
 
-    rest = slurm.rest_client()
-    return "commands" if rest is None else f"slurmrestd {rest.target.url}"
+    return way().described

@@ -24,11 +24,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmcore.errors import UserError
-from lmcore.slurm import client as slurm
+from lmcore.slurm import client as slurm, way as slurm_way
 from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.rest import RestTarget
 from lmcore.slurm.ssh import Connection
@@ -165,33 +165,55 @@ _FORCED: contextvars.ContextVar[bool] = contextvars.ContextVar("lmlaunch_forced_
 
 
 @contextlib.contextmanager
-def forced(target: RestTarget) -> Iterator[Any]:
+def forced(target: RestTarget) -> Iterator[slurm_way.Way]:
     """``--rest PROFILE``: every SLURM call of the command through that slurmrestd, whatever run
     or cluster it is about."""
     token = _FORCED.set(True)
     try:
-        with slurm.through_rest(target) as client:
-            yield client
+        with slurm.through_rest(target):
+            yield slurm_way.way()
     finally:
         _FORCED.reset(token)
 
 
+def for_command(run: str | None, rest_name: str | None, environ: Mapping[str, str], *, rest_answers: bool,
+                say: Callable[[str], None]) -> contextlib.AbstractContextManager[slurm_way.Way]:
+    """The way to SLURM for one command: ``--rest NAME`` (every call through that slurmrestd), else
+    the way to the cluster the named ``run`` was submitted to: its own SLURM_CONF and commands, or its
+    slurmrestd where the command can be answered through one (``rest_answers``; the others need
+    SLURM's commands: as before, ``--rest`` asks for slurmrestd)."""
+    own = run_target(run, environ) if run else None
+    if isinstance(own, RestTarget) and not rest_answers:
+        own = None
+    if not rest_name:
+        return through(own)
+    target = forced_target(rest_name, environ)
+    if own is not None and own.where != target.where:
+        say(f"note: run '{run}' was submitted through {own.where}; --rest {rest_name} asks {target.where} instead")
+    return forced(target)
+
+
+def reached_over_ssh(target: Target | None) -> bool:
+    """``target`` is a cluster whose SLURM commands run on its login node, over SSH."""
+    return isinstance(target, CommandsTarget) and bool(target.login)
+
+
 @contextlib.contextmanager
-def through(target: Target | None, *, exactly: bool = False) -> Iterator[Any]:
+def through(target: Target | None, *, exactly: bool = False) -> Iterator[slurm_way.Way]:
     """Within: SLURM through ``target``: its slurmrestd, or its own SLURM_CONF and commands. None
     changes nothing, unless ``exactly``: then it is this machine's default cluster even within a
     command about another (a run whose jobs went to several). ``--rest`` wins over all."""
     if _FORCED.get() or (target is None and not exactly):
-        yield slurm.rest_client()
+        yield slurm_way.way()
         return
     if isinstance(target, RestTarget):
-        with slurm.through_rest(target) as client:
-            yield client
+        with slurm.through_rest(target):
+            yield slurm_way.way()
         return
     commands = target or CommandsTarget()  # None, exactly: the shell's own SLURM_CONF and PATH
     _check_commands_target(commands)
     with slurm.without_rest(), slurm.through_commands(commands):
-        yield None
+        yield slurm_way.way()
 
 
 def _check_commands_target(target: CommandsTarget) -> None:

@@ -88,7 +88,7 @@ def over_ssh(target: Any, resolved: Any, after: list[Any]) -> bool:
     """Whether the run goes to a cluster reached over SSH (a run over several clusters only: one
     cluster over SSH is `lmlaunch --remote NAME submit`); --after is refused there (the lmlaunch
     there submits, and knows no job of this registry)."""
-    if not (isinstance(target, CommandsTarget) and target.login):
+    if not transport.reached_over_ssh(target):
         return False
     if not resolved.spec.clusters:
         raise UserError(f"profile '{resolved.profile.name}' is reached over SSH (its login section): submit on it "

@@ -31,7 +31,7 @@ from launcher.runs.home import lmlaunch_home
 from lmcore.errors import ExitCode, UserError
 from lmcore.job.plan import LaunchPlan
 from lmcore.run import rundir
-from lmcore.slurm import client as slurm
+from lmcore.slurm import client as slurm, way as slurm_way
 
 # What SLURM says of a job no node or partition of the cluster can hold (22.05 to 26.05)
 IMPOSSIBLE = ("Requested node configuration is not available", "Node count specification invalid",
@@ -39,19 +39,12 @@ IMPOSSIBLE = ("Requested node configuration is not available", "Node count speci
               "Invalid generic resource (gres) specification")
 
 
-def refuse_rest_heterogeneous_job() -> None:
-    raise UserError("eval.alongside: a heterogeneous job (trainer + evaluator) cannot be submitted through "
-                    "slurmrestd yet (its job_desc list is not built); submit with sbatch (the profile's "
-                    "submit.via: sbatch, without --rest), or score the checkpoints after with `lmlaunch eval`",
-                    exit_code=2)
-
-
 def judge(plan: LaunchPlan, text: str) -> None:
     """Raise UserError (exit 5, REFUSED) when the controller says the job's script can never run."""
     if plan.evaluator:
         _check_heterogeneous_job(plan, text)
         return
-    if slurm.rest_client() is not None:  # through slurmrestd: its controller judges the job when it is submitted
+    if not slurm_way.way().tests_scripts:  # slurmrestd: its controller judges the job when it is submitted
         return
     p = plan.slurm
     if _fits(p, _facts(p.partition, fresh=False)) or _fits(p, _facts(p.partition, fresh=True)):
@@ -142,8 +135,7 @@ def _check_heterogeneous_job(plan: LaunchPlan, text: str) -> None:
     """A run with an evaluator alongside is one heterogeneous job: the controller judges it first
     (``sbatch --test-only``: an evaluator larger than its partition, a cluster that refuses
     heterogeneous jobs), and a refusal names eval.alongside with SLURM's words; nothing is queued."""
-    if slurm.rest_client() is not None:
-        refuse_rest_heterogeneous_job()
+    slurm_way.way().check_carries(lambda: text, "eval.alongside", heterogeneous=True)
     code = rundir.RunLayout.of_plan(plan).code
     if code.is_dir() and not (code / "lmtrain" / "evaluator" / "main.py").is_file():
         raise UserError(f"eval.alongside: the run's code snapshot ({code}) predates the evaluator: resume with "
@@ -158,7 +150,7 @@ def dry_run_answer(plan: LaunchPlan, text: str) -> str:
     """The dry run's line on the cluster: what ``sbatch --test-only`` says of the job's script where
     the controller answers (a refusal raised as submit raises it: UserError, REFUSED), else why it
     was not asked. Nothing is queued."""
-    if slurm.rest_client() is not None:
+    if not slurm_way.way().tests_scripts:
         return "the cluster: not asked by the dry run (slurmrestd judges the job when it is submitted)"
     if not slurm.ping(timeout=5.0):
         return "the cluster: not asked (its controller does not answer `scontrol ping`); submit asks it"

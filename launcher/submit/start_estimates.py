@@ -16,7 +16,7 @@ from launcher.planning.resolve import Resolved
 from launcher.spec import transport
 from launcher.submit.script import render_script
 from lmcore.errors import SlurmUnavailable, UserError
-from lmcore.slurm import client as slurm
+from lmcore.slurm import client as slurm, way as slurm_way
 
 ANSWER_VAR = "LMLAUNCH_CLUSTER_ANSWER_S"
 DEFAULT_ANSWER_S = 10  # each cluster's controller has this long to answer, per question
@@ -43,9 +43,9 @@ def ask(resolved: Resolved, dependency: str | None, bound: float) -> Answer:
     name = resolved.profile.name
     target = transport.profile_target(resolved.profile)
     try:
-        with transport.through(target, exactly=True) as rest:
-            if rest is not None:
-                return Answer(name, True, None, f"no start estimate: {rest.target.where} has no sbatch --test-only",
+        with transport.through(target, exactly=True):
+            if not (way := slurm_way.way()).tests_scripts:
+                return Answer(name, True, None, f"no start estimate: {way.where} has no sbatch --test-only",
                               _pending(bound))
             ok, message = slurm.test_only("sbatch", [], script=render_script(resolved.plan, dependency), timeout=bound)
             if not ok:

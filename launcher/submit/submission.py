@@ -23,7 +23,7 @@ from launcher.submit.script import executor_parameters, render_script, submit_co
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.job.plan import LaunchPlan
 from lmcore.run import rundir
-from lmcore.slurm import client as slurm, rest_calls
+from lmcore.slurm import client as slurm, way as slurm_way
 
 # --------------------------------------------------------------------------- submission
 
@@ -103,7 +103,7 @@ def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_
         def affinity(cls) -> int:
             # submitit refuses to start without srun on PATH; through slurmrestd none is needed
             # here, and a profile's own commands (submit.slurm_bin) need not be on PATH
-            if slurm.rest_client() is not None or (slurm.commands_target() is not None and slurm.has_command("srun")):
+            if slurm_way.way().needs_no_srun_here():
                 return 2
             return super().affinity()
 
@@ -117,19 +117,12 @@ def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_
             return super()._make_submission_file_text(command, uid)
 
         def _make_submission_command(self, submission_file_path: Any) -> list[str]:
-            if slurm.rest_client() is not None:
-                # Through slurmrestd: the script submitit wrote is submitted here, in-process (its
-                # #SBATCH options as the job's fields: lmcore.slurm.rest_job); submitit then reads
-                # the job id from the line sbatch would have printed. A refusal is the server's
-                # RestError, raised before anything is left claiming a job.
-                job_id = slurm.sbatch_file(str(submission_file_path))
-                return ["echo", f"Submitted batch job {job_id}"]
-            # A client-side limit: a controller that accepted the job but answers late must not
-            # block `submit` forever; the job is then found by name and submit time (below).
-            return slurm.sbatch_command(str(submission_file_path), client_timeout_s=sbatch_timeout)
+            # submitit reads the job id from the line sbatch prints; a controller that accepted the
+            # job but answered late is then found by name and submit time (below)
+            return slurm_way.way().submission_command(str(submission_file_path), client_timeout_s=sbatch_timeout)
 
         def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
-            if len(delayed) < 2 or slurm.rest_client() is None:
+            if len(delayed) < 2 or not slurm_way.way().submits_arrays_in_process:
                 return super()._internal_process_submissions(delayed)
             # submitit submits an array through a plain SlurmExecutor (plain sbatch) it makes by this
             # module-level name: through slurmrestd it is made ours for the call, so the array is
@@ -287,10 +280,8 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
     _refuse_active_job(opening.record, plan, resume, env)
     _refuse_dependency_elsewhere(after or [], resolved, env)
     dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
-    if (rest := slurm.rest_client()) is not None:  # what slurmrestd cannot carry is refused before anything changes
-        if plan.evaluator:
-            shape_check.refuse_rest_heterogeneous_job()
-        rest_calls.body_of(rest, render_script(plan, dependency), f"run '{name}'")
+    way = slurm_way.way()  # what it cannot carry is refused before anything changes
+    way.check_carries(lambda: render_script(plan, dependency), f"run '{name}'", heterogeneous=bool(plan.evaluator))
     target = transport.profile_target(resolved.profile)
     far = far_submit.far_run(resolved.profile, plan) if far_submit.over_ssh(target, resolved, after or []) else None
     opening.apply(env)
@@ -304,8 +295,7 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
         raise
     waits = (dependency or "").replace(",", ":").split(":")
     notes = [*opening.notes, *after_notes, *(f"starts after {a.label()}" for a in after or [] if a.job_id in waits)]
-    if rest is not None:
-        notes.append(f"submitted through {rest.target.where}: API {rest.api()}, SLURM {rest.release or 'of unknown version'}")
+    notes += [way.submitted_note] if way.submitted_note else []
     recorded = far_submit.recorded(transport.recorded(resolved.profile).get(plan.profile), far, notes)
     _record_submission(opening.record, plan, job_id, spec_path, after or [], env, recorded)
     _say_submitted(ctx, plan, job_id, notes, resumed=resume)

@@ -331,6 +331,48 @@ def test_slurm_command_lines_are_built_by_the_slurm_client_only():
     assert not spelled, "SLURM command lines outside lmcore.slurm (ask the client instead):\n" + "\n".join(spelled)
 
 
+# Where the way to SLURM may be looked at: the client and its ways, and the one chooser (from the
+# profile and the flags); everyone else asks lmcore.slurm.way a question
+WAY_CHOOSERS = ("src/lmcore/slurm/", "launcher/spec/transport.py")
+WAY_TYPES = {"RestTarget", "RestClient", "CommandsTarget"}
+
+
+def _way_branches(tree):
+    """Where a module looks at how SLURM is reached: a call of ``rest_client()`` or
+    ``commands_target()``, or an ``isinstance`` against a way's type."""
+    import ast
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+        if name in ("rest_client", "commands_target"):
+            yield node.lineno, f"{name}()"
+        if name == "isinstance" and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for k in kinds:
+                kind = getattr(k, "id", None) or getattr(k, "attr", None)
+                if kind in WAY_TYPES:
+                    yield node.lineno, f"isinstance(..., {kind})"
+
+
+def test_nothing_outside_the_slurm_client_branches_on_how_slurm_is_reached():
+    """Commands here, commands over SSH and slurmrestd are chosen once (launcher.spec.transport) and
+    answered for in lmcore.slurm (lmcore.slurm.way: can the controller judge a script first, can it
+    carry a heterogeneous job, how is a script submitted): no other module branches on which it is."""
+    import ast
+
+    found = []
+    for root in ("launcher", "src"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if not rel.startswith(WAY_CHOOSERS):
+                found += [f"{rel}:{n} {what}" for n, what in _way_branches(ast.parse(path.read_text()))]
+    assert not found, "branches on how SLURM is reached (ask lmcore.slurm.way):\n" + "\n".join(found)
+    sample = ast.parse("if slurm.rest_client() is not None: pass\nok = isinstance(t, (str, CommandsTarget))")
+    assert sorted(w for _, w in _way_branches(sample)) == ["isinstance(..., CommandsTarget)", "rest_client()"]
+
+
 def test_the_slurm_command_line_check_finds_one_added_elsewhere():
     """The check above, shown a module that spells its own sacct query and a wrapped sbatch."""
     import ast
