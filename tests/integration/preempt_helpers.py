@@ -166,7 +166,7 @@ _PENDING_SINCE: dict[tuple[str, str | None], float] = {}
 
 def start_if_begin_time(job_id: str) -> None:
     """Start a job waiting for its requeue BeginTime, once no node is still cleaning up a job or
-    its previous run and its BeginTime (set at the requeue) is 2 s old (see launcher.commands.preempt)."""
+    its previous run and its BeginTime (set at the requeue) is 2 s old (see launcher.submit.rehearsal)."""
     info = slurm.show_job(job_id) or {}
     if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
         key = (job_id, info.get("Restarts"))
