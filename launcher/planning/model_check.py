@@ -28,7 +28,7 @@ from lmcore.job.parallelism import Parallelism
 from lmcore.job.plan import Topology
 from lmcore.job.spec import ModelSpec, TensorSplit
 
-CHECK_VERSION = 5  # bump when check_model_spec checks more: older answers are not reused
+CHECK_VERSION = 6  # bump when check_model_spec checks more: older answers are not reused
 _seen: dict[str, tuple[str, str]] = {}  # key -> (the problem or "", a note or "")
 
 

@@ -23,6 +23,11 @@ TINY = {  # 4 blocks: the interleaved schedules' 4 stages on 2 ranks
     "mixtral": {"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "max_position_embeddings": 64, "num_local_experts": 2},
 }
+# what the causal LM does to its head's logits: Gemma 2's final soft-capping (a tied head too),
+# Cohere's logit_scale, Granite's logits_scaling (1 by default, 8 or 16 in its released models)
+AFTER_THE_HEAD = {kind: {**TINY["llama"], "head_dim": 8} for kind in ("gemma2", "cohere", "granite")}
+AFTER_THE_HEAD["granite"]["logits_scaling"] = 8.0
+TINY.update(AFTER_THE_HEAD)
 
 
 @pytest.mark.parametrize("kind", sorted(TINY))
@@ -41,6 +46,29 @@ def test_a_stage_that_cannot_take_its_call_is_refused_as_opts_stand_in_once_was(
     with pytest.raises(ValueError, match=r"trainer.pipeline_parallel_size\(2\): model.type opt cannot run as 2 "
                                          r"pipeline stages: stage 1 \(layers 2-3\) fails: TypeError: .*position_ids"):
         check_pipeline({"type": "opt", "config": {**TINY["opt"], **TOKENS}}, 2)
+
+
+@pytest.mark.parametrize("kind", sorted(AFTER_THE_HEAD))
+def test_a_last_stage_that_stops_at_the_head_is_refused(monkeypatch, kind):
+    """The last stage once returned the head's output, leaving out what the model's own forward does
+    after it: Gemma 2 on 2 stages then trained 1.3e-4 of the loss off DDP (the equivalence bench),
+    yet passed the check, whose 1e-4 tolerance was above soft-capping's effect on small logits."""
+    def head_only(self, x):
+        stack = self.get_submodule(self.parts.stack_path)
+        if self.first:
+            return stack(input_ids=x, use_cache=False)[0]
+        layers = self.layers_module()
+        layers.incoming = x
+        try:
+            h = stack(inputs_embeds=x, use_cache=False)[0]
+        finally:
+            layers.incoming = None
+        return self.get_submodule(self.parts.head)(h) if self.last else h
+
+    monkeypatch.setattr(pipeline.Stage, "forward", head_only)
+    with pytest.raises(ValueError, match=rf"model.type {kind}'s 2 pipeline stages do not compute the whole model's "
+                                         r"logits \(largest difference"):
+        check_pipeline({"type": kind, "config": {**TINY[kind], **TOKENS}}, 2)
 
 
 def test_large_models_are_checked_on_the_meta_device_and_refused_or_said_unchecked():

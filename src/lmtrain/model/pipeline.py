@@ -131,8 +131,14 @@ class Stage(nn.Module):
                 view._modules[name] = nn.Identity()
         view.config = _stage_config(stack.config, layers) if hasattr(stack, "config") else None
         self._set(parts.stack_path, view)
+        self._whole: tuple[nn.Module, ...] = ()
         if last:
             self._set(parts.head, lm.get_submodule(parts.head))
+            # the model's own forward around this stage's stack: what the causal LM does to the
+            # head's logits (Gemma's final soft-capping, Cohere's logit_scale, Granite's
+            # logits_scaling, ...) is done here as in the whole model. A tuple: its modules are this
+            # stage's (registered above), not a second copy of them.
+            self._whole = (_with_submodule(lm, parts.stack_path, view),)
 
     def _set(self, path: str, module: nn.Module) -> None:
         """``module`` at ``path`` (``model.decoder``: an empty ``model`` holds ``decoder``)."""
@@ -145,17 +151,16 @@ class Stage(nn.Module):
         owner.add_module(name, module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        stack = self.get_submodule(self.parts.stack_path)
+        run = self._whole[0] if self.last else self.get_submodule(self.parts.stack_path)
         if self.first:
-            h = stack(input_ids=x, use_cache=False)[0]
+            out = run(input_ids=x, use_cache=False)[0]
         else:
-            layers = getattr(stack, self.parts.layers)
+            layers = self.layers_module()
             layers.incoming = x
             try:
-                h = stack(inputs_embeds=x, use_cache=False)[0]
+                out = run(inputs_embeds=x, use_cache=False)[0]
             finally:
                 layers.incoming = None
-        out = self.get_submodule(self.parts.head)(h) if self.last else h
         # a view (GPT-2's stack reshapes its output) cannot be detached in place, as the zero-bubble
         # schedules' split backward does with each stage's outputs: hand on a tensor of its own
         return out.clone() if out._is_view() else out
@@ -183,6 +188,16 @@ class Stage(nn.Module):
             return next(stack.get_submodule(n).weight for n in self.parts.before
                         if isinstance(stack.get_submodule(n), nn.Embedding))
         return None
+
+
+def _with_submodule(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    """A view of ``root`` with ``module`` at ``path`` (``model.decoder``): the same modules
+    elsewhere, its own children along the path (``root`` itself unchanged)."""
+    name, _, rest = path.partition(".")
+    out = copy.copy(root)
+    out._modules = dict(root._modules)
+    out._modules[name] = _with_submodule(root._modules[name], rest, module) if rest else module  # type: ignore[arg-type]
+    return out
 
 
 def _stage_config(config: Any, layers: tuple[int, int]) -> Any:

@@ -76,7 +76,10 @@ def _run_stages(lm: Any, pipeline: int, schedule: str, device: str) -> str | Non
                     f"pipeline stages: stage {index} (layers {smap.layers[index][0]}-{smap.layers[index][1] - 1}) "
                     f"fails: {type(exc).__name__}: {str(exc)[:300]}; use trainer.pipeline_parallel_size 1"
                 ) from exc
-    if x.shape != whole.shape or (device == "cpu" and not torch.allclose(x, whole, atol=1e-4, rtol=1e-4)):
+    # the same operations in the same order as the whole model: equal up to float noise (a
+    # difference in what follows the head, e.g. Gemma's final soft-capping of small logits, is 1e-4
+    # of them: the old 1e-4 tolerance let it through)
+    if x.shape != whole.shape or (device == "cpu" and not torch.allclose(x, whole, atol=1e-6, rtol=1e-5)):
         differs = f"shape {tuple(x.shape)} against {tuple(whole.shape)}" if x.shape != whole.shape else \
             f"largest difference {float((x - whole).abs().max()):.2e}"
         raise ValueError(f"trainer.pipeline_parallel_size({pipeline}): model.type {kind}'s {len(stages)} pipeline "
