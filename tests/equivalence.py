@@ -172,7 +172,13 @@ class Tolerance:
 # a sum over stages or shards): measured up to 1.2e-7 of the loss and 5.4e-7 of the norm over 8 steps
 # (5 architectures). The weights differ more than the loss: AdamW moves an element whose gradient is
 # tiny by about the learning rate whatever its size (m / sqrt(v) ~ its sign), so reordering noise in
-# such a gradient can move it by up to lr (1e-2) a step; measured up to 1.4e-5; allowed 1 % of a step.
+# such a gradient can move it by up to lr (1e-2) a step; measured up to 1.4e-5 (9.2e-5 on OLMo-2 under
+# ZeRO-3, below); allowed 1 % of a step.
+# The next steps' gradients then differ by what those elements moved: OLMo-2 (norms after attention
+# and MLP, on the queries and keys) under ZeRO-3 had step 1's norm equal to 5e-8, then 6.5e-6, 9.5e-6,
+# 2.4e-5 at step 4 and back to 8e-7 by step 8, every loss within 3.4e-7 (the held-out bench); allowed
+# 1e-4 of the norm. A defect shows in the loss first (the clipping of a tied head on pipeline stages
+# was 1.3e-4 of it by step 3).
 # bf16-mixed: DDP, TP and the pipelines' plain stages autocast over fp32 parameters; FSDP2 and
 # DeepSpeed compute with bf16 copies of the parameters (FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16
 # weights over fp32 masters), so their norm layers and embeddings are rounded to 8 bits of mantissa:
@@ -182,13 +188,13 @@ class Tolerance:
 # of a tiny gradient flips with the rounding, so an element may differ by up to 2 lr a step (measured
 # 6.5e-2 on GPT-NeoX and OPT under FSDP2 and ZeRO). The update as a whole is what training decides:
 # the weights' L2 distance from DDP's against DDP's own distance from the initial weights, measured
-# up to 0.10 (Llama under FSDP2 and ZeRO-1; 4.5e-2 GPT-NeoX) in bf16 and 4.5e-6 in fp32; allowed 0.2
-# and 1e-4. The bf16 cells are therefore the coarse check (a wrong function or a lost gradient), not
-# the check of a setting: DDP in bf16 clipped at 0.8 instead of 1.0 moved 5e-5 of the loss and 2.7e-3
+# up to 0.10 (Llama under FSDP2 and ZeRO-1; 4.5e-2 GPT-NeoX) in bf16 and 7.2e-6 in fp32 (6.6e-5 OLMo-2
+# under ZeRO-3); allowed 0.2 in bf16, 1e-4 in fp32. The bf16 cells are therefore the coarse check (a
+# wrong function or a lost gradient), not the check of a setting: DDP in bf16 clipped at 0.8 instead of 1.0 moved 5e-5 of the loss and 2.7e-3
 # of the update, weight decay 0.05 instead of 0.1 3.3e-4 and 4.2e-3, both far inside bf16's own noise
 # and far outside fp32's tolerance (the fine check, every strategy in the suite). The norm and the
 # single weight are reported, not judged, in bf16.
-TOLERANCES = {"32-true": Tolerance(loss=1e-6, norm=1e-5, weight=1e-4, update=1e-4),
+TOLERANCES = {"32-true": Tolerance(loss=1e-6, norm=1e-4, weight=1e-4, update=1e-4),
               "bf16-mixed": Tolerance(loss=1e-2, norm=float("inf"), weight=float("inf"), update=0.2)}
 
 
