@@ -276,14 +276,14 @@ RUN_COMMANDS_ON_ITS_CLUSTER = RUN_COMMANDS_THROUGH_REST | {"preempt", "stacks", 
 def _transport(args: argparse.Namespace, ctx: Context) -> Any:
     """SLURM's commands here, or a slurmrestd: ``--rest PROFILE``, else the way to the cluster of
     the profile a named run was submitted with (its slurmrestd, or its own SLURM_CONF and commands;
-    launcher.spec.transport)."""
+    launcher.planning.transport)."""
     import contextlib
 
     name = getattr(args, "rest", None) or ctx.environ.get("LMLAUNCH_REST")
     run = getattr(args, "run", None) if args.command in RUN_COMMANDS_ON_ITS_CLUSTER else None
     if not name and not isinstance(run, str):
         return contextlib.nullcontext()
-    from launcher.spec import transport
+    from launcher.planning import transport
 
     return transport.for_command(run if isinstance(run, str) else None, name, ctx.environ,
                                  rest_answers=args.command in RUN_COMMANDS_THROUGH_REST, say=ctx.err)

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from launcher.context import Context
+from launcher.planning import transport
 from launcher.runs import far_copy, registry as runs
 from launcher.runs.run_lock import run_lock
-from launcher.spec import transport
 from launcher.submit import lifecycle
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.run import rundir

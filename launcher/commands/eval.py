@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 from launcher.context import Context
-from launcher.planning import eval_tasks
+from launcher.planning import eval_tasks, transport
 from launcher.planning.resolve import eval_interpreter
 from launcher.runs import registry as runs
-from launcher.spec import transport
 from launcher.spec.profiles import load_profile
 from launcher.submit import script, submission
 from lmcore.atomic import write_json

@@ -69,7 +69,7 @@ def attempt_cluster(rec, profile: str | None, job_id: str | None) -> str | None:
 def _attempt_times(rec):
     """sacct's figures of every attempt of the run's jobs, each job asked on the cluster it went to
     (ONE `sacct -D` per cluster; the dashboard asks without the command's own way to the run's)."""
-    from launcher.spec import transport
+    from launcher.planning import transport
 
     groups = rec.jobs_by_profile()
 

@@ -94,7 +94,7 @@ def _ended(args: argparse.Namespace, rows: list[monitor.StatusRow]) -> bool:
 
 
 def _via() -> str:
-    """How SLURM was asked: its commands here, or the slurmrestd at URL (launcher.spec.transport)."""
+    """How SLURM was asked: its commands here, or the slurmrestd at URL (launcher.planning.transport)."""
     from lmcore.slurm.way import way
 
     return way().described

@@ -134,7 +134,7 @@ def _plans(args: argparse.Namespace, ctx: Context, sw: Any, points: list[Any], c
 def _record(args: argparse.Namespace, ctx: Context, name: str, plans: list[Any], points: list[Any],
             job_ids: list[str], arrays: list[str], sweep_dir: Path, parallel: int, groups: list[Group]) -> None:
     """Each point's registry record (with its cluster's way to SLURM) and the sweep's sweep.json."""
-    from launcher.spec import transport
+    from launcher.planning import transport
     from launcher.spec.profiles import load_profile
 
     now = time.time()

@@ -13,7 +13,7 @@ from typing import Any
 from launcher.monitor import eval_rows, status_cache
 from launcher.monitor.run_files import RunFiles
 from launcher.monitor.slurm_view import UNREACHABLE, SlurmJob, SlurmView, format_duration, query_slurm
-from launcher.spec import transport
+from launcher.planning import transport
 from lmcore.errors import UserError
 from lmcore.run import straggler_lines
 from lmcore.slurm import client as slurm

@@ -60,7 +60,7 @@ class RunRecord:
     # have none: every job on ``profile``
     job_profiles: list[str] = field(default_factory=list)
     # profile -> its way to SLURM when it is a cluster of its own (own SLURM_CONF/commands, or a
-    # slurmrestd) as submitted: launcher.spec.transport's JSON; read back without the profile
+    # slurmrestd) as submitted: launcher.planning.transport's JSON; read back without the profile
     targets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

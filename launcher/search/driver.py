@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.context import Context
+from launcher.planning import transport
 from launcher.planning.resolve import Resolved
 from launcher.runs import far_copy, registry as runs
 from launcher.search.plan import (
@@ -42,7 +43,6 @@ from launcher.search.plan import (
     trial_resolved,
 )
 from launcher.search.policy import Step, TrialFacts, next_steps, objective
-from launcher.spec import transport
 from launcher.submit.submission import submit_plan
 from lmcore import jsonlines
 from lmcore.errors import SlurmUnavailable, SpecError, UserError

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.planning import transport
 from launcher.planning.clusters import plan_each
 from launcher.planning.resolve import Resolved
 from launcher.runs import registry as runs
 from launcher.search.array import submit_array
 from launcher.search.spread import Share, spread
-from launcher.spec import transport
 from launcher.spec.profiles import load_profile
 from launcher.submit import lifecycle
 from launcher.submit.arrays import max_array_size, submit_chained

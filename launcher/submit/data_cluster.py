@@ -59,7 +59,7 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
                        time_limit: str, environ: Mapping[str, str], array_size: int | None = None) -> dict[str, Any]:
     """Queue the preparation; what was queued (run, job ids, files, slices, where the result goes).
     On the profile's cluster: its own SLURM_CONF and commands, or its slurmrestd, where it names them."""
-    from launcher.spec import transport
+    from launcher.planning import transport
 
     profile = load_profile(cluster, environ)
     with transport.through(transport.profile_target(profile), exactly=True):
@@ -71,8 +71,8 @@ def submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None
 def _submit_preparation(inputs: Sequence[str], out: str, *, tokenizer: str | None, text_key: str, skip_bad: bool,
                         profile: Profile, tasks: int, max_parallel: int, name: str | None, partition: str | None,
                         time_limit: str, environ: Mapping[str, str], array_size: int | None) -> dict[str, Any]:
+    from launcher.planning import transport
     from launcher.planning.resolve import runs_root_for
-    from launcher.spec import transport
     from lmtrain.data.prepare.corpus import Preparation, collect_inputs  # the standard library only: no numpy here
 
     minutes = _checked_options(tasks, max_parallel, time_limit, name)

@@ -14,8 +14,8 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from launcher.planning import transport
 from launcher.runs import far_copy
-from launcher.spec import transport
 from launcher.spec.profiles import Profile
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.job.plan import LaunchPlan

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from launcher.context import Context
+from launcher.planning import transport
 from launcher.planning.clusters import HELD, Answer, Queued, move_due, move_target, plan_each
 from launcher.planning.resolve import Resolved, resolve
 from launcher.runs import far_copy, registry as runs
 from launcher.runs.run_lock import run_lock
-from launcher.spec import transport
 from launcher.submit.far_submit import far_run
 from launcher.submit.start_estimates import answer_s, ask, describe
 from launcher.submit.submission import submit_plan

@@ -11,9 +11,9 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 
+from launcher.planning import transport
 from launcher.planning.clusters import Answer, choose, plan_each
 from launcher.planning.resolve import Resolved
-from launcher.spec import transport
 from launcher.submit.script import render_script
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.slurm import client as slurm, way as slurm_way

@@ -15,9 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from launcher.planning import transport
 from launcher.runs import registry as runs
 from launcher.runs.run_lock import run_lock
-from launcher.spec import transport
 from launcher.submit import dependencies, far_submit, lifecycle, shape_check
 from launcher.submit.script import executor_parameters, render_script, submit_command
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
@@ -257,7 +257,7 @@ def submit_plan(
     Never mixes two runs: an existing run name needs ``--resume`` or ``--new``; neither is
     allowed while a job of that run is queued or running. When submission fails nothing is left
     behind: no registry entry, no half-written run directory. Through the profile's slurmrestd
-    when it says so (submit.via: rest; launcher.spec.transport).
+    when it says so (submit.via: rest; launcher.planning.transport).
     """
     with run_lock(resolved.plan.run_name, ctx.environ or None), \
             transport.through(transport.profile_target(resolved.profile), exactly=True):

@@ -333,7 +333,7 @@ def test_slurm_command_lines_are_built_by_the_slurm_client_only():
 
 # Where the way to SLURM may be looked at: the client and its ways, and the one chooser (from the
 # profile and the flags); everyone else asks lmcore.slurm.way a question
-WAY_CHOOSERS = ("src/lmcore/slurm/", "launcher/spec/transport.py")
+WAY_CHOOSERS = ("src/lmcore/slurm/", "launcher/planning/transport.py")
 WAY_TYPES = {"RestTarget", "RestClient", "CommandsTarget"}
 
 
@@ -357,7 +357,7 @@ def _way_branches(tree):
 
 
 def test_nothing_outside_the_slurm_client_branches_on_how_slurm_is_reached():
-    """Commands here, commands over SSH and slurmrestd are chosen once (launcher.spec.transport) and
+    """Commands here, commands over SSH and slurmrestd are chosen once (launcher.planning.transport) and
     answered for in lmcore.slurm (lmcore.slurm.way: can the controller judge a script first, can it
     carry a heterogeneous job, how is a script submitted): no other module branches on which it is."""
     import ast

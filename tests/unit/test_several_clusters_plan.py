@@ -16,9 +16,9 @@ import pytest
 
 from launcher.cli import main
 from launcher.context import Context
+from launcher.planning import transport
 from launcher.planning.clusters import TIE_S, Answer, Queued, choose, move_due, move_target
 from launcher.runs import registry
-from launcher.spec import transport
 from launcher.spec.profile_draft import ClusterFacts, draft
 from launcher.spec.profiles import load_profile_file
 from launcher.submit.start_estimates import describe

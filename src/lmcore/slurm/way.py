@@ -3,7 +3,7 @@
 Three ways: SLURM's commands here (the default cluster, or a profile's ``slurm_conf`` and
 ``slurm_bin``: lmcore.slurm.commands_target), the same commands in a login shell over SSH
 (``CommandsTarget.login``), and slurmrestd (lmcore.slurm.rest). The way in force is chosen once, for a
-command or a run, by launcher.spec.transport (from the profile and ``--rest``) and held in
+command or a run, by launcher.planning.transport (from the profile and ``--rest``) and held in
 lmcore.slurm.client's context; everything outside lmcore.slurm asks :func:`way` a question (can the
 controller judge a script before it is queued, can it carry a heterogeneous job, how is a script
 submitted) instead of branching on which way it is. A fourth way answers the same questions here.
