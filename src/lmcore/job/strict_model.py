@@ -6,12 +6,17 @@ import os
 
 from pydantic import BaseModel, ConfigDict
 
-# In a training task (an srun task of an lmlaunch job: the batch script exports LMLAUNCH_RUN_DIR) nothing
-# reads the fields' documentation, and pydantic reads it from the source files (inspect: a stat and an
-# open of each model's module, ~180 filesystem operations per process on the run's code snapshot: at
-# 16,384 ranks, 3 million at every start; docs/scale.md). Everywhere else (the CLI, `lmlaunch schema`,
-# the tests) every field's docstring is its documentation.
-_IN_A_TASK = bool(os.environ.get("SLURM_PROCID") and os.environ.get("LMLAUNCH_RUN_DIR"))
+# In a training task nothing reads the fields' documentation, and pydantic reads it from the source
+# files (inspect: a stat and an open of each model's module, ~180 filesystem operations per process on
+# the run's code snapshot: at 16,384 ranks, 3 million at every start; docs/scale.md). On Python < 3.13
+# it also walks the importing frames with inspect.getmodule, which for a module imported from the
+# snapshot's zip scans every loaded module: ~1.8 CPU-s a rank once torch, Lightning and transformers
+# are loaded (a rank forked from the local launcher's zygote), 0.2 s from a source tree.
+# A task: an srun task of an lmlaunch job (the batch script exports LMLAUNCH_RUN_DIR) or a rank of a
+# local launch (lmtrain.local.launch sets LMTRAIN_LAUNCHER=local). Everywhere else (the CLI,
+# `lmlaunch schema`, the tests' own process) every field's docstring is its documentation.
+_IN_A_TASK = bool(os.environ.get("SLURM_PROCID") and os.environ.get("LMLAUNCH_RUN_DIR")) or \
+    os.environ.get("LMTRAIN_LAUNCHER") == "local"
 
 
 class StrictModel(BaseModel):
