@@ -331,9 +331,10 @@ def test_slurm_command_lines_are_built_by_the_slurm_client_only():
     assert not spelled, "SLURM command lines outside lmcore.slurm (ask the client instead):\n" + "\n".join(spelled)
 
 
-# Where the way to SLURM may be looked at: the client and its ways, and the one chooser (from the
-# profile and the flags); everyone else asks lmcore.slurm.way a question
-WAY_CHOOSERS = ("src/lmcore/slurm/", "launcher/planning/transport.py")
+# Where the way to SLURM may be looked at: the client's one chooser of the way in force
+# (lmcore.slurm.client.way_in_force) and the one chooser of the way a command or a run takes (from the
+# profile and the flags); every other module, lmcore.slurm's included, asks lmcore.slurm.way's Way
+WAY_CHOOSERS = ("src/lmcore/slurm/client.py", "launcher/planning/transport.py")
 WAY_TYPES = {"RestTarget", "RestClient", "CommandsTarget"}
 
 
@@ -358,8 +359,9 @@ def _way_branches(tree):
 
 def test_nothing_outside_the_slurm_client_branches_on_how_slurm_is_reached():
     """Commands here, commands over SSH and slurmrestd are chosen once (launcher.planning.transport) and
-    answered for in lmcore.slurm (lmcore.slurm.way: can the controller judge a script first, can it
-    carry a heterogeneous job, how is a script submitted): no other module branches on which it is."""
+    answered for by their classes (lmcore.slurm.way's Way: each query, can the controller judge a
+    script first, can it carry a heterogeneous job, how is a script submitted): no other module
+    branches on which it is, and inside the client only the chooser of the way in force does."""
     import ast
 
     found = []
@@ -369,6 +371,10 @@ def test_nothing_outside_the_slurm_client_branches_on_how_slurm_is_reached():
             if not rel.startswith(WAY_CHOOSERS):
                 found += [f"{rel}:{n} {what}" for n, what in _way_branches(ast.parse(path.read_text()))]
     assert not found, "branches on how SLURM is reached (ask lmcore.slurm.way):\n" + "\n".join(found)
+    # inside the client, only its two choosers look: every query asks the Way they return
+    client = ast.parse((REPO / "src/lmcore/slurm/client.py").read_text())
+    looking = {f.name for f in ast.walk(client) if isinstance(f, ast.FunctionDef) and any(_way_branches(f))}
+    assert looking == {"way_in_force", "commands"}, looking
     sample = ast.parse("if slurm.rest_client() is not None: pass\nok = isinstance(t, (str, CommandsTarget))")
     assert sorted(w for _, w in _way_branches(sample)) == ["isinstance(..., CommandsTarget)", "rest_client()"]
 

@@ -191,12 +191,12 @@ def test_the_commands_and_the_jobs_they_submit_talk_to_the_profiles_cluster(tmp_
     target = CommandsTarget(str(conf), str(bin_dir), "other")
     with transport.through(target):
         assert slurm.run(["squeue"]).stdout.strip() == str(conf)
-        line = slurm.sbatch_command("job.sh", client_timeout_s=30)
+        line = slurm.commands().submission_command("job.sh", client_timeout_s=30)
         assert line[:3] == ["env", f"SLURM_CONF={conf}", f"PATH={bin_dir}:{os.environ['PATH']}"], line
         assert line[3:] == ["timeout", "--kill-after=5", "30", "sbatch", "job.sh"]
         with transport.through(None, exactly=True):  # this machine's own cluster, inside another's
             assert slurm.slurm_env()["SLURM_CONF"] == "/etc/slurm/mine.conf"
-    assert slurm.sbatch_command("job.sh", client_timeout_s=30)[0] == "timeout"
+    assert slurm.commands().submission_command("job.sh", client_timeout_s=30)[0] == "timeout"
     with pytest.raises(Exception, match=r"profile 'gone': submit.slurm_conf /nonexistent/slurm.conf is not a file"):
         with transport.through(CommandsTarget("/nonexistent/slurm.conf", None, "gone")):
             pass

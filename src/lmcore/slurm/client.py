@@ -1,122 +1,68 @@
-"""The one place that runs SLURM commands (squeue, sacct, scontrol, scancel, sinfo, sacctmgr).
+"""The SLURM client's one face: every query and control lmlaunch makes of SLURM, asked of the way
+in force (lmcore.slurm.way: SLURM's commands here or over SSH, lmcore.slurm.commands; slurmrestd,
+lmcore.slurm.rest_way), chosen here once from the context a command or a run set
+(:func:`through_rest`, :func:`through_commands`).
 
 Every call has a timeout and returns parsed records. When SLURM is not installed, the
 controller does not answer or no configuration can be found, the caller gets
 :class:`lmcore.errors.SlurmUnavailable` (exit code 3) with one message saying what to do,
 never a traceback. (submitit runs ``sbatch`` itself when submitting; ``launcher.submit.submission``
-turns its failures into the same error.)
+turns its failures into the same error.) What only the commands can tell (nodes, partitions,
+topology, a step inside a job, sacctmgr) is asked of SLURM's commands whichever way jobs go.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
-import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
-from lmcore.slurm import relay as slurm_relay, rest_calls, versions
+from lmcore.slurm import versions
+from lmcore.slurm.commands import (
+    DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S,
+    DOWN_MARKERS as DOWN_MARKERS,
+    FIELD_SEP as FIELD_SEP,
+    NO_ACCOUNTING_NOTE as NO_ACCOUNTING_NOTE,
+    Commands,
+    NoAccounting as NoAccounting,
+    OverSsh,
+    first_line,
+    key_values,
+    missing,
+    parse_duration as parse_duration,
+    parse_time as parse_time,
+    rows,
+    says_controller_down as says_controller_down,
+    user_name as user_name,
+)
 from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.records import (
     ACTIVE_GROUPS as ACTIVE_GROUPS,  # the client's records, as its callers know them
     STATE_GROUPS as STATE_GROUPS,
     AccountedJob as AccountedJob,
     QueuedJob as QueuedJob,
-    het_component,
-    het_leader,
     is_active as is_active,
     state_group as state_group,
     state_word as state_word,
 )
 from lmcore.slurm.rest import RestClient, RestTarget
-
-DEFAULT_TIMEOUT_S = 30.0
-SSH_FAILED = 255  # ssh's own exit status: it could not connect, or the connection dropped
-FIELD_SEP = "\x1f"  # unit separator: never part of a job name, node list or reason
-
-# What the messages of the SLURM clients say when the controller or the config is missing.
-DOWN_MARKERS = (
-    "Unable to contact slurm controller",
-    "Connection refused",
-    "Could not establish a configuration source",
-    "Socket timed out",
-    "Zero Bytes were transmitted",
-    "Unable to establish connection",
-)
-_NO_ACCOUNTING_MARKERS = (
-    "Slurm accounting storage is disabled",  # the cluster keeps none (AccountingStorageType=none)
-    "Problem talking to the database",
-    "slurmdbd: Connection refused",
-)
-NO_ACCOUNTING_NOTE = ("this cluster keeps no job accounting (sacct: accounting storage is disabled): the state of a "
-                      "job the controller has forgotten (after MinJobAge) comes from its run directory, and queue "
-                      "waits and SLURM's own end states are not known")
-
-
-class NoAccounting(SlurmUnavailable):
-    """The cluster runs without accounting: sacct can never answer (not a slurmdbd that is down)."""
+from lmcore.slurm.rest_way import Rest
+from lmcore.slurm.ssh import SSH_FAILED as SSH_FAILED
 
 # What sacctmgr says when what it was asked to add exists already (each release's: lmcore.slurm.versions)
 _ALREADY_THERE = versions.sacctmgr_exists()
 
-# --------------------------------------------------------------------------- SLURM's time notations
 
-
-def parse_time(text: str | None) -> float | None:
-    """SLURM's local time (``2026-11-23T09:33:13``, as squeue/sacct/scontrol print it) -> epoch
-    seconds; ``Unknown``, ``None``, ``N/A`` and anything else -> None."""
-    try:
-        return time.mktime(time.strptime((text or "").strip(), "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None
-
-
-# sbatch --time's forms, bounded (a job spec's text goes through here too)
-_DURATION = re.compile(
-    r"(?:(?P<d>\d{1,4})-(?P<dh>\d{1,2})(?::(?P<dm>\d{1,2})(?::(?P<ds>\d{1,2}))?)?"
-    r"|(?P<h>\d{1,5}):(?P<m>\d{1,2}):(?P<s>\d{1,2})"
-    r"|(?P<mm>\d{1,7}):(?P<ss>\d{1,2})"
-    r"|(?P<only_m>\d{1,7}))"
-)
-
-
-def parse_duration(text: str | None) -> float | None:
-    """A SLURM duration in seconds: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
-    ``D-HH:MM:SS`` (sbatch --time's forms; squeue/sacct/scontrol print the last three; a bare
-    number is minutes). ``UNLIMITED``, ``INVALID``, ``Partition_Limit`` and anything else -> None."""
-    m = _DURATION.fullmatch(text or "")  # no strip: a job spec's "20:00\n" is not a time
-    if m is None:
-        return None
-    g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
-    if "d" in g:
-        return float(g["d"] * 86400 + g["dh"] * 3600 + g.get("dm", 0) * 60 + g.get("ds", 0))
-    if "h" in g:
-        return float(g["h"] * 3600 + g["m"] * 60 + g["s"])
-    if "mm" in g:
-        return float(g["mm"] * 60 + g["ss"])
-    return float(g["only_m"] * 60)
-
-
-# --------------------------------------------------------------------------- running commands
-
-LOCAL_CLUSTER_CONF_CANDIDATES = (
-    Path("/var/lib/lmlaunch-cluster/etc/slurm.conf"),
-    Path.home() / ".lmlaunch" / "cluster" / "etc" / "slurm.conf",
-)
-
-
-# --------------------------------------------------------------------------- the transport
+# --------------------------------------------------------------------------- the way in force
 
 # A command that runs through a cluster's slurmrestd (a profile's submit.via: rest, or `lmlaunch
 # --rest PROFILE`) sets it for its duration (`through_rest`): ping, squeue, sacct, show_job, cancel,
-# requeue and the submissions then ask the REST API (lmcore.slurm.rest_calls) instead of the commands.
+# requeue and the submissions then ask the REST API (lmcore.slurm.rest_way) instead of the commands.
 # A stack per context (contextvars): a thread started with the caller's context
 # (``contextvars.copy_context().run``) asks the same cluster, one started without asks the default,
 # and two threads asking two clusters at once (status over several) never see each other's.
@@ -153,8 +99,8 @@ def rest_client() -> RestClient | None:
 
 
 # A command about a run on a cluster whose profile names its own SLURM_CONF or client commands
-# (submit.slurm_conf / submit.slurm_bin) sets it for its duration: every command below then runs
-# with them, and a job submitted within gets them in its environment.
+# (submit.slurm_conf / submit.slurm_bin), or its login node, sets it for its duration: every command
+# below then runs with them, and a job submitted within gets them in its environment.
 _COMMANDS: contextvars.ContextVar[tuple[CommandsTarget, ...]] = contextvars.ContextVar("lmlaunch_commands", default=())
 
 
@@ -174,39 +120,28 @@ def commands_target() -> CommandsTarget | None:
     return stack[-1] if stack else None
 
 
+def commands() -> Commands:
+    """SLURM's commands in force: here (this machine's, or a profile's SLURM_CONF and clients), or
+    on a login node over SSH."""
+    target = commands_target()
+    return OverSsh(target) if target is not None and target.login else Commands(target)
+
+
+def way_in_force() -> Rest | Commands:
+    """The way SLURM is asked in this context (the one place that tells them apart; each is a
+    lmcore.slurm.way.Way)."""
+    rest = rest_client()
+    return Rest(rest) if rest is not None else commands()
+
+
 def slurm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for SLURM clients.
-
-    SLURM_CONF is kept if set; otherwise, when there is no /etc/slurm/slurm.conf but the local
-    cluster wrote one, point at it (a non-root `lmlaunch cluster up` cannot install it in /etc).
-    """
-    env = dict(os.environ if environ is None else environ)
-    if (target := commands_target()) is not None and (target.conf or target.bin):
-        return target.environ(env)  # that cluster's, whatever this shell points at
-    if "SLURM_CONF" not in env and not Path("/etc/slurm/slurm.conf").exists():
-        for cand in LOCAL_CLUSTER_CONF_CANDIDATES:
-            if cand.exists():
-                env["SLURM_CONF"] = str(cand)
-                break
-    return env
-
-
-def _which(command: str) -> str | None:
-    """Where ``command`` is for the cluster asked (its profile's slurm_bin first)."""
-    return shutil.which(command, path=slurm_env().get("PATH"))
+    """The environment for SLURM clients (lmcore.slurm.commands.Commands.env)."""
+    return commands().env(environ)
 
 
 def has_command(command: str) -> bool:
     """Whether the cluster asked has ``command`` (e.g. srun) on this machine."""
-    return _which(command) is not None
-
-
-def _missing(cmd: str) -> SlurmUnavailable:
-    return SlurmUnavailable(
-        f"SLURM command '{cmd}' not found on PATH: this machine has no SLURM client. "
-        "Install it (Debian: apt-get install slurm-client) or start the local cluster with "
-        "`lmlaunch cluster up` (as root it installs slurm-wlm itself)."
-    )
+    return commands().which(command) is not None
 
 
 def run(
@@ -220,40 +155,7 @@ def run(
 
     With ``check``, any other non-zero exit raises UserError (exit code 1) with SLURM's message.
     """
-    cmd = list(args)
-    relay = os.environ.get(slurm_relay.RELAY_ENV)
-    try:
-        if relay:  # a rank in a container: the batch step runs the command on the host
-            proc = slurm_relay.call(relay, cmd, timeout=timeout, input=input)
-        elif (target := commands_target()) is not None and target.login:  # on its login node, over ssh
-            proc = subprocess.run(target.remote_argv(cmd), capture_output=True, text=True, timeout=timeout,
-                                  input=input, stdin=None if input is not None else subprocess.DEVNULL)
-            if proc.returncode == SSH_FAILED:
-                raise SlurmUnavailable(f"`{cmd[0]}` on {target.login[-1]}: ssh failed "
-                                       f"({_first_line(proc.stderr.strip()) or 'exit 255'}); is its master connection open?")
-        else:
-            exe = _which(cmd[0])
-            if exe is None:
-                raise _missing(cmd[0])
-            proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout,
-                                  env=slurm_env(), input=input)
-    except slurm_relay.RelayError as exc:
-        raise SlurmUnavailable(f"`{cmd[0]}` could not be relayed to the host: {exc}") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmUnavailable(
-            f"`{' '.join(cmd)}` did not answer within {timeout:.0f} s: the SLURM controller is "
-            "overloaded or down (local cluster: `lmlaunch cluster status`)"
-        ) from None
-    if proc.returncode != 0:
-        msg = (proc.stderr or proc.stdout).strip()
-        if says_controller_down(msg):
-            raise SlurmUnavailable(
-                f"the SLURM controller does not answer (`{cmd[0]}`: {_first_line(msg)}). "
-                "Local cluster: start it with `lmlaunch cluster up`."
-            )
-        if check:
-            raise UserError(f"`{' '.join(cmd)}` failed: {msg or f'exit code {proc.returncode}'}", exit_code=ExitCode.FAILURE)
-    return proc
+    return commands().run(args, timeout=timeout, check=check, input=input)
 
 
 def test_only(command: str, args: Sequence[str], *, script: str | None = None,
@@ -269,40 +171,13 @@ def test_only(command: str, args: Sequence[str], *, script: str | None = None,
     return proc.returncode == 0, message
 
 
-def says_controller_down(message: str) -> bool:
-    """Whether a SLURM client's message says the controller (or its configuration) is not there."""
-    return any(m in message for m in DOWN_MARKERS)
-
-
-def _first_line(text: str) -> str:
-    return text.splitlines()[0] if text else ""
-
-
-def _rows(stdout: str, n_fields: int) -> list[list[str]]:
-    rows = []
-    for line in stdout.splitlines():
-        if not line.strip():
-            continue
-        parts = line.split(FIELD_SEP)
-        if len(parts) != n_fields:
-            continue  # a line wrapped by a name we do not expect; skip rather than mis-assign
-        rows.append([p.strip() for p in parts])
-    return rows
-
-
 # --------------------------------------------------------------------------- controller, nodes
 
 
 def ping(timeout: float = 10.0) -> bool:
     """True when slurmctld answers (`scontrol ping`; over REST, slurmrestd's ping, whose failure to
     answer is its own error)."""
-    if (r := rest_client()) is not None:
-        return rest_calls.ping(r)
-    try:
-        proc = run(["scontrol", "ping"], timeout=timeout, check=False)
-    except SlurmUnavailable:
-        return False
-    return proc.returncode == 0 and "UP" in proc.stdout
+    return way_in_force().ping(timeout)
 
 
 @dataclass(frozen=True)
@@ -320,7 +195,7 @@ def nodes(timeout: float = DEFAULT_TIMEOUT_S) -> list[NodeInfo]:
     fmt = FIELD_SEP.join(["%N", "%t", "%R", "%c", "%E", "%G"])
     proc = run(["sinfo", "-h", "-N", "-o", fmt], timeout=timeout)
     merged: dict[str, NodeInfo] = {}
-    for name, state, part, cpus, reason, gres in _rows(proc.stdout, 6):
+    for name, state, part, cpus, reason, gres in rows(proc.stdout, 6):
         prev = merged.get(name)
         parts = (prev.partitions if prev else ()) + (part,)
         merged[name] = NodeInfo(name, state, parts, int(cpus) if cpus.isdigit() else 0, reason, gres)
@@ -341,7 +216,7 @@ def partitions(timeout: float = DEFAULT_TIMEOUT_S) -> list[PartitionInfo]:
     fmt = FIELD_SEP.join(["%P", "%a", "%l", "%N", "%F"])
     proc = run(["sinfo", "-h", "-o", fmt], timeout=timeout)
     out = []
-    for name, avail, limit, nodelist, summary in _rows(proc.stdout, 5):
+    for name, avail, limit, nodelist, summary in rows(proc.stdout, 5):
         out.append(PartitionInfo(name.rstrip("*"), name.endswith("*"), avail, limit, nodelist, summary))
     return out
 
@@ -349,19 +224,19 @@ def partitions(timeout: float = DEFAULT_TIMEOUT_S) -> list[PartitionInfo]:
 def partition_config(name: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str]:
     """`scontrol show partition NAME` as key -> value."""
     proc = run(["scontrol", "-o", "show", "partition", name], timeout=timeout)
-    return _key_values(proc.stdout)
+    return key_values(proc.stdout)
 
 
 def partition_configs(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]:
     """`scontrol -o show partition`: every partition as key -> value."""
     proc = run(["scontrol", "-o", "show", "partition"], timeout=timeout)
-    return [_key_values(line) for line in proc.stdout.splitlines() if line.strip()]
+    return [key_values(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
 def node_configs(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]:
     """`scontrol -o show node`: every node as key -> value."""
     proc = run(["scontrol", "-o", "show", "node"], timeout=timeout)
-    return [_key_values(line) for line in proc.stdout.splitlines() if line.strip()]
+    return [key_values(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
 def topology_records(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]:
@@ -373,34 +248,12 @@ def topology_records(timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, str]]
         raise
     except UserError:
         return []  # SLURM 22.05 with topology/none: "scontrol: error: ... No topology information available"
-    return [kv for line in proc.stdout.splitlines() if "=" in line and (kv := _key_values(line))]
+    return [kv for line in proc.stdout.splitlines() if "=" in line and (kv := key_values(line))]
 
 
 def config(timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str]:
     """`scontrol show config` as key -> value (over REST: slurm.conf's keys, from API v0.0.45 on)."""
-    if (r := rest_client()) is not None:
-        return rest_calls.config(r)
-    proc = run(["scontrol", "show", "config"], timeout=timeout)
-    out: dict[str, str] = {}
-    for line in proc.stdout.splitlines():
-        if " = " in line:
-            k, v = line.split(" = ", 1)
-            out[k.strip()] = v.strip()
-    return out
-
-
-def _key_values(text: str) -> dict[str, str]:
-    """Parse scontrol's one-line `Key=Value Key=Value` output (values have no spaces, except a
-    few trailing fields such as Command/WorkDir which scontrol prints last)."""
-    out: dict[str, str] = {}
-    key = None
-    for token in text.strip().split(" "):
-        if "=" in token and not token.startswith("="):
-            key, value = token.split("=", 1)
-            out[key] = value
-        elif key is not None and token:
-            out[key] += " " + token
-    return out
+    return way_in_force().config(timeout)
 
 
 # --------------------------------------------------------------------------- jobs
@@ -418,27 +271,7 @@ def sacct(
     ids = [str(j) for j in job_ids]
     if not ids:
         return []
-    if (r := rest_client()) is not None:
-        return only_asked(rest_calls.sacct(r, ids, duplicates), ids)
-    fields = ["JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList", "Partition", "Submit",
-              "AllocTRES"]
-    cmd = ["sacct", "-n", "-P", f"--delimiter={FIELD_SEP}", f"--format={','.join(fields)}", "-j", ",".join(ids)]
-    if not steps:
-        cmd.append("-X")
-    if duplicates:
-        cmd.append("-D")
-    proc = run(cmd, timeout=timeout, check=False)
-    if proc.returncode != 0:
-        msg = proc.stderr.strip()
-        if _NO_ACCOUNTING_MARKERS[0] in msg:
-            raise NoAccounting(NO_ACCOUNTING_NOTE)
-        if any(m in msg for m in _NO_ACCOUNTING_MARKERS):
-            raise SlurmUnavailable(
-                f"SLURM accounting does not answer (`sacct`: {_first_line(msg)}); job states after "
-                "completion need slurmdbd. Local cluster: `lmlaunch cluster up` starts it."
-            )
-        raise UserError(f"`{' '.join(cmd)}` failed: {msg}", exit_code=ExitCode.FAILURE)
-    return only_asked([AccountedJob(het_leader(row[0]), *row[1:]) for row in _rows(proc.stdout, len(fields))], ids)
+    return only_asked(way_in_force().sacct(ids, duplicates=duplicates, steps=steps, timeout=timeout), ids)
 
 
 def only_asked(rows: list[Any], ids: Iterable[str] | None) -> list[Any]:
@@ -452,14 +285,7 @@ def only_asked(rows: list[Any], ids: Iterable[str] | None) -> list[Any]:
 
 def show_job(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, str] | None:
     """`scontrol show job` as key -> value, or None when the controller forgot the job."""
-    if (r := rest_client()) is not None:
-        return rest_calls.show_job(r, str(job_id))
-    proc = run(["scontrol", "-o", "show", "job", str(job_id)], timeout=timeout, check=False)
-    if proc.returncode != 0:
-        if "Invalid job id" in proc.stderr:
-            return None
-        raise UserError(f"`scontrol show job {job_id}` failed: {proc.stderr.strip()}", exit_code=ExitCode.FAILURE)
-    return _key_values(proc.stdout.splitlines()[0]) if proc.stdout.strip() else None
+    return way_in_force().show_job(str(job_id), timeout)
 
 
 def job_state(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
@@ -468,8 +294,8 @@ def job_state(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
     q = squeue([job_id], timeout=timeout)
     if q:
         return q[0].state
-    rows = sacct([job_id], timeout=timeout)
-    return rows[-1].state if rows else "UNKNOWN"
+    accounted = sacct([job_id], timeout=timeout)
+    return accounted[-1].state if accounted else "UNKNOWN"
 
 
 def restart_count(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> int:
@@ -483,29 +309,18 @@ def restart_count(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> int:
 def cancel(job_ids: Iterable[str], *, signal: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """scancel the jobs (or send them a signal with ``signal``, e.g. 'USR2')."""
     ids = [str(j) for j in job_ids]
-    if not ids:
-        return
-    if (r := rest_client()) is not None:
-        return rest_calls.cancel(r, ids, signal)
-    cmd = ["scancel"]
-    if signal:
-        cmd += [f"--signal={signal}"]
-    run([*cmd, *ids], timeout=timeout)
+    if ids:
+        way_in_force().cancel(ids, signal, timeout)
 
 
 def hold(job_id: str, *, release: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """``scontrol hold`` a pending job (it will not start until released), or ``release`` it."""
-    if rest_client() is not None:
-        raise UserError("holding a job through slurmrestd is not built yet: hold and release it with SLURM's "
-                        "commands (scontrol hold/release) on the cluster", exit_code=ExitCode.USAGE)
-    run(["scontrol", "release" if release else "hold", str(job_id)], timeout=timeout)
+    way_in_force().hold(str(job_id), release, timeout)
 
 
 def requeue(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """`scontrol requeue` (kills the running job; it restarts later with the same id)."""
-    if (r := rest_client()) is not None:
-        return r.requeue(str(job_id))
-    run(["scontrol", "requeue", str(job_id)], timeout=timeout)
+    way_in_force().requeue(str(job_id), timeout)
 
 
 def exclude_nodes(job_id: str, nodes: Iterable[str], timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -529,11 +344,6 @@ def sacctmgr(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> str:
 # --------------------------------------------------------------------------- batched status (lmlaunch status)
 
 
-_SQUEUE_FIELDS = ["JobID", "Name", "State", "Reason", "RestartCnt", "TimeLimit", "NumNodes", "TimeUsed",
-                  "NodeList", "Partition", "UserName", "StartTime", "SubmitTime", "ArrayJobID", "ArrayTaskID",
-                  "HetJobID", "HetJobOffset"]
-
-
 def squeue(
     job_ids: Iterable[str] | None = None,
     *,
@@ -543,39 +353,10 @@ def squeue(
 ) -> list[QueuedJob]:
     """ONE `squeue -O` call: the jobs the controller knows now, all of ``job_ids`` (in any state
     it still remembers) or those called ``name`` / of ``user``."""
-    if (r := rest_client()) is not None:
-        return only_asked(rest_calls.squeue(r, job_ids, name, user), None if job_ids is None else list(job_ids))
-    fmt = ",".join(f"{f}:{FIELD_SEP}" for f in _SQUEUE_FIELDS)  # `Field:suffix`: unpadded, separated
-    cmd = ["squeue", "-h", "-r", "-O", fmt]  # -r: an array's pending tasks one per line, as A_i
     ids = sorted({str(j) for j in job_ids}) if job_ids is not None else None
-    if ids is not None:
-        if not ids:
-            return []
-        cmd += ["--states=all", "-j", ",".join(ids)]
-    if name is not None:
-        cmd += ["-n", name]
-    if user is not None:
-        cmd += ["-u", user]
-    proc = run(cmd, timeout=timeout, check=False)
-    if proc.returncode != 0:
-        # squeue -j with only unknown (long gone) ids exits 1 with "Invalid job id specified"
-        if "Invalid job id" in proc.stderr:
-            return []
-        what = f"squeue -O ... -j <{len(ids)} ids>" if ids else " ".join(cmd)
-        raise UserError(f"`{what}` failed: {proc.stderr.strip()}", exit_code=ExitCode.FAILURE)
-    out = []
-    for line in proc.stdout.splitlines():
-        parts = [p.strip() for p in line.split(FIELD_SEP)]
-        if len(parts) < len(_SQUEUE_FIELDS):
-            continue
-        jid, jname, state, reason, restarts, limit, nnodes, used, nodelist, part, usr, start, submit, aid, tid, \
-            hid, hoff = parts[: len(_SQUEUE_FIELDS)]
-        if tid.isdigit() and aid.isdigit():  # an array task: named A_i, as sbatch, sacct and scontrol name it
-            jid = f"{aid}_{tid}"
-        jid = het_component(jid, hid, hoff)
-        out.append(QueuedJob(jid, jname, state, reason, int(restarts) if restarts.isdigit() else 0, limit,
-                             int(nnodes) if nnodes.isdigit() else 0, used, nodelist, part, usr, start, submit))
-    return only_asked(out, ids)
+    if ids is not None and not ids:
+        return []
+    return only_asked(way_in_force().squeue(ids, name, user, timeout), ids)
 
 
 # --------------------------------------------------------------------------- submission reconciliation (launcher.submit.submission)
@@ -591,36 +372,11 @@ def active_jobs(job_ids: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> l
     return [j for j in squeue(list(job_ids), timeout=timeout) if is_active(j.state)]
 
 
-def user_name() -> str:
-    """The user SLURM knows this process as: its real uid's name (SLURM maps the uid it is given;
-    $USER may be unset, as under some shells and services, or name someone else)."""
-    import pwd
-
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:  # a uid without a passwd entry (a container): SLURM accepts the number
-        return str(os.getuid())
-
-
 def jobs_submitted_since(name: str, since: float, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """Ids of this user's jobs called ``name`` that the controller received at or after ``since``
     (epoch seconds; SubmitTime has whole seconds, so compare with a second of slack), oldest first.
     Used to find a job whose ``sbatch`` timed out on the client side but reached the controller."""
-    if (r := rest_client()) is not None:
-        return rest_calls.submitted_since(r, name, since)
-    fmt = ",".join(f"{f}:{FIELD_SEP}" for f in ("JobID", "SubmitTime", "Name", "HetJobOffset"))
-    cmd = ["squeue", "-h", "--states=all", "-u", user_name(), "-n", name, "-O", fmt]
-    proc = run(cmd, timeout=timeout)
-    found: list[tuple[float, str]] = []
-    for line in proc.stdout.splitlines():
-        parts = [p.strip() for p in line.split(FIELD_SEP)]
-        # a heterogeneous job's other components (their own JobIDs) are not jobs sbatch returned
-        if len(parts) < 4 or parts[2] != name or (parts[3].isdigit() and parts[3] != "0"):
-            continue
-        submitted = parse_time(parts[1])
-        if submitted is not None and submitted >= int(since) - 1:
-            found.append((submitted, parts[0]))
-    return [jid for _, jid in sorted(found)]
+    return way_in_force().submitted_since(name, since, timeout)
 
 
 # --------------------------------------------------------------------------- a step inside a running job (lmlaunch stacks)
@@ -651,11 +407,11 @@ def run_overlap_step(job_id: str, nodes: Sequence[str], command: Sequence[str], 
         raw = (show_job(job_id, timeout=DEFAULT_TIMEOUT_S) or {}).get("JobId", "")
         job_id = raw if raw.isdigit() else job_id
     cmd = overlap_step_args(job_id, nodes, command)
-    exe = _which(cmd[0])
+    exe = commands().which(cmd[0])
     if exe is None:
-        raise _missing(cmd[0])
+        raise missing(cmd[0])
     try:
-        proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout, env=slurm_env(),
+        proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout, env=commands().env(),
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         def text(b: bytes | str | None) -> str:
@@ -664,7 +420,7 @@ def run_overlap_step(job_id: str, nodes: Sequence[str], command: Sequence[str], 
         return StepResult(None, text(exc.stdout), text(exc.stderr) + f"\nsrun did not finish within {timeout:.0f} s")
     msg = proc.stderr.strip()
     if proc.returncode != 0 and says_controller_down(msg):
-        raise SlurmUnavailable(f"the SLURM controller does not answer (`srun`: {_first_line(msg)})")
+        raise SlurmUnavailable(f"the SLURM controller does not answer (`srun`: {first_line(msg)})")
     return StepResult(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -682,9 +438,9 @@ def accounting_answers(timeout: float = 15.0) -> str | None:
 def srun_has_option(option: str, timeout: float = 30.0) -> bool:
     """Whether this machine's ``srun --help`` lists ``option`` (a SPANK plugin's, e.g. pyxis'
     ``--container-image``); False where srun is missing or does not answer."""
-    exe = _which("srun")
+    exe = commands().which("srun")
     try:
-        proc = subprocess.run([exe or "srun", "--help"], capture_output=True, text=True, timeout=timeout, env=slurm_env())
+        proc = subprocess.run([exe or "srun", "--help"], capture_output=True, text=True, timeout=timeout, env=commands().env())
     except (OSError, subprocess.TimeoutExpired):
         return False
     return option in proc.stdout
@@ -692,25 +448,7 @@ def srun_has_option(option: str, timeout: float = 30.0) -> bool:
 
 def sbatch_file(path: str, *extra: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
     """``sbatch --parsable [EXTRA] PATH``: the job id (a job array's id for an array)."""
-    if (r := rest_client()) is not None:
-        return rest_calls.submit_file(r, path, [_option(e) for e in extra])
-    proc = run(["sbatch", "--parsable", *extra, path], timeout=timeout)
-    return proc.stdout.strip().split(";")[0]
-
-
-def sbatch_command(path: str, *, client_timeout_s: float) -> list[str]:
-    """The command line submitit runs to submit a script: sbatch under a client-side limit, so a
-    controller that accepted the job but answers late cannot block ``submit`` for ever. On a
-    cluster of a profile's own SLURM_CONF and commands, through ``env`` with them: submitit runs
-    the line in this process's environment, and sbatch hands its own to the job."""
-    line = ["timeout", "--kill-after=5", str(client_timeout_s), "sbatch", path]
-    target = commands_target()
-    return ["env", *target.assignments(dict(os.environ)), *line] if target is not None else line
-
-
-def _option(word: str) -> tuple[str, str]:
-    name, _, value = word.removeprefix("--").partition("=")
-    return name, value
+    return way_in_force().submit_file(path, extra, timeout)
 
 
 def srun_command(options: Sequence[str], command: Sequence[str]) -> list[str]:

@@ -1,96 +1,97 @@
-"""The way SLURM is reached in this context, as what the rest of lmlaunch needs to know of it.
+"""The way SLURM is reached: what lmlaunch asks of SLURM (:class:`Way`), answered by each way.
 
 Three ways: SLURM's commands here (the default cluster, or a profile's ``slurm_conf`` and
-``slurm_bin``: lmcore.slurm.commands_target), the same commands in a login shell over SSH
-(``CommandsTarget.login``), and slurmrestd (lmcore.slurm.rest). The way in force is chosen once, for a
-command or a run, by launcher.planning.transport (from the profile and ``--rest``) and held in
-lmcore.slurm.client's context; everything outside lmcore.slurm asks :func:`way` a question (can the
-controller judge a script before it is queued, can it carry a heterogeneous job, how is a script
-submitted) instead of branching on which way it is. A fourth way answers the same questions here.
+``slurm_bin``: lmcore.slurm.commands.Commands), the same commands in a login shell over SSH
+(lmcore.slurm.commands.OverSsh) and slurmrestd (lmcore.slurm.rest_way.Rest). The way in force is
+chosen once, for a command or a run, by launcher.planning.transport (from the profile and
+``--rest``) and held in lmcore.slurm.client's context; lmcore.slurm.client's functions ask it, and
+everything outside lmcore.slurm asks :func:`way` a question (can the controller judge a script
+before it is queued, can it carry a heterogeneous job, how is a script submitted) instead of
+branching on which way it is. A fourth way (a site's submission gateway) is a fourth class
+with these methods, and the chooser's one line (lmcore.slurm.client.way_in_force).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from lmcore.errors import ExitCode, UserError
-from lmcore.slurm import client, rest_calls
-from lmcore.slurm.commands_target import CommandsTarget
-from lmcore.slurm.rest import RestClient
+from lmcore.slurm import client
+from lmcore.slurm.records import AccountedJob, QueuedJob
 
 
-@dataclass(frozen=True)
-class Way:
-    """The way in force: a slurmrestd, else SLURM's commands (``commands``: a cluster's own, or
-    None for this machine's default)."""
+class Way(Protocol):
+    """What lmlaunch asks SLURM, and what it needs to know of the way it asks. ``timeout``: how
+    long a command may take (a way with its own limits may ignore it)."""
 
-    rest: RestClient | None
-    commands: CommandsTarget | None
+    # ------------------------------------------------------------------- questions and controls
+    def ping(self, timeout: float) -> bool:
+        """Whether the controller answers."""
 
+    def config(self, timeout: float) -> dict[str, str]:
+        """The controller's settings (``scontrol show config``'s keys)."""
+
+    def sacct(self, ids: list[str], *, duplicates: bool, steps: bool, timeout: float) -> list[AccountedJob]:
+        """Accounting rows of ``ids`` (with ``duplicates`` one per attempt; with ``steps`` their steps)."""
+
+    def show_job(self, job_id: str, timeout: float) -> dict[str, str] | None:
+        """The controller's record of a job (``scontrol show job``'s keys); None: forgotten."""
+
+    def cancel(self, ids: list[str], signal: str | None, timeout: float) -> None:
+        """Cancel the jobs, or send them ``signal``."""
+
+    def hold(self, job_id: str, release: bool, timeout: float) -> None:
+        """Hold a pending job, or ``release`` it."""
+
+    def requeue(self, job_id: str, timeout: float) -> None:
+        """Requeue a job (it restarts later with the same id)."""
+
+    def squeue(self, ids: list[str] | None, name: str | None, user: str | None, timeout: float) -> list[QueuedJob]:
+        """The jobs the controller knows now: ``ids`` in any state it remembers, else the active
+        ones (called ``name``, of ``user``)."""
+
+    def submitted_since(self, name: str, since: float, timeout: float) -> list[str]:
+        """This user's jobs called ``name`` received since ``since``, oldest first."""
+
+    def submit_file(self, path: str, extra: Sequence[str], timeout: float) -> str:
+        """The batch script at ``path`` submitted (``extra``: sbatch's options); its job id."""
+
+    # ------------------------------------------------------------------- what the way is
     @property
     def described(self) -> str:
         """For a status line: ``commands`` or ``slurmrestd URL``."""
-        return "commands" if self.rest is None else f"slurmrestd {self.rest.target.url}"
 
     @property
     def where(self) -> str:
         """For a message: which SLURM answers."""
-        if self.rest is not None:
-            return self.rest.target.where
-        return self.commands.where if self.commands is not None else "this cluster's SLURM"
 
     @property
     def submitted_note(self) -> str | None:
         """What submit says of the way it took, where it is not SLURM's commands."""
-        if self.rest is None:
-            return None
-        return f"submitted through {self.rest.target.where}: API {self.rest.api()}, SLURM {self.rest.release or 'of unknown version'}"
 
     @property
     def tests_scripts(self) -> bool:
-        """The controller judges a script before anything is queued (``sbatch --test-only``);
-        slurmrestd judges it only when it is submitted."""
-        return self.rest is None
+        """The controller judges a script before anything is queued (``sbatch --test-only``)."""
 
     @property
     def reads_this_machines_config(self) -> bool:
         """Its SLURM_CONF and client commands are this machine's (what ``profile init`` records)."""
-        return self.rest is None
-
-    def needs_no_srun_here(self) -> bool:
-        """Submitting needs no ``srun`` on this machine's PATH (submitit looks for one): slurmrestd,
-        or a profile's own client commands that hold one."""
-        return self.rest is not None or (self.commands is not None and client.has_command("srun"))
-
-    def submission_command(self, script_path: str, *, client_timeout_s: float) -> list[str]:
-        """The command that submits the script at ``script_path`` and prints sbatch's line
-        (``Submitted batch job N``). Through slurmrestd the script is submitted here, in-process (its
-        ``#SBATCH`` options as the job's fields: lmcore.slurm.rest_job), a refusal raised before
-        anything claims a job; with commands, sbatch with a client-side limit (a controller that
-        accepted the job but answers late must not block the caller forever)."""
-        if self.rest is not None:
-            return ["echo", f"Submitted batch job {client.sbatch_file(script_path)}"]
-        return client.sbatch_command(script_path, client_timeout_s=client_timeout_s)
 
     @property
     def submits_arrays_in_process(self) -> bool:
         """A job array is submitted in-process as a single job is (not by sbatch)."""
-        return self.rest is not None
+
+    def needs_no_srun_here(self) -> bool:
+        """Submitting needs no ``srun`` on this machine's PATH (submitit looks for one)."""
+
+    def submission_command(self, script_path: str, *, client_timeout_s: float) -> list[str]:
+        """The command that submits the script at ``script_path`` and prints sbatch's line
+        (``Submitted batch job N``)."""
 
     def check_carries(self, script: Callable[[], str], what: str, *, heterogeneous: bool = False) -> None:
-        """Refuse, before anything changes, what this way cannot submit: a heterogeneous job, or a
-        script option slurmrestd has no job field for (``what`` names the job in the message)."""
-        if self.rest is None:
-            return
-        if heterogeneous:
-            raise UserError("eval.alongside: a heterogeneous job (trainer + evaluator) cannot be submitted through "
-                            "slurmrestd yet (its job_desc list is not built); submit with sbatch (the profile's "
-                            "submit.via: sbatch, without --rest), or score the checkpoints after with `lmlaunch eval`",
-                            exit_code=ExitCode.USAGE)
-        rest_calls.body_of(self.rest, script(), what)
+        """Refuse, before anything changes, what this way cannot submit (``what`` names the job)."""
 
 
 def way() -> Way:
     """The way SLURM is reached in this context."""
-    return Way(client.rest_client(), client.commands_target())
+    return client.way_in_force()
