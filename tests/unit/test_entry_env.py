@@ -139,3 +139,23 @@ def test_a_parting_that_hangs_is_given_up_on_and_the_rank_exits(tmp_path, monkey
     finally:
         release.set()
         real()
+
+
+@pytest.mark.parametrize("where, env, documented", [
+    ("the CLI", {}, True),
+    ("an srun task", {"SLURM_PROCID": "0", "LMLAUNCH_RUN_DIR": "/runs/x"}, False),
+    ("a local launch's rank", {"LMTRAIN_LAUNCHER": "local"}, False),
+])
+def test_a_tasks_schemas_read_no_documentation_and_the_clis_do(where, env, documented):
+    """The spec's field docstrings are its documentation (`lmlaunch schema`, the reference page) and
+    cost a task's start its imports' frames walked (lmcore.job.strict_model): read where a user
+    reads them, never in a rank, whichever launcher started it."""
+    import subprocess
+    import sys
+
+    probe = ("from lmcore.job.spec import JobSpec; "
+             "print(JobSpec.model_config['use_attribute_docstrings'], bool(JobSpec.model_fields['name'].description))")
+    base = {k: v for k, v in os.environ.items() if k not in ("SLURM_PROCID", "LMLAUNCH_RUN_DIR", "LMTRAIN_LAUNCHER")}
+    done = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(documented), str(documented)], (where, done.stdout)
