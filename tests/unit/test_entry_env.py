@@ -6,6 +6,7 @@ import os
 import threading
 
 import pytest
+from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on speed
 
 from lmtrain.distributed.task_env import expand_hostlist, read_env, rendezvous
 
@@ -156,6 +157,6 @@ def test_a_tasks_schemas_read_no_documentation_and_the_clis_do(where, env, docum
     probe = ("from lmcore.job.spec import JobSpec; "
              "print(JobSpec.model_config['use_attribute_docstrings'], bool(JobSpec.model_fields['name'].description))")
     base = {k: v for k, v in os.environ.items() if k not in ("SLURM_PROCID", "LMLAUNCH_RUN_DIR", "LMTRAIN_LAUNCHER")}
-    done = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == [str(documented), str(documented)], (where, done.stdout)
