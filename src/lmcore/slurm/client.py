@@ -407,11 +407,12 @@ def run_overlap_step(job_id: str, nodes: Sequence[str], command: Sequence[str], 
         raw = (show_job(job_id, timeout=DEFAULT_TIMEOUT_S) or {}).get("JobId", "")
         job_id = raw if raw.isdigit() else job_id
     cmd = overlap_step_args(job_id, nodes, command)
-    exe = commands().which(cmd[0])
+    here = commands()
+    exe = here.which(cmd[0])
     if exe is None:
         raise missing(cmd[0])
     try:
-        proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout, env=commands().env(),
+        proc = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=timeout, env=here.env(),
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         def text(b: bytes | str | None) -> str:
@@ -438,9 +439,10 @@ def accounting_answers(timeout: float = 15.0) -> str | None:
 def srun_has_option(option: str, timeout: float = 30.0) -> bool:
     """Whether this machine's ``srun --help`` lists ``option`` (a SPANK plugin's, e.g. pyxis'
     ``--container-image``); False where srun is missing or does not answer."""
-    exe = commands().which("srun")
+    here = commands()
+    exe = here.which("srun")
     try:
-        proc = subprocess.run([exe or "srun", "--help"], capture_output=True, text=True, timeout=timeout, env=commands().env())
+        proc = subprocess.run([exe or "srun", "--help"], capture_output=True, text=True, timeout=timeout, env=here.env())
     except (OSError, subprocess.TimeoutExpired):
         return False
     return option in proc.stdout
