@@ -208,6 +208,11 @@ def test_attempt_without_end_line_is_recorded_as_node_failure_at_the_next_start(
     # accounting may know better
     gate = start_gate(_start(history=[AttemptRow(1, "12", 0)], previous_state="PREEMPTED"), POLICY)
     assert gate.previous_end["reason"] == "preempted" and "SLURM: PREEMPTED" in gate.previous_end["detail"]
+    # SLURM requeued it (a preemption or `scontrol requeue` while a killed rank 0 was being restarted:
+    # the chaos campaign's schedule of seed 1): taken back by SLURM, not a node failure
+    gate = start_gate(_start(history=[AttemptRow(1, "12", 0)], previous_state="REQUEUED"), POLICY)
+    assert gate.previous_end["reason"] == "preempted" and "(SLURM: REQUEUED)" in gate.previous_end["detail"]
+    assert "node failure" not in gate.previous_end["detail"]
 
 
 def test_an_attempt_whose_rank_zero_died_before_deciding_is_a_crash_restarted_in_place(tmp_path):

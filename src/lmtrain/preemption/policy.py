@@ -352,8 +352,12 @@ class Gate:
         return json.dumps(self.__dict__)
 
 
-_PREVIOUS_REASONS = {"NODE_FAIL": "node_failure", "PREEMPTED": "preempted", "TIMEOUT": "timeout",
-                     "CANCELLED": "cancelled", "OUT_OF_MEMORY": "crashed", "FAILED": "crashed"}
+# SLURM's word for an attempt that wrote no end line -> the ledger's reason. REQUEUED: SLURM took the
+# allocation back and queued the job again (a preemption, `scontrol requeue`) while the tasks could
+# not say so (one was already gone: a killed rank 0 being restarted); a node failure says NODE_FAIL.
+_PREVIOUS_REASONS = {"NODE_FAIL": "node_failure", "PREEMPTED": "preempted", "REQUEUED": "preempted",
+                     "REQUEUE_HOLD": "preempted", "TIMEOUT": "timeout", "CANCELLED": "cancelled",
+                     "OUT_OF_MEMORY": "crashed", "FAILED": "crashed"}
 
 
 def start_gate(f: StartFacts, policy: PreemptionPlan) -> Gate:
@@ -363,11 +367,11 @@ def start_gate(f: StartFacts, policy: PreemptionPlan) -> Gate:
     if f.history and f.history[-1].reason is None:
         prev = f.history[-1]
         reason = _PREVIOUS_REASONS.get(state_word(f.previous_state), "node_failure")
-        seen = f" (SLURM: {state_word(f.previous_state)})" if f.previous_state else ""
+        seen = f"SLURM: {state_word(f.previous_state)}" if f.previous_state else "node failure, SIGKILL?"
         previous_end = {
             "attempt": prev.attempt, "job_id": prev.job_id, "end_step": f.start_step, "reason": reason,
             "detail": (f"attempt {prev.attempt} has no end line: its tasks were killed without a chance to "
-                       f"write it (node failure, SIGKILL){seen}; recorded at the start of the next attempt, "
+                       f"write it ({seen}); recorded at the start of the next attempt, "
                        f"which resumes from step {f.start_step}"),
         }
         if f.undecided_exit:  # the batch script's loop (launcher.submit.script): srun failed and rank 0 never said what next

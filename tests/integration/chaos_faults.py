@@ -1,0 +1,239 @@
+"""The chaos campaign's faults, each done for real to a run on a local worker cluster
+(tests/integration/chaos_schedule.py names them): signals to the ranks' processes, SLURM's own
+commands, its daemons stopped and started, bytes changed on disk. Nothing here goes through
+lmtrain's fault-injection seam: the run learns of a fault as it would on a cluster.
+
+Each injector returns what it did (``landed``: False when the fault could not land, e.g. a
+preemption of a job that is pending, with why) and, for a fault that lasts, an undo the campaign
+calls after the fault's hold time (a node RESUMEd, a daemon started again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chaos_schedule import Fault
+from preempt_helpers import lm, starts
+
+from launcher.localcluster import cluster
+from launcher.localcluster.config import Layout, Ports
+from launcher.localcluster.daemons import stop
+from launcher.submit.rehearsal import resume_node
+from lmcore.errors import UserError
+from lmcore.run.checkpoint_index import complete_checkpoints, verify
+from lmcore.run.task_records import read_task_records
+from lmcore.slurm import admin as rehearsal, client as slurm
+
+BATCH_STEP = "4294967291"  # SLURM_BATCH_SCRIPT: the batch step's id in slurmd's spool socket names
+
+
+@dataclass
+class Target:
+    """The run a campaign acts on, and the worker cluster it runs on."""
+
+    env: dict[str, str]  # lmlaunch's environment (registry, runs root, the cluster's commands)
+    layout: Layout
+    ports: Ports
+    name: str
+    job: str
+    run_dir: Path
+
+
+@dataclass
+class Done:
+    landed: bool
+    what: str
+    undo: Callable[[], str] | None = None
+    facts: dict = field(default_factory=dict)
+
+
+def _attempt_records(t: Target):
+    info = slurm.show_job(t.job) or {}
+    if info.get("JobState") != "RUNNING":
+        return None, f"job {t.job} is {info.get('JobState', 'gone')}"
+    records, _problems = read_task_records(t.run_dir, t.job, int(info.get("Restarts", "0") or 0))
+    alive = [r for r in records if Path(f"/proc/{r.pid}").exists()]
+    if not alive:
+        return None, "no rank of the running attempt has a live process yet"
+    return alive, ""
+
+
+def _signal_rank(t: Target, f: Fault, sig: signal.Signals) -> Done:
+    records, why = _attempt_records(t)
+    if records is None:
+        return Done(False, why)
+    rec = next((r for r in records if r.rank == f.target), records[0])
+    try:
+        os.kill(rec.pid, sig)
+    except ProcessLookupError:
+        return Done(False, f"rank {rec.rank}'s process {rec.pid} was gone")
+    return Done(True, f"{sig.name} to rank {rec.rank} (pid {rec.pid} on {rec.node})",
+                facts={"rank": rec.rank, "pid": rec.pid, "node": rec.node})
+
+
+def rank_kill(t: Target, f: Fault) -> Done:
+    return _signal_rank(t, f, signal.SIGKILL)
+
+
+def rank_stop(t: Target, f: Fault) -> Done:
+    return _signal_rank(t, f, signal.SIGSTOP)
+
+
+def node_down(t: Target, f: Fault) -> Done:
+    """A node the ranks run on, other than the batch script's, fails."""
+    return _fail_node(t, f, batch_host=False)
+
+
+def batch_host_down(t: Target, f: Fault) -> Done:
+    """The node of the batch script (and rank 0) fails."""
+    return _fail_node(t, f, batch_host=True)
+
+
+def _fail_node(t: Target, f: Fault, *, batch_host: bool) -> Done:
+    info = slurm.show_job(t.job) or {}
+    begun = starts(t.run_dir)
+    if info.get("JobState") != "RUNNING" or not begun:
+        return Done(False, f"job {t.job} is {info.get('JobState', 'gone')}")
+    host = info.get("BatchHost", "")
+    nodes = [host] if batch_host else [n for n in begun[-1]["nodes"] if n != host]
+    if not nodes or not nodes[0]:
+        return Done(False, f"no such node among the ranks' {begun[-1]['nodes']} (batch host {host!r})")
+    node = nodes[f.target % len(nodes)]
+    if any(n.name == node and "down" in n.state.lower() for n in slurm.nodes()):
+        return Done(False, f"{node} is DOWN already")
+    # drained first: DOWN alone is undone by ReturnToService=2 as soon as the node's slurmd registers
+    # again (launcher.submit.rehearsal: a failed node takes no job until it is RESUMEd)
+    rehearsal.set_node_state(node, "DRAIN", reason=f"chaos fault #{f.index}")
+    rehearsal.set_node_state(node, "DOWN", reason=f"chaos fault #{f.index}")
+
+    def undo() -> str:
+        resume_node(node)
+        return f"{node} RESUMEd"
+
+    return Done(True, f"{node} set DOWN", undo, {"node": node})
+
+
+def preempt(t: Target, f: Fault) -> Done:
+    code, out, err = lm(t.env, "preempt", t.name, "--mode", "requeue", "--json")
+    if code != 0:
+        return Done(False, f"lmlaunch preempt: {(err or out).strip()[-300:]}")
+    return Done(True, "preempted by a high-priority exclusive job", facts={"preempt": out.strip()[-500:]})
+
+
+def requeue(t: Target, f: Fault) -> Done:
+    try:
+        slurm.requeue(t.job)
+    except UserError as exc:
+        return Done(False, f"scontrol requeue: {exc}"[:300])
+    return Done(True, f"scontrol requeue {t.job}")
+
+
+def ctld_restart(t: Target, f: Fault) -> Done:
+    if stop(t.layout.pidfile("slurmctld"), "slurmctld") is None:
+        return Done(False, "slurmctld was not running")
+
+    def undo() -> str:
+        cluster.ensure_slurmctld(t.layout, lambda line: None)
+        return "slurmctld started again"
+
+    return Done(True, "slurmctld stopped", undo)
+
+
+def dbd_stop(t: Target, f: Fault) -> Done:
+    if stop(t.layout.pidfile("slurmdbd"), "slurmdbd") is None:
+        return Done(False, "slurmdbd was not running")
+
+    def undo() -> str:
+        cluster.ensure_slurmdbd(t.layout, t.ports, lambda line: None)
+        return "slurmdbd started again"
+
+    return Done(True, "slurmdbd stopped", undo)
+
+
+def corrupt_checkpoint(t: Target, f: Fault) -> Done:
+    """A byte changed in the middle of the newest usable checkpoint's largest file (same size, same
+    time: only a checksum can tell), when an older usable one is left to resume from."""
+    usable = [ck for ck in complete_checkpoints(t.run_dir / "checkpoints") if not verify(ck.path)]
+    if len(usable) < 2:  # the run could only end `crashed`, "no usable checkpoint" (docs/run-directory.md)
+        return Done(False, f"{len(usable)} usable checkpoint(s): corrupting one would leave the run none to resume from")
+    newest = usable[-1]
+    files = [p for p in newest.path.rglob("*") if p.is_file() and p.stat().st_size > 0]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    stat = victim.stat()
+    with victim.open("r+b") as fh:
+        fh.seek(stat.st_size // 2)
+        byte = fh.read(1)
+        fh.seek(stat.st_size // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    return Done(True, f"byte {stat.st_size // 2} of {victim.relative_to(t.run_dir)} flipped",
+                facts={"checkpoint_step": newest.step, "file": str(victim.relative_to(t.run_dir))})
+
+
+def batch_kill(t: Target, f: Fault) -> Done:
+    """SIGKILL to the batch script's shell: the child of the batch step's slurmstepd (found by its
+    socket in the batch node's spool directory)."""
+    info = slurm.show_job(t.job) or {}
+    host = info.get("BatchHost", "")
+    if info.get("JobState") != "RUNNING" or not host:
+        return Done(False, f"job {t.job} is {info.get('JobState', 'gone')}")
+    socket_name = f"{t.layout.spool}/slurmd-{host}/{host}_{t.job}.{BATCH_STEP}"
+    listing = subprocess.run(["ss", "-xlpn"], capture_output=True, text=True, check=True).stdout
+    stepd = {int(p) for line in listing.splitlines() if socket_name in line for p in re.findall(r"pid=(\d+)", line)}
+    shells = [pid for pid in _children(stepd)]
+    if not shells:
+        return Done(False, f"no batch script process under {socket_name}")
+    for pid in shells:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return Done(True, f"batch script of job {t.job} on {host} SIGKILLed (pid {shells})", facts={"pids": shells})
+
+
+def _children(parents: set[int]) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid in parents:
+                out.append(int(entry))
+    return out
+
+
+INJECT: dict[str, Callable[[Target, Fault], Done]] = {
+    "rank_kill": rank_kill, "rank_stop": rank_stop, "node_down": node_down, "batch_host_down": batch_host_down,
+    "preempt": preempt,
+    "requeue": requeue, "ctld_restart": ctld_restart, "dbd_stop": dbd_stop,
+    "corrupt_checkpoint": corrupt_checkpoint, "batch_kill": batch_kill,
+}
+
+
+def inject(t: Target, f: Fault) -> Done:
+    """Land ``f`` on ``t`` (SLURM's commands of t's cluster: the caller is inside its own_conf)."""
+    try:
+        return INJECT[f.kind](t, f)
+    except (UserError, OSError, subprocess.SubprocessError) as exc:
+        return Done(False, f"{type(exc).__name__}: {exc}"[:300])
+
+
+def undo_when_possible(done: Done, *, attempts: int = 30, pause_s: float = 1.0) -> str:
+    """Run ``done.undo`` until it works (a node is RESUMEd only once its tasks are gone); what it said."""
+    assert done.undo is not None
+    last = ""
+    for _ in range(attempts):
+        try:
+            return done.undo()
+        except (UserError, OSError, subprocess.SubprocessError) as exc:
+            last = str(exc)
+            time.sleep(pause_s)
+    return f"undo failed: {last[:300]}"

@@ -1,0 +1,225 @@
+"""The verdict of a chaos campaign (chaos_campaign.py): what each fault cost and how the run
+recovered, and whether the run came through whole.
+
+A campaign passes when the run ended COMPLETED at its last step; its per-step losses and final
+weights equal the uninterrupted run's, bit for bit; every fault that ends an attempt shows in the
+ledger and in `lmlaunch history` with the way it was recovered; no attempt resumed from a step
+older than the newest checkpoint that was complete (and not corrupted) when the fault landed;
+and nothing is left behind: no job of the run queued, no node DOWN or drained, no process of the
+job, no temporary file in the run directory, exactly ``keep_last`` checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import waiting
+from chaos_campaign import Campaign, Landing
+from chaos_schedule import SILENT_KINDS
+from preempt_helpers import beats, ends, final_weights, lm, losses_by_step, starts, weights_digest
+
+from lmcore.run.checkpoint_index import complete_checkpoints
+from lmcore.slurm import client as slurm
+
+TEMPORARY = re.compile(r"^\..*\.tmp(-\d+)?$|^\.step-\d+\.tmp$")
+
+
+@dataclass
+class Row:
+    """One fault: where it landed and what it cost."""
+
+    index: int
+    kind: str
+    landed: bool
+    what: str
+    step: int
+    attempt: int | None = None  # the attempt it ended (None: none ended for it)
+    reason: str = ""  # that attempt's end reason
+    recovered: str = ""  # restart in place / spare / requeue / not needed
+    resumed_from: int | None = None
+    steps_lost: int | None = None
+    recovery_s: float | None = None  # the fault -> the next attempt's start line
+    problem: str = ""
+
+
+@dataclass
+class Verdict:
+    seed: int
+    ok: bool
+    final_state: str
+    rows: list[Row]
+    problems: list[str] = field(default_factory=list)
+    goodput: float | None = None
+    wall_s: float = 0.0
+    attempts: int = 0
+
+    def table(self) -> str:
+        head = f"{'#':>3} {'kind':<19} {'step':>5} {'attempt':>7} {'ended as':<13} {'recovered by':<24} " \
+               f"{'from':>5} {'lost':>5} {'s':>6}"
+        lines = [head]
+        for r in self.rows:
+            lines.append(
+                f"{r.index:>3} {r.kind:<19} {r.step:>5} {_s(r.attempt):>7} {r.reason or '-':<13} "
+                f"{(r.recovered if r.landed else 'did not land'):<24} {_s(r.resumed_from):>5} {_s(r.steps_lost):>5} "
+                f"{_s(None if r.recovery_s is None else round(r.recovery_s, 1)):>6}" + (f"  !! {r.problem}" if r.problem else ""))
+        lines.append(f"seed {self.seed}: {'PASSED' if self.ok else 'FAILED'}; job {self.final_state}, "
+                     f"{self.attempts} attempts, goodput {self.goodput if self.goodput is None else round(self.goodput, 3)}, "
+                     f"{self.wall_s:.0f} s")
+        lines += [f"  problem: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def _s(x: object) -> str:
+    return "-" if x is None else str(x)
+
+
+def _row(landing: Landing, c: Campaign, corrupted: set[int]) -> Row:
+    f, done = landing.fault, landing.done
+    row = Row(f.index, f.kind, done.landed, done.what, landing.step)
+    if not done.landed:
+        return row
+    if f.kind == "corrupt_checkpoint":
+        return _corrupted(row, landing, c)
+    if f.kind in SILENT_KINDS:
+        row.recovered = "not needed"
+        return row
+    ended = [e for e in ends(c.run_dir) if e["time"] >= landing.at - 0.5]
+    end = ended[0] if ended else None
+    if end is None or end["reason"] == "completed":
+        row.problem = "no attempt ended for it" if end is None else "the attempt it hit completed"
+        row.recovered = "none seen"
+        return row
+    row.attempt, row.reason = end["attempt"], end["reason"]
+    following = [s for s in starts(c.run_dir) if s["attempt"] == end["attempt"] + 1]
+    if end.get("restart") == "in_place":
+        row.recovered = "restart in place" + (f", spare for {','.join(end['left_out'])}" if end.get("left_out") else "")
+    else:
+        row.recovered = "requeue" if end.get("requeued") or following else "none"
+    if not following:
+        row.problem = f"attempt {end['attempt']} ended {end['reason']} and no attempt followed"
+        return row
+    nxt = following[0]
+    row.resumed_from, row.recovery_s = nxt["start_step"], nxt["time"] - landing.at
+    row.steps_lost = max(0, end["end_step"] - nxt["start_step"])
+    usable = [s for s in landing.complete if s not in corrupted]
+    if usable and nxt["start_step"] < usable[-1]:
+        row.problem = (f"resumed from step {nxt['start_step']}, older than step {usable[-1]}, complete when the "
+                       "fault landed")
+    return row
+
+
+def _corrupted(row: Row, landing: Landing, c: Campaign) -> Row:
+    """A corrupted checkpoint is never resumed from: a later attempt starting at its step must follow
+    a new checkpoint of that step, written after the corruption."""
+    step = landing.done.facts["checkpoint_step"]
+    rewritten = [b["time"] for b in beats(c.run_dir) if b.get("event") == "checkpoint" and b.get("step") == step
+                 and b["time"] > landing.at]
+    later = [s for s in starts(c.run_dir) if s["time"] > landing.at]
+    wrong = [s for s in later if s["start_step"] == step and not any(t < s["time"] for t in rewritten)]
+    if wrong:
+        row.problem = f"attempt {wrong[0]['attempt']} resumed from the corrupted checkpoint of step {step}"
+    skipped = [s for s in later if s["start_step"] < step and not any(t < s["time"] for t in rewritten)]
+    row.attempt = skipped[0]["attempt"] if skipped else None
+    row.resumed_from = skipped[0]["start_step"] if skipped else None
+    row.recovered = "skipped at resume" if skipped else ("rewritten" if rewritten else "never read")
+    return row
+
+
+def _losses(c: Campaign, reference: dict) -> list[str]:
+    got = losses_by_step(c.run_dir)
+    diverged = sorted(s for s, vs in got.items() if any(v != reference["losses"].get(s) for v in vs))
+    if diverged:
+        s = diverged[0]
+        return [f"first divergence at step {s}: losses {got[s]} against the uninterrupted {reference['losses'].get(s)}"]
+    return []
+
+
+def _weights(c: Campaign, reference: dict) -> list[str]:
+    try:
+        got = final_weights(c.run_dir)
+    except AssertionError as exc:
+        return [str(exc)]
+    if got["step"] != reference["step"] or weights_digest(got) != reference["digest"]:
+        return [f"final weights (step {got['step']}) differ from the uninterrupted run's (step {reference['step']})"]
+    return []
+
+
+def _history(c: Campaign, env: dict[str, str]) -> tuple[list[str], float | None]:
+    code, out, err = lm(env, "history", c.name, "--json")
+    if code != 0:
+        return [f"lmlaunch history exited {code}: {err[-300:]}"], None
+    told = json.loads(out)
+    seen = [(a["attempt"], a["reason"]) for a in told["attempts"]]
+    ledger = [(e["attempt"], e["reason"]) for e in ends(c.run_dir)]
+    problems = [] if seen == ledger else [f"history tells attempts {seen}, the ledger {ledger}"]
+    code, out, _ = lm(env, "history", c.name)
+    if code != 0 or not all(reason in out for _, reason in ledger):
+        problems.append(f"`lmlaunch history {c.name}` does not name every attempt's end:\n{out[-1500:]}")
+    return problems, told.get("goodput")
+
+
+def leftovers(c: Campaign, keep_last: int) -> list[str]:
+    """What the run left behind on the cluster and in its run directory."""
+    out = []
+    queued = [j for j in slurm.squeue() if j.job_id == c.job]
+    out += [f"job {j.job_id} still queued ({j.state})" for j in queued]
+    waiting.until(lambda: not any("comp" in n.state.lower() for n in slurm.nodes()),
+                  progress=lambda: tuple((n.name, n.state) for n in slurm.nodes()), what="nodes done completing")
+    out += [f"node {n.name} is {n.state} ({n.reason})" for n in slurm.nodes()
+            if any(w in n.state.lower() for w in ("down", "drain", "fail"))]
+    out += [f"process {pid} of job {c.job} still runs: {cmd}" for pid, cmd in _job_processes(c.job, c.run_dir)]
+    for path in c.run_dir.rglob("*"):
+        if TEMPORARY.match(path.name):
+            out.append(f"temporary file left: {path.relative_to(c.run_dir)}")
+    ckpts = c.run_dir / "checkpoints"
+    complete = [ck.step for ck in complete_checkpoints(ckpts)]
+    steps = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) if ckpts.is_dir() else []
+    if len(complete) != keep_last or len(steps) != keep_last:
+        out.append(f"checkpoints: {steps} on disk, complete {complete}; keep_last is {keep_last}")
+    return out
+
+
+def _job_processes(job: str, run_dir: Path) -> list[tuple[int, str]]:
+    found = []
+    needle, path = f"SLURM_JOB_ID={job}\0".encode(), str(run_dir).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in environ or path in cmd:
+            found.append((int(entry), cmd.replace(b"\0", b" ").decode(errors="replace")[:200]))
+    return found
+
+
+def judge(c: Campaign, reference: dict, env: dict[str, str], *, keep_last: int) -> Verdict:
+    """The verdict of campaign ``c`` against the uninterrupted ``reference`` (chaos_campaign.reference);
+    the caller is inside the worker cluster's own_conf."""
+    corrupted: set[int] = set()
+    rows = []
+    for landing in c.landings:
+        rows.append(_row(landing, c, corrupted))
+        if landing.done.landed and landing.fault.kind == "corrupt_checkpoint":
+            corrupted.add(landing.done.facts["checkpoint_step"])
+    problems = [f"fault #{r.index} {r.kind}: {r.problem}" for r in rows if r.problem]
+    last = ends(c.run_dir)[-1:] or [{}]
+    if c.final_state != "COMPLETED" or last[0].get("reason") != "completed" or \
+            last[0].get("end_step") != c.schedule.max_steps:
+        problems.append(f"the job ended {c.final_state}, its last attempt {last[0]}")
+    problems += _losses(c, reference) + _weights(c, reference)
+    told, goodput = _history(c, env)
+    problems += told + [f"left behind: {x}" for x in leftovers(c, keep_last)]
+    undone = [la for la in c.landings if la.done.undo is not None and la.done.landed]
+    problems += [f"fault #{la.fault.index} not undone: {la.undone}" for la in undone if la.undone.startswith("undo failed")]
+    return Verdict(c.schedule.seed, not problems, c.final_state, rows, problems, goodput, c.ended - c.began,
+                   len(starts(c.run_dir)))
