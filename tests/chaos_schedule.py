@@ -100,12 +100,12 @@ class Schedule:
 
 def draw(seed: int, *, faults: int, max_steps: int, every: int, ranks: int = 2, overlap_p: float = 0.2,
          kinds: dict[str, Kind] | None = None, must: tuple[str, ...] = ()) -> Schedule:
-    """``faults`` faults drawn from ``kinds`` (default :data:`KINDS`) by weight, ``must`` kinds among them
-    for sure, their steps spread over the run after its first checkpoint and before its last
+    """``faults`` faults: the ``must`` kinds (any of :data:`KINDS`) for sure, the rest drawn by weight from
+    ``kinds`` (default :data:`KINDS`), their steps spread over the run after its first checkpoint and before its last
     interval (each at a step of its own, so that the run makes progress between them), a fault
     overlapping the one before with probability ``overlap_p``. Pure: the seed decides everything."""
     catalogue = kinds or KINDS
-    unknown = sorted(set(must) - set(catalogue))
+    unknown = sorted(set(must) - set(KINDS))
     if unknown or len(must) > faults:
         raise ValueError(f"must {list(must)}: unknown {unknown} or more than {faults} faults")
     rng = random.Random(seed)
@@ -118,7 +118,7 @@ def draw(seed: int, *, faults: int, max_steps: int, every: int, ranks: int = 2, 
     steps = sorted(rng.sample(range(first, last + 1), faults))
     out = []
     for i, (kind, step) in enumerate(zip(drawn, steps, strict=True)):
-        spec = catalogue[kind]
+        spec = KINDS[kind]
         overlap = i > 0 and rng.random() < overlap_p
         target = rng.randrange(ranks) if spec.target in ("rank", "node") else 0
         hold = round(rng.uniform(*spec.hold), 2) if spec.hold != (0.0, 0.0) else 0.0

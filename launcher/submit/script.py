@@ -35,6 +35,7 @@ from typing import Any
 
 from launcher.submit import hetjob
 from launcher.submit.container_lines import container_task_command, host_lines, stop_lines
+from launcher.submit.keeper import keeper_lines
 from launcher.submit.shell import export_line, shell_quote
 from lmcore.job.container import ContainerPlan
 from lmcore.job.plan import LaunchPlan
@@ -188,7 +189,7 @@ def restart_loop_head(plan: LaunchPlan) -> list[str]:
             "lmlaunch_overlap=  # set from the first restart on (launcher.submit.script.restart_srun_prefix)",
             "# a preemption that lands between two sruns signals no task of the next: do not start one then",
             "lmlaunch_preempting() { scontrol show job \"$SLURM_JOB_ID\" 2>/dev/null | grep -q 'PreemptTime=[0-9]'; }",
-            "while :; do"]
+            "while :; do", *keeper_lines(plan)]
 
 
 def restart_loop_tail(plan: LaunchPlan) -> str:

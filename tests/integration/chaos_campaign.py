@@ -9,6 +9,7 @@ long one (bench/chaos.py). Both call :func:`run`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -34,8 +35,9 @@ from slurm_helpers import TERMINAL
 
 from launcher.localcluster import cluster
 from launcher.localcluster.config import Layout, Ports
+from lmcore.errors import UserError
 from lmcore.run.checkpoint_index import complete_checkpoints
-from lmcore.slurm import client as slurm
+from lmcore.slurm import admin as rehearsal, client as slurm
 
 
 # What the run asks beyond the uninterrupted reference's spec (none of it changes a number): a
@@ -80,13 +82,27 @@ def _attempt_now(run_dir: Path, job: str) -> int | None:
     return begun[-1]["attempt"] if info.get("JobState") == "RUNNING" and begun else None
 
 
+def _start_early(job: str) -> None:
+    """A requeued job waits for its BeginTime (~2 min here); start it once it may (tests' own rule,
+    preempt_helpers.start_if_begin_time), also when SLURM gives another reason (a job requeued after
+    its batch node failed pends as JobLaunchFailure until the same BeginTime)."""
+    info = slurm.show_job(job) or {}
+    if info.get("JobState") == "PENDING" and info.get("Reason") in ("JobLaunchFailure", "NodeDown"):
+        begins = slurm.parse_time(info.get("EligibleTime"))
+        if begins is not None and begins > time.time() and rehearsal.ready_to_start(job):
+            with contextlib.suppress(UserError):
+                rehearsal.start_now(job)
+        return
+    start_if_begin_time(job)
+
+
 def _wait(run_dir: Path, job: str, reached: Callable[[], object], what: str) -> object:
     """Until ``reached()`` or the job ended, starting a requeued job at once, while the run advances."""
     def check():
         return reached() or (slurm.state_group(slurm.job_state(job)) in TERMINAL and "ended")
 
     return waiting.until(check, progress=run_progress(run_dir, job), poll=0.2,
-                         on_poll=lambda: start_if_begin_time(job), what=f"{run_dir.name}: {what}",
+                         on_poll=lambda: _start_early(job), what=f"{run_dir.name}: {what}",
                          explain=lambda: f"ledger {ledger(run_dir)}\n{log_tail(run_dir)}")
 
 

@@ -3,6 +3,10 @@
 commands, its daemons stopped and started, bytes changed on disk. Nothing here goes through
 lmtrain's fault-injection seam: the run learns of a fault as it would on a cluster.
 
+The daemons a fault stops are started again as `lmlaunch cluster up` starts them on the machine's own
+SLURM (22.05 or 24.11 by the Debian release); a cluster of another version in its Debian root is not
+yet a campaign's (bench/chaos.py refuses --slurm).
+
 Each injector returns what it did (``landed``: False when the fault could not land, e.g. a
 preemption of a job that is pending, with why) and, for a fault that lasts, an undo the campaign
 calls after the fault's hold time (a node RESUMEd, a daemon started again).
@@ -25,7 +29,7 @@ from preempt_helpers import lm, starts
 
 from launcher.localcluster import cluster
 from launcher.localcluster.config import Layout, Ports
-from launcher.localcluster.daemons import stop
+from launcher.localcluster.daemons import running_from_pidfile, stop
 from launcher.submit.rehearsal import resume_node
 from lmcore.errors import UserError
 from lmcore.run.checkpoint_index import complete_checkpoints, verify
@@ -113,12 +117,35 @@ def _fail_node(t: Target, f: Fault, *, batch_host: bool) -> Done:
     # again (launcher.submit.rehearsal: a failed node takes no job until it is RESUMEd)
     rehearsal.set_node_state(node, "DRAIN", reason=f"chaos fault #{f.index}")
     rehearsal.set_node_state(node, "DOWN", reason=f"chaos fault #{f.index}")
-
-    def undo() -> str:
+    names = tuple(n.name for n in slurm.nodes())
+    killed = _kill_job_on_node(t, node)  # the node dies: its slurmd and what the job ran there
+    def undo() -> str:  # the node boots again: RESUMEd, then a fresh slurmd (no memory of the job) registers
         resume_node(node)
-        return f"{node} RESUMEd"
+        cluster.ensure_slurmd(t.layout, lambda line: None, names)
+        return f"{node} back (slurmd started, RESUMEd)"
 
-    return Done(True, f"{node} set DOWN", undo, {"node": node})
+    return Done(True, f"{node} set DOWN, the job's {len(killed)} processes there SIGKILLed", undo,
+                {"node": node, "killed": killed})
+
+
+def _kill_job_on_node(t: Target, node: str) -> list[int]:
+    """SIGKILL the node's slurmd and every process of the job on it (each step's slurmstepd, found by
+    its socket in the node's spool directory, and what runs under it), as a node that loses power:
+    a slurmd left running would remember the job and refuse its next run there ("Job already
+    running, do not launch second copy", and SLURM holds the job)."""
+    prefix = f"{t.layout.spool}/slurmd-{node}/{node}_{t.job}."
+    listing = subprocess.run(["ss", "-xlpn"], capture_output=True, text=True, check=True).stdout
+    stepds = {int(p) for line in listing.splitlines() if prefix in line for p in re.findall(r"pid=(\d+)", line)}
+    slurmd = running_from_pidfile(t.layout.run / f"slurmd-{node}.pid")
+    victims, todo = [], [*([slurmd] if slurmd else []), *stepds]
+    while todo:
+        pid = todo.pop()
+        victims.append(pid)
+        todo.extend(_children({pid}))
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return victims
 
 
 def preempt(t: Target, f: Fault) -> Done:

@@ -12,8 +12,10 @@ fault, and nothing is left behind (tests/integration/chaos_verdict.py).
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+from pathlib import Path
 
 import chaos_campaign
 import chaos_schedule
@@ -27,12 +29,15 @@ from launcher.localcluster import cluster
 
 FAULTS = 4
 # A rank killed and a node failed in every campaign (the restart in place and the spare, the paths the
-# single-fault tests of those took before); the rest drawn from the catalogue by weight.
+# single-fault tests of those took before); the rest drawn by weight from the catalogue but for more
+# failed nodes: a second one, with the spare taken, sends the job back to the queue, and a requeue
+# after a node failure waits out SLURM's BeginTime here (about 2 minutes each: the suite's budget).
+# The long campaign (bench/chaos.py) draws them all; the batch node's failure is replayed below.
 MUST = ("rank_kill", "node_down")
-# The catalogue but for the batch script's node failing: with spare nodes (sbatch --no-kill) SLURM ends
-# the job FAILED, never requeued, and no rank is left that requeues it (found by the campaign, seed 7;
-# docs/chaos.md, "What the campaigns found"). It stays out of the suite's draw until that is fixed.
-KINDS = {k: v for k, v in chaos_schedule.KINDS.items() if k != "batch_host_down"}
+KINDS = {k: v for k, v in chaos_schedule.KINDS.items() if k not in ("node_down", "batch_host_down")}
+# Schedules a campaign failed on, each replayed as it was found once its cause was fixed
+# (tests/integration/chaos_found/*.json: seed, faults; the file's "found" says what failed and the fix).
+FOUND = sorted((Path(__file__).parent / "chaos_found").glob("*.json"))
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +48,37 @@ def reference(slurm_cluster, module_env, module_jobs):
 def test_a_short_chaos_campaign_with_a_fresh_seed_ends_bit_identical_and_leaves_nothing_behind(
         reference, module_env, capsys):
     seed = int(os.environ.get("LMLAUNCH_CHAOS_SEED") or secrets.randbelow(2**31))
-    schedule = chaos_schedule.draw(seed, faults=FAULTS, max_steps=MAX_STEPS, every=EVERY, must=MUST, kinds=KINDS)
+    schedule = chaos_schedule.draw(seed, faults=FAULTS, max_steps=MAX_STEPS, every=EVERY, must=MUST,
+                                   kinds=KINDS)
     said: list[str] = []
-    with capsys.disabled():
-        print(f"\nchaos campaign: seed {seed} (LMLAUNCH_CHAOS_SEED={seed} draws it again)", flush=True)
-        for f in schedule.faults:
-            print("  " + f.label(), flush=True)
+
+    def say(line: str) -> None:  # live on the terminal (the CI log), and in the failure's message
+        said.append(line)
+        with capsys.disabled():
+            print(line, flush=True)
+
+    say(f"\nchaos campaign: seed {seed} (LMLAUNCH_CHAOS_SEED={seed} draws it again)")
+    for f in schedule.faults:
+        say("  " + f.label())
     name = job_name("pr", "chaos")
     with own_worker_cluster(name, nodes=3) as claim, cluster.own_conf(claim.layout):
         env = {**module_env, **claim.environ()}
-        campaign = chaos_campaign.run(schedule, env, claim.layout, claim.ports, name, pace_s=PACE_S, say=said.append)
+        campaign = chaos_campaign.run(schedule, env, claim.layout, claim.ports, name, pace_s=PACE_S, say=say)
         verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
     assert verdict.ok, "\n".join([*said, verdict.table(), "schedule:", schedule.to_json()])
     landed = [r for r in verdict.rows if r.landed]
     assert landed, verdict.table()  # a campaign whose faults all missed proves nothing
+
+
+@pytest.mark.parametrize("found", FOUND, ids=[p.stem for p in FOUND])
+def test_a_schedule_a_campaign_failed_on_passes_replayed(reference, module_env, found):
+    raw = json.loads(found.read_text())
+    schedule = chaos_schedule.Schedule.from_json(json.dumps(raw["schedule"]))
+    said: list[str] = []
+    name = job_name("pr", "chaos-" + found.stem[:12])
+    with own_worker_cluster(name, nodes=3) as claim, cluster.own_conf(claim.layout):
+        env = {**module_env, **claim.environ()}
+        campaign = chaos_campaign.run(schedule, env, claim.layout, claim.ports, name, pace_s=PACE_S, say=said.append)
+        verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
+    assert verdict.ok, "\n".join([raw["found"], *said, verdict.table()])
+    assert all(r.landed for r in verdict.rows), verdict.table()  # the faults that found it landed again

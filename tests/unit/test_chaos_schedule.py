@@ -29,6 +29,10 @@ def test_the_kinds_a_schedule_must_hold_are_in_it_and_bad_settings_are_refused()
         kinds = draw(seed, faults=3, max_steps=80, every=10, must=("rank_kill", "node_down")).kinds()
         assert kinds.get("rank_kill", 0) >= 1 and kinds.get("node_down", 0) >= 1
     assert len({draw(seed, faults=4, max_steps=80, every=10).faults for seed in range(20)}) == 20
+    few = {"preempt": KINDS["preempt"]}  # the must kinds come from the whole catalogue, the rest from kinds
+    for seed in range(10):
+        assert sorted(draw(seed, faults=3, max_steps=80, every=10, must=("node_down",), kinds=few).kinds()) == [
+            "node_down", "preempt"]
     with pytest.raises(ValueError, match="unknown"):
         draw(1, faults=2, max_steps=80, every=10, must=("meteor",))
     with pytest.raises(ValueError, match="do not fit"):

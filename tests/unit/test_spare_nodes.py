@@ -103,22 +103,31 @@ def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, run
     # the loop: rank 0's request names the nodes to leave out; the next srun leaves them out
     run_dir, calls = tmp_path / "run", tmp_path / "calls"
     run_dir.mkdir()
+    keepers = tmp_path / "keepers"
     fake = "\n".join([
         'scontrol() { echo "   PreemptTime=None"; }',
-        'srun() { echo "$*" >> ' + str(calls) + "; n=$(wc -l < " + str(calls) + ")",
+        'srun() { case "$*" in *lmtrain.task.keeper*) echo "$*" >> ' + str(keepers) + "; return 0;; esac",
+        '  echo "$*" >> ' + str(calls) + "; n=$(wc -l < " + str(calls) + ")",
         '  if [ "$n" -eq 1 ]; then printf "77\\nn2\\n" > "$LMLAUNCH_RUN_DIR/RESTART_IN_PLACE"; return 1; fi',
         "  return 0; }",
     ])
     body = "\n".join(x for x in script[script.index("# setup"):].splitlines()
                      if not x.startswith("export LMLAUNCH_RUN_DIR="))
     proc = subprocess.run(["bash", "-c", fake + "\n" + body], capture_output=True, text=True, timeout=waiting.HANG_S,
-                          env={"SLURM_JOB_ID": "77", "LMLAUNCH_RUN_DIR": str(run_dir), "PATH": "/usr/bin:/bin"})
+                          env={"SLURM_JOB_ID": "77", "LMLAUNCH_RUN_DIR": str(run_dir), "PATH": "/usr/bin:/bin",
+                               "SLURMD_NODENAME": "n1"})
     assert proc.returncode == 0, proc.stderr
     first, second = calls.read_text().splitlines()
     # the restart also overlaps the step before (a dead node's step stays RUNNING in the controller)
     assert "--exclude" not in first and "--overlap" not in first
     assert "--nodes=1 --ntasks=1 --no-kill --overlap --exclude=n2 " in second
     assert "restarting the ranks in place (1; srun exited 1; not on n2)" in proc.stderr
+    # the job's keeper (lmtrain.task.keeper): started again at each turn it is not running (this fake's
+    # ends at once), never on the batch script's node nor on one the ranks left out
+    kept = keepers.read_text().splitlines()
+    assert len(kept) == 2 and all(k.startswith("--overlap --nodes=1 --ntasks=1 ") for k in kept), kept
+    assert "--exclude=n1 " in kept[0] and "--exclude=n1,n2 " in kept[1], kept
+    assert f"-m lmtrain.task.keeper {run_dir} " in kept[0] and kept[0].endswith("/77_keeper.log"), kept
 
 
 def test_the_dry_run_refuses_spares_the_partition_cannot_hold_as_submit_does(repo, runs_root):
@@ -132,6 +141,7 @@ def test_without_spares_the_script_is_as_before(repo, runs_root):
     srun = next(x for x in script.splitlines() if x.startswith("srun "))
     assert code == 0 and "#SBATCH --no-kill" not in script and "#SBATCH --nodes=2" in script, err
     assert "--no-kill" not in srun and "--exclude" not in srun and "--nodes=" not in srun
+    assert "lmtrain.task.keeper" not in script  # SLURM requeues a job without --no-kill whose batch node fails
 
 
 @pytest.mark.parametrize("overrides, words", [

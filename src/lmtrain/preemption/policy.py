@@ -352,12 +352,10 @@ class Gate:
         return json.dumps(self.__dict__)
 
 
-# SLURM's word for an attempt that wrote no end line -> the ledger's reason. REQUEUED: SLURM took the
-# allocation back and queued the job again (a preemption, `scontrol requeue`) while the tasks could
-# not say so (one was already gone: a killed rank 0 being restarted); a node failure says NODE_FAIL.
-_PREVIOUS_REASONS = {"NODE_FAIL": "node_failure", "PREEMPTED": "preempted", "REQUEUED": "preempted",
-                     "REQUEUE_HOLD": "preempted", "TIMEOUT": "timeout", "CANCELLED": "cancelled",
-                     "OUT_OF_MEMORY": "crashed", "FAILED": "crashed"}
+# SLURM's word for an attempt without an end line -> its reason. REQUEUED: SLURM took the allocation
+# back (a preemption, `scontrol requeue`) while a killed rank 0 was being restarted: not a node failure.
+_PREVIOUS_REASONS = {"NODE_FAIL": "node_failure", "PREEMPTED": "preempted", "REQUEUED": "preempted", "REQUEUE_HOLD":
+                     "preempted", "TIMEOUT": "timeout", "CANCELLED": "cancelled", "OUT_OF_MEMORY": "crashed", "FAILED": "crashed"}
 
 
 def start_gate(f: StartFacts, policy: PreemptionPlan) -> Gate:
