@@ -106,6 +106,7 @@ def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, run
     keepers = tmp_path / "keepers"
     fake = "\n".join([
         'scontrol() { echo "   PreemptTime=None"; }',
+        'squeue() { printf "batch\\nextern\\npython\\n"; }  # the ranks\' step runs: the keeper may start',
         'srun() { case "$*" in *lmtrain.task.keeper*) echo "$*" >> ' + str(keepers) + "; return 0;; esac",
         '  echo "$*" >> ' + str(calls) + "; n=$(wc -l < " + str(calls) + ")",
         '  if [ "$n" -eq 1 ]; then printf "77\\nn2\\n" > "$LMLAUNCH_RUN_DIR/RESTART_IN_PLACE"; return 1; fi',
@@ -113,7 +114,8 @@ def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, run
     ])
     body = "\n".join(x for x in script[script.index("# setup"):].splitlines()
                      if not x.startswith("export LMLAUNCH_RUN_DIR="))
-    proc = subprocess.run(["bash", "-c", fake + "\n" + body], capture_output=True, text=True, timeout=waiting.HANG_S,
+    # wait: the keeper's srun runs in the background
+    proc = subprocess.run(["bash", "-c", fake + "\n" + body + "\nwait"], capture_output=True, text=True, timeout=waiting.HANG_S,
                           env={"SLURM_JOB_ID": "77", "LMLAUNCH_RUN_DIR": str(run_dir), "PATH": "/usr/bin:/bin",
                                "SLURMD_NODENAME": "n1"})
     assert proc.returncode == 0, proc.stderr
@@ -125,7 +127,7 @@ def test_the_script_asks_for_the_spares_and_runs_the_ranks_beside_them(repo, run
     # the job's keeper (lmtrain.task.keeper): started again at each turn it is not running (this fake's
     # ends at once), never on the batch script's node nor on one the ranks left out
     kept = keepers.read_text().splitlines()
-    assert len(kept) == 2 and all(k.startswith("--overlap --nodes=1 --ntasks=1 ") for k in kept), kept
+    assert len(kept) == 2 and all(k.startswith("--overlap --job-name=lmlaunch-keeper --nodes=1 --ntasks=1 ") for k in kept), kept
     assert "--exclude=n1 " in kept[0] and "--exclude=n1,n2 " in kept[1], kept
     assert f"-m lmtrain.task.keeper {run_dir} " in kept[0] and kept[0].endswith("/77_keeper.log"), kept
 
