@@ -61,7 +61,6 @@ class Landing:
     complete: tuple[int, ...]  # the complete checkpoints' steps just before it landed
     done: Done
     undone: str = ""
-    undone_at: float | None = None
 
 
 @dataclass
@@ -121,7 +120,6 @@ def _undo_later(landing: Landing, say: Callable[[str], None], layout: Layout) ->
         time.sleep(landing.fault.hold_s)
         with cluster.own_conf(layout):
             landing.undone = undo_when_possible(landing.done)
-        landing.undone_at = time.time()
         say(f"          #{landing.fault.index} undone: {landing.undone}")
 
     thread = threading.Thread(target=later, daemon=True)
