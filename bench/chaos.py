@@ -9,7 +9,7 @@ run, bit for bit, and looks for anything left behind; the table says per fault h
 recovered and what it cost.
 
     python bench/chaos.py [--seed N] [--faults 40] [--steps 1200] [--every 10] [--pace 0.5]
-                          [--replay SCHEDULE.json] [--out DIR] [--kinds a,b]
+                          [--replay SCHEDULE.json] [--out DIR] [--kinds a,b] [--slurm 26.05]
 
 The seed is printed first, the schedule saved (``DIR/schedule.json``) before the run starts, the
 verdict's table and a JSON line at the end; exit 1 on a failed verdict. ``--replay`` runs a saved
@@ -35,6 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "src"), str(REPO / "tests"), str(REPO / "t
 import chaos_campaign
 import chaos_schedule
 import chaos_verdict
+from chaos_faults import small_filesystem
 from slurm_helpers import own_worker_cluster
 
 from launcher.localcluster import cluster
@@ -49,7 +50,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pace", type=float, default=0.5, help="seconds of sleep after each step (numbers unchanged)")
     p.add_argument("--overlap", type=float, default=0.2, help="the chance that a fault lands with the one before")
     p.add_argument("--kinds", default="", help="only these kinds, comma-separated (default: the whole catalogue)")
-    p.add_argument("--slurm", default=None, help="another SLURM version (refused for now: the machine's own only)")
+    p.add_argument("--slurm", default=None, help="another SLURM release's cluster (24.11, 26.05: in its Debian root; "
+                   "default: the machine's own)")
     p.add_argument("--replay", type=Path, help="a saved schedule.json to run again as it was")
     p.add_argument("--out", type=Path, help="where the schedule, the verdict and the runs go (default: a temporary folder)")
     return p.parse_args(argv)
@@ -65,9 +67,8 @@ def _schedule(a: argparse.Namespace) -> chaos_schedule.Schedule:
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
-    if a.slurm:  # the faults start the daemons they stopped as the machine's own SLURM runs them
-        raise SystemExit(f"--slurm {a.slurm}: the campaign runs on the machine's own SLURM only, for now "
-                         "(tests/integration/chaos_faults.py restarts the daemons the native way)")
+    if a.slurm:  # a worker cluster of that release, in its Debian root (as the suite's other-version phase)
+        os.environ["LMLAUNCH_TEST_SLURM"] = a.slurm
     schedule = _schedule(a)
     out = a.out or Path(tempfile.mkdtemp(prefix="chaos-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -82,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         reference = chaos_campaign.reference(env, f"{tag}-reference", schedule.max_steps)
         print(f"reference: {schedule.max_steps} steps uninterrupted in {time.time() - t0:.0f} s", flush=True)
-        campaign = chaos_campaign.run(schedule, env, claim.layout, claim.ports, f"{tag}-run", pace_s=a.pace,
-                                      say=lambda line: print(line, flush=True))
-        verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
+        with small_filesystem(out / "checkpoints-fs", a.slurm) as fs:  # a full disk fills this one
+            campaign = chaos_campaign.run(schedule, env, claim.layout, f"{tag}-run", pace_s=a.pace,
+                                          small_fs=fs, say=lambda line: print(line, flush=True))
+            verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
     print(verdict.table())
     (out / "verdict.json").write_text(verdict.to_json() + "\n")
     print(json.dumps({"bench": "chaos", "seed": schedule.seed, "ok": verdict.ok, "faults": len(schedule.faults),

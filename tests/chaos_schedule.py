@@ -38,16 +38,18 @@ KINDS: dict[str, Kind] = {
     "batch_host_down": Kind(1.0, "the batch script's node (rank 0's) set DOWN, RESUMEd later", "", (4.0, 20.0)),
     "preempt": Kind(2.0, "a preemption by a high-priority exclusive job on the run's nodes"),
     "requeue": Kind(1.0, "scontrol requeue of the run's job"),
+    "time_limit": Kind(1.0, "the job's time limit lowered so that it is reached within minutes (warning signal first)"),
     "ctld_restart": Kind(1.0, "slurmctld killed, started again later (its state kept)", "", (0.0, 6.0)),
     "dbd_stop": Kind(1.0, "slurmdbd stopped for a while (accounting away)", "", (5.0, 30.0)),
     "corrupt_checkpoint": Kind(1.0, "a file of the newest complete checkpoint corrupted on disk"),
+    "disk_full": Kind(1.0, "the checkpoints' filesystem filled up for a while (saves meet ENOSPC)", "", (3.0, 15.0)),
     "batch_kill": Kind(1.0, "the job's batch script SIGKILLed (its step and ranks go with it)"),
 }
 
 # Kinds whose fault a run may survive without an attempt ending (nothing in the ledger shows it
 # unless a later attempt meets its consequence): the controller or accounting away, a corrupted
-# checkpoint newer ones replace.
-SILENT_KINDS = frozenset({"ctld_restart", "dbd_stop", "corrupt_checkpoint"})
+# checkpoint newer ones replace, periodic saves skipped for want of room.
+SILENT_KINDS = frozenset({"ctld_restart", "dbd_stop", "corrupt_checkpoint", "disk_full"})
 
 
 @dataclass(frozen=True)
@@ -99,11 +101,13 @@ class Schedule:
 
 
 def draw(seed: int, *, faults: int, max_steps: int, every: int, ranks: int = 2, overlap_p: float = 0.2,
-         kinds: dict[str, Kind] | None = None, must: tuple[str, ...] = ()) -> Schedule:
+         kinds: dict[str, Kind] | None = None, must: tuple[str, ...] = (), alone: tuple[str, ...] = ()) -> Schedule:
     """``faults`` faults: the ``must`` kinds (any of :data:`KINDS`) for sure, the rest drawn by weight from
     ``kinds`` (default :data:`KINDS`), their steps spread over the run after its first checkpoint and before its last
     interval (each at a step of its own, so that the run makes progress between them), a fault
-    overlapping the one before with probability ``overlap_p``. Pure: the seed decides everything."""
+    overlapping the one before with probability ``overlap_p``, but for a fault of the ``alone``
+    kinds, which neither overlaps nor is overlapped (the verdict then knows its recovery path for
+    sure). Pure: the seed decides everything."""
     catalogue = kinds or KINDS
     unknown = sorted(set(must) - set(KINDS))
     if unknown or len(must) > faults:
@@ -119,7 +123,7 @@ def draw(seed: int, *, faults: int, max_steps: int, every: int, ranks: int = 2, 
     out = []
     for i, (kind, step) in enumerate(zip(drawn, steps, strict=True)):
         spec = KINDS[kind]
-        overlap = i > 0 and rng.random() < overlap_p
+        overlap = i > 0 and rng.random() < overlap_p and kind not in alone and drawn[i - 1] not in alone
         target = rng.randrange(ranks) if spec.target in ("rank", "node") else 0
         hold = round(rng.uniform(*spec.hold), 2) if spec.hold != (0.0, 0.0) else 0.0
         delay = round(rng.uniform(0.0, 2.0 if overlap else 1.0), 2)

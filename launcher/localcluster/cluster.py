@@ -498,6 +498,37 @@ def ensure_slurmd(layout: Layout, say: Say, names: Sequence[str] = NODES) -> Non
         wait_until(lambda: nodes_ready(names), 30, what, log, poll=0.5)
 
 
+def start_daemon(layout: Layout, daemon: str, say: Say, node: str | None = None) -> None:
+    """One daemon of the cluster at ``layout`` started again if it is not running (after a crash, or
+    a test's fault), nothing else touched: ``slurmctld``, ``slurmdbd``, or ``node``'s ``slurmd``
+    (waited for until it listens; the node's state is the controller's to give). On the cluster's
+    own SLURM: inside its Debian root for another release's."""
+    settings = _load_settings(layout)
+    if settings is None or not layout.slurm_conf.exists():
+        raise ClusterError(f"no cluster was started at {layout.root}: `lmlaunch cluster up` first")
+    if not is_native(settings.version) and not debian_root.inside_root():
+        from launcher.localcluster import other_release
+
+        other_release.start_daemon(str(settings.version), layout, daemon, say, node)
+        return
+    with own_conf(layout):
+        if daemon == "slurmctld":
+            ensure_slurmctld(layout, say)
+        elif daemon == "slurmdbd":
+            ensure_slurmdbd(layout, settings.ports, say)
+        elif daemon == "slurmd" and node in settings.ports.node_names:
+            port = settings.ports.nodes[settings.ports.node_names.index(node)]
+            if not running_from_pidfile(layout.run / f"slurmd-{node}.pid"):
+                (layout.spool / f"slurmd-{node}").mkdir(parents=True, exist_ok=True)
+                say(f"starting slurmd -N {node}")
+                run_checked([_which("slurmd") or "slurmd", "-N", node, "-f", str(layout.slurm_conf)], f"slurmd {node}",
+                            env=_conf_env(layout))
+            wait_until(lambda: port_open(port), 60, f"slurmd {node} on port {port}", layout.log / f"slurmd-{node}.log")
+        else:
+            raise UserError(f"start_daemon: {daemon!r} (node {node!r}); slurmctld, slurmdbd, or slurmd with one of "
+                            f"{', '.join(settings.ports.node_names)}")
+
+
 # --------------------------------------------------------------------------- up / down / status
 
 

@@ -39,18 +39,40 @@ PID_REUSE_SLACK_S = 2.0
 
 
 def running_from_pidfile(pidfile: Path) -> int | None:
-    """The pid in ``pidfile`` if that process is alive and is the one that wrote it."""
+    """The pid in ``pidfile`` if that process is alive and is the one that wrote it: it started
+    before the file was written, or (the machine's clock stepped forward since, which moves every
+    process's start as /proc tells it: seen, 42 s on a VM) it is the file's daemon of this cluster by
+    its command line (:func:`names_daemon`)."""
     pid = read_pid(pidfile)
-    if not alive(pid):
+    if pid is None or not alive(pid):
         return None
-    started = started_at(pid)  # type: ignore[arg-type]
+    started = started_at(pid)
     try:
         written = pidfile.stat().st_mtime
     except OSError:
         return None
-    if started is not None and started > written + PID_REUSE_SLACK_S:
+    if started is not None and started > written + PID_REUSE_SLACK_S and not names_daemon(pid, pidfile):
         return None
     return pid
+
+
+def names_daemon(pid: int, pidfile: Path) -> bool:
+    """Whether process ``pid`` is the daemon ``pidfile`` is named for (``slurmctld.pid``,
+    ``slurmd-n2.pid``: slurmd -N n2, ``mariadbd.pid``) of the cluster whose state directory holds
+    the file: its program has the daemon's name and its arguments or environment name that
+    directory (``-f STATE/etc/slurm.conf``, ``SLURM_CONF=...``, ``--datadir=STATE/mysql/data``)."""
+    daemon, _, node = pidfile.stem.partition("-")
+    state = str(pidfile.parent.parent).rstrip("/") + "/"  # w1/ is not w10/
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    if not argv or Path(argv[0]).name != daemon:
+        return False
+    if node and not any(a == "-N" and b == node for a, b in zip(argv, argv[1:])):
+        return False
+    return any(state in arg for arg in argv[1:]) or state in environ
 
 
 def started_at(pid: int) -> float | None:

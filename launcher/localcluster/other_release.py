@@ -56,6 +56,21 @@ def up(version: str, root: Path, layout: Layout, wanted: Settings, say: Say) -> 
     return was_up
 
 
+def start_daemon(version: str, layout: Layout, daemon: str, say: Say, node: str | None = None) -> None:
+    """cluster.start_daemon of ``version``'s cluster at ``layout``, run inside its root."""
+    root = debian_root.root_dir(version)
+    request = {"state": str(layout.root), "daemon": daemon, "node": node}
+    argv = debian_root.inside(root, [sys.executable, "-m", "launcher.localcluster.inside", "start", json.dumps(request)])
+    env = {**os.environ, "LMLAUNCH_CLUSTER_PRIMARY": str(primary_root(version)), "PYTHONUNBUFFERED": "1"}
+    env.pop("SLURM_CONF", None)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=UP_TIMEOUT_S, check=False)
+    for line in proc.stdout.splitlines():
+        say(line)
+    if proc.returncode != 0:
+        raise ClusterError(f"starting {daemon}{' ' + node if node else ''} of the SLURM {version} cluster in {root} "
+                           f"failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+
+
 def release_root(version: str, say: Say) -> None:
     """After `down` of ``version``'s primary cluster: the root's munged is stopped by then, so its
     mounts can go (`up` mounts them again)."""

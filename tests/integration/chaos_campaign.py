@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import waiting
-from chaos_faults import Done, Target, inject, undo_when_possible
+from chaos_faults import FILLER, Done, Target, checkpoint_dir, inject, undo_when_possible
 from chaos_schedule import Fault, Schedule
 from preempt_helpers import (
     current_step,
+    ends,
     final_weights,
+    finish,
     ledger,
     log_tail,
     losses_by_step,
@@ -34,20 +36,26 @@ from preempt_helpers import (
 from slurm_helpers import TERMINAL
 
 from launcher.localcluster import cluster
-from launcher.localcluster.config import Layout, Ports
+from launcher.localcluster.config import Layout
 from lmcore.errors import UserError
 from lmcore.run.checkpoint_index import complete_checkpoints
 from lmcore.slurm import admin as rehearsal, client as slurm
 
-
 # What the run asks beyond the uninterrupted reference's spec (none of it changes a number): a
 # spare node, retries enough for every fault a schedule may hold, a hang watchdog that fires
-# within seconds (a stopped rank), and a shorter checkpoint interval given by the schedule.
-def overrides(schedule: Schedule) -> tuple[str, ...]:
+# within seconds (a stopped rank), a warning signal early enough that a lowered time limit leaves
+# time to checkpoint, the checkpoints on the campaign's small filesystem, and a shorter checkpoint
+# interval given by the schedule.
+WARNING_S = 150
+
+
+def overrides(schedule: Schedule, small_fs: Path | None = None) -> tuple[str, ...]:
     n = len(schedule.faults) + 5
     return (f"trainer.max_steps={schedule.max_steps}", f"checkpoint.every_n_steps={schedule.every}",
             "resources.spare_nodes=1", f"preemption.max_crash_retries={n}", f"preemption.max_requeues={n}",
-            f"preemption.no_progress_attempts={n}", "watchdog.hang_timeout_s=10", "watchdog.exit_grace_s=5")
+            f"preemption.max_timeouts={n}", f"preemption.warning_seconds={WARNING_S}",
+            f"preemption.no_progress_attempts={n}", "watchdog.hang_timeout_s=10", "watchdog.exit_grace_s=5",
+            *([f"checkpoint.dir={checkpoint_dir(Path(), small_fs)}"] if small_fs is not None else ()))
 
 
 @dataclass
@@ -67,12 +75,20 @@ class Landing:
 class Campaign:
     schedule: Schedule
     name: str
-    job: str
+    job: str  # the run's job now
     run_dir: Path
+    small_fs: Path | None = None
     landings: list[Landing] = field(default_factory=list)
     final_state: str = ""
     began: float = 0.0
     ended: float = 0.0
+    jobs: list[str] = field(default_factory=list)  # every job of the run, the first one first
+    resumed: list[str] = field(default_factory=list)  # why the run was resubmitted by hand, each time
+    pace_s: float | None = None
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return checkpoint_dir(self.run_dir, self.small_fs)
 
 
 def _attempt_now(run_dir: Path, job: str) -> int | None:
@@ -95,18 +111,40 @@ def _start_early(job: str) -> None:
     start_if_begin_time(job)
 
 
-def _wait(run_dir: Path, job: str, reached: Callable[[], object], what: str) -> object:
-    """Until ``reached()`` or the job ended, starting a requeued job at once, while the run advances."""
+def _wait(c: Campaign, target: Target, reached: Callable[[], object], what: str) -> object:
+    """Until ``reached()`` or the run's job ended for good, starting a requeued job at once and
+    resuming a run a full disk stopped, while the run advances."""
     def check():
-        return reached() or (slurm.state_group(slurm.job_state(job)) in TERMINAL and "ended")
+        if reached():
+            return True
+        if slurm.state_group(slurm.job_state(c.job)) not in TERMINAL:
+            return False
+        return "ended" if not _resumed_after_disk_full(c, target) else False
 
-    return waiting.until(check, progress=run_progress(run_dir, job), poll=0.2,
-                         on_poll=lambda: _start_early(job), what=f"{run_dir.name}: {what}",
-                         explain=lambda: f"ledger {ledger(run_dir)}\n{log_tail(run_dir)}")
+    progress = waiting.watching(run_progress(c.run_dir), lambda: waiting.job(c.job)())  # the job of now
+    return waiting.until(check, progress=progress, poll=0.2,
+                         on_poll=lambda: _start_early(c.job), what=f"{c.run_dir.name}: {what}",
+                         explain=lambda: f"ledger {ledger(c.run_dir)}\n{log_tail(c.run_dir)}")
+
+
+def _resumed_after_disk_full(c: Campaign, target: Target) -> bool:
+    """A stop-time or final checkpoint that found the disk full ends the run ``disk_full``, never
+    requeued (docs/preemption.md): the campaign does what its user would, once the room is back
+    (the fault undone): `lmlaunch submit --resume` with the same spec. Whether it did."""
+    last = (ends(c.run_dir) or [{}])[-1]
+    if last.get("reason") != "disk_full" or (c.run_dir / "DONE").exists():
+        return False
+    if c.small_fs is not None and (c.small_fs / FILLER).exists():
+        return True  # not yet: the room comes back when the fault is undone
+    job, _ = submit(target.env, c.name, *overrides(c.schedule, c.small_fs), "--resume", pace_s=c.pace_s)
+    c.resumed.append(f"attempt {last.get('attempt')} ended disk_full: resubmitted as job {job}")
+    c.job = target.job = job
+    c.jobs.append(job)
+    return True
 
 
 def _land(c: Campaign, target: Target, f: Fault, say: Callable[[str], None]) -> Landing:
-    complete = tuple(ck.step for ck in complete_checkpoints(c.run_dir / "checkpoints"))
+    complete = tuple(ck.step for ck in complete_checkpoints(c.ckpt_dir))
     step, attempt = current_step(c.run_dir), _attempt_now(c.run_dir, c.job)
     done = inject(target, f)
     landing = Landing(f, time.time(), step, attempt, complete, done)
@@ -118,8 +156,11 @@ def _land(c: Campaign, target: Target, f: Fault, say: Callable[[str], None]) -> 
 def _undo_later(landing: Landing, say: Callable[[str], None], layout: Layout) -> threading.Thread:
     def later() -> None:
         time.sleep(landing.fault.hold_s)
-        with cluster.own_conf(layout):
-            landing.undone = undo_when_possible(landing.done)
+        try:
+            with cluster.own_conf(layout):
+                landing.undone = undo_when_possible(landing.done)
+        except Exception as exc:  # the verdict names a fault left in place, whatever stopped its undo
+            landing.undone = f"undo failed: {type(exc).__name__}: {exc}"[:400]
         say(f"          #{landing.fault.index} undone: {landing.undone}")
 
     thread = threading.Thread(target=later, daemon=True)
@@ -127,20 +168,21 @@ def _undo_later(landing: Landing, say: Callable[[str], None], layout: Layout) ->
     return thread
 
 
-def run(schedule: Schedule, env: dict[str, str], layout: Layout, ports: Ports, name: str, *,
-        pace_s: float, say: Callable[[str], None] = print) -> Campaign:
+def run(schedule: Schedule, env: dict[str, str], layout: Layout, name: str, *,
+        pace_s: float, small_fs: Path | None = None, say: Callable[[str], None] = print) -> Campaign:
     """Submit the run, land every fault of ``schedule`` on it, wait for its end and every fault to be
     undone. ``env``: lmlaunch's environment on the worker cluster ``layout``; the caller is inside
-    ``cluster.own_conf(layout)``."""
-    job, run_dir = submit(env, name, *overrides(schedule), pace_s=pace_s)
-    c = Campaign(schedule, name, job, run_dir, began=time.time())
-    target = Target(env, layout, ports, name, job, run_dir)
+    ``cluster.own_conf(layout)``. ``small_fs``: a filesystem of the campaign's own for the
+    checkpoints (chaos_faults.small_filesystem; without it a full disk does not land)."""
+    job, run_dir = submit(env, name, *overrides(schedule, small_fs), pace_s=pace_s)
+    c = Campaign(schedule, name, job, run_dir, small_fs, began=time.time(), jobs=[job], pace_s=pace_s)
+    target = Target(env, layout, name, job, run_dir, WARNING_S, small_fs)
     say(f"campaign seed {schedule.seed}: run {name}, job {job}, {len(schedule.faults)} faults over "
         f"{schedule.max_steps} steps (a checkpoint every {schedule.every})")
     undoing: list[threading.Thread] = []
     for f in schedule.faults:
         if not f.overlap:
-            _wait(run_dir, job, lambda s=f.after_step: current_step(run_dir) >= s, f"step {f.after_step}")
+            _wait(c, target, lambda s=f.after_step: current_step(run_dir) >= s, f"step {f.after_step}")
         time.sleep(f.delay_s)
         landing = _land(c, target, f, say)
         c.landings.append(landing)
@@ -148,9 +190,9 @@ def run(schedule: Schedule, env: dict[str, str], layout: Layout, ports: Ports, n
             undoing.append(_undo_later(landing, say, layout))
     for thread in undoing:  # a node DOWN or the controller away would keep the run from ending
         thread.join()
-    _wait(run_dir, job, lambda: False, "the job's end")
-    c.final_state, c.ended = slurm.job_state(job), time.time()
-    say(f"{c.ended - c.began:7.1f}s  job {job} ended {c.final_state}")
+    _wait(c, target, lambda: False, "the job's end")
+    c.final_state, c.ended = slurm.job_state(c.job), time.time()
+    say(f"{c.ended - c.began:7.1f}s  job {c.job} ended {c.final_state}" + "".join(f"; {r}" for r in c.resumed))
     return c
 
 
@@ -158,8 +200,7 @@ def reference(env: dict[str, str], name: str, max_steps: int) -> dict:
     """The uninterrupted run of the campaign's numbers (as fast as it goes, nothing acting on it): its
     per-step losses and the digest of its final weights."""
     job, run_dir = submit(env, name, f"trainer.max_steps={max_steps}", pace_s=None)
-    _wait(run_dir, job, lambda: False, "the reference's end")
-    state = slurm.job_state(job)
+    state = finish(job, run_dir)
     assert state == "COMPLETED", f"the reference run {name} ended {state}\n{log_tail(run_dir)}"
     losses = losses_by_step(run_dir)
     assert sorted(losses) == list(range(1, max_steps + 1)), sorted(losses)

@@ -3,9 +3,8 @@
 commands, its daemons stopped and started, bytes changed on disk. Nothing here goes through
 lmtrain's fault-injection seam: the run learns of a fault as it would on a cluster.
 
-The daemons a fault stops are started again as `lmlaunch cluster up` starts them on the machine's own
-SLURM (22.05 or 24.11 by the Debian release); a cluster of another version in its Debian root is not
-yet a campaign's (bench/chaos.py refuses --slurm).
+The daemons a fault stops are started again one by one (launcher.localcluster.cluster.start_daemon),
+on the cluster's SLURM: the machine's own, or another release's inside its Debian root.
 
 Each injector returns what it did (``landed``: False when the fault could not land, e.g. a
 preemption of a job that is pending, with why) and, for a fault that lasts, an undo the campaign
@@ -15,20 +14,22 @@ calls after the fault's hold time (a node RESUMEd, a daemon started again).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import waiting
 from chaos_schedule import Fault
-from preempt_helpers import lm, starts
+from preempt_helpers import current_step, lm, starts
 
-from launcher.localcluster import cluster
-from launcher.localcluster.config import Layout, Ports
+from launcher.localcluster import cluster, debian_root
+from launcher.localcluster.config import Layout, is_native
 from launcher.localcluster.daemons import running_from_pidfile, stop
 from launcher.submit.rehearsal import resume_node
 from lmcore.errors import UserError
@@ -45,10 +46,42 @@ class Target:
 
     env: dict[str, str]  # lmlaunch's environment (registry, runs root, the cluster's commands)
     layout: Layout
-    ports: Ports
     name: str
-    job: str
+    job: str  # the run's job now (a run resumed by hand after a full disk has a new one)
     run_dir: Path
+    warning_s: int  # the run's preemption.warning_seconds
+    small_fs: Path | None = None  # the small filesystem of the campaign's own that holds the checkpoints
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return checkpoint_dir(self.run_dir, self.small_fs)
+
+
+def checkpoint_dir(run_dir: Path, small_fs: Path | None) -> Path:
+    """Where the run's checkpoints are: in its run directory, or on the campaign's small filesystem."""
+    return small_fs / "checkpoints" if small_fs is not None else run_dir / "checkpoints"
+
+
+FILLER = ".chaos-filler"  # the file that fills the small filesystem (beside the checkpoints, not among them)
+
+
+@contextlib.contextmanager
+def small_filesystem(where: Path, version: str | None = None, size_mib: int = 16) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` mounted at ``where`` for the campaign's checkpoints (room for a few of
+    the tiny model's), unmounted afterwards: a full disk fills it, not the machine's. For a cluster of
+    another SLURM release (``version``) it is bound at the same path in that release's Debian root,
+    where the jobs run (a mount made here after the root's own does not reach into it)."""
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)], check=True)
+    inside = [] if is_native(version) else [debian_root.root_dir(str(version)) / where.relative_to("/")]
+    try:
+        for point in inside:
+            point.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["mount", "--bind", str(where), str(point)], check=True)
+        yield where
+    finally:
+        for point in [*inside, where]:
+            subprocess.run(["umount", "--lazy", str(point)], check=False)
 
 
 @dataclass
@@ -117,11 +150,11 @@ def _fail_node(t: Target, f: Fault, *, batch_host: bool) -> Done:
     # again (launcher.submit.rehearsal: a failed node takes no job until it is RESUMEd)
     rehearsal.set_node_state(node, "DRAIN", reason=f"chaos fault #{f.index}")
     rehearsal.set_node_state(node, "DOWN", reason=f"chaos fault #{f.index}")
-    names = tuple(n.name for n in slurm.nodes())
     killed = _kill_job_on_node(t, node)  # the node dies: its slurmd and what the job ran there
+
     def undo() -> str:  # the node boots again: RESUMEd, then a fresh slurmd (no memory of the job) registers
         resume_node(node)
-        cluster.ensure_slurmd(t.layout, lambda line: None, names)
+        cluster.start_daemon(t.layout, "slurmd", lambda line: None, node)
         return f"{node} back (slurmd started, RESUMEd)"
 
     return Done(True, f"{node} set DOWN, the job's {len(killed)} processes there SIGKILLed", undo,
@@ -168,7 +201,7 @@ def ctld_restart(t: Target, f: Fault) -> Done:
         return Done(False, "slurmctld was not running")
 
     def undo() -> str:
-        cluster.ensure_slurmctld(t.layout, lambda line: None)
+        cluster.start_daemon(t.layout, "slurmctld", lambda line: None)
         return "slurmctld started again"
 
     return Done(True, "slurmctld stopped", undo)
@@ -179,7 +212,7 @@ def dbd_stop(t: Target, f: Fault) -> Done:
         return Done(False, "slurmdbd was not running")
 
     def undo() -> str:
-        cluster.ensure_slurmdbd(t.layout, t.ports, lambda line: None)
+        cluster.start_daemon(t.layout, "slurmdbd", lambda line: None)
         return "slurmdbd started again"
 
     return Done(True, "slurmdbd stopped", undo)
@@ -188,7 +221,7 @@ def dbd_stop(t: Target, f: Fault) -> Done:
 def corrupt_checkpoint(t: Target, f: Fault) -> Done:
     """A byte changed in the middle of the newest usable checkpoint's largest file (same size, same
     time: only a checksum can tell), when an older usable one is left to resume from."""
-    usable = [ck for ck in complete_checkpoints(t.run_dir / "checkpoints") if not verify(ck.path)]
+    usable = [ck for ck in complete_checkpoints(t.ckpt_dir) if not verify(ck.path)]
     if len(usable) < 2:  # the run could only end `crashed`, "no usable checkpoint" (docs/run-directory.md)
         return Done(False, f"{len(usable)} usable checkpoint(s): corrupting one would leave the run none to resume from")
     newest = usable[-1]
@@ -203,6 +236,72 @@ def corrupt_checkpoint(t: Target, f: Fault) -> Done:
     os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     return Done(True, f"byte {stat.st_size // 2} of {victim.relative_to(t.run_dir)} flipped",
                 facts={"checkpoint_step": newest.step, "file": str(victim.relative_to(t.run_dir))})
+
+
+def time_limit(t: Target, f: Fault) -> Done:
+    """The job's time limit lowered so that it is reached in W - 60 .. W seconds (W: the run's
+    warning_seconds): SLURM sends the warning signal at its next look, then ends the job at the limit
+    unless it requeued itself. Undone (the limit set back) once the attempt it hit is over, before a
+    next one starts with the lowered limit."""
+    info = slurm.show_job(t.job) or {}
+    start, limit = slurm.parse_time(info.get("StartTime")), slurm.parse_duration(info.get("TimeLimit"))
+    if info.get("JobState") != "RUNNING" or start is None or limit is None:
+        return Done(False, f"job {t.job} is {info.get('JobState', 'gone')} (TimeLimit {info.get('TimeLimit')})")
+    elapsed = time.time() - start
+    minutes = int((elapsed + t.warning_s) // 60)
+    if minutes * 60 >= limit or minutes * 60 - elapsed < t.warning_s - 60:
+        return Done(False, f"the time limit ({limit:.0f} s) is near already ({elapsed:.0f} s run)")
+    rehearsal.set_time_limit(t.job, minutes)
+    job, started = t.job, info.get("StartTime")
+
+    def undo() -> str:
+        def over() -> bool:
+            now = slurm.show_job(job) or {}
+            return now.get("JobState") != "RUNNING" or now.get("StartTime") != started
+
+        waiting.until(over, poll=0.2, progress=lambda: current_step(t.run_dir),
+                      what=f"job {job}'s attempt that met its lowered time limit to end")
+        try:
+            rehearsal.set_time_limit(job, int(limit // 60))
+        except UserError:
+            if slurm.is_active(slurm.job_state(job)):
+                raise
+            return f"job {job} ended (its lowered time limit goes with it)"
+        return f"TimeLimit of job {job} back to {limit / 60:.0f} min"
+
+    return Done(True, f"TimeLimit {limit / 60:.0f} -> {minutes} min ({minutes * 60 - elapsed:.0f} s left, the "
+                      f"warning at {t.warning_s} s)", undo, {"minutes": minutes})
+
+
+def disk_full(t: Target, f: Fault) -> Done:
+    """The checkpoints' filesystem filled to the last byte by a file beside them (a save in flight
+    meets ENOSPC, the next ones find no room), emptied again after the fault's hold."""
+    if t.small_fs is None:
+        return Done(False, "the run's checkpoints are not on a small filesystem of the campaign's own")
+    filler = t.small_fs / FILLER
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        chunk = b"\0" * 65536
+        while True:
+            try:
+                if os.write(fd, chunk if len(chunk) > 1 else b"\0") == 0:
+                    break
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if len(chunk) == 1:
+                    break
+                chunk = chunk[: len(chunk) // 2]  # the last pages, to the last byte
+    finally:
+        os.close(fd)
+    size, st = filler.stat().st_size, os.statvfs(t.small_fs)
+
+    def undo() -> str:
+        filler.unlink(missing_ok=True)
+        return f"{filler.name} removed from {t.small_fs}"
+
+    return Done(True, f"{t.small_fs} filled ({size} bytes, {st.f_bavail * st.f_frsize} free)", undo,
+                {"filled": size})
 
 
 def batch_kill(t: Target, f: Fault) -> Done:
@@ -240,8 +339,8 @@ def _children(parents: set[int]) -> list[int]:
 INJECT: dict[str, Callable[[Target, Fault], Done]] = {
     "rank_kill": rank_kill, "rank_stop": rank_stop, "node_down": node_down, "batch_host_down": batch_host_down,
     "preempt": preempt,
-    "requeue": requeue, "ctld_restart": ctld_restart, "dbd_stop": dbd_stop,
-    "corrupt_checkpoint": corrupt_checkpoint, "batch_kill": batch_kill,
+    "requeue": requeue, "time_limit": time_limit, "ctld_restart": ctld_restart, "dbd_stop": dbd_stop,
+    "corrupt_checkpoint": corrupt_checkpoint, "disk_full": disk_full, "batch_kill": batch_kill,
 }
 
 

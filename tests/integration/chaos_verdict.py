@@ -19,6 +19,7 @@ from pathlib import Path
 
 import waiting
 from chaos_campaign import Campaign, Landing
+from chaos_faults import FILLER
 from chaos_schedule import SILENT_KINDS
 from preempt_helpers import beats, ends, final_weights, lm, losses_by_step, starts, weights_digest
 
@@ -58,13 +59,13 @@ class Verdict:
     attempts: int = 0
 
     def table(self) -> str:
-        head = f"{'#':>3} {'kind':<19} {'step':>5} {'attempt':>7} {'ended as':<13} {'recovered by':<24} " \
+        head = f"{'#':>3} {'kind':<19} {'step':>5} {'attempt':>7} {'ended as':<13} {'recovered by':<34} " \
                f"{'from':>5} {'lost':>5} {'s':>6}"
         lines = [head]
         for r in self.rows:
             lines.append(
                 f"{r.index:>3} {r.kind:<19} {r.step:>5} {_s(r.attempt):>7} {r.reason or '-':<13} "
-                f"{(r.recovered if r.landed else 'did not land'):<24} {_s(r.resumed_from):>5} {_s(r.steps_lost):>5} "
+                f"{(r.recovered if r.landed else 'did not land'):<34} {_s(r.resumed_from):>5} {_s(r.steps_lost):>5} "
                 f"{_s(None if r.recovery_s is None else round(r.recovery_s, 1)):>6}" + (f"  !! {r.problem}" if r.problem else ""))
         lines.append(f"seed {self.seed}: {'PASSED' if self.ok else 'FAILED'}; job {self.final_state}, "
                      f"{self.attempts} attempts, goodput {self.goodput if self.goodput is None else round(self.goodput, 3)}, "
@@ -87,21 +88,29 @@ def _row(landing: Landing, c: Campaign, corrupted: set[int]) -> Row:
         return row
     if f.kind == "corrupt_checkpoint":
         return _corrupted(row, landing, c)
+    if f.kind == "disk_full":
+        return _filled(row, landing, c)
     if f.kind in SILENT_KINDS:
         row.recovered = "not needed"
         return row
     ended = [e for e in ends(c.run_dir) if e["time"] >= landing.at - 0.5]
     end = ended[0] if ended else None
+    if f.kind == "time_limit" and end is not None and end["reason"] == "completed":
+        row.recovered = "run done before the warning"  # SLURM looks at time limits every ~30 s
+        return row
     if end is None or end["reason"] == "completed":
         row.problem = "no attempt ended for it" if end is None else "the attempt it hit completed"
         row.recovered = "none seen"
         return row
     row.attempt, row.reason = end["attempt"], end["reason"]
     following = [s for s in starts(c.run_dir) if s["attempt"] == end["attempt"] + 1]
-    if end.get("restart") == "in_place":
+    if end["reason"] == "disk_full":
+        row.recovered = "submit --resume, room freed"
+    elif end.get("restart") == "in_place":
         row.recovered = "restart in place" + (f", spare for {','.join(end['left_out'])}" if end.get("left_out") else "")
     else:
         row.recovered = "requeue" if end.get("requeued") or following else "none"
+    row.problem = _path_problem(landing, end, c)
     if not following:
         row.problem = f"attempt {end['attempt']} ended {end['reason']} and no attempt followed"
         return row
@@ -110,9 +119,34 @@ def _row(landing: Landing, c: Campaign, corrupted: set[int]) -> Row:
     row.steps_lost = max(0, end["end_step"] - nxt["start_step"])
     usable = [s for s in landing.complete if s not in corrupted]
     if usable and nxt["start_step"] < usable[-1]:
-        row.problem = (f"resumed from step {nxt['start_step']}, older than step {usable[-1]}, complete when the "
-                       "fault landed")
+        row.problem = "; ".join(filter(None, [row.problem, f"resumed from step {nxt['start_step']}, older than step "
+                                                             f"{usable[-1]}, complete when the fault landed"]))
     return row
+
+
+def _path_problem(landing: Landing, end: dict, c: Campaign) -> str:
+    """For a fault that met its attempt alone (no other fault landed from it to the attempt's end),
+    the recovery its kind must take: a rank SIGKILLed is named (rank, SIGKILL) and the ranks restart
+    in place in the same job; a node failed while the attempt had a spare is left out for the spare,
+    in place. What differed ("" when nothing did, or the fault was not alone)."""
+    f, facts = landing.fault, landing.done.facts
+    others = [la for la in c.landings if la is not landing and la.done.landed and landing.at <= la.at <= end["time"]]
+    if others or landing.attempt != end["attempt"]:
+        return ""
+    restart, death = end.get("restart"), end.get("first_death") or {}
+    if f.kind == "rank_kill":
+        named = ("rank 0's process ended before it decided" in end["detail"] if facts["rank"] == 0 else
+                 (death.get("rank"), death.get("how")) == (facts["rank"], "killed by SIGKILL"))
+        if end["reason"] != "crashed" or restart != "in_place" or not named:
+            return (f"rank {facts['rank']} SIGKILLed alone: attempt {end['attempt']} ended {end['reason']} "
+                    f"(restart {restart}, first death {death}): not a crash named so and restarted in place")
+    if f.kind == "node_down":
+        began = [s for s in starts(c.run_dir) if s["attempt"] == end["attempt"]]
+        if began and began[0].get("spares") and (end["reason"], restart, end.get("left_out")) != (
+                "node_failure", "in_place", [facts["node"]]):
+            return (f"{facts['node']} failed alone with spare {began[0]['spares']} held: attempt {end['attempt']} "
+                    f"ended {end['reason']}, restart {restart}, left out {end.get('left_out')}: not the spare in place")
+    return ""
 
 
 def _corrupted(row: Row, landing: Landing, c: Campaign) -> Row:
@@ -132,6 +166,18 @@ def _corrupted(row: Row, landing: Landing, c: Campaign) -> Row:
     return row
 
 
+def _filled(row: Row, landing: Landing, c: Campaign) -> Row:
+    """A full disk costs the periodic saves it meets (skipped, training goes on) or, met by a
+    stop-time or final save, the attempt (``disk_full``, resumed by hand: the fault that stopped it
+    has that row); never a checkpoint half written."""
+    until = landing.at + landing.fault.hold_s + 5.0
+    skipped = [b for b in beats(c.run_dir) if b.get("event") == "checkpoint_failed" and landing.at <= b["time"] <= until]
+    stopped = [e for e in ends(c.run_dir) if e["reason"] == "disk_full" and landing.at <= e["time"] <= until]
+    row.recovered = (f"{len(skipped)} save(s) skipped" if skipped else "no save met it") + \
+        (f"; attempt {stopped[0]['attempt']} ended disk_full" if stopped else "")
+    return row
+
+
 def _losses(c: Campaign, reference: dict) -> list[str]:
     got = losses_by_step(c.run_dir)
     diverged = sorted(s for s, vs in got.items() if any(v != reference["losses"].get(s) for v in vs))
@@ -143,7 +189,7 @@ def _losses(c: Campaign, reference: dict) -> list[str]:
 
 def _weights(c: Campaign, reference: dict) -> list[str]:
     try:
-        got = final_weights(c.run_dir)
+        got = final_weights(c.run_dir, c.ckpt_dir)
     except AssertionError as exc:
         return [str(exc)]
     if got["step"] != reference["step"] or weights_digest(got) != reference["digest"]:
@@ -168,17 +214,19 @@ def _history(c: Campaign, env: dict[str, str]) -> tuple[list[str], float | None]
 def leftovers(c: Campaign, keep_last: int) -> list[str]:
     """What the run left behind on the cluster and in its run directory."""
     out = []
-    queued = [j for j in slurm.squeue() if j.job_id == c.job]
+    queued = [j for j in slurm.squeue() if j.job_id in c.jobs]
     out += [f"job {j.job_id} still queued ({j.state})" for j in queued]
     waiting.until(lambda: not any("comp" in n.state.lower() for n in slurm.nodes()),
                   progress=lambda: tuple((n.name, n.state) for n in slurm.nodes()), what="nodes done completing")
     out += [f"node {n.name} is {n.state} ({n.reason})" for n in slurm.nodes()
             if any(w in n.state.lower() for w in ("down", "drain", "fail"))]
-    out += [f"process {pid} of job {c.job} still runs: {cmd}" for pid, cmd in _job_processes(c.job, c.run_dir)]
-    for path in c.run_dir.rglob("*"):
-        if TEMPORARY.match(path.name):
-            out.append(f"temporary file left: {path.relative_to(c.run_dir)}")
-    ckpts = c.run_dir / "checkpoints"
+    for job in c.jobs:
+        out += [f"process {pid} of job {job} still runs: {cmd}" for pid, cmd in _job_processes(job, c.run_dir)]
+    for root in {c.run_dir, c.ckpt_dir}:
+        out += [f"temporary file left: {path}" for path in root.rglob("*") if TEMPORARY.match(path.name)]
+    if c.small_fs is not None and (c.small_fs / FILLER).exists():
+        out.append(f"the full disk's {FILLER} left on {c.small_fs}")
+    ckpts = c.ckpt_dir
     complete = [ck.step for ck in complete_checkpoints(ckpts)]
     steps = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) if ckpts.is_dir() else []
     if len(complete) != keep_last or len(steps) != keep_last:

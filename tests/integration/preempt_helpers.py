@@ -233,13 +233,14 @@ def assert_losses_match(run_dir: Path, reference: dict[int, float], missing_ok: 
     assert not diff, f"per-step losses differ from the uninterrupted run at steps {sorted(diff)}: {diff}"
 
 
-def final_weights(run_dir: Path) -> dict:
-    """The model weights of the newest complete checkpoint (what the runtime resumes from)."""
+def final_weights(run_dir: Path, ckpt_dir: Path | None = None) -> dict:
+    """The model weights of the newest complete checkpoint (what the runtime resumes from), in the
+    run's checkpoint directory (``ckpt_dir`` when the spec's checkpoint.dir put it elsewhere)."""
     import torch
 
     from lmtrain.checkpoint.manager import newest_complete
 
-    ckpt = newest_complete(run_dir / "checkpoints")
+    ckpt = newest_complete(ckpt_dir or run_dir / "checkpoints")
     assert ckpt is not None, f"{run_dir}: no complete checkpoint"
     state = torch.load(ckpt.lightning_path, map_location="cpu", weights_only=True)
     return {"step": ckpt.step, "state_dict": state["state_dict"]}

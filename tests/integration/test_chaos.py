@@ -21,6 +21,7 @@ import chaos_campaign
 import chaos_schedule
 import chaos_verdict
 import pytest
+from chaos_faults import small_filesystem
 from preempt_helpers import EVERY, MAX_STEPS, PACE_S, ddp_reference
 from shared_results import shared
 from slurm_helpers import job_name, own_worker_cluster
@@ -28,6 +29,7 @@ from slurm_helpers import job_name, own_worker_cluster
 from launcher.localcluster import cluster
 
 FAULTS = 4
+VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None  # the cluster's SLURM: the machine's own unless set
 # A rank killed and a node failed in every campaign (the restart in place and the spare, the paths the
 # single-fault tests of those took before); the rest drawn by weight from the catalogue but for more
 # failed nodes: a second one, with the spare taken, sends the job back to the queue, and a requeue
@@ -46,7 +48,7 @@ def reference(slurm_cluster, module_env, module_jobs):
 
 
 def test_a_short_chaos_campaign_with_a_fresh_seed_ends_bit_identical_and_leaves_nothing_behind(
-        reference, module_env, capsys):
+        reference, module_env, capsys, tmp_path):
     seed = int(os.environ.get("LMLAUNCH_CHAOS_SEED") or secrets.randbelow(2**31))
     schedule = chaos_schedule.draw(seed, faults=FAULTS, max_steps=MAX_STEPS, every=EVERY, must=MUST,
                                    kinds=KINDS)
@@ -63,22 +65,26 @@ def test_a_short_chaos_campaign_with_a_fresh_seed_ends_bit_identical_and_leaves_
     name = job_name("pr", "chaos")
     with own_worker_cluster(name, nodes=3) as claim, cluster.own_conf(claim.layout):
         env = {**module_env, **claim.environ()}
-        campaign = chaos_campaign.run(schedule, env, claim.layout, claim.ports, name, pace_s=PACE_S, say=say)
-        verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
+        with small_filesystem(tmp_path / "checkpoints-fs", VERSION) as fs:
+            campaign = chaos_campaign.run(schedule, env, claim.layout, name, pace_s=PACE_S,
+                                          small_fs=fs, say=say)
+            verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
     assert verdict.ok, "\n".join([*said, verdict.table(), "schedule:", schedule.to_json()])
     landed = [r for r in verdict.rows if r.landed]
     assert landed, verdict.table()  # a campaign whose faults all missed proves nothing
 
 
 @pytest.mark.parametrize("found", FOUND, ids=[p.stem for p in FOUND])
-def test_a_schedule_a_campaign_failed_on_passes_replayed(reference, module_env, found):
+def test_a_schedule_a_campaign_failed_on_passes_replayed(reference, module_env, found, tmp_path):
     raw = json.loads(found.read_text())
     schedule = chaos_schedule.Schedule.from_json(json.dumps(raw["schedule"]))
     said: list[str] = []
     name = job_name("pr", "chaos-" + found.stem[:12])
     with own_worker_cluster(name, nodes=3) as claim, cluster.own_conf(claim.layout):
         env = {**module_env, **claim.environ()}
-        campaign = chaos_campaign.run(schedule, env, claim.layout, claim.ports, name, pace_s=PACE_S, say=said.append)
-        verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
+        with small_filesystem(tmp_path / "checkpoints-fs", VERSION) as fs:
+            campaign = chaos_campaign.run(schedule, env, claim.layout, name, pace_s=PACE_S,
+                                          small_fs=fs, say=said.append)
+            verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
     assert verdict.ok, "\n".join([raw["found"], *said, verdict.table()])
     assert all(r.landed for r in verdict.rows), verdict.table()  # the faults that found it landed again

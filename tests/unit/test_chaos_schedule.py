@@ -33,6 +33,13 @@ def test_the_kinds_a_schedule_must_hold_are_in_it_and_bad_settings_are_refused()
     for seed in range(10):
         assert sorted(draw(seed, faults=3, max_steps=80, every=10, must=("node_down",), kinds=few).kinds()) == [
             "node_down", "preempt"]
+    overlapped = 0
+    for seed in range(30):  # an alone kind never overlaps, nor is overlapped; the others still do
+        faults = draw(seed, faults=6, max_steps=200, every=10, overlap_p=0.9, alone=("rank_kill",)).faults
+        assert all(not f.overlap for i, f in enumerate(faults)
+                   if f.kind == "rank_kill" or (i and faults[i - 1].kind == "rank_kill"))
+        overlapped += sum(f.overlap for f in faults)
+    assert overlapped > 30
     with pytest.raises(ValueError, match="unknown"):
         draw(1, faults=2, max_steps=80, every=10, must=("meteor",))
     with pytest.raises(ValueError, match="do not fit"):

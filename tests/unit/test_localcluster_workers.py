@@ -150,3 +150,35 @@ def test_a_daemon_still_logging_its_start_is_waited_for_and_a_silent_one_is_not(
     wait_until(up, 2.0, "slow daemon", log, poll=0.1)
     with pytest.raises(ClusterError, match=r"silent daemon did not come up: .* its log quiet"):
         wait_until(lambda: False, 1.0, "silent daemon", log, poll=0.05)
+
+
+def test_a_daemon_is_still_its_pid_files_after_the_clock_stepped_forward(tmp_path):
+    """Seen on a VM: the wall clock stepped 42 s forward while a worker cluster ran, so every process
+    seemed to have started after its pid file was written, and the next `up` refused MariaDB's port as
+    "taken by a process the local cluster did not start". A process older by the clock than its file
+    is still the daemon when its command line names the file's daemon (and node) of that cluster's
+    state directory; any other is stale."""
+    import subprocess
+    import sys
+
+    from launcher.localcluster import daemons
+
+    state = tmp_path / "w1"
+    (state / "run").mkdir(parents=True)
+    argv = ["slurmd", "-c", "import time; time.sleep(60)", "-N", "n2", "-f", f"{state}/etc/slurm.conf"]
+    proc = subprocess.Popen(argv, executable=sys.executable)
+    try:
+        old = time.time() - 3600
+        for name, ours in (("slurmd-n2.pid", True), ("slurmd-n1.pid", False), ("slurmctld.pid", False)):
+            pidfile = state / "run" / name
+            pidfile.write_text(f"{proc.pid}\n")
+            os.utime(pidfile, (old, old))
+            assert daemons.running_from_pidfile(pidfile) == (proc.pid if ours else None), name
+        other = tmp_path / "w2" / "run" / "slurmd-n2.pid"  # the same node of another cluster
+        other.parent.mkdir(parents=True)
+        other.write_text(f"{proc.pid}\n")
+        os.utime(other, (old, old))
+        assert daemons.running_from_pidfile(other) is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -67,6 +67,13 @@ def set_node_state(node: str, state: str, reason: str | None = None, *, timeout:
     run(args, timeout=timeout)
 
 
+def set_time_limit(job_id: str, minutes: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """`scontrol update JobId=JOB TimeLimit=MINUTES` (an operator may lower a running job's limit;
+    raising one back takes an operator too): the job meets its time limit, warning signal first,
+    as it would at the end of its allocation."""
+    run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={int(minutes)}"], timeout=timeout)
+
+
 def start_now(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """Let a requeued job start at once instead of after its ~2 min BeginTime delay."""
     run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=timeout)
@@ -74,10 +81,23 @@ def start_now(job_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
 
 def step_sockets(spool_dir: str, node: str, job_id: str) -> list[Path]:
     """The step daemons' sockets of ``job_id`` in ``node``'s spool directory (SlurmdSpoolDir, its
-    %n the node): one per step whose slurmstepd still runs, the batch step's included."""
+    %n the node): one per step whose slurmstepd still runs, the batch step's included. A socket
+    file whose daemon died without removing it (SIGKILLed with its node) is not one: only paths
+    a live socket is bound to count (/proc/net/unix), when this machine can tell."""
     if not spool_dir:
         return []
-    return sorted(Path(spool_dir.replace("%n", node)).glob(f"{node}_{job_id}.*"))
+    found = sorted(Path(spool_dir.replace("%n", node)).glob(f"{node}_{job_id}.*"))
+    bound = _bound_unix_paths()
+    return found if bound is None else [p for p in found if str(p) in bound]
+
+
+def _bound_unix_paths() -> set[str] | None:
+    """The paths unix sockets are bound to on this machine, None when /proc does not say."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    return {parts[7] for parts in (line.split() for line in lines) if len(parts) >= 8}
 
 
 def steps_left(job_id: str, names: Iterable[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:

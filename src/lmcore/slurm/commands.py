@@ -93,7 +93,11 @@ def parse_duration(text: str | None) -> float | None:
 
 
 def says_controller_down(message: str) -> bool:
-    """Whether a SLURM client's message says the controller (or its configuration) is not there."""
+    """Whether a SLURM client's message says the controller (or its configuration) is not there.
+    Not a step daemon that refused (`scontrol listpids` on a node whose slurmstepd died: "Unable to
+    connect to slurmstepd: Connection refused"): that step is gone, the controller may be fine."""
+    if "slurmstepd" in message:
+        return False
     return any(m in message for m in DOWN_MARKERS)
 
 
