@@ -30,8 +30,10 @@ from launcher.localcluster import cluster
 
 FAULTS = 4
 VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None  # the cluster's SLURM: the machine's own unless set
-# A rank killed and a node failed in every campaign (the restart in place and the spare, the paths the
-# single-fault tests of those took before); the rest drawn by weight from the catalogue but for more
+# A rank killed and a node failed in every campaign, alone (neither overlaps another fault), so the
+# verdict holds them to their own paths: the rank named as SIGKILLed and the ranks restarted in place;
+# the node left out for the spare in the same job (the single-fault test of that path is retired).
+# The rest drawn by weight from the catalogue but for more
 # failed nodes: a second one, with the spare taken, sends the job back to the queue, and a requeue
 # after a node failure waits out SLURM's BeginTime here (about 2 minutes each: the suite's budget).
 # The long campaign (bench/chaos.py) draws them all; the batch node's failure is replayed below.
@@ -51,7 +53,7 @@ def test_a_short_chaos_campaign_with_a_fresh_seed_ends_bit_identical_and_leaves_
         reference, module_env, capsys, tmp_path):
     seed = int(os.environ.get("LMLAUNCH_CHAOS_SEED") or secrets.randbelow(2**31))
     schedule = chaos_schedule.draw(seed, faults=FAULTS, max_steps=MAX_STEPS, every=EVERY, must=MUST,
-                                   kinds=KINDS)
+                                   kinds=KINDS, alone=MUST)
     said: list[str] = []
 
     def say(line: str) -> None:  # live on the terminal (the CI log), and in the failure's message

@@ -60,10 +60,10 @@ def score_lines(run_dir: Path) -> list[dict]:
 
 def test_every_checkpoint_is_scored_once_through_a_preemption_and_equals_lm_eval(
         slurm_cluster, lm_env, run_name, own_jobs, tmp_path):
-    # training held after step 101 until the preemption: it cannot end first, and the evaluator scores
-    # step 100's checkpoint (at the latest) while it is held
-    job_id, run_dir = submit_eval(lm_env, run_name, "trainer.max_steps=120", "checkpoint.every_n_steps=20",
-                                  holds=(held_at(101),))
+    # training held after step 41 until the preemption: it cannot end first, and the evaluator scores
+    # step 40's checkpoint (at the latest) while it is held; 3 periodic checkpoints and the stop's
+    job_id, run_dir = submit_eval(lm_env, run_name, "trainer.max_steps=60", "checkpoint.every_n_steps=20",
+                                  holds=(held_at(41),))
     own_jobs.append(job_id)
     at = scoring(run_dir, job_id)
     assert preempt(lm_env, run_name, "requeue", "--start-now")["requeued"]
@@ -80,17 +80,17 @@ def test_every_checkpoint_is_scored_once_through_a_preemption_and_equals_lm_eval
     # every checkpoint the run wrote: the periodic ones and the stop's at the preemption (none skipped)
     stops = {int(e["stop_step"]) for e in _ledger(run_dir) if e.get("event") == "end" and e.get("stop_step")
              and f"checkpoint step-{e['stop_step']} complete" in str(e.get("detail"))}
-    assert set(steps) == set(range(20, 121, 20)) | stops, (steps, stops)
+    assert set(steps) == set(range(20, 61, 20)) | stops, (steps, stops)
     assert at["step"] in steps and {rec["job_id"] for rec in lines} == {job_id}
     assert (ev.read_state(run_dir) or {}).get("state") == "done"
     assert all({s["task"] for s in rec["scores"]} == set(TASKS) for rec in lines)
 
     # the figures are lm-eval's own: `lm-eval run` on the export of the last step gives the same
     exported = tmp_path / "export"
-    code, out, err = lm(lm_env, "export", "--to", "hf", "--step", "120", run_name, str(exported))
+    code, out, err = lm(lm_env, "export", "--to", "hf", "--step", "60", run_name, str(exported))
     assert code == 0, out + err
     direct = _lm_eval_run(exported, run_dir / ev.TASKS_DIR, tmp_path / "lm_eval_out")
-    ours = {(s["task"], s["metric"]): s["value"] for s in next(r for r in lines if r["step"] == 120)["scores"]}
+    ours = {(s["task"], s["metric"]): s["value"] for s in next(r for r in lines if r["step"] == 60)["scores"]}
     assert ours == direct, (ours, direct)
 
     code, out, _ = lm(lm_env, "history", run_name, "--json")
@@ -98,7 +98,7 @@ def test_every_checkpoint_is_scored_once_through_a_preemption_and_equals_lm_eval
     assert len(hist["attempts"]) == 2 and sorted({r["step"] for r in hist["eval"]}) == sorted(steps)
     code, out, _ = lm(lm_env, "status", run_name, "--json")
     row = json.loads(out)["runs"][0] if "runs" in json.loads(out) else json.loads(out)[0]
-    assert row["eval"]["latest"]["step"] == 120 and row["eval"]["scored"] == len(steps) and not row["eval"]["trouble"]
+    assert row["eval"]["latest"]["step"] == 60 and row["eval"]["scored"] == len(steps) and not row["eval"]["trouble"]
     _exporter_and_dashboard(lm_env, run_name, tmp_path, ours)
 
 
@@ -150,7 +150,7 @@ def _exporter_and_dashboard(lm_env, run_name, tmp_path, ours) -> None:
         page = subprocess.run([chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=6000",
                                "--dump-dom", url], capture_output=True, text=True, timeout=HANG_S)
         drawn = re.search(r'data-eval-steps="([0-9,]+)"', page.stdout)
-        assert drawn and "120" in drawn.group(1).split(",") and 'id="eval-chart"' in page.stdout, page.stdout[:2000]
+        assert drawn and "60" in drawn.group(1).split(",") and 'id="eval-chart"' in page.stdout, page.stdout[:2000]
     finally:
         board.terminate()
         board.wait(timeout=HANG_S)

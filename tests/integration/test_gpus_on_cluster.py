@@ -91,9 +91,14 @@ def test_a_spec_without_gpus_per_node_runs_8_ranks_each_on_a_gpu_of_its_own_and_
         assert code == 0, out + err
         job = re.search(r"job (\d+)", out).group(1)
         wait_step(runs / name, 3, attempt=1)
+        code, out, _ = lm(gpu_env, "status", name)
+        assert code == 0 and "spare node(s) idle: n3" in " ".join(out.split()), out
         r = preempt(gpu_env, name, "node-failure")  # n2, the last node the ranks run on: n3 takes its place
         assert (r["node"], r.get("restarted_in_place"), r.get("left_out")) == ("n2", True, ["n2"]), r
         finish(job, runs / name)
+        code, out, _ = lm(gpu_env, "history", name)
+        said = " ".join(out.split())
+        assert code == 0 and "n2 left out, a spare takes its place" in said and "restarted in place" in said, out
         records, problems = read_task_records(runs / name, job, 0)  # each rank's newest: after the restart
         assert not problems and len(records) == 8, (problems, records)
         # each rank its own GPU, in task order on each node, read from what SLURM set in its environment;

@@ -1,10 +1,9 @@
 """Spare nodes on the real cluster: a 2-node run with ``resources.spare_nodes: 1`` on a worker
 cluster grown to three nodes (`cluster up --nodes 3`).
 
-- One node its ranks run on is set DOWN mid-run, as `lmlaunch preempt --mode node-failure` does
-  it: SLURM takes the node out of the allocation and kills its task (sbatch --no-kill keeps the
-  job; srun --no-kill keeps rank 0), rank 0 sees the node gone, leaves it out and asks the batch
-  script to start the ranks again on the spare.
+- (A node its ranks run on set DOWN mid-run, as `lmlaunch preempt --mode node-failure` does it,
+  and replaced by the spare in place: the chaos campaign's node failure met alone,
+  tests/integration/test_chaos.py, in every run; with GPUs, test_gpus_on_cluster.py.)
 - The node dies outright (its slurmd and every process of the job on it SIGKILLed): nobody on it
   says anything, SLURM declares it DOWN only after SlurmdTimeout, and the ranks go on on the
   spare through the batch script's new srun.
@@ -36,8 +35,6 @@ from preempt_helpers import (
     finish,
     held_at,
     ledger,
-    lm,
-    preempt,
     run_progress,
     starts,
     submit,
@@ -74,39 +71,6 @@ def three_nodes(slurm_cluster):
             rehearsal.set_node_state("n2", "RESUME")  # preempt resumes it; a failed test may not have
         cluster.up(lines.append, layout=other.layout, ports=other.ports, nodes=2, system_conf=False)
         release_worker(other, "sp-")
-
-
-def test_a_node_that_fails_is_replaced_by_the_spare_in_the_same_job_and_the_run_ends_bit_identical(
-        reference, module_env, module_jobs, three_nodes):
-    env = {**module_env, **three_nodes.environ()}
-    name = job_name("sp", "node-down")
-    job, run_dir = submit(env, name, "resources.spare_nodes=1")
-    module_jobs.append(job)
-    info = slurm.show_job(job) or {}
-    assert info.get("NumNodes", "").split("-")[0] == "3", info  # the ranks' two and the spare ("3-3" while pending)
-    wait_step(run_dir, EVERY + 3, attempt=1)
-    first = starts(run_dir)[0]
-    assert (first["nodes"], first["spares"]) == (["n1", "n2"], ["n3"]), first
-    code, out, _ = lm(env, "status", name)
-    assert code == 0 and "spare node(s) idle: n3" in " ".join(out.split()), out
-
-    r = preempt(env, name, "node-failure")  # the last node the ranks run on
-    assert (r["node"], r.get("restarted_in_place"), r.get("left_out")) == ("n2", True, ["n2"]), r
-    finish(job, run_dir)
-
-    end = ends(run_dir)[0]
-    assert (end["reason"], end["restart"], end["left_out"]) == ("node_failure", "in_place", ["n2"]), end
-    assert "node n2 DOWN: n2 left out, a spare takes its place (0 spare(s) left)" in end["detail"], end
-    second = starts(run_dir)[1]
-    assert (second["nodes"], second["spares"], second["job_id"]) == (["n1", "n3"], [], job), second
-    assert slurm.restart_count(job) == 0  # one allocation: SLURM never requeued it
-    last = ends(run_dir)[-1]
-    assert (last["reason"], last["end_step"]) == ("completed", MAX_STEPS), last
-    assert_losses_match(run_dir, reference["losses"])
-    assert_weights_identical(run_dir, reference)
-    code, out, _ = lm(env, "history", name)
-    said = " ".join(out.split())
-    assert code == 0 and "n2 left out, a spare takes its place" in said and "restarted in place" in said, out
 
 
 def _crash_node(layout, node: str, job: str) -> list[int]:
