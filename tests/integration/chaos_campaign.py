@@ -127,17 +127,24 @@ def _wait(c: Campaign, target: Target, reached: Callable[[], object], what: str)
                          explain=lambda: f"ledger {ledger(c.run_dir)}\n{log_tail(c.run_dir)}")
 
 
+def stopped_by_full_disk(end: dict) -> bool:
+    """An attempt's end that only its user can follow: a stop-time or final checkpoint that found no
+    room (``disk_full``), or a restart whose preflight found the checkpoint directory full on every
+    node (``preflight_failed``: the setup, not a node); neither is requeued (docs/preemption.md)."""
+    return end.get("reason") == "disk_full" or (
+        end.get("reason") == "preflight_failed" and "No space left on device" in str(end.get("detail")))
+
+
 def _resumed_after_disk_full(c: Campaign, target: Target) -> bool:
-    """A stop-time or final checkpoint that found the disk full ends the run ``disk_full``, never
-    requeued (docs/preemption.md): the campaign does what its user would, once the room is back
-    (the fault undone): `lmlaunch submit --resume` with the same spec. Whether it did."""
+    """A run a full disk stopped (:func:`stopped_by_full_disk`): the campaign does what its user would,
+    once the room is back (the fault undone): `lmlaunch submit --resume` with the same spec. Whether it did."""
     last = (ends(c.run_dir) or [{}])[-1]
-    if last.get("reason") != "disk_full" or (c.run_dir / "DONE").exists():
+    if not stopped_by_full_disk(last) or (c.run_dir / "DONE").exists():
         return False
     if c.small_fs is not None and (c.small_fs / FILLER).exists():
         return True  # not yet: the room comes back when the fault is undone
     job, _ = submit(target.env, c.name, *overrides(c.schedule, c.small_fs), "--resume", pace_s=c.pace_s)
-    c.resumed.append(f"attempt {last.get('attempt')} ended disk_full: resubmitted as job {job}")
+    c.resumed.append(f"attempt {last.get('attempt')} ended {last.get('reason')}: resubmitted as job {job}")
     c.job = target.job = job
     c.jobs.append(job)
     return True

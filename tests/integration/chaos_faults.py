@@ -234,8 +234,8 @@ def corrupt_checkpoint(t: Target, f: Fault) -> Done:
         fh.seek(stat.st_size // 2)
         fh.write(bytes([byte[0] ^ 0xFF]))
     os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    return Done(True, f"byte {stat.st_size // 2} of {victim.relative_to(t.run_dir)} flipped",
-                facts={"checkpoint_step": newest.step, "file": str(victim.relative_to(t.run_dir))})
+    return Done(True, f"byte {stat.st_size // 2} of {victim.relative_to(t.ckpt_dir)} flipped",
+                facts={"checkpoint_step": newest.step, "file": str(victim.relative_to(t.ckpt_dir))})
 
 
 def time_limit(t: Target, f: Fault) -> Done:

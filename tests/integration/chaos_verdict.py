@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import waiting
-from chaos_campaign import Campaign, Landing
+from chaos_campaign import Campaign, Landing, stopped_by_full_disk
 from chaos_faults import FILLER
 from chaos_schedule import SILENT_KINDS
 from preempt_helpers import beats, ends, final_weights, lm, losses_by_step, starts, weights_digest
@@ -104,7 +104,7 @@ def _row(landing: Landing, c: Campaign, corrupted: set[int]) -> Row:
         return row
     row.attempt, row.reason = end["attempt"], end["reason"]
     following = [s for s in starts(c.run_dir) if s["attempt"] == end["attempt"] + 1]
-    if end["reason"] == "disk_full":
+    if stopped_by_full_disk(end):
         row.recovered = "submit --resume, room freed"
     elif end.get("restart") == "in_place":
         row.recovered = "restart in place" + (f", spare for {','.join(end['left_out'])}" if end.get("left_out") else "")
@@ -172,9 +172,9 @@ def _filled(row: Row, landing: Landing, c: Campaign) -> Row:
     has that row); never a checkpoint half written."""
     until = landing.at + landing.fault.hold_s + 5.0
     skipped = [b for b in beats(c.run_dir) if b.get("event") == "checkpoint_failed" and landing.at <= b["time"] <= until]
-    stopped = [e for e in ends(c.run_dir) if e["reason"] == "disk_full" and landing.at <= e["time"] <= until]
+    stopped = [e for e in ends(c.run_dir) if stopped_by_full_disk(e) and landing.at <= e["time"] <= until]
     row.recovered = (f"{len(skipped)} save(s) skipped" if skipped else "no save met it") + \
-        (f"; attempt {stopped[0]['attempt']} ended disk_full" if stopped else "")
+        (f"; attempt {stopped[0]['attempt']} ended {stopped[0]['reason']}" if stopped else "")
     return row
 
 

@@ -15,7 +15,7 @@ import pytest
 import waiting
 from waiting import HANG_S
 
-from lmtrain.task.keeper import failed_state, why_not
+from lmtrain.task.keeper import failed_state, what_ended, why_not
 
 REPO = Path(__file__).resolve().parents[2]
 LOST = {"JobState": "COMPLETING", "Reason": "JobLaunchFailure", "BatchHost": "n1"}
@@ -47,6 +47,21 @@ def test_it_requeues_only_a_job_that_lost_its_batch_node_in_a_run_with_work_left
     (run / "DONE").unlink()
     (run / "CANCELLED").touch()
     assert why_not(LOST, "DOWN", run) == "the run is cancelled"
+
+
+def test_the_end_line_tells_a_failed_batch_node_from_a_killed_batch_script():
+    """SLURM says JobLaunchFailure, ExitCode 0:9, both when the batch script's node fails and when the
+    script alone is SIGKILLed (a chaos campaign's batch_kill was recorded as a node failure): the
+    node's state when the keeper looks tells them apart."""
+    lost = {**LOST, "ExitCode": "0:9"}
+    for state in ("DOWN+DRAIN", "IDLE+DRAIN", "DOWN+NOT_RESPONDING"):
+        reason, detail = what_ended(lost, state)
+        assert reason == "node_failure" and detail.startswith("node n1 of the batch script and rank 0 failed"), state
+    reason, detail = what_ended(lost, "IDLE+COMPLETING")
+    assert reason == "crashed", detail
+    assert "the batch script on n1 ended (SLURM: JobLaunchFailure, ExitCode 0:9: killed by signal 9) while its " \
+           "node stayed up (IDLE+COMPLETING)" == detail
+    assert what_ended({**LOST, "ExitCode": "1:0"}, "IDLE")[1].endswith("ExitCode 1:0) while its node stayed up (IDLE)")
 
 
 def test_the_process_sleeps_through_warning_signals_and_wakes_on_sigterm(tmp_path):

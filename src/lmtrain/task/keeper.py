@@ -12,7 +12,8 @@ every step's tasks, this one too, and gives them KillWait before SIGKILL. The ke
 SLURM about the job: only where the batch script's node is DOWN (or failing), the job is not
 cancelled, queued again or finished, and the run is not done, it runs ``scontrol requeue`` (SLURM
 requeues a finished job as well as a running one) and writes the attempt's end line, which nobody
-else could write (``node_failure``, saying so). Any other end of the job (completed, preempted, a
+else could write: ``node_failure`` when the node is down or drained, ``crashed`` when it is up and
+in service (the batch script itself was killed there: SLURM gives the same reason for that). Any other end of the job (completed, preempted, a
 time limit, cancelled, a restart that leaves this node out) leaves it nothing to do.
 
 Imports nothing heavy (no torch): it starts in a fraction of a second and holds no memory to speak
@@ -88,8 +89,23 @@ def why_not(info: dict[str, str] | None, host_state: str, run_dir: Path) -> str 
     return run_unfinished(run_dir)
 
 
-def _end_line(run_dir: Path, job_id: str, host: str, node: str) -> None:
-    """The attempt's end line, which its rank 0 (on the failed node) never wrote."""
+def what_ended(info: dict[str, str], host_state: str) -> tuple[str, str]:
+    """Pure: the ledger's (reason, detail) for a job the keeper requeues. Its batch script's node DOWN,
+    failing or drained when the keeper looks (within KillWait: a node that truly failed is not back
+    so soon) -> ``node_failure``; a node up and in service -> its batch script was killed there
+    (SLURM says JobLaunchFailure, ExitCode 0:9, for that too: seen in a chaos campaign) -> ``crashed``."""
+    host = info.get("BatchHost", "?")
+    if failed_state(host_state) or "DRAIN" in host_state.upper().split("+"):
+        return "node_failure", f"node {host} of the batch script and rank 0 failed ({host_state})"
+    code = info.get("ExitCode", "")
+    sig = code.split(":")[1] if code.count(":") == 1 and code.split(":")[1] not in ("", "0") else ""
+    return "crashed", (f"the batch script on {host} ended (SLURM: {info.get('Reason')}, ExitCode {code or '?'}"
+                       f"{': killed by signal ' + sig if sig else ''}) while its node stayed up ({host_state or '?'})")
+
+
+def _end_line(run_dir: Path, job_id: str, info: dict[str, str], host_state: str, node: str) -> None:
+    """The attempt's end line, which its rank 0 never wrote (its node failed, or nobody asked it to
+    decide), unless it did meanwhile."""
     from lmcore.run.run_layout import RunLayout
     from lmcore.run.rundir import AttemptEnd, Ledger
 
@@ -101,12 +117,12 @@ def _end_line(run_dir: Path, job_id: str, host: str, node: str) -> None:
     from lmcore.run.checkpoint_index import newest_complete
 
     ckpt = newest_complete(RunLayout.of(run_dir).checkpoints, files=False)
+    reason, what = what_ended(info, host_state)
     ledger.write_end_once(AttemptEnd(
         attempt=last.attempt, job_id=job_id, time=time.time(),
-        end_step=ckpt.step if ckpt is not None else last.start_step, reason="node_failure", requeued=True,
-        detail=(f"node {host} of the batch script and rank 0 failed: SLURM ended the job (spare nodes: --no-kill), "
-                f"and the job's keeper on {node} requeued it"),
-        extra={"keeper": node, "failed_node": host}))
+        end_step=ckpt.step if ckpt is not None else last.start_step, reason=reason, requeued=True,
+        detail=f"{what}: SLURM ended the job (spare nodes: --no-kill), and the job's keeper on {node} requeued it",
+        extra={"keeper": node, "failed_node" if reason == "node_failure" else "batch_host": info.get("BatchHost", "")}))
 
 
 def act(run_dir: Path, job_id: str) -> str:
@@ -131,8 +147,8 @@ def act(run_dir: Path, job_id: str) -> str:
             time.sleep(PAUSE_S)
             continue
         released = _release(job_id)
-        _end_line(run_dir, job_id, host, node)
-        return f"the batch script's node {host} failed: job {job_id} requeued{released}"
+        _end_line(run_dir, job_id, info or {}, host_state, node)
+        return f"{what_ended(info or {}, host_state)[1]}: job {job_id} requeued{released}"
     return f"job {job_id}: scontrol requeue kept failing"
 
 
