@@ -4,7 +4,7 @@ recovered, and whether the run came through whole.
 A campaign passes when the run ended COMPLETED at its last step; its per-step losses and final
 weights equal the uninterrupted run's, bit for bit; every fault that ends an attempt shows in the
 ledger and in `lmlaunch history` with the way it was recovered; no attempt resumed from a step
-older than the newest checkpoint that was complete (and not corrupted) when the fault landed;
+older than the newest checkpoint that was complete when the fault landed (and not corrupted before it was read);
 and nothing is left behind: no job of the run queued, no node DOWN or drained, no process of the
 job, no temporary file in the run directory, exactly ``keep_last`` checkpoints.
 """
@@ -81,7 +81,7 @@ def _s(x: object) -> str:
     return "-" if x is None else str(x)
 
 
-def _row(landing: Landing, c: Campaign, corrupted: set[int]) -> Row:
+def _row(landing: Landing, c: Campaign, corruptions: list[tuple[float, int]]) -> Row:
     f, done = landing.fault, landing.done
     row = Row(f.index, f.kind, done.landed, done.what, landing.step)
     if not done.landed:
@@ -117,6 +117,9 @@ def _row(landing: Landing, c: Campaign, corrupted: set[int]) -> Row:
     nxt = following[0]
     row.resumed_from, row.recovery_s = nxt["start_step"], nxt["time"] - landing.at
     row.steps_lost = max(0, end["end_step"] - nxt["start_step"])
+    # complete when the fault landed and not corrupted before the next attempt read it (a corruption
+    # landing during the restart rightly sends it to an older one)
+    corrupted = {step for at, step in corruptions if at < nxt["time"]}
     usable = [s for s in landing.complete if s not in corrupted]
     if usable and nxt["start_step"] < usable[-1]:
         row.problem = "; ".join(filter(None, [row.problem, f"resumed from step {nxt['start_step']}, older than step "
@@ -253,12 +256,9 @@ def _job_processes(job: str, run_dir: Path) -> list[tuple[int, str]]:
 def judge(c: Campaign, reference: dict, env: dict[str, str], *, keep_last: int) -> Verdict:
     """The verdict of campaign ``c`` against the uninterrupted ``reference`` (chaos_campaign.reference);
     the caller is inside the worker cluster's own_conf."""
-    corrupted: set[int] = set()
-    rows = []
-    for landing in c.landings:
-        rows.append(_row(landing, c, corrupted))
-        if landing.done.landed and landing.fault.kind == "corrupt_checkpoint":
-            corrupted.add(landing.done.facts["checkpoint_step"])
+    corruptions = [(la.at, la.done.facts["checkpoint_step"]) for la in c.landings
+                   if la.done.landed and la.fault.kind == "corrupt_checkpoint"]
+    rows = [_row(landing, c, corruptions) for landing in c.landings]
     problems = [f"fault #{r.index} {r.kind}: {r.problem}" for r in rows if r.problem]
     last = ends(c.run_dir)[-1:] or [{}]
     if c.final_state != "COMPLETED" or last[0].get("reason") != "completed" or \
