@@ -77,6 +77,7 @@ class Schedule:
     every: int  # the run's checkpoint interval (steps)
     ranks: int
     faults: tuple[Fault, ...] = field(default_factory=tuple)
+    alone: tuple[str, ...] = ()  # kinds that land only on a run that trains again after the fault before them
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -85,6 +86,7 @@ class Schedule:
     def from_json(cls, text: str) -> Schedule:
         raw = json.loads(text)
         faults = tuple(Fault(**f) for f in raw.pop("faults"))
+        raw["alone"] = tuple(raw.get("alone", ()))
         unknown = sorted({f.kind for f in faults} - set(KINDS))
         if unknown:
             raise ValueError(f"schedule names fault kinds {unknown}; known: {sorted(KINDS)}")
@@ -106,7 +108,8 @@ def draw(seed: int, *, faults: int, max_steps: int, every: int, ranks: int = 2, 
     ``kinds`` (default :data:`KINDS`), their steps spread over the run after its first checkpoint and before its last
     interval (each at a step of its own, so that the run makes progress between them), a fault
     overlapping the one before with probability ``overlap_p``, but for a fault of the ``alone``
-    kinds, which neither overlaps nor is overlapped (the verdict then knows its recovery path for
+    kinds, which neither overlaps nor is overlapped, and lands (as the one after it does) only once
+    the run trains again after the fault before it (the verdict then knows its recovery path for
     sure). Pure: the seed decides everything."""
     catalogue = kinds or KINDS
     unknown = sorted(set(must) - set(KINDS))
@@ -128,4 +131,4 @@ def draw(seed: int, *, faults: int, max_steps: int, every: int, ranks: int = 2, 
         hold = round(rng.uniform(*spec.hold), 2) if spec.hold != (0.0, 0.0) else 0.0
         delay = round(rng.uniform(0.0, 2.0 if overlap else 1.0), 2)
         out.append(Fault(i, kind, step, delay, overlap, target, hold))
-    return Schedule(seed, max_steps, every, ranks, tuple(out))
+    return Schedule(seed, max_steps, every, ranks, tuple(out), tuple(alone))

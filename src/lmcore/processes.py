@@ -1,4 +1,5 @@
-"""Whether a process is alive: one answer for the local cluster's daemons and lmtrain's forked ranks."""
+"""Whether a process is alive (one answer for the local cluster's daemons and lmtrain's forked ranks),
+and whether it is stopped."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ def alive(pid: int | None) -> bool:
         return stat.rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (/proc's state T); False when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False

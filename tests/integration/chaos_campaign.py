@@ -20,6 +20,7 @@ import waiting
 from chaos_faults import FILLER, Done, Target, checkpoint_dir, inject, undo_when_possible
 from chaos_schedule import Fault, Schedule
 from preempt_helpers import (
+    beats,
     current_step,
     ends,
     final_weights,
@@ -150,6 +151,14 @@ def _resumed_after_disk_full(c: Campaign, target: Target) -> bool:
     return True
 
 
+def _training_since(run_dir: Path, t: float) -> bool:
+    """Whether the run trains again after time ``t``: its newest step came later, in an attempt that
+    has not ended."""
+    steps = [b for b in beats(run_dir) if b.get("event") == "step"]
+    ended = {e["attempt"] for e in ends(run_dir)}
+    return bool(steps) and steps[-1]["time"] > t + 0.5 and steps[-1]["attempt"] not in ended
+
+
 def _land(c: Campaign, target: Target, f: Fault, say: Callable[[str], None]) -> Landing:
     complete = tuple(ck.step for ck in complete_checkpoints(c.ckpt_dir))
     step, attempt = current_step(c.run_dir), _attempt_now(c.run_dir, c.job)
@@ -187,9 +196,12 @@ def run(schedule: Schedule, env: dict[str, str], layout: Layout, name: str, *,
     say(f"campaign seed {schedule.seed}: run {name}, job {job}, {len(schedule.faults)} faults over "
         f"{schedule.max_steps} steps (a checkpoint every {schedule.every})")
     undoing: list[threading.Thread] = []
-    for f in schedule.faults:
+    for i, f in enumerate(schedule.faults):
         if not f.overlap:
             _wait(c, target, lambda s=f.after_step: current_step(run_dir) >= s, f"step {f.after_step}")
+        if i and c.landings and schedule.alone and {f.kind, schedule.faults[i - 1].kind} & set(schedule.alone):
+            since = c.landings[-1].at
+            _wait(c, target, lambda t=since: _training_since(run_dir, t), f"training again before #{f.index}")
         time.sleep(f.delay_s)
         landing = _land(c, target, f, say)
         c.landings.append(landing)

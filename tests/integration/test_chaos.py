@@ -28,16 +28,17 @@ from slurm_helpers import job_name, own_worker_cluster
 
 from launcher.localcluster import cluster
 
-FAULTS = 4
+FAULTS = 5
 VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None  # the cluster's SLURM: the machine's own unless set
-# A rank killed and a node failed in every campaign, alone (neither overlaps another fault), so the
-# verdict holds them to their own paths: the rank named as SIGKILLed and the ranks restarted in place;
-# the node left out for the spare in the same job (the single-fault test of that path is retired).
-# The rest drawn by weight from the catalogue but for more
+# A rank killed, a rank stopped and a node failed in every campaign, alone (none overlaps another
+# fault), so the verdict holds them to their own paths: the rank named as SIGKILLed and the ranks
+# restarted in place; the stopped rank's hang caught (by its peers' watchdogs, or its agent) and the
+# ranks restarted in place; the node left out for the spare in the same job (the single-fault tests
+# of the hang and of the spare are retired). The rest drawn by weight from the catalogue but for more
 # failed nodes: a second one, with the spare taken, sends the job back to the queue, and a requeue
 # after a node failure waits out SLURM's BeginTime here (about 2 minutes each: the suite's budget).
 # The long campaign (bench/chaos.py) draws them all; the batch node's failure is replayed below.
-MUST = ("rank_kill", "node_down")
+MUST = ("rank_kill", "rank_stop", "node_down")
 KINDS = {k: v for k, v in chaos_schedule.KINDS.items() if k not in ("node_down", "batch_host_down")}
 # Schedules a campaign failed on, each replayed as it was found once its cause was fixed
 # (tests/integration/chaos_found/*.json: seed, faults; the file's "found" says what failed and the fix).

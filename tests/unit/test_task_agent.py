@@ -41,7 +41,28 @@ def test_settings_only_for_a_slurm_task_of_a_run_that_restarts_in_place_warm(cha
     if s is not None:
         assert (s.rank, s.job_id, str(s.run_dir)) == (1, "77", "/runs/r")
         assert s.verdict_wait_s == 1800 + 15 + VERDICT_MARGIN_S  # rank 0 may take its longest timeout to decide
+        assert s.stopped_s == 1200 + 15  # a stopped process: the hang watchdog's limit, which it cannot see itself
         assert not s.preload_deepspeed
+
+
+def test_a_stopped_process_is_told_and_the_hang_watchdog_off_lets_it_be():
+    """SIGSTOP stops a training process's own watchdog thread with it (a chaos campaign's rank 0,
+    stopped, held its job until the time limit): its agent stands in, by /proc's state."""
+    from lmcore.processes import is_stopped
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not is_stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        waiting.until(lambda: is_stopped(proc.pid), progress=lambda: 0, what="the process stopped")
+        os.kill(proc.pid, signal.SIGCONT)
+        waiting.until(lambda: not is_stopped(proc.pid), progress=lambda: 0, what="the process continued")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not is_stopped(proc.pid)  # gone
+    off = {**PLAN, "spec": {"watchdog": {"collective_timeout_s": 1800, "hang_timeout_s": 0, "exit_grace_s": 15}}}
+    assert settings_of(off, SLURM).stopped_s == 0
 
 
 def test_deepspeed_is_preloaded_on_cpu_only():

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcore.processes import is_stopped
 from lmcore.run.run_layout import BATCH_VAR, GENERATION_VAR, UNDECIDED_VAR, RunLayout
 from lmtrain.distributed.node_share import NODE_SHARE_VAR, NodeShare, shares_dev_shm
 from lmtrain.preemption.signals import SignalOwner, StopRequest
@@ -64,6 +65,7 @@ class AgentSettings:
     preload_deepspeed: bool  # on CPU only: deepspeed's import asks for CUDA on a GPU node
     simulate: bool = False  # the scale harness's ranks (lmtrain.simulate): no frameworks to import
     share: NodeShare | None = None  # what this node's agents look at once per node (lmtrain.distributed.node_share)
+    stopped_s: float = 0.0  # a training process stopped (SIGSTOP) this long is killed by its agent (0: never)
 
 
 def settings_of(plan: Mapping[str, Any], environ: Mapping[str, str]) -> AgentSettings | None:
@@ -82,6 +84,9 @@ def settings_of(plan: Mapping[str, Any], environ: Mapping[str, str]) -> AgentSet
         run_dir=Path((plan.get("paths") or {}).get("run_dir") or environ.get("LMLAUNCH_RUN_DIR", ".")),
         rank=int(environ["SLURM_PROCID"]), job_id=environ["SLURM_JOB_ID"],
         verdict_wait_s=longest + float(watchdog.get("exit_grace_s") or 0) + VERDICT_MARGIN_S,
+        # a stopped process's own watchdog is stopped too: its agent, which is not, stands in for it
+        stopped_s=float(watchdog.get("hang_timeout_s") or 0) and
+        float(watchdog.get("hang_timeout_s") or 0) + float(watchdog.get("exit_grace_s") or 0),
         preload_deepspeed=topology.get("accelerator") == "cpu" and parallelism.get("zero_stage") is not None,
         simulate=bool((plan.get("spec") or {}).get("simulate")),
         share=NodeShare.of_task(environ, environ["SLURM_JOB_ID"], environ.get(BATCH_VAR, ""))
@@ -228,16 +233,41 @@ class TaskAgent:
         rank 0's verdict ``restart`` for this generation ends it (rank 0 recorded the attempt's end;
         a rank stuck in a collective would hold the restart up to the collective timeout)."""
         self.killed = False
+        stopped_since: float | None = None
         while not _ended_within(self.worker, POLL_S):
             self.verdicts.look()
             if not owner_alive() or (self.s.rank != 0 and self.verdicts.read() in ("restart", "fork")):
                 self.killed = True
                 os.kill(self.worker, signal.SIGKILL)
+            stopped_since = (stopped_since or time.monotonic()) if is_stopped(self.worker) else None
+            if self.s.stopped_s and stopped_since is not None and time.monotonic() - stopped_since > self.s.stopped_s:
+                self._kill_stopped(time.monotonic() - stopped_since)
+                stopped_since = None
         _, status = os.waitpid(self.worker, 0)
         self.worker = 0
         if os.WIFSIGNALED(status) and not self.killed:
             self._last_words(os.WTERMSIG(status))
         return status
+
+    def _kill_stopped(self, seconds: float) -> None:
+        """The training process has been stopped (SIGSTOP: by hand, a debugger gone, a tool that froze
+        it) past the hang watchdog's limit, which cannot fire in a stopped process: a hang no rank
+        would ever report, holding the step (and the job) until its time limit. Killed, with last
+        words saying why; the attempt then ends as a rank that died."""
+        from lmcore.run.rundir import LastWords
+
+        print(f"lmtrain: the training process {self.worker} has been stopped (SIGSTOP) for {seconds:.0f} s, past the "
+              f"hang watchdog's {self.s.stopped_s:.0f} s: its agent kills it", file=sys.stderr, flush=True)
+        self.killed = True
+        try:
+            attempt = int(json.loads(self.layout.rendezvous_file(self._key()).read_text())["attempt"])
+            LastWords(rank=self.s.rank, node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                      pid=self.worker, time=time.time(), how="signal",
+                      detail=f"stopped (SIGSTOP) for {seconds:.0f} s: killed by its task's agent (hang)",
+                      source="task's agent").write(self.s.run_dir, attempt)
+        except (OSError, ValueError, KeyError):
+            pass
+        os.kill(self.worker, signal.SIGKILL)
 
     def _key(self) -> str:
         """This generation's rendezvous key (the one its training process used), computed once."""
