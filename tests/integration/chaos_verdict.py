@@ -131,8 +131,8 @@ def _path_problem(landing: Landing, end: dict, c: Campaign) -> str:
     """For a fault that met its attempt alone (no other fault landed from it to the attempt's end),
     the recovery its kind must take: a rank SIGKILLed is named (rank, SIGKILL) and the ranks restart
     in place in the same job; a rank SIGSTOPped ends the attempt as a hang (its peers' watchdogs) or
-    a crash (its agent killed it), restarted in place; a node failed while the attempt had a spare is
-    left out for the spare, in place. What differed ("" when nothing did, or the fault was not alone)."""
+    a crash (its agent killed it), restarted in place; a batch script killed on a node that stays up
+    is no node failure; a node failed while the attempt had a spare is left out for the spare, in place. What differed ("" when nothing did, or the fault was not alone)."""
     f, facts = landing.fault, landing.done.facts
     others = [la for la in c.landings if la is not landing and la.done.landed and landing.at <= la.at <= end["time"]]
     if others or landing.attempt != end["attempt"]:
@@ -147,6 +147,8 @@ def _path_problem(landing: Landing, end: dict, c: Campaign) -> str:
     if f.kind == "rank_stop" and (end["reason"] not in ("hang", "crashed") or restart != "in_place"):
         return (f"rank {facts['rank']} SIGSTOPped alone: attempt {end['attempt']} ended {end['reason']} (restart "
                 f"{restart}): not a hang (or its rank killed by its agent) restarted in place")
+    if f.kind == "batch_kill" and end["reason"] == "node_failure":
+        return f"the batch script killed alone, its node up: attempt {end['attempt']} recorded as a node failure"
     if f.kind == "node_down":
         began = [s for s in starts(c.run_dir) if s["attempt"] == end["attempt"]]
         if began and began[0].get("spares") and (end["reason"], restart, end.get("left_out")) != (
