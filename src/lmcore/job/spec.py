@@ -399,7 +399,9 @@ class WatchdogSpec(StrictModel):
     hang_timeout_s: int | None = Field(1200, ge=5, le=86400)
     """A rank that makes no progress (no training or validation batch, no checkpoint write) for this
     many seconds writes the stacks of all its threads to logs/attempt-<N>/stacks-rank-<R>.txt and
-    exits with code 124; the attempts ledger says `hang`. null turns the watchdog off."""
+    exits with code 124; the attempts ledger says `hang`. A training process stopped (SIGSTOP) for
+    this long plus exit_grace_s, whose own watchdog is stopped with it, is killed by its task's
+    agent (with the warm restart). null turns the watchdog off."""
     exit_grace_s: int = Field(15, ge=1, le=600)
     """When a C call holds the interpreter so the watchdog thread cannot run, a C-level timer dumps
     the stacks and ends the process this many seconds after hang_timeout_s."""
