@@ -7,14 +7,13 @@ import argparse
 import shlex
 
 from launcher.context import Context
-from launcher.localcluster import cluster
+from launcher.localcluster import cluster, workers
 from launcher.localcluster.config import (
     MAX_NODES,
     MAX_WORKER_SLOTS,
     MIN_JOB_AGE_FLOOR,
     SLURM_RELEASES,
     Layout,
-    Ports,
     is_native,
     native_version,
     primary_root,
@@ -113,10 +112,15 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                             min_job_age=args.min_job_age, version=version, nodes=args.nodes, topology=args.topology,
                             gpus=args.gpus)
         for k in range(1, min(args.workers, MAX_WORKER_SLOTS) + 1):
-            worker = Layout.worker(k, version)
-            cluster.up(cluster.tagged(say, worker.root.name), layout=worker,
-                       ports=Ports.for_slot(k, version), system_conf=False, accounting=True, min_job_age=300,
-                       version=version)
+            held = workers.claim_slot(k, version)  # a running session's cluster is its own (its nodes, GPUs)
+            if held is None:
+                say(f"w{k}: claimed by a running session: left as it is")
+                continue
+            try:
+                cluster.up(cluster.tagged(say, held.layout.root.name), layout=held.layout, ports=held.ports,
+                           system_conf=False, accounting=True, min_job_age=300, version=version)
+            finally:
+                held.release()
         st = cluster.status(layout)
         ctx.out(("local SLURM cluster already running" if was_up else "local SLURM cluster is up") + f" ({st.state_dir})")
         _print_nodes(ctx, st)
@@ -134,10 +138,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"  accounting: {'slurmdbd' if st.settings.accounting else 'off'}, MinJobAge {st.settings.min_job_age} s")
         ctx.out(f"  topology: {st.settings.topology or 'none'}")
         ctx.out(f"  GPUs a node: {st.settings.gpus or 'none'}")
-    workers = cluster.worker_layouts(version)
-    if workers:  # the test suite's parallel workers' clusters (launcher/localcluster/workers.py)
+    worker_layouts = cluster.worker_layouts(version)
+    if worker_layouts:  # the test suite's parallel workers' clusters (launcher/localcluster/workers.py)
         ctx.out("worker clusters: " + ", ".join(
-            f"{w.root.name} {'up' if cluster.is_up(w) else 'down'}" for w in workers) + " (`cluster down` stops them)")
+            f"{w.root.name} {'up' if cluster.is_up(w) else 'down'}" for w in worker_layouts) + " (`cluster down` stops them)")
     if not st.controller:
         ctx.out("controller: not answering (start it with `lmlaunch cluster up`)")
         return 3

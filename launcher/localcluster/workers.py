@@ -46,18 +46,26 @@ class Claim:
 def claim(version: str | None = None) -> Claim:
     """The first free worker slot of a SLURM version's clusters (None: the machine's own), held
     until :meth:`Claim.release` or this process ends."""
+    for slot in range(1, MAX_WORKER_SLOTS + 1):
+        got = claim_slot(slot, version)
+        if got is not None:
+            return got
+    raise UserError(f"all {MAX_WORKER_SLOTS} worker clusters are claimed by running test sessions", exit_code=1)
+
+
+def claim_slot(slot: int, version: str | None = None) -> Claim | None:
+    """Worker slot ``slot``, held as :func:`claim` holds one; None while another process holds it
+    (`cluster up --workers` then leaves that cluster as its session shaped it: more nodes, GPUs)."""
     folder = primary_root(version) / "workers"
     folder.mkdir(parents=True, exist_ok=True)
-    for slot in range(1, MAX_WORKER_SLOTS + 1):
-        handle = open(folder / f"w{slot}.claim", "a")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            continue
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        return Claim(slot, Layout.worker(slot, version), Ports.for_slot(slot, version), handle, version)
-    raise UserError(f"all {MAX_WORKER_SLOTS} worker clusters are claimed by running test sessions", exit_code=1)
+    handle = open(folder / f"w{slot}.claim", "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return Claim(slot, Layout.worker(slot, version), Ports.for_slot(slot, version), handle, version)

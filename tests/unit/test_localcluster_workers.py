@@ -80,6 +80,22 @@ def test_claims_take_distinct_slots_and_a_released_one_is_free_again(machine):
     c.release()
 
 
+def test_a_slot_held_by_a_session_is_left_to_it(machine):
+    """`cluster up --workers N` takes each slot's claim while it starts that cluster; a slot another
+    session holds is skipped (seen: a fresh clone's `cluster up --workers 4` turned the chaos bench's
+    3-node worker cluster back into 2 nodes under its running job)."""
+    held = workers.claim_slot(1)
+    assert held is not None and held.slot == 1
+    assert workers.claim_slot(1) is None  # an flock per open file: held, even from this process
+    other = workers.claim_slot(2)
+    assert other is not None and other.slot == 2
+    held.release()
+    again = workers.claim_slot(1)
+    assert again is not None
+    again.release()
+    other.release()
+
+
 def test_a_slot_whose_holder_died_is_free(machine):
     pid = os.fork()
     if pid == 0:  # the child claims slot 1 and dies holding it
