@@ -15,7 +15,7 @@ import pytest
 import waiting
 from waiting import HANG_S
 
-from lmtrain.task.keeper import failed_state, what_ended, why_not
+from lmtrain.task.keeper import failed_state, lost_while_running, what_ended, why_not
 
 REPO = Path(__file__).resolve().parents[2]
 LOST = {"JobState": "COMPLETING", "Reason": "JobLaunchFailure", "BatchHost": "n1"}
@@ -62,6 +62,23 @@ def test_the_end_line_tells_a_failed_batch_node_from_a_killed_batch_script():
     assert "the batch script on n1 ended (SLURM: JobLaunchFailure, ExitCode 0:9: killed by signal 9) while its " \
            "node stayed up (IDLE+COMPLETING)" == detail
     assert what_ended({**LOST, "ExitCode": "1:0"}, "IDLE")[1].endswith("ExitCode 1:0) while its node stayed up (IDLE)")
+
+
+def test_a_running_job_whose_batch_node_is_down_is_lost_without_a_signal():
+    """SLURM 26.05 keeps a --no-kill job RUNNING on its other nodes when the batch script's node
+    fails, and signals nobody: the keeper's own look finds it. A node that only does not answer for
+    a moment (under load) is not lost."""
+    running = {"JobState": "RUNNING", "BatchHost": "n1", "NodeList": "n[1-3]"}
+    for state in ("DOWN", "DOWN+DRAIN", "DOWN+NOT_RESPONDING", "IDLE+FAIL", "MIXED+FAILING"):
+        assert lost_while_running(running, state), state
+    for state in ("MIXED+NOT_RESPONDING", "ALLOCATED", "MIXED+DRAIN", ""):
+        assert not lost_while_running(running, state), state
+    # SLURM removed the failed node from the job and, a second later, returned it to service
+    # (ReturnToService=2): the node is IDLE again, but the job runs on without it
+    assert lost_while_running({**running, "NodeList": "n[2-3]"}, "IDLE")
+    assert what_ended({**running, "NodeList": "n[2-3]"}, "IDLE")[0] == "node_failure"
+    assert not lost_while_running({**running, "NodeList": "(null)"}, "IDLE")  # SLURM does not say
+    assert not lost_while_running({**running, "JobState": "COMPLETING"}, "DOWN")  # SLURM's SIGTERM then
 
 
 def test_the_process_sleeps_through_warning_signals_and_wakes_on_sigterm(tmp_path):

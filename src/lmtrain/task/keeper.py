@@ -7,8 +7,11 @@ without it: it ends the job FAILED ("JobLaunchFailure"), never requeued (seen on
 ``--no-kill`` the same failure is NODE_FAIL and requeued), and rank 0, whose decision would requeue
 it, ran on that node too. The chaos campaign found it (docs/chaos.md).
 
-The keeper waits for that moment, doing nothing else: when SLURM ends the job it sends SIGTERM to
-every step's tasks, this one too, and gives them KillWait before SIGKILL. The keeper then asks
+The keeper waits for that moment, doing little else: when SLURM ends the job it sends SIGTERM to
+every step's tasks, this one too, and gives them KillWait before SIGKILL. SLURM 26.05 does not end
+it: the job stays RUNNING on its other nodes, without a batch script or rank 0, and nobody is
+signalled; so every ``LOOK_S`` the keeper also asks whether the batch script's node is DOWN while
+the job runs, and acts the same way then. The keeper then asks
 SLURM about the job: only where the batch script's node is DOWN (or failing), the job is not
 cancelled, queued again or finished, and the run is not done, it runs ``scontrol requeue`` (SLURM
 requeues a finished job as well as a running one) and writes the attempt's end line, which nobody
@@ -36,6 +39,7 @@ WAKE = signal.SIGTERM
 IGNORED = ("SIGUSR1", "SIGUSR2", "SIGURG", "SIGXCPU", "SIGHUP", "SIGINT", "SIGCONT")
 NODE_LOST_REASONS = ("JobLaunchFailure",)  # SLURM removed the batch script's node (NodeDown: any node of the job)
 TRIES = 20  # requeue attempts, a quarter second apart: within SLURM's KillWait (30 s by default)
+LOOK_S = 10.0  # between two looks at the batch script's node while no signal comes (two scontrol calls)
 PAUSE_S = 0.25
 
 
@@ -83,7 +87,7 @@ def why_not(info: dict[str, str] | None, host_state: str, run_dir: Path) -> str 
         return f"the job is {state or 'unknown'}"
     # SLURM's reason for a job whose batch node it removed (the node may be back already: an admin's DOWN
     # on a node whose slurmd answers turns IDLE+DRAIN within a second under ReturnToService=2)
-    if not failed_state(host_state) and info.get("Reason") not in NODE_LOST_REASONS:
+    if not failed_state(host_state) and info.get("Reason") not in NODE_LOST_REASONS and not left_job(info):
         return (f"the batch script's node {info.get('BatchHost', '?')} is up ({host_state or 'state unknown'}) "
                 f"and SLURM's reason is {info.get('Reason') or 'none'}")
     return run_unfinished(run_dir)
@@ -97,6 +101,8 @@ def what_ended(info: dict[str, str], host_state: str) -> tuple[str, str]:
     host = info.get("BatchHost", "?")
     if failed_state(host_state) or "DRAIN" in host_state.upper().split("+"):
         return "node_failure", f"node {host} of the batch script and rank 0 failed ({host_state})"
+    if left_job(info):
+        return "node_failure", f"node {host} of the batch script and rank 0 failed: SLURM took it out of the job"
     code = info.get("ExitCode", "")
     sig = code.split(":")[1] if code.count(":") == 1 and code.split(":")[1] not in ("", "0") else ""
     return "crashed", (f"the batch script on {host} ended (SLURM: {info.get('Reason')}, ExitCode {code or '?'}"
@@ -190,9 +196,39 @@ def main(argv: list[str] | None = None) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, {WAKE})
     job_id = os.environ.get("SLURM_JOB_ID", "")
     log.info("keeping job %s on %s", job_id, os.environ.get("SLURMD_NODENAME", "?"))
-    signal.sigwait({WAKE})
+    while signal.sigtimedwait({WAKE}, LOOK_S) is None and not batch_host_lost(job_id):
+        pass
     log.info("%s", act(Path(args[0]), job_id))
     return 0
+
+
+def batch_host_lost(job_id: str) -> bool:
+    """Whether the job still runs while its batch script's node failed (:func:`lost_while_running`):
+    SLURM 26.05 keeps a ``--no-kill`` job RUNNING on its other nodes then, with no batch script and
+    no rank 0, sending nobody a signal (seen in a chaos campaign: the job sat there until its time
+    limit). Not a node that only does not answer for a moment (NOT_RESPONDING under load)."""
+    from lmtrain.preemption.slurm_facts import job_facts
+
+    info = job_facts(job_id) or {}
+    host = info.get("BatchHost", "")
+    return info.get("JobState") == "RUNNING" and bool(host) and lost_while_running(info, node_state(host))
+
+
+def left_job(info: dict[str, str]) -> bool:
+    """Pure: the batch script's node is no longer among the job's nodes (SLURM removed it, failed)."""
+    from lmtrain.preemption.slurm_facts import held_nodes
+
+    held = held_nodes(info)
+    return bool(info.get("BatchHost")) and held is not None and info.get("BatchHost") not in held
+
+
+def lost_while_running(info: dict[str, str], host_state: str) -> bool:
+    """Pure: the job RUNNING and its batch script's node out of its allocation (SLURM removed the failed
+    node: 26.05 returned it to service a second later, ReturnToService=2, but not to the job) or DOWN or
+    failed now (not only NOT_RESPONDING)."""
+    words = host_state.upper().split("+")
+    return info.get("JobState") == "RUNNING" and bool(info.get("BatchHost")) and (
+        left_job(info) or any(word in words for word in ("DOWN", "FAIL", "FAILING")) or host_state.upper().startswith("DOWN"))
 
 
 if __name__ == "__main__":
