@@ -34,12 +34,9 @@ VERSION = os.environ.get("LMLAUNCH_TEST_SLURM") or None  # the cluster's SLURM: 
 # fault), so the verdict holds them to their own paths: the rank named as SIGKILLed and the ranks
 # restarted in place; the stopped rank's hang caught (by its peers' watchdogs, or its agent) and the
 # ranks restarted in place; the node left out for the spare in the same job (the single-fault tests
-# of the hang and of the spare are retired). The rest drawn by weight from the catalogue but for more
-# failed nodes: a second one, with the spare taken, sends the job back to the queue, and a requeue
-# after a node failure waits out SLURM's BeginTime here (about 2 minutes each: the suite's budget).
-# The long campaign (bench/chaos.py) draws them all; the batch node's failure is replayed below.
+# of the hang and of the spare are retired). The rest drawn by weight from the whole catalogue.
 MUST = ("rank_kill", "rank_stop", "node_down")
-KINDS = {k: v for k, v in chaos_schedule.KINDS.items() if k not in ("node_down", "batch_host_down")}
+KINDS = chaos_schedule.KINDS
 # Schedules a campaign failed on, each replayed as it was found once its cause was fixed
 # (tests/integration/chaos_found/*.json: seed, faults; the file's "found" says what failed and the fix).
 FOUND = sorted((Path(__file__).parent / "chaos_found").glob("*.json"))
