@@ -128,14 +128,16 @@ def _row(landing: Landing, c: Campaign, corruptions: list[tuple[float, int]]) ->
 
 
 def _path_problem(landing: Landing, end: dict, c: Campaign) -> str:
-    """For a fault that met its attempt alone (no other fault landed from it to the attempt's end),
+    """For a fault that met its attempt alone (no other fault landed in that attempt before it, nor
+    from it to the attempt's end),
     the recovery its kind must take: a rank SIGKILLed is named (rank, SIGKILL) and the ranks restart
     in place in the same job; a rank SIGSTOPped ends the attempt as a hang (its peers' watchdogs) or
     a crash (its agent killed it), restarted in place; a batch script killed on a node that stays up
     is no node failure; a node failed while the attempt had a spare is left out for the spare, in place. What differed ("" when nothing did, or the fault was not alone)."""
     f, facts = landing.fault, landing.done.facts
-    others = [la for la in c.landings if la is not landing and la.done.landed and landing.at <= la.at <= end["time"]]
-    if others or landing.attempt != end["attempt"]:
+    others = [la for la in c.landings if la is not landing and la.done.landed
+              and (landing.at <= la.at <= end["time"] or (la.attempt == landing.attempt and la.at <= landing.at))]
+    if others or landing.attempt != end["attempt"]:  # not alone: e.g. a lowered time limit refuses the restart in place
         return ""
     restart, death = end.get("restart"), end.get("first_death") or {}
     if f.kind == "rank_kill":
