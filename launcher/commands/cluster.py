@@ -111,16 +111,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         was_up = cluster.up(say, preempt_send_user_signal=args.preempt_user_signal, accounting=args.accounting,
                             min_job_age=args.min_job_age, version=version, nodes=args.nodes, topology=args.topology,
                             gpus=args.gpus)
-        for k in range(1, min(args.workers, MAX_WORKER_SLOTS) + 1):
-            held = workers.claim_slot(k, version)  # a running session's cluster is its own (its nodes, GPUs)
-            if held is None:
-                say(f"w{k}: claimed by a running session: left as it is")
-                continue
-            try:
-                cluster.up(cluster.tagged(say, held.layout.root.name), layout=held.layout, ports=held.ports,
-                           system_conf=False, accounting=True, min_job_age=300, version=version)
-            finally:
-                held.release()
+        _up_workers(min(args.workers, MAX_WORKER_SLOTS), version, say)
         st = cluster.status(layout)
         ctx.out(("local SLURM cluster already running" if was_up else "local SLURM cluster is up") + f" ({st.state_dir})")
         _print_nodes(ctx, st)
@@ -164,3 +155,18 @@ def _print_nodes(ctx: Context, st) -> None:
             f"  {p.name + ('*' if p.default else ''):<6} {p.available:<5} time_limit={p.time_limit:<10} "
             f"nodes={p.nodes}  alloc/idle/other/total={p.state_summary}"
         )
+
+
+def _up_workers(count: int, version: str | None, say) -> None:
+    """The worker clusters 1..count that parallel test workers claim, each started while its claim is
+    held here; one a running session holds is its own (its nodes, GPUs) and left as it is."""
+    for k in range(1, count + 1):
+        held = workers.claim_slot(k, version)
+        if held is None:
+            say(f"w{k}: claimed by a running session: left as it is")
+            continue
+        try:
+            cluster.up(cluster.tagged(say, held.layout.root.name), layout=held.layout, ports=held.ports,
+                       system_conf=False, accounting=True, min_job_age=300, version=version)
+        finally:
+            held.release()
