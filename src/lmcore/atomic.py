@@ -32,12 +32,31 @@ def write_atomic(path: str | Path, text: str, *, mode: int = 0o644, durable: boo
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _drop_abandoned(path)
     if durable:
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+ABANDONED_S = 120.0  # a temporary file this old was left by a writer killed between write and rename
+
+
+def _drop_abandoned(path: Path) -> None:
+    """Remove temporary files of ``path`` that writers killed mid-write left behind (a chaos campaign
+    found one in a run's metrics/). By age, not by pid: on a shared filesystem the writer may be a
+    process of another node; a live one renames its file within milliseconds."""
+    import time
+
+    now = time.time()
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            if now - stale.stat().st_mtime > ABANDONED_S:
+                stale.unlink()
+        except OSError:
+            continue
 
 
 def write_private(path: str | Path, text: str) -> None:
