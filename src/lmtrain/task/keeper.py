@@ -210,8 +210,7 @@ def batch_host_lost(job_id: str) -> bool:
     from lmtrain.preemption.slurm_facts import job_facts
 
     info = job_facts(job_id) or {}
-    host = info.get("BatchHost", "")
-    return info.get("JobState") == "RUNNING" and bool(host) and lost_while_running(info, node_state(host))
+    return info.get("JobState") == "RUNNING" and lost_while_running(info, node_state(info.get("BatchHost", "")))
 
 
 def left_job(info: dict[str, str]) -> bool:
