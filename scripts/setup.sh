@@ -75,6 +75,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$BASE_PY" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+# The versions the suite passed with (scripts/constraints.txt) for everything below torch;
+# LMLAUNCH_CONSTRAINTS=none resolves the newest releases pyproject.toml allows instead.
+CONSTRAINTS=${LMLAUNCH_CONSTRAINTS:-$ROOT/scripts/constraints.txt}
+if [ "$CONSTRAINTS" != none ]; then export PIP_CONSTRAINT=$CONSTRAINTS; fi
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
   log "installing torch==$TORCH_VERSION"
   "$PY" -m pip install -q "torch==$TORCH_VERSION"
@@ -88,7 +92,7 @@ if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('dee
   DS_BUILD_OPS=0 "$PY" -m pip install -q --no-build-isolation "deepspeed==$DS_VERSION"
 fi
 stamp="$VENV/.lmlaunch-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
   log "installing lmlaunch (editable) with the training stack and the dev extras"
   "$PY" -m pip install -q -e ".[runtime,dev]"
   touch "$stamp"
@@ -108,8 +112,9 @@ eval_site=$("$EVAL_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_pa
 main_site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "import site; site.addsitedir('$main_site')" > "$eval_site/lmlaunch-runtime.pth"
 eval_stamp="$EVAL_VENV/.lmlaunch-eval-installed"
-if [ ! -f "$eval_stamp" ] || [ pyproject.toml -nt "$eval_stamp" ]; then
+if [ ! -f "$eval_stamp" ] || [ pyproject.toml -nt "$eval_stamp" ] || [ scripts/constraints-eval.txt -nt "$eval_stamp" ]; then
   log "installing lm-eval into $EVAL_VENV (the eval extra)"
+  if [ "$CONSTRAINTS" != none ]; then export PIP_CONSTRAINT=$ROOT/scripts/constraints-eval.txt; fi
   "$EVAL_VENV/bin/python" -m pip install -q "$("$PY" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['eval'][0])")"
   touch "$eval_stamp"
 fi

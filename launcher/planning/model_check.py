@@ -28,7 +28,7 @@ from lmcore.job.parallelism import Parallelism
 from lmcore.job.plan import Topology
 from lmcore.job.spec import ModelSpec, TensorSplit
 
-CHECK_VERSION = 6  # bump when check_model_spec checks more: older answers are not reused
+CHECK_VERSION = 7  # bump when check_model_spec checks more: older answers are not reused
 _seen: dict[str, tuple[str, str]] = {}  # key -> (the problem or "", a note or "")
 
 
@@ -98,11 +98,11 @@ def _check(model: ModelSpec, split: TensorSplit | None, pipeline: int = 1, sched
             if split is not None:
                 from lmtrain.model.tensor_parallel import check_split
 
-                check_split(model, split)
+                note = check_split(model, split) or None
             if pipeline > 1:
                 from lmtrain.model.pipeline_check import check_pipeline
 
-                note = check_pipeline(model, pipeline, schedule)
+                note = "; ".join(n for n in (note, check_pipeline(model, pipeline, schedule)) if n)
     except ValueError as exc:
         return str(exc), ""
     finally:

@@ -22,6 +22,7 @@ import torch
 import yaml
 from shared_results import shared
 
+from launcher.planning.resolve import resolve
 from launcher.submit.local_run import prepare_local_run
 from lmcore.errors import SpecError
 from lmtrain.checkpoint.manager import complete_checkpoints
@@ -106,8 +107,6 @@ def test_2d_run_matches_ddp_resumes_on_every_layout_and_exports(runs_root, tmp_p
 
 
 def _validate(spec: Path, *overrides: str) -> str:
-    from launcher.planning.resolve import resolve
-
     with pytest.raises(SpecError) as err:
         resolve(str(spec), list(overrides), environ=dict(os.environ))
     return str(err.value)
@@ -129,17 +128,21 @@ def test_what_cannot_be_split_is_refused_with_the_arithmetic(tmp_path):
     assert "data.seq_len(127) is not divisible by trainer.tensor_parallel_size(2)" in seq
     no_plan = _validate(spec, "model.type=gpt2", "model.config={n_layer: 1, n_head: 2, n_embd: 32, vocab_size: 260}")
     assert "model.type gpt2 has no tensor-parallel plan in transformers" in no_plan
-    moe = _validate(spec, "model.type=mixtral", "model.config={num_hidden_layers: 1, hidden_size: 32, "
-                    "intermediate_size: 64, num_attention_heads: 4, num_key_value_heads: 2, num_local_experts: 2, "
-                    "vocab_size: 260}")
-    assert "lmlaunch cannot apply the tensor-parallel style of model.layers.*.mlp.experts (moe_tp_experts)" in moe
+    # transformers' plan for mixtral splits the attention only: the router and the experts would see a
+    # sequence-parallel slice as a DTensor (step 0's "mixed torch.Tensor and DTensor"); plain tensor
+    # parallelism keeps them whole on every rank, and the plan says so
+    mixtral = ("model.type=mixtral", "model.config={num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
+               "num_attention_heads: 4, num_key_value_heads: 2, num_local_experts: 2, vocab_size: 260}")
+    assert ("trainer.sequence_parallel: model.type mixtral has parameters outside its tensor-parallel plan "
+            "(model.layers.*.mlp.experts, model.layers.*.mlp.gate)") in _validate(spec, *mixtral)
+    notes = "\n".join(resolve(str(spec), [*mixtral, "trainer.sequence_parallel=false"], environ=dict(os.environ)).plan.notes)
+    assert ("tensor parallelism keeps model.layers.*.mlp.experts, model.layers.*.mlp.gate whole on each of the 2 "
+            "ranks of a tensor-parallel group") in notes
     assert "trainer.tensor_parallel_size(2) needs trainer.strategy: fsdp" in _validate(spec, "trainer.strategy=ddp")
     assert "needs trainer.tensor_parallel_size >= 2" in _validate(spec, "trainer.tensor_parallel_size=1")
 
 
 def test_the_plan_shows_the_mesh_and_what_tensor_parallelism_needs_of_nccl(tmp_path):
-    from launcher.planning.resolve import resolve
-
     gpu = ["resources.gpus_per_node=8", "resources.tasks_per_node=8", "trainer.tensor_parallel_size=4",
            "trainer.global_batch_size=32", "model.config.num_key_value_heads=4", "env.vars.NCCL_P2P_DISABLE=1"]
     plan = resolve(str(_spec(tmp_path)), gpu, cluster="h100-ib", environ=dict(os.environ)).plan

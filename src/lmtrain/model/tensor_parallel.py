@@ -82,21 +82,55 @@ def problems(model: nn.Module, tp: int, *, sequence_parallel: bool = False, seq_
             out.append(f"trainer.sequence_parallel: model.type {name} has layers that are not plainly column- or "
                        f"row-parallel ({', '.join(inner)}), so the residual stream cannot stay split along the "
                        f"sequence; use sequence_parallel: false")
+        outside = unplanned(model)
+        if outside:
+            out.append(f"trainer.sequence_parallel: model.type {name} has parameters outside its tensor-parallel "
+                       f"plan ({', '.join(outside)}): they would see this rank's slice of the sequence as a "
+                       f"distributed tensor and fail at the first step; use sequence_parallel: false (they are "
+                       f"then kept whole on every rank of a tensor-parallel group)")
         if seq_len is not None and seq_len % tp:
             out.append(f"trainer.sequence_parallel: data.seq_len({seq_len}) is not divisible by "
                        f"trainer.tensor_parallel_size({tp}): each rank holds seq_len / {tp} positions")
     return out
 
 
-def check_split(model_spec: Any, split: Any) -> None:
+def unplanned(model: nn.Module) -> list[str]:
+    """The modules inside the transformer blocks that hold parameters of their own and that neither
+    the plan nor sequence parallelism's norms cover (e.g. a mixture of experts whose plan, in newer
+    transformers, lists only the attention), layer indices as ``*``."""
+    import re
+
+    from lmtrain.model.causal_lm import transformer_blocks
+
+    patterns = [re.compile(re.escape(k).replace(r"\*", r"[^.]+") + r"(\.|$)") for k in model_plan(model)]
+    covered = set(norms(model))
+    blocks = {id(b) for b in transformer_blocks(model)}
+    inside = [n for n, m in model.named_modules() if id(m) in blocks]
+    out = set()
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)) or name in covered or _is_norm(module):
+            continue
+        if any(name.startswith(b + ".") for b in inside) and not any(rx.match(name) for rx in patterns):
+            out.add(re.sub(r"\.\d+\.", ".*.", name))
+    return sorted(out)
+
+
+def check_split(model_spec: Any, split: Any) -> str:
     """ValueError with :func:`problems` of the model the spec builds (on the meta device: no
-    memory) split as ``split`` (lmcore.job.spec.TensorSplit) says."""
+    memory) split as ``split`` (lmcore.job.spec.TensorSplit) says; else a note naming what the
+    split keeps whole on every rank (parameters outside the plan), or ""."""
     from lmtrain.model.causal_lm import meta_model
 
     meta = meta_model(model_spec)
     found = problems(meta, split.size, sequence_parallel=split.sequence_parallel)
     if found:
         raise ValueError("; ".join(found))
+    whole = unplanned(meta) if split.size > 1 else []
+    if not whole:
+        return ""
+    return (f"tensor parallelism keeps {', '.join(whole)} whole on each of the {split.size} ranks of a "
+            f"tensor-parallel group (outside transformers' plan for this model): their memory is not divided "
+            f"by trainer.tensor_parallel_size")
 
 
 def _attr(cfg: Any, names: tuple[str, ...]) -> int | None:
