@@ -44,12 +44,15 @@ KINDS: dict[str, Kind] = {
     "corrupt_checkpoint": Kind(1.0, "a file of the newest complete checkpoint corrupted on disk"),
     "disk_full": Kind(1.0, "the checkpoints' filesystem filled up for a while (saves meet ENOSPC)", "", (3.0, 15.0)),
     "batch_kill": Kind(1.0, "the job's batch script SIGKILLed (its step and ranks go with it)"),
+    "keeper_kill": Kind(0.5, "the job's keeper (its step beside the ranks, spare nodes) SIGKILLed: the run's "
+                             "watcher is left to see the batch script's node fail"),
 }
 
 # Kinds whose fault a run may survive without an attempt ending (nothing in the ledger shows it
 # unless a later attempt meets its consequence): the controller or accounting away, a corrupted
-# checkpoint newer ones replace, periodic saves skipped for want of room.
-SILENT_KINDS = frozenset({"ctld_restart", "dbd_stop", "corrupt_checkpoint", "disk_full"})
+# checkpoint newer ones replace, periodic saves skipped for want of room, the keeper gone (it matters
+# only when the batch script's node fails before the next attempt starts it again).
+SILENT_KINDS = frozenset({"ctld_restart", "dbd_stop", "corrupt_checkpoint", "disk_full", "keeper_kill"})
 
 
 @dataclass(frozen=True)

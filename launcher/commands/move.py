@@ -1,5 +1,6 @@
 """lmlaunch move RUN [--to CLUSTER] [--dry-run] | --watch | --detach: a run over several clusters
-(the spec's clusters) moved where it starts sooner, while its job waits in a queue."""
+(the spec's clusters) moved where it starts sooner, while its job waits in a queue; the run's watcher
+(--watch), which also requeues a run with spare nodes whose batch script's node failed."""
 
 from __future__ import annotations
 
@@ -20,22 +21,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="ask the clusters and say what would be done; change nothing")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--watch", action="store_true",
-                   help="keep watching the run and move it as its spec's move section says, until it ends "
-                        "(submit starts one in the background)")
+                   help="keep watching the run until it ends: move it as its spec's move section says, and "
+                        "requeue it if it has spare nodes and its batch script's node fails (submit starts one in "
+                        "the background)")
     g.add_argument("--detach", action="store_true", help="--watch in the background (writes RUN/logs/mover.log)")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from launcher.submit import mover
+    from launcher.submit import mover, watcher
 
     rec = runs.find_run(args.run, ctx.environ or None)
     if args.detach:
-        pid = mover.start_watcher(rec.name, rec.run_dir, ctx)
+        pid = watcher.start_watcher(rec.name, rec.run_dir, ctx)
         ctx.out(f"run '{rec.name}': watcher started in the background (pid {pid}); it writes "
                 f"{rundir.RunLayout.of(rec.run_dir).mover_log}")
         return 0
     if args.watch:
-        return mover.watch(rec, ctx)
+        return watcher.watch(rec, ctx)
     q = mover.current_job(rec, ctx.environ or None)
     if q is None or q.state != "PENDING":
         raise UserError(f"run '{rec.name}': its job {rec.last_job_id} on {rec.profile_of(rec.last_job_id or '')} is "

@@ -174,13 +174,18 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(line)
     code = submit_plan(r, ctx, new=args.new, resume=args.resume, new_code=args.new_code, spec_path=args.spec,
                        after=after)
-    if code == 0 and r.spec.clusters and (r.spec.move is not None or _over_ssh(r.spec.clusters, ctx)):
-        from launcher.submit.mover import start_watcher  # the watcher that moves it and copies back (one per run)
+    clusters = r.spec.clusters or []
+    moves = bool(clusters) and (r.spec.move is not None or _over_ssh(clusters, ctx))
+    if code == 0 and (moves or r.plan.slurm.spare_nodes):
+        from launcher.submit.watcher import start_watcher  # the watcher (one per run): moves, copies back, requeues
         from lmcore.run.run_layout import RunLayout
 
         pid = start_watcher(r.plan.run_name, r.plan.paths.run_dir, ctx)
-        does = (f"moves it between {', '.join(r.spec.clusters)} as its move section says" if r.spec.move is not None
-                else "copies its files back from a cluster over SSH")
+        does = "; ".join(
+            ([f"moves it between {', '.join(clusters)} as its move section says" if r.spec.move is not None
+              else "copies its files back from a cluster over SSH"] if moves else [])
+            + (["requeues it if its batch script's node fails and nobody in the job could"]
+               if r.plan.slurm.spare_nodes else []))
         ctx.out(f"note: a watcher (pid {pid}) {does}; it writes {RunLayout.of_plan(r.plan).mover_log} (again: "
                 f"lmlaunch move {r.plan.run_name} --detach)")
     return code

@@ -45,7 +45,7 @@ _BY_JOB = ("/" + run_layout.SUBMITIT + "/", "/rendezvous/", f"/{run_layout.LOGS}
            "/" + run_layout.RESTART_IN_PLACE)
 PUSH_EXCLUDES = ("/" + run_layout.MOVER_LOCK, f"/{run_layout.LOGS}/{run_layout.MOVER_LOG}", ".step-*.tmp", *_BY_JOB)
 # never copied back: what this side owns (the ledger is merged, the plan and spec are this side's); DONE is
-# written here by the watcher once the job there ended and everything is here (launcher.submit.mover)
+# written here by the watcher once the job there ended and everything is here (launcher.submit.watcher)
 PULL_EXCLUDES = (*PUSH_EXCLUDES, "/" + run_layout.LEDGER, "/" + run_layout.CODE_DIR, "/" + run_layout.SPEC_YAML,
                  "/" + run_layout.PLAN, "/" + run_layout.DEEPSPEED_JSON, "/" + run_layout.DONE, "/" + run_layout.COPY_ID)
 

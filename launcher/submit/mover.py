@@ -1,5 +1,5 @@
-"""Moving a run over several clusters (the spec's ``clusters`` and ``move``): the watcher that
-`lmlaunch submit` starts beside such a run (`lmlaunch move RUN --watch`), and one move.
+"""Moving a run over several clusters (the spec's ``clusters`` and ``move``): one move, which the
+run's watcher (launcher.submit.watcher, `lmlaunch move RUN --watch`) makes when one is due.
 
 The watcher asks the run's cluster about its current job every ``move.poll_s``. When the job
 waits in the queue and a move is due (after a preemption, or past ``move.after``:
@@ -14,27 +14,20 @@ launcher.planning.clusters.move_due), it asks every named cluster when the run w
 4. the ledger says so (``moved``: from, to, both job ids, why). When the other cluster refuses
    the submission, the run is submitted again where it was (``move_failed``).
 
-So two attempts never train at once: the old job is gone before the new one is queued. The
-watcher holds ``RUN/mover.lock`` (one at a time; a killed one's lock goes with its process), writes
-``RUN/logs/mover.log``, and ends when the run does (DONE, CANCELLED, or its job ended without a
-requeue).
+So two attempts never train at once: the old job is gone before the new one is queued.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from launcher.context import Context
 from launcher.planning import transport
-from launcher.planning.clusters import HELD, Answer, Queued, move_due, move_target, plan_each
+from launcher.planning.clusters import HELD, Answer, Queued, move_target, plan_each
 from launcher.planning.resolve import Resolved, resolve
 from launcher.runs import far_copy, registry as runs
 from launcher.runs.run_lock import run_lock
@@ -47,10 +40,8 @@ from lmcore.run import rundir
 from lmcore.run.checkpoint_index import choose_for_resume
 from lmcore.slurm import client as slurm
 
-__all__ = ["HELD", "current_job", "decide", "move", "start_watcher", "watch"]  # HELD: for the command
+__all__ = ["HELD", "NothingQueued", "current_job", "decide", "move", "plans_of", "requeue_lost"]  # HELD: for the command
 GONE_WAIT_S = 60.0  # how long a cancelled job may take to leave its cluster's queue
-FAR_POLL_S = 30.0  # a run without a move section: how often its copy over SSH is brought back
-ENDED_LOOKS = 3  # the run's job unknown to its cluster this many looks in a row: the run ended
 
 
 def current_job(rec: runs.RunRecord, environ: dict[str, str] | None, now: float | None = None) -> Queued | None:
@@ -75,10 +66,13 @@ def current_job(rec: runs.RunRecord, environ: dict[str, str] | None, now: float 
     return Queued(prof, job, q.state, q.reason, max(0.0, now - since), preempted)
 
 
-def _plans(rec: runs.RunRecord, ctx: Context) -> list[Resolved]:
-    """The run planned on each of its clusters, from its own resolved spec."""
+def plans_of(rec: runs.RunRecord, ctx: Context, one: bool = False) -> list[Resolved]:
+    """The run planned on each of its clusters, from its own resolved spec (``one``: a run on one
+    cluster is its one plan, not an error)."""
     layout = rundir.RunLayout.of(rec.run_dir)
     first = resolve(str(layout.spec_yaml), [], None, ctx.environ, python=ctx.python, force=True, several=True)
+    if not first.spec.clusters and one:
+        return [first]
     if not first.spec.clusters:
         raise UserError(f"run '{rec.name}' names one cluster ({first.profile.name}): there is nowhere to move it",
                         exit_code=2)
@@ -98,7 +92,7 @@ def _here(q: Queued, plans: list[Resolved], bound: float, environ: dict[str, str
 
 def decide(rec: runs.RunRecord, q: Queued, ctx: Context, to: str | None = None) -> tuple[Resolved | None, list[str]]:
     """Where the queued job ``q`` goes (its plan there), or None; with what the clusters said."""
-    plans = _plans(rec, ctx)
+    plans = plans_of(rec, ctx)
     bound = answer_s(ctx.environ or None)
     others = [ask(p, None, bound) for p in plans if p.profile.name != q.cluster and (to is None or p.profile.name == to)]
     if to is not None and not others:
@@ -239,134 +233,3 @@ def _wait_gone(job_id: str) -> None:
 
 def _note(layout: rundir.RunLayout, event: str, fields: dict[str, Any]) -> None:
     rundir.Ledger(layout.ledger).write(rundir.LedgerNote(event=event, time=time.time(), fields=fields))
-
-
-# --------------------------------------------------------------------------- the watcher
-
-def watch(rec: runs.RunRecord, ctx: Context) -> int:
-    """Watch the run until it ends, moving its queued job when a move is due (one watcher per run)."""
-    layout = rundir.RunLayout.of(rec.run_dir)
-    lock = open(layout.mover_lock, "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        ctx.out(f"run '{rec.name}': a watcher already runs (it holds {layout.mover_lock})")
-        return 0
-    plans = _plans(rec, ctx)
-    move_spec = plans[0].spec.move
-    over_ssh = [p.profile.name for p in plans if p.profile.login is not None]
-    if move_spec is None and not over_ssh:
-        raise UserError(f"run '{rec.name}' has no move section: it stays where it was placed", exit_code=2)
-    poll_s = move_spec.poll_s if move_spec is not None else FAR_POLL_S
-
-    def say(text: str) -> None:
-        ctx.out(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}")
-        ctx.stdout.flush()
-
-    say(f"watching run '{rec.name}' (" + (f"move.after {move_spec.after}, on_preemption {move_spec.on_preemption}, "
-        if move_spec is not None else "no move section: ") + (f"its copies on {', '.join(over_ssh)} kept in step, "
-        if over_ssh else "") + f"every {poll_s} s)")
-    misses, said, lost = 0, "", False
-    while True:
-        if not layout.run_dir.is_dir():  # removed (or its filesystem gone): nothing left to watch for
-            say(f"the run directory {layout.run_dir} is gone: the watcher ends")
-            return 0
-        rec = runs.load_record(rec.name, ctx.environ or None) or rec
-        _copy_back(rec, say)
-        if layout.done.exists() or layout.cancelled.exists():
-            say("the run is " + ("done" if layout.done.exists() else "cancelled") + ": the watcher ends")
-            return 0
-        if lost:  # a failed move left it queued nowhere: queue it again before anything else
-            lost = not requeue_lost(rec, ctx, say)
-            time.sleep(poll_s)
-            continue
-        try:
-            q = current_job(rec, ctx.environ or None)
-        except (SlurmUnavailable, UserError) as exc:
-            say(f"its cluster did not answer ({exc.message}); trying again")
-            time.sleep(poll_s)
-            continue
-        misses = misses + 1 if q is None or not slurm.is_active(q.state) else 0
-        if misses >= ENDED_LOOKS and _done_only_there(rec):
-            misses = 0  # done on a cluster over SSH, not yet here: brought back at the next look
-        if misses >= ENDED_LOOKS:
-            say(f"job {rec.last_job_id} ended and is not queued again: the watcher ends")
-            return 0
-        why = move_due(q, after_s=move_spec.after_s, on_preemption=move_spec.on_preemption) \
-            if q and move_spec is not None else None
-        if q is not None and why is not None:
-            try:
-                said = _move_if_sooner(rec, q, why, ctx, say, said)
-            except NothingQueued as exc:
-                say(exc.message)
-                lost = True
-            except (SlurmUnavailable, UserError) as exc:  # a cluster or a plan that fails now: said, tried again
-                say(f"no move now: {exc.message}")
-        time.sleep(poll_s)
-
-
-def _copy_back(rec: runs.RunRecord, say: Any) -> None:
-    """The run's files back from the cluster over SSH its last job went to (its ledger merged).
-    Once it is done there and its job has ended (its last lines written), its newest checkpoint
-    too (the final weights), checked here, and then DONE here: done here means all of it is here."""
-    far = far_copy.of_record(rec, rec.last_job_id)
-    layout = rundir.RunLayout.of(rec.run_dir)
-    if far is None or layout.done.exists():
-        return
-    try:
-        far_copy.pull(layout.run_dir, far)
-        if (done := far_copy.done_there(far)) is None or _still_there(rec):
-            return
-        name = far_copy.pull(layout.run_dir, far, checkpoint=True)  # and the lines written since
-        layout.done.write_text(done)
-        say(f"the run is done on {far.cluster}: its files and checkpoint {name or '(none)'} copied back, checked")
-    except (far_copy.CopyFailed, UserError, SlurmUnavailable) as exc:
-        say(f"copying back from {far.where} failed ({exc.message}); trying again")
-    except (OSError, ValueError) as exc:  # a full disk here, a listing it could not read: the watcher goes on
-        say(f"copying back from {far.where} failed ({exc}); trying again")
-
-
-def _done_only_there(rec: runs.RunRecord) -> bool:
-    """Whether the copy over SSH the run's last job ran on is done while this directory is not."""
-    far = far_copy.of_record(rec, rec.last_job_id)
-    if far is None or rundir.RunLayout.of(rec.run_dir).done.exists():
-        return False
-    try:
-        return far_copy.done_there(far) is not None
-    except far_copy.CopyFailed:
-        return True  # not reachable now: it may be; look again
-
-
-def _still_there(rec: runs.RunRecord) -> bool:
-    """Whether the run's last job is still queued or running on its cluster."""
-    job = rec.last_job_id or ""
-    with transport.through(transport.job_target(rec, job), exactly=True):
-        return any(j.job_id == job and slurm.is_active(j.state) for j in slurm.squeue([job]))
-
-
-def _move_if_sooner(rec: runs.RunRecord, q: Queued, why: str, ctx: Context, say: Any, said: str) -> str:
-    """One look at the clusters for a due move (their answers said when they changed), and the
-    move where another starts it sooner; what was said last."""
-    dest, lines = decide(rec, q, ctx)
-    if "\n".join(lines) != said:
-        for line in lines:
-            say(line)
-        said = "\n".join(lines)
-    if dest is not None:
-        job = move(rec, q, dest, why, ctx, say)
-        if job:
-            say(f"moved to {dest.profile.name}: job {job}")
-        said = ""
-    return said
-
-
-def start_watcher(run: str, run_dir: str, ctx: Context) -> int:
-    """`lmlaunch move RUN --watch` in the background, writing RUN/logs/mover.log; its pid."""
-    layout = rundir.RunLayout.of(run_dir)
-    layout.logs.mkdir(parents=True, exist_ok=True)
-    with open(layout.mover_log, "a") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from launcher.cli import main; sys.exit(main())", "move", run, "--watch"],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(Path(run_dir)),
-            env={**os.environ, **(ctx.environ or {})})
-    return proc.pid

@@ -150,7 +150,7 @@ def _fail_node(t: Target, f: Fault, *, batch_host: bool) -> Done:
     # again (launcher.submit.rehearsal: a failed node takes no job until it is RESUMEd)
     rehearsal.set_node_state(node, "DRAIN", reason=f"chaos fault #{f.index}")
     rehearsal.set_node_state(node, "DOWN", reason=f"chaos fault #{f.index}")
-    killed = _kill_job_on_node(t, node)  # the node dies: its slurmd and what the job ran there
+    killed = kill_job_on_node(t.layout, node, t.job)  # the node dies: its slurmd and what the job ran there
 
     def undo() -> str:  # the node boots again: RESUMEd, then a fresh slurmd (no memory of the job) registers
         resume_node(node)
@@ -161,15 +161,15 @@ def _fail_node(t: Target, f: Fault, *, batch_host: bool) -> Done:
                 {"node": node, "killed": killed})
 
 
-def _kill_job_on_node(t: Target, node: str) -> list[int]:
+def kill_job_on_node(layout: Layout, node: str, job: str) -> list[int]:
     """SIGKILL the node's slurmd and every process of the job on it (each step's slurmstepd, found by
     its socket in the node's spool directory, and what runs under it), as a node that loses power:
     a slurmd left running would remember the job and refuse its next run there ("Job already
     running, do not launch second copy", and SLURM holds the job)."""
-    prefix = f"{t.layout.spool}/slurmd-{node}/{node}_{t.job}."
+    prefix = f"{layout.spool}/slurmd-{node}/{node}_{job}."
     listing = subprocess.run(["ss", "-xlpn"], capture_output=True, text=True, check=True).stdout
     stepds = {int(p) for line in listing.splitlines() if prefix in line for p in re.findall(r"pid=(\d+)", line)}
-    slurmd = running_from_pidfile(t.layout.run / f"slurmd-{node}.pid")
+    slurmd = running_from_pidfile(layout.run / f"slurmd-{node}.pid")
     victims, todo = [], [*([slurmd] if slurmd else []), *stepds]
     while todo:
         pid = todo.pop()
@@ -323,6 +323,30 @@ def batch_kill(t: Target, f: Fault) -> Done:
     return Done(True, f"batch script of job {t.job} on {host} SIGKILLed (pid {shells})", facts={"pids": shells})
 
 
+def keeper_kill(t: Target, f: Fault) -> Done:
+    """SIGKILL to the job's keeper (its step on a node other than the batch script's: what SLURM 26.05
+    sometimes does with it when the batch node fails): the batch script starts it again at its next
+    restart in place; until then the run's watcher is the one left to see the batch node fail."""
+    info = slurm.show_job(t.job) or {}
+    if info.get("JobState") != "RUNNING":
+        return Done(False, f"job {t.job} is {info.get('JobState', 'gone')}")
+    needle = f"SLURM_JOB_ID={t.job}\0".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+            if b"lmtrain.task.keeper" in cmd and needle in Path(f"/proc/{entry}/environ").read_bytes():
+                pids.append(int(entry))
+        except OSError:
+            continue
+    if not pids:
+        return Done(False, f"no keeper of job {t.job} runs (not started yet, or between two attempts)")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return Done(True, f"the keeper of job {t.job} SIGKILLed (pid {pids})", facts={"pids": pids})
+
+
 def _children(parents: set[int]) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -341,6 +365,7 @@ INJECT: dict[str, Callable[[Target, Fault], Done]] = {
     "preempt": preempt,
     "requeue": requeue, "time_limit": time_limit, "ctld_restart": ctld_restart, "dbd_stop": dbd_stop,
     "corrupt_checkpoint": corrupt_checkpoint, "disk_full": disk_full, "batch_kill": batch_kill,
+    "keeper_kill": keeper_kill,
 }
 
 

@@ -110,7 +110,7 @@ def _row(landing: Landing, c: Campaign, corruptions: list[tuple[float, int]]) ->
         row.recovered = "restart in place" + (f", spare for {','.join(end['left_out'])}" if end.get("left_out") else "")
     else:
         row.recovered = "requeue" if end.get("requeued") or following else "none"
-    row.problem = _path_problem(landing, end, c)
+    row.problem = _path_problem(landing, end, c) or _keeperless_problem(landing, end, c)
     if not following:
         row.problem = f"attempt {end['attempt']} ended {end['reason']} and no attempt followed"
         return row
@@ -157,6 +157,20 @@ def _path_problem(landing: Landing, end: dict, c: Campaign) -> str:
                 "node_failure", "in_place", [facts["node"]]):
             return (f"{facts['node']} failed alone with spare {began[0]['spares']} held: attempt {end['attempt']} "
                     f"ended {end['reason']}, restart {restart}, left out {end.get('left_out')}: not the spare in place")
+    return ""
+
+
+def _keeperless_problem(landing: Landing, end: dict, c: Campaign) -> str:
+    """The batch script's node failed in an attempt whose keeper was killed before: only the run's
+    watcher on the login side could requeue it (launcher.submit.batch_host_watch), and the end line
+    must say it did."""
+    killed = [la for la in c.landings if la.fault.kind == "keeper_kill" and la.done.landed
+              and la.attempt == landing.attempt and la.at < landing.at]
+    if landing.fault.kind != "batch_host_down" or not killed or end["attempt"] != landing.attempt:
+        return ""
+    if not end.get("watcher") or not end.get("requeued"):
+        return (f"the batch script's node failed after the keeper was killed: attempt {end['attempt']} ended "
+                f"{end['reason']}, requeued {end.get('requeued')}, not by the run's watcher ({end.get('detail')})")
     return ""
 
 

@@ -17,14 +17,10 @@ uninterrupted one (the shared reference of test_preempt_resume.py)."""
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import signal
-import subprocess
-from pathlib import Path
 
 import pytest
 import waiting
+from chaos_faults import kill_job_on_node
 from preempt_helpers import (
     EVERY,
     MAX_STEPS,
@@ -73,38 +69,6 @@ def three_nodes(slurm_cluster):
         release_worker(other, "sp-")
 
 
-def _crash_node(layout, node: str, job: str) -> list[int]:
-    """The node dies as a powered-off one does: its slurmd and every process of the job on it
-    (each step's slurmstepd, found by its socket in the node's spool directory, and what it runs)
-    SIGKILLed at once, so nobody there reports anything. The pids killed."""
-    spool = f"{layout.spool}/slurmd-{node}/{node}_{job}."
-    listing = subprocess.run(["ss", "-xlpn"], capture_output=True, text=True, check=True).stdout
-    stepds = {int(m) for line in listing.splitlines() if spool in line for m in re.findall(r"pid=(\d+)", line)}
-    children: dict[int, list[int]] = {}
-    slurmd = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            if cmd[:1] and cmd[0].endswith(b"slurmd") and [b"-N", node.encode()] == cmd[1:3] and \
-                    str(layout.slurm_conf).encode() in cmd:
-                slurmd.append(int(entry))
-    assert len(slurmd) == 1 and stepds, (slurmd, stepds, listing)
-    victims, todo = [], [*slurmd, *stepds]
-    while todo:
-        pid = todo.pop()
-        victims.append(pid)
-        todo.extend(children.get(pid, ()))
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return victims
-
-
 def test_a_node_whose_slurmd_and_processes_die_is_replaced_by_the_spare_in_the_same_job(
         reference, module_env, module_jobs, three_nodes, tmp_path):
     """n2 dies (slurmd and every process of the job on it SIGKILLed; nobody there says anything):
@@ -119,7 +83,8 @@ def test_a_node_whose_slurmd_and_processes_die_is_replaced_by_the_spare_in_the_s
     module_jobs.append(job)
     wait_held(run_dir, EVERY + 3)
     assert starts(run_dir)[0]["nodes"] == ["n1", "n2"], starts(run_dir)
-    _crash_node(three_nodes.layout, "n2", job)
+    killed = kill_job_on_node(three_nodes.layout, "n2", job)  # as a node that loses power: nobody there says a word
+    assert len(killed) >= 2, killed  # its slurmd and the job's step daemon there, at least
     released.touch()  # rank 0 goes on, to find rank 1 gone
     finish(job, run_dir)
 

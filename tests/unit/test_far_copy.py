@@ -103,7 +103,7 @@ def test_a_pull_brings_back_newer_files_merges_the_ledger_and_checks_the_checkpo
         '{"event": "start", "attempt": 1}', '{"event": "end", "attempt": 1}', '{"event": "moved", "to": "centre"}',
         '{"event": "start", "attempt": 2, "job_id": "7"}', '{"event": "end", "attempt": 2}']  # the torn line waits
     assert (here / "spec.yaml").read_text() == "name: r1\n"
-    # DONE here is the watcher's, once the job there ended and everything came back (launcher.submit.mover)
+    # DONE here is the watcher's, once the job there ended and everything came back (launcher.submit.watcher)
     assert not (here / run_layout.DONE).exists() and far_copy.done_there(far) == "80\n"
     assert (here / "logs" / "attempt-2" / "rank-0.log").read_text() == "trained there\n"
     assert (here / "logs" / run_layout.MOVER_LOG).read_text() == "the watcher's own\n"

@@ -15,7 +15,7 @@ import pytest
 import waiting
 from waiting import HANG_S
 
-from lmtrain.task.keeper import failed_state, lost_while_running, what_ended, why_not
+from lmcore.run.lost_batch_host import failed_state, lost_while_running, what_ended, why_not
 
 REPO = Path(__file__).resolve().parents[2]
 LOST = {"JobState": "COMPLETING", "Reason": "JobLaunchFailure", "BatchHost": "n1"}

@@ -369,18 +369,20 @@ def test_a_watcher_whose_run_directory_is_gone_ends(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from launcher.runs.registry import RunRecord
-    from launcher.submit import mover
+    from launcher.submit import mover, watcher
 
     run_dir = tmp_path / "runs" / "gone"
     run_dir.mkdir(parents=True)
     rec = RunRecord(name="gone", profile="here", run_dir=str(run_dir), spec_path=None, job_ids=["7"])
     move = SimpleNamespace(after=None, after_s=None, on_preemption=True, poll_s=0.01)
 
-    def plans_then_removed(r, c):  # the watcher holds its lock and has read the run's plans: then it goes
+    def plans_then_removed(r, c, one=False):  # the watcher holds its lock and has read the run's plans: then it goes
         shutil.rmtree(run_dir)
-        return [SimpleNamespace(spec=SimpleNamespace(move=move), profile=SimpleNamespace(name="here", login=None))]
+        return [SimpleNamespace(spec=SimpleNamespace(move=move, clusters=["here", "there"]),
+                                profile=SimpleNamespace(name="here", login=None),
+                                plan=SimpleNamespace(slurm=SimpleNamespace(spare_nodes=0)))]
 
-    monkeypatch.setattr(mover, "_plans", plans_then_removed)
+    monkeypatch.setattr(mover, "plans_of", plans_then_removed)
     out = io.StringIO()
-    assert mover.watch(rec, Context(stdout=out, stderr=out, environ={"LMLAUNCH_HOME": str(tmp_path / "home")})) == 0
+    assert watcher.watch(rec, Context(stdout=out, stderr=out, environ={"LMLAUNCH_HOME": str(tmp_path / "home")})) == 0
     assert f"the run directory {run_dir} is gone: the watcher ends" in out.getvalue(), out.getvalue()

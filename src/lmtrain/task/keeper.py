@@ -8,16 +8,14 @@ without it: it ends the job FAILED ("JobLaunchFailure"), never requeued (seen on
 it, ran on that node too. The chaos campaign found it (docs/chaos.md).
 
 The keeper waits for that moment, doing little else: when SLURM ends the job it sends SIGTERM to
-every step's tasks, this one too, and gives them KillWait before SIGKILL. SLURM 26.05 does not end
-it: the job stays RUNNING on its other nodes, without a batch script or rank 0, and nobody is
-signalled; so every ``LOOK_S`` the keeper also asks whether the batch script's node is DOWN while
-the job runs, and acts the same way then. The keeper then asks
-SLURM about the job: only where the batch script's node is DOWN (or failing), the job is not
-cancelled, queued again or finished, and the run is not done, it runs ``scontrol requeue`` (SLURM
-requeues a finished job as well as a running one) and writes the attempt's end line, which nobody
-else could write: ``node_failure`` when the node is down or drained, ``crashed`` when it is up and
-in service (the batch script itself was killed there: SLURM gives the same reason for that). Any other end of the job (completed, preempted, a
-time limit, cancelled, a restart that leaves this node out) leaves it nothing to do.
+every step's tasks, this one too, and gives them KillWait before SIGKILL. SLURM 24.11 and 26.05 do
+not end it: the job stays RUNNING on its other nodes, without a batch script or rank 0, and nobody
+is signalled; so every ``LOOK_S`` the keeper also asks whether the batch script's node is DOWN or out
+of the job while the job runs, and acts the same way then. What it decides and writes is
+lmcore.run.lost_batch_host's, which the run's watcher on the login side shares: 26.05 sometimes
+kills this step with the batch script's node (its ``srun`` ran there), and then the watcher sees it.
+Any other end of the job (completed, preempted, a time limit, cancelled, a restart that leaves this
+node out) leaves it nothing to do.
 
 Imports nothing heavy (no torch): it starts in a fraction of a second and holds no memory to speak
 of. The warning signal and the others SLURM may send are ignored; only SIGTERM wakes it.
@@ -25,137 +23,26 @@ of. The warning signal and the others SLURM may send are ignored; only SIGTERM w
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
+
+from lmcore.run import lost_batch_host
 
 log = logging.getLogger("lmtrain.keeper")
 
 WAKE = signal.SIGTERM
 IGNORED = ("SIGUSR1", "SIGUSR2", "SIGURG", "SIGXCPU", "SIGHUP", "SIGINT", "SIGCONT")
-NODE_LOST_REASONS = ("JobLaunchFailure",)  # SLURM removed the batch script's node (NodeDown: any node of the job)
-TRIES = 20  # requeue attempts, a quarter second apart: within SLURM's KillWait (30 s by default)
 LOOK_S = 10.0  # between two looks at the batch script's node while no signal comes (two scontrol calls)
-PAUSE_S = 0.25
-
-
-def run_unfinished(run_dir: Path) -> str | None:
-    """None when the run still has work to do; else why not (cancelled, or DONE at its max_steps)."""
-    from lmcore.run.run_layout import RunLayout, is_cancelled, read_done_step
-
-    if is_cancelled(run_dir):
-        return "the run is cancelled"
-    done, step = read_done_step(run_dir)
-    if not done:
-        return None
-    try:
-        max_steps = int(json.loads(RunLayout.of(run_dir).plan.read_text())["trainer"]["max_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return "the run is done"
-    return None if step is not None and step < max_steps else "the run is done"
-
-
-def failed_state(state: str) -> bool:
-    """Pure: whether `scontrol show node`'s State says the node failed (DOWN, DOWN+DRAIN,
-    DOWN+NOT_RESPONDING, FAIL...), not only drained (sinfo says "drain" for DOWN+DRAIN)."""
-    return any(word in state.upper().split("+") for word in ("DOWN", "FAIL", "FAILING", "NOT_RESPONDING")) or \
-        state.upper().startswith("DOWN")
-
-
-def node_state(host: str) -> str:
-    """`scontrol show node`'s State of ``host``; "" when SLURM does not say (taken as up: a requeue is
-    never guessed)."""
-    from lmcore.slurm import client as slurm
-
-    try:
-        return next((n.get("State", "") for n in slurm.node_configs() if n.get("NodeName") == host), "")
-    except Exception as exc:
-        log.warning("scontrol show node: %s", exc)
-        return ""
-
-
-def why_not(info: dict[str, str] | None, host_state: str, run_dir: Path) -> str | None:
-    """Pure but for the run's markers: None when the keeper must requeue the job; else why not."""
-    if info is None:
-        return "SLURM does not answer about the job"
-    state = info.get("JobState", "")
-    if state not in ("RUNNING", "COMPLETING", "FAILED", "NODE_FAIL"):
-        return f"the job is {state or 'unknown'}"
-    # SLURM's reason for a job whose batch node it removed (the node may be back already: an admin's DOWN
-    # on a node whose slurmd answers turns IDLE+DRAIN within a second under ReturnToService=2)
-    if not failed_state(host_state) and info.get("Reason") not in NODE_LOST_REASONS and not left_job(info):
-        return (f"the batch script's node {info.get('BatchHost', '?')} is up ({host_state or 'state unknown'}) "
-                f"and SLURM's reason is {info.get('Reason') or 'none'}")
-    return run_unfinished(run_dir)
-
-
-def what_ended(info: dict[str, str], host_state: str) -> tuple[str, str]:
-    """Pure: the ledger's (reason, detail) for a job the keeper requeues. Its batch script's node DOWN,
-    failing or drained when the keeper looks (within KillWait: a node that truly failed is not back
-    so soon) -> ``node_failure``; a node up and in service -> its batch script was killed there
-    (SLURM says JobLaunchFailure, ExitCode 0:9, for that too: seen in a chaos campaign) -> ``crashed``."""
-    host = info.get("BatchHost", "?")
-    if failed_state(host_state) or "DRAIN" in host_state.upper().split("+"):
-        return "node_failure", f"node {host} of the batch script and rank 0 failed ({host_state})"
-    if left_job(info):
-        return "node_failure", f"node {host} of the batch script and rank 0 failed: SLURM took it out of the job"
-    code = info.get("ExitCode", "")
-    sig = code.split(":")[1] if code.count(":") == 1 and code.split(":")[1] not in ("", "0") else ""
-    return "crashed", (f"the batch script on {host} ended (SLURM: {info.get('Reason')}, ExitCode {code or '?'}"
-                       f"{': killed by signal ' + sig if sig else ''}) while its node stayed up ({host_state or '?'})")
-
-
-def _end_line(run_dir: Path, job_id: str, info: dict[str, str], host_state: str, node: str) -> None:
-    """The attempt's end line, which its rank 0 never wrote (its node failed, or nobody asked it to
-    decide), unless it did meanwhile."""
-    from lmcore.run.run_layout import RunLayout
-    from lmcore.run.rundir import AttemptEnd, Ledger
-
-    ledger = Ledger(RunLayout.of(run_dir).ledger)
-    open_ = [a for a in ledger.attempts() if a.reason is None]
-    if not open_:
-        return
-    last = open_[-1]
-    from lmcore.run.checkpoint_index import newest_complete
-
-    ckpt = newest_complete(RunLayout.of(run_dir).checkpoints, files=False)
-    reason, what = what_ended(info, host_state)
-    ledger.write_end_once(AttemptEnd(
-        attempt=last.attempt, job_id=job_id, time=time.time(),
-        end_step=ckpt.step if ckpt is not None else last.start_step, reason=reason, requeued=True,
-        detail=f"{what}: SLURM ended the job (spare nodes: --no-kill), and the job's keeper on {node} requeued it",
-        extra={"keeper": node, "failed_node" if reason == "node_failure" else "batch_host": info.get("BatchHost", "")}))
 
 
 def act(run_dir: Path, job_id: str) -> str:
-    """SIGTERM came: requeue the job if its batch script's node failed (see the module's doc)."""
-    from lmcore.slurm import client as slurm
-    from lmtrain.preemption.slurm_facts import job_facts
-
+    """SIGTERM came (or the look found the batch host lost): requeue the job if its batch script's node
+    failed (lmcore.run.lost_batch_host)."""
     node = os.environ.get("SLURMD_NODENAME", "")
-    for _ in range(TRIES):
-        info = job_facts(job_id)
-        host = (info or {}).get("BatchHost", "")
-        host_state = node_state(host) if host else ""
-        log.info("job %s: %s; node %s %s", job_id, {k: (info or {}).get(k) for k in ("JobState", "Reason", "ExitCode")},
-                 host, host_state)
-        reason = why_not(info, host_state, run_dir)
-        if reason is not None:
-            return f"nothing to do: {reason}"
-        try:
-            slurm.requeue(job_id)
-        except Exception as exc:  # SLURM busy with the job's end: again, within KillWait
-            log.warning("scontrol requeue %s: %s", job_id, exc)
-            time.sleep(PAUSE_S)
-            continue
-        released = _release(job_id)
-        _end_line(run_dir, job_id, info or {}, host_state, node)
-        return f"{what_ended(info or {}, host_state)[1]}: job {job_id} requeued{released}"
-    return f"job {job_id}: scontrol requeue kept failing"
+    return lost_batch_host.requeue(run_dir, job_id, f"the job's keeper on {node}", {"keeper": node})
 
 
 def _own_output(path: str) -> None:
@@ -203,31 +90,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def batch_host_lost(job_id: str) -> bool:
-    """Whether the job still runs while its batch script's node failed (:func:`lost_while_running`):
-    SLURM 26.05 keeps a ``--no-kill`` job RUNNING on its other nodes then, with no batch script and
-    no rank 0, sending nobody a signal (seen in a chaos campaign: the job sat there until its time
-    limit). Not a node that only does not answer for a moment (NOT_RESPONDING under load)."""
-    from lmtrain.preemption.slurm_facts import job_facts
-
-    info = job_facts(job_id) or {}
-    return info.get("JobState") == "RUNNING" and lost_while_running(info, node_state(info.get("BatchHost", "")))
-
-
-def left_job(info: dict[str, str]) -> bool:
-    """Pure: the batch script's node is no longer among the job's nodes (SLURM removed it, failed)."""
-    from lmtrain.preemption.slurm_facts import held_nodes
-
-    held = held_nodes(info)
-    return bool(info.get("BatchHost")) and held is not None and info.get("BatchHost") not in held
-
-
-def lost_while_running(info: dict[str, str], host_state: str) -> bool:
-    """Pure: the job RUNNING and its batch script's node out of its allocation (SLURM removed the failed
-    node: 26.05 returned it to service a second later, ReturnToService=2, but not to the job) or DOWN or
-    failed now (not only NOT_RESPONDING)."""
-    words = host_state.upper().split("+")
-    return info.get("JobState") == "RUNNING" and bool(info.get("BatchHost")) and (
-        left_job(info) or any(word in words for word in ("DOWN", "FAIL", "FAILING")) or host_state.upper().startswith("DOWN"))
+    """Whether the job still runs while its batch script's node failed
+    (lmcore.run.lost_batch_host.lost_while_running): SLURM 24.11 and 26.05 keep a ``--no-kill`` job
+    RUNNING on its other nodes then, with no batch script and no rank 0, sending nobody a signal
+    (seen in a chaos campaign: the job sat there until its time limit)."""
+    info = lost_batch_host.job_info(job_id) or {}
+    return info.get("JobState") == "RUNNING" and \
+        lost_batch_host.lost_while_running(info, lost_batch_host.node_state(info.get("BatchHost", "")))
 
 
 if __name__ == "__main__":
