@@ -14,6 +14,7 @@ from launcher.monitor import eval_rows, status_cache
 from launcher.monitor.run_files import RunFiles
 from launcher.monitor.slurm_view import UNREACHABLE, SlurmJob, SlurmView, format_duration, query_slurm
 from launcher.planning import transport
+from launcher.runs.run_lock import watcher_alive
 from lmcore.errors import UserError
 from lmcore.run import straggler_lines
 from lmcore.slurm import client as slurm
@@ -230,6 +231,9 @@ def _queued_or_running(rec: Any, files: RunFiles, job: SlurmJob, requeued: bool)
                 + (f" without {left_out}" if left_out else ""))
     elif group == "running" and (spares := spares_of(files.ledger)) is not None:
         note = f"spare node(s) idle: {','.join(spares)}" if spares else "no spare node left"
+        if not watcher_alive(rec.run_dir):  # submit starts it; a login node's restart ends it
+            note += (f"; its watcher is not running (`lmlaunch move {rec.name} --detach`): nobody outside the job "
+                     "requeues it if its batch script's node fails")
     if files.cancelled and group in ("queued", "running"):
         note = "cancel requested"
     return state, group, reason, note

@@ -16,9 +16,11 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 from launcher.runs.home import lmlaunch_home
 from lmcore.errors import UserError
+from lmcore.run.run_layout import RunLayout
 
 WAIT_S = 300.0  # longer than a move holds it (a minute for the cancelled job to leave its queue, then a submission)
 _HELD: dict[str, int] = {}
@@ -65,3 +67,17 @@ def run_lock(name: str, environ: Mapping[str, str] | None = None, *, wait_s: flo
                 _HELD.pop(key, None)
     finally:
         os.close(fd)  # releases the flock
+
+
+def watcher_alive(run_dir: str | Path) -> bool:
+    """Whether the run's watcher (launcher.submit.watcher) runs: it holds ``RUN/mover.lock`` (an flock,
+    gone with its process) from its start to its end."""
+    lock = RunLayout.of(run_dir).mover_lock
+    try:
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no lock file: no watcher ever started here
+        return False
+    return False

@@ -41,9 +41,7 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
     """Watch the run until it ends, moving its queued job when a move is due (one watcher per run)."""
     layout = rundir.RunLayout.of(rec.run_dir)
     lock = open(layout.mover_lock, "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not _take(lock):
         ctx.out(f"run '{rec.name}': a watcher already runs (it holds {layout.mover_lock})")
         return 0
     move_spec, host_watch, poll_s, described = _what_to_watch(rec, ctx)
@@ -96,6 +94,19 @@ def watch(rec: runs.RunRecord, ctx: Context) -> int:
             except (SlurmUnavailable, UserError) as exc:  # a cluster or a plan that fails now: said, tried again
                 say(f"no move now: {exc.message}")
         time.sleep(poll_s)
+
+
+def _take(lock: Any) -> bool:
+    """The watcher's lock, held until its process ends; False when another watcher holds it (a
+    look by `status`, launcher.runs.run_lock.watcher_alive, holds it shared for an instant: tried
+    again a few times)."""
+    for _ in range(10):
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.1)
+    return False
 
 
 def _gave_up(silent_s: float, exc: UserError, rec: runs.RunRecord, say: Any) -> bool:

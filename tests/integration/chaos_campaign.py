@@ -10,7 +10,6 @@ long one (bench/chaos.py). Both call :func:`run`.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import threading
 import time
 from collections.abc import Callable
@@ -39,9 +38,9 @@ from slurm_helpers import TERMINAL
 
 from launcher.localcluster import cluster
 from launcher.localcluster.config import Layout
+from launcher.runs.run_lock import watcher_alive
 from lmcore.errors import UserError
 from lmcore.run.checkpoint_index import complete_checkpoints
-from lmcore.run.run_layout import RunLayout
 from lmcore.slurm import admin as rehearsal, client as slurm
 
 # What the run asks beyond the uninterrupted reference's spec (none of it changes a number): a
@@ -120,7 +119,7 @@ def _wait(c: Campaign, target: Target, reached: Callable[[], object], what: str)
     def check():
         if reached():
             return True
-        if slurm.state_group(slurm.job_state(c.job)) not in TERMINAL or watcher_runs(c.run_dir):
+        if slurm.state_group(slurm.job_state(c.job)) not in TERMINAL or watcher_alive(c.run_dir):
             return False  # the run's watcher may requeue it yet (its batch node lost, its keeper gone)
         return "ended" if not _resumed_after_disk_full(c, target) else False
 
@@ -128,21 +127,6 @@ def _wait(c: Campaign, target: Target, reached: Callable[[], object], what: str)
     return waiting.until(check, progress=progress, poll=0.2,
                          on_poll=lambda: _start_early(c.job), what=f"{c.run_dir.name}: {what}",
                          explain=lambda: f"ledger {ledger(c.run_dir)}\n{log_tail(c.run_dir)}")
-
-
-def watcher_runs(run_dir: Path) -> bool:
-    """Whether the run's watcher (launcher.submit.watcher.watch: submit starts it for a run with spare
-    nodes) still runs: it holds the run's mover lock until it ends."""
-    lock = RunLayout.of(run_dir).mover_lock
-    if not lock.exists():
-        return False
-    with open(lock, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return False
 
 
 def stopped_by_full_disk(end: dict) -> bool:

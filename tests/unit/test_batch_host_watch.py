@@ -45,3 +45,29 @@ def test_it_acts_only_after_the_keeper_had_its_chance_and_once_per_loss():
     assert w.decide(True, 100.0 + GRACE_S + 15) == "seen"  # still lost at the next look: a new grace first
     assert w.decide(False, 200.0) is None  # the keeper requeued it, or it was never lost for long
     assert w.decide(True, 300.0) == "seen"
+
+
+def test_status_tells_a_spare_run_whose_watcher_is_not_running(tmp_path):
+    """The watcher holds RUN/mover.lock while it runs; `status` asks (one flock, never kept) and says
+    when it is gone (a login node's restart ends it), with the command that starts it again."""
+    import subprocess
+    import sys
+
+    from waiting import HANG_S
+
+    from launcher.runs.run_lock import watcher_alive
+    from lmcore.run.run_layout import RunLayout
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert not watcher_alive(run)  # never started
+    lock = RunLayout.of(run).mover_lock
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", str(lock)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert watcher_alive(run)
+    finally:
+        holder.communicate("", timeout=HANG_S)
+    assert not watcher_alive(run)  # its lock went with its process
