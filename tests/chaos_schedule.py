@@ -46,13 +46,17 @@ KINDS: dict[str, Kind] = {
     "batch_kill": Kind(1.0, "the job's batch script SIGKILLed (its step and ranks go with it)"),
     "keeper_kill": Kind(0.5, "the job's keeper (its step beside the ranks, spare nodes) SIGKILLed: the run's "
                              "watcher is left to see the batch script's node fail"),
+    "watcher_kill": Kind(0.5, "the run's watcher on the login side SIGKILLed (a login node's restart); started "
+                              "again as its user would, once status says it is gone", "", (5.0, 30.0)),
 }
 
 # Kinds whose fault a run may survive without an attempt ending (nothing in the ledger shows it
 # unless a later attempt meets its consequence): the controller or accounting away, a corrupted
 # checkpoint newer ones replace, periodic saves skipped for want of room, the keeper gone (it matters
-# only when the batch script's node fails before the next attempt starts it again).
-SILENT_KINDS = frozenset({"ctld_restart", "dbd_stop", "corrupt_checkpoint", "disk_full", "keeper_kill"})
+# only when the batch script's node fails before the next attempt starts it again), the watcher gone
+# for a while (the same, before its user starts it again).
+SILENT_KINDS = frozenset({"ctld_restart", "dbd_stop", "corrupt_checkpoint", "disk_full", "keeper_kill",
+                          "watcher_kill"})
 
 
 @dataclass(frozen=True)

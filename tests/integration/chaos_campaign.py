@@ -163,8 +163,9 @@ def _training_since(run_dir: Path, t: float) -> bool:
 def _land(c: Campaign, target: Target, f: Fault, say: Callable[[str], None]) -> Landing:
     complete = tuple(ck.step for ck in complete_checkpoints(c.ckpt_dir))
     step, attempt = current_step(c.run_dir), _attempt_now(c.run_dir, c.job)
+    at = time.time()  # before it lands: the keeper may end the attempt before a node fault's inject returns
     done = inject(target, f)
-    landing = Landing(f, time.time(), step, attempt, complete, done)
+    landing = Landing(f, at, step, attempt, complete, done)
     say(f"{time.time() - c.began:7.1f}s  step {step:>4}  {f.label()}: "
         f"{done.what if done.landed else 'did not land: ' + done.what}")
     return landing

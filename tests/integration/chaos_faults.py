@@ -31,6 +31,7 @@ from preempt_helpers import current_step, lm, starts
 from launcher.localcluster import cluster, debian_root
 from launcher.localcluster.config import Layout, is_native
 from launcher.localcluster.daemons import running_from_pidfile, stop
+from launcher.runs.run_lock import watcher_alive
 from launcher.submit.rehearsal import resume_node
 from lmcore.errors import UserError
 from lmcore.run.checkpoint_index import complete_checkpoints, verify
@@ -347,6 +348,37 @@ def keeper_kill(t: Target, f: Fault) -> Done:
     return Done(True, f"the keeper of job {t.job} SIGKILLed (pid {pids})", facts={"pids": pids})
 
 
+def watcher_kill(t: Target, f: Fault) -> Done:
+    """SIGKILL to the run's watcher on the login side (`lmlaunch move RUN --watch`, which submit starts
+    for a run with spare nodes), as a login node's restart ends it; undone as its user would, once
+    `status` says it is not running: `lmlaunch move RUN --detach`."""
+    if not watcher_alive(t.run_dir):
+        return Done(False, f"no watcher of run {t.name} runs")
+    needle = b"\0".join([b"move", t.name.encode(), b"--watch"])
+    pids = [int(e) for e in os.listdir("/proc") if e.isdigit() and needle in _cmdline(e)]
+    if not pids:
+        return Done(False, f"no watcher process of run {t.name} found")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def undo() -> str:
+        code, out, err = lm(t.env, "status", t.name)
+        said = "its watcher is not running" in " ".join(out.split())
+        code, out, err = lm(t.env, "move", t.name, "--detach")
+        assert code == 0, out + err
+        return f"watcher started again (lmlaunch move {t.name} --detach; status had said it was gone: {said})"
+
+    return Done(True, f"the run's watcher SIGKILLed (pid {pids})", undo, {"pids": pids})
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _children(parents: set[int]) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -365,7 +397,7 @@ INJECT: dict[str, Callable[[Target, Fault], Done]] = {
     "preempt": preempt,
     "requeue": requeue, "time_limit": time_limit, "ctld_restart": ctld_restart, "dbd_stop": dbd_stop,
     "corrupt_checkpoint": corrupt_checkpoint, "disk_full": disk_full, "batch_kill": batch_kill,
-    "keeper_kill": keeper_kill,
+    "keeper_kill": keeper_kill, "watcher_kill": watcher_kill,
 }
 
 
