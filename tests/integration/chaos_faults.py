@@ -176,9 +176,7 @@ def kill_job_on_node(layout: Layout, node: str, job: str) -> list[int]:
         pid = todo.pop()
         victims.append(pid)
         todo.extend(_children({pid}))
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    _kill_all(victims)
     return victims
 
 
@@ -318,9 +316,7 @@ def batch_kill(t: Target, f: Fault) -> Done:
     shells = [pid for pid in _children(stepd)]
     if not shells:
         return Done(False, f"no batch script process under {socket_name}")
-    for pid in shells:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    _kill_all(shells)
     return Done(True, f"batch script of job {t.job} on {host} SIGKILLed (pid {shells})", facts={"pids": shells})
 
 
@@ -342,9 +338,7 @@ def keeper_kill(t: Target, f: Fault) -> Done:
             continue
     if not pids:
         return Done(False, f"no keeper of job {t.job} runs (not started yet, or between two attempts)")
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    _kill_all(pids)
     return Done(True, f"the keeper of job {t.job} SIGKILLed (pid {pids})", facts={"pids": pids})
 
 
@@ -358,9 +352,7 @@ def watcher_kill(t: Target, f: Fault) -> Done:
     pids = [int(e) for e in os.listdir("/proc") if e.isdigit() and needle in _cmdline(e)]
     if not pids:
         return Done(False, f"no watcher process of run {t.name} found")
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    _kill_all(pids)
 
     def undo() -> str:
         code, out, err = lm(t.env, "status", t.name)
@@ -370,6 +362,12 @@ def watcher_kill(t: Target, f: Fault) -> Done:
         return f"watcher started again (lmlaunch move {t.name} --detach; status had said it was gone: {said})"
 
     return Done(True, f"the run's watcher SIGKILLed (pid {pids})", undo, {"pids": pids})
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _cmdline(pid: str) -> bytes:

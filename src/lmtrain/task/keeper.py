@@ -54,23 +54,6 @@ def _own_output(path: str) -> None:
     os.close(fd)
 
 
-def _release(job_id: str) -> str:
-    """SLURM holds a job requeued after its batch launch failed (Reason launch_failed_requeued_held,
-    priority 0): release it, so it starts as a preempted one would."""
-    from lmcore.slurm import client as slurm
-    from lmtrain.preemption.slurm_facts import job_facts
-
-    info = job_facts(job_id) or {}
-    if info.get("Reason") != "launch_failed_requeued_held" and info.get("Priority") != "0":
-        return ""
-    try:
-        slurm.hold(job_id, release=True)
-    except Exception as exc:
-        log.warning("scontrol release %s: %s", job_id, exc)
-        return f" (held by SLURM: {info.get('Reason')}; the release failed: {exc})"
-    return f" and released (SLURM held it: {info.get('Reason')})"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
