@@ -16,12 +16,12 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from launcher.planning import transport
 from launcher.runs import registry as runs
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.run import lost_batch_host as lost
-from lmcore.run.run_layout import RunLayout
 
 GRACE_S = 30.0  # a loss seen this long (three of the keeper's looks) is the watcher's to act on
 POLL_S = 15.0  # how often a watcher of a run with spare nodes looks at its job
@@ -57,7 +57,7 @@ class BatchHostWatch:
                     f"the job's keeper does it within {GRACE_S:.0f} s")
             elif what == "act":
                 host = socket.gethostname()
-                say(lost.requeue(RunLayout.of(rec.run_dir).run_dir, job, f"the run's watcher on {host}",
+                say(lost.requeue(Path(rec.run_dir), job, f"the run's watcher on {host}",
                                  {"watcher": host}))
             return what is not None
 
@@ -82,4 +82,4 @@ def seen_lost(info: dict[str, str] | None, host_state: str, rec: runs.RunRecord)
         return False
     if info.get("JobState") == "RUNNING" and not lost.lost_while_running(info, host_state):
         return False
-    return lost.why_not(info, host_state, RunLayout.of(rec.run_dir).run_dir) is None
+    return lost.why_not(info, host_state, Path(rec.run_dir)) is None
