@@ -23,6 +23,7 @@ from launcher.planning import runtime_stack
 from launcher.spec.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of, partitions as draft_partitions
 from launcher.spec.profiles import Profile
 from launcher.submit.in_place import asked_nodes
+from launcher.submit.shape_check import IMPOSSIBLE, waits_for_nodes
 from lmcore import jsonlines
 from lmcore.errors import UserError
 from lmcore.job.plan import LaunchPlan
@@ -350,20 +351,20 @@ def judge_memory(plan: LaunchPlan, profile: Profile) -> Check:
 
 
 def job_script_checks(plan: LaunchPlan, job_script: str) -> list[Check]:
-    """The cluster judges the exact job script (``sbatch --test-only``): every #SBATCH option, the
-    site's own ones (slurm.sbatch) included; and, when there are site srun options (slurm.srun),
-    one ``srun --test-only`` with them on the job's partition and nodes."""
+    """The cluster judges the exact job script (``sbatch --test-only``, site options included; nodes
+    out of service a warning), and site srun options (``srun --test-only``) where there are some."""
     site = ", ".join(f"--{k}" for k in sorted(plan.slurm.site_options))
     ok, message = slurm.test_only("sbatch", [], script=job_script)
-    what = f" (with the site options {site})" if site else ""
-    hint = ""
+    what, hint = f" (with the site options {site})" if site else "", ""
     if not ok and plan.slurm.exclude:
         hint = (f"; the plan excludes {plan.slurm.exclude} (lmlaunch's record of bad nodes for this profile, see the "
                 f"dry run's notes): a passing `lmlaunch doctor SPEC --on-nodes` clears a node that is well again")
-    out = [Check("job script", OK if ok else FAIL,
-                 f"{'the cluster accepts' if ok else 'the cluster refuses'} the job script{what} "
-                 f"(sbatch --test-only): {message}{hint}",
-                 {"accepted": ok, "site_options": dict(plan.slurm.site_options), "exclude": plan.slurm.exclude})]
+    facts = {"accepted": ok, "site_options": dict(plan.slurm.site_options), "exclude": plan.slurm.exclude}
+    waiting = None if ok or not any(w in message for w in IMPOSSIBLE) else waits_for_nodes(plan.slurm)
+    said = f"the cluster would queue the job script{what} to wait" if waiting else \
+        f"{'the cluster accepts' if ok else 'the cluster refuses'} the job script{what}"
+    out = [Check("job script", WARN if waiting else OK if ok else FAIL,  # nodes out of service: it would wait
+                 f"{said} (sbatch --test-only): {message}{f': {waiting}' if waiting else hint}", facts)]
     own = [a for a in plan.srun_args if not a.startswith("--container-")]
     if own:
         s = plan.slurm

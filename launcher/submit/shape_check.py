@@ -17,7 +17,9 @@ A run with an evaluator alongside is one heterogeneous job: every refusal of it 
 The dry run asks the controller itself (:func:`dry_run_answer`: ``sbatch --test-only`` on the
 script submit would send, where the controller answers and has the job's partition): what it refuses (a shape, an account, a
 QOS, a reservation, a GRES) is refused as submit would be (exit 5, REFUSED), what it accepts is
-said with its start estimate.
+said with its start estimate. A refusal that only nodes out of service now explain (DOWN, DRAINED,
+not responding: the shape fits the partition with them) is not a refusal: sbatch queues such a job
+and it waits for them (``ReqNodeNotAvail``), so the dry run says that, naming the nodes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from typing import Any
 
 from launcher.runs.home import lmlaunch_home
+from launcher.spec.profile_draft import gpus_of
 from lmcore.errors import ExitCode, UserError
 from lmcore.job.plan import LaunchPlan
 from lmcore.run import rundir
@@ -162,6 +165,9 @@ def dry_run_answer(plan: LaunchPlan, text: str) -> str:
     except Exception as exc:  # a timeout: said, and submit asks again
         return f"the cluster: sbatch --test-only gave no answer ({type(exc).__name__}: {str(exc)[:200]})"
     if not ok and not plan.evaluator and any(words in message for words in IMPOSSIBLE):
+        waiting = waits_for_nodes(plan.slurm)
+        if waiting:
+            return f"the cluster would queue it to wait (sbatch --test-only: {message}): {waiting}"
         raise _shape_refused(plan.slurm, message)
     if not ok:
         what = "eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator)" if plan.evaluator \
@@ -169,3 +175,39 @@ def dry_run_answer(plan: LaunchPlan, text: str) -> str:
         raise UserError(f"{what} (sbatch --test-only: {message}){keys_of(message)}; submit would queue nothing",
                         exit_code=ExitCode.REFUSED)
     return f"the cluster would take it (sbatch --test-only: {message})"
+
+
+# sinfo's short states (%t, its suffixes *~#!%$@^-+ stripped) of a node that runs no new job now
+# but may return: a job that needs it is queued and waits (ReqNodeNotAvail)
+OUT_OF_SERVICE = ("down", "drain", "drng", "fail", "maint", "boot", "reboot", "futr", "inval", "unk", "pow")
+
+
+def _out_of_service(state: str) -> bool:
+    return state.endswith("*") or state.rstrip("*~#!%$@^-+").startswith(OUT_OF_SERVICE)
+
+
+def waits_for_nodes(p: Any) -> str | None:
+    """Why a job the controller refuses to start now would still be queued: the nodes out of
+    service that it needs, named with their state and reason, when its shape fits the partition
+    with them (CPUs, and GPUs where it asks for some) and not without; else None."""
+    from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7]
+
+    try:
+        listed = [n for n in slurm.nodes() if p.partition in n.partitions]
+    except Exception:  # sinfo failed: the refusal stands as SLURM said it
+        return None
+    excluded = set(expand_hostlist(p.exclude)) if p.exclude else set()
+    need_cpus = p.ntasks_per_node * p.cpus_per_task
+
+    def holds(n: Any) -> bool:
+        gpus = gpus_of(n.gres)
+        return n.cpus >= need_cpus and (not p.gpus_per_node or (gpus is not None and gpus[1] >= p.gpus_per_node))
+
+    fitting = [n for n in listed if n.name not in excluded and holds(n)]
+    away = [n for n in fitting if _out_of_service(n.state)]
+    if len(fitting) < p.nodes or not away or len(fitting) - len(away) >= p.nodes:
+        return None
+    named = ", ".join(f"{n.name} ({n.state}{f': {n.reason}' if n.reason and n.reason != 'none' else ''})" for n in away)
+    return (f"it needs {p.nodes} node(s) and {len(fitting) - len(away)} of partition '{p.partition}' can run it now; "
+            f"out of service: {named}. Submitted, it waits for them (squeue's reason: ReqNodeNotAvail); "
+            "`sinfo -R` says why they are out")

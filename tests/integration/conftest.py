@@ -91,6 +91,19 @@ def slurm_cluster():
     lease.unlink(missing_ok=True)
 
 
+@pytest.fixture(autouse=True)
+def _nodes_back_in_service(request):
+    """After a test on the cluster, its nodes back in service before the worker's next test: one
+    that set a node DOWN or DRAINED and resumed it leaves it unresponsive (``idle*``) a few
+    seconds, and the next test's `sbatch --test-only` would be refused meanwhile."""
+    yield
+    if "slurm_cluster" in request.fixturenames:
+        from launcher.localcluster import cluster
+
+        if not cluster.nodes_ready():
+            wait_nodes_usable()
+
+
 @dataclass
 class CliResult:
     code: int

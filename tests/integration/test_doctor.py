@@ -12,6 +12,7 @@ import pytest
 from slurm_helpers import REPO
 
 from lmcore.run.rundir import LEDGER, AttemptEnd, AttemptStart, Ledger
+from lmcore.slurm import admin
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 
@@ -63,6 +64,13 @@ def test_missing_data_and_wrong_vocab_are_named(slurm_cluster, cli, tmp_path):
     code, report = _doctor(cli, "model.config.vocab_size=200")
     vocab = _by_name(report)["data vocab"]
     assert code == 1 and vocab["status"] == "fail" and vocab["figures"] == {"data_vocab": 260, "model_vocab": 200}
+    admin.set_node_state("n2", "DRAIN", "doctor test")  # a node out of service: the job would wait, not fail
+    try:
+        _, report = _doctor(cli)
+    finally:
+        admin.set_node_state("n2", "RESUME")
+    script = _by_name(report)["job script"]
+    assert script["status"] == "warn" and "out of service: n2 (drain" in script["message"], script
 
 
 def test_a_read_only_or_small_checkpoint_filesystem_is_named(slurm_cluster, cli, tmpfs):

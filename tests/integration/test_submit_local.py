@@ -18,7 +18,7 @@ from waiting import HANG_S  # tests/waiting.py: a hang guard, not a verdict on s
 from launcher.planning.resolve import resolve
 from launcher.runs import registry as runs
 from launcher.submit.script import render_script
-from lmcore.slurm import client as slurm
+from lmcore.slurm import admin, client as slurm
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
 SMALL = ("trainer.max_steps=12", "optim.warmup_steps=2")
@@ -171,6 +171,18 @@ def test_the_dry_run_asks_the_controller_and_is_refused_as_submit_would_be(slurm
         feature.err
     assert not [j for j in slurm.squeue() if j.name == run_name]
     assert not (Path(lm_env["LMLAUNCH_RUNS_ROOT"]) / run_name).exists() and runs.load_record(run_name, lm_env) is None
+    # a node out of service now is not a shape the cluster cannot hold: sbatch would queue the job
+    # to wait for it, and the dry run says so (naming it), while a shape too large is still refused
+    admin.set_node_state("n2", "DRAIN", "dry-run test")
+    try:
+        waits = cli("submit", SPEC, f"name={run_name}", *SMALL, "--dry-run")
+        too_big = cli("submit", SPEC, f"name={run_name}", *SMALL, "resources.cpus_per_task=8", "--dry-run")
+    finally:
+        admin.set_node_state("n2", "RESUME")
+    assert waits.code == 0 and waits.out.startswith("# the cluster would queue it to wait (sbatch --test-only: "), \
+        waits.out[:400] + waits.err
+    assert "out of service: n2 (drain" in waits.out and ": dry-run test)" in waits.out, waits.out[:600]
+    assert too_big.code == 5 and "cannot run this job as asked" in too_big.err, too_big.err
 
 
 def test_unreachable_controller_is_a_clear_message_and_nothing_is_written(slurm_cluster, lm_env, run_name, tmp_path):
