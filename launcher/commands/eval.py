@@ -93,13 +93,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"run {plan.run_name}: every asked checkpoint is scored already (`lmlaunch history {plan.run_name}`)")
         return 0
     path = run_dir / EVAL_DIR / f"evaluator-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    text = script.render_eval_script(plan, ev, str(path), steps=",".join(map(str, todo)), time_minutes=args.time)
+    job = script.render_eval_job(plan, ev, str(path), steps=",".join(map(str, todo)), time_minutes=args.time)
     if args.dry_run:
-        ctx.out(text)
+        ctx.out(job.text)
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, ev.to_json())
-    job_id = submission.submit_script(text, path.with_suffix(".sh"))
+    job_id = submission.submit_script(job, path.with_suffix(".sh"))
     ctx.out(f"submitted job {job_id}: scores {len(todo)} checkpoint(s) of {plan.run_name} "
             f"({', '.join(ev.tasks)})\n  follow: lmlaunch logs {plan.run_name} --evaluator; "
             f"scores: lmlaunch history {plan.run_name}")

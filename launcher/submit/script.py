@@ -1,28 +1,29 @@
-"""The batch scripts lmlaunch submits, rendered here and nowhere else: completely, before anything
-is submitted. The dry run prints this text and ``sbatch`` receives it byte for byte
-(tests/unit/test_submitit_contract.py); no other module writes a line of a batch script.
+"""The batch jobs lmlaunch submits, rendered here and nowhere else: completely, before anything
+is submitted. Each is a :class:`lmcore.slurm.batch_job.BatchJob`: the script's text, which the dry
+run prints and ``sbatch`` receives byte for byte (tests/unit/test_submitit_contract.py), and its
+``#SBATCH`` options, from which the text's header is written and which slurmrestd receives as the
+job's fields. No other module writes a line of a batch script, and nothing reads one back.
 
-- A run's job script (:func:`render_script`): submitit's layout (``#SBATCH`` header from
-  :func:`executor_parameters`, setup, command, teardown, rendered by submitit's
-  ``_make_sbatch_string``) with lmlaunch's parts: the header comment, the profile's setup lines,
+- A run's job (:func:`render_job`): submitit's layout (:func:`sbatch_script`: the header from
+  :func:`executor_parameters` as submitit orders it, setup, command, teardown; submitit's runner
+  finds its files by it) with lmlaunch's parts: the header comment, the profile's setup lines,
   the planned exports (launcher.submit.shell's one quoting rule), the container's lines on the host
   (the SLURM relay, the image's identity, apptainer's variables), the restart-in-place loop around
-  srun, srun's spare-node options, the task command (inside the container's wrapper where there is
-  one) and the relay's teardown.
-- A sweep's array script (:func:`render_array_script`): the same, each task's run directory picked
-  by ``SLURM_ARRAY_TASK_ID``.
-- ``data prepare --on-cluster``'s scripts (:func:`array_script`, :func:`assemble_script`): a
+  srun (launcher.submit.restart_loop), srun's spare-node options, the task command (inside the
+  container's wrapper where there is one) and the relay's teardown.
+- A sweep's array (:func:`render_array_job`): the same, each task's run directory picked by
+  ``SLURM_ARRAY_TASK_ID``.
+- ``data prepare --on-cluster``'s jobs (:func:`array_script`, :func:`assemble_script`): a
   throttled array of slices and its final step.
-- ``lmlaunch eval``'s job (:func:`render_eval_script`) and the evaluator alongside's component of a
+- ``lmlaunch eval``'s job (:func:`render_eval_job`) and the evaluator alongside's component of a
   run's heterogeneous job: their options and shell lines from launcher.submit.hetjob.
 
-Every ``#SBATCH`` line lmlaunch writes itself is one option of a list of (option, value) pairs rendered
-by :func:`sbatch_lines`; the run's and the sweep's headers are submitit's, from
-:func:`executor_parameters`.
+Every ``#SBATCH`` line is one option of a list of (option, value) pairs rendered by
+:func:`sbatch_lines`.
 
-launcher.submit.submission submits the text (the executor's hooks); launcher.search.array and
-launcher.submit.data_cluster submit theirs. Pure: no I/O but reading whether a run's code snapshot
-predates lmtrain.task.main.
+launcher.submit.submission submits the jobs (the executor's hooks and submit_script); launcher.search.array
+and launcher.submit.data_cluster submit theirs through it. Pure: no I/O but reading whether a run's code
+snapshot predates lmtrain.task.main.
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ from typing import Any
 
 from launcher.submit import hetjob
 from launcher.submit.container_lines import container_task_command, host_lines, stop_lines
-from launcher.submit.keeper import keeper_lines
+from launcher.submit.restart_loop import restart_loop_head, restart_loop_tail
 from launcher.submit.shell import export_line, shell_quote
 from lmcore.job.container import ContainerPlan
 from lmcore.job.plan import LaunchPlan
 from lmcore.run import rundir
 from lmcore.run.eval_alongside import EvaluatorPlan
-from lmcore.run.run_layout import BATCH_VAR, UNDECIDED_VAR
+from lmcore.run.run_layout import BATCH_VAR
 from lmcore.run.rundir import RunLayout
+from lmcore.slurm import client as slurm
+from lmcore.slurm.batch_job import BatchJob, options_of
 
 
 # --------------------------------------------------------------------------- a run's job script
@@ -136,114 +139,92 @@ def submit_command(plan: LaunchPlan, folder: str | None = None) -> str:
     return restart_srun_prefix(plan) + task_command(plan, folder) + restart_loop_tail(plan)
 
 
+def render_job(plan: LaunchPlan, dependency: str | None = None) -> BatchJob:
+    """The run's batch job exactly as submit sends it (with the evaluator's component, if any)."""
+    return with_component(sbatch_script(submit_command(plan), plan.paths.submitit_dir,
+                                         **executor_parameters(plan, dependency)), plan)
+
+
 def render_script(plan: LaunchPlan, dependency: str | None = None) -> str:
     """The sbatch script exactly as submit writes it."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    return with_component(_make_sbatch_string(
-        command=submit_command(plan), folder=plan.paths.submitit_dir, **executor_parameters(plan, dependency)
-    ), plan)
+    return render_job(plan, dependency).text
 
 
-# --------------------------------------------------------------------------- the #SBATCH lines lmlaunch writes itself
+# --------------------------------------------------------------------------- the #SBATCH lines
 Options = list[tuple[str, Any]]  # (sbatch's long option, value): True a flag; None or False: left out
+# submitit's defaults for the executor parameters that are options (submitit.slurm.slurm._make_sbatch_string)
+SUBMITIT_DEFAULTS = {"job_name": "submitit", "time": 5, "nodes": 1, "wckey": "submitit"}
+# submitit's parameters that are not sbatch options
+NOT_OPTIONS = frozenset({"setup", "teardown", "signal_delay_s", "stderr_to_stdout", "srun_args", "use_srun",
+                         "map_count", "array_parallelism", "additional_parameters"})
 
 
 def sbatch_lines(options: Options) -> list[str]:
-    """``#SBATCH --option=value`` for each option in order (``--option`` for True)."""
-    return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}" for k, v in options if v is not None and v is not False]
+    """``#SBATCH --option=value`` for each option in order (``--option`` for True); a value shell-quoted
+    where it needs it, as sbatch reads it back."""
+    return [f"#SBATCH --{k}" if v == "" else f"#SBATCH --{k}={shlex.quote(v)}" for k, v in options_of(options)]
 
 
-def with_component(text: str, plan: LaunchPlan) -> str:
-    """The rendered script with the evaluator's component (``hetjob``) after the last ``#SBATCH`` line."""
+def submitit_options(folder: str, params: dict[str, Any]) -> Options:
+    """The header of a submitit job's script, from the executor's parameters, in submitit's order
+    (its keys sorted): the options given, the warning signal, the log files submitit's runner
+    writes (``%A_%a`` for an array of ``map_count``), then ``additional_parameters`` over them."""
+    p = {**SUBMITIT_DEFAULTS, **params}
+    header = {k: v for k, v in p.items() if v is not None and k not in NOT_OPTIONS}
+    header["signal"] = f"USR2@{p.get('signal_delay_s', 90)}"
+    logs = str(Path(folder).expanduser().absolute() / "%j_0_log")
+    if p.get("map_count") is not None:
+        header["array"] = f"0-{p['map_count'] - 1}%{min(p['map_count'], p.get('array_parallelism', 256))}"
+        logs = logs.replace("%j", "%A_%a")
+    header["output"] = f"{logs}.out"
+    if not p.get("stderr_to_stdout"):
+        header["error"] = f"{logs}.err"
+    header["open-mode"] = "append"
+    header.update(p.get("additional_parameters") or {})
+    return [(k.replace("_", "-"), header[k]) for k in sorted(header)]
+
+
+def sbatch_script(command: str, folder: str, **params: Any) -> BatchJob:
+    """A submitit job's batch script in submitit's layout (its header, setup, srun line and teardown:
+    submitit's runner finds its files by it; tests/unit/test_submitit_contract.py compares it with
+    submitit's own ``_make_sbatch_string``), its header kept as the job's options."""
+    options = submitit_options(folder, params)
+    lines = ["#!/bin/bash", "", "# Parameters", *sbatch_lines(options)]
+    if params.get("setup") is not None:
+        lines += ["", "# setup", *params["setup"]]
+    if params.get("use_srun", True):
+        logs = str(Path(folder).expanduser().absolute() / "%j_%t_log")
+        if params.get("map_count") is not None:
+            logs = logs.replace("%j", "%A_%a")
+        errors = [] if params.get("stderr_to_stdout") else ["--error", f"{logs}.err"]
+        srun = slurm.srun_command(["--unbuffered", "--output", f"{logs}.out", *errors, *(params.get("srun_args") or [])], [])
+        command = " ".join((" ".join(shlex.quote(a) for a in srun), command))
+    lines += ["", "# command", "export SUBMITIT_EXECUTOR=slurm", command, ""]
+    if params.get("teardown") is not None:
+        lines += ["", "# teardown", *params["teardown"]]
+    return BatchJob("\n".join(lines), options_of(options))
+
+
+def with_component(job: BatchJob, plan: LaunchPlan) -> BatchJob:
+    """The rendered job with the evaluator's component (``hetjob``) after its last ``#SBATCH`` line."""
     ev = hetjob.evaluator_of(plan)
     if ev is None:
-        return text
-    lines = text.split("\n")
+        return job
+    lines = job.text.split("\n")
     last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
     component = ["#SBATCH hetjob", *sbatch_lines(hetjob.component_options(ev))]
-    return "\n".join([*lines[: last + 1], *component, *lines[last + 1:]])
+    return BatchJob("\n".join([*lines[: last + 1], *component, *lines[last + 1:]]), job.options, heterogeneous=True)
 
 
-def render_eval_script(plan: LaunchPlan, ev: EvaluatorPlan, evaluator_file: str, *, steps: str | None, time_minutes: int) -> str:
+def render_eval_job(plan: LaunchPlan, ev: EvaluatorPlan, evaluator_file: str, *, steps: str | None,
+                    time_minutes: int) -> BatchJob:
     """``lmlaunch eval RUN``'s job: the finished run's checkpoints scored on the evaluator's resources."""
-    head = sbatch_lines(hetjob.eval_job_options(plan, ev, time_minutes))
-    return "\n".join(["#!/bin/bash", *head, "", *hetjob.eval_job_body(plan, ev, evaluator_file, steps=steps), ""])
+    options = hetjob.eval_job_options(plan, ev, time_minutes)
+    body = hetjob.eval_job_body(plan, ev, evaluator_file, steps=steps)
+    return BatchJob("\n".join(["#!/bin/bash", *sbatch_lines(options), "", *body, ""]), options_of(options))
 
 
 # --------------------------------------------------------------------------- the restart-in-place loop and spare nodes' srun options
-def restart_loop_head(plan: LaunchPlan) -> list[str]:
-    """The last setup lines of a job that restarts in place: srun (the command section) runs in a
-    loop, once more each time the attempt's rank 0 asked for it (lmtrain.preemption.controller:
-    the decision file, written after the attempt's end line), or when srun failed and rank 0 never
-    decided (its process was killed: SIGKILL, the OOM killer), at most max_crash_retries times."""
-    if not plan.preemption.restart_in_place:
-        return []
-    return ["# lmlaunch: a crash or a hang is retried in this allocation: srun again while rank 0 asks "
-            "($LMLAUNCH_RUN_DIR/" + rundir.RESTART_IN_PLACE + ": the job id, the nodes the ranks leave out, "
-            "rank 0's decision), or when srun failed and rank 0 never decided",
-            'rm -f "$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"  # an earlier job\'s, never this one\'s',
-            "lmlaunch_restarts=0",
-            "lmlaunch_undecided=0",
-            "lmlaunch_exclude=",
-            "lmlaunch_overlap=  # set from the first restart on (launcher.submit.script.restart_srun_prefix)",
-            "# a preemption that lands between two sruns signals no task of the next: do not start one then",
-            "lmlaunch_preempting() { scontrol show job \"$SLURM_JOB_ID\" 2>/dev/null | grep -q 'PreemptTime=[0-9]'; }",
-            "while :; do", *keeper_lines(plan)]
-
-
-def restart_loop_tail(plan: LaunchPlan) -> str:
-    """What follows srun in a job that restarts in place: the loop's test and end, the job's exit
-    status srun's last. Rank 0's file names this job (a file of another job is never this one's);
-    its third line is the decision (``restart``, or what rank 0 did instead: ``requeue``,
-    ``cancel``, ``none``; no third line: a run directory's older code, which wrote only restarts)."""
-    if not plan.preemption.restart_in_place:
-        return ""
-    said = '"$LMLAUNCH_RUN_DIR/' + rundir.RESTART_IN_PLACE + '"'
-    most = plan.preemption.max_crash_retries
-    return "\n".join([
-        "",
-        "lmlaunch_rc=$?",
-        f"lmlaunch_said=$(cat {said} 2>/dev/null); rm -f {said}",
-        'lmlaunch_decision=$(printf "%s\\n" "$lmlaunch_said" | sed -n 3p)',
-        f"export {UNDECIDED_VAR}=",
-        'if [ -n "$SLURM_JOB_ID" ] && [ "$(printf "%s\\n" "$lmlaunch_said" | sed -n 1p)" = "$SLURM_JOB_ID" ]; then',
-        '  if [ -z "$lmlaunch_decision" ] || [ "$lmlaunch_decision" = restart ]; then  # this job\'s rank 0 asked',
-        '    lmlaunch_exclude=$(printf "%s\\n" "$lmlaunch_said" | sed -n 2p); lmlaunch_restarts=$((lmlaunch_restarts + 1))',
-        '    echo "lmlaunch: restarting the ranks in place ($lmlaunch_restarts; srun exited $lmlaunch_rc${lmlaunch_exclude:+; '
-        'not on $lmlaunch_exclude})" >&2',
-        *_unless_preempting("    "),
-        "    lmlaunch_overlap=1",
-        "    continue",
-        "  fi",
-        f'elif [ -n "$SLURM_JOB_ID" ] && [ "$lmlaunch_rc" -ne 0 ] && [ "$lmlaunch_undecided" -lt {most} ]; then',
-        "  # rank 0 never decided (killed before its end line): the next attempt's rank 0 records why",
-        "  lmlaunch_undecided=$((lmlaunch_undecided + 1)); lmlaunch_restarts=$((lmlaunch_restarts + 1))",
-        f'  export {UNDECIDED_VAR}="$lmlaunch_rc"',
-        '  echo "lmlaunch: srun exited $lmlaunch_rc and rank 0 never decided (killed?): restarting the ranks in place '
-        f'($lmlaunch_restarts; $lmlaunch_undecided of max_crash_retries({most}))" >&2',
-        *_unless_preempting("  "),
-        "  lmlaunch_overlap=1",
-        "  continue",
-        "fi",
-        "break",
-        "done",
-        '(exit "$lmlaunch_rc")',
-    ])
-
-
-def _unless_preempting(indent: str) -> list[str]:
-    """Before a restart: a job SLURM is preempting (PreemptTime set, its GraceTime running) requeues
-    itself instead, as rank 0 would (SLURM 22.05 ends a preempted job whose tasks exit within
-    GraceTime as COMPLETED, never requeued); the next attempt resumes from the newest checkpoint."""
-    return [f"{indent}if lmlaunch_preempting; then",
-            f'{indent}  echo "lmlaunch: the job is being preempted (PreemptTime set): requeueing it, not restarting '
-            f'the ranks" >&2',
-            f'{indent}  scontrol requeue "$SLURM_JOB_ID" || echo "lmlaunch: scontrol requeue failed" >&2',
-            f"{indent}  break",
-            f"{indent}fi"]
-
-
 def task_output_args(plan: LaunchPlan) -> list[str]:
     """srun's output file of the tasks, one per node for their stdout and stderr, each line labelled
     with its task (submitit's srun options come first, two files per task; srun takes the last of
@@ -335,15 +316,19 @@ def array_plan(plan: LaunchPlan, sweep_dir: str) -> LaunchPlan:
                                                for a in plan.srun_args))
 
 
-def render_array_script(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
-                        dependency: str | None = None) -> str:
-    """A sweep array's sbatch script exactly as submit_array writes it."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
+def render_array_job(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
+                     dependency: str | None = None) -> BatchJob:
+    """A sweep array's batch job exactly as submit_array sends it."""
     plan = array_plan(plan, sweep_dir)
     params = array_parameters(plan, run_dirs, sweep_dir, max_parallel, dependency)
     folder = str(RunLayout.of(sweep_dir).submitit)
-    return _make_sbatch_string(command=submit_command(plan, folder), folder=folder, map_count=len(run_dirs), **params)
+    return sbatch_script(submit_command(plan, folder), folder, map_count=len(run_dirs), **params)
+
+
+def render_array_script(plan: LaunchPlan, run_dirs: list[str], sweep_dir: str, max_parallel: int,
+                        dependency: str | None = None) -> str:
+    """A sweep array's sbatch script exactly as submit_array writes it."""
+    return render_array_job(plan, run_dirs, sweep_dir, max_parallel, dependency).text
 
 
 # --------------------------------------------------------------------------- data prepare --on-cluster: its array and its final step
@@ -360,29 +345,31 @@ class ArrayJob:
     account: str | None = None
     qos: str | None = None
 
-    def header(self, *more: tuple[str, Any]) -> list[str]:
-        options: Options = [("job-name", self.name), ("partition", self.partition), ("nodes", 1), ("ntasks", 1),
-                            ("cpus-per-task", self.cpus), ("time", self.time), ("requeue", True),
-                            ("open-mode", "append"), ("chdir", self.run_dir), ("account", self.account or None),
-                            ("qos", self.qos or None), *more]
-        return ["#!/bin/bash", *sbatch_lines(options)]
+    def options(self, *more: tuple[str, Any]) -> Options:
+        return [("job-name", self.name), ("partition", self.partition), ("nodes", 1), ("ntasks", 1),
+                ("cpus-per-task", self.cpus), ("time", self.time), ("requeue", True), ("open-mode", "append"),
+                ("chdir", self.run_dir), ("account", self.account or None), ("qos", self.qos or None), *more]
+
+    def script(self, options: Options, body: list[str]) -> BatchJob:
+        return BatchJob("\n".join(["#!/bin/bash", *sbatch_lines(options), *body]) + "\n", options_of(options))
 
 
-def array_script(job: ArrayJob, tasks: range, max_parallel: int) -> str:
+def array_script(job: ArrayJob, tasks: range, max_parallel: int) -> BatchJob:
     """The array of tasks ``tasks`` (its SLURM task k is task ``tasks.start + k``)."""
-    lines = job.header(("array", f"0-{len(tasks) - 1}%{max_parallel}"),
-                       ("output", f"{job.run_dir}/submitit/%A_%a_log.out"), ("error", f"{job.run_dir}/submitit/%A_%a_log.err"))
+    options = job.options(("array", f"0-{len(tasks) - 1}%{max_parallel}"),
+                          ("output", f"{job.run_dir}/submitit/%A_%a_log.out"),
+                          ("error", f"{job.run_dir}/submitit/%A_%a_log.err"))
     task = f"$((SLURM_ARRAY_TASK_ID + {tasks.start}))" if tasks.start else "$SLURM_ARRAY_TASK_ID"
-    lines += ["export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
-              # a job step: SLURM's preemption signals (SIGTERM, then SIGKILL after GraceTime) reach the task
-              f"exec srun --ntasks=1 {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} "
-              f"\"{task}\""]
-    return "\n".join(lines) + "\n"
+    return job.script(options, [
+        "export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
+        # a job step: SLURM's preemption signals (SIGTERM, then SIGKILL after GraceTime) reach the task
+        f"exec srun --ntasks=1 {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} "
+        f"\"{task}\""])
 
 
-def assemble_script(job: ArrayJob) -> str:
-    lines = job.header(("output", f"{job.run_dir}/submitit/%j_assemble_log.out"),
-                       ("error", f"{job.run_dir}/submitit/%j_assemble_log.err"))
-    lines += ["export PYTHONUNBUFFERED=1",
-              f"exec {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} --assemble"]
-    return "\n".join(lines) + "\n"
+def assemble_script(job: ArrayJob) -> BatchJob:
+    options = job.options(("output", f"{job.run_dir}/submitit/%j_assemble_log.out"),
+                          ("error", f"{job.run_dir}/submitit/%j_assemble_log.err"))
+    return job.script(options, [
+        "export PYTHONUNBUFFERED=1",
+        f"exec {shell_quote(job.python)} -m lmtrain.data.prepare.array_task {shell_quote(job.run_dir)} --assemble"])

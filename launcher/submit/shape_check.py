@@ -35,6 +35,7 @@ from lmcore.errors import ExitCode, UserError
 from lmcore.job.plan import LaunchPlan
 from lmcore.run import rundir
 from lmcore.slurm import client as slurm, way as slurm_way
+from lmcore.slurm.batch_job import BatchJob
 
 # What SLURM says of a job no node or partition of the cluster can hold (22.05 to 26.05)
 IMPOSSIBLE = ("Requested node configuration is not available", "Node count specification invalid",
@@ -42,10 +43,11 @@ IMPOSSIBLE = ("Requested node configuration is not available", "Node count speci
               "Invalid generic resource (gres) specification")
 
 
-def judge(plan: LaunchPlan, text: str) -> None:
+def judge(plan: LaunchPlan, job: BatchJob) -> None:
     """Raise UserError (exit 5, REFUSED) when the controller says the job's script can never run."""
+    text = job.text
     if plan.evaluator:
-        _check_heterogeneous_job(plan, text)
+        _check_heterogeneous_job(plan, job)
         return
     if not slurm_way.way().tests_scripts:  # slurmrestd: its controller judges the job when it is submitted
         return
@@ -134,16 +136,16 @@ def _facts(partition: str, *, fresh: bool) -> dict[str, Any] | None:
     return entry
 
 
-def _check_heterogeneous_job(plan: LaunchPlan, text: str) -> None:
+def _check_heterogeneous_job(plan: LaunchPlan, job: BatchJob) -> None:
     """A run with an evaluator alongside is one heterogeneous job: the controller judges it first
     (``sbatch --test-only``: an evaluator larger than its partition, a cluster that refuses
     heterogeneous jobs), and a refusal names eval.alongside with SLURM's words; nothing is queued."""
-    slurm_way.way().check_carries(lambda: text, "eval.alongside", heterogeneous=True)
+    slurm_way.way().check_carries(lambda: job, "eval.alongside")
     code = rundir.RunLayout.of_plan(plan).code
     if code.is_dir() and not (code / "lmtrain" / "evaluator" / "main.py").is_file():
         raise UserError(f"eval.alongside: the run's code snapshot ({code}) predates the evaluator: resume with "
                         "--new-code, or score its checkpoints after with `lmlaunch eval`", exit_code=2)
-    ok, message = slurm.test_only("sbatch", [], script=text)
+    ok, message = slurm.test_only("sbatch", [], script=job.text)
     if not ok:
         raise UserError(f"eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator): {message}",
                         exit_code=ExitCode.REFUSED)

@@ -1,9 +1,10 @@
 """LaunchPlan -> submitit executor -> SLURM job. The only module that submits through submitit.
 
-The batch script is rendered before anything is submitted, by launcher.submit.script (the one
-renderer; the dry run prints the same text); a job's submission hands that text to submitit's
-executor (``_make_submission_file_text``), which writes it and runs sbatch on it. An array's
-script is rendered by submitit's array executor from the same parameters, and equals
+The batch job is rendered before anything is submitted, by launcher.submit.script (the one
+renderer; the dry run prints the same text); a job's submission hands it to submitit's executor
+(``_make_submission_file_text``), which writes its text, and the way SLURM is reached submits it
+(sbatch on the file, or its options as slurmrestd's fields). An array's job is rendered by
+launcher.submit.script from the array executor's parameters, and equals
 launcher.submit.script.render_array_script's (tests/integration/test_sweep.py compares
 the file sbatch received with the dry run's).
 """
@@ -19,11 +20,12 @@ from launcher.planning import transport
 from launcher.runs import registry as runs
 from launcher.runs.run_lock import run_lock
 from launcher.submit import dependencies, far_submit, lifecycle, shape_check
-from launcher.submit.script import executor_parameters, render_script, submit_command
+from launcher.submit.script import executor_parameters, render_job, sbatch_script, submit_command
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.job.plan import LaunchPlan
 from lmcore.run import rundir
 from lmcore.slurm import client as slurm, way as slurm_way
+from lmcore.slurm.batch_job import BatchJob
 
 # --------------------------------------------------------------------------- submission
 
@@ -40,16 +42,17 @@ def _submit_with_submitit(plan: LaunchPlan, fn: Any = None, dependency: str | No
     from lmtrain.task.train_task import TrainTask
 
     params = executor_parameters(plan, dependency)
-    text = render_script(plan, dependency)
-    shape_check.judge(plan, text)  # a shape no node or partition of the cluster can hold is refused, nothing queued
+    job = render_job(plan, dependency)
+    shape_check.judge(plan, job)  # a shape no node or partition of the cluster can hold is refused, nothing queued
     return run_submitit(plan, params, [fn if fn is not None else TrainTask(plan.paths.run_dir)],
-                         plan.paths.submitit_dir, text=text)[0]
+                         plan.paths.submitit_dir, job=job)[0]
 
 
 def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folder_name: str,
-                 text: str | None = None) -> list[str]:
-    """Submit ``fns`` (one: a job; several: an array) with submitit; their job ids. ``text``: the
-    job's script as launcher.submit.script rendered it, which sbatch receives as it is."""
+                 job: BatchJob | None = None) -> list[str]:
+    """Submit ``fns`` (one: a job; several: an array) with submitit; their job ids. ``job``: a single
+    job as launcher.submit.script rendered it, which sbatch receives as it is (an array is rendered
+    there too, from the executor's parameters)."""
     import contextlib
     import io
     import subprocess
@@ -58,7 +61,7 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
     from submitit.core.utils import FailedJobError
 
     sbatch_timeout = sbatch_timeout_s()
-    PlanExecutor = _plan_executor(plan, folder_name, text if len(fns) == 1 else None, sbatch_timeout)
+    PlanExecutor = _plan_executor(plan, folder_name, job if len(fns) == 1 else None, sbatch_timeout)
     try:
         executor = PlanExecutor(folder=folder_name)
     except RuntimeError as exc:  # submitit: 'Could not detect "srun"'
@@ -93,12 +96,15 @@ def run_submitit(plan: LaunchPlan, params: dict[str, Any], fns: list[Any], folde
     return [str(job.job_id) for job in jobs]
 
 
-def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_timeout: int) -> Any:
-    """submitit's SlurmExecutor for ``plan``: its srun command, ``text`` as the script of a single
-    job (rendered before submission), and the submission command this module chooses."""
+def _plan_executor(plan: LaunchPlan, folder_name: str, job: BatchJob | None, sbatch_timeout: int) -> Any:
+    """submitit's SlurmExecutor for ``plan``: its srun command, ``job`` as the script of a single job
+    (rendered before submission), an array's script rendered by launcher.submit.script from the
+    executor's parameters, and the submission command this module chooses, given the rendered job."""
     from submitit.slurm.slurm import SlurmExecutor
 
     class PlanExecutor(SlurmExecutor):
+        rendered: BatchJob | None = None  # the job whose script submitit has just written
+
         @classmethod
         def affinity(cls) -> int:
             # submitit refuses to start without srun on PATH; through slurmrestd none is needed
@@ -112,20 +118,22 @@ def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_
             return submit_command(plan, folder_name)
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
-            if text is not None:
-                return text  # rendered before submission: what the dry run prints
-            return super()._make_submission_file_text(command, uid)
+            # rendered before submission (what the dry run prints), or an array's from its parameters
+            self.rendered = job if job is not None else sbatch_script(command, str(self.folder), **self.parameters)
+            return self.rendered.text
 
         def _make_submission_command(self, submission_file_path: Any) -> list[str]:
             # submitit reads the job id from the line sbatch prints; a controller that accepted the
             # job but answered late is then found by name and submit time (below)
-            return slurm_way.way().submission_command(str(submission_file_path), client_timeout_s=sbatch_timeout)
+            assert self.rendered is not None, "submitit wrote no script before submitting it"
+            return slurm_way.way().submission_command(self.rendered, str(submission_file_path),
+                                                      client_timeout_s=sbatch_timeout)
 
         def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
-            if len(delayed) < 2 or not slurm_way.way().submits_arrays_in_process:
+            if len(delayed) < 2:
                 return super()._internal_process_submissions(delayed)
-            # submitit submits an array through a plain SlurmExecutor (plain sbatch) it makes by this
-            # module-level name: through slurmrestd it is made ours for the call, so the array is
+            # submitit submits an array through a plain SlurmExecutor it makes by this module-level
+            # name: it is made ours for the call, so the array's script is rendered here and
             # submitted as a single job is.
             import submitit.slurm.slurm as submitit_slurm
 
@@ -138,14 +146,15 @@ def _plan_executor(plan: LaunchPlan, folder_name: str, text: str | None, sbatch_
     return PlanExecutor
 
 
-def submit_script(text: str, path: Path, *, dependency: str | None = None) -> str:
-    """sbatch a script launcher.submit.script rendered that runs no submitit job (``data prepare
-    --on-cluster``'s array and final step: their tasks run a module, not a pickled callable): written
-    to ``path`` and submitted under the same client-side limit as a run's; its job id. sbatch's
-    refusal is a UserError in its own words, an unreachable controller SlurmUnavailable."""
-    path.write_text(text)
-    return slurm.sbatch_file(str(path), *([f"--dependency={dependency}"] if dependency else []),
-                             timeout=sbatch_timeout_s())
+def submit_script(job: BatchJob, path: Path, *, dependency: str | None = None) -> str:
+    """Submit a job launcher.submit.script rendered that runs no submitit job (``data prepare
+    --on-cluster``'s array and final step, ``lmlaunch eval``'s job: their tasks run a module, not a
+    pickled callable): its script written to ``path``, submitted under the same client-side limit as
+    a run's; its job id. sbatch's refusal is a UserError in its own words, an unreachable controller
+    SlurmUnavailable."""
+    path.write_text(job.text)
+    return slurm.sbatch_job(job, str(path), *([f"--dependency={dependency}"] if dependency else []),
+                            timeout=sbatch_timeout_s())
 
 
 SBATCH_TIMEOUT_VAR = "LMLAUNCH_SBATCH_TIMEOUT_S"
@@ -281,7 +290,7 @@ def _submit_plan(resolved: Any, ctx: Any, *, new: bool, resume: bool, new_code: 
     _refuse_dependency_elsewhere(after or [], resolved, env)
     dependency, after_notes = dependencies.dependency(after or [])  # before anything changes
     way = slurm_way.way()  # what it cannot carry is refused before anything changes
-    way.check_carries(lambda: render_script(plan, dependency), f"run '{name}'", heterogeneous=bool(plan.evaluator))
+    way.check_carries(lambda: render_job(plan, dependency), f"run '{name}'")
     target = transport.profile_target(resolved.profile)
     far = far_submit.far_run(resolved.profile, plan) if far_submit.over_ssh(target, resolved, after or []) else None
     opening.apply(env)

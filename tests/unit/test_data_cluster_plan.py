@@ -23,10 +23,14 @@ def test_slices_are_contiguous_cover_every_file_and_are_never_empty():
 
 def test_the_scripts_are_valid_bash_and_throttle_the_array(tmp_path):
     job = ArrayJob("prep", "/runs/prep dir", "low", "01:00:00", 2, "/venv/bin/python", "acct", None)
-    script = array_script(job, range(4), 2)
+    rendered = array_script(job, range(4), 2)
+    script = rendered.text
     assert "#SBATCH --array=0-3%2" in script and "#SBATCH --account=acct" in script
     assert "exec srun --ntasks=1 /venv/bin/python -m lmtrain.data.prepare.array_task '/runs/prep dir' \"$SLURM_ARRAY_TASK_ID\"" in script
-    for text in (script, assemble_script(job)):
+    # the header is written from the job's options (what slurmrestd is sent), quoted as sbatch reads it
+    assert "#SBATCH --chdir='/runs/prep dir'" in script and ("chdir", "/runs/prep dir") in rendered.options
+    assert ("requeue", "") in rendered.options and ("qos", None) not in rendered.options
+    for text in (script, assemble_script(job).text):
         (tmp_path / "s.sh").write_text(text)
         assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0
 
@@ -56,7 +60,7 @@ def test_what_reaches_the_job_scripts_is_checked_before_anything_is_made(tmp_pat
 
 def test_a_later_array_numbers_its_tasks_after_those_before_it(tmp_path):
     job = ArrayJob("prep", "/runs/prep", "low", "01:00:00", 1, "/venv/bin/python")
-    script = array_script(job, range(4, 6), 2)
+    script = array_script(job, range(4, 6), 2).text
     assert "#SBATCH --array=0-1%2" in script and '"$((SLURM_ARRAY_TASK_ID + 4))"' in script
     (tmp_path / "s.sh").write_text(script)
     assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0

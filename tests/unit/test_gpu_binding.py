@@ -19,6 +19,7 @@ from launcher.planning.resolve import resolve
 from launcher.serve.exporter import gpu_hours
 from lmcore.errors import SpecError
 from lmcore.run.task_records import TaskRecord, write_task_record
+from lmcore.slurm.batch_job import BatchJob
 from lmcore.slurm.records import gpus_in_tres
 from lmcore.slurm.rest_job import job_description
 from lmcore.slurm.rest_records import accounted
@@ -208,8 +209,9 @@ def test_gpu_hours_come_from_sacct_alloc_tres_in_history_and_from_the_start_line
 
 
 def test_over_rest_the_binding_reaches_each_srun_and_the_allocation_names_its_gpus():
-    script = "#!/bin/bash\n#SBATCH --gres=gpu:h100:4\n#SBATCH --gpu-bind=per_task:1\nsrun true\n"
-    job = job_description(script, environment={"PATH": "/bin"}, cwd="/tmp", host="login")["job"]
+    batch = BatchJob("#!/bin/bash\n#SBATCH --gres=gpu:h100:4\n#SBATCH --gpu-bind=per_task:1\nsrun true\n",
+                     (("gres", "gpu:h100:4"), ("gpu-bind", "per_task:1")))
+    job = job_description(batch, environment={"PATH": "/bin"}, cwd="/tmp", host="login")["job"]
     assert "SLURM_GPU_BIND=per_task:1" in job["environment"] and job["tres_per_node"] == "gres/gpu:h100:4"
     rec = {"job_id": 5, "name": "g", "state": {"current": ["COMPLETED"]}, "time": {"start": 10, "end": 20, "elapsed": 10},
            "tres": {"allocated": [{"type": "cpu", "count": 8}, {"type": "gres", "name": "gpu", "count": 8},

@@ -1,5 +1,5 @@
-"""The REST path's pure parts (lmcore.slurm.rest_job, rest_records, rest): a script's #SBATCH
-options as slurmrestd's job description, the environment sbatch would send, the server's answers
+"""The REST path's pure parts (lmcore.slurm.rest_job, rest_records, rest): a rendered job's
+options (the ones its #SBATCH header was written from) as slurmrestd's job description, the environment sbatch would send, the server's answers
 as squeue's and sacct's rows, the token's checks and the API version chosen. The real slurmrestd
 is exercised in tests/integration/test_rest_submission.py."""
 
@@ -11,8 +11,10 @@ import os
 
 import pytest
 
+from launcher.submit.script import sbatch_lines
 from lmcore.job import site_options
 from lmcore.slurm import rest_records
+from lmcore.slurm.batch_job import BatchJob, options_of
 from lmcore.slurm.rest import KNOWN_APIS, RestError, choose_api, read_token_file, token_claims
 from lmcore.slurm.rest_job import (
     CLIENT_SIDE,
@@ -22,37 +24,23 @@ from lmcore.slurm.rest_job import (
     job_description,
     megabytes,
     minutes,
-    sbatch_options,
 )
 
-SCRIPT = """#!/bin/bash
-# lmlaunch: a comment before the options is fine
-#SBATCH --chdir=/runs/x
-#SBATCH --cpus-per-task=2
-#SBATCH --error=/runs/x/submitit/%j_0_log.err
-#SBATCH --exclusive
-#SBATCH --gres=gpu:8
-#SBATCH --gres-flags=enforce-binding
-#SBATCH --job-name=x
-#SBATCH --mem=1802240M
-#SBATCH --nodes=2
-#SBATCH --ntasks-per-node=8
-#SBATCH --open-mode=append
-#SBATCH --output=/runs/x/submitit/%j_0_log.out
-#SBATCH --partition=gpu
-#SBATCH --requeue
-#SBATCH --signal=USR2@120
-#SBATCH --time=720
-#SBATCH -A proj --qos normal
-set -e
-#SBATCH --nodes=99
-srun python -m x
-"""
+OPTIONS_OF_A_RUN = (("chdir", "/runs/x"), ("cpus-per-task", "2"), ("error", "/runs/x/submitit/%j_0_log.err"),
+                    ("exclusive", ""), ("gres", "gpu:8"), ("gres-flags", "enforce-binding"), ("job-name", "x"),
+                    ("mem", "1802240M"), ("nodes", "2"), ("ntasks-per-node", "8"), ("open-mode", "append"),
+                    ("output", "/runs/x/submitit/%j_0_log.out"), ("partition", "gpu"), ("requeue", ""),
+                    ("signal", "USR2@120"), ("time", "720"), ("account", "proj"), ("qos", "normal"))
 
 
-def _desc(script: str = SCRIPT, **kw):
-    return job_description(script, environment={"PATH": "/usr/bin", "HOME": "/root"}, cwd="/work", host="login1",
-                           **kw)["job"]
+def _batch(*options: tuple[str, str]) -> BatchJob:
+    """A job as launcher.submit.script renders one: its header written from ``options``."""
+    return BatchJob("\n".join(["#!/bin/bash", *sbatch_lines(list(options)), "srun python -m x", ""]), options_of(options))
+
+
+def _desc(*options: tuple[str, str], **kw):
+    return job_description(_batch(*(options or OPTIONS_OF_A_RUN)), environment={"PATH": "/usr/bin", "HOME": "/root"},
+                           cwd="/work", host="login1", **kw)["job"]
 
 
 def test_the_options_sbatch_reads_become_the_job_descriptions_fields():
@@ -69,10 +57,12 @@ def test_the_options_sbatch_reads_become_the_job_descriptions_fields():
     assert job["oom_kill_step"] == NO_VAL16  # sbatch's "not set": the cluster's default applies
 
 
-def test_options_after_the_first_command_are_not_read_as_sbatch_does():
-    assert ("nodes", "99") not in sbatch_options(SCRIPT)
-    assert sbatch_options("#!/bin/sh\n\n#SBATCH -N 3 -J a\n#SBATCH --hold\necho\n") == [
-        ("nodes", "3"), ("job-name", "a"), ("hold", "")]
+def test_the_script_sent_is_the_rendered_text_and_its_header_says_the_same_options():
+    batch = _batch(*OPTIONS_OF_A_RUN)
+    body = job_description(batch, environment={}, cwd="/w", host="h")
+    assert body["script"] == batch.text
+    header = [line for line in batch.text.splitlines() if line.startswith("#SBATCH ")]
+    assert len(header) == len(OPTIONS_OF_A_RUN) and header[3] == "#SBATCH --exclusive"
 
 
 def test_the_command_lines_options_win_over_the_scripts():
@@ -99,7 +89,7 @@ def test_every_documented_sbatch_option_has_a_field_or_a_reason_it_has_none():
 @pytest.mark.parametrize("option", sorted(CLIENT_SIDE | {"container-image"}))
 def test_an_option_without_a_field_is_refused_naming_it(option):
     with pytest.raises(RestJobError, match=f"--{option}: slurmrestd's job description has no field"):
-        _desc(f"#!/bin/bash\n#SBATCH --{option}=x\ntrue\n")
+        _desc((option, "x"))
 
 
 @pytest.mark.parametrize(("text", "mins"), [("20", 20), ("1:30", 2), ("2:00:00", 120), ("1-0", 1440),
@@ -123,13 +113,13 @@ def test_memory_sizes_in_megabytes():
 
 def test_bad_values_name_the_option():
     with pytest.raises(RestJobError, match="--open-mode=sometimes"):
-        _desc("#!/bin/bash\n#SBATCH --open-mode=sometimes\ntrue\n")
+        _desc(("open-mode", "sometimes"))
     with pytest.raises(RestJobError, match="--ntasks-per-node=many"):
-        _desc("#!/bin/bash\n#SBATCH --ntasks-per-node=many\ntrue\n")
+        _desc(("ntasks-per-node", "many"))
 
 
 def test_expedited_requeue_is_a_flag():
-    job = _desc("#!/bin/bash\n#SBATCH --requeue=expedite\n#SBATCH --kill-on-invalid-dep=yes\ntrue\n")
+    job = _desc(("requeue", "expedite"), ("kill-on-invalid-dep", "yes"))
     assert job["requeue"] is True and job["flags"] == ["EXPEDITED_REQUEUE", "KILL_INVALID_DEPENDENCY"]
 
 
@@ -229,33 +219,35 @@ def test_time_used_counts_only_running_time_around_a_suspension():
     assert rest_records.queued(resumed, now=2060).elapsed == "6:00"
 
 
-def test_sbatch_reads_only_column_zero_and_refuses_an_unbalanced_quote():
-    assert sbatch_options("#!/bin/bash\n  #SBATCH --nodes=4\n#SBATCH --wait-all-nodes 1\ntrue\n") == [
-        ("wait-all-nodes", "1")]
-    with pytest.raises(RestJobError, match="No closing quotation"):
-        _desc("#!/bin/bash\n#SBATCH --comment=bob's run\ntrue\n")
+def test_a_value_with_spaces_and_quotes_reaches_its_field_and_the_header_as_sbatch_reads_it():
+    import shlex
+
+    batch = _batch(("comment", "bob's run; rm -rf /"), ("nodes", "2"))
+    assert _desc(*batch.options)["comment"] == "bob's run; rm -rf /"
+    line = next(x for x in batch.text.splitlines() if x.startswith("#SBATCH --comment"))
+    assert shlex.split(line[len("#SBATCH"):]) == ["--comment=bob's run; rm -rf /"], line
 
 
 def test_zero_time_is_no_limit_and_mail_types_are_the_apis_words():
     assert minutes("0")["infinite"] is True
-    job = _desc("#!/bin/bash\n#SBATCH --mail-type=TIME_LIMIT_80,FAIL\ntrue\n")
+    job = _desc(("mail-type", "TIME_LIMIT_80,FAIL"))
     assert job["mail_type"] == ["FAIL", "TIME=80%"]
     with pytest.raises(RestJobError, match="not a --mail-type"):
-        _desc("#!/bin/bash\n#SBATCH --mail-type=SOMETIMES\ntrue\n")
+        _desc(("mail-type", "SOMETIMES"))
 
 
 def test_tres_per_node_from_two_options_is_one_list():
-    job = _desc("#!/bin/bash\n#SBATCH --gres=nvme:1\n#SBATCH --gpus-per-node=8\ntrue\n")
+    job = _desc(("gres", "nvme:1"), ("gpus-per-node", "8"))
     assert job["tres_per_node"] == "gres/gpu:8,gres/nvme:1"
 
 
 def test_sbatch_input_variables_apply_and_the_token_never_reaches_the_job():
-    job = job_description("#!/bin/bash\n#SBATCH --partition=a\ntrue\n", cwd="/w", host="h",
+    job = job_description(_batch(("partition", "a")), cwd="/w", host="h",
                           environment={"SBATCH_PARTITION": "b", "SBATCH_TIMELIMIT": "30", "SLURM_JWT": "a.b.c"})["job"]
     assert job["partition"] == "b" and job["time_limit"]["number"] == 30
     assert not any(e.startswith("SLURM_JWT=") for e in job["environment"])
     with pytest.raises(RestJobError, match=r"\$SBATCH_EXPORT is set"):
-        job_description("#!/bin/bash\ntrue\n", cwd="/w", host="h", environment={"SBATCH_EXPORT": "NONE"})
+        job_description(_batch(), cwd="/w", host="h", environment={"SBATCH_EXPORT": "NONE"})
 
 
 def test_a_client_never_shows_its_token_and_refuses_a_page_that_is_not_slurmrestds(tmp_path):

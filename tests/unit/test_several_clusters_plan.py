@@ -23,6 +23,7 @@ from launcher.spec.profile_draft import ClusterFacts, draft
 from launcher.spec.profiles import load_profile_file
 from launcher.submit.start_estimates import describe
 from lmcore.slurm import client as slurm
+from lmcore.slurm.batch_job import BatchJob
 from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.rest import RestTarget
 
@@ -191,12 +192,12 @@ def test_the_commands_and_the_jobs_they_submit_talk_to_the_profiles_cluster(tmp_
     target = CommandsTarget(str(conf), str(bin_dir), "other")
     with transport.through(target):
         assert slurm.run(["squeue"]).stdout.strip() == str(conf)
-        line = slurm.commands().submission_command("job.sh", client_timeout_s=30)
+        line = slurm.commands().submission_command(BatchJob("", ()), "job.sh", client_timeout_s=30)
         assert line[:3] == ["env", f"SLURM_CONF={conf}", f"PATH={bin_dir}:{os.environ['PATH']}"], line
         assert line[3:] == ["timeout", "--kill-after=5", "30", "sbatch", "job.sh"]
         with transport.through(None, exactly=True):  # this machine's own cluster, inside another's
             assert slurm.slurm_env()["SLURM_CONF"] == "/etc/slurm/mine.conf"
-    assert slurm.commands().submission_command("job.sh", client_timeout_s=30)[0] == "timeout"
+    assert slurm.commands().submission_command(BatchJob("", ()), "job.sh", client_timeout_s=30)[0] == "timeout"
     with pytest.raises(Exception, match=r"profile 'gone': submit.slurm_conf /nonexistent/slurm.conf is not a file"):
         with transport.through(CommandsTarget("/nonexistent/slurm.conf", None, "gone")):
             pass

@@ -1,8 +1,10 @@
-"""lmlaunch renders the sbatch script and the srun command through submitit's private hooks
-(``_make_sbatch_string`` in launcher.submit.script, the one renderer; ``SlurmExecutor._submitit_command_str``,
-``_make_submission_file_text`` and ``_make_submission_command`` in launcher.submit.submission). submitit is pinned to the version these were checked with, and
-these tests fail loudly when a submitit release changes them: the script ``sbatch`` receives
-must be byte for byte the one the dry run prints."""
+"""lmlaunch renders the sbatch script in submitit's layout itself (launcher.submit.script.sbatch_script,
+the one renderer: the header from the same options slurmrestd is sent) and plugs into submitit's
+private hooks (``SlurmExecutor._submitit_command_str``, ``_make_submission_file_text`` and
+``_make_submission_command`` in launcher.submit.submission). submitit is pinned to the version these
+were checked with, and these tests fail loudly when a submitit release changes them: the script is
+byte for byte the one submitit's own ``_make_sbatch_string`` writes from the same parameters (its
+runner finds its files by that layout), and ``sbatch`` receives the one the dry run prints."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def test_the_private_hooks_are_where_lmlaunch_plugs_in():
     assert "_submitit_command_str" in inspect.getsource(ss.SlurmExecutor._internal_process_submissions)
     assert "_make_submission_command" in inspect.getsource(ss.SlurmExecutor._submit_command)
     assert "_make_sbatch_string" in inspect.getsource(ss.SlurmExecutor._make_submission_file_text)
+    # an array's submission copies the executor by SlurmExecutor's module-level name (made ours for the call)
+    assert "SlurmExecutor(self.folder" in inspect.getsource(ss.SlurmExecutor._internal_process_submissions)
     # a job's submission writes the text launcher.submit.script rendered (the executor's file-text hook)
     assert list(inspect.signature(ss.SlurmExecutor._make_submission_file_text).parameters) == ["self", "command", "uid"]
     from submitit.core import core
@@ -87,6 +91,28 @@ def test_what_sbatch_receives_is_the_dry_run_script(tmp_path, monkeypatch):
     assert script.submit_command(plan) in got.read_text()
     # our submission command ran sbatch, under its client-side time limit
     assert calls.read_text().startswith(f"timeout --kill-after=5 {submission.sbatch_timeout_s()} sbatch "), calls.read_text()
+
+
+def test_the_script_is_the_one_submitits_renderer_writes_from_the_same_parameters(tmp_path):
+    """A run's job, a sweep's array (``map_count``), a plan with spare nodes, GPUs, a container and
+    an evaluator alongside, and submitit's defaults: byte for byte as ``_make_sbatch_string``."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    environ = {"LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "HOME": "/home/u", "USER": "u"}
+    cases = [("tiny-cpu.yaml", ["resources.spare_nodes=1", "slurm.sbatch={comment: 'a&b'}"]),
+             ("tiny-cpu-podman.yaml", []), ("gpt2-124m.yaml", []), ("tiny-cpu-eval.yaml", [])]
+    for spec, overrides in cases:
+        plan = resolve(str(REPO / "jobs" / spec), overrides, cluster="local" if "gpt2" not in spec else "h100-ib",
+                       environ=environ).plan
+        params = script.executor_parameters(plan, "afterok:7")
+        folder = plan.paths.submitit_dir
+        for more in ({}, {"map_count": 3, "array_parallelism": 2}):
+            ours = script.sbatch_script("python -m x", folder, **params, **more)
+            assert ours.text == _make_sbatch_string(command="python -m x", folder=folder, **params, **more), spec
+            header = [line for line in ours.text.splitlines() if line.startswith("#SBATCH ")]
+            assert header == script.sbatch_lines(list(ours.options)), spec  # the header is the options
+    minimal = {"setup": None, "use_srun": False, "stderr_to_stdout": True}
+    assert script.sbatch_script("true", "/f", **minimal).text == _make_sbatch_string(command="true", folder="/f", **minimal)
 
 
 def test_the_task_command_runs_lmtrains_main_unless_the_runs_code_predates_it(tmp_path):

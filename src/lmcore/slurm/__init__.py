@@ -9,7 +9,8 @@ every answer parsed here into typed records. Everything else asks it.
   SLURM's commands here or in a login shell over SSH (``commands``: running them with timeouts, one
   field separator, typed errors; ``commands_target``: a cluster's SLURM_CONF, clients and login
   node; ``ssh``: the ssh command line and paths on that machine) and slurmrestd (``rest_way``, over
-  ``rest``, ``rest_calls``, ``rest_job``, ``rest_records``).
+  ``rest``, ``rest_calls``, ``rest_job``, ``rest_records``). Each submits a rendered job
+  (``batch_job.BatchJob``: the script's text and its header's options, one model).
 - ``relay``: SLURM's commands for ranks that run in a container without them (the batch step
   runs them on the host); ``slurm_relay.sh`` is its host side.
 - ``versions``: what differs by SLURM release; ``admin``: the login side's SLURM writes besides

@@ -23,6 +23,7 @@ from typing import Any
 
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.slurm import versions
+from lmcore.slurm.batch_job import BatchJob
 from lmcore.slurm.commands import (
     DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S,
     DOWN_MARKERS as DOWN_MARKERS,
@@ -448,9 +449,10 @@ def srun_has_option(option: str, timeout: float = 30.0) -> bool:
     return option in proc.stdout
 
 
-def sbatch_file(path: str, *extra: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
-    """``sbatch --parsable [EXTRA] PATH``: the job id (a job array's id for an array)."""
-    return way_in_force().submit_file(path, extra, timeout)
+def sbatch_job(job: BatchJob, path: str, *extra: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
+    """The rendered ``job``, its script written at ``path``, submitted (``sbatch --parsable [EXTRA]
+    PATH``, or its fields through slurmrestd): the job id (a job array's id for an array)."""
+    return way_in_force().submit_job(job, path, extra, timeout)
 
 
 def srun_command(options: Sequence[str], command: Sequence[str]) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lmcore.errors import ExitCode, SlurmUnavailable, UserError
 from lmcore.slurm import relay as slurm_relay
+from lmcore.slurm.batch_job import BatchJob
 from lmcore.slurm.commands_target import CommandsTarget
 from lmcore.slurm.records import AccountedJob, QueuedJob, het_component, het_leader
 from lmcore.slurm.ssh import SSH_FAILED
@@ -304,7 +305,7 @@ class Commands:
                 found.append((submitted, parts[0]))
         return [jid for _, jid in sorted(found)]
 
-    def submit_file(self, path: str, extra: Sequence[str], timeout: float) -> str:
+    def submit_job(self, job: BatchJob, path: str, extra: Sequence[str], timeout: float) -> str:
         proc = self.run(["sbatch", "--parsable", *extra, path], timeout=timeout)
         return proc.stdout.strip().split(";")[0]
 
@@ -313,7 +314,6 @@ class Commands:
     submitted_note: str | None = None
     tests_scripts = True  # sbatch --test-only: the controller judges a script before it is queued
     reads_this_machines_config = True
-    submits_arrays_in_process = False
 
     @property
     def where(self) -> str:
@@ -323,7 +323,7 @@ class Commands:
         """A profile's own client commands that hold an srun (submitit looks for one on PATH)."""
         return self.target is not None and self.which("srun") is not None
 
-    def submission_command(self, script_path: str, *, client_timeout_s: float) -> list[str]:
+    def submission_command(self, job: BatchJob, script_path: str, *, client_timeout_s: float) -> list[str]:
         """sbatch under a client-side limit (a controller that accepted the job but answers late
         cannot block ``submit`` for ever); on a cluster of a profile's own SLURM_CONF and commands,
         through ``env`` with them: submitit runs the line in this process's environment, and sbatch
@@ -331,8 +331,8 @@ class Commands:
         line = ["timeout", "--kill-after=5", str(client_timeout_s), "sbatch", script_path]
         return ["env", *self.target.assignments(dict(os.environ)), *line] if self.target is not None else line
 
-    def check_carries(self, script: Callable[[], str], what: str, *, heterogeneous: bool = False) -> None:
-        """sbatch carries every script lmlaunch renders."""
+    def check_carries(self, job: Callable[[], BatchJob], what: str) -> None:
+        """sbatch carries every job lmlaunch renders."""
 
 
 class OverSsh(Commands):

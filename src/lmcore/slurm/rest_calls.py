@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lmcore.slurm import rest_records
+from lmcore.slurm.batch_job import BatchJob
 from lmcore.slurm.records import AccountedJob, QueuedJob, is_active
 from lmcore.slurm.rest import RestClient, RestError, RestUnanswered
 from lmcore.slurm.rest_job import UNSET, RestJobError, job_description
@@ -94,13 +95,13 @@ def config(r: RestClient) -> dict[str, str]:
     return out
 
 
-def body_of(r: RestClient, text: str, what: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
-    """The submission of script ``text`` as sbatch would make it (its #SBATCH options as the job's
-    fields, then ``extra`` as sbatch's command line; this process's environment and directory),
-    checked against the fields the server's job description has: a RestError naming what cannot
-    be carried, before anything is submitted."""
+def body_of(r: RestClient, job: BatchJob, what: str, extra: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """The submission of the rendered ``job`` as sbatch would make it (the options it was rendered
+    with as the job's fields, then ``extra`` as sbatch's command line; this process's environment
+    and directory), checked against the fields the server's job description has: a RestError
+    naming what cannot be carried, before anything is submitted."""
     try:
-        body = job_description(text, environment=dict(os.environ), cwd=os.getcwd(), extra=extra,
+        body = job_description(job, environment=dict(os.environ), cwd=os.getcwd(), extra=extra,
                                host=socket.gethostname().split(".")[0], nice=os.getpriority(os.PRIO_PROCESS, 0))
     except RestJobError as exc:
         raise RestError(f"{r.target.where}: {what} cannot be submitted over REST: {exc}") from None
@@ -112,11 +113,9 @@ def body_of(r: RestClient, text: str, what: str, extra: Sequence[tuple[str, str]
     return body
 
 
-def submit_file(r: RestClient, path: str, extra: Sequence[tuple[str, str]] = ()) -> str:
-    """The script at ``path`` submitted as sbatch would submit it."""
-    with open(path) as f:
-        text = f.read()
-    body = body_of(r, text, f"the job script {path}", extra)
+def submit_job(r: RestClient, job: BatchJob, what: str, extra: Sequence[tuple[str, str]] = ()) -> str:
+    """The rendered ``job`` submitted as sbatch would submit it (``what`` names it in a refusal)."""
+    body = body_of(r, job, what, extra)
     started = time.time()
     try:
         return r.submit(body)

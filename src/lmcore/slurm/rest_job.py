@@ -1,11 +1,12 @@
-"""A batch script's ``#SBATCH`` options as slurmrestd's job description (pure; no I/O).
+"""A rendered batch job as slurmrestd's job description (pure; no I/O).
 
 slurmrestd runs the script it is given but does not read its ``#SBATCH`` lines (a script with
 ``--nodes=2 --job-name=x`` submitted alone ran as a 1-node job named "(null)" on 26.05.5): what
 sbatch reads from them must be sent as fields of the job description (``job_desc_msg`` in the
-server's OpenAPI schema). This module reads the options exactly where sbatch does (the comment
-block before the script's first command) and turns each into its field, so that the REST path
-submits the same rendered script, with the same options, as the sbatch path.
+server's OpenAPI schema). The job's options come from the renderer's model
+(lmcore.slurm.batch_job.BatchJob: the same (option, value) pairs its header was written from), never
+from the script read back, and each becomes its field, so that the REST path submits the same
+script, with the same options, as the sbatch path.
 
 An option with no field (a SPANK plugin's, or one sbatch handles on the client side such as
 ``--wrap`` or ``--parsable``) is an error naming it: the REST path never drops an option.
@@ -14,15 +15,15 @@ An option with no field (a SPANK plugin's, or one sbatch handles on the client s
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-SHORT = {"A": "account", "a": "array", "C": "constraint", "c": "cpus-per-task", "D": "chdir", "d": "dependency",
-         "e": "error", "G": "gpus", "H": "hold", "i": "input", "J": "job-name", "N": "nodes", "n": "ntasks",
-         "o": "output", "p": "partition", "q": "qos", "t": "time", "w": "nodelist", "x": "exclude"}
+from lmcore.slurm.batch_job import BatchJob
+
+# the options that take no value (or an optional one): an SBATCH_ variable naming one, set to 1, yes or true,
+# is the flag
 FLAGS = {"requeue", "no-requeue", "exclusive", "hold", "contiguous", "overcommit", "reboot", "oversubscribe",
-         "spread-job", "use-min-nodes", "no-kill", "oom-kill-step"}  # no value, or an optional one (--opt=value)
+         "spread-job", "use-min-nodes", "no-kill", "oom-kill-step"}
 
 
 class RestJobError(ValueError):
@@ -209,46 +210,6 @@ CLIENT_SIDE = {"wrap", "parsable", "quiet", "verbose", "test-only", "wait", "ign
                "begin", "deadline", "export"}
 
 
-def sbatch_options(script: str) -> list[tuple[str, str]]:
-    """The ``#SBATCH`` options sbatch reads from ``script``: (long name, value; "" for a flag), in
-    order, from the lines before its first command (sbatch(1): "before any executable commands")."""
-    out: list[tuple[str, str]] = []
-    for line in script.splitlines()[1:] if script.startswith("#!") else script.splitlines():
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if not stripped.startswith("#"):
-            break
-        if not line.startswith("#SBATCH"):  # sbatch reads the magic word at the line's start only
-            continue
-        try:
-            words = shlex.split(line[len("#SBATCH"):], comments=True)
-        except ValueError as exc:  # an unbalanced quote
-            raise RestJobError(f"{line.strip()!r}: {exc}") from None
-        out += _parse_words(words, line)
-    return out
-
-
-def _parse_words(words: Sequence[str], line: str) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-    i = 0
-    while i < len(words):
-        w = words[i]
-        if w.startswith("--"):
-            name, eq, value = w[2:].partition("=")
-            if not eq and name not in FLAGS and i + 1 < len(words) and not words[i + 1].startswith("-"):
-                value, i = words[i + 1], i + 1
-        elif w.startswith("-") and len(w) >= 2 and w[1] in SHORT:
-            name, value = SHORT[w[1]], w[2:]
-            if not value and name not in FLAGS and i + 1 < len(words):
-                value, i = words[i + 1], i + 1
-        else:
-            raise RestJobError(f"{line.strip()!r}: {w!r} is not an sbatch option")
-        out.append((name, value))
-        i += 1
-    return out
-
-
 # What sbatch puts in the job's environment from its options (sbatch(1) OUTPUT ENVIRONMENT
 # VARIABLES; seen by diffing a job's `env` submitted by sbatch and through slurmrestd on 26.05.5).
 _OPTION_ENV = {"ntasks-per-node": "SLURM_NTASKS_PER_NODE", "mem": "SLURM_MEM_PER_NODE", "mem-per-cpu": "SLURM_MEM_PER_CPU",
@@ -319,12 +280,13 @@ def input_variables(environment: Mapping[str, str]) -> list[tuple[str, str]]:
     return out
 
 
-def job_description(script: str, *, environment: Mapping[str, str], cwd: str, host: str, nice: int = 0,
+def job_description(batch: BatchJob, *, environment: Mapping[str, str], cwd: str, host: str, nice: int = 0,
                     extra: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
-    """The request body of ``POST /slurm/<version>/job/submit`` that runs ``script`` as sbatch
-    would: its ``#SBATCH`` options (then ``extra``, as sbatch's command line, winning) as fields,
-    the environment sbatch would send (:func:`sbatch_environment`) and the working directory."""
-    options = [*sbatch_options(script), *input_variables(environment), *extra]
+    """The request body of ``POST /slurm/<version>/job/submit`` that runs ``batch`` as sbatch
+    would: its header's options (then the environment's SBATCH_ variables and ``extra``, as
+    sbatch's command line, winning) as fields, the environment sbatch would send
+    (:func:`sbatch_environment`) and the working directory."""
+    options = [*batch.options, *input_variables(environment), *extra]
     env = sbatch_environment(options, environment, cwd, host, nice)
     job: dict[str, Any] = {"environment": [f"{k}={v}" for k, v in sorted(env.items())],
                            "current_working_directory": cwd}
@@ -347,4 +309,4 @@ def job_description(script: str, *, environment: Mapping[str, str], cwd: str, ho
             job[key] = v
     for key, unset in UNSET.items():
         job.setdefault(key, unset)
-    return {"script": script, "job": job}
+    return {"script": batch.text, "job": job}

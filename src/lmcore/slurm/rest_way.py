@@ -1,6 +1,6 @@
 """slurmrestd as a way to reach SLURM (lmcore.slurm.way): a cluster's REST API answers what its
 commands would (lmcore.slurm.rest_calls, with the records the commands' path gives), and a batch
-script is submitted here, in-process, its ``#SBATCH`` options sent as the job's fields
+job is submitted here, in-process, the options it was rendered with sent as the job's fields
 (lmcore.slurm.rest_job)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from lmcore.errors import ExitCode, UserError
 from lmcore.slurm import rest_calls
+from lmcore.slurm.batch_job import BatchJob
 from lmcore.slurm.records import AccountedJob, QueuedJob
 from lmcore.slurm.rest import RestClient
 
@@ -54,13 +55,12 @@ class Rest:
     def submitted_since(self, name: str, since: float, timeout: float) -> list[str]:
         return rest_calls.submitted_since(self.client, name, since)
 
-    def submit_file(self, path: str, extra: Sequence[str], timeout: float) -> str:
-        return rest_calls.submit_file(self.client, path, [_option(e) for e in extra])
+    def submit_job(self, job: BatchJob, path: str, extra: Sequence[str], timeout: float) -> str:
+        return rest_calls.submit_job(self.client, job, f"the job script {path}", [_option(e) for e in extra])
 
     # ----------------------------------------------------------------- what the way is
     tests_scripts = False  # the controller judges a job only when it is submitted
     reads_this_machines_config = False  # the cluster's SLURM_CONF and commands are not this machine's
-    submits_arrays_in_process = True  # a job array is submitted in-process as a single job is
 
     @property
     def described(self) -> str:
@@ -78,17 +78,18 @@ class Rest:
     def needs_no_srun_here(self) -> bool:
         return True
 
-    def submission_command(self, script_path: str, *, client_timeout_s: float) -> list[str]:
-        """The script submitted here, in-process, before submitit's command runs (a refusal raised
+    def submission_command(self, job: BatchJob, script_path: str, *, client_timeout_s: float) -> list[str]:
+        """The job submitted here, in-process, before submitit's command runs (a refusal raised
         before anything claims a job); the command prints sbatch's line for submitit to read."""
-        return ["echo", f"Submitted batch job {self.submit_file(script_path, (), client_timeout_s)}"]
+        return ["echo", f"Submitted batch job {self.submit_job(job, script_path, (), client_timeout_s)}"]
 
-    def check_carries(self, script: Callable[[], str], what: str, *, heterogeneous: bool = False) -> None:
-        """Refuse, before anything changes, a heterogeneous job (its job_desc list is not built) or a
-        script option slurmrestd has no job field for (``what`` names the job in the message)."""
-        if heterogeneous:
+    def check_carries(self, job: Callable[[], BatchJob], what: str) -> None:
+        """Refuse, before anything changes, a heterogeneous job (its job_desc list is not built) or an
+        option slurmrestd has no job field for (``what`` names the job in the message)."""
+        rendered = job()
+        if rendered.heterogeneous:
             raise UserError("eval.alongside: a heterogeneous job (trainer + evaluator) cannot be submitted through "
                             "slurmrestd yet (its job_desc list is not built); submit with sbatch (the profile's "
                             "submit.via: sbatch, without --rest), or score the checkpoints after with `lmlaunch eval`",
                             exit_code=ExitCode.USAGE)
-        rest_calls.body_of(self.client, script(), what)
+        rest_calls.body_of(self.client, rendered, what)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from lmcore.slurm import client
+from lmcore.slurm.batch_job import BatchJob
 from lmcore.slurm.records import AccountedJob, QueuedJob
 
 
@@ -53,8 +54,9 @@ class Way(Protocol):
     def submitted_since(self, name: str, since: float, timeout: float) -> list[str]:
         """This user's jobs called ``name`` received since ``since``, oldest first."""
 
-    def submit_file(self, path: str, extra: Sequence[str], timeout: float) -> str:
-        """The batch script at ``path`` submitted (``extra``: sbatch's options); its job id."""
+    def submit_job(self, job: BatchJob, path: str, extra: Sequence[str], timeout: float) -> str:
+        """The rendered ``job`` submitted (its script already written at ``path``; ``extra``:
+        sbatch's options); its job id."""
 
     # ------------------------------------------------------------------- what the way is
     @property
@@ -77,19 +79,15 @@ class Way(Protocol):
     def reads_this_machines_config(self) -> bool:
         """Its SLURM_CONF and client commands are this machine's (what ``profile init`` records)."""
 
-    @property
-    def submits_arrays_in_process(self) -> bool:
-        """A job array is submitted in-process as a single job is (not by sbatch)."""
-
     def needs_no_srun_here(self) -> bool:
         """Submitting needs no ``srun`` on this machine's PATH (submitit looks for one)."""
 
-    def submission_command(self, script_path: str, *, client_timeout_s: float) -> list[str]:
-        """The command that submits the script at ``script_path`` and prints sbatch's line
-        (``Submitted batch job N``)."""
+    def submission_command(self, job: BatchJob, script_path: str, *, client_timeout_s: float) -> list[str]:
+        """The command that submits the rendered ``job`` (its script written at ``script_path``) and
+        prints sbatch's line (``Submitted batch job N``)."""
 
-    def check_carries(self, script: Callable[[], str], what: str, *, heterogeneous: bool = False) -> None:
-        """Refuse, before anything changes, what this way cannot submit (``what`` names the job)."""
+    def check_carries(self, job: Callable[[], BatchJob], what: str) -> None:
+        """Refuse, before anything changes, a rendered job this way cannot submit (``what`` names it)."""
 
 
 def way() -> Way:
