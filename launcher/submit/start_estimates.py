@@ -1,7 +1,9 @@
 """Asking each cluster a run names when it would start there: ``sbatch --test-only`` with the
 script the run would be submitted with (the controller judges every option and gives its start
 estimate; nothing is queued), and the user's pending jobs there. A cluster that does not answer
-within a bound is skipped with a note, never waited on.
+within a bound is skipped with a note, never waited on. One whose refusal only nodes out of service
+now explain (launcher.submit.shape_check.waits_for_nodes) would queue the job: it takes it, with no
+start estimate (after every cluster that gives one).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from launcher.planning import transport
 from launcher.planning.clusters import Answer, choose, plan_each
 from launcher.planning.resolve import Resolved
 from launcher.submit.script import render_script
+from launcher.submit.shape_check import IMPOSSIBLE, waits_for_nodes
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.slurm import client as slurm, way as slurm_way
 
@@ -49,6 +52,9 @@ def ask(resolved: Resolved, dependency: str | None, bound: float) -> Answer:
                               _pending(bound))
             ok, message = slurm.test_only("sbatch", [], script=render_script(resolved.plan, dependency), timeout=bound)
             if not ok:
+                waiting = waits_for_nodes(resolved.plan.slurm) if any(w in message for w in IMPOSSIBLE) else None
+                if waiting:  # nodes out of service now: queued, it would wait for them (no estimate)
+                    return Answer(name, True, None, f"queued, it would wait ({message}): {waiting}", _pending(bound))
                 return Answer(name, False, None, message or "refused, without a reason")
             found = _START.search(message)
             start = slurm.parse_time(found.group(1)) if found else None

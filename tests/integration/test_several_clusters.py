@@ -47,7 +47,7 @@ from preempt_helpers import (
     wait_held,
 )
 from shared_results import shared
-from slurm_helpers import job_name, release_worker
+from slurm_helpers import job_name, release_worker, wait_nodes_usable
 
 from launcher.localcluster import cluster, workers
 from launcher.localcluster.config import SLURM_RELEASES, other_version
@@ -144,6 +144,18 @@ def test_a_run_is_placed_where_it_starts_soonest_moves_when_preempted_and_ends_b
     assert "# chosen: there (it starts soonest)" in out, out[:1500]
     assert "on cluster 'there'" in out
     assert not run_dir.exists()  # a dry run changes nothing
+    # a node out of service on the cluster named first: it would queue the job to wait (no start
+    # estimate), not refuse it, and the run goes where it starts now
+    with _on_there(claim):
+        admin.set_node_state("n2", "DRAIN", "several-clusters test")
+    try:
+        code, out, err = lm(env, "submit", SPEC, f"name={name}", *BASE, "clusters=[there, here]", "--dry-run")
+    finally:
+        with _on_there(claim):
+            admin.set_node_state("n2", "RESUME")
+        wait_nodes_usable(layout=claim.layout)
+    assert code == 0 and "#   there: takes it, no start estimate (queued, it would wait (" in out, out[:1500] + err
+    assert "out of service: n2 (drain" in out and "# chosen: here (it starts soonest)" in out, out[:1500]
 
     # both free: placed on the first named; preempted there, it moves to the other (steps paced)
     first, run_dir = submit(env, name, "clusters=[here, there]", MOVE, holds=(held_at(16),))  # until preempted
