@@ -139,14 +139,16 @@ def _facts(partition: str, *, fresh: bool) -> dict[str, Any] | None:
 def _check_heterogeneous_job(plan: LaunchPlan, job: BatchJob) -> None:
     """A run with an evaluator alongside is one heterogeneous job: the controller judges it first
     (``sbatch --test-only``: an evaluator larger than its partition, a cluster that refuses
-    heterogeneous jobs), and a refusal names eval.alongside with SLURM's words; nothing is queued."""
+    heterogeneous jobs), and a refusal names eval.alongside with SLURM's words; nothing is queued. A
+    refusal that nodes out of service now explain is left to sbatch (it queues the job to wait, or
+    refuses what can never run)."""
     slurm_way.way().check_carries(lambda: job, "eval.alongside")
     code = rundir.RunLayout.of_plan(plan).code
     if code.is_dir() and not (code / "lmtrain" / "evaluator" / "main.py").is_file():
         raise UserError(f"eval.alongside: the run's code snapshot ({code}) predates the evaluator: resume with "
                         "--new-code, or score its checkpoints after with `lmlaunch eval`", exit_code=2)
     ok, message = slurm.test_only("sbatch", [], script=job.text)
-    if not ok:
+    if not ok and not (any(words in message for words in IMPOSSIBLE) and waits_for_nodes(plan.slurm)):
         raise UserError(f"eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator): {message}",
                         exit_code=ExitCode.REFUSED)
 
@@ -166,10 +168,11 @@ def dry_run_answer(plan: LaunchPlan, text: str) -> str:
         ok, message = slurm.test_only("sbatch", [], script=text)
     except Exception as exc:  # a timeout: said, and submit asks again
         return f"the cluster: sbatch --test-only gave no answer ({type(exc).__name__}: {str(exc)[:200]})"
-    if not ok and not plan.evaluator and any(words in message for words in IMPOSSIBLE):
-        waiting = waits_for_nodes(plan.slurm)
-        if waiting:
-            return f"the cluster would queue it to wait (sbatch --test-only: {message}): {waiting}"
+    impossible = not ok and any(words in message for words in IMPOSSIBLE)
+    waiting = waits_for_nodes(plan.slurm) if impossible else None
+    if waiting:
+        return f"the cluster would queue it to wait (sbatch --test-only: {message}): {waiting}"
+    if impossible and not plan.evaluator:
         raise _shape_refused(plan.slurm, message)
     if not ok:
         what = "eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator)" if plan.evaluator \

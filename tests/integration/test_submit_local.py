@@ -177,12 +177,16 @@ def test_the_dry_run_asks_the_controller_and_is_refused_as_submit_would_be(slurm
     try:
         waits = cli("submit", SPEC, f"name={run_name}", *SMALL, "--dry-run")
         too_big = cli("submit", SPEC, f"name={run_name}", *SMALL, "resources.cpus_per_task=8", "--dry-run")
+        alongside = cli("submit", str(REPO / "jobs" / "tiny-cpu-eval.yaml"), f"name={run_name}", "resources.nodes=2",
+                        "trainer.global_batch_size=16", "--dry-run")  # a heterogeneous job: the same
     finally:
         admin.set_node_state("n2", "RESUME")
     assert waits.code == 0 and waits.out.startswith("# the cluster would queue it to wait (sbatch --test-only: "), \
         waits.out[:400] + waits.err
     assert "out of service: n2 (drain" in waits.out and ": dry-run test)" in waits.out, waits.out[:600]
     assert too_big.code == 5 and "cannot run this job as asked" in too_big.err, too_big.err
+    assert alongside.code == 0 and "out of service: n2 (drain" in alongside.out.splitlines()[0], \
+        alongside.out[:400] + alongside.err
 
 
 def test_unreachable_controller_is_a_clear_message_and_nothing_is_written(slurm_cluster, lm_env, run_name, tmp_path):
