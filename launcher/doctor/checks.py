@@ -23,7 +23,7 @@ from launcher.planning import runtime_stack
 from launcher.spec.profile_draft import UNLIMITED_TIME, ClusterFacts, gpus_of, partitions as draft_partitions
 from launcher.spec.profiles import Profile
 from launcher.submit.in_place import asked_nodes
-from launcher.submit.shape_check import IMPOSSIBLE, waits_for_nodes
+from launcher.submit.shape_check import waits_for_nodes
 from lmcore import jsonlines
 from lmcore.errors import UserError
 from lmcore.job.plan import LaunchPlan
@@ -360,7 +360,7 @@ def job_script_checks(plan: LaunchPlan, job_script: str) -> list[Check]:
         hint = (f"; the plan excludes {plan.slurm.exclude} (lmlaunch's record of bad nodes for this profile, see the "
                 f"dry run's notes): a passing `lmlaunch doctor SPEC --on-nodes` clears a node that is well again")
     facts = {"accepted": ok, "site_options": dict(plan.slurm.site_options), "exclude": plan.slurm.exclude}
-    waiting = None if ok or not any(w in message for w in IMPOSSIBLE) else waits_for_nodes(plan.slurm)
+    waiting = None if ok else waits_for_nodes(plan.slurm, message)
     said = f"the cluster would queue the job script{what} to wait" if waiting else \
         f"{'the cluster accepts' if ok else 'the cluster refuses'} the job script{what}"
     out = [Check("job script", WARN if waiting else OK if ok else FAIL,  # nodes out of service: it would wait

@@ -172,16 +172,21 @@ def submitit_options(folder: str, params: dict[str, Any]) -> Options:
     p = {**SUBMITIT_DEFAULTS, **params}
     header = {k: v for k, v in p.items() if v is not None and k not in NOT_OPTIONS}
     header["signal"] = f"USR2@{p.get('signal_delay_s', 90)}"
-    logs = str(Path(folder).expanduser().absolute() / "%j_0_log")
+    logs = _log_stem(folder, p, "0")
     if p.get("map_count") is not None:
         header["array"] = f"0-{p['map_count'] - 1}%{min(p['map_count'], p.get('array_parallelism', 256))}"
-        logs = logs.replace("%j", "%A_%a")
     header["output"] = f"{logs}.out"
     if not p.get("stderr_to_stdout"):
         header["error"] = f"{logs}.err"
     header["open-mode"] = "append"
     header.update(p.get("additional_parameters") or {})
     return [(k.replace("_", "-"), header[k]) for k in sorted(header)]
+
+
+def _log_stem(folder: str, params: dict[str, Any], task: str) -> str:
+    """submitit's log files without their suffix: ``FOLDER/%j_TASK_log`` (``%A_%a`` for an array)."""
+    job = "%A_%a" if params.get("map_count") is not None else "%j"
+    return str(Path(folder).expanduser().absolute() / f"{job}_{task}_log")
 
 
 def sbatch_script(command: str, folder: str, **params: Any) -> BatchJob:
@@ -193,9 +198,7 @@ def sbatch_script(command: str, folder: str, **params: Any) -> BatchJob:
     if params.get("setup") is not None:
         lines += ["", "# setup", *params["setup"]]
     if params.get("use_srun", True):
-        logs = str(Path(folder).expanduser().absolute() / "%j_%t_log")
-        if params.get("map_count") is not None:
-            logs = logs.replace("%j", "%A_%a")
+        logs = _log_stem(folder, params, "%t")
         errors = [] if params.get("stderr_to_stdout") else ["--error", f"{logs}.err"]
         srun = slurm.srun_command(["--unbuffered", "--output", f"{logs}.out", *errors, *(params.get("srun_args") or [])], [])
         command = " ".join((" ".join(shlex.quote(a) for a in srun), command))

@@ -148,7 +148,7 @@ def _check_heterogeneous_job(plan: LaunchPlan, job: BatchJob) -> None:
         raise UserError(f"eval.alongside: the run's code snapshot ({code}) predates the evaluator: resume with "
                         "--new-code, or score its checkpoints after with `lmlaunch eval`", exit_code=2)
     ok, message = slurm.test_only("sbatch", [], script=job.text)
-    if not ok and not (any(words in message for words in IMPOSSIBLE) and waits_for_nodes(plan.slurm)):
+    if not ok and not waits_for_nodes(plan.slurm, message):
         raise UserError(f"eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator): {message}",
                         exit_code=ExitCode.REFUSED)
 
@@ -168,11 +168,10 @@ def dry_run_answer(plan: LaunchPlan, text: str) -> str:
         ok, message = slurm.test_only("sbatch", [], script=text)
     except Exception as exc:  # a timeout: said, and submit asks again
         return f"the cluster: sbatch --test-only gave no answer ({type(exc).__name__}: {str(exc)[:200]})"
-    impossible = not ok and any(words in message for words in IMPOSSIBLE)
-    waiting = waits_for_nodes(plan.slurm) if impossible else None
+    waiting = None if ok else waits_for_nodes(plan.slurm, message)
     if waiting:
         return f"the cluster would queue it to wait (sbatch --test-only: {message}): {waiting}"
-    if impossible and not plan.evaluator:
+    if not ok and not plan.evaluator and any(words in message for words in IMPOSSIBLE):
         raise _shape_refused(plan.slurm, message)
     if not ok:
         what = "eval.alongside: SLURM refuses the heterogeneous job (trainer + evaluator)" if plan.evaluator \
@@ -191,11 +190,15 @@ def _out_of_service(state: str) -> bool:
     return state.endswith("*") or state.rstrip("*~#!%$@^-+").startswith(OUT_OF_SERVICE)
 
 
-def waits_for_nodes(p: Any) -> str | None:
-    """Why a job the controller refuses to start now would still be queued: the nodes out of
-    service that it needs, named with their state and reason, when its shape fits the partition
-    with them (CPUs, and GPUs where it asks for some) and not without; else None."""
+def waits_for_nodes(p: Any, refusal: str) -> str | None:
+    """Why a job the controller refused (``refusal``: SLURM's words) would still be queued: the
+    refusal is one of a shape no node can hold (IMPOSSIBLE), and the nodes out of service that the
+    job needs, named with their state and reason, explain it: its shape fits the partition with
+    them (CPUs, and GPUs where it asks for some) and not without. Else None."""
     from hostlist import expand_hostlist  # SLURM hostlist notation: n[1-3,7]
+
+    if not any(words in refusal for words in IMPOSSIBLE):
+        return None
 
     try:
         listed = [n for n in slurm.nodes() if p.partition in n.partitions]

@@ -17,7 +17,7 @@ from launcher.planning import transport
 from launcher.planning.clusters import Answer, choose, plan_each
 from launcher.planning.resolve import Resolved
 from launcher.submit.script import render_script
-from launcher.submit.shape_check import IMPOSSIBLE, waits_for_nodes
+from launcher.submit.shape_check import waits_for_nodes
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.slurm import client as slurm, way as slurm_way
 
@@ -52,7 +52,7 @@ def ask(resolved: Resolved, dependency: str | None, bound: float) -> Answer:
                               _pending(bound))
             ok, message = slurm.test_only("sbatch", [], script=render_script(resolved.plan, dependency), timeout=bound)
             if not ok:
-                waiting = waits_for_nodes(resolved.plan.slurm) if any(w in message for w in IMPOSSIBLE) else None
+                waiting = waits_for_nodes(resolved.plan.slurm, message)
                 if waiting:  # nodes out of service now: queued, it would wait for them (no estimate)
                     return Answer(name, True, None, f"queued, it would wait ({message}): {waiting}", _pending(bound))
                 return Answer(name, False, None, message or "refused, without a reason")
