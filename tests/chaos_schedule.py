@@ -32,6 +32,8 @@ class Kind:
 
 KINDS: dict[str, Kind] = {
     "rank_kill": Kind(3.0, "a rank's training process SIGKILLed (the OOM killer)", "rank"),
+    "task_kill": Kind(1.0, "a rank's whole task SIGKILLed, its agent too (SLURM killing the step on one node; "
+                           "the OOM killer taking the task's cgroup)", "rank"),
     "rank_stop": Kind(1.0, "a rank's training process SIGSTOPped past the hang watchdog, never continued", "rank"),
     "node_down": Kind(2.0, "a node the ranks run on (not the batch script's) set DOWN, RESUMEd later", "node",
                       (4.0, 20.0)),

@@ -126,7 +126,27 @@ def _wait(c: Campaign, target: Target, reached: Callable[[], object], what: str)
     progress = waiting.watching(run_progress(c.run_dir), lambda: waiting.job(c.job)())  # the job of now
     return waiting.until(check, progress=progress, poll=0.2,
                          on_poll=lambda: _start_early(c.job), what=f"{c.run_dir.name}: {what}",
-                         explain=lambda: f"ledger {ledger(c.run_dir)}\n{log_tail(c.run_dir)}")
+                         explain=lambda: f"ledger {ledger(c.run_dir)}\n{log_tail(c.run_dir)}\n"
+                                         f"{slurm_logs(target.layout, c.began)}")
+
+
+NOISE = ("cgroup", "differs from hardware", "frequency setting", "_handle_stray_script", "vanished from configuration")
+
+
+def slurm_logs(layout: Layout, since: float, lines: int = 25) -> str:
+    """The worker cluster's daemons' log lines since the campaign began (the controller's and each
+    node's), the last ``lines`` of each: what SLURM did that the run's files cannot say."""
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 1))
+    parts = []
+    for path in sorted(layout.log.glob("slurm*.log")):
+        try:
+            text = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        kept = [line for line in text if line[1:20] >= start and not any(n in line for n in NOISE)]
+        if kept:
+            parts.append(f"--- {path.name}\n" + "\n".join(kept[-lines:]))
+    return "\n".join(parts)
 
 
 def stopped_by_full_disk(end: dict) -> bool:

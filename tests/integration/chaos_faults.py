@@ -125,6 +125,31 @@ def rank_stop(t: Target, f: Fault) -> Done:
     return _signal_rank(t, f, signal.SIGSTOP)
 
 
+def task_kill(t: Target, f: Fault) -> Done:
+    """A rank's whole task SIGKILLed at once: the process under its slurmstepd (its agent, with the warm
+    restart) and everything below it, as slurmstepd does when SLURM kills the step on that node only
+    (a kill of a failed node's step, delivered late, reaching the requeued job's step of the same id
+    there: seen on 26.05) or as the OOM killer takes the task's cgroup."""
+    records, why = _attempt_records(t)
+    if records is None:
+        return Done(False, why)
+    rec = next((r for r in records if r.rank == f.target), records[0])
+    root, chain = rec.pid, []
+    while (parent := _parent(root)) and b"slurmstepd" not in _cmdline(str(parent)) and len(chain) < 8:
+        chain.append(root)
+        root = parent
+    if not parent:
+        return Done(False, f"rank {rec.rank}'s process {rec.pid} has no slurmstepd above it (gone?)")
+    victims, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        victims.append(pid)
+        todo.extend(_children({pid}))
+    _kill_all(victims)
+    return Done(True, f"rank {rec.rank}'s whole task on {rec.node} SIGKILLed ({len(victims)} processes from pid {root})",
+                facts={"rank": rec.rank, "node": rec.node, "pids": victims})
+
+
 def node_down(t: Target, f: Fault) -> Done:
     """A node the ranks run on, other than the batch script's, fails."""
     return _fail_node(t, f, batch_host=False)
@@ -329,10 +354,11 @@ def keeper_kill(t: Target, f: Fault) -> Done:
         return Done(False, f"job {t.job} is {info.get('JobState', 'gone')}")
     needle = f"SLURM_JOB_ID={t.job}\0".encode()
     pids = []
-    for entry in os.listdir("/proc"):
-        try:
+    for entry in os.listdir("/proc"):  # this run's (its directory is the keeper's argument): another
+        try:                            # worker's cluster may run a job of the same id
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
-            if b"lmtrain.task.keeper" in cmd and needle in Path(f"/proc/{entry}/environ").read_bytes():
+            if b"lmtrain.task.keeper" in cmd and _keeps(cmd, t.run_dir) \
+                    and needle in Path(f"/proc/{entry}/environ").read_bytes():
                 pids.append(int(entry))
         except OSError:
             continue
@@ -340,6 +366,13 @@ def keeper_kill(t: Target, f: Fault) -> Done:
         return Done(False, f"no keeper of job {t.job} runs (not started yet, or between two attempts)")
     _kill_all(pids)
     return Done(True, f"the keeper of job {t.job} SIGKILLed (pid {pids})", facts={"pids": pids})
+
+
+def _keeps(cmdline: bytes, run_dir: Path) -> bool:
+    """Whether a keeper's command line (``... -m lmtrain.task.keeper RUN_DIR LOG``) names ``run_dir``."""
+    args = cmdline.split(b"\0")
+    at = args.index(b"lmtrain.task.keeper") if b"lmtrain.task.keeper" in args else -1
+    return 0 <= at < len(args) - 1 and Path(os.fsdecode(args[at + 1])).resolve() == run_dir.resolve()
 
 
 def watcher_kill(t: Target, f: Fault) -> Done:
@@ -377,6 +410,13 @@ def _cmdline(pid: str) -> bytes:
         return b""
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) or None
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _children(parents: set[int]) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -391,7 +431,7 @@ def _children(parents: set[int]) -> list[int]:
 
 
 INJECT: dict[str, Callable[[Target, Fault], Done]] = {
-    "rank_kill": rank_kill, "rank_stop": rank_stop, "node_down": node_down, "batch_host_down": batch_host_down,
+    "rank_kill": rank_kill, "task_kill": task_kill, "rank_stop": rank_stop, "node_down": node_down, "batch_host_down": batch_host_down,
     "preempt": preempt,
     "requeue": requeue, "time_limit": time_limit, "ctld_restart": ctld_restart, "dbd_stop": dbd_stop,
     "corrupt_checkpoint": corrupt_checkpoint, "disk_full": disk_full, "batch_kill": batch_kill,

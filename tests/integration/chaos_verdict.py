@@ -146,6 +146,9 @@ def _path_problem(landing: Landing, end: dict, c: Campaign) -> str:
         if end["reason"] != "crashed" or restart != "in_place" or not named:
             return (f"rank {facts['rank']} SIGKILLed alone: attempt {end['attempt']} ended {end['reason']} "
                     f"(restart {restart}, first death {death}): not a crash named so and restarted in place")
+    if f.kind == "task_kill" and (end["reason"] != "crashed" or restart != "in_place"):
+        return (f"rank {facts['rank']}'s whole task SIGKILLed alone: attempt {end['attempt']} ended {end['reason']} "
+                f"(restart {restart}): not a crash restarted in place")
     if f.kind == "rank_stop" and (end["reason"] not in ("hang", "crashed") or restart != "in_place"):
         return (f"rank {facts['rank']} SIGSTOPped alone: attempt {end['attempt']} ended {end['reason']} (restart "
                 f"{restart}): not a hang (or its rank killed by its agent) restarted in place")

@@ -46,6 +46,17 @@ FOUND = sorted((Path(__file__).parent / "chaos_found").glob("*.json"))
 EVERY_VERSION = {"keeper-killed-then-batch-host-down"}
 
 
+def _live(said: list[str], capsys):
+    """A campaign's ``say``: each line live on the terminal (the CI log: a campaign that stalls raises
+    before its lines could join the failure's message), and kept for that message."""
+    def say(line: str) -> None:
+        said.append(line)
+        with capsys.disabled():
+            print(line, flush=True)
+
+    return say
+
+
 @pytest.fixture(scope="module")
 def reference(slurm_cluster, module_env, module_jobs):
     return shared("preempt-ddp-reference", lambda: ddp_reference(module_env, module_jobs))
@@ -57,12 +68,7 @@ def test_a_short_chaos_campaign_with_a_fresh_seed_ends_bit_identical_and_leaves_
     schedule = chaos_schedule.draw(seed, faults=FAULTS, max_steps=MAX_STEPS, every=EVERY, must=MUST,
                                    kinds=KINDS, alone=MUST)
     said: list[str] = []
-
-    def say(line: str) -> None:  # live on the terminal (the CI log), and in the failure's message
-        said.append(line)
-        with capsys.disabled():
-            print(line, flush=True)
-
+    say = _live(said, capsys)
     say(f"\nchaos campaign: seed {seed} (LMLAUNCH_CHAOS_SEED={seed} draws it again)")
     for f in schedule.faults:
         say("  " + f.label())
@@ -80,16 +86,18 @@ def test_a_short_chaos_campaign_with_a_fresh_seed_ends_bit_identical_and_leaves_
 
 @pytest.mark.parametrize("found", [pytest.param(p, id=p.stem, marks=[pytest.mark.both_versions] if p.stem in EVERY_VERSION
                                                 else []) for p in FOUND])
-def test_a_schedule_a_campaign_failed_on_passes_replayed(reference, module_env, found, tmp_path):
+def test_a_schedule_a_campaign_failed_on_passes_replayed(reference, module_env, found, tmp_path, capsys):
     raw = json.loads(found.read_text())
     schedule = chaos_schedule.Schedule.from_json(json.dumps(raw["schedule"]))
     said: list[str] = []
+    say = _live(said, capsys)
+    say(f"\nreplaying {found.name}")
     name = job_name("pr", "chaos-" + found.stem[:12])
     with own_worker_cluster(name, nodes=3) as claim, cluster.own_conf(claim.layout):
         env = {**module_env, **claim.environ()}
         with small_filesystem(tmp_path / "checkpoints-fs", VERSION) as fs:
             campaign = chaos_campaign.run(schedule, env, claim.layout, name, pace_s=PACE_S,
-                                          small_fs=fs, say=said.append)
+                                          small_fs=fs, say=say)
             verdict = chaos_verdict.judge(campaign, reference, env, keep_last=2)
     assert verdict.ok, "\n".join([raw["found"], *said, verdict.table()])
     assert all(r.landed for r in verdict.rows), verdict.table()  # the faults that found it landed again

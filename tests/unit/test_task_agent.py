@@ -101,6 +101,8 @@ AGENT = textwrap.dedent("""
 
     import lmtrain.task.verdicts
     lmtrain.task.verdicts.READY_WAIT_S = float(os.environ.get("READY_WAIT_S", "60"))
+    lmtrain.task.verdicts.SILENT_S = float(os.environ.get("SILENT_S", "90"))
+    lmtrain.task.verdicts.BEAT_LOOK_S = 0.2
     owner = own_signals({"signal": "USR2"})
     class Agent(TaskAgent):
         def _preload(self):
@@ -313,3 +315,59 @@ def test_an_agent_gone_with_its_node_ends_the_step_for_the_batch_script(tmp_path
     assert layout.restart_request.read_text().splitlines()[2] == "restart"  # the batch script's to act on
     assert "1 of the other ranks' agents did not answer within 1 s" in results[0][1], results[0][1]
     assert not (tmp_path / "seen-0-1").exists()
+
+
+def test_rank_0s_whole_task_killed_ends_the_others_once_its_agent_is_silent(tmp_path):
+    """Rank 0's agent dies with its training process (SLURM killed the step on rank 0's node only, or
+    the OOM killer took the task's cgroup): nobody will ever give a word. Rank 1's agent, its
+    training process ended, hears no beat from rank 0's agent for SILENT_S and ends its task with its
+    process's code: srun ends and the batch script restarts the ranks (rank 0 never decided), rather
+    than the step waiting out the collective timeout (30 minutes by default)."""
+    body = """
+    if rank == 0:
+        (run / "agent-0").write_text(str(os.getppid()))
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(600)  # dies with its agent
+    while not (run / "agent-0").exists():
+        time.sleep(0.02)
+    sys.exit(1)
+    """
+    results = _ended(_agents(tmp_path, body, SILENT_S="1"))
+    assert [code for code, _ in results] == [-signal.SIGKILL, 1], results
+    assert "rank 0's agent has said nothing for" in results[1][1], results[1][1]
+    assert not RunLayout.of(tmp_path).verdict_file("77-0").exists()
+
+
+class _Settings:
+    rank, share = 1, None
+
+
+def test_rank_0s_beat_is_read_by_content_once_a_look_and_silent_only_past_the_limit(tmp_path):
+    from lmtrain.task.verdicts import BEAT_LOOK_S, SILENT_S, Verdicts
+
+    layout = RunLayout.of(tmp_path)
+    heard = Verdicts(_Settings(), layout, lambda: "77-0")
+    beat = layout.agent_beat_file("77-0")
+    assert heard.rank0_silent(now=100.0) is None  # the wait's start: no beat yet counts as heard now
+    assert heard.rank0_silent(now=100.0 + SILENT_S + 1) == SILENT_S + 1  # never written since: gone
+    heard = Verdicts(_Settings(), layout, lambda: "77-0")
+    beat.parent.mkdir(parents=True)
+    t = 0.0
+    while t < 3 * SILENT_S:  # a living agent rewrites it every second: never silent, however long the wait
+        beat.write_text(f"{t}\n")
+        t += BEAT_LOOK_S + 1
+        assert heard.rank0_silent(now=t) is None
+    assert heard.rank0_silent(now=t + BEAT_LOOK_S / 2) is None  # not read again within a look
+    assert heard.rank0_silent(now=t + SILENT_S / 2) is None  # unchanged, within the limit
+    assert heard.rank0_silent(now=t + SILENT_S + 1) == SILENT_S + 1  # unchanged past it
+
+    class Rank0(_Settings):
+        rank = 0
+
+    beating = Verdicts(Rank0(), layout, lambda: "77-1")
+    beating.beat(now=5.0)
+    first = layout.agent_beat_file("77-1").read_text()
+    beating.beat(now=5.5)  # within BEAT_S: not rewritten
+    assert layout.agent_beat_file("77-1").read_text() == first
+    Verdicts(_Settings(), layout, lambda: "77-2").beat(now=9.0)  # another rank's agent never beats
+    assert not layout.agent_beat_file("77-2").exists()

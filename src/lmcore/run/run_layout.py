@@ -230,6 +230,11 @@ class RunLayout:
         decides)."""
         return self.rendezvous / f"{key}.next"
 
+    def agent_beat_file(self, key: str) -> Path:
+        """Rank 0's agent's beat during the ranks' start ``key`` (lmtrain.task.verdicts): rewritten
+        every second while it lives, read by the others while they wait for its verdict."""
+        return self.rendezvous / f"{key}.rank0-agent"
+
     def ready_dir(self, key: str) -> Path:
         """One empty file per rank whose agent ended its training process for a restart rank 0's
         agent proposed (``restart`` in the verdict file) and is ready to fork the next."""

@@ -17,6 +17,14 @@ VERDICT_POLL_S = 0.05  # after it ended: how often a rank's agent looks for rank
 VERDICT_MARGIN_S = 120.0  # beyond the longest rank 0 may take to decide (watchdog and collective timeouts)
 LEAVE_WAIT_S = 5.0  # how long a node's leader waits for its node's agents to read the last word
 READY_WAIT_S = 60.0  # how long rank 0's agent waits for the others to end their training processes
+BEAT_S = 1.0  # rank 0's agent says it lives this often (its beat file), while it can decide
+BEAT_LOOK_S = 5.0  # how often a rank's agent waiting for rank 0's word reads that beat
+# Rank 0's agent's beat unchanged this long: it is gone (its whole task killed on its node: SLURM
+# killing the step there, the OOM killer taking the task's cgroup). Read by content on each open (a
+# shared filesystem's close-to-open consistency; no attribute cache, NFS's holds mtimes up to 60 s)
+# and timed on each agent's own clock (the nodes' clocks may differ); well past the longest pause of
+# a living agent (its one SLURM query, slurm_facts' 10 s). Mistaken, it costs a restart by a new srun.
+SILENT_S = 45.0
 
 
 class Verdicts:
@@ -26,6 +34,8 @@ class Verdicts:
     def __init__(self, settings: Any, layout: RunLayout, key: Callable[[], str]) -> None:
         self.s, self.layout, self.key = settings, layout, key
         self.seen: dict[str, float] = {}  # a node leader's look: the shared files' mtimes it copied
+        self.beaten = 0.0  # rank 0's agent: when it last said it lives (monotonic)
+        self.heard: tuple[str | None, float, float] = (None, 0.0, 0.0)  # another's: rank 0's beat, changed, looked
 
     def begin(self) -> None:
         """A node leader, before its first training process: the node's directory made, so that its
@@ -39,8 +49,10 @@ class Verdicts:
                 pass  # the node's agents then read the shared files themselves
 
     def look(self) -> None:
-        """A node leader, once a POLL_S while its training process runs: the profile request copied
-        for its node (one stat of the shared file)."""
+        """Once a POLL_S while the agent's training process runs: rank 0's agent says it lives
+        (:meth:`beat`); a node leader copies the profile request for its node (one stat of the shared
+        file)."""
+        self.beat()
         share = self.s.share
         if share is not None and share.leader:
             share.copy_if_changed(self.layout.profile_request, self.layout.profile_request.name, self.seen)
@@ -61,9 +73,45 @@ class Verdicts:
                 text = None
         return (text or "").strip() or None
 
+    def beat(self, *, now: float | None = None) -> None:
+        """Rank 0's agent, at most once a :data:`BEAT_S`: its beat file for this generation rewritten
+        (a new content each time), which the others read while they wait for its word."""
+        now = time.monotonic() if now is None else now
+        if self.s.rank != 0 or now - self.beaten < BEAT_S:
+            return
+        self.beaten = now
+        from lmcore.atomic import write_atomic
+
+        path = self.layout.agent_beat_file(self.key())
+        try:
+            write_atomic(path, f"{time.time():.3f}\n")
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)  # the first beat of a run (no rendezvous yet)
+        except OSError:
+            pass  # a full or failing filesystem: the others wait SILENT_S, then end their tasks
+
+    def rank0_silent(self, *, now: float | None = None) -> float | None:
+        """Another rank's agent, waiting for rank 0's word: for how long rank 0's agent's beat has not
+        changed, once that exceeds :data:`SILENT_S` (it is gone), else None. Read once a
+        :data:`BEAT_LOOK_S`; the wait's start counts as a change (a beat never written)."""
+        now = time.monotonic() if now is None else now
+        text, changed, looked = self.heard
+        if changed and now - looked < BEAT_LOOK_S:
+            return None
+        try:
+            seen: str | None = self.layout.agent_beat_file(self.key()).read_text()
+        except OSError:
+            seen = None
+        if not changed or seen != text:
+            self.heard = (seen, now, now)
+            return None
+        self.heard = (text, changed, now)
+        return now - changed if now - changed > SILENT_S else None
+
     def say(self, word: str) -> None:
         from lmcore.atomic import write_atomic
 
+        self.beat()
         path = self.layout.verdict_file(self.key())
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, word + "\n")
@@ -86,6 +134,7 @@ class Verdicts:
         deadline = time.monotonic() + READY_WAIT_S
         share = self.s.share
         while True:
+            self.beat()
             if share is not None:  # its own node's agents in the node's directory, the other nodes' leaders' counts
                 count = share.ready_here(self.key()) + ready_ranks(ready)
             else:
@@ -106,13 +155,17 @@ class Verdicts:
         """Another rank's agent: wait for rank 0's word; on ``restart`` say this agent is ready (its
         training process has ended) and wait for ``fork`` or ``exit``."""
         deadline = time.monotonic() + self.s.verdict_wait_s
-        said = False
+        said, self.heard = False, (None, 0.0, 0.0)
         while (verdict := self.read()) not in ("fork", "exit"):
             if verdict == "restart" and not said and self.ready():
                 said, deadline = True, time.monotonic() + READY_WAIT_S + VERDICT_MARGIN_S
             if time.monotonic() > deadline:
                 print("lmtrain: rank 0's agent gave no word in time after this rank's training process ended: "
                       "ending this task", file=sys.stderr, flush=True)
+                return "exit"
+            if (silent := self.rank0_silent()) is not None:
+                print(f"lmtrain: rank 0's agent has said nothing for {silent:.0f} s (its task killed on its node?): "
+                      "ending this task; the batch script starts the ranks again", file=sys.stderr, flush=True)
                 return "exit"
             time.sleep(VERDICT_POLL_S)
         return verdict
