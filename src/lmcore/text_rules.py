@@ -119,7 +119,9 @@ IDENTIFIER = TextRule(
     "a config attribute name", r"[A-Za-z_][A-Za-z0-9_]*", "letters, digits and _, not starting with a digit", 128
 )
 PATH = TextRule(
-    "a usable path", r"[^\x00-\x1f\x7f-\x9f]+", "non-empty, with no line breaks or control characters", 4096
+    "a usable path", r"(?![A-Za-z][A-Za-z0-9+.-]*://)[^\x00-\x1f\x7f-\x9f]+",
+    "a filesystem path, non-empty, with no line breaks or control characters; not a URL (s3://, https://...: "
+    "lmlaunch reads and writes files only, and would take it for a local directory)", 4096
 )
 ONE_LINE = TextRule(
     "one line of text", r"[^\x00-\x08\x0a-\x1f\x7f-\x9f]*", "no line breaks or control characters (tabs are fine)", 4096

@@ -180,6 +180,19 @@ def test_a_control_character_in_a_script_bound_string_is_refused(case, sandbox):
     assert_refused(sandbox, ["submit", str(sandbox.spec), "--dry-run"], needle)
 
 
+@pytest.mark.parametrize("override, key", [("checkpoint.dir=s3://bucket/prefix", "checkpoint.dir"),
+                                           ("data.path=https://example.org/tiny", "data.path"),
+                                           ("model.pretrained=gs://models/gpt2", "model.pretrained")])
+def test_a_url_where_a_path_goes_is_refused_not_taken_for_a_local_directory(override, key, sandbox):
+    """Object storage is not read or written: `s3://b/p` as a path would be the relative directory
+    `s3:/b/p` beside the spec, silently."""
+    sandbox.spec.write_text(BASE)
+    for args in (["validate"], ["submit", "--dry-run"]):
+        r = assert_refused(sandbox, [args[0], str(sandbox.spec), override, *args[1:]], f"{key} (override")
+        assert "is not a usable path" in r.err and "not a URL" in r.err, r.err
+    assert not list(sandbox.spec.parent.rglob("*:")), "a directory named after the URL's scheme"
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [
