@@ -1,5 +1,6 @@
 """lmlaunch cluster up [--slurm VERSION] [--preempt-user-signal | --no-preempt-user-signal]
-[--accounting | --no-accounting] [--min-job-age S] [--nodes N] [--topology KIND:GxN] [--gpus [TYPE:]N] [--workers N] | down | status | env"""
+[--accounting | --no-accounting] [--min-job-age S] [--nodes N] [--topology KIND:GxN] [--gpus [TYPE:]N] [--workers N]
+[--s3] | down | status | env"""
 
 from __future__ import annotations
 
@@ -75,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--workers", type=int, default=0, metavar="N",
                     help="also start the worker clusters 1..N that parallel test workers claim "
                          "(launcher/localcluster/workers.py); scripts/test.sh starts them before pytest")
+    up.add_argument("--s3", action="store_true",
+                    help="also start the local object store: Ceph's RADOS Gateway, a real S3 server on "
+                         "127.0.0.1:7480 with a user and the bucket 'lmlaunch' (keys in STATE/s3/credentials.json, "
+                         "mode 600; installs Ceph's packages as root when missing); `cluster down` stops it")
     _version_arg(up)
     _version_arg(sub.add_parser("down", help="stop the daemons that `up` started (and the test workers' clusters)"))
     _version_arg(sub.add_parser("status", help="daemons, nodes and partitions"))
@@ -112,12 +117,20 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                             min_job_age=args.min_job_age, version=version, nodes=args.nodes, topology=args.topology,
                             gpus=args.gpus)
         _up_workers(min(args.workers, MAX_WORKER_SLOTS), version, say)
+        if args.s3:
+            from launcher.localcluster import object_store
+
+            object_store.up(say)
         st = cluster.status(layout)
         ctx.out(("local SLURM cluster already running" if was_up else "local SLURM cluster is up") + f" ({st.state_dir})")
         _print_nodes(ctx, st)
         return 0
     if args.action == "down":
         stopped = cluster.down(say, version=version)
+        if version is None:  # the machine's own cluster's down: its object store too (one a machine)
+            from launcher.localcluster import object_store
+
+            object_store.down(lambda line: stopped.append(line.removeprefix("stopped ")))
         ctx.out("stopped: " + ", ".join(stopped) if stopped else "nothing of the local cluster was running")
         return 0
     st = cluster.status(layout)
@@ -129,6 +142,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"  accounting: {'slurmdbd' if st.settings.accounting else 'off'}, MinJobAge {st.settings.min_job_age} s")
         ctx.out(f"  topology: {st.settings.topology or 'none'}")
         ctx.out(f"  GPUs a node: {st.settings.gpus or 'none'}")
+    _print_object_store(ctx)
     worker_layouts = cluster.worker_layouts(version)
     if worker_layouts:  # the test suite's parallel workers' clusters (launcher/localcluster/workers.py)
         ctx.out("worker clusters: " + ", ".join(
@@ -141,6 +155,18 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.out(f"problem: {st.problem}")
         return 1
     return 0
+
+
+def _print_object_store(ctx: Context) -> None:
+    """A line for the object store, once `up --s3` made it."""
+    from launcher.localcluster import object_store
+
+    st = object_store.status()
+    if not st.made:
+        return
+    ctx.out(f"  object store: {'S3 answering at ' + object_store.endpoint() if st.answers else 'not answering'} "
+            f"({sum(st.running.values())} of {len(st.running)} daemons running; keys in {st.credentials}; "
+            "`cluster up --s3` starts it)")
 
 
 def _print_nodes(ctx: Context, st) -> None:
