@@ -133,6 +133,11 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             object_store.down(lambda line: stopped.append(line.removeprefix("stopped ")))
         ctx.out("stopped: " + ", ".join(stopped) if stopped else "nothing of the local cluster was running")
         return 0
+    return _status(ctx, layout, version)
+
+
+def _status(ctx: Context, layout: Layout, version: str | None) -> int:
+    """`cluster status`: the daemons, the object store, the worker clusters, the nodes; its exit code."""
     st = cluster.status(layout)
     ctx.out(f"state directory: {st.state_dir}")
     for name, pid in st.daemons.items():
