@@ -98,7 +98,18 @@ def endpoint() -> str:
     return f"http://127.0.0.1:{RGW_PORT}"
 
 
-def render_conf(layout: StoreLayout, fsid: str) -> str:
+CLASS_DIRS = ("/usr/lib/rados-classes", "/usr/lib/x86_64-linux-gnu/rados-classes", "/usr/lib/aarch64-linux-gnu/rados-classes",
+              "/usr/lib64/rados-classes")
+
+
+def class_dir() -> str:
+    """Where the OSD's object classes are (radosgw calls them): Debian 13's Ceph 18 defaults to a path
+    relative to the working directory ("lib/x86_64-linux-gnu/rados-classes"), and radosgw then fails
+    with EOPNOTSUPP; the first of :data:`CLASS_DIRS` that exists, given explicitly."""
+    return next((d for d in CLASS_DIRS if Path(d, "libcls_version.so").exists()), CLASS_DIRS[0])
+
+
+def render_conf(layout: StoreLayout, fsid: str, classes: str = CLASS_DIRS[0]) -> str:
     """Pure: ceph.conf of the one-node cluster (shared/DESIGN.md: the settings it needs)."""
     r = layout.root
     return "\n".join([
@@ -117,7 +128,7 @@ def render_conf(layout: StoreLayout, fsid: str) -> str:
         f"run_dir = {r}/run", f"log_file = {r}/log/$name.log", f"admin_socket = {r}/run/$name.asok",
         f"pid_file = {r}/run/$name.pid",
         "", "[mon.a]", f"mon_data = {layout.data('mon.a')}",
-        "", "[osd.0]", f"osd_data = {layout.data('osd.0')}", "osd_objectstore = bluestore",
+        "", "[osd.0]", f"osd_data = {layout.data('osd.0')}", "osd_objectstore = bluestore", f"osd_class_dir = {classes}",
         f"bluestore_block_path = {layout.block}", "bluestore_block_create = true",
         f"bluestore_block_size = {BLOCK_BYTES}",
         "", "[client.rgw.a]", f"rgw_frontends = beast endpoint=127.0.0.1:{RGW_PORT} tcp_nodelay=1",
@@ -165,7 +176,7 @@ def _bootstrap(layout: StoreLayout, say: Say) -> None:
     (layout.root / "run").mkdir(exist_ok=True)
     (layout.root / "log").mkdir(exist_ok=True)
     fsid = str(uuid.uuid4())
-    layout.conf.write_text(render_conf(layout, fsid))
+    layout.conf.write_text(render_conf(layout, fsid, class_dir()))
     monmap = layout.root / "monmap"
     _run(["monmaptool", "--create", "--add", "a", f"v2:127.0.0.1:{MON_PORT}", "--fsid", fsid, str(monmap)], "monmaptool")
     _run(["ceph-mon", "-c", str(layout.conf), "--mkfs", "-i", "a", "--monmap", str(monmap)], "ceph-mon --mkfs")
