@@ -10,7 +10,7 @@ import configparser
 from pathlib import Path
 
 from launcher.localcluster import object_store as o
-from launcher.localcluster.config import Ports
+from launcher.localcluster.config import MAX_WORKER_SLOTS, Ports
 
 
 def test_the_conf_keeps_ports_apart_paths_absolute_and_every_connection_in_crc_mode(tmp_path):
@@ -20,7 +20,7 @@ def test_the_conf_keeps_ports_apart_paths_absolute_and_every_connection_in_crc_m
     g = conf["global"]
     assert g["mon_host"] == f"v2:127.0.0.1:{o.MON_PORT}" and g["ms_bind_msgr1"] == "false"
     low, high = int(g["ms_bind_port_min"]), int(g["ms_bind_port_max"])
-    slurm = {p for slot in range(0, 12) for v in (None, "24.11", "26.05") for p in
+    slurm = {p for slot in range(MAX_WORKER_SLOTS + 1) for v in (None, "24.11", "26.05") for p in
              (lambda ports: (ports.slurmctld, ports.slurmdbd, ports.mariadb, *ports.nodes))(Ports.for_slot(slot, v).with_nodes(8))}
     assert not {p for p in slurm if low <= p <= high or p in (o.MON_PORT, o.RGW_PORT)}, "a port of SLURM's"
     assert {g[k] for k in g if k.startswith("auth_")} == {"none"} and {g[k] for k in g if k.endswith("_mode") and
