@@ -294,20 +294,26 @@ def test_the_training_process_dies_with_its_agent(tmp_path):
                   explain=lambda: f"pid {worker} alive", poll=0.1)
 
 
+def _agent_dies(dead: int, then: str = "") -> str:
+    """A body: rank ``dead`` kills its own agent (and dies with it); the others wait for that, do
+    ``then`` and exit 1."""
+    return f"""
+    if rank == {dead}:
+        (run / "agent-{dead}").write_text(str(os.getppid()))
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(600)  # dies with its agent
+    while not (run / "agent-{dead}").exists():
+        time.sleep(0.02)
+    {then}
+    sys.exit(1)
+    """
+
+
 def test_an_agent_gone_with_its_node_ends_the_step_for_the_batch_script(tmp_path):
     """Rank 1's agent dies (its node gone: slurmd and every process of the step killed), its
     training process with it; rank 0's agent proposes the restart, hears nothing from rank 1 within
     READY_WAIT_S and ends the step, leaving rank 0's decision for the batch script's new srun."""
-    body = """
-    if rank == 1:
-        (run / "agent-1").write_text(str(os.getppid()))
-        os.kill(os.getppid(), signal.SIGKILL)
-        time.sleep(600)  # dies with its agent
-    while not (run / "agent-1").exists():
-        time.sleep(0.02)
-    (run / "RESTART_IN_PLACE").write_text("77\\n\\nrestart\\n")
-    sys.exit(1)
-    """
+    body = _agent_dies(1, then='(run / "RESTART_IN_PLACE").write_text("77\\n\\nrestart\\n")')
     results = _ended(_agents(tmp_path, body, READY_WAIT_S="1"))
     assert [code for code, _ in results] == [1, -signal.SIGKILL], results
     layout = RunLayout.of(tmp_path)
@@ -323,16 +329,7 @@ def test_rank_0s_whole_task_killed_ends_the_others_once_its_agent_is_silent(tmp_
     training process ended, hears no beat from rank 0's agent for SILENT_S and ends its task with its
     process's code: srun ends and the batch script restarts the ranks (rank 0 never decided), rather
     than the step waiting out the collective timeout (30 minutes by default)."""
-    body = """
-    if rank == 0:
-        (run / "agent-0").write_text(str(os.getppid()))
-        os.kill(os.getppid(), signal.SIGKILL)
-        time.sleep(600)  # dies with its agent
-    while not (run / "agent-0").exists():
-        time.sleep(0.02)
-    sys.exit(1)
-    """
-    results = _ended(_agents(tmp_path, body, SILENT_S="1"))
+    results = _ended(_agents(tmp_path, _agent_dies(0), SILENT_S="1"))
     assert [code for code, _ in results] == [-signal.SIGKILL, 1], results
     assert "rank 0's agent has said nothing for" in results[1][1], results[1][1]
     assert not RunLayout.of(tmp_path).verdict_file("77-0").exists()
