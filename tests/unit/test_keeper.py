@@ -64,6 +64,19 @@ def test_the_end_line_tells_a_failed_batch_node_from_a_killed_batch_script():
     assert what_ended({**LOST, "ExitCode": "1:0"}, "IDLE")[1].endswith("ExitCode 1:0) while its node stayed up (IDLE)")
 
 
+def test_a_batch_script_sigkilled_on_a_node_that_stays_up_is_requeued_as_a_crash(tmp_path):
+    """26.05 ends such a job FAILED, Reason RaisedSignal:9(Killed), ExitCode 0:9 (22.05 says
+    JobLaunchFailure): the keeper and the watcher requeue it when rank 0 could not (a chaos
+    campaign's batch_kill on 26.05 lost its run)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"trainer": {"max_steps": 80}}))
+    killed = {**LOST, "JobState": "FAILED", "Reason": "RaisedSignal:9(Killed)", "ExitCode": "0:9"}
+    assert why_not(killed, "MIXED", run) is None
+    assert what_ended(killed, "MIXED")[0] == "crashed"
+    assert "is up (MIXED)" in why_not({**killed, "ExitCode": "0:15"}, "MIXED", run)  # SIGTERM: a cancel, a limit
+
+
 def test_a_running_job_whose_batch_node_is_down_is_lost_without_a_signal():
     """SLURM 26.05 keeps a --no-kill job RUNNING on its other nodes when the batch script's node
     fails, and signals nobody: the keeper's own look finds it. A node that only does not answer for

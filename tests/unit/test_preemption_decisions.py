@@ -89,6 +89,29 @@ def test_a_job_slurm_is_ending_for_an_unknown_reason_is_not_requeued():
     assert (d.reason, d.requeued, d.action) == ("cancelled", False, None)
 
 
+def test_a_job_slurm_ended_because_its_batch_script_was_sigkilled_is_a_crash_requeued_not_restarted():
+    """26.05 ends a job whose batch script was SIGKILLed (its node up) FAILED, RaisedSignal:9, and
+    SIGTERMs the ranks: not a preemption, not a user's cancel (a chaos campaign's batch_kill on 26.05
+    ended the run FAILED, "a bare scancel?"). A crash, requeued by rank 0 (no batch script is left to
+    restart the ranks in place), within max_crash_retries; a cancel stays a cancel."""
+    from lmcore.run.lost_batch_host import batch_killed
+
+    info = {"JobState": "COMPLETING", "Reason": "RaisedSignal:9(Killed)", "ExitCode": "0:9"}
+    killed = batch_killed(info)
+    assert killed == "SIGKILL; SLURM: RaisedSignal:9(Killed), ExitCode 0:9"
+    assert batch_killed({**info, "JobState": "FAILED"}) == killed
+    assert batch_killed({**info, "ExitCode": "0:15"}) is None and batch_killed({**info, "JobState": "CANCELLED"}) is None
+    assert batch_killed({**info, "ExitCode": "9:0"}) is None  # exit status 9, no signal
+    d = decide(_facts(term=True, seconds_left=900.0, slurm_state="COMPLETING", batch_killed=killed), POLICY)
+    assert (d.reason, d.requeued, d.action) == ("crashed", True, "requeue"), d
+    assert d.detail.startswith("the job's batch script was killed (SIGKILL; SLURM: RaisedSignal:9(Killed)"), d.detail
+    spent = [AttemptRow(1, "12", 0, 20, "crashed", True)]  # max_crash_retries(1) spent
+    d = decide(_facts(term=True, slurm_state="FAILED", batch_killed=killed, history=spent), POLICY)
+    assert (d.reason, d.requeued) == ("crashed", False) and "max_crash_retries" in d.detail, d
+    d = decide(_facts(term=True, slurm_state="COMPLETING", batch_killed=killed, cancelled_marker=True), POLICY)
+    assert (d.reason, d.requeued) == ("cancelled", False)
+
+
 def test_a_finished_run_is_never_requeued_even_when_signalled():
     d = decide(_facts(end_step=100, checkpoint_step=100, warning=True, seconds_left=60.0), POLICY)
     assert (d.reason, d.requeued, d.action) == ("completed", False, None)

@@ -11,8 +11,8 @@ keeper's step with the node (its ``srun`` ran there), and then only the watcher 
 left to see it.
 
 The decision is pure but for the run's markers (:func:`why_not`): only where the batch script's node
-is DOWN, failing or out of the job, the job is not cancelled, queued again or finished, and the run
-has work left. The requeue writes the attempt's end line nobody else could: ``node_failure`` when the
+is DOWN, failing or out of the job, or the script itself was SIGKILLed (:func:`batch_killed`), the
+job is not cancelled, queued again or finished, and the run has work left. The requeue writes the attempt's end line nobody else could: ``node_failure`` when the
 node is down, drained or out of the job, ``crashed`` when it is up and in service (the batch script
 itself was killed there: SLURM gives the same reason for that).
 """
@@ -96,6 +96,18 @@ def lost_while_running(info: dict[str, str], host_state: str) -> bool:
         left_job(info) or any(word in words for word in ("DOWN", "FAIL", "FAILING")) or host_state.upper().startswith("DOWN"))
 
 
+def batch_killed(info: dict[str, str]) -> str | None:
+    """Pure: SLURM's words when it ended the job because its batch script was SIGKILLed with the ranks
+    running (the OOM killer, a kill -9: 26.05 says FAILED, Reason RaisedSignal:9(Killed), ExitCode 0:9,
+    and COMPLETING while it ends; 22.05 JobLaunchFailure), else None. Not a cancel (CANCELLED) or a time
+    limit (TIMEOUT): the run's work is not done and nobody asked for the end."""
+    code = info.get("ExitCode", "")
+    killed = code.count(":") == 1 and code.split(":")[1] == "9"
+    if killed and slurm.state_word(info.get("JobState")) in ("FAILED", "COMPLETING"):
+        return f"SIGKILL; SLURM: {info.get('Reason') or 'no reason'}, ExitCode {code}"
+    return None
+
+
 def why_not(info: dict[str, str] | None, host_state: str, run_dir: Path) -> str | None:
     """Pure but for the run's markers: None when the job must be requeued; else why not."""
     if info is None:
@@ -105,7 +117,8 @@ def why_not(info: dict[str, str] | None, host_state: str, run_dir: Path) -> str 
         return f"the job is {state or 'unknown'}"
     # SLURM's reason for a job whose batch node it removed (the node may be back already: an admin's DOWN
     # on a node whose slurmd answers turns IDLE+DRAIN within a second under ReturnToService=2)
-    if not failed_state(host_state) and info.get("Reason") not in NODE_LOST_REASONS and not left_job(info):
+    if not failed_state(host_state) and info.get("Reason") not in NODE_LOST_REASONS and not left_job(info) \
+            and batch_killed(info) is None:
         return (f"the batch script's node {info.get('BatchHost', '?')} is up ({host_state or 'state unknown'}) "
                 f"and SLURM's reason is {info.get('Reason') or 'none'}")
     return run_unfinished(run_dir)

@@ -13,6 +13,7 @@ from typing import Any
 
 from lmcore.job.plan import PreemptionPlan
 from lmcore.run.checkpoint_index import newest_complete
+from lmcore.run.lost_batch_host import batch_killed
 from lmcore.run.rundir import Ledger, LedgerNote, RunLayout, is_cancelled, left_out_of
 from lmcore.slurm import client as slurm
 from lmtrain.checkpoint.disk_space import disk_full_in
@@ -193,7 +194,7 @@ class Preemption:
             slurm_state=why_completing(self.env, info) or (info or {}).get("JobState"),
             preempting=(info or {}).get("PreemptTime", "None") not in ("None", "", "Unknown"),
             expedited=(info or {}).get("ExpeditedRequeue") == "Yes",  # scontrol show job, SLURM 26.05
-            slurm_restarts=int(restarts) if restarts.isdigit() else None,
+            slurm_restarts=int(restarts) if restarts.isdigit() else None, batch_killed=batch_killed(info or {}),
             nodes_down=nodes_failed(self.env, info) if info is not None else [],
             seconds_left=seconds_left(info, signal_time if signal_time is not None else time.time())
             if info is not None else None,

@@ -1,9 +1,6 @@
-"""Why an attempt ended and whether the job runs again: pure decisions, no I/O.
-
-:func:`start_gate` (before an attempt trains) and :func:`decide` (after it) take facts that
-the controller (``lmtrain.preemption``) gathered from the run directory and SLURM, and a
-the plan's :class:`lmcore.job.plan.PreemptionPlan` (``plan.preemption``). docs/run-directory.md lists the ledger reasons.
-"""
+"""Why an attempt ended and whether the job runs again: pure decisions, no I/O. :func:`start_gate` (before
+an attempt trains) and :func:`decide` (after it) take facts the controller (``lmtrain.preemption``) gathered
+from the run directory and SLURM, and ``plan.preemption``. docs/run-directory.md lists the ledger reasons."""
 
 from __future__ import annotations
 
@@ -83,6 +80,7 @@ class EndFacts:
     node_groups: dict[str, str] = field(default_factory=dict)  # node -> its switch or block (a plan with a placement)
     unit_nodes: int = 1  # nodes one model-parallel group (tensor x pipeline) spans
     segment: int | None = None  # sbatch --segment: the job's nodes in segments of this many, each in one block
+    batch_killed: str | None = None  # SLURM ended the job as its batch script was SIGKILLed (slurm_facts.batch_killed)
 
 
 @dataclass
@@ -153,12 +151,11 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
         return Decision("pruned", f"{detail}; never requeued", requeued=False,
                         action="cancel" if f.launcher == "slurm" and slurm_requeues else None)
 
-    # During the partition's GraceTime a preempted job still shows RUNNING, with a PreemptTime;
-    # it must requeue itself all the same: slurm 22.05 ends a preempted job whose tasks exit
-    # within GraceTime as COMPLETED and never requeues it (seen on the local cluster).
+    # In the partition's GraceTime a preempted job shows RUNNING with a PreemptTime; it requeues itself: slurm
+    # 22.05 ends a preempted job whose tasks exit within GraceTime as COMPLETED, never requeued (seen here).
     if f.launcher != "slurm":
         return Decision(reason, detail + "; local run: not requeued", requeued=False, exit_code=exit_code)
-    if state == "COMPLETING" and not slurm_requeues and reason != "timeout":
+    if state == "COMPLETING" and not slurm_requeues and reason != "timeout" and not f.batch_killed:
         # SLURM is tearing the job down and accounting did not say why (scancel shows COMPLETING,
         # not CANCELLED, while the tasks run): a requeue could undo a user's cancel.
         return Decision(reason, detail + "; JobState COMPLETING and accounting did not say why (a bare scancel?): "
@@ -172,7 +169,7 @@ def decide(f: EndFacts, policy: PreemptionPlan) -> Decision:
                         exit_code=exit_code)
 
     retried = reason in ("crashed", "hang", "straggler") or (reason == "node_failure" and f.spare_nodes > 0)
-    if retried and not slurm_requeues and policy.restart_in_place:
+    if retried and not slurm_requeues and policy.restart_in_place and not f.batch_killed:  # no script to restart
         place = in_place(f, policy)
         if place.refused is None:
             swap = f"; {place.why}" if place.why else ""
@@ -238,6 +235,8 @@ def _why_it_ended(f: EndFacts, policy: PreemptionPlan, ckpt: str) -> tuple[str, 
         # still answers) and requeues the job itself (NODE_FAIL in accounting).
         why = f"node {', '.join(f.nodes_down)} DOWN" + (f" ({_signals_of(f)})" if f.warning or f.term else "")
         return "node_failure", f"{why}; {ckpt}"
+    if f.batch_killed:  # the ranks' SIGTERM is SLURM ending the job: a crash of its batch script, requeued
+        return "crashed", f"the job's batch script was killed ({f.batch_killed}): SLURM ended the job; {ckpt}"
     if f.warning or f.term or (f.stopped and not f.crashed):
         reason, why = classify_stop(f, policy)
         return reason, f"{why}; {ckpt}" + (f"; then {f.error}" if f.crashed and f.error else "")
