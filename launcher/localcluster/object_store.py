@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from launcher.localcluster.config import base_root
-from launcher.localcluster.daemons import ClusterError, flocked, running_from_pidfile, stop, wait_until
+from launcher.localcluster.daemons import ClusterError, flocked, read_pid, wait_until
 
 Say = Callable[[str], None]
 
@@ -39,6 +41,7 @@ USER = "lmlaunch"
 BUCKET = "lmlaunch"
 REGION = "default"
 DAEMONS = ("mon.a", "osd.0", "client.rgw.a")  # started in this order, stopped in the reverse
+PROGRAMS = {"mon.a": "ceph-mon", "osd.0": "ceph-osd", "client.rgw.a": "radosgw"}
 START_S = 120.0  # the longest a daemon may take to answer (the first radosgw start creates its pools)
 
 
@@ -210,11 +213,39 @@ def _answers(name: str, layout: StoreLayout) -> bool:
         return False
 
 
+def running(layout: StoreLayout, name: str) -> int | None:
+    """The pid of daemon ``name`` of this store when it runs: its pid file's process is that program
+    with this store's ceph.conf on its command line (not the pid file's age against the process's
+    start, which a step of the VM's clock upsets: seen, a running monitor taken for gone and a
+    second one started, which failed on the pid file's lock)."""
+    pid = read_pid(layout.pidfile(name))
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if pid else []
+    except OSError:
+        return None
+    return pid if argv and Path(argv[0]).name == PROGRAMS[name] and str(layout.conf) in argv else None
+
+
+def _stop(layout: StoreLayout, name: str, timeout: float = 20.0) -> str | None:
+    """SIGTERM to daemon ``name`` (SIGKILL after ``timeout``); a line for the user, None when it did not run."""
+    pid = running(layout, name)
+    if pid is None:
+        return None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while running(layout, name) == pid and time.monotonic() < deadline:
+        time.sleep(0.2)
+    how = "stopped"
+    if running(layout, name) == pid:
+        os.kill(pid, signal.SIGKILL)
+        how = "killed"
+    return f"{how} the object store's {name} (pid {pid})"
+
+
 def _start_daemon(layout: StoreLayout, name: str, say: Say) -> None:
     """``name`` started unless it runs (it daemonizes and writes its pid file), waited for until it answers."""
-    if running_from_pidfile(layout.pidfile(name)) is None:
-        program, ident = {"mon.a": ("ceph-mon", ["-i", "a"]), "osd.0": ("ceph-osd", ["-i", "0"]),
-                          "client.rgw.a": ("radosgw", ["-n", "client.rgw.a"])}[name]
+    if running(layout, name) is None:
+        program, ident = PROGRAMS[name], {"mon.a": ["-i", "a"], "osd.0": ["-i", "0"], "client.rgw.a": ["-n", name]}[name]
         say(f"starting {program} ({name})")
         _run([program, "-c", str(layout.conf), *ident], f"{program} {name}")
     wait_until(lambda: _answers(name, layout), START_S, f"the object store's {name}", layout.log(name), poll=0.5)
@@ -273,7 +304,7 @@ def down(say: Say, root: Path | None = None) -> None:
     """Every daemon of the object store stopped (its data kept); nothing said when none ran."""
     layout = store_layout(root)
     for name in reversed(DAEMONS):
-        said = stop(layout.pidfile(name), f"the object store's {name}")
+        said = _stop(layout, name)
         if said:
             say(said)
 
@@ -289,6 +320,6 @@ class StoreStatus:
 def status(root: Path | None = None) -> StoreStatus:
     """Reads only: whether it was made, which daemons run, whether S3 answers."""
     layout = store_layout(root)
-    running = {name: running_from_pidfile(layout.pidfile(name)) is not None for name in DAEMONS}
-    return StoreStatus(_bootstrapped(layout), running, running["client.rgw.a"] and _answers("client.rgw.a", layout),
+    up = {name: running(layout, name) is not None for name in DAEMONS}
+    return StoreStatus(_bootstrapped(layout), up, up["client.rgw.a"] and _answers("client.rgw.a", layout),
                        layout.credentials if layout.credentials.exists() else None)

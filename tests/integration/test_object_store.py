@@ -19,7 +19,6 @@ from botocore.exceptions import ClientError
 from preempt_helpers import lm
 
 from launcher.localcluster import object_store
-from launcher.localcluster.daemons import running_from_pidfile
 
 
 @pytest.fixture
@@ -66,7 +65,7 @@ def test_cluster_up_s3_gives_a_real_s3_server_whose_acknowledged_writes_survive_
 
     # every daemon killed at once (a power cut): what S3 acknowledged is there when it is back
     for name in object_store.DAEMONS:
-        pid = running_from_pidfile(layout.pidfile(name))
+        pid = object_store.running(layout, name)
         assert pid is not None, name
         os.kill(pid, signal.SIGKILL)
     object_store.up(lambda line: None)

@@ -30,3 +30,31 @@ def test_the_conf_keeps_ports_apart_paths_absolute_and_every_connection_in_crc_m
     assert paths and all(Path(p.replace("$name", "x")).is_absolute() for p in paths), paths
     assert conf["osd.0"]["bluestore_block_path"] == str(layout.block)
     assert f"endpoint=127.0.0.1:{o.RGW_PORT}" in conf["client.rgw.a"]["rgw_frontends"]
+
+
+def test_a_daemon_is_running_only_as_its_program_with_this_stores_conf(tmp_path):
+    """By the pid file's process's command line, not its start against the file's age (a VM clock
+    step made a running monitor look gone, and a second one was started): a live process of another
+    program (a reused pid) or a dead pid is not the daemon."""
+    import os
+    import subprocess
+    import sys
+
+    layout = o.store_layout(tmp_path / "s3")
+    layout.pidfile("mon.a").parent.mkdir(parents=True)
+    layout.pidfile("mon.a").write_text(f"{os.getpid()}\n")
+    assert o.running(layout, "mon.a") is None  # this python: another program
+    fake = tmp_path / "ceph-mon"
+    fake.symlink_to(sys.executable)
+    proc = subprocess.Popen([str(fake), "-c", "import time; time.sleep(60)", "-c", str(layout.conf), "-i", "a"])
+    try:
+        layout.pidfile("mon.a").write_text(f"{proc.pid}\n")
+        assert o.running(layout, "mon.a") == proc.pid
+        other = o.store_layout(tmp_path / "other")
+        other.pidfile("mon.a").parent.mkdir(parents=True)
+        other.pidfile("mon.a").write_text(f"{proc.pid}\n")
+        assert o.running(other, "mon.a") is None  # the program, but another store's conf
+    finally:
+        proc.kill()
+        proc.wait()
+    assert o.running(layout, "mon.a") is None  # gone
