@@ -9,6 +9,8 @@ from __future__ import annotations
 import configparser
 from pathlib import Path
 
+import waiting
+
 from launcher.localcluster import object_store as o
 from launcher.localcluster.config import MAX_WORKER_SLOTS, Ports
 
@@ -49,7 +51,9 @@ def test_a_daemon_is_running_only_as_its_program_with_this_stores_conf(tmp_path)
     proc = subprocess.Popen([str(fake), "-c", "import time; time.sleep(60)", "-c", str(layout.conf), "-i", "a"])
     try:
         layout.pidfile("mon.a").write_text(f"{proc.pid}\n")
-        assert o.running(layout, "mon.a") == proc.pid
+        # once the child has exec'd (until then its command line is its parent's, this python's)
+        assert waiting.until(lambda: o.running(layout, "mon.a"), progress=waiting.process_cpu(proc.pid),
+                             what="the fake ceph-mon started", poll=0.02) == proc.pid
         other = o.store_layout(tmp_path / "other")
         other.pidfile("mon.a").parent.mkdir(parents=True)
         other.pidfile("mon.a").write_text(f"{proc.pid}\n")
