@@ -154,9 +154,10 @@ def run_checked(args: Sequence[str], what: str, *, env: dict[str, str] | None = 
     return proc.stdout
 
 
-def stop(pidfile: Path, name: str, timeout: float = 20.0) -> str | None:
-    """SIGTERM the daemon named by ``pidfile`` (then SIGKILL); returns a line for the user."""
-    pid = running_from_pidfile(pidfile)
+def stop(pidfile: Path, name: str, timeout: float = 20.0, *, find: Callable[[], int | None] | None = None) -> str | None:
+    """SIGTERM the daemon named by ``pidfile`` (then SIGKILL); returns a line for the user. ``find``: how
+    to tell its pid when the pid file's age cannot (default :func:`running_from_pidfile`)."""
+    pid = find() if find is not None else running_from_pidfile(pidfile)
     if pid is None:
         if pidfile.exists():
             pidfile.unlink(missing_ok=True)

@@ -14,12 +14,11 @@ still sign every request with the user's keys.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -28,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from launcher.localcluster.config import base_root
-from launcher.localcluster.daemons import ClusterError, flocked, read_pid, wait_until
+from launcher.localcluster.daemons import ClusterError, flocked, read_pid, stop, wait_until
 
 Say = Callable[[str], None]
 
@@ -226,22 +225,6 @@ def running(layout: StoreLayout, name: str) -> int | None:
     return pid if argv and Path(argv[0]).name == PROGRAMS[name] and str(layout.conf) in argv else None
 
 
-def _stop(layout: StoreLayout, name: str, timeout: float = 20.0) -> str | None:
-    """SIGTERM to daemon ``name`` (SIGKILL after ``timeout``); a line for the user, None when it did not run."""
-    pid = running(layout, name)
-    if pid is None:
-        return None
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while running(layout, name) == pid and time.monotonic() < deadline:
-        time.sleep(0.2)
-    how = "stopped"
-    if running(layout, name) == pid:
-        os.kill(pid, signal.SIGKILL)
-        how = "killed"
-    return f"{how} the object store's {name} (pid {pid})"
-
-
 def _start_daemon(layout: StoreLayout, name: str, say: Say) -> None:
     """``name`` started unless it runs (it daemonizes and writes its pid file), waited for until it answers."""
     if running(layout, name) is None:
@@ -304,7 +287,7 @@ def down(say: Say, root: Path | None = None) -> None:
     """Every daemon of the object store stopped (its data kept); nothing said when none ran."""
     layout = store_layout(root)
     for name in reversed(DAEMONS):
-        said = _stop(layout, name)
+        said = stop(layout.pidfile(name), f"the object store's {name}", find=functools.partial(running, layout, name))
         if said:
             say(said)
 

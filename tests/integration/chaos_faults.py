@@ -418,16 +418,7 @@ def _parent(pid: int) -> int | None:
 
 
 def _children(parents: set[int]) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid in parents:
-                out.append(int(entry))
-    return out
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _parent(int(e)) in parents]
 
 
 INJECT: dict[str, Callable[[Target, Fault], Done]] = {

@@ -12,9 +12,10 @@ left to see it.
 
 The decision is pure but for the run's markers (:func:`why_not`): only where the batch script's node
 is DOWN, failing or out of the job, or the script itself was SIGKILLed (:func:`batch_killed`), the
-job is not cancelled, queued again or finished, and the run has work left. The requeue writes the attempt's end line nobody else could: ``node_failure`` when the
-node is down, drained or out of the job, ``crashed`` when it is up and in service (the batch script
-itself was killed there: SLURM gives the same reason for that).
+job is not cancelled, queued again or finished, and the run has work left. The requeue writes the
+attempt's end line nobody else could: ``node_failure`` when the node is down, drained or out of the
+job, ``crashed`` when it is up and in service (the batch script itself was killed there: SLURM gives
+the same reason for that).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class EndFacts:
     node_groups: dict[str, str] = field(default_factory=dict)  # node -> its switch or block (a plan with a placement)
     unit_nodes: int = 1  # nodes one model-parallel group (tensor x pipeline) spans
     segment: int | None = None  # sbatch --segment: the job's nodes in segments of this many, each in one block
-    batch_killed: str | None = None  # SLURM ended the job as its batch script was SIGKILLed (slurm_facts.batch_killed)
+    batch_killed: str | None = None  # SLURM ended the job as its batch script was SIGKILLed (lost_batch_host.batch_killed)
 
 
 @dataclass
