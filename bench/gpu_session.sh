@@ -46,14 +46,14 @@ step() {
 case "${1:-}" in
     lease)
         # the prepared GPU run, one call (BUDGET=540): first what the 2026-11-29 H200 run of 0b47bf8 left
-        # unmeasured (the Llama ratio and the 1B stop checkpoint: their caps of 110 and 70 s were too
+        # unmeasured (the Llama ratio, two pairs, and the 1B stop checkpoint: their caps of 110 and 70 s were too
         # short), then ZeRO-2 again (its host syncs taken out since), then GPT-2 with its host syncs
         # (filed under the right step since) and its profile
         python3 -c "import os,torch,lightning.pytorch,transformers;print('after the zygote imports: cuda initialised', torch.cuda.is_initialized(), 'threads', len(os.listdir('/proc/self/task')))" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
-        CAP=200 step tp-llama python3 bench/throughput.py --config llama-1b --repeat 3 --warmup 4 --steps 12 --out "$OUT/throughput.jsonl"
-        CAP=120 step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --no-resume --out "$OUT/ckpt.jsonl"
+        CAP=230 step tp-llama python3 bench/throughput.py --config llama-1b --repeat 2 --warmup 4 --steps 12 --out "$OUT/throughput.jsonl"
+        CAP=130 step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --no-resume --out "$OUT/ckpt.jsonl"
         CAP=90 step tp-zero2 python3 bench/throughput.py --config zero2 --repeat 3 --out "$OUT/throughput.jsonl"
-        step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --repeat 3 --out "$OUT/throughput.jsonl" --profile "$OUT/profile"
+        step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --repeat 2 --out "$OUT/throughput.jsonl" --profile "$OUT/profile"
         ;;
     lease2)  # the second call of the same lease (BUDGET=250 or what is left): the GPU tests, three at a
         # time on the one GPU (the 2026-11-29 run got through 5 of 12 one at a time in 150 s), then FSDP2
