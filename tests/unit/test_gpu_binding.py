@@ -110,7 +110,7 @@ def test_preflight_reads_the_nodes_records_and_fails_the_node_whose_ranks_share_
         write_task_record(tmp_path, rec, node=node)
     plan = SimpleNamespace(paths=SimpleNamespace(run_dir=str(tmp_path)),
                            slurm=SimpleNamespace(gpu_bind="per_task:1", gpus_per_node=2))
-    env = SimpleNamespace(job_id="7", restart_count=0)
+    env = SimpleNamespace(job_id="7", restart_count=0, launcher="slurm")
     monkeypatch.setenv("SLURMD_NODENAME", "n1")
     bad = gpu_check(plan, env, "n1")
     assert not bad["ok"] and bad["message"].startswith("ranks 0 (local rank 0), 1 (local rank 1) share GPU 0")
@@ -217,3 +217,13 @@ def test_over_rest_the_binding_reaches_each_srun_and_the_allocation_names_its_gp
            "tres": {"allocated": [{"type": "cpu", "count": 8}, {"type": "gres", "name": "gpu", "count": 8},
                                   {"type": "gres", "name": "gpu:h100", "count": 8}]}}
     assert accounted(rec).alloc_tres == "cpu=8,gres/gpu=8,gres/gpu:h100=8" and accounted(rec).gpus == 8
+
+
+def test_a_local_run_is_under_no_binding_and_has_every_gpu_of_the_node_unless_cuda_lists_some():
+    from lmtrain.distributed.gpu_binding import binding, gpu_used, gpus_of_task
+
+    assert binding("local", "per_task:1") is None and binding("slurm", "per_task:1") == "per_task:1"
+    assert gpus_of_task({}, "local", 2) == ("0", "1")
+    assert gpus_of_task({"CUDA_VISIBLE_DEVICES": "3"}, "local", 2) == ("3",)
+    assert gpus_of_task({}, "slurm", 2) == ()  # under SLURM, nothing listed is none
+    assert [gpu_used(("0", "1"), r, binding("local", "per_task:1")) for r in (0, 1)] == ["0", "1"]

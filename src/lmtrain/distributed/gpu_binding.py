@@ -37,6 +37,21 @@ def gpus_seen(environ: Mapping[str, str]) -> tuple[str, ...]:
     return _listed(environ, "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")
 
 
+def binding(launcher: str, bind: str | None) -> str | None:
+    """The GPU binding a task is under: the profile's under SLURM; none in a local run (`lmlaunch run
+    --local`, the benches), where nothing binds a GPU to a task and each rank takes its local rank's."""
+    return None if launcher == "local" else bind
+
+
+def gpus_of_task(environ: Mapping[str, str], launcher: str, gpus_per_node: int) -> tuple[str, ...]:
+    """:func:`gpus_seen`; in a local run where no variable lists them, every GPU of the node (no SLURM
+    hides any)."""
+    seen = gpus_seen(environ)
+    if seen or launcher != "local":
+        return seen
+    return tuple(str(i) for i in range(gpus_per_node))
+
+
 def cuda_visible(environ: Mapping[str, str]) -> tuple[str, ...]:
     """What CUDA will show this task (CUDA_VISIBLE_DEVICES; empty: unset, every GPU of the node)."""
     return _listed(environ, "CUDA_VISIBLE_DEVICES")

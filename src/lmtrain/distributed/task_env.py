@@ -278,10 +278,10 @@ def begin_task(run_dir: str | Path, plan: Any) -> None:
     gpus: tuple[str, ...] | None = None
     gpu = None
     if plan.slurm.gpus_per_node:  # the GPUs SLURM gave it, checked on its node at preflight
-        from lmtrain.distributed.gpu_binding import gpu_used, gpus_seen
+        from lmtrain.distributed.gpu_binding import binding, gpu_used, gpus_of_task
 
-        gpus = gpus_seen(os.environ)
-        gpu = gpu_used(gpus, env.local_rank, plan.slurm.gpu_bind)
+        gpus = gpus_of_task(os.environ, env.launcher, plan.slurm.gpus_per_node)
+        gpu = gpu_used(gpus, env.local_rank, binding(env.launcher, plan.slurm.gpu_bind))
     applied = apply_rank_env(plan.rank_env, env.local_rank, gpu=gpu) if plan.rank_env else {}
     record_this_task(run_dir, plan, rank_env=applied, gpus=None if gpus is None else (",".join(gpus), gpu))
 

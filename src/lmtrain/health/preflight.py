@@ -86,12 +86,13 @@ def gpu_check(plan: Any, env: Any, node: str) -> dict[str, Any]:
     """The GPUs of this node's ranks, from their task records (every rank wrote its own before the
     ranks met, so the node's are all there by now)."""
     from lmcore.run.task_records import read_task_records
-    from lmtrain.distributed.gpu_binding import node_problems
+    from lmtrain.distributed.gpu_binding import binding, node_problems
 
     records, unreadable = read_task_records(plan.paths.run_dir, env.job_id, env.restart_count)
     here = os.environ.get("SLURMD_NODENAME") or node  # as the records name it (task_env.record_this_task)
     mine = [r for r in records if r.node == here]
-    problems = node_problems(mine, bind=plan.slurm.gpu_bind, gpus_per_node=plan.slurm.gpus_per_node)
+    bind = binding(env.launcher, plan.slurm.gpu_bind)
+    problems = node_problems(mine, bind=bind, gpus_per_node=plan.slurm.gpus_per_node)
     if not problems:
         used = ", ".join(f"rank {r.rank}: {r.gpu}" for r in mine)
         return {"name": "GPUs", "ok": True, "message": f"one GPU a rank ({used or 'no records'}"
