@@ -19,8 +19,9 @@ traced) come from lmtrain.model.memory_facts; with the plan, :func:`estimate` gi
 - **recomputed block** (activation checkpointing): one block's activations rebuilt in backward.
 - **communication buffers**: DeepSpeed's gradient reduction buckets (``reduce_bucket_size``
   elements, two with ``overlap_comm``; fp32 under ZeRO-1), FSDP2's gathered root and blocks,
-  ZeRO-3's gathered blocks and persistent small parameters. **framework** (GPU jobs): the CUDA
-  context, cuBLAS workspaces and NCCL's buffers.
+  ZeRO-3's gathered blocks and persistent small parameters. **cuBLAS workspaces** (GPU jobs):
+  PyTorch's, from its caching allocator. **framework** (GPU jobs): the CUDA context and NCCL's
+  buffers, outside the caching allocator.
 
 A GPU job fits when its peak is within :data:`USABLE_FRACTION` of the profile's ``gpu_memory``: the
 caching allocator holds 5-10 % more than is allocated in training (fragmentation); the margin is 10 %.
@@ -38,6 +39,11 @@ from lmcore.job.parallelism import DataParallel, Parallelism
 GB = 1e9
 USABLE_FRACTION = 0.90
 FRAMEWORK_BYTES = int(1.5 * (1 << 30))  # CUDA context (~0.5 GiB), cuBLAS workspaces, NCCL buffers (~1 GiB)
+# PyTorch takes a cuBLAS workspace from its caching allocator for each (handle, stream) that runs a
+# matrix product: 32 MiB by default on Hopper and later (8 MiB + 128 KiB before; CUBLAS_WORKSPACE_CONFIG),
+# handles are per thread, and autograd's backward runs on a thread of its own: two, held for the run.
+# They count in torch.cuda.max_memory_allocated, so they are a row of their own (out of the framework's).
+CUBLAS_WORKSPACES = 2 * 32 * (1 << 20)
 ZERO3_PERSISTENCE = 100_000  # launcher.planning.deepspeed_config's stage3_param_persistence_threshold
 _PRECISION_KIND = {"bf16-mixed": "bf16", "16-mixed": "fp16", "32-true": "fp32"}
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -295,7 +301,10 @@ def _buffers(f: ModelFacts, s: Setup) -> Row:
 def estimate(f: ModelFacts, s: Setup, capacity: int | None = None) -> Breakdown:
     rows = [*model_states(f, s), *_activations(f, s), _buffers(f, s)]
     if s.gpu:
-        rows.append(Row("framework", FRAMEWORK_BYTES, "CUDA context, cuBLAS workspaces, NCCL buffers"))
+        rows.append(Row("cuBLAS workspaces", CUBLAS_WORKSPACES,
+                        "PyTorch's, one for forward's thread and one for backward's (32 MiB each on Hopper)"))
+        rows.append(Row("framework", FRAMEWORK_BYTES - CUBLAS_WORKSPACES,
+                        "CUDA context and NCCL buffers (outside the caching allocator)"))
     return Breakdown(tuple(rows), capacity if s.gpu else None)
 
 

@@ -222,7 +222,8 @@ def test_a_training_process_forked_by_the_task_agent_uses_cuda(tmp_path):
         _, status = os.waitpid(pid, 0)
         sys.exit(os.waitstatus_to_exitcode(status))
     """)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'src'}"}
+    # the repository before what the environment already has (a GPU box's packages may be on PYTHONPATH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -258,6 +259,6 @@ def test_a_rank_slurm_bound_to_one_gpu_trains_on_it_as_cuda_0(monkeypatch, strat
     s = build_strategy(plan, env)
     kwargs = bound_devices(s, plan.trainer.kwargs(), plan, env)
     assert kwargs["devices"] == 1
-    trainer = pl.Trainer(**kwargs, strategy=s, logger=False, enable_checkpointing=False)
+    trainer = pl.Trainer(**{**kwargs, "logger": False, "enable_checkpointing": False}, strategy=s)
     assert trainer.strategy.root_device == torch.device("cuda", 0) and trainer.world_size == 4
     assert trainer.global_rank == 3 and trainer.local_rank == 3
