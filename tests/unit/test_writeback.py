@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
 
 from lmtrain.checkpoint import writeback
 from lmtrain.checkpoint.writeback import WritebackStream, save_streamed
+from tests.waiting import until
 
 
 def _state() -> dict:
@@ -103,3 +105,28 @@ def test_a_writeback_error_is_raised_as_the_write_error_it_is(tmp_path, monkeypa
     with open(tmp_path / "x.pt", "wb") as f, pytest.raises(OSError) as info:
         save_streamed(_state(), f, chunk=4096)
     assert info.value.errno == errno.ENOSPC and is_no_space(info.value)
+
+
+def test_checkpoint_files_are_saved_without_the_zips_crc32_and_load_the_same(tmp_path):
+    """save_streamed leaves torch.save's CRC32 out (the manifest's checksum covers the file) and the
+    process's setting as it found it; torch.load reads the file as it reads one with the CRC."""
+    import zipfile
+
+    state = _state()
+    # a background checkpoint writer of an earlier test may still be writing (the setting is the process's)
+    until(lambda: writeback._crc_writers == 0, progress=lambda: sum(1 for t in threading.enumerate() if t.is_alive()),
+          what="earlier tests' checkpoint writers to finish")
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    with_crc, without = tmp_path / "crc.pt", tmp_path / "nocrc.pt"
+    with open(with_crc, "wb") as f:
+        torch.save(state, f)
+    with open(without, "wb") as f:
+        save_streamed(state, f)
+    assert torch.serialization.get_crc32_options() is True
+    torch.serialization.set_crc32_options(before)
+    crcs = {i.filename: i.CRC for i in zipfile.ZipFile(with_crc).infolist()}
+    no_crcs = {i.filename: i.CRC for i in zipfile.ZipFile(without).infolist()}
+    assert crcs.keys() == no_crcs.keys() and any(crcs.values()) and not any(no_crcs.values())
+    back = torch.load(without, weights_only=True)
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["opt"]["m"], state["opt"]["m"])

@@ -14,15 +14,23 @@ Where ``sync_file_range`` is missing or refused (not Linux, a filesystem that do
 it) the stream writes plainly; a real I/O error from it (no space, EIO) is raised as the
 ``OSError`` a write would raise, so lmtrain.checkpoint.disk_space treats it alike. The stream also hashes
 what passes: the file's checksum for the checkpoint's manifest (lmtrain.checkpoint.checksums).
+
+torch.save's zip records are written without their CRC32 (:func:`_no_zip_crc32`): miniz computes it
+on the writing thread at about 4 GB/s, a quarter of a second per GB that the disk waits for
+(15.4 GB of a ZeRO-2 Llama 1.1B checkpoint, durable in 1.50x dd's time on an H200); every file has
+its xxh3 checksum in the manifest, checked at resume, and torch.load does not read the CRC.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from lmtrain.checkpoint import checksums
@@ -56,12 +64,42 @@ def save_streamed(obj: Any, f: BinaryIO, chunk: int = CHUNK, **save_kwargs: Any)
 
     stream = WritebackStream(f, chunk)
     try:
-        torch.save(obj, stream, **save_kwargs)
+        with _no_zip_crc32(torch):
+            torch.save(obj, stream, **save_kwargs)
     except Exception as exc:
         if stream.error is not None:
             raise stream.error from exc
         raise
     stream.record()
+
+
+_crc_lock = threading.Lock()
+_crc_writers = 0  # saves under way without the CRC32 (the setting is the process's, not the thread's)
+_crc_before = True  # the setting the first of them found
+
+
+@contextlib.contextmanager
+def _no_zip_crc32(torch: Any) -> Iterator[None]:
+    """torch.save's CRC32 off while any checkpoint file is being written, then as it was (a torch without
+    the setting computes it as before)."""
+    global _crc_writers, _crc_before
+    setter = getattr(torch.serialization, "set_crc32_options", None)
+    getter = getattr(torch.serialization, "get_crc32_options", None)
+    if setter is None or getter is None:
+        yield
+        return
+    with _crc_lock:
+        if _crc_writers == 0:
+            _crc_before = getter()
+        _crc_writers += 1
+        setter(False)
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_writers -= 1
+            if _crc_writers == 0:
+                setter(_crc_before)
 
 
 class WritebackStream:
