@@ -111,7 +111,8 @@ def section(out: Path, commit: str) -> str:
                     f"durable <= 1.1x dd | not measured |")
     tests = logs.get("gpu-tests")
     summary = next((x for x in reversed((tests or "").splitlines()) if " passed" in x or " failed" in x), None)
-    rows.append(f"| GPU tests (`pytest -m gpu tests/gpu`) | {summary.strip('= ') if summary else _last_line(tests)} | "
+    said = summary.strip("= ") if summary else _test_counts(tests) or _last_line(tests)
+    rows.append(f"| GPU tests (`pytest -m gpu tests/gpu`) | {said} | "
                 f"all pass | {'met' if summary and 'failed' not in summary and 'error' not in summary else 'not met'} |")
     profiles = sorted((out / "profile").glob("top-*.json")) if (out / "profile").is_dir() else []
     lines = [
@@ -128,6 +129,30 @@ def section(out: Path, commit: str) -> str:
                      + ", ".join(f"`bench/gpu-profiles/{p.name}`" for p in profiles) + ".")
         lines.append("")
     return "\n".join(lines)
+
+
+def _test_counts(log: str | None) -> str | None:
+    """A `pytest -v` log cut before its summary (the step's cap): each test's outcome as far as it got,
+    failed ones named (their messages come only in the summary)."""
+    import re
+
+    lines = (log or "").splitlines()
+    total = next((int(m.group(1)) for x in lines if (m := re.search(r"(?:collected|\[)\s*(\d+) items", x))), None)
+    outcome: dict[str, str] = {}
+    for x in lines:
+        m = re.search(r"(\S+::\S+(?:\[[^\]]*\])?)\s+(PASSED|FAILED|ERROR|SKIPPED)\b", x) or re.search(
+            r"\b(PASSED|FAILED|ERROR|SKIPPED)\s+(\S+::\S+)", x)
+        if m:
+            test, result = (m.group(1), m.group(2)) if "::" in m.group(1) else (m.group(2), m.group(1))
+            outcome[test] = result
+    if not outcome:
+        return None
+    counts = {r: sum(1 for v in outcome.values() if v == r) for r in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    said = ", ".join(f"{n} {r.lower()}" for r, n in counts.items() if n)
+    if total is not None and total > len(outcome):
+        said += f", {total - len(outcome)} not reached (cut before pytest's summary)"
+    failed = [t.split("::")[-1] for t, r in outcome.items() if r in ("FAILED", "ERROR")]
+    return said + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
 def main(argv: list[str] | None = None) -> int:

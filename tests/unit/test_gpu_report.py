@@ -92,3 +92,13 @@ def test_the_sync_ledger_files_a_logging_steps_syncs_under_it_though_they_come_a
     assert summary["total"] == 6
     assert summary["non_logging_steps"] == 2
     assert summary["where"] == {"forward of step 7": 1, "forward of step 21": 1}
+
+
+def test_a_test_log_cut_before_its_summary_is_counted_test_by_test():
+    _test_counts = gpu_report._test_counts
+
+    log = ("3 workers [4 items]\n\ntests/gpu/t.py::test_a \n[gw0] PASSED tests/gpu/t.py::test_a \n"
+           "[gw1] FAILED tests/gpu/t.py::test_b[ddp] \n[gw1] FAILED tests/gpu/t.py::test_b[ddp] \n"
+           "tests/gpu/t.py::test_c PASSED\n")
+    assert _test_counts(log) == "2 passed, 1 failed, 1 not reached (cut before pytest's summary); failed: test_b[ddp]"
+    assert _test_counts("nothing ran\n") is None
