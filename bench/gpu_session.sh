@@ -28,6 +28,8 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLEL
 nvidia-smi -L 2>&1 | tee "$OUT/device.txt"
 # transformers as the project pins it where it imports with the image's packages, else the image's own
 python3 -c "import transformers" 2>/dev/null || { echo "the carried transformers does not import here: the image's is used"; rm -rf /tmp/site/transformers /tmp/site/transformers-*; }
+# every package the project path imports, before any step spends its time (a missing wheel cost a call)
+python3 -c "import hostlist, pydantic, submitit, hjson, zstandard, deepspeed, lmtrain.task.entry, launcher.submit.local_run" || { echo "a package the runs need is missing: see .carry/whl in bench/RESULTS.md"; exit 1; }
 python3 -c "import sys,torch,lightning,transformers,deepspeed;print(sys.version.split()[0],torch.__version__,lightning.__version__,transformers.__version__,deepspeed.__version__)" 2>&1 | tail -1 | tee -a "$OUT/device.txt"
 
 # step NAME CMD...: runs CMD with what is left of the budget (at most $CAP seconds where set), logs to $OUT/NAME.log
@@ -60,9 +62,9 @@ case "${1:-}" in
         CAP=170 step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -n 3 -p no:cacheprovider -o addopts="" --durations=0
         step tp-fsdp python3 bench/throughput.py --config fsdp --repeat 3 --out "$OUT/throughput.jsonl" --profile "$OUT/profile"
         ;;
-    one)  # a lease with one call left (BUDGET=490 or so): the GPU tests, the 1B stop checkpoint, ZeRO-2, then
+    one)  # a lease with one call left (BUDGET=490 or so; 15 tests took over 150 s three at a time on 2026-12-04): the GPU tests, the 1B stop checkpoint, ZeRO-2, then
         # GPT-2 in one pair with its host syncs (the Llama pair, about 100 s a side, does not fit beside them)
-        CAP=150 step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -n 3 -p no:cacheprovider -o addopts="" --durations=0
+        CAP=200 step gpu-tests python3 -m pytest -m gpu tests/gpu -v -s -n 3 -p no:cacheprovider -o addopts="" --durations=0
         CAP=110 step ck-llama python3 bench/checkpoint_speed.py --config llama-1b --no-resume --out "$OUT/ckpt.jsonl"
         CAP=80 step tp-zero2 python3 bench/throughput.py --config zero2 --out "$OUT/throughput.jsonl"
         step tp-gpt2 python3 bench/throughput.py --config gpt2-124m --out "$OUT/throughput.jsonl" --profile "$OUT/profile"
