@@ -23,11 +23,12 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.localcluster.config import base_root
 from launcher.localcluster.daemons import ClusterError, flocked, read_pid, stop, wait_until
+from lmcore.objects.credentials import Credentials, s3_client
 
 Say = Callable[[str], None]
 
@@ -42,25 +43,6 @@ REGION = "default"
 DAEMONS = ("mon.a", "osd.0", "client.rgw.a")  # started in this order, stopped in the reverse
 PROGRAMS = {"mon.a": "ceph-mon", "osd.0": "ceph-osd", "client.rgw.a": "radosgw"}
 START_S = 120.0  # the longest a daemon may take to answer (the first radosgw start creates its pools)
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """What an S3 client needs: the endpoint, the user's keys, the bucket made for lmlaunch."""
-
-    endpoint: str
-    access_key: str
-    secret_key: str
-    bucket: str = BUCKET
-    region: str = REGION
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1) + "\n"
-
-    @classmethod
-    def read(cls, path: Path) -> Credentials:
-        raw = json.loads(path.read_text())
-        return cls(**{k: str(raw[k]) for k in ("endpoint", "access_key", "secret_key", "bucket", "region")})
 
 
 @dataclass(frozen=True)
@@ -271,16 +253,6 @@ def _user_and_bucket(layout: StoreLayout, say: Say) -> Credentials:
 
     write_atomic(layout.credentials, creds.to_json(), mode=0o600)
     return creds
-
-
-def s3_client(creds: Credentials):  # type: ignore[no-untyped-def]
-    """A boto3 S3 client for ``creds`` (path-style addressing: one host, no bucket subdomains)."""
-    import boto3
-    from botocore.config import Config
-
-    return boto3.client("s3", endpoint_url=creds.endpoint, aws_access_key_id=creds.access_key,
-                        aws_secret_access_key=creds.secret_key, region_name=creds.region,
-                        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3}))
 
 
 def down(say: Say, root: Path | None = None) -> None:

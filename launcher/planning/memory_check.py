@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from launcher.planning import host_memory, memory, memory_stages
+from launcher.planning import host_memory, memory, memory_fixes, memory_stages
 from launcher.planning.memory_inputs import model_facts, unavailable
 from launcher.spec.profiles import Profile
 from lmcore.errors import ExitCode, UserError
@@ -108,7 +108,7 @@ def refusal(p: Planned, profile: Profile, source: str) -> str:
     lines = [f"{source + ': ' if source else ''}the planned peak per rank, {memory.gb(b.peak)}, does not fit the "
              f"GPU's {profile.gpu_memory} of profile '{profile.name}' ({memory.gb(b.usable)} usable: "
              f"{100 - int(memory.USABLE_FRACTION * 100)} % is kept for the allocator's fragmentation)", *table(b)]
-    found = memory.fixes(p.facts, p.setup, b.capacity or 0) if p.setup.parallelism.pipeline == 1 else []
+    found = memory_fixes.fixes(p.facts, p.setup, b.capacity or 0) if p.setup.parallelism.pipeline == 1 else []
     if p.setup.parallelism.pipeline > 1:
         lines.append("a pipeline's fixes are not searched: more stages (trainer.pipeline_parallel_size), more "
                      "microbatches of fewer samples, activation checkpointing or more GPUs")
@@ -117,7 +117,7 @@ def refusal(p: Planned, profile: Profile, source: str) -> str:
         for i, fix in enumerate(found[:6], 1):
             lines.append(f"  {i}. {' '.join(fix.overrides)}  -> {memory.gb(fix.breakdown.peak)}  ({fix.cost})")
     else:
-        best = memory.best_fit(p.facts, p.setup, b.capacity or 0)
+        best = memory_fixes.best_fit(p.facts, p.setup, b.capacity or 0)
         if best is not None:
             lines.append(f"no single change fits; together: {' '.join(best.overrides)}  -> {memory.gb(best.breakdown.peak)}")
         else:
@@ -141,7 +141,7 @@ def proposal(p: Planned, profile: Profile) -> list[str]:
     """``validate --fit``: the largest micro batch that fits, keeping the global batch."""
     if p.breakdown.capacity is None:
         return ["fit: not a GPU job, or the profile has no gpu_memory: nothing to fit against"]
-    best = memory.best_fit(p.facts, p.setup, p.breakdown.capacity)
+    best = memory_fixes.best_fit(p.facts, p.setup, p.breakdown.capacity)
     if best is None:
         return ["fit: nothing fits (any ZeRO stage or FSDP, micro batch 1, activation checkpointing, offload): "
                 "use more GPUs (resources.nodes) or a smaller model"]

@@ -157,7 +157,7 @@ def test_a_7b_model_under_ddp_is_refused_with_ranked_fixes_and_the_first_one_val
     assert not isinstance(got, str)
     fit = proposal(got, forced.profile)
     assert fit[0].startswith("fit: trainer.strategy=deepspeed"), fit
-    from launcher.planning import memory as m
+    from launcher.planning import memory_fixes as m
 
     best = m.best_fit(got.facts, got.setup, got.breakdown.capacity)
     assert best is not None and best.breakdown.fits

@@ -1,0 +1,142 @@
+"""Checkpoints in a bucket (lmcore.objects.checkpoints) on the local cluster's real Ceph RADOS Gateway:
+uploaded in parallel (multipart for a large file) to keys of their own, complete only with their commit
+object, read back verified; two uploads of one checkpoint leave one; an upload cut by the gateway's death
+is never complete and retention clears it; retention keeps exactly keep_last and aborts what is left.
+
+The store is started as `cluster up --s3` starts it (launcher.localcluster.object_store.up); each test
+works in a bucket of its own and removes it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from launcher.localcluster import object_store
+from lmcore.errors import UserError
+from lmcore.objects.checkpoints import COMMIT_SUFFIX, PART, CheckpointStore, ObjectStoreError, S3Url
+from lmcore.objects.credentials import Credentials, s3_client
+from tests.waiting import until
+
+
+@pytest.fixture
+def store(tmp_path):
+    creds = object_store.up(lambda line: None)
+    client = s3_client(creds)
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    yield CheckpointStore(client, S3Url.parse(f"s3://{bucket}/runs/demo/checkpoints"), workers=4)
+    object_store.up(lambda line: None)  # running again whatever the test did to it
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=obj["Key"])
+    for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    client.delete_bucket(Bucket=bucket)
+
+
+def _checkpoint(root: Path, step: int, big: int = 0) -> Path:
+    d = root / f"local-step-{step}"
+    (d / "weights").mkdir(parents=True)
+    (d / "meta.json").write_text(f'{{"step": {step}}}\n')
+    (d / "weights" / "rank-0.pt").write_bytes(os.urandom(3 << 20))
+    (d / "weights" / "rank-1.pt").write_bytes(os.urandom(1 << 20) + bytes([step % 256]))
+    if big:
+        (d / "optimizer.pt").write_bytes(os.urandom(big))
+    (d / "COMPLETE").write_text("")
+    return d
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    return files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()) and all(
+        (a / f).read_bytes() == (b / f).read_bytes() for f in files)
+
+
+def test_an_uploaded_checkpoint_is_complete_by_its_commit_and_reads_back_verified(store, tmp_path):
+    local = _checkpoint(tmp_path, 10, big=PART + (5 << 20))  # one multipart file (two parts)
+    commit = store.upload(local, "step-10")
+    assert store.complete() == ["step-10"] and commit.bytes == sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    back = tmp_path / "back"
+    store.download("step-10", back)
+    assert _same_tree(local, back)
+
+    # a second upload of the same checkpoint (a retried save) loses to the first: one commit, its files only
+    again = store.upload(local, "step-10")
+    assert again.token == commit.token
+    keys = list(store._keys(store._key("step-10") + "/"))
+    assert len(keys) == len(commit.files)
+    assert all(k.removeprefix(store._key("step-10") + "/").split("/")[0] == commit.token for k in keys)
+
+    # an object changed behind the store's back is refused by name, and nothing takes the file's name
+    key = commit.files["weights/rank-1.pt"]["key"]
+    store.client.put_object(Bucket=store.url.bucket, Key=key, Body=b"not the weights")
+    elsewhere = tmp_path / "elsewhere"
+    with pytest.raises(ObjectStoreError, match="rank-1.pt: 15 bytes"):
+        store.download("step-10", elsewhere)
+    assert not (elsewhere / "weights" / "rank-1.pt").exists()
+
+
+def test_an_upload_cut_by_the_gateways_death_is_never_complete_and_retention_clears_it(store, tmp_path):
+    store.upload(_checkpoint(tmp_path, 5), "step-5")
+    cut = _checkpoint(tmp_path, 10, big=6 * PART)  # several parts in flight when the gateway dies
+    failed: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            store.upload(cut, "step-10")
+        except ObjectStoreError as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=upload)
+    t.start()
+    layout = object_store.store_layout()
+    uploads = lambda: store.client.list_multipart_uploads(Bucket=store.url.bucket).get("Uploads", [])  # noqa: E731
+    until(uploads, progress=lambda: t.is_alive(), what="the optimizer's multipart upload to start")
+    os.kill(object_store.running(layout, "client.rgw.a"), signal.SIGKILL)
+    until(lambda: not t.is_alive(), progress=lambda: len(failed), what="the cut upload to fail")
+    assert failed, "the upload finished though the gateway died under it"
+    object_store.up(lambda line: None)
+    assert store.complete() == ["step-5"]  # never complete: no commit
+
+    store.upload(_checkpoint(tmp_path, 15), "step-15")
+    removed = store.retain(keep_last=2)
+    assert removed.checkpoints == () and store.complete() == ["step-5", "step-15"]
+    assert not uploads() and not list(store._keys(store._key("step-10") + "/"))
+
+
+def test_retention_keeps_exactly_keep_last_and_leaves_an_upload_under_way(store, tmp_path):
+    for step in (10, 20, 30, 40):
+        store.upload(_checkpoint(tmp_path, step), f"step-{step}")
+    # an upload of step 50 under way (a multipart upload begun, nothing committed) is newer than all
+    under_way = store._key("step-50", "t0", "optimizer.pt")
+    upload_id = store.client.create_multipart_upload(Bucket=store.url.bucket, Key=under_way)["UploadId"]
+    # an abandoned upload of step 25 (its saver died): older than the newest complete one
+    abandoned = store._key("step-25", "t0", "meta.json")
+    store.client.put_object(Bucket=store.url.bucket, Key=abandoned, Body=b"{}")
+    removed = store.retain(keep_last=2)
+    assert removed.checkpoints == ("step-10", "step-20") and store.complete() == ["step-30", "step-40"]
+    left = set(store._keys(store._key() + "/"))
+    assert not any("/step-10" in k or "/step-20" in k or "/step-25" in k for k in left)
+    assert {k for k in left if k.endswith(COMMIT_SUFFIX)} == {store._key(f"step-{s}{COMMIT_SUFFIX}") for s in (30, 40)}
+    open_uploads = store.client.list_multipart_uploads(Bucket=store.url.bucket).get("Uploads", [])
+    assert [(u["Key"], u["UploadId"]) for u in open_uploads] == [(under_way, upload_id)]
+
+
+def test_credentials_readable_by_others_are_refused_and_no_key_is_ever_shown(tmp_path):
+    creds = Credentials("http://127.0.0.1:7480", "AKEXAMPLE", "SECRETEXAMPLE")
+    path = tmp_path / "s3.json"
+    path.write_text(creds.to_json())
+    path.chmod(0o644)
+    with pytest.raises(UserError, match=r"mode 644; it must be readable by its owner only \(chmod 600"):
+        Credentials.read(path)
+    path.chmod(0o600)
+    back = Credentials.read(path)
+    assert back == creds and "SECRET" not in repr(back) and "AKEXAMPLE" not in repr(back)
+    with pytest.raises(UserError, match="not an S3 location"):
+        S3Url.parse("s3://Bad_Bucket/x")
+    assert S3Url.parse("s3://lmlaunch/runs/a/") == S3Url("lmlaunch", "runs/a")
