@@ -61,7 +61,7 @@ def shared_run_problems(plans: Sequence[Resolved]) -> list[str]:
     first = plans[0]
     problems = []
     for r in plans:
-        if r.profile.login is not None and (r.spec.checkpoint.dir is not None or
+        if r.profile.login is not None and (r.spec.checkpoint.local_dir is not None or
                                             not _inside(r.plan.paths.checkpoint_dir, r.plan.paths.run_dir)):
             problems.append(f"clusters: {r.profile.name} is reached over SSH: the run directory is copied there with "
                             f"its newest checkpoint, and checkpoint.dir ({r.plan.paths.checkpoint_dir}) names a path "

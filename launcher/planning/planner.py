@@ -14,6 +14,7 @@ from launcher.planning.evaluator import plan_evaluator
 from launcher.planning.host_memory import node_memory_problem
 from launcher.planning.placement import merge_env, plan_placement
 from launcher.planning.planned_env import render_env
+from launcher.planning.run_paths import run_paths
 from launcher.spec.profiles import Profile, check_slurm_path
 from lmcore.errors import SpecError, did_you_mean
 from lmcore.job import container, pipeline_stages, site_options
@@ -241,8 +242,8 @@ def _container(spec: JobSpec, profile: Profile, paths: RunPaths, runs_root: str,
     for store in spec.data.stores:
         data = PurePosixPath(store.path)
         needed.append((str(data if data.is_absolute() else PurePosixPath(paths.run_dir) / data), "the training data"))
-    if spec.checkpoint.dir:
-        needed.append((spec.checkpoint.dir, "checkpoint.dir, outside the runs root"))
+    if spec.checkpoint.local_dir:
+        needed.append((spec.checkpoint.local_dir, "checkpoint.dir, outside the runs root"))
     if spec.model.pretrained and spec.model.pretrained.startswith("/"):
         needed.append((spec.model.pretrained, "model.pretrained"))
     if c.python == "auto":
@@ -250,23 +251,6 @@ def _container(spec: JobSpec, profile: Profile, paths: RunPaths, runs_root: str,
     return container.render(c, host_python=python, needed=needed,
                             planned_env=sorted({*env, *spec.env.passthrough}), run_dir=paths.run_dir,
                             gpus_per_node=spec.resources.gpus_per_node)
-
-
-def run_paths(spec: JobSpec, runs_root: str, *, uses_deepspeed: bool) -> RunPaths:
-    """The plan's record of the run directory's paths, as :class:`lmcore.run.rundir.RunLayout`
-    (their one speller) places them; the checkpoint directory where the spec puts it."""
-    layout = rundir.RunLayout.of(str(PurePosixPath(runs_root) / spec.name))
-    return RunPaths(
-        run_dir=str(layout.run_dir),
-        submitit_dir=str(layout.submitit),
-        logs_dir=str(layout.logs),
-        checkpoint_dir=str(spec.checkpoint.dir or layout.default_checkpoints),
-        heartbeat=str(layout.heartbeat),
-        ledger=str(layout.ledger),
-        plan_json=str(layout.plan),
-        spec_yaml=str(layout.spec_yaml),
-        deepspeed_json=str(layout.deepspeed_json) if uses_deepspeed else None,
-    )
 
 
 RENDEZVOUS = {
@@ -304,7 +288,7 @@ def make_plan(
     problems: list[str] = []
     topo = _topology(spec, profile, problems)
     problems += _strategy_problems(spec, topo)
-    paths = run_paths(spec, runs_root, uses_deepspeed=topo.parallelism.zero)
+    paths = run_paths(spec, profile, runs_root, uses_deepspeed=topo.parallelism.zero, problems=problems)
     slurm = _slurm(spec, profile, topo, paths, problems)
     evaluator = plan_evaluator(spec, profile, slurm, paths, problems, eval_python or python)
     if problems:

@@ -117,7 +117,8 @@ def resolve_paths(spec: JobSpec, base: Path, origin: Origin | None = None) -> Jo
             src.model_copy(update={"path": absolute(src.path, ("data", "sources", i, "path"))})
             for i, src in enumerate(spec.data.sources)],
     })
-    ckpt = spec.checkpoint.model_copy(update={"dir": absolute(spec.checkpoint.dir, ("checkpoint", "dir"))})
+    ckpt = spec.checkpoint if spec.checkpoint.store else spec.checkpoint.model_copy(
+        update={"dir": absolute(spec.checkpoint.dir, ("checkpoint", "dir"))})
     model = spec.model.model_copy(
         update={"pretrained": absolute(spec.model.pretrained, ("model", "pretrained"))}
     )

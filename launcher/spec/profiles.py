@@ -231,6 +231,8 @@ class Profile(StrictModel):
     """Request whole nodes by default."""
     runs_root: PathText
     """Root of run directories on a filesystem every node sees (~ and $VARS expanded)."""
+    object_store_credentials: PathText | None = None
+    """The S3 credentials file (JSON: endpoint, access_key, secret_key, region; mode 600, readable by its owner only) that a job's ``checkpoint.dir: s3://...`` is reached with: a path every node sees (``lmlaunch cluster up --s3`` writes the local gateway's)."""
     setup: list[ShellLine] = Field(default_factory=list, max_length=1000)
     """Shell lines run in the batch script before the tasks start (module load, venv)."""
     python: OneLine = "python"

@@ -220,6 +220,9 @@ def resume_point(plan: LaunchPlan, choice: ResumeChoice) -> str:
     ckpt_dir, name = plan.paths.checkpoint_dir, plan.run_name
     if choice.chosen is not None:
         return f"resuming from {choice.why}"
+    in_bucket = _newest_in_bucket(plan)
+    if in_bucket is not None:
+        return in_bucket
     done, _ = rundir.read_done_step(plan.paths.run_dir)
     ledger = rundir.Ledger(rundir.RunLayout.of_plan(plan).ledger).attempts()
     trained = max((a.end_step or 0 for a in ledger), default=0)
@@ -231,6 +234,22 @@ def resume_point(plan: LaunchPlan, choice: ResumeChoice) -> str:
         f"so --resume would train from step 0 over its step directories. Start over with --new (the old "
         f"run directory is kept as {name}.archived-<time>), or give this run another name (override: name=<new name>)"
     )
+
+
+def _newest_in_bucket(plan: LaunchPlan) -> str | None:
+    """For a run whose checkpoints are kept in a bucket too: where it resumes from when its disk has
+    none (the runtime downloads it); None when there is no bucket or it holds none."""
+    url, creds = plan.paths.checkpoint_store, plan.paths.checkpoint_store_credentials
+    if not url or not creds:
+        return None
+    from lmcore.objects.checkpoints import CheckpointStore, ObjectStoreError
+
+    try:
+        names = CheckpointStore.at(url, creds).complete()
+    except (ObjectStoreError, UserError) as exc:
+        raise UserError(f"run '{plan.run_name}': this disk has no complete checkpoint and {url} cannot be read "
+                        f"from here ({exc}); resume where the bucket can be read") from exc
+    return f"resuming from {names[-1]} in {url} (this disk has none: the attempt downloads it)" if names else None
 
 
 def continuation_note(plan: LaunchPlan, ckpt: CompleteCheckpoint | None = None) -> str | None:

@@ -9,6 +9,7 @@ works in a bucket of its own and removes it."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import uuid
@@ -140,3 +141,60 @@ def test_credentials_readable_by_others_are_refused_and_no_key_is_ever_shown(tmp
     with pytest.raises(UserError, match="not an S3 location"):
         S3Url.parse("s3://Bad_Bucket/x")
     assert S3Url.parse("s3://lmlaunch/runs/a/") == S3Url("lmlaunch", "runs/a")
+
+
+def test_a_run_keeps_its_checkpoints_in_the_bucket_and_resumes_from_it_bit_identical(store, tmp_path, repo):
+    """`checkpoint.dir: s3://...` through the entry a SLURM task runs (`lmlaunch run --local`, 2 ranks):
+    each complete checkpoint is uploaded by rank 0, keep_last holds in the bucket; with the disk's
+    checkpoints gone, `--resume` downloads the newest from the bucket, verified, and ends with weights
+    identical to the same run resumed from its disk."""
+    import io
+    import json
+
+    from launcher.cli import main
+    from launcher.context import Context
+
+    creds = object_store.store_layout().credentials
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    local = (repo / "cluster_profiles" / "local.yaml").read_text()
+    (profiles / "local.yaml").write_text(local + f"object_store_credentials: {creds}\n")  # `run --local`'s profile
+    runs = tmp_path / "runs"
+    env = {"LMLAUNCH_RUNS_ROOT": str(runs), "LMLAUNCH_PROFILES_DIR": str(profiles)}
+    common = ["checkpoint.every_n_steps=4", "checkpoint.keep_last=2", "trainer.val_check_interval=null",
+              "trainer.max_steps=12"]
+
+    def run(*args: str) -> str:
+        out = io.StringIO()
+        code = main(["run", str(repo / "jobs" / "tiny-cpu.yaml"), "--local", *args], Context(stdout=out, stderr=out, environ=env))
+        assert code == 0, out.getvalue()[-4000:]
+        return out.getvalue()
+
+    # the same run with its checkpoints on disk only: 8 steps, then resumed to 12 (--max-steps 8 plans the
+    # schedule for 8: both runs continue the same way)
+    run("--name", "disk", "--max-steps", "8", *common, f"checkpoint.dir={tmp_path / 'disk-ckpt'}")
+    run("--name", "disk", "--resume", *common, f"checkpoint.dir={tmp_path / 'disk-ckpt'}")
+    bucket_dir = f"s3://{store.url.bucket}/runs/cut"
+    run("--name", "cut", "--max-steps", "8", *common, f"checkpoint.dir={bucket_dir}")
+    cut = CheckpointStore(store.client, S3Url.parse(bucket_dir))
+    assert cut.complete() == ["step-4", "step-8"]
+    plan = json.loads((runs / "cut" / "plan.json").read_text())
+    assert plan["paths"]["checkpoint_store"] == bucket_dir and plan["paths"]["checkpoint_dir"] == str(runs / "cut" / "checkpoints")
+    for step in (4, 8):  # the disk loses them: only the bucket has the run's checkpoints
+        shutil.rmtree(runs / "cut" / "checkpoints" / f"step-{step}")
+    said = run("--name", "cut", "--resume", *common, f"checkpoint.dir={bucket_dir}")
+    assert f"resuming from step-8 in {bucket_dir} (this disk has none: the attempt downloads it)" in said, said[-3000:]
+    assert f"checkpoint step-8: downloaded from {bucket_dir}" in said  # rank 0, before its log is set up
+    assert cut.complete() == ["step-8", "step-12"]  # keep_last in the bucket
+    import torch
+
+    def weights(ckpt: Path) -> dict:
+        return torch.load(next(ckpt.rglob("*.ckpt")), map_location="cpu", weights_only=False)["state_dict"]
+
+    disk, resumed = weights(tmp_path / "disk-ckpt" / "step-12"), weights(runs / "cut" / "checkpoints" / "step-12")
+    assert disk.keys() == resumed.keys() and all(torch.equal(disk[k], resumed[k]) for k in disk)
+    # no credential in anything the run wrote
+    secret = json.loads(creds.read_text())["secret_key"]
+    for f in (runs / "cut").rglob("*"):
+        if f.is_file() and f.stat().st_size < 50 << 20:
+            assert secret.encode() not in f.read_bytes(), f

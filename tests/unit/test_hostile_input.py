@@ -180,7 +180,7 @@ def test_a_control_character_in_a_script_bound_string_is_refused(case, sandbox):
     assert_refused(sandbox, ["submit", str(sandbox.spec), "--dry-run"], needle)
 
 
-@pytest.mark.parametrize("override, key", [("checkpoint.dir=s3://bucket/prefix", "checkpoint.dir"),
+@pytest.mark.parametrize("override, key", [("checkpoint.dir=gs://bucket/prefix", "checkpoint.dir"),
                                            ("data.path=https://example.org/tiny", "data.path"),
                                            ("model.pretrained=gs://models/gpt2", "model.pretrained")])
 def test_a_url_where_a_path_goes_is_refused_not_taken_for_a_local_directory(override, key, sandbox):
@@ -190,6 +190,19 @@ def test_a_url_where_a_path_goes_is_refused_not_taken_for_a_local_directory(over
     for args in (["validate"], ["submit", "--dry-run"]):
         r = assert_refused(sandbox, [args[0], str(sandbox.spec), override, *args[1:]], f"{key} (override")
         assert "is not a usable path" in r.err and "not a URL" in r.err, r.err
+    assert not list(sandbox.spec.parent.rglob("*:")), "a directory named after the URL's scheme"
+
+
+def test_checkpoints_in_a_bucket_need_the_profiles_credentials_and_a_well_formed_location(sandbox):
+    """`checkpoint.dir: s3://...` keeps the checkpoints in a bucket too (lmcore.objects): refused, naming
+    the profile's key, when the profile names no credentials file; a malformed location says the form."""
+    sandbox.spec.write_text(BASE)
+    for args in (["validate"], ["submit", "--dry-run"]):
+        r = assert_refused(sandbox, [args[0], str(sandbox.spec), "checkpoint.dir=s3://lmlaunch/runs/x", *args[1:]],
+                           "needs S3 credentials")
+        assert "set object_store_credentials in it" in r.err, r.err
+    r = assert_refused(sandbox, ["validate", str(sandbox.spec), "checkpoint.dir=s3://Not_A_Bucket/x"], "checkpoint.dir")
+    assert "not an S3 location; write s3://BUCKET/PREFIX" in r.err, r.err
     assert not list(sandbox.spec.parent.rglob("*:")), "a directory named after the URL's scheme"
 
 

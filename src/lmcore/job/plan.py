@@ -226,6 +226,8 @@ class RunPaths:
     plan_json: str
     spec_yaml: str
     deepspeed_json: str | None
+    checkpoint_store: str | None = None  # s3://BUCKET/PREFIX: complete checkpoints also kept there (lmcore.objects)
+    checkpoint_store_credentials: str | None = None  # the profile's object_store_credentials (a path, never the keys)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from lmcore.job import site_options
 from lmcore.job.container import ContainerSpec
@@ -21,6 +21,7 @@ from lmcore.job.strict_model import StrictModel
 from lmcore.slurm.client import parse_duration
 from lmcore.text_rules import (
     ENV_NAME,
+    PATH,
     EnvName,
     EnvValue,
     HttpUrl,
@@ -345,15 +346,41 @@ class OptimSpec(StrictModel):
         return self
 
 
+def _checkpoint_location(value: str) -> str:
+    """A filesystem path, or ``s3://BUCKET/PREFIX``: checkpoints kept in a bucket (lmcore.objects)."""
+    if value.strip().lower().startswith("s3://"):
+        from lmcore.errors import UserError
+        from lmcore.objects.checkpoints import S3Url
+
+        try:
+            return str(S3Url.parse(value))
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+    return PATH.check(value)
+
+
 class CheckpointSpec(StrictModel):
     """Where and how often complete checkpoints are written."""
 
-    dir: PathText | None = None
-    """Checkpoint directory; defaults to <run dir>/checkpoints."""
+    dir: Annotated[str, AfterValidator(_checkpoint_location)] | None = None
+    """Checkpoint directory; defaults to <run dir>/checkpoints. ``s3://BUCKET/PREFIX``: complete checkpoints are
+    also kept in that bucket (the profile's object_store names its credentials file): each is written to
+    <run dir>/checkpoints as always, then uploaded in the background, and an attempt that finds a newer one in
+    the bucket than on its disk downloads it first (another cluster, a node-local disk); keep_last applies to both."""
     every_n_steps: int = Field(100, ge=1, le=10**10)
     """Periodic checkpoint, the fallback when no warning signal comes."""
     keep_last: int = Field(3, ge=1, le=10_000)
     """Complete checkpoints to keep."""
+    @property
+    def store(self) -> str | None:
+        """The bucket's location (``s3://...``) when the checkpoints are kept in one."""
+        return self.dir if self.dir is not None and self.dir.startswith("s3://") else None
+
+    @property
+    def local_dir(self) -> str | None:
+        """The directory the spec names (None: the run directory's, also for a bucket)."""
+        return None if self.store is not None else self.dir
+
     async_save: bool = True
     """Periodic checkpoints and the stop's checkpoint staged (every strategy): training waits only
     while the state is copied into host memory (one more copy of it in RAM, reserved at the

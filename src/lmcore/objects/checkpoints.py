@@ -101,6 +101,14 @@ class CheckpointStore:
     def __init__(self, client: Any, url: S3Url, *, workers: int = 8) -> None:
         self.client, self.url, self.workers = client, url, workers
 
+    @classmethod
+    def at(cls, url: str, credentials: str | Path) -> CheckpointStore:
+        """The store at ``url`` (``s3://...``) with the credentials file ``credentials`` (a plan's
+        paths.checkpoint_store and paths.checkpoint_store_credentials)."""
+        from lmcore.objects.credentials import Credentials, s3_client
+
+        return cls(s3_client(Credentials.read(Path(credentials))), S3Url.parse(url))
+
     def _key(self, *parts: str) -> str:
         return "/".join(p for p in (self.url.prefix, *parts) if p)
 

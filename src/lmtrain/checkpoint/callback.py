@@ -109,6 +109,8 @@ class CheckpointCallback(pl.Callback):
             self.manager.wait()
         except Exception as exc:
             log.error("%s", exc)
+        if self.manager.mirror is not None:  # rank 0: the newest checkpoint's upload, before the attempt ends
+            self.manager.mirror.close()
 
     def save_stop(self, trainer: pl.Trainer, step: int) -> str | None:
         """Collective, the stop's checkpoint (lmtrain.preemption.agreement): staged where saves run

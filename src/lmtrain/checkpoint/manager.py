@@ -175,6 +175,7 @@ class CheckpointManager:
         # steps retention keeps beyond keep_last: what an evaluator alongside has still to score (lmcore.run.eval_alongside)
         self.keep_also: Callable[[list[int]], set[int]] | None = None
         self.completed_at = 0.0  # rank 0: perf_counter at the last COMPLETE (before pruning)
+        self.mirror: Any = None  # rank 0, checkpoint.dir s3://: lmtrain.checkpoint.store_mirror.StoreMirror
 
     def start(self, trainer: Any, *, on_failure: Callable[[DiskFull], None], background: bool) -> None:
         """Collective, when training starts: ``on_failure`` gets a background save that found no
@@ -354,12 +355,19 @@ class CheckpointManager:
         completion.finish(self.dir, tmp, final, step, {**self.parallelism.meta(), "world_size": world,
                                                        "zero_stage": self.parallelism.zero_stage, **self.identity})
         self.completed_at = time.perf_counter()
+        if self.mirror is not None:
+            self.mirror.submit(final)  # uploaded from its own thread; kept here until it is there
         self.prune()
 
     def prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints (and those ``keep_also`` names); drop
         stale temporaries."""
-        completion.prune(self.dir, self.keep_last, self.keep_also)
+        keep_also, mirror = self.keep_also, self.mirror
+        if mirror is None:
+            completion.prune(self.dir, self.keep_last, keep_also)
+            return
+        completion.prune(self.dir, self.keep_last,
+                         lambda steps: (keep_also(steps) if keep_also is not None else set()) | mirror.kept(steps))
 
 
 def _files_written_by(root: Path, rank: int) -> Iterator[Path]:

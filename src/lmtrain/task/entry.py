@@ -153,6 +153,10 @@ def _meet(plan: LaunchPlan, *, simulated: bool = False) -> tuple[TaskEnv, Gate, 
     entries = Ledger(plan.paths.ledger).entries() if env.rank == 0 else []
     attempt = next_attempt_of(entries) if env.rank == 0 else None
     gate = decide_start(plan, env, attempts_of(entries)) if env.rank == 0 else None
+    if env.rank == 0 and plan.paths.checkpoint_store and not simulated:  # a newer one in the bucket first
+        from lmtrain.checkpoint.store_mirror import fetch_newer
+
+        fetch_newer(plan)
     newest = newest_complete(plan.paths.checkpoint_dir) if env.rank == 0 else None
     resume = newest.path.name if newest is not None else None
     if resume is not None and not simulated:  # a ZeRO checkpoint on another world size (the harness has none)

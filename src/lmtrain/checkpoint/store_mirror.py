@@ -1,0 +1,183 @@
+"""Complete checkpoints kept in a bucket too (``checkpoint.dir: s3://...``; lmcore.objects.checkpoints).
+
+Every checkpoint is written and completed in the run directory's ``checkpoints/`` as always (the
+staged save holds training only for the copy into host memory); rank 0 then uploads each complete
+one from a thread of its own, one at a time, newest first when several wait, and applies
+``keep_last`` to the bucket after each commit. Training never waits for an upload: a gateway that
+is down or slow costs the uploads, which are logged and retried with the next checkpoint, never
+counted as checkpoints (the bucket's are complete only by their commit). Local retention keeps a
+checkpoint until it is in the bucket. An attempt ends only once the newest complete checkpoint is
+uploaded or :data:`END_WAIT_S` passed (said in the log). Before an attempt resumes, rank 0 compares
+the bucket's newest complete checkpoint with the disk's and downloads it, verified, when it is
+newer (a run moved to another cluster, a disk that lost its files).
+
+The credentials are read from the file the profile names (mode 600, lmcore.objects.credentials):
+never from the plan, the environment or a command line, and never logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lmcore.run.checkpoint_index import STEP_RE, complete_checkpoints
+
+log = logging.getLogger(__name__)
+
+END_WAIT_S = 600.0  # the longest an attempt's end waits for its newest checkpoint's upload
+
+
+class StoreMirror:
+    """Rank 0's uploads of complete checkpoints to ``plan.paths.checkpoint_store``."""
+
+    def __init__(self, plan: Any, keep_last: int) -> None:
+        from lmcore.objects.checkpoints import CheckpointStore
+
+        self.store = CheckpointStore.at(plan.paths.checkpoint_store, plan.paths.checkpoint_store_credentials)
+        self.url = self.store.url
+        self.keep_last = keep_last
+        self.waiting: queue.Queue[Path | None] = queue.Queue()
+        self.pending: set[int] = set()  # steps queued or uploading: local retention keeps them
+        self.uploaded: set[int] = set()
+        self.failed: dict[int, str] = {}
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, plan: Any, keep_last: int) -> StoreMirror | None:
+        return cls(plan, keep_last) if getattr(plan.paths, "checkpoint_store", None) else None
+
+    # --- uploads ------------------------------------------------------------------------------------
+    def submit(self, path: Path) -> None:
+        """Queue the complete checkpoint ``path`` (rank 0, when it completes)."""
+        m = STEP_RE.fullmatch(path.name)
+        if not m:
+            return
+        with self.lock:
+            self.pending.add(int(m.group(1)))
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="lmtrain-store-upload", daemon=True)
+            self.thread.start()
+        self.waiting.put(path)
+
+    def kept(self, steps: list[int]) -> set[int]:
+        """The steps local retention must keep: those not yet in the bucket."""
+        with self.lock:
+            return {s for s in steps if s in self.pending}
+
+    def catch_up(self, ckpt_dir: str | Path) -> None:
+        """At the attempt's start: the disk's newest complete checkpoint queued when the bucket lacks it
+        (an attempt that ended before its upload did)."""
+        from lmcore.objects.checkpoints import ObjectStoreError
+
+        local = complete_checkpoints(ckpt_dir)
+        try:
+            there = set(self.store.complete())
+        except (ObjectStoreError, OSError) as exc:
+            log.warning("cannot list %s (%s): the next checkpoint's upload tries again", self.url, exc)
+            return
+        if local and local[-1].path.name not in there:
+            self.submit(local[-1].path)
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            got = [self.waiting.get(), *self._drain()]
+            stop = None in got
+            paths = sorted((p for p in got if p is not None), key=lambda q: int(q.name.split("-")[1]))
+            for p in paths[:-1]:  # only the newest of those waiting: the others are superseded
+                self._done(p, None)
+            if paths:
+                self._upload(paths[-1])
+
+    def _drain(self) -> list[Path | None]:
+        out: list[Path | None] = []
+        while True:
+            try:
+                out.append(self.waiting.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _upload(self, path: Path) -> None:
+        from lmcore.objects.checkpoints import ObjectStoreError
+
+        t0 = time.perf_counter()
+        try:
+            commit = self.store.upload(path, path.name)
+            removed = self.store.retain(self.keep_last)
+        except (ObjectStoreError, OSError) as exc:
+            log.warning("checkpoint %s: not uploaded to %s (%s); training goes on, the next checkpoint tries again",
+                        path.name, self.url, exc)
+            self._done(path, str(exc))
+            return
+        log.info("checkpoint %s: in %s (%.2f GB in %.1fs%s)", path.name, self.url, commit.bytes / 1e9,
+                 time.perf_counter() - t0, f"; removed there: {', '.join(removed.checkpoints)}" if removed.checkpoints else "")
+        self._done(path, None, uploaded=True)
+
+    def _done(self, path: Path, error: str | None, uploaded: bool = False) -> None:
+        step = int(path.name.split("-")[1])
+        with self.lock:
+            self.pending.discard(step)
+            if uploaded:
+                self.uploaded.add(step)
+            if error is not None:
+                self.failed[step] = error
+
+    def close(self, wait_s: float = END_WAIT_S) -> bool:
+        """At the attempt's end: wait up to ``wait_s`` for the uploads queued; whether they all ended."""
+        if self.thread is None:
+            return True
+        self.waiting.put(None)
+        self.thread.join(wait_s)
+        if self.thread.is_alive():
+            log.warning("the upload to %s did not end within %.0fs: the bucket's newest checkpoint may be older than "
+                        "the disk's (the next attempt uploads it)", self.url, wait_s)
+            return False
+        return True
+
+
+def fetch_newer(plan: Any) -> int | None:
+    """Rank 0, before it chooses the checkpoint to resume from: the bucket's newest complete checkpoint
+    downloaded into the checkpoint directory, verified, when it is newer than the disk's newest complete
+    one; its step, else None. A store that cannot be read is logged and the disk's checkpoints used."""
+    if not getattr(plan.paths, "checkpoint_store", None):
+        return None
+    from lmcore.objects.checkpoints import ObjectStoreError, step_of
+
+    try:
+        mirror = StoreMirror(plan, keep_last=1)
+        names = mirror.store.complete()
+    except (ObjectStoreError, OSError) as exc:
+        _say(f"cannot list {plan.paths.checkpoint_store} ({exc}): resuming from this disk's checkpoints")
+        return None
+    local = complete_checkpoints(plan.paths.checkpoint_dir)
+    newest_local = local[-1].step if local else -1
+    if not names or step_of(names[-1]) <= newest_local:
+        return None
+    name, ckpt_dir = names[-1], Path(plan.paths.checkpoint_dir)
+    tmp = ckpt_dir / f".{name}.download"
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.perf_counter()
+    try:
+        commit = mirror.store.download(name, tmp)
+    except (ObjectStoreError, OSError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _say(f"cannot download {name} from {mirror.url} ({exc}): resuming from this disk's checkpoints")
+        return None
+    final = ckpt_dir / name
+    shutil.rmtree(final, ignore_errors=True)  # an incomplete one of the same step
+    tmp.rename(final)
+    _say(f"checkpoint {name}: downloaded from {mirror.url} ({commit.bytes / 1e9:.2f} GB in "
+         f"{time.perf_counter() - t0:.1f}s, verified), newer than this disk's")
+    return step_of(name)
+
+
+def _say(line: str) -> None:
+    """Before the attempt's logging is set up (rank 0 decides where it resumes from): its log, by stderr."""
+    print(f"lmtrain: {line}", file=sys.stderr, flush=True)
