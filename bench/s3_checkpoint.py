@@ -126,12 +126,7 @@ def main() -> int:
                                 and result["read_vs_plain_download"] <= 1.2)
         print(json.dumps(result))
     finally:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            for obj in page.get("Contents", []):
-                client.delete_object(Bucket=bucket, Key=obj["Key"])
-        for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
-            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-        client.delete_bucket(Bucket=bucket)
+        object_store.remove_bucket(client, bucket)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from launcher.localcluster.config import base_root
 from launcher.localcluster.daemons import ClusterError, flocked, read_pid, stop, wait_until
@@ -253,6 +254,16 @@ def _user_and_bucket(layout: StoreLayout, say: Say) -> Credentials:
 
     write_atomic(layout.credentials, creds.to_json(), mode=0o600)
     return creds
+
+
+def remove_bucket(client: Any, bucket: str) -> None:
+    """``bucket`` emptied (its objects and incomplete multipart uploads) and removed: a test's or a bench's own."""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=obj["Key"])
+    for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    client.delete_bucket(Bucket=bucket)
 
 
 def down(say: Say, root: Path | None = None) -> None:

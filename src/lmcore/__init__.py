@@ -12,7 +12,7 @@ Five packages, each saying what belongs in it:
 
 At the root, only the primitives every package uses: ``errors`` (the typed errors and exit codes),
 ``text_rules`` (what a name, a path or a line of text may hold),
-``atomic`` and ``jsonlines`` (durable writes), ``processes``, ``node_facts`` (a node's hardware as
+``atomic`` and ``jsonlines`` (durable writes), ``digests`` (a file's checksum), ``processes``, ``node_facts`` (a node's hardware as
 the doctor and the runtime's probe read it).
 
 May import: the standard library, pydantic, PyYAML, hostlist, xxhash, optuna and boto3 (lazily). Never

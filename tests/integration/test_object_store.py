@@ -33,11 +33,7 @@ def store(lm_env, slurm_cluster):
     client.create_bucket(Bucket=bucket)
     yield lm_env, client, bucket
     object_store.up(lambda line: None)  # running again whatever the test left
-    for obj in client.list_objects_v2(Bucket=bucket).get("Contents", []):
-        client.delete_object(Bucket=bucket, Key=obj["Key"])
-    for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
-        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-    client.delete_bucket(Bucket=bucket)
+    object_store.remove_bucket(client, bucket)
 
 
 def test_cluster_up_s3_gives_a_real_s3_server_whose_acknowledged_writes_survive_sigkill(store):

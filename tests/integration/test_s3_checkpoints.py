@@ -32,12 +32,7 @@ def store(tmp_path):
     client.create_bucket(Bucket=bucket)
     yield CheckpointStore(client, S3Url.parse(f"s3://{bucket}/runs/demo/checkpoints"), workers=4)
     object_store.up(lambda line: None)  # running again whatever the test did to it
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for obj in page.get("Contents", []):
-            client.delete_object(Bucket=bucket, Key=obj["Key"])
-    for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
-        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-    client.delete_bucket(Bucket=bucket)
+    object_store.remove_bucket(client, bucket)
 
 
 def _checkpoint(root: Path, step: int, big: int = 0) -> Path:

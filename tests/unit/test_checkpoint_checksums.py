@@ -17,11 +17,11 @@ import pytest
 from launcher.cli import main
 from launcher.context import Context
 from launcher.submit.local_run import prepare_local_run
+from lmcore.digests import file_digest
 from lmcore.run.checkpoint_index import (
     CHECKSUM_ALGORITHM,
     CORRUPT_NAME,
     complete_checkpoints,
-    file_digest,
     incomplete_reason,
     manifest_checksums,
     mark_corrupt,

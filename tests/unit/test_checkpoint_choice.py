@@ -18,6 +18,7 @@ import pytest
 from launcher.planning.resolve import resolve
 from launcher.runs import registry as runs
 from launcher.submit import lifecycle
+from lmcore.digests import file_digest
 from lmcore.errors import UserError
 from lmcore.run import rundir
 from lmcore.run.checkpoint_index import (
@@ -25,7 +26,6 @@ from lmcore.run.checkpoint_index import (
     choose_for_resume,
     complete_checkpoints,
     describe_choice,
-    file_digest,
     scan,
 )
 

@@ -16,6 +16,7 @@ import pytest
 from launcher.commands.history import attempt_cluster
 from launcher.runs import far_copy
 from launcher.runs.registry import RunRecord
+from lmcore import digests
 from lmcore.run import checkpoint_index, run_layout
 from lmcore.slurm import client as slurm
 from lmcore.slurm.commands_target import CommandsTarget
@@ -31,7 +32,7 @@ def _checkpoint(ckpt_dir: Path, step: int, payload: bytes = b"weights") -> Path:
     (d / "meta.json").write_text(json.dumps({"step": step}))
     files = {p.name: p.stat().st_size for p in d.iterdir()}
     sums = {"algorithm": checkpoint_index.CHECKSUM_ALGORITHM,
-            "files": {name: checkpoint_index.file_digest(d / name) for name in files}}
+            "files": {name: digests.file_digest(d / name) for name in files}}
     (d / checkpoint_index.COMPLETE_NAME).write_text(json.dumps({"step": step, "files": files, "checksums": sums}))
     return d
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcore.digests import file_digest
 from lmcore.errors import UserError
 
 COMMIT_SUFFIX = ".commit"
-BLOCK = 8 << 20  # bytes hashed at a time
 PART = 64 << 20  # multipart threshold and part size
 _URL = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>.*?))?/?$")
 
@@ -78,16 +78,6 @@ class Removed:
 def step_of(name: str) -> int:
     m = re.search(r"(\d+)$", name)
     return int(m.group(1)) if m else -1
-
-
-def file_checksum(path: Path) -> str:
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while block := f.read(BLOCK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _error_code(exc: BaseException) -> str:
@@ -138,7 +128,7 @@ class CheckpointStore:
         def one(path: Path) -> tuple[str, dict[str, Any]]:
             rel = path.relative_to(local).as_posix()
             key = self._key(name, token, rel)
-            size, digest = path.stat().st_size, file_checksum(path)
+            size, digest = path.stat().st_size, file_digest(path)
             self._call(f"upload of {rel}", lambda: self.client.upload_file(str(path), self.url.bucket, key, Config=config))
             return rel, {"key": key, "bytes": size, "xxh3_128": digest}
 
@@ -196,7 +186,7 @@ class CheckpointStore:
             part = path.with_name(path.name + ".part")
             self._call(f"download of {rel}", lambda: self.client.download_file(
                 self.url.bucket, entry["key"], str(part), Config=config))
-            size, digest = part.stat().st_size, file_checksum(part)
+            size, digest = part.stat().st_size, file_digest(part)
             if size != int(entry["bytes"]) or digest != entry["xxh3_128"]:
                 part.unlink(missing_ok=True)
                 raise ObjectStoreError(f"{self.url}/{entry['key'].removeprefix(self._key() + '/')}: {size} bytes, "

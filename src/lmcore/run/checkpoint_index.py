@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.atomic import write_private
+from lmcore.digests import ALGORITHM, file_digest
 from lmcore.job.parallelism import Parallelism
 
 log = logging.getLogger("lmtrain.checkpoint.manager")
@@ -49,8 +50,7 @@ CORRUPT_NAME = "CORRUPT"  # written into a step directory whose files failed the
 LATEST_NAME = "latest"
 # The checksum of every file in COMPLETE's manifest: xxHash's XXH3-128, computed while the file is
 # written (lmtrain.checkpoint.checksums) at memory speed (a cryptographic hash would hold a stop-time save).
-CHECKSUM_ALGORITHM = "xxh3_128"
-_READ = 8 << 20
+CHECKSUM_ALGORITHM = ALGORITHM  # lmcore.digests: the manifest names it
 # How much of a checkpoint `--resume` reads on the login node to check its checksums before
 # submitting (about 4 s at 2 GB/s); a larger one is checked by the job's ranks as they load it,
 # each its share in parallel, falling back the same way.
@@ -112,17 +112,6 @@ def incomplete_reason(path: Path, *, rank: int | None = None, files: bool = True
         if actual != size:
             return f"{rel} is {actual:,} bytes, its manifest in {COMPLETE_NAME} says {size:,}"
     return None
-
-
-def file_digest(path: Path) -> str:
-    """The checksum of a file as the manifest records it (read in 8 MB pieces)."""
-    import xxhash  # only where files are checked: the CLI's listing never needs it
-
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while piece := f.read(_READ):
-            h.update(piece)
-    return h.hexdigest()
 
 
 def _complete(path: Path) -> dict[str, Any]:

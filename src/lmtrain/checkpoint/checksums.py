@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from lmcore.atomic import write_private
-from lmcore.run.checkpoint_index import CHECKSUM_ALGORITHM, file_digest
+from lmcore.digests import file_digest
+from lmcore.run.checkpoint_index import CHECKSUM_ALGORITHM
 
 SIDECAR_PREFIX = ".sums-rank-"
 _lock = threading.Lock()
