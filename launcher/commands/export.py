@@ -41,6 +41,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ctx.err(f"note: {trouble}: shown as last copied")
     plan = json.loads(rundir.RunLayout.of(run_dir).plan.read_text())
     ckpt_dir = rundir.checkpoint_dir_of(run_dir)
+    paths = plan.get("paths", {})
+    if paths.get("checkpoint_store"):  # kept in a bucket too: a newer one (or --step's) brought to this disk
+        from lmcore.run.bucket_fetch import fetch
+
+        got = fetch(paths["checkpoint_store"], paths["checkpoint_store_credentials"], ckpt_dir, step=args.step)
+        if got.step is not None or got.problem:
+            ctx.err(f"note: {got.said}")
     ckpts = complete_checkpoints(ckpt_dir)
     if not ckpts:
         raise UserError(f"run {run_dir.name} has nothing to export: {describe_choice(ckpt_dir)} in {ckpt_dir}")

@@ -188,8 +188,56 @@ def test_a_run_keeps_its_checkpoints_in_the_bucket_and_resumes_from_it_bit_ident
 
     disk, resumed = weights(tmp_path / "disk-ckpt" / "step-12"), weights(runs / "cut" / "checkpoints" / "step-12")
     assert disk.keys() == resumed.keys() and all(torch.equal(disk[k], resumed[k]) for k in disk)
+    # its export reads the bucket's checkpoint when the disk lost it
+    shutil.rmtree(runs / "cut" / "checkpoints" / "step-12")
+    out = io.StringIO()
+    code = main(["export", str(runs / "cut"), "--to", "hf", str(tmp_path / "hf")], Context(stdout=out, stderr=out, environ=env))
+    assert code == 0, out.getvalue()[-3000:]
+    assert f"note: checkpoint step-12: downloaded from {bucket_dir}" in out.getvalue(), out.getvalue()
+    assert (tmp_path / "hf" / "config.json").is_file()
     # no credential in anything the run wrote
     secret = json.loads(creds.read_text())["secret_key"]
     for f in (runs / "cut").rglob("*"):
         if f.is_file() and f.stat().st_size < 50 << 20:
             assert secret.encode() not in f.read_bytes(), f
+
+
+def test_refused_credentials_and_a_full_quota_cost_the_upload_never_the_run_nor_the_secret(store, tmp_path, caplog):
+    """The mirror's uploads (lmtrain.checkpoint.store_mirror) against a gateway that refuses: keys it
+    does not know, then a bucket quota smaller than the checkpoint. Each costs that upload (logged with
+    S3's reason, the step not in the bucket, nothing of it complete there) and nothing else; no log line
+    holds the secret key."""
+    import json
+    import logging
+    from types import SimpleNamespace
+
+    from lmtrain.checkpoint.store_mirror import StoreMirror
+
+    layout = object_store.store_layout()
+    good = Credentials.read(layout.credentials)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"endpoint": good.endpoint, "access_key": good.access_key,
+                                 "secret_key": "not-" + good.secret_key, "bucket": store.url.bucket}))
+    wrong.chmod(0o600)
+    url = f"s3://{store.url.bucket}/mirror"
+
+    def mirror(creds: Path) -> StoreMirror:
+        plan = SimpleNamespace(paths=SimpleNamespace(checkpoint_store=url, checkpoint_store_credentials=str(creds)))
+        return StoreMirror(plan, keep_last=2)
+
+    caplog.set_level(logging.INFO, logger="lmtrain.checkpoint.store_mirror")
+    refused = mirror(wrong)
+    refused.submit(_checkpoint(tmp_path, 10).rename(tmp_path / "step-10"))  # as the checkpoint directory names it
+    assert refused.close(wait_s=120) and 10 in refused.failed and not refused.pending
+    assert "SignatureDoesNotMatch" in refused.failed[10], refused.failed
+
+    admin = ["radosgw-admin", "-c", str(layout.conf), "-n", "client.rgw.a"]
+    object_store._run([*admin, "quota", "set", "--quota-scope=bucket", f"--bucket={store.url.bucket}", "--max-size=1048576"],
+                      "quota set")
+    object_store._run([*admin, "quota", "enable", "--quota-scope=bucket", f"--bucket={store.url.bucket}"], "quota enable")
+    full = mirror(layout.credentials)
+    full.submit(_checkpoint(tmp_path, 20).rename(tmp_path / "step-20"))  # 4 MB against a 1 MiB quota
+    assert full.close(wait_s=120) and 20 in full.failed
+    assert "QuotaExceeded" in full.failed[20], full.failed
+    assert CheckpointStore(store.client, S3Url.parse(url)).complete() == []
+    assert "not uploaded" in caplog.text and good.secret_key not in caplog.text

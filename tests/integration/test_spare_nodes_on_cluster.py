@@ -35,7 +35,6 @@ from preempt_helpers import (
     starts,
     submit,
     wait_held,
-    wait_step,
 )
 from shared_results import shared
 from slurm_helpers import DutyCycle, job_name, release_worker
@@ -102,18 +101,21 @@ def test_a_node_whose_slurmd_and_processes_die_is_replaced_by_the_spare_in_the_s
 
 @pytest.mark.serial  # ranks are compared with each other: no other test may load the machine
 def test_a_straggler_with_action_exclude_is_left_out_for_the_spare_and_the_run_ends_bit_identical(
-        reference, module_env, module_jobs, three_nodes):
+        reference, module_env, module_jobs, three_nodes, tmp_path):
     env = {**module_env, **three_nodes.environ()}
     name = job_name("sp", "slow-exclude")
+    released = tmp_path / "released"  # the ranks held at step 3 until rank 1 is slowed: it cannot end first
     job, run_dir = submit(env, name, "resources.spare_nodes=1", "health.stragglers.action=exclude",
-                          "health.stragglers.window=3", "health.stragglers.min_interval_s=0.5", pace_s=None)
+                          "health.stragglers.window=3", "health.stragglers.min_interval_s=0.5", pace_s=None,
+                          holds=(held_at(3, until=released),))
     module_jobs.append(job)
-    wait_step(run_dir, 2, attempt=1)
+    wait_held(run_dir, 3)
     records, problems = read_task_records(run_dir, job, 0)
     assert not problems and [(t.rank, t.node) for t in records] == [(0, "n1"), (1, "n2")], records
-    # slowed hard and early: the unpaced run must not end before a window of slow intervals is scored
-    # (fresh-clone R30: it completed first)
+    # slowed hard before it goes on: the unpaced run must not end before a window of slow intervals is
+    # scored (fresh-clone R30, and CI of 01036fa: it completed first when slowed only once it ran)
     with DutyCycle(next(t.pid for t in records if t.rank == 1), stopped_s=0.08, running_s=0.02):
+        released.touch()
         waiting.until(lambda: [e for e in ends(run_dir) if e["attempt"] == 1], progress=run_progress(run_dir, job),
                       what=f"{name}: attempt 1 ended", explain=lambda: str(ledger(run_dir)))
     finish(job, run_dir)

@@ -22,7 +22,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,11 +103,12 @@ class CheckpointStore:
         return "/".join(p for p in (self.url.prefix, *parts) if p)
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return fn()
-        except (BotoCoreError, ClientError) as exc:
+        except (BotoCoreError, ClientError, Boto3Error) as exc:  # Boto3Error: upload_file's S3UploadFailedError
             raise ObjectStoreError(f"{self.url}: {what}: {exc}") from exc
 
     def _transfer_config(self) -> Any:
@@ -116,9 +117,11 @@ class CheckpointStore:
         return TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=self.workers)
 
     # --- writing ------------------------------------------------------------------------------------
-    def upload(self, local: Path, name: str) -> Commit:
+    def upload(self, local: Path, name: str, *, digests: Mapping[str, str] | None = None) -> Commit:
         """Every file under ``local`` to keys of a fresh token, in parallel, then the commit. If another
-        upload of ``name`` committed first, its commit stands and this one's files are deleted."""
+        upload of ``name`` committed first, its commit stands and this one's files are deleted.
+        ``digests``: files' checksums already known (a checkpoint's manifest), by relative path; the
+        others are read to compute theirs."""
         files = sorted(p for p in local.rglob("*") if p.is_file())
         if not files:
             raise ObjectStoreError(f"{local}: no files to upload as {name}")
@@ -128,7 +131,7 @@ class CheckpointStore:
         def one(path: Path) -> tuple[str, dict[str, Any]]:
             rel = path.relative_to(local).as_posix()
             key = self._key(name, token, rel)
-            size, digest = path.stat().st_size, file_digest(path)
+            size, digest = path.stat().st_size, (digests or {}).get(rel) or file_digest(path)
             self._call(f"upload of {rel}", lambda: self.client.upload_file(str(path), self.url.bucket, key, Config=config))
             return rel, {"key": key, "bytes": size, "xxh3_128": digest}
 

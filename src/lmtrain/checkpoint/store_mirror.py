@@ -17,16 +17,16 @@ never from the plan, the environment or a command line, and never logged.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
-import shutil
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from lmcore.run.checkpoint_index import STEP_RE, complete_checkpoints
+from lmcore.run.checkpoint_index import CHECKSUM_ALGORITHM, COMPLETE_NAME, STEP_RE, complete_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,6 @@ class StoreMirror:
         self.failed: dict[int, str] = {}
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-
-    @classmethod
-    def of(cls, plan: Any, keep_last: int) -> StoreMirror | None:
-        return cls(plan, keep_last) if getattr(plan.paths, "checkpoint_store", None) else None
 
     # --- uploads ------------------------------------------------------------------------------------
     def submit(self, path: Path) -> None:
@@ -105,13 +101,11 @@ class StoreMirror:
                 return out
 
     def _upload(self, path: Path) -> None:
-        from lmcore.objects.checkpoints import ObjectStoreError
-
         t0 = time.perf_counter()
         try:
-            commit = self.store.upload(path, path.name)
+            commit = self.store.upload(path, path.name, digests=_manifest_digests(path))
             removed = self.store.retain(self.keep_last)
-        except (ObjectStoreError, OSError) as exc:
+        except Exception as exc:  # whatever the client raises costs this upload, never the thread
             log.warning("checkpoint %s: not uploaded to %s (%s); training goes on, the next checkpoint tries again",
                         path.name, self.url, exc)
             self._done(path, str(exc))
@@ -142,42 +136,26 @@ class StoreMirror:
         return True
 
 
+def _manifest_digests(path: Path) -> dict[str, str]:
+    """The checksums the checkpoint's COMPLETE already holds (computed as its files were written), so
+    that the upload does not read every file once more to compute them; {} when it holds none."""
+    try:
+        sums = json.loads((path / COMPLETE_NAME).read_text()).get("checksums") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    files = sums.get("files") if sums.get("algorithm") == CHECKSUM_ALGORITHM else None
+    return {str(k): str(v) for k, v in files.items()} if isinstance(files, dict) else {}
+
+
 def fetch_newer(plan: Any) -> int | None:
     """Rank 0, before it chooses the checkpoint to resume from: the bucket's newest complete checkpoint
-    downloaded into the checkpoint directory, verified, when it is newer than the disk's newest complete
-    one; its step, else None. A store that cannot be read is logged and the disk's checkpoints used."""
+    downloaded, verified, when it is newer than the disk's (lmcore.run.bucket_fetch); its step, else None.
+    Said on stderr: the attempt's log is not set up yet."""
     if not getattr(plan.paths, "checkpoint_store", None):
         return None
-    from lmcore.objects.checkpoints import ObjectStoreError, step_of
+    from lmcore.run.bucket_fetch import fetch
 
-    try:
-        mirror = StoreMirror(plan, keep_last=1)
-        names = mirror.store.complete()
-    except (ObjectStoreError, OSError) as exc:
-        _say(f"cannot list {plan.paths.checkpoint_store} ({exc}): resuming from this disk's checkpoints")
-        return None
-    local = complete_checkpoints(plan.paths.checkpoint_dir)
-    newest_local = local[-1].step if local else -1
-    if not names or step_of(names[-1]) <= newest_local:
-        return None
-    name, ckpt_dir = names[-1], Path(plan.paths.checkpoint_dir)
-    tmp = ckpt_dir / f".{name}.download"
-    shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.perf_counter()
-    try:
-        commit = mirror.store.download(name, tmp)
-    except (ObjectStoreError, OSError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _say(f"cannot download {name} from {mirror.url} ({exc}): resuming from this disk's checkpoints")
-        return None
-    final = ckpt_dir / name
-    shutil.rmtree(final, ignore_errors=True)  # an incomplete one of the same step
-    tmp.rename(final)
-    _say(f"checkpoint {name}: downloaded from {mirror.url} ({commit.bytes / 1e9:.2f} GB in "
-         f"{time.perf_counter() - t0:.1f}s, verified), newer than this disk's")
-    return step_of(name)
-
-
-def _say(line: str) -> None:
-    """Before the attempt's logging is set up (rank 0 decides where it resumes from): its log, by stderr."""
-    print(f"lmtrain: {line}", file=sys.stderr, flush=True)
+    got = fetch(plan.paths.checkpoint_store, plan.paths.checkpoint_store_credentials, plan.paths.checkpoint_dir)
+    if got.step is not None or got.problem:
+        print(f"lmtrain: {got.said}", file=sys.stderr, flush=True)
+    return got.step
