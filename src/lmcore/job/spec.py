@@ -364,13 +364,22 @@ class CheckpointSpec(StrictModel):
 
     dir: Annotated[str, AfterValidator(_checkpoint_location)] | None = None
     """Checkpoint directory; defaults to <run dir>/checkpoints. ``s3://BUCKET/PREFIX``: complete checkpoints are
-    also kept in that bucket (the profile's object_store names its credentials file): each is written to
+    also kept in that bucket (the profile's object_store_credentials names its credentials file): each is written to
     <run dir>/checkpoints as always, then uploaded in the background, and an attempt that finds a newer one in
     the bucket than on its disk downloads it first (another cluster, a node-local disk); keep_last applies to both."""
     every_n_steps: int = Field(100, ge=1, le=10**10)
     """Periodic checkpoint, the fallback when no warning signal comes."""
     keep_last: int = Field(3, ge=1, le=10_000)
     """Complete checkpoints to keep."""
+    async_save: bool = True
+    """Periodic checkpoints and the stop's checkpoint staged (every strategy): training waits only
+    while the state is copied into host memory (one more copy of it in RAM, reserved at the
+    attempt's first step: DDP's whole state on rank 0, each rank's own shards for DeepSpeed and
+    FSDP; the plan's host memory line counts it); the writes and COMPLETE follow on a thread per
+    writing rank (every rank writes its shards in parallel), at most one save in flight. At a stop
+    the attempt ends, and requeues, only once that checkpoint is durable. The final checkpoint of
+    a finished run is synchronous; false: every checkpoint is."""
+
     @property
     def store(self) -> str | None:
         """The bucket's location (``s3://...``) when the checkpoints are kept in one."""
@@ -380,15 +389,6 @@ class CheckpointSpec(StrictModel):
     def local_dir(self) -> str | None:
         """The directory the spec names (None: the run directory's, also for a bucket)."""
         return None if self.store is not None else self.dir
-
-    async_save: bool = True
-    """Periodic checkpoints and the stop's checkpoint staged (every strategy): training waits only
-    while the state is copied into host memory (one more copy of it in RAM, reserved at the
-    attempt's first step: DDP's whole state on rank 0, each rank's own shards for DeepSpeed and
-    FSDP; the plan's host memory line counts it); the writes and COMPLETE follow on a thread per
-    writing rank (every rank writes its shards in parallel), at most one save in flight. At a stop
-    the attempt ends, and requeues, only once that checkpoint is durable. The final checkpoint of
-    a finished run is synchronous; false: every checkpoint is."""
 
 
 class PreemptionSpec(StrictModel):

@@ -362,12 +362,12 @@ class CheckpointManager:
     def prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints (and those ``keep_also`` names); drop
         stale temporaries."""
-        keep_also, mirror = self.keep_also, self.mirror
-        if mirror is None:
-            completion.prune(self.dir, self.keep_last, keep_also)
-            return
-        completion.prune(self.dir, self.keep_last,
-                         lambda steps: (keep_also(steps) if keep_also is not None else set()) | mirror.kept(steps))
+        completion.prune(self.dir, self.keep_last, self._kept_also)
+
+    def _kept_also(self, steps: list[int]) -> set[int]:
+        """Beyond keep_last: what an evaluator alongside has still to score, what is not in the bucket yet."""
+        return ((self.keep_also(steps) if self.keep_also is not None else set())
+                | (self.mirror.kept(steps) if self.mirror is not None else set()))
 
 
 def _files_written_by(root: Path, rank: int) -> Iterator[Path]:

@@ -44,7 +44,6 @@ class StoreMirror:
         self.keep_last = keep_last
         self.waiting: queue.Queue[Path | None] = queue.Queue()
         self.pending: set[int] = set()  # steps queued or uploading: local retention keeps them
-        self.uploaded: set[int] = set()
         self.failed: dict[int, str] = {}
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
@@ -52,11 +51,10 @@ class StoreMirror:
     # --- uploads ------------------------------------------------------------------------------------
     def submit(self, path: Path) -> None:
         """Queue the complete checkpoint ``path`` (rank 0, when it completes)."""
-        m = STEP_RE.fullmatch(path.name)
-        if not m:
+        if not STEP_RE.fullmatch(path.name):
             return
         with self.lock:
-            self.pending.add(int(m.group(1)))
+            self.pending.add(_step(path))
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="lmtrain-store-upload", daemon=True)
             self.thread.start()
@@ -86,7 +84,7 @@ class StoreMirror:
         while not stop:
             got = [self.waiting.get(), *self._drain()]
             stop = None in got
-            paths = sorted((p for p in got if p is not None), key=lambda q: int(q.name.split("-")[1]))
+            paths = sorted((p for p in got if p is not None), key=_step)
             for p in paths[:-1]:  # only the newest of those waiting: the others are superseded
                 self._done(p, None)
             if paths:
@@ -112,14 +110,12 @@ class StoreMirror:
             return
         log.info("checkpoint %s: in %s (%.2f GB in %.1fs%s)", path.name, self.url, commit.bytes / 1e9,
                  time.perf_counter() - t0, f"; removed there: {', '.join(removed.checkpoints)}" if removed.checkpoints else "")
-        self._done(path, None, uploaded=True)
+        self._done(path, None)
 
-    def _done(self, path: Path, error: str | None, uploaded: bool = False) -> None:
-        step = int(path.name.split("-")[1])
+    def _done(self, path: Path, error: str | None) -> None:
+        step = _step(path)
         with self.lock:
             self.pending.discard(step)
-            if uploaded:
-                self.uploaded.add(step)
             if error is not None:
                 self.failed[step] = error
 
@@ -134,6 +130,10 @@ class StoreMirror:
                         "the disk's (the next attempt uploads it)", self.url, wait_s)
             return False
         return True
+
+
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
 
 
 def _manifest_digests(path: Path) -> dict[str, str]:
