@@ -30,7 +30,7 @@ from launcher.spec import excluded_nodes
 from launcher.spec.jobfile import load_job_with_origin
 from launcher.spec.profiles import Profile, check_slurm_path, expand_path, load_profile
 from launcher.spec.validation import located
-from lmcore.errors import SpecError
+from lmcore.errors import SpecError, UserError
 from lmcore.job.plan import LaunchPlan
 from lmcore.job.spec import JobSpec
 
@@ -206,6 +206,21 @@ def _load_spec(spec_path: str, overrides: list[str], cluster: str | None, severa
     return spec, origin
 
 
+def _credentials_problems(plan: LaunchPlan, profile: str) -> list[str]:
+    """A bucket's credentials file, where the nodes' path can be read from here: one the attempt
+    would refuse (missing, readable by others, not the JSON it must be) refused now, naming the key."""
+    path = plan.paths.checkpoint_store_credentials
+    if not path:
+        return []
+    from lmcore.objects.credentials import Credentials
+
+    try:
+        Credentials.read(Path(path))
+    except UserError as exc:
+        return [f"profile '{profile}' object_store_credentials (for checkpoint.dir {plan.paths.checkpoint_store}): {exc}"]
+    return []
+
+
 def resolve(
     spec_path: str,
     overrides: list[str] | None = None,
@@ -245,6 +260,7 @@ def resolve(
         if check_data:
             seen_here = profile.login is None and profile.submit.via != "rest"
             problems, notes = store_path_checks(stores, seen_here=seen_here, later=data_later)
+            problems += _credentials_problems(plan, profile.name) if seen_here else []
             if problems:
                 raise SpecError(problems)
             plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))

@@ -201,6 +201,15 @@ def test_checkpoints_in_a_bucket_need_the_profiles_credentials_and_a_well_formed
         r = assert_refused(sandbox, [args[0], str(sandbox.spec), "checkpoint.dir=s3://lmlaunch/runs/x", *args[1:]],
                            "needs S3 credentials")
         assert "set object_store_credentials in it" in r.err, r.err
+    # a credentials file the attempt would refuse is refused now, where the nodes' path is readable here
+    creds = sandbox.root / "s3.json"
+    creds.write_text('{"endpoint": "http://127.0.0.1:7480", "access_key": "a", "secret_key": "b"}')
+    creds.chmod(0o644)
+    (sandbox.root / "profiles" / "s3.yaml").write_text(
+        (REPO / "cluster_profiles" / "local.yaml").read_text() + f"object_store_credentials: {creds}\n")
+    r = assert_refused(sandbox, ["validate", str(sandbox.spec), "checkpoint.dir=s3://lmlaunch/runs/x", "--cluster", "s3"],
+                       "profile 's3' object_store_credentials")
+    assert "has mode 644; it must be readable by its owner only (chmod 600" in r.err, r.err
     r = assert_refused(sandbox, ["validate", str(sandbox.spec), "checkpoint.dir=s3://Not_A_Bucket/x"], "checkpoint.dir")
     assert "not an S3 location; write s3://BUCKET/PREFIX" in r.err, r.err
     assert not list(sandbox.spec.parent.rglob("*:")), "a directory named after the URL's scheme"
