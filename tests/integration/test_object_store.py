@@ -19,10 +19,16 @@ from botocore.exceptions import ClientError
 from preempt_helpers import lm
 
 from launcher.localcluster import object_store
+from tests import gateway
 
 
 @pytest.fixture
 def store(lm_env, slurm_cluster):
+    with gateway.alone():  # the test kills and stops the gateway: no other test may use it meanwhile
+        yield from _store(lm_env)
+
+
+def _store(lm_env):
     code, out, err = lm(lm_env, "cluster", "up", "--s3")
     assert code == 0, out + err
     creds = object_store.Credentials.read(object_store.store_layout().credentials)

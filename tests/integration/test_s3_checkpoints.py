@@ -13,6 +13,7 @@ import shutil
 import signal
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,11 @@ from launcher.localcluster import object_store
 from lmcore.errors import UserError
 from lmcore.objects.checkpoints import COMMIT_SUFFIX, PART, CheckpointStore, ObjectStoreError, S3Url
 from lmcore.objects.credentials import Credentials, s3_client
-from tests.waiting import until
+from tests import gateway
+from tests.waiting import HANG_S, until
 
 
-@pytest.fixture
-def store(tmp_path):
+def _bucket_store() -> Iterator[CheckpointStore]:
     creds = object_store.up(lambda line: None)
     client = s3_client(creds)
     bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
@@ -33,6 +34,20 @@ def store(tmp_path):
     yield CheckpointStore(client, S3Url.parse(f"s3://{bucket}/runs/demo/checkpoints"), workers=4)
     object_store.up(lambda line: None)  # running again whatever the test did to it
     object_store.remove_bucket(client, bucket)
+
+
+@pytest.fixture
+def store():
+    """A bucket of the test's own on the gateway, which other tests use meanwhile."""
+    with gateway.shared():
+        yield from _bucket_store()
+
+
+@pytest.fixture
+def store_alone():
+    """The same, for a test that kills the gateway: no other test uses it meanwhile."""
+    with gateway.alone():
+        yield from _bucket_store()
 
 
 def _checkpoint(root: Path, step: int, big: int = 0) -> Path:
@@ -77,7 +92,8 @@ def test_an_uploaded_checkpoint_is_complete_by_its_commit_and_reads_back_verifie
     assert not (elsewhere / "weights" / "rank-1.pt").exists()
 
 
-def test_an_upload_cut_by_the_gateways_death_is_never_complete_and_retention_clears_it(store, tmp_path):
+def test_an_upload_cut_by_the_gateways_death_is_never_complete_and_retention_clears_it(store_alone, tmp_path):
+    store = store_alone
     store.upload(_checkpoint(tmp_path, 5), "step-5")
     cut = _checkpoint(tmp_path, 10, big=6 * PART)  # several parts in flight when the gateway dies
     failed: list[BaseException] = []
@@ -228,7 +244,7 @@ def test_refused_credentials_and_a_full_quota_cost_the_upload_never_the_run_nor_
     caplog.set_level(logging.INFO, logger="lmtrain.checkpoint.store_mirror")
     refused = mirror(wrong)
     refused.submit(_checkpoint(tmp_path, 10).rename(tmp_path / "step-10"))  # as the checkpoint directory names it
-    assert refused.close(wait_s=120) and 10 in refused.failed and not refused.pending
+    assert refused.close(wait_s=HANG_S) and 10 in refused.failed and not refused.pending
     assert "SignatureDoesNotMatch" in refused.failed[10], refused.failed
 
     admin = ["radosgw-admin", "-c", str(layout.conf), "-n", "client.rgw.a"]
@@ -237,7 +253,7 @@ def test_refused_credentials_and_a_full_quota_cost_the_upload_never_the_run_nor_
     object_store._run([*admin, "quota", "enable", "--quota-scope=bucket", f"--bucket={store.url.bucket}"], "quota enable")
     full = mirror(layout.credentials)
     full.submit(_checkpoint(tmp_path, 20).rename(tmp_path / "step-20"))  # 4 MB against a 1 MiB quota
-    assert full.close(wait_s=120) and 20 in full.failed
+    assert full.close(wait_s=HANG_S) and 20 in full.failed
     assert "QuotaExceeded" in full.failed[20], full.failed
     assert CheckpointStore(store.client, S3Url.parse(url)).complete() == []
     assert "not uploaded" in caplog.text and good.secret_key not in caplog.text
