@@ -2,7 +2,9 @@
 with lm-evaluation-harness as an ordinary SLURM job, the way the evaluator alongside the training
 scores them (eval.alongside: the same module, records and tasks), for a run trained without one or
 with other tasks. Scores go to the run's ``eval/scores.jsonl``: a checkpoint scored already with the
-tasks asked is not scored again (with other tasks, a further line of its scores); ``status``, ``history``, the exporter and the dashboard show them."""
+tasks asked is not scored again (with other tasks, a further line of its scores); ``status``, ``history``, the exporter and the dashboard show them.
+A run whose checkpoints are in a bucket (checkpoint.dir s3://) has those scored too: the job downloads
+each one the disk lacks, verified, before it scores it."""
 
 from __future__ import annotations
 
@@ -62,12 +64,26 @@ def evaluator_for(plan: LaunchPlan, args: argparse.Namespace) -> EvaluatorPlan:
     return dataclasses.replace(base, **change)
 
 
-def _check(ev: EvaluatorPlan, run_dir: Path, steps: str | None) -> list[int]:
+def _bucket_steps(plan: LaunchPlan) -> list[int]:
+    """The steps complete in the run's bucket (checkpoint.dir s3://), which the job downloads before it
+    scores them; [] for a run without one. A bucket that cannot be listed from here is refused."""
+    if not plan.paths.checkpoint_store:
+        return []
+    from lmcore.objects.checkpoints import CheckpointStore, ObjectStoreError, step_of
+
+    try:
+        return [step_of(n) for n in CheckpointStore.at(plan.paths.checkpoint_store,
+                                                        plan.paths.checkpoint_store_credentials or "").complete()]
+    except (ObjectStoreError, OSError) as exc:
+        raise UserError(f"cannot list the run's checkpoints in {plan.paths.checkpoint_store}: {exc}", exit_code=1) from exc
+
+
+def _check(ev: EvaluatorPlan, run_dir: Path, steps: str | None, plan: LaunchPlan) -> list[int]:
     """The steps to score (exit 2 on a bad task, directory or step; nothing submitted)."""
     bad = [f"--task-dir {d}: not a directory" for d in ev.task_dirs if not Path(d).is_dir()]
     unknown, looked = eval_tasks.unknown_tasks(ev.tasks, ev.task_dirs, ev.python or None)
     bad += [f"--tasks: lm-eval knows no task '{t}'" for t in unknown] if looked else []
-    found = [c.step for c in complete_checkpoints(rundir.checkpoint_dir_of(run_dir))]
+    found = sorted({c.step for c in complete_checkpoints(rundir.checkpoint_dir_of(run_dir))} | {*_bucket_steps(plan)})
     asked = [int(s) for s in steps.split(",")] if steps else found
     bad += [f"--steps: step {s} has no complete checkpoint (complete: {', '.join(map(str, found)) or 'none'})"
             for s in asked if s not in found]
@@ -88,7 +104,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError(f"{run_dir} was planned as {plan.paths.run_dir} (archived or moved): its plan names another "
                         "directory's checkpoints; evaluate the run where it lives", exit_code=2)
     ev = evaluator_for(plan, args)
-    todo = _check(ev, run_dir, args.steps)
+    todo = _check(ev, run_dir, args.steps, plan)
     if not todo:
         ctx.out(f"run {plan.run_name}: every asked checkpoint is scored already (`lmlaunch history {plan.run_name}`)")
         return 0

@@ -94,8 +94,8 @@ def note(e: Evaluation, run: str) -> str:
         more = len(latest["scores"]) - len(shown)
         parts.append(f"eval step {latest['step']}: " + ", ".join(f"{k} {_num(v)}" for k, v in shown)
                      + (f" (+{more} more: `lmlaunch history {run}`)" if more > 0 else ""))
-    elif (e.state or {}).get("state") == "scoring":
-        parts.append(f"evaluator scoring step {(e.state or {}).get('step')}")
+    elif (e.state or {}).get("state") in ("scoring", "downloading"):  # downloading: from the run's bucket
+        parts.append(f"evaluator {(e.state or {})['state']} step {(e.state or {}).get('step')}")
     bad = trouble(e)
     if bad:
         parts.append(bad.replace("RUN", run))

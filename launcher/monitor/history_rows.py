@@ -231,6 +231,11 @@ def _ledger_notes(ledger: Sequence[Mapping[str, Any]]) -> list[str]:
                          f"({x.get('detail', '')}); {instead}")
         elif x.get("event") in ("moved", "move_failed", "move_abandoned"):  # launcher.submit.mover: several clusters
             notes.append(_move_note(x))
+        elif x.get("event") == "end" and isinstance(x.get("bucket"), dict) and not x["bucket"].get("uploaded", True):
+            b = x["bucket"]  # lmtrain.checkpoint.store_mirror: its newest checkpoint's upload failed
+            notes.append(f"attempt {x.get('attempt')}: its last checkpoint step-{b.get('step')} is not in "
+                         f"{b.get('store')} ({b.get('error')}): on that cluster's disk only; the next attempt there "
+                         "uploads it")
         elif x.get("event") == "straggler":  # lmtrain.health.straggler_watch
             said = straggler_lines.describe(x)
             if x.get("state") == "start":
@@ -248,7 +253,7 @@ def _move_note(x: Mapping[str, Any]) -> str:
     when = time.strftime("%m-%d %H:%M:%S", time.localtime(float(x.get("time") or 0)))
     if x.get("event") == "moved":
         return (f"{when}: moved from {x.get('from')} (job {x.get('from_job')}, queued) to {x.get('to')} "
-                f"(job {x.get('to_job')}): {x.get('why')}")
+                f"(job {x.get('to_job')}): {x.get('why')}" + (f"; {x['checkpoint']}" if x.get("checkpoint") else ""))
     if x.get("event") == "move_abandoned":
         return (f"{when}: a move from {x.get('from')} (job {x.get('from_job')}) to {x.get('to')} was abandoned "
                 f"({x.get('error')}); the job stayed queued there")

@@ -210,13 +210,8 @@ def pull(local_run_dir: Path, far: FarRun, *, checkpoint: bool = False) -> str |
     merge_ledger(run_layout.RunLayout.of(local_run_dir).ledger, _far_text(far, run_layout.LEDGER))
     if not checkpoint:
         return None
-    answer = far.shell(far.lmlaunch_argv("_checkpoint", "newest", f"{far.run_dir}/{far.checkpoints}"))
-    said = _last_json(answer.stdout)
-    if said is None:
-        raise CopyFailed(f"{far.cluster}: could not list its checkpoints: "
-                         f"{(answer.stderr or answer.stdout).strip()[-600:]}")
-    name = said.get("newest")
-    if not isinstance(name, str) or not checkpoint_index.STEP_RE.fullmatch(name):
+    name = newest_there(far)
+    if name is None:
         return None
     into = local_run_dir / far.checkpoints
     here = into / name
@@ -231,6 +226,18 @@ def pull(local_run_dir: Path, far: FarRun, *, checkpoint: bool = False) -> str |
         raise CopyFailed(f"the copy of checkpoint {name} from {far.cluster} does not match its checksums "
                          f"({'; '.join(problems[:3])}): removed here")
     return str(name)
+
+
+def newest_there(far: FarRun) -> str | None:
+    """The name of the newest complete checkpoint of the run's copy on ``far`` (None: none), asked
+    there (``lmlaunch _checkpoint newest``); :class:`CopyFailed` when it cannot be asked."""
+    answer = far.shell(far.lmlaunch_argv("_checkpoint", "newest", f"{far.run_dir}/{far.checkpoints}"))
+    said = _last_json(answer.stdout)
+    if said is None:
+        raise CopyFailed(f"{far.cluster}: could not list its checkpoints: "
+                         f"{(answer.stderr or answer.stdout).strip()[-600:]}")
+    name = said.get("newest")
+    return name if isinstance(name, str) and checkpoint_index.STEP_RE.fullmatch(name) else None
 
 
 def _last_json(text: str) -> dict[str, Any] | None:

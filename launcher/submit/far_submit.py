@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from launcher.planning import transport
-from launcher.runs import far_copy
+from launcher.runs import far_copy, shared_bucket
 from launcher.spec.profiles import Profile
 from lmcore.errors import SlurmUnavailable, UserError
 from lmcore.job.plan import LaunchPlan
@@ -48,11 +48,13 @@ def far_run(profile: Profile, plan: LaunchPlan) -> far_copy.FarRun:
 def submit_there(plan: LaunchPlan, far: far_copy.FarRun) -> str:
     """The run (its directory here, opened already) copied to ``far`` and submitted there; its job
     id (an earlier run's copy of its name there is set aside first). Nothing is queued when the
-    copy fails its checks. When the answer is lost after the lmlaunch
+    copy fails its checks; its checkpoint is not copied when the run's bucket holds it. When the answer is lost after the lmlaunch
     there may have submitted (the connection dropped, no answer in time), the job it queued under
     the run's name is found and taken (never a second one)."""
-    choice = choose_for_resume(plan.paths.checkpoint_dir)
-    far_copy.push(Path(plan.paths.run_dir), far, choice.chosen.path if choice.chosen else None)
+    chosen = choose_for_resume(plan.paths.checkpoint_dir).chosen
+    if chosen is not None and shared_bucket.holds_newest(Path(plan.paths.run_dir), plan, chosen.path.name).name:
+        chosen = None  # in the run's bucket: the attempt there downloads it (lmtrain.checkpoint.store_mirror)
+    far_copy.push(Path(plan.paths.run_dir), far, chosen.path if chosen else None)
     words = ("submit", f"{far.run_dir}/spec.yaml", "--resume", "--cluster", far.profile, "clusters=null", "move=null")
     started = time.time()
     try:

@@ -29,7 +29,7 @@ from launcher.context import Context
 from launcher.planning import transport
 from launcher.planning.clusters import HELD, Answer, Queued, move_target, plan_each
 from launcher.planning.resolve import Resolved, resolve
-from launcher.runs import far_copy, registry as runs
+from launcher.runs import far_copy, registry as runs, shared_bucket
 from launcher.runs.run_lock import run_lock
 from launcher.submit.far_submit import far_run
 from launcher.submit.start_estimates import answer_s, ask, describe
@@ -125,9 +125,10 @@ def move(rec: runs.RunRecord, q: Queued, dest: Resolved, why: str, ctx: Context,
         if layout.cancelled.exists() or layout.done.exists() or now_rec.last_job_id != q.job_id:
             say(f"run '{rec.name}' changed meanwhile (cancelled, done or submitted again): not moved")
             return None
+        done: list[str] = []  # what was done with the checkpoint
         try:
             with transport.through(transport.job_target(now_rec, q.job_id, env), exactly=True):
-                if not _hold_and_cancel(q, say, lambda: _copy_for_move(now_rec, q, dest, say)):
+                if not _hold_and_cancel(q, say, lambda: done.append(_copy_for_move(now_rec, q, dest, say))):
                     return None
         except far_copy.CopyFailed as exc:  # released: it waits where it was
             say(f"move to {dest.profile.name} abandoned: {exc.message}; job {q.job_id} stays queued on {q.cluster}")
@@ -156,7 +157,7 @@ def move(rec: runs.RunRecord, q: Queued, dest: Resolved, why: str, ctx: Context,
             return None
         job = (runs.load_record(rec.name, env) or now_rec).last_job_id
         _note(layout, "moved", {"from": q.cluster, "from_job": q.job_id, "to": dest.profile.name, "to_job": job,
-                                "why": why})
+                                "why": why, "checkpoint": done[-1] if done else None})
         say(out.getvalue().rstrip())
         return job
 
@@ -182,20 +183,32 @@ def _hold_and_cancel(q: Queued, say: Any, prepare: Any) -> bool:
     return True
 
 
-def _copy_for_move(rec: runs.RunRecord, q: Queued, dest: Resolved, say: Any) -> None:
+def _copy_for_move(rec: runs.RunRecord, q: Queued, dest: Resolved, say: Any) -> str:
     """While the queued job is held: the run's newest checkpoint brought here from the cluster over
     SSH it waits on, and copied to the cluster over SSH it goes to, each copy checked against its
-    manifest (:class:`far_copy.CopyFailed`: the move is abandoned)."""
+    manifest (:class:`far_copy.CopyFailed`: the move is abandoned); none of it when the run's bucket,
+    which every cluster reads, holds that checkpoint (launcher.runs.shared_bucket). What was done
+    with the checkpoint, for the ledger."""
     run_dir = Path(rec.run_dir)
-    if (source := far_copy.of_record(rec, q.job_id)) is not None:
-        name = far_copy.pull(run_dir, source, checkpoint=True)
-        say(f"copied from {source.where}: its files, and checkpoint {name or '(none yet)'}, checked")
+    source = far_copy.of_record(rec, q.job_id)
+    if source is None and dest.profile.login is None:
+        return "on the run directory both clusters share"
+    newest = far_copy.newest_there(source) if source is not None else far_copy.newest(Path(dest.plan.paths.checkpoint_dir))
+    bucket = shared_bucket.holds_newest(run_dir, dest.plan, newest)
+    if bucket.said:
+        say(bucket.said)
+    copy, name = bucket.name is None, None
+    if source is not None:
+        name = far_copy.pull(run_dir, source, checkpoint=copy)
+        say(f"copied from {source.where}: its files" + (f", and checkpoint {name or '(none yet)'}, checked" if copy else ""))
     if dest.profile.login is not None:
         far = far_run(dest.profile, dest.plan)
-        chosen = choose_for_resume(dest.plan.paths.checkpoint_dir).chosen
+        chosen = choose_for_resume(dest.plan.paths.checkpoint_dir).chosen if copy else None
         far_copy.push(run_dir, far, chosen.path if chosen else None)
-        say(f"copied to {far.where}: the run directory, and checkpoint {chosen.path.name if chosen else '(none yet)'}, "
-            "checked there")
+        name = chosen.path.name if chosen else name
+        say(f"copied to {far.where}: the run directory" + (
+            f", and checkpoint {chosen.path.name if chosen else '(none yet)'}, checked there" if copy else ""))
+    return bucket.said if not copy else f"checkpoint {name or '(none yet)'} copied over ssh, checked"
 
 
 def _back(rec: runs.RunRecord, cluster: str, ctx: Context, quiet: Context, say: Any) -> str | None:

@@ -211,6 +211,21 @@ def test_a_run_keeps_its_checkpoints_in_the_bucket_and_resumes_from_it_bit_ident
     assert code == 0, out.getvalue()[-3000:]
     assert f"note: checkpoint step-12: downloaded from {bucket_dir}" in out.getvalue(), out.getvalue()
     assert (tmp_path / "hf" / "config.json").is_file()
+    # `lmlaunch eval` scores the bucket's checkpoints: the job asks for both, its evaluator downloads them
+    for step in (8, 12):
+        shutil.rmtree(runs / "cut" / "checkpoints" / f"step-{step}", ignore_errors=True)
+    out = io.StringIO()
+    code = main(["eval", str(runs / "cut"), "--dry-run"], Context(stdout=out, stderr=out, environ=env))
+    assert code == 0 and "--once --steps 8,12" in out.getvalue(), out.getvalue()[-3000:]
+    from lmcore.run.checkpoint_index import complete_checkpoints, verify
+    from lmcore.run.eval_alongside import EvaluatorPlan
+    from lmtrain.evaluator.main import Evaluator
+
+    ev = EvaluatorPlan(partition="low", nodes=1, cpus_per_task=1, gpus=0, gres=None, mem=None, tasks=("t",))
+    evaluator = Evaluator(runs / "cut", plan, ev, once=True, steps=None)
+    evaluator.from_bucket()
+    assert [c.step for c in complete_checkpoints(runs / "cut" / "checkpoints")] == [8, 12]
+    assert not verify(runs / "cut" / "checkpoints" / "step-8")
     # no credential in anything the run wrote
     secret = json.loads(creds.read_text())["secret_key"]
     for f in (runs / "cut").rglob("*"):

@@ -328,6 +328,58 @@ def test_a_run_moves_to_a_cluster_over_ssh_its_checkpoint_copied_checked_and_bro
     assert (row["job_id"], row["cluster"]) == (second, "viassh") and row["state"] in ("COMPLETED", "RUNNING"), row
 
 
+def test_a_run_whose_checkpoints_are_in_one_bucket_moves_over_ssh_copying_none(over_ssh, jobs):
+    """Both clusters' profiles name the local cluster's S3 gateway: preempted on the first, the stop
+    checkpoint is uploaded (the end line says so), the move copies only the run directory (the bucket
+    holds the newest checkpoint, said in the ledger), the attempt there downloads it and the run ends
+    bit-identical to the uninterrupted one."""
+    import uuid
+
+    from launcher.localcluster import object_store
+    from lmcore.objects.credentials import s3_client
+    from tests import gateway
+
+    env, _, far_runs = over_ssh
+    reference = shared("preempt-ddp-reference", lambda: ddp_reference(env, jobs))
+    name = job_name("mc", "bucket")
+    with gateway.shared():
+        creds = object_store.up(lambda line: None)
+        client, bucket = s3_client(creds), f"mc-{uuid.uuid4().hex[:12]}"
+        client.create_bucket(Bucket=bucket)
+        line = f"object_store_credentials: {object_store.store_layout().credentials}\n"
+        for profile in (Path(env["LMLAUNCH_HOME"]) / "profiles" / "here.yaml", far_runs.parent / "far-home" / "profiles"
+                        / "there.yaml", Path(env["LMLAUNCH_HOME"]) / "profiles" / "viassh.yaml"):
+            if line not in profile.read_text():
+                profile.write_text(profile.read_text() + line)
+        try:
+            store = f"s3://{bucket}/runs/{name}"
+            first, run_dir = submit(env, name, "clusters=[here, viassh]", MOVE, f"checkpoint.dir={store}",
+                                    holds=(held_at(16),))
+            jobs.append(first)
+            wait_held(run_dir, 16)
+            code, out, err = lm(env, "preempt", name, "--mode", "requeue")
+            assert code == 0, out + err
+            _wait_done(run_dir, f"run {name} moved over ssh through its bucket and done")
+        finally:
+            object_store.remove_bucket(client, bucket)
+    stop = ends(run_dir)[0]
+    assert stop["reason"] == "preempted" and stop["bucket"] == {"step": stop["end_step"], "store": store,
+                                                                 "uploaded": True}, stop
+    moved = [e for e in ledger(run_dir) if e.get("event") == "moved"]
+    assert len(moved) == 1 and (moved[0]["from_job"], moved[0]["to"]) == (first, "viassh"), moved
+    assert moved[0]["checkpoint"] == (f"checkpoint step-{stop['end_step']} is in {store}, which both clusters "
+                                      "read: not copied"), moved
+    assert "checked there" not in _mover_log(run_dir)  # no checkpoint went over ssh
+    far_log = "".join(p.read_text(errors="replace") for p in (far_runs / name / "submitit").glob("*_log.*"))
+    assert f"checkpoint step-{stop['end_step']}: downloaded from {store}" in far_log, far_log[-3000:]
+    assert [e["reason"] for e in ends(run_dir)] == ["preempted", "completed"]
+    assert starts(run_dir)[1]["start_step"] == stop["end_step"]
+    assert_losses_match(run_dir, reference["losses"])
+    assert_weights_identical(run_dir, reference)
+    code, out, err = lm(env, "history", name, "--json")
+    assert any("which both clusters read: not copied" in n for n in json.loads(out)["notes"]), out
+
+
 def test_a_search_places_each_trial_where_it_starts_soonest(two, jobs, tmp_path):
     """Each trial takes both nodes of a cluster whole (4 CPUs each): the first goes to the first named, the
     second to the other (the first fills the first); one max_parallel across them, one study."""

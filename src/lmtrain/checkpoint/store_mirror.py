@@ -45,6 +45,7 @@ class StoreMirror:
         self.waiting: queue.Queue[Path | None] = queue.Queue()
         self.pending: set[int] = set()  # steps queued or uploading: local retention keeps them
         self.failed: dict[int, str] = {}
+        self.newest: int | None = None  # the newest step queued: what the attempt's end line says of it
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
@@ -55,6 +56,7 @@ class StoreMirror:
             return
         with self.lock:
             self.pending.add(_step(path))
+            self.newest = max(self.newest or 0, _step(path))
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="lmtrain-store-upload", daemon=True)
             self.thread.start()
@@ -130,6 +132,20 @@ class StoreMirror:
                         "the disk's (the next attempt uploads it)", self.url, wait_s)
             return False
         return True
+
+    def fate(self) -> dict[str, Any] | None:
+        """What became of the newest checkpoint this attempt queued, for the ledger's end line (after
+        :meth:`close`): its step, the bucket, and why it is not there when it is not; None: none queued."""
+        with self.lock:
+            step = self.newest
+            if step is None:
+                return None
+            said: dict[str, Any] = {"step": step, "store": str(self.url), "uploaded": True}
+            if step in self.pending:
+                said.update(uploaded=False, error=f"still uploading when the attempt ended (after {END_WAIT_S:.0f}s)")
+            elif step in self.failed:
+                said.update(uploaded=False, error=self.failed[step][:500])
+            return said
 
 
 def _step(path: Path) -> int:

@@ -78,6 +78,8 @@ class Evaluator:
         self.state("starting", detail=f"tasks {', '.join(self.ev.tasks)}")
         include = [str(materialize(self.run_dir)), *self.ev.task_dirs]
         work = self.run_dir / "eval" / "work"
+        if self.once:
+            self.from_bucket()
         while True:
             ended = self.once or (self.run_dir / TRAINING_ENDED).exists()
             found = {c.step: c for c in complete_checkpoints(self.ckpt_dir)
@@ -93,6 +95,30 @@ class Evaluator:
                 time.sleep(POLL_S)
                 continue
             self.score(found[step], include, work)
+
+    def from_bucket(self) -> None:
+        """A finished run whose checkpoints are in a bucket (checkpoint.dir s3://): each asked step (every
+        complete one there, without --steps) that the disk lacks downloaded into the run's checkpoint
+        directory, verified (lmcore.run.bucket_fetch); one that cannot be is said and left unscored."""
+        paths = self.plan.get("paths") or {}
+        if not paths.get("checkpoint_store"):
+            return
+        from lmcore.errors import UserError
+        from lmcore.objects.checkpoints import CheckpointStore, ObjectStoreError, step_of
+        from lmcore.run.bucket_fetch import fetch
+
+        try:
+            there = [step_of(n) for n in CheckpointStore.at(paths["checkpoint_store"],
+                                                            paths.get("checkpoint_store_credentials") or "").complete()]
+        except (ObjectStoreError, UserError, OSError) as exc:  # a credentials file refused: UserError
+            log.error("evaluator: cannot list %s (%s): only this disk's checkpoints are scored",
+                      paths["checkpoint_store"], exc)
+            return
+        local = {c.step for c in complete_checkpoints(self.ckpt_dir)}
+        for step in sorted(s for s in there if s not in local and (self.steps is None or s in self.steps)):
+            self.state("downloading", step, str(paths["checkpoint_store"]))
+            got = fetch(paths["checkpoint_store"], paths.get("checkpoint_store_credentials") or "", self.ckpt_dir, step=step)
+            (log.error if got.problem else log.info)("evaluator: %s", got.said)
 
     def score(self, ckpt: Any, include: list[str], work: Path) -> None:
         from lmtrain.evaluator.harness import score

@@ -48,6 +48,7 @@ class Preemption:
         self.signals = adopt_early(self.stop, self.policy.signal) or SignalOwner(self.stop, self.policy.signal)
         self.agreed: AgreedStop | None = None
         self.stop.armed = True
+        self.checkpoints: Any = None  # the checkpoint callback (set by :meth:`callback`): its bucket's last upload
         self.slow_node: str | None = None  # a straggler's node this attempt stops to leave out
         self.stop.check_every_n_steps = self.policy.agree_every_n_steps
         # srun's task lines of this attempt (lmtrain.preemption.first_death) start at the log's size now
@@ -76,6 +77,7 @@ class Preemption:
         one Lightning import, made here: the scale harness's ranks import no Lightning)."""
         from lmtrain.preemption.agreement import StopAgreement
 
+        self.checkpoints = checkpoints
         return StopAgreement(self, checkpoints)
 
     def guard_workers(self, *loaders: Any) -> None:
@@ -164,6 +166,9 @@ class Preemption:
             outcome.extra["stop_step"] = agreed.step
             if agreed.checkpoint_held_s is not None:  # the stop's save held training (its staging)
                 outcome.extra["checkpoint_held_s"] = round(agreed.checkpoint_held_s, 3)
+        mirror = getattr(getattr(self.checkpoints, "manager", None), "mirror", None)  # rank 0, checkpoint.dir s3://
+        if mirror is not None and (fate := mirror.fate()) is not None:
+            outcome.extra["bucket"] = fate  # its newest checkpoint in the bucket, or why not
         if signal_time is not None:
             outcome.extra["signal_time"] = round(signal_time, 3)
             outcome.extra["signal"] = signal_names(self.signals.warning_name, warning=warning, term=term)
