@@ -272,3 +272,69 @@ def test_refused_credentials_and_a_full_quota_cost_the_upload_never_the_run_nor_
     assert "QuotaExceeded" in full.failed[20], full.failed
     assert CheckpointStore(store.client, S3Url.parse(url)).complete() == []
     assert "not uploaded" in caplog.text and good.secret_key not in caplog.text
+
+
+def test_a_stop_checkpoint_the_gateway_never_got_is_not_resumed_from_and_the_run_completes_after(
+        store_alone, slurm_cluster, lm_env, own_jobs, repo):
+    """On the real cluster: the gateway SIGKILLed before a preemption, so the stop checkpoint never
+    reaches the bucket (the attempt's end line and `history` say so); the disk then loses its
+    checkpoints (as a node's disk, or a move to a cluster with none); once the gateway is back the
+    requeued attempt resumes from the bucket's newest complete checkpoint, never the one it lacks,
+    and the run ends with every step's loss and the final weights of the uninterrupted run, the
+    bucket holding exactly keep_last complete checkpoints and no upload left open."""
+    import json
+
+    from preempt_helpers import (
+        EVERY,
+        MAX_STEPS,
+        assert_losses_match,
+        assert_weights_identical,
+        ddp_reference,
+        ends,
+        finish,
+        held_at,
+        lm,
+        preempt,
+        starts,
+        submit,
+        wait_held,
+    )
+    from shared_results import shared
+    from slurm_helpers import job_name
+
+    store = store_alone
+    profiles = Path(lm_env["LMLAUNCH_HOME"]) / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "local.yaml").write_text((repo / "cluster_profiles" / "local.yaml").read_text()
+                                         + f"object_store_credentials: {object_store.store_layout().credentials}\n")
+    env = {**lm_env, "LMLAUNCH_PROFILES_DIR": str(profiles)}
+    reference = shared("preempt-ddp-reference", lambda: ddp_reference(lm_env, own_jobs))
+    name, url = job_name("s3", "cut"), f"s3://{store.url.bucket}/runs/stop"
+    stop_at = 2 * EVERY + 5
+    job, run_dir = submit(env, name, f"checkpoint.dir={url}", holds=(held_at(stop_at),))
+    own_jobs.append(job)
+    wait_held(run_dir, stop_at)
+    bucket = CheckpointStore(store.client, S3Url.parse(url))
+    until(lambda: bucket.complete() == [f"step-{EVERY}", f"step-{2 * EVERY}"], progress=lambda: len(bucket.complete()),
+          what="the periodic checkpoints in the bucket")
+    os.kill(object_store.running(object_store.store_layout(), "client.rgw.a"), signal.SIGKILL)
+    assert preempt(env, name, "requeue")["requeued"]
+    until(lambda: ends(run_dir), progress=lambda: (run_dir / "attempts.jsonl").stat().st_size,
+          what="the preempted attempt's end line")
+    stop = ends(run_dir)[0]
+    assert stop["reason"] == "preempted" and stop["end_step"] == stop_at, stop
+    assert stop["bucket"]["step"] == stop_at and stop["bucket"]["uploaded"] is False, stop
+    assert "127.0.0.1:7480" in stop["bucket"]["error"], stop
+    for ckpt in (run_dir / "checkpoints").glob("step-*"):  # the disk loses them: only the bucket has any
+        shutil.rmtree(ckpt)
+    object_store.up(lambda line: None)
+    assert finish(job, run_dir) == "COMPLETED"
+    assert starts(run_dir)[1]["start_step"] == 2 * EVERY  # the bucket's newest complete, not the stop's
+    assert [e["reason"] for e in ends(run_dir)] == ["preempted", "completed"]
+    assert_losses_match(run_dir, reference["losses"])
+    assert_weights_identical(run_dir, reference)
+    assert bucket.complete() == [f"step-{MAX_STEPS - EVERY}", f"step-{MAX_STEPS}"]
+    assert not store.client.list_multipart_uploads(Bucket=store.url.bucket).get("Uploads")
+    code, out, err = lm(env, "history", name, "--json")
+    notes = json.loads(out)["notes"]
+    assert any(n.startswith(f"attempt 1: its last checkpoint step-{stop_at} is not in {url} (") for n in notes), notes
