@@ -48,6 +48,8 @@ KINDS: dict[str, Kind] = {
     "batch_kill": Kind(1.0, "the job's batch script SIGKILLed (its step and ranks go with it)"),
     "keeper_kill": Kind(0.5, "the job's keeper (its step beside the ranks, spare nodes) SIGKILLed: the run's "
                              "watcher is left to see the batch script's node fail"),
+    "gateway_stop": Kind(1.0, "the S3 gateway the run's checkpoints go to (checkpoint.dir s3://) SIGKILLed, started "
+                              "again later: the uploads it meets fail, training goes on", "", (3.0, 20.0)),
     "watcher_kill": Kind(0.5, "the run's watcher on the login side SIGKILLed (a login node's restart); started "
                               "again as its user would, once status says it is gone", "", (5.0, 30.0)),
 }
@@ -56,9 +58,10 @@ KINDS: dict[str, Kind] = {
 # unless a later attempt meets its consequence): the controller or accounting away, a corrupted
 # checkpoint newer ones replace, periodic saves skipped for want of room, the keeper gone (it matters
 # only when the batch script's node fails before the next attempt starts it again), the watcher gone
-# for a while (the same, before its user starts it again).
+# for a while (the same, before its user starts it again), the S3 gateway away (uploads fail and are
+# retried with the next checkpoint; the bucket is judged at the end: chaos_verdict.bucket_problems).
 SILENT_KINDS = frozenset({"ctld_restart", "dbd_stop", "corrupt_checkpoint", "disk_full", "keeper_kill",
-                          "watcher_kill"})
+                          "watcher_kill", "gateway_stop"})
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,13 +51,56 @@ from lmcore.slurm import admin as rehearsal, client as slurm
 WARNING_S = 150
 
 
-def overrides(schedule: Schedule, small_fs: Path | None = None) -> tuple[str, ...]:
+def overrides(schedule: Schedule, small_fs: Path | None = None, bucket: str | None = None) -> tuple[str, ...]:
     n = len(schedule.faults) + 5
+    where = bucket or (str(checkpoint_dir(Path(), small_fs)) if small_fs is not None else None)
     return (f"trainer.max_steps={schedule.max_steps}", f"checkpoint.every_n_steps={schedule.every}",
             "resources.spare_nodes=1", f"preemption.max_crash_retries={n}", f"preemption.max_requeues={n}",
             f"preemption.max_timeouts={n}", f"preemption.warning_seconds={WARNING_S}",
             f"preemption.no_progress_attempts={n}", "watchdog.hang_timeout_s=10", "watchdog.exit_grace_s=5",
-            *([f"checkpoint.dir={checkpoint_dir(Path(), small_fs)}"] if small_fs is not None else ()))
+            *([f"checkpoint.dir={where}"] if where else ()))
+
+
+@contextlib.contextmanager
+def _in_a_bucket(schedule: Schedule, env: dict[str, str], name: str) -> Iterator[tuple[dict[str, str], str | None]]:
+    """A schedule that stops the S3 gateway runs with its checkpoints in a bucket of its own on the
+    local cluster's gateway (its disk's in the run directory: a full disk does not land then), the
+    gateway held alone meanwhile (tests/gateway.py): (the environment, whose profile names the
+    gateway's credentials, and the bucket's location). Any other: (env, None), the gateway untouched."""
+    if "gateway_stop" not in {f.kind for f in schedule.faults}:
+        yield env, None
+        return
+    import uuid
+
+    import gateway
+
+    from launcher.localcluster import object_store
+    from lmcore.objects.credentials import s3_client
+
+    with gateway.alone():
+        creds = object_store.up(lambda line: None)
+        client, bucket = s3_client(creds), f"chaos-{uuid.uuid4().hex[:12]}"
+        client.create_bucket(Bucket=bucket)
+        profiles = Path(env["LMLAUNCH_RUNS_ROOT"]) / f".{name}-profiles"
+        profiles.mkdir(parents=True, exist_ok=True)
+        shipped = Path(__file__).resolve().parents[2] / "cluster_profiles" / "local.yaml"
+        (profiles / "local.yaml").write_text(shipped.read_text()
+                                             + f"object_store_credentials: {object_store.store_layout().credentials}\n")
+        try:
+            yield {**env, "LMLAUNCH_PROFILES_DIR": str(profiles)}, f"s3://{bucket}/runs/{name}"
+        finally:
+            object_store.up(lambda line: None)  # a gateway a stalled campaign left stopped
+            object_store.remove_bucket(client, bucket)
+
+
+def _bucket_state(url: str, env: dict[str, str]) -> tuple[list[str], int]:
+    """The bucket's complete checkpoints at the run's end, and the multipart uploads left open in it."""
+    from launcher.localcluster import object_store
+    from lmcore.objects.checkpoints import CheckpointStore
+
+    store = CheckpointStore.at(url, object_store.store_layout().credentials)
+    uploads = store.client.list_multipart_uploads(Bucket=store.url.bucket).get("Uploads", [])
+    return store.complete(), len(uploads)
 
 
 @dataclass
@@ -80,6 +123,9 @@ class Campaign:
     job: str  # the run's job now
     run_dir: Path
     small_fs: Path | None = None
+    bucket: str | None = None  # checkpoint.dir s3://... (a schedule that stops the gateway)
+    bucket_complete: list[str] = field(default_factory=list)  # its complete checkpoints at the end
+    bucket_open: int = 0  # multipart uploads left open in it at the end
     landings: list[Landing] = field(default_factory=list)
     final_state: str = ""
     began: float = 0.0
@@ -165,7 +211,7 @@ def _resumed_after_disk_full(c: Campaign, target: Target) -> bool:
         return False
     if c.small_fs is not None and (c.small_fs / FILLER).exists():
         return True  # not yet: the room comes back when the fault is undone
-    job, _ = submit(target.env, c.name, *overrides(c.schedule, c.small_fs), "--resume", pace_s=c.pace_s)
+    job, _ = submit(target.env, c.name, *overrides(c.schedule, c.small_fs, c.bucket), "--resume", pace_s=c.pace_s)
     c.resumed.append(f"attempt {last.get('attempt')} ended {last.get('reason')}: resubmitted as job {job}")
     c.job = target.job = job
     c.jobs.append(job)
@@ -211,10 +257,21 @@ def run(schedule: Schedule, env: dict[str, str], layout: Layout, name: str, *,
     """Submit the run, land every fault of ``schedule`` on it, wait for its end and every fault to be
     undone. ``env``: lmlaunch's environment on the worker cluster ``layout``; the caller is inside
     ``cluster.own_conf(layout)``. ``small_fs``: a filesystem of the campaign's own for the
-    checkpoints (chaos_faults.small_filesystem; without it a full disk does not land)."""
-    job, run_dir = submit(env, name, *overrides(schedule, small_fs), pace_s=pace_s)
-    c = Campaign(schedule, name, job, run_dir, small_fs, began=time.time(), jobs=[job], pace_s=pace_s)
-    target = Target(env, layout, name, job, run_dir, WARNING_S, small_fs)
+    checkpoints (chaos_faults.small_filesystem; without it, or with the checkpoints in a bucket, a
+    full disk does not land)."""
+    with _in_a_bucket(schedule, env, name) as (env, bucket):
+        c = _run(schedule, env, layout, name, pace_s=pace_s, small_fs=None if bucket else small_fs, say=say,
+                 bucket=bucket)
+        if bucket is not None:
+            c.bucket_complete, c.bucket_open = _bucket_state(bucket, env)
+        return c
+
+
+def _run(schedule: Schedule, env: dict[str, str], layout: Layout, name: str, *, pace_s: float,
+         small_fs: Path | None, say: Callable[[str], None], bucket: str | None) -> Campaign:
+    job, run_dir = submit(env, name, *overrides(schedule, small_fs, bucket), pace_s=pace_s)
+    c = Campaign(schedule, name, job, run_dir, small_fs, bucket, began=time.time(), jobs=[job], pace_s=pace_s)
+    target = Target(env, layout, name, job, run_dir, WARNING_S, small_fs, bucket)
     say(f"campaign seed {schedule.seed}: run {name}, job {job}, {len(schedule.faults)} faults over "
         f"{schedule.max_steps} steps (a checkpoint every {schedule.every})")
     undoing: list[threading.Thread] = []

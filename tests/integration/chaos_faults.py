@@ -52,6 +52,7 @@ class Target:
     run_dir: Path
     warning_s: int  # the run's preemption.warning_seconds
     small_fs: Path | None = None  # the small filesystem of the campaign's own that holds the checkpoints
+    bucket: str | None = None  # checkpoint.dir s3://... when the schedule stops the gateway
 
     @property
     def ckpt_dir(self) -> Path:
@@ -242,6 +243,25 @@ def dbd_stop(t: Target, f: Fault) -> Done:
     return Done(True, "slurmdbd stopped", undo)
 
 
+def gateway_stop(t: Target, f: Fault) -> Done:
+    """The local cluster's S3 gateway SIGKILLed (the campaign holds it alone: tests/gateway.py);
+    started again by the undo, as `cluster up --s3` starts it."""
+    from launcher.localcluster import object_store
+
+    if t.bucket is None:
+        return Done(False, "the run's checkpoints are not in a bucket")
+    pid = object_store.running(object_store.store_layout(), "client.rgw.a")
+    if pid is None:
+        return Done(False, "the S3 gateway was not running")
+    os.kill(pid, signal.SIGKILL)
+
+    def undo() -> str:
+        object_store.up(lambda line: None)
+        return "the S3 gateway started again"
+
+    return Done(True, f"radosgw (pid {pid}) SIGKILLed", undo)
+
+
 def corrupt_checkpoint(t: Target, f: Fault) -> Done:
     """A byte changed in the middle of the newest usable checkpoint's largest file (same size, same
     time: only a checksum can tell), when an older usable one is left to resume from."""
@@ -426,7 +446,7 @@ INJECT: dict[str, Callable[[Target, Fault], Done]] = {
     "preempt": preempt,
     "requeue": requeue, "time_limit": time_limit, "ctld_restart": ctld_restart, "dbd_stop": dbd_stop,
     "corrupt_checkpoint": corrupt_checkpoint, "disk_full": disk_full, "batch_kill": batch_kill,
-    "keeper_kill": keeper_kill, "watcher_kill": watcher_kill,
+    "keeper_kill": keeper_kill, "watcher_kill": watcher_kill, "gateway_stop": gateway_stop,
 }
 
 

@@ -6,7 +6,8 @@ weights equal the uninterrupted run's, bit for bit; every fault that ends an att
 ledger and in `lmlaunch history` with the way it was recovered; no attempt resumed from a step
 older than the newest checkpoint that was complete when the fault landed (and not corrupted before it was read);
 and nothing is left behind: no job of the run queued, no node DOWN or drained, no process of the
-job, no temporary file in the run directory, exactly ``keep_last`` checkpoints.
+job, no temporary file in the run directory, exactly ``keep_last`` checkpoints; with the checkpoints
+in a bucket (a schedule that stops the gateway), the bucket holding the final one and no open upload.
 """
 
 from __future__ import annotations
@@ -262,6 +263,22 @@ def leftovers(c: Campaign, keep_last: int) -> list[str]:
     return out
 
 
+def bucket_problems(c: Campaign, keep_last: int) -> list[str]:
+    """A run whose checkpoints are in a bucket (a schedule that stopped the gateway): at its end the
+    bucket holds its final checkpoint, at most ``keep_last`` complete ones, and no upload left open
+    (the uploads the gateway's absence cost were made good once it was back)."""
+    if c.bucket is None:
+        return []
+    out = []
+    if not c.bucket_complete or c.bucket_complete[-1] != f"step-{c.schedule.max_steps}" \
+            or len(c.bucket_complete) > keep_last:
+        out.append(f"the bucket holds {c.bucket_complete} complete at the end: not the final step-"
+                   f"{c.schedule.max_steps} among at most keep_last {keep_last}")
+    if c.bucket_open:
+        out.append(f"{c.bucket_open} multipart upload(s) left open in {c.bucket}")
+    return out
+
+
 def _job_processes(job: str, run_dir: Path) -> list[tuple[int, str]]:
     found = []
     needle, path = f"SLURM_JOB_ID={job}\0".encode(), str(run_dir).encode()
@@ -291,7 +308,7 @@ def judge(c: Campaign, reference: dict, env: dict[str, str], *, keep_last: int) 
         problems.append(f"the job ended {c.final_state}, its last attempt {last[0]}")
     problems += _losses(c, reference) + _weights(c, reference)
     told, goodput = _history(c, env)
-    problems += told + [f"left behind: {x}" for x in leftovers(c, keep_last)]
+    problems += told + [f"left behind: {x}" for x in leftovers(c, keep_last)] + bucket_problems(c, keep_last)
     undone = [la for la in c.landings if la.done.undo is not None and la.done.landed]
     problems += [f"fault #{la.fault.index} not undone: {la.undone}" for la in undone if la.undone.startswith("undo failed")]
     return Verdict(c.schedule.seed, not problems, c.final_state, rows, problems, goodput, c.ended - c.began,
