@@ -280,8 +280,13 @@ def bucket_problems(c: Campaign, keep_last: int) -> list[str]:
 
 
 def _job_processes(job: str, run_dir: Path) -> list[tuple[int, str]]:
+    """The processes of the run's job ``job`` on this campaign's cluster: those naming its run directory,
+    and those of a job of that id whose slurmd is this cluster's (SLURM_CONF: job ids are per cluster,
+    and the worker clusters of other tests run jobs of the same small ids beside it)."""
     found = []
     needle, path = f"SLURM_JOB_ID={job}\0".encode(), str(run_dir).encode()
+    conf = os.environ.get("SLURM_CONF")  # the worker cluster's: the caller is inside its own_conf
+    cluster = f"SLURM_CONF={conf}\0".encode() if conf else b""
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -290,7 +295,7 @@ def _job_processes(job: str, run_dir: Path) -> list[tuple[int, str]]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if needle in environ or path in cmd:
+        if (needle in environ and cluster in environ) or path in cmd:
             found.append((int(entry), cmd.replace(b"\0", b" ").decode(errors="replace")[:200]))
     return found
 
