@@ -175,6 +175,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
             e.get("event") == "start" and str(e.get("job_id")) == str(rec.job_ids[-1]) for e in files.ledger):
         note = "; ".join(x for x in (f"job {rec.job_ids[-1]} ended before any attempt started: its tasks failed before "
                                      f"the training entry (`lmlaunch logs {rec.name} --errors` shows why)", note) if x)
+    note = "; ".join(x for x in (note, _bucket_note(ended)) if x)
     stragglers = straggler_lines.slow_ranks(files.ledger) if group == "running" else []
     if stragglers:
         note = (note + "; " if note else "") + "slow: " + ", ".join(straggler_lines.describe(s) for s in stragglers)
@@ -207,6 +208,16 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
         eval=eval_rows.summary(files.evaluation) if files.evaluation is not None else None,
         cluster=rec.profile_of(rec.job_ids[-1]) if rec.job_ids else rec.profile,
     )
+
+
+def _bucket_note(ended: dict[str, Any] | None) -> str:
+    """The last attempt's newest checkpoint that never reached the run's bucket (checkpoint.dir s3://:
+    lmtrain.checkpoint.store_mirror), said until an attempt ends with it there."""
+    b = (ended or {}).get("bucket")
+    if not isinstance(b, dict) or b.get("uploaded", True):
+        return ""
+    return (f"checkpoint step-{b.get('step')} is not in {b.get('store')} ({str(b.get('error'))[:160]}): the next "
+            "attempt uploads it")
 
 
 def _queued_or_running(rec: Any, files: RunFiles, job: SlurmJob, requeued: bool) -> tuple[str, str, str | None, str]:

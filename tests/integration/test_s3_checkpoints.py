@@ -325,6 +325,8 @@ def test_a_stop_checkpoint_the_gateway_never_got_is_not_resumed_from_and_the_run
     assert stop["reason"] == "preempted" and stop["end_step"] == stop_at, stop
     assert stop["bucket"]["step"] == stop_at and stop["bucket"]["uploaded"] is False, stop
     assert "127.0.0.1:7480" in stop["bucket"]["error"], stop
+    code, out, err = lm(env, "status", name, "--json")  # requeued, waiting for its BeginTime
+    assert f"checkpoint step-{stop_at} is not in {url} (" in json.loads(out)["runs"][0]["note"], out + err
     for ckpt in (run_dir / "checkpoints").glob("step-*"):  # the disk loses them: only the bucket has any
         shutil.rmtree(ckpt)
     object_store.up(lambda line: None)

@@ -17,6 +17,7 @@ from waiting import HANG_S
 
 from launcher.commands.eval import _bucket_steps
 from launcher.monitor.history_rows import _ledger_notes
+from launcher.monitor.status_rows import _bucket_note
 from launcher.runs.shared_bucket import holds_newest
 from lmcore.errors import UserError
 
@@ -57,6 +58,9 @@ def test_an_upload_to_a_gateway_that_is_not_there_is_in_the_end_line_and_history
                             "bucket": {"step": 16, "store": "s3://lmlaunch/runs/x", "uploaded": True}}])
     assert len(notes) == 1 and notes[0].startswith("attempt 1: its last checkpoint step-8 is not in s3://lmlaunch/runs/x ("), notes
     assert notes[0].endswith("): on that cluster's disk only; the next attempt there uploads it"), notes
+    said = _bucket_note({"event": "end", "reason": "preempted", "bucket": fate})  # status, until an attempt uploads it
+    assert said.startswith("checkpoint step-8 is not in s3://lmlaunch/runs/x (") and said.endswith("the next attempt uploads it")
+    assert _bucket_note({"event": "end", "bucket": {"step": 16, "uploaded": True}}) == _bucket_note(None) == ""
 
 
 def test_a_move_copies_the_checkpoint_unless_the_bucket_is_known_to_hold_it(tmp_path):
