@@ -175,12 +175,11 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
             e.get("event") == "start" and str(e.get("job_id")) == str(rec.job_ids[-1]) for e in files.ledger):
         note = "; ".join(x for x in (f"job {rec.job_ids[-1]} ended before any attempt started: its tasks failed before "
                                      f"the training entry (`lmlaunch logs {rec.name} --errors` shows why)", note) if x)
-    note = "; ".join(x for x in (note, _bucket_note(ended)) if x)
     stragglers = straggler_lines.slow_ranks(files.ledger) if group == "running" else []
     if stragglers:
         note = (note + "; " if note else "") + "slow: " + ", ".join(straggler_lines.describe(s) for s in stragglers)
 
-    note = "; ".join(x for x in (_abandoned_move(files.ledger, rec.last_job_id, group), note) if x)
+    note = "; ".join(x for x in (_abandoned_move(files.ledger, rec.last_job_id, group), note, _bucket_note(ended)) if x)
     if files.evaluation is not None and (said := eval_rows.note(files.evaluation, rec.name)):
         note = (note + "; " if note else "") + said
     step = int(last_any_step["step"]) if last_any_step is not None else None
@@ -210,7 +209,7 @@ def build_row(rec: Any, files: RunFiles, job: SlurmJob | None, *, slurm_reachabl
     )
 
 
-def _bucket_note(ended: dict[str, Any] | None) -> str:
+def _bucket_note(ended: Mapping[str, Any] | None) -> str:
     """The last attempt's newest checkpoint that never reached the run's bucket (checkpoint.dir s3://:
     lmtrain.checkpoint.store_mirror), said until an attempt ends with it there."""
     b = (ended or {}).get("bucket")
