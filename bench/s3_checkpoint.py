@@ -9,12 +9,16 @@ same bytes, median of 3:
 
 - ``plain_upload_s``: boto3's ``upload_file`` of the checkpoint's files, the same transfer settings,
   no commit, no checksums (the client alone);
+- ``plain_upload_loaded_s``: the same, while two CPU-bound processes spin (one a core), as the two
+  training ranks load the cores during a periodic upload: the like-for-like baseline of the periodic
+  uploads (the gateway here shares the cores with them);
 - ``plain_download_s``: boto3's ``download_file`` of the same objects;
 - ``resume_read_s``: lmlaunch's read of the newest checkpoint (``CheckpointStore.download``: the commit,
   every file, each verified by xxh3 before it takes its name).
 
 Goals (issue "Checkpoints to object storage"): held <= 0.25x the time to durable in the bucket,
-durable in the bucket <= 1.2x the plain upload, the resume's read <= 1.2x the plain download.
+durable in the bucket <= 1.2x the plain upload, the resume's read <= 1.2x the plain download. The
+durable ratio is printed against both baselines (quiet, and loaded as the training loads the cores).
 
     python bench/s3_checkpoint.py [--steps 6]
 """
@@ -43,6 +47,27 @@ def _uploads(run_dir: Path) -> dict[int, float]:
         for m in re.finditer(r"checkpoint step-(\d+): in s3://\S+ \([\d.]+ GB in ([\d.]+)s", log.read_text()):
             out[int(m.group(1))] = float(m.group(2))
     return out
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def loaded(measure, cores: int = 2) -> float:
+    """``measure()`` while ``cores`` CPU-bound processes spin (the training's two ranks' load)."""
+    import multiprocessing
+
+    procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(cores)]
+    for proc in procs:
+        proc.start()
+    try:
+        time.sleep(0.5)
+        return measure()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
 
 
 def main() -> int:
@@ -103,9 +128,10 @@ def main() -> int:
             store.download(newest, dest)
             return time.perf_counter() - t
 
-        up, down, read = [], [], []
+        up, up_loaded, down, read = [], [], [], []
         for i in range(3):  # alternated, each into a fresh directory
             up.append(plain_upload())
+            up_loaded.append(loaded(plain_upload))
             first, second = (plain_download, resume_read) if i % 2 == 0 else (resume_read, plain_download)
             for fn in (first, second):
                 dest = work / f"read-{i}-{fn.__name__}"
@@ -116,11 +142,13 @@ def main() -> int:
         result = {
             "bench": "s3_checkpoint", "steps": args.steps, "train_s": round(train_s, 1), "checkpoint_bytes": size,
             "files": len(files), "saves": rows, "held_s": held, "durable_in_bucket_s": bucket_s,
-            "plain_upload_s": statistics.median(up), "plain_download_s": statistics.median(down),
-            "resume_read_s": statistics.median(read), "runs": {"plain_upload": up, "plain_download": down, "resume_read": read},
+            "plain_upload_s": statistics.median(up), "plain_upload_loaded_s": statistics.median(up_loaded),
+            "plain_download_s": statistics.median(down), "resume_read_s": statistics.median(read),
+            "runs": {"plain_upload": up, "plain_upload_loaded": up_loaded, "plain_download": down, "resume_read": read},
         }
         result["held_vs_durable"] = held / bucket_s
         result["durable_vs_plain_upload"] = bucket_s / result["plain_upload_s"]
+        result["durable_vs_plain_upload_loaded"] = bucket_s / result["plain_upload_loaded_s"]
         result["read_vs_plain_download"] = result["resume_read_s"] / result["plain_download_s"]
         result["meets_goal"] = (result["held_vs_durable"] <= 0.25 and result["durable_vs_plain_upload"] <= 1.2
                                 and result["read_vs_plain_download"] <= 1.2)
