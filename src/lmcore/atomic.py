@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,28 @@ def _drop_abandoned(path: Path) -> None:
                 stale.unlink()
         except OSError:
             continue
+
+
+ABANDONED_NAME = re.compile(r"\..+\.\d+\.tmp")  # write_atomic's temporary: .NAME.PID.tmp
+
+
+def drop_abandoned_under(root: str | Path, before: float, *, skip: tuple[str, ...] = ()) -> list[Path]:
+    """Temporary files of :func:`write_atomic` under ``root`` last changed before ``before`` (epoch
+    seconds): left by writers killed between write and rename, when every writer of that time is
+    known gone (an attempt starting after the one before it ended: its processes are). Removed; those
+    that were. ``skip``: directory names not looked into (the checkpoints have their own protocol)."""
+    root = Path(root)
+    removed = []
+    for stale in root.rglob(".*.tmp"):
+        if not ABANDONED_NAME.fullmatch(stale.name) or skip and set(stale.relative_to(root).parts[:-1]) & set(skip):
+            continue
+        try:
+            if stale.is_file() and stale.stat().st_mtime < before:
+                stale.unlink()
+                removed.append(stale)
+        except OSError:
+            continue
+    return removed
 
 
 def write_private(path: str | Path, text: str) -> None:

@@ -42,6 +42,7 @@ def train(plan: LaunchPlan, env: TaskEnv, attempt: int, resume: str | None) -> i
     records.started(start_step, resumed_from=str(ckpt.path) if ckpt is not None else None)
     if env.rank == 0:
         _record_environment(plan, env, attempt)
+        _drop_abandoned(plan, attempt)
     startup = StartupRecord(records.ledger, attempt=attempt, job_id=env.job_id, rank=env.rank, start_step=start_step,
                             checkpoint_bytes=ckpt.size_bytes() if ckpt is not None and env.rank == 0 else None)
     trainer: Any = None
@@ -107,6 +108,27 @@ def _record_environment(plan: LaunchPlan, env: TaskEnv, attempt: int) -> None:
                         "was PYTHONPATH changed?", code["lmtrain"], plan.paths.run_dir)
     except OSError as exc:
         log.warning("could not record the environment of attempt %d: %s", attempt, exc)
+
+
+def _drop_abandoned(plan: LaunchPlan, attempt: int) -> None:
+    """Rank 0: the run directory's temporary files that an earlier attempt's writers, killed between
+    write and rename, left (a chaos campaign's rank SIGKILLed while it rewrote metrics/rank-times.json
+    left one in a completed run): those older than the last attempt's end line, whose processes are gone."""
+    from lmcore.atomic import drop_abandoned_under
+    from lmcore.jsonlines import read_jsonl
+
+    ends = [float(e["time"]) for e in read_jsonl(plan.paths.ledger) if e.get("event") == "end" and e.get("time")]
+    if attempt <= 1 or not ends:
+        return
+    try:
+        # not eval/: the evaluator alongside outlives attempts; the checkpoints have their own protocol
+        removed = drop_abandoned_under(plan.paths.run_dir, max(ends), skip=("checkpoints", "code", "eval"))
+    except OSError as exc:
+        log.warning("could not look for abandoned temporary files in %s: %s", plan.paths.run_dir, exc)
+        return
+    if removed:
+        log.info("removed %d temporary file(s) earlier attempts' killed writers left: %s", len(removed),
+                 ", ".join(str(p.relative_to(plan.paths.run_dir)) for p in removed[:5]))
 
 
 def _configure_torch(plan: LaunchPlan, env: TaskEnv) -> None:
