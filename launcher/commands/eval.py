@@ -69,11 +69,11 @@ def _bucket_steps(plan: LaunchPlan) -> list[int]:
     scores them; [] for a run without one. A bucket that cannot be listed from here is refused."""
     if not plan.paths.checkpoint_store:
         return []
-    from lmcore.objects.checkpoints import CheckpointStore, ObjectStoreError, step_of
+    from lmcore.objects.checkpoints import ObjectStoreError
+    from lmcore.run.bucket_fetch import complete_steps
 
     try:
-        return [step_of(n) for n in CheckpointStore.at(plan.paths.checkpoint_store,
-                                                        plan.paths.checkpoint_store_credentials or "").complete()]
+        return complete_steps(plan.paths.checkpoint_store, plan.paths.checkpoint_store_credentials or "")
     except (ObjectStoreError, OSError) as exc:
         raise UserError(f"cannot list the run's checkpoints in {plan.paths.checkpoint_store}: {exc}", exit_code=1) from exc
 

@@ -21,6 +21,14 @@ class Fetched:
     problem: bool = False  # the bucket could not be read, or the download failed
 
 
+def complete_steps(store_url: str, credentials: str | Path) -> list[int]:
+    """The steps of the bucket's complete checkpoints, oldest first (``lmlaunch eval`` offers them, its
+    evaluator downloads them); the client's errors (ObjectStoreError, UserError, OSError) raised."""
+    from lmcore.objects.checkpoints import CheckpointStore, step_of
+
+    return [step_of(n) for n in CheckpointStore.at(store_url, credentials).complete()]
+
+
 def fetch(store_url: str, credentials: str, ckpt_dir: str | Path, *, step: int | None = None) -> Fetched:
     """The bucket's newest complete checkpoint when it is newer than the disk's newest complete one (or,
     with ``step``, that one when the disk lacks it) downloaded into ``ckpt_dir``. A bucket that cannot

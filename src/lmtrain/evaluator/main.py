@@ -104,12 +104,11 @@ class Evaluator:
         if not paths.get("checkpoint_store"):
             return
         from lmcore.errors import UserError
-        from lmcore.objects.checkpoints import CheckpointStore, ObjectStoreError, step_of
-        from lmcore.run.bucket_fetch import fetch
+        from lmcore.objects.checkpoints import ObjectStoreError
+        from lmcore.run.bucket_fetch import complete_steps, fetch
 
         try:
-            there = [step_of(n) for n in CheckpointStore.at(paths["checkpoint_store"],
-                                                            paths.get("checkpoint_store_credentials") or "").complete()]
+            there = complete_steps(paths["checkpoint_store"], paths.get("checkpoint_store_credentials") or "")
         except (ObjectStoreError, UserError, OSError) as exc:  # a credentials file refused: UserError
             log.error("evaluator: cannot list %s (%s): only this disk's checkpoints are scored",
                       paths["checkpoint_store"], exc)
