@@ -84,3 +84,41 @@ def test_eval_of_a_run_whose_bucket_cannot_be_listed_is_refused_and_names_it(tmp
     with pytest.raises(UserError, match="mode 644; it must be readable by its owner only"):
         _bucket_steps(plan)  # type: ignore[arg-type]
     assert _bucket_steps(_plan(None, None)) == []  # type: ignore[arg-type]
+
+
+def test_the_upload_process_outlasts_slurms_signals_and_never_its_rank(tmp_path):
+    """The process that uploads a rank's checkpoints (lmcore.objects.upload_process) ignores the
+    signals SLURM sends every process of a job (the rank decides what a stop means and waits for the
+    upload it needs), answers each request, and exits when its rank dies: never left behind."""
+    import signal
+    import subprocess
+    import sys
+
+    from waiting import process_cpu, until
+
+    from lmcore.objects.upload_process import UploadProcess
+
+    creds = _credentials(tmp_path)
+    uploader = UploadProcess("s3://lmlaunch/runs/x", creds)
+    uploader.start()
+    assert uploader.proc is not None
+    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+        os.kill(uploader.proc.pid, sig)
+    got = uploader.upload(_checkpoint(tmp_path, 4), "step-4", {}, keep_last=2)
+    assert got["ok"] is False and "127.0.0.1:9" in got["error"] and "not-a-secret" not in json.dumps(got), got
+    assert uploader.proc.poll() is None
+    uploader.close()
+
+    rank = subprocess.run(  # a rank that starts its uploader and dies without a word
+        [sys.executable, "-c", "import os, sys; from lmcore.objects.upload_process import UploadProcess; "
+         f"u = UploadProcess('s3://lmlaunch/runs/x', {str(creds)!r}); u.start(); print(u.proc.pid, flush=True); "
+         "os.kill(os.getpid(), 9)"], capture_output=True, text=True, timeout=HANG_S)
+    child = int(rank.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    until(gone, progress=process_cpu(child), what=f"the dead rank's upload process {child} to exit")

@@ -102,6 +102,14 @@ class CheckpointStore:
     def _key(self, *parts: str) -> str:
         return "/".join(p for p in (self.url.prefix, *parts) if p)
 
+    def file_key(self, name: str, token: str, rel: str) -> str:
+        """The key of the file ``rel`` of checkpoint ``name`` in the upload ``token``."""
+        return self._key(name, token, rel)
+
+    @staticmethod
+    def new_token() -> str:
+        return f"{int(time.time())}-{secrets.token_hex(6)}"
+
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
@@ -117,22 +125,26 @@ class CheckpointStore:
         return TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=self.workers)
 
     # --- writing ------------------------------------------------------------------------------------
-    def upload(self, local: Path, name: str, *, digests: Mapping[str, str] | None = None) -> Commit:
+    def upload(self, local: Path, name: str, *, digests: Mapping[str, str] | None = None, token: str | None = None,
+               followed: Callable[[str, Path, str, str], bool] | None = None) -> Commit:
         """Every file under ``local`` to keys of a fresh token, in parallel, then the commit. If another
         upload of ``name`` committed first, its commit stands and this one's files are deleted.
         ``digests``: files' checksums already known (a checkpoint's manifest), by relative path; the
-        others are read to compute theirs."""
+        others are read to compute theirs. ``token`` and ``followed``: an upload begun while the files
+        were written (lmcore.objects.follow): ``followed(rel, path, key, digest)`` completes a file
+        there, else (False) the file is uploaded whole."""
         files = sorted(p for p in local.rglob("*") if p.is_file())
         if not files:
             raise ObjectStoreError(f"{local}: no files to upload as {name}")
-        token = f"{int(time.time())}-{secrets.token_hex(6)}"
+        token = token or self.new_token()
         config = self._transfer_config()
 
         def one(path: Path) -> tuple[str, dict[str, Any]]:
             rel = path.relative_to(local).as_posix()
             key = self._key(name, token, rel)
             size, digest = path.stat().st_size, (digests or {}).get(rel) or file_digest(path)
-            self._call(f"upload of {rel}", lambda: self.client.upload_file(str(path), self.url.bucket, key, Config=config))
+            if followed is None or not followed(rel, path, key, digest):
+                self._call(f"upload of {rel}", lambda: self.client.upload_file(str(path), self.url.bucket, key, Config=config))
             return rel, {"key": key, "bytes": size, "xxh3_128": digest}
 
         with ThreadPoolExecutor(max_workers=min(self.workers, len(files))) as pool:

@@ -303,6 +303,8 @@ class CheckpointManager:
             faults.point("checkpoint.tmp_dir_created", file=tmp.name)
 
         self._settle(trainer, no_room(clear, self.dir, self.needed_bytes) if trainer.global_rank == 0 else None, tmp, final, step)
+        if self.mirror is not None:  # rank 0, checkpoint.dir s3://: its large files uploaded as they are written
+            self.mirror.follow(tmp, final)
         return tmp, final
 
     def _rank_part(self, trainer: Any, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:

@@ -2,8 +2,11 @@
 
 Every checkpoint is written and completed in the run directory's ``checkpoints/`` as always (the
 staged save holds training only for the copy into host memory); rank 0 then uploads each complete
-one from a thread of its own, one at a time, newest first when several wait, and applies
-``keep_last`` to the bucket after each commit. Training never waits for an upload: a gateway that
+one, one at a time, newest first when several wait, and applies ``keep_last`` to the bucket after
+each commit: a thread of rank 0 hands each upload to a process of its own
+(lmcore.objects.upload_process), whose interpreter does not take turns with the training loop's,
+and which starts sending a checkpoint's large files while they are being written
+(lmcore.objects.follow). Training never waits for an upload: a gateway that
 is down or slow costs the uploads, which are logged and retried with the next checkpoint, never
 counted as checkpoints (the bucket's are complete only by their commit). Local retention keeps a
 checkpoint until it is in the bucket. An attempt ends only once the newest complete checkpoint is
@@ -22,7 +25,6 @@ import logging
 import queue
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,12 @@ class StoreMirror:
 
     def __init__(self, plan: Any, keep_last: int) -> None:
         from lmcore.objects.checkpoints import CheckpointStore
+        from lmcore.objects.upload_process import UploadProcess
 
         self.store = CheckpointStore.at(plan.paths.checkpoint_store, plan.paths.checkpoint_store_credentials)
         self.url = self.store.url
+        self.uploader = UploadProcess(str(self.url), plan.paths.checkpoint_store_credentials)
+        self.uploader.start()  # its imports while training starts, not on the first upload's time
         self.keep_last = keep_last
         self.waiting: queue.Queue[Path | None] = queue.Queue()
         self.pending: set[int] = set()  # steps queued or uploading: local retention keeps them
@@ -61,6 +66,12 @@ class StoreMirror:
             self.thread = threading.Thread(target=self._run, name="lmtrain-store-upload", daemon=True)
             self.thread.start()
         self.waiting.put(path)
+
+    def follow(self, tmp: Path, final: Path) -> None:
+        """As a save begins (rank 0): the upload process follows the files written into ``tmp``
+        (lmcore.objects.follow), so that the upload of ``final`` has little left when it completes."""
+        if STEP_RE.fullmatch(final.name):
+            self.uploader.follow(tmp, final, final.name)
 
     def kept(self, steps: list[int]) -> set[int]:
         """The steps local retention must keep: those not yet in the bucket."""
@@ -101,17 +112,21 @@ class StoreMirror:
                 return out
 
     def _upload(self, path: Path) -> None:
-        t0 = time.perf_counter()
         try:
-            commit = self.store.upload(path, path.name, digests=_manifest_digests(path))
-            removed = self.store.retain(self.keep_last)
-        except Exception as exc:  # whatever the client raises costs this upload, never the thread
+            got = self.uploader.upload(path, path.name, _manifest_digests(path), self.keep_last)
+        except Exception as exc:  # whatever goes wrong costs this upload, never the thread
+            got = {"ok": False, "error": str(exc) or type(exc).__name__}
+        if not got.get("ok"):
             log.warning("checkpoint %s: not uploaded to %s (%s); training goes on, the next checkpoint tries again",
-                        path.name, self.url, exc)
-            self._done(path, str(exc))
+                        path.name, self.url, got.get("error"))
+            self._done(path, str(got.get("error")))
             return
-        log.info("checkpoint %s: in %s (%.2f GB in %.1fs%s)", path.name, self.url, commit.bytes / 1e9,
-                 time.perf_counter() - t0, f"; removed there: {', '.join(removed.checkpoints)}" if removed.checkpoints else "")
+        removed = got.get("removed") or []
+        log.info("checkpoint %s: in %s (%.2f GB in %.1fs%s)", path.name, self.url, got["bytes"] / 1e9, got["seconds"],
+                 f"; removed there: {', '.join(removed)}" if removed else "")
+        if got.get("retention_error"):
+            log.warning("%s: keep_last not applied (%s); the next checkpoint's upload tries again", self.url,
+                        got["retention_error"])
         self._done(path, None)
 
     def _done(self, path: Path, error: str | None) -> None:
@@ -122,8 +137,10 @@ class StoreMirror:
                 self.failed[step] = error
 
     def close(self, wait_s: float = END_WAIT_S) -> bool:
-        """At the attempt's end: wait up to ``wait_s`` for the uploads queued; whether they all ended."""
+        """At the attempt's end: wait up to ``wait_s`` for the uploads queued; whether they all ended.
+        The upload process ends with them (or, when they did not, with this process)."""
         if self.thread is None:
+            self.uploader.close()
             return True
         self.waiting.put(None)
         self.thread.join(wait_s)
@@ -131,6 +148,7 @@ class StoreMirror:
             log.warning("the upload to %s did not end within %.0fs: the bucket's newest checkpoint may be older than "
                         "the disk's (the next attempt uploads it)", self.url, wait_s)
             return False
+        self.uploader.close()
         return True
 
     def fate(self) -> dict[str, Any] | None:

@@ -1,0 +1,208 @@
+"""Checkpoint uploads from a process of their own: the uploading side of a training rank.
+
+A training rank that keeps its checkpoints in a bucket (lmtrain.checkpoint.store_mirror) uploads them
+while it trains. In the rank's own process the upload's threads (boto3 sends each part through
+Python, 8 KiB at a time) take turns with the training loop for one interpreter lock; here they run in
+a child process with an interpreter of its own, started with the rank's and fed one request at a
+time over a pipe:
+
+    rank -> child   {"op": "follow", "tmp": DIR, "final": DIR, "name": "step-40"}   (no answer)
+    rank -> child   {"path": DIR, "name": "step-40", "digests": {...}, "keep_last": 2}
+    child -> rank   {"ok": true, "bytes": N, "seconds": T, "removed": [...], "retention_s": T2
+                     [, "retention_error": "..."]}  or  {"ok": false, "error": "..."}
+
+A ``follow``, sent as a save begins, starts uploading the checkpoint's large files while they are
+written (lmcore.objects.follow); the upload of that name, once it is complete, finishes them. An
+upload of a newer step abandons the followers of older ones (superseded: never uploaded).
+
+``seconds`` is the time to durable (every file and the commit); retention runs after it and its
+failure does not make the checkpoint any less complete. The child ignores the signals SLURM sends a
+job's processes (the rank decides what a stop means and waits for the upload it needs) and exits as
+soon as its stdin closes: when the rank ends it, and when the rank dies, so it never outlives it. The
+credentials reach it as the path of their file, never as a value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lmcore.objects.checkpoints import ObjectStoreError
+
+MODULE = "lmcore.objects.upload_process"
+_IGNORED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+
+
+class UploadProcess:
+    """The rank's side: a child that uploads to ``url`` with the credentials file ``credentials``."""
+
+    def __init__(self, url: str, credentials: str | Path) -> None:
+        self.url, self.credentials = url, str(credentials)
+        self.proc: subprocess.Popen[str] | None = None
+        self.writing = threading.Lock()  # a save's thread (follow) and the uploads' thread (upload) both write
+
+    def start(self) -> None:
+        """Start the child when none is running (it imports boto3 while the rank trains)."""
+        with self.writing:
+            self._start()
+
+    def _start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        env = dict(os.environ)
+        src = str(Path(__file__).resolve().parents[2])  # the directory that holds lmcore
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        blocked = {getattr(signal, name) for name in _IGNORED}
+        was = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)  # inherited: none lands before the child ignores it
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", MODULE, self.credentials, self.url], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, env=env, close_fds=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, was)
+
+    def _send(self, request: dict[str, Any]) -> subprocess.Popen[str]:
+        with self.writing:
+            self._start()
+            proc = self.proc
+            assert proc is not None and proc.stdin is not None
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            return proc
+
+    def follow(self, tmp: Path, final: Path, name: str) -> None:
+        """A save of ``name`` begins in ``tmp``: the child follows its files as they are written. A
+        child that cannot be told loses only the head start."""
+        try:
+            self._send({"op": "follow", "tmp": str(tmp), "final": str(final), "name": name})
+        except (OSError, ValueError):
+            pass
+
+    def upload(self, path: Path, name: str, digests: dict[str, str], keep_last: int) -> dict[str, Any]:
+        """Upload ``path`` as ``name`` and apply ``keep_last``; the child's answer (see the module's
+        docstring). ObjectStoreError when the child ended before it answered (started again next time)."""
+        proc = None
+        try:
+            proc = self._send({"path": str(path), "name": name, "digests": digests, "keep_last": keep_last})
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+        except (OSError, ValueError):  # a closed pipe: the child is gone
+            line = ""
+        if not line:
+            rc = None if proc is None else proc.poll()
+            raise ObjectStoreError(f"{self.url}: the upload process ended before it answered"
+                                   f"{'' if rc is None else f' (exit status {rc})'}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """End the child: its stdin closed, it exits (an upload under way is abandoned)."""
+        with self.writing:
+            proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- the child ----------------------------------------------------------------------------------------
+def _answer(store: Any, request: dict[str, Any], follower: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        commit = store.upload(Path(request["path"]), request["name"], digests=request.get("digests") or {},
+                              token=follower.token if follower else None, followed=follower.finish if follower else None)
+    except Exception as exc:  # whatever the client raises costs this upload, never the process
+        return {"ok": False, "error": str(exc) or type(exc).__name__}
+    out: dict[str, Any] = {"ok": True, "bytes": commit.bytes, "seconds": time.perf_counter() - t0, "removed": []}
+    t1 = time.perf_counter()
+    try:
+        out["removed"] = list(store.retain(int(request["keep_last"])).checkpoints)
+    except Exception as exc:
+        out["retention_error"] = str(exc) or type(exc).__name__
+    out["retention_s"] = time.perf_counter() - t1
+    return out
+
+
+class _Followers:
+    """The saves being followed, by checkpoint name (the child's reader thread adds, its main loop takes)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.lock = store, threading.Lock()
+        self.by_name: dict[str, Any] = {}
+
+    def start(self, request: dict[str, Any]) -> None:
+        from lmcore.objects.follow import Follower
+
+        follower = Follower(self.store, Path(request["tmp"]), Path(request["final"]), request["name"],
+                            self.store.new_token())
+        with self.lock:
+            old, self.by_name[request["name"]] = self.by_name.get(request["name"]), follower
+        if old is not None:  # the same step written again
+            old.close()
+
+    def take(self, name: str) -> Any:
+        """The follower of ``name`` (None: not followed); those of older steps abandoned."""
+        from lmcore.objects.checkpoints import step_of
+
+        with self.lock:
+            follower = self.by_name.pop(name, None)
+            older = [self.by_name.pop(n) for n in list(self.by_name) if step_of(n) < step_of(name)]
+        for old in older:
+            old.close()
+        return follower
+
+
+def main(argv: list[str]) -> int:
+    for name in _IGNORED:  # blocked since the rank started us (UploadProcess.start); those pending are dropped
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {getattr(signal, name) for name in _IGNORED})
+    answers = os.fdopen(os.dup(1), "w")
+    sys.stdout = sys.stderr  # nothing but answers on the pipe
+    from lmcore.objects.checkpoints import CheckpointStore
+
+    credentials, url = argv
+    try:
+        store: Any = CheckpointStore.at(url, credentials)
+        refused = ""
+    except Exception as exc:  # said in every answer: the rank logs it with the step it cost
+        store, refused = None, str(exc) or type(exc).__name__
+    followers = _Followers(store)
+    requests: queue.Queue[dict[str, Any]] = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            request = json.loads(line)
+            if request.get("op") != "follow":
+                requests.put(request)
+            elif store is not None:
+                followers.start(request)
+        os._exit(0)  # stdin closed: the rank ended us or died; an upload under way is abandoned
+
+    threading.Thread(target=read, name="requests", daemon=True).start()
+    while True:
+        request = requests.get()
+        follower = followers.take(request["name"]) if store is not None else None
+        try:
+            answer = {"ok": False, "error": refused} if store is None else _answer(store, request, follower)
+        finally:
+            if follower is not None:
+                follower.close()
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
