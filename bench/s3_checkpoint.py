@@ -4,7 +4,8 @@ the local cluster's Ceph RADOS Gateway (``lmlaunch cluster up --s3``).
 GPT-2 124M (about 1.5 GB in Lightning's checkpoint file) trains on CPU in 2 local processes (DDP on
 gloo, as bench/checkpoint_io.py) with a staged checkpoint every 2 steps kept in a bucket. From the
 heartbeat and rank 0's log, for each periodic checkpoint: training held (``blocked_s``), durable on
-disk (``seconds``), and in the bucket (the upload's time after it). Then, on the same gateway and the
+disk (``seconds``), and in the bucket (its commit's time after that: the upload starts as the save
+does, lmcore.objects.follow, and runs in a process of its own, lmcore.objects.upload_process). Then, on the same gateway and the
 same bytes, median of 3:
 
 - ``plain_upload_s``: boto3's ``upload_file`` of the checkpoint's files, the same transfer settings,
@@ -41,10 +42,11 @@ sys.path[:0] = [str(REPO), str(REPO / "src"), str(REPO / "bench")]
 
 
 def _uploads(run_dir: Path) -> dict[int, float]:
-    """Each checkpoint's upload time, from rank 0's log (lmtrain.checkpoint.store_mirror)."""
+    """Each checkpoint's time from complete on disk to committed in the bucket (a wait behind an older
+    upload included), from rank 0's log (lmtrain.checkpoint.store_mirror)."""
     out: dict[int, float] = {}
     for log in run_dir.glob("logs/attempt-*/node-0.log"):
-        for m in re.finditer(r"checkpoint step-(\d+): in s3://\S+ \([\d.]+ GB in ([\d.]+)s", log.read_text()):
+        for m in re.finditer(r"checkpoint step-(\d+): in s3://\S+ \([\d.]+ GB; ([\d.]+)s after it was complete", log.read_text()):
             out[int(m.group(1))] = float(m.group(2))
     return out
 
@@ -101,7 +103,7 @@ def main() -> int:
         train_s = time.time() - t0
         uploads = _uploads(ckpt_dir.parent)
         periodic = [s for s in saves if s["step"] in uploads and s["step"] != max(x["step"] for x in saves)]
-        rows = [{"step": s["step"], "held_s": s["blocked_s"], "disk_s": s["seconds"], "upload_s": uploads[s["step"]],
+        rows = [{"step": s["step"], "held_s": s["blocked_s"], "disk_s": s["seconds"], "after_disk_s": uploads[s["step"]],
                  "bucket_s": s["seconds"] + uploads[s["step"]]} for s in periodic]
         store = CheckpointStore(client, S3Url.parse(url))
         newest = store.complete()[-1]

@@ -25,6 +25,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ class StoreMirror:
         self.waiting: queue.Queue[Path | None] = queue.Queue()
         self.pending: set[int] = set()  # steps queued or uploading: local retention keeps them
         self.failed: dict[int, str] = {}
+        self.completed_at: dict[int, float] = {}  # when each step queued was complete on disk
         self.newest: int | None = None  # the newest step queued: what the attempt's end line says of it
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
@@ -62,6 +64,7 @@ class StoreMirror:
         with self.lock:
             self.pending.add(_step(path))
             self.newest = max(self.newest or 0, _step(path))
+            self.completed_at[_step(path)] = time.perf_counter()
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="lmtrain-store-upload", daemon=True)
             self.thread.start()
@@ -122,7 +125,10 @@ class StoreMirror:
             self._done(path, str(got.get("error")))
             return
         removed = got.get("removed") or []
-        log.info("checkpoint %s: in %s (%.2f GB in %.1fs%s)", path.name, self.url, got["bytes"] / 1e9, got["seconds"],
+        with self.lock:
+            after = time.perf_counter() - self.completed_at.get(_step(path), time.perf_counter() - got["seconds"])
+        log.info("checkpoint %s: in %s (%.2f GB; %.1fs after it was complete on disk, %.1fs of them this upload's%s)",
+                 path.name, self.url, got["bytes"] / 1e9, after, got["seconds"],
                  f"; removed there: {', '.join(removed)}" if removed else "")
         if got.get("retention_error"):
             log.warning("%s: keep_last not applied (%s); the next checkpoint's upload tries again", self.url,
@@ -133,6 +139,7 @@ class StoreMirror:
         step = _step(path)
         with self.lock:
             self.pending.discard(step)
+            self.completed_at.pop(step, None)
             if error is not None:
                 self.failed[step] = error
 
