@@ -296,6 +296,53 @@ def test_a_run_keeps_its_checkpoints_in_the_bucket_and_resumes_from_it_bit_ident
             assert secret.encode() not in f.read_bytes(), f
 
 
+def test_every_rank_of_a_sharded_checkpoint_uploads_its_own_files(store, tmp_path, repo):
+    """FSDP2 on 2 local ranks, `checkpoint.dir: s3://...`: rank 1 uploads the files it wrote (its DCP
+    shard, its rank file) as soon as they are written, with a marker that lists them; rank 0's upload
+    of the complete checkpoint takes them as they are and sends the rest; the commit names both
+    uploads, retention keeps both and deletes a dropped checkpoint's published files with it, and
+    the newest reads back verified."""
+    import io
+
+    from launcher.cli import main
+    from launcher.context import Context
+    from lmcore.objects.checkpoints import MARKER_PREFIX
+
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "local.yaml").write_text((repo / "cluster_profiles" / "local.yaml").read_text()
+                                         + f"object_store_credentials: {object_store.store_layout().credentials}\n")
+    env = {"LMLAUNCH_RUNS_ROOT": str(tmp_path / "runs"), "LMLAUNCH_PROFILES_DIR": str(profiles)}
+    url = f"s3://{store.url.bucket}/runs/sharded"
+    out = io.StringIO()
+    code = main(["run", str(repo / "jobs" / "tiny-cpu.yaml"), "--local", "--name", "sharded", "trainer.strategy=fsdp",
+                 "checkpoint.every_n_steps=4", "checkpoint.keep_last=2", "trainer.val_check_interval=null",
+                 "trainer.max_steps=12", f"checkpoint.dir={url}"], Context(stdout=out, stderr=out, environ=env))
+    assert code == 0, out.getvalue()[-4000:]
+    bucket = CheckpointStore(store.client, S3Url.parse(url))
+    assert bucket.complete() == ["step-8", "step-12"]
+    for name in ("step-8", "step-12"):
+        commit = bucket.commit(name)
+        published = bucket.published(name)
+        assert sorted(published) == [1], published  # rank 1's marker; rank 0's files go with the commit
+        mine = published[1]
+        assert "rank-1.pt" in mine and any(rel.endswith("__1_0.distcp") for rel in mine), mine
+        for rel, entry in commit.files.items():
+            token = entry["key"].removeprefix(bucket.file_key(name, "", "") + "/").split("/")[0]
+            assert (token != commit.token) == (rel in mine), (rel, token, commit.token)
+            if rel in mine:
+                assert mine[rel] == entry
+    assert not list(bucket._keys(bucket.file_key("step-4", "", "") + "/")), "the dropped checkpoint's published files are left"
+    assert any(k.rsplit("/", 1)[-1] == f"{MARKER_PREFIX}1.json" for k in bucket._keys(bucket.file_key("step-12", "", "") + "/"))
+    back = tmp_path / "back"
+    bucket.download("step-12", back)
+    local = tmp_path / "runs" / "sharded" / "checkpoints" / "step-12"
+    assert sorted(p.relative_to(back).as_posix() for p in back.rglob("*") if p.is_file()) == sorted(bucket.commit("step-12").files)
+    assert all((back / rel).read_bytes() == (local / rel).read_bytes() for rel in bucket.commit("step-12").files)
+    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "sharded" / "logs").rglob("*.log"))
+    assert "checkpoint step-12: rank 1's" in logs and "files in s3://" in logs, logs[-3000:]
+
+
 def test_refused_credentials_and_a_full_quota_cost_the_upload_never_the_run_nor_the_secret(store, tmp_path, caplog):
     """The mirror's uploads (lmtrain.checkpoint.store_mirror) against a gateway that refuses: keys it
     does not know, then a bucket quota smaller than the checkpoint. Each costs that upload (logged with

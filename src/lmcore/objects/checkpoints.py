@@ -3,6 +3,8 @@
 Layout under the prefix::
 
     step-40/<token>/<file>...   the checkpoint's files, uploaded by one attempt (a token of its own)
+    step-40/<token>/.rank-R.json  a rank's own files of a sharded checkpoint, uploaded by that rank
+                                (:meth:`CheckpointStore.publish`) for the checkpoint's upload to reuse
     step-40.commit              JSON: the token, every file's key, size and xxh3_128 checksum
 
 An upload writes every file under a fresh token (large files in parallel multipart uploads: Ceph's
@@ -32,6 +34,7 @@ from lmcore.digests import file_digest
 from lmcore.errors import UserError
 
 COMMIT_SUFFIX = ".commit"
+MARKER_PREFIX = ".rank-"  # a rank's published files: NAME/TOKEN/.rank-R.json
 PART = 64 << 20  # multipart threshold and part size
 _URL = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>.*?))?/?$")
 
@@ -67,6 +70,11 @@ class Commit:
     def bytes(self) -> int:
         return sum(int(f["bytes"]) for f in self.files.values())
 
+    def tokens(self, base: str) -> set[str]:
+        """The uploads its files are in (its own, and the ranks' that published theirs); ``base``: the
+        checkpoint's key prefix (``PREFIX/NAME``)."""
+        return {self.token} | {str(f["key"])[len(base) + 1:].split("/")[0] for f in self.files.values()}
+
 
 @dataclass(frozen=True)
 class Removed:
@@ -78,6 +86,15 @@ class Removed:
 def step_of(name: str) -> int:
     m = re.search(r"(\d+)$", name)
     return int(m.group(1)) if m else -1
+
+
+def _open_either(path: Path, other: Path | None) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        if other is None:
+            raise
+        return os.open(other, os.O_RDONLY)
 
 
 def _error_code(exc: BaseException) -> str:
@@ -126,13 +143,15 @@ class CheckpointStore:
 
     # --- writing ------------------------------------------------------------------------------------
     def upload(self, local: Path, name: str, *, digests: Mapping[str, str] | None = None, token: str | None = None,
-               followed: Callable[[str, Path, str, str], bool] | None = None) -> Commit:
+               followed: Callable[[str, Path, str, str], bool] | None = None,
+               reuse: Mapping[str, Mapping[str, Any]] | None = None) -> Commit:
         """Every file under ``local`` to keys of a fresh token, in parallel, then the commit. If another
         upload of ``name`` committed first, its commit stands and this one's files are deleted.
         ``digests``: files' checksums already known (a checkpoint's manifest), by relative path; the
         others are read to compute theirs. ``token`` and ``followed``: an upload begun while the files
         were written (lmcore.objects.follow): ``followed(rel, path, key, digest)`` completes a file
-        there, else (False) the file is uploaded whole."""
+        there, else (False) the file is uploaded whole. ``reuse``: files the ranks that wrote them already
+        uploaded (:meth:`published`), taken as they are when their size and checksum are the file's."""
         files = sorted(p for p in local.rglob("*") if p.is_file())
         if not files:
             raise ObjectStoreError(f"{local}: no files to upload as {name}")
@@ -143,6 +162,9 @@ class CheckpointStore:
             rel = path.relative_to(local).as_posix()
             key = self._key(name, token, rel)
             size, digest = path.stat().st_size, (digests or {}).get(rel) or file_digest(path)
+            there = (reuse or {}).get(rel)
+            if there and int(there["bytes"]) == size and there["xxh3_128"] == digest:
+                return rel, {"key": str(there["key"]), "bytes": size, "xxh3_128": digest}
             if followed is None or not followed(rel, path, key, digest):
                 self._call(f"upload of {rel}", lambda: self.client.upload_file(str(path), self.url.bucket, key, Config=config))
             return rel, {"key": key, "bytes": size, "xxh3_128": digest}
@@ -163,6 +185,47 @@ class CheckpointStore:
             return self.commit(name)
         return commit
 
+    def publish(self, local: Path, name: str, files: Mapping[str, tuple[int, str]], rank: int, *,
+                renamed_to: Path | None = None) -> dict[str, dict[str, Any]]:
+        """Rank ``rank``'s own files of the checkpoint ``name`` being written under ``local`` (``rel ->
+        (bytes, xxh3)``), uploaded to keys of a fresh token, then the marker ``NAME/TOKEN/.rank-R.json``
+        that lists them: the checkpoint's upload reuses them (:meth:`published`). Their entries. Each
+        file is opened first (under ``renamed_to`` when ``local`` was renamed meanwhile, as a complete
+        checkpoint's directory is) and read through its descriptor: a rename during the upload is harmless."""
+        token, config = self.new_token(), self._transfer_config()
+
+        def one(item: tuple[str, tuple[int, str]]) -> tuple[str, dict[str, Any]]:
+            rel, (size, digest) = item
+            key = self._key(name, token, rel)
+            fd = _open_either(local / rel, renamed_to / rel if renamed_to else None)
+            try:
+                self._call(f"upload of {rel}", lambda: self.client.upload_file(f"/proc/self/fd/{fd}", self.url.bucket, key,
+                                                                               Config=config))
+            finally:
+                os.close(fd)
+            return rel, {"key": key, "bytes": size, "xxh3_128": digest}
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(files)))) as pool:
+            entries = dict(pool.map(one, sorted(files.items())))
+        body = json.dumps({"rank": rank, "files": entries}).encode()
+        self._call(f"marker of rank {rank}", lambda: self.client.put_object(
+            Bucket=self.url.bucket, Key=self._key(name, token, f"{MARKER_PREFIX}{rank}.json"), Body=body))
+        return entries
+
+    def published(self, name: str) -> dict[int, dict[str, dict[str, Any]]]:
+        """The files ranks published for the checkpoint ``name`` (:meth:`publish`), by rank; a marker
+        that cannot be read is left out (its files are then uploaded by the checkpoint's upload)."""
+        out: dict[int, dict[str, dict[str, Any]]] = {}
+        for key in self._keys(self._key(name) + "/"):
+            if not key.rsplit("/", 1)[-1].startswith(MARKER_PREFIX):
+                continue
+            try:
+                doc = json.loads(self._read(key, "read of a marker"))
+                out.setdefault(int(doc["rank"]), {}).update(doc["files"])
+            except (ObjectStoreError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
     # --- reading ------------------------------------------------------------------------------------
     def _keys(self, prefix: str, delimiter: str | None = None) -> Iterator[str]:
         kwargs: dict[str, Any] = {"Bucket": self.url.bucket, "Prefix": prefix}
@@ -178,6 +241,10 @@ class CheckpointStore:
         base = self._key() + "/" if self.url.prefix else ""
         names = [k[len(base):-len(COMMIT_SUFFIX)] for k in self._keys(base, "/") if k.endswith(COMMIT_SUFFIX)]
         return sorted(names, key=lambda n: (step_of(n), n))
+
+    def _read(self, key: str, what: str) -> bytes:
+        body: bytes = self._call(what, lambda: self.client.get_object(Bucket=self.url.bucket, Key=key)["Body"].read())
+        return body
 
     def commit(self, name: str) -> Commit:
         raw = self._call(f"read of {name}'s commit", lambda: self.client.get_object(
@@ -228,11 +295,12 @@ class CheckpointStore:
         self._call("delete", lambda: self.client.delete_objects(Bucket=self.url.bucket, Delete={"Objects": batch, "Quiet": True}))
         return len(batch)
 
-    def _stale(self, name: str, token: str, kept: dict[str, str], newest: int) -> bool:
+    def _stale(self, name: str, token: str, kept: dict[str, set[str]], newest: int) -> bool:
         """Whether an upload's files (``name``/``token``) belong to no kept checkpoint and cannot still be
-        under way: a kept name's other tokens, and any name at or before the newest complete step."""
+        under way: a kept name's uploads its commit does not name, and any name at or before the newest
+        complete step."""
         if name in kept:
-            return token != kept[name]
+            return token not in kept[name]
         return step_of(name) <= newest
 
     def retain(self, keep_last: int) -> Removed:
@@ -240,7 +308,7 @@ class CheckpointStore:
         drop = names[:-keep_last] if keep_last > 0 else names
         for name in drop:  # no longer complete first, then its files
             self._delete([self._key(name + COMMIT_SUFFIX)])
-        kept = {n: self.commit(n).token for n in names if n not in drop}
+        kept = {n: self.commit(n).tokens(self._key(n)) for n in names if n not in drop}
         newest = max((step_of(n) for n in names), default=-1)
         base = self._key() + "/" if self.url.prefix else ""
 

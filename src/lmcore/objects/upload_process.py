@@ -7,9 +7,17 @@ a child process with an interpreter of its own, started with the rank's and fed 
 time over a pipe:
 
     rank -> child   {"op": "follow", "tmp": DIR, "final": DIR, "name": "step-40"}   (no answer)
-    rank -> child   {"path": DIR, "name": "step-40", "digests": {...}, "keep_last": 2}
+    rank -> child   {"path": DIR, "name": "step-40", "digests": {...}, "keep_last": 2, "publishers": R}
     child -> rank   {"ok": true, "bytes": N, "seconds": T, "removed": [...], "retention_s": T2
                      [, "retention_error": "..."]}  or  {"ok": false, "error": "..."}
+    rank -> child   {"op": "publish", "path": DIR, "final": DIR, "name": "step-40", "rank": 3,
+                     "files": {rel: [bytes, xxh3]}}
+    child -> rank   {"ok": true, "seconds": T}  or  {"ok": false, "error": "..."}
+
+A ``publish`` (a rank other than 0 of a sharded checkpoint, its own files once written) uploads them
+and a marker that lists them (CheckpointStore.publish); rank 0's upload of the complete checkpoint
+waits up to :data:`PUBLISH_WAIT_S` for ``publishers`` ranks' markers and uploads only what they did
+not (every rank sends its own shards; rank 0 the rest).
 
 A ``follow``, sent as a save begins, starts uploading the checkpoint's large files while they are
 written (lmcore.objects.follow); the upload of that name, once it is complete, finishes them. An
@@ -38,6 +46,7 @@ from typing import Any
 from lmcore.objects.checkpoints import ObjectStoreError
 
 MODULE = "lmcore.objects.upload_process"
+PUBLISH_WAIT_S = 120.0  # the longest rank 0 waits for the other ranks' files before it uploads them itself
 _IGNORED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
 
@@ -85,12 +94,17 @@ class UploadProcess:
         except (OSError, ValueError):
             pass
 
-    def upload(self, path: Path, name: str, digests: dict[str, str], keep_last: int) -> dict[str, Any]:
+    def upload(self, path: Path, name: str, digests: dict[str, str], keep_last: int, publishers: int = 0) -> dict[str, Any]:
         """Upload ``path`` as ``name`` and apply ``keep_last``; the child's answer (see the module's
         docstring). ObjectStoreError when the child ended before it answered (started again next time)."""
+        return self.ask({"path": str(path), "name": name, "digests": digests, "keep_last": keep_last,
+                         "publishers": publishers})
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send ``request`` and read its answer (one thread at a time asks)."""
         proc = None
         try:
-            proc = self._send({"path": str(path), "name": name, "digests": digests, "keep_last": keep_last})
+            proc = self._send(request)
             assert proc.stdout is not None
             line = proc.stdout.readline()
         except (OSError, ValueError):  # a closed pipe: the child is gone
@@ -119,11 +133,37 @@ class UploadProcess:
 
 
 # --- the child ----------------------------------------------------------------------------------------
-def _answer(store: Any, request: dict[str, Any], follower: Any) -> dict[str, Any]:
+def _published(store: Any, name: str, publishers: int) -> dict[str, Any]:
+    """The files ``publishers`` other ranks uploaded for ``name``, once each rank's marker is there or
+    after PUBLISH_WAIT_S (what is missing then is uploaded with the rest)."""
+    deadline = time.monotonic() + PUBLISH_WAIT_S
+    while True:
+        got = store.published(name) if publishers else {}
+        if len(got) >= publishers or time.monotonic() > deadline:
+            return {rel: entry for entries in got.values() for rel, entry in entries.items()}
+        time.sleep(0.2)
+
+
+def _publish(store: Any, request: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
+        files = {rel: (int(size), str(digest)) for rel, (size, digest) in request["files"].items()}
+        store.publish(Path(request["path"]), request["name"], files, int(request["rank"]),
+                      renamed_to=Path(request["final"]) if request.get("final") else None)
+    except Exception as exc:  # the rank's files are then uploaded by rank 0 with the checkpoint
+        return {"ok": False, "error": str(exc) or type(exc).__name__}
+    return {"ok": True, "seconds": time.perf_counter() - t0}
+
+
+def _answer(store: Any, request: dict[str, Any], follower: Any) -> dict[str, Any]:
+    if request.get("op") == "publish":
+        return _publish(store, request)
+    t0 = time.perf_counter()
+    try:
+        reuse = _published(store, request["name"], int(request.get("publishers") or 0))
         commit = store.upload(Path(request["path"]), request["name"], digests=request.get("digests") or {},
-                              token=follower.token if follower else None, followed=follower.finish if follower else None)
+                              token=follower.token if follower else None, followed=follower.finish if follower else None,
+                              reuse=reuse)
     except Exception as exc:  # whatever the client raises costs this upload, never the process
         return {"ok": False, "error": str(exc) or type(exc).__name__}
     out: dict[str, Any] = {"ok": True, "bytes": commit.bytes, "seconds": time.perf_counter() - t0, "removed": []}
@@ -194,7 +234,7 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=read, name="requests", daemon=True).start()
     while True:
         request = requests.get()
-        follower = followers.take(request["name"]) if store is not None else None
+        follower = followers.take(request["name"]) if store is not None and request.get("op") != "publish" else None
         try:
             answer = {"ok": False, "error": refused} if store is None else _answer(store, request, follower)
         finally:

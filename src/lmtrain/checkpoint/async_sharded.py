@@ -121,7 +121,7 @@ def save_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dic
 
     def run() -> None:
         faults.set_context(step=step)  # this thread's points are about this step
-        said = writers.all_gather(_write_own(manager, write, rank, step, tmp))
+        said = writers.all_gather(_write_own(manager, write, rank, step, tmp, final))
         failed = [s for s in said if s is not None]
         if failed:
             if rank == 0:
@@ -140,12 +140,15 @@ def save_in_background(manager: Any, trainer: Any, *, step: int, rank_state: dic
     return final, blocked
 
 
-def _write_own(manager: Any, write: Callable[[], None], rank: int, step: int, tmp: Path) -> dict[str, Any] | None:
+def _write_own(manager: Any, write: Callable[[], None], rank: int, step: int, tmp: Path,
+               final: Path) -> dict[str, Any] | None:
     """Write this rank's files; None, or what went wrong (for every rank to hear)."""
     try:
         write()
         faults.point("checkpoint.rank_saved", file=LIGHTNING_NAME, rank=rank, step=step)
         checksums.write_sidecar(tmp, rank)  # its shards' checksums too, for rank 0's manifest
+        if manager.publisher is not None:  # checkpoint.dir s3://: its files to the bucket, now
+            manager.publisher.publish(tmp, final)
     except Exception as exc:
         log.error("checkpoint step-%d: rank %d's background write failed: %s", step, rank, exc)
         return {"rank": rank, "error": f"{type(exc).__name__}: {exc}",

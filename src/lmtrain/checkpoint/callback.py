@@ -109,6 +109,8 @@ class CheckpointCallback(pl.Callback):
             self.manager.wait()
         except Exception as exc:
             log.error("%s", exc)
+        if self.manager.publisher is not None:  # another rank of a sharded checkpoint: its files' upload
+            self.manager.publisher.close()
         if self.manager.mirror is not None:  # rank 0: the newest checkpoint's upload, before the attempt ends
             self.manager.mirror.close()
 

@@ -62,6 +62,13 @@ def _under(root: Path) -> dict[str, str]:
         return {p.relative_to(root).as_posix(): d for p, (_size, d) in _written.items() if p.is_relative_to(root)}
 
 
+def written_under(root: Path) -> dict[str, tuple[int, str]]:
+    """The files this process wrote under ``root``: relative path -> (size, digest)."""
+    root = root.absolute()
+    with _lock:
+        return {p.relative_to(root).as_posix(): w for p, w in _written.items() if p.is_relative_to(root)}
+
+
 def write_sidecar(root: Path, rank: int) -> None:
     """This rank's checksums of the files it wrote under ``root`` (a checkpoint being written),
     for rank 0 to merge: ``root/.sums-rank-R.json`` (tmp + rename; rank 0 fsyncs the directory)."""

@@ -176,6 +176,7 @@ class CheckpointManager:
         self.keep_also: Callable[[list[int]], set[int]] | None = None
         self.completed_at = 0.0  # rank 0: perf_counter at the last COMPLETE (before pruning)
         self.mirror: Any = None  # rank 0, checkpoint.dir s3://: lmtrain.checkpoint.store_mirror.StoreMirror
+        self.publisher: Any = None  # other ranks of a sharded checkpoint in s3://: store_mirror.Publisher
 
     def start(self, trainer: Any, *, on_failure: Callable[[DiskFull], None], background: bool) -> None:
         """Collective, when training starts: ``on_failure`` gets a background save that found no
@@ -303,8 +304,8 @@ class CheckpointManager:
             faults.point("checkpoint.tmp_dir_created", file=tmp.name)
 
         self._settle(trainer, no_room(clear, self.dir, self.needed_bytes) if trainer.global_rank == 0 else None, tmp, final, step)
-        if self.mirror is not None:  # rank 0, checkpoint.dir s3://: its large files uploaded as they are written
-            self.mirror.follow(tmp, final)
+        if self.mirror is not None and self.mirror.publishers == 0:  # rank 0 writes every large file (DDP):
+            self.mirror.follow(tmp, final)  # they are uploaded as they are written
         return tmp, final
 
     def _rank_part(self, trainer: Any, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
@@ -335,6 +336,8 @@ class CheckpointManager:
             self._rank_part(trainer, tmp, step, rank_state)
 
         self._settle(trainer, no_room(parts, self.dir, self.needed_bytes), tmp, final, step)  # every rank finished its part
+        if self.publisher is not None:  # this rank's own files to the bucket, now
+            self.publisher.publish(tmp, final)
         err = no_room(lambda: self._finish(tmp, final, step, trainer.world_size), self.dir, self.needed_bytes) if trainer.global_rank == 0 else None
         self._settle(trainer, err, tmp, final, step)
         return final, time.perf_counter() - t0

@@ -39,7 +39,7 @@ END_WAIT_S = 600.0  # the longest an attempt's end waits for its newest checkpoi
 class StoreMirror:
     """Rank 0's uploads of complete checkpoints to ``plan.paths.checkpoint_store``."""
 
-    def __init__(self, plan: Any, keep_last: int) -> None:
+    def __init__(self, plan: Any, keep_last: int, publishers: int = 0) -> None:
         from lmcore.objects.checkpoints import CheckpointStore
         from lmcore.objects.upload_process import UploadProcess
 
@@ -48,6 +48,7 @@ class StoreMirror:
         self.uploader = UploadProcess(str(self.url), plan.paths.checkpoint_store_credentials)
         self.uploader.start()  # its imports while training starts, not on the first upload's time
         self.keep_last = keep_last
+        self.publishers = publishers  # other ranks that upload their own files (Publisher): waited for
         self.waiting: queue.Queue[Path | None] = queue.Queue()
         self.pending: set[int] = set()  # steps queued or uploading: local retention keeps them
         self.failed: dict[int, str] = {}
@@ -116,7 +117,7 @@ class StoreMirror:
 
     def _upload(self, path: Path) -> None:
         try:
-            got = self.uploader.upload(path, path.name, _manifest_digests(path), self.keep_last)
+            got = self.uploader.upload(path, path.name, _manifest_digests(path), self.keep_last, self.publishers)
         except Exception as exc:  # whatever goes wrong costs this upload, never the thread
             got = {"ok": False, "error": str(exc) or type(exc).__name__}
         if not got.get("ok"):
@@ -171,6 +172,57 @@ class StoreMirror:
             elif step in self.failed:
                 said.update(uploaded=False, error=self.failed[step][:500])
             return said
+
+
+class Publisher:
+    """A rank other than 0 of a sharded checkpoint (FSDP2's DCP files, ZeRO's) kept in a bucket: the files
+    it wrote itself, uploaded by its own upload process as soon as its part of a save is written (rank
+    0's upload of the complete checkpoint reuses them: lmcore.objects.upload_process), so that every
+    rank sends its own shards, in parallel. One save at a time, in order; a failure costs only the
+    head start (rank 0 then uploads those files)."""
+
+    def __init__(self, plan: Any, rank: int) -> None:
+        from lmcore.objects.upload_process import UploadProcess
+
+        self.rank, self.url = rank, str(plan.paths.checkpoint_store)
+        self.uploader = UploadProcess(self.url, plan.paths.checkpoint_store_credentials)
+        self.uploader.start()
+        self.waiting: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="lmtrain-store-publish", daemon=True)
+        self.thread.start()
+
+    def publish(self, tmp: Path, final: Path) -> None:
+        """This rank's part of the save being written in ``tmp`` (``final`` once complete) is whole."""
+        from lmtrain.checkpoint import checksums
+
+        files = checksums.written_under(tmp)
+        if files and STEP_RE.fullmatch(final.name):
+            self.waiting.put({"op": "publish", "path": str(tmp), "final": str(final), "name": final.name,
+                              "rank": self.rank, "files": {rel: list(sd) for rel, sd in files.items()}})
+
+    def _run(self) -> None:
+        while (request := self.waiting.get()) is not None:
+            try:
+                got = self.uploader.ask(request)
+            except Exception as exc:
+                got = {"ok": False, "error": str(exc) or type(exc).__name__}
+            if got.get("ok"):
+                log.info("checkpoint %s: rank %d's %d files in %s (%.1fs)", request["name"], self.rank,
+                         len(request["files"]), self.url, got["seconds"])
+            else:
+                log.warning("checkpoint %s: rank %d's files not uploaded to %s (%s); rank 0 uploads them with the "
+                            "checkpoint", request["name"], self.rank, self.url, got.get("error"))
+
+    def close(self, wait_s: float = END_WAIT_S) -> bool:
+        """At the attempt's end: wait up to ``wait_s`` for this rank's uploads; whether they ended."""
+        self.waiting.put(None)
+        self.thread.join(wait_s)
+        if self.thread.is_alive():
+            log.warning("rank %d's upload to %s did not end within %.0fs: rank 0 uploads its files", self.rank,
+                        self.url, wait_s)
+            return False
+        self.uploader.close()
+        return True
 
 
 def _step(path: Path) -> int:

@@ -258,11 +258,16 @@ class Fit:
                                        "logger": logger_identity(plan.paths.run_dir, job.logging)},
         )
         manager.collective_timeout = process_group_timeout(plan)  # the background writers' group (gloo)
-        if env.rank == 0 and plan.paths.checkpoint_store:  # checkpoint.dir s3://: complete ones uploaded too
-            from lmtrain.checkpoint.store_mirror import StoreMirror
+        if plan.paths.checkpoint_store:  # checkpoint.dir s3://: complete ones uploaded too
+            from lmcore.job.parallelism import CheckpointFormat
+            from lmtrain.checkpoint.store_mirror import Publisher, StoreMirror
 
-            manager.mirror = StoreMirror(plan, job.checkpoint.keep_last)
-            manager.mirror.catch_up(plan.paths.checkpoint_dir)
+            sharded = par.checkpoint is not CheckpointFormat.FULL and env.world_size > 1  # every rank sends its own
+            if env.rank == 0:
+                manager.mirror = StoreMirror(plan, job.checkpoint.keep_last, env.world_size - 1 if sharded else 0)
+                manager.mirror.catch_up(plan.paths.checkpoint_dir)
+            elif sharded:
+                manager.publisher = Publisher(plan, env.rank)
         # room for a first checkpoint, before there is one to measure (lmtrain.checkpoint.disk_space)
         manager.estimate = lambda: checkpoint_bytes(parameter_count(job.model)[0], par, plan.trainer.precision)
         if plan.evaluator is not None:  # an evaluator alongside: what it has still to score is kept
