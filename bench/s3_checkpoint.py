@@ -4,8 +4,8 @@ the local cluster's Ceph RADOS Gateway (``lmlaunch cluster up --s3``).
 GPT-2 124M (about 1.5 GB in Lightning's checkpoint file) trains on CPU in 2 local processes (DDP on
 gloo, as bench/checkpoint_io.py) with a staged checkpoint every 2 steps kept in a bucket. From the
 heartbeat and rank 0's log, for each periodic checkpoint: training held (``blocked_s``), durable on
-disk (``seconds``), and in the bucket (its commit's time after that: the upload starts as the save
-does, lmcore.objects.follow, and runs in a process of its own, lmcore.objects.upload_process). Then, on the same gateway and the
+disk (``seconds``), and in the bucket (its commit's time after that, a wait behind an older upload
+included: rank 0's upload process, lmcore.objects.upload_process, sends one checkpoint at a time). Then, on the same gateway and the
 same bytes, median of 3:
 
 - ``plain_upload_s``: boto3's ``upload_file`` of the checkpoint's files, the same transfer settings,

@@ -92,69 +92,6 @@ def test_an_uploaded_checkpoint_is_complete_by_its_commit_and_reads_back_verifie
     assert not (elsewhere / "weights" / "rank-1.pt").exists()
 
 
-def test_files_followed_as_they_are_written_are_uploaded_once_and_only_when_they_are_what_was_written(store, tmp_path):
-    """lmcore.objects.follow: the parts of a file still being written are sent as the writer appends
-    them; the checkpoint's upload then completes them (no second upload of those bytes). A file
-    rewritten after it was followed, or changed where it was already read, is uploaded whole
-    instead, and its followed upload aborted; a save that fails (its directory removed) aborts
-    everything it started. What reads back is always the files' final bytes."""
-    import hashlib
-
-    from lmcore.digests import file_digest
-    from lmcore.objects.follow import Follower
-
-    def uploads() -> list[str]:
-        got = store.client.list_multipart_uploads(Bucket=store.url.bucket, Prefix=store.url.prefix)
-        return [u["Key"] for u in got.get("Uploads", [])]
-
-    def write(path: Path, parts: float, follower: Follower) -> None:  # appended in pieces, as torch.save does
-        with open(path, "wb") as f:
-            for i in range(int(parts * 8)):
-                f.write(hashlib.sha256(f"{path.name}-{i}".encode()).digest() * (PART // 8 // 32))
-                f.flush()
-        until(lambda: len(follower.files[path.name].parts) >= int(parts), progress=lambda: follower.files[path.name].offset,
-              what=f"the follower to send {path.name}'s whole parts")
-
-    tmp, final = tmp_path / ".step-6.tmp", tmp_path / "step-6"
-    tmp.mkdir()
-    follower = Follower(store, tmp, final, "step-6", store.new_token())
-    write(tmp / "kept.pt", 2.5, follower)  # followed to the end: completed from its parts
-    write(tmp / "rewritten.pt", 1.25, follower)
-    write(tmp / "changed.pt", 1.5, follower)
-    (tmp / "small.json").write_text("{}")  # under one part: never started, uploaded whole
-    (tmp / "rewritten.pt").unlink()
-    (tmp / "rewritten.pt").write_bytes(b"r" * (PART + 3))  # another file of that name
-    with open(tmp / "changed.pt", "r+b") as f:
-        f.write(b"changed where the follower had read")
-    os.replace(tmp, final)
-    sent = {rel: len(f.parts) for rel, f in follower.files.items()}
-    finished: dict[str, bool] = {}
-
-    def followed(rel: str, path: Path, key: str, digest: str) -> bool:
-        finished[rel] = follower.finish(rel, path, key, digest)
-        return finished[rel]
-
-    digests = {p.name: file_digest(p) for p in final.iterdir()}
-    store.upload(final, "step-6", digests=digests, token=follower.token, followed=followed)
-    follower.close()
-    assert finished == {"kept.pt": True, "rewritten.pt": False, "changed.pt": False, "small.json": False}, finished
-    assert sent["kept.pt"] == 2 and sent.get("small.json", 0) == 0, sent
-    back = tmp_path / "back"
-    store.download("step-6", back)
-    assert _same_tree(final, back)
-    assert uploads() == [], "an aborted or abandoned upload is left"
-
-    tmp, final = tmp_path / ".step-8.tmp", tmp_path / "step-8"
-    tmp.mkdir()
-    failing = Follower(store, tmp, final, "step-8", store.new_token())
-    write(tmp / "kept.pt", 1.5, failing)
-    assert len(uploads()) == 1
-    shutil.rmtree(tmp)  # the save found no room: nothing will complete
-    until(lambda: not uploads(), progress=lambda: len(uploads()), what="the failed save's upload to be aborted")
-    failing.close()
-    assert store.complete() == ["step-6"]
-
-
 def test_an_upload_cut_by_the_gateways_death_is_never_complete_and_retention_clears_it(store_alone, tmp_path):
     store = store_alone
     store.upload(_checkpoint(tmp_path, 5), "step-5")

@@ -142,20 +142,17 @@ class CheckpointStore:
         return TransferConfig(multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=self.workers)
 
     # --- writing ------------------------------------------------------------------------------------
-    def upload(self, local: Path, name: str, *, digests: Mapping[str, str] | None = None, token: str | None = None,
-               followed: Callable[[str, Path, str, str], bool] | None = None,
+    def upload(self, local: Path, name: str, *, digests: Mapping[str, str] | None = None,
                reuse: Mapping[str, Mapping[str, Any]] | None = None) -> Commit:
         """Every file under ``local`` to keys of a fresh token, in parallel, then the commit. If another
         upload of ``name`` committed first, its commit stands and this one's files are deleted.
         ``digests``: files' checksums already known (a checkpoint's manifest), by relative path; the
-        others are read to compute theirs. ``token`` and ``followed``: an upload begun while the files
-        were written (lmcore.objects.follow): ``followed(rel, path, key, digest)`` completes a file
-        there, else (False) the file is uploaded whole. ``reuse``: files the ranks that wrote them already
-        uploaded (:meth:`published`), taken as they are when their size and checksum are the file's."""
+        others are read to compute theirs. ``reuse``: files the ranks that wrote them already uploaded
+        (:meth:`published`), taken as they are when their size and checksum are the file's."""
         files = sorted(p for p in local.rglob("*") if p.is_file())
         if not files:
             raise ObjectStoreError(f"{local}: no files to upload as {name}")
-        token = token or self.new_token()
+        token = self.new_token()
         config = self._transfer_config()
 
         def one(path: Path) -> tuple[str, dict[str, Any]]:
@@ -165,8 +162,7 @@ class CheckpointStore:
             there = (reuse or {}).get(rel)
             if there and int(there["bytes"]) == size and there["xxh3_128"] == digest:
                 return rel, {"key": str(there["key"]), "bytes": size, "xxh3_128": digest}
-            if followed is None or not followed(rel, path, key, digest):
-                self._call(f"upload of {rel}", lambda: self.client.upload_file(str(path), self.url.bucket, key, Config=config))
+            self._call(f"upload of {rel}", lambda: self.client.upload_file(str(path), self.url.bucket, key, Config=config))
             return rel, {"key": key, "bytes": size, "xxh3_128": digest}
 
         with ThreadPoolExecutor(max_workers=min(self.workers, len(files))) as pool:

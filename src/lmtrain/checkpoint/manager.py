@@ -304,8 +304,6 @@ class CheckpointManager:
             faults.point("checkpoint.tmp_dir_created", file=tmp.name)
 
         self._settle(trainer, no_room(clear, self.dir, self.needed_bytes) if trainer.global_rank == 0 else None, tmp, final, step)
-        if self.mirror is not None and self.mirror.publishers == 0:  # rank 0 writes every large file (DDP):
-            self.mirror.follow(tmp, final)  # they are uploaded as they are written
         return tmp, final
 
     def _rank_part(self, trainer: Any, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:

@@ -4,9 +4,7 @@ Every checkpoint is written and completed in the run directory's ``checkpoints/`
 staged save holds training only for the copy into host memory); rank 0 then uploads each complete
 one, one at a time, newest first when several wait, and applies ``keep_last`` to the bucket after
 each commit: a thread of rank 0 hands each upload to a process of its own
-(lmcore.objects.upload_process), whose interpreter does not take turns with the training loop's,
-and which starts sending a checkpoint's large files while they are being written
-(lmcore.objects.follow). Training never waits for an upload: a gateway that
+(lmcore.objects.upload_process), which SLURM's signals leave be and which ends with the rank. Training never waits for an upload: a gateway that
 is down or slow costs the uploads, which are logged and retried with the next checkpoint, never
 counted as checkpoints (the bucket's are complete only by their commit). Local retention keeps a
 checkpoint until it is in the bucket. An attempt ends only once the newest complete checkpoint is
@@ -70,12 +68,6 @@ class StoreMirror:
             self.thread = threading.Thread(target=self._run, name="lmtrain-store-upload", daemon=True)
             self.thread.start()
         self.waiting.put(path)
-
-    def follow(self, tmp: Path, final: Path) -> None:
-        """As a save begins (rank 0): the upload process follows the files written into ``tmp``
-        (lmcore.objects.follow), so that the upload of ``final`` has little left when it completes."""
-        if STEP_RE.fullmatch(final.name):
-            self.uploader.follow(tmp, final, final.name)
 
     def kept(self, steps: list[int]) -> set[int]:
         """The steps local retention must keep: those not yet in the bucket."""
