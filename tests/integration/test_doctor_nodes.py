@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from slurm_helpers import REPO
 
+from launcher.doctor.nodes import PROBE_TIME_LIMIT_MIN
 from launcher.localcluster.daemons import read_pid
 
 SPEC = str(REPO / "jobs" / "tiny-cpu.yaml")
-QUOTA = 0.2  # of one core: n2's GEMM comes out about 5x below n1's (the rule fails a node at 3x with 2 nodes)
+QUOTA = 0.1  # of one core: n2's GEMM comes out about 10x below n1's on a quiet machine, 4x beside the stress
+# mode's burners, which slow n1 and not n2 (already held below its share); the rule fails a node at 3x with 2 nodes
 
 
 def _cpu_cgroup_root() -> tuple[Path, str] | None:
@@ -104,7 +106,7 @@ def test_a_clean_cluster_passes_on_the_nodes(slurm_cluster, cli, run_name):
             assert checks[name]["status"] == "ok", checks[name]
     ar = checks["all-reduce"]
     assert ar["status"] == "ok" and ar["figures"]["world_size"] == 2 and ar["figures"]["busbw_gbps"] > 0.1
-    assert nodes["seconds"] < 60
+    assert nodes["seconds"] < PROBE_TIME_LIMIT_MIN * 60 / 2, nodes["seconds"]  # n2's imports at a tenth of a core
     print("clean:", {n: {k: f[k] for k in ("gemm_gflops", "mem_gbps", "write_mbps")}
                      for n, f in nodes["nodes"].items()}, "busbw", ar["figures"]["busbw_gbps"])
 
@@ -138,7 +140,7 @@ def test_a_slow_node_is_named_excluded_with_exclude_bad_and_cleared_when_well(sl
     assert "below 0.5 x the median" in slow["message"]
     assert checks["GEMM n1"]["status"] == "ok"
     assert list(nodes["bad"]) == ["n2"] and nodes["added"] == ["n2"]
-    assert nodes["seconds"] < 60
+    assert nodes["seconds"] < PROBE_TIME_LIMIT_MIN * 60 / 2, nodes["seconds"]  # n2's imports at a tenth of a core
 
     text = _dry_run(cli, run_name)
     assert "#SBATCH --exclude=n2" in text.splitlines()
