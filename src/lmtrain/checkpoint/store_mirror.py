@@ -4,13 +4,15 @@ Every checkpoint is written and completed in the run directory's ``checkpoints/`
 staged save holds training only for the copy into host memory); rank 0 then uploads each complete
 one, one at a time, newest first when several wait, and applies ``keep_last`` to the bucket after
 each commit: a thread of rank 0 hands each upload to a process of its own
-(lmcore.objects.upload_process), which SLURM's signals leave be and which ends with the rank. Training never waits for an upload: a gateway that
-is down or slow costs the uploads, which are logged and retried with the next checkpoint, never
-counted as checkpoints (the bucket's are complete only by their commit). Local retention keeps a
-checkpoint until it is in the bucket. An attempt ends only once the newest complete checkpoint is
-uploaded or :data:`END_WAIT_S` passed (said in the log). Before an attempt resumes, rank 0 compares
-the bucket's newest complete checkpoint with the disk's and downloads it, verified, when it is
-newer (a run moved to another cluster, a disk that lost its files).
+(lmcore.objects.upload_process), which SLURM's signals leave be and which ends with the rank; the
+other ranks of a sharded checkpoint send the files they wrote themselves (:class:`Publisher`).
+Training never waits for an upload: a gateway that is down or slow costs the uploads, which are
+logged and retried with the next checkpoint, never counted as checkpoints (the bucket's are complete
+only by their commit). Local retention keeps a checkpoint until it is in the bucket. An attempt ends
+only once the newest complete checkpoint is uploaded or :data:`END_WAIT_S` passed (said in the log).
+Before an attempt resumes, rank 0 compares the bucket's newest complete checkpoint with the disk's
+and downloads it, verified, when it is newer (a run moved to another cluster, a disk that lost its
+files).
 
 The credentials are read from the file the profile names (mode 600, lmcore.objects.credentials):
 never from the plan, the environment or a command line, and never logged.
