@@ -88,6 +88,11 @@ def step_of(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+def _new_token() -> str:
+    """An upload's own key component: time first, so that listings order uploads by age."""
+    return f"{int(time.time())}-{secrets.token_hex(6)}"
+
+
 def _open_either(path: Path, other: Path | None) -> int:
     try:
         return os.open(path, os.O_RDONLY)
@@ -119,14 +124,6 @@ class CheckpointStore:
     def _key(self, *parts: str) -> str:
         return "/".join(p for p in (self.url.prefix, *parts) if p)
 
-    def file_key(self, name: str, token: str, rel: str) -> str:
-        """The key of the file ``rel`` of checkpoint ``name`` in the upload ``token``."""
-        return self._key(name, token, rel)
-
-    @staticmethod
-    def new_token() -> str:
-        return f"{int(time.time())}-{secrets.token_hex(6)}"
-
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
@@ -152,7 +149,7 @@ class CheckpointStore:
         files = sorted(p for p in local.rglob("*") if p.is_file())
         if not files:
             raise ObjectStoreError(f"{local}: no files to upload as {name}")
-        token = self.new_token()
+        token = _new_token()
         config = self._transfer_config()
 
         def one(path: Path) -> tuple[str, dict[str, Any]]:
@@ -188,7 +185,7 @@ class CheckpointStore:
         that lists them: the checkpoint's upload reuses them (:meth:`published`). Their entries. Each
         file is opened first (under ``renamed_to`` when ``local`` was renamed meanwhile, as a complete
         checkpoint's directory is) and read through its descriptor: a rename during the upload is harmless."""
-        token, config = self.new_token(), self._transfer_config()
+        token, config = _new_token(), self._transfer_config()
 
         def one(item: tuple[str, tuple[int, str]]) -> tuple[str, dict[str, Any]]:
             rel, (size, digest) = item

@@ -56,17 +56,15 @@ def forget(keep: Path | None = None) -> None:
             del _written[path]
 
 
-def _under(root: Path) -> dict[str, str]:
-    root = root.absolute()
-    with _lock:
-        return {p.relative_to(root).as_posix(): d for p, (_size, d) in _written.items() if p.is_relative_to(root)}
-
-
 def written_under(root: Path) -> dict[str, tuple[int, str]]:
     """The files this process wrote under ``root``: relative path -> (size, digest)."""
     root = root.absolute()
     with _lock:
         return {p.relative_to(root).as_posix(): w for p, w in _written.items() if p.is_relative_to(root)}
+
+
+def _under(root: Path) -> dict[str, str]:
+    return {rel: digest for rel, (_size, digest) in written_under(root).items()}
 
 
 def write_sidecar(root: Path, rank: int) -> None:
